@@ -1,0 +1,18 @@
+"""The emulation engine: device processes, channels, collectives, cluster, trace events."""
+
+from .algorithm import ALGORITHMS, AlgorithmSettings, choose_algorithm
+from .channel import VirtualChannel
+from .cluster import VirtualCluster
+from .context import DeviceContext, Work
+from .device import VirtualDevice
+from .device_context import EmulatedDevice
+from .errors import (ArenaFullError, ClusterBrokenError, CollectiveMismatch, CollectiveTimeout,
+                     DeviceAborted, DeviceLostError, DeviceProgramError, HostTimeout,
+                     VClusterError)
+from .events import CommEvent, ComputeEvent, Event
+
+__all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChannel",
+           "VirtualCluster", "DeviceContext", "Work", "VirtualDevice", "EmulatedDevice",
+           "ArenaFullError", "ClusterBrokenError", "CollectiveMismatch", "CollectiveTimeout",
+           "DeviceAborted", "DeviceLostError", "DeviceProgramError", "HostTimeout",
+           "VClusterError", "CommEvent", "ComputeEvent", "Event"]

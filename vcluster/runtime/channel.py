@@ -1,0 +1,234 @@
+"""Point-to-point messages between virtual devices, tagged (source, destination, tag).
+
+Every ordered pair (src, dst) has a mailbox of ``mailbox_slots`` descriptor slots in
+the control segment and a ``posted`` counter. Message number q (1, 2, ...) of a pair
+lives in slot (q - 1) mod K. A slot's ``state`` word is 0 when free and q while it holds
+message q::
+
+    sender:   wait state == 0; write descriptor; state = q; posted = q; wake(posted)
+    receiver: scan q = oldest unconsumed .. posted for (kind, tag); copy; state = 0; wake(state)
+
+Payloads up to ``INLINE_BYTES`` travel inside the slot and the send completes at once
+(eager). Larger payloads stay in the sender's arena — without any copy when the array
+already lives there (``dev.empty`` buffers), else copied once into a staging block — and
+the send completes when the receiver has copied them out (rendezvous), which is why
+``send`` may block until the matching receive is posted. No payload is ever pickled.
+
+Messages of one pair with the same (kind, tag) are received in the order they were sent;
+different tags may be received in any order.
+
+``send_buffered`` copies the payload and returns at once; the channel keeps the copy
+alive until the receiver has taken it, so a program may post its sends before its
+receives in any order without deadlock. The channel is thread-safe (a device's
+communication thread and its program share it).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .errors import ArenaFullError, CollectiveMismatch
+from .fabric import Fabric
+from .layout import INLINE_BYTES, MAX_NDIM, S, decode_dtype, encode_dtype
+
+__all__ = ["VirtualChannel", "SendHandle", "Incoming", "USER_KIND"]
+
+USER_KIND = 0   # kind word of user send/recv; collectives use their op code
+
+
+class SendHandle:
+    """Completion of one send: ``wait()`` returns once the payload has been taken."""
+
+    def __init__(self, fabric: Fabric, dst: int, slot: int, seq: int, keep, eager: bool):
+        self._fabric, self._dst, self._slot, self._seq = fabric, dst, slot, seq
+        self._keep = keep            # staging block or source array, alive until taken
+        self._done = eager
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            f = self._fabric
+            self._done = f.mailbox[f.rank, self._dst, self._slot, S.STATE] != self._seq
+            if self._done:
+                self._keep = None
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        f = self._fabric
+        words = f.mailbox[f.rank, self._dst, self._slot]
+        addr = f.address_of(f.mailbox, (f.rank, self._dst, self._slot, S.STATE))
+
+        def blocker():
+            v = int(words[S.STATE])
+            return None if v != self._seq else (addr, v)
+
+        f.wait(blocker, lambda: f"waiting for rank {self._dst} to receive message "
+                                f"#{self._seq} (tag {int(words[S.TAG])})")
+        self._done, self._keep = True, None
+
+
+class Incoming:
+    """A matched message; ``view()`` reads the payload in place until ``release()``."""
+
+    def __init__(self, fabric: Fabric, src: int, slot: int, words: np.ndarray):
+        self._fabric, self.src, self._slot, self._words = fabric, src, slot, words
+        self.dtype = decode_dtype(words[S.DTYPE])
+        self.shape = tuple(int(s) for s in words[S.SHAPE:S.SHAPE + int(words[S.NDIM])])
+        self.nbytes = int(words[S.NBYTES])
+
+    def view(self) -> np.ndarray:
+        w = self._words
+        owner = int(w[S.OWNER])
+        if owner < 0:
+            raw = w[S.INLINE:].view(np.uint8)[:self.nbytes]
+            return raw.view(self.dtype).reshape(self.shape)
+        return self._fabric.arenas[owner].view(int(w[S.OFFSET]), self.shape, self.dtype)
+
+    def release(self) -> None:
+        f = self._fabric
+        self._words[S.STATE] = 0
+        f.wake(f.mailbox, (self.src, f.rank, self._slot, S.STATE))
+
+
+class VirtualChannel:
+    """The mailboxes of one device: sends from it and receives into it."""
+
+    def __init__(self, fabric: Fabric):
+        self._f = fabric
+        n = fabric.layout.n_ranks
+        self._k = fabric.layout.mailbox_slots
+        self._sent = [0] * n                 # last message number posted to each dst
+        self._oldest = [1] * n               # oldest message number not yet taken, per src
+        self._taken: list[set[int]] = [set() for _ in range(n)]
+        self._buffered: list[SendHandle] = []    # buffered sends not yet taken
+        # Sending and receiving state have separate locks: a sender waiting for a free
+        # slot must never stop this device's other thread from receiving.
+        self._send_lock = threading.RLock()
+        self._recv_lock = threading.Lock()
+
+    def reset(self) -> None:
+        """Forget all message state (the host zeroes the mailboxes at the same time)."""
+        with self._send_lock, self._recv_lock:
+            n = len(self._sent)
+            self._sent = [0] * n
+            self._oldest = [1] * n
+            self._taken = [set() for _ in range(n)]
+            self._buffered = []
+
+    def send_buffered(self, dst: int, kind: int, tag: int, array: np.ndarray) -> SendHandle:
+        """Send a private copy of ``array``; completes without waiting for the receiver."""
+        with self._send_lock:
+            self._buffered = [h for h in self._buffered if not h.is_completed()]
+            handle = self.isend(dst, kind, tag, array, copy=True)
+            if not handle.is_completed():
+                self._buffered.append(handle)
+        return handle
+
+    # --- sending --------------------------------------------------------------------
+    def isend(self, dst: int, kind: int, tag: int, array: np.ndarray,
+              copy: bool = False) -> SendHandle:
+        """Post ``array`` to ``dst``; zero-copy when it lives in this device's arena and
+        ``copy`` is false (then the caller must keep it unchanged until ``wait()``)."""
+        with self._send_lock:
+            return self._post(dst, kind, tag, array, copy)
+
+    def _post(self, dst: int, kind: int, tag: int, array: np.ndarray, copy: bool) -> SendHandle:
+        f, me = self._f, self._f.rank
+        if array.ndim > MAX_NDIM:
+            raise ValueError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent "
+                             f"(got shape {array.shape})")
+        q = self._sent[dst] + 1
+        slot = (q - 1) % self._k
+        words = f.mailbox[me, dst, slot]
+        state_addr = f.address_of(f.mailbox, (me, dst, slot, S.STATE))
+
+        def slot_busy():
+            v = int(words[S.STATE])
+            return None if v == 0 else (state_addr, v)
+
+        f.wait(slot_busy, lambda: f"waiting for rank {dst} to take message "
+                                  f"#{int(words[S.STATE])} and free a mailbox slot")
+        words[S.SEQ], words[S.KIND], words[S.TAG] = q, kind, tag
+        words[S.DTYPE], words[S.NDIM] = encode_dtype(array.dtype), array.ndim
+        words[S.SHAPE:S.SHAPE + array.ndim] = array.shape
+        words[S.NBYTES] = array.nbytes
+        keep, eager = None, array.nbytes <= INLINE_BYTES
+        if eager:
+            words[S.OWNER] = -1
+            words[S.INLINE:].view(np.uint8)[:array.nbytes] = np.ascontiguousarray(array).view(
+                np.uint8).reshape(-1)
+        else:
+            arena = f.arenas[me]
+            offset = None if copy else arena.offset_of(array)
+            keep = array
+            if offset is None:
+                keep = arena.empty(array.shape, array.dtype)
+                if keep is None:
+                    raise ArenaFullError(f"rank {me}: no room in the arena for a "
+                                         f"{array.nbytes}-byte message to rank {dst}; "
+                                         "raise VirtualCluster(arena_bytes=...)")
+                np.copyto(keep, array)
+                offset = arena.offset_of(keep)
+            words[S.OWNER], words[S.OFFSET] = me, offset
+        words[S.STATE] = q
+        f.posted[me, dst] = q
+        f.wake(f.posted, (me, dst))
+        self._sent[dst] = q
+        return SendHandle(f, dst, slot, q, keep, eager)
+
+    # --- receiving ------------------------------------------------------------------
+    def take(self, src: int, kind: int, tag: int, what: str) -> Incoming:
+        """Block until the next message from ``src`` with this (kind, tag) has arrived."""
+        f, me = self._f, self._f.rank
+        posted_addr = f.address_of(f.posted, (src, me))
+        found: list[Incoming] = []
+
+        def blocker():
+            with self._recv_lock:
+                return scan()
+
+        def scan():
+            last = int(f.posted[src, me])
+            taken = self._taken[src]
+            for q in range(self._oldest[src], last + 1):
+                if q in taken:
+                    continue
+                slot = (q - 1) % self._k
+                words = f.mailbox[src, me, slot]
+                if words[S.STATE] != q or words[S.TAG] != tag:
+                    continue
+                if words[S.KIND] != kind:
+                    if kind == USER_KIND or words[S.KIND] == USER_KIND:
+                        continue
+                    raise CollectiveMismatch(
+                        f"rank {me} expected {what} from rank {src} (tag {tag}) but rank "
+                        f"{src} sent a message of another operation (kind "
+                        f"{int(words[S.KIND])} instead of {kind})")
+                found.append(Incoming(f, src, slot, words))
+                taken.add(q)
+                while self._oldest[src] in taken:
+                    taken.discard(self._oldest[src])
+                    self._oldest[src] += 1
+                return None
+            return (posted_addr, last)
+
+        f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})")
+        return found[0]
+
+    def recv_into(self, src: int, kind: int, tag: int, what: str,
+                  out: np.ndarray | None, alloc) -> np.ndarray:
+        """Receive into ``out`` (or a new array from ``alloc(shape, dtype)``)."""
+        msg = self.take(src, kind, tag, what)
+        try:
+            if out is None:
+                out = alloc(msg.shape, msg.dtype)
+            elif out.size != int(np.prod(msg.shape)):
+                raise ValueError(f"rank {self._f.rank}: {what} from rank {src} carries shape "
+                                 f"{msg.shape}, which does not fit out= of shape {out.shape}")
+            np.copyto(out, msg.view().reshape(out.shape), casting="unsafe")
+        finally:
+            msg.release()
+        return out

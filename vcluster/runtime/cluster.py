@@ -1,0 +1,363 @@
+"""``VirtualCluster``: N virtual devices on one machine, driven from the host process.
+
+>>> from mesh import Mesh
+>>> with VirtualCluster(Mesh((2, 4), ("dp", "tp"))) as cluster:   # doctest: +SKIP
+...     results = cluster.run(step, [(x,) for x in shards])
+
+The devices are persistent processes (see :mod:`vcluster.runtime.launcher`) that serve
+``run`` calls until the cluster closes. Shared memory is created here, handed to the
+launcher as file descriptors, and unlinked as soon as the launcher has mapped it, so no
+segment can outlive the processes that use it.
+
+Failures are reported, never hung on: a program error names the rank and carries its
+traceback (the cluster stays usable); a dead device is named within a fraction of a
+second (the cluster must then be restarted); a run that exceeds ``run_timeout_s`` or a
+Ctrl-C aborts every device, and kills those that do not stop within a grace period.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import sys
+import time
+import weakref
+
+from .errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError, HostTimeout,
+                     VClusterError)
+from .events import CommEvent, ComputeEvent
+from .fabric import ABORT_HOST, ABORT_LOST, fabric_from_segments
+from .launcher_client import LauncherClient
+from .layout import ControlLayout
+from .options import ClusterOptions
+from .shm import create_segment, shm_available_bytes, sweep_stale_segments
+from .transfer import pack, unpack
+from .wire import PeerClosed, recv_msg, send_msg
+
+__all__ = ["VirtualCluster"]
+
+_GRACE_S = 3.0          # how long aborted devices get to report before they are killed
+
+
+class VirtualCluster:
+    """A virtual GPU cluster of ``mesh.size`` device processes.
+
+    Parameters
+    ----------
+    mesh : mesh.Mesh
+        The device mesh; rank r is the device at ``mesh.index(r)``.
+    array_module : "numpy" | "cupy"
+        What ``dev.xp`` is on the devices.
+    timeout_s : float
+        How long a device waits for a peer in any collective or receive before failing
+        with :class:`CollectiveTimeout` (which names who waited for whom).
+    algorithm : "auto" | "ring" | "tree" | "pairwise" | "shm"
+        Cluster-wide algorithm preference (per call: ``algorithm=``).
+    arena_bytes : int, optional
+        Shared memory per device for resident arrays, staging and results
+        (default 512 MiB, capped by the free space of /dev/shm). Pages are only
+        allocated when touched.
+    run_timeout_s : float
+        Upper bound of one ``run`` call.
+    """
+
+    def __init__(self, mesh, array_module: str = "numpy", timeout_s: float = 60.0,
+                 algorithm: str = "auto", arena_bytes: int | None = None,
+                 run_timeout_s: float = 3600.0, wait: str = "auto"):
+        self.options = ClusterOptions.build(mesh, array_module, timeout_s, algorithm,
+                                            arena_bytes, run_timeout_s, wait,
+                                            shm_available_bytes())
+        self.mesh = mesh
+        self._state = None
+        self._broken: str | None = None
+        self._start()
+
+    def __repr__(self) -> str:
+        status = "closed" if self._state is None else ("broken" if self._broken else "running")
+        return f"VirtualCluster({self.mesh}, {status})"
+
+    def __enter__(self) -> "VirtualCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- life cycle -----------------------------------------------------------------
+    def _start(self) -> None:
+        sweep_stale_segments()
+        self._state = _ClusterState.start(self.mesh, self.options)
+        self._broken = None
+        # Close on garbage collection or interpreter exit, whatever the user forgets.
+        self._finalizer = weakref.finalize(self, self._state.close)
+
+    def close(self) -> None:
+        """Stop every device and release all shared memory (idempotent)."""
+        if self._state is not None:
+            self._finalizer()
+            self._state = None
+
+    def restart(self) -> None:
+        """Replace every device with a fresh process (after a lost device or Ctrl-C)."""
+        self.close()
+        self._start()
+
+    def _usable(self) -> "_ClusterState":
+        if self._state is None:
+            raise ClusterBrokenError("the cluster is closed; create a new VirtualCluster")
+        if self._broken:
+            raise ClusterBrokenError(f"the cluster must be restarted: {self._broken} "
+                                     "(call cluster.restart())")
+        return self._state
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the devices, by rank."""
+        return list(self._usable().pids)
+
+    # --- running programs -----------------------------------------------------------
+    def run(self, fn, args_per_rank=None, timeout_s: float | None = None) -> list:
+        """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
+        state = self._usable()
+        n = self.mesh.size
+        if args_per_rank is None:
+            args_per_rank = [()] * n
+        if len(args_per_rank) != n:
+            raise ValueError(f"run: args_per_rank has {len(args_per_rank)} entries; the mesh "
+                             f"has {n} ranks")
+        for r, args in enumerate(args_per_rank):
+            if not isinstance(args, (tuple, list)):
+                raise TypeError(f"run: args_per_rank[{r}] must be a tuple of arguments, got "
+                                f"{type(args).__name__} (wrap a single argument as (x,))")
+        if not callable(fn):
+            raise TypeError(f"run: fn must be callable, got {type(fn).__name__}")
+        import cloudpickle
+        fn_bytes = cloudpickle.dumps(fn)
+        keep: list = []
+        try:
+            for r, args in enumerate(args_per_rank):
+                data, locations = pack(tuple(args), state.fabric.host_arena, keep)
+                state.send(r, ("run", fn_bytes, data, locations))
+            replies = self._collect(state, getattr(fn, "__name__", repr(fn)),
+                                    timeout_s or self.options.run_timeout_s)
+        finally:
+            keep.clear()
+        results = []
+        for payload, locations in replies:
+            value, _ = unpack(payload, locations, state.fabric.arenas_by_owner, None)
+            results.append(value)
+        return results
+
+    def _collect(self, state: "_ClusterState", fn_name: str, timeout_s: float) -> list:
+        """Wait for every device's reply; turn failures into errors that name ranks."""
+        try:
+            replies = state.gather(timeout_s)
+        except DeviceLostError as exc:
+            self._broken = str(exc)
+            raise
+        except HostTimeout as exc:
+            if not state.abort_and_settle(ABORT_HOST):
+                self._broken = str(exc)
+            raise
+        except KeyboardInterrupt:
+            if not state.abort_and_settle(ABORT_HOST):
+                self._broken = "interrupted while devices were busy"
+            raise
+        failed = {r: rep for r, rep in replies.items() if rep[0] != "ok"}
+        if failed:
+            state.reset_comm()
+            errors = {r: rep[1] for r, rep in failed.items() if rep[0] == "error"}
+            if not errors:
+                raise VClusterError("run aborted: " + "; ".join(rep[1] for rep in failed.values()))
+            first = state.first_failure(errors)
+            raise DeviceProgramError(first, fn_name, failed[first][2], errors)
+        return [replies[r][1] for r in range(self.mesh.size)]
+
+    # --- statistics and trace -------------------------------------------------------
+    def _ask_all(self, command: str) -> list:
+        state = self._usable()
+        for r in range(self.mesh.size):
+            state.send(r, (command,))
+        try:
+            replies = state.gather(60.0)
+        except DeviceLostError as exc:
+            self._broken = str(exc)
+            raise
+        return [replies[r][1] for r in range(self.mesh.size)]
+
+    def stats(self, per_peer: bool = False):
+        """Traffic and work per device since the last reset, as a pandas DataFrame.
+
+        Columns: rank, messages_sent, bytes_sent, messages_received, bytes_received,
+        h2d_bytes, d2h_bytes, flops; with ``per_peer=True`` one row per (rank, peer).
+        """
+        import pandas as pd
+        from .recorder import PEER_COLUMNS, STAT_COLUMNS
+        answers = self._ask_all("stats")
+        if per_peer:
+            rows = [row for _, peers in answers for row in peers]
+            return pd.DataFrame(rows, columns=list(PEER_COLUMNS))
+        return pd.DataFrame([totals for totals, _ in answers], columns=list(STAT_COLUMNS))
+
+    def trace(self) -> list[CommEvent | ComputeEvent]:
+        """Every event recorded since the last reset, ordered by start time."""
+        events = [e for per_rank in self._ask_all("trace") for e in per_rank]
+        return sorted(events, key=lambda e: (e.start, e.rank))
+
+    def reset_stats(self) -> None:
+        """Clear counters and trace on every device."""
+        self._ask_all("reset_stats")
+
+
+class _ClusterState:
+    """The resources of one incarnation of a cluster (what ``restart`` replaces)."""
+
+    def __init__(self, mesh, options, segments, fabric, socks, launcher: LauncherClient, pids):
+        self.mesh, self.options, self.segments, self.fabric = mesh, options, segments, fabric
+        self.socks, self.launcher, self.pids = socks, launcher, pids
+        self.selector = selectors.DefaultSelector()
+        for r, s in enumerate(socks):
+            self.selector.register(s, selectors.EVENT_READ, r)
+        self.closed = False
+
+    @classmethod
+    def start(cls, mesh, options) -> "_ClusterState":
+        n = mesh.size
+        layout = ControlLayout(n, 1 << len(mesh.axes))
+        segments = []
+        try:
+            control = create_segment("control", layout.size_bytes)
+            segments.append(control)
+            arenas = [create_segment(f"arena{r}", options.arena_bytes) for r in range(n)]
+            segments.extend(arenas)
+            host_arena = create_segment("host", options.host_arena_bytes)
+            segments.append(host_arena)
+            fabric = fabric_from_segments(-1, layout, control, arenas, host_arena, options.wait,
+                                          options.timeout_s)
+            pairs = [socket.socketpair() for _ in range(n)]
+            config = {
+                "layout": (layout.n_ranks, layout.n_slots, layout.mailbox_slots),
+                "mesh": mesh, "array_module": options.array_module,
+                "algorithm": options.algorithm, "wait": options.wait,
+                "timeout_s": options.timeout_s, "sys_path": list(sys.path),
+                "control": (control.name, control.fd, control.size_bytes),
+                "arenas": [(a.name, a.fd, a.size_bytes) for a in arenas],
+                "host_arena": (host_arena.name, host_arena.fd, host_arena.size_bytes),
+                "device_fds": [b.fileno() for _, b in pairs],
+            }
+            launcher = LauncherClient.start(config, [s.fd for s in segments]
+                                            + [b.fileno() for _, b in pairs])
+            for _, b in pairs:
+                b.close()
+            socks = [a for a, _ in pairs]
+            pids = launcher.wait_started(n, options.startup_timeout_s)
+        except BaseException:
+            for s in segments:
+                s.unlink()
+            raise
+        for s in segments:        # every process has them mapped: drop the names now
+            s.unlink()
+            s.close_fd()
+        state = cls(mesh, options, segments, fabric, socks, launcher, pids)
+        state.await_ready(options.startup_timeout_s)
+        return state
+
+    # --- messaging ------------------------------------------------------------------
+    def send(self, rank: int, msg) -> None:
+        try:
+            send_msg(self.socks[rank], msg)
+        except PeerClosed:
+            raise DeviceLostError(rank, self.launcher.exit_status(rank, 1.0)) from None
+
+    def await_ready(self, timeout_s: float) -> None:
+        replies = self.gather(timeout_s, expect_ready=True)
+        bad = {r: rep[1] for r, rep in replies.items() if rep[0] != "ready"}
+        if bad:
+            self.close()
+            r = min(bad)
+            raise VClusterError(f"rank {r} could not start: {bad[r]}")
+
+    def gather(self, timeout_s: float, expect_ready: bool = False) -> dict:
+        """One reply from every device; raises DeviceLostError / HostTimeout."""
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout_s
+        n = len(self.socks)
+        while len(replies) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = [r for r in range(n) if r not in replies]
+                raise HostTimeout(f"the host waited {timeout_s:g} s for rank(s) {late} to "
+                                  "finish; raise run(timeout_s=...) or "
+                                  "VirtualCluster(run_timeout_s=...) for longer runs")
+            for key, _ in self.selector.select(timeout=min(left, 0.2)):
+                rank = key.data
+                if rank in replies:
+                    continue
+                try:
+                    replies[rank] = recv_msg(self.socks[rank])
+                except PeerClosed:
+                    self.device_lost(rank, replies)
+        return replies
+
+    def device_lost(self, rank: int, replies: dict) -> None:
+        """A device's socket closed: abort the others, collect them, raise."""
+        self.fabric.abort(rank, ABORT_LOST)
+        how = self.launcher.exit_status(rank, 1.0)
+        n = len(self.socks)
+        deadline = time.monotonic() + _GRACE_S
+        pending = {r for r in range(n) if r not in replies and r != rank}
+        while pending and time.monotonic() < deadline:
+            for key, _ in self.selector.select(timeout=0.1):
+                r = key.data
+                if r in pending:
+                    try:
+                        recv_msg(self.socks[r])
+                    except PeerClosed:
+                        pass
+                    pending.discard(r)
+        raise DeviceLostError(rank, how)
+
+    def abort_and_settle(self, why: int) -> bool:
+        """Abort every device; True if all reported back (then the cluster is usable)."""
+        self.fabric.abort(-1, why)
+        try:
+            self.gather(_GRACE_S)
+        except (HostTimeout, DeviceLostError, KeyboardInterrupt):
+            self.launcher.kill_devices()
+            return False
+        self.reset_comm()
+        return True
+
+    def first_failure(self, errors: dict[int, str]) -> int:
+        """The rank that raised first (it set the abort word), else the lowest."""
+        from .layout import ABORT_RANK
+        first = int(self.fabric.header[ABORT_RANK])
+        return first if first in errors else min(errors)
+
+    def reset_comm(self) -> None:
+        """Zero the shared counters and mailboxes; every device forgets its call numbers."""
+        f = self.fabric
+        f.progress[...] = 0
+        f.desc[...] = 0
+        f.posted[...] = 0
+        f.mailbox[...] = 0
+        f.header[...] = 0
+        for r in range(len(self.socks)):
+            self.send(r, ("reset_comm",))
+        self.gather(30.0)
+
+    # --- shutdown -------------------------------------------------------------------
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for r, s in enumerate(self.socks):
+            try:
+                send_msg(s, ("shutdown",))
+            except (PeerClosed, OSError):
+                pass
+        self.launcher.finish(timeout_s=5.0)
+        self.selector.close()
+        for s in self.socks:
+            s.close()
+        for seg in self.segments:
+            seg.unlink()

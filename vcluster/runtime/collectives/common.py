@@ -1,0 +1,341 @@
+"""What every collective algorithm shares: groups, op codes, reductions, one call's state.
+
+A collective call on a group is numbered per (member, group slot): the s-th call on a
+slot is call s on every member, because SPMD programs issue the same collectives in the
+same order. Members announce progress through ``progress[rank, slot] = 4 s + phase``
+(phase 1: my descriptor is published; phase 2: I am done with my peers' buffers), and
+publish a descriptor (op, dtype, shape, where their buffers are) at parity s mod 2, so
+call s + 1 can start while a slow member still reads call s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from ..errors import ArenaFullError, CollectiveMismatch
+from ..events import CommEvent
+from ..fabric import Fabric
+from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
+
+__all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "split_bounds",
+           "scaled_shape"]
+
+OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
+            "broadcast": 5, "scatter": 6, "gather": 7, "reduce": 8, "barrier": 9}
+_OP_NAMES = {v: k for k, v in OP_CODES.items()}
+_BLOCK_BYTES = 256 * 1024   # reduction block: stays in L2 while it is combined
+
+
+@dataclass(frozen=True)
+class Group:
+    """The ordered members of one collective group, from one member's point of view."""
+
+    axes: tuple[str, ...]
+    members: tuple[int, ...]
+    slot: int        # bitmask of the axes over the mesh's axes: same on every member
+    position: int    # this member's place in ``members``
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class ReduceOp(Enum):
+    """Elementwise reductions; ``avg`` is the sum divided by the group size."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+    @classmethod
+    def parse(cls, op, dtype: np.dtype) -> "ReduceOp":
+        try:
+            parsed = op if isinstance(op, ReduceOp) else cls(str(op).lower())
+        except ValueError:
+            raise ValueError(f"op must be one of {[o.value for o in cls]}, got {op!r}") from None
+        if parsed is cls.AVG and not np.issubdtype(dtype, np.inexact):
+            raise TypeError(f"op='avg' needs a floating or complex dtype, got {dtype}")
+        return parsed
+
+    @property
+    def ufunc(self) -> np.ufunc:
+        return {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+                ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}[self]
+
+    @property
+    def code(self) -> int:
+        return list(ReduceOp).index(self) + 1
+
+
+def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp,
+                divisor: int, scratch: np.ndarray | None = None) -> None:
+    """dests[*] = (((s0 op s1) op s2) ... ) [/ divisor], combined in list order.
+
+    Contiguous 1-D operands are processed block by block so the partial result stays in
+    cache while it is combined and copied to every destination.
+    """
+    uf = op.ufunc
+    flat = all(a.ndim == 1 for a in sources + dests)
+    n = sources[0].size
+    step = max(1, _BLOCK_BYTES // max(1, sources[0].itemsize)) if flat else max(n, 1)
+    if scratch is None or scratch.size < min(step, n):
+        scratch = np.empty(min(step, n) if flat else sources[0].shape, sources[0].dtype)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        part = (lambda a: a[lo:hi]) if flat else (lambda a: a)
+        tmp = scratch[:hi - lo] if flat else scratch
+        if len(sources) == 1:
+            np.copyto(tmp, part(sources[0]))
+        else:
+            uf(part(sources[0]), part(sources[1]), out=tmp)
+            for s in sources[2:]:
+                uf(tmp, part(s), out=tmp)
+        if op is ReduceOp.AVG:
+            np.true_divide(tmp, divisor, out=tmp, casting="unsafe")
+        for d in dests:
+            np.copyto(part(d), tmp)
+
+
+def split_bounds(n_items: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) of ``parts`` nearly equal pieces (the first n_items % parts get one more)."""
+    base, extra = divmod(n_items, parts)
+    bounds, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def scaled_shape(shape: tuple, dim: int, factor: int, divide: bool, what: str) -> tuple:
+    """``shape`` with ``shape[dim]`` multiplied (or divided, which must be exact) by factor."""
+    shape = tuple(shape)
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"{what}: dim={dim} is out of range for an array of shape {shape}")
+    dim %= len(shape)
+    size = shape[dim]
+    if divide:
+        if size % factor:
+            raise ValueError(f"{what}: dimension {dim} of size {size} does not split evenly "
+                             f"into {factor} pieces (the group size)")
+        new = size // factor
+    else:
+        new = size * factor
+    return shape[:dim] + (new,) + shape[dim + 1:]
+
+
+class GroupCall:
+    """One member's side of one collective call: descriptors, phases, byte accounting."""
+
+    def __init__(self, fabric: Fabric, channel, group: Group, seq: int, collective: str,
+                 algorithm: str, alloc):
+        self.f, self.channel, self.group, self.seq = fabric, channel, group, seq
+        self.collective, self.algorithm, self.op_code = collective, algorithm, OP_CODES[collective]
+        self.alloc = alloc               # alloc(shape, dtype, resident) -> ndarray
+        self.me = group.position
+        self.sent: dict[int, list[int]] = {}       # peer -> [bytes, messages]
+        self.received: dict[int, list[int]] = {}
+        self._keep: list[np.ndarray] = []   # staging blocks alive until the call ends
+
+    # --- accounting -----------------------------------------------------------------
+    def count_sent(self, peer: int, nbytes: int, messages: int = 1) -> None:
+        if peer != self.f.rank:
+            entry = self.sent.setdefault(peer, [0, 0])
+            entry[0] += int(nbytes)
+            entry[1] += messages
+
+    def count_received(self, peer: int, nbytes: int, messages: int = 1) -> None:
+        if peer != self.f.rank:
+            entry = self.received.setdefault(peer, [0, 0])
+            entry[0] += int(nbytes)
+            entry[1] += messages
+
+    def event(self, nbytes: int, start: float, end: float) -> CommEvent:
+        def pairs(d):
+            return tuple((p, b, m) for p, (b, m) in sorted(d.items()))
+        return CommEvent(self.f.rank, self.collective, self.group.members, self.algorithm,
+                         int(nbytes), pairs(self.sent), pairs(self.received), self.seq,
+                         start, end)
+
+    # --- descriptors ----------------------------------------------------------------
+    def _row(self, member: int) -> np.ndarray:
+        return self.f.desc[member, self.group.slot, self.seq % 2]
+
+    def _locate(self, array: np.ndarray) -> tuple[int, int]:
+        """(owner, offset) of an arena copy of ``array``: in place when already there."""
+        arena = self.f.arenas[self.f.rank]
+        offset = arena.offset_of(array)
+        if offset is None:
+            staged = self.alloc(array.shape, array.dtype, True)
+            np.copyto(staged, array)
+            self._keep.append(staged)
+            offset = arena.offset_of(staged)
+        return self.f.rank, offset
+
+    def publish(self, array: np.ndarray | None, arg: int = 0,
+                out: np.ndarray | None = None) -> None:
+        """Describe my input (inline when small) and, for write-style algorithms, my output.
+
+        The descriptor slot of parity s mod 2 was last used by call s - 2; every member
+        must be done with that call (progress >= 4 (s - 2) + 2) before it is rewritten.
+        """
+        if self.seq > 2:
+            self._wait_members(4 * (self.seq - 2) + 2, "to finish call #%d" % (self.seq - 2))
+        row = self._row(self.f.rank)
+        if array is None:
+            row[:D.NBYTES + 1] = [self.seq, self.op_code, 0, 0] + [0] * MAX_NDIM + [0, 0, -1]
+            row[D.ARG] = arg
+        else:
+            if array.ndim > MAX_NDIM:
+                raise ValueError(f"{self.collective}: arrays of more than {MAX_NDIM} dimensions "
+                                 f"are not supported (got shape {array.shape})")
+            row[:D.NBYTES + 1] = ([self.seq, self.op_code, encode_dtype(array.dtype), array.ndim]
+                                  + list(array.shape) + [0] * (MAX_NDIM - array.ndim)
+                                  + [-1, 0, array.nbytes])
+            row[D.ARG] = arg
+            if array.nbytes <= INLINE_BYTES:
+                row[D.INLINE:].view(np.uint8)[:array.nbytes] = np.ascontiguousarray(
+                    array).view(np.uint8).reshape(-1)
+            elif array.nbytes:
+                row[D.IN_OWNER], row[D.IN_OFFSET] = self._locate(array)
+        if out is not None:
+            offset = self.f.arenas[self.f.rank].offset_of(out)
+            if offset is None:
+                raise ArenaFullError(f"rank {self.f.rank}: {self.collective} output is not "
+                                     "in the arena")
+            row[D.OUT_OWNER], row[D.OUT_OFFSET] = self.f.rank, offset
+        self.arrive(1)
+
+    def _snapshot(self) -> None:
+        """Copy every member's descriptor once phase 1 is reached; check they match.
+
+        Reading one copy costs one numpy call instead of several per member, and inline
+        payloads stay valid in the copy however far the peers run ahead.
+        """
+        f, g = self.f, self.group
+        self._rows = f.desc[list(g.members), g.slot, self.seq % 2]
+        self._headers = self._rows[:, :D.INLINE].tolist()
+        for member, h in zip(g.members, self._headers):
+            if h[D.SEQ] != self.seq or h[D.OP] != self.op_code:
+                theirs = _OP_NAMES.get(h[D.OP], f"op {h[D.OP]}")
+                raise CollectiveMismatch(
+                    f"rank {f.rank} called {self.collective} (call #{self.seq} over axes "
+                    f"{g.axes}, group {g.members}) but rank {member} called {theirs} "
+                    f"(call #{h[D.SEQ]}) at that point")
+
+    def peer_meta(self, member: int) -> tuple[np.dtype | None, tuple, int, int]:
+        """(dtype, shape, nbytes, arg) that ``member`` published for this call."""
+        h = self._headers[self.group.members.index(member)]
+        nbytes = h[D.NBYTES]
+        if nbytes < 0:
+            return None, (), -1, h[D.ARG]
+        return decode_dtype(h[D.DTYPE]), tuple(h[D.SHAPE:D.SHAPE + h[D.NDIM]]), nbytes, h[D.ARG]
+
+    def peer_input(self, member: int) -> np.ndarray:
+        dtype, shape, nbytes, _ = self.peer_meta(member)
+        i = self.group.members.index(member)
+        h = self._headers[i]
+        if nbytes == 0:
+            return np.empty(shape, dtype)
+        if h[D.IN_OWNER] < 0:
+            return self._rows[i, D.INLINE:].view(np.uint8)[:nbytes].view(dtype).reshape(shape)
+        return self.f.arenas[h[D.IN_OWNER]].view(h[D.IN_OFFSET], shape, dtype)
+
+    def peer_output(self, member: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        h = self._headers[self.group.members.index(member)]
+        return self.f.arenas[h[D.OUT_OWNER]].view(h[D.OUT_OFFSET], shape, dtype)
+
+    def all_inline(self) -> bool:
+        return all(h[D.NBYTES] <= INLINE_BYTES for h in self._headers)
+
+    def check_agree_all(self, dtype, shape, arg) -> None:
+        """Every member published this dtype, shape and argument."""
+        mine = [encode_dtype(dtype), len(shape), *shape]
+        for member, h in zip(self.group.members, self._headers):
+            if h[D.DTYPE:D.SHAPE + len(shape)] != mine or h[D.ARG] != arg:
+                theirs = self.peer_meta(member)
+                raise CollectiveMismatch(
+                    f"rank {self.f.rank}: {self.collective} call #{self.seq} over axes "
+                    f"{self.group.axes}: rank {self.f.rank} has dtype {np.dtype(dtype)}, "
+                    f"shape {tuple(shape)}, argument {arg} but rank {member} has dtype "
+                    f"{theirs[0]}, shape {theirs[1]}, argument {theirs[3]}")
+
+    def check_agree(self, what: str, mine, members_values: dict[int, object]) -> None:
+        for m, v in members_values.items():
+            if v != mine:
+                raise CollectiveMismatch(
+                    f"rank {self.f.rank}: {self.collective} call #{self.seq} over axes "
+                    f"{self.group.axes}: {what} differs — rank {self.f.rank} has {mine}, "
+                    f"rank {m} has {v}")
+
+    # --- phases ---------------------------------------------------------------------
+    def arrive(self, phase: int) -> None:
+        f, me, slot = self.f, self.f.rank, self.group.slot
+        f.progress[me, slot] = 4 * self.seq + phase
+        f.waker.wake(f.progress_address(me, slot))
+
+    def wait_all(self, phase: int) -> None:
+        """Wait until every member has arrived at ``phase`` of this call (after phase 1
+        the members' descriptors are read)."""
+        self._wait_members(4 * self.seq + phase, "")
+        if phase == 1:
+            self._snapshot()
+
+    def _wait_members(self, target: int, why: str) -> None:
+        f, slot = self.f, self.group.slot
+        members = self.group.members
+        pending = [m for m in members if m != f.rank]
+
+        def blocker():
+            while pending:
+                m = pending[-1]
+                v = int(f.progress[m, slot])
+                if v < target:
+                    return f.progress_address(m, slot), v
+                pending.pop()
+            return None
+
+        def describe():
+            late = [m for m in members if f.progress[m, slot] < target]
+            at = {m: int(f.progress[m, slot]) // 4 for m in late}
+            return (f"in {self.collective} (call #{self.seq} over axes {self.group.axes}, "
+                    f"group {members}) waiting for rank(s) {late}{' ' + why if why else ''}; "
+                    f"they are at call {sorted(set(at.values()))} of this group")
+
+        f.wait(blocker, describe)
+
+    def finish(self) -> None:
+        """Mark the call done on this member (phase 2) and drop staging buffers."""
+        f, me, slot = self.f, self.f.rank, self.group.slot
+        if f.progress[me, slot] < 4 * self.seq + 2:
+            self.arrive(2)
+        self._keep.clear()
+
+    # --- messages (for ring, tree and pairwise algorithms) ---------------------------
+    def tag(self, step: int) -> int:
+        return (self.seq << 24) | (self.group.slot << 12) | step
+
+    def isend(self, member: int, step: int, array: np.ndarray):
+        self.count_sent(member, array.nbytes)
+        return self.channel.isend(member, self.op_code, self.tag(step), array)
+
+    def take(self, member: int, step: int):
+        msg = self.channel.take(member, self.op_code, self.tag(step),
+                                f"{self.collective} call #{self.seq}")
+        self.count_received(member, msg.nbytes)
+        return msg
+
+    def recv_into(self, member: int, step: int, out: np.ndarray | None) -> np.ndarray:
+        msg = self.take(member, step)
+        try:
+            if out is None:
+                out = self.alloc(msg.shape, msg.dtype, True)
+            np.copyto(out, msg.view().reshape(out.shape))
+        finally:
+            msg.release()
+        return out

@@ -1,0 +1,235 @@
+"""The shared-memory direct algorithm ("shm") of every collective.
+
+All members publish where their buffers are (phase 1) and wait for each other; then each
+reads what it needs straight from its peers' arenas — or, for the reductions, reduces its
+own 1/n chunk of every member's input and writes the result into every member's output —
+and finally waits until all are done (phase 2) so nobody reuses a buffer still being
+read. When every member's input fits inline in its descriptor (<= 512 B) the data is
+copied out of the control segment and phase 2 is skipped.
+
+Per device, with n members and |x| the input bytes (reductions: chunks of |x|/n):
+
+==============  ======================================  ======================================
+collective      sent (written into peers' buffers)      received (read from peers' buffers)
+==============  ======================================  ======================================
+all_reduce      (n-1)/n |x|  (large);  0 (inline)       (n-1)/n |x|  (large); (n-1)|x| (inline)
+reduce          root: 0; others |x|/n (large)           (n-1)/n |x| (large); root (n-1)|x| inline
+all_gather      0                                       (n-1) |x|
+reduce_scatter  0                                       (n-1)/n |x|
+all_to_all      0                                       (n-1)/n |x|
+broadcast       0                                       |x| on non-roots
+scatter         0                                       |x|/n on non-roots
+gather          0                                       (n-1) |x| on the root
+==============  ======================================  ======================================
+
+Reductions combine members strictly in group order, so results are bit-for-bit
+reproducible and independent of arrival order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..layout import INLINE_BYTES
+from .common import GroupCall, ReduceOp, reduce_into, scaled_shape, split_bounds
+
+__all__ = ["all_reduce", "reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+           "scatter", "gather", "barrier"]
+
+
+def _agree(call: GroupCall, dtype, shape, arg) -> None:
+    call.check_agree_all(dtype, shape, arg)
+
+
+def _done(call: GroupCall) -> None:
+    if not call.all_inline():
+        call.arrive(2)
+        call.wait_all(2)
+
+
+def _result(call: GroupCall, out, shape, dtype, resident: bool) -> np.ndarray:
+    return out if out is not None else call.alloc(shape, dtype, resident)
+
+
+def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
+    g, n = call.group, call.group.size
+    if x.nbytes <= INLINE_BYTES:
+        call.publish(x, arg=op.code)
+        call.wait_all(1)
+        _agree(call, x.dtype, x.shape, op.code)
+        sources = [call.peer_input(m).reshape(-1) for m in g.members]
+        for m in g.members:
+            call.count_received(m, x.nbytes)
+        res = _result(call, out, x.shape, x.dtype, False)
+        reduce_into([res.reshape(-1)], sources, op, n)
+        return res
+    arena = call.f.arenas[call.f.rank]
+    res = out if out is not None and arena.offset_of(out) is not None else \
+        call.alloc(x.shape, x.dtype, True)
+    call.publish(x, arg=op.code, out=res)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, op.code)
+    lo, hi = split_bounds(x.size, n)[g.position]
+    sources = [call.peer_input(m).reshape(-1)[lo:hi] for m in g.members]
+    dests = [call.peer_output(m, x.shape, x.dtype).reshape(-1)[lo:hi] for m in g.members]
+    reduce_into(dests, sources, op, n)
+    for m in g.members:
+        call.count_received(m, (hi - lo) * x.itemsize)
+        call.count_sent(m, (hi - lo) * x.itemsize)
+    call.arrive(2)
+    call.wait_all(2)
+    if out is not None and out is not res:
+        np.copyto(out, res)
+        return out
+    return res
+
+
+def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
+    g, n = call.group, call.group.size
+    root_rank, is_root = g.members[root], g.position == root
+    if x.nbytes <= INLINE_BYTES:
+        call.publish(x, arg=op.code * 4096 + root)
+        call.wait_all(1)
+        _agree(call, x.dtype, x.shape, op.code * 4096 + root)
+        if not is_root:
+            return None
+        for m in g.members:
+            call.count_received(m, x.nbytes)
+        res = _result(call, out, x.shape, x.dtype, False)
+        reduce_into([res.reshape(-1)], [call.peer_input(m).reshape(-1) for m in g.members],
+                    op, n)
+        return res
+    arena = call.f.arenas[call.f.rank]
+    res = None
+    if is_root:
+        res = out if out is not None and arena.offset_of(out) is not None else \
+            call.alloc(x.shape, x.dtype, True)
+    call.publish(x, arg=op.code * 4096 + root, out=res)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, op.code * 4096 + root)
+    lo, hi = split_bounds(x.size, n)[g.position]
+    sources = [call.peer_input(m).reshape(-1)[lo:hi] for m in g.members]
+    dest = call.peer_output(root_rank, x.shape, x.dtype).reshape(-1)[lo:hi]
+    reduce_into([dest], sources, op, n)
+    for m in g.members:
+        call.count_received(m, (hi - lo) * x.itemsize)
+    call.count_sent(root_rank, (hi - lo) * x.itemsize)
+    call.arrive(2)
+    call.wait_all(2)
+    if not is_root:
+        return None
+    if out is not None and out is not res:
+        np.copyto(out, res)
+        return out
+    return res
+
+
+def all_gather(call: GroupCall, x: np.ndarray, out, dim: int) -> np.ndarray:
+    g, n = call.group, call.group.size
+    shape = scaled_shape(x.shape, dim, n, False, "all_gather")
+    call.publish(x, arg=dim)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, dim)
+    res = _result(call, out, shape, x.dtype, x.nbytes * n > INLINE_BYTES)
+    for piece, m in zip(np.split(res, n, axis=dim), g.members):
+        np.copyto(piece, x if m == call.f.rank else call.peer_input(m))
+        call.count_received(m, x.nbytes)
+    _done(call)
+    return res
+
+
+def reduce_scatter(call: GroupCall, x: np.ndarray, out, dim: int, op: ReduceOp) -> np.ndarray:
+    g, n = call.group, call.group.size
+    shape = scaled_shape(x.shape, dim, n, True, "reduce_scatter")
+    call.publish(x, arg=dim * 16 + op.code)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, dim * 16 + op.code)
+    pieces = [np.split(call.peer_input(m), n, axis=dim)[g.position] for m in g.members]
+    res = _result(call, out, shape, x.dtype, x.nbytes > INLINE_BYTES)
+    if dim % x.ndim == 0:
+        reduce_into([res.reshape(-1)], [p.reshape(-1) for p in pieces], op, n)
+    else:
+        reduce_into([res], pieces, op, n)
+    for m in g.members:
+        call.count_received(m, pieces[0].nbytes)
+    _done(call)
+    return res
+
+
+def all_to_all(call: GroupCall, x: np.ndarray, out, split_dim: int, concat_dim: int):
+    g, n = call.group, call.group.size
+    shape = scaled_shape(scaled_shape(x.shape, split_dim, n, True, "all_to_all"),
+                         concat_dim, n, False, "all_to_all")
+    arg = (split_dim % x.ndim) * 64 + concat_dim % x.ndim
+    call.publish(x, arg=arg)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, arg)
+    res = _result(call, out, shape, x.dtype, x.nbytes > INLINE_BYTES)
+    for piece, m in zip(np.split(res, n, axis=concat_dim), g.members):
+        src = np.split(call.peer_input(m), n, axis=split_dim)[g.position]
+        np.copyto(piece, src)
+        call.count_received(m, src.nbytes)
+    _done(call)
+    return res
+
+
+def _rooted_meta(call: GroupCall, root: int, arg: int):
+    """Check every member agrees on (root, arg); return the root's dtype and shape."""
+    for m in call.group.members:
+        _, _, _, a = call.peer_meta(m)
+        call.check_agree("root and arguments", arg, {m: a})
+    dtype, shape, _, _ = call.peer_meta(call.group.members[root])
+    return dtype, shape
+
+
+def broadcast(call: GroupCall, x, out, root: int) -> np.ndarray:
+    g = call.group
+    is_root = g.position == root
+    call.publish(x if is_root else None, arg=root)
+    call.wait_all(1)
+    dtype, shape = _rooted_meta(call, root, root)
+    src = x if is_root else call.peer_input(g.members[root])
+    res = _result(call, out, shape, dtype, src.nbytes > INLINE_BYTES)
+    if res is not src:
+        np.copyto(res, src)
+    call.count_received(g.members[root], src.nbytes)
+    _done(call)
+    return res
+
+
+def scatter(call: GroupCall, x, out, root: int, dim: int) -> np.ndarray:
+    g, n = call.group, call.group.size
+    is_root = g.position == root
+    call.publish(x if is_root else None, arg=root * 64 + dim)
+    call.wait_all(1)
+    dtype, shape = _rooted_meta(call, root, root * 64 + dim)
+    piece_shape = scaled_shape(shape, dim, n, True, "scatter")
+    src = np.split(x if is_root else call.peer_input(g.members[root]), n, axis=dim)[g.position]
+    res = _result(call, out, piece_shape, dtype, src.nbytes > INLINE_BYTES)
+    np.copyto(res, src)
+    call.count_received(g.members[root], src.nbytes)
+    _done(call)
+    return res
+
+
+def gather(call: GroupCall, x: np.ndarray, out, root: int, dim: int):
+    g, n = call.group, call.group.size
+    call.publish(x, arg=root * 64 + dim)
+    call.wait_all(1)
+    _agree(call, x.dtype, x.shape, root * 64 + dim)
+    res = None
+    if g.position == root:
+        shape = scaled_shape(x.shape, dim, n, False, "gather")
+        res = _result(call, out, shape, x.dtype, x.nbytes * n > INLINE_BYTES)
+        for piece, m in zip(np.split(res, n, axis=dim), g.members):
+            np.copyto(piece, x if m == call.f.rank else call.peer_input(m))
+            call.count_received(m, x.nbytes)
+    _done(call)
+    return res
+
+
+def barrier(call: GroupCall) -> None:
+    call.publish(None)
+    call.wait_all(1)
+    for m in call.group.members:
+        call.peer_meta(m)   # raises CollectiveMismatch if a member called something else

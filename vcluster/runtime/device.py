@@ -1,0 +1,121 @@
+"""``VirtualDevice``: one virtual GPU, a real process serving its host.
+
+The launcher forks it with the cluster's shared memory already mapped; it then answers
+commands on its control socket until told to stop or until the host goes away:
+
+* ``run``: unpack the program and its arguments (large arrays land in this device's
+  arena), call ``fn(dev, *args)``, wait for queued communication, send the result back;
+* ``stats`` / ``trace`` / ``reset_stats``: read or clear the recorder;
+* ``reset_comm``: forget call numbers and message state after a failed run (the host
+  zeroes the shared counters while every device is idle);
+* ``shutdown``.
+
+When the program raises, the device sets the cluster's abort word first, so peers that
+wait for it in a collective stop within one nap instead of timing out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+from .algorithm import AlgorithmSettings
+from .channel import VirtualChannel
+from .device_context import EmulatedDevice
+from .errors import DeviceAborted
+from .fabric import ABORT_ERROR, Fabric
+from .recorder import Recorder
+from .transfer import pack, unpack
+from .wire import PeerClosed, recv_msg, send_msg
+
+__all__ = ["VirtualDevice"]
+
+
+def _array_module(name: str):
+    if name == "numpy":
+        import numpy
+        return numpy
+    import cupy  # noqa: F401  (imported only on devices asked to use it)
+    cupy.cuda.runtime.getDeviceCount()
+    return cupy
+
+
+class VirtualDevice:
+    """The device process: its fabric view, channel, recorder and program context."""
+
+    def __init__(self, rank: int, mesh, sock: socket.socket, fabric: Fabric,
+                 array_module: str, settings: AlgorithmSettings):
+        self.rank, self.sock, self.fabric = rank, sock, fabric
+        self.xp = _array_module(array_module)
+        self.channel = VirtualChannel(fabric)
+        self.recorder = Recorder(rank)
+        self.context = EmulatedDevice(rank, mesh, fabric, self.channel, self.recorder,
+                                      self.xp, settings)
+        self._results: list = []     # result buffers the host copies before its next command
+
+    def __repr__(self) -> str:
+        return f"VirtualDevice(rank={self.rank}, pid={os.getpid()})"
+
+    def serve(self) -> None:
+        send_msg(self.sock, ("ready", os.getpid()))
+        while True:
+            try:
+                msg = recv_msg(self.sock)
+            except PeerClosed:
+                return                     # the host is gone
+            self._results.clear()
+            kind = msg[0]
+            if kind == "shutdown":
+                self.context.close()
+                send_msg(self.sock, ("ok", None))
+                return
+            try:
+                reply = self._handle(kind, msg)
+            except PeerClosed:
+                return
+            send_msg(self.sock, reply)
+
+    def _handle(self, kind: str, msg: tuple):
+        if kind == "run":
+            return self._run(*msg[1:])
+        if kind == "stats":
+            return ("ok", (self.recorder.totals(), self.recorder.per_peer()))
+        if kind == "trace":
+            return ("ok", list(self.recorder.events))
+        if kind == "reset_stats":
+            self.recorder.reset()
+            return ("ok", None)
+        if kind == "reset_comm":
+            self.channel.reset()
+            self.context.reset()
+            return ("ok", None)
+        if kind == "ping":
+            return ("ok", os.getpid())
+        return ("error", f"unknown command {kind!r}", "")
+
+    def _run(self, fn_bytes: bytes, data: bytes, locations) -> tuple:
+        f = self.fabric
+        try:
+            fn, (args, h2d) = unpack(fn_bytes, [], f.arenas_by_owner, None)[0], \
+                unpack(data, locations, f.arenas_by_owner, f.arenas[self.rank])
+            self.recorder.add_transfer(h2d_bytes=h2d)
+            result = fn(self.context, *args)
+            self.context.synchronize()
+            payload, result_locations = pack(result, f.arenas[self.rank], self._results)
+            self.recorder.add_transfer(d2h_bytes=sum(n for _, _, n in result_locations))
+            return ("ok", (payload, result_locations))
+        except DeviceAborted as exc:
+            self._settle()
+            return ("aborted", str(exc))
+        except BaseException as exc:  # the program's error travels to the host
+            f.abort(self.rank, ABORT_ERROR)
+            self._settle()
+            return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+    def _settle(self) -> None:
+        """Let queued communication finish aborting before reporting."""
+        try:
+            self.context.synchronize()
+        except BaseException:
+            pass

@@ -1,0 +1,61 @@
+"""The errors a virtual cluster raises. Each names the rank(s) involved."""
+
+from __future__ import annotations
+
+__all__ = ["VClusterError", "DeviceProgramError", "DeviceLostError", "CollectiveTimeout",
+           "CollectiveMismatch", "DeviceAborted", "ClusterBrokenError", "HostTimeout",
+           "ArenaFullError"]
+
+
+class VClusterError(RuntimeError):
+    """Base class of every runtime error of vcluster."""
+
+
+class DeviceProgramError(VClusterError):
+    """The per-device program raised on one rank (the first one to fail is reported).
+
+    ``rank`` is that rank, ``remote_traceback`` the device-side traceback text and
+    ``errors`` maps every failing rank to a one-line description.
+    """
+
+    def __init__(self, rank: int, fn_name: str, remote_traceback: str, errors: dict[int, str]):
+        self.rank, self.fn_name = rank, fn_name
+        self.remote_traceback, self.errors = remote_traceback, errors
+        others = {r: e for r, e in errors.items() if r != rank}
+        also = ""
+        if others:
+            also = "\nother ranks: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(others.items()))
+        super().__init__(f"rank {rank} raised in {fn_name}:\n{remote_traceback.rstrip()}{also}")
+
+
+class DeviceLostError(VClusterError):
+    """A device process died; the cluster must be restarted."""
+
+    def __init__(self, rank: int, how: str):
+        self.rank, self.how = rank, how
+        super().__init__(f"rank {rank} died ({how}); the cluster must be restarted "
+                         "(cluster.restart() or a new VirtualCluster)")
+
+
+class CollectiveTimeout(VClusterError):
+    """A device waited longer than the cluster's timeout for a peer."""
+
+
+class CollectiveMismatch(VClusterError):
+    """Members of a group called different collectives (or shapes) at the same point."""
+
+
+class DeviceAborted(VClusterError):
+    """Raised inside a device when the host aborts the run (another rank failed)."""
+
+
+class ClusterBrokenError(VClusterError):
+    """The cluster lost a device or was interrupted and must be restarted first."""
+
+
+class HostTimeout(VClusterError):
+    """The host waited longer than ``run_timeout_s`` for devices to finish."""
+
+
+class ArenaFullError(VClusterError):
+    """A device's shared-memory arena has no room for a buffer."""

@@ -1,0 +1,64 @@
+"""Moving Python objects between the host and a device without pickling array data.
+
+Objects are pickled with protocol 5: arrays of at least ``OUT_OF_BAND_BYTES`` become
+out-of-band buffers that are placed in the sender's shared-memory arena (in place when
+they already live there) and sent as (owner, offset, nbytes) locations. The receiver
+copies each buffer once — a device into its own arena, so inputs arrive resident and
+collectives use them without staging; the host into private memory, so results
+outlive the cluster. Functions and closures defined in ``__main__`` or a notebook
+travel by value (cloudpickle), so starting devices never re-runs the user's script.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import numpy as np
+
+from .arena import Arena
+
+__all__ = ["pack", "unpack", "OUT_OF_BAND_BYTES"]
+
+OUT_OF_BAND_BYTES = 64 * 1024
+
+
+def pack(obj, arena: Arena, keep: list) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """Pickle ``obj``; large buffers go to ``arena`` (their blocks are appended to keep)."""
+    locations: list[tuple[int, int, int]] = []
+
+    def place(buffer: pickle.PickleBuffer) -> bool:
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND_BYTES:
+            return True                       # in band
+        src = np.frombuffer(raw, np.uint8)
+        offset = arena.offset_of(src)
+        if offset is None:
+            block = arena.empty((raw.nbytes,), np.uint8)
+            if block is None:
+                return True                   # no room: in band, slower but correct
+            np.copyto(block, src)
+            src, offset = block, arena.offset_of(block)
+        keep.append(src)
+        locations.append((arena.owner, offset, raw.nbytes))
+        return False
+
+    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=place)
+    return data, locations
+
+
+def unpack(data: bytes, locations, arenas: dict[int, Arena], into: Arena | None):
+    """Unpickle; copy each buffer into ``into`` (an arena) or private memory if None.
+
+    Returns (object, bytes copied).
+    """
+    buffers, copied = [], 0
+    for owner, offset, nbytes in locations:
+        src = arenas[owner].view(offset, (nbytes,), np.uint8)
+        dst = into.empty((nbytes,), np.uint8) if into is not None else None
+        if dst is None:
+            dst = np.empty(nbytes, np.uint8)
+        np.copyto(dst, src)
+        buffers.append(dst)
+        copied += nbytes
+    return pickle.loads(data, buffers=buffers), copied

@@ -1,0 +1,129 @@
+"""Asynchronous operations of one device: a FIFO communication thread and ``Work`` handles.
+
+Like a NCCL stream, a device runs its collectives in the order the program issued them.
+``async_op=True`` queues the collective on the device's communication thread and returns
+a :class:`Work` at once; a blocking collective runs inline when nothing is queued, and
+otherwise queues behind the others and waits, so the issue order is kept either way.
+numpy releases the GIL while it copies and reduces, so queued communication overlaps
+the program's computation for real.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Any, Callable
+
+__all__ = ["Work", "CommQueue", "DoneWork"]
+
+_POLL_S = 0.05
+
+
+class Work:
+    """Handle of an asynchronous operation; ``wait()`` returns its result.
+
+    ``resolve`` computes the result on first ``wait`` (lazy receives); ``future`` is a
+    queued operation; ``after`` is applied to the future's result by the waiter.
+    """
+
+    def __init__(self, check_abort: Callable[[], None], future: cf.Future | None = None,
+                 resolve: Callable[[], Any] | None = None,
+                 after: Callable[[Any], Any] | None = None):
+        self._check_abort, self._future = check_abort, future
+        self._resolve, self._after = resolve, after
+        self._lock = threading.Lock()
+        self._done, self._value = False, None
+
+    def __repr__(self) -> str:
+        return f"Work(completed={self.is_completed()})"
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return self._future is not None and self._future.done() and self._after is None
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        """Block until done and return the result (re-raising the operation's error).
+
+        The operation's own waits carry the cluster's timeout; ``timeout_s`` bounds this
+        call in addition.
+        """
+        with self._lock:
+            if self._done:
+                return self._value
+            value = None
+            if self._future is not None:
+                value = self._await_future(timeout_s)
+            if self._resolve is not None:
+                value = self._resolve()
+            if self._after is not None:
+                value = self._after(value)
+            self._done, self._value = True, value
+            self._future = self._resolve = self._after = None
+            return value
+
+    def _await_future(self, timeout_s: float | None) -> Any:
+        import time
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._future.result(timeout=_POLL_S)
+            except cf.TimeoutError:
+                self._check_abort()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"Work.wait: not completed within {timeout_s:g} s")
+
+
+class DoneWork(Work):
+    """A Work that is already complete (e.g. a group of one)."""
+
+    def __init__(self, value: Any):
+        super().__init__(lambda: None)
+        self._done, self._value = True, value
+
+
+class CommQueue:
+    """One device's communication thread (started on first use)."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pending: list[cf.Future] = []
+
+    def idle(self) -> bool:
+        self._pending = [f for f in self._pending if not f.done()]
+        return not self._pending
+
+    def submit(self, thunk: Callable[[], Any]) -> cf.Future:
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"vcluster-comm-{self._rank}")
+        future = self._executor.submit(thunk)
+        self._pending.append(future)
+        return future
+
+    def drain(self, check_abort: Callable[[], None]) -> None:
+        """Wait for every queued operation; raise the first error among them."""
+        pending, self._pending = self._pending, []
+        first_error = None
+        for future in pending:
+            while True:
+                try:
+                    future.result(timeout=_POLL_S)
+                    break
+                except cf.TimeoutError:
+                    try:
+                        check_abort()
+                    except BaseException as exc:  # aborted: still collect the others
+                        first_error = first_error or exc
+                        if future.done():
+                            break
+                except BaseException as exc:
+                    first_error = first_error or exc
+                    break
+        if first_error is not None:
+            raise first_error
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -1,0 +1,179 @@
+"""``vcluster bench collectives``: time every collective on the emulator, nccl-tests style.
+
+For each op, size and path, the devices run ``warmup + reps`` iterations of::
+
+    dev.barrier(); t0 = perf_counter(); <collective>; t1 = perf_counter()
+
+and the time of one iteration is ``max(t1 over ranks) - min(t0 over ranks)``: from the
+barrier's release (no rank leaves it earlier than the first) to the last rank's finish.
+``median_s`` is the median over the reps. Host transfers are excluded.
+
+``bytes`` is the message size S as nccl-tests defines it: the buffer for all_reduce,
+broadcast and reduce; the gathered output for all_gather and gather; the input for
+reduce_scatter and scatter; the send buffer for all_to_all. It is rounded up so that
+every rank's piece is a whole number of elements. algbw = S / median_s and
+busbw = algbw x factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all,
+gather, scatter (n-1)/n; broadcast, reduce 1), in GB/s (1e9 bytes).
+
+Paths: ``resident`` — buffers from ``dev.empty`` and ``out=`` (all_reduce in place);
+``copy`` — a plain numpy array in, a new array out. ``memcpy_gbps`` is a single-process
+``np.copyto`` of S bytes measured in the same run, the bandwidth reference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["BenchRecord", "OPS", "run_collectives_bench", "format_table", "busbw_factor"]
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
+       "gather", "scatter")
+PATHS = ("resident", "copy")
+_SPLIT_OPS = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+
+
+@dataclass(frozen=True)
+class BenchRecord:
+    op: str
+    path: str
+    algorithm: str
+    dtype: str
+    devices: int
+    bytes: int
+    median_s: float
+    algbw_gbps: float
+    busbw_gbps: float
+    memcpy_gbps: float
+
+
+def busbw_factor(op: str, n: int) -> float:
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    return (n - 1) / n
+
+
+def message_bytes(op: str, requested: int, n: int, itemsize: int) -> int:
+    """S rounded up to whole elements (and whole pieces for the ops that split)."""
+    unit = itemsize * (n if op in _SPLIT_OPS else 1)
+    return max(unit, -(-requested // unit) * unit)
+
+
+def _shapes(op: str, nbytes: int, n: int, itemsize: int) -> tuple[int, int]:
+    """(input elements, output elements) per rank (root's for rooted ops)."""
+    total = nbytes // itemsize
+    return {"all_reduce": (total, total), "all_gather": (total // n, total),
+            "reduce_scatter": (total, total // n), "all_to_all": (total, total),
+            "broadcast": (total, total), "reduce": (total, total),
+            "gather": (total // n, total), "scatter": (total, total // n)}[op]
+
+
+def _bench_program(dev, op, path, nbytes, dtype, reps, warmup, algorithm):
+    """The per-device program: time `reps` barrier-aligned iterations of one collective."""
+    n = dev.mesh.size
+    dtype = np.dtype(dtype)
+    n_in, n_out = _shapes(op, nbytes, n, dtype.itemsize)
+    root = dev.rank == 0
+    if path == "resident":
+        x = dev.empty((n_in,), dtype)
+        x[...] = 0          # in-place all_reduce repeats: zeros never overflow
+        out = x if op == "all_reduce" else dev.empty((n_out,), dtype)
+        if op in ("gather", "reduce") and not root:
+            out = None
+    else:
+        x = np.full(n_in, dev.rank + 1, dtype)
+        out = None
+    if op in ("broadcast", "scatter") and not root:
+        x = None
+    call = getattr(dev, op)
+    times = []
+    for i in range(warmup + reps):
+        dev.barrier()
+        t0 = time.perf_counter()
+        result = call(x, out=out, algorithm=algorithm)
+        t1 = time.perf_counter()
+        del result
+        if i >= warmup:
+            times.append((t0, t1))
+    return times
+
+
+def _memcpy_gbps(nbytes: int, reps: int) -> float:
+    src = np.ones(max(nbytes, 1), np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(max(reps, 3)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / float(np.median(times)) / 1e9
+
+
+def _default_reps(nbytes: int) -> int:
+    if nbytes <= 1 << 20:
+        return 50
+    if nbytes <= 16 << 20:
+        return 10
+    return 5
+
+
+def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
+                          algorithm="auto", reps=None, warmup=1, progress=None) -> list[BenchRecord]:
+    """Measure every (op, size, path) on ``cluster``; returns one record each."""
+    from vcluster.runtime.algorithm import choose_algorithm
+    n = cluster.mesh.size
+    itemsize = np.dtype(dtype).itemsize
+    records = []
+    for op in ops:
+        for requested in sizes:
+            nbytes = message_bytes(op, requested, n, itemsize)
+            r = reps or _default_reps(nbytes)
+            memcpy = _memcpy_gbps(nbytes, r)
+            for path in paths:
+                results = cluster.run(_bench_program,
+                                      [(op, path, nbytes, dtype, r, warmup, algorithm)] * n)
+                per_rep = [max(res[i][1] for res in results) - min(res[i][0] for res in results)
+                           for i in range(r)]
+                median_s = float(np.median(per_rep))
+                algbw = nbytes / median_s / 1e9
+                records.append(BenchRecord(
+                    op, path, choose_algorithm(op, nbytes, n, requested=algorithm), str(dtype),
+                    n, nbytes, median_s, algbw, algbw * busbw_factor(op, n), memcpy))
+                if progress is not None:
+                    progress(records[-1])
+    return records
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.3f} s"
+
+
+def format_row(rec: BenchRecord) -> str:
+    from .units import format_size
+    return (f"{rec.op:<15}{rec.path:<10}{rec.algorithm:<10}{format_size(rec.bytes):>9}"
+            f"{_fmt_time(rec.median_s):>12}{rec.algbw_gbps:>10.3f}{rec.busbw_gbps:>10.3f}"
+            f"{rec.memcpy_gbps:>10.2f}")
+
+
+def format_header() -> str:
+    return (f"{'op':<15}{'path':<10}{'algorithm':<10}{'bytes':>9}{'median':>12}"
+            f"{'algbw':>10}{'busbw':>10}{'memcpy':>10}\n" + " " * 56 + "(GB/s)    (GB/s)    (GB/s)")
+
+
+def format_table(records: list[BenchRecord]) -> str:
+    return "\n".join([format_header()] + [format_row(r) for r in records])
+
+
+def write_json(records: list[BenchRecord], path: str) -> None:
+    from vcluster.cli.files import write_text_atomic
+    write_text_atomic(path, json.dumps([asdict(r) for r in records], indent=2) + "\n")

@@ -1,0 +1,27 @@
+"""Writing files atomically: a crash never leaves a half-written file behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+__all__ = ["write_text_atomic"]
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 
 import numpy as np
 
@@ -64,12 +65,17 @@ class ReduceOp(Enum):
 
     @property
     def ufunc(self) -> np.ufunc:
-        return {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
-                ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum}[self]
+        return _UFUNCS[self]
 
     @property
     def code(self) -> int:
-        return list(ReduceOp).index(self) + 1
+        return _CODES[self]
+
+
+_UFUNCS = MappingProxyType({ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
+                            ReduceOp.PROD: np.multiply, ReduceOp.MAX: np.maximum,
+                            ReduceOp.MIN: np.minimum})
+_CODES = MappingProxyType({op: i + 1 for i, op in enumerate(ReduceOp)})
 
 
 def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp,
@@ -235,6 +241,16 @@ class GroupCall:
         if nbytes < 0:
             return None, (), -1, h[D.ARG]
         return decode_dtype(h[D.DTYPE]), tuple(h[D.SHAPE:D.SHAPE + h[D.NDIM]]), nbytes, h[D.ARG]
+
+    def inline_inputs(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """Every member's inline input as rows of one (n, count) array (a private copy)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        return self._rows[:, D.INLINE:].view(np.uint8)[:, :nbytes].view(dtype)
+
+    def count_received_from_all(self, nbytes: int) -> None:
+        for m in self.group.members:
+            if m != self.f.rank:
+                self.received[m] = [int(nbytes), 1]
 
     def peer_input(self, member: int) -> np.ndarray:
         dtype, shape, nbytes, _ = self.peer_meta(member)

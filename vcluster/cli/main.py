@@ -71,7 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
                       help="timed repetitions (default: 50 up to 1 MiB, 10 up to 16 MiB, else 5)")
     coll.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     coll.set_defaults(run=_bench_collectives)
+
+    start = bench_kinds.add_parser(
+        "startup", help="bring up N devices and run a first no-op",
+        description="Median wall time to start N devices and finish a first no-op run, "
+                    "beside the start of one Python interpreter importing numpy.")
+    start.add_argument("--devices", type=_positive_int, default=8, help="number of devices (8)")
+    start.add_argument("--repeat", type=_positive_int, default=3, help="bring-ups (3)")
+    start.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    start.set_defaults(run=_bench_startup)
     return parser
+
+
+def _bench_startup(args) -> int:
+    import json
+    from .bench_startup import measure_startup
+    from .files import write_text_atomic
+    r = measure_startup(args.devices, args.repeat)
+    print(f"vcluster bench startup: {r['devices']} devices, median of {r['repeat']}")
+    print(f"  python -c 'import numpy' (baseline)   {r['python_numpy_start_s']:.3f} s")
+    print(f"  VirtualCluster up                      {r['cluster_start_s']:.3f} s")
+    print(f"  up + first no-op run                   {r['start_and_first_run_s']:.3f} s "
+          f"({r['start_and_first_run_s'] / r['python_numpy_start_s']:.1f}x baseline)")
+    if args.json:
+        write_text_atomic(args.json, json.dumps(r, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _bench_collectives(args) -> int:

@@ -100,6 +100,7 @@ class VirtualDevice:
             fn, (args, h2d) = unpack(fn_bytes, [], f.arenas_by_owner, None)[0], \
                 unpack(data, locations, f.arenas_by_owner, f.arenas[self.rank])
             self.recorder.add_transfer(h2d_bytes=h2d)
+            self.context.begin_run()
             result = fn(self.context, *args)
             self.context.synchronize()
             payload, result_locations = pack(result, f.arenas[self.rank], self._results)

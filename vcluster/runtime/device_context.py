@@ -68,6 +68,7 @@ class EmulatedDevice:
         self._settings = settings
         self._groups: dict = {}
         self._seq = [0] * (1 << len(mesh.axes))
+        self._run_base = list(self._seq)
         self._queue = CommQueue(rank)
 
     def __repr__(self) -> str:
@@ -144,6 +145,11 @@ class EmulatedDevice:
     def reset(self) -> None:
         """Forget call numbers (the host zeroes the shared counters at the same time)."""
         self._seq = [0] * len(self._seq)
+        self._run_base = list(self._seq)
+
+    def begin_run(self) -> None:
+        """Mark the start of a run: error messages number calls from here."""
+        self._run_base = list(self._seq)
 
     # --- the collective engine ----------------------------------------------------------
     def _collective(self, name: str, axis, x, out, async_op: bool, algorithm: str, **args):
@@ -161,7 +167,7 @@ class EmulatedDevice:
             else:
                 self._seq[group.slot] += 1
                 call = GroupCall(self._f, self._channel, group, self._seq[group.slot], name,
-                                 alg, self._alloc)
+                                 alg, self._alloc, self._run_base[group.slot])
                 if name == "barrier":
                     res = C.shm.barrier(call)
                 else:

@@ -139,8 +139,10 @@ class GroupCall:
     """One member's side of one collective call: descriptors, phases, byte accounting."""
 
     def __init__(self, fabric: Fabric, channel, group: Group, seq: int, collective: str,
-                 algorithm: str, alloc):
+                 algorithm: str, alloc, run_base: int = 0):
         self.f, self.channel, self.group, self.seq = fabric, channel, group, seq
+        self.run_base = run_base         # calls on this slot before the current run
+        self.number = seq - run_base     # "call #k" in messages counts from the run start
         self.collective, self.algorithm, self.op_code = collective, algorithm, OP_CODES[collective]
         self.alloc = alloc               # alloc(shape, dtype, resident) -> ndarray
         self.me = group.position
@@ -191,7 +193,7 @@ class GroupCall:
         must be done with that call (progress >= 4 (s - 2) + 2) before it is rewritten.
         """
         if self.seq > 2:
-            self._wait_members(4 * (self.seq - 2) + 2, "to finish call #%d" % (self.seq - 2))
+            self._wait_members(4 * (self.seq - 2) + 2, "to finish call #%d" % (self.number - 2))
         row = self._row(self.f.rank)
         if array is None:
             row[:D.NBYTES + 1] = [self.seq, self.op_code, 0, 0] + [0] * MAX_NDIM + [0, 0, -1]
@@ -230,9 +232,9 @@ class GroupCall:
             if h[D.SEQ] != self.seq or h[D.OP] != self.op_code:
                 theirs = _OP_NAMES.get(h[D.OP], f"op {h[D.OP]}")
                 raise CollectiveMismatch(
-                    f"rank {f.rank} called {self.collective} (call #{self.seq} over axes "
+                    f"rank {f.rank} called {self.collective} (call #{self.number} over axes "
                     f"{g.axes}, group {g.members}) but rank {member} called {theirs} "
-                    f"(call #{h[D.SEQ]}) at that point")
+                    f"(call #{h[D.SEQ] - self.run_base}) at that point")
 
     def peer_meta(self, member: int) -> tuple[np.dtype | None, tuple, int, int]:
         """(dtype, shape, nbytes, arg) that ``member`` published for this call."""
@@ -276,7 +278,7 @@ class GroupCall:
             if h[D.DTYPE:D.SHAPE + len(shape)] != mine or h[D.ARG] != arg:
                 theirs = self.peer_meta(member)
                 raise CollectiveMismatch(
-                    f"rank {self.f.rank}: {self.collective} call #{self.seq} over axes "
+                    f"rank {self.f.rank}: {self.collective} call #{self.number} over axes "
                     f"{self.group.axes}: rank {self.f.rank} has dtype {np.dtype(dtype)}, "
                     f"shape {tuple(shape)}, argument {arg} but rank {member} has dtype "
                     f"{theirs[0]}, shape {theirs[1]}, argument {theirs[3]}")
@@ -285,7 +287,7 @@ class GroupCall:
         for m, v in members_values.items():
             if v != mine:
                 raise CollectiveMismatch(
-                    f"rank {self.f.rank}: {self.collective} call #{self.seq} over axes "
+                    f"rank {self.f.rank}: {self.collective} call #{self.number} over axes "
                     f"{self.group.axes}: {what} differs — rank {self.f.rank} has {mine}, "
                     f"rank {m} has {v}")
 
@@ -318,10 +320,11 @@ class GroupCall:
 
         def describe():
             late = [m for m in members if f.progress[m, slot] < target]
-            at = {m: int(f.progress[m, slot]) // 4 for m in late}
-            return (f"in {self.collective} (call #{self.seq} over axes {self.group.axes}, "
+            at = {m: int(f.progress[m, slot]) // 4 - self.run_base for m in late}
+            return (f"in {self.collective} (call #{self.number} over axes {self.group.axes}, "
                     f"group {members}) waiting for rank(s) {late}{' ' + why if why else ''}; "
-                    f"they are at call {sorted(set(at.values()))} of this group")
+                    f"they have finished {sorted(set(at.values()))} call(s) on this group "
+                    "in this run")
 
         f.wait(blocker, describe)
 
@@ -342,7 +345,7 @@ class GroupCall:
 
     def take(self, member: int, step: int):
         msg = self.channel.take(member, self.op_code, self.tag(step),
-                                f"{self.collective} call #{self.seq}")
+                                f"{self.collective} call #{self.number}")
         self.count_received(member, msg.nbytes)
         return msg
 

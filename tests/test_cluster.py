@@ -250,3 +250,22 @@ def test_bench_cli_rejects_bad_sizes():
                           timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2
     assert "size '12parsecs' is not a byte count" in proc.stderr
+
+
+def _cupy_with_gpu():
+    try:
+        import cupy
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:
+        return None
+
+
+@pytest.mark.skipif(_cupy_with_gpu() is None, reason="needs CuPy and a CUDA device")
+def test_cupy_devices():
+    cupy = _cupy_with_gpu()
+    with VirtualCluster(Mesh((2,), ("x",)), array_module="cupy") as c:
+        out = c.run(lambda dev: (dev.xp.__name__,
+                                 dev.xp.asnumpy(dev.all_reduce(dev.xp.ones(3) * (dev.rank + 1)))))
+    assert out[0][0] == "cupy"
+    np.testing.assert_array_equal(out[1][1], np.full(3, 3.0))
+    assert cupy is not None

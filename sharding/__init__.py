@@ -1,5 +1,7 @@
-"""Tensor layouts over a named mesh, and numpy shard/unshard helpers."""
+"""Tensor layouts over a named mesh, numpy shard/unshard helpers, and redistribution."""
 
+from .redistribute import (MESSAGE_ALGORITHMS, RedistributePlan, RedistributeStep,
+                           plan_redistribute, redistribute)
 from .shard import local_shape, shard, shard_slices, unshard
 from .spec import DimArg, DimSharding, TensorSharding, check_shape, check_sharding
 
@@ -13,4 +15,9 @@ __all__ = [
     "shard_slices",
     "shard",
     "unshard",
+    "RedistributeStep",
+    "RedistributePlan",
+    "plan_redistribute",
+    "redistribute",
+    "MESSAGE_ALGORITHMS",
 ]

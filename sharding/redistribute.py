@@ -84,6 +84,16 @@ class RedistributePlan:
     def is_identity(self) -> bool:
         return not self.steps
 
+    def local_shapes(self, mesh) -> list[tuple[int, ...]]:
+        """The local shape before each step, and after the last (len(steps) + 1 shapes)."""
+        sizes = dict(mesh.shape)
+        state = _state(self.src)
+        shapes = [tuple(_local_elements(self.shape, state[0], sizes))]
+        for step in self.steps:
+            state = _apply(state, step)
+            shapes.append(tuple(_local_elements(self.shape, state[0], sizes)))
+        return shapes
+
 
 # A layout during the search: (tuple of axes per dim, frozenset of partial axes).
 _State = tuple[tuple[tuple[str, ...], ...], frozenset]
@@ -111,6 +121,29 @@ def _placement(state: _State, axis: str):
         if axis in axes:
             return ("dim", d, axes.index(axis))
     return ("unused",)
+
+
+def _apply(state: _State, step: RedistributeStep) -> _State:
+    dims, partial = state
+    x = step.axis
+
+    def append(ds, d):
+        return ds[:d] + (ds[d] + (x,),) + ds[d + 1:]
+
+    def drop(ds, d):
+        return ds[:d] + (ds[d][:-1],) + ds[d + 1:]
+
+    if step.kind == "all_gather":
+        return drop(dims, step.dim), partial
+    if step.kind == "all_reduce":
+        return dims, partial - {x}
+    if step.kind == "reduce_scatter":
+        return append(dims, step.dim), partial - {x}
+    if step.kind == "all_to_all":
+        return append(drop(dims, step.dim), step.to_dim), partial
+    if step.kind == "slice":
+        return append(dims, step.dim), partial
+    return dims, partial | {x}
 
 
 def _moves(state: _State, shape, sizes, itemsize, movable):

@@ -1,0 +1,130 @@
+"""``MatMul``: C = A @ B on any layouts, forward and backward, per device or from the host.
+
+Forward (per device): redistribute A -> a*, B -> b*, multiply the local blocks, and
+redistribute the (partial) product c* -> c; see :mod:`tensor_parallel.matmul_sharding`
+for how a*, b*, c* are chosen and what each policy communicates.
+
+Backward: with dC given in c's layout (replicated where c is partial),
+
+    dA = dC @ B^T   in A's layout,        dB = A^T @ dC   in B's layout,
+
+each computed by the same machinery — a MatMul on the layouts (c, b^T) -> a and
+(a^T, c) -> b — so every policy has a backward pass and every gradient lands in its
+parameter's layout. FLOPs: 2mkn forward, 4mkn backward (in total over the devices when
+nothing is computed redundantly).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from sharding import TensorSharding, redistribute
+from .explain import compute_rows, plan_rows, to_frame
+from .matmul_sharding import MatMulPlan, MatMulSharding, transpose_layout
+from .operation import ShardedOperation, run_sharded
+
+__all__ = ["MatMul", "global_shape", "local_matmul"]
+
+_RESIDENT_MIN_BYTES = 1 << 20   # products this large go to shared memory (warm pages)
+
+
+def global_shape(local_shape, layout: TensorSharding, mesh) -> tuple[int, ...]:
+    """The global shape whose local pieces under ``layout`` have ``local_shape``."""
+    return tuple(n * mesh.axis_size(d.axes) for n, d in zip(local_shape, layout.dims))
+
+
+def local_matmul(dev, a, b, name: str = "matmul"):
+    """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands."""
+    m, k = a.shape
+    n = b.shape[1]
+    itemsize = np.dtype(a.dtype).itemsize
+    with dev.compute(name, flops=2 * m * k * n, bytes=(m * k + k * n + m * n) * itemsize):
+        dtype = np.result_type(a.dtype, b.dtype)
+        if dev.xp is np and m * n * dtype.itemsize >= _RESIDENT_MIN_BYTES:
+            out = dev.empty((m, n), dtype)
+            return np.matmul(a, b, out=out)
+        return dev.xp.matmul(a, b)
+
+
+class MatMul(ShardedOperation):
+    """C = A @ B with ``sharding`` = MatMulSharding(a, b, c).
+
+    ``algorithms`` optionally maps a collective name to the algorithm its
+    redistributions use (e.g. ``sharding.MESSAGE_ALGORITHMS`` for ring / pairwise).
+    """
+
+    name = "matmul"
+
+    def __init__(self, sharding: MatMulSharding, algorithms: Mapping[str, str] | None = None):
+        if not isinstance(sharding, MatMulSharding):
+            raise TypeError(f"MatMul: sharding must be a MatMulSharding, got {sharding!r}")
+        self.sharding = sharding
+        self.algorithms = dict(algorithms or {})
+        self._plans: dict = {}
+
+    def __repr__(self) -> str:
+        return f"MatMul({self.sharding})"
+
+    @property
+    def dc_layout(self) -> TensorSharding:
+        """Layout of dC in the backward pass: c's, replicated where c is partial."""
+        return TensorSharding(*self.sharding.c.dims)
+
+    def _grad_ops(self) -> tuple["MatMul", "MatMul"]:
+        s = self.sharding
+        return (MatMul(MatMulSharding(self.dc_layout, transpose_layout(s.b), s.a), self.algorithms),
+                MatMul(MatMulSharding(transpose_layout(s.a), self.dc_layout, s.b), self.algorithms))
+
+    def plan(self, mesh, a_shape, b_shape, itemsize: int = 8) -> MatMulPlan:
+        key = (mesh, tuple(a_shape), tuple(b_shape), itemsize)
+        if key not in self._plans:
+            self._plans[key] = self.sharding.plan(mesh, a_shape, b_shape, itemsize)
+        return self._plans[key]
+
+    # --- per-device programs --------------------------------------------------------
+    def forward_local(self, dev, a, b):
+        s, mesh = self.sharding, dev.mesh
+        plan = self.plan(mesh, global_shape(a.shape, s.a, mesh), global_shape(b.shape, s.b, mesh),
+                         np.dtype(a.dtype).itemsize)
+        a = redistribute(dev, a, plan.a_plan, self.algorithms)
+        b = redistribute(dev, b, plan.b_plan, self.algorithms)
+        return redistribute(dev, local_matmul(dev, a, b), plan.c_plan, self.algorithms)
+
+    def backward_local(self, dev, a, b, dc):
+        """(dA, dB) in A's and B's layouts from the local dC (layout ``dc_layout``)."""
+        grad_a, grad_b = self._grad_ops()
+        return grad_a.forward_local(dev, dc, b.T), grad_b.forward_local(dev, a.T, dc)
+
+    # --- host conveniences ----------------------------------------------------------
+    def run(self, cluster, A, B):
+        """Global A, B in; global C out (partial layouts summed)."""
+        self.sharding.validate(cluster.mesh, np.shape(A), np.shape(B))
+        s = self.sharding
+        return run_sharded(cluster, self.forward_local, [(A, s.a), (B, s.b)], [s.c])
+
+    def backward(self, cluster, A, B, dC):
+        """Global A, B, dC in; global (dA, dB) out."""
+        s = self.sharding
+        s.validate(cluster.mesh, np.shape(A), np.shape(B))
+        return run_sharded(cluster, self.backward_local,
+                           [(A, s.a), (B, s.b), (dC, self.dc_layout)], [s.a, s.b])
+
+    def explain(self, mesh, a_shape, b_shape, dtype=np.float64, backward: bool = False):
+        """Per device and step: FLOPs, collectives, group sizes, algorithms, bytes."""
+        itemsize = np.dtype(dtype).itemsize
+        rows = self._explain_rows(mesh, a_shape, b_shape, itemsize, "forward")
+        if backward:
+            m, n = a_shape[0], b_shape[1]
+            grad_a, grad_b = self._grad_ops()
+            rows += grad_a._explain_rows(mesh, (m, n), (n, a_shape[1]), itemsize, "backward dA")
+            rows += grad_b._explain_rows(mesh, (a_shape[1], m), (m, n), itemsize, "backward dB")
+        return to_frame(rows)
+
+    def _explain_rows(self, mesh, a_shape, b_shape, itemsize, phase) -> list[dict]:
+        plan = self.plan(mesh, a_shape, b_shape, itemsize)
+        return (plan_rows(mesh, plan.a_plan, phase, "redistribute A", itemsize, self.algorithms)
+                + plan_rows(mesh, plan.b_plan, phase, "redistribute B", itemsize, self.algorithms)
+                + compute_rows(mesh, phase, "matmul", "local A @ B", plan.flops_per_device)
+                + plan_rows(mesh, plan.c_plan, phase, "redistribute C", itemsize, self.algorithms))

@@ -2,7 +2,7 @@
 
 from .redistribute import (MESSAGE_ALGORITHMS, RedistributePlan, RedistributeStep,
                            plan_redistribute, redistribute)
-from .shard import local_shape, shard, shard_slices, unshard
+from .shard import local_shape, shard, shard_slices, unshard, unshard_ranks
 from .spec import DimArg, DimSharding, TensorSharding, check_shape, check_sharding
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "shard_slices",
     "shard",
     "unshard",
+    "unshard_ranks",
     "RedistributeStep",
     "RedistributePlan",
     "plan_redistribute",

@@ -26,7 +26,7 @@ import numpy as np
 
 from .spec import TensorSharding, check_sharding, check_shape
 
-__all__ = ["local_shape", "shard_slices", "shard", "unshard"]
+__all__ = ["local_shape", "shard_slices", "shard", "unshard", "unshard_ranks"]
 
 
 def local_shape(shape: Sequence[int], sharding: TensorSharding, mesh) -> tuple[int, ...]:
@@ -70,18 +70,32 @@ def shard(array, sharding: TensorSharding, mesh) -> list[np.ndarray]:
     return out
 
 
+def unshard_ranks(sharding: TensorSharding, mesh) -> frozenset[int]:
+    """The ranks whose local arrays :func:`unshard` reads (one replica of each piece,
+    with its whole partial group); the others may be left out (passed as None)."""
+    check_sharding(sharding, mesh)
+    return frozenset(q for leader in mesh.group(sharding.split_axes, 0)
+                     for q in mesh.group(sharding.partial, leader))
+
+
 def unshard(locals_: Sequence, sharding: TensorSharding, mesh) -> np.ndarray:
     """Global array from per-rank local arrays (inverse of :func:`shard`).
 
     ``locals_[r]`` is rank ``r``'s array; all must share one shape.  Partial
-    axes are summed in group order; replica axes are read at coordinate 0.
+    axes are summed in group order; replica axes are read at coordinate 0, so
+    ranks outside :func:`unshard_ranks` may pass None.
     """
     if len(locals_) != mesh.size:
         raise ValueError(
             f"locals must have one array per rank ({mesh.size} for {mesh}), "
             f"got {len(locals_)}"
         )
-    arrays = [np.asarray(a) for a in locals_]
+    needed = unshard_ranks(sharding, mesh)
+    missing = [r for r in sorted(needed) if locals_[r] is None]
+    if missing:
+        raise ValueError(f"unshard: ranks {missing} hold pieces of {sharding} but gave None")
+    template = np.asarray(locals_[min(needed)])
+    arrays = [template if a is None else np.asarray(a) for a in locals_]
     shape0 = arrays[0].shape
     for r, a in enumerate(arrays):
         if a.shape != shape0:

@@ -11,10 +11,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from sharding import TensorSharding, shard, unshard
+from sharding import TensorSharding, shard, unshard, unshard_ranks
 from vcluster.runtime.operation import Operation
 
 __all__ = ["ShardedOperation", "run_sharded"]
+
+
+def _needed_outputs(dev, program, needed, *args):
+    """Run ``program``; return only the outputs the host will read from this rank
+    (replicas it does not need stay on the device instead of crossing to the host)."""
+    result = program(dev, *args)
+    outputs = result if len(needed) > 1 else (result,)
+    kept = tuple(out if dev.rank in ranks else None for out, ranks in zip(outputs, needed))
+    return kept if len(needed) > 1 else kept[0]
 
 
 def run_sharded(cluster, program: Callable, inputs: Sequence[tuple[np.ndarray, TensorSharding]],
@@ -23,9 +32,10 @@ def run_sharded(cluster, program: Callable, inputs: Sequence[tuple[np.ndarray, T
     unshard its outputs (a tuple when there are several) with ``outputs``' layouts."""
     mesh = cluster.mesh
     per_input = [shard(np.asarray(x), layout, mesh) for x, layout in inputs]
-    args = [tuple(pieces[r] for pieces in per_input) + tuple(extra_args)
+    needed = tuple(unshard_ranks(layout, mesh) for layout in outputs)
+    args = [(program, needed) + tuple(pieces[r] for pieces in per_input) + tuple(extra_args)
             for r in range(mesh.size)]
-    results = cluster.run(program, args)
+    results = cluster.run(_needed_outputs, args)
     if len(outputs) == 1:
         return unshard(results, outputs[0], mesh)
     return tuple(unshard([res[i] for res in results], layout, mesh)

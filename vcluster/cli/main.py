@@ -80,7 +80,38 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--repeat", type=_positive_int, default=3, help="bring-ups (3)")
     start.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     start.set_defaults(run=_bench_startup)
+
+    mm = bench_kinds.add_parser(
+        "matmul", help="emulated sharded MatMul vs one process's A @ B",
+        description="Median wall time of MatMul (MatchedInnerSharding) on N emulated devices, "
+                    "host transfers included, beside numpy's A @ B in this process.")
+    mm.add_argument("--m", type=_positive_int, default=4096)
+    mm.add_argument("--k", type=_positive_int, default=2048)
+    mm.add_argument("--n", type=_positive_int, default=4096)
+    mm.add_argument("--devices", type=_positive_int, default=8)
+    mm.add_argument("--reps", type=_positive_int, default=3)
+    mm.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    mm.set_defaults(run=_bench_matmul)
     return parser
+
+
+def _bench_matmul(args) -> int:
+    import json
+    from .bench_matmul import measure_matmul
+    from .files import write_text_atomic
+    if args.k % args.devices:
+        raise ValueError(f"--k {args.k} must be divisible by --devices {args.devices}")
+    r = measure_matmul(args.m, args.k, args.n, args.devices, args.reps, args.dtype)
+    print(f"vcluster bench matmul: {r['m']}x{r['k']}x{r['n']} {r['dtype']}, {r['policy']} "
+          f"on {r['devices']} devices, median of {r['reps']}")
+    print(f"  single process A @ B (baseline)   {r['single_process_s']:.3f} s")
+    print(f"  emulated MatMul.run               {r['emulated_s']:.3f} s "
+          f"({r['ratio']:.2f}x baseline)   max rel. error {r['max_rel_error']:.1e}")
+    if args.json:
+        write_text_atomic(args.json, json.dumps(r, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _bench_startup(args) -> int:

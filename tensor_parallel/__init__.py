@@ -3,6 +3,10 @@
 from .matmul import MatMul, global_shape, local_matmul
 from .matmul_sharding import MatMulPlan, MatMulSharding, MatMulShardingPolicy, transpose_layout
 from .operation import ShardedOperation, run_sharded
+from .ffn import ACTIVATIONS, Activation, FeedForward
+from .ffn_sharding import FeedForwardCollectives, FeedForwardSharding, FeedForwardShardingPolicy
 
 __all__ = ["MatMul", "MatMulSharding", "MatMulShardingPolicy", "MatMulPlan", "ShardedOperation",
            "run_sharded", "global_shape", "local_matmul", "transpose_layout"]
+__all__ += ["FeedForward", "FeedForwardSharding", "FeedForwardShardingPolicy",
+            "FeedForwardCollectives", "Activation", "ACTIVATIONS"]

@@ -9,11 +9,13 @@ gradient has its parameter's layout, dy has y's and dx has x's.
 
 Bytes per device are the ring closed forms (the traffic of ``algorithms`` = ring):
 all_gather sends (n-1)·|local piece|, reduce_scatter (n-1)/n·|input|, all_reduce
-2(n-1)/n·|input| (input: the local array handed to the collective), and a group of one
-moves nothing. Data parallelism (dp set, any policy): x and y are split over dp on the
+2(n-1)/n·|input| (input: the local array handed to the collective; the all_reduce
+form is exact when n divides its element count, else the ring's chunks differ by one
+element and ``FeedForward.explain`` gives the exact count), and a group of one moves
+nothing. Data parallelism (dp set, any policy): x and y are split over dp on the
 batch, and the parameter gradients, partial sums over the batch shards, are reduced over
 dp — all-reduced (Unsharded, Megatron, SequenceParallel), or reduce-scattered into their
-dp-split layouts (GSPMD's W1 and W2); with ring all_reduce that is
+dp-split layouts (GSPMD's W1 and W2); all-reducing all four with ring costs
 
     G(m) = 2(m-1)/m · (|dW1| + |db1| + |dW2| + |db2|)   per device (local sizes).
 
@@ -107,7 +109,8 @@ class Collective:
 
     def __str__(self) -> str:
         axis = ",".join(self.axes)
-        return f"{self.kind}({axis})" if self.dim is None else f"{self.kind}({axis}, dim={self.dim})"
+        dim = "" if self.dim is None else f", dim={self.dim}"
+        return f"{self.kind}({axis}{dim})"
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class MatMul(ShardedOperation):
         self.sharding = sharding
         self.algorithms = dict(algorithms or {})
         self._plans: dict = {}
+        self._grads: tuple | None = None
 
     def __repr__(self) -> str:
         return f"MatMul({self.sharding})"
@@ -72,10 +73,14 @@ class MatMul(ShardedOperation):
         """Layout of dC in the backward pass: c's, replicated where c is partial."""
         return TensorSharding(*self.sharding.c.dims)
 
-    def _grad_ops(self) -> tuple["MatMul", "MatMul"]:
-        s = self.sharding
-        return (MatMul(MatMulSharding(self.dc_layout, transpose_layout(s.b), s.a), self.algorithms),
+    def gradient_ops(self) -> tuple["MatMul", "MatMul"]:
+        """The MatMuls of the backward pass: dA = dC @ B^T -> a, dB = A^T @ dC -> b."""
+        if self._grads is None:
+            s = self.sharding
+            self._grads = (
+                MatMul(MatMulSharding(self.dc_layout, transpose_layout(s.b), s.a), self.algorithms),
                 MatMul(MatMulSharding(transpose_layout(s.a), self.dc_layout, s.b), self.algorithms))
+        return self._grads
 
     def plan(self, mesh, a_shape, b_shape, itemsize: int = 8) -> MatMulPlan:
         key = (mesh, tuple(a_shape), tuple(b_shape), itemsize)
@@ -94,7 +99,7 @@ class MatMul(ShardedOperation):
 
     def backward_local(self, dev, a, b, dc):
         """(dA, dB) in A's and B's layouts from the local dC (layout ``dc_layout``)."""
-        grad_a, grad_b = self._grad_ops()
+        grad_a, grad_b = self.gradient_ops()
         return grad_a.forward_local(dev, dc, b.T), grad_b.forward_local(dev, a.T, dc)
 
     # --- host conveniences ----------------------------------------------------------
@@ -117,7 +122,7 @@ class MatMul(ShardedOperation):
         rows = self._explain_rows(mesh, a_shape, b_shape, itemsize, "forward")
         if backward:
             m, n = a_shape[0], b_shape[1]
-            grad_a, grad_b = self._grad_ops()
+            grad_a, grad_b = self.gradient_ops()
             rows += grad_a._explain_rows(mesh, (m, n), (n, a_shape[1]), itemsize, "backward dA")
             rows += grad_b._explain_rows(mesh, (a_shape[1], m), (m, n), itemsize, "backward dB")
         return to_frame(rows)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from .bench_collectives import OPS, PATHS
+from .schedule_cmd import add_parser as add_schedule_parser
 from .units import parse_size
 
 __all__ = ["main", "build_parser"]
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     mm.set_defaults(run=_bench_matmul)
+
+    add_schedule_parser(commands)
     return parser
 
 

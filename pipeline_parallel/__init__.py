@@ -1,0 +1,9 @@
+"""Pipeline parallelism: a dense MLP trained by any schedule, with data and tensor parallelism."""
+
+from .executor import GradBuckets, TrainJob, train_program
+from .functional import ACTIVATIONS, LOSSES
+from .mlp import MLP, FitResult
+from .optim import OPTIMIZERS, Optimizer, OptimizerConfig
+
+__all__ = ["MLP", "FitResult", "TrainJob", "train_program", "GradBuckets", "Optimizer",
+           "OptimizerConfig", "OPTIMIZERS", "ACTIVATIONS", "LOSSES"]

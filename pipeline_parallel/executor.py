@@ -1,0 +1,183 @@
+"""The per-device training program: follow this rank's schedule, step after step.
+
+Each device runs its own action list (the host only hands in the batch and collects the
+results). For action ``sXj`` (stage s, kind X, micro-batch j):
+
+* F: input = micro-batch j of the batch (stage 0) or ``recv`` from stage s-1's rank;
+  forward; ``send`` to stage s+1's rank, or (last stage) the loss and dL/dy;
+* I: dL/dy from stage s+1's rank (or the loss); input gradient; ``send`` it to stage s-1;
+* W: weight gradient, accumulated over the micro-batches of the step;
+* B: I then W.
+
+Messages are tagged (step, direction, stage, micro-batch), so any schedule's order is
+matched correctly. After the last micro-batch's weight gradient of a layer, the layer's
+gradients are final: they join a data-parallel bucket, and a full bucket
+(``bucket_bytes``) starts its all-reduce over ``dp`` at once, asynchronously
+(DDP-style), overlapping the remaining backward work. The optimizer steps once per step.
+
+``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
+the measured timeline against :func:`pipelining.simulate`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sharding import shard_slices
+from .functional import loss_and_grad
+from .layers import LayerSpec, StageLayers
+from .optim import Optimizer, OptimizerConfig
+
+__all__ = ["TrainJob", "train_program", "GradBuckets"]
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a device needs to train (the same object on every device)."""
+
+    params: tuple                      # global (W, b) per layer, from the model's seed
+    specs: tuple[tuple[LayerSpec, ...], ...]   # layers of each stage
+    actions: tuple                     # per pp position: tuple of Action
+    loss: str
+    optimizer: OptimizerConfig
+    steps: int
+    microbatches: int
+    global_batch: int
+    pp_axis: str = "pp"
+    dp_axis: str | None = None
+    tp_axis: str | None = None
+    bucket_bytes: int = 1 << 20
+    action_costs: dict = field(default_factory=dict)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.specs)
+
+
+class GradBuckets:
+    """DDP-style gradient buckets: all-reduce (sum) over ``axis`` as soon as full."""
+
+    def __init__(self, dev, axis: str, bucket_bytes: int):
+        self.dev, self.axis, self.bucket_bytes = dev, axis, bucket_bytes
+        self._pending: list[np.ndarray] = []
+        self._launched: list = []
+
+    def add(self, arrays) -> None:
+        self._pending.extend(arrays)
+        if sum(a.nbytes for a in self._pending) >= self.bucket_bytes:
+            self._launch()
+
+    def _launch(self) -> None:
+        if not self._pending:
+            return
+        flat = np.concatenate([a.reshape(-1) for a in self._pending])
+        work = self.dev.all_reduce(flat, self.axis, async_op=True)
+        self._launched.append((work, self._pending))
+        self._pending = []
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket, write the sums back."""
+        self._launch()
+        for work, arrays in self._launched:
+            total = work.wait()
+            offset = 0
+            for a in arrays:
+                a[...] = total[offset:offset + a.size].reshape(a.shape)
+                offset += a.size
+        self._launched = []
+
+
+def _letter(action) -> str:
+    kind = action.kind
+    return getattr(kind, "value", kind) if not isinstance(kind, str) else kind
+
+
+def _local_params(job: TrainJob, dev, stage: int):
+    out = []
+    for spec in job.specs[stage]:
+        w, b = job.params[spec.index]
+        if job.tp_axis is None:
+            out.append((w, b))
+        else:
+            out.append((w[shard_slices(w.shape, spec.w_layout, dev.mesh, dev.rank)],
+                        b[shard_slices(b.shape, spec.b_layout, dev.mesh, dev.rank)]))
+    return out
+
+
+def train_program(dev, job: TrainJob, X, Y):
+    """The SPMD training program (see the module docstring); returns this rank's results."""
+    pp = dev.mesh.group(job.pp_axis, dev.rank)
+    p, pos = len(pp), pp.index(dev.rank)
+    S, m = job.n_stages, job.microbatches
+    stages = {s: StageLayers(list(job.specs[s]), _local_params(job, dev, s))
+              for s in range(S) if s % p == pos}
+    params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
+    grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
+    opt = Optimizer(job.optimizer, params)
+    dp_size = 1 if job.dp_axis is None else len(dev.mesh.group(job.dp_axis, dev.rank))
+    rows = job.global_batch // (dp_size * m)
+    losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
+
+    def tag(step, direction, stage, j):
+        return ((step * 2 + direction) * S + stage) * m + j
+
+    for step in range(job.steps):
+        for layers in stages.values():
+            layers.zero_grads()
+        left = {s: m for s in stages}
+        buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) if dp_size > 1 else None
+        pending_dy, loss = {}, 0.0
+        for action in job.actions[pos]:
+            s, kind, j = action.stage, _letter(action), action.microbatch
+            layers = stages[s]
+            # inputs first: waiting for a neighbour is idle time, not part of the action
+            if kind == "F":
+                x = X[j * rows:(j + 1) * rows] if s == 0 else \
+                    dev.recv(pp[(s - 1) % p], tag(step, 0, s, j))
+            elif kind in ("B", "I"):
+                dy = pending_dy.pop(j) if s == S - 1 else \
+                    dev.recv(pp[(s + 1) % p], tag(step, 1, s, j))
+            out = None
+            with dev.compute(str(action)):
+                if job.action_costs.get(kind):
+                    time.sleep(job.action_costs[kind])
+                if kind == "F":
+                    out = layers.forward(dev, j, x)
+                    peak_in_flight[s] = max(peak_in_flight[s], layers.in_flight)
+                    if s == S - 1:
+                        part, pending_dy[j] = loss_and_grad(
+                            job.loss, out, Y[j * rows:(j + 1) * rows], job.global_batch)
+                        loss += part
+                        out = None
+                elif kind in ("B", "I"):
+                    out = layers.backward_input(dev, j, dy, need_input_grad=s > 0)
+                peak_act = max(peak_act, sum(L.activation_bytes for L in stages.values()))
+                if kind in ("B", "W"):
+                    left[s] -= 1
+                    done = None
+                    if buckets is not None and left[s] == 0:
+                        done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
+                    layers.backward_weight(dev, j, on_layer_done=done)
+            if out is not None and kind == "F":
+                dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))
+            elif out is not None and s > 0:
+                dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
+        if buckets is not None:
+            buckets.finish()
+        opt.step(params, grads)
+        losses.append(loss)
+    return {
+        "rank": dev.rank, "pp_position": pos,
+        "losses": losses if (S - 1) in stages else None,
+        "params": {spec.index: tuple(stages[s].params[i])
+                   for s in stages for i, spec in enumerate(stages[s].specs)},
+        "memory": {"rank": dev.rank, "params_bytes": sum(a.nbytes for a in params),
+                   "grads_bytes": sum(a.nbytes for a in grads),
+                   "optimizer_bytes": opt.state_bytes,
+                   "activations_bytes": sum(L.activation_bytes for L in stages.values()),
+                   "activations_peak_bytes": peak_act,
+                   "peak_in_flight": dict(peak_in_flight)},
+    }

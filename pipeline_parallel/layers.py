@@ -1,0 +1,161 @@
+"""The layers of one pipeline stage, on one device: forward, input- and weight-gradients.
+
+A stage holds consecutive dense layers ``z = x W + b`` (with the activation after every
+layer but the model's last). Per micro-batch j it keeps what the backward needs:
+
+    F(j):  x_l, z_l for each layer l                      (activations: stored)
+    I(j):  dz_l = act'(z_l) * dA_l,  dx = dz_l W_l^T       (input gradient, sent upstream)
+    W(j):  dW_l += x_l^T dz_l,  db_l += sum_rows dz_l      (weight gradient; frees j)
+    B(j) = I(j) then W(j)
+
+With tensor parallelism over ``tp`` the layers pair up as in Megatron-LM: a
+column-parallel layer (W, b split by columns; its output stays split, so the activation
+is applied to the local columns) followed by a row-parallel layer (W split by rows; the
+partial product is all-reduced, then b is added once). A stage with an odd number of
+layers ends with a column-parallel layer whose output is all-gathered (its b is
+replicated and added after the gather), so activations
+crossing stage boundaries are always replicated over tp. Products go through
+:class:`tensor_parallel.MatMul`'s per-device functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sharding import TensorSharding as TS
+from tensor_parallel import MatMul, MatMulSharding, local_matmul
+from .functional import activation, activation_grad
+
+__all__ = ["LayerSpec", "StageLayers", "layer_kinds"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Layer ``index`` of the model: (fan_in, fan_out), tp kind, activation or None."""
+
+    index: int
+    fan_in: int
+    fan_out: int
+    kind: str            # "dense" (no tp), "column", "row", "column_gather"
+    activation: str | None
+
+    @property
+    def w_layout(self) -> TS:
+        return {"dense": TS(None, None), "column": TS(None, "tp"), "row": TS("tp", None),
+                "column_gather": TS(None, "tp")}[self.kind]
+
+    @property
+    def b_layout(self) -> TS:
+        return TS("tp") if self.kind == "column" else TS(None)
+
+
+def layer_kinds(n_layers: int, tp: bool) -> list[str]:
+    """Megatron pairing of a stage's layers: column, row, column, row, ..., [column_gather]."""
+    if not tp:
+        return ["dense"] * n_layers
+    kinds = ["column" if i % 2 == 0 else "row" for i in range(n_layers)]
+    if n_layers % 2:
+        kinds[-1] = "column_gather"
+    return kinds
+
+
+def _matmul_for(kind: str) -> MatMul | None:
+    if kind == "dense":
+        return None
+    x = TS(None, "tp") if kind == "row" else TS(None, None)
+    out = TS(None, "tp") if kind == "column" else TS(None, None)
+    w = TS("tp", None) if kind == "row" else TS(None, "tp")
+    return MatMul(MatMulSharding(x, w, out))
+
+
+class StageLayers:
+    """The layers of one stage on one device, with their local parameters and gradients."""
+
+    def __init__(self, specs: list[LayerSpec], params: list[tuple[np.ndarray, np.ndarray]]):
+        self.specs = specs
+        self.params = [[np.array(w), np.array(b)] for w, b in params]
+        self.grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in self.params]
+        self._ops = [_matmul_for(s.kind) for s in specs]
+        self._saved: dict[int, list] = {}       # micro-batch -> [(x, z)] per layer
+        self._dz: dict[int, list] = {}          # micro-batch -> dz per layer (I done, W not)
+
+    # --- memory -----------------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        return sum(w.nbytes + b.nbytes for w, b in self.params)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(w.nbytes + b.nbytes for w, b in self.grads)
+
+    @property
+    def activation_bytes(self) -> int:
+        saved = sum(x.nbytes + z.nbytes for xs in self._saved.values() for x, z in xs)
+        return saved + sum(d.nbytes for ds in self._dz.values() for d in ds if d is not None)
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded whose weight gradient is not computed yet."""
+        return len(self._saved)
+
+    def zero_grads(self) -> None:
+        for g in self.grads:
+            g[0][...] = 0
+            g[1][...] = 0
+
+    # --- the three passes ---------------------------------------------------------------
+    def forward(self, dev, mb: int, x):
+        saved = []
+        for spec, op, (w, b) in zip(self.specs, self._ops, self.params):
+            if op is None:
+                z = local_matmul(dev, x, w) + b
+            else:
+                z = op.forward_local(dev, x, w) + b
+            saved.append((x, z))
+            x = activation(spec.activation, z) if spec.activation else z
+        self._saved[mb] = saved
+        return x
+
+    def backward_input(self, dev, mb: int, dy, need_input_grad: bool = True):
+        """I(mb): dz of every layer (kept for W) and dx (returned; None for the first
+        stage, whose input gradient nobody needs)."""
+        saved = self._saved[mb]
+        dzs = [None] * len(self.specs)
+        grad = dy
+        for l in reversed(range(len(self.specs))):
+            spec, op, (w, _) = self.specs[l], self._ops[l], self.params[l]
+            x, z = saved[l]
+            dz = activation_grad(spec.activation, z, grad) if spec.activation else grad
+            dzs[l] = dz
+            if l == 0 and not need_input_grad:
+                grad = None
+            elif op is None:
+                grad = local_matmul(dev, dz, w.T, name="matmul dx")
+            else:
+                grad_a, _ = op.gradient_ops()
+                grad = grad_a.forward_local(dev, dz, w.T)
+        self._dz[mb] = dzs
+        return grad
+
+    def backward_weight(self, dev, mb: int, on_layer_done=None):
+        """W(mb): accumulate dW, db of every layer (last layer first), free mb's state.
+
+        ``on_layer_done(l)`` is called after layer l's gradient is accumulated.
+        """
+        saved, dzs = self._saved.pop(mb), self._dz.pop(mb)
+        for l in reversed(range(len(self.specs))):
+            x, _ = saved[l]
+            dz = dzs[l]
+            gw, gb = self.grads[l]
+            op = self._ops[l]
+            if op is None:
+                gw += local_matmul(dev, x.T, dz, name="matmul dW")
+            else:
+                _, grad_b = op.gradient_ops()
+                gw += grad_b.forward_local(dev, x.T, dz)
+            with dev.compute("bias grad", flops=dz.size, bytes=dz.nbytes):
+                gb += dz.sum(axis=0)
+            if on_layer_done is not None:
+                on_layer_done(l)

@@ -1,0 +1,75 @@
+"""Optimizers that step once per training step, on any list of parameter arrays.
+
+* SGD with momentum mu (PyTorch's form): v <- mu v + g;  p <- p - lr v
+* Adam (Kingma & Ba 2015): m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;
+  p <- p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+The update is elementwise, so a sharded parameter is updated shard by shard with the
+same result as the whole parameter: the same optimizer serves the single-process
+reference and every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["OptimizerConfig", "Optimizer", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+
+
+class Optimizer:
+    """Optimizer state for a list of parameters (updated in place by ``step``)."""
+
+    def __init__(self, config: OptimizerConfig, params: list[np.ndarray]):
+        self.config = config
+        self.t = 0
+        slots = 1 if config.name == "sgd" else 2
+        self.state = [[np.zeros_like(p) for p in params] for _ in range(slots)]
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for slot in self.state for s in slot)
+
+    def step(self, params: list[np.ndarray], grads: list[np.ndarray]) -> None:
+        c = self.config
+        self.t += 1
+        if c.name == "sgd":
+            for p, g, v in zip(params, grads, self.state[0]):
+                v *= c.momentum
+                v += g
+                p -= c.lr * v
+            return
+        b1, b2 = c.betas
+        for p, g, m, v in zip(params, grads, self.state[0], self.state[1]):
+            m *= b1
+            m += (1 - b1) * g
+            v *= b2
+            v += (1 - b2) * g * g
+            m_hat = m / (1 - b1 ** self.t)
+            v_hat = v / (1 - b2 ** self.t)
+            p -= c.lr * m_hat / (np.sqrt(v_hat) + c.eps)

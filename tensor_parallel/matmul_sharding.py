@@ -4,16 +4,27 @@
 policy says which of m, k, n are split (cut into more than one piece) by the inputs:
 
 * ``Unsharded``: none. Every device computes the product it needs (all of C, or just
-  its piece of C when c is sharded — slicing replicated inputs is free).
-* ``MatchedInnerSharding``: only k, over the same axes on A and B:
-  A = [A_1 ... A_p], B = [B_1; ...; B_p], C = sum_i A_i B_i; each device's product is a
-  partial C, closed by all-reduce (or reduce-scatter when c is sharded).
+  its piece of C when c is sharded — slicing replicated inputs is free). Traffic: 0.
+* ``MatchedInnerSharding``: only k, over the same axes (n devices) on A and B:
+  A = [A_1 ... A_n], B = [B_1; ...; B_n], C = sum_i A_i B_i; each device's product is a
+  partial C, closed by all-reduce — 2(n-1)/n·|C| bytes sent per device (ring) — or by
+  reduce-scatter when c is split over those axes — (n-1)/n·|C|.
 * ``UnmatchedInnerSharding``: only k, split differently on A and B: one side is
-  re-split to match the other (all-gather its split, slice the other's), then as above.
+  re-split to match the other by the cheapest redistribution, then as above. E.g.
+  A [R, S(tp)], B [S(dp), R], C [R, R] on dp=2 x tp=4: B becomes [S(tp), R] by
+  slice(tp) on n, all_gather(dp) on k and all_to_all(tp) from n to k —
+  |B|/8 + 3/4·|B|/4 = 5/16·|B| bytes, less than gathering B's k (|B|/2) — and C is
+  closed by all_reduce(tp): 2·3/4·|C|.
 * ``OuterSharding``: m and/or n split, not all three: C's rows follow A's and its
-  columns B's; a split k on either side becomes a partial C as above.
+  columns B's; a split k on either side becomes a partial C as above. E.g. A [S(dp), S(tp)],
+  B [R, R], C [S(dp), R] on 2 x 4: B is sliced (free), C_local = |C|/2 is all-reduced over
+  tp: 2·3/4·|C|/2 bytes.
 * ``FullSharding``: m, k and n all split (e.g. A [S(x), S(y)], B [S(y), S(z)]): each
-  device multiplies blocks A_{x,y} B_{y,z}, a partial C_{x,z} summed over y.
+  device multiplies blocks A_{x,y} B_{y,z}, a partial C_{x,z} summed over y: with
+  C [S(x), S(z)] on 2 x 2 x 2, an all-reduce over y of |C|/4 bytes: 2·1/2·|C|/4.
+
+Every redistribution's bytes are those of :mod:`sharding.redistribute`; ``MatMul.explain``
+lists them per device and step, and they equal what the emulator counts.
 
 The plan: choose *compute layouts* a* = [M, K] and b* = [K, N] (K the same axes on both
 sides, every axis used once) from the candidates the inputs and the output suggest;

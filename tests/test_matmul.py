@@ -243,3 +243,25 @@ def test_random_layouts_and_shapes(cluster_222, data):
     assert_close(dA, dC @ B.T, np.float64)
     assert_close(dB, A.T @ dC, np.float64)
 
+
+
+@pytest.mark.parametrize("mesh_name, a, b, c, closed_form", [
+    ("2x4", TS(None, None), TS(None, None), TS("dp", "tp"), lambda A, B, C: 0),
+    ("2x4", TS(None, "tp"), TS("tp", None), TS("tp", None), lambda A, B, C: 3 * C // 4),
+    ("2x4", TS(None, "tp"), TS("dp", None), TS(None, None), lambda A, B, C: 5 * B // 16 + 3 * C // 2),
+    ("2x4", TS("dp", "tp"), TS(None, None), TS("dp", None), lambda A, B, C: 3 * C // 4),
+    ("2x2x2", TS("x", "y"), TS("y", "z"), TS("x", "z"), lambda A, B, C: C // 4),
+])
+def test_policy_closed_forms_with_ring(mesh_name, a, b, c, closed_form):
+    """Bytes sent per device (ring algorithms) as stated in MatMulShardingPolicy's docs."""
+    mesh = MESHES[mesh_name]
+    op = MatMul(MatMulSharding(a, b, c), MESSAGE_ALGORITHMS)
+    t = op.explain(mesh, (M, K), (K, N), dtype=np.float64)
+    sent = t[t["operation"] == "total"]["bytes_sent"].tolist()
+    assert sent == [closed_form(M * K * 8, K * N * 8, M * N * 8)] * mesh.size
+    with VirtualCluster(mesh) as cluster:
+        rng = np.random.default_rng(1)
+        A, B = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+        cluster.reset_stats()
+        assert_close(op.run(cluster, A, B), A @ B, np.float64)
+        assert cluster.stats()["bytes_sent"].tolist() == sent

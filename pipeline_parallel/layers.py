@@ -75,7 +75,7 @@ class StageLayers:
 
     def __init__(self, specs: list[LayerSpec], params: list[tuple[np.ndarray, np.ndarray]]):
         self.specs = specs
-        self.params = [[np.array(w), np.array(b)] for w, b in params]
+        self.params = [[w.copy(), b.copy()] for w, b in params]   # copy(): numpy or meta
         self.grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in self.params]
         self._ops = [_matmul_for(s.kind) for s in specs]
         self._saved: dict[int, list] = {}       # micro-batch -> [(x, z)] per layer

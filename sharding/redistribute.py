@@ -247,7 +247,7 @@ def redistribute(dev, x, plan: RedistributePlan,
             pos = group.index(dev.rank)
             if step.kind == "slice":
                 piece = np.split(x, len(group), axis=step.dim)[pos]
-                x = np.ascontiguousarray(piece)
+                x = piece.copy()        # C-contiguous (numpy, cupy and meta arrays)
             elif pos != 0:   # partial: the value stays at position 0
                 x = np.zeros_like(x)
     return x

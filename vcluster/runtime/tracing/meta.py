@@ -1,0 +1,275 @@
+"""``MetaArray``: a numpy-like array with a shape and a dtype but no data.
+
+Per-device programs run unchanged on meta arrays: numpy dispatches its ufuncs and most
+array functions to them (``__array_ufunc__``, ``__array_function__``), and the result is
+another meta array of the right shape and dtype — computed by the same rules numpy
+uses (broadcasting, ``np.result_type``, and, for indexing and views, numpy itself on a
+zero-strided stand-in that occupies one element of memory). Values are not computed:
+``float(meta)`` is 0.0 and comparisons give meta arrays of booleans, so a program whose
+control flow depends on data cannot be traced (it gets a clear error where it matters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MetaArray", "meta_like", "is_meta"]
+
+
+def _standin(shape, dtype) -> np.ndarray:
+    """A read-only array of ``shape`` backed by a single element."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=tuple(shape),
+                                           strides=(0,) * len(shape), writeable=False)
+
+
+def _dtype_of(x):
+    if isinstance(x, MetaArray):
+        return x.dtype
+    if isinstance(x, np.ndarray):
+        return x.dtype
+    return np.asarray(x).dtype if not isinstance(x, (int, float, complex, bool)) else None
+
+
+def _shape_of(x):
+    return x.shape if isinstance(x, (MetaArray, np.ndarray)) else np.shape(x)
+
+
+def _result_dtype(inputs, ufunc=None):
+    arrays = [_dtype_of(x) for x in inputs]
+    scalars = [x for x in inputs if isinstance(x, (int, float, complex, bool))]
+    dtype = np.result_type(*[d for d in arrays if d is not None], *scalars)
+    if ufunc is not None and ufunc.nout == 1 and ufunc.types:
+        probe = ufunc(*[np.zeros(1, _dtype_of(x) or np.asarray(x).dtype)
+                        if not isinstance(x, (int, float, complex, bool)) else x
+                        for x in inputs])
+        dtype = probe.dtype
+    return dtype
+
+
+class MetaArray:
+    """Shape and dtype only; see the module docstring."""
+
+    __array_priority__ = 1000
+
+    def __init__(self, shape, dtype=np.float64):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+
+    def __repr__(self) -> str:
+        return f"MetaArray(shape={self.shape}, dtype={self.dtype})"
+
+    # --- attributes -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def T(self) -> "MetaArray":
+        return MetaArray(self.shape[::-1], self.dtype)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d meta array")
+        return self.shape[0]
+
+    def __float__(self) -> float:
+        return 0.0
+
+    def __int__(self) -> int:
+        return 0
+
+    def __bool__(self):
+        raise TypeError("tracing: a program branched on array values, which a trace does "
+                        "not compute; make control flow depend on shapes only")
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("tracing: a meta array cannot become a real numpy array (np.array/"
+                        "np.asarray); use x.copy() or numpy functions on it instead")
+
+    # --- views and copies -------------------------------------------------------------
+    def _view(self, fn) -> "MetaArray":
+        out = fn(_standin(self.shape, self.dtype))
+        return MetaArray(out.shape, out.dtype)
+
+    def __getitem__(self, key) -> "MetaArray":
+        return self._view(lambda a: a[key])
+
+    def __setitem__(self, key, value) -> None:
+        self._view(lambda a: a[key])      # validates the index, writes nothing
+
+    def reshape(self, *shape, order="C") -> "MetaArray":
+        return self._view(lambda a: a.reshape(*shape))
+
+    def transpose(self, *axes) -> "MetaArray":
+        return self._view(lambda a: a.transpose(*axes))
+
+    def view(self, dtype) -> "MetaArray":
+        dtype = np.dtype(dtype)
+        if dtype.itemsize == self.itemsize or not self.shape:
+            return MetaArray(self.shape, dtype)
+        last = self.shape[-1] * self.itemsize
+        if last % dtype.itemsize:
+            raise ValueError(f"view: cannot view {self.dtype} of shape {self.shape} as {dtype}")
+        return MetaArray(self.shape[:-1] + (last // dtype.itemsize,), dtype)
+
+    def ravel(self) -> "MetaArray":
+        return MetaArray((self.size,), self.dtype)
+
+    def copy(self, order="C") -> "MetaArray":
+        return MetaArray(self.shape, self.dtype)
+
+    def astype(self, dtype, copy=True) -> "MetaArray":
+        return MetaArray(self.shape, dtype)
+
+    def _reduce(self, axis=None, keepdims=False, dtype=None) -> "MetaArray":
+        out = np.add.reduce(_standin(self.shape, self.dtype), axis=axis, keepdims=keepdims)
+        return MetaArray(np.shape(out), dtype or self.dtype)
+
+    def sum(self, axis=None, dtype=None, keepdims=False, **_):
+        return self._reduce(axis, keepdims, dtype)
+
+    def mean(self, axis=None, dtype=None, keepdims=False, **_):
+        return self._reduce(axis, keepdims, dtype or np.result_type(self.dtype, np.float64))
+
+    def max(self, axis=None, keepdims=False, **_):
+        return self._reduce(axis, keepdims)
+
+    def min(self, axis=None, keepdims=False, **_):
+        return self._reduce(axis, keepdims)
+
+    # --- arithmetic through numpy's ufunc protocol -----------------------------------
+    def _binary(name):
+        def op(self, other):
+            return getattr(np, name)(self, other)
+
+        def rop(self, other):
+            return getattr(np, name)(other, self)
+        return op, rop
+
+    __add__, __radd__ = _binary("add")
+    __sub__, __rsub__ = _binary("subtract")
+    __mul__, __rmul__ = _binary("multiply")
+    __truediv__, __rtruediv__ = _binary("true_divide")
+    __pow__, __rpow__ = _binary("power")
+    __matmul__, __rmatmul__ = _binary("matmul")
+    __gt__, _ = _binary("greater")
+    __lt__, _ = _binary("less")
+    __ge__, _ = _binary("greater_equal")
+    __le__, _ = _binary("less_equal")
+    del _binary
+
+    def __neg__(self):
+        return np.negative(self)
+
+    def __iadd__(self, other):
+        return np.add(self, other, out=self)
+
+    def __isub__(self, other):
+        return np.subtract(self, other, out=self)
+
+    def __imul__(self, other):
+        return np.multiply(self, other, out=self)
+
+    def __itruediv__(self, other):
+        return np.true_divide(self, other, out=self)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        if method == "reduce":
+            (x,) = inputs
+            return x._reduce(kwargs.get("axis", 0), kwargs.get("keepdims", False))
+        if method != "__call__":
+            raise TypeError(f"tracing does not support numpy.{ufunc.__name__}.{method}")
+        if ufunc is np.matmul:
+            shape = _matmul_shape(_shape_of(inputs[0]), _shape_of(inputs[1]))
+        else:
+            shape = np.broadcast_shapes(*[_shape_of(x) for x in inputs])
+        dtype = _result_dtype(inputs, ufunc)
+        if out is not None:
+            target = out[0] if isinstance(out, tuple) else out
+            return target
+        return MetaArray(shape, dtype)
+
+    def __array_function__(self, func, types, args, kwargs):
+        impl = _FUNCTIONS.get(func)
+        if impl is None:
+            raise TypeError(f"tracing does not support numpy.{func.__name__} on meta arrays")
+        return impl(*args, **kwargs)
+
+
+def _matmul_shape(a, b) -> tuple:
+    if len(a) < 1 or len(b) < 1:
+        raise ValueError("matmul: 0-d operand")
+    if a[-1] != (b[-2] if len(b) > 1 else b[0]):
+        raise ValueError(f"matmul: shapes {a} and {b} do not align")
+    if len(b) == 1:
+        return tuple(a[:-1])
+    if len(a) == 1:
+        return tuple(b[:-2]) + (b[-1],)
+    batch = np.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
+    return tuple(batch) + (a[-2], b[-1])
+
+
+def meta_like(x) -> MetaArray:
+    """A meta array with the shape and dtype of ``x`` (numpy array or meta array)."""
+    return MetaArray(np.shape(x), x.dtype)
+
+
+def is_meta(x) -> bool:
+    return isinstance(x, MetaArray)
+
+
+def _like(x, dtype=None, shape=None, **_):
+    return MetaArray(x.shape if shape is None else shape, dtype or x.dtype)
+
+
+def _split(x, indices_or_sections, axis=0):
+    pieces = np.split(_standin(x.shape, x.dtype), indices_or_sections, axis=axis)
+    return [MetaArray(p.shape, x.dtype) for p in pieces]
+
+
+def _concatenate(arrays, axis=0, out=None, dtype=None, **_):
+    arrays = list(arrays)
+    shape = np.concatenate([_standin(a.shape, np.int8) for a in arrays], axis=axis).shape \
+        if axis is not None else (sum(a.size for a in arrays),)
+    res = MetaArray(shape, dtype or np.result_type(*[a.dtype for a in arrays]))
+    return out if out is not None else res
+
+
+def _copyto(dst, src, casting="same_kind", where=True):
+    np.broadcast_shapes(_shape_of(src), dst.shape)
+    return None
+
+
+_FUNCTIONS = {
+    np.split: _split,
+    np.array_split: lambda x, n, axis=0: [MetaArray(p.shape, x.dtype) for p in
+                                          np.array_split(_standin(x.shape, x.dtype), n, axis)],
+    np.concatenate: _concatenate,
+    np.copyto: _copyto,
+    np.zeros_like: _like, np.empty_like: _like, np.ones_like: _like,
+    np.ascontiguousarray: lambda x, dtype=None, **_: MetaArray(x.shape, dtype or x.dtype),
+    np.moveaxis: lambda x, s, d: x._view(lambda a: np.moveaxis(a, s, d)),
+    np.transpose: lambda x, axes=None: x._view(lambda a: np.transpose(a, axes)),
+    np.reshape: lambda x, shape, **_: x.reshape(shape),
+    np.sum: lambda x, axis=None, dtype=None, keepdims=False, **_: x.sum(axis, dtype, keepdims),
+    np.mean: lambda x, axis=None, dtype=None, keepdims=False, **_: x.mean(axis, dtype, keepdims),
+    np.max: lambda x, axis=None, keepdims=False, **_: x.max(axis, keepdims),
+    np.amax: lambda x, axis=None, keepdims=False, **_: x.max(axis, keepdims),
+    np.min: lambda x, axis=None, keepdims=False, **_: x.min(axis, keepdims),
+    np.shape: lambda x: x.shape,
+    np.ndim: lambda x: x.ndim,
+    np.size: lambda x, axis=None: x.size if axis is None else x.shape[axis],
+    np.result_type: lambda *a: np.result_type(*[getattr(x, "dtype", x) for x in a]),
+}

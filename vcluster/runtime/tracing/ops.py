@@ -1,0 +1,75 @@
+"""A symbolic trace: what each device does, in order, with sizes but no data.
+
+The tracer (:mod:`vcluster.runtime.tracing.tracer`) records one tuple of these ops per
+traced rank by running the same per-device program on shape-only arrays; the timing
+model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small frozen
+dataclasses:
+
+* ``TraceCompute(name, flops, bytes)`` — work on the device's compute stream;
+* ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
+  call of a collective by this member (``nbytes``: its local input, or for broadcast and
+  scatter the root's); blocking when ``handle`` is None, else issued asynchronously on the
+  device's communication stream (FIFO) and waited for by ``TraceWait(handle)``;
+* ``TraceSend(peer, nbytes, tag)`` / ``TraceRecv(peer, nbytes, tag)`` — point to point:
+  a send does not block the sender (buffered), a receive waits for the matching send's
+  data (same peer pair and tag, in order);
+* ``TraceWait(handle)`` — wait for an asynchronous collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWait", "TraceOp",
+           "DeviceTrace"]
+
+
+@dataclass(frozen=True)
+class TraceCompute:
+    name: str
+    flops: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TraceCollective:
+    collective: str
+    group: tuple[int, ...]
+    nbytes: int
+    itemsize: int
+    algorithm: str
+    root: int = 0
+    handle: int | None = None
+
+
+@dataclass(frozen=True)
+class TraceSend:
+    peer: int
+    nbytes: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class TraceRecv:
+    peer: int
+    nbytes: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class TraceWait:
+    handle: int
+
+
+TraceOp = TraceCompute | TraceCollective | TraceSend | TraceRecv | TraceWait
+
+
+@dataclass(frozen=True)
+class DeviceTrace:
+    """The ops of one rank, in program order."""
+
+    rank: int
+    ops: tuple
+
+    def __len__(self) -> int:
+        return len(self.ops)

@@ -52,8 +52,8 @@ def plan_rows(mesh, plan: RedistributePlan, phase: str, operation: str, itemsize
                                        itemsize)
                 row.update(kind="collective", collective=step.kind, algorithm=alg,
                            bytes_sent=t.bytes_sent, bytes_received=t.bytes_received,
-                           messages_sent=sum(m for _, _, m in t.sent),
-                           messages_received=sum(m for _, _, m in t.received))
+                           messages_sent=t.messages_sent,
+                           messages_received=t.messages_received)
             rows.append(row)
     return rows
 

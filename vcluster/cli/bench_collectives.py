@@ -22,13 +22,12 @@ Paths: ``resident`` — buffers from ``dev.empty`` and ``out=`` (all_reduce in p
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BenchRecord", "OPS", "run_collectives_bench", "format_table", "busbw_factor"]
+__all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
        "gather", "scatter")
@@ -172,8 +171,3 @@ def format_header() -> str:
 
 def format_table(records: list[BenchRecord]) -> str:
     return "\n".join([format_header()] + [format_row(r) for r in records])
-
-
-def write_json(records: list[BenchRecord], path: str) -> None:
-    from vcluster.cli.files import write_text_atomic
-    write_text_atomic(path, json.dumps([asdict(r) for r in records], indent=2) + "\n")

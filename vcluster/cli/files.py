@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-__all__ = ["write_text_atomic"]
+__all__ = ["write_text_atomic", "write_json"]
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -25,3 +25,9 @@ def write_text_atomic(path: str, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def write_json(path: str, obj) -> None:
+    """``obj`` as indented JSON, atomically."""
+    import json
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")

@@ -15,6 +15,8 @@ import argparse
 from pipelining import (SCHEDULE_NAMES, bubble_fraction_closed_form, format_grid,
                         make_schedule, peak_in_flight, simulate)
 
+from .args import positive_int
+
 __all__ = ["add_parser", "run_schedule", "parse_costs"]
 
 _FORMULAS = {
@@ -23,16 +25,6 @@ _FORMULAS = {
     "interleaved_1f1b": "(p-1)/(v*m+p-1)",
     "zero_bubble": "b/(b+m(F+B)), b = (p-1)max(F, I, F+I-W)",
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def parse_costs(text: str) -> tuple[float, float, float]:
@@ -62,11 +54,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "'.' = idle) and its bubble fraction: simulated with --costs, and the "
                     "closed form beside it.")
     parser.add_argument("name", choices=SCHEDULE_NAMES, help="the schedule")
-    parser.add_argument("--ranks", "-p", type=_positive_int, default=4,
+    parser.add_argument("--ranks", "-p", type=positive_int, default=4,
                         help="pipeline ranks p (4)")
-    parser.add_argument("--microbatches", "-m", type=_positive_int, default=8,
+    parser.add_argument("--microbatches", "-m", type=positive_int, default=8,
                         help="micro-batches m (8)")
-    parser.add_argument("--virtual-stages", "-v", type=_positive_int, default=None,
+    parser.add_argument("--virtual-stages", "-v", type=positive_int, default=None,
                         help="chunks per rank v, interleaved_1f1b only (2)")
     parser.add_argument("--costs", type=parse_costs, default=(1.0, 2.0, 1.0), metavar="F,B,W",
                         help="forward, full backward and weight-gradient cost of one "

@@ -19,10 +19,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "COLLECTIVES"]
 
-ALGORITHMS: dict[str, tuple[str, ...]] = {
+ALGORITHMS: MappingProxyType = MappingProxyType({
     "all_reduce": ("ring", "tree", "shm"),
     "all_gather": ("ring", "shm"),
     "reduce_scatter": ("ring", "shm"),
@@ -32,7 +33,7 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
     "scatter": ("pairwise", "shm"),
     "gather": ("pairwise", "shm"),
     "barrier": ("shm",),
-}
+})
 COLLECTIVES = tuple(ALGORITHMS)
 _ALL_NAMES = ("auto", "ring", "tree", "pairwise", "shm")
 

@@ -2,11 +2,17 @@
 
 Every ordered pair (src, dst) has a mailbox of ``mailbox_slots`` descriptor slots in
 the control segment and a ``posted`` counter. Message number q (1, 2, ...) of a pair
-lives in slot (q - 1) mod K. A slot's ``state`` word is 0 when free and q while it holds
-message q::
+lives in any slot that was free when it was sent. A slot's ``state`` word is 0 when free
+and q while it holds message q::
 
-    sender:   wait state == 0; write descriptor; state = q; posted = q; wake(posted)
-    receiver: scan q = oldest unconsumed .. posted for (kind, tag); copy; state = 0; wake(state)
+    sender:   wait for a slot with state == 0; write descriptor; state = q; posted = q;
+              wake(posted)
+    receiver: scan the K slots, oldest message first, for (kind, tag); copy; state = 0;
+              wake(state)
+
+So a message that is not received yet holds one slot and nothing else: later messages
+of the pair use the other slots (a sender blocks only while all K slots hold messages
+the receiver has not taken).
 
 Payloads up to ``INLINE_BYTES`` travel inside the slot and the send completes at once
 (eager). Larger payloads stay in the sender's arena — without any copy when the array
@@ -101,8 +107,7 @@ class VirtualChannel:
         n = fabric.layout.n_ranks
         self._k = fabric.layout.mailbox_slots
         self._sent = [0] * n                 # last message number posted to each dst
-        self._oldest = [1] * n               # oldest message number not yet taken, per src
-        self._taken: list[set[int]] = [set() for _ in range(n)]
+        self._taken: list[set[int]] = [set() for _ in range(n)]   # taken, not yet released
         self._buffered: list[SendHandle] = []    # buffered sends not yet taken
         # Sending and receiving state have separate locks: a sender waiting for a free
         # slot must never stop this device's other thread from receiving.
@@ -114,7 +119,6 @@ class VirtualChannel:
         with self._send_lock, self._recv_lock:
             n = len(self._sent)
             self._sent = [0] * n
-            self._oldest = [1] * n
             self._taken = [set() for _ in range(n)]
             self._buffered = []
 
@@ -141,16 +145,21 @@ class VirtualChannel:
             raise ValueError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent "
                              f"(got shape {array.shape})")
         q = self._sent[dst] + 1
-        slot = (q - 1) % self._k
+        states = f.mailbox[me, dst, :, S.STATE]
+        free: list[int] = []
+
+        def all_busy():
+            seen = states.tolist()
+            if 0 in seen:
+                free.append(seen.index(0))
+                return None
+            oldest = seen.index(min(seen))       # the likeliest to be taken next
+            return f.address_of(f.mailbox, (me, dst, oldest, S.STATE)), seen[oldest]
+
+        f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
+                                 f"#{sorted(states.tolist())} and free a mailbox slot")
+        slot = free[0]
         words = f.mailbox[me, dst, slot]
-        state_addr = f.address_of(f.mailbox, (me, dst, slot, S.STATE))
-
-        def slot_busy():
-            v = int(words[S.STATE])
-            return None if v == 0 else (state_addr, v)
-
-        f.wait(slot_busy, lambda: f"waiting for rank {dst} to take message "
-                                  f"#{int(words[S.STATE])} and free a mailbox slot")
         words[S.SEQ], words[S.KIND], words[S.TAG] = q, kind, tag
         words[S.DTYPE], words[S.NDIM] = encode_dtype(array.dtype), array.ndim
         words[S.SHAPE:S.SHAPE + array.ndim] = array.shape
@@ -193,12 +202,14 @@ class VirtualChannel:
         def scan():
             last = int(f.posted[src, me])
             taken = self._taken[src]
-            for q in range(self._oldest[src], last + 1):
-                if q in taken:
+            box = f.mailbox[src, me]
+            states = box[:, S.STATE].tolist()
+            taken.intersection_update(states)    # forget messages released since
+            for q, slot in sorted(zip(states, range(self._k))):   # oldest first
+                if q == 0 or q in taken:
                     continue
-                slot = (q - 1) % self._k
-                words = f.mailbox[src, me, slot]
-                if words[S.STATE] != q or words[S.TAG] != tag:
+                words = box[slot]
+                if words[S.TAG] != tag:
                     continue
                 if words[S.KIND] != kind:
                     if kind == USER_KIND or words[S.KIND] == USER_KIND:
@@ -209,9 +220,6 @@ class VirtualChannel:
                         f"{int(words[S.KIND])} instead of {kind})")
                 found.append(Incoming(f, src, slot, words))
                 taken.add(q)
-                while self._oldest[src] in taken:
-                    taken.discard(self._oldest[src])
-                    self._oldest[src] += 1
                 return None
             return (posted_addr, last)
 

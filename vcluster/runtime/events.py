@@ -17,7 +17,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ComputeEvent", "CommEvent", "Event"]
+__all__ = ["ComputeEvent", "CommEvent", "Event", "PeerTotals"]
+
+
+class PeerTotals:
+    """Totals over ``sent`` / ``received``: tuples of (peer, bytes, messages)."""
+
+    sent: tuple
+    received: tuple
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(b for _, b, _ in self.sent)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(b for _, b, _ in self.received)
+
+    @property
+    def messages_sent(self) -> int:
+        return sum(m for _, _, m in self.sent)
+
+    @property
+    def messages_received(self) -> int:
+        return sum(m for _, _, m in self.received)
 
 
 @dataclass(frozen=True)
@@ -37,7 +60,7 @@ class ComputeEvent:
 
 
 @dataclass(frozen=True)
-class CommEvent:
+class CommEvent(PeerTotals):
     """One collective or point-to-point operation as seen by ``rank``.
 
     ``group`` is the ordered tuple of member ranks (for send/recv: the two ranks),
@@ -56,22 +79,6 @@ class CommEvent:
     tag: int
     start: float
     end: float
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(b for _, b, _ in self.sent)
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(b for _, b, _ in self.received)
-
-    @property
-    def messages_sent(self) -> int:
-        return sum(m for _, _, m in self.sent)
-
-    @property
-    def messages_received(self) -> int:
-        return sum(m for _, _, m in self.received)
 
     @property
     def duration_s(self) -> float:

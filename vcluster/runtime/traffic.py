@@ -28,25 +28,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives.common import split_bounds
+from .events import PeerTotals
 from .layout import INLINE_BYTES
 
 __all__ = ["Traffic", "collective_traffic", "binomial_parent", "binomial_children"]
 
 
 @dataclass(frozen=True)
-class Traffic:
+class Traffic(PeerTotals):
     """(peer, bytes, messages) tuples sorted by peer, as in ``CommEvent.sent``."""
 
     sent: tuple[tuple[int, int, int], ...]
     received: tuple[tuple[int, int, int], ...]
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(b for _, b, _ in self.sent)
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(b for _, b, _ in self.received)
 
 
 class _Tally:

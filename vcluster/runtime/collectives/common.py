@@ -24,9 +24,10 @@ from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
 __all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "split_bounds",
            "scaled_shape"]
 
-OP_CODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
-            "broadcast": 5, "scatter": 6, "gather": 7, "reduce": 8, "barrier": 9}
-_OP_NAMES = {v: k for k, v in OP_CODES.items()}
+OP_CODES = MappingProxyType({"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3,
+                             "all_to_all": 4, "broadcast": 5, "scatter": 6, "gather": 7,
+                             "reduce": 8, "barrier": 9})
+_OP_NAMES = MappingProxyType({v: k for k, v in OP_CODES.items()})
 _BLOCK_BYTES = 256 * 1024   # reduction block: stays in L2 while it is combined
 
 

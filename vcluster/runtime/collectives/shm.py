@@ -51,6 +51,17 @@ def _result(call: GroupCall, out, shape, dtype, resident: bool) -> np.ndarray:
     return out if out is not None else call.alloc(shape, dtype, resident)
 
 
+def _reduce_to(res: np.ndarray, sources: list[np.ndarray], op: ReduceOp, n: int) -> None:
+    """reduce_into a flat view of ``res``; through a contiguous copy when ``res`` (a
+    caller's out=) is not contiguous, as ``reshape(-1)`` would silently copy it then."""
+    if res.flags.c_contiguous:
+        reduce_into([res.reshape(-1)], sources, op, n)
+        return
+    tmp = np.empty(res.shape, res.dtype)
+    reduce_into([tmp.reshape(-1)], sources, op, n)
+    np.copyto(res, tmp)
+
+
 def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
     g, n = call.group, call.group.size
     if x.nbytes <= INLINE_BYTES:
@@ -60,7 +71,7 @@ def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
         rows = call.inline_inputs(x.dtype, x.size)          # (n, size), group order
         call.count_received_from_all(x.nbytes)
         res = _result(call, out, x.shape, x.dtype, False)
-        reduce_into([res.reshape(-1)], list(rows), op, n)
+        _reduce_to(res, list(rows), op, n)
         return res
     arena = call.f.arenas[call.f.rank]
     res = out if out is not None and arena.offset_of(out) is not None else \
@@ -95,8 +106,7 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
         for m in g.members:
             call.count_received(m, x.nbytes)
         res = _result(call, out, x.shape, x.dtype, False)
-        reduce_into([res.reshape(-1)], [call.peer_input(m).reshape(-1) for m in g.members],
-                    op, n)
+        _reduce_to(res, [call.peer_input(m).reshape(-1) for m in g.members], op, n)
         return res
     arena = call.f.arenas[call.f.rank]
     res = None
@@ -146,7 +156,7 @@ def reduce_scatter(call: GroupCall, x: np.ndarray, out, dim: int, op: ReduceOp) 
     pieces = [np.split(call.peer_input(m), n, axis=dim)[g.position] for m in g.members]
     res = _result(call, out, shape, x.dtype, x.nbytes > INLINE_BYTES)
     if dim % x.ndim == 0:
-        reduce_into([res.reshape(-1)], [p.reshape(-1) for p in pieces], op, n)
+        _reduce_to(res, [p.reshape(-1) for p in pieces], op, n)
     else:
         reduce_into([res], pieces, op, n)
     for m in g.members:

@@ -11,6 +11,8 @@ control flow depends on data cannot be traced (it gets a clear error where it ma
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 
 __all__ = ["MetaArray", "meta_like", "is_meta"]
@@ -252,7 +254,7 @@ def _copyto(dst, src, casting="same_kind", where=True):
     return None
 
 
-_FUNCTIONS = {
+_FUNCTIONS = MappingProxyType({
     np.split: _split,
     np.array_split: lambda x, n, axis=0: [MetaArray(p.shape, x.dtype) for p in
                                           np.array_split(_standin(x.shape, x.dtype), n, axis)],
@@ -272,4 +274,4 @@ _FUNCTIONS = {
     np.ndim: lambda x: x.ndim,
     np.size: lambda x, axis=None: x.size if axis is None else x.shape[axis],
     np.result_type: lambda *a: np.result_type(*[getattr(x, "dtype", x) for x in a]),
-}
+})

@@ -98,8 +98,10 @@ def test_hybrid_dp_pp_tp_equals_reference(hybrid, schedule, ms):
 
 
 def test_hybrid_bucket_all_reduce_starts_before_the_last_backward(hybrid):
-    mlp = MLP(SIZES, activation="relu", loss="mse", seed=7)
-    X, Y = _data(3)
+    widths = [16] + [128] * 7 + [8]      # enough backward work after the first bucket
+    mlp = MLP(widths, activation="relu", loss="mse", seed=7)
+    rng = np.random.default_rng(3)
+    X, Y = rng.standard_normal((BATCH, 16)), rng.standard_normal((BATCH, 8))
     hybrid.reset_stats()
     mlp.fit(hybrid, X, Y, steps=1, microbatches=4, schedule="1f1b", bucket_bytes=1)
     events = hybrid.trace()

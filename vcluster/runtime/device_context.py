@@ -181,7 +181,11 @@ class EmulatedDevice:
             return self._device(res)
 
         if async_op:
-            return Work(self._f.check_abort, future=self._queue.submit(thunk))
+            work = Work(self._f.check_abort, future=self._queue.submit(thunk))
+            # Give the GIL away for a moment so the communication thread starts the
+            # collective now, not when this thread next blocks: overlap is real.
+            time.sleep(0)
+            return work
         if self._queue.idle():
             return thunk()
         return Work(self._f.check_abort, future=self._queue.submit(thunk)).wait()
@@ -249,8 +253,8 @@ class EmulatedDevice:
         return self._collective("reduce", axis, x, out, async_op, algorithm, root=root,
                                 op=ReduceOp.parse(op, x.dtype))
 
-    def barrier(self, axis=None, *, async_op=False):
-        return self._collective("barrier", axis, None, None, async_op, "auto")
+    def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
+        return self._collective("barrier", axis, None, None, async_op, algorithm)
 
     def _root(self, axis, root, what: str) -> int:
         size = self._group(axis).size

@@ -195,8 +195,8 @@ class TracingDevice:
         return self._collective("reduce", axis, x, x.shape, x.dtype, out, async_op, algorithm,
                                 root, result=is_root)
 
-    def barrier(self, axis=None, *, async_op=False):
-        return self._collective("barrier", axis, None, None, None, None, async_op, "auto",
+    def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
+        return self._collective("barrier", axis, None, None, None, None, async_op, algorithm,
                                 nbytes=0, result=False)
 
     # --- point to point -----------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""``vcluster hardware list`` and ``vcluster hardware show NAME``: the hardware presets.
+
+    vcluster hardware list
+    vcluster hardware show a100-80gb-dgx
+    vcluster hardware show my-cluster.yaml
+
+``show`` prints every field of the description with its unit (YAML-like; the derived
+figures the timing model uses follow as ``#`` comments); a file in the same shape,
+or a subset of it under ``base: <preset>``, is what ``load_hardware`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vcluster.timing.hardware import HardwareSpec
+from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardware, preset
+
+__all__ = ["add_parser", "run_list", "run_show", "format_hardware", "format_preset_table"]
+
+_UNITS = (("_gbps", "GB/s"), ("_us", "us"), ("_bytes", "B"), ("peak_tflops", "TFLOP/s"))
+_LABELS = {"gpus_per_node": "GPUs", "nics_per_node": "NICs", "nodes_per_leaf_switch": "nodes",
+           "gemm_max_efficiency": "(fraction of peak)",
+           "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
+           "efficiency": "(fraction of bandwidth_gbps)",
+           "oversubscription": "(1 = non-blocking)"}
+
+
+def _unit(key: str) -> str:
+    if key == "bandwidth_gbps":
+        return "GB/s per direction"
+    for suffix, unit in _UNITS:
+        if key.endswith(suffix):
+            return unit
+    return _LABELS.get(key, "")
+
+
+def _text(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str) and (": " in value or " #" in value or not value):
+        return json.dumps(value)  # a YAML double-quoted scalar
+    return str(value)
+
+
+def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
+    d, link, net = hw.device, hw.node.gpu_link, hw.network
+    half = {dt: d.gemm_half_efficiency_flops(dt) / 1e9 for dt in d.peak_tflops}
+    return {
+        "device": [f"# GEMM efficiency e(F) = {d.gemm_max_efficiency:g} * F / (F + F_half); "
+                   "F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
+                   f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"],
+        "gpu_link": [f"# effective {link.effective_gbps:g} GB/s per direction per GPU"],
+        "network": [f"# inter-node bandwidth per node {net.node_bandwidth_gbps:g} GB/s "
+                    f"per direction ({net.nics_per_node} x {net.nic.effective_gbps:g})"],
+    }
+
+
+def format_hardware(hw: HardwareSpec) -> str:
+    """Every field of ``hw`` with its unit, YAML-like, plus derived figures as comments."""
+    derived = _derived(hw)
+    lines: list[str] = []
+
+    def emit(mapping: dict, indent: str, parent: str) -> None:
+        for key, value in mapping.items():
+            if isinstance(value, dict):
+                lines.append(f"{indent}{key}:")
+                emit(value, indent + "  ", key)
+                lines.extend(indent + "  " + c for c in derived.get(key, []))
+                continue
+            unit = _unit(parent if parent == "peak_tflops" else key)
+            if key.endswith("_bytes"):
+                unit += f"  # {value / 1e9:g} GB"
+            lines.append(f"{indent}{key}: {_text(value)}" + (f" {unit}" if unit else ""))
+    emit(hardware_to_dict(hw), "", "")
+    return "\n".join(lines)
+
+
+def format_preset_table() -> str:
+    """One line per preset: GPU, GPUs per node, peak, HBM, NVLink and NICs."""
+    header = (f"{'name':<15} {'device':<16} {'gpus/node':>9} {'bf16 TFLOP/s':>12} "
+              f"{'HBM GB':>7} {'HBM GB/s':>8} {'GPU link GB/s':>13} {'NICs x GB/s':>11}")
+    lines = [header]
+    for name in PRESET_NAMES:
+        hw = preset(name)
+        d, net = hw.device, hw.network
+        lines.append(
+            f"{name:<15} {d.name:<16} {hw.node.gpus_per_node:>9} "
+            f"{d.peak_tflops['bf16']:>12g} {d.hbm_bytes / 1e9:>7g} "
+            f"{d.hbm_bandwidth_gbps:>8g} {hw.node.gpu_link.bandwidth_gbps:>13g} "
+            f"{f'{net.nics_per_node} x {net.nic.bandwidth_gbps:g}':>11}")
+    lines.append("(line rates per direction; `vcluster hardware show NAME` for every field)")
+    return "\n".join(lines)
+
+
+def run_list(args) -> int:
+    print(format_preset_table())
+    return 0
+
+
+def run_show(args) -> int:
+    """Print one preset or YAML file; an unknown name raises ValueError listing presets."""
+    print(format_hardware(load_hardware(args.name)))
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``hardware`` (sub-commands ``list`` and ``show``) on ``subparsers``."""
+    parser = subparsers.add_parser(
+        "hardware", help="list and show the hardware presets of the timing model",
+        description="The hardware the timing model simulates: presets built from datasheet "
+                    "figures, or your own YAML file.")
+    commands = parser.add_subparsers(dest="hardware_command", required=True, metavar="ACTION")
+    lister = commands.add_parser("list", help="one line per preset")
+    lister.set_defaults(run=run_list)
+    show = commands.add_parser("show", help="every field of a preset or YAML file, with units")
+    show.add_argument("name", help=f"a preset ({', '.join(PRESET_NAMES)}) or a .yaml file")
+    show.set_defaults(run=run_show)
+    return parser

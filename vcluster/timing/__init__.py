@@ -1,0 +1,29 @@
+"""Timing model: hardware descriptions, collective costs and (later) the SimPy replay.
+
+The engine layer: imports nothing above it (no cli, algorithms or plans) and no pandas or
+matplotlib at import time.
+"""
+
+from .collective_cost import (ALGORITHMS, NCCL_ALGORITHMS, NCCL_BASE_LATENCY_US, Algorithm,
+                              Collective, CollectiveCost, algbw_gbps, bus_factor, busbw_gbps,
+                              collective_cost, collective_time_s)
+from .hardware import (DTYPE_BYTES, DeviceSpec, HardwareSpec, IntraNodeFabric, LinkSpec,
+                       NetworkSpec, NetworkTopology, NodeSpec, canonical_dtype)
+from .nccl_validation import format_validation_table, validate_nccl
+from .presets import (PRESET_NAMES, hardware_from_dict, hardware_to_dict, load_hardware,
+                      preset, read_data_csv)
+
+__all__ = [
+    # hardware
+    "DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec", "IntraNodeFabric",
+    "NetworkTopology", "DTYPE_BYTES", "canonical_dtype",
+    # presets and user hardware
+    "PRESET_NAMES", "preset", "load_hardware", "hardware_from_dict", "hardware_to_dict",
+    "read_data_csv",
+    # collective costs
+    "Collective", "Algorithm", "CollectiveCost", "ALGORITHMS", "NCCL_ALGORITHMS",
+    "NCCL_BASE_LATENCY_US", "collective_cost", "collective_time_s", "bus_factor",
+    "algbw_gbps", "busbw_gbps",
+    # validation
+    "validate_nccl", "format_validation_table",
+]

@@ -1,0 +1,199 @@
+"""Replay symbolic traces on a cost model: :func:`simulate_trace` (and schedules as traces).
+
+    result = simulate_trace(traces, SimpleCostModel(...))   # one DeviceTrace per rank
+    result.step_time_s, result.per_rank, result.summary()
+
+The replay semantics (two streams per rank, collective matching, FIFO links, symmetric
+mode, deadlock errors) are those of :mod:`vcluster.timing.replay`; the time accounting
+(compute, comm, exposed communication, bubble, idle) is defined in
+:mod:`vcluster.timing.results`. :func:`traces_from_schedule` turns a pipeline schedule
+(:class:`pipelining.Schedule`, duck-typed: this engine layer does not import the plans
+layer) into traces so that the replay can be checked against :func:`pipelining.simulate`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import numbers
+import operator
+from operator import itemgetter
+from contextlib import contextmanager
+from typing import Mapping, Sequence
+
+from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
+
+from .costs import CostModel
+from .replay import Replay, ReplayDeadlock
+from .results import RankStats, SimulationResult
+
+__all__ = ["simulate_trace", "traces_from_schedule", "ReplayDeadlock"]
+
+_START = itemgetter(2)                                     # Interval.start_s
+
+
+def _rank_of(value, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"simulate_trace: {what} must be an int rank, got {value!r}")
+    try:
+        r = operator.index(value)
+    except TypeError:
+        raise TypeError(f"simulate_trace: {what} must be an int rank, got {value!r}") from None
+    if r < 0:
+        raise ValueError(f"simulate_trace: {what} must be a rank >= 0, got {r}")
+    return r
+
+
+def _normalise_traces(traces) -> dict[int, tuple]:
+    if isinstance(traces, Mapping):
+        items = list(traces.items())
+    elif isinstance(traces, Sequence) and not isinstance(traces, (str, bytes)):
+        items = [(getattr(t, "rank", None), t) for t in traces]
+    else:
+        raise TypeError(f"simulate_trace: traces must be a mapping rank -> DeviceTrace or a "
+                        f"sequence of DeviceTrace, got {type(traces).__name__}")
+    out: dict[int, tuple] = {}
+    for key, trace in items:
+        if not isinstance(trace, DeviceTrace):
+            raise TypeError(f"simulate_trace: expected DeviceTrace values, got {trace!r:.80}")
+        rank = _rank_of(trace.rank, "DeviceTrace.rank")
+        if key != rank:
+            raise ValueError(f"simulate_trace: traces[{key!r}] holds the trace of rank {rank}")
+        if rank in out:
+            raise ValueError(f"simulate_trace: two traces for rank {rank}")
+        out[rank] = tuple(trace.ops)
+    if not out:
+        raise ValueError("simulate_trace: no traces given (need at least one DeviceTrace)")
+    return dict(sorted(out.items()))
+
+
+def _slowdowns(stragglers, traced, symmetric: bool) -> dict[int, float]:
+    if stragglers is None:
+        return {}
+    if not isinstance(stragglers, Mapping):
+        raise TypeError(f"simulate_trace: stragglers must be a mapping rank -> slowdown "
+                        f"factor, got {stragglers!r}")
+    out = {}
+    for key, factor in stragglers.items():
+        rank = _rank_of(key, "a straggler")
+        if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                or not 0 < factor < math.inf):
+            raise ValueError(f"simulate_trace: straggler rank {rank} needs a finite slowdown "
+                             f"factor > 0 (compute times are multiplied by it), got {factor!r}")
+        if rank not in traced:
+            hint = ("a straggler breaks the symmetry: trace it explicitly (add its "
+                    "DeviceTrace)" if symmetric else "give its DeviceTrace")
+            raise ValueError(f"simulate_trace: straggler rank {rank} has no trace; {hint}; "
+                             f"traced ranks are {sorted(traced)}")
+        out[rank] = float(factor)
+    return out
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector during a replay (restored after, even on error).
+
+    A replay allocates a few objects per op and frees almost none until the end, which
+    makes the collector rescan the growing heap over and over (~40% of the run time).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
+                   costs: CostModel, mesh=None, symmetric: bool = False,
+                   stragglers: Mapping[int, float] | None = None, *,
+                   timeline: bool = True) -> SimulationResult:
+    """Replay ``traces`` on ``costs`` and return step time, per-rank accounting, timelines.
+
+    ``mesh`` (optional, a :class:`mesh.Mesh`): every rank must lie in it and the result
+    stands for ``mesh.size`` devices. ``symmetric``: untraced members of a group mirror its
+    traced members (see :mod:`vcluster.timing.replay`); with every rank traced and identical
+    devices the result equals the full replay. ``stragglers``: ``{rank: slowdown}``
+    multiplies that rank's compute times (the rank must be traced). ``timeline=False``
+    skips recording intervals (faster, less memory).
+
+    Raises :class:`ReplayDeadlock` when some ranks can never finish, ``ValueError`` /
+    ``TypeError`` / :class:`~vcluster.runtime.errors.CollectiveMismatch` on bad traces.
+    """
+    ops = _normalise_traces(traces)
+    if not isinstance(costs, CostModel):
+        raise TypeError(f"simulate_trace: costs must implement CostModel (compute_time_s, "
+                        f"collective_time_s, p2p_time_s), got {costs!r}")
+    limit = None
+    if mesh is not None:
+        limit = _rank_of(getattr(mesh, "size", None), "mesh.size")
+        bad = [r for r in ops if r >= limit]
+        if bad:
+            raise ValueError(f"simulate_trace: traced ranks {bad} are outside {mesh!r} "
+                             f"(valid ranks 0..{limit - 1})")
+    slowdown = _slowdowns(stragglers, ops, bool(symmetric))
+    replay = Replay(ops, costs, symmetric=bool(symmetric), slowdown=slowdown,
+                    record=bool(timeline), limit=limit)
+    with _gc_paused():
+        replay.run()
+        return _result(replay, limit, bool(symmetric))
+
+
+def _result(replay: Replay, limit: int | None, symmetric: bool) -> SimulationResult:
+    ops = replay.traces
+    step = max(max(replay.end_s.values()), replay.last_s)
+    ranks = tuple(ops)
+    stats = tuple(
+        RankStats(rank=r, compute_s=replay.compute_s[r], comm_s=replay.comm_s[r],
+                  exposed_comm_s=replay.exposed_s[r],
+                  bubble_s=replay.bubble_s[r] + (step - replay.end_s[r]),
+                  idle_s=step - replay.compute_s[r], end_s=replay.end_s[r])
+        for r in ranks)
+    if replay.timelines is None:
+        timelines = tuple(() for _ in ranks)
+    else:
+        timelines = tuple(tuple(sorted(replay.timelines[r], key=_START))
+                          for r in ranks)
+    return SimulationResult(step_time_s=step, ranks=ranks, stats=stats, timelines=timelines,
+                            devices=limit if limit is not None else len(ranks),
+                            symmetric=symmetric)
+
+
+def traces_from_schedule(schedule, cost_f: float, cost_b: float, cost_w: float,
+                         nbytes: int = 0) -> tuple[DeviceTrace, ...]:
+    """One :class:`DeviceTrace` per pipeline rank of ``schedule`` (a :class:`pipelining.Schedule`).
+
+    Costs follow :mod:`pipelining.timing`: ``cost_*`` is one micro-batch through a rank's
+    whole share, so a chunk action on a schedule of ``v`` virtual stages has
+    ``flops = cost / v`` (``F``: cost_f, ``B``: cost_b, ``I``: cost_b - cost_w, ``W``:
+    cost_w); replayed with ``flops_per_s = 1`` its duration is that cost. Stage ``s`` lives on
+    rank ``s mod p``. ``F(s, j)`` receives its activation from stage ``s-1`` and sends its
+    output to ``s+1``; ``B/I(s, j)`` receives the gradient from ``s+1`` and sends one to
+    ``s-1``; each message carries ``nbytes`` with tag ``2 (s S' + j) + g`` (``s`` the sending
+    stage, ``S'`` the micro-batch count, ``g`` 0 for activations, 1 for gradients).
+    """
+    p, v, m = schedule.ranks, schedule.virtual_stages, schedule.microbatches
+    stages = p * v
+    dur = {"F": cost_f / v, "B": cost_b / v, "I": (cost_b - cost_w) / v, "W": cost_w / v}
+    tag = lambda s, j, g: 2 * (s * m + j) + g  # noqa: E731
+    traces = []
+    for r, actions in enumerate(schedule.actions):
+        ops: list = []
+        for a in actions:
+            s, j, kind = a.stage, a.microbatch, a.kind.value
+            compute = TraceCompute(str(a), dur[kind], 0)
+            if kind == "F":
+                src, dst, g = s - 1, s + 1, 0
+            elif kind in ("B", "I"):
+                src, dst, g = s + 1, s - 1, 1
+            else:
+                ops.append(compute)
+                continue
+            if 0 <= src < stages and src % p != r:
+                ops.append(TraceRecv(src % p, nbytes, tag(src, j, g)))
+            ops.append(compute)
+            if 0 <= dst < stages and dst % p != r:
+                ops.append(TraceSend(dst % p, nbytes, tag(s, j, g)))
+        traces.append(DeviceTrace(r, tuple(ops)))
+    return tuple(traces)

@@ -1,0 +1,321 @@
+"""Hardware model of a GPU cluster: device, links, node, network — frozen values with units.
+
+Units are in the names: ``*_gbps`` is GB/s = 1e9 bytes/s (nccl-tests' convention, not
+gigabits), ``*_us`` microseconds, ``*_s`` seconds, ``*_bytes`` bytes, ``peak_tflops``
+1e12 FLOP/s. Every preset number and its source live in :mod:`vcluster.timing.presets`.
+
+Compute model of one device (``DeviceSpec``), for a kernel of F FLOPs touching B bytes
+of HBM in dtype d::
+
+    t_compute = F / (peak(d) * e_max)              e_max = gemm_max_efficiency
+    t_memory  = B / (hbm_bandwidth * hbm_efficiency)
+    t         = t_k + max(t_compute, t_memory)     t_k = kernel_overhead_us
+
+so the achieved GEMM efficiency, F / (peak * t) when compute-bound, is the saturating
+curve ``e(F) = e_max * F / (F + F_half)`` with ``F_half = peak * e_max * t_k``: it tends
+to e_max for large GEMMs and is half of it when the ideal time equals the per-kernel
+overhead. A GEMM (m, k) x (k, n) has F = 2mkn and B = (mk + kn + mn) * bytes(d).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import Enum
+from types import MappingProxyType
+
+__all__ = ["DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec",
+           "IntraNodeFabric", "NetworkTopology", "DTYPE_BYTES", "canonical_dtype"]
+
+# Bytes per element of each compute dtype (tf32 is stored as fp32).
+DTYPE_BYTES: Mapping[str, int] = MappingProxyType(
+    {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4})
+_DTYPE_ALIASES: Mapping[str, str] = MappingProxyType(
+    {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+     "float": "fp32", "float8": "fp8"})
+
+
+def canonical_dtype(dtype) -> str:
+    """``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``, ``"fp8"`` from a name or numpy dtype."""
+    name = str(getattr(dtype, "name", dtype)).lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not known; use one of {', '.join(DTYPE_BYTES)} "
+                         f"(or {', '.join(_DTYPE_ALIASES)})")
+    return name
+
+
+class IntraNodeFabric(str, Enum):
+    """How the GPUs of a node reach each other: both are modelled as a non-blocking switch
+    with one port of ``NodeSpec.gpu_link`` bandwidth per GPU."""
+
+    NVSWITCH = "nvswitch"
+    PCIE = "pcie"
+
+
+class NetworkTopology(str, Enum):
+    """Inter-node topology. ``fat_tree``: two levels (leaf, spine); nodes under one leaf
+    switch are 1 switch hop apart, others 3; bandwidth is NIC-limited unless the tree is
+    oversubscribed."""
+
+    FAT_TREE = "fat_tree"
+
+
+def _number(owner, name, *, positive=True, at_most=None, integer=False):
+    value = getattr(owner, name)
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if integer and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 8.0e10 from YAML is a whole number of bytes
+        object.__setattr__(owner, name, value)
+        ok_type = True
+    if isinstance(value, bool) or not ok_type:
+        raise TypeError(f"{name}: expected {kind}, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0) or (
+            at_most is not None and value > at_most):
+        bound = f"in (0, {at_most}]" if at_most is not None else (
+            "> 0" if positive else ">= 0")
+        raise ValueError(f"{name}: must be {bound}, got {value!r}")
+
+
+def _text(owner, name, *, empty_ok=True):
+    value = getattr(owner, name)
+    if not isinstance(value, str) or (not empty_ok and not value.strip()):
+        raise TypeError(f"{name}: expected a non-empty string, got {value!r}")
+
+
+def _enum(owner, name, enum):
+    value = getattr(owner, name)
+    try:
+        object.__setattr__(owner, name, enum(value))
+    except ValueError:
+        raise ValueError(f"{name}: must be one of {', '.join(e.value for e in enum)}, "
+                         f"got {value!r}") from None
+
+
+def _nested(owner, name, cls):
+    if not isinstance(getattr(owner, name), cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {getattr(owner, name)!r}")
+
+
+class _FrozenMap(Mapping):
+    """A read-only, hashable dict with a dict's repr (for ``peak_tflops``)."""
+
+    def __init__(self, items):
+        self._d = dict(items)
+
+    def __getitem__(self, key):
+        return self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self):
+        return len(self._d)
+
+    def __hash__(self):
+        return hash(tuple(sorted(self._d.items())))
+
+    def __repr__(self):
+        return repr(self._d)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One GPU: peak FLOP/s per dtype, HBM, and the achieved-efficiency constants."""
+
+    name: str
+    peak_tflops: Mapping[str, float]  # dense (no sparsity) tensor-core peak per dtype
+    hbm_bytes: int                    # HBM capacity, decimal bytes as on the datasheet
+    hbm_bandwidth_gbps: float         # datasheet HBM bandwidth
+    gemm_max_efficiency: float        # e_max: best achieved GEMM FLOP/s / peak
+    kernel_overhead_us: float         # t_k: fixed cost of one kernel (launch, ramp, tail)
+    hbm_efficiency: float             # achieved / datasheet HBM bandwidth
+    source: str = ""
+
+    def __post_init__(self):
+        _text(self, "name", empty_ok=False)
+        if not isinstance(self.peak_tflops, Mapping) or not self.peak_tflops:
+            raise TypeError(f"peak_tflops: expected a mapping dtype -> TFLOP/s, "
+                            f"got {self.peak_tflops!r}")
+        peaks = {}
+        for dtype, tflops in self.peak_tflops.items():
+            try:
+                key = canonical_dtype(dtype)
+            except ValueError as exc:
+                raise ValueError(f"peak_tflops.{dtype}: {exc}") from None
+            if isinstance(tflops, bool) or not isinstance(tflops, (int, float)) or not (
+                    math.isfinite(tflops) and tflops > 0):
+                raise ValueError(f"peak_tflops.{dtype}: must be a number > 0, got {tflops!r}")
+            peaks[key] = float(tflops)
+        object.__setattr__(self, "peak_tflops", _FrozenMap(peaks))
+        _number(self, "hbm_bytes", integer=True)
+        _number(self, "hbm_bandwidth_gbps")
+        _number(self, "gemm_max_efficiency", at_most=1)
+        _number(self, "kernel_overhead_us", positive=False)
+        _number(self, "hbm_efficiency", at_most=1)
+        _text(self, "source")
+
+    def peak_flops(self, dtype) -> float:
+        """Datasheet peak FLOP/s of ``dtype``."""
+        key = canonical_dtype(dtype)
+        if key not in self.peak_tflops:
+            raise ValueError(f"{self.name} has no peak for dtype {key!r}; "
+                             f"known: {', '.join(self.peak_tflops)}")
+        return self.peak_tflops[key] * 1e12
+
+    def gemm_half_efficiency_flops(self, dtype) -> float:
+        """F_half = peak * e_max * t_k: the GEMM size (FLOPs) that reaches e_max / 2."""
+        return self.peak_flops(dtype) * self.gemm_max_efficiency * self.kernel_overhead_us * 1e-6
+
+    def gemm_efficiency(self, m: int, k: int, n: int, dtype) -> float:
+        """Achieved / peak FLOP/s of a compute-bound GEMM: e_max * F / (F + F_half)."""
+        flops = 2.0 * _dims(m, k, n)
+        if flops == 0:
+            return 0.0
+        return self.gemm_max_efficiency * flops / (flops + self.gemm_half_efficiency_flops(dtype))
+
+    def compute_time_s(self, flops: float, nbytes: float, dtype) -> float:
+        """One kernel: t_k + max(F / (peak * e_max), B / (hbm_bandwidth * hbm_efficiency))."""
+        if flops < 0 or nbytes < 0:
+            raise ValueError(f"flops and nbytes must be >= 0, got {flops!r} and {nbytes!r}")
+        if flops == 0 and nbytes == 0:
+            return 0.0
+        compute_s = flops / (self.peak_flops(dtype) * self.gemm_max_efficiency)
+        return self.kernel_overhead_us * 1e-6 + max(compute_s, self._memory_s(nbytes))
+
+    def matmul_time_s(self, m: int, k: int, n: int, dtype) -> float:
+        """(m, k) x (k, n): 2mkn / (peak * gemm_efficiency), floored by the memory-bound
+        time t_k + (mk + kn + mn) * bytes(dtype) / achieved HBM bandwidth."""
+        if _dims(m, k, n) == 0:
+            return 0.0  # an empty GEMM launches nothing
+        nbytes = (m * k + k * n + m * n) * DTYPE_BYTES[canonical_dtype(dtype)]
+        return self.compute_time_s(2.0 * m * k * n, nbytes, dtype)
+
+    def elementwise_time_s(self, nbytes: float) -> float:
+        """A memory-bound kernel reading and writing ``nbytes`` in total: t_k + B / bw."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+        return 0.0 if nbytes == 0 else self.kernel_overhead_us * 1e-6 + self._memory_s(nbytes)
+
+    def _memory_s(self, nbytes: float) -> float:
+        return nbytes / (self.hbm_bandwidth_gbps * 1e9 * self.hbm_efficiency)
+
+
+def _dims(m, k, n) -> int:
+    for name, v in (("m", m), ("k", k), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"GEMM dimension {name} must be an integer >= 0, got {v!r}")
+    return m * k * n
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One direction of a link: line rate, NCCL's per-step latency over it, and the
+    fraction of the line rate that NCCL achieves (``effective_gbps``)."""
+
+    bandwidth_gbps: float  # line rate per direction
+    latency_us: float      # alpha: latency of one NCCL step (Simple protocol) over it
+    efficiency: float = 1.0  # achieved / line rate
+    source: str = ""
+
+    def __post_init__(self):
+        _number(self, "bandwidth_gbps")
+        _number(self, "latency_us", positive=False)
+        _number(self, "efficiency", at_most=1)
+        _text(self, "source")
+
+    @property
+    def effective_gbps(self) -> float:
+        """Achieved bandwidth per direction: bandwidth_gbps * efficiency."""
+        return self.bandwidth_gbps * self.efficiency
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node of ``gpus_per_node`` GPUs; ``gpu_link`` is one GPU's port on the intra-node
+    switch (all its NVLinks together, per direction)."""
+
+    gpus_per_node: int
+    gpu_link: LinkSpec
+    fabric: IntraNodeFabric = IntraNodeFabric.NVSWITCH
+    source: str = ""
+
+    def __post_init__(self):
+        _number(self, "gpus_per_node", integer=True)
+        _nested(self, "gpu_link", LinkSpec)
+        _enum(self, "fabric", IntraNodeFabric)
+        _text(self, "source")
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """Inter-node network: ``nics_per_node`` NICs of ``nic`` each, on a fat tree.
+
+    GPU i of a node is nearest to NIC ``i * nics_per_node // gpus_per_node`` (rails).
+    An inter-node step's latency is ``nic.latency_us + (hops - 1) * switch_latency_us``
+    with 1 hop under one leaf switch and 3 across the spine; traffic that crosses the
+    spine gets ``1 / oversubscription`` of the NIC bandwidth.
+    """
+
+    nics_per_node: int
+    nic: LinkSpec
+    topology: NetworkTopology = NetworkTopology.FAT_TREE
+    nodes_per_leaf_switch: int = 1
+    switch_latency_us: float = 0.0
+    oversubscription: float = 1.0
+    source: str = ""
+
+    def __post_init__(self):
+        _number(self, "nics_per_node", integer=True)
+        _nested(self, "nic", LinkSpec)
+        _enum(self, "topology", NetworkTopology)
+        _number(self, "nodes_per_leaf_switch", integer=True)
+        _number(self, "switch_latency_us", positive=False)
+        _number(self, "oversubscription")
+        if self.oversubscription < 1:
+            raise ValueError(f"oversubscription: must be >= 1 (1 = non-blocking), "
+                             f"got {self.oversubscription!r}")
+        _text(self, "source")
+
+    @property
+    def node_bandwidth_gbps(self) -> float:
+        """Achieved inter-node bandwidth of one node, per direction: NICs x effective."""
+        return self.nics_per_node * self.nic.effective_gbps
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A cluster of identical nodes: rank r lives on node ``r // gpus_per_node``."""
+
+    name: str
+    device: DeviceSpec
+    node: NodeSpec
+    network: NetworkSpec
+    source: str = ""
+
+    def __post_init__(self):
+        _text(self, "name", empty_ok=False)
+        _nested(self, "device", DeviceSpec)
+        _nested(self, "node", NodeSpec)
+        _nested(self, "network", NetworkSpec)
+        _text(self, "source")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.node.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node that holds global rank ``rank``."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        return rank // self.node.gpus_per_node
+
+    def with_nics_per_node(self, nics: int) -> "HardwareSpec":
+        """The same cluster with ``nics`` NICs per node (named ``<name>-<nics>nic``)."""
+        if nics == self.network.nics_per_node:
+            return self
+        return replace(self, name=f"{self.name}-{nics}nic",
+                       network=replace(self.network, nics_per_node=nics))
+

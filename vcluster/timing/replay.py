@@ -1,0 +1,409 @@
+"""The SimPy replay of symbolic traces (:mod:`vcluster.runtime.tracing.ops`).
+
+Every traced rank has a **compute stream** (one SimPy process running its ops in order)
+and a **communication stream** (a FIFO of its asynchronous collectives). Semantics:
+
+* ``TraceCompute`` runs for ``costs.compute_time_s(op) * slowdown[rank]``.
+* A collective call is matched across the members of ``op.group`` by its order among the
+  member's calls on that group (the k-th call of a on G matches the k-th call of b on G).
+  A member *arrives* at a blocking call when its compute stream reaches it, and at an
+  asynchronous call (``handle`` set) when its communication stream reaches it (the stream
+  runs one collective at a time, in issue order). The collective starts when the last
+  member arrives and lasts ``costs.collective_time_s(op, concurrent)``, ``concurrent``
+  being 1 + the most other collectives in flight at that instant on any one member (ties at
+  one instant all count each other). A blocking call holds the compute stream until the
+  end; ``TraceWait(handle)`` holds it until that collective's end; collectives still
+  un-waited when a trace ends are waited for there (a stream synchronise ends the step).
+* ``TraceSend`` does not block: the transfer starts at ``max(send time, link free)`` on the
+  link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``.
+  ``TraceRecv`` completes at ``max(receive reached, transfer end)`` of the matching send
+  (same ``(src, dst, tag)``, in order).
+* **Symmetric mode**: a group may hold untraced ranks; they are assumed to mirror the
+  traced members (to arrive when they arrive), so a collective waits only for its traced
+  members. Sends to untraced ranks occupy their link and are dropped; receiving from an
+  untraced rank is an error (trace one representative per pipeline stage).
+
+How time advances. A rank's process keeps a local clock ``t >= env.now`` and runs compute
+ops, sends, and receives / waits whose data is already known without yielding: their
+times follow from max-plus arithmetic. It yields only when it needs a fact not yet known
+(a send not yet issued, a collective not yet started). Every fact is registered at an
+environment time no later than its own timestamp, so collective starts, which need the
+set of collectives in flight, are processed at their exact instant: by one event of
+priority :data:`LATE` per instant, after every other event of that instant.
+
+If the environment runs out of events while a rank has ops left, :class:`ReplayDeadlock`
+names every stuck rank and what it waits for.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import simpy
+from simpy.events import NORMAL, Event
+
+from vcluster.runtime.errors import CollectiveMismatch, VClusterError
+from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
+    TraceWait
+
+from .replay_state import Call, GroupInfo, cost_value, describe_call, describe_recv
+from .results import Interval, Stream
+
+__all__ = ["ReplayDeadlock", "Replay", "LATE"]
+
+#: Event priority after SimPy's URGENT (0) and NORMAL (1): a collective start at instant t
+#: is decided once every other event of instant t has run.
+LATE = NORMAL + 1
+
+_COMPUTE, _COMM, _P2P, _WAIT = Stream.COMPUTE, Stream.COMM, Stream.P2P, Stream.WAIT
+_new = tuple.__new__                                       # Interval without its __new__ wrapper
+
+
+class ReplayDeadlock(VClusterError):
+    """The replay ran out of events with ranks still holding ops.
+
+    ``stuck`` maps each stuck rank to what it waits for; ``now_s`` is the time it stopped.
+    """
+
+    def __init__(self, now_s: float, stuck: dict[int, str]):
+        self.now_s, self.stuck = now_s, dict(stuck)
+        lines = "\n".join(f"  rank {r}: {why}" for r, why in sorted(stuck.items()))
+        super().__init__(f"replay deadlock at t={now_s:.9g} s: {len(stuck)} rank(s) can never "
+                         f"finish (stuck ranks {sorted(stuck)}):\n{lines}")
+
+
+class _Late(Event):
+    """An already-triggered event processed at ``now + delay`` with priority :data:`LATE`."""
+
+    def __init__(self, env: simpy.Environment, delay: float, value):
+        super().__init__(env)
+        self._ok = True
+        self._value = value
+        env.schedule(self, LATE, delay)
+
+
+class Replay:
+    """One replay: its own ``simpy.Environment`` and all state (nothing is shared).
+
+    ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
+    whether to keep timelines. Call :meth:`run` once; it fills ``end_s``, ``compute_s``,
+    ``exposed_s``, ``bubble_s`` (blocked part only), ``comm_s``, ``timelines``, ``last_s``.
+    """
+
+    def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
+                 record: bool, limit: int | None = None):
+        self.env = simpy.Environment()
+        self.traces, self.costs, self.symmetric = traces, costs, symmetric
+        self.slowdown, self.limit = slowdown, limit
+        ranks = list(traces)
+        self.groups: dict[tuple, GroupInfo] = {}
+        self.open_calls: dict[tuple, Call] = {}            # (group, k) -> call
+        self.call_count = {r: {} for r in ranks}           # rank -> {group: calls so far}
+        self.batches: dict[float, list[Call]] = {}         # start instant -> calls
+        self.inflight = {r: [] for r in ranks}             # rank -> end times
+        self.queue = {r: deque() for r in ranks}           # comm stream: (call, issued at)
+        self.stream_busy = dict.fromkeys(ranks, False)
+        self.handles = {r: {} for r in ranks}              # rank -> {handle: call}
+        self.links: dict[tuple, tuple] = {}                # (src, dst) -> (free, busy since)
+        self.history = {r: deque() for r in ranks}         # async calls, issue order
+        self.mail: dict[tuple, deque] = {}                 # (src, dst, tag) -> transfers
+        self.recv_waiters: dict[tuple, Event] = {}
+        self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
+        self.compute_cache: dict = {}
+        self.p2p_cache: dict = {}
+        self.comm_s = dict.fromkeys(ranks, 0.0)
+        self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
+        self.timelines = {r: [] for r in ranks} if record else None
+        self.last_s = 0.0
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> None:
+        procs = {r: self.env.process(self._rank(r)) for r in self.traces}
+        try:
+            self.env.run()
+        except Exception as exc:                           # SimPy re-raises a copy of the
+            original = exc.__cause__                       # process's error: raise the original
+            if type(original) is type(exc):
+                raise original from None
+            raise
+        stuck = {r: self._why_stuck(r) for r, p in procs.items() if p.is_alive}
+        if stuck:
+            raise ReplayDeadlock(self.env.now, stuck)
+
+    # ------------------------------------------------------------------ compute stream
+    def _rank(self, rank: int):
+        ops = self.traces[rank]
+        slow = self.slowdown.get(rank, 1.0)
+        tl = self.timelines[rank] if self.timelines is not None else None
+        cache, costs = self.compute_cache, self.costs
+        handles, mail = self.handles[rank], self.mail
+        t = busy = exposed = bubble = 0.0
+        i, n = 0, len(ops)
+        drain = None
+        while True:
+            if i < n:
+                op = ops[i]
+                cls = op.__class__
+                if cls is TraceCompute:
+                    d = cache.get(op)
+                    if d is None:
+                        d = cache[op] = cost_value(costs.compute_time_s(op), "compute_time_s",
+                                                   op)
+                    if slow != 1.0:
+                        d *= slow
+                    if tl is not None:
+                        tl.append(_new(Interval, (i, op, t, t + d, _COMPUTE)))
+                    t += d
+                    busy += d
+                    i += 1
+                    continue
+                if cls is TraceSend:
+                    self._send(rank, i, op, t)
+                    i += 1
+                    continue
+                if cls is TraceRecv:
+                    key = (op.peer, rank, op.tag)
+                    q = mail.get(key)
+                    if q:
+                        start, end, nbytes, since = q.popleft()
+                    else:
+                        self._check_peer(rank, i, op, sending=False)
+                        ev = self.recv_waiters[key] = self.env.event()
+                        self.waiting[rank] = (i, op, None)
+                        start, end, nbytes, since = yield ev
+                        del self.waiting[rank]
+                    if nbytes != op.nbytes:
+                        raise ValueError(
+                            f"rank {rank} op #{i} {op!r}: the matching send of rank {op.peer} "
+                            f"(tag {op.tag}) carries {nbytes} bytes, not {op.nbytes}")
+                    self.comm_s[rank] += end - start
+                    if tl is not None:
+                        tl.append(_new(Interval, (i, op, start, end, _P2P)))
+                elif cls is TraceCollective:
+                    call = self._issue(rank, i, op, t)
+                    if op.handle is not None:
+                        i += 1
+                        continue
+                elif cls is TraceWait:
+                    call = handles.pop(op.handle, None)
+                    if call is None:
+                        raise ValueError(
+                            f"rank {rank} op #{i} {op!r}: no asynchronous collective with "
+                            f"handle {op.handle} is outstanding (outstanding: "
+                            f"{sorted(handles)})")
+                else:
+                    raise TypeError(f"rank {rank} op #{i}: expected a trace op (TraceCompute, "
+                                    f"TraceCollective, TraceSend, TraceRecv, TraceWait), got "
+                                    f"{op!r}")
+            else:                                          # end: wait for un-waited handles
+                if drain is None:
+                    drain = list(handles.values())
+                    handles.clear()
+                if not drain:
+                    break
+                cls, op, call = None, None, drain.pop(0)
+            if cls is not TraceRecv:
+                if call.end_s is None:
+                    self.waiting[rank] = (i, op, call)
+                    yield call.done
+                    del self.waiting[rank]
+                since, end = call.start_s, call.end_s
+            if end > t:                                    # blocked over [t, end]
+                if cls is TraceCollective or cls is TraceRecv:
+                    ex = end - (since if since > t else t)
+                else:
+                    ex = self._stream_overlap(rank, call, t, end)
+                exposed += ex
+                bubble += (end - t) - ex
+                if tl is not None:
+                    tl.append(_new(Interval, (i, op, t, end, _WAIT)))
+                t = end
+            if i < n:
+                i += 1
+        self.end_s[rank], self.compute_s[rank] = t, busy
+        self.exposed_s[rank], self.bubble_s[rank] = exposed, bubble
+
+    # ------------------------------------------------------------------ point to point
+    def _check_peer(self, rank: int, i: int, op, sending: bool) -> None:
+        peer = op.peer
+        if peer == rank:
+            raise ValueError(f"rank {rank} op #{i} {op!r}: a rank cannot "
+                             f"{'send to' if sending else 'receive from'} itself")
+        if self.limit is not None and not 0 <= peer < self.limit:
+            raise ValueError(f"rank {rank} op #{i} {op!r}: peer {peer} is outside the mesh "
+                             f"(valid ranks 0..{self.limit - 1})")
+        if peer not in self.traces and (not self.symmetric or not sending):
+            hint = ("trace one representative per pipeline stage so that every receive's "
+                    "peer is traced" if self.symmetric else
+                    "pass every rank's trace, or symmetric=True to let untraced ranks mirror "
+                    "traced ones")
+            verb = "sends to" if sending else "receives from"
+            raise ValueError(f"rank {rank} op #{i} {op!r} {verb} rank {peer}, which has no "
+                             f"trace; {hint}")
+
+    def _send(self, rank: int, i: int, op, t: float) -> None:
+        dst = op.peer
+        link = (rank, dst)
+        state = self.links.get(link)
+        if state is None:
+            self._check_peer(rank, i, op, sending=True)
+            state = (-1.0, 0.0)
+        free, since = state
+        pkey = (rank, dst, op.nbytes)
+        d = self.p2p_cache.get(pkey)
+        if d is None:
+            d = self.p2p_cache[pkey] = cost_value(
+                self.costs.p2p_time_s(rank, dst, op.nbytes), "p2p_time_s", op)
+        if t > free:
+            start = since = t                              # the link was idle: a new busy run
+        else:
+            start = free                                   # queued: the link's busy run goes on
+        end = start + d
+        self.links[link] = (end, since)
+        self.comm_s[rank] += d
+        if end > self.last_s:
+            self.last_s = end
+        if self.timelines is not None:
+            self.timelines[rank].append(_new(Interval, (i, op, start, end, _P2P)))
+        if dst in self.traces:
+            key = (rank, dst, op.tag)
+            ev = self.recv_waiters.pop(key, None)
+            if ev is not None:
+                ev.succeed((start, end, op.nbytes, since))
+            else:
+                self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
+
+    # ------------------------------------------------------------------ collectives
+    def _group(self, rank: int, i: int, op) -> GroupInfo:
+        info = GroupInfo.build(op.group, self.traces, self.symmetric, self.limit,
+                               f"rank {rank} op #{i} {op!r}")
+        self.groups[op.group] = info
+        return info
+
+    def _issue(self, rank: int, i: int, op, t: float) -> Call:
+        group = op.group
+        info = self.groups.get(group) or self._group(rank, i, op)
+        pos = info.position.get(rank)
+        if pos is None:
+            raise ValueError(f"rank {rank} op #{i} {op!r}: rank {rank} is not a member of "
+                             f"group {group}")
+        counts = self.call_count[rank]
+        k = counts.get(group, 0)
+        counts[group] = k + 1
+        call = self.open_calls.get((group, k))
+        if call is None:
+            call = self.open_calls[(group, k)] = Call(info, k, op, pos, self.env.event())
+        else:
+            first = call.op
+            if op is not first and (op.collective != first.collective or op.root != first.root
+                                    or op.algorithm != first.algorithm):
+                other = next(iter(call.calls))
+                raise CollectiveMismatch(
+                    f"call #{k} on group {group}: rank {rank} (op #{i}) calls "
+                    f"{op.collective}(root={op.root}, algorithm={op.algorithm!r}) but rank "
+                    f"{other} (op #{call.calls[other][0]}) calls {first.collective}"
+                    f"(root={first.root}, algorithm={first.algorithm!r})")
+            if pos < call.pos:
+                call.op, call.pos = op, pos
+        call.calls[rank] = (i, op)
+        if op.handle is None:
+            self._arrive(call, t)
+            return call
+        handles = self.handles[rank]
+        if op.handle in handles:
+            raise ValueError(f"rank {rank} op #{i} {op!r}: handle {op.handle} is still "
+                             f"outstanding (wait for it before reusing it)")
+        handles[op.handle] = call
+        call.async_ranks.append(rank)
+        self.history[rank].append(call)
+        if self.stream_busy[rank]:
+            self.queue[rank].append((call, t))
+        else:
+            self.stream_busy[rank] = True
+            self._arrive(call, t)
+        return call
+
+    def _arrive(self, call: Call, t: float) -> None:
+        call.arrived += 1
+        if t > call.ready_s:
+            call.ready_s = t
+        if call.arrived < len(call.info.traced):
+            return
+        del self.open_calls[(call.info.group, call.k)]
+        s = call.ready_s
+        batch = self.batches.get(s)
+        if batch is None:
+            self.batches[s] = [call]
+            delay = s - self.env.now
+            _Late(self.env, delay if delay > 0.0 else 0.0, s).callbacks.append(self._start)
+        else:
+            batch.append(call)
+
+    def _start(self, event: Event) -> None:
+        """Start every collective of instant ``t`` together (they count each other)."""
+        t = event.value
+        batch = self.batches.pop(t)
+        inflight, price = self.inflight, self.costs.collective_time_s
+        if len(batch) == 1:
+            load = dict.fromkeys(batch[0].info.traced, 1)
+        else:
+            load = {}
+            for call in batch:
+                for m in call.info.traced:
+                    load[m] = load.get(m, 0) + 1
+        for m in load:
+            ends = inflight[m]
+            if ends:
+                inflight[m] = ends = [e for e in ends if e > t]
+            load[m] += len(ends)                           # in flight on m, batch included
+        durations = [cost_value(price(call.op, max(map(load.__getitem__, call.info.traced))),
+                                "collective_time_s", call.op) for call in batch]
+        tls, comm_s, env, end_call = self.timelines, self.comm_s, self.env, self._end
+        for call, d in zip(batch, durations):
+            call.start_s, end = t, t + d
+            call.end_s = end
+            if end > self.last_s:
+                self.last_s = end
+            for m in call.info.traced:
+                inflight[m].append(end)
+                comm_s[m] += d
+            if tls is not None:
+                for m, (i, op) in call.calls.items():
+                    tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
+            env.timeout(d, call).callbacks.append(end_call)
+
+    def _end(self, event: Event) -> None:
+        call = event.value
+        call.done.succeed()
+        for m in call.async_ranks:                         # next collective of the stream
+            q = self.queue[m]
+            if q:
+                nxt, issued = q.popleft()
+                self._arrive(nxt, issued if issued > call.end_s else call.end_s)
+            else:
+                self.stream_busy[m] = False
+
+    def _stream_overlap(self, rank: int, call: Call, b: float, e: float) -> float:
+        """Time of [b, e] during which ``call`` or a collective ahead of it on the stream runs."""
+        hist = self.history[rank]
+        while hist and hist[0] is not call and hist[0].end_s is not None \
+                and hist[0].end_s <= b:
+            hist.popleft()                                 # ended before b: never counts again
+        total = 0.0
+        for c in hist:                                     # all ahead of call have started
+            lo = c.start_s if c.start_s > b else b
+            hi = c.end_s if c.end_s < e else e
+            if hi > lo:
+                total += hi - lo
+            if c is call:
+                break
+        return total
+
+    # ------------------------------------------------------------------ deadlock report
+    def _why_stuck(self, rank: int) -> str:
+        i, op, call = self.waiting.get(rank, (None, None, None))
+        if i is None:
+            return "stopped without waiting (internal error)"
+        if call is None:
+            return describe_recv(rank, i, op, self.traces, self.waiting)
+        return describe_call(rank, i, op, call, self.queue, self.traces, self.waiting)

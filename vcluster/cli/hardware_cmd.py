@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import MappingProxyType
 
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardware, preset
@@ -20,11 +21,11 @@ from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardwar
 __all__ = ["add_parser", "run_list", "run_show", "format_hardware", "format_preset_table"]
 
 _UNITS = (("_gbps", "GB/s"), ("_us", "us"), ("_bytes", "B"), ("peak_tflops", "TFLOP/s"))
-_LABELS = {"gpus_per_node": "GPUs", "nics_per_node": "NICs", "nodes_per_leaf_switch": "nodes",
-           "gemm_max_efficiency": "(fraction of peak)",
-           "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
-           "efficiency": "(fraction of bandwidth_gbps)",
-           "oversubscription": "(1 = non-blocking)"}
+_LABELS = MappingProxyType({
+    "gpus_per_node": "GPUs", "nics_per_node": "NICs", "nodes_per_leaf_switch": "nodes",
+    "gemm_max_efficiency": "(fraction of peak)",
+    "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
+    "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)"})
 
 
 def _unit(key: str) -> str:

@@ -25,13 +25,20 @@ different tags may be received in any order.
 
 ``send_buffered`` copies the payload and returns at once; the channel keeps the copy
 alive until the receiver has taken it, so a program may post its sends before its
-receives in any order without deadlock. The channel is thread-safe (a device's
-communication thread and its program share it).
+receives in any order without deadlock. When all K slots of a pair hold messages the
+receiver has not taken, further buffered sends wait in a local overflow queue, in
+order, and are posted as slots free up — by the next send or by any wait of this device
+(``Fabric.pump``); and a receiver that finds a pair's mailbox full of messages it does
+not want yet copies the oldest out into a local unexpected-message store (as MPI
+implementations do), freeing the slot. So sends are buffered without bound.
+
+The channel is thread-safe (a device's communication thread and its program share it).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import numpy as np
 
@@ -99,6 +106,20 @@ class Incoming:
         f.wake(f.mailbox, (self.src, f.rank, self._slot, S.STATE))
 
 
+class _Received:
+    """A message already copied out of the mailbox (see ``VirtualChannel._set_aside``)."""
+
+    def __init__(self, src: int, data: np.ndarray):
+        self.src, self._data = src, data
+        self.dtype, self.shape, self.nbytes = data.dtype, data.shape, data.nbytes
+
+    def view(self) -> np.ndarray:
+        return self._data
+
+    def release(self) -> None:
+        pass
+
+
 class VirtualChannel:
     """The mailboxes of one device: sends from it and receives into it."""
 
@@ -109,6 +130,9 @@ class VirtualChannel:
         self._sent = [0] * n                 # last message number posted to each dst
         self._taken: list[set[int]] = [set() for _ in range(n)]   # taken, not yet released
         self._buffered: list[SendHandle] = []    # buffered sends not yet taken
+        self._overflow: dict[int, deque] = {}    # dst -> (kind, tag, copy) not yet posted
+        self._unexpected: dict[tuple, deque] = {}   # (src, kind, tag) -> messages set aside
+        self._in_post = False
         # Sending and receiving state have separate locks: a sender waiting for a free
         # slot must never stop this device's other thread from receiving.
         self._send_lock = threading.RLock()
@@ -121,15 +145,57 @@ class VirtualChannel:
             self._sent = [0] * n
             self._taken = [set() for _ in range(n)]
             self._buffered = []
+            self._overflow = {}
+            self._unexpected = {}
+            self._f.pump = None
 
-    def send_buffered(self, dst: int, kind: int, tag: int, array: np.ndarray) -> SendHandle:
-        """Send a private copy of ``array``; completes without waiting for the receiver."""
+    def send_buffered(self, dst: int, kind: int, tag: int, array: np.ndarray) -> None:
+        """Send a private copy of ``array``; never waits for the receiver."""
         with self._send_lock:
             self._buffered = [h for h in self._buffered if not h.is_completed()]
-            handle = self.isend(dst, kind, tag, array, copy=True)
+            self._pump(dst)
+            if self._overflow.get(dst) or not self._has_free_slot(dst):
+                self._overflow.setdefault(dst, deque()).append((kind, tag, array.copy()))
+                self._f.pump = self.pump
+                return
+            handle = self._post(dst, kind, tag, array, True)
             if not handle.is_completed():
                 self._buffered.append(handle)
-        return handle
+
+    def _has_free_slot(self, dst: int) -> bool:
+        f = self._f
+        return 0 in f.mailbox[f.rank, dst, :, S.STATE].tolist()
+
+    def _pump(self, dst: int) -> None:
+        """Post queued overflow messages to ``dst`` while slots are free (send lock held)."""
+        queue = self._overflow.get(dst)
+        while queue and self._has_free_slot(dst):
+            kind, tag, copy = queue.popleft()
+            handle = self._post(dst, kind, tag, copy, True)
+            if not handle.is_completed():
+                self._buffered.append(handle)
+        if queue is not None and not queue:
+            del self._overflow[dst]
+        if not self._overflow:
+            self._f.pump = None
+
+    def flush(self) -> None:
+        """Post every queued overflow message, waiting for slots (end of a program)."""
+        with self._send_lock:
+            for dst in list(self._overflow):
+                while self._overflow.get(dst):
+                    self._post_overflow_blocking(dst)
+
+    def pump(self) -> None:
+        """Post what overflow messages fit now (called from this device's waits)."""
+        if self._in_post or not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            if not self._in_post:
+                for dst in list(self._overflow):
+                    self._pump(dst)
+        finally:
+            self._send_lock.release()
 
     # --- sending --------------------------------------------------------------------
     def isend(self, dst: int, kind: int, tag: int, array: np.ndarray,
@@ -137,9 +203,29 @@ class VirtualChannel:
         """Post ``array`` to ``dst``; zero-copy when it lives in this device's arena and
         ``copy`` is false (then the caller must keep it unchanged until ``wait()``)."""
         with self._send_lock:
+            while self._overflow.get(dst):      # keep the order of earlier buffered sends
+                self._post_overflow_blocking(dst)
             return self._post(dst, kind, tag, array, copy)
 
+    def _post_overflow_blocking(self, dst: int) -> None:
+        queue = self._overflow[dst]
+        kind, tag, copy = queue.popleft()
+        if not queue:
+            del self._overflow[dst]
+        handle = self._post(dst, kind, tag, copy, True)
+        if not handle.is_completed():
+            self._buffered.append(handle)
+        self._pump(dst)
+
     def _post(self, dst: int, kind: int, tag: int, array: np.ndarray, copy: bool) -> SendHandle:
+        self._in_post = True
+        try:
+            return self._post_now(dst, kind, tag, array, copy)
+        finally:
+            self._in_post = False
+
+    def _post_now(self, dst: int, kind: int, tag: int, array: np.ndarray,
+                  copy: bool) -> SendHandle:
         f, me = self._f, self._f.rank
         if array.ndim > MAX_NDIM:
             raise ValueError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent "
@@ -200,12 +286,20 @@ class VirtualChannel:
                 return scan()
 
         def scan():
+            early = self._unexpected.get((src, kind, tag))
+            if early:
+                found.append(early.popleft())
+                if not early:
+                    del self._unexpected[(src, kind, tag)]
+                return None
             last = int(f.posted[src, me])
             taken = self._taken[src]
             box = f.mailbox[src, me]
             states = box[:, S.STATE].tolist()
             taken.intersection_update(states)    # forget messages released since
-            for q, slot in sorted(zip(states, range(self._k))):   # oldest first
+            candidates = sorted((q, slot) for slot, q in enumerate(states)
+                                if q and q not in taken)              # oldest first
+            for q, slot in candidates:
                 if q == 0 or q in taken:
                     continue
                 words = box[slot]
@@ -221,10 +315,24 @@ class VirtualChannel:
                 found.append(Incoming(f, src, slot, words))
                 taken.add(q)
                 return None
+            if candidates and 0 not in states:
+                # The pair's mailbox is full of messages this receive does not want:
+                # move them into local memory so the sender can post more.
+                for q, slot in candidates:
+                    self._set_aside(src, q, slot)
+                return (posted_addr, -1)        # scan again at once
             return (posted_addr, last)
 
         f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})")
         return found[0]
+
+    def _set_aside(self, src: int, q: int, slot: int) -> None:
+        """Copy message q out of its slot into the unexpected-message store, free the slot."""
+        words = self._f.mailbox[src, self._f.rank, slot]
+        msg = Incoming(self._f, src, slot, words)
+        key = (src, int(words[S.KIND]), int(words[S.TAG]))
+        self._unexpected.setdefault(key, deque()).append(_Received(src, msg.view().copy()))
+        msg.release()
 
     def recv_into(self, src: int, kind: int, tag: int, what: str,
                   out: np.ndarray | None, alloc) -> np.ndarray:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import operator
 import time
+from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
@@ -55,6 +57,17 @@ def _local(collective: str, x, out, op=None, root=0, dim=0, **_):
     return res
 
 
+@dataclass(eq=False)
+class _RecvRequest:
+    """A posted receive: filled by whichever wait reaches it first."""
+
+    src: int
+    tag: int
+    out: object
+    done: bool = False
+    result: object = None
+
+
 class EmulatedDevice:
     """The ``dev`` a per-device program receives on a :class:`VirtualCluster`."""
 
@@ -70,6 +83,7 @@ class EmulatedDevice:
         self._seq = [0] * (1 << len(mesh.axes))
         self._run_base = list(self._seq)
         self._queue = CommQueue(rank)
+        self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
 
     def __repr__(self) -> str:
         return f"EmulatedDevice(rank={self.rank}, index={self.index!r})"
@@ -145,6 +159,7 @@ class EmulatedDevice:
     def reset(self) -> None:
         """Forget call numbers (the host zeroes the shared counters at the same time)."""
         self._seq = [0] * len(self._seq)
+        self._posted_recvs = {}
         self._run_base = list(self._seq)
 
     def begin_run(self) -> None:
@@ -191,8 +206,10 @@ class EmulatedDevice:
         return Work(self._f.check_abort, future=self._queue.submit(thunk)).wait()
 
     def synchronize(self) -> None:
-        """Wait for every queued operation (the end of each run does this)."""
+        """Wait for every queued operation and post every buffered send (the end of each
+        run does this, so no message is left behind in this process)."""
         self._queue.drain(self._f.check_abort)
+        self._channel.flush()
 
     def close(self) -> None:
         self._queue.shutdown()
@@ -315,7 +332,38 @@ class EmulatedDevice:
         return Work(self._f.check_abort, after=finish)
 
     def recv(self, src: int, tag: int = 0, *, out=None):
-        src, tag = self._peer(src, "recv"), self._tag(tag)
+        """Receive the next message from ``src`` with ``tag`` (after earlier irecvs)."""
+        return self._complete(self._post_recv(src, tag, out, "recv"))
+
+    def irecv(self, src: int, tag: int = 0, *, out=None) -> Work:
+        """Post a receive now; ``wait()`` returns its array. Receives of one (src, tag)
+        match messages in the order they were posted, whatever order they are waited in."""
+        request = self._post_recv(src, tag, out, "irecv")
+        return Work(self._f.check_abort, resolve=lambda: self._complete(request))
+
+    def _post_recv(self, src, tag, out, what: str) -> "_RecvRequest":
+        src, tag = self._peer(src, what), self._tag(tag)
+        request = _RecvRequest(src, tag, out)
+        self._posted_recvs.setdefault((src, tag), deque()).append(request)
+        return request
+
+    def _complete(self, request: "_RecvRequest"):
+        """Receive messages for the posted requests of (src, tag), oldest first, until
+        ``request`` has its own."""
+        if request.done:
+            return request.result
+        key = (request.src, request.tag)
+        queue = self._posted_recvs[key]
+        while not request.done:
+            head = queue[0]
+            head.result = self._receive_now(head.src, head.tag, head.out)
+            head.done = True
+            queue.popleft()
+        if not queue:
+            del self._posted_recvs[key]
+        return request.result
+
+    def _receive_now(self, src: int, tag: int, out):
         start = time.perf_counter()
         host_out = out if out is None or isinstance(out, np.ndarray) else None
         res = self._channel.recv_into(src, USER_KIND, tag, f"recv (tag {tag})", host_out,
@@ -325,8 +373,3 @@ class EmulatedDevice:
             out[...] = self.xp.asarray(res)
             return out
         return self._device(res)
-
-    def irecv(self, src: int, tag: int = 0, *, out=None) -> Work:
-        """A receive completed by ``wait()``, which returns the array."""
-        src, tag = self._peer(src, "irecv"), self._tag(tag)
-        return Work(self._f.check_abort, resolve=lambda: self.recv(src, tag, out=out))

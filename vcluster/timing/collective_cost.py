@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 
 from .hardware import HardwareSpec
 
@@ -58,24 +60,31 @@ __all__ = ["Collective", "Algorithm", "CollectiveCost", "ALGORITHMS", "NCCL_ALGO
 
 # NVIDIA/nccl src/graph/tuning.cc baseLat, Ring/Simple: fixed cost of one NCCL call, us.
 NCCL_BASE_LATENCY_US = 8.4
-_TREE_HOPS_SAME_LEAF = 1   # two-level fat tree: node -> leaf -> node
-_TREE_HOPS_VIA_SPINE = 3   # node -> leaf -> spine -> leaf -> node
-_US = 1e-6
-_GB = 1e9
+_FAT_TREE_HOPS_SAME_LEAF = 1   # two-level fat tree: node -> leaf -> node
+_FAT_TREE_HOPS_VIA_SPINE = 3   # node -> leaf -> spine -> leaf -> node
+_US = 1e-6  # seconds per microsecond
+_GB = 1e9   # bytes per GB (GB/s as nccl-tests)
 
 
 class Collective(str, Enum):
+    """The collectives priced (torch.distributed names; ``send``/``recv`` one transfer)."""
+
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     BROADCAST = "broadcast"
     REDUCE = "reduce"
+    SCATTER = "scatter"
+    GATHER = "gather"
+    BARRIER = "barrier"
     SEND = "send"
     RECV = "recv"
 
 
 class Algorithm(str, Enum):
+    """How a collective moves its bytes (see the module table)."""
+
     RING = "ring"
     TREE = "tree"
     RECURSIVE = "recursive"
@@ -86,18 +95,23 @@ class Algorithm(str, Enum):
 
 
 _C, _A = Collective, Algorithm
-ALGORITHMS = {  # every algorithm this model prices, per collective
+ALGORITHMS: Mapping[Collective, tuple[Algorithm, ...]] = MappingProxyType({
+    # every algorithm this model prices, per collective
     _C.ALL_REDUCE: (_A.RING, _A.TREE, _A.RECURSIVE, _A.HIERARCHICAL),
     _C.ALL_GATHER: (_A.RING, _A.RECURSIVE),
     _C.REDUCE_SCATTER: (_A.RING, _A.RECURSIVE),
     _C.ALL_TO_ALL: (_A.PAIRWISE,),
     _C.BROADCAST: (_A.RING, _A.TREE),
     _C.REDUCE: (_A.RING, _A.TREE),
+    _C.SCATTER: (_A.PAIRWISE,),
+    _C.GATHER: (_A.PAIRWISE,),
+    _C.BARRIER: (_A.RING, _A.TREE),  # a zero-byte all_reduce: its latency terms
     _C.SEND: (_A.P2P,),
     _C.RECV: (_A.P2P,),
-}
-NCCL_ALGORITHMS = {c: ((_A.RING, _A.TREE) if c is _C.ALL_REDUCE else algs[:1])
-                   for c, algs in ALGORITHMS.items()}  # what algorithm="auto" chooses from
+})
+NCCL_ALGORITHMS: Mapping[Collective, tuple[Algorithm, ...]] = MappingProxyType({
+    c: (algs[:2] if c in (_C.ALL_REDUCE, _C.BARRIER) else algs[:1])
+    for c, algs in ALGORITHMS.items()})  # what algorithm="auto" chooses from
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,7 @@ class _Ctx:
         net = hw.network
         leaves = {j // net.nodes_per_leaf_switch for j in self.counts}
         spine = len(leaves) > 1
-        hops = _TREE_HOPS_VIA_SPINE if spine else _TREE_HOPS_SAME_LEAF
+        hops = _FAT_TREE_HOPS_VIA_SPINE if spine else _FAT_TREE_HOPS_SAME_LEAF
         self.alpha_nv = hw.node.gpu_link.latency_us * _US
         self.alpha_net = (net.nic.latency_us + (hops - 1) * net.switch_latency_us) * _US
         self.nv_bps = hw.node.gpu_link.effective_gbps * _GB
@@ -218,6 +232,10 @@ def _recursive(c: Collective, n: float, x: _Ctx):
 
 def _pairwise(c: Collective, n: float, x: _Ctx):
     p, counts = x.p, x.counts.values()
+    if c in (_C.SCATTER, _C.GATHER):  # the root exchanges n/p with every other member
+        m = x.counts[x.node[x.root]]
+        lat = (m - 1) * x.alpha_nv + (p - m) * x.alpha_net
+        return 1, lat, max((m - 1) / p * n / x.nv_bps, (p - m) / p * n / x.net_bps(1))
     m_min = min(counts)
     lat = (m_min - 1) * x.alpha_nv + (p - m_min) * x.alpha_net
     bw = max(max((m - 1) / p * n / x.nv_bps for m in counts),
@@ -252,8 +270,9 @@ def _p2p(c: Collective, n: float, x: _Ctx):
     return 1, x.alpha_net, n / x.net_bps(1)
 
 
-_COST = {_A.RING: _ring, _A.TREE: _tree, _A.RECURSIVE: _recursive, _A.PAIRWISE: _pairwise,
-         _A.HIERARCHICAL: _hierarchical, _A.P2P: _p2p}
+_COST = MappingProxyType({_A.RING: _ring, _A.TREE: _tree, _A.RECURSIVE: _recursive,
+                          _A.PAIRWISE: _pairwise, _A.HIERARCHICAL: _hierarchical,
+                          _A.P2P: _p2p})
 
 
 def _parse(enum, value, what):
@@ -283,18 +302,12 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
     ``algorithm``: "auto" (fastest of ``NCCL_ALGORITHMS``) or one of ``ALGORITHMS``.
     ``concurrent_flows``: how many collectives of this shape share each node's NICs at
     the same time, this one included (e.g. 8 data-parallel rings, one per local rank).
-    The rooted collectives (broadcast, reduce) are rooted at ``group[0]``.
+    The rooted collectives (broadcast, reduce, scatter, gather) are rooted at
+    ``group[0]``; ``barrier`` ignores ``nbytes``.
     """
     coll = _parse(Collective, collective, "collective")
     group = _check_group(group)
-    if not isinstance(hardware, HardwareSpec):
-        raise TypeError(f"hardware must be a HardwareSpec (see load_hardware), got {hardware!r}")
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not (
-            math.isfinite(nbytes) and nbytes >= 0):
-        raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}")
-    if isinstance(concurrent_flows, bool) or not isinstance(concurrent_flows, int) or (
-            concurrent_flows < 1):
-        raise ValueError(f"concurrent_flows must be an integer >= 1, got {concurrent_flows!r}")
+    _check_args(hardware, nbytes, concurrent_flows)
     if algorithm == "auto":
         choices = NCCL_ALGORITHMS[coll]
     else:
@@ -306,16 +319,30 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
     x = _Ctx(group, hardware, concurrent_flows)
     if coll in (_C.SEND, _C.RECV):
         _p2p(coll, 0.0, x)  # validates the group size even when nothing moves
-    if x.p == 1 or nbytes == 0:
+    priced = coll
+    if coll is _C.BARRIER:  # the latency of an all_reduce of nothing
+        priced, nbytes = _C.ALL_REDUCE, 0
+    if x.p == 1 or (nbytes == 0 and coll is not _C.BARRIER):
         return CollectiveCost(coll, _A.LOCAL, nbytes, x.p, x.n_nodes, 0.0, 0.0)
     best = None
     for alg in choices:
-        calls, lat, bw = _COST[alg](coll, float(nbytes), x)
+        calls, lat, bw = _COST[alg](priced, float(nbytes), x)
         cost = CollectiveCost(coll, alg, nbytes, x.p, x.n_nodes,
                               calls * NCCL_BASE_LATENCY_US * _US + lat, bw)
         if best is None or cost.time_s < best.time_s:
             best = cost
     return best
+
+
+def _check_args(hardware, nbytes, concurrent_flows) -> None:
+    if not isinstance(hardware, HardwareSpec):
+        raise TypeError(f"hardware must be a HardwareSpec (see load_hardware), got {hardware!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not (
+            math.isfinite(nbytes) and nbytes >= 0):
+        raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}")
+    if isinstance(concurrent_flows, bool) or not isinstance(concurrent_flows, int) or (
+            concurrent_flows < 1):
+        raise ValueError(f"concurrent_flows must be an integer >= 1, got {concurrent_flows!r}")
 
 
 def collective_time_s(collective, nbytes: float, group, hardware: HardwareSpec,
@@ -327,13 +354,14 @@ def collective_time_s(collective, nbytes: float, group, hardware: HardwareSpec,
 
 def bus_factor(collective, n: int) -> float:
     """nccl-tests busbw / algbw: 2(n-1)/n all_reduce; (n-1)/n all_gather, reduce_scatter,
-    all_to_all; 1 broadcast, reduce, send, recv."""
+    all_to_all (and scatter, gather, which nccl-tests lacks); 1 broadcast, reduce, send,
+    recv, barrier."""
     coll = _parse(Collective, collective, "collective")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a number of ranks >= 1, got {n!r}")
     if coll is _C.ALL_REDUCE:
         return 2 * (n - 1) / n
-    if coll in (_C.ALL_GATHER, _C.REDUCE_SCATTER, _C.ALL_TO_ALL):
+    if coll in (_C.ALL_GATHER, _C.REDUCE_SCATTER, _C.ALL_TO_ALL, _C.SCATTER, _C.GATHER):
         return (n - 1) / n
     return 1.0
 

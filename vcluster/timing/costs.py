@@ -131,8 +131,6 @@ class SimpleCostModel:
         return steps * self.alpha_s + max(1, concurrent) * wire_bytes / self.link_bytes_per_s
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
-        if nbytes == 0 and self.alpha_s == 0.0:
-            return 0.0
         return self.alpha_s + nbytes / self.link_bytes_per_s
 
 

@@ -17,8 +17,8 @@ import gc
 import math
 import numbers
 import operator
-from operator import itemgetter
 from contextlib import contextmanager
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend

@@ -28,6 +28,10 @@ from types import MappingProxyType
 __all__ = ["DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec",
            "IntraNodeFabric", "NetworkTopology", "DTYPE_BYTES", "canonical_dtype"]
 
+_S_PER_US = 1e-6          # seconds per microsecond
+_BYTES_PER_GB = 1e9       # GB/s is 1e9 bytes/s
+_FLOPS_PER_TFLOPS = 1e12  # TFLOP/s is 1e12 FLOP/s
+
 # Bytes per element of each compute dtype (tf32 is stored as fp32).
 DTYPE_BYTES: Mapping[str, int] = MappingProxyType(
     {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4})
@@ -163,11 +167,12 @@ class DeviceSpec:
         if key not in self.peak_tflops:
             raise ValueError(f"{self.name} has no peak for dtype {key!r}; "
                              f"known: {', '.join(self.peak_tflops)}")
-        return self.peak_tflops[key] * 1e12
+        return self.peak_tflops[key] * _FLOPS_PER_TFLOPS
 
     def gemm_half_efficiency_flops(self, dtype) -> float:
         """F_half = peak * e_max * t_k: the GEMM size (FLOPs) that reaches e_max / 2."""
-        return self.peak_flops(dtype) * self.gemm_max_efficiency * self.kernel_overhead_us * 1e-6
+        return (self.peak_flops(dtype) * self.gemm_max_efficiency
+                * self.kernel_overhead_us * _S_PER_US)
 
     def gemm_efficiency(self, m: int, k: int, n: int, dtype) -> float:
         """Achieved / peak FLOP/s of a compute-bound GEMM: e_max * F / (F + F_half)."""
@@ -183,7 +188,7 @@ class DeviceSpec:
         if flops == 0 and nbytes == 0:
             return 0.0
         compute_s = flops / (self.peak_flops(dtype) * self.gemm_max_efficiency)
-        return self.kernel_overhead_us * 1e-6 + max(compute_s, self._memory_s(nbytes))
+        return self.kernel_overhead_us * _S_PER_US + max(compute_s, self._memory_s(nbytes))
 
     def matmul_time_s(self, m: int, k: int, n: int, dtype) -> float:
         """(m, k) x (k, n): 2mkn / (peak * gemm_efficiency), floored by the memory-bound
@@ -197,10 +202,10 @@ class DeviceSpec:
         """A memory-bound kernel reading and writing ``nbytes`` in total: t_k + B / bw."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
-        return 0.0 if nbytes == 0 else self.kernel_overhead_us * 1e-6 + self._memory_s(nbytes)
+        return 0.0 if nbytes == 0 else self.kernel_overhead_us * _S_PER_US + self._memory_s(nbytes)
 
     def _memory_s(self, nbytes: float) -> float:
-        return nbytes / (self.hbm_bandwidth_gbps * 1e9 * self.hbm_efficiency)
+        return nbytes / (self.hbm_bandwidth_gbps * _BYTES_PER_GB * self.hbm_efficiency)
 
 
 def _dims(m, k, n) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from enum import Enum
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 
 from .hardware import DeviceSpec, HardwareSpec, LinkSpec, NetworkSpec, NodeSpec
 
@@ -67,21 +68,23 @@ H100_NODES_PER_LEAF_SWITCH = 32
 # 130 ns); assumed the same for NDR Quantum-2.
 IB_SWITCH_LATENCY_US = 0.13
 
+BYTES_PER_GB = 1e9  # datasheet GB are decimal
 _DATA_PACKAGE = "vcluster.timing"
-_PRESETS = {  # name -> (hardware.csv GPU part, NIC part, generation)
+_PRESETS = MappingProxyType({  # name -> (hardware.csv GPU part, NIC part, generation)
     "a100-40gb-dgx": ("A100-SXM4-40GB", "HDR-4x", "A100"),
     "a100-80gb-dgx": ("A100-SXM4-80GB", "HDR-4x", "A100"),
     "h100-dgx": ("H100-SXM5-80GB", "NDR-4x", "H100"),
     "h200-dgx": ("H200-SXM-141GB", "NDR-4x", "H100"),
-}
+})
 PRESET_NAMES = tuple(_PRESETS)
-_GENERATION = {  # generation -> (e_max, NCCL GB/s per NVLink, nodes per leaf switch)
+_GENERATION = MappingProxyType({  # generation -> (e_max, NCCL GB/s per NVLink, nodes/leaf)
     "A100": (A100_GEMM_MAX_EFFICIENCY, A100_NCCL_NVLINK_GBPS_PER_LINK,
              A100_NODES_PER_LEAF_SWITCH),
     "H100": (H100_GEMM_MAX_EFFICIENCY, H100_NCCL_NVLINK_GBPS_PER_LINK,
              H100_NODES_PER_LEAF_SWITCH),
-}
-_NIC_ACHIEVED_GBPS = {"HDR-4x": HDR_NCCL_ACHIEVED_GBPS, "NDR-4x": NDR_NCCL_ACHIEVED_GBPS}
+})
+_NIC_ACHIEVED_GBPS = MappingProxyType({"HDR-4x": HDR_NCCL_ACHIEVED_GBPS,
+                                       "NDR-4x": NDR_NCCL_ACHIEVED_GBPS})
 
 
 def read_data_csv(filename: str) -> tuple[list[str], list[dict[str, str]]]:
@@ -109,7 +112,7 @@ def preset(name: str) -> HardwareSpec:
                      "fp16": float(gpu["bf16_dense_tflops"]),  # datasheet: FP16 == BF16
                      "tf32": float(gpu["tf32_dense_tflops"]),
                      "fp32": float(gpu["fp32_tflops"])},
-        hbm_bytes=int(round(float(gpu["hbm_gb"]) * 1e9)),
+        hbm_bytes=int(round(float(gpu["hbm_gb"]) * BYTES_PER_GB)),
         hbm_bandwidth_gbps=float(gpu["hbm_bandwidth_gbps"]),
         gemm_max_efficiency=e_max, kernel_overhead_us=KERNEL_OVERHEAD_US,
         hbm_efficiency=HBM_EFFICIENCY,
@@ -138,8 +141,9 @@ def preset(name: str) -> HardwareSpec:
 
 
 # --- YAML / dict ----------------------------------------------------------------------
-_NESTED = {HardwareSpec: {"device": DeviceSpec, "node": NodeSpec, "network": NetworkSpec},
-           NodeSpec: {"gpu_link": LinkSpec}, NetworkSpec: {"nic": LinkSpec}}
+_NESTED = MappingProxyType({
+    HardwareSpec: {"device": DeviceSpec, "node": NodeSpec, "network": NetworkSpec},
+    NodeSpec: {"gpu_link": LinkSpec}, NetworkSpec: {"nic": LinkSpec}})
 
 
 def hardware_to_dict(hardware: HardwareSpec) -> dict:

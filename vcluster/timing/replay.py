@@ -10,10 +10,11 @@ and a **communication stream** (a FIFO of its asynchronous collectives). Semanti
   asynchronous call (``handle`` set) when its communication stream reaches it (the stream
   runs one collective at a time, in issue order). The collective starts when the last
   member arrives and lasts ``costs.collective_time_s(op, concurrent)``, ``concurrent``
-  being 1 + the most other collectives in flight at that instant on any one member (ties at
-  one instant all count each other). A blocking call holds the compute stream until the
-  end; ``TraceWait(handle)`` holds it until that collective's end; collectives still
-  un-waited when a trace ends are waited for there (a stream synchronise ends the step).
+  being 1 + the most other collectives in flight at that instant on any one (traced)
+  member; collectives starting at the same instant all count each other. A blocking call
+  holds the compute stream until the end; ``TraceWait(handle)`` holds it until that
+  collective's end; collectives still un-waited when a trace ends are waited for there (a
+  stream synchronise ends the step).
 * ``TraceSend`` does not block: the transfer starts at ``max(send time, link free)`` on the
   link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``.
   ``TraceRecv`` completes at ``max(receive reached, transfer end)`` of the matching send
@@ -40,46 +41,20 @@ from __future__ import annotations
 from collections import deque
 
 import simpy
-from simpy.events import NORMAL, Event
+from simpy.events import Event
 
-from vcluster.runtime.errors import CollectiveMismatch, VClusterError
+from vcluster.runtime.errors import CollectiveMismatch
 from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
     TraceWait
 
-from .replay_state import Call, GroupInfo, cost_value, describe_call, describe_recv
+from .replay_state import (LATE, Call, GroupInfo, Late, ReplayDeadlock, cost_value,
+                           describe_call, describe_recv)
 from .results import Interval, Stream
 
 __all__ = ["ReplayDeadlock", "Replay", "LATE"]
 
-#: Event priority after SimPy's URGENT (0) and NORMAL (1): a collective start at instant t
-#: is decided once every other event of instant t has run.
-LATE = NORMAL + 1
-
 _COMPUTE, _COMM, _P2P, _WAIT = Stream.COMPUTE, Stream.COMM, Stream.P2P, Stream.WAIT
 _new = tuple.__new__                                       # Interval without its __new__ wrapper
-
-
-class ReplayDeadlock(VClusterError):
-    """The replay ran out of events with ranks still holding ops.
-
-    ``stuck`` maps each stuck rank to what it waits for; ``now_s`` is the time it stopped.
-    """
-
-    def __init__(self, now_s: float, stuck: dict[int, str]):
-        self.now_s, self.stuck = now_s, dict(stuck)
-        lines = "\n".join(f"  rank {r}: {why}" for r, why in sorted(stuck.items()))
-        super().__init__(f"replay deadlock at t={now_s:.9g} s: {len(stuck)} rank(s) can never "
-                         f"finish (stuck ranks {sorted(stuck)}):\n{lines}")
-
-
-class _Late(Event):
-    """An already-triggered event processed at ``now + delay`` with priority :data:`LATE`."""
-
-    def __init__(self, env: simpy.Environment, delay: float, value):
-        super().__init__(env)
-        self._ok = True
-        self._value = value
-        env.schedule(self, LATE, delay)
 
 
 class Replay:
@@ -166,6 +141,8 @@ class Replay:
                     q = mail.get(key)
                     if q:
                         start, end, nbytes, since = q.popleft()
+                        if not q:
+                            del mail[key]
                     else:
                         self._check_peer(rank, i, op, sending=False)
                         ev = self.recv_waiters[key] = self.env.event()
@@ -335,7 +312,7 @@ class Replay:
         if batch is None:
             self.batches[s] = [call]
             delay = s - self.env.now
-            _Late(self.env, delay if delay > 0.0 else 0.0, s).callbacks.append(self._start)
+            Late(self.env, delay if delay > 0.0 else 0.0, s).callbacks.append(self._start)
         else:
             batch.append(call)
 

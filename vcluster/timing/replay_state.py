@@ -1,6 +1,7 @@
-"""Small records of one replay (:mod:`vcluster.timing.replay`) and its error texts.
+"""The small parts of a replay (:mod:`vcluster.timing.replay`): records, events, errors.
 
-Not shared between replays: every :class:`~vcluster.timing.replay.Replay` builds its own.
+Nothing here is shared between replays: every :class:`~vcluster.timing.replay.Replay`
+builds its own records.
 """
 
 from __future__ import annotations
@@ -9,7 +10,40 @@ import math
 import operator
 from dataclasses import dataclass
 
-__all__ = ["GroupInfo", "Call", "cost_value", "describe_call", "describe_recv"]
+from simpy.events import NORMAL, Event
+
+from vcluster.runtime.errors import VClusterError
+from vcluster.runtime.tracing.ops import TraceWait
+
+__all__ = ["ReplayDeadlock", "LATE", "Late", "GroupInfo", "Call", "cost_value", "describe_call",
+           "describe_recv"]
+
+#: Event priority after SimPy's URGENT (0) and NORMAL (1): a collective start at instant t
+#: is decided once every other event of instant t has run.
+LATE = NORMAL + 1
+
+
+class ReplayDeadlock(VClusterError):
+    """The replay ran out of events with ranks still holding ops.
+
+    ``stuck`` maps each stuck rank to what it waits for; ``now_s`` is the time it stopped.
+    """
+
+    def __init__(self, now_s: float, stuck: dict[int, str]):
+        self.now_s, self.stuck = now_s, dict(stuck)
+        lines = "\n".join(f"  rank {r}: {why}" for r, why in sorted(stuck.items()))
+        super().__init__(f"replay deadlock at t={now_s:.9g} s: {len(stuck)} rank(s) can never "
+                         f"finish (stuck ranks {sorted(stuck)}):\n{lines}")
+
+
+class Late(Event):
+    """An already-triggered event processed at ``now + delay`` with priority :data:`LATE`."""
+
+    def __init__(self, env, delay: float, value):
+        super().__init__(env)
+        self._ok = True
+        self._value = value
+        env.schedule(self, LATE, delay)
 
 
 def cost_value(value, method: str, op) -> float:
@@ -103,7 +137,7 @@ def describe_call(rank: int, i: int, op, call: Call, queues, traces, waiting) ->
     what = f"{c.collective} on group {call.info.group} (call #{call.k} on that group)"
     if op is None:
         head = f"at the end of its trace, waits for un-waited asynchronous {what}"
-    elif op.__class__.__name__ == "TraceWait":
+    elif isinstance(op, TraceWait):
         head = f"op #{i} {op!r} waits for asynchronous {what}"
     else:
         head = f"op #{i} waits in blocking {what}"

@@ -131,7 +131,8 @@ class SimulationResult:
 
     @property
     def compute_comm_ratio(self) -> float:
-        """Total compute time over total communication time (``inf`` without communication)."""
+        """Total compute time / total communication time (``inf`` without communication,
+        ``nan`` with neither)."""
         compute = math.fsum(s.compute_s for s in self.stats)
         comm = math.fsum(s.comm_s for s in self.stats)
         if comm == 0.0:

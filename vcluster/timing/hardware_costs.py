@@ -1,0 +1,49 @@
+"""``HardwareCostModel``: the engine's :class:`~vcluster.timing.costs.CostModel` for a
+:class:`~vcluster.timing.hardware.HardwareSpec`.
+
+* compute: ``DeviceSpec.compute_time_s(flops, bytes, dtype)`` — one kernel: its launch
+  overhead plus the larger of the compute-bound time at the achieved GEMM efficiency and
+  the memory-bound time at the achieved HBM bandwidth;
+* collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
+  algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
+  only on one machine). The trace records each member's local input bytes; nccl-tests
+  sizes (what the cost model takes) are the gathered output for all_gather and gather,
+  so those are multiplied by the group size;
+* point to point: a ``send`` between the two ranks.
+
+``concurrent`` from the engine becomes ``concurrent_flows``: concurrent collectives share
+a node's NICs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .collective_cost import collective_time_s
+from .hardware import HardwareSpec
+
+__all__ = ["HardwareCostModel"]
+
+_GATHERING = ("all_gather", "gather")
+
+
+@dataclass(frozen=True)
+class HardwareCostModel:
+    hardware: HardwareSpec
+    dtype: str = "bf16"          # the compute dtype whose peak applies
+
+    def compute_time_s(self, op) -> float:
+        return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype)
+
+    def collective_time_s(self, op, concurrent: int) -> float:
+        n = len(op.group)
+        if n <= 1 or op.collective == "barrier" and n <= 1:
+            return 0.0
+        nbytes = op.nbytes * n if op.collective in _GATHERING else op.nbytes
+        return collective_time_s(op.collective, nbytes, op.group, self.hardware,
+                                 concurrent_flows=max(1, int(concurrent)))
+
+    def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
+        if src == dst:
+            return 0.0
+        return collective_time_s("send", nbytes, (src, dst), self.hardware)

@@ -1,0 +1,105 @@
+"""Traces of long training steps, stitched from the traced actions of a short one.
+
+Tracing a step of many micro-batches repeats the same work: every forward of a stage
+on a micro-batch of fixed size records the same ops. So a long step is traced once
+with few micro-batches, each action's ops are cut out as a *template* — keyed by
+(stage, kind, whether it is the stage's last backward on its rank, which holds the
+gradient buckets' all-reduce launches) — and the long step's trace is put together by
+following the long schedule: for every action, its receive, its template, its marker
+and its send, exactly as :func:`pipeline_parallel.executor.train_program` issues them;
+then the step's tail (waiting for the buckets). A test checks that a stitched trace
+equals the traced one op for op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
+
+__all__ = ["message_tag", "Templates", "cut_templates", "stitch"]
+
+
+def message_tag(step: int, direction: int, stage: int, microbatch: int, n_stages: int,
+                microbatches: int) -> int:
+    """The tag of a pipeline message: direction 0 carries activations to ``stage``,
+    direction 1 gradients to ``stage``."""
+    return ((step * 2 + direction) * n_stages + stage) * microbatches + microbatch
+
+
+def _letter(action) -> str:
+    kind = action.kind
+    return kind if isinstance(kind, str) else kind.value
+
+
+def _last_backwards(actions) -> set:
+    """Indices of each stage's last B or W action in a rank's list."""
+    last = {}
+    for i, a in enumerate(actions):
+        if _letter(a) in ("B", "W"):
+            last[a.stage] = i
+    return set(last.values())
+
+
+@dataclass(frozen=True)
+class Templates:
+    """Per (stage, kind, last) the ops of one action; the tail after the last action;
+    and the bytes of the activation (direction 0) and gradient (1) messages per stage."""
+
+    bodies: dict
+    tail: tuple
+    message_bytes: dict
+
+
+def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int) -> Templates:
+    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates."""
+    last = _last_backwards(actions)
+    bodies, body, k = {}, [], 0
+    sizes: dict = {}
+    for op in trace.ops:
+        if isinstance(op, (TraceSend, TraceRecv)):
+            direction, stage = divmod(op.tag // microbatches, n_stages)
+            sizes[(direction % 2, stage)] = op.nbytes
+            continue
+        if (k < len(actions) and isinstance(op, TraceCompute) and op.name == str(actions[k])
+                and op.flops == 0 and op.bytes == 0):
+            a = actions[k]
+            bodies.setdefault((a.stage, _letter(a), k in last), tuple(body))
+            body, k = [], k + 1
+            continue
+        body.append(op)
+    if k != len(actions):
+        raise ValueError(f"rank {trace.rank}: found {k} of {len(actions)} action markers in "
+                         "the trace; was it traced with these actions?")
+    return Templates(bodies, tuple(body), sizes)
+
+
+def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
+           microbatches: int, step: int = 0) -> DeviceTrace:
+    """This rank's trace for ``actions`` (the long schedule), from ``templates``."""
+    p = len(pp_group)
+    last = _last_backwards(actions)
+    ops: list = []
+    sizes = templates.message_bytes
+    for i, a in enumerate(actions):
+        s, kind, j = a.stage, _letter(a), a.microbatch
+        if kind == "F" and s > 0:
+            ops.append(TraceRecv(pp_group[(s - 1) % p], sizes[(0, s)],
+                                 message_tag(step, 0, s, j, n_stages, microbatches)))
+        elif kind in ("B", "I") and s < n_stages - 1:
+            ops.append(TraceRecv(pp_group[(s + 1) % p], sizes[(1, s)],
+                                 message_tag(step, 1, s, j, n_stages, microbatches)))
+        key = (s, kind, i in last)
+        if key not in templates.bodies:
+            raise ValueError(f"no template for stage {s} action {kind} (last={i in last}); "
+                             "trace a step with at least two micro-batches")
+        ops.extend(templates.bodies[key])
+        ops.append(TraceCompute(str(a), 0.0, 0))
+        if kind == "F" and s < n_stages - 1:
+            ops.append(TraceSend(pp_group[(s + 1) % p], sizes[(0, s + 1)],
+                                 message_tag(step, 0, s + 1, j, n_stages, microbatches)))
+        elif kind in ("B", "I") and s > 0:
+            ops.append(TraceSend(pp_group[(s - 1) % p], sizes[(1, s - 1)],
+                                 message_tag(step, 1, s - 1, j, n_stages, microbatches)))
+    ops.extend(templates.tail)
+    return DeviceTrace(rank, tuple(ops))

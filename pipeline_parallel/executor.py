@@ -17,6 +17,13 @@ gradients are final: they join a data-parallel bucket, and a full bucket
 
 ``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
 the measured timeline against :func:`pipelining.simulate`.
+
+Other models plug in their own stages with ``stage_factory(dev, job, stage)``: an object
+with :class:`~pipeline_parallel.layers.StageLayers`' interface (forward, backward_input,
+backward_weight, zero_grads, params, grads, activation_bytes, in_flight); the last stage
+may compute the loss itself (``loss_and_grad(dev, mb, out, targets, global_batch)``, e.g.
+a vocabulary-parallel cross-entropy), and ``named_params()`` / ``named_grads()`` name
+what the results return. A mesh without the ``pp`` axis is a pipeline of one rank.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class TrainJob:
     tp_axis: str | None = None
     bucket_bytes: int = 1 << 20
     action_costs: dict = field(default_factory=dict)
+    stage_factory: object = None       # (dev, job, stage) -> stage; None: StageLayers of specs
 
     @property
     def n_stages(self) -> int:
@@ -107,13 +115,31 @@ def _local_params(job: TrainJob, dev, stage: int):
     return out
 
 
+def _stage(job: TrainJob, dev, stage: int):
+    if job.stage_factory is not None:
+        return job.stage_factory(dev, job, stage)
+    return StageLayers(list(job.specs[stage]), _local_params(job, dev, stage))
+
+
+def _named(stages, what: str) -> dict:
+    """Parameters (or gradients) of this rank's stages by name (layer index for the MLP)."""
+    out = {}
+    for s, layers in stages.items():
+        named = getattr(layers, f"named_{what}", None)
+        if named is not None:
+            out.update(named())
+        else:
+            out.update({spec.index: tuple(getattr(layers, what)[i])
+                        for i, spec in enumerate(layers.specs)})
+    return out
+
+
 def train_program(dev, job: TrainJob, X, Y):
     """The SPMD training program (see the module docstring); returns this rank's results."""
-    pp = dev.mesh.group(job.pp_axis, dev.rank)
+    pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
     p, pos = len(pp), pp.index(dev.rank)
     S, m = job.n_stages, job.microbatches
-    stages = {s: StageLayers(list(job.specs[s]), _local_params(job, dev, s))
-              for s in range(S) if s % p == pos}
+    stages = {s: _stage(job, dev, s) for s in range(S) if s % p == pos}
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     opt = Optimizer(job.optimizer, params)
@@ -148,8 +174,11 @@ def train_program(dev, job: TrainJob, X, Y):
                     out = layers.forward(dev, j, x)
                     peak_in_flight[s] = max(peak_in_flight[s], layers.in_flight)
                     if s == S - 1:
-                        part, pending_dy[j] = loss_and_grad(
-                            job.loss, out, Y[j * rows:(j + 1) * rows], job.global_batch)
+                        own = getattr(layers, "loss_and_grad", None)
+                        part, pending_dy[j] = (
+                            own(dev, j, out, Y[j * rows:(j + 1) * rows], job.global_batch)
+                            if own is not None else loss_and_grad(
+                                job.loss, out, Y[j * rows:(j + 1) * rows], job.global_batch))
                         loss += part
                         out = None
                 elif kind in ("B", "I"):
@@ -172,8 +201,7 @@ def train_program(dev, job: TrainJob, X, Y):
     return {
         "rank": dev.rank, "pp_position": pos,
         "losses": losses if (S - 1) in stages else None,
-        "params": {spec.index: tuple(stages[s].params[i])
-                   for s in stages for i, spec in enumerate(stages[s].specs)},
+        "params": _named(stages, "params"), "grads": _named(stages, "grads"),
         "memory": {"rank": dev.rank, "params_bytes": sum(a.nbytes for a in params),
                    "grads_bytes": sum(a.nbytes for a in grads),
                    "optimizer_bytes": opt.state_bytes,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
 
-__all__ = ["message_tag", "Templates", "cut_templates", "stitch"]
+__all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce"]
 
 
 def message_tag(step: int, direction: int, stage: int, microbatch: int, n_stages: int,
@@ -74,9 +74,37 @@ def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int)
     return Templates(bodies, tuple(body), sizes)
 
 
+def coalesce(templates: Templates, costs) -> Templates:
+    """Templates whose runs of consecutive compute ops are merged into one op each, with
+    the sum of their durations under ``costs`` as its ``seconds`` (replays the same time
+    with a fraction of the ops)."""
+    def merge(ops):
+        out, run = [], []
+
+        def flush():
+            if len(run) == 1:
+                out.append(run[0])
+            elif run:
+                out.append(TraceCompute("compute", sum(o.flops for o in run),
+                                        sum(o.bytes for o in run),
+                                        sum(costs.compute_time_s(o) for o in run)))
+            run.clear()
+        for op in ops:
+            if isinstance(op, TraceCompute):
+                run.append(op)
+            else:
+                flush()
+                out.append(op)
+        flush()
+        return tuple(out)
+    return Templates({k: merge(v) for k, v in templates.bodies.items()}, merge(templates.tail),
+                     templates.message_bytes)
+
+
 def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
-           microbatches: int, step: int = 0) -> DeviceTrace:
-    """This rank's trace for ``actions`` (the long schedule), from ``templates``."""
+           microbatches: int, step: int = 0, markers: bool = True) -> DeviceTrace:
+    """This rank's trace for ``actions`` (the long schedule), from ``templates``
+    (``markers=False`` leaves out the zero-cost action markers)."""
     p = len(pp_group)
     last = _last_backwards(actions)
     ops: list = []
@@ -94,7 +122,8 @@ def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
             raise ValueError(f"no template for stage {s} action {kind} (last={i in last}); "
                              "trace a step with at least two micro-batches")
         ops.extend(templates.bodies[key])
-        ops.append(TraceCompute(str(a), 0.0, 0))
+        if markers:
+            ops.append(TraceCompute(str(a), 0.0, 0))
         if kind == "F" and s < n_stages - 1:
             ops.append(TraceSend(pp_group[(s + 1) % p], sizes[(0, s + 1)],
                                  message_tag(step, 0, s + 1, j, n_stages, microbatches)))

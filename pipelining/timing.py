@@ -144,15 +144,17 @@ def unit_timelines(schedule: Schedule) -> tuple[tuple[tuple[Action, int], ...], 
     return tuple(tuple((a, int(s)) for a, s, _ in row) for row in run.timelines)
 
 
-def in_flight_profile(schedule: Schedule, rank: int) -> tuple[int, ...]:
+def in_flight_profile(schedule: Schedule, rank: int, check: bool = True) -> tuple[int, ...]:
     """Activation sets alive on ``rank`` after each of its actions, in list order.
 
     A (stage, micro-batch) is *in flight* from its ``F`` until it is fully
     backwarded (its ``B``, or its ``W``; an ``I`` alone does not free it).
     With ``v`` chunks per rank each set is ``1/v`` of a full stage's
-    activations.  Depends only on the list order, not on costs.
+    activations.  Depends only on the list order, not on costs. ``check=False``
+    skips validating the schedule (for one already validated).
     """
-    validate(schedule)
+    if check:
+        validate(schedule)
     alive: set[tuple[int, int]] = set()
     out = []
     for a in schedule[rank]:
@@ -164,7 +166,7 @@ def in_flight_profile(schedule: Schedule, rank: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def peak_in_flight(schedule: Schedule, rank: int) -> int:
+def peak_in_flight(schedule: Schedule, rank: int, check: bool = True) -> int:
     """Most activation sets alive at once on ``rank`` (see :func:`in_flight_profile`).
 
     GPipe: ``m`` on every rank.  1F1B: ``min(m, p - r)`` on rank ``r``.  ZB-H1:
@@ -172,4 +174,4 @@ def peak_in_flight(schedule: Schedule, rank: int) -> int:
     ``r`` fewer warm-up forwards).  So the first stage peaks at ``m`` under
     GPipe and at ``min(m, p)`` under 1F1B and ZB-H1.
     """
-    return max(in_flight_profile(schedule, rank), default=0)
+    return max(in_flight_profile(schedule, rank, check), default=0)

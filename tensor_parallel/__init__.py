@@ -10,3 +10,9 @@ __all__ = ["MatMul", "MatMulSharding", "MatMulShardingPolicy", "MatMulPlan", "Sh
            "run_sharded", "global_shape", "local_matmul", "transpose_layout"]
 __all__ += ["FeedForward", "FeedForwardSharding", "FeedForwardShardingPolicy",
             "FeedForwardCollectives", "Activation", "ACTIVATIONS"]
+from .attention import Attention, TransformerOps, batched_matmul
+from .transformer import (RECOMPUTE, TransformerLayer, TransformerStage, VocabParallelEmbedding,
+                          VocabParallelHead)
+
+__all__ += ["Attention", "TransformerOps", "batched_matmul", "TransformerLayer",
+            "TransformerStage", "VocabParallelEmbedding", "VocabParallelHead", "RECOMPUTE"]

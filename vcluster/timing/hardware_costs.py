@@ -17,7 +17,7 @@ a node's NICs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .collective_cost import collective_time_s
 from .hardware import HardwareSpec
@@ -31,17 +31,27 @@ _GATHERING = ("all_gather", "gather")
 class HardwareCostModel:
     hardware: HardwareSpec
     dtype: str = "bf16"          # the compute dtype whose peak applies
+    # collective times by (collective, nbytes, group, concurrent): a step repeats the same
+    # calls thousands of times, and the cost is a pure function of these
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def compute_time_s(self, op) -> float:
+        if getattr(op, "seconds", None) is not None:
+            return op.seconds
         return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype)
 
     def collective_time_s(self, op, concurrent: int) -> float:
         n = len(op.group)
-        if n <= 1 or op.collective == "barrier" and n <= 1:
+        if n <= 1:
             return 0.0
-        nbytes = op.nbytes * n if op.collective in _GATHERING else op.nbytes
-        return collective_time_s(op.collective, nbytes, op.group, self.hardware,
-                                 concurrent_flows=max(1, int(concurrent)))
+        key = (op.collective, op.nbytes, op.group, concurrent)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            nbytes = op.nbytes * n if op.collective in _GATHERING else op.nbytes
+            seconds = collective_time_s(op.collective, nbytes, op.group, self.hardware,
+                                        concurrent_flows=max(1, int(concurrent)))
+            self._memo[key] = seconds
+        return seconds
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
         if src == dst:

@@ -41,9 +41,10 @@ def _result_dtype(inputs, ufunc=None):
     scalars = [x for x in inputs if isinstance(x, (int, float, complex, bool))]
     dtype = np.result_type(*[d for d in arrays if d is not None], *scalars)
     if ufunc is not None and ufunc.nout == 1 and ufunc.types:
-        probe = ufunc(*[np.zeros(1, _dtype_of(x) or np.asarray(x).dtype)
-                        if not isinstance(x, (int, float, complex, bool)) else x
-                        for x in inputs])
+        with np.errstate(all="ignore"):
+            probe = ufunc(*[np.ones(1, _dtype_of(x) or np.asarray(x).dtype)
+                            if not isinstance(x, (int, float, complex, bool)) else x
+                            for x in inputs])
         dtype = probe.dtype
     return dtype
 
@@ -136,8 +137,12 @@ class MetaArray:
         return MetaArray(self.shape, dtype)
 
     def _reduce(self, axis=None, keepdims=False, dtype=None) -> "MetaArray":
-        out = np.add.reduce(_standin(self.shape, self.dtype), axis=axis, keepdims=keepdims)
-        return MetaArray(np.shape(out), dtype or self.dtype)
+        nd = self.ndim
+        axes = range(nd) if axis is None else (axis if isinstance(axis, tuple) else (axis,))
+        axes = {a % nd if nd else 0 for a in axes}
+        shape = tuple(1 if i in axes else n for i, n in enumerate(self.shape)) if keepdims \
+            else tuple(n for i, n in enumerate(self.shape) if i not in axes)
+        return MetaArray(shape, dtype or self.dtype)
 
     def sum(self, axis=None, dtype=None, keepdims=False, **_):
         return self._reduce(axis, keepdims, dtype)
@@ -243,8 +248,17 @@ def _split(x, indices_or_sections, axis=0):
 
 def _concatenate(arrays, axis=0, out=None, dtype=None, **_):
     arrays = list(arrays)
-    shape = np.concatenate([_standin(a.shape, np.int8) for a in arrays], axis=axis).shape \
-        if axis is not None else (sum(a.size for a in arrays),)
+    if axis is None:
+        shape = (sum(a.size for a in arrays),)
+    else:
+        first = arrays[0].shape
+        ax = axis % len(first)
+        for a in arrays[1:]:
+            if len(a.shape) != len(first) or any(x != y for i, (x, y) in
+                                                  enumerate(zip(a.shape, first)) if i != ax):
+                raise ValueError(f"concatenate: shapes {first} and {a.shape} do not match "
+                                 f"outside axis {axis}")
+        shape = first[:ax] + (sum(a.shape[ax] for a in arrays),) + first[ax + 1:]
     res = MetaArray(shape, dtype or np.result_type(*[a.dtype for a in arrays]))
     return out if out is not None else res
 

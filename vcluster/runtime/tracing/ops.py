@@ -5,7 +5,7 @@ traced rank by running the same per-device program on shape-only arrays; the tim
 model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small frozen
 dataclasses:
 
-* ``TraceCompute(name, flops, bytes)`` — work on the device's compute stream;
+* ``TraceCompute(name, flops, bytes, seconds=None)`` — work on the device's compute stream;
 * ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
   call of a collective by this member (``nbytes``: its local input, or for broadcast and
   scatter the root's); blocking when ``handle`` is None, else issued asynchronously on the
@@ -26,9 +26,13 @@ __all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWa
 
 @dataclass(frozen=True)
 class TraceCompute:
+    """``seconds``, when set, is a precomputed duration (e.g. of several coalesced kernels)
+    that cost models use instead of pricing flops and bytes."""
+
     name: str
     flops: float
     bytes: int
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)

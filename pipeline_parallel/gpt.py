@@ -1,0 +1,399 @@
+"""``GPT``: a decoder-only transformer trained with data x pipeline x tensor parallelism.
+
+>>> gpt = GPT(GPTConfig(hidden=16, layers=4, heads=4, seq=8, vocab=32), seed=0)
+>>> par = ParallelConfig(global_batch=8, micro_batch=2, dp=2, pp=2, tp=2, schedule="1f1b")
+>>> run = gpt.fit(cluster, tokens, targets, steps=2, parallel=par, lr=0.1)  # doctest: +SKIP
+>>> ref = gpt.fit_reference(tokens, targets, steps=2, lr=0.1)              # doctest: +SKIP
+
+Model (B batch, s sequence, h hidden, a heads, l layers, V vocabulary): embedding E (V, h)
++ positions P (s, h); l pre-LN layers (causal attention, MLP 4h with gelu; see
+:mod:`tensor_parallel.transformer`); final LN; logits = x W_out, W_out (h, V) untied from
+E; loss = mean over the B·s tokens of -log softmax(logits)[target].
+
+Parallelism over the mesh axes ``dp``, ``pp``, ``tp`` (absent = 1): stage 0 holds E and
+the first l/(p·v) layers, the last stage the last layers and the head; stage k runs on
+pipeline rank k mod p under any :mod:`pipelining` schedule (executor:
+:func:`~pipeline_parallel.executor.train_program`, which also all-reduces gradients over
+dp). E, W_out and the cross-entropy are vocabulary-parallel over tp (no rank gathers the
+logits); the layers are Megatron TP, optionally with sequence parallelism.
+
+FLOPs (products only, elementwise work declared with 0): per layer forward 24·b·s·h² +
+4·b·s²·h, logits 2·b·s·h·V, each backward twice its forward: :func:`megatron_model_flops`
+per iteration; full recomputation adds every layer's forward (not the logits'):
+:func:`megatron_flops_with_recompute`; selective adds the core attention's 4·B·s²·h·l.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from sharding import shard_slices
+from tensor_parallel.attention import TransformerOps
+from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
+                                         param_layout, split_dim)
+from .executor import TrainJob, train_program
+from .functional import activation, activation_grad
+from .optim import Optimizer, OptimizerConfig
+
+__all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
+           "megatron_model_flops", "megatron_flops_with_recompute"]
+
+_LAYER = TransformerLayer.names
+
+
+def megatron_model_flops(B: int, s: int, l: int, h: int, V: int) -> int:
+    """72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) = 72·B·s·l·h² + 12·B·s²·l·h + 6·B·s·h·V."""
+    return 72 * B * s * l * h * h + 12 * B * s * s * l * h + 6 * B * s * h * V
+
+
+def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int:
+    """96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) = 96·B·s·l·h² + 16·B·s²·l·h + 6·B·s·h·V."""
+    return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
+
+
+def _pos_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """hidden h, layers l, heads a (h % a == 0), seq s, vocab V, dtype, LayerNorm eps."""
+
+    hidden: int
+    layers: int
+    heads: int
+    seq: int
+    vocab: int
+    dtype: str = "float64"
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        for f in ("hidden", "layers", "heads", "seq", "vocab"):
+            _pos_int(getattr(self, f), f"GPTConfig: {f}")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by "
+                             f"heads={self.heads}")
+        if np.dtype(self.dtype).kind != "f":
+            raise ValueError(f"GPTConfig: dtype must be a float type, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Global batch B, micro-batch b, degrees dp x pp x tp (the sizes of the mesh axes of
+    those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
+    sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b)."""
+
+    global_batch: int
+    micro_batch: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    sequence_parallel: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self):
+        from pipelining import SCHEDULE_NAMES
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
+                ("virtual_stages",) if self.virtual_stages is not None else ()):
+            _pos_int(getattr(self, f), f"ParallelConfig: {f}")
+        for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
+                           ("sequence_parallel", (False, True))):
+            if getattr(self, f) not in allowed:
+                raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
+                                 f"{getattr(self, f)!r}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
+                             f"into dp={self.dp} x micro_batch={self.micro_batch}")
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank v."""
+        return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
+
+    def mesh(self):
+        from mesh import Mesh
+        return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
+
+    def check(self, config: GPTConfig, mesh) -> None:
+        """Raise if the mesh or a count does not fit (naming both)."""
+        for a in (*mesh.axes, "dp", "pp", "tp"):
+            if a not in ("dp", "pp", "tp"):
+                raise ValueError(f"GPT: mesh axes must be among dp, pp, tp; got {mesh.axes}")
+            if mesh.shape.get(a, 1) != getattr(self, a):
+                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} but the "
+                                 f"mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+        if config.layers % (self.pp * self.chunks):
+            raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
+                             f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
+        for what, n in (("heads", config.heads), ("vocab", config.vocab)) + (
+                (("seq (sequence parallelism)", config.seq),) if self.sequence_parallel else ()):
+            if n % self.tp:
+                raise ValueError(f"GPT: {what}={n} does not split evenly over tp={self.tp}")
+
+
+@dataclass(frozen=True)
+class GPTFitResult:
+    """Per-step losses, final parameters and last-step gradients by name, memory."""
+
+    losses: np.ndarray
+    params: dict
+    grads: dict
+    memory: object = None
+
+
+def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
+    """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
+    + the stage's layers + [head]) with its pieces of the job's global parameters."""
+    ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
+                               par.sequence_parallel), dict(job.params)
+
+    def local(names, prefix=""):
+        arrays = {n: glob[prefix + n] for n in names}
+        return arrays if ops.tp_axis is None else {n: a[shard_slices(
+            a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
+
+    return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
+                                stage == job.n_stages - 1, cfg.heads, cfg.hidden, par.recompute,
+                                cfg.eps, job.microbatches, cfg.seq)
+
+
+def forward_program(dev, job: TrainJob, X, Y):
+    """Forward only, stage after stage: the last stage's {loss, logits per micro-batch}."""
+    pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
+    (p, pos), S, m = (len(pp), pp.index(dev.rank)), job.n_stages, job.microbatches
+    rows, loss, logits = job.global_batch // (dev.mesh.axis_size(job.dp_axis or ()) * m), 0.0, []
+    for s in range(pos, S, p):
+        stage = job.stage_factory(dev, job, s)
+        for j in range(m):
+            x = X[j * rows:(j + 1) * rows] if s == 0 else dev.recv(pp[(s - 1) % p], s * m + j)
+            out = stage.forward(dev, j, x)
+            if s < S - 1:
+                dev.send(out, pp[(s + 1) % p], (s + 1) * m + j)
+            else:
+                loss += stage.loss_and_grad(dev, j, out, Y[j * rows:(j + 1) * rows],
+                                            job.global_batch)[0]
+                logits.append(out)
+    return {"loss": loss, "logits": logits} if logits else None
+
+
+def _coord(mesh, axis: str, rank: int) -> int:
+    return mesh.group_position(axis, rank) if axis in mesh.axes else 0
+
+
+class GPT:
+    """The model of ``config`` with parameters drawn from ``seed`` (see the module doc)."""
+
+    def __init__(self, config: GPTConfig, seed: int = 0):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT: config must be a GPTConfig, got {config!r}")
+        self.config, self.seed = config, int(seed)
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Global shapes by name: wte, wpe, layers.{i}.{ln1_g ... b_2}, lnf_g, lnf_b, w_out."""
+        c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
+        layer = dict(zip(_LAYER, [(h,), (h,), (h, 3, h), (3, h), (h, h), (h,), (h,), (h,),
+                                  (h, f), (f,), (f, h), (h,)]))
+        return {"wte": (c.vocab, h), "wpe": (c.seq, h),
+                **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in _LAYER},
+                "lnf_g": (h,), "lnf_b": (h,), "w_out": (h, c.vocab)}
+
+    def init_params(self) -> dict[str, np.ndarray]:
+        """Every parameter random (so that every gradient path shows): matrices
+        N(0, 1/fan_in), vectors N(0, 0.1²), plus 1 for the LayerNorm gains."""
+        rng, out = np.random.default_rng(self.seed), {}
+        for name, shape in self.param_shapes().items():
+            last, a = name.rsplit(".", 1)[-1], rng.standard_normal(shape)
+            matrix = len(shape) > 1 and last != "b_qkv"
+            a = a / np.sqrt(shape[last == "wte"]) if matrix else a * 0.1 + last.endswith("_g")
+            out[name] = a.astype(self.config.dtype)
+        return out
+
+    def train_job(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
+                  params=None, bucket_bytes: int = 1 << 20) -> TrainJob:
+        """The executor's job (``params``: global arrays by name, default the seed's)."""
+        from pipelining import make_schedule
+        parallel.check(self.config, mesh)
+        S, m = parallel.pp * parallel.chunks, parallel.microbatches
+        per, sched = self.config.layers // S, make_schedule(
+            parallel.schedule, parallel.pp, m, virtual_stages=parallel.virtual_stages)
+        return TrainJob(
+            params=tuple((params or self.init_params()).items()), loss="cross_entropy",
+            specs=tuple(tuple(range(k * per, (k + 1) * per)) for k in range(S)),
+            actions=tuple(tuple(sched.actions[r]) for r in range(parallel.pp)),
+            optimizer=optimizer or OptimizerConfig(), steps=_pos_int(steps, "steps"),
+            microbatches=m, global_batch=parallel.global_batch,
+            dp_axis="dp" if "dp" in mesh.axes else None,
+            tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
+            stage_factory=partial(_stage, self.config, parallel))
+
+    def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
+        """(job, tokens or None, targets or None) per rank: the first stage's ranks get
+        their replica's tokens, the last stage's its targets."""
+        rows, last = job.global_batch // mesh.shape.get("dp", 1), job.n_stages - 1
+        parts = [(slice(_coord(mesh, "dp", r) * rows, (_coord(mesh, "dp", r) + 1) * rows),
+                  _coord(mesh, "pp", r)) for r in range(mesh.size)]
+        return [(job, tokens[part] if pos == 0 else None,
+                 targets[part] if pos == last % mesh.shape.get("pp", 1) else None)
+                for part, pos in parts]
+
+    def meta_args(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
+                  bucket_bytes: int = 1 << 20) -> list[tuple]:
+        """``device_args`` on shape-only arrays, for ``trace_program(mesh, train_program,
+        ...)`` (or ``forward_program``) at any scale."""
+        from vcluster.runtime.tracing import MetaArray
+        params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
+        data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
+        return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,
+                                                      bucket_bytes), data, data)
+
+    def _check_data(self, tokens, targets, parallel=None):
+        """Both int arrays (B, s) of values in [0, V), B = ``parallel.global_batch``."""
+        c, out = self.config, [np.asarray(tokens), np.asarray(targets)]
+        B = parallel.global_batch if parallel else len(out[0])
+        for what, a in zip(("tokens", "targets"), out):
+            if a.shape != (B, c.seq) or a.dtype.kind not in "iu" or a.min() < 0 \
+                    or a.max() >= c.vocab:
+                raise ValueError(f"GPT: {what} must be ints in [0, {c.vocab}) of shape "
+                                 f"({B}, {c.seq}), got {a.dtype} {a.shape} in "
+                                 f"[{a.min()}, {a.max()}]")
+        return [a.astype(np.int64) for a in out]
+
+    def fit(self, cluster, tokens, targets, steps: int, parallel: ParallelConfig,
+            optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
+            betas=(0.9, 0.999), eps: float = 1e-8, bucket_bytes: int = 1 << 20) -> GPTFitResult:
+        """Train ``steps`` steps on ``cluster`` (its mesh must match ``parallel``)."""
+        import pandas as pd
+        tokens, targets, mesh = *self._check_data(tokens, targets, parallel), cluster.mesh
+        job = self.train_job(mesh, parallel, steps, OptimizerConfig(
+            optimizer, lr, momentum, tuple(betas), eps), bucket_bytes=bucket_bytes)
+        results = cluster.run(train_program, self.device_args(mesh, job, tokens, targets))
+        losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
+                     if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
+        memory = pd.DataFrame([dict(r["memory"], peak_in_flight=max(
+            r["memory"]["peak_in_flight"].values(), default=0)) for r in results])
+        return GPTFitResult(losses, self._join(mesh, results, "params"),
+                            self._join(mesh, results, "grads"), memory)
+
+    def _join(self, mesh, results, key: str) -> dict:
+        """Global arrays from the pieces of the ranks of data-parallel replica 0."""
+        pieces: dict = {}
+        for r, res in enumerate(results):
+            for name, a in res[key].items() if _coord(mesh, "dp", r) == 0 else ():
+                pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
+        return {n: pieces[n][0] if split_dim(n) is None else np.concatenate(
+            [pieces[n][t] for t in sorted(pieces[n])], axis=split_dim(n))
+            for n in self.param_shapes()}
+
+    def forward(self, cluster, tokens, targets, parallel: ParallelConfig):
+        """(mean loss, logits (B, s, V)) of the seed's parameters, run on ``cluster``."""
+        tokens, targets = self._check_data(tokens, targets, parallel)
+        mesh, (B, s), V = cluster.mesh, tokens.shape, self.config.vocab
+        results = cluster.run(forward_program, self.device_args(
+            mesh, self.train_job(mesh, parallel), tokens, targets))
+        last = {(_coord(mesh, "dp", r), _coord(mesh, "tp", r)): res
+                for r, res in enumerate(results) if res}             # replica, tp piece
+        logits = np.concatenate([np.concatenate(
+            [np.concatenate(last[d, t]["logits"]).reshape(B // parallel.dp, s, V // parallel.tp)
+             for t in range(parallel.tp)], axis=2) for d in range(parallel.dp)])
+        return sum(last[d, 0]["loss"] for d in range(parallel.dp)), logits
+
+    # --- the single-process reference ---------------------------------------------------
+    def reference_forward(self, tokens, targets, params=None):
+        """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth."""
+        tokens, targets = self._check_data(tokens, targets)
+        return _reference(self.config, params or self.init_params(), tokens, targets)[:2]
+
+    def fit_reference(self, tokens, targets, steps: int, optimizer: str = "sgd",
+                      lr: float = 0.01, momentum: float = 0.9, betas=(0.9, 0.999),
+                      eps: float = 1e-8) -> GPTFitResult:
+        """Full-batch training in this process: what ``fit`` must reproduce."""
+        tokens, targets = self._check_data(tokens, targets)
+        params, losses, grads = self.init_params(), [], {}
+        opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
+                        list(params.values()))
+        for _ in range(_pos_int(steps, "steps")):
+            loss, _, grads = _reference(self.config, params, tokens, targets, backward=True)
+            opt.step(list(params.values()), [grads[n] for n in params])
+            losses.append(loss)
+        return GPTFitResult(np.array(losses), params, grads)
+
+
+def _ln(x, g, b, eps):
+    rstd = 1 / np.sqrt(x.var(-1, keepdims=True) + eps)
+    xhat = (x - x.mean(-1, keepdims=True)) * rstd
+    return xhat * g + b, (xhat, rstd, g)
+
+
+def _ln_back(dy, cache):
+    """(dx, dg, db) of a LayerNorm over the last axis."""
+    xhat, rstd, g = cache
+    d = dy * g
+    dx = rstd * (d - d.mean(-1, keepdims=True) - xhat * (d * xhat).mean(-1, keepdims=True))
+    return dx, (dy * xhat).sum((0, 1)), dy.sum((0, 1))
+
+
+def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False):
+    """Forward (and backward) of the whole model on the whole batch: (loss, logits, grads)."""
+    (B, s), h, a, V = tokens.shape, cfg.hidden, cfg.heads, cfg.vocab
+    d, future = h // a, np.triu(np.ones((s, s), bool), 1)
+    x, caches = P["wte"][tokens] + P["wpe"][:s], []
+    for i in range(cfg.layers):
+        L = {n: P[f"layers.{i}.{n}"] for n in _LAYER}
+        u, c1 = _ln(x, L["ln1_g"], L["ln1_b"], cfg.eps)
+        qkv = np.einsum("bsh,htk->bstk", u, L["w_qkv"]) + L["b_qkv"]      # (B, s, 3, h)
+        q, k, v = (qkv[:, :, t].reshape(B, s, a, d) for t in range(3))
+        S = np.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(d)
+        S[..., future] = -np.inf
+        A = np.exp(S - S.max(-1, keepdims=True))
+        A /= A.sum(-1, keepdims=True)                                        # (B, a, s, s)
+        ctx = np.einsum("bnqk,bknd->bqnd", A, v).reshape(B, s, h)
+        x1 = x + ctx @ L["w_o"] + L["b_o"]
+        u2, c2 = _ln(x1, L["ln2_g"], L["ln2_b"], cfg.eps)
+        z = u2 @ L["w_1"] + L["b_1"]
+        x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
+        caches.append((L, u, c1, q, k, v, A, ctx, u2, c2, z))
+    uf, cf = _ln(x, P["lnf_g"], P["lnf_b"], cfg.eps)
+    logits = uf @ P["w_out"]                                                 # (B, s, V)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp, onehot = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)), np.eye(V)[targets]
+    loss = -float((logp * onehot).sum()) / (B * s)
+    if not backward:
+        return loss, logits, None
+    G = {}
+    dlogits = (np.exp(logp) - onehot) / (B * s)
+    G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
+    dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ P["w_out"].T, cf)
+    for i in reversed(range(cfg.layers)):
+        L, u, c1, q, k, v, A, ctx, u2, c2, z = caches[i]
+        g = {"b_2": dx.sum((0, 1)), "w_2": np.einsum("bsf,bsh->fh", activation("gelu", z), dx)}
+        dz = activation_grad("gelu", z, dx @ L["w_2"].T)
+        g["b_1"], g["w_1"] = dz.sum((0, 1)), np.einsum("bsh,bsf->hf", u2, dz)
+        du2, g["ln2_g"], g["ln2_b"] = _ln_back(dz @ L["w_1"].T, c2)
+        dx1 = dx + du2
+        g["b_o"], g["w_o"] = dx1.sum((0, 1)), np.einsum("bsk,bsh->kh", ctx, dx1)
+        dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
+        dA = np.einsum("bqnd,bknd->bnqk", dctx, v)
+        dv = np.einsum("bnqk,bqnd->bknd", A, dctx)
+        dS = A * (dA - (dA * A).sum(-1, keepdims=True)) / np.sqrt(d)
+        dq = np.einsum("bnqk,bknd->bqnd", dS, k)
+        dk = np.einsum("bnqk,bqnd->bknd", dS, q)
+        dqkv = np.stack([dq, dk, dv], axis=2).reshape(B, s, 3, h)
+        g["b_qkv"], g["w_qkv"] = dqkv.sum((0, 1)), np.einsum("bsh,bstk->htk", u, dqkv)
+        du, g["ln1_g"], g["ln1_b"] = _ln_back(np.einsum("bstk,htk->bsh", dqkv, L["w_qkv"]), c1)
+        dx = dx1 + du
+        G.update({f"layers.{i}.{n}": g[n] for n in _LAYER})
+    G["wpe"], G["wte"] = dx.sum(0), np.zeros_like(P["wte"])             # s = cfg.seq
+    np.add.at(G["wte"], tokens, dx)
+    return loss, logits, {n: G[n] for n in P}

@@ -1,0 +1,240 @@
+"""Causal multi-head self-attention with Megatron tensor parallelism, forward and backward.
+
+Local shapes on one device of a tp group of t: b micro-batch, s sequence, h hidden,
+a heads, d = h/a, a_l = a/t heads here, h_l = a_l·d; the layer's input x is (b, s, h),
+or (b, s/t, h) with sequence parallelism (SP). Parameters: W_qkv (h, 3, h) and b_qkv
+(3, h) split on the last dimension (whole heads: column-parallel), W_o (h, h) split on
+its rows (row-parallel), b_o (h,) replicated.
+
+    forward:   xf  = gather_seq(x)                    (b, s, h)      SP only: all_gather(tp)
+               qkv = xf W_qkv + b_qkv                 (b·s, 3·h_l)   -> q, k, v (b·a_l, s, d)
+               S   = q k^T / sqrt(d) + M              (b·a_l, s, s)  M: -inf above the diagonal
+               P   = softmax(S)                       (b·a_l, s, s)
+               C   = P v                              (b·a_l, s, d)  -> ctx (b·s, h_l)
+               y   = reduce(ctx W_o) + b_o            (b, s, h)      all_reduce(tp), or
+                                                      (b, s/t, h)    SP: reduce_scatter(tp)
+    backward:  dyf = gather_seq(dy);  dctx = dyf W_o^T;  dP = dC v^T;  dv = P^T dC
+               dS  = P·(dP - rowsum(dP·P)) / sqrt(d);  dq = dS k;  dk = dS^T q
+               dx  = reduce(dqkv W_qkv^T)             all_reduce(tp) / SP: reduce_scatter(tp)
+    weights:   dW_qkv = xf^T dqkv, db_qkv = rowsum dqkv, dW_o = ctx^T dyf, db_o = rowsum dyf
+
+FLOPs (only the products, Megatron's count): forward 2·b·s·h·3h_l + 2·(2·b·a_l·s²·d)
++ 2·b·s·h_l·h, i.e. (6bsh² + 4bs²h + 2bsh²)/t; the backward twice as much. The
+products run as whole-batch 2-D or batched 3-D matmuls (over b·a_l), never per head.
+
+``selective`` recomputation (Korthikanti et al. 2022) keeps q, k, v and drops P and C,
+re-running the core attention (q k^T, softmax, P v) at the start of the backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .ffn import ACTIVATIONS, _OnDevice
+from .ffn_sharding import FeedForwardSharding
+from .matmul import local_matmul
+
+__all__ = ["TransformerOps", "batched_matmul", "Attention", "saved_bytes"]
+
+
+def batched_matmul(dev, a, b, name: str = "batched matmul"):
+    """a @ b over a leading batch: (n, m, k) @ (n, k, p), declared 2·n·m·k·p FLOPs."""
+    n, m, k = a.shape
+    p = b.shape[-1]
+    itemsize = np.dtype(a.dtype).itemsize
+    with dev.compute(name, flops=2 * n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize):
+        return dev.xp.matmul(a, b)
+
+
+def saved_bytes(*states) -> int:
+    """Bytes of the distinct arrays held in dicts of per-micro-batch (nested) tuples."""
+    seen, total = set(), 0
+    stack = [st for d in states for st in d.values()]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (tuple, list)):
+            stack.extend(a)
+        elif hasattr(a, "nbytes") and id(a) not in seen:
+            seen.add(id(a))
+            total += int(a.nbytes)
+    return total
+
+
+class TransformerOps(_OnDevice):
+    """The device steps of a transformer: :mod:`tensor_parallel.ffn`'s on-device backend
+    (its collectives ``c`` of the FeedForward policy: Unsharded, Megatron or
+    SequenceParallel over ``tp``) with Megatron's FLOP convention — products through
+    ``local_matmul`` / :func:`batched_matmul`, elementwise work (LayerNorm, softmax,
+    gelu, residuals) declared with 0 FLOPs and the bytes it touches."""
+
+    def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool):
+        super().__init__(dev, ACTIVATIONS["gelu"], {})
+        tp = tp_axis is not None and dev.mesh.axis_size(tp_axis) > 1
+        self.tp_axis = tp_axis if tp else None
+        self.tp_size = dev.mesh.axis_size(tp_axis) if tp else 1
+        self.tp_rank = dev.mesh.group_position(tp_axis, dev.rank) if tp else 0
+        self.sequence_parallel = bool(sequence_parallel and tp)
+        policy = ("SequenceParallel" if self.sequence_parallel else "Megatron") if tp \
+            else "Unsharded"
+        self.c = FeedForwardSharding(policy, tp=self.tp_axis).collectives
+
+    def work(self, name, flops, operands, out_shape, fn):
+        nbytes = sum(int(o.size) for o in operands) * np.dtype(operands[0].dtype).itemsize
+        with self.dev.compute(f"gpt: {name}", flops=0, bytes=nbytes):
+            return fn()
+
+    def ew(self, name: str, fn, *operands):
+        """Elementwise ``fn()`` over ``operands`` (and an output like the first)."""
+        return self.work(name, 0, operands + operands[:1], None, fn)
+
+    def matmul(self, a, b, name):
+        return local_matmul(self.dev, a, b, f"gpt: {name}")
+
+    def bmm(self, a, b, name):
+        return batched_matmul(self.dev, a, b, f"gpt: {name}")
+
+    def gather_seq(self, x, name):
+        """Enter a TP region: SP all-gathers the sequence (dim 1); else x itself."""
+        return self.comm(self.c.x_in, x, name)
+
+    def reduce_out(self, x, name):
+        """Leave a TP region: all_reduce(tp), SP reduce_scatter(tp) on dim 1, or x."""
+        return self.comm(self.c.y_out, x, name)
+
+    def all_reduce_tp(self, x, op: str = "sum"):
+        return x if self.tp_axis is None else self.dev.all_reduce(x, self.tp_axis, op=op)
+
+    # --- LayerNorm over the last dimension h: y = xhat·g + b, xhat = (x - mean)·rstd ------
+    def layer_norm(self, x, g, b, eps: float, name: str):
+        """(y, (xhat, rstd)), rstd = 1/sqrt(var + eps)."""
+        h = x.shape[-1]
+
+        def fn():
+            xc = x - x.sum(axis=-1, keepdims=True) / h
+            rstd = 1.0 / np.sqrt((xc * xc).sum(axis=-1, keepdims=True) / h + eps)
+            xhat = xc * rstd
+            return xhat * g + b, (xhat, rstd)
+
+        return self.work(name, 0, (x, x, x), None, fn)
+
+    def layer_norm_grad(self, dy, state, g, name: str, residual=None):
+        """dx = rstd·(d - mean(d) - xhat·mean(d·xhat)), d = dy·g; plus ``residual``."""
+        xhat, rstd = state
+        h = dy.shape[-1]
+
+        def fn():
+            d = dy * g
+            dx = rstd * (d - d.sum(axis=-1, keepdims=True) / h
+                         - xhat * (d * xhat).sum(axis=-1, keepdims=True) / h)
+            return dx if residual is None else dx + residual
+
+        return self.work(name, 0, (dy, xhat, dy), None, fn)
+
+    def layer_norm_params_grad(self, dy, xhat, gg, gb, name: str) -> None:
+        """gg += rowsum(dy·xhat), gb += rowsum(dy) (in place)."""
+        gg += self.ew(name, lambda: (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0), dy, xhat)
+        gb += self.sum_rows(dy, name)
+
+
+class Attention:
+    """The attention block's math on one device; per micro-batch state is kept by the
+    caller (``forward`` returns it, the backward passes take it back)."""
+
+    def __init__(self, heads_local: int, head_dim: int):
+        self.a_l, self.d = heads_local, head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def _heads(self, ops, t, b, s, name):
+        """(b·s, a_l·d) -> (b·a_l, s, d)."""
+        return ops.ew(name, lambda: t.reshape(b, s, self.a_l, self.d).transpose(0, 2, 1, 3)
+                      .reshape(b * self.a_l, s, self.d), t)
+
+    def _merge(self, ops, t, b, s, name):
+        """(b·a_l, s, d) -> (b·s, a_l·d)."""
+        return ops.ew(name, lambda: self._merge_raw(t, b, s), t)
+
+    # --- core attention --------------------------------------------------------------
+    def core(self, ops, q, k, v):
+        """P = softmax(q k^T / sqrt(d) + M), C = P v, for (b·a_l, s, d) q, k, v."""
+        s = q.shape[1]
+        scores = ops.bmm(q, k.transpose(0, 2, 1), "attention: q @ k^T")
+        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
+
+        def softmax():
+            # future[0, i, j] = j > i, built from scores so that it is shape-only in a trace
+            pos = ops.xp.arange(s)
+            future = (np.zeros_like(scores[:1, :, :1]) + pos[:, None]) < pos
+            z = scores * self.scale - future * big
+            e = np.exp(z - z.max(axis=-1, keepdims=True))
+            return e / e.sum(axis=-1, keepdims=True)
+
+        p = ops.ew("attention: causal softmax", softmax, scores)
+        return p, ops.bmm(p, v, "attention: P @ v")
+
+    def core_backward(self, ops, dc, q, k, v, p):
+        """(dq, dk, dv) from dC (b·a_l, s, d)."""
+        dp = ops.bmm(dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
+        dv = ops.bmm(p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
+        ds = ops.ew("attention: softmax grad",
+                    lambda: p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * self.scale, dp, p)
+        dq = ops.bmm(ds, k, "attention: dq = dS k")
+        dk = ops.bmm(ds.transpose(0, 2, 1), q, "attention: dk = dS^T q")
+        return dq, dk, dv
+
+    # --- the block ------------------------------------------------------------------------
+    def forward(self, ops, x, w_qkv, b_qkv, w_o, b_o, keep: str = "all"):
+        """y (x's layout) and the state for the backward: ``keep`` = "all" (everything),
+        "qkv" (selective recomputation: not P nor C) or "none" (nothing)."""
+        xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
+        b, s, h = xf.shape
+        x2 = xf.reshape(b * s, h)
+        w2 = w_qkv.reshape(h, -1)                                           # (h, 3·h_l)
+        qkv = ops.add_bias(ops.matmul(x2, w2, "attention: x @ W_qkv"), b_qkv.reshape(-1),
+                           "attention: + b_qkv")                            # (b·s, 3·h_l)
+        h_l = self.a_l * self.d
+        q, k, v = (self._heads(ops, qkv[:, i * h_l:(i + 1) * h_l], b, s, "attention: split heads")
+                   for i in range(3))
+        p, c = self.core(ops, q, k, v)
+        ctx = self._merge(ops, c, b, s, "attention: merge heads")           # (b·s, h_l)
+        y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
+        y = ops.add_bias(ops.reduce_out(y, "attention: reduce y"), b_o, "attention: + b_o")
+        state = {"all": (x2, q, k, v, p, ctx), "qkv": (x2, q, k, v, None, None),
+                 "none": ()}[keep]
+        return y, state
+
+    def backward_input(self, ops, state, dy, w_qkv, w_o):
+        """dx (x's layout) and the state of the weight gradient, from ``forward``'s state
+        (with P and C recomputed first when it holds none: selective recomputation)."""
+        x2, q, k, v, p, ctx = state
+        if p is None:
+            p, c = self.core(ops, q, k, v)
+            ctx = self._merge(ops, c, *self._bs(x2, q), "attention: merge heads")
+        b, s = self._bs(x2, q)
+        dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
+        h = dyf.shape[-1]
+        dy2 = dyf.reshape(b * s, h)
+        dctx = ops.matmul(dy2, w_o.T, "attention: dctx = dy W_o^T")         # (b·s, h_l)
+        dq, dk, dv = self.core_backward(
+            ops, self._heads(ops, dctx, b, s, "attention: split heads"), q, k, v, p)
+        dqkv = ops.ew("attention: merge dq, dk, dv", lambda: np.concatenate(
+            [self._merge_raw(t, b, s) for t in (dq, dk, dv)], axis=1), dq, dk, dv)
+        dx = ops.matmul(dqkv, w_qkv.reshape(h, -1).T, "attention: dx = dqkv W_qkv^T")
+        dx = ops.reduce_out(dx.reshape(b, s, h), "attention: reduce dx")
+        return dx, (x2, dqkv, ctx, dy2)
+
+    def backward_weight(self, ops, wstate, g_qkv, gb_qkv, g_o, gb_o) -> None:
+        """Accumulate dW_qkv, db_qkv, dW_o, db_o (in place)."""
+        x2, dqkv, ctx, dy2 = wstate
+        g_qkv += ops.matmul(x2.T, dqkv, "attention: dW_qkv = x^T dqkv").reshape(g_qkv.shape)
+        gb_qkv += ops.sum_rows(dqkv, "attention: db_qkv").reshape(gb_qkv.shape)
+        g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
+        gb_o += ops.sum_rows(dy2, "attention: db_o")
+
+    def _bs(self, x2, q):
+        s = q.shape[1]
+        return x2.shape[0] // s, s
+
+    def _merge_raw(self, t, b, s):
+        return t.reshape(b, self.a_l, s, self.d).transpose(0, 2, 1, 3).reshape(b * s, -1)

@@ -1,0 +1,358 @@
+"""The GPT transformer layer and its vocabulary-parallel ends, with Megatron tensor and
+sequence parallelism: forward, input gradient (I) and weight gradient (W).
+
+Layer (pre-LayerNorm), x (b, s, h) — or (b, s/t, h) with sequence parallelism (SP):
+
+    x1 = x + Attention(LN1(x))                 (see :mod:`tensor_parallel.attention`)
+    y  = x1 + MLP(LN2(x1)),  MLP(u) = gelu(u W1 + b1) W2 + b2     (4h wide)
+
+    LN(x) = xhat·g + b,  xhat = (x - mean) / sqrt(var + eps)   over h
+    LN'   : dx = rstd·(dxhat - mean(dxhat) - xhat·mean(dxhat·xhat)),  dxhat = dy·g,
+            dg = rowsum(dy·xhat),  db = rowsum(dy)
+
+The MLP block is :mod:`tensor_parallel.ffn`'s program (``_hidden`` / ``_forward``: W1
+column-parallel, W2 row-parallel, the FeedForward Megatron or SequenceParallel policy
+choosing the collectives); its backward here keeps h and a instead of recomputing them.
+Per layer, Megatron's TP communicates one all_reduce(tp) after the attention and one
+after the MLP in the forward and two (of dx) in the backward; SP replaces each by an
+all_gather(tp) entering and a reduce_scatter(tp) leaving the block (the backward gathers
+dy and reduce-scatters dx). Under SP the LayerNorm parameters see only this rank's
+sequence shard: their gradients (``seq_partial``) are all-reduced over tp once per step.
+
+Recomputation: "none" keeps every activation; "selective" keeps q, k, v and re-runs the
+core attention in the backward; "full" keeps only x and re-runs the layer's forward
+(with its collectives) at the start of its backward.
+
+Ends: :class:`VocabParallelEmbedding` (E (V, h) split over tp on the vocabulary: each
+rank looks up the tokens in its range, zeros elsewhere, and the partial sums are
+all-reduced — reduce-scattered on the sequence under SP; then + positions P (s, h)), and
+:class:`VocabParallelHead` (final LN, logits = x W_out with W_out (h, V) split on V,
+untied from E, and Megatron's vocabulary-parallel cross-entropy: all_reduce(max) of the
+row maxima, one all_reduce(sum) of [sum exp, target logit]; no rank holds all logits).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import numpy as np
+
+from sharding import TensorSharding as TS
+from vcluster.runtime.tracing import MetaArray, is_meta
+from .attention import Attention, saved_bytes
+from .ffn import _forward as _ffn_forward, _hidden as _ffn_hidden
+
+__all__ = ["TransformerLayer", "VocabParallelEmbedding", "VocabParallelHead",
+           "TransformerStage", "param_layout", "split_dim", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class _Module:
+    """Local parameters (``names`` order), gradients, per-micro-batch state."""
+
+    names: tuple[str, ...] = ()
+    split = MappingProxyType({})        # name -> its dimension split over tp (others: whole)
+    seq_partial: tuple[str, ...] = ()
+
+    def __init__(self, params):
+        self.params = [params[n].copy() for n in self.names]     # copy(): numpy or meta
+        self.grads = [np.zeros_like(p) for p in self.params]
+        self.p = dict(zip(self.names, self.params))
+        self.g = dict(zip(self.names, self.grads))
+        self._state: dict = {}                # micro-batch -> forward state (for I)
+        self._wstate: dict = {}               # micro-batch -> state of W
+
+    @property
+    def activation_bytes(self) -> int:
+        return saved_bytes(self._state, self._wstate)
+
+
+class TransformerLayer(_Module):
+    """One layer on one device (see the module docstring); parameters are the local
+    pieces of ln1_g, ln1_b (h,); w_qkv (h, 3, h), b_qkv (3, h) split on the last dim;
+    w_o (h, h) split on rows; b_o (h,); ln2_g, ln2_b; w_1 (h, 4h) and b_1 (4h,) split on
+    4h; w_2 (4h, h) split on rows; b_2 (h,)."""
+
+    names = ("ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_o", "b_o", "ln2_g", "ln2_b",
+             "w_1", "b_1", "w_2", "b_2")
+    split = MappingProxyType({"w_qkv": 2, "b_qkv": 1, "w_o": 0, "w_1": 1, "b_1": 0, "w_2": 0})
+    seq_partial = ("ln1_g", "ln1_b", "ln2_g", "ln2_b")
+
+    def __init__(self, params, heads_local: int, head_dim: int, recompute: str = "none",
+                 eps: float = 1e-5):
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"TransformerLayer: recompute must be one of {RECOMPUTE}, "
+                             f"got {recompute!r}")
+        super().__init__(params)
+        self.attn = Attention(heads_local, head_dim)
+        self.recompute, self.eps = recompute, eps
+
+    def _forward(self, ops, x, keep: str):
+        P = self.p
+        u, ln1 = ops.layer_norm(x, P["ln1_g"], P["ln1_b"], self.eps, "ln1")
+        att, ast = self.attn.forward(ops, u, P["w_qkv"], P["b_qkv"], P["w_o"], P["b_o"], keep)
+        x1 = ops.ew("residual", lambda: x + att, x, att)
+        u, ln2 = ops.layer_norm(x1, P["ln2_g"], P["ln2_b"], self.eps, "ln2")
+        if keep == "none":
+            y, mst = _ffn_forward(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"], P["b_2"]), ()
+        else:
+            xc, x2, _, _, h, a = _ffn_hidden(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"],
+                                             tag="mlp: ")
+            y = ops.matmul(a, P["w_2"], "mlp: a @ W2").reshape(xc.shape)
+            y = ops.add_bias(ops.reduce_out(y, "mlp: reduce y"), P["b_2"], "mlp: + b2")
+            mst = (x2, h, a)
+        out = ops.ew("residual", lambda: x1 + y, x1, y)
+        return out, (ln1, ast, ln2, mst)
+
+    def forward(self, ops, mb: int, x):
+        if self.recompute == "full":
+            out, _ = self._forward(ops, x, "none")
+            self._state[mb] = (x,)
+        else:
+            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
+            self._state[mb] = st
+        return out
+
+    def backward_input(self, ops, mb: int, dy):
+        """dx from dy (both in x's layout); keeps what W needs."""
+        P, st = self.p, self._state.pop(mb)
+        if self.recompute == "full":
+            _, st = self._forward(ops, st[0], "all")
+        ln1, ast, ln2, (x2, h, a) = st
+        dyf = ops.gather_seq(dy, "mlp: gather dy")
+        dy2 = dyf.reshape(-1, dyf.shape[-1])
+        da = ops.matmul(dy2, P["w_2"].T, "mlp: da = dy W2^T")
+        dh = ops.activation_grad(da, h, "mlp: dh = da act'(h)")
+        du = ops.matmul(dh, P["w_1"].T, "mlp: du = dh W1^T").reshape(dyf.shape)
+        du = ops.reduce_out(du, "mlp: reduce du")
+        dx1 = ops.layer_norm_grad(du, ln2, P["ln2_g"], "ln2 grad + residual", residual=dy)
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"])
+        dx = ops.layer_norm_grad(dv, ln1, P["ln1_g"], "ln1 grad + residual", residual=dx1)
+        self._wstate[mb] = (ln1[0], dv, aw, ln2[0], du, x2, dh, a, dy2)
+        return dx
+
+    def backward_weight(self, ops, mb: int) -> None:
+        """Accumulate every parameter's gradient of micro-batch ``mb`` (in place)."""
+        G = self.g
+        xhat1, dv, aw, xhat2, du, x2, dh, a, dy2 = self._wstate.pop(mb)
+        G["w_2"] += ops.matmul(a.T, dy2, "mlp: dW2 = a^T dy")
+        G["b_2"] += ops.sum_rows(dy2, "mlp: db2")
+        G["w_1"] += ops.matmul(x2.T, dh, "mlp: dW1 = u^T dh")
+        G["b_1"] += ops.sum_rows(dh, "mlp: db1")
+        ops.layer_norm_params_grad(du, xhat2, G["ln2_g"], G["ln2_b"], "ln2 params grad")
+        self.attn.backward_weight(ops, aw, G["w_qkv"], G["b_qkv"], G["w_o"], G["b_o"])
+        ops.layer_norm_params_grad(dv, xhat1, G["ln1_g"], G["ln1_b"], "ln1 params grad")
+
+
+# --- the ends of the model ---------------------------------------------------------------
+def _lookup(table, ids):
+    """table[ids]; on shape-only arrays (a trace) only its shape."""
+    if is_meta(table) or is_meta(ids):
+        return MetaArray(tuple(ids.shape) + tuple(table.shape[1:]), table.dtype)
+    return table[ids]
+
+
+def _scatter_add(table, ids, rows) -> None:
+    """table[ids] += rows, repeated ids adding up (nothing to do in a trace)."""
+    if not (is_meta(table) or is_meta(ids) or is_meta(rows)):
+        np.add.at(table, ids.reshape(-1), rows.reshape(-1, rows.shape[-1]))
+
+
+class VocabParallelEmbedding(_Module):
+    """x = E[ids] + P[positions] on the first stage; wte (V/t, h) and wpe (s, h) local."""
+
+    names = ("wte", "wpe")
+    split = MappingProxyType({"wte": 0})
+    seq_partial = ("wpe",)
+
+    def forward(self, ops, mb: int, ids):
+        """ids (b, s) ints -> x (b, s, h), or (b, s/t, h) under SP."""
+        wte, wpe = self.p["wte"], self.p["wpe"]
+        v_l = wte.shape[0]
+
+        def lookup():
+            local = ids - ops.tp_rank * v_l
+            inside = (local >= 0) * (local < v_l)             # this rank's vocabulary
+            local = local * inside
+            return _lookup(wte, local) * inside[..., None], local, inside
+
+        e, local, inside = ops.work("embedding lookup", 0, (ids, ids), None, lookup)
+        e = ops.reduce_out(e, "embedding: reduce")            # partial sums over tp
+        s_l = e.shape[1]
+        pos = wpe[ops.tp_rank * s_l:(ops.tp_rank + 1) * s_l] if ops.sequence_parallel \
+            else wpe[:s_l]
+        self._state[mb] = (local, inside)
+        return ops.ew("embedding: + positions", lambda: e + pos, e)
+
+    def backward_input(self, ops, mb: int, dx):
+        local, inside = self._state.pop(mb)
+        de = ops.gather_seq(dx, "embedding: gather dx")
+        self._wstate[mb] = (local, inside, de, dx)
+        return None
+
+    def backward_weight(self, ops, mb: int) -> None:
+        local, inside, de, dx = self._wstate.pop(mb)
+        gwpe, s_l = self.g["wpe"], dx.shape[1]
+        first = ops.tp_rank * s_l if ops.sequence_parallel else 0
+
+        def fn():
+            _scatter_add(self.g["wte"], local, de * inside[..., None])
+            gwpe[first:first + s_l] += dx.sum(axis=0)
+
+        ops.work("embedding grads (scatter-add)", 0, (de, de), None, fn)
+
+
+class VocabParallelHead(_Module):
+    """Final LN, logits = x W_out (W_out (h, V/t) local) and the cross-entropy loss."""
+
+    names = ("lnf_g", "lnf_b", "w_out")
+    split = MappingProxyType({"w_out": 1})
+    seq_partial = ("lnf_g", "lnf_b")
+
+    def __init__(self, params, eps: float = 1e-5):
+        super().__init__(params)
+        self.eps = eps
+
+    def forward(self, ops, mb: int, x):
+        """x (b, s, h) (SP: (b, s/t, h)) -> this rank's logits (b·s, V/t)."""
+        u, ln = ops.layer_norm(x, self.p["lnf_g"], self.p["lnf_b"], self.eps, "final ln")
+        uf = ops.gather_seq(u, "head: gather x")
+        u2 = uf.reshape(-1, uf.shape[-1])
+        self._state[mb] = (ln, u2, uf.shape)
+        return ops.matmul(u2, self.p["w_out"], "head: logits = x W_out")
+
+    def loss_and_grad(self, ops, logits, targets, tokens: int):
+        """(sum over the rows of -log softmax(logits)[target] / tokens, dL/dlogits) with
+        the vocabulary split over tp; ``tokens`` = the global batch's token count."""
+        v_l = logits.shape[1]
+        mx = ops.all_reduce_tp(ops.ew("ce: row max", lambda: logits.max(axis=1, keepdims=True),
+                                      logits), op="max")
+
+        def stats():
+            e = np.exp(logits - mx)
+            hit = np.equal(targets.reshape(-1, 1), ops.xp.arange(v_l) + ops.tp_rank * v_l)
+            return np.concatenate([e.sum(axis=1, keepdims=True),
+                                   (logits * hit).sum(axis=1, keepdims=True)], axis=1), e, hit
+
+        st, e, hit = ops.work("ce: sum exp, target logit", 0, (logits, logits), None, stats)
+        st = ops.all_reduce_tp(st)                           # (b·s, 2)
+
+        def fn():
+            loss = float((np.log(st[:, 0]) + mx[:, 0] - st[:, 1]).sum()) / tokens
+            return loss, (e / st[:, :1] - hit) / tokens
+
+        return ops.ew("ce: loss, dlogits", fn, logits)
+
+    def backward_input(self, ops, mb: int, dlogits):
+        ln, u2, shape = self._state.pop(mb)
+        du = ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
+        du = ops.reduce_out(du.reshape(shape), "head: reduce dx")
+        self._wstate[mb] = (u2, dlogits, du, ln[0])
+        return ops.layer_norm_grad(du, ln, self.p["lnf_g"], "final ln grad")
+
+    def backward_weight(self, ops, mb: int) -> None:
+        u2, dlogits, du, xhat = self._wstate.pop(mb)
+        self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
+        ops.layer_norm_params_grad(du, xhat, self.g["lnf_g"], self.g["lnf_b"], "final ln grads")
+
+
+class TransformerStage:
+    """A pipeline stage on one device: modules in a chain ([embedding] + layers +
+    [head]) with the executor's stage interface (that of
+    :class:`pipeline_parallel.layers.StageLayers`); ``ops`` is its TransformerOps, and
+    ``prefixes`` name the modules' parameters (``named_params``)."""
+
+    def __init__(self, ops, modules, prefixes, microbatches: int, seq: int):
+        self.ops, self.modules, self.prefixes = ops, modules, prefixes
+        self.params = [m.params for m in modules]
+        self.grads = [m.grads for m in modules]
+        self.microbatches, self.seq = microbatches, seq
+        self._live: set = set()
+        self._w_done = 0
+
+    @classmethod
+    def gpt(cls, ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
+            recompute: str, eps: float, microbatches: int, seq: int) -> "TransformerStage":
+        """A GPT stage: [embedding if ``first``] + ``layers`` (indices) + [head if
+        ``last``]; ``params(names, prefix="")`` gives this device's pieces by name."""
+        modules = [TransformerLayer(params(TransformerLayer.names, f"layers.{i}."),
+                                    heads // ops.tp_size, hidden // heads, recompute, eps)
+                   for i in layers]
+        prefixes = [f"layers.{i}." for i in layers]
+        if first:
+            modules.insert(0, VocabParallelEmbedding(params(VocabParallelEmbedding.names)))
+            prefixes.insert(0, "")
+        if last:
+            modules.append(VocabParallelHead(params(VocabParallelHead.names), eps))
+            prefixes.append("")
+        return cls(ops, modules, prefixes, microbatches, seq)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(m.activation_bytes for m in self.modules)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def zero_grads(self) -> None:
+        for g in (g for gs in self.grads for g in gs):
+            g[...] = 0
+        self._w_done = 0
+
+    def forward(self, dev, mb: int, x):
+        self._live.add(mb)
+        for m in self.modules:
+            x = m.forward(self.ops, mb, x)
+        return x
+
+    def loss_and_grad(self, dev, mb: int, logits, targets, global_batch: int):
+        return self.modules[-1].loss_and_grad(self.ops, logits, targets, global_batch * self.seq)
+
+    def backward_input(self, dev, mb: int, dy, need_input_grad: bool = True):
+        for m in reversed(self.modules):
+            dy = m.backward_input(self.ops, mb, dy)
+        return dy
+
+    def backward_weight(self, dev, mb: int, on_layer_done=None) -> None:
+        """Accumulate mb's gradients; after the step's last micro-batch, all-reduce the
+        sequence-parallel partial gradients (LayerNorms, positions) over tp."""
+        self._w_done += 1
+        last = self._w_done == self.microbatches
+        for i in reversed(range(len(self.modules))):
+            m = self.modules[i]
+            m.backward_weight(self.ops, mb)
+            if last and self.ops.sequence_parallel and m.seq_partial:
+                parts = [m.g[n] for n in m.seq_partial]
+                flat = self.ops.all_reduce_tp(np.concatenate([g.reshape(-1) for g in parts]))
+                offset = 0
+                for g in parts:
+                    g[...] = flat[offset:offset + g.size].reshape(g.shape)
+                    offset += g.size
+            if on_layer_done is not None:
+                on_layer_done(i)
+        self._live.discard(mb)
+
+    def named_params(self) -> dict:
+        return {f"{p}{n}": a for p, m in zip(self.prefixes, self.modules)
+                for n, a in m.p.items()}
+
+    def named_grads(self) -> dict:
+        return {f"{p}{n}": a for p, m in zip(self.prefixes, self.modules)
+                for n, a in m.g.items()}
+
+
+def split_dim(name: str) -> int | None:
+    """The dimension of parameter ``name`` ("layers.3.w_qkv", "wte", ...) split over tp."""
+    last = name.rsplit(".", 1)[-1]
+    for module in (TransformerLayer, VocabParallelEmbedding, VocabParallelHead):
+        if last in module.names:
+            return module.split.get(last)
+    raise KeyError(f"no transformer parameter is called {name!r}")
+
+
+def param_layout(name: str, ndim: int, tp: str | None = "tp") -> TS:
+    """Layout of parameter ``name``: split over mesh axis ``tp`` on :func:`split_dim`."""
+    dim = split_dim(name) if tp else None
+    return TS(*(tp if i == dim else None for i in range(ndim)))

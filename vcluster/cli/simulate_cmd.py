@@ -1,0 +1,68 @@
+"""``vcluster simulate gpt ...``: predict one GPT training iteration on real hardware.
+
+    vcluster simulate gpt --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \\
+        --tp 8 --pp 8 --dp 16 --global-batch 1536 --micro-batch 1 --schedule 1f1b
+
+prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (compute,
+communication, exposed communication, bubble), the compute/communication ratio (flagged
+below 10) and peak memory per device; ``--json PATH`` writes the same figures. A
+configuration that does not fit the device memory is still simulated (``fits: false``).
+"""
+
+from __future__ import annotations
+
+from .args import positive_int
+
+__all__ = ["add_parser"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def add_parser(commands) -> None:
+    sim = commands.add_parser("simulate", help="predict step time on real hardware")
+    kinds = sim.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
+    gpt = kinds.add_parser("gpt", help="a GPT-style transformer (Megatron TP, PP, DP)",
+                           description=__doc__.split("\n\n")[0])
+    for name in ("hidden", "layers", "heads", "seq", "vocab"):
+        gpt.add_argument(f"--{name}", type=positive_int, required=True)
+    for name, default in (("tp", 1), ("pp", 1), ("dp", 1)):
+        gpt.add_argument(f"--{name}", type=positive_int, default=default)
+    gpt.add_argument("--global-batch", type=positive_int, required=True)
+    gpt.add_argument("--micro-batch", type=positive_int, default=1)
+    gpt.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    gpt.add_argument("--virtual-stages", type=positive_int, default=None)
+    gpt.add_argument("--sequence-parallel", action="store_true")
+    gpt.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    gpt.add_argument("--hardware", default="a100-80gb-dgx",
+                     help="a preset (vcluster hardware list) or a YAML file")
+    gpt.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    gpt.set_defaults(run=_gpt)
+
+
+def _gpt(args) -> int:
+    from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+    from pipeline_parallel.gpt_simulation import RATIO_FLAG, simulate_gpt
+    config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                       vocab=args.vocab)
+    parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
+                              dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
+                              virtual_stages=args.virtual_stages,
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute)
+    r = simulate_gpt(config, parallel, args.hardware)
+    flag = f"  (below {RATIO_FLAG:g}: communication dominates)" if r.low_ratio else ""
+    print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
+          f"{r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
+          f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
+          f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}")
+    print(f"  step time            {r.step_time_s:.3f} s")
+    print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
+    print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
+          f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
+    print(f"  compute / comm       {r.compute_comm_ratio:.1f}{flag}")
+    print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
+          f"({'fits' if r.fits else 'does NOT fit'})")
+    if args.json:
+        from .files import write_json
+        write_json(args.json, r.to_json())
+        print(f"wrote {args.json}")
+    return 0

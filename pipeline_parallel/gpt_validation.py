@@ -5,7 +5,10 @@ Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
 :func:`~pipeline_parallel.gpt_simulation.simulate_gpt` on the A100-80GB DGX preset,
 with one documented default for what the tables leave out, the same for every row:
 
-* micro-batch size 1 (``DEFAULT_MICRO_BATCH``), the 1F1B schedule without interleaving;
+* the micro-batch size: with pipeline parallelism 1 (``DEFAULT_MICRO_BATCH``, Megatron's
+  default), without it the whole per-replica batch B/dp — no gradient accumulation,
+  which only costs time when there is no pipeline to fill (:func:`micro_batch_for`);
+* the 1F1B schedule without interleaving;
 * full activation recomputation (the papers' TFLOP/s count it: 96·B·s·l·h²(...));
 * no sequence parallelism (it came after both papers), mixed precision (bf16 peak).
 
@@ -15,10 +18,15 @@ the recomputation-inclusive FLOPs 96·B·s·l·h²·(1 + s/6h + V/16lh) over (GP
 
 from __future__ import annotations
 
-__all__ = ["validate_megatron", "DEFAULT_MICRO_BATCH", "HARDWARE"]
+__all__ = ["validate_megatron", "micro_batch_for", "DEFAULT_MICRO_BATCH", "HARDWARE"]
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"
+
+
+def micro_batch_for(global_batch: int, dp: int, pp: int) -> int:
+    """The documented default micro-batch of every row (see the module docstring)."""
+    return global_batch // dp if pp == 1 else DEFAULT_MICRO_BATCH
 
 
 def _row_result(source: str, case: str, metric: str, published: float, predicted: float):
@@ -35,7 +43,8 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
     for r in read_data_csv("megatron_2020_a100.csv")[1]:
         cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
                         seq=int(r["seq"]), vocab=int(r["vocab"]))
-        par = ParallelConfig(global_batch=int(r["global_batch"]), micro_batch=DEFAULT_MICRO_BATCH,
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=micro_batch_for(int(r["global_batch"]), int(r["dp"]), int(r["pp"])),
                              dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), recompute="full")
         sim = simulate_gpt(cfg, par, hardware)
         case = f"{r['model']} tp={r['tp']} pp={r['pp']} dp={r['dp']} ({r['gpus']} GPUs)"
@@ -45,8 +54,10 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
         tp, pp, gpus = int(r["tp"]), int(r["pp"]), int(r["gpus"])
         cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
                         seq=int(r["seq"]), vocab=int(r["vocab"]))
-        par = ParallelConfig(global_batch=int(r["global_batch"]), micro_batch=DEFAULT_MICRO_BATCH,
-                             dp=gpus // (tp * pp), pp=pp, tp=tp, recompute="full")
+        dp = gpus // (tp * pp)
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=micro_batch_for(int(r["global_batch"]), dp, pp),
+                             dp=dp, pp=pp, tp=tp, recompute="full")
         sim = simulate_gpt(cfg, par, hardware)
         flops = megatron_flops_with_recompute(par.global_batch, cfg.seq, cfg.layers, cfg.hidden,
                                               cfg.vocab)

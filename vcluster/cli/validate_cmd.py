@@ -30,9 +30,9 @@ def validation_rows() -> dict:
 
 def _run(args) -> int:
     result = validation_rows()
-    print(f"{'source':<26}{'case':<42}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}")
+    print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}")
     for r in result["rows"]:
-        print(f"{r['source']:<26}{r['case'][:41]:<42}{r['metric']:<16}{r['published']:>10.1f}"
+        print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.1f}"
               f"{r['predicted']:>11.1f}{100 * r['rel_error']:>+7.1f}%")
     print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
           f"max |error| {100 * result['max_abs_rel_error']:.1f}%")

@@ -69,8 +69,8 @@ def validate_nccl(hardware_by_system: Mapping | None = None) -> list[dict]:
                      f"{row['collective']} {nbytes:.3g} B"),
             "metric": "busbw_gbps",
             "published": published,
-            "predicted": round(predicted, 3),
-            "rel_error": round(predicted / published - 1, 4),
+            "predicted": predicted,
+            "rel_error": predicted / published - 1,
             "hardware": hw.name,
             "algorithm": cost.algorithm.value,
         })

@@ -3,10 +3,10 @@
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster_of():
     """``cluster_of(mesh)``: one VirtualCluster per mesh, started on first use and kept
-    for the whole session (a run costs milliseconds, a start ~0.2-0.4 s)."""
+    for the test module (a run costs milliseconds, a start ~0.2-0.4 s)."""
     from vcluster import VirtualCluster
 
     clusters = {}

@@ -12,7 +12,6 @@ from pandas.testing import assert_frame_equal
 from mesh import Mesh
 from sharding import MESSAGE_ALGORITHMS, TensorSharding as TS, shard, unshard
 from tensor_parallel import FeedForward, FeedForwardSharding, FeedForwardShardingPolicy as P
-from vcluster import VirtualCluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -39,19 +38,6 @@ def _id(case):
     return f"{mesh}-{policy.name}-tp={tp}-dp={dp}".replace("'", "").replace(" ", "")
 
 
-@pytest.fixture(scope="module")
-def cluster_of():
-    """One VirtualCluster per mesh for the whole module, started on first use."""
-    clusters = {}
-
-    def get(mesh):
-        if mesh not in clusters:
-            clusters[mesh] = VirtualCluster(mesh, timeout_s=30.0, run_timeout_s=300.0)
-        return clusters[mesh]
-
-    yield get
-    for cluster in clusters.values():
-        cluster.close()
 
 
 # --- the unsharded reference --------------------------------------------------------------

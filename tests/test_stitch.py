@@ -1,7 +1,6 @@
 """A long step's trace stitched from a short step's traced actions equals the long step
 traced in full, op for op, for every schedule and with data and tensor parallelism."""
 
-import dataclasses
 
 import numpy as np
 import pytest

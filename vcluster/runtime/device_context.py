@@ -25,7 +25,7 @@ from .errors import ArenaFullError
 from .events import CommEvent, ComputeEvent
 from .fabric import Fabric
 from .recorder import Recorder
-from .work import CommQueue, DoneWork, Work
+from .work import CommQueue, Work
 
 __all__ = ["EmulatedDevice"]
 

@@ -14,7 +14,7 @@ import concurrent.futures as cf
 import threading
 from typing import Any, Callable
 
-__all__ = ["Work", "CommQueue", "DoneWork"]
+__all__ = ["Work", "CommQueue"]
 
 _POLL_S = 0.05
 
@@ -72,14 +72,6 @@ class Work:
                 self._check_abort()
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"Work.wait: not completed within {timeout_s:g} s")
-
-
-class DoneWork(Work):
-    """A Work that is already complete (e.g. a group of one)."""
-
-    def __init__(self, value: Any):
-        super().__init__(lambda: None)
-        self._done, self._value = True, value
 
 
 class CommQueue:

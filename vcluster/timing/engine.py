@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
 
 from .costs import CostModel
+from .localhost_pool import as_core_pool
 from .replay import Replay, ReplayDeadlock
 from .results import RankStats, SimulationResult
 
@@ -108,7 +109,7 @@ def _gc_paused():
 def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
                    costs: CostModel, mesh=None, symmetric: bool = False,
                    stragglers: Mapping[int, float] | None = None, *,
-                   timeline: bool = True) -> SimulationResult:
+                   timeline: bool = True, core_pool=None) -> SimulationResult:
     """Replay ``traces`` on ``costs`` and return step time, per-rank accounting, timelines.
 
     ``mesh`` (optional, a :class:`mesh.Mesh`): every rank must lie in it and the result
@@ -116,7 +117,10 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     traced members (see :mod:`vcluster.timing.replay`); with every rank traced and identical
     devices the result equals the full replay. ``stragglers``: ``{rank: slowdown}``
     multiplies that rank's compute times (the rank must be traced). ``timeline=False``
-    skips recording intervals (faster, less memory).
+    skips recording intervals (faster, less memory). ``core_pool`` (default None: every
+    device has a core of its own): an int number of cores or a
+    :class:`~vcluster.timing.localhost_pool.CorePoolSpec`; the devices' work then shares
+    those cores (see "Core pool" in :mod:`vcluster.timing.replay`); not with ``symmetric``.
 
     Raises :class:`ReplayDeadlock` when some ranks can never finish, ``ValueError`` /
     ``TypeError`` / :class:`~vcluster.runtime.errors.CollectiveMismatch` on bad traces.
@@ -133,8 +137,12 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
             raise ValueError(f"simulate_trace: traced ranks {bad} are outside {mesh!r} "
                              f"(valid ranks 0..{limit - 1})")
     slowdown = _slowdowns(stragglers, ops, bool(symmetric))
+    pool = as_core_pool(core_pool)
+    if pool is not None and symmetric:
+        raise ValueError("simulate_trace: a core_pool needs every rank's trace (untraced "
+                         "ranks would not load the shared cores); use symmetric=False")
     replay = Replay(ops, costs, symmetric=bool(symmetric), slowdown=slowdown,
-                    record=bool(timeline), limit=limit)
+                    record=bool(timeline), limit=limit, core_pool=pool)
     with _gc_paused():
         replay.run()
         return _result(replay, limit, bool(symmetric))

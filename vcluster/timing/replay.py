@@ -34,6 +34,24 @@ priority :data:`LATE` per instant, after every other event of that instant.
 
 If the environment runs out of events while a rank has ops left, :class:`ReplayDeadlock`
 names every stuck rank and what it waits for.
+
+**Core pool** (optional, ``core_pool``; off by default, and then nothing above changes):
+the devices share a few cores (:class:`~vcluster.timing.localhost_pool.CorePool`,
+processor sharing). Durations the model gives become *single-core seconds of work*
+served by the pool, so devices working at once slow each other down:
+
+* ``TraceCompute``: its whole duration is work on the pool (the op ends when served).
+* A collective, once started: each traced member's share ``collective_cpu_s(op,
+  position)`` (0 when the model lacks the method) is work on the pool; the call ends
+  when every member's share is served, plus the rest of the call's duration, ``max(0,
+  collective_time_s - max share)``, as wall time (so with idle cores it lasts exactly
+  ``collective_time_s``).
+* Point to point: ``p2p_cpu_s(src, dst, nbytes) -> (sender, receiver)`` (default
+  ``(0, 0)``): the sender's share blocks its stream before the transfer (the emulator's
+  ``send`` copies the payload before returning), the transfer lasts the rest of
+  ``p2p_time_s``, and the receiver's share is served once the data has arrived.
+
+The pool sees only traced ranks, so it cannot be combined with symmetric mode.
 """
 
 from __future__ import annotations
@@ -47,6 +65,7 @@ from vcluster.runtime.errors import CollectiveMismatch
 from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
     TraceWait
 
+from .localhost_pool import CorePool
 from .replay_state import (LATE, Call, GroupInfo, Late, ReplayDeadlock, cost_value,
                            describe_call, describe_recv)
 from .results import Interval, Stream
@@ -66,8 +85,10 @@ class Replay:
     """
 
     def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
-                 record: bool, limit: int | None = None):
+                 record: bool, limit: int | None = None, core_pool=None):
         self.env = simpy.Environment()
+        self.pool = None if core_pool is None else CorePool(self.env, core_pool)
+        self.pending: dict[Call, int] = {}                 # pool: member shares unserved
         self.traces, self.costs, self.symmetric = traces, costs, symmetric
         self.slowdown, self.limit = slowdown, limit
         ranks = list(traces)
@@ -86,6 +107,7 @@ class Replay:
         self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
         self.compute_cache: dict = {}
         self.p2p_cache: dict = {}
+        self.p2p_parts: dict = {}                          # pool: (src, dst, n) -> shares
         self.comm_s = dict.fromkeys(ranks, 0.0)
         self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
         self.timelines = {r: [] for r in ranks} if record else None
@@ -112,6 +134,7 @@ class Replay:
         tl = self.timelines[rank] if self.timelines is not None else None
         cache, costs = self.compute_cache, self.costs
         handles, mail = self.handles[rank], self.mail
+        env, pool = self.env, self.pool
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)
         drain = None
@@ -126,6 +149,12 @@ class Replay:
                                                    op)
                     if slow != 1.0:
                         d *= slow
+                    if pool is not None and d > 0.0:       # served by the shared cores
+                        if t > env.now:
+                            yield env.timeout(t - env.now)
+                        t = env.now
+                        yield pool.submit(d)
+                        d = env.now - t
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, t, t + d, _COMPUTE)))
                     t += d
@@ -133,6 +162,17 @@ class Replay:
                     i += 1
                     continue
                 if cls is TraceSend:
+                    if pool is not None:                   # the sender's copy, then the send
+                        share = self._p2p_shares(rank, op.peer, op.nbytes)[1]
+                        if share > 0.0:
+                            if t > env.now:
+                                yield env.timeout(t - env.now)
+                            t0 = env.now
+                            yield pool.submit(share)
+                            t = env.now
+                            self.comm_s[rank] += t - t0
+                            if tl is not None:
+                                tl.append(_new(Interval, (i, op, t0, t, _P2P)))
                     self._send(rank, i, op, t)
                     i += 1
                     continue
@@ -195,6 +235,17 @@ class Replay:
                 if tl is not None:
                     tl.append(_new(Interval, (i, op, t, end, _WAIT)))
                 t = end
+            if cls is TraceRecv and pool is not None:     # the receiver's copy out
+                share = self._p2p_shares(op.peer, rank, op.nbytes)[2]
+                if share > 0.0:
+                    if t > env.now:
+                        yield env.timeout(t - env.now)
+                    t0 = env.now
+                    yield pool.submit(share)
+                    t = env.now
+                    self.comm_s[rank] += t - t0
+                    if tl is not None:
+                        tl.append(_new(Interval, (i, op, t0, t, _P2P)))
             if i < n:
                 i += 1
         self.end_s[rank], self.compute_s[rank] = t, busy
@@ -226,11 +277,14 @@ class Replay:
             self._check_peer(rank, i, op, sending=True)
             state = (-1.0, 0.0)
         free, since = state
-        pkey = (rank, dst, op.nbytes)
-        d = self.p2p_cache.get(pkey)
-        if d is None:
-            d = self.p2p_cache[pkey] = cost_value(
-                self.costs.p2p_time_s(rank, dst, op.nbytes), "p2p_time_s", op)
+        if self.pool is not None:
+            d = self._p2p_shares(rank, dst, op.nbytes)[0]
+        else:
+            pkey = (rank, dst, op.nbytes)
+            d = self.p2p_cache.get(pkey)
+            if d is None:
+                d = self.p2p_cache[pkey] = cost_value(
+                    self.costs.p2p_time_s(rank, dst, op.nbytes), "p2p_time_s", op)
         if t > free:
             start = since = t                              # the link was idle: a new busy run
         else:
@@ -249,6 +303,19 @@ class Replay:
                 ev.succeed((start, end, op.nbytes, since))
             else:
                 self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
+
+    def _p2p_shares(self, src: int, dst: int, nbytes: int) -> tuple[float, float, float]:
+        """Pool mode: (wall rest of the transfer, sender's work, receiver's work)."""
+        key = (src, dst, nbytes)
+        parts = self.p2p_parts.get(key)
+        if parts is None:
+            what = f"send {src}->{dst} of {nbytes} bytes"
+            total = cost_value(self.costs.p2p_time_s(src, dst, nbytes), "p2p_time_s", what)
+            split = getattr(self.costs, "p2p_cpu_s", None)
+            shares = (0.0, 0.0) if split is None else split(src, dst, nbytes)
+            snd, rcv = (cost_value(x, "p2p_cpu_s", what) for x in shares)
+            parts = self.p2p_parts[key] = (max(0.0, total - snd - rcv), snd, rcv)
+        return parts
 
     # ------------------------------------------------------------------ collectives
     def _group(self, rank: int, i: int, op) -> GroupInfo:
@@ -330,11 +397,16 @@ class Replay:
                     load[m] = load.get(m, 0) + 1
         for m in load:
             ends = inflight[m]
-            if ends:
-                inflight[m] = ends = [e for e in ends if e > t]
+            if ends:                                       # pool mode: calls, not end times
+                inflight[m] = ends = [e for e in ends if e > t] if self.pool is None else \
+                    [c for c in ends if c.end_s is None or c.end_s > t]
             load[m] += len(ends)                           # in flight on m, batch included
         durations = [cost_value(price(call.op, max(map(load.__getitem__, call.info.traced))),
                                 "collective_time_s", call.op) for call in batch]
+        if self.pool is not None:
+            for call, d in zip(batch, durations):
+                self._start_pooled(call, t, d)
+            return
         tls, comm_s, env, end_call = self.timelines, self.comm_s, self.env, self._end
         for call, d in zip(batch, durations):
             call.start_s, end = t, t + d
@@ -348,6 +420,41 @@ class Replay:
                 for m, (i, op) in call.calls.items():
                     tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
             env.timeout(d, call).callbacks.append(end_call)
+
+    def _start_pooled(self, call: Call, t: float, d: float) -> None:
+        """Pool mode: serve each traced member's share; then the wall rest of ``d``."""
+        call.start_s = t
+        split = getattr(self.costs, "collective_cpu_s", None)
+        shares = {m: 0.0 if split is None else
+                  cost_value(split(call.op, call.info.position[m]), "collective_cpu_s", call.op)
+                  for m in call.info.traced}
+        for m in call.info.traced:
+            self.inflight[m].append(call)
+        rest = max(0.0, d - max(shares.values(), default=0.0))
+        busy = [m for m, w in shares.items() if w > 0.0]
+        self.pending[call] = len(busy)
+        for m in busy:
+            self.pool.submit(shares[m]).callbacks.append(
+                lambda _ev, call=call, rest=rest: self._share_done(call, rest))
+        if not busy:
+            self._share_done(call, rest, counted=False)
+
+    def _share_done(self, call: Call, rest: float, counted: bool = True) -> None:
+        if counted:
+            self.pending[call] -= 1
+            if self.pending[call]:
+                return
+        del self.pending[call]
+        t, end = call.start_s, self.env.now + rest
+        call.end_s = end
+        if end > self.last_s:
+            self.last_s = end
+        for m in call.info.traced:
+            self.comm_s[m] += end - t
+        if self.timelines is not None:
+            for m, (i, op) in call.calls.items():
+                self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
+        self.env.timeout(rest, call).callbacks.append(self._end)
 
     def _end(self, event: Event) -> None:
         call = event.value

@@ -24,7 +24,10 @@ import math
 import operator
 from dataclasses import dataclass
 
-__all__ = ["CorePoolSpec", "CorePool", "as_core_pool"]
+from .replay_state import Call, cost_value
+from .results import Interval, Stream
+
+__all__ = ["CorePoolSpec", "CorePool", "as_core_pool", "PooledReplayMixin"]
 
 # A job whose remaining work is below this fraction of its size when the pool's clock
 # reaches its predicted end is done: float rounding of (work - elapsed * rate).
@@ -145,3 +148,103 @@ class CorePool:
         for jid in finished:
             self._jobs.pop(jid)[2].succeed()
         self._reschedule()
+
+
+class PooledReplayMixin:
+    """The core-pool steps of :class:`~vcluster.timing.replay.Replay`.
+
+    With a pool, durations the cost model gives are single-core seconds of work:
+
+    * ``TraceCompute``: its whole duration is served by the pool (it ends when served).
+    * A collective, once started: each traced member's share ``collective_cpu_s(op,
+      position)`` (0 when the model lacks the method) is served; the call ends when every
+      share is, plus the rest of its duration, ``max(0, collective_time_s - max share)``,
+      as wall time (so on idle cores it lasts exactly ``collective_time_s``).
+    * Point to point: ``p2p_cpu_s(src, dst, nbytes) -> (sender, receiver)`` (default
+      ``(0, 0)``): the sender's share blocks its stream before the transfer (the
+      emulator's ``send`` copies the payload before it returns), the transfer lasts the
+      rest of ``p2p_time_s``, and the receiver's share is served once the data is there.
+
+    The pool sees only traced ranks, so it is not combined with symmetric mode.
+    """
+
+    def _init_pool(self, spec: CorePoolSpec | None) -> None:
+        self.pool = None if spec is None else CorePool(self.env, spec)
+        self.pending: dict[Call, int] = {}          # call -> member shares not yet served
+        self.p2p_parts: dict = {}                   # (src, dst, nbytes) -> shares
+
+    def _serve(self, rank: int, t: float, work_s: float, p2p=None):
+        """Pool mode: from local time ``t``, have ``work_s`` served; -> (start, end).
+
+        ``p2p`` = (op index, op) books the time as this rank's point-to-point copy."""
+        env = self.env
+        if work_s <= 0.0:
+            return t, t
+        if t > env.now:
+            yield env.timeout(t - env.now)
+        start = env.now
+        yield self.pool.submit(work_s)
+        if p2p is not None:
+            self.comm_s[rank] += env.now - start
+            if self.timelines is not None:
+                self.timelines[rank].append(Interval(*p2p, start, env.now, Stream.P2P))
+        return start, env.now
+
+    def _p2p_duration(self, src: int, dst: int, op) -> float:
+        """How long the transfer of send ``op`` occupies its link (pool: the wall rest)."""
+        if self.pool is not None:
+            return self._p2p_shares(src, dst, op.nbytes)[0]
+        key = (src, dst, op.nbytes)
+        d = self.p2p_cache.get(key)
+        if d is None:
+            d = self.p2p_cache[key] = cost_value(self.costs.p2p_time_s(src, dst, op.nbytes),
+                                                 "p2p_time_s", op)
+        return d
+
+    def _p2p_shares(self, src: int, dst: int, nbytes: int) -> tuple[float, float, float]:
+        """Pool mode: (wall rest of the transfer, sender's work, receiver's work)."""
+        key = (src, dst, nbytes)
+        parts = self.p2p_parts.get(key)
+        if parts is None:
+            what = f"send {src}->{dst} of {nbytes} bytes"
+            total = cost_value(self.costs.p2p_time_s(src, dst, nbytes), "p2p_time_s", what)
+            split = getattr(self.costs, "p2p_cpu_s", None)
+            shares = (0.0, 0.0) if split is None else split(src, dst, nbytes)
+            snd, rcv = (cost_value(x, "p2p_cpu_s", what) for x in shares)
+            parts = self.p2p_parts[key] = (max(0.0, total - snd - rcv), snd, rcv)
+        return parts
+
+    def _start_pooled(self, call: Call, t: float, d: float) -> None:
+        """Pool mode: serve each traced member's share; then the wall rest of ``d``."""
+        call.start_s = t
+        split = getattr(self.costs, "collective_cpu_s", None)
+        shares = {m: 0.0 if split is None else
+                  cost_value(split(call.op, call.info.position[m]), "collective_cpu_s", call.op)
+                  for m in call.info.traced}
+        for m in call.info.traced:
+            self.inflight[m].append(call)
+        rest = max(0.0, d - max(shares.values(), default=0.0))
+        busy = [m for m, w in shares.items() if w > 0.0]
+        self.pending[call] = len(busy)
+        for m in busy:
+            self.pool.submit(shares[m]).callbacks.append(
+                lambda _ev, call=call, rest=rest: self._share_done(call, rest))
+        if not busy:
+            self._share_done(call, rest, counted=False)
+
+    def _share_done(self, call: Call, rest: float, counted: bool = True) -> None:
+        if counted:
+            self.pending[call] -= 1
+            if self.pending[call]:
+                return
+        del self.pending[call]
+        t, end = call.start_s, self.env.now + rest
+        call.end_s = end
+        if end > self.last_s:
+            self.last_s = end
+        for m in call.info.traced:
+            self.comm_s[m] += end - t
+        if self.timelines is not None:
+            for m, (i, op) in call.calls.items():
+                self.timelines[m].append(Interval(i, op, t, end, Stream.COMM))
+        self.env.timeout(rest, call).callbacks.append(self._end)

@@ -35,23 +35,10 @@ priority :data:`LATE` per instant, after every other event of that instant.
 If the environment runs out of events while a rank has ops left, :class:`ReplayDeadlock`
 names every stuck rank and what it waits for.
 
-**Core pool** (optional, ``core_pool``; off by default, and then nothing above changes):
-the devices share a few cores (:class:`~vcluster.timing.localhost_pool.CorePool`,
-processor sharing). Durations the model gives become *single-core seconds of work*
-served by the pool, so devices working at once slow each other down:
-
-* ``TraceCompute``: its whole duration is work on the pool (the op ends when served).
-* A collective, once started: each traced member's share ``collective_cpu_s(op,
-  position)`` (0 when the model lacks the method) is work on the pool; the call ends
-  when every member's share is served, plus the rest of the call's duration, ``max(0,
-  collective_time_s - max share)``, as wall time (so with idle cores it lasts exactly
-  ``collective_time_s``).
-* Point to point: ``p2p_cpu_s(src, dst, nbytes) -> (sender, receiver)`` (default
-  ``(0, 0)``): the sender's share blocks its stream before the transfer (the emulator's
-  ``send`` copies the payload before returning), the transfer lasts the rest of
-  ``p2p_time_s``, and the receiver's share is served once the data has arrived.
-
-The pool sees only traced ranks, so it cannot be combined with symmetric mode.
+**Core pool** (optional ``core_pool``, off by default): the devices share a few cores
+(processor sharing); compute ops, the members' shares of a collective and the copies of a
+send and a receive are work the pool serves, so devices working at once slow each other
+down. The rules are in :class:`~vcluster.timing.localhost_pool.PooledReplayMixin`.
 """
 
 from __future__ import annotations
@@ -65,7 +52,7 @@ from vcluster.runtime.errors import CollectiveMismatch
 from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
     TraceWait
 
-from .localhost_pool import CorePool
+from .localhost_pool import PooledReplayMixin
 from .replay_state import (LATE, Call, GroupInfo, Late, ReplayDeadlock, cost_value,
                            describe_call, describe_recv)
 from .results import Interval, Stream
@@ -76,7 +63,7 @@ _COMPUTE, _COMM, _P2P, _WAIT = Stream.COMPUTE, Stream.COMM, Stream.P2P, Stream.W
 _new = tuple.__new__                                       # Interval without its __new__ wrapper
 
 
-class Replay:
+class Replay(PooledReplayMixin):
     """One replay: its own ``simpy.Environment`` and all state (nothing is shared).
 
     ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
@@ -87,8 +74,7 @@ class Replay:
     def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
                  record: bool, limit: int | None = None, core_pool=None):
         self.env = simpy.Environment()
-        self.pool = None if core_pool is None else CorePool(self.env, core_pool)
-        self.pending: dict[Call, int] = {}                 # pool: member shares unserved
+        self._init_pool(core_pool)
         self.traces, self.costs, self.symmetric = traces, costs, symmetric
         self.slowdown, self.limit = slowdown, limit
         ranks = list(traces)
@@ -107,7 +93,6 @@ class Replay:
         self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
         self.compute_cache: dict = {}
         self.p2p_cache: dict = {}
-        self.p2p_parts: dict = {}                          # pool: (src, dst, n) -> shares
         self.comm_s = dict.fromkeys(ranks, 0.0)
         self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
         self.timelines = {r: [] for r in ranks} if record else None
@@ -134,7 +119,7 @@ class Replay:
         tl = self.timelines[rank] if self.timelines is not None else None
         cache, costs = self.compute_cache, self.costs
         handles, mail = self.handles[rank], self.mail
-        env, pool = self.env, self.pool
+        pool = self.pool
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)
         drain = None
@@ -150,11 +135,8 @@ class Replay:
                     if slow != 1.0:
                         d *= slow
                     if pool is not None and d > 0.0:       # served by the shared cores
-                        if t > env.now:
-                            yield env.timeout(t - env.now)
-                        t = env.now
-                        yield pool.submit(d)
-                        d = env.now - t
+                        t, end = yield from self._serve(rank, t, d)
+                        d = end - t
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, t, t + d, _COMPUTE)))
                     t += d
@@ -164,15 +146,7 @@ class Replay:
                 if cls is TraceSend:
                     if pool is not None:                   # the sender's copy, then the send
                         share = self._p2p_shares(rank, op.peer, op.nbytes)[1]
-                        if share > 0.0:
-                            if t > env.now:
-                                yield env.timeout(t - env.now)
-                            t0 = env.now
-                            yield pool.submit(share)
-                            t = env.now
-                            self.comm_s[rank] += t - t0
-                            if tl is not None:
-                                tl.append(_new(Interval, (i, op, t0, t, _P2P)))
+                        t = (yield from self._serve(rank, t, share, (i, op)))[1]
                     self._send(rank, i, op, t)
                     i += 1
                     continue
@@ -237,15 +211,7 @@ class Replay:
                 t = end
             if cls is TraceRecv and pool is not None:     # the receiver's copy out
                 share = self._p2p_shares(op.peer, rank, op.nbytes)[2]
-                if share > 0.0:
-                    if t > env.now:
-                        yield env.timeout(t - env.now)
-                    t0 = env.now
-                    yield pool.submit(share)
-                    t = env.now
-                    self.comm_s[rank] += t - t0
-                    if tl is not None:
-                        tl.append(_new(Interval, (i, op, t0, t, _P2P)))
+                t = (yield from self._serve(rank, t, share, (i, op)))[1]
             if i < n:
                 i += 1
         self.end_s[rank], self.compute_s[rank] = t, busy
@@ -277,14 +243,7 @@ class Replay:
             self._check_peer(rank, i, op, sending=True)
             state = (-1.0, 0.0)
         free, since = state
-        if self.pool is not None:
-            d = self._p2p_shares(rank, dst, op.nbytes)[0]
-        else:
-            pkey = (rank, dst, op.nbytes)
-            d = self.p2p_cache.get(pkey)
-            if d is None:
-                d = self.p2p_cache[pkey] = cost_value(
-                    self.costs.p2p_time_s(rank, dst, op.nbytes), "p2p_time_s", op)
+        d = self._p2p_duration(rank, dst, op)
         if t > free:
             start = since = t                              # the link was idle: a new busy run
         else:
@@ -303,19 +262,6 @@ class Replay:
                 ev.succeed((start, end, op.nbytes, since))
             else:
                 self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
-
-    def _p2p_shares(self, src: int, dst: int, nbytes: int) -> tuple[float, float, float]:
-        """Pool mode: (wall rest of the transfer, sender's work, receiver's work)."""
-        key = (src, dst, nbytes)
-        parts = self.p2p_parts.get(key)
-        if parts is None:
-            what = f"send {src}->{dst} of {nbytes} bytes"
-            total = cost_value(self.costs.p2p_time_s(src, dst, nbytes), "p2p_time_s", what)
-            split = getattr(self.costs, "p2p_cpu_s", None)
-            shares = (0.0, 0.0) if split is None else split(src, dst, nbytes)
-            snd, rcv = (cost_value(x, "p2p_cpu_s", what) for x in shares)
-            parts = self.p2p_parts[key] = (max(0.0, total - snd - rcv), snd, rcv)
-        return parts
 
     # ------------------------------------------------------------------ collectives
     def _group(self, rank: int, i: int, op) -> GroupInfo:
@@ -420,41 +366,6 @@ class Replay:
                 for m, (i, op) in call.calls.items():
                     tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
             env.timeout(d, call).callbacks.append(end_call)
-
-    def _start_pooled(self, call: Call, t: float, d: float) -> None:
-        """Pool mode: serve each traced member's share; then the wall rest of ``d``."""
-        call.start_s = t
-        split = getattr(self.costs, "collective_cpu_s", None)
-        shares = {m: 0.0 if split is None else
-                  cost_value(split(call.op, call.info.position[m]), "collective_cpu_s", call.op)
-                  for m in call.info.traced}
-        for m in call.info.traced:
-            self.inflight[m].append(call)
-        rest = max(0.0, d - max(shares.values(), default=0.0))
-        busy = [m for m, w in shares.items() if w > 0.0]
-        self.pending[call] = len(busy)
-        for m in busy:
-            self.pool.submit(shares[m]).callbacks.append(
-                lambda _ev, call=call, rest=rest: self._share_done(call, rest))
-        if not busy:
-            self._share_done(call, rest, counted=False)
-
-    def _share_done(self, call: Call, rest: float, counted: bool = True) -> None:
-        if counted:
-            self.pending[call] -= 1
-            if self.pending[call]:
-                return
-        del self.pending[call]
-        t, end = call.start_s, self.env.now + rest
-        call.end_s = end
-        if end > self.last_s:
-            self.last_s = end
-        for m in call.info.traced:
-            self.comm_s[m] += end - t
-        if self.timelines is not None:
-            for m, (i, op) in call.calls.items():
-                self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
-        self.env.timeout(rest, call).callbacks.append(self._end)
 
     def _end(self, event: Event) -> None:
         call = event.value

@@ -11,6 +11,7 @@ control flow depends on data cannot be traced (it gets a clear error where it ma
 
 from __future__ import annotations
 
+from functools import lru_cache
 from types import MappingProxyType
 
 import numpy as np
@@ -36,17 +37,24 @@ def _shape_of(x):
     return x.shape if isinstance(x, (MetaArray, np.ndarray)) else np.shape(x)
 
 
+_SCALARS = (int, float, complex, bool)
+
+
+@lru_cache(maxsize=4096)   # pure: (ufunc, operand kinds) -> dtype; tracing calls it per op
+def _probe_dtype(ufunc, kinds) -> np.dtype:
+    """The dtype ``ufunc`` gives for operands of these dtypes / Python scalar types."""
+    with np.errstate(all="ignore"):
+        return ufunc(*[k(1) if isinstance(k, type) else np.ones(1, k) for k in kinds]).dtype
+
+
 def _result_dtype(inputs, ufunc=None):
-    arrays = [_dtype_of(x) for x in inputs]
-    scalars = [x for x in inputs if isinstance(x, (int, float, complex, bool))]
-    dtype = np.result_type(*[d for d in arrays if d is not None], *scalars)
+    kinds = tuple(type(x) if isinstance(x, _SCALARS) else
+                  (_dtype_of(x) or np.asarray(x).dtype) for x in inputs)
     if ufunc is not None and ufunc.nout == 1 and ufunc.types:
-        with np.errstate(all="ignore"):
-            probe = ufunc(*[np.ones(1, _dtype_of(x) or np.asarray(x).dtype)
-                            if not isinstance(x, (int, float, complex, bool)) else x
-                            for x in inputs])
-        dtype = probe.dtype
-    return dtype
+        return _probe_dtype(ufunc, kinds)
+    arrays = [k for k in kinds if not isinstance(k, type)]
+    scalars = [x for x in inputs if isinstance(x, _SCALARS)]
+    return np.result_type(*arrays, *scalars)
 
 
 class MetaArray:

@@ -1,0 +1,282 @@
+"""``vcluster bench predict``: the ``localhost`` timing model against the emulator itself.
+
+For each bundled workload, the same per-device program is
+
+* **measured** on a :class:`~vcluster.VirtualCluster`: every device passes a barrier,
+  runs the program, and the wall time is ``max(end) - min(start)`` over the devices
+  (cluster start-up, host transfers and the barrier excluded); the median of ``reps``
+  runs after one warm-up;
+* **predicted** by tracing it (:func:`~vcluster.runtime.tracing.trace_program` on
+  shape-only arrays) and replaying the traces with
+  :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
+
+``ratio = predicted / measured``; the goal is every workload within 25%. The machine is
+calibrated first (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost`), or
+its spec read from ``--spec``. Workloads (``WORKLOADS``; ``--tiny`` shrinks each one to a
+smoke test, not a benchmark):
+
+* ``<collective>-<size>``: ``CALLS`` back-to-back all_reduce / all_gather /
+  reduce_scatter of 1 MiB and 16 MiB (nccl-tests sizes: all_gather's is its output) on 8
+  devices, resident inputs;
+* ``matmul``: MatMul, MatchedInnerSharding (A [R, S(tp)], B [S(tp), R]), forward,
+  2048 x 1024 x 2048 float32 on a 1 x 8 mesh;
+* ``ffn``: FeedForward, Megatron (tp=4, dp=2), forward then backward, x (8, 256, 512),
+  d_ff 2048, float32;
+* ``mlp``: MLP([1024] * 9).fit, 1F1B on 4 pipeline ranks, one step of 8 micro-batches of
+  128 rows, float64.
+
+JSON (``--json``): ``{"spec": LocalhostSpec fields, "workloads": [{"name", "devices",
+"dtype", "measured_s", "measured_runs_s", "predicted_s", "ratio"}], "max_error"}``
+with ``max_error = max |ratio - 1|``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .args import csv_of, positive_int
+
+__all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
+           "predict_workload", "run_predict"]
+
+CALLS = 5                               # collectives per run of a sweep workload
+_SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
+               for size in ("1MiB", "16MiB"))
+WORKLOADS = _SWEEP + ("matmul", "ffn", "mlp")
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A per-device program, its real arguments and their shape-only twins."""
+
+    name: str
+    mesh: object
+    program: Callable
+    args: list                          # per rank, real arrays
+    meta_args: list                     # per rank, MetaArrays (what the tracer runs on)
+    dtype: str
+
+
+def _meta(x):
+    from vcluster.runtime.tracing import meta_like
+    return meta_like(x) if isinstance(x, np.ndarray) else x
+
+
+def _metas(args: list) -> list:
+    return [tuple(_meta(a) for a in per_rank) for per_rank in args]
+
+
+# --- the workloads ---------------------------------------------------------------------
+def _sweep_program(dev, op: str, x, calls: int):
+    for _ in range(calls):
+        getattr(dev, op)(x)
+
+
+def _sweep(name: str, tiny: bool) -> Workload:
+    from mesh import Mesh
+    op, size = name.split("-")
+    n = 8
+    nbytes = (int(size[:-3]) * _MIB) // (64 if tiny else 1)
+    elements = nbytes // 4 // (n if op == "all_gather" else 1)
+    mesh = Mesh((n,), ("x",))
+    args = [(op, np.zeros(elements, np.float32), CALLS) for _ in range(n)]
+    return Workload(name, mesh, _sweep_program, args, _metas(args), "float32")
+
+
+def _matmul(tiny: bool) -> Workload:
+    from mesh import Mesh
+    from sharding import TensorSharding as TS, shard
+    from tensor_parallel import MatMul, MatMulSharding
+    m, k, n = (256, 128, 256) if tiny else (2048, 1024, 2048)
+    mesh = Mesh((1, 8), ("dp", "tp"))
+    op = MatMul(MatMulSharding(TS(None, "tp"), TS("tp", None), TS(None, None)))
+    rng = np.random.default_rng(0)
+    a = shard(rng.standard_normal((m, k)).astype(np.float32), op.sharding.a, mesh)
+    b = shard(rng.standard_normal((k, n)).astype(np.float32), op.sharding.b, mesh)
+    args = [(a[r], b[r]) for r in range(mesh.size)]
+    return Workload("matmul", mesh, op.forward_local, args, _metas(args), "float32")
+
+
+def _ffn_program(dev, op, x, w1, b1, w2, b2, dy):
+    op.forward_local(dev, x, w1, b1, w2, b2)
+    op.backward_local(dev, x, w1, b1, w2, b2, dy)
+
+
+def _ffn(tiny: bool) -> Workload:
+    from mesh import Mesh
+    from sharding import shard
+    from tensor_parallel import FeedForward
+    from tensor_parallel.ffn_sharding import FeedForwardSharding
+    batch, seq, d, d_ff = (4, 16, 64, 256) if tiny else (8, 256, 512, 2048)
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    op = FeedForward(FeedForwardSharding("Megatron", tp="tp", dp="dp"))
+    rng = np.random.default_rng(0)
+    shapes = {"x": (batch, seq, d), "w1": (d, d_ff), "b1": (d_ff,), "w2": (d_ff, d),
+              "b2": (d,), "dy": (batch, seq, d)}
+    layouts = dict(op.layouts, dy=op.layouts["x"])
+    pieces = {k: shard((0.05 * rng.standard_normal(s)).astype(np.float32), layouts[k], mesh)
+              for k, s in shapes.items()}
+    args = [(op,) + tuple(pieces[k][r] for k in shapes) for r in range(mesh.size)]
+    return Workload("ffn", mesh, _ffn_program, args, _metas(args), "float32")
+
+
+def _mlp(tiny: bool) -> Workload:
+    from mesh import Mesh
+    from pipeline_parallel import MLP
+    from pipeline_parallel.executor import TrainJob, train_program
+    from pipeline_parallel.optim import OptimizerConfig
+    from pipeline_parallel.plan import plan_training
+    width, rows, m = (64, 8, 4) if tiny else (1024, 128, 8)
+    mlp = MLP([width] * 9, seed=0)
+    mesh = Mesh((4,), ("pp",))
+    plan = plan_training(mlp, mesh, rows * m, m, "1f1b", None)
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((rows * m, width)), rng.standard_normal((rows * m, width))
+
+    def job(params):
+        return TrainJob(params=params, specs=plan.stage_specs, actions=plan.actions,
+                        loss="mse", optimizer=OptimizerConfig("sgd", 0.01), steps=1,
+                        microbatches=m, global_batch=rows * m)
+    real = job(tuple(mlp.init_params()))
+    meta = dataclasses.replace(real, params=tuple((_meta(w), _meta(b))
+                                                  for w, b in real.params))
+    args = plan.device_args(real, X, Y)
+    metas = [(meta,) + tuple(None if a is None else _meta(a) for a in rest)
+             for _, *rest in args]
+    return Workload("mlp", mesh, train_program, args, metas, "float64")
+
+
+def build_workload(name: str, tiny: bool = False) -> Workload:
+    if name in _SWEEP:
+        return _sweep(name, tiny)
+    builders = {"matmul": _matmul, "ffn": _ffn, "mlp": _mlp}
+    if name not in builders:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    return builders[name](tiny)
+
+
+# --- measuring and predicting ----------------------------------------------------------
+def _timed(dev, program, *args) -> tuple[float, float]:
+    dev.barrier()
+    t0 = time.perf_counter()
+    program(dev, *args)
+    return t0, time.perf_counter()
+
+
+def measure_workload(cluster, wl: Workload, reps: int) -> list[float]:
+    """Wall times of ``reps`` runs after one warm-up (see the module docstring)."""
+    per_rank = [(wl.program,) + tuple(a) for a in wl.args]
+    cluster.run(_timed, per_rank)
+    out = []
+    for _ in range(reps):
+        spans = cluster.run(_timed, per_rank)
+        out.append(max(e for _, e in spans) - min(s for s, _ in spans))
+    return out
+
+
+def predict_workload(wl: Workload, spec) -> float:
+    """The replayed step time of ``wl``'s traces with the localhost cost model."""
+    from vcluster.runtime.tracing import trace_program
+    from vcluster.timing.engine import simulate_trace
+    from vcluster.timing.localhost import LocalhostCostModel
+    traces = trace_program(wl.mesh, wl.program, wl.meta_args)
+    model = LocalhostCostModel(spec, wl.mesh.size, wl.dtype)
+    return simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
+                          timeline=False).step_time_s
+
+
+def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None) -> dict:
+    """Measure and predict every workload of ``names``; the JSON record (module doc)."""
+    from vcluster import VirtualCluster
+    rows, clusters = [], {}
+    workloads = [build_workload(name, tiny) for name in names]
+    try:
+        for wl in workloads:
+            key = wl.mesh
+            if key not in clusters:
+                clusters[key] = VirtualCluster(wl.mesh)
+            runs = measure_workload(clusters[key], wl, reps)
+            measured, predicted = float(np.median(runs)), predict_workload(wl, spec)
+            rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
+                         "measured_s": measured, "measured_runs_s": runs,
+                         "predicted_s": predicted, "ratio": predicted / measured})
+            if progress is not None:
+                progress(rows[-1])
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+    return {"spec": spec.to_dict(), "workloads": rows,
+            "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
+
+
+# --- the command -----------------------------------------------------------------------
+def add_parser(kinds) -> None:
+    """Register ``predict`` on the ``vcluster bench`` sub-commands ``kinds``."""
+    p = kinds.add_parser(
+        "predict", help="the localhost timing model against measured emulator runs",
+        description="Calibrate this machine (or read --spec), then measure each bundled "
+                    "emulated workload and predict its wall time by tracing and replaying "
+                    "it with the localhost hardware; prints measured, predicted, ratio.")
+    p.add_argument("--spec", metavar="FILE", help="a saved LocalhostSpec (.json/.yaml) "
+                   "instead of calibrating")
+    p.add_argument("--save-spec", metavar="FILE", help="write the calibrated spec")
+    p.add_argument("--devices", type=positive_int, default=8,
+                   help="devices of the calibration cluster (8)")
+    p.add_argument("--workloads", type=csv_of(WORKLOADS, "workload"), default=list(WORKLOADS),
+                   help="workloads to run (default: all): " + ",".join(WORKLOADS))
+    p.add_argument("--reps", type=positive_int, default=3, help="timed runs (3)")
+    p.add_argument("--tiny", action="store_true", help="shrink every workload (smoke test)")
+    p.add_argument("--json", metavar="PATH", help="also write the record as JSON")
+    p.set_defaults(run=_predict)
+
+
+def _predict(args) -> int:
+    from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
+    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    if args.spec:
+        spec = load_localhost_spec(args.spec)
+        print(f"vcluster bench predict: spec from {args.spec}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        spec = calibrate_localhost(args.devices)
+        print(f"vcluster bench predict: calibrated in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    if args.save_spec:
+        save_localhost_spec(spec, args.save_spec)
+    _print_spec(spec)
+    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}",
+          flush=True)
+    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=lambda r: print(
+        f"{r['name']:<22}{r['devices']:>8}{_ms(r['measured_s']):>12}"
+        f"{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}", flush=True))
+    print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
+    if args.json:
+        from .files import write_json
+        write_json(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _print_spec(spec) -> None:
+    print(f"  cores {spec.cores}, busy-core speedup {spec.core_speedup:.2f}; GEMM "
+          f"{spec.gemm_float32_flops_per_s / 1e9:.0f} / {spec.gemm_float64_flops_per_s / 1e9:.0f}"
+          f" GFLOP/s (f32/f64); elementwise {spec.vector_float32_flops_per_s / 1e9:.2f} / "
+          f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s; memcpy "
+          f"{spec.memcpy_bytes_per_s / 1e9:.1f} GB/s")
+    lat = ", ".join(f"{n}: {b * 1e6:.0f}/{s * 1e6:.0f}" for n, b, s in
+                    zip(spec.group_sizes, spec.barrier_s, spec.small_all_reduce_s))
+    print(f"  barrier/8-B all_reduce us by group size {lat}; channel copy/reduce/write "
+          f"{spec.channel_copy_bytes_per_s / 1e9:.2f}/{spec.channel_reduce_bytes_per_s / 1e9:.2f}"
+          f"/{spec.channel_write_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
+          f"{spec.p2p_latency_s * 1e6:.0f} us, {spec.p2p_copy_bytes_per_s / 1e9:.2f} GB/s",
+          flush=True)

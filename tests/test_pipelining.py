@@ -469,3 +469,18 @@ def test_cli_bad_sizes_raise_value_error():
         _cli(["schedule", "interleaved_1f1b", "--ranks", "4", "--microbatches", "6"])
     with pytest.raises(ValueError, match=r"virtual_stages must be 1"):
         _cli(["schedule", "gpipe", "--virtual-stages", "2"])
+
+
+def test_the_vcluster_command_as_users_type_it():
+    """`vcluster schedule 1f1b --ranks 4 --microbatches 8` through the real entry point."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    for argv in (["1f1b"], ["interleaved_1f1b", "--virtual-stages", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "vcluster", "schedule", *argv, "--ranks",
+                               "4", "--microbatches", "8"], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert "3B0" in proc.stdout and "bubble fraction (simulated)" in proc.stdout

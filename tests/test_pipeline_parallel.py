@@ -98,7 +98,7 @@ def test_hybrid_dp_pp_tp_equals_reference(hybrid, schedule, ms):
 
 
 def test_hybrid_bucket_all_reduce_starts_before_the_last_backward(hybrid):
-    widths = [16] + [128] * 7 + [8]      # enough backward work after the first bucket
+    widths = [16] + [256] * 15 + [8]     # 8 layers a stage: backward work after the first bucket
     mlp = MLP(widths, activation="relu", loss="mse", seed=7)
     rng = np.random.default_rng(3)
     X, Y = rng.standard_normal((BATCH, 16)), rng.standard_normal((BATCH, 8))

@@ -196,7 +196,9 @@ def train_program(dev, job: TrainJob, X, Y):
                 dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
         if buckets is not None:
             buckets.finish()
-        opt.step(params, grads)
+        with dev.compute("optimizer", flops=0,
+                         bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
+            opt.step(params, grads)
         losses.append(loss)
     return {
         "rank": dev.rank, "pp_position": pos,

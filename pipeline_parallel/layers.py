@@ -109,12 +109,14 @@ class StageLayers:
     def forward(self, dev, mb: int, x):
         saved = []
         for spec, op, (w, b) in zip(self.specs, self._ops, self.params):
-            if op is None:
-                z = local_matmul(dev, x, w) + b
-            else:
-                z = op.forward_local(dev, x, w) + b
+            z = local_matmul(dev, x, w) if op is None else op.forward_local(dev, x, w)
+            # elementwise work: declared with its bytes (memory-bound), 0 FLOPs, as the
+            # FLOP formulas count only matrix products
+            with dev.compute("bias + activation", flops=0, bytes=3 * z.nbytes):
+                z = z + b
+                out = activation(spec.activation, z) if spec.activation else z
             saved.append((x, z))
-            x = activation(spec.activation, z) if spec.activation else z
+            x = out
         self._saved[mb] = saved
         return x
 
@@ -127,7 +129,8 @@ class StageLayers:
         for l in reversed(range(len(self.specs))):
             spec, op, (w, _) = self.specs[l], self._ops[l], self.params[l]
             x, z = saved[l]
-            dz = activation_grad(spec.activation, z, grad) if spec.activation else grad
+            with dev.compute("activation grad", flops=0, bytes=3 * z.nbytes):
+                dz = activation_grad(spec.activation, z, grad) if spec.activation else grad
             dzs[l] = dz
             if l == 0 and not need_input_grad:
                 grad = None
@@ -151,10 +154,12 @@ class StageLayers:
             gw, gb = self.grads[l]
             op = self._ops[l]
             if op is None:
-                gw += local_matmul(dev, x.T, dz, name="matmul dW")
+                dw = local_matmul(dev, x.T, dz, name="matmul dW")
             else:
                 _, grad_b = op.gradient_ops()
-                gw += grad_b.forward_local(dev, x.T, dz)
+                dw = grad_b.forward_local(dev, x.T, dz)
+            with dev.compute("accumulate dW", flops=0, bytes=3 * gw.nbytes):
+                gw += dw
             with dev.compute("bias grad", flops=dz.size, bytes=dz.nbytes):
                 gb += dz.sum(axis=0)
             if on_layer_done is not None:

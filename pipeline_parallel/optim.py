@@ -52,6 +52,12 @@ class Optimizer:
         self.state = [[np.zeros_like(p) for p in params] for _ in range(slots)]
 
     @property
+    def bytes_touched_per_param_byte(self) -> int:
+        """Memory traffic of one step per byte of parameters: SGD reads p, g, v and
+        writes p, v (5); Adam reads p, g, m, v and writes p, m, v (7)."""
+        return 5 if self.config.name == "sgd" else 7
+
+    @property
     def state_bytes(self) -> int:
         return sum(s.nbytes for slot in self.state for s in slot)
 

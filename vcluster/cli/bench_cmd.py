@@ -1,4 +1,4 @@
-"""``vcluster bench collectives | startup | matmul``: the emulator's benchmarks."""
+"""``vcluster bench collectives | startup | matmul | predict``: the emulator's benchmarks."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def add_parser(commands) -> None:
     mm.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     mm.set_defaults(run=_matmul)
+
+    from . import bench_predict
+    bench_predict.add_parser(kinds)
 
 
 def _maybe_json(path, obj) -> None:

@@ -2,10 +2,12 @@
 
 For each bundled workload, the same per-device program is
 
-* **measured** on a :class:`~vcluster.VirtualCluster`: every device passes a barrier,
-  runs the program, and the wall time is ``max(end) - min(start)`` over the devices
-  (cluster start-up, host transfers and the barrier excluded); the median of ``reps``
-  runs after one warm-up;
+* **measured** on a :class:`~vcluster.VirtualCluster`: the devices agree on a start
+  instant and sleep until it (so that all start together, as in the replay; leaving a
+  barrier instead staggers them by up to ~10 ms on 2 cores busy with 8 devices), run the
+  program, and the wall time is ``max(end) - start`` (cluster start-up, host transfers
+  and the start-up synchronisation excluded); the median of ``reps`` runs after one
+  warm-up;
 * **predicted** by tracing it (:func:`~vcluster.runtime.tracing.trace_program` on
   shape-only arrays) and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
@@ -15,24 +17,30 @@ calibrated first (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhos
 its spec read from ``--spec``. Workloads (``WORKLOADS``; ``--tiny`` shrinks each one to a
 smoke test, not a benchmark):
 
-* ``<collective>-<size>``: ``CALLS`` back-to-back all_reduce / all_gather /
-  reduce_scatter of 1 MiB and 16 MiB (nccl-tests sizes: all_gather's is its output) on 8
-  devices, resident inputs;
+* ``<collective>-<size>``: back-to-back all_reduce / all_gather / reduce_scatter of 1 MiB
+  and 16 MiB (nccl-tests sizes: all_gather's is its output) on 8 devices, resident
+  inputs; ``max(MIN_CALLS, SWEEP_BYTES / size)`` calls per run (20 and 5), so that the
+  ~2 ms it takes 8 devices on 2 cores to get going stays a small part of every run;
 * ``matmul``: MatMul, MatchedInnerSharding (A [R, S(tp)], B [S(tp), R]), forward,
   2048 x 1024 x 2048 float32 on a 1 x 8 mesh;
 * ``ffn``: FeedForward, Megatron (tp=4, dp=2), forward then backward, x (8, 256, 512),
   d_ff 2048, float32;
 * ``mlp``: MLP([1024] * 9).fit, 1F1B on 4 pipeline ranks, one step of 8 micro-batches of
-  128 rows, float64.
+  256 rows, float64.
+
+The model assumes the machine is otherwise idle: ``background_cores`` is the number of
+cores the machine's other processes used during the timed runs (Linux; ``None``
+elsewhere), flagged when above :data:`BUSY_MACHINE_CORES`.
 
 JSON (``--json``): ``{"spec": LocalhostSpec fields, "workloads": [{"name", "devices",
-"dtype", "measured_s", "measured_runs_s", "predicted_s", "ratio"}], "max_error"}``
-with ``max_error = max |ratio - 1|``.
+"dtype", "measured_s", "measured_runs_s", "predicted_s", "ratio", "background_cores"}],
+"max_error"}`` with ``max_error = max |ratio - 1|``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -44,7 +52,11 @@ from .args import csv_of, positive_int
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
            "predict_workload", "run_predict"]
 
-CALLS = 5                               # collectives per run of a sweep workload
+SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep workload
+BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
+QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
+START_S = 0.01                          # devices start their program this long after
+#                                         rank 0 announces the instant (a broadcast)
 _SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
                for size in ("1MiB", "16MiB"))
 WORKLOADS = _SWEEP + ("matmul", "ffn", "mlp")
@@ -85,7 +97,8 @@ def _sweep(name: str, tiny: bool) -> Workload:
     nbytes = (int(size[:-3]) * _MIB) // (64 if tiny else 1)
     elements = nbytes // 4 // (n if op == "all_gather" else 1)
     mesh = Mesh((n,), ("x",))
-    args = [(op, np.zeros(elements, np.float32), CALLS) for _ in range(n)]
+    calls = max(MIN_CALLS, SWEEP_BYTES // (int(size[:-3]) * _MIB))
+    args = [(op, np.zeros(elements, np.float32), calls) for _ in range(n)]
     return Workload(name, mesh, _sweep_program, args, _metas(args), "float32")
 
 
@@ -132,7 +145,7 @@ def _mlp(tiny: bool) -> Workload:
     from pipeline_parallel.executor import TrainJob, train_program
     from pipeline_parallel.optim import OptimizerConfig
     from pipeline_parallel.plan import plan_training
-    width, rows, m = (64, 8, 4) if tiny else (1024, 128, 8)
+    width, rows, m = (64, 8, 4) if tiny else (1024, 256, 8)
     mlp = MLP([width] * 9, seed=0)
     mesh = Mesh((4,), ("pp",))
     plan = plan_training(mlp, mesh, rows * m, m, "1f1b", None)
@@ -163,21 +176,69 @@ def build_workload(name: str, tiny: bool = False) -> Workload:
 
 # --- measuring and predicting ----------------------------------------------------------
 def _timed(dev, program, *args) -> tuple[float, float]:
+    """Run ``program`` from an instant agreed by every device (rank 0's clock + START_S,
+    broadcast; one clock serves every process of the machine): each sleeps until then, so
+    the programs start together as in the replay. Returns (that instant, end)."""
     dev.barrier()
-    t0 = time.perf_counter()
+    start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
+    wait = start - time.perf_counter()
+    if wait > 0:
+        time.sleep(wait)
     program(dev, *args)
-    return t0, time.perf_counter()
+    return start, time.perf_counter()
 
 
-def measure_workload(cluster, wl: Workload, reps: int) -> list[float]:
-    """Wall times of ``reps`` runs after one warm-up (see the module docstring)."""
+class _Background:
+    """Cores the machine's *other* processes used meanwhile (Linux /proc; else None):
+    all busy CPU time less this process's and the devices' over the elapsed time."""
+
+    def __init__(self, pids):
+        self.pids, self.cores = [os.getpid(), *pids], None
+
+    @staticmethod
+    def _busy_s() -> float:
+        with open("/proc/stat") as f:                    # cpu user nice system idle ...
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        idle = ticks[3] + ticks[4]                            # idle + iowait
+        return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def _ours_s(self) -> float:
+        total = 0
+        for pid in self.pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])            # utime + stime
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self) -> "_Background":
+        try:
+            self._start = (time.perf_counter(), self._busy_s(), self._ours_s())
+        except (OSError, ValueError, IndexError):
+            self._start = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._start is not None and exc[0] is None:
+            try:
+                t, busy, ours = time.perf_counter(), self._busy_s(), self._ours_s()
+            except (OSError, ValueError, IndexError):
+                return
+            t0, busy0, ours0 = self._start
+            self.cores = max(0.0, (busy - busy0) - (ours - ours0)) / (t - t0)
+
+
+def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list[float], float | None]:
+    """Wall times of ``reps`` runs after one warm-up (see the module docstring), and the
+    cores other processes of the machine used meanwhile (None where unknown)."""
     per_rank = [(wl.program,) + tuple(a) for a in wl.args]
     cluster.run(_timed, per_rank)
     out = []
-    for _ in range(reps):
-        spans = cluster.run(_timed, per_rank)
-        out.append(max(e for _, e in spans) - min(s for s, _ in spans))
-    return out
+    with _Background(cluster.pids) as background:
+        time.sleep(QUIET_SAMPLE_S)                      # the devices idle: all load is others'
+        for _ in range(reps):
+            spans = cluster.run(_timed, per_rank)
+            out.append(max(e for _, e in spans) - min(s for s, _ in spans))
+    return out, background.cores
 
 
 def predict_workload(wl: Workload, spec) -> float:
@@ -201,11 +262,12 @@ def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None) -
             key = wl.mesh
             if key not in clusters:
                 clusters[key] = VirtualCluster(wl.mesh)
-            runs = measure_workload(clusters[key], wl, reps)
+            runs, background = measure_workload(clusters[key], wl, reps)
             measured, predicted = float(np.median(runs)), predict_workload(wl, spec)
             rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
                          "measured_s": measured, "measured_runs_s": runs,
-                         "predicted_s": predicted, "ratio": predicted / measured})
+                         "predicted_s": predicted, "ratio": predicted / measured,
+                         "background_cores": background})
             if progress is not None:
                 progress(rows[-1])
     finally:
@@ -250,11 +312,9 @@ def _predict(args) -> int:
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
     _print_spec(spec)
-    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}",
-          flush=True)
-    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=lambda r: print(
-        f"{r['name']:<22}{r['devices']:>8}{_ms(r['measured_s']):>12}"
-        f"{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}", flush=True))
+    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
+          f"{'other load':>12}", flush=True)
+    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
     if args.json:
         from .files import write_json
@@ -263,20 +323,32 @@ def _predict(args) -> int:
     return 0
 
 
+def _print_row(r: dict) -> None:
+    load = r["background_cores"]
+    flag = "" if load is None else f"{load:>6.2f} cores" + (
+        "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
+    print(f"{r['name']:<22}{r['devices']:>8}{_ms(r['measured_s']):>12}"
+          f"{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}  {flag}", flush=True)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
 def _print_spec(spec) -> None:
-    print(f"  cores {spec.cores}, busy-core speedup {spec.core_speedup:.2f}; GEMM "
-          f"{spec.gemm_float32_flops_per_s / 1e9:.0f} / {spec.gemm_float64_flops_per_s / 1e9:.0f}"
-          f" GFLOP/s (f32/f64); elementwise {spec.vector_float32_flops_per_s / 1e9:.2f} / "
-          f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s; memcpy "
-          f"{spec.memcpy_bytes_per_s / 1e9:.1f} GB/s")
-    lat = ", ".join(f"{n}: {b * 1e6:.0f}/{s * 1e6:.0f}" for n, b, s in
-                    zip(spec.group_sizes, spec.barrier_s, spec.small_all_reduce_s))
-    print(f"  barrier/8-B all_reduce us by group size {lat}; channel copy/reduce/write "
-          f"{spec.channel_copy_bytes_per_s / 1e9:.2f}/{spec.channel_reduce_bytes_per_s / 1e9:.2f}"
-          f"/{spec.channel_write_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
+    pool = ", ".join(f"T({k}) = {t:.2f}" for k, t in spec.pool_throughput)
+    print(f"  {spec.cores} cores: {pool}; GEMM {spec.gemm_float32_flops_per_s / 1e9:.0f} / "
+          f"{spec.gemm_float64_flops_per_s / 1e9:.0f} GFLOP/s (f32/f64); elementwise "
+          f"{spec.vector_float32_flops_per_s / 1e9:.2f} / "
+          f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s (busy speedup "
+          f"{spec.vector_busy_speedup:.2f}); memcpy {spec.memcpy_bytes_per_s / 1e9:.1f} GB/s "
+          f"(busy speedup {spec.memcpy_busy_speedup:.2f})")
+    lat = ", ".join(f"{n}: {b * 1e6:.0f}/{s * 1e6:.0f}/{g * 1e6:.0f}" for n, b, s, g in
+                    zip(spec.group_sizes, spec.barrier_s, spec.small_all_reduce_s,
+                        spec.large_all_reduce_s))
+    print(f"  barrier/8 B/4 KiB all_reduce (us) by group size {lat}")
+    print(f"  channel copy/reduce/all_reduce {spec.channel_copy_bytes_per_s / 1e9:.2f}/"
+          f"{spec.channel_reduce_bytes_per_s / 1e9:.2f}/"
+          f"{spec.channel_all_reduce_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
           f"{spec.p2p_latency_s * 1e6:.0f} us, {spec.p2p_copy_bytes_per_s / 1e9:.2f} GB/s",
           flush=True)

@@ -4,37 +4,49 @@
 (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` measures them);
 :class:`LocalhostCostModel` prices a trace of emulated programs from them. The devices
 are processes sharing ``cores`` cores, so every duration below is **work in single-core
-seconds**, and the replay serves it from one pool of cores
-(:class:`~vcluster.timing.localhost_pool.CorePool`, processor sharing with the measured
-aggregate speedup ``S``)::
+seconds**, which the replay serves from one pool of cores
+(:class:`~vcluster.timing.localhost_pool.CorePool`: processor sharing, aggregate
+throughput ``T(k)`` with ``k`` busy devices, measured with float32 GEMMs)::
 
     simulate_trace(traces, model, core_pool=model.core_pool)
 
-Work of one op, per device (``e`` the dtype's rates):
+Kinds of work that scale worse than GEMMs when all ``N`` calibration devices run at once
+(numpy elementwise passes, copies: memory bandwidth, caches) are charged
+``f = T(N) / s`` times their time alone, ``s`` being their own measured speedup, so that
+with every device busy they take what they were measured to take. Work of one op:
 
-* compute: ``overhead + max(flops / F, bytes / B_copy)`` with ``F`` the single-thread
-  GEMM rate when the op's arithmetic intensity ``flops / bytes`` is at least
-  :data:`BLAS_MIN_FLOPS_PER_BYTE` (a BLAS product), else numpy's elementwise rate (an
-  expression of ufuncs, each declared flop one pass over one element);
-* collective over ``n`` members (shm, the emulator's default): the shares of the
-  synchronisation, ``c(n) = L(n) T(n) / n`` for a wall latency ``L(n)`` measured with
-  one group of ``n`` busy (``T`` the pool's throughput), plus the bytes it moves as
+* compute: ``overhead + flops / F_gemm + bytes / B_copy`` when the op's arithmetic
+  intensity ``flops / bytes`` is at least :data:`BLAS_MIN_FLOPS_PER_BYTE` (a BLAS
+  product: its flops at the GEMM's peak plus streaming its operands once; skinny products
+  are slower per flop than square ones), else ``overhead + max(flops f_vec / F_vec,
+  bytes f_copy / B_iadd)`` (an elementwise numpy expression: each declared flop one ufunc
+  pass over one element, fresh result pages included);
+* collective over ``n`` members with the emulator's default algorithm, shm: a share of
+  the call's wall time measured with one group of ``n`` busy, ``c(n) = L(n) T(n) / n``,
+  plus the bytes the member moves as
   :func:`~vcluster.runtime.traffic.collective_traffic` counts them, its own piece
-  included::
+  included (``B_chan`` rates are measured with all devices busy, in pool units)::
 
-      barrier           c_b(n)
-      inline (<= 512 B) c_i(n)                                    (one phase)
-      copy collectives  c_i(n) + c_b(n) + read / B_chan_copy      (all_gather, all_to_all,
-                                                                   broadcast, scatter, gather)
-      reductions        c_i(n) + c_b(n) + read / B_chan_reduce + written / B_chan_write
+      barrier             c_barrier(n)
+      inline (<= 512 B)   c_inline(n)              (8-byte all_reduce: one phase)
+      copy collectives    f c_large(n) + read / B_copy         (all_gather, all_to_all,
+                                                                broadcast, scatter, gather)
+      reduce_scatter      f c_large(n) + read / B_reduce
+      all_reduce          f c_large(n) + (read + written) / B_all_reduce
+      reduce              f c_large(n) + read / B_reduce + written / B_copy
 
-  Message algorithms (ring, tree, pairwise) are priced as their messages (below);
-* point to point: the sender and the receiver each ``p2p_latency / 2`` plus, above 512 B,
-  one copy of the payload at ``B_p2p`` (the sender stages it, the receiver copies it out).
+  ``c_large`` from a 4 KiB all_reduce (two phases); ``B_*`` from all_gather,
+  reduce_scatter and all_reduce on all N devices (the slope of their time in the bytes
+  moved), and for those three ``f`` = their time at 0 bytes over the 4 KiB all_reduce's
+  (both on N devices; ``f = 1`` for the others). Message algorithms (ring, tree,
+  pairwise) are priced as their messages (below);
+* point to point: sender and receiver each ``p2p_latency / 2`` plus, above 512 B, one
+  copy of the payload, ``nbytes f_copy / B_p2p`` (the sender stages it, the receiver
+  copies it out).
 
 Assumptions: large collective inputs are resident (in the device's arena, as products and
-collective results are), and send payloads are not; work the program does outside
-``dev.compute`` is not in the trace and so not predicted.
+collective results are), and send payloads are not; work a program does outside
+``dev.compute`` is not in its trace and so not predicted.
 """
 
 from __future__ import annotations
@@ -60,50 +72,64 @@ __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_BYTE",
 BLAS_MIN_FLOPS_PER_BYTE = 4.0
 
 _COPY = ("all_gather", "all_to_all", "broadcast", "scatter", "gather")
-_REDUCE = ("all_reduce", "reduce_scatter", "reduce")
+_CALIBRATED = ("all_gather", "reduce_scatter", "all_reduce")   # order of channel_fixed_s
 _DTYPES = ("float32", "float64")
 
 
 @dataclass(frozen=True)
 class LocalhostSpec:
-    """Microbenchmarks of this machine (rates per single core, times are medians).
+    """Microbenchmarks of this machine (rates per single core; times are medians).
 
     Measured by :func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` on a
-    :class:`~vcluster.VirtualCluster` of ``calibration_devices`` devices (each running
-    BLAS with one thread); "alone" means one device (or one group) busy, the others idle.
+    :class:`~vcluster.VirtualCluster` of ``calibration_devices`` (N) devices, each running
+    BLAS with one thread; "alone" means one device (or one group) busy, the others idle;
+    "busy" all N devices at once. A speedup is an aggregate throughput over one alone.
     """
 
     cores: int                        # os.cpu_count()
-    core_speedup: float               # T(busy): aggregate float32 GEMM throughput of all the
-    #                                   devices at once / one device's alone, in (0, cores]
-    gemm_float32_flops_per_s: float   # one device alone: (1024, 1024) @ (1024, 1024) float32
+    pool_throughput: tuple            # ((cores, T), (N, T)): float32 GEMM speedup with
+    #                                   `cores` and with N devices busy (the pool's T(k))
+    gemm_float32_flops_per_s: float   # alone: (1024, 1024) @ (1024, 1024) float32, its
+    #                                   operands' streaming at memcpy_bytes_per_s taken out
     gemm_float64_flops_per_s: float   # ... float64
-    vector_float32_flops_per_s: float  # one device alone: a * b + c on 2^20 float32
-    #                                   elements (2 flops per element, temporaries allocated)
+    vector_float32_flops_per_s: float  # alone: a * b + c on 2^18 float32 elements (2 flops
+    #                                   per element; results kept: fresh pages touched)
     vector_float64_flops_per_s: float  # ... float64
-    memcpy_bytes_per_s: float         # one device alone: np.copyto of 16 MiB, warm buffers
-    iadd_bytes_per_s: float           # one device alone: a += b on 16 MiB (bytes of a / s)
-    compute_overhead_s: float         # one device alone: an empty `with dev.compute(...)`
+    vector_busy_speedup: float        # a * b + c float32 on N devices busy
+    memcpy_bytes_per_s: float         # alone: np.copyto of 16 MiB, warm buffers
+    iadd_bytes_per_s: float           # alone: a += b on 16 MiB (bytes of a per second)
+    memcpy_busy_speedup: float        # np.copyto of 16 MiB on N devices busy
+    compute_overhead_s: float         # alone: one empty `with dev.compute(...)` block
     group_sizes: tuple                # group sizes of the latency tables below
     barrier_s: tuple                  # barrier wall time per group size (one group alone)
-    small_all_reduce_s: tuple         # 8-byte all_reduce wall time (inline: one phase)
-    channel_copy_bytes_per_s: float   # all_gather on all devices: bytes read per core-second
-    channel_reduce_bytes_per_s: float  # reduce_scatter: source bytes combined per core-second
-    channel_write_bytes_per_s: float  # all_reduce's writes of the reduced chunk, per core-s
-    p2p_latency_s: float              # 8-byte message, two devices alone: half a round trip
-    p2p_copy_bytes_per_s: float       # large messages, two devices alone: bytes one side
+    small_all_reduce_s: tuple         # 8-byte all_reduce (inline, one phase), same
+    large_all_reduce_s: tuple         # 4 KiB all_reduce (two phases), same
+    channel_copy_bytes_per_s: float   # all_gather on N devices: bytes a member reads per
+    #                                   pool core-second (the slope between the two
+    #                                   largest message_bytes)
+    channel_reduce_bytes_per_s: float  # reduce_scatter: source bytes combined, same
+    channel_all_reduce_bytes_per_s: float  # all_reduce: bytes read + written, same
+    channel_fixed_s: tuple            # all_gather, reduce_scatter, all_reduce on N devices:
+    #                                   wall time at 0 bytes (the smallest size's, less its
+    #                                   bytes at the slope)
+    p2p_latency_s: float              # 8-byte message, two devices alone: RTT / 2
+    p2p_copy_bytes_per_s: float       # 4 MiB messages, two devices alone: bytes one side
     #                                   copies per second (sender in, receiver out)
-    calibration_devices: int          # devices of the calibration cluster
-    message_bytes: int                # per-device input of the bandwidth collectives
+    calibration_devices: int          # N
+    message_bytes: tuple              # per-device sizes of the channel calibration
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
-            elif f.name in ("barrier_s", "small_all_reduce_s"):
+            elif f.name in _TABLES or f.name == "channel_fixed_s":
                 object.__setattr__(self, f.name, tuple(float(x) for x in v))
-            elif f.name in ("cores", "calibration_devices", "message_bytes"):
+            elif f.name == "pool_throughput":
+                object.__setattr__(self, f.name, tuple((int(k), float(t)) for k, t in v))
+            elif f.name == "message_bytes":
+                object.__setattr__(self, f.name, tuple(int(x) for x in v))
+            elif f.name in ("cores", "calibration_devices"):
                 object.__setattr__(self, f.name, int(v))
             else:
                 object.__setattr__(self, f.name, float(v))
@@ -111,19 +137,25 @@ class LocalhostSpec:
         if bad:
             raise ValueError(f"LocalhostSpec: {', '.join(bad)} must be positive and finite")
         n = len(self.group_sizes)
-        if n == 0 or len(self.barrier_s) != n or len(self.small_all_reduce_s) != n \
+        if n == 0 or any(len(getattr(self, t)) != n for t in _TABLES) \
                 or list(self.group_sizes) != sorted(set(self.group_sizes)) \
                 or self.group_sizes[0] < 2:
             raise ValueError(f"LocalhostSpec: group_sizes must be increasing sizes >= 2 with "
-                             f"one barrier_s and small_all_reduce_s each, got "
-                             f"{self.group_sizes}, {self.barrier_s}, {self.small_all_reduce_s}")
-        if self.core_speedup > self.cores:
-            raise ValueError(f"LocalhostSpec: core_speedup {self.core_speedup} exceeds cores "
-                             f"{self.cores}")
+                             f"one entry each in {', '.join(_TABLES)}, got "
+                             f"{self.group_sizes}, " + ", ".join(
+                                 str(getattr(self, t)) for t in _TABLES))
+        if len(self.channel_fixed_s) != len(_CALIBRATED):
+            raise ValueError(f"LocalhostSpec: channel_fixed_s needs one intercept each for "
+                             f"{', '.join(_CALIBRATED)}, got {self.channel_fixed_s}")
+        self.core_pool                                     # validates pool_throughput
 
     @property
     def core_pool(self) -> CorePoolSpec:
-        return CorePoolSpec(self.cores, self.core_speedup)
+        return CorePoolSpec(self.cores, self.pool_throughput)
+
+    def busy_factor(self, speedup: float) -> float:
+        """``T(N) / s``: pool work per second alone of a kind whose busy speedup is ``s``."""
+        return self.core_pool.throughput_at(self.calibration_devices) / speedup
 
     def gemm_flops_per_s(self, dtype: str) -> float:
         return getattr(self, f"gemm_{_dtype(dtype)}_flops_per_s")
@@ -133,8 +165,9 @@ class LocalhostSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("group_sizes", "barrier_s", "small_all_reduce_s"):
+        for k in ("group_sizes", "message_bytes", "channel_fixed_s") + _TABLES:
             d[k] = list(d[k])
+        d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
         return d
 
     @classmethod
@@ -145,6 +178,9 @@ class LocalhostSpec:
             raise ValueError(f"LocalhostSpec: missing fields {sorted(missing)}, unknown "
                              f"fields {sorted(unknown)}")
         return cls(**data)
+
+
+_TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 
 
 def _positive(v) -> bool:
@@ -201,10 +237,11 @@ def _interpolate(sizes: tuple, values: tuple, n: int) -> float:
 
 @dataclass(frozen=True)
 class LocalhostCostModel:
-    """The replay's cost model for ``n_devices`` emulated devices on this machine.
+    """The replay's cost model for a cluster of ``n_devices`` emulated devices here.
 
-    Durations are single-core seconds (see the module docstring); replay with
-    ``core_pool=model.core_pool``. ``dtype`` picks the GEMM and elementwise rates.
+    Durations are single-core seconds (see the module docstring); replay every device's
+    trace with ``core_pool=model.core_pool``. ``dtype`` picks the GEMM and elementwise
+    rates; a collective's group must fit in the ``n_devices``.
     """
 
     spec: LocalhostSpec
@@ -234,7 +271,7 @@ class LocalhostCostModel:
             return 0.0
         s = self.spec
         wall = _interpolate(s.group_sizes, table, n)
-        return wall * s.core_pool.throughput(n) / n
+        return wall * s.core_pool.throughput_at(n) / n
 
     def barrier_share_s(self, n: int) -> float:
         return self._share(self.spec.barrier_s, n)
@@ -242,17 +279,37 @@ class LocalhostCostModel:
     def inline_share_s(self, n: int) -> float:
         return self._share(self.spec.small_all_reduce_s, n)
 
+    def large_share_s(self, n: int) -> float:
+        return self._share(self.spec.large_all_reduce_s, n)
+
+    def _fixed_ratio(self, collective: str) -> float:
+        """A calibrated collective's intercept over the 4 KiB all_reduce's, both on N
+        devices (1 for the others): scales ``c_large(n)`` to that collective."""
+        if collective not in _CALIBRATED:
+            return 1.0
+        s = self.spec
+        intercept = s.channel_fixed_s[_CALIBRATED.index(collective)]
+        return intercept / _interpolate(s.group_sizes, s.large_all_reduce_s,
+                                        s.calibration_devices)
+
     # --- the cost protocol ----------------------------------------------------------------
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
         s = self.spec
-        blas = op.flops >= BLAS_MIN_FLOPS_PER_BYTE * op.bytes
-        rate = s.gemm_flops_per_s(self.dtype) if blas else s.vector_flops_per_s(self.dtype)
-        return s.compute_overhead_s + max(op.flops / rate, op.bytes / s.memcpy_bytes_per_s)
+        copy = s.busy_factor(s.memcpy_busy_speedup)
+        if op.flops >= BLAS_MIN_FLOPS_PER_BYTE * op.bytes:
+            kernel = op.flops / s.gemm_flops_per_s(self.dtype) + op.bytes / s.memcpy_bytes_per_s
+        else:
+            kernel = max(op.flops * s.busy_factor(s.vector_busy_speedup)
+                         / s.vector_flops_per_s(self.dtype), op.bytes * copy / s.iadd_bytes_per_s)
+        return s.compute_overhead_s + kernel
 
     def collective_cpu_s(self, op, position: int) -> float:
         """Single-core seconds member ``position`` of ``op.group`` spends on the call."""
+        if len(op.group) > self.n_devices:
+            raise ValueError(f"LocalhostCostModel: {op.collective} over {len(op.group)} "
+                             f"members on a cluster of {self.n_devices} devices")
         key = (op.collective, op.algorithm, len(op.group), position, op.nbytes, op.itemsize,
                op.root)
         work = self._memo.get(key)
@@ -267,7 +324,9 @@ class LocalhostCostModel:
     def p2p_cpu_s(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
         """(sender, receiver) single-core seconds of one message."""
         s = self.spec
-        copy = nbytes / s.p2p_copy_bytes_per_s if nbytes > INLINE_BYTES else 0.0
+        copy = 0.0
+        if nbytes > INLINE_BYTES:
+            copy = nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
         side = s.p2p_latency_s / 2 + copy
         return side, side
 
@@ -281,23 +340,26 @@ class LocalhostCostModel:
         s, n, name = self.spec, len(op.group), op.collective
         if name == "barrier":
             return self.barrier_share_s(n)
-        if n <= 1 or op.algorithm == "local":
-            return op.nbytes / s.memcpy_bytes_per_s          # a group of one copies x
+        if n <= 1 or op.algorithm == "local":                # a group of one copies x
+            return op.nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.memcpy_bytes_per_s
         members = tuple(range(n))
         t = collective_traffic(name, op.algorithm, members, position, op.nbytes,
                                op.itemsize or 1, op.root)
         if op.algorithm != "shm":                            # messages through the channel
             snd, rcv = self.p2p_cpu_s(0, 1, 0)
-            return (t.messages_sent * snd + t.messages_received * rcv
-                    + (t.bytes_sent + t.bytes_received) / s.p2p_copy_bytes_per_s)
+            return (t.messages_sent * snd + t.messages_received * rcv + (
+                t.bytes_sent + t.bytes_received) * s.busy_factor(s.memcpy_busy_speedup)
+                / s.p2p_copy_bytes_per_s)
         if op.nbytes <= INLINE_BYTES:
             return self.inline_share_s(n)
         read, written = _moved_bytes(name, n, position, op, t)
-        fixed = self.inline_share_s(n) + self.barrier_share_s(n)
+        fixed = self.large_share_s(n) * self._fixed_ratio(name)
         if name in _COPY:
             return fixed + read / s.channel_copy_bytes_per_s
+        if name == "all_reduce":
+            return fixed + (read + written) / s.channel_all_reduce_bytes_per_s
         return (fixed + read / s.channel_reduce_bytes_per_s
-                + written / s.channel_write_bytes_per_s)
+                + written / s.channel_copy_bytes_per_s)
 
 
 def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, int]:

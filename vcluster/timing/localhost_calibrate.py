@@ -3,16 +3,21 @@
 Every microbenchmark runs as a device program on one :class:`~vcluster.VirtualCluster`
 (devices run BLAS with one thread, as emulated programs do), so the numbers are those of
 the processes the emulator really uses. Each figure is a median over repetitions after a
-warm-up; nothing is cached. Derived rates (see :mod:`vcluster.timing.localhost`):
+warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost`):
 
-* ``core_speedup = N W1 / W_N``: W1 the time of ``GEMM_REPS`` float32 GEMMs on one device
-  alone, W_N the wall time of all N devices doing them at once; kept in ``(0, cores]``;
-* per-member synchronisation shares ``c(n) = L(n) T(n) / n`` (``T`` the pool's
-  throughput) from the barrier and 8-byte all_reduce wall times ``L(n)``, one group busy;
-* channel rates from the wall time ``W`` of one large call on all N devices: each
-  member's work ``W T(N) / N`` less its synchronisation share ``c_i(N) + c_b(N)`` is its
-  bytes' work: ``copy = read / work(all_gather)``, ``reduce = read / work(reduce_scatter)``,
-  ``write = written / (work(all_reduce) - read / reduce)``;
+* the GEMM rate ``F = 2 n^3 / (t - 3 n^2 e / B_copy)`` from the time ``t`` of a
+  (n, n) @ (n, n) product alone (the model adds the streaming of its operands back);
+* the pool's throughput ``T(k) = k W1 / W_k``: ``W1`` the time of a few float32 GEMMs
+  on one device alone, ``W_k`` the wall time of ``k`` devices doing them at once (the
+  median of ``BUSY_TRIALS`` alternations), for ``k = cores`` and ``k = N``; likewise the
+  busy speedups of ``a * b + c`` and of a 16 MiB copy with all N devices at once;
+* per-member synchronisation shares ``c(n) = L(n) T(n) / n`` from the wall times ``L(n)``
+  of a barrier, an 8-byte and a 4 KiB all_reduce, one group of ``n`` busy;
+* channel rates from the wall times ``W`` of one call on all N devices (back to back, as
+  programs issue them) at 256 KiB, 2 and 32 MiB: a member's work is ``W T(N) / N``,
+  and the rate is the slope, (bytes moved at 32 MiB - at 2 MiB) / (work at 32 MiB - at
+  2 MiB), for all_gather (``copy``), reduce_scatter (``reduce``) and all_reduce; the
+  fixed cost of each is its wall time at 256 KiB less those bytes at that slope;
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
   each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``.
 """
@@ -28,17 +33,26 @@ import numpy as np
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
-from .localhost import LocalhostCostModel, LocalhostSpec, _moved_bytes
+from .localhost import LocalhostSpec, _moved_bytes
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
 
-DEFAULT_MESSAGE_BYTES = 8 << 20     # per-device bytes of the bandwidth collectives
+# per-device sizes of the channel calibration: the intercept's, then the slope's two
+DEFAULT_MESSAGE_BYTES = (256 << 10, 2 << 20, 32 << 20)
 GEMM_SIZE = 1024                    # (n, n) @ (n, n): the workloads' products are ~1e9 flop
-GEMM_REPS = 3
-VECTOR_ELEMENTS = 1 << 20           # a * b + c over this many elements
+GEMM_REPS = 3                       # timed products alone (median), per dtype
+# kernels per device in the busy-speedup runs: ~0.06 s alone each, so that the devices'
+# staggered exits from the barrier before them (up to ~1 ms) do not count
+KERNEL_REPS = {"gemm": 4, "vector": 80, "memcpy": 50}
+BUSY_TRIALS = 5
+LARGE_CALL_BYTES = 4096             # a collective just past inline: two phases, no bulk
+# a * b + c over this many elements (1 MiB of float32, 2 MiB of float64: a program's
+# activation-sized arrays, below numpy's 4 MiB huge-page threshold), every result kept
+# alive as programs keep their activations: the first touch of fresh pages is included
+VECTOR_ELEMENTS = 1 << 18
 MEMCPY_BYTES = 16 << 20
-LATENCY_REPS = 40                   # back-to-back barriers / all_reduces per group size
-BANDWIDTH_REPS = 5
+LATENCY_REPS = 50                   # back-to-back barriers / all_reduces per group size
+BANDWIDTH_BYTES, BANDWIDTH_MIN_CALLS, BANDWIDTH_TRIALS = 16 << 20, 4, 3   # calls per trial
 P2P_SMALL_REPS, P2P_LARGE_BYTES, P2P_LARGE_REPS = 100, 4 << 20, 8
 _FLOOR = 0.1                        # a derived work is at least this fraction of its total
 
@@ -54,21 +68,30 @@ def _median_s(fn, reps: int) -> float:
 
 
 # --- device programs ---------------------------------------------------------------------
+def _kernels(dtype: str, kept: list) -> dict:
+    """The three busy-speedup kernels of ``dtype``: name -> thunk (vector results go to
+    ``kept``; the caller empties it between measurements)."""
+    a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
+    c = np.empty_like(a)
+    x, y, z = (np.full(VECTOR_ELEMENTS, v, dtype) for v in (1.0, 2.0, 3.0))
+    src, dst = np.ones(MEMCPY_BYTES, np.uint8), np.empty(MEMCPY_BYTES, np.uint8)
+    return {"gemm": lambda: np.matmul(a, a, out=c), "vector": lambda: kept.append(x * y + z),
+            "memcpy": lambda: np.copyto(dst, src)}
+
+
 def _alone(dev) -> dict | None:
     """One device's rates, the others idle."""
     if dev.rank != 0:
         return None
-    out = {}
+    out, kept = {}, []
+    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / _median_s(_kernels("float32", kept)["memcpy"], 5)
     for dtype in ("float32", "float64"):
-        a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
-        c = np.empty_like(a)
-        t = _median_s(lambda: np.matmul(a, a, out=c), GEMM_REPS)
-        out[f"gemm_{dtype}_flops_per_s"] = 2 * GEMM_SIZE ** 3 / t
-        x, y, z = (np.full(VECTOR_ELEMENTS, v, dtype) for v in (1.0, 2.0, 3.0))
-        t = _median_s(lambda: x * y + z, 5)
-        out[f"vector_{dtype}_flops_per_s"] = 2 * VECTOR_ELEMENTS / t
-    src, dst = np.ones(MEMCPY_BYTES, np.uint8), np.empty(MEMCPY_BYTES, np.uint8)
-    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / _median_s(lambda: np.copyto(dst, src), 5)
+        k = _kernels(dtype, kept)
+        t = _median_s(k["gemm"], GEMM_REPS)
+        streamed = 3 * GEMM_SIZE ** 2 * np.dtype(dtype).itemsize / out["memcpy_bytes_per_s"]
+        out[f"gemm_{dtype}_flops_per_s"] = 2 * GEMM_SIZE ** 3 / max(t - streamed, _FLOOR * t)
+        out[f"vector_{dtype}_flops_per_s"] = 2 * VECTOR_ELEMENTS / _median_s(k["vector"], 15)
+        kept.clear()
     a, b = np.ones(MEMCPY_BYTES // 8), np.ones(MEMCPY_BYTES // 8)
     out["iadd_bytes_per_s"] = MEMCPY_BYTES / _median_s(lambda: np.add(a, b, out=a), 5)
 
@@ -77,49 +100,78 @@ def _alone(dev) -> dict | None:
             with dev.compute("calibration", flops=1, bytes=1):
                 pass
     out["compute_overhead_s"] = _median_s(blocks, 3) / 200
-    a = np.ones((GEMM_SIZE, GEMM_SIZE), np.float32)
-    c = np.empty_like(a)
-    out["gemm_reps_alone_s"] = _median_s(
-        lambda: [np.matmul(a, a, out=c) for _ in range(GEMM_REPS)], 1)
     return out
 
 
-def _together(dev) -> tuple[float, float]:
-    """Every device does GEMM_REPS float32 GEMMs at once: (start, end)."""
-    a = np.ones((GEMM_SIZE, GEMM_SIZE), np.float32)
-    c = np.empty_like(a)
-    np.matmul(a, a, out=c)
-    dev.barrier()
-    t0 = time.perf_counter()
-    for _ in range(GEMM_REPS):
-        np.matmul(a, a, out=c)
-    return t0, time.perf_counter()
+def _repeat(fn, reps: int) -> None:
+    for _ in range(reps):
+        fn()
 
 
-def _latency(dev, axes) -> tuple[float, float] | None:
-    """Rank 0's group over ``axes`` alone: (barrier, 8-byte all_reduce) wall times."""
+def _busy(dev, active: int, kinds: tuple) -> dict:
+    """BUSY_TRIALS times, each kernel on rank 0 alone, then on the devices below ``active``
+    at once: kind -> [(time alone, (start, end))] (time alone on rank 0 only)."""
+    kept: list = []
+    kernels, out = _kernels("float32", kept), {k: [] for k in kinds}
+    for name in kinds:
+        fn, reps = kernels[name], KERNEL_REPS[name]
+        fn()
+        for _ in range(BUSY_TRIALS):
+            dev.barrier()
+            alone = _median_s(lambda: _repeat(fn, reps), 1) if dev.rank == 0 else None
+            kept.clear()
+            dev.barrier()
+            t0 = time.perf_counter()
+            if dev.rank < active:
+                _repeat(fn, reps)
+            out[name].append((alone, (t0, time.perf_counter())))
+            kept.clear()
+    return out
+
+
+def _speedups(cluster, active: int, kinds: tuple) -> dict:
+    """kind -> aggregate throughput of ``active`` busy devices over one device alone
+    (the median over BUSY_TRIALS of ``active * alone / wall``)."""
+    runs = cluster.run(_busy, [(active, kinds)] * cluster.mesh.size)[:active]
+    out = {}
+    for k in kinds:
+        ratios = []
+        for i in range(BUSY_TRIALS):
+            wall = max(r[k][i][1][1] for r in runs) - min(r[k][i][1][0] for r in runs)
+            ratios.append(active * runs[0][k][i][0] / wall)
+        out[k] = float(np.median(ratios))
+    return out
+
+
+def _latency(dev, axes) -> tuple[float, float, float] | None:
+    """Rank 0's group over ``axes`` alone: barrier, 8-byte and 4 KiB all_reduce times."""
     if dev.rank not in dev.mesh.group(axes, 0):
         return None
-    x = np.ones(1, np.float64)
+    small, large = np.ones(1, np.float64), np.ones(LARGE_CALL_BYTES // 8, np.float64)
     out = []
-    for call in (lambda: dev.barrier(axes), lambda: dev.all_reduce(x, axes)):
-        out.append(_median_s(lambda: [call() for _ in range(LATENCY_REPS)], 3) / LATENCY_REPS)
+    for call in (lambda: dev.barrier(axes), lambda: dev.all_reduce(small, axes),
+                 lambda: dev.all_reduce(large, axes)):
+        out.append(_median_s(lambda: _repeat(call, LATENCY_REPS), 5) / LATENCY_REPS)
     return tuple(out)
 
 
-def _bandwidth(dev, op: str, nbytes: int) -> list[tuple[float, float]]:
-    """All devices: BANDWIDTH_REPS barrier-aligned calls of ``op``: (start, end) each."""
+def _bandwidth(dev, op: str, nbytes: int, calls: int) -> list[tuple[float, float]]:
+    """All devices: BANDWIDTH_TRIALS runs of ``calls`` back-to-back calls of ``op`` (as
+    programs issue them), each timed from the end of one more call after a barrier (which
+    absorbs the devices' staggered start): (start, end) of each run."""
     n = dev.mesh.size
     x = dev.empty((nbytes // 4 // (n if op == "all_gather" else 1),), np.float32)
     x[...] = 0
-    times = []
-    for i in range(BANDWIDTH_REPS + 1):
+    call = getattr(dev, op)
+    spans = []
+    for _ in range(BANDWIDTH_TRIALS):
         dev.barrier()
+        call(x)
         t0 = time.perf_counter()
-        result = getattr(dev, op)(x)
-        times.append((t0, time.perf_counter()))
-        del result
-    return times[1:]
+        for _ in range(calls):
+            call(x)
+        spans.append((t0, time.perf_counter()))
+    return spans
 
 
 def _ping_pong(dev, nbytes: int, reps: int) -> float | None:
@@ -150,72 +202,92 @@ def _prime_factors(n: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def calibrate_localhost(devices: int = 8, message_bytes: int = DEFAULT_MESSAGE_BYTES,
+def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE_BYTES,
                         cores: int | None = None) -> LocalhostSpec:
-    """Measure this machine on a cluster of ``devices`` (>= 2) devices (a few seconds).
+    """Measure this machine on a cluster of ``devices`` (>= 2) devices (~10 s).
 
+    ``message_bytes``: the per-device sizes of the channel collectives (the intercept's,
+    then the slope's two);
     ``cores`` defaults to ``os.cpu_count()``. See the module docstring for each figure.
     """
     from mesh import Mesh
     from vcluster.runtime.cluster import VirtualCluster
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 2:
         raise ValueError(f"calibrate_localhost: devices must be an int >= 2, got {devices!r}")
-    if message_bytes < 64 * devices or message_bytes % (4 * devices):
-        raise ValueError(f"calibrate_localhost: message_bytes must be a multiple of 4 x "
-                         f"devices ({4 * devices}) of at least {64 * devices}, got "
-                         f"{message_bytes}")
+    sizes = tuple(message_bytes)
+    if len(sizes) != 3 or list(sizes) != sorted(set(sizes)) or sizes[0] < 64 * devices \
+            or any(b % (4 * devices) for b in sizes):
+        raise ValueError(f"calibrate_localhost: message_bytes must be 3 increasing sizes, "
+                         f"multiples of 4 x devices ({4 * devices}), the first at least "
+                         f"{64 * devices}, got {message_bytes}")
     cores = (os.cpu_count() or 1) if cores is None else int(cores)
     shape = _prime_factors(devices)
     axes = tuple(f"a{i}" for i in range(len(shape)))
-    mesh = Mesh(shape, axes)
-    with VirtualCluster(mesh) as cluster:
+    with VirtualCluster(Mesh(shape, axes)) as cluster:
         alone = cluster.run(_alone)[0]
-        spans = cluster.run(_together)
-        wall = max(e for _, e in spans) - min(s for s, _ in spans)
-        speedup = min(float(cores), devices * alone.pop("gemm_reps_alone_s") / wall)
-        sizes, barrier, small = [], [], []
-        for j in range(len(shape) - 1, -1, -1):     # groups over the last axes: smallest first
-            b, s = cluster.run(_latency, [(axes[j:],)] * devices)[0]
-            sizes.append(_fold(lambda u, v: u * v, shape[j:]))
-            barrier.append(b)
-            small.append(s)
-        walls = {}
-        for op in ("all_gather", "reduce_scatter", "all_reduce"):
-            runs = cluster.run(_bandwidth, [(op, message_bytes)] * devices)
-            walls[op] = float(np.median([max(r[i][1] for r in runs) - min(r[i][0] for r in runs)
-                                         for i in range(BANDWIDTH_REPS)]))
+        busy = _speedups(cluster, devices, ("gemm", "vector", "memcpy"))
+        points = {devices: busy["gemm"]}
+        if 2 <= cores < devices:
+            points[cores] = _speedups(cluster, cores, ("gemm",))["gemm"]
+        tables = _latency_tables(cluster, shape, axes)
+        walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
+                 for op, _ in _CHANNEL for nbytes in sizes}
         rtt_small = cluster.run(_ping_pong, [(8, P2P_SMALL_REPS)] * devices)[0]
         rtt_large = cluster.run(_ping_pong, [(P2P_LARGE_BYTES, P2P_LARGE_REPS)] * devices)[0]
+    pool = tuple((k, min(t, k, cores)) for k, t in sorted(points.items()))
     provisional = LocalhostSpec(
-        cores=cores, core_speedup=speedup, **alone, group_sizes=tuple(sizes),
-        barrier_s=tuple(barrier), small_all_reduce_s=tuple(small),
-        channel_copy_bytes_per_s=1.0, channel_reduce_bytes_per_s=1.0,
-        channel_write_bytes_per_s=1.0, p2p_latency_s=rtt_small / 2,
+        cores=cores, pool_throughput=pool, **alone, vector_busy_speedup=busy["vector"],
+        memcpy_busy_speedup=busy["memcpy"], **tables,
+        **{f"channel_{name}_bytes_per_s": 1.0 for _, name in _CHANNEL},
+        channel_fixed_s=(1.0,) * len(_CHANNEL),
+        p2p_latency_s=rtt_small / 2,
         p2p_copy_bytes_per_s=4 * P2P_LARGE_BYTES / max(rtt_large - rtt_small,
                                                        _FLOOR * rtt_large),
-        calibration_devices=devices, message_bytes=message_bytes)
-    rates = _channel_rates(provisional, walls)
-    return LocalhostSpec(**dict(provisional.to_dict(), **rates))
+        calibration_devices=devices, message_bytes=sizes)
+    return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
+
+
+# (collective, its rate's name), in the order of LocalhostSpec.channel_fixed_s
+_CHANNEL = (("all_gather", "copy"), ("reduce_scatter", "reduce"), ("all_reduce", "all_reduce"))
+
+
+def _latency_tables(cluster, shape: tuple, axes: tuple) -> dict:
+    """Group sizes (products of the mesh's last axes) and their three latency columns."""
+    tables = {"group_sizes": [], "barrier_s": [], "small_all_reduce_s": [],
+              "large_all_reduce_s": []}
+    for j in range(len(shape) - 1, -1, -1):         # smallest group first
+        times = cluster.run(_latency, [(axes[j:],)] * cluster.mesh.size)[0]
+        tables["group_sizes"].append(_fold(lambda u, v: u * v, shape[j:]))
+        for name, t in zip(("barrier_s", "small_all_reduce_s", "large_all_reduce_s"), times):
+            tables[name].append(t)
+    return tables
+
+
+def _call_wall_s(cluster, op: str, nbytes: int) -> float:
+    """Wall time of one call of ``op`` on every device, back to back (median of trials)."""
+    calls = max(BANDWIDTH_MIN_CALLS, BANDWIDTH_BYTES // nbytes)
+    runs = cluster.run(_bandwidth, [(op, nbytes, calls)] * cluster.mesh.size)
+    return float(np.median([max(r[i][1] for r in runs) - min(r[i][0] for r in runs)
+                            for i in range(BANDWIDTH_TRIALS)])) / calls
 
 
 def _channel_rates(spec: LocalhostSpec, walls: dict) -> dict:
-    """The three channel rates from the large calls' wall times (module docstring)."""
-    n, model = spec.calibration_devices, LocalhostCostModel(spec, spec.calibration_devices)
-    fixed = model.inline_share_s(n) + model.barrier_share_s(n)
-    members = tuple(range(n))
-
-    def work_and_bytes(op: str):
-        nbytes = spec.message_bytes // (n if op == "all_gather" else 1)
-        total = walls[op] * spec.core_pool.throughput(n) / n
-        t = collective_traffic(op, "shm", members, 0, nbytes, 4)
-        read, written = _moved_bytes(op, n, 0, TraceCollective(op, members, nbytes, 4, "shm"), t)
-        return max(total - fixed, _FLOOR * total), read, written
-
-    work, read, _ = work_and_bytes("all_gather")
-    copy = read / work
-    work, read, _ = work_and_bytes("reduce_scatter")
-    reduce_rate = read / work
-    work, read, written = work_and_bytes("all_reduce")
-    write = written / max(work - read / reduce_rate, _FLOOR * work)
-    return {"channel_copy_bytes_per_s": copy, "channel_reduce_bytes_per_s": reduce_rate,
-            "channel_write_bytes_per_s": write}
+    """Each channel rate from the slope of the member's work between the two larger sizes:
+    the bytes one member moves more at the largest over its work more, ``dW T(N) / N``
+    (the fixed part of a call cancels); and each collective's wall time at 0 bytes, the
+    smallest size's less its bytes at that slope."""
+    n, members = spec.calibration_devices, tuple(range(spec.calibration_devices))
+    share = spec.core_pool.throughput_at(n) / n
+    rates, fixed = {}, []
+    for op, name in _CHANNEL:
+        moved = []
+        for size in spec.message_bytes:             # (intercept, small, large)
+            nbytes = size // (n if op == "all_gather" else 1)
+            op_ = TraceCollective(op, members, nbytes, 4, "shm")
+            moved.append(sum(_moved_bytes(op, n, 0, op_, collective_traffic(
+                op, "shm", members, 0, nbytes, 4))))
+        tiny, small, large = (walls[(op, size)] for size in spec.message_bytes)
+        slope = max(large - small, _FLOOR * large) / (moved[2] - moved[1])   # wall s / byte
+        rates[f"channel_{name}_bytes_per_s"] = 1 / (slope * share)
+        fixed.append(max(tiny - slope * moved[0], _FLOOR * tiny))
+    return dict(rates, channel_fixed_s=tuple(fixed))

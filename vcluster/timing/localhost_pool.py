@@ -5,15 +5,16 @@ operating system time-slices the cores among them. :class:`CorePool` models that
 egalitarian processor-sharing server: ``k`` jobs in progress each advance at
 
     rate(k) = T(k) / k   single-core seconds per second,
-    T(k)    = 1 + (S - 1) (min(k, C) - 1) / (C - 1)     (T = 1 when C = 1)
 
-where ``C`` is the number of cores and ``S = T(C)`` the measured aggregate throughput of
-all cores busy, in units of one busy core (``S = C`` for ideal cores; less when the
-cores share execution units or memory bandwidth). With ``S = C``, ``T(k) = min(k, C)``:
-N equal jobs of ``w`` seconds started together on C <= N cores all end at ``N w / C``.
+``T(k)`` being the pool's aggregate throughput with ``k`` busy jobs, in units of one
+busy core. Ideal cores have ``T(k) = min(k, C)``: N equal jobs of ``w`` seconds started
+together on C <= N cores all end at ``N w / C``. A measured pool gives ``T`` at a few
+job counts (``throughput``: ``(k, T(k))`` points; ``T(1) = 1``); between them ``T`` is
+linear in ``k``, beyond the last point constant (real cores lose a little to context
+switches and caches when oversubscribed, and may share execution units).
 
-A job is a number of *single-core seconds* (what the work takes on one otherwise idle
-core). :class:`CorePoolSpec` is the pool's frozen description (what
+A job is a number of *single-core seconds* (what the work takes alone on one otherwise
+idle core). :class:`CorePoolSpec` is the pool's frozen description (what
 :func:`~vcluster.timing.engine.simulate_trace` takes); :class:`CorePool` runs in one
 replay's SimPy environment (nothing is shared between replays).
 """
@@ -36,13 +37,12 @@ _DONE_REL = 1e-9
 
 @dataclass(frozen=True)
 class CorePoolSpec:
-    """``cores`` cores whose aggregate throughput, all busy, is ``speedup`` single cores.
-
-    ``speedup`` defaults to ``cores`` (ideal cores); it must lie in ``(0, cores]``.
-    """
+    """``cores`` cores; ``throughput`` the measured ``(jobs, T(jobs))`` points (default
+    none: ideal cores, ``T(k) = min(k, cores)``). Each point needs ``jobs >= 2`` and
+    ``0 < T <= min(jobs, cores)``."""
 
     cores: int
-    speedup: float | None = None
+    throughput: tuple = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool):
@@ -54,23 +54,32 @@ class CorePoolSpec:
                             f"got {self.cores!r}") from None
         if cores < 1:
             raise ValueError(f"CorePoolSpec: cores must be >= 1, got {cores}")
-        s = float(cores) if self.speedup is None else self.speedup
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= cores \
-                or not math.isfinite(s):
-            raise ValueError(f"CorePoolSpec: speedup (aggregate throughput of all {cores} "
-                             f"cores busy, in single cores) must lie in (0, {cores}], "
-                             f"got {self.speedup!r}")
+        try:
+            points = tuple(sorted((operator.index(k), float(t)) for k, t in self.throughput))
+        except (TypeError, ValueError):
+            raise TypeError(f"CorePoolSpec: throughput must be (jobs, T) pairs, got "
+                            f"{self.throughput!r}") from None
+        for k, t in points:
+            if k < 2 or not 0 < t <= min(k, cores) or not math.isfinite(t):
+                raise ValueError(f"CorePoolSpec: throughput point ({k}, {t}) needs jobs >= 2 "
+                                 f"and 0 < T <= min(jobs, cores={cores})")
+        if len({k for k, _ in points}) != len(points):
+            raise ValueError(f"CorePoolSpec: throughput lists a job count twice: {points}")
         object.__setattr__(self, "cores", cores)
-        object.__setattr__(self, "speedup", float(s))
+        object.__setattr__(self, "throughput", points)
 
-    def throughput(self, k: int) -> float:
+    def throughput_at(self, k: int) -> float:
         """``T(k)``: single-core seconds of work done per second with ``k`` jobs in progress."""
         if k <= 0:
             return 0.0
-        c = self.cores
-        if c == 1:
-            return 1.0
-        return 1.0 + (self.speedup - 1.0) * (min(k, c) - 1) / (c - 1)
+        if not self.throughput:
+            return float(min(k, self.cores))
+        lo_k, lo_t = 1, 1.0
+        for hi_k, hi_t in self.throughput:
+            if k <= hi_k:
+                return lo_t + (hi_t - lo_t) * (k - lo_k) / (hi_k - lo_k)
+            lo_k, lo_t = hi_k, hi_t
+        return lo_t
 
 
 def as_core_pool(value) -> CorePoolSpec | None:
@@ -105,7 +114,7 @@ class CorePool:
     def rate(self) -> float:
         """Progress per second of each job in progress (single-core seconds / s)."""
         k = len(self._jobs)
-        return self.spec.throughput(k) / k if k else 0.0
+        return self.spec.throughput_at(k) / k if k else 0.0
 
     def submit(self, work_s: float):
         """An event that succeeds once ``work_s`` single-core seconds have been served."""

@@ -36,9 +36,8 @@ If the environment runs out of events while a rank has ops left, :class:`ReplayD
 names every stuck rank and what it waits for.
 
 **Core pool** (optional ``core_pool``, off by default): the devices share a few cores
-(processor sharing); compute ops, the members' shares of a collective and the copies of a
-send and a receive are work the pool serves, so devices working at once slow each other
-down. The rules are in :class:`~vcluster.timing.localhost_pool.PooledReplayMixin`.
+(processor sharing) that serve compute, collective shares and send/receive copies as work,
+so devices working at once slow each other down (:class:`~.localhost_pool.PooledReplayMixin`).
 """
 
 from __future__ import annotations
@@ -118,8 +117,7 @@ class Replay(PooledReplayMixin):
         slow = self.slowdown.get(rank, 1.0)
         tl = self.timelines[rank] if self.timelines is not None else None
         cache, costs = self.compute_cache, self.costs
-        handles, mail = self.handles[rank], self.mail
-        pool = self.pool
+        handles, mail, pool = self.handles[rank], self.mail, self.pool
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)
         drain = None

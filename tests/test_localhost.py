@@ -1,0 +1,242 @@
+"""The ``localhost`` hardware: its spec, the shared core pool of the replay, its cost model
+against the traffic model's bytes, a real (short) calibration, and ``vcluster bench
+predict`` on a tiny workload set. No timing assertions: this machine is noisy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
+                                          TraceSend)
+from vcluster.runtime.traffic import collective_traffic
+from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.engine import simulate_trace
+from vcluster.timing.localhost import (LocalhostCostModel, LocalhostSpec, load_localhost_spec,
+                                       save_localhost_spec)
+from vcluster.timing.localhost_pool import CorePoolSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+UNIT = SimpleCostModel.compute_only(1.0)        # a compute op of f flops takes f seconds
+MIB = 1 << 20
+
+
+def spec(**changes) -> LocalhostSpec:
+    """A plausible 2-core spec (figures of the development machine, rounded)."""
+    fields = dict(
+        cores=2, pool_throughput=((2, 1.9), (8, 1.8)),
+        gemm_float32_flops_per_s=125e9, gemm_float64_flops_per_s=60e9,
+        vector_float32_flops_per_s=0.8e9, vector_float64_flops_per_s=0.4e9,
+        vector_busy_speedup=1.8, memcpy_bytes_per_s=11e9, iadd_bytes_per_s=12e9,
+        memcpy_busy_speedup=1.5, compute_overhead_s=3e-6, group_sizes=(2, 4, 8),
+        barrier_s=(30e-6, 70e-6, 200e-6), small_all_reduce_s=(70e-6, 160e-6, 450e-6),
+        large_all_reduce_s=(150e-6, 400e-6, 1.3e-3), channel_copy_bytes_per_s=6.5e9,
+        channel_reduce_bytes_per_s=7e9, channel_all_reduce_bytes_per_s=7.5e9,
+        channel_fixed_s=(1e-3, 1.4e-3, 1.2e-3), p2p_latency_s=60e-6,
+        p2p_copy_bytes_per_s=7.5e9, calibration_devices=8,
+        message_bytes=(256 << 10, 2 * MIB, 32 * MIB))
+    fields.update(changes)
+    return LocalhostSpec(**fields)
+
+
+def traces(*rows) -> list[DeviceTrace]:
+    return [DeviceTrace(r, tuple(ops)) for r, ops in enumerate(rows)]
+
+
+# --- the spec -----------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_spec_round_trips_through_a_file(tmp_path, suffix):
+    s = spec()
+    save_localhost_spec(s, tmp_path / f"spec{suffix}")
+    assert load_localhost_spec(tmp_path / f"spec{suffix}") == s
+    assert LocalhostSpec.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_spec_rejects_bad_values():
+    with pytest.raises(ValueError, match="gemm_float32_flops_per_s"):
+        spec(gemm_float32_flops_per_s=0.0)
+    with pytest.raises(ValueError, match="group_sizes"):
+        spec(barrier_s=(1e-5, 2e-5))
+    with pytest.raises(ValueError, match="throughput point"):
+        spec(pool_throughput=((2, 2.5),))               # more than 2 cores' worth
+    with pytest.raises(ValueError, match="missing fields"):
+        LocalhostSpec.from_dict({"cores": 2})
+    with pytest.raises(ValueError, match="dtype"):
+        LocalhostCostModel(spec(), 8, "int8")
+
+
+# --- the core pool --------------------------------------------------------------------------
+@pytest.mark.parametrize("devices, cores", [(8, 2), (4, 2), (2, 2), (1, 2), (3, 1), (6, 4),
+                                            (5, 3)])
+def test_compute_bound_devices_share_the_cores(devices, cores):
+    """N devices each computing w seconds of work on C ideal cores: max(1, N/C) w."""
+    w = 0.25
+    rows = [[TraceCompute("gemm", w, 0)] for _ in range(devices)]
+    alone = simulate_trace(traces(rows[0]), UNIT, core_pool=cores).step_time_s
+    together = simulate_trace(traces(*rows), UNIT, core_pool=cores)
+    assert alone == pytest.approx(w, rel=1e-12)
+    assert together.step_time_s == pytest.approx(max(1.0, devices / cores) * w, rel=1e-12)
+    assert all(st.end_s == pytest.approx(together.step_time_s, rel=1e-12)
+               for st in together.stats)                # processor sharing: all end together
+    assert simulate_trace(traces(*rows), UNIT).step_time_s == w   # no pool: a core each
+
+
+def test_pool_shares_by_processor_sharing_and_measured_throughput():
+    # one core: 1 s and 3 s of work start together; each runs at 1/2 until the first ends
+    res = simulate_trace(traces([TraceCompute("a", 1.0, 0)], [TraceCompute("b", 3.0, 0)]),
+                         UNIT, core_pool=1)
+    assert [st.end_s for st in res.stats] == pytest.approx([2.0, 4.0], rel=1e-12)
+    # 8 jobs on 2 cores whose 8-busy throughput is 1.6 single cores: 8 w / 1.6
+    pool = CorePoolSpec(2, ((2, 2.0), (8, 1.6)))
+    assert pool.throughput_at(1) == 1.0 and pool.throughput_at(5) == pytest.approx(1.8)
+    rows = [[TraceCompute("c", 0.5, 0)] for _ in range(8)]
+    res = simulate_trace(traces(*rows), UNIT, core_pool=pool)
+    assert res.step_time_s == pytest.approx(8 * 0.5 / 1.6, rel=1e-12)
+
+
+def test_pool_validation():
+    with pytest.raises(ValueError, match="symmetric"):
+        simulate_trace(traces([TraceCompute("c", 1.0, 0)]), UNIT, symmetric=True, core_pool=2)
+    with pytest.raises(TypeError, match="core_pool"):
+        simulate_trace(traces([TraceCompute("c", 1.0, 0)]), UNIT, core_pool=2.5)
+    with pytest.raises(ValueError, match="cores"):
+        CorePoolSpec(0)
+
+
+def test_collective_and_sends_use_the_pool():
+    model = LocalhostCostModel(spec(), 8, "float32")
+    pool = CorePoolSpec(8)                               # a core each: the model's own times
+    ar = TraceCollective("all_reduce", tuple(range(8)), 4 * MIB, 4, "shm")
+    res = simulate_trace(traces(*[[ar]] * 8), model, core_pool=pool)
+    assert res.step_time_s == pytest.approx(model.collective_time_s(ar), rel=1e-12)
+    # on 2 cores the 8 members' equal shares take 8 / T(8) times as long
+    res = simulate_trace(traces(*[[ar]] * 8), model, core_pool=model.core_pool)
+    assert res.step_time_s == pytest.approx(8 / 1.8 * model.collective_cpu_s(ar, 0), rel=1e-12)
+    # a send: the sender's copy, then the receiver's, one after the other
+    send, recv = TraceSend(1, 2 * MIB, 7), TraceRecv(0, 2 * MIB, 7)
+    res = simulate_trace(traces([send], [recv]), model, core_pool=2)
+    assert res.step_time_s == pytest.approx(model.p2p_time_s(0, 1, 2 * MIB), rel=1e-12)
+    assert res.stats[0].end_s == pytest.approx(model.p2p_cpu_s(0, 1, 2 * MIB)[0], rel=1e-12)
+
+
+def test_asynchronous_collective_shares_the_cores_with_compute():
+    """Each of 2 ranks on 2 cores: 1 s of compute, an async all_reduce (share c) issued
+    with a second 1 s of compute, then a wait. From t = 1 four jobs share the 2 cores
+    (rate 1/2) until the shares end at 1 + 2c; the computes then finish alone: 2 + c."""
+    from vcluster.runtime.tracing.ops import TraceWait
+    model = LocalhostCostModel(spec(), 2, "float32")
+    ar = TraceCollective("all_reduce", (0, 1), 4 * MIB, 4, "shm", 0, handle=0)
+    c = model.collective_cpu_s(ar, 0)
+    assert 0 < c < 1
+    row = [TraceCompute("f", 0, 0, seconds=1.0), ar, TraceCompute("g", 0, 0, seconds=1.0),
+           TraceWait(0)]
+    res = simulate_trace(traces(row, row), model, core_pool=2)
+    assert res.step_time_s == pytest.approx(2 + c, rel=1e-12)
+
+
+# --- the cost model ---------------------------------------------------------------------------
+def _read_bytes(collective: str, n: int, nbytes: int) -> int:
+    """What member 0 reads: the traffic model's bytes from its peers plus its own piece,
+    the same piece it reads from each peer."""
+    t = collective_traffic(collective, "shm", tuple(range(n)), 0, nbytes, 4)
+    return t.bytes_received * n // (n - 1)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("collective, rate", [
+    ("all_gather", "channel_copy_bytes_per_s"), ("all_to_all", "channel_copy_bytes_per_s"),
+    ("reduce_scatter", "channel_reduce_bytes_per_s"),
+    ("all_reduce", "channel_all_reduce_bytes_per_s")])
+def test_collective_work_follows_the_traffic_models_bytes(n, collective, rate):
+    s = spec()
+    model = LocalhostCostModel(s, 8, "float32")
+
+    def work(nbytes):
+        return model.collective_cpu_s(TraceCollective(collective, tuple(range(n)), nbytes, 4,
+                                                      "shm"), 0)
+    x = n * 64 * 1024
+    moved = _read_bytes(collective, n, 2 * x) - _read_bytes(collective, n, x)
+    if collective == "all_reduce":          # it also writes its reduced chunk to every output
+        t1, t2 = (collective_traffic("all_reduce", "shm", tuple(range(n)), 0, b, 4)
+                  for b in (x, 2 * x))
+        moved += (t2.bytes_sent - t1.bytes_sent) * n // (n - 1)
+    assert work(2 * x) - work(x) == pytest.approx(moved / getattr(s, rate), rel=1e-9)
+    assert work(x) > moved / getattr(s, rate)            # plus the synchronisation share
+
+
+def test_small_collectives_cost_their_latency_share():
+    s = spec()
+    model = LocalhostCostModel(s, 8)
+    group = tuple(range(4))
+    inline = TraceCollective("all_reduce", group, 8, 8, "shm")
+    barrier = TraceCollective("barrier", group, 0, 1, "shm")
+    t4 = s.core_pool.throughput_at(4)
+    assert model.collective_cpu_s(inline, 2) == pytest.approx(160e-6 * t4 / 4)
+    assert model.collective_cpu_s(barrier, 0) == pytest.approx(70e-6 * t4 / 4)
+    # between table sizes: log-log interpolation of the wall time
+    b6 = model.collective_cpu_s(TraceCollective("barrier", tuple(range(6)), 0, 1, "shm"), 0)
+    wall6 = 70e-6 * (6 / 4) ** math.log2(200 / 70)
+    assert b6 == pytest.approx(wall6 * s.core_pool.throughput_at(6) / 6)
+    # ring messages: each message a p2p latency share, each byte a channel copy
+    ring = TraceCollective("all_gather", group, MIB, 4, "ring")
+    t = collective_traffic("all_gather", "ring", group, 0, MIB, 4)
+    side = s.p2p_latency_s / 2
+    copy = (t.bytes_sent + t.bytes_received) * (1.8 / 1.5) / s.p2p_copy_bytes_per_s
+    assert model.collective_cpu_s(ring, 0) == pytest.approx(
+        (t.messages_sent + t.messages_received) * side + copy)
+    with pytest.raises(ValueError, match="cluster of 8"):
+        model.collective_cpu_s(TraceCollective("barrier", tuple(range(16)), 0, 1, "shm"), 0)
+
+
+def test_compute_prices_products_and_elementwise_work():
+    s = spec()
+    model = LocalhostCostModel(s, 8, "float32")
+    m = k = n = 512
+    gemm = TraceCompute("matmul", 2 * m * k * n, (m * k + k * n + m * n) * 4)
+    assert model.compute_time_s(gemm) == pytest.approx(
+        3e-6 + gemm.flops / 125e9 + gemm.bytes / 11e9)
+    gelu = TraceCompute("gelu", 9 * m * n, 2 * m * n * 4)   # numpy elementwise: low intensity
+    assert model.compute_time_s(gelu) == pytest.approx(3e-6 + gelu.flops * (1.8 / 1.8) / 0.8e9)
+    assert LocalhostCostModel(s, 8, "float64").compute_time_s(gelu) > model.compute_time_s(gelu)
+    assert model.compute_time_s(TraceCompute("timed", 1e12, 1, seconds=0.125)) == 0.125
+
+
+# --- calibration and the benchmark command ------------------------------------------------
+def test_calibration_measures_positive_finite_figures():
+    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))
+    for name, value in s.to_dict().items():
+        for v in (value if isinstance(value, list) else [value]):
+            for x in (v if isinstance(v, list) else [v]):
+                assert 0 < x < math.inf, (name, value)
+    assert s.group_sizes == (2,) and s.calibration_devices == 2
+    assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
+    with pytest.raises(ValueError, match="devices"):
+        calibrate_localhost(devices=1)
+
+
+def test_bench_predict_writes_the_documented_json(tmp_path):
+    from vcluster.cli import bench_predict
+    save_localhost_spec(spec(), tmp_path / "spec.json")
+    parser = argparse.ArgumentParser(prog="vcluster")
+    bench = parser.add_subparsers(dest="command").add_parser("bench")
+    bench_predict.add_parser(bench.add_subparsers(dest="bench"))
+    out = tmp_path / "predict.json"
+    args = parser.parse_args(["bench", "predict", "--spec", str(tmp_path / "spec.json"),
+                              "--workloads", "all_gather-1MiB,matmul", "--tiny", "--reps", "1",
+                              "--json", str(out)])
+    assert args.run(args) == 0
+    record = json.loads(out.read_text())
+    assert set(record) == {"spec", "workloads", "max_error"}
+    assert LocalhostSpec.from_dict(record["spec"]) == spec()
+    assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
+    for w in record["workloads"]:
+        assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
+                          "predicted_s", "ratio", "background_cores"}
+        assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
+        assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
+    assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])

@@ -24,6 +24,8 @@ gelu' (times da) 18.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -88,7 +90,7 @@ def _activation(name) -> Activation:
 
 
 # --- where the program runs -----------------------------------------------------------
-class _Backend:
+class _Backend(ABC):
     """The FFN's elementary steps; subclasses run them on a device or on shapes and add
     ``matmul(a, b, name)`` and ``comm(collective, x, name)`` (None: x unchanged)."""
 
@@ -97,10 +99,10 @@ class _Backend:
     def __init__(self, act: Activation):
         self.act = act
 
+    @abstractmethod
     def work(self, name: str, flops: int, operands, out_shape, fn):
         """``fn()`` declared as ``flops`` touching ``operands`` (inputs, then one array
         shaped like the output) — or, on shapes, a row and zeros of ``out_shape``."""
-        raise NotImplementedError
 
     def add_bias(self, x, b, name):
         return self.work(name, x.size, (x, b, x), x.shape, lambda: x + b)

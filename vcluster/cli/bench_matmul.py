@@ -9,21 +9,11 @@ MatchedInnerSharding (A [R, S(tp)], B [S(tp), R], C [R, R]) on a 1 x 8 mesh.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
+from vcluster.timing.localhost_calibrate import median_time_s
+
 __all__ = ["measure_matmul"]
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()   # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def measure_matmul(m: int, k: int, n: int, devices: int, reps: int, dtype: str = "float32") -> dict:
@@ -35,11 +25,11 @@ def measure_matmul(m: int, k: int, n: int, devices: int, reps: int, dtype: str =
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k)).astype(dtype)
     B = rng.standard_normal((k, n)).astype(dtype)
-    single_s = _median_time(lambda: A @ B, reps)
+    single_s = median_time_s(lambda: A @ B, reps)
     op = MatMul(MatMulSharding(TS(None, "tp"), TS("tp", None), TS(None, None)))
     with VirtualCluster(Mesh((1, devices), ("dp", "tp"))) as cluster:
         C = op.run(cluster, A, B)
-        emulated_s = _median_time(lambda: op.run(cluster, A, B), reps)
+        emulated_s = median_time_s(lambda: op.run(cluster, A, B), reps)
     ref = A @ B
     max_rel_error = float(np.max(np.abs(C - ref)) / np.max(np.abs(ref)))
     return {"m": m, "k": k, "n": n, "dtype": dtype, "devices": devices, "reps": reps,

@@ -57,7 +57,8 @@ P2P_SMALL_REPS, P2P_LARGE_BYTES, P2P_LARGE_REPS = 100, 4 << 20, 8
 _FLOOR = 0.1                        # a derived work is at least this fraction of its total
 
 
-def _median_s(fn, reps: int) -> float:
+def median_time_s(fn, reps: int) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls, after one warm-up call."""
     fn()                                           # warm-up
     times = []
     for _ in range(reps):
@@ -84,22 +85,22 @@ def _alone(dev) -> dict | None:
     if dev.rank != 0:
         return None
     out, kept = {}, []
-    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / _median_s(_kernels("float32", kept)["memcpy"], 5)
+    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / median_time_s(_kernels("float32", kept)["memcpy"], 5)
     for dtype in ("float32", "float64"):
         k = _kernels(dtype, kept)
-        t = _median_s(k["gemm"], GEMM_REPS)
+        t = median_time_s(k["gemm"], GEMM_REPS)
         streamed = 3 * GEMM_SIZE ** 2 * np.dtype(dtype).itemsize / out["memcpy_bytes_per_s"]
         out[f"gemm_{dtype}_flops_per_s"] = 2 * GEMM_SIZE ** 3 / max(t - streamed, _FLOOR * t)
-        out[f"vector_{dtype}_flops_per_s"] = 2 * VECTOR_ELEMENTS / _median_s(k["vector"], 15)
+        out[f"vector_{dtype}_flops_per_s"] = 2 * VECTOR_ELEMENTS / median_time_s(k["vector"], 15)
         kept.clear()
     a, b = np.ones(MEMCPY_BYTES // 8), np.ones(MEMCPY_BYTES // 8)
-    out["iadd_bytes_per_s"] = MEMCPY_BYTES / _median_s(lambda: np.add(a, b, out=a), 5)
+    out["iadd_bytes_per_s"] = MEMCPY_BYTES / median_time_s(lambda: np.add(a, b, out=a), 5)
 
     def blocks():
         for _ in range(200):
             with dev.compute("calibration", flops=1, bytes=1):
                 pass
-    out["compute_overhead_s"] = _median_s(blocks, 3) / 200
+    out["compute_overhead_s"] = median_time_s(blocks, 3) / 200
     return out
 
 
@@ -118,7 +119,7 @@ def _busy(dev, active: int, kinds: tuple) -> dict:
         fn()
         for _ in range(BUSY_TRIALS):
             dev.barrier()
-            alone = _median_s(lambda: _repeat(fn, reps), 1) if dev.rank == 0 else None
+            alone = median_time_s(lambda: _repeat(fn, reps), 1) if dev.rank == 0 else None
             kept.clear()
             dev.barrier()
             t0 = time.perf_counter()
@@ -151,7 +152,7 @@ def _latency(dev, axes) -> tuple[float, float, float] | None:
     out = []
     for call in (lambda: dev.barrier(axes), lambda: dev.all_reduce(small, axes),
                  lambda: dev.all_reduce(large, axes)):
-        out.append(_median_s(lambda: _repeat(call, LATENCY_REPS), 5) / LATENCY_REPS)
+        out.append(median_time_s(lambda: _repeat(call, LATENCY_REPS), 5) / LATENCY_REPS)
     return tuple(out)
 
 
@@ -188,7 +189,7 @@ def _ping_pong(dev, nbytes: int, reps: int) -> float | None:
             else:
                 dev.recv(peer, k)
                 dev.send(x, peer, k)
-    return _median_s(rounds, 3) / reps
+    return median_time_s(rounds, 3) / reps
 
 
 # --- driver ------------------------------------------------------------------------------

@@ -121,10 +121,32 @@ class MetaArray:
         self._view(lambda a: a[key])      # validates the index, writes nothing
 
     def reshape(self, *shape, order="C") -> "MetaArray":
-        return self._view(lambda a: a.reshape(*shape))
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = tuple(int(n) for n in shape)
+        if shape.count(-1) == 1:
+            known = 1
+            for n in shape:
+                if n != -1:
+                    known *= n
+            if known and self.size % known == 0:
+                shape = tuple(self.size // known if n == -1 else n for n in shape)
+        total = 1
+        for n in shape:
+            total *= n
+        if -1 in shape or total != self.size:
+            raise ValueError(f"cannot reshape a meta array of size {self.size} into "
+                             f"shape {shape}")
+        return MetaArray(shape, self.dtype)
 
     def transpose(self, *axes) -> "MetaArray":
-        return self._view(lambda a: a.transpose(*axes))
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        if not axes:
+            return MetaArray(self.shape[::-1], self.dtype)
+        if sorted(a % self.ndim for a in axes) != list(range(self.ndim)):
+            raise ValueError(f"axes {axes} do not match a meta array of {self.ndim} dims")
+        return MetaArray(tuple(self.shape[a] for a in axes), self.dtype)
 
     def view(self, dtype) -> "MetaArray":
         dtype = np.dtype(dtype)

@@ -183,13 +183,17 @@ def test_mesh_must_be_a_mesh():
         VirtualCluster((2, 4))
 
 
-def test_cupy_request_without_cupy_is_a_clear_error():
+def _cupy_with_gpu():
     try:
         import cupy
-        cupy.cuda.runtime.getDeviceCount()
-        pytest.skip("CuPy with a GPU is present: tested in test_cupy_devices")
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
     except Exception:
-        pass
+        return None
+
+
+@pytest.mark.skipif(_cupy_with_gpu() is not None,
+                    reason="CuPy with a GPU is present: covered by test_cupy_devices")
+def test_cupy_request_without_cupy_is_a_clear_error():
     with pytest.raises(ValueError, match="array_module='cupy' needs CuPy and a CUDA device"):
         VirtualCluster(Mesh((2,), ("x",)), array_module="cupy")
 
@@ -251,13 +255,6 @@ def test_bench_cli_rejects_bad_sizes():
     assert proc.returncode == 2
     assert "size '12parsecs' is not a byte count" in proc.stderr
 
-
-def _cupy_with_gpu():
-    try:
-        import cupy
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:
-        return None
 
 
 @pytest.mark.skipif(_cupy_with_gpu() is None, reason="needs CuPy and a CUDA device")

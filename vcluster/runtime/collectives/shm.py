@@ -134,16 +134,23 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
 
 
 def all_gather(call: GroupCall, x: np.ndarray, out, dim: int) -> np.ndarray:
-    g, n = call.group, call.group.size
+    n = call.group.size
     shape = scaled_shape(x.shape, dim, n, False, "all_gather")
     call.publish(x, arg=dim)
     call.wait_all(1)
     _agree(call, x.dtype, x.shape, dim)
-    res = _result(call, out, shape, x.dtype, x.nbytes * n > INLINE_BYTES)
-    for piece, m in zip(np.split(res, n, axis=dim), g.members):
+    res = _concatenate_members(call, x, out, shape, dim)
+    _done(call)
+    return res
+
+
+def _concatenate_members(call: GroupCall, x: np.ndarray, out, shape, dim: int) -> np.ndarray:
+    """Every member's input, read in place, concatenated along ``dim`` in group order."""
+    g = call.group
+    res = _result(call, out, shape, x.dtype, x.nbytes * g.size > INLINE_BYTES)
+    for piece, m in zip(np.split(res, g.size, axis=dim), g.members):
         np.copyto(piece, x if m == call.f.rank else call.peer_input(m))
         call.count_received(m, x.nbytes)
-    _done(call)
     return res
 
 
@@ -229,10 +236,7 @@ def gather(call: GroupCall, x: np.ndarray, out, root: int, dim: int):
     res = None
     if g.position == root:
         shape = scaled_shape(x.shape, dim, n, False, "gather")
-        res = _result(call, out, shape, x.dtype, x.nbytes * n > INLINE_BYTES)
-        for piece, m in zip(np.split(res, n, axis=dim), g.members):
-            np.copyto(piece, x if m == call.f.rank else call.peer_input(m))
-            call.count_received(m, x.nbytes)
+        res = _concatenate_members(call, x, out, shape, dim)
     _done(call)
     return res
 

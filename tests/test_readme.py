@@ -32,5 +32,5 @@ def test_readme_commands_are_the_ci_commands():
         readme = f.read()
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
-    test_command = "pip install -e '.[test]' && pytest"
+    test_command = "bash scripts/install-test-deps.sh && pytest"
     assert test_command in readme and test_command in ci

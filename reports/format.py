@@ -1,0 +1,50 @@
+"""How figures read in summary.md and report.html: one formatting rule for both."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import pandas as pd
+
+__all__ = ["fmt", "formatted", "steps_overview", "MAX_ROWS"]
+
+MAX_ROWS = 64          # longer tables are shown in part; the CSV holds every row
+
+
+def fmt(value) -> str:
+    """Numbers with 4 significant digits, booleans as yes/no, missing values as ``-``."""
+    if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return "yes" if value else "no"
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        v = float(value)
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        if v != 0 and v == int(v) and abs(v) < 1e15:
+            return str(int(v))
+        return f"{v:.4g}"
+    return str(value)
+
+
+def formatted(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` (its first :data:`MAX_ROWS` rows) with every cell formatted by :func:`fmt`."""
+    head = frame.head(MAX_ROWS)
+    return pd.DataFrame({c: [fmt(v) for v in head[c]] for c in head.columns},
+                        index=range(len(head)))
+
+
+def steps_overview(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per source: number of steps, mean / min / max step time, last loss when known."""
+    rows = []
+    for source, group in steps.groupby("source", sort=False):
+        times = pd.to_numeric(group["time_s"], errors="coerce")
+        row = {"source": source, "steps": len(group), "mean_time_s": times.mean(),
+               "min_time_s": times.min(), "max_time_s": times.max()}
+        if "loss" in group:
+            row["last_loss"] = group.sort_values("step")["loss"].iloc[-1]
+        rows.append(row)
+    return pd.DataFrame(rows)

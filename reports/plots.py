@@ -1,0 +1,214 @@
+"""PNG plots of a report (matplotlib, Agg canvas; no pyplot, so no global figure state).
+
+* ``timeline.png`` — per source, one row per device: compute spans in the upper half
+  (pipeline actions F / B / I / W in their own colours), communication (collectives and
+  point-to-point) in the lower half, waits as a thin grey band (from ``record.spans``);
+* ``time_breakdown.png`` — per device, stacked compute, exposed communication and bubble
+  seconds, one panel per source (from ``record.devices``);
+* ``predicted_vs_measured.png`` — when both sources are present: mean step time and
+  summed time per (collective, axis), measured beside predicted, log scale (they usually differ by
+  orders of magnitude: an emulator on one CPU versus a model of a GPU cluster);
+* ``sweep.png`` — when the run was a sweep: each numeric headline figure against the
+  first varied key, one line per value of the other varied keys.
+
+Every function returns PNG bytes, or ``None`` when the record has nothing to draw.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+__all__ = ["PLOT_NAMES", "timeline_png", "time_breakdown_png", "predicted_vs_measured_png",
+           "sweep_png", "record_plots", "sweep_keys"]
+
+PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep")
+DPI = 100
+MAX_SWEEP_PANELS = 6
+_COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd18f", "W": "#dd8452",
+            "compute": "#8c8c8c", "comm": "#c44e52", "p2p": "#8172b3", "wait": "#dddddd"}
+_SEGMENTS = (("compute_s", "compute", "#4c72b0"), ("exposed_comm_s", "exposed comm", "#c44e52"),
+             ("bubble_s", "bubble", "#cccccc"))
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def _sources(frame: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(frame["source"])) if len(frame) else []
+
+
+def _colour(stream: str, name: str) -> str:
+    if stream == "compute":
+        return _COLOURS.get(name, _COLOURS["compute"])
+    return _COLOURS.get(stream, _COLOURS["comm"])
+
+
+def _draw_timeline(ax, spans: pd.DataFrame) -> None:
+    ranks = sorted({int(r) for r in spans["rank"]})
+    lane = {"compute": (0.05, 0.45), "comm": (0.5, 0.4), "p2p": (0.5, 0.4),
+            "wait": (0.42, 0.16)}
+    for (rank, stream, name), group in spans.groupby(["rank", "stream", "name"], sort=False):
+        y0, height = lane.get(stream, (0.5, 0.4))
+        bars = list(zip(group["start_s"], group["end_s"] - group["start_s"]))
+        ax.broken_barh(bars, (ranks.index(int(rank)) + y0, height),
+                       facecolors=_colour(stream, name), edgecolor="none",
+                       zorder=1 if stream == "wait" else 2)
+    ax.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks), 0)
+    ax.set_xlabel("time (s)")
+
+
+def timeline_png(record) -> bytes | None:
+    """Per source, a row per device: compute above, communication below."""
+    spans = record.spans
+    sources = _sources(spans)
+    if not sources:
+        return None
+    n_ranks = max(spans.groupby("source")["rank"].nunique())
+    fig = Figure(figsize=(11, 1.2 + 0.45 * n_ranks * len(sources)))
+    axes = fig.subplots(len(sources), 1, squeeze=False)[:, 0]
+    for ax, source in zip(axes, sources):
+        _draw_timeline(ax, spans[spans["source"] == source])
+        ax.set_title(f"{source} timeline")
+    present = [(k, c) for k, c in _COLOURS.items()
+               if (k in set(spans["name"]) and k in "FBIW") or k in set(spans["stream"])]
+    handles = [Patch(facecolor=c) for _, c in present]
+    fig.legend(handles, [k for k, _ in present], loc="upper right", ncols=len(present))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return _png(fig)
+
+
+def time_breakdown_png(record) -> bytes | None:
+    """Stacked compute / exposed communication / bubble seconds per device."""
+    devices = record.devices
+    sources = _sources(devices)
+    if not sources:
+        return None
+    fig = Figure(figsize=(max(5.0, 0.5 * devices["rank"].nunique() + 3), 3.2 * len(sources)))
+    axes = fig.subplots(len(sources), 1, squeeze=False)[:, 0]
+    for ax, source in zip(axes, sources):
+        rows = devices[devices["source"] == source].sort_values("rank")
+        x = np.arange(len(rows))
+        bottom = np.zeros(len(rows))
+        for column, label, colour in _SEGMENTS:
+            values = pd.to_numeric(rows[column], errors="coerce").fillna(0.0).to_numpy(float)
+            ax.bar(x, values, bottom=bottom, color=colour, label=label)
+            bottom += values
+        ax.set_xticks(x, [str(int(r)) for r in rows["rank"]])
+        ax.set_xlabel("rank")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{source}: compute vs communication vs bubble")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    return _png(fig)
+
+
+def predicted_vs_measured_png(record) -> bytes | None:
+    """Measured beside predicted: mean step time and per-collective time (log scale)."""
+    both = {"measured", "predicted"}
+    rows: list[tuple[str, float, float]] = []
+    steps = record.steps
+    if both <= set(steps["source"]):
+        mean = steps.groupby("source")["time_s"].mean()
+        rows.append(("step (mean)", float(mean["measured"]), float(mean["predicted"])))
+    coll = record.collectives
+    if both <= set(coll["source"]):
+        table = (coll.assign(axis=coll["axis"].fillna("-"))
+                 .groupby(["collective", "axis", "source"])["time_s"].sum()
+                 .unstack("source"))
+        for (collective, axis), row in table.iterrows():
+            if not (pd.isna(row.get("measured")) or pd.isna(row.get("predicted"))):
+                rows.append((f"{collective} [{axis}]", float(row["measured"]),
+                             float(row["predicted"])))
+    devices = record.devices
+    if not rows and both <= set(devices["source"]):
+        for column in ("compute_s", "comm_s"):
+            mean = devices.groupby("source")[column].mean()
+            rows.append((f"{column} (mean)", float(mean["measured"]),
+                         float(mean["predicted"])))
+    rows = [r for r in rows if r[1] > 0 and r[2] > 0 and math.isfinite(r[1] + r[2])]
+    if not rows:
+        return None
+    fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 4))
+    ax = fig.subplots()
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r[1] for r in rows], 0.4, label="measured (emulator)", color="#4c72b0")
+    ax.bar(x + 0.2, [r[2] for r in rows], 0.4,
+           label=f"predicted ({record.hardware or 'model'})", color="#dd8452")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [r[0] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("seconds (log)")
+    ax.set_title("predicted vs measured")
+    ax.legend()
+    fig.tight_layout()
+    return _png(fig)
+
+
+def sweep_keys(record) -> list[str]:
+    """The varied key paths of a sweep: ``record.sweep_keys`` when given, else the
+    sweep table's dotted column names (``parallel.tp``)."""
+    given = list(getattr(record, "sweep_keys", ()) or ())
+    if given or record.sweep is None:
+        return given
+    return [c for c in record.sweep.columns if "." in str(c)]
+
+
+def sweep_png(record) -> bytes | None:
+    """Each numeric headline figure of the sweep against the first varied key."""
+    sweep = record.sweep
+    if sweep is None or len(sweep) == 0:
+        return None
+    keys = sweep_keys(record)
+    figures = [c for c in sweep.columns if c not in keys
+               and pd.api.types.is_numeric_dtype(sweep[c])
+               and not pd.api.types.is_bool_dtype(sweep[c])][:MAX_SWEEP_PANELS]
+    if not figures:
+        return None
+    x_key = keys[0] if keys else None
+    x = sweep[x_key] if x_key is not None else pd.Series(range(len(sweep)))
+    numeric_x = pd.api.types.is_numeric_dtype(x)
+    others = keys[1:]
+    groups = sweep.groupby(others, dropna=False, sort=False) if others else [((), sweep)]
+    cols = min(3, len(figures))
+    n_rows = math.ceil(len(figures) / cols)
+    fig = Figure(figsize=(4.2 * cols, 3.2 * n_rows))
+    axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
+    for ax, figure in zip(axes, figures):
+        for label, rows in groups:
+            xs = rows[x_key] if x_key is not None else rows.index
+            xs = xs if numeric_x else xs.astype(str)
+            name = ", ".join(f"{k}={v}" for k, v in zip(others, np.atleast_1d(label)))
+            ax.plot(xs, rows[figure], marker="o", label=name or None)
+        ax.set_xlabel(x_key or "point")
+        ax.set_title(figure)
+        if others:
+            ax.legend(fontsize="small")
+    for ax in axes[len(figures):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+_MAKERS = {"timeline": timeline_png, "time_breakdown": time_breakdown_png,
+           "predicted_vs_measured": predicted_vs_measured_png, "sweep": sweep_png}
+
+
+def record_plots(record) -> dict[str, bytes]:
+    """``{plot name: PNG bytes}`` for every plot this record has something to draw in."""
+    plots = {}
+    for name in PLOT_NAMES:
+        png = _MAKERS[name](record)
+        if png is not None:
+            plots[name] = png
+    return plots

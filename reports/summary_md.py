@@ -1,0 +1,55 @@
+"""``summary.md``: the headline figures, checks and tables of a run as Markdown."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from reports.format import MAX_ROWS, fmt, formatted, steps_overview
+from reports.tables import record_tables
+
+__all__ = ["markdown_table", "summary_markdown"]
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table of ``frame`` (formatted, first rows only)."""
+    if len(frame.columns) == 0:
+        return "_(empty)_\n"
+    if len(frame) == 0:
+        return "_(no rows)_\n"
+    shown = formatted(frame)
+    lines = ["| " + " | ".join(_cell(c) for c in shown.columns) + " |",
+             "|" + "---|" * len(shown.columns)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |"
+              for row in shown.itertuples(index=False)]
+    if len(frame) > MAX_ROWS:
+        lines.append(f"\n_{len(frame) - MAX_ROWS} more rows in the CSV file._")
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(record, files: dict) -> str:
+    """The Markdown summary; ``files`` as in ``results.json`` (lists the report's files)."""
+    status = "PASSED" if record.passed else "FAILED"
+    out = [f"# {record.name}\n\n",
+           f"mode: **{record.mode}** · hardware: **{record.hardware or '-'}** · "
+           f"checks: **{status}** ({sum(bool(c['passed']) for c in record.checks)}"
+           f"/{len(record.checks)})\n",
+           "\n## Headline figures\n\n"]
+    summary = pd.DataFrame({"figure": list(record.summary),
+                            "value": [fmt(v) for v in record.summary.values()]})
+    out.append(markdown_table(summary))
+    if record.checks:
+        out += ["\n## Checks\n\n", markdown_table(pd.DataFrame([dict(c) for c in record.checks]))]
+    tables = record_tables(record)
+    out += ["\n## Devices\n\n", markdown_table(tables["devices"]),
+            "\n## Collectives\n\n", markdown_table(tables["collectives"]),
+            "\n## Steps\n\n", markdown_table(steps_overview(tables["steps"]))]
+    if "sweep" in tables:
+        out += ["\n## Sweep\n\n", markdown_table(tables["sweep"])]
+    listed = [*files.get("tables", {}).values(), *files.get("plots", {}).values(),
+              *(files[k] for k in ("report_html", "trace") if k in files), "results.json"]
+    out += ["\n## Files\n\n", "".join(f"* [{f}]({f})\n" for f in listed)]
+    return "".join(out)

@@ -1,0 +1,34 @@
+"""CSV tables of a report: devices.csv, collectives.csv, steps.csv, sweep.csv.
+
+Each is the :class:`~reports.RunRecord` DataFrame as is (its columns are documented in
+``reports/record.py``); an empty table is written with its header only; ``sweep.csv``
+only when the run was a sweep.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = ["TABLE_NAMES", "record_tables", "write_tables"]
+
+TABLE_NAMES = ("devices", "collectives", "steps", "sweep")
+
+
+def record_tables(record) -> dict[str, pd.DataFrame]:
+    """``{table name: DataFrame}`` of the tables this record has (sweep only when set)."""
+    tables = {name: getattr(record, name) for name in TABLE_NAMES}
+    if tables["sweep"] is None:
+        del tables["sweep"]
+    return tables
+
+
+def write_tables(record, directory: Path) -> dict[str, str]:
+    """Write ``<name>.csv`` for each table into ``directory``; return ``{name: file name}``."""
+    files = {}
+    for name, frame in record_tables(record).items():
+        file_name = f"{name}.csv"
+        frame.to_csv(Path(directory) / file_name, index=False)
+        files[name] = file_name
+    return files

@@ -59,6 +59,10 @@ class TrainJob:
     bucket_bytes: int = 1 << 20
     action_costs: dict = field(default_factory=dict)
     stage_factory: object = None       # (dev, job, stage) -> stage; None: StageLayers of specs
+    first_step: int = 0                # global number of this job's first step (resumed runs)
+    optimizer_state: tuple | None = None   # (t, slots): slots[k] global (W, b) per layer
+    return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
+    crash_at: tuple = ()               # (rank, global step): injected crashes (vcluster.faults)
 
     @property
     def n_stages(self) -> int:
@@ -103,10 +107,11 @@ def _letter(action) -> str:
     return getattr(kind, "value", kind) if not isinstance(kind, str) else kind
 
 
-def _local_params(job: TrainJob, dev, stage: int):
+def _local_params(job: TrainJob, dev, stage: int, source=None):
+    """This rank's pieces of ``source`` (default: the parameters), (W, b) per layer."""
     out = []
     for spec in job.specs[stage]:
-        w, b = job.params[spec.index]
+        w, b = (job.params if source is None else source)[spec.index]
         if job.tp_axis is None:
             out.append((w, b))
         else:
@@ -134,6 +139,35 @@ def _named(stages, what: str) -> dict:
     return out
 
 
+def _restore_optimizer(job: TrainJob, dev, stages, opt: Optimizer) -> None:
+    """Load a checkpoint's optimizer state (global arrays) into this rank's slots."""
+    if job.stage_factory is not None:
+        raise ValueError("TrainJob.optimizer_state: restoring optimizer state needs the MLP "
+                         "stages (stage_factory=None)")
+    t, slots = job.optimizer_state
+    if len(slots) != len(opt.state):
+        raise ValueError(f"TrainJob.optimizer_state: {len(slots)} slot(s) given; optimizer "
+                         f"{job.optimizer.name!r} has {len(opt.state)}")
+    opt.t = int(t)
+    for k, slot in enumerate(slots):
+        local = [a for s in sorted(stages) for pair in _local_params(job, dev, s, slot)
+                 for a in pair]
+        for dst, src in zip(opt.state[k], local, strict=True):
+            dst[...] = src
+
+
+def _optimizer_named(stages, opt: Optimizer) -> dict:
+    """The optimizer state by layer index, like the parameters: t and (W, b) per slot."""
+    slots = []
+    for flat in opt.state:
+        it, named = iter(flat), {}
+        for s in sorted(stages):
+            for spec in stages[s].specs:
+                named[spec.index] = (next(it), next(it))
+        slots.append(named)
+    return {"t": opt.t, "slots": slots}
+
+
 def train_program(dev, job: TrainJob, X, Y):
     """The SPMD training program (see the module docstring); returns this rank's results."""
     pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
@@ -143,6 +177,9 @@ def train_program(dev, job: TrainJob, X, Y):
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     opt = Optimizer(job.optimizer, params)
+    if job.optimizer_state is not None:
+        _restore_optimizer(job, dev, stages, opt)
+    crash_steps = {step for rank, step in job.crash_at if rank == dev.rank}
     dp_size = 1 if job.dp_axis is None else len(dev.mesh.group(job.dp_axis, dev.rank))
     rows = job.global_batch // (dp_size * m)
     losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
@@ -151,6 +188,9 @@ def train_program(dev, job: TrainJob, X, Y):
         return ((step * 2 + direction) * S + stage) * m + j
 
     for step in range(job.steps):
+        if job.first_step + step in crash_steps:
+            from vcluster.faults import crash_this_device
+            crash_this_device()
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}
@@ -202,6 +242,7 @@ def train_program(dev, job: TrainJob, X, Y):
         losses.append(loss)
     return {
         "rank": dev.rank, "pp_position": pos,
+        "optimizer": _optimizer_named(stages, opt) if job.return_optimizer else None,
         "losses": losses if (S - 1) in stages else None,
         "params": _named(stages, "params"), "grads": _named(stages, "grads"),
         "memory": {"rank": dev.rank, "params_bytes": sum(a.nbytes for a in params),

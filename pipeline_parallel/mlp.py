@@ -29,11 +29,15 @@ __all__ = ["MLP", "FitResult"]
 
 @dataclass(frozen=True)
 class FitResult:
-    """Per-step losses (full-batch means), final (W, b) per layer, per-device memory."""
+    """Per-step losses (full-batch means), final (W, b) per layer, per-device memory;
+    with checkpoints or faults (:mod:`pipeline_parallel.resilient`), the recoveries made
+    and the checkpoints written."""
 
     losses: np.ndarray
     params: list
     memory: object = None          # pandas DataFrame (fit only)
+    recoveries: tuple = ()         # resilient.Recovery, in order
+    checkpoints: tuple = ()        # paths of the checkpoints written, in order
 
     def __repr__(self) -> str:
         return f"FitResult(losses={np.array2string(self.losses, precision=6)}, layers={len(self.params)})"
@@ -118,8 +122,16 @@ class MLP:
     def fit(self, cluster, X, Y, steps: int, microbatches: int, schedule: str = "1f1b",
             optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
             betas=(0.9, 0.999), eps: float = 1e-8, virtual_stages: int | None = None,
-            bucket_bytes: int = 1 << 20, action_costs: dict | None = None) -> FitResult:
-        """Train on ``cluster`` following ``schedule``; see the module docstring."""
+            bucket_bytes: int = 1 << 20, action_costs: dict | None = None, *,
+            checkpoint_every: int | None = None, checkpoint_dir: str | None = None,
+            faults=None, recovery: str = "fail", resume_from: str | None = None) -> FitResult:
+        """Train on ``cluster`` following ``schedule``; see the module docstring.
+
+        ``checkpoint_every`` steps a checkpoint goes to ``checkpoint_dir``; ``faults``
+        (:mod:`vcluster.faults` specs or their dicts) are injected; a lost device is
+        handled by ``recovery`` ("restart" or "fail"); ``resume_from`` (a checkpoint or a
+        directory of them) continues a run. See :mod:`pipeline_parallel.resilient`.
+        """
         from .plan import plan_training
         X, Y = self._check_data(X, Y)
         plan = plan_training(self, cluster.mesh, len(X), _positive(microbatches, "microbatches"),
@@ -130,6 +142,13 @@ class MLP:
             steps=_positive(steps, "steps"), microbatches=microbatches, global_batch=len(X),
             pp_axis="pp", dp_axis=plan.dp_axis, tp_axis=plan.tp_axis,
             bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}))
+        if (checkpoint_every is not None or faults is not None or resume_from is not None
+                or recovery != "fail"):
+            from .resilient import fit_resilient
+            return fit_resilient(self, cluster, plan, job, X, Y,
+                                 checkpoint_every=checkpoint_every,
+                                 checkpoint_dir=checkpoint_dir, faults=faults,
+                                 recovery=recovery, resume_from=resume_from)
         results = cluster.run(train_program, plan.device_args(job, X, Y))
         return plan.collect(self, results)
 

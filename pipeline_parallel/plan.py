@@ -57,18 +57,24 @@ class TrainingPlan:
             if res["losses"] is not None and self._coord(r, self.tp_axis) == 0:
                 part = np.array(res["losses"])
                 losses = part if losses is None else losses + part
-        params = []
+        params = self.assemble(lambda r: results[r]["params"])
+        memory = pd.DataFrame([dict(res["memory"], max_in_flight=max(
+            res["memory"]["peak_in_flight"].values(), default=0)) for res in results])
+        return FitResult(losses, params, memory)
+
+    def assemble(self, named_of) -> list[tuple]:
+        """Global (W, b) per layer from each rank's pieces ``named_of(rank)[layer]``
+        (parameters, or a slot of optimizer state sharded like them)."""
+        out = []
         for s, specs in enumerate(self.stage_specs):
             holders = [r for r in range(self.mesh.size)
                        if self._coord(r, "pp") == s % self.p and self._coord(r, self.dp_axis) == 0]
             holders.sort(key=lambda r: self._coord(r, self.tp_axis))
             for spec in specs:
-                pieces = [results[r]["params"][spec.index] for r in holders]
-                params.append(tuple(_join([p[i] for p in pieces], layout)
-                                    for i, layout in enumerate((spec.w_layout, spec.b_layout))))
-        memory = pd.DataFrame([dict(res["memory"], max_in_flight=max(
-            res["memory"]["peak_in_flight"].values(), default=0)) for res in results])
-        return FitResult(losses, params, memory)
+                pieces = [named_of(r)[spec.index] for r in holders]
+                out.append(tuple(_join([p[i] for p in pieces], layout)
+                                 for i, layout in enumerate((spec.w_layout, spec.b_layout))))
+        return out
 
 
 def _join(pieces: list[np.ndarray], layout) -> np.ndarray:

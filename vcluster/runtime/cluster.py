@@ -70,6 +70,7 @@ class VirtualCluster:
         self.mesh = mesh
         self._state = None
         self._broken: str | None = None
+        self._faults: tuple = ()          # injected slow devices / links (kept across restarts)
         self._start()
 
     def __repr__(self) -> str:
@@ -89,6 +90,8 @@ class VirtualCluster:
         self._broken = None
         # Close on garbage collection or interpreter exit, whatever the user forgets.
         self._finalizer = weakref.finalize(self, self._state.close)
+        if self._faults:
+            self._send_delays()
 
     def close(self) -> None:
         """Stop every device and release all shared memory (idempotent)."""
@@ -100,6 +103,38 @@ class VirtualCluster:
         """Replace every device with a fresh process (after a lost device or Ctrl-C)."""
         self.close()
         self._start()
+
+    # --- injected faults --------------------------------------------------------------
+    @property
+    def faults(self) -> tuple:
+        """The slow-device and slow-link faults in force (see :meth:`inject_faults`)."""
+        return self._faults
+
+    def inject_faults(self, faults) -> None:
+        """Slow devices and links for every later run, until changed (``[]``: none).
+
+        ``faults``: :class:`vcluster.faults.SlowFault` / :class:`~vcluster.faults.LinkFault`
+        objects or their dict form. They stay in force across :meth:`restart` (a replaced
+        process on a slow card is still slow). Crashes are training-step events: give
+        :class:`~vcluster.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).
+        """
+        from vcluster.faults import CrashFault, parse_faults
+        parsed = parse_faults(faults, "faults", self.mesh.size)
+        crash = [i for i, f in enumerate(parsed) if isinstance(f, CrashFault)]
+        if crash:
+            raise ValueError(f"faults[{crash[0]}]: a crash fault fires at a training step; "
+                             "pass it to the trainer (MLP.fit(faults=...)); inject_faults "
+                             "takes kinds slow and link")
+        self._usable()
+        self._faults = parsed
+        self._send_delays()
+
+    def _send_delays(self) -> None:
+        from vcluster.faults import delays_for
+        state = self._state
+        for r in range(self.mesh.size):
+            state.send(r, ("set_delays", delays_for(r, self._faults)))
+        state.gather(30.0)
 
     def _usable(self) -> "_ClusterState":
         if self._state is None:

@@ -6,6 +6,7 @@ commands on its control socket until told to stop or until the host goes away:
 * ``run``: unpack the program and its arguments (large arrays land in this device's
   arena), call ``fn(dev, *args)``, wait for queued communication, send the result back;
 * ``stats`` / ``trace`` / ``reset_stats``: read or clear the recorder;
+* ``set_delays``: slow this device or its links (injected faults, :mod:`vcluster.faults`);
 * ``reset_comm``: forget call numbers and message state after a failed run (the host
   zeroes the shared counters while every device is idle);
 * ``shutdown``.
@@ -89,6 +90,9 @@ class VirtualDevice:
         if kind == "reset_comm":
             self.channel.reset()
             self.context.reset()
+            return ("ok", None)
+        if kind == "set_delays":
+            self.context.set_delays(msg[1])
             return ("ok", None)
         if kind == "ping":
             return ("ok", os.getpid())

@@ -84,6 +84,7 @@ class EmulatedDevice:
         self._run_base = list(self._seq)
         self._queue = CommQueue(rank)
         self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
+        self._delays = None          # vcluster.faults.DeviceDelays of injected faults, or None
 
     def __repr__(self) -> str:
         return f"EmulatedDevice(rank={self.rank}, index={self.index!r})"
@@ -141,6 +142,8 @@ class EmulatedDevice:
                              f"got flops={flops}, bytes={bytes}")
         start = time.perf_counter()
         yield
+        if self._delays is not None:          # an injected slow device (vcluster.faults)
+            time.sleep(self._delays.compute_extra_s(time.perf_counter() - start))
         self._recorder.record(ComputeEvent(self.rank, str(name), float(flops), int(bytes),
                                            start, time.perf_counter()))
 
@@ -155,6 +158,14 @@ class EmulatedDevice:
             group = Group(axes, members, slot, members.index(self.rank))
             self._groups[key] = group
         return group
+
+    def set_delays(self, delays) -> None:
+        """Slow this device or its links (a :class:`vcluster.faults.DeviceDelays`; None: off)."""
+        self._delays = delays if delays is not None and delays.active else None
+
+    def _link_delay(self, peers, start: float) -> None:
+        if self._delays is not None:          # an injected slow link (vcluster.faults)
+            time.sleep(self._delays.transfer_extra_s(peers, time.perf_counter() - start))
 
     def reset(self) -> None:
         """Forget call numbers (the host zeroes the shared counters at the same time)."""
@@ -188,6 +199,7 @@ class EmulatedDevice:
                 else:
                     res = _RUNNERS[(name, alg)](call, x, host_out, **args)
                 call.finish()
+                self._link_delay(group.members, start)
                 event = call.event(nbytes, start, time.perf_counter())
             self._recorder.record(event)
             if out is not None and host_out is None and res is not None:
@@ -317,6 +329,7 @@ class EmulatedDevice:
         to, tag, x = self._peer(to, "send"), self._tag(tag), self._host(x)
         start = time.perf_counter()
         self._channel.send_buffered(to, USER_KIND, tag, x)
+        self._link_delay(to, start)
         self._p2p_event("send", to, x, tag, start, True)
 
     def isend(self, x, to: int, tag: int = 0) -> Work:
@@ -368,6 +381,7 @@ class EmulatedDevice:
         host_out = out if out is None or isinstance(out, np.ndarray) else None
         res = self._channel.recv_into(src, USER_KIND, tag, f"recv (tag {tag})", host_out,
                                       lambda s, d: self._alloc(s, d, False))
+        self._link_delay(src, start)
         self._p2p_event("recv", src, res, tag, start, False)
         if out is not None and host_out is None:
             out[...] = self.xp.asarray(res)

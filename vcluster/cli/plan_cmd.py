@@ -1,0 +1,117 @@
+"""``vcluster plan gpt ...``: the best parallel configuration of a GPT on N GPUs.
+
+    vcluster plan gpt --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \\
+        --gpus 1024 --global-batch 1536 --hardware a100-80gb-dgx --top 10
+
+enumerates TP x PP x DP x micro-batch x schedule x sequence parallelism x recomputation,
+drops what does not fit memory, screens the rest in closed form, replays the best in the
+SimPy timing model (at least the top K and 10) and prints the top K (step time, TFLOP/s
+per GPU, MFU, peak memory, compute/comm ratio) and the rejections per reason.
+``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}}`` (every
+configuration that fits, best first); ``--out DIR`` writes plan.json and plan.png (step
+time against peak memory for every candidate). Exit 0 when a configuration fits, 1 when
+none does, 2 on a bad flag.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .args import positive_int
+
+__all__ = ["add_parser", "plan_json", "JSON_KEYS"]
+
+JSON_KEYS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
+             "recompute", "step_time_s", "tflops_per_gpu", "mfu", "peak_memory_gb", "replayed",
+             "compute_comm_ratio")
+
+
+def add_parser(commands) -> None:
+    plan = commands.add_parser("plan", help="search the best parallel configuration")
+    kinds = plan.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
+    gpt = kinds.add_parser("gpt", help="a GPT-style transformer (TP x PP x DP x schedule)",
+                           description=__doc__.split("\n\n")[0])
+    for name in ("hidden", "layers", "heads", "seq", "vocab", "gpus"):
+        gpt.add_argument(f"--{name}", type=positive_int, required=True)
+    gpt.add_argument("--global-batch", type=positive_int, required=True)
+    gpt.add_argument("--hardware", default="a100-80gb-dgx",
+                     help="a preset (vcluster hardware list) or a YAML file")
+    gpt.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
+    gpt.add_argument("--replay", type=int, default=None,
+                     help="candidates to replay in SimPy (default max(top, 10))")
+    gpt.add_argument("--max-tp", type=positive_int, default=None,
+                     help="largest tensor-parallel degree (default: GPUs per node)")
+    gpt.add_argument("--workers", type=positive_int, default=None,
+                     help="replay processes (default: the machine's cores)")
+    gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
+    gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
+    gpt.add_argument("--quiet", action="store_true", help="no progress bar")
+    gpt.set_defaults(run=_gpt)
+
+
+def _finite(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
+def plan_json(df) -> dict:
+    """``{"candidates": [...], "rejected": {reason: count}}`` from plan_gpt's DataFrame."""
+    rows = df[list(JSON_KEYS)].to_dict(orient="records")
+    candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
+                  for r in rows]
+    return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {}))}
+
+
+def _print_table(df, top: int) -> None:
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
+            f"{'recompute':<9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
+            f"{'comp/comm':>9}  source")
+    print(head)
+    for i, r in df.head(top).iterrows():
+        sched = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        ratio = f"{r['compute_comm_ratio']:9.1f}" if math.isfinite(r["compute_comm_ratio"]) \
+            else f"{'inf':>9}"
+        print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch']:>3} "
+              f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
+              f"{r['recompute']:<9} {r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
+              f"{100 * r['mfu']:5.1f}% {r['peak_memory_gb']:7.1f} {ratio}  "
+              f"{'replay' if r['replayed'] else 'screen'}")
+
+
+def _gpt(args) -> int:
+    from pipeline_parallel.gpt_plan import REJECT_REASONS, plan_gpt
+    from vcluster.timing import load_hardware
+    if args.replay is not None and args.replay < 0:
+        raise ValueError(f"--replay must be >= 0, got {args.replay}")
+    hw = load_hardware(args.hardware)
+    df = plan_gpt(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                  vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
+                  hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
+                  workers=args.workers, progress=False if args.quiet else None)
+    a = df.attrs
+    print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab}, "
+          f"global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
+          f"configurations fit, {a['replayed']} replayed, planned in {a['planning_time_s']:.1f} s")
+    if len(df):
+        _print_table(df, args.top)
+    print("rejected:" + ("" if a["rejected"] else " none"))
+    for reason, count in a["rejected"].items():
+        print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")
+    result = plan_json(df)
+    if args.json:
+        from .files import write_json
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    if args.out:
+        from reports.plan_plot import plan_png
+        from .files import write_bytes_atomic, write_json
+        write_json(os.path.join(args.out, "plan.json"), result)
+        png = plan_png(df, title=f"GPT h={args.hidden} l={args.layers} on {args.gpus} x "
+                       f"{hw.name}", hbm_gb=hw.device.hbm_bytes / 1e9)
+        if png is not None:
+            write_bytes_atomic(os.path.join(args.out, "plan.png"), png)
+        print(f"wrote {args.out}/plan.json" + (" and plan.png" if png else ""))
+    if not len(df):
+        print("vcluster plan: no configuration fits the device memory")
+        return 1
+    return 0

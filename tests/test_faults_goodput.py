@@ -1,0 +1,108 @@
+"""Simulated faults: goodput's closed form against a SimPy Monte Carlo, the optimum
+checkpoint interval against Daly's formula, stragglers against the pipeline closed form,
+and degraded links against the alpha-beta formula."""
+
+import math
+
+import numpy as np
+import pytest
+
+from pipelining import make_schedule
+from vcluster.faults.goodput import (FailureModel, daly_interval_s, expected_goodput,
+                                     expected_segment_s, simulate_goodput, young_interval_s)
+from vcluster.faults.impact import goodput_table, simulate_with_faults, straggler_table
+from vcluster.faults.links import DegradedLinks
+from vcluster.runtime.tracing.ops import TraceCollective
+from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.engine import traces_from_schedule
+
+
+@pytest.mark.parametrize("t,k,c,r,mtbf", [
+    (1.0, 100, 20.0, 60.0, 3600.0),        # T << M: a few failures per hundred segments
+    (1.0, 50, 5.0, 10.0, 60.0),            # T ~ M: most segments fail at least once
+    (0.5, 10, 0.0, 0.0, 1e9),              # no failures in practice
+])
+def test_closed_form_matches_simpy_monte_carlo(t, k, c, r, mtbf):
+    m = FailureModel(t, k, c, r, mtbf)
+    run = simulate_goodput(m, segments=3000, seed=1)
+    expected = expected_segment_s(m)
+    assert abs(run.mean_segment_s - expected) <= 4 * run.stderr_segment_s + 1e-6 * expected, \
+        (run.mean_segment_s, expected, run.stderr_segment_s)
+    assert run.goodput == pytest.approx(expected_goodput(m), rel=0.03)
+    # the accounting adds up: wall = useful + checkpoints + lost work + restarts
+    assert run.wall_s == pytest.approx(run.useful_s + run.checkpoint_s + run.lost_s
+                                       + run.restart_s, rel=1e-9)
+    # E[failures per segment] = e^{T/M} - 1
+    assert run.failures / run.segments == pytest.approx(math.expm1(m.segment_s / mtbf),
+                                                        rel=0.15, abs=0.01)
+
+
+def test_limits_of_the_closed_form():
+    m = FailureModel(2.0, 10, 4.0, 100.0, 1e12)
+    assert expected_goodput(m) == pytest.approx(20 / 24, rel=1e-6)   # only checkpoint cost
+    # small T/M: E ~ T + (T^2/2 + R T)/M
+    m = FailureModel(1.0, 10, 2.0, 30.0, 1e5)
+    T = m.segment_s
+    assert expected_segment_s(m) == pytest.approx(T + (T * T / 2 + 30 * T) / 1e5, rel=1e-6)
+
+
+@pytest.mark.parametrize("c,mtbf", [(10.0, 3600.0), (60.0, 6 * 3600.0), (1.0, 600.0)])
+def test_best_interval_is_dalys(c, mtbf):
+    intervals = np.linspace(0.2, 5, 20000) * math.sqrt(2 * c * mtbf)
+    goodput = [expected_goodput(FailureModel(tau, 1, c, 0.0, mtbf)) for tau in intervals]
+    best = intervals[int(np.argmax(goodput))]
+    assert best == pytest.approx(daly_interval_s(c, mtbf), rel=0.02)
+    assert best == pytest.approx(young_interval_s(c, mtbf), rel=0.1)
+
+
+def test_goodput_table_is_plot_ready():
+    table = goodput_table(1.0, 20.0, 60.0, mtbf_s=[1800.0, 7200.0],
+                          checkpoint_every=[50, 200, 800], segments=400)
+    assert list(table.columns) == ["mtbf_s", "checkpoint_every", "interval_s",
+                                   "goodput_expected", "goodput_simulated",
+                                   "failures_simulated", "young_interval_s", "daly_interval_s"]
+    assert len(table) == 6
+    np.testing.assert_allclose(table.goodput_simulated, table.goodput_expected, rtol=0.05)
+    assert (table.groupby("mtbf_s").goodput_expected.max().diff().dropna() > 0).all()
+
+
+@pytest.mark.parametrize("p,m,slow_stage,s", [(4, 8, 2, 2.0), (3, 5, 0, 3.0), (4, 4, 3, 1.5)])
+def test_straggler_step_time_matches_gpipe_closed_form(p, m, slow_stage, s):
+    """GPipe with a stage ``s`` times slower: the slow stage processes every micro-batch
+    back to back in each phase, the others add one action each:
+    T = (p - 1)(F + B) + m s (F + B)."""
+    f, b = 1.0, 2.0
+    traces = traces_from_schedule(make_schedule("gpipe", p, m), f, b, 0.0)
+    costs = SimpleCostModel.compute_only(1.0)
+    table = straggler_table(traces, costs, rank=slow_stage, slowdowns=[1, s])
+    assert table.step_time_s[0] == pytest.approx((m + p - 1) * (f + b))
+    assert table.step_time_s[1] == pytest.approx((p - 1) * (f + b) + m * s * (f + b))
+    assert table.step_time_ratio[1] > 1
+
+
+def test_degraded_link_scales_only_the_bandwidth_term():
+    alpha, bw, n, f = 1e-5, 1e9, 8 << 20, 0.25
+    base = SimpleCostModel(1e12, math.inf, alpha, bw)
+    model = DegradedLinks.from_faults(base, [{"kind": "link", "ranks": [2, 1],
+                                              "bandwidth_factor": f}])
+    assert model.p2p_time_s(1, 2, n) == pytest.approx(alpha + n / (f * bw))
+    assert model.p2p_time_s(2, 1, n) == pytest.approx(alpha + n / (f * bw))
+    assert model.p2p_time_s(0, 1, n) == pytest.approx(alpha + n / bw)
+    ring = TraceCollective("all_reduce", (0, 1, 2, 3), n, 4, "ring")
+    assert model.collective_time_s(ring) == pytest.approx(6 * alpha + 1.5 * n / (f * bw))
+    other = TraceCollective("all_reduce", (0, 1, 3), n, 4, "ring")
+    assert model.collective_time_s(other) == base.collective_time_s(other)
+
+
+def test_slow_link_between_stages_lengthens_the_step():
+    p, m, nbytes = 4, 6, 64 << 20
+    traces = traces_from_schedule(make_schedule("1f1b", p, m), 1e-3, 2e-3, 0.0, nbytes)
+    costs = SimpleCostModel(1.0, math.inf, 1e-5, 1e10)
+    clean = simulate_with_faults(traces, costs, []).step_time_s
+    slow = simulate_with_faults(traces, costs, [{"kind": "link", "ranks": [1, 2],
+                                                 "bandwidth_factor": 0.1}]).step_time_s
+    off_path = simulate_with_faults(traces, costs, [{"kind": "link", "ranks": [0, 3],
+                                                     "bandwidth_factor": 0.1}]).step_time_s
+    transfer = nbytes / 1e10
+    assert off_path == pytest.approx(clean)           # no traffic between ranks 0 and 3
+    assert slow - clean >= 2 * 9 * transfer * 0.99    # each message on the link at least 10x

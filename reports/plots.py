@@ -150,7 +150,7 @@ def predicted_vs_measured_png(record) -> bytes | None:
     ax.set_xticks(x, [r[0] for r in rows], rotation=20, ha="right")
     ax.set_ylabel("seconds (log)")
     ax.set_title("predicted vs measured")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return _png(fig)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_cmd, hardware_cmd, plan_cmd, schedule_cmd, simulate_cmd, validate_cmd
+from . import (bench_cmd, hardware_cmd, plan_cmd, run_cmd, schedule_cmd, simulate_cmd,
+               validate_cmd)
 
 __all__ = ["main", "build_parser"]
 
@@ -18,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vcluster", description="A virtual GPU cluster on one machine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (bench_cmd, hardware_cmd, plan_cmd, schedule_cmd, simulate_cmd, validate_cmd):
+    for module in (run_cmd, bench_cmd, hardware_cmd, plan_cmd, schedule_cmd, simulate_cmd,
+                   validate_cmd):
         module.add_parser(commands)
     return parser
 

@@ -1,0 +1,53 @@
+"""Scenario files: ``vcluster run scenario.yaml`` (the front door; docs/scenario.md).
+
+Stable interfaces (other commands and helpers build on them):
+
+* ``load_scenario(path, overrides=()) -> Scenario`` — read YAML, apply ``--set``
+  overrides (``"key.path=value"`` strings or ``(path, value)`` pairs; values parsed as
+  YAML), validate against the JSON Schema (:func:`scenario_schema`, printed by
+  ``vcluster schema``) and the cross-field rules (mesh sizes, divisibility, policies,
+  schedules, hardware) of every sweep point. Raises :class:`ScenarioError` with
+  ``.path`` (key path), ``.value`` and ``.allowed``; the CLI maps it to exit code 2.
+* ``build_workload(scenario) -> Workload`` — ``.mesh``, the per-device ``.program(dev,
+  *args)``, ``.args_by_rank`` (real per-rank inputs), ``.meta_args_by_rank`` (their
+  shape-only twins for the tracer), ``.assemble(outputs_by_rank)`` (named global
+  arrays), ``.reference()`` (the same names, unsharded numpy) and ``.check(outputs_by_rank,
+  tolerance)``. Per-rank outputs are what ``program`` returns on each rank.
+* ``run_scenario(scenario, *, mode=None, engine="emulator", progress=False) ->
+  reports.RunRecord`` — emulate and/or simulate every sweep point. Engines are made in
+  one place, :func:`vcluster.scenario.engines.make_engine` (``ENGINES``).
+
+A scenario is built from sections (``cluster, hardware, workload, parallel, run, sweep,
+report``); a new section is one more property in :mod:`.schema` and one more field of
+:class:`Scenario`.
+"""
+
+from .errors import ScenarioError
+from .load import load_scenario, parse_override, scenario_from_dict, sweep_points
+from .model import Scenario
+from .schema import scenario_schema
+
+__all__ = ["ScenarioError", "Scenario", "load_scenario", "scenario_from_dict",
+           "parse_override", "sweep_points", "scenario_schema", "build_workload",
+           "run_scenario", "resolve_mesh"]
+
+
+def build_workload(scenario, point: int = 0):
+    """The :class:`~vcluster.scenario.workloads.Workload` of ``scenario`` (of sweep point
+    ``point`` when it sweeps)."""
+    from .semantics import resolve_mesh
+    from .workloads import workload_module
+    _, p = sweep_points(scenario)[point]
+    return workload_module(p.workload.kind).build(p, resolve_mesh(p))
+
+
+def resolve_mesh(scenario):
+    """The :class:`mesh.Mesh` the scenario runs on."""
+    from .semantics import resolve_mesh as _resolve
+    return _resolve(scenario)
+
+
+def run_scenario(scenario, *, mode=None, engine="emulator", progress=False):
+    """See the module docstring and :mod:`vcluster.scenario.runner`."""
+    from .runner import run_scenario as _run
+    return _run(scenario, mode=mode, engine=engine, progress=progress)

@@ -1,0 +1,23 @@
+"""The one place that makes an emulation engine from its name.
+
+An engine runs ``program(dev, *args)`` on every rank (``engine.run(program,
+args_by_rank) -> outputs by rank``), records events (``engine.trace()``,
+``engine.reset_stats()``), and closes (``engine.close()``). Today: ``emulator``
+(:class:`~vcluster.VirtualCluster`).
+"""
+
+from __future__ import annotations
+
+from .errors import ScenarioError
+
+__all__ = ["ENGINES", "make_engine"]
+
+ENGINES = ("emulator",)
+
+
+def make_engine(name: str, mesh, *, array_module: str = "numpy", timeout_s: float = 60.0):
+    """A started engine of ``name`` over ``mesh`` (close it, or use it in ``with``)."""
+    if name == "emulator":
+        from vcluster import VirtualCluster
+        return VirtualCluster(mesh, array_module=array_module, timeout_s=timeout_s)
+    raise ScenarioError("--engine", name, ", ".join(ENGINES), "unknown engine")

@@ -1,0 +1,122 @@
+"""The ``hardware`` section: which machine a simulation prices the trace on.
+
+* a preset (``vcluster hardware list``), a YAML file or an inline ``spec``: a
+  :class:`~vcluster.timing.hardware.HardwareSpec` priced by
+  :class:`~vcluster.timing.hardware_costs.HardwareCostModel` at the datasheet peak of
+  ``dtype`` (default fp32; the trace's bytes are the workload's own dtype);
+* ``localhost``: this machine, so that the simulator predicts the emulator itself
+  (:class:`~vcluster.timing.localhost.LocalhostCostModel`, devices sharing the cores):
+  calibrated by microbenchmarks (about 13 s on an idle 2-core machine), or read from
+  ``calibration`` (a file written by ``vcluster bench predict --save-spec``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ScenarioError
+
+__all__ = ["check_hardware", "CostSetup", "cost_setup", "LOCALHOST"]
+
+LOCALHOST = "localhost"
+
+
+def _path(scenario, relative: str) -> Path:
+    p = Path(relative).expanduser()
+    return p if p.is_absolute() else Path(scenario.base_dir) / p
+
+
+def _allowed_names() -> str:
+    from vcluster.timing import PRESET_NAMES
+    return ", ".join(PRESET_NAMES + (LOCALHOST,)) + ", a .yaml file, or an object"
+
+
+def check_hardware(scenario) -> None:
+    """Raise :class:`ScenarioError` when the hardware cannot be loaded."""
+    from vcluster.timing import PRESET_NAMES, hardware_from_dict, load_hardware
+    hw = scenario.hardware
+    given = [k for k in ("name", "file", "spec") if getattr(hw, k)]
+    if len(given) != 1:
+        raise ScenarioError("hardware", dict(name=hw.name, file=hw.file),
+                            "exactly one of name, file, spec", f"{len(given)} given")
+    if hw.name is not None:
+        if hw.name in PRESET_NAMES or hw.name == LOCALHOST:
+            pass
+        elif hw.name.endswith((".yaml", ".yml")):
+            _check_file(scenario, "hardware", hw.name)
+        else:
+            raise ScenarioError("hardware", hw.name, _allowed_names(), "unknown hardware")
+    elif hw.file is not None:
+        _check_file(scenario, "hardware.file", hw.file)
+    else:
+        try:
+            hardware_from_dict(dict(hw.spec), path="hardware.spec")
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ScenarioError("hardware.spec", dict(hw.spec), "the fields of a hardware "
+                                "YAML file (vcluster hardware show NAME)", str(exc)) from None
+    if hw.calibration is not None:
+        if hw.name != LOCALHOST:
+            raise ScenarioError("hardware.calibration", hw.calibration,
+                                "only with name: localhost", "not localhost hardware")
+        if not _path(scenario, hw.calibration).is_file():
+            raise ScenarioError("hardware.calibration", hw.calibration,
+                                "an existing file written by vcluster bench predict "
+                                "--save-spec", "no such file")
+    if hw.name != LOCALHOST:
+        try:
+            load_hardware(_hardware_arg(scenario)).device.peak_flops(hw.dtype)
+        except (TypeError, ValueError) as exc:
+            raise ScenarioError("hardware.dtype", hw.dtype, "a dtype with a datasheet peak "
+                                "on this hardware", str(exc)) from None
+
+
+def _check_file(scenario, path: str, value: str) -> None:
+    from vcluster.timing import load_hardware
+    p = _path(scenario, value)
+    if not p.is_file():
+        raise ScenarioError(path, value, _allowed_names(), f"no such file {p}")
+    try:
+        load_hardware(p)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ScenarioError(path, value, "a valid hardware YAML file", str(exc)) from None
+
+
+def _hardware_arg(scenario):
+    hw = scenario.hardware
+    if hw.spec is not None:
+        return dict(hw.spec)
+    if hw.file is not None:
+        return _path(scenario, hw.file)
+    if hw.name.endswith((".yaml", ".yml")):
+        return _path(scenario, hw.name)
+    return hw.name
+
+
+@dataclass(frozen=True)
+class CostSetup:
+    """What :func:`~vcluster.timing.engine.simulate_trace` needs: the cost model, the core
+    pool (localhost only) and the hardware's name for the report."""
+
+    costs: object
+    core_pool: object
+    label: str
+    localhost: bool
+
+
+def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
+    """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``."""
+    hw = scenario.hardware
+    if hw.name == LOCALHOST:
+        from vcluster.timing.localhost import LocalhostCostModel, load_localhost_spec
+        if hw.calibration is not None:
+            spec = load_localhost_spec(_path(scenario, hw.calibration))
+        else:
+            from vcluster.timing.localhost_calibrate import calibrate_localhost
+            spec = calibrate_localhost(max(2, mesh.size))
+        model = LocalhostCostModel(spec, mesh.size, dtype)
+        return CostSetup(model, model.core_pool, LOCALHOST, True)
+    from vcluster.timing import load_hardware
+    from vcluster.timing.hardware_costs import HardwareCostModel
+    spec = load_hardware(_hardware_arg(scenario))
+    return CostSetup(HardwareCostModel(spec, hw.dtype), None, hw.label, False)

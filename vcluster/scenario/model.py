@@ -1,0 +1,204 @@
+"""The scenario model: small frozen dataclasses built from a schema-valid document.
+
+Defaults come from the schema (``default`` of each key), so the schema, the docs and the
+model agree. Kind-specific keys (a matmul's ``m, k, n``, an MLP's ``schedule``) stay in
+read-only mappings: ``scenario.workload.options["m"]``, ``scenario.parallel["schedule"]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from . import schema as S
+
+__all__ = ["Scenario", "ClusterSpec", "HardwareChoice", "WorkloadSpec", "RunSpec",
+           "ReportSpec", "set_path", "get_path"]
+
+_MISSING = object()
+
+
+def _frozen(mapping: Mapping) -> Mapping:
+    return MappingProxyType(dict(mapping))
+
+
+def _defaults(properties: Mapping, given: Mapping) -> dict:
+    out = {k: copy.deepcopy(p["default"]) for k, p in properties.items() if "default" in p}
+    out.update(given)
+    return out
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Mesh axes in order (``(("dp", 2), ("tp", 4))``; empty: built from ``parallel``),
+    the declared device count (None: not declared) and the array module."""
+
+    mesh: tuple[tuple[str, int], ...] = ()
+    devices: int | None = None
+    array_module: str = "numpy"
+
+
+@dataclass(frozen=True)
+class HardwareChoice:
+    """Exactly one of ``name`` (preset or ``localhost``), ``file``, ``spec``; ``dtype``
+    the datasheet peak that prices FLOPs; ``calibration`` a saved localhost spec."""
+
+    name: str | None = "a100-80gb-dgx"
+    file: str | None = None
+    spec: Mapping | None = None
+    dtype: str = "fp32"
+    calibration: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What the report calls it: the preset, the file, or the inline spec's name."""
+        if self.name:
+            return self.name
+        if self.file:
+            return self.file
+        return str((self.spec or {}).get("name", "inline hardware"))
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    kind: str
+    dtype: str = "float64"
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)   # the kind's keys
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"WorkloadSpec({self.kind!r}, dtype={self.dtype!r}, seed={self.seed}, {opts})"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    mode: str = "emulate"
+    steps: int = 1
+    check: bool = False
+    tolerance: float | None = None     # None: by dtype (see tolerance_for)
+
+    def tolerance_for(self, dtype: str) -> float:
+        if self.tolerance is not None:
+            return float(self.tolerance)
+        return 1e-4 if dtype == "float32" else 1e-9
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    out: str | None = None
+    formats: tuple[str, ...] | None = None      # None: every format
+
+
+@dataclass(frozen=True, repr=False)
+class Scenario:
+    """A validated scenario. ``document`` is the plain mapping it was built from (after
+    ``--set``); ``sweep`` the varied key paths and their values; ``base_dir`` the folder
+    relative paths (hardware files) are read from."""
+
+    name: str
+    description: str
+    cluster: ClusterSpec
+    hardware: HardwareChoice
+    workload: WorkloadSpec
+    parallel: Mapping[str, Any]
+    run: RunSpec
+    report: ReportSpec
+    sweep: tuple[tuple[str, tuple], ...]
+    document: Mapping[str, Any]
+    base_dir: str = "."
+
+    def __repr__(self) -> str:
+        mesh = "x".join(f"{a}={n}" for a, n in self.cluster.mesh) or "from parallel"
+        sweep = f", sweep over {', '.join(p for p, _ in self.sweep)}" if self.sweep else ""
+        return (f"Scenario({self.name!r}, {self.workload.kind}, mesh {mesh}, "
+                f"mode={self.run.mode!r}, steps={self.run.steps}{sweep})")
+
+    @classmethod
+    def from_document(cls, document: Mapping, name: str, base_dir: str = ".") -> "Scenario":
+        """Build from a document that passed :func:`~vcluster.scenario.schema.check_document`."""
+        doc = copy.deepcopy(dict(document))
+        sections = S.scenario_schema()["properties"]
+        cluster = doc.get("cluster", {})
+        hw = doc.get("hardware", sections["hardware"]["default"])
+        hw = {"name": hw} if isinstance(hw, str) else dict(hw)
+        if not any(hw.get(k) for k in ("name", "file", "spec")):
+            hw["name"] = sections["hardware"]["default"]
+        wl = doc["workload"]
+        kind = wl["kind"]
+        options = _defaults(S._WORKLOAD[kind], {k: v for k, v in wl.items()
+                                                if k not in ("kind", "dtype", "seed")})
+        parallel = _defaults(S._PARALLEL[kind], doc.get("parallel", {}))
+        run = _defaults(sections["run"]["properties"], doc.get("run", {}))
+        report = doc.get("report", {})
+        return cls(
+            name=str(doc.get("name", name)), description=str(doc.get("description", "")),
+            cluster=ClusterSpec(tuple((str(a), int(n)) for a, n in
+                                      cluster.get("mesh", {}).items()),
+                                cluster.get("devices"), cluster.get("array_module", "numpy")),
+            hardware=HardwareChoice(hw.get("name"), hw.get("file"),
+                                    _frozen(hw["spec"]) if hw.get("spec") else None,
+                                    hw.get("dtype", "fp32"), hw.get("calibration")),
+            workload=WorkloadSpec(kind, wl.get("dtype", "float64"), int(wl.get("seed", 0)),
+                                  _frozen(options)),
+            parallel=_frozen(parallel),
+            run=RunSpec(run["mode"], int(run["steps"]), bool(run["check"]),
+                        run.get("tolerance")),
+            report=ReportSpec(report.get("out"),
+                              tuple(report["formats"]) if "formats" in report else None),
+            sweep=tuple((p, tuple(v)) for p, v in doc.get("sweep", {}).items()),
+            document=_frozen(doc), base_dir=str(base_dir))
+
+    def point_documents(self) -> list[tuple[dict, dict]]:
+        """Per sweep point (the product of the lists, first key slowest): ``({path:
+        value}, the document with those values set and no sweep)``; one point without a
+        sweep."""
+        base = {k: v for k, v in copy.deepcopy(dict(self.document)).items() if k != "sweep"}
+        if not self.sweep:
+            return [({}, base)]
+        paths = [p for p, _ in self.sweep]
+        out = []
+        for values in itertools.product(*(v for _, v in self.sweep)):
+            doc = copy.deepcopy(base)
+            for path, value in zip(paths, values):
+                set_path(doc, path, copy.deepcopy(value))
+            out.append((dict(zip(paths, values)), doc))
+        return out
+
+
+def get_path(document: Mapping, path: str, default=_MISSING):
+    node = document
+    for part in path.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            if default is _MISSING:
+                raise KeyError(path)
+            return default
+        node = node[part]
+    return node
+
+
+def set_path(document: dict, path: str, value) -> None:
+    """Set ``a.b.c`` in a nested dict, creating mappings on the way; a non-mapping on the
+    way is replaced only at the last key (``hardware: a100`` then ``hardware.dtype``
+    becomes ``{name: a100, dtype: ...}``)."""
+    from .errors import ScenarioError
+    parts = path.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ScenarioError(path, value, "a dotted key path such as parallel.tp",
+                            "not a key path")
+    node = document
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif isinstance(child, str) and ".".join(parts[:i + 1]) == "hardware":
+            child = node[part] = {"name": child}
+        elif not isinstance(child, dict):
+            raise ScenarioError(".".join(parts[:i + 1]), child,
+                                "a mapping (to set a key under it)", f"cannot set {path}")
+        node = child
+    node[parts[-1]] = value

@@ -1,0 +1,306 @@
+"""``run_scenario``: emulate and/or simulate a scenario (every sweep point) into a RunRecord.
+
+Per point (``mode``):
+
+* **emulate** — the workload's program on an engine (:func:`~vcluster.scenario.engines.
+  make_engine`): one run per step (a training workload runs every step in one run);
+  a step's measured time is, over every device's events, last end - first start (for
+  training, step k ends at the last device's k-th ``optimizer`` event); with
+  ``check: true`` the outputs are compared with the unsharded numpy reference;
+* **simulate** — the same program traced on shape-only arrays and replayed on the
+  hardware (:func:`~vcluster.timing.engine.simulate_trace`); one traced step stands for
+  every step of a non-training workload;
+* **both** — also compares the traffic: the bytes and messages the emulator moved in one
+  step equal the trace's, per device and collective (``traffic_matches``).
+
+The summary's keys are listed in :data:`SUMMARY_KEYS` (docs/scenario.md explains each).
+A sweep's record has one ``sweep`` row per point (the varied key paths, then that
+point's summary); its tables and checks are those of every point, with a ``point`` column
+in the tables, and its summary is the last point's with ``points`` and ``checks_passed``
+over all points.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ScenarioError
+from .schema import MODES
+
+__all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
+
+RATIO_FLAG = 10.0          # compute / communication below this: communication dominates
+
+#: summary keys by the modes that fill them (absent keys are not written)
+SUMMARY_KEYS = {
+    "always": ("kind", "workload", "mesh", "devices", "dtype", "steps", "mode"),
+    "emulate": ("measured_step_time_s", "measured_total_s", "measured_bytes_sent",
+                "measured_bytes_received", "measured_messages_sent", "measured_flops",
+                "checks_passed", "max_abs_error", "final_loss"),
+    "simulate": ("hardware", "predicted_step_time_s", "predicted_total_s",
+                 "predicted_compute_s", "predicted_comm_s", "predicted_exposed_comm_s",
+                 "predicted_bubble_s", "predicted_bubble_fraction", "compute_comm_ratio",
+                 "compute_comm_ratio_low", "predicted_bytes_sent", "predicted_bytes_received",
+                 "predicted_messages_sent"),
+    "both": ("traffic_matches", "predicted_over_measured"),
+}
+
+
+@dataclass
+class _Point:
+    """What one sweep point produced (mutable while it is filled)."""
+
+    summary: dict
+    checks: tuple = ()
+    tables: dict = field(default_factory=dict)     # name -> list of DataFrames
+
+
+def _finite(x):
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _units(point, training: bool) -> int:
+    mode, steps = point.run.mode, point.run.steps
+    emulate = (1 if training else steps) + (1 if point.run.check else 0)
+    return (emulate if mode != "simulate" else 0) + (1 if mode != "emulate" else 0)
+
+
+# --- emulation ---------------------------------------------------------------------------
+def _step_times(events, ranks, training: bool, steps: int) -> list[float]:
+    """Training: step k ends at the last rank's k-th ``optimizer`` event."""
+    if not events:
+        return []
+    if not training:
+        return [max(e.end for e in events) - min(e.start for e in events)]
+    start = min(e.start for e in events)
+    ends_by_rank = {}
+    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
+                    key=lambda e: e.start):
+        ends_by_rank.setdefault(e.rank, []).append(e.end)
+    ends = [max(v[k] for v in ends_by_rank.values() if len(v) > k) for k in range(steps)]
+    return [b - a for a, b in zip([start] + ends[:-1], ends)]
+
+
+def _emulate(workload, point, engine_name: str, bar) -> dict:
+    from .engines import make_engine
+    steps, training = point.run.steps, workload.training
+    events, first_events, times, outputs = [], None, [], None
+    with make_engine(engine_name, workload.mesh,
+                     array_module=point.cluster.array_module) as engine:
+        for step in range(1 if training else steps):
+            engine.reset_stats()
+            outputs = engine.run(workload.program, list(workload.args_by_rank))
+            got = engine.trace()
+            times += _step_times(got, range(workload.mesh.size), training, steps)
+            events += got
+            first_events = got if first_events is None else first_events
+            bar.advance(f"emulate step {step + 1}")
+    return {"outputs": outputs, "events": events, "first_events": first_events,
+            "step_times": times}
+
+
+def _measured(point: _Point, workload, emu: dict, scenario) -> None:
+    import pandas as pd
+    from reports import collectives_from_events, devices_from_events, spans_from_events
+    mesh, events = workload.mesh, emu["events"]
+    comm = [e for e in events if hasattr(e, "sent")]
+    times = emu["step_times"]
+    s = point.summary
+    s["measured_step_time_s"] = statistics.median(times) if times else None
+    s["measured_total_s"] = sum(times)
+    s["measured_bytes_sent"] = sum(e.bytes_sent for e in comm)
+    s["measured_bytes_received"] = sum(e.bytes_received for e in comm)
+    s["measured_messages_sent"] = sum(e.messages_sent for e in comm)
+    s["measured_flops"] = sum(e.flops for e in events if hasattr(e, "flops"))
+    steps = pd.DataFrame({"source": "measured", "step": range(len(times)), "time_s": times})
+    if workload.training:
+        assembled = workload.assemble(emu["outputs"])
+        losses = np.asarray(assembled["loss"], np.float64)
+        steps["loss"] = losses[:len(times)]
+        s["final_loss"] = float(losses[-1])
+    point.tables["steps"].append(steps)
+    point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)))
+    point.tables["collectives"].append(collectives_from_events(events, mesh))
+    point.tables["spans"].append(spans_from_events(events))
+
+
+# --- simulation --------------------------------------------------------------------------
+def _simulate(workload, scenario, bar) -> tuple:
+    from vcluster.runtime.tracing import trace_program
+    from vcluster.timing.engine import simulate_trace
+    from .hardware import cost_setup
+    mesh = workload.mesh
+    setup = cost_setup(scenario, mesh, workload.dtype)
+    traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank))
+    result = simulate_trace(traces, setup.costs, mesh=mesh, core_pool=setup.core_pool)
+    bar.advance("simulate")
+    return traces, result, setup
+
+
+def _predicted_steps(result, training: bool, steps: int) -> list[float]:
+    if not training:
+        return [result.step_time_s] * steps
+    ends_by_rank = {}
+    for rank, timeline in zip(result.ranks, result.timelines):
+        for iv in timeline:
+            if str(iv.stream) == "compute" and getattr(iv.op, "name", None) == "optimizer":
+                ends_by_rank.setdefault(rank, []).append(iv.end_s)
+    if not ends_by_rank:
+        return [result.step_time_s / steps] * steps
+    ends = [max(sorted(v)[k] for v in ends_by_rank.values() if len(v) > k)
+            for k in range(steps)]
+    ends[-1] = result.step_time_s
+    return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+
+
+def _trace_traffic(traces) -> tuple[int, int, int]:
+    """(bytes sent, bytes received, messages sent) over every traced rank."""
+    from vcluster.runtime.tracing import trace_comm_signature
+    sent_b = received_b = messages = 0
+    for t in traces:
+        for entries in trace_comm_signature(t).values():
+            for _, _, sent, received in entries:
+                sent_b += sum(b for _, b, _ in sent)
+                received_b += sum(b for _, b, _ in received)
+                messages += sum(m for _, _, m in sent)
+    return sent_b, received_b, messages
+
+
+def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None:
+    import pandas as pd
+    from reports import (collectives_from_simulation, devices_from_simulation,
+                         spans_from_simulation)
+    mesh, steps, training = workload.mesh, scenario.run.steps, workload.training
+    times = _predicted_steps(result, training, steps)
+    summary = result.summary()
+    repeat = 1 if training else steps
+    nbytes, received, messages = _trace_traffic(traces)
+    ratio = result.compute_comm_ratio
+    point.summary.update(
+        hardware=setup.label, predicted_step_time_s=statistics.median(times),
+        predicted_total_s=sum(times), predicted_compute_s=summary["compute_s_mean"],
+        predicted_comm_s=summary["comm_s_mean"],
+        predicted_exposed_comm_s=summary["exposed_comm_s_mean"],
+        predicted_bubble_s=summary["bubble_s_mean"],
+        predicted_bubble_fraction=summary["bubble_fraction"],
+        compute_comm_ratio=ratio,
+        compute_comm_ratio_low=bool(math.isfinite(ratio) and ratio < RATIO_FLAG),
+        predicted_bytes_sent=nbytes * repeat, predicted_bytes_received=received * repeat,
+        predicted_messages_sent=messages * repeat)
+    point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
+                                               "time_s": times}))
+    point.tables["devices"].append(devices_from_simulation(result, mesh))
+    point.tables["collectives"].append(collectives_from_simulation(result, mesh))
+    point.tables["spans"].append(spans_from_simulation(result))
+
+
+def _traffic_matches(traces, events) -> bool:
+    """Per rank, the trace's (collective, algorithm, sent, received) sequence per group
+    equals the emulator's events of one step."""
+    from vcluster.runtime.tracing import comm_signature, trace_comm_signature
+    return all(trace_comm_signature(t) == comm_signature(events, t.rank) for t in traces)
+
+
+# --- one point ---------------------------------------------------------------------------
+def _run_point(point, engine: str, bar) -> _Point:
+    from .semantics import resolve_mesh
+    from .workloads import workload_module
+    mesh = resolve_mesh(point)
+    workload = workload_module(point.workload.kind).build(point, mesh)
+    mode = point.run.mode
+    out = _Point(summary={
+        "kind": workload.kind, "workload": workload.description,
+        "mesh": " x ".join(f"{a}={n}" for a, n in mesh.shape.items()),
+        "devices": mesh.size, "dtype": workload.dtype, "steps": point.run.steps,
+        "mode": mode}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
+    emu = None
+    if mode in ("emulate", "both"):
+        emu = _emulate(workload, point, engine, bar)
+        _measured(out, workload, emu, point)
+        if point.run.check:
+            out.checks = workload.check(emu["outputs"], point.run.tolerance_for(workload.dtype))
+            bar.advance("check")
+        out.summary["checks_passed"] = all(c["passed"] for c in out.checks) \
+            if point.run.check else None
+        out.summary["max_abs_error"] = max((c["max_abs_error"] for c in out.checks),
+                                           default=None)
+    if mode in ("simulate", "both"):
+        traces, result, setup = _simulate(workload, point, bar)
+        _predicted(out, workload, traces, result, setup, point)
+        if emu is not None:
+            out.summary["traffic_matches"] = _traffic_matches(traces, emu["first_events"])
+            measured = out.summary["measured_step_time_s"]
+            out.summary["predicted_over_measured"] = (
+                out.summary["predicted_step_time_s"] / measured
+                if setup.localhost and measured else None)
+    out.summary = {k: _finite(v) for k, v in out.summary.items()}
+    return out
+
+
+def _concat(frames: list, point_index: int | None):
+    import pandas as pd
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return None
+    out = pd.concat(frames, ignore_index=True)
+    if point_index is not None:
+        out.insert(0, "point", point_index)
+    return out
+
+
+def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
+                 progress: bool = False):
+    """Run every sweep point of ``scenario`` and return a :class:`reports.RunRecord`.
+
+    ``mode`` overrides ``run.mode``; ``engine`` names the emulation engine
+    (:data:`~vcluster.scenario.engines.ENGINES`); ``progress`` shows a bar on a terminal.
+    """
+    import pandas as pd
+    from reports import RunRecord
+    from .load import scenario_from_dict, sweep_points
+    from .progress import ProgressBar
+    if mode is not None and mode != scenario.run.mode:
+        if mode not in MODES:
+            raise ScenarioError("--mode", mode, ", ".join(MODES), "unknown mode")
+        scenario = scenario_from_dict(dict(scenario.document), scenario.name,
+                                      [("run.mode", mode)], scenario.base_dir)
+    points = sweep_points(scenario)
+    from .workloads import workload_module  # noqa: F401  (registry import before the bar)
+    training = scenario.workload.kind in ("mlp", "transformer")
+    total = sum(_units(p, training) for _, p in points)
+    results, rows = [], []
+    with ProgressBar(total, progress, f"vcluster run {scenario.name}") as bar:
+        for values, point in points:
+            res = _run_point(point, engine, bar)
+            results.append(res)
+            rows.append({**values, **res.summary})
+    sweeping = bool(scenario.sweep)
+    tables = {}
+    for name in ("steps", "devices", "collectives", "spans"):
+        parts = [_concat(r.tables[name], i if sweeping else None)
+                 for i, r in enumerate(results)]
+        parts = [p for p in parts if p is not None]
+        if parts:
+            tables[name] = pd.concat(parts, ignore_index=True)
+    checks = tuple(dict(c, name=(f"point {i}: " if sweeping else "") + c["name"])
+                   for i, r in enumerate(results) for c in r.checks)
+    summary = dict(results[-1].summary)
+    if sweeping:
+        summary["points"] = len(results)
+        checked = [r.summary.get("checks_passed") for r in results]
+        summary["checks_passed"] = None if all(c is None for c in checked) \
+            else all(c is not False for c in checked)
+    last = points[-1][1]
+    return RunRecord(
+        name=scenario.name, mode=last.run.mode,
+        scenario=dict(scenario.document), summary=summary,
+        hardware=summary.get("hardware"), checks=checks,
+        sweep=pd.DataFrame(rows) if sweeping else None, **tables)

@@ -1,0 +1,343 @@
+"""The JSON Schema of a scenario file (``vcluster schema`` prints it) and validation by it.
+
+One schema serves editors (completion, hover text from ``description``) and the loader:
+:func:`check_document` validates a parsed document with :mod:`jsonschema` and turns the
+first error into a :class:`~vcluster.scenario.errors.ScenarioError` naming the key path,
+the value and the allowed values. Keys that depend on ``workload.kind`` (the workload's
+sizes, the ``parallel`` section) are ``if``/``then`` branches, so an unknown key is
+reported against the keys of *its* kind. Cross-field rules (mesh sizes, divisibility)
+are checked after the schema, in :mod:`vcluster.scenario.semantics`.
+
+Sections are closed (``additionalProperties: false``); a new section is one more entry of
+``_SECTIONS`` and of :class:`~vcluster.scenario.model.Scenario`.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+
+from .errors import ScenarioError, format_path
+
+__all__ = ["scenario_schema", "check_document", "KINDS", "MODES", "DTYPES", "COLLECTIVE_OPS",
+           "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS", "ALGORITHMS",
+           "PARALLEL_AXES"]
+
+KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
+MODES = ("emulate", "simulate", "both")
+DTYPES = ("float32", "float64")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                  "reduce", "scatter", "gather")
+ALGORITHMS = ("auto", "shm", "ring", "tree", "pairwise")
+MATMUL_POLICIES = ("Unsharded", "MatchedInnerSharding", "UnmatchedInnerSharding",
+                   "OuterSharding", "FullSharding")
+FFN_POLICIES = ("Unsharded", "Megatron", "SequenceParallel", "GSPMD")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+MLP_ACTIVATIONS = ("relu", "gelu", "tanh")
+FFN_ACTIVATIONS = ("relu", "gelu")
+LOSSES = ("mse", "cross_entropy")
+OPTIMIZERS = ("sgd", "adam")
+REPORT_FORMATS = ("md", "html", "json", "csv", "png", "trace")
+HARDWARE_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
+PARALLEL_AXES = ("dp", "pp", "tp")
+
+_IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def _int(description: str, minimum: int = 1, default=None) -> dict:
+    out = {"type": "integer", "minimum": minimum, "description": description}
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _enum(values, description: str, default=None) -> dict:
+    out = {"enum": list(values), "description": description}
+    if default is not None:
+        out["default"] = default
+    return out
+
+
+def _bool(description: str, default: bool = False) -> dict:
+    return {"type": "boolean", "description": description, "default": default}
+
+
+_AXES = {"description": "a mesh axis name, a list of names (major to minor), or null",
+         "anyOf": [{"type": "null"}, {"type": "string", "pattern": _IDENT},
+                   {"type": "array", "items": {"type": "string", "pattern": _IDENT},
+                    "minItems": 1, "uniqueItems": True}]}
+_LAYOUT = {"type": "array", "minItems": 2, "maxItems": 2, "items": _AXES,
+           "description": "per dimension: null (replicated), an axis, or a list of axes"}
+
+_DEGREES = {name: _int(f"{name} degree: the size of mesh axis '{name}' (when cluster.mesh "
+                       f"is omitted, the mesh is built from dp, pp, tp)") for name in PARALLEL_AXES}
+_TRAINING = {
+    "optimizer": _enum(OPTIMIZERS, "optimizer of every step", "sgd"),
+    "lr": {"type": "number", "exclusiveMinimum": 0, "default": 0.01,
+           "description": "learning rate"},
+}
+
+#: workload keys of each kind (besides kind, dtype, seed)
+_WORKLOAD = MappingProxyType({
+    "collective": {
+        "op": _enum(COLLECTIVE_OPS, "the collective every device calls", "all_reduce"),
+        "size": {"description": "bytes of each device's input: an integer or a size with a "
+                                "unit (8B, 64KiB, 1MiB)", "default": "1MiB",
+                 "anyOf": [{"type": "integer", "minimum": 0},
+                           {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*[A-Za-z]*\s*$"}]},
+        "calls": _int("back-to-back calls per step", 1, 1),
+    },
+    "matmul": {
+        "m": _int("rows of A and C", 1, 64), "k": _int("columns of A, rows of B", 1, 64),
+        "n": _int("columns of B and C", 1, 64),
+        "backward": _bool("also compute dA = dC B^T and dB = A^T dC"),
+    },
+    "ffn": {
+        "batch": _int("batch size B of x (B, S, d_model)", 1, 4),
+        "seq": _int("sequence length S", 1, 8), "d_model": _int("model width d", 1, 16),
+        "d_ff": _int("hidden width of the FFN", 1, 64),
+        "activation": _enum(FFN_ACTIVATIONS, "activation", "gelu"),
+        "backward": _bool("also run the backward pass (dx and every parameter gradient)"),
+    },
+    "mlp": {
+        "sizes": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 2,
+                  "default": [16, 32, 32, 32, 8],
+                  "description": "layer widths: inputs, hidden..., outputs"},
+        "batch": _int("samples per step (the whole batch, split over dp and micro-batches)",
+                      1, 48),
+        "activation": _enum(MLP_ACTIVATIONS, "activation of the hidden layers", "relu"),
+        "loss": _enum(LOSSES, "loss", "mse"),
+        **_TRAINING,
+    },
+    "transformer": {
+        "hidden": _int("hidden size h", 1, 16), "layers": _int("transformer layers", 1, 4),
+        "heads": _int("attention heads (divide hidden)", 1, 4),
+        "seq": _int("sequence length", 1, 8), "vocab": _int("vocabulary size", 1, 32),
+        "batch": _int("global batch (sequences per step)", 1, 8),
+        **_TRAINING,
+    },
+})
+
+#: parallel keys of each kind
+_PARALLEL = MappingProxyType({
+    "collective": {
+        "axis": dict(_AXES, default=None,
+                     description="the mesh axes of each group (null: all devices)"),
+        "algorithm": _enum(ALGORITHMS, "collective algorithm (auto: the emulator's choice)",
+                           "auto"),
+    },
+    "matmul": {
+        "policy": _enum(MATMUL_POLICIES, "a named policy laid over the mesh axes in order "
+                        "(docs/scenario.md gives each one's layouts)"),
+        "layouts": {"type": "object", "additionalProperties": False, "required": ["a", "b", "c"],
+                    "description": "explicit layouts of A (m, k), B (k, n), C (m, n)",
+                    "properties": {"a": _LAYOUT, "b": _LAYOUT, "c": _LAYOUT}},
+    },
+    "ffn": {
+        "policy": _enum(FFN_POLICIES, "FeedForward sharding policy", "Megatron"),
+        "tp": dict(_AXES, default="tp", description="tensor-parallel mesh axes"),
+        "dp": dict(_AXES, default=None, description="data-parallel mesh axes (null: none)"),
+    },
+    "mlp": {
+        "schedule": _enum(SCHEDULES, "pipeline schedule", "1f1b"),
+        "microbatches": _int("micro-batches per step", 1, 4),
+        "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
+        **_DEGREES,
+    },
+    "transformer": {
+        "schedule": _enum(SCHEDULES, "pipeline schedule", "1f1b"),
+        "micro_batch": _int("sequences per micro-batch", 1, 1),
+        "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
+        "sequence_parallel": _bool("Megatron sequence parallelism"),
+        "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
+        **_DEGREES,
+    },
+})
+
+_HARDWARE_OBJECT = {
+    "type": "object", "additionalProperties": False,
+    "description": "exactly one of name, file, spec; plus dtype and calibration",
+    "properties": {
+        "name": {"type": "string", "description": "a preset (vcluster hardware list) or "
+                                                  "'localhost' (this machine, calibrated)"},
+        "file": {"type": "string", "description": "a hardware YAML file (relative to the "
+                                                  "scenario file)"},
+        "spec": {"type": "object", "description": "an inline hardware description (the "
+                                                  "fields of a hardware YAML file)"},
+        "dtype": _enum(HARDWARE_DTYPES, "the datasheet peak that prices every FLOP", "fp32"),
+        "calibration": {"type": "string", "description": "localhost only: a saved "
+                        "calibration (vcluster bench predict --save-spec) instead of "
+                        "calibrating (~13 s)"},
+    },
+}
+
+_SECTIONS = {
+    "name": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]+$",
+             "description": "scenario name (default: the file name without .yaml)"},
+    "description": {"type": "string", "description": "free text, shown in the report"},
+    "cluster": {
+        "type": "object", "additionalProperties": False, "description": "the virtual cluster",
+        "properties": {
+            "mesh": {"type": "object", "minProperties": 1, "description": "mesh axes in "
+                     "order, name: size (e.g. {dp: 2, tp: 4})",
+                     "propertyNames": {"pattern": _IDENT},
+                     "additionalProperties": {"type": "integer", "minimum": 1}},
+            "devices": _int("number of devices; must equal the product of the mesh sizes"),
+            "array_module": _enum(("numpy", "cupy"), "the devices' array module", "numpy"),
+        },
+    },
+    "hardware": {"description": "hardware for simulation: a preset name, 'localhost', a "
+                                "YAML file, or an object", "default": "a100-80gb-dgx",
+                 "anyOf": [{"type": "string"}, _HARDWARE_OBJECT]},
+    "workload": {
+        "type": "object", "required": ["kind"], "description": "what runs on the devices",
+        "properties": {"kind": _enum(KINDS, "the workload"),
+                       "dtype": _enum(DTYPES, "element type", "float64"),
+                       "seed": _int("seed of the inputs and parameters", 0, 0)},
+    },
+    "parallel": {"type": "object", "description": "how the workload is split (keys depend "
+                                                  "on workload.kind)"},
+    "run": {
+        "type": "object", "additionalProperties": False, "description": "what to do",
+        "properties": {
+            "mode": _enum(MODES, "emulate (real processes), simulate (timing model on "
+                                 "the hardware), or both", "emulate"),
+            "steps": _int("steps (repetitions of the op, or training steps)", 1, 1),
+            "check": _bool("compare the result with the unsharded numpy reference (emulate)"),
+            "tolerance": {"type": "number", "minimum": 0, "description": "largest allowed "
+                          "max |result - reference| / max |reference| (default 1e-4 for "
+                          "float32, 1e-9 for float64)"},
+        },
+    },
+    "sweep": {"type": "object", "minProperties": 1, "description": "key path: list of "
+              "values; one run per point of the product of the lists",
+              "propertyNames": {"pattern": r"^(cluster|hardware|workload|parallel|run)"
+                                           r"(\.[A-Za-z_][A-Za-z0-9_]*)*$"},
+              "additionalProperties": {"type": "array", "minItems": 1}},
+    "report": {
+        "type": "object", "additionalProperties": False, "description": "the report",
+        "properties": {
+            "out": {"type": "string", "description": "output directory (default "
+                                                     "runs/<name>; --out overrides)"},
+            "formats": {"type": "array", "items": {"enum": list(REPORT_FORMATS)},
+                        "uniqueItems": True, "description": "files to write besides "
+                        "results.json (default: all)"},
+        },
+    },
+}
+
+
+def _kind_branch(kind: str) -> dict:
+    when = {"properties": {"workload": {"properties": {"kind": {"const": kind}},
+                                        "required": ["kind"]}},
+            "required": ["workload"]}
+    workload = {"properties": {"kind": {}, "dtype": {}, "seed": {}, **_WORKLOAD[kind]},
+                "additionalProperties": False}
+    parallel = {"properties": _PARALLEL[kind], "additionalProperties": False}
+    return {"if": when, "then": {"properties": {"workload": workload, "parallel": parallel}}}
+
+
+def scenario_schema() -> dict:
+    """The JSON Schema (draft 2020-12) of a scenario file, a fresh dict."""
+    return copy.deepcopy({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://vcluster.dev/schema/scenario.json",
+        "title": "vcluster scenario",
+        "description": "A cluster, a workload, how it is split and what to run: "
+                       "vcluster run FILE. Every key: docs/scenario.md.",
+        "type": "object",
+        "required": ["workload"],
+        "additionalProperties": False,
+        "properties": _SECTIONS,
+        "allOf": [_kind_branch(kind) for kind in KINDS],
+    })
+
+
+# --- validation ---------------------------------------------------------------------------
+_TYPE_WORDS = {"integer": "an integer", "number": "a number", "string": "a string",
+               "boolean": "true or false", "object": "a mapping", "array": "a list",
+               "null": "null"}
+
+
+def _allowed(error) -> tuple[str, str]:
+    """(allowed, reason) for a jsonschema error."""
+    v, s = error.validator, error.schema
+    if v == "additionalProperties" and isinstance(s.get("properties"), dict):
+        return ", ".join(sorted(s["properties"])), "unknown key"
+    if v in ("enum", "const"):
+        values = error.validator_value if v == "enum" else [error.validator_value]
+        return ", ".join(map(str, values)), "not one of the allowed values"
+    if v == "type":
+        types = error.validator_value
+        types = types if isinstance(types, list) else [types]
+        return " or ".join(_TYPE_WORDS.get(t, t) for t in types), "wrong type"
+    if v == "anyOf":
+        return s.get("description", "see docs/scenario.md"), "wrong type or value"
+    if v == "required":
+        return f"a mapping with the keys {', '.join(error.validator_value)}", "missing key"
+    if v in ("minimum", "exclusiveMinimum"):
+        op = ">=" if v == "minimum" else ">"
+        return f"a number {op} {error.validator_value}", "too small"
+    if v in ("maxItems", "minItems"):
+        return f"a list of {'at most' if v == 'maxItems' else 'at least'} " \
+               f"{error.validator_value} items", "wrong length"
+    if v == "minProperties":
+        return f"at least {error.validator_value} entries", "empty"
+    if v == "pattern":
+        return f"text matching {error.validator_value}", "bad format"
+    if v == "uniqueItems":
+        return "a list without repeats", "repeated item"
+    return s.get("description", "see docs/scenario.md"), error.message
+
+
+def _path_of(error) -> tuple[str, object]:
+    """The key path of the offending value, and the value (the unknown key for
+    additionalProperties, the missing key for required)."""
+    parts, value = list(error.absolute_path), error.instance
+    if error.validator == "additionalProperties":
+        known = error.schema.get("properties", {})
+        extra = [k for k in error.instance if k not in known]
+        if extra:
+            return format_path(parts + [extra[0]]), extra[0]
+    if error.validator == "required":
+        missing = [k for k in error.validator_value if k not in error.instance]
+        return format_path(parts + missing[:1]), None
+    if error.validator == "propertyNames":
+        return format_path(parts + [error.instance]), error.instance
+    return format_path(parts), value
+
+
+def _deepest(errors):
+    """The most specific error: the deepest path; the schema's own branch errors
+    (if/then) come out as their causes."""
+    flat = []
+    for e in errors:
+        if e.validator == "propertyNames" or not e.context:
+            flat.append(e)
+        elif e.validator == "anyOf":      # the branch of the value's type, if one matched
+            deeper = [c for c in e.context if c.validator != "type"
+                      or len(c.absolute_path) > len(e.absolute_path)]
+            flat.extend(_deepest(deeper) if deeper else [e])
+        else:
+            flat.extend(_deepest(e.context))
+    return flat
+
+
+def check_document(document) -> None:
+    """Raise :class:`ScenarioError` for the first violation of the schema by ``document``."""
+    import jsonschema
+    schema = scenario_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = _deepest(validator.iter_errors(document))
+    if not errors:
+        return
+    error = max(errors, key=lambda e: (len(e.absolute_path), -len(str(e.validator))))
+    if "propertyNames" in error.absolute_schema_path:   # a bad key name
+        path, value = format_path(list(error.absolute_path) + [error.instance]), error.instance
+        allowed = ("identifiers (letters, digits, _)" if "mesh" in path
+                   else "a key path under cluster, hardware, workload, parallel or run")
+        raise ScenarioError(path, value, allowed, "bad key")
+    allowed, reason = _allowed(error)
+    path, value = _path_of(error)
+    raise ScenarioError(path, value, allowed, reason)

@@ -1,0 +1,61 @@
+"""Cross-field rules a schema cannot say: the mesh, and each workload's divisibility.
+
+The mesh is ``cluster.mesh`` (axes in order), or, when that is omitted, the axes of
+``parallel.dp / pp / tp`` that are given (in that order). When both are given, each
+degree must equal its axis's size (an absent axis has size 1); ``cluster.devices``,
+when given, must equal the mesh's size.
+"""
+
+from __future__ import annotations
+
+from .errors import ScenarioError
+from .schema import PARALLEL_AXES
+
+__all__ = ["resolve_mesh", "check_semantics", "DEGREE_KINDS"]
+
+DEGREE_KINDS = ("mlp", "transformer")      # kinds whose parallel section has dp / pp / tp
+
+
+def resolve_mesh(scenario):
+    """The :class:`mesh.Mesh` of ``scenario`` (see the module docstring)."""
+    from mesh import Mesh
+    par = scenario.parallel
+    degrees = {a: par[a] for a in PARALLEL_AXES if par.get(a) is not None} \
+        if scenario.workload.kind in DEGREE_KINDS else {}
+    if scenario.cluster.mesh:
+        axes = tuple(a for a, _ in scenario.cluster.mesh)
+        mesh = Mesh(tuple(n for _, n in scenario.cluster.mesh), axes)
+        for a, n in degrees.items():
+            size = mesh.shape.get(a, 1)
+            if n != size:
+                raise ScenarioError(f"parallel.{a}", n, f"{size} (the size of axis {a} in "
+                                    f"cluster.mesh {dict(mesh.shape)}), or omit parallel.{a}",
+                                    "does not match cluster.mesh")
+    elif degrees:
+        mesh = Mesh(tuple(degrees.values()), tuple(degrees))
+    else:
+        raise ScenarioError("cluster.mesh", None, "a mapping of axis: size, e.g. {dp: 2, "
+                            "tp: 4} (or parallel.dp / pp / tp for mlp and transformer)",
+                            "missing")
+    devices = scenario.cluster.devices
+    if devices is not None and devices != mesh.size:
+        raise ScenarioError("cluster.devices", devices,
+                            f"{mesh.size} (the product of the mesh sizes {dict(mesh.shape)})",
+                            "mesh size mismatch")
+    return mesh
+
+
+def check_semantics(scenario) -> None:
+    """Raise :class:`ScenarioError` for the first broken cross-field rule."""
+    from .hardware import check_hardware
+    from .workloads import workload_module
+    mesh = resolve_mesh(scenario)
+    workload_module(scenario.workload.kind).validate(scenario, mesh)
+    if scenario.run.mode != "emulate":
+        check_hardware(scenario)
+    if scenario.cluster.array_module == "cupy":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise ScenarioError("cluster.array_module", "cupy", "numpy (CuPy is not "
+                                "installed)", "cupy is not importable") from None

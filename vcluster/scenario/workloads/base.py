@@ -1,0 +1,66 @@
+"""``Workload``: one scenario's per-device program, its inputs per rank and its reference.
+
+Every engine runs ``program(dev, *args_by_rank[r])`` on rank ``r`` and gets this rank's
+outputs (a mapping name -> array, or the training program's result dict); the tracer runs
+the same program on ``meta_args_by_rank`` (shape-only arrays). ``assemble`` turns the
+per-rank outputs into named global arrays, ``reference()`` gives the same names computed
+unsharded in one process with numpy, and :meth:`Workload.check` compares them:
+
+    error = max |result - reference|,  scale = max |reference| (1 when 0),
+    passed  <=>  error <= tolerance * scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+__all__ = ["Workload", "compare"]
+
+
+@dataclass(frozen=True, repr=False)
+class Workload:
+    """See the module docstring. ``training``: the program runs every step itself (steps
+    end at each rank's ``optimizer`` compute event); otherwise one run is one step."""
+
+    kind: str
+    mesh: object
+    program: Callable
+    args_by_rank: tuple
+    meta_args_by_rank: tuple
+    dtype: str
+    assemble: Callable[[list], Mapping[str, np.ndarray]]
+    reference: Callable[[], Mapping[str, np.ndarray]]
+    training: bool = False
+    description: str = ""
+
+    def __repr__(self) -> str:
+        return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "
+                f"training={self.training}){': ' + self.description if self.description else ''}")
+
+    def check(self, outputs_by_rank: list, tolerance: float) -> tuple[dict, ...]:
+        """One check per reference array (see the module docstring)."""
+        return compare(self.assemble(outputs_by_rank), self.reference(), tolerance)
+
+
+def compare(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray],
+            tolerance: float) -> tuple[dict, ...]:
+    """``{"name", "passed", "max_abs_error", "tolerance"}`` per name of ``want``
+    (``tolerance`` here is the absolute bound ``tolerance * max |reference|``)."""
+    out = []
+    for name, ref in want.items():
+        ref = np.asarray(ref, np.float64)
+        value = got.get(name)
+        if value is None or np.shape(value) != ref.shape:
+            out.append({"name": name, "passed": False, "max_abs_error": float("inf"),
+                        "tolerance": tolerance, "detail": f"shape {np.shape(value)} != "
+                                                          f"reference {ref.shape}"})
+            continue
+        err = float(np.max(np.abs(np.asarray(value, np.float64) - ref))) if ref.size else 0.0
+        scale = float(np.max(np.abs(ref))) if ref.size else 0.0
+        bound = tolerance * (scale if scale > 0 else 1.0)
+        out.append({"name": name, "passed": bool(err <= bound), "max_abs_error": err,
+                    "tolerance": bound})
+    return tuple(out)

@@ -1,0 +1,114 @@
+"""``kind: mlp``: :class:`pipeline_parallel.MLP` trained for ``run.steps`` steps with a
+pipeline schedule on a (dp x) pp (x tp) mesh — the executor's per-device
+``train_program``, the same program ``MLP.fit`` runs.
+
+Data from the seed: X ~ N(0, 1) of shape (batch, sizes[0]); Y ~ N(0, 1) (batch,
+sizes[-1]) for mse, class labels in [0, sizes[-1]) for cross_entropy. The reference is
+``MLP.fit_reference`` (full-batch training in one process): the per-step losses
+(``loss``) and every final parameter (``W{l}``, ``b{l}``) must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import ScenarioError
+from .base import Workload
+
+__all__ = ["validate", "build"]
+
+
+def _mlp(scenario):
+    from pipeline_parallel import MLP
+    w, o = scenario.workload, scenario.workload.options
+    return MLP(o["sizes"], activation=o["activation"], loss=o["loss"], seed=w.seed,
+               dtype=w.dtype)
+
+
+def validate(scenario, mesh) -> None:
+    from pipeline_parallel.plan import AXES
+    par, o = scenario.parallel, scenario.workload.options
+    unknown = [a for a in mesh.axes if a not in AXES]
+    if unknown or "pp" not in mesh.axes:
+        raise ScenarioError("cluster.mesh", dict(mesh.shape), "axes among dp, pp, tp, "
+                            "with pp", "an MLP pipeline runs on a (dp x) pp (x tp) mesh")
+    interleaved = par["schedule"] == "interleaved_1f1b"
+    if par.get("virtual_stages") is not None and not interleaved and par["virtual_stages"] != 1:
+        raise ScenarioError("parallel.virtual_stages", par["virtual_stages"],
+                            "1, or a schedule interleaved_1f1b",
+                            f"schedule {par['schedule']} has one stage per rank")
+    v = par.get("virtual_stages") or (2 if interleaved else 1)
+    stages, layers = mesh.shape["pp"] * v, len(o["sizes"]) - 1
+    if layers % stages:
+        raise ScenarioError("workload.sizes", list(o["sizes"]),
+                            f"a number of layers (len(sizes) - 1) that is a multiple of "
+                            f"{stages}", f"{layers} layers do not split into pp="
+                            f"{mesh.shape['pp']} x {v} stages")
+    dp, m = mesh.shape.get("dp", 1), par["microbatches"]
+    if o["batch"] % (dp * m):
+        raise ScenarioError("workload.batch", o["batch"], f"a multiple of {dp * m}",
+                            f"the batch splits into dp={dp} x microbatches={m}")
+    if "tp" in mesh.axes:
+        from pipeline_parallel.mlp import layer_specs
+        tp = mesh.shape["tp"]
+        for spec in (s for st in layer_specs(_mlp(scenario), stages, True) for s in st):
+            width = spec.fan_in if spec.kind == "row" else spec.fan_out
+            if spec.kind != "dense" and width % tp:
+                raise ScenarioError(f"workload.sizes[{spec.index + (spec.kind != 'row')}]",
+                                    width, f"a multiple of tp={tp}",
+                                    f"layer {spec.index} is {spec.kind}-parallel over tp")
+
+
+def _data(scenario):
+    w, o = scenario.workload, scenario.workload.options
+    rng = np.random.default_rng([w.seed, 1])
+    X = rng.standard_normal((o["batch"], o["sizes"][0]))
+    if o["loss"] == "mse":
+        Y = rng.standard_normal((o["batch"], o["sizes"][-1]))
+    else:
+        Y = rng.integers(0, o["sizes"][-1], o["batch"])
+    return X, Y
+
+
+def build(scenario, mesh) -> Workload:
+    from pipeline_parallel.executor import TrainJob, train_program
+    from pipeline_parallel.optim import OptimizerConfig
+    from pipeline_parallel.plan import plan_training
+    from vcluster.runtime.tracing import meta_like
+    par, o, steps = scenario.parallel, scenario.workload.options, scenario.run.steps
+    mlp = _mlp(scenario)
+    X, Y = _data(scenario)
+    X, Y = mlp._check_data(X, Y)
+    plan = plan_training(mlp, mesh, len(X), par["microbatches"], par["schedule"],
+                         par.get("virtual_stages"))
+    job = TrainJob(params=tuple(mlp.init_params()), specs=plan.stage_specs,
+                   actions=plan.actions, loss=mlp.loss,
+                   optimizer=OptimizerConfig(o["optimizer"], o["lr"]), steps=steps,
+                   microbatches=par["microbatches"], global_batch=len(X), pp_axis="pp",
+                   dp_axis=plan.dp_axis, tp_axis=plan.tp_axis)
+    args = tuple(plan.device_args(job, X, Y))
+    meta_job = dataclasses.replace(job, params=tuple((meta_like(wt), meta_like(b))
+                                                     for wt, b in job.params))
+    metas = tuple((meta_job,) + tuple(None if a is None else meta_like(a) for a in rest)
+                  for _, *rest in args)
+
+    def assemble(results):
+        fit = plan.collect(mlp, list(results))
+        out = {"loss": np.asarray(fit.losses)}
+        for l, (wt, b) in enumerate(fit.params):
+            out[f"W{l}"], out[f"b{l}"] = wt, b
+        return out
+
+    def reference():
+        ref = mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"])
+        out = {"loss": np.asarray(ref.losses)}
+        for l, (wt, b) in enumerate(ref.params):
+            out[f"W{l}"], out[f"b{l}"] = wt, b
+        return out
+
+    return Workload("mlp", mesh, train_program, args, metas, str(mlp.dtype), assemble,
+                    reference, training=True,
+                    description=f"{mlp!r}, {par['schedule']}, {par['microbatches']} "
+                                f"micro-batches")

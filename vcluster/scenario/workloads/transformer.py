@@ -1,0 +1,95 @@
+"""``kind: transformer``: a GPT (:class:`pipeline_parallel.gpt.GPT`) trained for
+``run.steps`` steps with Megatron tensor parallelism (``tp``), a pipeline schedule
+(``pp``) and data parallelism (``dp``) — the executor's ``train_program`` with GPT stages.
+
+Tokens and targets are drawn from the seed, uniform in [0, vocab). The reference is
+``GPT.fit_reference`` (the whole model on the whole batch in one process): per-step
+losses (``loss``) and every final parameter (by its name) must match. In ``simulate``
+mode no real parameters are made (``args_by_rank`` is empty): only the shape-only
+arguments the tracer needs, so cluster-scale models cost no memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ScenarioError
+from .base import Workload
+
+__all__ = ["validate", "build"]
+
+
+def _configs(scenario, mesh):
+    from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+    w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
+    unknown = [a for a in mesh.axes if a not in ("dp", "pp", "tp")]
+    if unknown:
+        raise ScenarioError("cluster.mesh", dict(mesh.shape), "axes among dp, pp, tp",
+                            f"unknown axes {unknown} for a transformer")
+    if o["hidden"] % o["heads"]:
+        raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
+                            "hidden splits into heads")
+    config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
+                       vocab=o["vocab"], dtype=w.dtype)
+    degrees = {a: mesh.shape.get(a, 1) for a in ("dp", "pp", "tp")}
+    interleaved = par["schedule"] == "interleaved_1f1b"
+    if par.get("virtual_stages") is not None and not interleaved:
+        raise ScenarioError("parallel.virtual_stages", par["virtual_stages"],
+                            "no value, or schedule interleaved_1f1b",
+                            f"schedule {par['schedule']} has one stage per rank")
+    if o["batch"] % (degrees["dp"] * par["micro_batch"]):
+        raise ScenarioError("workload.batch", o["batch"],
+                            f"a multiple of {degrees['dp'] * par['micro_batch']}",
+                            f"the batch splits into dp={degrees['dp']} x "
+                            f"micro_batch={par['micro_batch']}")
+    parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
+                              schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
+                              sequence_parallel=par["sequence_parallel"],
+                              recompute=par["recompute"], **degrees)
+    stages = degrees["pp"] * parallel.chunks
+    if o["layers"] % stages:
+        raise ScenarioError("workload.layers", o["layers"], f"a multiple of {stages}",
+                            f"layers split into pp={degrees['pp']} x {parallel.chunks} stages")
+    for key in ("heads", "vocab") + (("seq",) if par["sequence_parallel"] else ()):
+        if o[key] % degrees["tp"]:
+            raise ScenarioError(f"workload.{key}", o[key], f"a multiple of tp={degrees['tp']}",
+                                f"{key} is split over tp")
+    return config, parallel
+
+
+def validate(scenario, mesh) -> None:
+    _configs(scenario, mesh)
+
+
+def build(scenario, mesh) -> Workload:
+    from pipeline_parallel.executor import train_program
+    from pipeline_parallel.gpt import GPT, _coord
+    from pipeline_parallel.optim import OptimizerConfig
+    w, o, steps = scenario.workload, scenario.workload.options, scenario.run.steps
+    config, parallel = _configs(scenario, mesh)
+    gpt = GPT(config, seed=w.seed)
+    rng = np.random.default_rng([w.seed, 1])
+    tokens = rng.integers(0, config.vocab, (o["batch"], config.seq))
+    targets = rng.integers(0, config.vocab, (o["batch"], config.seq))
+    optimizer = OptimizerConfig(o["optimizer"], o["lr"])
+    metas = tuple(gpt.meta_args(mesh, parallel, steps, optimizer))
+    if scenario.run.mode == "simulate":      # cluster scale: no real parameters at all
+        args = ()
+    else:
+        job = gpt.train_job(mesh, parallel, steps, optimizer)
+        args = tuple(gpt.device_args(mesh, job, tokens, targets))
+
+    def assemble(results):
+        losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
+                     if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
+        return {"loss": np.asarray(losses), **gpt._join(mesh, results, "params")}
+
+    def reference():
+        ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"])
+        return {"loss": np.asarray(ref.losses), **ref.params}
+
+    return Workload("transformer", mesh, train_program, args, metas, config.dtype, assemble,
+                    reference, training=True,
+                    description=f"GPT h={config.hidden} l={config.layers} a={config.heads} "
+                                f"s={config.seq} V={config.vocab}, {parallel.schedule}, "
+                                f"{parallel.microbatches} micro-batches")

@@ -1,0 +1,127 @@
+"""Benchmark: does the layout ``auto`` ranks first on ``localhost`` run (nearly) fastest?
+
+For each case (an op, its shapes, a mesh), every candidate layout that
+:mod:`tensor_parallel.auto_layout` ranks is also **measured** on the emulator (a
+:class:`~vcluster.VirtualCluster` of the mesh's size; the devices start together and the
+wall time is the slowest device's, as ``vcluster bench predict`` measures; median of
+``--reps`` runs after a warm-up). The figure of merit, per case:
+
+    regret = measured(auto's first choice) / min over candidates of measured - 1
+
+(goal: <= 10%), beside the Spearman rank correlation of predicted and measured times.
+The localhost machine is calibrated first (``calibrate_localhost``) or read from
+``--spec``. Run from the repository root:
+
+    python benchmarks/plan_auto_layout.py [--spec FILE] [--reps 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+CASES = (
+    ("matmul 1024x1024x1024 on tp=4", "matmul", ((4,), ("tp",)), {"a": (1024, 1024), "b": (1024, 1024)}),
+    ("matmul 2048x256x2048 on 2x2", "matmul", ((2, 2), ("dp", "tp")), {"a": (2048, 256), "b": (256, 2048)}),
+    ("matmul 256x4096x256 on 2x2", "matmul", ((2, 2), ("dp", "tp")), {"a": (256, 4096), "b": (4096, 256)}),
+    ("ffn x(4,128,512) d_ff 2048 fwd+bwd on 2x2", "ffn", ((2, 2), ("dp", "tp")),
+     {"x": (4, 128, 512), "d_ff": 2048}),
+)
+DTYPE = "float32"
+
+
+def _workloads(kind, mesh, shapes, ranking):
+    """One bench_predict Workload per ranked candidate (real replicated inputs)."""
+    from sharding import TensorSharding as TS, plan_redistribute
+    from tensor_parallel import MatMul
+    from tensor_parallel.auto_layout import _ffn_program, _matmul_program
+    from tensor_parallel.ffn import FeedForward
+    from tensor_parallel.ffn_sharding import FeedForwardSharding
+    from vcluster.cli.bench_predict import Workload, _metas
+    rng = np.random.default_rng(0)
+    item = np.dtype(DTYPE).itemsize
+    if kind == "matmul":
+        A = rng.standard_normal(shapes["a"]).astype(DTYPE)
+        B = rng.standard_normal(shapes["b"]).astype(DTYPE)
+        R = TS(None, None)
+        for s in ranking["sharding"]:
+            a_in = plan_redistribute(R, s.a, mesh, shapes["a"], item)
+            b_in = plan_redistribute(R, s.b, mesh, shapes["b"], item)
+            args = [(MatMul(s), a_in, b_in, A, B)] * mesh.size
+            yield Workload(str(s), mesh, _matmul_program, args, _metas(args), DTYPE)
+        return
+    g = FeedForwardSharding.global_shapes(shapes["x"], shapes["d_ff"])
+    arrays = {k: (0.05 * rng.standard_normal(v)).astype(DTYPE) for k, v in g.items()}
+    dy = (0.05 * rng.standard_normal(shapes["x"])).astype(DTYPE)
+    for s in ranking["sharding"]:
+        lay = s.layouts
+        plans = {k: plan_redistribute(TS(*([None] * len(v))), lay[k], mesh, v, item)
+                 for k, v in g.items()}
+        y_plan = plan_redistribute(lay["y"], TS(None, None, None), mesh, g["x"], item)
+        args = [(FeedForward(s), plans) + tuple(arrays[k] for k in g) + (dy, True, y_plan)
+                ] * mesh.size
+        yield Workload(str(s), mesh, _ffn_program, args, _metas(args), DTYPE)
+
+
+def run_case(name, kind, mesh_spec, shapes, spec, reps: int) -> dict:
+    from mesh import Mesh
+    from scipy.stats import spearmanr
+    from tensor_parallel.auto_layout import rank_ffn_layouts, rank_matmul_layouts
+    from vcluster import VirtualCluster
+    from vcluster.cli.bench_predict import measure_workload
+    mesh = Mesh(*mesh_spec)
+    if kind == "matmul":
+        ranking = rank_matmul_layouts(mesh, shapes["a"], shapes["b"], spec, DTYPE)
+    else:
+        ranking = rank_ffn_layouts(mesh, shapes["x"], shapes["d_ff"], spec, DTYPE, backward=True)
+    measured = []
+    with VirtualCluster(mesh) as cluster:
+        for wl in _workloads(kind, mesh, shapes, ranking):
+            runs, _ = measure_workload(cluster, wl, reps)
+            measured.append(float(np.median(runs)))
+    ranking = ranking.assign(measured_s=measured)
+    fastest = int(np.argmin(measured))
+    rho = spearmanr(ranking["predicted_s"], ranking["measured_s"]).statistic
+    return {"case": name, "candidates": len(ranking), "auto_choice": str(ranking["sharding"][0]),
+            "auto_measured_s": measured[0], "fastest": str(ranking["sharding"][fastest]),
+            "fastest_measured_s": measured[fastest],
+            "fastest_predicted_rank": fastest + 1,
+            "regret": measured[0] / measured[fastest] - 1, "spearman": float(rho),
+            "rows": [{"sharding": str(s), "predicted_s": p, "measured_s": m}
+                     for s, p, m in zip(ranking["sharding"], ranking["predicted_s"], measured)]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", help="a saved LocalhostSpec instead of calibrating")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", help="write the figures as JSON")
+    args = parser.parse_args(argv)
+    from vcluster.timing.localhost import load_localhost_spec
+    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    t0 = time.perf_counter()
+    spec = load_localhost_spec(args.spec) if args.spec else calibrate_localhost(4)
+    print(f"localhost spec ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = []
+    for case in CASES:
+        t0 = time.perf_counter()
+        r = run_case(*case, spec, args.reps)
+        results.append(r)
+        print(f"{r['case']:<44} {r['candidates']:>3} layouts  auto: {r['auto_choice']} "
+              f"{r['auto_measured_s'] * 1e3:.1f} ms; fastest measured: {r['fastest']} "
+              f"{r['fastest_measured_s'] * 1e3:.1f} ms (predicted rank {r['fastest_predicted_rank']})"
+              f"; regret {100 * r['regret']:+.1f}%  spearman {r['spearman']:.2f}  "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    worst = max(r["regret"] for r in results)
+    print(f"worst regret {100 * worst:.1f}% (goal <= 10%)")
+    if args.json:
+        from vcluster.cli.files import write_json
+        write_json(args.json, {"cases": results, "worst_regret": worst})
+    return 0 if worst <= 0.10 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

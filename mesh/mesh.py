@@ -130,6 +130,11 @@ class Mesh:
         inner = ", ".join(f"{a}={n}" for a, n in zip(self.axes, self.dims))
         return f"Mesh({inner})"
 
+    def _repr_html_(self) -> str:
+        """Rank tables for notebooks (see :func:`mesh.html.mesh_html`)."""
+        from .html import mesh_html
+        return mesh_html(self)
+
     # ------------------------------------------------------- rank <-> index
     def _check_rank(self, rank: int) -> int:
         if isinstance(rank, bool):

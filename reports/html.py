@@ -11,7 +11,7 @@ import pandas as pd
 from reports.format import MAX_ROWS, fmt, formatted, steps_overview
 from reports.tables import record_tables
 
-__all__ = ["html_table", "report_html", "PLOT_TITLES"]
+__all__ = ["html_table", "report_html", "record_html", "PLOT_TITLES"]
 
 PLOT_TITLES = {"timeline": "Timeline per device (F/B/W compute, communication)",
                "time_breakdown": "Compute vs communication vs bubble per device",
@@ -66,9 +66,7 @@ def _checks(checks) -> str:
             f"<th>tolerance</th></tr>{''.join(rows)}</table>")
 
 
-def report_html(record, plots: dict[str, bytes], files: dict) -> str:
-    """The page; ``plots`` maps plot names to PNG bytes (embedded), ``files`` as in
-    ``results.json`` (linked)."""
+def _head(record) -> list[str]:
     passed = record.passed
     parts = [f"<h1>{escape(record.name)}</h1>",
              f'<div class="meta">mode <b>{escape(record.mode)}</b> · hardware '
@@ -78,6 +76,29 @@ def report_html(record, plots: dict[str, bytes], files: dict) -> str:
              "<h2>Headline figures</h2>", _cards(record.summary)]
     if record.checks:
         parts += ["<h2>Checks</h2>", _checks(record.checks)]
+    return parts
+
+
+def record_html(record) -> str:
+    """A compact view of a record for notebooks: headline figures, checks, devices."""
+    parts = _head(record) + ["<h2>Devices</h2>", html_table(record.devices)]
+    return (f'<div class="vcluster-record"><style>{_scoped_css()}</style>'
+            f'{"".join(parts)}</div>')
+
+
+def _scoped_css() -> str:
+    """The page's rules, each prefixed by ``.vcluster-record`` so a notebook's own
+    styles are left alone."""
+    rules = [r for r in _CSS.replace("\n", "").split("}") if r.strip()]
+    return "".join(",".join(f".vcluster-record {sel.strip()}" if sel.strip() != "body"
+                            else ".vcluster-record" for sel in rule.split("{")[0].split(","))
+                   + "{" + rule.split("{", 1)[1] + "}" for rule in rules)
+
+
+def report_html(record, plots: dict[str, bytes], files: dict) -> str:
+    """The page; ``plots`` maps plot names to PNG bytes (embedded), ``files`` as in
+    ``results.json`` (linked)."""
+    parts = _head(record)
     for name, png in plots.items():
         data = base64.b64encode(png).decode("ascii")
         parts += [f"<h2>{escape(PLOT_TITLES.get(name, name))}</h2>",

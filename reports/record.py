@@ -76,6 +76,12 @@ class RunRecord:
         """True when every check passed (and when there were none)."""
         return all(bool(c["passed"]) for c in self.checks)
 
+    def _repr_html_(self) -> str:
+        """Headline figures, checks and the per-device table for notebooks (no plots:
+        ``write_report`` draws those)."""
+        from reports.html import record_html
+        return record_html(self)
+
     def __repr__(self) -> str:
         checks = f"{sum(bool(c['passed']) for c in self.checks)}/{len(self.checks)} passed"
         sweep = "" if self.sweep is None else f", sweep={len(self.sweep)} points"

@@ -2,6 +2,7 @@
 
 from .redistribute import (MESSAGE_ALGORITHMS, RedistributePlan, RedistributeStep,
                            plan_redistribute, redistribute)
+from .html import layout_html, sharding_html
 from .shard import local_shape, shard, shard_slices, unshard, unshard_ranks
 from .spec import DimArg, DimSharding, TensorSharding, check_shape, check_sharding
 
@@ -21,4 +22,6 @@ __all__ = [
     "plan_redistribute",
     "redistribute",
     "MESSAGE_ALGORITHMS",
+    "sharding_html",
+    "layout_html",
 ]

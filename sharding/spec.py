@@ -164,6 +164,11 @@ class TensorSharding:
             body += f" P({','.join(self.partial)})"
         return body
 
+    def _repr_html_(self) -> str:
+        """A table of the layout for notebooks (see :mod:`sharding.html`)."""
+        from .html import sharding_html
+        return sharding_html(self)
+
 
 def _rebuild(dims: tuple, partial: tuple) -> TensorSharding:
     return TensorSharding(*dims, partial=partial)

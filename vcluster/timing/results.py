@@ -190,6 +190,11 @@ class SimulationResult:
             "compute_comm_ratio": self.compute_comm_ratio,
         }
 
+    def _repr_html_(self) -> str:
+        """Headline numbers and per-rank seconds for notebooks (see ``results_html``)."""
+        from .results_html import simulation_html
+        return simulation_html(self)
+
     def __repr__(self) -> str:
         return (f"SimulationResult(step_time_s={self.step_time_s:.6g}, "
                 f"ranks={len(self.ranks)}, devices={self.devices}, symmetric={self.symmetric}, "

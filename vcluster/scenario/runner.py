@@ -89,20 +89,41 @@ def _step_times(events, ranks, training: bool, steps: int) -> list[float]:
     return [b - a for a, b in zip([start] + ends[:-1], ends)]
 
 
-def _emulate(workload, point, engine_name: str, bar) -> dict:
-    from .engines import make_engine
+class _Engines:
+    """Engines kept for a whole sweep, one per (mesh, array module): the points of a
+    sweep on one mesh reuse the same device processes."""
+
+    def __init__(self, name: str):
+        self.name, self._open = name, {}
+
+    def get(self, mesh, array_module: str):
+        from .engines import make_engine
+        key = (mesh, array_module)
+        if key not in self._open:
+            self._open[key] = make_engine(self.name, mesh, array_module=array_module)
+        return self._open[key]
+
+    def __enter__(self) -> "_Engines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for engine in self._open.values():
+            engine.close()
+        self._open.clear()
+
+
+def _emulate(workload, point, engines: _Engines, bar) -> dict:
     steps, training = point.run.steps, workload.training
     events, first_events, times, outputs = [], None, [], None
-    with make_engine(engine_name, workload.mesh,
-                     array_module=point.cluster.array_module) as engine:
-        for step in range(1 if training else steps):
-            engine.reset_stats()
-            outputs = engine.run(workload.program, list(workload.args_by_rank))
-            got = engine.trace()
-            times += _step_times(got, range(workload.mesh.size), training, steps)
-            events += got
-            first_events = got if first_events is None else first_events
-            bar.advance(f"emulate step {step + 1}")
+    engine = engines.get(workload.mesh, point.cluster.array_module)
+    for step in range(1 if training else steps):
+        engine.reset_stats()
+        outputs = engine.run(workload.program, list(workload.args_by_rank))
+        got = engine.trace()
+        times += _step_times(got, range(workload.mesh.size), training, steps)
+        events += got
+        first_events = got if first_events is None else first_events
+        bar.advance(f"emulate step {step + 1}")
     return {"outputs": outputs, "events": events, "first_events": first_events,
             "step_times": times}
 
@@ -210,7 +231,7 @@ def _traffic_matches(traces, events) -> bool:
 
 
 # --- one point ---------------------------------------------------------------------------
-def _run_point(point, engine: str, bar) -> _Point:
+def _run_point(point, engines: _Engines, bar) -> _Point:
     from .semantics import resolve_mesh
     from .workloads import workload_module
     mesh = resolve_mesh(point)
@@ -223,7 +244,7 @@ def _run_point(point, engine: str, bar) -> _Point:
         "mode": mode}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
     emu = None
     if mode in ("emulate", "both"):
-        emu = _emulate(workload, point, engine, bar)
+        emu = _emulate(workload, point, engines, bar)
         _measured(out, workload, emu, point)
         if point.run.check:
             out.checks = workload.check(emu["outputs"], point.run.tolerance_for(workload.dtype))
@@ -277,9 +298,10 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     training = scenario.workload.kind in ("mlp", "transformer")
     total = sum(_units(p, training) for _, p in points)
     results, rows = [], []
-    with ProgressBar(total, progress, f"vcluster run {scenario.name}") as bar:
+    with ProgressBar(total, progress, f"vcluster run {scenario.name}") as bar, \
+            _Engines(engine) as engines:
         for values, point in points:
-            res = _run_point(point, engine, bar)
+            res = _run_point(point, engines, bar)
             results.append(res)
             rows.append({**values, **res.summary})
     sweeping = bool(scenario.sweep)

@@ -3,7 +3,9 @@
 1. Trace the GPT training program (:func:`pipeline_parallel.executor.train_program` with
    the GPT stages) on shape-only 16-bit arrays, one representative rank per pipeline
    position (data- and tensor-parallel peers are identical), for a short step of a few
-   micro-batches;
+   micro-batches, on a pipeline of at most three positions — first, one middle, last —
+   whose middle one stands for every middle position of the full pipeline
+   (:func:`gpt_step_traces`);
 2. stitch the full step's traces from those actions (:mod:`pipeline_parallel.stitch`),
    following the full schedule of m = B / (dp·b) micro-batches;
 3. replay them on the hardware (:func:`vcluster.timing.engine.simulate_trace` with
@@ -25,9 +27,9 @@ from vcluster.runtime.tracing import TraceCompute, trace_program
 from .executor import train_program
 from .gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
 from .gpt_memory import gpt_memory
-from .stitch import coalesce, cut_templates, stitch
+from .stitch import coalesce, cut_templates, moved, stitch
 
-__all__ = ["GPTSimulation", "simulate_gpt", "RATIO_FLAG"]
+__all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "RATIO_FLAG", "TRACED_POSITIONS"]
 
 RATIO_FLAG = 10.0      # below this compute/communication ratio, communication dominates
 
@@ -57,41 +59,108 @@ class GPTSimulation:
         return out
 
 
+#: Pipeline positions traced for a deep pipeline: the first, one middle, the last.
+TRACED_POSITIONS = 3
+
+
 def _short_microbatches(parallel: ParallelConfig) -> int:
+    """Micro-batches of the traced short step: enough for every template (two: a
+    stage's non-last and last backward), a full round of p for the interleaved schedule."""
     m = parallel.microbatches
     if parallel.schedule == "interleaved_1f1b":
         return parallel.pp if m >= parallel.pp else m
     return min(m, 2)
 
 
-def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware,
-                 dtype: str = "bf16") -> GPTSimulation:
-    """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file."""
+def _short_position(q: int, p: int, p_short: int) -> int:
+    """The traced position that stands for pipeline position ``q`` of ``p``."""
+    return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
+
+
+def gpt_schedule(parallel: ParallelConfig):
+    """The full step's :class:`pipelining.Schedule`."""
     from pipelining import make_schedule
+    return make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
+                         virtual_stages=parallel.chunks
+                         if parallel.schedule == "interleaved_1f1b" else None)
+
+
+def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
+                    traced_positions: int | None = TRACED_POSITIONS) -> list:
+    """One training step's traces of the pipeline ranks of replica 0 (tp 0), compute runs
+    coalesced under ``costs`` (see :func:`~pipeline_parallel.stitch.coalesce`).
+
+    The GPT program is traced for a short step on a pipeline of ``p' = min(p,
+    traced_positions)`` positions (``None``: all ``p``) with the same layers per stage,
+    micro-batch, dp and tp: position 0 (embedding), p'-1 (head) and the middle ones hold
+    the same stages as the full pipeline's. Each full position q takes the templates of
+    its stand-in (0, p'-1, or a middle one) with stage c·p'+q' renamed c·p+q and every
+    collective's group renamed by coordinates (pp coordinate q' -> q, dp and tp kept),
+    and is stitched following the full schedule. A test checks that this equals tracing
+    all p positions, op for op.
+    """
+    if traced_positions is not None and (isinstance(traced_positions, bool) or not
+                                         isinstance(traced_positions, int) or traced_positions < 3):
+        raise ValueError(f"gpt_step_traces: traced_positions must be an int >= 3 (first, "
+                         f"middle, last) or None (all), got {traced_positions!r}")
+    mesh = parallel.mesh()
+    parallel.check(config, mesh)
+    p, v = parallel.pp, parallel.chunks
+    p_short = p if traced_positions is None else min(p, traced_positions)
+    m = parallel.microbatches
+    short = dataclasses.replace(parallel, pp=p_short)
+    m_short = _short_microbatches(short)
+    short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
+                                       layers=config.layers // (p * v) * p_short * v)
+    short_mesh = short.mesh()
+    short_ranks = list(short_mesh.group("pp", 0))
+    args = GPT(short_config).meta_args(short_mesh, short)
+    job = args[0][0]
+    traces = trace_program(short_mesh, train_program, args, ranks=short_ranks)
+    S_short, S = p_short * v, p * v
+    templates = [coalesce(cut_templates(t, job.actions[pos], S_short, m_short), costs)
+                 for pos, t in enumerate(traces)]
+    sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
+
+    def short_stage(s):
+        return s // p * p_short + _short_position(s % p, p, p_short)
+
+    sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
+             if (d, short_stage(s)) in sizes_short}
+    schedule = schedule or gpt_schedule(parallel)
+    ranks = tuple(mesh.group("pp", 0))
+    out = []
+    for q, rank in enumerate(ranks):
+        q_short = _short_position(q, p, p_short)
+
+        def full_rank(r, q=q, q_short=q_short):
+            c = short_mesh.index(r)
+            pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
+            if pos is None:
+                raise ValueError(f"GPT trace: a collective of pipeline position {q_short} "
+                                 f"spans position {c['pp']}, which stands for no one rank")
+            return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
+
+        t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)
+        out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=False))
+    return out
+
+
+def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
+                 traced_positions: int | None = TRACED_POSITIONS) -> GPTSimulation:
+    """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
+    ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it)."""
     from vcluster.timing import load_hardware
     from vcluster.timing.engine import simulate_trace
     from vcluster.timing.hardware_costs import HardwareCostModel
 
     hw = load_hardware(hardware)
     mesh = parallel.mesh()
-    traced_config = dataclasses.replace(config, dtype="float16")    # 16-bit bytes
-    gpt = GPT(traced_config)
-    m, m_short = parallel.microbatches, _short_microbatches(parallel)
-    short = dataclasses.replace(parallel, global_batch=parallel.dp * parallel.micro_batch * m_short)
-    ranks = list(mesh.group("pp", 0))
-    args = gpt.meta_args(mesh, short)
-    job = args[0][0]
-    traces = {t.rank: t for t in trace_program(mesh, train_program, args, ranks=ranks)}
-    schedule = make_schedule(parallel.schedule, parallel.pp, m,
-                             virtual_stages=parallel.chunks if parallel.schedule
-                             == "interleaved_1f1b" else None)
-    S = job.n_stages
+    m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
-    full = []
-    for pos, rank in enumerate(ranks):
-        t = coalesce(cut_templates(traces[rank], job.actions[pos], S, m_short), costs)
-        full.append(stitch(t, rank, tuple(schedule.actions[pos]), tuple(ranks), S, m,
-                           markers=False))
+    schedule = gpt_schedule(parallel)
+    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions)
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]

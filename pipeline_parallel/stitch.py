@@ -9,15 +9,21 @@ following the long schedule: for every action, its receive, its template, its ma
 and its send, exactly as :func:`pipeline_parallel.executor.train_program` issues them;
 then the step's tail (waiting for the buckets). A test checks that a stitched trace
 equals the traced one op for op.
+
+In a pipeline of uniform layers the middle stages do the same work, up to the names of
+the ranks they talk to: :func:`moved` turns one pipeline position's templates into
+another's (stage numbers and collective groups renamed), so a deep pipeline is traced
+with one middle position only (see :mod:`pipeline_parallel.gpt_simulation`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
+from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
+                                          TraceSend)
 
-__all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce"]
+__all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce", "moved"]
 
 
 def message_tag(step: int, direction: int, stage: int, microbatch: int, n_stages: int,
@@ -99,6 +105,30 @@ def coalesce(templates: Templates, costs) -> Templates:
         return tuple(out)
     return Templates({k: merge(v) for k, v in templates.bodies.items()}, merge(templates.tail),
                      templates.message_bytes)
+
+
+def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templates:
+    """``templates`` of another pipeline position: every key's stage ``s`` becomes
+    ``stage_of(s)``, every collective's group ``(r, ...)`` becomes ``(rank_of(r), ...)``
+    (send/receive peers are not in templates: :func:`stitch` names them); the message
+    sizes become ``message_bytes`` when given."""
+    groups: dict = {}
+
+    def rename(ops):
+        out = []
+        for op in ops:
+            if isinstance(op, TraceCollective):
+                g = groups.get(op.group)
+                if g is None:
+                    g = groups[op.group] = tuple(rank_of(r) for r in op.group)
+                op = TraceCollective(op.collective, g, op.nbytes, op.itemsize, op.algorithm,
+                                     op.root, op.handle)
+            out.append(op)
+        return tuple(out)
+    bodies = {(stage_of(s), kind, last): rename(ops)
+              for (s, kind, last), ops in templates.bodies.items()}
+    return Templates(bodies, rename(templates.tail),
+                     templates.message_bytes if message_bytes is None else message_bytes)
 
 
 def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,

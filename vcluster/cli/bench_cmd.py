@@ -1,4 +1,5 @@
-"""``vcluster bench collectives | startup | matmul | predict``: the emulator's benchmarks."""
+"""``vcluster bench collectives | startup | matmul | predict | simulate-scale``: the
+benchmarks."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def add_parser(commands) -> None:
     mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     mm.set_defaults(run=_matmul)
 
-    from . import bench_predict
+    from . import bench_predict, bench_simulate
     bench_predict.add_parser(kinds)
+    bench_simulate.add_parser(kinds)
 
 
 def _maybe_json(path, obj) -> None:

@@ -27,7 +27,10 @@ and a **communication stream** (a FIFO of its asynchronous collectives). Semanti
 How time advances. A rank's process keeps a local clock ``t >= env.now`` and runs compute
 ops, sends, and receives / waits whose data is already known without yielding: their
 times follow from max-plus arithmetic. It yields only when it needs a fact not yet known
-(a send not yet issued, a collective not yet started). Every fact is registered at an
+(a send not yet issued, a collective not yet started). A collective's ``done`` event fires as soon
+as its end time is known (at its start, without a core pool), so a waiting rank goes on
+from its start instant with its local clock at the end; only collectives issued
+asynchronously keep an event at their end (their streams' next collective starts there). Every fact is registered at an
 environment time no later than its own timestamp, so collective starts, which need the
 set of collectives in flight, are processed at their exact instant: by one event of
 priority :data:`LATE` per instant, after every other event of that instant.
@@ -332,6 +335,9 @@ class Replay(PooledReplayMixin):
         t = event.value
         batch = self.batches.pop(t)
         inflight, price = self.inflight, self.costs.collective_time_s
+        if len(batch) == 1 and len(batch[0].info.traced) == 1 and self.pool is None:
+            self._start_alone(batch[0], t)
+            return
         if len(batch) == 1:
             load = dict.fromkeys(batch[0].info.traced, 1)
         else:
@@ -363,11 +369,35 @@ class Replay(PooledReplayMixin):
             if tls is not None:
                 for m, (i, op) in call.calls.items():
                     tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
-            env.timeout(d, call).callbacks.append(end_call)
+            call.done.succeed()                            # its end is known: waiters go on
+            if call.async_ranks:                           # their streams move on at the end
+                env.timeout(d, call).callbacks.append(end_call)
+
+    def _start_alone(self, call: Call, t: float) -> None:
+        """:meth:`_start` of the most common case, one collective with one traced member."""
+        (m,) = call.info.traced
+        ends = self.inflight[m]
+        if ends:
+            self.inflight[m] = ends = [e for e in ends if e > t]
+        d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
+                       "collective_time_s", call.op)
+        call.start_s, end = t, t + d
+        call.end_s = end
+        if end > self.last_s:
+            self.last_s = end
+        ends.append(end)
+        self.comm_s[m] += d
+        if self.timelines is not None:
+            i, op = call.calls[m]
+            self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
+        call.done.succeed()
+        if call.async_ranks:
+            self.env.timeout(d, call).callbacks.append(self._end)
 
     def _end(self, event: Event) -> None:
         call = event.value
-        call.done.succeed()
+        if not call.done.triggered:                        # pool mode: the end is known now
+            call.done.succeed()
         for m in call.async_ranks:                         # next collective of the stream
             q = self.queue[m]
             if q:

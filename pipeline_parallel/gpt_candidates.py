@@ -98,21 +98,18 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
     return None
 
 
-def _schedules(space: SearchSpace, config: GPTConfig, pp: int, m: int, rejected: Counter):
-    """(schedule, virtual_stages) pairs for a split with m micro-batches."""
+def _schedules(space: SearchSpace, config: GPTConfig, pp: int):
+    """(schedule, virtual_stages) pairs for a split (interleaved: every v tried)."""
     if pp == 1:
-        yield "1f1b", None
-        return
+        return [("1f1b", None)]
+    out = []
     for name in space.schedules:
         if name != "interleaved_1f1b":
-            yield name, None
-            continue
-        for v in divisors(config.layers // pp):
-            if 2 <= v <= space.max_virtual_stages:
-                if m % pp:
-                    rejected["interleaved_microbatches"] += 1
-                else:
-                    yield name, v
+            out.append((name, None))
+        else:
+            out += [(name, v) for v in divisors(config.layers // pp)
+                    if 2 <= v <= space.max_virtual_stages]
+    return out
 
 
 def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space: SearchSpace,
@@ -134,9 +131,12 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                    if not sp or (tp > 1 and config.seq % tp == 0)]
             for b in mbs:
                 m = per_replica // b
-                for name, v in _schedules(space, config, pp, m, rejected):
+                for name, v in _schedules(space, config, pp):
                     for sp in sps:
                         for rc in space.recompute:
+                            if name == "interleaved_1f1b" and m % pp:
+                                rejected["interleaved_microbatches"] += 1
+                                continue
                             par = ParallelConfig(global_batch=global_batch, micro_batch=b, dp=dp,
                                                  pp=pp, tp=tp, schedule=name, virtual_stages=v,
                                                  sequence_parallel=sp, recompute=rc)

@@ -1,0 +1,284 @@
+"""The auto-parallel planner: enumeration, memory filter, screen against replay, plan_gpt,
+``vcluster plan gpt`` (JSON schema, plot, exit codes), Megatron's published configurations."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+
+import pytest
+from scipy.stats import spearmanr
+
+from pipeline_parallel.gpt import (GPTConfig, ParallelConfig, megatron_flops_with_recompute,
+                                   megatron_model_flops)
+from pipeline_parallel.gpt_candidates import SearchSpace, divisors, enumerate_candidates
+from pipeline_parallel.gpt_layer_cost import trace_stage_pieces
+from pipeline_parallel.gpt_memory import gpt_memory
+from pipeline_parallel.gpt_plan import COLUMNS, plan_gpt
+from pipeline_parallel.gpt_screen import peak_memory_bytes, screen_estimate
+from pipeline_parallel.gpt_simulation import simulate_gpt
+from pipelining import make_schedule
+from vcluster.cli.main import main
+from vcluster.timing import load_hardware
+from vcluster.timing.hardware_costs import HardwareCostModel
+
+A100 = "a100-80gb-dgx"
+SMALL = dict(hidden=1024, layers=12, heads=16, seq=512, vocab=32000)
+
+
+def _schedule(par):
+    return make_schedule(par.schedule, par.pp, par.microbatches,
+                         virtual_stages=par.chunks if par.schedule == "interleaved_1f1b" else None)
+
+
+def _gpt_memory_peak(cfg, par) -> int:
+    return max(m.total_bytes for m in gpt_memory(cfg, par, _schedule(par)))
+
+
+# --- enumeration and memory -----------------------------------------------------------
+@pytest.mark.parametrize("gpus,batch,hbm_gb", [(32, 64, 80), (24, 48, 16), (16, 96, 4)])
+def test_every_candidate_is_valid_and_rejections_are_counted(gpus, batch, hbm_gb):
+    cfg = GPTConfig(**SMALL)
+    space = SearchSpace(max_tp=8)
+    cands, rejected = enumerate_candidates(cfg, gpus, batch, space, hbm_gb * 10**9)
+    assert len(set(cands)) == len(cands)
+    for p in cands:
+        assert p.tp * p.pp * p.dp == gpus and cfg.heads % p.tp == 0 and cfg.vocab % p.tp == 0
+        assert p.tp <= 8 and cfg.layers % (p.pp * p.chunks) == 0
+        assert batch % (p.dp * p.micro_batch) == 0 and p.micro_batch <= 8
+        assert not p.sequence_parallel or (p.tp > 1 and cfg.seq % p.tp == 0)
+        assert p.pp > 1 or p.schedule == "1f1b"
+        if p.schedule == "interleaved_1f1b":
+            assert p.chunks >= 2 and p.microbatches % p.pp == 0
+    # independent count: every (tp, pp) split by the first rule it breaks; every knob
+    # combination of a valid split either fits (gpt_memory with the real schedule) or not
+    expect, fits = Counter(), 0
+    for tp, pp in ((t, q) for t in divisors(gpus) for q in divisors(gpus // t)):
+        dp = gpus // (tp * pp)
+        rules = [("tp_not_dividing_heads", cfg.heads % tp), ("tp_not_dividing_vocab", cfg.vocab % tp),
+                 ("tp_larger_than_node", tp > 8), ("pp_not_dividing_layers", cfg.layers % pp),
+                 ("dp_not_dividing_batch", batch % dp)]
+        broken = [name for name, bad in rules if bad]
+        if broken:
+            expect[broken[0]] += 1
+            continue
+        scheds = [("1f1b", None)] if pp == 1 else [("1f1b", None), ("zero_bubble", None)] + [
+            ("interleaved_1f1b", v) for v in range(2, 9) if (cfg.layers // pp) % v == 0]
+        for b, (name, v), sp, rc in itertools.product(
+                [b for b in range(1, 9) if (batch // dp) % b == 0], scheds,
+                [False, True] if tp > 1 and cfg.seq % tp == 0 else [False],
+                ["none", "selective", "full"]):
+            m = batch // (dp * b)
+            if name == "interleaved_1f1b" and m % pp:
+                expect["interleaved_microbatches"] += 1
+                continue
+            par = ParallelConfig(global_batch=batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
+                                 schedule=name, virtual_stages=v, sequence_parallel=sp,
+                                 recompute=rc)
+            if _gpt_memory_peak(cfg, par) > hbm_gb * 10**9:
+                expect["out_of_memory"] += 1
+            else:
+                fits += 1
+    assert len(cands) == fits
+    assert dict(rejected) == {k: v for k, v in expect.items() if v}
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", None), ("zero_bubble", None),
+                                        ("interleaved_1f1b", 2), ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("tp,pp,b,sp,rc", [(1, 2, 1, False, "none"), (2, 4, 2, True, "selective"),
+                                          (4, 2, 4, False, "full"), (8, 3, 1, True, "none")])
+def test_peak_memory_equals_gpt_memory(schedule, v, tp, pp, b, sp, rc):
+    cfg = GPTConfig(hidden=1024, layers=24, heads=16, seq=512, vocab=32000)
+    for m in (pp, 2 * pp, 3 * pp + (0 if v else 1)):
+        par = ParallelConfig(global_batch=m * b * 2, micro_batch=b, dp=2, pp=pp, tp=tp,
+                             schedule=schedule, virtual_stages=v, sequence_parallel=sp,
+                             recompute=rc)
+        assert peak_memory_bytes(cfg, par) == _gpt_memory_peak(cfg, par)
+
+
+# --- the screen ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tp,b,sp,rc", [(1, 1, False, "none"), (2, 2, True, "selective"),
+                                         (4, 1, False, "full"), (8, 4, True, "none")])
+def test_traced_piece_flops_are_megatrons(tp, b, sp, rc):
+    cfg = GPTConfig(**SMALL)
+    pieces = trace_stage_pieces(cfg, tp, b, sp, rc, HardwareCostModel(load_hardware(A100)))
+    h, s, l, V = cfg.hidden, cfg.seq, 1, cfg.vocab
+    layer = sum(pieces[("layer", a)].flops for a in "FIW")
+    head = sum(pieces[("head", a)].flops for a in "FIW")
+    model = megatron_model_flops(b, s, l, h, V)
+    extra = {"none": 0, "selective": 4 * b * s * s * h,
+             "full": megatron_flops_with_recompute(b, s, l, h, V) - model}[rc]
+    assert (layer + head) * tp == pytest.approx(model + extra, rel=1e-12)
+    assert head * tp == 6 * b * s * h * V
+
+
+SCREEN_CASES = [  # 1.7B-like model on 32 GPUs: splits, schedules, micro-batches, recompute
+    dict(tp=1, pp=1, dp=32, micro_batch=2, recompute="none"),
+    dict(tp=2, pp=1, dp=16, micro_batch=4, sequence_parallel=True, recompute="selective"),
+    dict(tp=2, pp=2, dp=8, micro_batch=1, schedule="interleaved_1f1b", virtual_stages=3),
+    dict(tp=4, pp=2, dp=4, micro_batch=2, schedule="zero_bubble", recompute="full"),
+    dict(tp=8, pp=4, dp=1, micro_batch=1, recompute="full"),
+    dict(tp=1, pp=4, dp=8, micro_batch=1, recompute="selective"),
+]
+
+
+def test_screen_tracks_the_replay():
+    cfg = GPTConfig(hidden=2304, layers=24, heads=24, seq=2048, vocab=51200)
+    hw = load_hardware(A100)
+    costs = HardwareCostModel(hw)
+    screened, replayed = [], []
+    for knobs in SCREEN_CASES:
+        par = ParallelConfig(global_batch=512, **knobs)
+        pieces = trace_stage_pieces(cfg, par.tp, par.micro_batch, par.sequence_parallel,
+                                    par.recompute, costs)
+        est = screen_estimate(cfg, par, pieces, hw)
+        sim = simulate_gpt(cfg, par, hw)
+        screened.append(est.step_time_s)
+        replayed.append(sim.step_time_s)
+        assert est.step_time_s == pytest.approx(sim.step_time_s, rel=0.10), knobs
+        assert est.mfu == pytest.approx(sim.mfu, rel=0.10)
+    assert spearmanr(screened, replayed).statistic >= 0.9
+
+
+# --- plan_gpt -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_plan():
+    return plan_gpt(**SMALL, gpus=16, global_batch=64, top=3, replay=4, workers=2, progress=False)
+
+
+def test_plan_gpt_orders_replayed_first(small_plan):
+    df = small_plan
+    assert list(df.columns) == list(COLUMNS)
+    assert df.attrs["replayed"] == 4 and df["replayed"].sum() == 4
+    assert df["replayed"].iloc[:4].all() and not df["replayed"].iloc[4:].any()
+    assert df["step_time_s"].iloc[:4].is_monotonic_increasing
+    assert df["step_time_s"].iloc[4:].is_monotonic_increasing
+    assert len(df) == df.attrs["candidates"] and sum(df.attrs["rejected"].values()) > 0
+    assert (df["peak_memory_gb"] <= 80).all()
+    # the replayed figures are simulate_gpt's
+    r = df.iloc[0]
+    par = ParallelConfig(global_batch=64, micro_batch=int(r.micro_batch), dp=int(r.dp),
+                         pp=int(r.pp), tp=int(r.tp), schedule=r.schedule,
+                         virtual_stages=int(r.virtual_stages) if r.schedule ==
+                         "interleaved_1f1b" else None, sequence_parallel=bool(r.sequence_parallel),
+                         recompute=r.recompute)
+    sim = simulate_gpt(GPTConfig(**SMALL), par, A100)
+    assert r.step_time_s == pytest.approx(sim.step_time_s, rel=1e-12)
+    assert r.mfu == pytest.approx(sim.mfu, rel=1e-12)
+
+
+def test_plan_gpt_replays_at_least_ten_by_default():
+    df = plan_gpt(**SMALL, gpus=8, global_batch=16, top=2, workers=1, progress=False,
+                  recompute=("selective",), schedules=("1f1b",))
+    assert df.attrs["replayed"] == min(10, len(df)) and df["replayed"].sum() == min(10, len(df))
+    assert set(df.recompute) == {"selective"}
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(gpus=0), "gpus must be a positive int"),
+    (dict(top=-1), "top must be a positive int"),
+    (dict(replay=-2), "replay must be an int >= 0"),
+    (dict(recompute=("some",)), "recompute must be a non-empty selection"),
+    (dict(heads=7), "hidden=1024 is not divisible by heads=7"),
+    (dict(hardware="no-such-gpu"), "no-such-gpu"),
+])
+def test_plan_gpt_bad_input(kwargs, message):
+    args = dict(SMALL, gpus=8, global_batch=16, replay=0, progress=False) | kwargs
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        plan_gpt(**args)
+
+
+# --- the command -------------------------------------------------------------------------------
+PLAN_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["candidates", "rejected"],
+    "properties": {
+        "rejected": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
+        "candidates": {"type": "array", "minItems": 1, "items": {
+            "type": "object",
+            "required": ["tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages",
+                         "sequence_parallel", "recompute", "step_time_s", "tflops_per_gpu",
+                         "mfu", "peak_memory_gb", "replayed"],
+            "properties": {
+                **{k: {"type": "integer", "minimum": 1}
+                   for k in ("tp", "pp", "dp", "micro_batch", "virtual_stages")},
+                "schedule": {"enum": ["1f1b", "interleaved_1f1b", "zero_bubble"]},
+                "recompute": {"enum": ["none", "selective", "full"]},
+                "sequence_parallel": {"type": "boolean"}, "replayed": {"type": "boolean"},
+                **{k: {"type": "number", "exclusiveMinimum": 0}
+                   for k in ("step_time_s", "tflops_per_gpu", "mfu", "peak_memory_gb")}}}}}}
+
+CLI = ["plan", "gpt", "--hidden", "1024", "--layers", "12", "--heads", "16", "--seq", "512",
+       "--vocab", "32000", "--gpus", "16", "--global-batch", "64", "--quiet"]
+
+
+def test_cli_writes_json_and_plot(tmp_path, capsys):
+    import jsonschema
+    out, path = tmp_path / "out", tmp_path / "plan.json"
+    assert main(CLI + ["--top", "3", "--replay", "2", "--json", str(path),
+                       "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert "rejected:" in text and doc["rejected"] and "replay" in text
+    assert all(f"{n}  {reason}:" in text for reason, n in doc["rejected"].items())
+    jsonschema.validate(doc, PLAN_SCHEMA)
+    assert doc == json.loads((out / "plan.json").read_text())
+    steps = [c["step_time_s"] for c in doc["candidates"]]
+    assert [c["replayed"] for c in doc["candidates"][:3]] == [True, True, False]
+    assert steps[:2] == sorted(steps[:2]) and steps[2:] == sorted(steps[2:])
+    assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["--gpus", "0"], 2, "expected a positive integer, got 0"),
+    (["--top", "x"], 2, "expected a positive integer, got 'x'"),
+    (["--hardware", "no-such-gpu"], 2, "no-such-gpu"),
+    (["--replay", "-1"], 2, "--replay must be >= 0, got -1"),
+    (["--heads", "7"], 2, "hidden=1024 is not divisible by heads=7"),
+])
+def test_cli_bad_flags(argv, code, message, capsys):
+    args = CLI[:]
+    for flag, value in zip(argv[::2], argv[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    try:
+        got = main(args)
+    except SystemExit as exc:       # argparse's own usage errors
+        got = exc.code
+    assert got == code
+    assert message in capsys.readouterr().err
+
+
+def test_cli_nothing_fits(capsys):
+    args = ["plan", "gpt", "--hidden", "12288", "--layers", "96", "--heads", "96", "--seq",
+            "2048", "--vocab", "51200", "--gpus", "8", "--global-batch", "8", "--quiet"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "no configuration fits" in out and "out_of_memory" in out
+
+
+# --- Megatron's published configurations -------------------------------------------------------
+def _check_published(row):
+    from pipeline_parallel.gpt_plan_validation import plan_against_published
+    r = plan_against_published(row, workers=2, progress=False)
+    assert r["best_vs_published"] <= 0, r
+    assert r["split_rank"] is not None and (r["split_rank"] <= 5 or r["split_vs_best"] <= 0.05), r
+    return r
+
+
+def test_megatron_smallest_published_configuration():
+    from pipeline_parallel.gpt_plan_validation import published_rows
+    (row,) = published_rows(["1.7B"])
+    _check_published(row)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B",
+                                   "530B", "1T"])
+def test_megatron_published_configurations(model):
+    from pipeline_parallel.gpt_plan_validation import published_rows
+    (row,) = published_rows([model])
+    _check_published(row)

@@ -71,27 +71,31 @@ def _program(dev, op: str, x, axis, algorithm: str, calls: int):
     return {"out": out}
 
 
+def _group_values(op: str, members: list) -> list:
+    """The reference output of each position of one group (None: no output)."""
+    n = len(members)
+    if op in ("all_reduce", "reduce", "reduce_scatter"):
+        total = np.sum(members, axis=0)
+        if op == "reduce_scatter":
+            return np.split(total, n)
+        return [total] * n if op == "all_reduce" else [total] + [None] * (n - 1)
+    if op in ("all_gather", "gather"):
+        whole = np.concatenate(members)
+        return [whole] * n if op == "all_gather" else [whole] + [None] * (n - 1)
+    if op == "scatter":
+        return np.split(members[0], n)
+    if op == "all_to_all":
+        pieces = [np.split(m, n) for m in members]
+        return [np.concatenate([p[j] for p in pieces]) for j in range(n)]
+    return [members[0]] * n                                          # broadcast
+
+
 def _reference(op: str, xs: list, mesh, axes) -> dict:
     out = {}
-    for r in range(mesh.size):
-        group = mesh.group(axes, r)
-        p, n, members = group.index(r), len(group), [np.asarray(xs[g], np.float64)
-                                                     for g in group]
-        total = np.sum(members, axis=0) if op in ("all_reduce", "reduce", "reduce_scatter") \
-            else None
-        value = {
-            "all_reduce": lambda: total,
-            "reduce": lambda: total if p == 0 else None,
-            "all_gather": lambda: np.concatenate(members),
-            "gather": lambda: np.concatenate(members) if p == 0 else None,
-            "reduce_scatter": lambda: np.split(total, n)[p],
-            "scatter": lambda: np.split(members[0], n)[p],
-            "all_to_all": lambda: np.concatenate([np.split(m, n)[p] for m in members]),
-            "broadcast": lambda: members[0],
-        }[op]()
-        if value is not None:
-            out[f"rank{r}"] = value
-    return out
+    for group in mesh.groups(axes):
+        values = _group_values(op, [np.asarray(xs[g], np.float64) for g in group])
+        out.update({f"rank{g}": v for g, v in zip(group, values) if v is not None})
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0][4:])))
 
 
 def build(scenario, mesh) -> Workload:

@@ -96,7 +96,12 @@ def _run_replays(config, pars, hardware, workers: int, bar) -> list[dict]:
                   file=sys.stderr)
         else:
             with pool:
-                futures = [pool.submit(_replay, j) for j in jobs]
+                # longest first (ops to replay ~ m·l, twice the collectives under SP), so
+                # that no long replay starts last while the other workers idle
+                order = sorted(range(len(jobs)), key=lambda i: -pars[i].microbatches * (
+                    2 if pars[i].sequence_parallel else 1))
+                submitted = {i: pool.submit(_replay, jobs[i]) for i in order}
+                futures = [submitted[i] for i in range(len(jobs))]
                 out = []
                 for par, fut in zip(pars, futures):
                     try:

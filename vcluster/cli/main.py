@@ -7,7 +7,9 @@ Exit codes: 0 success; 1 a run failed; 2 a usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from . import (bench_cmd, hardware_cmd, plan_cmd, run_cmd, schedule_cmd, simulate_cmd,
                validate_cmd)
@@ -25,11 +27,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is so that it unwinds like Ctrl-C: devices are
+    aborted and stopped, shared memory released, a half-written report removed."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         return args.run(args)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -39,6 +55,9 @@ def main(argv=None) -> int:
     except Exception as exc:  # a run failed: say what, exit 1
         print(f"vcluster: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``vcluster run FILE``, ``vcluster validate FILE``, ``vcluster schema``: scenario files.
 
     vcluster run scenarios/quickstart.yaml [--out DIR] [--mode both] [--set parallel.tp=4]
+    vcluster run scenarios/faults.yaml --resume runs/faults.checkpoints
 
 runs the scenario (every sweep point), writes its report directory atomically (default
 ``runs/<name>``, or ``report.out``; ``--out`` wins) and prints the headline figures.
@@ -33,6 +34,8 @@ def add_parser(commands) -> None:
     run.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
                      default=[], help=_SET_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bar, no figures")
+    run.add_argument("--resume", metavar="DIR", help="continue a training run from the "
+                     "newest checkpoint in DIR (checkpoint.dir of a run that stopped)")
     run.set_defaults(run=_run)
 
     validate = commands.add_parser(
@@ -93,7 +96,8 @@ def _run(args) -> int:
     if scenario is None:
         return code
     try:
-        record = run_scenario(scenario, mode=args.mode, progress=not args.quiet)
+        record = run_scenario(scenario, mode=args.mode, progress=not args.quiet,
+                              resume=args.resume)
     except ScenarioError as exc:
         print(f"vcluster run: error: {exc}", file=sys.stderr)
         return 2
@@ -127,7 +131,8 @@ def _print_summary(record, out: Path) -> None:
           f"({s.get('devices')} devices), mode {record.mode}")
     for key in ("measured_step_time_s", "predicted_step_time_s", "hardware",
                 "compute_comm_ratio", "predicted_bubble_fraction", "traffic_matches",
-                "final_loss", "checks_passed", "max_abs_error", "points"):
+                "final_loss", "checks_passed", "max_abs_error", "points",
+                "final_params_sha256", "matches_fault_free"):
         if s.get(key) is not None:
             print(f"  {key:<26}{_fmt(s[key])}")
     print(f"report: {out}")

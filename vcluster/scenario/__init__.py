@@ -47,7 +47,7 @@ def resolve_mesh(scenario):
     return _resolve(scenario)
 
 
-def run_scenario(scenario, *, mode=None, engine="emulator", progress=False):
+def run_scenario(scenario, *, mode=None, engine="emulator", progress=False, resume=None):
     """See the module docstring and :mod:`vcluster.scenario.runner`."""
     from .runner import run_scenario as _run
-    return _run(scenario, mode=mode, engine=engine, progress=progress)
+    return _run(scenario, mode=mode, engine=engine, progress=progress, resume=resume)

@@ -111,6 +111,8 @@ class Scenario:
     sweep: tuple[tuple[str, tuple], ...]
     document: Mapping[str, Any]
     base_dir: str = "."
+    faults: tuple = ()                                   # fault dicts (vcluster.scenario.faults)
+    checkpoint: Mapping[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         mesh = "x".join(f"{a}={n}" for a, n in self.cluster.mesh) or "from parallel"
@@ -151,7 +153,9 @@ class Scenario:
             report=ReportSpec(report.get("out"),
                               tuple(report["formats"]) if "formats" in report else None),
             sweep=tuple((p, tuple(v)) for p, v in doc.get("sweep", {}).items()),
-            document=_frozen(doc), base_dir=str(base_dir))
+            document=_frozen(doc), base_dir=str(base_dir),
+            faults=tuple(_frozen(f) for f in doc.get("faults", [])),
+            checkpoint=_frozen(doc.get("checkpoint", {})))
 
     def point_documents(self) -> list[tuple[dict, dict]]:
         """Per sweep point (the product of the lists, first key slowest): ``({path:

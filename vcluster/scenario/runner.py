@@ -30,6 +30,7 @@ import numpy as np
 
 from .errors import ScenarioError
 from .schema import MODES
+from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
 
@@ -40,7 +41,7 @@ SUMMARY_KEYS = {
     "always": ("kind", "workload", "mesh", "devices", "dtype", "steps", "mode"),
     "emulate": ("measured_step_time_s", "measured_total_s", "measured_bytes_sent",
                 "measured_bytes_received", "measured_messages_sent", "measured_flops",
-                "checks_passed", "max_abs_error", "final_loss"),
+                "checks_passed", "max_abs_error", "final_loss", "final_params_sha256"),
     "simulate": ("hardware", "predicted_step_time_s", "predicted_total_s",
                  "predicted_compute_s", "predicted_comm_s", "predicted_exposed_comm_s",
                  "predicted_bubble_s", "predicted_bubble_fraction", "compute_comm_ratio",
@@ -128,6 +129,22 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
             "step_times": times}
 
 
+def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
+    """Training through the model's ``fit`` with checkpoints / faults
+    (:mod:`vcluster.scenario.faults`); step times from the events recorded since the last
+    restart (a lost device takes its predecessors' events with it)."""
+    from collections import Counter
+    from .faults import run_resilient
+    emu = run_resilient(workload, point, engine_name, resume)
+    counts = Counter(e.rank for e in emu["events"] if getattr(e, "name", None) == "optimizer")
+    steps = min(counts.values(), default=0)
+    emu["step_times"] = _step_times(emu["events"], range(workload.mesh.size), True, steps) \
+        if steps else []
+    emu["assembled"] = workload.fit_outputs(emu["fit"])
+    bar.advance("emulate (resilient)")
+    return emu
+
+
 def _measured(point: _Point, workload, emu: dict, scenario) -> None:
     import pandas as pd
     from reports import collectives_from_events, devices_from_events, spans_from_events
@@ -143,10 +160,13 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
     s["measured_flops"] = sum(e.flops for e in events if hasattr(e, "flops"))
     steps = pd.DataFrame({"source": "measured", "step": range(len(times)), "time_s": times})
     if workload.training:
-        assembled = workload.assemble(emu["outputs"])
+        assembled = emu.get("assembled") or workload.assemble(emu["outputs"])
         losses = np.asarray(assembled["loss"], np.float64)
         steps["loss"] = losses[:len(times)]
         s["final_loss"] = float(losses[-1])
+        if workload.fit_outputs is not None:      # an MLP: the hash a fault-free run gives
+            from .faults import named_params_sha256
+            s["final_params_sha256"] = named_params_sha256(assembled)
     point.tables["steps"].append(steps)
     point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)))
     point.tables["collectives"].append(collectives_from_events(events, mesh))
@@ -155,13 +175,19 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
 
 # --- simulation --------------------------------------------------------------------------
 def _simulate(workload, scenario, bar) -> tuple:
+    """Trace and replay; slow devices and links of ``faults`` slow the replay."""
     from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
     from .hardware import cost_setup
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype)
     traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank))
-    result = simulate_trace(traces, setup.costs, mesh=mesh, core_pool=setup.core_pool)
+    if scenario.faults:
+        from vcluster.faults.impact import simulate_with_faults
+        result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],
+                                      mesh=mesh, core_pool=setup.core_pool)
+    else:
+        result = simulate_trace(traces, setup.costs, mesh=mesh, core_pool=setup.core_pool)
     bar.advance("simulate")
     return traces, result, setup
 
@@ -231,7 +257,8 @@ def _traffic_matches(traces, events) -> bool:
 
 
 # --- one point ---------------------------------------------------------------------------
-def _run_point(point, engines: _Engines, bar) -> _Point:
+def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Point:
+    from .faults import wants_resilience
     from .semantics import resolve_mesh
     from .workloads import workload_module
     mesh = resolve_mesh(point)
@@ -244,10 +271,15 @@ def _run_point(point, engines: _Engines, bar) -> _Point:
         "mode": mode}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
     emu = None
     if mode in ("emulate", "both"):
-        emu = _emulate(workload, point, engines, bar)
+        resilient = wants_resilience(point) or resume is not None
+        emu = (_emulate_resilient(workload, point, engines.name, resume, bar) if resilient
+               else _emulate(workload, point, engines, bar))
         _measured(out, workload, emu, point)
+        out.summary.update(emu.get("summary", {}))
         if point.run.check:
-            out.checks = workload.check(emu["outputs"], point.run.tolerance_for(workload.dtype))
+            tolerance = point.run.tolerance_for(workload.dtype)
+            out.checks = (compare(emu["assembled"], workload.reference(), tolerance)
+                          if resilient else workload.check(emu["outputs"], tolerance))
             bar.advance("check")
         out.summary["checks_passed"] = all(c["passed"] for c in out.checks) \
             if point.run.check else None
@@ -256,7 +288,7 @@ def _run_point(point, engines: _Engines, bar) -> _Point:
     if mode in ("simulate", "both"):
         traces, result, setup = _simulate(workload, point, bar)
         _predicted(out, workload, traces, result, setup, point)
-        if emu is not None:
+        if emu is not None and "fit" not in emu:    # segmented / restarted runs: not one trace
             out.summary["traffic_matches"] = _traffic_matches(traces, emu["first_events"])
             measured = out.summary["measured_step_time_s"]
             out.summary["predicted_over_measured"] = (
@@ -278,11 +310,13 @@ def _concat(frames: list, point_index: int | None):
 
 
 def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
-                 progress: bool = False):
+                 progress: bool = False, resume: str | None = None):
     """Run every sweep point of ``scenario`` and return a :class:`reports.RunRecord`.
 
     ``mode`` overrides ``run.mode``; ``engine`` names the emulation engine
-    (:data:`~vcluster.scenario.engines.ENGINES`); ``progress`` shows a bar on a terminal.
+    (:data:`~vcluster.scenario.engines.ENGINES`); ``progress`` shows a bar on a terminal;
+    ``resume`` (a checkpoint directory) continues a training run from its newest
+    checkpoint (:mod:`vcluster.scenario.faults`).
     """
     import pandas as pd
     from reports import RunRecord
@@ -301,7 +335,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     with ProgressBar(total, progress, f"vcluster run {scenario.name}") as bar, \
             _Engines(engine) as engines:
         for values, point in points:
-            res = _run_point(point, engines, bar)
+            res = _run_point(point, engines, bar, resume)
             results.append(res)
             rows.append({**values, **res.summary})
     sweeping = bool(scenario.sweep)

@@ -18,6 +18,7 @@ import copy
 from types import MappingProxyType
 
 from .errors import ScenarioError, format_path
+from .faults import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
 
 __all__ = ["scenario_schema", "check_document", "KINDS", "MODES", "DTYPES", "COLLECTIVE_OPS",
            "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS", "ALGORITHMS",
@@ -210,6 +211,8 @@ _SECTIONS = {
                           "float32, 1e-9 for float64)"},
         },
     },
+    "faults": _FAULTS_SCHEMA,
+    "checkpoint": _CHECKPOINT_SCHEMA,
     "sweep": {"type": "object", "minProperties": 1, "description": "key path: list of "
               "values; one run per point of the product of the lists",
               "propertyNames": {"pattern": r"^(cluster|hardware|workload|parallel|run)"

@@ -51,6 +51,8 @@ def check_semantics(scenario) -> None:
     from .workloads import workload_module
     mesh = resolve_mesh(scenario)
     workload_module(scenario.workload.kind).validate(scenario, mesh)
+    from .faults import check_faults
+    check_faults(scenario, mesh)
     if scenario.run.mode != "emulate":
         check_hardware(scenario)
     if scenario.cluster.array_module == "cupy":

@@ -23,7 +23,10 @@ __all__ = ["Workload", "compare"]
 @dataclass(frozen=True, repr=False)
 class Workload:
     """See the module docstring. ``training``: the program runs every step itself (steps
-    end at each rank's ``optimizer`` compute event); otherwise one run is one step."""
+    end at each rank's ``optimizer`` compute event); otherwise one run is one step.
+    ``fit`` / ``fit_outputs`` (training with checkpoints and faults, see
+    :mod:`vcluster.scenario.faults`): train on an engine through the model's ``fit``, and
+    name its result like ``assemble`` does."""
 
     kind: str
     mesh: object
@@ -35,6 +38,8 @@ class Workload:
     reference: Callable[[], Mapping[str, np.ndarray]]
     training: bool = False
     description: str = ""
+    fit: Callable | None = None            # (engine, **resilience) -> FitResult (mlp)
+    fit_outputs: Callable | None = None    # FitResult -> the reference's names
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

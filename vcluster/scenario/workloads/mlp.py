@@ -101,14 +101,22 @@ def build(scenario, mesh) -> Workload:
             out[f"W{l}"], out[f"b{l}"] = wt, b
         return out
 
-    def reference():
-        ref = mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"])
-        out = {"loss": np.asarray(ref.losses)}
-        for l, (wt, b) in enumerate(ref.params):
+    def named(fit):
+        out = {"loss": np.asarray(fit.losses)}
+        for l, (wt, b) in enumerate(fit.params):
             out[f"W{l}"], out[f"b{l}"] = wt, b
         return out
 
+    def reference():
+        return named(mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"]))
+
+    def fit(engine, **resilience):
+        """``MLP.fit`` of the same job, with checkpoints / faults / recovery."""
+        return mlp.fit(engine, X, Y, steps, par["microbatches"], schedule=par["schedule"],
+                       optimizer=o["optimizer"], lr=o["lr"],
+                       virtual_stages=par.get("virtual_stages"), **resilience)
+
     return Workload("mlp", mesh, train_program, args, metas, str(mlp.dtype), assemble,
-                    reference, training=True,
+                    reference, training=True, fit=fit, fit_outputs=named,
                     description=f"{mlp!r}, {par['schedule']}, {par['microbatches']} "
                                 f"micro-batches")

@@ -18,7 +18,6 @@ The localhost machine is calibrated first (``calibrate_localhost``) or read from
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np

@@ -54,7 +54,6 @@ class PieceCost:
     __rmul__ = __mul__
 
 
-ZERO = PieceCost(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)

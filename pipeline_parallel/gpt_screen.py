@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .gpt_layer_cost import ZERO, StagePieces
+from .gpt_layer_cost import StagePieces
 from .gpt_memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, _activation_bytes_per_layer
 
 __all__ = ["ScreenEstimate", "screen_estimate", "peak_in_flight_closed_form",

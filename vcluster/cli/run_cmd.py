@@ -36,6 +36,9 @@ def add_parser(commands) -> None:
     run.add_argument("--quiet", action="store_true", help="no progress bar, no figures")
     run.add_argument("--resume", metavar="DIR", help="continue a training run from the "
                      "newest checkpoint in DIR (checkpoint.dir of a run that stopped)")
+    run.add_argument("--engine", choices=("emulator", "torch"), default="emulator",
+                     help="emulation engine: the emulator's device processes, or local "
+                     "torch.distributed ranks (gloo on CPU, NCCL on GPUs; docs/torch.md)")
     run.set_defaults(run=_run)
 
     validate = commands.add_parser(
@@ -97,7 +100,7 @@ def _run(args) -> int:
         return code
     try:
         record = run_scenario(scenario, mode=args.mode, progress=not args.quiet,
-                              resume=args.resume)
+                              resume=args.resume, engine=args.engine)
     except ScenarioError as exc:
         print(f"vcluster run: error: {exc}", file=sys.stderr)
         return 2

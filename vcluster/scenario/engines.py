@@ -12,7 +12,7 @@ from .errors import ScenarioError
 
 __all__ = ["ENGINES", "make_engine"]
 
-ENGINES = ("emulator",)
+ENGINES = ("emulator", "torch")
 
 
 def make_engine(name: str, mesh, *, array_module: str = "numpy", timeout_s: float = 60.0):
@@ -20,4 +20,10 @@ def make_engine(name: str, mesh, *, array_module: str = "numpy", timeout_s: floa
     if name == "emulator":
         from vcluster import VirtualCluster
         return VirtualCluster(mesh, array_module=array_module, timeout_s=timeout_s)
+    if name == "torch":
+        if array_module != "numpy":
+            raise ScenarioError("cluster.array_module", array_module, "numpy",
+                                "the torch engine stages numpy arrays for its backend")
+        from vcluster.torchdist import TorchCluster
+        return TorchCluster(mesh, timeout_s=timeout_s)
     raise ScenarioError("--engine", name, ", ".join(ENGINES), "unknown engine")

@@ -134,11 +134,7 @@ class TorchCluster:
     # --- running programs -----------------------------------------------------------
     def run(self, fn, args_per_rank=None, timeout_s: float | None = None) -> list:
         """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
-        if not self._conns:
-            raise ClusterBrokenError("the TorchCluster is closed; create a new one")
-        if self._broken:
-            raise ClusterBrokenError(f"the TorchCluster must be restarted: {self._broken} "
-                                     "(call cluster.restart())")
+        self._usable()
         n = self.mesh.size
         args_per_rank = [()] * n if args_per_rank is None else list(args_per_rank)
         if len(args_per_rank) != n:
@@ -162,6 +158,32 @@ class TorchCluster:
             raise DeviceProgramError(rank, name, failed[rank][2],
                                      {r: rep[1] for r, rep in failed.items()})
         return [replies[r][1] for r in range(n)]
+
+    def trace(self) -> list:
+        """Every event recorded since the last ``reset_stats``, ordered by start time:
+        ComputeEvents of ``dev.compute`` blocks and one CommEvent per call (algorithm =
+        the backend; per-peer bytes are not reported by torch, so ``sent``/``received``
+        are empty)."""
+        events = [e for per_rank in self._ask_all("trace") for e in per_rank]
+        return sorted(events, key=lambda e: (e.start, e.rank))
+
+    def reset_stats(self) -> None:
+        """Forget every rank's recorded events."""
+        self._ask_all("reset_stats")
+
+    def _ask_all(self, what: str) -> list:
+        self._usable()
+        for conn in self._conns:
+            conn.send((what,))
+        replies = self._gather(60.0, what)
+        return [replies[r][1] for r in range(self.mesh.size)]
+
+    def _usable(self) -> None:
+        if not self._conns:
+            raise ClusterBrokenError("the TorchCluster is closed; create a new one")
+        if self._broken:
+            raise ClusterBrokenError(f"the TorchCluster must be restarted: {self._broken} "
+                                     "(call cluster.restart())")
 
     def _gather(self, timeout_s: float, what: str) -> dict:
         """Every rank's reply, or an error naming the ranks that died or are still busy.

@@ -38,7 +38,7 @@ import numpy as np
 
 from vcluster.runtime.collectives.common import ReduceOp, scaled_shape
 from vcluster.runtime.errors import CollectiveTimeout
-from vcluster.runtime.events import ComputeEvent
+from vcluster.runtime.events import CommEvent, ComputeEvent
 
 __all__ = ["TorchDeviceContext", "TorchWork", "ALGORITHM_NAMES"]
 
@@ -133,6 +133,7 @@ class TorchDeviceContext:
         self._pending_sends: list = []
         self._posted_recvs: dict[tuple[int, int], deque] = {}
         self.events: list = []
+        self._backend = "nccl" if device.startswith("cuda") else "gloo"
 
     def __repr__(self) -> str:
         return f"TorchDeviceContext(rank={self.rank}, index={self.index!r}, device={self.device!r})"
@@ -153,7 +154,8 @@ class TorchDeviceContext:
         self.events.append(ComputeEvent(self.rank, str(name), float(flops), int(bytes),
                                         start, time.perf_counter()))
 
-    def begin_run(self) -> None:
+    def reset_stats(self) -> None:
+        """Forget the recorded events."""
         self.events = []
 
     def synchronize(self, timeout_s: float | None = None) -> None:
@@ -214,13 +216,22 @@ class TorchDeviceContext:
         np.copyto(out, res, casting="unsafe")
         return out
 
-    def _issue(self, name, axis, works, finish, async_op: bool):
+    def _issue(self, name, axis, works, finish, async_op: bool, nbytes: int = 0):
+        """A TorchWork that finishes the call and records its CommEvent (issue to
+        completion; per-peer bytes are the backend's business and are not reported)."""
         members = self._group(axis)[0]
+        start = time.perf_counter()
 
         def describe():
             return f"rank {self.rank}: {name} over group {list(members)} (axis={axis!r})"
 
-        work = TorchWork(works, finish, describe)
+        def done():
+            res = finish()
+            self.events.append(CommEvent(self.rank, name, tuple(members), self._backend,
+                                         int(nbytes), (), (), 0, start, time.perf_counter()))
+            return res
+
+        work = TorchWork(works, done, describe)
         return work if async_op else work.wait()
 
     def _call(self, name, axis, fn):
@@ -269,7 +280,7 @@ class TorchDeviceContext:
             if op is ReduceOp.AVG:
                 res = np.true_divide(res, len(members), casting="unsafe").astype(res.dtype)
             return self._deliver(res, out)
-        return self._issue("all_reduce", axis, [work], finish, async_op)
+        return self._issue("all_reduce", axis, [work], finish, async_op, x.nbytes)
 
     def all_gather(self, x, axis=None, dim=0, *, out=None, async_op=False, algorithm="auto"):
         self._check_algorithm(algorithm, "all_gather")
@@ -287,7 +298,7 @@ class TorchDeviceContext:
         def finish():
             pieces = [self._numpy(got[order.index(m)]) for m in members]
             return self._deliver(np.concatenate(pieces, axis=dim), out)
-        return self._issue("all_gather", axis, [work], finish, async_op)
+        return self._issue("all_gather", axis, [work], finish, async_op, x.nbytes)
 
     def reduce_scatter(self, x, axis=None, dim=0, op="sum", *, out=None, async_op=False,
                        algorithm="auto"):
@@ -310,7 +321,7 @@ class TorchDeviceContext:
             if op is ReduceOp.AVG:
                 res = np.true_divide(res, len(members), casting="unsafe").astype(res.dtype)
             return self._deliver(res, out)
-        return self._issue("reduce_scatter", axis, [work], finish, async_op)
+        return self._issue("reduce_scatter", axis, [work], finish, async_op, x.nbytes)
 
     def all_to_all(self, x, axis=None, split_dim=0, concat_dim=0, *, out=None,
                    async_op=False, algorithm="auto"):
@@ -331,7 +342,7 @@ class TorchDeviceContext:
         def finish():
             parts = [self._numpy(got[order.index(m)]) for m in members]
             return self._deliver(np.concatenate(parts, axis=concat_dim), out)
-        return self._issue("all_to_all", axis, [work], finish, async_op)
+        return self._issue("all_to_all", axis, [work], finish, async_op, x.nbytes)
 
     def broadcast(self, x, axis=None, root=0, *, out=None, async_op=False, algorithm="auto"):
         self._check_algorithm(algorithm, "broadcast")
@@ -347,8 +358,8 @@ class TorchDeviceContext:
         t = self._tensor(x) if mine else self._empty_tensor(shape, dtype)
         work = self._call("broadcast", axis, lambda: self._dist.broadcast(
             _w(t), src=members[root], group=pg, async_op=True))
-        return self._issue("broadcast", axis, [work],
-                           lambda: self._deliver(self._numpy(t), out), async_op)
+        return self._issue("broadcast", axis, [work], lambda: self._deliver(self._numpy(t), out),
+                           async_op, t.numel() * t.element_size())
 
     def _bcast_header(self, axis, pg, src: int, x):
         h = self._header(x)
@@ -375,8 +386,8 @@ class TorchDeviceContext:
         send = [self._tensor(pieces[members.index(g)]) for g in order] if mine else None
         work = self._call("scatter", axis, lambda: self._dist.scatter(
             _w(t), send and [_w(p) for p in send], src=members[root], group=pg, async_op=True))
-        return self._issue("scatter", axis, [work],
-                           lambda: self._deliver(self._numpy(t), out), async_op)
+        return self._issue("scatter", axis, [work], lambda: self._deliver(self._numpy(t), out),
+                           async_op, t.numel() * t.element_size())
 
     def gather(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                algorithm="auto"):
@@ -399,7 +410,7 @@ class TorchDeviceContext:
                 return None
             pieces = [self._numpy(got[order.index(m)]) for m in members]
             return self._deliver(np.concatenate(pieces, axis=dim), out)
-        return self._issue("gather", axis, [work], finish, async_op)
+        return self._issue("gather", axis, [work], finish, async_op, x.nbytes)
 
     def reduce(self, x, axis=None, root=0, op="sum", *, out=None, async_op=False,
                algorithm="auto"):
@@ -423,7 +434,7 @@ class TorchDeviceContext:
             if op is ReduceOp.AVG:
                 res = np.true_divide(res, len(members), casting="unsafe").astype(res.dtype)
             return self._deliver(res, out)
-        return self._issue("reduce", axis, [work], finish, async_op)
+        return self._issue("reduce", axis, [work], finish, async_op, x.nbytes)
 
     def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
         self._check_algorithm(algorithm, "barrier")

@@ -10,7 +10,8 @@ __all__ = ["serve_rank"]
 
 def serve_rank(rank, mesh, backend, init_method, timeout_s, conn) -> None:
     """Messages from the host: ("run", cloudpickled fn, args) -> ("ok", result) or
-    ("error", one line, traceback); ("stop",) or a closed connection -> leave."""
+    ("error", one line, traceback); ("trace",) -> ("ok", events since the last
+    ("reset_stats",)); ("stop",) or a closed connection -> leave."""
     import cloudpickle
     import torch
     import torch.distributed as dist
@@ -32,10 +33,14 @@ def serve_rank(rank, mesh, backend, init_method, timeout_s, conn) -> None:
                 return
             if msg[0] == "stop":
                 return
+            if msg[0] in ("trace", "reset_stats"):
+                conn.send(("ok", list(dev.events)))
+                if msg[0] == "reset_stats":
+                    dev.reset_stats()
+                continue
             _, fn_bytes, args = msg
             try:
                 fn = cloudpickle.loads(fn_bytes)
-                dev.begin_run()
                 result = fn(dev, *args)
                 dev.synchronize(timeout_s)
                 reply = ("ok", result)

@@ -106,3 +106,17 @@ def test_slow_link_between_stages_lengthens_the_step():
     transfer = nbytes / 1e10
     assert off_path == pytest.approx(clean)           # no traffic between ranks 0 and 3
     assert slow - clean >= 2 * 9 * transfer * 0.99    # each message on the link at least 10x
+
+
+def test_goodput_plot_is_a_real_png():
+    import io
+    from matplotlib.image import imread
+    from reports.goodput_plot import goodput_png
+    table = goodput_table(1.0, 20.0, 60.0, mtbf_s=[1800.0, 7200.0],
+                          checkpoint_every=[25, 100, 400], segments=200)
+    png = goodput_png(table)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = imread(io.BytesIO(png))
+    assert pixels.shape[0] > 200 and pixels.shape[1] > 300
+    assert pixels[..., :3].std() > 0.05                 # lines and text, not a blank canvas
+    assert goodput_png(table.iloc[0:0]) is None

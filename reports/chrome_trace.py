@@ -2,11 +2,15 @@
 
 Format (the Trace Event Format of the Chrome tracing project): ``{"traceEvents": [...],
 "displayTimeUnit": "ms"}``. Each span is a complete event ``{"ph": "X", "name", "cat":
-stream, "ts": start_us, "dur": dur_us, "pid", "tid": rank, "args"}``. One process per
-source (pid 1 ``measured``, pid 2 ``predicted``, then others in order of appearance) and
-one thread per device (``tid`` = rank), named by ``"M"`` metadata events
-(``process_name``, ``thread_name`` = ``"rank r"``, ``thread_sort_index`` = r), so each
-device is its own track.
+stream, "ts": start_us, "dur": dur_us, "pid", "tid": rank, "args": {"stream", "stage",
+"microbatch"}}``. One process per source — and per sweep point when the spans have a
+``point`` column — numbered from 1 (``measured`` before ``predicted``, points in order),
+and one thread per device (``tid`` = rank), named by ``"M"`` metadata events
+(``process_name`` such as ``"measured (quickstart)"``, ``thread_name`` = ``"rank r"``,
+sort indexes), so each device is its own track.
+
+Spans of one device that overlap without nesting (an asynchronous collective running
+beside compute) share the device's track; viewers draw them as well as the format allows.
 """
 
 from __future__ import annotations
@@ -19,19 +23,21 @@ import pandas as pd
 __all__ = ["chrome_trace", "write_chrome_trace", "US_PER_S"]
 
 US_PER_S = 1e6
-_KNOWN_PIDS = {"measured": 1, "predicted": 2}
+_SOURCE_ORDER = {"measured": 0, "predicted": 1}
 
 
-def _pids(sources) -> dict[str, int]:
-    pids = {s: _KNOWN_PIDS[s] for s in sources if s in _KNOWN_PIDS}
-    for s in sources:
-        if s not in pids:
-            pids[s] = max([0, *pids.values(), *_KNOWN_PIDS.values()]) + 1
-    return pids
+def _processes(spans: pd.DataFrame, run_name: str) -> dict[tuple, tuple[int, str]]:
+    """``{(point, source): (pid, process name)}``; point is None outside sweeps."""
+    points = spans["point"] if "point" in spans.columns else pd.Series([None] * len(spans))
+    keys = set(zip(points.tolist(), spans["source"].tolist()))
+    ordered = sorted(keys, key=lambda k: (-1 if k[0] is None else k[0],
+                                          _SOURCE_ORDER.get(k[1], 2), str(k[1])))
+    return {k: (i + 1, f"{k[1]} ({run_name})" if k[0] is None else
+                f"{k[1]}, point {k[0]} ({run_name})") for i, k in enumerate(ordered)}
 
 
 def _args(row) -> dict:
-    args = {}
+    args = {"stream": str(row["stream"])}
     for column in ("stage", "microbatch"):
         value = row.get(column)
         if value is not None and not pd.isna(value):
@@ -40,17 +46,21 @@ def _args(row) -> dict:
 
 
 def chrome_trace(record) -> dict:
-    """The trace-event JSON object of ``record.spans`` (empty spans -> metadata only)."""
+    """The trace-event JSON object of ``record.spans`` (empty spans -> no events)."""
     spans = record.spans
-    sources = list(dict.fromkeys(spans["source"])) if len(spans) else []
-    pids = _pids(sources)
+    if not len(spans):
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    spans = spans.assign(_point=spans["point"] if "point" in spans.columns else None)
+    processes = _processes(spans, record.name)
     events = []
-    for source, pid in pids.items():
+    for (point, source), (pid, name) in processes.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                       "args": {"name": f"{source} ({record.name})"}})
+                       "args": {"name": name}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
-        for rank in sorted({int(r) for r in spans.loc[spans["source"] == source, "rank"]}):
+        mine = spans[(spans["source"] == source)
+                     & (spans["_point"].isna() if point is None else spans["_point"] == point)]
+        for rank in sorted({int(r) for r in mine["rank"]}):
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
                            "args": {"name": f"rank {rank}"}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": rank,
@@ -58,13 +68,14 @@ def chrome_trace(record) -> dict:
     # longer spans first at equal start, so that enclosing spans open before nested ones
     ordered = spans.assign(_dur=spans["end_s"] - spans["start_s"]).sort_values(
         ["source", "rank", "start_s", "_dur"], ascending=[True, True, True, False],
-        kind="stable") if len(spans) else spans
+        kind="stable")
     for row in ordered.to_dict("records"):
+        point = None if pd.isna(row["_point"]) else row["_point"]
         events.append({"ph": "X", "name": str(row["name"]), "cat": str(row["stream"]),
                        "ts": float(row["start_s"]) * US_PER_S,
                        "dur": max(float(row["end_s"] - row["start_s"]), 0.0) * US_PER_S,
-                       "pid": pids[row["source"]], "tid": int(row["rank"]),
-                       "args": {"stream": str(row["stream"]), **_args(row)}})
+                       "pid": processes[(point, row["source"])][0], "tid": int(row["rank"]),
+                       "args": _args(row)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

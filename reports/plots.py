@@ -1,15 +1,20 @@
 """PNG plots of a report (matplotlib, Agg canvas; no pyplot, so no global figure state).
 
 * ``timeline.png`` — per source, one row per device: compute spans in the upper half
-  (pipeline actions F / B / I / W in their own colours), communication (collectives and
-  point-to-point) in the lower half, waits as a thin grey band (from ``record.spans``);
+  (pipeline actions F / B / I / W in their own colours, drawn over the ops they enclose;
+  a zero-cost action marker of a replay gets a thin visible width), communication
+  (collectives and point-to-point) in the lower half, waits as a thin grey band (from
+  ``record.spans``);
 * ``time_breakdown.png`` — per device, stacked compute, exposed communication and bubble
   seconds, one panel per source (from ``record.devices``);
 * ``predicted_vs_measured.png`` — when both sources are present: mean step time and
-  summed time per (collective, axis), measured beside predicted, log scale (they usually differ by
-  orders of magnitude: an emulator on one CPU versus a model of a GPU cluster);
-* ``sweep.png`` — when the run was a sweep: each numeric headline figure against the
-  first varied key, one line per value of the other varied keys.
+  summed time per (collective, axis), measured beside predicted, log scale (they usually
+  differ by orders of magnitude: an emulator on one CPU versus a model of a GPU cluster);
+* ``sweep.png`` — when the run was a sweep: the numeric headline figures that vary over
+  the points (times, fractions and ratios first; at most six) against the first varied
+  key, one line per value of the other varied keys.
+
+In a sweep the tables carry a ``point`` column; the per-device plots show the last point.
 
 Every function returns PNG bytes, or ``None`` when the record has nothing to draw.
 """
@@ -31,6 +36,8 @@ __all__ = ["PLOT_NAMES", "timeline_png", "time_breakdown_png", "predicted_vs_mea
 PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep")
 DPI = 100
 MAX_SWEEP_PANELS = 6
+MIN_ACTION_WIDTH = 0.002    # share of the time axis: the least width a pipeline action gets
+PIPELINE_ACTIONS = ("F", "B", "I", "W")
 _COLOURS = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd18f", "W": "#dd8452",
             "compute": "#8c8c8c", "comm": "#c44e52", "p2p": "#8172b3", "wait": "#dddddd"}
 _SEGMENTS = (("compute_s", "compute", "#4c72b0"), ("exposed_comm_s", "exposed comm", "#c44e52"),
@@ -54,16 +61,29 @@ def _colour(stream: str, name: str) -> str:
     return _COLOURS.get(stream, _COLOURS["comm"])
 
 
+def _last_point(frame: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """A sweep's tables carry a ``point`` column: its per-device plots show the last point."""
+    if "point" not in frame.columns or not len(frame):
+        return frame, ""
+    last = frame["point"].max()
+    return frame[frame["point"] == last], f" (sweep point {last})"
+
+
 def _draw_timeline(ax, spans: pd.DataFrame) -> None:
     ranks = sorted({int(r) for r in spans["rank"]})
     lane = {"compute": (0.05, 0.45), "comm": (0.5, 0.4), "p2p": (0.5, 0.4),
             "wait": (0.42, 0.16)}
+    t_max = float(spans["end_s"].max()) if len(spans) else 0.0
+    min_width = t_max * MIN_ACTION_WIDTH
     for (rank, stream, name), group in spans.groupby(["rank", "stream", "name"], sort=False):
         y0, height = lane.get(stream, (0.5, 0.4))
-        bars = list(zip(group["start_s"], group["end_s"] - group["start_s"]))
-        ax.broken_barh(bars, (ranks.index(int(rank)) + y0, height),
+        action = stream == "compute" and name in PIPELINE_ACTIONS
+        widths = (group["end_s"] - group["start_s"]).to_numpy(float)
+        if action:          # over the ops it encloses; a zero-cost marker stays visible
+            widths = np.maximum(widths, min_width)
+        ax.broken_barh(list(zip(group["start_s"], widths)), (ranks.index(int(rank)) + y0, height),
                        facecolors=_colour(stream, name), edgecolor="none",
-                       zorder=1 if stream == "wait" else 2)
+                       zorder=1 if stream == "wait" else 3 if action else 2)
     ax.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks), 0)
     ax.set_xlabel("time (s)")
@@ -71,7 +91,7 @@ def _draw_timeline(ax, spans: pd.DataFrame) -> None:
 
 def timeline_png(record) -> bytes | None:
     """Per source, a row per device: compute above, communication below."""
-    spans = record.spans
+    spans, point = _last_point(record.spans)
     sources = _sources(spans)
     if not sources:
         return None
@@ -80,9 +100,10 @@ def timeline_png(record) -> bytes | None:
     axes = fig.subplots(len(sources), 1, squeeze=False)[:, 0]
     for ax, source in zip(axes, sources):
         _draw_timeline(ax, spans[spans["source"] == source])
-        ax.set_title(f"{source} timeline")
+        ax.set_title(f"{source} timeline{point}")
     present = [(k, c) for k, c in _COLOURS.items()
-               if (k in set(spans["name"]) and k in "FBIW") or k in set(spans["stream"])]
+               if (k in set(spans["name"]) and k in PIPELINE_ACTIONS)
+               or k in set(spans["stream"])]
     handles = [Patch(facecolor=c) for _, c in present]
     fig.legend(handles, [k for k, _ in present], loc="upper right", ncols=len(present))
     fig.tight_layout(rect=(0, 0, 1, 0.95))
@@ -91,7 +112,7 @@ def timeline_png(record) -> bytes | None:
 
 def time_breakdown_png(record) -> bytes | None:
     """Stacked compute / exposed communication / bubble seconds per device."""
-    devices = record.devices
+    devices, point = _last_point(record.devices)
     sources = _sources(devices)
     if not sources:
         return None
@@ -108,7 +129,7 @@ def time_breakdown_png(record) -> bytes | None:
         ax.set_xticks(x, [str(int(r)) for r in rows["rank"]])
         ax.set_xlabel("rank")
         ax.set_ylabel("seconds")
-        ax.set_title(f"{source}: compute vs communication vs bubble")
+        ax.set_title(f"{source}: compute vs communication vs bubble{point}")
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
     return _png(fig)
@@ -118,11 +139,11 @@ def predicted_vs_measured_png(record) -> bytes | None:
     """Measured beside predicted: mean step time and per-collective time (log scale)."""
     both = {"measured", "predicted"}
     rows: list[tuple[str, float, float]] = []
-    steps = record.steps
+    steps, point = _last_point(record.steps)
     if both <= set(steps["source"]):
         mean = steps.groupby("source")["time_s"].mean()
         rows.append(("step (mean)", float(mean["measured"]), float(mean["predicted"])))
-    coll = record.collectives
+    coll = _last_point(record.collectives)[0]
     if both <= set(coll["source"]):
         table = (coll.assign(axis=coll["axis"].fillna("-"))
                  .groupby(["collective", "axis", "source"])["time_s"].sum()
@@ -131,7 +152,7 @@ def predicted_vs_measured_png(record) -> bytes | None:
             if not (pd.isna(row.get("measured")) or pd.isna(row.get("predicted"))):
                 rows.append((f"{collective} [{axis}]", float(row["measured"]),
                              float(row["predicted"])))
-    devices = record.devices
+    devices = _last_point(record.devices)[0]
     if not rows and both <= set(devices["source"]):
         for column in ("compute_s", "comm_s"):
             mean = devices.groupby("source")[column].mean()
@@ -149,7 +170,7 @@ def predicted_vs_measured_png(record) -> bytes | None:
     ax.set_yscale("log")
     ax.set_xticks(x, [r[0] for r in rows], rotation=20, ha="right")
     ax.set_ylabel("seconds (log)")
-    ax.set_title("predicted vs measured")
+    ax.set_title(f"predicted vs measured{point}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return _png(fig)
@@ -164,15 +185,23 @@ def sweep_keys(record) -> list[str]:
     return [c for c in record.sweep.columns if "." in str(c)]
 
 
+def _sweep_figures(sweep: pd.DataFrame, keys: list[str]) -> list[str]:
+    """Numeric figures that vary across the points; times, fractions, ratios first."""
+    numeric = [c for c in sweep.columns if c not in keys and c != "point"
+               and pd.api.types.is_numeric_dtype(sweep[c])
+               and not pd.api.types.is_bool_dtype(sweep[c])
+               and sweep[c].nunique(dropna=True) > 1]
+    timing = [c for c in numeric if str(c).endswith(("_s", "fraction", "ratio"))]
+    return (timing + [c for c in numeric if c not in timing])[:MAX_SWEEP_PANELS]
+
+
 def sweep_png(record) -> bytes | None:
     """Each numeric headline figure of the sweep against the first varied key."""
     sweep = record.sweep
     if sweep is None or len(sweep) == 0:
         return None
     keys = sweep_keys(record)
-    figures = [c for c in sweep.columns if c not in keys
-               and pd.api.types.is_numeric_dtype(sweep[c])
-               and not pd.api.types.is_bool_dtype(sweep[c])][:MAX_SWEEP_PANELS]
+    figures = _sweep_figures(sweep, keys)
     if not figures:
         return None
     x_key = keys[0] if keys else None

@@ -400,3 +400,38 @@ def test_sweep_only_record(tmp_path, two_keys):
     assert [r["bubble_fraction"] for r in results["sweep"]] == \
         pytest.approx(record.sweep["bubble_fraction"].tolist())
     assert "## Sweep" in (out / "summary.md").read_text()
+
+
+def test_sweep_points_get_their_own_processes(run, tmp_path):
+    """A sweep's tables carry a ``point`` column: one trace process per (point, source)."""
+    base = _record(run)
+    two = lambda frame: pd.concat([frame.assign(point=0), frame.assign(point=1)],  # noqa: E731
+                                  ignore_index=True)[["point", *frame.columns]]
+    record = _record(run, spans=two(base.spans), devices=two(base.devices),
+                     steps=two(base.steps), collectives=two(base.collectives),
+                     sweep=pd.DataFrame({"workload.size": [1, 2], "step_time_s": [0.1, 0.3]}))
+    out = write_report(record, tmp_path / "r")
+    events = _strict_json(out / "trace.json")["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(processes) == [1, 2, 3, 4]
+    assert [processes[p].split(" (")[0] for p in (1, 2, 3, 4)] == \
+        ["measured, point 0", "predicted, point 0", "measured, point 1", "predicted, point 1"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == 2 * len(base.spans)
+    for pid in processes:
+        assert sorted({e["tid"] for e in complete if e["pid"] == pid}) == [0, 1, 2, 3]
+    for name in ("timeline", "time_breakdown", "predicted_vs_measured", "sweep"):
+        _is_png(out / f"{name}.png")
+
+
+def test_timeline_draws_pipeline_actions_in_their_colours(tmp_path):
+    schedule = make_schedule("zero_bubble", ranks=2, microbatches=3)
+    result = simulate_trace(traces_from_schedule(schedule, 1.0, 2.0, 0.5),
+                            SimpleCostModel.compute_only())
+    record = RunRecord(name="zb", mode="simulate", scenario={}, summary={},
+                       spans=reports.spans_from_simulation(result))
+    out = write_report(record, tmp_path / "r", formats=["png"])
+    pixels = _is_png(out / "timeline.png")[..., :3]
+    for colour in ("#4c72b0", "#8fd18f", "#dd8452"):       # F, I, W (reports/plots.py)
+        rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+        assert (np.abs(pixels - rgb) < 0.02).all(axis=-1).sum() > 500, colour

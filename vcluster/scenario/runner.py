@@ -35,6 +35,7 @@ from .workloads.base import compare
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
 
 RATIO_FLAG = 10.0          # compute / communication below this: communication dominates
+SYMMETRIC_FROM_DEVICES = 16   # simulate-only training above this many devices: symmetric
 
 #: summary keys by the modes that fill them (absent keys are not written)
 SUMMARY_KEYS = {
@@ -174,6 +175,19 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
 
 
 # --- simulation --------------------------------------------------------------------------
+def _representative_ranks(workload, scenario, setup):
+    """Ranks to trace at cluster scale: a training workload simulated alone on more than
+    :data:`SYMMETRIC_FROM_DEVICES` devices of a hardware model traces one pipeline (the
+    ranks of rank 0's ``pp`` group) and replays in symmetric mode — data- and
+    tensor-parallel peers mirror them (equal to the full replay, tests/test_simulate.py);
+    ``None`` (every rank) otherwise."""
+    mesh = workload.mesh
+    if (not workload.training or scenario.run.mode != "simulate" or setup.localhost
+            or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())):
+        return None
+    return list(mesh.group("pp", 0)) if "pp" in mesh.axes else [0]
+
+
 def _simulate(workload, scenario, bar) -> tuple:
     """Trace and replay; slow devices and links of ``faults`` slow the replay."""
     from vcluster.runtime.tracing import trace_program
@@ -181,13 +195,16 @@ def _simulate(workload, scenario, bar) -> tuple:
     from .hardware import cost_setup
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype)
-    traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank))
+    ranks = _representative_ranks(workload, scenario, setup)
+    traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank),
+                           ranks=ranks)
     if scenario.faults:
         from vcluster.faults.impact import simulate_with_faults
         result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],
                                       mesh=mesh, core_pool=setup.core_pool)
     else:
-        result = simulate_trace(traces, setup.costs, mesh=mesh, core_pool=setup.core_pool)
+        result = simulate_trace(traces, setup.costs, mesh=mesh, core_pool=setup.core_pool,
+                                symmetric=ranks is not None)
     bar.advance("simulate")
     return traces, result, setup
 

@@ -12,7 +12,9 @@
    :class:`~vcluster.timing.hardware_costs.HardwareCostModel`), symmetric mode.
 
 Outputs: step time; per device compute, communication, exposed communication and bubble
-time (means over the pipeline ranks); T_compute / T_comm; TFLOP/s per GPU counting the
+time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
+(embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
+communication charged to each as :mod:`vcluster.timing.results` defines); TFLOP/s per GPU counting the
 FLOPs actually executed (recomputation included, from the trace); MFU with the model
 FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh) over the peak of the compute dtype; peak memory
 per device (:mod:`pipeline_parallel.gpt_memory`) and whether it fits.
@@ -21,6 +23,7 @@ per device (:mod:`pipeline_parallel.gpt_memory`) and whether it fits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from vcluster.runtime.tracing import TraceCompute, trace_program
@@ -29,7 +32,8 @@ from .gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
 from .gpt_memory import gpt_memory
 from .stitch import coalesce, cut_templates, moved, stitch
 
-__all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "RATIO_FLAG", "TRACED_POSITIONS"]
+__all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS"]
 
 RATIO_FLAG = 10.0      # below this compute/communication ratio, communication dominates
 
@@ -51,16 +55,50 @@ class GPTSimulation:
     gpus: int
     microbatches: int
     hardware: str
+    ops: tuple = ()          # OpStats per op kind, seconds per device (mean over pp ranks)
 
     def to_json(self) -> dict:
+        """The fields as JSON values; a ratio without communication (infinite) is null."""
         out = dataclasses.asdict(self)
         out["memory"] = [dataclasses.asdict(m) | {"total_bytes": m.total_bytes}
                          for m in self.memory]
+        out["compute_comm_ratio"] = _finite(self.compute_comm_ratio)
+        out["ops"] = [{"op": o.op, "compute_s": o.compute_s, "comm_s": o.comm_s,
+                       "compute_comm_ratio": _finite(o.compute_comm_ratio),
+                       "low_ratio": o.compute_comm_ratio < RATIO_FLAG} for o in self.ops]
         return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 #: Pipeline positions traced for a deep pipeline: the first, one middle, the last.
 TRACED_POSITIONS = 3
+
+#: The op kinds of a GPT step, and the compute-op names (after "gpt: ") each begins with.
+#: A pre-LN block is LayerNorm + sublayer + residual: ln1 belongs to attention, ln2 to the
+#: MLP (whose unnamed inner products come from the FFN program: "x @ W1", ...).
+OP_KINDS = {
+    "embedding": ("embedding",),
+    "attention": ("attention", "ln1"),
+    "mlp": ("mlp", "ln2", "x @ W1", "h = x W1", "a = act", "a @ W2", "y + b2"),
+    "logits": ("logits", "head", "ce:", "final ln"),
+    "optimizer": ("optimizer",),
+}
+_INHERIT = ("residual",)       # the kind of the op before (see gpt_op_kind)
+
+
+def gpt_op_kind(name: str) -> str | None:
+    """The kind of a GPT compute op (a key of :data:`OP_KINDS`; ``"other"`` for a GPT op
+    of no known kind) from its name. None — the kind of the op before — for the residual
+    adds, which close the block they follow, and for names that are not the GPT's ops:
+    the executor's zero-cost action markers (``"0F3"``) and unnamed merged runs."""
+    rest = name[5:] if name.startswith("gpt: ") else name
+    for kind, prefixes in OP_KINDS.items():
+        if rest.startswith(prefixes):
+            return kind
+    return "other" if rest is not name and not rest.startswith(_INHERIT) else None
 
 
 def _short_microbatches(parallel: ParallelConfig) -> int:
@@ -87,8 +125,9 @@ def gpt_schedule(parallel: ParallelConfig):
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS) -> list:
-    """One training step's traces of the pipeline ranks of replica 0 (tp 0), compute runs
-    coalesced under ``costs`` (see :func:`~pipeline_parallel.stitch.coalesce`).
+    """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
+    compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
+    :func:`~pipeline_parallel.stitch.coalesce`).
 
     The GPT program is traced for a short step on a pipeline of ``p' = min(p,
     traced_positions)`` positions (``None``: all ``p``) with the same layers per stage,
@@ -119,8 +158,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     job = args[0][0]
     traces = trace_program(short_mesh, train_program, args, ranks=short_ranks)
     S_short, S = p_short * v, p * v
-    templates = [coalesce(cut_templates(t, job.actions[pos], S_short, m_short), costs)
-                 for pos, t in enumerate(traces)]
+    templates = [coalesce(cut_templates(t, job.actions[pos], S_short, m_short), costs,
+                          gpt_op_kind) for pos, t in enumerate(traces)]
     sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
 
     def short_stage(s):
@@ -161,7 +200,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     costs = HardwareCostModel(hw, dtype)
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions)
-    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False)
+    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
+                            op_kind=gpt_op_kind)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
@@ -181,4 +221,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
         peak_memory_gb=peak / 1e9, fits=peak <= hw.device.hbm_bytes, memory=memory,
-        gpus=n, microbatches=m, hardware=hw.name)
+        gpus=n, microbatches=m, hardware=hw.name,
+        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
+                                      comm_s=o.comm_s / len(full)) for o in result.op_stats))

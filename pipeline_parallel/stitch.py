@@ -80,28 +80,43 @@ def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int)
     return Templates(bodies, tuple(body), sizes)
 
 
-def coalesce(templates: Templates, costs) -> Templates:
+def coalesce(templates: Templates, costs, op_kind=None) -> Templates:
     """Templates whose runs of consecutive compute ops are merged into one op each, with
     the sum of their durations under ``costs`` as its ``seconds`` (replays the same time
-    with a fraction of the ops)."""
+    with a fraction of the ops). With ``op_kind`` (name -> kind, or None for "the previous
+    op's kind"), a run is cut where the kind changes and each merged op is named by its
+    kind, so that per-op accounting (:mod:`vcluster.timing.results`) sees the same kinds."""
+    def kinds_of(ops):
+        kinds, kind = [], None
+        for op in ops:
+            if isinstance(op, TraceCompute):
+                kind = op_kind(op.name) or kind
+            kinds.append(kind)
+        return kinds
+
     def merge(ops):
         out, run = [], []
+        kinds = kinds_of(ops) if op_kind is not None else [None] * len(ops)
 
-        def flush():
+        def flush(kind):
             if len(run) == 1:
                 out.append(run[0])
             elif run:
-                out.append(TraceCompute("compute", sum(o.flops for o in run),
+                out.append(TraceCompute(kind or "compute", sum(o.flops for o in run),
                                         sum(o.bytes for o in run),
                                         sum(costs.compute_time_s(o) for o in run)))
             run.clear()
-        for op in ops:
+        run_kind = None
+        for op, kind in zip(ops, kinds):
             if isinstance(op, TraceCompute):
+                if run and kind != run_kind:
+                    flush(run_kind)
                 run.append(op)
+                run_kind = kind
             else:
-                flush()
+                flush(run_kind)
                 out.append(op)
-        flush()
+        flush(run_kind)
         return tuple(out)
     return Templates({k: merge(v) for k, v in templates.bodies.items()}, merge(templates.tail),
                      templates.message_bytes)

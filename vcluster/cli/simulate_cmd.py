@@ -4,8 +4,9 @@
         --tp 8 --pp 8 --dp 16 --global-batch 1536 --micro-batch 1 --schedule 1f1b
 
 prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (compute,
-communication, exposed communication, bubble), the compute/communication ratio (flagged
-below 10) and peak memory per device; ``--json PATH`` writes the same figures. A
+communication, exposed communication, bubble), the compute/communication ratio for the
+step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
+peak memory per device; ``--json PATH`` writes the same figures. A
 configuration that does not fit the device memory is still simulated (``fits: false``).
 """
 
@@ -61,8 +62,19 @@ def _gpt(args) -> int:
     print(f"  compute / comm       {r.compute_comm_ratio:.1f}{flag}")
     print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
           f"({'fits' if r.fits else 'does NOT fit'})")
+    _print_ops(r.ops, RATIO_FLAG)
     if args.json:
         from .files import write_json
         write_json(args.json, r.to_json())
         print(f"wrote {args.json}")
     return 0
+
+
+def _print_ops(ops, flag_below: float) -> None:
+    """The per-op table: seconds per device, T_compute / T_comm, flagged below the bound."""
+    print(f"  {'op':<12}{'compute':>11}{'comm':>11}{'compute/comm':>14}")
+    for o in ops:
+        ratio = o.compute_comm_ratio
+        low = f"  < {flag_below:g}" if ratio < flag_below else ""
+        text = "no comm" if ratio == float("inf") else f"{ratio:.1f}"
+        print(f"  {o.op:<12}{o.compute_s:>10.3f}s{o.comm_s:>10.3f}s{text:>14}{low}")

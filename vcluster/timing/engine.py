@@ -26,7 +26,7 @@ from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, T
 from .costs import CostModel
 from .localhost_pool import as_core_pool
 from .replay import Replay, ReplayDeadlock
-from .results import RankStats, SimulationResult
+from .results import OpStats, RankStats, SimulationResult
 
 __all__ = ["simulate_trace", "traces_from_schedule", "ReplayDeadlock"]
 
@@ -109,7 +109,7 @@ def _gc_paused():
 def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
                    costs: CostModel, mesh=None, symmetric: bool = False,
                    stragglers: Mapping[int, float] | None = None, *,
-                   timeline: bool = True, core_pool=None) -> SimulationResult:
+                   timeline: bool = True, core_pool=None, op_kind=None) -> SimulationResult:
     """Replay ``traces`` on ``costs`` and return step time, per-rank accounting, timelines.
 
     ``mesh`` (optional, a :class:`mesh.Mesh`): every rank must lie in it and the result
@@ -121,6 +121,10 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     device has a core of its own): an int number of cores or a
     :class:`~vcluster.timing.localhost_pool.CorePoolSpec`; the devices' work then shares
     those cores (see "Core pool" in :mod:`vcluster.timing.replay`); not with ``symmetric``.
+    ``op_kind`` (optional): a function from a compute op's name to its kind (``"attention"``,
+    ``"mlp"``, ...) or None (the kind of the rank's previous compute op); the result's
+    ``op_stats`` then give each kind's compute and charged communication time (see
+    :mod:`vcluster.timing.results` for the attribution rule); not with ``core_pool``.
 
     Raises :class:`ReplayDeadlock` when some ranks can never finish, ``ValueError`` /
     ``TypeError`` / :class:`~vcluster.runtime.errors.CollectiveMismatch` on bad traces.
@@ -141,8 +145,14 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     if pool is not None and symmetric:
         raise ValueError("simulate_trace: a core_pool needs every rank's trace (untraced "
                          "ranks would not load the shared cores); use symmetric=False")
+    if op_kind is not None and not callable(op_kind):
+        raise TypeError(f"simulate_trace: op_kind must be a function name -> kind, got "
+                        f"{op_kind!r}")
+    if op_kind is not None and pool is not None:
+        raise ValueError("simulate_trace: op_kind (per-op accounting) is not available with a "
+                         "core_pool; pass one or the other")
     replay = Replay(ops, costs, symmetric=bool(symmetric), slowdown=slowdown,
-                    record=bool(timeline), limit=limit, core_pool=pool)
+                    record=bool(timeline), limit=limit, core_pool=pool, op_kind=op_kind)
     with _gc_paused():
         replay.run()
         return _result(replay, limit, bool(symmetric))
@@ -165,7 +175,23 @@ def _result(replay: Replay, limit: int | None, symmetric: bool) -> SimulationRes
                           for r in ranks)
     return SimulationResult(step_time_s=step, ranks=ranks, stats=stats, timelines=timelines,
                             devices=limit if limit is not None else len(ranks),
-                            symmetric=symmetric)
+                            symmetric=symmetric, op_stats=_op_stats(replay))
+
+
+def _op_stats(replay: Replay) -> tuple[OpStats, ...]:
+    """Per kind, compute and charged communication time summed over the traced ranks."""
+    if replay.kind_compute_s is None:
+        return ()
+    compute: dict[str, list] = {}
+    comm: dict[str, list] = {}
+    for r in replay.traces:
+        for kind, d in replay.kind_compute_s[r].items():
+            compute.setdefault(kind, []).append(d)
+        for kind, d in replay.kind_comm_s[r].items():
+            comm.setdefault(kind, []).append(d)
+    rows = [OpStats(kind, math.fsum(compute.get(kind, ())), math.fsum(comm.get(kind, ())))
+            for kind in {**compute, **comm}]
+    return tuple(sorted(rows, key=lambda o: (-o.compute_s, -o.comm_s, o.op)))
 
 
 def traces_from_schedule(schedule, cost_f: float, cost_b: float, cost_w: float,

@@ -63,18 +63,22 @@ __all__ = ["ReplayDeadlock", "Replay", "LATE"]
 
 _COMPUTE, _COMM, _P2P, _WAIT = Stream.COMPUTE, Stream.COMM, Stream.P2P, Stream.WAIT
 _new = tuple.__new__                                       # Interval without its __new__ wrapper
+_UNSEEN = object()
+OTHER = "other"                    #: the kind of work before a rank's first compute op
 
 
 class Replay(PooledReplayMixin):
     """One replay: its own ``simpy.Environment`` and all state (nothing is shared).
 
     ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
-    whether to keep timelines. Call :meth:`run` once; it fills ``end_s``, ``compute_s``,
-    ``exposed_s``, ``bubble_s`` (blocked part only), ``comm_s``, ``timelines``, ``last_s``.
+    whether to keep timelines; ``op_kind`` name -> op kind (per-op accounting, see
+    :mod:`vcluster.timing.results`). Call :meth:`run` once; it fills ``end_s``,
+    ``compute_s``, ``exposed_s``, ``bubble_s`` (blocked part only), ``comm_s``,
+    ``timelines``, ``last_s`` and, with ``op_kind``, ``kind_compute_s`` / ``kind_comm_s``.
     """
 
     def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
-                 record: bool, limit: int | None = None, core_pool=None):
+                 record: bool, limit: int | None = None, core_pool=None, op_kind=None):
         self.env = simpy.Environment()
         self._init_pool(core_pool)
         self.traces, self.costs, self.symmetric = traces, costs, symmetric
@@ -99,6 +103,10 @@ class Replay(PooledReplayMixin):
         self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
         self.timelines = {r: [] for r in ranks} if record else None
         self.last_s = 0.0
+        self.op_kind = op_kind                             # name -> kind (None: inherit)
+        self.kind_cache: dict = {}
+        self.kind_compute_s = {r: {} for r in ranks} if op_kind is not None else None
+        self.kind_comm_s = {r: {} for r in ranks} if op_kind is not None else None
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -124,6 +132,9 @@ class Replay(PooledReplayMixin):
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)
         drain = None
+        kinds = None if self.kind_compute_s is None else self.kind_compute_s[rank]
+        kind_comm = None if kinds is None else self.kind_comm_s[rank]
+        kind, unclaimed = OTHER, 0.0       # the last compute op's kind; receive time ahead
         while True:
             if i < n:
                 op = ops[i]
@@ -142,13 +153,21 @@ class Replay(PooledReplayMixin):
                         tl.append(_new(Interval, (i, op, t, t + d, _COMPUTE)))
                     t += d
                     busy += d
+                    if kinds is not None:
+                        kind = self._kind_of(op.name, kind)
+                        kinds[kind] = kinds.get(kind, 0.0) + d
+                        if unclaimed:                      # receives feed this op
+                            kind_comm[kind] = kind_comm.get(kind, 0.0) + unclaimed
+                            unclaimed = 0.0
                     i += 1
                     continue
                 if cls is TraceSend:
                     if pool is not None:                   # the sender's copy, then the send
                         share = self._p2p_shares(rank, op.peer, op.nbytes)[1]
                         t = (yield from self._serve(rank, t, share, (i, op)))[1]
-                    self._send(rank, i, op, t)
+                    d = self._send(rank, i, op, t)
+                    if kinds is not None:
+                        kind_comm[kind] = kind_comm.get(kind, 0.0) + d
                     i += 1
                     continue
                 if cls is TraceRecv:
@@ -169,10 +188,14 @@ class Replay(PooledReplayMixin):
                             f"rank {rank} op #{i} {op!r}: the matching send of rank {op.peer} "
                             f"(tag {op.tag}) carries {nbytes} bytes, not {op.nbytes}")
                     self.comm_s[rank] += end - start
+                    if kinds is not None:
+                        unclaimed += end - start
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, start, end, _P2P)))
                 elif cls is TraceCollective:
                     call = self._issue(rank, i, op, t)
+                    if kinds is not None:
+                        call.kinds[rank] = kind
                     if op.handle is not None:
                         i += 1
                         continue
@@ -215,6 +238,8 @@ class Replay(PooledReplayMixin):
                 t = (yield from self._serve(rank, t, share, (i, op)))[1]
             if i < n:
                 i += 1
+        if unclaimed:                                      # receives after the last compute
+            kind_comm[kind] = kind_comm.get(kind, 0.0) + unclaimed
         self.end_s[rank], self.compute_s[rank] = t, busy
         self.exposed_s[rank], self.bubble_s[rank] = exposed, bubble
 
@@ -236,7 +261,7 @@ class Replay(PooledReplayMixin):
             raise ValueError(f"rank {rank} op #{i} {op!r} {verb} rank {peer}, which has no "
                              f"trace; {hint}")
 
-    def _send(self, rank: int, i: int, op, t: float) -> None:
+    def _send(self, rank: int, i: int, op, t: float) -> float:
         dst = op.peer
         link = (rank, dst)
         state = self.links.get(link)
@@ -263,6 +288,7 @@ class Replay(PooledReplayMixin):
                 ev.succeed((start, end, op.nbytes, since))
             else:
                 self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
+        return d
 
     # ------------------------------------------------------------------ collectives
     def _group(self, rank: int, i: int, op) -> GroupInfo:
@@ -366,6 +392,8 @@ class Replay(PooledReplayMixin):
             for m in call.info.traced:
                 inflight[m].append(end)
                 comm_s[m] += d
+            if call.kinds:
+                self._charge(call, d)
             if tls is not None:
                 for m, (i, op) in call.calls.items():
                     tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
@@ -387,12 +415,30 @@ class Replay(PooledReplayMixin):
             self.last_s = end
         ends.append(end)
         self.comm_s[m] += d
+        if call.kinds:
+            self._charge(call, d)
         if self.timelines is not None:
             i, op = call.calls[m]
             self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
         call.done.succeed()
         if call.async_ranks:
             self.env.timeout(d, call).callbacks.append(self._end)
+
+    def _kind_of(self, name: str, previous: str) -> str:
+        """The kind of compute op ``name`` (``op_kind``; None: the previous op's kind)."""
+        kind = self.kind_cache.get(name, _UNSEEN)
+        if kind is _UNSEEN:
+            kind = self.op_kind(name)
+            if kind is not None and not isinstance(kind, str):
+                raise TypeError(f"op_kind({name!r}) returned {kind!r}; expected a str or None")
+            self.kind_cache[name] = kind
+        return previous if kind is None else kind
+
+    def _charge(self, call: Call, d: float) -> None:
+        """Book ``d`` seconds of ``call`` to each traced member's kind at its call."""
+        for m, kind in call.kinds.items():
+            comm = self.kind_comm_s[m]
+            comm[kind] = comm.get(kind, 0.0) + d
 
     def _end(self, event: Event) -> None:
         call = event.value

@@ -97,11 +97,12 @@ class Call:
 
     ``calls`` maps each member that called it to ``(op index, op)``; ``async_ranks`` lists
     the members that issued it asynchronously (their communication streams run it);
-    ``op`` is the call of the member with the lowest group position (priced by the model).
+    ``op`` is the call of the member with the lowest group position (priced by the model);
+    ``kinds`` the op kind each member's time is charged to (per-op accounting only).
     """
 
     __slots__ = ("info", "k", "op", "pos", "done", "calls", "async_ranks", "arrived",
-                 "ready_s", "start_s", "end_s")
+                 "ready_s", "start_s", "end_s", "kinds")
 
     def __init__(self, info: GroupInfo, k: int, op, pos: int, done):
         self.info, self.k, self.op, self.pos, self.done = info, k, op, pos, done
@@ -111,6 +112,7 @@ class Call:
         self.ready_s = 0.0
         self.start_s: float | None = None
         self.end_s: float | None = None
+        self.kinds: dict[int, str] = {}                   # member -> op kind it is charged to
 
     def __repr__(self) -> str:
         return (f"Call({self.op.collective} on {self.info.group}, call #{self.k}, "

@@ -29,6 +29,21 @@ collective or transfer of any rank):
 
 ``compute_comm_ratio`` = sum of ``compute_s`` / sum of ``comm_s`` over traced ranks.
 Timelines list :class:`Interval` records per rank, sorted by start.
+
+**Per op** (``simulate_trace(..., op_kind=f)``): ``f`` names the kind of each compute op
+(``"attention"``, ``"mlp"``, ... or None: the kind of the rank's previous compute op, the
+first such op of a rank is ``"other"``), and every communication op of a rank is charged
+to the op kind adjacent to it in that rank's program order, the op whose data it carries:
+
+* a collective (blocking or asynchronous) and a send: the kind of the last compute op
+  before it (the producer of what it sends or reduces);
+* a receive: the kind of the first compute op after it (the consumer of what it
+  brings), or of the last one if none follows.
+
+Each :class:`OpStats` holds, summed over the traced ranks, the busy time of the kind's
+compute ops and the durations (as ``comm_s`` counts them) of the communication charged to
+it; so the kinds' compute and comm add up to the step's, and
+``compute_s / comm_s`` is the op's T_compute / T_comm.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
-__all__ = ["Stream", "Interval", "RankStats", "SimulationResult"]
+__all__ = ["Stream", "Interval", "RankStats", "OpStats", "SimulationResult", "ratio"]
 
 
 class Stream(enum.Enum):
@@ -81,6 +96,28 @@ class RankStats:
     end_s: float
 
 
+def ratio(compute_s: float, comm_s: float) -> float:
+    """``compute_s / comm_s``: ``inf`` without communication, ``nan`` with neither."""
+    if comm_s == 0.0:
+        return math.inf if compute_s > 0.0 else math.nan
+    return compute_s / comm_s
+
+
+@dataclass(frozen=True)
+class OpStats:
+    """One op kind: its compute time and the communication time charged to it, summed
+    over the traced ranks (see "Per op" in the module doc)."""
+
+    op: str
+    compute_s: float
+    comm_s: float
+
+    @property
+    def compute_comm_ratio(self) -> float:
+        """T_compute / T_comm of this op (``inf`` without communication)."""
+        return ratio(self.compute_s, self.comm_s)
+
+
 _COLUMNS = ("compute_s", "comm_s", "exposed_comm_s", "bubble_s", "idle_s", "end_s")
 
 
@@ -91,7 +128,9 @@ class SimulationResult:
     ``ranks`` are the traced ranks (sorted); ``stats[i]`` and ``timelines[i]`` belong to
     ``ranks[i]`` (timelines are empty when recording was off). ``devices`` is the number of
     devices the result stands for (the mesh's size when given, else ``len(ranks)``);
-    ``symmetric`` says whether untraced ranks were assumed to mirror traced ones.
+    ``symmetric`` says whether untraced ranks were assumed to mirror traced ones;
+    ``op_stats`` the per-op accounting when the replay was given ``op_kind`` (else empty),
+    the largest compute first.
     """
 
     step_time_s: float
@@ -100,6 +139,7 @@ class SimulationResult:
     timelines: tuple[tuple[Interval, ...], ...]
     devices: int
     symmetric: bool = False
+    op_stats: tuple[OpStats, ...] = ()
 
     def _column(self, name: str) -> Mapping[int, float]:
         return MappingProxyType({s.rank: getattr(s, name) for s in self.stats})
@@ -133,11 +173,8 @@ class SimulationResult:
     def compute_comm_ratio(self) -> float:
         """Total compute time / total communication time (``inf`` without communication,
         ``nan`` with neither)."""
-        compute = math.fsum(s.compute_s for s in self.stats)
-        comm = math.fsum(s.comm_s for s in self.stats)
-        if comm == 0.0:
-            return math.inf if compute > 0.0 else math.nan
-        return compute / comm
+        return ratio(math.fsum(s.compute_s for s in self.stats),
+                     math.fsum(s.comm_s for s in self.stats))
 
     def stats_of(self, rank: int) -> RankStats:
         """The :class:`RankStats` of a traced ``rank``."""

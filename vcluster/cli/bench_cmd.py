@@ -32,6 +32,9 @@ def add_parser(commands) -> None:
                       help="algorithm for every op that has it (default auto)")
     coll.add_argument("--reps", type=positive_int, default=None,
                       help="timed repetitions (default: 50 up to 1 MiB, 10 up to 16 MiB, else 5)")
+    coll.add_argument("--engine", choices=["emulator", "torch"], default="emulator",
+                      help="torch: also run on local torch.distributed ranks (gloo on CPU) "
+                      "and print both engines' figures side by side")
     coll.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     coll.set_defaults(run=_collectives)
 
@@ -80,6 +83,18 @@ def _collectives(args) -> int:
         records = run_collectives_bench(
             cluster, args.sizes, args.ops, args.paths, args.dtype, args.algorithm, args.reps,
             progress=lambda rec: print(format_row(rec), flush=True))
+    if args.engine == "torch":
+        from vcluster.torchdist import TorchCluster
+        from .bench_collectives import format_comparison
+        with TorchCluster(Mesh((args.devices,), ("x",))) as cluster:
+            print(f"torch {cluster.info['torch_version']} ({cluster.info['torch_backend']}), "
+                  "same sizes:", flush=True)
+            theirs = run_collectives_bench(
+                cluster, args.sizes, args.ops, args.paths, args.dtype, "auto", args.reps,
+                progress=lambda rec: print(format_row(rec), flush=True))
+        print("\nemulator beside torch (median time per call, same run):")
+        print(format_comparison(records, theirs))
+        records += theirs
     _maybe_json(args.json, [asdict(r) for r in records])
     return 0
 

@@ -18,6 +18,10 @@ gather, scatter (n-1)/n; broadcast, reduce 1), in GB/s (1e9 bytes).
 Paths: ``resident`` — buffers from ``dev.empty`` and ``out=`` (all_reduce in place);
 ``copy`` — a plain numpy array in, a new array out. ``memcpy_gbps`` is a single-process
 ``np.copyto`` of S bytes measured in the same run, the bandwidth reference.
+
+``--engine torch`` runs the same program on local torch.distributed ranks too (gloo on
+CPU; ``algorithm`` is then the backend's name) and prints both engines' figures side by
+side (:func:`format_comparison`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor"]
+__all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor",
+           "format_comparison"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
        "gather", "scatter")
@@ -47,6 +52,7 @@ class BenchRecord:
     algbw_gbps: float
     busbw_gbps: float
     memcpy_gbps: float
+    engine: str = "emulator"
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -127,6 +133,7 @@ def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
     """Measure every (op, size, path) on ``cluster``; returns one record each."""
     from vcluster.runtime.algorithm import choose_algorithm
     n = cluster.mesh.size
+    backend = (getattr(cluster, "info", None) or {}).get("torch_backend")   # torch engine
     itemsize = np.dtype(dtype).itemsize
     records = []
     for op in ops:
@@ -141,9 +148,10 @@ def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
                            for i in range(r)]
                 median_s = float(np.median(per_rep))
                 algbw = nbytes / median_s / 1e9
+                alg = backend or choose_algorithm(op, nbytes, n, requested=algorithm)
                 records.append(BenchRecord(
-                    op, path, choose_algorithm(op, nbytes, n, requested=algorithm), str(dtype),
-                    n, nbytes, median_s, algbw, algbw * busbw_factor(op, n), memcpy))
+                    op, path, alg, str(dtype), n, nbytes, median_s, algbw,
+                    algbw * busbw_factor(op, n), memcpy, "torch" if backend else "emulator"))
                 if progress is not None:
                     progress(records[-1])
     return records
@@ -171,3 +179,21 @@ def format_header() -> str:
 
 def format_table(records: list[BenchRecord]) -> str:
     return "\n".join([format_header()] + [format_row(r) for r in records])
+
+
+def format_comparison(emulator: list[BenchRecord], torch: list[BenchRecord]) -> str:
+    """The two engines' figures for the same (op, path, bytes), side by side."""
+    from .units import format_size
+    other = {(r.op, r.path, r.bytes): r for r in torch}
+    lines = [f"{'op':<15}{'path':<10}{'bytes':>9}{'emulator':>12}{'busbw':>9}"
+             f"{'torch':>12}{'busbw':>9}{'torch/emulator':>16}",
+             f"{'':<34}{'(' + (emulator[0].algorithm if emulator else '') + ')':>12}"
+             f"{'(GB/s)':>9}{'(' + (torch[0].algorithm if torch else '') + ')':>12}{'(GB/s)':>9}"]
+    for e in emulator:
+        t = other.get((e.op, e.path, e.bytes))
+        if t is None:
+            continue
+        lines.append(f"{e.op:<15}{e.path:<10}{format_size(e.bytes):>9}{_fmt_time(e.median_s):>12}"
+                     f"{e.busbw_gbps:>9.3f}{_fmt_time(t.median_s):>12}{t.busbw_gbps:>9.3f}"
+                     f"{t.median_s / e.median_s:>15.2f}x")
+    return "\n".join(lines)

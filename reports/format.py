@@ -7,9 +7,10 @@ import numbers
 
 import pandas as pd
 
-__all__ = ["fmt", "formatted", "steps_overview", "MAX_ROWS"]
+__all__ = ["fmt", "formatted", "steps_overview", "shown_checks", "MAX_ROWS", "MAX_CHECK_ROWS"]
 
 MAX_ROWS = 64          # longer tables are shown in part; the CSV holds every row
+MAX_CHECK_ROWS = 12    # more checks than this: the failed ones are listed, then a count
 
 
 def fmt(value) -> str:
@@ -48,3 +49,17 @@ def steps_overview(steps: pd.DataFrame) -> pd.DataFrame:
             row["last_loss"] = group.sort_values("step")["loss"].iloc[-1]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def shown_checks(checks) -> tuple[list, str]:
+    """The checks to list and a note on the others: all of them when there are at most
+    :data:`MAX_CHECK_ROWS`; else every failed check (at least the first few), and the
+    note says how many passed checks are not listed (results.json holds every check)."""
+    checks = [dict(c) for c in checks]
+    if len(checks) <= MAX_CHECK_ROWS:
+        return checks, ""
+    failed = [c for c in checks if not bool(c["passed"])]
+    shown = failed or checks[:MAX_CHECK_ROWS]
+    hidden = len(checks) - len(shown)
+    return shown, (f"{hidden} more checks, all passed, are listed in results.json"
+                   if hidden else "")

@@ -8,7 +8,7 @@ from html import escape
 
 import pandas as pd
 
-from reports.format import MAX_ROWS, fmt, formatted, steps_overview
+from reports.format import MAX_ROWS, fmt, formatted, shown_checks, steps_overview
 from reports.tables import record_tables
 
 __all__ = ["html_table", "report_html", "record_html", "PLOT_TITLES"]
@@ -16,7 +16,8 @@ __all__ = ["html_table", "report_html", "record_html", "PLOT_TITLES"]
 PLOT_TITLES = {"timeline": "Timeline per device (F/B/W compute, communication)",
                "time_breakdown": "Compute vs communication vs bubble per device",
                "predicted_vs_measured": "Predicted vs measured",
-               "sweep": "Sweep"}
+               "sweep": "Sweep",
+               "goodput": "Goodput under failures vs checkpoint interval"}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#222;
@@ -34,7 +35,7 @@ th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:right}
 th{background:#e8eef7}tr:nth-child(even) td{background:#f7f9fc}
 td.ok{background:#c8e6c9 !important}td.bad{background:#ffcdd2 !important}
 img{max-width:100%;border:1px solid #ddd;margin:6px 0}
-.note{color:#666;font-size:12px}
+.note{color:#666;font-size:12px}.wide{overflow-x:auto;max-width:100%}
 """
 
 
@@ -42,7 +43,8 @@ def html_table(frame: pd.DataFrame) -> str:
     """An HTML table of ``frame`` (formatted, escaped, first rows only)."""
     if len(frame) == 0:
         return '<p class="note">(no rows)</p>'
-    table = formatted(frame).to_html(index=False, border=0, escape=True)
+    table = ('<div class="wide">' + formatted(frame).to_html(index=False, border=0, escape=True)
+             + "</div>")
     if len(frame) > MAX_ROWS:
         table += f'<p class="note">{len(frame) - MAX_ROWS} more rows in the CSV file.</p>'
     return table
@@ -55,15 +57,24 @@ def _cards(summary) -> str:
 
 
 def _checks(checks) -> str:
+    shown, note = shown_checks(checks)
     rows = []
-    for c in checks:
+    for c in shown:
         ok = bool(c["passed"])
         rows.append(f'<tr><td style="text-align:left">{escape(str(c["name"]))}</td>'
                     f'<td class="{"ok" if ok else "bad"}">{"pass" if ok else "FAIL"}</td>'
                     f'<td>{escape(fmt(c.get("max_abs_error")))}</td>'
                     f'<td>{escape(fmt(c.get("tolerance")))}</td></tr>')
+    note = f'<p class="note">{escape(note)}</p>' if note else ""
     return ("<table><tr><th>check</th><th>result</th><th>max abs error</th>"
-            f"<th>tolerance</th></tr>{''.join(rows)}</table>")
+            f"<th>tolerance</th></tr>{''.join(rows)}</table>{note}")
+
+
+def _sweep_note(record) -> str:
+    if record.sweep is None:
+        return ""
+    return ('<p class="note">A sweep: these are the last point\'s figures; every point\'s '
+            'are in the Sweep table.</p>')
 
 
 def _head(record) -> list[str]:
@@ -73,7 +84,7 @@ def _head(record) -> list[str]:
              f'<b>{escape(record.hardware or "-")}</b> · '
              f'<span class="badge {"pass" if passed else "fail"}">'
              f'{"checks passed" if passed else "checks FAILED"}</span></div>',
-             "<h2>Headline figures</h2>", _cards(record.summary)]
+             "<h2>Headline figures</h2>", _sweep_note(record), _cards(record.summary)]
     if record.checks:
         parts += ["<h2>Checks</h2>", _checks(record.checks)]
     return parts

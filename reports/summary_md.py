@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from reports.format import MAX_ROWS, fmt, formatted, steps_overview
+from reports.format import MAX_ROWS, fmt, formatted, shown_checks, steps_overview
 from reports.tables import record_tables
 
 __all__ = ["markdown_table", "summary_markdown"]
@@ -17,7 +17,7 @@ def _cell(text: str) -> str:
 def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub-flavoured Markdown table of ``frame`` (formatted, first rows only)."""
     if len(frame.columns) == 0:
-        return "_(empty)_\n"
+        return "_(no rows)_\n"
     if len(frame) == 0:
         return "_(no rows)_\n"
     shown = formatted(frame)
@@ -38,11 +38,17 @@ def summary_markdown(record, files: dict) -> str:
            f"checks: **{status}** ({sum(bool(c['passed']) for c in record.checks)}"
            f"/{len(record.checks)})\n",
            "\n## Headline figures\n\n"]
+    if record.sweep is not None:
+        out.append("_A sweep: these are the last point's figures; every point's are in "
+                   "the Sweep table._\n\n")
     summary = pd.DataFrame({"figure": list(record.summary),
                             "value": [fmt(v) for v in record.summary.values()]})
     out.append(markdown_table(summary))
     if record.checks:
-        out += ["\n## Checks\n\n", markdown_table(pd.DataFrame([dict(c) for c in record.checks]))]
+        shown, note = shown_checks(record.checks)
+        out += ["\n## Checks\n\n", markdown_table(pd.DataFrame(shown))]
+        if note:
+            out.append(f"\n_{note}._\n")
     tables = record_tables(record)
     out += ["\n## Devices\n\n", markdown_table(tables["devices"]),
             "\n## Collectives\n\n", markdown_table(tables["collectives"]),

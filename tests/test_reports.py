@@ -435,3 +435,18 @@ def test_timeline_draws_pipeline_actions_in_their_colours(tmp_path):
     for colour in ("#4c72b0", "#8fd18f", "#dd8452"):       # F, I, W (reports/plots.py)
         rgb = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
         assert (np.abs(pixels - rgb) < 0.02).all(axis=-1).sum() > 500, colour
+
+
+@pytest.mark.parametrize("failing", [(), (3, 17)])
+def test_many_checks_list_the_failures(tmp_path, failing):
+    checks = tuple({"name": f"rank{i}", "passed": i not in failing, "max_abs_error": 0.0,
+                    "tolerance": 1e-6} for i in range(40))
+    record = RunRecord(name="many", mode="emulate", scenario={}, summary={}, checks=checks)
+    out = write_report(record, tmp_path / "r", formats=["md", "html"])
+    md, html = (out / "summary.md").read_text(), (out / "report.html").read_text()
+    listed = [f"rank{i}" for i in range(40) if f"| rank{i} |" in md]
+    expected = [f"rank{i}" for i in failing] or [f"rank{i}" for i in range(12)]
+    assert listed == expected
+    assert f"{40 - len(expected)} more checks, all passed" in md
+    assert html.count("<td class=\"bad\">FAIL</td>") == len(failing)
+    assert len(_strict_json(out / "results.json")["checks"]) == 40

@@ -17,6 +17,22 @@ from .semantics import check_semantics
 __all__ = ["load_scenario", "parse_override", "scenario_from_dict", "sweep_points"]
 
 
+def _yaml_load(text: str):
+    """``yaml.safe_load`` that also reads ``1e-4`` as a number (YAML 1.2 floats; PyYAML's
+    1.1 rules need a dot, ``1.0e-4``)."""
+    import re
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """``"a.b=value"`` -> ``("a.b", yaml(value))``."""
     import yaml
@@ -26,7 +42,7 @@ def parse_override(text: str) -> tuple[str, object]:
         raise ScenarioError("--set", text, "KEY.PATH=VALUE, e.g. parallel.tp=4",
                             "not a key path and a value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _yaml_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ScenarioError(f"--set {key}", raw, "a YAML value (number, text, true/false, "
                             "[list], {mapping})", f"not valid YAML: {exc}") from None
@@ -38,7 +54,7 @@ def _read(path: Path) -> dict:
     if not path.is_file():
         raise ScenarioError("FILE", str(path), "an existing scenario YAML file", "no such file")
     try:
-        document = yaml.safe_load(path.read_text("utf-8"))
+        document = _yaml_load(path.read_text("utf-8"))
     except yaml.YAMLError as exc:
         raise ScenarioError("<root>", str(path), "a YAML mapping", f"not valid YAML: {exc}") \
             from None

@@ -239,10 +239,31 @@ def test_full_report(run, tmp_path):
     assert f"{record.summary['step_time_s']:.4g}" in html
 
 
+#: The parts of the Trace Event Format (Chrome tracing / Perfetto JSON importer) we emit.
+TRACE_SCHEMA = {
+    "type": "object", "required": ["traceEvents"],
+    "properties": {"traceEvents": {"type": "array", "items": {"oneOf": [
+        {"type": "object", "required": ["ph", "name", "cat", "ts", "dur", "pid", "tid"],
+         "properties": {"ph": {"const": "X"}, "name": {"type": "string"},
+                        "cat": {"type": "string"}, "ts": {"type": "number"},
+                        "dur": {"type": "number", "minimum": 0},
+                        "pid": {"type": "integer"}, "tid": {"type": "integer"},
+                        "args": {"type": "object"}}},
+        {"type": "object", "required": ["ph", "name", "pid", "tid", "args"],
+         "properties": {"ph": {"const": "M"},
+                        "name": {"enum": ["process_name", "thread_name",
+                                          "process_sort_index", "thread_sort_index"]},
+                        "pid": {"type": "integer"}, "tid": {"type": "integer"},
+                        "args": {"type": "object"}}}]}},
+        "displayTimeUnit": {"enum": ["ms", "ns"]}}}
+
+
 def test_trace_json_has_one_track_per_device(run, tmp_path):
+    import jsonschema
     record = _record(run)
     out = write_report(record, tmp_path / "r", formats=["trace"])
     trace = _strict_json(out / "trace.json")
+    jsonschema.validate(trace, TRACE_SCHEMA)
     events = trace["traceEvents"]
     complete = [e for e in events if e["ph"] == "X"]
     assert len(complete) == len(record.spans)

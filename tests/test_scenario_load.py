@@ -146,3 +146,24 @@ def test_build_workload_gives_per_rank_inputs_and_a_reference():
     assert a.shape == (256 // 2, 512 // 4) and b.shape == (512, 256) and dc is None
     ref = w.reference()
     assert set(ref) == {"C"} and ref["C"].shape == (256, 256)
+
+
+def test_every_schema_key_is_documented():
+    from vcluster.scenario.schema import KINDS, _PARALLEL, _WORKLOAD
+    doc = (ROOT / "docs" / "scenario.md").read_text()
+    props = scenario_schema()["properties"]
+    paths = list(props)
+    for section in ("cluster", "run", "report", "workload"):
+        paths += [f"{section}.{k}" for k in props[section]["properties"]]
+    paths += [f"hardware.{k}" for k in props["hardware"]["anyOf"][1]["properties"]]
+    for kind in KINDS:
+        paths += [f"workload.{k}" for k in _WORKLOAD[kind]]
+        paths += [f"parallel.{k}" for k in _PARALLEL[kind]]
+    missing = [p for p in paths if f"`{p}`" not in doc]
+    assert not missing, missing
+
+
+def test_readme_main_job_is_the_quickstart_scenario():
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install -e . && vcluster run scenarios/quickstart.yaml" in readme
+    assert (ROOT / "scenarios" / "quickstart.yaml").is_file()

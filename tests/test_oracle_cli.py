@@ -118,3 +118,27 @@ def test_run_engine_torch_and_mlp_golden(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
     # the golden is the numpy reference's training step, not just the emulator's word
     assert np.isfinite(golden.results(3)["losses"]).all()
+
+
+def test_torchrun_launch_matches_the_golden(tmp_path):
+    """``torchrun ... -m vcluster.torchdist.run FILE --out DIR`` (the multi-node entry,
+    here one node with 4 processes) writes results that ``oracle check`` accepts; a
+    world size that does not fit the mesh is refused, naming both."""
+    pytest.importorskip("torch")
+    scenario = FFN.split("sweep:")[0]
+    (tmp_path / "ffn.yaml").write_text(scenario)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(torchrun + ["--nproc-per-node", "4", "-m", "vcluster.torchdist.run",
+                                      "ffn.yaml", "--out", "tr", "--backend", "gloo"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "tr" / "manifest.json").read_text())
+    assert manifest["engine"] == "torch" and manifest["scenario"]["launcher"] == "torchrun"
+    assert vcluster("oracle", "export", "ffn.yaml", "--out", "gold", cwd=tmp_path).returncode == 0
+    check = vcluster("oracle", "check", "gold", "--actual", "tr", cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    wrong = subprocess.run(torchrun + ["--nproc-per-node", "2", "-m", "vcluster.torchdist.run",
+                                       "ffn.yaml", "--out", "tr2"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert wrong.returncode != 0 and "needs [4] devices" in wrong.stderr
+    assert "WORLD_SIZE=2" in wrong.stderr

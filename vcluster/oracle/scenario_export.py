@@ -18,14 +18,17 @@ from .capture import engine_description, golden_from_run
 from .compare import Comparison, Mismatch, compare
 from .golden import load_golden, save_golden
 
-__all__ = ["export_scenario", "check_dirs", "golden_dirs", "describe_engine", "ExportError"]
+__all__ = ["export_scenario", "check_dirs", "golden_dirs", "describe_engine",
+           "scenario_layouts", "ExportError"]
 
 
 class ExportError(RuntimeError):
     """The emulator's results disagree with the numpy reference: no golden is written."""
 
 
-def _layouts(point, workload) -> dict:
+def scenario_layouts(point, workload) -> dict:
+    """What a golden records as layouts: the scenario's parallel section and the
+    operation (its repr names every tensor's layout)."""
     out = {f"parallel.{k}": json.dumps(v, default=str) for k, v in dict(point.parallel).items()}
     for arg in workload.args_by_rank[0]:
         if hasattr(arg, "sharding"):
@@ -57,7 +60,7 @@ def export_scenario(path, out_dir, engine: str = "emulator", overrides=()) -> li
                                       f"the numpy reference ({bad[0]}); no golden written")
             golden = golden_from_run(
                 workload.mesh, workload.args_by_rank, outputs, name=scenario.name,
-                seed=point.workload.seed, layouts=_layouts(point, workload),
+                seed=point.workload.seed, layouts=scenario_layouts(point, workload),
                 scenario={"file": os.path.abspath(os.fspath(path)), "point": values,
                           "document": point.document},
                 engine=engine_description(cluster))

@@ -16,7 +16,8 @@ from vcluster.scenario import load_scenario, run_scenario, sweep_points
 from vcluster.scenario.runner import SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((ROOT / "scenarios").glob("*.yaml"))
+# faults.yaml (a crash and a restart) runs through the CLI in tests/test_faults_scenario.py
+EXAMPLES = sorted(p for p in (ROOT / "scenarios").glob("*.yaml") if p.stem != "faults")
 FAST = {"quickstart", "matmul_layouts", "transformer_simulate"}
 pytestmark = pytest.mark.timeout(600)
 
@@ -141,3 +142,51 @@ def test_run_scenario_record_and_independent_reference():
     assert set(record.devices["rank"]) == set(range(8))
     assert record.summary["measured_bytes_sent"] + record.summary[
         "measured_bytes_received"] > 0
+
+
+def _localhost_spec_file(path: Path) -> Path:
+    """A plausible 2-core calibration (the figures tests/test_localhost.py uses)."""
+    from vcluster.timing.localhost import LocalhostSpec, save_localhost_spec
+    mib = 1 << 20
+    save_localhost_spec(LocalhostSpec(
+        cores=2, pool_throughput=((2, 1.9), (8, 1.8)),
+        gemm_float32_flops_per_s=125e9, gemm_float64_flops_per_s=60e9,
+        vector_float32_flops_per_s=0.8e9, vector_float64_flops_per_s=0.4e9,
+        vector_busy_speedup=1.8, memcpy_bytes_per_s=11e9, iadd_bytes_per_s=12e9,
+        memcpy_busy_speedup=1.5, compute_overhead_s=3e-6, group_sizes=(2, 4, 8),
+        barrier_s=(30e-6, 70e-6, 200e-6), small_all_reduce_s=(70e-6, 160e-6, 450e-6),
+        large_all_reduce_s=(150e-6, 400e-6, 1.3e-3), channel_copy_bytes_per_s=6.5e9,
+        channel_reduce_bytes_per_s=7e9, channel_all_reduce_bytes_per_s=7.5e9,
+        channel_fixed_s=(1e-3, 1.4e-3, 1.2e-3), p2p_latency_s=60e-6,
+        p2p_copy_bytes_per_s=7.5e9, calibration_devices=8,
+        message_bytes=(256 << 10, 2 * mib, 32 * mib)), path)
+    return path
+
+
+def test_localhost_hardware_from_a_saved_calibration(tmp_path):
+    spec = _localhost_spec_file(tmp_path / "machine.json")
+    s = load_scenario(ROOT / "scenarios" / "mlp_dp_pp_tp.yaml",
+                      ["run.mode=both", "run.steps=1",
+                       f"hardware={{name: localhost, calibration: {spec}}}"])
+    record = run_scenario(s)
+    summary = record.summary
+    assert summary["hardware"] == "localhost" and summary["traffic_matches"] is True
+    assert summary["predicted_over_measured"] == pytest.approx(
+        summary["predicted_step_time_s"] / summary["measured_step_time_s"])
+    assert summary["predicted_over_measured"] > 0
+
+
+@pytest.mark.slow
+def test_localhost_hardware_calibrated_on_the_spot(tmp_path):
+    s = load_scenario(ROOT / "scenarios" / "collective_all_reduce.yaml",
+                      ["hardware=localhost", "workload.size=256KiB"])
+    record = run_scenario(s)
+    assert record.summary["hardware"] == "localhost"
+    assert record.summary["predicted_over_measured"] > 0
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "schema"])
+def test_help(command):
+    proc = subprocess.run([sys.executable, "-m", "vcluster", command, "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage: vcluster " + command in proc.stdout

@@ -47,8 +47,10 @@ def activation_grad(name: str, z, da):
 
 
 def one_hot(labels, classes: int, dtype) -> np.ndarray:
-    out = np.zeros((len(labels), classes), dtype)
-    out[np.arange(len(labels)), np.asarray(labels, dtype=np.int64)] = 1
+    """(len(labels), classes) rows of zeros with a 1 at each label (an integer array; a
+    shape-only array when traced: the result then is one too)."""
+    out = np.zeros_like(labels, dtype=dtype, shape=(len(labels), classes))
+    out[np.arange(len(labels)), labels.astype(np.int64, copy=False)] = 1
     return out
 
 

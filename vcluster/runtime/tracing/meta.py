@@ -57,6 +57,23 @@ def _result_dtype(inputs, ufunc=None):
     return np.result_type(*arrays, *scalars)
 
 
+def _index(key):
+    """``key`` with its meta arrays (traced integer index arrays) replaced by stand-ins of
+    their shape and dtype: numpy then works out the indexed shape."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if not any(isinstance(k, MetaArray) for k in keys):
+        return key
+    out = []
+    for k in keys:
+        if isinstance(k, MetaArray):
+            if k.dtype.kind not in "iu":
+                raise TypeError(f"tracing: indexing by a meta array of {k.dtype} (a boolean "
+                                "mask's result depends on values); index by integer arrays")
+            k = _standin(k.shape, k.dtype)
+        out.append(k)
+    return tuple(out) if isinstance(key, tuple) else out[0]
+
+
 class MetaArray:
     """Shape and dtype only; see the module docstring."""
 
@@ -115,9 +132,11 @@ class MetaArray:
         return MetaArray(out.shape, out.dtype)
 
     def __getitem__(self, key) -> "MetaArray":
+        key = _index(key)
         return self._view(lambda a: a[key])
 
     def __setitem__(self, key, value) -> None:
+        key = _index(key)
         self._view(lambda a: a[key])      # validates the index, writes nothing
 
     def reshape(self, *shape, order="C") -> "MetaArray":

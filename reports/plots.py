@@ -30,8 +30,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from reports.tables import sweep_keys
+
 __all__ = ["PLOT_NAMES", "timeline_png", "time_breakdown_png", "predicted_vs_measured_png",
-           "sweep_png", "record_plots", "sweep_keys"]
+           "sweep_png", "record_plots"]
 
 PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep")
 DPI = 100
@@ -174,15 +176,6 @@ def predicted_vs_measured_png(record) -> bytes | None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return _png(fig)
-
-
-def sweep_keys(record) -> list[str]:
-    """The varied key paths of a sweep: ``record.sweep_keys`` when given, else the
-    sweep table's dotted column names (``parallel.tp``)."""
-    given = list(getattr(record, "sweep_keys", ()) or ())
-    if given or record.sweep is None:
-        return given
-    return [c for c in record.sweep.columns if "." in str(c)]
 
 
 def _sweep_figures(sweep: pd.DataFrame, keys: list[str]) -> list[str]:

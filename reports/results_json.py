@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.plots import sweep_keys
-from reports.tables import record_tables
+from reports.tables import record_tables, sweep_keys
 
 __all__ = ["json_safe", "results_dict", "RESULT_KEYS"]
 

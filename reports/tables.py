@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-__all__ = ["TABLE_NAMES", "record_tables", "write_tables"]
+__all__ = ["TABLE_NAMES", "record_tables", "write_tables", "sweep_keys"]
 
 TABLE_NAMES = ("devices", "collectives", "steps", "sweep")
 
@@ -32,3 +32,12 @@ def write_tables(record, directory: Path) -> dict[str, str]:
         frame.to_csv(Path(directory) / file_name, index=False)
         files[name] = file_name
     return files
+
+
+def sweep_keys(record) -> list[str]:
+    """The varied key paths of a sweep: ``record.sweep_keys`` when the record has them,
+    else the sweep table's dotted column names (``parallel.tp``); ``[]`` without a sweep."""
+    given = list(getattr(record, "sweep_keys", ()) or ())
+    if given or record.sweep is None:
+        return given
+    return [c for c in record.sweep.columns if "." in str(c)]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from reports.chrome_trace import write_chrome_trace
 from reports.html import report_html
-from reports.plots import record_plots
 from reports.results_json import results_dict
 from reports.summary_md import summary_markdown
 from reports.tables import write_tables
@@ -48,7 +47,10 @@ def _write_files(record, directory: Path, formats: frozenset[str]) -> dict:
     files: dict = {}
     if "csv" in formats:
         files["tables"] = write_tables(record, directory)
-    plots = record_plots(record) if formats & {"png", "html"} else {}
+    plots = {}
+    if formats & {"png", "html"}:
+        from reports.plots import record_plots      # matplotlib: only when plots are drawn
+        plots = record_plots(record)
     if "png" in formats:
         files["plots"] = {}
         for name, png in plots.items():

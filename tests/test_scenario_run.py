@@ -190,3 +190,35 @@ def test_help(command):
     proc = subprocess.run([sys.executable, "-m", "vcluster", command, "--help"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "usage: vcluster " + command in proc.stdout
+
+
+def test_progress_bar_on_a_terminal_and_quiet_silences_it(tmp_path):
+    """On a (pseudo-)terminal the run shows a rich progress bar on stderr; --quiet hides
+    it (without a terminal it never shows: see test_quickstart_...)."""
+    import os
+    import pty
+
+    def run(*extra) -> str:
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vcluster", "run",
+             str(ROOT / "scenarios" / "collective_all_reduce.yaml"), "--mode", "emulate",
+             "--set", "workload.size=4KiB", "--out", str(tmp_path / "r"), *extra],
+            cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=slave, env=dict(os.environ, TERM="xterm", COLUMNS="100"))
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:                   # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=120) == 0
+        os.close(master)
+        return b"".join(chunks).decode(errors="replace")
+
+    assert "vcluster run collective_all_reduce" in run()
+    assert run("--quiet") == ""

@@ -177,6 +177,14 @@ class Pipeline:
         """The mesh rank holding stage ``index`` in the pipeline that ``rank`` belongs to."""
         return self.group_of(rank)[self.stage(index).position]
 
+    def _repr_html_(self) -> str:
+        """For notebooks: the pipelines' mesh ranks by position, then the schedule grid."""
+        import html
+        groups = "; ".join(" -> ".join(map(str, g)) for g in self.rank_groups)
+        return (f"<div><b>{html.escape(repr(self))}</b></div><div>pipelines over "
+                f"{html.escape(self.axis)} (mesh ranks by position): {html.escape(groups)}"
+                f"</div>{self.schedule._repr_html_()}")
+
     def __repr__(self) -> str:
         return (f"Pipeline(mesh={self.mesh!r}, axis={self.axis!r}, stages={self.stages}, "
                 f"microbatches={self.microbatches}, schedule={self.schedule.name!r})")

@@ -158,3 +158,14 @@ def test_run_record_html():
     assert devices[1][:4] == ["measured", "0", "(0,)", "0.1"]
     assert ".vcluster-record h1" in text and "\nbody{" not in text
     assert np.isclose(float(devices[1][6]), 0.005)
+
+
+def test_pipeline_html_lists_the_rank_groups_and_the_grid():
+    from pipelining import Pipeline
+    mesh = Mesh((2, 3), ("dp", "pp"))
+    pipe = Pipeline(mesh, "pp", microbatches=4)
+    text = pipe._repr_html_()
+    assert "0 -&gt; 1 -&gt; 2; 3 -&gt; 4 -&gt; 5" in text         # mesh.groups("pp")
+    assert [list(g) for g in mesh.groups("pp")] == [[0, 1, 2], [3, 4, 5]]
+    grid = _Tables(text).tables[0]
+    assert grid[0] == ["step", "rank 0", "rank 1", "rank 2"]

@@ -180,3 +180,61 @@ def test_bench_collectives_engine_torch(tmp_path):
     assert {r["algorithm"] for r in records if r["engine"] == "torch"} == {"gloo"}
     table = proc.stdout.split("emulator beside torch")[1]
     assert sum(line.startswith(("all_reduce", "all_gather")) for line in table.splitlines()) == 4
+
+
+def _only_rank0_reduces(dev):
+    if dev.rank == 0:
+        return dev.all_reduce(np.ones(3), None)
+    return None
+
+
+def _sleep(dev, seconds):
+    import time
+    time.sleep(seconds)
+    return dev.rank
+
+
+def test_waits_time_out_naming_who_waits_and_no_process_survives():
+    """A collective whose peer never comes fails after the group timeout, naming the
+    waiting rank, the call and the group; a run over run_timeout_s names the busy ranks;
+    after close() no rank and no launcher process is left."""
+    import os
+    import time
+    mesh = Mesh((2,), ("x",))
+    cluster = TorchCluster(mesh, backend="gloo", timeout_s=2.0, run_timeout_s=20.0)
+    pids, launcher = cluster.pids, cluster._launcher
+    assert len(pids) == 2 and all(p > 0 for p in pids)
+    start = time.monotonic()
+    text = C.check_run_raises(cluster, mesh, _only_rank0_reduces, [()] * 2, "CollectiveTimeout")
+    assert time.monotonic() - start < 15
+    assert "rank 0: all_reduce over group [0, 1] (axis=None) failed or timed out" in text
+    cluster.restart()
+    from vcluster.runtime.errors import HostTimeout
+    with pytest.raises(HostTimeout, match=r"ranks \[0, 1\] did not finish _sleep within 1 s"):
+        cluster.run(_sleep, [(30,)] * 2, timeout_s=1.0)
+    pids = cluster.pids
+    cluster.close()
+    assert launcher.poll() is not None
+    for pid in pids + [cluster._launcher.pid]:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"process {pid} survived close()")
+
+
+def test_importable_without_torch():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import vcluster, vcluster.torchdist, vcluster.oracle\n"
+            "from vcluster.torchdist import group_plan\n"
+            "from mesh import Mesh\n"
+            "print(len(group_plan(Mesh((2, 4), ('dp', 'tp')))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "6", proc.stderr

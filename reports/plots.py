@@ -77,15 +77,18 @@ def _draw_timeline(ax, spans: pd.DataFrame) -> None:
             "wait": (0.42, 0.16)}
     t_max = float(spans["end_s"].max()) if len(spans) else 0.0
     min_width = t_max * MIN_ACTION_WIDTH
-    for (rank, stream, name), group in spans.groupby(["rank", "stream", "name"], sort=False):
+    action = (spans["stream"] == "compute") & spans["name"].isin(PIPELINE_ACTIONS)
+    colour = [_colour(st, nm) for st, nm in zip(spans["stream"], spans["name"])]
+    frame = spans.assign(_action=action, _colour=colour)
+    for (rank, stream, is_action, face), group in frame.groupby(
+            ["rank", "stream", "_action", "_colour"], sort=False):
         y0, height = lane.get(stream, (0.5, 0.4))
-        action = stream == "compute" and name in PIPELINE_ACTIONS
         widths = (group["end_s"] - group["start_s"]).to_numpy(float)
-        if action:          # over the ops it encloses; a zero-cost marker stays visible
+        if is_action:       # over the ops it encloses; a zero-cost marker stays visible
             widths = np.maximum(widths, min_width)
         ax.broken_barh(list(zip(group["start_s"], widths)), (ranks.index(int(rank)) + y0, height),
-                       facecolors=_colour(stream, name), edgecolor="none",
-                       zorder=1 if stream == "wait" else 3 if action else 2)
+                       facecolors=face, edgecolor="none",
+                       zorder=1 if stream == "wait" else 3 if is_action else 2)
     ax.set_yticks([i + 0.5 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks), 0)
     ax.set_xlabel("time (s)")

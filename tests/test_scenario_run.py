@@ -18,7 +18,7 @@ from vcluster.scenario.runner import SUMMARY_KEYS
 ROOT = Path(__file__).resolve().parent.parent
 # faults.yaml (a crash and a restart) runs through the CLI in tests/test_faults_scenario.py
 EXAMPLES = sorted(p for p in (ROOT / "scenarios").glob("*.yaml") if p.stem != "faults")
-FAST = {"quickstart", "matmul_layouts", "transformer_simulate"}
+FAST = {"matmul_layouts", "transformer_simulate"}   # quickstart: its own test below
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -202,7 +202,7 @@ def test_progress_bar_on_a_terminal_and_quiet_silences_it(tmp_path):
         master, slave = pty.openpty()
         proc = subprocess.Popen(
             [sys.executable, "-m", "vcluster", "run",
-             str(ROOT / "scenarios" / "collective_all_reduce.yaml"), "--mode", "emulate",
+             str(ROOT / "scenarios" / "collective_all_reduce.yaml"), "--mode", "simulate",
              "--set", "workload.size=4KiB", "--out", str(tmp_path / "r"), *extra],
             cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=slave, env=dict(os.environ, TERM="xterm", COLUMNS="100"))

@@ -113,8 +113,11 @@ def test_wrong_result_fails_the_check_with_exit_1(tmp_path):
 def test_mode_and_set_override_the_file(tmp_path):
     proc, _ = _run(tmp_path, ROOT / "scenarios" / "ffn_megatron.yaml", "--mode", "emulate",
                    "--set", "workload.backward=false", "--set", "run.steps=2",
-                   "--out", tmp_path / "r", "--quiet")
+                   "--set", "report.formats=[md, csv]", "--out", tmp_path / "r", "--quiet")
     assert proc.returncode == 0, proc.stderr
+    written = {p.name for p in (tmp_path / "r").iterdir()}
+    assert {"results.json", "summary.md", "devices.csv"} <= written
+    assert not written & {"report.html", "trace.json", "timeline.png"}
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     assert results["mode"] == "emulate" and results["summary"]["steps"] == 2
     assert "predicted_step_time_s" not in results["summary"]

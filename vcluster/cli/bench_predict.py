@@ -35,6 +35,9 @@ elsewhere), flagged when above :data:`BUSY_MACHINE_CORES`.
 JSON (``--json``): ``{"spec": LocalhostSpec fields, "workloads": [{"name", "devices",
 "dtype", "measured_s", "measured_runs_s", "predicted_s", "ratio", "background_cores"}],
 "max_error"}`` with ``max_error = max |ratio - 1|``.
+
+``--scenarios`` predicts the bundled emulated scenarios instead
+(:mod:`vcluster.cli.bench_predict_scenarios`).
 """
 
 from __future__ import annotations
@@ -294,6 +297,9 @@ def add_parser(kinds) -> None:
                    help="workloads to run (default: all): " + ",".join(WORKLOADS))
     p.add_argument("--reps", type=positive_int, default=3, help="timed runs (3)")
     p.add_argument("--tiny", action="store_true", help="shrink every workload (smoke test)")
+    p.add_argument("--scenarios", action="store_true",
+                   help="predict the bundled emulated scenarios (scenarios/*.yaml, every "
+                        "sweep point, through vcluster run) instead of the workloads")
     p.add_argument("--json", metavar="PATH", help="also write the record as JSON")
     p.set_defaults(run=_predict)
 
@@ -312,10 +318,43 @@ def _predict(args) -> int:
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
     _print_spec(spec)
+    if args.scenarios:
+        return _predict_scenarios(args, spec)
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
           f"{'other load':>12}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
+    if args.json:
+        from .files import write_json
+        write_json(args.json, record)
+        print(f"wrote {args.json}")
+    return 0
+
+
+_TRAFFIC = {True: "same", False: "DIFFERS", None: "-"}
+
+
+def _predict_scenarios(args, spec) -> int:
+    import tempfile
+    from vcluster.timing.localhost import save_localhost_spec
+    from .bench_predict_scenarios import run_scenarios_predict
+    print(f"{'scenario':<22}{'point':>6}{'devices':>8}{'measured':>12}{'predicted':>12}"
+          f"{'ratio':>8}{'traffic':>9}{'load avg':>10}", flush=True)
+
+    def row(r):
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['scenario']:<22}{r['point']:>6}{r['devices']:>8}"
+              f"{_ms(r['measured_s']):>12}{_ms(r['predicted_s']):>12}{ratio:>8}"
+              f"{_TRAFFIC[r['traffic_matches']]:>9}"
+              f"{r['load_average']:>10.1f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.spec or os.path.join(tmp, "localhost.json")
+        if not args.spec:
+            save_localhost_spec(spec, path)
+        record = run_scenarios_predict(path, progress=row)
+    record["spec"] = spec.to_dict()
+    print(f"{record['within_25_percent']} of {record['points']} points within 25%; "
+          f"max |ratio - 1| = {record['max_error']:.1%}")
     if args.json:
         from .files import write_json
         write_json(args.json, record)

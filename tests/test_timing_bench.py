@@ -1,0 +1,59 @@
+"""The timing model's benchmarks run and report what they claim: ``bench simulate-scale``
+(a fresh process per case: its wall time, peak memory and the same step time as
+``simulate_gpt`` here) and ``bench predict --scenarios`` (bundled scenarios predicted on
+``localhost``). No timing assertions: this machine is shared and noisy."""
+
+import dataclasses
+
+import pytest
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from pipeline_parallel.gpt_simulation import simulate_gpt
+from test_scenario_run import _localhost_spec_file
+from vcluster.cli.bench_predict_scenarios import (SCENARIO_DIR, emulated_scenarios,
+                                                  run_scenarios_predict)
+from vcluster.cli.bench_simulate import CASES, ScaleCase, run_case
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_simulate_scale_case_runs_in_a_fresh_process():
+    model = dict(hidden=256, layers=8, heads=4, seq=128, vocab=1024)
+    case = ScaleCase("tiny", model, tp=2, pp=4, dp=2, microbatches=8,
+                     schedule="interleaved_1f1b", virtual_stages=2, goal_s=30.0)
+    fast, full = run_case(case), run_case(case, all_positions=True)
+    here = simulate_gpt(GPTConfig(**model), ParallelConfig(
+        global_batch=16, dp=2, pp=4, tp=2, schedule="interleaved_1f1b", virtual_stages=2,
+        recompute="full"), "a100-80gb-dgx")
+    assert fast["step_time_s"] == full["step_time_s"] == here.step_time_s
+    assert fast["mfu"] == pytest.approx(here.mfu, rel=1e-12)
+    for r in (fast, full):
+        assert r["wall_s"] > 0 and 10e6 < r["peak_rss_bytes"] < 4e9
+        assert r["gpus"] == 16 and r["goal_s"] == 30.0
+    assert full["all_positions_traced"] and not fast["all_positions_traced"]
+
+
+def test_simulate_scale_cases_are_the_acceptance_configurations():
+    gpt3 = CASES["gpt3-1024-1f1b"]
+    assert (gpt3.gpus, gpt3.microbatches * gpt3.dp, gpt3.goal_s) == (1024, 1536, 10.0)
+    assert gpt3.model == dict(hidden=12288, layers=96, heads=96, seq=2048, vocab=51200)
+    big = [c for c in CASES.values() if c.gpus == 6144]
+    assert {c.schedule for c in big} == {"1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"}
+    assert all(c.microbatches == 512 and c.goal_s == 30.0 for c in big)
+    assert all(dataclasses.is_dataclass(c) for c in CASES.values())
+
+
+def test_predict_scenarios_on_localhost(tmp_path):
+    """Two bundled scenarios (one with faults and checkpoints, run plainly) through the
+    runner on localhost: the traffic matches and the ratio is predicted / measured."""
+    assert {p.stem for p in emulated_scenarios()} >= {"quickstart", "faults", "transformer"}
+    spec = _localhost_spec_file(tmp_path / "machine.json")
+    record = run_scenarios_predict(spec, [SCENARIO_DIR / "faults.yaml",
+                                          SCENARIO_DIR / "collective_all_reduce.yaml"])
+    rows = record["scenarios"]
+    assert [r["scenario"] for r in rows] == ["faults", "collective_all_reduce"]
+    for r in rows:
+        assert r["traffic_matches"] is True
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+    assert record["points"] == 2
+    assert record["max_error"] == max(abs(r["ratio"] - 1) for r in rows)

@@ -92,8 +92,9 @@ def _step_times(events, ranks, training: bool, steps: int) -> list[float]:
 
 
 class _Engines:
-    """Engines kept for a whole sweep, one per (mesh, array module): the points of a
-    sweep on one mesh reuse the same device processes."""
+    """The engine of a sweep's current (mesh, array module): consecutive points on one
+    mesh reuse the same device processes; a new mesh closes the old engine first (one
+    cluster's processes at a time)."""
 
     def __init__(self, name: str):
         self.name, self._open = name, {}
@@ -102,6 +103,7 @@ class _Engines:
         from .engines import make_engine
         key = (mesh, array_module)
         if key not in self._open:
+            self.__exit__()
             self._open[key] = make_engine(self.name, mesh, array_module=array_module)
         return self._open[key]
 

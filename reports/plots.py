@@ -35,7 +35,7 @@ from reports.tables import sweep_keys
 __all__ = ["PLOT_NAMES", "timeline_png", "time_breakdown_png", "predicted_vs_measured_png",
            "sweep_png", "record_plots"]
 
-PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep")
+PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep", "goodput")
 DPI = 100
 MAX_SWEEP_PANELS = 6
 MIN_ACTION_WIDTH = 0.002    # share of the time axis: the least width a pipeline action gets
@@ -225,8 +225,14 @@ def sweep_png(record) -> bytes | None:
     return _png(fig)
 
 
+def _goodput_png(record) -> bytes | None:
+    from reports.goodput_plot import goodput_png
+    return goodput_png(getattr(record, "goodput", None))
+
+
 _MAKERS = {"timeline": timeline_png, "time_breakdown": time_breakdown_png,
-           "predicted_vs_measured": predicted_vs_measured_png, "sweep": sweep_png}
+           "predicted_vs_measured": predicted_vs_measured_png, "sweep": sweep_png,
+           "goodput": _goodput_png}
 
 
 def record_plots(record) -> dict[str, bytes]:

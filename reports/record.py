@@ -18,6 +18,9 @@ otherwise. ``source`` is ``"measured"`` (the emulator's wall clock) or ``"predic
   training workloads).
 * ``sweep`` — one row per sweep point: the varied key paths as columns plus the point's
   headline figures; ``None`` when the scenario has no sweep.
+* ``goodput`` — with ``checkpoint.mtbf_s`` (docs/faults.md): one row per (MTBF,
+  checkpoint interval), the columns of :func:`vcluster.faults.impact.goodput_table`;
+  ``None`` otherwise.
 * ``spans`` — one row per timeline interval: ``source, rank, stream`` (``compute`` |
   ``comm`` | ``p2p`` | ``wait``), ``name`` (op or collective name; pipeline actions as
   ``F``/``B``/``W`` with ``stage`` and ``microbatch`` columns where known), ``start_s,
@@ -70,6 +73,7 @@ class RunRecord:
     steps: pd.DataFrame = field(default_factory=lambda: _empty(STEP_COLUMNS))
     spans: pd.DataFrame = field(default_factory=lambda: _empty(SPAN_COLUMNS))
     sweep: pd.DataFrame | None = None
+    goodput: pd.DataFrame | None = None
 
     @property
     def passed(self) -> bool:

@@ -1,9 +1,10 @@
 """``results.json``: every figure of the report as strict JSON (keys in docs/reports.md).
 
 Top-level keys: ``name, mode, hardware, passed, summary, checks, scenario, devices,
-collectives, steps, sweep, sweep_keys, files``. The tables appear as lists of row objects
-(``sweep`` is ``null`` without a sweep); ``files`` maps each written file's role to its
-name in the report directory (``{"tables": {"devices": "devices.csv", ...}, "plots":
+collectives, steps, sweep, sweep_keys, goodput, files``. The tables appear as lists of row
+objects (``sweep`` is ``null`` without a sweep, ``goodput`` without
+``checkpoint.mtbf_s``); ``files`` maps each written file's role to its name in the
+report directory (``{"tables": {"devices": "devices.csv", ...}, "plots":
 {"timeline": "timeline.png", ...}, "summary_md", "report_html", "trace"}``; a file not
 written is absent). Strict JSON has no NaN or infinity: such numbers are written as
 ``null``; numpy scalars become plain numbers.
@@ -22,7 +23,7 @@ from reports.tables import record_tables, sweep_keys
 __all__ = ["json_safe", "results_dict", "RESULT_KEYS"]
 
 RESULT_KEYS = ("name", "mode", "hardware", "passed", "summary", "checks", "scenario",
-               "devices", "collectives", "steps", "sweep", "sweep_keys", "files")
+               "devices", "collectives", "steps", "sweep", "sweep_keys", "goodput", "files")
 
 
 def json_safe(value: Any) -> Any:
@@ -64,5 +65,6 @@ def results_dict(record, files: dict) -> dict:
         "steps": _rows(tables["steps"]),
         "sweep": _rows(tables["sweep"]) if "sweep" in tables else None,
         "sweep_keys": sweep_keys(record),
+        "goodput": _rows(tables["goodput"]) if "goodput" in tables else None,
         "files": json_safe(files),
     }

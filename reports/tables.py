@@ -13,15 +13,13 @@ import pandas as pd
 
 __all__ = ["TABLE_NAMES", "record_tables", "write_tables", "sweep_keys"]
 
-TABLE_NAMES = ("devices", "collectives", "steps", "sweep")
+TABLE_NAMES = ("devices", "collectives", "steps", "sweep", "goodput")
 
 
 def record_tables(record) -> dict[str, pd.DataFrame]:
-    """``{table name: DataFrame}`` of the tables this record has (sweep only when set)."""
-    tables = {name: getattr(record, name) for name in TABLE_NAMES}
-    if tables["sweep"] is None:
-        del tables["sweep"]
-    return tables
+    """``{table name: DataFrame}`` of the tables this record has (sweep, goodput: when set)."""
+    tables = {name: getattr(record, name, None) for name in TABLE_NAMES}
+    return {name: t for name, t in tables.items() if t is not None}
 
 
 def write_tables(record, directory: Path) -> dict[str, str]:

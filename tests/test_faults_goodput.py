@@ -120,3 +120,12 @@ def test_goodput_plot_is_a_real_png():
     assert pixels.shape[0] > 200 and pixels.shape[1] > 300
     assert pixels[..., :3].std() > 0.05                 # lines and text, not a blank canvas
     assert goodput_png(table.iloc[0:0]) is None
+
+
+def test_hopeless_points_are_refused_not_run_for_hours():
+    m = FailureModel(1.0, 1000, 0.0, 1.0, 10.0)          # e^100 failures per segment
+    with pytest.raises(ValueError, match="expect .* failures, more than max_failures"):
+        simulate_goodput(m, segments=10)
+    table = goodput_table(1.0, 0.0, 1.0, mtbf_s=[10.0], checkpoint_every=[1, 1000])
+    assert table.goodput_simulated.isna().tolist() == [False, True]
+    assert table.goodput_expected[1] < 1e-30

@@ -44,6 +44,19 @@ def test_faults_scenario_recovers_bit_identical(tmp_path):
     assert rec["checkpoint"].endswith(os.path.join("ckpt", "step-00000004"))
     assert s["final_params_sha256"] == s["fault_free_params_sha256"]
     assert len(s["final_params_sha256"]) == 64
+    # the goodput table and plot from the measured step, checkpoint and restart times
+    report = tmp_path / "report"
+    assert (report / "goodput.png").stat().st_size > 1000 and (report / "goodput.csv").is_file()
+    with open(report / "results.json") as f:
+        goodput = json.load(f)["goodput"]
+    assert {row["mtbf_s"] for row in goodput} == {5.0, 30.0, 120.0}
+    assert goodput[0]["interval_s"] == pytest.approx(s["goodput_step_time_s"])
+    diffs = [(abs(r["goodput_simulated"] - r["goodput_expected"]), r["goodput_expected"])
+             for r in goodput if r["goodput_simulated"] is not None]
+    assert len(diffs) >= 25                      # few hopeless points are not simulated
+    assert all(d <= 0.1 * e + 0.02 for d, e in diffs), diffs
+    assert sum(d for d, _ in diffs) / len(diffs) < 0.02
+    assert "goodput" in (report / "report.html").read_text()
     # a fault-free run of the same scenario reproduces the hash
     clean = _vcluster("run", FAULTS, "--out", "clean", "--quiet", "--set", "faults=[]",
                       "--set", "checkpoint.dir=ckpt2", cwd=tmp_path)

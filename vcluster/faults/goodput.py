@@ -130,11 +130,22 @@ class GoodputRun:
         return self.useful_s / self.wall_s
 
 
-def simulate_goodput(m: FailureModel, segments: int, seed: int = 0) -> GoodputRun:
-    """Run ``segments`` segments under Poisson failures in SimPy (see the module)."""
+def simulate_goodput(m: FailureModel, segments: int, seed: int = 0,
+                     max_failures: int = 1_000_000) -> GoodputRun:
+    """Run ``segments`` segments under Poisson failures in SimPy (see the module).
+
+    The work grows with the failures, ``segments x (e^{T/M} - 1)`` on average; more than
+    ``max_failures`` expected is refused (ValueError) rather than run for hours.
+    """
     import simpy
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"simulate_goodput: segments must be an int >= 1, got {segments!r}")
+    expected = segments * math.expm1(m.segment_s / m.mtbf_s)
+    if expected > max_failures:
+        raise ValueError(f"simulate_goodput: {segments} segments of T = {m.segment_s:g} s "
+                         f"with MTBF {m.mtbf_s:g} s expect {expected:.3g} failures, more "
+                         f"than max_failures={max_failures}; use fewer segments or the "
+                         "closed form (expected_goodput)")
     rng = np.random.default_rng(seed)
     env = simpy.Environment()
     totals = {"lost": 0.0, "restart": 0.0, "failures": 0}

@@ -11,11 +11,16 @@ Each table is a pandas DataFrame with one row per point and units in the column 
 
 from __future__ import annotations
 
+import math
+
 from .goodput import (FailureModel, daly_interval_s, expected_goodput, simulate_goodput,
                       young_interval_s)
 from .links import DegradedLinks, straggler_map
 
-__all__ = ["simulate_with_faults", "straggler_table", "goodput_table"]
+__all__ = ["simulate_with_faults", "straggler_table", "goodput_table",
+           "MAX_FAILURES_PER_SEGMENT"]
+
+MAX_FAILURES_PER_SEGMENT = 1000.0    # beyond this the goodput is < 0.1 %: not simulated
 
 
 def simulate_with_faults(traces, costs, faults, **kwargs):
@@ -45,8 +50,13 @@ def straggler_table(traces, costs, rank: int, slowdowns, **kwargs):
 
 
 def goodput_table(step_time_s: float, checkpoint_s: float, restart_s: float, mtbf_s,
-                  checkpoint_every, segments: int = 2000, seed: int = 0):
+                  checkpoint_every, segments: int | None = None, seed: int = 0):
     """Goodput for every (MTBF, checkpoint interval) pair: closed form and simulation.
+
+    ``segments`` simulated per point (None: about 300 failures' worth, at least 50 and at
+    most 20,000 segments, and at most ~20,000 failures, so that every point costs well
+    under a second). Points expecting more than :data:`MAX_FAILURES_PER_SEGMENT` failures
+    per segment (goodput ~ 0) are not simulated: ``goodput_simulated`` is NaN there.
 
     Columns: mtbf_s, checkpoint_every, interval_s (K t), goodput_expected,
     goodput_simulated, failures_simulated, young_interval_s, daly_interval_s.
@@ -56,11 +66,15 @@ def goodput_table(step_time_s: float, checkpoint_s: float, restart_s: float, mtb
     for i, mtbf in enumerate(mtbf_s):
         for j, every in enumerate(checkpoint_every):
             m = FailureModel(step_time_s, every, checkpoint_s, restart_s, mtbf)
-            run = simulate_goodput(m, segments, seed=seed + 1000 * i + j)
+            per_segment = math.expm1(m.segment_s / mtbf)     # expected failures
+            n = segments or max(1, min(20_000, max(50, math.ceil(300 / per_segment)),
+                                       math.ceil(20_000 / per_segment)))
+            run = (simulate_goodput(m, n, seed=seed + 1000 * i + j)
+                   if per_segment <= MAX_FAILURES_PER_SEGMENT else None)
             rows.append({"mtbf_s": float(mtbf), "checkpoint_every": int(every),
                          "interval_s": m.work_s, "goodput_expected": expected_goodput(m),
-                         "goodput_simulated": run.goodput,
-                         "failures_simulated": run.failures,
+                         "goodput_simulated": run.goodput if run else math.nan,
+                         "failures_simulated": run.failures if run else 0,
                          "young_interval_s": young_interval_s(checkpoint_s, mtbf),
                          "daly_interval_s": daly_interval_s(checkpoint_s, mtbf)})
     return pd.DataFrame(rows)

@@ -19,7 +19,9 @@ that took effect: slow devices and links, and every crash that fired), ``recover
 ``checkpoints_written``, ``checkpoint_dir``, ``final_params_sha256`` (sha256 of the
 canonical bytes of the final parameters, :func:`pipeline_parallel.checkpoint.params_sha256`),
 ``matches_fault_free``, ``fault_free_params_sha256``, ``measured_wall_s`` and
-``fault_free_wall_s``.
+``fault_free_wall_s``. With ``checkpoint.mtbf_s`` the report also holds a goodput table
+and plot (goodput against the checkpoint interval, per MTBF) built from the measured
+``goodput_step_time_s``, ``goodput_checkpoint_s`` and ``goodput_restart_s``.
 """
 
 from __future__ import annotations
@@ -69,8 +71,16 @@ CHECKPOINT_SCHEMA = {
         "recovery": {"enum": list(RECOVERY), "default": "fail",
                      "description": "on a lost device: restart (replace the process, resume "
                                     "from the last checkpoint) or fail (stop, naming it)"},
+        "mtbf_s": {"type": "array", "minItems": 1,
+                   "items": {"type": "number", "exclusiveMinimum": 0},
+                   "description": "job MTBFs (s) for the goodput table and plot: the "
+                                  "measured step, checkpoint and restart times in the "
+                                  "closed form and the SimPy Monte Carlo"},
     },
 }
+
+#: checkpoint intervals (steps) of the goodput table
+GOODPUT_INTERVALS = tuple(2 ** i for i in range(11))
 
 
 def wants_resilience(scenario) -> bool:
@@ -162,9 +172,52 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
             "final_params_sha256": params_sha256(fit.params),
             "measured_wall_s": wall_s,
         }
+        if ckpt.get("mtbf_s"):
+            summary.update(_goodput_inputs(engine, fit, events, workload.mesh.size))
         if clean is not None:
             summary["fault_free_wall_s"] = clean_s
             summary["fault_free_params_sha256"] = params_sha256(clean.params)
             summary["matches_fault_free"] = summary["final_params_sha256"] == \
                 summary["fault_free_params_sha256"]
-    return {"fit": fit, "events": events, "first_events": events, "summary": summary}
+    out = {"fit": fit, "events": events, "first_events": events, "summary": summary}
+    if ckpt.get("mtbf_s"):
+        from vcluster.faults.impact import goodput_table
+        out["goodput"] = goodput_table(
+            summary["goodput_step_time_s"], summary["goodput_checkpoint_s"],
+            summary["goodput_restart_s"], list(ckpt["mtbf_s"]), GOODPUT_INTERVALS,
+            seed=point.workload.seed)
+    return out
+
+
+def _goodput_inputs(engine, fit, events, n_ranks: int) -> dict:
+    """Measured inputs of the goodput model: the median step time (optimizer event to
+    optimizer event), the time to write one checkpoint (the last one, written again to a
+    temporary directory), the mean restart time (of the recoveries, else of one restart)."""
+    import statistics
+    import tempfile
+    from pipeline_parallel.checkpoint import load_checkpoint, save_checkpoint
+    ends: dict[int, list] = {}
+    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
+                    key=lambda e: e.end):
+        ends.setdefault(e.rank, []).append(e.end)
+    steps = min((len(v) for v in ends.values()), default=0)
+    done = [max(v[k] for v in ends.values()) for k in range(steps)]
+    gaps = [b - a for a, b in zip(done, done[1:])]
+    if not gaps or len(ends) < n_ranks:
+        raise ScenarioError("checkpoint.mtbf_s", None, "a run of at least 2 steps since the "
+                            "last restart", "no step time to build the goodput table from")
+    state = load_checkpoint(fit.checkpoints[-1]) if fit.checkpoints else None
+    checkpoint_s = 0.0
+    if state is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            save_checkpoint(tmp, state)
+            checkpoint_s = time.perf_counter() - t0
+    if fit.recoveries:
+        restart_s = statistics.mean(r.restart_s for r in fit.recoveries)
+    else:
+        t0 = time.perf_counter()
+        engine.restart()
+        restart_s = time.perf_counter() - t0
+    return {"goodput_step_time_s": statistics.median(gaps), "goodput_checkpoint_s": checkpoint_s,
+            "goodput_restart_s": restart_s}

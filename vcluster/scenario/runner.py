@@ -295,6 +295,8 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
                else _emulate(workload, point, engines, bar))
         _measured(out, workload, emu, point)
         out.summary.update(emu.get("summary", {}))
+        if emu.get("goodput") is not None:
+            out.tables["goodput"] = [emu["goodput"]]
         if point.run.check:
             tolerance = point.run.tolerance_for(workload.dtype)
             out.checks = (compare(emu["assembled"], workload.reference(), tolerance)
@@ -359,8 +361,8 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
             rows.append({**values, **res.summary})
     sweeping = bool(scenario.sweep)
     tables = {}
-    for name in ("steps", "devices", "collectives", "spans"):
-        parts = [_concat(r.tables[name], i if sweeping else None)
+    for name in ("steps", "devices", "collectives", "spans", "goodput"):
+        parts = [_concat(r.tables.get(name, []), i if sweeping else None)
                  for i, r in enumerate(results)]
         parts = [p for p in parts if p is not None]
         if parts:

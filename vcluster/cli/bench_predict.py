@@ -53,7 +53,7 @@ import numpy as np
 from .args import csv_of, positive_int
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
-           "predict_workload", "run_predict"]
+           "predict_workload", "run_predict", "run_workloads"]
 
 SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep workload
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
@@ -257,9 +257,13 @@ def predict_workload(wl: Workload, spec) -> float:
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
+    return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress)
+
+
+def run_workloads(spec, workloads, reps: int = 3, progress=None) -> dict:
+    """Measure and predict each :class:`Workload` (devices kept per mesh)."""
     from vcluster import VirtualCluster
     rows, clusters = [], {}
-    workloads = [build_workload(name, tiny) for name in names]
     try:
         for wl in workloads:
             key = wl.mesh
@@ -331,29 +335,13 @@ def _predict(args) -> int:
     return 0
 
 
-_TRAFFIC = {True: "same", False: "DIFFERS", None: "-"}
-
-
 def _predict_scenarios(args, spec) -> int:
-    import tempfile
-    from vcluster.timing.localhost import save_localhost_spec
     from .bench_predict_scenarios import run_scenarios_predict
-    print(f"{'scenario':<22}{'point':>6}{'devices':>8}{'measured':>12}{'predicted':>12}"
-          f"{'ratio':>8}{'traffic':>9}{'load avg':>10}", flush=True)
-
-    def row(r):
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"{r['scenario']:<22}{r['point']:>6}{r['devices']:>8}"
-              f"{_ms(r['measured_s']):>12}{_ms(r['predicted_s']):>12}{ratio:>8}"
-              f"{_TRAFFIC[r['traffic_matches']]:>9}"
-              f"{r['load_average']:>10.1f}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.spec or os.path.join(tmp, "localhost.json")
-        if not args.spec:
-            save_localhost_spec(spec, path)
-        record = run_scenarios_predict(path, progress=row)
-    record["spec"] = spec.to_dict()
-    print(f"{record['within_25_percent']} of {record['points']} points within 25%; "
+    print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
+          f"{'other load':>12}", flush=True)
+    record = run_scenarios_predict(spec, args.reps,
+                                   progress=lambda r: _print_row(r, width=28))
+    print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
           f"max |ratio - 1| = {record['max_error']:.1%}")
     if args.json:
         from .files import write_json
@@ -362,11 +350,11 @@ def _predict_scenarios(args, spec) -> int:
     return 0
 
 
-def _print_row(r: dict) -> None:
+def _print_row(r: dict, width: int = 22) -> None:
     load = r["background_cores"]
     flag = "" if load is None else f"{load:>6.2f} cores" + (
         "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
-    print(f"{r['name']:<22}{r['devices']:>8}{_ms(r['measured_s']):>12}"
+    print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
           f"{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}  {flag}", flush=True)
 
 

@@ -6,7 +6,7 @@ torch.distributed call on the process group of its mesh axes (gloo on CPU, NCCL 
 CUDA is available, where tensors are staged on this rank's GPU). Mapping:
 
 ================  ==============================================================
-all_reduce        ``all_reduce`` on a copy (or in place on a contiguous ``out``)
+all_reduce        ``all_reduce`` on a copy (``avg``: the sum divided by the group size)
 all_gather        ``all_gather`` into a list; pieces concatenated along dim in mesh order
 reduce_scatter    ``reduce_scatter`` of the pieces along dim (piece j for member j)
 all_to_all        ``all_to_all`` of the pieces along split_dim; concatenated along concat_dim
@@ -21,18 +21,16 @@ torch orders a group's members by global rank; the mesh by coordinates along the
 Piece lists are permuted between the two, so ``root`` is a position in the mesh's order
 and concatenations follow it, as the protocol says. ``algorithm=`` accepts the
 emulator's names and is otherwise ignored: the backend picks its own algorithm.
-``send`` is buffered, as on the emulator: it starts an ``isend`` of a private copy and
-returns; the end of each run waits for every pending send.
+Point to point: :mod:`vcluster.torchdist.p2p`; dtypes, headers, ``TorchWork``:
+:mod:`vcluster.torchdist.tensors`.
 """
 
 from __future__ import annotations
 
-import datetime
 import operator
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,35 +38,12 @@ from vcluster.runtime.collectives.common import ReduceOp, scaled_shape
 from vcluster.runtime.errors import CollectiveTimeout
 from vcluster.runtime.events import CommEvent, ComputeEvent
 
+from .p2p import PointToPoint
+from .tensors import TorchWork, check_dtype, encode_header, parse_header, to_wire
+
 __all__ = ["TorchDeviceContext", "TorchWork", "ALGORITHM_NAMES"]
 
 ALGORITHM_NAMES = ("auto", "ring", "tree", "pairwise", "shm")
-_MAX_TAG = 2 ** 30           # gloo slots are 32-bit; headers and payloads use 2t, 2t + 1
-_MAX_NDIM = 16               # header: [dtype code, ndim, shape (padded)]
-_DTYPES = ("float16", "float32", "float64", "complex64", "complex128", "int8", "int16",
-           "int32", "int64", "uint8", "bool")
-
-
-@dataclass(eq=False)
-class _RecvRequest:
-    """A posted receive; its header receive is in flight from the moment it is posted."""
-
-    src: int
-    tag: int
-    out: object
-    header: object           # (tensor, torch Work)
-    done: bool = False
-    result: object = None
-
-
-def _w(t):
-    """What goes on the wire: complex tensors as real views (..., 2), as gloo wants."""
-    if t.is_complex():
-        import torch
-        return torch.view_as_real(t)
-    return t
-
-
 def _parse_op(op, dtype: np.dtype) -> ReduceOp:
     """The emulator's op rules, plus: complex tensors travel as (re, im) pairs, so only
     componentwise reductions (sum, avg) are defined for them here."""
@@ -79,39 +54,7 @@ def _parse_op(op, dtype: np.dtype) -> ReduceOp:
     return parsed
 
 
-class TorchWork:
-    """Handle of an asynchronous call: waits the torch works, then ``finish()``."""
-
-    def __init__(self, works, finish, describe):
-        self._works, self._finish, self._describe = list(works), finish, describe
-        self._done, self._value = False, None
-
-    def __repr__(self) -> str:
-        return f"TorchWork({self._describe()}, completed={self._done})"
-
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
-
-    def wait(self, timeout_s: float | None = None):
-        if not self._done:
-            for w in self._works:
-                _wait(w, timeout_s, self._describe)
-            self._value = self._finish()
-            self._done = True
-        return self._value
-
-
-def _wait(work, timeout_s, describe) -> None:
-    try:
-        if timeout_s is None:
-            work.wait()
-        else:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise CollectiveTimeout(f"{describe()} failed or timed out: {exc}") from exc
-
-
-class TorchDeviceContext:
+class TorchDeviceContext(PointToPoint):
     """The ``dev`` a per-device program receives on a torch.distributed rank.
 
     ``groups`` maps the sorted member tuple of every group this rank belongs to (the
@@ -178,9 +121,7 @@ class TorchDeviceContext:
     def _tensor(self, x: np.ndarray):
         """A torch tensor on the backend's device holding a private copy of ``x``."""
         arr = np.array(x, order="C", copy=True)
-        if arr.dtype.name not in _DTYPES:
-            raise TypeError(f"rank {self.rank}: dtype {arr.dtype} is not supported by the "
-                            f"torch engine (supported: {', '.join(_DTYPES)})")
+        check_dtype(arr.dtype, self.rank)
         if not arr.dtype.isnative:
             arr = arr.astype(arr.dtype.newbyteorder("="))
         t = self._torch.from_numpy(arr)
@@ -243,25 +184,6 @@ class TorchDeviceContext:
             raise CollectiveTimeout(f"rank {self.rank}: {name} over group {list(members)} "
                                     f"(axis={axis!r}) failed or timed out: {exc}") from exc
 
-    # --- headers: what non-roots and receivers need to allocate -------------------------
-    def _header(self, x) -> object:
-        h = np.zeros(2 + _MAX_NDIM, np.int64)
-        if x is not None:
-            if x.ndim > _MAX_NDIM:
-                raise ValueError(f"rank {self.rank}: arrays of more than {_MAX_NDIM} "
-                                 f"dimensions are not supported, got {x.ndim}")
-            if x.dtype.name not in _DTYPES:
-                raise TypeError(f"rank {self.rank}: dtype {x.dtype} is not supported by the "
-                                f"torch engine (supported: {', '.join(_DTYPES)})")
-            h[0], h[1] = _DTYPES.index(x.dtype.name), x.ndim
-            h[2:2 + x.ndim] = x.shape
-        return self._tensor(h)
-
-    @staticmethod
-    def _parse_header(t) -> tuple[tuple, np.dtype]:
-        h = t.detach().cpu().numpy()
-        return tuple(int(v) for v in h[2:2 + int(h[1])]), np.dtype(_DTYPES[int(h[0])])
-
     # --- collectives ----------------------------------------------------------------
     def all_reduce(self, x, axis=None, op="sum", *, out=None, async_op=False, algorithm="auto"):
         self._check_algorithm(algorithm, "all_reduce")
@@ -273,7 +195,7 @@ class TorchDeviceContext:
                                async_op)
         t = self._tensor(x)
         work = self._call("all_reduce", axis, lambda: self._dist.all_reduce(
-            _w(t), op=self._op(op), group=pg, async_op=True))
+            to_wire(t), op=self._op(op), group=pg, async_op=True))
 
         def finish():
             res = self._numpy(t)
@@ -293,7 +215,7 @@ class TorchDeviceContext:
         t = self._tensor(x)
         got = [self._empty_tensor(x.shape, x.dtype) for _ in order]
         work = self._call("all_gather", axis, lambda: self._dist.all_gather(
-            [_w(g) for g in got], _w(t), group=pg, async_op=True))
+            [to_wire(g) for g in got], to_wire(t), group=pg, async_op=True))
 
         def finish():
             pieces = [self._numpy(got[order.index(m)]) for m in members]
@@ -314,7 +236,7 @@ class TorchDeviceContext:
         send = [self._tensor(pieces[members.index(g)]) for g in order]
         t = self._empty_tensor(piece_shape, x.dtype)
         work = self._call("reduce_scatter", axis, lambda: self._dist.reduce_scatter(
-            _w(t), [_w(p) for p in send], op=self._op(op), group=pg, async_op=True))
+            to_wire(t), [to_wire(p) for p in send], op=self._op(op), group=pg, async_op=True))
 
         def finish():
             res = self._numpy(t)
@@ -337,7 +259,7 @@ class TorchDeviceContext:
         send = [self._tensor(pieces[members.index(g)]) for g in order]
         got = [self._empty_tensor(pieces[0].shape, x.dtype) for _ in order]
         work = self._call("all_to_all", axis, lambda: self._dist.all_to_all(
-            [_w(g) for g in got], [_w(p) for p in send], group=pg, async_op=True))
+            [to_wire(g) for g in got], [to_wire(p) for p in send], group=pg, async_op=True))
 
         def finish():
             parts = [self._numpy(got[order.index(m)]) for m in members]
@@ -357,14 +279,15 @@ class TorchDeviceContext:
         shape, dtype = self._bcast_header(axis, pg, members[root], x)
         t = self._tensor(x) if mine else self._empty_tensor(shape, dtype)
         work = self._call("broadcast", axis, lambda: self._dist.broadcast(
-            _w(t), src=members[root], group=pg, async_op=True))
+            to_wire(t), src=members[root], group=pg, async_op=True))
         return self._issue("broadcast", axis, [work], lambda: self._deliver(self._numpy(t), out),
                            async_op, t.numel() * t.element_size())
 
     def _bcast_header(self, axis, pg, src: int, x):
-        h = self._header(x)
+        """(shape, dtype) of the root's array, for members that must allocate for it."""
+        h = self._tensor(encode_header(x, self.rank))
         self._call("broadcast header", axis, lambda: self._dist.broadcast(h, src=src, group=pg))
-        return self._parse_header(h)
+        return parse_header(self._numpy(h))
 
     def scatter(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                 algorithm="auto"):
@@ -385,7 +308,7 @@ class TorchDeviceContext:
         t = self._empty_tensor(shape, dtype)
         send = [self._tensor(pieces[members.index(g)]) for g in order] if mine else None
         work = self._call("scatter", axis, lambda: self._dist.scatter(
-            _w(t), send and [_w(p) for p in send], src=members[root], group=pg, async_op=True))
+            to_wire(t), send and [to_wire(p) for p in send], src=members[root], group=pg, async_op=True))
         return self._issue("scatter", axis, [work], lambda: self._deliver(self._numpy(t), out),
                            async_op, t.numel() * t.element_size())
 
@@ -403,7 +326,7 @@ class TorchDeviceContext:
         t = self._tensor(x)
         got = [self._empty_tensor(x.shape, x.dtype) for _ in order] if mine else None
         work = self._call("gather", axis, lambda: self._dist.gather(
-            _w(t), got and [_w(g) for g in got], dst=members[root], group=pg, async_op=True))
+            to_wire(t), got and [to_wire(g) for g in got], dst=members[root], group=pg, async_op=True))
 
         def finish():
             if not mine:
@@ -425,7 +348,7 @@ class TorchDeviceContext:
                                async_op)
         t = self._tensor(x)
         work = self._call("reduce", axis, lambda: self._dist.reduce(
-            _w(t), dst=members[root], op=self._op(op), group=pg, async_op=True))
+            to_wire(t), dst=members[root], op=self._op(op), group=pg, async_op=True))
 
         def finish():
             if not mine:
@@ -459,73 +382,3 @@ class TorchDeviceContext:
     def _need_root_input(self, what: str, root: int, mine: bool, x) -> None:
         if mine and x is None:
             raise ValueError(f"{what}: the root (rank {self.rank}) must pass an array, got None")
-
-    # --- point to point -------------------------------------------------------------
-    def _peer(self, peer, what: str) -> int:
-        try:
-            peer = operator.index(peer)
-        except TypeError:
-            raise TypeError(f"{what}: expected an int rank, got {peer!r}") from None
-        if not 0 <= peer < self.mesh.size:
-            raise ValueError(f"{what}: rank {peer} is not in the mesh "
-                             f"(valid: 0..{self.mesh.size - 1})")
-        return peer
-
-    @staticmethod
-    def _tag(tag) -> int:
-        tag = operator.index(tag)
-        if not 0 <= tag < _MAX_TAG:
-            raise ValueError(f"tag must be an int in [0, 2**30) on the torch engine "
-                             f"(gloo tags are 32-bit), got {tag}")
-        return tag
-
-    def isend(self, x, to: int, tag: int = 0) -> TorchWork:
-        """Start sending a private copy of ``x`` (header on tag 2t, payload on 2t + 1)."""
-        to, tag, x = self._peer(to, "isend"), self._tag(tag), np.asarray(x)
-        header, payload = self._header(x), self._tensor(x)
-        works = [self._dist.isend(header, to, tag=2 * tag)]
-        if x.size:
-            works.append(self._dist.isend(_w(payload), to, tag=2 * tag + 1))
-
-        keep = (header, payload)     # alive until the sends complete
-        return TorchWork(works, lambda: keep and None,
-                         lambda: f"rank {self.rank}: send to rank {to} (tag {tag})")
-
-    def send(self, x, to: int, tag: int = 0) -> None:
-        """Buffered send: returns at once; the run's end waits for delivery."""
-        self._pending_sends.append(self.isend(x, to, tag))
-
-    def irecv(self, src: int, tag: int = 0, *, out=None) -> TorchWork:
-        """Post a receive now; receives of one (src, tag) match in post order."""
-        request = self._post_recv(src, tag, out, "irecv")
-        return TorchWork([], lambda: self._complete(request),
-                         lambda: f"rank {self.rank}: recv from rank {src} (tag {tag})")
-
-    def recv(self, src: int, tag: int = 0, *, out=None):
-        return self._complete(self._post_recv(src, tag, out, "recv"))
-
-    def _post_recv(self, src, tag, out, what: str) -> _RecvRequest:
-        src, tag = self._peer(src, what), self._tag(tag)
-        h = self._header(None)
-        request = _RecvRequest(src, tag, out, (h, self._dist.irecv(h, src, tag=2 * tag)))
-        self._posted_recvs.setdefault((src, tag), deque()).append(request)
-        return request
-
-    def _complete(self, request: _RecvRequest):
-        """Finish the posted receives of (src, tag) oldest first, up to ``request``:
-        payloads arrive in send order, so they are received in post order."""
-        key = (request.src, request.tag)
-        queue = self._posted_recvs.get(key, deque())
-        while not request.done:
-            head = queue.popleft()
-            h, work = head.header
-            what = lambda: f"rank {self.rank}: recv from rank {head.src} (tag {head.tag})"
-            _wait(work, None, what)
-            shape, dtype = self._parse_header(h)
-            t = self._empty_tensor(shape, dtype)
-            if t.numel():
-                _wait(self._dist.irecv(_w(t), head.src, tag=2 * head.tag + 1), None, what)
-            head.result, head.done = self._deliver(self._numpy(t), head.out), True
-        if not queue:
-            self._posted_recvs.pop(key, None)
-        return request.result

@@ -86,6 +86,11 @@ class TorchCluster:
 
     # --- life cycle -----------------------------------------------------------------
     def _start(self) -> None:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            raise ImportError("the torch engine needs torch: pip install -e '.[torch]' (a CPU "
+                              "build: pip install torch --index-url "
+                              "https://download.pytorch.org/whl/cpu)")
         self._tmp = tempfile.mkdtemp(prefix="vcluster-torch-")
         pairs = [socket.socketpair() for _ in range(self.mesh.size)]
         config = {"mesh": self.mesh, "backend": self.backend, "timeout_s": self.timeout_s,

@@ -170,3 +170,20 @@ def test_pytest_plugin_fixture_in_a_real_pytest_run(tmp_path):
     assert proc.returncode == 1, out
     assert "1 failed, 1 passed" in out, out
     assert "OracleMismatch" in out and "rank 3, tensor 'y', index (2, 1)" in out, out
+
+
+def test_check_dirs_requires_the_goldens_inputs(tmp_path):
+    """An actual run that started from other inputs is a mismatch even when its outputs
+    happen to agree (``oracle check`` compares input hashes too)."""
+    from vcluster.oracle.scenario_export import check_dirs
+    golden, results = _golden()
+    save_golden(golden, tmp_path / "gold")
+    assert check_dirs(tmp_path / "gold", tmp_path / "gold")[0][2].ok
+    arrays = [{k: dict(v) for k, v in rank.items()} for rank in golden.arrays]
+    arrays[1]["inputs"]["arg0"] = arrays[1]["inputs"]["arg0"] + 1.0
+    save_golden(type(golden)(golden.manifest, tuple(arrays)), tmp_path / "other")
+    (_, _, result), = check_dirs(tmp_path / "gold", tmp_path / "other")
+    assert [(m.rank, m.tensor) for m in result.mismatches] == [(1, "inputs/arg0")]
+    assert "input differs from the golden's" in str(result)
+    with pytest.raises(FileNotFoundError, match="holds no golden"):
+        check_dirs(tmp_path / "gold", tmp_path / "missing")

@@ -23,6 +23,8 @@ from vcluster.cli.main import main
 from vcluster.timing import load_hardware
 from vcluster.timing.hardware_costs import HardwareCostModel
 
+pytestmark = pytest.mark.timeout(600)    # a replay worker that hangs fails the test
+
 A100 = "a100-80gb-dgx"
 SMALL = dict(hidden=1024, layers=12, heads=16, seq=512, vocab=32000)
 

@@ -18,6 +18,8 @@ from vcluster.timing.hardware_costs import TRAINING_KERNEL_EFFICIENCY
 
 from test_localhost import spec as localhost_spec
 
+pytestmark = pytest.mark.timeout(120)
+
 A100 = "a100-80gb-dgx"
 MESHES = [((4,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 4), ("dp", "tp")), ((1, 4), ("dp", "tp"))]
 

@@ -80,7 +80,7 @@ def _matmul_program(dev, op, a_in, b_in, a, b):
     return op.forward_local(dev, a, b)
 
 
-def rank_matmul_layouts(mesh, a_shape, b_shape, hardware="localhost", dtype="float32",
+def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
                         a_from: TS | None = None, b_from: TS | None = None,
                         c: TS | None = None, _model=None):
     """A DataFrame of every distinct candidate (see the module docstring), fastest
@@ -115,7 +115,7 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware="localhost", dtype="flo
     return pd.DataFrame(rows).sort_values("predicted_s", kind="stable").reset_index(drop=True)
 
 
-def auto_matmul(mesh, a_shape, b_shape, hardware="localhost", **kwargs):
+def auto_matmul(mesh, a_shape, b_shape, hardware, **kwargs):
     """(the best MatMulSharding, the ranking DataFrame) — see rank_matmul_layouts."""
     df = rank_matmul_layouts(mesh, a_shape, b_shape, hardware, **kwargs)
     return df.iloc[0]["sharding"], df
@@ -146,7 +146,7 @@ def _ffn_program(dev, op, plans, x, w1, b1, w2, b2, dy, backward, y_plan):
     return y
 
 
-def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware="localhost", dtype="float32",
+def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
                      x_from: TS | None = None, backward: bool = False, _model=None):
     """A DataFrame of every valid FeedForwardSharding on ``mesh``, fastest first:
     ``sharding``, ``policy``, ``tp``, ``dp``, ``predicted_s`` (inputs redistributed from
@@ -179,13 +179,13 @@ def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware="localhost", dtype="floa
     return pd.DataFrame(rows).sort_values("predicted_s", kind="stable").reset_index(drop=True)
 
 
-def auto_ffn(mesh, x_shape, d_ff: int, hardware="localhost", **kwargs):
+def auto_ffn(mesh, x_shape, d_ff: int, hardware, **kwargs):
     """(the best FeedForwardSharding, the ranking DataFrame) — see rank_ffn_layouts."""
     df = rank_ffn_layouts(mesh, x_shape, d_ff, hardware, **kwargs)
     return df.iloc[0]["sharding"], df
 
 
-def auto_layout(op: str, mesh, shapes: dict, hardware="localhost", **kwargs):
+def auto_layout(op: str, mesh, shapes: dict, hardware, **kwargs):
     """One entry point for ``policy: auto`` in a scenario: ``op`` "matmul" with shapes
     {"a": (m, k), "b": (k, n)}, or "ffn" with {"x": (B, S, d), "d_ff": f}; returns the
     best sharding and the ranking DataFrame."""

@@ -157,7 +157,7 @@ class MatMulSharding:
                 raise ValueError(f"MatMulSharding {name} = {s} for shape {shape}: {exc}") from None
 
     @classmethod
-    def auto(cls, mesh, a_shape, b_shape, hardware="localhost", **kwargs):
+    def auto(cls, mesh, a_shape, b_shape, *, hardware, **kwargs):
         """(the fastest MatMulSharding, the ranking DataFrame) of every layout of A and B
         on ``mesh``, redistribution of the inputs included, by the timing model's replay
         on ``hardware`` (see :mod:`tensor_parallel.auto_layout`; ``kwargs``: dtype,

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None,
 
 import conformance as C  # noqa: E402
 from mesh import Mesh  # noqa: E402
+from vcluster import DeviceContext, Work  # noqa: E402
 from vcluster.torchdist import TorchCluster, group_plan  # noqa: E402
 
 pytestmark.append(pytest.mark.timeout(600))
@@ -60,13 +61,21 @@ def test_group_plan_every_axis_group_once():
     assert (0, 4) in plan and (0, 1, 2, 3) in plan
 
 
+def _describe(dev):
+    work = dev.barrier(async_op=True)
+    assert work.wait() is None and work.is_completed()
+    return dev.rank, tuple(dev.index), dev.device, isinstance(dev, DeviceContext), \
+        isinstance(work, Work)
+
+
 @pytest.mark.parametrize("name", list(MESHES))
 def test_backend_reported(torch_cluster, name):
     cluster = torch_cluster(name)
     import torch
     assert cluster.info == {"torch_version": torch.__version__, "torch_backend": "gloo"}
-    ranks = cluster.run(lambda dev: (dev.rank, tuple(dev.index), dev.device))
-    assert ranks == [(r, tuple(MESHES[name].index(r)), "cpu") for r in range(MESHES[name].size)]
+    ranks = cluster.run(_describe)
+    assert ranks == [(r, tuple(MESHES[name].index(r)), "cpu", True, True)
+                     for r in range(MESHES[name].size)]
 
 
 @pytest.mark.parametrize("name", list(MESHES))

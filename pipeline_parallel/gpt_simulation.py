@@ -115,6 +115,24 @@ def _short_position(q: int, p: int, p_short: int) -> int:
     return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
 
 
+def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs):
+    """(mesh, templates per position) of a short step on a pipeline of ``p_short``
+    positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
+    p, v = parallel.pp, parallel.chunks
+    short = dataclasses.replace(parallel, pp=p_short)
+    m_short = _short_microbatches(short)
+    short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
+                                       layers=config.layers // (p * v) * p_short * v)
+    short_mesh = short.mesh()
+    args = GPT(short_config).meta_args(short_mesh, short)
+    job = args[0][0]
+    traces = trace_program(short_mesh, train_program, args,
+                           ranks=list(short_mesh.group("pp", 0)))
+    return short_mesh, [coalesce(cut_templates(t, job.actions[pos], p_short * v, m_short),
+                                 costs, gpt_op_kind) for pos, t in enumerate(traces)]
+
+
 def gpt_schedule(parallel: ParallelConfig):
     """The full step's :class:`pipelining.Schedule`."""
     from pipelining import make_schedule
@@ -144,22 +162,10 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                          f"middle, last) or None (all), got {traced_positions!r}")
     mesh = parallel.mesh()
     parallel.check(config, mesh)
-    p, v = parallel.pp, parallel.chunks
+    p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
-    m = parallel.microbatches
-    short = dataclasses.replace(parallel, pp=p_short)
-    m_short = _short_microbatches(short)
-    short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
-    short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
-                                       layers=config.layers // (p * v) * p_short * v)
-    short_mesh = short.mesh()
-    short_ranks = list(short_mesh.group("pp", 0))
-    args = GPT(short_config).meta_args(short_mesh, short)
-    job = args[0][0]
-    traces = trace_program(short_mesh, train_program, args, ranks=short_ranks)
-    S_short, S = p_short * v, p * v
-    templates = [coalesce(cut_templates(t, job.actions[pos], S_short, m_short), costs,
-                          gpt_op_kind) for pos, t in enumerate(traces)]
+    short_mesh, templates = _short_templates(config, parallel, p_short, costs)
+    S = p * v
     sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
 
     def short_stage(s):
@@ -177,8 +183,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
             c = short_mesh.index(r)
             pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
             if pos is None:
-                raise ValueError(f"GPT trace: a collective of pipeline position {q_short} "
-                                 f"spans position {c['pp']}, which stands for no one rank")
+                raise ValueError(f"GPT trace: a collective of traced pipeline position "
+                                 f"{q_short} reaches position {c['pp']}, which stands for "
+                                 f"no single position of the full pipeline")
             return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
 
         t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)

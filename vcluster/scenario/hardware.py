@@ -119,4 +119,4 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_costs import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))
-    return CostSetup(HardwareCostModel(spec, hw.dtype), None, hw.label, False)
+    return CostSetup(HardwareCostModel(spec, hw.dtype), None, spec.name, False)

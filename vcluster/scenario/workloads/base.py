@@ -8,6 +8,10 @@ unsharded in one process with numpy, and :meth:`Workload.check` compares them:
 
     error = max |result - reference|,  scale = max |reference| (1 when 0),
     passed  <=>  error <= tolerance * scale.
+
+With ``run.mode: simulate`` a builder makes no real data: ``args_by_rank`` is empty and
+only the shape-only ``meta_args_by_rank`` exist (collective, matmul, ffn, transformer),
+so cluster-scale shapes cost no memory.
 """
 
 from __future__ import annotations

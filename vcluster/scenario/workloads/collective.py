@@ -99,17 +99,19 @@ def _reference(op: str, xs: list, mesh, axes) -> dict:
 
 
 def build(scenario, mesh) -> Workload:
-    from vcluster.runtime.tracing import meta_like
+    from vcluster.runtime.tracing import MetaArray
     w = scenario.workload
     op, calls = w.options["op"], w.options["calls"]
     axes = _axis(scenario, mesh)
     elements = _size_bytes(scenario) // np.dtype(w.dtype).itemsize
+    real = scenario.run.mode != "simulate"          # simulate alone: shapes, no data
     xs = [np.random.default_rng([w.seed, r]).standard_normal(elements).astype(w.dtype)
-          for r in range(mesh.size)]
+          for r in range(mesh.size)] if real else []
     axis = None if axes is None else (axes[0] if len(axes) == 1 else axes)
     alg = scenario.parallel["algorithm"]
     args = tuple((op, x, axis, alg, calls) for x in xs)
-    metas = tuple((op, meta_like(x), axis, alg, calls) for x in xs)
+    metas = tuple((op, MetaArray((elements,), w.dtype), axis, alg, calls)
+                  for _ in range(mesh.size))
 
     def assemble(results):
         return {f"rank{r}": res["out"] for r, res in enumerate(results)

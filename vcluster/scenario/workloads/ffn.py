@@ -94,25 +94,30 @@ def reference(arrays: dict, activation: str) -> dict:
 
 
 def build(scenario, mesh) -> Workload:
-    from sharding import shard, unshard
+    from sharding import local_shape, shard, unshard
     from tensor_parallel import FeedForward
-    from vcluster.runtime.tracing import meta_like
+    from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
     op = FeedForward(_sharding(scenario, mesh), activation=o["activation"])
     L = op.layouts
-    rng = np.random.default_rng(w.seed)
     B, S, d, f = o["batch"], o["seq"], o["d_model"], o["d_ff"]
-    arrays = {"x": rng.standard_normal((B, S, d)),
-              "w1": rng.standard_normal((d, f)) / np.sqrt(d), "b1": rng.standard_normal(f),
-              "w2": rng.standard_normal((f, d)) / np.sqrt(f), "b2": rng.standard_normal(d),
-              "dy": rng.standard_normal((B, S, d)) if o["backward"] else None}
-    arrays = {k: None if v is None else v.astype(w.dtype) for k, v in arrays.items()}
-    pieces = {k: shard(v, L[k], mesh) if v is not None else [None] * mesh.size
-              for k, v in arrays.items()}
     names = ("x", "w1", "b1", "w2", "b2", "dy")
-    args = tuple((op,) + tuple(pieces[k][r] for k in names) for r in range(mesh.size))
-    metas = tuple((op,) + tuple(None if a is None else meta_like(a) for a in rank_args[1:])
-                  for rank_args in args)
+    shapes = {"x": (B, S, d), "w1": (d, f), "b1": (f,), "w2": (f, d), "b2": (d,),
+              "dy": (B, S, d) if o["backward"] else None}
+    metas = tuple((op,) + tuple(None if shapes[k] is None else
+                                MetaArray(local_shape(shapes[k], L[k], mesh), w.dtype)
+                                for k in names) for _ in range(mesh.size))
+    args, arrays = (), None
+    if scenario.run.mode != "simulate":               # simulate alone: shapes, no data
+        rng = np.random.default_rng(w.seed)
+        arrays = {"x": rng.standard_normal((B, S, d)),
+                  "w1": rng.standard_normal((d, f)) / np.sqrt(d), "b1": rng.standard_normal(f),
+                  "w2": rng.standard_normal((f, d)) / np.sqrt(f), "b2": rng.standard_normal(d),
+                  "dy": rng.standard_normal((B, S, d)) if o["backward"] else None}
+        arrays = {k: None if v is None else v.astype(w.dtype) for k, v in arrays.items()}
+        pieces = {k: shard(v, L[k], mesh) if v is not None else [None] * mesh.size
+                  for k, v in arrays.items()}
+        args = tuple((op,) + tuple(pieces[k][r] for k in names) for r in range(mesh.size))
     layouts = {"y": L["y"], "dx": L["dx"], "dW1": L["dw1"], "db1": L["db1"],
                "dW2": L["dw2"], "db2": L["db2"]}
 

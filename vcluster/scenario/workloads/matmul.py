@@ -96,21 +96,26 @@ def _program(dev, op, a, b, dc):
 
 
 def build(scenario, mesh) -> Workload:
-    from sharding import shard, unshard
+    from sharding import local_shape, shard, unshard
     from tensor_parallel import MatMul
-    from vcluster.runtime.tracing import meta_like
+    from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
     op = MatMul(_sharding(scenario, mesh))
     s = op.sharding
-    rng = np.random.default_rng(w.seed)
-    A = rng.standard_normal((o["m"], o["k"])).astype(w.dtype)
-    B = rng.standard_normal((o["k"], o["n"])).astype(w.dtype)
-    dC = rng.standard_normal((o["m"], o["n"])).astype(w.dtype) if o["backward"] else None
-    pa, pb = shard(A, s.a, mesh), shard(B, s.b, mesh)
-    pc = shard(dC, op.dc_layout, mesh) if dC is not None else [None] * mesh.size
-    args = tuple((op, pa[r], pb[r], pc[r]) for r in range(mesh.size))
-    metas = tuple((op, meta_like(a), meta_like(b), None if c is None else meta_like(c))
-                  for _, a, b, c in args)
+    shapes = {"a": (o["m"], o["k"]), "b": (o["k"], o["n"]), "dc": (o["m"], o["n"])}
+    metas = tuple((op, MetaArray(local_shape(shapes["a"], s.a, mesh), w.dtype),
+                   MetaArray(local_shape(shapes["b"], s.b, mesh), w.dtype),
+                   MetaArray(local_shape(shapes["dc"], op.dc_layout, mesh), w.dtype)
+                   if o["backward"] else None) for _ in range(mesh.size))
+    args, A = (), None
+    if scenario.run.mode != "simulate":               # simulate alone: shapes, no data
+        rng = np.random.default_rng(w.seed)
+        A = rng.standard_normal(shapes["a"]).astype(w.dtype)
+        B = rng.standard_normal(shapes["b"]).astype(w.dtype)
+        dC = rng.standard_normal(shapes["dc"]).astype(w.dtype) if o["backward"] else None
+        pa, pb = shard(A, s.a, mesh), shard(B, s.b, mesh)
+        pc = shard(dC, op.dc_layout, mesh) if dC is not None else [None] * mesh.size
+        args = tuple((op, pa[r], pb[r], pc[r]) for r in range(mesh.size))
     layouts = {"C": s.c, "dA": s.a, "dB": s.b}
 
     def assemble(results):
@@ -118,6 +123,8 @@ def build(scenario, mesh) -> Workload:
                 for name in results[0]}
 
     def reference():
+        if A is None:
+            raise ValueError("a simulate-only matmul has no real inputs (run.mode: simulate)")
         a, b = A.astype(np.float64), B.astype(np.float64)
         out = {"C": a @ b}
         if dC is not None:

@@ -63,6 +63,7 @@ class TrainJob:
     optimizer_state: tuple | None = None   # (t, slots): slots[k] global (W, b) per layer
     return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
     crash_at: tuple = ()               # (rank, global step): injected crashes (vcluster.faults)
+    per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
 
     @property
     def n_stages(self) -> int:
@@ -187,10 +188,14 @@ def train_program(dev, job: TrainJob, X, Y):
     def tag(step, direction, stage, j):
         return ((step * 2 + direction) * S + stage) * m + j
 
+    all_X, all_Y = X, Y
     for step in range(job.steps):
         if job.first_step + step in crash_steps:
             from vcluster.faults import crash_this_device
             crash_this_device()
+        if job.per_step_data:              # sampled mini-batches: this step's rows
+            X = None if all_X is None else all_X[step]
+            Y = None if all_Y is None else all_Y[step]
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}

@@ -81,14 +81,26 @@ class MLP:
 
     # --- single-process reference ---------------------------------------------------------
     def fit_reference(self, X, Y, steps: int, optimizer: str = "sgd", lr: float = 0.01,
-                      momentum: float = 0.9, betas=(0.9, 0.999), eps: float = 1e-8) -> FitResult:
-        """Full-batch training in this process with numpy: the ground truth for ``fit``."""
-        X, Y = self._check_data(X, Y)
+                      momentum: float = 0.9, betas=(0.9, 0.999), eps: float = 1e-8, *,
+                      batch_size: int | None = None, data_seed: int = 0) -> FitResult:
+        """Training in this process with numpy: the ground truth for ``fit``. Full-batch,
+        or with ``batch_size`` the mini-batches of :class:`~pipeline_parallel.sampler.
+        BatchSampler` (``data_seed``), as ``fit`` draws them."""
+        X_all, Y_all = self._check_data(X, Y)
+        sampler = None
+        if batch_size is not None:
+            from .sampler import BatchSampler
+            sampler = BatchSampler(len(X_all), _positive(batch_size, "batch_size"), data_seed)
         params = [[w.copy(), b.copy()] for w, b in self.init_params()]
         flat = [a for pair in params for a in pair]
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps), flat)
         losses = []
         for _ in range(_positive(steps, "steps")):
+            if sampler is None:
+                X, Y = X_all, Y_all
+            else:
+                idx = sampler.next_indices()
+                X, Y = X_all[idx], Y_all[idx]
             xs, zs, x = [], [], X
             for l, (w, b) in enumerate(params):
                 z = x @ w + b
@@ -124,31 +136,37 @@ class MLP:
             betas=(0.9, 0.999), eps: float = 1e-8, virtual_stages: int | None = None,
             bucket_bytes: int = 1 << 20, action_costs: dict | None = None, *,
             checkpoint_every: int | None = None, checkpoint_dir: str | None = None,
-            faults=None, recovery: str = "fail", resume_from: str | None = None) -> FitResult:
+            faults=None, recovery: str = "fail", resume_from: str | None = None,
+            batch_size: int | None = None, data_seed: int = 0) -> FitResult:
         """Train on ``cluster`` following ``schedule``; see the module docstring.
 
         ``checkpoint_every`` steps a checkpoint goes to ``checkpoint_dir``; ``faults``
         (:mod:`vcluster.faults` specs or their dicts) are injected; a lost device is
         handled by ``recovery`` ("restart" or "fail"); ``resume_from`` (a checkpoint or a
         directory of them) continues a run. See :mod:`pipeline_parallel.resilient`.
+        ``batch_size``: train on mini-batches of that many samples, drawn in shuffled
+        epochs (:class:`~pipeline_parallel.sampler.BatchSampler`, seed ``data_seed``)
+        instead of the full batch; the sampler's state is part of every checkpoint.
         """
         from .plan import plan_training
         X, Y = self._check_data(X, Y)
-        plan = plan_training(self, cluster.mesh, len(X), _positive(microbatches, "microbatches"),
+        batch = len(X) if batch_size is None else _positive(batch_size, "batch_size")
+        plan = plan_training(self, cluster.mesh, batch, _positive(microbatches, "microbatches"),
                              schedule, virtual_stages)
         job = TrainJob(
             params=tuple(self.init_params()), specs=plan.stage_specs, actions=plan.actions,
             loss=self.loss, optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
-            steps=_positive(steps, "steps"), microbatches=microbatches, global_batch=len(X),
+            steps=_positive(steps, "steps"), microbatches=microbatches, global_batch=batch,
             pp_axis="pp", dp_axis=plan.dp_axis, tp_axis=plan.tp_axis,
             bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}))
         if (checkpoint_every is not None or faults is not None or resume_from is not None
-                or recovery != "fail"):
+                or recovery != "fail" or batch_size is not None):
             from .resilient import fit_resilient
             return fit_resilient(self, cluster, plan, job, X, Y,
                                  checkpoint_every=checkpoint_every,
                                  checkpoint_dir=checkpoint_dir, faults=faults,
-                                 recovery=recovery, resume_from=resume_from)
+                                 recovery=recovery, resume_from=resume_from,
+                                 batch_size=batch_size, data_seed=data_seed)
         results = cluster.run(train_program, plan.device_args(job, X, Y))
         return plan.collect(self, results)
 

@@ -46,6 +46,8 @@ class TrainingPlan:
         for rank in range(self.mesh.size):
             pos, d = self._coord(rank, "pp"), self._coord(rank, self.dp_axis)
             part = slice(d * rows, (d + 1) * rows)
+            if job.per_step_data:          # (steps, batch, ...): split the batch axis
+                part = (slice(None), part)
             args.append((job, X[part] if pos == 0 else None, Y[part] if pos == last else None))
         return args
 

@@ -20,8 +20,12 @@ Recovery when a device is lost (:class:`~vcluster.runtime.errors.DeviceLostError
 * ``"fail"``: raise :class:`TrainingInterrupted`, naming the checkpoint to resume from
   (``MLP.fit(..., resume_from=DIR)`` or ``vcluster run FILE --resume DIR``).
 
-The full batch is used every step, so the data position after N steps is N x batch
-samples and no random numbers are drawn during training (the RNG state is None).
+Data: by default the full batch every step (data position after N steps: N x batch
+samples; no random numbers drawn, the RNG state is None). With ``batch_size`` each step
+trains on a mini-batch of :class:`~pipeline_parallel.sampler.BatchSampler` (shuffled
+epochs); the host draws a segment's batches before it runs, and the sampler's state
+(generator state at the epoch's start, epoch, position) is in every checkpoint, so a
+resumed or recovered run trains on exactly the batches of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -70,22 +74,24 @@ class Recovery:
                 "restart_s": self.restart_s}
 
 
-def fingerprint(mlp, job: TrainJob, batch: int) -> dict:
+def fingerprint(mlp, job: TrainJob, samples: int, batch_size, data_seed) -> dict:
     """What identifies a run: a checkpoint restores only into the same one."""
     o = job.optimizer
     return {"model": repr(mlp), "dtype": mlp.dtype.str, "optimizer": o.name, "lr": o.lr,
             "momentum": o.momentum, "betas": list(o.betas), "eps": o.eps,
-            "batch": int(batch)}
+            "samples": int(samples), "batch_size": batch_size,
+            "data_seed": None if batch_size is None else data_seed}
 
 
-def _initial_state(mlp, job: TrainJob, fp: dict) -> TrainingState:
+def _initial_state(mlp, job: TrainJob, fp: dict, sampler=None) -> TrainingState:
     params = tuple(mlp.init_params())
     flat = [a for pair in params for a in pair]
     opt = Optimizer(job.optimizer, flat)
     slots = tuple(tuple((s[2 * l], s[2 * l + 1]) for l in range(len(params)))
                   for s in opt.state)
     return TrainingState(step=0, params=params, optimizer_t=0, optimizer_slots=slots,
-                         losses=np.zeros(0), fingerprint=fp)
+                         losses=np.zeros(0), fingerprint=fp,
+                         rng_state=None if sampler is None else sampler.state.to_dict())
 
 
 def _check_policy(checkpoint_every, checkpoint_dir, recovery) -> int | None:
@@ -104,7 +110,8 @@ def _check_policy(checkpoint_every, checkpoint_dir, recovery) -> int | None:
 
 
 def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=None,
-                  checkpoint_dir=None, faults=(), recovery: str = "fail", resume_from=None):
+                  checkpoint_dir=None, faults=(), recovery: str = "fail", resume_from=None,
+                  batch_size=None, data_seed: int = 0):
     """Train ``job`` (its params/steps describe the whole run) as the module describes.
 
     Returns the :class:`~pipeline_parallel.mlp.FitResult` of the whole run, with
@@ -115,9 +122,10 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
     faults = parse_faults(faults, "faults", cluster.mesh.size)
     crashes = {(f.rank, f.at_step) for f in faults if isinstance(f, CrashFault)}
     degraded = tuple(f for f in faults if not isinstance(f, CrashFault))
-    fp = fingerprint(mlp, job, len(X))
+    fp = fingerprint(mlp, job, len(X), batch_size, data_seed)
+    data = None if batch_size is None else (len(X), batch_size, data_seed)
     state = (load_checkpoint(resume_from, fp) if resume_from is not None
-             else _initial_state(mlp, job, fp))
+             else _initial_state(mlp, job, fp, _sampler(data, None)))
     if state.step > job.steps:
         raise ValueError(f"resume_from: the checkpoint is at step {state.step}, beyond "
                          f"steps={job.steps}")
@@ -130,12 +138,12 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
         while state.step < job.steps or fit is None:
             end = job.steps if every is None else min(job.steps, (state.step // every + 1) * every)
             try:
-                fit, state = _segment(mlp, cluster, plan, job, X, Y, state, end, crashes)
+                fit, state = _segment(mlp, cluster, plan, job, X, Y, state, end, crashes, data)
             except DeviceLostError as exc:
                 fired = _fired(crashes, exc.rank, state.step, end)
                 crashes.discard(fired)
                 resume = _recover(exc, fired, state, recovery, last, checkpoint_dir,
-                                  len(recoveries), len(faults), cluster, fp, mlp, job)
+                                  len(recoveries), len(faults), cluster, fp, mlp, job, data)
                 recoveries.append(resume[1])
                 state = resume[0]
                 continue
@@ -153,13 +161,29 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
                      recoveries=tuple(recoveries), checkpoints=tuple(written))
 
 
-def _segment(mlp, cluster, plan, job: TrainJob, X, Y, state: TrainingState, end: int, crashes):
+def _sampler(data, state: TrainingState | None):
+    """The batch sampler of ``data`` = (samples, batch_size, seed) at ``state`` (None:
+    full-batch training)."""
+    if data is None:
+        return None
+    from .sampler import BatchSampler, SamplerState
+    saved = None if state is None or state.rng_state is None else \
+        SamplerState.from_dict(state.rng_state)
+    return BatchSampler(*data, state=saved)
+
+
+def _segment(mlp, cluster, plan, job: TrainJob, X, Y, state: TrainingState, end: int, crashes,
+             data):
     """Run steps ``state.step .. end-1`` from ``state``; return (FitResult, new state)."""
     import dataclasses
     seg = dataclasses.replace(
         job, params=tuple(state.params), steps=end - state.step, first_step=state.step,
         optimizer_state=(state.optimizer_t, state.optimizer_slots), return_optimizer=True,
         crash_at=tuple(sorted(crashes)))
+    sampler = _sampler(data, state)
+    if sampler is not None:                   # this segment's mini-batches, in order
+        X, Y = sampler.batches(X, Y, end - state.step)
+        seg = dataclasses.replace(seg, per_step_data=True)
     results = cluster.run(train_program, plan.device_args(seg, X, Y))
     fit = plan.collect(mlp, results)
     holder = next(r for r in results if r["optimizer"] is not None)
@@ -167,9 +191,11 @@ def _segment(mlp, cluster, plan, job: TrainJob, X, Y, state: TrainingState, end:
                   for k in range(len(holder["optimizer"]["slots"])))
     losses = np.concatenate([state.losses, np.asarray(fit.losses if fit.losses is not None
                                                       else [], dtype=np.float64)])
-    new = TrainingState(step=end, params=tuple(fit.params), optimizer_t=holder["optimizer"]["t"],
-                        optimizer_slots=slots, losses=losses,
-                        data_position=end * job.global_batch, fingerprint=state.fingerprint)
+    new = TrainingState(
+        step=end, params=tuple(fit.params), optimizer_t=holder["optimizer"]["t"],
+        optimizer_slots=slots, losses=losses, fingerprint=state.fingerprint,
+        data_position=end * job.global_batch if sampler is None else sampler.data_position,
+        rng_state=None if sampler is None else sampler.state.to_dict())
     return fit, new
 
 
@@ -185,7 +211,7 @@ def _checkpoint_path(path: str) -> str:
 
 
 def _recover(exc, fired, state, recovery, ckpt, checkpoint_dir, n_recovered, n_faults,
-             cluster, fp, mlp, job):
+             cluster, fp, mlp, job, data):
     """Apply the recovery policy after a lost device: (state to resume, Recovery)."""
     where = f"step {fired[1]}" if fired else f"steps {state.step}.."
     if recovery == "fail":
@@ -201,6 +227,7 @@ def _recover(exc, fired, state, recovery, ckpt, checkpoint_dir, n_recovered, n_f
     t0 = time.perf_counter()
     cluster.restart()
     restart_s = time.perf_counter() - t0
-    resumed = load_checkpoint(ckpt, fp) if ckpt else _initial_state(mlp, job, fp)
+    resumed = load_checkpoint(ckpt, fp) if ckpt else _initial_state(mlp, job, fp,
+                                                                    _sampler(data, None))
     return resumed, Recovery(exc.rank, fired[1] if fired else None, state.step,
                              resumed.step, ckpt, restart_s)

@@ -122,3 +122,33 @@ def test_missing_and_foreign_checkpoints(tmp_path):
     path = save_checkpoint(str(tmp_path), _state())
     with pytest.raises(CheckpointError, match=r"fingerprint.lr is 0.01 there, 0.02 now"):
         load_checkpoint(path, fingerprint={"model": "m", "lr": 0.02})
+
+
+# --- the batch sampler's state ------------------------------------------------------------
+
+@pytest.mark.parametrize("n,batch", [(10, 3), (12, 4), (7, 7), (5, 1)])
+def test_sampler_epochs_are_permutations_and_state_restores(n, batch):
+    from pipeline_parallel.sampler import BatchSampler, SamplerState
+    sampler = BatchSampler(n, batch, seed=3)
+    drawn = np.concatenate([sampler.next_indices() for _ in range(3 * n)])   # 3*batch epochs
+    for e in range(3 * batch):
+        assert sorted(drawn[e * n:(e + 1) * n]) == list(range(n))      # each sample once
+    assert sampler.data_position == 3 * n * batch
+    # a state taken anywhere, through JSON, continues with the same batches
+    for k in range(0, 2 * n, 3):
+        a = BatchSampler(n, batch, seed=3)
+        for _ in range(k):
+            a.next_indices()
+        saved = json.loads(json.dumps(a.state.to_dict()))
+        b = BatchSampler(n, batch, seed=3, state=SamplerState.from_dict(saved))
+        assert b.data_position == a.data_position == k * batch
+        for _ in range(n + 2):
+            assert np.array_equal(a.next_indices(), b.next_indices())
+
+
+def test_sampler_refuses_bad_sizes_and_states():
+    from pipeline_parallel.sampler import BatchSampler, SamplerState
+    with pytest.raises(ValueError, match=r"batch_size: must be in 1..5"):
+        BatchSampler(5, 6)
+    with pytest.raises(ValueError, match="sampler state: expected rng_state, epoch, position"):
+        SamplerState.from_dict({"epoch": 1})

@@ -144,3 +144,31 @@ def test_straggler_gives_the_identical_result_later(cluster_of):
     assert slow_s >= steps * m * 2 * cost_s * slowdown
     assert slow_s > 1.5 * clean_s, (slow_s, clean_s)
     assert cluster.faults == ()                       # the fit's faults are withdrawn after it
+
+
+def test_sampled_mini_batches_recover_bit_identical_and_resume_mid_epoch(tmp_path, cluster_of):
+    """With batch_size the data position and the sampler's RNG state are checkpointed:
+    a crash (and a resume from a checkpoint in the middle of an epoch) trains on exactly
+    the batches of the uninterrupted run, which matches the numpy reference."""
+    sizes = [8, 16, 16, 4]
+    mlp, (X, Y) = MLP(sizes, seed=2), _data(sizes, batch=50, seed=4)
+    cluster = cluster_of(Mesh((2, 1), ("dp", "pp")))
+    kw = dict(steps=9, microbatches=3, optimizer="adam", lr=0.01, batch_size=12, data_seed=7)
+    clean = mlp.fit(cluster, X, Y, **kw)
+    ref = mlp.fit_reference(X, Y, 9, optimizer="adam", lr=0.01, batch_size=12, data_seed=7)
+    np.testing.assert_allclose(clean.losses, ref.losses, rtol=1e-12)
+    full = mlp.fit_reference(X, Y, 9, optimizer="adam", lr=0.01)
+    assert not np.allclose(full.losses, ref.losses)           # the batches matter
+    run = mlp.fit(cluster, X, Y, **kw, checkpoint_every=2, checkpoint_dir=str(tmp_path),
+                  faults=[CrashFault(1, 5)], recovery="restart")
+    assert params_sha256(run.params) == params_sha256(clean.params)
+    assert np.array_equal(run.losses, clean.losses)
+    from pipeline_parallel.checkpoint import load_checkpoint
+    mid = load_checkpoint(str(tmp_path / "step-00000006"))
+    assert mid.data_position == 6 * 12 and mid.rng_state["epoch"] == 1      # 72 of 2 x 50
+    assert mid.rng_state["position"] == 22
+    resumed = mlp.fit(cluster, X, Y, **kw, resume_from=str(tmp_path / "step-00000006"))
+    assert params_sha256(resumed.params) == params_sha256(clean.params)
+    from pipeline_parallel.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match="fingerprint.data_seed is 7 there, 8 now"):
+        mlp.fit(cluster, X, Y, **dict(kw, data_seed=8), resume_from=str(tmp_path))

@@ -129,3 +129,28 @@ def test_hopeless_points_are_refused_not_run_for_hours():
     table = goodput_table(1.0, 0.0, 1.0, mtbf_s=[10.0], checkpoint_every=[1, 1000])
     assert table.goodput_simulated.isna().tolist() == [False, True]
     assert table.goodput_expected[1] < 1e-30
+
+
+def test_gpt_goodput_on_simulated_hardware():
+    """A long GPT run: the step time from the hardware simulation, the checkpoint cost
+    from the per-device state bytes, the job MTBF from the device MTBF and GPU count,
+    plugged into the closed form (checked by hand here) and the Monte Carlo."""
+    from pipeline_parallel import GPTConfig, ParallelConfig
+    from pipeline_parallel.gpt_goodput import gpt_goodput
+    from pipeline_parallel.gpt_simulation import simulate_gpt
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=1024, vocab=32000)
+    par = ParallelConfig(global_batch=64, micro_batch=1, dp=4, pp=2, tp=4)
+    table = gpt_goodput(cfg, par, "a100-80gb-dgx", device_mtbf_h=[1000, 10000],
+                        checkpoint_every=[20, 200], write_bytes_per_s=1e9, restart_s=120.0)
+    step = simulate_gpt(cfg, par, "a100-80gb-dgx", "bf16").step_time_s
+    assert table.gpus[0] == 32 and table.step_time_s[0] == pytest.approx(step)
+    # state per device ~ (params 2 B + Adam fp32 master, m, v 12 B) x params / (tp x pp)
+    params = 12 * 8 * 1024 ** 2 + 32000 * 1024          # layers + embedding, approximately
+    assert table.checkpoint_s[0] == pytest.approx(14 * params / 8 / 1e9, rel=0.35)
+    for row in table.itertuples():
+        mtbf = row.device_mtbf_h * 3600 / 32
+        T = row.checkpoint_every * step + row.checkpoint_s
+        assert row.mtbf_s == pytest.approx(mtbf)
+        assert row.goodput_expected == pytest.approx(
+            row.checkpoint_every * step / ((mtbf + 120.0) * math.expm1(T / mtbf)))
+        assert row.goodput_simulated == pytest.approx(row.goodput_expected, abs=0.05)

@@ -26,7 +26,7 @@ __all__ = ["scenario_schema", "check_document", "KINDS", "MODES", "DTYPES", "COL
 
 KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
 MODES = ("emulate", "simulate", "both")
-DTYPES = ("float32", "float64")
+DTYPES = ("float16", "float32", "float64")     # float16: run.mode simulate only
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                   "reduce", "scatter", "gather")
 ALGORITHMS = ("auto", "shm", "ring", "tree", "pairwise")
@@ -194,7 +194,8 @@ _SECTIONS = {
     "workload": {
         "type": "object", "required": ["kind"], "description": "what runs on the devices",
         "properties": {"kind": _enum(KINDS, "the workload"),
-                       "dtype": _enum(DTYPES, "element type", "float64"),
+                       "dtype": _enum(DTYPES, "element type (float16: simulate only, "
+                                              "for 16-bit traffic at cluster scale)", "float64"),
                        "seed": _int("seed of the inputs and parameters", 0, 0)},
     },
     "parallel": {"type": "object", "description": "how the workload is split (keys depend "

@@ -50,6 +50,10 @@ def check_semantics(scenario) -> None:
     from .hardware import check_hardware
     from .workloads import workload_module
     mesh = resolve_mesh(scenario)
+    if scenario.workload.dtype == "float16" and scenario.run.mode != "simulate":
+        raise ScenarioError("workload.dtype", "float16", "float32, float64 (float16 only with "
+                            "run.mode: simulate)", "the emulator computes in float32 or "
+                            "float64")
     workload_module(scenario.workload.kind).validate(scenario, mesh)
     from .faults import check_faults
     check_faults(scenario, mesh)

@@ -85,7 +85,8 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
                         c: TS | None = None, _model=None):
     """A DataFrame of every distinct candidate (see the module docstring), fastest
     first: ``sharding`` (a MatMulSharding), ``policy``, ``predicted_s``, ``flops_per_device``,
-    ``bytes_per_device`` (the input redistributions and the op's plan), ``program``."""
+    ``bytes_per_device`` and ``steps`` (of the input redistributions and the op's plan),
+    ``program``."""
     import pandas as pd
     from .matmul import MatMul
     from .matmul_sharding import MatMulSharding
@@ -111,8 +112,14 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
                      "predicted_s": _predict_s(mesh, _matmul_program, metas, model, pool),
                      "flops_per_device": plan.flops_per_device,
                      "bytes_per_device": plan.bytes_per_device + a_in.bytes_per_device
-                     + b_in.bytes_per_device, "program": program})
-    return pd.DataFrame(rows).sort_values("predicted_s", kind="stable").reset_index(drop=True)
+                     + b_in.bytes_per_device,
+                     "steps": sum(len(p.steps) for p in (a_in, b_in, plan.a_plan, plan.b_plan,
+                                                         plan.c_plan)),
+                     "program": program})
+    # equal predictions (the same collectives in another order): fewer bytes, then fewer
+    # steps first
+    return pd.DataFrame(rows).sort_values(["predicted_s", "bytes_per_device", "steps"],
+                                          kind="stable").reset_index(drop=True)
 
 
 def auto_matmul(mesh, a_shape, b_shape, hardware, **kwargs):

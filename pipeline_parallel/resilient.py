@@ -151,11 +151,8 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
                 last = save_checkpoint(checkpoint_dir, state)
                 written.append(last)
     finally:
-        if degraded:
-            try:
-                cluster.inject_faults(previous)
-            except VClusterError:         # closed or broken: the next restart resets it
-                pass
+        if degraded:                      # withdrawn (on a broken cluster: from its restart)
+            cluster.inject_faults(previous)
     from .mlp import FitResult
     return FitResult(np.asarray(state.losses), [tuple(p) for p in state.params], fit.memory,
                      recoveries=tuple(recoveries), checkpoints=tuple(written))

@@ -77,9 +77,10 @@ def test_delays_follow_the_faults():
     assert not delays_for(7, faults).active
 
 
-def _timed_compute(dev, seconds):
-    with dev.compute("work"):
-        time.sleep(seconds)
+def _timed_compute(dev, seconds, repeats=5):
+    for _ in range(repeats):
+        with dev.compute("work"):
+            time.sleep(seconds)
     return None
 
 
@@ -102,13 +103,18 @@ def test_injected_slow_device_and_link_are_real_delays():
             cluster.inject_faults([CrashFault(1, 0)])
 
         def compute_durations():
+            """Per rank, the shortest of 5 blocks of 50 ms (robust to a loaded machine)."""
             cluster.reset_stats()
             cluster.run(_timed_compute, [(0.05,)] * 4)
-            return {e.rank: e.end - e.start for e in cluster.trace() if getattr(e, "name", None) == "work"}
+            out: dict = {}
+            for e in cluster.trace():
+                if getattr(e, "name", None) == "work":
+                    out[e.rank] = min(out.get(e.rank, 1e9), e.end - e.start)
+            return out
 
         d = compute_durations()
         assert d[2] >= 3 * 0.05 * 0.98                 # (3 - 1) x measured, slept after
-        assert max(d[r] for r in (0, 1, 3)) < 2 * 0.05 + 0.04
+        assert max(d[r] for r in (0, 1, 3)) < 1.8 * 0.05
 
         cluster.reset_stats()
         cluster.run(_ping, [(1 << 20, 8)] * 4)
@@ -120,4 +126,4 @@ def test_injected_slow_device_and_link_are_real_delays():
         cluster.restart()                              # a replaced process stays slow
         assert compute_durations()[2] >= 3 * 0.05 * 0.98
         cluster.inject_faults([])
-        assert compute_durations()[2] < 2 * 0.05 + 0.04
+        assert compute_durations()[2] < 1.8 * 0.05

@@ -115,7 +115,8 @@ class VirtualCluster:
 
         ``faults``: :class:`vcluster.faults.SlowFault` / :class:`~vcluster.faults.LinkFault`
         objects or their dict form. They stay in force across :meth:`restart` (a replaced
-        process on a slow card is still slow). Crashes are training-step events: give
+        process on a slow card is still slow); on a broken cluster they take effect at the
+        restart. Crashes are training-step events: give
         :class:`~vcluster.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).
         """
         from vcluster.faults import CrashFault, parse_faults
@@ -125,9 +126,9 @@ class VirtualCluster:
             raise ValueError(f"faults[{crash[0]}]: a crash fault fires at a training step; "
                              "pass it to the trainer (MLP.fit(faults=...)); inject_faults "
                              "takes kinds slow and link")
-        self._usable()
         self._faults = parsed
-        self._send_delays()
+        if self._state is not None and not self._broken:
+            self._send_delays()             # else they apply from the next restart()
 
     def _send_delays(self) -> None:
         from vcluster.faults import delays_for

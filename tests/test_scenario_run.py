@@ -251,11 +251,12 @@ def test_hardware_from_a_file_and_inline(tmp_path):
     assert times["preset"] / times["file"] > 1.5
 
 
-def test_simulate_alone_makes_no_data_and_predicts_the_same():
-    """run.mode simulate builds shape-only arguments from the layouts; the prediction
-    equals the one traced from the real (sharded) arrays in mode both."""
+@pytest.mark.parametrize("name", ["matmul_layouts", "mlp_dp_pp_tp"])
+def test_simulate_alone_makes_no_data_and_predicts_the_same(name):
+    """run.mode simulate builds shape-only arguments (from the layouts, the parameter
+    shapes); the prediction equals the one traced from the real arrays in mode both."""
     from vcluster.scenario import build_workload
-    path = ROOT / "scenarios" / "matmul_layouts.yaml"
+    path = ROOT / "scenarios" / f"{name}.yaml"
     alone = load_scenario(path, ["run.mode=simulate", "run.steps=1"])
     assert build_workload(alone).args_by_rank == ()
     a = run_scenario(alone).summary

@@ -10,8 +10,8 @@ unsharded in one process with numpy, and :meth:`Workload.check` compares them:
     passed  <=>  error <= tolerance * scale.
 
 With ``run.mode: simulate`` a builder makes no real data: ``args_by_rank`` is empty and
-only the shape-only ``meta_args_by_rank`` exist (collective, matmul, ffn, transformer),
-so cluster-scale shapes cost no memory.
+only the shape-only ``meta_args_by_rank`` exist (every kind; an MLP still draws its
+small data batch), so cluster-scale shapes cost no memory.
 """
 
 from __future__ import annotations

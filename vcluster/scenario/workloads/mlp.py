@@ -76,23 +76,30 @@ def build(scenario, mesh) -> Workload:
     from pipeline_parallel.executor import TrainJob, train_program
     from pipeline_parallel.optim import OptimizerConfig
     from pipeline_parallel.plan import plan_training
-    from vcluster.runtime.tracing import meta_like
+    from vcluster.runtime.tracing import MetaArray, meta_like
     par, o, steps = scenario.parallel, scenario.workload.options, scenario.run.steps
     mlp = _mlp(scenario)
     X, Y = _data(scenario)
     X, Y = mlp._check_data(X, Y)
     plan = plan_training(mlp, mesh, len(X), par["microbatches"], par["schedule"],
                          par.get("virtual_stages"))
-    job = TrainJob(params=tuple(mlp.init_params()), specs=plan.stage_specs,
+    simulate_only = scenario.run.mode == "simulate"      # shapes only, no parameters
+    params = tuple((MetaArray((i, j), mlp.dtype), MetaArray((j,), mlp.dtype))
+                   for i, j in zip(mlp.sizes[:-1], mlp.sizes[1:])) if simulate_only \
+        else tuple(mlp.init_params())
+    job = TrainJob(params=params, specs=plan.stage_specs,
                    actions=plan.actions, loss=mlp.loss,
                    optimizer=OptimizerConfig(o["optimizer"], o["lr"]), steps=steps,
                    microbatches=par["microbatches"], global_batch=len(X), pp_axis="pp",
                    dp_axis=plan.dp_axis, tp_axis=plan.tp_axis)
-    args = tuple(plan.device_args(job, X, Y))
-    meta_job = dataclasses.replace(job, params=tuple((meta_like(wt), meta_like(b))
-                                                     for wt, b in job.params))
-    metas = tuple((meta_job,) + tuple(None if a is None else meta_like(a) for a in rest)
-                  for _, *rest in args)
+    if simulate_only:
+        args, metas = (), tuple(plan.device_args(job, meta_like(X), meta_like(Y)))
+    else:
+        args = tuple(plan.device_args(job, X, Y))
+        meta_job = dataclasses.replace(job, params=tuple((meta_like(wt), meta_like(b))
+                                                         for wt, b in job.params))
+        metas = tuple((meta_job,) + tuple(None if a is None else meta_like(a) for a in rest)
+                      for _, *rest in args)
 
     def assemble(results):
         fit = plan.collect(mlp, list(results))

@@ -27,10 +27,12 @@ and a **communication stream** (a FIFO of its asynchronous collectives). Semanti
 How time advances. A rank's process keeps a local clock ``t >= env.now`` and runs compute
 ops, sends, and receives / waits whose data is already known without yielding: their
 times follow from max-plus arithmetic. It yields only when it needs a fact not yet known
-(a send not yet issued, a collective not yet started). A collective's ``done`` event fires as soon
-as its end time is known (at its start, without a core pool), so a waiting rank goes on
-from its start instant with its local clock at the end; only collectives issued
-asynchronously keep an event at their end (their streams' next collective starts there). Every fact is registered at an
+(a send not yet issued, a collective not yet started). A waiting rank goes on as soon as the
+collective's end time is known — at its start, without a core pool: it resumes from the
+event that starts the collective (or from the collective's ``done`` event, made only when
+someone waits before the start is scheduled) with its local clock at the end; only
+collectives issued asynchronously keep an event at their end (their streams' next
+collective starts there). Every fact is registered at an
 environment time no later than its own timestamp, so collective starts, which need the
 set of collectives in flight, are processed at their exact instant: by one event of
 priority :data:`LATE` per instant, after every other event of that instant.
@@ -220,7 +222,8 @@ class Replay(PooledReplayMixin):
             if cls is not TraceRecv:
                 if call.end_s is None:
                     self.waiting[rank] = (i, op, call)
-                    yield call.done
+                    yield call.late if call.late is not None and pool is None else \
+                        self._done(call)
                     del self.waiting[rank]
                 since, end = call.start_s, call.end_s
             if end > t:                                    # blocked over [t, end]
@@ -309,7 +312,7 @@ class Replay(PooledReplayMixin):
         counts[group] = k + 1
         call = self.open_calls.get((group, k))
         if call is None:
-            call = self.open_calls[(group, k)] = Call(info, k, op, pos, self.env.event())
+            call = self.open_calls[(group, k)] = Call(info, k, op, pos)
         else:
             first = call.op
             if op is not first and (op.collective != first.collective or op.root != first.root
@@ -352,8 +355,10 @@ class Replay(PooledReplayMixin):
         if batch is None:
             self.batches[s] = [call]
             delay = s - self.env.now
-            Late(self.env, delay if delay > 0.0 else 0.0, s).callbacks.append(self._start)
+            call.late = Late(self.env, delay if delay > 0.0 else 0.0, s)
+            call.late.callbacks.append(self._start)
         else:
+            call.late = batch[0].late
             batch.append(call)
 
     def _start(self, event: Event) -> None:
@@ -397,7 +402,8 @@ class Replay(PooledReplayMixin):
             if tls is not None:
                 for m, (i, op) in call.calls.items():
                     tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
-            call.done.succeed()                            # its end is known: waiters go on
+            if call.done is not None:                      # its end is known: waiters go on
+                call.done.succeed()
             if call.async_ranks:                           # their streams move on at the end
                 env.timeout(d, call).callbacks.append(end_call)
 
@@ -420,7 +426,8 @@ class Replay(PooledReplayMixin):
         if self.timelines is not None:
             i, op = call.calls[m]
             self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
-        call.done.succeed()
+        if call.done is not None:
+            call.done.succeed()
         if call.async_ranks:
             self.env.timeout(d, call).callbacks.append(self._end)
 
@@ -434,6 +441,12 @@ class Replay(PooledReplayMixin):
             self.kind_cache[name] = kind
         return previous if kind is None else kind
 
+    def _done(self, call: Call) -> Event:
+        """The event that fires when ``call``'s end is known (made when first awaited)."""
+        if call.done is None:
+            call.done = self.env.event()
+        return call.done
+
     def _charge(self, call: Call, d: float) -> None:
         """Book ``d`` seconds of ``call`` to each traced member's kind at its call."""
         for m, kind in call.kinds.items():
@@ -442,7 +455,7 @@ class Replay(PooledReplayMixin):
 
     def _end(self, event: Event) -> None:
         call = event.value
-        if not call.done.triggered:                        # pool mode: the end is known now
+        if call.done is not None and not call.done.triggered:   # pool mode: the end is now
             call.done.succeed()
         for m in call.async_ranks:                         # next collective of the stream
             q = self.queue[m]

@@ -101,11 +101,13 @@ class Call:
     ``kinds`` the op kind each member's time is charged to (per-op accounting only).
     """
 
-    __slots__ = ("info", "k", "op", "pos", "done", "calls", "async_ranks", "arrived",
+    __slots__ = ("info", "k", "op", "pos", "done", "late", "calls", "async_ranks", "arrived",
                  "ready_s", "start_s", "end_s", "kinds")
 
-    def __init__(self, info: GroupInfo, k: int, op, pos: int, done):
-        self.info, self.k, self.op, self.pos, self.done = info, k, op, pos, done
+    def __init__(self, info: GroupInfo, k: int, op, pos: int):
+        self.info, self.k, self.op, self.pos = info, k, op, pos
+        self.done: Event | None = None                 # fires once the end is known
+        self.late: Event | None = None                 # the event that starts it
         self.calls: dict[int, tuple] = {}
         self.async_ranks: list[int] = []
         self.arrived = 0

@@ -167,3 +167,10 @@ def test_readme_main_job_is_the_quickstart_scenario():
     readme = (ROOT / "README.md").read_text()
     assert "pip install -e . && vcluster run scenarios/quickstart.yaml" in readme
     assert (ROOT / "scenarios" / "quickstart.yaml").is_file()
+
+
+def test_every_summary_key_is_documented():
+    from vcluster.scenario.runner import SUMMARY_KEYS
+    doc = (ROOT / "docs" / "scenario.md").read_text()
+    missing = [k for keys in SUMMARY_KEYS.values() for k in keys if f"`{k}`" not in doc]
+    assert not missing, missing

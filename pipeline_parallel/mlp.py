@@ -40,7 +40,10 @@ class FitResult:
     checkpoints: tuple = ()        # paths of the checkpoints written, in order
 
     def __repr__(self) -> str:
-        return f"FitResult(losses={np.array2string(self.losses, precision=6)}, layers={len(self.params)})"
+        extra = (f", recoveries={len(self.recoveries)}" if self.recoveries else "") + \
+            (f", checkpoints={len(self.checkpoints)}" if self.checkpoints else "")
+        return (f"FitResult(losses={np.array2string(self.losses, precision=6)}, "
+                f"layers={len(self.params)}{extra})"
 
 
 class MLP:

@@ -15,10 +15,11 @@ from pipeline_parallel.checkpoint import (CheckpointError, TrainingState, latest
 def _state(step=4, seed=0, dtype=np.float64, slots=2) -> TrainingState:
     rng = np.random.default_rng(seed)
     shapes = [(5, 7), (7, 3)]
-    params = tuple((rng.standard_normal(s).astype(dtype), rng.standard_normal(s[1]).astype(dtype))
-                   for s in shapes)
-    opt = tuple(tuple((rng.standard_normal(s).astype(dtype), rng.standard_normal(s[1]).astype(dtype))
-                      for s in shapes) for _ in range(slots))
+    params = tuple((rng.standard_normal(s).astype(dtype),
+                    rng.standard_normal(s[1]).astype(dtype)) for s in shapes)
+    opt = tuple(tuple((rng.standard_normal(s).astype(dtype),
+                       rng.standard_normal(s[1]).astype(dtype)) for s in shapes)
+                for _ in range(slots))
     return TrainingState(step=step, params=params, optimizer_t=step, optimizer_slots=opt,
                          losses=rng.standard_normal(step), data_position=step * 12,
                          rng_state={"bit_generator": "PCG64", "state": {"state": 7, "inc": 3}},

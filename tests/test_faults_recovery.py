@@ -2,7 +2,6 @@
 data: the final parameters equal a fault-free run bit for bit (and the numpy reference to
 rounding); a straggler gives the identical result, later; ``fail`` names the checkpoint."""
 
-import os
 import random
 import re
 import time

@@ -8,17 +8,18 @@ Stable interfaces (other commands and helpers build on them):
   ``vcluster schema``) and the cross-field rules (mesh sizes, divisibility, policies,
   schedules, hardware) of every sweep point. Raises :class:`ScenarioError` with
   ``.path`` (key path), ``.value`` and ``.allowed``; the CLI maps it to exit code 2.
-* ``build_workload(scenario) -> Workload`` — ``.mesh``, the per-device ``.program(dev,
-  *args)``, ``.args_by_rank`` (real per-rank inputs), ``.meta_args_by_rank`` (their
-  shape-only twins for the tracer), ``.assemble(outputs_by_rank)`` (named global
+* ``build_workload(scenario, point=0) -> Workload`` (of sweep point ``point``) — ``.mesh``,
+  the per-device ``.program(dev, *args)``, ``.args_by_rank`` (real per-rank inputs; empty
+  with ``run.mode: simulate``), ``.meta_args_by_rank`` (shape-only twins for the tracer), ``.assemble(outputs_by_rank)`` (named global
   arrays), ``.reference()`` (the same names, unsharded numpy) and ``.check(outputs_by_rank,
   tolerance)``. Per-rank outputs are what ``program`` returns on each rank.
-* ``run_scenario(scenario, *, mode=None, engine="emulator", progress=False) ->
-  reports.RunRecord`` — emulate and/or simulate every sweep point. Engines are made in
-  one place, :func:`vcluster.scenario.engines.make_engine` (``ENGINES``).
+* ``run_scenario(scenario, *, mode=None, engine="emulator", progress=False,
+  resume=None) -> reports.RunRecord`` — emulate and/or simulate every sweep point
+  (``resume``: a checkpoint directory, docs/faults.md). Engines are made in one place,
+  :func:`vcluster.scenario.engines.make_engine` (``ENGINES``).
 
-A scenario is built from sections (``cluster, hardware, workload, parallel, run, sweep,
-report``); a new section is one more property in :mod:`.schema` and one more field of
+A scenario is built from sections (``cluster, hardware, workload, parallel, run, faults,
+checkpoint, sweep, report``); a new section is one more property in :mod:`.schema` and one more field of
 :class:`Scenario`.
 """
 

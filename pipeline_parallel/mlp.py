@@ -43,7 +43,7 @@ class FitResult:
         extra = (f", recoveries={len(self.recoveries)}" if self.recoveries else "") + \
             (f", checkpoints={len(self.checkpoints)}" if self.checkpoints else "")
         return (f"FitResult(losses={np.array2string(self.losses, precision=6)}, "
-                f"layers={len(self.params)}{extra})"
+                f"layers={len(self.params)}{extra})")
 
 
 class MLP:

@@ -99,7 +99,7 @@ class Replay(PooledReplayMixin):
         self.mail: dict[tuple, deque] = {}                 # (src, dst, tag) -> transfers
         self.recv_waiters: dict[tuple, Event] = {}
         self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
-        self.compute_cache: dict = {}
+        self.compute_cache: dict = {}                      # id(op) -> seconds
         self.p2p_cache: dict = {}
         self.comm_s = dict.fromkeys(ranks, 0.0)
         self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
@@ -142,9 +142,9 @@ class Replay(PooledReplayMixin):
                 op = ops[i]
                 cls = op.__class__
                 if cls is TraceCompute:
-                    d = cache.get(op)
+                    d = cache.get(id(op))                  # ops outlive the replay
                     if d is None:
-                        d = cache[op] = cost_value(costs.compute_time_s(op), "compute_time_s",
+                        d = cache[id(op)] = cost_value(costs.compute_time_s(op), "compute_time_s",
                                                    op)
                     if slow != 1.0:
                         d *= slow

@@ -110,7 +110,7 @@ def add_parser(kinds) -> None:
 def _simulate_scale(args) -> int:
     print(f"vcluster bench simulate-scale: load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores", flush=True)
-    print(f"{'case':<24}{'GPUs':>6}{'m':>5}{'wall':>9}{'goal':>7}{'peak RSS':>10}"
+    print(f"{'case':<34}{'GPUs':>6}{'m':>5}{'wall':>9}{'goal':>7}{'peak RSS':>10}"
           f"{'step time':>11}{'MFU':>7}", flush=True)
     rows = []
     runs = [(CASES[n], False) for n in args.cases]
@@ -120,7 +120,7 @@ def _simulate_scale(args) -> int:
         r = run_case(case, all_positions)
         rows.append(r)
         name = case.name + (" (all traced)" if all_positions else "")
-        print(f"{name:<24}{r['gpus']:>6}{r['microbatches']:>5}{r['wall_s']:>8.1f}s"
+        print(f"{name:<34}{r['gpus']:>6}{r['microbatches']:>5}{r['wall_s']:>8.1f}s"
               f"{r['goal_s']:>6.0f}s{r['peak_rss_bytes'] / 1e9:>8.2f}GB"
               f"{r['step_time_s']:>10.2f}s{100 * r['mfu']:>6.1f}%", flush=True)
     if args.baseline:

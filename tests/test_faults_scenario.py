@@ -149,7 +149,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_during_vcluster_run_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 128 + signal.SIGTERM, "terminated"),
+                                           (signal.SIGINT, 130, "interrupted")])
+def test_signal_during_vcluster_run_leaves_nothing(tmp_path, sig, code, word):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen(
         [sys.executable, "-m", "vcluster", "run", FAULTS, "--out", "report", "--quiet",
@@ -163,10 +165,10 @@ def test_sigterm_during_vcluster_run_leaves_nothing(tmp_path):
     time.sleep(0.5)
     family = _descendants(proc.pid)
     assert len(family) >= 5, family                   # launcher + 4 devices at least
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "terminated" in err
+    assert proc.returncode == code, err
+    assert word in err
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.05)

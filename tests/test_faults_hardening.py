@@ -161,7 +161,6 @@ def _usage(pids) -> tuple[int, int]:
 @pytest.mark.timeout(300)
 def test_soak_of_2000_random_collectives_leaks_nothing():
     plan, chunk = _plan(2000, seed=2026), 100
-    segments_before = len(list_segments())
     with VirtualCluster(Mesh((2, 2), ("a", "b")), timeout_s=60.0) as cluster:
         pids = [os.getpid(), *cluster.pids]
         samples = []
@@ -173,9 +172,14 @@ def test_soak_of_2000_random_collectives_leaks_nothing():
             samples.append(_usage(pids))
         rss, fds = zip(*samples)
         warm = 5                                  # after 500 calls every buffer size was seen
-        assert max(fds[warm:]) == fds[warm], fds
+        assert max(fds[warm:]) <= fds[warm], fds
         # no growth: the last RSS is within 64 MiB (1 MiB per process per 100 calls
         # would be 75 MiB) of the warmed-up level, summed over host and 4 devices
         assert rss[-1] - rss[warm] < 64 << 20, [r >> 20 for r in rss]
-        assert len(list_segments()) == segments_before
-    assert len(list_segments()) == segments_before
+        assert _my_segments() == []        # names are dropped once every process mapped them
+    assert _my_segments() == []
+
+
+def _my_segments() -> list[str]:
+    """This process's /dev/shm segments (other test runs may share the machine)."""
+    return [s for s in list_segments() if s.split("-")[1] == str(os.getpid())]

@@ -1,6 +1,7 @@
 """Hardening: SIGTERM during a training run with checkpoints leaves no process, no
 shared-memory segment and no half-written checkpoint, and the run resumes bit for bit;
-a soak of 2,000 random collectives leaks no memory, file descriptor or segment."""
+a soak of 2,000 random collectives leaks no memory, file descriptor, segment or
+shared-memory mapping."""
 
 import os
 import signal
@@ -147,14 +148,19 @@ def _soak(dev, plan, first):
     return None
 
 
-def _usage(pids) -> tuple[int, int]:
-    """(RSS bytes, open file descriptors) summed over ``pids``."""
-    rss = fds = 0
+def _usage(pids) -> tuple[int, int, int, int]:
+    """(RSS bytes, open file descriptors, memory mappings, of them /dev/shm mappings)
+    summed over ``pids``."""
+    rss = fds = maps = shm = 0
     for pid in pids:
         with open(f"/proc/{pid}/statm") as f:
             rss += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         fds += len(os.listdir(f"/proc/{pid}/fd"))
-    return rss, fds
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.readlines()
+        maps += len(lines)
+        shm += sum("/dev/shm/" in line for line in lines)
+    return rss, fds, maps, shm
 
 
 @pytest.mark.slow
@@ -170,9 +176,11 @@ def test_soak_of_2000_random_collectives_leaks_nothing():
             assert not bad, bad
             cluster.reset_stats()                 # the trace is bounded by design
             samples.append(_usage(pids))
-        rss, fds = zip(*samples)
+        rss, fds, maps, shm = zip(*samples)
         warm = 5                                  # after 500 calls every buffer size was seen
         assert max(fds[warm:]) <= fds[warm], fds
+        assert len(set(shm)) == 1, shm            # shared-memory mappings: never one more
+        assert max(maps[warm:]) <= maps[warm] + 32, maps   # malloc arenas come and go
         # no growth: the last RSS is within 64 MiB (1 MiB per process per 100 calls
         # would be 75 MiB) of the warmed-up level, summed over host and 4 devices
         assert rss[-1] - rss[warm] < 64 << 20, [r >> 20 for r in rss]

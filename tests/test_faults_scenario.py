@@ -176,3 +176,10 @@ def test_signal_during_vcluster_run_leaves_nothing(tmp_path, sig, code, word):
     assert not [s for s in list_segments() if s.split("-")[1] == str(proc.pid)]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]   # no report, no temporary report
     assert all(n.startswith("step-") or n.startswith(".") for n in os.listdir(tmp_path / "ckpt"))
+
+
+def test_faults_need_the_emulator_engine(tmp_path):
+    bad = _vcluster("run", FAULTS, "--engine", "torch", "--out", "report", "--quiet",
+                    cwd=tmp_path)
+    assert bad.returncode == 2 and "--engine = 'torch'" in bad.stderr
+    assert not (tmp_path / "report").exists()

@@ -143,6 +143,10 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
     from pipeline_parallel.checkpoint import params_sha256
     from vcluster.faults import CrashFault, parse_faults
     from .engines import make_engine
+    if engine_name != "emulator":
+        raise ScenarioError("--engine", engine_name, "emulator (or remove the faults and "
+                            "checkpoint sections and --resume)", "faults, checkpoints and "
+                            "recovery kill and restart emulated device processes")
     faults = parse_faults([dict(f) for f in point.faults], "faults")
     ckpt = point.checkpoint
     directory = checkpoint_dir(point) if ckpt.get("every") or resume else None

@@ -15,10 +15,10 @@ Kinds of work that scale worse than GEMMs when all ``N`` calibration devices run
 ``f = T(N) / s`` times their time alone, ``s`` being their own measured speedup, so that
 with every device busy they take what they were measured to take. Work of one op:
 
-* compute: ``overhead + flops / F_gemm + bytes / B_copy`` when the op's arithmetic
-  intensity ``flops / bytes`` is at least :data:`BLAS_MIN_FLOPS_PER_BYTE` (a BLAS
-  product: its flops at the GEMM's peak plus streaming its operands once; skinny products
-  are slower per flop than square ones), else ``overhead + max(flops f_vec / F_vec,
+* compute: ``overhead + flops / F_gemm + bytes / B_copy`` when the op does at least
+  :data:`BLAS_MIN_FLOPS_PER_ELEMENT` flops per element it touches (``bytes / itemsize``
+  of the workload's dtype: a BLAS product, its flops at the GEMM's peak plus streaming
+  its operands once; skinny products are slower per flop than square ones), else ``overhead + max(flops f_vec / F_vec,
   bytes f_copy / B_iadd)`` (an elementwise numpy expression: each declared flop one ufunc
   pass over one element, fresh result pages included);
 * collective over ``n`` members with the emulator's default algorithm, shm: a share of
@@ -61,15 +61,16 @@ from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_pool import CorePoolSpec
 
-__all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_BYTE",
+__all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
            "load_localhost_spec", "save_localhost_spec"]
 
-#: Arithmetic intensity (declared flops per declared byte) from which a compute op is a
-#: BLAS product priced at the GEMM rate. numpy elementwise expressions declare at most
-#: ~20 flops per element over >= 2 operands of >= 4 bytes (<= 2.5 flop/byte: gelu' 1.5 in
-#: float32); a product (m, k) @ (k, n) has 2mkn / ((mk + kn + mn) e), which passes 4 once
-#: every dimension is >= 24 (float32) or 48 (float64).
-BLAS_MIN_FLOPS_PER_BYTE = 4.0
+#: Declared flops per element touched (declared bytes / itemsize) from which a compute op
+#: is a BLAS product priced at the GEMM rate. numpy elementwise expressions declare at
+#: most ~20 flops per element over >= 2 operands (<= 10 per element touched: gelu' about
+#: 6); a product (m, k) @ (k, n) has 2mkn / (mk + kn + mn), which passes 12 once every
+#: dimension is >= 18 — whatever the dtype (a per-byte bound priced float64 products,
+#: and float32 ones with a micro-batch of 8 rows, as elementwise work, 40x too slow).
+BLAS_MIN_FLOPS_PER_ELEMENT = 12.0
 
 _COPY = ("all_gather", "all_to_all", "broadcast", "scatter", "gather")
 _CALIBRATED = ("all_gather", "reduce_scatter", "all_reduce")   # order of channel_fixed_s
@@ -260,6 +261,10 @@ class LocalhostCostModel:
         object.__setattr__(self, "dtype", _dtype(self.dtype))
 
     @property
+    def _itemsize(self) -> int:
+        return 4 if self.dtype == "float32" else 8
+
+    @property
     def core_pool(self) -> CorePoolSpec:
         """The pool to replay with: the spec's cores and measured speedup."""
         return self.spec.core_pool
@@ -298,7 +303,7 @@ class LocalhostCostModel:
             return op.seconds
         s = self.spec
         copy = s.busy_factor(s.memcpy_busy_speedup)
-        if op.flops >= BLAS_MIN_FLOPS_PER_BYTE * op.bytes:
+        if op.flops * self._itemsize >= BLAS_MIN_FLOPS_PER_ELEMENT * op.bytes:
             kernel = op.flops / s.gemm_flops_per_s(self.dtype) + op.bytes / s.memcpy_bytes_per_s
         else:
             kernel = max(op.flops * s.busy_factor(s.vector_busy_speedup)

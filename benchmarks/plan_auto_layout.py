@@ -11,11 +11,11 @@ The figure of merit, per case:
 
     regret = measured(auto's first choice) / min over candidates of measured - 1
 
-(goal: <= 10%), beside the Spearman rank correlation of predicted and measured times.
+(goal: <= 10% in at least three cases), beside the Spearman rank correlation of predicted and measured times.
 The localhost machine is calibrated first (``calibrate_localhost``) or read from
 ``--spec``. Run from the repository root:
 
-    python benchmarks/plan_auto_layout.py [--spec FILE] [--reps 3] [--json PATH]
+    python benchmarks/plan_auto_layout.py [--spec FILE] [--reps 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ CASES = (
      {"x": (4, 128, 512), "d_ff": 2048}),
 )
 DTYPE = "float32"
+GOAL_REGRET = 0.10      # auto's first choice within 10% of the fastest measured layout
+GOAL_CASES = 3          # ... in at least three (shape, mesh) cases (issue 9)
 
 
 def _workloads(kind, mesh, shapes, ranking):
@@ -136,12 +138,13 @@ def main(argv=None) -> int:
               f"{r['fastest_measured_s'] * 1e3:.1f} ms (predicted rank {r['fastest_predicted_rank']})"
               f"; regret {100 * r['regret']:+.1f}% (fastest runs {100 * r['min_regret']:+.1f}%)  spearman {r['spearman']:.2f}  "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    worst = max(r["regret"] for r in results)
-    print(f"worst regret {100 * worst:.1f}% (goal <= 10%)")
+    within = sum(r["regret"] <= GOAL_REGRET for r in results)
+    print(f"{within} of {len(results)} cases within {GOAL_REGRET:.0%} of the fastest layout "
+          f"(goal: at least {GOAL_CASES})")
     if args.json:
         from vcluster.cli.files import write_json
-        write_json(args.json, {"cases": results, "worst_regret": worst})
-    return 0 if worst <= 0.10 else 1
+        write_json(args.json, {"cases": results, "cases_within_goal": within})
+    return 0 if within >= GOAL_CASES else 1
 
 
 if __name__ == "__main__":

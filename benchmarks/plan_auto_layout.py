@@ -25,7 +25,11 @@ import time
 
 import numpy as np
 
-CASES = (
+CASES = (  # 2 devices: one per core of the 2-core development machine; 4: oversubscribed
+    ("matmul 2048x1024x2048 on tp=2", "matmul", ((2,), ("tp",)), {"a": (2048, 1024), "b": (1024, 2048)}),
+    ("matmul 4096x256x1024 on tp=2", "matmul", ((2,), ("tp",)), {"a": (4096, 256), "b": (256, 1024)}),
+    ("ffn x(8,256,512) d_ff 2048 fwd+bwd on tp=2", "ffn", ((2,), ("tp",)),
+     {"x": (8, 256, 512), "d_ff": 2048}),
     ("matmul 1024x1024x1024 on tp=4", "matmul", ((4,), ("tp",)), {"a": (1024, 1024), "b": (1024, 1024)}),
     ("matmul 2048x256x2048 on 2x2", "matmul", ((2, 2), ("dp", "tp")), {"a": (2048, 256), "b": (256, 2048)}),
     ("matmul 256x4096x256 on 2x2", "matmul", ((2, 2), ("dp", "tp")), {"a": (256, 4096), "b": (4096, 256)}),

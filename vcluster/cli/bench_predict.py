@@ -62,6 +62,7 @@ __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_wor
 SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep workload
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
+RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload again
 START_S = 0.01                          # devices start their program this long after
 #                                         rank 0 announces the instant (a broadcast)
 _SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
@@ -259,13 +260,17 @@ def predict_workload(wl: Workload, spec) -> float:
                           timeline=False).step_time_s
 
 
-def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None) -> dict:
+def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
+                retries: int = 0) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
-    return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress)
+    return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress,
+                         retries)
 
 
-def run_workloads(spec, workloads, reps: int = 3, progress=None) -> dict:
-    """Measure and predict each :class:`Workload` (devices kept per mesh)."""
+def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0) -> dict:
+    """Measure and predict each :class:`Workload` (devices kept per mesh). A measurement
+    disturbed by other processes (above :data:`BUSY_MACHINE_CORES`) is taken again up to
+    ``retries`` times after a pause of :data:`RETRY_PAUSE_S`, keeping the quietest."""
     from vcluster import VirtualCluster
     rows, clusters = [], {}
     try:
@@ -275,6 +280,13 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None) -> dict:
                 clusters[key] = VirtualCluster(wl.mesh)
             predicted = predict_workload(wl, spec)    # first: tracing fills plan caches
             runs, background = measure_workload(clusters[key], wl, reps)
+            for _ in range(retries):
+                if background is None or background <= BUSY_MACHINE_CORES:
+                    break
+                time.sleep(RETRY_PAUSE_S)
+                again = measure_workload(clusters[key], wl, reps)
+                if again[1] is not None and again[1] < background:
+                    runs, background = again
             measured = float(np.median(runs))
             rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
                          "measured_s": measured, "measured_runs_s": runs,
@@ -306,6 +318,9 @@ def add_parser(kinds) -> None:
                    help="workloads to run (default: all): " + ",".join(WORKLOADS))
     p.add_argument("--reps", type=positive_int, default=3, help="timed runs (3)")
     p.add_argument("--tiny", action="store_true", help="shrink every workload (smoke test)")
+    p.add_argument("--retries", type=int, default=0,
+                   help="measure a workload disturbed by other processes again, up to this "
+                        "many times, keeping the quietest (default 0)")
     p.add_argument("--scenarios", action="store_true",
                    help="predict the bundled emulated scenarios (scenarios/*.yaml, every "
                         "sweep point, through vcluster run) instead of the workloads")
@@ -331,7 +346,8 @@ def _predict(args) -> int:
         return _predict_scenarios(args, spec)
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
           f"{'other load':>12}", flush=True)
-    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row)
+    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
+                         retries=args.retries)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
     if args.json:
         from .files import write_json
@@ -344,8 +360,8 @@ def _predict_scenarios(args, spec) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
     print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
           f"{'other load':>12}", flush=True)
-    record = run_scenarios_predict(spec, args.reps,
-                                   progress=lambda r: _print_row(r, width=28))
+    record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
+                                   retries=args.retries)
     print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
           f"max |ratio - 1| = {record['max_error']:.1%}")
     if args.json:

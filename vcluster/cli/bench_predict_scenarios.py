@@ -54,9 +54,10 @@ def scenario_workloads(paths=None) -> list:
     return out
 
 
-def run_scenarios_predict(spec, reps: int = 3, paths=None, progress=None) -> dict:
+def run_scenarios_predict(spec, reps: int = 3, paths=None, progress=None,
+                          retries: int = 0) -> dict:
     """Measure and predict every point of ``paths`` on the machine ``spec`` describes."""
     from .bench_predict import run_workloads
-    record = run_workloads(spec, scenario_workloads(paths), reps, progress)
+    record = run_workloads(spec, scenario_workloads(paths), reps, progress, retries)
     record["within_goal"] = sum(abs(r["ratio"] - 1) <= GOAL for r in record["workloads"])
     return record

@@ -17,7 +17,9 @@ traced on shape-only arrays and replayed by the timing model (:func:`simulate_tr
 or the ``localhost`` machine — a :class:`~vcluster.timing.localhost.LocalhostSpec`, or
 the string ``"localhost"`` to calibrate this machine first (seconds) — priced by
 :class:`LocalhostCostModel` on its core pool. So the ranking uses the same cost model as
-every other prediction; no second one.
+every other prediction; no second one. ``cost_model=(model, core_pool)`` prices with a
+ready cost model instead (a scenario passes the one its own prediction uses, so that a
+hardware ``dtype`` other than the trace's, e.g. fp32 peak for float64 data, is honoured).
 
 Candidates that compile to the same program (e.g. a layout that is sliced straight back
 into the same compute layout) are listed once, under the first layout that gives it.
@@ -82,7 +84,7 @@ def _matmul_program(dev, op, a_in, b_in, a, b):
 
 def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
                         a_from: TS | None = None, b_from: TS | None = None,
-                        c: TS | None = None, _model=None):
+                        c: TS | None = None, cost_model=None):
     """A DataFrame of every distinct candidate (see the module docstring), fastest
     first: ``sharding`` (a MatMulSharding), ``policy``, ``predicted_s``, ``flops_per_device``,
     ``bytes_per_device`` and ``steps`` (of the input redistributions and the op's plan),
@@ -94,7 +96,7 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
     a_from, b_from, c = a_from or TS(None, None), b_from or TS(None, None), c or TS(None, None)
     MatMulSharding(a_from, b_from, c).validate(mesh, a_shape, b_shape)
     itemsize = np.dtype(dtype).itemsize
-    model, pool = _model or cost_model_for(hardware, mesh.size, dtype)
+    model, pool = cost_model or cost_model_for(hardware, mesh.size, dtype)
     rows, seen = [], set()
     for a, b in itertools.product(layouts_2d(mesh, a_shape), layouts_2d(mesh, b_shape)):
         sharding = MatMulSharding(a, b, c)
@@ -154,7 +156,7 @@ def _ffn_program(dev, op, plans, x, w1, b1, w2, b2, dy, backward, y_plan):
 
 
 def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
-                     x_from: TS | None = None, backward: bool = False, _model=None):
+                     x_from: TS | None = None, backward: bool = False, cost_model=None):
     """A DataFrame of every valid FeedForwardSharding on ``mesh``, fastest first:
     ``sharding``, ``policy``, ``tp``, ``dp``, ``predicted_s`` (inputs redistributed from
     ``x_from`` (default replicated) and replicated weights, y back into ``x_from``)."""
@@ -164,7 +166,7 @@ def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
     x_from = x_from or TS(None, None, None)
     itemsize = np.dtype(dtype).itemsize
     shapes = FeedForwardSharding.global_shapes(tuple(x_shape), d_ff)
-    model, pool = _model or cost_model_for(hardware, mesh.size, dtype)
+    model, pool = cost_model or cost_model_for(hardware, mesh.size, dtype)
     sources = {k: (x_from if k == "x" else TS(*([None] * len(s)))) for k, s in shapes.items()}
     rows = []
     for sharding in _ffn_candidates(mesh):

@@ -31,8 +31,8 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "b
                   "reduce", "scatter", "gather")
 ALGORITHMS = ("auto", "shm", "ring", "tree", "pairwise")
 MATMUL_POLICIES = ("Unsharded", "MatchedInnerSharding", "UnmatchedInnerSharding",
-                   "OuterSharding", "FullSharding")
-FFN_POLICIES = ("Unsharded", "Megatron", "SequenceParallel", "GSPMD")
+                   "OuterSharding", "FullSharding", "auto")
+FFN_POLICIES = ("Unsharded", "Megatron", "SequenceParallel", "GSPMD", "auto")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECOMPUTE = ("none", "selective", "full")
 MLP_ACTIVATIONS = ("relu", "gelu", "tanh")

@@ -4,7 +4,8 @@ under a policy (Unsharded, Megatron, SequenceParallel, GSPMD) on the mesh axes `
 
 The reference is computed in float64 from the definitions (gelu: the tanh
 approximation 0.5 h (1 + tanh(c (h + 0.044715 h^3))), c = sqrt(2/pi), and its exact
-derivative):
+derivative). With ``policy: auto`` the policy and the roles of the mesh axes (``tp``,
+``dp``) are chosen by the timing model on the scenario's hardware (:mod:`.auto`).
 
     h = x W1 + b1,  a = act(h),  y = a W2 + b2,
     dh = (dy W2^T) act'(h),  dx = dh W1^T,  dW1 = x^T dh,  db1 = sum dh,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ScenarioError
+from .auto import AUTO, choose
 from .base import Workload
 
 __all__ = ["validate", "build"]
@@ -47,7 +49,18 @@ def _sharding(scenario, mesh):
                             str(exc)) from None
 
 
+def _auto(scenario, mesh):
+    """The :class:`~.auto.AutoChoice` of ``policy: auto``, else None."""
+    if scenario.parallel["policy"] != AUTO:
+        return None
+    o = scenario.workload.options
+    return choose("ffn", scenario, mesh, {"x": (o["batch"], o["seq"], o["d_model"]),
+                                          "d_ff": o["d_ff"]}, backward=o["backward"])
+
+
 def validate(scenario, mesh) -> None:
+    if scenario.parallel["policy"] == AUTO:
+        return                                    # auto ranks only layouts that divide
     s = _sharding(scenario, mesh)
     o = scenario.workload.options
     for tensor, dims in _DIMS.items():
@@ -98,7 +111,9 @@ def build(scenario, mesh) -> Workload:
     from tensor_parallel import FeedForward
     from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
-    op = FeedForward(_sharding(scenario, mesh), activation=o["activation"])
+    auto = _auto(scenario, mesh)
+    op = FeedForward(auto.sharding if auto else _sharding(scenario, mesh),
+                     activation=o["activation"])
     L = op.layouts
     B, S, d, f = o["batch"], o["seq"], o["d_model"], o["d_ff"]
     names = ("x", "w1", "b1", "w2", "b2", "dy")
@@ -128,4 +143,4 @@ def build(scenario, mesh) -> Workload:
     return Workload("ffn", mesh, _program, args, metas, w.dtype, assemble,
                     lambda: reference(arrays, o["activation"]),
                     description=f"FeedForward {op.sharding.policy.name} x {(B, S, d)}, "
-                                f"d_ff {f}")
+                                f"d_ff {f}" + (f"; {auto}" if auto else ""))

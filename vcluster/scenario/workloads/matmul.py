@@ -10,7 +10,9 @@ the third, "all" = every axis (major to minor); R replicated, S(.) split:
     OuterSharding           A [S(x), R]      B [R, S(y)]      C [S(x), S(y)] (>= 2 axes)
     FullSharding            A [S(x), S(y)]   B [S(y), S(z)]   C [S(x), S(z)] (>= 3 axes)
 
-The reference is the float64 product of the same inputs.
+With ``policy: auto`` the layouts of A and B are chosen by the timing model on the
+scenario's hardware (:mod:`.auto`; C replicated). The reference is the float64 product
+of the same inputs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ScenarioError
+from .auto import AUTO, choose
 from .base import Workload
 
 __all__ = ["validate", "build", "policy_layouts"]
@@ -76,7 +79,18 @@ def _sharding(scenario, mesh):
     return MatMulSharding(*policy_layouts(par["policy"], tuple(mesh.axes)))
 
 
+def _auto(scenario, mesh):
+    """The :class:`~.auto.AutoChoice` of ``policy: auto`` (without layouts), else None."""
+    par = scenario.parallel
+    if par.get("policy") != AUTO or par.get("layouts") is not None:
+        return None
+    o = scenario.workload.options
+    return choose("matmul", scenario, mesh, {"a": (o["m"], o["k"]), "b": (o["k"], o["n"])})
+
+
 def validate(scenario, mesh) -> None:
+    if scenario.parallel.get("policy") == AUTO and scenario.parallel.get("layouts") is None:
+        return                                    # auto ranks only layouts that divide
     s = _sharding(scenario, mesh)
     o = scenario.workload.options
     for layout, dims in ((s.a, "mk"), (s.b, "kn"), (s.c, "mn")):
@@ -100,7 +114,8 @@ def build(scenario, mesh) -> Workload:
     from tensor_parallel import MatMul
     from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
-    op = MatMul(_sharding(scenario, mesh))
+    auto = _auto(scenario, mesh)
+    op = MatMul(auto.sharding if auto else _sharding(scenario, mesh))
     s = op.sharding
     shapes = {"a": (o["m"], o["k"]), "b": (o["k"], o["n"]), "dc": (o["m"], o["n"])}
     metas = tuple((op, MetaArray(local_shape(shapes["a"], s.a, mesh), w.dtype),
@@ -133,4 +148,5 @@ def build(scenario, mesh) -> Workload:
         return out
 
     return Workload("matmul", mesh, _program, args, metas, w.dtype, assemble, reference,
-                    description=f"{s} ({s.policy_on(mesh).value})")
+                    description=f"{s} ({s.policy_on(mesh).value})"
+                                + (f"; {auto}" if auto else ""))

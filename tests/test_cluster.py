@@ -237,8 +237,8 @@ def test_bench_cli_writes_json(tmp_path):
     records = json.loads(out.read_text())
     assert len(records) == 2 * 2 * 2
     keys = {"op", "path", "algorithm", "dtype", "devices", "bytes", "median_s", "algbw_gbps",
-            "busbw_gbps", "memcpy_gbps"}
-    assert all(set(r) == keys for r in records)
+            "busbw_gbps", "memcpy_gbps", "engine"}
+    assert all(set(r) == keys and r["engine"] == "emulator" for r in records)
     ar = [r for r in records if r["op"] == "all_reduce" and r["bytes"] == 256 * 1024]
     for r in ar:   # busbw = algbw * 2(n-1)/n and algbw = bytes / median
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)

@@ -109,6 +109,9 @@ def test_run_engine_torch_and_mlp_golden(tmp_path):
                    cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "checks: **PASSED**" in (tmp_path / "report" / "summary.md").read_text()
+    summary = json.loads((tmp_path / "report" / "results.json").read_text())["summary"]
+    assert summary["measured_bytes_sent"] is None      # torch does not report its traffic
+    assert summary.get("traffic_matches") is None
     assert vcluster("oracle", "export", "mlp.yaml", "--out", "gold", cwd=tmp_path).returncode == 0
     assert vcluster("oracle", "export", "mlp.yaml", "--out", "actual", "--engine", "torch",
                     cwd=tmp_path).returncode == 0

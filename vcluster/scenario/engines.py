@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from .errors import ScenarioError
 
-__all__ = ["ENGINES", "make_engine"]
+__all__ = ["ENGINES", "RECORDS_TRAFFIC", "make_engine"]
 
 ENGINES = ("emulator", "torch")
+#: engines whose communication events carry per-peer messages and bytes (torch.distributed
+#: does not report what its backend moved: with it, measured traffic is unknown, not 0)
+RECORDS_TRAFFIC = ("emulator",)
 
 
 def make_engine(name: str, mesh, *, array_module: str = "numpy", timeout_s: float = 60.0):

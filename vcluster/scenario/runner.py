@@ -128,8 +128,9 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
         events += got
         first_events = got if first_events is None else first_events
         bar.advance(f"emulate step {step + 1}")
+    from .engines import RECORDS_TRAFFIC
     return {"outputs": outputs, "events": events, "first_events": first_events,
-            "step_times": times}
+            "step_times": times, "records_traffic": engines.name in RECORDS_TRAFFIC}
 
 
 def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
@@ -157,9 +158,10 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
     s = point.summary
     s["measured_step_time_s"] = statistics.median(times) if times else None
     s["measured_total_s"] = sum(times)
-    s["measured_bytes_sent"] = sum(e.bytes_sent for e in comm)
-    s["measured_bytes_received"] = sum(e.bytes_received for e in comm)
-    s["measured_messages_sent"] = sum(e.messages_sent for e in comm)
+    traffic = emu.get("records_traffic", True)    # None: the engine does not report it
+    s["measured_bytes_sent"] = sum(e.bytes_sent for e in comm) if traffic else None
+    s["measured_bytes_received"] = sum(e.bytes_received for e in comm) if traffic else None
+    s["measured_messages_sent"] = sum(e.messages_sent for e in comm) if traffic else None
     s["measured_flops"] = sum(e.flops for e in events if hasattr(e, "flops"))
     steps = pd.DataFrame({"source": "measured", "step": range(len(times)), "time_s": times})
     if workload.training:
@@ -310,7 +312,8 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         traces, result, setup = _simulate(workload, point, bar)
         _predicted(out, workload, traces, result, setup, point)
         if emu is not None and "fit" not in emu:    # segmented / restarted runs: not one trace
-            out.summary["traffic_matches"] = _traffic_matches(traces, emu["first_events"])
+            out.summary["traffic_matches"] = (_traffic_matches(traces, emu["first_events"])
+                                              if emu.get("records_traffic", True) else None)
             measured = out.summary["measured_step_time_s"]
             out.summary["predicted_over_measured"] = (
                 out.summary["predicted_step_time_s"] / measured

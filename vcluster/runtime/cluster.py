@@ -23,6 +23,7 @@ import sys
 import time
 import weakref
 
+from .arguments import check_run_args
 from .errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError, HostTimeout,
                      VClusterError)
 from .events import CommEvent, ComputeEvent
@@ -154,18 +155,7 @@ class VirtualCluster:
     def run(self, fn, args_per_rank=None, timeout_s: float | None = None) -> list:
         """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
         state = self._usable()
-        n = self.mesh.size
-        if args_per_rank is None:
-            args_per_rank = [()] * n
-        if len(args_per_rank) != n:
-            raise ValueError(f"run: args_per_rank has {len(args_per_rank)} entries; the mesh "
-                             f"has {n} ranks")
-        for r, args in enumerate(args_per_rank):
-            if not isinstance(args, (tuple, list)):
-                raise TypeError(f"run: args_per_rank[{r}] must be a tuple of arguments, got "
-                                f"{type(args).__name__} (wrap a single argument as (x,))")
-        if not callable(fn):
-            raise TypeError(f"run: fn must be callable, got {type(fn).__name__}")
+        args_per_rank = check_run_args(fn, args_per_rank, self.mesh.size)
         import cloudpickle
         fn_bytes = cloudpickle.dumps(fn)
         keep: list = []

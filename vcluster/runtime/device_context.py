@@ -19,6 +19,7 @@ import numpy as np
 
 from . import collectives as C
 from .algorithm import AlgorithmSettings, choose_algorithm
+from .arguments import check_root
 from .channel import USER_KIND, VirtualChannel
 from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
 from .errors import ArenaFullError
@@ -286,16 +287,7 @@ class EmulatedDevice:
         return self._collective("barrier", axis, None, None, async_op, algorithm)
 
     def _root(self, axis, root, what: str) -> int:
-        size = self._group(axis).size
-        try:
-            root = operator.index(root)
-        except TypeError:
-            raise TypeError(f"{what}: root must be an int position in the group, "
-                            f"got {root!r}") from None
-        if not 0 <= root < size:
-            raise ValueError(f"{what}: root={root} is not a position in a group of {size} "
-                             f"(valid: 0..{size - 1}); root is a position, not a rank")
-        return root
+        return check_root(root, self._group(axis).size, what)
 
     def _need_root_input(self, what: str, axis, root: int, x) -> None:
         if self._group(axis).position == root and x is None:

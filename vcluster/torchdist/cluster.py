@@ -34,6 +34,7 @@ import tempfile
 import time
 import weakref
 
+from vcluster.runtime.arguments import check_run_args
 from vcluster.runtime.errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError,
                                      HostTimeout)
 
@@ -140,17 +141,7 @@ class TorchCluster:
     def run(self, fn, args_per_rank=None, timeout_s: float | None = None) -> list:
         """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
         self._usable()
-        n = self.mesh.size
-        args_per_rank = [()] * n if args_per_rank is None else list(args_per_rank)
-        if len(args_per_rank) != n:
-            raise ValueError(f"run: args_per_rank has {len(args_per_rank)} entries; the mesh "
-                             f"has {n} ranks")
-        for r, args in enumerate(args_per_rank):
-            if not isinstance(args, (tuple, list)):
-                raise TypeError(f"run: args_per_rank[{r}] must be a tuple of arguments, got "
-                                f"{type(args).__name__} (wrap a single argument as (x,))")
-        if not callable(fn):
-            raise TypeError(f"run: fn must be callable, got {type(fn).__name__}")
+        args_per_rank = check_run_args(fn, args_per_rank, self.mesh.size)
         import cloudpickle
         fn_bytes = cloudpickle.dumps(fn)
         for conn, args in zip(self._conns, args_per_rank):
@@ -162,7 +153,7 @@ class TorchCluster:
             rank = min(r for r, rep in failed.items() if rep[0] == "error")
             raise DeviceProgramError(rank, name, failed[rank][2],
                                      {r: rep[1] for r, rep in failed.items()})
-        return [replies[r][1] for r in range(n)]
+        return [replies[r][1] for r in range(self.mesh.size)]
 
     def trace(self) -> list:
         """Every event recorded since the last ``reset_stats``, ordered by start time:

@@ -27,13 +27,13 @@ Point to point: :mod:`vcluster.torchdist.p2p`; dtypes, headers, ``TorchWork``:
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
 
+from vcluster.runtime.arguments import check_root
 from vcluster.runtime.collectives.common import ReduceOp, scaled_shape
 from vcluster.runtime.errors import CollectiveTimeout
 from vcluster.runtime.events import CommEvent, ComputeEvent
@@ -368,16 +368,7 @@ class TorchDeviceContext(PointToPoint):
         return self._issue("barrier", axis, [work], lambda: None, async_op)
 
     def _root(self, axis, root, what: str) -> int:
-        size = len(self._group(axis)[0])
-        try:
-            root = operator.index(root)
-        except TypeError:
-            raise TypeError(f"{what}: root must be an int position in the group, "
-                            f"got {root!r}") from None
-        if not 0 <= root < size:
-            raise ValueError(f"{what}: root={root} is not a position in a group of {size} "
-                             f"(valid: 0..{size - 1}); root is a position, not a rank")
-        return root
+        return check_root(root, len(self._group(axis)[0]), what)
 
     def _need_root_input(self, what: str, root: int, mine: bool, x) -> None:
         if mine and x is None:

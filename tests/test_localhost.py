@@ -198,11 +198,73 @@ def test_compute_prices_products_and_elementwise_work():
     m = k = n = 512
     gemm = TraceCompute("matmul", 2 * m * k * n, (m * k + k * n + m * n) * 4)
     assert model.compute_time_s(gemm) == pytest.approx(
-        3e-6 + gemm.flops / 125e9 + gemm.bytes / 11e9)
+        3e-6 + gemm.flops / 125e9 + gemm.bytes * (1.8 / 1.5) / 11e9)   # streaming: f_copy
     gelu = TraceCompute("gelu", 9 * m * n, 2 * m * n * 4)   # numpy elementwise: low intensity
     assert model.compute_time_s(gelu) == pytest.approx(3e-6 + gelu.flops * (1.8 / 1.8) / 0.8e9)
     assert LocalhostCostModel(s, 8, "float64").compute_time_s(gelu) > model.compute_time_s(gelu)
     assert model.compute_time_s(TraceCompute("timed", 1e12, 1, seconds=0.125)) == 0.125
+
+
+BUSY = dict(barrier_cpu_s=(40e-6, 60e-6, 90e-6), small_all_reduce_cpu_s=(90e-6, 150e-6, 190e-6),
+            large_all_reduce_cpu_s=(200e-6, 300e-6, 450e-6), p2p_message_cpu_s=55e-6)
+
+
+def test_busy_cpu_per_call_is_the_members_share():
+    """With the busy-CPU tables, a small call's share is the table (log-log between
+    sizes), a message side is p2p_message_cpu_s, a large call's fixed part scales with
+    the 4 KiB all_reduce's CPU; without them (older specs) the wall-time shares stay."""
+    s, old = spec(**BUSY), spec()
+    model, before = LocalhostCostModel(s, 8), LocalhostCostModel(old, 8)
+    group = tuple(range(4))
+    barrier = TraceCollective("barrier", group, 0, 1, "shm")
+    inline = TraceCollective("all_reduce", group, 8, 8, "shm")
+    assert model.collective_cpu_s(barrier, 1) == pytest.approx(60e-6)
+    assert model.collective_cpu_s(inline, 3) == pytest.approx(150e-6)
+    b6 = model.collective_cpu_s(TraceCollective("barrier", tuple(range(6)), 0, 1, "shm"), 0)
+    assert b6 == pytest.approx(60e-6 * (6 / 4) ** math.log2(90 / 60))
+    assert model.p2p_cpu_s(0, 1, 8) == (55e-6, 55e-6)
+    assert model.p2p_time_s(0, 1, 8) == pytest.approx(110e-6)
+    x = 4 * MIB                                          # large: only the fixed part changes
+    big = TraceCollective("all_gather", group, x, 4, "shm")
+    wall_share = 400e-6 * old.core_pool.throughput_at(4) / 4      # L(4) T(4) / 4
+    assert model.large_share_s(4) == pytest.approx(300e-6)
+    assert model.collective_cpu_s(big, 0) - before.collective_cpu_s(big, 0) == pytest.approx(
+        (300e-6 - wall_share) * model._fixed_ratio("all_gather"))
+    assert before.collective_cpu_s(barrier, 1) == pytest.approx(
+        70e-6 * old.core_pool.throughput_at(4) / 4)
+    assert before.p2p_cpu_s(0, 1, 8) == (30e-6, 30e-6)
+
+
+def test_host_overheads_enter_the_replay_as_documented():
+    """Hand-computed small traces on the core pool (T(1) = 1, T(2) = 1.9):
+    one empty op alone takes compute_overhead_s; two devices each doing one and then a
+    barrier take (overhead + barrier CPU) / (1.9 / 2); an 8-byte message takes its two
+    sides one after the other (the receiver's once the data is there)."""
+    s = spec(**BUSY, compute_overhead_s=20e-6)
+    model = LocalhostCostModel(s, 8)
+    empty = TraceCompute("empty", 0, 0)
+    assert model.compute_time_s(empty) == 20e-6
+    one = simulate_trace(traces([empty]), model, core_pool=model.core_pool)
+    assert one.step_time_s == pytest.approx(20e-6)
+    pair = (0, 1)
+    row = [empty, TraceCollective("barrier", pair, 0, 1, "shm")]
+    two = simulate_trace(traces(row, row), model, core_pool=model.core_pool)
+    assert two.step_time_s == pytest.approx((20e-6 + 40e-6) / (1.9 / 2))
+    msg = simulate_trace(traces([TraceSend(1, 8, 0)], [TraceRecv(0, 8, 0)]), model,
+                         core_pool=model.core_pool)
+    assert msg.step_time_s == pytest.approx(2 * 55e-6)
+
+
+def test_spec_without_busy_cpu_fields_still_loads():
+    """Specs saved before the busy-CPU figures existed load, with them None."""
+    d = spec(**BUSY).to_dict()
+    for k in BUSY:
+        del d[k]
+    assert LocalhostSpec.from_dict(d) == spec()
+    with pytest.raises(ValueError, match="group_sizes"):
+        spec(**dict(BUSY, barrier_cpu_s=(1e-5, 2e-5)))
+    with pytest.raises(ValueError, match="p2p_message_cpu_s"):
+        spec(**dict(BUSY, p2p_message_cpu_s=0.0))
 
 
 # --- calibration and the benchmark command ------------------------------------------------
@@ -214,6 +276,9 @@ def test_calibration_measures_positive_finite_figures():
             for x in (v if isinstance(v, list) else [v]):
                 assert 0 < x < math.inf, (name, value)
     assert s.group_sizes == (2,) and s.calibration_devices == 2
+    for name in ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"):
+        assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name
+    assert 0 < s.p2p_message_cpu_s < 0.1 and 0 < s.compute_overhead_s < 0.01
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)

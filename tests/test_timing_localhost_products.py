@@ -20,7 +20,8 @@ def test_products_are_priced_at_the_gemm_rate(dtype, itemsize, m, k, n):
     model = LocalhostCostModel(s, 8, dtype)
     flops, nbytes = 2 * m * k * n, (m * k + k * n + m * n) * itemsize
     gemm = s.gemm_float32_flops_per_s if dtype == "float32" else s.gemm_float64_flops_per_s
-    expected = s.compute_overhead_s + flops / gemm + nbytes / s.memcpy_bytes_per_s
+    streamed = nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.memcpy_bytes_per_s
+    expected = s.compute_overhead_s + flops / gemm + streamed
     assert model.compute_time_s(TraceCompute("matmul", flops, nbytes)) == \
         pytest.approx(expected, rel=1e-12)
 
@@ -53,5 +54,5 @@ def test_a_micro_batch_product_of_the_mlp_is_blas():
     s = spec()
     t = LocalhostCostModel(s, 1, "float64").compute_time_s(op)
     assert t < 2 * (s.compute_overhead_s + op.flops / s.gemm_float64_flops_per_s
-                    + op.bytes / s.memcpy_bytes_per_s)
+                    + op.bytes * s.busy_factor(s.memcpy_busy_speedup) / s.memcpy_bytes_per_s)
     assert t < op.flops / s.vector_float64_flops_per_s / 10

@@ -3,11 +3,14 @@
 For each bundled workload, the same per-device program is
 
 * **measured** on a :class:`~vcluster.VirtualCluster`: the devices agree on a start
-  instant and sleep until it (so that all start together, as in the replay; leaving a
-  barrier instead staggers them by up to ~10 ms on 2 cores busy with 8 devices), run the
-  program, and the wall time is ``max(end) - start`` (cluster start-up, host transfers
-  and the start-up synchronisation excluded); the median of ``reps`` runs after one
-  warm-up;
+  instant, sleep until :data:`SPIN_S` before it and spin the rest (so that all are
+  runnable at that instant, as in the replay: leaving a barrier instead staggers them by
+  up to ~10 ms on 2 cores busy with 8 devices, and waking from ``time.sleep`` alone
+  comes ~0.25 ms late on a virtual machine's timers), run the program, note its end and
+  wait in a barrier (a futex: no CPU) until every device has ended, so that a device
+  done early does not answer the host while the others still run; the wall time is
+  ``max(end) - start`` (cluster start-up, host transfers and the synchronisation before
+  and after excluded); the median of ``reps`` runs after one warm-up;
 * **predicted** by tracing it (:func:`~vcluster.runtime.tracing.trace_program` on
   shape-only arrays) and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
@@ -65,6 +68,8 @@ QUIET_SAMPLE_S = 0.3                    # the background sample before the timed
 RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload again
 START_S = 0.01                          # devices start their program this long after
 #                                         rank 0 announces the instant (a broadcast)
+SPIN_S = 0.002                          # ... sleeping until this long before it, then
+#                                         spinning (a sleep's wake-up is ~0.25 ms late)
 _SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
                for size in ("1MiB", "16MiB"))
 WORKLOADS = _SWEEP + ("matmul", "ffn", "mlp")
@@ -185,15 +190,21 @@ def build_workload(name: str, tiny: bool = False) -> Workload:
 # --- measuring and predicting ----------------------------------------------------------
 def _timed(dev, program, *args) -> tuple[float, float]:
     """Run ``program`` from an instant agreed by every device (rank 0's clock + START_S,
-    broadcast; one clock serves every process of the machine): each sleeps until then, so
-    the programs start together as in the replay. Returns (that instant, end)."""
+    broadcast; one clock serves every process of the machine): each sleeps until SPIN_S
+    before it and spins the rest, so the programs start together as in the replay; after
+    its end each waits for the others (futex, no CPU) rather than reply to the host while
+    they run. Returns (that instant, end)."""
     dev.barrier()
     start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
-    wait = start - time.perf_counter()
+    wait = start - SPIN_S - time.perf_counter()
     if wait > 0:
         time.sleep(wait)
+    while time.perf_counter() < start:
+        pass
     program(dev, *args)
-    return start, time.perf_counter()
+    end = time.perf_counter()
+    dev.barrier()
+    return start, end
 
 
 class _Background:

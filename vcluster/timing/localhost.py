@@ -15,15 +15,22 @@ Kinds of work that scale worse than GEMMs when all ``N`` calibration devices run
 ``f = T(N) / s`` times their time alone, ``s`` being their own measured speedup, so that
 with every device busy they take what they were measured to take. Work of one op:
 
-* compute: ``overhead + flops / F_gemm + bytes / B_copy`` when the op does at least
-  :data:`BLAS_MIN_FLOPS_PER_ELEMENT` flops per element it touches (``bytes / itemsize``
-  of the workload's dtype: a BLAS product, its flops at the GEMM's peak plus streaming
-  its operands once; skinny products are slower per flop than square ones), else ``overhead + max(flops f_vec / F_vec,
-  bytes f_copy / B_iadd)`` (an elementwise numpy expression: each declared flop one ufunc
-  pass over one element, fresh result pages included);
-* collective over ``n`` members with the emulator's default algorithm, shm: a share of
-  the call's wall time measured with one group of ``n`` busy, ``c(n) = L(n) T(n) / n``,
-  plus the bytes the member moves as
+* compute: ``overhead + flops / F_gemm + bytes f_copy / B_copy`` when the op does at
+  least :data:`BLAS_MIN_FLOPS_PER_ELEMENT` flops per element it touches (``bytes /
+  itemsize`` of the workload's dtype: a BLAS product, its flops at the GEMM's peak plus
+  streaming its operands once, memory traffic that scales like a copy when every device
+  is busy; skinny products are slower per flop than square ones), else ``overhead +
+  max(flops f_vec / F_vec, bytes f_copy / B_iadd)`` (an elementwise numpy expression:
+  each declared flop one ufunc pass over one element, fresh result pages included);
+  ``overhead`` is the host work of one op of a program (``compute_overhead_s``: a
+  ``dev.compute`` block around three numpy calls on tiny arrays, CPU time per op with
+  every device busy);
+* collective over ``n`` members with the emulator's default algorithm, shm: the host
+  CPU a member spends per call, ``c(n)``, measured as process time with every group of
+  ``n`` calling at once (``barrier_cpu_s``, ...: robust to how late sleeping processes
+  are woken, which moves wall times 2-3x from one minute to the next on a virtual
+  machine; specs without them fall back to a share of the wall time of one group alone,
+  ``c(n) = L(n) T(n) / n``), plus the bytes the member moves as
   :func:`~vcluster.runtime.traffic.collective_traffic` counts them, its own piece
   included (``B_chan`` rates are measured with all devices busy, in pool units)::
 
@@ -40,13 +47,16 @@ with every device busy they take what they were measured to take. Work of one op
   moved), and for those three ``f`` = their time at 0 bytes over the 4 KiB all_reduce's
   (both on N devices; ``f = 1`` for the others). Message algorithms (ring, tree,
   pairwise) are priced as their messages (below);
-* point to point: sender and receiver each ``p2p_latency / 2`` plus, above 512 B, one
+* point to point: sender and receiver each ``p2p_message_cpu_s`` (CPU per side of an
+  8-byte message, every device in a ping-pong pair; older specs: ``p2p_latency / 2``)
+  plus, above 512 B, one
   copy of the payload, ``nbytes f_copy / B_p2p`` (the sender stages it, the receiver
   copies it out).
 
 Assumptions: large collective inputs are resident (in the device's arena, as products and
 collective results are), and send payloads are not; work a program does outside
-``dev.compute`` is not in its trace and so not predicted.
+``dev.compute`` and its communication calls (its own Python between ops: 12-90 us per op
+in the bundled programs) is not in its trace and so not predicted.
 """
 
 from __future__ import annotations
@@ -100,7 +110,10 @@ class LocalhostSpec:
     memcpy_bytes_per_s: float         # alone: np.copyto of 16 MiB, warm buffers
     iadd_bytes_per_s: float           # alone: a += b on 16 MiB (bytes of a per second)
     memcpy_busy_speedup: float        # np.copyto of 16 MiB on N devices busy
-    compute_overhead_s: float         # alone: one empty `with dev.compute(...)` block
+    compute_overhead_s: float         # host work of one compute op: CPU seconds per op
+    #                                   of a loop of `dev.compute` blocks each around three
+    #                                   numpy calls on tiny arrays (fresh result), all N
+    #                                   devices at once (~8 us here; an empty block ~3 us)
     group_sizes: tuple                # group sizes of the latency tables below
     barrier_s: tuple                  # barrier wall time per group size (one group alone)
     small_all_reduce_s: tuple         # 8-byte all_reduce (inline, one phase), same
@@ -118,13 +131,23 @@ class LocalhostSpec:
     #                                   copies per second (sender in, receiver out)
     calibration_devices: int          # N
     message_bytes: tuple              # per-device sizes of the channel calibration
+    # Host CPU per call with every device busy (None in specs measured before them: the
+    # shares then come from the wall times above). CPU seconds a member spends per call,
+    # every group of that size calling at once, back to back (process time / calls):
+    barrier_cpu_s: tuple | None = None            # barrier, per group size
+    small_all_reduce_cpu_s: tuple | None = None   # 8-byte all_reduce, same
+    large_all_reduce_cpu_s: tuple | None = None   # 4 KiB all_reduce, same
+    p2p_message_cpu_s: float | None = None  # one side of an 8-byte message, every device
+    #                                   in a ping-pong pair at once (process time / messages)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
+            if v is None and f.name in _BUSY_CPU:
+                continue
             if f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
-            elif f.name in _TABLES or f.name == "channel_fixed_s":
+            elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
                 object.__setattr__(self, f.name, tuple(float(x) for x in v))
             elif f.name == "pool_throughput":
                 object.__setattr__(self, f.name, tuple((int(k), float(t)) for k, t in v))
@@ -134,17 +157,19 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, int(v))
             else:
                 object.__setattr__(self, f.name, float(v))
-        bad = [f.name for f in fields(self) if not _positive(getattr(self, f.name))]
+        bad = [f.name for f in fields(self) if not _positive(getattr(self, f.name))
+               and not (f.name in _BUSY_CPU and getattr(self, f.name) is None)]
         if bad:
             raise ValueError(f"LocalhostSpec: {', '.join(bad)} must be positive and finite")
         n = len(self.group_sizes)
-        if n == 0 or any(len(getattr(self, t)) != n for t in _TABLES) \
+        tables = _TABLES + tuple(t for t in _BUSY_CPU[:3] if getattr(self, t) is not None)
+        if n == 0 or any(len(getattr(self, t)) != n for t in tables) \
                 or list(self.group_sizes) != sorted(set(self.group_sizes)) \
                 or self.group_sizes[0] < 2:
             raise ValueError(f"LocalhostSpec: group_sizes must be increasing sizes >= 2 with "
-                             f"one entry each in {', '.join(_TABLES)}, got "
+                             f"one entry each in {', '.join(tables)}, got "
                              f"{self.group_sizes}, " + ", ".join(
-                                 str(getattr(self, t)) for t in _TABLES))
+                                 str(getattr(self, t)) for t in tables))
         if len(self.channel_fixed_s) != len(_CALIBRATED):
             raise ValueError(f"LocalhostSpec: channel_fixed_s needs one intercept each for "
                              f"{', '.join(_CALIBRATED)}, got {self.channel_fixed_s}")
@@ -166,15 +191,16 @@ class LocalhostSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for k in ("group_sizes", "message_bytes", "channel_fixed_s") + _TABLES:
-            d[k] = list(d[k])
+        for k in ("group_sizes", "message_bytes", "channel_fixed_s") + _TABLES + _BUSY_CPU[:3]:
+            if d[k] is not None:
+                d[k] = list(d[k])
         d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
         return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "LocalhostSpec":
         names = {f.name for f in fields(cls)}
-        missing, unknown = names - set(data), set(data) - names
+        missing, unknown = names - set(data) - set(_BUSY_CPU), set(data) - names
         if missing or unknown:
             raise ValueError(f"LocalhostSpec: missing fields {sorted(missing)}, unknown "
                              f"fields {sorted(unknown)}")
@@ -182,6 +208,8 @@ class LocalhostSpec:
 
 
 _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
+_BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
+             "p2p_message_cpu_s")
 
 
 def _positive(v) -> bool:
@@ -270,22 +298,25 @@ class LocalhostCostModel:
         return self.spec.core_pool
 
     # --- synchronisation shares ---------------------------------------------------------
-    def _share(self, table: tuple, n: int) -> float:
-        """Single-core seconds one member spends: ``L(n) T(n) / n`` (L interpolated)."""
+    def _share(self, table: tuple, cpu_table: tuple | None, n: int) -> float:
+        """Single-core seconds one member spends: the busy CPU per call (interpolated)
+        when the spec has it, else ``L(n) T(n) / n`` from the wall time alone."""
         if n <= 1:
             return 0.0
         s = self.spec
+        if cpu_table is not None:
+            return _interpolate(s.group_sizes, cpu_table, n)
         wall = _interpolate(s.group_sizes, table, n)
         return wall * s.core_pool.throughput_at(n) / n
 
     def barrier_share_s(self, n: int) -> float:
-        return self._share(self.spec.barrier_s, n)
+        return self._share(self.spec.barrier_s, self.spec.barrier_cpu_s, n)
 
     def inline_share_s(self, n: int) -> float:
-        return self._share(self.spec.small_all_reduce_s, n)
+        return self._share(self.spec.small_all_reduce_s, self.spec.small_all_reduce_cpu_s, n)
 
     def large_share_s(self, n: int) -> float:
-        return self._share(self.spec.large_all_reduce_s, n)
+        return self._share(self.spec.large_all_reduce_s, self.spec.large_all_reduce_cpu_s, n)
 
     def _fixed_ratio(self, collective: str) -> float:
         """A calibrated collective's intercept over the 4 KiB all_reduce's, both on N
@@ -304,7 +335,7 @@ class LocalhostCostModel:
         s = self.spec
         copy = s.busy_factor(s.memcpy_busy_speedup)
         if op.flops * self._itemsize >= BLAS_MIN_FLOPS_PER_ELEMENT * op.bytes:
-            kernel = op.flops / s.gemm_flops_per_s(self.dtype) + op.bytes / s.memcpy_bytes_per_s
+            kernel = op.flops / s.gemm_flops_per_s(self.dtype) + op.bytes * copy / s.memcpy_bytes_per_s
         else:
             kernel = max(op.flops * s.busy_factor(s.vector_busy_speedup)
                          / s.vector_flops_per_s(self.dtype), op.bytes * copy / s.iadd_bytes_per_s)
@@ -332,7 +363,8 @@ class LocalhostCostModel:
         copy = 0.0
         if nbytes > INLINE_BYTES:
             copy = nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
-        side = s.p2p_latency_s / 2 + copy
+        fixed = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
+        side = fixed + copy
         return side, side
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:

@@ -18,6 +18,13 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
   and the rate is the slope, (bytes moved at 32 MiB - at 2 MiB) / (work at 32 MiB - at
   2 MiB), for all_gather (``copy``), reduce_scatter (``reduce``) and all_reduce; the
   fixed cost of each is its wall time at 256 KiB less those bytes at that slope;
+* the host work of one compute op (``compute_overhead_s``): CPU time per op of a loop of
+  tiny ops (a ``dev.compute`` block around three numpy calls on tiny arrays, fresh
+  result), on all N devices at once (:data:`OP_HOST_SHAPE`);
+* the host CPU per call with every device busy: each member's process time per barrier,
+  8-byte and 4 KiB all_reduce with every group of that size calling at once, and per
+  8-byte message and side with every device in a ping-pong pair; these, not the wall
+  times alone, are the members' shares of small calls (:data:`BUSY_CALLS`);
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
   each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``.
 """
@@ -52,9 +59,19 @@ LARGE_CALL_BYTES = 4096             # a collective just past inline: two phases,
 VECTOR_ELEMENTS = 1 << 18
 MEMCPY_BYTES = 16 << 20
 LATENCY_REPS = 50                   # back-to-back barriers / all_reduces per group size
+# the host CPU per call with every device busy (barrier_cpu_s, ..., p2p_message_cpu_s):
+# calls timed by process time (robust to how late a sleeping process is woken, which
+# varies 2-3x from minute to minute on a virtual machine, unlike the CPU a call burns)
+BUSY_CALLS = 200
 BANDWIDTH_BYTES, BANDWIDTH_MIN_CALLS, BANDWIDTH_TRIALS = 16 << 20, 4, 3   # calls per trial
 P2P_SMALL_REPS, P2P_LARGE_BYTES, P2P_LARGE_REPS = 100, 4 << 20, 8
 _FLOOR = 0.1                        # a derived work is at least this fraction of its total
+# compute_overhead_s: the host work of one op as the project's programs issue them, a
+# `dev.compute` block (event recorded) around a product of (m, k) @ (k, k) float64 with a
+# fresh result, a bias add and a ReLU (three numpy calls on tiny arrays: their kernels
+# take ~1 us of it), timed as CPU time per op on all N devices at once (caches shared,
+# as in a run); OP_HOST_REPS ops per device
+OP_HOST_SHAPE, OP_HOST_REPS = (8, 16), 2000
 
 
 def median_time_s(fn, reps: int) -> float:
@@ -95,13 +112,27 @@ def _alone(dev) -> dict | None:
         kept.clear()
     a, b = np.ones(MEMCPY_BYTES // 8), np.ones(MEMCPY_BYTES // 8)
     out["iadd_bytes_per_s"] = MEMCPY_BYTES / median_time_s(lambda: np.add(a, b, out=a), 5)
-
-    def blocks():
-        for _ in range(200):
-            with dev.compute("calibration", flops=1, bytes=1):
-                pass
-    out["compute_overhead_s"] = median_time_s(blocks, 3) / 200
     return out
+
+
+def _op_host(dev, reps: int) -> float:
+    """All devices at once: CPU seconds per op of a loop of tiny program ops (see
+    :data:`OP_HOST_SHAPE`), after a warm-up of the same length."""
+    m, k = OP_HOST_SHAPE
+    x, w, b = np.ones((m, k)), np.ones((k, k)), np.ones(k)
+    flops, nbytes = 2 * m * k * k + 2 * m * k, 8 * (2 * m * k + k * k + k)
+
+    def ops():
+        for _ in range(reps):
+            with dev.compute("calibration", flops=flops, bytes=nbytes):
+                z = x @ w                          # a fresh result, as programs allocate
+                z += b
+                np.maximum(z, 0.0, out=z)
+    ops()
+    dev.barrier()
+    c0 = time.process_time()
+    ops()
+    return (time.process_time() - c0) / reps
 
 
 def _repeat(fn, reps: int) -> None:
@@ -154,6 +185,44 @@ def _latency(dev, axes) -> tuple[float, float, float] | None:
                  lambda: dev.all_reduce(large, axes)):
         out.append(median_time_s(lambda: _repeat(call, LATENCY_REPS), 5) / LATENCY_REPS)
     return tuple(out)
+
+
+def _latency_cpu(dev, axes) -> tuple[float, float, float]:
+    """Every group over ``axes`` at once: CPU seconds this member spends per barrier,
+    8-byte and 4 KiB all_reduce (process time over BUSY_CALLS calls, after a warm-up)."""
+    small, large = np.ones(1, np.float64), np.ones(LARGE_CALL_BYTES // 8, np.float64)
+    out = []
+    for call in (lambda: dev.barrier(axes), lambda: dev.all_reduce(small, axes),
+                 lambda: dev.all_reduce(large, axes)):
+        _repeat(call, LATENCY_REPS)
+        dev.barrier()
+        c0 = time.process_time()
+        _repeat(call, BUSY_CALLS)
+        out.append((time.process_time() - c0) / BUSY_CALLS)
+    return tuple(out)
+
+
+def _ping_pong_cpu(dev, reps: int) -> float | None:
+    """Every device in a pair (rank ^ 1) at once, 8-byte ping-pongs: CPU seconds per
+    message and side (each device sends one and receives one per round trip)."""
+    peer = dev.rank ^ 1
+    if peer >= dev.mesh.size:
+        return None
+    x = np.ones(1)
+
+    def rounds():
+        for k in range(reps):
+            if dev.rank < peer:
+                dev.send(x, peer, k)
+                dev.recv(peer, k)
+            else:
+                dev.recv(peer, k)
+                dev.send(x, peer, k)
+    rounds()
+    dev.barrier()
+    c0 = time.process_time()
+    rounds()
+    return (time.process_time() - c0) / (2 * reps)
 
 
 def _bandwidth(dev, op: str, nbytes: int, calls: int) -> list[tuple[float, float]]:
@@ -226,11 +295,15 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
     axes = tuple(f"a{i}" for i in range(len(shape)))
     with VirtualCluster(Mesh(shape, axes)) as cluster:
         alone = cluster.run(_alone)[0]
+        alone["compute_overhead_s"] = float(np.median(
+            cluster.run(_op_host, [(OP_HOST_REPS,)] * devices)))
         busy = _speedups(cluster, devices, ("gemm", "vector", "memcpy"))
         points = {devices: busy["gemm"]}
         if 2 <= cores < devices:
             points[cores] = _speedups(cluster, cores, ("gemm",))["gemm"]
         tables = _latency_tables(cluster, shape, axes)
+        p2p_cpu = [c for c in cluster.run(_ping_pong_cpu, [(BUSY_CALLS,)] * devices)
+                   if c is not None]
         walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
                  for op, _ in _CHANNEL for nbytes in sizes}
         rtt_small = cluster.run(_ping_pong, [(8, P2P_SMALL_REPS)] * devices)[0]
@@ -244,7 +317,8 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         p2p_latency_s=rtt_small / 2,
         p2p_copy_bytes_per_s=4 * P2P_LARGE_BYTES / max(rtt_large - rtt_small,
                                                        _FLOOR * rtt_large),
-        calibration_devices=devices, message_bytes=sizes)
+        calibration_devices=devices, message_bytes=sizes,
+        p2p_message_cpu_s=float(np.median(p2p_cpu)))
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 
 
@@ -254,13 +328,15 @@ _CHANNEL = (("all_gather", "copy"), ("reduce_scatter", "reduce"), ("all_reduce",
 
 def _latency_tables(cluster, shape: tuple, axes: tuple) -> dict:
     """Group sizes (products of the mesh's last axes) and their three latency columns."""
-    tables = {"group_sizes": [], "barrier_s": [], "small_all_reduce_s": [],
-              "large_all_reduce_s": []}
+    names = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
+    tables = {k: [] for k in ("group_sizes",) + names + tuple(n[:-2] + "_cpu_s" for n in names)}
     for j in range(len(shape) - 1, -1, -1):         # smallest group first
         times = cluster.run(_latency, [(axes[j:],)] * cluster.mesh.size)[0]
+        cpu = np.median(cluster.run(_latency_cpu, [(axes[j:],)] * cluster.mesh.size), axis=0)
         tables["group_sizes"].append(_fold(lambda u, v: u * v, shape[j:]))
-        for name, t in zip(("barrier_s", "small_all_reduce_s", "large_all_reduce_s"), times):
+        for name, t, c in zip(names, times, cpu):
             tables[name].append(t)
+            tables[name[:-2] + "_cpu_s"].append(float(c))
     return tables
 
 

@@ -9,8 +9,10 @@ import pytest
 
 from pipelining import make_schedule
 from vcluster.faults.goodput import (FailureModel, daly_interval_s, expected_goodput,
-                                     expected_segment_s, simulate_goodput, young_interval_s)
-from vcluster.faults.impact import goodput_table, simulate_with_faults, straggler_table
+                                     expected_segment_s, segment_cv, simulate_goodput,
+                                     young_interval_s)
+from vcluster.faults.impact import (MAX_FAILURES_PER_POINT, goodput_table,
+                                    simulate_with_faults, straggler_table)
 from vcluster.faults.links import DegradedLinks
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.timing.costs import SimpleCostModel
@@ -59,11 +61,45 @@ def test_goodput_table_is_plot_ready():
     table = goodput_table(1.0, 20.0, 60.0, mtbf_s=[1800.0, 7200.0],
                           checkpoint_every=[50, 200, 800], segments=400)
     assert list(table.columns) == ["mtbf_s", "checkpoint_every", "interval_s",
-                                   "goodput_expected", "goodput_simulated",
+                                   "goodput_expected", "goodput_simulated", "goodput_stderr",
                                    "failures_simulated", "young_interval_s", "daly_interval_s"]
     assert len(table) == 6
     np.testing.assert_allclose(table.goodput_simulated, table.goodput_expected, rtol=0.05)
     assert (table.groupby("mtbf_s").goodput_expected.max().diff().dropna() > 0).all()
+
+
+@pytest.mark.parametrize("t,k,c,r,mtbf", [
+    (1.0, 100, 20.0, 60.0, 3600.0),        # rare failures, restarts dominate the spread
+    (0.02, 512, 0.002, 0.05, 5.0),         # ~7 failures per segment
+    (0.005, 2, 0.002, 1.0, 5.0),           # a restart costs 80 segments
+    (0.5, 10, 0.0, 0.0, 1e9),              # no failures: no spread
+])
+def test_segment_cv_matches_the_monte_carlo_spread(t, k, c, r, mtbf):
+    """The closed-form spread of a segment (random sum of geometric many truncated
+    exponentials) against the sample spread of 4,000 simulated segments."""
+    m = FailureModel(t, k, c, r, mtbf)
+    run = simulate_goodput(m, segments=4000, seed=7)
+    sample_cv = run.stderr_segment_s * math.sqrt(run.segments) / run.mean_segment_s
+    cv = segment_cv(m)
+    if cv < 1e-3:                          # ~no failure expected in 4,000 segments
+        assert sample_cv < 1e-3
+    else:
+        assert sample_cv == pytest.approx(cv, rel=0.25)
+
+
+def test_goodput_table_sizes_each_point_for_its_precision():
+    """Default sizing: every simulated point lands within 5 of its predicted standard
+    errors, which is about 1.5 % of the goodput where the caps do not bind; the table
+    of the faults scenario (t ~ 20 ms, C ~ 2 ms, R ~ 0.3 s, MTBF 5/30/120 s) once missed a
+    fixed 10 % tolerance with 50-segment runs."""
+    table = goodput_table(0.02, 0.002, 0.3, mtbf_s=[5.0, 30.0, 120.0],
+                          checkpoint_every=[2 ** i for i in range(11)], seed=1)
+    done = table.dropna()
+    assert len(done) >= 25
+    err = (done.goodput_simulated - done.goodput_expected).abs()
+    assert (err <= 5 * done.goodput_stderr).all(), done
+    assert (done.goodput_stderr <= 0.03 * done.goodput_expected + 0.005).all(), done
+    assert (done.failures_simulated <= 1.2 * MAX_FAILURES_PER_POINT).all()
 
 
 @pytest.mark.parametrize("p,m,slow_stage,s", [(4, 8, 2, 2.0), (3, 5, 0, 3.0), (4, 4, 3, 1.5)])

@@ -52,12 +52,12 @@ def layouts_2d(mesh, shape) -> list[TS]:
 def cost_model_for(hardware, devices: int, dtype):
     """(cost model, core pool or None) of the replay for ``hardware`` (see the module doc)."""
     from vcluster.timing import canonical_dtype, load_hardware
-    from vcluster.timing.localhost import LocalhostCostModel, LocalhostSpec
+    from vcluster.timing.localhost import LocalhostSpec, localhost_model
     if isinstance(hardware, str) and hardware == "localhost":
         from vcluster.timing.localhost_calibrate import calibrate_localhost
         hardware = calibrate_localhost(devices)
     if isinstance(hardware, LocalhostSpec):
-        model = LocalhostCostModel(hardware, devices, np.dtype(dtype).name)
+        model = localhost_model(hardware, devices, np.dtype(dtype).name)
         return model, model.core_pool
     from vcluster.timing.hardware_costs import HardwareCostModel
     return HardwareCostModel(load_hardware(hardware), canonical_dtype(np.dtype(dtype))), None
@@ -66,7 +66,10 @@ def cost_model_for(hardware, devices: int, dtype):
 def _predict_s(mesh, program, meta_args, model, pool) -> float:
     from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
-    traces = trace_program(mesh, program, meta_args)
+    host_timed = getattr(model, "host_timed", False)
+    if host_timed:                       # steady state: the op's plan cache warm
+        trace_program(mesh, program, meta_args)
+    traces = trace_program(mesh, program, meta_args, host_time=host_timed)
     return simulate_trace(traces, model, mesh=mesh, core_pool=pool, timeline=False).step_time_s
 
 

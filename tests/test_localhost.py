@@ -268,10 +268,30 @@ def test_spec_without_busy_cpu_fields_still_loads():
 
 
 # --- calibration and the benchmark command ------------------------------------------------
+def test_rounds_recalibrate_between_them():
+    """Calibrations bracket the measurement rounds: the prediction is their median."""
+    from vcluster.cli.bench_predict import build_workload, run_workloads
+    given = [spec(p2p_latency_s=60e-6), spec(p2p_latency_s=90e-6), spec(p2p_latency_s=120e-6)]
+    later = iter(given[1:])
+    record = run_workloads(given[0], [build_workload("all_reduce-1MiB", tiny=True)], reps=1,
+                           rounds=2, recalibrate=lambda: next(later))
+    assert [LocalhostSpec.from_dict(d) for d in record["specs"]] == given
+    (row,) = record["workloads"]
+    assert len(row["predicted_by_spec_s"]) == 3 and len(row["measured_runs_s"]) == 2
+    assert row["predicted_s"] == sorted(row["predicted_by_spec_s"])[1]
+    with pytest.raises(ValueError, match="rounds"):
+        run_workloads(given[0], [], rounds=0)
+
+
 def test_calibration_measures_positive_finite_figures():
     from vcluster.timing.localhost_calibrate import calibrate_localhost
     s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))
+    from vcluster.timing.localhost_calls import CALLS
+    assert {(d, call, g) for d, call, g, _ in s.call_cpu_s} == {(2, c, 2) for c in CALLS}
+    assert all(0 < sec < 0.1 for *_, sec in s.call_cpu_s)
     for name, value in s.to_dict().items():
+        if name == "call_cpu_s":
+            continue
         for v in (value if isinstance(value, list) else [value]):
             for x in (v if isinstance(v, list) else [v]):
                 assert 0 < x < math.inf, (name, value)
@@ -293,15 +313,19 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     out = tmp_path / "predict.json"
     args = parser.parse_args(["bench", "predict", "--spec", str(tmp_path / "spec.json"),
                               "--workloads", "all_gather-1MiB,matmul", "--tiny", "--reps", "1",
-                              "--json", str(out)])
+                              "--rounds", "2", "--json", str(out)])
     assert args.run(args) == 0
     record = json.loads(out.read_text())
-    assert set(record) == {"spec", "workloads", "max_error"}
+    assert set(record) == {"spec", "specs", "workloads", "max_error"}
     assert LocalhostSpec.from_dict(record["spec"]) == spec()
+    assert len(record["specs"]) == 1                     # a given spec is not recalibrated
     assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
     for w in record["workloads"]:
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
-                          "predicted_s", "ratio", "background_cores"}
+                          "predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
+        assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
+        assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
+                                                + sorted(w["measured_runs_s"])[1] / 2)
         assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])

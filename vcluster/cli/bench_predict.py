@@ -12,7 +12,7 @@ For each bundled workload, the same per-device program is
   ``max(end) - start`` (cluster start-up, host transfers and the synchronisation before
   and after excluded); the median of ``reps`` runs after one warm-up;
 * **predicted** by tracing it (:func:`~vcluster.runtime.tracing.trace_program` on
-  shape-only arrays) and replaying the traces with
+  shape-only arrays, with the program's own host work) and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
   The trace comes first: it fills the plan caches of the sharded operations the
   arguments carry (``MatMul.plan``), so the measured runs, like the steps of a long
@@ -39,9 +39,15 @@ The model assumes the machine is otherwise idle: ``background_cores`` is the num
 cores the machine's other processes used during the timed runs (Linux; ``None``
 elsewhere), flagged when above :data:`BUSY_MACHINE_CORES`.
 
-JSON (``--json``): ``{"spec": LocalhostSpec fields, "workloads": [{"name", "devices",
-"dtype", "measured_s", "measured_runs_s", "predicted_s", "ratio", "background_cores"}],
-"max_error"}`` with ``max_error = max |ratio - 1|``.
+``--rounds R`` measures every workload in R rounds and, unless ``--spec`` is given,
+calibrates again after each round: this machine's speed drifts by tens of per cent over
+minutes, so the calibrations bracket the measurements; measured is the median of all
+runs, predicted the median over the calibrations.
+
+JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
+calibration's, "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
+"predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}], "max_error"}`` with
+``max_error = max |ratio - 1|``.
 
 ``--scenarios`` predicts the bundled emulated scenarios instead
 (:mod:`vcluster.cli.bench_predict_scenarios`).
@@ -261,54 +267,81 @@ def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list[float], flo
 
 
 def predict_workload(wl: Workload, spec) -> float:
-    """The replayed step time of ``wl``'s traces with the localhost cost model."""
+    """The replayed step time of ``wl``'s traces with the localhost cost model (the
+    programs' own host work included when the spec has its rates)."""
     from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
-    from vcluster.timing.localhost import LocalhostCostModel
-    traces = trace_program(wl.mesh, wl.program, wl.meta_args)
-    model = LocalhostCostModel(spec, wl.mesh.size, wl.dtype)
+    from vcluster.timing.localhost import localhost_model
+    model = localhost_model(spec, wl.mesh.size, wl.dtype)
+    trace_program(wl.mesh, wl.program, wl.meta_args)     # plan caches warm, as in the runs
+    traces = trace_program(wl.mesh, wl.program, wl.meta_args, host_time=model.host_timed)
     return simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
                           timeline=False).step_time_s
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
-                retries: int = 0) -> dict:
+                retries: int = 0, rounds: int = 1, recalibrate=None) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
     return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress,
-                         retries)
+                         retries, rounds, recalibrate)
 
 
-def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0) -> dict:
-    """Measure and predict each :class:`Workload` (devices kept per mesh). A measurement
-    disturbed by other processes (above :data:`BUSY_MACHINE_CORES`) is taken again up to
-    ``retries`` times after a pause of :data:`RETRY_PAUSE_S`, keeping the quietest."""
+def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0,
+                  rounds: int = 1, recalibrate=None) -> dict:
+    """Measure and predict each :class:`Workload` (devices kept per mesh).
+
+    ``rounds`` measurement rounds, each over every workload in turn (``reps`` runs each);
+    with ``recalibrate`` (a callable returning a fresh spec) the machine is calibrated
+    again after every round, so calibrations bracket the measurements: this machine's
+    speed drifts by tens of per cent over minutes (its neighbours), and a prediction can
+    only be as good as the calibration it was made from. A workload's measured time is
+    the median of all its runs, its predicted time the median over the specs. A
+    measurement disturbed by this machine's other processes (above
+    :data:`BUSY_MACHINE_CORES`) is taken again up to ``retries`` times after a pause of
+    :data:`RETRY_PAUSE_S`, keeping the quietest. ``progress(row)`` gets each final row.
+    """
     from vcluster import VirtualCluster
-    rows, clusters = [], {}
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"run_workloads: rounds must be an int >= 1, got {rounds!r}")
+    specs, clusters = [spec], {}
+    runs = {wl.name: [] for wl in workloads}
+    loads: dict = {wl.name: [] for wl in workloads}
     try:
-        for wl in workloads:
-            key = wl.mesh
-            if key not in clusters:
-                clusters[key] = VirtualCluster(wl.mesh)
-            predicted = predict_workload(wl, spec)    # first: tracing fills plan caches
-            runs, background = measure_workload(clusters[key], wl, reps)
-            for _ in range(retries):
-                if background is None or background <= BUSY_MACHINE_CORES:
-                    break
-                time.sleep(RETRY_PAUSE_S)
-                again = measure_workload(clusters[key], wl, reps)
-                if again[1] is not None and again[1] < background:
-                    runs, background = again
-            measured = float(np.median(runs))
-            rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
-                         "measured_s": measured, "measured_runs_s": runs,
-                         "predicted_s": predicted, "ratio": predicted / measured,
-                         "background_cores": background})
-            if progress is not None:
-                progress(rows[-1])
+        for r in range(rounds):
+            for wl in workloads:
+                if wl.mesh not in clusters:
+                    clusters[wl.mesh] = VirtualCluster(wl.mesh)
+                if r == 0:
+                    predict_workload(wl, spec)        # first: tracing fills plan caches
+                got, background = measure_workload(clusters[wl.mesh], wl, reps)
+                for _ in range(retries):
+                    if background is None or background <= BUSY_MACHINE_CORES:
+                        break
+                    time.sleep(RETRY_PAUSE_S)
+                    again = measure_workload(clusters[wl.mesh], wl, reps)
+                    if again[1] is not None and again[1] < background:
+                        got, background = again
+                runs[wl.name] += got
+                loads[wl.name].append(background)
+            if recalibrate is not None:
+                specs.append(recalibrate())
     finally:
         for cluster in clusters.values():
             cluster.close()
-    return {"spec": spec.to_dict(), "workloads": rows,
+    rows = []
+    for wl in workloads:
+        predicted = [predict_workload(wl, s) for s in specs]
+        measured = float(np.median(runs[wl.name]))
+        known = [b for b in loads[wl.name] if b is not None]
+        rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
+                     "measured_s": measured, "measured_runs_s": runs[wl.name],
+                     "predicted_s": float(np.median(predicted)),
+                     "predicted_by_spec_s": predicted,
+                     "ratio": float(np.median(predicted)) / measured,
+                     "background_cores": max(known) if known else None})
+        if progress is not None:
+            progress(rows[-1])
+    return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "workloads": rows,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
 
 
@@ -329,6 +362,10 @@ def add_parser(kinds) -> None:
                    help="workloads to run (default: all): " + ",".join(WORKLOADS))
     p.add_argument("--reps", type=positive_int, default=3, help="timed runs (3)")
     p.add_argument("--tiny", action="store_true", help="shrink every workload (smoke test)")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="measurement rounds over all workloads, the machine calibrated "
+                        "again after each (without --spec): calibrations bracket the "
+                        "measurements on a machine whose speed drifts (default 1)")
     p.add_argument("--retries", type=int, default=0,
                    help="measure a workload disturbed by other processes again, up to this "
                         "many times, keeping the quietest (default 0)")
@@ -342,6 +379,7 @@ def add_parser(kinds) -> None:
 def _predict(args) -> int:
     from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
     from vcluster.timing.localhost_calibrate import calibrate_localhost
+    recalibrate = None
     if args.spec:
         spec = load_localhost_spec(args.spec)
         print(f"vcluster bench predict: spec from {args.spec}", flush=True)
@@ -350,15 +388,19 @@ def _predict(args) -> int:
         spec = calibrate_localhost(args.devices)
         print(f"vcluster bench predict: calibrated in {time.perf_counter() - t0:.1f} s",
               flush=True)
+
+        def recalibrate():
+            print("vcluster bench predict: calibrating again", flush=True)
+            return calibrate_localhost(args.devices)
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
     _print_spec(spec)
     if args.scenarios:
-        return _predict_scenarios(args, spec)
+        return _predict_scenarios(args, spec, recalibrate)
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
           f"{'other load':>12}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
-                         retries=args.retries)
+                         retries=args.retries, rounds=args.rounds, recalibrate=recalibrate)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
     if args.json:
         from .files import write_json
@@ -367,12 +409,13 @@ def _predict(args) -> int:
     return 0
 
 
-def _predict_scenarios(args, spec) -> int:
+def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
     print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
           f"{'other load':>12}", flush=True)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
-                                   retries=args.retries)
+                                   retries=args.retries, rounds=args.rounds,
+                                   recalibrate=recalibrate)
     print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
           f"max |ratio - 1| = {record['max_error']:.1%}")
     if args.json:

@@ -96,25 +96,30 @@ def _hardware_arg(scenario):
 @dataclass(frozen=True)
 class CostSetup:
     """What :func:`~vcluster.timing.engine.simulate_trace` needs: the cost model, the core
-    pool (localhost only) and the hardware's name for the report."""
+    pool (localhost only) and the hardware's name for the report. ``host_timed``: trace
+    with ``host_time=True`` (localhost prices the programs' own host work)."""
 
     costs: object
     core_pool: object
     label: str
     localhost: bool
 
+    @property
+    def host_timed(self) -> bool:
+        return bool(getattr(self.costs, "host_timed", False))
+
 
 def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``."""
     hw = scenario.hardware
     if hw.name == LOCALHOST:
-        from vcluster.timing.localhost import LocalhostCostModel, load_localhost_spec
+        from vcluster.timing.localhost import load_localhost_spec, localhost_model
         if hw.calibration is not None:
             spec = load_localhost_spec(_path(scenario, hw.calibration))
         else:
             from vcluster.timing.localhost_calibrate import calibrate_localhost
             spec = calibrate_localhost(max(2, mesh.size))
-        model = LocalhostCostModel(spec, mesh.size, dtype)
+        model = localhost_model(spec, mesh.size, dtype)
         return CostSetup(model, model.core_pool, LOCALHOST, True)
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_costs import HardwareCostModel

@@ -67,12 +67,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from vcluster.runtime.layout import INLINE_BYTES
+from vcluster.runtime.tracing.host import HOST_OP
+from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_pool import CorePoolSpec
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
-           "load_localhost_spec", "save_localhost_spec"]
+           "load_localhost_spec", "save_localhost_spec", "localhost_model"]
 
 #: Declared flops per element touched (declared bytes / itemsize) from which a compute op
 #: is a BLAS product priced at the GEMM rate. numpy elementwise expressions declare at
@@ -83,6 +85,8 @@ __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
 BLAS_MIN_FLOPS_PER_ELEMENT = 12.0
 
 _COPY = ("all_gather", "all_to_all", "broadcast", "scatter", "gather")
+_FLOOR = 0.1                 # a call's fixed CPU is at least this share of its measured CPU
+_UNSEEN = object()
 _CALIBRATED = ("all_gather", "reduce_scatter", "all_reduce")   # order of channel_fixed_s
 _DTYPES = ("float32", "float64")
 
@@ -139,13 +143,24 @@ class LocalhostSpec:
     large_all_reduce_cpu_s: tuple | None = None   # 4 KiB all_reduce, same
     p2p_message_cpu_s: float | None = None  # one side of an 8-byte message, every device
     #                                   in a ping-pong pair at once (process time / messages)
+    # Host work of host-timed traces (vcluster.timing.localhost_host; None in older specs),
+    # CPU seconds with every device busy:
+    block_overhead_s: float | None = None   # an empty `dev.compute` block
+    numpy_call_s: float | None = None       # one numpy call of reference_calls (small arrays)
+    python_unit_s: float | None = None      # one pass of reference_python
+    # CPU per communication call as programs make them (vcluster.timing.localhost_calls;
+    # None in older specs): rows (devices, call, group, seconds)
+    call_cpu_s: tuple | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None and f.name in _BUSY_CPU:
+            if v is None and f.name in _OPTIONAL:
                 continue
-            if f.name == "group_sizes":
+            if f.name == "call_cpu_s":
+                from .localhost_calls import CallCpu
+                object.__setattr__(self, f.name, CallCpu(v).rows)
+            elif f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
             elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
                 object.__setattr__(self, f.name, tuple(float(x) for x in v))
@@ -157,8 +172,9 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, int(v))
             else:
                 object.__setattr__(self, f.name, float(v))
-        bad = [f.name for f in fields(self) if not _positive(getattr(self, f.name))
-               and not (f.name in _BUSY_CPU and getattr(self, f.name) is None)]
+        bad = [f.name for f in fields(self) if f.name != "call_cpu_s"
+               and not _positive(getattr(self, f.name))
+               and not (f.name in _OPTIONAL and getattr(self, f.name) is None)]
         if bad:
             raise ValueError(f"LocalhostSpec: {', '.join(bad)} must be positive and finite")
         n = len(self.group_sizes)
@@ -195,12 +211,14 @@ class LocalhostSpec:
             if d[k] is not None:
                 d[k] = list(d[k])
         d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
+        if d["call_cpu_s"] is not None:
+            d["call_cpu_s"] = [list(row) for row in d["call_cpu_s"]]
         return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "LocalhostSpec":
         names = {f.name for f in fields(cls)}
-        missing, unknown = names - set(data) - set(_BUSY_CPU), set(data) - names
+        missing, unknown = names - set(data) - set(_OPTIONAL), set(data) - names
         if missing or unknown:
             raise ValueError(f"LocalhostSpec: missing fields {sorted(missing)}, unknown "
                              f"fields {sorted(unknown)}")
@@ -210,6 +228,8 @@ class LocalhostSpec:
 _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
              "p2p_message_cpu_s")
+_HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
+_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s",)
 
 
 def _positive(v) -> bool:
@@ -271,11 +291,19 @@ class LocalhostCostModel:
     Durations are single-core seconds (see the module docstring); replay every device's
     trace with ``core_pool=model.core_pool``. ``dtype`` picks the GEMM and elementwise
     rates; a collective's group must fit in the ``n_devices``.
+
+    ``tracer``: for traces recorded with ``trace_program(..., host_time=True)``, the
+    :class:`~vcluster.timing.localhost_host.TracerRates` of the process that traced them
+    (:func:`localhost_model` measures them). Their host ops are then priced as the
+    programs' own host work, and a compute op costs ``block_overhead_s`` plus its kernel
+    (its numpy calls are in the host op before it) instead of ``compute_overhead_s``
+    plus its kernel. Without ``tracer`` a host op is an error.
     """
 
     spec: LocalhostSpec
     n_devices: int
     dtype: str = "float64"
+    tracer: object = None
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -287,6 +315,21 @@ class LocalhostCostModel:
             raise ValueError(f"LocalhostCostModel: n_devices must be an int >= 1, got "
                              f"{self.n_devices!r}")
         object.__setattr__(self, "dtype", _dtype(self.dtype))
+        if self.tracer is not None:
+            from .localhost_host import TracerRates
+            if not isinstance(self.tracer, TracerRates):
+                raise TypeError(f"LocalhostCostModel: tracer must be TracerRates or None, got "
+                                f"{self.tracer!r}")
+            missing = [n for n in _HOST_RATES if getattr(self.spec, n) is None]
+            if missing:
+                raise ValueError(f"LocalhostCostModel: the spec lacks {', '.join(missing)} "
+                                 "(calibrated before host work was measured); calibrate "
+                                 "again to price host-timed traces")
+
+    @property
+    def host_timed(self) -> bool:
+        """Whether to trace with ``host_time=True`` for this model (it has tracer rates)."""
+        return self.tracer is not None
 
     @property
     def _itemsize(self) -> int:
@@ -332,6 +375,13 @@ class LocalhostCostModel:
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
+        if op.name == HOST_OP and (op.host_s or op.array_calls):
+            if self.tracer is None:
+                raise ValueError("LocalhostCostModel: a host op (a trace recorded with "
+                                 "host_time=True) needs the model's tracer rates; build "
+                                 "the model with localhost_model(...)")
+            from .localhost_host import host_work_s
+            return host_work_s(op, self.spec, self.tracer)
         s = self.spec
         copy = s.busy_factor(s.memcpy_busy_speedup)
         if op.flops * self._itemsize >= BLAS_MIN_FLOPS_PER_ELEMENT * op.bytes:
@@ -339,7 +389,8 @@ class LocalhostCostModel:
         else:
             kernel = max(op.flops * s.busy_factor(s.vector_busy_speedup)
                          / s.vector_flops_per_s(self.dtype), op.bytes * copy / s.iadd_bytes_per_s)
-        return s.compute_overhead_s + kernel
+        overhead = s.compute_overhead_s if self.tracer is None else s.block_overhead_s
+        return overhead + kernel
 
     def collective_cpu_s(self, op, position: int) -> float:
         """Single-core seconds member ``position`` of ``op.group`` spends on the call."""
@@ -357,9 +408,29 @@ class LocalhostCostModel:
         """The call's duration when every member has a core of its own."""
         return max(self.collective_cpu_s(op, p) for p in range(len(op.group)))
 
+    @property
+    def _calls(self):
+        """The spec's per-call CPU table (:class:`~.localhost_calls.CallCpu`), or None."""
+        calls = self._memo.get("calls", _UNSEEN)
+        if calls is _UNSEEN:
+            from .localhost_calls import CallCpu
+            rows = self.spec.call_cpu_s
+            calls = self._memo["calls"] = None if rows is None else CallCpu(rows)
+        return calls
+
     def p2p_cpu_s(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
         """(sender, receiver) single-core seconds of one message."""
         s = self.spec
+        calls = self._calls
+        if calls is not None:
+            if nbytes <= INLINE_BYTES:
+                return (calls.seconds("send_inline", self.n_devices, 2),
+                        calls.seconds("recv_inline", self.n_devices, 2))
+            from .localhost_calls import CALL_BYTES
+            more = max(0, nbytes - CALL_BYTES) * s.busy_factor(s.memcpy_busy_speedup) \
+                / s.p2p_copy_bytes_per_s
+            return (calls.seconds("send", self.n_devices, 2) + more,
+                    calls.seconds("recv", self.n_devices, 2) + more)
         copy = 0.0
         if nbytes > INLINE_BYTES:
             copy = nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
@@ -375,7 +446,10 @@ class LocalhostCostModel:
     # --- one member's work in a collective ------------------------------------------------
     def _collective_work(self, op, position: int) -> float:
         s, n, name = self.spec, len(op.group), op.collective
+        calls = self._calls
         if name == "barrier":
+            if calls is not None:
+                return calls.seconds("barrier", self.n_devices, n)
             return self.barrier_share_s(n)
         if n <= 1 or op.algorithm == "local":                # a group of one copies x
             return op.nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.memcpy_bytes_per_s
@@ -383,20 +457,50 @@ class LocalhostCostModel:
         t = collective_traffic(name, op.algorithm, members, position, op.nbytes,
                                op.itemsize or 1, op.root)
         if op.algorithm != "shm":                            # messages through the channel
-            snd, rcv = self.p2p_cpu_s(0, 1, 0)
-            return (t.messages_sent * snd + t.messages_received * rcv + (
-                t.bytes_sent + t.bytes_received) * s.busy_factor(s.memcpy_busy_speedup)
-                / s.p2p_copy_bytes_per_s)
+            return self._message_work(t)
         if op.nbytes <= INLINE_BYTES:
+            if calls is not None:
+                return calls.seconds("all_reduce_inline", self.n_devices, n)
             return self.inline_share_s(n)
-        read, written = _moved_bytes(name, n, position, op, t)
-        fixed = self.large_share_s(n) * self._fixed_ratio(name)
+        if calls is None:
+            fixed = self.large_share_s(n) * self._fixed_ratio(name)
+            return fixed + self._bytes_work(name, n, position, op, t)
+        # the call's CPU as measured at CALL_BYTES, less the bytes it moved there
+        from .localhost_calls import CALL_BYTES
+        kind = name if name in _CALIBRATED else ("reduce_scatter" if name == "reduce"
+                                                 else "all_gather")
+        at = TraceCollective(kind, members, CALL_BYTES, 8, "shm")
+        measured = calls.seconds(kind, self.n_devices, n)
+        moved = self._bytes_work(kind, n, 0, at, collective_traffic(
+            kind, "shm", members, 0, CALL_BYTES, 8))
+        fixed = max(_FLOOR * measured, measured - moved)
+        return fixed + self._bytes_work(name, n, position, op, t)
+
+    def _bytes_work(self, name: str, n: int, position: int, op, traffic) -> float:
+        """The channel work of the bytes one member of a large shm call moves."""
+        s = self.spec
+        read, written = _moved_bytes(name, n, position, op, traffic)
         if name in _COPY:
-            return fixed + read / s.channel_copy_bytes_per_s
+            return read / s.channel_copy_bytes_per_s
         if name == "all_reduce":
-            return fixed + (read + written) / s.channel_all_reduce_bytes_per_s
-        return (fixed + read / s.channel_reduce_bytes_per_s
-                + written / s.channel_copy_bytes_per_s)
+            return (read + written) / s.channel_all_reduce_bytes_per_s
+        return read / s.channel_reduce_bytes_per_s + written / s.channel_copy_bytes_per_s
+
+    def _message_work(self, traffic) -> float:
+        """A member's work in a message algorithm: each message sent and received as a
+        point-to-point message of its size (copies included)."""
+        s = self.spec
+        if self._calls is None:
+            snd, rcv = self.p2p_cpu_s(0, 1, 0)
+            return (traffic.messages_sent * snd + traffic.messages_received * rcv + (
+                traffic.bytes_sent + traffic.bytes_received)
+                * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s)
+        work = 0.0
+        for entries, side in ((traffic.sent, 0), (traffic.received, 1)):
+            for _, nbytes, messages in entries:
+                if messages:
+                    work += messages * self.p2p_cpu_s(0, 1, nbytes // messages)[side]
+        return work
 
 
 def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, int]:
@@ -416,3 +520,14 @@ def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, in
     elif name == "reduce":
         written = traffic.bytes_sent                      # ... to the root's
     return traffic.bytes_received + own, written
+
+
+def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64"):
+    """The model to predict emulated programs with: ``LocalhostCostModel(spec, n_devices,
+    dtype, tracer=<this process's tracer rates, measured now>)`` (~0.1 s), for traces
+    recorded with ``trace_program(..., host_time=model.host_timed)``. A spec calibrated
+    before host-work rates existed gives the model without them (``host_timed`` false)."""
+    if any(getattr(spec, n) is None for n in _HOST_RATES):
+        return LocalhostCostModel(spec, n_devices, dtype)
+    from .localhost_host import measure_tracer_rates
+    return LocalhostCostModel(spec, n_devices, dtype, tracer=measure_tracer_rates())

@@ -21,10 +21,16 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
 * the host work of one compute op (``compute_overhead_s``): CPU time per op of a loop of
   tiny ops (a ``dev.compute`` block around three numpy calls on tiny arrays, fresh
   result), on all N devices at once (:data:`OP_HOST_SHAPE`);
+* the host work of programs (:func:`~vcluster.timing.localhost_host.device_host_rates`,
+  all N devices at once): CPU of an empty ``dev.compute`` block, of a numpy call on small
+  arrays and of a pass of pure-Python glue;
 * the host CPU per call with every device busy: each member's process time per barrier,
   8-byte and 4 KiB all_reduce with every group of that size calling at once, and per
   8-byte message and side with every device in a ping-pong pair; these, not the wall
   times alone, are the members' shares of small calls (:data:`BUSY_CALLS`);
+* the CPU of a communication call as programs make them, per cluster size, call and
+  group size (:func:`~vcluster.timing.localhost_calls.measure_call_cpu`): the figures
+  the model prices calls with (the back-to-back ones above remain for older specs);
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
   each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``.
 """
@@ -41,6 +47,8 @@ from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost import LocalhostSpec, _moved_bytes
+from .localhost_calls import measure_call_cpu
+from .localhost_host import device_host_rates
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
 
@@ -297,11 +305,15 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         alone = cluster.run(_alone)[0]
         alone["compute_overhead_s"] = float(np.median(
             cluster.run(_op_host, [(OP_HOST_REPS,)] * devices)))
+        host = np.median(cluster.run(device_host_rates), axis=0)
+        alone.update(block_overhead_s=float(host[0]), numpy_call_s=float(host[1]),
+                     python_unit_s=float(host[2]))
         busy = _speedups(cluster, devices, ("gemm", "vector", "memcpy"))
         points = {devices: busy["gemm"]}
         if 2 <= cores < devices:
             points[cores] = _speedups(cluster, cores, ("gemm",))["gemm"]
         tables = _latency_tables(cluster, shape, axes)
+        call_rows = measure_call_cpu(cluster, shape, axes, cores)
         p2p_cpu = [c for c in cluster.run(_ping_pong_cpu, [(BUSY_CALLS,)] * devices)
                    if c is not None]
         walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
@@ -318,7 +330,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         p2p_copy_bytes_per_s=4 * P2P_LARGE_BYTES / max(rtt_large - rtt_small,
                                                        _FLOOR * rtt_large),
         calibration_devices=devices, message_bytes=sizes,
-        p2p_message_cpu_s=float(np.median(p2p_cpu)))
+        p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows)
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 
 

@@ -7,14 +7,20 @@ uses (broadcasting, ``np.result_type``, and, for indexing and views, numpy itsel
 zero-strided stand-in that occupies one element of memory). Values are not computed:
 ``float(meta)`` is 0.0 and comparisons give meta arrays of booleans, so a program whose
 control flow depends on data cannot be traced (it gets a clear error where it matters).
+
+Every array operation (a ufunc or operator, a numpy function, indexing, reshape...) is
+``counted`` for the host-work accounting of :mod:`vcluster.runtime.tracing.host`.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from types import MappingProxyType
 
 import numpy as np
+
+from .host import counted
 
 __all__ = ["MetaArray", "meta_like", "is_meta"]
 
@@ -80,8 +86,8 @@ class MetaArray:
     __array_priority__ = 1000
 
     def __init__(self, shape, dtype=np.float64):
-        self.shape = tuple(int(s) for s in shape)
-        self.dtype = np.dtype(dtype)
+        self.shape = tuple(map(int, shape))
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
 
     def __repr__(self) -> str:
         return f"MetaArray(shape={self.shape}, dtype={self.dtype})"
@@ -93,7 +99,7 @@ class MetaArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
@@ -104,6 +110,7 @@ class MetaArray:
         return self.size * self.itemsize
 
     @property
+    @counted
     def T(self) -> "MetaArray":
         return MetaArray(self.shape[::-1], self.dtype)
 
@@ -131,14 +138,17 @@ class MetaArray:
         out = fn(_standin(self.shape, self.dtype))
         return MetaArray(out.shape, out.dtype)
 
+    @counted
     def __getitem__(self, key) -> "MetaArray":
         key = _index(key)
         return self._view(lambda a: a[key])
 
+    @counted
     def __setitem__(self, key, value) -> None:
         key = _index(key)
         self._view(lambda a: a[key])      # validates the index, writes nothing
 
+    @counted
     def reshape(self, *shape, order="C") -> "MetaArray":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
@@ -158,6 +168,7 @@ class MetaArray:
                              f"shape {shape}")
         return MetaArray(shape, self.dtype)
 
+    @counted
     def transpose(self, *axes) -> "MetaArray":
         if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
             axes = tuple(axes[0])
@@ -167,6 +178,7 @@ class MetaArray:
             raise ValueError(f"axes {axes} do not match a meta array of {self.ndim} dims")
         return MetaArray(tuple(self.shape[a] for a in axes), self.dtype)
 
+    @counted
     def view(self, dtype) -> "MetaArray":
         dtype = np.dtype(dtype)
         if dtype.itemsize == self.itemsize or not self.shape:
@@ -176,12 +188,15 @@ class MetaArray:
             raise ValueError(f"view: cannot view {self.dtype} of shape {self.shape} as {dtype}")
         return MetaArray(self.shape[:-1] + (last // dtype.itemsize,), dtype)
 
+    @counted
     def ravel(self) -> "MetaArray":
         return MetaArray((self.size,), self.dtype)
 
+    @counted
     def copy(self, order="C") -> "MetaArray":
         return MetaArray(self.shape, self.dtype)
 
+    @counted
     def astype(self, dtype, copy=True) -> "MetaArray":
         return MetaArray(self.shape, dtype)
 
@@ -193,23 +208,29 @@ class MetaArray:
             else tuple(n for i, n in enumerate(self.shape) if i not in axes)
         return MetaArray(shape, dtype or self.dtype)
 
+    @counted
     def sum(self, axis=None, dtype=None, keepdims=False, **_):
         return self._reduce(axis, keepdims, dtype)
 
+    @counted
     def mean(self, axis=None, dtype=None, keepdims=False, **_):
         return self._reduce(axis, keepdims, dtype or np.result_type(self.dtype, np.float64))
 
+    @counted
     def max(self, axis=None, keepdims=False, **_):
         return self._reduce(axis, keepdims)
 
+    @counted
     def min(self, axis=None, keepdims=False, **_):
         return self._reduce(axis, keepdims)
 
     # --- arithmetic through numpy's ufunc protocol -----------------------------------
     def _binary(name):
+        @counted
         def op(self, other):
             return getattr(np, name)(self, other)
 
+        @counted
         def rop(self, other):
             return getattr(np, name)(other, self)
         return op, rop
@@ -226,21 +247,27 @@ class MetaArray:
     __le__, _ = _binary("less_equal")
     del _binary
 
+    @counted
     def __neg__(self):
         return np.negative(self)
 
+    @counted
     def __iadd__(self, other):
         return np.add(self, other, out=self)
 
+    @counted
     def __isub__(self, other):
         return np.subtract(self, other, out=self)
 
+    @counted
     def __imul__(self, other):
         return np.multiply(self, other, out=self)
 
+    @counted
     def __itruediv__(self, other):
         return np.true_divide(self, other, out=self)
 
+    @counted
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         if method == "reduce":
             (x,) = inputs
@@ -257,6 +284,7 @@ class MetaArray:
             return target
         return MetaArray(shape, dtype)
 
+    @counted
     def __array_function__(self, func, types, args, kwargs):
         impl = _FUNCTIONS.get(func)
         if impl is None:

@@ -5,7 +5,9 @@ traced rank by running the same per-device program on shape-only arrays; the tim
 model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small frozen
 dataclasses:
 
-* ``TraceCompute(name, flops, bytes, seconds=None)`` — work on the device's compute stream;
+* ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0)`` — work on
+  the device's compute stream; ops named ``"host"`` (``trace_program(host_time=True)``)
+  carry a program's own host work instead (:mod:`vcluster.runtime.tracing.host`);
 * ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
   call of a collective by this member (``nbytes``: its local input, or for broadcast and
   scatter the root's); blocking when ``handle`` is None, else issued asynchronously on the
@@ -27,12 +29,16 @@ __all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWa
 @dataclass(frozen=True)
 class TraceCompute:
     """``seconds``, when set, is a precomputed duration (e.g. of several coalesced kernels)
-    that cost models use instead of pricing flops and bytes."""
+    that cost models use instead of pricing flops and bytes. ``host_s`` and
+    ``array_calls`` (host ops only): thread CPU seconds of the tracer in the program's own
+    Python, and the array operations it made (:mod:`vcluster.runtime.tracing.host`)."""
 
     name: str
     flops: float
     bytes: int
     seconds: float | None = None
+    host_s: float = 0.0
+    array_calls: int = 0
 
 
 @dataclass(frozen=True)

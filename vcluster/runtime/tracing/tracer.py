@@ -10,6 +10,13 @@ on the emulator), every send and receive ``TraceSend``/``TraceRecv``.
 
 Threads are needed only where one device must learn a shape from another: a receive
 waits for the matching send, a non-root of broadcast or scatter for the root's call.
+With ``host_time=True`` each rank's trace also carries its program's own host work (see
+:mod:`vcluster.runtime.tracing.host`): before every device call, and before the end of
+every ``dev.compute`` block, a ``TraceCompute("host", 0, 0, host_s=..., array_calls=...)``
+holds the thread CPU and the array operations of the program since the previous device
+call (only the ``localhost`` timing model prices them; other models are given traces
+without them).
+
 With ``ranks`` a subset (symmetric tracing: one representative per pipeline stage, say),
 collectives over groups whose other members are not traced complete on their own; a
 receive from an untraced rank, or a rooted collective whose root is untraced and no
@@ -18,6 +25,7 @@ receive from an untraced rank, or a rooted collective whose root is untraced and
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import traceback
@@ -28,6 +36,7 @@ import numpy as np
 from ..algorithm import AlgorithmSettings, choose_algorithm
 from ..collectives.common import ReduceOp, scaled_shape
 from ..errors import VClusterError
+from .host import HOST_OP, HostClock
 from .meta import MetaArray
 from .ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, TraceSend, TraceWait
 
@@ -82,12 +91,35 @@ class _Work:
         return self._done
 
 
-class TracingDevice:
-    """A :class:`~vcluster.runtime.context.DeviceContext` that records instead of running."""
+def _device_call(fn):
+    """A device call: with host timing on, it ends the program's host segment (recorded
+    as a host op), and its own work is not the program's."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        clock = self.host_clock
+        if clock is None or clock.depth:
+            return fn(self, *args, **kwargs)
+        self.record_host()
+        clock.pause()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            clock.resume()
+    return wrapper
 
-    def __init__(self, rank: int, mesh, board: _Board, settings: AlgorithmSettings):
+
+class TracingDevice:
+    """A :class:`~vcluster.runtime.context.DeviceContext` that records instead of running.
+
+    ``host_clock``: a running :class:`~vcluster.runtime.tracing.host.HostClock` of the
+    thread that runs this rank's program, or None (no host work recorded).
+    """
+
+    def __init__(self, rank: int, mesh, board: _Board, settings: AlgorithmSettings,
+                 host_clock: HostClock | None = None):
         self.rank, self.mesh, self.index, self.xp = rank, mesh, mesh.index(rank), np
         self.ops: list = []
+        self.host_clock = host_clock
         self._board, self._settings = board, settings
         self._calls: dict = {}                  # group -> calls so far
         self._handles = itertools.count()
@@ -95,13 +127,32 @@ class TracingDevice:
     def __repr__(self) -> str:
         return f"TracingDevice(rank={self.rank})"
 
+    def record_host(self) -> None:
+        """Close the program's current host segment into a host op (host timing on);
+        the caller resumes the clock once its own bookkeeping is done."""
+        host_s, calls = self.host_clock.lap()
+        if host_s > 0.0 or calls:
+            self.ops.append(TraceCompute(HOST_OP, 0.0, 0, host_s=host_s, array_calls=calls))
+
     def empty(self, shape, dtype=np.float32):
+        clock = self.host_clock
+        if clock is not None and not clock.depth:
+            clock.count_call()
         return MetaArray((shape,) if isinstance(shape, int) else shape, dtype)
 
     @contextmanager
     def compute(self, name: str, flops: float = 0, bytes: int = 0):
+        clock = self.host_clock
+        timed = clock is not None and not clock.depth
+        if timed:
+            self.record_host()                  # the program's work before the block
+            clock.resume()
         yield
+        if timed:
+            self.record_host()                  # the block's own calls (its kernels' host)
         self.ops.append(TraceCompute(str(name), float(flops), int(bytes)))
+        if timed:
+            clock.resume()
 
     # --- collectives ------------------------------------------------------------------
     def _group(self, axis):
@@ -125,14 +176,17 @@ class TracingDevice:
         self._calls[group] = k + 1
         return ("rooted", group, k)
 
+    @_device_call
     def all_reduce(self, x, axis=None, op="sum", *, out=None, async_op=False, algorithm="auto"):
         ReduceOp.parse(op, x.dtype)
         return self._collective("all_reduce", axis, x, x.shape, x.dtype, out, async_op, algorithm)
 
+    @_device_call
     def all_gather(self, x, axis=None, dim=0, *, out=None, async_op=False, algorithm="auto"):
         shape = scaled_shape(x.shape, dim, len(self._group(axis)), False, "all_gather")
         return self._collective("all_gather", axis, x, shape, x.dtype, out, async_op, algorithm)
 
+    @_device_call
     def reduce_scatter(self, x, axis=None, dim=0, op="sum", *, out=None, async_op=False,
                        algorithm="auto"):
         ReduceOp.parse(op, x.dtype)
@@ -140,6 +194,7 @@ class TracingDevice:
         return self._collective("reduce_scatter", axis, x, shape, x.dtype, out, async_op,
                                 algorithm)
 
+    @_device_call
     def all_to_all(self, x, axis=None, split_dim=0, concat_dim=0, *, out=None, async_op=False,
                    algorithm="auto"):
         n = len(self._group(axis))
@@ -163,6 +218,7 @@ class TracingDevice:
             return None, out.dtype
         return self._board.peek(key, f"rank {group[root]} to reach {name}")
 
+    @_device_call
     def broadcast(self, x, axis=None, root=0, *, out=None, async_op=False, algorithm="auto"):
         shape, dtype = self._rooted("broadcast", axis, x, root, out)
         shape = out.shape if shape is None else shape
@@ -170,6 +226,7 @@ class TracingDevice:
         return self._collective("broadcast", axis, x, shape, dtype, out, async_op, algorithm,
                                 root, nbytes)
 
+    @_device_call
     def scatter(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                 algorithm="auto"):
         n = len(self._group(axis))
@@ -180,6 +237,7 @@ class TracingDevice:
         return self._collective("scatter", axis, x, piece, dtype, out, async_op, algorithm,
                                 root, nbytes)
 
+    @_device_call
     def gather(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                algorithm="auto"):
         group = self._group(axis)
@@ -188,6 +246,7 @@ class TracingDevice:
         return self._collective("gather", axis, x, shape, x.dtype, out, async_op, algorithm,
                                 root, result=is_root)
 
+    @_device_call
     def reduce(self, x, axis=None, root=0, op="sum", *, out=None, async_op=False,
                algorithm="auto"):
         ReduceOp.parse(op, x.dtype)
@@ -195,19 +254,23 @@ class TracingDevice:
         return self._collective("reduce", axis, x, x.shape, x.dtype, out, async_op, algorithm,
                                 root, result=is_root)
 
+    @_device_call
     def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
         return self._collective("barrier", axis, None, None, None, None, async_op, algorithm,
                                 nbytes=0, result=False)
 
     # --- point to point -----------------------------------------------------------------
+    @_device_call
     def send(self, x, to: int, tag: int = 0) -> None:
         self.ops.append(TraceSend(int(to), x.nbytes, int(tag)))
         self._board.put(("p2p", self.rank, int(to), int(tag)), (x.shape, x.dtype))
 
+    @_device_call
     def isend(self, x, to: int, tag: int = 0):
         self.send(x, to, tag)
         return _Work(self.ops, None, None)
 
+    @_device_call
     def recv(self, src: int, tag: int = 0, *, out=None):
         src, tag = int(src), int(tag)
         if src not in self._board.traced:
@@ -227,23 +290,33 @@ class TracingDevice:
 
 
 def trace_program(mesh, fn, args_per_rank=None, ranks=None, algorithm: str = "auto",
-                  timeout_s: float = 60.0) -> list[DeviceTrace]:
-    """Trace ``fn(dev, *args_per_rank[r])`` for every rank in ``ranks`` (default: all)."""
+                  timeout_s: float = 60.0, host_time: bool = False) -> list[DeviceTrace]:
+    """Trace ``fn(dev, *args_per_rank[r])`` for every rank in ``ranks`` (default: all);
+    ``host_time``: record the programs' host work too (module docstring)."""
     ranks = list(range(mesh.size)) if ranks is None else sorted(set(ranks))
     args_per_rank = args_per_rank or [()] * mesh.size
     board = _Board(frozenset(ranks), timeout_s)
     settings = AlgorithmSettings(algorithm)
-    devices = {r: TracingDevice(r, mesh, board, settings) for r in ranks}
+    devices = {r: TracingDevice(r, mesh, board, settings, HostClock() if host_time else None)
+               for r in ranks}
     errors: dict[int, str] = {}
 
     def run(rank):
+        dev = devices[rank]
         try:
-            fn(devices[rank], *args_per_rank[rank])
+            if dev.host_clock is not None:
+                dev.host_clock.start()
+            fn(dev, *args_per_rank[rank])
+            if dev.host_clock is not None:
+                dev.record_host()
         except BaseException as exc:  # reported below with the rank
             errors[rank] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
             with board._cv:
                 board.failed = True
                 board._cv.notify_all()
+        finally:
+            if dev.host_clock is not None:
+                dev.host_clock.stop()
 
     threads = [threading.Thread(target=run, args=(r,), name=f"trace-{r}") for r in ranks]
     for t in threads:

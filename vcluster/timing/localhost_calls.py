@@ -1,0 +1,199 @@
+"""The CPU one communication call costs inside a program on ``localhost``.
+
+A collective or a send/receive costs its caller host CPU besides the bytes it moves:
+Python on both sides, futex waits and wake-ups, cold caches. Measured back to back
+(one call after another, members in step), that is its cheapest; inside a program each
+call follows the program's own work, its members arrive apart and sleep before the last
+one comes, and it costs up to twice as much. It also depends on how many devices share
+the cores: with more devices than cores a waiting member yields its core to a runnable
+one; with fewer, it spins through its yields alone.
+
+So :func:`measure_call_cpu` measures calls as programs make them — a few per run, in
+many short runs (the first calls of a run are the coldest) — on the first ``D``
+devices of the calibration cluster (``D`` = 2, the number of cores, twice that, and all
+``N``: :func:`cluster_sizes`), every group of ``n`` members calling at once, each call
+after a stretch of program-like work (:data:`GAP_REFERENCE_CALLS` small numpy calls and
+one pure-Python pass of :mod:`vcluster.timing.localhost_host`), inputs in private memory
+(products and activations are, so the emulator stages them into its arena); the figure is
+the process time of the call alone, per member, the median over members. Rows:
+
+==================  ==============================================================
+call                what
+==================  ==============================================================
+barrier             ``dev.barrier``
+all_reduce_inline   an 8-byte all_reduce (inline: one phase, no arena)
+all_reduce          a :data:`CALL_BYTES` all_reduce (two phases, staged input)
+all_gather          a :data:`CALL_BYTES` all_gather (input of that size)
+reduce_scatter      a :data:`CALL_BYTES` reduce_scatter
+send_inline         ``dev.send`` of 8 bytes (eager, in the mailbox slot)
+recv_inline         the matching ``dev.recv`` (waits for it: ping-pong pairs)
+send                ``dev.send`` of :data:`CALL_BYTES` (staged copy)
+recv                the matching ``dev.recv`` (copies it out)
+==================  ==============================================================
+
+(group 2 for the point-to-point rows.) :class:`CallCpu` looks a figure up for a
+cluster of any size (linear in ``D`` between the measured sizes, the nearest outside) and
+a group of any size (log-log between the measured ones).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import reduce as _fold
+
+import numpy as np
+
+from .localhost_host import reference_calls, reference_python
+
+__all__ = ["CALLS", "CALL_BYTES", "GAP_REFERENCE_CALLS", "CallCpu", "cluster_sizes",
+           "measure_call_cpu"]
+
+CALL_BYTES = 4096              # the non-inline calls' payload (per member input)
+GAP_REFERENCE_CALLS = 2        # reference_calls(...) before each timed call, plus one
+#                                reference_python(): ~40 us of a program's work
+RUNS, CALLS_PER_RUN = 10, 6    # short runs per figure, timed calls in each (programs are
+#                                short: their calls run colder than a long loop's)
+COLLECTIVE_CALLS = ("barrier", "all_reduce_inline", "all_reduce", "all_gather",
+                    "reduce_scatter")
+P2P_CALLS = ("send_inline", "recv_inline", "send", "recv")
+CALLS = COLLECTIVE_CALLS + P2P_CALLS
+
+
+def cluster_sizes(devices: int, cores: int) -> tuple[int, ...]:
+    """The cluster sizes measured: 2, ``cores``, ``2 cores`` and ``devices`` (within 2..N)."""
+    return tuple(sorted({d for d in (2, cores, 2 * cores, devices) if 2 <= d <= devices}))
+
+
+def _gap(arrays) -> None:
+    for _ in range(GAP_REFERENCE_CALLS):
+        reference_calls(*arrays)
+    reference_python()
+
+
+def _collective_cpu(dev, active: int, axes: tuple, call: str) -> list | None:
+    """On ranks below ``active``: CPU seconds of each of CALLS_PER_RUN calls of ``call``
+    over ``axes``, each after program-like work (one short run)."""
+    if dev.rank >= active:
+        return None
+    arrays = (np.ones((8, 16)), np.ones((16, 16)), np.ones(16))
+    n = len(dev.mesh.group(axes, dev.rank))
+    small = np.ones(1)
+    x = np.ones(CALL_BYTES // 8)
+    fn = {"barrier": lambda: dev.barrier(axes),
+          "all_reduce_inline": lambda: dev.all_reduce(small, axes),
+          "all_reduce": lambda: dev.all_reduce(x, axes),
+          "all_gather": lambda: dev.all_gather(x, axes),
+          "reduce_scatter": lambda: dev.reduce_scatter(x[:x.size - x.size % n], axes)}[call]
+    out = []
+    for _ in range(CALLS_PER_RUN):
+        _gap(arrays)
+        c0 = time.process_time()
+        fn()
+        out.append(time.process_time() - c0)
+    return out
+
+
+def _p2p_cpu(dev, active: int, nbytes: int) -> list | None:
+    """Ranks below ``active`` in pairs (rank ^ 1), ping-pong with program work before
+    each send: [(CPU of the send, CPU of the receive)] of CALLS_PER_RUN rounds."""
+    peer = dev.rank ^ 1
+    if dev.rank >= active or peer >= active:
+        return None
+    arrays = (np.ones((8, 16)), np.ones((16, 16)), np.ones(16))
+    x = np.ones(max(1, nbytes // 8))
+    out = []
+    for tag in range(CALLS_PER_RUN):
+        spent = [0.0, 0.0]
+        for first in (dev.rank < peer, dev.rank > peer):
+            if first:
+                _gap(arrays)
+                c0 = time.process_time()
+                dev.send(x, peer, tag)
+                spent[0] = time.process_time() - c0
+            else:
+                c0 = time.process_time()
+                dev.recv(peer, tag)
+                spent[1] = time.process_time() - c0
+        out.append(tuple(spent))
+    return out
+
+
+def measure_call_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
+    """Every row of the module docstring on ``cluster`` (mesh ``shape`` over ``axes``,
+    prime factors of N): ``((devices, call, group, seconds), ...)``; each figure the
+    median over RUNS short runs of CALLS_PER_RUN calls and over the members."""
+    n_all = cluster.mesh.size
+    rows = []
+    for active in cluster_sizes(n_all, cores):
+        for j in range(len(shape) - 1, -1, -1):              # smallest group first
+            group = _fold(lambda u, v: u * v, shape[j:])
+            if group > active or active % group:
+                continue
+            for call in COLLECTIVE_CALLS:
+                cluster.run(_collective_cpu, [(active, axes[j:], call)] * n_all)  # warm-up
+                cpu = [c for _ in range(RUNS)
+                       for per in cluster.run(_collective_cpu,
+                                              [(active, axes[j:], call)] * n_all)
+                       if per is not None for c in per]
+                rows.append((active, call, group, float(np.median(cpu))))
+        for nbytes, suffix in ((8, "_inline"), (CALL_BYTES, "")):
+            cluster.run(_p2p_cpu, [(active, nbytes)] * n_all)                      # warm-up
+            pairs = [p for _ in range(RUNS)
+                     for per in cluster.run(_p2p_cpu, [(active, nbytes)] * n_all)
+                     if per is not None for p in per]
+            rows.append((active, "send" + suffix, 2, float(np.median([s for s, _ in pairs]))))
+            rows.append((active, "recv" + suffix, 2, float(np.median([r for _, r in pairs]))))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class CallCpu:
+    """Lookup of the rows :func:`measure_call_cpu` measured (see the module docstring)."""
+
+    rows: tuple
+
+    def __post_init__(self) -> None:
+        rows = tuple((int(d), str(c), int(g), float(s)) for d, c, g, s in self.rows)
+        for d, c, g, s in rows:
+            if c not in CALLS or d < 2 or g < 2 or g > d or not 0 < s < math.inf:
+                raise ValueError(f"call_cpu_s: bad row ({d}, {c!r}, {g}, {s}); calls are "
+                                 f"{', '.join(CALLS)}, 2 <= group <= devices, seconds > 0")
+        object.__setattr__(self, "rows", rows)
+        table: dict = {}
+        for d, c, g, s in rows:
+            table.setdefault(c, {}).setdefault(d, {})[g] = s
+        missing = [c for c in CALLS if c not in table]
+        if missing:
+            raise ValueError(f"call_cpu_s: no rows for {', '.join(missing)}")
+        object.__setattr__(self, "_table", table)
+
+    def seconds(self, call: str, devices: int, group: int) -> float:
+        """CPU per member of ``call`` over ``group`` members on a cluster of ``devices``."""
+        by_devices = self._table[call]
+        sizes = sorted(by_devices)
+        if devices <= sizes[0]:
+            return self._in_group(by_devices[sizes[0]], group)
+        if devices >= sizes[-1]:
+            return self._in_group(by_devices[sizes[-1]], group)
+        hi = next(d for d in sizes if d >= devices)
+        lo = max(d for d in sizes if d < devices)
+        w = (devices - lo) / (hi - lo)
+        return (1 - w) * self._in_group(by_devices[lo], group) \
+            + w * self._in_group(by_devices[hi], group)
+
+    @staticmethod
+    def _in_group(by_group: dict, group: int) -> float:
+        sizes = sorted(by_group)
+        if group in by_group:
+            return by_group[group]
+        if len(sizes) == 1:
+            return by_group[sizes[0]]
+        j = 1
+        while j < len(sizes) - 1 and sizes[j] < group:
+            j += 1
+        (x0, x1) = sizes[j - 1], sizes[j]
+        y0, y1 = by_group[x0], by_group[x1]
+        slope = math.log(y1 / y0) / math.log(x1 / x0)
+        return y0 * math.exp(slope * math.log(group / x0))

@@ -1,0 +1,176 @@
+"""A program's own host work on ``localhost``: from the tracer's figures to the emulator's.
+
+``trace_program(..., host_time=True)`` records each stretch of a program's own Python
+between device calls as a host op with ``host_s`` (the tracer thread's CPU seconds) and
+``array_calls`` (array operations it made on meta arrays); see
+:mod:`vcluster.runtime.tracing.host`. The emulator runs the same Python, but its array
+operations are numpy calls on real (mostly small) arrays, and its processes share the
+host's cores with the other devices. One segment costs the emulator
+
+    w = max(0, host_s - L - k m) f  +  k c,      f = p_dev / p_tracer
+
+with ``k = array_calls`` and four rates, each measured by a microbenchmark:
+
+* tracer side, in the process that predicts (:class:`TracerRates`,
+  :func:`measure_tracer_rates`, ~0.1 s), by tracing reference programs with host timing:
+  ``L`` the tracer's own CPU charged to one segment (host timing's bookkeeping, the
+  context manager of ``dev.compute``: the segments of a loop of empty blocks), ``m`` one
+  meta-array call of :func:`reference_calls` (the same loop with those calls inside, less
+  the empty one), and ``p_tracer`` one pass of :func:`reference_python`;
+* device side, in :func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` with
+  every device busy (:func:`device_host_rates`): ``c`` = ``numpy_call_s``, CPU per numpy
+  call of :func:`reference_calls` on small arrays; ``p_dev`` = ``python_unit_s``, one
+  pass of :func:`reference_python`; and ``block_overhead_s``, the CPU of an empty
+  ``dev.compute`` block, which the model charges every compute op of a host-timed trace
+  (its kernel is priced from its flops and bytes; the numpy calls inside it are its own
+  host segment).
+
+The tracer measures pure Python at its own speed, the devices run it at theirs (busy,
+sharing caches): ``f`` converts. Both sides measure at the moment they run, so a spec
+calibrated earlier still sees the tracer's speed of now in ``p_tracer``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_python",
+           "REFERENCE_CALLS", "device_host_rates", "host_work_s"]
+
+REFERENCE_CALLS = 11           # array operations in one reference_calls(...)
+REFERENCE_SHAPES = ((8, 16), (16, 16), (16,))
+_REPS = 400                    # reference segments traced per measurement
+_TRIALS = 5                    # medians over this many measurements
+_PYTHON_REPS = 20
+
+
+def reference_calls(x, w, b):
+    """A typical mix of small array operations (REFERENCE_CALLS of them): a product, a
+    bias, an in-place ReLU, a reshape, a reduction, a transpose, a slice, an exp, a
+    scaling, a split and a concatenation."""
+    z = x @ w
+    z = z + b
+    np.maximum(z, 0.0, out=z)
+    z.reshape(-1)
+    z.sum(axis=0)
+    z.T
+    z[1:3]
+    np.exp(z)
+    z * 2.0
+    parts = np.split(z, 2, axis=1)
+    return np.concatenate(parts, axis=1)
+
+
+def reference_python() -> int:
+    """Pure-Python glue: a loop of dictionary updates, attribute reads and calls (~20 us)."""
+    table: dict = {}
+    total = 0
+    for i in range(200):
+        key = i % 7
+        table[key] = table.get(key, 0) + i
+        total += len(table)
+    return total
+
+
+def _reference_arrays(make):
+    return tuple(make(shape) for shape in REFERENCE_SHAPES)
+
+
+@dataclass(frozen=True)
+class TracerRates:
+    """The tracer's speed now, in this process (CPU seconds): ``segment_s`` (L),
+    ``meta_call_s`` (m) and ``python_unit_s`` (p_tracer); see the module docstring."""
+
+    segment_s: float
+    meta_call_s: float
+    python_unit_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("segment_s", "meta_call_s", "python_unit_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and v < float("inf")):
+                raise ValueError(f"TracerRates.{name}: must be a finite number >= 0, got {v!r}")
+        if self.python_unit_s <= 0:
+            raise ValueError(f"TracerRates.python_unit_s: must be > 0, got "
+                             f"{self.python_unit_s!r}")
+
+
+def _empty_blocks(dev, reps):
+    for _ in range(reps):
+        with dev.compute("reference"):
+            pass
+
+
+def _call_blocks(dev, reps, x, w, b):
+    for _ in range(reps):
+        with dev.compute("reference"):
+            reference_calls(x, w, b)
+
+
+def _segments(ops) -> tuple[float, int, int]:
+    hosts = [op for op in ops if getattr(op, "array_calls", None) is not None
+             and op.name == "host"]
+    return sum(op.host_s for op in hosts), sum(op.array_calls for op in hosts), len(hosts)
+
+
+def measure_tracer_rates() -> TracerRates:
+    """Measure :class:`TracerRates` here and now by tracing the reference programs."""
+    from mesh import Mesh
+    from vcluster.runtime.tracing import MetaArray, trace_program
+    mesh = Mesh((1,), ("x",))
+    arrays = _reference_arrays(lambda s: MetaArray(s, np.float64))
+    segment, per_call, python = [], [], []
+    trace_program(mesh, _call_blocks, [(50,) + arrays], host_time=True)      # warm-up
+    for _ in range(_TRIALS):
+        (empty,) = trace_program(mesh, _empty_blocks, [(_REPS,)], host_time=True)
+        (full,) = trace_program(mesh, _call_blocks, [(_REPS,) + arrays], host_time=True)
+        e_s, _, e_n = _segments(empty.ops)
+        f_s, f_calls, f_n = _segments(full.ops)
+        leak = e_s / max(e_n, 1)
+        segment.append(leak)
+        per_call.append(max(0.0, f_s - leak * f_n) / max(f_calls, 1))
+        t0 = time.thread_time()
+        for _ in range(_PYTHON_REPS):
+            reference_python()
+        python.append((time.thread_time() - t0) / _PYTHON_REPS)
+    return TracerRates(float(np.median(segment)), float(np.median(per_call)),
+                       float(np.median(python)))
+
+
+def device_host_rates(dev, reps: int = 400) -> tuple[float, float, float]:
+    """On a device, all devices at once: CPU seconds of an empty ``dev.compute`` block,
+    of one numpy call of :func:`reference_calls` on small float64 arrays, and of one
+    :func:`reference_python`; each after a warm-up of the same loop."""
+    arrays = _reference_arrays(np.ones)
+
+    def empty():
+        _empty_blocks(dev, reps)
+
+    def calls():
+        for _ in range(reps):
+            reference_calls(*arrays)
+
+    def python():
+        for _ in range(reps // 10):
+            reference_python()
+    out = []
+    for fn, per in ((empty, reps), (calls, reps * REFERENCE_CALLS), (python, reps // 10)):
+        fn()
+        dev.barrier()
+        c0 = time.process_time()
+        fn()
+        out.append((time.process_time() - c0) / per)
+    return tuple(out)
+
+
+def host_work_s(op, spec, tracer: TracerRates) -> float:
+    """Single-core seconds the emulator spends on host op ``op`` (module docstring)."""
+    if spec.numpy_call_s is None or spec.python_unit_s is None:
+        raise ValueError("localhost: this spec has no host-work rates (numpy_call_s, "
+                         "python_unit_s); calibrate again to price host-timed traces")
+    python_s = max(0.0, op.host_s - tracer.segment_s - op.array_calls * tracer.meta_call_s)
+    return python_s * spec.python_unit_s / tracer.python_unit_s \
+        + op.array_calls * spec.numpy_call_s

@@ -11,7 +11,10 @@ axis x of size n, on the local array of |x| bytes::
     slice(x, dim=d)       not used       -> S(..., x) on d            0 (local)
     partial(x)            not used       -> partial (value at position 0, zeros elsewhere)   0
 
-(byte counts: ring / pairwise closed forms). Only the minor-most axis of a dimension can
+(byte counts: ring / pairwise closed forms). The local steps move no bytes between devices
+but are real work, declared as ``dev.compute`` blocks so that timing models price them:
+a slice copies its piece (reads and writes |x|/n bytes), a partial writes zeros.
+Only the minor-most axis of a dimension can
 be gathered or moved, and a new split always becomes the minor-most, because those are
 the changes that keep every local piece contiguous in the global array.
 
@@ -247,7 +250,10 @@ def redistribute(dev, x, plan: RedistributePlan,
             pos = group.index(dev.rank)
             if step.kind == "slice":
                 piece = np.split(x, len(group), axis=step.dim)[pos]
-                x = piece.copy()        # C-contiguous (numpy, cupy and meta arrays)
+                with dev.compute(f"slice({step.axis}, dim={step.dim})", flops=0,
+                                 bytes=2 * piece.nbytes):        # read + write: a real copy
+                    x = piece.copy()    # C-contiguous (numpy, cupy and meta arrays)
             elif pos != 0:   # partial: the value stays at position 0
-                x = np.zeros_like(x)
+                with dev.compute(f"partial({step.axis}): zeros", flops=0, bytes=x.nbytes):
+                    x = np.zeros_like(x)
     return x

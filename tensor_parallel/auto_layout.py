@@ -70,6 +70,8 @@ def _predict_s(mesh, program, meta_args, model, pool) -> float:
     if host_timed:                       # steady state: the op's plan cache warm
         trace_program(mesh, program, meta_args)
     traces = trace_program(mesh, program, meta_args, host_time=host_timed)
+    if hasattr(model, "prepare_traces"):  # localhost: the start of a run, cold calls
+        traces = model.prepare_traces(traces)
     return simulate_trace(traces, model, mesh=mesh, core_pool=pool, timeline=False).step_time_s
 
 

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from test_localhost import spec
+from test_localhost import BUSY, spec
+
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
@@ -16,6 +17,10 @@ from vcluster.timing.localhost import LocalhostCostModel
 from vcluster.timing.localhost_calls import CALL_BYTES, CALLS, CallCpu, cluster_sizes
 
 US = 1e-6
+# back-to-back figures half the program ones of _rows() on 8 devices (groups 2, 4, 8)
+HALF_B2B = dict(barrier_cpu_s=(100 * US, 200 * US, 400 * US),
+                small_all_reduce_cpu_s=(100 * US, 200 * US, 400 * US),
+                large_all_reduce_cpu_s=(100 * US, 200 * US, 400 * US), p2p_message_cpu_s=50 * US)
 
 
 def _rows(scale=1.0):
@@ -94,12 +99,13 @@ def test_model_prices_messages_from_the_table():
     extra = more * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
     snd, rcv = model.p2p_cpu_s(0, 1, 1 << 20)
     assert (snd, rcv) == pytest.approx((200 * US + extra, 200 * US + extra))
-    # a ring all_reduce is its messages, each priced as a message of its size
+    # a ring all_reduce is its messages, back to back inside the call
     members = tuple(range(4))
     op = TraceCollective("all_reduce", members, 1 << 20, 4, "ring")
     t = collective_traffic("all_reduce", "ring", members, 0, 1 << 20, 4)
-    want = sum(m * model.p2p_cpu_s(0, 1, b // m)[0] for _, b, m in t.sent) \
-        + sum(m * model.p2p_cpu_s(0, 1, b // m)[1] for _, b, m in t.received)
+    side = s.p2p_latency_s / 2
+    want = (t.messages_sent + t.messages_received) * side + (t.bytes_sent + t.bytes_received) \
+        * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
     assert model.collective_cpu_s(op, 0) == pytest.approx(want)
     assert math.isfinite(want) and want > 0
 
@@ -109,3 +115,76 @@ def test_without_the_table_the_older_pricing_stands():
     op = TraceCollective("barrier", tuple(range(8)), 0, 1, "shm")
     assert old.collective_cpu_s(op, 0) == pytest.approx(old.barrier_share_s(8))
     assert new.collective_cpu_s(op, 0) == pytest.approx(800 * US)
+
+
+# --- the start of a run, cold and in-rhythm calls -----------------------------------------
+def test_prepare_traces_adds_the_start_and_the_cold_calls():
+    """Every rank first does W0 T(n)/n of work (n ranks at once take W0); before its first
+    collective or receive (f - 1) times that call's program CPU at no more than
+    CALL_BYTES; before every collective that follows other work its cold extra, none
+    before one that follows another call on its group."""
+    from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
+    from vcluster.timing.localhost_start import COLD_CALL, FIRST_CALL, RUN_START
+    s = spec(call_cpu_s=_rows(), start_s=((4, 200 * US, 1.5), (8, 600 * US, 2.0)),
+             **HALF_B2B)
+    model = LocalhostCostModel(s, 8, "float32")
+    big = TraceCollective("all_gather", (0, 1), 1 << 20, 4, "shm")
+    bare = TraceCompute("host", 0.0, 0, host_s=1e-6, array_calls=0)
+    traces = [DeviceTrace(0, (TraceCompute("a", 1.0, 8), big, bare, big)),
+              DeviceTrace(1, (TraceCompute("a", 1.0, 8), TraceRecv(2, 8, 0), big, bare, big)),
+              DeviceTrace(2, (TraceSend(1, 8, 0),))]
+    out = model.prepare_traces(traces)
+    names = [[getattr(op, "name", type(op).__name__) for op in t.ops] for t in out]
+    assert names[0] == [RUN_START, "a", FIRST_CALL, COLD_CALL, "TraceCollective", "host",
+                        "TraceCollective"]                 # the second call is in rhythm
+    assert names[1] == [RUN_START, "a", FIRST_CALL, "TraceRecv", COLD_CALL,
+                        "TraceCollective", "host", "TraceCollective"]
+    assert names[2] == [RUN_START, "TraceSend"]             # sends do not synchronise
+    t8 = s.core_pool.throughput_at(8)
+    assert out[0].ops[0].seconds == pytest.approx(600 * US * t8 / 8)
+    small = TraceCollective("all_gather", (0, 1), CALL_BYTES, 4, "shm")
+    program = model.collective_cpu_s(small, 0) + model.cold_call_s(small, 0)
+    assert out[0].ops[2].seconds == pytest.approx((2.0 - 1) * program)
+    assert out[1].ops[2].seconds == pytest.approx(model.p2p_cpu_s(2, 1, 8)[1])
+    # the cold extra: half the call's synchronisation (b2b is half the program figure)
+    moved = 2 * CALL_BYTES / s.channel_copy_bytes_per_s     # all_gather over 2 at 4 KiB
+    assert model.cold_call_s(big, 0) == pytest.approx(0.5 * (200 * US - moved))
+    assert out[0].ops[3].seconds == pytest.approx(model.cold_call_s(big, 0))
+    # 6 devices: halfway between the sizes
+    w0, f = LocalhostCostModel(s, 6, "float32")._start_figures()
+    assert (w0, f) == pytest.approx((400 * US, 1.75))
+    # without the figures, nothing is added
+    assert LocalhostCostModel(spec(), 8).prepare_traces(traces) == traces
+
+
+def test_in_rhythm_calls_cost_the_back_to_back_figure():
+    """A call's price in the trace is its back-to-back figure (the program figure scaled
+    by the ratio of the two on all N devices); the cold extra makes up the difference."""
+    s = spec(call_cpu_s=_rows(), **BUSY)
+    model = LocalhostCostModel(s, 8, "float32")
+    barrier = TraceCollective("barrier", (0, 1, 2, 3), 0, 1, "shm")
+    ratio = BUSY["barrier_cpu_s"][1] / (400 * US)              # b2b / program, group 4 on 8
+    assert model.collective_cpu_s(barrier, 0) == pytest.approx(400 * US * min(1, ratio))
+    assert model.collective_cpu_s(barrier, 0) + model.cold_call_s(barrier, 0) \
+        == pytest.approx(400 * US)
+    ring = TraceCollective("all_reduce", (0, 1, 2, 3), 1 << 20, 4, "ring")
+    assert model.cold_call_s(ring, 0) == 0.0
+
+
+def test_start_rows_are_validated():
+    with pytest.raises(ValueError, match="start_s"):
+        spec(start_s=((8, 1e-4, 0.5),))                 # a factor below 1
+    with pytest.raises(ValueError, match="start_s"):
+        spec(start_s=((8, 1e-4),))
+    s = spec(start_s=((8, 5e-4, 1.9), (4, 1e-4, 2.0)))
+    assert s.start_s == ((4, 1e-4, 2.0), (8, 5e-4, 1.9))
+    assert type(s).from_dict(s.to_dict()) == s
+
+
+def test_measure_start_on_real_clusters():
+    """The calibration's start programs run on clusters of 2 devices: an empty program's
+    wall time and a first-call factor >= 1 (no timing bounds: a noisy machine)."""
+    from vcluster.timing.localhost_start import measure_start
+    (row,) = measure_start((2,), lambda d: 100 * US, lambda d: 1.9)
+    d, w0, f = row
+    assert d == 2 and 0 < w0 < 0.1 and 1.0 <= f < 1e4

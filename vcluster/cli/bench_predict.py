@@ -63,6 +63,8 @@ from typing import Callable
 
 import numpy as np
 
+from vcluster.timing.localhost_start import SPIN_S, START_S, timed_run  # noqa: F401
+
 from .args import csv_of, positive_int
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
@@ -72,10 +74,6 @@ SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep wo
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
 RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload again
-START_S = 0.01                          # devices start their program this long after
-#                                         rank 0 announces the instant (a broadcast)
-SPIN_S = 0.002                          # ... sleeping until this long before it, then
-#                                         spinning (a sleep's wake-up is ~0.25 ms late)
 _SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
                for size in ("1MiB", "16MiB"))
 WORKLOADS = _SWEEP + ("matmul", "ffn", "mlp")
@@ -194,23 +192,7 @@ def build_workload(name: str, tiny: bool = False) -> Workload:
 
 
 # --- measuring and predicting ----------------------------------------------------------
-def _timed(dev, program, *args) -> tuple[float, float]:
-    """Run ``program`` from an instant agreed by every device (rank 0's clock + START_S,
-    broadcast; one clock serves every process of the machine): each sleeps until SPIN_S
-    before it and spins the rest, so the programs start together as in the replay; after
-    its end each waits for the others (futex, no CPU) rather than reply to the host while
-    they run. Returns (that instant, end)."""
-    dev.barrier()
-    start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
-    wait = start - SPIN_S - time.perf_counter()
-    if wait > 0:
-        time.sleep(wait)
-    while time.perf_counter() < start:
-        pass
-    program(dev, *args)
-    end = time.perf_counter()
-    dev.barrier()
-    return start, end
+_timed = timed_run            # the measurement protocol (vcluster.timing.localhost_start)
 
 
 class _Background:
@@ -275,8 +257,8 @@ def predict_workload(wl: Workload, spec) -> float:
     model = localhost_model(spec, wl.mesh.size, wl.dtype)
     trace_program(wl.mesh, wl.program, wl.meta_args)     # plan caches warm, as in the runs
     traces = trace_program(wl.mesh, wl.program, wl.meta_args, host_time=model.host_timed)
-    return simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
-                          timeline=False).step_time_s
+    return simulate_trace(model.prepare_traces(traces), model, mesh=wl.mesh,
+                          core_pool=model.core_pool, timeline=False).step_time_s
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,

@@ -204,6 +204,8 @@ def _simulate(workload, scenario, bar) -> tuple:
         trace_program(mesh, workload.program, list(workload.meta_args_by_rank), ranks=ranks)
     traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank),
                            ranks=ranks, host_time=setup.host_timed)
+    if setup.localhost:                  # what the context costs here (start, cold calls)
+        traces = setup.costs.prepare_traces(traces)
     if scenario.faults:
         from vcluster.faults.impact import simulate_with_faults
         result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],

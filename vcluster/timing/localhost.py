@@ -61,6 +61,7 @@ in the bundled programs) is not in its trace and so not predicted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -68,9 +69,10 @@ from pathlib import Path
 
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.host import HOST_OP
-from vcluster.runtime.tracing.ops import TraceCollective
+from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv
 from vcluster.runtime.traffic import collective_traffic
 
+from .localhost_calls import CALL_BYTES
 from .localhost_pool import CorePoolSpec
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
@@ -151,6 +153,10 @@ class LocalhostSpec:
     # CPU per communication call as programs make them (vcluster.timing.localhost_calls;
     # None in older specs): rows (devices, call, group, seconds)
     call_cpu_s: tuple | None = None
+    # A run started on all devices at once (vcluster.timing.localhost_start; None in
+    # older specs): rows (devices, wall time of an empty program, factor of the first
+    # synchronisation's CPU)
+    start_s: tuple | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -160,6 +166,8 @@ class LocalhostSpec:
             if f.name == "call_cpu_s":
                 from .localhost_calls import CallCpu
                 object.__setattr__(self, f.name, CallCpu(v).rows)
+            elif f.name == "start_s":
+                object.__setattr__(self, f.name, _start_rows(v))
             elif f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
             elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
@@ -172,7 +180,7 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, int(v))
             else:
                 object.__setattr__(self, f.name, float(v))
-        bad = [f.name for f in fields(self) if f.name != "call_cpu_s"
+        bad = [f.name for f in fields(self) if f.name not in ("call_cpu_s", "start_s")
                and not _positive(getattr(self, f.name))
                and not (f.name in _OPTIONAL and getattr(self, f.name) is None)]
         if bad:
@@ -211,8 +219,9 @@ class LocalhostSpec:
             if d[k] is not None:
                 d[k] = list(d[k])
         d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
-        if d["call_cpu_s"] is not None:
-            d["call_cpu_s"] = [list(row) for row in d["call_cpu_s"]]
+        for k in ("call_cpu_s", "start_s"):
+            if d[k] is not None:
+                d[k] = [list(row) for row in d[k]]
         return d
 
     @classmethod
@@ -229,7 +238,20 @@ _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
              "p2p_message_cpu_s")
 _HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
-_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s",)
+_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s", "start_s")
+
+
+def _start_rows(rows) -> tuple:
+    try:
+        out = tuple(sorted((int(d), float(w), float(f)) for d, w, f in rows))
+    except (TypeError, ValueError):
+        raise ValueError(f"LocalhostSpec.start_s: rows must be (devices, seconds, "
+                         f"first-call factor), got {rows!r}") from None
+    if not out or len({d for d, _, _ in out}) != len(out) or any(
+            d < 1 or not 0 <= w < math.inf or not 1 <= f < math.inf for d, w, f in out):
+        raise ValueError(f"LocalhostSpec.start_s: rows must be distinct (devices >= 1, "
+                         f"seconds >= 0, factor >= 1), got {rows!r}")
+    return out
 
 
 def _positive(v) -> bool:
@@ -325,6 +347,73 @@ class LocalhostCostModel:
                 raise ValueError(f"LocalhostCostModel: the spec lacks {', '.join(missing)} "
                                  "(calibrated before host work was measured); calibrate "
                                  "again to price host-timed traces")
+
+    def _start_figures(self) -> tuple[float, float]:
+        """(W0, f) for ``n_devices``: linear between the spec's sizes, the nearest
+        outside; (0, 1) without the figures or for one device."""
+        rows, n = self.spec.start_s, self.n_devices
+        if not rows or n < 2:
+            return 0.0, 1.0
+        sizes = [d for d, _, _ in rows]
+        if n <= sizes[0]:
+            return rows[0][1:]
+        if n >= sizes[-1]:
+            return rows[-1][1:]
+        j = next(i for i, d in enumerate(sizes) if d >= n)
+        (d0, w0, f0), (d1, w1, f1) = rows[j - 1], rows[j]
+        a = (n - d0) / (d1 - d0)
+        return w0 + (w1 - w0) * a, f0 + (f1 - f0) * a
+
+    def prepare_traces(self, traces) -> list:
+        """``traces`` with what their context costs on this machine, as work ops:
+
+        * the start of a run on all devices at once (:mod:`.localhost_start`): first on
+          every rank its share of the empty start, ``W0 T(n) / n``; before its first
+          collective or receive, ``(f - 1)`` times that call's synchronisation CPU (its
+          CPU at no more than CALL_BYTES: the extra is in the waiting, not the bytes);
+        * before every collective that follows other work rather than another call on
+          its group (array operations in between, or another op), its cold extra
+          (:meth:`cold_call_s`).
+
+        Localhost predictions replay the prepared traces."""
+        from vcluster.runtime.tracing.ops import DeviceTrace
+        from .localhost_start import COLD_CALL, FIRST_CALL, RUN_START
+        wall, factor = self._start_figures()
+        n = self.n_devices
+        out = []
+        for t in traces:
+            ops, first, previous = [], True, None
+            if wall > 0.0:
+                ops.append(TraceCompute(RUN_START, 0.0, 0,
+                                        seconds=wall * self.core_pool.throughput_at(n) / n))
+            for op in t.ops:
+                synchronising = (isinstance(op, TraceCollective) and len(op.group) > 1) \
+                    or isinstance(op, TraceRecv)
+                if synchronising and first:
+                    first = False
+                    if factor > 1.0:
+                        ops.append(TraceCompute(FIRST_CALL, 0.0, 0,
+                                                seconds=(factor - 1) * self._sync_cpu(t.rank, op)))
+                if isinstance(op, TraceCollective) and len(op.group) > 1:
+                    in_rhythm = isinstance(previous, TraceCollective) \
+                        and previous.group == op.group
+                    extra = 0.0 if in_rhythm else self.cold_call_s(op, op.group.index(t.rank))
+                    if extra > 0.0:
+                        ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
+                ops.append(op)
+                if not (isinstance(op, TraceCompute) and op.name == HOST_OP
+                        and not op.array_calls):
+                    previous = op                # a loop's bare glue keeps the rhythm
+            out.append(DeviceTrace(t.rank, tuple(ops)))
+        return out
+
+    def _sync_cpu(self, rank: int, op) -> float:
+        """A synchronising call's CPU at no more than CALL_BYTES (as programs make it)."""
+        if isinstance(op, TraceRecv):
+            return self.p2p_cpu_s(op.peer, rank, min(op.nbytes, CALL_BYTES))[1]
+        sync = dataclasses.replace(op, nbytes=min(op.nbytes, CALL_BYTES))
+        position = op.group.index(rank)
+        return self.collective_cpu_s(sync, position) + self.cold_call_s(sync, position)
 
     @property
     def host_timed(self) -> bool:
@@ -426,7 +515,6 @@ class LocalhostCostModel:
             if nbytes <= INLINE_BYTES:
                 return (calls.seconds("send_inline", self.n_devices, 2),
                         calls.seconds("recv_inline", self.n_devices, 2))
-            from .localhost_calls import CALL_BYTES
             more = max(0, nbytes - CALL_BYTES) * s.busy_factor(s.memcpy_busy_speedup) \
                 / s.p2p_copy_bytes_per_s
             return (calls.seconds("send", self.n_devices, 2) + more,
@@ -445,36 +533,77 @@ class LocalhostCostModel:
 
     # --- one member's work in a collective ------------------------------------------------
     def _collective_work(self, op, position: int) -> float:
+        """A member's CPU in the call, made back to back with another call on its group
+        (its cold extra, :meth:`cold_call_s`, is added by :meth:`prepare_traces`)."""
+        sync, rest, _ = self._collective_parts(op, position)
+        return sync + rest
+
+    def cold_call_s(self, op, position: int) -> float:
+        """What the call costs member ``position`` more when it follows other work than
+        when it follows another call on its group: its synchronisation as measured in
+        programs (:mod:`.localhost_calls`) less the back-to-back figure of the same call
+        (``barrier_cpu_s``, ``small_all_reduce_cpu_s``, ``large_all_reduce_cpu_s``:
+        every group calling, one call after another); 0 for message algorithms (their
+        messages follow each other) and for specs without the call table."""
+        key = ("cold", op.collective, op.algorithm, len(op.group), position, op.nbytes,
+               op.itemsize, op.root)
+        extra = self._memo.get(key)
+        if extra is None:
+            sync, _, program_sync = self._collective_parts(op, position)
+            extra = self._memo[key] = max(0.0, program_sync - sync)
+        return extra
+
+    def _collective_parts(self, op, position: int) -> tuple[float, float, float]:
+        """(synchronisation CPU back to back, CPU of the bytes, synchronisation CPU in a
+        program) of one member in ``op``."""
         s, n, name = self.spec, len(op.group), op.collective
         calls = self._calls
         if name == "barrier":
-            if calls is not None:
-                return calls.seconds("barrier", self.n_devices, n)
-            return self.barrier_share_s(n)
+            if calls is None:
+                w = self.barrier_share_s(n)
+                return w, 0.0, w
+            program = calls.seconds("barrier", self.n_devices, n)
+            return self._in_rhythm(program, s.barrier_cpu_s, "barrier", n), 0.0, program
         if n <= 1 or op.algorithm == "local":                # a group of one copies x
-            return op.nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.memcpy_bytes_per_s
+            return 0.0, op.nbytes * s.busy_factor(s.memcpy_busy_speedup) \
+                / s.memcpy_bytes_per_s, 0.0
         members = tuple(range(n))
         t = collective_traffic(name, op.algorithm, members, position, op.nbytes,
                                op.itemsize or 1, op.root)
         if op.algorithm != "shm":                            # messages through the channel
-            return self._message_work(t)
+            w = self._message_work(t)
+            return 0.0, w, 0.0
         if op.nbytes <= INLINE_BYTES:
-            if calls is not None:
-                return calls.seconds("all_reduce_inline", self.n_devices, n)
-            return self.inline_share_s(n)
+            if calls is None:
+                w = self.inline_share_s(n)
+                return w, 0.0, w
+            program = calls.seconds("all_reduce_inline", self.n_devices, n)
+            return (self._in_rhythm(program, s.small_all_reduce_cpu_s, "all_reduce_inline", n),
+                    0.0, program)
+        moved = self._bytes_work(name, n, position, op, t)
         if calls is None:
-            fixed = self.large_share_s(n) * self._fixed_ratio(name)
-            return fixed + self._bytes_work(name, n, position, op, t)
+            w = self.large_share_s(n) * self._fixed_ratio(name)
+            return w, moved, w
         # the call's CPU as measured at CALL_BYTES, less the bytes it moved there
-        from .localhost_calls import CALL_BYTES
         kind = name if name in _CALIBRATED else ("reduce_scatter" if name == "reduce"
                                                  else "all_gather")
         at = TraceCollective(kind, members, CALL_BYTES, 8, "shm")
         measured = calls.seconds(kind, self.n_devices, n)
-        moved = self._bytes_work(kind, n, 0, at, collective_traffic(
+        at_moved = self._bytes_work(kind, n, 0, at, collective_traffic(
             kind, "shm", members, 0, CALL_BYTES, 8))
-        fixed = max(_FLOOR * measured, measured - moved)
-        return fixed + self._bytes_work(name, n, position, op, t)
+        program = max(_FLOOR * measured, measured - at_moved)
+        return (self._in_rhythm(program, s.large_all_reduce_cpu_s, "all_reduce", n), moved,
+                program)
+
+    def _in_rhythm(self, program: float, b2b_table: tuple | None, call: str, n: int) -> float:
+        """``program`` scaled by the ratio of the back-to-back to the program figure of
+        ``call`` over ``n`` on all N calibration devices (at most 1)."""
+        s = self.spec
+        if b2b_table is None:
+            return program
+        b2b = _interpolate(s.group_sizes, b2b_table, n)
+        ratio = b2b / self._calls.seconds(call, s.calibration_devices, n)
+        return program * min(1.0, ratio)
 
     def _bytes_work(self, name: str, n: int, position: int, op, traffic) -> float:
         """The channel work of the bytes one member of a large shm call moves."""
@@ -487,20 +616,15 @@ class LocalhostCostModel:
         return read / s.channel_reduce_bytes_per_s + written / s.channel_copy_bytes_per_s
 
     def _message_work(self, traffic) -> float:
-        """A member's work in a message algorithm: each message sent and received as a
-        point-to-point message of its size (copies included)."""
+        """A member's work in a message algorithm (ring, tree, pairwise): its messages
+        follow each other inside one call, so each costs the back-to-back CPU of an
+        8-byte message side (``p2p_message_cpu_s``; older specs: half the round trip),
+        plus the copy of its bytes."""
         s = self.spec
-        if self._calls is None:
-            snd, rcv = self.p2p_cpu_s(0, 1, 0)
-            return (traffic.messages_sent * snd + traffic.messages_received * rcv + (
-                traffic.bytes_sent + traffic.bytes_received)
+        side = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
+        return ((traffic.messages_sent + traffic.messages_received) * side
+                + (traffic.bytes_sent + traffic.bytes_received)
                 * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s)
-        work = 0.0
-        for entries, side in ((traffic.sent, 0), (traffic.received, 1)):
-            for _, nbytes, messages in entries:
-                if messages:
-                    work += messages * self.p2p_cpu_s(0, 1, nbytes // messages)[side]
-        return work
 
 
 def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, int]:

@@ -5,6 +5,8 @@ Every microbenchmark runs as a device program on one :class:`~vcluster.VirtualCl
 the processes the emulator really uses. Each figure is a median over repetitions after a
 warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost`):
 
+* (the figures of one device alone and the host-work rates are each the median of three
+  trials spread over the calibration: this machine's speed drifts within seconds)
 * the GEMM rate ``F = 2 n^3 / (t - 3 n^2 e / B_copy)`` from the time ``t`` of a
   (n, n) @ (n, n) product alone (the model adds the streaming of its operands back);
 * the pool's throughput ``T(k) = k W1 / W_k``: ``W1`` the time of a few float32 GEMMs
@@ -31,6 +33,8 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
 * the CPU of a communication call as programs make them, per cluster size, call and
   group size (:func:`~vcluster.timing.localhost_calls.measure_call_cpu`): the figures
   the model prices calls with (the back-to-back ones above remain for older specs);
+* the start of a run on all devices at once (:mod:`~vcluster.timing.localhost_start`):
+  per cluster size, an empty program's wall time and the factor of the first call's CPU;
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
   each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``.
 """
@@ -47,7 +51,9 @@ from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost import LocalhostSpec, _moved_bytes
-from .localhost_calls import measure_call_cpu
+from .localhost_calls import CallCpu, cluster_sizes, measure_call_cpu
+from .localhost_pool import CorePoolSpec
+from .localhost_start import measure_start
 from .localhost_host import device_host_rates
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
@@ -141,6 +147,18 @@ def _op_host(dev, reps: int) -> float:
     c0 = time.process_time()
     ops()
     return (time.process_time() - c0) / reps
+
+
+def _quick_figures(cluster, devices: int) -> dict:
+    """One trial of the figures that take a fraction of a second: the rates of one
+    device alone, the host work of a compute op, and the host-work rates of programs."""
+    out = cluster.run(_alone)[0]
+    out["compute_overhead_s"] = float(np.median(
+        cluster.run(_op_host, [(OP_HOST_REPS,)] * devices)))
+    host = np.median(cluster.run(device_host_rates), axis=0)
+    out.update(block_overhead_s=float(host[0]), numpy_call_s=float(host[1]),
+               python_unit_s=float(host[2]))
+    return out
 
 
 def _repeat(fn, reps: int) -> None:
@@ -302,18 +320,18 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
     shape = _prime_factors(devices)
     axes = tuple(f"a{i}" for i in range(len(shape)))
     with VirtualCluster(Mesh(shape, axes)) as cluster:
-        alone = cluster.run(_alone)[0]
-        alone["compute_overhead_s"] = float(np.median(
-            cluster.run(_op_host, [(OP_HOST_REPS,)] * devices)))
-        host = np.median(cluster.run(device_host_rates), axis=0)
-        alone.update(block_overhead_s=float(host[0]), numpy_call_s=float(host[1]),
-                     python_unit_s=float(host[2]))
+        # The quick figures are taken in ALONE_TRIALS trials spread over the calibration
+        # (this machine's speed drifts within seconds): the median of each.
+        trials = [_quick_figures(cluster, devices)]
         busy = _speedups(cluster, devices, ("gemm", "vector", "memcpy"))
         points = {devices: busy["gemm"]}
         if 2 <= cores < devices:
             points[cores] = _speedups(cluster, cores, ("gemm",))["gemm"]
+        trials.append(_quick_figures(cluster, devices))
         tables = _latency_tables(cluster, shape, axes)
         call_rows = measure_call_cpu(cluster, shape, axes, cores)
+        trials.append(_quick_figures(cluster, devices))
+        alone = {k: float(np.median([t[k] for t in trials])) for k in trials[0]}
         p2p_cpu = [c for c in cluster.run(_ping_pong_cpu, [(BUSY_CALLS,)] * devices)
                    if c is not None]
         walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
@@ -321,6 +339,10 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         rtt_small = cluster.run(_ping_pong, [(8, P2P_SMALL_REPS)] * devices)[0]
         rtt_large = cluster.run(_ping_pong, [(P2P_LARGE_BYTES, P2P_LARGE_REPS)] * devices)[0]
     pool = tuple((k, min(t, k, cores)) for k, t in sorted(points.items()))
+    calls = CallCpu(call_rows)
+    start_rows = measure_start(cluster_sizes(devices, cores),
+                               lambda d: calls.seconds("all_reduce", d, d),
+                               CorePoolSpec(cores, pool).throughput_at)
     provisional = LocalhostSpec(
         cores=cores, pool_throughput=pool, **alone, vector_busy_speedup=busy["vector"],
         memcpy_busy_speedup=busy["memcpy"], **tables,
@@ -330,7 +352,8 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         p2p_copy_bytes_per_s=4 * P2P_LARGE_BYTES / max(rtt_large - rtt_small,
                                                        _FLOOR * rtt_large),
         calibration_devices=devices, message_bytes=sizes,
-        p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows)
+        p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows,
+        start_s=start_rows)
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 
 

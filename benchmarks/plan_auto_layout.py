@@ -48,7 +48,7 @@ def _workloads(kind, mesh, shapes, ranking):
     from tensor_parallel.auto_layout import _ffn_program, _matmul_program
     from tensor_parallel.ffn import FeedForward
     from tensor_parallel.ffn_sharding import FeedForwardSharding
-    from vcluster.cli.bench_predict import Workload, _metas
+    from vcluster.cli.bench_predict_workloads import Workload, metas
     rng = np.random.default_rng(0)
     item = np.dtype(DTYPE).itemsize
     if kind == "matmul":
@@ -59,7 +59,7 @@ def _workloads(kind, mesh, shapes, ranking):
             a_in = plan_redistribute(R, s.a, mesh, shapes["a"], item)
             b_in = plan_redistribute(R, s.b, mesh, shapes["b"], item)
             args = [(MatMul(s), a_in, b_in, A, B)] * mesh.size
-            yield Workload(str(s), mesh, _matmul_program, args, _metas(args), DTYPE)
+            yield Workload(str(s), mesh, _matmul_program, args, metas(args), DTYPE)
         return
     g = FeedForwardSharding.global_shapes(shapes["x"], shapes["d_ff"])
     arrays = {k: (0.05 * rng.standard_normal(v)).astype(DTYPE) for k, v in g.items()}
@@ -71,21 +71,21 @@ def _workloads(kind, mesh, shapes, ranking):
         y_plan = plan_redistribute(lay["y"], TS(None, None, None), mesh, g["x"], item)
         args = [(FeedForward(s), plans) + tuple(arrays[k] for k in g) + (dy, True, y_plan)
                 ] * mesh.size
-        yield Workload(str(s), mesh, _ffn_program, args, _metas(args), DTYPE)
+        yield Workload(str(s), mesh, _ffn_program, args, metas(args), DTYPE)
 
 
 def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:
     """Wall times of every workload (bench_predict's synchronised start), measured in
     ``reps`` interleaved rounds after a warm-up round, so that a burst of load from the
     machine's other processes hits every candidate alike."""
-    from vcluster.cli.bench_predict import _timed
+    from vcluster.timing.localhost_start import timed_run
     per_rank = [[(wl.program,) + tuple(a) for a in wl.args] for wl in workloads]
     for args in per_rank:
-        cluster.run(_timed, args)
+        cluster.run(timed_run, args)
     runs = [[] for _ in workloads]
     for _ in range(reps):
         for i, args in enumerate(per_rank):
-            spans = cluster.run(_timed, args)
+            spans = cluster.run(timed_run, args)
             runs[i].append(max(e for _, e in spans) - min(s for s, _ in spans))
     return runs
 

@@ -66,12 +66,11 @@ def cost_model_for(hardware, devices: int, dtype):
 def _predict_s(mesh, program, meta_args, model, pool) -> float:
     from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
-    host_timed = getattr(model, "host_timed", False)
-    if host_timed:                       # steady state: the op's plan cache warm
-        trace_program(mesh, program, meta_args)
-    traces = trace_program(mesh, program, meta_args, host_time=host_timed)
-    if hasattr(model, "prepare_traces"):  # localhost: the start of a run, cold calls
-        traces = model.prepare_traces(traces)
+    from vcluster.timing.localhost import LocalhostCostModel, localhost_traces
+    if isinstance(model, LocalhostCostModel):   # host work, the start of a run, cold calls
+        traces = localhost_traces(model, mesh, program, meta_args)
+    else:
+        traces = trace_program(mesh, program, meta_args)
     return simulate_trace(traces, model, mesh=mesh, core_pool=pool, timeline=False).step_time_s
 
 

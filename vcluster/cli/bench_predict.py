@@ -3,16 +3,17 @@
 For each bundled workload, the same per-device program is
 
 * **measured** on a :class:`~vcluster.VirtualCluster`: the devices agree on a start
-  instant, sleep until :data:`SPIN_S` before it and spin the rest (so that all are
+  instant, sleep until shortly before it and spin the rest (so that all are
   runnable at that instant, as in the replay: leaving a barrier instead staggers them by
   up to ~10 ms on 2 cores busy with 8 devices, and waking from ``time.sleep`` alone
   comes ~0.25 ms late on a virtual machine's timers), run the program, note its end and
   wait in a barrier (a futex: no CPU) until every device has ended, so that a device
   done early does not answer the host while the others still run; the wall time is
   ``max(end) - start`` (cluster start-up, host transfers and the synchronisation before
-  and after excluded); the median of ``reps`` runs after one warm-up;
-* **predicted** by tracing it (:func:`~vcluster.runtime.tracing.trace_program` on
-  shape-only arrays, with the program's own host work) and replaying the traces with
+  and after excluded; :func:`~vcluster.timing.localhost_start.timed_run`); the median of
+  ``reps`` runs after one warm-up;
+* **predicted** by tracing it on shape-only arrays, with the program's own host work
+  (:func:`~vcluster.timing.localhost.localhost_traces`), and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
   The trace comes first: it fills the plan caches of the sharded operations the
   arguments carry (``MatMul.plan``), so the measured runs, like the steps of a long
@@ -21,19 +22,8 @@ For each bundled workload, the same per-device program is
 
 ``ratio = predicted / measured``; the goal is every workload within 25%. The machine is
 calibrated first (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost`), or
-its spec read from ``--spec``. Workloads (``WORKLOADS``; ``--tiny`` shrinks each one to a
-smoke test, not a benchmark):
-
-* ``<collective>-<size>``: back-to-back all_reduce / all_gather / reduce_scatter of 1 MiB
-  and 16 MiB (nccl-tests sizes: all_gather's is its output) on 8 devices, resident
-  inputs; ``max(MIN_CALLS, SWEEP_BYTES / size)`` calls per run (20 and 5), so that the
-  ~2 ms it takes 8 devices on 2 cores to get going stays a small part of every run;
-* ``matmul``: MatMul, MatchedInnerSharding (A [R, S(tp)], B [S(tp), R]), forward,
-  2048 x 1024 x 2048 float32 on a 1 x 8 mesh;
-* ``ffn``: FeedForward, Megatron (tp=4, dp=2), forward then backward, x (8, 256, 512),
-  d_ff 2048, float32;
-* ``mlp``: MLP([1024] * 9).fit, 1F1B on 4 pipeline ranks, one step of 8 micro-batches of
-  256 rows, float64.
+its spec read from ``--spec``. The workloads: :mod:`vcluster.cli.bench_predict_workloads`
+(``--tiny`` shrinks each one to a smoke test, not a benchmark).
 
 The model assumes the machine is otherwise idle: ``background_cores`` is the number of
 cores the machine's other processes used during the timed runs (Linux; ``None``
@@ -55,146 +45,25 @@ calibration's, "workloads": [{"name", "devices", "dtype", "measured_s", "measure
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
-from vcluster.timing.localhost_start import SPIN_S, START_S, timed_run  # noqa: F401
+from vcluster.timing.localhost_start import timed_run
 
 from .args import csv_of, positive_int
+from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
            "predict_workload", "run_predict", "run_workloads"]
 
-SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep workload
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
 RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload again
-_SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
-               for size in ("1MiB", "16MiB"))
-WORKLOADS = _SWEEP + ("matmul", "ffn", "mlp")
-_MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A per-device program, its real arguments and their shape-only twins."""
-
-    name: str
-    mesh: object
-    program: Callable
-    args: list                          # per rank, real arrays
-    meta_args: list                     # per rank, MetaArrays (what the tracer runs on)
-    dtype: str
-
-
-def _meta(x):
-    from vcluster.runtime.tracing import meta_like
-    return meta_like(x) if isinstance(x, np.ndarray) else x
-
-
-def _metas(args: list) -> list:
-    return [tuple(_meta(a) for a in per_rank) for per_rank in args]
-
-
-# --- the workloads ---------------------------------------------------------------------
-def _sweep_program(dev, op: str, x, calls: int):
-    for _ in range(calls):
-        getattr(dev, op)(x)
-
-
-def _sweep(name: str, tiny: bool) -> Workload:
-    from mesh import Mesh
-    op, size = name.split("-")
-    n = 8
-    nbytes = (int(size[:-3]) * _MIB) // (64 if tiny else 1)
-    elements = nbytes // 4 // (n if op == "all_gather" else 1)
-    mesh = Mesh((n,), ("x",))
-    calls = max(MIN_CALLS, SWEEP_BYTES // (int(size[:-3]) * _MIB))
-    args = [(op, np.zeros(elements, np.float32), calls) for _ in range(n)]
-    return Workload(name, mesh, _sweep_program, args, _metas(args), "float32")
-
-
-def _matmul(tiny: bool) -> Workload:
-    from mesh import Mesh
-    from sharding import TensorSharding as TS, shard
-    from tensor_parallel import MatMul, MatMulSharding
-    m, k, n = (256, 128, 256) if tiny else (2048, 1024, 2048)
-    mesh = Mesh((1, 8), ("dp", "tp"))
-    op = MatMul(MatMulSharding(TS(None, "tp"), TS("tp", None), TS(None, None)))
-    rng = np.random.default_rng(0)
-    a = shard(rng.standard_normal((m, k)).astype(np.float32), op.sharding.a, mesh)
-    b = shard(rng.standard_normal((k, n)).astype(np.float32), op.sharding.b, mesh)
-    args = [(a[r], b[r]) for r in range(mesh.size)]
-    return Workload("matmul", mesh, op.forward_local, args, _metas(args), "float32")
-
-
-def _ffn_program(dev, op, x, w1, b1, w2, b2, dy):
-    op.forward_local(dev, x, w1, b1, w2, b2)
-    op.backward_local(dev, x, w1, b1, w2, b2, dy)
-
-
-def _ffn(tiny: bool) -> Workload:
-    from mesh import Mesh
-    from sharding import shard
-    from tensor_parallel import FeedForward
-    from tensor_parallel.ffn_sharding import FeedForwardSharding
-    batch, seq, d, d_ff = (4, 16, 64, 256) if tiny else (8, 256, 512, 2048)
-    mesh = Mesh((2, 4), ("dp", "tp"))
-    op = FeedForward(FeedForwardSharding("Megatron", tp="tp", dp="dp"))
-    rng = np.random.default_rng(0)
-    shapes = {"x": (batch, seq, d), "w1": (d, d_ff), "b1": (d_ff,), "w2": (d_ff, d),
-              "b2": (d,), "dy": (batch, seq, d)}
-    layouts = dict(op.layouts, dy=op.layouts["x"])
-    pieces = {k: shard((0.05 * rng.standard_normal(s)).astype(np.float32), layouts[k], mesh)
-              for k, s in shapes.items()}
-    args = [(op,) + tuple(pieces[k][r] for k in shapes) for r in range(mesh.size)]
-    return Workload("ffn", mesh, _ffn_program, args, _metas(args), "float32")
-
-
-def _mlp(tiny: bool) -> Workload:
-    from mesh import Mesh
-    from pipeline_parallel import MLP
-    from pipeline_parallel.executor import TrainJob, train_program
-    from pipeline_parallel.optim import OptimizerConfig
-    from pipeline_parallel.plan import plan_training
-    width, rows, m = (64, 8, 4) if tiny else (1024, 256, 8)
-    mlp = MLP([width] * 9, seed=0)
-    mesh = Mesh((4,), ("pp",))
-    plan = plan_training(mlp, mesh, rows * m, m, "1f1b", None)
-    rng = np.random.default_rng(0)
-    X, Y = rng.standard_normal((rows * m, width)), rng.standard_normal((rows * m, width))
-
-    def job(params):
-        return TrainJob(params=params, specs=plan.stage_specs, actions=plan.actions,
-                        loss="mse", optimizer=OptimizerConfig("sgd", 0.01), steps=1,
-                        microbatches=m, global_batch=rows * m)
-    real = job(tuple(mlp.init_params()))
-    meta = dataclasses.replace(real, params=tuple((_meta(w), _meta(b))
-                                                  for w, b in real.params))
-    args = plan.device_args(real, X, Y)
-    metas = [(meta,) + tuple(None if a is None else _meta(a) for a in rest)
-             for _, *rest in args]
-    return Workload("mlp", mesh, train_program, args, metas, "float64")
-
-
-def build_workload(name: str, tiny: bool = False) -> Workload:
-    if name in _SWEEP:
-        return _sweep(name, tiny)
-    builders = {"matmul": _matmul, "ffn": _ffn, "mlp": _mlp}
-    if name not in builders:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return builders[name](tiny)
 
 
 # --- measuring and predicting ----------------------------------------------------------
-_timed = timed_run            # the measurement protocol (vcluster.timing.localhost_start)
-
-
 class _Background:
     """Cores the machine's *other* processes used meanwhile (Linux /proc; else None):
     all busy CPU time less this process's and the devices' over the elapsed time."""
@@ -238,12 +107,12 @@ def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list[float], flo
     """Wall times of ``reps`` runs after one warm-up (see the module docstring), and the
     cores other processes of the machine used meanwhile (None where unknown)."""
     per_rank = [(wl.program,) + tuple(a) for a in wl.args]
-    cluster.run(_timed, per_rank)
+    cluster.run(timed_run, per_rank)
     out = []
     with _Background(cluster.pids) as background:
         time.sleep(QUIET_SAMPLE_S)                      # the devices idle: all load is others'
         for _ in range(reps):
-            spans = cluster.run(_timed, per_rank)
+            spans = cluster.run(timed_run, per_rank)
             out.append(max(e for _, e in spans) - min(s for s, _ in spans))
     return out, background.cores
 
@@ -251,14 +120,12 @@ def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list[float], flo
 def predict_workload(wl: Workload, spec) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
     programs' own host work included when the spec has its rates)."""
-    from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
-    from vcluster.timing.localhost import localhost_model
+    from vcluster.timing.localhost import localhost_model, localhost_traces
     model = localhost_model(spec, wl.mesh.size, wl.dtype)
-    trace_program(wl.mesh, wl.program, wl.meta_args)     # plan caches warm, as in the runs
-    traces = trace_program(wl.mesh, wl.program, wl.meta_args, host_time=model.host_timed)
-    return simulate_trace(model.prepare_traces(traces), model, mesh=wl.mesh,
-                          core_pool=model.core_pool, timeline=False).step_time_s
+    traces = localhost_traces(model, wl.mesh, wl.program, wl.meta_args)
+    return simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
+                          timeline=False).step_time_s
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
@@ -361,19 +228,18 @@ def add_parser(kinds) -> None:
 def _predict(args) -> int:
     from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
     from vcluster.timing.localhost_calibrate import calibrate_localhost
-    recalibrate = None
+    def calibrate_again():
+        print("vcluster bench predict: calibrating again", flush=True)
+        return calibrate_localhost(args.devices)
+
     if args.spec:
-        spec = load_localhost_spec(args.spec)
+        spec, recalibrate = load_localhost_spec(args.spec), None
         print(f"vcluster bench predict: spec from {args.spec}", flush=True)
     else:
         t0 = time.perf_counter()
-        spec = calibrate_localhost(args.devices)
+        spec, recalibrate = calibrate_localhost(args.devices), calibrate_again
         print(f"vcluster bench predict: calibrated in {time.perf_counter() - t0:.1f} s",
               flush=True)
-
-        def recalibrate():
-            print("vcluster bench predict: calibrating again", flush=True)
-            return calibrate_localhost(args.devices)
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
     _print_spec(spec)

@@ -40,10 +40,10 @@ def emulated_scenarios(directory: Path = SCENARIO_DIR) -> list[Path]:
 
 
 def scenario_workloads(paths=None) -> list:
-    """One :class:`~vcluster.cli.bench_predict.Workload` per sweep point of ``paths``
+    """One :class:`~vcluster.cli.bench_predict_workloads.Workload` per sweep point of ``paths``
     (default: :func:`emulated_scenarios`)."""
     from vcluster.scenario import build_workload, load_scenario, sweep_points
-    from .bench_predict import Workload
+    from .bench_predict_workloads import Workload
     out = []
     for path in paths or emulated_scenarios():
         scenario = load_scenario(Path(path))

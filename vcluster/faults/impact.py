@@ -78,26 +78,27 @@ def goodput_table(step_time_s: float, checkpoint_s: float, restart_s: float, mtb
         for j, every in enumerate(checkpoint_every):
             m = FailureModel(step_time_s, every, checkpoint_s, restart_s, mtbf)
             per_segment = math.expm1(m.segment_s / mtbf)     # expected failures
+            expected, cv = expected_goodput(m), segment_cv(m)
             run = None
             if per_segment <= MAX_FAILURES_PER_SEGMENT:
-                n = segments or _segments_for(m, per_segment)
+                n = segments or _segments_for(cv, per_segment)
                 run = simulate_goodput(m, n, seed=seed + 1000 * i + j)
             rows.append({"mtbf_s": float(mtbf), "checkpoint_every": int(every),
-                         "interval_s": m.work_s, "goodput_expected": expected_goodput(m),
+                         "interval_s": m.work_s, "goodput_expected": expected,
                          "goodput_simulated": run.goodput if run else math.nan,
-                         "goodput_stderr": (expected_goodput(m) * segment_cv(m)
-                                            / math.sqrt(run.segments)) if run else math.nan,
+                         "goodput_stderr": expected * cv / math.sqrt(run.segments)
+                         if run else math.nan,
                          "failures_simulated": run.failures if run else 0,
                          "young_interval_s": young_interval_s(checkpoint_s, mtbf),
                          "daly_interval_s": daly_interval_s(checkpoint_s, mtbf)})
     return pd.DataFrame(rows)
 
 
-def _segments_for(m: FailureModel, failures_per_segment: float) -> int:
-    """Segments for the target precision and at least :data:`MIN_FAILURES_PER_POINT`
-    failures (with fewer, the lost time is too skewed for its mean to be near normal),
-    within the segment and failure caps."""
-    wanted = math.ceil((segment_cv(m) / GOODPUT_REL_STDERR) ** 2)
+def _segments_for(cv: float, failures_per_segment: float) -> int:
+    """Segments for the target precision (``cv``: a segment's, :func:`segment_cv`) and at
+    least :data:`MIN_FAILURES_PER_POINT` failures (with fewer, the lost time is too skewed
+    for its mean to be near normal), within the segment and failure caps."""
+    wanted = math.ceil((cv / GOODPUT_REL_STDERR) ** 2)
     if failures_per_segment > 0:
         wanted = max(wanted, math.ceil(MIN_FAILURES_PER_POINT / failures_per_segment))
         affordable = math.floor(MAX_FAILURES_PER_POINT / failures_per_segment)

@@ -96,17 +96,12 @@ def _hardware_arg(scenario):
 @dataclass(frozen=True)
 class CostSetup:
     """What :func:`~vcluster.timing.engine.simulate_trace` needs: the cost model, the core
-    pool (localhost only) and the hardware's name for the report. ``host_timed``: trace
-    with ``host_time=True`` (localhost prices the programs' own host work)."""
+    pool (localhost only) and the hardware's name for the report."""
 
     costs: object
     core_pool: object
     label: str
     localhost: bool
-
-    @property
-    def host_timed(self) -> bool:
-        return bool(getattr(self.costs, "host_timed", False))
 
 
 def cost_setup(scenario, mesh, dtype: str) -> CostSetup:

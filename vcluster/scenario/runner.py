@@ -200,12 +200,13 @@ def _simulate(workload, scenario, bar) -> tuple:
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype)
     ranks = _representative_ranks(workload, scenario, setup)
-    if setup.host_timed:                 # steady state: plan caches warm, as in the run
-        trace_program(mesh, workload.program, list(workload.meta_args_by_rank), ranks=ranks)
-    traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank),
-                           ranks=ranks, host_time=setup.host_timed)
-    if setup.localhost:                  # what the context costs here (start, cold calls)
-        traces = setup.costs.prepare_traces(traces)
+    if setup.localhost:                  # host work, the start of a run, cold calls
+        from vcluster.timing.localhost import localhost_traces
+        traces = localhost_traces(setup.costs, mesh, workload.program,
+                                  list(workload.meta_args_by_rank), ranks=ranks)
+    else:
+        traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank),
+                               ranks=ranks)
     if scenario.faults:
         from vcluster.faults.impact import simulate_with_faults
         result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],

@@ -54,29 +54,35 @@ with every device busy they take what they were measured to take. Work of one op
   copies it out).
 
 Assumptions: large collective inputs are resident (in the device's arena, as products and
-collective results are), and send payloads are not; work a program does outside
-``dev.compute`` and its communication calls (its own Python between ops: 12-90 us per op
-in the bundled programs) is not in its trace and so not predicted.
+collective results are), and send payloads are not.
+
+Specs calibrated since host work and per-call figures were measured price more than the
+above (docs/timing.md): the programs' own host work in host-timed traces
+(:mod:`.localhost_host`; compute ops then cost an empty block plus their kernel), calls
+from the CPU they cost inside programs (:mod:`.localhost_calls`: the lines above become
+their back-to-back part), and the start of a run with the cold extra of calls that follow
+other work (:mod:`.localhost_start`, :meth:`LocalhostCostModel.prepare_traces`);
+:func:`localhost_traces` traces a program for all of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.host import HOST_OP
-from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv
+from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv
 from vcluster.runtime.traffic import collective_traffic
 
-from .localhost_calls import CALL_BYTES
+from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_pool import CorePoolSpec
+from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
+                             load_localhost_spec, save_localhost_spec)
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
-           "load_localhost_spec", "save_localhost_spec", "localhost_model"]
+           "load_localhost_spec", "save_localhost_spec", "localhost_model",
+           "localhost_traces"]
 
 #: Declared flops per element touched (declared bytes / itemsize) from which a compute op
 #: is a BLAS product priced at the GEMM rate. numpy elementwise expressions declare at
@@ -89,221 +95,14 @@ BLAS_MIN_FLOPS_PER_ELEMENT = 12.0
 _COPY = ("all_gather", "all_to_all", "broadcast", "scatter", "gather")
 _FLOOR = 0.1                 # a call's fixed CPU is at least this share of its measured CPU
 _UNSEEN = object()
-_CALIBRATED = ("all_gather", "reduce_scatter", "all_reduce")   # order of channel_fixed_s
-_DTYPES = ("float32", "float64")
-
-
-@dataclass(frozen=True)
-class LocalhostSpec:
-    """Microbenchmarks of this machine (rates per single core; times are medians).
-
-    Measured by :func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` on a
-    :class:`~vcluster.VirtualCluster` of ``calibration_devices`` (N) devices, each running
-    BLAS with one thread; "alone" means one device (or one group) busy, the others idle;
-    "busy" all N devices at once. A speedup is an aggregate throughput over one alone.
-    """
-
-    cores: int                        # os.cpu_count()
-    pool_throughput: tuple            # ((cores, T), (N, T)): float32 GEMM speedup with
-    #                                   `cores` and with N devices busy (the pool's T(k))
-    gemm_float32_flops_per_s: float   # alone: (1024, 1024) @ (1024, 1024) float32, its
-    #                                   operands' streaming at memcpy_bytes_per_s taken out
-    gemm_float64_flops_per_s: float   # ... float64
-    vector_float32_flops_per_s: float  # alone: a * b + c on 2^18 float32 elements (2 flops
-    #                                   per element; results kept: fresh pages touched)
-    vector_float64_flops_per_s: float  # ... float64
-    vector_busy_speedup: float        # a * b + c float32 on N devices busy
-    memcpy_bytes_per_s: float         # alone: np.copyto of 16 MiB, warm buffers
-    iadd_bytes_per_s: float           # alone: a += b on 16 MiB (bytes of a per second)
-    memcpy_busy_speedup: float        # np.copyto of 16 MiB on N devices busy
-    compute_overhead_s: float         # host work of one compute op: CPU seconds per op
-    #                                   of a loop of `dev.compute` blocks each around three
-    #                                   numpy calls on tiny arrays (fresh result), all N
-    #                                   devices at once (~8 us here; an empty block ~3 us)
-    group_sizes: tuple                # group sizes of the latency tables below
-    barrier_s: tuple                  # barrier wall time per group size (one group alone)
-    small_all_reduce_s: tuple         # 8-byte all_reduce (inline, one phase), same
-    large_all_reduce_s: tuple         # 4 KiB all_reduce (two phases), same
-    channel_copy_bytes_per_s: float   # all_gather on N devices: bytes a member reads per
-    #                                   pool core-second (the slope between the two
-    #                                   largest message_bytes)
-    channel_reduce_bytes_per_s: float  # reduce_scatter: source bytes combined, same
-    channel_all_reduce_bytes_per_s: float  # all_reduce: bytes read + written, same
-    channel_fixed_s: tuple            # all_gather, reduce_scatter, all_reduce on N devices:
-    #                                   wall time at 0 bytes (the smallest size's, less its
-    #                                   bytes at the slope)
-    p2p_latency_s: float              # 8-byte message, two devices alone: RTT / 2
-    p2p_copy_bytes_per_s: float       # 4 MiB messages, two devices alone: bytes one side
-    #                                   copies per second (sender in, receiver out)
-    calibration_devices: int          # N
-    message_bytes: tuple              # per-device sizes of the channel calibration
-    # Host CPU per call with every device busy (None in specs measured before them: the
-    # shares then come from the wall times above). CPU seconds a member spends per call,
-    # every group of that size calling at once, back to back (process time / calls):
-    barrier_cpu_s: tuple | None = None            # barrier, per group size
-    small_all_reduce_cpu_s: tuple | None = None   # 8-byte all_reduce, same
-    large_all_reduce_cpu_s: tuple | None = None   # 4 KiB all_reduce, same
-    p2p_message_cpu_s: float | None = None  # one side of an 8-byte message, every device
-    #                                   in a ping-pong pair at once (process time / messages)
-    # Host work of host-timed traces (vcluster.timing.localhost_host; None in older specs),
-    # CPU seconds with every device busy:
-    block_overhead_s: float | None = None   # an empty `dev.compute` block
-    numpy_call_s: float | None = None       # one numpy call of reference_calls (small arrays)
-    python_unit_s: float | None = None      # one pass of reference_python
-    # CPU per communication call as programs make them (vcluster.timing.localhost_calls;
-    # None in older specs): rows (devices, call, group, seconds)
-    call_cpu_s: tuple | None = None
-    # A run started on all devices at once (vcluster.timing.localhost_start; None in
-    # older specs): rows (devices, wall time of an empty program, factor of the first
-    # synchronisation's CPU)
-    start_s: tuple | None = None
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is None and f.name in _OPTIONAL:
-                continue
-            if f.name == "call_cpu_s":
-                from .localhost_calls import CallCpu
-                object.__setattr__(self, f.name, CallCpu(v).rows)
-            elif f.name == "start_s":
-                object.__setattr__(self, f.name, _start_rows(v))
-            elif f.name == "group_sizes":
-                object.__setattr__(self, f.name, tuple(int(x) for x in v))
-            elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
-                object.__setattr__(self, f.name, tuple(float(x) for x in v))
-            elif f.name == "pool_throughput":
-                object.__setattr__(self, f.name, tuple((int(k), float(t)) for k, t in v))
-            elif f.name == "message_bytes":
-                object.__setattr__(self, f.name, tuple(int(x) for x in v))
-            elif f.name in ("cores", "calibration_devices"):
-                object.__setattr__(self, f.name, int(v))
-            else:
-                object.__setattr__(self, f.name, float(v))
-        bad = [f.name for f in fields(self) if f.name not in ("call_cpu_s", "start_s")
-               and not _positive(getattr(self, f.name))
-               and not (f.name in _OPTIONAL and getattr(self, f.name) is None)]
-        if bad:
-            raise ValueError(f"LocalhostSpec: {', '.join(bad)} must be positive and finite")
-        n = len(self.group_sizes)
-        tables = _TABLES + tuple(t for t in _BUSY_CPU[:3] if getattr(self, t) is not None)
-        if n == 0 or any(len(getattr(self, t)) != n for t in tables) \
-                or list(self.group_sizes) != sorted(set(self.group_sizes)) \
-                or self.group_sizes[0] < 2:
-            raise ValueError(f"LocalhostSpec: group_sizes must be increasing sizes >= 2 with "
-                             f"one entry each in {', '.join(tables)}, got "
-                             f"{self.group_sizes}, " + ", ".join(
-                                 str(getattr(self, t)) for t in tables))
-        if len(self.channel_fixed_s) != len(_CALIBRATED):
-            raise ValueError(f"LocalhostSpec: channel_fixed_s needs one intercept each for "
-                             f"{', '.join(_CALIBRATED)}, got {self.channel_fixed_s}")
-        self.core_pool                                     # validates pool_throughput
-
-    @property
-    def core_pool(self) -> CorePoolSpec:
-        return CorePoolSpec(self.cores, self.pool_throughput)
-
-    def busy_factor(self, speedup: float) -> float:
-        """``T(N) / s``: pool work per second alone of a kind whose busy speedup is ``s``."""
-        return self.core_pool.throughput_at(self.calibration_devices) / speedup
-
-    def gemm_flops_per_s(self, dtype: str) -> float:
-        return getattr(self, f"gemm_{_dtype(dtype)}_flops_per_s")
-
-    def vector_flops_per_s(self, dtype: str) -> float:
-        return getattr(self, f"vector_{_dtype(dtype)}_flops_per_s")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        for k in ("group_sizes", "message_bytes", "channel_fixed_s") + _TABLES + _BUSY_CPU[:3]:
-            if d[k] is not None:
-                d[k] = list(d[k])
-        d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
-        for k in ("call_cpu_s", "start_s"):
-            if d[k] is not None:
-                d[k] = [list(row) for row in d[k]]
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "LocalhostSpec":
-        names = {f.name for f in fields(cls)}
-        missing, unknown = names - set(data) - set(_OPTIONAL), set(data) - names
-        if missing or unknown:
-            raise ValueError(f"LocalhostSpec: missing fields {sorted(missing)}, unknown "
-                             f"fields {sorted(unknown)}")
-        return cls(**data)
-
-
-_TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
-_BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
-             "p2p_message_cpu_s")
-_HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
-_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s", "start_s")
-
-
-def _start_rows(rows) -> tuple:
-    try:
-        out = tuple(sorted((int(d), float(w), float(f)) for d, w, f in rows))
-    except (TypeError, ValueError):
-        raise ValueError(f"LocalhostSpec.start_s: rows must be (devices, seconds, "
-                         f"first-call factor), got {rows!r}") from None
-    if not out or len({d for d, _, _ in out}) != len(out) or any(
-            d < 1 or not 0 <= w < math.inf or not 1 <= f < math.inf for d, w, f in out):
-        raise ValueError(f"LocalhostSpec.start_s: rows must be distinct (devices >= 1, "
-                         f"seconds >= 0, factor >= 1), got {rows!r}")
-    return out
-
-
-def _positive(v) -> bool:
-    if isinstance(v, tuple):
-        return all(_positive(x) for x in v)
-    return isinstance(v, (int, float)) and 0 < v < math.inf
-
-
-def _dtype(dtype) -> str:
-    name = str(getattr(dtype, "name", dtype))
-    if name not in _DTYPES:
-        raise ValueError(f"localhost: dtype must be one of {_DTYPES}, got {dtype!r}")
-    return name
-
-
-def save_localhost_spec(spec: LocalhostSpec, path) -> None:
-    """Write ``spec`` as JSON, or YAML when ``path`` ends in .yaml / .yml."""
-    path = Path(path)
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-        text = yaml.safe_dump(spec.to_dict(), sort_keys=False)
-    else:
-        text = json.dumps(spec.to_dict(), indent=2) + "\n"
-    path.write_text(text, "utf-8")
-
-
-def load_localhost_spec(path) -> LocalhostSpec:
-    """Read a spec written by :func:`save_localhost_spec` (JSON or YAML)."""
-    path = Path(path)
-    text = path.read_text("utf-8")
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of LocalhostSpec fields")
-    return LocalhostSpec.from_dict(data)
 
 
 def _interpolate(sizes: tuple, values: tuple, n: int) -> float:
-    """``values`` at group size ``n``: log-log linear between (and beyond) the table."""
-    if n in sizes:
-        return values[sizes.index(n)]
+    """``values`` at group size ``n``: log-log linear between (and beyond) the table; a
+    table of one size scales in proportion."""
     if len(sizes) == 1:
         return values[0] * (n / sizes[0])
-    j = 1
-    while j < len(sizes) - 1 and sizes[j] < n:
-        j += 1
-    (x0, x1), (y0, y1) = sizes[j - 1:j + 1], values[j - 1:j + 1]
-    slope = math.log(y1 / y0) / math.log(x1 / x0)
-    return y0 * math.exp(slope * math.log(n / x0))
+    return log_log(sizes, values, n)
 
 
 @dataclass(frozen=True)
@@ -349,66 +148,21 @@ class LocalhostCostModel:
                                  "again to price host-timed traces")
 
     def _start_figures(self) -> tuple[float, float]:
-        """(W0, f) for ``n_devices``: linear between the spec's sizes, the nearest
-        outside; (0, 1) without the figures or for one device."""
-        rows, n = self.spec.start_s, self.n_devices
-        if not rows or n < 2:
-            return 0.0, 1.0
-        sizes = [d for d, _, _ in rows]
-        if n <= sizes[0]:
-            return rows[0][1:]
-        if n >= sizes[-1]:
-            return rows[-1][1:]
-        j = next(i for i, d in enumerate(sizes) if d >= n)
-        (d0, w0, f0), (d1, w1, f1) = rows[j - 1], rows[j]
-        a = (n - d0) / (d1 - d0)
-        return w0 + (w1 - w0) * a, f0 + (f1 - f0) * a
+        """(W0, f) for ``n_devices`` (:func:`.localhost_start.start_figures`)."""
+        from .localhost_start import start_figures
+        return start_figures(self.spec.start_s, self.n_devices)
 
     def prepare_traces(self, traces) -> list:
-        """``traces`` with what their context costs on this machine, as work ops:
+        """``traces`` with what their context costs on this machine, as work ops: the
+        start of a run on all devices at once and the cold extra of every collective
+        that follows other work (:func:`.localhost_start.prepare_traces`). Localhost
+        predictions replay the prepared traces."""
+        from .localhost_start import prepare_traces
+        return prepare_traces(self, traces)
 
-        * the start of a run on all devices at once (:mod:`.localhost_start`): first on
-          every rank its share of the empty start, ``W0 T(n) / n``; before its first
-          collective or receive, ``(f - 1)`` times that call's synchronisation CPU (its
-          CPU at no more than CALL_BYTES: the extra is in the waiting, not the bytes);
-        * before every collective that follows other work rather than another call on
-          its group (array operations in between, or another op), its cold extra
-          (:meth:`cold_call_s`).
-
-        Localhost predictions replay the prepared traces."""
-        from vcluster.runtime.tracing.ops import DeviceTrace
-        from .localhost_start import COLD_CALL, FIRST_CALL, RUN_START
-        wall, factor = self._start_figures()
-        n = self.n_devices
-        out = []
-        for t in traces:
-            ops, first, previous = [], True, None
-            if wall > 0.0:
-                ops.append(TraceCompute(RUN_START, 0.0, 0,
-                                        seconds=wall * self.core_pool.throughput_at(n) / n))
-            for op in t.ops:
-                synchronising = (isinstance(op, TraceCollective) and len(op.group) > 1) \
-                    or isinstance(op, TraceRecv)
-                if synchronising and first:
-                    first = False
-                    if factor > 1.0:
-                        ops.append(TraceCompute(FIRST_CALL, 0.0, 0,
-                                                seconds=(factor - 1) * self._sync_cpu(t.rank, op)))
-                if isinstance(op, TraceCollective) and len(op.group) > 1:
-                    in_rhythm = isinstance(previous, TraceCollective) \
-                        and previous.group == op.group
-                    extra = 0.0 if in_rhythm else self.cold_call_s(op, op.group.index(t.rank))
-                    if extra > 0.0:
-                        ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
-                ops.append(op)
-                if not (isinstance(op, TraceCompute) and op.name == HOST_OP
-                        and not op.array_calls):
-                    previous = op                # a loop's bare glue keeps the rhythm
-            out.append(DeviceTrace(t.rank, tuple(ops)))
-        return out
-
-    def _sync_cpu(self, rank: int, op) -> float:
-        """A synchronising call's CPU at no more than CALL_BYTES (as programs make it)."""
+    def sync_cpu_s(self, rank: int, op) -> float:
+        """A synchronising call's CPU as programs make it (cold), at no more than
+        CALL_BYTES: what waiting for the others costs, not the bytes."""
         if isinstance(op, TraceRecv):
             return self.p2p_cpu_s(op.peer, rank, min(op.nbytes, CALL_BYTES))[1]
         sync = dataclasses.replace(op, nbytes=min(op.nbytes, CALL_BYTES))
@@ -486,12 +240,8 @@ class LocalhostCostModel:
         if len(op.group) > self.n_devices:
             raise ValueError(f"LocalhostCostModel: {op.collective} over {len(op.group)} "
                              f"members on a cluster of {self.n_devices} devices")
-        key = (op.collective, op.algorithm, len(op.group), position, op.nbytes, op.itemsize,
-               op.root)
-        work = self._memo.get(key)
-        if work is None:
-            work = self._memo[key] = self._collective_work(op, position)
-        return work
+        sync, moved, _ = self._parts(op, position)
+        return sync + moved
 
     def collective_time_s(self, op, concurrent: int = 1) -> float:
         """The call's duration when every member has a core of its own."""
@@ -502,7 +252,6 @@ class LocalhostCostModel:
         """The spec's per-call CPU table (:class:`~.localhost_calls.CallCpu`), or None."""
         calls = self._memo.get("calls", _UNSEEN)
         if calls is _UNSEEN:
-            from .localhost_calls import CallCpu
             rows = self.spec.call_cpu_s
             calls = self._memo["calls"] = None if rows is None else CallCpu(rows)
         return calls
@@ -532,12 +281,6 @@ class LocalhostCostModel:
         return sum(self.p2p_cpu_s(src, dst, nbytes))
 
     # --- one member's work in a collective ------------------------------------------------
-    def _collective_work(self, op, position: int) -> float:
-        """A member's CPU in the call, made back to back with another call on its group
-        (its cold extra, :meth:`cold_call_s`, is added by :meth:`prepare_traces`)."""
-        sync, rest, _ = self._collective_parts(op, position)
-        return sync + rest
-
     def cold_call_s(self, op, position: int) -> float:
         """What the call costs member ``position`` more when it follows other work than
         when it follows another call on its group: its synchronisation as measured in
@@ -545,17 +288,22 @@ class LocalhostCostModel:
         (``barrier_cpu_s``, ``small_all_reduce_cpu_s``, ``large_all_reduce_cpu_s``:
         every group calling, one call after another); 0 for message algorithms (their
         messages follow each other) and for specs without the call table."""
-        key = ("cold", op.collective, op.algorithm, len(op.group), position, op.nbytes,
-               op.itemsize, op.root)
-        extra = self._memo.get(key)
-        if extra is None:
-            sync, _, program_sync = self._collective_parts(op, position)
-            extra = self._memo[key] = max(0.0, program_sync - sync)
-        return extra
+        sync, _, program_sync = self._parts(op, position)
+        return max(0.0, program_sync - sync)
+
+    def _parts(self, op, position: int) -> tuple[float, float, float]:
+        """:meth:`_collective_parts`, once per distinct call (a replay asks many times)."""
+        key = (op.collective, op.algorithm, len(op.group), position, op.nbytes, op.itemsize,
+               op.root)
+        parts = self._memo.get(key)
+        if parts is None:
+            parts = self._memo[key] = self._collective_parts(op, position)
+        return parts
 
     def _collective_parts(self, op, position: int) -> tuple[float, float, float]:
         """(synchronisation CPU back to back, CPU of the bytes, synchronisation CPU in a
-        program) of one member in ``op``."""
+        program) of one member in ``op``; its price in a trace is the first two (the
+        cold extra is added by :meth:`prepare_traces`)."""
         s, n, name = self.spec, len(op.group), op.collective
         calls = self._calls
         if name == "barrier":
@@ -644,6 +392,17 @@ def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, in
     elif name == "reduce":
         written = traffic.bytes_sent                      # ... to the root's
     return traffic.bytes_received + own, written
+
+
+def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None) -> list:
+    """The traces a localhost prediction replays: ``program`` traced warm (a first trace
+    fills its plan caches, as the steps of a long run find them), with its host work when
+    ``model.host_timed``, then :meth:`LocalhostCostModel.prepare_traces`."""
+    from vcluster.runtime.tracing import trace_program
+    if model.host_timed:
+        trace_program(mesh, program, meta_args, ranks=ranks)
+    traces = trace_program(mesh, program, meta_args, ranks=ranks, host_time=model.host_timed)
+    return model.prepare_traces(traces)
 
 
 def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64"):

@@ -45,10 +45,10 @@ from functools import reduce as _fold
 
 import numpy as np
 
-from .localhost_host import reference_calls, reference_python
+from .localhost_host import reference_arrays, reference_calls, reference_python
 
 __all__ = ["CALLS", "CALL_BYTES", "GAP_REFERENCE_CALLS", "CallCpu", "cluster_sizes",
-           "measure_call_cpu"]
+           "measure_call_cpu", "log_log", "linear_clamped"]
 
 CALL_BYTES = 4096              # the non-inline calls' payload (per member input)
 GAP_REFERENCE_CALLS = 2        # reference_calls(...) before each timed call, plus one
@@ -77,7 +77,7 @@ def _collective_cpu(dev, active: int, axes: tuple, call: str) -> list | None:
     over ``axes``, each after program-like work (one short run)."""
     if dev.rank >= active:
         return None
-    arrays = (np.ones((8, 16)), np.ones((16, 16)), np.ones(16))
+    arrays = reference_arrays()
     n = len(dev.mesh.group(axes, dev.rank))
     small = np.ones(1)
     x = np.ones(CALL_BYTES // 8)
@@ -101,7 +101,7 @@ def _p2p_cpu(dev, active: int, nbytes: int) -> list | None:
     peer = dev.rank ^ 1
     if dev.rank >= active or peer >= active:
         return None
-    arrays = (np.ones((8, 16)), np.ones((16, 16)), np.ones(16))
+    arrays = reference_arrays()
     x = np.ones(max(1, nbytes // 8))
     out = []
     for tag in range(CALLS_PER_RUN):
@@ -173,27 +173,40 @@ class CallCpu:
         """CPU per member of ``call`` over ``group`` members on a cluster of ``devices``."""
         by_devices = self._table[call]
         sizes = sorted(by_devices)
-        if devices <= sizes[0]:
-            return self._in_group(by_devices[sizes[0]], group)
-        if devices >= sizes[-1]:
-            return self._in_group(by_devices[sizes[-1]], group)
-        hi = next(d for d in sizes if d >= devices)
-        lo = max(d for d in sizes if d < devices)
-        w = (devices - lo) / (hi - lo)
-        return (1 - w) * self._in_group(by_devices[lo], group) \
-            + w * self._in_group(by_devices[hi], group)
+        return linear_clamped(sizes, [self._in_group(by_devices[d], group) for d in sizes],
+                              devices)
 
     @staticmethod
     def _in_group(by_group: dict, group: int) -> float:
         sizes = sorted(by_group)
-        if group in by_group:
-            return by_group[group]
         if len(sizes) == 1:
             return by_group[sizes[0]]
-        j = 1
-        while j < len(sizes) - 1 and sizes[j] < group:
-            j += 1
-        (x0, x1) = sizes[j - 1], sizes[j]
-        y0, y1 = by_group[x0], by_group[x1]
-        slope = math.log(y1 / y0) / math.log(x1 / x0)
-        return y0 * math.exp(slope * math.log(group / x0))
+        return log_log(sizes, [by_group[g] for g in sizes], group)
+
+
+def log_log(sizes, values, x: float) -> float:
+    """``values`` (at increasing ``sizes``, at least two) at ``x``: linear in log-log
+    between the two nearest sizes, extrapolated from the end pairs beyond them."""
+    if x in sizes:
+        return values[list(sizes).index(x)]
+    j = 1
+    while j < len(sizes) - 1 and sizes[j] < x:
+        j += 1
+    (x0, x1), (y0, y1) = sizes[j - 1:j + 1], values[j - 1:j + 1]
+    slope = math.log(y1 / y0) / math.log(x1 / x0)
+    return y0 * math.exp(slope * math.log(x / x0))
+
+
+def linear_clamped(sizes, values, x: float):
+    """``values`` (numbers or tuples of numbers, at increasing ``sizes``) at ``x``: linear
+    between the two nearest sizes, the nearest end's value outside them."""
+    if x <= sizes[0]:
+        return values[0]
+    if x >= sizes[-1]:
+        return values[-1]
+    j = next(i for i, d in enumerate(sizes) if d >= x)
+    a = (x - sizes[j - 1]) / (sizes[j] - sizes[j - 1])
+    lo, hi = values[j - 1], values[j]
+    if isinstance(lo, tuple):
+        return tuple(u + (v - u) * a for u, v in zip(lo, hi))
+    return lo + (hi - lo) * a

@@ -37,7 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_python",
+from vcluster.runtime.tracing.host import HOST_OP
+
+__all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_arrays",
+           "reference_python",
            "REFERENCE_CALLS", "device_host_rates", "host_work_s"]
 
 REFERENCE_CALLS = 11           # array operations in one reference_calls(...)
@@ -75,7 +78,8 @@ def reference_python() -> int:
     return total
 
 
-def _reference_arrays(make):
+def reference_arrays(make=np.ones) -> tuple:
+    """The operands of :func:`reference_calls`: ``make(shape)`` of each REFERENCE_SHAPES."""
     return tuple(make(shape) for shape in REFERENCE_SHAPES)
 
 
@@ -111,8 +115,7 @@ def _call_blocks(dev, reps, x, w, b):
 
 
 def _segments(ops) -> tuple[float, int, int]:
-    hosts = [op for op in ops if getattr(op, "array_calls", None) is not None
-             and op.name == "host"]
+    hosts = [op for op in ops if getattr(op, "name", None) == HOST_OP]
     return sum(op.host_s for op in hosts), sum(op.array_calls for op in hosts), len(hosts)
 
 
@@ -121,7 +124,7 @@ def measure_tracer_rates() -> TracerRates:
     from mesh import Mesh
     from vcluster.runtime.tracing import MetaArray, trace_program
     mesh = Mesh((1,), ("x",))
-    arrays = _reference_arrays(lambda s: MetaArray(s, np.float64))
+    arrays = reference_arrays(lambda s: MetaArray(s, np.float64))
     segment, per_call, python = [], [], []
     trace_program(mesh, _call_blocks, [(50,) + arrays], host_time=True)      # warm-up
     for _ in range(_TRIALS):
@@ -144,7 +147,7 @@ def device_host_rates(dev, reps: int = 400) -> tuple[float, float, float]:
     """On a device, all devices at once: CPU seconds of an empty ``dev.compute`` block,
     of one numpy call of :func:`reference_calls` on small float64 arrays, and of one
     :func:`reference_python`; each after a warm-up of the same loop."""
-    arrays = _reference_arrays(np.ones)
+    arrays = reference_arrays()
 
     def empty():
         _empty_blocks(dev, reps)

@@ -21,7 +21,7 @@ per member (the call table) and ``T`` the pool's throughput, the first call's fa
 ``f = 1 + max(0, W1 - W0 - D c / T(D)) T(D) / (D c)``. The ``localhost`` model charges
 ``W0`` as work every rank does at its start (``W0 T(D) / D`` each, so that the ``D``
 ranks together take ``W0``) and ``(f - 1)`` times the CPU of each rank's first
-collective or receive before it (:meth:`~vcluster.timing.localhost.LocalhostCostModel.prepare_traces`).
+collective or receive before it (:func:`prepare_traces`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import time
 
 import numpy as np
 
-__all__ = ["START_S", "SPIN_S", "timed_run", "measure_start", "RUN_START", "FIRST_CALL",
-           "COLD_CALL"]
+__all__ = ["START_S", "SPIN_S", "timed_run", "measure_start", "start_figures",
+           "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL"]
 
 START_S = 0.01          # devices start their program this long after rank 0 announces it
 SPIN_S = 0.002          # ... sleeping until this long before it, then spinning (a sleep's
@@ -90,3 +90,49 @@ def measure_start(sizes, call_cpu_s, throughput) -> tuple:
         extra = max(0.0, walls["call"] - walls["empty"] - d * c / t)
         rows.append((d, walls["empty"], 1.0 + extra * t / (d * c)))
     return tuple(rows)
+
+
+def start_figures(rows, devices: int) -> tuple[float, float]:
+    """(W0, f) of a spec's ``start_s`` rows for a cluster of ``devices``: linear between
+    its sizes, the nearest outside; (0, 1) without rows or for one device."""
+    from .localhost_calls import linear_clamped
+    if not rows or devices < 2:
+        return 0.0, 1.0
+    return linear_clamped([d for d, _, _ in rows], [(w, f) for _, w, f in rows], devices)
+
+
+def prepare_traces(model, traces) -> list:
+    """``traces`` with what their context costs the ``localhost`` ``model``, as work ops:
+
+    * the start of a run on all devices at once: first on every rank its share of the
+      empty start, ``W0 T(n) / n``; before its first collective or receive, ``(f - 1)``
+      times that call's synchronisation CPU (``model.sync_cpu_s``);
+    * before every collective that follows other work rather than another call on its
+      group (array operations in between, or another op), its cold extra
+      (``model.cold_call_s``).
+    """
+    from vcluster.runtime.tracing.host import HOST_OP
+    from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
+    wall, factor = start_figures(model.spec.start_s, model.n_devices)
+    n = model.n_devices
+    start = TraceCompute(RUN_START, 0.0, 0, seconds=wall * model.core_pool.throughput_at(n) / n)
+    out = []
+    for t in traces:
+        ops, first, previous = [start] if wall > 0.0 else [], True, None
+        for op in t.ops:
+            collective = isinstance(op, TraceCollective) and len(op.group) > 1
+            if first and (collective or isinstance(op, TraceRecv)):
+                first = False
+                if factor > 1.0:
+                    ops.append(TraceCompute(FIRST_CALL, 0.0, 0,
+                                            seconds=(factor - 1) * model.sync_cpu_s(t.rank, op)))
+            if collective and not (isinstance(previous, TraceCollective)
+                                   and previous.group == op.group):
+                extra = model.cold_call_s(op, op.group.index(t.rank))
+                if extra > 0.0:
+                    ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
+            ops.append(op)
+            if not (isinstance(op, TraceCompute) and op.name == HOST_OP and not op.array_calls):
+                previous = op                    # a loop's bare glue keeps the rhythm
+        out.append(DeviceTrace(t.rank, tuple(ops)))
+    return out

@@ -299,6 +299,7 @@ def test_calibration_measures_positive_finite_figures():
     for name in ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"):
         assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name
     assert 0 < s.p2p_message_cpu_s < 0.1 and 0 < s.compute_overhead_s < 0.01
+    assert 1e8 < s.p2p_busy_copy_bytes_per_s < 1e12
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)

@@ -110,6 +110,28 @@ def test_model_prices_messages_from_the_table():
     assert math.isfinite(want) and want > 0
 
 
+def test_busy_copy_rate_prices_message_bytes_when_measured():
+    """With ``p2p_busy_copy_bytes_per_s`` a message side's bytes beyond CALL_BYTES cost
+    that rate's CPU (one busy figure), in sends and in message algorithms alike."""
+    rate = 6e9
+    s = spec(call_cpu_s=_rows(), p2p_busy_copy_bytes_per_s=rate)
+    model = LocalhostCostModel(s, 8, "float32")
+    more = (1 << 20) - CALL_BYTES
+    assert model.p2p_cpu_s(0, 1, 1 << 20) == pytest.approx((200 * US + more / rate,
+                                                            200 * US + more / rate))
+    members = tuple(range(4))
+    op = TraceCollective("all_gather", members, 1 << 18, 4, "ring")
+    t = collective_traffic("all_gather", "ring", members, 1, 1 << 18, 4)
+    want = (t.messages_sent + t.messages_received) * s.p2p_latency_s / 2 \
+        + (t.bytes_sent + t.bytes_received) / rate
+    assert model.collective_cpu_s(op, 1) == pytest.approx(want)
+    d = s.to_dict()
+    del d["p2p_busy_copy_bytes_per_s"]                       # older specs still load
+    assert type(s).from_dict(d) == spec(call_cpu_s=_rows())
+    with pytest.raises(ValueError, match="p2p_busy_copy_bytes_per_s"):
+        spec(p2p_busy_copy_bytes_per_s=0.0)
+
+
 def test_without_the_table_the_older_pricing_stands():
     old, new = LocalhostCostModel(spec(), 8), LocalhostCostModel(spec(call_cpu_s=_rows()), 8)
     op = TraceCollective("barrier", tuple(range(8)), 0, 1, "shm")

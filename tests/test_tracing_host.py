@@ -203,3 +203,55 @@ def test_replay_of_a_host_timed_trace_charges_its_host_work():
     with_host = simulate_trace(timed, model, core_pool=model.core_pool).step_time_s
     without = simulate_trace(stripped, model, core_pool=model.core_pool).step_time_s
     assert with_host - without == pytest.approx(host / 0.95, rel=1e-6)
+
+
+def _with_host_s(traces, values):
+    """``traces`` with their host ops' host_s set to ``values`` in order."""
+    from vcluster.runtime.tracing import DeviceTrace
+    it = iter(values)
+    return [DeviceTrace(t.rank, tuple(dataclasses.replace(op, host_s=next(it))
+                                      if op in _hosts(t) else op for op in t.ops))
+            for t in traces]
+
+
+def test_median_host_work_takes_each_segments_median_over_traces():
+    from vcluster.timing.localhost_host import median_host_work
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    base = trace_program(mesh, _program, args, host_time=True)
+    n = sum(len(_hosts(t)) for t in base)
+    runs = [_with_host_s(base, [1e-6 * (k + 1)] * n) for k in range(3)]
+    runs[1] = _with_host_s(base, [9e-3] * n)                 # one interrupted trace
+    merged = median_host_work(runs)
+    assert [h.host_s for t in merged for h in _hosts(t)] == pytest.approx([3e-6] * n)
+    for m, b in zip(merged, base):                           # everything else is the first's
+        assert m.rank == b.rank and len(m.ops) == len(b.ops)
+        assert [op for op in m.ops if op not in _hosts(m)] == \
+            [op for op in b.ops if op not in _hosts(b)]
+    assert median_host_work(runs[:1]) == runs[0]
+    with pytest.raises(ValueError, match="at least one run"):
+        median_host_work([])
+
+
+def test_median_host_work_keeps_the_median_run_when_traces_differ():
+    from vcluster.runtime.tracing import DeviceTrace
+    from vcluster.timing.localhost_host import median_host_work
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    base = trace_program(mesh, _program, args, host_time=True)
+    n = sum(len(_hosts(t)) for t in base)
+    small, large = _with_host_s(base, [1e-6] * n), _with_host_s(base, [1e-3] * n)
+    other = [DeviceTrace(t.rank, t.ops[:-1]) for t in _with_host_s(base, [2e-6] * n)]
+    assert median_host_work([large, other, small]) == other      # total 2e-6 n: the median
+
+
+def test_localhost_traces_merges_host_timed_traces():
+    from vcluster.timing.localhost import localhost_traces
+    model = localhost_model(spec(**HOST_RATES), 2)
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    traces = localhost_traces(model, mesh, _program, args, host_traces=3)
+    assert len(traces) == 2 and all(_hosts(t) for t in traces)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"host_traces must be an int >= 1, got {bad!r}"):
+            localhost_traces(model, mesh, _program, args, host_traces=bad)

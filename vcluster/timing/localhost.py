@@ -76,6 +76,7 @@ from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
+from .localhost_host import HOST_TRACES, median_host_work
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
                              load_localhost_spec, save_localhost_spec)
@@ -264,16 +265,26 @@ class LocalhostCostModel:
             if nbytes <= INLINE_BYTES:
                 return (calls.seconds("send_inline", self.n_devices, 2),
                         calls.seconds("recv_inline", self.n_devices, 2))
-            more = max(0, nbytes - CALL_BYTES) * s.busy_factor(s.memcpy_busy_speedup) \
-                / s.p2p_copy_bytes_per_s
+            more = max(0, nbytes - CALL_BYTES) * self._p2p_copy_s_per_byte
             return (calls.seconds("send", self.n_devices, 2) + more,
                     calls.seconds("recv", self.n_devices, 2) + more)
         copy = 0.0
         if nbytes > INLINE_BYTES:
-            copy = nbytes * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
+            copy = nbytes * self._p2p_copy_s_per_byte
         fixed = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
         side = fixed + copy
         return side, side
+
+    @property
+    def _p2p_copy_s_per_byte(self) -> float:
+        """Pool work per byte one side of a message copies with every device busy:
+        ``1 / p2p_busy_copy_bytes_per_s`` (measured so, in one figure), or in older specs
+        the alone rate under the memcpy busy factor, ``T(N) / (s_memcpy B_p2p)`` (two
+        figures whose noise multiplies)."""
+        s = self.spec
+        if s.p2p_busy_copy_bytes_per_s is not None:
+            return 1.0 / s.p2p_busy_copy_bytes_per_s
+        return s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
         if src == dst:
@@ -371,8 +382,7 @@ class LocalhostCostModel:
         s = self.spec
         side = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
         return ((traffic.messages_sent + traffic.messages_received) * side
-                + (traffic.bytes_sent + traffic.bytes_received)
-                * s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s)
+                + (traffic.bytes_sent + traffic.bytes_received) * self._p2p_copy_s_per_byte)
 
 
 def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, int]:
@@ -394,15 +404,23 @@ def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, in
     return traffic.bytes_received + own, written
 
 
-def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None) -> list:
+def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None,
+                     host_traces: int = HOST_TRACES) -> list:
     """The traces a localhost prediction replays: ``program`` traced warm (a first trace
     fills its plan caches, as the steps of a long run find them), with its host work when
-    ``model.host_timed``, then :meth:`LocalhostCostModel.prepare_traces`."""
+    ``model.host_timed`` (each host segment the median of ``host_traces`` host-timed
+    traces: :func:`~vcluster.timing.localhost_host.median_host_work`), then
+    :meth:`LocalhostCostModel.prepare_traces`."""
     from vcluster.runtime.tracing import trace_program
-    if model.host_timed:
-        trace_program(mesh, program, meta_args, ranks=ranks)
-    traces = trace_program(mesh, program, meta_args, ranks=ranks, host_time=model.host_timed)
-    return model.prepare_traces(traces)
+    if not model.host_timed:
+        return model.prepare_traces(trace_program(mesh, program, meta_args, ranks=ranks))
+    if isinstance(host_traces, bool) or not isinstance(host_traces, int) or host_traces < 1:
+        raise ValueError(f"localhost_traces: host_traces must be an int >= 1, "
+                         f"got {host_traces!r}")
+    trace_program(mesh, program, meta_args, ranks=ranks)
+    runs = [trace_program(mesh, program, meta_args, ranks=ranks, host_time=True)
+            for _ in range(host_traces)]
+    return model.prepare_traces(median_host_work(runs))
 
 
 def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64"):

@@ -36,7 +36,12 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
 * the start of a run on all devices at once (:mod:`~vcluster.timing.localhost_start`):
   per cluster size, an empty program's wall time and the factor of the first call's CPU;
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
-  each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``.
+  each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``;
+* the copy rate of large messages as programs meet it (``p2p_busy_copy_bytes_per_s``,
+  one of the quick figures): every device in a ping-pong pair at once, the process time
+  per message side at 4 KiB and at 4 MiB, ``(4 MiB - 4 KiB) / (c(4 MiB) - c(4 KiB))``.
+  One busy figure: the alone rate above times the memcpy busy speedup multiplied two
+  noisy figures (each moved 1.7x between calibrations minutes apart).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost import LocalhostSpec, _moved_bytes
-from .localhost_calls import CallCpu, cluster_sizes, measure_call_cpu
+from .localhost_calls import CALL_BYTES, CallCpu, cluster_sizes, measure_call_cpu
 from .localhost_pool import CorePoolSpec
 from .localhost_start import measure_start
 from .localhost_host import device_host_rates
@@ -79,6 +84,7 @@ LATENCY_REPS = 50                   # back-to-back barriers / all_reduces per gr
 BUSY_CALLS = 200
 BANDWIDTH_BYTES, BANDWIDTH_MIN_CALLS, BANDWIDTH_TRIALS = 16 << 20, 4, 3   # calls per trial
 P2P_SMALL_REPS, P2P_LARGE_BYTES, P2P_LARGE_REPS = 100, 4 << 20, 8
+P2P_BUSY_REPS = 12                  # round trips per pair timed for the busy copy rate
 _FLOOR = 0.1                        # a derived work is at least this fraction of its total
 # compute_overhead_s: the host work of one op as the project's programs issue them, a
 # `dev.compute` block (event recorded) around a product of (m, k) @ (k, k) float64 with a
@@ -151,13 +157,15 @@ def _op_host(dev, reps: int) -> float:
 
 def _quick_figures(cluster, devices: int) -> dict:
     """One trial of the figures that take a fraction of a second: the rates of one
-    device alone, the host work of a compute op, and the host-work rates of programs."""
+    device alone, the host work of a compute op, the host-work rates of programs, and
+    the copy rate of large messages with every device busy."""
     out = cluster.run(_alone)[0]
     out["compute_overhead_s"] = float(np.median(
         cluster.run(_op_host, [(OP_HOST_REPS,)] * devices)))
     host = np.median(cluster.run(device_host_rates), axis=0)
     out.update(block_overhead_s=float(host[0]), numpy_call_s=float(host[1]),
                python_unit_s=float(host[2]))
+    out["p2p_busy_copy_bytes_per_s"] = _p2p_busy_copy(cluster, devices)
     return out
 
 
@@ -228,13 +236,14 @@ def _latency_cpu(dev, axes) -> tuple[float, float, float]:
     return tuple(out)
 
 
-def _ping_pong_cpu(dev, reps: int) -> float | None:
-    """Every device in a pair (rank ^ 1) at once, 8-byte ping-pongs: CPU seconds per
-    message and side (each device sends one and receives one per round trip)."""
+def _ping_pong_cpu(dev, reps: int, nbytes: int = 8) -> float | None:
+    """Every device in a pair (rank ^ 1) at once, ping-pongs of ``nbytes``: CPU seconds
+    per message and side (each device sends one and receives one per round trip), after
+    a warm-up of the same length."""
     peer = dev.rank ^ 1
     if peer >= dev.mesh.size:
         return None
-    x = np.ones(1)
+    x = np.ones(max(nbytes // 8, 1))
 
     def rounds():
         for k in range(reps):
@@ -249,6 +258,17 @@ def _ping_pong_cpu(dev, reps: int) -> float | None:
     c0 = time.process_time()
     rounds()
     return (time.process_time() - c0) / (2 * reps)
+
+
+def _p2p_busy_copy(cluster, devices: int) -> float:
+    """Bytes one side of a large message copies per CPU second, every device in a
+    ping-pong pair at once: the slope of the CPU per message side between CALL_BYTES
+    and P2P_LARGE_BYTES messages."""
+    def side_s(nbytes, reps):
+        got = cluster.run(_ping_pong_cpu, [(reps, nbytes)] * devices)
+        return float(np.median([c for c in got if c is not None]))
+    small, large = side_s(CALL_BYTES, P2P_BUSY_REPS), side_s(P2P_LARGE_BYTES, P2P_BUSY_REPS)
+    return (P2P_LARGE_BYTES - CALL_BYTES) / max(large - small, _FLOOR * large)
 
 
 def _bandwidth(dev, op: str, nbytes: int, calls: int) -> list[tuple[float, float]]:

@@ -33,7 +33,7 @@ calibrated earlier still sees the tracer's speed of now in ``p_tracer``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,13 +41,15 @@ from vcluster.runtime.tracing.host import HOST_OP
 
 __all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_arrays",
            "reference_python",
-           "REFERENCE_CALLS", "device_host_rates", "host_work_s"]
+           "REFERENCE_CALLS", "device_host_rates", "host_work_s", "median_host_work",
+           "HOST_TRACES"]
 
 REFERENCE_CALLS = 11           # array operations in one reference_calls(...)
 REFERENCE_SHAPES = ((8, 16), (16, 16), (16,))
 _REPS = 400                    # reference segments traced per measurement
 _TRIALS = 5                    # medians over this many measurements
 _PYTHON_REPS = 20
+HOST_TRACES = 3                #: host-timed traces a localhost prediction takes the median of
 
 
 def reference_calls(x, w, b):
@@ -177,3 +179,41 @@ def host_work_s(op, spec, tracer: TracerRates) -> float:
     python_s = max(0.0, op.host_s - tracer.segment_s - op.array_calls * tracer.meta_call_s)
     return python_s * spec.python_unit_s / tracer.python_unit_s \
         + op.array_calls * spec.numpy_call_s
+
+
+def median_host_work(runs: list) -> list:
+    """One trace per rank from ``runs`` (lists of ``DeviceTrace``, one list per host-timed
+    trace of the same program): the first run's ops, each host op's ``host_s`` the median
+    over the runs.
+
+    A host segment's thread CPU is one sample of a noisy machine: a trace the scheduler
+    or a neighbour interrupts reads up to 2.5x its usual total (seen on this 2-core VM),
+    and a single trace carries that straight into the prediction; the median of three
+    drops it. Runs whose ops differ from the first's in kind or name (a program that
+    does not trace the same way twice) cannot be merged op by op: then the run whose
+    total host CPU is the median is kept whole.
+    """
+    if not runs:
+        raise ValueError("median_host_work: needs at least one run of traces")
+    first = runs[0]
+    if len(runs) == 1:
+        return list(first)
+
+    def shape(traces):
+        return [(t.rank, [(type(op), getattr(op, "name", None)) for op in t.ops])
+                for t in traces]
+
+    if any(shape(run) != shape(first) for run in runs[1:]):
+        def total(run):
+            return sum(op.host_s for t in run for op in t.ops
+                       if getattr(op, "name", None) == HOST_OP)
+        return list(sorted(runs, key=total)[len(runs) // 2])
+    merged = []
+    for r, trace in enumerate(first):
+        ops = list(trace.ops)
+        for i, op in enumerate(ops):
+            if getattr(op, "name", None) == HOST_OP:
+                host_s = float(np.median([run[r].ops[i].host_s for run in runs]))
+                ops[i] = replace(op, host_s=host_s)
+        merged.append(replace(trace, ops=tuple(ops)))
+    return merged

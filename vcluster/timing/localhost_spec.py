@@ -88,6 +88,11 @@ class LocalhostSpec:
     # older specs): rows (devices, wall time of an empty program, factor of the first
     # synchronisation's CPU)
     start_s: tuple | None = None
+    # Large messages with every device busy (None in older specs: then the alone rate
+    # p2p_copy_bytes_per_s over the busy factor of memcpy): bytes one side of a message
+    # copies per CPU second, every device in a ping-pong pair at once (process time; the
+    # slope between CALL_BYTES and 4 MiB messages)
+    p2p_busy_copy_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -168,7 +173,7 @@ _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
              "p2p_message_cpu_s")
 _HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
-_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s", "start_s")
+_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s", "start_s", "p2p_busy_copy_bytes_per_s")
 
 
 def _start_rows(rows) -> tuple:

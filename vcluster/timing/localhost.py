@@ -76,6 +76,7 @@ from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
+from .localhost_gap import CallGap
 from .localhost_host import HOST_TRACES, median_host_work
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
@@ -301,6 +302,23 @@ class LocalhostCostModel:
         messages follow each other) and for specs without the call table."""
         sync, _, program_sync = self._parts(op, position)
         return max(0.0, program_sync - sync)
+
+    def gap_extra_s(self, op, position: int, work_s: float) -> float:
+        """What the call costs member ``position`` more after ``work_s`` single-core
+        seconds of its own work since its previous communication than after the call
+        table's short stretch: ``(g(work_s) - 1)`` times its synchronisation CPU as
+        programs make it (:mod:`.localhost_gap`); 0 without the gap table and for
+        message algorithms (their figure is the messages')."""
+        gaps = self._memo.get("gaps", _UNSEEN)
+        if gaps is _UNSEEN:
+            rows = self.spec.call_gap_cpu_s
+            gaps = self._memo["gaps"] = None if rows is None else CallGap(rows)
+        if gaps is None or len(op.group) < 2:
+            return 0.0
+        program = self._parts(op, position)[2]
+        if program <= 0.0:
+            return 0.0
+        return max(0.0, gaps.factor(self.n_devices, len(op.group), work_s) - 1.0) * program
 
     def _parts(self, op, position: int) -> tuple[float, float, float]:
         """:meth:`_collective_parts`, once per distinct call (a replay asks many times)."""

@@ -33,6 +33,9 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
 * the CPU of a communication call as programs make them, per cluster size, call and
   group size (:func:`~vcluster.timing.localhost_calls.measure_call_cpu`): the figures
   the model prices calls with (the back-to-back ones above remain for older specs);
+* how a call's CPU grows with the work before it (a 4 KiB all_reduce after longer
+  stretches of program-like work, per cluster and group size:
+  :func:`~vcluster.timing.localhost_gap.measure_gap_cpu`);
 * the start of a run on all devices at once (:mod:`~vcluster.timing.localhost_start`):
   per cluster size, an empty program's wall time and the factor of the first call's CPU;
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
@@ -57,6 +60,7 @@ from vcluster.runtime.traffic import collective_traffic
 
 from .localhost import LocalhostSpec, _moved_bytes
 from .localhost_calls import CALL_BYTES, CallCpu, cluster_sizes, measure_call_cpu
+from .localhost_gap import measure_gap_cpu
 from .localhost_pool import CorePoolSpec
 from .localhost_start import measure_start
 from .localhost_host import device_host_rates
@@ -350,6 +354,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         trials.append(_quick_figures(cluster, devices))
         tables = _latency_tables(cluster, shape, axes)
         call_rows = measure_call_cpu(cluster, shape, axes, cores)
+        gap_rows = measure_gap_cpu(cluster, shape, axes, cores)
         trials.append(_quick_figures(cluster, devices))
         alone = {k: float(np.median([t[k] for t in trials])) for k in trials[0]}
         p2p_cpu = [c for c in cluster.run(_ping_pong_cpu, [(BUSY_CALLS,)] * devices)
@@ -373,6 +378,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
                                                        _FLOOR * rtt_large),
         calibration_devices=devices, message_bytes=sizes,
         p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows,
+        call_gap_cpu_s=gap_rows,
         start_s=start_rows)
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 

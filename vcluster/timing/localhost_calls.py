@@ -48,7 +48,7 @@ import numpy as np
 from .localhost_host import reference_arrays, reference_calls, reference_python
 
 __all__ = ["CALLS", "CALL_BYTES", "GAP_REFERENCE_CALLS", "CallCpu", "cluster_sizes",
-           "measure_call_cpu", "log_log", "linear_clamped"]
+           "measure_call_cpu", "log_log", "linear_clamped", "program_gap"]
 
 CALL_BYTES = 4096              # the non-inline calls' payload (per member input)
 GAP_REFERENCE_CALLS = 2        # reference_calls(...) before each timed call, plus one
@@ -66,7 +66,7 @@ def cluster_sizes(devices: int, cores: int) -> tuple[int, ...]:
     return tuple(sorted({d for d in (2, cores, 2 * cores, devices) if 2 <= d <= devices}))
 
 
-def _gap(arrays) -> None:
+def program_gap(arrays) -> None:
     for _ in range(GAP_REFERENCE_CALLS):
         reference_calls(*arrays)
     reference_python()
@@ -88,7 +88,7 @@ def _collective_cpu(dev, active: int, axes: tuple, call: str) -> list | None:
           "reduce_scatter": lambda: dev.reduce_scatter(x[:x.size - x.size % n], axes)}[call]
     out = []
     for _ in range(CALLS_PER_RUN):
-        _gap(arrays)
+        program_gap(arrays)
         c0 = time.process_time()
         fn()
         out.append(time.process_time() - c0)
@@ -108,7 +108,7 @@ def _p2p_cpu(dev, active: int, nbytes: int) -> list | None:
         spent = [0.0, 0.0]
         for first in (dev.rank < peer, dev.rank > peer):
             if first:
-                _gap(arrays)
+                program_gap(arrays)
                 c0 = time.process_time()
                 dev.send(x, peer, tag)
                 spent[0] = time.process_time() - c0

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .localhost_calls import CallCpu
+from .localhost_gap import CallGap
 from .localhost_pool import CorePoolSpec
 
 __all__ = ["LocalhostSpec", "load_localhost_spec", "save_localhost_spec"]
@@ -93,6 +94,10 @@ class LocalhostSpec:
     # copies per CPU second, every device in a ping-pong pair at once (process time; the
     # slope between CALL_BYTES and 4 MiB messages)
     p2p_busy_copy_bytes_per_s: float | None = None
+    # A call's CPU after longer stretches of its caller's work (vcluster.timing.
+    # localhost_gap; None in older specs): rows (devices, group, gap_s, seconds) of a
+    # 4 KiB all_reduce
+    call_gap_cpu_s: tuple | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -103,6 +108,8 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, CallCpu(v).rows)
             elif f.name == "start_s":
                 object.__setattr__(self, f.name, _start_rows(v))
+            elif f.name == "call_gap_cpu_s":
+                object.__setattr__(self, f.name, CallGap(v).rows)
             elif f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
             elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
@@ -115,7 +122,7 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, int(v))
             else:
                 object.__setattr__(self, f.name, float(v))
-        bad = [f.name for f in fields(self) if f.name not in ("call_cpu_s", "start_s")
+        bad = [f.name for f in fields(self) if f.name not in _ROWS
                and not _positive(getattr(self, f.name))
                and not (f.name in _OPTIONAL and getattr(self, f.name) is None)]
         if bad:
@@ -154,7 +161,7 @@ class LocalhostSpec:
             if d[k] is not None:
                 d[k] = list(d[k])
         d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
-        for k in ("call_cpu_s", "start_s"):
+        for k in _ROWS:
             if d[k] is not None:
                 d[k] = [list(row) for row in d[k]]
         return d
@@ -173,7 +180,8 @@ _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
              "p2p_message_cpu_s")
 _HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
-_OPTIONAL = _BUSY_CPU + _HOST_RATES + ("call_cpu_s", "start_s", "p2p_busy_copy_bytes_per_s")
+_ROWS = ("call_cpu_s", "start_s", "call_gap_cpu_s")      # tables of rows, validated apart
+_OPTIONAL = _BUSY_CPU + _HOST_RATES + _ROWS + ("p2p_busy_copy_bytes_per_s",)
 
 
 def _start_rows(rows) -> tuple:

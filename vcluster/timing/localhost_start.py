@@ -109,17 +109,27 @@ def prepare_traces(model, traces) -> list:
       times that call's synchronisation CPU (``model.sync_cpu_s``);
     * before every collective that follows other work rather than another call on its
       group (array operations in between, or another op), its cold extra
-      (``model.cold_call_s``).
+      (``model.cold_call_s``), plus what the work its rank did since its previous
+      communication adds (``model.gap_extra_s``, :mod:`.localhost_gap`).
     """
     from vcluster.runtime.tracing.host import HOST_OP
     from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
     wall, factor = start_figures(model.spec.start_s, model.n_devices)
     n = model.n_devices
     start = TraceCompute(RUN_START, 0.0, 0, seconds=wall * model.core_pool.throughput_at(n) / n)
+    gap_extra = model.gap_extra_s if model.spec.call_gap_cpu_s is not None else None
     out = []
     for t in traces:
         ops, first, previous = [start] if wall > 0.0 else [], True, None
+        work = 0.0                               # since the rank's last communication
         for op in t.ops:
+            if isinstance(op, TraceCompute):
+                if gap_extra is not None and (op.name != HOST_OP or model.host_timed):
+                    work += model.compute_time_s(op)
+                ops.append(op)
+                if op.name != HOST_OP or op.array_calls:
+                    previous = op                # a loop's bare glue keeps the rhythm
+                continue
             collective = isinstance(op, TraceCollective) and len(op.group) > 1
             if first and (collective or isinstance(op, TraceRecv)):
                 first = False
@@ -128,11 +138,13 @@ def prepare_traces(model, traces) -> list:
                                             seconds=(factor - 1) * model.sync_cpu_s(t.rank, op)))
             if collective and not (isinstance(previous, TraceCollective)
                                    and previous.group == op.group):
-                extra = model.cold_call_s(op, op.group.index(t.rank))
+                position = op.group.index(t.rank)
+                extra = model.cold_call_s(op, position)
+                if gap_extra is not None:
+                    extra += gap_extra(op, position, work)
                 if extra > 0.0:
                     ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
             ops.append(op)
-            if not (isinstance(op, TraceCompute) and op.name == HOST_OP and not op.array_calls):
-                previous = op                    # a loop's bare glue keeps the rhythm
+            previous, work = op, 0.0
         out.append(DeviceTrace(t.rank, tuple(ops)))
     return out

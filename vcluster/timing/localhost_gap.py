@@ -1,0 +1,136 @@
+"""How a call's CPU on ``localhost`` grows with the work its caller did before it.
+
+The call table (:mod:`vcluster.timing.localhost_calls`) measures each call after a short
+stretch of program-like work (~40-70 us). Programs do more between their calls: a
+product, a layer, a pipeline action. The longer that stretch, the more the call costs
+its members, on this 2-core machine about a third of the stretch on 8 devices:
+
+==============  ========================  ========================
+work before     4 KiB all_reduce over 8   over 2 (8 devices busy)
+==============  ========================  ========================
+~70 us          244 us                    137 us
+~370 us         357 us                    156 us
+~1 ms           537 us                    179 us
+==============  ========================  ========================
+
+(2026-11-24.) With more devices than cores the devices run in turns, so members that
+worked longer arrive further apart, and the other devices' work in between evicts a
+member's caches before its call runs (the interpreter's, the channel's).
+
+:func:`measure_gap_cpu` measures it: every group of ``n`` members calling a 4 KiB
+all_reduce at once, each call after the reference stretch plus ``p`` more passes of
+pure-Python glue, for ``p`` in :data:`GAP_PASSES`, per cluster size and group size as
+the call table; each row is ``(devices, group, gap_s, seconds)``: the stretch's own CPU
+and the call's (medians over runs and members). :class:`CallGap` turns the rows into a
+factor ``g(w) = seconds(w) / seconds(shortest gap)`` for a stretch of ``w`` single-core
+seconds (linear between the measured gaps, 1 below the first, the last beyond it;
+linear in the cluster size and in the group size between the measured ones, the
+nearest outside). The ``localhost`` model multiplies the program figure of a call's
+synchronisation by ``g`` of the work its caller did since its previous communication
+(:func:`~vcluster.timing.localhost_start.prepare_traces`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import reduce as _fold
+
+import numpy as np
+
+from .localhost_calls import CALL_BYTES, cluster_sizes, linear_clamped, program_gap
+from .localhost_host import reference_arrays, reference_python
+
+__all__ = ["GAP_PASSES", "measure_gap_cpu", "CallGap"]
+
+GAP_PASSES = (0, 12, 40)        # more passes of reference_python before each call
+GAP_RUNS, GAP_CALLS = 6, 6      # short runs per row, timed calls in each
+
+
+def _gap_cpu(dev, active: int, axes: tuple, passes: int) -> list | None:
+    """On ranks below ``active``: (CPU of the stretch, CPU of the call) of GAP_CALLS
+    4 KiB all_reduces over ``axes``, each after the reference stretch and ``passes``."""
+    if dev.rank >= active:
+        return None
+    arrays = reference_arrays()
+    x = np.ones(CALL_BYTES // 8)
+    out = []
+    for _ in range(GAP_CALLS):
+        w0 = time.process_time()
+        program_gap(arrays)
+        for _ in range(passes):
+            reference_python()
+        c0 = time.process_time()
+        dev.all_reduce(x, axes)
+        out.append((c0 - w0, time.process_time() - c0))
+    return out
+
+
+def measure_gap_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
+    """``((devices, group, gap_s, seconds), ...)`` on ``cluster`` (mesh ``shape`` over
+    ``axes``, prime factors of N), for the cluster and group sizes of the call table."""
+    n_all = cluster.mesh.size
+    rows = []
+    for active in cluster_sizes(n_all, cores):
+        for j in range(len(shape) - 1, -1, -1):              # smallest group first
+            group = _fold(lambda u, v: u * v, shape[j:])
+            if group > active or active % group:
+                continue
+            for passes in GAP_PASSES:
+                args = [(active, axes[j:], passes)] * n_all
+                cluster.run(_gap_cpu, args)                      # warm-up
+                pairs = [p for _ in range(GAP_RUNS) for per in cluster.run(_gap_cpu, args)
+                         if per is not None for p in per]
+                rows.append((active, group, float(np.median([w for w, _ in pairs])),
+                             float(np.median([c for _, c in pairs]))))
+    return tuple(rows)
+
+
+@dataclass(frozen=True)
+class CallGap:
+    """Lookup of the rows :func:`measure_gap_cpu` measured (see the module docstring)."""
+
+    rows: tuple
+
+    def __post_init__(self) -> None:
+        try:
+            rows = tuple((int(d), int(g), float(w), float(s)) for d, g, w, s in self.rows)
+        except (TypeError, ValueError):
+            raise ValueError(f"call_gap_cpu_s: rows must be (devices, group, gap_s, "
+                             f"seconds), got {self.rows!r}") from None
+        for d, g, w, s in rows:
+            if d < 2 or not 2 <= g <= d or not 0 <= w < math.inf or not 0 < s < math.inf:
+                raise ValueError(f"call_gap_cpu_s: bad row ({d}, {g}, {w}, {s}); needs "
+                                 f"2 <= group <= devices, gap_s >= 0, seconds > 0")
+        table: dict = {}
+        for d, g, w, s in rows:
+            table.setdefault(d, {}).setdefault(g, []).append((w, s))
+        if not table:
+            raise ValueError("call_gap_cpu_s: no rows")
+        for d, by_group in table.items():
+            for g, points in by_group.items():
+                gaps = [w for w, _ in sorted(points)]
+                if len(set(gaps)) != len(gaps):
+                    raise ValueError(f"call_gap_cpu_s: devices {d}, group {g} lists a gap "
+                                     f"twice: {sorted(points)}")
+                by_group[g] = tuple(sorted(points))
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "_table", table)
+
+    def factor(self, devices: int, group: int, work_s: float) -> float:
+        """``g``: the call's CPU after ``work_s`` of its caller's work over its CPU after
+        the shortest measured stretch, on ``devices`` devices in a group of ``group``."""
+        sizes = sorted(self._table)
+        return linear_clamped(sizes, [self._in_group(self._table[d], group, work_s)
+                                      for d in sizes], devices)
+
+    @staticmethod
+    def _in_group(by_group: dict, group: int, work_s: float) -> float:
+        groups = sorted(by_group)
+        values = []
+        for g in groups:
+            points = by_group[g]
+            gaps, secs = [w for w, _ in points], [s for _, s in points]
+            values.append(linear_clamped(gaps, secs, work_s) / secs[0])
+        return linear_clamped(groups, values, group)

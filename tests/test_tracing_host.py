@@ -134,6 +134,12 @@ def test_host_op_price_is_the_documented_formula():
     # a segment that is all meta calls costs just the numpy calls
     only_calls = TraceCompute(HOST_OP, 0.0, 0, host_s=1e-6, array_calls=3)
     assert model.compute_time_s(only_calls) == pytest.approx(3 * 1.5e-6)
+    # a trace that timed its array calls: their own CPU and the timing's, not the rate
+    rates = dataclasses.replace(RATES, array_overhead_s=1e-6)
+    timed = TraceCompute(HOST_OP, 0.0, 0, host_s=100e-6, array_calls=5, array_s=20e-6)
+    python_s = 100e-6 - 2e-6 - 20e-6 - 5 * 1e-6
+    assert host_work_s(timed, s, rates) == pytest.approx(python_s * 25e-6 / 20e-6
+                                                         + 5 * 1.5e-6)
 
 
 def test_compute_ops_of_host_timed_traces_cost_the_block_overhead_plus_kernel():
@@ -193,7 +199,7 @@ def test_replay_of_a_host_timed_trace_charges_its_host_work():
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
     timed = trace_program(mesh, _program, args, host_time=True)
-    timed = [DeviceTrace(t.rank, tuple(dataclasses.replace(op, host_s=1e-4)
+    timed = [DeviceTrace(t.rank, tuple(dataclasses.replace(op, host_s=1e-4, array_s=0.0)
                                        if op in _hosts(t) else op for op in t.ops))
              for t in timed]                                  # the same host work on both
     stripped = [DeviceTrace(t.rank, tuple(op for op in t.ops if op not in _hosts(t)))
@@ -209,7 +215,7 @@ def _with_host_s(traces, values):
     """``traces`` with their host ops' host_s set to ``values`` in order."""
     from vcluster.runtime.tracing import DeviceTrace
     it = iter(values)
-    return [DeviceTrace(t.rank, tuple(dataclasses.replace(op, host_s=next(it))
+    return [DeviceTrace(t.rank, tuple(dataclasses.replace(op, host_s=next(it), array_s=0.0)
                                       if op in _hosts(t) else op for op in t.ops))
             for t in traces]
 
@@ -243,6 +249,38 @@ def test_median_host_work_keeps_the_median_run_when_traces_differ():
     small, large = _with_host_s(base, [1e-6] * n), _with_host_s(base, [1e-3] * n)
     other = [DeviceTrace(t.rank, t.ops[:-1]) for t in _with_host_s(base, [2e-6] * n)]
     assert median_host_work([large, other, small]) == other      # total 2e-6 n: the median
+
+
+def test_segments_time_their_array_calls():
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    for t in trace_program(mesh, _program, args, host_time=True):
+        for h in _hosts(t):
+            assert 0.0 <= h.array_s <= h.host_s
+            if h.array_calls == 0:
+                assert h.array_s == 0.0
+        assert sum(h.array_s for h in _hosts(t)) > 0.0      # x + 1.0, y @ w, ... timed
+
+
+def test_median_host_work_prices_each_run_with_its_own_rates():
+    from vcluster.timing.localhost_host import median_host_work
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    base = trace_program(mesh, _program, args, host_time=True)
+    n = sum(len(_hosts(t)) for t in base)
+    runs = [_with_host_s(base, [1e-3] * n) for _ in range(3)]
+    prices = [lambda op, k=k: op.host_s * k for k in (1.0, 5.0, 2.0)]
+    merged = median_host_work(runs, prices)
+    assert [h.seconds for t in merged for h in _hosts(t)] == pytest.approx([2e-3] * n)
+    model = LocalhostCostModel(spec(**HOST_RATES), 2, "float64", tracer=RATES)
+    assert model.compute_time_s(_hosts(merged[0])[0]) == pytest.approx(2e-3)  # priced
+    with pytest.raises(ValueError, match="2 prices for 3 runs"):
+        median_host_work(runs, prices[:2])
+    # runs that differ: the run of median priced total, priced
+    from vcluster.runtime.tracing import DeviceTrace
+    other = [DeviceTrace(t.rank, t.ops[:-1]) for t in runs[1]]
+    kept = median_host_work([runs[0], other, runs[2]], prices)
+    assert [h.seconds for t in kept for h in _hosts(t)] == pytest.approx([2e-3] * n)
 
 
 def test_localhost_traces_merges_host_timed_traces():

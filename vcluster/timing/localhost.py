@@ -68,6 +68,7 @@ other work (:mod:`.localhost_start`, :meth:`LocalhostCostModel.prepare_traces`);
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from vcluster.runtime.layout import INLINE_BYTES
@@ -77,7 +78,7 @@ from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_gap import CallGap
-from .localhost_host import HOST_TRACES, median_host_work
+from .localhost_host import HOST_TRACES, host_work_s, measure_tracer_rates, median_host_work
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
                              load_localhost_spec, save_localhost_spec)
@@ -225,7 +226,6 @@ class LocalhostCostModel:
                 raise ValueError("LocalhostCostModel: a host op (a trace recorded with "
                                  "host_time=True) needs the model's tracer rates; build "
                                  "the model with localhost_model(...)")
-            from .localhost_host import host_work_s
             return host_work_s(op, self.spec, self.tracer)
         s = self.spec
         copy = s.busy_factor(s.memcpy_busy_speedup)
@@ -426,8 +426,9 @@ def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=
                      host_traces: int = HOST_TRACES) -> list:
     """The traces a localhost prediction replays: ``program`` traced warm (a first trace
     fills its plan caches, as the steps of a long run find them), with its host work when
-    ``model.host_timed`` (each host segment the median of ``host_traces`` host-timed
-    traces: :func:`~vcluster.timing.localhost_host.median_host_work`), then
+    ``model.host_timed`` — ``host_traces`` host-timed traces, each priced with the
+    tracer's rates measured just before it, each host op's work the median
+    (:func:`~vcluster.timing.localhost_host.median_host_work`) — then
     :meth:`LocalhostCostModel.prepare_traces`."""
     from vcluster.runtime.tracing import trace_program
     if not model.host_timed:
@@ -436,9 +437,12 @@ def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=
         raise ValueError(f"localhost_traces: host_traces must be an int >= 1, "
                          f"got {host_traces!r}")
     trace_program(mesh, program, meta_args, ranks=ranks)
-    runs = [trace_program(mesh, program, meta_args, ranks=ranks, host_time=True)
-            for _ in range(host_traces)]
-    return model.prepare_traces(median_host_work(runs))
+    runs, prices = [], []
+    for _ in range(host_traces):
+        rates = measure_tracer_rates()
+        runs.append(trace_program(mesh, program, meta_args, ranks=ranks, host_time=True))
+        prices.append(functools.partial(host_work_s, spec=model.spec, tracer=rates))
+    return model.prepare_traces(median_host_work(runs, prices))
 
 
 def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64"):
@@ -448,5 +452,4 @@ def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64")
     before host-work rates existed gives the model without them (``host_timed`` false)."""
     if any(getattr(spec, n) is None for n in _HOST_RATES):
         return LocalhostCostModel(spec, n_devices, dtype)
-    from .localhost_host import measure_tracer_rates
     return LocalhostCostModel(spec, n_devices, dtype, tracer=measure_tracer_rates())

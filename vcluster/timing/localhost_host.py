@@ -7,16 +7,21 @@ between device calls as a host op with ``host_s`` (the tracer thread's CPU secon
 operations are numpy calls on real (mostly small) arrays, and its processes share the
 host's cores with the other devices. One segment costs the emulator
 
-    w = max(0, host_s - L - k m) f  +  k c,      f = p_dev / p_tracer
+    w = max(0, host_s - L - A) f  +  k c,      f = p_dev / p_tracer
 
-with ``k = array_calls`` and four rates, each measured by a microbenchmark:
+with ``k = array_calls`` and ``A`` the tracer's CPU for those calls: ``array_s + k a``,
+their own CPU as timed around each in this very trace plus what timing them costs
+outside that (``a``); for traces without ``array_s``, ``k m`` at a rate measured apart
+(which moved 2x within a minute, and a third of a segment's CPU with it). The rates,
+each measured by a microbenchmark:
 
 * tracer side, in the process that predicts (:class:`TracerRates`,
   :func:`measure_tracer_rates`, ~0.1 s), by tracing reference programs with host timing:
   ``L`` the tracer's own CPU charged to one segment (host timing's bookkeeping, the
   context manager of ``dev.compute``: the segments of a loop of empty blocks), ``m`` one
   meta-array call of :func:`reference_calls` (the same loop with those calls inside, less
-  the empty one), and ``p_tracer`` one pass of :func:`reference_python`;
+  the empty one; ``a`` the same less the CPU timed inside the calls), and ``p_tracer``
+  one pass of :func:`reference_python`;
 * device side, in :func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` with
   every device busy (:func:`device_host_rates`): ``c`` = ``numpy_call_s``, CPU per numpy
   call of :func:`reference_calls` on small arrays; ``p_dev`` = ``python_unit_s``, one
@@ -88,14 +93,16 @@ def reference_arrays(make=np.ones) -> tuple:
 @dataclass(frozen=True)
 class TracerRates:
     """The tracer's speed now, in this process (CPU seconds): ``segment_s`` (L),
-    ``meta_call_s`` (m) and ``python_unit_s`` (p_tracer); see the module docstring."""
+    ``meta_call_s`` (m), ``python_unit_s`` (p_tracer) and ``array_overhead_s`` (a); see
+    the module docstring."""
 
     segment_s: float
     meta_call_s: float
     python_unit_s: float
+    array_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("segment_s", "meta_call_s", "python_unit_s"):
+        for name in ("segment_s", "meta_call_s", "python_unit_s", "array_overhead_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0 and v < float("inf")):
                 raise ValueError(f"TracerRates.{name}: must be a finite number >= 0, got {v!r}")
@@ -116,9 +123,10 @@ def _call_blocks(dev, reps, x, w, b):
             reference_calls(x, w, b)
 
 
-def _segments(ops) -> tuple[float, int, int]:
+def _segments(ops) -> tuple[float, int, int, float]:
     hosts = [op for op in ops if getattr(op, "name", None) == HOST_OP]
-    return sum(op.host_s for op in hosts), sum(op.array_calls for op in hosts), len(hosts)
+    return (sum(op.host_s for op in hosts), sum(op.array_calls for op in hosts), len(hosts),
+            sum(op.array_s for op in hosts))
 
 
 def measure_tracer_rates() -> TracerRates:
@@ -127,22 +135,23 @@ def measure_tracer_rates() -> TracerRates:
     from vcluster.runtime.tracing import MetaArray, trace_program
     mesh = Mesh((1,), ("x",))
     arrays = reference_arrays(lambda s: MetaArray(s, np.float64))
-    segment, per_call, python = [], [], []
+    segment, per_call, python, outside = [], [], [], []
     trace_program(mesh, _call_blocks, [(50,) + arrays], host_time=True)      # warm-up
     for _ in range(_TRIALS):
         (empty,) = trace_program(mesh, _empty_blocks, [(_REPS,)], host_time=True)
         (full,) = trace_program(mesh, _call_blocks, [(_REPS,) + arrays], host_time=True)
-        e_s, _, e_n = _segments(empty.ops)
-        f_s, f_calls, f_n = _segments(full.ops)
+        e_s, _, e_n, _ = _segments(empty.ops)
+        f_s, f_calls, f_n, f_inside = _segments(full.ops)
         leak = e_s / max(e_n, 1)
         segment.append(leak)
         per_call.append(max(0.0, f_s - leak * f_n) / max(f_calls, 1))
+        outside.append(max(0.0, f_s - leak * f_n - f_inside) / max(f_calls, 1))
         t0 = time.thread_time()
         for _ in range(_PYTHON_REPS):
             reference_python()
         python.append((time.thread_time() - t0) / _PYTHON_REPS)
     return TracerRates(float(np.median(segment)), float(np.median(per_call)),
-                       float(np.median(python)))
+                       float(np.median(python)), float(np.median(outside)))
 
 
 def device_host_rates(dev, reps: int = 400) -> tuple[float, float, float]:
@@ -176,44 +185,69 @@ def host_work_s(op, spec, tracer: TracerRates) -> float:
     if spec.numpy_call_s is None or spec.python_unit_s is None:
         raise ValueError("localhost: this spec has no host-work rates (numpy_call_s, "
                          "python_unit_s); calibrate again to price host-timed traces")
-    python_s = max(0.0, op.host_s - tracer.segment_s - op.array_calls * tracer.meta_call_s)
+    if op.array_s > 0.0:                 # the array calls' own CPU, timed in this trace
+        arrays_s = op.array_s + op.array_calls * tracer.array_overhead_s
+    else:                                # a trace that did not time them: the rate
+        arrays_s = op.array_calls * tracer.meta_call_s
+    python_s = max(0.0, op.host_s - tracer.segment_s - arrays_s)
     return python_s * spec.python_unit_s / tracer.python_unit_s \
         + op.array_calls * spec.numpy_call_s
 
 
-def median_host_work(runs: list) -> list:
+def median_host_work(runs: list, prices: list | None = None) -> list:
     """One trace per rank from ``runs`` (lists of ``DeviceTrace``, one list per host-timed
-    trace of the same program): the first run's ops, each host op's ``host_s`` the median
-    over the runs.
+    trace of the same program): the first run's ops with each host op's figures the
+    median over the runs — with ``prices`` (one callable per run, host op -> single-core
+    seconds, e.g. :func:`host_work_s` with the tracer rates measured just before that
+    run) the median of the prices, set as the op's ``seconds``; without, the medians of
+    ``host_s`` and ``array_s``.
 
     A host segment's thread CPU is one sample of a noisy machine: a trace the scheduler
     or a neighbour interrupts reads up to 2.5x its usual total (seen on this 2-core VM),
-    and a single trace carries that straight into the prediction; the median of three
-    drops it. Runs whose ops differ from the first's in kind or name (a program that
-    does not trace the same way twice) cannot be merged op by op: then the run whose
-    total host CPU is the median is kept whole.
+    and the machine runs Python 1.5x faster or slower from one second to the next, so a
+    trace priced with tracer rates measured at another moment carried up to 2x into the
+    prediction; pricing each trace with rates measured next to it and taking the median
+    of three removes most of that. Runs whose ops differ from the first's in kind or name
+    (a program that does not trace the same way twice) cannot be merged op by op: then
+    the run whose total is the median is kept whole (priced, with ``prices``).
     """
     if not runs:
         raise ValueError("median_host_work: needs at least one run of traces")
-    first = runs[0]
-    if len(runs) == 1:
-        return list(first)
+    if prices is not None and len(prices) != len(runs):
+        raise ValueError(f"median_host_work: {len(prices)} prices for {len(runs)} runs")
+
+    def is_host(op) -> bool:
+        return getattr(op, "name", None) == HOST_OP
+
+    def priced(run, price):
+        return [replace(t, ops=tuple(replace(op, seconds=price(op)) if is_host(op) else op
+                                     for op in t.ops)) for t in run]
 
     def shape(traces):
         return [(t.rank, [(type(op), getattr(op, "name", None)) for op in t.ops])
                 for t in traces]
 
+    first = runs[0]
+    if len(runs) == 1:
+        return list(first) if prices is None else priced(first, prices[0])
     if any(shape(run) != shape(first) for run in runs[1:]):
+        if prices is not None:
+            runs = [priced(run, price) for run, price in zip(runs, prices)]
+
         def total(run):
-            return sum(op.host_s for t in run for op in t.ops
-                       if getattr(op, "name", None) == HOST_OP)
+            return sum(op.host_s if prices is None else op.seconds
+                       for t in run for op in t.ops if is_host(op))
         return list(sorted(runs, key=total)[len(runs) // 2])
     merged = []
     for r, trace in enumerate(first):
         ops = list(trace.ops)
         for i, op in enumerate(ops):
-            if getattr(op, "name", None) == HOST_OP:
-                host_s = float(np.median([run[r].ops[i].host_s for run in runs]))
-                ops[i] = replace(op, host_s=host_s)
+            if is_host(op):
+                same = [run[r].ops[i] for run in runs]
+                host_s = float(np.median([o.host_s for o in same]))
+                array_s = float(np.median([o.array_s for o in same]))
+                seconds = None if prices is None else \
+                    float(np.median([price(o) for o, price in zip(same, prices)]))
+                ops[i] = replace(op, host_s=host_s, array_s=array_s, seconds=seconds)
         merged.append(replace(trace, ops=tuple(ops)))
     return merged

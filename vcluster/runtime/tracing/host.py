@@ -12,7 +12,10 @@ numpy call on a tiny array). So a host segment is recorded as two figures:
 * ``host_s``: thread CPU seconds of the program between two device calls (device calls'
   own work excluded), meta-array calls included;
 * ``array_calls``: how many array operations (outermost meta-array calls: a ufunc, an
-  operator, indexing, reshape, ``np.split``...) the segment made.
+  operator, indexing, reshape, ``np.split``...) the segment made;
+* ``array_s``: the thread CPU seconds spent inside those operations, timed around each
+  one (so the model replaces exactly what the meta calls of *this* trace cost, not a
+  rate measured at another moment: this machine's speed moves within seconds).
 
 The ``localhost`` cost model turns them into the emulator's host work by replacing each
 meta-array call's cost by a numpy call's (both measured by microbenchmarks, see
@@ -37,7 +40,8 @@ _CLOCK: ContextVar["HostClock | None"] = ContextVar("vcluster_host_clock", defau
 
 
 def counted(fn):
-    """Count calls of ``fn`` (a meta-array operation) as array calls of the running clock.
+    """Count calls of ``fn`` (a meta-array operation) as array calls of the running clock,
+    and the thread CPU spent inside them.
 
     Only the outermost call counts: an operator that dispatches to ``__array_ufunc__`` is
     one call, as is everything a device call does inside.
@@ -49,9 +53,11 @@ def counted(fn):
             return fn(*args, **kwargs)
         clock.depth = 1
         clock.calls += 1
+        t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
+            clock.array_s += time.thread_time() - t0
             clock.depth = 0
     return wrapper
 
@@ -64,13 +70,15 @@ class HostClock:
     does its own work, ``resume()`` after it (its work is not the program's).
     """
 
-    __slots__ = ("calls", "depth", "_t0", "_calls0", "_token")
+    __slots__ = ("calls", "depth", "array_s", "_t0", "_calls0", "_array0", "_token")
 
     def __init__(self) -> None:
         self.calls = 0
         self.depth = 0
+        self.array_s = 0.0
         self._t0 = 0.0
         self._calls0 = 0
+        self._array0 = 0.0
         self._token = None
 
     def __repr__(self) -> str:
@@ -85,11 +93,13 @@ class HostClock:
             _CLOCK.reset(self._token)
             self._token = None
 
-    def lap(self) -> tuple[float, int]:
-        """``(host_s, array_calls)`` since the last ``resume``/``lap``; starts the next."""
+    def lap(self) -> tuple[float, int, float]:
+        """``(host_s, array_calls, array_s)`` since the last ``resume``/``lap``; starts
+        the next."""
         now = time.thread_time()
-        out = (max(0.0, now - self._t0), self.calls - self._calls0)
-        self._t0, self._calls0 = now, self.calls
+        out = (max(0.0, now - self._t0), self.calls - self._calls0,
+               max(0.0, self.array_s - self._array0))
+        self._t0, self._calls0, self._array0 = now, self.calls, self.array_s
         return out
 
     def pause(self) -> None:
@@ -97,7 +107,7 @@ class HostClock:
 
     def resume(self) -> None:
         self.depth = 0
-        self._t0, self._calls0 = time.thread_time(), self.calls
+        self._t0, self._calls0, self._array0 = time.thread_time(), self.calls, self.array_s
 
     def count_call(self) -> None:
         """One array operation done by a device call (``dev.empty``) for the program."""

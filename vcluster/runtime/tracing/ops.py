@@ -5,7 +5,8 @@ traced rank by running the same per-device program on shape-only arrays; the tim
 model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small frozen
 dataclasses:
 
-* ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0)`` — work on
+* ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0, array_s=0)`` —
+  work on
   the device's compute stream; ops named ``"host"`` (``trace_program(host_time=True)``)
   carry a program's own host work instead (:mod:`vcluster.runtime.tracing.host`);
 * ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
@@ -29,9 +30,10 @@ __all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWa
 @dataclass(frozen=True)
 class TraceCompute:
     """``seconds``, when set, is a precomputed duration (e.g. of several coalesced kernels)
-    that cost models use instead of pricing flops and bytes. ``host_s`` and
-    ``array_calls`` (host ops only): thread CPU seconds of the tracer in the program's own
-    Python, and the array operations it made (:mod:`vcluster.runtime.tracing.host`)."""
+    that cost models use instead of pricing flops and bytes. ``host_s``,
+    ``array_calls`` and ``array_s`` (host ops only): thread CPU seconds of the tracer in
+    the program's own Python, the array operations it made, and the thread CPU seconds
+    spent inside them (:mod:`vcluster.runtime.tracing.host`)."""
 
     name: str
     flops: float
@@ -39,6 +41,7 @@ class TraceCompute:
     seconds: float | None = None
     host_s: float = 0.0
     array_calls: int = 0
+    array_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,10 @@ class TracingDevice:
     def record_host(self) -> None:
         """Close the program's current host segment into a host op (host timing on);
         the caller resumes the clock once its own bookkeeping is done."""
-        host_s, calls = self.host_clock.lap()
+        host_s, calls, array_s = self.host_clock.lap()
         if host_s > 0.0 or calls:
-            self.ops.append(TraceCompute(HOST_OP, 0.0, 0, host_s=host_s, array_calls=calls))
+            self.ops.append(TraceCompute(HOST_OP, 0.0, 0, host_s=host_s, array_calls=calls,
+                                         array_s=array_s))
 
     def empty(self, shape, dtype=np.float32):
         clock = self.host_clock

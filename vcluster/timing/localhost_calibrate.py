@@ -59,11 +59,12 @@ from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
 from .localhost import LocalhostSpec, _moved_bytes
-from .localhost_calls import CALL_BYTES, CallCpu, cluster_sizes, measure_call_cpu
+from .localhost_calls import CallCpu, cluster_sizes, measure_call_cpu
 from .localhost_gap import measure_gap_cpu
 from .localhost_pool import CorePoolSpec
 from .localhost_start import measure_start
 from .localhost_host import device_host_rates
+from .localhost_p2p import LARGE_BYTES, busy_copy_bytes_per_s, exchange, pair_cpu_s
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
 
@@ -87,8 +88,7 @@ LATENCY_REPS = 50                   # back-to-back barriers / all_reduces per gr
 # varies 2-3x from minute to minute on a virtual machine, unlike the CPU a call burns)
 BUSY_CALLS = 200
 BANDWIDTH_BYTES, BANDWIDTH_MIN_CALLS, BANDWIDTH_TRIALS = 16 << 20, 4, 3   # calls per trial
-P2P_SMALL_REPS, P2P_LARGE_BYTES, P2P_LARGE_REPS = 100, 4 << 20, 8
-P2P_BUSY_REPS = 12                  # round trips per pair timed for the busy copy rate
+P2P_SMALL_REPS, P2P_LARGE_REPS = 100, 8
 _FLOOR = 0.1                        # a derived work is at least this fraction of its total
 # compute_overhead_s: the host work of one op as the project's programs issue them, a
 # `dev.compute` block (event recorded) around a product of (m, k) @ (k, k) float64 with a
@@ -169,7 +169,7 @@ def _quick_figures(cluster, devices: int) -> dict:
     host = np.median(cluster.run(device_host_rates), axis=0)
     out.update(block_overhead_s=float(host[0]), numpy_call_s=float(host[1]),
                python_unit_s=float(host[2]))
-    out["p2p_busy_copy_bytes_per_s"] = _p2p_busy_copy(cluster, devices)
+    out["p2p_busy_copy_bytes_per_s"] = busy_copy_bytes_per_s(cluster, devices)
     return out
 
 
@@ -240,41 +240,6 @@ def _latency_cpu(dev, axes) -> tuple[float, float, float]:
     return tuple(out)
 
 
-def _ping_pong_cpu(dev, reps: int, nbytes: int = 8) -> float | None:
-    """Every device in a pair (rank ^ 1) at once, ping-pongs of ``nbytes``: CPU seconds
-    per message and side (each device sends one and receives one per round trip), after
-    a warm-up of the same length."""
-    peer = dev.rank ^ 1
-    if peer >= dev.mesh.size:
-        return None
-    x = np.ones(max(nbytes // 8, 1))
-
-    def rounds():
-        for k in range(reps):
-            if dev.rank < peer:
-                dev.send(x, peer, k)
-                dev.recv(peer, k)
-            else:
-                dev.recv(peer, k)
-                dev.send(x, peer, k)
-    rounds()
-    dev.barrier()
-    c0 = time.process_time()
-    rounds()
-    return (time.process_time() - c0) / (2 * reps)
-
-
-def _p2p_busy_copy(cluster, devices: int) -> float:
-    """Bytes one side of a large message copies per CPU second, every device in a
-    ping-pong pair at once: the slope of the CPU per message side between CALL_BYTES
-    and P2P_LARGE_BYTES messages."""
-    def side_s(nbytes, reps):
-        got = cluster.run(_ping_pong_cpu, [(reps, nbytes)] * devices)
-        return float(np.median([c for c in got if c is not None]))
-    small, large = side_s(CALL_BYTES, P2P_BUSY_REPS), side_s(P2P_LARGE_BYTES, P2P_BUSY_REPS)
-    return (P2P_LARGE_BYTES - CALL_BYTES) / max(large - small, _FLOOR * large)
-
-
 def _bandwidth(dev, op: str, nbytes: int, calls: int) -> list[tuple[float, float]]:
     """All devices: BANDWIDTH_TRIALS runs of ``calls`` back-to-back calls of ``op`` (as
     programs issue them), each timed from the end of one more call after a barrier (which
@@ -298,17 +263,8 @@ def _ping_pong(dev, nbytes: int, reps: int) -> float | None:
     """Ranks 0 and 1: round-trip time of ``nbytes`` (private arrays: copied each way)."""
     if dev.rank > 1:
         return None
-    peer, x = 1 - dev.rank, np.ones(max(nbytes // 8, 1))
-
-    def rounds():
-        for k in range(reps):
-            if dev.rank == 0:
-                dev.send(x, peer, k)
-                dev.recv(peer, k)
-            else:
-                dev.recv(peer, k)
-                dev.send(x, peer, k)
-    return median_time_s(rounds, 3) / reps
+    x = np.ones(max(nbytes // 8, 1))
+    return median_time_s(lambda: exchange(dev, 1 - dev.rank, x, reps), 3) / reps
 
 
 # --- driver ------------------------------------------------------------------------------
@@ -357,12 +313,12 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         gap_rows = measure_gap_cpu(cluster, shape, axes, cores)
         trials.append(_quick_figures(cluster, devices))
         alone = {k: float(np.median([t[k] for t in trials])) for k in trials[0]}
-        p2p_cpu = [c for c in cluster.run(_ping_pong_cpu, [(BUSY_CALLS,)] * devices)
+        p2p_cpu = [c for c in cluster.run(pair_cpu_s, [(BUSY_CALLS,)] * devices)
                    if c is not None]
         walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
                  for op, _ in _CHANNEL for nbytes in sizes}
         rtt_small = cluster.run(_ping_pong, [(8, P2P_SMALL_REPS)] * devices)[0]
-        rtt_large = cluster.run(_ping_pong, [(P2P_LARGE_BYTES, P2P_LARGE_REPS)] * devices)[0]
+        rtt_large = cluster.run(_ping_pong, [(LARGE_BYTES, P2P_LARGE_REPS)] * devices)[0]
     pool = tuple((k, min(t, k, cores)) for k, t in sorted(points.items()))
     calls = CallCpu(call_rows)
     start_rows = measure_start(cluster_sizes(devices, cores),
@@ -374,7 +330,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         **{f"channel_{name}_bytes_per_s": 1.0 for _, name in _CHANNEL},
         channel_fixed_s=(1.0,) * len(_CHANNEL),
         p2p_latency_s=rtt_small / 2,
-        p2p_copy_bytes_per_s=4 * P2P_LARGE_BYTES / max(rtt_large - rtt_small,
+        p2p_copy_bytes_per_s=4 * LARGE_BYTES / max(rtt_large - rtt_small,
                                                        _FLOOR * rtt_large),
         calibration_devices=devices, message_bytes=sizes,
         p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows,

@@ -48,7 +48,7 @@ import numpy as np
 from .localhost_host import reference_arrays, reference_calls, reference_python
 
 __all__ = ["CALLS", "CALL_BYTES", "GAP_REFERENCE_CALLS", "CallCpu", "cluster_sizes",
-           "measure_call_cpu", "log_log", "linear_clamped", "program_gap"]
+           "measure_call_cpu", "measured_groups", "log_log", "linear_clamped", "program_gap"]
 
 CALL_BYTES = 4096              # the non-inline calls' payload (per member input)
 GAP_REFERENCE_CALLS = 2        # reference_calls(...) before each timed call, plus one
@@ -59,6 +59,16 @@ COLLECTIVE_CALLS = ("barrier", "all_reduce_inline", "all_reduce", "all_gather",
                     "reduce_scatter")
 P2P_CALLS = ("send_inline", "recv_inline", "send", "recv")
 CALLS = COLLECTIVE_CALLS + P2P_CALLS
+
+
+def measured_groups(shape: tuple, axes: tuple, active: int):
+    """The (group size, group's axes) the call tables measure with ``active`` devices on a
+    mesh of ``shape`` over ``axes`` (prime factors of N): every group of the mesh's last
+    axes that divides ``active``, smallest first."""
+    for j in range(len(shape) - 1, -1, -1):
+        group = _fold(lambda u, v: u * v, shape[j:])
+        if group <= active and active % group == 0:
+            yield group, axes[j:]
 
 
 def cluster_sizes(devices: int, cores: int) -> tuple[int, ...]:
@@ -127,15 +137,11 @@ def measure_call_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
     n_all = cluster.mesh.size
     rows = []
     for active in cluster_sizes(n_all, cores):
-        for j in range(len(shape) - 1, -1, -1):              # smallest group first
-            group = _fold(lambda u, v: u * v, shape[j:])
-            if group > active or active % group:
-                continue
+        for group, group_axes in measured_groups(shape, axes, active):
             for call in COLLECTIVE_CALLS:
-                cluster.run(_collective_cpu, [(active, axes[j:], call)] * n_all)  # warm-up
-                cpu = [c for _ in range(RUNS)
-                       for per in cluster.run(_collective_cpu,
-                                              [(active, axes[j:], call)] * n_all)
+                args = [(active, group_axes, call)] * n_all
+                cluster.run(_collective_cpu, args)                                # warm-up
+                cpu = [c for _ in range(RUNS) for per in cluster.run(_collective_cpu, args)
                        if per is not None for c in per]
                 rows.append((active, call, group, float(np.median(cpu))))
         for nbytes, suffix in ((8, "_inline"), (CALL_BYTES, "")):

@@ -35,11 +35,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import reduce as _fold
 
 import numpy as np
 
-from .localhost_calls import CALL_BYTES, cluster_sizes, linear_clamped, program_gap
+from .localhost_calls import (CALL_BYTES, cluster_sizes, linear_clamped, measured_groups,
+                              program_gap)
 from .localhost_host import reference_arrays, reference_python
 
 __all__ = ["GAP_PASSES", "measure_gap_cpu", "CallGap"]
@@ -73,12 +73,9 @@ def measure_gap_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
     n_all = cluster.mesh.size
     rows = []
     for active in cluster_sizes(n_all, cores):
-        for j in range(len(shape) - 1, -1, -1):              # smallest group first
-            group = _fold(lambda u, v: u * v, shape[j:])
-            if group > active or active % group:
-                continue
+        for group, group_axes in measured_groups(shape, axes, active):
             for passes in GAP_PASSES:
-                args = [(active, axes[j:], passes)] * n_all
+                args = [(active, group_axes, passes)] * n_all
                 cluster.run(_gap_cpu, args)                      # warm-up
                 pairs = [p for _ in range(GAP_RUNS) for per in cluster.run(_gap_cpu, args)
                          if per is not None for p in per]

@@ -283,6 +283,13 @@ def test_rounds_recalibrate_between_them():
         run_workloads(given[0], [], rounds=0)
 
 
+def test_spread_is_half_the_interquartile_range_over_the_median():
+    from vcluster.cli.bench_predict import spread
+    row = {"measured_s": 10.0, "measured_iqr_s": [8.0, 13.0]}
+    assert spread(row) == pytest.approx(0.25)
+    assert spread({"measured_s": 2.0, "measured_iqr_s": [2.0, 2.0]}) == 0.0
+
+
 def test_calibration_measures_positive_finite_figures():
     from vcluster.timing.localhost_calibrate import calibrate_localhost
     s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))
@@ -323,10 +330,13 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
     for w in record["workloads"]:
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
-                          "predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}
+                          "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
+                          "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
         assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
                                                 + sorted(w["measured_runs_s"])[1] / 2)
+        lo, hi = sorted(w["measured_runs_s"])              # quartiles of two runs
+        assert w["measured_iqr_s"] == pytest.approx([lo + (hi - lo) / 4, hi - (hi - lo) / 4])
         assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])

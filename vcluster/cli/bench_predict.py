@@ -36,8 +36,10 @@ runs, predicted the median over the calibrations.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
 calibration's, "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
-"predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}], "max_error"}`` with
-``max_error = max |ratio - 1|``.
+"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}],
+"max_error"}`` with ``max_error = max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th]
+percentile of the measured runs. The table's ``spread`` column is half that range over
+the median: how far the machine's own run-to-run noise reaches, to read a ratio against.
 
 ``--scenarios`` predicts the bundled emulated scenarios instead
 (:mod:`vcluster.cli.bench_predict_scenarios`).
@@ -56,7 +58,7 @@ from .args import csv_of, positive_int
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
-           "predict_workload", "run_predict", "run_workloads"]
+           "predict_workload", "run_predict", "run_workloads", "spread"]
 
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
@@ -184,6 +186,8 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
         known = [b for b in loads[wl.name] if b is not None]
         rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
                      "measured_s": measured, "measured_runs_s": runs[wl.name],
+                     "measured_iqr_s": [float(q) for q in np.percentile(runs[wl.name],
+                                                                        (25, 75))],
                      "predicted_s": float(np.median(predicted)),
                      "predicted_by_spec_s": predicted,
                      "ratio": float(np.median(predicted)) / measured,
@@ -245,11 +249,12 @@ def _predict(args) -> int:
     _print_spec(spec)
     if args.scenarios:
         return _predict_scenarios(args, spec, recalibrate)
-    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
-          f"{'other load':>12}", flush=True)
+    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
+          f"{'ratio':>8}{'other load':>12}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate)
-    print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%)")
+    print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
+          f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
     if args.json:
         from .files import write_json
         write_json(args.json, record)
@@ -259,13 +264,14 @@ def _predict(args) -> int:
 
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
-    print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'predicted':>12}{'ratio':>8}"
-          f"{'other load':>12}", flush=True)
+    print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
+          f"{'ratio':>8}{'other load':>12}", flush=True)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate)
     print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
-          f"max |ratio - 1| = {record['max_error']:.1%}")
+          f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
+          f"±{np.median([spread(r) for r in record['workloads']]):.0%}")
     if args.json:
         from .files import write_json
         write_json(args.json, record)
@@ -278,7 +284,14 @@ def _print_row(r: dict, width: int = 22) -> None:
     flag = "" if load is None else f"{load:>6.2f} cores" + (
         "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
     print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
-          f"{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}  {flag}", flush=True)
+          f"{'±' + format(spread(r), '.0%'):>8}{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}"
+          f"  {flag}", flush=True)
+
+
+def spread(row: dict) -> float:
+    """Half the interquartile range of a row's measured runs over their median."""
+    q25, q75 = row["measured_iqr_s"]
+    return (q75 - q25) / (2 * row["measured_s"])
 
 
 def _ms(seconds: float) -> str:

@@ -30,17 +30,14 @@ with every device busy they take what they were measured to take. Work of one op
   ``n`` calling at once (``barrier_cpu_s``, ...: robust to how late sleeping processes
   are woken, which moves wall times 2-3x from one minute to the next on a virtual
   machine; specs without them fall back to a share of the wall time of one group alone,
-  ``c(n) = L(n) T(n) / n``), plus the bytes the member moves as
+  ``c(n) = L(n) T(n) / n``), plus the work of the bytes the member moves as
   :func:`~vcluster.runtime.traffic.collective_traffic` counts them, its own piece
-  included (``B_chan`` rates are measured with all devices busy, in pool units)::
+  included, at ``B_chan`` rates measured with all devices busy
+  (:mod:`.localhost_bytes`)::
 
       barrier             c_barrier(n)
       inline (<= 512 B)   c_inline(n)              (8-byte all_reduce: one phase)
-      copy collectives    f c_large(n) + read / B_copy         (all_gather, all_to_all,
-                                                                broadcast, scatter, gather)
-      reduce_scatter      f c_large(n) + read / B_reduce
-      all_reduce          f c_large(n) + (read + written) / B_all_reduce
-      reduce              f c_large(n) + read / B_reduce + written / B_copy
+      larger              f c_large(n) + its bytes' work
 
   ``c_large`` from a 4 KiB all_reduce (two phases); ``B_*`` from all_gather,
   reduce_scatter and all_reduce on all N devices (the slope of their time in the bytes
@@ -49,9 +46,8 @@ with every device busy they take what they were measured to take. Work of one op
   pairwise) are priced as their messages (below);
 * point to point: sender and receiver each ``p2p_message_cpu_s`` (CPU per side of an
   8-byte message, every device in a ping-pong pair; older specs: ``p2p_latency / 2``)
-  plus, above 512 B, one
-  copy of the payload, ``nbytes f_copy / B_p2p`` (the sender stages it, the receiver
-  copies it out).
+  plus, above 512 B, one copy of the payload (the sender stages it, the receiver copies
+  it out).
 
 Assumptions: large collective inputs are resident (in the device's arena, as products and
 collective results are), and send payloads are not.
@@ -76,6 +72,7 @@ from vcluster.runtime.tracing.host import HOST_OP
 from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv
 from vcluster.runtime.traffic import collective_traffic
 
+from .localhost_bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_gap import CallGap
 from .localhost_host import HOST_TRACES, host_work_s, measure_tracer_rates, median_host_work
@@ -95,7 +92,6 @@ __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
 #: and float32 ones with a micro-batch of 8 rows, as elementwise work, 40x too slow).
 BLAS_MIN_FLOPS_PER_ELEMENT = 12.0
 
-_COPY = ("all_gather", "all_to_all", "broadcast", "scatter", "gather")
 _FLOOR = 0.1                 # a call's fixed CPU is at least this share of its measured CPU
 _UNSEEN = object()
 
@@ -266,26 +262,13 @@ class LocalhostCostModel:
             if nbytes <= INLINE_BYTES:
                 return (calls.seconds("send_inline", self.n_devices, 2),
                         calls.seconds("recv_inline", self.n_devices, 2))
-            more = max(0, nbytes - CALL_BYTES) * self._p2p_copy_s_per_byte
+            more = max(0, nbytes - CALL_BYTES) * p2p_copy_s_per_byte(s)
             return (calls.seconds("send", self.n_devices, 2) + more,
                     calls.seconds("recv", self.n_devices, 2) + more)
-        copy = 0.0
-        if nbytes > INLINE_BYTES:
-            copy = nbytes * self._p2p_copy_s_per_byte
+        copy = nbytes * p2p_copy_s_per_byte(s) if nbytes > INLINE_BYTES else 0.0
         fixed = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
         side = fixed + copy
         return side, side
-
-    @property
-    def _p2p_copy_s_per_byte(self) -> float:
-        """Pool work per byte one side of a message copies with every device busy:
-        ``1 / p2p_busy_copy_bytes_per_s`` (measured so, in one figure), or in older specs
-        the alone rate under the memcpy busy factor, ``T(N) / (s_memcpy B_p2p)`` (two
-        figures whose noise multiplies)."""
-        s = self.spec
-        if s.p2p_busy_copy_bytes_per_s is not None:
-            return 1.0 / s.p2p_busy_copy_bytes_per_s
-        return s.busy_factor(s.memcpy_busy_speedup) / s.p2p_copy_bytes_per_s
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
         if src == dst:
@@ -348,7 +331,7 @@ class LocalhostCostModel:
         t = collective_traffic(name, op.algorithm, members, position, op.nbytes,
                                op.itemsize or 1, op.root)
         if op.algorithm != "shm":                            # messages through the channel
-            w = self._message_work(t)
+            w = message_work(s, t)
             return 0.0, w, 0.0
         if op.nbytes <= INLINE_BYTES:
             if calls is None:
@@ -357,7 +340,7 @@ class LocalhostCostModel:
             program = calls.seconds("all_reduce_inline", self.n_devices, n)
             return (self._in_rhythm(program, s.small_all_reduce_cpu_s, "all_reduce_inline", n),
                     0.0, program)
-        moved = self._bytes_work(name, n, position, op, t)
+        moved = bytes_work(s, name, n, position, op, t)
         if calls is None:
             w = self.large_share_s(n) * self._fixed_ratio(name)
             return w, moved, w
@@ -366,7 +349,7 @@ class LocalhostCostModel:
                                                  else "all_gather")
         at = TraceCollective(kind, members, CALL_BYTES, 8, "shm")
         measured = calls.seconds(kind, self.n_devices, n)
-        at_moved = self._bytes_work(kind, n, 0, at, collective_traffic(
+        at_moved = bytes_work(s, kind, n, 0, at, collective_traffic(
             kind, "shm", members, 0, CALL_BYTES, 8))
         program = max(_FLOOR * measured, measured - at_moved)
         return (self._in_rhythm(program, s.large_all_reduce_cpu_s, "all_reduce", n), moved,
@@ -381,45 +364,6 @@ class LocalhostCostModel:
         b2b = _interpolate(s.group_sizes, b2b_table, n)
         ratio = b2b / self._calls.seconds(call, s.calibration_devices, n)
         return program * min(1.0, ratio)
-
-    def _bytes_work(self, name: str, n: int, position: int, op, traffic) -> float:
-        """The channel work of the bytes one member of a large shm call moves."""
-        s = self.spec
-        read, written = _moved_bytes(name, n, position, op, traffic)
-        if name in _COPY:
-            return read / s.channel_copy_bytes_per_s
-        if name == "all_reduce":
-            return (read + written) / s.channel_all_reduce_bytes_per_s
-        return read / s.channel_reduce_bytes_per_s + written / s.channel_copy_bytes_per_s
-
-    def _message_work(self, traffic) -> float:
-        """A member's work in a message algorithm (ring, tree, pairwise): its messages
-        follow each other inside one call, so each costs the back-to-back CPU of an
-        8-byte message side (``p2p_message_cpu_s``; older specs: half the round trip),
-        plus the copy of its bytes."""
-        s = self.spec
-        side = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
-        return ((traffic.messages_sent + traffic.messages_received) * side
-                + (traffic.bytes_sent + traffic.bytes_received) * self._p2p_copy_s_per_byte)
-
-
-def _moved_bytes(name: str, n: int, position: int, op, traffic) -> tuple[int, int]:
-    """(bytes read, bytes written) by one member of a large shm call: the traffic model's
-    reads from and writes to its peers, plus its own piece (which the model leaves out:
-    all_gather and gather's root copy their own input, all_to_all and reduce_scatter
-    their own 1/n, all_reduce and reduce combine their own chunk, broadcast's and
-    scatter's roots copy their input or piece into the result)."""
-    x, root = op.nbytes, position == op.root
-    chunk = max((b for _, b, _ in traffic.received), default=0)
-    own = {"all_gather": x, "gather": x if root else 0, "all_to_all": x // n,
-           "reduce_scatter": x // n, "all_reduce": chunk, "reduce": chunk,
-           "broadcast": x if root else 0, "scatter": x // n if root else 0}[name]
-    written = 0
-    if name == "all_reduce" or (name == "reduce" and root):
-        written = traffic.bytes_sent + own                # the reduced chunk, to every output
-    elif name == "reduce":
-        written = traffic.bytes_sent                      # ... to the root's
-    return traffic.bytes_received + own, written
 
 
 def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None,

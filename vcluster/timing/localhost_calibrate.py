@@ -58,7 +58,8 @@ import numpy as np
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
-from .localhost import LocalhostSpec, _moved_bytes
+from .localhost import LocalhostSpec
+from .localhost_bytes import moved_bytes
 from .localhost_calls import CallCpu, cluster_sizes, measure_call_cpu
 from .localhost_gap import measure_gap_cpu
 from .localhost_pool import CorePoolSpec
@@ -378,7 +379,7 @@ def _channel_rates(spec: LocalhostSpec, walls: dict) -> dict:
         for size in spec.message_bytes:             # (intercept, small, large)
             nbytes = size // (n if op == "all_gather" else 1)
             op_ = TraceCollective(op, members, nbytes, 4, "shm")
-            moved.append(sum(_moved_bytes(op, n, 0, op_, collective_traffic(
+            moved.append(sum(moved_bytes(op, n, 0, op_, collective_traffic(
                 op, "shm", members, 0, nbytes, 4))))
         tiny, small, large = (walls[(op, size)] for size in spec.message_bytes)
         slope = max(large - small, _FLOOR * large) / (moved[2] - moved[1])   # wall s / byte

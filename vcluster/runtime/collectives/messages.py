@@ -114,8 +114,11 @@ def ring_reduce_scatter(call: GroupCall, x: np.ndarray, out, dim: int, op: Reduc
     return res
 
 
-def tree_broadcast(call: GroupCall, x, out, root: int, step0: int = 0) -> np.ndarray:
-    """Binomial tree: in round k, members with relative rank < 2^k send to rel + 2^k."""
+def tree_broadcast(call: GroupCall, x, out, root: int, step0: int = 0,
+                   owned: bool = False) -> np.ndarray:
+    """Binomial tree: in round k, members with relative rank < 2^k send to rel + 2^k.
+    ``owned``: the root's ``x`` is a buffer of the algorithm's own (tree all-reduce's
+    sum), returned as the root's result instead of copied."""
     g, n = call.group, call.group.size
     rel = (g.position - root) % n
     data = x if rel == 0 else None
@@ -138,7 +141,10 @@ def tree_broadcast(call: GroupCall, x, out, root: int, step0: int = 0) -> np.nda
         if out is not data:
             np.copyto(out, data)
         return out
-    return data.copy() if data is x else data
+    if data is x and not owned:                    # the root: its result, like the others'
+        data = call.alloc(x.shape, x.dtype, True)  # received ones, lives in its arena
+        np.copyto(data, x)
+    return data
 
 
 def tree_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int,
@@ -169,7 +175,7 @@ def tree_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int,
 
 def tree_all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
     total = tree_reduce(call, x, None, op, root=0, step0=0)
-    return tree_broadcast(call, total, out, root=0, step0=1)
+    return tree_broadcast(call, total, out, root=0, step0=1, owned=True)
 
 
 def pairwise_all_to_all(call: GroupCall, x: np.ndarray, out, split_dim: int,

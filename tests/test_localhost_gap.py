@@ -1,7 +1,9 @@
 """A call's CPU after longer stretches of work (vcluster.timing.localhost_gap): the lookup
 interpolates as documented, the spec keeps and validates its rows, the model charges
 ``(g(w) - 1)`` times the call's program figure for the work ``w`` its rank did since its
-previous communication, and a real measurement gives a row per gap, group and size."""
+previous communication, and a real measurement gives a row per gap, group and size. The
+stretches' own CPU against their warm price gives the cold-stretch extra
+(``ColdStretch``), which host-timed traces pay between blocking calls."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from test_localhost_calls import HALF_B2B, _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
 from vcluster.timing.localhost import LocalhostCostModel
-from vcluster.timing.localhost_gap import GAP_PASSES, CallGap, measure_gap_cpu
-from vcluster.timing.localhost_start import COLD_CALL
+from vcluster.timing.localhost_calls import GAP_REFERENCE_CALLS
+from vcluster.timing.localhost_gap import GAP_PASSES, CallGap, ColdStretch, measure_gap_cpu
+from vcluster.timing.localhost_host import REFERENCE_CALLS, TracerRates
+from vcluster.timing.localhost_start import COLD_CALL, COLD_STRETCH
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,6 +86,76 @@ def test_model_charges_the_work_since_the_last_communication():
     assert cold == pytest.approx([model.cold_call_s(call, 0)])    # nothing since the recv
     plain = LocalhostCostModel(spec(call_cpu_s=_rows(), **HALF_B2B), 8, "float32")
     assert plain.gap_extra_s(call, 0, 600 * US) == 0.0
+
+
+# --- the cold stretch ------------------------------------------------------------------------
+NUMPY_S, PYTHON_S = 1 * US, 20 * US
+WARM = tuple(GAP_REFERENCE_CALLS * REFERENCE_CALLS * NUMPY_S + PYTHON_S + p * PYTHON_S
+             for p in GAP_PASSES)                         # 42, 282, 842 us
+
+
+def _cold_rows(extras_by_size: dict) -> tuple:
+    """Gap rows whose stretches measured their warm price plus ``extras`` (per size, one
+    per GAP_PASSES; groups 2 and the size, the group 2 rows 10 us dearer)."""
+    rows = []
+    for d, extras in extras_by_size.items():
+        for g, more in ((2, 10 * US), (d, 0.0)):
+            rows += [(d, g, w + e + more, 100 * US) for w, e in zip(WARM, extras)]
+    return tuple(rows)
+
+
+def _cold_spec(extras_by_size):
+    return spec(call_cpu_s=_rows(), call_gap_cpu_s=_cold_rows(extras_by_size),
+                numpy_call_s=NUMPY_S, python_unit_s=PYTHON_S, block_overhead_s=2 * US,
+                **HALF_B2B)
+
+
+def test_cold_stretch_is_the_measured_cpu_less_the_warm_price():
+    s = _cold_spec({4: (20 * US, 30 * US, 50 * US), 8: (30 * US, 40 * US, 60 * US)})
+    cold = ColdStretch.of_spec(s)
+    assert cold.warm_s == pytest.approx(WARM)
+    assert cold.sizes == (4, 8)
+    # median over the groups (2: 10 us dearer, 8: as listed) of measured - warm
+    assert cold.extra_s[1] == pytest.approx((35 * US, 45 * US, 65 * US))
+    assert cold.extra(8, WARM[0]) == pytest.approx(35 * US)
+    assert cold.extra(8, WARM[0] / 2) == pytest.approx(17.5 * US)   # proportional below
+    assert cold.extra(8, (WARM[1] + WARM[2]) / 2) == pytest.approx(55 * US)
+    assert cold.extra(8, 1.0) == pytest.approx(65 * US)            # flat beyond
+    assert cold.extra(6, WARM[2]) == pytest.approx((55 + 65) / 2 * US)
+    assert cold.extra(8, 0.0) == 0.0
+    # a stretch measured cheaper than its warm price costs nothing more
+    assert ColdStretch.of_spec(_cold_spec({8: (-15 * US, 0.0, 0.0)})).extra(8, WARM[0]) == 0.0
+    assert ColdStretch.of_spec(spec()) is None                       # no gap rows, no rates
+    two_gaps = spec(call_gap_cpu_s=GAP_ROWS, numpy_call_s=NUMPY_S, python_unit_s=PYTHON_S,
+                    block_overhead_s=2 * US)
+    assert ColdStretch.of_spec(two_gaps) is None                     # not one per GAP_PASSES
+
+
+def test_host_timed_traces_pay_the_cold_stretch_between_blocking_calls():
+    """Rank 0 works 300 us, receives, works 100 us, sends (not blocking), works 100 us,
+    calls all_reduce and works 50 us: three stretches, 300, 200 and 50 us of work."""
+    s = _cold_spec({8: (30 * US, 40 * US, 60 * US)})
+    rates = TracerRates(segment_s=1 * US, meta_call_s=5 * US, python_unit_s=PYTHON_S)
+    model = LocalhostCostModel(s, 8, "float32", tracer=rates)
+    cold = ColdStretch.of_spec(s)
+
+    def work(us):
+        return TraceCompute("w", 0.0, 0, seconds=us * US)
+    from vcluster.runtime.tracing.ops import TraceSend
+    call = TraceCollective("all_reduce", tuple(range(8)), 4096, 4, "shm")
+    ops = (work(300), TraceRecv(1, 8, 0), work(100), TraceSend(1, 8, 1), work(100), call,
+           work(50))
+    (out,) = model.prepare_traces([DeviceTrace(0, ops)])
+    got = [op.seconds for op in out.ops if getattr(op, "name", None) == COLD_STRETCH]
+    assert got == pytest.approx([cold.extra(8, w * US) for w in (300, 200, 50)])
+    assert got[0] == pytest.approx(45 * US + 20 * US * (300 * US - WARM[1])  # 282 < 300 us
+                                   / (WARM[2] - WARM[1]))
+    # the extra comes before the blocking call it ends at
+    names = [getattr(op, "name", type(op).__name__) for op in out.ops]
+    assert names.index(COLD_STRETCH) < names.index("TraceRecv")
+    # traces without host timing (a model without tracer rates) pay none
+    (plain,) = LocalhostCostModel(s, 8, "float32").prepare_traces([DeviceTrace(0, ops)])
+    assert COLD_STRETCH not in [getattr(op, "name", None) for op in plain.ops]
 
 
 def test_measure_gap_cpu_on_a_real_cluster():

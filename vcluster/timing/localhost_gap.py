@@ -28,6 +28,17 @@ linear in the cluster size and in the group size between the measured ones, the
 nearest outside). The ``localhost`` model multiplies the program figure of a call's
 synchronisation by ``g`` of the work its caller did since its previous communication
 (:func:`~vcluster.timing.localhost_start.prepare_traces`).
+
+The same runs time the stretch itself, and it too costs more than its warm price (the
+numpy calls and Python passes at the rates measured in loops, ``numpy_call_s`` and
+``python_unit_s``): after a blocking call a device resumes with the others' work in its
+caches. On 2 cores the reference stretch (~44 us warm) measured 62-101 us, the longest
+(~0.8 ms warm) ~55 us more (2026-11-24, six calibrations). :class:`ColdStretch` takes
+``e(w)``, the measured CPU less the warm price, per cluster size (the median over
+groups) at each stretch's warm price ``w``: proportional below the shortest, linear
+between, the last beyond; the model charges ``e`` of the work a rank does between two
+blocking calls (a collective or a receive; from its start to the first, from the last
+to its end) as one more op (``cold stretch``).
 """
 
 from __future__ import annotations
@@ -38,11 +49,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .localhost_calls import (CALL_BYTES, cluster_sizes, linear_clamped, measured_groups,
-                              program_gap)
-from .localhost_host import reference_arrays, reference_python
+from .localhost_calls import (CALL_BYTES, GAP_REFERENCE_CALLS, cluster_sizes, linear_clamped,
+                              measured_groups, program_gap)
+from .localhost_host import REFERENCE_CALLS, reference_arrays, reference_python
 
-__all__ = ["GAP_PASSES", "measure_gap_cpu", "CallGap"]
+__all__ = ["GAP_PASSES", "measure_gap_cpu", "CallGap", "ColdStretch"]
 
 GAP_PASSES = (0, 12, 40)        # more passes of reference_python before each call
 GAP_RUNS, GAP_CALLS = 6, 6      # short runs per row, timed calls in each
@@ -131,3 +142,46 @@ class CallGap:
             gaps, secs = [w for w, _ in points], [s for _, s in points]
             values.append(linear_clamped(gaps, secs, work_s) / secs[0])
         return linear_clamped(groups, values, group)
+
+
+@dataclass(frozen=True)
+class ColdStretch:
+    """What a stretch of work costs more after a blocking call (module docstring):
+    ``warm_s`` the warm price of each measured stretch (one per :data:`GAP_PASSES`),
+    ``sizes`` the cluster sizes, ``extra_s`` per size the measured CPU less that price at
+    each stretch (at least 0)."""
+
+    warm_s: tuple
+    sizes: tuple
+    extra_s: tuple
+
+    @classmethod
+    def of_spec(cls, spec) -> "ColdStretch | None":
+        """From a spec's gap rows and host rates; None when it lacks either, or a group's
+        rows are not one per :data:`GAP_PASSES`."""
+        if spec.call_gap_cpu_s is None or spec.numpy_call_s is None \
+                or spec.python_unit_s is None:
+            return None
+        reference = GAP_REFERENCE_CALLS * REFERENCE_CALLS * spec.numpy_call_s \
+            + spec.python_unit_s
+        warm = tuple(reference + p * spec.python_unit_s for p in GAP_PASSES)
+        table = CallGap(spec.call_gap_cpu_s)._table
+        sizes, extras = [], []
+        for d in sorted(table):
+            per_group = [[max(0.0, w - price) for (w, _), price in zip(points, warm)]
+                         for points in table[d].values() if len(points) == len(warm)]
+            if not per_group:
+                return None
+            sizes.append(d)
+            extras.append(tuple(float(v) for v in np.median(per_group, axis=0)))
+        return cls(warm, tuple(sizes), tuple(extras))
+
+    def extra(self, devices: int, work_s: float) -> float:
+        """``e(work_s)`` on a cluster of ``devices`` (linear between the measured sizes,
+        the nearest outside)."""
+        if work_s <= 0.0:
+            return 0.0
+        e = linear_clamped(list(self.sizes), list(self.extra_s), devices)
+        if work_s <= self.warm_s[0]:
+            return e[0] * work_s / self.warm_s[0]
+        return linear_clamped(list(self.warm_s), list(e), work_s)

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 __all__ = ["START_S", "SPIN_S", "timed_run", "measure_start", "start_figures",
-           "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL"]
+           "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL", "COLD_STRETCH"]
 
 START_S = 0.01          # devices start their program this long after rank 0 announces it
 SPIN_S = 0.002          # ... sleeping until this long before it, then spinning (a sleep's
@@ -40,6 +40,7 @@ START_REPS = 9          # runs of each start program per cluster size (median)
 RUN_START = "run start"             #: the name of the op of a rank's start
 FIRST_CALL = "first call (start)"   #: ... and of the extra work of its first synchronisation
 COLD_CALL = "cold call"             #: ... and of a call's extra after other work
+COLD_STRETCH = "cold stretch"       #: ... and of the extra of work after a blocking call
 
 
 def timed_run(dev, program, *args) -> tuple[float, float]:
@@ -110,27 +111,40 @@ def prepare_traces(model, traces) -> list:
     * before every collective that follows other work rather than another call on its
       group (array operations in between, or another op), its cold extra
       (``model.cold_call_s``), plus what the work its rank did since its previous
-      communication adds (``model.gap_extra_s``, :mod:`.localhost_gap`).
+      communication adds (``model.gap_extra_s``, :mod:`.localhost_gap`);
+    * host-timed traces, before every blocking call (a collective or a receive) and at
+      the end, what the work since the rank's previous blocking call (or its start) costs
+      more for resuming cold (:class:`.localhost_gap.ColdStretch`).
     """
     from vcluster.runtime.tracing.host import HOST_OP
     from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
+
+    from .localhost_gap import ColdStretch
     wall, factor = start_figures(model.spec.start_s, model.n_devices)
     n = model.n_devices
     start = TraceCompute(RUN_START, 0.0, 0, seconds=wall * model.core_pool.throughput_at(n) / n)
     gap_extra = model.gap_extra_s if model.spec.call_gap_cpu_s is not None else None
+    cold = ColdStretch.of_spec(model.spec) if model.host_timed and n > 1 else None
     out = []
     for t in traces:
         ops, first, previous = [start] if wall > 0.0 else [], True, None
         work = 0.0                               # since the rank's last communication
+        stretch = 0.0                            # ... and its last blocking call
         for op in t.ops:
             if isinstance(op, TraceCompute):
-                if gap_extra is not None and (op.name != HOST_OP or model.host_timed):
-                    work += model.compute_time_s(op)
+                if (gap_extra is not None or cold is not None) \
+                        and (op.name != HOST_OP or model.host_timed):
+                    w = model.compute_time_s(op)
+                    work += w
+                    stretch += w
                 ops.append(op)
                 if op.name != HOST_OP or op.array_calls:
                     previous = op                # a loop's bare glue keeps the rhythm
                 continue
             collective = isinstance(op, TraceCollective) and len(op.group) > 1
+            if cold is not None and (collective or isinstance(op, TraceRecv)):
+                _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
+                stretch = 0.0
             if first and (collective or isinstance(op, TraceRecv)):
                 first = False
                 if factor > 1.0:
@@ -146,5 +160,14 @@ def prepare_traces(model, traces) -> list:
                     ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
             ops.append(op)
             previous, work = op, 0.0
+        if cold is not None:
+            _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
         out.append(DeviceTrace(t.rank, tuple(ops)))
     return out
+
+
+def _add_work(ops: list, name: str, seconds: float) -> None:
+    """Append a work op of ``seconds`` named ``name`` to ``ops`` (nothing for 0)."""
+    from vcluster.runtime.tracing.ops import TraceCompute
+    if seconds > 0.0:
+        ops.append(TraceCompute(name, 0.0, 0, seconds=seconds))

@@ -56,8 +56,9 @@ Specs calibrated since host work and per-call figures were measured price more t
 above (docs/timing.md): the programs' own host work in host-timed traces
 (:mod:`.localhost_host`; compute ops then cost an empty block plus their kernel), calls
 from the CPU they cost inside programs (:mod:`.localhost_calls`: the lines above become
-their back-to-back part), and the start of a run with the cold extra of calls that follow
-other work (:mod:`.localhost_start`, :meth:`LocalhostCostModel.prepare_traces`);
+their back-to-back part), the start of a run, the cold extra of calls that follow other
+work and of work that follows a blocking call (:mod:`.localhost_start`,
+:mod:`.localhost_gap`, :meth:`LocalhostCostModel.prepare_traces`);
 :func:`localhost_traces` traces a program for all of it.
 """
 
@@ -153,9 +154,9 @@ class LocalhostCostModel:
 
     def prepare_traces(self, traces) -> list:
         """``traces`` with what their context costs on this machine, as work ops: the
-        start of a run on all devices at once and the cold extra of every collective
-        that follows other work (:func:`.localhost_start.prepare_traces`). Localhost
-        predictions replay the prepared traces."""
+        start of a run on all devices at once, the cold extra of every collective that
+        follows other work and of the work between blocking calls
+        (:func:`.localhost_start.prepare_traces`). Localhost predictions replay them."""
         from .localhost_start import prepare_traces
         return prepare_traces(self, traces)
 

@@ -283,6 +283,29 @@ def test_rounds_recalibrate_between_them():
         run_workloads(given[0], [], rounds=0)
 
 
+def test_steps_run_the_program_back_to_back_and_report_per_step():
+    """``steps=K``: the measured and traced program is K of the workload's back to back
+    (K times its calls), and every time in the record is per step."""
+    from vcluster.cli.bench_predict import (build_workload, predict_workload, run_workloads,
+                                            stepped)
+    from vcluster.runtime.tracing import trace_program
+    wl = build_workload("all_gather-1MiB", tiny=True)
+    assert stepped(wl, 1) is wl
+    calls = [[op for op in t.ops if isinstance(op, TraceCollective)]
+             for t in (trace_program(w.mesh, w.program, w.meta_args)[0]
+                       for w in (wl, stepped(wl, 3)))]
+    assert len(calls[1]) == 3 * len(calls[0]) > 0
+    record = run_workloads(spec(), [wl], reps=2, steps=3)
+    (row,) = record["workloads"]
+    assert record["steps"] == 3 and row["name"] == wl.name
+    assert row["measured_s"] == pytest.approx(sum(row["measured_runs_s"]) / 2)
+    assert row["predicted_s"] == pytest.approx(row["predicted_by_spec_s"][0])
+    assert row["predicted_s"] == pytest.approx(predict_workload(stepped(wl, 3), spec()) / 3)
+    assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
+    with pytest.raises(ValueError, match="steps"):
+        run_workloads(spec(), [wl], steps=0)
+
+
 def test_spread_is_half_the_interquartile_range_over_the_median():
     from vcluster.cli.bench_predict import spread
     row = {"measured_s": 10.0, "measured_iqr_s": [8.0, 13.0]}
@@ -321,10 +344,11 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     out = tmp_path / "predict.json"
     args = parser.parse_args(["bench", "predict", "--spec", str(tmp_path / "spec.json"),
                               "--workloads", "all_gather-1MiB,matmul", "--tiny", "--reps", "1",
-                              "--rounds", "2", "--json", str(out)])
+                              "--rounds", "2", "--steps", "2", "--json", str(out)])
     assert args.run(args) == 0
     record = json.loads(out.read_text())
-    assert set(record) == {"spec", "specs", "workloads", "max_error"}
+    assert set(record) == {"spec", "specs", "steps", "workloads", "max_error"}
+    assert record["steps"] == 2
     assert LocalhostSpec.from_dict(record["spec"]) == spec()
     assert len(record["specs"]) == 1                     # a given spec is not recalibrated
     assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]

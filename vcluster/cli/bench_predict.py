@@ -35,7 +35,7 @@ minutes, so the calibrations bracket the measurements; measured is the median of
 runs, predicted the median over the calibrations.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
-calibration's, "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
+calibration's, "steps", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
 "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}],
 "max_error"}`` with ``max_error = max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th]
 percentile of the measured runs. The table's ``spread`` column is half that range over
@@ -43,6 +43,11 @@ the median: how far the machine's own run-to-run noise reaches, to read a ratio 
 
 ``--scenarios`` predicts the bundled emulated scenarios instead
 (:mod:`vcluster.cli.bench_predict_scenarios`).
+
+``--steps K`` runs each program K times back to back inside one timed run, measured and
+predicted alike (the steady state of a training loop rather than one cold run: the start
+of the run and its first, colder step weigh 1/K); every time in the table and the JSON
+is then per step (the run's over K), and the record says ``"steps": K``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from .args import csv_of, positive_int
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
-           "predict_workload", "run_predict", "run_workloads", "spread"]
+           "predict_workload", "run_predict", "run_workloads", "spread", "stepped"]
 
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
@@ -131,14 +136,28 @@ def predict_workload(wl: Workload, spec) -> float:
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
-                retries: int = 0, rounds: int = 1, recalibrate=None) -> dict:
+                retries: int = 0, rounds: int = 1, recalibrate=None, steps: int = 1) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
     return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress,
-                         retries, rounds, recalibrate)
+                         retries, rounds, recalibrate, steps)
+
+
+def _steps(dev, program, steps: int, *args) -> None:
+    """``program(dev, *args)`` ``steps`` times back to back."""
+    for _ in range(steps):
+        program(dev, *args)
+
+
+def stepped(wl: Workload, steps: int) -> Workload:
+    """``wl`` whose program runs ``steps`` times back to back (``wl`` itself for 1)."""
+    if steps == 1:
+        return wl
+    return Workload(wl.name, wl.mesh, _steps, [(wl.program, steps) + tuple(a) for a in wl.args],
+                    [(wl.program, steps) + tuple(a) for a in wl.meta_args], wl.dtype)
 
 
 def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0,
-                  rounds: int = 1, recalibrate=None) -> dict:
+                  rounds: int = 1, recalibrate=None, steps: int = 1) -> dict:
     """Measure and predict each :class:`Workload` (devices kept per mesh).
 
     ``rounds`` measurement rounds, each over every workload in turn (``reps`` runs each);
@@ -150,10 +169,14 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     measurement disturbed by this machine's other processes (above
     :data:`BUSY_MACHINE_CORES`) is taken again up to ``retries`` times after a pause of
     :data:`RETRY_PAUSE_S`, keeping the quietest. ``progress(row)`` gets each final row.
+    ``steps``: each program's back-to-back steps per timed run (times per step).
     """
     from vcluster import VirtualCluster
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"run_workloads: rounds must be an int >= 1, got {rounds!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"run_workloads: steps must be an int >= 1, got {steps!r}")
+    workloads = [stepped(wl, steps) for wl in workloads]
     specs, clusters = [spec], {}
     runs = {wl.name: [] for wl in workloads}
     loads: dict = {wl.name: [] for wl in workloads}
@@ -181,7 +204,8 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
             cluster.close()
     rows = []
     for wl in workloads:
-        predicted = [predict_workload(wl, s) for s in specs]
+        predicted = [predict_workload(wl, s) / steps for s in specs]
+        runs[wl.name] = [r / steps for r in runs[wl.name]]
         measured = float(np.median(runs[wl.name]))
         known = [b for b in loads[wl.name] if b is not None]
         rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
@@ -194,7 +218,8 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                      "background_cores": max(known) if known else None})
         if progress is not None:
             progress(rows[-1])
-    return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "workloads": rows,
+    return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "steps": steps,
+            "workloads": rows,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
 
 
@@ -222,6 +247,10 @@ def add_parser(kinds) -> None:
     p.add_argument("--retries", type=int, default=0,
                    help="measure a workload disturbed by other processes again, up to this "
                         "many times, keeping the quietest (default 0)")
+    p.add_argument("--steps", type=positive_int, default=1,
+                   help="run each program this many times back to back in one timed run, "
+                        "measured and predicted alike (steady state; times per step; "
+                        "default 1: single runs)")
     p.add_argument("--scenarios", action="store_true",
                    help="predict the bundled emulated scenarios (scenarios/*.yaml, every "
                         "sweep point, through vcluster run) instead of the workloads")
@@ -252,7 +281,8 @@ def _predict(args) -> int:
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
           f"{'ratio':>8}{'other load':>12}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
-                         retries=args.retries, rounds=args.rounds, recalibrate=recalibrate)
+                         retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
+                         steps=args.steps)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
     if args.json:
@@ -268,7 +298,7 @@ def _predict_scenarios(args, spec, recalibrate) -> int:
           f"{'ratio':>8}{'other load':>12}", flush=True)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
-                                   recalibrate=recalibrate)
+                                   recalibrate=recalibrate, steps=args.steps)
     print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
           f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
           f"±{np.median([spread(r) for r in record['workloads']]):.0%}")

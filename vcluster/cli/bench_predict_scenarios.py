@@ -55,11 +55,13 @@ def scenario_workloads(paths=None) -> list:
 
 
 def run_scenarios_predict(spec, reps: int = 3, paths=None, progress=None,
-                          retries: int = 0, rounds: int = 1, recalibrate=None) -> dict:
+                          retries: int = 0, rounds: int = 1, recalibrate=None,
+                          steps: int = 1) -> dict:
     """Measure and predict every point of ``paths`` on the machine ``spec`` describes
-    (``rounds`` and ``recalibrate``: see :func:`~vcluster.cli.bench_predict.run_workloads`)."""
+    (``rounds``, ``recalibrate`` and ``steps``: see
+    :func:`~vcluster.cli.bench_predict.run_workloads`)."""
     from .bench_predict import run_workloads
     record = run_workloads(spec, scenario_workloads(paths), reps, progress, retries, rounds,
-                           recalibrate)
+                           recalibrate, steps)
     record["within_goal"] = sum(abs(r["ratio"] - 1) <= GOAL for r in record["workloads"])
     return record

@@ -330,6 +330,8 @@ def test_calibration_measures_positive_finite_figures():
         assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name
     assert 0 < s.p2p_message_cpu_s < 0.1 and 0 < s.compute_overhead_s < 0.01
     assert 1e8 < s.p2p_busy_copy_bytes_per_s < 1e12
+    from vcluster.timing.localhost_messages import SIDE_BYTES
+    assert tuple(b for b, _ in s.message_side_cpu_s) == SIDE_BYTES
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)

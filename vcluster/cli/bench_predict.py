@@ -61,6 +61,7 @@ from vcluster.timing.localhost_start import timed_run
 
 from .args import csv_of, positive_int
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
+from .units import format_size
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
            "predict_workload", "run_predict", "run_workloads", "spread", "stepped"]
@@ -345,3 +346,7 @@ def _print_spec(spec) -> None:
           f"{spec.channel_all_reduce_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
           f"{spec.p2p_latency_s * 1e6:.0f} us, {spec.p2p_copy_bytes_per_s / 1e9:.2f} GB/s",
           flush=True)
+    if spec.message_side_cpu_s is not None:
+        sides = ", ".join(f"{format_size(b)} {s * 1e6:.0f}" for b, s in spec.message_side_cpu_s)
+        print(f"  message side in a ring (us): {sides}", flush=True)
+

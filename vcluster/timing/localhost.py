@@ -77,6 +77,7 @@ from .localhost_bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_gap import CallGap
 from .localhost_host import HOST_TRACES, host_work_s, measure_tracer_rates, median_host_work
+from .localhost_messages import working_copy_bytes
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
                              load_localhost_spec, save_localhost_spec)
@@ -332,7 +333,7 @@ class LocalhostCostModel:
         t = collective_traffic(name, op.algorithm, members, position, op.nbytes,
                                op.itemsize or 1, op.root)
         if op.algorithm != "shm":                            # messages through the channel
-            w = message_work(s, t)
+            w = message_work(s, t, working_copy_bytes(name, op.algorithm, n, op.nbytes))
             return 0.0, w, 0.0
         if op.nbytes <= INLINE_BYTES:
             if calls is None:

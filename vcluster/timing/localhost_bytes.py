@@ -12,10 +12,13 @@ Every rate here is pool work per byte with every device busy (single-core second
       all_reduce          (read + written) / B_all_reduce
       reduce              read / B_reduce + written / B_copy
 
-* a message algorithm (ring, tree, pairwise) and send/recv: each message side costs the
-  back-to-back CPU of an 8-byte message (``p2p_message_cpu_s``; older specs: half the
-  alone round trip), and each byte one copy at :func:`p2p_copy_s_per_byte`, on the
-  sender's side as on the receiver's. The algorithms send from arena buffers, which the
+* a message algorithm (ring, tree, pairwise): each message side costs the CPU of a side
+  of its size as measured in a ring all_gather on every device
+  (:mod:`~vcluster.timing.localhost_messages`), on the sender's side as on the
+  receiver's. Specs without that curve: the back-to-back CPU of an 8-byte message
+  (``p2p_message_cpu_s``; older still: half the alone round trip), and each byte one
+  copy at :func:`p2p_copy_s_per_byte` (which a send/recv's bytes beyond
+  CALL_BYTES also pay). The algorithms send from arena buffers, which the
   channel posts without a staging copy (tests/test_message_copies.py), but a large send
   is a rendezvous: the sender waits while the receiver copies the payload out, and that
   wait costs it about the copy's CPU. Ping-pongs of 4 KiB and 4 MiB, every device in a
@@ -24,6 +27,8 @@ Every rate here is pool work per byte with every device busy (single-core second
 """
 
 from __future__ import annotations
+
+from .localhost_messages import MessageSides
 
 __all__ = ["COPY_COLLECTIVES", "moved_bytes", "bytes_work", "message_work",
            "p2p_copy_s_per_byte"]
@@ -70,10 +75,22 @@ def p2p_copy_s_per_byte(spec) -> float:
     return spec.busy_factor(spec.memcpy_busy_speedup) / spec.p2p_copy_bytes_per_s
 
 
-def message_work(spec, traffic) -> float:
-    """A member's work in a message algorithm: its messages follow each other inside one
-    call, so each side costs the back-to-back CPU of an 8-byte message, plus the copy of
-    its bytes."""
+def message_work(spec, traffic, copied_bytes: int = 0) -> float:
+    """A member's work in a message algorithm: its sent and its received message sides,
+    each at the mean size of its kind, priced from the spec's ring-measured curve
+    (:class:`~vcluster.timing.localhost_messages.MessageSides`), plus ``copied_bytes``
+    of local copies (the working copy of a reducing algorithm:
+    :func:`~vcluster.timing.localhost_messages.working_copy_bytes`) at the memcpy rate
+    under its busy factor, as a group of one's copy. Older specs: the messages follow each
+    other inside one call, so each side costs the back-to-back CPU of an 8-byte message,
+    plus the copy of its bytes at the ping-pong slope (which priced ring reductions'
+    working copies in, roughly)."""
+    if spec.message_side_cpu_s is not None:
+        sides = MessageSides(spec.message_side_cpu_s)
+        local = copied_bytes * spec.busy_factor(spec.memcpy_busy_speedup) \
+            / spec.memcpy_bytes_per_s
+        return (sides.work(traffic.messages_sent, traffic.bytes_sent)
+                + sides.work(traffic.messages_received, traffic.bytes_received) + local)
     side = spec.p2p_latency_s / 2 if spec.p2p_message_cpu_s is None else spec.p2p_message_cpu_s
     return ((traffic.messages_sent + traffic.messages_received) * side
             + (traffic.bytes_sent + traffic.bytes_received) * p2p_copy_s_per_byte(spec))

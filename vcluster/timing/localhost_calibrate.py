@@ -40,6 +40,10 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
   per cluster size, an empty program's wall time and the factor of the first call's CPU;
 * p2p from ping-pongs of two devices: ``latency = RTT(8 B) / 2``, and with one copy on
   each side of every one-way message, ``copy = 4 S / (RTT(S) - RTT(8 B))``;
+* one message side inside a message algorithm, per message size
+  (:func:`~vcluster.timing.localhost_messages.measure_message_sides`): every device in
+  back-to-back ring all_gathers of 256 B, 4 KiB, 64 KiB and 1 MiB per member, the
+  process time per call over its ``2 (N - 1)`` sides;
 * the copy rate of large messages as programs meet it (``p2p_busy_copy_bytes_per_s``,
   one of the quick figures): every device in a ping-pong pair at once, the process time
   per message side at 4 KiB and at 4 MiB, ``(4 MiB - 4 KiB) / (c(4 MiB) - c(4 KiB))``.
@@ -65,6 +69,7 @@ from .localhost_gap import measure_gap_cpu
 from .localhost_pool import CorePoolSpec
 from .localhost_start import measure_start
 from .localhost_host import device_host_rates
+from .localhost_messages import measure_message_sides
 from .localhost_p2p import LARGE_BYTES, busy_copy_bytes_per_s, exchange, pair_cpu_s
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
@@ -316,6 +321,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         alone = {k: float(np.median([t[k] for t in trials])) for k in trials[0]}
         p2p_cpu = [c for c in cluster.run(pair_cpu_s, [(BUSY_CALLS,)] * devices)
                    if c is not None]
+        sides = measure_message_sides(cluster)
         walls = {(op, nbytes): _call_wall_s(cluster, op, nbytes)
                  for op, _ in _CHANNEL for nbytes in sizes}
         rtt_small = cluster.run(_ping_pong, [(8, P2P_SMALL_REPS)] * devices)[0]
@@ -335,7 +341,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
                                                        _FLOOR * rtt_large),
         calibration_devices=devices, message_bytes=sizes,
         p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows,
-        call_gap_cpu_s=gap_rows,
+        call_gap_cpu_s=gap_rows, message_side_cpu_s=sides,
         start_s=start_rows)
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .localhost_calls import CallCpu
 from .localhost_gap import CallGap
+from .localhost_messages import MessageSides
 from .localhost_pool import CorePoolSpec
 
 __all__ = ["LocalhostSpec", "load_localhost_spec", "save_localhost_spec"]
@@ -98,6 +99,10 @@ class LocalhostSpec:
     # localhost_gap; None in older specs): rows (devices, group, gap_s, seconds) of a
     # 4 KiB all_reduce
     call_gap_cpu_s: tuple | None = None
+    # One message side inside a message algorithm (vcluster.timing.localhost_messages;
+    # None in older specs: then p2p_message_cpu_s plus the bytes at the ping-pong slope):
+    # rows (message bytes, CPU seconds) of a ring all_gather on all N devices
+    message_side_cpu_s: tuple | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -110,6 +115,8 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, _start_rows(v))
             elif f.name == "call_gap_cpu_s":
                 object.__setattr__(self, f.name, CallGap(v).rows)
+            elif f.name == "message_side_cpu_s":
+                object.__setattr__(self, f.name, MessageSides(v).rows)
             elif f.name == "group_sizes":
                 object.__setattr__(self, f.name, tuple(int(x) for x in v))
             elif f.name in _TABLES + _BUSY_CPU[:3] or f.name == "channel_fixed_s":
@@ -180,7 +187,8 @@ _TABLES = ("barrier_s", "small_all_reduce_s", "large_all_reduce_s")
 _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s",
              "p2p_message_cpu_s")
 _HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
-_ROWS = ("call_cpu_s", "start_s", "call_gap_cpu_s")      # tables of rows, validated apart
+_ROWS = ("call_cpu_s", "start_s", "call_gap_cpu_s",     # tables of rows, validated apart
+         "message_side_cpu_s")
 _OPTIONAL = _BUSY_CPU + _HOST_RATES + _ROWS + ("p2p_busy_copy_bytes_per_s",)
 
 

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     print(f"{within} of {len(results)} cases within {GOAL_REGRET:.0%} of the fastest layout "
           f"(goal: at least {GOAL_CASES})")
     if args.json:
-        from vcluster.cli.files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, {"cases": results, "cases_within_goal": within})
     return 0 if within >= GOAL_CASES else 1
 

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
               f"{r['candidate_rank']:>10}{100 * r['split_vs_best']:>+13.1f}%"
               f"  {'ok' if passed else 'FAIL'}", flush=True)
     if args.json:
-        from vcluster.cli.files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, records)
     return 0 if ok else 1
 

@@ -56,6 +56,24 @@ def test_spec_round_trips_through_a_file(tmp_path, suffix):
     assert LocalhostSpec.from_dict(json.loads(json.dumps(s.to_dict()))) == s
 
 
+def test_saving_a_spec_replaces_the_file_atomically(tmp_path, monkeypatch):
+    """Saving over a spec leaves the new one and no temporary file; a save that fails
+    while writing leaves the old one whole."""
+    path = tmp_path / "spec.json"
+    save_localhost_spec(spec(), path)
+    save_localhost_spec(spec(cores=4), path)
+    assert load_localhost_spec(path).cores == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["spec.json"]
+
+    def broken(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr("os.fsync", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_localhost_spec(spec(cores=8), path)
+    assert load_localhost_spec(path).cores == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["spec.json"]
+
+
 def test_spec_rejects_bad_values():
     with pytest.raises(ValueError, match="gemm_float32_flops_per_s"):
         spec(gemm_float32_flops_per_s=0.0)

@@ -67,7 +67,7 @@ def add_parser(commands) -> None:
 
 def _maybe_json(path, obj) -> None:
     if path:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(path, obj)
         print(f"wrote {path}")
 

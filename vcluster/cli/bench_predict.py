@@ -287,7 +287,7 @@ def _predict(args) -> int:
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, record)
         print(f"wrote {args.json}")
     return 0
@@ -304,7 +304,7 @@ def _predict_scenarios(args, spec, recalibrate) -> int:
           f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
           f"±{np.median([spread(r) for r in record['workloads']]):.0%}")
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, record)
         print(f"wrote {args.json}")
     return 0

@@ -131,7 +131,7 @@ def _simulate_scale(args) -> int:
                   f"tracing every position; same step time: "
                   f"{base['step_time_s'] == fast['step_time_s']}")
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, rows)
         print(f"wrote {args.json}")
     return 0

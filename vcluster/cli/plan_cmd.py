@@ -99,12 +99,12 @@ def _gpt(args) -> int:
         print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")
     result = plan_json(df)
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, result)
         print(f"wrote {args.json}")
     if args.out:
         from reports.plan_plot import plan_png
-        from .files import write_bytes_atomic, write_json
+        from vcluster.runtime.files import write_bytes_atomic, write_json
         write_json(os.path.join(args.out, "plan.json"), result)
         png = plan_png(df, title=f"GPT h={args.hidden} l={args.layers} on {args.gpus} x "
                        f"{hw.name}", hbm_gb=hw.device.hbm_bytes / 1e9)

@@ -64,7 +64,7 @@ def _gpt(args) -> int:
           f"({'fits' if r.fits else 'does NOT fit'})")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, r.to_json())
         print(f"wrote {args.json}")
     return 0

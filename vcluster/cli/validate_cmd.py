@@ -37,7 +37,7 @@ def _run(args) -> int:
     print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
           f"max |error| {100 * result['max_abs_rel_error']:.1f}%")
     if args.json:
-        from .files import write_json
+        from vcluster.runtime.files import write_json
         write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0

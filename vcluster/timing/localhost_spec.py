@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from vcluster.runtime.files import write_text_atomic
+
 from .localhost_calls import CallCpu
 from .localhost_gap import CallGap
 from .localhost_messages import MessageSides
@@ -219,14 +221,15 @@ def _dtype(dtype) -> str:
 
 
 def save_localhost_spec(spec: LocalhostSpec, path) -> None:
-    """Write ``spec`` as JSON, or YAML when ``path`` ends in .yaml / .yml."""
+    """Write ``spec`` as JSON, or YAML when ``path`` ends in .yaml / .yml (atomically: a
+    crash leaves the previous file or the new one, never half of one)."""
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
         text = yaml.safe_dump(spec.to_dict(), sort_keys=False)
     else:
         text = json.dumps(spec.to_dict(), indent=2) + "\n"
-    path.write_text(text, "utf-8")
+    write_text_atomic(str(path), text)
 
 
 def load_localhost_spec(path) -> LocalhostSpec:

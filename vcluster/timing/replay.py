@@ -43,6 +43,10 @@ names every stuck rank and what it waits for.
 **Core pool** (optional ``core_pool``, off by default): the devices share a few cores
 (processor sharing) that serve compute, collective shares and send/receive copies as work,
 so devices working at once slow each other down (:class:`~.localhost_pool.PooledReplayMixin`).
+
+The collective steps (matching, starting an instant's calls together, ending them) live
+in :class:`~.replay_collectives.CollectiveReplayMixin`; this module holds the driver,
+each rank's compute stream and the point-to-point links.
 """
 
 from __future__ import annotations
@@ -52,24 +56,24 @@ from collections import deque
 import simpy
 from simpy.events import Event
 
-from vcluster.runtime.errors import CollectiveMismatch
 from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
     TraceWait
 
 from .localhost_pool import PooledReplayMixin
-from .replay_state import (LATE, Call, GroupInfo, Late, ReplayDeadlock, cost_value,
-                           describe_call, describe_recv)
+from .replay_collectives import CollectiveReplayMixin
+from .replay_state import (LATE, Call, GroupInfo, ReplayDeadlock, cost_value, describe_call,
+                           describe_recv)
 from .results import Interval, Stream
 
 __all__ = ["ReplayDeadlock", "Replay", "LATE"]
 
-_COMPUTE, _COMM, _P2P, _WAIT = Stream.COMPUTE, Stream.COMM, Stream.P2P, Stream.WAIT
+_COMPUTE, _P2P, _WAIT = Stream.COMPUTE, Stream.P2P, Stream.WAIT
 _new = tuple.__new__                                       # Interval without its __new__ wrapper
 _UNSEEN = object()
 OTHER = "other"                    #: the kind of work before a rank's first compute op
 
 
-class Replay(PooledReplayMixin):
+class Replay(CollectiveReplayMixin, PooledReplayMixin):
     """One replay: its own ``simpy.Environment`` and all state (nothing is shared).
 
     ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
@@ -293,144 +297,6 @@ class Replay(PooledReplayMixin):
                 self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
         return d
 
-    # ------------------------------------------------------------------ collectives
-    def _group(self, rank: int, i: int, op) -> GroupInfo:
-        info = GroupInfo.build(op.group, self.traces, self.symmetric, self.limit,
-                               f"rank {rank} op #{i} {op!r}")
-        self.groups[op.group] = info
-        return info
-
-    def _issue(self, rank: int, i: int, op, t: float) -> Call:
-        group = op.group
-        info = self.groups.get(group) or self._group(rank, i, op)
-        pos = info.position.get(rank)
-        if pos is None:
-            raise ValueError(f"rank {rank} op #{i} {op!r}: rank {rank} is not a member of "
-                             f"group {group}")
-        counts = self.call_count[rank]
-        k = counts.get(group, 0)
-        counts[group] = k + 1
-        call = self.open_calls.get((group, k))
-        if call is None:
-            call = self.open_calls[(group, k)] = Call(info, k, op, pos)
-        else:
-            first = call.op
-            if op is not first and (op.collective != first.collective or op.root != first.root
-                                    or op.algorithm != first.algorithm):
-                other = next(iter(call.calls))
-                raise CollectiveMismatch(
-                    f"call #{k} on group {group}: rank {rank} (op #{i}) calls "
-                    f"{op.collective}(root={op.root}, algorithm={op.algorithm!r}) but rank "
-                    f"{other} (op #{call.calls[other][0]}) calls {first.collective}"
-                    f"(root={first.root}, algorithm={first.algorithm!r})")
-            if pos < call.pos:
-                call.op, call.pos = op, pos
-        call.calls[rank] = (i, op)
-        if op.handle is None:
-            self._arrive(call, t)
-            return call
-        handles = self.handles[rank]
-        if op.handle in handles:
-            raise ValueError(f"rank {rank} op #{i} {op!r}: handle {op.handle} is still "
-                             f"outstanding (wait for it before reusing it)")
-        handles[op.handle] = call
-        call.async_ranks.append(rank)
-        self.history[rank].append(call)
-        if self.stream_busy[rank]:
-            self.queue[rank].append((call, t))
-        else:
-            self.stream_busy[rank] = True
-            self._arrive(call, t)
-        return call
-
-    def _arrive(self, call: Call, t: float) -> None:
-        call.arrived += 1
-        if t > call.ready_s:
-            call.ready_s = t
-        if call.arrived < len(call.info.traced):
-            return
-        del self.open_calls[(call.info.group, call.k)]
-        s = call.ready_s
-        batch = self.batches.get(s)
-        if batch is None:
-            self.batches[s] = [call]
-            delay = s - self.env.now
-            call.late = Late(self.env, delay if delay > 0.0 else 0.0, s)
-            call.late.callbacks.append(self._start)
-        else:
-            call.late = batch[0].late
-            batch.append(call)
-
-    def _start(self, event: Event) -> None:
-        """Start every collective of instant ``t`` together (they count each other)."""
-        t = event.value
-        batch = self.batches.pop(t)
-        inflight, price = self.inflight, self.costs.collective_time_s
-        if len(batch) == 1 and len(batch[0].info.traced) == 1 and self.pool is None:
-            self._start_alone(batch[0], t)
-            return
-        if len(batch) == 1:
-            load = dict.fromkeys(batch[0].info.traced, 1)
-        else:
-            load = {}
-            for call in batch:
-                for m in call.info.traced:
-                    load[m] = load.get(m, 0) + 1
-        for m in load:
-            ends = inflight[m]
-            if ends:                                       # pool mode: calls, not end times
-                inflight[m] = ends = [e for e in ends if e > t] if self.pool is None else \
-                    [c for c in ends if c.end_s is None or c.end_s > t]
-            load[m] += len(ends)                           # in flight on m, batch included
-        durations = [cost_value(price(call.op, max(map(load.__getitem__, call.info.traced))),
-                                "collective_time_s", call.op) for call in batch]
-        if self.pool is not None:
-            for call, d in zip(batch, durations):
-                self._start_pooled(call, t, d)
-            return
-        tls, comm_s, env, end_call = self.timelines, self.comm_s, self.env, self._end
-        for call, d in zip(batch, durations):
-            call.start_s, end = t, t + d
-            call.end_s = end
-            if end > self.last_s:
-                self.last_s = end
-            for m in call.info.traced:
-                inflight[m].append(end)
-                comm_s[m] += d
-            if call.kinds:
-                self._charge(call, d)
-            if tls is not None:
-                for m, (i, op) in call.calls.items():
-                    tls[m].append(_new(Interval, (i, op, t, end, _COMM)))
-            if call.done is not None:                      # its end is known: waiters go on
-                call.done.succeed()
-            if call.async_ranks:                           # their streams move on at the end
-                env.timeout(d, call).callbacks.append(end_call)
-
-    def _start_alone(self, call: Call, t: float) -> None:
-        """:meth:`_start` of the most common case, one collective with one traced member."""
-        (m,) = call.info.traced
-        ends = self.inflight[m]
-        if ends:
-            self.inflight[m] = ends = [e for e in ends if e > t]
-        d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
-                       "collective_time_s", call.op)
-        call.start_s, end = t, t + d
-        call.end_s = end
-        if end > self.last_s:
-            self.last_s = end
-        ends.append(end)
-        self.comm_s[m] += d
-        if call.kinds:
-            self._charge(call, d)
-        if self.timelines is not None:
-            i, op = call.calls[m]
-            self.timelines[m].append(_new(Interval, (i, op, t, end, _COMM)))
-        if call.done is not None:
-            call.done.succeed()
-        if call.async_ranks:
-            self.env.timeout(d, call).callbacks.append(self._end)
-
     def _kind_of(self, name: str, previous: str) -> str:
         """The kind of compute op ``name`` (``op_kind``; None: the previous op's kind)."""
         kind = self.kind_cache.get(name, _UNSEEN)
@@ -440,46 +306,6 @@ class Replay(PooledReplayMixin):
                 raise TypeError(f"op_kind({name!r}) returned {kind!r}; expected a str or None")
             self.kind_cache[name] = kind
         return previous if kind is None else kind
-
-    def _done(self, call: Call) -> Event:
-        """The event that fires when ``call``'s end is known (made when first awaited)."""
-        if call.done is None:
-            call.done = self.env.event()
-        return call.done
-
-    def _charge(self, call: Call, d: float) -> None:
-        """Book ``d`` seconds of ``call`` to each traced member's kind at its call."""
-        for m, kind in call.kinds.items():
-            comm = self.kind_comm_s[m]
-            comm[kind] = comm.get(kind, 0.0) + d
-
-    def _end(self, event: Event) -> None:
-        call = event.value
-        if call.done is not None and not call.done.triggered:   # pool mode: the end is now
-            call.done.succeed()
-        for m in call.async_ranks:                         # next collective of the stream
-            q = self.queue[m]
-            if q:
-                nxt, issued = q.popleft()
-                self._arrive(nxt, issued if issued > call.end_s else call.end_s)
-            else:
-                self.stream_busy[m] = False
-
-    def _stream_overlap(self, rank: int, call: Call, b: float, e: float) -> float:
-        """Time of [b, e] during which ``call`` or a collective ahead of it on the stream runs."""
-        hist = self.history[rank]
-        while hist and hist[0] is not call and hist[0].end_s is not None \
-                and hist[0].end_s <= b:
-            hist.popleft()                                 # ended before b: never counts again
-        total = 0.0
-        for c in hist:                                     # all ahead of call have started
-            lo = c.start_s if c.start_s > b else b
-            hi = c.end_s if c.end_s < e else e
-            if hi > lo:
-                total += hi - lo
-            if c is call:
-                break
-        return total
 
     # ------------------------------------------------------------------ deadlock report
     def _why_stuck(self, rank: int) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import pytest
 
@@ -264,13 +265,17 @@ def test_host_overheads_enter_the_replay_as_documented():
     assert model.compute_time_s(empty) == 20e-6
     one = simulate_trace(traces([empty]), model, core_pool=model.core_pool)
     assert one.step_time_s == pytest.approx(20e-6)
+    assert one.pool_work_s == pytest.approx(20e-6)                # the work the pool served
     pair = (0, 1)
     row = [empty, TraceCollective("barrier", pair, 0, 1, "shm")]
     two = simulate_trace(traces(row, row), model, core_pool=model.core_pool)
     assert two.step_time_s == pytest.approx((20e-6 + 40e-6) / (1.9 / 2))
+    assert two.pool_work_s == pytest.approx(2 * (20e-6 + 40e-6))
+    assert simulate_trace(traces(row, row), model).pool_work_s is None     # no pool
     msg = simulate_trace(traces([TraceSend(1, 8, 0)], [TraceRecv(0, 8, 0)]), model,
                          core_pool=model.core_pool)
     assert msg.step_time_s == pytest.approx(2 * 55e-6)
+    assert msg.pool_work_s == pytest.approx(2 * 55e-6)
 
 
 def test_spec_without_busy_cpu_fields_still_loads():
@@ -375,7 +380,7 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     for w in record["workloads"]:
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
                           "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
-                          "background_cores"}
+                          "measured_cpu_s", "predicted_cpu_s", "cpu_ratio", "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
         assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
@@ -383,4 +388,29 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
         lo, hi = sorted(w["measured_runs_s"])              # quartiles of two runs
         assert w["measured_iqr_s"] == pytest.approx([lo + (hi - lo) / 4, hi - (hi - lo) / 4])
         assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
+        assert w["measured_cpu_s"] > 0 and w["predicted_cpu_s"] > 0
+        assert w["cpu_ratio"] == pytest.approx(w["predicted_cpu_s"] / w["measured_cpu_s"])
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])
+
+
+def _spin(dev, seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def _nap(dev, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_timed_runs_report_the_devices_cpu_in_the_program():
+    """``timed_run_cpu``: a device spinning 30 ms of CPU reports at least that; one
+    sleeping 30 ms reports almost none; and the span is the one ``timed_run`` gives."""
+    from mesh import Mesh
+    from vcluster import VirtualCluster
+    from vcluster.timing.localhost_start import timed_run_cpu
+    with VirtualCluster(Mesh((2,), ("x",))) as cluster:
+        spun = cluster.run(timed_run_cpu, [(_spin, 0.03)] * 2)
+        napped = cluster.run(timed_run_cpu, [(_nap, 0.03)] * 2)
+    assert all(cpu >= 0.03 and end - start >= 0.03 for start, end, cpu in spun)
+    assert all(cpu < 0.01 and end - start >= 0.03 for start, end, cpu in napped)

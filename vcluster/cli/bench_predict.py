@@ -36,10 +36,18 @@ runs, predicted the median over the calibrations.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
 calibration's, "steps", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
-"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "background_cores"}],
-"max_error"}`` with ``max_error = max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th]
-percentile of the measured runs. The table's ``spread`` column is half that range over
-the median: how far the machine's own run-to-run noise reaches, to read a ratio against.
+"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "measured_cpu_s",
+"predicted_cpu_s", "cpu_ratio", "background_cores"}], "max_error"}`` with ``max_error =
+max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th] percentile of the measured runs. The
+table's ``spread`` column is half that range over the median: how far the machine's own
+run-to-run noise reaches, to read a ratio against.
+
+``cpu ratio`` splits a miss in two: ``measured_cpu_s`` is the devices' CPU in the timed
+program (process time, summed over the devices; the median over the runs),
+``predicted_cpu_s`` the work the replay's core pool served (single-core seconds), and
+``cpu_ratio`` the second over the first. A ratio off while the CPU ratio is near 1 is
+the scheduling of the cores (how much of the wall they stood idle); a CPU ratio off as
+far as the ratio is the work's price.
 
 ``--scenarios`` predicts the bundled emulated scenarios instead
 (:mod:`vcluster.cli.bench_predict_scenarios`).
@@ -57,14 +65,14 @@ import time
 
 import numpy as np
 
-from vcluster.timing.localhost_start import timed_run
+from vcluster.timing.localhost_start import timed_run_cpu
 
 from .args import csv_of, positive_int
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 from .units import format_size
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
-           "predict_workload", "run_predict", "run_workloads", "spread", "stepped"]
+           "predict_workload", "predict_run", "run_predict", "run_workloads", "spread", "stepped"]
 
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
@@ -111,29 +119,37 @@ class _Background:
             self.cores = max(0.0, (busy - busy0) - (ours - ours0)) / (t - t0)
 
 
-def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list[float], float | None]:
-    """Wall times of ``reps`` runs after one warm-up (see the module docstring), and the
-    cores other processes of the machine used meanwhile (None where unknown)."""
+def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list, list, float | None]:
+    """Wall times of ``reps`` runs after one warm-up (see the module docstring), the
+    devices' CPU seconds in each (summed over the devices), and the cores other processes
+    of the machine used meanwhile (None where unknown)."""
     per_rank = [(wl.program,) + tuple(a) for a in wl.args]
-    cluster.run(timed_run, per_rank)
-    out = []
+    cluster.run(timed_run_cpu, per_rank)
+    walls, cpus = [], []
     with _Background(cluster.pids) as background:
         time.sleep(QUIET_SAMPLE_S)                      # the devices idle: all load is others'
         for _ in range(reps):
-            spans = cluster.run(timed_run, per_rank)
-            out.append(max(e for _, e in spans) - min(s for s, _ in spans))
-    return out, background.cores
+            spans = cluster.run(timed_run_cpu, per_rank)
+            walls.append(max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
+            cpus.append(sum(c for _, _, c in spans))
+    return walls, cpus, background.cores
 
 
 def predict_workload(wl: Workload, spec) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
     programs' own host work included when the spec has its rates)."""
+    return predict_run(wl, spec)[0]
+
+
+def predict_run(wl: Workload, spec) -> tuple[float, float]:
+    """(step time, the core pool's work: single-core seconds) of ``wl``'s replay."""
     from vcluster.timing.engine import simulate_trace
     from vcluster.timing.localhost import localhost_model, localhost_traces
     model = localhost_model(spec, wl.mesh.size, wl.dtype)
     traces = localhost_traces(model, wl.mesh, wl.program, wl.meta_args)
-    return simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
-                          timeline=False).step_time_s
+    result = simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
+                            timeline=False)
+    return result.step_time_s, result.pool_work_s
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
@@ -180,6 +196,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     workloads = [stepped(wl, steps) for wl in workloads]
     specs, clusters = [spec], {}
     runs = {wl.name: [] for wl in workloads}
+    cpus = {wl.name: [] for wl in workloads}
     loads: dict = {wl.name: [] for wl in workloads}
     try:
         for r in range(rounds):
@@ -188,15 +205,16 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                     clusters[wl.mesh] = VirtualCluster(wl.mesh)
                 if r == 0:
                     predict_workload(wl, spec)        # first: tracing fills plan caches
-                got, background = measure_workload(clusters[wl.mesh], wl, reps)
+                got, cpu, background = measure_workload(clusters[wl.mesh], wl, reps)
                 for _ in range(retries):
                     if background is None or background <= BUSY_MACHINE_CORES:
                         break
                     time.sleep(RETRY_PAUSE_S)
                     again = measure_workload(clusters[wl.mesh], wl, reps)
-                    if again[1] is not None and again[1] < background:
-                        got, background = again
+                    if again[2] is not None and again[2] < background:
+                        got, cpu, background = again
                 runs[wl.name] += got
+                cpus[wl.name] += cpu
                 loads[wl.name].append(background)
             if recalibrate is not None:
                 specs.append(recalibrate())
@@ -205,9 +223,12 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
             cluster.close()
     rows = []
     for wl in workloads:
-        predicted = [predict_workload(wl, s) / steps for s in specs]
+        parts = [predict_run(wl, s) for s in specs]
+        predicted = [step / steps for step, _ in parts]
         runs[wl.name] = [r / steps for r in runs[wl.name]]
         measured = float(np.median(runs[wl.name]))
+        cpu_measured = float(np.median(cpus[wl.name])) / steps
+        cpu_predicted = float(np.median([work for _, work in parts])) / steps
         known = [b for b in loads[wl.name] if b is not None]
         rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
                      "measured_s": measured, "measured_runs_s": runs[wl.name],
@@ -216,6 +237,8 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                      "predicted_s": float(np.median(predicted)),
                      "predicted_by_spec_s": predicted,
                      "ratio": float(np.median(predicted)) / measured,
+                     "measured_cpu_s": cpu_measured, "predicted_cpu_s": cpu_predicted,
+                     "cpu_ratio": cpu_predicted / cpu_measured,
                      "background_cores": max(known) if known else None})
         if progress is not None:
             progress(rows[-1])
@@ -280,7 +303,7 @@ def _predict(args) -> int:
     if args.scenarios:
         return _predict_scenarios(args, spec, recalibrate)
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'other load':>12}", flush=True)
+          f"{'ratio':>8}{'cpu ratio':>10}{'other load':>12}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
                          steps=args.steps)
@@ -296,7 +319,7 @@ def _predict(args) -> int:
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
     print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'other load':>12}", flush=True)
+          f"{'ratio':>8}{'cpu ratio':>10}{'other load':>12}", flush=True)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate, steps=args.steps)
@@ -316,7 +339,7 @@ def _print_row(r: dict, width: int = 22) -> None:
         "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
     print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
           f"{'±' + format(spread(r), '.0%'):>8}{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}"
-          f"  {flag}", flush=True)
+          f"{r['cpu_ratio']:>10.2f}  {flag}", flush=True)
 
 
 def spread(row: dict) -> float:

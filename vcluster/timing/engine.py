@@ -175,7 +175,8 @@ def _result(replay: Replay, limit: int | None, symmetric: bool) -> SimulationRes
                           for r in ranks)
     return SimulationResult(step_time_s=step, ranks=ranks, stats=stats, timelines=timelines,
                             devices=limit if limit is not None else len(ranks),
-                            symmetric=symmetric, op_stats=_op_stats(replay))
+                            symmetric=symmetric, op_stats=_op_stats(replay),
+                            pool_work_s=None if replay.pool is None else replay.pool.busy_s)
 
 
 def _op_stats(replay: Replay) -> tuple[OpStats, ...]:

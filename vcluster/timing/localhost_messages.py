@@ -5,8 +5,9 @@ one after another, with the other members doing the same at once. What one side 
 a message costs is not what a ping-pong pair's does, whose sender waits out each copy
 alone: measured on 8 devices and 2 cores, a ring all_gather's side grows 1.3–2x less per
 byte (1 MiB sides 105–150 us; the ping-pong pricing, an 8-byte side plus the bytes at the
-4 KiB–4 MiB slope, gave 130–170 over four calibrations). And the curve moves with the machine: within twenty minutes,
-16 and 64 KiB sides measured 52–60 us, then 29–42 us, while 4 KiB ones stayed at ~30.
+4 KiB–4 MiB slope, gave 130–170 over four calibrations). And the curve moves with the
+machine: within twenty minutes, 16 and 64 KiB sides measured 52–60 us, then 29–42 us,
+while 4 KiB ones stayed at ~30.
 
 So the calibration measures the curve in the algorithm itself
 (:func:`measure_message_sides`): every device of the calibration cluster in one ring

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-__all__ = ["START_S", "SPIN_S", "timed_run", "measure_start", "start_figures",
+__all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "measure_start", "start_figures",
            "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL", "COLD_STRETCH"]
 
 START_S = 0.01          # devices start their program this long after rank 0 announces it
@@ -47,6 +47,13 @@ def timed_run(dev, program, *args) -> tuple[float, float]:
     """Run ``program(dev, *args)`` from an instant all devices agree on; (that instant,
     this device's end). After its end each device waits for the others in a barrier
     (a futex: no CPU) rather than reply to the host while they still run."""
+    start, end, _ = timed_run_cpu(dev, program, *args)
+    return start, end
+
+
+def timed_run_cpu(dev, program, *args) -> tuple[float, float, float]:
+    """:func:`timed_run`, and the process time this device spent in ``program``:
+    (start, end, CPU seconds)."""
     dev.barrier()
     start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
     wait = start - SPIN_S - time.perf_counter()
@@ -54,10 +61,12 @@ def timed_run(dev, program, *args) -> tuple[float, float]:
         time.sleep(wait)
     while time.perf_counter() < start:
         pass
+    cpu0 = time.process_time()
     program(dev, *args)
     end = time.perf_counter()
+    cpu_s = time.process_time() - cpu0
     dev.barrier()
-    return start, end
+    return start, end, cpu_s
 
 
 def _empty_program(dev) -> None:

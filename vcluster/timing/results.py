@@ -130,7 +130,9 @@ class SimulationResult:
     devices the result stands for (the mesh's size when given, else ``len(ranks)``);
     ``symmetric`` says whether untraced ranks were assumed to mirror traced ones;
     ``op_stats`` the per-op accounting when the replay was given ``op_kind`` (else empty),
-    the largest compute first.
+    the largest compute first; ``pool_work_s`` the single-core seconds of work the core
+    pool served (every rank's compute, collective shares and message copies; None
+    without a pool).
     """
 
     step_time_s: float
@@ -140,6 +142,7 @@ class SimulationResult:
     devices: int
     symmetric: bool = False
     op_stats: tuple[OpStats, ...] = ()
+    pool_work_s: float | None = None
 
     def _column(self, name: str) -> Mapping[int, float]:
         return MappingProxyType({s.rank: getattr(s, name) for s in self.stats})

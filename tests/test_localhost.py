@@ -1,13 +1,11 @@
 """The ``localhost`` hardware: its spec, the shared core pool of the replay, its cost model
-against the traffic model's bytes, a real (short) calibration, and ``vcluster bench
-predict`` on a tiny workload set. No timing assertions: this machine is noisy."""
+against the traffic model's bytes, and a real (short) calibration (``vcluster bench
+predict``: tests/test_bench_predict.py). No timing assertions: this machine is noisy."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import time
 
 import pytest
 
@@ -290,52 +288,7 @@ def test_spec_without_busy_cpu_fields_still_loads():
         spec(**dict(BUSY, p2p_message_cpu_s=0.0))
 
 
-# --- calibration and the benchmark command ------------------------------------------------
-def test_rounds_recalibrate_between_them():
-    """Calibrations bracket the measurement rounds: the prediction is their median."""
-    from vcluster.cli.bench_predict import build_workload, run_workloads
-    given = [spec(p2p_latency_s=60e-6), spec(p2p_latency_s=90e-6), spec(p2p_latency_s=120e-6)]
-    later = iter(given[1:])
-    record = run_workloads(given[0], [build_workload("all_reduce-1MiB", tiny=True)], reps=1,
-                           rounds=2, recalibrate=lambda: next(later))
-    assert [LocalhostSpec.from_dict(d) for d in record["specs"]] == given
-    (row,) = record["workloads"]
-    assert len(row["predicted_by_spec_s"]) == 3 and len(row["measured_runs_s"]) == 2
-    assert row["predicted_s"] == sorted(row["predicted_by_spec_s"])[1]
-    with pytest.raises(ValueError, match="rounds"):
-        run_workloads(given[0], [], rounds=0)
-
-
-def test_steps_run_the_program_back_to_back_and_report_per_step():
-    """``steps=K``: the measured and traced program is K of the workload's back to back
-    (K times its calls), and every time in the record is per step."""
-    from vcluster.cli.bench_predict import (build_workload, predict_workload, run_workloads,
-                                            stepped)
-    from vcluster.runtime.tracing import trace_program
-    wl = build_workload("all_gather-1MiB", tiny=True)
-    assert stepped(wl, 1) is wl
-    calls = [[op for op in t.ops if isinstance(op, TraceCollective)]
-             for t in (trace_program(w.mesh, w.program, w.meta_args)[0]
-                       for w in (wl, stepped(wl, 3)))]
-    assert len(calls[1]) == 3 * len(calls[0]) > 0
-    record = run_workloads(spec(), [wl], reps=2, steps=3)
-    (row,) = record["workloads"]
-    assert record["steps"] == 3 and row["name"] == wl.name
-    assert row["measured_s"] == pytest.approx(sum(row["measured_runs_s"]) / 2)
-    assert row["predicted_s"] == pytest.approx(row["predicted_by_spec_s"][0])
-    assert row["predicted_s"] == pytest.approx(predict_workload(stepped(wl, 3), spec()) / 3)
-    assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
-    with pytest.raises(ValueError, match="steps"):
-        run_workloads(spec(), [wl], steps=0)
-
-
-def test_spread_is_half_the_interquartile_range_over_the_median():
-    from vcluster.cli.bench_predict import spread
-    row = {"measured_s": 10.0, "measured_iqr_s": [8.0, 13.0]}
-    assert spread(row) == pytest.approx(0.25)
-    assert spread({"measured_s": 2.0, "measured_iqr_s": [2.0, 2.0]}) == 0.0
-
-
+# --- calibration ------------------------------------------------------------------------
 def test_calibration_measures_positive_finite_figures():
     from vcluster.timing.localhost_calibrate import calibrate_localhost
     s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))
@@ -358,59 +311,3 @@ def test_calibration_measures_positive_finite_figures():
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)
-
-
-def test_bench_predict_writes_the_documented_json(tmp_path):
-    from vcluster.cli import bench_predict
-    save_localhost_spec(spec(), tmp_path / "spec.json")
-    parser = argparse.ArgumentParser(prog="vcluster")
-    bench = parser.add_subparsers(dest="command").add_parser("bench")
-    bench_predict.add_parser(bench.add_subparsers(dest="bench"))
-    out = tmp_path / "predict.json"
-    args = parser.parse_args(["bench", "predict", "--spec", str(tmp_path / "spec.json"),
-                              "--workloads", "all_gather-1MiB,matmul", "--tiny", "--reps", "1",
-                              "--rounds", "2", "--steps", "2", "--json", str(out)])
-    assert args.run(args) == 0
-    record = json.loads(out.read_text())
-    assert set(record) == {"spec", "specs", "steps", "workloads", "max_error"}
-    assert record["steps"] == 2
-    assert LocalhostSpec.from_dict(record["spec"]) == spec()
-    assert len(record["specs"]) == 1                     # a given spec is not recalibrated
-    assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
-    for w in record["workloads"]:
-        assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
-                          "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
-                          "measured_cpu_s", "predicted_cpu_s", "cpu_ratio", "background_cores"}
-        assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
-        assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
-        assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
-                                                + sorted(w["measured_runs_s"])[1] / 2)
-        lo, hi = sorted(w["measured_runs_s"])              # quartiles of two runs
-        assert w["measured_iqr_s"] == pytest.approx([lo + (hi - lo) / 4, hi - (hi - lo) / 4])
-        assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
-        assert w["measured_cpu_s"] > 0 and w["predicted_cpu_s"] > 0
-        assert w["cpu_ratio"] == pytest.approx(w["predicted_cpu_s"] / w["measured_cpu_s"])
-    assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])
-
-
-def _spin(dev, seconds: float) -> None:
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
-
-
-def _nap(dev, seconds: float) -> None:
-    time.sleep(seconds)
-
-
-def test_timed_runs_report_the_devices_cpu_in_the_program():
-    """``timed_run_cpu``: a device spinning 30 ms of CPU reports at least that; one
-    sleeping 30 ms reports almost none; and the span is the one ``timed_run`` gives."""
-    from mesh import Mesh
-    from vcluster import VirtualCluster
-    from vcluster.timing.localhost_start import timed_run_cpu
-    with VirtualCluster(Mesh((2,), ("x",))) as cluster:
-        spun = cluster.run(timed_run_cpu, [(_spin, 0.03)] * 2)
-        napped = cluster.run(timed_run_cpu, [(_nap, 0.03)] * 2)
-    assert all(cpu >= 0.03 and end - start >= 0.03 for start, end, cpu in spun)
-    assert all(cpu < 0.01 and end - start >= 0.03 for start, end, cpu in napped)

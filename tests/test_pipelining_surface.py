@@ -1,8 +1,6 @@
 """Tests for pipelining's user-facing surface: the schedule grid (text and HTML), size
 errors, ``Pipeline`` on a mesh, and the ``vcluster schedule`` command."""
 
-import argparse
-
 import pytest
 
 import pipelining as pl
@@ -11,6 +9,7 @@ from pipelining import (Pipeline, Schedule, format_grid, gpipe, interleaved_1f1b
                         one_f_one_b, zero_bubble)
 from vcluster.cli.schedule_cmd import add_parser
 
+from cli_helpers import run_cli
 from test_pipelining import FLAT_CASES
 
 
@@ -141,10 +140,7 @@ def test_pipeline_errors():
 
 # ------------------------------------------------------------------ CLI
 def _cli(argv):
-    parser = argparse.ArgumentParser(prog="vcluster")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return run_cli(add_parser, argv)
 
 
 def test_cli_prints_grid_and_bubble(capsys):

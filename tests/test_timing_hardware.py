@@ -1,6 +1,5 @@
 """vcluster.timing hardware: presets vs hardware.csv, YAML, validation, device model, CLI."""
 
-import argparse
 import csv
 import dataclasses
 import io
@@ -14,6 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cli_helpers import run_cli
 from vcluster.cli.hardware_cmd import add_parser, format_hardware
 from vcluster.timing import (PRESET_NAMES, DeviceSpec, HardwareSpec, LinkSpec, hardware_from_dict,
                              hardware_to_dict, load_hardware, preset)
@@ -259,10 +259,7 @@ def test_timing_package_imports_no_higher_layer_and_no_pandas():
 
 # ------------------------------------------------------------------ CLI
 def _run(argv):
-    parser = argparse.ArgumentParser(prog="vcluster")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.run(args)
+    return run_cli(add_parser, argv)
 
 
 def test_cli_list_prints_every_preset(capsys):

@@ -83,8 +83,7 @@ from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
                              load_localhost_spec, save_localhost_spec)
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
-           "load_localhost_spec", "save_localhost_spec", "localhost_model",
-           "localhost_traces"]
+           "load_localhost_spec", "save_localhost_spec", "localhost_model", "localhost_traces"]
 
 #: Declared flops per element touched (declared bytes / itemsize) from which a compute op
 #: is a BLAS product priced at the GEMM rate. numpy elementwise expressions declare at

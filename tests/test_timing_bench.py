@@ -55,6 +55,6 @@ def test_predict_scenarios_on_localhost(tmp_path):
     assert [r["name"] for r in rows] == ["faults/0"] + [f"ffn_policies/{i}" for i in range(4)]
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
-        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])
+        assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])  # one round
     assert record["within_goal"] == sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
     assert record["max_error"] == max(abs(r["ratio"] - 1) for r in rows)

@@ -20,7 +20,8 @@ For each bundled workload, the same per-device program is
   run, do not re-plan their redistributions (undeclared host work the model does not
   price).
 
-``ratio = predicted / measured``; the goal is every workload within 25%. The machine is
+``ratio`` is predicted over measured time (with ``--rounds``: paired round by round,
+below); the goal is every workload within 25%. The machine is
 calibrated first (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost`), or
 its spec read from ``--spec``. The workloads: :mod:`vcluster.cli.bench_predict_workloads`
 (``--tiny`` shrinks each one to a smoke test, not a benchmark).
@@ -31,12 +32,18 @@ elsewhere), flagged when above :data:`BUSY_MACHINE_CORES`.
 
 ``--rounds R`` measures every workload in R rounds and, unless ``--spec`` is given,
 calibrates again after each round: this machine's speed drifts by tens of per cent over
-minutes, so the calibrations bracket the measurements; measured is the median of all
-runs, predicted the median over the calibrations.
+minutes, so the calibrations bracket the measurements. Each round is compared with the
+calibrations around it: its ratio is the mean of the predictions from the calibration
+before it and the one after it, over the median of its runs (with ``--spec``: the one
+spec's prediction over it), and a workload's ``ratio`` is the median of its rounds'
+ratios (``round_ratios``). ``measured`` is the median of all runs and ``predicted`` the
+median over the calibrations, shown for scale; ``unpaired_ratio`` is the second over the
+first, which compares runs with calibrations taken minutes apart.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
 calibration's, "steps", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
-"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "measured_cpu_s",
+"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "round_ratios",
+"unpaired_ratio", "measured_cpu_s",
 "predicted_cpu_s", "cpu_ratio", "background_cores"}], "max_error"}`` with ``max_error =
 max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th] percentile of the measured runs. The
 table's ``spread`` column is half that range over the median: how far the machine's own
@@ -45,7 +52,7 @@ run-to-run noise reaches, to read a ratio against.
 ``cpu ratio`` splits a miss in two: ``measured_cpu_s`` is the devices' CPU in the timed
 program (process time, summed over the devices; the median over the runs),
 ``predicted_cpu_s`` the work the replay's core pool served (single-core seconds), and
-``cpu_ratio`` the second over the first. A ratio off while the CPU ratio is near 1 is
+``cpu_ratio`` the second over the first (paired round by round as ``ratio`` is). A ratio off while the CPU ratio is near 1 is
 the scheduling of the cores (how much of the wall they stood idle); a CPU ratio off as
 far as the ratio is the work's price.
 
@@ -72,7 +79,8 @@ from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 from .units import format_size
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
-           "predict_workload", "predict_run", "run_predict", "run_workloads", "spread", "stepped"]
+           "predict_workload", "predict_run", "run_predict", "run_workloads", "spread", "stepped",
+           "paired_ratios"]
 
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
@@ -132,6 +140,7 @@ def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list, list, floa
             spans = cluster.run(timed_run_cpu, per_rank)
             walls.append(max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
             cpus.append(sum(c for _, _, c in spans))
+    cluster.reset_stats()           # the devices' recorded events: not kept run after run
     return walls, cpus, background.cores
 
 
@@ -195,7 +204,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
         raise ValueError(f"run_workloads: steps must be an int >= 1, got {steps!r}")
     workloads = [stepped(wl, steps) for wl in workloads]
     specs, clusters = [spec], {}
-    runs = {wl.name: [] for wl in workloads}
+    runs = {wl.name: [] for wl in workloads}            # per round: that round's runs
     cpus = {wl.name: [] for wl in workloads}
     loads: dict = {wl.name: [] for wl in workloads}
     try:
@@ -213,8 +222,8 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                     again = measure_workload(clusters[wl.mesh], wl, reps)
                     if again[2] is not None and again[2] < background:
                         got, cpu, background = again
-                runs[wl.name] += got
-                cpus[wl.name] += cpu
+                runs[wl.name].append(got)
+                cpus[wl.name].append(cpu)
                 loads[wl.name].append(background)
             if recalibrate is not None:
                 specs.append(recalibrate())
@@ -225,10 +234,14 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     for wl in workloads:
         parts = [predict_run(wl, s) for s in specs]
         predicted = [step / steps for step, _ in parts]
-        runs[wl.name] = [r / steps for r in runs[wl.name]]
+        by_round = [[r / steps for r in got] for got in runs[wl.name]]
+        round_ratios = paired_ratios(predicted, by_round)
+        runs[wl.name] = [r for got in by_round for r in got]
         measured = float(np.median(runs[wl.name]))
-        cpu_measured = float(np.median(cpus[wl.name])) / steps
-        cpu_predicted = float(np.median([work for _, work in parts])) / steps
+        cpu_by_round = [[c / steps for c in got] for got in cpus[wl.name]]
+        work = [w / steps for _, w in parts]
+        cpu_measured = float(np.median([c for got in cpu_by_round for c in got]))
+        cpu_predicted = float(np.median(work))
         known = [b for b in loads[wl.name] if b is not None]
         rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
                      "measured_s": measured, "measured_runs_s": runs[wl.name],
@@ -236,15 +249,35 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                                                                         (25, 75))],
                      "predicted_s": float(np.median(predicted)),
                      "predicted_by_spec_s": predicted,
-                     "ratio": float(np.median(predicted)) / measured,
+                     "ratio": float(np.median(round_ratios)), "round_ratios": round_ratios,
+                     "unpaired_ratio": float(np.median(predicted)) / measured,
                      "measured_cpu_s": cpu_measured, "predicted_cpu_s": cpu_predicted,
-                     "cpu_ratio": cpu_predicted / cpu_measured,
+                     "cpu_ratio": float(np.median(paired_ratios(work, cpu_by_round))),
                      "background_cores": max(known) if known else None})
         if progress is not None:
             progress(rows[-1])
     return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "steps": steps,
             "workloads": rows,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
+
+
+def paired_ratios(predicted: list, by_round: list) -> list:
+    """Each round's predicted over measured time, against the calibrations around it.
+
+    ``predicted[j]``: the prediction from calibration ``j`` — one calibration for every
+    round (a given spec), or one before the first round and one after each round;
+    ``by_round[r]``: round ``r``'s run times. Round ``r``'s ratio is the mean of the
+    predictions from the calibrations just before and just after it, over the median of
+    its runs."""
+    rounds = len(by_round)
+    if len(predicted) not in (1, rounds + 1) or rounds < 1 or not all(by_round):
+        raise ValueError(f"paired_ratios: {len(predicted)} predictions for {rounds} rounds "
+                         "(need 1, or one more than the rounds) and runs in every round")
+    out = []
+    for r, got in enumerate(by_round):
+        around = predicted[:1] if len(predicted) == 1 else predicted[r:r + 2]
+        out.append(float(np.mean(around)) / float(np.median(got)))
+    return out
 
 
 # --- the command -----------------------------------------------------------------------
@@ -303,7 +336,7 @@ def _predict(args) -> int:
     if args.scenarios:
         return _predict_scenarios(args, spec, recalibrate)
     print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'cpu ratio':>10}{'other load':>12}", flush=True)
+          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
                          steps=args.steps)
@@ -319,7 +352,7 @@ def _predict(args) -> int:
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
     print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'cpu ratio':>10}{'other load':>12}", flush=True)
+          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate, steps=args.steps)
@@ -339,7 +372,15 @@ def _print_row(r: dict, width: int = 22) -> None:
         "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
     print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
           f"{'±' + format(spread(r), '.0%'):>8}{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}"
-          f"{r['cpu_ratio']:>10.2f}  {flag}", flush=True)
+          f"{r['cpu_ratio']:>10.2f}  {_rounds(r):<16}{flag}", flush=True)
+
+
+def _rounds(row: dict) -> str:
+    """The row's round ratios (at most the first three), or '-' for one round."""
+    ratios = row["round_ratios"]
+    if len(ratios) < 2:
+        return "-"
+    return " ".join(f"{x:.2f}" for x in ratios[:3]) + (" ..." if len(ratios) > 3 else "")
 
 
 def spread(row: dict) -> float:

@@ -84,8 +84,9 @@ KERNEL_REPS = {"gemm": 4, "vector": 80, "memcpy": 50}
 BUSY_TRIALS = 5
 LARGE_CALL_BYTES = 4096             # a collective just past inline: two phases, no bulk
 # a * b + c over this many elements (1 MiB of float32, 2 MiB of float64: a program's
-# activation-sized arrays, below numpy's 4 MiB huge-page threshold), every result kept
-# alive as programs keep their activations: the first touch of fresh pages is included
+# activation-sized arrays, below numpy's 4 MiB huge-page threshold), each result freed:
+# devices keep freed memory (vcluster.runtime.launcher.keep_freed_memory), so a
+# program's arrays after its first step land on pages it already touched, as these do
 VECTOR_ELEMENTS = 1 << 18
 MEMCPY_BYTES = 16 << 20
 LATENCY_REPS = 50                   # back-to-back barriers / all_reduces per group size
@@ -116,14 +117,13 @@ def median_time_s(fn, reps: int) -> float:
 
 
 # --- device programs ---------------------------------------------------------------------
-def _kernels(dtype: str, kept: list) -> dict:
-    """The three busy-speedup kernels of ``dtype``: name -> thunk (vector results go to
-    ``kept``; the caller empties it between measurements)."""
+def _kernels(dtype: str) -> dict:
+    """The three busy-speedup kernels of ``dtype``: name -> thunk."""
     a = np.ones((GEMM_SIZE, GEMM_SIZE), dtype)
     c = np.empty_like(a)
     x, y, z = (np.full(VECTOR_ELEMENTS, v, dtype) for v in (1.0, 2.0, 3.0))
     src, dst = np.ones(MEMCPY_BYTES, np.uint8), np.empty(MEMCPY_BYTES, np.uint8)
-    return {"gemm": lambda: np.matmul(a, a, out=c), "vector": lambda: kept.append(x * y + z),
+    return {"gemm": lambda: np.matmul(a, a, out=c), "vector": lambda: x * y + z,
             "memcpy": lambda: np.copyto(dst, src)}
 
 
@@ -131,15 +131,14 @@ def _alone(dev) -> dict | None:
     """One device's rates, the others idle."""
     if dev.rank != 0:
         return None
-    out, kept = {}, []
-    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / median_time_s(_kernels("float32", kept)["memcpy"], 5)
+    out = {}
+    out["memcpy_bytes_per_s"] = MEMCPY_BYTES / median_time_s(_kernels("float32")["memcpy"], 5)
     for dtype in ("float32", "float64"):
-        k = _kernels(dtype, kept)
+        k = _kernels(dtype)
         t = median_time_s(k["gemm"], GEMM_REPS)
         streamed = 3 * GEMM_SIZE ** 2 * np.dtype(dtype).itemsize / out["memcpy_bytes_per_s"]
         out[f"gemm_{dtype}_flops_per_s"] = 2 * GEMM_SIZE ** 3 / max(t - streamed, _FLOOR * t)
         out[f"vector_{dtype}_flops_per_s"] = 2 * VECTOR_ELEMENTS / median_time_s(k["vector"], 15)
-        kept.clear()
     a, b = np.ones(MEMCPY_BYTES // 8), np.ones(MEMCPY_BYTES // 8)
     out["iadd_bytes_per_s"] = MEMCPY_BYTES / median_time_s(lambda: np.add(a, b, out=a), 5)
     return out
@@ -187,21 +186,18 @@ def _repeat(fn, reps: int) -> None:
 def _busy(dev, active: int, kinds: tuple) -> dict:
     """BUSY_TRIALS times, each kernel on rank 0 alone, then on the devices below ``active``
     at once: kind -> [(time alone, (start, end))] (time alone on rank 0 only)."""
-    kept: list = []
-    kernels, out = _kernels("float32", kept), {k: [] for k in kinds}
+    kernels, out = _kernels("float32"), {k: [] for k in kinds}
     for name in kinds:
         fn, reps = kernels[name], KERNEL_REPS[name]
         fn()
         for _ in range(BUSY_TRIALS):
             dev.barrier()
             alone = median_time_s(lambda: _repeat(fn, reps), 1) if dev.rank == 0 else None
-            kept.clear()
             dev.barrier()
             t0 = time.perf_counter()
             if dev.rank < active:
                 _repeat(fn, reps)
             out[name].append((alone, (t0, time.perf_counter())))
-            kept.clear()
     return out
 
 

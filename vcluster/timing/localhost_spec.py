@@ -45,7 +45,7 @@ class LocalhostSpec:
     #                                   operands' streaming at memcpy_bytes_per_s taken out
     gemm_float64_flops_per_s: float   # ... float64
     vector_float32_flops_per_s: float  # alone: a * b + c on 2^18 float32 elements (2 flops
-    #                                   per element; results kept: fresh pages touched)
+    #                                   per element; results freed: reused pages)
     vector_float64_flops_per_s: float  # ... float64
     vector_busy_speedup: float        # a * b + c float32 on N devices busy
     memcpy_bytes_per_s: float         # alone: np.copyto of 16 MiB, warm buffers

@@ -16,7 +16,8 @@ Released at once, ``D`` devices on fewer cores pay twice:
 
 :func:`measure_start` measures both for each cluster size ``D``, on a cluster of ``D``
 devices: the median wall time ``W0`` of an empty program started together, and ``W1``
-of one whose only op is a 4 KiB all_reduce over all ``D``; with ``c`` that call's CPU
+of one whose only op is a 4 KiB all_reduce over all ``D`` (the two run in turns, so
+that the machine's drift — 2x within seconds — moves both alike); with ``c`` that call's CPU
 per member (the call table) and ``T`` the pool's throughput, the first call's factor is
 ``f = 1 + max(0, W1 - W0 - D c / T(D)) T(D) / (D c)``. The ``localhost`` model charges
 ``W0`` as work every rank does at its start (``W0 T(D) / D`` each, so that the ``D``
@@ -36,7 +37,7 @@ __all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "measure_start", "
 START_S = 0.01          # devices start their program this long after rank 0 announces it
 SPIN_S = 0.002          # ... sleeping until this long before it, then spinning (a sleep's
 #                         wake-up is ~0.25 ms late on a virtual machine)
-START_REPS = 9          # runs of each start program per cluster size (median)
+START_REPS = 15         # runs of each start program per cluster size, alternating (median)
 RUN_START = "run start"             #: the name of the op of a rank's start
 FIRST_CALL = "first call (start)"   #: ... and of the extra work of its first synchronisation
 COLD_CALL = "cold call"             #: ... and of a call's extra after other work
@@ -86,16 +87,15 @@ def measure_start(sizes, call_cpu_s, throughput) -> tuple:
     rows = []
     x = np.ones(512)
     for d in sizes:
-        walls = {}
+        programs = {"empty": (_empty_program,), "call": (_one_call_program, x)}
+        runs: dict = {name: [] for name in programs}
         with VirtualCluster(Mesh((d,), ("x",))) as cluster:
-            for name, program, args in (("empty", _empty_program, ()),
-                                        ("call", _one_call_program, (x,))):
-                cluster.run(timed_run, [(program,) + args] * d)              # warm-up
-                runs = []
-                for _ in range(START_REPS):
-                    spans = cluster.run(timed_run, [(program,) + args] * d)
-                    runs.append(max(e for _, e in spans) - min(s for s, _ in spans))
-                walls[name] = float(np.median(runs))
+            for rep in range(START_REPS + 1):           # alternating: drift hits both alike
+                for name, args in programs.items():
+                    spans = cluster.run(timed_run, [args] * d)
+                    if rep:                             # the first of each: a warm-up
+                        runs[name].append(max(e for _, e in spans) - min(s for s, _ in spans))
+        walls = {name: float(np.median(r)) for name, r in runs.items()}
         c, t = call_cpu_s(d), throughput(d)
         extra = max(0.0, walls["call"] - walls["empty"] - d * c / t)
         rows.append((d, walls["empty"], 1.0 + extra * t / (d * c)))

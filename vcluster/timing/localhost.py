@@ -21,8 +21,7 @@ with every device busy they take what they were measured to take. Work of one op
   streaming its operands once, memory traffic that scales like a copy when every device
   is busy; skinny products are slower per flop than square ones), else ``overhead +
   max(flops f_vec / F_vec, bytes f_copy / B_iadd)`` (an elementwise numpy expression:
-  each declared flop one ufunc pass over one element, on pages the device touched
-  before: devices keep freed memory, :func:`~vcluster.runtime.launcher.keep_freed_memory`);
+  each declared flop one ufunc pass over one element; devices reuse freed pages);
   ``overhead`` is the host work of one op of a program (``compute_overhead_s``: a
   ``dev.compute`` block around three numpy calls on tiny arrays, CPU time per op with
   every device busy);

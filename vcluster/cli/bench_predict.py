@@ -11,7 +11,7 @@ For each bundled workload, the same per-device program is
   done early does not answer the host while the others still run; the wall time is
   ``max(end) - start`` (cluster start-up, host transfers and the synchronisation before
   and after excluded; :func:`~vcluster.timing.localhost_start.timed_run`); the median of
-  ``reps`` runs after one warm-up;
+  ``reps`` runs after one warm-up (:mod:`vcluster.cli.bench_predict_measure`);
 * **predicted** by tracing it on shape-only arrays, with the program's own host work
   (:func:`~vcluster.timing.localhost.localhost_traces`), and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
@@ -67,14 +67,12 @@ is then per step (the run's over K), and the record says ``"steps": K``.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 
-from vcluster.timing.localhost_start import timed_run_cpu
-
 from .args import csv_of, positive_int
+from .bench_predict_measure import measure_workload
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 from .units import format_size
 
@@ -83,67 +81,10 @@ __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_wor
            "paired_ratios"]
 
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
-QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
 RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload again
 
 
 # --- measuring and predicting ----------------------------------------------------------
-class _Background:
-    """Cores the machine's *other* processes used meanwhile (Linux /proc; else None):
-    all busy CPU time less this process's and the devices' over the elapsed time."""
-
-    def __init__(self, pids):
-        self.pids, self.cores = [os.getpid(), *pids], None
-
-    @staticmethod
-    def _busy_s() -> float:
-        with open("/proc/stat") as f:                    # cpu user nice system idle ...
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-        idle = ticks[3] + ticks[4]                            # idle + iowait
-        return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
-
-    def _ours_s(self) -> float:
-        total = 0
-        for pid in self.pids:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])            # utime + stime
-        return total / os.sysconf("SC_CLK_TCK")
-
-    def __enter__(self) -> "_Background":
-        try:
-            self._start = (time.perf_counter(), self._busy_s(), self._ours_s())
-        except (OSError, ValueError, IndexError):
-            self._start = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._start is not None and exc[0] is None:
-            try:
-                t, busy, ours = time.perf_counter(), self._busy_s(), self._ours_s()
-            except (OSError, ValueError, IndexError):
-                return
-            t0, busy0, ours0 = self._start
-            self.cores = max(0.0, (busy - busy0) - (ours - ours0)) / (t - t0)
-
-
-def measure_workload(cluster, wl: Workload, reps: int) -> tuple[list, list, float | None]:
-    """Wall times of ``reps`` runs after one warm-up (see the module docstring), the
-    devices' CPU seconds in each (summed over the devices), and the cores other processes
-    of the machine used meanwhile (None where unknown)."""
-    per_rank = [(wl.program,) + tuple(a) for a in wl.args]
-    cluster.run(timed_run_cpu, per_rank)
-    walls, cpus = [], []
-    with _Background(cluster.pids) as background:
-        time.sleep(QUIET_SAMPLE_S)                      # the devices idle: all load is others'
-        for _ in range(reps):
-            spans = cluster.run(timed_run_cpu, per_rank)
-            walls.append(max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
-            cpus.append(sum(c for _, _, c in spans))
-    cluster.reset_stats()           # the devices' recorded events: not kept run after run
-    return walls, cpus, background.cores
-
-
 def predict_workload(wl: Workload, spec) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
     programs' own host work included when the spec has its rates)."""
@@ -335,35 +276,39 @@ def _predict(args) -> int:
     _print_spec(spec)
     if args.scenarios:
         return _predict_scenarios(args, spec, recalibrate)
-    print(f"{'workload':<22}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
+    _print_header("workload", 22)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
                          steps=args.steps)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
-    if args.json:
-        from vcluster.runtime.files import write_json
-        write_json(args.json, record)
-        print(f"wrote {args.json}")
+    _write_record(args.json, record)
     return 0
 
 
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
-    print(f"{'scenario point':<28}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
+    _print_header("scenario point", 28)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate, steps=args.steps)
     print(f"{record['within_goal']} of {len(record['workloads'])} points within 25%; "
           f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
           f"±{np.median([spread(r) for r in record['workloads']]):.0%}")
-    if args.json:
-        from vcluster.runtime.files import write_json
-        write_json(args.json, record)
-        print(f"wrote {args.json}")
+    _write_record(args.json, record)
     return 0
+
+
+def _print_header(first: str, width: int) -> None:
+    print(f"{first:<{width}}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
+          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
+
+
+def _write_record(path, record: dict) -> None:
+    if path:
+        from vcluster.runtime.files import write_json
+        write_json(path, record)
+        print(f"wrote {path}")
 
 
 def _print_row(r: dict, width: int = 22) -> None:

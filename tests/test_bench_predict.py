@@ -75,6 +75,23 @@ def test_paired_ratios_compare_each_round_with_the_calibrations_around_it():
             paired_ratios(predicted, by_round)
 
 
+def test_median_interval_takes_the_order_statistics_that_cover_the_median():
+    from vcluster.cli.bench_predict import median_interval
+    # 8 rounds: P(B < 2) = (1 + 8) / 256, so x(2)..x(7) covers 1 - 18/256 >= 0.9, while
+    # x(3)..x(6) would cover only 1 - 2 (1 + 8 + 28) / 256 = 0.71
+    values = [1.3, 0.7, 1.1, 0.9, 1.0, 0.8, 1.2, 0.6]
+    assert median_interval(values) == pytest.approx((0.7, 1.2, 1 - 18 / 256))
+    assert median_interval(values, level=0.99) == pytest.approx((0.6, 1.3, 1 - 2 / 256))
+    assert median_interval(values, level=0.7) == pytest.approx((0.8, 1.1, 1 - 74 / 256))
+    # three rounds: only the extremes, covering 1 - 2/8; one round: a point, coverage 0
+    assert median_interval([2.0, 0.5, 1.0]) == pytest.approx((0.5, 2.0, 0.75))
+    assert median_interval([1.5]) == (1.5, 1.5, 0.0)
+    with pytest.raises(ValueError, match="no values"):
+        median_interval([])
+    with pytest.raises(ValueError, match="level must be in"):
+        median_interval([1.0], level=1.0)
+
+
 def test_spread_is_half_the_interquartile_range_over_the_median():
     from vcluster.cli.bench_predict import spread
     row = {"measured_s": 10.0, "measured_iqr_s": [8.0, 13.0]}
@@ -102,7 +119,8 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
     for w in record["workloads"]:
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
                           "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
-                          "round_ratios", "unpaired_ratio", "measured_cpu_s",
+                          "round_ratios", "unpaired_ratio", "ratio_interval",
+                          "ratio_interval_level", "measured_cpu_s",
                           "predicted_cpu_s", "cpu_ratio", "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
@@ -114,6 +132,9 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
         assert w["round_ratios"] == pytest.approx([w["predicted_s"] / r
                                                    for r in w["measured_runs_s"]])
         assert w["ratio"] == pytest.approx(sum(w["round_ratios"]) / 2)
+        # two rounds: the interval is their extremes, covering the median half the time
+        assert w["ratio_interval"] == pytest.approx(sorted(w["round_ratios"]))
+        assert w["ratio_interval_level"] == pytest.approx(0.5)
         assert w["measured_cpu_s"] > 0 and w["predicted_cpu_s"] > 0
         assert 0 < w["cpu_ratio"] < 100
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])

@@ -57,4 +57,7 @@ def test_predict_scenarios_on_localhost(tmp_path):
         assert r["measured_s"] > 0 and r["predicted_s"] > 0
         assert r["ratio"] == pytest.approx(r["predicted_s"] / r["measured_s"])  # one round
     assert record["within_goal"] == sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
+    # one round: each interval is the ratio itself, beyond the goal exactly when it is
+    assert all(r["ratio_interval"] == [r["ratio"]] * 2 for r in rows)
+    assert record["outside_goal_surely"] == len(rows) - record["within_goal"]
     assert record["max_error"] == max(abs(r["ratio"] - 1) for r in rows)

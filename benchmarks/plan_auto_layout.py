@@ -78,7 +78,7 @@ def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:
     """Wall times of every workload (bench_predict's synchronised start), measured in
     ``reps`` interleaved rounds after a warm-up round, so that a burst of load from the
     machine's other processes hits every candidate alike."""
-    from vcluster.timing.localhost_start import timed_run
+    from vcluster.timing.localhost_start import run_wall_s, timed_run
     per_rank = [[(wl.program,) + tuple(a) for a in wl.args] for wl in workloads]
     for args in per_rank:
         cluster.run(timed_run, args)
@@ -86,7 +86,7 @@ def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:
     for _ in range(reps):
         for i, args in enumerate(per_rank):
             spans = cluster.run(timed_run, args)
-            runs[i].append(max(e for _, e in spans) - min(s for s, _ in spans))
+            runs[i].append(run_wall_s(spans))
     return runs
 
 

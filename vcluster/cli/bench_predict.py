@@ -189,17 +189,16 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
         predicted = [step / steps for step, _ in parts]
         by_round = [[r / steps for r in got] for got in runs[wl.name]]
         round_ratios = paired_ratios(predicted, by_round)
-        runs[wl.name] = [r for got in by_round for r in got]
-        measured = float(np.median(runs[wl.name]))
+        all_runs = [r for got in by_round for r in got]
+        measured = float(np.median(all_runs))
         cpu_by_round = [[c / steps for c in got] for got in cpus[wl.name]]
         work = [w / steps for _, w in parts]
         cpu_measured = float(np.median([c for got in cpu_by_round for c in got]))
         cpu_predicted = float(np.median(work))
         known = [b for b in loads[wl.name] if b is not None]
         rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
-                     "measured_s": measured, "measured_runs_s": runs[wl.name],
-                     "measured_iqr_s": [float(q) for q in np.percentile(runs[wl.name],
-                                                                        (25, 75))],
+                     "measured_s": measured, "measured_runs_s": all_runs,
+                     "measured_iqr_s": [float(q) for q in np.percentile(all_runs, (25, 75))],
                      "predicted_s": float(np.median(predicted)),
                      "predicted_by_spec_s": predicted,
                      "ratio": float(np.median(round_ratios)), "round_ratios": round_ratios,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from vcluster.timing.localhost_start import timed_run_cpu
+from vcluster.timing.localhost_start import run_wall_s, timed_run_cpu
 
 __all__ = ["BackgroundLoad", "measure_workload", "QUIET_SAMPLE_S"]
 
@@ -64,7 +64,7 @@ def measure_workload(cluster, wl, reps: int) -> tuple[list, list, float | None]:
         time.sleep(QUIET_SAMPLE_S)                      # the devices idle: all load is others'
         for _ in range(reps):
             spans = cluster.run(timed_run_cpu, per_rank)
-            walls.append(max(e for _, e, _ in spans) - min(s for s, _, _ in spans))
+            walls.append(run_wall_s(spans))
             cpus.append(sum(c for _, _, c in spans))
     cluster.reset_stats()           # the devices' recorded events: not kept run after run
     return walls, cpus, background.cores

@@ -31,7 +31,8 @@ import time
 
 import numpy as np
 
-__all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "measure_start", "start_figures",
+__all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "run_wall_s", "measure_start",
+           "start_figures",
            "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL", "COLD_STRETCH"]
 
 START_S = 0.01          # devices start their program this long after rank 0 announces it
@@ -70,6 +71,12 @@ def timed_run_cpu(dev, program, *args) -> tuple[float, float, float]:
     return start, end, cpu_s
 
 
+def run_wall_s(spans) -> float:
+    """The wall time of one timed run from its devices' :func:`timed_run` (or
+    :func:`timed_run_cpu`) replies: the last end less the first start."""
+    return max(span[1] for span in spans) - min(span[0] for span in spans)
+
+
 def _empty_program(dev) -> None:
     pass
 
@@ -94,7 +101,7 @@ def measure_start(sizes, call_cpu_s, throughput) -> tuple:
                 for name, args in programs.items():
                     spans = cluster.run(timed_run, [args] * d)
                     if rep:                             # the first of each: a warm-up
-                        runs[name].append(max(e for _, e in spans) - min(s for s, _ in spans))
+                        runs[name].append(run_wall_s(spans))
         walls = {name: float(np.median(r)) for name, r in runs.items()}
         c, t = call_cpu_s(d), throughput(d)
         extra = max(0.0, walls["call"] - walls["empty"] - d * c / t)

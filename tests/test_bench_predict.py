@@ -111,8 +111,8 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
                               "--rounds", "2", "--steps", "2", "--json", str(out)])
     assert args.run(args) == 0
     record = json.loads(out.read_text())
-    assert set(record) == {"spec", "specs", "steps", "workloads", "max_error"}
-    assert record["steps"] == 2
+    assert set(record) == {"spec", "specs", "steps", "core_queues", "workloads", "max_error"}
+    assert record["steps"] == 2 and record["core_queues"] is False
     assert LocalhostSpec.from_dict(record["spec"]) == spec()
     assert len(record["specs"]) == 1                     # a given spec is not recalibrated
     assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
@@ -161,3 +161,19 @@ def test_timed_runs_report_the_devices_cpu_in_the_program():
         napped = cluster.run(timed_run_cpu, [(_nap, 0.03)] * 2)
     assert all(cpu >= 0.03 and end - start >= 0.03 for start, end, cpu in spun)
     assert all(cpu < 0.01 and end - start >= 0.03 for start, end, cpu in napped)
+
+
+def test_core_queues_replay_the_counted_splits():
+    """``--core-queues``: the record says so, and the prediction is the weighted median of
+    the placements' replays (a 6:2 split alone is slower than one pool for a MatMul whose
+    work stays on the devices' cores)."""
+    from vcluster.cli.bench_predict import predict_run, run_workloads
+    from vcluster.cli.bench_predict_workloads import build_workload
+    wl = build_workload("matmul", True)
+    skewed = spec(start_split=((8, (6, 2), 3),))
+    pool_s, work = predict_run(wl, skewed)
+    queues_s, queue_work = predict_run(wl, skewed, core_queues=True)
+    assert queue_work == pytest.approx(work, rel=0.05)       # the same work, other cores
+    assert queues_s > pool_s
+    record = run_workloads(skewed, [wl], reps=1, core_queues=True)
+    assert record["core_queues"] is True and record["workloads"][0]["predicted_s"] > 0

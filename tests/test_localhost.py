@@ -296,7 +296,7 @@ def test_calibration_measures_positive_finite_figures():
     assert {(d, call, g) for d, call, g, _ in s.call_cpu_s} == {(2, c, 2) for c in CALLS}
     assert all(0 < sec < 0.1 for *_, sec in s.call_cpu_s)
     for name, value in s.to_dict().items():
-        if name == "call_cpu_s":
+        if name in ("call_cpu_s", "start_split"):
             continue
         for v in (value if isinstance(value, list) else [value]):
             for x in (v if isinstance(v, list) else [v]):
@@ -309,5 +309,8 @@ def test_calibration_measures_positive_finite_figures():
     from vcluster.timing.localhost_messages import SIDE_BYTES
     assert tuple(b for b, _ in s.message_side_cpu_s) == SIDE_BYTES
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
+    from vcluster.timing.localhost_start import current_core
+    assert (s.start_split is None) == (current_core() is None)
+    assert all(d == 2 and sum(split) == 2 for d, split, _ in s.start_split or ())
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)

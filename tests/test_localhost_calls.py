@@ -205,8 +205,17 @@ def test_start_rows_are_validated():
 
 def test_measure_start_on_real_clusters():
     """The calibration's start programs run on clusters of 2 devices: an empty program's
-    wall time and a first-call factor >= 1 (no timing bounds: a noisy machine)."""
-    from vcluster.timing.localhost_start import measure_start
-    (row,) = measure_start((2,), lambda d: 100 * US, lambda d: 1.9)
+    wall time and a first-call factor >= 1 (no timing bounds: a noisy machine), and the
+    split of the devices over the cores counted in every timed run (Linux)."""
+    import os
+    from vcluster.timing.localhost_pool import CorePoolSpec
+    from vcluster.timing.localhost_start import START_REPS, current_core, measure_start
+    cores = os.cpu_count()
+    (row,), splits = measure_start((2,), lambda d: 100 * US, CorePoolSpec(cores))
     d, w0, f = row
     assert d == 2 and 0 < w0 < 0.1 and 1.0 <= f < 1e4
+    if current_core() is None:
+        assert splits is None
+        return
+    assert sum(n for _, _, n in splits) == 2 * START_REPS          # both programs, every rep
+    assert all(d == 2 and sum(split) == 2 and len(split) == cores for d, split, _ in splits)

@@ -52,7 +52,7 @@ beyond 25% by chance; a point whose interval lies wholly outside 0.75-1.25 is a 
 the model.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
-calibration's, "steps", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
+calibration's, "steps", "core_queues", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
 "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "round_ratios",
 "unpaired_ratio", "ratio_interval", "ratio_interval_level", "measured_cpu_s",
 "predicted_cpu_s", "cpu_ratio", "background_cores"}], "max_error"}`` with ``max_error =
@@ -74,6 +74,10 @@ far as the ratio is the work's price.
 predicted alike (the steady state of a training loop rather than one cold run: the start
 of the run and its first, colder step weigh 1/K); every time in the table and the JSON
 is then per step (the run's over K), and the record says ``"steps": K``.
+
+``--core-queues`` predicts on per-core run queues placed as the calibration counted the
+devices per core at a start (:mod:`vcluster.timing.localhost_cores`) instead of one
+pool of cores; the record says ``"core_queues": true``.
 """
 
 from __future__ import annotations
@@ -97,17 +101,18 @@ RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload 
 
 
 # --- measuring and predicting ----------------------------------------------------------
-def predict_workload(wl: Workload, spec) -> float:
+def predict_workload(wl: Workload, spec, core_queues: bool = False) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
-    programs' own host work included when the spec has its rates)."""
-    return predict_run(wl, spec)[0]
+    programs' own host work included when the spec has its rates; ``core_queues``: on
+    per-core queues, :mod:`vcluster.timing.localhost_cores`)."""
+    return predict_run(wl, spec, core_queues)[0]
 
 
-def predict_run(wl: Workload, spec) -> tuple[float, float]:
+def predict_run(wl: Workload, spec, core_queues: bool = False) -> tuple[float, float]:
     """(step time, the core pool's work: single-core seconds) of ``wl``'s replay."""
     from vcluster.timing.engine import simulate_trace
     from vcluster.timing.localhost import localhost_model, localhost_traces
-    model = localhost_model(spec, wl.mesh.size, wl.dtype)
+    model = localhost_model(spec, wl.mesh.size, wl.dtype, core_queues)
     traces = localhost_traces(model, wl.mesh, wl.program, wl.meta_args)
     result = simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
                             timeline=False)
@@ -115,10 +120,11 @@ def predict_run(wl: Workload, spec) -> tuple[float, float]:
 
 
 def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
-                retries: int = 0, rounds: int = 1, recalibrate=None, steps: int = 1) -> dict:
+                retries: int = 0, rounds: int = 1, recalibrate=None, steps: int = 1,
+                core_queues: bool = False) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
     return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress,
-                         retries, rounds, recalibrate, steps)
+                         retries, rounds, recalibrate, steps, core_queues)
 
 
 def _steps(dev, program, steps: int, *args) -> None:
@@ -136,7 +142,8 @@ def stepped(wl: Workload, steps: int) -> Workload:
 
 
 def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0,
-                  rounds: int = 1, recalibrate=None, steps: int = 1) -> dict:
+                  rounds: int = 1, recalibrate=None, steps: int = 1,
+                  core_queues: bool = False) -> dict:
     """Measure and predict each :class:`Workload` (devices kept per mesh).
 
     ``rounds`` measurement rounds, each over every workload in turn (``reps`` runs each);
@@ -149,6 +156,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     :data:`BUSY_MACHINE_CORES`) is taken again up to ``retries`` times after a pause of
     :data:`RETRY_PAUSE_S`, keeping the quietest. ``progress(row)`` gets each final row.
     ``steps``: each program's back-to-back steps per timed run (times per step).
+    ``core_queues``: predict on per-core queues (:mod:`vcluster.timing.localhost_cores`).
     """
     from vcluster import VirtualCluster
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -185,7 +193,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
             cluster.close()
     rows = []
     for wl in workloads:
-        parts = [predict_run(wl, s) for s in specs]
+        parts = [predict_run(wl, s, core_queues) for s in specs]
         predicted = [step / steps for step, _ in parts]
         by_round = [[r / steps for r in got] for got in runs[wl.name]]
         round_ratios = paired_ratios(predicted, by_round)
@@ -210,7 +218,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
         if progress is not None:
             progress(rows[-1])
     return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "steps": steps,
-            "workloads": rows,
+            "core_queues": bool(core_queues), "workloads": rows,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
 
 
@@ -247,6 +255,10 @@ def add_parser(kinds) -> None:
     p.add_argument("--scenarios", action="store_true",
                    help="predict the bundled emulated scenarios (scenarios/*.yaml, every "
                         "sweep point, through vcluster run) instead of the workloads")
+    p.add_argument("--core-queues", action="store_true",
+                   help="replay on per-core run queues placed as the calibration counted "
+                        "devices per core at a start, instead of one pool of cores "
+                        "(experimental: see docs/timing.md)")
     p.add_argument("--json", metavar="PATH", help="also write the record as JSON")
     p.set_defaults(run=_predict)
 
@@ -274,7 +286,7 @@ def _predict(args) -> int:
     _print_header("workload", 22)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
-                         steps=args.steps)
+                         steps=args.steps, core_queues=args.core_queues)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
     _write_record(args.json, record)
@@ -286,7 +298,8 @@ def _predict_scenarios(args, spec, recalibrate) -> int:
     _print_header("scenario point", 28)
     record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
-                                   recalibrate=recalibrate, steps=args.steps)
+                                   recalibrate=recalibrate, steps=args.steps,
+                                   core_queues=args.core_queues)
     rows = record["workloads"]
     surely = (f" ({record['outside_goal_surely']} beyond it over the whole interval of "
               f"their rounds)" if args.rounds > 1 else "")
@@ -360,4 +373,9 @@ def _print_spec(spec) -> None:
     if spec.message_side_cpu_s is not None:
         sides = ", ".join(f"{format_size(b)} {s * 1e6:.0f}" for b, s in spec.message_side_cpu_s)
         print(f"  message side in a ring (us): {sides}", flush=True)
+    if spec.start_split is not None:
+        splits = "; ".join(f"{d} devices " + ", ".join(
+            f"{':'.join(map(str, split))} x{n}" for dd, split, n in spec.start_split if dd == d)
+            for d in sorted({d for d, _, _ in spec.start_split}))
+        print(f"  devices per core at a start (runs): {splits}", flush=True)
 

@@ -58,13 +58,13 @@ def scenario_workloads(paths=None) -> list:
 
 def run_scenarios_predict(spec, reps: int = 3, paths=None, progress=None,
                           retries: int = 0, rounds: int = 1, recalibrate=None,
-                          steps: int = 1) -> dict:
+                          steps: int = 1, core_queues: bool = False) -> dict:
     """Measure and predict every point of ``paths`` on the machine ``spec`` describes
-    (``rounds``, ``recalibrate`` and ``steps``: see
+    (``rounds``, ``recalibrate``, ``steps`` and ``core_queues``: see
     :func:`~vcluster.cli.bench_predict.run_workloads`)."""
     from .bench_predict import run_workloads
     record = run_workloads(spec, scenario_workloads(paths), reps, progress, retries, rounds,
-                           recalibrate, steps)
+                           recalibrate, steps, core_queues)
     rows = record["workloads"]
     record["within_goal"] = sum(abs(r["ratio"] - 1) <= GOAL for r in rows)
     record["outside_goal_surely"] = sum(lo > 1 + GOAL or hi < 1 - GOAL

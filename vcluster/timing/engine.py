@@ -120,7 +120,9 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     skips recording intervals (faster, less memory). ``core_pool`` (default None: every
     device has a core of its own): an int number of cores or a
     :class:`~vcluster.timing.localhost_pool.CorePoolSpec`; the devices' work then shares
-    those cores (see "Core pool" in :mod:`vcluster.timing.replay`); not with ``symmetric``.
+    those cores (see "Core pool" in :mod:`vcluster.timing.replay`); not with ``symmetric``;
+    a spec with ``placements`` is replayed once per placement and the replay at the
+    weighted median step time returned (:mod:`vcluster.timing.localhost_cores`).
     ``op_kind`` (optional): a function from a compute op's name to its kind (``"attention"``,
     ``"mlp"``, ...) or None (the kind of the rank's previous compute op); the result's
     ``op_stats`` then give each kind's compute and charged communication time (see
@@ -151,11 +153,37 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     if op_kind is not None and pool is not None:
         raise ValueError("simulate_trace: op_kind (per-op accounting) is not available with a "
                          "core_pool; pass one or the other")
-    replay = Replay(ops, costs, symmetric=bool(symmetric), slowdown=slowdown,
-                    record=bool(timeline), limit=limit, core_pool=pool, op_kind=op_kind)
-    with _gc_paused():
-        replay.run()
-        return _result(replay, limit, bool(symmetric))
+    kwargs = dict(symmetric=bool(symmetric), slowdown=slowdown, record=bool(timeline),
+                  limit=limit, core_pool=pool, op_kind=op_kind)
+    if pool is None or not pool.placements:
+        replay = Replay(ops, costs, **kwargs)
+        with _gc_paused():
+            replay.run()
+            return _result(replay, limit, bool(symmetric))
+    return _placed_median(ops, costs, pool, limit, kwargs)
+
+
+def _placed_median(ops: dict, costs, pool, limit, kwargs) -> SimulationResult:
+    """One replay per placement of ``pool``; the result at their weighted median step time
+    (the first whose cumulative weight reaches half, in order of step time)."""
+    ranks = len(pool.placements[0][0])
+    bad = [r for r in ops if r >= ranks]
+    if bad:
+        raise ValueError(f"simulate_trace: core_pool placements cover ranks 0..{ranks - 1}, "
+                         f"the traces have ranks {bad}")
+    results = []
+    for placement, weight in pool.placements:
+        replay = Replay(ops, costs, placement=placement, **kwargs)
+        with _gc_paused():
+            replay.run()
+            results.append((_result(replay, limit, False), weight))
+    results.sort(key=lambda rw: rw[0].step_time_s)
+    half, acc = sum(w for _, w in results) / 2, 0.0
+    for result, weight in results:
+        acc += weight
+        if acc >= half:
+            return result
+    return results[-1][0]
 
 
 def _result(replay: Replay, limit: int | None, symmetric: bool) -> SimulationResult:

@@ -4,9 +4,10 @@
 (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost` measures them);
 :class:`LocalhostCostModel` prices a trace of emulated programs from them. The devices
 are processes sharing ``cores`` cores, so every duration below is **work in single-core
-seconds**, which the replay serves from one pool of cores
+seconds**, which the replay serves from the cores
 (:class:`~vcluster.timing.localhost_pool.CorePool`: processor sharing, aggregate
-throughput ``T(k)`` with ``k`` busy devices, measured with float32 GEMMs)::
+throughput ``T(k)`` with ``k`` busy devices, measured with float32 GEMMs; with counted
+start splits, per-core queues: :mod:`.localhost_cores`)::
 
     simulate_trace(traces, model, core_pool=model.core_pool)
 
@@ -52,14 +53,11 @@ with every device busy they take what they were measured to take. Work of one op
 Assumptions: large collective inputs are resident (in the device's arena, as products and
 collective results are), and send payloads are not.
 
-Specs calibrated since host work and per-call figures were measured price more than the
-above (docs/timing.md): the programs' own host work in host-timed traces
-(:mod:`.localhost_host`; compute ops then cost an empty block plus their kernel), calls
-from the CPU they cost inside programs (:mod:`.localhost_calls`: the lines above become
-their back-to-back part), the start of a run, the cold extra of calls that follow other
-work and of work that follows a blocking call (:mod:`.localhost_start`,
-:mod:`.localhost_gap`, :meth:`LocalhostCostModel.prepare_traces`);
-:func:`localhost_traces` traces a program for all of it.
+Specs calibrated since host work and per-call figures were measured price more
+(docs/timing.md): the programs' own host work (:mod:`.localhost_host`; a compute op then
+costs an empty block plus its kernel), calls at their CPU inside programs
+(:mod:`.localhost_calls`), the start of a run and the cold extras of calls and work
+(:mod:`.localhost_start`, :mod:`.localhost_gap`); :func:`localhost_traces` has it all.
 """
 
 from __future__ import annotations
@@ -75,12 +73,14 @@ from vcluster.runtime.traffic import collective_traffic
 
 from .localhost_bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
+from .localhost_cores import start_placements
 from .localhost_gap import CallGap
 from .localhost_host import HOST_TRACES, host_work_s, measure_tracer_rates, median_host_work
 from .localhost_messages import working_copy_bytes
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
                              load_localhost_spec, save_localhost_spec)
+from .localhost_start import MOBILE_OPS
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",
            "load_localhost_spec", "save_localhost_spec", "localhost_model", "localhost_traces"]
@@ -100,9 +100,7 @@ _UNSEEN = object()
 def _interpolate(sizes: tuple, values: tuple, n: int) -> float:
     """``values`` at group size ``n``: log-log linear between (and beyond) the table; a
     table of one size scales in proportion."""
-    if len(sizes) == 1:
-        return values[0] * (n / sizes[0])
-    return log_log(sizes, values, n)
+    return values[0] * (n / sizes[0]) if len(sizes) == 1 else log_log(sizes, values, n)
 
 
 @dataclass(frozen=True)
@@ -118,13 +116,15 @@ class LocalhostCostModel:
     (:func:`localhost_model` measures them). Their host ops are then priced as the
     programs' own host work, and a compute op costs ``block_overhead_s`` plus its kernel
     (its numpy calls are in the host op before it) instead of ``compute_overhead_s``
-    plus its kernel. Without ``tracer`` a host op is an error.
+    plus its kernel. Without ``tracer`` a host op is an error. ``core_queues``: replay
+    on per-core queues (:mod:`.localhost_cores`) where the spec counted start splits.
     """
 
     spec: LocalhostSpec
     n_devices: int
     dtype: str = "float64"
     tracer: object = None
+    core_queues: bool = False
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,16 +141,15 @@ class LocalhostCostModel:
             if not isinstance(self.tracer, TracerRates):
                 raise TypeError(f"LocalhostCostModel: tracer must be TracerRates or None, got "
                                 f"{self.tracer!r}")
-            missing = [n for n in _HOST_RATES if getattr(self.spec, n) is None]
+            missing = ", ".join(n for n in _HOST_RATES if getattr(self.spec, n) is None)
             if missing:
-                raise ValueError(f"LocalhostCostModel: the spec lacks {', '.join(missing)} "
-                                 "(calibrated before host work was measured); calibrate "
-                                 "again to price host-timed traces")
+                raise ValueError(f"LocalhostCostModel: the spec lacks {missing} (calibrated "
+                                 "before host work was measured); calibrate again")
 
     def _start_figures(self) -> tuple[float, float]:
-        """(W0, f) for ``n_devices`` (:func:`.localhost_start.start_figures`)."""
-        from .localhost_start import start_figures
-        return start_figures(self.spec.start_s, self.n_devices)
+        """(W0, f) for ``n_devices`` (:func:`.localhost_start.queue_start_figures`)."""
+        from .localhost_start import queue_start_figures
+        return queue_start_figures(self)
 
     def prepare_traces(self, traces) -> list:
         """``traces`` with what their context costs on this machine, as work ops: the
@@ -180,8 +179,10 @@ class LocalhostCostModel:
 
     @property
     def core_pool(self) -> CorePoolSpec:
-        """The pool to replay with: the spec's cores and measured speedup."""
-        return self.spec.core_pool
+        """The spec's cores and speedup; per-core queues with ``core_queues``."""
+        s, n = self.spec, self.n_devices
+        return CorePoolSpec(s.cores, s.pool_throughput, mobile_ops=MOBILE_OPS, placements=(
+            start_placements(s.start_split, n, s.cores) if self.core_queues else ()))
 
     # --- synchronisation shares ---------------------------------------------------------
     def _share(self, table: tuple, cpu_table: tuple | None, n: int) -> float:
@@ -268,13 +269,10 @@ class LocalhostCostModel:
                     calls.seconds("recv", self.n_devices, 2) + more)
         copy = nbytes * p2p_copy_s_per_byte(s) if nbytes > INLINE_BYTES else 0.0
         fixed = s.p2p_latency_s / 2 if s.p2p_message_cpu_s is None else s.p2p_message_cpu_s
-        side = fixed + copy
-        return side, side
+        return fixed + copy, fixed + copy
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
-        if src == dst:
-            return 0.0
-        return sum(self.p2p_cpu_s(src, dst, nbytes))
+        return 0.0 if src == dst else sum(self.p2p_cpu_s(src, dst, nbytes))
 
     # --- one member's work in a collective ------------------------------------------------
     def cold_call_s(self, op, position: int) -> float:
@@ -390,11 +388,12 @@ def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=
     return model.prepare_traces(median_host_work(runs, prices))
 
 
-def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64"):
+def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64",
+                    core_queues: bool = False):
     """The model to predict emulated programs with: ``LocalhostCostModel(spec, n_devices,
-    dtype, tracer=<this process's tracer rates, measured now>)`` (~0.1 s), for traces
-    recorded with ``trace_program(..., host_time=model.host_timed)``. A spec calibrated
-    before host-work rates existed gives the model without them (``host_timed`` false)."""
-    if any(getattr(spec, n) is None for n in _HOST_RATES):
-        return LocalhostCostModel(spec, n_devices, dtype)
-    return LocalhostCostModel(spec, n_devices, dtype, tracer=measure_tracer_rates())
+    dtype, tracer=<this process's tracer rates, measured now>, core_queues=core_queues)``
+    (~0.1 s), for traces recorded with ``trace_program(..., host_time=model.host_timed)``.
+    A spec calibrated before host-work rates existed gives the model without them."""
+    rates = None if any(getattr(spec, n) is None for n in _HOST_RATES) else \
+        measure_tracer_rates()
+    return LocalhostCostModel(spec, n_devices, dtype, tracer=rates, core_queues=core_queues)

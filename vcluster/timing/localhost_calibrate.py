@@ -324,9 +324,9 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         rtt_large = cluster.run(_ping_pong, [(LARGE_BYTES, P2P_LARGE_REPS)] * devices)[0]
     pool = tuple((k, min(t, k, cores)) for k, t in sorted(points.items()))
     calls = CallCpu(call_rows)
-    start_rows = measure_start(cluster_sizes(devices, cores),
-                               lambda d: calls.seconds("all_reduce", d, d),
-                               CorePoolSpec(cores, pool).throughput_at)
+    start_rows, splits = measure_start(cluster_sizes(devices, cores),
+                                       lambda d: calls.seconds("all_reduce", d, d),
+                                       CorePoolSpec(cores, pool))
     provisional = LocalhostSpec(
         cores=cores, pool_throughput=pool, **alone, vector_busy_speedup=busy["vector"],
         memcpy_busy_speedup=busy["memcpy"], **tables,
@@ -338,7 +338,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         calibration_devices=devices, message_bytes=sizes,
         p2p_message_cpu_s=float(np.median(p2p_cpu)), call_cpu_s=call_rows,
         call_gap_cpu_s=gap_rows, message_side_cpu_s=sides,
-        start_s=start_rows)
+        start_s=start_rows, start_split=splits)
     return LocalhostSpec(**dict(provisional.to_dict(), **_channel_rates(provisional, walls)))
 
 

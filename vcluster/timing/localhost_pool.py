@@ -17,6 +17,12 @@ A job is a number of *single-core seconds* (what the work takes alone on one oth
 idle core). :class:`CorePoolSpec` is the pool's frozen description (what
 :func:`~vcluster.timing.engine.simulate_trace` takes); :class:`CorePool` runs in one
 replay's SimPy environment (nothing is shared between replays).
+
+With ``placements`` the spec stands for the operating system's per-core run queues
+instead (:mod:`.localhost_cores`): each placement (the core of every rank) is replayed
+and the replay at the weighted median step time is the result; compute ops named in
+``mobile_ops`` are a communication call's work charged ahead of it, spread over the
+cores like the calls' own shares.
 """
 
 from __future__ import annotations
@@ -39,10 +45,14 @@ _DONE_REL = 1e-9
 class CorePoolSpec:
     """``cores`` cores; ``throughput`` the measured ``(jobs, T(jobs))`` points (default
     none: ideal cores, ``T(k) = min(k, cores)``). Each point needs ``jobs >= 2`` and
-    ``0 < T <= min(jobs, cores)``."""
+    ``0 < T <= min(jobs, cores)``. ``placements``: ``((core of each rank, ...), weight)``
+    pairs, all of one length (default none: one pool); ``mobile_ops``: names of compute
+    ops served as communication work (module docstring)."""
 
     cores: int
     throughput: tuple = ()
+    placements: tuple = ()
+    mobile_ops: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool):
@@ -67,6 +77,11 @@ class CorePoolSpec:
             raise ValueError(f"CorePoolSpec: throughput lists a job count twice: {points}")
         object.__setattr__(self, "cores", cores)
         object.__setattr__(self, "throughput", points)
+        object.__setattr__(self, "placements", _placements(self.placements, cores))
+        if isinstance(self.mobile_ops, str):
+            raise TypeError(f"CorePoolSpec: mobile_ops must be a collection of op names, got "
+                            f"{self.mobile_ops!r}")
+        object.__setattr__(self, "mobile_ops", frozenset(self.mobile_ops))
 
     def throughput_at(self, k: int) -> float:
         """``T(k)``: single-core seconds of work done per second with ``k`` jobs in progress."""
@@ -80,6 +95,21 @@ class CorePoolSpec:
                 return lo_t + (hi_t - lo_t) * (k - lo_k) / (hi_k - lo_k)
             lo_k, lo_t = hi_k, hi_t
         return lo_t
+
+
+def _placements(value, cores: int) -> tuple:
+    try:
+        out = tuple((tuple(operator.index(c) for c in p), float(w)) for p, w in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"CorePoolSpec: placements must be (cores of the ranks, weight) "
+                        f"pairs, got {value!r}") from None
+    for p, w in out:
+        if not p or len(p) != len(out[0][0]) or not all(0 <= c < cores for c in p) \
+                or not 0 < w < math.inf:
+            raise ValueError(f"CorePoolSpec: placement {p} (weight {w}) needs one core in "
+                             f"0..{cores - 1} per rank, as many ranks as the others, and a "
+                             f"positive weight")
+    return out
 
 
 def as_core_pool(value) -> CorePoolSpec | None:
@@ -116,8 +146,9 @@ class CorePool:
         k = len(self._jobs)
         return self.spec.throughput_at(k) / k if k else 0.0
 
-    def submit(self, work_s: float):
-        """An event that succeeds once ``work_s`` single-core seconds have been served."""
+    def submit(self, work_s: float, rank=None, mobile: bool = True, wakes=None):
+        """An event that succeeds once ``work_s`` single-core seconds have been served
+        (whose work it is does not matter to one pool)."""
         event = self.env.event()
         if not work_s > 0.0:
             event.succeed()
@@ -177,22 +208,30 @@ class PooledReplayMixin:
     The pool sees only traced ranks, so it is not combined with symmetric mode.
     """
 
-    def _init_pool(self, spec: CorePoolSpec | None) -> None:
-        self.pool = None if spec is None else CorePool(self.env, spec)
+    def _init_pool(self, spec: CorePoolSpec | None, placement=None) -> None:
+        if spec is None:
+            self.pool = None
+        elif placement is None:
+            self.pool = CorePool(self.env, spec)
+        else:
+            from .localhost_cores import CoreQueues
+            self.pool = CoreQueues(self.env, spec, placement)
+        self.mobile_ops = frozenset() if spec is None else spec.mobile_ops
         self.pending: dict[Call, int] = {}          # call -> member shares not yet served
         self.p2p_parts: dict = {}                   # (src, dst, nbytes) -> shares
 
-    def _serve(self, rank: int, t: float, work_s: float, p2p=None):
-        """Pool mode: from local time ``t``, have ``work_s`` served; -> (start, end).
-
-        ``p2p`` = (op index, op) books the time as this rank's point-to-point copy."""
+    def _serve(self, rank: int, t: float, work_s: float, p2p=None, mobile: bool = False):
+        """Pool mode: from local time ``t``, have ``work_s`` of ``rank``'s work served
+        (``mobile``: a call's work charged ahead of it, after which the rank has not
+        blocked); -> (start, end). ``p2p`` = (op index, op) books the time as this rank's
+        point-to-point copy."""
         env = self.env
         if work_s <= 0.0:
             return t, t
         if t > env.now:
             yield env.timeout(t - env.now)
         start = env.now
-        yield self.pool.submit(work_s)
+        yield self.pool.submit(work_s, rank, mobile, False)
         if p2p is not None:
             self.comm_s[rank] += env.now - start
             if self.timelines is not None:
@@ -236,7 +275,7 @@ class PooledReplayMixin:
         busy = [m for m, w in shares.items() if w > 0.0]
         self.pending[call] = len(busy)
         for m in busy:
-            self.pool.submit(shares[m]).callbacks.append(
+            self.pool.submit(shares[m], m, True).callbacks.append(
                 lambda _ev, call=call, rest=rest: self._share_done(call, rest))
         if not busy:
             self._share_done(call, rest, counted=False)

@@ -105,6 +105,10 @@ class LocalhostSpec:
     # None in older specs: then p2p_message_cpu_s plus the bytes at the ping-pong slope):
     # rows (message bytes, CPU seconds) of a ring all_gather on all N devices
     message_side_cpu_s: tuple | None = None
+    # How devices released together were spread over the cores (vcluster.timing.
+    # localhost_start; None in older specs or where a process's core is unknown: then
+    # one pool serves every core): rows (devices, devices per core, most first, runs)
+    start_split: tuple | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -115,6 +119,8 @@ class LocalhostSpec:
                 object.__setattr__(self, f.name, CallCpu(v).rows)
             elif f.name == "start_s":
                 object.__setattr__(self, f.name, _start_rows(v))
+            elif f.name == "start_split":
+                object.__setattr__(self, f.name, _split_rows(v, self.cores))
             elif f.name == "call_gap_cpu_s":
                 object.__setattr__(self, f.name, CallGap(v).rows)
             elif f.name == "message_side_cpu_s":
@@ -172,7 +178,7 @@ class LocalhostSpec:
         d["pool_throughput"] = [list(p) for p in d["pool_throughput"]]
         for k in _ROWS:
             if d[k] is not None:
-                d[k] = [list(row) for row in d[k]]
+                d[k] = [[list(x) if isinstance(x, tuple) else x for x in row] for row in d[k]]
         return d
 
     @classmethod
@@ -190,7 +196,7 @@ _BUSY_CPU = ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"
              "p2p_message_cpu_s")
 _HOST_RATES = ("block_overhead_s", "numpy_call_s", "python_unit_s")
 _ROWS = ("call_cpu_s", "start_s", "call_gap_cpu_s",     # tables of rows, validated apart
-         "message_side_cpu_s")
+         "message_side_cpu_s", "start_split")
 _OPTIONAL = _BUSY_CPU + _HOST_RATES + _ROWS + ("p2p_busy_copy_bytes_per_s",)
 
 
@@ -204,6 +210,24 @@ def _start_rows(rows) -> tuple:
             d < 1 or not 0 <= w < math.inf or not 1 <= f < math.inf for d, w, f in out):
         raise ValueError(f"LocalhostSpec.start_s: rows must be distinct (devices >= 1, "
                          f"seconds >= 0, factor >= 1), got {rows!r}")
+    return out
+
+
+def _split_rows(rows, cores) -> tuple:
+    try:
+        out = tuple(sorted((int(d), tuple(int(c) for c in split), int(n))
+                           for d, split, n in rows))
+    except (TypeError, ValueError):
+        raise ValueError(f"LocalhostSpec.start_split: rows must be (devices, devices per "
+                         f"core, runs), got {rows!r}") from None
+    for d, split, n in out:
+        if n < 1 or len(split) != int(cores) or sum(split) != d \
+                or list(split) != sorted(split, reverse=True) or split[-1] < 0:
+            raise ValueError(f"LocalhostSpec.start_split: row {(d, split, n)} needs runs >= "
+                             f"1 and one count per core (cores={cores}), most first, "
+                             f"summing to the devices")
+    if len({(d, split) for d, split, _ in out}) != len(out):
+        raise ValueError(f"LocalhostSpec.start_split: a split is listed twice: {rows!r}")
     return out
 
 

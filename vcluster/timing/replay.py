@@ -42,7 +42,9 @@ names every stuck rank and what it waits for.
 
 **Core pool** (optional ``core_pool``, off by default): the devices share a few cores
 (processor sharing) that serve compute, collective shares and send/receive copies as work,
-so devices working at once slow each other down (:class:`~.localhost_pool.PooledReplayMixin`).
+so devices working at once slow each other down (:class:`~.localhost_pool.PooledReplayMixin`);
+with a ``placement`` (the core of each rank) the cores keep per-core queues instead
+(:mod:`.localhost_cores`).
 
 The collective steps (matching, starting an instant's calls together, ending them) live
 in :class:`~.replay_collectives.CollectiveReplayMixin`; this module holds the driver,
@@ -77,16 +79,18 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
     """One replay: its own ``simpy.Environment`` and all state (nothing is shared).
 
     ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
-    whether to keep timelines; ``op_kind`` name -> op kind (per-op accounting, see
+    whether to keep timelines; ``placement`` the core of each rank (per-core queues, with
+    a ``core_pool``); ``op_kind`` name -> op kind (per-op accounting, see
     :mod:`vcluster.timing.results`). Call :meth:`run` once; it fills ``end_s``,
     ``compute_s``, ``exposed_s``, ``bubble_s`` (blocked part only), ``comm_s``,
     ``timelines``, ``last_s`` and, with ``op_kind``, ``kind_compute_s`` / ``kind_comm_s``.
     """
 
     def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
-                 record: bool, limit: int | None = None, core_pool=None, op_kind=None):
+                 record: bool, limit: int | None = None, core_pool=None, op_kind=None,
+                 placement=None):
         self.env = simpy.Environment()
-        self._init_pool(core_pool)
+        self._init_pool(core_pool, placement)
         self.traces, self.costs, self.symmetric = traces, costs, symmetric
         self.slowdown, self.limit = slowdown, limit
         ranks = list(traces)
@@ -153,7 +157,8 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                     if slow != 1.0:
                         d *= slow
                     if pool is not None and d > 0.0:       # served by the shared cores
-                        t, end = yield from self._serve(rank, t, d)
+                        t, end = yield from self._serve(rank, t, d, None,
+                                                        op.name in self.mobile_ops)
                         d = end - t
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, t, t + d, _COMPUTE)))

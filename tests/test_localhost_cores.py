@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_localhost import spec
+from test_localhost_calls import _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, \
     TraceSend
@@ -81,7 +83,6 @@ def test_mobile_work_fills_the_idle_core():
 def test_communication_alone_equals_the_pool(placement):
     """Collective shares are mobile: with nothing pinned, any placement replays as the
     pool does, on a measured throughput too."""
-    from tests.test_localhost import spec
     from vcluster.timing.localhost import LocalhostCostModel
     model = LocalhostCostModel(spec(), 4, "float32")
     ar = TraceCollective("all_reduce", (0, 1, 2, 3), 1 << 20, 4, "shm")
@@ -151,7 +152,6 @@ def test_placement_validation():
 
 # --- the spec and a real calibration ----------------------------------------------------------------
 def test_spec_start_split_rows_and_the_models_placements(tmp_path):
-    from tests.test_localhost import spec
     from vcluster.timing.localhost import LocalhostCostModel, load_localhost_spec, \
         save_localhost_spec
     from vcluster.timing.localhost_start import MOBILE_OPS
@@ -200,8 +200,6 @@ def test_a_queue_model_solves_its_first_call_factor_from_the_same_walls():
     """The spec's f is one pool's; on per-core queues the model turns it back into the
     measured one-call wall W1 = W0 + (D c / T) f and solves again: its own f is no larger,
     and its replay of the one-call program ends at W1."""
-    from tests.test_localhost import spec
-    from tests.test_localhost_calls import _rows
     from vcluster.timing.localhost import LocalhostCostModel
     from vcluster.timing.localhost_calls import CallCpu
     from vcluster.timing.localhost_start import first_call_factor

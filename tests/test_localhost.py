@@ -314,3 +314,13 @@ def test_calibration_measures_positive_finite_figures():
     assert all(d == 2 and sum(split) == 2 for d, split, _ in s.start_split or ())
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)
+
+
+@pytest.mark.parametrize("name, text", [("spec.json", "not json {"),
+                                        ("spec.yaml", "a: [unclosed"), ("spec.json", "[1, 2]")])
+def test_loading_a_file_that_is_not_a_spec_names_it(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"{name}: (not a LocalhostSpec file|expected a "
+                                         "mapping)"):
+        load_localhost_spec(path)

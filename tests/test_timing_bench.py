@@ -61,3 +61,38 @@ def test_predict_scenarios_on_localhost(tmp_path):
     assert all(r["ratio_interval"] == [r["ratio"]] * 2 for r in rows)
     assert record["outside_goal_surely"] == len(rows) - record["within_goal"]
     assert record["max_error"] == max(abs(r["ratio"] - 1) for r in rows)
+
+
+def test_predict_a_users_scenario_file_from_the_command_line(tmp_path, capsys):
+    """``--scenario FILE`` predicts that file's points (a user's, not a bundled one):
+    one row per sweep point, named after the file, in the printout and the JSON."""
+    import json
+    from cli_helpers import run_cli
+    from vcluster.cli.bench_cmd import add_parser
+    mine = tmp_path / "my_all_gather.yaml"
+    mine.write_text("name: my_all_gather\ncluster:\n  mesh: {x: 4}\nworkload:\n"
+                    "  kind: collective\n  op: all_gather\n  size: 64KiB\n  calls: 2\n"
+                    "run:\n  mode: emulate\nsweep:\n  workload.size: [64KiB, 1MiB]\n")
+    spec_file = _localhost_spec_file(tmp_path / "machine.json")
+    out = tmp_path / "record.json"
+    assert run_cli(add_parser, ["bench", "predict", "--spec", str(spec_file), "--scenario",
+                                str(mine), "--reps", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["name"] for r in record["workloads"]] == ["my_all_gather/0", "my_all_gather/1"]
+    assert all(r["devices"] == 4 and r["measured_s"] > 0 for r in record["workloads"])
+    printed = capsys.readouterr().out
+    assert "my_all_gather/1" in printed and "of 2 points within 25%" in printed
+
+
+def test_predict_refuses_a_scenario_that_only_simulates_before_calibrating(monkeypatch):
+    """Nothing to measure: the error names the file and its run.mode, and comes before
+    the calibration would spend its 20 s."""
+    from cli_helpers import run_cli
+    from vcluster.cli.bench_cmd import add_parser
+
+    def calibrate(*args):
+        raise AssertionError("calibrated before checking the scenario")
+    monkeypatch.setattr("vcluster.timing.localhost_calibrate.calibrate_localhost", calibrate)
+    path = SCENARIO_DIR / "transformer_simulate.yaml"
+    with pytest.raises(ValueError, match=r"transformer_simulate\.yaml has run\.mode 'simulate'"):
+        run_cli(add_parser, ["bench", "predict", "--scenario", str(path)])

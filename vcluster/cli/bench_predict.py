@@ -255,6 +255,9 @@ def add_parser(kinds) -> None:
     p.add_argument("--scenarios", action="store_true",
                    help="predict the bundled emulated scenarios (scenarios/*.yaml, every "
                         "sweep point, through vcluster run) instead of the workloads")
+    p.add_argument("--scenario", metavar="FILE", action="append",
+                   help="predict this scenario file's points instead (repeatable; any "
+                        "scenario that emulates, yours too; implies --scenarios)")
     p.add_argument("--core-queues", action="store_true",
                    help="replay on per-core run queues placed as the calibration counted "
                         "devices per core at a start, instead of one pool of cores "
@@ -270,6 +273,10 @@ def _predict(args) -> int:
         print("vcluster bench predict: calibrating again", flush=True)
         return calibrate_localhost(args.devices)
 
+    for path in args.scenario or ():            # before a calibration's 20 s
+        from vcluster.scenario import load_scenario
+        from .bench_predict_scenarios import check_emulates
+        check_emulates(load_scenario(path), path)
     if args.spec:
         spec, recalibrate = load_localhost_spec(args.spec), None
         print(f"vcluster bench predict: spec from {args.spec}", flush=True)
@@ -281,7 +288,7 @@ def _predict(args) -> int:
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
     _print_spec(spec)
-    if args.scenarios:
+    if args.scenarios or args.scenario:
         return _predict_scenarios(args, spec, recalibrate)
     _print_header("workload", 22)
     record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
@@ -296,7 +303,8 @@ def _predict(args) -> int:
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
     _print_header("scenario point", 28)
-    record = run_scenarios_predict(spec, args.reps, progress=lambda r: _print_row(r, width=28),
+    record = run_scenarios_predict(spec, args.reps, args.scenario,
+                                   progress=lambda r: _print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate, steps=args.steps,
                                    core_queues=args.core_queues)

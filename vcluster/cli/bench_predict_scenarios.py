@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["SCENARIO_DIR", "GOAL", "emulated_scenarios", "scenario_workloads",
+__all__ = ["SCENARIO_DIR", "GOAL", "check_emulates", "emulated_scenarios", "scenario_workloads",
            "run_scenarios_predict"]
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios"
@@ -41,14 +41,22 @@ def emulated_scenarios(directory: Path = SCENARIO_DIR) -> list[Path]:
             if load_scenario(p).run.mode != "simulate"]
 
 
+def check_emulates(scenario, path) -> None:
+    """Raise unless ``scenario`` (read from ``path``) emulates: there is a run to measure."""
+    if scenario.run.mode == "simulate":
+        raise ValueError(f"bench predict: scenario {path} has run.mode 'simulate': nothing "
+                         "to measure; give one whose run.mode is emulate or both")
+
+
 def scenario_workloads(paths=None) -> list:
     """One :class:`~vcluster.cli.bench_predict_workloads.Workload` per sweep point of ``paths``
-    (default: :func:`emulated_scenarios`)."""
+    (default: :func:`emulated_scenarios`); a scenario that only simulates is an error."""
     from vcluster.scenario import build_workload, load_scenario, sweep_points
     from .bench_predict_workloads import Workload
     out = []
     for path in paths or emulated_scenarios():
         scenario = load_scenario(Path(path))
+        check_emulates(scenario, path)
         for i in range(len(sweep_points(scenario))):
             w = build_workload(scenario, i)
             out.append(Workload(f"{Path(path).stem}/{i}", w.mesh, w.program,

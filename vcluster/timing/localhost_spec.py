@@ -260,11 +260,13 @@ def load_localhost_spec(path) -> LocalhostSpec:
     """Read a spec written by :func:`save_localhost_spec` (JSON or YAML)."""
     path = Path(path)
     text = path.read_text("utf-8")
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+    import yaml
+    try:
+        data = yaml.safe_load(text) if path.suffix.lower() in (".yaml", ".yml") \
+            else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:         # ValueError: JSONDecodeError
+        raise ValueError(f"{path}: not a LocalhostSpec file ({exc}); write one with "
+                         "vcluster bench predict --save-spec FILE") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of LocalhostSpec fields")
     return LocalhostSpec.from_dict(data)

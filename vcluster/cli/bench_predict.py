@@ -273,10 +273,11 @@ def _predict(args) -> int:
         print("vcluster bench predict: calibrating again", flush=True)
         return calibrate_localhost(args.devices)
 
-    for path in args.scenario or ():            # before a calibration's 20 s
+    if args.scenario:                           # checked before a calibration's 20 s
         from vcluster.scenario import load_scenario
         from .bench_predict_scenarios import check_emulates
-        check_emulates(load_scenario(path), path)
+        for path in args.scenario:
+            check_emulates(load_scenario(path), path)
     if args.spec:
         spec, recalibrate = load_localhost_spec(args.spec), None
         print(f"vcluster bench predict: spec from {args.spec}", flush=True)

@@ -156,11 +156,15 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     kwargs = dict(symmetric=bool(symmetric), slowdown=slowdown, record=bool(timeline),
                   limit=limit, core_pool=pool, op_kind=op_kind)
     if pool is None or not pool.placements:
-        replay = Replay(ops, costs, **kwargs)
-        with _gc_paused():
-            replay.run()
-            return _result(replay, limit, bool(symmetric))
+        return _replayed(Replay(ops, costs, **kwargs), limit, bool(symmetric))
     return _placed_median(ops, costs, pool, limit, kwargs)
+
+
+def _replayed(replay: Replay, limit: int | None, symmetric: bool) -> SimulationResult:
+    """Run ``replay`` (the garbage collector paused) and collect its result."""
+    with _gc_paused():
+        replay.run()
+        return _result(replay, limit, symmetric)
 
 
 def _placed_median(ops: dict, costs, pool, limit, kwargs) -> SimulationResult:
@@ -171,12 +175,8 @@ def _placed_median(ops: dict, costs, pool, limit, kwargs) -> SimulationResult:
     if bad:
         raise ValueError(f"simulate_trace: core_pool placements cover ranks 0..{ranks - 1}, "
                          f"the traces have ranks {bad}")
-    results = []
-    for placement, weight in pool.placements:
-        replay = Replay(ops, costs, placement=placement, **kwargs)
-        with _gc_paused():
-            replay.run()
-            results.append((_result(replay, limit, False), weight))
+    results = [(_replayed(Replay(ops, costs, placement=placement, **kwargs), limit, False),
+                weight) for placement, weight in pool.placements]
     results.sort(key=lambda rw: rw[0].step_time_s)
     half, acc = sum(w for _, w in results) / 2, 0.0
     for result, weight in results:

@@ -177,12 +177,12 @@ class LocalhostCostModel:
     def _itemsize(self) -> int:
         return 4 if self.dtype == "float32" else 8
 
-    @property
+    @functools.cached_property
     def core_pool(self) -> CorePoolSpec:
-        """The spec's cores and speedup; per-core queues with ``core_queues``."""
-        s, n = self.spec, self.n_devices
-        return CorePoolSpec(s.cores, s.pool_throughput, mobile_ops=MOBILE_OPS, placements=(
-            start_placements(s.start_split, n, s.cores) if self.core_queues else ()))
+        """The spec's cores and speedup; per-core queues with ``core_queues`` (built once)."""
+        s, queues = self.spec, self.core_queues
+        where = start_placements(s.start_split, self.n_devices, s.cores) if queues else ()
+        return dataclasses.replace(s.core_pool, mobile_ops=MOBILE_OPS, placements=where)
 
     # --- synchronisation shares ---------------------------------------------------------
     def _share(self, table: tuple, cpu_table: tuple | None, n: int) -> float:

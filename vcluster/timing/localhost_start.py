@@ -220,8 +220,7 @@ def queue_start_figures(model) -> tuple[float, float]:
     if not pool.placements or model.spec.call_cpu_s is None or factor == 1.0:
         return wall, factor
     if "start" not in model._memo:                     # ~0.1 s of replays: once a model
-        from .localhost_calls import CallCpu
-        c = CallCpu(model.spec.call_cpu_s).seconds("all_reduce", n, n)
+        c = model._calls.seconds("all_reduce", n, n)
         w1 = wall + n * c / pool.throughput_at(n) * factor
         model._memo["start"] = (wall, first_call_factor(wall, w1, n, c, pool))
     return model._memo["start"]

@@ -92,6 +92,36 @@ def test_median_interval_takes_the_order_statistics_that_cover_the_median():
         median_interval([1.0], level=1.0)
 
 
+def test_round_drift_takes_out_what_moved_a_whole_round():
+    """A drift that scales every point of a round alike shows in the rounds' medians and
+    leaves the relative ratios alone."""
+    from vcluster.cli.bench_predict_stats import round_drift
+    model = [0.8, 1.0, 1.1, 1.3]                     # each point's error, fixed
+    drift = [0.7, 1.0, 1.4, 0.9, 1.2]                # each round's machine, common to all
+    ratios = [[e * d for d in drift] for e in model]
+    medians, relative = round_drift(ratios)
+    assert medians == pytest.approx([1.05 * d for d in drift])  # median of model: 1.05
+    assert relative == pytest.approx([e / 1.05 for e in model])
+    # noise of one point in one round moves only its own relative ratio's median
+    ratios[0][2] *= 2.0
+    assert round_drift(ratios)[1][1:] == pytest.approx([e / 1.05 for e in model[1:]])
+    for bad in ([], [[1.0, 2.0], [1.0]], [[1.0, 0.0]], [[float("nan")]]):
+        with pytest.raises(ValueError, match="round_drift"):
+            round_drift(bad)
+
+
+def test_summary_prints_the_drift_and_the_point_furthest_from_the_others(capsys):
+    from vcluster.cli.bench_predict import _print_drift
+    rows = [{"name": n, "relative_ratio": r} for n, r in (("a", 0.9), ("b", 1.0), ("c", 1.3))]
+    _print_drift({"workloads": rows, "round_median_ratios": [0.77, 1.08]})
+    out = capsys.readouterr().out
+    assert "rounds' median ratio 0.77-1.08" in out
+    assert "2 of 3 points within 25%, furthest c 1.30" in out
+    for medians, few in (([1.0], rows), ([0.9, 1.1], rows[:2])):   # one round, two points
+        _print_drift({"workloads": few, "round_median_ratios": medians})
+        assert capsys.readouterr().out == ""
+
+
 def test_spread_is_half_the_interquartile_range_over_the_median():
     from vcluster.cli.bench_predict import spread
     row = {"measured_s": 10.0, "measured_iqr_s": [8.0, 13.0]}
@@ -111,7 +141,8 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
                               "--rounds", "2", "--steps", "2", "--json", str(out)])
     assert args.run(args) == 0
     record = json.loads(out.read_text())
-    assert set(record) == {"spec", "specs", "steps", "core_queues", "workloads", "max_error"}
+    assert set(record) == {"spec", "specs", "steps", "core_queues", "workloads",
+                           "round_median_ratios", "max_error"}
     assert record["steps"] == 2 and record["core_queues"] is False
     assert LocalhostSpec.from_dict(record["spec"]) == spec()
     assert len(record["specs"]) == 1                     # a given spec is not recalibrated
@@ -120,7 +151,7 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
         assert set(w) == {"name", "devices", "dtype", "measured_s", "measured_runs_s",
                           "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
                           "round_ratios", "unpaired_ratio", "ratio_interval",
-                          "ratio_interval_level", "measured_cpu_s",
+                          "ratio_interval_level", "relative_ratio", "measured_cpu_s",
                           "predicted_cpu_s", "cpu_ratio", "background_cores"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
@@ -138,6 +169,11 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
         assert w["measured_cpu_s"] > 0 and w["predicted_cpu_s"] > 0
         assert 0 < w["cpu_ratio"] < 100
     assert record["max_error"] == max(abs(w["ratio"] - 1) for w in record["workloads"])
+    # two points: each round's median is the mean of their two ratios
+    a, b = (w["round_ratios"] for w in record["workloads"])
+    assert record["round_median_ratios"] == pytest.approx([(x + y) / 2 for x, y in zip(a, b)])
+    assert record["workloads"][0]["relative_ratio"] == pytest.approx(
+        sum(x / ((x + y) / 2) for x, y in zip(a, b)) / 2)
 
 
 def _spin(dev, seconds: float) -> None:

@@ -51,11 +51,20 @@ round to the next, so with three rounds even an exact model leaves a point or tw
 beyond 25% by chance; a point whose interval lies wholly outside 0.75-1.25 is a miss of
 the model.
 
+What moved a whole round, and what sets a point apart (:func:`round_drift`):
+``round_median_ratios`` holds each round's median ratio over the points. The machine's
+speed drifting between a calibration and the round after it scales every point of that
+round alike (0.77-1.08 over one 8-round run), so these show the drift; a point's
+``relative_ratio`` is the median over rounds of its ratio over its round's median: how
+the model prices this program against the others, the drift taken out. With two rounds
+or more the summary prints both.
+
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
-calibration's, "steps", "core_queues", "workloads": [{"name", "devices", "dtype", "measured_s", "measured_runs_s",
-"measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio", "round_ratios",
-"unpaired_ratio", "ratio_interval", "ratio_interval_level", "measured_cpu_s",
-"predicted_cpu_s", "cpu_ratio", "background_cores"}], "max_error"}`` with ``max_error =
+calibration's, "steps", "core_queues", "workloads": [{"name", "devices", "dtype",
+"measured_s", "measured_runs_s", "measured_iqr_s", "predicted_s", "predicted_by_spec_s",
+"ratio", "round_ratios", "unpaired_ratio", "ratio_interval", "ratio_interval_level",
+"relative_ratio", "measured_cpu_s", "predicted_cpu_s", "cpu_ratio",
+"background_cores"}], "round_median_ratios", "max_error"}`` with ``max_error =
 max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th] percentile of the measured runs. The
 table's ``spread`` column is half that range over the median: how far the machine's own
 run-to-run noise reaches, to read a ratio against.
@@ -82,13 +91,14 @@ pool of cores; the record says ``"core_queues": true``.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from .args import csv_of, positive_int
 from .bench_predict_measure import measure_workload
-from .bench_predict_stats import interval_fields, median_interval, paired_ratios
+from .bench_predict_stats import interval_fields, median_interval, paired_ratios, round_drift
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
 from .units import format_size
 
@@ -217,8 +227,14 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
                      "background_cores": max(known) if known else None})
         if progress is not None:
             progress(rows[-1])
+    medians = []
+    if rows:
+        medians, relative = round_drift([r["round_ratios"] for r in rows])
+        for row, rel in zip(rows, relative):
+            row["relative_ratio"] = rel
     return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "steps": steps,
             "core_queues": bool(core_queues), "workloads": rows,
+            "round_median_ratios": medians,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
 
 
@@ -297,6 +313,7 @@ def _predict(args) -> int:
                          steps=args.steps, core_queues=args.core_queues)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
+    _print_drift(record)
     _write_record(args.json, record)
     return 0
 
@@ -315,8 +332,23 @@ def _predict_scenarios(args, spec, recalibrate) -> int:
     print(f"{record['within_goal']} of {len(rows)} points within 25%{surely}; "
           f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
           f"±{np.median([spread(r) for r in rows]):.0%}")
+    _print_drift(record)
     _write_record(args.json, record)
     return 0
+
+
+def _print_drift(record: dict) -> None:
+    """With two rounds or more and three points or more: the rounds' median ratios (what
+    moved every point alike) and the points' ratios relative to them."""
+    rows, medians = record["workloads"], record["round_median_ratios"]
+    if len(medians) < 2 or len(rows) < 3:
+        return
+    worst = max(rows, key=lambda r: abs(math.log(r["relative_ratio"])))
+    within = sum(abs(r["relative_ratio"] - 1) <= 0.25 for r in rows)
+    print(f"rounds' median ratio {min(medians):.2f}-{max(medians):.2f} (the machine's drift "
+          f"between a calibration and its round moves every point alike); relative to it: "
+          f"{within} of {len(rows)} points within 25%, furthest {worst['name']} "
+          f"{worst['relative_ratio']:.2f}", flush=True)
 
 
 def _print_header(first: str, width: int) -> None:

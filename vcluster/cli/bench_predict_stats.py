@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-__all__ = ["paired_ratios", "median_interval", "interval_fields"]
+__all__ = ["paired_ratios", "median_interval", "interval_fields", "round_drift"]
 
 
 def paired_ratios(predicted: list, by_round: list) -> list:
@@ -54,3 +54,22 @@ def interval_fields(ratios: list) -> dict:
     """The JSON keys ``ratio_interval`` and ``ratio_interval_level`` of ``ratios``."""
     lo, hi, level = median_interval(ratios)
     return {"ratio_interval": [lo, hi], "ratio_interval_level": level}
+
+
+def round_drift(round_ratios: list) -> tuple[list, list]:
+    """What moved every point of a round together, and each point without it.
+
+    ``round_ratios[i][r]``: point ``i``'s ratio in round ``r`` (every point has the same
+    rounds). Returns ``(m, rel)``: ``m[r]``, the median over the points of round ``r``'s
+    ratios, and ``rel[i] = median_r(round_ratios[i][r] / m[r])``. A machine whose speed
+    drifts between a calibration and the round after it scales every point of that round
+    alike, so ``m`` shows the drift and ``rel`` the model's error on one program relative
+    to the others (the model's errors common to all points move ``m`` too).
+    """
+    rounds = {len(row) for row in round_ratios}
+    x = np.asarray(round_ratios, dtype=float) if len(rounds) == 1 else np.empty(0)
+    if x.ndim != 2 or x.size == 0 or not np.all(np.isfinite(x)) or np.any(x <= 0):
+        raise ValueError(f"round_drift: need one row of positive ratios per point, the same "
+                         f"rounds in each; got {round_ratios!r}")
+    m = np.median(x, axis=0)
+    return [float(v) for v in m], [float(v) for v in np.median(x / m, axis=1)]

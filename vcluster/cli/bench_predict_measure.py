@@ -9,9 +9,10 @@ import time
 
 from vcluster.timing.localhost_start import run_wall_s, timed_run_cpu
 
-__all__ = ["BackgroundLoad", "measure_workload", "QUIET_SAMPLE_S"]
+__all__ = ["BackgroundLoad", "measure_workload", "QUIET_SAMPLE_S", "BUSY_MACHINE_CORES"]
 
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
+BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
 
 
 class BackgroundLoad:

@@ -1,0 +1,97 @@
+"""How ``vcluster bench predict`` prints (:mod:`vcluster.cli.bench_predict`): the
+calibrated spec, one row per workload or scenario point, the rounds' drift, the record."""
+
+from __future__ import annotations
+
+import math
+
+from .bench_predict_measure import BUSY_MACHINE_CORES
+from .bench_predict_scenarios import GOAL
+from .units import format_size
+
+__all__ = ["spread"]
+
+
+def _print_drift(record: dict) -> None:
+    """With two rounds or more and three points or more: the rounds' median ratios (what
+    moved every point alike) and the points' ratios relative to them."""
+    rows, medians = record["workloads"], record["round_median_ratios"]
+    if len(medians) < 2 or len(rows) < 3:
+        return
+    worst = max(rows, key=lambda r: abs(math.log(r["relative_ratio"])))
+    within = sum(abs(r["relative_ratio"] - 1) <= GOAL for r in rows)
+    print(f"rounds' median ratio {min(medians):.2f}-{max(medians):.2f} (the machine's drift "
+          f"between a calibration and its round moves every point alike); relative to it: "
+          f"{within} of {len(rows)} points within {GOAL:.0%}, furthest {worst['name']} "
+          f"{worst['relative_ratio']:.2f}", flush=True)
+
+
+def _print_header(first: str, width: int) -> None:
+    print(f"{first:<{width}}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
+          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
+
+
+def _write_record(path, record: dict) -> None:
+    if path:
+        from vcluster.runtime.files import write_json
+        write_json(path, record)
+        print(f"wrote {path}")
+
+
+def _print_row(r: dict, width: int = 22) -> None:
+    load = r["background_cores"]
+    flag = "" if load is None else f"{load:>6.2f} cores" + (
+        "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
+    print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
+          f"{'±' + format(spread(r), '.0%'):>8}{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}"
+          f"{r['cpu_ratio']:>10.2f}  {_rounds(r):<16}{flag}", flush=True)
+
+
+def _rounds(row: dict) -> str:
+    """The row's round ratios (up to three), the interval of their median (more), or
+    '-' for one round."""
+    ratios = row["round_ratios"]
+    if len(ratios) < 2:
+        return "-"
+    if len(ratios) <= 3:
+        return " ".join(f"{x:.2f}" for x in ratios)
+    lo, hi = row["ratio_interval"]
+    return f"{lo:.2f}-{hi:.2f} ({row['ratio_interval_level']:.0%})"
+
+
+def spread(row: dict) -> float:
+    """Half the interquartile range of a row's measured runs over their median."""
+    q25, q75 = row["measured_iqr_s"]
+    return (q75 - q25) / (2 * row["measured_s"])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _print_spec(spec) -> None:
+    pool = ", ".join(f"T({k}) = {t:.2f}" for k, t in spec.pool_throughput)
+    print(f"  {spec.cores} cores: {pool}; GEMM {spec.gemm_float32_flops_per_s / 1e9:.0f} / "
+          f"{spec.gemm_float64_flops_per_s / 1e9:.0f} GFLOP/s (f32/f64); elementwise "
+          f"{spec.vector_float32_flops_per_s / 1e9:.2f} / "
+          f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s (busy speedup "
+          f"{spec.vector_busy_speedup:.2f}); memcpy {spec.memcpy_bytes_per_s / 1e9:.1f} GB/s "
+          f"(busy speedup {spec.memcpy_busy_speedup:.2f})")
+    lat = ", ".join(f"{n}: {b * 1e6:.0f}/{s * 1e6:.0f}/{g * 1e6:.0f}" for n, b, s, g in
+                    zip(spec.group_sizes, spec.barrier_s, spec.small_all_reduce_s,
+                        spec.large_all_reduce_s))
+    print(f"  barrier/8 B/4 KiB all_reduce (us) by group size {lat}")
+    print(f"  channel copy/reduce/all_reduce {spec.channel_copy_bytes_per_s / 1e9:.2f}/"
+          f"{spec.channel_reduce_bytes_per_s / 1e9:.2f}/"
+          f"{spec.channel_all_reduce_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
+          f"{spec.p2p_latency_s * 1e6:.0f} us, {spec.p2p_copy_bytes_per_s / 1e9:.2f} GB/s",
+          flush=True)
+    if spec.message_side_cpu_s is not None:
+        sides = ", ".join(f"{format_size(b)} {s * 1e6:.0f}" for b, s in spec.message_side_cpu_s)
+        print(f"  message side in a ring (us): {sides}", flush=True)
+    if spec.start_split is not None:
+        splits = "; ".join(f"{d} devices " + ", ".join(
+            f"{':'.join(map(str, split))} x{n}" for dd, split, n in spec.start_split if dd == d)
+            for d in sorted({d for d, _, _ in spec.start_split}))
+        print(f"  devices per core at a start (runs): {splits}", flush=True)
+

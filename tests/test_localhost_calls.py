@@ -219,3 +219,38 @@ def test_measure_start_on_real_clusters():
         return
     assert sum(n for _, _, n in splits) == 2 * START_REPS          # both programs, every rep
     assert all(d == 2 and sum(split) == 2 and len(split) == cores for d, split, _ in splits)
+
+
+def _stamp(dev, task: int):
+    """On rank 0: [(task, the moment it ran)]; None elsewhere (round_robin drops Nones)."""
+    import time
+    return [(task, time.perf_counter())] if dev.rank == 0 else None
+
+
+def test_round_robin_runs_every_task_in_turns_on_a_real_cluster():
+    from mesh import Mesh
+    from vcluster import VirtualCluster
+    from vcluster.timing.localhost_calls import round_robin
+    with VirtualCluster(Mesh((2,), ("x",))) as cluster:
+        samples = round_robin(cluster, [(_stamp, [(t,)] * 2) for t in range(3)], runs=4)
+    assert [[t for t, _ in got] for got in samples] == [[t] * 4 for t in range(3)]
+    order = sorted((when, t) for t, got in enumerate(samples) for _, when in got)
+    assert [t for _, t in order] == [0, 1, 2] * 4           # in turns, not back to back
+
+
+def test_measure_call_cpu_on_a_real_cluster():
+    from mesh import Mesh
+    from vcluster import VirtualCluster
+    from vcluster.timing.localhost_calls import measure_call_cpu
+    with VirtualCluster(Mesh((2, 2), ("a0", "a1"))) as cluster:
+        rows = measure_call_cpu(cluster, (2, 2), ("a0", "a1"), cores=2)
+    keys = [(d, c, g) for d, c, g, _ in rows]
+    assert len(keys) == len(set(keys))
+    expected = {(d, c, g) for d, groups in ((2, (2,)), (4, (2, 4))) for g in groups
+                for c in CALLS if not c.startswith(("send", "recv"))}
+    expected |= {(d, c, 2) for d in (2, 4) for c in CALLS if c.startswith(("send", "recv"))}
+    assert set(keys) == expected
+    assert all(0 < s < 0.1 for *_, s in rows)
+    table = CallCpu(rows)                                               # a valid table
+    assert table.seconds("all_reduce", 4, 4) == dict(((d, c, g), s) for d, c, g, s in rows)[
+        (4, "all_reduce", 4)]

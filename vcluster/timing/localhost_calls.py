@@ -15,7 +15,9 @@ devices of the calibration cluster (``D`` = 2, the number of cores, twice that, 
 after a stretch of program-like work (:data:`GAP_REFERENCE_CALLS` small numpy calls and
 one pure-Python pass of :mod:`vcluster.timing.localhost_host`), inputs in private memory
 (products and activations are, so the emulator stages them into its arena); the figure is
-the process time of the call alone, per member, the median over members. Rows:
+the process time of the call alone, per member, the median over members. The figures'
+runs are taken in turns (:func:`round_robin`), so that all of them sample the same
+stretch of the machine's drift. Rows:
 
 ==================  ==============================================================
 call                what
@@ -48,7 +50,8 @@ import numpy as np
 from .localhost_host import reference_arrays, reference_calls, reference_python
 
 __all__ = ["CALLS", "CALL_BYTES", "GAP_REFERENCE_CALLS", "CallCpu", "cluster_sizes",
-           "measure_call_cpu", "measured_groups", "log_log", "linear_clamped", "program_gap"]
+           "measure_call_cpu", "round_robin", "measured_groups", "log_log", "linear_clamped",
+           "program_gap"]
 
 CALL_BYTES = 4096              # the non-inline calls' payload (per member input)
 GAP_REFERENCE_CALLS = 2        # reference_calls(...) before each timed call, plus one
@@ -130,27 +133,51 @@ def _p2p_cpu(dev, active: int, nbytes: int) -> list | None:
     return out
 
 
+def round_robin(cluster, tasks: list, runs: int) -> list:
+    """Run each of ``tasks`` (``(fn, per-rank args)`` for ``cluster.run``) ``runs`` times,
+    in turns: one warm-up pass over all of them, then ``runs`` passes that run every task
+    once, in order. Per task: the results of its ranks that are not None, concatenated
+    over the passes (each result a list of samples).
+
+    Turns rather than each figure's runs back to back: this machine's speed moves 1.5x
+    from one second to the next, so figures measured one after the other each sample a
+    different stretch of it and disagree by as much; taken in turns, every figure samples
+    the same stretch (six calibrations each way: the spread of the 27 scenario points'
+    predictions left when the calibration's common factor is taken out, log-sd, 0.110
+    back to back, 0.083 in turns; benchmarks/README.md)."""
+    for fn, args in tasks:
+        cluster.run(fn, args)                                                   # warm-up
+    samples: list = [[] for _ in tasks]
+    for _ in range(runs):
+        for got, (fn, args) in zip(samples, tasks):
+            for per in cluster.run(fn, args):
+                if per is not None:
+                    got.extend(per)
+    return samples
+
+
 def measure_call_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
     """Every row of the module docstring on ``cluster`` (mesh ``shape`` over ``axes``,
     prime factors of N): ``((devices, call, group, seconds), ...)``; each figure the
-    median over RUNS short runs of CALLS_PER_RUN calls and over the members."""
+    median over RUNS short runs of CALLS_PER_RUN calls and over the members, the figures'
+    runs taken in turns (:func:`round_robin`)."""
     n_all = cluster.mesh.size
-    rows = []
+    keys, tasks = [], []
     for active in cluster_sizes(n_all, cores):
         for group, group_axes in measured_groups(shape, axes, active):
             for call in COLLECTIVE_CALLS:
-                args = [(active, group_axes, call)] * n_all
-                cluster.run(_collective_cpu, args)                                # warm-up
-                cpu = [c for _ in range(RUNS) for per in cluster.run(_collective_cpu, args)
-                       if per is not None for c in per]
-                rows.append((active, call, group, float(np.median(cpu))))
+                keys.append((active, call, group))
+                tasks.append((_collective_cpu, [(active, group_axes, call)] * n_all))
         for nbytes, suffix in ((8, "_inline"), (CALL_BYTES, "")):
-            cluster.run(_p2p_cpu, [(active, nbytes)] * n_all)                      # warm-up
-            pairs = [p for _ in range(RUNS)
-                     for per in cluster.run(_p2p_cpu, [(active, nbytes)] * n_all)
-                     if per is not None for p in per]
-            rows.append((active, "send" + suffix, 2, float(np.median([s for s, _ in pairs]))))
-            rows.append((active, "recv" + suffix, 2, float(np.median([r for _, r in pairs]))))
+            keys.append((active, suffix, None))
+            tasks.append((_p2p_cpu, [(active, nbytes)] * n_all))
+    rows = []
+    for (active, call, group), got in zip(keys, round_robin(cluster, tasks, RUNS)):
+        if group is not None:
+            rows.append((active, call, group, float(np.median(got))))
+        else:                                       # (send, receive) pairs of one size
+            rows.append((active, "send" + call, 2, float(np.median([s for s, _ in got]))))
+            rows.append((active, "recv" + call, 2, float(np.median([r for _, r in got]))))
     return tuple(rows)
 
 

@@ -20,14 +20,14 @@ member's caches before its call runs (the interpreter's, the channel's).
 :func:`measure_gap_cpu` measures it: every group of ``n`` members calling a 4 KiB
 all_reduce at once, each call after the reference stretch plus ``p`` more passes of
 pure-Python glue, for ``p`` in :data:`GAP_PASSES`, per cluster size and group size as
-the call table; each row is ``(devices, group, gap_s, seconds)``: the stretch's own CPU
-and the call's (medians over runs and members). :class:`CallGap` turns the rows into a
-factor ``g(w) = seconds(w) / seconds(shortest gap)`` for a stretch of ``w`` single-core
-seconds (linear between the measured gaps, 1 below the first, the last beyond it;
-linear in the cluster size and in the group size between the measured ones, the
-nearest outside). The ``localhost`` model multiplies the program figure of a call's
-synchronisation by ``g`` of the work its caller did since its previous communication
-(:func:`~vcluster.timing.localhost_start.prepare_traces`).
+the call table (the rows' runs in turns, as the call table's); each row is ``(devices,
+group, gap_s, seconds)``: the stretch's own CPU and the call's (medians over runs and
+members). :class:`CallGap` turns the rows into a factor ``g(w) = seconds(w) /
+seconds(shortest gap)`` for a stretch of ``w`` single-core seconds (linear between the
+measured gaps, 1 below the first, the last beyond it; linear in the cluster size and in
+the group size between the measured ones, the nearest outside). The ``localhost`` model
+multiplies the program figure of a call's synchronisation by ``g`` of the work its caller
+did since its previous communication (:func:`~.localhost_start.prepare_traces`).
 
 The same runs time the stretch itself, and it too costs more than its warm price (the
 numpy calls and Python passes at the rates measured in loops, ``numpy_call_s`` and
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .localhost_calls import (CALL_BYTES, GAP_REFERENCE_CALLS, cluster_sizes, linear_clamped,
-                              measured_groups, program_gap)
+                              measured_groups, program_gap, round_robin)
 from .localhost_host import REFERENCE_CALLS, reference_arrays, reference_python
 
 __all__ = ["GAP_PASSES", "measure_gap_cpu", "CallGap", "ColdStretch"]
@@ -80,19 +80,18 @@ def _gap_cpu(dev, active: int, axes: tuple, passes: int) -> list | None:
 
 def measure_gap_cpu(cluster, shape: tuple, axes: tuple, cores: int) -> tuple:
     """``((devices, group, gap_s, seconds), ...)`` on ``cluster`` (mesh ``shape`` over
-    ``axes``, prime factors of N), for the cluster and group sizes of the call table."""
+    ``axes``, prime factors of N), for the cluster and group sizes of the call table; the
+    rows' runs taken in turns (:func:`~.localhost_calls.round_robin`)."""
     n_all = cluster.mesh.size
-    rows = []
+    keys, tasks = [], []
     for active in cluster_sizes(n_all, cores):
         for group, group_axes in measured_groups(shape, axes, active):
             for passes in GAP_PASSES:
-                args = [(active, group_axes, passes)] * n_all
-                cluster.run(_gap_cpu, args)                      # warm-up
-                pairs = [p for _ in range(GAP_RUNS) for per in cluster.run(_gap_cpu, args)
-                         if per is not None for p in per]
-                rows.append((active, group, float(np.median([w for w, _ in pairs])),
-                             float(np.median([c for _, c in pairs]))))
-    return tuple(rows)
+                keys.append((active, group))
+                tasks.append((_gap_cpu, [(active, group_axes, passes)] * n_all))
+    return tuple((active, group, float(np.median([w for w, _ in pairs])),
+                  float(np.median([c for _, c in pairs])))
+                 for (active, group), pairs in zip(keys, round_robin(cluster, tasks, GAP_RUNS)))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ measured CPU at CALL_BYTES less the bytes it moved there, plus the bytes of the 
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -223,7 +224,6 @@ def test_measure_start_on_real_clusters():
 
 def _stamp(dev, task: int):
     """On rank 0: [(task, the moment it ran)]; None elsewhere (round_robin drops Nones)."""
-    import time
     return [(task, time.perf_counter())] if dev.rank == 0 else None
 
 
@@ -246,11 +246,11 @@ def test_measure_call_cpu_on_a_real_cluster():
         rows = measure_call_cpu(cluster, (2, 2), ("a0", "a1"), cores=2)
     keys = [(d, c, g) for d, c, g, _ in rows]
     assert len(keys) == len(set(keys))
+    seconds = {(d, c, g): s for d, c, g, s in rows}
     expected = {(d, c, g) for d, groups in ((2, (2,)), (4, (2, 4))) for g in groups
                 for c in CALLS if not c.startswith(("send", "recv"))}
     expected |= {(d, c, 2) for d in (2, 4) for c in CALLS if c.startswith(("send", "recv"))}
     assert set(keys) == expected
     assert all(0 < s < 0.1 for *_, s in rows)
     table = CallCpu(rows)                                               # a valid table
-    assert table.seconds("all_reduce", 4, 4) == dict(((d, c, g), s) for d, c, g, s in rows)[
-        (4, "all_reduce", 4)]
+    assert table.seconds("all_reduce", 4, 4) == seconds[(4, "all_reduce", 4)]

@@ -98,7 +98,10 @@ def test_hybrid_dp_pp_tp_equals_reference(hybrid, schedule, ms):
 
 
 def test_hybrid_bucket_all_reduce_starts_before_the_last_backward(hybrid):
-    widths = [16] + [256] * 15 + [8]     # 8 layers a stage: backward work after the first bucket
+    # 8 layers a stage: backward work after the first bucket, ~15-100 ms of it at width
+    # 1024 (about 3 ms at 256: the communication thread, waiting for a core among 16
+    # threads on 2, once started 1 ms after the last product under a loaded CI run)
+    widths = [16] + [1024] * 15 + [8]
     mlp = MLP(widths, activation="relu", loss="mse", seed=7)
     rng = np.random.default_rng(3)
     X, Y = rng.standard_normal((BATCH, 16)), rng.standard_normal((BATCH, 8))

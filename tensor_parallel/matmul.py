@@ -62,7 +62,6 @@ class MatMul(ShardedOperation):
             raise TypeError(f"MatMul: sharding must be a MatMulSharding, got {sharding!r}")
         self.sharding = sharding
         self.algorithms = dict(algorithms or {})
-        self._plans: dict = {}
         self._grads: tuple | None = None
 
     def __repr__(self) -> str:
@@ -83,10 +82,8 @@ class MatMul(ShardedOperation):
         return self._grads
 
     def plan(self, mesh, a_shape, b_shape, itemsize: int = 8) -> MatMulPlan:
-        key = (mesh, tuple(a_shape), tuple(b_shape), itemsize)
-        if key not in self._plans:
-            self._plans[key] = self.sharding.plan(mesh, a_shape, b_shape, itemsize)
-        return self._plans[key]
+        """The sharding's plan for these global shapes (memoised per process)."""
+        return self.sharding.plan(mesh, a_shape, b_shape, itemsize)
 
     # --- per-device programs --------------------------------------------------------
     def forward_local(self, dev, a, b):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from sharding import RedistributePlan, TensorSharding, check_sharding, plan_redistribute
 
@@ -166,38 +167,51 @@ class MatMulSharding:
         return auto_matmul(mesh, a_shape, b_shape, hardware, **kwargs)
 
     def plan(self, mesh, a_shape, b_shape, itemsize: int = 8) -> MatMulPlan:
-        """The cheapest valid compute layouts and their redistributions."""
+        """The cheapest valid compute layouts and their redistributions.
+
+        A pure function of its arguments, and a search (0.2-10 ms on a 2 x 2 x 2 mesh,
+        most of it :func:`~sharding.plan_redistribute`'s), so it is memoised per process:
+        a device plans each layout once in its life, not once per run of a program that
+        builds (or receives) its ops afresh."""
         self.validate(mesh, a_shape, b_shape)
-        m, k = a_shape
-        n = b_shape[1]
-        a, b, c = self.a, self.b, self.c
+        return _plan(self, mesh, tuple(int(x) for x in a_shape),
+                     tuple(int(x) for x in b_shape), int(itemsize))
 
-        def options(*axes_lists):
-            return list(dict.fromkeys(tuple(x) for x in axes_lists))
 
-        best = None
-        for M, K, N, PA, PB in itertools.product(
-                options(a.dims[0].axes, c.dims[0].axes, ()),
-                options(a.dims[1].axes, b.dims[0].axes, c.partial, ()),
-                options(b.dims[1].axes, c.dims[1].axes, ()),
-                options(a.partial, ()), options(b.partial, ())):
-            groups = (M, K, N, PA, PB)
-            flat = [x for g in groups for x in g]
-            if len(flat) != len(set(flat)):
-                continue          # an axis used twice (a partial input would meet the other side)
-            if m % _prod(mesh, M) or k % _prod(mesh, K) or n % _prod(mesh, N):
-                continue
-            a_star = TensorSharding(M or None, K or None, partial=PA)
-            b_star = TensorSharding(K or None, N or None, partial=PB)
-            c_star = TensorSharding(M or None, N or None, partial=K + PA + PB)
-            plans = (plan_redistribute(a, a_star, mesh, (m, k), itemsize),
-                     plan_redistribute(b, b_star, mesh, (k, n), itemsize),
-                     plan_redistribute(c_star, c, mesh, (m, n), itemsize))
-            local = (m // _prod(mesh, M), k // _prod(mesh, K), n // _prod(mesh, N))
-            key = (local[0] * local[1] * local[2], sum(p.bytes_per_device for p in plans),
-                   sum(len(p.steps) for p in plans))
-            if best is None or key < best[0]:
-                best = (key, MatMulPlan(a_star, b_star, c_star, *plans, local))
-        if best is None:   # pragma: no cover - all-replicated compute is always valid
-            raise ValueError(f"MatMul: no valid compute layout for {self} on {mesh}")
-        return best[1]
+@lru_cache(maxsize=512)   # pure: (sharding, mesh, shapes, itemsize) -> plan
+def _plan(sharding: MatMulSharding, mesh, a_shape: tuple, b_shape: tuple,
+          itemsize: int) -> MatMulPlan:
+    """:meth:`MatMulSharding.plan` of validated arguments (memoised)."""
+    m, k = a_shape
+    n = b_shape[1]
+    a, b, c = sharding.a, sharding.b, sharding.c
+
+    def options(*axes_lists):
+        return list(dict.fromkeys(tuple(x) for x in axes_lists))
+
+    best = None
+    for M, K, N, PA, PB in itertools.product(
+            options(a.dims[0].axes, c.dims[0].axes, ()),
+            options(a.dims[1].axes, b.dims[0].axes, c.partial, ()),
+            options(b.dims[1].axes, c.dims[1].axes, ()),
+            options(a.partial, ()), options(b.partial, ())):
+        groups = (M, K, N, PA, PB)
+        flat = [x for g in groups for x in g]
+        if len(flat) != len(set(flat)):
+            continue          # an axis used twice (a partial input would meet the other side)
+        if m % _prod(mesh, M) or k % _prod(mesh, K) or n % _prod(mesh, N):
+            continue
+        a_star = TensorSharding(M or None, K or None, partial=PA)
+        b_star = TensorSharding(K or None, N or None, partial=PB)
+        c_star = TensorSharding(M or None, N or None, partial=K + PA + PB)
+        plans = (plan_redistribute(a, a_star, mesh, (m, k), itemsize),
+                 plan_redistribute(b, b_star, mesh, (k, n), itemsize),
+                 plan_redistribute(c_star, c, mesh, (m, n), itemsize))
+        local = (m // _prod(mesh, M), k // _prod(mesh, K), n // _prod(mesh, N))
+        key = (local[0] * local[1] * local[2], sum(p.bytes_per_device for p in plans),
+               sum(len(p.steps) for p in plans))
+        if best is None or key < best[0]:
+            best = (key, MatMulPlan(a_star, b_star, c_star, *plans, local))
+    if best is None:   # pragma: no cover - all-replicated compute is always valid
+        raise ValueError(f"MatMul: no valid compute layout for {sharding} on {mesh}")
+    return best[1]

@@ -265,3 +265,31 @@ def test_policy_closed_forms_with_ring(mesh_name, a, b, c, closed_form):
         cluster.reset_stats()
         assert_close(op.run(cluster, A, B), A @ B, np.float64)
         assert cluster.stats()["bytes_sent"].tolist() == sent
+
+
+def _plan_identity(dev, op, a, b):
+    """The product, and which plan object this device used (its id in this process)."""
+    from tensor_parallel.matmul import global_shape
+    s = op.sharding
+    plan = op.plan(dev.mesh, global_shape(a.shape, s.a, dev.mesh),
+                   global_shape(b.shape, s.b, dev.mesh), a.itemsize)
+    return op.forward_local(dev, a, b), id(plan)
+
+
+def test_a_device_plans_a_layout_once_not_once_per_run(cluster_222):
+    """Ops reach the devices pickled afresh every run (and pipeline stages build theirs
+    every run); the plan, a search of 0.2-10 ms, is memoised per process, so a device's
+    second run reuses the first run's plan object and still computes the same C."""
+    mesh = MESHES["2x2x2"]
+    op = MatMul(MatMulSharding(TS("x", "y"), TS("y", "z"), TS("x", "z")))
+    rng = np.random.default_rng(3)
+    A, B = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    args = list(zip([op] * 8, shard(A, op.sharding.a, mesh), shard(B, op.sharding.b, mesh)))
+    first = cluster_222.run(_plan_identity, args)
+    second = cluster_222.run(_plan_identity, args)
+    assert [p for _, p in first] == [p for _, p in second]
+    for run in (first, second):
+        np.testing.assert_allclose(unshard([c for c, _ in run], op.sharding.c, mesh), A @ B,
+                                   rtol=1e-12)
+    equal = MatMul(MatMulSharding(TS("x", "y"), TS("y", "z"), TS("x", "z")))
+    assert equal.plan(mesh, (M, K), (K, N)) is op.plan(mesh, (M, K), (K, N))

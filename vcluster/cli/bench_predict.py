@@ -15,10 +15,9 @@ For each bundled workload, the same per-device program is
 * **predicted** by tracing it on shape-only arrays, with the program's own host work
   (:func:`~vcluster.timing.localhost.localhost_traces`), and replaying the traces with
   :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
-  The trace comes first: it fills the plan caches of the sharded operations the
-  arguments carry (``MatMul.plan``), so the measured runs, like the steps of a long
-  run, do not re-plan their redistributions (undeclared host work the model does not
-  price).
+  Neither side re-plans a sharded op's redistributions run after run: plans are
+  memoised per process (``MatMulSharding.plan``), filled on the devices by the warm-up
+  run and in the predicting process by a first, untimed trace.
 
 ``ratio`` is predicted over measured time (with ``--rounds``: paired round by round,
 below); the goal is every workload within 25%. The machine is
@@ -182,8 +181,6 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
             for wl in workloads:
                 if wl.mesh not in clusters:
                     clusters[wl.mesh] = VirtualCluster(wl.mesh)
-                if r == 0:
-                    predict_workload(wl, spec)        # first: tracing fills plan caches
                 got, cpu, background = measure_workload(clusters[wl.mesh], wl, reps)
                 for _ in range(retries):
                     if background is None or background <= BUSY_MACHINE_CORES:

@@ -368,7 +368,8 @@ class LocalhostCostModel:
 def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None,
                      host_traces: int = HOST_TRACES) -> list:
     """The traces a localhost prediction replays: ``program`` traced warm (a first trace
-    fills its plan caches, as the steps of a long run find them), with its host work when
+    fills this process's memoised plans, ``MatMulSharding.plan``, as a device's warm-up
+    run fills its own), with its host work when
     ``model.host_timed`` — ``host_traces`` host-timed traces, each priced with the
     tracer's rates measured just before it, each host op's work the median
     (:func:`~vcluster.timing.localhost_host.median_host_work`) — then

@@ -30,6 +30,7 @@ import numpy as np
 
 from .errors import ScenarioError
 from .schema import MODES
+from .timed_runs import emulate_timed, measures_like_localhost, step_times
 from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
@@ -69,28 +70,15 @@ def _finite(x):
     return x
 
 
-def _units(point, training: bool) -> int:
+def _units(point, training: bool, engine: str) -> int:
+    from .faults import wants_resilience
     mode, steps = point.run.mode, point.run.steps
-    emulate = (1 if training else steps) + (1 if point.run.check else 0)
+    warmup = measures_like_localhost(point, engine) and not wants_resilience(point)
+    emulate = (1 if training else steps) + (1 if point.run.check else 0) + warmup
     return (emulate if mode != "simulate" else 0) + (1 if mode != "emulate" else 0)
 
 
 # --- emulation ---------------------------------------------------------------------------
-def _step_times(events, ranks, training: bool, steps: int) -> list[float]:
-    """Training: step k ends at the last rank's k-th ``optimizer`` event."""
-    if not events:
-        return []
-    if not training:
-        return [max(e.end for e in events) - min(e.start for e in events)]
-    start = min(e.start for e in events)
-    ends_by_rank = {}
-    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
-                    key=lambda e: e.start):
-        ends_by_rank.setdefault(e.rank, []).append(e.end)
-    ends = [max(v[k] for v in ends_by_rank.values() if len(v) > k) for k in range(steps)]
-    return [b - a for a, b in zip([start] + ends[:-1], ends)]
-
-
 class _Engines:
     """The engine of a sweep's current (mesh, array module): consecutive points on one
     mesh reuse the same device processes; a new mesh closes the old engine first (one
@@ -124,7 +112,7 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
         engine.reset_stats()
         outputs = engine.run(workload.program, list(workload.args_by_rank))
         got = engine.trace()
-        times += _step_times(got, range(workload.mesh.size), training, steps)
+        times += step_times(got, training, steps)
         events += got
         first_events = got if first_events is None else first_events
         bar.advance(f"emulate step {step + 1}")
@@ -142,7 +130,7 @@ def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
     emu = run_resilient(workload, point, engine_name, resume)
     counts = Counter(e.rank for e in emu["events"] if getattr(e, "name", None) == "optimizer")
     steps = min(counts.values(), default=0)
-    emu["step_times"] = _step_times(emu["events"], range(workload.mesh.size), True, steps) \
+    emu["step_times"] = step_times(emu["events"], True, steps) \
         if steps else []
     emu["assembled"] = workload.fit_outputs(emu["fit"])
     bar.advance("emulate (resilient)")
@@ -298,8 +286,13 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
     emu = None
     if mode in ("emulate", "both"):
         resilient = wants_resilience(point) or resume is not None
-        emu = (_emulate_resilient(workload, point, engines.name, resume, bar) if resilient
-               else _emulate(workload, point, engines, bar))
+        if resilient:
+            emu = _emulate_resilient(workload, point, engines.name, resume, bar)
+        elif measures_like_localhost(point, engines.name):     # warm-up, common start
+            emu = emulate_timed(workload, point,
+                                engines.get(mesh, point.cluster.array_module), bar)
+        else:
+            emu = _emulate(workload, point, engines, bar)
         _measured(out, workload, emu, point)
         out.summary.update(emu.get("summary", {}))
         if emu.get("goodput") is not None:
@@ -359,7 +352,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     points = sweep_points(scenario)
     from .workloads import workload_module  # noqa: F401  (registry import before the bar)
     training = scenario.workload.kind in ("mlp", "transformer")
-    total = sum(_units(p, training) for _, p in points)
+    total = sum(_units(p, training, engine) for _, p in points)
     results, rows = [], []
     with ProgressBar(total, progress, f"vcluster run {scenario.name}") as bar, \
             _Engines(engine) as engines:

@@ -38,7 +38,8 @@ from collections import Counter
 
 import numpy as np
 
-__all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "timed_run_core", "current_core",
+__all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "timed_run_core", "timed_call",
+           "current_core",
            "run_wall_s", "measure_start", "start_figures", "core_split",
            "prepare_traces", "RUN_START", "FIRST_CALL", "COLD_CALL", "COLD_STRETCH",
            "MOBILE_OPS", "first_call_factor", "queue_start_figures"]
@@ -75,12 +76,19 @@ def timed_run_cpu(dev, program, *args) -> tuple[float, float, float]:
 def timed_run_core(dev, program, *args) -> tuple[float, float, int | None]:
     """:func:`timed_run`, and the core this device was on at the instant (None where the
     platform cannot tell): (start, end, core)."""
-    start, end, _, core = _timed(dev, program, args, True)
+    start, end, _, core, _ = _timed(dev, program, args, True)
     return start, end, core
 
 
+def timed_call(dev, program, *args) -> tuple[float, float, object]:
+    """:func:`timed_run`, and what ``program`` returned: (start, end, result) (``vcluster
+    run`` measures its emulated runs with it where ``localhost`` predicts them)."""
+    start, end, _, _, result = _timed(dev, program, args, False)
+    return start, end, result
+
+
 def _timed(dev, program, args, where: bool) -> tuple:
-    """(start, end, CPU seconds, core at the start or None) of one timed run."""
+    """(start, end, CPU seconds, core at the start or None, result) of one timed run."""
     dev.barrier()
     start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
     wait = start - SPIN_S - time.perf_counter()
@@ -90,11 +98,11 @@ def _timed(dev, program, args, where: bool) -> tuple:
         pass
     core = current_core() if where else None
     cpu0 = time.process_time()
-    program(dev, *args)
+    result = program(dev, *args)
     end = time.perf_counter()
     cpu_s = time.process_time() - cpu0
     dev.barrier()
-    return start, end, cpu_s, core
+    return start, end, cpu_s, core, result
 
 
 def current_core() -> int | None:

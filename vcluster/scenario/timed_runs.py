@@ -1,0 +1,93 @@
+"""Emulated runs measured the way the ``localhost`` model predicts them.
+
+With ``hardware: localhost`` and ``run.mode: both``, ``vcluster run`` puts the emulator's
+measured step time beside the model's prediction of this very machine
+(``summary.predicted_over_measured``). The model replays a program whose devices all
+start at t = 0, on warm processes (docs/timing.md), so the emulation is measured as
+``vcluster bench predict`` measures it:
+
+* **one warm-up run** first, untimed and discarded: the first run of a program on fresh
+  device processes pays for imports, first numpy calls and cold caches — tens of ms on
+  8 devices and 2 cores, more than many whole steps;
+* then every run **starts at an instant all devices agree on**
+  (:func:`~vcluster.timing.localhost_start.timed_call`) and is timed from that instant
+  to the last device's end. Timed from the first recorded event instead, a run would
+  count the milliseconds over which the host's dispatch wakes the devices one by one.
+
+The events the start and end protocol itself records (a barrier and a broadcast before
+the instant, a barrier after each device's end) are dropped, so the run's traffic is
+the program's alone and still equals the trace's. Other hardware, other modes and the
+torch engine keep the plain runs of :mod:`vcluster.scenario.runner` (no warm-up; a step
+timed from its first event), which is all they need.
+"""
+
+from __future__ import annotations
+
+__all__ = ["measures_like_localhost", "emulate_timed", "step_times", "within_run",
+           "WARMUP_RUNS"]
+
+WARMUP_RUNS = 1          # untimed runs before the measured ones (as bench predict)
+
+
+def measures_like_localhost(point, engine_name: str) -> bool:
+    """Whether ``point``'s emulation is measured with warm-up and a common start: its
+    hardware is ``localhost``, it emulates and simulates, on the emulator's devices."""
+    from .hardware import LOCALHOST
+    return (point.hardware.name == LOCALHOST and point.run.mode == "both"
+            and engine_name == "emulator")
+
+
+def step_times(events, training: bool, steps: int, start: float | None = None,
+               end: float | None = None) -> list[float]:
+    """A run's step times from its events, the first step starting at ``start`` (default:
+    the first event): an op's run is one step; a training run's step k ends at the last
+    rank's k-th ``optimizer`` event. Given the run's ``end``, the last step ends there
+    (what follows the last update is the last step's, as in the replay's
+    ``step_time_s``); by default at its last optimizer event (op: its last event)."""
+    if not events:
+        return []
+    if start is None:
+        start = min(e.start for e in events)
+    if not training:
+        return [(max(e.end for e in events) if end is None else end) - start]
+    ends_by_rank: dict = {}
+    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
+                    key=lambda e: e.start):
+        ends_by_rank.setdefault(e.rank, []).append(e.end)
+    ends = [max(v[k] for v in ends_by_rank.values() if len(v) > k) for k in range(steps)]
+    if end is not None and ends:
+        ends[-1] = end
+    return [b - a for a, b in zip([start] + ends[:-1], ends)]
+
+
+def within_run(events, spans) -> list:
+    """The events of each rank that lie inside its timed run ``spans[rank]`` =
+    (start, end, ...): the program's own, not the start and end protocol's."""
+    return [e for e in events if spans[e.rank][0] <= e.start and e.end <= spans[e.rank][1]]
+
+
+def emulate_timed(workload, point, engine, bar) -> dict:
+    """The runner's emulation record (``outputs``, ``events``, ``first_events``,
+    ``step_times``, ``records_traffic``) of :data:`WARMUP_RUNS` untimed runs then timed
+    ones: one for a training program (its steps inside, split by :func:`step_times`),
+    ``run.steps`` for an op, each timed from its common start to the last device's end."""
+    from vcluster.timing.localhost_start import timed_call
+    steps, training = point.run.steps, workload.training
+    args = list(workload.args_by_rank)
+    for _ in range(WARMUP_RUNS):
+        engine.run(workload.program, args)
+    bar.advance("emulate warm-up")
+    timed_args = [(workload.program,) + tuple(a) for a in args]
+    events, first_events, times, outputs = [], None, [], None
+    for step in range(1 if training else steps):
+        engine.reset_stats()
+        spans = engine.run(timed_call, timed_args)
+        outputs = [result for _, _, result in spans]
+        got = within_run(engine.trace(), spans)
+        times += step_times(got, training, steps, start=min(s for s, _, _ in spans),
+                            end=max(e for _, e, _ in spans))
+        events += got
+        first_events = got if first_events is None else first_events
+        bar.advance(f"emulate step {step + 1}")
+    return {"outputs": outputs, "events": events, "first_events": first_events,
+            "step_times": times, "records_traffic": True}

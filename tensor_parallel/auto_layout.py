@@ -63,12 +63,23 @@ def cost_model_for(hardware, devices: int, dtype):
     return HardwareCostModel(load_hardware(hardware), canonical_dtype(np.dtype(dtype))), None
 
 
-def _predict_s(mesh, program, meta_args, model, pool) -> float:
+def _tracer_rates(model):
+    """For a host-timed localhost model, the tracer's rates every candidate's host work is
+    priced with — ``HOST_TRACES`` sets measured once per ranking, not before each of its
+    (up to ~100) candidates (~1 s each); else None."""
+    from vcluster.timing.localhost import LocalhostCostModel
+    from vcluster.timing.localhost_host import HOST_TRACES, measure_tracer_rates
+    if isinstance(model, LocalhostCostModel) and model.host_timed:
+        return tuple(measure_tracer_rates() for _ in range(HOST_TRACES))
+    return None
+
+
+def _predict_s(mesh, program, meta_args, model, pool, rates=None) -> float:
     from vcluster.runtime.tracing import trace_program
     from vcluster.timing.engine import simulate_trace
     from vcluster.timing.localhost import LocalhostCostModel, localhost_traces
     if isinstance(model, LocalhostCostModel):   # host work, the start of a run, cold calls
-        traces = localhost_traces(model, mesh, program, meta_args)
+        traces = localhost_traces(model, mesh, program, meta_args, tracer_rates=rates)
     else:
         traces = trace_program(mesh, program, meta_args)
     return simulate_trace(traces, model, mesh=mesh, core_pool=pool, timeline=False).step_time_s
@@ -101,6 +112,7 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
     MatMulSharding(a_from, b_from, c).validate(mesh, a_shape, b_shape)
     itemsize = np.dtype(dtype).itemsize
     model, pool = cost_model or cost_model_for(hardware, mesh.size, dtype)
+    rates = _tracer_rates(model)
     rows, seen = [], set()
     for a, b in itertools.product(layouts_2d(mesh, a_shape), layouts_2d(mesh, b_shape)):
         sharding = MatMulSharding(a, b, c)
@@ -115,7 +127,8 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
         metas = [(op, a_in, b_in, _meta(local_shape(a_shape, a_from, mesh), dtype),
                   _meta(local_shape(b_shape, b_from, mesh), dtype))] * mesh.size
         rows.append({"sharding": sharding, "policy": sharding.policy_on(mesh).value,
-                     "predicted_s": _predict_s(mesh, _matmul_program, metas, model, pool),
+                     "predicted_s": _predict_s(mesh, _matmul_program, metas, model, pool,
+                                               rates),
                      "flops_per_device": plan.flops_per_device,
                      "bytes_per_device": plan.bytes_per_device + a_in.bytes_per_device
                      + b_in.bytes_per_device,
@@ -171,6 +184,7 @@ def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
     itemsize = np.dtype(dtype).itemsize
     shapes = FeedForwardSharding.global_shapes(tuple(x_shape), d_ff)
     model, pool = cost_model or cost_model_for(hardware, mesh.size, dtype)
+    rates = _tracer_rates(model)
     sources = {k: (x_from if k == "x" else TS(*([None] * len(s)))) for k, s in shapes.items()}
     rows = []
     for sharding in _ffn_candidates(mesh):
@@ -188,7 +202,7 @@ def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
                                        backward, y_plan)] * mesh.size
         rows.append({"sharding": sharding, "policy": sharding.policy.name,
                      "tp": sharding.tp, "dp": sharding.dp,
-                     "predicted_s": _predict_s(mesh, _ffn_program, args, model, pool)})
+                     "predicted_s": _predict_s(mesh, _ffn_program, args, model, pool, rates)})
     return pd.DataFrame(rows).sort_values("predicted_s", kind="stable").reset_index(drop=True)
 
 

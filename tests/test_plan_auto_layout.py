@@ -68,6 +68,28 @@ def test_matmul_auto_picks_the_layout_that_needs_nothing(hardware):
     assert df["predicted_s"][0] < df["predicted_s"][1]
 
 
+def test_a_localhost_ranking_measures_the_tracers_rates_once(monkeypatch):
+    """Ranking layouts on a host-timed localhost model measures the tracer's rates once
+    for all candidates (HOST_TRACES sets, plus the model's own), not before each (~1 s
+    apiece: a 2 x 4 mesh has 81 candidates). The real measurement runs, counted."""
+    import vcluster.timing.localhost as localhost
+    import vcluster.timing.localhost_host as localhost_host
+    from vcluster.timing.localhost_host import HOST_TRACES
+    from tensor_parallel.auto_layout import rank_matmul_layouts
+    from test_tracing_host import HOST_RATES
+    calls, measure = [], localhost_host.measure_tracer_rates
+
+    def counted():
+        calls.append(1)
+        return measure()
+    for module in (localhost, localhost_host):
+        monkeypatch.setattr(module, "measure_tracer_rates", counted)
+    df = rank_matmul_layouts(Mesh((2,), ("tp",)), (64, 32), (32, 16),
+                             hardware=localhost_spec(**HOST_RATES), dtype="float64")
+    assert len(df) > 3 and df["predicted_s"].is_monotonic_increasing
+    assert len(calls) == 1 + HOST_TRACES
+
+
 def test_matmul_auto_splits_big_products_on_a_cluster():
     """A 8192^3 product on 8 A100s: compute dominates, so the best layout splits the FLOPs
     eightfold (whatever collective closes it)."""

@@ -82,6 +82,7 @@ def test_quickstart_measured_beside_predicted(tmp_path):
     assert s["measured_step_time_s"] > 0 and s["predicted_step_time_s"] > 0
     assert s["hardware"] == "a100-80gb-dgx" and s["measured_bytes_sent"] == s[
         "predicted_bytes_sent"] > 0
+    assert s["localhost_calibration"] is None              # a preset: no calibration
     sources = {row["source"] for row in results["devices"]}
     assert sources == {"measured", "predicted"}
     print(f"quickstart: {seconds:.1f} s wall (goal < 30 s)")
@@ -177,15 +178,23 @@ def test_localhost_hardware_from_a_saved_calibration(tmp_path):
     assert summary["predicted_over_measured"] == pytest.approx(
         summary["predicted_step_time_s"] / summary["measured_step_time_s"])
     assert summary["predicted_over_measured"] > 0
+    assert summary["localhost_calibration"] == f"saved {spec}"
 
 
 @pytest.mark.slow
-def test_localhost_hardware_calibrated_on_the_spot(tmp_path):
+def test_localhost_hardware_calibrated_on_the_spot_once_per_run(tmp_path):
+    """Without a saved calibration, a run measures this machine once per cluster size:
+    every sweep point shares it (it used to calibrate again for each, ~20 s apiece)."""
     s = load_scenario(ROOT / "scenarios" / "collective_all_reduce.yaml",
-                      ["hardware=localhost", "workload.size=256KiB"])
+                      ["hardware=localhost", "sweep={workload.size: [64KiB, 256KiB]}"])
     record = run_scenario(s)
-    assert record.summary["hardware"] == "localhost"
-    assert record.summary["predicted_over_measured"] > 0
+    sweep = record.sweep
+    assert list(sweep["hardware"]) == ["localhost"] * 2
+    assert (sweep["predicted_over_measured"] > 0).all()
+    calibrations = set(sweep["localhost_calibration"])
+    assert len(calibrations) == 1, calibrations
+    assert calibrations.pop().startswith("measured ") and "on 8 devices" in \
+        sweep["localhost_calibration"][0]
 
 
 @pytest.mark.parametrize("command", ["run", "validate", "schema"])

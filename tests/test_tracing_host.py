@@ -291,5 +291,25 @@ def test_localhost_traces_merges_host_timed_traces():
     traces = localhost_traces(model, mesh, _program, args, host_traces=3)
     assert len(traces) == 2 and all(_hosts(t) for t in traces)
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match=f"host_traces must be an int >= 1, got {bad!r}"):
+        with pytest.raises(ValueError, match=rf"host_traces \(or len\(tracer_rates\)\) must "
+                                             rf"be an int >= 1, got {bad!r}"):
             localhost_traces(model, mesh, _program, args, host_traces=bad)
+
+
+def test_localhost_traces_prices_with_rates_measured_beforehand():
+    """A ranking of many programs passes the tracer's rates it measured once: every host
+    op is then priced with exactly those (one set per host-timed trace)."""
+    from vcluster.timing.localhost import localhost_traces
+    model = localhost_model(spec(**HOST_RATES), 2)
+    mesh = Mesh((2,), ("x",))
+    args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
+    for rates in (RATES, dataclasses.replace(RATES, python_unit_s=80e-6)):
+        traces = localhost_traces(model, mesh, _program, args, tracer_rates=[rates])
+        hosts = [h for t in traces for h in _hosts(t)]
+        assert hosts and [h.seconds for h in hosts] == pytest.approx(
+            [host_work_s(h, model.spec, rates) for h in hosts])
+    assert len(localhost_traces(model, mesh, _program, args, tracer_rates=[RATES] * 3)) == 2
+    with pytest.raises(ValueError, match=r"len\(tracer_rates\)\) must be an int >= 1, got 0"):
+        localhost_traces(model, mesh, _program, args, tracer_rates=[])
+    with pytest.raises(ValueError, match="tracer_rates must hold TracerRates"):
+        localhost_traces(model, mesh, _program, args, tracer_rates=[2e-6])

@@ -6,18 +6,22 @@
   ``dtype`` (default fp32; the trace's bytes are the workload's own dtype);
 * ``localhost``: this machine, so that the simulator predicts the emulator itself
   (:class:`~vcluster.timing.localhost.LocalhostCostModel`, devices sharing the cores):
-  calibrated by microbenchmarks (about 13 s on an idle 2-core machine), or read from
-  ``calibration`` (a file written by ``vcluster bench predict --save-spec``).
+  calibrated by microbenchmarks (about 20 s on a 2-core machine), or read from
+  ``calibration`` (a file written by ``vcluster bench predict --save-spec``). One
+  ``vcluster run`` calibrates once per cluster size (:class:`LocalhostCalibrations`):
+  its sweep points, and ``parallel.policy: auto``'s ranking, share that calibration.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ScenarioError
 
-__all__ = ["check_hardware", "CostSetup", "cost_setup", "LOCALHOST"]
+__all__ = ["check_hardware", "CostSetup", "cost_setup", "LocalhostCalibrations",
+           "LOCALHOST"]
 
 LOCALHOST = "localhost"
 
@@ -93,15 +97,48 @@ def _hardware_arg(scenario):
     return hw.name
 
 
+class LocalhostCalibrations:
+    """This machine's calibrations of one ``vcluster run``, one per cluster size, made when
+    first needed: every sweep point on ``localhost`` hardware without ``calibration``
+    (and ``auto``'s ranking of layouts, then the prediction, of the same point) prices
+    its trace with the spec of its size instead of calibrating again (~20 s each)."""
+
+    def __init__(self):
+        self._specs: dict = {}
+
+    def __repr__(self) -> str:
+        return f"LocalhostCalibrations({self.describe_all()})"
+
+    def spec(self, devices: int):
+        """The :class:`~vcluster.timing.localhost.LocalhostSpec` measured on ``devices``
+        devices in this run (calibrated now if it is the first asked for)."""
+        if devices not in self._specs:
+            from vcluster.timing.localhost_calibrate import calibrate_localhost
+            started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+            spec = calibrate_localhost(devices)
+            self._specs[devices] = (spec, f"measured {started} on {devices} devices "
+                                          f"({time.perf_counter() - t0:.1f} s)")
+        return self._specs[devices][0]
+
+    def describe(self, devices: int) -> str:
+        """When and on how many devices the spec of ``devices`` was measured."""
+        return self._specs[devices][1]
+
+    def describe_all(self) -> str:
+        return "; ".join(d for _, d in self._specs.values()) or "none yet"
+
+
 @dataclass(frozen=True)
 class CostSetup:
     """What :func:`~vcluster.timing.engine.simulate_trace` needs: the cost model, the core
-    pool (localhost only) and the hardware's name for the report."""
+    pool (localhost only) and the hardware's name for the report; ``calibration`` says
+    which localhost calibration priced it (a saved file, or when it was measured)."""
 
     costs: object
     core_pool: object
     label: str
     localhost: bool
+    calibration: str | None = None
 
 
 def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
@@ -110,12 +147,14 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     if hw.name == LOCALHOST:
         from vcluster.timing.localhost import load_localhost_spec, localhost_model
         if hw.calibration is not None:
-            spec = load_localhost_spec(_path(scenario, hw.calibration))
+            path = _path(scenario, hw.calibration)
+            spec, source = load_localhost_spec(path), f"saved {path}"
         else:
-            from vcluster.timing.localhost_calibrate import calibrate_localhost
-            spec = calibrate_localhost(max(2, mesh.size))
+            devices = max(2, mesh.size)
+            measured = hw.measured if hw.measured is not None else LocalhostCalibrations()
+            spec, source = measured.spec(devices), measured.describe(devices)
         model = localhost_model(spec, mesh.size, dtype)
-        return CostSetup(model, model.core_pool, LOCALHOST, True)
+        return CostSetup(model, model.core_pool, LOCALHOST, True, source)
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_costs import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))

@@ -45,13 +45,16 @@ class ClusterSpec:
 @dataclass(frozen=True)
 class HardwareChoice:
     """Exactly one of ``name`` (preset or ``localhost``), ``file``, ``spec``; ``dtype``
-    the datasheet peak that prices FLOPs; ``calibration`` a saved localhost spec."""
+    the datasheet peak that prices FLOPs; ``calibration`` a saved localhost spec.
+    ``measured`` is not part of the document: ``vcluster run`` sets it to the
+    :class:`~vcluster.scenario.hardware.LocalhostCalibrations` its points share."""
 
     name: str | None = "a100-80gb-dgx"
     file: str | None = None
     spec: Mapping | None = None
     dtype: str = "fp32"
     calibration: str | None = None
+    measured: Any = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:

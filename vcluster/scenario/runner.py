@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,7 +48,7 @@ SUMMARY_KEYS = {
                  "predicted_compute_s", "predicted_comm_s", "predicted_exposed_comm_s",
                  "predicted_bubble_s", "predicted_bubble_fraction", "compute_comm_ratio",
                  "compute_comm_ratio_low", "predicted_bytes_sent", "predicted_bytes_received",
-                 "predicted_messages_sent"),
+                 "predicted_messages_sent", "localhost_calibration"),
     "both": ("traffic_matches", "predicted_over_measured"),
 }
 
@@ -255,7 +255,7 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
         compute_comm_ratio=ratio,
         compute_comm_ratio_low=bool(math.isfinite(ratio) and ratio < RATIO_FLAG),
         predicted_bytes_sent=nbytes * repeat, predicted_bytes_received=received * repeat,
-        predicted_messages_sent=messages * repeat)
+        predicted_messages_sent=messages * repeat, localhost_calibration=setup.calibration)
     point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
                                                "time_s": times}))
     point.tables["devices"].append(devices_from_simulation(result, mesh))
@@ -331,6 +331,16 @@ def _concat(frames: list, point_index: int | None):
     return out
 
 
+def _sharing_calibrations(points: list) -> list:
+    """The sweep points, those on ``localhost`` without a saved ``calibration`` sharing one
+    :class:`~vcluster.scenario.hardware.LocalhostCalibrations` (one per run)."""
+    from .hardware import LOCALHOST, LocalhostCalibrations
+    shared = LocalhostCalibrations()
+    return [(values, replace(point, hardware=replace(point.hardware, measured=shared)))
+            if point.hardware.name == LOCALHOST and point.hardware.calibration is None
+            else (values, point) for values, point in points]
+
+
 def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
                  progress: bool = False, resume: str | None = None):
     """Run every sweep point of ``scenario`` and return a :class:`reports.RunRecord`.
@@ -349,7 +359,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
             raise ScenarioError("--mode", mode, ", ".join(MODES), "unknown mode")
         scenario = scenario_from_dict(dict(scenario.document), scenario.name,
                                       [("run.mode", mode)], scenario.base_dir)
-    points = sweep_points(scenario)
+    points = _sharing_calibrations(sweep_points(scenario))
     from .workloads import workload_module  # noqa: F401  (registry import before the bar)
     training = scenario.workload.kind in ("mlp", "transformer")
     total = sum(_units(p, training, engine) for _, p in points)

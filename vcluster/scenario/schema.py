@@ -169,7 +169,7 @@ _HARDWARE_OBJECT = {
         "dtype": _enum(HARDWARE_DTYPES, "the datasheet peak that prices every FLOP", "fp32"),
         "calibration": {"type": "string", "description": "localhost only: a saved "
                         "calibration (vcluster bench predict --save-spec) instead of "
-                        "calibrating (~13 s)"},
+                        "calibrating (~20 s, once per run and cluster size)"},
     },
 }
 

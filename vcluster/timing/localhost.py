@@ -75,7 +75,8 @@ from .localhost_bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_cores import start_placements
 from .localhost_gap import CallGap
-from .localhost_host import HOST_TRACES, host_work_s, measure_tracer_rates, median_host_work
+from .localhost_host import (HOST_TRACES, TracerRates, host_work_s, measure_tracer_rates,
+                             median_host_work)
 from .localhost_messages import working_copy_bytes
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
@@ -137,7 +138,6 @@ class LocalhostCostModel:
                              f"{self.n_devices!r}")
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         if self.tracer is not None:
-            from .localhost_host import TracerRates
             if not isinstance(self.tracer, TracerRates):
                 raise TypeError(f"LocalhostCostModel: tracer must be TracerRates or None, got "
                                 f"{self.tracer!r}")
@@ -366,24 +366,30 @@ class LocalhostCostModel:
 
 
 def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None,
-                     host_traces: int = HOST_TRACES) -> list:
+                     host_traces: int = HOST_TRACES, tracer_rates=None) -> list:
     """The traces a localhost prediction replays: ``program`` traced warm (a first trace
     fills this process's memoised plans, ``MatMulSharding.plan``, as a device's warm-up
-    run fills its own), with its host work when
-    ``model.host_timed`` — ``host_traces`` host-timed traces, each priced with the
-    tracer's rates measured just before it, each host op's work the median
+    run fills its own), with its host work when ``model.host_timed`` — ``host_traces``
+    host-timed traces, each priced with the tracer's rates measured just before it (or
+    the sets of ``tracer_rates``, one per trace, measured once for many programs: a
+    ranking of layouts), each host op's work the median
     (:func:`~vcluster.timing.localhost_host.median_host_work`) — then
     :meth:`LocalhostCostModel.prepare_traces`."""
     from vcluster.runtime.tracing import trace_program
     if not model.host_timed:
         return model.prepare_traces(trace_program(mesh, program, meta_args, ranks=ranks))
+    if tracer_rates is not None:
+        host_traces = len(tracer_rates := tuple(tracer_rates))
+        if not all(isinstance(r, TracerRates) for r in tracer_rates):
+            raise ValueError(f"localhost_traces: tracer_rates must hold TracerRates, got "
+                             f"{tracer_rates!r}")
     if isinstance(host_traces, bool) or not isinstance(host_traces, int) or host_traces < 1:
-        raise ValueError(f"localhost_traces: host_traces must be an int >= 1, "
-                         f"got {host_traces!r}")
+        raise ValueError(f"localhost_traces: host_traces (or len(tracer_rates)) must be an "
+                         f"int >= 1, got {host_traces!r}")
     trace_program(mesh, program, meta_args, ranks=ranks)
     runs, prices = [], []
-    for _ in range(host_traces):
-        rates = measure_tracer_rates()
+    for i in range(host_traces):
+        rates = measure_tracer_rates() if tracer_rates is None else tracer_rates[i]
         runs.append(trace_program(mesh, program, meta_args, ranks=ranks, host_time=True))
         prices.append(functools.partial(host_work_s, spec=model.spec, tracer=rates))
     return model.prepare_traces(median_host_work(runs, prices))

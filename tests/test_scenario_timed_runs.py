@@ -16,7 +16,8 @@ from vcluster import VirtualCluster
 from vcluster.runtime.events import CommEvent
 from vcluster.scenario import load_scenario
 from vcluster.scenario.progress import ProgressBar
-from vcluster.scenario.timed_runs import emulate_timed, measures_like_localhost, step_times
+from vcluster.scenario.timed_runs import (TIMED_REPEATS, emulate_timed,
+                                         measures_like_localhost, step_times)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_RUN_SLEEP_S = 0.4
@@ -57,6 +58,36 @@ def test_emulate_timed_warms_up_starts_together_and_keeps_only_the_programs_even
     assert {e.collective for e in comm} == {"all_reduce"}        # no barrier, no broadcast
     assert len(comm) == 4 * steps
     assert [e.rank for e in emu["first_events"] if isinstance(e, CommEvent)].count(0) == 1
+
+
+def _slow_second_run(dev, x, marker_dir):
+    """Rank 0 counts its runs in a file and sleeps in the second (the first timed one);
+    every rank all-reduces ``x``."""
+    runs = Path(marker_dir) / "runs"
+    if dev.rank == 0:
+        with runs.open("a") as f:
+            f.write("x")
+        if runs.read_text() == "xx":
+            time.sleep(FIRST_RUN_SLEEP_S)
+    return dev.all_reduce(x)
+
+
+def test_a_measured_run_is_the_median_of_its_repeats(tmp_path):
+    """One timed run disturbed (0.4 s) among TIMED_REPEATS does not reach the step time,
+    and the step's events are one run's, not every repeat's."""
+    mesh = Mesh((4,), ("x",))
+    xs = [np.full(8, float(r + 1)) for r in range(4)]
+    workload = SimpleNamespace(program=_slow_second_run, training=False,
+                               args_by_rank=[(x, str(tmp_path)) for x in xs])
+    point = SimpleNamespace(run=SimpleNamespace(steps=1))
+    with VirtualCluster(mesh) as cluster, ProgressBar(2, False) as bar:
+        emu = emulate_timed(workload, point, cluster, bar)
+    assert TIMED_REPEATS >= 3
+    assert (tmp_path / "runs").read_text() == "x" * (1 + TIMED_REPEATS)
+    assert len(emu["step_times"]) == 1 and emu["step_times"][0] < FIRST_RUN_SLEEP_S / 2
+    assert len([e for e in emu["events"] if isinstance(e, CommEvent)]) == 4
+    for out in emu["outputs"]:
+        np.testing.assert_array_equal(out, np.full(8, 10.0))
 
 
 class _Event(SimpleNamespace):

@@ -14,6 +14,10 @@ start at t = 0, on warm processes (docs/timing.md), so the emulation is measured
   to the last device's end. Timed from the first recorded event instead, a run would
   count the milliseconds over which the host's dispatch wakes the devices one by one.
 
+Each measured run is **the median of** :data:`TIMED_REPEATS` timed runs (the one whose
+total is the median; its step times, events and outputs are kept): one run of a few ms
+carries this machine's noise, ±10–20% from one run to the next.
+
 The events the start and end protocol itself records (a barrier and a broadcast before
 the instant, a barrier after each device's end) are dropped, so the run's traffic is
 the program's alone and still equals the trace's. Other hardware, other modes and the
@@ -24,9 +28,10 @@ timed from its first event), which is all they need.
 from __future__ import annotations
 
 __all__ = ["measures_like_localhost", "emulate_timed", "step_times", "within_run",
-           "WARMUP_RUNS"]
+           "WARMUP_RUNS", "TIMED_REPEATS"]
 
 WARMUP_RUNS = 1          # untimed runs before the measured ones (as bench predict)
+TIMED_REPEATS = 3        # timed runs per measured one, the median kept (bench predict: 3)
 
 
 def measures_like_localhost(point, engine_name: str) -> bool:
@@ -70,7 +75,8 @@ def emulate_timed(workload, point, engine, bar) -> dict:
     """The runner's emulation record (``outputs``, ``events``, ``first_events``,
     ``step_times``, ``records_traffic``) of :data:`WARMUP_RUNS` untimed runs then timed
     ones: one for a training program (its steps inside, split by :func:`step_times`),
-    ``run.steps`` for an op, each timed from its common start to the last device's end."""
+    ``run.steps`` for an op, each timed from its common start to the last device's end
+    and each the median of :data:`TIMED_REPEATS` runs."""
     from vcluster.timing.localhost_start import timed_call
     steps, training = point.run.steps, workload.training
     args = list(workload.args_by_rank)
@@ -80,12 +86,17 @@ def emulate_timed(workload, point, engine, bar) -> dict:
     timed_args = [(workload.program,) + tuple(a) for a in args]
     events, first_events, times, outputs = [], None, [], None
     for step in range(1 if training else steps):
-        engine.reset_stats()
-        spans = engine.run(timed_call, timed_args)
-        outputs = [result for _, _, result in spans]
-        got = within_run(engine.trace(), spans)
-        times += step_times(got, training, steps, start=min(s for s, _, _ in spans),
-                            end=max(e for _, e, _ in spans))
+        repeats = []
+        for _ in range(TIMED_REPEATS):
+            engine.reset_stats()
+            spans = engine.run(timed_call, timed_args)
+            got = within_run(engine.trace(), spans)
+            repeats.append((step_times(got, training, steps, start=min(s for s, _, _ in spans),
+                                       end=max(e for _, e, _ in spans)),
+                            got, [result for _, _, result in spans]))
+        repeats.sort(key=lambda r: sum(r[0]))
+        run_times, got, outputs = repeats[len(repeats) // 2]
+        times += run_times
         events += got
         first_events = got if first_events is None else first_events
         bar.advance(f"emulate step {step + 1}")

@@ -104,28 +104,23 @@ class LocalhostCalibrations:
     its trace with the spec of its size instead of calibrating again (~20 s each)."""
 
     def __init__(self):
-        self._specs: dict = {}
+        self._specs: dict = {}             # devices -> (spec, how it was measured)
 
     def __repr__(self) -> str:
-        return f"LocalhostCalibrations({self.describe_all()})"
+        measured = "; ".join(source for _, source in self._specs.values())
+        return f"LocalhostCalibrations({measured or 'none yet'})"
 
-    def spec(self, devices: int):
-        """The :class:`~vcluster.timing.localhost.LocalhostSpec` measured on ``devices``
-        devices in this run (calibrated now if it is the first asked for)."""
+    def calibration(self, devices: int) -> tuple:
+        """(the :class:`~vcluster.timing.localhost.LocalhostSpec` measured on ``devices``
+        devices in this run, when and how long it was measured), calibrated now if it is
+        the first asked for."""
         if devices not in self._specs:
             from vcluster.timing.localhost_calibrate import calibrate_localhost
             started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
             spec = calibrate_localhost(devices)
             self._specs[devices] = (spec, f"measured {started} on {devices} devices "
                                           f"({time.perf_counter() - t0:.1f} s)")
-        return self._specs[devices][0]
-
-    def describe(self, devices: int) -> str:
-        """When and on how many devices the spec of ``devices`` was measured."""
-        return self._specs[devices][1]
-
-    def describe_all(self) -> str:
-        return "; ".join(d for _, d in self._specs.values()) or "none yet"
+        return self._specs[devices]
 
 
 @dataclass(frozen=True)
@@ -150,9 +145,8 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
             path = _path(scenario, hw.calibration)
             spec, source = load_localhost_spec(path), f"saved {path}"
         else:
-            devices = max(2, mesh.size)
             measured = hw.measured if hw.measured is not None else LocalhostCalibrations()
-            spec, source = measured.spec(devices), measured.describe(devices)
+            spec, source = measured.calibration(max(2, mesh.size))
         model = localhost_model(spec, mesh.size, dtype)
         return CostSetup(model, model.core_pool, LOCALHOST, True, source)
     from vcluster.timing import load_hardware

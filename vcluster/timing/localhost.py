@@ -57,7 +57,8 @@ Specs calibrated since host work and per-call figures were measured price more
 (docs/timing.md): the programs' own host work (:mod:`.localhost_host`; a compute op then
 costs an empty block plus its kernel), calls at their CPU inside programs
 (:mod:`.localhost_calls`), the start of a run and the cold extras of calls and work
-(:mod:`.localhost_start`, :mod:`.localhost_gap`); :func:`localhost_traces` has it all.
+(:mod:`.localhost_start`, :mod:`.localhost_gap`); :func:`localhost_traces`
+(:mod:`.localhost_host`) has it all.
 """
 
 from __future__ import annotations
@@ -75,8 +76,7 @@ from .localhost_bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .localhost_calls import CALL_BYTES, CallCpu, log_log
 from .localhost_cores import start_placements
 from .localhost_gap import CallGap
-from .localhost_host import (HOST_TRACES, TracerRates, host_work_s, measure_tracer_rates,
-                             median_host_work)
+from .localhost_host import TracerRates, host_work_s, localhost_traces, measure_tracer_rates
 from .localhost_messages import working_copy_bytes
 from .localhost_pool import CorePoolSpec
 from .localhost_spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype,
@@ -363,36 +363,6 @@ class LocalhostCostModel:
         b2b = _interpolate(s.group_sizes, b2b_table, n)
         ratio = b2b / self._calls.seconds(call, s.calibration_devices, n)
         return program * min(1.0, ratio)
-
-
-def localhost_traces(model: LocalhostCostModel, mesh, program, meta_args, ranks=None,
-                     host_traces: int = HOST_TRACES, tracer_rates=None) -> list:
-    """The traces a localhost prediction replays: ``program`` traced warm (a first trace
-    fills this process's memoised plans, ``MatMulSharding.plan``, as a device's warm-up
-    run fills its own), with its host work when ``model.host_timed`` — ``host_traces``
-    host-timed traces, each priced with the tracer's rates measured just before it (or
-    the sets of ``tracer_rates``, one per trace, measured once for many programs: a
-    ranking of layouts), each host op's work the median
-    (:func:`~vcluster.timing.localhost_host.median_host_work`) — then
-    :meth:`LocalhostCostModel.prepare_traces`."""
-    from vcluster.runtime.tracing import trace_program
-    if not model.host_timed:
-        return model.prepare_traces(trace_program(mesh, program, meta_args, ranks=ranks))
-    if tracer_rates is not None:
-        host_traces = len(tracer_rates := tuple(tracer_rates))
-        if not all(isinstance(r, TracerRates) for r in tracer_rates):
-            raise ValueError(f"localhost_traces: tracer_rates must hold TracerRates, got "
-                             f"{tracer_rates!r}")
-    if isinstance(host_traces, bool) or not isinstance(host_traces, int) or host_traces < 1:
-        raise ValueError(f"localhost_traces: host_traces (or len(tracer_rates)) must be an "
-                         f"int >= 1, got {host_traces!r}")
-    trace_program(mesh, program, meta_args, ranks=ranks)
-    runs, prices = [], []
-    for i in range(host_traces):
-        rates = measure_tracer_rates() if tracer_rates is None else tracer_rates[i]
-        runs.append(trace_program(mesh, program, meta_args, ranks=ranks, host_time=True))
-        prices.append(functools.partial(host_work_s, spec=model.spec, tracer=rates))
-    return model.prepare_traces(median_host_work(runs, prices))
 
 
 def localhost_model(spec: LocalhostSpec, n_devices: int, dtype: str = "float64",

@@ -33,10 +33,14 @@ each measured by a microbenchmark:
 The tracer measures pure Python at its own speed, the devices run it at theirs (busy,
 sharing caches): ``f`` converts. Both sides measure at the moment they run, so a spec
 calibrated earlier still sees the tracer's speed of now in ``p_tracer``.
+
+:func:`localhost_traces` (also importable from :mod:`vcluster.timing.localhost`) takes
+a program's host-timed traces for a localhost prediction, priced this way.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 
@@ -47,7 +51,7 @@ from vcluster.runtime.tracing.host import HOST_OP
 __all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_arrays",
            "reference_python",
            "REFERENCE_CALLS", "device_host_rates", "host_work_s", "median_host_work",
-           "HOST_TRACES"]
+           "localhost_traces", "HOST_TRACES"]
 
 REFERENCE_CALLS = 11           # array operations in one reference_calls(...)
 REFERENCE_SHAPES = ((8, 16), (16, 16), (16,))
@@ -251,3 +255,33 @@ def median_host_work(runs: list, prices: list | None = None) -> list:
                 ops[i] = replace(op, host_s=host_s, array_s=array_s, seconds=seconds)
         merged.append(replace(trace, ops=tuple(ops)))
     return merged
+
+
+def localhost_traces(model, mesh, program, meta_args, ranks=None,
+                     host_traces: int = HOST_TRACES, tracer_rates=None) -> list:
+    """The traces a localhost prediction replays: ``program`` traced warm (a first trace
+    fills this process's memoised plans, ``MatMulSharding.plan``, as a device's warm-up
+    run fills its own), with its host work when ``model.host_timed`` — ``host_traces``
+    host-timed traces, each priced with the tracer's rates measured just before it (or
+    the sets of ``tracer_rates``, one per trace, measured once for many programs: a
+    ranking of layouts), each host op's work the median
+    (:func:`median_host_work`) — then
+    :meth:`~vcluster.timing.localhost.LocalhostCostModel.prepare_traces` (``model``)."""
+    from vcluster.runtime.tracing import trace_program
+    if not model.host_timed:
+        return model.prepare_traces(trace_program(mesh, program, meta_args, ranks=ranks))
+    if tracer_rates is not None:
+        host_traces = len(tracer_rates := tuple(tracer_rates))
+        if not all(isinstance(r, TracerRates) for r in tracer_rates):
+            raise ValueError(f"localhost_traces: tracer_rates must hold TracerRates, got "
+                             f"{tracer_rates!r}")
+    if isinstance(host_traces, bool) or not isinstance(host_traces, int) or host_traces < 1:
+        raise ValueError(f"localhost_traces: host_traces (or len(tracer_rates)) must be an "
+                         f"int >= 1, got {host_traces!r}")
+    trace_program(mesh, program, meta_args, ranks=ranks)
+    runs, prices = [], []
+    for i in range(host_traces):
+        rates = measure_tracer_rates() if tracer_rates is None else tracer_rates[i]
+        runs.append(trace_program(mesh, program, meta_args, ranks=ranks, host_time=True))
+        prices.append(functools.partial(host_work_s, spec=model.spec, tracer=rates))
+    return model.prepare_traces(median_host_work(runs, prices))

@@ -18,6 +18,7 @@ import pytest
 from mesh import Mesh
 from vcluster import (ClusterBrokenError, CollectiveTimeout, DeviceLostError,
                       DeviceProgramError, VirtualCluster)
+from interruptible import popen_interruptible
 from vcluster.runtime.shm import list_segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,7 +215,7 @@ def test_sigint_during_run_leaves_nothing_behind(tmp_path):
                 print("INTERRUPTED", flush=True)
                 raise
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = popen_interruptible([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line
     pids = [int(p) for p in line.split()[1:]]

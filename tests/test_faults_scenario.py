@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from interruptible import popen_interruptible
 from vcluster.runtime.shm import list_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +156,7 @@ def _alive(pid: int) -> bool:
                                            (signal.SIGINT, 130, "interrupted")])
 def test_signal_during_vcluster_run_leaves_nothing(tmp_path, sig, code, word):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen(
+    proc = popen_interruptible(
         [sys.executable, "-m", "vcluster", "run", FAULTS, "--out", "report", "--quiet",
          "--set", "faults=[]", "--set", "run.steps=400", "--set", "checkpoint.every=1",
          "--set", "checkpoint.dir=ckpt"], cwd=tmp_path, env=env,

@@ -302,3 +302,37 @@ def test_cli_show_yaml_file_and_unknown_name(tmp_path, capsys):
     with pytest.raises(ValueError) as err:
         _run(["hardware", "show", "tpu-v5"])
     assert all(n in str(err.value) for n in PRESET_NAMES)
+
+
+@pytest.mark.slow
+def test_cli_calibrate_saves_what_it_prints_for_a_scenario(tmp_path, capsys):
+    """``hardware calibrate`` measures this machine (a real 2-device calibration), prints
+    the figures of the file it writes, and a scenario reuses that file."""
+    from vcluster.cli.localhost_spec_text import format_localhost_spec
+    from vcluster.scenario import load_scenario, run_scenario
+    from vcluster.timing.localhost import load_localhost_spec
+    path = tmp_path / "machine.yaml"
+    assert _run(["hardware", "calibrate", "--devices", "2", "--out", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "measuring this machine on 2 devices" in captured.err
+    spec = load_localhost_spec(path)
+    assert spec.calibration_devices == 2 and spec.group_sizes == (2,)
+    assert format_localhost_spec(spec) in captured.out      # the figures that were saved
+    assert f"--set hardware.calibration={path}" in captured.out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.yaml"]  # no temporary
+    s = load_scenario(Path(__file__).parents[1] / "scenarios" / "collective_all_reduce.yaml",
+                      ["hardware=localhost", f"hardware.calibration={path}",
+                       "run.mode=simulate"])
+    summary = run_scenario(s).summary
+    assert summary["localhost_calibration"] == f"saved {path}"
+    assert summary["predicted_step_time_s"] > 0
+
+
+def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _run(["hardware", "calibrate", "--devices", "1"])
+    assert "--devices: expected an integer >= 2" in capsys.readouterr().err
+    missing = tmp_path / "no-such-dir" / "machine.json"
+    with pytest.raises(ValueError, match=r"--out = .*no-such-dir.* does not exist"):
+        _run(["hardware", "calibrate", "--out", str(missing)])
+    assert "measuring" not in capsys.readouterr().err     # refused before the 20 s

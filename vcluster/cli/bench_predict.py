@@ -96,10 +96,11 @@ import numpy as np
 
 from .args import csv_of, positive_int
 from .bench_predict_measure import BUSY_MACHINE_CORES, measure_workload
-from .bench_predict_print import (_print_drift, _print_header, _print_row, _print_spec,
+from .bench_predict_print import (_print_drift, _print_header, _print_row,
                                   _write_record, spread)
 from .bench_predict_stats import interval_fields, median_interval, paired_ratios, round_drift
 from .bench_predict_workloads import WORKLOADS, Workload, build_workload
+from .localhost_spec_text import format_localhost_spec
 
 __all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
            "predict_workload", "predict_run", "run_predict", "run_workloads", "spread", "stepped",
@@ -300,7 +301,7 @@ def _predict(args) -> int:
               flush=True)
     if args.save_spec:
         save_localhost_spec(spec, args.save_spec)
-    _print_spec(spec)
+    print(format_localhost_spec(spec), flush=True)
     if args.scenarios or args.scenario:
         return _predict_scenarios(args, spec, recalibrate)
     _print_header("workload", 22)

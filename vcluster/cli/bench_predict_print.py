@@ -7,7 +7,6 @@ import math
 
 from .bench_predict_measure import BUSY_MACHINE_CORES
 from .bench_predict_scenarios import GOAL
-from .units import format_size
 
 __all__ = ["spread"]
 
@@ -67,31 +66,3 @@ def spread(row: dict) -> float:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
-
-
-def _print_spec(spec) -> None:
-    pool = ", ".join(f"T({k}) = {t:.2f}" for k, t in spec.pool_throughput)
-    print(f"  {spec.cores} cores: {pool}; GEMM {spec.gemm_float32_flops_per_s / 1e9:.0f} / "
-          f"{spec.gemm_float64_flops_per_s / 1e9:.0f} GFLOP/s (f32/f64); elementwise "
-          f"{spec.vector_float32_flops_per_s / 1e9:.2f} / "
-          f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s (busy speedup "
-          f"{spec.vector_busy_speedup:.2f}); memcpy {spec.memcpy_bytes_per_s / 1e9:.1f} GB/s "
-          f"(busy speedup {spec.memcpy_busy_speedup:.2f})")
-    lat = ", ".join(f"{n}: {b * 1e6:.0f}/{s * 1e6:.0f}/{g * 1e6:.0f}" for n, b, s, g in
-                    zip(spec.group_sizes, spec.barrier_s, spec.small_all_reduce_s,
-                        spec.large_all_reduce_s))
-    print(f"  barrier/8 B/4 KiB all_reduce (us) by group size {lat}")
-    print(f"  channel copy/reduce/all_reduce {spec.channel_copy_bytes_per_s / 1e9:.2f}/"
-          f"{spec.channel_reduce_bytes_per_s / 1e9:.2f}/"
-          f"{spec.channel_all_reduce_bytes_per_s / 1e9:.2f} GB/s per core; p2p "
-          f"{spec.p2p_latency_s * 1e6:.0f} us, {spec.p2p_copy_bytes_per_s / 1e9:.2f} GB/s",
-          flush=True)
-    if spec.message_side_cpu_s is not None:
-        sides = ", ".join(f"{format_size(b)} {s * 1e6:.0f}" for b, s in spec.message_side_cpu_s)
-        print(f"  message side in a ring (us): {sides}", flush=True)
-    if spec.start_split is not None:
-        splits = "; ".join(f"{d} devices " + ", ".join(
-            f"{':'.join(map(str, split))} x{n}" for dd, split, n in spec.start_split if dd == d)
-            for d in sorted({d for d, _, _ in spec.start_split}))
-        print(f"  devices per core at a start (runs): {splits}", flush=True)
-

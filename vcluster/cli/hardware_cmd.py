@@ -1,24 +1,33 @@
-"""``vcluster hardware list`` and ``vcluster hardware show NAME``: the hardware presets.
+"""``vcluster hardware list``, ``show NAME`` and ``calibrate``: the hardware the timing
+model simulates.
 
     vcluster hardware list
     vcluster hardware show a100-80gb-dgx
     vcluster hardware show my-cluster.yaml
+    vcluster hardware calibrate --out localhost.json
 
 ``show`` prints every field of the description with its unit (YAML-like; the derived
 figures the timing model uses follow as ``#`` comments); a file in the same shape,
 or a subset of it under ``base: <preset>``, is what ``load_hardware`` reads.
+``calibrate`` measures this machine for the ``localhost`` hardware (~20 s) and saves the
+figures, which a scenario then reuses with ``hardware.calibration: FILE`` instead of
+measuring again in every ``vcluster run``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
+from pathlib import Path
 from types import MappingProxyType
 
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardware, preset
 
-__all__ = ["add_parser", "run_list", "run_show", "format_hardware", "format_preset_table"]
+__all__ = ["add_parser", "run_list", "run_show", "run_calibrate", "format_hardware",
+           "format_preset_table"]
 
 _UNITS = (("_gbps", "GB/s"), ("_us", "us"), ("_bytes", "B"), ("peak_tflops", "TFLOP/s"))
 _LABELS = MappingProxyType({
@@ -106,10 +115,46 @@ def run_show(args) -> int:
     return 0
 
 
+def _devices(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (devices of the "
+                                         f"calibration cluster), got {text!r}")
+    return value
+
+
+def run_calibrate(args) -> int:
+    """Measure this machine on ``args.devices`` devices, print the figures and, with
+    ``args.out``, save them (atomically) for ``hardware.calibration``."""
+    from vcluster.timing.localhost import save_localhost_spec
+    from vcluster.timing.localhost_calibrate import calibrate_localhost
+
+    from .localhost_spec_text import format_localhost_spec
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():      # checked before the 20 s
+        raise ValueError(f"--out = {args.out!r}: directory {str(out.parent)!r} does not exist")
+    print(f"vcluster hardware calibrate: measuring this machine on {args.devices} devices "
+          "(about 20 s) ...", file=sys.stderr, flush=True)
+    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
+    spec = calibrate_localhost(args.devices)
+    print(f"localhost calibrated {started} on {args.devices} devices "
+          f"({time.perf_counter() - t0:.1f} s):")
+    print(format_localhost_spec(spec))
+    if out is not None:
+        save_localhost_spec(spec, out)
+        print(f"wrote {out}; reuse it with hardware.calibration, e.g.\n"
+              f"  vcluster run SCENARIO.yaml --set hardware=localhost "
+              f"--set hardware.calibration={out}")
+    return 0
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``hardware`` (sub-commands ``list`` and ``show``) on ``subparsers``."""
     parser = subparsers.add_parser(
-        "hardware", help="list and show the hardware presets of the timing model",
+        "hardware", help="list and show the timing model's hardware; calibrate localhost",
         description="The hardware the timing model simulates: presets built from datasheet "
                     "figures, or your own YAML file.")
     commands = parser.add_subparsers(dest="hardware_command", required=True, metavar="ACTION")
@@ -118,4 +163,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="every field of a preset or YAML file, with units")
     show.add_argument("name", help=f"a preset ({', '.join(PRESET_NAMES)}) or a .yaml file")
     show.set_defaults(run=run_show)
+    cal = commands.add_parser(
+        "calibrate", help="measure this machine for the localhost hardware and save it",
+        description="Measure this machine for the localhost hardware (GEMM, elementwise "
+                    "and memcpy rates, this project's channel calls, the core pool; about "
+                    "20 s) and print the figures; with --out, save them for a scenario's "
+                    "hardware.calibration (JSON, or YAML for .yaml/.yml).")
+    cal.add_argument("--devices", type=_devices, default=8,
+                     help="devices of the calibration cluster (default 8)")
+    cal.add_argument("--out", metavar="FILE", help="write the calibration here (atomically)")
+    cal.set_defaults(run=run_calibrate)
     return parser

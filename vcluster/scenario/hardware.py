@@ -7,7 +7,7 @@
 * ``localhost``: this machine, so that the simulator predicts the emulator itself
   (:class:`~vcluster.timing.localhost.LocalhostCostModel`, devices sharing the cores):
   calibrated by microbenchmarks (about 20 s on a 2-core machine), or read from
-  ``calibration`` (a file written by ``vcluster bench predict --save-spec``). One
+  ``calibration`` (a file written by ``vcluster hardware calibrate --out FILE``). One
   ``vcluster run`` calibrates once per cluster size (:class:`LocalhostCalibrations`):
   its sweep points, and ``parallel.policy: auto``'s ranking, share that calibration.
 """
@@ -65,8 +65,8 @@ def check_hardware(scenario) -> None:
                                 "only with name: localhost", "not localhost hardware")
         if not _path(scenario, hw.calibration).is_file():
             raise ScenarioError("hardware.calibration", hw.calibration,
-                                "an existing file written by vcluster bench predict "
-                                "--save-spec", "no such file")
+                                "an existing file written by vcluster hardware "
+                                "calibrate --out FILE", "no such file")
     if hw.name != LOCALHOST:
         try:
             load_hardware(_hardware_arg(scenario)).device.peak_flops(hw.dtype)

@@ -168,7 +168,7 @@ _HARDWARE_OBJECT = {
                                                   "fields of a hardware YAML file)"},
         "dtype": _enum(HARDWARE_DTYPES, "the datasheet peak that prices every FLOP", "fp32"),
         "calibration": {"type": "string", "description": "localhost only: a saved "
-                        "calibration (vcluster bench predict --save-spec) instead of "
+                        "calibration (vcluster hardware calibrate --out FILE) instead of "
                         "calibrating (~20 s, once per run and cluster size)"},
     },
 }

@@ -266,7 +266,7 @@ def load_localhost_spec(path) -> LocalhostSpec:
             else json.loads(text)
     except (ValueError, yaml.YAMLError) as exc:         # ValueError: JSONDecodeError
         raise ValueError(f"{path}: not a LocalhostSpec file ({exc}); write one with "
-                         "vcluster bench predict --save-spec FILE") from None
+                         "vcluster hardware calibrate --out FILE") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of LocalhostSpec fields")
     return LocalhostSpec.from_dict(data)

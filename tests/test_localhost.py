@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,8 @@ from vcluster.timing.engine import simulate_trace
 from vcluster.timing.localhost import (LocalhostCostModel, LocalhostSpec, load_localhost_spec,
                                        save_localhost_spec)
 from vcluster.timing.localhost_pool import CorePoolSpec
+
+ROOT = str(Path(__file__).resolve().parents[1])
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -302,6 +308,8 @@ def test_calibration_measures_positive_finite_figures():
             for x in (v if isinstance(v, list) else [v]):
                 assert 0 < x < math.inf, (name, value)
     assert s.group_sizes == (2,) and s.calibration_devices == 2
+    from vcluster.timing.host_cores import usable_cores
+    assert s.cores == usable_cores()
     for name in ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"):
         assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name
     assert 0 < s.p2p_message_cpu_s < 0.1 and 0 < s.compute_overhead_s < 0.01
@@ -314,6 +322,23 @@ def test_calibration_measures_positive_finite_figures():
     assert all(d == 2 and sum(split) == 2 for d, split, _ in s.start_split or ())
     with pytest.raises(ValueError, match="devices"):
         calibrate_localhost(devices=1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity masks here")
+def test_calibration_pinned_to_one_cpu_prices_one_core():
+    """Under ``taskset -c 0`` (or a CI runner's mask) the devices share one CPU: the spec
+    says 1 core, not the machine's count, and every start finds its devices on it."""
+    cpu = min(os.sched_getaffinity(0))
+    code = (f"import os, sys; sys.path.insert(0, {ROOT!r}); os.sched_setaffinity(0, {{{cpu}}})\n"
+            "from vcluster.timing.localhost_calibrate import calibrate_localhost\n"
+            "s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))\n"
+            "print(s.cores, max(t for _, t in s.pool_throughput), "
+            "sorted({len(split) for _, split, _ in s.start_split or ()}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240, check=True).stdout.split(maxsplit=2)
+    assert out[0] == "1" and float(out[1]) <= 1.0
+    assert out[2].strip() in ("[1]", "[]")
 
 
 @pytest.mark.parametrize("name, text", [("spec.json", "not json {"),

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from vcluster.timing.host_cores import usable_cores
+
 from .args import csv_of
 
 __all__ = ["add_parser", "CASES", "ScaleCase", "run_case"]
@@ -109,7 +111,7 @@ def add_parser(kinds) -> None:
 
 def _simulate_scale(args) -> int:
     print(f"vcluster bench simulate-scale: load average {os.getloadavg()[0]:.1f} on "
-          f"{os.cpu_count()} cores", flush=True)
+          f"{usable_cores()} cores", flush=True)
     print(f"{'case':<34}{'GPUs':>6}{'m':>5}{'wall':>9}{'goal':>7}{'peak RSS':>10}"
           f"{'step time':>11}{'MFU':>7}", flush=True)
     rows = []

@@ -53,7 +53,6 @@ warm-up; nothing is cached. Derived figures (see :mod:`vcluster.timing.localhost
 
 from __future__ import annotations
 
-import os
 import time
 from functools import reduce as _fold
 
@@ -62,6 +61,7 @@ import numpy as np
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
 
+from .host_cores import usable_cores
 from .localhost import LocalhostSpec
 from .localhost_bytes import moved_bytes
 from .localhost_calls import CallCpu, cluster_sizes, measure_call_cpu
@@ -286,7 +286,9 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
 
     ``message_bytes``: the per-device sizes of the channel collectives (the intercept's,
     then the slope's two);
-    ``cores`` defaults to ``os.cpu_count()``. See the module docstring for each figure.
+    ``cores`` defaults to the cores this process may use (its affinity mask and cgroup
+    quota: :func:`~vcluster.timing.host_cores.usable_cores`). See the module docstring
+    for each figure.
     """
     from mesh import Mesh
     from vcluster.runtime.cluster import VirtualCluster
@@ -298,7 +300,7 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
         raise ValueError(f"calibrate_localhost: message_bytes must be 3 increasing sizes, "
                          f"multiples of 4 x devices ({4 * devices}), the first at least "
                          f"{64 * devices}, got {message_bytes}")
-    cores = (os.cpu_count() or 1) if cores is None else int(cores)
+    cores = usable_cores() if cores is None else int(cores)
     shape = _prime_factors(devices)
     axes = tuple(f"a{i}" for i in range(len(shape)))
     with VirtualCluster(Mesh(shape, axes)) as cluster:

@@ -318,6 +318,8 @@ def test_cli_calibrate_saves_what_it_prints_for_a_scenario(tmp_path, capsys):
     spec = load_localhost_spec(path)
     assert spec.calibration_devices == 2 and spec.group_sizes == (2,)
     assert format_localhost_spec(spec) in captured.out      # the figures that were saved
+    assert _run(["hardware", "show", str(path)]) == 0
+    assert format_localhost_spec(spec) in capsys.readouterr().out
     assert f"--set hardware.calibration={path}" in captured.out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.yaml"]  # no temporary
     s = load_scenario(Path(__file__).parents[1] / "scenarios" / "collective_all_reduce.yaml",
@@ -336,3 +338,31 @@ def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--out = .*no-such-dir.* does not exist"):
         _run(["hardware", "calibrate", "--out", str(missing)])
     assert "measuring" not in capsys.readouterr().err     # refused before the 20 s
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_cli_show_prints_a_saved_calibration(tmp_path, capsys, suffix):
+    from test_localhost import spec
+    from vcluster.cli.localhost_spec_text import format_localhost_spec
+    from vcluster.timing.localhost import save_localhost_spec
+    path = tmp_path / f"machine{suffix}"
+    save_localhost_spec(spec(), path)
+    assert _run(["hardware", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"localhost calibration {path} (measured on 8 devices):")
+    assert format_localhost_spec(spec()) in out
+    assert "2 cores: T(2) = 1.90, T(8) = 1.80; GEMM 125 / 60 GFLOP/s" in out
+    assert "barrier/8 B/4 KiB all_reduce (us) by group size 2: 30/70/150" in out
+
+
+def test_localhost_is_not_a_hardware_description(tmp_path):
+    """simulate and plan price presets and YAML descriptions; localhost (or a saved
+    calibration) gets an error that says where it belongs, not 'unknown key cores'."""
+    from test_localhost import spec
+    from vcluster.timing.localhost import save_localhost_spec
+    with pytest.raises(ValueError, match=r"'localhost' is this machine.*vcluster run"):
+        load_hardware("localhost")
+    path = tmp_path / "machine.json"
+    save_localhost_spec(spec(), path)
+    with pytest.raises(ValueError, match=r"machine.json is a localhost calibration.*preset"):
+        load_hardware(str(path))

@@ -9,7 +9,7 @@ model simulates.
 ``show`` prints every field of the description with its unit (YAML-like; the derived
 figures the timing model uses follow as ``#`` comments); a file in the same shape,
 or a subset of it under ``base: <preset>``, is what ``load_hardware`` reads.
-``calibrate`` measures this machine for the ``localhost`` hardware (~20 s) and saves the
+``show FILE`` also prints a saved calibration. ``calibrate`` measures this machine for the ``localhost`` hardware (~20 s) and saves the
 figures, which a scenario then reuses with ``hardware.calibration: FILE`` instead of
 measuring again in every ``vcluster run``.
 """
@@ -100,7 +100,8 @@ def format_preset_table() -> str:
             f"{d.peak_tflops['bf16']:>12g} {d.hbm_bytes / 1e9:>7g} "
             f"{d.hbm_bandwidth_gbps:>8g} {hw.node.gpu_link.bandwidth_gbps:>13g} "
             f"{f'{net.nics_per_node} x {net.nic.bandwidth_gbps:g}':>11}")
-    lines.append("(line rates per direction; `vcluster hardware show NAME` for every field)")
+    lines.append("(line rates per direction; `vcluster hardware show NAME` for every field; "
+                 "localhost, this machine: `vcluster hardware calibrate`)")
     return "\n".join(lines)
 
 
@@ -109,8 +110,31 @@ def run_list(args) -> int:
     return 0
 
 
+def _is_calibration(name: str) -> bool:
+    """Whether ``name`` is a file holding a localhost calibration (a LocalhostSpec)."""
+    path = Path(name)
+    if not path.is_file():
+        return False
+    import yaml
+    try:
+        data = yaml.safe_load(path.read_text("utf-8"))   # JSON is YAML too
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and "pool_throughput" in data
+
+
 def run_show(args) -> int:
-    """Print one preset or YAML file; an unknown name raises ValueError listing presets."""
+    """Print one preset, YAML file or saved localhost calibration; an unknown name raises
+    ValueError listing the presets."""
+    if _is_calibration(args.name):
+        from vcluster.timing.localhost import load_localhost_spec
+
+        from .localhost_spec_text import format_localhost_spec
+        spec = load_localhost_spec(args.name)
+        print(f"localhost calibration {args.name} (measured on {spec.calibration_devices} "
+              f"devices):")
+        print(format_localhost_spec(spec))
+        return 0
     print(format_hardware(load_hardware(args.name)))
     return 0
 
@@ -161,7 +185,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lister = commands.add_parser("list", help="one line per preset")
     lister.set_defaults(run=run_list)
     show = commands.add_parser("show", help="every field of a preset or YAML file, with units")
-    show.add_argument("name", help=f"a preset ({', '.join(PRESET_NAMES)}) or a .yaml file")
+    show.add_argument("name", help=f"a preset ({', '.join(PRESET_NAMES)}), a .yaml file, or a "
+                                   "localhost calibration saved by calibrate --out")
     show.set_defaults(run=run_show)
     cal = commands.add_parser(
         "calibrate", help="measure this machine for the localhost hardware and save it",

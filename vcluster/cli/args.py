@@ -6,7 +6,7 @@ import argparse
 
 from .units import parse_size
 
-__all__ = ["positive_int", "csv_of", "sizes"]
+__all__ = ["positive_int", "int_at_least", "csv_of", "sizes"]
 
 
 def positive_int(text: str) -> int:
@@ -17,6 +17,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def int_at_least(minimum: int, what: str):
+    """An integer >= ``minimum``; the error says what the integer counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum} ({what}), "
+                                             f"got {text!r}")
+        return value
+    return parse
 
 
 def csv_of(allowed=None, what="value"):

@@ -9,9 +9,10 @@ model simulates.
 ``show`` prints every field of the description with its unit (YAML-like; the derived
 figures the timing model uses follow as ``#`` comments); a file in the same shape,
 or a subset of it under ``base: <preset>``, is what ``load_hardware`` reads.
-``show FILE`` also prints a saved calibration. ``calibrate`` measures this machine for the ``localhost`` hardware (~20 s) and saves the
-figures, which a scenario then reuses with ``hardware.calibration: FILE`` instead of
-measuring again in every ``vcluster run``.
+``show FILE`` also prints a saved calibration. ``calibrate`` measures this machine for
+the ``localhost`` hardware (~20 s) and saves the figures, which a scenario then reuses
+with ``hardware.calibration: FILE`` instead of measuring again in every ``vcluster
+run``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from types import MappingProxyType
 
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardware, preset
+
+from .args import int_at_least
 
 __all__ = ["add_parser", "run_list", "run_show", "run_calibrate", "format_hardware",
            "format_preset_table"]
@@ -120,7 +122,8 @@ def _is_calibration(name: str) -> bool:
         data = yaml.safe_load(path.read_text("utf-8"))   # JSON is YAML too
     except (yaml.YAMLError, UnicodeDecodeError):
         return False
-    return isinstance(data, dict) and "pool_throughput" in data
+    from vcluster.timing.localhost_spec import is_localhost_spec_data
+    return is_localhost_spec_data(data)
 
 
 def run_show(args) -> int:
@@ -139,22 +142,11 @@ def run_show(args) -> int:
     return 0
 
 
-def _devices(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < 2:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 2 (devices of the "
-                                         f"calibration cluster), got {text!r}")
-    return value
-
-
 def run_calibrate(args) -> int:
     """Measure this machine on ``args.devices`` devices, print the figures and, with
     ``args.out``, save them (atomically) for ``hardware.calibration``."""
+    from vcluster.scenario.hardware import LocalhostCalibrations
     from vcluster.timing.localhost import save_localhost_spec
-    from vcluster.timing.localhost_calibrate import calibrate_localhost
 
     from .localhost_spec_text import format_localhost_spec
     out = Path(args.out) if args.out else None
@@ -162,10 +154,8 @@ def run_calibrate(args) -> int:
         raise ValueError(f"--out = {args.out!r}: directory {str(out.parent)!r} does not exist")
     print(f"vcluster hardware calibrate: measuring this machine on {args.devices} devices "
           "(about 20 s) ...", file=sys.stderr, flush=True)
-    started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
-    spec = calibrate_localhost(args.devices)
-    print(f"localhost calibrated {started} on {args.devices} devices "
-          f"({time.perf_counter() - t0:.1f} s):")
+    spec, measured = LocalhostCalibrations().calibration(args.devices)
+    print(f"localhost {measured}:")                       # as summary.localhost_calibration
     print(format_localhost_spec(spec))
     if out is not None:
         save_localhost_spec(spec, out)
@@ -194,7 +184,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "and memcpy rates, this project's channel calls, the core pool; about "
                     "20 s) and print the figures; with --out, save them for a scenario's "
                     "hardware.calibration (JSON, or YAML for .yaml/.yml).")
-    cal.add_argument("--devices", type=_devices, default=8,
+    cal.add_argument("--devices", type=int_at_least(2, "devices of the calibration cluster"),
+                     default=8,
                      help="devices of the calibration cluster (default 8)")
     cal.add_argument("--out", metavar="FILE", help="write the calibration here (atomically)")
     cal.set_defaults(run=run_calibrate)

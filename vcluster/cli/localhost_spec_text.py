@@ -14,8 +14,9 @@ def format_localhost_spec(spec) -> str:
     size, the channel's copy rates, and (when measured) each message side's CPU and how
     devices start spread over the cores."""
     pool = ", ".join(f"T({k}) = {t:.2f}" for k, t in spec.pool_throughput)
+    cores = f"{spec.cores} core" + ("s" if spec.cores != 1 else "")
     lines = [
-        f"  {spec.cores} core{'s' if spec.cores != 1 else ''}: {pool}; GEMM {spec.gemm_float32_flops_per_s / 1e9:.0f} / "
+        f"  {cores}: {pool}; GEMM {spec.gemm_float32_flops_per_s / 1e9:.0f} / "
         f"{spec.gemm_float64_flops_per_s / 1e9:.0f} GFLOP/s (f32/f64); elementwise "
         f"{spec.vector_float32_flops_per_s / 1e9:.2f} / "
         f"{spec.vector_float64_flops_per_s / 1e9:.2f} GFLOP/s (busy speedup "

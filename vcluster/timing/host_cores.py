@@ -13,13 +13,14 @@ replays on has
 (``ceil``: a quota of 1.5 cores keeps two CPUs partly busy; the pool's measured
 throughput ``T(k)`` carries the fraction). A quota is a long-run figure: the kernel
 grants it per period (100 ms by default) and throttles the cgroup once it is spent, so a
-run of a few ms under ``docker --cpus=1`` on two CPUs takes either its two-CPU time or
-that plus the rest of a period (measured: a quickstart step 14 ms in one run, 61 ms in
-the next, against 36–48 ms predicted). Pin with an affinity mask for steady timings. cgroup v2 states the quota in ``cpu.max``
-(``"200000 100000"``, or ``"max 100000"`` for none); v1 in ``cpu.cfs_quota_us`` (-1 for
-none) over ``cpu.cfs_period_us``, under the hierarchy that mounts the ``cpu``
-controller. Files that are absent or unreadable (not Linux, no cgroup mounted) mean no
-limit.
+run of a few ms under a one-core quota on two CPUs takes either its two-CPU time or that
+plus the rest of a period (measured: a quickstart step 14 ms in one run, 61 ms in the
+next, against 36–48 ms predicted). Pin with an affinity mask for steady timings.
+
+cgroup v2 states the quota in ``cpu.max`` (``"200000 100000"``, or ``"max 100000"`` for
+none); v1 in ``cpu.cfs_quota_us`` (-1 for none) over ``cpu.cfs_period_us``, under the
+hierarchy that mounts the ``cpu`` controller. Files that are absent or unreadable (not
+Linux, no cgroup mounted) mean no limit.
 """
 
 from __future__ import annotations

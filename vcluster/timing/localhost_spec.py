@@ -22,7 +22,8 @@ from .localhost_gap import CallGap
 from .localhost_messages import MessageSides
 from .localhost_pool import CorePoolSpec
 
-__all__ = ["LocalhostSpec", "load_localhost_spec", "save_localhost_spec"]
+__all__ = ["LocalhostSpec", "load_localhost_spec", "save_localhost_spec",
+           "is_localhost_spec_data"]
 
 _DTYPES = ("float32", "float64")
 _CALIBRATED = ("all_gather", "reduce_scatter", "all_reduce")   # order of channel_fixed_s
@@ -254,6 +255,12 @@ def save_localhost_spec(spec: LocalhostSpec, path) -> None:
     else:
         text = json.dumps(spec.to_dict(), indent=2) + "\n"
     write_text_atomic(str(path), text)
+
+
+def is_localhost_spec_data(data) -> bool:
+    """Whether a parsed file (JSON or YAML) holds a saved calibration's fields rather than
+    a hardware description: only a :class:`LocalhostSpec` has ``pool_throughput``."""
+    return isinstance(data, dict) and "pool_throughput" in data
 
 
 def load_localhost_spec(path) -> LocalhostSpec:

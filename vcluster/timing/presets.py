@@ -248,7 +248,8 @@ def load_hardware(spec) -> HardwareSpec:
                 data = yaml.safe_load(path.read_text("utf-8"))
             except yaml.YAMLError as exc:
                 raise ValueError(f"{path}: not valid YAML: {exc}") from None
-            if isinstance(data, Mapping) and "pool_throughput" in data:
+            from .localhost_spec import is_localhost_spec_data
+            if is_localhost_spec_data(data):
                 raise ValueError(f"{path} is a localhost calibration (vcluster hardware "
                                  f"calibrate), not a hardware description: {_LOCALHOST_USE}")
             return hardware_from_dict(data, path=f"{path}: hardware")

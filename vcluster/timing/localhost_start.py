@@ -254,8 +254,10 @@ def prepare_traces(model, traces) -> list:
       (``model.cold_call_s``), plus what the work its rank did since its previous
       communication adds (``model.gap_extra_s``, :mod:`.localhost_gap`);
     * host-timed traces, before every blocking call (a collective or a receive) and at
-      the end, what the work since the rank's previous blocking call (or its start) costs
-      more for resuming cold (:class:`.localhost_gap.ColdStretch`).
+      the end, what the work since the rank's start or its previous collective costs more
+      for resuming cold (:class:`.localhost_gap.ColdStretch`); work after a receive pays
+      none (the stretches between receives of the pipelined scenarios measure their warm
+      price in the programs themselves: see :mod:`.localhost_gap`).
     """
     from vcluster.runtime.tracing.host import HOST_OP
     from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
@@ -271,6 +273,7 @@ def prepare_traces(model, traces) -> list:
         ops, first, previous = [start] if wall > 0.0 else [], True, None
         work = 0.0                               # since the rank's last communication
         stretch = 0.0                            # ... and its last blocking call
+        resumed_cold = True                      # ... which was a collective (or the start)
         for op in t.ops:
             if isinstance(op, TraceCompute):
                 if (gap_extra is not None or cold is not None) \
@@ -284,8 +287,9 @@ def prepare_traces(model, traces) -> list:
                 continue
             collective = isinstance(op, TraceCollective) and len(op.group) > 1
             if cold is not None and (collective or isinstance(op, TraceRecv)):
-                _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
-                stretch = 0.0
+                if resumed_cold:
+                    _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
+                stretch, resumed_cold = 0.0, collective
             if first and (collective or isinstance(op, TraceRecv)):
                 first = False
                 if factor > 1.0:
@@ -301,7 +305,7 @@ def prepare_traces(model, traces) -> list:
                     ops.append(TraceCompute(COLD_CALL, 0.0, 0, seconds=extra))
             ops.append(op)
             previous, work = op, 0.0
-        if cold is not None:
+        if cold is not None and resumed_cold:
             _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
         out.append(DeviceTrace(t.rank, tuple(ops)))
     return out

@@ -8,6 +8,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import pytest
 
 from test_localhost import spec
@@ -141,9 +142,9 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
                               "--rounds", "2", "--steps", "2", "--json", str(out)])
     assert args.run(args) == 0
     record = json.loads(out.read_text())
-    assert set(record) == {"spec", "specs", "steps", "core_queues", "workloads",
+    assert set(record) == {"spec", "specs", "steps", "core_queues", "tiny", "workloads",
                            "round_median_ratios", "max_error"}
-    assert record["steps"] == 2 and record["core_queues"] is False
+    assert record["steps"] == 2 and record["core_queues"] is False and record["tiny"] is True
     assert LocalhostSpec.from_dict(record["spec"]) == spec()
     assert len(record["specs"]) == 1                     # a given spec is not recalibrated
     assert [w["name"] for w in record["workloads"]] == ["all_gather-1MiB", "matmul"]
@@ -152,9 +153,13 @@ def test_bench_predict_writes_the_documented_json(tmp_path):
                           "measured_iqr_s", "predicted_s", "predicted_by_spec_s", "ratio",
                           "round_ratios", "unpaired_ratio", "ratio_interval",
                           "ratio_interval_level", "relative_ratio", "measured_cpu_s",
-                          "predicted_cpu_s", "cpu_ratio", "background_cores"}
+                          "predicted_cpu_s", "cpu_ratio", "background_cores",
+                          "measured_round_s", "measured_cpu_round_s"}
         assert w["devices"] == 8 and w["measured_s"] > 0 and w["predicted_s"] > 0
         assert len(w["measured_runs_s"]) == 2               # one run in each of two rounds
+        assert w["measured_round_s"] == w["measured_runs_s"]   # each round's median: its run
+        assert len(w["measured_cpu_round_s"]) == 2
+        assert w["measured_cpu_s"] == pytest.approx(np.median(w["measured_cpu_round_s"]))
         assert w["measured_s"] == pytest.approx(sorted(w["measured_runs_s"])[0] / 2
                                                 + sorted(w["measured_runs_s"])[1] / 2)
         lo, hi = sorted(w["measured_runs_s"])              # quartiles of two runs

@@ -59,12 +59,14 @@ the model prices this program against the others, the drift taken out. With two 
 or more the summary prints both.
 
 JSON (``--json``): ``{"spec": the first LocalhostSpec's fields, "specs": every
-calibration's, "steps", "core_queues", "workloads": [{"name", "devices", "dtype",
-"measured_s", "measured_runs_s", "measured_iqr_s", "predicted_s", "predicted_by_spec_s",
-"ratio", "round_ratios", "unpaired_ratio", "ratio_interval", "ratio_interval_level",
-"relative_ratio", "measured_cpu_s", "predicted_cpu_s", "cpu_ratio",
-"background_cores"}], "round_median_ratios", "max_error"}`` with ``max_error =
-max |ratio - 1|``; ``measured_iqr_s`` = [25th, 75th] percentile of the measured runs. The
+calibration's, "steps", "core_queues", "tiny", "workloads": [{"name", "devices", "dtype",
+"measured_s", "measured_runs_s", "measured_iqr_s", "measured_round_s", "predicted_s",
+"predicted_by_spec_s", "ratio", "round_ratios", "unpaired_ratio", "ratio_interval",
+"ratio_interval_level", "relative_ratio", "measured_cpu_s", "measured_cpu_round_s",
+"predicted_cpu_s", "cpu_ratio", "background_cores"}], "round_median_ratios",
+"max_error"}`` with ``max_error = max |ratio - 1|``; ``measured_round_s`` and
+``measured_cpu_round_s`` are each round's median run and median CPU (what ``--reprice``
+pairs new predictions with); ``measured_iqr_s`` = [25th, 75th] percentile of the measured runs. The
 table's ``spread`` column is half that range over the median: how far the machine's own
 run-to-run noise reaches, to read a ratio against.
 
@@ -86,6 +88,10 @@ is then per step (the run's over K), and the record says ``"steps": K``.
 ``--core-queues`` predicts on per-core run queues placed as the calibration counted the
 devices per core at a start (:mod:`vcluster.timing.localhost_cores`) instead of one
 pool of cores; the record says ``"core_queues": true``.
+
+``--reprice RECORD`` measures nothing: it prices a saved record's measurements again with
+this tree's model, under the record's own calibrations, so that two versions of the model
+are compared on the same measurements (:mod:`vcluster.cli.bench_predict_reprice`).
 """
 
 from __future__ import annotations
@@ -132,8 +138,10 @@ def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
                 retries: int = 0, rounds: int = 1, recalibrate=None, steps: int = 1,
                 core_queues: bool = False) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
-    return run_workloads(spec, [build_workload(name, tiny) for name in names], reps, progress,
-                         retries, rounds, recalibrate, steps, core_queues)
+    record = run_workloads(spec, [build_workload(name, tiny) for name in names], reps,
+                           progress, retries, rounds, recalibrate, steps, core_queues)
+    record["tiny"] = bool(tiny)
+    return record
 
 
 def _steps(dev, program, steps: int, *args) -> None:
@@ -200,37 +208,53 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
             cluster.close()
     rows = []
     for wl in workloads:
-        parts = [predict_run(wl, s, core_queues) for s in specs]
-        predicted = [step / steps for step, _ in parts]
         by_round = [[r / steps for r in got] for got in runs[wl.name]]
-        round_ratios = paired_ratios(predicted, by_round)
-        all_runs = [r for got in by_round for r in got]
-        measured = float(np.median(all_runs))
         cpu_by_round = [[c / steps for c in got] for got in cpus[wl.name]]
-        work = [w / steps for _, w in parts]
-        cpu_measured = float(np.median([c for got in cpu_by_round for c in got]))
-        cpu_predicted = float(np.median(work))
+        all_runs = [r for got in by_round for r in got]
         known = [b for b in loads[wl.name] if b is not None]
-        rows.append({"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
-                     "measured_s": measured, "measured_runs_s": all_runs,
-                     "measured_iqr_s": [float(q) for q in np.percentile(all_runs, (25, 75))],
-                     "predicted_s": float(np.median(predicted)),
-                     "predicted_by_spec_s": predicted,
-                     "ratio": float(np.median(round_ratios)), "round_ratios": round_ratios,
-                     "unpaired_ratio": float(np.median(predicted)) / measured,
-                     **interval_fields(round_ratios),
-                     "measured_cpu_s": cpu_measured, "predicted_cpu_s": cpu_predicted,
-                     "cpu_ratio": float(np.median(paired_ratios(work, cpu_by_round))),
-                     "background_cores": max(known) if known else None})
+        measured = {"name": wl.name, "devices": wl.mesh.size, "dtype": wl.dtype,
+                    "measured_s": float(np.median(all_runs)), "measured_runs_s": all_runs,
+                    "measured_iqr_s": [float(q) for q in np.percentile(all_runs, (25, 75))],
+                    "measured_round_s": [float(np.median(got)) for got in by_round],
+                    "measured_cpu_s": float(np.median([c for got in cpu_by_round
+                                                       for c in got])),
+                    "measured_cpu_round_s": [float(np.median(got)) for got in cpu_by_round],
+                    "background_cores": max(known) if known else None}
+        rows.append({**measured, **priced(wl, specs, steps, core_queues, measured)})
         if progress is not None:
             progress(rows[-1])
+    return workloads_record(specs, steps, core_queues, rows)
+
+
+def priced(wl: Workload, specs: list, steps: int, core_queues: bool, measured: dict) -> dict:
+    """The prediction keys of a record's row: ``wl`` (already :func:`stepped`) replayed
+    under each of ``specs`` and paired with the row's ``measured`` keys
+    (``measured_s``, ``measured_round_s``: each round's median run, and
+    ``measured_cpu_round_s``, per step; without the last, ``cpu_ratio`` is None)."""
+    parts = [predict_run(wl, s, core_queues) for s in specs]
+    predicted = [step / steps for step, _ in parts]
+    work = [w / steps for _, w in parts]
+    round_ratios = paired_ratios(predicted, [[m] for m in measured["measured_round_s"]])
+    cpu = measured.get("measured_cpu_round_s")
+    return {"predicted_s": float(np.median(predicted)), "predicted_by_spec_s": predicted,
+            "ratio": float(np.median(round_ratios)), "round_ratios": round_ratios,
+            "unpaired_ratio": float(np.median(predicted)) / measured["measured_s"],
+            **interval_fields(round_ratios),
+            "predicted_cpu_s": float(np.median(work)),
+            "cpu_ratio": None if cpu is None else
+            float(np.median(paired_ratios(work, [[c] for c in cpu])))}
+
+
+def workloads_record(specs: list, steps: int, core_queues: bool, rows: list) -> dict:
+    """The JSON record (module doc) of ``rows`` priced under ``specs``; adds each row's
+    ``relative_ratio``."""
     medians = []
     if rows:
         medians, relative = round_drift([r["round_ratios"] for r in rows])
         for row, rel in zip(rows, relative):
             row["relative_ratio"] = rel
-    return {"spec": spec.to_dict(), "specs": [s.to_dict() for s in specs], "steps": steps,
-            "core_queues": bool(core_queues), "workloads": rows,
+    return {"spec": specs[0].to_dict(), "specs": [s.to_dict() for s in specs],
+            "steps": steps, "core_queues": bool(core_queues), "workloads": rows,
             "round_median_ratios": medians,
             "max_error": max((abs(r["ratio"] - 1) for r in rows), default=0.0)}
 
@@ -275,11 +299,18 @@ def add_parser(kinds) -> None:
                    help="replay on per-core run queues placed as the calibration counted "
                         "devices per core at a start, instead of one pool of cores "
                         "(experimental: see docs/timing.md)")
+    p.add_argument("--reprice", metavar="RECORD",
+                   help="measure nothing: price the measurements of a record saved with "
+                        "--json again with this tree's model, under the record's own "
+                        "calibrations (compare two models on the same measurements)")
     p.add_argument("--json", metavar="PATH", help="also write the record as JSON")
     p.set_defaults(run=_predict)
 
 
 def _predict(args) -> int:
+    if args.reprice:
+        from .bench_predict_reprice import reprice_command
+        return reprice_command(args)
     from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
     from vcluster.timing.localhost_calibrate import calibrate_localhost
     def calibrate_again():

@@ -25,9 +25,11 @@ def _print_drift(record: dict) -> None:
           f"{worst['relative_ratio']:.2f}", flush=True)
 
 
-def _print_header(first: str, width: int) -> None:
+def _print_header(first: str, width: int, note: str = "") -> None:
+    """The table's header; ``note``: the title of a last column (:func:`_print_row`)."""
     print(f"{first:<{width}}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
-          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}", flush=True)
+          f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}"
+          + (f"  {note}" if note else ""), flush=True)
 
 
 def _write_record(path, record: dict) -> None:
@@ -37,13 +39,16 @@ def _write_record(path, record: dict) -> None:
         print(f"wrote {path}")
 
 
-def _print_row(r: dict, width: int = 22) -> None:
+def _print_row(r: dict, width: int = 22, note: str = "") -> None:
+    """One workload's row; ``note`` goes in a last column (a repricing's recorded ratio)."""
     load = r["background_cores"]
-    flag = "" if load is None else f"{load:>6.2f} cores" + (
-        "  (machine busy: measurement disturbed)" if load > BUSY_MACHINE_CORES else "")
+    flag = f"{'-':>10}" if load is None else f"{load:>6.2f} cores"
+    busy = "  (machine busy: measurement disturbed)" \
+        if load is not None and load > BUSY_MACHINE_CORES else ""
     print(f"{r['name']:<{width}}{r['devices']:>8}{_ms(r['measured_s']):>12}"
           f"{'±' + format(spread(r), '.0%'):>8}{_ms(r['predicted_s']):>12}{r['ratio']:>8.2f}"
-          f"{r['cpu_ratio']:>10.2f}  {_rounds(r):<16}{flag}", flush=True)
+          f"{r['cpu_ratio']:>10.2f}  {_rounds(r):<16}{flag}"
+          + (f"  {note:>8}" if note else "") + busy, flush=True)
 
 
 def _rounds(row: dict) -> str:

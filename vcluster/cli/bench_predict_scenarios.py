@@ -14,7 +14,8 @@ change its program: ``faults.yaml`` is measured as its plain training step.) Tha
 traffic of these runs equals the trace is a test (tests/test_timing_scenario_traffic.py).
 
 JSON: the record of :func:`~vcluster.cli.bench_predict.run_workloads` (``workloads``
-named ``<scenario>/<point>``, ``max_error``) plus ``within_goal``, the number of points
+named ``<scenario>/<point>``, ``max_error``) plus ``scenario_paths``, the files measured
+(absolute), ``within_goal``, the number of points
 within 25%, and ``outside_goal_surely``, the number whose whole ``ratio_interval`` lies
 beyond 25% (a miss of the model rather than of the machine's noise, as far as the
 rounds can tell).
@@ -25,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = ["SCENARIO_DIR", "GOAL", "check_emulates", "emulated_scenarios", "scenario_workloads",
-           "run_scenarios_predict"]
+           "run_scenarios_predict", "goal_counts"]
 
 SCENARIO_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 GOAL = 0.25                         # |predicted / measured - 1| of every point
@@ -71,10 +72,16 @@ def run_scenarios_predict(spec, reps: int = 3, paths=None, progress=None,
     (``rounds``, ``recalibrate``, ``steps`` and ``core_queues``: see
     :func:`~vcluster.cli.bench_predict.run_workloads`)."""
     from .bench_predict import run_workloads
+    paths = [Path(p).resolve() for p in (paths or emulated_scenarios())]
     record = run_workloads(spec, scenario_workloads(paths), reps, progress, retries, rounds,
                            recalibrate, steps, core_queues)
-    rows = record["workloads"]
-    record["within_goal"] = sum(abs(r["ratio"] - 1) <= GOAL for r in rows)
-    record["outside_goal_surely"] = sum(lo > 1 + GOAL or hi < 1 - GOAL
-                                        for lo, hi in (r["ratio_interval"] for r in rows))
+    record["scenario_paths"] = [str(p) for p in paths]
+    record.update(goal_counts(record["workloads"]))
     return record
+
+
+def goal_counts(rows: list) -> dict:
+    """``within_goal`` and ``outside_goal_surely`` (module doc) of a record's rows."""
+    return {"within_goal": sum(abs(r["ratio"] - 1) <= GOAL for r in rows),
+            "outside_goal_surely": sum(lo > 1 + GOAL or hi < 1 - GOAL
+                                       for lo, hi in (r["ratio_interval"] for r in rows))}

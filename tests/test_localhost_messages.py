@@ -30,13 +30,15 @@ KIB = 1 << 10
 ROWS = ((256, 20 * US), (4 * KIB, 30 * US), (64 * KIB, 60 * US), (1024 * KIB, 120 * US))
 
 
-def test_lookup_is_eager_flat_then_log_log_then_linear():
+def test_lookup_is_eager_flat_then_linear_in_bytes():
     m = MessageSides(ROWS)
     assert m.seconds(8) == m.seconds(INLINE_BYTES) == pytest.approx(20 * US)   # eager
     assert m.seconds(INLINE_BYTES + 1) == pytest.approx(30 * US)   # rendezvous, clamped
     assert m.seconds(4 * KIB) == pytest.approx(30 * US)
-    # log-log halfway (in log size) between 4 and 64 KiB: the geometric mean
-    assert m.seconds(16 * KIB) == pytest.approx(math.sqrt(30 * 60) * US)
+    # between 4 and 64 KiB: a straight line in bytes (12 of the 60 KiB between the rows)
+    assert m.seconds(16 * KIB) == pytest.approx((30 + 30 * 12 / 60) * US)
+    # (not a chord in log-log: the geometric mean, above the line on these rows)
+    assert m.seconds(16 * KIB) < math.sqrt(30 * 60) * US
     assert m.seconds(64 * KIB) == pytest.approx(60 * US)
     slope = 60 * US / (960 * KIB)                              # per byte, the two largest
     assert m.seconds(2048 * KIB) == pytest.approx(120 * US + 1024 * KIB * slope)

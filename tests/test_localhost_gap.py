@@ -131,11 +131,12 @@ def test_cold_stretch_is_the_measured_cpu_less_the_warm_price():
     assert ColdStretch.of_spec(two_gaps) is None                     # not one per GAP_PASSES
 
 
-def test_host_timed_traces_pay_the_cold_stretch_after_the_start_and_collectives():
+def test_host_timed_traces_pay_the_cold_stretch_unless_between_messages():
     """Rank 0 works 300 us, receives, works 100 us, sends (not blocking), works 100 us,
-    calls all_reduce, works 30 us, receives and works 50 us: four stretches, 300 us from
-    the start, 200 after a receive, 30 after the collective and 50 after a receive. Those
-    after the start and the collective pay the cold extra; those after a receive none."""
+    calls all_reduce, works 30 us, receives, works 50 us, receives and works 20 us: five
+    stretches. Those from the start (300 us), into the collective (200, after a receive)
+    and out of it (30) pay the cold extra; those from a receive to a receive (50) or to
+    the end (20) none."""
     s = _cold_spec({8: (30 * US, 40 * US, 60 * US)})
     rates = TracerRates(segment_s=1 * US, meta_call_s=5 * US, python_unit_s=PYTHON_S)
     model = LocalhostCostModel(s, 8, "float32", tracer=rates)
@@ -146,18 +147,19 @@ def test_host_timed_traces_pay_the_cold_stretch_after_the_start_and_collectives(
     from vcluster.runtime.tracing.ops import TraceSend
     call = TraceCollective("all_reduce", tuple(range(8)), 4096, 4, "shm")
     ops = (work(300), TraceRecv(1, 8, 0), work(100), TraceSend(1, 8, 1), work(100), call,
-           work(30), TraceRecv(1, 8, 2), work(50))
+           work(30), TraceRecv(1, 8, 2), work(50), TraceRecv(1, 8, 3), work(20))
     (out,) = model.prepare_traces([DeviceTrace(0, ops)])
     got = [op.seconds for op in out.ops if getattr(op, "name", None) == COLD_STRETCH]
-    assert got == pytest.approx([cold.extra(8, w * US) for w in (300, 30)])
+    assert got == pytest.approx([cold.extra(8, w * US) for w in (300, 200, 30)])
     assert got[0] == pytest.approx(45 * US + 20 * US * (300 * US - WARM[1])  # 282 < 300 us
                                    / (WARM[2] - WARM[1]))
-    assert got[1] == pytest.approx(35 * US * 30 * US / WARM[0])   # proportional below 42 us
+    assert got[2] == pytest.approx(35 * US * 30 * US / WARM[0])   # proportional below 42 us
     # each extra comes right before the blocking call its stretch ends at
     names = [getattr(op, "name", type(op).__name__) for op in out.ops]
-    assert names.index(COLD_STRETCH) == names.index("TraceRecv") - 1
-    after_call = names.index("TraceCollective")
-    assert names.index(COLD_STRETCH, after_call) == names.index("TraceRecv", after_call) - 1
+    blocking = [i for i, name in enumerate(names) if name in ("TraceRecv", "TraceCollective")]
+    charged = [i for i, name in enumerate(names) if name == COLD_STRETCH]
+    assert [names[i + 1] for i in charged] == ["TraceRecv", COLD_CALL, "TraceRecv"]
+    assert names[charged[1] + 2] == "TraceCollective" and len(blocking) == 4
     # traces without host timing (a model without tracer rates) pay none
     (plain,) = LocalhostCostModel(s, 8, "float32").prepare_traces([DeviceTrace(0, ops)])
     assert COLD_STRETCH not in [getattr(op, "name", None) for op in plain.ops]

@@ -36,14 +36,17 @@ caches. On 2 cores the reference stretch (~44 us warm) measured 62-101 us, the l
 (~0.8 ms warm) ~55 us more (2026-11-24, six calibrations). :class:`ColdStretch` takes
 ``e(w)``, the measured CPU less the warm price, per cluster size (the median over
 groups) at each stretch's warm price ``w``: proportional below the shortest, linear
-between, the last beyond; the model charges ``e`` of the work a rank does from its start
-or a collective to its next blocking call (a collective or a receive) or its end as one
-more op (``cold stretch``). Work after a receive pays none: timed inside the programs
-(thread CPU at the calls' edges, 15 runs per point), the stretches between the receives
-of the pipelined scenarios cost 0.85-0.97 of their warm price (``mlp_schedules``; a
-receive that had to wait, about 3 in 10, adds 5-10 us to the next stretch), while those
-after the collectives of the MatMul, FeedForward and transformer programs cost more than
-it (2026-11-25, benchmarks/README.md).
+between, the last beyond; the model charges ``e`` of the work a rank does between two
+blocking calls (a collective or a receive; from its start to the first, from the last to
+its end) as one more op (``cold stretch``), except a stretch from a receive to a receive
+or to the end: between messages a rank runs warm. Timed inside the programs
+(``benchmarks/stretch_cpu.py``: thread CPU at the blocking calls' edges, 2026-11-25),
+the stretches after a receive cost their warm price in the 4-device pipelines
+(``mlp_schedules/0`` 0.96-0.97 of it, ``/2`` 0.98-1.03, where the model used to charge
+them 10-15% more), while in the programs whose receives lead into tensor-parallel
+collectives they cost more (``faults/0`` ~1.0 ms over their warm price, 1.27 charged;
+``mlp_dp_pp_tp/0`` 2.9-3.4 ms, 1.11 charged); stretches after the start and after
+collectives cost more than their warm price everywhere (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -254,10 +254,10 @@ def prepare_traces(model, traces) -> list:
       (``model.cold_call_s``), plus what the work its rank did since its previous
       communication adds (``model.gap_extra_s``, :mod:`.localhost_gap`);
     * host-timed traces, before every blocking call (a collective or a receive) and at
-      the end, what the work since the rank's start or its previous collective costs more
-      for resuming cold (:class:`.localhost_gap.ColdStretch`); work after a receive pays
-      none (the stretches between receives of the pipelined scenarios measure their warm
-      price in the programs themselves: see :mod:`.localhost_gap`).
+      the end, what the work since the rank's previous blocking call (or its start) costs
+      more for resuming cold (:class:`.localhost_gap.ColdStretch`), except work from a
+      receive to a receive or to the end (between messages a rank runs warm, as the
+      pipelines measure in the programs themselves: see :mod:`.localhost_gap`).
     """
     from vcluster.runtime.tracing.host import HOST_OP
     from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
@@ -273,7 +273,7 @@ def prepare_traces(model, traces) -> list:
         ops, first, previous = [start] if wall > 0.0 else [], True, None
         work = 0.0                               # since the rank's last communication
         stretch = 0.0                            # ... and its last blocking call
-        resumed_cold = True                      # ... which was a collective (or the start)
+        resumed_cold = True                      # ... which was not a receive
         for op in t.ops:
             if isinstance(op, TraceCompute):
                 if (gap_extra is not None or cold is not None) \
@@ -287,7 +287,7 @@ def prepare_traces(model, traces) -> list:
                 continue
             collective = isinstance(op, TraceCollective) and len(op.group) > 1
             if cold is not None and (collective or isinstance(op, TraceRecv)):
-                if resumed_cold:
+                if resumed_cold or collective:
                     _add_work(ops, COLD_STRETCH, cold.extra(n, stretch))
                 stretch, resumed_cold = 0.0, collective
             if first and (collective or isinstance(op, TraceRecv)):

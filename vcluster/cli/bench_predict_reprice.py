@@ -34,11 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_predict_workloads import WORKLOADS
+
 __all__ = ["reprice", "record_workloads", "round_medians", "load_record", "reprice_command"]
 
 #: What ``--reprice`` takes from its record instead: (option, attribute, default).
 _MEASURING_OPTIONS = (("--spec", "spec", None), ("--save-spec", "save_spec", None),
-                      ("--devices", "devices", 8), ("--workloads", "workloads", None),
+                      ("--devices", "devices", 8), ("--workloads", "workloads", list(WORKLOADS)),
                       ("--reps", "reps", 3), ("--tiny", "tiny", False), ("--rounds", "rounds", 1),
                       ("--retries", "retries", 0), ("--steps", "steps", 1),
                       ("--scenarios", "scenarios", False), ("--scenario", "scenario", None))
@@ -57,7 +59,7 @@ def round_medians(row: dict) -> list:
 def record_workloads(record: dict) -> dict:
     """``{name: Workload}`` for the rows of ``record``, rebuilt as it was measured (module
     doc); a name that cannot be rebuilt is a ValueError naming it."""
-    from .bench_predict_workloads import WORKLOADS, build_workload
+    from .bench_predict_workloads import build_workload
     from .bench_predict_scenarios import SCENARIO_DIR, emulated_scenarios, scenario_workloads
     names = [row["name"] for row in record["workloads"]]
     if any("/" in name for name in names):
@@ -136,10 +138,8 @@ def reprice_command(args) -> int:
     log-sd of the ratios both ways and the point that moved most."""
     from .bench_predict_print import _print_drift, _print_header, _print_row, _write_record
     from .bench_predict_scenarios import GOAL
-    from .bench_predict_workloads import WORKLOADS
-    defaults = {"workloads": list(WORKLOADS)}
     given = [option for option, attr, default in _MEASURING_OPTIONS
-             if getattr(args, attr) != defaults.get(attr, default)]
+             if getattr(args, attr) != default]
     if given:
         raise ValueError(f"bench predict: --reprice takes the calibrations, workloads, rounds "
                          f"and steps of its record and measures nothing; drop {given[0]}")

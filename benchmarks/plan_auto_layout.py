@@ -1,7 +1,7 @@
 """Benchmark: does the layout ``auto`` ranks first on ``localhost`` run (nearly) fastest?
 
 For each case (an op, its shapes, a mesh), every candidate layout that
-:mod:`tensor_parallel.auto_layout` ranks is also **measured** on the emulator (a
+:mod:`vcluster.planner.auto_layout` ranks is also **measured** on the emulator (a
 :class:`~vcluster.VirtualCluster` of the mesh's size; the devices start together and the
 wall time is the slowest device's, as ``vcluster bench predict`` measures). The
 candidates are measured in ``--reps`` interleaved rounds after a warm-up round, so that
@@ -45,7 +45,7 @@ def _workloads(kind, mesh, shapes, ranking):
     """One bench_predict Workload per ranked candidate (real replicated inputs)."""
     from sharding import TensorSharding as TS, plan_redistribute
     from tensor_parallel import MatMul
-    from tensor_parallel.auto_layout import _ffn_program, _matmul_program
+    from vcluster.planner.auto_layout import _ffn_program, _matmul_program
     from tensor_parallel.ffn import FeedForward
     from tensor_parallel.ffn_sharding import FeedForwardSharding
     from vcluster.cli.bench_predict_workloads import Workload, metas
@@ -78,7 +78,7 @@ def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:
     """Wall times of every workload (bench_predict's synchronised start), measured in
     ``reps`` interleaved rounds after a warm-up round, so that a burst of load from the
     machine's other processes hits every candidate alike."""
-    from vcluster.timing.localhost_start import run_wall_s, timed_run
+    from vcluster.localhost.start import run_wall_s, timed_run
     per_rank = [[(wl.program,) + tuple(a) for a in wl.args] for wl in workloads]
     for args in per_rank:
         cluster.run(timed_run, args)
@@ -93,7 +93,7 @@ def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:
 def run_case(name, kind, mesh_spec, shapes, spec, reps: int) -> dict:
     from mesh import Mesh
     from scipy.stats import spearmanr
-    from tensor_parallel.auto_layout import rank_ffn_layouts, rank_matmul_layouts
+    from vcluster.planner.auto_layout import rank_ffn_layouts, rank_matmul_layouts
     from vcluster import VirtualCluster
     mesh = Mesh(*mesh_spec)
     if kind == "matmul":
@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--save-spec", help="write the calibrated spec here")
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args(argv)
-    from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
-    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    from vcluster.localhost.cost_model import load_localhost_spec, save_localhost_spec
+    from vcluster.localhost.calibrate import calibrate_localhost
     t0 = time.perf_counter()
     spec = load_localhost_spec(args.spec) if args.spec else calibrate_localhost(4)
     if args.save_spec:

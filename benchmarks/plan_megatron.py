@@ -1,7 +1,7 @@
 """The planner against every row of Megatron-LM SC'21 Table 1 (A100-80GB DGX).
 
 For each model: plan it on its GPU count and global batch, and compare with the
-published configuration (see :mod:`pipeline_parallel.gpt_plan_validation`). Acceptance:
+published configuration (see :mod:`vcluster.planner.search_validation`). Acceptance:
 the best plan is no slower than the published configuration, and the published TP/PP
 split ranks in the top 5 or within 5% of the best. Run from the repository root:
 
@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     parser.add_argument("models", nargs="*", help="rows to run (default: all)")
     parser.add_argument("--json", help="write the records as JSON")
     args = parser.parse_args(argv)
-    from pipeline_parallel.gpt_plan_validation import plan_against_published, published_rows
+    from vcluster.planner.search_validation import plan_against_published, published_rows
     records, ok = [], True
     print(f"{'model':<6}{'GPUs':>6}{'TPxPP':>7}{'plan s':>8}{'cands':>7}  {'best vs pub':>11}"
           f"{'split rank':>11}{'cand rank':>10}{'split vs best':>14}")

@@ -7,7 +7,7 @@ blocking call (or its end): array work, Python, and the non-blocking sends in be
 Each stretch is **measured** as the thread CPU (``time.thread_time``) between those
 edges, on real devices, the median over ``--runs`` runs after a warm-up (the program is
 handed a thin proxy of its device context that notes the edges), and **priced** from the
-host-timed trace the model replays (:func:`~vcluster.timing.localhost.localhost_traces`):
+host-timed trace the model replays (:func:`~vcluster.localhost.cost_model.localhost_traces`):
 the ops between the same calls at their warm price (compute, host work, the sender's
 side of each send), and apart from it the model's cold extra (``cold stretch``). The
 stretches are summed by what starts them: the start, a receive, a collective.
@@ -84,7 +84,7 @@ def measured_stretches(cluster, program, args_by_rank, runs: int) -> list:
 def priced_stretches(model, traces) -> list:
     """Per rank, per stretch: ``(kind that starts it, warm price, cold extra)``."""
     from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend
-    from vcluster.timing.localhost_start import COLD_CALL, COLD_STRETCH, FIRST_CALL, RUN_START
+    from vcluster.localhost.start import COLD_CALL, COLD_STRETCH, FIRST_CALL, RUN_START
     extras = {COLD_CALL, FIRST_CALL, RUN_START}
     out = []
     for t in traces:
@@ -123,8 +123,8 @@ def compare(priced: list, measured: list) -> dict:
 def main(argv=None) -> int:
     from vcluster import VirtualCluster
     from vcluster.cli.bench_predict_scenarios import scenario_workloads
-    from vcluster.timing.localhost import load_localhost_spec, localhost_model, localhost_traces
-    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    from vcluster.localhost.cost_model import load_localhost_spec, localhost_model, localhost_traces
+    from vcluster.localhost.calibrate import calibrate_localhost
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("points", nargs="+", help="scenario points, e.g. quickstart/0")
     p.add_argument("--runs", type=int, default=15, help="timed runs per point (15)")

@@ -12,6 +12,3 @@ from .gpt import (GPT, GPTConfig, GPTFitResult, ParallelConfig, forward_program,
 
 __all__ += ["GPT", "GPTConfig", "GPTFitResult", "ParallelConfig", "forward_program",
             "megatron_model_flops", "megatron_flops_with_recompute"]
-from .gpt_plan import plan_gpt
-
-__all__ += ["plan_gpt"]

@@ -62,7 +62,7 @@ class TrainJob:
     first_step: int = 0                # global number of this job's first step (resumed runs)
     optimizer_state: tuple | None = None   # (t, slots): slots[k] global (W, b) per layer
     return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
-    crash_at: tuple = ()               # (rank, global step): injected crashes (vcluster.faults)
+    crash_at: tuple = ()               # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
 
     @property
@@ -191,7 +191,7 @@ def train_program(dev, job: TrainJob, X, Y):
     all_X, all_Y = X, Y
     for step in range(job.steps):
         if job.first_step + step in crash_steps:
-            from vcluster.faults import crash_this_device
+            from vcluster.runtime.faults import crash_this_device
             crash_this_device()
         if job.per_step_data:              # sampled mini-batches: this step's rows
             X = None if all_X is None else all_X[step]

@@ -144,7 +144,7 @@ class MLP:
         """Train on ``cluster`` following ``schedule``; see the module docstring.
 
         ``checkpoint_every`` steps a checkpoint goes to ``checkpoint_dir``; ``faults``
-        (:mod:`vcluster.faults` specs or their dicts) are injected; a lost device is
+        (:mod:`vcluster.runtime.faults` specs or their dicts) are injected; a lost device is
         handled by ``recovery`` ("restart" or "fail"); ``resume_from`` (a checkpoint or a
         directory of them) continues a run. See :mod:`pipeline_parallel.resilient`.
         ``batch_size``: train on mini-batches of that many samples, drawn in shuffled

@@ -7,7 +7,7 @@ each, which starts from the state the host hands in: parameters, optimizer slots
 step count, global step number). After each segment the host assembles the full
 training state and writes a checkpoint (:mod:`pipeline_parallel.checkpoint`).
 
-Faults (:mod:`vcluster.faults`): a :class:`~vcluster.faults.CrashFault` kills its device
+Faults (:mod:`vcluster.runtime.faults`): a :class:`~vcluster.runtime.faults.CrashFault` kills its device
 process at the start of its step, once; slow devices and links are injected into the
 cluster for the duration of the fit.
 
@@ -117,7 +117,7 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
     Returns the :class:`~pipeline_parallel.mlp.FitResult` of the whole run, with
     ``recoveries`` and ``checkpoints`` filled in.
     """
-    from vcluster.faults import CrashFault, parse_faults
+    from vcluster.runtime.faults import CrashFault, parse_faults
     every = _check_policy(checkpoint_every, checkpoint_dir, recovery)
     faults = parse_faults(faults, "faults", cluster.mesh.size)
     crashes = {(f.rank, f.at_step) for f in faults if isinstance(f, CrashFault)}

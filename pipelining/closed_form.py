@@ -26,7 +26,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from .generators import SCHEDULE_NAMES, _count
-from .timing import _cost
+from .ideal_timing import _cost
 
 __all__ = ["bubble_time_closed_form", "bubble_fraction_closed_form",
            "relative_bubble_closed_form"]

@@ -1,6 +1,6 @@
 """Steps x ranks grid of a schedule, as text or as an HTML table.
 
-Timing is the unit-cost run of :func:`pipelining.timing.unit_timelines`:
+Timing is the unit-cost run of :func:`pipelining.ideal_timing.unit_timelines`:
 every action takes one step and starts as soon as its rank is free and its
 dependencies are done, so pipeline bubbles show as empty cells.  Row ``t``
 shows, for each rank, the action running during step ``t``.
@@ -12,7 +12,7 @@ import html
 
 from .actions import Action, ActionKind
 from .schedule import Schedule
-from .timing import unit_timelines
+from .ideal_timing import unit_timelines
 
 __all__ = ["grid_cells", "format_grid", "format_grid_html"]
 

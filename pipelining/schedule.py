@@ -8,7 +8,7 @@ chunks ``0 .. v-1``).  With ``v = 1`` stage ``s`` is rank ``s`` (GPipe, 1F1B,
 ZB-H1).  This is Megatron-LM's interleaved layout (Narayanan et al., SC21).
 
 A :class:`Schedule` is plain data; :mod:`pipelining.validate` checks it,
-:mod:`pipelining.timing` times it and ``str(schedule)`` prints its step grid.
+:mod:`pipelining.ideal_timing` times it and ``str(schedule)`` prints its step grid.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``goodput.png``: goodput of a long run against the checkpoint interval, per MTBF.
 
-Input: the table of :func:`vcluster.faults.impact.goodput_table` (columns ``mtbf_s,
+Input: the table of :func:`vcluster.timing.faults.impact.goodput_table` (columns ``mtbf_s,
 interval_s, goodput_expected, goodput_simulated, daly_interval_s``). One line per MTBF
 for the closed form, markers for the SimPy Monte Carlo, a dotted vertical line at Daly's
 optimum interval. Matplotlib's Agg canvas (no pyplot, no global figure state).

@@ -1,7 +1,7 @@
 """``plan_png``: the planner's candidates as step time against peak memory per device.
 
 One point per candidate that fits (the DataFrame of
-:func:`pipeline_parallel.gpt_plan.plan_gpt`), coloured by schedule; replayed candidates
+:func:`vcluster.planner.search.plan_gpt`), coloured by schedule; replayed candidates
 are drawn as filled circles with a black edge, screened ones as small crosses; the best
 is annotated with its split. The device memory, when given, is a vertical line.
 """

@@ -19,7 +19,7 @@ otherwise. ``source`` is ``"measured"`` (the emulator's wall clock) or ``"predic
 * ``sweep`` — one row per sweep point: the varied key paths as columns plus the point's
   headline figures; ``None`` when the scenario has no sweep.
 * ``goodput`` — with ``checkpoint.mtbf_s`` (docs/faults.md): one row per (MTBF,
-  checkpoint interval), the columns of :func:`vcluster.faults.impact.goodput_table`;
+  checkpoint interval), the columns of :func:`vcluster.timing.faults.impact.goodput_table`;
   ``None`` otherwise.
 * ``spans`` — one row per timeline interval: ``source, rank, stream`` (``compute`` |
   ``comm`` | ``p2p`` | ``wait``), ``name`` (op or collective name; pipeline actions as

@@ -184,15 +184,6 @@ class FeedForwardSharding:
         object.__setattr__(self, "tp", _shorthand(tp))
         object.__setattr__(self, "dp", _shorthand(dp))
 
-    @classmethod
-    def auto(cls, mesh, x_shape, d_ff: int, *, hardware, **kwargs):
-        """(the fastest FeedForwardSharding, the ranking DataFrame) of every policy and
-        assignment of the mesh axes to tp and dp, by the timing model's replay on
-        ``hardware`` (see :mod:`tensor_parallel.auto_layout`; ``kwargs``: dtype, x_from,
-        backward)."""
-        from .auto_layout import auto_ffn
-        return auto_ffn(mesh, x_shape, d_ff, hardware, **kwargs)
-
     # --- axes -----------------------------------------------------------------------
     @property
     def tp_axes(self) -> tuple[str, ...]:

@@ -157,15 +157,6 @@ class MatMulSharding:
             except ValueError as exc:
                 raise ValueError(f"MatMulSharding {name} = {s} for shape {shape}: {exc}") from None
 
-    @classmethod
-    def auto(cls, mesh, a_shape, b_shape, *, hardware, **kwargs):
-        """(the fastest MatMulSharding, the ranking DataFrame) of every layout of A and B
-        on ``mesh``, redistribution of the inputs included, by the timing model's replay
-        on ``hardware`` (see :mod:`tensor_parallel.auto_layout`; ``kwargs``: dtype,
-        a_from, b_from, c)."""
-        from .auto_layout import auto_matmul
-        return auto_matmul(mesh, a_shape, b_shape, hardware, **kwargs)
-
     def plan(self, mesh, a_shape, b_shape, itemsize: int = 8) -> MatMulPlan:
         """The cheapest valid compute layouts and their redistributions.
 

@@ -14,7 +14,7 @@ import pytest
 from test_localhost import spec
 
 from vcluster.runtime.tracing.ops import TraceCollective
-from vcluster.timing.localhost import LocalhostSpec, save_localhost_spec
+from vcluster.localhost.cost_model import LocalhostSpec, save_localhost_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -196,7 +196,7 @@ def test_timed_runs_report_the_devices_cpu_in_the_program():
     sleeping 30 ms reports almost none; and the span is the one ``timed_run`` gives."""
     from mesh import Mesh
     from vcluster import VirtualCluster
-    from vcluster.timing.localhost_start import timed_run_cpu
+    from vcluster.localhost.start import timed_run_cpu
     with VirtualCluster(Mesh((2,), ("x",))) as cluster:
         spun = cluster.run(timed_run_cpu, [(_spin, 0.03)] * 2)
         napped = cluster.run(timed_run_cpu, [(_nap, 0.03)] * 2)

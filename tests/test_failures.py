@@ -19,7 +19,7 @@ from mesh import Mesh
 from vcluster import (ClusterBrokenError, CollectiveTimeout, DeviceLostError,
                       DeviceProgramError, VirtualCluster)
 from interruptible import popen_interruptible
-from vcluster.runtime.shm import list_segments
+from vcluster.runtime.segments import list_segments
 
 pytestmark = pytest.mark.timeout(120)
 

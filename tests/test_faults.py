@@ -8,7 +8,7 @@ import pytest
 
 from mesh import Mesh
 from vcluster import VirtualCluster
-from vcluster.faults import (CrashFault, DeviceDelays, LinkFault, SlowFault, delays_for,
+from vcluster.runtime.faults import (CrashFault, DeviceDelays, LinkFault, SlowFault, delays_for,
                              parse_faults)
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from pipelining import make_schedule
-from vcluster.faults.goodput import (FailureModel, daly_interval_s, expected_goodput,
+from vcluster.timing.faults.goodput import (FailureModel, daly_interval_s, expected_goodput,
                                      expected_segment_s, segment_cv, simulate_goodput,
                                      young_interval_s)
-from vcluster.faults.impact import (MAX_FAILURES_PER_POINT, goodput_table,
+from vcluster.timing.faults.impact import (MAX_FAILURES_PER_POINT, goodput_table,
                                     simulate_with_faults, straggler_table)
-from vcluster.faults.links import DegradedLinks
+from vcluster.timing.faults.links import DegradedLinks
 from vcluster.runtime.tracing.ops import TraceCollective
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import traces_from_schedule
 
 
@@ -172,8 +172,8 @@ def test_gpt_goodput_on_simulated_hardware():
     from the per-device state bytes, the job MTBF from the device MTBF and GPU count,
     plugged into the closed form (checked by hand here) and the Monte Carlo."""
     from pipeline_parallel import GPTConfig, ParallelConfig
-    from pipeline_parallel.gpt_goodput import gpt_goodput
-    from pipeline_parallel.gpt_simulation import simulate_gpt
+    from vcluster.planner.goodput import gpt_goodput
+    from vcluster.planner.simulation import simulate_gpt
     cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=1024, vocab=32000)
     par = ParallelConfig(global_batch=64, micro_batch=1, dp=4, pp=2, tp=4)
     table = gpt_goodput(cfg, par, "a100-80gb-dgx", device_mtbf_h=[1000, 10000],

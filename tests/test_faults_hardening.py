@@ -16,7 +16,7 @@ from mesh import Mesh
 from pipeline_parallel import MLP
 from pipeline_parallel.checkpoint import list_checkpoints, load_checkpoint, params_sha256
 from vcluster import VirtualCluster
-from vcluster.runtime.shm import list_segments
+from vcluster.runtime.segments import list_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES, BATCH, STEPS = [8, 32, 32, 32, 4], 32, 120   # ~60 ms a step: a run of ~7 s

@@ -14,7 +14,7 @@ from pipeline_parallel import MLP
 from pipeline_parallel.checkpoint import CheckpointError, params_sha256
 from pipeline_parallel.resilient import TrainingInterrupted
 from vcluster import VirtualCluster
-from vcluster.faults import CrashFault, SlowFault
+from vcluster.runtime.faults import CrashFault, SlowFault
 
 pytestmark = pytest.mark.timeout(240)
 

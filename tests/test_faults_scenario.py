@@ -13,7 +13,7 @@ import time
 import pytest
 
 from interruptible import popen_interruptible
-from vcluster.runtime.shm import list_segments
+from vcluster.runtime.segments import list_segments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULTS = os.path.join(ROOT, "scenarios", "faults.yaml")

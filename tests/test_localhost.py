@@ -16,11 +16,11 @@ import pytest
 from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
                                           TraceSend)
 from vcluster.runtime.traffic import collective_traffic
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.localhost import (LocalhostCostModel, LocalhostSpec, load_localhost_spec,
+from vcluster.localhost.cost_model import (LocalhostCostModel, LocalhostSpec, load_localhost_spec,
                                        save_localhost_spec)
-from vcluster.timing.localhost_pool import CorePoolSpec
+from vcluster.timing.core_pool import CorePoolSpec
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -296,9 +296,9 @@ def test_spec_without_busy_cpu_fields_still_loads():
 
 # --- calibration ------------------------------------------------------------------------
 def test_calibration_measures_positive_finite_figures():
-    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    from vcluster.localhost.calibrate import calibrate_localhost
     s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))
-    from vcluster.timing.localhost_calls import CALLS
+    from vcluster.localhost.calls import CALLS
     assert {(d, call, g) for d, call, g, _ in s.call_cpu_s} == {(2, c, 2) for c in CALLS}
     assert all(0 < sec < 0.1 for *_, sec in s.call_cpu_s)
     for name, value in s.to_dict().items():
@@ -308,16 +308,16 @@ def test_calibration_measures_positive_finite_figures():
             for x in (v if isinstance(v, list) else [v]):
                 assert 0 < x < math.inf, (name, value)
     assert s.group_sizes == (2,) and s.calibration_devices == 2
-    from vcluster.timing.host_cores import usable_cores
+    from vcluster.localhost.cores import usable_cores
     assert s.cores == usable_cores()
     for name in ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"):
         assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name
     assert 0 < s.p2p_message_cpu_s < 0.1 and 0 < s.compute_overhead_s < 0.01
     assert 1e8 < s.p2p_busy_copy_bytes_per_s < 1e12
-    from vcluster.timing.localhost_messages import SIDE_BYTES
+    from vcluster.localhost.messages import SIDE_BYTES
     assert tuple(b for b, _ in s.message_side_cpu_s) == SIDE_BYTES
     assert all(0 < t <= min(k, s.cores) for k, t in s.pool_throughput)
-    from vcluster.timing.localhost_start import current_core
+    from vcluster.localhost.start import current_core
     assert (s.start_split is None) == (current_core() is None)
     assert all(d == 2 and sum(split) == 2 for d, split, _ in s.start_split or ())
     with pytest.raises(ValueError, match="devices"):
@@ -331,7 +331,7 @@ def test_calibration_pinned_to_one_cpu_prices_one_core():
     says 1 core, not the machine's count, and every start finds its devices on it."""
     cpu = min(os.sched_getaffinity(0))
     code = (f"import os, sys; sys.path.insert(0, {ROOT!r}); os.sched_setaffinity(0, {{{cpu}}})\n"
-            "from vcluster.timing.localhost_calibrate import calibrate_localhost\n"
+            "from vcluster.localhost.calibrate import calibrate_localhost\n"
             "s = calibrate_localhost(devices=2, message_bytes=(16 << 10, 64 << 10, 256 << 10))\n"
             "print(s.cores, max(t for _, t in s.pool_throughput), "
             "sorted({len(split) for _, split, _ in s.start_split or ()}))")

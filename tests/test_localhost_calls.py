@@ -1,4 +1,4 @@
-"""Per-call CPU of communication on ``localhost`` (vcluster.timing.localhost_calls): the
+"""Per-call CPU of communication on ``localhost`` (vcluster.localhost.calls): the
 lookup table interpolates as documented, and the cost model prices calls from it — the
 measured CPU at CALL_BYTES less the bytes it moved there, plus the bytes of the call."""
 
@@ -14,8 +14,8 @@ from test_localhost import BUSY, spec
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
-from vcluster.timing.localhost import LocalhostCostModel
-from vcluster.timing.localhost_calls import CALL_BYTES, CALLS, CallCpu, cluster_sizes
+from vcluster.localhost.cost_model import LocalhostCostModel
+from vcluster.localhost.calls import CALL_BYTES, CALLS, CallCpu, cluster_sizes
 
 US = 1e-6
 # back-to-back figures half the program ones of _rows() on 8 devices (groups 2, 4, 8)
@@ -147,7 +147,7 @@ def test_prepare_traces_adds_the_start_and_the_cold_calls():
     CALL_BYTES; before every collective that follows other work its cold extra, none
     before one that follows another call on its group."""
     from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
-    from vcluster.timing.localhost_start import COLD_CALL, FIRST_CALL, RUN_START
+    from vcluster.localhost.start import COLD_CALL, FIRST_CALL, RUN_START
     s = spec(call_cpu_s=_rows(), start_s=((4, 200 * US, 1.5), (8, 600 * US, 2.0)),
              **HALF_B2B)
     model = LocalhostCostModel(s, 8, "float32")
@@ -209,8 +209,8 @@ def test_measure_start_on_real_clusters():
     wall time and a first-call factor >= 1 (no timing bounds: a noisy machine), and the
     split of the devices over the cores counted in every timed run (Linux)."""
     import os
-    from vcluster.timing.localhost_pool import CorePoolSpec
-    from vcluster.timing.localhost_start import START_REPS, current_core, measure_start
+    from vcluster.timing.core_pool import CorePoolSpec
+    from vcluster.localhost.start import START_REPS, current_core, measure_start
     cores = os.cpu_count()
     (row,), splits = measure_start((2,), lambda d: 100 * US, CorePoolSpec(cores))
     d, w0, f = row
@@ -230,7 +230,7 @@ def _stamp(dev, task: int):
 def test_round_robin_runs_every_task_in_turns_on_a_real_cluster():
     from mesh import Mesh
     from vcluster import VirtualCluster
-    from vcluster.timing.localhost_calls import round_robin
+    from vcluster.localhost.calls import round_robin
     with VirtualCluster(Mesh((2,), ("x",))) as cluster:
         samples = round_robin(cluster, [(_stamp, [(t,)] * 2) for t in range(3)], runs=4)
     assert [[t for t, _ in got] for got in samples] == [[t] * 4 for t in range(3)]
@@ -241,7 +241,7 @@ def test_round_robin_runs_every_task_in_turns_on_a_real_cluster():
 def test_measure_call_cpu_on_a_real_cluster():
     from mesh import Mesh
     from vcluster import VirtualCluster
-    from vcluster.timing.localhost_calls import measure_call_cpu
+    from vcluster.localhost.calls import measure_call_cpu
     with VirtualCluster(Mesh((2, 2), ("a0", "a1"))) as cluster:
         rows = measure_call_cpu(cluster, (2, 2), ("a0", "a1"), cores=2)
     keys = [(d, c, g) for d, c, g, _ in rows]

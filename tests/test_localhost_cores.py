@@ -1,4 +1,4 @@
-"""Per-core run queues of the ``localhost`` replay (vcluster/timing/localhost_cores.py):
+"""Per-core run queues of the ``localhost`` replay (vcluster/timing/core_queues.py):
 closed-form replays on ideal cores, the placements drawn from counted start splits, the
 weighted median over placements, and the spec's counted splits (a real calibration counts
 them: tests/test_localhost_calls.py)."""
@@ -13,10 +13,10 @@ from test_localhost_calls import _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, \
     TraceSend
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.localhost_cores import BALANCE_S, start_placements
-from vcluster.timing.localhost_pool import CorePoolSpec
+from vcluster.timing.core_queues import BALANCE_S, start_placements
+from vcluster.timing.core_pool import CorePoolSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +83,7 @@ def test_mobile_work_fills_the_idle_core():
 def test_communication_alone_equals_the_pool(placement):
     """Collective shares are mobile: with nothing pinned, any placement replays as the
     pool does, on a measured throughput too."""
-    from vcluster.timing.localhost import LocalhostCostModel
+    from vcluster.localhost.cost_model import LocalhostCostModel
     model = LocalhostCostModel(spec(), 4, "float32")
     ar = TraceCollective("all_reduce", (0, 1, 2, 3), 1 << 20, 4, "shm")
     ag = TraceCollective("all_gather", (0, 1, 2, 3), 1 << 18, 4, "ring")
@@ -152,9 +152,9 @@ def test_placement_validation():
 
 # --- the spec and a real calibration ----------------------------------------------------------------
 def test_spec_start_split_rows_and_the_models_placements(tmp_path):
-    from vcluster.timing.localhost import LocalhostCostModel, load_localhost_spec, \
+    from vcluster.localhost.cost_model import LocalhostCostModel, load_localhost_spec, \
         save_localhost_spec
-    from vcluster.timing.localhost_start import MOBILE_OPS
+    from vcluster.localhost.start import MOBILE_OPS
     s = spec(start_split=((8, (5, 3), 4), (8, (4, 4), 6)))
     assert s.start_split == ((8, (4, 4), 6), (8, (5, 3), 4))
     for suffix in (".json", ".yaml"):
@@ -173,7 +173,7 @@ def test_spec_start_split_rows_and_the_models_placements(tmp_path):
 
 
 def test_core_split_counts_devices_per_core():
-    from vcluster.timing.localhost_start import core_split
+    from vcluster.localhost.start import core_split
     assert core_split([3, 1, 1, 3, 1], 2) == (3, 2)
     assert core_split([0, 0], 2) == (2, 0)
     assert core_split([0, 1, 2], 2) is None              # more cores than the spec's
@@ -185,7 +185,7 @@ def test_first_call_factor_on_per_core_queues():
     call of c: the three share their core, so the call starts at 3 (f - 1) c and ends 2 c
     later; one pool ends at 2 (f - 1) c + 2 c. A measured 0.4 ms with c = 0.1 ms gives f = 2
     on one pool and 1 + 2/3 on the queues; the replay at the solved f ends at the wall."""
-    from vcluster.timing.localhost_start import RUN_START, first_call_factor
+    from vcluster.localhost.start import RUN_START, first_call_factor
     c, w1 = 0.1 * MS, 0.4 * MS
     assert first_call_factor(0.0, w1, 4, c, CorePoolSpec(2)) == pytest.approx(2.0)
     queues = placed(0, 1, 1, 1, mobile={RUN_START})
@@ -200,9 +200,9 @@ def test_a_queue_model_solves_its_first_call_factor_from_the_same_walls():
     """The spec's f is one pool's; on per-core queues the model turns it back into the
     measured one-call wall W1 = W0 + (D c / T) f and solves again: its own f is no larger,
     and its replay of the one-call program ends at W1."""
-    from vcluster.timing.localhost import LocalhostCostModel
-    from vcluster.timing.localhost_calls import CallCpu
-    from vcluster.timing.localhost_start import first_call_factor
+    from vcluster.localhost.cost_model import LocalhostCostModel
+    from vcluster.localhost.calls import CallCpu
+    from vcluster.localhost.start import first_call_factor
     s = spec(call_cpu_s=_rows(), start_s=((4, 200e-6, 1.5), (8, 600e-6, 2.0)),
              start_split=((8, (4, 4), 5), (8, (5, 3), 4), (8, (6, 2), 1)))
     one = LocalhostCostModel(s, 8, "float32")

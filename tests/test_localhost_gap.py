@@ -1,4 +1,4 @@
-"""A call's CPU after longer stretches of work (vcluster.timing.localhost_gap): the lookup
+"""A call's CPU after longer stretches of work (vcluster.localhost.gaps): the lookup
 interpolates as documented, the spec keeps and validates its rows, the model charges
 ``(g(w) - 1)`` times the call's program figure for the work ``w`` its rank did since its
 previous communication, and a real measurement gives a row per gap, group and size. The
@@ -13,11 +13,11 @@ from test_localhost import spec
 from test_localhost_calls import HALF_B2B, _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
-from vcluster.timing.localhost import LocalhostCostModel
-from vcluster.timing.localhost_calls import GAP_REFERENCE_CALLS
-from vcluster.timing.localhost_gap import GAP_PASSES, CallGap, ColdStretch, measure_gap_cpu
-from vcluster.timing.localhost_host import REFERENCE_CALLS, TracerRates
-from vcluster.timing.localhost_start import COLD_CALL, COLD_STRETCH
+from vcluster.localhost.cost_model import LocalhostCostModel
+from vcluster.localhost.calls import GAP_REFERENCE_CALLS
+from vcluster.localhost.gaps import GAP_PASSES, CallGap, ColdStretch, measure_gap_cpu
+from vcluster.localhost.host_work import REFERENCE_CALLS, TracerRates
+from vcluster.localhost.start import COLD_CALL, COLD_STRETCH
 
 pytestmark = pytest.mark.timeout(120)
 

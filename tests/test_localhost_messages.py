@@ -1,4 +1,4 @@
-"""One message side inside a message algorithm (vcluster.timing.localhost_messages): the
+"""One message side inside a message algorithm (vcluster.localhost.messages): the
 lookup interpolates as documented, the spec keeps and validates its rows (older specs
 load without them and keep the ping-pong pricing), the model prices a ring call's sides
 from the rows and a reducing algorithm's working copy as a local copy, and a real
@@ -18,9 +18,9 @@ from vcluster.runtime.cluster import VirtualCluster
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
-from vcluster.timing.localhost import LocalhostCostModel
-from vcluster.timing.localhost_bytes import message_work, p2p_copy_s_per_byte
-from vcluster.timing.localhost_messages import (SIDE_BYTES, MessageSides, measure_message_sides,
+from vcluster.localhost.cost_model import LocalhostCostModel
+from vcluster.localhost.bytes import message_work, p2p_copy_s_per_byte
+from vcluster.localhost.messages import (SIDE_BYTES, MessageSides, measure_message_sides,
                                                working_copy_bytes)
 
 pytestmark = pytest.mark.timeout(120)

@@ -175,7 +175,7 @@ def test_pytest_plugin_fixture_in_a_real_pytest_run(tmp_path):
 def test_check_dirs_requires_the_goldens_inputs(tmp_path):
     """An actual run that started from other inputs is a mismatch even when its outputs
     happen to agree (``oracle check`` compares input hashes too)."""
-    from vcluster.oracle.scenario_export import check_dirs
+    from vcluster.scenario.oracle_export import check_dirs
     golden, results = _golden()
     save_golden(golden, tmp_path / "gold")
     assert check_dirs(tmp_path / "gold", tmp_path / "gold")[0][2].ok

@@ -124,14 +124,14 @@ def test_run_engine_torch_and_mlp_golden(tmp_path):
 
 
 def test_torchrun_launch_matches_the_golden(tmp_path):
-    """``torchrun ... -m vcluster.torchdist.run FILE --out DIR`` (the multi-node entry,
+    """``torchrun ... -m vcluster.cli.torchrun FILE --out DIR`` (the multi-node entry,
     here one node with 4 processes) writes results that ``oracle check`` accepts; a
     world size that does not fit the mesh is refused, naming both."""
     pytest.importorskip("torch")
     scenario = FFN.split("sweep:")[0]
     (tmp_path / "ffn.yaml").write_text(scenario)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.run(torchrun + ["--nproc-per-node", "4", "-m", "vcluster.torchdist.run",
+    proc = subprocess.run(torchrun + ["--nproc-per-node", "4", "-m", "vcluster.cli.torchrun",
                                       "ffn.yaml", "--out", "tr", "--backend", "gloo"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -140,7 +140,7 @@ def test_torchrun_launch_matches_the_golden(tmp_path):
     assert vcluster("oracle", "export", "ffn.yaml", "--out", "gold", cwd=tmp_path).returncode == 0
     check = vcluster("oracle", "check", "gold", "--actual", "tr", cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
-    wrong = subprocess.run(torchrun + ["--nproc-per-node", "2", "-m", "vcluster.torchdist.run",
+    wrong = subprocess.run(torchrun + ["--nproc-per-node", "2", "-m", "vcluster.cli.torchrun",
                                        "ffn.yaml", "--out", "tr2"],
                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert wrong.returncode != 0 and "needs [4] devices" in wrong.stderr

@@ -12,16 +12,16 @@ from scipy.stats import spearmanr
 
 from pipeline_parallel.gpt import (GPTConfig, ParallelConfig, megatron_flops_with_recompute,
                                    megatron_model_flops)
-from pipeline_parallel.gpt_candidates import SearchSpace, divisors, enumerate_candidates
-from pipeline_parallel.gpt_layer_cost import trace_stage_pieces
-from pipeline_parallel.gpt_memory import gpt_memory
-from pipeline_parallel.gpt_plan import COLUMNS, plan_gpt
-from pipeline_parallel.gpt_screen import peak_memory_bytes, screen_estimate
-from pipeline_parallel.gpt_simulation import simulate_gpt
+from vcluster.planner.candidates import SearchSpace, divisors, enumerate_candidates
+from vcluster.planner.layer_cost import trace_stage_pieces
+from vcluster.planner.memory import gpt_memory
+from vcluster.planner.search import COLUMNS, plan_gpt
+from vcluster.planner.screen import peak_memory_bytes, screen_estimate
+from vcluster.planner.simulation import simulate_gpt
 from pipelining import make_schedule
 from vcluster.cli.main import main
 from vcluster.timing import load_hardware
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 
 pytestmark = pytest.mark.timeout(600)    # a replay worker that hangs fails the test
 
@@ -264,7 +264,7 @@ def test_cli_nothing_fits(capsys):
 
 # --- Megatron's published configurations -------------------------------------------------------
 def _check_published(row):
-    from pipeline_parallel.gpt_plan_validation import plan_against_published
+    from vcluster.planner.search_validation import plan_against_published
     r = plan_against_published(row, workers=2, progress=False)
     assert r["best_vs_published"] <= 0, r
     assert r["split_rank"] is not None and (r["split_rank"] <= 5 or r["split_vs_best"] <= 0.05), r
@@ -272,7 +272,7 @@ def _check_published(row):
 
 
 def test_megatron_smallest_published_configuration():
-    from pipeline_parallel.gpt_plan_validation import published_rows
+    from vcluster.planner.search_validation import published_rows
     (row,) = published_rows(["1.7B"])
     _check_published(row)
 
@@ -281,6 +281,6 @@ def test_megatron_smallest_published_configuration():
 @pytest.mark.parametrize("model", ["3.6B", "7.5B", "18B", "39B", "76B", "145B", "310B"])
 # (<= 1920 GPUs; the full table, to 3072: python benchmarks/plan_megatron.py, 2.5 min)
 def test_megatron_published_configurations(model):
-    from pipeline_parallel.gpt_plan_validation import published_rows
+    from vcluster.planner.search_validation import published_rows
     (row,) = published_rows([model])
     _check_published(row)

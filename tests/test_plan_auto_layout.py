@@ -11,10 +11,11 @@ import pytest
 from mesh import Mesh
 from sharding import TensorSharding as TS
 from tensor_parallel import MatMulSharding
-from tensor_parallel.auto_layout import auto_layout, layouts_2d, rank_ffn_layouts
+from vcluster.planner.auto_layout import (auto_ffn, auto_layout, auto_matmul, layouts_2d,
+                                          rank_ffn_layouts)
 from tensor_parallel.ffn_sharding import FeedForwardSharding
 from vcluster.timing import load_hardware
-from vcluster.timing.hardware_costs import TRAINING_KERNEL_EFFICIENCY
+from vcluster.timing.hardware_model import TRAINING_KERNEL_EFFICIENCY
 
 from test_localhost import spec as localhost_spec
 
@@ -43,7 +44,7 @@ def test_layouts_2d_are_every_even_split(mesh_spec, shape):
 def test_matmul_auto_ranks_every_layout_pair(mesh_spec):
     mesh = Mesh(*mesh_spec)
     a_shape, b_shape = (256, 128), (128, 512)
-    best, df = MatMulSharding.auto(mesh, a_shape, b_shape, hardware=A100)
+    best, df = auto_matmul(mesh, a_shape, b_shape, hardware=A100)
     n = len(layouts_2d(mesh, a_shape)) * len(layouts_2d(mesh, b_shape))
     assert len(df) == n and df["predicted_s"].is_monotonic_increasing
     assert best == df["sharding"][0] and all(s.c == TS(None, None) for s in df["sharding"])
@@ -61,7 +62,7 @@ def test_matmul_auto_picks_the_layout_that_needs_nothing(hardware):
     moves nothing and does 1/n of the FLOPs, so it must come first on any hardware."""
     mesh = Mesh((4,), ("tp",))
     rows = TS("tp", None)
-    best, df = MatMulSharding.auto(mesh, (1024, 512), (512, 256), hardware=hardware,
+    best, df = auto_matmul(mesh, (1024, 512), (512, 256), hardware=hardware,
                                    a_from=rows, c=rows)
     assert best == MatMulSharding(rows, TS(None, None), rows)
     assert df["bytes_per_device"][0] == 0
@@ -72,10 +73,10 @@ def test_a_localhost_ranking_measures_the_tracers_rates_once(monkeypatch):
     """Ranking layouts on a host-timed localhost model measures the tracer's rates once
     for all candidates (HOST_TRACES sets, plus the model's own), not before each (~1 s
     apiece: a 2 x 4 mesh has 81 candidates). The real measurement runs, counted."""
-    import vcluster.timing.localhost as localhost
-    import vcluster.timing.localhost_host as localhost_host
-    from vcluster.timing.localhost_host import HOST_TRACES
-    from tensor_parallel.auto_layout import rank_matmul_layouts
+    import vcluster.localhost.cost_model as localhost
+    import vcluster.localhost.host_work as localhost_host
+    from vcluster.localhost.host_work import HOST_TRACES
+    from vcluster.planner.auto_layout import rank_matmul_layouts
     from test_tracing_host import HOST_RATES
     calls, measure = [], localhost_host.measure_tracer_rates
 
@@ -94,7 +95,7 @@ def test_matmul_auto_splits_big_products_on_a_cluster():
     """A 8192^3 product on 8 A100s: compute dominates, so the best layout splits the FLOPs
     eightfold (whatever collective closes it)."""
     mesh = Mesh((2, 4), ("dp", "tp"))
-    best, df = MatMulSharding.auto(mesh, (8192, 8192), (8192, 8192), hardware=A100,
+    best, df = auto_matmul(mesh, (8192, 8192), (8192, 8192), hardware=A100,
                                    dtype="float16")
     assert df["flops_per_device"][0] == 2 * 8192 ** 3 // 8
     unsharded = df[df["policy"] == "Unsharded"]["predicted_s"].min()
@@ -103,7 +104,7 @@ def test_matmul_auto_splits_big_products_on_a_cluster():
 
 def test_ffn_auto_covers_every_policy_and_axis_assignment():
     mesh = Mesh((2, 2), ("dp", "tp"))
-    best, df = FeedForwardSharding.auto(mesh, (4, 64, 128), 512, hardware=A100, backward=True)
+    best, df = auto_ffn(mesh, (4, 64, 128), 512, hardware=A100, backward=True)
     # roles of 2 axes: 3^2; Unsharded where no axis is tp (4), Megatron and
     # SequenceParallel where one is (5 each), GSPMD where one is tp and one dp (2)
     assert len(df) == 16 and df["predicted_s"].is_monotonic_increasing
@@ -128,4 +129,4 @@ def test_auto_layout_entry_point():
     with pytest.raises(ValueError, match="op must be 'matmul' or 'ffn', got 'conv'"):
         auto_layout("conv", mesh, {}, A100)
     with pytest.raises(ValueError, match="cannot be multiplied"):
-        MatMulSharding.auto(mesh, (4, 5), (6, 4), hardware=A100)
+        auto_matmul(mesh, (4, 5), (6, 4), hardware=A100)

@@ -22,7 +22,7 @@ import reports
 from mesh import Mesh
 from vcluster.runtime.tracing import meta_like, trace_program
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 from vcluster.timing.presets import load_hardware
 
 CHROMIUM = "/usr/bin/chromium"

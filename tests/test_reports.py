@@ -22,9 +22,9 @@ from pipelining import make_schedule
 from reports import RunRecord, write_report
 from reports.results_json import RESULT_KEYS
 from vcluster.runtime.tracing import meta_like, trace_program
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace, traces_from_schedule
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 from vcluster.timing.presets import load_hardware
 
 N = 16                                      # rows of each rank's (N, N) float32 input

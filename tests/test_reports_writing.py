@@ -15,7 +15,7 @@ import reports.write
 from pipelining import make_schedule
 from reports import RunRecord, write_report
 
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace, traces_from_schedule
 
 from test_reports import _is_png, _record, _strict_json, emulated_run

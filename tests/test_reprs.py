@@ -19,7 +19,7 @@ from pipelining import make_schedule
 from reports import RunRecord
 from sharding import TensorSharding as TS
 from sharding import layout_html, shard_slices
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace, traces_from_schedule
 
 

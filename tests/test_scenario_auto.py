@@ -11,9 +11,10 @@ import pytest
 
 from mesh import Mesh
 from tensor_parallel import FeedForwardSharding, MatMulSharding
+from vcluster.planner import auto_ffn, auto_matmul
 from vcluster.scenario import build_workload, load_scenario, run_scenario
 from vcluster.timing import load_hardware
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +28,7 @@ def test_matmul_auto_scenario_runs_the_layout_auto_ranks_first(tmp_path):
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["passed"] and results["checks"]
-    best, ranking = MatMulSharding.auto(Mesh((2, 4), ("x", "y")), (1024, 1024), (1024, 1024),
+    best, ranking = auto_matmul(Mesh((2, 4), ("x", "y")), (1024, 1024), (1024, 1024),
                                         hardware="h100-dgx")
     assert len(ranking) == 81
     assert results["summary"]["workload"].startswith(str(best))
@@ -49,9 +50,9 @@ def test_ffn_auto_picks_the_top_ranked_policy_and_checks(tmp_path, hardware, mes
     workload = build_workload(scenario)
     m = Mesh(tuple(mesh.values()), tuple(mesh))
     fp32_peak = HardwareCostModel(load_hardware(hardware), "fp32")   # hardware.dtype default
-    best, ranking = FeedForwardSharding.auto(m, (4, 32, 64), 256, hardware=hardware,
+    best, ranking = auto_ffn(m, (4, 32, 64), 256, hardware=hardware,
                                              backward=True, dtype="float64",
-                                             cost_model=(fp32_peak, None))
+                                             cost_model=fp32_peak)
     assert workload.description.startswith(f"FeedForward {best.policy.name}")
     assert f"fastest of {len(ranking)} layouts on {hardware}" in workload.description
     record = run_scenario(scenario)

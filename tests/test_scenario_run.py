@@ -151,7 +151,7 @@ def test_run_scenario_record_and_independent_reference():
 def _localhost_spec_file(path: Path) -> Path:
     """A plausible 2-core calibration (tests/test_localhost.py's), saved at ``path``."""
     from test_localhost import spec
-    from vcluster.timing.localhost import save_localhost_spec
+    from vcluster.localhost.cost_model import save_localhost_spec
     save_localhost_spec(spec(), path)
     return path
 

@@ -11,11 +11,11 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_flops_with_recompute
-from pipeline_parallel.gpt_simulation import simulate_gpt
+from vcluster.planner.simulation import simulate_gpt
 from vcluster.runtime.tracing import trace_program
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ from pipeline_parallel import MLP
 from pipeline_parallel.executor import TrainJob, train_program
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.plan import plan_training
-from pipeline_parallel.stitch import cut_templates, stitch
+from vcluster.planner.stitch import cut_templates, stitch
 from vcluster.runtime.tracing import meta_like, trace_program
 
 pytestmark = pytest.mark.timeout(300)

@@ -64,7 +64,7 @@ def test_a_pipeline_is_priced_stretch_for_stretch(tmp_path):
     receive and one from the start on each rank, in the trace and in the runs alike."""
     from vcluster.cli.bench_predict_scenarios import scenario_workloads
     from vcluster.runtime.tracing.ops import TraceRecv
-    from vcluster.timing.localhost import localhost_model, localhost_traces
+    from vcluster.localhost.cost_model import localhost_model, localhost_traces
     path = tmp_path / "pipe.yaml"
     path.write_text("name: pipe\nworkload:\n  kind: mlp\n  sizes: [16, 32, 32, 32, 8]\n"
                     "  batch: 16\nparallel:\n  pp: 2\n  schedule: 1f1b\n  microbatches: 4\n"

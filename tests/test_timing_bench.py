@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
-from pipeline_parallel.gpt_simulation import simulate_gpt
+from vcluster.planner.simulation import simulate_gpt
 from test_scenario_run import _localhost_spec_file
 from vcluster.cli.bench_predict_scenarios import (SCENARIO_DIR, emulated_scenarios,
                                                   run_scenarios_predict)
@@ -46,7 +46,7 @@ def test_simulate_scale_cases_are_the_acceptance_configurations():
 def test_predict_scenarios_on_localhost(tmp_path):
     """Bundled scenarios (one with faults and checkpoints: its plain program) measured
     and predicted like the built-in workloads: one row per sweep point."""
-    from vcluster.timing.localhost import load_localhost_spec
+    from vcluster.localhost.cost_model import load_localhost_spec
     assert {p.stem for p in emulated_scenarios()} >= {"quickstart", "faults", "transformer"}
     spec = load_localhost_spec(_localhost_spec_file(tmp_path / "machine.json"))
     record = run_scenarios_predict(spec, reps=1, paths=[SCENARIO_DIR / "faults.yaml",
@@ -92,7 +92,7 @@ def test_predict_refuses_a_scenario_that_only_simulates_before_calibrating(monke
 
     def calibrate(*args):
         raise AssertionError("calibrated before checking the scenario")
-    monkeypatch.setattr("vcluster.timing.localhost_calibrate.calibrate_localhost", calibrate)
+    monkeypatch.setattr("vcluster.localhost.calibrate.calibrate_localhost", calibrate)
     path = SCENARIO_DIR / "transformer_simulate.yaml"
     with pytest.raises(ValueError, match=r"transformer_simulate\.yaml has run\.mode 'simulate'"):
         run_cli(add_parser, ["bench", "predict", "--scenario", str(path)])

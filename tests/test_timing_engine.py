@@ -16,7 +16,7 @@ from pipelining import make_schedule, simulate
 from vcluster.runtime.errors import CollectiveMismatch
 from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
                                           TraceSend, TraceWait)
-from vcluster.timing.costs import CostModel, SimpleCostModel, ZeroCostModel
+from vcluster.timing.cost_model import CostModel, SimpleCostModel, ZeroCostModel
 from vcluster.timing.engine import ReplayDeadlock, simulate_trace, traces_from_schedule
 from vcluster.timing.results import Stream
 

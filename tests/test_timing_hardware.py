@@ -310,7 +310,7 @@ def test_cli_calibrate_saves_what_it_prints_for_a_scenario(tmp_path, capsys):
     the figures of the file it writes, and a scenario reuses that file."""
     from vcluster.cli.localhost_spec_text import format_localhost_spec
     from vcluster.scenario import load_scenario, run_scenario
-    from vcluster.timing.localhost import load_localhost_spec
+    from vcluster.localhost.cost_model import load_localhost_spec
     path = tmp_path / "machine.yaml"
     assert _run(["hardware", "calibrate", "--devices", "2", "--out", str(path)]) == 0
     captured = capsys.readouterr()
@@ -344,7 +344,7 @@ def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys):
 def test_cli_show_prints_a_saved_calibration(tmp_path, capsys, suffix):
     from test_localhost import spec
     from vcluster.cli.localhost_spec_text import format_localhost_spec
-    from vcluster.timing.localhost import save_localhost_spec
+    from vcluster.localhost.cost_model import save_localhost_spec
     path = tmp_path / f"machine{suffix}"
     save_localhost_spec(spec(), path)
     assert _run(["hardware", "show", str(path)]) == 0
@@ -359,7 +359,7 @@ def test_localhost_is_not_a_hardware_description(tmp_path):
     """simulate and plan price presets and YAML descriptions; localhost (or a saved
     calibration) gets an error that says where it belongs, not 'unknown key cores'."""
     from test_localhost import spec
-    from vcluster.timing.localhost import save_localhost_spec
+    from vcluster.localhost import load_hardware, save_localhost_spec
     with pytest.raises(ValueError, match=r"'localhost' is this machine.*vcluster run"):
         load_hardware("localhost")
     path = tmp_path / "machine.json"

@@ -7,7 +7,7 @@ import pytest
 
 from test_localhost import spec
 from vcluster.runtime.tracing import MetaArray, TraceCompute, trace_program
-from vcluster.timing.localhost import BLAS_MIN_FLOPS_PER_ELEMENT, LocalhostCostModel
+from vcluster.localhost.cost_model import BLAS_MIN_FLOPS_PER_ELEMENT, LocalhostCostModel
 from mesh import Mesh
 from tensor_parallel.matmul import local_matmul
 

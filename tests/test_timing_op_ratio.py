@@ -11,15 +11,15 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
-from pipeline_parallel.gpt_simulation import (OP_KINDS, gpt_op_kind, gpt_step_traces,
+from vcluster.planner.simulation import (OP_KINDS, gpt_op_kind, gpt_step_traces,
                                               simulate_gpt)
 from vcluster.runtime.tracing import trace_program
 from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
                                           TraceSend, TraceWait)
 from vcluster.timing import load_hardware
-from vcluster.timing.costs import SimpleCostModel
+from vcluster.timing.cost_model import SimpleCostModel
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,10 +5,10 @@ replay and every figure are unchanged."""
 import pytest
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
-from pipeline_parallel.gpt_simulation import gpt_step_traces, simulate_gpt
+from vcluster.planner.simulation import gpt_step_traces, simulate_gpt
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
-from vcluster.timing.hardware_costs import HardwareCostModel
+from vcluster.timing.hardware_model import HardwareCostModel
 
 pytestmark = pytest.mark.timeout(600)
 COSTS = HardwareCostModel(load_hardware("a100-80gb-dgx"), "bf16")

@@ -14,8 +14,8 @@ import pytest
 from mesh import Mesh
 from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
 from vcluster.runtime.tracing.host import HOST_OP, HostClock
-from vcluster.timing.localhost import LocalhostCostModel, localhost_model
-from vcluster.timing.localhost_host import (REFERENCE_CALLS, TracerRates, host_work_s,
+from vcluster.localhost.cost_model import LocalhostCostModel, localhost_model
+from vcluster.localhost.host_work import (REFERENCE_CALLS, TracerRates, host_work_s,
                                             measure_tracer_rates, reference_calls)
 
 from test_localhost import spec
@@ -221,7 +221,7 @@ def _with_host_s(traces, values):
 
 
 def test_median_host_work_takes_each_segments_median_over_traces():
-    from vcluster.timing.localhost_host import median_host_work
+    from vcluster.localhost.host_work import median_host_work
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
     base = trace_program(mesh, _program, args, host_time=True)
@@ -241,7 +241,7 @@ def test_median_host_work_takes_each_segments_median_over_traces():
 
 def test_median_host_work_keeps_the_median_run_when_traces_differ():
     from vcluster.runtime.tracing import DeviceTrace
-    from vcluster.timing.localhost_host import median_host_work
+    from vcluster.localhost.host_work import median_host_work
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
     base = trace_program(mesh, _program, args, host_time=True)
@@ -263,7 +263,7 @@ def test_segments_time_their_array_calls():
 
 
 def test_median_host_work_prices_each_run_with_its_own_rates():
-    from vcluster.timing.localhost_host import median_host_work
+    from vcluster.localhost.host_work import median_host_work
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
     base = trace_program(mesh, _program, args, host_time=True)
@@ -284,7 +284,7 @@ def test_median_host_work_prices_each_run_with_its_own_rates():
 
 
 def test_localhost_traces_merges_host_timed_traces():
-    from vcluster.timing.localhost import localhost_traces
+    from vcluster.localhost.cost_model import localhost_traces
     model = localhost_model(spec(**HOST_RATES), 2)
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2
@@ -299,7 +299,7 @@ def test_localhost_traces_merges_host_timed_traces():
 def test_localhost_traces_prices_with_rates_measured_beforehand():
     """A ranking of many programs passes the tracer's rates it measured once: every host
     op is then priced with exactly those (one set per host-timed trace)."""
-    from vcluster.timing.localhost import localhost_traces
+    from vcluster.localhost.cost_model import localhost_traces
     model = localhost_model(spec(**HOST_RATES), 2)
     mesh = Mesh((2,), ("x",))
     args = [(MetaArray((4, 8)), MetaArray((8, 8)))] * 2

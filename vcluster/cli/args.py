@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .units import parse_size
+from vcluster.scenario.units import parse_size
 
 __all__ = ["positive_int", "int_at_least", "csv_of", "sizes"]
 

@@ -166,7 +166,7 @@ def _fmt_time(seconds: float) -> str:
 
 
 def format_row(rec: BenchRecord) -> str:
-    from .units import format_size
+    from vcluster.scenario.units import format_size
     return (f"{rec.op:<15}{rec.path:<10}{rec.algorithm:<10}{format_size(rec.bytes):>9}"
             f"{_fmt_time(rec.median_s):>12}{rec.algbw_gbps:>10.3f}{rec.busbw_gbps:>10.3f}"
             f"{rec.memcpy_gbps:>10.2f}")
@@ -183,7 +183,7 @@ def format_table(records: list[BenchRecord]) -> str:
 
 def format_comparison(emulator: list[BenchRecord], torch: list[BenchRecord]) -> str:
     """The two engines' figures for the same (op, path, bytes), side by side."""
-    from .units import format_size
+    from vcluster.scenario.units import format_size
     other = {(r.op, r.path, r.bytes): r for r in torch}
     lines = [f"{'op':<15}{'path':<10}{'bytes':>9}{'emulator':>12}{'busbw':>9}"
              f"{'torch':>12}{'busbw':>9}{'torch/emulator':>16}",

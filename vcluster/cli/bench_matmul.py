@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vcluster.timing.localhost_calibrate import median_time_s
+from vcluster.localhost.calibrate import median_time_s
 
 __all__ = ["measure_matmul"]
 

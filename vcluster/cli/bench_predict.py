@@ -10,18 +10,18 @@ For each bundled workload, the same per-device program is
   wait in a barrier (a futex: no CPU) until every device has ended, so that a device
   done early does not answer the host while the others still run; the wall time is
   ``max(end) - start`` (cluster start-up, host transfers and the synchronisation before
-  and after excluded; :func:`~vcluster.timing.localhost_start.timed_run`); the median of
+  and after excluded; :func:`~vcluster.localhost.start.timed_run`); the median of
   ``reps`` runs after one warm-up (:mod:`vcluster.cli.bench_predict_measure`);
 * **predicted** by tracing it on shape-only arrays, with the program's own host work
-  (:func:`~vcluster.timing.localhost.localhost_traces`), and replaying the traces with
-  :class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool.
+  (:func:`~vcluster.localhost.cost_model.localhost_traces`), and replaying the traces with
+  :class:`~vcluster.localhost.cost_model.LocalhostCostModel` on the machine's core pool.
   Neither side re-plans a sharded op's redistributions run after run: plans are
   memoised per process (``MatMulSharding.plan``), filled on the devices by the warm-up
   run and in the predicting process by a first, untimed trace.
 
 ``ratio`` is predicted over measured time (with ``--rounds``: paired round by round,
 below); the goal is every workload within 25%. The machine is
-calibrated first (:func:`~vcluster.timing.localhost_calibrate.calibrate_localhost`), or
+calibrated first (:func:`~vcluster.localhost.calibrate.calibrate_localhost`), or
 its spec read from ``--spec``. The workloads: :mod:`vcluster.cli.bench_predict_workloads`
 (``--tiny`` shrinks each one to a smoke test, not a benchmark).
 
@@ -86,7 +86,7 @@ of the run and its first, colder step weigh 1/K); every time in the table and th
 is then per step (the run's over K), and the record says ``"steps": K``.
 
 ``--core-queues`` predicts on per-core run queues placed as the calibration counted the
-devices per core at a start (:mod:`vcluster.timing.localhost_cores`) instead of one
+devices per core at a start (:mod:`vcluster.timing.core_queues`) instead of one
 pool of cores; the record says ``"core_queues": true``.
 
 ``--reprice RECORD`` measures nothing: it prices a saved record's measurements again with
@@ -119,14 +119,14 @@ RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload 
 def predict_workload(wl: Workload, spec, core_queues: bool = False) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
     programs' own host work included when the spec has its rates; ``core_queues``: on
-    per-core queues, :mod:`vcluster.timing.localhost_cores`)."""
+    per-core queues, :mod:`vcluster.timing.core_queues`)."""
     return predict_run(wl, spec, core_queues)[0]
 
 
 def predict_run(wl: Workload, spec, core_queues: bool = False) -> tuple[float, float]:
     """(step time, the core pool's work: single-core seconds) of ``wl``'s replay."""
     from vcluster.timing.engine import simulate_trace
-    from vcluster.timing.localhost import localhost_model, localhost_traces
+    from vcluster.localhost.cost_model import localhost_model, localhost_traces
     model = localhost_model(spec, wl.mesh.size, wl.dtype, core_queues)
     traces = localhost_traces(model, wl.mesh, wl.program, wl.meta_args)
     result = simulate_trace(traces, model, mesh=wl.mesh, core_pool=model.core_pool,
@@ -173,7 +173,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     :data:`BUSY_MACHINE_CORES`) is taken again up to ``retries`` times after a pause of
     :data:`RETRY_PAUSE_S`, keeping the quietest. ``progress(row)`` gets each final row.
     ``steps``: each program's back-to-back steps per timed run (times per step).
-    ``core_queues``: predict on per-core queues (:mod:`vcluster.timing.localhost_cores`).
+    ``core_queues``: predict on per-core queues (:mod:`vcluster.timing.core_queues`).
     """
     from vcluster import VirtualCluster
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -311,8 +311,8 @@ def _predict(args) -> int:
     if args.reprice:
         from .bench_predict_reprice import reprice_command
         return reprice_command(args)
-    from vcluster.timing.localhost import load_localhost_spec, save_localhost_spec
-    from vcluster.timing.localhost_calibrate import calibrate_localhost
+    from vcluster.localhost.cost_model import load_localhost_spec, save_localhost_spec
+    from vcluster.localhost.calibrate import calibrate_localhost
     def calibrate_again():
         print("vcluster bench predict: calibrating again", flush=True)
         return calibrate_localhost(args.devices)

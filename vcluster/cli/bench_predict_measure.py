@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from vcluster.timing.localhost_start import run_wall_s, timed_run_cpu
+from vcluster.localhost.start import run_wall_s, timed_run_cpu
 
 __all__ = ["BackgroundLoad", "measure_workload", "QUIET_SAMPLE_S", "BUSY_MACHINE_CORES"]
 

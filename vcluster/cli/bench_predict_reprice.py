@@ -88,7 +88,7 @@ def reprice(record: dict, core_queues: bool = False, progress=None) -> dict:
     """``record`` (a ``bench predict --json`` record, as a dict) with every prediction made
     again by this tree's model under the record's calibrations, paired with the same
     measurements (module doc). ``progress(row)`` gets each new row."""
-    from vcluster.timing.localhost_spec import LocalhostSpec
+    from vcluster.localhost.spec import LocalhostSpec
     from .bench_predict import priced, stepped, workloads_record
     try:
         specs = [LocalhostSpec.from_dict(d) for d in record["specs"]]

@@ -8,7 +8,7 @@ then measured and predicted exactly like the built-in workloads of
 :mod:`vcluster.cli.bench_predict`: measured on a :class:`~vcluster.VirtualCluster` from an
 instant all devices agree on (median of ``reps`` runs after a warm-up; start-up and host
 transfers excluded), predicted by tracing the same program and replaying it with
-:class:`~vcluster.timing.localhost.LocalhostCostModel` on the machine's core pool. The
+:class:`~vcluster.localhost.cost_model.LocalhostCostModel` on the machine's core pool. The
 goal: every point within 25%. (A scenario's ``faults`` and ``checkpoint`` sections do not
 change its program: ``faults.yaml`` is measured as its plain training step.) That the
 traffic of these runs equals the trace is a test (tests/test_timing_scenario_traffic.py).

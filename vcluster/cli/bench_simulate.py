@@ -1,7 +1,7 @@
 """``vcluster bench simulate-scale``: how long the timing model takes at cluster scale.
 
 Each case simulates one GPT training iteration with
-:func:`pipeline_parallel.gpt_simulation.simulate_gpt` in a fresh Python process, which
+:func:`vcluster.planner.simulation.simulate_gpt` in a fresh Python process, which
 reports its wall time and its peak resident memory (``ru_maxrss``). The targets of the
 timing model: GPT-3 175B on 1,024 GPUs in ≤ 10 s and ≤ 4 GB; any configuration up to
 6,144 GPUs and 512 micro-batches in ≤ 30 s. The baseline, measured in the same run
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from vcluster.timing.host_cores import usable_cores
+from vcluster.localhost.cores import usable_cores
 
 from .args import csv_of
 
@@ -59,7 +59,7 @@ CASES = {c.name: c for c in (
 _CHILD = """
 import json, resource, sys, time
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
-from pipeline_parallel.gpt_simulation import simulate_gpt
+from vcluster.planner.simulation import simulate_gpt
 case = json.loads(sys.argv[1])
 cfg = GPTConfig(**case["model"])
 par = ParallelConfig(global_batch=case["microbatches"] * case["dp"], micro_batch=1,

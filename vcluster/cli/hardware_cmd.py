@@ -122,7 +122,7 @@ def _is_calibration(name: str) -> bool:
         data = yaml.safe_load(path.read_text("utf-8"))   # JSON is YAML too
     except (yaml.YAMLError, UnicodeDecodeError):
         return False
-    from vcluster.timing.localhost_spec import is_localhost_spec_data
+    from vcluster.localhost.spec import is_localhost_spec_data
     return is_localhost_spec_data(data)
 
 
@@ -130,7 +130,7 @@ def run_show(args) -> int:
     """Print one preset, YAML file or saved localhost calibration; an unknown name raises
     ValueError listing the presets."""
     if _is_calibration(args.name):
-        from vcluster.timing.localhost import load_localhost_spec
+        from vcluster.localhost.cost_model import load_localhost_spec
 
         from .localhost_spec_text import format_localhost_spec
         spec = load_localhost_spec(args.name)
@@ -146,7 +146,7 @@ def run_calibrate(args) -> int:
     """Measure this machine on ``args.devices`` devices, print the figures and, with
     ``args.out``, save them (atomically) for ``hardware.calibration``."""
     from vcluster.scenario.hardware import LocalhostCalibrations
-    from vcluster.timing.localhost import save_localhost_spec
+    from vcluster.localhost.cost_model import save_localhost_spec
 
     from .localhost_spec_text import format_localhost_spec
     out = Path(args.out) if args.out else None

@@ -1,9 +1,9 @@
-"""A ``localhost`` calibration (:class:`~vcluster.timing.localhost.LocalhostSpec`) in a few
+"""A ``localhost`` calibration (:class:`~vcluster.localhost.cost_model.LocalhostSpec`) in a few
 lines of text: what ``vcluster hardware calibrate`` and ``vcluster bench predict`` print."""
 
 from __future__ import annotations
 
-from .units import format_size
+from vcluster.scenario.units import format_size
 
 __all__ = ["format_localhost_spec"]
 

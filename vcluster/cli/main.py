@@ -12,7 +12,7 @@ import sys
 import threading
 
 from . import (bench_cmd, hardware_cmd, oracle_cmd, plan_cmd, run_cmd, schedule_cmd,
-               simulate_cmd, validate_cmd)
+               simulate_cmd, validate_model_cmd)
 
 __all__ = ["main", "build_parser"]
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vcluster", description="A virtual GPU cluster on one machine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (run_cmd, bench_cmd, hardware_cmd, plan_cmd, schedule_cmd, simulate_cmd,
-                   validate_cmd, oracle_cmd):
+                   validate_model_cmd, oracle_cmd):
         module.add_parser(commands)
     return parser
 

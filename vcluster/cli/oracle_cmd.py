@@ -45,7 +45,7 @@ def add_parser(commands) -> None:
 
 
 def _export(args) -> int:
-    from vcluster.oracle.scenario_export import ExportError, describe_engine, export_scenario
+    from vcluster.scenario.oracle_export import ExportError, describe_engine, export_scenario
     from vcluster.oracle import load_golden
     from vcluster.scenario import ScenarioError
     try:
@@ -65,7 +65,7 @@ def _export(args) -> int:
 
 
 def _check(args) -> int:
-    from vcluster.oracle.scenario_export import check_dirs, describe_engine
+    from vcluster.scenario.oracle_export import check_dirs, describe_engine
     from vcluster.oracle import load_golden
     try:
         results = check_dirs(args.golden, args.actual)

@@ -79,8 +79,8 @@ def _print_table(df, top: int) -> None:
 
 
 def _gpt(args) -> int:
-    from pipeline_parallel.gpt_plan import REJECT_REASONS, plan_gpt
-    from vcluster.timing import load_hardware
+    from vcluster.planner.search import REJECT_REASONS, plan_gpt
+    from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     if args.replay is not None and args.replay < 0:
         raise ValueError(f"--replay must be >= 0, got {args.replay}")
     hw = load_hardware(args.hardware)

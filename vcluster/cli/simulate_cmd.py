@@ -42,14 +42,15 @@ def add_parser(commands) -> None:
 
 def _gpt(args) -> int:
     from pipeline_parallel.gpt import GPTConfig, ParallelConfig
-    from pipeline_parallel.gpt_simulation import RATIO_FLAG, simulate_gpt
+    from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
+    from vcluster.planner.simulation import RATIO_FLAG, simulate_gpt
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab)
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute)
-    r = simulate_gpt(config, parallel, args.hardware)
+    r = simulate_gpt(config, parallel, load_hardware(args.hardware))
     flag = f"  (below {RATIO_FLAG:g}: communication dominates)" if r.low_ratio else ""
     print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
           f"{r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "

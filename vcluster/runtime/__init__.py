@@ -5,7 +5,7 @@ from .channel import VirtualChannel
 from .cluster import VirtualCluster
 from .context import DeviceContext, Work
 from .device import VirtualDevice
-from .device_context import EmulatedDevice
+from .emulated_device import EmulatedDevice
 from .errors import (ArenaFullError, ClusterBrokenError, CollectiveMismatch, CollectiveTimeout,
                      DeviceAborted, DeviceLostError, DeviceProgramError, HostTimeout,
                      VClusterError)

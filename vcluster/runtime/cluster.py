@@ -31,7 +31,7 @@ from .fabric import ABORT_HOST, ABORT_LOST, fabric_from_segments
 from .launcher_client import LauncherClient
 from .layout import ControlLayout
 from .options import ClusterOptions
-from .shm import create_segment, shm_available_bytes, sweep_stale_segments
+from .segments import create_segment, shm_available_bytes, sweep_stale_segments
 from .transfer import pack, unpack
 from .wire import PeerClosed, recv_msg, send_msg
 
@@ -114,13 +114,13 @@ class VirtualCluster:
     def inject_faults(self, faults) -> None:
         """Slow devices and links for every later run, until changed (``[]``: none).
 
-        ``faults``: :class:`vcluster.faults.SlowFault` / :class:`~vcluster.faults.LinkFault`
+        ``faults``: :class:`vcluster.runtime.faults.SlowFault` / :class:`~vcluster.runtime.faults.LinkFault`
         objects or their dict form. They stay in force across :meth:`restart` (a replaced
         process on a slow card is still slow); on a broken cluster they take effect at the
         restart. Crashes are training-step events: give
-        :class:`~vcluster.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).
+        :class:`~vcluster.runtime.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).
         """
-        from vcluster.faults import CrashFault, parse_faults
+        from vcluster.runtime.faults import CrashFault, parse_faults
         parsed = parse_faults(faults, "faults", self.mesh.size)
         crash = [i for i, f in enumerate(parsed) if isinstance(f, CrashFault)]
         if crash:
@@ -132,7 +132,7 @@ class VirtualCluster:
             self._send_delays()             # else they apply from the next restart()
 
     def _send_delays(self) -> None:
-        from vcluster.faults import delays_for
+        from vcluster.runtime.faults import delays_for
         state = self._state
         for r in range(self.mesh.size):
             state.send(r, ("set_delays", delays_for(r, self._faults)))

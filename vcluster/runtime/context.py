@@ -1,7 +1,7 @@
 """``DeviceContext``: what a per-device program sees, whatever engine runs it.
 
 A per-device program is ``fn(dev, *args)``. The emulator passes an
-:class:`~vcluster.runtime.device_context.EmulatedDevice`; later engines (a tracer with
+:class:`~vcluster.runtime.emulated_device.EmulatedDevice`; later engines (a tracer with
 shape-only arrays, a torch.distributed rank) implement the same Protocol, and one
 conformance suite (``tests/conformance.py``) runs against each.
 

@@ -6,7 +6,7 @@ commands on its control socket until told to stop or until the host goes away:
 * ``run``: unpack the program and its arguments (large arrays land in this device's
   arena), call ``fn(dev, *args)``, wait for queued communication, send the result back;
 * ``stats`` / ``trace`` / ``reset_stats``: read or clear the recorder;
-* ``set_delays``: slow this device or its links (injected faults, :mod:`vcluster.faults`);
+* ``set_delays``: slow this device or its links (injected faults, :mod:`vcluster.runtime.faults`);
 * ``reset_comm``: forget call numbers and message state after a failed run (the host
   zeroes the shared counters while every device is idle);
 * ``shutdown``.
@@ -23,7 +23,7 @@ import traceback
 
 from .algorithm import AlgorithmSettings
 from .channel import VirtualChannel
-from .device_context import EmulatedDevice
+from .emulated_device import EmulatedDevice
 from .errors import DeviceAborted
 from .fabric import ABORT_ERROR, Fabric
 from .recorder import Recorder

@@ -116,7 +116,7 @@ class Fabric:
 
 def fabric_from_segments(rank: int, layout: ControlLayout, control, arenas: list, host_arena,
                          wait: str, timeout_s: float) -> Fabric:
-    """Build a Fabric over mapped :class:`~vcluster.runtime.shm.Segment` objects."""
+    """Build a Fabric over mapped :class:`~vcluster.runtime.segments.Segment` objects."""
     from .futex import make_waker
     words = np.frombuffer(control.buf, np.int64, count=layout.total_words)
     device_arenas = [Arena(r, np.frombuffer(seg.buf, np.uint8)) for r, seg in enumerate(arenas)]

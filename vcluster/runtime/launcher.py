@@ -100,7 +100,7 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
 
 
 def main() -> None:
-    from .shm import map_segment_fd
+    from .segments import map_segment_fd
     from .wire import PeerClosed, recv_msg, send_msg
 
     host = socket.socket(fileno=int(sys.argv[1]))

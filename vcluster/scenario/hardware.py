@@ -2,10 +2,10 @@
 
 * a preset (``vcluster hardware list``), a YAML file or an inline ``spec``: a
   :class:`~vcluster.timing.hardware.HardwareSpec` priced by
-  :class:`~vcluster.timing.hardware_costs.HardwareCostModel` at the datasheet peak of
+  :class:`~vcluster.timing.hardware_model.HardwareCostModel` at the datasheet peak of
   ``dtype`` (default fp32; the trace's bytes are the workload's own dtype);
 * ``localhost``: this machine, so that the simulator predicts the emulator itself
-  (:class:`~vcluster.timing.localhost.LocalhostCostModel`, devices sharing the cores):
+  (:class:`~vcluster.localhost.cost_model.LocalhostCostModel`, devices sharing the cores):
   calibrated by microbenchmarks (about 20 s on a 2-core machine), or read from
   ``calibration`` (a file written by ``vcluster hardware calibrate --out FILE``). One
   ``vcluster run`` calibrates once per cluster size (:class:`LocalhostCalibrations`):
@@ -111,11 +111,11 @@ class LocalhostCalibrations:
         return f"LocalhostCalibrations({measured or 'none yet'})"
 
     def calibration(self, devices: int) -> tuple:
-        """(the :class:`~vcluster.timing.localhost.LocalhostSpec` measured on ``devices``
+        """(the :class:`~vcluster.localhost.cost_model.LocalhostSpec` measured on ``devices``
         devices in this run, when and how long it was measured), calibrated now if it is
         the first asked for."""
         if devices not in self._specs:
-            from vcluster.timing.localhost_calibrate import calibrate_localhost
+            from vcluster.localhost.calibrate import calibrate_localhost
             started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
             spec = calibrate_localhost(devices)
             self._specs[devices] = (spec, f"measured {started} on {devices} devices "
@@ -140,7 +140,7 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``."""
     hw = scenario.hardware
     if hw.name == LOCALHOST:
-        from vcluster.timing.localhost import load_localhost_spec, localhost_model
+        from vcluster.localhost.cost_model import load_localhost_spec, localhost_model
         if hw.calibration is not None:
             path = _path(scenario, hw.calibration)
             spec, source = load_localhost_spec(path), f"saved {path}"
@@ -150,6 +150,6 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
         model = localhost_model(spec, mesh.size, dtype)
         return CostSetup(model, model.core_pool, LOCALHOST, True, source)
     from vcluster.timing import load_hardware
-    from vcluster.timing.hardware_costs import HardwareCostModel
+    from vcluster.timing.hardware_model import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))
     return CostSetup(HardwareCostModel(spec, hw.dtype), None, spec.name, False)

@@ -114,7 +114,7 @@ class Scenario:
     sweep: tuple[tuple[str, tuple], ...]
     document: Mapping[str, Any]
     base_dir: str = "."
-    faults: tuple = ()                                   # fault dicts (vcluster.scenario.faults)
+    faults: tuple = ()                                   # fault dicts (vcluster.scenario.resilience)
     checkpoint: Mapping[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:

@@ -71,7 +71,7 @@ def _finite(x):
 
 
 def _units(point, training: bool, engine: str) -> int:
-    from .faults import wants_resilience
+    from .resilience import wants_resilience
     mode, steps = point.run.mode, point.run.steps
     warmup = measures_like_localhost(point, engine) and not wants_resilience(point)
     emulate = (1 if training else steps) + (1 if point.run.check else 0) + warmup
@@ -123,10 +123,10 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
 
 def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
     """Training through the model's ``fit`` with checkpoints / faults
-    (:mod:`vcluster.scenario.faults`); step times from the events recorded since the last
+    (:mod:`vcluster.scenario.resilience`); step times from the events recorded since the last
     restart (a lost device takes its predecessors' events with it)."""
     from collections import Counter
-    from .faults import run_resilient
+    from .resilience import run_resilient
     emu = run_resilient(workload, point, engine_name, resume)
     counts = Counter(e.rank for e in emu["events"] if getattr(e, "name", None) == "optimizer")
     steps = min(counts.values(), default=0)
@@ -158,7 +158,7 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
         steps["loss"] = losses[:len(times)]
         s["final_loss"] = float(losses[-1])
         if workload.fit_outputs is not None:      # an MLP: the hash a fault-free run gives
-            from .faults import named_params_sha256
+            from .resilience import named_params_sha256
             s["final_params_sha256"] = named_params_sha256(assembled)
     point.tables["steps"].append(steps)
     point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)))
@@ -174,7 +174,7 @@ def _representative_ranks(workload, scenario, setup):
     tensor-parallel peers mirror them (equal to the full replay, tests/test_simulate.py);
     ``None`` (every rank) otherwise."""
     mesh = workload.mesh
-    if (not workload.training or scenario.run.mode != "simulate" or setup.localhost
+    if (not workload.training or scenario.run.mode != "simulate" or setup.core_pool is not None
             or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())):
         return None
     return list(mesh.group("pp", 0)) if "pp" in mesh.axes else [0]
@@ -182,21 +182,16 @@ def _representative_ranks(workload, scenario, setup):
 
 def _simulate(workload, scenario, bar) -> tuple:
     """Trace and replay; slow devices and links of ``faults`` slow the replay."""
-    from vcluster.runtime.tracing import trace_program
+    from vcluster.timing import model_traces
     from vcluster.timing.engine import simulate_trace
     from .hardware import cost_setup
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype)
     ranks = _representative_ranks(workload, scenario, setup)
-    if setup.localhost:                  # host work, the start of a run, cold calls
-        from vcluster.timing.localhost import localhost_traces
-        traces = localhost_traces(setup.costs, mesh, workload.program,
-                                  list(workload.meta_args_by_rank), ranks=ranks)
-    else:
-        traces = trace_program(mesh, workload.program, list(workload.meta_args_by_rank),
-                               ranks=ranks)
+    traces = model_traces(setup.costs, mesh, workload.program,
+                          list(workload.meta_args_by_rank), ranks=ranks)
     if scenario.faults:
-        from vcluster.faults.impact import simulate_with_faults
+        from vcluster.timing.faults.impact import simulate_with_faults
         result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],
                                       mesh=mesh, core_pool=setup.core_pool)
     else:
@@ -272,7 +267,7 @@ def _traffic_matches(traces, events) -> bool:
 
 # --- one point ---------------------------------------------------------------------------
 def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Point:
-    from .faults import wants_resilience
+    from .resilience import wants_resilience
     from .semantics import resolve_mesh
     from .workloads import workload_module
     mesh = resolve_mesh(point)
@@ -348,7 +343,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     ``mode`` overrides ``run.mode``; ``engine`` names the emulation engine
     (:data:`~vcluster.scenario.engines.ENGINES`); ``progress`` shows a bar on a terminal;
     ``resume`` (a checkpoint directory) continues a training run from its newest
-    checkpoint (:mod:`vcluster.scenario.faults`).
+    checkpoint (:mod:`vcluster.scenario.resilience`).
     """
     import pandas as pd
     from reports import RunRecord

@@ -18,7 +18,7 @@ import copy
 from types import MappingProxyType
 
 from .errors import ScenarioError, format_path
-from .faults import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
+from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
 
 __all__ = ["scenario_schema", "check_document", "KINDS", "MODES", "DTYPES", "COLLECTIVE_OPS",
            "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS", "ALGORITHMS",

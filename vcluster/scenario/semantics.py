@@ -55,7 +55,7 @@ def check_semantics(scenario) -> None:
                             "run.mode: simulate)", "the emulator computes in float32 or "
                             "float64")
     workload_module(scenario.workload.kind).validate(scenario, mesh)
-    from .faults import check_faults
+    from .resilience import check_faults
     check_faults(scenario, mesh)
     if scenario.run.mode != "emulate":
         check_hardware(scenario)

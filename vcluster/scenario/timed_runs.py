@@ -10,7 +10,7 @@ start at t = 0, on warm processes (docs/timing.md), so the emulation is measured
   device processes pays for imports, first numpy calls and cold caches — tens of ms on
   8 devices and 2 cores, more than many whole steps;
 * then every run **starts at an instant all devices agree on**
-  (:func:`~vcluster.timing.localhost_start.timed_call`) and is timed from that instant
+  (:func:`~vcluster.localhost.start.timed_call`) and is timed from that instant
   to the last device's end. Timed from the first recorded event instead, a run would
   count the milliseconds over which the host's dispatch wakes the devices one by one.
 
@@ -77,7 +77,7 @@ def emulate_timed(workload, point, engine, bar) -> dict:
     ones: one for a training program (its steps inside, split by :func:`step_times`),
     ``run.steps`` for an op, each timed from its common start to the last device's end
     and each the median of :data:`TIMED_REPEATS` runs."""
-    from vcluster.timing.localhost_start import timed_call
+    from vcluster.localhost.start import timed_call
     steps, training = point.run.steps, workload.training
     args = list(workload.args_by_rank)
     for _ in range(WARMUP_RUNS):

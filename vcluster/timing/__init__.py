@@ -1,4 +1,4 @@
-"""Timing model: hardware descriptions, collective costs and (later) the SimPy replay.
+"""Timing model: hardware descriptions, collective costs, cost models and the SimPy replay.
 
 The engine layer: imports nothing above it (no cli, algorithms or plans) and no pandas or
 matplotlib at import time.
@@ -7,6 +7,7 @@ matplotlib at import time.
 from .collective_cost import (ALGORITHMS, NCCL_ALGORITHMS, NCCL_BASE_LATENCY_US, Algorithm,
                               Collective, CollectiveCost, algbw_gbps, bus_factor, busbw_gbps,
                               collective_cost, collective_time_s)
+from .cost_model import CostModel, core_pool_of, for_many_programs, model_traces
 from .hardware import (DTYPE_BYTES, DeviceSpec, HardwareSpec, IntraNodeFabric, LinkSpec,
                        NetworkSpec, NetworkTopology, NodeSpec, canonical_dtype)
 from .nccl_validation import format_validation_table, validate_nccl
@@ -24,6 +25,8 @@ __all__ = [
     "Collective", "Algorithm", "CollectiveCost", "ALGORITHMS", "NCCL_ALGORITHMS",
     "NCCL_BASE_LATENCY_US", "collective_cost", "collective_time_s", "bus_factor",
     "algbw_gbps", "busbw_gbps",
+    # what the replay asks a cost model
+    "CostModel", "model_traces", "core_pool_of", "for_many_programs",
     # validation
     "validate_nccl", "format_validation_table",
 ]

@@ -23,8 +23,8 @@ from typing import Mapping, Sequence
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
 
-from .costs import CostModel
-from .localhost_pool import as_core_pool
+from .cost_model import CostModel
+from .core_pool import as_core_pool
 from .replay import Replay, ReplayDeadlock
 from .results import OpStats, RankStats, SimulationResult
 
@@ -119,10 +119,10 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     multiplies that rank's compute times (the rank must be traced). ``timeline=False``
     skips recording intervals (faster, less memory). ``core_pool`` (default None: every
     device has a core of its own): an int number of cores or a
-    :class:`~vcluster.timing.localhost_pool.CorePoolSpec`; the devices' work then shares
+    :class:`~vcluster.timing.core_pool.CorePoolSpec`; the devices' work then shares
     those cores (see "Core pool" in :mod:`vcluster.timing.replay`); not with ``symmetric``;
     a spec with ``placements`` is replayed once per placement and the replay at the
-    weighted median step time returned (:mod:`vcluster.timing.localhost_cores`).
+    weighted median step time returned (:mod:`vcluster.timing.core_queues`).
     ``op_kind`` (optional): a function from a compute op's name to its kind (``"attention"``,
     ``"mlp"``, ...) or None (the kind of the rank's previous compute op); the result's
     ``op_stats`` then give each kind's compute and charged communication time (see
@@ -227,7 +227,7 @@ def traces_from_schedule(schedule, cost_f: float, cost_b: float, cost_w: float,
                          nbytes: int = 0) -> tuple[DeviceTrace, ...]:
     """One :class:`DeviceTrace` per pipeline rank of ``schedule`` (a :class:`pipelining.Schedule`).
 
-    Costs follow :mod:`pipelining.timing`: ``cost_*`` is one micro-batch through a rank's
+    Costs follow :mod:`pipelining.ideal_timing`: ``cost_*`` is one micro-batch through a rank's
     whole share, so a chunk action on a schedule of ``v`` virtual stages has
     ``flops = cost / v`` (``F``: cost_f, ``B``: cost_b, ``I``: cost_b - cost_w, ``W``:
     cost_w); replayed with ``flops_per_s = 1`` its duration is that cost. Stage ``s`` lives on

@@ -225,11 +225,6 @@ def _coerce(value):
     return value
 
 
-_LOCALHOST_USE = ("it prices emulated scenarios in vcluster run (hardware: {name: localhost, "
-                  "calibration: FILE}); here, use a preset (" + ", ".join(PRESET_NAMES) +
-                  ") or a hardware YAML file")
-
-
 def load_hardware(spec) -> HardwareSpec:
     """A HardwareSpec from a preset name, a YAML file path, a dict, or a HardwareSpec."""
     if isinstance(spec, HardwareSpec):
@@ -248,14 +243,7 @@ def load_hardware(spec) -> HardwareSpec:
                 data = yaml.safe_load(path.read_text("utf-8"))
             except yaml.YAMLError as exc:
                 raise ValueError(f"{path}: not valid YAML: {exc}") from None
-            from .localhost_spec import is_localhost_spec_data
-            if is_localhost_spec_data(data):
-                raise ValueError(f"{path} is a localhost calibration (vcluster hardware "
-                                 f"calibrate), not a hardware description: {_LOCALHOST_USE}")
             return hardware_from_dict(data, path=f"{path}: hardware")
-        if spec == "localhost":
-            raise ValueError(f"'localhost' is this machine, measured (vcluster hardware "
-                             f"calibrate), not a hardware description: {_LOCALHOST_USE}")
         raise ValueError(f"unknown hardware {str(spec)!r}: not a preset "
                          f"({', '.join(PRESET_NAMES)}) nor a .yaml file")
     raise TypeError(f"hardware must be a preset name, a YAML path, a dict or a HardwareSpec, "

@@ -42,9 +42,9 @@ names every stuck rank and what it waits for.
 
 **Core pool** (optional ``core_pool``, off by default): the devices share a few cores
 (processor sharing) that serve compute, collective shares and send/receive copies as work,
-so devices working at once slow each other down (:class:`~.localhost_pool.PooledReplayMixin`);
+so devices working at once slow each other down (:class:`~.core_pool.PooledReplayMixin`);
 with a ``placement`` (the core of each rank) the cores keep per-core queues instead
-(:mod:`.localhost_cores`).
+(:mod:`.core_queues`).
 
 The collective steps (matching, starting an instant's calls together, ending them) live
 in :class:`~.replay_collectives.CollectiveReplayMixin`; this module holds the driver,
@@ -61,7 +61,7 @@ from simpy.events import Event
 from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
     TraceWait
 
-from .localhost_pool import PooledReplayMixin
+from .core_pool import PooledReplayMixin
 from .replay_collectives import CollectiveReplayMixin
 from .replay_state import (LATE, Call, GroupInfo, ReplayDeadlock, cost_value, describe_call,
                            describe_recv)

@@ -8,7 +8,7 @@ instant, so that all calls starting at the same instant count each other as conc
 (:meth:`_start`); its duration is ``collective_time_s(op, concurrent)``. Without a core
 pool the end time is known at the start and waiting ranks resume from it; an
 asynchronous call keeps an event at its end, where its streams' next calls arrive
-(:meth:`_end`). With a pool, :meth:`~.localhost_pool.PooledReplayMixin._start_pooled`
+(:meth:`_end`). With a pool, :meth:`~.core_pool.PooledReplayMixin._start_pooled`
 serves the members' shares first.
 """
 

@@ -2,7 +2,7 @@
 
 ``TorchCluster(mesh)`` starts ``mesh.size`` local ranks (gloo on CPU, NCCL on GPUs) and
 runs programs with ``cluster.run(fn, args_per_rank)`` like ``VirtualCluster``; each rank's
-``dev`` is a :class:`TorchDeviceContext`. ``python -m vcluster.torchdist.run`` runs a
+``dev`` is a :class:`TorchDeviceContext`. ``python -m vcluster.cli.torchrun`` runs a
 program under torchrun (multi-node). torch is imported only inside the ranks and when a
 context is built, so ``import vcluster.torchdist`` works without torch.
 """

@@ -19,7 +19,7 @@ numpy call on a tiny array). So a host segment is recorded as two figures:
 
 The ``localhost`` cost model turns them into the emulator's host work by replacing each
 meta-array call's cost by a numpy call's (both measured by microbenchmarks, see
-:mod:`vcluster.timing.localhost_host`).
+:mod:`vcluster.localhost.host_work`).
 
 Counting is off unless a :class:`HostClock` is running in the current thread (a
 :class:`contextvars.ContextVar` holds it, so traced threads never see each other's), so

@@ -1,5 +1,5 @@
 """``parallel.policy: auto`` for ``matmul`` and ``ffn``: the layout is chosen by
-:func:`tensor_parallel.auto_layout` — every valid layout of the op on the mesh, the
+:func:`vcluster.planner.auto_layout` — every valid layout of the op on the mesh, the
 redistribution of its inputs from replicated included, ranked by the timing model's
 replay on the scenario's ``hardware`` — and the fastest is the one that runs.
 
@@ -34,10 +34,10 @@ class AutoChoice:
 def choose(op: str, scenario, mesh, shapes: dict, **kwargs) -> AutoChoice:
     """Rank the layouts of ``op`` ("matmul" or "ffn") with ``shapes`` on ``mesh``, priced by
     the same cost model as the scenario's own prediction (:func:`..hardware.cost_setup`)."""
-    from tensor_parallel.auto_layout import auto_layout
+    from vcluster.planner.auto_layout import auto_layout
     from ..hardware import cost_setup
     setup = cost_setup(scenario, mesh, scenario.workload.dtype)
     best, ranking = auto_layout(op, mesh, shapes, setup.label, dtype=scenario.workload.dtype,
-                                cost_model=(setup.costs, setup.core_pool), **kwargs)
+                                cost_model=setup.costs, **kwargs)
     return AutoChoice(best, float(ranking.iloc[0]["predicted_s"]), len(ranking),
                       scenario.hardware.label)

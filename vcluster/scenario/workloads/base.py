@@ -29,7 +29,7 @@ class Workload:
     """See the module docstring. ``training``: the program runs every step itself (steps
     end at each rank's ``optimizer`` compute event); otherwise one run is one step.
     ``fit`` / ``fit_outputs`` (training with checkpoints and faults, see
-    :mod:`vcluster.scenario.faults`): train on an engine through the model's ``fit``, and
+    :mod:`vcluster.scenario.resilience`): train on an engine through the model's ``fit``, and
     name its result like ``assemble`` does."""
 
     kind: str

@@ -27,7 +27,7 @@ _ROOTED = ("reduce", "gather")                               # None except at th
 
 
 def _size_bytes(scenario) -> int:
-    from vcluster.cli.units import parse_size
+    from vcluster.scenario.units import parse_size
     size = scenario.workload.options["size"]
     try:
         return size if isinstance(size, int) else parse_size(size)

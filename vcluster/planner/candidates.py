@@ -1,0 +1,147 @@
+"""The planner's search space: every TP x PP x DP split, micro-batch, schedule, sequence
+parallelism and recomputation of a GPT on N GPUs, with the reasons the others are out.
+
+A split (tp, pp, dp = N / (tp·pp)) is valid when
+
+* tp divides the heads and the vocabulary (whole heads and vocabulary rows per rank)
+  and tp <= ``max_tp`` (default: the GPUs of one node, so TP stays on NVLink);
+* pp divides the layers;
+* dp divides the global batch B.
+
+For a valid split, the knobs are: micro-batch b among ``micro_batches`` (default the
+divisors of B / dp up to ``DEFAULT_MAX_MICRO_BATCH``), m = B / (dp·b); the schedule
+(``1f1b``, ``zero_bubble`` and ``interleaved_1f1b`` with v chunks per rank, v >= 2 a
+divisor of l / pp up to ``max_virtual_stages``, needing m mod pp = 0; with pp = 1 only
+``1f1b``, the others being the same step); sequence parallelism (when tp > 1 and tp
+divides s); recomputation none / selective / full. Each candidate then must fit device
+memory (:func:`~vcluster.planner.screen.peak_memory_bytes`, gpt_memory's formulas).
+
+Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
+counts (tp, pp) splits, the others count whole candidates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from .screen import peak_memory_bytes
+
+__all__ = ["SearchSpace", "enumerate_candidates", "divisors", "REJECT_REASONS",
+           "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES"]
+
+DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
+DEFAULT_MAX_VIRTUAL_STAGES = 8
+PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+REJECT_REASONS = {
+    "tp_not_dividing_heads": "tp does not divide the attention heads",
+    "tp_not_dividing_vocab": "tp does not divide the vocabulary",
+    "tp_larger_than_node": "tp is larger than the GPUs of a node (max_tp)",
+    "pp_not_dividing_layers": "pp does not divide the layers",
+    "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
+    "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
+    "out_of_memory": "peak memory per device exceeds the device's HBM",
+}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The knobs the planner tries (see the module docstring)."""
+
+    max_tp: int
+    micro_batches: tuple | None = None          # None: divisors of B/dp up to the max
+    max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH
+    schedules: tuple = PLAN_SCHEDULES
+    max_virtual_stages: int = DEFAULT_MAX_VIRTUAL_STAGES
+    recompute: tuple = RECOMPUTE_MODES
+    sequence_parallel: tuple = (False, True)
+
+    def __post_init__(self):
+        for name in ("max_tp", "max_micro_batch", "max_virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"plan_gpt: {name} must be a positive int, got {v!r}")
+        for name, allowed in (("schedules", PLAN_SCHEDULES), ("recompute", RECOMPUTE_MODES),
+                              ("sequence_parallel", (False, True))):
+            values = tuple(getattr(self, name))
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ValueError(f"plan_gpt: {name} must be a non-empty selection of "
+                                 f"{allowed}, got {values!r}")
+            object.__setattr__(self, name, values)
+        if self.micro_batches is not None:
+            mbs = tuple(self.micro_batches)
+            if not mbs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                              for b in mbs):
+                raise ValueError(f"plan_gpt: micro_batches must be positive ints, got {mbs!r}")
+            object.__setattr__(self, "micro_batches", mbs)
+
+
+def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | None:
+    if config.heads % tp:
+        return "tp_not_dividing_heads"
+    if config.vocab % tp:
+        return "tp_not_dividing_vocab"
+    if tp > max_tp:
+        return "tp_larger_than_node"
+    if config.layers % pp:
+        return "pp_not_dividing_layers"
+    if global_batch % dp:
+        return "dp_not_dividing_batch"
+    return None
+
+
+def _schedules(space: SearchSpace, config: GPTConfig, pp: int):
+    """(schedule, virtual_stages) pairs for a split (interleaved: every v tried)."""
+    if pp == 1:
+        return [("1f1b", None)]
+    out = []
+    for name in space.schedules:
+        if name != "interleaved_1f1b":
+            out.append((name, None))
+        else:
+            out += [(name, v) for v in divisors(config.layers // pp)
+                    if 2 <= v <= space.max_virtual_stages]
+    return out
+
+
+def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space: SearchSpace,
+                         hbm_bytes: int) -> tuple[list[ParallelConfig], Counter]:
+    """(the candidates that fit, rejected counts by reason) — see the module docstring."""
+    rejected: Counter = Counter()
+    out = []
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            reason = _split_reason(config, tp, pp, dp, global_batch, space.max_tp)
+            if reason:
+                rejected[reason] += 1
+                continue
+            per_replica = global_batch // dp
+            mbs = [b for b in (space.micro_batches or divisors(per_replica))
+                   if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
+            sps = [sp for sp in space.sequence_parallel
+                   if not sp or (tp > 1 and config.seq % tp == 0)]
+            for b in mbs:
+                m = per_replica // b
+                for name, v in _schedules(space, config, pp):
+                    for sp in sps:
+                        for rc in space.recompute:
+                            if name == "interleaved_1f1b" and m % pp:
+                                rejected["interleaved_microbatches"] += 1
+                                continue
+                            par = ParallelConfig(global_batch=global_batch, micro_batch=b, dp=dp,
+                                                 pp=pp, tp=tp, schedule=name, virtual_stages=v,
+                                                 sequence_parallel=sp, recompute=rc)
+                            if peak_memory_bytes(config, par) > hbm_bytes:
+                                rejected["out_of_memory"] += 1
+                            else:
+                                out.append(par)
+    return out, rejected

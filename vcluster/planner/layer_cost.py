@@ -1,0 +1,140 @@
+"""Per-micro-batch costs of one GPT stage's pieces on one device, from the traced program.
+
+The planner's screen (:mod:`vcluster.planner.screen`) needs, for a tensor-parallel
+degree t, a micro-batch b, sequence parallelism and a recomputation mode, the time one
+device spends on one micro-batch in each piece of a stage:
+
+* a transformer layer's forward ``F``, input gradient ``I`` and weight gradient ``W``
+  (``B = I + W``; under full recomputation ``I`` includes the re-run forward),
+* the vocabulary-parallel embedding's and head's ``F``, ``I`` and ``W`` (the head's
+  ``F`` includes the cross-entropy).
+
+Rather than a second cost model, these come from the program the replay runs: the
+embedding, one :class:`~tensor_parallel.transformer.TransformerLayer` and the head are
+traced on shape-only 16-bit arrays on rank 0 of a tp group of t (other members are not
+traced; their collectives complete on their own), and every traced op is priced with
+the replay's :class:`~vcluster.timing.hardware_model.HardwareCostModel`: compute by
+``compute_time_s``, each tensor-parallel collective by ``collective_time_s`` with no
+concurrent flows. TP collectives sit on the compute stream's critical path in the
+program (each result is used at once), so ``seconds`` = compute + TP communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PieceCost", "StagePieces", "trace_stage_pieces"]
+
+_MARK = "screen: end of piece"
+_PIECES = ("emb.F", "layer.F", "head.F", "head.I", "layer.I", "emb.I", "head.W", "layer.W",
+           "emb.W")
+
+
+@dataclass(frozen=True)
+class PieceCost:
+    """One piece's work for one micro-batch on one device."""
+
+    compute_s: float       # priced compute kernels
+    comm_s: float          # tensor-parallel collectives (on the critical path)
+    flops: float           # FLOPs executed (recomputation included)
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def __add__(self, other: "PieceCost") -> "PieceCost":
+        return PieceCost(self.compute_s + other.compute_s, self.comm_s + other.comm_s,
+                         self.flops + other.flops)
+
+    def __mul__(self, k: float) -> "PieceCost":
+        return PieceCost(self.compute_s * k, self.comm_s * k, self.flops * k)
+
+    __rmul__ = __mul__
+
+
+
+
+@dataclass(frozen=True)
+class StagePieces:
+    """Costs per micro-batch of the pieces ``emb``, ``layer`` and ``head`` for actions
+    ``F``, ``I``, ``W``: ``pieces[("layer", "F")]`` etc."""
+
+    tp: int
+    micro_batch: int
+    sequence_parallel: bool
+    recompute: str
+    pieces: dict
+
+    def __getitem__(self, key) -> PieceCost:
+        return self.pieces[key]
+
+
+def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
+    """The local parameter shapes on one member of a tp group of t (see transformer.py)."""
+    return {"ln1_g": (h,), "ln1_b": (h,), "w_qkv": (h, 3, h // t), "b_qkv": (3, h // t),
+            "w_o": (h // t, h), "b_o": (h,), "ln2_g": (h,), "ln2_b": (h,),
+            "w_1": (h, 4 * h // t), "b_1": (4 * h // t,), "w_2": (4 * h // t, h), "b_2": (h,),
+            "wte": (V // t, h), "wpe": (s, h), "lnf_g": (h,), "lnf_b": (h,),
+            "w_out": (h, V // t)}
+
+
+def _program(dev, config, b: int, sp: bool, recompute: str):
+    from tensor_parallel.attention import TransformerOps
+    from tensor_parallel.transformer import (TransformerLayer, VocabParallelEmbedding,
+                                             VocabParallelHead)
+    from vcluster.runtime.tracing import MetaArray
+    h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
+    t = dev.mesh.axis_size("tp")
+    meta = {n: MetaArray(shape, np.float16) for n, shape in _local_shapes(h, s, V, t).items()}
+    ops = TransformerOps(dev, "tp", sp)
+    emb = VocabParallelEmbedding(meta)
+    layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute)
+    head = VocabParallelHead(meta)
+
+    def mark():
+        with dev.compute(_MARK):
+            pass
+
+    ids = MetaArray((b, s), np.int64)
+    x = emb.forward(ops, 0, ids)
+    mark()
+    y = layer.forward(ops, 0, x)
+    mark()
+    logits = head.forward(ops, 0, y)
+    _, dlogits = head.loss_and_grad(ops, logits, ids, b * s)
+    mark()
+    dy = head.backward_input(ops, 0, dlogits)
+    mark()
+    dx = layer.backward_input(ops, 0, dy)
+    mark()
+    emb.backward_input(ops, 0, dx)
+    mark()
+    for module in (head, layer, emb):
+        module.backward_weight(ops, 0)
+        mark()
+
+
+def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
+                       recompute: str, costs) -> StagePieces:
+    """Trace the pieces once (see the module docstring) and price them with ``costs``
+    (a HardwareCostModel)."""
+    from mesh import Mesh
+    from vcluster.runtime.tracing import TraceCollective, TraceCompute, trace_program
+    sp = bool(sequence_parallel and tp > 1)
+    (trace,) = trace_program(Mesh((tp,), ("tp",)), _program,
+                             [(config, micro_batch, sp, recompute)] * tp, ranks=[0])
+    pieces, compute, comm, flops, k = {}, 0.0, 0.0, 0.0, 0
+    for op in trace.ops:
+        if isinstance(op, TraceCompute) and op.name == _MARK:
+            piece, action = _PIECES[k].split(".")
+            pieces[(piece, action)] = PieceCost(compute, comm, flops)
+            compute, comm, flops, k = 0.0, 0.0, 0.0, k + 1
+        elif isinstance(op, TraceCompute):
+            compute += costs.compute_time_s(op)
+            flops += op.flops
+        elif isinstance(op, TraceCollective):
+            comm += costs.collective_time_s(op, 1)
+    assert k == len(_PIECES), f"found {k} of {len(_PIECES)} piece markers"
+    return StagePieces(tp, micro_batch, sp, recompute, pieces)

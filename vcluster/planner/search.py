@@ -1,0 +1,203 @@
+"""``plan_gpt``: the best TP x PP x DP x schedule x micro-batch x recomputation of a GPT on
+N GPUs, by a closed-form screen of every candidate and a SimPy replay of the best.
+
+>>> df = plan_gpt(hidden=12288, layers=96, heads=96, seq=2048, vocab=51200,
+...               gpus=1024, global_batch=1536, hardware="a100-80gb-dgx")  # doctest: +SKIP
+>>> df.head(10)                                                              # doctest: +SKIP
+
+1. Enumerate (:mod:`vcluster.planner.candidates`) and drop what does not fit
+   memory, counting the rejections per reason;
+2. screen every candidate (:mod:`vcluster.planner.screen`, milliseconds each; the
+   per-layer costs are traced once per (tp, micro-batch, SP, recompute));
+3. replay the ``replay`` best of the screen (default max(top, 10)) with
+   :func:`~vcluster.planner.simulation.simulate_gpt`, spread over the machine's
+   cores (a process pool; one process when ``workers=1`` or a pool cannot start);
+4. order: the replayed candidates by replayed step time, then the others by screened
+   step time — everything above the last replayed row was replayed (``replayed``).
+
+The result is a pandas DataFrame, one row per candidate that fits, with the columns of
+``COLUMNS``; ``df.attrs`` holds ``rejected`` (reason -> count), ``replayed`` (count),
+``planning_time_s`` and ``hardware``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
+from .screen import peak_memory_bytes, screen_estimate
+
+__all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_REASONS"]
+
+MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
+REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
+
+COLUMNS = ("tp", "pp", "dp", "micro_batch", "microbatches", "schedule", "virtual_stages",
+           "sequence_parallel", "recompute", "step_time_s", "tflops_per_gpu", "mfu",
+           "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
+
+
+def _knobs(par: ParallelConfig) -> dict:
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch": par.micro_batch,
+            "microbatches": par.microbatches, "schedule": par.schedule,
+            "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
+            "recompute": par.recompute}
+
+
+def _replay(args):
+    """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
+    config, par, hardware = args
+    from .simulation import simulate_gpt
+    r = simulate_gpt(config, par, hardware)
+    return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
+            "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
+
+
+def _progress(enabled: bool | None):
+    """A rich progress bar on a terminal (silent when not a tty or disabled)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    return Progress("[progress.description]{task.description}", BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True),
+                    transient=True)
+
+
+def _pool_context():
+    """fork where the platform has it (works from notebooks and scripts without a
+    ``__main__`` guard; the workers only run pure replays), else spawn."""
+    import multiprocessing
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+def _run_replays(config, pars, hardware, workers: int, bar) -> list[dict]:
+    """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
+    task = bar.add_task("replaying", total=len(pars)) if bar else None
+    jobs = [(config, p, hardware) for p in pars]
+
+    def done():
+        if bar:
+            bar.advance(task)
+
+    if workers > 1 and len(jobs) > 1:
+        try:
+            pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                       mp_context=_pool_context())
+        except (OSError, ImportError, NotImplementedError, ValueError) as exc:
+            print(f"plan_gpt: no process pool ({exc}); replaying in this process",
+                  file=sys.stderr)
+        else:
+            with pool:
+                # longest first (ops to replay ~ m·l, twice the collectives under SP), so
+                # that no long replay starts last while the other workers idle
+                order = sorted(range(len(jobs)), key=lambda i: -pars[i].microbatches * (
+                    2 if pars[i].sequence_parallel else 1))
+                submitted = {i: pool.submit(_replay, jobs[i]) for i in order}
+                futures = [submitted[i] for i in range(len(jobs))]
+                out = []
+                for par, fut in zip(pars, futures):
+                    try:
+                        out.append(fut.result(timeout=REPLAY_TIMEOUT_S))
+                    except FutureTimeout:
+                        for f in futures:
+                            f.cancel()
+                        raise TimeoutError(
+                            f"plan_gpt: waited {REPLAY_TIMEOUT_S:.0f} s for the replay worker of "
+                            f"{_knobs(par)}; it did not finish") from None
+                    done()
+                return out
+    out = []
+    for j in jobs:
+        out.append(_replay(j))
+        done()
+    return out
+
+
+def _screen_all(config, candidates, hw, bar) -> list:
+    from vcluster.timing.hardware_model import HardwareCostModel
+    from .layer_cost import trace_stage_pieces
+    costs = HardwareCostModel(hw)
+    pieces: dict = {}
+    task = bar.add_task("screening", total=len(candidates)) if bar else None
+    out = []
+    for par in candidates:
+        key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
+        if key not in pieces:
+            pieces[key] = trace_stage_pieces(config, *key, costs)
+        out.append(screen_estimate(config, par, pieces[key], hw))
+        if bar:
+            bar.advance(task)
+    return out
+
+
+def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus: int,
+             global_batch: int, hardware="a100-80gb-dgx", top: int = 10,
+             replay: int | None = None, max_tp: int | None = None,
+             micro_batches=None, max_micro_batch: int | None = None,
+             schedules=None, max_virtual_stages: int | None = None, recompute=None,
+             sequence_parallel=None, workers: int | None = None,
+             progress: bool | None = None):
+    """Plan the parallel configuration of a GPT (see the module docstring).
+
+    ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
+    of the screen's best are replayed (default max(top, 10); 0 = screen only);
+    ``max_tp`` default the GPUs per node; ``micro_batches`` an explicit list, else the
+    divisors of B/dp up to ``max_micro_batch`` (8); ``schedules``, ``recompute``,
+    ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
+    the machine's cores); ``progress``: a progress bar (default: when stderr is a tty).
+    """
+    import pandas as pd
+    from vcluster.timing import load_hardware
+    t0 = time.perf_counter()
+    config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab)
+    for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan_gpt: {name} must be a positive int, got {value!r}")
+    if replay is not None and (isinstance(replay, bool) or not isinstance(replay, int)
+                               or replay < 0):
+        raise ValueError(f"plan_gpt: replay must be an int >= 0, got {replay!r}")
+    hw = load_hardware(hardware)
+    space = SearchSpace(
+        max_tp=max_tp or hw.gpus_per_node, micro_batches=micro_batches,
+        **{k: v for k, v in (("max_micro_batch", max_micro_batch), ("schedules", schedules),
+                             ("max_virtual_stages", max_virtual_stages),
+                             ("recompute", recompute),
+                             ("sequence_parallel", sequence_parallel)) if v is not None})
+    candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, hw.device.hbm_bytes)
+    n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
+    bar = _progress(progress)
+    if bar:
+        bar.start()
+    try:
+        estimates = _screen_all(config, candidates, hw, bar)
+        order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
+        replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
+                                workers or os.cpu_count() or 1, bar)
+    finally:
+        if bar:
+            bar.stop()
+    rows = []
+    for k, i in enumerate(order):
+        par, est = candidates[i], estimates[i]
+        figures = replayed[k] if k < n_replay else {
+            "step_time_s": est.step_time_s, "tflops_per_gpu": est.tflops_per_gpu,
+            "mfu": est.mfu, "peak_memory_gb": peak_memory_bytes(config, par) / 1e9,
+            "compute_comm_ratio": est.compute_comm_ratio}
+        rows.append(_knobs(par) | figures | {"replayed": k < n_replay,
+                                             "screen_step_time_s": est.step_time_s})
+    df = pd.DataFrame(rows, columns=list(COLUMNS))
+    if len(df):
+        df = df.sort_values(["replayed", "step_time_s"], ascending=[False, True],
+                            kind="stable").reset_index(drop=True)
+    df.attrs.update(rejected=dict(sorted(rejected.items())), replayed=n_replay,
+                    candidates=len(candidates), hardware=hw.name,
+                    planning_time_s=time.perf_counter() - t0)
+    return df

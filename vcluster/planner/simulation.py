@@ -1,0 +1,233 @@
+"""Simulate one GPT training iteration on a hardware model, from the training program.
+
+1. Trace the GPT training program (:func:`pipeline_parallel.executor.train_program` with
+   the GPT stages) on shape-only 16-bit arrays, one representative rank per pipeline
+   position (data- and tensor-parallel peers are identical), for a short step of a few
+   micro-batches, on a pipeline of at most three positions — first, one middle, last —
+   whose middle one stands for every middle position of the full pipeline
+   (:func:`gpt_step_traces`);
+2. stitch the full step's traces from those actions (:mod:`vcluster.planner.stitch`),
+   following the full schedule of m = B / (dp·b) micro-batches;
+3. replay them on the hardware (:func:`vcluster.timing.engine.simulate_trace` with
+   :class:`~vcluster.timing.hardware_model.HardwareCostModel`), symmetric mode.
+
+Outputs: step time; per device compute, communication, exposed communication and bubble
+time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
+(embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
+communication charged to each as :mod:`vcluster.timing.results` defines); TFLOP/s per GPU counting the
+FLOPs actually executed (recomputation included, from the trace); MFU with the model
+FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh) over the peak of the compute dtype; peak memory
+per device (:mod:`vcluster.planner.memory`) and whether it fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from vcluster.runtime.tracing import TraceCompute, trace_program
+from pipeline_parallel.executor import train_program
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
+from .memory import gpt_memory
+from .stitch import coalesce, cut_templates, moved, stitch
+
+__all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS"]
+
+RATIO_FLAG = 10.0      # below this compute/communication ratio, communication dominates
+
+
+@dataclass(frozen=True)
+class GPTSimulation:
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    compute_comm_ratio: float
+    low_ratio: bool
+    peak_memory_gb: float
+    fits: bool
+    memory: tuple
+    gpus: int
+    microbatches: int
+    hardware: str
+    ops: tuple = ()          # OpStats per op kind, seconds per device (mean over pp ranks)
+
+    def to_json(self) -> dict:
+        """The fields as JSON values; a ratio without communication (infinite) is null."""
+        out = dataclasses.asdict(self)
+        out["memory"] = [dataclasses.asdict(m) | {"total_bytes": m.total_bytes}
+                         for m in self.memory]
+        out["compute_comm_ratio"] = _finite(self.compute_comm_ratio)
+        out["ops"] = [{"op": o.op, "compute_s": o.compute_s, "comm_s": o.comm_s,
+                       "compute_comm_ratio": _finite(o.compute_comm_ratio),
+                       "low_ratio": o.compute_comm_ratio < RATIO_FLAG} for o in self.ops]
+        return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+#: Pipeline positions traced for a deep pipeline: the first, one middle, the last.
+TRACED_POSITIONS = 3
+
+#: The op kinds of a GPT step, and the compute-op names (after "gpt: ") each begins with.
+#: A pre-LN block is LayerNorm + sublayer + residual: ln1 belongs to attention, ln2 to the
+#: MLP (whose unnamed inner products come from the FFN program: "x @ W1", ...).
+OP_KINDS = {
+    "embedding": ("embedding",),
+    "attention": ("attention", "ln1"),
+    "mlp": ("mlp", "ln2", "x @ W1", "h = x W1", "a = act", "a @ W2", "y + b2"),
+    "logits": ("logits", "head", "ce:", "final ln"),
+    "optimizer": ("optimizer",),
+}
+_INHERIT = ("residual",)       # the kind of the op before (see gpt_op_kind)
+
+
+def gpt_op_kind(name: str) -> str | None:
+    """The kind of a GPT compute op (a key of :data:`OP_KINDS`; ``"other"`` for a GPT op
+    of no known kind) from its name. None — the kind of the op before — for the residual
+    adds, which close the block they follow, and for names that are not the GPT's ops:
+    the executor's zero-cost action markers (``"0F3"``) and unnamed merged runs."""
+    rest = name[5:] if name.startswith("gpt: ") else name
+    for kind, prefixes in OP_KINDS.items():
+        if rest.startswith(prefixes):
+            return kind
+    return "other" if rest is not name and not rest.startswith(_INHERIT) else None
+
+
+def _short_microbatches(parallel: ParallelConfig) -> int:
+    """Micro-batches of the traced short step: enough for every template (two: a
+    stage's non-last and last backward), a full round of p for the interleaved schedule."""
+    m = parallel.microbatches
+    if parallel.schedule == "interleaved_1f1b":
+        return parallel.pp if m >= parallel.pp else m
+    return min(m, 2)
+
+
+def _short_position(q: int, p: int, p_short: int) -> int:
+    """The traced position that stands for pipeline position ``q`` of ``p``."""
+    return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
+
+
+def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs):
+    """(mesh, templates per position) of a short step on a pipeline of ``p_short``
+    positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
+    p, v = parallel.pp, parallel.chunks
+    short = dataclasses.replace(parallel, pp=p_short)
+    m_short = _short_microbatches(short)
+    short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
+                                       layers=config.layers // (p * v) * p_short * v)
+    short_mesh = short.mesh()
+    args = GPT(short_config).meta_args(short_mesh, short)
+    job = args[0][0]
+    traces = trace_program(short_mesh, train_program, args,
+                           ranks=list(short_mesh.group("pp", 0)))
+    return short_mesh, [coalesce(cut_templates(t, job.actions[pos], p_short * v, m_short),
+                                 costs, gpt_op_kind) for pos, t in enumerate(traces)]
+
+
+def gpt_schedule(parallel: ParallelConfig):
+    """The full step's :class:`pipelining.Schedule`."""
+    from pipelining import make_schedule
+    return make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
+                         virtual_stages=parallel.chunks
+                         if parallel.schedule == "interleaved_1f1b" else None)
+
+
+def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
+                    traced_positions: int | None = TRACED_POSITIONS) -> list:
+    """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
+    compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
+    :func:`~vcluster.planner.stitch.coalesce`).
+
+    The GPT program is traced for a short step on a pipeline of ``p' = min(p,
+    traced_positions)`` positions (``None``: all ``p``) with the same layers per stage,
+    micro-batch, dp and tp: position 0 (embedding), p'-1 (head) and the middle ones hold
+    the same stages as the full pipeline's. Each full position q takes the templates of
+    its stand-in (0, p'-1, or a middle one) with stage c·p'+q' renamed c·p+q and every
+    collective's group renamed by coordinates (pp coordinate q' -> q, dp and tp kept),
+    and is stitched following the full schedule. A test checks that this equals tracing
+    all p positions, op for op.
+    """
+    if traced_positions is not None and (isinstance(traced_positions, bool) or not
+                                         isinstance(traced_positions, int) or traced_positions < 3):
+        raise ValueError(f"gpt_step_traces: traced_positions must be an int >= 3 (first, "
+                         f"middle, last) or None (all), got {traced_positions!r}")
+    mesh = parallel.mesh()
+    parallel.check(config, mesh)
+    p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
+    p_short = p if traced_positions is None else min(p, traced_positions)
+    short_mesh, templates = _short_templates(config, parallel, p_short, costs)
+    S = p * v
+    sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
+
+    def short_stage(s):
+        return s // p * p_short + _short_position(s % p, p, p_short)
+
+    sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
+             if (d, short_stage(s)) in sizes_short}
+    schedule = schedule or gpt_schedule(parallel)
+    ranks = tuple(mesh.group("pp", 0))
+    out = []
+    for q, rank in enumerate(ranks):
+        q_short = _short_position(q, p, p_short)
+
+        def full_rank(r, q=q, q_short=q_short):
+            c = short_mesh.index(r)
+            pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
+            if pos is None:
+                raise ValueError(f"GPT trace: a collective of traced pipeline position "
+                                 f"{q_short} reaches position {c['pp']}, which stands for "
+                                 f"no single position of the full pipeline")
+            return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
+
+        t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)
+        out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=False))
+    return out
+
+
+def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
+                 traced_positions: int | None = TRACED_POSITIONS) -> GPTSimulation:
+    """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
+    ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it)."""
+    from vcluster.timing import load_hardware
+    from vcluster.timing.engine import simulate_trace
+    from vcluster.timing.hardware_model import HardwareCostModel
+
+    hw = load_hardware(hardware)
+    mesh = parallel.mesh()
+    m = parallel.microbatches
+    costs = HardwareCostModel(hw, dtype)
+    schedule = gpt_schedule(parallel)
+    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions)
+    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
+                            op_kind=gpt_op_kind)
+    step = result.step_time_s
+    flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
+    n = mesh.size
+    model_flops = megatron_model_flops(parallel.global_batch, config.seq, config.layers,
+                                       config.hidden, config.vocab)
+    memory = tuple(gpt_memory(config, parallel, schedule))
+    peak = max(mm.total_bytes for mm in memory)
+
+    def mean(d):
+        return sum(d.values()) / len(d)
+
+    ratio = result.compute_comm_ratio
+    return GPTSimulation(
+        step_time_s=step, tflops_per_gpu=sum(flops) / len(flops) / step / 1e12,
+        mfu=model_flops / (n * hw.device.peak_flops(dtype) * step),
+        compute_s=mean(result.compute_s), comm_s=mean(result.comm_s),
+        exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
+        compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
+        peak_memory_gb=peak / 1e9, fits=peak <= hw.device.hbm_bytes, memory=memory,
+        gpus=n, microbatches=m, hardware=hw.name,
+        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
+                                      comm_s=o.comm_s / len(full)) for o in result.op_stats))

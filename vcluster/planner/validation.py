@@ -1,0 +1,67 @@
+"""Predicted against published: Megatron-LM's iteration times and TFLOP/s per GPU.
+
+Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
+``megatron_sc21_table1.csv`` (TFLOP/s per GPU) is simulated with
+:func:`~vcluster.planner.simulation.simulate_gpt` on the A100-80GB DGX preset,
+with one documented default for what the tables leave out, the same for every row:
+
+* the micro-batch size: with pipeline parallelism 1 (``DEFAULT_MICRO_BATCH``, Megatron's
+  default), without it the whole per-replica batch B/dp — no gradient accumulation,
+  which only costs time when there is no pipeline to fill (:func:`micro_batch_for`);
+* the 1F1B schedule without interleaving;
+* full activation recomputation (the papers' TFLOP/s count it: 96·B·s·l·h²(...));
+* no sequence parallelism (it came after both papers), mixed precision (bf16 peak).
+
+``rel_error`` = predicted / published − 1. TFLOP/s per GPU is computed as the papers do:
+the recomputation-inclusive FLOPs 96·B·s·l·h²·(1 + s/6h + V/16lh) over (GPUs × time).
+"""
+
+from __future__ import annotations
+
+__all__ = ["validate_megatron", "micro_batch_for", "DEFAULT_MICRO_BATCH", "HARDWARE"]
+
+DEFAULT_MICRO_BATCH = 1
+HARDWARE = "a100-80gb-dgx"
+
+
+def micro_batch_for(global_batch: int, dp: int, pp: int) -> int:
+    """The documented default micro-batch of every row (see the module docstring)."""
+    return global_batch // dp if pp == 1 else DEFAULT_MICRO_BATCH
+
+
+def _row_result(source: str, case: str, metric: str, published: float, predicted: float):
+    return {"source": source, "case": case, "metric": metric, "published": published,
+            "predicted": predicted, "rel_error": predicted / published - 1.0}
+
+
+def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
+    from vcluster.timing import read_data_csv
+    from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
+    from .simulation import simulate_gpt
+
+    rows = []
+    for r in read_data_csv("megatron_2020_a100.csv")[1]:
+        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=micro_batch_for(int(r["global_batch"]), int(r["dp"]), int(r["pp"])),
+                             dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), recompute="full")
+        sim = simulate_gpt(cfg, par, hardware)
+        case = f"{r['model']} tp={r['tp']} pp={r['pp']} dp={r['dp']} ({r['gpus']} GPUs)"
+        rows.append(_row_result("megatron_2020_a100.csv", case, "iter_ms",
+                                float(r["iter_ms"]), sim.step_time_s * 1e3))
+    for r in read_data_csv("megatron_sc21_table1.csv")[1]:
+        tp, pp, gpus = int(r["tp"]), int(r["pp"]), int(r["gpus"])
+        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        dp = gpus // (tp * pp)
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=micro_batch_for(int(r["global_batch"]), dp, pp),
+                             dp=dp, pp=pp, tp=tp, recompute="full")
+        sim = simulate_gpt(cfg, par, hardware)
+        flops = megatron_flops_with_recompute(par.global_batch, cfg.seq, cfg.layers, cfg.hidden,
+                                              cfg.vocab)
+        case = f"{r['model']} tp={tp} pp={pp} dp={par.dp} ({gpus} GPUs)"
+        rows.append(_row_result("megatron_sc21_table1.csv", case, "tflops_per_gpu",
+                                float(r["tflops_per_gpu"]), flops / gpus / sim.step_time_s / 1e12))
+    return rows

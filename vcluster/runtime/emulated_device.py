@@ -1,0 +1,381 @@
+"""``EmulatedDevice``: the :class:`~vcluster.runtime.context.DeviceContext` of the emulator.
+
+It turns each call into one :class:`~vcluster.runtime.collectives.common.GroupCall` run by
+the chosen algorithm, records a trace event for it, and keeps the program's issue order
+(see :mod:`vcluster.runtime.work`). Arrays live in host memory; with ``xp = cupy`` they
+are copied to the host for the transfer and back to the GPU for the result.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from . import collectives as C
+from .algorithm import AlgorithmSettings, choose_algorithm
+from .arguments import check_root
+from .channel import USER_KIND, VirtualChannel
+from vcluster.runtime.collectives.common import Group, GroupCall, ReduceOp, scaled_shape
+from .errors import ArenaFullError
+from .events import CommEvent, ComputeEvent
+from .fabric import Fabric
+from .recorder import Recorder
+from .work import CommQueue, Work
+
+__all__ = ["EmulatedDevice"]
+
+_RESIDENT_MIN_BYTES = 64 * 1024   # results this large are allocated in the arena
+
+# (collective, algorithm) -> function(call, x, out, **arguments)
+_RUNNERS = MappingProxyType({
+    ("all_reduce", "shm"): C.shm.all_reduce, ("all_reduce", "ring"): C.messages.ring_all_reduce,
+    ("all_reduce", "tree"): C.messages.tree_all_reduce,
+    ("all_gather", "shm"): C.shm.all_gather, ("all_gather", "ring"): C.messages.ring_all_gather,
+    ("reduce_scatter", "shm"): C.shm.reduce_scatter,
+    ("reduce_scatter", "ring"): C.messages.ring_reduce_scatter,
+    ("all_to_all", "shm"): C.shm.all_to_all,
+    ("all_to_all", "pairwise"): C.messages.pairwise_all_to_all,
+    ("broadcast", "shm"): C.shm.broadcast, ("broadcast", "tree"): C.messages.tree_broadcast,
+    ("reduce", "shm"): C.shm.reduce, ("reduce", "tree"): C.messages.tree_reduce,
+    ("scatter", "shm"): C.shm.scatter, ("scatter", "pairwise"): C.messages.pairwise_scatter,
+    ("gather", "shm"): C.shm.gather, ("gather", "pairwise"): C.messages.pairwise_gather,
+})
+
+
+def _local(collective: str, x, out, op=None, root=0, dim=0, **_):
+    """A group of one: every collective is a copy (barrier: nothing)."""
+    if collective == "barrier":
+        return None
+    res = np.array(x, copy=True) if out is None else out
+    if out is not None and out is not x:
+        np.copyto(out, x)
+    return res
+
+
+@dataclass(eq=False)
+class _RecvRequest:
+    """A posted receive: filled by whichever wait reaches it first."""
+
+    src: int
+    tag: int
+    out: object
+    done: bool = False
+    result: object = None
+
+
+class EmulatedDevice:
+    """The ``dev`` a per-device program receives on a :class:`VirtualCluster`."""
+
+    def __init__(self, rank: int, mesh, fabric: Fabric, channel: VirtualChannel,
+                 recorder: Recorder, xp, settings: AlgorithmSettings):
+        self.rank = rank
+        self.mesh = mesh
+        self.index = mesh.index(rank)
+        self.xp = xp
+        self._f, self._channel, self._recorder = fabric, channel, recorder
+        self._settings = settings
+        self._groups: dict = {}
+        self._seq = [0] * (1 << len(mesh.axes))
+        self._run_base = list(self._seq)
+        self._queue = CommQueue(rank)
+        self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
+        self._delays = None          # vcluster.runtime.faults.DeviceDelays of injected faults, or None
+
+    def __repr__(self) -> str:
+        return f"EmulatedDevice(rank={self.rank}, index={self.index!r})"
+
+    # --- memory ---------------------------------------------------------------------
+    def empty(self, shape, dtype=np.float32):
+        """An uninitialised array in this device's shared-memory arena (numpy only).
+
+        Collectives read and write such arrays in place, without staging copies.
+        """
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dtype = np.dtype(dtype)
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            return np.empty(shape, dtype)
+        arr = self._f.arenas[self.rank].empty(shape, dtype)
+        if arr is None:
+            raise self._arena_full(shape, dtype)
+        return arr
+
+    def _arena_full(self, shape, dtype) -> ArenaFullError:
+        arena = self._f.arenas[self.rank]
+        return ArenaFullError(
+            f"rank {self.rank}: no room for an array of shape {tuple(shape)} and dtype "
+            f"{np.dtype(dtype)} in the {arena.size_bytes}-byte arena ({arena.used_bytes} "
+            "bytes in use); release arrays or raise VirtualCluster(arena_bytes=...)")
+
+    def _alloc(self, shape, dtype, resident: bool) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes and (resident or nbytes >= _RESIDENT_MIN_BYTES):
+            arr = self._f.arenas[self.rank].empty(shape, dtype)
+            if arr is not None:
+                return arr
+            if resident:
+                raise self._arena_full(shape, dtype)
+        return np.empty(shape, dtype)
+
+    # --- host/device arrays (numpy or cupy) -------------------------------------------
+    def _host(self, x):
+        if x is None or isinstance(x, np.ndarray):
+            return x
+        if self.xp is not np and hasattr(x, "__cuda_array_interface__"):
+            return self.xp.asnumpy(x)
+        return np.asarray(x)
+
+    def _device(self, x):
+        return x if x is None or self.xp is np else self.xp.asarray(x)
+
+    # --- compute --------------------------------------------------------------------
+    @contextmanager
+    def compute(self, name: str, flops: float = 0, bytes: int = 0):
+        """Declare the work inside the block: ``flops`` operations touching ``bytes``."""
+        if flops < 0 or bytes < 0:
+            raise ValueError(f"compute({name!r}): flops and bytes must be >= 0, "
+                             f"got flops={flops}, bytes={bytes}")
+        start = time.perf_counter()
+        yield
+        if self._delays is not None:          # an injected slow device (vcluster.runtime.faults)
+            time.sleep(self._delays.compute_extra_s(time.perf_counter() - start))
+        self._recorder.record(ComputeEvent(self.rank, str(name), float(flops), int(bytes),
+                                           start, time.perf_counter()))
+
+    # --- groups ---------------------------------------------------------------------
+    def _group(self, axis) -> Group:
+        key = axis if isinstance(axis, (str, type(None))) else tuple(axis)
+        group = self._groups.get(key)
+        if group is None:
+            axes = self.mesh.axis_tuple(axis)
+            members = self.mesh.group(axes, self.rank)
+            slot = sum(1 << self.mesh.axes.index(a) for a in axes)
+            group = Group(axes, members, slot, members.index(self.rank))
+            self._groups[key] = group
+        return group
+
+    def set_delays(self, delays) -> None:
+        """Slow this device or its links (a :class:`vcluster.runtime.faults.DeviceDelays`; None: off)."""
+        self._delays = delays if delays is not None and delays.active else None
+
+    def _link_delay(self, peers, start: float) -> None:
+        if self._delays is not None:          # an injected slow link (vcluster.runtime.faults)
+            time.sleep(self._delays.transfer_extra_s(peers, time.perf_counter() - start))
+
+    def reset(self) -> None:
+        """Forget call numbers (the host zeroes the shared counters at the same time)."""
+        self._seq = [0] * len(self._seq)
+        self._posted_recvs = {}
+        self._run_base = list(self._seq)
+
+    def begin_run(self) -> None:
+        """Mark the start of a run: error messages number calls from here."""
+        self._run_base = list(self._seq)
+
+    # --- the collective engine ----------------------------------------------------------
+    def _collective(self, name: str, axis, x, out, async_op: bool, algorithm: str, **args):
+        group = self._group(axis)
+        nbytes = 0 if x is None else x.nbytes
+        alg = choose_algorithm(name, nbytes, group.size, self._settings, algorithm)
+        host_out = out if out is None or isinstance(out, np.ndarray) else None
+
+        def thunk():
+            start = time.perf_counter()
+            if alg == "local":
+                res = _local(name, x, host_out, **args)
+                event = CommEvent(self.rank, name, group.members, alg, nbytes, (), (), 0,
+                                  start, time.perf_counter())
+            else:
+                self._seq[group.slot] += 1
+                call = GroupCall(self._f, self._channel, group, self._seq[group.slot], name,
+                                 alg, self._alloc, self._run_base[group.slot])
+                if name == "barrier":
+                    res = C.shm.barrier(call)
+                else:
+                    res = _RUNNERS[(name, alg)](call, x, host_out, **args)
+                call.finish()
+                self._link_delay(group.members, start)
+                event = call.event(nbytes, start, time.perf_counter())
+            self._recorder.record(event)
+            if out is not None and host_out is None and res is not None:
+                out[...] = self.xp.asarray(res)
+                return out
+            return self._device(res)
+
+        if async_op:
+            work = Work(self._f.check_abort, future=self._queue.submit(thunk))
+            # Give the GIL away for a moment so the communication thread starts the
+            # collective now, not when this thread next blocks: overlap is real.
+            time.sleep(0)
+            return work
+        if self._queue.idle():
+            return thunk()
+        return Work(self._f.check_abort, future=self._queue.submit(thunk)).wait()
+
+    def synchronize(self) -> None:
+        """Wait for every queued operation and post every buffered send (the end of each
+        run does this, so no message is left behind in this process)."""
+        self._queue.drain(self._f.check_abort)
+        self._channel.flush()
+
+    def close(self) -> None:
+        self._queue.shutdown()
+
+    # --- collectives ----------------------------------------------------------------
+    def all_reduce(self, x, axis=None, op="sum", *, out=None, async_op=False, algorithm="auto"):
+        x = self._host(x)
+        return self._collective("all_reduce", axis, x, out, async_op, algorithm,
+                                op=ReduceOp.parse(op, x.dtype))
+
+    def all_gather(self, x, axis=None, dim=0, *, out=None, async_op=False, algorithm="auto"):
+        x = self._host(x)
+        scaled_shape(x.shape, dim, 1, False, "all_gather")
+        return self._collective("all_gather", axis, x, out, async_op, algorithm, dim=dim)
+
+    def reduce_scatter(self, x, axis=None, dim=0, op="sum", *, out=None, async_op=False,
+                       algorithm="auto"):
+        x = self._host(x)
+        scaled_shape(x.shape, dim, self._group(axis).size, True, "reduce_scatter")
+        return self._collective("reduce_scatter", axis, x, out, async_op, algorithm, dim=dim,
+                                op=ReduceOp.parse(op, x.dtype))
+
+    def all_to_all(self, x, axis=None, split_dim=0, concat_dim=0, *, out=None,
+                   async_op=False, algorithm="auto"):
+        x = self._host(x)
+        scaled_shape(x.shape, split_dim, self._group(axis).size, True, "all_to_all")
+        scaled_shape(x.shape, concat_dim, 1, False, "all_to_all")
+        return self._collective("all_to_all", axis, x, out, async_op, algorithm,
+                                split_dim=split_dim, concat_dim=concat_dim)
+
+    def broadcast(self, x, axis=None, root=0, *, out=None, async_op=False, algorithm="auto"):
+        root = self._root(axis, root, "broadcast")
+        x = self._host(x) if self._group(axis).position == root else None
+        self._need_root_input("broadcast", axis, root, x)
+        return self._collective("broadcast", axis, x, out, async_op, algorithm, root=root)
+
+    def scatter(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
+                algorithm="auto"):
+        root = self._root(axis, root, "scatter")
+        x = self._host(x) if self._group(axis).position == root else None
+        self._need_root_input("scatter", axis, root, x)
+        if x is not None:
+            scaled_shape(x.shape, dim, self._group(axis).size, True, "scatter")
+        return self._collective("scatter", axis, x, out, async_op, algorithm, root=root,
+                                dim=dim)
+
+    def gather(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
+               algorithm="auto"):
+        root = self._root(axis, root, "gather")
+        x = self._host(x)
+        scaled_shape(x.shape, dim, 1, False, "gather")
+        return self._collective("gather", axis, x, out, async_op, algorithm, root=root, dim=dim)
+
+    def reduce(self, x, axis=None, root=0, op="sum", *, out=None, async_op=False,
+               algorithm="auto"):
+        root = self._root(axis, root, "reduce")
+        x = self._host(x)
+        return self._collective("reduce", axis, x, out, async_op, algorithm, root=root,
+                                op=ReduceOp.parse(op, x.dtype))
+
+    def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
+        return self._collective("barrier", axis, None, None, async_op, algorithm)
+
+    def _root(self, axis, root, what: str) -> int:
+        return check_root(root, self._group(axis).size, what)
+
+    def _need_root_input(self, what: str, axis, root: int, x) -> None:
+        if self._group(axis).position == root and x is None:
+            raise ValueError(f"{what}: the root (rank {self.rank}) must pass an array, got None")
+
+    # --- point to point -------------------------------------------------------------
+    def _peer(self, peer, what: str) -> int:
+        try:
+            peer = operator.index(peer)
+        except TypeError:
+            raise TypeError(f"{what}: expected an int rank, got {peer!r}") from None
+        if not 0 <= peer < self.mesh.size:
+            raise ValueError(f"{what}: rank {peer} is not in the mesh (valid: 0..{self.mesh.size - 1})")
+        return peer
+
+    @staticmethod
+    def _tag(tag) -> int:
+        tag = operator.index(tag)
+        if not 0 <= tag < 2**62:
+            raise ValueError(f"tag must be an int in [0, 2**62), got {tag}")
+        return tag
+
+    def _p2p_event(self, name, peer, x, tag, start, sent) -> None:
+        pair = ((peer, x.nbytes, 1),) if peer != self.rank else ()
+        self._recorder.record(CommEvent(self.rank, name, (self.rank, peer), "p2p", x.nbytes,
+                                        pair if sent else (), () if sent else pair, tag,
+                                        start, time.perf_counter()))
+
+    def send(self, x, to: int, tag: int = 0) -> None:
+        """Send ``x`` to global rank ``to``; returns once the payload is copied out."""
+        to, tag, x = self._peer(to, "send"), self._tag(tag), self._host(x)
+        start = time.perf_counter()
+        self._channel.send_buffered(to, USER_KIND, tag, x)
+        self._link_delay(to, start)
+        self._p2p_event("send", to, x, tag, start, True)
+
+    def isend(self, x, to: int, tag: int = 0) -> Work:
+        """Start sending ``x``; keep it unchanged until ``wait()`` (zero-copy from the arena)."""
+        to, tag, x = self._peer(to, "isend"), self._tag(tag), self._host(x)
+        start = time.perf_counter()
+        handle = self._channel.isend(to, USER_KIND, tag, x)
+
+        def finish(_):
+            handle.wait()
+            self._p2p_event("send", to, x, tag, start, True)
+
+        return Work(self._f.check_abort, after=finish)
+
+    def recv(self, src: int, tag: int = 0, *, out=None):
+        """Receive the next message from ``src`` with ``tag`` (after earlier irecvs)."""
+        return self._complete(self._post_recv(src, tag, out, "recv"))
+
+    def irecv(self, src: int, tag: int = 0, *, out=None) -> Work:
+        """Post a receive now; ``wait()`` returns its array. Receives of one (src, tag)
+        match messages in the order they were posted, whatever order they are waited in."""
+        request = self._post_recv(src, tag, out, "irecv")
+        return Work(self._f.check_abort, resolve=lambda: self._complete(request))
+
+    def _post_recv(self, src, tag, out, what: str) -> "_RecvRequest":
+        src, tag = self._peer(src, what), self._tag(tag)
+        request = _RecvRequest(src, tag, out)
+        self._posted_recvs.setdefault((src, tag), deque()).append(request)
+        return request
+
+    def _complete(self, request: "_RecvRequest"):
+        """Receive messages for the posted requests of (src, tag), oldest first, until
+        ``request`` has its own."""
+        if request.done:
+            return request.result
+        key = (request.src, request.tag)
+        queue = self._posted_recvs[key]
+        while not request.done:
+            head = queue[0]
+            head.result = self._receive_now(head.src, head.tag, head.out)
+            head.done = True
+            queue.popleft()
+        if not queue:
+            del self._posted_recvs[key]
+        return request.result
+
+    def _receive_now(self, src: int, tag: int, out):
+        start = time.perf_counter()
+        host_out = out if out is None or isinstance(out, np.ndarray) else None
+        res = self._channel.recv_into(src, USER_KIND, tag, f"recv (tag {tag})", host_out,
+                                      lambda s, d: self._alloc(s, d, False))
+        self._link_delay(src, start)
+        self._p2p_event("recv", src, res, tag, start, False)
+        if out is not None and host_out is None:
+            out[...] = self.xp.asarray(res)
+            return out
+        return self._device(res)

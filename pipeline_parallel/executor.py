@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sharding import shard_slices
+from vcluster.runtime.faults import crash_this_device
+
 from .functional import loss_and_grad
 from .layers import LayerSpec, StageLayers
 from .optim import Optimizer, OptimizerConfig
@@ -191,7 +193,6 @@ def train_program(dev, job: TrainJob, X, Y):
     all_X, all_Y = X, Y
     for step in range(job.steps):
         if job.first_step + step in crash_steps:
-            from vcluster.runtime.faults import crash_this_device
             crash_this_device()
         if job.per_step_data:              # sampled mini-batches: this step's rows
             X = None if all_X is None else all_X[step]

@@ -30,10 +30,19 @@ from functools import partial
 
 import numpy as np
 
+from mesh import Mesh
+from pipelining import SCHEDULE_NAMES, make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
-from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
-                                         param_layout, split_dim)
+from tensor_parallel.transformer import (
+    RECOMPUTE,
+    TransformerLayer,
+    TransformerStage,
+    param_layout,
+    split_dim,
+)
+from vcluster.runtime.tracing import MetaArray
+
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
 from .optim import Optimizer, OptimizerConfig
@@ -100,7 +109,6 @@ class ParallelConfig:
     recompute: str = "none"
 
     def __post_init__(self):
-        from pipelining import SCHEDULE_NAMES
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
             _pos_int(getattr(self, f), f"ParallelConfig: {f}")
@@ -123,7 +131,6 @@ class ParallelConfig:
         return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
 
     def mesh(self):
-        from mesh import Mesh
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
 
     def check(self, config: GPTConfig, mesh) -> None:
@@ -223,7 +230,6 @@ class GPT:
     def train_job(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
                   params=None, bucket_bytes: int = 1 << 20) -> TrainJob:
         """The executor's job (``params``: global arrays by name, default the seed's)."""
-        from pipelining import make_schedule
         parallel.check(self.config, mesh)
         S, m = parallel.pp * parallel.chunks, parallel.microbatches
         per, sched = self.config.layers // S, make_schedule(
@@ -252,7 +258,6 @@ class GPT:
                   bucket_bytes: int = 1 << 20) -> list[tuple]:
         """``device_args`` on shape-only arrays, for ``trace_program(mesh, train_program,
         ...)`` (or ``forward_program``) at any scale."""
-        from vcluster.runtime.tracing import MetaArray
         params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
         data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
         return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from vcluster.runtime.errors import DeviceLostError, VClusterError
+from vcluster.runtime.faults import CrashFault, parse_faults
+
 from .checkpoint import TrainingState, latest_checkpoint, load_checkpoint, save_checkpoint
 from .executor import TrainJob, train_program
 from .optim import Optimizer
@@ -117,7 +119,6 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
     Returns the :class:`~pipeline_parallel.mlp.FitResult` of the whole run, with
     ``recoveries`` and ``checkpoints`` filled in.
     """
-    from vcluster.runtime.faults import CrashFault, parse_faults
     every = _check_policy(checkpoint_every, checkpoint_dir, recovery)
     faults = parse_faults(faults, "faults", cluster.mesh.size)
     crashes = {(f.rank, f.at_step) for f in faults if isinstance(f, CrashFault)}

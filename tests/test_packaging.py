@@ -47,12 +47,28 @@ def test_wheel_holds_every_package_and_the_published_tables(wheel):
     assert not any(n.startswith(("tests/", "scenarios/")) for n in names)
 
 
+def _see_this_environments_packages(python) -> None:
+    """Let the new environment import what this test's interpreter has installed (numpy,
+    simpy, pip, ...) through a ``.pth`` file of its site-packages directories — this
+    interpreter's, a virtualenv's or the system's alike (``system_site_packages`` would
+    give the base interpreter's, which a virtualenv does not use). A plain directory
+    listed in a ``.pth`` has its own ``.pth`` files ignored, so an editable vcluster
+    installed here stays out; vcluster comes from the wheel, which the environment's own
+    site-packages put first."""
+    site_dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages",
+                                                                  "dist-packages")]
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; "
+                              "print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, timeout=60, check=True)
+    with open(os.path.join(purelib.stdout.strip(), "outer-site.pth"), "w") as f:
+        f.write("".join(d + "\n" for d in site_dirs))
+
+
 def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_path):
     env_dir = tmp_path / "env"
-    # the machine's packages (numpy, simpy, pip, ...) stay visible; vcluster itself comes
-    # from the wheel, which the environment's own site-packages put first
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    _see_this_environments_packages(python)
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     install = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "-q",
                               str(wheel)],

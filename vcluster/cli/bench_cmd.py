@@ -67,12 +67,14 @@ def add_parser(commands) -> None:
 
 def _maybe_json(path, obj) -> None:
     if path:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(path, obj)
         print(f"wrote {path}")
 
 
 def _collectives(args) -> int:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from vcluster import VirtualCluster
     from .bench_collectives import format_header, format_row, run_collectives_bench
@@ -84,6 +86,7 @@ def _collectives(args) -> int:
             cluster, args.sizes, args.ops, args.paths, args.dtype, args.algorithm, args.reps,
             progress=lambda rec: print(format_row(rec), flush=True))
     if args.engine == "torch":
+        # lazy: keeps vcluster --help fast
         from vcluster.torchdist import TorchCluster
         from .bench_collectives import format_comparison
         with TorchCluster(Mesh((args.devices,), ("x",))) as cluster:

@@ -131,6 +131,7 @@ def _default_reps(nbytes: int) -> int:
 def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
                           algorithm="auto", reps=None, warmup=1, progress=None) -> list[BenchRecord]:
     """Measure every (op, size, path) on ``cluster``; returns one record each."""
+    # lazy: keeps vcluster --help fast
     from vcluster.runtime.algorithm import choose_algorithm
     n = cluster.mesh.size
     backend = (getattr(cluster, "info", None) or {}).get("torch_backend")   # torch engine
@@ -166,6 +167,7 @@ def _fmt_time(seconds: float) -> str:
 
 
 def format_row(rec: BenchRecord) -> str:
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario.units import format_size
     return (f"{rec.op:<15}{rec.path:<10}{rec.algorithm:<10}{format_size(rec.bytes):>9}"
             f"{_fmt_time(rec.median_s):>12}{rec.algbw_gbps:>10.3f}{rec.busbw_gbps:>10.3f}"
@@ -183,6 +185,7 @@ def format_table(records: list[BenchRecord]) -> str:
 
 def format_comparison(emulator: list[BenchRecord], torch: list[BenchRecord]) -> str:
     """The two engines' figures for the same (op, path, bytes), side by side."""
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario.units import format_size
     other = {(r.op, r.path, r.bytes): r for r in torch}
     lines = [f"{'op':<15}{'path':<10}{'bytes':>9}{'emulator':>12}{'busbw':>9}"

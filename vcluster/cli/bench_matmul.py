@@ -17,6 +17,7 @@ __all__ = ["measure_matmul"]
 
 
 def measure_matmul(m: int, k: int, n: int, devices: int, reps: int, dtype: str = "float32") -> dict:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from sharding import TensorSharding as TS
     from tensor_parallel import MatMul, MatMulSharding

@@ -125,6 +125,7 @@ def predict_workload(wl: Workload, spec, core_queues: bool = False) -> float:
 
 def predict_run(wl: Workload, spec, core_queues: bool = False) -> tuple[float, float]:
     """(step time, the core pool's work: single-core seconds) of ``wl``'s replay."""
+    # lazy: keeps vcluster --help fast
     from vcluster.timing.engine import simulate_trace
     from vcluster.localhost.cost_model import localhost_model, localhost_traces
     model = localhost_model(spec, wl.mesh.size, wl.dtype, core_queues)
@@ -175,6 +176,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     ``steps``: each program's back-to-back steps per timed run (times per step).
     ``core_queues``: predict on per-core queues (:mod:`vcluster.timing.core_queues`).
     """
+    # lazy: keeps vcluster --help fast
     from vcluster import VirtualCluster
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"run_workloads: rounds must be an int >= 1, got {rounds!r}")
@@ -311,6 +313,7 @@ def _predict(args) -> int:
     if args.reprice:
         from .bench_predict_reprice import reprice_command
         return reprice_command(args)
+    # lazy: keeps vcluster --help fast
     from vcluster.localhost.cost_model import load_localhost_spec, save_localhost_spec
     from vcluster.localhost.calibrate import calibrate_localhost
     def calibrate_again():
@@ -318,6 +321,7 @@ def _predict(args) -> int:
         return calibrate_localhost(args.devices)
 
     if args.scenario:                           # checked before a calibration's 20 s
+        # lazy: keeps vcluster --help fast
         from vcluster.scenario import load_scenario
         from .bench_predict_scenarios import check_emulates
         for path in args.scenario:

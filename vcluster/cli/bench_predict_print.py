@@ -34,6 +34,7 @@ def _print_header(first: str, width: int, note: str = "") -> None:
 
 def _write_record(path, record: dict) -> None:
     if path:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(path, record)
         print(f"wrote {path}")

@@ -88,6 +88,7 @@ def reprice(record: dict, core_queues: bool = False, progress=None) -> dict:
     """``record`` (a ``bench predict --json`` record, as a dict) with every prediction made
     again by this tree's model under the record's calibrations, paired with the same
     measurements (module doc). ``progress(row)`` gets each new row."""
+    # lazy: keeps vcluster --help fast
     from vcluster.localhost.spec import LocalhostSpec
     from .bench_predict import priced, stepped, workloads_record
     try:

@@ -34,6 +34,7 @@ GOAL = 0.25                         # |predicted / measured - 1| of every point
 
 def emulated_scenarios(directory: Path = SCENARIO_DIR) -> list[Path]:
     """The bundled scenario files that emulate."""
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import load_scenario
     if not directory.is_dir():
         raise FileNotFoundError(f"bench predict --scenarios: no scenario folder {directory} "
@@ -52,6 +53,7 @@ def check_emulates(scenario, path) -> None:
 def scenario_workloads(paths=None) -> list:
     """One :class:`~vcluster.cli.bench_predict_workloads.Workload` per sweep point of ``paths``
     (default: :func:`emulated_scenarios`); a scenario that only simulates is an error."""
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import build_workload, load_scenario, sweep_points
     from .bench_predict_workloads import Workload
     out = []

@@ -46,6 +46,7 @@ class Workload:
 
 
 def _meta(x):
+    # lazy: keeps vcluster --help fast
     from vcluster.runtime.tracing import meta_like
     return meta_like(x) if isinstance(x, np.ndarray) else x
 
@@ -61,6 +62,7 @@ def _sweep_program(dev, op: str, x, calls: int):
 
 
 def _sweep(name: str, tiny: bool) -> Workload:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     op, size = name.split("-")
     n = 8
@@ -73,6 +75,7 @@ def _sweep(name: str, tiny: bool) -> Workload:
 
 
 def _matmul(tiny: bool) -> Workload:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from sharding import TensorSharding as TS, shard
     from tensor_parallel import MatMul, MatMulSharding
@@ -92,6 +95,7 @@ def _ffn_program(dev, op, x, w1, b1, w2, b2, dy):
 
 
 def _ffn(tiny: bool) -> Workload:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from sharding import shard
     from tensor_parallel import FeedForward
@@ -110,6 +114,7 @@ def _ffn(tiny: bool) -> Workload:
 
 
 def _mlp(tiny: bool) -> Workload:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from pipeline_parallel import MLP
     from pipeline_parallel.executor import TrainJob, train_program

@@ -133,6 +133,7 @@ def _simulate_scale(args) -> int:
                   f"tracing every position; same step time: "
                   f"{base['step_time_s'] == fast['step_time_s']}")
     if args.json:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(args.json, rows)
         print(f"wrote {args.json}")

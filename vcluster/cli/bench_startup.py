@@ -22,6 +22,7 @@ def _noop(dev):
 
 
 def measure_startup(devices: int, repeat: int) -> dict:
+    # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from vcluster import VirtualCluster
     baseline, startup, first_run = [], [], []

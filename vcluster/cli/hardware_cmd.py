@@ -122,6 +122,7 @@ def _is_calibration(name: str) -> bool:
         data = yaml.safe_load(path.read_text("utf-8"))   # JSON is YAML too
     except (yaml.YAMLError, UnicodeDecodeError):
         return False
+    # lazy: keeps vcluster --help fast
     from vcluster.localhost.spec import is_localhost_spec_data
     return is_localhost_spec_data(data)
 
@@ -130,6 +131,7 @@ def run_show(args) -> int:
     """Print one preset, YAML file or saved localhost calibration; an unknown name raises
     ValueError listing the presets."""
     if _is_calibration(args.name):
+        # lazy: keeps vcluster --help fast
         from vcluster.localhost.cost_model import load_localhost_spec
 
         from .localhost_spec_text import format_localhost_spec
@@ -145,6 +147,7 @@ def run_show(args) -> int:
 def run_calibrate(args) -> int:
     """Measure this machine on ``args.devices`` devices, print the figures and, with
     ``args.out``, save them (atomically) for ``hardware.calibration``."""
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario.hardware import LocalhostCalibrations
     from vcluster.localhost.cost_model import save_localhost_spec
 

@@ -45,6 +45,7 @@ def add_parser(commands) -> None:
 
 
 def _export(args) -> int:
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario.oracle_export import ExportError, describe_engine, export_scenario
     from vcluster.oracle import load_golden
     from vcluster.scenario import ScenarioError
@@ -65,6 +66,7 @@ def _export(args) -> int:
 
 
 def _check(args) -> int:
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario.oracle_export import check_dirs, describe_engine
     from vcluster.oracle import load_golden
     try:

@@ -79,6 +79,7 @@ def _print_table(df, top: int) -> None:
 
 
 def _gpt(args) -> int:
+    # lazy: keeps vcluster --help fast
     from vcluster.planner.search import REJECT_REASONS, plan_gpt
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     if args.replay is not None and args.replay < 0:
@@ -99,10 +100,12 @@ def _gpt(args) -> int:
         print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")
     result = plan_json(df)
     if args.json:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(args.json, result)
         print(f"wrote {args.json}")
     if args.out:
+        # lazy: keeps vcluster --help fast
         from reports.plan_plot import plan_png
         from vcluster.runtime.files import write_bytes_atomic, write_json
         write_json(os.path.join(args.out, "plan.json"), result)

@@ -58,6 +58,7 @@ def add_parser(commands) -> None:
 
 
 def _load(args):
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import ScenarioError, load_scenario
     try:
         return load_scenario(args.file, args.overrides), None
@@ -67,6 +68,7 @@ def _load(args):
 
 
 def _validate(args) -> int:
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import resolve_mesh, sweep_points
     scenario, code = _load(args)
     if scenario is None:
@@ -79,6 +81,7 @@ def _validate(args) -> int:
 
 
 def _schema(args) -> int:
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import scenario_schema
     print(json.dumps(scenario_schema(), indent=2))
     return 0
@@ -93,6 +96,7 @@ def _out_dir(args, scenario) -> Path:
 
 
 def _run(args) -> int:
+    # lazy: keeps vcluster --help fast
     from reports import write_report
     from vcluster.scenario import ScenarioError, run_scenario
     scenario, code = _load(args)

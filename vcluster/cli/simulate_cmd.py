@@ -41,6 +41,7 @@ def add_parser(commands) -> None:
 
 
 def _gpt(args) -> int:
+    # lazy: keeps vcluster --help fast
     from pipeline_parallel.gpt import GPTConfig, ParallelConfig
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     from vcluster.planner.simulation import RATIO_FLAG, simulate_gpt
@@ -65,6 +66,7 @@ def _gpt(args) -> int:
           f"({'fits' if r.fits else 'does NOT fit'})")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(args.json, r.to_json())
         print(f"wrote {args.json}")

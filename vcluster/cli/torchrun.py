@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rank, world, local = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
 
+    # lazy: keeps vcluster --help fast
     import torch.distributed as dist
     from vcluster.oracle import engine_description, golden_from_run, save_golden
     from vcluster.scenario.oracle_export import scenario_layouts

@@ -19,6 +19,7 @@ def add_parser(commands) -> None:
 
 
 def validation_rows() -> dict:
+    # lazy: keeps vcluster --help fast
     from vcluster.planner.validation import validate_megatron
     from vcluster.timing import validate_nccl
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
@@ -37,6 +38,7 @@ def _run(args) -> int:
     print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
           f"max |error| {100 * result['max_abs_rel_error']:.1f}%")
     if args.json:
+        # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(args.json, result)
         print(f"wrote {args.json}")

@@ -58,19 +58,21 @@ from functools import reduce as _fold
 
 import numpy as np
 
+from mesh import Mesh
+from vcluster.runtime.cluster import VirtualCluster
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.runtime.traffic import collective_traffic
+from vcluster.timing.core_pool import CorePoolSpec
 
-from .cores import usable_cores
-from .cost_model import LocalhostSpec
 from .bytes import moved_bytes
 from .calls import CallCpu, cluster_sizes, measure_call_cpu
+from .cores import usable_cores
+from .cost_model import LocalhostSpec
 from .gaps import measure_gap_cpu
-from vcluster.timing.core_pool import CorePoolSpec
-from .start import measure_start
 from .host_work import device_host_rates
 from .messages import measure_message_sides
 from .p2p import LARGE_BYTES, busy_copy_bytes_per_s, exchange, pair_cpu_s
+from .start import measure_start
 
 __all__ = ["calibrate_localhost", "DEFAULT_MESSAGE_BYTES"]
 
@@ -290,8 +292,6 @@ def calibrate_localhost(devices: int = 8, message_bytes: tuple = DEFAULT_MESSAGE
     quota: :func:`~vcluster.localhost.cores.usable_cores`). See the module docstring
     for each figure.
     """
-    from mesh import Mesh
-    from vcluster.runtime.cluster import VirtualCluster
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 2:
         raise ValueError(f"calibrate_localhost: devices must be an int >= 2, got {devices!r}")
     sizes = tuple(message_bytes)

@@ -46,6 +46,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from mesh import Mesh
+from vcluster.runtime.tracing import MetaArray, trace_program
 from vcluster.runtime.tracing.host import HOST_OP
 
 __all__ = ["TracerRates", "measure_tracer_rates", "reference_calls", "reference_arrays",
@@ -135,8 +137,6 @@ def _segments(ops) -> tuple[float, int, int, float]:
 
 def measure_tracer_rates() -> TracerRates:
     """Measure :class:`TracerRates` here and now by tracing the reference programs."""
-    from mesh import Mesh
-    from vcluster.runtime.tracing import MetaArray, trace_program
     mesh = Mesh((1,), ("x",))
     arrays = reference_arrays(lambda s: MetaArray(s, np.float64))
     segment, per_call, python, outside = [], [], [], []
@@ -267,7 +267,6 @@ def localhost_traces(model, mesh, program, meta_args, ranks=None,
     ranking of layouts), each host op's work the median
     (:func:`median_host_work`) — then
     :meth:`~vcluster.localhost.cost_model.LocalhostCostModel.prepare_traces` (``model``)."""
-    from vcluster.runtime.tracing import trace_program
     if not model.host_timed:
         return model.prepare_traces(trace_program(mesh, program, meta_args, ranks=ranks))
     if tracer_rates is not None:

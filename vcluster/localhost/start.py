@@ -38,6 +38,12 @@ from collections import Counter
 
 import numpy as np
 
+from mesh import Mesh
+from vcluster.runtime.cluster import VirtualCluster
+from vcluster.runtime.tracing.host import HOST_OP
+from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
+from vcluster.timing.engine import simulate_trace
+
 __all__ = ["START_S", "SPIN_S", "timed_run", "timed_run_cpu", "timed_run_core", "timed_call",
            "current_core",
            "run_wall_s", "measure_start", "start_figures", "core_split",
@@ -136,8 +142,6 @@ def measure_start(sizes, call_cpu_s, pool) -> tuple[tuple, tuple | None]:
     runs)`` counted over the timed runs, or None where the platform cannot tell a
     process's core. ``f`` is one pool's (:func:`first_call_factor`); a model on per-core
     queues solves its own from the same walls (:func:`queue_start_figures`)."""
-    from mesh import Mesh
-    from vcluster.runtime.cluster import VirtualCluster
     walls, splits = {}, Counter()
     x = np.ones(CALL_BYTES_START // 8)
     for d in sizes:
@@ -194,9 +198,7 @@ def first_call_factor(w0: float, w1: float, devices: int, call_cpu_s: float, poo
     One pool gives the closed form ``1 + max(0, w1 - w0 - D c / T) T / (D c)``; a pool with
     placements (per-core queues, :mod:`.core_queues`) the ``f`` found by bisection
     (the closed form its upper bound: uneven queues only lengthen the replay)."""
-    from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute
 
-    from vcluster.timing.engine import simulate_trace
     d, c, t = devices, call_cpu_s, pool.throughput_at(devices)
     closed = 1.0 + max(0.0, w1 - w0 - d * c / t) * t / (d * c)
     if not pool.placements or closed == 1.0:
@@ -259,8 +261,6 @@ def prepare_traces(model, traces) -> list:
       receive to a receive or to the end (between messages a rank runs warm, as the
       pipelines measure in the programs themselves: see :mod:`.gaps`).
     """
-    from vcluster.runtime.tracing.host import HOST_OP
-    from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv
 
     from .gaps import ColdStretch
     wall, factor = queue_start_figures(model)
@@ -313,6 +313,5 @@ def prepare_traces(model, traces) -> list:
 
 def _add_work(ops: list, name: str, seconds: float) -> None:
     """Append a work op of ``seconds`` named ``name`` to ``ops`` (nothing for 0)."""
-    from vcluster.runtime.tracing.ops import TraceCompute
     if seconds > 0.0:
         ops.append(TraceCompute(name, 0.0, 0, seconds=seconds))

@@ -33,7 +33,8 @@ import itertools
 import numpy as np
 import pandas as pd
 
-from sharding import TensorSharding as TS, local_shape, plan_redistribute, redistribute
+from sharding import TensorSharding as TS
+from sharding import local_shape, plan_redistribute, redistribute
 from tensor_parallel.ffn import FeedForward
 from tensor_parallel.ffn_sharding import FeedForwardSharding, FeedForwardShardingPolicy
 from tensor_parallel.matmul import MatMul

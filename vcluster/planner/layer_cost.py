@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mesh import Mesh
+from tensor_parallel.attention import TransformerOps
+from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
+from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
+
 __all__ = ["PieceCost", "StagePieces", "trace_stage_pieces"]
 
 _MARK = "screen: end of piece"
@@ -81,10 +86,6 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
 
 
 def _program(dev, config, b: int, sp: bool, recompute: str):
-    from tensor_parallel.attention import TransformerOps
-    from tensor_parallel.transformer import (TransformerLayer, VocabParallelEmbedding,
-                                             VocabParallelHead)
-    from vcluster.runtime.tracing import MetaArray
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     meta = {n: MetaArray(shape, np.float16) for n, shape in _local_shapes(h, s, V, t).items()}
@@ -120,8 +121,6 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                        recompute: str, costs) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel)."""
-    from mesh import Mesh
-    from vcluster.runtime.tracing import TraceCollective, TraceCompute, trace_program
     sp = bool(sequence_parallel and tp > 1)
     (trace,) = trace_program(Mesh((tp,), ("tp",)), _program,
                              [(config, micro_batch, sp, recompute)] * tp, ranks=[0])

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipelining import peak_in_flight
+
 __all__ = ["MemoryBreakdown", "gpt_memory", "WEIGHT_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES"]
 
 WEIGHT_BYTES = 2
@@ -64,7 +66,6 @@ def _activation_bytes_per_layer(s, b, h, a, t, recompute, sp) -> float:
 
 def gpt_memory(config, parallel, schedule) -> list[MemoryBreakdown]:
     """One breakdown per pipeline position (every dp/tp peer holds the same)."""
-    from pipelining import peak_in_flight
     h, s, V, a, t = config.hidden, config.seq, config.vocab, config.heads, parallel.tp
     p, v = parallel.pp, parallel.chunks
     stages = p * v

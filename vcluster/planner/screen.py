@@ -45,6 +45,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipeline_parallel.gpt import megatron_model_flops
+from pipelining import bubble_time_closed_form
+from vcluster.timing.collective_cost import collective_time_s
+
 from .layer_cost import StagePieces
 from .memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, _activation_bytes_per_layer
 
@@ -128,9 +132,6 @@ def _rank_costs(config, parallel, pieces: StagePieces, r: int) -> dict:
 def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEstimate:
     """The step estimate of the module docstring for ``parallel`` on ``hardware`` (a
     HardwareSpec), with ``pieces`` traced for its tp, micro-batch, SP and recompute."""
-    from pipelining import bubble_time_closed_form
-    from vcluster.timing.collective_cost import collective_time_s
-    from pipeline_parallel.gpt import megatron_model_flops
 
     p, v, m, t, dp = parallel.pp, parallel.chunks, parallel.microbatches, parallel.tp, parallel.dp
     ranks = sorted({0, p - 1, (p * v - 1) % p})

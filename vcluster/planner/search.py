@@ -25,9 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.timing import load_hardware
+from vcluster.timing.hardware_model import HardwareCostModel
+
 from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
 from .screen import peak_memory_bytes, screen_estimate
 
@@ -122,7 +126,6 @@ def _run_replays(config, pars, hardware, workers: int, bar) -> list[dict]:
 
 
 def _screen_all(config, candidates, hw, bar) -> list:
-    from vcluster.timing.hardware_model import HardwareCostModel
     from .layer_cost import trace_stage_pieces
     costs = HardwareCostModel(hw)
     pieces: dict = {}
@@ -155,7 +158,6 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     the machine's cores); ``progress``: a progress bar (default: when stderr is a tty).
     """
     import pandas as pd
-    from vcluster.timing import load_hardware
     t0 = time.perf_counter()
     config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):

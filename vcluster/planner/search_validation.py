@@ -17,19 +17,20 @@ and batch and compares:
 
 from __future__ import annotations
 
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.timing import read_data_csv
+
 __all__ = ["plan_against_published", "published_rows"]
 
 
 def published_rows(models=None) -> list[dict]:
     """Rows of megatron_sc21_table1.csv (all, or those whose ``model`` is in ``models``)."""
-    from vcluster.timing import read_data_csv
     rows = read_data_csv("megatron_sc21_table1.csv")[1]
     return [r for r in rows if models is None or r["model"] in models]
 
 
 def plan_against_published(row: dict, hardware: str = "a100-80gb-dgx", **plan_kwargs) -> dict:
     """The comparison of the module docstring for one table row."""
-    from pipeline_parallel.gpt import GPTConfig, ParallelConfig
     from .search import plan_gpt
     from .simulation import simulate_gpt
     from .validation import micro_batch_for

@@ -26,9 +26,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from vcluster.runtime.tracing import TraceCompute, trace_program
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
+from pipelining import make_schedule
+from vcluster.runtime.tracing import TraceCompute, trace_program
+from vcluster.timing import load_hardware
+from vcluster.timing.engine import simulate_trace
+from vcluster.timing.hardware_model import HardwareCostModel
+
 from .memory import gpt_memory
 from .stitch import coalesce, cut_templates, moved, stitch
 
@@ -135,7 +140,6 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
 
 def gpt_schedule(parallel: ParallelConfig):
     """The full step's :class:`pipelining.Schedule`."""
-    from pipelining import make_schedule
     return make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
                          virtual_stages=parallel.chunks
                          if parallel.schedule == "interleaved_1f1b" else None)
@@ -197,9 +201,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  traced_positions: int | None = TRACED_POSITIONS) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
     ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it)."""
-    from vcluster.timing import load_hardware
-    from vcluster.timing.engine import simulate_trace
-    from vcluster.timing.hardware_model import HardwareCostModel
 
     hw = load_hardware(hardware)
     mesh = parallel.mesh()

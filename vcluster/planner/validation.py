@@ -18,6 +18,9 @@ the recomputation-inclusive FLOPs 96·B·s·l·h²·(1 + s/6h + V/16lh) over (GP
 
 from __future__ import annotations
 
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
+from vcluster.timing import read_data_csv
+
 __all__ = ["validate_megatron", "micro_batch_for", "DEFAULT_MICRO_BATCH", "HARDWARE"]
 
 DEFAULT_MICRO_BATCH = 1
@@ -35,8 +38,6 @@ def _row_result(source: str, case: str, metric: str, published: float, predicted
 
 
 def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
-    from vcluster.timing import read_data_csv
-    from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
     from .simulation import simulate_gpt
 
     rows = []

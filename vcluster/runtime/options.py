@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from mesh import Mesh
+
 from .algorithm import AlgorithmSettings
 
 __all__ = ["ClusterOptions"]
@@ -30,7 +32,6 @@ class ClusterOptions:
     @classmethod
     def build(cls, mesh, array_module, timeout_s, algorithm, arena_bytes, run_timeout_s,
               wait, shm_free_bytes: int | None) -> "ClusterOptions":
-        from mesh import Mesh
         if not isinstance(mesh, Mesh):
             raise TypeError(f"VirtualCluster: mesh must be a mesh.Mesh, got {type(mesh).__name__}")
         if array_module not in _ARRAY_MODULES:

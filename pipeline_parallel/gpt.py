@@ -46,6 +46,7 @@ from vcluster.runtime.tracing import MetaArray
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
 from .optim import Optimizer, OptimizerConfig
+from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute"]
@@ -63,12 +64,6 @@ def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int
     return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
-def _pos_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class GPTConfig:
     """hidden h, layers l, heads a (h % a == 0), seq s, vocab V, dtype, LayerNorm eps."""
@@ -83,7 +78,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
-            _pos_int(getattr(self, f), f"GPTConfig: {f}")
+            as_int(getattr(self, f), f"GPTConfig: {f}", 1)
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by "
                              f"heads={self.heads}")
@@ -111,7 +106,7 @@ class ParallelConfig:
     def __post_init__(self):
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
-            _pos_int(getattr(self, f), f"ParallelConfig: {f}")
+            as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
                            ("sequence_parallel", (False, True))):
             if getattr(self, f) not in allowed:
@@ -238,7 +233,7 @@ class GPT:
             params=tuple((params or self.init_params()).items()), loss="cross_entropy",
             specs=tuple(tuple(range(k * per, (k + 1) * per)) for k in range(S)),
             actions=tuple(tuple(sched.actions[r]) for r in range(parallel.pp)),
-            optimizer=optimizer or OptimizerConfig(), steps=_pos_int(steps, "steps"),
+            optimizer=optimizer or OptimizerConfig(), steps=as_int(steps, "steps", 1),
             microbatches=m, global_batch=parallel.global_batch,
             dp_axis="dp" if "dp" in mesh.axes else None,
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
@@ -328,7 +323,7 @@ class GPT:
         params, losses, grads = self.init_params(), [], {}
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
                         list(params.values()))
-        for _ in range(_pos_int(steps, "steps")):
+        for _ in range(as_int(steps, "steps", 1)):
             loss, _, grads = _reference(self.config, params, tokens, targets, backward=True)
             opt.step(list(params.values()), [grads[n] for n in params])
             losses.append(loss)

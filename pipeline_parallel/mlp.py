@@ -23,6 +23,7 @@ from .executor import TrainJob, train_program
 from .functional import ACTIVATIONS, LOSSES, activation, activation_grad, loss_and_grad
 from .layers import LayerSpec, layer_kinds
 from .optim import Optimizer, OptimizerConfig
+from mesh.arguments import as_int
 
 __all__ = ["MLP", "FitResult"]
 
@@ -93,12 +94,12 @@ class MLP:
         sampler = None
         if batch_size is not None:
             from .sampler import BatchSampler
-            sampler = BatchSampler(len(X_all), _positive(batch_size, "batch_size"), data_seed)
+            sampler = BatchSampler(len(X_all), as_int(batch_size, "batch_size", 1), data_seed)
         params = [[w.copy(), b.copy()] for w, b in self.init_params()]
         flat = [a for pair in params for a in pair]
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps), flat)
         losses = []
-        for _ in range(_positive(steps, "steps")):
+        for _ in range(as_int(steps, "steps", 1)):
             if sampler is None:
                 X, Y = X_all, Y_all
             else:
@@ -153,13 +154,13 @@ class MLP:
         """
         from .plan import plan_training
         X, Y = self._check_data(X, Y)
-        batch = len(X) if batch_size is None else _positive(batch_size, "batch_size")
-        plan = plan_training(self, cluster.mesh, batch, _positive(microbatches, "microbatches"),
+        batch = len(X) if batch_size is None else as_int(batch_size, "batch_size", 1)
+        plan = plan_training(self, cluster.mesh, batch, as_int(microbatches, "microbatches", 1),
                              schedule, virtual_stages)
         job = TrainJob(
             params=tuple(self.init_params()), specs=plan.stage_specs, actions=plan.actions,
             loss=self.loss, optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
-            steps=_positive(steps, "steps"), microbatches=microbatches, global_batch=batch,
+            steps=as_int(steps, "steps", 1), microbatches=microbatches, global_batch=batch,
             pp_axis="pp", dp_axis=plan.dp_axis, tp_axis=plan.tp_axis,
             bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}))
         if (checkpoint_every is not None or faults is not None or resume_from is not None
@@ -172,12 +173,6 @@ class MLP:
                                  batch_size=batch_size, data_seed=data_seed)
         results = cluster.run(train_program, plan.device_args(job, X, Y))
         return plan.collect(self, results)
-
-
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def layer_specs(mlp: MLP, stages: int, tp: bool) -> tuple[tuple[LayerSpec, ...], ...]:

@@ -19,9 +19,9 @@ micro-batch, all decimal; :meth:`Action.parse` reads it back.
 from __future__ import annotations
 
 import enum
-import operator
 import re
 from dataclasses import dataclass
+from mesh.arguments import as_int
 
 __all__ = ["ActionKind", "Action", "F", "B", "I", "W"]
 
@@ -60,18 +60,6 @@ _KINDS = "".join(k.value for k in ActionKind)
 _ACTION_RE = re.compile(rf"([0-9]+)([{_KINDS}])([0-9]+)")
 
 
-def _non_negative_int(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"Action: {what} must be a non-negative int, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"Action: {what} must be a non-negative int, got {value!r}") from None
-    if n < 0:
-        raise ValueError(f"Action: {what} must be a non-negative int (>= 0), got {n}")
-    return n
-
-
 @dataclass(frozen=True)
 class Action:
     """``Action(stage, kind, microbatch)``: run ``kind`` of ``microbatch`` on ``stage``.
@@ -85,8 +73,8 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage", _non_negative_int(self.stage, "stage"))
-        object.__setattr__(self, "microbatch", _non_negative_int(self.microbatch, "microbatch"))
+        object.__setattr__(self, "stage", as_int(self.stage, "Action: stage", 0))
+        object.__setattr__(self, "microbatch", as_int(self.microbatch, "Action: microbatch", 0))
         kind = self.kind
         if isinstance(kind, str) and not isinstance(kind, ActionKind):
             if kind not in _KINDS or len(kind) != 1:

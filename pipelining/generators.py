@@ -37,7 +37,7 @@ from __future__ import annotations
 import operator
 
 from .actions import Action, ActionKind
-from .schedule import Schedule
+from .schedule import Schedule, _generated
 
 __all__ = ["SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble",
            "make_schedule"]
@@ -69,7 +69,7 @@ def gpipe(ranks: int, microbatches: int) -> Schedule:
     p, m = _pm("gpipe", ranks, microbatches)
     rows = [tuple(Action(r, _F, j) for j in range(m)) + tuple(Action(r, _B, j) for j in range(m))
             for r in range(p)]
-    return Schedule("gpipe", p, m, 1, rows)
+    return _generated("gpipe", p, m, 1, rows)
 
 
 def _one_f_one_b_rows(p: int, m: int) -> list[tuple[Action, ...]]:
@@ -87,7 +87,7 @@ def _one_f_one_b_rows(p: int, m: int) -> list[tuple[Action, ...]]:
 def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
     """1F1B (PipeDream-Flush): ``min(p-1-r, m)`` warm-up forwards, then F/B pairs, then B's."""
     p, m = _pm("1f1b", ranks, microbatches)
-    return Schedule("1f1b", p, m, 1, _one_f_one_b_rows(p, m))
+    return _generated("1f1b", p, m, 1, _one_f_one_b_rows(p, m))
 
 
 def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> Schedule:
@@ -99,7 +99,7 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> 
     p, m = _pm(name, ranks, microbatches)
     v = _count(virtual_stages, name, "virtual_stages v")
     if v == 1:
-        return Schedule(name, p, m, 1, _one_f_one_b_rows(p, m))
+        return _generated(name, p, m, 1, _one_f_one_b_rows(p, m))
     if m % p:
         lower, upper = (m // p) * p, (m // p + 1) * p
         near = f"{lower} or {upper}" if lower else f"{upper}"
@@ -125,7 +125,7 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> 
             row += [act(warmup + i, _F), act(i, _B)]
         row += [act(k, _B) for k in range(total - warmup, total)]
         rows.append(tuple(row))
-    return Schedule(name, p, m, v, rows)
+    return _generated(name, p, m, v, rows)
 
 
 def zero_bubble(ranks: int, microbatches: int) -> Schedule:
@@ -145,7 +145,7 @@ def zero_bubble(ranks: int, microbatches: int) -> Schedule:
                 next_w += 1
         row += [Action(r, _W, j) for j in range(next_w, m)]
         rows.append(tuple(row))
-    return Schedule("zero_bubble", p, m, 1, rows)
+    return _generated("zero_bubble", p, m, 1, rows)
 
 
 def make_schedule(name: str, ranks: int, microbatches: int,

@@ -11,7 +11,6 @@ layout, Narayanan et al. SC21; ``v = 1`` gives stage ``s`` at position
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 from mesh import Mesh
@@ -20,6 +19,7 @@ from .actions import Action
 from .generators import SCHEDULE_NAMES, make_schedule
 from .schedule import Schedule
 from .validate import validate
+from mesh.arguments import as_int
 
 __all__ = ["PipelineStage", "Pipeline"]
 
@@ -33,18 +33,6 @@ class PipelineStage:
     chunk: int
     is_first: bool
     is_last: bool
-
-
-def _int(value, what: str, low: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"Pipeline: {what} must be an int >= {low}, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"Pipeline: {what} must be an int >= {low}, got {value!r}") from None
-    if n < low:
-        raise ValueError(f"Pipeline: {what} must be an int >= {low}, got {n}")
-    return n
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -71,14 +59,14 @@ class Pipeline:
         mesh.axis_tuple(axis)  # raises if the axis is not the mesh's
         p = mesh.shape[axis]
         if stages is not None:
-            stages = _int(stages, "stages", 1)
+            stages = as_int(stages, "Pipeline: stages", 1)
             if stages % p:
                 raise ValueError(
                     f"Pipeline: stages={stages} must be a multiple of p={p} (the size of mesh "
                     f"axis {axis!r}), so every rank holds the same number of chunks; "
                     f"stages mod p = {stages % p}")
         if microbatches is not None:
-            microbatches = _int(microbatches, "microbatches", 1)
+            microbatches = as_int(microbatches, "Pipeline: microbatches", 1)
         if isinstance(schedule, Schedule):
             sched = schedule
             if sched.ranks != p:

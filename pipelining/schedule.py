@@ -21,6 +21,8 @@ from .actions import Action
 
 __all__ = ["Schedule"]
 
+_FIELDS = ("name", "ranks", "microbatches", "virtual_stages", "actions")
+
 
 def _positive_int(value, what: str) -> int:
     if isinstance(value, bool):
@@ -182,3 +184,14 @@ class Schedule:
                 f"{self.name}: stage {s} is out of range; valid stages are 0..{self.stages - 1} "
                 f"(p={self.ranks} ranks x v={self.virtual_stages} virtual stages)")
         return s
+
+
+def _generated(name: str, ranks: int, microbatches: int, virtual_stages: int,
+               rows) -> Schedule:
+    """A :class:`Schedule` made by a generator (:mod:`pipelining.generators`) from counts
+    it has checked, its rows tuples of :class:`Action` by construction: the constructor's
+    checks are not run a second time (one check per public entry point)."""
+    schedule = object.__new__(Schedule)
+    for key, value in zip(_FIELDS, (name, ranks, microbatches, virtual_stages, tuple(rows))):
+        object.__setattr__(schedule, key, value)
+    return schedule

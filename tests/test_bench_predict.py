@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from test_localhost import spec
+from localhost_specs import spec
 
 from vcluster.runtime.tracing.ops import TraceCollective
 from vcluster.localhost.cost_model import LocalhostSpec, save_localhost_spec

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
-from test_localhost import spec
+from localhost_specs import spec
 
 from vcluster.cli.bench_cmd import add_parser
 from vcluster.cli.bench_predict import build_workload, predict_workload, run_workloads, stepped

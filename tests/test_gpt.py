@@ -64,7 +64,7 @@ def reference():
 def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="hidden=10 is not divisible by heads=4"):
         GPTConfig(hidden=10, layers=2, heads=4, seq=8, vocab=32)
-    with pytest.raises(ValueError, match="vocab must be a positive int"):
+    with pytest.raises(ValueError, match="GPTConfig: vocab must be an int >= 1"):
         GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=0)
     with pytest.raises(ValueError, match="recompute must be one of"):
         ParallelConfig(global_batch=8, recompute="some")

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from test_localhost import BUSY, spec
+from localhost_specs import spec
+from test_localhost import BUSY
 
 from vcluster.runtime.layout import INLINE_BYTES
 from vcluster.runtime.tracing.ops import TraceCollective

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_localhost import spec
+from localhost_specs import spec
 from test_localhost_calls import _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, \

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_localhost import spec
+from localhost_specs import spec
 from test_localhost_calls import HALF_B2B, _rows
 
 from vcluster.runtime.tracing.ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv

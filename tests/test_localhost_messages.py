@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from test_localhost import BUSY, spec
+from localhost_specs import spec
+from test_localhost import BUSY
 
 from mesh import Mesh
 from vcluster.runtime.cluster import VirtualCluster

@@ -199,7 +199,7 @@ def test_fit_does_not_change_the_model_and_order_does_not_matter():
     (Mesh((2,), ("pp",)), {"microbatches": 2, "virtual_stages": 2},
      "virtual_stages=2 needs schedule='interleaved_1f1b'"),
     (Mesh((2,), ("x",)), {"microbatches": 2}, "mesh axes must include 'pp'"),
-    (Mesh((2,), ("pp",)), {"microbatches": 0}, "microbatches must be a positive integer"),
+    (Mesh((2,), ("pp",)), {"microbatches": 0}, "microbatches must be an int >= 1"),
 ])
 def test_fit_errors_name_the_counts(mesh, kwargs, message):
     mlp = MLP(SIZES)

@@ -209,9 +209,9 @@ def test_action_text_examples_and_errors():
             Action.parse(bad)
     with pytest.raises(TypeError):
         Action.parse(10)
-    with pytest.raises(ValueError, match="stage must be a non-negative int"):
+    with pytest.raises(ValueError, match="Action: stage must be an int >= 0, got -1"):
         Action(-1, F, 0)
-    with pytest.raises(TypeError, match="microbatch must be a non-negative int"):
+    with pytest.raises(TypeError, match="Action: microbatch must be an int >= 0"):
         Action(0, F, True)
     with pytest.raises(ValueError, match="kind must be one of F, B, I, W, got 'X'"):
         Action(0, "X", 0)

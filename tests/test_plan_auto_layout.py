@@ -17,7 +17,7 @@ from tensor_parallel.ffn_sharding import FeedForwardSharding
 from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import TRAINING_KERNEL_EFFICIENCY
 
-from test_localhost import spec as localhost_spec
+from localhost_specs import spec as localhost_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,7 +77,7 @@ def test_a_localhost_ranking_measures_the_tracers_rates_once(monkeypatch):
     import vcluster.localhost.host_work as localhost_host
     from vcluster.localhost.host_work import HOST_TRACES
     from vcluster.planner.auto_layout import rank_matmul_layouts
-    from test_tracing_host import HOST_RATES
+    from localhost_specs import HOST_RATES
     calls, measure = [], localhost_host.measure_tracer_rates
 
     def counted():

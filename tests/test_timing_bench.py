@@ -9,7 +9,7 @@ import pytest
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.planner.simulation import simulate_gpt
-from test_scenario_run import _localhost_spec_file
+from localhost_specs import localhost_spec_file
 from vcluster.cli.bench_predict_scenarios import (SCENARIO_DIR, emulated_scenarios,
                                                   run_scenarios_predict)
 from vcluster.cli.bench_simulate import CASES, ScaleCase, run_case
@@ -48,7 +48,7 @@ def test_predict_scenarios_on_localhost(tmp_path):
     and predicted like the built-in workloads: one row per sweep point."""
     from vcluster.localhost.cost_model import load_localhost_spec
     assert {p.stem for p in emulated_scenarios()} >= {"quickstart", "faults", "transformer"}
-    spec = load_localhost_spec(_localhost_spec_file(tmp_path / "machine.json"))
+    spec = load_localhost_spec(localhost_spec_file(tmp_path / "machine.json"))
     record = run_scenarios_predict(spec, reps=1, paths=[SCENARIO_DIR / "faults.yaml",
                                                         SCENARIO_DIR / "ffn_policies.yaml"])
     rows = record["workloads"]
@@ -73,7 +73,7 @@ def test_predict_a_users_scenario_file_from_the_command_line(tmp_path, capsys):
     mine.write_text("name: my_all_gather\ncluster:\n  mesh: {x: 4}\nworkload:\n"
                     "  kind: collective\n  op: all_gather\n  size: 64KiB\n  calls: 2\n"
                     "run:\n  mode: emulate\nsweep:\n  workload.size: [64KiB, 1MiB]\n")
-    spec_file = _localhost_spec_file(tmp_path / "machine.json")
+    spec_file = localhost_spec_file(tmp_path / "machine.json")
     out = tmp_path / "record.json"
     assert run_cli(add_parser, ["bench", "predict", "--spec", str(spec_file), "--scenario",
                                 str(mine), "--reps", "1", "--json", str(out)]) == 0

@@ -342,7 +342,7 @@ def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys):
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_cli_show_prints_a_saved_calibration(tmp_path, capsys, suffix):
-    from test_localhost import spec
+    from localhost_specs import spec
     from vcluster.cli.localhost_spec_text import format_localhost_spec
     from vcluster.localhost.cost_model import save_localhost_spec
     path = tmp_path / f"machine{suffix}"
@@ -358,7 +358,7 @@ def test_cli_show_prints_a_saved_calibration(tmp_path, capsys, suffix):
 def test_localhost_is_not_a_hardware_description(tmp_path):
     """simulate and plan price presets and YAML descriptions; localhost (or a saved
     calibration) gets an error that says where it belongs, not 'unknown key cores'."""
-    from test_localhost import spec
+    from localhost_specs import spec
     from vcluster.localhost import load_hardware, save_localhost_spec
     with pytest.raises(ValueError, match=r"'localhost' is this machine.*vcluster run"):
         load_hardware("localhost")

@@ -5,7 +5,7 @@ the closed forms of docs/timing.md, and the real declarations of the programs.""
 import numpy as np
 import pytest
 
-from test_localhost import spec
+from localhost_specs import spec
 from vcluster.runtime.tracing import MetaArray, TraceCompute, trace_program
 from vcluster.localhost.cost_model import BLAS_MIN_FLOPS_PER_ELEMENT, LocalhostCostModel
 from mesh import Mesh

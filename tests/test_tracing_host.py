@@ -18,11 +18,10 @@ from vcluster.localhost.cost_model import LocalhostCostModel, localhost_model
 from vcluster.localhost.host_work import (REFERENCE_CALLS, TracerRates, host_work_s,
                                             measure_tracer_rates, reference_calls)
 
-from test_localhost import spec
+from localhost_specs import HOST_RATES, spec
 
 pytestmark = pytest.mark.timeout(120)
 
-HOST_RATES = dict(block_overhead_s=3e-6, numpy_call_s=1.5e-6, python_unit_s=25e-6)
 
 
 def _hosts(trace):

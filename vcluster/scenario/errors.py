@@ -7,6 +7,8 @@ exit code 2 (nothing is run, nothing is written).
 
 from __future__ import annotations
 
+from enum import Enum
+
 __all__ = ["ScenarioError", "format_path"]
 
 
@@ -20,9 +22,11 @@ def format_path(parts) -> str:
 
 class ScenarioError(ValueError):
     """``path`` (key path), ``value`` (what was given), ``allowed`` (what may be given),
-    ``reason`` (the rule broken); ``file`` when known."""
+    ``reason`` (the rule broken); ``file`` when known. A closed choice's enum member
+    (:mod:`vcluster.scenario.choices`) is kept as its plain text, as the file spells it."""
 
     def __init__(self, path: str, value, allowed, reason: str = "", file: str | None = None):
+        value = value.value if isinstance(value, Enum) else value
         self.path, self.value, self.allowed = path, value, allowed
         self.reason, self.file = reason, file
         super().__init__(self._message())

@@ -1,41 +1,53 @@
-"""Reading a scenario: YAML -> ``--set`` overrides -> schema -> model -> cross-field rules.
+"""Reading a scenario: YAML -> ``--set`` overrides -> one parse -> a typed :class:`Scenario`.
 
-Every sweep point is built and checked here too, so a bad point fails before anything
-runs. ``--set key.path=value`` parses ``value`` as YAML (``--set parallel.tp=4``,
+The parse is the only validation a scenario gets. For each run (each sweep point, or the
+document itself without a sweep) it checks the document against the schema once
+(:func:`~.schema.check_document`), builds the typed model (enums for closed choices,
+:mod:`.choices`) and checks the cross-field rules once (:func:`~.semantics.check_semantics`,
+which resolves the mesh); a sweep's ``sweep`` section is checked on its own first. The
+parsed points travel in the :class:`Scenario` (``scenario.points``), so
+:func:`sweep_points`, ``build_workload`` and the runner take them as given: a bad point
+fails before anything runs, and nothing is checked twice.
+
+``--set key.path=value`` parses ``value`` as YAML (``--set parallel.tp=4``,
 ``--set run.check=true``, ``--set workload.sizes=[8,16,8]``).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import re
 from pathlib import Path
+from types import MappingProxyType
 
 from .errors import ScenarioError
-from .model import Scenario, set_path
-from .schema import check_document
+from .model import Scenario, expand_sweep, set_path
+from .schema import check_document, check_section
 from .semantics import check_semantics
 
-__all__ = ["load_scenario", "parse_override", "scenario_from_dict", "sweep_points"]
+__all__ = ["load_scenario", "parse_override", "scenario_from_dict", "sweep_points",
+           "parse_document"]
+
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
 def _yaml_load(text: str):
     """``yaml.safe_load`` that also reads ``1e-4`` as a number (YAML 1.2 floats; PyYAML's
     1.1 rules need a dot, ``1.0e-4``)."""
-    import re
-    import yaml
+    import yaml  # lazy: keeps vcluster --help fast
 
     class Loader(yaml.SafeLoader):
         pass
 
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-        list("-+0123456789"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT,
+                                 list("-+0123456789"))
     return yaml.load(text, Loader=Loader)
 
 
 def parse_override(text: str) -> tuple[str, object]:
     """``"a.b=value"`` -> ``("a.b", yaml(value))``."""
-    import yaml
+    import yaml  # lazy: keeps vcluster --help fast
     key, sep, raw = str(text).partition("=")
     key = key.strip()
     if not sep or not key or not all(p.isidentifier() for p in key.split(".")):
@@ -50,7 +62,7 @@ def parse_override(text: str) -> tuple[str, object]:
 
 
 def _read(path: Path) -> dict:
-    import yaml
+    import yaml  # lazy: keeps vcluster --help fast
     if not path.is_file():
         raise ScenarioError("FILE", str(path), "an existing scenario YAML file", "no such file")
     try:
@@ -72,32 +84,56 @@ def _point_error(exc: ScenarioError, values: dict) -> ScenarioError:
                          f"{exc.reason} (sweep point {point})".strip())
 
 
+def _swept(path: str, values: dict) -> bool:
+    """Whether the error at ``path`` lies on (under, or above) a swept key path."""
+    return any(path == p or path.startswith((p + ".", p + "[")) or p.startswith(path + ".")
+               for p in values)
+
+
+def _parse_run(document: dict, name: str, base_dir: str, values: dict) -> Scenario:
+    """One run's document (no sweep) -> its checked Scenario: the schema once, the typed
+    model, the cross-field rules once. Errors of a sweep point name the point (schema
+    errors only when they lie on a swept key: the others are the file's own)."""
+    try:
+        check_document(document)
+    except ScenarioError as exc:
+        raise (_point_error(exc, values) if _swept(exc.path, values) else exc) from None
+    point = Scenario.from_document(document, name, base_dir)
+    try:
+        mesh = check_semantics(point)
+    except ScenarioError as exc:
+        raise (_point_error(exc, values) if values else exc) from None
+    return dataclasses.replace(point, mesh=mesh)
+
+
+def parse_document(document: dict, name: str = "scenario", base_dir: str = ".") -> Scenario:
+    """The parser: a plain document (overrides applied) -> a checked, typed
+    :class:`Scenario` (see the module docstring). Each run is validated exactly once."""
+    sweep = document.get("sweep") if isinstance(document, dict) else None
+    if not sweep:
+        return _parse_run(document, name, base_dir, {})
+    check_section("sweep", sweep)
+    points = tuple((values, _parse_run(doc, name, base_dir, values))
+                   for values, doc in expand_sweep(document))
+    return dataclasses.replace(
+        points[0][1], sweep=tuple((p, tuple(v)) for p, v in sweep.items()),
+        document=MappingProxyType(copy.deepcopy(document)), points=points)
+
+
 def sweep_points(scenario: Scenario) -> list[tuple[dict, Scenario]]:
-    """``[({path: value}, the point's Scenario)]``; one point without a sweep."""
-    out = []
-    for values, doc in scenario.point_documents():
-        try:
-            check_document(doc)
-            point = Scenario.from_document(doc, scenario.name, scenario.base_dir)
-            check_semantics(point)
-        except ScenarioError as exc:
-            raise (_point_error(exc, values) if values else exc) from None
-        out.append((values, point))
-    return out
+    """``[({path: value}, the point's Scenario)]``; one point without a sweep. The points
+    were checked by the parser: nothing is checked here."""
+    return list(scenario.points) if scenario.points else [({}, scenario)]
 
 
 def scenario_from_dict(document: dict, name: str = "scenario", overrides=(),
                        base_dir: str = ".") -> Scenario:
     """A validated :class:`Scenario` from a plain mapping (see :func:`load_scenario`)."""
-    import copy
     document = copy.deepcopy(document)
     for item in overrides:
         key, value = parse_override(item) if isinstance(item, str) else item
         set_path(document, key, value)
-    check_document(document)
-    scenario = Scenario.from_document(document, name, base_dir)
-    sweep_points(scenario)           # every point checked (schema and cross-field rules)
-    return scenario
+    return parse_document(document, name, base_dir)
 
 
 def load_scenario(path, overrides=()) -> Scenario:

@@ -3,6 +3,13 @@
 Defaults come from the schema (``default`` of each key), so the schema, the docs and the
 model agree. Kind-specific keys (a matmul's ``m, k, n``, an MLP's ``schedule``) stay in
 read-only mappings: ``scenario.workload.options["m"]``, ``scenario.parallel["schedule"]``.
+Closed choices are enums (:mod:`.choices`): ``run.mode`` a :class:`~.choices.Mode`,
+``cluster.array_module`` an :class:`~.choices.ArrayModule`, ``parallel["schedule"]`` a
+:class:`~.choices.ScheduleName`, ``parallel["recompute"]`` a :class:`~.choices.Recompute`,
+``parallel["algorithm"]`` an :class:`~.choices.Algorithm`; each is a ``str``.
+
+:meth:`Scenario.from_document` trusts its document (the parser, :mod:`.load`, checked it);
+nothing built from a :class:`Scenario` checks it again.
 """
 
 from __future__ import annotations
@@ -10,20 +17,31 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import schema as S
+from .choices import Algorithm, ArrayModule, Mode, Recompute, ScheduleName
+from .errors import ScenarioError
 
 __all__ = ["Scenario", "ClusterSpec", "HardwareChoice", "WorkloadSpec", "RunSpec",
-           "ReportSpec", "set_path", "get_path"]
+           "ReportSpec", "set_path", "get_path", "expand_sweep"]
 
 _MISSING = object()
+
+#: parallel keys whose values are closed choices, and their enums
+_PARALLEL_CHOICES = MappingProxyType({"schedule": ScheduleName, "recompute": Recompute,
+                                      "algorithm": Algorithm})
 
 
 def _frozen(mapping: Mapping) -> Mapping:
     return MappingProxyType(dict(mapping))
+
+
+def _typed_parallel(parallel: Mapping) -> dict:
+    """``parallel`` with its closed choices as enums (the values are already valid)."""
+    return {k: _PARALLEL_CHOICES[k](v) if k in _PARALLEL_CHOICES and v is not None else v
+            for k, v in parallel.items()}
 
 
 def _defaults(properties: Mapping, given: Mapping) -> dict:
@@ -39,7 +57,7 @@ class ClusterSpec:
 
     mesh: tuple[tuple[str, int], ...] = ()
     devices: int | None = None
-    array_module: str = "numpy"
+    array_module: ArrayModule = ArrayModule.NUMPY
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class RunSpec:
-    mode: str = "emulate"
+    mode: Mode = Mode.EMULATE
     steps: int = 1
     check: bool = False
     tolerance: float | None = None     # None: by dtype (see tolerance_for)
@@ -101,7 +119,12 @@ class ReportSpec:
 class Scenario:
     """A validated scenario. ``document`` is the plain mapping it was built from (after
     ``--set``); ``sweep`` the varied key paths and their values; ``base_dir`` the folder
-    relative paths (hardware files) are read from."""
+    relative paths (hardware files) are read from.
+
+    Made by the parser (:func:`~vcluster.scenario.load.load_scenario`), which checks each
+    run once: ``mesh`` is the resolved :class:`mesh.Mesh`; with a sweep, ``points`` holds
+    every point's ``({path: value}, Scenario)`` (each checked, without a sweep) and the
+    other fields are those of the first point."""
 
     name: str
     description: str
@@ -114,14 +137,16 @@ class Scenario:
     sweep: tuple[tuple[str, tuple], ...]
     document: Mapping[str, Any]
     base_dir: str = "."
-    faults: tuple = ()                                   # fault dicts (vcluster.scenario.resilience)
+    faults: tuple = ()                          # fault dicts (vcluster.scenario.resilience)
     checkpoint: Mapping[str, Any] = field(default_factory=dict)
+    mesh: Any = field(default=None, compare=False)       # the resolved Mesh (the parser's)
+    points: tuple = field(default=(), compare=False)     # a sweep's parsed points
 
     def __repr__(self) -> str:
         mesh = "x".join(f"{a}={n}" for a, n in self.cluster.mesh) or "from parallel"
         sweep = f", sweep over {', '.join(p for p, _ in self.sweep)}" if self.sweep else ""
         return (f"Scenario({self.name!r}, {self.workload.kind}, mesh {mesh}, "
-                f"mode={self.run.mode!r}, steps={self.run.steps}{sweep})")
+                f"mode={str(self.run.mode)!r}, steps={self.run.steps}{sweep})")
 
     @classmethod
     def from_document(cls, document: Mapping, name: str, base_dir: str = ".") -> "Scenario":
@@ -137,21 +162,22 @@ class Scenario:
         kind = wl["kind"]
         options = _defaults(S._WORKLOAD[kind], {k: v for k, v in wl.items()
                                                 if k not in ("kind", "dtype", "seed")})
-        parallel = _defaults(S._PARALLEL[kind], doc.get("parallel", {}))
+        parallel = _typed_parallel(_defaults(S._PARALLEL[kind], doc.get("parallel", {})))
         run = _defaults(sections["run"]["properties"], doc.get("run", {}))
         report = doc.get("report", {})
         return cls(
             name=str(doc.get("name", name)), description=str(doc.get("description", "")),
             cluster=ClusterSpec(tuple((str(a), int(n)) for a, n in
                                       cluster.get("mesh", {}).items()),
-                                cluster.get("devices"), cluster.get("array_module", "numpy")),
+                                cluster.get("devices"),
+                                ArrayModule(cluster.get("array_module", "numpy"))),
             hardware=HardwareChoice(hw.get("name"), hw.get("file"),
                                     _frozen(hw["spec"]) if hw.get("spec") else None,
                                     hw.get("dtype", "fp32"), hw.get("calibration")),
             workload=WorkloadSpec(kind, wl.get("dtype", "float64"), int(wl.get("seed", 0)),
                                   _frozen(options)),
             parallel=_frozen(parallel),
-            run=RunSpec(run["mode"], int(run["steps"]), bool(run["check"]),
+            run=RunSpec(Mode(run["mode"]), int(run["steps"]), bool(run["check"]),
                         run.get("tolerance")),
             report=ReportSpec(report.get("out"),
                               tuple(report["formats"]) if "formats" in report else None),
@@ -161,20 +187,24 @@ class Scenario:
             checkpoint=_frozen(doc.get("checkpoint", {})))
 
     def point_documents(self) -> list[tuple[dict, dict]]:
-        """Per sweep point (the product of the lists, first key slowest): ``({path:
-        value}, the document with those values set and no sweep)``; one point without a
-        sweep."""
-        base = {k: v for k, v in copy.deepcopy(dict(self.document)).items() if k != "sweep"}
-        if not self.sweep:
-            return [({}, base)]
-        paths = [p for p, _ in self.sweep]
-        out = []
-        for values in itertools.product(*(v for _, v in self.sweep)):
-            doc = copy.deepcopy(base)
-            for path, value in zip(paths, values):
-                set_path(doc, path, copy.deepcopy(value))
-            out.append((dict(zip(paths, values)), doc))
-        return out
+        """:func:`expand_sweep` of this scenario's document."""
+        return expand_sweep(self.document)
+
+
+def expand_sweep(document: Mapping) -> list[tuple[dict, dict]]:
+    """Per sweep point (the product of the lists, first key slowest): ``({path: value},
+    the document with those values set and no sweep)``; one point without a sweep."""
+    base = {k: v for k, v in copy.deepcopy(dict(document)).items() if k != "sweep"}
+    sweep = dict(document.get("sweep") or {})
+    if not sweep:
+        return [({}, base)]
+    out = []
+    for values in itertools.product(*sweep.values()):
+        doc = copy.deepcopy(base)
+        for path, value in zip(sweep, values):
+            set_path(doc, path, copy.deepcopy(value))
+        out.append((dict(zip(sweep, values)), doc))
+    return out
 
 
 def get_path(document: Mapping, path: str, default=_MISSING):
@@ -192,7 +222,6 @@ def set_path(document: dict, path: str, value) -> None:
     """Set ``a.b.c`` in a nested dict, creating mappings on the way; a non-mapping on the
     way is replaced only at the last key (``hardware: a100`` then ``hardware.dtype``
     becomes ``{name: a100, dtype: ...}``)."""
-    from .errors import ScenarioError
     parts = path.split(".")
     if not all(p.isidentifier() for p in parts):
         raise ScenarioError(path, value, "a dotted key path such as parallel.tp",

@@ -28,8 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .errors import ScenarioError
-from .schema import MODES
+from .choices import Engine, Mode, parse_choice
 from .timed_runs import emulate_timed, measures_like_localhost, step_times
 from .workloads.base import compare
 
@@ -277,7 +276,7 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         "kind": workload.kind, "workload": workload.description,
         "mesh": " x ".join(f"{a}={n}" for a, n in mesh.shape.items()),
         "devices": mesh.size, "dtype": workload.dtype, "steps": point.run.steps,
-        "mode": mode}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
+        "mode": str(mode)}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
     emu = None
     if mode in ("emulate", "both"):
         resilient = wants_resilience(point) or resume is not None
@@ -349,9 +348,9 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     from reports import RunRecord
     from .load import scenario_from_dict, sweep_points
     from .progress import ProgressBar
-    if mode is not None and mode != scenario.run.mode:
-        if mode not in MODES:
-            raise ScenarioError("--mode", mode, ", ".join(MODES), "unknown mode")
+    engine = parse_choice(Engine, engine, "--engine", "unknown engine")
+    if mode is not None and mode != scenario.run.mode:      # another document: parsed once
+        mode = parse_choice(Mode, mode, "--mode", "unknown mode")
         scenario = scenario_from_dict(dict(scenario.document), scenario.name,
                                       [("run.mode", mode)], scenario.base_dir)
     points = _sharing_calibrations(sweep_points(scenario))
@@ -383,7 +382,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
             else all(c is not False for c in checked)
     last = points[-1][1]
     return RunRecord(
-        name=scenario.name, mode=last.run.mode,
+        name=scenario.name, mode=str(last.run.mode),      # reports get plain text
         scenario=dict(scenario.document), summary=summary,
         hardware=summary.get("hardware"), checks=checks,
         sweep=pd.DataFrame(rows) if sweeping else None, **tables)

@@ -1,7 +1,8 @@
 """The JSON Schema of a scenario file (``vcluster schema`` prints it) and validation by it.
 
 One schema serves editors (completion, hover text from ``description``) and the loader:
-:func:`check_document` validates a parsed document with :mod:`jsonschema` and turns the
+:func:`check_document` validates one run's document with :mod:`jsonschema` (the parser,
+:mod:`vcluster.scenario.load`, is its only caller: once per sweep point) and turns the
 first error into a :class:`~vcluster.scenario.errors.ScenarioError` naming the key path,
 the value and the allowed values. Keys that depend on ``workload.kind`` (the workload's
 sizes, the ``parallel`` section) are ``if``/``then`` branches, so an unknown key is
@@ -17,24 +18,25 @@ from __future__ import annotations
 import copy
 from types import MappingProxyType
 
+from .choices import Algorithm, ArrayModule, Mode, Recompute, ScheduleName
 from .errors import ScenarioError, format_path
 from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
 
-__all__ = ["scenario_schema", "check_document", "KINDS", "MODES", "DTYPES", "COLLECTIVE_OPS",
-           "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS", "ALGORITHMS",
-           "PARALLEL_AXES"]
+__all__ = ["scenario_schema", "check_document", "check_section", "KINDS", "MODES", "DTYPES",
+           "COLLECTIVE_OPS", "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS",
+           "ALGORITHMS", "PARALLEL_AXES"]
 
 KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
-MODES = ("emulate", "simulate", "both")
+MODES = Mode.values()
 DTYPES = ("float16", "float32", "float64")     # float16: run.mode simulate only
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                   "reduce", "scatter", "gather")
-ALGORITHMS = ("auto", "shm", "ring", "tree", "pairwise")
+ALGORITHMS = Algorithm.values()
 MATMUL_POLICIES = ("Unsharded", "MatchedInnerSharding", "UnmatchedInnerSharding",
                    "OuterSharding", "FullSharding", "auto")
 FFN_POLICIES = ("Unsharded", "Megatron", "SequenceParallel", "GSPMD", "auto")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ScheduleName.values()
+RECOMPUTE = Recompute.values()
 MLP_ACTIVATIONS = ("relu", "gelu", "tanh")
 FFN_ACTIVATIONS = ("relu", "gelu")
 LOSSES = ("mse", "cross_entropy")
@@ -185,7 +187,7 @@ _SECTIONS = {
                      "propertyNames": {"pattern": _IDENT},
                      "additionalProperties": {"type": "integer", "minimum": 1}},
             "devices": _int("number of devices; must equal the product of the mesh sizes"),
-            "array_module": _enum(("numpy", "cupy"), "the devices' array module", "numpy"),
+            "array_module": _enum(ArrayModule.values(), "the devices' array module", "numpy"),
         },
     },
     "hardware": {"description": "hardware for simulation: a preset name, 'localhost', a "
@@ -328,12 +330,10 @@ def _deepest(errors):
     return flat
 
 
-def check_document(document) -> None:
-    """Raise :class:`ScenarioError` for the first violation of the schema by ``document``."""
-    import jsonschema
-    schema = scenario_schema()
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = _deepest(validator.iter_errors(document))
+def _raise_first(schema: dict, instance) -> None:
+    """Raise :class:`ScenarioError` for the most specific violation of ``schema``."""
+    import jsonschema  # lazy: keeps vcluster --help fast
+    errors = _deepest(jsonschema.Draft202012Validator(schema).iter_errors(instance))
     if not errors:
         return
     error = max(errors, key=lambda e: (len(e.absolute_path), -len(str(e.validator))))
@@ -345,3 +345,17 @@ def check_document(document) -> None:
     allowed, reason = _allowed(error)
     path, value = _path_of(error)
     raise ScenarioError(path, value, allowed, reason)
+
+
+def check_document(document) -> None:
+    """Raise :class:`ScenarioError` for the first violation of the schema by ``document``
+    (one run's document: the parser calls it once per sweep point, and nothing after the
+    parser calls it)."""
+    _raise_first(scenario_schema(), document)
+
+
+def check_section(name: str, value) -> None:
+    """Raise :class:`ScenarioError` for the first violation of section ``name``'s schema
+    by ``value`` alone (the parser checks ``sweep`` so, before expanding its points)."""
+    _raise_first({"type": "object", "properties": {name: copy.deepcopy(_SECTIONS[name])}},
+                 {name: value})

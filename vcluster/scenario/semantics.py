@@ -4,11 +4,19 @@ The mesh is ``cluster.mesh`` (axes in order), or, when that is omitted, the axes
 ``parallel.dp / pp / tp`` that are given (in that order). When both are given, each
 degree must equal its axis's size (an absent axis has size 1); ``cluster.devices``,
 when given, must equal the mesh's size.
+
+:func:`check_semantics` is part of the parser (:mod:`.load`): it runs once per sweep point
+and returns the mesh, which the parsed point keeps (``Scenario.mesh``); nothing after the
+parser runs these rules again.
 """
 
 from __future__ import annotations
 
+from mesh import Mesh
+
 from .errors import ScenarioError
+from .hardware import check_hardware
+from .resilience import check_faults
 from .schema import PARALLEL_AXES
 
 __all__ = ["resolve_mesh", "check_semantics", "DEGREE_KINDS"]
@@ -17,8 +25,10 @@ DEGREE_KINDS = ("mlp", "transformer")      # kinds whose parallel section has dp
 
 
 def resolve_mesh(scenario):
-    """The :class:`mesh.Mesh` of ``scenario`` (see the module docstring)."""
-    from mesh import Mesh
+    """The :class:`mesh.Mesh` of ``scenario`` (see the module docstring): the parser's,
+    when it resolved it already."""
+    if getattr(scenario, "mesh", None) is not None:
+        return scenario.mesh
     par = scenario.parallel
     degrees = {a: par[a] for a in PARALLEL_AXES if par.get(a) is not None} \
         if scenario.workload.kind in DEGREE_KINDS else {}
@@ -45,23 +55,23 @@ def resolve_mesh(scenario):
     return mesh
 
 
-def check_semantics(scenario) -> None:
-    """Raise :class:`ScenarioError` for the first broken cross-field rule."""
-    from .hardware import check_hardware
-    from .workloads import workload_module
+def check_semantics(scenario):
+    """Raise :class:`ScenarioError` for the first broken cross-field rule; return the
+    scenario's :class:`mesh.Mesh`."""
+    from .workloads import workload_module  # lazy: keeps vcluster --help fast (numpy)
     mesh = resolve_mesh(scenario)
     if scenario.workload.dtype == "float16" and scenario.run.mode != "simulate":
         raise ScenarioError("workload.dtype", "float16", "float32, float64 (float16 only with "
                             "run.mode: simulate)", "the emulator computes in float32 or "
                             "float64")
     workload_module(scenario.workload.kind).validate(scenario, mesh)
-    from .resilience import check_faults
     check_faults(scenario, mesh)
     if scenario.run.mode != "emulate":
         check_hardware(scenario)
     if scenario.cluster.array_module == "cupy":
         try:
-            import cupy  # noqa: F401
+            import cupy  # noqa: F401  (optional dependency)
         except ImportError:
             raise ScenarioError("cluster.array_module", "cupy", "numpy (CuPy is not "
                                 "installed)", "cupy is not importable") from None
+    return mesh

@@ -31,6 +31,8 @@ import math
 import operator
 from dataclasses import dataclass
 
+from mesh.arguments import as_int
+
 from .replay_state import Call, cost_value
 from .results import Interval, Stream
 
@@ -55,15 +57,7 @@ class CorePoolSpec:
     mobile_ops: frozenset = frozenset()
 
     def __post_init__(self) -> None:
-        if isinstance(self.cores, bool):
-            raise TypeError(f"CorePoolSpec: cores must be an int >= 1, got {self.cores!r}")
-        try:
-            cores = operator.index(self.cores)
-        except TypeError:
-            raise TypeError(f"CorePoolSpec: cores must be an int >= 1, "
-                            f"got {self.cores!r}") from None
-        if cores < 1:
-            raise ValueError(f"CorePoolSpec: cores must be >= 1, got {cores}")
+        cores = as_int(self.cores, "CorePoolSpec: cores", 1)
         try:
             points = tuple(sorted((operator.index(k), float(t)) for k, t in self.throughput))
         except (TypeError, ValueError):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import math
 import numbers
-import operator
 from contextlib import contextmanager
 from operator import itemgetter
 from typing import Mapping, Sequence
@@ -27,22 +26,11 @@ from .cost_model import CostModel
 from .core_pool import as_core_pool
 from .replay import Replay, ReplayDeadlock
 from .results import OpStats, RankStats, SimulationResult
+from mesh.arguments import as_int
 
 __all__ = ["simulate_trace", "traces_from_schedule", "ReplayDeadlock"]
 
 _START = itemgetter(2)                                     # Interval.start_s
-
-
-def _rank_of(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"simulate_trace: {what} must be an int rank, got {value!r}")
-    try:
-        r = operator.index(value)
-    except TypeError:
-        raise TypeError(f"simulate_trace: {what} must be an int rank, got {value!r}") from None
-    if r < 0:
-        raise ValueError(f"simulate_trace: {what} must be a rank >= 0, got {r}")
-    return r
 
 
 def _normalise_traces(traces) -> dict[int, tuple]:
@@ -57,7 +45,7 @@ def _normalise_traces(traces) -> dict[int, tuple]:
     for key, trace in items:
         if not isinstance(trace, DeviceTrace):
             raise TypeError(f"simulate_trace: expected DeviceTrace values, got {trace!r:.80}")
-        rank = _rank_of(trace.rank, "DeviceTrace.rank")
+        rank = as_int(trace.rank, "simulate_trace: DeviceTrace.rank", 0)
         if key != rank:
             raise ValueError(f"simulate_trace: traces[{key!r}] holds the trace of rank {rank}")
         if rank in out:
@@ -76,7 +64,7 @@ def _slowdowns(stragglers, traced, symmetric: bool) -> dict[int, float]:
                         f"factor, got {stragglers!r}")
     out = {}
     for key, factor in stragglers.items():
-        rank = _rank_of(key, "a straggler")
+        rank = as_int(key, "simulate_trace: a straggler", 0)
         if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
                 or not 0 < factor < math.inf):
             raise ValueError(f"simulate_trace: straggler rank {rank} needs a finite slowdown "
@@ -137,7 +125,7 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
                         f"collective_time_s, p2p_time_s), got {costs!r}")
     limit = None
     if mesh is not None:
-        limit = _rank_of(getattr(mesh, "size", None), "mesh.size")
+        limit = as_int(getattr(mesh, "size", None), "simulate_trace: mesh.size", 0)
         bad = [r for r in ops if r >= limit]
         if bad:
             raise ValueError(f"simulate_trace: traced ranks {bad} are outside {mesh!r} "

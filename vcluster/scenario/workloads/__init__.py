@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
+from ..errors import ScenarioError
 from .base import Workload, compare
 
 __all__ = ["Workload", "compare", "REGISTRY", "workload_module"]
@@ -21,7 +22,6 @@ REGISTRY = MappingProxyType({"collective": "collective", "matmul": "matmul", "ff
 
 def workload_module(kind: str):
     """The module of ``kind`` (``validate``, ``build``)."""
-    from ..errors import ScenarioError
     if kind not in REGISTRY:
         raise ScenarioError("workload.kind", kind, ", ".join(REGISTRY), "unknown workload")
     return importlib.import_module(f"{__name__}.{REGISTRY[kind]}")

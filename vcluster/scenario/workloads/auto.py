@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vcluster.planner.auto_layout import auto_layout
+
+from ..hardware import cost_setup
+
 __all__ = ["AUTO", "AutoChoice", "choose"]
 
 AUTO = "auto"
@@ -34,8 +38,6 @@ class AutoChoice:
 def choose(op: str, scenario, mesh, shapes: dict, **kwargs) -> AutoChoice:
     """Rank the layouts of ``op`` ("matmul" or "ffn") with ``shapes`` on ``mesh``, priced by
     the same cost model as the scenario's own prediction (:func:`..hardware.cost_setup`)."""
-    from vcluster.planner.auto_layout import auto_layout
-    from ..hardware import cost_setup
     setup = cost_setup(scenario, mesh, scenario.workload.dtype)
     best, ranking = auto_layout(op, mesh, shapes, setup.label, dtype=scenario.workload.dtype,
                                 cost_model=setup.costs, **kwargs)

@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from vcluster.runtime import ALGORITHMS
+from vcluster.runtime.tracing import MetaArray
+
 from ..errors import ScenarioError
+from ..units import parse_size
 from .base import Workload
 
 __all__ = ["validate", "build"]
@@ -27,7 +31,6 @@ _ROOTED = ("reduce", "gather")                               # None except at th
 
 
 def _size_bytes(scenario) -> int:
-    from vcluster.scenario.units import parse_size
     size = scenario.workload.options["size"]
     try:
         return size if isinstance(size, int) else parse_size(size)
@@ -47,7 +50,6 @@ def _axis(scenario, mesh):
 
 
 def validate(scenario, mesh) -> None:
-    from vcluster.runtime import ALGORITHMS
     op, alg = scenario.workload.options["op"], scenario.parallel["algorithm"]
     if alg != "auto" and alg not in ALGORITHMS[op]:
         raise ScenarioError("parallel.algorithm", alg, ", ".join(("auto",) + ALGORITHMS[op]),
@@ -99,7 +101,6 @@ def _reference(op: str, xs: list, mesh, axes) -> dict:
 
 
 def build(scenario, mesh) -> Workload:
-    from vcluster.runtime.tracing import MetaArray
     w = scenario.workload
     op, calls = w.options["op"], w.options["calls"]
     axes = _axis(scenario, mesh)

@@ -15,6 +15,9 @@ derivative). With ``policy: auto`` the policy and the roles of the mesh axes (``
 from __future__ import annotations
 
 import numpy as np
+from sharding import local_shape, shard, unshard
+from tensor_parallel import FeedForward, FeedForwardSharding
+from vcluster.runtime.tracing import MetaArray
 
 from ..errors import ScenarioError
 from .auto import AUTO, choose
@@ -29,7 +32,6 @@ _DIMS = {"x": ("batch", "seq", "d_model"), "w1": ("d_model", "d_ff"), "b1": ("d_
 
 
 def _sharding(scenario, mesh):
-    from tensor_parallel import FeedForwardSharding
     par = scenario.parallel
     for key in ("tp", "dp"):
         value = par[key]
@@ -107,9 +109,6 @@ def reference(arrays: dict, activation: str) -> dict:
 
 
 def build(scenario, mesh) -> Workload:
-    from sharding import local_shape, shard, unshard
-    from tensor_parallel import FeedForward
-    from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
     auto = _auto(scenario, mesh)
     op = FeedForward(auto.sharding if auto else _sharding(scenario, mesh),

@@ -18,6 +18,10 @@ of the same inputs.
 from __future__ import annotations
 
 import numpy as np
+from sharding import TensorSharding as TS
+from sharding import local_shape, shard, unshard
+from tensor_parallel import MatMul, MatMulSharding
+from vcluster.runtime.tracing import MetaArray
 
 from ..errors import ScenarioError
 from .auto import AUTO, choose
@@ -31,7 +35,6 @@ _MIN_AXES = {"Unsharded": 0, "MatchedInnerSharding": 1, "UnmatchedInnerSharding"
 
 def policy_layouts(policy: str, axes: tuple[str, ...]):
     """(a, b, c) TensorShardings of ``policy`` on mesh axes ``axes`` (module docstring)."""
-    from sharding import TensorSharding as TS
     if len(axes) < _MIN_AXES[policy]:
         allowed = [p for p, k in _MIN_AXES.items() if k <= len(axes)]
         raise ScenarioError("parallel.policy", policy, ", ".join(allowed),
@@ -49,8 +52,6 @@ def policy_layouts(policy: str, axes: tuple[str, ...]):
 
 
 def _sharding(scenario, mesh):
-    from sharding import TensorSharding as TS
-    from tensor_parallel import MatMulSharding
     par = scenario.parallel
     if par.get("layouts") is not None:
         layouts = []
@@ -110,9 +111,6 @@ def _program(dev, op, a, b, dc):
 
 
 def build(scenario, mesh) -> Workload:
-    from sharding import local_shape, shard, unshard
-    from tensor_parallel import MatMul
-    from vcluster.runtime.tracing import MetaArray
     w, o = scenario.workload, scenario.workload.options
     auto = _auto(scenario, mesh)
     op = MatMul(auto.sharding if auto else _sharding(scenario, mesh))

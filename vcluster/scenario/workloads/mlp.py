@@ -13,6 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from pipeline_parallel import MLP
+from pipeline_parallel.executor import TrainJob, train_program
+from pipeline_parallel.mlp import layer_specs
+from pipeline_parallel.optim import OptimizerConfig
+from pipeline_parallel.plan import AXES, plan_training
+from vcluster.runtime.tracing import MetaArray, meta_like
 
 from ..errors import ScenarioError
 from .base import Workload
@@ -21,14 +27,12 @@ __all__ = ["validate", "build"]
 
 
 def _mlp(scenario):
-    from pipeline_parallel import MLP
     w, o = scenario.workload, scenario.workload.options
     return MLP(o["sizes"], activation=o["activation"], loss=o["loss"], seed=w.seed,
                dtype=w.dtype)
 
 
 def validate(scenario, mesh) -> None:
-    from pipeline_parallel.plan import AXES
     par, o = scenario.parallel, scenario.workload.options
     unknown = [a for a in mesh.axes if a not in AXES]
     if unknown or "pp" not in mesh.axes:
@@ -51,7 +55,6 @@ def validate(scenario, mesh) -> None:
         raise ScenarioError("workload.batch", o["batch"], f"a multiple of {dp * m}",
                             f"the batch splits into dp={dp} x microbatches={m}")
     if "tp" in mesh.axes:
-        from pipeline_parallel.mlp import layer_specs
         tp = mesh.shape["tp"]
         for spec in (s for st in layer_specs(_mlp(scenario), stages, True) for s in st):
             width = spec.fan_in if spec.kind == "row" else spec.fan_out
@@ -73,10 +76,6 @@ def _data(scenario):
 
 
 def build(scenario, mesh) -> Workload:
-    from pipeline_parallel.executor import TrainJob, train_program
-    from pipeline_parallel.optim import OptimizerConfig
-    from pipeline_parallel.plan import plan_training
-    from vcluster.runtime.tracing import MetaArray, meta_like
     par, o, steps = scenario.parallel, scenario.workload.options, scenario.run.steps
     mlp = _mlp(scenario)
     X, Y = _data(scenario)

@@ -11,7 +11,13 @@ arguments the tracer needs, so cluster-scale models cost no memory.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+from pipeline_parallel.executor import train_program
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, _coord
+from pipeline_parallel.optim import OptimizerConfig
+from vcluster.runtime.tracing import MetaArray, meta_like
 
 from ..errors import ScenarioError
 from .base import Workload
@@ -19,9 +25,9 @@ from .base import Workload
 __all__ = ["validate", "build"]
 
 
-def _configs(scenario, mesh):
-    from pipeline_parallel.gpt import GPTConfig, ParallelConfig
-    w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
+def validate(scenario, mesh) -> None:
+    """The parser's cross-field rules (once per point; :func:`build` trusts them)."""
+    o, par = scenario.workload.options, scenario.parallel
     unknown = [a for a in mesh.axes if a not in ("dp", "pp", "tp")]
     if unknown:
         raise ScenarioError("cluster.mesh", dict(mesh.shape), "axes among dp, pp, tp",
@@ -29,9 +35,7 @@ def _configs(scenario, mesh):
     if o["hidden"] % o["heads"]:
         raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
                             "hidden splits into heads")
-    config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
-                       vocab=o["vocab"], dtype=w.dtype)
-    degrees = {a: mesh.shape.get(a, 1) for a in ("dp", "pp", "tp")}
+    degrees = _degrees(mesh)
     interleaved = par["schedule"] == "interleaved_1f1b"
     if par.get("virtual_stages") is not None and not interleaved:
         raise ScenarioError("parallel.virtual_stages", par["virtual_stages"],
@@ -42,29 +46,36 @@ def _configs(scenario, mesh):
                             f"a multiple of {degrees['dp'] * par['micro_batch']}",
                             f"the batch splits into dp={degrees['dp']} x "
                             f"micro_batch={par['micro_batch']}")
-    parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
-                              schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
-                              sequence_parallel=par["sequence_parallel"],
-                              recompute=par["recompute"], **degrees)
-    stages = degrees["pp"] * parallel.chunks
+    chunks = par.get("virtual_stages") or (2 if interleaved else 1)
+    stages = degrees["pp"] * chunks
     if o["layers"] % stages:
         raise ScenarioError("workload.layers", o["layers"], f"a multiple of {stages}",
-                            f"layers split into pp={degrees['pp']} x {parallel.chunks} stages")
+                            f"layers split into pp={degrees['pp']} x {chunks} stages")
     for key in ("heads", "vocab") + (("seq",) if par["sequence_parallel"] else ()):
         if o[key] % degrees["tp"]:
             raise ScenarioError(f"workload.{key}", o[key], f"a multiple of tp={degrees['tp']}",
                                 f"{key} is split over tp")
+
+
+def _degrees(mesh) -> dict:
+    return {a: mesh.shape.get(a, 1) for a in ("dp", "pp", "tp")}
+
+
+def _configs(scenario, mesh):
+    """The GPT's configs from the parsed point (their own checks are the library's)."""
+    w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
+    config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
+                       vocab=o["vocab"], dtype=w.dtype)
+    parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
+                              schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
+                              sequence_parallel=par["sequence_parallel"],
+                              recompute=par["recompute"], **_degrees(mesh))
     return config, parallel
 
 
-def validate(scenario, mesh) -> None:
-    _configs(scenario, mesh)
-
-
 def build(scenario, mesh) -> Workload:
-    from pipeline_parallel.executor import train_program
-    from pipeline_parallel.gpt import GPT, _coord
-    from pipeline_parallel.optim import OptimizerConfig
+    """The point's workload: one training job (one schedule), its shape-only twin for the
+    tracer, and (unless simulating) the real per-rank arguments."""
     w, o, steps = scenario.workload, scenario.workload.options, scenario.run.steps
     config, parallel = _configs(scenario, mesh)
     gpt = GPT(config, seed=w.seed)
@@ -72,12 +83,14 @@ def build(scenario, mesh) -> Workload:
     tokens = rng.integers(0, config.vocab, (o["batch"], config.seq))
     targets = rng.integers(0, config.vocab, (o["batch"], config.seq))
     optimizer = OptimizerConfig(o["optimizer"], o["lr"])
-    metas = tuple(gpt.meta_args(mesh, parallel, steps, optimizer))
-    if scenario.run.mode == "simulate":      # cluster scale: no real parameters at all
-        args = ()
-    else:
-        job = gpt.train_job(mesh, parallel, steps, optimizer)
-        args = tuple(gpt.device_args(mesh, job, tokens, targets))
+    simulate_only = scenario.run.mode == "simulate"    # cluster scale: no real parameters
+    shapes = {n: MetaArray(s, config.dtype) for n, s in gpt.param_shapes().items()}
+    job = gpt.train_job(mesh, parallel, steps, optimizer, shapes if simulate_only else None)
+    meta_job = job if simulate_only else dataclasses.replace(
+        job, params=tuple((n, meta_like(a)) for n, a in job.params))
+    data = MetaArray((parallel.global_batch, config.seq), np.int64)
+    metas = tuple(gpt.device_args(mesh, meta_job, data, data))
+    args = () if simulate_only else tuple(gpt.device_args(mesh, job, tokens, targets))
 
     def assemble(results):
         losses = sum(np.array(r["losses"]) for i, r in enumerate(results)

@@ -1,0 +1,93 @@
+"""The closed choices of a scenario, as enums: schedule, mode, engine, recompute,
+collective algorithm, array module.
+
+Each is a ``str`` enum (``class Mode(Choice)``, ``Choice(str, Enum)``): a member *is* its
+text, so ``point.run.mode != "simulate"``, dict lookups, ``json.dumps`` and the algorithm
+functions that take names (``make_schedule(schedule, ...)``) keep working, while ``str``
+and f-strings give the plain value (``f"{Mode.BOTH}" == "both"``). The JSON Schema's
+``enum`` lists are made from these (:mod:`.schema`), so the file format, the docs and the
+typed model name the same values. :func:`parse_choice` turns text into a member, or a
+:class:`~vcluster.scenario.errors.ScenarioError` naming the key path, the value and the
+allowed values (the parser's schema check reports a bad file value the same way first).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .errors import ScenarioError
+
+__all__ = ["Choice", "ScheduleName", "Mode", "Engine", "Recompute", "Algorithm",
+           "ArrayModule", "parse_choice"]
+
+
+class Choice(str, Enum):
+    """A closed choice: a ``str`` whose ``str()`` and format are its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every allowed text, in declaration order."""
+        return tuple(member.value for member in cls)
+
+
+class ScheduleName(Choice):
+    """``parallel.schedule``: a pipeline schedule of :mod:`pipelining`."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+
+
+class Mode(Choice):
+    """``run.mode`` (and ``vcluster run --mode``)."""
+
+    EMULATE = "emulate"
+    SIMULATE = "simulate"
+    BOTH = "both"
+
+
+class Engine(Choice):
+    """``vcluster run --engine``: what emulates (:mod:`vcluster.scenario.engines`)."""
+
+    EMULATOR = "emulator"
+    TORCH = "torch"
+
+
+class Recompute(Choice):
+    """``parallel.recompute`` of a transformer: activation recomputation."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+class Algorithm(Choice):
+    """``parallel.algorithm`` of a collective (``auto``: the emulator's choice)."""
+
+    AUTO = "auto"
+    SHM = "shm"
+    RING = "ring"
+    TREE = "tree"
+    PAIRWISE = "pairwise"
+
+
+class ArrayModule(Choice):
+    """``cluster.array_module``: the devices' array module."""
+
+    NUMPY = "numpy"
+    CUPY = "cupy"
+
+
+def parse_choice(kind: type[Choice], value, path: str, reason: str = "unknown value"):
+    """``kind(value)``, or :class:`ScenarioError` at ``path`` listing ``kind.values()``."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        raise ScenarioError(path, value, ", ".join(kind.values()), reason) from None

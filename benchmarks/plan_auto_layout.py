@@ -42,13 +42,13 @@ GOAL_CASES = 3          # ... in at least three (shape, mesh) cases (issue 9)
 
 
 def _workloads(kind, mesh, shapes, ranking):
-    """One bench_predict Workload per ranked candidate (real replicated inputs)."""
+    """One bench_predict BenchWorkload per ranked candidate (real replicated inputs)."""
     from sharding import TensorSharding as TS, plan_redistribute
     from tensor_parallel import MatMul
-    from vcluster.planner.auto_layout import _ffn_program, _matmul_program
+    from vcluster.planner.auto_layout import ffn_candidate_program, matmul_candidate_program
     from tensor_parallel.ffn import FeedForward
     from tensor_parallel.ffn_sharding import FeedForwardSharding
-    from vcluster.cli.bench_predict_workloads import Workload, metas
+    from vcluster.cli.bench_predict_workloads import BenchWorkload, metas
     rng = np.random.default_rng(0)
     item = np.dtype(DTYPE).itemsize
     if kind == "matmul":
@@ -59,7 +59,7 @@ def _workloads(kind, mesh, shapes, ranking):
             a_in = plan_redistribute(R, s.a, mesh, shapes["a"], item)
             b_in = plan_redistribute(R, s.b, mesh, shapes["b"], item)
             args = [(MatMul(s), a_in, b_in, A, B)] * mesh.size
-            yield Workload(str(s), mesh, _matmul_program, args, metas(args), DTYPE)
+            yield BenchWorkload(str(s), mesh, matmul_candidate_program, args, metas(args), DTYPE)
         return
     g = FeedForwardSharding.global_shapes(shapes["x"], shapes["d_ff"])
     arrays = {k: (0.05 * rng.standard_normal(v)).astype(DTYPE) for k, v in g.items()}
@@ -71,7 +71,7 @@ def _workloads(kind, mesh, shapes, ranking):
         y_plan = plan_redistribute(lay["y"], TS(None, None, None), mesh, g["x"], item)
         args = [(FeedForward(s), plans) + tuple(arrays[k] for k in g) + (dy, True, y_plan)
                 ] * mesh.size
-        yield Workload(str(s), mesh, _ffn_program, args, metas(args), DTYPE)
+        yield BenchWorkload(str(s), mesh, ffn_candidate_program, args, metas(args), DTYPE)
 
 
 def _measure_rounds(cluster, workloads, reps: int) -> list[list[float]]:

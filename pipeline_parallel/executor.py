@@ -64,7 +64,7 @@ class TrainJob:
     first_step: int = 0                # global number of this job's first step (resumed runs)
     optimizer_state: tuple | None = None   # (t, slots): slots[k] global (W, b) per layer
     return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
-    crash_at: tuple = ()               # (rank, global step): injected crashes (vcluster.runtime.faults)
+    crash_at: tuple = ()       # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
 
     @property

@@ -34,13 +34,8 @@ from mesh import Mesh
 from pipelining import SCHEDULE_NAMES, make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
-from tensor_parallel.transformer import (
-    RECOMPUTE,
-    TransformerLayer,
-    TransformerStage,
-    param_layout,
-    split_dim,
-)
+from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
+                                         param_layout, split_dim)
 from vcluster.runtime.tracing import MetaArray
 
 from .executor import TrainJob, train_program
@@ -279,12 +274,18 @@ class GPT:
         job = self.train_job(mesh, parallel, steps, OptimizerConfig(
             optimizer, lr, momentum, tuple(betas), eps), bucket_bytes=bucket_bytes)
         results = cluster.run(train_program, self.device_args(mesh, job, tokens, targets))
-        losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
-                     if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
         memory = pd.DataFrame([dict(r["memory"], peak_in_flight=max(
             r["memory"]["peak_in_flight"].values(), default=0)) for r in results])
-        return GPTFitResult(losses, self._join(mesh, results, "params"),
-                            self._join(mesh, results, "grads"), memory)
+        return GPTFitResult(*self.collect(mesh, results), memory)
+
+    def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
+        """(losses per step, parameters, gradients) from ``train_program``'s per-rank
+        ``results`` on ``mesh``: each step's loss summed over the ranks that report one, in
+        tensor-parallel piece 0 (as ``fit`` reports it); the global arrays joined from the
+        pieces of data-parallel replica 0."""
+        losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
+                     if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
+        return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")
 
     def _join(self, mesh, results, key: str) -> dict:
         """Global arrays from the pieces of the ranks of data-parallel replica 0."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipelining import make_schedule
+
 from .layers import LayerSpec
 
 __all__ = ["TrainingPlan", "plan_training", "AXES"]
@@ -53,6 +55,7 @@ class TrainingPlan:
 
     def collect(self, mlp, results: list[dict]):
         import pandas as pd
+
         from .mlp import FitResult
         losses = None
         for r, res in enumerate(results):
@@ -89,7 +92,6 @@ def _join(pieces: list[np.ndarray], layout) -> np.ndarray:
 
 def plan_training(mlp, mesh, batch: int, microbatches: int, schedule: str,
                   virtual_stages: int | None) -> TrainingPlan:
-    from pipelining import make_schedule
     from .mlp import layer_specs
     unknown = [a for a in mesh.axes if a not in AXES]
     if "pp" not in mesh.axes or unknown:

@@ -7,9 +7,9 @@ each, which starts from the state the host hands in: parameters, optimizer slots
 step count, global step number). After each segment the host assembles the full
 training state and writes a checkpoint (:mod:`pipeline_parallel.checkpoint`).
 
-Faults (:mod:`vcluster.runtime.faults`): a :class:`~vcluster.runtime.faults.CrashFault` kills its device
-process at the start of its step, once; slow devices and links are injected into the
-cluster for the duration of the fit.
+Faults (:mod:`vcluster.runtime.faults`): a :class:`~vcluster.runtime.faults.CrashFault`
+kills its device process at the start of its step, once; slow devices and links are injected
+into the cluster for the duration of the fit.
 
 Recovery when a device is lost (:class:`~vcluster.runtime.errors.DeviceLostError`):
 

@@ -22,8 +22,8 @@ from .generators import (SCHEDULE_NAMES, gpipe, interleaved_1f1b, make_schedule,
 from .grid import format_grid, format_grid_html, grid_cells
 from .pipeline import Pipeline, PipelineStage
 from .schedule import Schedule
-from .ideal_timing import (SimulationResult, TimedAction, in_flight_profile, peak_in_flight, simulate,
-                     unit_timelines)
+from .ideal_timing import (SimulationResult, TimedAction, in_flight_profile, peak_in_flight,
+                           simulate, unit_timelines)
 from .validate import RULES, Violation, validate, violations
 
 __all__ = [

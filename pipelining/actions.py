@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+
 from mesh.arguments import as_int
 
 __all__ = ["ActionKind", "Action", "F", "B", "I", "W"]

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .generators import SCHEDULE_NAMES, _count
+from mesh.arguments import as_int
+
+from .generators import SCHEDULE_NAMES
 from .ideal_timing import _cost
 
 __all__ = ["bubble_time_closed_form", "bubble_fraction_closed_form",
@@ -38,9 +40,9 @@ def _idle_and_compute(name, ranks, microbatches, virtual_stages, cost_f, cost_b,
         raise ValueError(f"closed form: unknown schedule {name!r}; "
                          f"choose from {', '.join(SCHEDULE_NAMES)}")
     key = name.strip().lower()
-    p = _count(ranks, key, "ranks p")
-    m = _count(microbatches, key, "microbatches m")
-    v = _count(virtual_stages, key, "virtual_stages v")
+    p = as_int(ranks, f"{key}: ranks p", 1)
+    m = as_int(microbatches, f"{key}: microbatches m", 1)
+    v = as_int(virtual_stages, f"{key}: virtual_stages v", 1)
     f, b, w = (_cost(c, n, "closed form") for c, n in
                ((cost_f, "cost_f"), (cost_b, "cost_b"), (cost_w, "cost_w")))
     if w >= b:

@@ -34,7 +34,7 @@ Each returns a :class:`Schedule`: per rank ``r``, the ordered actions it runs.
 
 from __future__ import annotations
 
-import operator
+from mesh.arguments import as_int
 
 from .actions import Action, ActionKind
 from .schedule import Schedule, _generated
@@ -48,20 +48,9 @@ SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bu
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 
 
-def _count(value, name: str, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: {what} must be an int >= 1, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: {what} must be an int >= 1, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{name}: {what} must be an int >= 1, got {n}")
-    return n
-
-
 def _pm(name: str, ranks, microbatches) -> tuple[int, int]:
-    return (_count(ranks, name, "ranks p"), _count(microbatches, name, "microbatches m"))
+    return (as_int(ranks, f"{name}: ranks p", 1),
+            as_int(microbatches, f"{name}: microbatches m", 1))
 
 
 def gpipe(ranks: int, microbatches: int) -> Schedule:
@@ -97,7 +86,7 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual_stages: int = 2) -> 
     """
     name = "interleaved_1f1b"
     p, m = _pm(name, ranks, microbatches)
-    v = _count(virtual_stages, name, "virtual_stages v")
+    v = as_int(virtual_stages, f"{name}: virtual_stages v", 1)
     if v == 1:
         return _generated(name, p, m, 1, _one_f_one_b_rows(p, m))
     if m % p:
@@ -166,7 +155,7 @@ def make_schedule(name: str, ranks: int, microbatches: int,
         v = 2 if virtual_stages is None else virtual_stages
         return interleaved_1f1b(ranks, microbatches, v)
     if virtual_stages is not None:
-        v = _count(virtual_stages, key, "virtual_stages v")
+        v = as_int(virtual_stages, f"{key}: virtual_stages v", 1)
         if v != 1:
             raise ValueError(
                 f"{key}: runs one stage per rank, so virtual_stages must be 1 (or omitted), got "

@@ -11,8 +11,8 @@ from __future__ import annotations
 import html
 
 from .actions import Action, ActionKind
-from .schedule import Schedule
 from .ideal_timing import unit_timelines
+from .schedule import Schedule
 
 __all__ = ["grid_cells", "format_grid", "format_grid_html"]
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh import Mesh
+from mesh.arguments import as_int
 
 from .actions import Action
 from .generators import SCHEDULE_NAMES, make_schedule
 from .schedule import Schedule
 from .validate import validate
-from mesh.arguments import as_int
 
 __all__ = ["PipelineStage", "Pipeline"]
 

@@ -17,23 +17,13 @@ import operator
 from dataclasses import dataclass
 from typing import Iterator
 
+from mesh.arguments import as_int
+
 from .actions import Action
 
 __all__ = ["Schedule"]
 
 _FIELDS = ("name", "ranks", "microbatches", "virtual_stages", "actions")
-
-
-def _positive_int(value, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"Schedule: {what} must be a positive int, got {value!r}")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"Schedule: {what} must be a positive int, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"Schedule: {what} must be a positive int (>= 1), got {n}")
-    return n
 
 
 @dataclass(frozen=True, repr=False)
@@ -56,11 +46,12 @@ class Schedule:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"Schedule: name must be a non-empty str, got {self.name!r}")
-        p = _positive_int(self.ranks, "ranks")
+        p = as_int(self.ranks, "Schedule: ranks", 1)
         object.__setattr__(self, "ranks", p)
-        object.__setattr__(self, "microbatches", _positive_int(self.microbatches, "microbatches"))
+        object.__setattr__(self, "microbatches",
+                           as_int(self.microbatches, "Schedule: microbatches", 1))
         object.__setattr__(self, "virtual_stages",
-                           _positive_int(self.virtual_stages, "virtual_stages"))
+                           as_int(self.virtual_stages, "Schedule: virtual_stages", 1))
         if isinstance(self.actions, (str, bytes)) or not hasattr(self.actions, "__iter__"):
             raise TypeError(
                 f"Schedule: actions must be a sequence of {p} per-rank action sequences, "

@@ -102,13 +102,13 @@ import numpy as np
 
 from .args import csv_of, positive_int
 from .bench_predict_measure import BUSY_MACHINE_CORES, measure_workload
-from .bench_predict_print import (_print_drift, _print_header, _print_row,
-                                  _write_record, spread)
+from .bench_predict_print import (print_drift, print_header, print_row,
+                                  write_record, spread)
 from .bench_predict_stats import interval_fields, median_interval, paired_ratios, round_drift
-from .bench_predict_workloads import WORKLOADS, Workload, build_workload
+from .bench_predict_workloads import WORKLOADS, BenchWorkload, build_bench_workload
 from .localhost_spec_text import format_localhost_spec
 
-__all__ = ["add_parser", "WORKLOADS", "Workload", "build_workload", "measure_workload",
+__all__ = ["add_parser", "WORKLOADS", "BenchWorkload", "build_bench_workload", "measure_workload",
            "predict_workload", "predict_run", "run_predict", "run_workloads", "spread", "stepped",
            "paired_ratios", "median_interval"]
 
@@ -116,14 +116,14 @@ RETRY_PAUSE_S = 5.0                     # before measuring a disturbed workload 
 
 
 # --- measuring and predicting ----------------------------------------------------------
-def predict_workload(wl: Workload, spec, core_queues: bool = False) -> float:
+def predict_workload(wl: BenchWorkload, spec, core_queues: bool = False) -> float:
     """The replayed step time of ``wl``'s traces with the localhost cost model (the
     programs' own host work included when the spec has its rates; ``core_queues``: on
     per-core queues, :mod:`vcluster.timing.core_queues`)."""
     return predict_run(wl, spec, core_queues)[0]
 
 
-def predict_run(wl: Workload, spec, core_queues: bool = False) -> tuple[float, float]:
+def predict_run(wl: BenchWorkload, spec, core_queues: bool = False) -> tuple[float, float]:
     """(step time, the core pool's work: single-core seconds) of ``wl``'s replay."""
     # lazy: keeps vcluster --help fast
     from vcluster.timing.engine import simulate_trace
@@ -139,7 +139,7 @@ def run_predict(spec, names, reps: int = 3, tiny: bool = False, progress=None,
                 retries: int = 0, rounds: int = 1, recalibrate=None, steps: int = 1,
                 core_queues: bool = False) -> dict:
     """Measure and predict every workload of ``names``; the JSON record (module doc)."""
-    record = run_workloads(spec, [build_workload(name, tiny) for name in names], reps,
+    record = run_workloads(spec, [build_bench_workload(name, tiny) for name in names], reps,
                            progress, retries, rounds, recalibrate, steps, core_queues)
     record["tiny"] = bool(tiny)
     return record
@@ -151,18 +151,18 @@ def _steps(dev, program, steps: int, *args) -> None:
         program(dev, *args)
 
 
-def stepped(wl: Workload, steps: int) -> Workload:
+def stepped(wl: BenchWorkload, steps: int) -> BenchWorkload:
     """``wl`` whose program runs ``steps`` times back to back (``wl`` itself for 1)."""
     if steps == 1:
         return wl
-    return Workload(wl.name, wl.mesh, _steps, [(wl.program, steps) + tuple(a) for a in wl.args],
+    return BenchWorkload(wl.name, wl.mesh, _steps, [(wl.program, steps) + tuple(a) for a in wl.args],
                     [(wl.program, steps) + tuple(a) for a in wl.meta_args], wl.dtype)
 
 
 def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 0,
                   rounds: int = 1, recalibrate=None, steps: int = 1,
                   core_queues: bool = False) -> dict:
-    """Measure and predict each :class:`Workload` (devices kept per mesh).
+    """Measure and predict each :class:`BenchWorkload` (devices kept per mesh).
 
     ``rounds`` measurement rounds, each over every workload in turn (``reps`` runs each);
     with ``recalibrate`` (a callable returning a fresh spec) the machine is calibrated
@@ -228,7 +228,7 @@ def run_workloads(spec, workloads, reps: int = 3, progress=None, retries: int = 
     return workloads_record(specs, steps, core_queues, rows)
 
 
-def priced(wl: Workload, specs: list, steps: int, core_queues: bool, measured: dict) -> dict:
+def priced(wl: BenchWorkload, specs: list, steps: int, core_queues: bool, measured: dict) -> dict:
     """The prediction keys of a record's row: ``wl`` (already :func:`stepped`) replayed
     under each of ``specs`` and paired with the row's ``measured`` keys
     (``measured_s``, ``measured_round_s``: each round's median run, and
@@ -339,22 +339,22 @@ def _predict(args) -> int:
     print(format_localhost_spec(spec), flush=True)
     if args.scenarios or args.scenario:
         return _predict_scenarios(args, spec, recalibrate)
-    _print_header("workload", 22)
-    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=_print_row,
+    print_header("workload", 22)
+    record = run_predict(spec, args.workloads, args.reps, args.tiny, progress=print_row,
                          retries=args.retries, rounds=args.rounds, recalibrate=recalibrate,
                          steps=args.steps, core_queues=args.core_queues)
     print(f"max |ratio - 1| = {record['max_error']:.1%} (goal: 25%); measured runs' "
           f"spread: median ±{np.median([spread(r) for r in record['workloads']]):.0%}")
-    _print_drift(record)
-    _write_record(args.json, record)
+    print_drift(record)
+    write_record(args.json, record)
     return 0
 
 
 def _predict_scenarios(args, spec, recalibrate) -> int:
     from .bench_predict_scenarios import run_scenarios_predict
-    _print_header("scenario point", 28)
+    print_header("scenario point", 28)
     record = run_scenarios_predict(spec, args.reps, args.scenario,
-                                   progress=lambda r: _print_row(r, width=28),
+                                   progress=lambda r: print_row(r, width=28),
                                    retries=args.retries, rounds=args.rounds,
                                    recalibrate=recalibrate, steps=args.steps,
                                    core_queues=args.core_queues)
@@ -364,6 +364,6 @@ def _predict_scenarios(args, spec, recalibrate) -> int:
     print(f"{record['within_goal']} of {len(rows)} points within 25%{surely}; "
           f"max |ratio - 1| = {record['max_error']:.1%}; measured runs' spread: median "
           f"±{np.median([spread(r) for r in rows]):.0%}")
-    _print_drift(record)
-    _write_record(args.json, record)
+    print_drift(record)
+    write_record(args.json, record)
     return 0

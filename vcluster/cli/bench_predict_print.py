@@ -8,10 +8,10 @@ import math
 from .bench_predict_measure import BUSY_MACHINE_CORES
 from .bench_predict_scenarios import GOAL
 
-__all__ = ["spread"]
+__all__ = ["spread", "print_drift", "print_header", "print_row", "write_record"]
 
 
-def _print_drift(record: dict) -> None:
+def print_drift(record: dict) -> None:
     """With two rounds or more and three points or more: the rounds' median ratios (what
     moved every point alike) and the points' ratios relative to them."""
     rows, medians = record["workloads"], record["round_median_ratios"]
@@ -25,14 +25,14 @@ def _print_drift(record: dict) -> None:
           f"{worst['relative_ratio']:.2f}", flush=True)
 
 
-def _print_header(first: str, width: int, note: str = "") -> None:
-    """The table's header; ``note``: the title of a last column (:func:`_print_row`)."""
+def print_header(first: str, width: int, note: str = "") -> None:
+    """The table's header; ``note``: the title of a last column (:func:`print_row`)."""
     print(f"{first:<{width}}{'devices':>8}{'measured':>12}{'spread':>8}{'predicted':>12}"
           f"{'ratio':>8}{'cpu ratio':>10}  {'by round':<16}{'other load':>10}"
           + (f"  {note}" if note else ""), flush=True)
 
 
-def _write_record(path, record: dict) -> None:
+def write_record(path, record: dict) -> None:
     if path:
         # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
@@ -40,7 +40,7 @@ def _write_record(path, record: dict) -> None:
         print(f"wrote {path}")
 
 
-def _print_row(r: dict, width: int = 22, note: str = "") -> None:
+def print_row(r: dict, width: int = 22, note: str = "") -> None:
     """One workload's row; ``note`` goes in a last column (a repricing's recorded ratio)."""
     load = r["background_cores"]
     flag = f"{'-':>10}" if load is None else f"{load:>6.2f} cores"

@@ -57,9 +57,9 @@ def round_medians(row: dict) -> list:
 
 
 def record_workloads(record: dict) -> dict:
-    """``{name: Workload}`` for the rows of ``record``, rebuilt as it was measured (module
+    """``{name: BenchWorkload}`` for the rows of ``record``, rebuilt as it was measured (module
     doc); a name that cannot be rebuilt is a ValueError naming it."""
-    from .bench_predict_workloads import build_workload
+    from .bench_predict_workloads import build_bench_workload
     from .bench_predict_scenarios import SCENARIO_DIR, emulated_scenarios, scenario_workloads
     names = [row["name"] for row in record["workloads"]]
     if any("/" in name for name in names):
@@ -75,7 +75,7 @@ def record_workloads(record: dict) -> dict:
         where = f"the scenarios {', '.join(str(p) for p in paths) or SCENARIO_DIR}"
     else:
         tiny = bool(record.get("tiny", False))
-        built = {name: build_workload(name, tiny) for name in names if name in WORKLOADS}
+        built = {name: build_bench_workload(name, tiny) for name in names if name in WORKLOADS}
         where = f"the built-in workloads {', '.join(WORKLOADS)}"
     unknown = [name for name in names if name not in built]
     if unknown:
@@ -137,7 +137,7 @@ def reprice_command(args) -> int:
     """``vcluster bench predict --reprice RECORD [--core-queues] [--json PATH]``: the
     table with the recorded ratio beside the new one, then the counts within the goal, the
     log-sd of the ratios both ways and the point that moved most."""
-    from .bench_predict_print import _print_drift, _print_header, _print_row, _write_record
+    from .bench_predict_print import print_drift, print_header, print_row, write_record
     from .bench_predict_scenarios import GOAL
     given = [option for option, attr, default in _MEASURING_OPTIONS
              if getattr(args, attr) != default]
@@ -150,9 +150,9 @@ def reprice_command(args) -> int:
           f"calibrations, {len(rows)} workloads) with this tree's model", flush=True)
     points = any("/" in str(r.get("name", "")) for r in rows)
     width = 28 if points else 22
-    _print_header("scenario point" if points else "workload", width, note="recorded")
+    print_header("scenario point" if points else "workload", width, note="recorded")
     new = reprice(record, args.core_queues,
-                  progress=lambda r: _print_row(r, width, note=f"{r['recorded_ratio']:.2f}"))
+                  progress=lambda r: print_row(r, width, note=f"{r['recorded_ratio']:.2f}"))
     new["repriced_from"] = str(args.reprice)
     rows = new["workloads"]
     if rows:
@@ -165,6 +165,6 @@ def reprice_command(args) -> int:
         moved = max(rows, key=lambda r: abs(math.log(r["ratio"] / r["recorded_ratio"])))
         print(f"moved most: {moved['name']} {moved['recorded_ratio']:.2f} -> "
               f"{moved['ratio']:.2f}")
-    _print_drift(new)
-    _write_record(args.json, new)
+    print_drift(new)
+    write_record(args.json, new)
     return 0

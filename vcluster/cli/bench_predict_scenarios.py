@@ -11,7 +11,7 @@ transfers excluded), predicted by tracing the same program and replaying it with
 :class:`~vcluster.localhost.cost_model.LocalhostCostModel` on the machine's core pool. The
 goal: every point within 25%. (A scenario's ``faults`` and ``checkpoint`` sections do not
 change its program: ``faults.yaml`` is measured as its plain training step.) That the
-traffic of these runs equals the trace is a test (tests/test_timing_scenario_traffic.py).
+traffic of these runs equals the trace is a test (tests/timing/test_timing_scenario_traffic.py).
 
 JSON: the record of :func:`~vcluster.cli.bench_predict.run_workloads` (``workloads``
 named ``<scenario>/<point>``, ``max_error``) plus ``scenario_paths``, the files measured
@@ -51,18 +51,18 @@ def check_emulates(scenario, path) -> None:
 
 
 def scenario_workloads(paths=None) -> list:
-    """One :class:`~vcluster.cli.bench_predict_workloads.Workload` per sweep point of ``paths``
+    """One :class:`~vcluster.cli.bench_predict_workloads.BenchWorkload` per sweep point of ``paths``
     (default: :func:`emulated_scenarios`); a scenario that only simulates is an error."""
     # lazy: keeps vcluster --help fast
     from vcluster.scenario import build_workload, load_scenario, sweep_points
-    from .bench_predict_workloads import Workload
+    from .bench_predict_workloads import BenchWorkload
     out = []
     for path in paths or emulated_scenarios():
         scenario = load_scenario(Path(path))
         check_emulates(scenario, path)
         for i in range(len(sweep_points(scenario))):
             w = build_workload(scenario, i)
-            out.append(Workload(f"{Path(path).stem}/{i}", w.mesh, w.program,
+            out.append(BenchWorkload(f"{Path(path).stem}/{i}", w.mesh, w.program,
                                 list(w.args_by_rank), list(w.meta_args_by_rank), w.dtype))
     return out
 

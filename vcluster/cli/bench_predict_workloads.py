@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["WORKLOADS", "Workload", "build_workload", "metas"]
+__all__ = ["WORKLOADS", "BenchWorkload", "build_bench_workload", "metas"]
 
 SWEEP_BYTES, MIN_CALLS = 20 * (1 << 20), 5   # collectives per run of a sweep workload
 _SWEEP = tuple(f"{op}-{size}" for op in ("all_reduce", "all_gather", "reduce_scatter")
@@ -34,7 +34,7 @@ _MIB = 1 << 20
 
 
 @dataclass(frozen=True)
-class Workload:
+class BenchWorkload:
     """A per-device program, its real arguments and their shape-only twins."""
 
     name: str
@@ -61,7 +61,7 @@ def _sweep_program(dev, op: str, x, calls: int):
         getattr(dev, op)(x)
 
 
-def _sweep(name: str, tiny: bool) -> Workload:
+def _sweep(name: str, tiny: bool) -> BenchWorkload:
     # lazy: keeps vcluster --help fast
     from mesh import Mesh
     op, size = name.split("-")
@@ -71,10 +71,10 @@ def _sweep(name: str, tiny: bool) -> Workload:
     mesh = Mesh((n,), ("x",))
     calls = max(MIN_CALLS, SWEEP_BYTES // (int(size[:-3]) * _MIB))
     args = [(op, np.zeros(elements, np.float32), calls) for _ in range(n)]
-    return Workload(name, mesh, _sweep_program, args, metas(args), "float32")
+    return BenchWorkload(name, mesh, _sweep_program, args, metas(args), "float32")
 
 
-def _matmul(tiny: bool) -> Workload:
+def _matmul(tiny: bool) -> BenchWorkload:
     # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from sharding import TensorSharding as TS, shard
@@ -86,7 +86,7 @@ def _matmul(tiny: bool) -> Workload:
     a = shard(rng.standard_normal((m, k)).astype(np.float32), op.sharding.a, mesh)
     b = shard(rng.standard_normal((k, n)).astype(np.float32), op.sharding.b, mesh)
     args = [(a[r], b[r]) for r in range(mesh.size)]
-    return Workload("matmul", mesh, op.forward_local, args, metas(args), "float32")
+    return BenchWorkload("matmul", mesh, op.forward_local, args, metas(args), "float32")
 
 
 def _ffn_program(dev, op, x, w1, b1, w2, b2, dy):
@@ -94,7 +94,7 @@ def _ffn_program(dev, op, x, w1, b1, w2, b2, dy):
     op.backward_local(dev, x, w1, b1, w2, b2, dy)
 
 
-def _ffn(tiny: bool) -> Workload:
+def _ffn(tiny: bool) -> BenchWorkload:
     # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from sharding import shard
@@ -110,10 +110,10 @@ def _ffn(tiny: bool) -> Workload:
     pieces = {k: shard((0.05 * rng.standard_normal(s)).astype(np.float32), layouts[k], mesh)
               for k, s in shapes.items()}
     args = [(op,) + tuple(pieces[k][r] for k in shapes) for r in range(mesh.size)]
-    return Workload("ffn", mesh, _ffn_program, args, metas(args), "float32")
+    return BenchWorkload("ffn", mesh, _ffn_program, args, metas(args), "float32")
 
 
-def _mlp(tiny: bool) -> Workload:
+def _mlp(tiny: bool) -> BenchWorkload:
     # lazy: keeps vcluster --help fast
     from mesh import Mesh
     from pipeline_parallel import MLP
@@ -137,10 +137,10 @@ def _mlp(tiny: bool) -> Workload:
     args = plan.device_args(real, X, Y)
     metas = [(meta,) + tuple(None if a is None else _meta(a) for a in rest)
              for _, *rest in args]
-    return Workload("mlp", mesh, train_program, args, metas, "float64")
+    return BenchWorkload("mlp", mesh, train_program, args, metas, "float64")
 
 
-def build_workload(name: str, tiny: bool = False) -> Workload:
+def build_bench_workload(name: str, tiny: bool = False) -> BenchWorkload:
     if name in _SWEEP:
         return _sweep(name, tiny)
     builders = {"matmul": _matmul, "ffn": _ffn, "mlp": _mlp}

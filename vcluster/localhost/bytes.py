@@ -19,7 +19,7 @@ Every rate here is pool work per byte with every device busy (single-core second
   (``p2p_message_cpu_s``; older still: half the alone round trip), and each byte one
   copy at :func:`p2p_copy_s_per_byte` (which a send/recv's bytes beyond
   CALL_BYTES also pay). The algorithms send from arena buffers, which the
-  channel posts without a staging copy (tests/test_message_copies.py), but a large send
+  channel posts without a staging copy (tests/runtime/test_message_copies.py), but a large send
   is a rendezvous: the sender waits while the receiver copies the payload out, and that
   wait costs it about the copy's CPU. Ping-pongs of 4 KiB and 4 MiB, every device in a
   pair (2 cores, 8 devices), cost 7.9–9.7 GB/s per side with arena payloads and

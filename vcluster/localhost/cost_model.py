@@ -77,16 +77,11 @@ from vcluster.timing.core_queues import start_placements
 from .bytes import bytes_work, message_work, p2p_copy_s_per_byte
 from .calls import CALL_BYTES, CallCpu, log_log
 from .gaps import CallGap
-from .host_work import HOST_TRACES, TracerRates, host_work_s, localhost_traces, measure_tracer_rates
+from .host_work import (HOST_TRACES, TracerRates, host_work_s, localhost_traces,
+                        measure_tracer_rates)
 from .messages import working_copy_bytes
-from .spec import (
-    _CALIBRATED,
-    _HOST_RATES,
-    LocalhostSpec,
-    _dtype,
-    load_localhost_spec,
-    save_localhost_spec,
-)
+from .spec import (_CALIBRATED, _HOST_RATES, LocalhostSpec, _dtype, load_localhost_spec,
+                   save_localhost_spec)
 from .start import MOBILE_OPS
 
 __all__ = ["LocalhostSpec", "LocalhostCostModel", "BLAS_MIN_FLOPS_PER_ELEMENT",

@@ -39,7 +39,7 @@ class LocalhostSpec:
     "busy" all N devices at once. A speedup is an aggregate throughput over one alone.
     """
 
-    cores: int                        # host_cores.usable_cores(): affinity, cgroup quota
+    cores: int                        # cores.usable_cores(): affinity, cgroup quota
     pool_throughput: tuple            # ((cores, T), (N, T)): float32 GEMM speedup with
     #                                   `cores` and with N devices busy (the pool's T(k))
     gemm_float32_flops_per_s: float   # alone: (1024, 1024) @ (1024, 1024) float32, its

@@ -44,7 +44,7 @@ from vcluster.runtime.tracing import MetaArray
 from vcluster.timing import core_pool_of, for_many_programs, model_traces
 from vcluster.timing.engine import simulate_trace
 
-__all__ = ["layouts_2d", "rank_matmul_layouts", "rank_ffn_layouts",
+__all__ = ["layouts_2d", "matmul_candidate_program", "ffn_candidate_program", "rank_matmul_layouts", "rank_ffn_layouts",
            "auto_matmul", "auto_ffn", "auto_layout"]
 
 
@@ -71,7 +71,7 @@ def _meta(shape, dtype):
 
 
 # --- MatMul ------------------------------------------------------------------------------
-def _matmul_program(dev, op, a_in, b_in, a, b):
+def matmul_candidate_program(dev, op, a_in, b_in, a, b):
     a = redistribute(dev, a, a_in, op.algorithms)
     b = redistribute(dev, b, b_in, op.algorithms)
     return op.forward_local(dev, a, b)
@@ -103,7 +103,7 @@ def rank_matmul_layouts(mesh, a_shape, b_shape, hardware, dtype="float32",
         metas = [(op, a_in, b_in, _meta(local_shape(a_shape, a_from, mesh), dtype),
                   _meta(local_shape(b_shape, b_from, mesh), dtype))] * mesh.size
         rows.append({"sharding": sharding, "policy": sharding.policy_on(mesh).value,
-                     "predicted_s": _predict_s(mesh, _matmul_program, metas, model),
+                     "predicted_s": _predict_s(mesh, matmul_candidate_program, metas, model),
                      "flops_per_device": plan.flops_per_device,
                      "bytes_per_device": plan.bytes_per_device + a_in.bytes_per_device
                      + b_in.bytes_per_device,
@@ -137,7 +137,7 @@ def _ffn_candidates(mesh):
     return out
 
 
-def _ffn_program(dev, op, plans, x, w1, b1, w2, b2, dy, backward, y_plan):
+def ffn_candidate_program(dev, op, plans, x, w1, b1, w2, b2, dy, backward, y_plan):
     x, w1, b1, w2, b2 = (redistribute(dev, t, plans[k], op.algorithms)
                          for k, t in zip(("x", "w1", "b1", "w2", "b2"), (x, w1, b1, w2, b2)))
     y = redistribute(dev, op.forward_local(dev, x, w1, b1, w2, b2), y_plan, op.algorithms)
@@ -173,7 +173,7 @@ def rank_ffn_layouts(mesh, x_shape, d_ff: int, hardware, dtype="float32",
                                        backward, y_plan)] * mesh.size
         rows.append({"sharding": sharding, "policy": sharding.policy.name,
                      "tp": sharding.tp, "dp": sharding.dp,
-                     "predicted_s": _predict_s(mesh, _ffn_program, args, model)})
+                     "predicted_s": _predict_s(mesh, ffn_candidate_program, args, model)})
     return pd.DataFrame(rows).sort_values("predicted_s", kind="stable").reset_index(drop=True)
 
 

@@ -56,7 +56,7 @@ class MemoryBreakdown:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
 
-def _activation_bytes_per_layer(s, b, h, a, t, recompute, sp) -> float:
+def activation_bytes_per_layer(s, b, h, a, t, recompute, sp) -> float:
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
@@ -79,7 +79,7 @@ def gpt_memory(config, parallel, schedule) -> list[MemoryBreakdown]:
             params += V * h / t + s * h
         if (stages - 1) % p == r:
             params += V * h / t + 2 * h
-        act_layer = _activation_bytes_per_layer(s, parallel.micro_batch, h, a, t,
+        act_layer = activation_bytes_per_layer(s, parallel.micro_batch, h, a, t,
                                                 parallel.recompute, parallel.sequence_parallel)
         activations = peak_in_flight(schedule, r, check=False) * per_stage * act_layer
         out.append(MemoryBreakdown(r, int(params * WEIGHT_BYTES), int(params * GRAD_BYTES),

@@ -50,7 +50,7 @@ from pipelining import bubble_time_closed_form
 from vcluster.timing.collective_cost import collective_time_s
 
 from .layer_cost import StagePieces
-from .memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, _activation_bytes_per_layer
+from .memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_bytes_per_layer
 
 __all__ = ["ScreenEstimate", "screen_estimate", "peak_in_flight_closed_form",
            "peak_memory_bytes", "BUCKET_BYTES", "TRACE_BYTES"]
@@ -102,7 +102,7 @@ def peak_memory_bytes(config, parallel) -> int:
     """max over pipeline ranks of gpt_memory's total, without building the schedule."""
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     per_stage = config.layers // (p * v)
-    act = _activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
+    act = activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                       config.heads, parallel.tp, parallel.recompute,
                                       parallel.sequence_parallel)
     best = 0

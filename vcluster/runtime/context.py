@@ -3,7 +3,7 @@
 A per-device program is ``fn(dev, *args)``. The emulator passes an
 :class:`~vcluster.runtime.emulated_device.EmulatedDevice`; later engines (a tracer with
 shape-only arrays, a torch.distributed rank) implement the same Protocol, and one
-conformance suite (``tests/conformance.py``) runs against each.
+conformance suite (``tests/conformance/``) runs against each.
 
 Groups. ``axis`` names the mesh axes of the group: one name, a tuple of names (major to
 minor) or None (all ranks). The members are the ranks that share every coordinate

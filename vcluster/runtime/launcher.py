@@ -56,7 +56,7 @@ def keep_freed_memory() -> bool:
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -71,7 +71,7 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
     # --- child: the device --------------------------------------------------------------
     code = 0
     try:
-        _die_with_parent()
+        die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)    # the host handles Ctrl-C
         host_sock.close()
         for r, fd in enumerate(config["device_fds"]):

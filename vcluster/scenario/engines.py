@@ -21,12 +21,14 @@ RECORDS_TRAFFIC = ("emulator",)
 def make_engine(name: str, mesh, *, array_module: str = "numpy", timeout_s: float = 60.0):
     """A started engine of ``name`` over ``mesh`` (close it, or use it in ``with``)."""
     if name == "emulator":
+        # lazy: keeps vcluster --help fast
         from vcluster import VirtualCluster
         return VirtualCluster(mesh, array_module=array_module, timeout_s=timeout_s)
     if name == "torch":
         if array_module != "numpy":
             raise ScenarioError("cluster.array_module", array_module, "numpy",
                                 "the torch engine stages numpy arrays for its backend")
+        # lazy: keeps vcluster --help fast
         from vcluster.torchdist import TorchCluster
         return TorchCluster(mesh, timeout_s=timeout_s)
     raise ScenarioError("--engine", name, ", ".join(ENGINES), "unknown engine")

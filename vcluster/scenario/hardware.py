@@ -32,12 +32,14 @@ def _path(scenario, relative: str) -> Path:
 
 
 def _allowed_names() -> str:
+    # lazy: keeps vcluster --help fast
     from vcluster.timing import PRESET_NAMES
     return ", ".join(PRESET_NAMES + (LOCALHOST,)) + ", a .yaml file, or an object"
 
 
 def check_hardware(scenario) -> None:
     """Raise :class:`ScenarioError` when the hardware cannot be loaded."""
+    # lazy: keeps vcluster --help fast
     from vcluster.timing import PRESET_NAMES, hardware_from_dict, load_hardware
     hw = scenario.hardware
     given = [k for k in ("name", "file", "spec") if getattr(hw, k)]
@@ -76,6 +78,7 @@ def check_hardware(scenario) -> None:
 
 
 def _check_file(scenario, path: str, value: str) -> None:
+    # lazy: keeps vcluster --help fast
     from vcluster.timing import load_hardware
     p = _path(scenario, value)
     if not p.is_file():
@@ -115,6 +118,7 @@ class LocalhostCalibrations:
         devices in this run, when and how long it was measured), calibrated now if it is
         the first asked for."""
         if devices not in self._specs:
+            # lazy: keeps vcluster --help fast
             from vcluster.localhost.calibrate import calibrate_localhost
             started, t0 = time.strftime("%Y-%m-%d %H:%M:%S"), time.perf_counter()
             spec = calibrate_localhost(devices)
@@ -140,6 +144,7 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``."""
     hw = scenario.hardware
     if hw.name == LOCALHOST:
+        # lazy: keeps vcluster --help fast
         from vcluster.localhost.cost_model import load_localhost_spec, localhost_model
         if hw.calibration is not None:
             path = _path(scenario, hw.calibration)
@@ -149,6 +154,7 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
             spec, source = measured.calibration(max(2, mesh.size))
         model = localhost_model(spec, mesh.size, dtype)
         return CostSetup(model, model.core_pool, LOCALHOST, True, source)
+    # lazy: keeps vcluster --help fast
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_model import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))

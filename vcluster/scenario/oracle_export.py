@@ -38,6 +38,7 @@ def scenario_layouts(point, workload) -> dict:
 
 def export_scenario(path, out_dir, engine: str = "emulator", overrides=()) -> list[str]:
     """Write the goldens of scenario ``path`` (see the module docstring); return their dirs."""
+    # lazy: keeps vcluster --help fast
     from vcluster.scenario import build_workload, load_scenario, sweep_points
     from vcluster.scenario.engines import make_engine
     scenario = load_scenario(path, overrides)

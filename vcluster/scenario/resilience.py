@@ -93,6 +93,7 @@ def checkpoint_dir(scenario) -> str:
 
 def check_faults(scenario, mesh) -> None:
     """Cross-field rules: faults only for mlp, ranks in the mesh, crashes within the run."""
+    # lazy: keeps vcluster --help fast
     from vcluster.runtime.faults import CrashFault, parse_faults
     if not wants_resilience(scenario):
         return
@@ -126,6 +127,7 @@ def _value_at(scenario, path: str):
 def named_params_sha256(named) -> str | None:
     """``final_params_sha256`` of a training workload's named outputs (W0, b0, W1, ...),
     None when they are not an MLP's."""
+    # lazy: keeps vcluster --help fast
     from pipeline_parallel.checkpoint import params_sha256
     layers = sum(1 for k in named if k.startswith("W") and k[1:].isdigit())
     if not layers or any(f"b{l}" not in named for l in range(layers)):
@@ -140,6 +142,7 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
     Returns the emulation dict of the runner (``outputs`` as the reference's names,
     ``events``, ``first_events``, ``step_times``) plus ``summary``, the keys above.
     """
+    # lazy: keeps vcluster --help fast
     from pipeline_parallel.checkpoint import params_sha256
     from vcluster.runtime.faults import CrashFault, parse_faults
     from .engines import make_engine
@@ -185,6 +188,7 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
                 summary["fault_free_params_sha256"]
     out = {"fit": fit, "events": events, "first_events": events, "summary": summary}
     if ckpt.get("mtbf_s"):
+        # lazy: keeps vcluster --help fast
         from vcluster.timing.faults.impact import goodput_table
         out["goodput"] = goodput_table(
             summary["goodput_step_time_s"], summary["goodput_checkpoint_s"],
@@ -197,6 +201,7 @@ def _goodput_inputs(engine, fit, events, n_ranks: int) -> dict:
     """Measured inputs of the goodput model: the median step time (optimizer event to
     optimizer event), the time to write one checkpoint (the last one, written again to a
     temporary directory), the mean restart time (of the recoveries, else of one restart)."""
+    # lazy: keeps vcluster --help fast
     import statistics
     import tempfile
     from pipeline_parallel.checkpoint import load_checkpoint, save_checkpoint

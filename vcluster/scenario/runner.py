@@ -137,6 +137,7 @@ def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
 
 
 def _measured(point: _Point, workload, emu: dict, scenario) -> None:
+    # lazy: keeps vcluster --help fast
     import pandas as pd
     from reports import collectives_from_events, devices_from_events, spans_from_events
     mesh, events = workload.mesh, emu["events"]
@@ -170,7 +171,7 @@ def _representative_ranks(workload, scenario, setup):
     """Ranks to trace at cluster scale: a training workload simulated alone on more than
     :data:`SYMMETRIC_FROM_DEVICES` devices of a hardware model traces one pipeline (the
     ranks of rank 0's ``pp`` group) and replays in symmetric mode — data- and
-    tensor-parallel peers mirror them (equal to the full replay, tests/test_simulate.py);
+    tensor-parallel peers mirror them (equal to the full replay, tests/planner/test_simulate.py);
     ``None`` (every rank) otherwise."""
     mesh = workload.mesh
     if (not workload.training or scenario.run.mode != "simulate" or setup.core_pool is not None
@@ -181,6 +182,7 @@ def _representative_ranks(workload, scenario, setup):
 
 def _simulate(workload, scenario, bar) -> tuple:
     """Trace and replay; slow devices and links of ``faults`` slow the replay."""
+    # lazy: keeps vcluster --help fast
     from vcluster.timing import model_traces
     from vcluster.timing.engine import simulate_trace
     from .hardware import cost_setup
@@ -190,6 +192,7 @@ def _simulate(workload, scenario, bar) -> tuple:
     traces = model_traces(setup.costs, mesh, workload.program,
                           list(workload.meta_args_by_rank), ranks=ranks)
     if scenario.faults:
+        # lazy: keeps vcluster --help fast
         from vcluster.timing.faults.impact import simulate_with_faults
         result = simulate_with_faults(traces, setup.costs, [dict(f) for f in scenario.faults],
                                       mesh=mesh, core_pool=setup.core_pool)
@@ -218,6 +221,7 @@ def _predicted_steps(result, training: bool, steps: int) -> list[float]:
 
 def _trace_traffic(traces) -> tuple[int, int, int]:
     """(bytes sent, bytes received, messages sent) over every traced rank."""
+    # lazy: keeps vcluster --help fast
     from vcluster.runtime.tracing import trace_comm_signature
     sent_b = received_b = messages = 0
     for t in traces:
@@ -230,6 +234,7 @@ def _trace_traffic(traces) -> tuple[int, int, int]:
 
 
 def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None:
+    # lazy: keeps vcluster --help fast
     import pandas as pd
     from reports import (collectives_from_simulation, devices_from_simulation,
                          spans_from_simulation)
@@ -260,6 +265,7 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
 def _traffic_matches(traces, events) -> bool:
     """Per rank, the trace's (collective, algorithm, sent, received) sequence per group
     equals the emulator's events of one step."""
+    # lazy: keeps vcluster --help fast
     from vcluster.runtime.tracing import comm_signature, trace_comm_signature
     return all(trace_comm_signature(t) == comm_signature(events, t.rank) for t in traces)
 
@@ -344,6 +350,7 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
     ``resume`` (a checkpoint directory) continues a training run from its newest
     checkpoint (:mod:`vcluster.scenario.resilience`).
     """
+    # lazy: keeps vcluster --help fast
     import pandas as pd
     from reports import RunRecord
     from .load import scenario_from_dict, sweep_points

@@ -77,6 +77,7 @@ def emulate_timed(workload, point, engine, bar) -> dict:
     ones: one for a training program (its steps inside, split by :func:`step_times`),
     ``run.steps`` for an op, each timed from its common start to the last device's end
     and each the median of :data:`TIMED_REPEATS` runs."""
+    # lazy: keeps vcluster --help fast
     from vcluster.localhost.start import timed_call
     steps, training = point.run.steps, workload.training
     args = list(workload.args_by_rank)

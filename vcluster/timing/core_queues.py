@@ -29,10 +29,9 @@ slots. With every job mobile this is the pool's ``T(k) / k`` exactly.
 
 :func:`start_placements` turns a spec's counted splits into placements (the core of
 each rank) with their weights; :func:`~vcluster.timing.engine.simulate_trace` replays
-each and reports the replay at the weighted median step time, as ``vcluster bench
-predict`` takes the median of its measured runs. ``LocalhostCostModel(...,
-core_queues=True)`` replays this way (``vcluster bench predict --core-queues``); by
-default one pool serves every core.
+each and reports the replay at the weighted median step time, as a measurement takes the
+median of its runs. A cost model asks for per-core queues by giving its ``core_pool``
+placements; by default one pool serves every core.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class CostModel(Protocol):
 
 # --- what a cost model may say beyond durations ---------------------------------------------
 # A model of datasheet hardware prices the plain trace of a program on devices of their
-# own. A model of the machine the emulator runs on (vcluster.localhost) also prices the
+# own. A model of the machine the emulator itself runs on also prices the
 # programs' host work and has its devices share a few cores, so it may define:
 #
 #   trace_program(mesh, program, meta_args, ranks=None) -> traces   how to trace for it

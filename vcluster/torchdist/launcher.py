@@ -19,7 +19,7 @@ import select
 import signal
 import sys
 
-from vcluster.runtime.launcher import _die_with_parent
+from vcluster.runtime.launcher import die_with_parent
 
 _REAP_INTERVAL_S = 0.05
 
@@ -30,7 +30,7 @@ def _fork_rank(rank: int, config: dict) -> int:
         return pid
     code = 0
     try:
-        _die_with_parent()
+        die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)    # the host handles Ctrl-C
         for r, fd in enumerate(config["fds"]):
             if r != rank:
@@ -51,7 +51,7 @@ def main() -> None:
     import torch  # noqa: F401  (loaded once here, shared by every fork)
     import torch.distributed  # noqa: F401
     import cloudpickle  # noqa: F401
-    _die_with_parent()
+    die_with_parent()
     pids = {_fork_rank(r, config): r for r in range(len(config["fds"]))}
     for fd in config["fds"]:
         os.close(fd)

@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, _coord
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from pipeline_parallel.optim import OptimizerConfig
 from vcluster.runtime.tracing import MetaArray, meta_like
 
@@ -93,9 +93,8 @@ def build(scenario, mesh) -> Workload:
     args = () if simulate_only else tuple(gpt.device_args(mesh, job, tokens, targets))
 
     def assemble(results):
-        losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
-                     if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
-        return {"loss": np.asarray(losses), **gpt._join(mesh, results, "params")}
+        losses, params, _ = gpt.collect(mesh, results)
+        return {"loss": np.asarray(losses), **params}
 
     def reference():
         ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"])

@@ -1,0 +1,110 @@
+"""The timing model end to end: GPT iterations simulated from the training program,
+the command line, and the validation against published measurements."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline_parallel.executor import train_program
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_flops_with_recompute
+from vcluster.planner.simulation import simulate_gpt
+from vcluster.runtime.tracing import trace_program
+from vcluster.timing import load_hardware
+from vcluster.timing.engine import simulate_trace
+from vcluster.timing.hardware_model import HardwareCostModel
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEYS = {"step_time_s", "tflops_per_gpu", "mfu", "compute_s", "comm_s", "exposed_comm_s",
+        "bubble_s", "compute_comm_ratio", "peak_memory_gb", "fits"}
+
+
+def _vcluster(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+@pytest.mark.parametrize("dp, pp, tp, schedule", [(2, 2, 2, "1f1b"), (1, 4, 2, "gpipe"),
+                                                  (2, 2, 1, "zero_bubble")])
+def test_symmetric_replay_equals_full_replay(dp, pp, tp, schedule):
+    """Tracing one rank per stage and mirroring its peers gives the full replay's time."""
+    cfg = GPTConfig(hidden=64, layers=4, heads=4, seq=32, vocab=128, dtype="float16")
+    par = ParallelConfig(global_batch=8 * dp, micro_batch=2, dp=dp, pp=pp, tp=tp,
+                         schedule=schedule)
+    gpt = GPT(cfg)
+    mesh = par.mesh()
+    args = gpt.meta_args(mesh, par)
+    costs = HardwareCostModel(load_hardware("h100-dgx"))
+    full = simulate_trace(trace_program(mesh, train_program, args), costs, mesh=mesh)
+    reps = trace_program(mesh, train_program, args, ranks=list(mesh.group("pp", 0)))
+    sym = simulate_trace(reps, costs, mesh=mesh, symmetric=True)
+    assert sym.step_time_s == pytest.approx(full.step_time_s, rel=1e-12)
+
+
+def test_simulated_flops_are_megatrons_with_full_recomputation():
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=4096)
+    par = ParallelConfig(global_batch=32, micro_batch=2, dp=2, pp=2, tp=2, recompute="full")
+    r = simulate_gpt(cfg, par, "a100-80gb-dgx")
+    executed = r.tflops_per_gpu * 1e12 * r.step_time_s * r.gpus
+    assert executed == pytest.approx(megatron_flops_with_recompute(32, 512, 8, 1024, 4096),
+                                     rel=1e-9)
+    assert r.compute_s + r.exposed_comm_s + r.bubble_s == pytest.approx(r.step_time_s, rel=1e-6)
+
+
+def test_pipeline_bubble_follows_the_closed_form():
+    """Without communication cost in the way (pp only, 1F1B), the bubble time per rank is
+    (p-1) (t_F + t_B) of one micro-batch: the step is (m + p - 1) / m of the work."""
+    cfg = GPTConfig(hidden=512, layers=8, heads=8, seq=256, vocab=1024)
+    p = 4
+    r1 = simulate_gpt(cfg, ParallelConfig(global_batch=8, pp=p, schedule="1f1b"), "h100-dgx")
+    r2 = simulate_gpt(cfg, ParallelConfig(global_batch=16, pp=p, schedule="1f1b"), "h100-dgx")
+    assert r2.bubble_s == pytest.approx(r1.bubble_s, rel=0.15)     # (p-1)(tF+tB): not m
+    assert r2.compute_s == pytest.approx(2 * r1.compute_s, rel=0.02)
+
+
+def test_simulate_cli_writes_the_documented_keys(tmp_path):
+    out = tmp_path / "gpt3.json"
+    proc = _vcluster("simulate", "gpt", "--hidden", "12288", "--layers", "96", "--heads", "96",
+                     "--seq", "2048", "--vocab", "51200", "--tp", "8", "--pp", "8", "--dp", "16",
+                     "--global-batch", "1536", "--micro-batch", "1", "--schedule", "1f1b",
+                     "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert KEYS <= set(data)
+    assert data["fits"] is False          # no recomputation: 175B does not fit 80 GB
+    assert 0 < data["mfu"] < 1 and data["step_time_s"] > 1
+    proc = _vcluster("simulate", "gpt", "--hidden", "12288", "--layers", "96", "--heads", "96",
+                     "--seq", "2048", "--vocab", "51200", "--tp", "8", "--pp", "8", "--dp", "16",
+                     "--global-batch", "1536", "--recompute", "full", "--json", str(out))
+    assert proc.returncode == 0 and json.loads(out.read_text())["fits"] is True
+
+
+def test_simulate_cli_rejects_bad_configurations():
+    proc = _vcluster("simulate", "gpt", "--hidden", "100", "--layers", "4", "--heads", "3",
+                     "--seq", "64", "--vocab", "128", "--global-batch", "4")
+    assert proc.returncode == 2
+    assert "hidden=100 is not divisible by heads=3" in proc.stderr
+
+
+@pytest.mark.slow
+def test_validate_model_meets_the_acceptance(tmp_path):
+    out = tmp_path / "validation.json"
+    proc = _vcluster("validate-model", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {r["source"] for r in rows} >= {"megatron_2020_a100.csv", "megatron_sc21_table1.csv"}
+    assert len(rows) == 5 + 8 + 10
+    for r in rows:
+        assert set(r) == {"source", "case", "metric", "published", "predicted", "rel_error"}
+        assert r["rel_error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+    nccl = [r for r in rows if r["metric"] == "busbw_gbps"]
+    assert all(abs(r["rel_error"]) <= 0.10 for r in nccl)
+    megatron = [r for r in rows if r["metric"] != "busbw_gbps"]
+    assert np.mean([abs(r["rel_error"]) for r in megatron]) <= 0.10
+    assert max(abs(r["rel_error"]) for r in megatron) <= 0.20
+    assert data["mean_abs_rel_error"] == pytest.approx(np.mean([abs(r["rel_error"]) for r in rows]))

@@ -179,3 +179,15 @@ def test_a_bad_choice_names_the_key_path_the_value_and_the_allowed_values():
     with pytest.raises(ScenarioError) as info:
         run_scenario(load_scenario(SWEEP), mode="fast")
     assert info.value.path == "--mode" and info.value.allowed == "emulate, simulate, both"
+
+
+def test_the_enums_name_what_the_layers_below_accept():
+    """The scenario's closed choices are the algorithm and engine layers' own lists, so the
+    file format cannot drift from what the code runs."""
+    from tensor_parallel.transformer import RECOMPUTE
+    from vcluster.runtime.algorithm import ALGORITHMS
+    assert set(ScheduleName.values()) == set(pipelining.SCHEDULE_NAMES)
+    assert set(Recompute.values()) == set(RECOMPUTE)
+    assert set(Algorithm.values()) == {"auto"} | {a for v in ALGORITHMS.values() for a in v}
+    assert set(ArrayModule.values()) >= {"numpy", "cupy"}
+    assert set(Mode.values()) == {"emulate", "simulate", "both"}

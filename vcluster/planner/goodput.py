@@ -20,6 +20,9 @@ from __future__ import annotations
 from pipelining import make_schedule
 from vcluster.timing.faults.impact import goodput_table
 
+from .memory import gpt_memory
+from .simulation import simulate_gpt
+
 __all__ = ["gpt_goodput"]
 
 _SECONDS_PER_HOUR = 3600.0
@@ -29,8 +32,6 @@ def gpt_goodput(config, parallel, hardware, device_mtbf_h, checkpoint_every,
                 write_bytes_per_s: float = 2e9, restart_s: float = 300.0,
                 dtype: str = "bf16", seed: int = 0):
     """See the module docstring. ``device_mtbf_h``: one number or a list (hours)."""
-    from .memory import gpt_memory
-    from .simulation import simulate_gpt
     if not write_bytes_per_s > 0:
         raise ValueError(f"gpt_goodput: write_bytes_per_s must be > 0, got {write_bytes_per_s!r}")
     sim = simulate_gpt(config, parallel, hardware, dtype)

@@ -33,7 +33,9 @@ from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
+from .layer_cost import trace_stage_pieces
 from .screen import peak_memory_bytes, screen_estimate
+from .simulation import simulate_gpt
 
 __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_REASONS"]
 
@@ -55,7 +57,6 @@ def _knobs(par: ParallelConfig) -> dict:
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
     config, par, hardware = args
-    from .simulation import simulate_gpt
     r = simulate_gpt(config, par, hardware)
     return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
@@ -126,7 +127,6 @@ def _run_replays(config, pars, hardware, workers: int, bar) -> list[dict]:
 
 
 def _screen_all(config, candidates, hw, bar) -> list:
-    from .layer_cost import trace_stage_pieces
     costs = HardwareCostModel(hw)
     pieces: dict = {}
     task = bar.add_task("screening", total=len(candidates)) if bar else None
@@ -173,7 +173,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None})
-    candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, hw.device.hbm_bytes)
+    candidates, rejected = enumerate_candidates(config, gpus, global_batch, space,
+                                                hw.device.hbm_bytes)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
     bar = _progress(progress)
     if bar:

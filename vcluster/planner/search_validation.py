@@ -20,6 +20,10 @@ from __future__ import annotations
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.timing import read_data_csv
 
+from .search import plan_gpt
+from .simulation import simulate_gpt
+from .validation import micro_batch_for
+
 __all__ = ["plan_against_published", "published_rows"]
 
 
@@ -31,9 +35,6 @@ def published_rows(models=None) -> list[dict]:
 
 def plan_against_published(row: dict, hardware: str = "a100-80gb-dgx", **plan_kwargs) -> dict:
     """The comparison of the module docstring for one table row."""
-    from .search import plan_gpt
-    from .simulation import simulate_gpt
-    from .validation import micro_batch_for
     tp, pp, gpus, B = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["global_batch"])
     dp = gpus // (tp * pp)
     model = {k: int(row[k]) for k in ("hidden", "layers", "heads", "seq", "vocab")}

@@ -21,6 +21,8 @@ from __future__ import annotations
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
 from vcluster.timing import read_data_csv
 
+from .simulation import simulate_gpt
+
 __all__ = ["validate_megatron", "micro_batch_for", "DEFAULT_MICRO_BATCH", "HARDWARE"]
 
 DEFAULT_MICRO_BATCH = 1
@@ -38,14 +40,14 @@ def _row_result(source: str, case: str, metric: str, published: float, predicted
 
 
 def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
-    from .simulation import simulate_gpt
 
     rows = []
     for r in read_data_csv("megatron_2020_a100.csv")[1]:
         cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
                         seq=int(r["seq"]), vocab=int(r["vocab"]))
         par = ParallelConfig(global_batch=int(r["global_batch"]),
-                             micro_batch=micro_batch_for(int(r["global_batch"]), int(r["dp"]), int(r["pp"])),
+                             micro_batch=micro_batch_for(int(r["global_batch"]), int(r["dp"]),
+                                                         int(r["pp"])),
                              dp=int(r["dp"]), pp=int(r["pp"]), tp=int(r["tp"]), recompute="full")
         sim = simulate_gpt(cfg, par, hardware)
         case = f"{r['model']} tp={r['tp']} pp={r['pp']} dp={r['dp']} ({r['gpus']} GPUs)"

@@ -29,7 +29,7 @@ def step(dev, x):                              # runs on every device; dev is it
 
 with VirtualCluster(mesh) as cluster:
     results = cluster.run(step, [(np.full(3, r, np.float32),) for r in range(mesh.size)])
-    print(results[5], cluster.stats())
+    print(results[5], cluster.stats().to_string())
 '''
 
 
@@ -55,7 +55,7 @@ def test_readme_snippet_runs_as_a_plain_script_without_main_guard(tmp_path):
 def test_snippet_from_python_dash_c_like_a_notebook_cell():
     """Code with no file at all (as in a notebook) works the same."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    code = README_SNIPPET.replace("print(results[5], cluster.stats())",
+    code = README_SNIPPET.replace("print(results[5], cluster.stats().to_string())",
                                   "print(results[5][0].tolist(), results[5][1].tolist())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=env)
@@ -94,7 +94,10 @@ def test_stats_follow_the_closed_forms(cluster):
     np.testing.assert_array_equal(out[0], np.full(n_elems, 12.0))
     st = cluster.stats()
     assert list(st.columns) == ["rank", "messages_sent", "bytes_sent", "messages_received",
-                                "bytes_received", "h2d_bytes", "d2h_bytes", "flops"]
+                                "bytes_received", "h2d_bytes", "d2h_bytes", "flops",
+                                "arena_bytes_in_use", "arena_peak_bytes"]
+    assert st["arena_bytes_in_use"].tolist() == [0] * 4      # results released after the run
+    assert (st["arena_peak_bytes"] >= 2 * nbytes).all()      # input + result, at least
     assert st["bytes_sent"].tolist() == [3 * nbytes // 4] * 4
     assert st["bytes_received"].tolist() == [3 * nbytes // 4] * 4
     assert st["messages_sent"].tolist() == [3] * 4

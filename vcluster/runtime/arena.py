@@ -61,12 +61,17 @@ class Arena:
         self._free_offsets: list[int] = [0]      # sorted starts of free extents
         self._free_sizes: dict[int, int] = {0: self.size_bytes}
         self._lock = threading.RLock()           # __del__ may run inside an allocation
-        self.used_bytes = 0
-        self.peak_bytes = 0
+        self.used_bytes = 0                      # bytes of the live blocks (aligned)
+        self.peak_bytes = 0                      # most used_bytes since reset_peak()
 
     def __repr__(self) -> str:
         return (f"Arena(owner={self.owner}, size_bytes={self.size_bytes}, "
                 f"used_bytes={self.used_bytes}, peak_bytes={self.peak_bytes})")
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the bytes in use now (``cluster.reset_stats()``)."""
+        with self._lock:
+            self.peak_bytes = self.used_bytes
 
     # --- allocation -----------------------------------------------------------------
     def empty(self, shape, dtype) -> np.ndarray | None:

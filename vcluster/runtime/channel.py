@@ -162,6 +162,17 @@ class VirtualChannel:
             if not handle.is_completed():
                 self._buffered.append(handle)
 
+    def release_taken(self) -> None:
+        """Free the staging copies of buffered sends that their receivers have taken.
+
+        A buffered send owns its copy (a block of this device's arena) until the receiver
+        takes it; the channel notices that at its next send, or here. The device calls
+        this before each host command, when every receive of the last run is done, so no
+        staging block outlives the run that sent it.
+        """
+        with self._send_lock:
+            self._buffered = [h for h in self._buffered if not h.is_completed()]
+
     def _has_free_slot(self, dst: int) -> bool:
         f = self._f
         return 0 in f.mailbox[f.rank, dst, :, S.STATE].tolist()

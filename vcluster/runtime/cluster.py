@@ -214,7 +214,10 @@ class VirtualCluster:
         """Traffic and work per device since the last reset, as a pandas DataFrame.
 
         Columns: rank, messages_sent, bytes_sent, messages_received, bytes_received,
-        h2d_bytes, d2h_bytes, flops; with ``per_peer=True`` one row per (rank, peer).
+        h2d_bytes, d2h_bytes, flops, arena_bytes_in_use (bytes of the device's arena
+        allocated now, between runs), arena_peak_bytes (the most in use at any moment
+        since the last :meth:`reset_stats`); with ``per_peer=True`` one row per
+        (rank, peer), traffic only.
         """
         import pandas as pd
         from .recorder import PEER_COLUMNS, STAT_COLUMNS
@@ -230,7 +233,8 @@ class VirtualCluster:
         return sorted(events, key=lambda e: (e.start, e.rank))
 
     def reset_stats(self) -> None:
-        """Clear counters and trace on every device."""
+        """Clear counters and trace on every device; the arena peak restarts at the bytes
+        in use now."""
         self._ask_all("reset_stats")
 
 

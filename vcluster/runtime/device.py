@@ -5,7 +5,8 @@ commands on its control socket until told to stop or until the host goes away:
 
 * ``run``: unpack the program and its arguments (large arrays land in this device's
   arena), call ``fn(dev, *args)``, wait for queued communication, send the result back;
-* ``stats`` / ``trace`` / ``reset_stats``: read or clear the recorder;
+* ``stats`` / ``trace`` / ``reset_stats``: read or clear the recorder (and the arena's
+  bytes in use and peak; a reset starts a new peak window);
 * ``set_delays``: slow this device or its links (injected faults, :mod:`vcluster.runtime.faults`);
 * ``reset_comm``: forget call numbers and message state after a failed run (the host
   zeroes the shared counters while every device is idle);
@@ -65,7 +66,8 @@ class VirtualDevice:
                 msg = recv_msg(self.sock)
             except PeerClosed:
                 return                     # the host is gone
-            self._results.clear()
+            self._results.clear()          # the host has copied the last results
+            self.channel.release_taken()   # and every receive of the last run is done
             kind = msg[0]
             if kind == "shutdown":
                 self.context.close()
@@ -81,11 +83,12 @@ class VirtualDevice:
         if kind == "run":
             return self._run(*msg[1:])
         if kind == "stats":
-            return ("ok", (self.recorder.totals(), self.recorder.per_peer()))
+            return ("ok", (self._totals(), self.recorder.per_peer()))
         if kind == "trace":
             return ("ok", list(self.recorder.events))
         if kind == "reset_stats":
             self.recorder.reset()
+            self.fabric.arenas[self.rank].reset_peak()
             return ("ok", None)
         if kind == "reset_comm":
             self.channel.reset()
@@ -97,6 +100,18 @@ class VirtualDevice:
         if kind == "ping":
             return ("ok", os.getpid())
         return ("error", f"unknown command {kind!r}", "")
+
+    def _totals(self) -> dict:
+        """One row of ``cluster.stats()``: the recorder's counters and this arena's use.
+
+        Read between runs, after the last run's result buffers were released (``serve``
+        clears them before each command): ``arena_bytes_in_use`` is what stays allocated
+        from one run to the next, ``arena_peak_bytes`` the most in use at any moment since
+        the last ``reset_stats`` (or the start).
+        """
+        arena = self.fabric.arenas[self.rank]
+        return dict(self.recorder.totals(), arena_bytes_in_use=arena.used_bytes,
+                    arena_peak_bytes=arena.peak_bytes)
 
     def _run(self, fn_bytes: bytes, data: bytes, locations) -> tuple:
         f = self.fabric

@@ -14,7 +14,7 @@ from .events import CommEvent, ComputeEvent
 __all__ = ["Recorder", "STAT_COLUMNS", "PEER_COLUMNS"]
 
 STAT_COLUMNS = ("rank", "messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                "h2d_bytes", "d2h_bytes", "flops")
+                "h2d_bytes", "d2h_bytes", "flops", "arena_bytes_in_use", "arena_peak_bytes")
 PEER_COLUMNS = ("rank", "peer", "messages_sent", "bytes_sent", "messages_received",
                 "bytes_received")
 
@@ -41,7 +41,8 @@ class Recorder:
             self.d2h_bytes += d2h_bytes
 
     def totals(self) -> dict:
-        """One row of ``cluster.stats()``."""
+        """The recorded part of one row of ``cluster.stats()`` (the device adds the
+        arena columns, which the arena itself counts)."""
         with self._lock:
             comm = [e for e in self.events if isinstance(e, CommEvent)]
             return {

@@ -67,35 +67,74 @@ class Work:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
-                return self._future.result(timeout=_POLL_S)
+                value = self._future.result(timeout=_POLL_S)
+                return value.take() if isinstance(value, _Handoff) else value
             except cf.TimeoutError:
                 self._check_abort()
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"Work.wait: not completed within {timeout_s:g} s")
 
 
+class _Handoff:
+    """A queued operation's result, handed over once: :meth:`Work.wait` takes it out, so
+    the future — which the pool's worker thread still references for a moment after
+    completing it — holds the result no longer than the waiter needs."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def take(self) -> Any:
+        value, self._value = self._value, None
+        return value
+
+
 class CommQueue:
-    """One device's communication thread (started on first use)."""
+    """One device's communication thread (started on first use).
+
+    Who owns a result: the :class:`Work` handle the program holds, never the queue. The
+    queue keeps a future only while it is queued or running, or when it failed (so
+    :meth:`drain` can raise the error of an operation nobody waited for); a future that
+    completes successfully is dropped at once, and ``Work.wait`` takes the result out of
+    it (:class:`_Handoff`). A result — often an arena buffer, such as a DDP bucket's
+    all-reduce output — thus returns to the arena as soon as the program drops it, not
+    at the end of the run.
+    """
 
     def __init__(self, rank: int):
         self._rank = rank
         self._executor: cf.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()     # the done-callbacks run on the comm thread
         self._pending: list[cf.Future] = []
 
     def idle(self) -> bool:
-        self._pending = [f for f in self._pending if not f.done()]
-        return not self._pending
+        with self._lock:
+            return all(f.done() for f in self._pending)
 
     def submit(self, thunk: Callable[[], Any]) -> cf.Future:
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"vcluster-comm-{self._rank}")
-        future = self._executor.submit(thunk)
-        self._pending.append(future)
+        future = self._executor.submit(lambda: _Handoff(thunk()))
+        with self._lock:
+            self._pending.append(future)
+        future.add_done_callback(self._forget_if_ok)   # runs now if already done
         return future
+
+    def _forget_if_ok(self, future: cf.Future) -> None:
+        """Drop a future that succeeded (its result is the Work handle's alone)."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self._lock:
+            try:
+                self._pending.remove(future)
+            except ValueError:            # drain() took it already
+                pass
 
     def drain(self, check_abort: Callable[[], None]) -> None:
         """Wait for every queued operation; raise the first error among them."""
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         first_error = None
         for future in pending:
             while True:

@@ -3,6 +3,7 @@
 import copy
 import itertools
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -193,3 +194,16 @@ def test_lookup_errors():
         mesh.groups(("tp", "tp"))
     with pytest.raises(TypeError, match="axes must be"):
         mesh.axis_size(3)
+
+
+def test_as_int_takes_any_integer_but_a_bool_and_names_the_argument():
+    """mesh.arguments.as_int: the one integer check every layer uses."""
+    from mesh.arguments import as_int
+    assert as_int(3, "x") == 3 and type(as_int(np.int64(3), "x", 1)) is int
+    assert as_int(0, "x", 0) == 0 and as_int(-5, "x") == -5
+    for bad in (True, 2.0, "2", None, np.float64(2)):
+        with pytest.raises(TypeError, match=rf"^Schedule: microbatches must be an int >= 1, "
+                                            rf"got {re.escape(repr(bad))}$"):
+            as_int(bad, "Schedule: microbatches", 1)
+    with pytest.raises(ValueError, match=r"^Action: stage must be an int >= 0, got -1$"):
+        as_int(-1, "Action: stage", 0)

@@ -114,8 +114,8 @@ class VirtualCluster:
     def inject_faults(self, faults) -> None:
         """Slow devices and links for every later run, until changed (``[]``: none).
 
-        ``faults``: :class:`vcluster.runtime.faults.SlowFault` / :class:`~vcluster.runtime.faults.LinkFault`
-        objects or their dict form. They stay in force across :meth:`restart` (a replaced
+        ``faults``: :class:`vcluster.runtime.faults.SlowFault` /
+        :class:`~vcluster.runtime.faults.LinkFault` objects or their dict form. They stay in force across :meth:`restart` (a replaced
         process on a slow card is still slow); on a broken cluster they take effect at the
         restart. Crashes are training-step events: give
         :class:`~vcluster.runtime.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).

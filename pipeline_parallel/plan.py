@@ -8,7 +8,7 @@ data-parallel replicas, parameters put back together from their tensor-parallel 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,16 +42,35 @@ class TrainingPlan:
         return 0 if axis is None else self.mesh.group_position(axis, rank)
 
     def device_args(self, job, X, Y) -> list[tuple]:
+        """(job, X part or None, Y part or None) per rank. Each rank's job carries the
+        parameters (and optimizer state) of its own stages only, None for the other
+        layers: a rank copies what it trains, not the whole model (at width 4096 and
+        pp 4, 256 MiB per device instead of 1 GiB)."""
         last = (len(self.stage_specs) - 1) % self.p
         rows = self.batch // self.dp
+        jobs = [self._job_for(job, pos) for pos in range(self.p)]
         args = []
         for rank in range(self.mesh.size):
             pos, d = self._coord(rank, "pp"), self._coord(rank, self.dp_axis)
             part = slice(d * rows, (d + 1) * rows)
             if job.per_step_data:          # (steps, batch, ...): split the batch axis
                 part = (slice(None), part)
-            args.append((job, X[part] if pos == 0 else None, Y[part] if pos == last else None))
+            args.append((jobs[pos], X[part] if pos == 0 else None,
+                         Y[part] if pos == last else None))
         return args
+
+    def _job_for(self, job, pos: int):
+        """``job`` with the layers of the stages at pp position ``pos`` (s % p == pos)."""
+        if job.stage_factory is not None:
+            return job
+        mine = {spec.index for s, specs in enumerate(job.specs) if s % self.p == pos
+                for spec in specs}
+        keep = lambda per_layer: tuple(x if i in mine else None  # noqa: E731
+                                       for i, x in enumerate(per_layer))
+        state = job.optimizer_state
+        if state is not None:
+            state = (state[0], tuple(keep(slot) for slot in state[1]))
+        return replace(job, params=keep(job.params), optimizer_state=state)
 
     def collect(self, mlp, results: list[dict]):
         import pandas as pd

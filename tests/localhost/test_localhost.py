@@ -291,7 +291,7 @@ def test_calibration_measures_positive_finite_figures():
             for x in (v if isinstance(v, list) else [v]):
                 assert 0 < x < math.inf, (name, value)
     assert s.group_sizes == (2,) and s.calibration_devices == 2
-    from vcluster.localhost.cores import usable_cores
+    from vcluster.runtime.cores import usable_cores
     assert s.cores == usable_cores()
     for name in ("barrier_cpu_s", "small_all_reduce_cpu_s", "large_all_reduce_cpu_s"):
         assert len(getattr(s, name)) == 1 and 0 < getattr(s, name)[0] < 0.1, name

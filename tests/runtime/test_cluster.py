@@ -95,7 +95,8 @@ def test_stats_follow_the_closed_forms(cluster):
     st = cluster.stats()
     assert list(st.columns) == ["rank", "messages_sent", "bytes_sent", "messages_received",
                                 "bytes_received", "h2d_bytes", "d2h_bytes", "flops",
-                                "arena_bytes_in_use", "arena_peak_bytes"]
+                                "arena_bytes_in_use", "arena_peak_bytes",
+                                "arena_committed_bytes"]
     assert st["arena_bytes_in_use"].tolist() == [0] * 4      # results released after the run
     assert (st["arena_peak_bytes"] >= 2 * nbytes).all()      # input + result, at least
     assert st["bytes_sent"].tolist() == [3 * nbytes // 4] * 4
@@ -175,6 +176,8 @@ def test_run_validates_its_arguments(cluster):
     ({"algorithm": "butterfly"}, "algorithm must be one of"),
     ({"arena_bytes": 1000}, "arena_bytes must be an int >= 4194304"),
     ({"wait": "spin"}, "wait must be one of"),
+    ({"threads_per_device": 0}, "threads_per_device must be an int >= 1, got 0"),
+    ({"threads_per_device": 1.5}, "threads_per_device must be an int >= 1, got 1.5"),
 ])
 def test_cluster_options_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,9 @@
-"""``vcluster bench collectives | startup | matmul | predict | simulate-scale``: the
-benchmarks."""
+"""``vcluster bench collectives | startup | matmul | emulation | predict | simulate-scale``:
+the benchmarks."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict
 
 from .args import csv_of, positive_int, sizes
@@ -60,9 +61,48 @@ def add_parser(commands) -> None:
     mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     mm.set_defaults(run=_matmul)
 
+    emu = kinds.add_parser(
+        "emulation", help="an emulated training step vs the same math in one process",
+        description="Per-step wall time of MLP (dp 2 x pp 4, 1F1B) and tiny-GPT (tp 2 x pp 2 "
+                    "x dp 2) training on emulated devices, beside fit_reference in this "
+                    "process, measured in the same run; the ratio, and the emulated losses' "
+                    "error against the reference.")
+    emu.add_argument("--mlp", type=_width_batch_list, default=[(128, 256), (1024, 1024)],
+                     metavar="WIDTHxBATCH,...",
+                     help="MLP cases (default 128x256,1024x1024; 'none' for none)")
+    emu.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=True,
+                     help="include the tiny-GPT case (default: yes)")
+    emu.add_argument("--steps", type=positive_int, default=3,
+                     help="steps timed beyond the first (3)")
+    emu.add_argument("--reps", type=positive_int, default=3, help="runs of each length (3)")
+    emu.add_argument("--threads-per-device", type=positive_int, default=None,
+                     help="each device's BLAS threads (default: cores // devices, at least 1)")
+    emu.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    emu.set_defaults(run=_emulation)
+
     from . import bench_predict, bench_simulate
     bench_predict.add_parser(kinds)
     bench_simulate.add_parser(kinds)
+
+
+def _width_batch_list(text: str) -> list[tuple[int, int]]:
+    """``128x256,1024x1024`` -> [(128, 256), (1024, 1024)]; ``none`` -> []."""
+    if text.strip().lower() == "none":
+        return []
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        parts = item.lower().split("x")
+        try:
+            width, batch = (int(p) for p in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected WIDTHxBATCH (e.g. 1024x1024), got {item!r}") from None
+        if width < 8 or batch < 8 or batch % 8:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: width must be >= 8 and batch a positive multiple of 8 (dp 2 x 4 "
+                "micro-batches)")
+        out.append((width, batch))
+    return out
 
 
 def _maybe_json(path, obj) -> None:
@@ -111,6 +151,21 @@ def _startup(args) -> int:
     print(f"  up + first no-op run                   {r['start_and_first_run_s']:.3f} s "
           f"({r['start_and_first_run_s'] / r['python_numpy_start_s']:.1f}x baseline)")
     _maybe_json(args.json, r)
+    return 0
+
+
+def _emulation(args) -> int:
+    from .bench_emulation import format_table, measure_gpt, measure_mlp
+    print(f"vcluster bench emulation: per-step time after the first step, median of "
+          f"{args.reps} runs of 1 and {1 + args.steps} steps each side, same run", flush=True)
+    cases = []
+    for width, batch in args.mlp:
+        cases.append(measure_mlp(width, batch, args.steps, args.reps, args.threads_per_device))
+        print(f"  {cases[-1].name}: {cases[-1].ratio:.2f}x", flush=True)
+    if args.gpt:
+        cases.append(measure_gpt(args.steps, args.reps, args.threads_per_device))
+    print(format_table(cases))
+    _maybe_json(args.json, [c.as_dict() for c in cases])
     return 0
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from vcluster.localhost.cores import usable_cores
+from vcluster.runtime.cores import usable_cores
 
 from .args import csv_of
 

@@ -9,7 +9,7 @@ microbenchmarks of the machine the emulator runs on:
   :mod:`.calls` (the CPU of a call inside programs), :mod:`.gaps` (how it grows with the
   work before it), :mod:`.messages` (message sides of ring/tree/pairwise algorithms),
   :mod:`.p2p` (ping-pongs), :mod:`.start` (devices that start together) and
-  :mod:`.cores` (the cores this process may use);
+  :mod:`vcluster.runtime.cores` (the cores this process may use);
 * :mod:`.cost_model` — :class:`LocalhostCostModel` prices a trace from a spec, with
   :mod:`.bytes` (what the bytes of a call cost) and :mod:`.host_work` (the programs' own
   Python and numpy work, timed while tracing).
@@ -24,7 +24,7 @@ measure (:mod:`vcluster.runtime`) and prices with the timing model (:mod:`vclust
 """
 
 from .calibrate import DEFAULT_MESSAGE_BYTES, calibrate_localhost
-from .cores import usable_cores
+from vcluster.runtime.cores import usable_cores
 from .cost_model import BLAS_MIN_FLOPS_PER_ELEMENT, LocalhostCostModel, localhost_model
 from .host_work import TracerRates, localhost_traces, measure_tracer_rates
 from .spec import (LocalhostSpec, is_localhost_spec_data, load_localhost_spec,

@@ -66,7 +66,7 @@ from vcluster.timing.core_pool import CorePoolSpec
 
 from .bytes import moved_bytes
 from .calls import CallCpu, cluster_sizes, measure_call_cpu
-from .cores import usable_cores
+from vcluster.runtime.cores import usable_cores
 from .cost_model import LocalhostSpec
 from .gaps import measure_gap_cpu
 from .host_work import device_host_rates

@@ -273,9 +273,10 @@ class VirtualChannel:
             if offset is None:
                 keep = arena.empty(array.shape, array.dtype)
                 if keep is None:
-                    raise ArenaFullError(f"rank {me}: no room in the arena for a "
-                                         f"{array.nbytes}-byte message to rank {dst}; "
-                                         "raise VirtualCluster(arena_bytes=...)")
+                    raise ArenaFullError(f"rank {me}: no room for a {array.nbytes}-byte "
+                                         f"message to rank {dst}: {arena.shortfall}; "
+                                         "release arrays, or raise "
+                                         "VirtualCluster(arena_bytes=...) if you capped it")
                 np.copyto(keep, array)
                 offset = arena.offset_of(keep)
             words[S.OWNER], words[S.OFFSET] = me, offset

@@ -55,19 +55,27 @@ class VirtualCluster:
     algorithm : "auto" | "ring" | "tree" | "pairwise" | "shm"
         Cluster-wide algorithm preference (per call: ``algorithm=``).
     arena_bytes : int, optional
-        Shared memory per device for resident arrays, staging and results
-        (default 512 MiB, capped by the free space of /dev/shm). Pages are only
-        allocated when touched.
+        The most shared memory one device may hold for resident arrays, staging and
+        results. By default an arena grows on demand until the machine's shared memory
+        (/dev/shm) is used up, and only then raises :class:`ArenaFullError` naming the
+        bytes needed and free; pages are committed as allocations reach them, so an
+        idle device costs nothing (:mod:`vcluster.runtime.arena`).
     run_timeout_s : float
         Upper bound of one ``run`` call.
+    threads_per_device : int, optional
+        Width of each device's BLAS/OpenMP thread pool. By default
+        ``max(1, cores // devices)`` with the cores this process may use (affinity mask
+        and cgroup quota), so the devices do not oversubscribe the machine; shown in the
+        cluster's repr.
     """
 
     def __init__(self, mesh, array_module: str = "numpy", timeout_s: float = 60.0,
                  algorithm: str = "auto", arena_bytes: int | None = None,
-                 run_timeout_s: float = 3600.0, wait: str = "auto"):
+                 run_timeout_s: float = 3600.0, wait: str = "auto",
+                 threads_per_device: int | None = None):
         self.options = ClusterOptions.build(mesh, array_module, timeout_s, algorithm,
                                             arena_bytes, run_timeout_s, wait,
-                                            shm_available_bytes())
+                                            shm_available_bytes(), threads_per_device)
         self.mesh = mesh
         self._state = None
         self._broken: str | None = None
@@ -76,7 +84,8 @@ class VirtualCluster:
 
     def __repr__(self) -> str:
         status = "closed" if self._state is None else ("broken" if self._broken else "running")
-        return f"VirtualCluster({self.mesh}, {status})"
+        return (f"VirtualCluster({self.mesh}, {status}, "
+                f"threads_per_device={self.options.threads_per_device})")
 
     def __enter__(self) -> "VirtualCluster":
         return self
@@ -159,14 +168,16 @@ class VirtualCluster:
         import cloudpickle
         fn_bytes = cloudpickle.dumps(fn)
         keep: list = []
+        placed: dict = {}          # an array shared by many ranks' arguments is copied once
         try:
             for r, args in enumerate(args_per_rank):
-                data, locations = pack(tuple(args), state.fabric.host_arena, keep)
+                data, locations = pack(tuple(args), state.fabric.host_arena, keep, placed)
                 state.send(r, ("run", fn_bytes, data, locations))
             replies = self._collect(state, getattr(fn, "__name__", repr(fn)),
                                     timeout_s or self.options.run_timeout_s)
         finally:
             keep.clear()
+            placed.clear()
         results = []
         for payload, locations in replies:
             value, _ = unpack(payload, locations, state.fabric.arenas_by_owner, None)
@@ -216,7 +227,8 @@ class VirtualCluster:
         Columns: rank, messages_sent, bytes_sent, messages_received, bytes_received,
         h2d_bytes, d2h_bytes, flops, arena_bytes_in_use (bytes of the device's arena
         allocated now, between runs), arena_peak_bytes (the most in use at any moment
-        since the last :meth:`reset_stats`); with ``per_peer=True`` one row per
+        since the last :meth:`reset_stats`), arena_committed_bytes (the shared memory
+        the arena holds: it grows to the high-water mark and keeps it); with ``per_peer=True`` one row per
         (rank, peer), traffic only.
         """
         import pandas as pd
@@ -275,7 +287,8 @@ class _ClusterState:
                 "device_fds": [b.fileno() for _, b in pairs],
             }
             launcher = LauncherClient.start(config, [s.fd for s in segments]
-                                            + [b.fileno() for _, b in pairs])
+                                            + [b.fileno() for _, b in pairs],
+                                            options.thread_environment())
             for _, b in pairs:
                 b.close()
             socks = [a for a, _ in pairs]
@@ -286,7 +299,8 @@ class _ClusterState:
             raise
         for s in segments:        # every process has them mapped: drop the names now
             s.unlink()
-            s.close_fd()
+            if s is not host_arena:   # the host's arena grows through its descriptor
+                s.close_fd()
         state = cls(mesh, options, segments, fabric, socks, launcher, pids)
         state.await_ready(options.startup_timeout_s)
         return state
@@ -391,3 +405,4 @@ class _ClusterState:
             s.close()
         for seg in self.segments:
             seg.unlink()
+            seg.close_fd()

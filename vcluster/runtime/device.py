@@ -107,11 +107,14 @@ class VirtualDevice:
         Read between runs, after the last run's result buffers were released (``serve``
         clears them before each command): ``arena_bytes_in_use`` is what stays allocated
         from one run to the next, ``arena_peak_bytes`` the most in use at any moment since
-        the last ``reset_stats`` (or the start).
+        the last ``reset_stats`` (or the start), ``arena_committed_bytes`` the shared
+        memory the arena holds (its high-water mark, kept for reuse until the cluster
+        closes).
         """
         arena = self.fabric.arenas[self.rank]
         return dict(self.recorder.totals(), arena_bytes_in_use=arena.used_bytes,
-                    arena_peak_bytes=arena.peak_bytes)
+                    arena_peak_bytes=arena.peak_bytes,
+                    arena_committed_bytes=arena.committed_bytes)
 
     def _run(self, fn_bytes: bytes, data: bytes, locations) -> tuple:
         f = self.fabric

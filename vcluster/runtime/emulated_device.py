@@ -106,11 +106,10 @@ class EmulatedDevice:
         return arr
 
     def _arena_full(self, shape, dtype) -> ArenaFullError:
-        arena = self._f.arenas[self.rank]
         return ArenaFullError(
             f"rank {self.rank}: no room for an array of shape {tuple(shape)} and dtype "
-            f"{np.dtype(dtype)} in the {arena.size_bytes}-byte arena ({arena.used_bytes} "
-            "bytes in use); release arrays or raise VirtualCluster(arena_bytes=...)")
+            f"{np.dtype(dtype)}: {self._f.arenas[self.rank].shortfall}; release arrays, or "
+            "raise VirtualCluster(arena_bytes=...) if you capped it")
 
     def _alloc(self, shape, dtype, resident: bool) -> np.ndarray:
         dtype = np.dtype(dtype)

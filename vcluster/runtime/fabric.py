@@ -116,9 +116,14 @@ class Fabric:
 
 def fabric_from_segments(rank: int, layout: ControlLayout, control, arenas: list, host_arena,
                          wait: str, timeout_s: float) -> Fabric:
-    """Build a Fabric over mapped :class:`~vcluster.runtime.segments.Segment` objects."""
+    """Build a Fabric over mapped :class:`~vcluster.runtime.segments.Segment` objects.
+
+    The arena that ``rank`` owns (the host's for -1) grows through its segment's file
+    descriptor, which must stay open while the fabric is used."""
     from .futex import make_waker
     words = np.frombuffer(control.buf, np.int64, count=layout.total_words)
-    device_arenas = [Arena(r, np.frombuffer(seg.buf, np.uint8)) for r, seg in enumerate(arenas)]
-    host = Arena(-1, np.frombuffer(host_arena.buf, np.uint8))
+    device_arenas = [Arena(r, np.frombuffer(seg.buf, np.uint8), seg.fd if r == rank else None)
+                     for r, seg in enumerate(arenas)]
+    host = Arena(-1, np.frombuffer(host_arena.buf, np.uint8),
+                 host_arena.fd if rank == -1 else None)
     return Fabric(rank, layout, words, device_arenas, host, make_waker(wait), timeout_s)

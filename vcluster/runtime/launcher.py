@@ -84,6 +84,9 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
         layout = ControlLayout(*config["layout"])
         fabric = fabric_from_segments(rank, layout, segments["control"], segments["arenas"],
                                       segments["host"], config["wait"], config["timeout_s"])
+        for seg in [segments["control"], segments["host"], *segments["arenas"]]:
+            if seg is not segments["arenas"][rank]:
+                seg.close_fd()      # mapped for good; only the own arena's grows
         sock = socket.socket(fileno=config["device_fds"][rank])
         try:
             device = VirtualDevice(rank, config["mesh"], sock, fabric, config["array_module"],

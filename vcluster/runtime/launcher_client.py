@@ -15,11 +15,6 @@ from .wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["LauncherClient", "describe_status"]
 
-# one BLAS thread per device: N devices must not fight over the cores
-_THREAD_LIMITS = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                                   "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS",
-                                   "BLIS_NUM_THREADS")}
-
 
 def describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
@@ -40,9 +35,11 @@ class LauncherClient:
         self.exits: dict[int, int] = {}
 
     @classmethod
-    def start(cls, config: dict, fds: list[int]) -> "LauncherClient":
+    def start(cls, config: dict, fds: list[int], thread_env: dict[str, str]) -> "LauncherClient":
+        """Start the launcher with ``fds`` open and ``thread_env`` (the thread-pool sizes,
+        :meth:`ClusterOptions.thread_environment`) in its environment."""
         mine, theirs = socket.socketpair()
-        env = dict(os.environ, **_THREAD_LIMITS)
+        env = dict(os.environ, **thread_env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         proc = subprocess.Popen(
             [sys.executable, "-m", "vcluster.runtime.launcher", str(theirs.fileno())],

@@ -8,12 +8,20 @@ from dataclasses import dataclass
 from mesh import Mesh
 
 from .algorithm import AlgorithmSettings
+from .cores import usable_cores
 
 __all__ = ["ClusterOptions"]
 
 _MiB = 1 << 20
+# Without a shared-memory file system to ask (not Linux), arenas are fixed at this size.
 DEFAULT_ARENA_BYTES = 512 * _MiB
 MIN_ARENA_BYTES = 4 * _MiB
+# Every process maps every arena, so the ranges of one cluster take (n + 1) x arena_bytes
+# of each process's address space: keep that within 8 TiB of x86-64's 128 TiB. Ranges
+# cost no memory until committed (vcluster.runtime.arena).
+ADDRESS_BUDGET_BYTES = 8 << 40
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "BLIS_NUM_THREADS")
 _ARRAY_MODULES = ("numpy", "cupy")
 _WAITS = ("auto", "futex", "poll")
 
@@ -27,11 +35,24 @@ class ClusterOptions:
     host_arena_bytes: int
     run_timeout_s: float
     wait: str
+    threads_per_device: int = 1
     startup_timeout_s: float = 60.0
 
     @classmethod
     def build(cls, mesh, array_module, timeout_s, algorithm, arena_bytes, run_timeout_s,
-              wait, shm_free_bytes: int | None) -> "ClusterOptions":
+              wait, shm_free_bytes: int | None,
+              threads_per_device: int | None = None) -> "ClusterOptions":
+        """Validated options. Defaults derived from the machine:
+
+        * ``arena_bytes``: the range each arena may grow to,
+          ``min(free /dev/shm, ADDRESS_BUDGET_BYTES / (n + 1))``; pages are committed
+          as allocations reach them, so every device may use all the free shared memory
+          the others leave (:mod:`vcluster.runtime.arena`).
+        * ``threads_per_device``: ``max(1, cores // n)`` BLAS/OpenMP threads per device,
+          where ``cores`` is what this process may use (:func:`usable_cores`), so that
+          the devices together start at most one pool thread per core — or one per device
+          when there are more devices than cores (a device's own thread is the floor).
+        """
         if not isinstance(mesh, Mesh):
             raise TypeError(f"VirtualCluster: mesh must be a mesh.Mesh, got {type(mesh).__name__}")
         if array_module not in _ARRAY_MODULES:
@@ -49,19 +70,26 @@ class ClusterOptions:
         n = mesh.size
         if arena_bytes is None:
             arena_bytes = DEFAULT_ARENA_BYTES
-            if shm_free_bytes is not None:   # leave half of /dev/shm to everybody else
-                arena_bytes = min(arena_bytes, shm_free_bytes // (2 * (n + 1)))
+            if shm_free_bytes is not None:
+                arena_bytes = min(shm_free_bytes, ADDRESS_BUDGET_BYTES // (n + 1))
             arena_bytes = max(arena_bytes, MIN_ARENA_BYTES)
-        elif not isinstance(arena_bytes, numbers.Integral) or arena_bytes < MIN_ARENA_BYTES:
+        elif (not isinstance(arena_bytes, numbers.Integral) or isinstance(arena_bytes, bool)
+              or arena_bytes < MIN_ARENA_BYTES):
             raise ValueError(f"VirtualCluster: arena_bytes must be an int >= {MIN_ARENA_BYTES} "
                              f"(4 MiB), got {arena_bytes!r}")
-        if shm_free_bytes is not None and arena_bytes * (n + 1) > shm_free_bytes:
-            raise ValueError(
-                f"VirtualCluster: {n + 1} arenas of {arena_bytes} bytes do not fit the "
-                f"{shm_free_bytes} bytes free in /dev/shm; pass a smaller arena_bytes= or "
-                "enlarge /dev/shm (e.g. docker run --shm-size=2g)")
+        if threads_per_device is None:
+            threads_per_device = max(1, usable_cores() // n)
+        elif (not isinstance(threads_per_device, numbers.Integral)
+              or isinstance(threads_per_device, bool) or threads_per_device < 1):
+            raise ValueError("VirtualCluster: threads_per_device must be an int >= 1, got "
+                             f"{threads_per_device!r}")
         return cls(array_module, float(timeout_s), algorithm, int(arena_bytes),
-                   int(arena_bytes), float(run_timeout_s), wait)
+                   int(arena_bytes), float(run_timeout_s), wait, int(threads_per_device))
+
+    def thread_environment(self) -> dict[str, str]:
+        """The variables that size the devices' BLAS/OpenMP pools (set before numpy
+        loads in the launcher, so every library reads them at start-up)."""
+        return {v: str(self.threads_per_device) for v in THREAD_VARIABLES}
 
 
 def _check_cupy() -> None:

@@ -14,7 +14,8 @@ from .events import CommEvent, ComputeEvent
 __all__ = ["Recorder", "STAT_COLUMNS", "PEER_COLUMNS"]
 
 STAT_COLUMNS = ("rank", "messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                "h2d_bytes", "d2h_bytes", "flops", "arena_bytes_in_use", "arena_peak_bytes")
+                "h2d_bytes", "d2h_bytes", "flops", "arena_bytes_in_use", "arena_peak_bytes",
+                "arena_committed_bytes")
 PEER_COLUMNS = ("rank", "peer", "messages_sent", "bytes_sent", "messages_received",
                 "bytes_received")
 

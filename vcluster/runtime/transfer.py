@@ -23,8 +23,14 @@ __all__ = ["pack", "unpack", "OUT_OF_BAND_BYTES"]
 OUT_OF_BAND_BYTES = 64 * 1024
 
 
-def pack(obj, arena: Arena, keep: list) -> tuple[bytes, list[tuple[int, int, int]]]:
-    """Pickle ``obj``; large buffers go to ``arena`` (their blocks are appended to keep)."""
+def pack(obj, arena: Arena, keep: list,
+         placed: dict | None = None) -> tuple[bytes, list[tuple[int, int, int]]]:
+    """Pickle ``obj``; large buffers go to ``arena`` (their blocks are appended to keep).
+
+    ``placed`` maps (address, nbytes) of buffers already copied to ``arena`` to their
+    offset: pass one dict to the ``pack`` calls of one ``run`` so that an array shared by
+    the arguments of many ranks (a model's parameters) is copied to the arena once.
+    """
     locations: list[tuple[int, int, int]] = []
 
     def place(buffer: pickle.PickleBuffer) -> bool:
@@ -33,12 +39,17 @@ def pack(obj, arena: Arena, keep: list) -> tuple[bytes, list[tuple[int, int, int
             return True                       # in band
         src = np.frombuffer(raw, np.uint8)
         offset = arena.offset_of(src)
+        key = (src.__array_interface__["data"][0], raw.nbytes)
+        if offset is None and placed is not None:
+            offset = placed.get(key)
         if offset is None:
             block = arena.empty((raw.nbytes,), np.uint8)
             if block is None:
                 return True                   # no room: in band, slower but correct
             np.copyto(block, src)
             src, offset = block, arena.offset_of(block)
+            if placed is not None:
+                placed[key] = offset
         keep.append(src)
         locations.append((arena.owner, offset, raw.nbytes))
         return False

@@ -1,4 +1,5 @@
-"""How many cores this process may keep busy: the ``cores`` of the ``localhost`` hardware.
+"""How many cores this process may keep busy: the width of the devices' thread pools, and the
+``cores`` of the ``localhost`` hardware.
 
 ``os.cpu_count()`` counts the machine's CPUs, not the ones a process may use. Under
 ``taskset``, ``docker --cpuset-cpus`` or a CI runner's affinity mask the process runs on

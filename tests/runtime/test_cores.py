@@ -1,4 +1,4 @@
-"""vcluster.localhost.cores: the cores a process may use (affinity mask, cgroup quota),
+"""vcluster.runtime.cores: the cores a process may use (affinity mask, cgroup quota),
 read from real files laid out as cgroup v1 and v2 mount them, and a real affinity mask."""
 
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vcluster.localhost.cores import cgroup_cpu_limit, usable_cores
+from vcluster.runtime.cores import cgroup_cpu_limit, usable_cores
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -67,7 +67,7 @@ def test_a_process_pinned_to_one_cpu_has_one_core():
     """As under ``taskset -c 0``: the machine's CPU count is not what the process gets."""
     cpu = min(os.sched_getaffinity(0))
     code = (f"import os, sys; sys.path.insert(0, {ROOT!r}); os.sched_setaffinity(0, {{{cpu}}}); "
-            "from vcluster.localhost.cores import usable_cores; print(usable_cores())")
+            "from vcluster.runtime.cores import usable_cores; print(usable_cores())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "1"

@@ -22,6 +22,9 @@ def test_measure_mlp_times_both_sides_and_checks_the_losses():
     assert case.reference_step_s > 0 and case.emulated_step_s > 0
     assert case.ratio == pytest.approx(case.emulated_step_s / case.reference_step_s)
     assert case.max_rel_error < 1e-12
+    assert case.microbatched_step_s > 0
+    assert case.overhead_ratio == pytest.approx(case.emulated_step_s / case.microbatched_step_s)
+    assert case.cpu_ratio is None or case.cpu_ratio > 0
     assert case.mesh == "dp 2 x pp 4" and case.name == "MLP width 32, batch 64"
 
 

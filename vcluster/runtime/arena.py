@@ -142,6 +142,11 @@ class Arena:
                 os.posix_fallocate(self._commit_fd, self.committed_bytes,
                                    target - self.committed_bytes)
             except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    # a file system without fallocate: take pages as they are touched,
+                    # as every arena did before it could grow
+                    self._commit_fd, self.committed_bytes = None, self.size_bytes
+                    return True
                 if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
                 continue

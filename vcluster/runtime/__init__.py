@@ -7,7 +7,8 @@ from .context import DeviceContext, Work
 from .device import VirtualDevice
 from .emulated_device import EmulatedDevice
 from .errors import (ArenaFullError, ClusterBrokenError, CollectiveMismatch, CollectiveTimeout,
-                     DeviceAborted, DeviceLostError, DeviceProgramError, HostTimeout,
+                     DeviceAborted, DeviceArenaFullError, DeviceCollectiveMismatch,
+                     DeviceCollectiveTimeout, DeviceLostError, DeviceProgramError, HostTimeout,
                      VClusterError)
 from .events import CommEvent, ComputeEvent, Event
 
@@ -15,4 +16,5 @@ __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChanne
            "VirtualCluster", "DeviceContext", "Work", "VirtualDevice", "EmulatedDevice",
            "ArenaFullError", "ClusterBrokenError", "CollectiveMismatch", "CollectiveTimeout",
            "DeviceAborted", "DeviceLostError", "DeviceProgramError", "HostTimeout",
+           "DeviceCollectiveTimeout", "DeviceCollectiveMismatch", "DeviceArenaFullError",
            "VClusterError", "CommEvent", "ComputeEvent", "Event"]

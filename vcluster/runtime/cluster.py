@@ -24,8 +24,8 @@ import time
 import weakref
 
 from .arguments import check_run_args
-from .errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError, HostTimeout,
-                     VClusterError)
+from .errors import (ClusterBrokenError, DeviceLostError, HostTimeout, VClusterError,
+                     program_error)
 from .events import CommEvent, ComputeEvent
 from .fabric import ABORT_HOST, ABORT_LOST, fabric_from_segments
 from .launcher_client import LauncherClient
@@ -206,7 +206,9 @@ class VirtualCluster:
             if not errors:
                 raise VClusterError("run aborted: " + "; ".join(rep[1] for rep in failed.values()))
             first = state.first_failure(errors)
-            raise DeviceProgramError(first, fn_name, failed[first][2], errors)
+            reply = failed[first]
+            raise program_error(first, fn_name, reply[2], errors,
+                                reply[3] if len(reply) > 3 else None)
         return [replies[r][1] for r in range(self.mesh.size)]
 
     # --- statistics and trace -------------------------------------------------------

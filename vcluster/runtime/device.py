@@ -25,7 +25,7 @@ import traceback
 from .algorithm import AlgorithmSettings
 from .channel import VirtualChannel
 from .emulated_device import EmulatedDevice
-from .errors import DeviceAborted
+from .errors import DeviceAborted, error_kind
 from .fabric import ABORT_ERROR, Fabric
 from .recorder import Recorder
 from .transfer import pack, unpack
@@ -134,7 +134,8 @@ class VirtualDevice:
         except BaseException as exc:  # the program's error travels to the host
             f.abort(self.rank, ABORT_ERROR)
             self._settle()
-            return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                    error_kind(exc))
 
     def _settle(self) -> None:
         """Let queued communication finish aborting before reporting."""

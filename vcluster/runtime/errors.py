@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 __all__ = ["VClusterError", "DeviceProgramError", "DeviceLostError", "CollectiveTimeout",
            "CollectiveMismatch", "DeviceAborted", "ClusterBrokenError", "HostTimeout",
-           "ArenaFullError"]
+           "ArenaFullError", "DeviceCollectiveTimeout", "DeviceCollectiveMismatch",
+           "DeviceArenaFullError", "error_kind", "program_error"]
 
 
 class VClusterError(RuntimeError):
@@ -59,3 +62,47 @@ class HostTimeout(VClusterError):
 
 class ArenaFullError(VClusterError):
     """A device's shared-memory arena has no room for a buffer."""
+
+
+# --- a device's error, raised again in the host ----------------------------------------
+class DeviceCollectiveTimeout(DeviceProgramError, CollectiveTimeout):
+    """A device's :class:`CollectiveTimeout`, raised in the host: ``except
+    CollectiveTimeout`` catches it, and it carries ``rank`` and ``remote_traceback`` as
+    every :class:`DeviceProgramError` does."""
+
+
+class DeviceCollectiveMismatch(DeviceProgramError, CollectiveMismatch):
+    """A device's :class:`CollectiveMismatch`, raised in the host (see
+    :class:`DeviceCollectiveTimeout`)."""
+
+
+class DeviceArenaFullError(DeviceProgramError, ArenaFullError):
+    """A device's :class:`ArenaFullError`, raised in the host (see
+    :class:`DeviceCollectiveTimeout`)."""
+
+
+# the kinds a device reports (error_kind) -> the class the host raises (program_error)
+_HOST_CLASSES = MappingProxyType({
+    "CollectiveTimeout": DeviceCollectiveTimeout,
+    "CollectiveMismatch": DeviceCollectiveMismatch,
+    "ArenaFullError": DeviceArenaFullError,
+})
+_KINDS = ((CollectiveTimeout, "CollectiveTimeout"), (CollectiveMismatch, "CollectiveMismatch"),
+          (ArenaFullError, "ArenaFullError"))
+
+
+def error_kind(exc: BaseException) -> str | None:
+    """What a device reports of ``exc``'s type: the runtime error it is an instance of
+    (``"CollectiveTimeout"``, ...), or None for any other exception."""
+    for cls, name in _KINDS:
+        if isinstance(exc, cls):
+            return name
+    return None
+
+
+def program_error(rank: int, fn_name: str, remote_traceback: str, errors: dict[int, str],
+                  kind: str | None) -> DeviceProgramError:
+    """The error the host raises for rank's failure: a :class:`DeviceProgramError` that is
+    also the runtime error the device raised (``kind`` from :func:`error_kind`), so
+    ``except CollectiveTimeout`` works in the host as the device's code would expect."""
+    return _HOST_CLASSES.get(kind, DeviceProgramError)(rank, fn_name, remote_traceback, errors)

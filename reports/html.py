@@ -25,7 +25,7 @@ background:#fff}
 h1{margin:0 0 4px}h2{border-bottom:2px solid #4c72b0;padding-bottom:2px;margin-top:28px}
 .meta{color:#555;margin-bottom:16px}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;color:#fff;font-weight:600}
-.pass{background:#2e7d32}.fail{background:#c62828}
+.pass{background:#2e7d32}.fail{background:#c62828}.none{background:#757575}
 .cards{display:flex;flex-wrap:wrap;gap:10px}
 .card{border:1px solid #cfd8e3;border-radius:8px;padding:8px 12px;min-width:150px;
 background:#f3f6fb}
@@ -78,12 +78,12 @@ def _sweep_note(record) -> str:
 
 
 def _head(record) -> list[str]:
-    passed = record.passed
+    badge, text = {"passed": ("pass", "checks passed"), "failed": ("fail", "checks FAILED"),
+                   "none": ("none", "no checks ran")}[record.checks_status]
     parts = [f"<h1>{escape(record.name)}</h1>",
              f'<div class="meta">mode <b>{escape(record.mode)}</b> · hardware '
              f'<b>{escape(record.hardware or "-")}</b> · '
-             f'<span class="badge {"pass" if passed else "fail"}">'
-             f'{"checks passed" if passed else "checks FAILED"}</span></div>',
+             f'<span class="badge {badge}">{text}</span></div>',
              "<h2>Headline figures</h2>", _sweep_note(record), _cards(record.summary)]
     if record.checks:
         parts += ["<h2>Checks</h2>", _checks(record.checks)]

@@ -80,6 +80,14 @@ class RunRecord:
         """True when every check passed (and when there were none)."""
         return all(bool(c["passed"]) for c in self.checks)
 
+    @property
+    def checks_status(self) -> str:
+        """``"passed"``, ``"failed"``, or ``"none"`` when no check ran — never shown as
+        passed (a simulate-only run checks nothing)."""
+        if not self.checks:
+            return "none"
+        return "passed" if self.passed else "failed"
+
     def _repr_html_(self) -> str:
         """Headline figures, checks and the per-device table for notebooks (no plots:
         ``write_report`` draws those)."""
@@ -87,7 +95,8 @@ class RunRecord:
         return record_html(self)
 
     def __repr__(self) -> str:
-        checks = f"{sum(bool(c['passed']) for c in self.checks)}/{len(self.checks)} passed"
+        checks = ("none ran" if not self.checks else
+                  f"{sum(bool(c['passed']) for c in self.checks)}/{len(self.checks)} passed")
         sweep = "" if self.sweep is None else f", sweep={len(self.sweep)} points"
         return (f"RunRecord(name={self.name!r}, mode={self.mode!r}, "
                 f"hardware={self.hardware!r}, checks={checks}, "

@@ -22,8 +22,8 @@ from reports.tables import record_tables, sweep_keys
 
 __all__ = ["json_safe", "results_dict", "RESULT_KEYS"]
 
-RESULT_KEYS = ("name", "mode", "hardware", "passed", "summary", "checks", "scenario",
-               "devices", "collectives", "steps", "sweep", "sweep_keys", "goodput", "files")
+RESULT_KEYS = ("name", "mode", "hardware", "passed", "checks_status", "summary", "checks",
+               "scenario", "devices", "collectives", "steps", "sweep", "sweep_keys", "goodput", "files")
 
 
 def json_safe(value: Any) -> Any:
@@ -57,6 +57,7 @@ def results_dict(record, files: dict) -> dict:
         "mode": record.mode,
         "hardware": record.hardware,
         "passed": record.passed,
+        "checks_status": record.checks_status,
         "summary": json_safe(dict(record.summary)),
         "checks": json_safe([dict(c) for c in record.checks]),
         "scenario": json_safe(dict(record.scenario)),

@@ -32,11 +32,14 @@ def markdown_table(frame: pd.DataFrame) -> str:
 
 def summary_markdown(record, files: dict) -> str:
     """The Markdown summary; ``files`` as in ``results.json`` (lists the report's files)."""
-    status = "PASSED" if record.passed else "FAILED"
+    if record.checks_status == "none":
+        checks = "**none ran**"
+    else:
+        checks = (f"**{record.checks_status.upper()}** "
+                  f"({sum(bool(c['passed']) for c in record.checks)}/{len(record.checks)})")
     out = [f"# {record.name}\n\n",
            f"mode: **{record.mode}** · hardware: **{record.hardware or '-'}** · "
-           f"checks: **{status}** ({sum(bool(c['passed']) for c in record.checks)}"
-           f"/{len(record.checks)})\n",
+           f"checks: {checks}\n",
            "\n## Headline figures\n\n"]
     if record.sweep is not None:
         out.append("_A sweep: these are the last point's figures; every point's are in "

@@ -108,3 +108,27 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     assert np.mean([abs(r["rel_error"]) for r in megatron]) <= 0.10
     assert max(abs(r["rel_error"]) for r in megatron) <= 0.20
     assert data["mean_abs_rel_error"] == pytest.approx(np.mean([abs(r["rel_error"]) for r in rows]))
+
+
+def test_ratio_wording_states_the_figures_and_the_rule():
+    """Issue 31, item 3: 0.239 s of exposed communication in a 3.512 s step with compute /
+    comm 8.0 used to read "below 10: communication dominates". Now the rule is a check
+    with its threshold and the exposed share says what communication costs."""
+    from vcluster.planner.simulation import describe_ratio
+    rule, cost = describe_ratio(3.2, 0.4, 0.239, 3.512)
+    assert rule == "rule compute/comm >= 10: not met (8.0)"
+    assert cost == "communication is 12% of compute; 6.8% of the step is exposed communication"
+    assert describe_ratio(20.0, 1.0, 0.1, 21.0)[0] == "rule compute/comm >= 10: met (20.0)"
+    assert describe_ratio(1.0, 0.0, 0.0, 1.0) == (
+        "rule compute/comm >= 10: met (no communication)", "no communication")
+
+
+def test_simulate_gpt_prints_the_ratio_without_a_verdict():
+    proc = _vcluster("simulate", "gpt", "--hidden", "1024", "--layers", "8", "--heads", "16",
+                     "--seq", "1024", "--vocab", "32000", "--global-batch", "32",
+                     "--micro-batch", "1", "--tp", "8", "--pp", "2", "--dp", "2",
+                     "--hardware", "h100-dgx")
+    assert proc.returncode == 0, proc.stderr
+    assert "dominates" not in proc.stdout
+    assert "rule compute/comm >= 10: not met" in proc.stdout
+    assert "% of the step is exposed communication" in proc.stdout

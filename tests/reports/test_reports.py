@@ -303,6 +303,23 @@ def test_formats_select_files(run, tmp_path, formats, files):
     assert ("report_html" in written) == ("report.html" in files)
 
 
+def test_a_record_without_checks_never_reads_as_passed(run, tmp_path):
+    """Issue 31, item 4: a simulate-only report checks nothing; it used to show a green
+    "checks passed" badge and "checks: **PASSED** (0/0)"."""
+    record = _record(run, checks=())
+    assert record.checks_status == "none" and "checks=none ran" in repr(record)
+    out = write_report(record, tmp_path / "r", formats=["md", "html", "json"])
+    summary = (out / "summary.md").read_text()
+    assert "checks: **none ran**" in summary and "PASSED" not in summary
+    html = (out / "report.html").read_text()
+    assert 'class="badge none">no checks ran<' in html and "checks passed" not in html
+    assert _strict_json(out / "results.json")["checks_status"] == "none"
+    failed = _record(run, checks=({"name": "x", "passed": False, "max_abs_error": 1.0,
+                                   "tolerance": 0.0},))
+    assert failed.checks_status == "failed"
+    assert _record(run).checks_status == "passed"
+
+
 def test_html_without_png_files_still_embeds_plots(run, tmp_path):
     out = write_report(_record(run), tmp_path / "r", formats=["html"])
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 3

@@ -44,7 +44,7 @@ def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
     from pipeline_parallel.gpt import GPTConfig, ParallelConfig
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
-    from vcluster.planner.simulation import RATIO_FLAG, simulate_gpt
+    from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab)
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
@@ -52,7 +52,6 @@ def _gpt(args) -> int:
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute)
     r = simulate_gpt(config, parallel, load_hardware(args.hardware))
-    flag = f"  (below {RATIO_FLAG:g}: communication dominates)" if r.low_ratio else ""
     print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
           f"{r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -61,7 +60,9 @@ def _gpt(args) -> int:
     print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
           f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
-    print(f"  compute / comm       {r.compute_comm_ratio:.1f}{flag}")
+    rule, cost = describe_ratio(r.compute_s, r.comm_s, r.exposed_comm_s, r.step_time_s)
+    print(f"  compute / comm       {r.compute_comm_ratio:.1f}   {rule}")
+    print(f"                       {cost}")
     print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
           f"({'fits' if r.fits else 'does NOT fit'})")
     _print_ops(r.ops, RATIO_FLAG)
@@ -78,6 +79,6 @@ def _print_ops(ops, flag_below: float) -> None:
     print(f"  {'op':<12}{'compute':>11}{'comm':>11}{'compute/comm':>14}")
     for o in ops:
         ratio = o.compute_comm_ratio
-        low = f"  < {flag_below:g}" if ratio < flag_below else ""
+        low = f"  below the rule (>= {flag_below:g})" if ratio < flag_below else ""
         text = "no comm" if ratio == float("inf") else f"{ratio:.1f}"
         print(f"  {o.op:<12}{o.compute_s:>10.3f}s{o.comm_s:>10.3f}s{text:>14}{low}")

@@ -34,7 +34,7 @@ from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
 
-RATIO_FLAG = 10.0          # compute / communication below this: communication dominates
+RATIO_FLAG = 10.0          # the rule compute / communication >= 10 (planner.simulation)
 SYMMETRIC_FROM_DEVICES = 16   # simulate-only training above this many devices: symmetric
 
 #: summary keys by the modes that fill them (absent keys are not written)

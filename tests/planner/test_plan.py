@@ -284,3 +284,29 @@ def test_megatron_published_configurations(model):
     from vcluster.planner.search_validation import published_rows
     (row,) = published_rows([model])
     _check_published(row)
+
+
+def test_plan_with_no_divisible_configuration_says_so():
+    """Issue 31, item 9: on 7 GPUs every rejection is a count that does not divide; the
+    message used to blame the device memory."""
+    import subprocess
+    import sys
+    args = list(CLI)
+    args[args.index("--gpus") + 1] = "7"
+    proc = subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "no configuration divides this model and batch over 7 GPUs" in proc.stdout
+    assert "memory" not in proc.stdout.splitlines()[-1]
+
+
+def test_plan_piped_into_head_ends_quietly():
+    """Issue 31, item 9: ``vcluster plan ... | head -1`` ended in BrokenPipeError."""
+    import subprocess
+    import sys
+    cmd = " ".join([sys.executable, "-m", "vcluster", *CLI, "--top", "300"]) + " | head -1"
+    proc = subprocess.run(["bash", "-c", "set -o pipefail; " + cmd], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith("GPT h=1024")
+    assert proc.stderr == "", proc.stderr
+    assert proc.returncode == 141                   # 128 + SIGPIPE, as Unix tools end

@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 a run failed; 2 a usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -49,6 +50,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`vcluster plan ... | head`): stop quietly, as Unix tools
+        # do, and keep the interpreter's final flush from failing on the closed pipe
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except (ValueError, TypeError) as exc:
         print(f"vcluster: error: {exc}", file=sys.stderr)
         return 2

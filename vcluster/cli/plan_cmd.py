@@ -78,6 +78,19 @@ def _print_table(df, top: int) -> None:
               f"{'replay' if r['replayed'] else 'screen'}")
 
 
+def _why_none(rejected: dict, gpus: int, hw) -> str:
+    """Why no configuration is left: memory when some configurations divide the model
+    and batch but none fits, else the counts that do not divide."""
+    memory = rejected.get("out_of_memory", 0)
+    shapes = sum(n for reason, n in rejected.items() if reason != "out_of_memory")
+    if memory:
+        return (f"no configuration fits the device memory ({hw.device.hbm_bytes / 1e9:.0f} "
+                f"GB per GPU): {memory} rejected for memory, {shapes} for counts that do "
+                "not divide (see 'rejected')")
+    return (f"no configuration divides this model and batch over {gpus} GPUs (every "
+            "candidate was rejected for a count that does not divide: see 'rejected')")
+
+
 def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
     from vcluster.planner.search import REJECT_REASONS, plan_gpt
@@ -115,6 +128,6 @@ def _gpt(args) -> int:
             write_bytes_atomic(os.path.join(args.out, "plan.png"), png)
         print(f"wrote {args.out}/plan.json" + (" and plan.png" if png else ""))
     if not len(df):
-        print("vcluster plan: no configuration fits the device memory")
+        print("vcluster plan: " + _why_none(a["rejected"], args.gpus, hw))
         return 1
     return 0

@@ -13,7 +13,9 @@ valid (nothing runs, nothing is written).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 __all__ = ["add_parser"]
@@ -95,6 +97,22 @@ def _out_dir(args, scenario) -> Path:
     return Path("runs") / scenario.name
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why the report directory ``out`` cannot be written, or None: a probe directory is
+    made (and removed) in ``out`` or its nearest existing parent, where the report's own
+    atomic write will put its files — before anything runs."""
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        return f"{base} is not a directory"
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".vcluster-probe-", dir=base))
+    except OSError as exc:
+        return f"cannot create files in {base} ({exc.strerror or exc})"
+    return None
+
+
 def _run(args) -> int:
     # lazy: keeps vcluster --help fast
     from reports import write_report
@@ -102,6 +120,11 @@ def _run(args) -> int:
     scenario, code = _load(args)
     if scenario is None:
         return code
+    why = _unwritable(_out_dir(args, scenario))
+    if why is not None:
+        print(f"vcluster run: error: report directory {str(_out_dir(args, scenario))!r} "
+              f"cannot be written: {why} (--out or report.out)", file=sys.stderr)
+        return 2
     try:
         record = run_scenario(scenario, mode=args.mode, progress=not args.quiet,
                               resume=args.resume, engine=args.engine)

@@ -80,7 +80,9 @@ def _sweep_note(record) -> str:
 def _head(record) -> list[str]:
     badge, text = {"passed": ("pass", "checks passed"), "failed": ("fail", "checks FAILED"),
                    "none": ("none", "no checks ran")}[record.checks_status]
+    description = str(record.scenario.get("description") or "").strip()
     parts = [f"<h1>{escape(record.name)}</h1>",
+             *([f'<p class="description">{escape(description)}</p>'] if description else []),
              f'<div class="meta">mode <b>{escape(record.mode)}</b> · hardware '
              f'<b>{escape(record.hardware or "-")}</b> · '
              f'<span class="badge {badge}">{text}</span></div>',

@@ -37,7 +37,8 @@ def summary_markdown(record, files: dict) -> str:
     else:
         checks = (f"**{record.checks_status.upper()}** "
                   f"({sum(bool(c['passed']) for c in record.checks)}/{len(record.checks)})")
-    out = [f"# {record.name}\n\n",
+    description = str(record.scenario.get("description") or "").strip()
+    out = [f"# {record.name}\n\n", *([f"{description}\n\n"] if description else []),
            f"mode: **{record.mode}** · hardware: **{record.hardware or '-'}** · "
            f"checks: {checks}\n",
            "\n## Headline figures\n\n"]

@@ -320,6 +320,15 @@ def test_a_record_without_checks_never_reads_as_passed(run, tmp_path):
     assert _record(run).checks_status == "passed"
 
 
+def test_the_scenario_description_is_shown(run, tmp_path):
+    """Issue 31, item 9: ``description`` is documented as "shown in the report"."""
+    text = "MLP of 8 layers <trained> with 1F1B"
+    record = _record(run, scenario={"cluster": {"shape": [2, 2]}, "description": text})
+    out = write_report(record, tmp_path / "r", formats=["md", "html"])
+    assert text in (out / "summary.md").read_text()
+    assert "MLP of 8 layers &lt;trained&gt; with 1F1B" in (out / "report.html").read_text()
+
+
 def test_html_without_png_files_still_embeds_plots(run, tmp_path):
     out = write_report(_record(run), tmp_path / "r", formats=["html"])
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 3

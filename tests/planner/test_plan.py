@@ -310,3 +310,22 @@ def test_plan_piped_into_head_ends_quietly():
     assert proc.stdout.startswith("GPT h=1024")
     assert proc.stderr == "", proc.stderr
     assert proc.returncode == 141                   # 128 + SIGPIPE, as Unix tools end
+
+
+def test_plan_keeps_the_memory_headroom(capsys, tmp_path):
+    """Issue 31, item 9: the planner kept no headroom (79.3 of 80 GB); now every candidate
+    leaves 5% (or --memory-headroom) of the device memory free."""
+    args = ["plan", "gpt", "--hidden", "4096", "--layers", "32", "--heads", "32", "--seq",
+            "2048", "--vocab", "51200", "--gpus", "8", "--global-batch", "16", "--quiet",
+            "--replay", "0", "--top", "1"]
+    counts = {}
+    for headroom in ("0", "0.05", "0.3"):
+        path = tmp_path / f"{headroom}.json"
+        assert main(args + ["--memory-headroom", headroom, "--json", str(path)]) in (0, 1)
+        doc = json.loads(path.read_text())
+        limit = 80e9 * (1 - float(headroom)) / 1e9
+        assert all(c["peak_memory_gb"] <= limit + 1e-9 for c in doc["candidates"])
+        counts[headroom] = (len(doc["candidates"]), doc["rejected"].get("out_of_memory", 0))
+    assert counts["0"][0] >= counts["0.05"][0] > counts["0.3"][0]
+    assert counts["0"][1] <= counts["0.05"][1] < counts["0.3"][1]
+    assert "(5% headroom)" in capsys.readouterr().out

@@ -20,7 +20,8 @@ from vcluster.timing.hardware_model import HardwareCostModel
 pytestmark = pytest.mark.timeout(600)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"step_time_s", "tflops_per_gpu", "mfu", "compute_s", "comm_s", "exposed_comm_s",
-        "bubble_s", "compute_comm_ratio", "peak_memory_gb", "fits"}
+        "bubble_s", "compute_comm_ratio", "peak_memory_gb", "fits", "memory_limit_gb",
+        "device_memory_gb"}
 
 
 def _vcluster(*args, timeout=300):
@@ -72,10 +73,11 @@ def test_simulate_cli_writes_the_documented_keys(tmp_path):
                      "--seq", "2048", "--vocab", "51200", "--tp", "8", "--pp", "8", "--dp", "16",
                      "--global-batch", "1536", "--micro-batch", "1", "--schedule", "1f1b",
                      "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # it does not fit: said, JSON still written
     data = json.loads(out.read_text())
     assert KEYS <= set(data)
     assert data["fits"] is False          # no recomputation: 175B does not fit 80 GB
+    assert data["memory_limit_gb"] == pytest.approx(76.0)
     assert 0 < data["mfu"] < 1 and data["step_time_s"] > 1
     proc = _vcluster("simulate", "gpt", "--hidden", "12288", "--layers", "96", "--heads", "96",
                      "--seq", "2048", "--vocab", "51200", "--tp", "8", "--pp", "8", "--dp", "16",
@@ -132,3 +134,35 @@ def test_simulate_gpt_prints_the_ratio_without_a_verdict():
     assert "dominates" not in proc.stdout
     assert "rule compute/comm >= 10: not met" in proc.stdout
     assert "% of the step is exposed communication" in proc.stdout
+
+
+OOM = ["simulate", "gpt", "--hidden", "8192", "--layers", "80", "--heads", "64", "--seq",
+       "4096", "--vocab", "32000", "--global-batch", "64", "--hardware", "h100-dgx"]
+
+
+def test_simulate_gpt_that_does_not_fit_exits_1_naming_memory_and_capacity():
+    """Issue 31, item 1: a 70B model on tp = pp = dp = 1 printed MFU 42.7% beside
+    'does NOT fit' and exited 0."""
+    proc = _vcluster(*OOM)
+    assert proc.returncode == 1, proc.stderr
+    assert "does NOT fit 76.0 GB: 80.0 GB less 5% headroom" in proc.stdout
+    assert ("the configuration does not fit: 1690.6 GB per device at its peak, 76.0 GB "
+            "usable of the 80.0 GB of a h100-dgx device") in proc.stderr
+    assert _vcluster(*OOM, "--allow-oom").returncode == 0
+
+
+def test_memory_headroom_moves_what_fits():
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=1024, vocab=32000)
+    par = ParallelConfig(global_batch=32, micro_batch=1, dp=1, pp=1, tp=1)
+    r = simulate_gpt(cfg, par, "h100-dgx")
+    assert r.fits and r.memory_limit_gb == pytest.approx(0.95 * r.device_memory_gb)
+    # a headroom that leaves less than the peak: the same figures, no longer fitting
+    tight = 1 - 0.99 * r.peak_memory_gb / r.device_memory_gb
+    squeezed = simulate_gpt(cfg, par, "h100-dgx", memory_headroom=tight)
+    assert not squeezed.fits and squeezed.step_time_s == r.step_time_s
+    with pytest.raises(ValueError, match="memory_headroom must be a fraction in \\[0, 1\\)"):
+        simulate_gpt(cfg, par, "h100-dgx", memory_headroom=1.0)
+    proc = _vcluster("simulate", "gpt", "--hidden", "1024", "--layers", "8", "--heads", "16",
+                     "--seq", "1024", "--vocab", "32000", "--global-batch", "32",
+                     "--hardware", "h100-dgx", "--memory-headroom", "1.5")
+    assert proc.returncode == 2 and "expected a fraction in [0, 1), got 1.5" in proc.stderr

@@ -158,4 +158,4 @@ def test_simulate_cli_prints_and_writes_the_per_op_table(tmp_path):
     table = done.stdout[done.stdout.index("compute/comm"):]
     for op, row in rows.items():
         line = next(ln for ln in table.splitlines() if ln.split()[:1] == [op])
-        assert line.endswith("< 10") == row["low_ratio"], line
+        assert line.endswith("below the rule (>= 10)") == row["low_ratio"], line

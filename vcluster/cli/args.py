@@ -19,6 +19,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1), e.g. a share of memory left free."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {value:g}")
+    return value
+
+
 def int_at_least(minimum: int, what: str):
     """An integer >= ``minimum``; the error says what the integer counts."""
     def parse(text: str) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 
-from .args import positive_int
+from .args import fraction, positive_int
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
@@ -44,6 +44,9 @@ def add_parser(commands) -> None:
                      help="largest tensor-parallel degree (default: GPUs per node)")
     gpt.add_argument("--workers", type=positive_int, default=None,
                      help="replay processes (default: the machine's cores)")
+    gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
+                     help="share of each device's memory a configuration leaves free "
+                          "(default 0.05)")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -101,11 +104,15 @@ def _gpt(args) -> int:
     df = plan_gpt(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                   vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
-                  workers=args.workers, progress=False if args.quiet else None)
+                  workers=args.workers, progress=False if args.quiet else None,
+                  **({} if args.memory_headroom is None
+                     else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
     print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab}, "
           f"global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
-          f"configurations fit, {a['replayed']} replayed, planned in {a['planning_time_s']:.1f} s")
+          f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
+          f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
+          f"{a['planning_time_s']:.1f} s")
     if len(df):
         _print_table(df, args.top)
     print("rejected:" + ("" if a["rejected"] else " none"))

@@ -6,13 +6,17 @@
 prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (compute,
 communication, exposed communication, bubble), the compute/communication ratio for the
 step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
-peak memory per device; ``--json PATH`` writes the same figures. A
-configuration that does not fit the device memory is still simulated (``fits: false``).
+peak memory per device; ``--json PATH`` writes the same figures. A configuration
+whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
+simulated (``fits: false``), but the command says so on stderr and exits 1 unless
+``--allow-oom`` is given.
 """
 
 from __future__ import annotations
 
-from .args import positive_int
+import sys
+
+from .args import fraction, positive_int
 
 __all__ = ["add_parser"]
 
@@ -36,6 +40,10 @@ def add_parser(commands) -> None:
     gpt.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
+    gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
+                     help="share of the device memory to leave free (default 0.05)")
+    gpt.add_argument("--allow-oom", action="store_true",
+                     help="exit 0 even when the configuration does not fit the memory")
     gpt.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gpt.set_defaults(run=_gpt)
 
@@ -44,6 +52,7 @@ def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
     from pipeline_parallel.gpt import GPTConfig, ParallelConfig
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
+    from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab)
@@ -51,7 +60,8 @@ def _gpt(args) -> int:
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute)
-    r = simulate_gpt(config, parallel, load_hardware(args.hardware))
+    headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
+    r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom)
     print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
           f"{r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -64,13 +74,21 @@ def _gpt(args) -> int:
     print(f"  compute / comm       {r.compute_comm_ratio:.1f}   {rule}")
     print(f"                       {cost}")
     print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
-          f"({'fits' if r.fits else 'does NOT fit'})")
+          f"({'fits' if r.fits else 'does NOT fit'} {r.memory_limit_gb:.1f} GB: "
+          f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom)")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
         # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json
         write_json(args.json, r.to_json())
         print(f"wrote {args.json}")
+    if not r.fits:
+        print(f"vcluster simulate: the configuration does not fit: {r.peak_memory_gb:.1f} GB "
+              f"per device at its peak, {r.memory_limit_gb:.1f} GB usable of the "
+              f"{r.device_memory_gb:.1f} GB of a {r.hardware} device ({100 * headroom:g}% "
+              "headroom); the figures above assume memory it does not have (--allow-oom "
+              "to exit 0 anyway)", file=sys.stderr)
+        return 0 if args.allow_oom else 1
     return 0
 
 

@@ -43,7 +43,7 @@ REJECT_REASONS = {
     "pp_not_dividing_layers": "pp does not divide the layers",
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
-    "out_of_memory": "peak memory per device exceeds the device's HBM",
+    "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
 }
 
 

@@ -34,11 +34,25 @@ from dataclasses import dataclass
 
 from pipelining import peak_in_flight
 
-__all__ = ["MemoryBreakdown", "gpt_memory", "WEIGHT_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES"]
+__all__ = ["MemoryBreakdown", "gpt_memory", "WEIGHT_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES",
+           "MEMORY_HEADROOM", "usable_memory_bytes"]
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
 OPTIMIZER_BYTES = 12
+# The share of a device's memory a plan leaves free: the formulas above count tensors,
+# not the CUDA context (~0.5 GB), NCCL's buffers or the caching allocator's
+# fragmentation. 5% is issue 31's default; --memory-headroom changes it.
+MEMORY_HEADROOM = 0.05
+
+
+def usable_memory_bytes(hbm_bytes: float, headroom: float = MEMORY_HEADROOM) -> float:
+    """What a configuration may use of ``hbm_bytes``: ``hbm_bytes * (1 - headroom)``,
+    0 <= headroom < 1."""
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) \
+            or not 0 <= headroom < 1:
+        raise ValueError(f"memory_headroom must be a fraction in [0, 1), got {headroom!r}")
+    return hbm_bytes * (1 - headroom)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
+from .memory import MEMORY_HEADROOM, usable_memory_bytes
 from .layer_cost import trace_stage_pieces
 from .screen import peak_memory_bytes, screen_estimate
 from .simulation import simulate_gpt
@@ -147,7 +148,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              micro_batches=None, max_micro_batch: int | None = None,
              schedules=None, max_virtual_stages: int | None = None, recompute=None,
              sequence_parallel=None, workers: int | None = None,
-             progress: bool | None = None):
+             progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -155,7 +156,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``max_tp`` default the GPUs per node; ``micro_batches`` an explicit list, else the
     divisors of B/dp up to ``max_micro_batch`` (8); ``schedules``, ``recompute``,
     ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
-    the machine's cores); ``progress``: a progress bar (default: when stderr is a tty).
+    the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
+    ``memory_headroom``: the share of each device's memory a configuration must leave
+    free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -173,8 +176,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None})
-    candidates, rejected = enumerate_candidates(config, gpus, global_batch, space,
-                                                hw.device.hbm_bytes)
+    limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
+    candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
     bar = _progress(progress)
     if bar:
@@ -202,5 +205,6 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                             kind="stable").reset_index(drop=True)
     df.attrs.update(rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name,
+                    memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     planning_time_s=time.perf_counter() - t0)
     return df

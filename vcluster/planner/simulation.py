@@ -34,7 +34,7 @@ from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
-from .memory import gpt_memory
+from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .stitch import coalesce, cut_templates, moved, stitch
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
@@ -85,6 +85,8 @@ class GPTSimulation:
     microbatches: int
     hardware: str
     ops: tuple = ()          # OpStats per op kind, seconds per device (mean over pp ranks)
+    memory_limit_gb: float = math.inf   # what fits compares with: HBM less the headroom
+    device_memory_gb: float = math.inf  # the device's HBM
 
     def to_json(self) -> dict:
         """The fields as JSON values; a ratio without communication (infinite) is null."""
@@ -222,11 +224,15 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 
 
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
-                 traced_positions: int | None = TRACED_POSITIONS) -> GPTSimulation:
+                 traced_positions: int | None = TRACED_POSITIONS,
+                 memory_headroom: float = MEMORY_HEADROOM) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
-    ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it)."""
+    ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it);
+    ``memory_headroom``: the share of the device memory kept free (``fits`` compares the
+    peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`)."""
 
     hw = load_hardware(hardware)
+    limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     mesh = parallel.mesh()
     m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
@@ -252,7 +258,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         compute_s=mean(result.compute_s), comm_s=mean(result.comm_s),
         exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
-        peak_memory_gb=peak / 1e9, fits=peak <= hw.device.hbm_bytes, memory=memory,
-        gpus=n, microbatches=m, hardware=hw.name,
+        peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
+        gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
+        device_memory_gb=hw.device.hbm_bytes / 1e9,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

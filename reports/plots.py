@@ -7,7 +7,7 @@
   ``record.spans``);
 * ``time_breakdown.png`` — per device, stacked compute, exposed communication and bubble
   seconds, one panel per source (from ``record.devices``);
-* ``predicted_vs_measured.png`` — when both sources are present: mean step time and
+* ``predicted_vs_measured.png`` — when both sources are present: median step time and
   summed time per (collective, axis), measured beside predicted, log scale (they usually
   differ by orders of magnitude: an emulator on one CPU versus a model of a GPU cluster);
 * ``sweep.png`` — when the run was a sweep: the numeric headline figures that vary over
@@ -141,13 +141,23 @@ def time_breakdown_png(record) -> bytes | None:
 
 
 def predicted_vs_measured_png(record) -> bytes | None:
-    """Measured beside predicted: mean step time and per-collective time (log scale)."""
+    """Measured beside predicted: median step time (as ``measured_step_time_s``) and
+    per-collective time (log scale); the bars of :func:`comparison_rows`."""
+    rows = comparison_rows(record)
+    return _predicted_vs_measured_figure(record, rows) if rows else None
+
+
+def comparison_rows(record) -> list[tuple[str, float, float]]:
+    """(label, measured, predicted) of each bar of ``predicted_vs_measured.png``: the
+    median step time of each source (the statistic of ``measured_step_time_s``), then
+    the summed time per (collective, axis), else the mean compute and communication per
+    device; rows without both positive figures are dropped."""
     both = {"measured", "predicted"}
     rows: list[tuple[str, float, float]] = []
-    steps, point = _last_point(record.steps)
+    steps = _last_point(record.steps)[0]
     if both <= set(steps["source"]):
-        mean = steps.groupby("source")["time_s"].mean()
-        rows.append(("step (mean)", float(mean["measured"]), float(mean["predicted"])))
+        median = steps.groupby("source")["time_s"].median()   # the headline's statistic
+        rows.append(("step (median)", float(median["measured"]), float(median["predicted"])))
     coll = _last_point(record.collectives)[0]
     if both <= set(coll["source"]):
         table = (coll.assign(axis=coll["axis"].fillna("-"))
@@ -163,9 +173,11 @@ def predicted_vs_measured_png(record) -> bytes | None:
             mean = devices.groupby("source")[column].mean()
             rows.append((f"{column} (mean)", float(mean["measured"]),
                          float(mean["predicted"])))
-    rows = [r for r in rows if r[1] > 0 and r[2] > 0 and math.isfinite(r[1] + r[2])]
-    if not rows:
-        return None
+    return [r for r in rows if r[1] > 0 and r[2] > 0 and math.isfinite(r[1] + r[2])]
+
+
+def _predicted_vs_measured_figure(record, rows) -> bytes:
+    point = _last_point(record.steps)[1]
     fig = Figure(figsize=(max(6.0, 1.1 * len(rows) + 2), 4))
     ax = fig.subplots()
     x = np.arange(len(rows))

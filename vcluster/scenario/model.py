@@ -102,6 +102,7 @@ class RunSpec:
     steps: int = 1
     check: bool = False
     tolerance: float | None = None     # None: by dtype (see tolerance_for)
+    warmup: int = 1                    # untimed runs before the measured one (emulate)
 
     def tolerance_for(self, dtype: str) -> float:
         if self.tolerance is not None:
@@ -178,7 +179,7 @@ class Scenario:
                                   _frozen(options)),
             parallel=_frozen(parallel),
             run=RunSpec(Mode(run["mode"]), int(run["steps"]), bool(run["check"]),
-                        run.get("tolerance")),
+                        run.get("tolerance"), int(run.get("warmup", 1))),
             report=ReportSpec(report.get("out"),
                               tuple(report["formats"]) if "formats" in report else None),
             sweep=tuple((p, tuple(v)) for p, v in doc.get("sweep", {}).items()),

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .choices import Engine, Mode, parse_choice
-from .timed_runs import emulate_timed, measures_like_localhost, step_times
+from .timed_runs import WARMUP_RUNS, emulate_timed, measures_like_localhost, step_times
 from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
@@ -72,7 +72,12 @@ def _finite(x):
 def _units(point, training: bool, engine: str) -> int:
     from .resilience import wants_resilience
     mode, steps = point.run.mode, point.run.steps
-    warmup = measures_like_localhost(point, engine) and not wants_resilience(point)
+    if wants_resilience(point):
+        warmup = 0
+    elif measures_like_localhost(point, engine):
+        warmup = WARMUP_RUNS                     # emulate_timed's own warm-up runs
+    else:
+        warmup = point.run.warmup
     emulate = (1 if training else steps) + (1 if point.run.check else 0) + warmup
     return (emulate if mode != "simulate" else 0) + (1 if mode != "emulate" else 0)
 
@@ -107,6 +112,9 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
     steps, training = point.run.steps, workload.training
     events, first_events, times, outputs = [], None, [], None
     engine = engines.get(workload.mesh, point.cluster.array_module)
+    for k in range(point.run.warmup):     # untimed: the first run pays for start-up
+        engine.run(workload.program, list(workload.args_by_rank))
+        bar.advance(f"warm-up {k + 1}")
     for step in range(1 if training else steps):
         engine.reset_stats()
         outputs = engine.run(workload.program, list(workload.args_by_rank))
@@ -291,6 +299,10 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         elif measures_like_localhost(point, engines.name):     # warm-up, common start
             emu = emulate_timed(workload, point,
                                 engines.get(mesh, point.cluster.array_module), bar)
+        elif engines.name == "emulator":                       # the same, measured once
+            emu = emulate_timed(workload, point,
+                                engines.get(mesh, point.cluster.array_module), bar,
+                                warmup=point.run.warmup, repeats=1)
         else:
             emu = _emulate(workload, point, engines, bar)
         _measured(out, workload, emu, point)

@@ -208,6 +208,9 @@ _SECTIONS = {
             "mode": _enum(MODES, "emulate (real processes), simulate (timing model on "
                                  "the hardware), or both", "emulate"),
             "steps": _int("steps (repetitions of the op, or training steps)", 1, 1),
+            "warmup": _int("untimed runs of the program before the measured one (emulate): "
+                           "the first run pays for start-up (first touches of memory, "
+                           "devices that start apart)", 0, 1),
             "check": _bool("compare the result with the unsharded numpy reference (emulate)"),
             "tolerance": {"type": "number", "minimum": 0, "description": "largest allowed "
                           "max |result - reference| / max |reference| (default 1e-4 for "

@@ -26,6 +26,7 @@ h1{margin:0 0 4px}h2{border-bottom:2px solid #4c72b0;padding-bottom:2px;margin-t
 .meta{color:#555;margin-bottom:16px}
 .badge{display:inline-block;padding:2px 10px;border-radius:10px;color:#fff;font-weight:600}
 .pass{background:#2e7d32}.fail{background:#c62828}.none{background:#757575}
+.oom{color:#c62828}
 .cards{display:flex;flex-wrap:wrap;gap:10px}
 .card{border:1px solid #cfd8e3;border-radius:8px;padding:8px 12px;min-width:150px;
 background:#f3f6fb}
@@ -86,6 +87,10 @@ def _head(record) -> list[str]:
              f'<div class="meta">mode <b>{escape(record.mode)}</b> · hardware '
              f'<b>{escape(record.hardware or "-")}</b> · '
              f'<span class="badge {badge}">{text}</span></div>',
+             *([f'<p class="oom"><b>Does not fit the device memory</b> (the figures assume '
+                f'memory the devices do not have): '
+                f'{escape("; ".join(record.out_of_memory))}.</p>']
+               if record.out_of_memory else []),
              "<h2>Headline figures</h2>", _sweep_note(record), _cards(record.summary)]
     if record.checks:
         parts += ["<h2>Checks</h2>", _checks(record.checks)]

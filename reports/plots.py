@@ -203,8 +203,22 @@ def _sweep_figures(sweep: pd.DataFrame, keys: list[str]) -> list[str]:
     return (timing + [c for c in numeric if c not in timing])[:MAX_SWEEP_PANELS]
 
 
+def _category(value) -> str:
+    """A sweep value as a bar's label: a mapping as ``dp=8 pp=1 tp=8``."""
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
 def sweep_png(record) -> bytes | None:
-    """Each numeric headline figure of the sweep against the first varied key."""
+    """Each numeric headline figure of the sweep against the first varied key: a line
+    over a numeric key, labelled bars over configurations or names."""
+    fig = sweep_figure(record)
+    return None if fig is None else _png(fig)
+
+
+def sweep_figure(record) -> Figure | None:
+    """The figure of :func:`sweep_png` (None when there is nothing to draw)."""
     sweep = record.sweep
     if sweep is None or len(sweep) == 0:
         return None
@@ -221,12 +235,21 @@ def sweep_png(record) -> bytes | None:
     n_rows = math.ceil(len(figures) / cols)
     fig = Figure(figsize=(4.2 * cols, 3.2 * n_rows))
     axes = fig.subplots(n_rows, cols, squeeze=False).ravel()
+    groups = list(groups)
+    categories = [] if numeric_x else list(dict.fromkeys(_category(v) for v in x))
     for ax, figure in zip(axes, figures):
-        for label, rows in groups:
+        for g, (label, rows) in enumerate(groups):
             xs = rows[x_key] if x_key is not None else rows.index
-            xs = xs if numeric_x else xs.astype(str)
             name = ", ".join(f"{k}={v}" for k, v in zip(others, np.atleast_1d(label)))
-            ax.plot(xs, rows[figure], marker="o", label=name or None)
+            if numeric_x:
+                ax.plot(xs, rows[figure], marker="o", label=name or None)
+            else:                      # configurations, names: labelled bars, not a line
+                width = 0.8 / len(groups)
+                at = [categories.index(_category(v)) - 0.4 + width * (g + 0.5) for v in xs]
+                ax.bar(at, rows[figure], width, label=name or None)
+        if not numeric_x:
+            ax.set_xticks(range(len(categories)), categories, rotation=20, ha="right",
+                          fontsize="small")
         ax.set_xlabel(x_key or "point")
         ax.set_title(figure)
         if others:
@@ -234,7 +257,7 @@ def sweep_png(record) -> bytes | None:
     for ax in axes[len(figures):]:
         ax.set_visible(False)
     fig.tight_layout()
-    return _png(fig)
+    return fig
 
 
 def _goodput_png(record) -> bytes | None:

@@ -38,6 +38,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from reports import tables
+
 __all__ = ["RunRecord", "SPAN_COLUMNS", "DEVICE_COLUMNS", "COLLECTIVE_COLUMNS",
            "STEP_COLUMNS"]
 
@@ -74,6 +76,7 @@ class RunRecord:
     spans: pd.DataFrame = field(default_factory=lambda: _empty(SPAN_COLUMNS))
     sweep: pd.DataFrame | None = None
     goodput: pd.DataFrame | None = None
+    sweep_keys: tuple[str, ...] = ()      # the varied key paths, in the sweep's order
 
     @property
     def passed(self) -> bool:
@@ -87,6 +90,24 @@ class RunRecord:
         if not self.checks:
             return "none"
         return "passed" if self.passed else "failed"
+
+    @property
+    def out_of_memory(self) -> list[str]:
+        """One line per point whose prediction does not fit the device memory
+        (``fits`` false: the summary's, or each sweep point's), e.g.
+        ``"parallel.tp=1: 1690.6 GB per device > 76.0 GB usable"``; [] when all fit or
+        nothing was said."""
+        def line(row, label):
+            return (f"{label}{float(row['predicted_peak_memory_gb']):.1f} GB per device > "
+                    f"{float(row['memory_limit_gb']):.1f} GB usable")
+        if self.sweep is not None and "fits" in self.sweep.columns:
+            keys = [k for k in tables.sweep_keys(self) if k in self.sweep.columns]
+            return [line(r, ", ".join(f"{k}={r[k]}" for k in keys) + ": " if keys else "")
+                    for _, r in self.sweep.iterrows()
+                    if not pd.isna(r["fits"]) and not bool(r["fits"])]
+        if self.summary.get("fits") is False:
+            return [line(self.summary, "")]
+        return []
 
     def _repr_html_(self) -> str:
         """Headline figures, checks and the per-device table for notebooks (no plots:

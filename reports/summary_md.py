@@ -41,6 +41,9 @@ def summary_markdown(record, files: dict) -> str:
     out = [f"# {record.name}\n\n", *([f"{description}\n\n"] if description else []),
            f"mode: **{record.mode}** · hardware: **{record.hardware or '-'}** · "
            f"checks: {checks}\n",
+           *([f"\n**Does not fit the device memory** (the figures assume memory the "
+              f"devices do not have): {'; '.join(record.out_of_memory)}.\n"]
+             if record.out_of_memory else []),
            "\n## Headline figures\n\n"]
     if record.sweep is not None:
         out.append("_A sweep: these are the last point's figures; every point's are in "

@@ -36,6 +36,8 @@ def add_parser(commands) -> None:
     run.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
                      default=[], help=_SET_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bar, no figures")
+    run.add_argument("--allow-oom", action="store_true",
+                     help="exit 0 even when a predicted point does not fit the device memory")
     run.add_argument("--resume", metavar="DIR", help="continue a training run from the "
                      "newest checkpoint in DIR (checkpoint.dir of a run that stopped)")
     run.add_argument("--engine", choices=("emulator", "torch"), default="emulator",
@@ -97,6 +99,16 @@ def _out_dir(args, scenario) -> Path:
     return Path("runs") / scenario.name
 
 
+def _formats(scenario):
+    """The report's files: ``report.formats``, else every format — except the per-op
+    Perfetto trace of a simulate-only run (tens of MB at cluster scale, and seconds to
+    write), which it writes only when ``report.formats`` names ``trace``."""
+    if scenario.report.formats is not None:
+        return scenario.report.formats
+    from reports.write import FORMATS
+    return [f for f in FORMATS if f != "trace" or scenario.run.mode != "simulate"]
+
+
 def _unwritable(out: Path) -> str | None:
     """Why the report directory ``out`` cannot be written, or None: a probe directory is
     made (and removed) in ``out`` or its nearest existing parent, where the report's own
@@ -137,9 +149,17 @@ def _run(args) -> int:
         print(f"vcluster run: {scenario.name} failed: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 1
-    out = write_report(record, _out_dir(args, scenario), scenario.report.formats)
+    out = write_report(record, _out_dir(args, scenario), _formats(scenario))
     if not args.quiet:
         _print_summary(record, out)
+    if record.out_of_memory:
+        print("vcluster run: does not fit the device memory: "
+              + "; ".join(record.out_of_memory)
+              + (" (--allow-oom: reported only)" if args.allow_oom else
+                 "; the figures assume memory the devices do not have (--allow-oom to "
+                 "exit 0 anyway)"), file=sys.stderr)
+        if not args.allow_oom:
+            return 1
     failed = [c for c in record.checks if not c["passed"]]
     if failed:
         names = ", ".join(c["name"] for c in failed[:5]) + (" ..." if len(failed) > 5 else "")

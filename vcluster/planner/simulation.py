@@ -146,7 +146,8 @@ def _short_position(q: int, p: int, p_short: int) -> int:
     return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
 
 
-def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs):
+def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
+                     optimizer=None):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
     positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
     p, v = parallel.pp, parallel.chunks
@@ -156,7 +157,7 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()
-    args = GPT(short_config).meta_args(short_mesh, short)
+    args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer)
     job = args[0][0]
     traces = trace_program(short_mesh, train_program, args,
                            ranks=list(short_mesh.group("pp", 0)))
@@ -172,7 +173,7 @@ def gpt_schedule(parallel: ParallelConfig):
 
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
-                    traced_positions: int | None = TRACED_POSITIONS) -> list:
+                    traced_positions: int | None = TRACED_POSITIONS, optimizer=None) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
     compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
     :func:`~vcluster.planner.stitch.coalesce`).
@@ -184,7 +185,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     its stand-in (0, p'-1, or a middle one) with stage c·p'+q' renamed c·p+q and every
     collective's group renamed by coordinates (pp coordinate q' -> q, dp and tp kept),
     and is stitched following the full schedule. A test checks that this equals tracing
-    all p positions, op for op.
+    all p positions, op for op. ``optimizer``: the step's
+    :class:`~pipeline_parallel.optim.OptimizerConfig` (default SGD).
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -194,7 +196,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     parallel.check(config, mesh)
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
-    short_mesh, templates = _short_templates(config, parallel, p_short, costs)
+    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer)
     S = p * v
     sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
 

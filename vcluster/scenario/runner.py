@@ -49,7 +49,8 @@ SUMMARY_KEYS = {
                  "compute_comm_ratio_low", "predicted_bytes_sent", "predicted_bytes_received",
                  "predicted_messages_sent", "localhost_calibration"),
     "both": ("traffic_matches", "predicted_over_measured"),
-}
+    "memory": ("predicted_peak_memory_gb", "memory_limit_gb", "fits", "mfu"),  # simulate,
+}                                                    # transformer on a hardware model
 
 
 @dataclass
@@ -197,8 +198,11 @@ def _simulate(workload, scenario, bar) -> tuple:
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype)
     ranks = _representative_ranks(workload, scenario, setup)
-    traces = model_traces(setup.costs, mesh, workload.program,
-                          list(workload.meta_args_by_rank), ranks=ranks)
+    if ranks is not None and workload.step_traces is not None:   # as simulate gpt does
+        traces = workload.step_traces(setup.costs)
+    else:
+        traces = model_traces(setup.costs, mesh, workload.program,
+                              list(workload.meta_args_by_rank), ranks=ranks)
     if scenario.faults:
         # lazy: keeps vcluster --help fast
         from vcluster.timing.faults.impact import simulate_with_faults
@@ -263,11 +267,30 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
         compute_comm_ratio_low=bool(math.isfinite(ratio) and ratio < RATIO_FLAG),
         predicted_bytes_sent=nbytes * repeat, predicted_bytes_received=received * repeat,
         predicted_messages_sent=messages * repeat, localhost_calibration=setup.calibration)
+    point.summary.update(_memory_and_mfu(workload, setup, statistics.median(times)))
     point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
                                                "time_s": times}))
     point.tables["devices"].append(devices_from_simulation(result, mesh))
     point.tables["collectives"].append(collectives_from_simulation(result, mesh))
     point.tables["spans"].append(spans_from_simulation(result))
+
+
+def _memory_and_mfu(workload, setup, step_time_s: float) -> dict:
+    """Peak memory per device, the memory it must fit (the device's less the planner's
+    headroom) and whether it does, and MFU — for a workload that knows its memory on a
+    hardware model (a transformer); {} otherwise (localhost: the emulator's own memory)."""
+    hardware = getattr(setup.costs, "hardware", None)
+    if workload.peak_memory_bytes is None or setup.localhost or hardware is None:
+        return {}
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.memory import usable_memory_bytes
+    peak, limit = workload.peak_memory_bytes(), usable_memory_bytes(hardware.device.hbm_bytes)
+    out = {"predicted_peak_memory_gb": peak / 1e9, "memory_limit_gb": limit / 1e9,
+           "fits": bool(peak <= limit)}
+    if workload.model_flops is not None and step_time_s > 0:
+        peak_flops = hardware.device.peak_flops(setup.costs.dtype)
+        out["mfu"] = workload.model_flops / (workload.mesh.size * peak_flops * step_time_s)
+    return out
 
 
 def _traffic_matches(traces, events) -> bool:
@@ -404,4 +427,5 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
         name=scenario.name, mode=str(last.run.mode),      # reports get plain text
         scenario=dict(scenario.document), summary=summary,
         hardware=summary.get("hardware"), checks=checks,
-        sweep=pd.DataFrame(rows) if sweeping else None, **tables)
+        sweep=pd.DataFrame(rows) if sweeping else None,
+        sweep_keys=tuple(path for path, _ in scenario.sweep), **tables)

@@ -30,7 +30,12 @@ class Workload:
     end at each rank's ``optimizer`` compute event); otherwise one run is one step.
     ``fit`` / ``fit_outputs`` (training with checkpoints and faults, see
     :mod:`vcluster.scenario.resilience`): train on an engine through the model's ``fit``, and
-    name its result like ``assemble`` does."""
+    name its result like ``assemble`` does. ``peak_memory_bytes()``: what one device
+    holds at its peak on the hardware model (a GPT: parameters, gradients, optimizer state
+    and activations, :mod:`vcluster.planner.memory`); ``model_flops``: the model's FLOPs
+    per step, for MFU; ``step_traces(costs)``: one step's traces of the pipeline ranks of
+    replica 0, made the planner's fast way (:func:`vcluster.planner.simulation.
+    gpt_step_traces`), for a simulate-only run at cluster scale."""
 
     kind: str
     mesh: object
@@ -44,6 +49,9 @@ class Workload:
     description: str = ""
     fit: Callable | None = None            # (engine, **resilience) -> FitResult (mlp)
     fit_outputs: Callable | None = None    # FitResult -> the reference's names
+    peak_memory_bytes: Callable[[], float] | None = None   # per device, on real hardware
+    model_flops: float | None = None       # per step (MFU's numerator), where known
+    step_traces: Callable | None = None    # costs -> one step's traces of replica 0's pipeline
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

@@ -15,8 +15,10 @@ import dataclasses
 
 import numpy as np
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
 from pipeline_parallel.optim import OptimizerConfig
+from vcluster.planner.memory import gpt_memory
+from vcluster.planner.simulation import gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
 
 from ..errors import ScenarioError
@@ -100,8 +102,21 @@ def build(scenario, mesh) -> Workload:
         ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"])
         return {"loss": np.asarray(ref.losses), **ref.params}
 
+    def step_traces(costs):
+        return gpt_step_traces(config, parallel, costs, optimizer=optimizer)
+
+    def peak_memory_bytes():
+        memory = gpt_memory(config, parallel, gpt_schedule(parallel))
+        return max(m.total_bytes for m in memory)
+
     return Workload("transformer", mesh, train_program, args, metas, config.dtype, assemble,
-                    reference, training=True,
+                    reference, training=True, peak_memory_bytes=peak_memory_bytes,
+                    # the planner's traces are of one step in 16-bit: the same program
+                    step_traces=step_traces if steps == 1 and config.dtype == "float16"
+                    else None,
+                    model_flops=megatron_model_flops(parallel.global_batch, config.seq,
+                                                     config.layers, config.hidden,
+                                                     config.vocab),
                     description=f"GPT h={config.hidden} l={config.layers} a={config.heads} "
                                 f"s={config.seq} V={config.vocab}, {parallel.schedule}, "
                                 f"{parallel.microbatches} micro-batches")

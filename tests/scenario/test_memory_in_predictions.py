@@ -1,0 +1,52 @@
+"""Memory in every GPT prediction (issue 31, item 1): a 70B-like model with tp = pp = 1 on
+64 H100s used to exit 0 with a step time and no memory anywhere in the report. Now the
+summary has the peak per device, the usable memory and ``fits``; the point is flagged in
+summary.md, report.html and results.json; ``vcluster run`` exits 1 unless --allow-oom."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+SCENARIO = """\
+name: oom70b
+hardware: {name: h100-dgx, dtype: bf16}
+workload: {kind: transformer, hidden: 8192, layers: 80, heads: 64, seq: 4096,
+           vocab: 32000, batch: 64, dtype: float16}
+parallel: {dp: 64, pp: 1, tp: 1}
+run: {mode: simulate}
+"""
+
+
+def _run(tmp_path, *extra):
+    path = tmp_path / "oom.yaml"
+    path.write_text(SCENARIO)
+    out = tmp_path / ("report" + "".join(extra).replace("-", "_"))
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "run", str(path), "--out",
+                           str(out), "--quiet", *extra], capture_output=True, text=True,
+                          timeout=280)
+    return proc, out
+
+
+def test_a_prediction_that_does_not_fit_is_flagged_and_fails(tmp_path):
+    proc, out = _run(tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert ("does not fit the device memory: 1690.6 GB per device > 76.0 GB usable"
+            in proc.stderr)
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert summary["fits"] is False
+    assert summary["predicted_peak_memory_gb"] == pytest.approx(1690.6, abs=0.1)
+    assert summary["memory_limit_gb"] == pytest.approx(76.0)
+    assert 0 < summary["mfu"] < 1
+    assert "**Does not fit the device memory**" in (out / "summary.md").read_text()
+    assert 'class="oom"' in (out / "report.html").read_text()
+    assert not (out / "trace.json").exists()          # simulate-only: not unless asked
+
+
+def test_allow_oom_reports_and_exits_0(tmp_path):
+    proc, out = _run(tmp_path, "--allow-oom")
+    assert proc.returncode == 0, proc.stderr
+    assert "(--allow-oom: reported only)" in proc.stderr

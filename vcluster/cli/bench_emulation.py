@@ -35,13 +35,12 @@ Cases: the MLP of issue 32 (8 layers of ``width`` features, ``batch`` samples, 1
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .bench_predict_measure import BackgroundLoad
+from .bench_predict_measure import BackgroundLoad, processes_cpu_s
 
 __all__ = ["EmulationCase", "measure_mlp", "measure_gpt", "format_table"]
 
@@ -69,12 +68,7 @@ class EmulationCase:
 def _devices_cpu_s(pids) -> float | None:
     """CPU seconds the device processes have used (Linux /proc; None elsewhere)."""
     try:
-        total = 0
-        for pid in pids:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])            # utime + stime
-        return total / os.sysconf("SC_CLK_TCK")
+        return processes_cpu_s(pids)
     except (OSError, ValueError, IndexError):
         return None
 

@@ -9,10 +9,22 @@ import time
 
 from vcluster.localhost.start import run_wall_s, timed_run_cpu
 
-__all__ = ["BackgroundLoad", "measure_workload", "QUIET_SAMPLE_S", "BUSY_MACHINE_CORES"]
+__all__ = ["BackgroundLoad", "processes_cpu_s", "measure_workload", "QUIET_SAMPLE_S",
+           "BUSY_MACHINE_CORES"]
 
 QUIET_SAMPLE_S = 0.3                    # the background sample before the timed runs
 BUSY_MACHINE_CORES = 0.1                # background load above which a row is flagged
+
+
+def processes_cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used (Linux /proc; OSError,
+    ValueError or IndexError elsewhere)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])                # utime + stime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class BackgroundLoad:
@@ -30,12 +42,7 @@ class BackgroundLoad:
         return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
 
     def _ours_s(self) -> float:
-        total = 0
-        for pid in self.pids:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])            # utime + stime
-        return total / os.sysconf("SC_CLK_TCK")
+        return processes_cpu_s(self.pids)
 
     def __enter__(self) -> "BackgroundLoad":
         try:

@@ -132,10 +132,11 @@ def _run(args) -> int:
     scenario, code = _load(args)
     if scenario is None:
         return code
-    why = _unwritable(_out_dir(args, scenario))
+    out_dir = _out_dir(args, scenario)
+    why = _unwritable(out_dir)
     if why is not None:
-        print(f"vcluster run: error: report directory {str(_out_dir(args, scenario))!r} "
-              f"cannot be written: {why} (--out or report.out)", file=sys.stderr)
+        print(f"vcluster run: error: report directory {str(out_dir)!r} cannot be written: "
+              f"{why} (--out or report.out)", file=sys.stderr)
         return 2
     try:
         record = run_scenario(scenario, mode=args.mode, progress=not args.quiet,
@@ -149,7 +150,7 @@ def _run(args) -> int:
         print(f"vcluster run: {scenario.name} failed: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return 1
-    out = write_report(record, _out_dir(args, scenario), _formats(scenario))
+    out = write_report(record, out_dir, _formats(scenario))
     if not args.quiet:
         _print_summary(record, out)
     if record.out_of_memory:

@@ -4,14 +4,15 @@ the torch.distributed engine refuse bad input with the same words.
 * :func:`check_run_args` — ``run(fn, args_per_rank)``: one tuple of arguments per rank of
   the mesh, and a callable;
 * :func:`check_root` — a collective's ``root``: a position in the group (0..size-1), not a
-  global rank.
+  global rank;
+* :func:`check_peer` — a point-to-point peer: a global rank of the mesh.
 """
 
 from __future__ import annotations
 
 import operator
 
-__all__ = ["check_run_args", "check_root"]
+__all__ = ["check_run_args", "check_root", "check_peer"]
 
 
 def check_run_args(fn, args_per_rank, ranks: int) -> list:
@@ -42,3 +43,15 @@ def check_root(root, size: int, what: str) -> int:
         raise ValueError(f"{what}: root={root} is not a position in a group of {size} "
                          f"(valid: 0..{size - 1}); root is a position, not a rank")
     return root
+
+
+def check_peer(peer, size: int, what: str) -> int:
+    """``peer`` as an int rank of a mesh of ``size`` devices, or TypeError / ValueError
+    naming the call ``what``."""
+    try:
+        peer = operator.index(peer)
+    except TypeError:
+        raise TypeError(f"{what}: expected an int rank, got {peer!r}") from None
+    if not 0 <= peer < size:
+        raise ValueError(f"{what}: rank {peer} is not in the mesh (valid: 0..{size - 1})")
+    return peer

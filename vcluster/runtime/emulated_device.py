@@ -18,7 +18,7 @@ import numpy as np
 
 from . import collectives as C
 from .algorithm import AlgorithmSettings, choose_algorithm
-from .arguments import check_root
+from .arguments import check_peer, check_root
 from .channel import USER_KIND, VirtualChannel
 from vcluster.runtime.collectives.common import Group, GroupCall, ReduceOp, scaled_shape
 from .errors import ArenaFullError
@@ -312,13 +312,7 @@ class EmulatedDevice:
 
     # --- point to point -------------------------------------------------------------
     def _peer(self, peer, what: str) -> int:
-        try:
-            peer = operator.index(peer)
-        except TypeError:
-            raise TypeError(f"{what}: expected an int rank, got {peer!r}") from None
-        if not 0 <= peer < self.mesh.size:
-            raise ValueError(f"{what}: rank {peer} is not in the mesh (valid: 0..{self.mesh.size - 1})")
-        return peer
+        return check_peer(peer, self.mesh.size, what)
 
     @staticmethod
     def _tag(tag) -> int:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vcluster.runtime.arguments import check_peer
+
 from .tensors import TorchWork, encode_header, parse_header, to_wire, wait_work
 
 __all__ = ["PointToPoint"]
@@ -39,14 +41,7 @@ class PointToPoint:
     ``_empty_tensor``, ``_numpy``, ``_deliver``, ``_posted_recvs``, ``_pending_sends``."""
 
     def _peer(self, peer, what: str) -> int:
-        try:
-            peer = operator.index(peer)
-        except TypeError:
-            raise TypeError(f"{what}: expected an int rank, got {peer!r}") from None
-        if not 0 <= peer < self.mesh.size:
-            raise ValueError(f"{what}: rank {peer} is not in the mesh "
-                             f"(valid: 0..{self.mesh.size - 1})")
-        return peer
+        return check_peer(peer, self.mesh.size, what)
 
     @staticmethod
     def _tag(tag) -> int:

@@ -1,6 +1,7 @@
 """Fault specs parse from the issue's dict form with errors naming key, value and allowed
 values; injected slow devices and links really delay the device processes."""
 
+import statistics
 import time
 
 import numpy as np
@@ -98,7 +99,7 @@ def _ping(dev, nbytes, trials):
 def test_injected_slow_device_and_link_are_real_delays():
     with VirtualCluster(Mesh((4,), ("x",)), timeout_s=20.0) as cluster:
         cluster.inject_faults([{"kind": "slow", "rank": 2, "slowdown": 3.0},
-                               {"kind": "link", "ranks": [0, 1], "bandwidth_factor": 0.1}])
+                               {"kind": "link", "ranks": [0, 1], "bandwidth_factor": 0.02}])
         with pytest.raises(ValueError, match="crash fault fires at a training step"):
             cluster.inject_faults([CrashFault(1, 0)])
 
@@ -119,9 +120,11 @@ def test_injected_slow_device_and_link_are_real_delays():
         cluster.reset_stats()
         cluster.run(_ping, [(1 << 20, 8)] * 4)
         sends = [e for e in cluster.trace() if getattr(e, "collective", None) == "send"]
-        slow = min(e.end - e.start for e in sends if e.group == (0, 1))
-        fast = min(e.end - e.start for e in sends if e.group == (0, 2))
-        assert slow > 3 * fast, (slow, fast)           # bandwidth x 0.1 -> transfers x 10
+        slow = statistics.median(e.end - e.start for e in sends if e.group == (0, 1))
+        fast = statistics.median(e.end - e.start for e in sends if e.group == (0, 2))
+        # bandwidth x 0.02 -> a transfer x 50. The fast sends' own time swings up to ~5x on
+        # a loaded 2-core machine (0.1 gave 2.9x once in CI), so the bar is 5x, not 50x.
+        assert slow > 5 * fast, (slow, fast)
 
         cluster.restart()                              # a replaced process stays slow
         assert compute_durations()[2] >= 3 * 0.05 * 0.98

@@ -198,21 +198,51 @@ def _op_name(op) -> str:
     return type(op).__name__.removeprefix("Trace").lower()
 
 
+def _enclosed(timeline) -> dict:
+    """Per op index of a compute block that holds other ops (``TraceCompute.contains``):
+    the (start, end) from the first of its ops' start to its own end."""
+    first: dict = {}
+    for iv in timeline:
+        i = iv.op_index
+        if i not in first or iv.start_s < first[i]:
+            first[i] = iv.start_s
+    out = {}
+    for iv in timeline:
+        held = getattr(iv.op, "contains", 0)
+        if held and str(iv.stream) == "compute":
+            starts = [first[k] for k in range(iv.op_index - held, iv.op_index) if k in first]
+            out[iv.op_index] = (min(starts + [iv.start_s]), iv.end_s)
+    return out
+
+
 def spans_from_simulation(result, source: str = "predicted") -> pd.DataFrame:
-    """One span per timeline interval of a timing-model ``SimulationResult``."""
-    rows = [_span_row(source, rank, str(iv.stream), _op_name(iv.op), iv.start_s, iv.end_s)
-            for rank, timeline in zip(result.ranks, result.timelines) for iv in timeline]
+    """One span per timeline interval of a timing-model ``SimulationResult``.
+
+    A compute block recorded around other ops (a pipeline action ``0F1`` around its
+    matmuls: ``TraceCompute.contains``) spans from the start of the first op it holds to
+    its own end, so that the predicted timeline shows each action over its work, as the
+    measured one does."""
+    rows = []
+    for rank, timeline in zip(result.ranks, result.timelines):
+        blocks = _enclosed(timeline)
+        for iv in timeline:
+            start_s, end_s = blocks.get(iv.op_index, (iv.start_s, iv.end_s)) \
+                if str(iv.stream) == "compute" else (iv.start_s, iv.end_s)
+            rows.append(_span_row(source, rank, str(iv.stream), _op_name(iv.op), start_s,
+                                  end_s))
     return _span_frame(rows)
 
 
-def collectives_from_simulation(result, mesh=None,
-                                source: str = "predicted") -> pd.DataFrame:
+def collectives_from_simulation(result, mesh=None, source: str = "predicted",
+                                algorithm_of=None) -> pd.DataFrame:
     """One row per (collective, group, algorithm) of a replay's communication intervals.
 
     Counted on the group's first traced member: ``calls`` its intervals, ``time_s`` their
     summed durations. Sends are grouped by (sender, receiver) as ``send`` rows with
     algorithm ``p2p``. ``bytes`` is left empty (the replay times bytes, it does not move
-    them; the measured rows hold the traffic).
+    them; the measured rows hold the traffic). ``algorithm_of(op)``: the algorithm the
+    cost model priced the op with (a hardware model's NCCL choice) instead of the one the
+    trace recorded (the emulator's).
     """
     traced = set(result.ranks)
     found = defaultdict(list)                      # key -> durations
@@ -223,7 +253,8 @@ def collectives_from_simulation(result, mesh=None,
                 group = tuple(op.group)
                 if rank != min(traced.intersection(group), default=rank):
                     continue
-                key = (op.collective, group, op.algorithm)
+                key = (op.collective, group,
+                       op.algorithm if algorithm_of is None else algorithm_of(op))
             elif str(iv.stream) == "p2p" and type(op).__name__ == "TraceSend":
                 key = ("send", (rank, op.peer), "p2p")
             else:

@@ -173,7 +173,8 @@ def gpt_schedule(parallel: ParallelConfig):
 
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
-                    traced_positions: int | None = TRACED_POSITIONS, optimizer=None) -> list:
+                    traced_positions: int | None = TRACED_POSITIONS, optimizer=None,
+                    markers: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
     compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
     :func:`~vcluster.planner.stitch.coalesce`).
@@ -186,7 +187,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     collective's group renamed by coordinates (pp coordinate q' -> q, dp and tp kept),
     and is stitched following the full schedule. A test checks that this equals tracing
     all p positions, op for op. ``optimizer``: the step's
-    :class:`~pipeline_parallel.optim.OptimizerConfig` (default SGD).
+    :class:`~pipeline_parallel.optim.OptimizerConfig` (default SGD). ``markers``: keep
+    the zero-cost action markers (``"0F3"``, each holding its work: a report draws the
+    schedule from them); the planner leaves them out.
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -221,7 +224,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
             return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
 
         t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)
-        out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=False))
+        out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers))
     return out
 
 

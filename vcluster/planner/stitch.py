@@ -166,9 +166,10 @@ def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
         if key not in templates.bodies:
             raise ValueError(f"no template for stage {s} action {kind} (last={i in last}); "
                              "trace a step with at least two micro-batches")
-        ops.extend(templates.bodies[key])
+        body = templates.bodies[key]
+        ops.extend(body)
         if markers:
-            ops.append(TraceCompute(str(a), 0.0, 0))
+            ops.append(TraceCompute(str(a), 0.0, 0, contains=len(body)))
         if kind == "F" and s < n_stages - 1:
             ops.append(TraceSend(pp_group[(s + 1) % p], sizes[(0, s + 1)],
                                  message_tag(step, 0, s + 1, j, n_stages, microbatches)))

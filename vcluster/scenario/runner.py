@@ -46,7 +46,8 @@ SUMMARY_KEYS = {
     "simulate": ("hardware", "predicted_step_time_s", "predicted_total_s",
                  "predicted_compute_s", "predicted_comm_s", "predicted_exposed_comm_s",
                  "predicted_bubble_s", "predicted_bubble_fraction", "compute_comm_ratio",
-                 "compute_comm_ratio_low", "predicted_bytes_sent", "predicted_bytes_received",
+                 "compute_comm_ratio_low", "predicted_exposed_comm_fraction",
+                 "predicted_bytes_sent", "predicted_bytes_received",
                  "predicted_messages_sent", "localhost_calibration"),
     "both": ("traffic_matches", "predicted_over_measured"),
     "memory": ("predicted_peak_memory_gb", "memory_limit_gb", "fits", "mfu"),  # simulate,
@@ -231,10 +232,22 @@ def _predicted_steps(result, training: bool, steps: int) -> list[float]:
     return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
 
 
-def _trace_traffic(traces) -> tuple[int, int, int]:
-    """(bytes sent, bytes received, messages sent) over every traced rank."""
+def _trace_traffic(traces, costs) -> tuple[int, int, int | None]:
+    """(bytes sent, bytes received, messages sent) over every traced rank.
+
+    On a hardware model, what its collectives carry on the links
+    (:meth:`~vcluster.timing.hardware_model.HardwareCostModel.wire_bytes`: sent equals
+    received) and no message count (the collective library chunks as it likes); else what
+    the emulator's algorithms move, one-sided ``shm`` reads included."""
     # lazy: keeps vcluster --help fast
-    from vcluster.runtime.tracing import trace_comm_signature
+    from vcluster.runtime.tracing import TraceCollective, TraceSend, trace_comm_signature
+    wire = getattr(costs, "wire_bytes", None)
+    if wire is not None:
+        total = sum(wire(op) if isinstance(op, TraceCollective) else op.nbytes
+                    for t in traces for op in t.ops
+                    if isinstance(op, TraceSend) or (isinstance(op, TraceCollective)
+                                                     and len(op.group) > 1))
+        return round(total), round(total), None
     sent_b = received_b = messages = 0
     for t in traces:
         for entries in trace_comm_signature(t).values():
@@ -254,7 +267,7 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
     times = _predicted_steps(result, training, steps)
     summary = result.summary()
     repeat = 1 if training else steps
-    nbytes, received, messages = _trace_traffic(traces)
+    nbytes, received, messages = _trace_traffic(traces, setup.costs)
     ratio = result.compute_comm_ratio
     point.summary.update(
         hardware=setup.label, predicted_step_time_s=statistics.median(times),
@@ -265,13 +278,17 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
         predicted_bubble_fraction=summary["bubble_fraction"],
         compute_comm_ratio=ratio,
         compute_comm_ratio_low=bool(math.isfinite(ratio) and ratio < RATIO_FLAG),
+        predicted_exposed_comm_fraction=(summary["exposed_comm_s_mean"] / result.step_time_s
+                                         if result.step_time_s > 0 else 0.0),
         predicted_bytes_sent=nbytes * repeat, predicted_bytes_received=received * repeat,
-        predicted_messages_sent=messages * repeat, localhost_calibration=setup.calibration)
+        predicted_messages_sent=None if messages is None else messages * repeat,
+        localhost_calibration=setup.calibration)
     point.summary.update(_memory_and_mfu(workload, setup, statistics.median(times)))
     point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
                                                "time_s": times}))
     point.tables["devices"].append(devices_from_simulation(result, mesh))
-    point.tables["collectives"].append(collectives_from_simulation(result, mesh))
+    point.tables["collectives"].append(collectives_from_simulation(
+        result, mesh, algorithm_of=getattr(setup.costs, "collective_algorithm", None)))
     point.tables["spans"].append(spans_from_simulation(result))
 
 

@@ -56,7 +56,7 @@ from .hardware import HardwareSpec
 
 __all__ = ["Collective", "Algorithm", "CollectiveCost", "ALGORITHMS", "NCCL_ALGORITHMS",
            "NCCL_BASE_LATENCY_US", "collective_cost", "collective_time_s", "bus_factor",
-           "algbw_gbps", "busbw_gbps"]
+           "algbw_gbps", "busbw_gbps", "wire_bytes"]
 
 # NVIDIA/nccl src/graph/tuning.cc baseLat, Ring/Simple: fixed cost of one NCCL call, us.
 NCCL_BASE_LATENCY_US = 8.4
@@ -376,3 +376,33 @@ def algbw_gbps(nbytes: float, time_s: float) -> float:
 def busbw_gbps(collective, nbytes: float, time_s: float, n: int) -> float:
     """nccl-tests bus bandwidth: algbw_gbps * bus_factor(collective, n)."""
     return algbw_gbps(nbytes, time_s) * bus_factor(collective, n)
+
+
+def wire_bytes(collective, nbytes: float, n: int) -> float:
+    """Bytes one call puts on the links, summed over its ``n`` ranks (each byte counted
+    once: sent by one rank, received by another). ``nbytes`` as nccl-tests (module doc).
+
+    Every algorithm of this model moves the least the collective needs, so the total does
+    not depend on the algorithm (only who carries it does):
+
+    * all_reduce ``2(n-1) nbytes`` — ring: each rank sends ``2(n-1)/n nbytes``; tree: the
+      reduce and the broadcast each cross ``n-1`` edges with ``nbytes``; recursive and
+      hierarchical: a reduce-scatter and an all-gather of ``(n-1) nbytes`` each;
+    * all_gather (gathered output), reduce_scatter (input), all_to_all (send buffer),
+      broadcast, reduce ``(n-1) nbytes``;
+    * scatter (the root's buffer), gather (gathered output) ``(n-1)/n nbytes``: every
+      rank's piece but the root's own;
+    * send / recv ``nbytes``; barrier ``0``.
+    """
+    coll = _parse(Collective, collective, "collective")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a number of ranks >= 1, got {n!r}")
+    if coll in (_C.SEND, _C.RECV):
+        return float(nbytes)
+    if n == 1 or coll is _C.BARRIER:
+        return 0.0
+    if coll is _C.ALL_REDUCE:
+        return 2.0 * (n - 1) * nbytes
+    if coll in (_C.SCATTER, _C.GATHER):
+        return (n - 1) / n * nbytes
+    return float((n - 1) * nbytes)

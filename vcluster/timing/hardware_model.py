@@ -12,6 +12,11 @@
   so those are multiplied by the group size;
 * point to point: a ``send`` between the two ranks.
 
+What a report shows of a collective comes from the same model: :meth:`~HardwareCostModel.
+collective_algorithm` names the algorithm it priced (ring, tree, ...: never the
+emulator's), :meth:`~HardwareCostModel.wire_bytes` the bytes each member carries
+(:func:`~vcluster.timing.collective_cost.wire_bytes` over the group, an equal share each).
+
 ``concurrent`` from the engine becomes ``concurrent_flows``: concurrent collectives share
 a node's NICs.
 """
@@ -20,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .collective_cost import collective_time_s
+from .collective_cost import collective_cost, collective_time_s
+from .collective_cost import wire_bytes as _wire_bytes
 from .hardware import HardwareSpec
 
 __all__ = ["HardwareCostModel", "TRAINING_KERNEL_EFFICIENCY"]
@@ -58,13 +64,30 @@ class HardwareCostModel:
         key = (op.collective, op.nbytes, op.group, concurrent)
         seconds = self._memo.get(key)
         if seconds is None:
-            nbytes = op.nbytes * n if op.collective in _GATHERING else op.nbytes
-            seconds = collective_time_s(op.collective, nbytes, op.group, self.hardware,
-                                        concurrent_flows=max(1, int(concurrent)))
+            seconds = collective_time_s(op.collective, _nccl_bytes(op), op.group,
+                                        self.hardware, concurrent_flows=max(1, int(concurrent)))
             self._memo[key] = seconds
         return seconds
+
+    def collective_algorithm(self, op) -> str:
+        """The algorithm this model prices ``op`` with (NCCL's choice, "local" for a
+        group of one or no bytes)."""
+        return collective_cost(op.collective, _nccl_bytes(op), op.group,
+                               self.hardware).algorithm.value
+
+    def wire_bytes(self, op) -> float:
+        """One member's share of the bytes ``op`` puts on the links (sent, and as many
+        received): the call's total over its group divided by the group size."""
+        n = len(op.group)
+        return _wire_bytes(op.collective, _nccl_bytes(op), n) / n
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
         if src == dst:
             return 0.0
         return collective_time_s("send", nbytes, (src, dst), self.hardware)
+
+
+def _nccl_bytes(op) -> int:
+    """The nccl-tests size of a traced collective (a member's input; gathered output for
+    all_gather and gather)."""
+    return op.nbytes * len(op.group) if op.collective in _GATHERING else op.nbytes

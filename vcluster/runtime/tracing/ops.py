@@ -5,10 +5,13 @@ traced rank by running the same per-device program on shape-only arrays; the tim
 model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small frozen
 dataclasses:
 
-* ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0, array_s=0)`` —
-  work on
-  the device's compute stream; ops named ``"host"`` (``trace_program(host_time=True)``)
-  carry a program's own host work instead (:mod:`vcluster.runtime.tracing.host`);
+* ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0, array_s=0,
+  contains=0)`` — work on the device's compute stream; ops named ``"host"``
+  (``trace_program(host_time=True)``) carry a program's own host work instead
+  (:mod:`vcluster.runtime.tracing.host`). A ``dev.compute`` block is recorded when it
+  ends, after the ops issued inside it: ``contains`` says how many of the ops just before
+  it those are, so that a report can draw the block (a pipeline action ``0F1``, say) over
+  the span of the work it holds;
 * ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
   call of a collective by this member (``nbytes``: its local input, or for broadcast and
   scatter the root's); blocking when ``handle`` is None, else issued asynchronously on the
@@ -33,7 +36,10 @@ class TraceCompute:
     that cost models use instead of pricing flops and bytes. ``host_s``,
     ``array_calls`` and ``array_s`` (host ops only): thread CPU seconds of the tracer in
     the program's own Python, the array operations it made, and the thread CPU seconds
-    spent inside them (:mod:`vcluster.runtime.tracing.host`)."""
+    spent inside them (:mod:`vcluster.runtime.tracing.host`). ``contains``: the number of
+    ops just before this one in the rank's trace that were issued inside this block (0 for
+    a block with no device calls in it); the block's own cost is ``flops`` and ``bytes``
+    alone, its contents are priced as their own ops."""
 
     name: str
     flops: float
@@ -42,6 +48,7 @@ class TraceCompute:
     host_s: float = 0.0
     array_calls: int = 0
     array_s: float = 0.0
+    contains: int = 0
 
 
 @dataclass(frozen=True)

@@ -148,10 +148,12 @@ class TracingDevice:
         if timed:
             self.record_host()                  # the program's work before the block
             clock.resume()
+        first = len(self.ops)
         yield
         if timed:
             self.record_host()                  # the block's own calls (its kernels' host)
-        self.ops.append(TraceCompute(str(name), float(flops), int(bytes)))
+        self.ops.append(TraceCompute(str(name), float(flops), int(bytes),
+                                     contains=len(self.ops) - first))
         if timed:
             clock.resume()
 

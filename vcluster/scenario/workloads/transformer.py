@@ -103,7 +103,7 @@ def build(scenario, mesh) -> Workload:
         return {"loss": np.asarray(ref.losses), **ref.params}
 
     def step_traces(costs):
-        return gpt_step_traces(config, parallel, costs, optimizer=optimizer)
+        return gpt_step_traces(config, parallel, costs, optimizer=optimizer, markers=True)
 
     def peak_memory_bytes():
         memory = gpt_memory(config, parallel, gpt_schedule(parallel))

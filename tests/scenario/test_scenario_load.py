@@ -131,6 +131,41 @@ def test_sweep_points_are_the_product_in_order():
     assert all(not p.sweep for _, p in points)
 
 
+ZIPPED = {"name": "z", "cluster": {"mesh": {"x": 4}},
+          "workload": {"kind": "collective", "op": "all_reduce", "size": "16KiB",
+                       "dtype": "float32"},
+          "parallel": {"axis": "x"}, "run": {"mode": "simulate"}}
+
+
+def test_sweep_zip_pairs_its_lists_and_multiplies_the_other_keys():
+    s = scenario_from_dict({**ZIPPED, "sweep": {
+        "zip": {"workload.size": ["16KiB", "1MiB", "4MiB"],
+                "parallel.algorithm": ["shm", "ring", "ring"]},
+        "run.steps": [1, 2]}})
+    values = [v for v, _ in sweep_points(s)]
+    assert values == [{"workload.size": a, "parallel.algorithm": b, "run.steps": n}
+                      for a, b in (("16KiB", "shm"), ("1MiB", "ring"), ("4MiB", "ring"))
+                      for n in (1, 2)]
+    assert [p.run.steps for _, p in sweep_points(s)] == [1, 2] * 3
+    assert [path for path, _ in s.sweep] == ["workload.size", "parallel.algorithm",
+                                             "run.steps"]
+    alone = scenario_from_dict({**ZIPPED, "sweep": {"zip": {"run.steps": [3, 1]}}})
+    assert [p.run.steps for _, p in sweep_points(alone)] == [3, 1]
+
+
+@pytest.mark.parametrize("sweep, path, match", [
+    ({"zip": {"workload.size": ["16KiB", "1MiB"], "run.steps": [1]}}, "sweep.zip",
+     "lists differ in length"),
+    ({"zip": {"workload.size": []}}, "sweep.zip.workload.size", "at least 1 items"),
+    ({"zip": {"size": ["16KiB"]}}, "sweep.zip.size", "a key path under cluster"),
+    ({"zip": ["workload.size"]}, "sweep.zip", "a mapping"),
+])
+def test_sweep_zip_errors_name_the_key(sweep, path, match):
+    with pytest.raises(ScenarioError, match=match) as info:
+        scenario_from_dict({**ZIPPED, "sweep": sweep})
+    assert info.value.path == path, info.value
+
+
 def test_mesh_from_parallel_degrees_and_from_cluster():
     s = load_scenario(ROOT / "scenarios" / "transformer.yaml")
     assert (resolve_mesh(s).axes, resolve_mesh(s).size) == (("dp", "pp", "tp"), 8)

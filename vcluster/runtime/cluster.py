@@ -32,7 +32,7 @@ from .launcher_client import LauncherClient
 from .layout import ControlLayout
 from .options import ClusterOptions
 from .segments import create_segment, shm_available_bytes, sweep_stale_segments
-from .transfer import pack, unpack
+from .transfer import dumps, pack, unpack
 from .wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["VirtualCluster"]
@@ -165,8 +165,7 @@ class VirtualCluster:
         """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
         state = self._usable()
         args_per_rank = check_run_args(fn, args_per_rank, self.mesh.size)
-        import cloudpickle
-        fn_bytes = cloudpickle.dumps(fn)
+        fn_bytes = dumps(fn)
         keep: list = []
         placed: dict = {}          # an array shared by many ranks' arguments is copied once
         try:

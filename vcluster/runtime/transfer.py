@@ -6,19 +6,24 @@ they already live there) and sent as (owner, offset, nbytes) locations. The rece
 copies each buffer once — a device into its own arena, so inputs arrive resident and
 collectives use them without staging; the host into private memory, so results
 outlive the cluster. Functions and closures defined in ``__main__`` or a notebook
-travel by value (cloudpickle), so starting devices never re-runs the user's script.
+travel by value (cloudpickle), so starting devices never re-runs the user's script;
+:func:`dumps` keeps their source file names, so that a device's traceback points at the
+user's file (cloudpickle 3.1.3 and later write ``<dynamic-code>`` instead).
 """
 
 from __future__ import annotations
 
+import io
 import pickle
+import types
+from collections import ChainMap
 
 import cloudpickle
 import numpy as np
 
 from .arena import Arena
 
-__all__ = ["pack", "unpack", "OUT_OF_BAND_BYTES"]
+__all__ = ["pack", "unpack", "dumps", "OUT_OF_BAND_BYTES"]
 
 OUT_OF_BAND_BYTES = 64 * 1024
 
@@ -54,8 +59,32 @@ def pack(obj, arena: Arena, keep: list,
         locations.append((arena.owner, offset, raw.nbytes))
         return False
 
-    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=place)
+    data = dumps(obj, buffer_callback=place)
     return data, locations
+
+
+def _code_in_file(rebuild, args, filename: str):
+    """The code object cloudpickle rebuilds, with its source file name put back."""
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _reduce_code(code):
+    rebuild, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    return _code_in_file, (rebuild, args, code.co_filename)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, except that code sent by value keeps ``co_filename``."""
+
+    dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj, protocol: int = 5, buffer_callback=None) -> bytes:
+    """``cloudpickle.dumps`` whose functions sent by value keep their source file names
+    (in tracebacks and ``fn.__code__.co_filename`` on the device)."""
+    with io.BytesIO() as out:
+        _Pickler(out, protocol=protocol, buffer_callback=buffer_callback).dump(obj)
+        return out.getvalue()
 
 
 def unpack(data: bytes, locations, arenas: dict[int, Arena], into: Arena | None):

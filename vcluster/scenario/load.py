@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from .errors import ScenarioError
-from .model import Scenario, expand_sweep, set_path
+from .model import ZIP, Scenario, expand_sweep, set_path, sweep_lists
 from .schema import check_document, check_section
 from .semantics import check_semantics
 
@@ -113,10 +113,15 @@ def parse_document(document: dict, name: str = "scenario", base_dir: str = ".") 
     if not sweep:
         return _parse_run(document, name, base_dir, {})
     check_section("sweep", sweep)
+    zipped = sweep.get(ZIP)
+    if zipped and len({len(v) for v in zipped.values()}) > 1:
+        lengths = {p: len(v) for p, v in zipped.items()}
+        raise ScenarioError("sweep.zip", lengths, "lists of one length (the i-th point "
+                            "takes the i-th value of every list)", "lists differ in length")
     points = tuple((values, _parse_run(doc, name, base_dir, values))
                    for values, doc in expand_sweep(document))
     return dataclasses.replace(
-        points[0][1], sweep=tuple((p, tuple(v)) for p, v in sweep.items()),
+        points[0][1], sweep=sweep_lists(sweep),
         document=MappingProxyType(copy.deepcopy(document)), points=points)
 
 

@@ -182,7 +182,7 @@ class Scenario:
                         run.get("tolerance"), int(run.get("warmup", 1))),
             report=ReportSpec(report.get("out"),
                               tuple(report["formats"]) if "formats" in report else None),
-            sweep=tuple((p, tuple(v)) for p, v in doc.get("sweep", {}).items()),
+            sweep=sweep_lists(doc.get("sweep", {})),
             document=_frozen(doc), base_dir=str(base_dir),
             faults=tuple(_frozen(f) for f in doc.get("faults", [])),
             checkpoint=_frozen(doc.get("checkpoint", {})))
@@ -192,19 +192,46 @@ class Scenario:
         return expand_sweep(self.document)
 
 
+ZIP = "zip"   #: the sweep key whose lists advance together (one point per position)
+
+
+def sweep_dimensions(sweep: Mapping) -> list[list[dict]]:
+    """The sweep's dimensions, in the document's order: each a list of ``{path: value}``
+    settings. A key path with a list is one dimension of one-key settings; ``zip`` (a
+    mapping of key paths to lists of one length) is one dimension whose i-th setting
+    takes the i-th value of every list. The points are the product of the dimensions."""
+    dims = []
+    for key, values in sweep.items():
+        if key == ZIP:
+            paths = list(values)
+            dims.append([dict(zip(paths, row)) for row in zip(*values.values())])
+        else:
+            dims.append([{key: v} for v in values])
+    return dims
+
+
+def sweep_lists(sweep: Mapping) -> tuple[tuple[str, tuple], ...]:
+    """``(path, values)`` of every swept key path, ``zip``'s paths in place."""
+    flat = {**{p: v for p, v in sweep.items() if p != ZIP}, **dict(sweep.get(ZIP) or {})}
+    order = [p for key in sweep for p in (sweep[key] if key == ZIP else (key,))]
+    return tuple((p, tuple(flat[p])) for p in order)
+
+
 def expand_sweep(document: Mapping) -> list[tuple[dict, dict]]:
-    """Per sweep point (the product of the lists, first key slowest): ``({path: value},
-    the document with those values set and no sweep)``; one point without a sweep."""
+    """Per sweep point (the product of :func:`sweep_dimensions`, the first slowest):
+    ``({path: value}, the document with those values set and no sweep)``; one point
+    without a sweep."""
     base = {k: v for k, v in copy.deepcopy(dict(document)).items() if k != "sweep"}
     sweep = dict(document.get("sweep") or {})
     if not sweep:
         return [({}, base)]
     out = []
-    for values in itertools.product(*sweep.values()):
+    for settings in itertools.product(*sweep_dimensions(sweep)):
+        values = {path: value for setting in settings for path, value in setting.items()}
         doc = copy.deepcopy(base)
-        for path, value in zip(sweep, values):
+        for path, value in values.items():
             set_path(doc, path, copy.deepcopy(value))
-        out.append((dict(zip(sweep, values)), doc))
+        out.append((values, doc))
     return out
 
 

@@ -220,9 +220,16 @@ _SECTIONS = {
     "faults": _FAULTS_SCHEMA,
     "checkpoint": _CHECKPOINT_SCHEMA,
     "sweep": {"type": "object", "minProperties": 1, "description": "key path: list of "
-              "values; one run per point of the product of the lists",
-              "propertyNames": {"pattern": r"^(cluster|hardware|workload|parallel|run)"
-                                           r"(\.[A-Za-z_][A-Za-z0-9_]*)*$"},
+              "values; one run per point of the product of the lists; under zip, lists "
+              "of one length that advance together",
+              "propertyNames": {"pattern": r"^(zip|(cluster|hardware|workload|parallel|run)"
+                                           r"(\.[A-Za-z_][A-Za-z0-9_]*)*)$"},
+              "properties": {"zip": {
+                  "type": "object", "minProperties": 1, "description": "key path: list "
+                  "of values, every list as long: point i takes the i-th of each",
+                  "propertyNames": {"pattern": r"^(cluster|hardware|workload|parallel|run)"
+                                               r"(\.[A-Za-z_][A-Za-z0-9_]*)*$"},
+                  "additionalProperties": {"type": "array", "minItems": 1}}},
               "additionalProperties": {"type": "array", "minItems": 1}},
     "report": {
         "type": "object", "additionalProperties": False, "description": "the report",

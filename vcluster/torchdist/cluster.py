@@ -35,6 +35,7 @@ import time
 import weakref
 
 from vcluster.runtime.arguments import check_run_args
+from vcluster.runtime.transfer import dumps
 from vcluster.runtime.errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError,
                                      HostTimeout)
 
@@ -142,8 +143,7 @@ class TorchCluster:
         """Call ``fn(dev, *args_per_rank[r])`` on every rank r; return the results by rank."""
         self._usable()
         args_per_rank = check_run_args(fn, args_per_rank, self.mesh.size)
-        import cloudpickle
-        fn_bytes = cloudpickle.dumps(fn)
+        fn_bytes = dumps(fn)
         for conn, args in zip(self._conns, args_per_rank):
             conn.send(("run", fn_bytes, tuple(args)))
         name = getattr(fn, "__name__", repr(fn))

@@ -1,4 +1,4 @@
-"""Every Python example in the README runs as written."""
+"""Every Python example in the README and in docs/timing.md runs as written."""
 
 import os
 import re
@@ -11,10 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.timeout(180)
 
 
+RUNNABLE_DOCS = ("README.md", os.path.join("docs", "timing.md"))
+
+
 def _python_blocks():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    blocks = []
+    for name in RUNNABLE_DOCS:
+        with open(os.path.join(ROOT, name)) as f:
+            blocks += re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    return blocks
 
 
 @pytest.mark.parametrize("index", range(len(_python_blocks())))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 import signal
 import socket
 import sys
@@ -104,7 +103,7 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
 
 def main() -> None:
     from .segments import map_segment_fd
-    from .wire import PeerClosed, recv_msg, send_msg
+    from .wire import PeerClosed, readable, recv_msg, send_msg
 
     host = socket.socket(fileno=int(sys.argv[1]))
     config = recv_msg(host)
@@ -124,8 +123,7 @@ def main() -> None:
         os.close(fd)
     try:
         while pids:
-            ready, _, _ = select.select([host], [], [], _REAP_INTERVAL_S)
-            if ready:
+            if readable(host, _REAP_INTERVAL_S):
                 msg = recv_msg(host)
                 if msg[0] == "kill":
                     for pid in pids:

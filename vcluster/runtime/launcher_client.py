@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import time
 
 from .errors import VClusterError
-from .wire import PeerClosed, recv_msg, send_msg
+from .wire import PeerClosed, readable, recv_msg, send_msg
 
 __all__ = ["LauncherClient", "describe_status"]
 
@@ -51,8 +50,7 @@ class LauncherClient:
         return client
 
     def _read(self, timeout_s: float):
-        ready, _, _ = select.select([self.sock], [], [], max(timeout_s, 0))
-        if not ready:
+        if not readable(self.sock, timeout_s):
             return None
         msg = recv_msg(self.sock)
         if msg[0] == "exited":

@@ -7,16 +7,26 @@ Only small control messages travel here: large arrays go through shared memory
 from __future__ import annotations
 
 import pickle
+import select
 import socket
 import struct
 
-__all__ = ["send_msg", "recv_msg", "PeerClosed"]
+__all__ = ["send_msg", "recv_msg", "readable", "PeerClosed"]
 
 _HEADER = struct.Struct("<Q")
 
 
 class PeerClosed(ConnectionError):
     """The other end of the socket is gone (its process died or closed it)."""
+
+
+def readable(sock, timeout_s: float) -> bool:
+    """Whether ``sock`` (a socket or a file descriptor) has data or an end to read within
+    ``timeout_s`` seconds. ``poll``, not ``select``: a host of 256 devices holds
+    descriptors beyond ``select``'s 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(timeout_s, 0.0) * 1000.0))
 
 
 def send_msg(sock: socket.socket, obj) -> None:

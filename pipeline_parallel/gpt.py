@@ -44,7 +44,10 @@ from .optim import Optimizer, OptimizerConfig
 from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
-           "megatron_model_flops", "megatron_flops_with_recompute"]
+           "megatron_model_flops", "megatron_flops_with_recompute", "ATTENTION"]
+
+#: the attention kernels the memory model knows (ParallelConfig.attention)
+ATTENTION = ("flash", "unfused")
 
 _LAYER = TransformerLayer.names
 
@@ -86,7 +89,13 @@ class GPTConfig:
 class ParallelConfig:
     """Global batch B, micro-batch b, degrees dp x pp x tp (the sizes of the mesh axes of
     those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
-    sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b)."""
+    sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b).
+
+    Two choices only the memory model reads (the emulated program computes the same math
+    either way; :mod:`vcluster.planner.memory`): ``attention`` — the attention kernel a
+    real run uses, ``"flash"`` (default: no s² scores kept for the backward) or
+    ``"unfused"``; ``distributed_optimizer`` — the optimizer state and fp32 master weights
+    sharded over dp (Megatron's distributed optimizer, ZeRO-1)."""
 
     global_batch: int
     micro_batch: int = 1
@@ -97,13 +106,16 @@ class ParallelConfig:
     virtual_stages: int | None = None
     sequence_parallel: bool = False
     recompute: str = "none"
+    attention: str = "flash"
+    distributed_optimizer: bool = False
 
     def __post_init__(self):
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
             as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
-                           ("sequence_parallel", (False, True))):
+                           ("sequence_parallel", (False, True)), ("attention", ATTENTION),
+                           ("distributed_optimizer", (False, True))):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")

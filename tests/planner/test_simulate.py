@@ -146,8 +146,12 @@ def test_simulate_gpt_that_does_not_fit_exits_1_naming_memory_and_capacity():
     proc = _vcluster(*OOM)
     assert proc.returncode == 1, proc.stderr
     assert "does NOT fit 76.0 GB: 80.0 GB less 5% headroom" in proc.stdout
-    assert ("the configuration does not fit: 1690.6 GB per device at its peak, 76.0 GB "
+    # 1261.7 GB with flash attention (issue 26's default); the issue's 1690.6 GB was the
+    # unfused formula, which --attention unfused gives back (plus the fp32 logits, 0.5 GB)
+    assert ("the configuration does not fit: 1261.7 GB per device at its peak, 76.0 GB "
             "usable of the 80.0 GB of a h100-dgx device") in proc.stderr
+    unfused = _vcluster(*OOM, "--attention", "unfused")
+    assert "does not fit: 1691.1 GB per device" in unfused.stderr
     assert _vcluster(*OOM, "--allow-oom").returncode == 0
 
 

@@ -34,11 +34,11 @@ def _run(tmp_path, *extra):
 def test_a_prediction_that_does_not_fit_is_flagged_and_fails(tmp_path):
     proc, out = _run(tmp_path)
     assert proc.returncode == 1, proc.stderr
-    assert ("does not fit the device memory: 1690.6 GB per device > 76.0 GB usable"
+    assert ("does not fit the device memory: 1261.7 GB per device > 76.0 GB usable"
             in proc.stderr)
     summary = json.loads((out / "results.json").read_text())["summary"]
     assert summary["fits"] is False
-    assert summary["predicted_peak_memory_gb"] == pytest.approx(1690.6, abs=0.1)
+    assert summary["predicted_peak_memory_gb"] == pytest.approx(1261.7, abs=0.1)
     assert summary["memory_limit_gb"] == pytest.approx(76.0)
     assert 0 < summary["mfu"] < 1
     assert "**Does not fit the device memory**" in (out / "summary.md").read_text()

@@ -15,6 +15,7 @@ none does, 2 on a bad flag.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -23,7 +24,8 @@ from .args import fraction, positive_int
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
 JSON_KEYS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
-             "recompute", "step_time_s", "tflops_per_gpu", "mfu", "peak_memory_gb", "replayed",
+             "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
+             "peak_memory_gb", "replayed",
              "compute_comm_ratio")
 
 
@@ -47,6 +49,12 @@ def add_parser(commands) -> None:
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
                      help="share of each device's memory a configuration leaves free "
                           "(default 0.05)")
+    gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                     help="the attention kernel the memory model assumes (default flash)")
+    gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
+                     default=None, help="shard the optimizer state over dp in every "
+                     "configuration (or never, with --no-...); default: where a "
+                     "configuration needs it to fit")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -67,7 +75,7 @@ def plan_json(df) -> dict:
 
 def _print_table(df, top: int) -> None:
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
-            f"{'recompute':<9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
+            f"{'recompute':<9} {'dopt':<4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
             f"{'comp/comm':>9}  source")
     print(head)
     for i, r in df.head(top).iterrows():
@@ -76,7 +84,8 @@ def _print_table(df, top: int) -> None:
             else f"{'inf':>9}"
         print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
-              f"{r['recompute']:<9} {r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
+              f"{r['recompute']:<9} {'yes' if r['distributed_optimizer'] else 'no':<4} "
+              f"{r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
               f"{100 * r['mfu']:5.1f}% {r['peak_memory_gb']:7.1f} {ratio}  "
               f"{'replay' if r['replayed'] else 'screen'}")
 
@@ -105,6 +114,7 @@ def _gpt(args) -> int:
                   vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=False if args.quiet else None,
+                  attention=args.attention, distributed_optimizer=args.distributed_optimizer,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs

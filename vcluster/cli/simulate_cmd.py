@@ -6,7 +6,9 @@
 prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (compute,
 communication, exposed communication, bubble), the compute/communication ratio for the
 step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
-peak memory per device; ``--json PATH`` writes the same figures. A configuration
+peak memory per device and its parts (``--attention flash|unfused``,
+``--distributed-optimizer``: vcluster/planner/memory.py); ``--json PATH`` writes the
+same figures. A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
 simulated (``fits: false``), but the command says so on stderr and exits 1 unless
 ``--allow-oom`` is given.
@@ -38,6 +40,12 @@ def add_parser(commands) -> None:
     gpt.add_argument("--virtual-stages", type=positive_int, default=None)
     gpt.add_argument("--sequence-parallel", action="store_true")
     gpt.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                     help="the attention kernel the memory model assumes (default flash: no "
+                          "s² scores kept for the backward)")
+    gpt.add_argument("--distributed-optimizer", action="store_true",
+                     help="shard the optimizer state and fp32 master weights over dp "
+                          "(Megatron's distributed optimizer, ZeRO-1)")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
@@ -59,7 +67,9 @@ def _gpt(args) -> int:
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
-                              sequence_parallel=args.sequence_parallel, recompute=args.recompute)
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                              attention=args.attention,
+                              distributed_optimizer=args.distributed_optimizer)
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom)
     print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
@@ -76,6 +86,12 @@ def _gpt(args) -> int:
     print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
           f"({'fits' if r.fits else 'does NOT fit'} {r.memory_limit_gb:.1f} GB: "
           f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom)")
+    parts = r.memory_breakdown_gb
+    print("                       " + ", ".join(
+        f"{k} {parts[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
+                                         "logits")) + f" GB (pipeline rank "
+          f"{parts['rank_position']}; {args.attention} attention"
+          f"{', distributed optimizer' if args.distributed_optimizer else ''})")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
         # lazy: keeps vcluster --help fast

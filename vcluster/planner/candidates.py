@@ -14,7 +14,12 @@ divisors of B / dp up to ``DEFAULT_MAX_MICRO_BATCH``), m = B / (dp·b); the sche
 divisor of l / pp up to ``max_virtual_stages``, needing m mod pp = 0; with pp = 1 only
 ``1f1b``, the others being the same step); sequence parallelism (when tp > 1 and tp
 divides s); recomputation none / selective / full. Each candidate then must fit device
-memory (:func:`~vcluster.planner.screen.peak_memory_bytes`, gpt_memory's formulas).
+memory (:func:`~vcluster.planner.screen.peak_memory_bytes`, gpt_memory's formulas), with
+the attention kernel ``attention`` (flash by default). The distributed optimizer
+(optimizer state sharded over dp) is ``distributed_optimizer``: True or False for every
+candidate, or None (the default) to use it where dp > 1 and the candidate does not fit
+without it — it costs no extra traffic (its reduce-scatter and all-gather move what the
+all-reduce did), so the planner turns it on exactly where memory asks for it.
 
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
@@ -23,9 +28,9 @@ counts (tp, pp) splits, the others count whole candidates.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import ATTENTION, GPTConfig, ParallelConfig
 from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "REJECT_REASONS",
@@ -62,8 +67,16 @@ class SearchSpace:
     max_virtual_stages: int = DEFAULT_MAX_VIRTUAL_STAGES
     recompute: tuple = RECOMPUTE_MODES
     sequence_parallel: tuple = (False, True)
+    attention: str = "flash"
+    distributed_optimizer: bool | None = None      # None: where memory needs it
 
     def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"plan_gpt: attention must be one of {ATTENTION}, got "
+                             f"{self.attention!r}")
+        if self.distributed_optimizer not in (None, False, True):
+            raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
+                             f"(where memory needs it), got {self.distributed_optimizer!r}")
         for name in ("max_tp", "max_micro_batch", "max_virtual_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -137,11 +150,17 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             if name == "interleaved_1f1b" and m % pp:
                                 rejected["interleaved_microbatches"] += 1
                                 continue
-                            par = ParallelConfig(global_batch=global_batch, micro_batch=b, dp=dp,
-                                                 pp=pp, tp=tp, schedule=name, virtual_stages=v,
-                                                 sequence_parallel=sp, recompute=rc)
-                            if peak_memory_bytes(config, par) > hbm_bytes:
-                                rejected["out_of_memory"] += 1
-                            else:
+                            par = ParallelConfig(
+                                global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
+                                schedule=name, virtual_stages=v, sequence_parallel=sp,
+                                recompute=rc, attention=space.attention,
+                                distributed_optimizer=bool(space.distributed_optimizer))
+                            fits = peak_memory_bytes(config, par) <= hbm_bytes
+                            if not fits and space.distributed_optimizer is None and dp > 1:
+                                par = replace(par, distributed_optimizer=True)
+                                fits = peak_memory_bytes(config, par) <= hbm_bytes
+                            if fits:
                                 out.append(par)
+                            else:
+                                rejected["out_of_memory"] += 1
     return out, rejected

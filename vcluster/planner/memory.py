@@ -1,5 +1,5 @@
-"""Peak memory per device of GPT training: parameters, gradients, optimizer state and
-activations, by the formulas of the Megatron-LM papers.
+"""Peak memory per device of GPT training: parameters, gradients, optimizer state,
+activations and the logits, by the formulas of the Megatron-LM papers.
 
 Parameters on pipeline rank r (tensor-parallel degree t): its layers' 12h² + 13h each
 (QKV 3h² + 3h, projection h² + h, MLP 8h² + 5h, two LayerNorms 4h), divided by t
@@ -7,9 +7,13 @@ except the LayerNorms and the row-parallel biases (small; counted whole); the fi
 stage also holds the word (V·h / t, vocabulary-parallel) and position (s·h) embeddings,
 the last the final LayerNorm and the output projection (V·h / t).
 
-Bytes per parameter (mixed precision, Narayanan et al. SC'21 and the ZeRO paper):
-``WEIGHT_BYTES`` 2 (16-bit weights) + ``GRAD_BYTES`` 4 (fp32 gradients accumulated over
-micro-batches) + ``OPTIMIZER_BYTES`` 12 (fp32 master weights, Adam's m and v) = 18.
+Bytes per parameter: Megatron-LM's mixed precision with fp32 gradient accumulation
+(Narayanan et al. SC'21; the ZeRO paper's count): ``WEIGHT_BYTES`` 2 (bf16/fp16 weights)
++ ``GRAD_BYTES`` 4 (fp32 main gradients, accumulated over micro-batches) +
+``OPTIMIZER_BYTES`` 12 (fp32 master weights, Adam's m and v) = 18. With the distributed
+optimizer (``ParallelConfig.distributed_optimizer``: Megatron's ``--use-distributed-
+optimizer``, ZeRO stage 1) the 12 are sharded over the dp ranks: 6 + 12/dp per parameter,
+as Megatron-LM's distributed-optimizer documentation counts it.
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", 16-bit), s sequence, b micro-batch,
@@ -23,9 +27,27 @@ selective      s·b·h·(10 + 24/t)                     s·b·h·34/t
 full           2·s·b·h (the layer's input)           2·s·b·h/t
 =============  ====================================  ==============================
 
+The 5·a·s/(h·t) term is what unfused attention keeps for its backward: the scores (2 bytes
+per entry), the softmax (2) and the dropout mask (1) of b·a/t·s² entries.
+``attention="flash"`` (the default: FlashAttention, PyTorch's SDPA, Megatron-Core's
+TE attention) keeps none of them — it recomputes the scores block by block in the
+backward — only the softmax's log-sum-exp, fp32 per row: 4·b·a·s/t bytes per layer. So
+without recomputation flash attention keeps s·b·h·(10 + 24/t) + 4·b·a·s/t, the same as
+selective recomputation plus the statistics.
+
+The logits: the last stage holds the fp32 logits of its micro-batch for the loss and its
+gradient, 4·b·s·V/t bytes (``LOGITS_BYTES`` per entry; PyTorch's and Megatron's
+cross-entropy upcast the logits to fp32), freed before the next micro-batch.
+
 A rank holds as many micro-batches' activations as its schedule keeps in flight at
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
 rank r), each for one chunk's layers.
+
+The peak (:attr:`MemoryBreakdown.total_bytes`) counts tensors, comparable to
+``torch.cuda.max_memory_allocated``. A device also needs room the tensors do not show
+(the CUDA context, NCCL's buffers, the caching allocator's fragmentation): a
+configuration fits when its peak is at most the device memory less ``MEMORY_HEADROOM``,
+the reserve.
 """
 
 from __future__ import annotations
@@ -34,15 +56,19 @@ from dataclasses import dataclass
 
 from pipelining import peak_in_flight
 
-__all__ = ["MemoryBreakdown", "gpt_memory", "WEIGHT_BYTES", "GRAD_BYTES", "OPTIMIZER_BYTES",
-           "MEMORY_HEADROOM", "usable_memory_bytes"]
+__all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES", "GRAD_BYTES",
+           "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
+           "usable_memory_bytes", "activation_bytes_per_layer"]
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
 OPTIMIZER_BYTES = 12
+LOGITS_BYTES = 4     # fp32 logits (the loss upcasts them)
+LSE_BYTES = 4        # flash attention's fp32 log-sum-exp per (row, head)
 # The share of a device's memory a plan leaves free: the formulas above count tensors,
 # not the CUDA context (~0.5 GB), NCCL's buffers or the caching allocator's
-# fragmentation. 5% is issue 31's default; --memory-headroom changes it.
+# fragmentation. 5% is issue 31's default (chosen, not measured); --memory-headroom
+# changes it.
 MEMORY_HEADROOM = 0.05
 
 
@@ -57,45 +83,61 @@ def usable_memory_bytes(hbm_bytes: float, headroom: float = MEMORY_HEADROOM) -> 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on one device."""
+    """Bytes on one device at its peak (``total_bytes``: every tensor, no reserve)."""
 
     rank_position: int
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
+    logits_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.logits_bytes)
 
 
-def activation_bytes_per_layer(s, b, h, a, t, recompute, sp) -> float:
+def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "flash") -> float:
+    """Bytes one layer keeps for its backward, per micro-batch (the module's table)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
-    base = 34 / t if sp else 10 + 24 / t
-    return s * b * h * (base + attention)
+    base = s * b * h * (34 / t if sp else 10 + 24 / t)
+    if attention == "flash":
+        return base + LSE_BYTES * b * a * s / t
+    return base + (0 if recompute == "selective" else s * b * h * 5 * a * s / (h * t))
+
+
+def rank_params(config, parallel, r: int) -> float:
+    """Parameters on pipeline rank r (the module docstring's counting)."""
+    h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
+    stages = parallel.pp * parallel.chunks
+    params = config.layers // stages * parallel.chunks * ((12 * h * h + 4 * h) / t + 9 * h)
+    if r == 0:
+        params += V * h / t + s * h
+    if (stages - 1) % parallel.pp == r:
+        params += V * h / t + 2 * h
+    return params
+
+
+def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
+    """The breakdown of pipeline rank ``r`` holding ``in_flight`` micro-batches'
+    activations at its peak."""
+    params = rank_params(config, parallel, r)
+    optimizer = OPTIMIZER_BYTES / (parallel.dp if parallel.distributed_optimizer else 1)
+    per_stage = config.layers // (parallel.pp * parallel.chunks)
+    act = activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
+                                     config.heads, parallel.tp, parallel.recompute,
+                                     parallel.sequence_parallel, parallel.attention)
+    last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
+    logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
+              if last else 0)
+    return MemoryBreakdown(r, int(params * WEIGHT_BYTES), int(params * GRAD_BYTES),
+                           int(params * optimizer), int(in_flight * per_stage * act),
+                           int(logits))
 
 
 def gpt_memory(config, parallel, schedule) -> list[MemoryBreakdown]:
     """One breakdown per pipeline position (every dp/tp peer holds the same)."""
-    h, s, V, a, t = config.hidden, config.seq, config.vocab, config.heads, parallel.tp
-    p, v = parallel.pp, parallel.chunks
-    stages = p * v
-    per_stage = config.layers // stages
-    layer_params = (12 * h * h + 4 * h) / t + 9 * h       # sharded matrices; biases and LNs
-    out = []
-    for r in range(p):
-        n_layers = per_stage * v
-        params = n_layers * layer_params
-        if r == 0:
-            params += V * h / t + s * h
-        if (stages - 1) % p == r:
-            params += V * h / t + 2 * h
-        act_layer = activation_bytes_per_layer(s, parallel.micro_batch, h, a, t,
-                                                parallel.recompute, parallel.sequence_parallel)
-        activations = peak_in_flight(schedule, r, check=False) * per_stage * act_layer
-        out.append(MemoryBreakdown(r, int(params * WEIGHT_BYTES), int(params * GRAD_BYTES),
-                                   int(params * OPTIMIZER_BYTES), int(activations)))
-    return out
+    return [rank_memory(config, parallel, r, peak_in_flight(schedule, r, check=False))
+            for r in range(parallel.pp)]

@@ -50,7 +50,7 @@ from pipelining import bubble_time_closed_form
 from vcluster.timing.collective_cost import collective_time_s
 
 from .layer_cost import StagePieces
-from .memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, activation_bytes_per_layer
+from .memory import rank_memory, rank_params
 
 __all__ = ["ScreenEstimate", "screen_estimate", "peak_in_flight_closed_form",
            "peak_memory_bytes", "BUCKET_BYTES", "TRACE_BYTES"]
@@ -86,33 +86,12 @@ def peak_in_flight_closed_form(schedule: str, p: int, m: int, v: int, r: int) ->
     raise ValueError(f"peak_in_flight_closed_form: unknown schedule {schedule!r}")
 
 
-def _rank_params(config, parallel, r: int) -> float:
-    """Parameters on pipeline rank r (the counting of gpt_memory)."""
-    h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
-    stages = parallel.pp * parallel.chunks
-    params = config.layers // stages * parallel.chunks * ((12 * h * h + 4 * h) / t + 9 * h)
-    if r == 0:
-        params += V * h / t + s * h
-    if (stages - 1) % parallel.pp == r:
-        params += V * h / t + 2 * h
-    return params
-
-
 def peak_memory_bytes(config, parallel) -> int:
     """max over pipeline ranks of gpt_memory's total, without building the schedule."""
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
-    per_stage = config.layers // (p * v)
-    act = activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
-                                      config.heads, parallel.tp, parallel.recompute,
-                                      parallel.sequence_parallel)
-    best = 0
-    for r in sorted({0, p - 1, (p * v - 1) % p}):
-        params = _rank_params(config, parallel, r)
-        total = (int(params * WEIGHT_BYTES) + int(params * GRAD_BYTES)
-                 + int(params * OPTIMIZER_BYTES)
-                 + int(peak_in_flight_closed_form(parallel.schedule, p, m, v, r) * per_stage * act))
-        best = max(best, total)
-    return best
+    return max(rank_memory(config, parallel, r,
+                           peak_in_flight_closed_form(parallel.schedule, p, m, v, r)).total_bytes
+               for r in sorted({0, p - 1, (p * v - 1) % p}))
 
 
 def _rank_costs(config, parallel, pieces: StagePieces, r: int) -> dict:
@@ -155,7 +134,7 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
     exposed, dp_s = 0.0, 0.0
     if dp > 1:
         group = tuple(range(0, dp * p * t, p * t))
-        grad_bytes = _rank_params(config, parallel, crit) * TRACE_BYTES
+        grad_bytes = rank_params(config, parallel, crit) * TRACE_BYTES
         flows = max(1, min(t, hardware.gpus_per_node))
         full, rest = divmod(int(grad_bytes), BUCKET_BYTES)
         bucket_s = collective_time_s("all_reduce", BUCKET_BYTES, group, hardware,

@@ -44,7 +44,7 @@ MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
 COLUMNS = ("tp", "pp", "dp", "micro_batch", "microbatches", "schedule", "virtual_stages",
-           "sequence_parallel", "recompute", "step_time_s", "tflops_per_gpu", "mfu",
+           "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
            "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
@@ -52,7 +52,7 @@ def _knobs(par: ParallelConfig) -> dict:
     return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
-            "recompute": par.recompute}
+            "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer}
 
 
 def _replay(args):
@@ -148,7 +148,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              micro_batches=None, max_micro_batch: int | None = None,
              schedules=None, max_virtual_stages: int | None = None, recompute=None,
              sequence_parallel=None, workers: int | None = None,
-             progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM):
+             progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
+             attention: str = "flash", distributed_optimizer: bool | None = None):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -158,7 +159,10 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
     the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
     ``memory_headroom``: the share of each device's memory a configuration must leave
-    free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`).
+    free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
+    the attention kernel the memory model assumes ("flash" or "unfused");
+    ``distributed_optimizer``: True / False for every candidate, None (default) where a
+    candidate with dp > 1 needs it to fit.
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -175,7 +179,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
         **{k: v for k, v in (("max_micro_batch", max_micro_batch), ("schedules", schedules),
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
-                             ("sequence_parallel", sequence_parallel)) if v is not None})
+                             ("sequence_parallel", sequence_parallel)) if v is not None},
+        attention=attention, distributed_optimizer=distributed_optimizer)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)

@@ -88,11 +88,30 @@ class GPTSimulation:
     memory_limit_gb: float = math.inf   # what fits compares with: HBM less the headroom
     device_memory_gb: float = math.inf  # the device's HBM
 
+    @property
+    def reserve_gb(self) -> float:
+        """The memory kept free beside the tensors (the headroom): HBM less the limit."""
+        return self.device_memory_gb - self.memory_limit_gb if math.isfinite(
+            self.device_memory_gb) else 0.0
+
+    @property
+    def memory_breakdown_gb(self) -> dict:
+        """The peak pipeline position's parts, GB: params, grads, optimizer, activations,
+        logits and the reserve (``peak_memory_gb`` is their sum less the reserve)."""
+        peak = max(self.memory, key=lambda m: m.total_bytes)
+        return {"rank_position": peak.rank_position, "params": peak.params_bytes / 1e9,
+                "grads": peak.grads_bytes / 1e9, "optimizer": peak.optimizer_bytes / 1e9,
+                "activations": peak.activations_bytes / 1e9, "logits": peak.logits_bytes / 1e9,
+                "reserve": self.reserve_gb}
+
     def to_json(self) -> dict:
         """The fields as JSON values; a ratio without communication (infinite) is null."""
         out = dataclasses.asdict(self)
-        out["memory"] = [dataclasses.asdict(m) | {"total_bytes": m.total_bytes}
+        reserve = round(self.reserve_gb * 1e9)
+        out["memory"] = [dataclasses.asdict(m) | {"total_bytes": m.total_bytes,
+                                                  "reserve_bytes": reserve}
                          for m in self.memory]
+        out["memory_breakdown_gb"] = self.memory_breakdown_gb
         out["compute_comm_ratio"] = _finite(self.compute_comm_ratio)
         out["ops"] = [{"op": o.op, "compute_s": o.compute_s, "comm_s": o.comm_s,
                        "compute_comm_ratio": _finite(o.compute_comm_ratio),

@@ -1,0 +1,103 @@
+"""The memory model of issue 26: flash attention by default, the logits, the distributed
+optimizer, and a breakdown with the reserve — checked against hand-computed closed forms
+and through the real `vcluster simulate gpt` and `vcluster plan gpt` commands."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.planner import plan_gpt
+from vcluster.planner.memory import gpt_memory
+from vcluster.planner.simulation import gpt_schedule
+
+pytestmark = pytest.mark.timeout(300)
+
+# issue 26's 1.3B GPT on one H100: h 2048, 24 layers, 16 heads, seq 2048, micro-batch 4
+H, L, A, S, V, B = 2048, 24, 16, 2048, 50304, 4
+GPT13 = ["--hidden", str(H), "--layers", str(L), "--heads", str(A), "--seq", str(S),
+         "--vocab", str(V), "--global-batch", str(B), "--micro-batch", str(B),
+         "--hardware", "h100-dgx"]
+UNFUSED_BEFORE_GB = 71.5     # this configuration's peak before issue 26 (no logits)
+
+
+def _simulate(tmp_path, *extra) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *GPT13,
+                           *extra, "--json", str(out)], capture_output=True, text=True,
+                          timeout=240)
+    return proc, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_a_1_3b_gpt_fits_one_h100_with_flash_attention(tmp_path):
+    proc, r = _simulate(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert r["fits"] is True
+    assert r["peak_memory_gb"] <= 0.65 * UNFUSED_BEFORE_GB
+    parts = r["memory_breakdown_gb"]
+    assert set(parts) == {"rank_position", "params", "grads", "optimizer", "activations",
+                          "logits", "reserve"}
+    assert sum(parts[k] for k in ("params", "grads", "optimizer", "activations", "logits")) \
+        == pytest.approx(r["peak_memory_gb"])
+    assert parts["reserve"] == pytest.approx(0.05 * 80.0)            # the headroom of 80 GB
+    assert parts["logits"] == pytest.approx(4 * B * S * V / 1e9)      # fp32 logits
+    row = r["memory"][0]
+    assert row["logits_bytes"] == 4 * B * S * V and row["reserve_bytes"] == 4 * 10**9
+    assert "params 2.8, grads 5.7, optimizer 17.0" in proc.stdout
+
+    proc, unfused = _simulate(tmp_path, "--attention", "unfused")
+    assert proc.returncode == 0
+    added = unfused["peak_memory_gb"] - r["peak_memory_gb"]
+    # by hand: per layer the s² terms 5·a·s²·b bytes replace flash's 4·b·a·s statistics
+    assert added * 1e9 == pytest.approx(L * (5 * A * S * S * B - 4 * B * A * S), rel=1e-9)
+    assert added >= 25
+    assert unfused["peak_memory_gb"] - unfused["memory_breakdown_gb"]["logits"] \
+        == pytest.approx(UNFUSED_BEFORE_GB, abs=0.1)                 # the old formula
+
+
+def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=32000)
+    for dp, pp, tp in ((8, 1, 1), (4, 2, 2), (2, 4, 1)):
+        plain = ParallelConfig(global_batch=8 * dp, dp=dp, pp=pp, tp=tp)
+        sharded = ParallelConfig(global_batch=8 * dp, dp=dp, pp=pp, tp=tp,
+                                 distributed_optimizer=True)
+        for a, b in zip(gpt_memory(cfg, plain, gpt_schedule(plain)),
+                        gpt_memory(cfg, sharded, gpt_schedule(sharded))):
+            assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / dp, abs=1)
+            assert (b.params_bytes, b.grads_bytes, b.activations_bytes, b.logits_bytes) == \
+                (a.params_bytes, a.grads_bytes, a.activations_bytes, a.logits_bytes)
+
+
+def test_logits_live_on_the_last_stage_only():
+    cfg = GPTConfig(hidden=512, layers=8, heads=8, seq=256, vocab=32000)
+    for pp, v, schedule in ((4, None, "1f1b"), (4, 2, "interleaved_1f1b")):
+        par = ParallelConfig(global_batch=16, micro_batch=2, pp=pp, tp=2, schedule=schedule,
+                             virtual_stages=v)
+        logits = [m.logits_bytes for m in gpt_memory(cfg, par, gpt_schedule(par))]
+        assert logits == [0, 0, 0, 4 * 2 * 256 * 32000 // 2]
+
+
+def test_the_planner_shards_the_optimizer_where_memory_needs_it():
+    """A 1.3B model on 8 H100s with 16 GB usable each: only dp = 8 with the state sharded
+    fits among the tp = pp = 1 splits."""
+    kwargs = dict(hidden=H, layers=L, heads=A, seq=1024, vocab=V, gpus=8, global_batch=64,
+                  hardware="h100-dgx", replay=0, memory_headroom=0.8, progress=False)
+    auto = plan_gpt(**kwargs)
+    pure_dp = auto[(auto["tp"] == 1) & (auto["pp"] == 1)]
+    assert len(pure_dp) and pure_dp["distributed_optimizer"].all()
+    off = plan_gpt(**kwargs, distributed_optimizer=False)
+    assert not off["distributed_optimizer"].any()
+    assert len(off[(off["tp"] == 1) & (off["pp"] == 1)]) == 0
+    assert off.attrs["rejected"]["out_of_memory"] > auto.attrs["rejected"]["out_of_memory"]
+
+
+def test_bad_memory_options_are_named():
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ParallelConfig(global_batch=8, attention="paged")
+    with pytest.raises(ValueError, match="distributed_optimizer must be one of"):
+        ParallelConfig(global_batch=8, distributed_optimizer="yes")
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *GPT13,
+                           "--attention", "paged"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--attention" in proc.stderr

@@ -13,7 +13,7 @@ from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_flops_with_recompute
 from vcluster.planner.simulation import simulate_gpt
 from vcluster.runtime.tracing import trace_program
-from vcluster.timing import load_hardware
+from vcluster.timing import load_hardware, read_data_csv
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
@@ -102,8 +102,20 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     assert {r["source"] for r in rows} >= {"megatron_2020_a100.csv", "megatron_sc21_table1.csv"}
     assert len(rows) == 5 + 8 + 10
     for r in rows:
-        assert set(r) == {"source", "case", "metric", "published", "predicted", "rel_error"}
+        assert set(r) == {"source", "case", "metric", "published", "predicted", "rel_error",
+                          "table", "role"}
         assert r["rel_error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+    # every row of the three shipped tables, with its published value (issue 26)
+    for table, column in (("nccl_a100.csv", "busbw_gbps"), ("megatron_2020_a100.csv", "iter_ms"),
+                          ("megatron_sc21_table1.csv", "tflops_per_gpu")):
+        _, published = read_data_csv(table)
+        mine = [r for r in rows if r["table"] == table]
+        assert [r["published"] for r in mine] == [float(p[column]) for p in published]
+        assert {r["role"] for r in mine} == {"held_out" if table.startswith("nccl") else "fit"}
+    held = [abs(r["rel_error"]) for r in rows if r["role"] == "held_out"]
+    assert data["held_out_mean_abs_rel_error"] == pytest.approx(np.mean(held))
+    assert "held out (5 rows, no constant chosen on them)" in proc.stdout
+    assert data["gemm_profile"]["rows"] == 160
     nccl = [r for r in rows if r["metric"] == "busbw_gbps"]
     assert all(abs(r["rel_error"]) <= 0.10 for r in nccl)
     megatron = [r for r in rows if r["metric"] != "busbw_gbps"]

@@ -154,6 +154,10 @@ _PARALLEL = MappingProxyType({
         "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
         "sequence_parallel": _bool("Megatron sequence parallelism"),
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
+        "attention": _enum(["flash", "unfused"], "the attention kernel the memory model "
+                           "assumes (flash: no s² scores kept)", "flash"),
+        "distributed_optimizer": _bool("optimizer state sharded over dp (memory model; "
+                                       "Megatron's distributed optimizer, ZeRO-1)"),
         **_DEGREES,
     },
 })

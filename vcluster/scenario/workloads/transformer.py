@@ -71,7 +71,10 @@ def _configs(scenario, mesh):
     parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
                               schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
                               sequence_parallel=par["sequence_parallel"],
-                              recompute=par["recompute"], **_degrees(mesh))
+                              recompute=par["recompute"],
+                              attention=par.get("attention", "flash"),
+                              distributed_optimizer=bool(par.get("distributed_optimizer")),
+                              **_degrees(mesh))
     return config, parallel
 
 

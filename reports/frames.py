@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 import pandas as pd
 
 from reports.record import COLLECTIVE_COLUMNS, DEVICE_COLUMNS, SPAN_COLUMNS
+from vcluster.runtime.tracing.host import HOST_OP
 
 __all__ = ["spans_from_events", "devices_from_events", "collectives_from_events",
            "spans_from_simulation", "devices_from_simulation",
@@ -199,19 +200,27 @@ def _op_name(op) -> str:
 
 
 def _enclosed(timeline) -> dict:
-    """Per op index of a compute block that holds other ops (``TraceCompute.contains``):
-    the (start, end) from the first of its ops' start to its own end."""
-    first: dict = {}
+    """Per op index of a compute block that holds other ops (``TraceCompute.contains``:
+    that many ops before it, host ops not counted): the (start, end) from the first of its
+    ops' start to its own end."""
+    first, ops = {}, {}
     for iv in timeline:
         i = iv.op_index
+        ops[i] = iv.op
         if i not in first or iv.start_s < first[i]:
             first[i] = iv.start_s
     out = {}
     for iv in timeline:
         held = getattr(iv.op, "contains", 0)
-        if held and str(iv.stream) == "compute":
-            starts = [first[k] for k in range(iv.op_index - held, iv.op_index) if k in first]
-            out[iv.op_index] = (min(starts + [iv.start_s]), iv.end_s)
+        if not held or str(iv.stream) != "compute":
+            continue
+        start, k = iv.start_s, iv.op_index - 1
+        while held and k >= 0:
+            if getattr(ops.get(k), "name", None) != HOST_OP:
+                held -= 1
+            start = min(start, first.get(k, start))
+            k -= 1
+        out[iv.op_index] = (start, iv.end_s)
     return out
 
 

@@ -84,8 +84,11 @@ def test_quickstart_measured_beside_predicted(tmp_path):
     results = _check_report(out, load_scenario(ROOT / "scenarios" / "quickstart.yaml"))
     s = results["summary"]
     assert s["measured_step_time_s"] > 0 and s["predicted_step_time_s"] > 0
-    assert s["hardware"] == "a100-80gb-dgx" and s["measured_bytes_sent"] == s[
-        "predicted_bytes_sent"] > 0
+    # the emulator's bytes (its shm algorithm) and the A100 model's (NCCL's, on the
+    # links) are counted apart; the trace moves exactly what the emulator measured
+    assert s["hardware"] == "a100-80gb-dgx" and s["traffic_matches"] is True
+    assert s["measured_bytes_sent"] > 0
+    assert s["predicted_bytes_sent"] == s["predicted_bytes_received"] > 0
     assert s["localhost_calibration"] is None              # a preset: no calibration
     sources = {row["source"] for row in results["devices"]}
     assert sources == {"measured", "predicted"}
@@ -256,4 +259,5 @@ def test_simulate_alone_makes_no_data_and_predicts_the_same(name):
     a = run_scenario(alone).summary
     b = run_scenario(load_scenario(path, ["run.mode=both", "run.steps=1"])).summary
     assert a["predicted_step_time_s"] == b["predicted_step_time_s"] > 0
-    assert a["predicted_bytes_sent"] == b["predicted_bytes_sent"] == b["measured_bytes_sent"]
+    assert a["predicted_bytes_sent"] == b["predicted_bytes_sent"] > 0
+    assert b["traffic_matches"] is True and b["measured_bytes_sent"] > 0

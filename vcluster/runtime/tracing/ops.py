@@ -10,8 +10,9 @@ dataclasses:
   (``trace_program(host_time=True)``) carry a program's own host work instead
   (:mod:`vcluster.runtime.tracing.host`). A ``dev.compute`` block is recorded when it
   ends, after the ops issued inside it: ``contains`` says how many of the ops just before
-  it those are, so that a report can draw the block (a pipeline action ``0F1``, say) over
-  the span of the work it holds;
+  it those are (host ops not counted, so that a trace with and without host time says the
+  same), so that a report can draw the block (a pipeline action ``0F1``, say) over the
+  span of the work it holds;
 * ``TraceCollective(collective, group, nbytes, itemsize, algorithm, root, handle)`` — one
   call of a collective by this member (``nbytes``: its local input, or for broadcast and
   scatter the root's); blocking when ``handle`` is None, else issued asynchronously on the
@@ -37,9 +38,9 @@ class TraceCompute:
     ``array_calls`` and ``array_s`` (host ops only): thread CPU seconds of the tracer in
     the program's own Python, the array operations it made, and the thread CPU seconds
     spent inside them (:mod:`vcluster.runtime.tracing.host`). ``contains``: the number of
-    ops just before this one in the rank's trace that were issued inside this block (0 for
-    a block with no device calls in it); the block's own cost is ``flops`` and ``bytes``
-    alone, its contents are priced as their own ops."""
+    ops just before this one in the rank's trace, host ops not counted, that were issued
+    inside this block (0 for a block with no device calls in it); the block's own cost is
+    ``flops`` and ``bytes`` alone, its contents are priced as their own ops."""
 
     name: str
     flops: float

@@ -152,8 +152,8 @@ class TracingDevice:
         yield
         if timed:
             self.record_host()                  # the block's own calls (its kernels' host)
-        self.ops.append(TraceCompute(str(name), float(flops), int(bytes),
-                                     contains=len(self.ops) - first))
+        held = sum(getattr(op, "name", None) != HOST_OP for op in self.ops[first:])
+        self.ops.append(TraceCompute(str(name), float(flops), int(bytes), contains=held))
         if timed:
             clock.resume()
 

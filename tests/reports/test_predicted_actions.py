@@ -31,6 +31,12 @@ def _nested(dev):
         pass
 
 
+def test_reports_know_the_tracers_host_op_name():
+    from reports.frames import HOST_OP as reports_host_op
+    from vcluster.runtime.tracing.host import HOST_OP
+    assert reports_host_op == HOST_OP
+
+
 def test_tracer_counts_the_ops_a_block_holds():
     (trace, _) = trace_program(Mesh((2,), ("x",)), _nested, [()] * 2)
     names = [getattr(op, "name", None) or op.collective for op in trace.ops]

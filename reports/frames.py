@@ -238,8 +238,7 @@ def spans_from_simulation(result, source: str = "predicted") -> pd.DataFrame:
     for rank, timeline in zip(result.ranks, result.timelines):
         blocks = _enclosed(timeline)
         for iv in timeline:
-            start_s, end_s = blocks.get(iv.op_index, (iv.start_s, iv.end_s)) \
-                if str(iv.stream) == "compute" else (iv.start_s, iv.end_s)
+            start_s, end_s = blocks.get(iv.op_index, (iv.start_s, iv.end_s))
             rows.append(_span_row(source, rank, str(iv.stream), _op_name(iv.op), start_s,
                                   end_s))
     return _span_frame(rows)

@@ -25,8 +25,7 @@ __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
 JSON_KEYS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
              "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
-             "peak_memory_gb", "replayed",
-             "compute_comm_ratio")
+             "peak_memory_gb", "replayed", "compute_comm_ratio")
 
 
 def add_parser(commands) -> None:

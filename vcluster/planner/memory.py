@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 from pipelining import peak_in_flight
 
-__all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES", "GRAD_BYTES",
-           "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
+__all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
+           "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
            "usable_memory_bytes", "activation_bytes_per_layer"]
 
 WEIGHT_BYTES = 2

@@ -44,8 +44,8 @@ MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
 COLUMNS = ("tp", "pp", "dp", "micro_batch", "microbatches", "schedule", "virtual_stages",
-           "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
-           "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
+           "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
+           "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
 def _knobs(par: ParallelConfig) -> dict:

@@ -212,9 +212,8 @@ def sweep_dimensions(sweep: Mapping) -> list[list[dict]]:
 
 def sweep_lists(sweep: Mapping) -> tuple[tuple[str, tuple], ...]:
     """``(path, values)`` of every swept key path, ``zip``'s paths in place."""
-    flat = {**{p: v for p, v in sweep.items() if p != ZIP}, **dict(sweep.get(ZIP) or {})}
-    order = [p for key in sweep for p in (sweep[key] if key == ZIP else (key,))]
-    return tuple((p, tuple(flat[p])) for p in order)
+    return tuple((path, tuple(values)) for key, lists in sweep.items()
+                 for path, values in (lists.items() if key == ZIP else ((key, lists),)))
 
 
 def expand_sweep(document: Mapping) -> list[tuple[dict, dict]]:

@@ -48,7 +48,7 @@ class HardwareCostModel:
     hardware: HardwareSpec
     dtype: str = "bf16"          # the compute dtype whose peak applies
     efficiency: float = TRAINING_KERNEL_EFFICIENCY
-    # collective times by (collective, nbytes, group, concurrent): a step repeats the same
+    # CollectiveCosts by (collective, nbytes, group, concurrent): a step repeats the same
     # calls thousands of times, and the cost is a pure function of these
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -57,23 +57,22 @@ class HardwareCostModel:
             return op.seconds
         return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype) / self.efficiency
 
-    def collective_time_s(self, op, concurrent: int) -> float:
-        n = len(op.group)
-        if n <= 1:
-            return 0.0
+    def _cost(self, op, concurrent: int):
         key = (op.collective, op.nbytes, op.group, concurrent)
-        seconds = self._memo.get(key)
-        if seconds is None:
-            seconds = collective_time_s(op.collective, _nccl_bytes(op), op.group,
-                                        self.hardware, concurrent_flows=max(1, int(concurrent)))
-            self._memo[key] = seconds
-        return seconds
+        cost = self._memo.get(key)
+        if cost is None:
+            cost = self._memo[key] = collective_cost(
+                op.collective, _nccl_bytes(op), op.group, self.hardware,
+                concurrent_flows=max(1, int(concurrent)))
+        return cost
+
+    def collective_time_s(self, op, concurrent: int) -> float:
+        return 0.0 if len(op.group) <= 1 else self._cost(op, concurrent).time_s
 
     def collective_algorithm(self, op) -> str:
-        """The algorithm this model prices ``op`` with (NCCL's choice, "local" for a
+        """The algorithm this model prices ``op`` with alone (NCCL's choice, "local" for a
         group of one or no bytes)."""
-        return collective_cost(op.collective, _nccl_bytes(op), op.group,
-                               self.hardware).algorithm.value
+        return self._cost(op, 1).algorithm.value
 
     def wire_bytes(self, op) -> float:
         """One member's share of the bytes ``op`` puts on the links (sent, and as many

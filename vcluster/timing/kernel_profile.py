@@ -14,7 +14,11 @@ The H100 preset is fitted to ``data/h100_kernels.csv`` (one H100 SXM, PyTorch 2.
 CUDA 13, cuBLAS bf16, each call timed alone: its header line is the source). Its 160 GEMM
 rows give ``call_s`` ≈ 18 µs and ``flops_per_s`` ≈ 724 TFLOP/s (73% of the bf16 peak);
 each row predicted by a profile fitted without it (:func:`leave_one_out`): median error
-6.0%, 97.5% of rows within 20%, worst 23% (``vcluster validate-model`` prints it).
+6.0%, 97.5% of rows within 20%, worst 23% (``vcluster validate-model`` prints it). The
+form itself was chosen on the same table, among three by their leave-one-out errors
+(local log-linear interpolation: 5.2% median but prices that fall as a dimension grows;
+wave quantisation over 132 SMs: 6.5–9.7%), so these figures are not those of a table the
+choice never saw.
 
 What the constants mean, and what they do not: ``call_s`` is the cost of one call timed
 alone — launch, the kernel's first wave and epilogue, and the timing's own overhead (the

@@ -243,8 +243,9 @@ def test_bench_cli_writes_json(tmp_path):
     records = json.loads(out.read_text())
     assert len(records) == 2 * 2 * 2
     keys = {"op", "path", "algorithm", "dtype", "devices", "bytes", "median_s", "algbw_gbps",
-            "busbw_gbps", "memcpy_gbps", "engine"}
+            "busbw_gbps", "memcpy_gbps", "engine", "array_module", "transport"}
     assert all(set(r) == keys and r["engine"] == "emulator" for r in records)
+    assert {(r["array_module"], r["transport"]) for r in records} == {("numpy", "host")}
     ar = [r for r in records if r["op"] == "all_reduce" and r["bytes"] == 256 * 1024]
     for r in ar:   # busbw = algbw * 2(n-1)/n and algbw = bytes / median
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
@@ -252,6 +253,24 @@ def test_bench_cli_writes_json(tmp_path):
     ag = [r for r in records if r["op"] == "all_gather"]
     assert {r["bytes"] for r in ag} == {16, 256 * 1024}      # 8B rounded to 4 float32
     assert "busbw" in proc.stdout
+
+
+def test_bench_cli_compares_transports(tmp_path):
+    """--array-module strict --transport ipc,host: both transports, read from the trace,
+    and the table of busbw relative to the host-staged run."""
+    import json
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcluster", "bench", "collectives", "--devices", "4",
+         "--sizes", "8B,1MiB", "--ops", "all_reduce", "--reps", "3", "--array-module",
+         "strict", "--transport", "ipc,host", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())
+    assert {(r["transport"], r["bytes"], r["path"]) for r in records} == {
+        (t, b, p) for t in ("ipc", "host") for b in (8, 1 << 20) for p in ("resident", "copy")}
+    assert {r["array_module"] for r in records} == {"strict"}
+    assert "busbw by transport (GB/s; x = relative to host)" in proc.stdout
 
 
 def test_bench_cli_rejects_bad_sizes():

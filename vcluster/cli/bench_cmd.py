@@ -34,8 +34,16 @@ def add_parser(commands) -> None:
     coll.add_argument("--reps", type=positive_int, default=None,
                       help="timed repetitions (default: 50 up to 1 MiB, 10 up to 16 MiB, else 5)")
     coll.add_argument("--engine", choices=["emulator", "torch"], default="emulator",
-                      help="torch: also run on local torch.distributed ranks (gloo on CPU) "
-                      "and print both engines' figures side by side")
+                      help="torch: also run on local torch.distributed ranks (NCCL when "
+                      "every rank can have its own GPU, else gloo on CPU) and print both "
+                      "engines' figures side by side")
+    coll.add_argument("--array-module", default="numpy", choices=["numpy", "cupy", "strict"],
+                      help="what the devices' arrays are (default numpy; cupy: GPU arrays)")
+    coll.add_argument("--transport", type=csv_of(("auto", "ipc", "host"), "transport"),
+                      default=["auto"],
+                      help="how collectives move device arrays, one run each: ipc (peers "
+                      "read device memory in place), host (staged through host memory); "
+                      "default auto (ipc on cupy/strict, host on numpy)")
     coll.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     coll.set_defaults(run=_collectives)
 
@@ -119,17 +127,25 @@ def _collectives(args) -> int:
     from vcluster import VirtualCluster
     from .bench_collectives import format_header, format_row, run_collectives_bench
     print(f"vcluster bench collectives: {args.devices} devices, dtype {args.dtype}, "
-          f"algorithm {args.algorithm}", flush=True)
+          f"algorithm {args.algorithm}, array module {args.array_module}", flush=True)
+    backend = _torch_backend(args.devices) if args.engine == "torch" else None
     print(format_header(), flush=True)
-    with VirtualCluster(Mesh((args.devices,), ("x",))) as cluster:
-        records = run_collectives_bench(
-            cluster, args.sizes, args.ops, args.paths, args.dtype, args.algorithm, args.reps,
-            progress=lambda rec: print(format_row(rec), flush=True))
+    records = []
+    for transport in args.transport:
+        with VirtualCluster(Mesh((args.devices,), ("x",)), array_module=args.array_module,
+                            transport=transport) as cluster:
+            records += run_collectives_bench(
+                cluster, args.sizes, args.ops, args.paths, args.dtype, args.algorithm,
+                args.reps, progress=lambda rec: print(format_row(rec), flush=True))
+    if len(args.transport) > 1:
+        # lazy: keeps vcluster --help fast
+        from .bench_collectives import format_transports
+        print("\n" + format_transports(records))
     if args.engine == "torch":
         # lazy: keeps vcluster --help fast
         from vcluster.torchdist import TorchCluster
         from .bench_collectives import format_comparison
-        with TorchCluster(Mesh((args.devices,), ("x",))) as cluster:
+        with TorchCluster(Mesh((args.devices,), ("x",)), backend=backend) as cluster:
             print(f"torch {cluster.info['torch_version']} ({cluster.info['torch_backend']}), "
                   "same sizes:", flush=True)
             theirs = run_collectives_bench(
@@ -140,6 +156,18 @@ def _collectives(args) -> int:
         records += theirs
     _maybe_json(args.json, [asdict(r) for r in records])
     return 0
+
+
+def _torch_backend(devices: int) -> str:
+    """The torch engine's backend for ``devices`` local ranks, chosen before anything
+    runs (a missing torch fails at once); when GPUs are present but too few for NCCL,
+    one line says that gloo was chosen and why."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.torchdist import backend_choice
+    backend, note = backend_choice("auto", devices)
+    if note:
+        print(f"torch engine: {note}", flush=True)
+    return backend
 
 
 def _startup(args) -> int:

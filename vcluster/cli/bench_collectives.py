@@ -16,12 +16,20 @@ busbw = algbw x factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_
 gather, scatter (n-1)/n; broadcast, reduce 1), in GB/s (1e9 bytes).
 
 Paths: ``resident`` — buffers from ``dev.empty`` and ``out=`` (all_reduce in place);
-``copy`` — a plain numpy array in, a new array out. ``memcpy_gbps`` is a single-process
-``np.copyto`` of S bytes measured in the same run, the bandwidth reference.
+``copy`` — a plain ``dev.xp`` array in, a new array out. ``memcpy_gbps`` is a
+single-process host ``np.copyto`` of S bytes measured in the same run, the bandwidth
+reference.
 
-``--engine torch`` runs the same program on local torch.distributed ranks too (gloo on
-CPU; ``algorithm`` is then the backend's name) and prints both engines' figures side by
-side (:func:`format_comparison`), measured in the same run.
+Array modules (``--array-module``): on ``cupy`` the buffers are GPU arrays (each timed
+call ends with a stream synchronisation), on ``strict`` CuPy-ruled host arrays.
+``transport`` says how the call moved them, read from the trace: ``ipc`` (device
+memory read in place by peers, CUDA IPC on cupy), ``host`` (staged through host shared
+memory: numpy's own arrays, the message algorithms, and ``--transport host``).
+
+``--engine torch`` runs the same program on local torch.distributed ranks too (NCCL when
+every rank can have its own GPU, else gloo on CPU, with one line saying why when GPUs are
+present but too few; ``algorithm`` is then the backend's name) and prints both engines'
+figures side by side (:func:`format_comparison`), measured in the same run.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor",
-           "format_comparison"]
+           "format_comparison", "format_transports"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
        "gather", "scatter")
@@ -53,6 +61,8 @@ class BenchRecord:
     busbw_gbps: float
     memcpy_gbps: float
     engine: str = "emulator"
+    array_module: str = "numpy"
+    transport: str = "host"
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -84,6 +94,8 @@ def _bench_program(dev, op, path, nbytes, dtype, reps, warmup, algorithm):
     dtype = np.dtype(dtype)
     n_in, n_out = _shapes(op, nbytes, n, dtype.itemsize)
     root = dev.rank == 0
+    xp = dev.xp
+    sync = xp.cuda.get_current_stream().synchronize if hasattr(xp, "cuda") else _nothing
     if path == "resident":
         x = dev.empty((n_in,), dtype)
         x[...] = 0          # in-place all_reduce repeats: zeros never overflow
@@ -91,7 +103,7 @@ def _bench_program(dev, op, path, nbytes, dtype, reps, warmup, algorithm):
         if op in ("gather", "reduce") and not root:
             out = None
     else:
-        x = np.full(n_in, dev.rank + 1, dtype)
+        x = xp.full(n_in, dev.rank + 1, dtype)
         out = None
     if op in ("broadcast", "scatter") and not root:
         x = None
@@ -101,11 +113,25 @@ def _bench_program(dev, op, path, nbytes, dtype, reps, warmup, algorithm):
         dev.barrier()
         t0 = time.perf_counter()
         result = call(x, out=out, algorithm=algorithm)
+        sync()
         t1 = time.perf_counter()
         del result
         if i >= warmup:
             times.append((t0, t1))
     return times
+
+
+def _nothing() -> None:
+    """No device queue to wait for (numpy, strict)."""
+
+
+def _traced_transport(cluster, op: str, backend) -> str:
+    """How the last run moved data (``ipc`` | ``host``; torch: its backend's name)."""
+    if backend:
+        return backend
+    seen = {getattr(e, "transport", "host") for e in cluster.trace()
+            if getattr(e, "collective", None) == op}
+    return "+".join(sorted(seen)) or "host"
 
 
 def _memcpy_gbps(nbytes: int, reps: int) -> float:
@@ -143,16 +169,20 @@ def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
             r = reps or _default_reps(nbytes)
             memcpy = _memcpy_gbps(nbytes, r)
             for path in paths:
+                cluster.reset_stats()
                 results = cluster.run(_bench_program,
                                       [(op, path, nbytes, dtype, r, warmup, algorithm)] * n)
+                transport = _traced_transport(cluster, op, backend)
                 per_rep = [max(res[i][1] for res in results) - min(res[i][0] for res in results)
                            for i in range(r)]
                 median_s = float(np.median(per_rep))
                 algbw = nbytes / median_s / 1e9
                 alg = backend or choose_algorithm(op, nbytes, n, requested=algorithm)
+                module = getattr(getattr(cluster, "options", None), "array_module", "numpy")
                 records.append(BenchRecord(
                     op, path, alg, str(dtype), n, nbytes, median_s, algbw,
-                    algbw * busbw_factor(op, n), memcpy, "torch" if backend else "emulator"))
+                    algbw * busbw_factor(op, n), memcpy, "torch" if backend else "emulator",
+                    module, transport))
                 if progress is not None:
                     progress(records[-1])
     return records
@@ -169,18 +199,43 @@ def _fmt_time(seconds: float) -> str:
 def format_row(rec: BenchRecord) -> str:
     # lazy: keeps vcluster --help fast
     from vcluster.scenario.units import format_size
-    return (f"{rec.op:<15}{rec.path:<10}{rec.algorithm:<10}{format_size(rec.bytes):>9}"
+    return (f"{rec.op:<15}{rec.path:<10}{rec.algorithm:<10}{rec.transport:<10}"
+            f"{format_size(rec.bytes):>9}"
             f"{_fmt_time(rec.median_s):>12}{rec.algbw_gbps:>10.3f}{rec.busbw_gbps:>10.3f}"
             f"{rec.memcpy_gbps:>10.2f}")
 
 
 def format_header() -> str:
-    return (f"{'op':<15}{'path':<10}{'algorithm':<10}{'bytes':>9}{'median':>12}"
-            f"{'algbw':>10}{'busbw':>10}{'memcpy':>10}\n" + " " * 56 + "(GB/s)    (GB/s)    (GB/s)")
+    return (f"{'op':<15}{'path':<10}{'algorithm':<10}{'transport':<10}{'bytes':>9}"
+            f"{'median':>12}{'algbw':>10}{'busbw':>10}{'memcpy':>10}\n"
+            + " " * 66 + "(GB/s)    (GB/s)    (GB/s)")
 
 
 def format_table(records: list[BenchRecord]) -> str:
     return "\n".join([format_header()] + [format_row(r) for r in records])
+
+
+def format_transports(records: list[BenchRecord]) -> str:
+    """busbw of each (op, path, bytes) per transport, and its ratio to the host-staged
+    one (or to the first transport's), all measured in the same command."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.scenario.units import format_size
+    runs: dict[tuple, dict[str, float]] = {}
+    for r in records:
+        runs.setdefault((r.op, r.path, r.bytes), {})[r.transport] = r.busbw_gbps
+    names = list(dict.fromkeys(r.transport for r in records))
+    if "host" in names:                       # the staged path is the natural baseline
+        names.remove("host")
+        names.insert(0, "host")
+    lines = [f"busbw by transport (GB/s; x = relative to {names[0]}), same run:",
+             f"{'op':<15}{'path':<10}{'bytes':>9}" + "".join(f"{t:>16}" for t in names)]
+    for (op, path, nbytes), by in runs.items():
+        base = by.get(names[0])
+        cells = "".join(
+            f"{by[t]:>9.3f}{'' if not base else f' ({by[t] / base:.1f}x)':>7}" if t in by
+            else f"{'-':>16}" for t in names)
+        lines.append(f"{op:<15}{path:<10}{format_size(nbytes):>9}{cells}")
+    return "\n".join(lines)
 
 
 def format_comparison(emulator: list[BenchRecord], torch: list[BenchRecord]) -> str:

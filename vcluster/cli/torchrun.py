@@ -75,7 +75,11 @@ def main(argv=None) -> int:
         sizes = sorted(m.size for m in meshes)
         raise SystemExit(f"vcluster.cli.torchrun: {args.file} needs {sizes} devices (one mesh "
                          f"for every sweep point), torchrun started WORLD_SIZE={world}")
-    dev = init_rank(next(iter(meshes)), rank, args.backend, "env://", args.timeout, local)
+    # the ranks of this node share its GPUs: NCCL only when each can have its own
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ \
+        else None
+    dev = init_rank(next(iter(meshes)), rank, args.backend, "env://", args.timeout, local,
+                    local_world)
     engine = _ThisRank(dev, backend_info())
     try:
         for i, (values, point) in enumerate(points):

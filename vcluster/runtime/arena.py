@@ -77,18 +77,24 @@ class Arena:
     def __init__(self, owner: int, memory: np.ndarray, commit_fd: int | None = None):
         self.owner = owner
         self.memory = memory                     # uint8 view of the whole arena
-        self.address = memory.__array_interface__["data"][0]
-        self.size_bytes = memory.nbytes
-        self._free_offsets: list[int] = [0]      # sorted starts of free extents
-        self._free_sizes: dict[int, int] = {0: self.size_bytes}
-        self._lock = threading.RLock()           # __del__ may run inside an allocation
-        self.used_bytes = 0                      # bytes of the live blocks (aligned)
-        self.peak_bytes = 0                      # most used_bytes since reset_peak()
+        self._init_extents(memory.__array_interface__["data"][0], memory.nbytes)
         if commit_fd is not None and not hasattr(os, "posix_fallocate"):
             commit_fd = None
         self._commit_fd = commit_fd
         # bytes [0, committed_bytes) have their pages; the rest of the range is sparse
         self.committed_bytes = 0 if commit_fd is not None else self.size_bytes
+
+    def _init_extents(self, address: int, size_bytes: int) -> None:
+        """One free extent over bytes [address, address + size_bytes)."""
+        self.address = address
+        self.size_bytes = size_bytes
+        self._commit_fd = None
+        self.committed_bytes = size_bytes
+        self._free_offsets: list[int] = [0]      # sorted starts of free extents
+        self._free_sizes: dict[int, int] = {0: self.size_bytes}
+        self._lock = threading.RLock()           # __del__ may run inside an allocation
+        self.used_bytes = 0                      # bytes of the live blocks (aligned)
+        self.peak_bytes = 0                      # most used_bytes since reset_peak()
         self.shortfall: str | None = None        # why the last allocation failed
 
     def __repr__(self) -> str:

@@ -47,8 +47,12 @@ class VirtualCluster:
     ----------
     mesh : mesh.Mesh
         The device mesh; rank r is the device at ``mesh.index(r)``.
-    array_module : "numpy" | "cupy"
-        What ``dev.xp`` is on the devices.
+    array_module : "numpy" | "cupy" | "strict"
+        What ``dev.xp`` is on the devices (:mod:`vcluster.runtime.arrays`): host arrays,
+        CuPy arrays on the GPU, or ``strict`` — numpy math under CuPy's rules, which CI
+        uses to catch host/device mixes without a GPU. On ``cupy`` and ``strict`` a
+        program's array arguments arrive as device arrays and its results return as
+        numpy arrays.
     timeout_s : float
         How long a device waits for a peer in any collective or receive before failing
         with :class:`CollectiveTimeout` (which names who waited for whom).
@@ -67,15 +71,26 @@ class VirtualCluster:
         ``max(1, cores // devices)`` with the cores this process may use (affinity mask
         and cgroup quota), so the devices do not oversubscribe the machine; shown in the
         cluster's repr.
+    transport : "auto" | "ipc" | "host"
+        How collectives move device arrays (``cupy``, ``strict``): ``ipc`` keeps them in
+        device memory that peers read in place (CUDA IPC on ``cupy``), ``host`` stages
+        them through host shared memory. ``auto``: ``ipc`` on device modules, ``host`` on
+        numpy. Each trace event says which ran (a group whose GPU refused IPC stages).
+    device_arena_bytes : int, optional
+        ``cupy`` with ``ipc``: the GPU memory each device exports to its peers
+        (default: an eighth of the GPU's memory shared by the devices, at most 1 GiB
+        each); buffers that do not fit are staged through the host.
     """
 
     def __init__(self, mesh, array_module: str = "numpy", timeout_s: float = 60.0,
                  algorithm: str = "auto", arena_bytes: int | None = None,
                  run_timeout_s: float = 3600.0, wait: str = "auto",
-                 threads_per_device: int | None = None):
+                 threads_per_device: int | None = None, transport: str = "auto",
+                 device_arena_bytes: int | None = None):
         self.options = ClusterOptions.build(mesh, array_module, timeout_s, algorithm,
                                             arena_bytes, run_timeout_s, wait,
-                                            shm_available_bytes(), threads_per_device)
+                                            shm_available_bytes(), threads_per_device,
+                                            transport, device_arena_bytes)
         self.mesh = mesh
         self._state = None
         self._broken: str | None = None
@@ -280,6 +295,8 @@ class _ClusterState:
             config = {
                 "layout": (layout.n_ranks, layout.n_slots, layout.mailbox_slots),
                 "mesh": mesh, "array_module": options.array_module,
+                "transport": options.transport,
+                "device_arena_bytes": options.device_arena_bytes,
                 "algorithm": options.algorithm, "wait": options.wait,
                 "timeout_s": options.timeout_s, "sys_path": list(sys.path),
                 "control": (control.name, control.fd, control.size_bytes),

@@ -57,7 +57,7 @@ class DeviceContext(Protocol):
     rank: int
     mesh: Any           # mesh.Mesh
     index: Any          # mesh.MeshIndex of this rank
-    xp: Any             # numpy, or cupy
+    xp: Any             # numpy, cupy, or the strict module (vcluster.runtime.arrays)
 
     def empty(self, shape, dtype=...) -> Any: ...
 

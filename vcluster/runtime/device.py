@@ -23,37 +23,52 @@ import socket
 import traceback
 
 from .algorithm import AlgorithmSettings
+from .arrays import ArrayModule, array_module as array_module_named
 from .channel import VirtualChannel
+from .device_memory import CudaIpcSpace, StrictSpace
 from .emulated_device import EmulatedDevice
 from .errors import DeviceAborted, error_kind
 from .fabric import ABORT_ERROR, Fabric
 from .recorder import Recorder
+from .strict import StrictArray
 from .transfer import pack, unpack
 from .wire import PeerClosed, recv_msg, send_msg
 
 __all__ = ["VirtualDevice"]
 
+_MAX_DEVICE_ARENA_BYTES = 1 << 30     # cupy + ipc: GPU memory a device exports, at most
 
-def _array_module(name: str):
-    if name == "numpy":
-        import numpy
-        return numpy
-    import cupy  # noqa: F401  (imported only on devices asked to use it)
-    cupy.cuda.runtime.getDeviceCount()
-    return cupy
+
+def _resident_space(rank: int, n: int, fabric: Fabric, arrays: ArrayModule, transport: str,
+                    device_arena_bytes: int | None):
+    """Where this device's collectives keep device arrays (None: staged through the host)."""
+    if not arrays.device or transport != "ipc":
+        return None
+    if arrays.name == "strict":
+        return StrictSpace(fabric.arenas)
+    cp = arrays.xp
+    if device_arena_bytes is None:
+        total = cp.cuda.Device().mem_info[1]
+        device_arena_bytes = min(_MAX_DEVICE_ARENA_BYTES, total // (8 * n))
+    return CudaIpcSpace(rank, fabric.arenas, int(device_arena_bytes), cp)
 
 
 class VirtualDevice:
     """The device process: its fabric view, channel, recorder and program context."""
 
     def __init__(self, rank: int, mesh, sock: socket.socket, fabric: Fabric,
-                 array_module: str, settings: AlgorithmSettings):
+                 array_module: str, settings: AlgorithmSettings, transport: str = "host",
+                 device_arena_bytes: int | None = None):
         self.rank, self.sock, self.fabric = rank, sock, fabric
-        self.xp = _array_module(array_module)
+        self.arrays = array_module_named(array_module)
+        self.xp = self.arrays.xp
+        # first, so that a CUDA IPC handle takes the first block of the host arena
+        self.space = _resident_space(rank, mesh.size, fabric, self.arrays, transport,
+                                     device_arena_bytes)
         self.channel = VirtualChannel(fabric)
         self.recorder = Recorder(rank)
         self.context = EmulatedDevice(rank, mesh, fabric, self.channel, self.recorder,
-                                      self.xp, settings)
+                                      self.arrays, settings, self.space)
         self._results: list = []     # result buffers the host copies before its next command
 
     def __repr__(self) -> str:
@@ -71,6 +86,8 @@ class VirtualDevice:
             kind = msg[0]
             if kind == "shutdown":
                 self.context.close()
+                if self.space is not None:
+                    self.space.close()
                 send_msg(self.sock, ("ok", None))
                 return
             try:
@@ -119,13 +136,16 @@ class VirtualDevice:
     def _run(self, fn_bytes: bytes, data: bytes, locations) -> tuple:
         f = self.fabric
         try:
-            fn, (args, h2d) = unpack(fn_bytes, [], f.arenas_by_owner, None)[0], \
-                unpack(data, locations, f.arenas_by_owner, f.arenas[self.rank])
+            adopt = self._adopt if self.arrays.device else None
+            fn, (args, h2d) = unpack(fn_bytes, [], f.arenas_by_owner, None, adopt)[0], \
+                unpack(data, locations, f.arenas_by_owner, f.arenas[self.rank], adopt)
             self.recorder.add_transfer(h2d_bytes=h2d)
             self.context.begin_run()
             result = fn(self.context, *args)
             self.context.synchronize()
-            payload, result_locations = pack(result, f.arenas[self.rank], self._results)
+            to_host = self._result_to_host if self.arrays.device else None
+            payload, result_locations = pack(result, f.arenas[self.rank], self._results,
+                                             to_host=to_host)
             self.recorder.add_transfer(d2h_bytes=sum(n for _, _, n in result_locations))
             return ("ok", (payload, result_locations))
         except DeviceAborted as exc:
@@ -136,6 +156,17 @@ class VirtualDevice:
             self._settle()
             return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                     error_kind(exc))
+
+    def _adopt(self, x):
+        """An argument array, just copied into this device's arena, as a device array:
+        ``strict`` keeps the arena memory, ``cupy`` copies it to the GPU."""
+        if self.arrays.name == "strict":
+            return StrictArray(x)
+        return self.arrays.to_device(x)
+
+    def _result_to_host(self, x):
+        """A result's device array as a host array (None for anything else)."""
+        return self.arrays.to_host(x) if self.arrays.is_device(x) else None
 
     def _settle(self) -> None:
         """Let queued communication finish aborting before reporting."""

@@ -2,8 +2,16 @@
 
 It turns each call into one :class:`~vcluster.runtime.collectives.common.GroupCall` run by
 the chosen algorithm, records a trace event for it, and keeps the program's issue order
-(see :mod:`vcluster.runtime.work`). Arrays live in host memory; with ``xp = cupy`` they
-are copied to the host for the transfer and back to the GPU for the result.
+(see :mod:`vcluster.runtime.work`).
+
+Arrays: with ``array_module="numpy"`` a device's arrays are host arrays in shared memory.
+With a device module (``cupy``, ``strict``; :mod:`vcluster.runtime.arrays`) its arrays
+are device arrays, and a collective either keeps them resident — the ``shm`` algorithm
+reading peers' device memory in place (``transport="ipc"``,
+:mod:`vcluster.runtime.device_memory`) — or stages them through the host: copied out
+before the algorithm and back after it (``transport="host"``, and every message
+algorithm), counted in ``d2h_bytes`` / ``h2d_bytes``. Results of collectives and
+receives are device arrays on device modules; each trace event says which path ran.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import numpy as np
 from . import collectives as C
 from .algorithm import AlgorithmSettings, choose_algorithm
 from .arguments import check_peer, check_root
+from .arrays import ArrayModule
 from .channel import USER_KIND, VirtualChannel
-from vcluster.runtime.collectives.common import Group, GroupCall, ReduceOp, scaled_shape
+from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
+from .device_memory import HostSpace
 from .errors import ArenaFullError
 from .events import CommEvent, ComputeEvent
 from .fabric import Fabric
@@ -51,7 +61,7 @@ def _local(collective: str, x, out, op=None, root=0, dim=0, **_):
     """A group of one: every collective is a copy (barrier: nothing)."""
     if collective == "barrier":
         return None
-    res = np.array(x, copy=True) if out is None else out
+    res = x.copy() if out is None else out
     if out is not None and out is not x:
         np.copyto(out, x)
     return res
@@ -97,11 +107,16 @@ class EmulatedDevice:
     """The ``dev`` a per-device program receives on a :class:`VirtualCluster`."""
 
     def __init__(self, rank: int, mesh, fabric: Fabric, channel: VirtualChannel,
-                 recorder: Recorder, xp, settings: AlgorithmSettings):
+                 recorder: Recorder, arrays: ArrayModule, settings: AlgorithmSettings,
+                 space=None):
         self.rank = rank
         self.mesh = mesh
         self.index = mesh.index(rank)
-        self.xp = xp
+        self.xp = arrays.xp
+        self._arrays = arrays
+        self._device_arrays = arrays.device
+        self._host_space = HostSpace(fabric.arenas)
+        self._space = space          # device memory peers read in place, or None
         self._f, self._channel, self._recorder = fabric, channel, recorder
         self._settings = settings
         self._groups: dict = {}
@@ -116,12 +131,19 @@ class EmulatedDevice:
 
     # --- memory ---------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32):
-        """An uninitialised array in this device's shared-memory arena (numpy only).
+        """An uninitialised array in this device's memory that peers can reach:
+        collectives read and write it in place, without staging copies.
 
-        Collectives read and write such arrays in place, without staging copies.
+        numpy: a block of the device's shared-memory arena. Device modules: an
+        ``xp`` array; with ``transport="ipc"`` in the device memory its peers open
+        (a private device array when that is full or when staging through the host).
         """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         dtype = np.dtype(dtype)
+        if self._device_arrays:
+            arena = self._space.arenas[self.rank] if self._space is not None else None
+            arr = arena.empty(shape, dtype) if arena is not None else None
+            return arr if arr is not None else self.xp.empty(shape, dtype)
         if int(np.prod(shape, dtype=np.int64)) == 0:
             return np.empty(shape, dtype)
         arr = self._f.arenas[self.rank].empty(shape, dtype)
@@ -146,16 +168,46 @@ class EmulatedDevice:
                 raise self._arena_full(shape, dtype)
         return np.empty(shape, dtype)
 
-    # --- host/device arrays (numpy or cupy) -------------------------------------------
+    def _device_alloc(self, shape, dtype, resident: bool):
+        """An array in the resident space (its arena when ``resident``, or big)."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes and (resident or nbytes >= _RESIDENT_MIN_BYTES):
+            arr = self._space.arenas[self.rank].empty(shape, dtype)
+            if arr is not None:
+                return arr
+            if resident:
+                raise self._arena_full(shape, dtype)
+        return self._space.empty(shape, dtype)
+
+    # --- host/device crossings (device modules) ---------------------------------------
     def _host(self, x):
+        """``x`` as a host array (device arrays are copied out: counted in d2h_bytes)."""
         if x is None or isinstance(x, np.ndarray):
             return x
-        if self.xp is not np and hasattr(x, "__cuda_array_interface__"):
-            return self.xp.asnumpy(x)
+        if self._arrays.is_device(x):
+            self._recorder.add_transfer(d2h_bytes=x.nbytes)
+            return self._arrays.to_host(x)
         return np.asarray(x)
 
     def _device(self, x):
-        return x if x is None or self.xp is np else self.xp.asarray(x)
+        """``x`` as a device array on device modules (host arrays are copied in: h2d)."""
+        if x is None or not self._device_arrays or self._arrays.is_device(x):
+            return x
+        self._recorder.add_transfer(h2d_bytes=x.nbytes)
+        return self._arrays.to_device(x)
+
+    def _resident(self, alg: str, group: Group) -> bool:
+        """Whether this call keeps device arrays in device memory (no host staging)."""
+        return (alg in ("shm", "local") and self._space is not None
+                and self._space.available(group.members))
+
+    def _input(self, x):
+        """A collective's input as given (host or device array); other values (lists,
+        scalars) as host arrays."""
+        if x is None or isinstance(x, np.ndarray) or self._arrays.is_device(x):
+            return x
+        return np.asarray(x)
 
     # --- compute --------------------------------------------------------------------
     def compute(self, name: str, flops: float = 0, bytes: int = 0) -> "_ComputeBlock":
@@ -200,30 +252,37 @@ class EmulatedDevice:
         group = self._group(axis)
         nbytes = 0 if x is None else x.nbytes
         alg = choose_algorithm(name, nbytes, group.size, self._settings, algorithm)
-        host_out = out if out is None or isinstance(out, np.ndarray) else None
 
         def thunk():
             start = time.perf_counter()
+            resident = self._device_arrays and self._resident(alg, group)
+            if resident:                # device arrays stay in device memory
+                x_in, space, alloc = self._device(x), self._space, self._device_alloc
+                out_in = out if out is None or self._arrays.is_device(out) else None
+            else:                       # host arrays (device ones staged through the host)
+                x_in = self._host(x) if self._device_arrays else x
+                out_in = out if out is None or isinstance(out, np.ndarray) else None
+                space, alloc = self._host_space, self._alloc
             if alg == "local":
-                res = _local(name, x, host_out, **args)
+                res = _local(name, x_in, out_in, **args)
                 event = CommEvent(self.rank, name, group.members, alg, nbytes, (), (), 0,
-                                  start, time.perf_counter())
+                                  start, time.perf_counter(), space.name)
             else:
                 self._seq[group.slot] += 1
                 call = GroupCall(self._f, self._channel, group, self._seq[group.slot], name,
-                                 alg, self._alloc, self._run_base[group.slot])
+                                 alg, alloc, self._run_base[group.slot], space)
                 if name == "barrier":
                     res = C.shm.barrier(call)
                 else:
-                    res = _RUNNERS[(name, alg)](call, x, host_out, **args)
+                    res = _RUNNERS[(name, alg)](call, x_in, out_in, **args)
                 call.finish()
                 self._link_delay(group.members, start)
                 event = call.event(nbytes, start, time.perf_counter())
             self._recorder.record(event)
-            if out is not None and host_out is None and res is not None:
-                out[...] = self.xp.asarray(res)
+            if out is not None and out_in is None and res is not None:
+                out[...] = self._device(res)
                 return out
-            return self._device(res)
+            return res if resident else self._device(res)
 
         if async_op:
             work = Work(self._f.check_abort, future=self._queue.submit(thunk))
@@ -246,25 +305,25 @@ class EmulatedDevice:
 
     # --- collectives ----------------------------------------------------------------
     def all_reduce(self, x, axis=None, op="sum", *, out=None, async_op=False, algorithm="auto"):
-        x = self._host(x)
+        x = self._input(x)
         return self._collective("all_reduce", axis, x, out, async_op, algorithm,
                                 op=ReduceOp.parse(op, x.dtype))
 
     def all_gather(self, x, axis=None, dim=0, *, out=None, async_op=False, algorithm="auto"):
-        x = self._host(x)
+        x = self._input(x)
         scaled_shape(x.shape, dim, 1, False, "all_gather")
         return self._collective("all_gather", axis, x, out, async_op, algorithm, dim=dim)
 
     def reduce_scatter(self, x, axis=None, dim=0, op="sum", *, out=None, async_op=False,
                        algorithm="auto"):
-        x = self._host(x)
+        x = self._input(x)
         scaled_shape(x.shape, dim, self._group(axis).size, True, "reduce_scatter")
         return self._collective("reduce_scatter", axis, x, out, async_op, algorithm, dim=dim,
                                 op=ReduceOp.parse(op, x.dtype))
 
     def all_to_all(self, x, axis=None, split_dim=0, concat_dim=0, *, out=None,
                    async_op=False, algorithm="auto"):
-        x = self._host(x)
+        x = self._input(x)
         scaled_shape(x.shape, split_dim, self._group(axis).size, True, "all_to_all")
         scaled_shape(x.shape, concat_dim, 1, False, "all_to_all")
         return self._collective("all_to_all", axis, x, out, async_op, algorithm,
@@ -272,14 +331,14 @@ class EmulatedDevice:
 
     def broadcast(self, x, axis=None, root=0, *, out=None, async_op=False, algorithm="auto"):
         root = self._root(axis, root, "broadcast")
-        x = self._host(x) if self._group(axis).position == root else None
+        x = self._input(x) if self._group(axis).position == root else None
         self._need_root_input("broadcast", axis, root, x)
         return self._collective("broadcast", axis, x, out, async_op, algorithm, root=root)
 
     def scatter(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                 algorithm="auto"):
         root = self._root(axis, root, "scatter")
-        x = self._host(x) if self._group(axis).position == root else None
+        x = self._input(x) if self._group(axis).position == root else None
         self._need_root_input("scatter", axis, root, x)
         if x is not None:
             scaled_shape(x.shape, dim, self._group(axis).size, True, "scatter")
@@ -289,14 +348,14 @@ class EmulatedDevice:
     def gather(self, x, axis=None, root=0, dim=0, *, out=None, async_op=False,
                algorithm="auto"):
         root = self._root(axis, root, "gather")
-        x = self._host(x)
+        x = self._input(x)
         scaled_shape(x.shape, dim, 1, False, "gather")
         return self._collective("gather", axis, x, out, async_op, algorithm, root=root, dim=dim)
 
     def reduce(self, x, axis=None, root=0, op="sum", *, out=None, async_op=False,
                algorithm="auto"):
         root = self._root(axis, root, "reduce")
-        x = self._host(x)
+        x = self._input(x)
         return self._collective("reduce", axis, x, out, async_op, algorithm, root=root,
                                 op=ReduceOp.parse(op, x.dtype))
 
@@ -387,6 +446,6 @@ class EmulatedDevice:
         self._link_delay(src, start)
         self._p2p_event("recv", src, res, tag, start, False)
         if out is not None and host_out is None:
-            out[...] = self.xp.asarray(res)
+            out[...] = self._device(res)
             return out
         return self._device(res)

@@ -66,7 +66,10 @@ class CommEvent(PeerTotals):
     ``group`` is the ordered tuple of member ranks (for send/recv: the two ranks),
     ``nbytes`` the size of the local input (of the output for receives),
     ``sent``/``received`` tuples of (peer rank, bytes, messages), sorted by peer, and
-    ``tag`` the user tag of send/recv (for collectives: the call number on its group).
+    ``tag`` the user tag of send/recv (for collectives: the call number on its group),
+    ``transport`` where the data moved: ``"host"`` (shared host memory; device arrays
+    staged through it) or ``"ipc"`` (device memory read in place by peers,
+    :mod:`vcluster.runtime.device_memory`).
     """
 
     rank: int
@@ -79,6 +82,7 @@ class CommEvent(PeerTotals):
     tag: int
     start: float
     end: float
+    transport: str = "host"
 
     @property
     def duration_s(self) -> float:

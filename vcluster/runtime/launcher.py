@@ -89,7 +89,8 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
         sock = socket.socket(fileno=config["device_fds"][rank])
         try:
             device = VirtualDevice(rank, config["mesh"], sock, fabric, config["array_module"],
-                                   AlgorithmSettings(config["algorithm"]))
+                                   AlgorithmSettings(config["algorithm"]),
+                                   config["transport"], config["device_arena_bytes"])
         except BaseException as exc:
             from .wire import send_msg
             send_msg(sock, ("startup-error", f"{type(exc).__name__}: {exc}"))

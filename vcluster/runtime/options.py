@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from mesh import Mesh
 
 from .algorithm import AlgorithmSettings
+from .arrays import ARRAY_MODULES
 from .cores import usable_cores
+from .device_memory import TRANSPORTS
 
 __all__ = ["ClusterOptions"]
 
@@ -22,7 +24,7 @@ MIN_ARENA_BYTES = 4 * _MiB
 ADDRESS_BUDGET_BYTES = 8 << 40
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                     "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "BLIS_NUM_THREADS")
-_ARRAY_MODULES = ("numpy", "cupy")
+_ARRAY_MODULES = ARRAY_MODULES
 _WAITS = ("auto", "futex", "poll")
 
 
@@ -37,11 +39,14 @@ class ClusterOptions:
     wait: str
     threads_per_device: int = 1
     startup_timeout_s: float = 60.0
+    transport: str = "host"              # "ipc" | "host" (resolved from "auto")
+    device_arena_bytes: int | None = None    # cupy + ipc: GPU memory each device exports
 
     @classmethod
     def build(cls, mesh, array_module, timeout_s, algorithm, arena_bytes, run_timeout_s,
               wait, shm_free_bytes: int | None,
-              threads_per_device: int | None = None) -> "ClusterOptions":
+              threads_per_device: int | None = None, transport: str = "auto",
+              device_arena_bytes: int | None = None) -> "ClusterOptions":
         """Validated options. Defaults derived from the machine:
 
         * ``arena_bytes``: the range each arena may grow to,
@@ -52,6 +57,8 @@ class ClusterOptions:
           where ``cores`` is what this process may use (:func:`usable_cores`), so that
           the devices together start at most one pool thread per core — or one per device
           when there are more devices than cores (a device's own thread is the floor).
+        * ``transport``: ``auto`` is ``ipc`` on the device modules (collectives on device
+          arrays read peers' device memory in place) and ``host`` on numpy.
         """
         if not isinstance(mesh, Mesh):
             raise TypeError(f"VirtualCluster: mesh must be a mesh.Mesh, got {type(mesh).__name__}")
@@ -83,13 +90,35 @@ class ClusterOptions:
               or isinstance(threads_per_device, bool) or threads_per_device < 1):
             raise ValueError("VirtualCluster: threads_per_device must be an int >= 1, got "
                              f"{threads_per_device!r}")
+        transport = _transport(array_module, transport)
+        if device_arena_bytes is not None and (
+                not isinstance(device_arena_bytes, numbers.Integral)
+                or isinstance(device_arena_bytes, bool) or device_arena_bytes < MIN_ARENA_BYTES):
+            raise ValueError(f"VirtualCluster: device_arena_bytes must be an int >= "
+                             f"{MIN_ARENA_BYTES} (4 MiB) or None, got {device_arena_bytes!r}")
         return cls(array_module, float(timeout_s), algorithm, int(arena_bytes),
-                   int(arena_bytes), float(run_timeout_s), wait, int(threads_per_device))
+                   int(arena_bytes), float(run_timeout_s), wait, int(threads_per_device),
+                   transport=transport, device_arena_bytes=device_arena_bytes)
 
     def thread_environment(self) -> dict[str, str]:
         """The variables that size the devices' BLAS/OpenMP pools (set before numpy
         loads in the launcher, so every library reads them at start-up)."""
         return {v: str(self.threads_per_device) for v in THREAD_VARIABLES}
+
+
+def _transport(array_module: str, transport) -> str:
+    """``transport`` resolved: ``ipc`` or ``host`` (see :mod:`vcluster.runtime.device_memory`)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"VirtualCluster: transport must be one of {TRANSPORTS}, "
+                         f"got {transport!r}")
+    if array_module == "numpy":
+        if transport == "ipc":
+            raise ValueError("VirtualCluster: transport='ipc' moves device arrays between "
+                             "devices; with array_module='numpy' the arrays are host arrays "
+                             "already: use transport='auto' or 'host', or "
+                             "array_module='cupy' or 'strict'")
+        return "host"
+    return "ipc" if transport == "auto" else transport
 
 
 def _check_cupy() -> None:

@@ -28,10 +28,12 @@ __all__ = ["pack", "unpack", "dumps", "OUT_OF_BAND_BYTES"]
 OUT_OF_BAND_BYTES = 64 * 1024
 
 
-def pack(obj, arena: Arena, keep: list,
-         placed: dict | None = None) -> tuple[bytes, list[tuple[int, int, int]]]:
+def pack(obj, arena: Arena, keep: list, placed: dict | None = None,
+         to_host=None) -> tuple[bytes, list[tuple[int, int, int]]]:
     """Pickle ``obj``; large buffers go to ``arena`` (their blocks are appended to keep).
 
+    ``to_host(x)``: a device's results cross to the host as numpy arrays: it returns the
+    host copy of a device array ``x``, or None for any other object.
     ``placed`` maps (address, nbytes) of buffers already copied to ``arena`` to their
     offset: pass one dict to the ``pack`` calls of one ``run`` so that an array shared by
     the arguments of many ranks (a model's parameters) is copied to the arena once.
@@ -59,7 +61,7 @@ def pack(obj, arena: Arena, keep: list,
         locations.append((arena.owner, offset, raw.nbytes))
         return False
 
-    data = dumps(obj, buffer_callback=place)
+    data = dumps(obj, buffer_callback=place, to_host=to_host)
     return data, locations
 
 
@@ -74,21 +76,66 @@ def _reduce_code(code):
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle's pickler, except that code sent by value keeps ``co_filename``."""
+    """cloudpickle's pickler, except that code sent by value keeps ``co_filename``, a
+    strided array travels as a contiguous copy (numpy pickles those through
+    ``_frombuffer``, which :func:`unpack` can move to a device), and device arrays
+    become host arrays through ``to_host``."""
 
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
+    def __init__(self, file, protocol, buffer_callback, to_host):
+        super().__init__(file, protocol=protocol, buffer_callback=buffer_callback)
+        self._to_host = to_host
 
-def dumps(obj, protocol: int = 5, buffer_callback=None) -> bytes:
+    def reducer_override(self, obj):
+        if type(obj) is np.ndarray:
+            if obj.flags.c_contiguous or obj.flags.f_contiguous or obj.dtype.hasobject:
+                return NotImplemented
+            return obj.copy(order="C").__reduce_ex__(5)
+        if self._to_host is not None:
+            host = self._to_host(obj)
+            if host is not None:
+                return host.__reduce_ex__(5) if host.flags.c_contiguous else \
+                    host.copy(order="C").__reduce_ex__(5)
+        return super().reducer_override(obj)
+
+
+def dumps(obj, protocol: int = 5, buffer_callback=None, to_host=None) -> bytes:
     """``cloudpickle.dumps`` whose functions sent by value keep their source file names
-    (in tracebacks and ``fn.__code__.co_filename`` on the device)."""
+    (in tracebacks and ``fn.__code__.co_filename`` on the device); see :class:`_Pickler`
+    for arrays."""
     with io.BytesIO() as out:
-        _Pickler(out, protocol=protocol, buffer_callback=buffer_callback).dump(obj)
+        _Pickler(out, protocol, buffer_callback, to_host).dump(obj)
         return out.getvalue()
 
 
-def unpack(data: bytes, locations, arenas: dict[int, Arena], into: Arena | None):
-    """Unpickle; copy each buffer into ``into`` (an arena) or private memory if None.
+_FROMBUFFER = {("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer")}
+
+
+class _Unpickler(pickle.Unpickler):
+    """Unpickles every (non-object) numpy array straight onto a device: numpy rebuilds
+    each through ``_frombuffer`` (strided ones were made contiguous by the pickler)."""
+
+    def __init__(self, file, buffers, to_device):
+        super().__init__(file, buffers=buffers)
+        self._to_device = to_device
+
+    def find_class(self, module, name):
+        found = super().find_class(module, name)
+        if (module, name) not in _FROMBUFFER:
+            return found
+        to_device = self._to_device
+
+        def frombuffer_on_device(*args):
+            return to_device(found(*args))
+
+        return frombuffer_on_device
+
+
+def unpack(data: bytes, locations, arenas: dict[int, Arena], into: Arena | None,
+           to_device=None):
+    """Unpickle; copy each buffer into ``into`` (an arena) or private memory if None;
+    ``to_device(host_array)``, if given, makes every array a device array.
 
     Returns (object, bytes copied).
     """
@@ -101,4 +148,7 @@ def unpack(data: bytes, locations, arenas: dict[int, Arena], into: Arena | None)
         np.copyto(dst, src)
         buffers.append(dst)
         copied += nbytes
-    return pickle.loads(data, buffers=buffers), copied
+    if to_device is None:
+        return pickle.loads(data, buffers=buffers), copied
+    with io.BytesIO(data) as file:
+        return _Unpickler(file, buffers, to_device).load(), copied

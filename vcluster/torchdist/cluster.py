@@ -32,12 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 
 from vcluster.runtime.arguments import check_run_args
 from vcluster.runtime.transfer import dumps
 from vcluster.runtime.errors import (ClusterBrokenError, DeviceLostError, DeviceProgramError,
                                      HostTimeout)
+from .rank import backend_choice, require_torch
 
 __all__ = ["TorchCluster"]
 
@@ -53,7 +55,11 @@ class TorchCluster:
     mesh : mesh.Mesh
         Rank r runs at ``mesh.index(r)``; every axis group becomes a process group.
     backend : "auto" | "gloo" | "nccl"
-        ``auto``: NCCL when CUDA is available, else gloo.
+        ``auto``: NCCL when every rank can have its own GPU (``torch.cuda.device_count()
+        >= mesh.size``), else gloo; when GPUs are present but too few, one warning says
+        so. ``nccl`` with fewer GPUs than ranks (or no CUDA) raises a ValueError here,
+        before any process starts. Decided once on the host; ``self.backend`` is the
+        choice, which every rank (and every ``restart()``) uses.
     timeout_s : float
         The process groups' timeout: how long a rank waits for a peer in a collective.
     run_timeout_s, start_timeout_s : float
@@ -68,7 +74,8 @@ class TorchCluster:
                 raise ValueError(f"TorchCluster: {name} must be > 0 seconds, got {value!r}")
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"TorchCluster: backend must be auto, gloo or nccl, got {backend!r}")
-        self.mesh, self.backend = mesh, backend
+        require_torch()
+        self.mesh, self.backend = mesh, _host_backend(backend, mesh.size)
         self.timeout_s, self.run_timeout_s = float(timeout_s), float(run_timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.info: dict = {}
@@ -88,11 +95,6 @@ class TorchCluster:
 
     # --- life cycle -----------------------------------------------------------------
     def _start(self) -> None:
-        import importlib.util
-        if importlib.util.find_spec("torch") is None:
-            raise ImportError("the torch engine needs torch: pip install -e '.[torch]' (a CPU "
-                              "build: pip install torch --index-url "
-                              "https://download.pytorch.org/whl/cpu)")
         self._tmp = tempfile.mkdtemp(prefix="vcluster-torch-")
         pairs = [socket.socketpair() for _ in range(self.mesh.size)]
         config = {"mesh": self.mesh, "backend": self.backend, "timeout_s": self.timeout_s,
@@ -216,6 +218,19 @@ class TorchCluster:
     def _break(self, why: str) -> None:
         self._broken = why
         _kill(self._pids)
+
+
+def _host_backend(backend: str, ranks: int) -> str:
+    """The backend all ``ranks`` will use, decided before any of them starts: an error
+    for NCCL without a GPU per rank, a warning (once per call site) when ``auto`` falls
+    back to gloo because the GPUs are too few. ``gloo`` never imports torch here."""
+    try:
+        chosen, note = backend_choice(backend, ranks)
+    except ValueError as exc:
+        raise ValueError(f"TorchCluster: {exc}") from None
+    if note:
+        warnings.warn(f"TorchCluster: {note}", stacklevel=3)
+    return chosen
 
 
 def _kill(pids) -> None:

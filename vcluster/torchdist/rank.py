@@ -7,25 +7,96 @@ import datetime
 
 from .groups import group_plan
 
-__all__ = ["choose_backend", "init_rank", "backend_info"]
+__all__ = ["choose_backend", "backend_choice", "visible_gpus", "init_rank", "backend_info"]
+
+_BACKENDS = ("auto", "gloo", "nccl")
 
 
-def choose_backend(backend: str = "auto") -> str:
-    """``auto``: NCCL when CUDA is available, else gloo."""
+def require_torch() -> None:
+    """Raise an ImportError that says how to install torch, when it is missing."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        raise ImportError("the torch engine needs torch: pip install -e '.[torch]' (a CPU "
+                          "build: pip install torch --index-url "
+                          "https://download.pytorch.org/whl/cpu)")
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this process sees: ``torch.cuda.device_count()``, 0 when
+    CUDA is not available."""
+    require_torch()
     import torch
-    if backend not in ("auto", "gloo", "nccl"):
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _gpus(n: int) -> str:
+    return "no GPU (CUDA is not available)" if n == 0 else _count(n, "GPU")
+
+
+def _check_counts(world_size, gpu_count) -> None:
+    if world_size is not None and (type(world_size) is not int or world_size < 1):
+        raise ValueError(f"world_size must be a positive int or None, got {world_size!r}")
+    if gpu_count is not None and (type(gpu_count) is not int or gpu_count < 0):
+        raise ValueError(f"gpu_count must be an int >= 0 or None, got {gpu_count!r}")
+
+
+def backend_choice(backend: str = "auto", world_size: int | None = None,
+                   gpu_count: int | None = None) -> tuple[str, str | None]:
+    """The backend for ``world_size`` ranks sharing ``gpu_count`` GPUs, and a note.
+
+    ``auto``: NCCL when every rank can have its own GPU (``gpu_count >= world_size``),
+    else gloo (CPU tensors). ``nccl``: a ValueError naming the ranks, the GPUs and the
+    fix when the GPUs are too few. ``gloo``: gloo. NCCL refuses two ranks on one GPU.
+
+    ``world_size``: the ranks that share this machine's GPUs; None counts this process
+    alone (as under torchrun, where each rank has a local GPU). ``gpu_count``: None asks
+    :func:`visible_gpus` (imports torch); not asked for ``gloo``.
+
+    The note is one line saying why ``auto`` chose gloo although GPUs are present (too
+    few for the ranks); None otherwise (a machine without CUDA choosing gloo is
+    unremarkable).
+    """
+    if backend not in _BACKENDS:
         raise ValueError(f"backend must be auto, gloo or nccl, got {backend!r}")
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, and torch.cuda.is_available() is False "
-                         "(use 'gloo' or 'auto')")
-    return backend
+    _check_counts(world_size, gpu_count)
+    if backend == "gloo":
+        return "gloo", None
+    gpus = visible_gpus() if gpu_count is None else gpu_count
+    need = 1 if world_size is None else world_size
+    if gpus >= need:
+        return "nccl", None
+    ranks = "this rank" if world_size is None else _count(world_size, "rank")
+    if backend == "nccl":
+        fix = "use backend='gloo' or 'auto'" + (f", or a mesh of at most {gpus} devices"
+                                                if gpus else "")
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {ranks}, {_gpus(gpus)}; "
+                         f"{fix}")
+    if gpus == 0:
+        return "gloo", None
+    return "gloo", (f"backend 'auto' chose gloo (CPU tensors), not NCCL: {ranks}, "
+                    f"{_gpus(gpus)}, and NCCL needs one GPU per rank (backend='gloo' "
+                    f"chooses it quietly; a mesh of at most {gpus} devices gets NCCL)")
+
+
+def choose_backend(backend: str = "auto", world_size: int | None = None,
+                   gpu_count: int | None = None) -> str:
+    """``auto``: NCCL when every rank can have its own GPU, else gloo; see
+    :func:`backend_choice` (this is its backend, without the note)."""
+    return backend_choice(backend, world_size, gpu_count)[0]
 
 
 def init_rank(mesh, rank: int, backend: str, init_method: str, timeout_s: float,
-              local_rank: int | None = None):
+              local_rank: int | None = None, local_world_size: int | None = None):
     """Join the world of ``mesh.size`` ranks and return this rank's device context.
+
+    ``backend`` as :func:`choose_backend`: without ``local_rank`` (the local launcher)
+    all ``mesh.size`` ranks share this machine's GPUs, so NCCL needs that many; with
+    ``local_rank`` (torchrun) the ``local_world_size`` ranks of this node share its GPUs
+    (None: this rank alone), each rank on ``cuda:<local_rank>``.
 
     Every rank calls ``new_group`` for every group of :func:`group_plan`, in its order
     (torch requires that of members and non-members alike).
@@ -34,10 +105,10 @@ def init_rank(mesh, rank: int, backend: str, init_method: str, timeout_s: float,
     import torch.distributed as dist
     from .context import TorchDeviceContext
 
-    backend = choose_backend(backend)
+    backend = choose_backend(backend, mesh.size if local_rank is None else local_world_size)
     device = "cpu"
     if backend == "nccl":
-        device = f"cuda:{rank % torch.cuda.device_count() if local_rank is None else local_rank}"
+        device = f"cuda:{rank if local_rank is None else local_rank}"    # one GPU per rank
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank,

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ArenaFullError, CollectiveMismatch
 from ..events import CommEvent
+from ..device_memory import HostSpace
 from ..fabric import Fabric
 from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
 
@@ -89,9 +90,11 @@ def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp
     uf = op.ufunc
     flat = all(a.ndim == 1 for a in sources + dests)
     n = sources[0].size
-    step = max(1, _BLOCK_BYTES // max(1, sources[0].itemsize)) if flat else max(n, 1)
+    # host arrays go block by block (cache); device arrays in one kernel per operand
+    on_host = isinstance(sources[0], np.ndarray)
+    step = max(1, _BLOCK_BYTES // max(1, sources[0].itemsize)) if flat and on_host else max(n, 1)
     if scratch is None or scratch.size < min(step, n):
-        scratch = np.empty(min(step, n) if flat else sources[0].shape, sources[0].dtype)
+        scratch = np.empty_like(sources[0], shape=min(step, n) if flat else sources[0].shape)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         part = (lambda a: a[lo:hi]) if flat else (lambda a: a)
@@ -140,12 +143,16 @@ class GroupCall:
     """One member's side of one collective call: descriptors, phases, byte accounting."""
 
     def __init__(self, fabric: Fabric, channel, group: Group, seq: int, collective: str,
-                 algorithm: str, alloc, run_base: int = 0):
+                 algorithm: str, alloc, run_base: int = 0, space=None):
         self.f, self.channel, self.group, self.seq = fabric, channel, group, seq
+        # where buffers live (vcluster.runtime.device_memory): the host's arenas, or
+        # device memory the peers read in place
+        self.space = space if space is not None else HostSpace(fabric.arenas)
+        self.arenas = self.space.arenas
         self.run_base = run_base         # calls on this slot before the current run
         self.number = seq - run_base     # "call #k" in messages counts from the run start
         self.collective, self.algorithm, self.op_code = collective, algorithm, OP_CODES[collective]
-        self.alloc = alloc               # alloc(shape, dtype, resident) -> ndarray
+        self.alloc = alloc               # alloc(shape, dtype, resident) -> array in space
         self.me = group.position
         self.sent: dict[int, list[int]] = {}       # peer -> [bytes, messages]
         self.received: dict[int, list[int]] = {}
@@ -169,7 +176,7 @@ class GroupCall:
             return tuple((p, b, m) for p, (b, m) in sorted(d.items()))
         return CommEvent(self.f.rank, self.collective, self.group.members, self.algorithm,
                          int(nbytes), pairs(self.sent), pairs(self.received), self.seq,
-                         start, end)
+                         start, end, self.space.name)
 
     # --- descriptors ----------------------------------------------------------------
     def _row(self, member: int) -> np.ndarray:
@@ -177,7 +184,7 @@ class GroupCall:
 
     def _locate(self, array: np.ndarray) -> tuple[int, int]:
         """(owner, offset) of an arena copy of ``array``: in place when already there."""
-        arena = self.f.arenas[self.f.rank]
+        arena = self.arenas[self.f.rank]
         offset = arena.offset_of(array)
         if offset is None:
             staged = self.alloc(array.shape, array.dtype, True)
@@ -208,16 +215,16 @@ class GroupCall:
                                   + [-1, 0, array.nbytes])
             row[D.ARG] = arg
             if array.nbytes <= INLINE_BYTES:
-                row[D.INLINE:].view(np.uint8)[:array.nbytes] = np.ascontiguousarray(
-                    array).view(np.uint8).reshape(-1)
+                row[D.INLINE:].view(np.uint8)[:array.nbytes] = self.space.inline_bytes(array)
             elif array.nbytes:
                 row[D.IN_OWNER], row[D.IN_OFFSET] = self._locate(array)
         if out is not None:
-            offset = self.f.arenas[self.f.rank].offset_of(out)
+            offset = self.arenas[self.f.rank].offset_of(out)
             if offset is None:
                 raise ArenaFullError(f"rank {self.f.rank}: {self.collective} output is not "
                                      "in the arena")
             row[D.OUT_OWNER], row[D.OUT_OFFSET] = self.f.rank, offset
+        self.space.sync()           # my input is written before peers may read it
         self.arrive(1)
 
     def _snapshot(self) -> None:
@@ -248,7 +255,7 @@ class GroupCall:
     def inline_inputs(self, dtype: np.dtype, count: int) -> np.ndarray:
         """Every member's inline input as rows of one (n, count) array (a private copy)."""
         nbytes = count * np.dtype(dtype).itemsize
-        return self._rows[:, D.INLINE:].view(np.uint8)[:, :nbytes].view(dtype)
+        return self.space.from_host(self._rows[:, D.INLINE:].view(np.uint8)[:, :nbytes].view(dtype))
 
     def count_received_from_all(self, nbytes: int) -> None:
         for m in self.group.members:
@@ -260,14 +267,15 @@ class GroupCall:
         i = self.group.members.index(member)
         h = self._headers[i]
         if nbytes == 0:
-            return np.empty(shape, dtype)
+            return self.space.empty(shape, dtype)
         if h[D.IN_OWNER] < 0:
-            return self._rows[i, D.INLINE:].view(np.uint8)[:nbytes].view(dtype).reshape(shape)
-        return self.f.arenas[h[D.IN_OWNER]].view(h[D.IN_OFFSET], shape, dtype)
+            return self.space.from_host(
+                self._rows[i, D.INLINE:].view(np.uint8)[:nbytes].view(dtype).reshape(shape))
+        return self.arenas[h[D.IN_OWNER]].view(h[D.IN_OFFSET], shape, dtype)
 
     def peer_output(self, member: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
         h = self._headers[self.group.members.index(member)]
-        return self.f.arenas[h[D.OUT_OWNER]].view(h[D.OUT_OFFSET], shape, dtype)
+        return self.arenas[h[D.OUT_OWNER]].view(h[D.OUT_OFFSET], shape, dtype)
 
     def all_inline(self) -> bool:
         return all(h[D.NBYTES] <= INLINE_BYTES for h in self._headers)
@@ -294,6 +302,8 @@ class GroupCall:
 
     # --- phases ---------------------------------------------------------------------
     def arrive(self, phase: int) -> None:
+        if phase == 2:
+            self.space.sync()       # my reads and writes of peers' buffers are done
         f, me, slot = self.f, self.f.rank, self.group.slot
         f.progress[me, slot] = 4 * self.seq + phase
         f.waker.wake(f.progress_address(me, slot))

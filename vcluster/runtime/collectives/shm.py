@@ -57,7 +57,7 @@ def _reduce_to(res: np.ndarray, sources: list[np.ndarray], op: ReduceOp, n: int)
     if res.flags.c_contiguous:
         reduce_into([res.reshape(-1)], sources, op, n)
         return
-    tmp = np.empty(res.shape, res.dtype)
+    tmp = np.empty_like(res, order="C")
     reduce_into([tmp.reshape(-1)], sources, op, n)
     np.copyto(res, tmp)
 
@@ -73,7 +73,7 @@ def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
         res = _result(call, out, x.shape, x.dtype, False)
         _reduce_to(res, list(rows), op, n)
         return res
-    arena = call.f.arenas[call.f.rank]
+    arena = call.arenas[call.f.rank]
     res = out if out is not None and arena.offset_of(out) is not None else \
         call.alloc(x.shape, x.dtype, True)
     call.publish(x, arg=op.code, out=res)
@@ -108,7 +108,7 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
         res = _result(call, out, x.shape, x.dtype, False)
         _reduce_to(res, [call.peer_input(m).reshape(-1) for m in g.members], op, n)
         return res
-    arena = call.f.arenas[call.f.rank]
+    arena = call.arenas[call.f.rank]
     res = None
     if is_root:
         res = out if out is not None and arena.offset_of(out) is not None else \

@@ -81,6 +81,16 @@ def format_hardware(hw: HardwareSpec) -> str:
                 emit(value, indent + "  ", key)
                 lines.extend(indent + "  " + c for c in derived.get(key, []))
                 continue
+            if key == "kernels":                 # measured rows: counted, not listed
+                if not value:
+                    lines.append(f"{indent}kernels: none measured (datasheet constants)")
+                    continue
+                kinds = {}
+                for row in value:
+                    kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+                what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+                lines.append(f"{indent}kernels: {len(value)} measured ({what})")
+                continue
             unit = _unit(parent if parent == "peak_tflops" else key)
             if key.endswith("_bytes"):
                 unit += f"  # {value / 1e9:g} GB"
@@ -146,7 +156,17 @@ def run_show(args) -> int:
 
 def run_calibrate(args) -> int:
     """Measure this machine on ``args.devices`` devices, print the figures and, with
-    ``args.out``, save them (atomically) for ``hardware.calibration``."""
+    ``args.out``, save them (atomically) for ``hardware.calibration``; with ``--gpu``,
+    measure the GPU's kernels instead (:func:`run_calibrate_gpu`)."""
+    if args.gpu:
+        return run_calibrate_gpu(args)
+    for flag, value in (("--base", args.base), ("--device", args.device)):
+        if value is not None:
+            raise ValueError(f"{flag} calibrates a GPU: add --gpu")
+    if args.tiny:
+        raise ValueError("--tiny calibrates a GPU (on the CPU, at tiny sizes): add --gpu "
+                         "--device cpu")
+    args.devices = 8 if args.devices is None else args.devices
     # lazy: keeps vcluster --help fast
     from vcluster.scenario.hardware import LocalhostCalibrations
     from vcluster.localhost.cost_model import save_localhost_spec
@@ -165,6 +185,49 @@ def run_calibrate(args) -> int:
         print(f"wrote {out}; reuse it with hardware.calibration, e.g.\n"
               f"  vcluster run SCENARIO.yaml --set hardware=localhost "
               f"--set hardware.calibration={out}")
+    return 0
+
+
+def run_calibrate_gpu(args) -> int:
+    """``calibrate --gpu``: time the kernel sweep on the local CUDA device (or, with
+    ``--device cpu --tiny``, on the CPU) and write a hardware YAML whose device constants
+    are the measured ones (:mod:`vcluster.gpu.calibration`)."""
+    # lazy: keeps vcluster --help fast (torch)
+    from vcluster.gpu import calibrated_hardware, cuda_missing, default_base, sweep_kernels
+    from vcluster.runtime.files import write_text_atomic
+    if args.devices is not None:
+        raise ValueError("--devices sizes the localhost calibration cluster; --gpu measures "
+                         "one GPU: drop one of them")
+    device = args.device or "cuda"
+    if args.tiny and device != "cpu":
+        raise ValueError("--tiny runs the sweep at sizes for a CPU: use it with --device cpu")
+    if not args.out:
+        raise ValueError("calibrate --gpu needs --out FILE (the hardware YAML it writes)")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"--out = {args.out!r}: directory {str(out.parent)!r} does not exist")
+    if device == "cuda" and (why := cuda_missing()):
+        print(f"vcluster hardware calibrate --gpu needs CUDA: {why}; on a machine without a "
+              "GPU, --device cpu --tiny runs the same sweep on the CPU", file=sys.stderr)
+        return 2
+    print(f"vcluster hardware calibrate --gpu: timing GEMMs, copies and launches on "
+          f"{device}{' (tiny sizes)' if args.tiny else ''} ...", file=sys.stderr, flush=True)
+    sweep = sweep_kernels(device, tiny=args.tiny)
+    # a CPU is no preset's device: its sweep (a test of the path) borrows the H100 node
+    base = args.base or default_base(sweep.device_name) or ("h100-dgx" if device == "cpu"
+                                                            else None)
+    if base is None:
+        raise ValueError(f"no preset is a {sweep.device_name!r}: name the one whose node, "
+                         f"links and network to use with --base ({', '.join(PRESET_NAMES)})")
+    document = calibrated_hardware(sweep, base)
+    import yaml
+    d = document["device"]
+    header = (f"# {d['source']}\n# use it: vcluster simulate gpt ... --hardware {out.name}\n")
+    write_text_atomic(str(out), header + yaml.safe_dump(document, sort_keys=False))
+    print(f"{sweep.device_name}: gemm_max_efficiency {d['gemm_max_efficiency']:.3f}, "
+          f"kernel_overhead_us {d['kernel_overhead_us']:.2f}, hbm_efficiency "
+          f"{d['hbm_efficiency']:.3f} (base {base}, {len(sweep.kernels)} kernels)")
+    print(f"wrote {out}; use it with --hardware {out}")
     return 0
 
 
@@ -188,8 +251,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "20 s) and print the figures; with --out, save them for a scenario's "
                     "hardware.calibration (JSON, or YAML for .yaml/.yml).")
     cal.add_argument("--devices", type=int_at_least(2, "devices of the calibration cluster"),
-                     default=8,
-                     help="devices of the calibration cluster (default 8)")
+                     default=None,
+                     help="devices of the calibration cluster (default 8; not with --gpu)")
     cal.add_argument("--out", metavar="FILE", help="write the calibration here (atomically)")
+    cal.add_argument("--gpu", action="store_true",
+                     help="measure the local CUDA GPU's kernels instead (GEMMs, copies, "
+                     "launches; torch, under a minute) and write a hardware YAML for "
+                     "--hardware: a preset with the measured device constants")
+    cal.add_argument("--base", choices=PRESET_NAMES, default=None,
+                     help="with --gpu: the preset whose node, links and network the file "
+                     "keeps (default: the preset of the GPU's name)")
+    cal.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                     help="with --gpu: cuda (default) or cpu (with --tiny: the whole path "
+                     "without a GPU)")
+    cal.add_argument("--tiny", action="store_true",
+                     help="with --gpu --device cpu: sizes a CPU times in seconds")
     cal.set_defaults(run=run_calibrate)
     return parser

@@ -1,8 +1,10 @@
 """``vcluster validate-model``: the timing model against published measurements.
 
 Rows: bus bandwidth of every row of nccl_a100.csv, iteration time of every row of
-megatron_2020_a100.csv and TFLOP/s per GPU of every row of megatron_sc21_table1.csv
-(copies ship with vcluster as package data), each with published, predicted and
+megatron_2020_a100.csv, TFLOP/s per GPU of every row of megatron_sc21_table1.csv, and step
+time and peak memory of every row of h200_gpt_steps.csv (one-GPU PyTorch steps measured
+with ``vcluster bench gpu-step``) (copies ship with vcluster as package data), each with
+published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
 ``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
@@ -12,6 +14,7 @@ h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`).
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
+``held_out``) nor on h200_gpt_steps.csv (measured after every constant was set:
 ``held_out``).
 """
 
@@ -32,12 +35,12 @@ def add_parser(commands) -> None:
 
 def validation_rows() -> dict:
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import validate_megatron
+    from vcluster.planner.validation import validate_gpu_steps, validate_megatron
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import h100_gemm_leave_one_out
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
-    rows += [r | {"table": r["source"]} for r in validate_megatron()]
+    rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_gpu_steps()]
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]

@@ -23,7 +23,11 @@ from vcluster.timing import read_data_csv
 
 from .simulation import simulate_gpt
 
-__all__ = ["validate_megatron", "micro_batch_for", "DEFAULT_MICRO_BATCH", "HARDWARE"]
+__all__ = ["validate_megatron", "validate_gpu_steps", "micro_batch_for", "DEFAULT_MICRO_BATCH",
+           "HARDWARE", "GPU_STEP_TABLES"]
+
+#: measured one-GPU steps (``vcluster bench gpu-step``) and the preset of their GPU
+GPU_STEP_TABLES = {"h200_gpt_steps.csv": "h200-dgx"}
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"
@@ -67,4 +71,26 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
         case = f"{r['model']} tp={tp} pp={pp} dp={par.dp} ({gpus} GPUs)"
         rows.append(_row_result("megatron_sc21_table1.csv", case, "tflops_per_gpu",
                                 float(r["tflops_per_gpu"]), flops / gpus / sim.step_time_s / 1e12))
+    return rows
+
+
+def validate_gpu_steps() -> list[dict]:
+    """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`): step time
+    (ms) and peak memory (GB, ``peak_memory_gb``: without the allocator's reserve, as
+    ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset with
+    global batch = micro-batch. A compiled row is predicted like an eager one: the model
+    has no notion of ``torch.compile``'s fusion."""
+    rows = []
+    for table, hardware in GPU_STEP_TABLES.items():
+        for r in read_data_csv(table)[1]:
+            cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
+                            heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
+            mb = int(r["micro_batch"])
+            sim = simulate_gpt(cfg, ParallelConfig(global_batch=mb, micro_batch=mb), hardware)
+            case = (f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
+                    f" ({hardware})")
+            rows.append(_row_result(table, case, "step_ms", float(r["step_ms"]),
+                                    sim.step_time_s * 1e3))
+            rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),
+                                    sim.peak_memory_gb))
     return rows

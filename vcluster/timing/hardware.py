@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from types import MappingProxyType
 
+from .kernel_profile import GemmProfile, KernelTiming
+
 __all__ = ["DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec",
            "IntraNodeFabric", "NetworkTopology", "DTYPE_BYTES", "canonical_dtype"]
 
@@ -137,6 +139,9 @@ class DeviceSpec:
     kernel_overhead_us: float         # t_k: fixed cost of one kernel (launch, ramp, tail)
     hbm_efficiency: float             # achieved / datasheet HBM bandwidth
     source: str = ""
+    # measured kernels this device's constants were fitted to (``vcluster hardware
+    # calibrate --gpu``; kernel_profile.KernelTiming rows); empty for datasheet presets
+    kernels: tuple = ()
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -160,6 +165,16 @@ class DeviceSpec:
         _number(self, "kernel_overhead_us", positive=False)
         _number(self, "hbm_efficiency", at_most=1)
         _text(self, "source")
+        if isinstance(self.kernels, (str, bytes)) or not hasattr(self.kernels, "__iter__"):
+            raise ValueError(f"kernels: expected a list of measured kernels, got {self.kernels!r}")
+        object.__setattr__(self, "kernels", tuple(
+            KernelTiming.coerce(row, f"kernels[{i}]") for i, row in enumerate(self.kernels)))
+
+    def gemm_profile(self) -> GemmProfile | None:
+        """The GEMM profile of this device's measured ``gemm`` kernels (None without
+        at least two)."""
+        rows = [(r.m, r.k, r.n, r.seconds) for r in self.kernels if r.kind == "gemm"]
+        return GemmProfile.fit(rows, f"{self.name}: measured kernels") if len(rows) >= 2 else None
 
     def peak_flops(self, dtype) -> float:
         """Datasheet peak FLOP/s of ``dtype``."""

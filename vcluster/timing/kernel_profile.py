@@ -34,8 +34,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["GemmProfile", "gemm_rows", "leave_one_out", "h100_gemm_profile",
-           "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
+__all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "gemm_rows", "leave_one_out",
+           "h100_gemm_profile", "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
 
 TILE = 128                                 # cuBLAS's output tile edge on Hopper and Ampere
 H100_KERNEL_TABLE = "h100_kernels.csv"     # in vcluster/timing/data
@@ -49,6 +49,55 @@ def _check_dims(m, k, n) -> None:
     for name, v in (("m", m), ("k", k), ("n", n)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"GemmProfile: {name} must be an int >= 1, got {v!r}")
+
+
+KERNEL_KINDS = ("gemm", "elementwise", "launch")
+
+
+@dataclass(frozen=True)
+class KernelTiming:
+    """One measured kernel, seconds per call in a stream of back-to-back calls:
+    ``gemm`` (an m×k×n GEMM in ``dtype``), ``elementwise`` (a copy moving ``bytes``,
+    read plus written) or ``launch`` (a one-element kernel: the launch interval)."""
+
+    kind: str
+    seconds: float
+    m: int = 0
+    k: int = 0
+    n: int = 0
+    bytes: int = 0
+    dtype: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KERNEL_KINDS:
+            raise ValueError(f"kind must be one of {KERNEL_KINDS}, got {self.kind!r}")
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) \
+                or not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"seconds must be a number > 0, got {self.seconds!r}")
+        for name in ("m", "k", "n", "bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self.kind == "gemm":
+            _check_dims(self.m, self.k, self.n)
+        if self.kind == "elementwise" and self.bytes < 1:
+            raise ValueError(f"an elementwise kernel moves bytes >= 1, got {self.bytes!r}")
+
+    @classmethod
+    def coerce(cls, row, where: str) -> "KernelTiming":
+        """``row`` as a KernelTiming (a mapping from a YAML file, or one already)."""
+        if isinstance(row, cls):
+            return row
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a mapping of kind, seconds, ..., got {row!r}")
+        unknown = set(row) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        try:
+            return cls(**row)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,8 @@ def hardware_to_dict(hardware: HardwareSpec) -> dict:
                 v = v.value
             elif isinstance(v, Mapping):
                 v = dict(v)
+            elif isinstance(v, tuple) and all(dataclasses.is_dataclass(x) for x in v):
+                v = [plain(x) for x in v]          # DeviceSpec.kernels
             out[f.name] = v
         return out
     return plain(hardware)

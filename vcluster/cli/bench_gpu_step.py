@@ -1,0 +1,97 @@
+"""``vcluster bench gpu-step``: a real PyTorch GPT training step on this machine's GPU,
+beside what ``vcluster simulate gpt`` predicts for it on one GPU.
+
+The step is :func:`vcluster.gpu.measure_gpt_step` (plain PyTorch: bf16 autocast, flash
+attention through SDPA, fused AdamW; optionally ``torch.compile``; median of the timed
+steps). The prediction is :func:`vcluster.planner.simulate_gpt` of the same model on
+tp = pp = dp = 1 with global batch = micro-batch, on ``--hardware`` (default: the preset
+of the GPU's name; a file from ``vcluster hardware calibrate --gpu`` works too). Errors
+are predicted / measured - 1. Without CUDA it exits 2 and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .args import positive_int
+
+__all__ = ["add_parser", "run_gpu_step"]
+
+
+def add_parser(kinds) -> None:
+    gs = kinds.add_parser(
+        "gpu-step", help="a real PyTorch GPT step on this GPU beside the simulator's prediction",
+        description="Median wall time and peak memory of a reference PyTorch GPT training "
+                    "step on the local CUDA GPU (bf16 autocast, SDPA flash attention, fused "
+                    "AdamW; --compile: torch.compile), beside vcluster's one-GPU prediction "
+                    "of the same step, with the errors. Needs CUDA.")
+    for name in ("hidden", "layers", "heads", "seq", "vocab"):
+        gs.add_argument(f"--{name}", type=positive_int, required=True)
+    gs.add_argument("--micro-batch", type=positive_int, required=True,
+                    help="sequences per step (the global batch of the one GPU)")
+    gs.add_argument("--compile", action="store_true", help="torch.compile the model")
+    gs.add_argument("--steps", type=positive_int, default=8, help="timed steps (8)")
+    gs.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (3)")
+    gs.add_argument("--hardware", default=None,
+                    help="what to predict on: a preset or a YAML file (default: the preset "
+                    "of this GPU's name)")
+    gs.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    gs.set_defaults(run=run_gpu_step)
+
+
+def run_gpu_step(args) -> int:
+    # lazy: keeps vcluster --help fast (torch)
+    from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_model_flops
+    from vcluster.gpu import cuda_missing, default_base, measure_gpt_step
+    from vcluster.planner.simulation import simulate_gpt
+    from vcluster.timing import load_hardware
+    config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+                       vocab=args.vocab)                   # checks the shape first
+    if why := cuda_missing():
+        print(f"vcluster bench gpu-step needs a CUDA GPU: {why}", file=sys.stderr)
+        return 2
+    import torch
+    name = torch.cuda.get_device_name()
+    hardware = args.hardware or default_base(name)
+    if hardware is None:
+        raise ValueError(f"no preset is a {name!r}: say what to predict on with --hardware "
+                         "(a preset, or a file from vcluster hardware calibrate --gpu)")
+    hw = load_hardware(hardware)
+    parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch)
+    predicted = simulate_gpt(config, parallel, hw)
+    print(f"vcluster bench gpu-step: {name}, torch {torch.__version__}, "
+          f"{'compiled' if args.compile else 'eager'}; GPT hidden {args.hidden}, layers "
+          f"{args.layers}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
+          f"micro-batch {args.micro_batch} ...", file=sys.stderr, flush=True)
+    measured = measure_gpt_step(args.hidden, args.layers, args.heads, args.seq, args.vocab,
+                                args.micro_batch, steps=args.steps, warmup=args.warmup,
+                                compile=args.compile)
+    flops = megatron_model_flops(args.micro_batch, args.seq, args.layers, args.hidden,
+                                 args.vocab)
+    peak_gb = measured.peak_memory_bytes / 1e9
+    rows = {
+        "step_time_s": (measured.step_time_s, predicted.step_time_s),
+        "peak_memory_gb": (peak_gb, predicted.peak_memory_gb),
+    }
+    label = str(hardware) if isinstance(hardware, str) else hw.device.name
+    print(f"{name}, {measured.parameters / 1e9:.2f}B parameters, "
+          f"{'compiled' if args.compile else 'eager'}: {flops / measured.step_time_s / 1e12:.0f} "
+          f"model TFLOP/s measured")
+    print(f"{'':<14}{'measured':>12}{'predicted':>12}{'error':>9}   (predicted on {label})")
+    for key, (got, want) in rows.items():
+        unit, scale = ("ms", 1e3) if key == "step_time_s" else ("GB", 1.0)
+        print(f"{key.split('_')[0] + ' ' + key.split('_')[1]:<14}{got * scale:>9.1f} {unit}"
+              f"{want * scale:>9.1f} {unit}{100 * (want / got - 1):>+8.1f}%")
+    if args.json:
+        from vcluster.runtime.files import write_json
+        write_json(args.json, {
+            "gpu": name, "torch": torch.__version__, "compiled": args.compile,
+            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+                      "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
+                      "parameters": measured.parameters},
+            "hardware": label, "measured_step_times_s": list(measured.step_times_s),
+            "losses": list(measured.losses),
+            **{k: {"measured": g, "predicted": w, "error": w / g - 1}
+               for k, (g, w) in rows.items()}})
+        print(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,66 @@
+"""A hardware description from a kernel sweep: a preset with its device's constants
+replaced by what this device measured (``vcluster hardware calibrate --gpu``).
+
+The timing model prices a kernel of F FLOPs and B bytes as
+``t = t_k + max(F / (peak · e_max), B / (bandwidth · hbm_efficiency))``
+(:mod:`vcluster.timing.hardware`). From the sweep:
+
+* ``gemm_max_efficiency`` e_max = rate / peak, with ``rate`` the sustained FLOP/s of a
+  :class:`~vcluster.timing.kernel_profile.GemmProfile` fitted to the GEMM rows (fixed cost
+  per call + tile-padded FLOPs at one rate) and ``peak`` the base preset's datasheet peak
+  of the sweep's dtype;
+* ``kernel_overhead_us`` t_k = the profile's fixed cost per call, at least the measured
+  launch interval (a kernel cannot start faster than the host launches it);
+* ``hbm_efficiency`` = the fastest copy's bytes per second / the preset's datasheet HBM
+  bandwidth (at most 1).
+
+The measured rows travel in the file (``device.kernels``), so the file says what its
+constants came from. Everything else (links, network, node size) is the base preset's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vcluster.timing import load_hardware
+from vcluster.timing.kernel_profile import GemmProfile
+
+from .kernel_sweep import KernelSweep
+
+__all__ = ["calibrated_hardware", "default_base", "BASE_BY_GPU"]
+
+# GPU name (as torch reports it) -> the preset whose node, links and network it borrows
+BASE_BY_GPU = (("H200", "h200-dgx"), ("H100", "h100-dgx"), ("A100-SXM4-40GB", "a100-40gb-dgx"),
+               ("A100", "a100-80gb-dgx"))
+
+
+def default_base(device_name: str) -> str | None:
+    """The preset for a GPU named ``device_name`` (None when no preset is that GPU)."""
+    for key, preset in BASE_BY_GPU:
+        if key in device_name:
+            return preset
+    return None
+
+
+def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
+    """``{"base": base, "device": {...}}``: a hardware description (``load_hardware``
+    accepts it, as a dict or as YAML) with the sweep's constants and rows."""
+    hw = load_hardware(base)
+    gemms = [(k.m, k.k, k.n, k.seconds) for k in sweep.of_kind("gemm")]
+    profile = GemmProfile.fit(gemms, f"{sweep.device_name}, torch {sweep.torch_version}")
+    launch_s = min((k.seconds for k in sweep.of_kind("launch")), default=0.0)
+    copy_bps = max(k.bytes / k.seconds for k in sweep.of_kind("elementwise"))
+    peak = hw.device.peak_flops(sweep.dtype)
+    device = {
+        "name": f"{sweep.device_name} (calibrated)",
+        "gemm_max_efficiency": min(1.0, profile.flops_per_s / peak),
+        "kernel_overhead_us": max(profile.call_s, launch_s) * 1e6,
+        "hbm_efficiency": min(1.0, copy_bps / (hw.device.hbm_bandwidth_gbps * 1e9)),
+        "source": (f"vcluster hardware calibrate --gpu on {sweep.device_name} ({sweep.device},"
+                   f" torch {sweep.torch_version}): {len(gemms)} {sweep.dtype} GEMMs fitted "
+                   f"to {profile.flops_per_s / 1e12:.1f} TFLOP/s + {profile.call_s * 1e6:.2f} "
+                   f"us per call; launch interval {launch_s * 1e6:.2f} us; best copy "
+                   f"{copy_bps / 1e9:.1f} GB/s; peak and bandwidth of {base}"),
+        "kernels": [dataclasses.asdict(k) for k in sweep.kernels],
+    }
+    return {"base": base, "device": device}

@@ -113,22 +113,28 @@ def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
     for m in dims["m"]:
         for k in dims["k"]:
             for n in dims["n"]:
-                a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
-                b = torch.randn(k, n, device=device, dtype=dtype, generator=gen)
-                out = torch.empty(m, n, device=device, dtype=dtype)
-                seconds = timer.per_call(lambda: torch.matmul(a, b, out=out))
+                seconds = _gemm_seconds(torch, timer, m, k, n, dtype, gen)
                 rows.append(KernelTiming("gemm", seconds, m=m, k=k, n=n, dtype=name))
-                del a, b, out
     for nbytes in copies:
-        src = torch.ones(nbytes, device=device, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        seconds = timer.per_call(lambda: dst.copy_(src))
+        seconds = _copy_seconds(torch, timer, nbytes)
         rows.append(KernelTiming("elementwise", seconds, bytes=2 * nbytes, dtype="uint8"))
-        del src, dst
     one = torch.zeros(1, device=device)
     rows.append(KernelTiming("launch", timer.per_call(lambda: one.add_(1)), dtype="fp32"))
     label = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
     return KernelSweep(label, torch.__version__, device, name, tuple(rows))
+
+
+def _gemm_seconds(torch, timer: _Timer, m: int, k: int, n: int, dtype, gen) -> float:
+    a = torch.randn(m, k, device=timer.device, dtype=dtype, generator=gen)
+    b = torch.randn(k, n, device=timer.device, dtype=dtype, generator=gen)
+    out = torch.empty(m, n, device=timer.device, dtype=dtype)
+    return timer.per_call(lambda: torch.matmul(a, b, out=out))
+
+
+def _copy_seconds(torch, timer: _Timer, nbytes: int) -> float:
+    src = torch.ones(nbytes, device=timer.device, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return timer.per_call(lambda: dst.copy_(src))
 
 
 def _cpu_name() -> str:

@@ -148,37 +148,37 @@ class EmulatedDevice:
             return np.empty(shape, dtype)
         arr = self._f.arenas[self.rank].empty(shape, dtype)
         if arr is None:
-            raise self._arena_full(shape, dtype)
+            raise self._arena_full(shape, dtype, self._f.arenas[self.rank])
         return arr
 
-    def _arena_full(self, shape, dtype) -> ArenaFullError:
+    def _arena_full(self, shape, dtype, arena) -> ArenaFullError:
         return ArenaFullError(
             f"rank {self.rank}: no room for an array of shape {tuple(shape)} and dtype "
-            f"{np.dtype(dtype)}: {self._f.arenas[self.rank].shortfall}; release arrays, or "
+            f"{np.dtype(dtype)}: {arena.shortfall}; release arrays, or "
             "raise VirtualCluster(arena_bytes=...) if you capped it")
 
     def _alloc(self, shape, dtype, resident: bool) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if nbytes and (resident or nbytes >= _RESIDENT_MIN_BYTES):
-            arr = self._f.arenas[self.rank].empty(shape, dtype)
-            if arr is not None:
-                return arr
-            if resident:
-                raise self._arena_full(shape, dtype)
-        return np.empty(shape, dtype)
+        """A host array: in this device's shared arena when ``resident`` (or big)."""
+        return self._alloc_in(self._host_space, shape, dtype, resident)
 
     def _device_alloc(self, shape, dtype, resident: bool):
-        """An array in the resident space (its arena when ``resident``, or big)."""
+        """A device array of the resident space, likewise."""
+        return self._alloc_in(self._space, shape, dtype, resident)
+
+    def _alloc_in(self, space, shape, dtype, resident: bool):
+        """An array of ``space``: in this device's arena when ``resident`` or at least
+        ``_RESIDENT_MIN_BYTES`` (peers can read it in place), else private memory; a
+        resident array that does not fit is an ArenaFullError."""
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if nbytes and (resident or nbytes >= _RESIDENT_MIN_BYTES):
-            arr = self._space.arenas[self.rank].empty(shape, dtype)
+            arena = space.arenas[self.rank]
+            arr = arena.empty(shape, dtype)
             if arr is not None:
                 return arr
             if resident:
-                raise self._arena_full(shape, dtype)
-        return self._space.empty(shape, dtype)
+                raise self._arena_full(shape, dtype, arena)
+        return space.empty(shape, dtype)
 
     # --- host/device crossings (device modules) ---------------------------------------
     def _host(self, x):

@@ -44,7 +44,8 @@ def batched_matmul(dev, a, b, name: str = "batched matmul"):
     n, m, k = a.shape
     p = b.shape[-1]
     itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=2 * n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize):
+    with dev.compute(name, flops=2 * n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize,
+                     gemm=(n, m, k, p)):
         return dev.xp.matmul(a, b)
 
 

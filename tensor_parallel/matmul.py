@@ -40,7 +40,8 @@ def local_matmul(dev, a, b, name: str = "matmul"):
     m, k = a.shape
     n = b.shape[1]
     itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=2 * m * k * n, bytes=(m * k + k * n + m * n) * itemsize):
+    with dev.compute(name, flops=2 * m * k * n, bytes=(m * k + k * n + m * n) * itemsize,
+                     gemm=(1, m, k, n)):
         dtype = np.result_type(a.dtype, b.dtype)
         if dev.xp is np and m * n * dtype.itemsize >= _RESIDENT_MIN_BYTES:
             out = dev.empty((m, n), dtype)

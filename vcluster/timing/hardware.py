@@ -172,7 +172,8 @@ class DeviceSpec:
 
     def gemm_profile(self) -> GemmProfile | None:
         """The GEMM profile of this device's measured ``gemm`` kernels (None without
-        at least two)."""
+        at least two); :class:`~vcluster.timing.hardware_model.HardwareCostModel` prices
+        traced GEMMs with it."""
         rows = [(r.m, r.k, r.n, r.seconds) for r in self.kernels if r.kind == "gemm"]
         return GemmProfile.fit(rows, f"{self.name}: measured kernels") if len(rows) >= 2 else None
 

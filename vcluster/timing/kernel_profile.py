@@ -110,10 +110,13 @@ class GemmProfile:
     source: str = ""
     rows: int = 0
 
-    def time_s(self, m: int, k: int, n: int) -> float:
-        """Seconds of one m×k×n GEMM."""
+    def time_s(self, m: int, k: int, n: int, batch: int = 1) -> float:
+        """Seconds of one m×k×n GEMM, or of one batched kernel of ``batch`` of them
+        (one fixed cost, each member's output padded to whole tiles)."""
         _check_dims(m, k, n)
-        return self.call_s + _padded_flops(m, k, n) / self.flops_per_s
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"GemmProfile: batch must be an int >= 1, got {batch!r}")
+        return self.call_s + batch * _padded_flops(m, k, n) / self.flops_per_s
 
     @classmethod
     def fit(cls, rows, source: str = "") -> "GemmProfile":

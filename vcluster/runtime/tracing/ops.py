@@ -40,7 +40,9 @@ class TraceCompute:
     spent inside them (:mod:`vcluster.runtime.tracing.host`). ``contains``: the number of
     ops just before this one in the rank's trace, host ops not counted, that were issued
     inside this block (0 for a block with no device calls in it); the block's own cost is
-    ``flops`` and ``bytes`` alone, its contents are priced as their own ops."""
+    ``flops`` and ``bytes`` alone, its contents are priced as their own ops. ``gemm``:
+    (batch, m, k, n) when the block is one (batched) GEMM kernel, 2·batch·m·k·n =
+    ``flops`` (a timing model with measured kernels prices it by its shape)."""
 
     name: str
     flops: float
@@ -50,6 +52,7 @@ class TraceCompute:
     array_calls: int = 0
     array_s: float = 0.0
     contains: int = 0
+    gemm: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ class TracingDevice:
         return MetaArray((shape,) if isinstance(shape, int) else shape, dtype)
 
     @contextmanager
-    def compute(self, name: str, flops: float = 0, bytes: int = 0):
+    def compute(self, name: str, flops: float = 0, bytes: int = 0, gemm=None):
         clock = self.host_clock
         timed = clock is not None and not clock.depth
         if timed:
@@ -153,7 +153,8 @@ class TracingDevice:
         if timed:
             self.record_host()                  # the block's own calls (its kernels' host)
         held = sum(getattr(op, "name", None) != HOST_OP for op in self.ops[first:])
-        self.ops.append(TraceCompute(str(name), float(flops), int(bytes), contains=held))
+        self.ops.append(TraceCompute(str(name), float(flops), int(bytes), contains=held,
+                                     gemm=None if gemm is None else tuple(int(d) for d in gemm)))
         if timed:
             clock.resume()
 

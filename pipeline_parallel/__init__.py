@@ -2,10 +2,10 @@
 
 from .executor import GradBuckets, TrainJob, train_program
 from .functional import ACTIVATIONS, LOSSES
-from .mlp import MLP, FitResult
+from .mlp import MLP, FitResult, ParameterServerFit
 from .optim import OPTIMIZERS, Optimizer, OptimizerConfig
 
-__all__ = ["MLP", "FitResult", "TrainJob", "train_program", "GradBuckets", "Optimizer",
+__all__ = ["MLP", "FitResult", "ParameterServerFit", "TrainJob", "train_program", "GradBuckets", "Optimizer",
            "OptimizerConfig", "OPTIMIZERS", "ACTIVATIONS", "LOSSES"]
 from .gpt import (GPT, GPTConfig, GPTFitResult, ParallelConfig, forward_program,
                   megatron_flops_with_recompute, megatron_model_flops)

@@ -25,7 +25,7 @@ from .layers import LayerSpec, layer_kinds
 from .optim import Optimizer, OptimizerConfig
 from mesh.arguments import as_int
 
-__all__ = ["MLP", "FitResult"]
+__all__ = ["MLP", "FitResult", "ParameterServerFit"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,73 @@ class MLP:
                                  batch_size=batch_size, data_seed=data_seed)
         results = cluster.run(train_program, plan.device_args(job, X, Y))
         return plan.collect(self, results)
+
+    def fit_parameter_server(self, cluster, X, Y, steps: int, servers: int = 1,
+                             optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
+                             betas=(0.9, 0.999), eps: float = 1e-8) -> "ParameterServerFit":
+        """Synchronous parameter-server training on ``cluster`` (one mesh axis): its first
+        ``servers`` ranks hold the parameters, the others are workers, each with an equal
+        slice of the batch (:mod:`pipeline_parallel.parameter_server`). Equal to
+        :meth:`fit` with dp = workers (bit for bit with the ``shm`` all-reduce) and to
+        :meth:`fit_reference` within rounding."""
+        import pandas as pd
+        from .parameter_server import (ParameterServerJob, assign_tensors, layer_specs_of,
+                                       parameter_server_program)
+        X, Y = self._check_data(X, Y)
+        mesh = cluster.mesh
+        if len(mesh.axes) != 1:
+            raise ValueError(f"fit_parameter_server: the mesh must have one axis (servers + "
+                             f"workers), got {mesh}")
+        params = tuple(self.init_params())
+        owner = assign_tensors([a.nbytes for pair in params for a in pair], servers)
+        workers = mesh.size - servers
+        if workers < 1:
+            raise ValueError(f"fit_parameter_server: servers={servers} leaves no worker on "
+                             f"a mesh of {mesh.size} devices (need servers < {mesh.size})")
+        if len(X) % workers:
+            raise ValueError(f"fit_parameter_server: the batch of {len(X)} rows does not "
+                             f"split evenly over {workers} workers")
+        job = ParameterServerJob(
+            params=params, specs=layer_specs_of(self), loss=self.loss,
+            optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
+            steps=as_int(steps, "steps", 1), global_batch=len(X), servers=servers,
+            workers=workers, owner=owner)
+        rows = len(X) // workers
+        args = [(job, None, None)] * servers + [
+            (job, X[w * rows:(w + 1) * rows], Y[w * rows:(w + 1) * rows])
+            for w in range(workers)]
+        cluster.reset_stats()
+        results = cluster.run(parameter_server_program, args)
+        stats = cluster.stats()
+        losses = np.sum([r["losses"] for r in results[servers:]], axis=0)
+        flat = {}
+        for r in results[:servers]:
+            flat.update(r["params"])
+        tensors = [flat[i] for i in range(len(owner))]
+        traffic = pd.DataFrame({
+            "rank": stats["rank"], "role": ["server"] * servers + ["worker"] * workers,
+            "bytes_sent_per_step": stats["bytes_sent"] / job.steps,
+            "bytes_received_per_step": stats["bytes_received"] / job.steps})
+        return ParameterServerFit(np.asarray(losses), list(zip(tensors[::2], tensors[1::2])),
+                                  owner, traffic)
+
+
+@dataclass(frozen=True)
+class ParameterServerFit:
+    """What :meth:`MLP.fit_parameter_server` returns: per-step losses (the sum of the
+    workers' shares, full-batch means), final (W, b) per layer (read from the servers),
+    the server of each tensor, and the bytes each rank sent and received per step
+    (``traffic``: a DataFrame with ``rank``, ``role``, ``bytes_sent_per_step``,
+    ``bytes_received_per_step``)."""
+
+    losses: np.ndarray
+    params: list
+    owner: tuple
+    traffic: object = None
+
+    def __repr__(self) -> str:
+        return (f"ParameterServerFit(losses={np.array2string(self.losses, precision=6)}, "
+                f"layers={len(self.params)}, servers={max(self.owner) + 1})")
 
 
 def layer_specs(mlp: MLP, stages: int, tp: bool) -> tuple[tuple[LayerSpec, ...], ...]:

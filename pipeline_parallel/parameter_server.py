@@ -1,0 +1,143 @@
+"""Synchronous parameter-server training of an MLP: ``servers`` ranks hold the parameters,
+``workers`` ranks compute gradients on their slices of the batch.
+
+The first ``S`` ranks of the cluster are servers, the next ``W`` workers (the mesh has one
+axis of S + W devices). Each parameter tensor (a layer's W or b) lives on one server,
+assigned greedily, largest first, to the server holding the fewest bytes
+(:func:`assign_tensors`). One step:
+
+1. every server sends every worker its tensors, flattened into one message;
+2. every worker runs forward and backward over its ``B / W`` rows (the loss is
+   normalised by the global batch B, as in data parallelism), and sends every server the
+   gradients of that server's tensors, flattened;
+3. every server sums the W gradients in worker order, ``((g_0 + g_1) + g_2) + ...`` — the
+   fold of the ``shm`` all-reduce — and applies the optimizer to its tensors.
+
+So the result is bit-identical to all-reduce data parallelism over W replicas with the
+same fold (``VirtualCluster(algorithm="shm")``), and equal to single-process training
+within rounding. Bytes per step, with P the parameter bytes and P_s server s's share: a
+worker sends P and receives P; server s sends and receives W·P_s — the server's link
+carries W times what a ring all-reduce puts on each member's (2(W−1)/W·P), which is why
+it becomes the bottleneck as workers are added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .functional import loss_and_grad
+from .layers import LayerSpec, StageLayers
+from .optim import Optimizer, OptimizerConfig
+
+__all__ = ["ParameterServerJob", "assign_tensors", "parameter_server_program"]
+
+
+def assign_tensors(sizes_bytes, servers: int) -> tuple[int, ...]:
+    """The server of each tensor: largest first, each to the server with the fewest bytes
+    so far (ties: the lowest server). Every server gets at least one tensor."""
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+        raise ValueError(f"servers must be an int >= 1, got {servers!r}")
+    if servers > len(sizes_bytes):
+        raise ValueError(f"servers={servers} is more than the {len(sizes_bytes)} parameter "
+                         f"tensors to shard (each tensor lives on one server): use at most "
+                         f"{len(sizes_bytes)}")
+    load = [0] * servers
+    owner = [0] * len(sizes_bytes)
+    for i in sorted(range(len(sizes_bytes)), key=lambda i: (-sizes_bytes[i], i)):
+        s = min(range(servers), key=lambda s: (load[s], s))
+        owner[i] = s
+        load[s] += sizes_bytes[i]
+    return tuple(owner)
+
+
+@dataclass(frozen=True)
+class ParameterServerJob:
+    """What every rank needs (the same object on every rank)."""
+
+    params: tuple            # global (W, b) per layer, from the model's seed
+    specs: tuple             # LayerSpec per layer (one stage: the whole model)
+    loss: str
+    optimizer: OptimizerConfig
+    steps: int
+    global_batch: int
+    servers: int
+    workers: int
+    owner: tuple             # server of each flat tensor (W_0, b_0, W_1, b_1, ...)
+
+    def tensors(self) -> list[np.ndarray]:
+        return [a for pair in self.params for a in pair]
+
+    def owned(self, server: int) -> list[int]:
+        return [i for i, s in enumerate(self.owner) if s == server]
+
+
+def _flat(arrays):
+    return np.concatenate([a.reshape(-1) for a in arrays])
+
+
+def _unflatten_into(flat, arrays) -> None:
+    offset = 0
+    for a in arrays:
+        a[...] = flat[offset:offset + a.size].reshape(a.shape)
+        offset += a.size
+
+
+def _server(dev, job: ParameterServerJob) -> dict:
+    s, S = dev.rank, job.servers
+    mine = job.owned(s)
+    all_tensors = job.tensors()
+    params = [dev.xp.asarray(all_tensors[i]).copy() for i in mine]
+    grads = [dev.xp.zeros_like(p) for p in params]
+    opt = Optimizer(job.optimizer, params)
+    for step in range(job.steps):
+        flat = _flat(params)
+        for w in range(job.workers):
+            dev.send(flat, S + w, tag=2 * step)
+        total = None
+        for w in range(job.workers):                       # worker order: a fixed fold
+            g = dev.recv(S + w, tag=2 * step + 1)
+            total = g if total is None else total + g
+        _unflatten_into(total, grads)
+        with dev.compute("optimizer", flops=0,
+                         bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
+            opt.step(params, grads)
+    return {"rank": dev.rank, "role": "server", "tensors": mine,
+            "params": dict(zip(mine, params)), "losses": None}
+
+
+def _worker(dev, job: ParameterServerJob, X, Y) -> dict:
+    S = job.servers
+    layers = StageLayers(list(job.specs), [(w, b) for w, b in job.params])
+    tensors = [a for pair in layers.params for a in pair]
+    grads = [a for pair in layers.grads for a in pair]
+    by_server = [job.owned(s) for s in range(S)]
+    losses = []
+    for step in range(job.steps):
+        for s in range(S):
+            _unflatten_into(dev.recv(s, tag=2 * step), [tensors[i] for i in by_server[s]])
+        layers.zero_grads()
+        with dev.compute("forward, loss, backward"):
+            out = layers.forward(dev, 0, X)
+            loss, dy = loss_and_grad(job.loss, out, Y, job.global_batch)
+            layers.backward_input(dev, 0, dy, need_input_grad=False)
+            layers.backward_weight(dev, 0)
+        for s in range(S):
+            dev.send(_flat([grads[i] for i in by_server[s]]), s, tag=2 * step + 1)
+        losses.append(loss)
+    return {"rank": dev.rank, "role": "worker", "losses": losses, "params": None}
+
+
+def parameter_server_program(dev, job: ParameterServerJob, X, Y):
+    """The per-device program: rank < servers serves, the others work on ``X``, ``Y``
+    (this worker's rows; None on servers)."""
+    if dev.rank < job.servers:
+        return _server(dev, job)
+    return _worker(dev, job, X, Y)
+
+
+def layer_specs_of(mlp) -> tuple:
+    """One stage holding every layer of ``mlp`` (no tensor parallelism)."""
+    return tuple(LayerSpec(l, mlp.sizes[l], mlp.sizes[l + 1], "dense", mlp._act(l))
+                 for l in range(mlp.n_layers))

@@ -1,0 +1,91 @@
+"""Synchronous parameter-server training (issue 28, first part): equal to single-process
+training, bit-identical to all-reduce data parallelism with the same fold, and moving
+exactly the bytes of the closed forms: a worker sends and receives P, server s W·P_s."""
+
+import numpy as np
+import pytest
+
+from mesh import Mesh
+from pipeline_parallel import MLP
+from pipeline_parallel.parameter_server import assign_tensors
+from vcluster import VirtualCluster
+
+pytestmark = pytest.mark.timeout(600)
+
+SIZES = [16, 64, 32, 8]
+BATCH = 48
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((BATCH, SIZES[0])), rng.standard_normal((BATCH, SIZES[-1]))
+
+
+def _optim(name):
+    return {"optimizer": "sgd", "lr": 0.05} if name == "sgd" else {"optimizer": "adam", "lr": 0.01}
+
+
+@pytest.mark.parametrize("servers, workers", [(1, 1), (1, 2), (2, 4), (1, 8), (3, 2)])
+def test_equals_the_single_process_reference_and_moves_the_closed_forms(servers, workers):
+    mlp, (X, Y) = MLP(SIZES, activation="gelu", seed=2), _data()
+    with VirtualCluster(Mesh((servers + workers,), ("x",))) as cluster:
+        for opt in ("sgd", "adam"):
+            run = mlp.fit_parameter_server(cluster, X, Y, steps=3, servers=servers,
+                                           **_optim(opt))
+            ref = mlp.fit_reference(X, Y, steps=3, **_optim(opt))
+            np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-9, atol=0)
+            for (w, b), (rw, rb) in zip(run.params, ref.params):
+                np.testing.assert_allclose(w, rw, rtol=1e-9, atol=1e-12)
+                np.testing.assert_allclose(b, rb, rtol=1e-9, atol=1e-12)
+    tensors = [a.nbytes for pair in mlp.init_params() for a in pair]
+    P = sum(tensors)
+    share = [sum(n for n, s in zip(tensors, run.owner) if s == k) for k in range(servers)]
+    t = run.traffic
+    assert sum(share) == P and min(share) > 0
+    for role, rank, sent, received in zip(t["role"], t["rank"], t["bytes_sent_per_step"],
+                                          t["bytes_received_per_step"]):
+        want = P if role == "worker" else workers * share[rank]
+        assert (sent, received) == (want, want), (role, rank)
+
+
+def test_bit_identical_to_all_reduce_data_parallelism_with_the_same_fold():
+    mlp, (X, Y) = MLP(SIZES, activation="relu", seed=5), _data(1)
+    with VirtualCluster(Mesh((4, 1), ("dp", "pp")), algorithm="shm") as ddp_cluster, \
+            VirtualCluster(Mesh((2 + 4,), ("x",))) as ps_cluster:
+        ddp = mlp.fit(ddp_cluster, X, Y, steps=4, microbatches=1, optimizer="adam", lr=0.01)
+        ps = mlp.fit_parameter_server(ps_cluster, X, Y, steps=4, servers=2, optimizer="adam",
+                                      lr=0.01)
+    assert np.array_equal(ddp.losses, ps.losses)
+    for (w, b), (pw, pb) in zip(ddp.params, ps.params):
+        assert np.array_equal(w, pw) and np.array_equal(b, pb)
+
+
+def test_runs_on_device_arrays():
+    mlp, (X, Y) = MLP(SIZES, seed=1), _data(2)
+    with VirtualCluster(Mesh((1 + 2,), ("x",)), array_module="strict") as cluster:
+        run = mlp.fit_parameter_server(cluster, X, Y, steps=2, servers=1, optimizer="sgd",
+                                       lr=0.05)
+    np.testing.assert_allclose(run.losses, mlp.fit_reference(X, Y, steps=2, optimizer="sgd",
+                                                             lr=0.05).losses, rtol=1e-9)
+
+
+def test_tensors_are_balanced_over_the_servers():
+    assert assign_tensors([100, 10, 50, 50], 2) == (0, 0, 1, 1)   # 110 / 100 bytes
+    assert assign_tensors([8, 8, 8], 3) == (0, 1, 2)
+    with pytest.raises(ValueError, match="servers=4 is more than the 3 parameter tensors"):
+        assign_tensors([8, 8, 8], 4)
+    with pytest.raises(ValueError, match="servers must be an int >= 1, got 0"):
+        assign_tensors([8], 0)
+
+
+def test_bad_setups_are_named():
+    mlp, (X, Y) = MLP(SIZES, seed=1), _data()
+    with VirtualCluster(Mesh((2, 1), ("a", "b"))) as two_axes:
+        with pytest.raises(ValueError, match="the mesh must have one axis"):
+            mlp.fit_parameter_server(two_axes, X, Y, steps=1)
+    with VirtualCluster(Mesh((3,), ("x",))) as cluster:
+        with pytest.raises(ValueError, match="servers=3 leaves no worker on a mesh of 3"):
+            mlp.fit_parameter_server(cluster, X, Y, steps=1, servers=3)
+        with pytest.raises(ValueError, match="the batch of 47 rows does not split evenly "
+                                             "over 2 workers"):
+            mlp.fit_parameter_server(cluster, X[:47], Y[:47], steps=1, servers=1)

@@ -176,12 +176,15 @@ class MLP:
 
     def fit_parameter_server(self, cluster, X, Y, steps: int, servers: int = 1,
                              optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
-                             betas=(0.9, 0.999), eps: float = 1e-8) -> "ParameterServerFit":
-        """Synchronous parameter-server training on ``cluster`` (one mesh axis): its first
-        ``servers`` ranks hold the parameters, the others are workers, each with an equal
-        slice of the batch (:mod:`pipeline_parallel.parameter_server`). Equal to
-        :meth:`fit` with dp = workers (bit for bit with the ``shm`` all-reduce) and to
-        :meth:`fit_reference` within rounding."""
+                             betas=(0.9, 0.999), eps: float = 1e-8, staleness: int = 0,
+                             replay=None) -> "ParameterServerFit":
+        """Parameter-server training on ``cluster`` (one mesh axis): its first ``servers``
+        ranks hold the parameters, the others are workers, each with an equal slice of
+        the batch (:mod:`pipeline_parallel.parameter_server`). ``staleness=0``:
+        synchronous, equal to :meth:`fit` with dp = workers (bit for bit with the ``shm``
+        all-reduce) and to :meth:`fit_reference` within rounding. ``staleness=s >= 1``:
+        asynchronous, each gradient applied as it arrives, workers at most s steps apart;
+        ``replay=run.events`` of such a run repeats it exactly."""
         import pandas as pd
         from .parameter_server import (ParameterServerJob, assign_tensors, layer_specs_of,
                                        parameter_server_program)
@@ -199,11 +202,21 @@ class MLP:
         if len(X) % workers:
             raise ValueError(f"fit_parameter_server: the batch of {len(X)} rows does not "
                              f"split evenly over {workers} workers")
+        staleness = as_int(staleness, "staleness", 0)
+        if replay is not None:
+            if staleness == 0:
+                raise ValueError("fit_parameter_server: replay= repeats an asynchronous run "
+                                 "(staleness >= 1); a synchronous run is deterministic")
+            replay = tuple(tuple(tuple(e) for e in events) for events in replay)
+            if len(replay) != servers:
+                raise ValueError(f"fit_parameter_server: replay holds the events of "
+                                 f"{len(replay)} servers, this run has {servers}")
         job = ParameterServerJob(
             params=params, specs=layer_specs_of(self), loss=self.loss,
             optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
             steps=as_int(steps, "steps", 1), global_batch=len(X), servers=servers,
-            workers=workers, owner=owner)
+            workers=workers, owner=owner, staleness=staleness, replay=replay,
+            timeout_s=cluster.options.timeout_s)
         rows = len(X) // workers
         args = [(job, None, None)] * servers + [
             (job, X[w * rows:(w + 1) * rows], Y[w * rows:(w + 1) * rows])
@@ -220,22 +233,32 @@ class MLP:
             "rank": stats["rank"], "role": ["server"] * servers + ["worker"] * workers,
             "bytes_sent_per_step": stats["bytes_sent"] / job.steps,
             "bytes_received_per_step": stats["bytes_received"] / job.steps})
+        events = seen = None
+        if staleness:
+            events = tuple(tuple(r["events"]) for r in results[:servers])
+            seen = pd.DataFrame([(r["rank"], w, t, st) for r in results[:servers]
+                                 for w, t, st in r["staleness"]],
+                                columns=["server", "worker", "step", "staleness"])
         return ParameterServerFit(np.asarray(losses), list(zip(tensors[::2], tensors[1::2])),
-                                  owner, traffic)
+                                  owner, traffic, events, seen)
 
 
 @dataclass(frozen=True)
 class ParameterServerFit:
     """What :meth:`MLP.fit_parameter_server` returns: per-step losses (the sum of the
-    workers' shares, full-batch means), final (W, b) per layer (read from the servers),
-    the server of each tensor, and the bytes each rank sent and received per step
-    (``traffic``: a DataFrame with ``rank``, ``role``, ``bytes_sent_per_step``,
-    ``bytes_received_per_step``)."""
+    workers' shares, each on the parameters it received), final (W, b) per layer (read
+    from the servers), the server of each tensor, the bytes each rank sent and received
+    per step (``traffic``: a DataFrame with ``rank``, ``role``, ``bytes_sent_per_step``,
+    ``bytes_received_per_step``); asynchronous runs add each server's recorded
+    ``events`` (pass them back as ``replay``) and the ``staleness`` of every applied
+    gradient (a DataFrame: ``server``, ``worker``, ``step``, ``staleness``)."""
 
     losses: np.ndarray
     params: list
     owner: tuple
     traffic: object = None
+    events: tuple | None = None
+    staleness: object = None
 
     def __repr__(self) -> str:
         return (f"ParameterServerFit(losses={np.array2string(self.losses, precision=6)}, "

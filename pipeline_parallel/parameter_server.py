@@ -1,5 +1,5 @@
-"""Synchronous parameter-server training of an MLP: ``servers`` ranks hold the parameters,
-``workers`` ranks compute gradients on their slices of the batch.
+"""Parameter-server training of an MLP: ``servers`` ranks hold the parameters, ``workers``
+ranks compute gradients on their slices of the batch, synchronously or asynchronously.
 
 The first ``S`` ranks of the cluster are servers, the next ``W`` workers (the mesh has one
 axis of S + W devices). Each parameter tensor (a layer's W or b) lives on one server,
@@ -19,10 +19,22 @@ within rounding. Bytes per step, with P the parameter bytes and P_s server s's s
 worker sends P and receives P; server s sends and receives W·P_s — the server's link
 carries W times what a ring all-reduce puts on each member's (2(W−1)/W·P), which is why
 it becomes the bottleneck as workers are added.
+
+**Asynchronous** (``staleness`` s >= 1, stale-synchronous parallel): a server applies each
+worker's gradient on its own as it arrives (an optimizer step on that worker's share),
+and sends a worker the parameters for its step t as soon as every worker has pushed at
+least t − s steps — so the fastest worker is at most s steps ahead of the slowest, and the
+gradient of step t was computed on parameters that miss at most s steps of the others'.
+That is the staleness reported for every (worker, step): t − (steps every worker had
+pushed when the parameters were sent), at most s. Arrival order is the machine's, so
+each server records its events (``("send" | "apply", worker, step)``); passing the
+record back (``replay``) makes the servers follow it and reproduces the run bit for bit.
+``staleness=0`` is the synchronous algorithm above.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +77,9 @@ class ParameterServerJob:
     servers: int
     workers: int
     owner: tuple             # server of each flat tensor (W_0, b_0, W_1, b_1, ...)
+    staleness: int = 0       # 0: synchronous; s >= 1: asynchronous, bounded by s steps
+    replay: tuple | None = None    # per server, the events of a recorded run to follow
+    timeout_s: float = 60.0  # longest wait of an asynchronous server for any push
 
     def tensors(self) -> list[np.ndarray]:
         return [a for pair in self.params for a in pair]
@@ -107,6 +122,74 @@ def _server(dev, job: ParameterServerJob) -> dict:
             "params": dict(zip(mine, params)), "losses": None}
 
 
+def _async_server(dev, job: ParameterServerJob) -> dict:
+    """One server of the asynchronous mode (module docstring): events in arrival order,
+    or in the order of ``job.replay[server]``."""
+    s, S, W, T = dev.rank, job.servers, job.workers, job.steps
+    mine = job.owned(s)
+    all_tensors = job.tensors()
+    params = [dev.xp.asarray(all_tensors[i]).copy() for i in mine]
+    grads = [dev.xp.zeros_like(p) for p in params]
+    opt = Optimizer(job.optimizer, params)
+    pushed = [0] * W               # steps each worker has pushed (and this server applied)
+    sent = [0] * W                 # steps each worker has been sent parameters for
+    sent_floor = {}                # (worker, step) -> min(pushed) when sent
+    events, staleness = [], []
+    script = iter(job.replay[s]) if job.replay is not None else None
+
+    def send(w):
+        t = sent[w]
+        dev.send(_flat(params), S + w, tag=2 * t)
+        sent_floor[(w, t)] = min(pushed)
+        sent[w] += 1
+        events.append(("send", w, t))
+
+    def apply(w):
+        t = pushed[w]
+        _unflatten_into(dev.recv(S + w, tag=2 * t + 1), grads)
+        with dev.compute("optimizer", flops=0,
+                         bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
+            opt.step(params, grads)
+        pushed[w] += 1
+        staleness.append((w, t, t - sent_floor[(w, t)]))
+        events.append(("apply", w, t))
+
+    def allowed(w):
+        return sent[w] == pushed[w] < T and sent[w] - job.staleness <= min(pushed)
+
+    while min(pushed) < T:
+        if script is not None:
+            kind, w, t = next(script)
+            (send if kind == "send" else apply)(w)
+            continue
+        for w in range(W):
+            if allowed(w):
+                send(w)
+        apply(_next_push(dev, job, pushed, sent))
+    return {"rank": dev.rank, "role": "server", "tensors": mine,
+            "params": dict(zip(mine, params)), "losses": None, "events": events,
+            "staleness": staleness}
+
+
+def _next_push(dev, job: ParameterServerJob, pushed, sent) -> int:
+    """The first worker (in arrival order, polled) whose next gradient has arrived."""
+    S = job.servers
+    waiting = [w for w in range(job.workers) if sent[w] > pushed[w]]
+    deadline = time.monotonic() + job.timeout_s
+    nap = 1e-5
+    while True:
+        for w in waiting:
+            if dev.iprobe(S + w, tag=2 * pushed[w] + 1):
+                return w
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"parameter server rank {dev.rank} waited {job.timeout_s:g} s for a gradient "
+                f"from workers {[S + w for w in waiting]} (their steps "
+                f"{[pushed[w] for w in waiting]})")
+        time.sleep(nap)
+        nap = min(2 * nap, 1e-3)
+
+
 def _worker(dev, job: ParameterServerJob, X, Y) -> dict:
     S = job.servers
     layers = StageLayers(list(job.specs), [(w, b) for w, b in job.params])
@@ -133,7 +216,7 @@ def parameter_server_program(dev, job: ParameterServerJob, X, Y):
     """The per-device program: rank < servers serves, the others work on ``X``, ``Y``
     (this worker's rows; None on servers)."""
     if dev.rank < job.servers:
-        return _server(dev, job)
+        return _server(dev, job) if job.staleness == 0 else _async_server(dev, job)
     return _worker(dev, job, X, Y)
 
 

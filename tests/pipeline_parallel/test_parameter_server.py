@@ -89,3 +89,43 @@ def test_bad_setups_are_named():
         with pytest.raises(ValueError, match="the batch of 47 rows does not split evenly "
                                              "over 2 workers"):
             mlp.fit_parameter_server(cluster, X[:47], Y[:47], steps=1, servers=1)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_asynchronous_runs_replay_exactly_within_the_staleness_bound(staleness):
+    """Each gradient applied as it arrives, workers at most ``staleness`` steps apart; the
+    recorded events, passed back, reproduce losses and parameters bit for bit."""
+    mlp, (X, Y) = MLP(SIZES, activation="gelu", seed=2), _data()
+    with VirtualCluster(Mesh((2 + 4,), ("x",))) as cluster:
+        run = mlp.fit_parameter_server(cluster, X, Y, steps=5, servers=2, optimizer="sgd",
+                                       lr=0.05, staleness=staleness)
+        again = mlp.fit_parameter_server(cluster, X, Y, steps=5, servers=2, optimizer="sgd",
+                                         lr=0.05, staleness=staleness, replay=run.events)
+    assert np.array_equal(run.losses, again.losses)
+    for (w, b), (w2, b2) in zip(run.params, again.params):
+        assert np.array_equal(w, w2) and np.array_equal(b, b2)
+    seen = run.staleness
+    assert len(seen) == 2 * 4 * 5                      # every (server, worker, step) applied
+    assert seen["staleness"].between(0, staleness).all()
+    assert (seen.groupby("server")["step"].count() == 20).all()
+    for events in run.events:                          # a server's send precedes its apply
+        order = {e: i for i, e in enumerate(events)}
+        assert all(order[("send", w, t)] < order[("apply", w, t)]
+                   for w in range(4) for t in range(5))
+    # the same bytes as the synchronous mode: every gradient and parameter moves once
+    P = sum(a.nbytes for pair in mlp.init_params() for a in pair)
+    workers = run.traffic[run.traffic["role"] == "worker"]
+    assert (workers["bytes_sent_per_step"] == P).all()
+    assert run.losses[-1] < run.losses[0]
+
+
+def test_staleness_and_replay_are_checked():
+    mlp, (X, Y) = MLP(SIZES, seed=1), _data()
+    with VirtualCluster(Mesh((3,), ("x",))) as cluster:
+        with pytest.raises(ValueError, match="staleness must be an int >= 0, got -1"):
+            mlp.fit_parameter_server(cluster, X, Y, steps=1, staleness=-1)
+        with pytest.raises(ValueError, match="replay= repeats an asynchronous run"):
+            mlp.fit_parameter_server(cluster, X, Y, steps=1, replay=((),))
+        with pytest.raises(ValueError, match="replay holds the events of 2 servers, this "
+                                             "run has 1"):
+            mlp.fit_parameter_server(cluster, X, Y, steps=1, staleness=1, replay=((), ()))

@@ -338,6 +338,21 @@ class VirtualChannel:
         f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})")
         return found[0]
 
+    def probe(self, src: int, kind: int, tag: int) -> bool:
+        """Whether a message from ``src`` with this (kind, tag) has arrived and is not
+        taken yet (never blocks; the message stays where it is)."""
+        f, me = self._f, self._f.rank
+        with self._recv_lock:
+            if self._unexpected.get((src, kind, tag)):
+                return True
+            box = f.mailbox[src, me]
+            taken = self._taken[src]
+            for slot, q in enumerate(box[:, S.STATE].tolist()):
+                if q and q not in taken and box[slot, S.TAG] == tag \
+                        and box[slot, S.KIND] == kind:
+                    return True
+        return False
+
     def _set_aside(self, src: int, q: int, slot: int) -> None:
         """Copy message q out of its slot into the unexpected-message store, free the slot."""
         words = self._f.mailbox[src, self._f.rank, slot]

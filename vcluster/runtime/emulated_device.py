@@ -409,6 +409,15 @@ class EmulatedDevice:
 
         return Work(self._f.check_abort, after=finish)
 
+    def iprobe(self, src: int, tag: int = 0) -> bool:
+        """Whether a message from ``src`` with ``tag`` is waiting to be received (never
+        blocks; a later ``recv`` takes it). Receives already posted for (src, tag) with
+        ``irecv`` have the first claim on such messages."""
+        src, tag = self._peer(src, "iprobe"), self._tag(tag)
+        if self._posted_recvs.get((src, tag)):
+            return False
+        return self._channel.probe(src, USER_KIND, tag)
+
     def recv(self, src: int, tag: int = 0, *, out=None):
         """Receive the next message from ``src`` with ``tag`` (after earlier irecvs)."""
         return self._complete(self._post_recv(src, tag, out, "recv"))

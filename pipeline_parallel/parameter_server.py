@@ -80,6 +80,12 @@ class ParameterServerJob:
     staleness: int = 0       # 0: synchronous; s >= 1: asynchronous, bounded by s steps
     replay: tuple | None = None    # per server, the events of a recorded run to follow
     timeout_s: float = 60.0  # longest wait of an asynchronous server for any push
+    first_worker: int | None = None   # rank of worker 0 (default: right after the servers;
+                                      # later: ranks between are idle, e.g. to give the
+                                      # servers a node of their own in a simulation)
+
+    def worker_rank(self, w: int) -> int:
+        return (self.servers if self.first_worker is None else self.first_worker) + w
 
     def tensors(self) -> list[np.ndarray]:
         return [a for pair in self.params for a in pair]
@@ -100,19 +106,19 @@ def _unflatten_into(flat, arrays) -> None:
 
 
 def _server(dev, job: ParameterServerJob) -> dict:
-    s, S = dev.rank, job.servers
+    s = dev.rank
     mine = job.owned(s)
     all_tensors = job.tensors()
-    params = [dev.xp.asarray(all_tensors[i]).copy() for i in mine]
-    grads = [dev.xp.zeros_like(p) for p in params]
+    params = [all_tensors[i].copy() for i in mine]       # device arrays (they arrived so)
+    grads = [np.zeros_like(p) for p in params]
     opt = Optimizer(job.optimizer, params)
     for step in range(job.steps):
         flat = _flat(params)
         for w in range(job.workers):
-            dev.send(flat, S + w, tag=2 * step)
+            dev.send(flat, job.worker_rank(w), tag=2 * step)
         total = None
         for w in range(job.workers):                       # worker order: a fixed fold
-            g = dev.recv(S + w, tag=2 * step + 1)
+            g = dev.recv(job.worker_rank(w), tag=2 * step + 1)
             total = g if total is None else total + g
         _unflatten_into(total, grads)
         with dev.compute("optimizer", flops=0,
@@ -125,11 +131,11 @@ def _server(dev, job: ParameterServerJob) -> dict:
 def _async_server(dev, job: ParameterServerJob) -> dict:
     """One server of the asynchronous mode (module docstring): events in arrival order,
     or in the order of ``job.replay[server]``."""
-    s, S, W, T = dev.rank, job.servers, job.workers, job.steps
+    s, W, T = dev.rank, job.workers, job.steps
     mine = job.owned(s)
     all_tensors = job.tensors()
-    params = [dev.xp.asarray(all_tensors[i]).copy() for i in mine]
-    grads = [dev.xp.zeros_like(p) for p in params]
+    params = [all_tensors[i].copy() for i in mine]       # device arrays (they arrived so)
+    grads = [np.zeros_like(p) for p in params]
     opt = Optimizer(job.optimizer, params)
     pushed = [0] * W               # steps each worker has pushed (and this server applied)
     sent = [0] * W                 # steps each worker has been sent parameters for
@@ -139,14 +145,14 @@ def _async_server(dev, job: ParameterServerJob) -> dict:
 
     def send(w):
         t = sent[w]
-        dev.send(_flat(params), S + w, tag=2 * t)
+        dev.send(_flat(params), job.worker_rank(w), tag=2 * t)
         sent_floor[(w, t)] = min(pushed)
         sent[w] += 1
         events.append(("send", w, t))
 
     def apply(w):
         t = pushed[w]
-        _unflatten_into(dev.recv(S + w, tag=2 * t + 1), grads)
+        _unflatten_into(dev.recv(job.worker_rank(w), tag=2 * t + 1), grads)
         with dev.compute("optimizer", flops=0,
                          bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
             opt.step(params, grads)
@@ -173,18 +179,17 @@ def _async_server(dev, job: ParameterServerJob) -> dict:
 
 def _next_push(dev, job: ParameterServerJob, pushed, sent) -> int:
     """The first worker (in arrival order, polled) whose next gradient has arrived."""
-    S = job.servers
     waiting = [w for w in range(job.workers) if sent[w] > pushed[w]]
     deadline = time.monotonic() + job.timeout_s
     nap = 1e-5
     while True:
         for w in waiting:
-            if dev.iprobe(S + w, tag=2 * pushed[w] + 1):
+            if dev.iprobe(job.worker_rank(w), tag=2 * pushed[w] + 1):
                 return w
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"parameter server rank {dev.rank} waited {job.timeout_s:g} s for a gradient "
-                f"from workers {[S + w for w in waiting]} (their steps "
+                f"from workers {[job.worker_rank(w) for w in waiting]} (their steps "
                 f"{[pushed[w] for w in waiting]})")
         time.sleep(nap)
         nap = min(2 * nap, 1e-3)
@@ -213,11 +218,13 @@ def _worker(dev, job: ParameterServerJob, X, Y) -> dict:
 
 
 def parameter_server_program(dev, job: ParameterServerJob, X, Y):
-    """The per-device program: rank < servers serves, the others work on ``X``, ``Y``
-    (this worker's rows; None on servers)."""
+    """The per-device program: rank < servers serves, the workers' ranks work on ``X``,
+    ``Y`` (this worker's rows; None elsewhere), any other rank idles."""
     if dev.rank < job.servers:
         return _server(dev, job) if job.staleness == 0 else _async_server(dev, job)
-    return _worker(dev, job, X, Y)
+    if job.worker_rank(0) <= dev.rank < job.worker_rank(job.workers):
+        return _worker(dev, job, X, Y)
+    return {"rank": dev.rank, "role": "idle", "losses": None, "params": None}
 
 
 def layer_specs_of(mlp) -> tuple:

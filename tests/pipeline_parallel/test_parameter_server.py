@@ -129,3 +129,30 @@ def test_staleness_and_replay_are_checked():
         with pytest.raises(ValueError, match="replay holds the events of 2 servers, this "
                                              "run has 1"):
             mlp.fit_parameter_server(cluster, X, Y, steps=1, staleness=1, replay=((), ()))
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_traced_program_moves_the_closed_forms(workers):
+    """The tracer replays the same program on shape-only arrays (what the timing model
+    prices): per step the server sends and receives W·P, a worker P; ranks between the
+    server and the first worker (here: the rest of the server's node) idle."""
+    from pipeline_parallel.optim import OptimizerConfig
+    from pipeline_parallel.parameter_server import (ParameterServerJob, layer_specs_of,
+                                                    parameter_server_program)
+    from vcluster.runtime.tracing import MetaArray, TraceRecv, TraceSend, trace_program
+    mlp = MLP([256, 1024, 1024, 256], seed=0)
+    params = tuple((MetaArray((a, b), np.float32), MetaArray((b,), np.float32))
+                   for a, b in zip(mlp.sizes[:-1], mlp.sizes[1:]))
+    P = sum(a.nbytes for pair in params for a in pair)
+    job = ParameterServerJob(params=params, specs=layer_specs_of(mlp), loss="mse",
+                             optimizer=OptimizerConfig("sgd", 0.01, 0.9, (0.9, 0.999), 1e-8),
+                             steps=2, global_batch=16 * workers, servers=1, workers=workers,
+                             owner=(0,) * 6, first_worker=8)
+    x = MetaArray((16, 256), np.float32)
+    args = [(job, None, None)] * 8 + [(job, x, x)] * workers
+    traces = trace_program(Mesh((8 + workers,), ("x",)), parameter_server_program, args)
+    for t in traces:
+        sent = sum(op.nbytes for op in t.ops if isinstance(op, TraceSend))
+        received = sum(op.nbytes for op in t.ops if isinstance(op, TraceRecv))
+        want = {0: 2 * workers * P}.get(t.rank, 2 * P if t.rank >= 8 else 0)
+        assert (sent, received) == (want, want), t.rank

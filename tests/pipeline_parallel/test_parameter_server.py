@@ -156,3 +156,48 @@ def test_traced_program_moves_the_closed_forms(workers):
         received = sum(op.nbytes for op in t.ops if isinstance(op, TraceRecv))
         want = {0: 2 * workers * P}.get(t.rank, 2 * P if t.rank >= 8 else 0)
         assert (sent, received) == (want, want), t.rank
+
+
+def _ps_traces(workers):
+    """The synchronous PS program traced: one server alone on node 0 of a100-80gb-dgx
+    (ranks 1-7 idle), the workers on the next nodes; a 403 MB fp32 model."""
+    from pipeline_parallel.optim import OptimizerConfig
+    from pipeline_parallel.parameter_server import (ParameterServerJob, layer_specs_of,
+                                                    parameter_server_program)
+    from vcluster.runtime.tracing import MetaArray, trace_program
+    mlp = MLP([2048, 8192, 8192, 2048], seed=0)
+    params = tuple((MetaArray((a, b), np.float32), MetaArray((b,), np.float32))
+                   for a, b in zip(mlp.sizes[:-1], mlp.sizes[1:]))
+    job = ParameterServerJob(params=params, specs=layer_specs_of(mlp), loss="mse",
+                             optimizer=OptimizerConfig("sgd", 0.01, 0.9, (0.9, 0.999), 1e-8),
+                             steps=1, global_batch=32 * workers, servers=1, workers=workers,
+                             owner=(0,) * 6, first_worker=8)
+    x = MetaArray((32, 2048), np.float32)
+    args = [(job, None, None)] * 8 + [(job, x, x)] * workers
+    traces = trace_program(Mesh((8 + workers,), ("x",)), parameter_server_program, args)
+    return traces, sum(a.nbytes for pair in params for a in pair)
+
+
+def test_simulated_server_link_is_the_bottleneck_ring_all_reduce_is_not():
+    """Issue 28: on the replay, the server's communication at W = 8 workers is >= 3x that
+    at W = 2 (its NIC carries W·P each way: 4x), while a ring all-reduce of the same
+    bytes over W = 8 GPUs costs <= 1.2x what it does over 4 (2(W-1)/W·P per member)."""
+    from vcluster.runtime.tracing import DeviceTrace, TraceCollective
+    from vcluster.timing import load_hardware
+    from vcluster.timing.engine import simulate_trace
+    from vcluster.timing.hardware_model import HardwareCostModel
+    costs = HardwareCostModel(load_hardware("a100-80gb-dgx"))
+    server_comm, step = {}, {}
+    for w in (2, 8):
+        traces, P = _ps_traces(w)
+        result = simulate_trace(traces, costs)
+        server_comm[w], step[w] = result.stats[0].comm_s, result.step_time_s
+    assert server_comm[8] >= 3 * server_comm[2]
+    assert server_comm[8] == pytest.approx(4 * server_comm[2], rel=0.01)   # queued at its NIC
+    assert step[8] > 2.5 * step[2]
+
+    def ring(w):
+        ops = (TraceCollective("all_reduce", tuple(range(8, 8 + w)), P, 4, "ring"),)
+        return simulate_trace([DeviceTrace(8 + r, ops) for r in range(w)], costs).stats[0].comm_s
+
+    assert ring(8) <= 1.2 * ring(4)

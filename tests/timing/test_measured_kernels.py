@@ -83,3 +83,23 @@ def test_batched_price_and_its_checks():
     assert PROFILE.time_s(64, 64, 64, batch=8) == pytest.approx(8e-6 + 8 * 2 * 128 * 64 * 128 / 500e12)
     with pytest.raises(ValueError, match="batch must be an int >= 1, got 0"):
         PROFILE.time_s(64, 64, 64, batch=0)
+
+
+def test_transfers_between_nodes_queue_at_a_shared_nic():
+    """Two ranks of node 1 send to rank 0 (node 0) at once: on the hardware model the
+    second transfer waits for the first at rank 0's NIC; within a node they overlap."""
+    from vcluster.runtime.tracing import DeviceTrace, TraceRecv, TraceSend
+    costs = HardwareCostModel(load_hardware("a100-80gb-dgx"))
+    nbytes = 64 << 20
+
+    def step(a, b):
+        traces = [DeviceTrace(0, (TraceRecv(a, nbytes, 1), TraceRecv(b, nbytes, 1))),
+                  DeviceTrace(a, (TraceSend(0, nbytes, 1),)),
+                  DeviceTrace(b, (TraceSend(0, nbytes, 1),))]
+        return simulate_trace(traces, costs).step_time_s
+
+    one = costs.p2p_time_s(8, 0, nbytes)
+    assert step(8, 9) == pytest.approx(2 * one)                # node 1 -> node 0: queued
+    assert step(1, 2) == pytest.approx(costs.p2p_time_s(1, 0, nbytes))   # in node 0: parallel
+    assert costs.p2p_ports(8, 0) == (("nic_out", 8), ("nic_in", 0))
+    assert costs.p2p_ports(1, 0) == ()

@@ -16,7 +16,9 @@
   only on one machine). The trace records each member's local input bytes; nccl-tests
   sizes (what the cost model takes) are the gathered output for all_gather and gather,
   so those are multiplied by the group size;
-* point to point: a ``send`` between the two ranks.
+* point to point: a ``send`` between the two ranks; between nodes it occupies the
+  sender's and the receiver's NIC (:meth:`HardwareCostModel.p2p_ports`), so transfers
+  converging on one rank (a parameter server) queue there.
 
 What a report shows of a collective comes from the same model: :meth:`~HardwareCostModel.
 collective_algorithm` names the algorithm it priced (ring, tree, ...: never the
@@ -94,6 +96,15 @@ class HardwareCostModel:
         received): the call's total over its group divided by the group size."""
         n = len(op.group)
         return _wire_bytes(op.collective, _nccl_bytes(op), n) / n
+
+    def p2p_ports(self, src: int, dst: int) -> tuple:
+        """The NICs a transfer between nodes occupies (the sender's, the receiver's: each
+        GPU drives one NIC rail): concurrent transfers through one of them queue. Within
+        a node, none (the GPU links of the switch are per pair)."""
+        gpn = self.hardware.node.gpus_per_node
+        if src // gpn == dst // gpn:
+            return ()
+        return (("nic_out", src), ("nic_in", dst))
 
     def p2p_time_s(self, src: int, dst: int, nbytes: int) -> float:
         if src == dst:

@@ -16,7 +16,12 @@ and a **communication stream** (a FIFO of its asynchronous collectives). Semanti
   collective's end; collectives still un-waited when a trace ends are waited for there (a
   stream synchronise ends the step).
 * ``TraceSend`` does not block: the transfer starts at ``max(send time, link free)`` on the
-  link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``.
+  link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``. A
+  cost model may name *ports* a transfer also occupies (``costs.p2p_ports(src, dst)``: the
+  hardware model names the sender's NIC and the receiver's NIC when the two are on
+  different nodes): transfers sharing a port run one after another, in the order the
+  replay reaches their sends — so W workers' messages to one parameter server queue at
+  its NIC.
   ``TraceRecv`` completes at ``max(receive reached, transfer end)`` of the matching send
   (same ``(src, dst, tag)``, in order).
 * **Symmetric mode**: a group may hold untraced ranks; they are assumed to mirror the
@@ -103,6 +108,8 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.stream_busy = dict.fromkeys(ranks, False)
         self.handles = {r: {} for r in ranks}              # rank -> {handle: call}
         self.links: dict[tuple, tuple] = {}                # (src, dst) -> (free, busy since)
+        self.ports: dict = {}                              # port -> free (costs.p2p_ports)
+        self._p2p_ports = getattr(costs, "p2p_ports", None)
         self.history = {r: deque() for r in ranks}         # async calls, issue order
         self.mail: dict[tuple, deque] = {}                 # (src, dst, tag) -> transfers
         self.recv_waiters: dict[tuple, Event] = {}
@@ -282,12 +289,17 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
             state = (-1.0, 0.0)
         free, since = state
         d = self._p2p_duration(rank, dst, op)
+        ports = self._p2p_ports(rank, dst) if self._p2p_ports is not None else ()
+        port_free = max((self.ports.get(p, -1.0) for p in ports), default=-1.0)
         if t > free:
-            start = since = t                              # the link was idle: a new busy run
+            since = t                                      # the link was idle: a new busy run
+            start = max(t, port_free)                      # ... once its ports are free
         else:
-            start = free                                   # queued: the link's busy run goes on
+            start = max(free, port_free)                   # queued: the link's busy run goes on
         end = start + d
         self.links[link] = (end, since)
+        for p in ports:
+            self.ports[p] = end
         self.comm_s[rank] += d
         if end > self.last_s:
             self.last_s = end

@@ -136,21 +136,8 @@ def test_traced_program_moves_the_closed_forms(workers):
     """The tracer replays the same program on shape-only arrays (what the timing model
     prices): per step the server sends and receives W·P, a worker P; ranks between the
     server and the first worker (here: the rest of the server's node) idle."""
-    from pipeline_parallel.optim import OptimizerConfig
-    from pipeline_parallel.parameter_server import (ParameterServerJob, layer_specs_of,
-                                                    parameter_server_program)
-    from vcluster.runtime.tracing import MetaArray, TraceRecv, TraceSend, trace_program
-    mlp = MLP([256, 1024, 1024, 256], seed=0)
-    params = tuple((MetaArray((a, b), np.float32), MetaArray((b,), np.float32))
-                   for a, b in zip(mlp.sizes[:-1], mlp.sizes[1:]))
-    P = sum(a.nbytes for pair in params for a in pair)
-    job = ParameterServerJob(params=params, specs=layer_specs_of(mlp), loss="mse",
-                             optimizer=OptimizerConfig("sgd", 0.01, 0.9, (0.9, 0.999), 1e-8),
-                             steps=2, global_batch=16 * workers, servers=1, workers=workers,
-                             owner=(0,) * 6, first_worker=8)
-    x = MetaArray((16, 256), np.float32)
-    args = [(job, None, None)] * 8 + [(job, x, x)] * workers
-    traces = trace_program(Mesh((8 + workers,), ("x",)), parameter_server_program, args)
+    from vcluster.runtime.tracing import TraceRecv, TraceSend
+    traces, P = _ps_traces(workers, [256, 1024, 1024, 256], steps=2)
     for t in traces:
         sent = sum(op.nbytes for op in t.ops if isinstance(op, TraceSend))
         received = sum(op.nbytes for op in t.ops if isinstance(op, TraceRecv))
@@ -158,21 +145,21 @@ def test_traced_program_moves_the_closed_forms(workers):
         assert (sent, received) == (want, want), t.rank
 
 
-def _ps_traces(workers):
-    """The synchronous PS program traced: one server alone on node 0 of a100-80gb-dgx
-    (ranks 1-7 idle), the workers on the next nodes; a 403 MB fp32 model."""
+def _ps_traces(workers, sizes=(2048, 8192, 8192, 2048), steps=1):
+    """The synchronous PS program traced: one server alone on node 0 (ranks 1-7 idle),
+    the workers from rank 8 on; fp32 (sizes 2048-8192-8192-2048: a 403 MB model)."""
     from pipeline_parallel.optim import OptimizerConfig
     from pipeline_parallel.parameter_server import (ParameterServerJob, layer_specs_of,
                                                     parameter_server_program)
     from vcluster.runtime.tracing import MetaArray, trace_program
-    mlp = MLP([2048, 8192, 8192, 2048], seed=0)
+    mlp = MLP(list(sizes), seed=0)
     params = tuple((MetaArray((a, b), np.float32), MetaArray((b,), np.float32))
                    for a, b in zip(mlp.sizes[:-1], mlp.sizes[1:]))
     job = ParameterServerJob(params=params, specs=layer_specs_of(mlp), loss="mse",
                              optimizer=OptimizerConfig("sgd", 0.01, 0.9, (0.9, 0.999), 1e-8),
-                             steps=1, global_batch=32 * workers, servers=1, workers=workers,
-                             owner=(0,) * 6, first_worker=8)
-    x = MetaArray((32, 2048), np.float32)
+                             steps=steps, global_batch=16 * workers, servers=1,
+                             workers=workers, owner=(0,) * 6, first_worker=8)
+    x = MetaArray((16, sizes[0]), np.float32)
     args = [(job, None, None)] * 8 + [(job, x, x)] * workers
     traces = trace_program(Mesh((8 + workers,), ("x",)), parameter_server_program, args)
     return traces, sum(a.nbytes for pair in params for a in pair)

@@ -50,7 +50,10 @@ def one_hot(labels, classes: int, dtype) -> np.ndarray:
     """(len(labels), classes) rows of zeros with a 1 at each label (an integer array; a
     shape-only array when traced: the result then is one too)."""
     out = np.zeros_like(labels, dtype=dtype, shape=(len(labels), classes))
-    out[np.arange(len(labels)), labels.astype(np.int64, copy=False)] = 1
+    # the row indices on the labels' device (like=: numpy's dispatch, NEP 35), so that a
+    # device's labels never meet a host index array
+    rows = np.arange(len(labels), like=labels)
+    out[rows, labels.astype(np.int64, copy=False)] = 1
     return out
 
 

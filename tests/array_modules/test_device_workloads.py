@@ -112,3 +112,14 @@ def test_checkpointed_training_resumes_exactly(device_cluster_of, tmp_path):
                       resume_from=full.checkpoints[0])
     assert_same_training(resumed, mlp.fit_reference(X, Y, steps=4, optimizer="adam", lr=0.01))
     np.testing.assert_array_equal(resumed.losses, full.losses)
+
+
+def test_mlp_cross_entropy_with_integer_labels(device_cluster_of):
+    """Class labels arrive as a device int array; the one-hot rows are built on the
+    device (found by running scenarios/mlp_dp_pp_tp.yaml under the strict module)."""
+    mlp = MLP(SIZES, activation="relu", loss="cross_entropy", seed=4)
+    X, Y = _data(2, classes=True)
+    ref = mlp.fit_reference(X, Y, steps=2, optimizer="sgd", lr=0.05)
+    run = mlp.fit(device_cluster_of(Mesh((2, 2, 2), ("dp", "pp", "tp"))), X, Y, steps=2,
+                  microbatches=2, optimizer="sgd", lr=0.05)
+    assert_same_training(run, ref)

@@ -102,3 +102,14 @@ def test_options_are_checked():
         VirtualCluster(mesh, transport="ipc")
     with pytest.raises(ValueError, match="device_arena_bytes must be an int"):
         VirtualCluster(mesh, array_module="strict", device_arena_bytes=10)
+
+
+def test_a_scenario_runs_on_the_strict_module(tmp_path):
+    """``cluster.array_module: strict`` in a scenario (here set on the command line): the
+    bundled MLP dp x pp x tp scenario passes its check under CuPy's rules."""
+    import os
+
+    from vcluster.cli.main import main
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert main(["run", os.path.join(root, "scenarios", "mlp_dp_pp_tp.yaml"), "--set",
+                 "cluster.array_module=strict", "--quiet", "--out", str(tmp_path)]) == 0

@@ -83,6 +83,7 @@ class ArrayModule(Choice):
 
     NUMPY = "numpy"
     CUPY = "cupy"
+    STRICT = "strict"     # numpy math under CuPy's rules (vcluster.runtime.strict)
 
 
 def parse_choice(kind: type[Choice], value, path: str, reason: str = "unknown value"):

@@ -345,7 +345,17 @@ def _copyto(dst, src, casting="same_kind", where=True):
     return None
 
 
+def _arange(start, stop=None, step=1, dtype=None, **_) -> "MetaArray":
+    """``np.arange(..., like=meta)``: a shape-only range (dtype as numpy would pick)."""
+    bounds = (start, stop, step) if stop is not None else (0, start, step)
+    if all(isinstance(b, (int, np.integer)) for b in bounds):
+        return MetaArray((len(range(*bounds)),), np.dtype(dtype or np.int_))
+    real = np.arange(*bounds, dtype=dtype)          # floats: numpy's own count and dtype
+    return MetaArray(real.shape, real.dtype)
+
+
 _FUNCTIONS = MappingProxyType({
+    np.arange: _arange,
     np.split: _split,
     np.array_split: lambda x, n, axis=0: [MetaArray(p.shape, x.dtype) for p in
                                           np.array_split(_standin(x.shape, x.dtype), n, axis)],

@@ -52,6 +52,11 @@ class ArrayModule:
         """A host array with the data of ``x`` (a device array: a copy)."""
         return x
 
+    def adopt(self, x: np.ndarray):
+        """The device array of ``x``, a host array this device just received into its
+        own memory (it may keep that memory instead of copying)."""
+        return self.to_device(x)
+
 
 class StrictModule(ArrayModule):
     """``strict``: numpy memory behind CuPy's rules (:mod:`vcluster.runtime.strict`)."""
@@ -70,6 +75,9 @@ class StrictModule(ArrayModule):
 
     def to_host(self, x) -> np.ndarray:
         return unwrap(x).copy() if type(x) is StrictArray else x
+
+    def adopt(self, x: np.ndarray):
+        return StrictArray(x)          # the arena block is this device's memory
 
 
 class CupyModule(ArrayModule):

@@ -30,7 +30,6 @@ from .emulated_device import EmulatedDevice
 from .errors import DeviceAborted, error_kind
 from .fabric import ABORT_ERROR, Fabric
 from .recorder import Recorder
-from .strict import StrictArray
 from .transfer import pack, unpack
 from .wire import PeerClosed, recv_msg, send_msg
 
@@ -136,7 +135,7 @@ class VirtualDevice:
     def _run(self, fn_bytes: bytes, data: bytes, locations) -> tuple:
         f = self.fabric
         try:
-            adopt = self._adopt if self.arrays.device else None
+            adopt = self.arrays.adopt if self.arrays.device else None
             fn, (args, h2d) = unpack(fn_bytes, [], f.arenas_by_owner, None, adopt)[0], \
                 unpack(data, locations, f.arenas_by_owner, f.arenas[self.rank], adopt)
             self.recorder.add_transfer(h2d_bytes=h2d)
@@ -156,13 +155,6 @@ class VirtualDevice:
             self._settle()
             return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                     error_kind(exc))
-
-    def _adopt(self, x):
-        """An argument array, just copied into this device's arena, as a device array:
-        ``strict`` keeps the arena memory, ``cupy`` copies it to the GPU."""
-        if self.arrays.name == "strict":
-            return StrictArray(x)
-        return self.arrays.to_device(x)
 
     def _result_to_host(self, x):
         """A result's device array as a host array (None for anything else)."""

@@ -8,7 +8,7 @@ from .optim import OPTIMIZERS, Optimizer, OptimizerConfig
 __all__ = ["MLP", "FitResult", "ParameterServerFit", "TrainJob", "train_program", "GradBuckets", "Optimizer",
            "OptimizerConfig", "OPTIMIZERS", "ACTIVATIONS", "LOSSES"]
 from .gpt import (GPT, GPTConfig, GPTFitResult, ParallelConfig, forward_program,
-                  megatron_flops_with_recompute, megatron_model_flops)
+                  llama_model_flops, megatron_flops_with_recompute, megatron_model_flops)
 
 __all__ += ["GPT", "GPTConfig", "GPTFitResult", "ParallelConfig", "forward_program",
-            "megatron_model_flops", "megatron_flops_with_recompute"]
+            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops"]

@@ -21,6 +21,12 @@ FLOPs (products only, elementwise work declared with 0): per layer forward 24·b
 4·b·s²·h, logits 2·b·s·h·V, each backward twice its forward: :func:`megatron_model_flops`
 per iteration; full recomputation adds every layer's forward (not the logits'):
 :func:`megatron_flops_with_recompute`; selective adds the core attention's 4·B·s²·h·l.
+
+``GPTConfig(arch="llama")`` trains a Llama instead (RMSNorm, RoPE, grouped-query
+attention with ``kv_heads``, SwiGLU MLP ``ffn_hidden`` wide, no biases, no learned
+positions; per device :mod:`tensor_parallel.llama`, reference
+:mod:`pipeline_parallel.llama`) under the same parallelism, executor and schedules; its
+FLOPs, causal attention counted at half of s²: :func:`llama_model_flops`.
 """
 
 from __future__ import annotations
@@ -34,17 +40,21 @@ from mesh import Mesh
 from pipelining import SCHEDULE_NAMES, make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
+from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
+    llama_stage
 from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
 from vcluster.runtime.tracing import MetaArray
 
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
+from .llama import llama_param_shapes, llama_reference
 from .optim import Optimizer, OptimizerConfig
 from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
-           "megatron_model_flops", "megatron_flops_with_recompute", "ATTENTION"]
+           "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
+           "llama_ffn_hidden", "ATTENTION", "ARCHS"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
@@ -62,9 +72,39 @@ def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int
     return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
+#: the architectures GPTConfig.arch names: GPT-2 (LayerNorm, learned positions, gelu MLP
+#: 4h, biases) and Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases)
+ARCHS = ("gpt", "llama")
+
+
+def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width: int(2·4h/3) rounded up to a multiple of ``multiple_of``
+    (h 4096 -> 11008)."""
+    return multiple_of * -(-int(2 * 4 * hidden / 3) // multiple_of)
+
+
+def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
+                      ffn_hidden: int) -> int:
+    """6·N·B·s + 6·B·s²·l·h_q: a Llama step's FLOPs (forward + backward = 3x forward),
+    products only, causal attention at half the full s² count (FlashAttention's). N =
+    l·(h·(h_q + 2·c·d) + h_q·h + 3·h·f) + h·V, the parameters that enter a product (not
+    the embedding: a lookup), d = h/heads, h_q = heads·d, c = kv_heads, f = ffn_hidden; GQA
+    shrinks N, not the attention term."""
+    d = h // heads
+    hq = heads * d
+    n = l * (h * (hq + 2 * kv_heads * d) + hq * h + 3 * h * ffn_hidden) + h * V
+    return 6 * n * B * s + 6 * B * s * s * l * hq
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    """hidden h, layers l, heads a (h % a == 0), seq s, vocab V, dtype, LayerNorm eps."""
+    """hidden h, layers l, heads a (h % a == 0), seq s, vocab V, dtype, norm eps.
+
+    ``arch``: "gpt" (default; kv_heads = a and ffn_hidden = 4h, the only values it takes)
+    or "llama" (:mod:`tensor_parallel.llama`): ``kv_heads`` (a % kv_heads == 0; default
+    a: multi-head attention, 1: multi-query), ``ffn_hidden`` (default
+    :func:`llama_ffn_hidden`), RoPE base ``rope_theta``; the head dimension h/a even.
+    After construction kv_heads and ffn_hidden hold the values used."""
 
     hidden: int
     layers: int
@@ -73,6 +113,10 @@ class GPTConfig:
     vocab: int
     dtype: str = "float64"
     eps: float = 1e-5
+    arch: str = "gpt"
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -83,6 +127,32 @@ class GPTConfig:
         if np.dtype(self.dtype).kind != "f":
             raise ValueError(f"GPTConfig: dtype must be a float type, got {self.dtype!r}")
         object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        if self.arch not in ARCHS:
+            raise ValueError(f"GPTConfig: arch must be one of {ARCHS}, got {self.arch!r}")
+        llama = self.arch == "llama"
+        defaults = {"kv_heads": self.heads,
+                    "ffn_hidden": llama_ffn_hidden(self.hidden) if llama else 4 * self.hidden}
+        for f, default in defaults.items():
+            value = default if getattr(self, f) is None else as_int(
+                getattr(self, f), f"GPTConfig: {f}", 1)
+            if not llama and value != default:
+                raise ValueError(f"GPTConfig: {f}={value} needs arch='llama'; arch='gpt' has "
+                                 f"{f}={default} (or None)")
+            object.__setattr__(self, f, value)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"GPTConfig: kv_heads={self.kv_heads} must divide "
+                             f"heads={self.heads}")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
+                or not self.rope_theta > 0:
+            raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
+                             f"{self.rope_theta!r}")
+        if llama and (self.hidden // self.heads) % 2:
+            raise ValueError(f"GPTConfig: arch='llama' rotates pairs of the head dimension "
+                             f"(RoPE): hidden/heads = {self.hidden // self.heads} must be even")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -147,9 +217,12 @@ class ParallelConfig:
             raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
         for what, n in (("heads", config.heads), ("vocab", config.vocab)) + (
-                (("seq (sequence parallelism)", config.seq),) if self.sequence_parallel else ()):
+                (("seq (sequence parallelism)", config.seq),) if self.sequence_parallel else ()) \
+                + ((("ffn_hidden", config.ffn_hidden),) if config.arch == "llama" else ()):
             if n % self.tp:
                 raise ValueError(f"GPT: {what}={n} does not split evenly over tp={self.tp}")
+        if config.arch == "llama":
+            check_kv_heads(config.heads, config.kv_heads, self.tp)
 
 
 @dataclass(frozen=True)
@@ -170,9 +243,16 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
 
     def local(names, prefix=""):
         arrays = {n: glob[prefix + n] for n in names}
+        if cfg.arch == "llama":
+            return {n: llama_piece(n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads)
+                    for n, a in arrays.items()}
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
+    if cfg.arch == "llama":
+        return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
+                           cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
+                           cfg.eps, job.microbatches, cfg.seq)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden, par.recompute,
                                 cfg.eps, job.microbatches, cfg.seq)
@@ -210,7 +290,10 @@ class GPT:
         self.config, self.seed = config, int(seed)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Global shapes by name: wte, wpe, layers.{i}.{ln1_g ... b_2}, lnf_g, lnf_b, w_out."""
+        """Global shapes by name: wte, wpe, layers.{i}.{ln1_g ... b_2}, lnf_g, lnf_b, w_out
+        (Llama: :func:`~pipeline_parallel.llama.llama_param_shapes`)."""
+        if self.config.arch == "llama":
+            return llama_param_shapes(self.config)
         c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
         layer = dict(zip(_LAYER, [(h,), (h,), (h, 3, h), (3, h), (h, h), (h,), (h,), (h,),
                                   (h, f), (f,), (f, h), (h,)]))
@@ -300,14 +383,21 @@ class GPT:
         return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")
 
     def _join(self, mesh, results, key: str) -> dict:
-        """Global arrays from the pieces of the ranks of data-parallel replica 0."""
+        """Global arrays from the pieces of the ranks of data-parallel replica 0 (Llama's
+        W_kv replicated over tp: one piece per KV head)."""
         pieces: dict = {}
         for r, res in enumerate(results):
             for name, a in res[key].items() if _coord(mesh, "dp", r) == 0 else ():
                 pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
-        return {n: pieces[n][0] if split_dim(n) is None else np.concatenate(
-            [pieces[n][t] for t in sorted(pieces[n])], axis=split_dim(n))
-            for n in self.param_shapes()}
+        llama, tp = self.config.arch == "llama", mesh.shape.get("tp", 1)
+        out = {}
+        for n in self.param_shapes():
+            dim = llama_split_dim(n) if llama else split_dim(n)
+            step = tp // kv_pieces(self.config.kv_heads, tp) if llama and n.endswith("w_kv") \
+                else 1
+            out[n] = pieces[n][0] if dim is None else np.concatenate(
+                [pieces[n][t] for t in sorted(pieces[n])[::step]], axis=dim)
+        return out
 
     def forward(self, cluster, tokens, targets, parallel: ParallelConfig):
         """(mean loss, logits (B, s, V)) of the seed's parameters, run on ``cluster``."""
@@ -323,10 +413,14 @@ class GPT:
         return sum(last[d, 0]["loss"] for d in range(parallel.dp)), logits
 
     # --- the single-process reference ---------------------------------------------------
+    def _reference(self, params, tokens, targets, backward: bool = False):
+        ref = llama_reference if self.config.arch == "llama" else _reference
+        return ref(self.config, params, tokens, targets, backward)
+
     def reference_forward(self, tokens, targets, params=None):
         """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth."""
         tokens, targets = self._check_data(tokens, targets)
-        return _reference(self.config, params or self.init_params(), tokens, targets)[:2]
+        return self._reference(params or self.init_params(), tokens, targets)[:2]
 
     def fit_reference(self, tokens, targets, steps: int, optimizer: str = "sgd",
                       lr: float = 0.01, momentum: float = 0.9, betas=(0.9, 0.999),
@@ -337,7 +431,7 @@ class GPT:
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
                         list(params.values()))
         for _ in range(as_int(steps, "steps", 1)):
-            loss, _, grads = _reference(self.config, params, tokens, targets, backward=True)
+            loss, _, grads = self._reference(params, tokens, targets, backward=True)
             opt.step(list(params.values()), [grads[n] for n in params])
             losses.append(loss)
         return GPTFitResult(np.array(losses), params, grads)

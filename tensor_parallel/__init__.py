@@ -16,3 +16,7 @@ from .transformer import (RECOMPUTE, TransformerLayer, TransformerStage, VocabPa
 
 __all__ += ["Attention", "TransformerOps", "batched_matmul", "TransformerLayer",
             "TransformerStage", "VocabParallelEmbedding", "VocabParallelHead", "RECOMPUTE"]
+from .gqa import GQAttention
+from .llama import LlamaLayer
+
+__all__ += ["GQAttention", "LlamaLayer"]

@@ -167,8 +167,9 @@ class VocabParallelEmbedding(_Module):
     seq_partial = ("wpe",)
 
     def forward(self, ops, mb: int, ids):
-        """ids (b, s) ints -> x (b, s, h), or (b, s/t, h) under SP."""
-        wte, wpe = self.p["wte"], self.p["wpe"]
+        """ids (b, s) ints -> x (b, s, h), or (b, s/t, h) under SP (a subclass without
+        ``wpe`` adds no positions)."""
+        wte, wpe = self.p["wte"], self.p.get("wpe")
         v_l = wte.shape[0]
 
         def lookup():
@@ -179,10 +180,12 @@ class VocabParallelEmbedding(_Module):
 
         e, local, inside = ops.work("embedding lookup", 0, (ids, ids), None, lookup)
         e = ops.reduce_out(e, "embedding: reduce")            # partial sums over tp
+        self._state[mb] = (local, inside)
+        if wpe is None:
+            return e
         s_l = e.shape[1]
         pos = wpe[ops.tp_rank * s_l:(ops.tp_rank + 1) * s_l] if ops.sequence_parallel \
             else wpe[:s_l]
-        self._state[mb] = (local, inside)
         return ops.ew("embedding: + positions", lambda: e + pos, e)
 
     def backward_input(self, ops, mb: int, dx):
@@ -193,12 +196,13 @@ class VocabParallelEmbedding(_Module):
 
     def backward_weight(self, ops, mb: int) -> None:
         local, inside, de, dx = self._wstate.pop(mb)
-        gwpe, s_l = self.g["wpe"], dx.shape[1]
+        gwpe, s_l = self.g.get("wpe"), dx.shape[1]
         first = ops.tp_rank * s_l if ops.sequence_parallel else 0
 
         def fn():
             _scatter_add(self.g["wte"], local, de * inside[..., None])
-            gwpe[first:first + s_l] += dx.sum(axis=0)
+            if gwpe is not None:
+                gwpe[first:first + s_l] += dx.sum(axis=0)
 
         ops.work("embedding grads (scatter-add)", 0, (de, de), None, fn)
 

@@ -1,0 +1,133 @@
+"""The Llama model's parameters and its single-process numpy reference (forward and
+backward, written apart from the sharded program of :mod:`tensor_parallel.llama`).
+
+Model (B batch, s sequence, h hidden, a heads, c kv_heads, d = h/a, f ffn_hidden, l
+layers, V vocabulary): x = E[tokens], E (V, h); l layers
+
+    x1 = x + (softmax(R(u W_q) R(u W_k)^T / sqrt(d) + M) (u W_v)) W_o,   u = RMSNorm1(x)
+    x  = x1 + (silu(u2 W_gate) * (u2 W_up)) W_down,                      u2 = RMSNorm2(x1)
+
+(query head i attends with KV head i // (a/c); R: RoPE, here as a (d, d) rotation matrix
+per position); logits = RMSNorm_f(x) W_out; loss = mean over the B·s tokens of
+-log softmax(logits)[target].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .functional import one_hot
+
+__all__ = ["llama_param_shapes", "llama_reference"]
+
+_LAYER = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "w_down")
+
+
+def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Global shapes by name: wte (V, h), layers.{i}.{attn_norm_g (h,), w_q (h, a·d),
+    w_kv (h, 2, c·d), w_o (a·d, h), mlp_norm_g (h,), w_gate, w_up (h, f), w_down (f, h)},
+    norm_f_g (h,), w_out (h, V)."""
+    h, f, hq, hkv = cfg.hidden, cfg.ffn_hidden, cfg.heads * cfg.head_dim, \
+        cfg.kv_heads * cfg.head_dim
+    layer = dict(zip(_LAYER, [(h,), (h, hq), (h, 2, hkv), (hq, h), (h,), (h, f), (h, f),
+                              (f, h)]))
+    return {"wte": (cfg.vocab, h),
+            **{f"layers.{i}.{n}": layer[n] for i in range(cfg.layers) for n in _LAYER},
+            "norm_f_g": (h,), "w_out": (h, cfg.vocab)}
+
+
+def _rotations(s: int, d: int, theta: float) -> np.ndarray:
+    """R (s, d, d): position p turns each pair (i, i + d/2) by p·theta^(-2i/d)."""
+    R = np.zeros((s, d, d))
+    for i in range(d // 2):
+        angle = np.arange(s) * theta ** (-2 * i / d)
+        c, sn, j = np.cos(angle), np.sin(angle), i + d // 2
+        R[:, i, i], R[:, i, j], R[:, j, i], R[:, j, j] = c, -sn, sn, c
+    return R
+
+
+def _rms(x, g, eps):
+    r = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * r * g, (x * r, r, g)
+
+
+def _rms_back(dy, cache):
+    """(dx, dg) of an RMSNorm over the last axis."""
+    xhat, r, g = cache
+    d = dy * g
+    return r * (d - xhat * np.mean(d * xhat, axis=-1, keepdims=True)), (dy * xhat).sum((0, 1))
+
+
+def _silu(z):
+    return z / (1 + np.exp(-z))
+
+
+def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False):
+    """Forward (and backward) of the whole model on the whole batch: (loss, logits,
+    grads by name or None)."""
+    (B, s), a, c, d, V = tokens.shape, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab
+    grp, R = a // c, _rotations(s, d, cfg.rope_theta).astype(cfg.dtype)
+    causal = np.tril(np.ones((s, s), bool))
+    x, caches = P["wte"][tokens], []
+    for i in range(cfg.layers):
+        L = {n: P[f"layers.{i}.{n}"] for n in _LAYER}
+        u, c1 = _rms(x, L["attn_norm_g"], cfg.eps)
+        q0 = (u @ L["w_q"]).reshape(B, s, a, d)
+        kv = np.einsum("bsh,htk->bstk", u, L["w_kv"])                     # (B, s, 2, c·d)
+        k0, v = kv[:, :, 0].reshape(B, s, c, d), kv[:, :, 1].reshape(B, s, c, d)
+        q = np.einsum("pij,bpnj->bpni", R, q0)                            # RoPE
+        k = np.einsum("pij,bpnj->bpni", R, k0)
+        kr, vr = np.repeat(k, grp, axis=2), np.repeat(v, grp, axis=2)     # (B, s, a, d)
+        S = np.where(causal, np.einsum("bqnd,bknd->bnqk", q, kr) / np.sqrt(d), -np.inf)
+        A = np.exp(S - S.max(-1, keepdims=True))
+        A /= A.sum(-1, keepdims=True)                                     # (B, a, s, s)
+        ctx = np.einsum("bnqk,bknd->bqnd", A, vr).reshape(B, s, a * d)
+        x1 = x + ctx @ L["w_o"]
+        u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
+        zg, zu = u2 @ L["w_gate"], u2 @ L["w_up"]
+        act = _silu(zg) * zu
+        x = x1 + act @ L["w_down"]
+        caches.append((L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act))
+    uf, cf = _rms(x, P["norm_f_g"], cfg.eps)
+    logits = uf @ P["w_out"]                                              # (B, s, V)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    onehot = one_hot(targets.reshape(-1), V, logits.dtype).reshape(B, s, V)
+    loss = -float((logp * onehot).sum()) / (B * s)
+    if not backward:
+        return loss, logits, None
+    G = {}
+    dlogits = (np.exp(logp) - onehot) / (B * s)
+    G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
+    dx, G["norm_f_g"] = _rms_back(dlogits @ P["w_out"].T, cf)
+    for i in reversed(range(cfg.layers)):
+        L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act = caches[i]
+        g = {"w_down": np.einsum("bsf,bsh->fh", act, dx)}
+        dact = dx @ L["w_down"].T
+        sig = 1 / (1 + np.exp(-zg))
+        dzg, dzu = dact * zu * (sig + zg * sig * (1 - sig)), dact * _silu(zg)
+        g["w_gate"] = np.einsum("bsh,bsf->hf", u2, dzg)
+        g["w_up"] = np.einsum("bsh,bsf->hf", u2, dzu)
+        du2, g["mlp_norm_g"] = _rms_back(dzg @ L["w_gate"].T + dzu @ L["w_up"].T, c2)
+        dx1 = dx + du2
+        g["w_o"] = np.einsum("bsk,bsh->kh", ctx, dx1)
+        dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
+        dA = np.einsum("bqnd,bknd->bnqk", dctx, vr)
+        dvr = np.einsum("bnqk,bqnd->bknd", A, dctx)
+        dS = A * (dA - (dA * A).sum(-1, keepdims=True)) / np.sqrt(d)
+        dq = np.einsum("bnqk,bknd->bqnd", dS, kr)
+        dkr = np.einsum("bnqk,bqnd->bknd", dS, q)
+        dk = dkr.reshape(B, s, c, grp, d).sum(3)                          # the group's sum
+        dv = dvr.reshape(B, s, c, grp, d).sum(3)
+        dq0 = np.einsum("pij,bpni->bpnj", R, dq).reshape(B, s, a * d)     # R^T
+        dk0 = np.einsum("pij,bpni->bpnj", R, dk).reshape(B, s, c * d)
+        dkv = np.stack([dk0, dv.reshape(B, s, c * d)], axis=2)            # (B, s, 2, c·d)
+        g["w_q"] = np.einsum("bsh,bsk->hk", u, dq0)
+        g["w_kv"] = np.einsum("bsh,bstk->htk", u, dkv)
+        du, g["attn_norm_g"] = _rms_back(dq0 @ L["w_q"].T
+                                         + np.einsum("bstk,htk->bsh", dkv, L["w_kv"]), c1)
+        dx = dx1 + du
+        G.update({f"layers.{i}.{n}": g[n] for n in _LAYER})
+    G["wte"] = np.zeros_like(P["wte"])
+    np.add.at(G["wte"], tokens, dx)
+    return loss, logits, {n: G[n] for n in P}

@@ -1,0 +1,219 @@
+"""Causal grouped-query attention (GQA) with rotary embeddings (RoPE), no biases, with
+Megatron tensor parallelism: forward, input gradient and weight gradient on one device.
+
+Local shapes on one device of a tp group of t: b micro-batch, s sequence, h hidden,
+a query heads, c = kv_heads key/value heads (a % c == 0), d = h/a, g = a/c query heads
+per KV head; here a_l = a/t query heads and c_l = max(c/t, 1) KV heads (g = a_l/c_l).
+Parameters: W_q (h, a·d) split on columns (whole heads), W_kv (h, 2, c·d) split on the
+last dimension when c >= t (c % t == 0) — when c < t (t % c == 0) a rank holds the one
+KV head its query heads use, replicated over t/c ranks (:mod:`tensor_parallel.llama`
+sums the replicas' gradients) — and W_o (a·d, h) split on rows. Query head i uses KV
+head i // g.
+
+    forward:  xf = gather_seq(x)                      (b, s, h)      SP only: all_gather(tp)
+              q = R(xf W_q),  [k | v] = xf W_kv,  k = R(k)            R: RoPE, per head
+              S = q k^T / sqrt(d) + M                 (b·c_l, g·s, s) the g query heads of a
+              P = softmax(S),  C = P v                (b·c_l, g·s, d) KV head stacked on rows
+              y = reduce(C W_o)                       all_reduce(tp) / SP: reduce_scatter(tp)
+    backward: dC = dyf W_o^T;  dP = dC v^T;  dv = P^T dC;  dS = P·(dP - rowsum(dP·P))/sqrt(d)
+              dq = R^T(dS k);  dk = R^T(dS^T q)       (dv, dk sum over the g heads by the
+              dx = reduce(dq W_q^T + [dk | dv] W_kv^T)  products themselves)
+    weights:  dW_q = xf^T dq,  dW_kv = xf^T [dk | dv],  dW_o = C^T dyf
+
+RoPE (the "rotate half" form of GPT-NeoX and Hugging Face Llama): for position p and
+i < d/2, angle θ_{p,i} = p·base^(-2i/d);  R(x)_i = x_i cos θ - x_{i+d/2} sin θ,
+R(x)_{i+d/2} = x_i sin θ + x_{i+d/2} cos θ; its transpose (the backward) turns by -θ.
+
+FLOPs (products only): projections forward 2·b·s·h·(a_l·d + 2·c_l·d) + 2·b·s·a_l·d·h;
+the causal core attention is declared at half the full count (FlashAttention's
+convention: the masked half is never computed), forward 2·b·a_l·s²·d, backward twice
+that. GQA saves parameters and K/V memory, not attention FLOPs. The causal products are
+declared without a GEMM shape (one causal kernel is no plain GEMM): the timing model
+prices them by their FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["GQAttention", "Rope", "causal_bmm"]
+
+
+def causal_bmm(dev, a, b, name: str):
+    """a @ b over a leading batch, (n, m, k) @ (n, k, p), one of causal attention's
+    products: declared n·m·k·p FLOPs, half of the full 2·n·m·k·p."""
+    n, m, k = a.shape
+    p = b.shape[-1]
+    itemsize = np.dtype(a.dtype).itemsize
+    with dev.compute(name, flops=n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize):
+        return dev.xp.matmul(a, b)
+
+
+class Rope:
+    """Rotary embeddings of head dimension d with base ``theta``; the (s, d) cos / sin
+    tables are built once per sequence length (declared as elementwise work)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.d, self.theta = head_dim, float(theta)
+        self._tables: dict = {}
+
+    def __repr__(self) -> str:
+        return f"Rope(head_dim={self.d}, theta={self.theta})"
+
+    def tables(self, ops, s: int, dtype):
+        """(cos, sin), each (s, 1, d): [cos θ | cos θ] and [-sin θ | sin θ]."""
+        key = (s, np.dtype(dtype).name)
+        if key not in self._tables:
+            nbytes = 2 * s * self.d * np.dtype(dtype).itemsize
+            with ops.dev.compute("gpt: rope: cos, sin tables", flops=0, bytes=nbytes):
+                xp, half = ops.xp, self.d // 2
+                inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
+                angle = xp.arange(s)[:, None] * inv[None, :]              # (s, d/2)
+                cos, sin = np.cos(angle), np.sin(angle)
+                self._tables[key] = tuple(
+                    np.concatenate(t, axis=1).reshape(s, 1, self.d).astype(dtype)
+                    for t in ((cos, cos), (-sin, sin)))
+        return self._tables[key]
+
+    def apply(self, ops, x, b: int, s: int, name: str, inverse: bool = False):
+        """R(x) (or R^T(x)) for x (b·s, n·d): pairs (i, i + d/2) of each head turned by θ."""
+        cos, sin = self.tables(ops, s, x.dtype)
+        half = self.d // 2
+
+        def fn():
+            t = x.reshape(b, s, -1, self.d)                              # (b, s, n, d)
+            swapped = np.concatenate([t[..., half:], t[..., :half]], axis=-1)
+            # R: x cos + [x_hi | x_lo]·[-sin | sin];  R^T: y cos + [y_hi | y_lo]·[sin | -sin]
+            return (t * cos + swapped * (-sin if inverse else sin)).reshape(x.shape)
+
+        return ops.ew(name, fn, x)
+
+
+class GQAttention:
+    """The block's math on one device (see the module docstring); the caller keeps the
+    per-micro-batch state (``forward`` returns it, the backward passes take it back)."""
+
+    def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope):
+        if heads_local % kv_heads_local:
+            raise ValueError(f"GQAttention: heads_local={heads_local} is not a multiple of "
+                             f"kv_heads_local={kv_heads_local}")
+        self.a_l, self.c_l, self.d = heads_local, kv_heads_local, head_dim
+        self.g = heads_local // kv_heads_local
+        self.scale, self.rope = 1.0 / math.sqrt(head_dim), rope
+
+    def __repr__(self) -> str:
+        return f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, d={self.d})"
+
+    # --- layouts ----------------------------------------------------------------------
+    def _q_group(self, ops, t, b, s, name):
+        """(b·s, a_l·d) -> (b·c_l, g·s, d): the query heads of one KV head on rows."""
+        return ops.ew(name, lambda: t.reshape(b, s, self.c_l, self.g, self.d)
+                      .transpose(0, 2, 3, 1, 4).reshape(b * self.c_l, self.g * s, self.d), t)
+
+    def _q_merge(self, ops, t, b, s, name):
+        """(b·c_l, g·s, d) -> (b·s, a_l·d)."""
+        return ops.ew(name, lambda: t.reshape(b, self.c_l, self.g, s, self.d)
+                      .transpose(0, 3, 1, 2, 4).reshape(b * s, self.a_l * self.d), t)
+
+    def _kv_heads(self, ops, t, b, s, name):
+        """(b·s, c_l·d) -> (b·c_l, s, d)."""
+        return ops.ew(name, lambda: t.reshape(b, s, self.c_l, self.d).transpose(0, 2, 1, 3)
+                      .reshape(b * self.c_l, s, self.d), t)
+
+    def _kv_merge(self, ops, t, b, s, name):
+        """(b·c_l, s, d) -> (b·s, c_l·d)."""
+        return ops.ew(name, lambda: t.reshape(b, self.c_l, s, self.d).transpose(0, 2, 1, 3)
+                      .reshape(b * s, self.c_l * self.d), t)
+
+    # --- core attention ---------------------------------------------------------------
+    def core(self, ops, q, k, v):
+        """P = softmax(q k^T / sqrt(d) + M), C = P v; q (b·c_l, g·s, d), k, v (b·c_l, s, d)."""
+        s = k.shape[1]
+        scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T")
+        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
+
+        def softmax():
+            # future[0, r, j] = j > (r mod s): row r is query position r mod s
+            rows = ops.xp.arange(self.g * s) % s
+            future = (np.zeros_like(scores[:1, :, :1]) + rows[:, None]) < ops.xp.arange(s)
+            z = scores * self.scale - future * big
+            e = np.exp(z - z.max(axis=-1, keepdims=True))
+            return e / e.sum(axis=-1, keepdims=True)
+
+        p = ops.ew("attention: causal softmax", softmax, scores)
+        return p, self._bmm(ops, p, v, "attention: P @ v")
+
+    def core_backward(self, ops, dc, q, k, v, p):
+        """(dq, dk, dv) from dC (b·c_l, g·s, d), in q's, k's and v's layouts."""
+        dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
+        dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
+        ds = ops.ew("attention: softmax grad",
+                    lambda: p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * self.scale, dp, p)
+        dq = self._bmm(ops, ds, k, "attention: dq = dS k")
+        dk = self._bmm(ops, ds.transpose(0, 2, 1), q, "attention: dk = dS^T q")
+        return dq, dk, dv
+
+    # --- the block --------------------------------------------------------------------
+    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all"):
+        """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
+        recomputation: not P nor C) or "none"."""
+        xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
+        b, s, h = xf.shape
+        x2 = xf.reshape(b * s, h)
+        q = ops.matmul(x2, w_q, "attention: x @ W_q")                        # (b·s, a_l·d)
+        kv = ops.matmul(x2, w_kv.reshape(h, -1), "attention: x @ W_kv")     # (b·s, 2·c_l·d)
+        kd = self.c_l * self.d
+        q = self._q_group(ops, self.rope.apply(ops, q, b, s, "attention: rope q"), b, s,
+                          "attention: split heads")
+        k = self._kv_heads(ops, self.rope.apply(ops, kv[:, :kd], b, s, "attention: rope k"),
+                           b, s, "attention: split heads")
+        v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
+        p, c = self.core(ops, q, k, v)
+        ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
+        y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
+        y = ops.reduce_out(y, "attention: reduce y")
+        state = {"all": (x2, q, k, v, p, ctx), "qkv": (x2, q, k, v, None, None),
+                 "none": ()}[keep]
+        return y, state
+
+    def backward_input(self, ops, state, dy, w_q, w_kv, w_o):
+        """dx (x's layout) and the weight gradient's state (P and C recomputed first when
+        the state holds none: selective recomputation)."""
+        x2, q, k, v, p, ctx = state
+        b, s = x2.shape[0] // k.shape[1], k.shape[1]
+        if p is None:
+            p, c = self.core(ops, q, k, v)
+            ctx = self._q_merge(ops, c, b, s, "attention: merge heads")
+        dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
+        h = dyf.shape[-1]
+        dy2 = dyf.reshape(b * s, h)
+        dctx = ops.matmul(dy2, w_o.T, "attention: dctx = dy W_o^T")         # (b·s, a_l·d)
+        dq, dk, dv = self.core_backward(
+            ops, self._q_group(ops, dctx, b, s, "attention: split heads"), q, k, v, p)
+        dq = self.rope.apply(ops, self._q_merge(ops, dq, b, s, "attention: merge dq"), b, s,
+                             "attention: rope^T dq", inverse=True)          # (b·s, a_l·d)
+        dk = self.rope.apply(ops, self._kv_merge(ops, dk, b, s, "attention: merge dk"), b, s,
+                             "attention: rope^T dk", inverse=True)
+        dkv = ops.ew("attention: merge dk, dv", lambda: np.concatenate(
+            [dk, self._kv_merge_raw(dv, b, s)], axis=1), dk, dv)            # (b·s, 2·c_l·d)
+        dxq = ops.matmul(dq, w_q.T, "attention: dx = dq W_q^T")
+        dxkv = ops.matmul(dkv, w_kv.reshape(h, -1).T, "attention: dx += dkv W_kv^T")
+        dx = ops.ew("attention: add dx", lambda: dxq + dxkv, dxq, dxkv).reshape(b, s, h)
+        dx = ops.reduce_out(dx, "attention: reduce dx")
+        return dx, (x2, dq, dkv, ctx, dy2)
+
+    def backward_weight(self, ops, wstate, g_q, g_kv, g_o) -> None:
+        """Accumulate dW_q, dW_kv, dW_o (in place)."""
+        x2, dq, dkv, ctx, dy2 = wstate
+        g_q += ops.matmul(x2.T, dq, "attention: dW_q = x^T dq")
+        g_kv += ops.matmul(x2.T, dkv, "attention: dW_kv = x^T dkv").reshape(g_kv.shape)
+        g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
+
+    @staticmethod
+    def _bmm(ops, a, b, name):
+        return causal_bmm(ops.dev, a, b, f"gpt: {name}")
+
+    def _kv_merge_raw(self, t, b, s):
+        return t.reshape(b, self.c_l, s, self.d).transpose(0, 2, 1, 3).reshape(b * s, -1)

@@ -1,0 +1,293 @@
+"""The Llama transformer layer and its ends, with Megatron tensor and sequence
+parallelism: forward, input gradient (I) and weight gradient (W) on one device.
+
+Layer (pre-norm, no biases anywhere), x (b, s, h) — or (b, s/t, h) with sequence
+parallelism (SP):
+
+    x1 = x + Attention(RMSNorm1(x))       grouped-query, RoPE, causal: :mod:`.gqa`
+    y  = x1 + MLP(RMSNorm2(x1)),  MLP(u) = (silu(u W_gate) * (u W_up)) W_down   (f wide)
+
+    RMSNorm(x) = xhat·g,  xhat = x·r,  r = 1/sqrt(mean(x²) + eps)        over h
+    RMSNorm'  : dx = r·(d - xhat·mean(d·xhat)),  d = dy·g;   dg = rowsum(dy·xhat)
+    silu(z) = z·σ(z),  silu'(z) = σ(z)·(1 + z·(1 - σ(z)))
+
+Tensor parallelism over t ranks as Megatron's: W_q, W_gate, W_up column-parallel, W_o
+and W_down row-parallel, so each block closes with one all_reduce(tp) (SP: an
+all_gather(tp) entering and a reduce_scatter(tp) leaving it), and the RMSNorm gains are
+replicated (SP: ``seq_partial``, all-reduced over tp once per step, by
+:class:`~tensor_parallel.transformer.TransformerStage`). K/V (W_kv (h, 2, c·d), c =
+kv_heads): split over tp when c >= t (c % t == 0); when c < t (t % c == 0) each rank
+holds the one KV head its query heads use, replicated over the t/c ranks that share it
+(as vLLM does; Megatron-Core rejects this case). A replica's dW_kv holds only its own
+query heads' part, so once per step, after the step's last micro-batch, the layer sums
+the replicas: an all_reduce(tp) of the c per-head gradients stacked (each rank writes
+its head's slot, zeros elsewhere; the mesh's groups are whole axes, so a sub-group
+all-reduce over the t/c replicas, 1/c of these bytes, is not available). Every replica
+then takes the same optimizer step. The replicas also compute their head's K and V
+redundantly: over the tp group, (t - c)·(6·b·s·h·2d) FLOPs per layer and micro-batch
+beyond :func:`pipeline_parallel.gpt.llama_model_flops`.
+
+Ends: :class:`TokenEmbedding` (E (V, h) vocabulary-parallel as GPT's, no learned
+positions) and :class:`RMSNormHead` (final RMSNorm, logits = x W_out, W_out (h, V) split
+on V and untied from E, the vocabulary-parallel cross-entropy of
+:class:`~tensor_parallel.transformer.VocabParallelHead`).
+
+Recomputation as the GPT layer's: "none", "selective" (keep q, k, v; re-run the core
+attention) and "full" (keep x; re-run the layer's forward, with its collectives).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import numpy as np
+
+from .gqa import GQAttention, Rope
+from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
+                          VocabParallelHead, _Module)
+
+__all__ = ["LlamaLayer", "TokenEmbedding", "RMSNormHead", "llama_stage", "llama_split_dim",
+           "llama_piece", "kv_pieces", "check_kv_heads"]
+
+
+# --- RMSNorm over the last dimension h ----------------------------------------------------
+def rms_norm(ops, x, g, eps: float, name: str):
+    """(xhat·g, (xhat, r)), xhat = x·r, r = 1/sqrt(mean(x²) + eps)."""
+    h = x.shape[-1]
+
+    def fn():
+        r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) / h + eps)
+        xhat = x * r
+        return xhat * g, (xhat, r)
+
+    return ops.work(name, 0, (x, x, x), None, fn)
+
+
+def rms_norm_grad(ops, dy, state, g, name: str, residual=None):
+    """dx = r·(d - xhat·mean(d·xhat)), d = dy·g; plus ``residual``."""
+    xhat, r = state
+    h = dy.shape[-1]
+
+    def fn():
+        d = dy * g
+        dx = r * (d - xhat * (d * xhat).sum(axis=-1, keepdims=True) / h)
+        return dx if residual is None else dx + residual
+
+    return ops.work(name, 0, (dy, xhat, dy), None, fn)
+
+
+def rms_norm_gain_grad(ops, dy, xhat, gg, name: str) -> None:
+    """gg += rowsum(dy·xhat) (in place)."""
+    gg += ops.ew(name, lambda: (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0), dy, xhat)
+
+
+# --- the layout of the parameters over tp -------------------------------------------------
+def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
+    """Raise unless the query and KV heads split over ``tp`` ranks (see the module doc)."""
+    if heads % tp:
+        raise ValueError(f"Llama: heads={heads} does not split evenly over tp={tp}")
+    if kv_heads >= tp and kv_heads % tp:
+        raise ValueError(f"Llama: kv_heads={kv_heads} >= tp={tp} must be a multiple of tp "
+                         f"(K/V heads split over tp)")
+    if kv_heads < tp and tp % kv_heads:
+        raise ValueError(f"Llama: kv_heads={kv_heads} < tp={tp} must divide tp (each KV "
+                         f"head replicated over tp/kv_heads ranks)")
+
+
+def kv_pieces(kv_heads: int, tp: int) -> int:
+    """The distinct pieces of W_kv over tp ranks: min(kv_heads, tp)."""
+    return min(kv_heads, tp)
+
+
+class LlamaLayer(_Module):
+    """One layer on one device; local parameters: attn_norm_g (h,), w_q (h, a_l·d),
+    w_kv (h, 2, c_l·d), w_o (a_l·d, h), mlp_norm_g (h,), w_gate, w_up (h, f/t),
+    w_down (f/t, h). ``kv_replicas`` = t/c when c < t (else 1): the ranks sharing this
+    rank's KV head; ``microbatches`` per step tells the step's last weight gradient."""
+
+    names = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "w_down")
+    split = MappingProxyType({"w_q": 1, "w_kv": 2, "w_o": 0, "w_gate": 1, "w_up": 1,
+                              "w_down": 0})
+    seq_partial = ("attn_norm_g", "mlp_norm_g")
+
+    def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
+                 microbatches: int, recompute: str = "none", eps: float = 1e-5):
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"LlamaLayer: recompute must be one of {RECOMPUTE}, "
+                             f"got {recompute!r}")
+        super().__init__(params)
+        self.attn, self.recompute, self.eps = attention, recompute, eps
+        self.kv_heads, self.kv_replicas, self.microbatches = kv_heads, kv_replicas, microbatches
+        self._w_count = 0
+
+    # --- MLP: (silu(u W_gate) * (u W_up)) W_down -----------------------------------------
+    def _mlp(self, ops, u, keep: bool):
+        P = self.p
+        xf = ops.gather_seq(u, "mlp: gather x")
+        x2 = xf.reshape(-1, xf.shape[-1])
+        zg = ops.matmul(x2, P["w_gate"], "mlp: x @ W_gate")                # (b·s, f/t)
+        zu = ops.matmul(x2, P["w_up"], "mlp: x @ W_up")
+        a = ops.ew("mlp: silu(zg) * zu", lambda: zg / (1 + np.exp(-zg)) * zu, zg, zu)
+        y = ops.matmul(a, P["w_down"], "mlp: a @ W_down").reshape(xf.shape)
+        return ops.reduce_out(y, "mlp: reduce y"), ((x2, zg, zu, a) if keep else ())
+
+    def _mlp_backward(self, ops, st, dy):
+        """du (u's layout) and the weight gradient's state."""
+        P, (x2, zg, zu, a) = self.p, st
+        dyf = ops.gather_seq(dy, "mlp: gather dy")
+        dy2 = dyf.reshape(-1, dyf.shape[-1])
+        da = ops.matmul(dy2, P["w_down"].T, "mlp: da = dy W_down^T")
+
+        def fn():
+            sg = 1 / (1 + np.exp(-zg))
+            return da * zu * sg * (1 + zg * (1 - sg)), da * zg * sg
+
+        dzg, dzu = ops.work("mlp: swiglu grad", 0, (da, zg, zu, da, da), None, fn)
+        dug = ops.matmul(dzg, P["w_gate"].T, "mlp: du = dzg W_gate^T")
+        duu = ops.matmul(dzu, P["w_up"].T, "mlp: du += dzu W_up^T")
+        du = ops.ew("mlp: add du", lambda: dug + duu, dug, duu).reshape(dyf.shape)
+        return ops.reduce_out(du, "mlp: reduce du"), (x2, dzg, dzu, a, dy2)
+
+    # --- the layer ----------------------------------------------------------------------
+    def _forward(self, ops, x, keep: str):
+        P = self.p
+        u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attn norm")
+        att, ast = self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep)
+        x1 = ops.ew("residual", lambda: x + att, x, att)
+        u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp norm")
+        y, mst = self._mlp(ops, u2, keep != "none")
+        out = ops.ew("residual", lambda: x1 + y, x1, y)
+        return out, (n1, ast, n2, mst)
+
+    def forward(self, ops, mb: int, x):
+        if self.recompute == "full":
+            out, _ = self._forward(ops, x, "none")
+            self._state[mb] = (x,)
+        else:
+            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
+            self._state[mb] = st
+        return out
+
+    def backward_input(self, ops, mb: int, dy):
+        """dx from dy (both in x's layout); keeps what W needs."""
+        P, st = self.p, self._state.pop(mb)
+        if self.recompute == "full":
+            _, st = self._forward(ops, st[0], "all")
+        n1, ast, n2, mst = st
+        du, mw = self._mlp_backward(ops, mst, dy)
+        dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp norm grad + residual",
+                            residual=dy)
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"])
+        dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attn norm grad + residual",
+                           residual=dx1)
+        self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
+        return dx
+
+    def backward_weight(self, ops, mb: int) -> None:
+        """Accumulate mb's gradients (in place); after the step's last micro-batch, sum
+        the K/V replicas' dW_kv (see the module docstring)."""
+        G = self.g
+        xhat1, dv, aw, xhat2, du, (x2, dzg, dzu, a, dy2) = self._wstate.pop(mb)
+        G["w_down"] += ops.matmul(a.T, dy2, "mlp: dW_down = a^T dy")
+        G["w_gate"] += ops.matmul(x2.T, dzg, "mlp: dW_gate = x^T dzg")
+        G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
+        rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp norm gain grad")
+        self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"])
+        rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attn norm gain grad")
+        self._w_count = (self._w_count + 1) % self.microbatches
+        if self._w_count == 0 and self.kv_replicas > 1:
+            self._sum_kv_replicas(ops)
+
+    def _sum_kv_replicas(self, ops) -> None:
+        """dW_kv = the sum over the ranks holding this KV head (all_reduce(tp) of the
+        kv_heads slots, this rank's head in slot tp_rank // replicas)."""
+        g, slot = self.g["w_kv"], ops.tp_rank // self.kv_replicas
+
+        def stack():
+            out = np.zeros_like(g, shape=(self.kv_heads,) + tuple(g.shape))
+            out[slot] = g
+            return out
+
+        total = ops.all_reduce_tp(ops.work("kv replicas: stack dW_kv", 0, (g, g), None, stack))
+        g[...] = total[slot]
+
+
+# --- the ends of the model ----------------------------------------------------------------
+class TokenEmbedding(VocabParallelEmbedding):
+    """x = E[ids] (no learned positions: RoPE places the tokens); wte (V/t, h) local."""
+
+    names = ("wte",)
+    split = MappingProxyType({"wte": 0})
+    seq_partial = ()
+
+
+class RMSNormHead(VocabParallelHead):
+    """Final RMSNorm, logits = x W_out (W_out (h, V/t) local) and the vocabulary-parallel
+    cross-entropy."""
+
+    names = ("norm_f_g", "w_out")
+    split = MappingProxyType({"w_out": 1})
+    seq_partial = ("norm_f_g",)
+
+    def forward(self, ops, mb: int, x):
+        """x (b, s, h) (SP: (b, s/t, h)) -> this rank's logits (b·s, V/t)."""
+        u, st = rms_norm(ops, x, self.p["norm_f_g"], self.eps, "final norm")
+        uf = ops.gather_seq(u, "head: gather x")
+        u2 = uf.reshape(-1, uf.shape[-1])
+        self._state[mb] = (st, u2, uf.shape)
+        return ops.matmul(u2, self.p["w_out"], "head: logits = x W_out")
+
+    def backward_input(self, ops, mb: int, dlogits):
+        st, u2, shape = self._state.pop(mb)
+        du = ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
+        du = ops.reduce_out(du.reshape(shape), "head: reduce dx")
+        self._wstate[mb] = (u2, dlogits, du, st[0])
+        return rms_norm_grad(ops, du, st, self.p["norm_f_g"], "final norm grad")
+
+    def backward_weight(self, ops, mb: int) -> None:
+        u2, dlogits, du, xhat = self._wstate.pop(mb)
+        self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
+        rms_norm_gain_grad(ops, du, xhat, self.g["norm_f_g"], "final norm gain grad")
+
+
+def llama_split_dim(name: str) -> int | None:
+    """The dimension of Llama parameter ``name`` ("layers.3.w_kv", "wte", ...) split over tp."""
+    last = name.rsplit(".", 1)[-1]
+    for module in (LlamaLayer, TokenEmbedding, RMSNormHead):
+        if last in module.names:
+            return module.split.get(last)
+    raise KeyError(f"no Llama parameter is called {name!r}")
+
+
+def llama_piece(name: str, array, tp: int, tp_rank: int, kv_heads: int):
+    """Rank ``tp_rank``'s piece of the global parameter ``name``: the whole array, or
+    piece tp_rank // (tp / n) of n equal pieces on :func:`llama_split_dim`, n = tp
+    (W_kv: :func:`kv_pieces`)."""
+    dim = llama_split_dim(name)
+    if dim is None or tp == 1:
+        return array
+    n = kv_pieces(kv_heads, tp) if name.endswith("w_kv") else tp
+    size, i = array.shape[dim] // n, tp_rank // (tp // n)
+    return array[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]
+
+
+def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
+                hidden: int, rope_theta: float, recompute: str, eps: float,
+                microbatches: int, seq: int) -> TransformerStage:
+    """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
+    ``last``]; ``params(names, prefix="")`` gives this device's pieces by name."""
+    t = ops.tp_size
+    check_kv_heads(heads, kv_heads, t)
+    d, rope = hidden // heads, Rope(hidden // heads, rope_theta)
+    kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
+    modules = [LlamaLayer(params(LlamaLayer.names, f"layers.{i}."),
+                          GQAttention(heads // t, kv_local, d, rope), kv_heads, replicas,
+                          microbatches, recompute, eps) for i in layers]
+    prefixes = [f"layers.{i}." for i in layers]
+    if first:
+        modules.insert(0, TokenEmbedding(params(TokenEmbedding.names)))
+        prefixes.insert(0, "")
+    if last:
+        modules.append(RMSNormHead(params(RMSNormHead.names), eps))
+        prefixes.append("")
+    return TransformerStage(ops, modules, prefixes, microbatches, seq)

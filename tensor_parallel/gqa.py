@@ -67,7 +67,7 @@ class Rope:
         key = (s, np.dtype(dtype).name)
         if key not in self._tables:
             nbytes = 2 * s * self.d * np.dtype(dtype).itemsize
-            with ops.dev.compute("gpt: rope: cos, sin tables", flops=0, bytes=nbytes):
+            with ops.dev.compute("gpt: attention: rope cos, sin tables", flops=0, bytes=nbytes):
                 xp, half = ops.xp, self.d // 2
                 inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
                 angle = xp.arange(s)[:, None] * inv[None, :]              # (s, d/2)

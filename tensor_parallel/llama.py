@@ -151,10 +151,10 @@ class LlamaLayer(_Module):
     # --- the layer ----------------------------------------------------------------------
     def _forward(self, ops, x, keep: str):
         P = self.p
-        u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attn norm")
+        u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm")
         att, ast = self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep)
         x1 = ops.ew("residual", lambda: x + att, x, att)
-        u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp norm")
+        u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
         y, mst = self._mlp(ops, u2, keep != "none")
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         return out, (n1, ast, n2, mst)
@@ -175,10 +175,10 @@ class LlamaLayer(_Module):
             _, st = self._forward(ops, st[0], "all")
         n1, ast, n2, mst = st
         du, mw = self._mlp_backward(ops, mst, dy)
-        dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp norm grad + residual",
+        dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp: norm grad + residual",
                             residual=dy)
         dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"])
-        dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attn norm grad + residual",
+        dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attention: norm grad + residual",
                            residual=dx1)
         self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
         return dx
@@ -191,9 +191,9 @@ class LlamaLayer(_Module):
         G["w_down"] += ops.matmul(a.T, dy2, "mlp: dW_down = a^T dy")
         G["w_gate"] += ops.matmul(x2.T, dzg, "mlp: dW_gate = x^T dzg")
         G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
-        rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp norm gain grad")
+        rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp: norm gain grad")
         self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"])
-        rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attn norm gain grad")
+        rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
         self._w_count = (self._w_count + 1) % self.microbatches
         if self._w_count == 0 and self.kv_replicas > 1:
             self._sum_kv_replicas(ops)
@@ -208,7 +208,7 @@ class LlamaLayer(_Module):
             out[slot] = g
             return out
 
-        total = ops.all_reduce_tp(ops.work("kv replicas: stack dW_kv", 0, (g, g), None, stack))
+        total = ops.all_reduce_tp(ops.work("attention: stack the K/V replicas' dW_kv", 0, (g, g), None, stack))
         g[...] = total[slot]
 
 
@@ -231,7 +231,7 @@ class RMSNormHead(VocabParallelHead):
 
     def forward(self, ops, mb: int, x):
         """x (b, s, h) (SP: (b, s/t, h)) -> this rank's logits (b·s, V/t)."""
-        u, st = rms_norm(ops, x, self.p["norm_f_g"], self.eps, "final norm")
+        u, st = rms_norm(ops, x, self.p["norm_f_g"], self.eps, "head: final norm")
         uf = ops.gather_seq(u, "head: gather x")
         u2 = uf.reshape(-1, uf.shape[-1])
         self._state[mb] = (st, u2, uf.shape)
@@ -242,12 +242,12 @@ class RMSNormHead(VocabParallelHead):
         du = ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
         du = ops.reduce_out(du.reshape(shape), "head: reduce dx")
         self._wstate[mb] = (u2, dlogits, du, st[0])
-        return rms_norm_grad(ops, du, st, self.p["norm_f_g"], "final norm grad")
+        return rms_norm_grad(ops, du, st, self.p["norm_f_g"], "head: final norm grad")
 
     def backward_weight(self, ops, mb: int) -> None:
         u2, dlogits, du, xhat = self._wstate.pop(mb)
         self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
-        rms_norm_gain_grad(ops, du, xhat, self.g["norm_f_g"], "final norm gain grad")
+        rms_norm_gain_grad(ops, du, xhat, self.g["norm_f_g"], "head: final norm gain grad")
 
 
 def llama_split_dim(name: str) -> int | None:

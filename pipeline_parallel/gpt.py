@@ -54,7 +54,7 @@ from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
-           "llama_ffn_hidden", "ATTENTION", "ARCHS"]
+           "llama_ffn_hidden", "model_flops", "ATTENTION", "ARCHS"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
@@ -94,6 +94,16 @@ def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_hea
     hq = heads * d
     n = l * (h * (hq + 2 * kv_heads * d) + hq * h + 3 * h * ffn_hidden) + h * V
     return 6 * n * B * s + 6 * B * s * s * l * hq
+
+
+def model_flops(config: "GPTConfig", global_batch: int) -> int:
+    """The model FLOPs of one step of ``config`` on ``global_batch`` sequences:
+    :func:`megatron_model_flops` (gpt) or :func:`llama_model_flops` (llama)."""
+    c = config
+    if c.arch == "llama":
+        return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
+                                 c.kv_heads, c.ffn_hidden)
+    return megatron_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab)
 
 
 @dataclass(frozen=True)

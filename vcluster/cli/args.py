@@ -6,7 +6,8 @@ import argparse
 
 from vcluster.scenario.units import parse_size
 
-__all__ = ["positive_int", "int_at_least", "csv_of", "sizes"]
+__all__ = ["positive_int", "int_at_least", "csv_of", "sizes", "add_arch_arguments",
+           "model_title"]
 
 
 def positive_int(text: str) -> int:
@@ -64,3 +65,24 @@ def sizes(text: str) -> list[int]:
         return [parse_size(t) for t in text.split(",") if t.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arch_arguments(parser) -> None:
+    """--arch gpt|llama, --kv-heads, --ffn-hidden: GPTConfig's architecture fields
+    (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
+    parser.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                        help="gpt (LayerNorm, gelu MLP 4h) or llama (RMSNorm, RoPE, "
+                             "grouped-query attention, SwiGLU); default gpt")
+    parser.add_argument("--kv-heads", type=positive_int, default=None,
+                        help="llama: key/value heads, dividing --heads (default --heads)")
+    parser.add_argument("--ffn-hidden", type=positive_int, default=None,
+                        help="llama: the SwiGLU width (default Llama's rule: 8h/3 rounded "
+                             "up to a multiple of 256)")
+
+
+def model_title(config) -> str:
+    """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=) of a GPTConfig."""
+    c = config
+    arch = f"Llama h={c.hidden}" if c.arch == "llama" else f"GPT h={c.hidden}"
+    extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.arch == "llama" else ""
+    return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}"

@@ -19,7 +19,7 @@ import argparse
 import math
 import os
 
-from .args import fraction, positive_int
+from .args import add_arch_arguments, fraction, model_title, positive_int
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
@@ -35,6 +35,7 @@ def add_parser(commands) -> None:
                            description=__doc__.split("\n\n")[0])
     for name in ("hidden", "layers", "heads", "seq", "vocab", "gpus"):
         gpt.add_argument(f"--{name}", type=positive_int, required=True)
+    add_arch_arguments(gpt)
     gpt.add_argument("--global-batch", type=positive_int, required=True)
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
@@ -114,11 +115,11 @@ def _gpt(args) -> int:
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=False if args.quiet else None,
                   attention=args.attention, distributed_optimizer=args.distributed_optimizer,
+                  arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
-    print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab}, "
-          f"global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
+    print(f"{model_title(a['config'])}, global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s")

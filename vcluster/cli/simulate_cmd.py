@@ -7,6 +7,7 @@ prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (co
 communication, exposed communication, bubble), the compute/communication ratio for the
 step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
 peak memory per device and its parts (``--attention flash|unfused``,
+``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
 ``--distributed-optimizer``: vcluster/planner/memory.py); ``--json PATH`` writes the
 same figures. A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from .args import fraction, positive_int
+from .args import add_arch_arguments, fraction, model_title, positive_int
 
 __all__ = ["add_parser"]
 
@@ -32,6 +33,7 @@ def add_parser(commands) -> None:
                            description=__doc__.split("\n\n")[0])
     for name in ("hidden", "layers", "heads", "seq", "vocab"):
         gpt.add_argument(f"--{name}", type=positive_int, required=True)
+    add_arch_arguments(gpt)
     for name, default in (("tp", 1), ("pp", 1), ("dp", 1)):
         gpt.add_argument(f"--{name}", type=positive_int, default=default)
     gpt.add_argument("--global-batch", type=positive_int, required=True)
@@ -63,7 +65,8 @@ def _gpt(args) -> int:
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                       vocab=args.vocab)
+                       vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
+                       ffn_hidden=args.ffn_hidden)
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
@@ -72,8 +75,7 @@ def _gpt(args) -> int:
                               distributed_optimizer=args.distributed_optimizer)
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom)
-    print(f"GPT h={args.hidden} l={args.layers} a={args.heads} s={args.seq} V={args.vocab} on "
-          f"{r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
+    print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}")
     print(f"  step time            {r.step_time_s:.3f} s")

@@ -44,6 +44,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 REJECT_REASONS = {
     "tp_not_dividing_heads": "tp does not divide the attention heads",
     "tp_not_dividing_vocab": "tp does not divide the vocabulary",
+    "tp_not_fitting_kv_heads": "Llama: kv_heads >= tp is no multiple of tp, or kv_heads < tp "
+                               "does not divide tp",
+    "tp_not_dividing_ffn": "Llama: tp does not divide ffn_hidden",
     "tp_larger_than_node": "tp is larger than the GPUs of a node (max_tp)",
     "pp_not_dividing_layers": "pp does not divide the layers",
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
@@ -102,6 +105,12 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
         return "tp_not_dividing_heads"
     if config.vocab % tp:
         return "tp_not_dividing_vocab"
+    if config.arch == "llama":
+        c = config.kv_heads
+        if (c >= tp and c % tp) or (c < tp and tp % c):
+            return "tp_not_fitting_kv_heads"
+        if config.ffn_hidden % tp:
+            return "tp_not_dividing_ffn"
     if tp > max_tp:
         return "tp_larger_than_node"
     if config.layers % pp:

@@ -1,4 +1,5 @@
-"""Per-micro-batch costs of one GPT stage's pieces on one device, from the traced program.
+"""Per-micro-batch costs of one GPT (or Llama) stage's pieces on one device, from the
+traced program.
 
 The planner's screen (:mod:`vcluster.planner.screen`) needs, for a tensor-parallel
 degree t, a micro-batch b, sequence parallelism and a recomputation mode, the time one
@@ -21,12 +22,15 @@ program (each result is used at once), so ``seconds`` = compute + TP communicati
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from mesh import Mesh
+from pipeline_parallel.llama import llama_param_shapes
 from tensor_parallel.attention import TransformerOps
+from tensor_parallel.llama import llama_piece, llama_stage
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
 
@@ -85,14 +89,32 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
             "w_out": (h, V // t)}
 
 
+def _llama_modules(ops, config, recompute: str):
+    """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
+    for two micro-batches and given one, the layer leaves out the once-per-step sum of
+    K/V replicas' gradients (kv_heads < tp): the replay counts it."""
+    shapes = llama_param_shapes(dataclasses.replace(config, layers=1))
+    meta = {n.rsplit(".", 1)[-1]: llama_piece(n, MetaArray(shape, np.float16), ops.tp_size,
+                                              ops.tp_rank, config.kv_heads)
+            for n, shape in shapes.items()}
+    stage = llama_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0], True,
+                        True, config.heads, config.kv_heads, config.hidden, config.rope_theta,
+                        recompute, config.eps, 2, config.seq)
+    return stage.modules
+
+
 def _program(dev, config, b: int, sp: bool, recompute: str):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
-    meta = {n: MetaArray(shape, np.float16) for n, shape in _local_shapes(h, s, V, t).items()}
     ops = TransformerOps(dev, "tp", sp)
-    emb = VocabParallelEmbedding(meta)
-    layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute)
-    head = VocabParallelHead(meta)
+    if config.arch == "llama":
+        emb, layer, head = _llama_modules(ops, config, recompute)
+    else:
+        meta = {n: MetaArray(shape, np.float16)
+                for n, shape in _local_shapes(h, s, V, t).items()}
+        emb = VocabParallelEmbedding(meta)
+        layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute)
+        head = VocabParallelHead(meta)
 
     def mark():
         with dev.compute(_MARK):

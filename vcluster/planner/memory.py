@@ -1,4 +1,4 @@
-"""Peak memory per device of GPT training: parameters, gradients, optimizer state,
+"""Peak memory per device of GPT (and Llama) training: parameters, gradients, optimizer state,
 activations and the logits, by the formulas of the Megatron-LM papers.
 
 Parameters on pipeline rank r (tensor-parallel degree t): its layers' 12h² + 13h each
@@ -39,6 +39,20 @@ The logits: the last stage holds the fp32 logits of its micro-batch for the loss
 gradient, 4·b·s·V/t bytes (``LOGITS_BYTES`` per entry; PyTorch's and Megatron's
 cross-entropy upcast the logits to fp32), freed before the next micro-batch.
 
+Llama (``GPTConfig(arch="llama")``; d = h/a, h_q = a·d, c kv_heads, f ffn_hidden,
+c_l = max(c/t, 1) KV heads per rank — replicated when c < t). Parameters per layer:
+(2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no biases); the first
+stage adds the word embedding V·h/t (no positions), the last the final gain and the
+output projection V·h/t + h. Activations per layer and micro-batch, 16-bit, by the same
+counting with no dropout: the two norms' inputs and outputs 8·s·b·h (/t with SP), q and
+the attention output 4·s·b·h_q/t, k and v 4·s·b·c_l·d, SwiGLU's gate, up and product
+6·s·b·f/t, so
+
+    s·b·(8h/σ + 4·h_q/t + 4·c_l·d + 6f/t)     σ = t with sequence parallelism, else 1
+
+plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2·a·s²·b/t
+(no dropout) without recomputation; full recomputation keeps 2·s·b·h/σ.
+
 A rank holds as many micro-batches' activations as its schedule keeps in flight at
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
 rank r), each for one chunk's layers.
@@ -58,7 +72,8 @@ from pipelining import peak_in_flight
 
 __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
-           "usable_memory_bytes", "activation_bytes_per_layer"]
+           "usable_memory_bytes", "activation_bytes_per_layer",
+           "llama_activation_bytes_per_layer"]
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -108,8 +123,37 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
     return base + (0 if recompute == "selective" else s * b * h * 5 * a * s / (h * t))
 
 
+def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
+                                     attention: str = "flash") -> float:
+    """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc)."""
+    h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
+    sigma = t if sp else 1
+    if recompute == "full":
+        return 2 * s * b * h / sigma
+    base = s * b * (8 * h / sigma + 4 * a * d / t + 4 * max(config.kv_heads // t, 1) * d
+                    + 6 * f / t)
+    if attention == "flash":
+        return base + LSE_BYTES * b * a * s / t
+    return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
+
+
+def _llama_rank_params(config, parallel, r: int) -> float:
+    h, V, t, d, f = config.hidden, config.vocab, parallel.tp, config.head_dim, config.ffn_hidden
+    stages = parallel.pp * parallel.chunks
+    per_layer = (2 * h * config.heads * d + 3 * h * f) / t \
+        + 2 * h * d * max(config.kv_heads // t, 1) + 2 * h
+    params = config.layers // stages * parallel.chunks * per_layer
+    if r == 0:
+        params += V * h / t
+    if (stages - 1) % parallel.pp == r:
+        params += V * h / t + h
+    return params
+
+
 def rank_params(config, parallel, r: int) -> float:
     """Parameters on pipeline rank r (the module docstring's counting)."""
+    if config.arch == "llama":
+        return _llama_rank_params(config, parallel, r)
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
     params = config.layers // stages * parallel.chunks * ((12 * h * h + 4 * h) / t + 9 * h)
@@ -126,9 +170,12 @@ def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     params = rank_params(config, parallel, r)
     optimizer = OPTIMIZER_BYTES / (parallel.dp if parallel.distributed_optimizer else 1)
     per_stage = config.layers // (parallel.pp * parallel.chunks)
-    act = activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
-                                     config.heads, parallel.tp, parallel.recompute,
-                                     parallel.sequence_parallel, parallel.attention)
+    act = llama_activation_bytes_per_layer(
+        config, parallel.micro_batch, parallel.tp, parallel.recompute,
+        parallel.sequence_parallel, parallel.attention) if config.arch == "llama" else \
+        activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
+                                   config.heads, parallel.tp, parallel.recompute,
+                                   parallel.sequence_parallel, parallel.attention)
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
     logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
               if last else 0)

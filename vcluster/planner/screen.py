@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline_parallel.gpt import megatron_model_flops
+from pipeline_parallel.gpt import model_flops
 from pipelining import bubble_time_closed_form
 from vcluster.timing.collective_cost import collective_time_s
 
@@ -151,8 +151,7 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
                                                        for a in "FIW")
     ends_flops = m * sum(pieces[(e, a)].flops for e in ("emb", "head") for a in "FIW") / p
     tflops = (mean_layers_flops + ends_flops) / step / 1e12
-    model = megatron_model_flops(parallel.global_batch, config.seq, config.layers,
-                                 config.hidden, config.vocab)
+    model = model_flops(config, parallel.global_batch)
     n = dp * p * t
     return ScreenEstimate(
         step_time_s=step, busy_s=busy, bubble_s=bubble, p2p_s=p2p, exposed_dp_s=exposed,

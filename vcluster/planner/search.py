@@ -16,8 +16,8 @@ N GPUs, by a closed-form screen of every candidate and a SimPy replay of the bes
    step time — everything above the last replayed row was replayed (``replayed``).
 
 The result is a pandas DataFrame, one row per candidate that fits, with the columns of
-``COLUMNS``; ``df.attrs`` holds ``rejected`` (reason -> count), ``replayed`` (count),
-``planning_time_s`` and ``hardware``.
+``COLUMNS``; ``df.attrs`` holds ``config`` (the GPTConfig planned), ``rejected`` (reason
+-> count), ``replayed`` (count), ``planning_time_s`` and ``hardware``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              schedules=None, max_virtual_stages: int | None = None, recompute=None,
              sequence_parallel=None, workers: int | None = None,
              progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
-             attention: str = "flash", distributed_optimizer: bool | None = None):
+             attention: str = "flash", distributed_optimizer: bool | None = None,
+             arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -162,11 +163,13 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
     the attention kernel the memory model assumes ("flash" or "unfused");
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
-    candidate with dp > 1 needs it to fit.
+    candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``: as
+    :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama": grouped-query attention, SwiGLU).
     """
     import pandas as pd
     t0 = time.perf_counter()
-    config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab)
+    config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
+                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan_gpt: {name} must be a positive int, got {value!r}")
@@ -208,7 +211,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     if len(df):
         df = df.sort_values(["replayed", "step_time_s"], ascending=[False, True],
                             kind="stable").reset_index(drop=True)
-    df.attrs.update(rejected=dict(sorted(rejected.items())), replayed=n_replay,
+    df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     planning_time_s=time.perf_counter() - t0)

@@ -16,7 +16,8 @@ time (means over the pipeline ranks); T_compute / T_comm for the step and per op
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
 communication charged to each as :mod:`vcluster.timing.results` defines); TFLOP/s per GPU counting the
 FLOPs actually executed (recomputation included, from the trace); MFU with the model
-FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh) over the peak of the compute dtype; peak memory
+FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh) (Llama: :func:`~pipeline_parallel.gpt.
+llama_model_flops`) over the peak of the compute dtype; peak memory
 per device (:mod:`vcluster.planner.memory`) and whether it fits.
 """
 
@@ -27,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipelining import make_schedule
 from vcluster.runtime.tracing import TraceCompute, trace_program
 from vcluster.timing import load_hardware
@@ -267,8 +268,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
-    model_flops = megatron_model_flops(parallel.global_batch, config.seq, config.layers,
-                                       config.hidden, config.vocab)
+    flops_model = model_flops(config, parallel.global_batch)
     memory = tuple(gpt_memory(config, parallel, schedule))
     peak = max(mm.total_bytes for mm in memory)
 
@@ -278,7 +278,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     ratio = result.compute_comm_ratio
     return GPTSimulation(
         step_time_s=step, tflops_per_gpu=sum(flops) / len(flops) / step / 1e12,
-        mfu=model_flops / (n * hw.device.peak_flops(dtype) * step),
+        mfu=flops_model / (n * hw.device.peak_flops(dtype) * step),
         compute_s=mean(result.compute_s), comm_s=mean(result.comm_s),
         exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,

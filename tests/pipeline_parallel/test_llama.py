@@ -152,7 +152,7 @@ CASES = [  # mesh, kv_heads, sequence parallel, recompute, schedule, micro-batch
     ("tp4", 1, False, "full", "1f1b", 2),                # kv_heads < tp, no SP
     ("tp4", 4, True, "selective", "1f1b", 1),
     ("pp2 tp2", 1, False, "none", "zero_bubble", 1),     # W split from I, kv replicated
-    ("dp2 pp2 tp2", 2, True, "none", "1f1b", 1),
+    ("dp2 pp2 tp2", 1, True, "none", "1f1b", 1),         # replicas' sum, then dp's
 ]
 
 

@@ -409,7 +409,7 @@ class ContextParallelAttention(ShardedOperation):
             return collective_traffic(kind, alg, tuple(range(cp)), 0, nbytes,
                                       itemsize).bytes_sent
         total = 2 * sent("all_gather", x)
-        return total * 2 + 2 * sent("reduce_scatter", cp * x) if backward else total
+        return total + 2 * sent("reduce_scatter", cp * x) if backward else total
 
     # --- host conveniences -----------------------------------------------------------
     def _check(self, mesh, **arrays):
@@ -427,9 +427,16 @@ class ContextParallelAttention(ShardedOperation):
         _check_seq(shape[1], cp, repr(self))
         return cp
 
-    def _program(self, dev, q, k, v, dy=None):
+    def forward_backward_local(self, dev, q, k, v, dy):
+        """This rank's (O, dq, dk, dv): ``forward_local``, then ``backward_local`` from its
+        saved output and log-sum-exp (what :meth:`backward` runs on every rank)."""
         o, lse = self.forward_local(dev, q, k, v)
-        return o if dy is None else (o, *self.backward_local(dev, q, k, v, o, lse, dy))
+        return (o, *self.backward_local(dev, q, k, v, o, lse, dy))
+
+    def _program(self, dev, q, k, v, dy=None):
+        if dy is None:
+            return self.forward_local(dev, q, k, v)[0]
+        return self.forward_backward_local(dev, q, k, v, dy)
 
     def _run(self, cluster, arrays, outputs: int):
         cp = self._check(cluster.mesh, **arrays)

@@ -175,8 +175,8 @@ class _Blocks:
         def softmax():
             m = z.max(axis=-1, keepdims=True)
             e = np.exp(z - m)
-            l = e.sum(axis=-1, keepdims=True)
-            return e / l, m + np.log(l)
+            z_sum = e.sum(axis=-1, keepdims=True)
+            return e / z_sum, m + np.log(z_sum)
         p, lse = self.ew("softmax, log-sum-exp", softmax, z, z)
         return self.bmm(p, v, "O = P v"), lse
 

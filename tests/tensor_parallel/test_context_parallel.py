@@ -59,17 +59,22 @@ def test_equals_the_unsharded_reference(cluster_of, cp, algorithm, shape):
     np.testing.assert_allclose(op.run(cluster_of(MESHES[cp]), q, k, v), got[0], rtol=1e-12)
 
 
+@pytest.fixture(scope="module")
+def strict_cluster():
+    with VirtualCluster(Mesh((2,), ("cp",)), array_module="strict", timeout_s=30) as cluster:
+        yield cluster
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_contiguous_chunks_and_float32_on_strict_arrays(algorithm):
+def test_contiguous_chunks_and_float32_on_strict_arrays(strict_cluster, algorithm):
     """Without load balancing the math is the same; float32 stays float32; device code
     never mixes host arrays (CuPy's rules, the strict array module)."""
     q, k, v, dy = _inputs(2, 2, 8, 4, seed=7)
-    with VirtualCluster(Mesh((2,), ("cp",)), array_module="strict", timeout_s=30) as cluster:
-        got = CPA(2, 4, algorithm, load_balance=False).backward(cluster, q, k, v, dy)
-        for x, want in zip(got, reference(q, k, v, dy)):
-            np.testing.assert_allclose(x, want, rtol=1e-9, atol=1e-12)
-        q32, k32, v32, dy32 = (a.astype(np.float32) for a in (q, k, v, dy))
-        got32 = CPA(2, 4, algorithm).backward(cluster, q32, k32, v32, dy32)
+    got = CPA(2, 4, algorithm, load_balance=False).backward(strict_cluster, q, k, v, dy)
+    for x, want in zip(got, reference(q, k, v, dy)):
+        np.testing.assert_allclose(x, want, rtol=1e-9, atol=1e-12)
+    q32, k32, v32, dy32 = (a.astype(np.float32) for a in (q, k, v, dy))
+    got32 = CPA(2, 4, algorithm).backward(strict_cluster, q32, k32, v32, dy32)
     for x, want in zip(got32, reference(q, k, v, dy)):
         assert x.dtype == np.float32
         np.testing.assert_allclose(x, want, rtol=1e-4, atol=1e-5)

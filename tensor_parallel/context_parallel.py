@@ -14,7 +14,8 @@ chunks K_1 < K_2 < ...; by the causal rule query position i sees key position j 
 j ≤ i, so chunk K is fully visible to Q when K < Q, the diagonal when K = Q (masked
 above its diagonal: M_ij = −∞ for j > i, by global positions) and fully masked when
 K > Q — those are skipped. A rank's key chunks come in ascending order, so the chunks
-Q sees are a prefix of them: one product per (q chunk, key block).
+Q sees are a prefix of them: one q k^T and one P v per (q chunk, key block), each
+2·B·c·n·d FLOPs.
 
     S   = σ·q_Q k^T + M                   (B, c, n)      n = c·(visible chunks)
     m   = rowmax S,  l = rowsum exp(S − m)
@@ -52,7 +53,9 @@ N_r = 2·cp+1 on every rank with load balancing, 4r+3 without (rank cp−1 does
 pairs.
 
 Traffic per rank (:meth:`ContextParallelAttention.sent_bytes`), X = B·s_l·d·itemsize
-the bytes of one local K (= V) shard; a rank receives what it sends:
+the bytes of one local K (= V) shard; a rank receives what it sends. The ring's forward
+sends cp−1 blocks of K and V, (cp−1)·(|K_r| + |V_r|) = (cp−1)·2X, and receives as many;
+its backward sends K, V cp−1 times and the dK, dV accumulators cp times:
 
     ring        forward (cp−1)·2X            backward (cp−1)·2X + cp·2X (dK, dV)
     all_gather  forward 2 all_gather(X)      backward 2 all_gather(X) + 2 reduce_scatter(cp·X)
@@ -222,6 +225,11 @@ class ContextParallelAttention(ShardedOperation):
     Global q, k, v, dy are (b·heads, s, head_dim) with s divisible by 2·cp; each rank
     holds the rows of :func:`split_sequence`. ``collective_algorithm`` is the algorithm
     of the all_gather variant's collectives (ring, shm, ... or auto).
+
+    Per device: ``forward_local(dev, q, k, v) -> (O, L)``, ``backward_local(dev, q, k, v,
+    O, L, dO) -> (dq, dk, dv)`` and both in ``forward_backward_local``; on a cluster, with
+    global arrays: ``run(cluster, q, k, v) -> O`` and ``backward(cluster, q, k, v, dy) ->
+    (O, dq, dk, dv)``; closed forms: ``flops`` and ``sent_bytes``.
     """
 
     name = "context-parallel attention"

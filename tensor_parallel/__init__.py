@@ -20,3 +20,9 @@ from .gqa import GQAttention
 from .llama import LlamaLayer
 
 __all__ += ["GQAttention", "LlamaLayer"]
+from .context_parallel import (CP_ALGORITHMS, ContextParallelAttention, causal_chunk_pairs,
+                               chunk_ids, join_sequence, sequence_order, sequence_positions,
+                               split_sequence)
+
+__all__ += ["ContextParallelAttention", "CP_ALGORITHMS", "chunk_ids", "sequence_positions",
+            "sequence_order", "split_sequence", "join_sequence", "causal_chunk_pairs"]

@@ -16,3 +16,7 @@ from .transformer import (RECOMPUTE, TransformerLayer, TransformerStage, VocabPa
 
 __all__ += ["Attention", "TransformerOps", "batched_matmul", "TransformerLayer",
             "TransformerStage", "VocabParallelEmbedding", "VocabParallelHead", "RECOMPUTE"]
+from .moe import MOE_TAG, MoE
+from .moe_load import ExpertLoad, MoEGradients, MoEOutput
+
+__all__ += ["MoE", "ExpertLoad", "MoEOutput", "MoEGradients", "MOE_TAG"]

@@ -236,7 +236,7 @@ class _Exchange:
                 return buf.reshape(n_exp, cap, h)
 
             got = ops.all_to_all(ops.ew(f"{what}: pack (E, C, h)", pack, rows,
-                                        self.route.slot))
+                                        self.route.slot, shape=(n_exp, cap, h)))
             return [ops.ew(f"{what}: gather expert rows", lambda j=j: np.concatenate(
                 [got[s * e_l + j, :self.c[s][j]] for s in range(n)]), got) for j in range(e_l)]
         bounds = np.concatenate([[0], np.cumsum(self.send_rows)]).tolist()
@@ -426,7 +426,9 @@ class MoE(ShardedOperation):
             c = [flat[s * e_l:(s + 1) * e_l] for s in range(ops.n)]
         ex = _Exchange(ops, route, c, cap, e_l)
 
-        rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok)
+        a = route.tok.shape[0]
+        rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok,
+                      shape=(a, h))
         xs = ex.dispatch(rows, _DISPATCH, "dispatch")
         outs, states = zip(*(_expert_forward(ops, xs[j], w_gate[j], w_up[j], w_down[j], j)
                              for j in range(e_l)))
@@ -462,7 +464,8 @@ class MoE(ShardedOperation):
         h, k, n_exp, e_l = self.hidden, self.top_k, self.experts, len(xs)
         t = x2.shape[0]
         dy2 = dy.reshape(-1, h)
-        dy_rows = ops.ew("backward: gather dy rows", lambda: dy2[route.tok], dy2, route.tok)
+        dy_rows = ops.ew("backward: gather dy rows", lambda: dy2[route.tok], dy2, route.tok,
+                         shape=(route.tok.shape[0], h))
         d_out_rows = ops.ew("backward: dO = g dy", lambda: g_sel[:, None] * dy_rows,
                             g_sel, dy_rows)
         dg_sel = ops.ew("backward: dg = <dy, O>", lambda: (dy_rows * out_rows).sum(axis=1),

@@ -172,7 +172,8 @@ class MoEGradients:
                 f"d_down={_shape(self.d_down)}, load=<{self.load}>)")
 
 
-def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int, experts: int) -> int | None:
+def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
+                    experts: int) -> int | None:
     """ceil(capacity_factor · T·k / E) slots per expert for T tokens (None: dropless)."""
     if capacity_factor is None:
         return None

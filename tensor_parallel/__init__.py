@@ -26,3 +26,7 @@ from .context_parallel import (CP_ALGORITHMS, ContextParallelAttention, causal_c
 
 __all__ += ["ContextParallelAttention", "CP_ALGORITHMS", "chunk_ids", "sequence_positions",
             "sequence_order", "split_sequence", "join_sequence", "causal_chunk_pairs"]
+from .moe import MOE_TAG, MoE
+from .moe_load import ExpertLoad, MoEGradients, MoEOutput
+
+__all__ += ["MoE", "ExpertLoad", "MoEOutput", "MoEGradients", "MOE_TAG"]

@@ -1,0 +1,581 @@
+"""``MoE``: a mixture-of-experts layer with expert parallelism over a mesh axis ``ep``.
+
+E experts, each a SwiGLU MLP; ep ranks, each holding E_l = E/ep experts (rank r: experts
+r·E_l … (r+1)·E_l − 1) and its own T tokens: the tokens are data-parallel over ep (as in
+Megatron, where ep divides dp·cp). Other mesh axes, if any, hold replicas. Shapes on
+one rank: x (T, h) (the global x (N, ...) is split on its first dimension, T = N/ep
+tokens each), W_r (h, E) replicated, W_gate, W_up (E_l, h, f), W_down (E_l, f, h).
+
+Forward on rank r:
+
+    l = x W_r,  p = softmax(l)                    (T, E)      router
+    e[t, :k] = the k largest p[t] (ties: the lower expert index), k in {1, 2}
+    g[t, c]  = p[t, e_c]                          k = 1  (Switch: the raw probability)
+             = p[t, e_c] / (p[t, e_1] + p[t, e_2]) k = 2  (Mixtral: renormalised over the
+                                                          k selected; = softmax of their logits)
+    capacity C = ceil(capacity_factor · T·k / E) per expert and rank (None: dropless);
+      slots fill in a fixed order: every token's first choice in token order, then every
+      second choice (GShard); a choice that finds its expert full is dropped and
+      contributes 0 (the residual is the caller's); g keeps its value (no renormalising
+      over the kept choices)
+    dispatch: the kept rows x[t], sorted by (expert, slot), go to their expert's rank
+    expert i on its m_i rows X_i:  O_i = (silu(X_i Wg_i) * (X_i Wu_i)) Wd_i,
+      silu(a) = a·sigmoid(a)
+    combine: O back to the token's rank; y[t] = sum over kept c of g[t, c] · O[t, c]
+    aux = alpha · E · sum_i f_i · P_i   over the *global* batch of the ep group (N = ep·T
+      tokens): f_i = (assignments routed to i, before dropping) / (N·k),
+      P_i = (1/N) sum_t p[t, i]; one all_reduce(ep) of the 2·E local sums. = alpha when
+      perfectly balanced.
+
+Backward of L = <dy, y> + d_aux · aux (f is a count: no gradient), per rank:
+
+    dO[t, c] = g[t, c] dy[t]  (dispatched like x),  dg[t, c] = <dy[t], O[t, c]>
+    expert: dWd = H^T dO, dH = dO Wd^T, dA = dH·B·silu'(A), dB = dH·silu(A),
+            dWg = X^T dA, dWu = X^T dB, dX = dA Wg^T + dB Wu^T  (combined back like O)
+            with A = X Wg, B = X Wu, H = silu(A)·B, silu'(a) = s(a)(1 + a(1 − s(a)))
+    gates: dp[t, e_c] = dg (k = 1);  dp[t, e_c] = (dg_c − sum_c' g_c' dg_c') / S (k = 2,
+           S = p[t, e_1] + p[t, e_2]);  aux: dp[t, i] += d_aux · alpha·E·f_i / N
+    softmax: dl = p·(dp − <p, dp>);  dW_r = all_reduce_ep(x^T dl);  dx = dX + dl W_r^T
+
+Every expert's gradient lives on its owner (nothing to reduce over ep); the router is
+replicated over ep, so its gradient is summed over ep by one all_reduce.
+
+Exchanges. The counts first: one all_to_all(ep) of the E kept counts (int64; rank r
+learns c[s][j], the rows rank s sends to its expert j). Then the rows, in one of two
+ways, as real systems do:
+
+* capacity (GShard, Switch, DeepSpeed-MoE; Megatron's ``pad_expert_input_to_capacity``):
+  a fixed (E, C, h) buffer, empty slots zero, through all_to_all(ep) — equal pieces,
+  so the traffic is fixed by the shapes, whatever the routing;
+* dropless (Megatron's all-to-all token dispatcher: ``all_to_all_single`` with the split
+  sizes the counts gave, which NCCL runs as one send and one receive per peer): exactly
+  the routed rows, one message per peer that has any, as ``send``/``recv`` over the ep
+  group (user tags ``MOE_TAG`` + 0..3), no padding.
+
+The experts compute only their routed rows in both modes (the counts say which slots
+hold rows).
+
+Traffic per rank r, with b the itemsize, n = ep, kept[s][e] the kept table
+(:class:`~tensor_parallel.moe_load.ExpertLoad`) and the pairwise all_to_all
+(per rank (n−1)/n of its input, sent and received):
+
+    counts:    (n−1)/n · E · 8 bytes, sent and received, once per call
+    capacity:  (n−1) · E_l · C · h · b per token exchange, sent and received
+    dropless:  sent   h·b · sum_{e not r's} kept[r][e]
+               recvd  h·b · sum_{s != r} sum_{e r's} kept[s][e]      (per exchange;
+               combine exchanges swap the two)
+
+A forward makes two token exchanges (dispatch x, combine O); forward + backward four
+(then dO like x, dX like O). Plus all_reduce(ep) of the (2, E) aux sums (float) in the
+forward and of dW_r (h, E) in the backward.
+
+FLOPs declared (products only; softmax, routing, gathers and SwiGLU's elementwise work
+are declared with 0 FLOPs and the bytes they touch): router 2·T·h·E forward, 4·T·h·E
+backward; experts 2·3·h·f per row they compute forward (m_r = rows rank r's experts
+receive), 2·6·h·f backward.
+
+Tracing. A trace holds no values, so it cannot route: it takes the counts as given, an
+:class:`ExpertLoad` (``meta_args``; the emulator returns the load it saw, and
+``ExpertLoad.skewed`` builds one for a chosen imbalance). With capacity the rows' traffic
+does not depend on it (the FLOPs do); dropless both do. Given the load the emulation
+saw, the trace moves what the emulator moved, message for message.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Mapping
+
+import numpy as np
+
+from sharding import TensorSharding as TS
+from vcluster.runtime.algorithm import choose_algorithm
+from vcluster.runtime.tracing import MetaArray, is_meta
+from .matmul import local_matmul
+from .moe_load import ExpertLoad, MoEGradients, MoEOutput, expert_capacity
+from .moe_reference import moe_reference
+from .operation import ShardedOperation, run_sharded
+
+__all__ = ["MoE", "MOE_TAG"]
+
+MOE_TAG = 0x4D6F45 << 4            # "MoE": user tags MOE_TAG + 0..3 of the dropless exchanges
+_DISPATCH, _COMBINE, _GRAD_DISPATCH, _GRAD_COMBINE = range(4)
+
+
+def _nbytes(a) -> int:
+    return int(a.size) * np.dtype(a.dtype).itemsize
+
+
+def _sigmoid(a):
+    return 0.5 * (1.0 + np.tanh(0.5 * a))        # = 1/(1 + exp(-a)), without overflow
+
+
+# --- the device steps -------------------------------------------------------------------
+class _Ops:
+    """A rank's steps: products through ``local_matmul``, other work declared with 0
+    FLOPs; collectives over the ep axis."""
+
+    def __init__(self, dev, ep_axis: str, algorithms: Mapping[str, str]):
+        self.dev, self.ep_axis, self.algorithms = dev, ep_axis, algorithms
+        self.group = dev.mesh.group(dev.mesh.axis_tuple(ep_axis), dev.rank)
+        self.n = len(self.group)
+        self.pos = self.group.index(dev.rank)
+
+    def matmul(self, a, b, name):
+        return local_matmul(self.dev, a, b, f"moe: {name}")
+
+    def ew(self, name, fn, *operands, shape=None, dtype=None):
+        """``fn()`` over ``operands``; on shape-only operands (a trace) a result of
+        ``shape`` and ``dtype`` (default: the first operand's) when ``shape`` is given."""
+        with self.dev.compute(f"moe: {name}", flops=0, bytes=sum(map(_nbytes, operands))):
+            if shape is not None and any(is_meta(o) for o in operands):
+                return MetaArray(shape, dtype or operands[0].dtype)
+            return fn()
+
+    def all_reduce(self, x):
+        return self.dev.all_reduce(x, self.ep_axis,
+                                   algorithm=self.algorithms.get("all_reduce", "auto"))
+
+    def all_to_all(self, x):
+        return self.dev.all_to_all(x, self.ep_axis, split_dim=0, concat_dim=0,
+                                   algorithm=self.algorithms.get("all_to_all", "auto"))
+
+    def exchange(self, pieces, counts_in, like, tag: int):
+        """All-to-all-v: ``pieces[q]`` (rows for group member q) goes to q, one message
+        per member with rows; returns the pieces received, ``counts_in[q]`` rows from q."""
+        n, me, h = self.n, self.pos, like.shape[-1]
+        for d in range(1, n):
+            q = (me + d) % n
+            if pieces[q].shape[0]:
+                self.dev.send(pieces[q], self.group[q], MOE_TAG + tag)
+        got = [None] * n
+        got[me] = pieces[me]
+        for d in range(1, n):
+            q = (me - d) % n
+            got[q] = np.empty_like(like, shape=(counts_in[q], h))
+            if counts_in[q]:
+                got[q] = self.dev.recv(self.group[q], MOE_TAG + tag, out=got[q])
+        return got
+
+
+class _Routing:
+    """One rank's routing: probs (T, E), experts and gates (T, k); the kept assignments
+    sorted by (expert, slot): tok, choice (A,) and slot = expert·C + position (A,);
+    routed and kept counts (E,) as device arrays, kept also as host ints."""
+
+    def __init__(self, probs, experts, gates, tok, choice, slot, routed, kept_arr, kept):
+        self.probs, self.experts, self.gates = probs, experts, gates
+        self.tok, self.choice, self.slot = tok, choice, slot
+        self.routed, self.kept_arr, self.kept = routed, kept_arr, tuple(kept)
+
+
+def _route_values(probs, k: int, cap: int | None):
+    """Top-k, gates and capacity on real arrays (see the module docstring)."""
+    t, n_exp = probs.shape
+    experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]            # (T, k)
+    sel = np.take_along_axis(probs, experts, axis=1)
+    gates = sel if k == 1 else sel / sel.sum(axis=1, keepdims=True)
+    flat = experts.T.reshape(-1)                      # choice-major: all 1st, then 2nd
+    onehot = (flat[:, None] == np.arange(n_exp, like=flat)[None, :]).astype(np.int64)
+    position = np.take_along_axis(np.cumsum(onehot, axis=0) - onehot, flat[:, None], 1)[:, 0]
+    kept_idx = np.nonzero(position < (cap if cap is not None else k * t + 1))[0]
+    order = kept_idx[np.argsort(flat[kept_idx] * (k * t) + position[kept_idx], kind="stable")]
+    e_kept = flat[order]
+    kept_arr = onehot[order].sum(axis=0)
+    slot = e_kept * (cap or 0) + position[order]
+    return (experts, gates, order % t, order // t, slot, onehot.sum(axis=0), kept_arr)
+
+
+def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None):
+    t, n_exp = probs.shape
+    if is_meta(probs):
+        if load is None:
+            raise ValueError("MoE: a traced program cannot route (its arrays hold no values); "
+                             "pass load=ExpertLoad(...) (see MoE.meta_args)")
+        kept = load.kept[ops.pos]
+        a = sum(kept)
+        i64 = np.dtype(np.int64)
+        res = (MetaArray((t, k), i64), MetaArray((t, k), probs.dtype),
+               *(MetaArray((a,), i64) for _ in range(3)), MetaArray((n_exp,), i64),
+               MetaArray((n_exp,), i64))
+        ops.ew("route: top-k, capacity", lambda: None, probs)
+        return _Routing(probs, *res, kept)
+    res = ops.ew("route: top-k, capacity", lambda: _route_values(probs, k, cap), probs)
+    return _Routing(probs, *res, res[-1].tolist())
+
+
+class _Exchange:
+    """The token exchanges of one call: the kept rows (A, h) sorted by (expert, slot) to
+    per-expert inputs on their owners (``dispatch``) and back (``combine``)."""
+
+    def __init__(self, ops, route: _Routing, recv_counts, cap: int | None, e_l: int):
+        self.ops, self.route, self.cap, self.e_l = ops, route, cap, e_l
+        self.c = recv_counts                            # c[s][j]: rows from member s to j
+        kept, n = route.kept, ops.n
+        self.send_rows = [sum(kept[q * e_l:(q + 1) * e_l]) for q in range(n)]
+        self.recv_rows = [sum(row) for row in self.c]
+
+    def _segments(self, j):
+        """(s, start, stop) of expert j's rows from each member s, in its input."""
+        out, at = [], 0
+        for s in range(self.ops.n):
+            out.append((s, at, at + self.c[s][j]))
+            at += self.c[s][j]
+        return out
+
+    def dispatch(self, rows, tag: int, what: str):
+        """rows (A, h) -> [X_j (m_j, h) for the E_l local experts]."""
+        ops, n, e_l, h = self.ops, self.ops.n, self.e_l, rows.shape[1]
+        if self.cap is not None:
+            n_exp, cap = n * e_l, self.cap
+
+            def pack():
+                buf = np.zeros_like(rows, shape=(n_exp * cap, h))
+                buf[self.route.slot] = rows
+                return buf.reshape(n_exp, cap, h)
+
+            got = ops.all_to_all(ops.ew(f"{what}: pack (E, C, h)", pack, rows,
+                                        self.route.slot, shape=(n_exp, cap, h)))
+            return [ops.ew(f"{what}: gather expert rows", lambda j=j: np.concatenate(
+                [got[s * e_l + j, :self.c[s][j]] for s in range(n)]), got) for j in range(e_l)]
+        bounds = np.concatenate([[0], np.cumsum(self.send_rows)]).tolist()
+        pieces = [rows[bounds[q]:bounds[q + 1]] for q in range(n)]
+        got = ops.exchange(pieces, self.recv_rows, rows, tag)
+        out = []
+        for j in range(e_l):
+            def gather(j=j):
+                offs = [sum(self.c[s][:j]) for s in range(n)]
+                return np.concatenate([got[s][offs[s]:offs[s] + self.c[s][j]]
+                                       for s in range(n)])
+            out.append(ops.ew(f"{what}: gather expert rows", gather, *got))
+        return out
+
+    def combine(self, outs, tag: int, what: str):
+        """[O_j (m_j, h)] -> rows (A, h) in the order dispatch took them."""
+        ops, n, e_l, h = self.ops, self.ops.n, self.e_l, outs[0].shape[1]
+        segs = [self._segments(j) for j in range(e_l)]
+        if self.cap is not None:
+            cap = self.cap
+
+            def pack():
+                buf = np.zeros_like(outs[0], shape=(n * e_l, cap, h))
+                for j in range(e_l):
+                    for s, a, b in segs[j]:
+                        buf[s * e_l + j, :b - a] = outs[j][a:b]
+                return buf
+
+            got = ops.all_to_all(ops.ew(f"{what}: pack (E, C, h)", pack, *outs))
+            a = self.route.slot.shape[0]
+            return ops.ew(f"{what}: unpack rows", lambda: got.reshape(n * e_l * cap, h)[
+                self.route.slot], got, self.route.slot, shape=(a, h))
+        pieces = [ops.ew(f"{what}: pack rows for member {s}", lambda s=s: np.concatenate(
+            [outs[j][segs[j][s][1]:segs[j][s][2]] for j in range(e_l)]), *outs)
+            for s in range(n)]
+        got = ops.exchange(pieces, self.send_rows, outs[0], tag)
+        return ops.ew(f"{what}: unpack rows", lambda: np.concatenate(got), *got)
+
+
+def _expert_forward(ops, x, wg, wu, wd, j):
+    a = ops.matmul(x, wg, f"expert {j}: A = X Wg")
+    b = ops.matmul(x, wu, f"expert {j}: B = X Wu")
+    s = ops.ew(f"expert {j}: silu(A)", lambda: a * _sigmoid(a), a)
+    hid = ops.ew(f"expert {j}: H = silu(A) B", lambda: s * b, s, b)
+    return ops.matmul(hid, wd, f"expert {j}: O = H Wd"), (a, b, s, hid)
+
+
+def _expert_backward(ops, x, wg, wu, wd, state, d_out, j):
+    a, b, s, hid = state
+    dwd = ops.matmul(hid.T, d_out, f"expert {j}: dWd = H^T dO")
+    dhid = ops.matmul(d_out, wd.T, f"expert {j}: dH = dO Wd^T")
+
+    def da_fn():
+        sig = _sigmoid(a)
+        return dhid * b * sig * (1 + a * (1 - sig))
+
+    da = ops.ew(f"expert {j}: dA = dH B silu'(A)", da_fn, dhid, a, b)
+    db = ops.ew(f"expert {j}: dB = dH silu(A)", lambda: dhid * s, dhid, s)
+    dwg = ops.matmul(x.T, da, f"expert {j}: dWg = X^T dA")
+    dwu = ops.matmul(x.T, db, f"expert {j}: dWu = X^T dB")
+    dx = ops.matmul(da, wg.T, f"expert {j}: dX = dA Wg^T")
+    dx2 = ops.matmul(db, wu.T, f"expert {j}: dX += dB Wu^T")
+    return ops.ew(f"expert {j}: dX sum", lambda: dx + dx2, dx, dx2), dwg, dwu, dwd
+
+
+def _scatter_rows(ops, name, t, tok, rows):
+    """(T, h) with rows[i] added at row tok[i] (a token may come twice: k = 2)."""
+    def fn():
+        out = np.zeros_like(rows, shape=(t, rows.shape[1]))
+        np.add.at(out, tok, rows)
+        return out
+    return ops.ew(name, fn, tok, rows, shape=(t, rows.shape[1]), dtype=rows.dtype)
+
+
+# --- the operation ----------------------------------------------------------------------
+class MoE(ShardedOperation):
+    """``MoE(hidden, ffn_hidden, experts, top_k=2, capacity_factor=None, aux_coef=0.01,
+    seed=0, ep_axis="ep", algorithms=None)``; see the module docstring.
+
+    ``capacity_factor`` None is dropless; ``aux_coef`` is alpha of the auxiliary loss;
+    ``seed`` draws :meth:`init_params`; ``algorithms`` maps ``all_to_all`` /
+    ``all_reduce`` to the algorithm every such call uses (default ``auto``).
+    """
+
+    name = "mixture-of-experts"
+
+    def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int = 2,
+                 capacity_factor: float | None = None, aux_coef: float = 0.01, seed: int = 0,
+                 ep_axis: str = "ep", algorithms: Mapping[str, str] | None = None):
+        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("experts", experts)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"MoE: {name} must be an int >= 1, got {v!r}")
+        if top_k not in (1, 2):
+            raise ValueError(f"MoE: top_k must be 1 or 2, got {top_k!r}")
+        if top_k > experts:
+            raise ValueError(f"MoE: top_k={top_k} exceeds experts={experts}")
+        if capacity_factor is not None and (
+                isinstance(capacity_factor, bool) or not isinstance(capacity_factor, Real)
+                or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+            raise ValueError(f"MoE: capacity_factor must be a number > 0 or None (dropless), "
+                             f"got {capacity_factor!r}")
+        if not isinstance(aux_coef, Real) or not math.isfinite(aux_coef) or aux_coef < 0:
+            raise ValueError(f"MoE: aux_coef must be a finite number >= 0, got {aux_coef!r}")
+        self.hidden, self.ffn_hidden, self.experts = int(hidden), int(ffn_hidden), int(experts)
+        self.top_k, self.aux_coef, self.seed = int(top_k), float(aux_coef), seed
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.ep_axis = ep_axis
+        self.algorithms = dict(algorithms or {})
+        for kind, alg in self.algorithms.items():
+            choose_algorithm(kind, 0, 2, requested=alg)   # unknown names raise ValueError
+
+    def __repr__(self) -> str:
+        return (f"MoE(hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
+                f"experts={self.experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, aux_coef={self.aux_coef}, "
+                f"seed={self.seed}, ep_axis={self.ep_axis!r})")
+
+    # --- parameters and layouts ---------------------------------------------------------
+    def init_params(self, dtype=np.float64) -> dict:
+        """w_router (h, E), w_gate and w_up (E, h, f), w_down (E, f, h), normal with
+        standard deviation 1/sqrt(fan-in), drawn from ``seed``."""
+        rng = np.random.default_rng(self.seed)
+        h, f, e = self.hidden, self.ffn_hidden, self.experts
+        shapes = {"w_router": ((h, e), h), "w_gate": ((e, h, f), h), "w_up": ((e, h, f), h),
+                  "w_down": ((e, f, h), f)}
+        return {n: (rng.standard_normal(s) / math.sqrt(fan)).astype(dtype)
+                for n, (s, fan) in shapes.items()}
+
+    @property
+    def layouts(self) -> dict:
+        """Name -> TensorSharding: experts' weights split by expert over ep, the router
+        replicated, tokens (x, y, dx) split on their first dimension over ep."""
+        ep = self.ep_axis
+        return {"w_router": TS(None, None), "w_gate": TS(ep, None, None),
+                "w_up": TS(ep, None, None), "w_down": TS(ep, None, None),
+                "aux": TS(None), "counts": TS(ep, None)}
+
+    def _tokens_layout(self, ndim: int) -> TS:
+        return TS(self.ep_axis, *([None] * (ndim - 1)))
+
+    def ep_size(self, mesh) -> int:
+        """The size of the ep axis on ``mesh``; E must divide by it."""
+        if self.ep_axis not in mesh.shape:
+            raise ValueError(f"MoE: mesh {mesh} has no axis ep_axis={self.ep_axis!r}")
+        ep = mesh.axis_size(self.ep_axis)
+        if self.experts % ep:
+            raise ValueError(f"MoE: experts={self.experts} is not divisible by "
+                             f"ep={ep} (mesh axis {self.ep_axis!r})")
+        return ep
+
+    def capacity(self, tokens_per_rank: int) -> int | None:
+        """ceil(capacity_factor · T·k / E) (None: dropless)."""
+        return expert_capacity(self.capacity_factor, tokens_per_rank, self.top_k, self.experts)
+
+    # --- per-device programs --------------------------------------------------------------
+    def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load):
+        h, k, n_exp = self.hidden, self.top_k, self.experts
+        e_l = n_exp // ops.n
+        x2 = x.reshape(-1, h)
+        t = x2.shape[0]
+        cap = self.capacity(t)
+        logits = ops.matmul(x2, w_router, "router: l = x W_r")
+
+        def softmax():
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            return e / e.sum(axis=1, keepdims=True)
+
+        probs = ops.ew("router: p = softmax(l)", softmax, logits)
+        route = _route(ops, probs, k, cap, load)
+
+        # aux loss: global f and P over the ep group
+        sums = ops.all_reduce(ops.ew("aux: local sums", lambda: np.concatenate(
+            [route.routed.astype(probs.dtype), probs.sum(axis=0)]), route.routed, probs))
+        n_glob = t * ops.n
+        f = sums[:n_exp] / (n_glob * k)
+        aux = ops.ew("aux = alpha E sum f P", lambda: (self.aux_coef * n_exp * (
+            f * sums[n_exp:] / n_glob).sum()).reshape(1), sums)
+
+        counts = ops.all_to_all(route.kept_arr)                   # (n·E_l,): [s][j]
+        if is_meta(counts):
+            if load is None:
+                raise ValueError("MoE: a traced program needs load=ExpertLoad(...)")
+            mine = range(ops.pos * e_l, (ops.pos + 1) * e_l)
+            c = [[load.kept[s][e] for e in mine] for s in range(ops.n)]
+        else:
+            flat = counts.tolist()
+            c = [flat[s * e_l:(s + 1) * e_l] for s in range(ops.n)]
+        ex = _Exchange(ops, route, c, cap, e_l)
+
+        a = route.tok.shape[0]
+        rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok,
+                      shape=(a, h))
+        xs = ex.dispatch(rows, _DISPATCH, "dispatch")
+        outs, states = zip(*(_expert_forward(ops, xs[j], w_gate[j], w_up[j], w_down[j], j)
+                             for j in range(e_l)))
+        out_rows = ex.combine(list(outs), _COMBINE, "combine")
+        g_sel = ops.ew("combine: gates of kept rows", lambda: route.gates[
+            route.tok, route.choice], route.gates, route.tok)
+        y = _scatter_rows(ops, "combine: y = sum g O", t, route.tok,
+                          ops.ew("combine: g O", lambda: g_sel[:, None] * out_rows,
+                                 g_sel, out_rows))
+        saved = (x2, route, ex, xs, states, out_rows, g_sel, f)
+        return y.reshape(x.shape), aux, route, saved
+
+    @staticmethod
+    def _report(route):
+        return route.routed.reshape(1, -1), route.kept_arr.reshape(1, -1)
+
+    def forward_local(self, dev, x, w_router, w_gate, w_up, w_down, load=None):
+        """(y, aux (1,), routed (1, E), kept (1, E)) on this rank; ``load``: the counts a
+        trace takes as given (ignored when the arrays hold values)."""
+        self.ep_size(dev.mesh)
+        ops = _Ops(dev, self.ep_axis, self.algorithms)
+        y, aux, route, _ = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
+        return (y, aux, *self._report(route))
+
+    def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, dy, d_aux=1.0,
+                       load=None):
+        """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
+        dW_down, routed, kept); dW_r summed over ep, the experts' on their owners."""
+        self.ep_size(dev.mesh)
+        ops = _Ops(dev, self.ep_axis, self.algorithms)
+        y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
+        x2, route, ex, xs, states, out_rows, g_sel, f = saved
+        h, k, n_exp, e_l = self.hidden, self.top_k, self.experts, len(xs)
+        t = x2.shape[0]
+        dy2 = dy.reshape(-1, h)
+        dy_rows = ops.ew("backward: gather dy rows", lambda: dy2[route.tok], dy2, route.tok,
+                         shape=(route.tok.shape[0], h))
+        d_out_rows = ops.ew("backward: dO = g dy", lambda: g_sel[:, None] * dy_rows,
+                            g_sel, dy_rows)
+        dg_sel = ops.ew("backward: dg = <dy, O>", lambda: (dy_rows * out_rows).sum(axis=1),
+                        dy_rows, out_rows)
+        d_outs = ex.dispatch(d_out_rows, _GRAD_DISPATCH, "backward dispatch")
+        dw = [np.zeros_like(w) for w in (w_gate, w_up, w_down)]
+        dxs = []
+        for j in range(e_l):
+            dxj, *gj = _expert_backward(ops, xs[j], w_gate[j], w_up[j], w_down[j], states[j],
+                                        d_outs[j], j)
+            dxs.append(dxj)
+            for acc, g in zip(dw, gj):
+                acc[j] = g
+        dx_rows = ex.combine(dxs, _GRAD_COMBINE, "backward combine")
+        dx = _scatter_rows(ops, "backward: dx = sum dX", t, route.tok, dx_rows)
+
+        def dlogits():
+            p = route.probs
+            dg = np.zeros_like(route.gates)
+            dg[route.tok, route.choice] = dg_sel
+            if k == 1:
+                dp_sel = dg
+            else:
+                s = np.take_along_axis(p, route.experts, axis=1).sum(axis=1, keepdims=True)
+                dp_sel = (dg - (route.gates * dg).sum(axis=1, keepdims=True)) / s
+            dp = np.zeros_like(p) + d_aux * self.aux_coef * n_exp / (t * ex.ops.n) * f
+            rows = np.arange(t, like=route.experts)[:, None]
+            dp[rows, route.experts] += dp_sel
+            return p * (dp - (p * dp).sum(axis=1, keepdims=True))
+
+        dl = ops.ew("router: dl = softmax'(dp)", dlogits, route.probs, route.gates, f,
+                    shape=route.probs.shape)
+        d_router = ops.all_reduce(ops.matmul(x2.T, dl, "router: dW_r = x^T dl"))
+        dx_r = ops.matmul(dl, w_router.T, "router: dx = dl W_r^T")
+        dx = ops.ew("backward: dx + router", lambda: dx + dx_r, dx, dx_r)
+        return (y, aux, dx.reshape(x.shape), d_router, *dw, *self._report(route))
+
+    # --- host conveniences ----------------------------------------------------------------
+    def _check(self, mesh, x, params, dy=None) -> int:
+        ep = self.ep_size(mesh)
+        h, f, e = self.hidden, self.ffn_hidden, self.experts
+        xs = np.shape(x)
+        if len(xs) < 2 or xs[-1] != h:
+            raise ValueError(f"MoE: x must have shape (tokens, ..., hidden={h}), got {xs}")
+        if xs[0] % ep:
+            raise ValueError(f"MoE: x's first dimension {xs[0]} is not divisible by ep={ep}")
+        expected = {"w_router": (h, e), "w_gate": (e, h, f), "w_up": (e, h, f),
+                    "w_down": (e, f, h)}
+        if set(params) != set(expected):
+            raise ValueError(f"MoE: params must have the keys {sorted(expected)}, got "
+                             f"{sorted(params)}")
+        for name, shape in expected.items():
+            if np.shape(params[name]) != shape:
+                raise ValueError(f"MoE: {name} has shape {np.shape(params[name])}, must be "
+                                 f"{shape}")
+        if dy is not None and np.shape(dy) != xs:
+            raise ValueError(f"MoE: dy has shape {np.shape(dy)}, must be x's {xs}")
+        return ep
+
+    def _inputs(self, x, params, *more):
+        L = self.layouts
+        tok = self._tokens_layout(np.ndim(x))
+        return ([(x, tok)] + [(params[n], L[n]) for n in ("w_router", "w_gate", "w_up", "w_down")]
+                + [(m, tok) for m in more])
+
+    def _load(self, routed, kept, x, ep) -> ExpertLoad:
+        return ExpertLoad(np.asarray(routed).tolist(), np.asarray(kept).tolist(),
+                          self.capacity(int(np.prod(np.shape(x)[:-1])) // ep))
+
+    def run(self, cluster, x, params) -> MoEOutput:
+        """Global x and params in; y, the aux loss and the load out."""
+        ep = self._check(cluster.mesh, x, params)
+        L = self.layouts
+        y, aux, routed, kept = run_sharded(
+            cluster, self.forward_local, self._inputs(x, params),
+            [self._tokens_layout(np.ndim(x)), L["aux"], L["counts"], L["counts"]])
+        return MoEOutput(y, float(aux[0]), self._load(routed, kept, x, ep))
+
+    def backward(self, cluster, x, params, dy, d_aux: float = 1.0) -> MoEGradients:
+        """Forward and backward of <dy, y> + d_aux · aux: every gradient, global."""
+        ep = self._check(cluster.mesh, x, params, dy)
+        L, tok = self.layouts, self._tokens_layout(np.ndim(x))
+        y, aux, dx, dr, dg, du, dd, routed, kept = run_sharded(
+            cluster, self.backward_local, self._inputs(x, params, dy),
+            [tok, L["aux"], tok, L["w_router"], L["w_gate"], L["w_up"], L["w_down"],
+             L["counts"], L["counts"]], extra_args=(float(d_aux),))
+        return MoEGradients(y, float(aux[0]), dx, dr, dg, du, dd,
+                            self._load(routed, kept, x, ep))
+
+    def reference(self, x, params, dy=None, ep: int = 1, d_aux: float = 1.0):
+        """The plain-numpy layer (:mod:`tensor_parallel.moe_reference`) on the global
+        batch, capacity per ep rank as here: a MoEOutput, or with ``dy`` a MoEGradients."""
+        result, _, _ = moe_reference(x, params["w_router"], params["w_gate"], params["w_up"],
+                                     params["w_down"], top_k=self.top_k,
+                                     capacity_factor=self.capacity_factor,
+                                     aux_coef=self.aux_coef, ep=ep, dy=dy, d_aux=d_aux)
+        return result
+
+    def meta_args(self, mesh, x_shape, load: ExpertLoad, backward: bool = False,
+                  dtype=np.float64) -> list[tuple]:
+        """Per-rank arguments of ``forward_local`` (``backward_local`` with ``backward``)
+        on shape-only arrays, for ``trace_program``; ``load`` gives the counts."""
+        ep = self.ep_size(mesh)
+        if not isinstance(load, ExpertLoad) or (load.ep, load.experts) != (ep, self.experts):
+            raise ValueError(f"MoE: load must be an ExpertLoad of ep={ep} ranks and "
+                             f"{self.experts} experts, got {load!r}")
+        h, f, e_l = self.hidden, self.ffn_hidden, self.experts // ep
+        x_local = (x_shape[0] // ep,) + tuple(x_shape[1:])
+        w = [MetaArray(s, dtype) for s in ((h, self.experts), (e_l, h, f), (e_l, h, f),
+                                            (e_l, f, h))]
+        args = (MetaArray(x_local, dtype), *w)
+        args += (MetaArray(x_local, dtype), 1.0, load) if backward else (load,)
+        return [args] * mesh.size

@@ -1,0 +1,180 @@
+"""``ExpertLoad``: how many tokens a mixture-of-experts layer routed to each expert.
+
+A table per ep rank r (its own T tokens) and expert e:
+
+    routed[r][e]   assignments rank r's router made to e (top-k choices, before dropping)
+    kept[r][e]     those within e's capacity: the rows rank r sends to e's owner
+                   (dropless: kept == routed)
+
+Summed over the ranks, ``per_expert_routed`` is what the router asked of each expert and
+``per_expert_kept`` what each expert computed. The imbalance is the busiest expert's
+count over the mean count, ``max_e n_e / mean_e n_e`` (1 = perfectly balanced, E/k at
+most for routed assignments when every token picks the same experts).
+
+The layer's emulation returns the load it saw (``MoE.run``/``MoE.backward``); a trace,
+whose arrays hold no values, takes one as given: :meth:`ExpertLoad.skewed` builds the
+table for a chosen imbalance (the busiest expert's tokens over the mean), the knob a
+simulator turns as ``--expert-skew``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ExpertLoad", "MoEOutput", "MoEGradients", "expert_capacity"]
+
+
+def _table(rows, what: str) -> tuple[tuple[int, ...], ...]:
+    table = tuple(tuple(int(v) for v in row) for row in rows)
+    if not table or len({len(r) for r in table}) != 1 or not table[0]:
+        raise ValueError(f"ExpertLoad: {what} must be a non-empty (ep, experts) table, "
+                         f"got {rows!r}")
+    if any(v < 0 for row in table for v in row):
+        raise ValueError(f"ExpertLoad: {what} has a negative count: {table}")
+    return table
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Tokens per (ep rank, expert) before (``routed``) and after (``kept``) dropping;
+    ``capacity`` the per-rank capacity of an expert (None: dropless)."""
+
+    routed: tuple[tuple[int, ...], ...]
+    kept: tuple[tuple[int, ...], ...]
+    capacity: int | None = None
+
+    def __post_init__(self):
+        routed, kept = _table(self.routed, "routed"), _table(self.kept, "kept")
+        if np.shape(routed) != np.shape(kept):
+            raise ValueError(f"ExpertLoad: routed {np.shape(routed)} and kept "
+                             f"{np.shape(kept)} tables differ in shape")
+        if any(k > r for rr, kk in zip(routed, kept) for r, k in zip(rr, kk)):
+            raise ValueError("ExpertLoad: kept exceeds routed for some (rank, expert)")
+        if self.capacity is not None and any(k > self.capacity for row in kept for k in row):
+            raise ValueError(f"ExpertLoad: kept exceeds capacity={self.capacity}")
+        object.__setattr__(self, "routed", routed)
+        object.__setattr__(self, "kept", kept)
+
+    @classmethod
+    def skewed(cls, ep: int, experts: int, tokens_per_rank: int, top_k: int, skew: float = 1.0,
+               capacity: int | None = None) -> "ExpertLoad":
+        """The same table on every rank: expert 0 gets round(skew · T·k/E) of the T·k
+        assignments, the others share the rest as evenly as integers allow; ``kept`` is
+        min(routed, capacity). ``skew`` must be in [1, E/k] (a token picks an expert at
+        most once, so the busiest expert has at most T)."""
+        for name, v in (("ep", ep), ("experts", experts), ("tokens_per_rank", tokens_per_rank),
+                        ("top_k", top_k)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"ExpertLoad.skewed: {name} must be an int >= 1, got {v!r}")
+        if top_k > experts:
+            raise ValueError(f"ExpertLoad.skewed: top_k={top_k} exceeds experts={experts}")
+        if not 1.0 <= skew <= experts / top_k:
+            raise ValueError(f"ExpertLoad.skewed: skew={skew} must be in [1, experts/top_k = "
+                             f"{experts / top_k:g}]")
+        total = tokens_per_rank * top_k
+        busiest = min(tokens_per_rank, round(skew * total / experts))
+        rest, others = total - busiest, experts - 1
+        row = [busiest] + [rest // others + (i < rest % others) for i in range(others)] \
+            if others else [total]
+        kept = row if capacity is None else [min(n, capacity) for n in row]
+        return cls(tuple(tuple(row) for _ in range(ep)), tuple(tuple(kept) for _ in range(ep)),
+                   capacity)
+
+    # --- shape ------------------------------------------------------------------------
+    @property
+    def ep(self) -> int:
+        return len(self.routed)
+
+    @property
+    def experts(self) -> int:
+        return len(self.routed[0])
+
+    # --- totals -----------------------------------------------------------------------
+    @property
+    def per_expert_routed(self) -> tuple[int, ...]:
+        """Assignments to each expert over all ranks, before dropping."""
+        return tuple(int(n) for n in np.sum(self.routed, axis=0))
+
+    @property
+    def per_expert_kept(self) -> tuple[int, ...]:
+        """Tokens each expert computed (after dropping)."""
+        return tuple(int(n) for n in np.sum(self.kept, axis=0))
+
+    @property
+    def dropped(self) -> int:
+        """Assignments dropped for capacity (they contribute 0 to the output)."""
+        return int(np.sum(self.routed) - np.sum(self.kept))
+
+    @staticmethod
+    def _imbalance(counts) -> float:
+        mean = sum(counts) / len(counts)
+        return max(counts) / mean if mean else 1.0
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest expert ÷ mean, over the routed assignments (before dropping)."""
+        return self._imbalance(self.per_expert_routed)
+
+    @property
+    def kept_imbalance(self) -> float:
+        """Busiest expert ÷ mean, over the tokens the experts computed."""
+        return self._imbalance(self.per_expert_kept)
+
+    def received(self, rank: int) -> int:
+        """Rows ep rank ``rank``'s experts compute (from every rank, its own included)."""
+        e_l = self.experts // self.ep
+        return int(sum(row[e] for row in self.kept for e in range(rank * e_l, (rank + 1) * e_l)))
+
+    def __str__(self) -> str:
+        cap = "dropless" if self.capacity is None else f"capacity {self.capacity} per rank"
+        return (f"tokens per expert (routed) {list(self.per_expert_routed)}, kept "
+                f"{list(self.per_expert_kept)}; dropped {self.dropped}; imbalance "
+                f"{self.imbalance:.3g} (kept {self.kept_imbalance:.3g}); {cap}")
+
+
+def _shape(a) -> str:
+    return "None" if a is None else f"{tuple(np.shape(a))}"
+
+
+@dataclass(frozen=True, repr=False)
+class MoEOutput:
+    """The forward: y (x's shape), the auxiliary loss, the load."""
+
+    y: np.ndarray
+    aux_loss: float
+    load: ExpertLoad
+
+    def __repr__(self) -> str:
+        return f"MoEOutput(y={_shape(self.y)}, aux_loss={self.aux_loss:.6g}, load=<{self.load}>)"
+
+
+@dataclass(frozen=True, repr=False)
+class MoEGradients:
+    """Forward and backward: y, aux loss, dx, the router's and the experts' gradients
+    (d_gate, d_up (E, h, f), d_down (E, f, h)), the load."""
+
+    y: np.ndarray
+    aux_loss: float
+    dx: np.ndarray
+    d_router: np.ndarray
+    d_gate: np.ndarray
+    d_up: np.ndarray
+    d_down: np.ndarray
+    load: ExpertLoad
+
+    def __repr__(self) -> str:
+        return (f"MoEGradients(y={_shape(self.y)}, aux_loss={self.aux_loss:.6g}, "
+                f"dx={_shape(self.dx)}, d_router={_shape(self.d_router)}, "
+                f"d_gate={_shape(self.d_gate)}, d_up={_shape(self.d_up)}, "
+                f"d_down={_shape(self.d_down)}, load=<{self.load}>)")
+
+
+def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
+                    experts: int) -> int | None:
+    """ceil(capacity_factor · T·k / E) slots per expert for T tokens (None: dropless)."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * tokens * top_k / experts)

@@ -44,6 +44,7 @@ OPTIMIZERS = ("sgd", "adam")
 REPORT_FORMATS = ("md", "html", "json", "csv", "png", "trace")
 HARDWARE_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 PARALLEL_AXES = ("dp", "pp", "tp")
+ARCHS = ("gpt", "llama")          # pipeline_parallel.gpt.ARCHS (the front door imports no model)
 
 _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -118,6 +119,10 @@ _WORKLOAD = MappingProxyType({
         "heads": _int("attention heads (divide hidden)", 1, 4),
         "seq": _int("sequence length", 1, 8), "vocab": _int("vocabulary size", 1, 32),
         "batch": _int("global batch (sequences per step)", 1, 8),
+        "arch": _enum(ARCHS, "gpt (LayerNorm, learned positions, gelu MLP 4h) or llama "
+                      "(RMSNorm, RoPE, grouped-query attention, SwiGLU)", "gpt"),
+        "kv_heads": _int("llama: key/value heads (divide heads; default heads)"),
+        "ffn_hidden": _int("llama: SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
         **_TRAINING,
     },
 })

@@ -1,4 +1,5 @@
-"""``kind: transformer``: a GPT (:class:`pipeline_parallel.gpt.GPT`) trained for
+"""``kind: transformer``: a GPT or, with ``arch: llama``, a Llama
+(:class:`pipeline_parallel.gpt.GPT`) trained for
 ``run.steps`` steps with Megatron tensor parallelism (``tp``), a pipeline schedule
 (``pp``) and data parallelism (``dp``) — the executor's ``train_program`` with GPT stages.
 
@@ -15,7 +16,7 @@ import dataclasses
 
 import numpy as np
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_model_flops
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
 from vcluster.planner.memory import gpt_memory
 from vcluster.planner.simulation import gpt_schedule, gpt_step_traces
@@ -38,6 +39,7 @@ def validate(scenario, mesh) -> None:
         raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
                             "hidden splits into heads")
     degrees = _degrees(mesh)
+    _validate_arch(o, degrees["tp"])
     interleaved = par["schedule"] == "interleaved_1f1b"
     if par.get("virtual_stages") is not None and not interleaved:
         raise ScenarioError("parallel.virtual_stages", par["virtual_stages"],
@@ -59,6 +61,31 @@ def validate(scenario, mesh) -> None:
                                 f"{key} is split over tp")
 
 
+def _validate_arch(o, tp: int) -> None:
+    """kv_heads and ffn_hidden belong to llama; their splits over tp (the rules of
+    :func:`tensor_parallel.llama.check_kv_heads`, named by key)."""
+    if o["arch"] != "llama":
+        for key in ("kv_heads", "ffn_hidden"):
+            if o.get(key) is not None:
+                raise ScenarioError(f"workload.{key}", o[key], "no value with arch gpt",
+                                    "only arch llama takes it (gpt: heads and 4 x hidden)")
+        return
+    heads, kv = o["heads"], o.get("kv_heads") or o["heads"]
+    if heads % kv:
+        raise ScenarioError("workload.kv_heads", kv, f"a divisor of heads={heads}",
+                            "query heads share key/value heads in equal groups")
+    if (o["hidden"] // heads) % 2:
+        raise ScenarioError("workload.heads", heads, "a count that leaves hidden/heads even",
+                            "RoPE rotates pairs of the head dimension")
+    if kv >= tp and kv % tp or kv < tp and tp % kv:
+        raise ScenarioError("workload.kv_heads", kv, f"a multiple or a divisor of tp={tp}",
+                            "key/value heads split over tp, or each replicated over "
+                            "tp/kv_heads ranks")
+    if o.get("ffn_hidden") is not None and o["ffn_hidden"] % tp:
+        raise ScenarioError("workload.ffn_hidden", o["ffn_hidden"], f"a multiple of tp={tp}",
+                            "the SwiGLU width is split over tp")
+
+
 def _degrees(mesh) -> dict:
     return {a: mesh.shape.get(a, 1) for a in ("dp", "pp", "tp")}
 
@@ -67,7 +94,8 @@ def _configs(scenario, mesh):
     """The GPT's configs from the parsed point (their own checks are the library's)."""
     w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
-                       vocab=o["vocab"], dtype=w.dtype)
+                       vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
+                       kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"))
     parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
                               schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
                               sequence_parallel=par["sequence_parallel"],
@@ -76,6 +104,16 @@ def _configs(scenario, mesh):
                               distributed_optimizer=bool(par.get("distributed_optimizer")),
                               **_degrees(mesh))
     return config, parallel
+
+
+_NAMES = {"gpt": "GPT", "llama": "Llama"}
+
+
+def _gqa(config) -> str:
+    """The Llama-only shape terms of the description."""
+    if config.arch != "llama":
+        return ""
+    return f" kv={config.kv_heads} ffn={config.ffn_hidden}"
 
 
 def build(scenario, mesh) -> Workload:
@@ -117,9 +155,8 @@ def build(scenario, mesh) -> Workload:
                     # the planner's traces are of one step in 16-bit: the same program
                     step_traces=step_traces if steps == 1 and config.dtype == "float16"
                     else None,
-                    model_flops=megatron_model_flops(parallel.global_batch, config.seq,
-                                                     config.layers, config.hidden,
-                                                     config.vocab),
-                    description=f"GPT h={config.hidden} l={config.layers} a={config.heads} "
-                                f"s={config.seq} V={config.vocab}, {parallel.schedule}, "
+                    model_flops=model_flops(config, parallel.global_batch),
+                    description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
+                                f"a={config.heads}{_gqa(config)} s={config.seq} "
+                                f"V={config.vocab}, {parallel.schedule}, "
                                 f"{parallel.microbatches} micro-batches")

@@ -15,9 +15,10 @@ from mesh import Mesh
 from vcluster import VirtualCluster
 from vcluster.runtime.events import CommEvent
 from vcluster.scenario import load_scenario
+from vcluster.localhost.start import timed_call
 from vcluster.scenario.progress import ProgressBar
 from vcluster.scenario.timed_runs import (TIMED_REPEATS, emulate_timed,
-                                         measures_like_localhost, step_times)
+                                         measures_like_localhost, step_times, within_run)
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_RUN_SLEEP_S = 0.4
@@ -119,3 +120,29 @@ def test_only_localhost_comparisons_measure_like_the_model(overrides, expected):
     s = load_scenario(ROOT / "scenarios" / "collective_all_reduce.yaml", overrides)
     assert measures_like_localhost(s, "emulator") is expected
     assert measures_like_localhost(s, "torch") is False
+
+
+def test_a_rank_late_to_the_start_protocol_keeps_its_broadcast_out():
+    """On a loaded machine a rank can reach the broadcast of the start instant after that
+    instant: the broadcast then lies after ``start`` and before ``end`` but is still the
+    protocol's (it once made ``traffic_matches`` false); the run begins at ``began``."""
+    def event(rank, collective, start, end):
+        return CommEvent(rank, collective, (0, 1), "shm", 8, (), (), 0, start, end)
+
+    start, end = 10.0, 20.0
+    spans = [(start, end, None, start), (start, end, None, 10.5)]     # rank 1 began late
+    events = [event(0, "broadcast", 9.0, 9.1), event(1, "broadcast", 10.2, 10.4),
+              event(0, "all_reduce", 10.6, 11.0), event(1, "all_reduce", 10.6, 11.0),
+              event(1, "barrier", 19.0, 21.0)]
+    kept = within_run(events, spans)
+    assert [(e.rank, e.collective) for e in kept] == [(0, "all_reduce"), (1, "all_reduce")]
+
+
+def test_timed_call_says_when_each_rank_began(cluster_of):
+    spans = cluster_of(Mesh((2,), ("x",))).run(timed_call, [(_double, 1.0)] * 2)
+    for start, end, result, began in spans:
+        assert start <= began <= end and result == 2.0
+
+
+def _double(dev, x):
+    return 2 * x

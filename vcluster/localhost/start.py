@@ -82,19 +82,23 @@ def timed_run_cpu(dev, program, *args) -> tuple[float, float, float]:
 def timed_run_core(dev, program, *args) -> tuple[float, float, int | None]:
     """:func:`timed_run`, and the core this device was on at the instant (None where the
     platform cannot tell): (start, end, core)."""
-    start, end, _, core, _ = _timed(dev, program, args, True)
+    start, end, _, core, _, _ = _timed(dev, program, args, True)
     return start, end, core
 
 
-def timed_call(dev, program, *args) -> tuple[float, float, object]:
-    """:func:`timed_run`, and what ``program`` returned: (start, end, result) (``vcluster
-    run`` measures its emulated runs with it where ``localhost`` predicts them)."""
-    start, end, _, _, result = _timed(dev, program, args, False)
-    return start, end, result
+def timed_call(dev, program, *args) -> tuple[float, float, object, float]:
+    """:func:`timed_run`, what ``program`` returned, and when this device began it:
+    (start, end, result, began) (``vcluster run`` measures its emulated runs with it where
+    ``localhost`` predicts them). ``began`` >= the common ``start``: later where the
+    device reached the start protocol late (a loaded machine), so that the protocol's
+    own collectives end before it."""
+    start, end, _, _, result, began = _timed(dev, program, args, False)
+    return start, end, result, began
 
 
 def _timed(dev, program, args, where: bool) -> tuple:
-    """(start, end, CPU seconds, core at the start or None, result) of one timed run."""
+    """(start, end, CPU seconds, core at the start or None, result, the instant the
+    program began) of one timed run."""
     dev.barrier()
     start = float(dev.broadcast(np.array([time.perf_counter() + START_S]), root=0)[0])
     wait = start - SPIN_S - time.perf_counter()
@@ -103,12 +107,12 @@ def _timed(dev, program, args, where: bool) -> tuple:
     while time.perf_counter() < start:
         pass
     core = current_core() if where else None
-    cpu0 = time.process_time()
+    cpu0, began = time.process_time(), time.perf_counter()
     result = program(dev, *args)
     end = time.perf_counter()
     cpu_s = time.process_time() - cpu0
     dev.barrier()
-    return start, end, cpu_s, core, result
+    return start, end, cpu_s, core, result, began
 
 
 def current_core() -> int | None:

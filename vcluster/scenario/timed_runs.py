@@ -72,8 +72,11 @@ def step_times(events, training: bool, steps: int, start: float | None = None,
 
 def within_run(events, spans) -> list:
     """The events of each rank that lie inside its timed run ``spans[rank]`` =
-    (start, end, ...): the program's own, not the start and end protocol's."""
-    return [e for e in events if spans[e.rank][0] <= e.start and e.end <= spans[e.rank][1]]
+    (start, end, result, began): the program's own, not the start and end protocol's.
+    A rank's run begins at ``began`` (the common start, or later on a rank that reached
+    the start protocol late: its broadcast of the start instant then ends after that
+    instant, and is still the protocol's)."""
+    return [e for e in events if spans[e.rank][3] <= e.start and e.end <= spans[e.rank][1]]
 
 
 def emulate_timed(workload, point, engine, bar, warmup: int = WARMUP_RUNS,
@@ -98,9 +101,9 @@ def emulate_timed(workload, point, engine, bar, warmup: int = WARMUP_RUNS,
             engine.reset_stats()
             spans = engine.run(timed_call, timed_args)
             got = within_run(engine.trace(), spans)
-            runs.append((step_times(got, training, steps, start=min(s for s, _, _ in spans),
-                                    end=max(e for _, e, _ in spans)),
-                         got, [result for _, _, result in spans]))
+            runs.append((step_times(got, training, steps, start=min(s for s, _, _, _ in spans),
+                                    end=max(e for _, e, _, _ in spans)),
+                         got, [result for _, _, result, _ in spans]))
         runs.sort(key=lambda r: sum(r[0]))
         run_times, got, outputs = runs[len(runs) // 2]
         times += run_times

@@ -208,7 +208,8 @@ class LlamaLayer(_Module):
             out[slot] = g
             return out
 
-        total = ops.all_reduce_tp(ops.work("attention: stack the K/V replicas' dW_kv", 0, (g, g), None, stack))
+        stacked = ops.work("attention: stack the K/V replicas' dW_kv", 0, (g, g), None, stack)
+        total = ops.all_reduce_tp(stacked)
         g[...] = total[slot]
 
 

@@ -265,7 +265,7 @@ def train_program(dev, job: TrainJob, X, Y):
                     if buckets is not None and left[s] == 0:
                         done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
                     elif zero is not None and (left[s] == 0 or zero.stage >= 2):
-                        done = lambda l, s=s: zero.grad_ready(s, l)  # noqa: E731
+                        done = lambda i, s=s: zero.grad_ready(s, i)  # noqa: E731
                     layers.backward_weight(dev, j, on_layer_done=done)
             if out is not None and kind == "F":
                 dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))

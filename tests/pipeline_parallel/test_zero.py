@@ -89,16 +89,15 @@ def expected_sent_per_step(sizes, n, zero, m):
     return times * (n - 1) * padded // n
 
 
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_mlp_every_stage_and_optimizer_equals_reference(ring, n):
     """dp = n, pp = 1, 2 micro-batches: losses and parameters as fit_reference; bytes
-    sent and peak bytes per rank as the closed forms; activations as DDP's."""
+    sent and peak bytes per rank as the closed forms."""
     mlp, (X, Y) = MLP(SIZES, activation="tanh", seed=1), _data()
     cluster, m = ring(Mesh((n, 1), ("dp", "pp"))), 2
     for name, kw in OPTIMIZERS.items():
         ref = mlp.fit_reference(X, Y, steps=STEPS, **kw)
-        acts = set()
-        for zero in (0, 1, 2, 3):
+        for zero in (1, 2, 3):
             cluster.reset_stats()
             run = mlp.fit(cluster, X, Y, steps=STEPS, microbatches=m, zero_stage=zero, **kw)
             assert_same(run, ref)
@@ -107,11 +106,12 @@ def test_mlp_every_stage_and_optimizer_equals_reference(ring, n):
             for col, v in want.items():
                 assert st[col].tolist() == [v] * n, (name, zero, col)
                 assert run.memory[col].tolist() == [v] * n
-            acts.add(tuple(st["peak_activations_bytes"]))
-            if zero:
-                sent = expected_sent_per_step(SIZES, n, zero, m) * STEPS
-                assert st["bytes_sent"].tolist() == [sent] * n, (name, zero)
-        assert len(acts) == 1 and min(acts.pop()) > 0      # ZeRO does not touch activations
+            # activations: the executor's own peak (ZeRO does not touch them)
+            assert (st["peak_activations_bytes"] == run.memory["activations_peak_bytes"]).all()
+            assert (st["peak_activations_bytes"] > 0).all()
+            sent = expected_sent_per_step(SIZES, n, zero, m) * STEPS
+            assert st["bytes_sent"].tolist() == [sent] * n, (name, zero)
+            assert st["arena_bytes_in_use"].tolist() == [0] * n   # nothing kept after a run
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -178,11 +178,12 @@ def test_mlp_with_pp_and_tp_equals_reference_and_traces_like_it_runs(ring, shape
 GPT_CFG = GPTConfig(hidden=8, layers=2, heads=2, seq=4, vocab=16)
 GPT_CASES = [("dp2", (2,), ("dp",), {}, (1, 2, 3)),
              ("dp2-tp2", (2, 2), ("dp", "tp"), {}, (2, 3)),
-             ("dp2-pp2-tp2", (2, 2, 2), ("dp", "pp", "tp"), {"sequence_parallel": True}, (1,))]
+             pytest.param("dp2-pp2-tp2", (2, 2, 2), ("dp", "pp", "tp"),
+                          {"sequence_parallel": True}, (1,), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name, shape, axes, extra, stages", GPT_CASES,
-                         ids=[c[0] for c in GPT_CASES])
+                         ids=["dp2", "dp2-tp2", "dp2-pp2-tp2"])
 def test_gpt_equals_reference(ring, name, shape, axes, extra, stages):
     """GPT: losses, final parameters and last-step gradients (joined from the shards) as
     the single-process transformer's; emulated traffic and peaks as traced."""
@@ -237,11 +238,11 @@ def test_bad_input_is_refused_by_name(ring):
             check_zero_stage(bad, "MLP.fit")
     mlp, (X, Y) = MLP([4, 4, 4], seed=0), _data([4, 4, 4])
     with pytest.raises(ValueError, match=r"MLP.fit: zero_stage must be one of .* got 7"):
-        mlp.fit(ring(Mesh((2, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1, zero_stage=7)
+        mlp.fit(ring(Mesh((4, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1, zero_stage=7)
     for zero in (2, 3):
         with pytest.raises(ValueError, match=rf"zero_stage={zero} with pipeline parallelism "
                                              r"\(pp=2\).*use zero_stage 0 or 1"):
-            mlp.fit(ring(Mesh((1, 2), ("dp", "pp"))), X, Y, steps=1, microbatches=2,
+            mlp.fit(ring(Mesh((2, 2), ("dp", "pp"))), X, Y, steps=1, microbatches=2,
                     zero_stage=zero)
         with pytest.raises(ValueError, match=rf"ParallelConfig: zero_stage={zero} with "
                                              r"pipeline parallelism \(pp=2\)"):
@@ -249,7 +250,7 @@ def test_bad_input_is_refused_by_name(ring):
         with pytest.raises(ValueError, match=rf"zero_stage={zero} with sequence_parallel"):
             ParallelConfig(global_batch=8, tp=2, sequence_parallel=True, zero_stage=zero)
     with pytest.raises(ValueError, match=r"zero_stage=1 cannot be combined with checkpoints"):
-        mlp.fit(ring(Mesh((2, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1,
+        mlp.fit(ring(Mesh((4, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1,
                 zero_stage=1, batch_size=8)
 
 

@@ -309,7 +309,7 @@ def unshard_results(mesh, dp_axis: str | None, results: list) -> list:
             continue
         group = mesh.group(dp_axis, rank) if dp_axis is not None else (rank,)
         peers = [results[r]["zero"]["modules"] for r in group]
-        res = dict(res, params=_copy(res["params"]), grads=_copy(res["grads"]))
+        res = dict(res, params=dict(res["params"]), grads=dict(res["grads"]))
         for k, mod in enumerate(info["modules"]):
             for what, at in (("param_shard", "params_at"), ("grad_shard", "grads_at")):
                 if mod[what] is None:
@@ -320,7 +320,7 @@ def unshard_results(mesh, dp_axis: str | None, results: list) -> list:
                     size = int(np.prod(shape, dtype=np.int64))
                     a = flat[offset:offset + size].reshape(shape)
                     offset += size
-                    named = res[what.split("_")[0] + "s"]
+                    named = res["params" if what == "param_shard" else "grads"]
                     if idx is None:
                         named[key] = a
                     else:
@@ -329,6 +329,3 @@ def unshard_results(mesh, dp_axis: str | None, results: list) -> list:
         out.append(res)
     return out
 
-
-def _copy(named: dict) -> dict:
-    return dict(named)

@@ -165,6 +165,12 @@ class ShardedState:
         self.grad_shard = {u: like[u].copy() for u in self.units}
         self.param_shard = None
         if zero_stage == 3:
+            for s, st in stages.items():
+                if not hasattr(st, "param_hook"):
+                    raise TypeError(f"zero_stage=3: stage {s} ({type(st).__name__}) has no "
+                                    f"param_hook (use(i, next) / done(i) around each "
+                                    f"module's forward and backward), which FSDP needs; "
+                                    f"StageLayers and TransformerStage have one")
             self.param_shard = {u: self.layouts[u].flatten(self._params(u))[
                 self.layouts[u].owned(self.pos)].copy() for u in self.units}
             for u in self.units:

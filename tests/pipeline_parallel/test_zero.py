@@ -15,7 +15,7 @@ from pipeline_parallel.executor import TrainJob, train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.plan import plan_training
-from pipeline_parallel.zero import FlatLayout, check_zero_stage
+from pipeline_parallel.zero import FlatLayout, ShardedState, check_zero_stage
 from vcluster import VirtualCluster
 from vcluster.runtime.tracing import (MetaArray, comm_signature, trace_comm_signature,
                                       trace_program)
@@ -252,6 +252,17 @@ def test_bad_input_is_refused_by_name(ring):
     with pytest.raises(ValueError, match=r"zero_stage=1 cannot be combined with checkpoints"):
         mlp.fit(ring(Mesh((4, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1,
                 zero_stage=1, batch_size=8)
+
+
+def test_zero3_needs_stages_with_a_param_hook():
+    class Stage:                       # parameters and gradients, no param_hook
+        params, grads = [[np.zeros(3)]], [[np.zeros(3)]]
+
+    class Dev:
+        rank = 0
+
+    with pytest.raises(TypeError, match=r"zero_stage=3: stage 0 \(Stage\) has no param_hook"):
+        ShardedState(Dev(), 3, None, {0: Stage()}, OptimizerConfig(), ledger=None)
 
 
 def test_distributed_optimizer_is_zero_stage_1():

@@ -14,6 +14,13 @@ matched correctly. After the last micro-batch's weight gradient of a layer, the 
 gradients are final: they join a data-parallel bucket, and a full bucket
 (``bucket_bytes``) starts its all-reduce over ``dp`` at once, asynchronously
 (DDP-style), overlapping the remaining backward work. The optimizer steps once per step.
+With ``zero_stage`` 1, 2 or 3 the optimizer state (and gradients, and parameters) are
+sharded over ``dp`` instead (:mod:`pipeline_parallel.zero`: reduce-scatter, update of
+the shard, all-gather; FSDP's gathers around each module for stage 3).
+
+Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
+holds (parameters, gradients, optimizer state, activations); ``dev.record_memory``
+carries it to ``cluster.stats()`` (``peak_*_bytes``) and the results' ``memory``.
 
 ``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
 the measured timeline against :func:`pipelining.simulate`.
@@ -38,7 +45,9 @@ from vcluster.runtime.faults import crash_this_device
 
 from .functional import loss_and_grad
 from .layers import LayerSpec, StageLayers
+from .ledger import MemoryLedger
 from .optim import Optimizer, OptimizerConfig
+from .zero import ShardedState, check_zero_stage
 
 __all__ = ["TrainJob", "train_program", "GradBuckets"]
 
@@ -66,6 +75,13 @@ class TrainJob:
     return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
     crash_at: tuple = ()       # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
+    zero_stage: int = 0                # 0 DDP; 1, 2, 3: ZeRO (pipeline_parallel.zero)
+
+    def __post_init__(self):
+        check_zero_stage(self.zero_stage, "TrainJob")
+        if self.zero_stage and (self.optimizer_state is not None or self.return_optimizer):
+            raise ValueError(f"TrainJob: zero_stage={self.zero_stage} does not save or "
+                             f"restore optimizer state (checkpoints); use zero_stage=0")
 
     @property
     def n_stages(self) -> int:
@@ -179,7 +195,15 @@ def train_program(dev, job: TrainJob, X, Y):
     stages = {s: _stage(job, dev, s) for s in range(S) if s % p == pos}
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
-    opt = Optimizer(job.optimizer, params)
+    check_zero_stage(job.zero_stage, "TrainJob", p)
+    ledger, zero, opt = MemoryLedger(dev), None, None
+    if job.zero_stage:
+        zero = ShardedState(dev, job.zero_stage, job.dp_axis, stages, job.optimizer, ledger)
+    else:
+        opt = Optimizer(job.optimizer, params)
+        ledger.set("params", sum(a.nbytes for a in params))
+        ledger.set("grads", sum(a.nbytes for a in grads))
+        ledger.set("optimizer", opt.state_bytes)
     if job.optimizer_state is not None:
         _restore_optimizer(job, dev, stages, opt)
     crash_steps = {step for rank, step in job.crash_at if rank == dev.rank}
@@ -200,7 +224,10 @@ def train_program(dev, job: TrainJob, X, Y):
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}
-        buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) if dp_size > 1 else None
+        buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) \
+            if dp_size > 1 and zero is None else None
+        if zero is not None:
+            zero.begin_step()
         pending_dy, loss = {}, 0.0
         for action in job.actions[pos]:
             s, kind, j = action.stage, _letter(action), action.microbatch
@@ -229,12 +256,16 @@ def train_program(dev, job: TrainJob, X, Y):
                         out = None
                 elif kind in ("B", "I"):
                     out = layers.backward_input(dev, j, dy, need_input_grad=s > 0)
-                peak_act = max(peak_act, sum(L.activation_bytes for L in stages.values()))
+                act = sum(L.activation_bytes for L in stages.values())
+                peak_act = max(peak_act, act)
+                ledger.set("activations", act)
                 if kind in ("B", "W"):
                     left[s] -= 1
                     done = None
                     if buckets is not None and left[s] == 0:
                         done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
+                    elif zero is not None and (left[s] == 0 or zero.stage >= 2):
+                        done = lambda i, s=s: zero.grad_ready(s, i)  # noqa: E731
                     layers.backward_weight(dev, j, on_layer_done=done)
             if out is not None and kind == "F":
                 dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))
@@ -242,19 +273,26 @@ def train_program(dev, job: TrainJob, X, Y):
                 dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
         if buckets is not None:
             buckets.finish()
-        with dev.compute("optimizer", flops=0,
-                         bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
-            opt.step(params, grads)
+        ledger.set("activations", sum(L.activation_bytes for L in stages.values()))
+        if zero is not None:
+            zero.finish_grads()
+            zero.step()
+        else:
+            with dev.compute("optimizer", flops=0, bytes=sum(
+                    p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
+                opt.step(params, grads)
         losses.append(loss)
+    named_params, named_grads = _named(stages, "params"), _named(stages, "grads")
     return {
         "rank": dev.rank, "pp_position": pos,
         "optimizer": _optimizer_named(stages, opt) if job.return_optimizer else None,
         "losses": losses if (S - 1) in stages else None,
-        "params": _named(stages, "params"), "grads": _named(stages, "grads"),
+        "params": named_params, "grads": named_grads,
+        "zero": None if zero is None else zero.result(named_params, named_grads),
         "memory": {"rank": dev.rank, "params_bytes": sum(a.nbytes for a in params),
                    "grads_bytes": sum(a.nbytes for a in grads),
-                   "optimizer_bytes": opt.state_bytes,
+                   "optimizer_bytes": (opt or zero.opt).state_bytes,
                    "activations_bytes": sum(L.activation_bytes for L in stages.values()),
                    "activations_peak_bytes": peak_act,
-                   "peak_in_flight": dict(peak_in_flight)},
+                   "peak_in_flight": dict(peak_in_flight), **ledger.peaks()},
     }

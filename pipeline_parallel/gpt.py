@@ -50,6 +50,7 @@ from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
 from .llama import llama_param_shapes, llama_reference
 from .optim import Optimizer, OptimizerConfig
+from .zero import check_zero_stage, unshard_results
 from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
@@ -175,7 +176,14 @@ class ParallelConfig:
     either way; :mod:`vcluster.planner.memory`): ``attention`` — the attention kernel a
     real run uses, ``"flash"`` (default: no s² scores kept for the backward) or
     ``"unfused"``; ``distributed_optimizer`` — the optimizer state and fp32 master weights
-    sharded over dp (Megatron's distributed optimizer, ZeRO-1)."""
+    sharded over dp (Megatron's distributed optimizer, ZeRO-1).
+
+    ``zero_stage`` (0 DDP; 1, 2, 3: ZeRO, :mod:`pipeline_parallel.zero`; 2 and 3 need
+    pp = 1 and no sequence parallelism) is what the emulated program runs.
+    ``distributed_optimizer=True`` is an alias of ``zero_stage=1`` kept for existing
+    callers (it raises a ``zero_stage`` of 0 or None to 1); after construction
+    ``distributed_optimizer`` reads ``zero_stage >= 1`` (every ZeRO stage shards the
+    optimizer state)."""
 
     global_batch: int
     micro_batch: int = 1
@@ -188,6 +196,7 @@ class ParallelConfig:
     recompute: str = "none"
     attention: str = "flash"
     distributed_optimizer: bool = False
+    zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
 
     def __post_init__(self):
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
@@ -199,6 +208,13 @@ class ParallelConfig:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
+        zero = self.zero_stage
+        if self.distributed_optimizer and zero in (None, 0):
+            zero = 1
+        zero = check_zero_stage(0 if zero is None else zero, "ParallelConfig", self.pp,
+                                self.sequence_parallel)
+        object.__setattr__(self, "zero_stage", zero)
+        object.__setattr__(self, "distributed_optimizer", zero >= 1)
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
                              f"into dp={self.dp} x micro_batch={self.micro_batch}")
@@ -337,7 +353,8 @@ class GPT:
             microbatches=m, global_batch=parallel.global_batch,
             dp_axis="dp" if "dp" in mesh.axes else None,
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
-            stage_factory=partial(_stage, self.config, parallel))
+            stage_factory=partial(_stage, self.config, parallel),
+            zero_stage=parallel.zero_stage)
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get
@@ -387,7 +404,8 @@ class GPT:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
         ``results`` on ``mesh``: each step's loss summed over the ranks that report one, in
         tensor-parallel piece 0 (as ``fit`` reports it); the global arrays joined from the
-        pieces of data-parallel replica 0."""
+        pieces of data-parallel replica 0 (ZeRO shards first joined over dp)."""
+        results = unshard_results(mesh, "dp" if "dp" in mesh.axes else None, results)
         losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
                      if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
         return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")

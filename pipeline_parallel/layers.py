@@ -80,6 +80,7 @@ class StageLayers:
         self._ops = [_matmul_for(s.kind) for s in specs]
         self._saved: dict[int, list] = {}       # micro-batch -> [(x, z)] per layer
         self._dz: dict[int, list] = {}          # micro-batch -> dz per layer (I done, W not)
+        self.param_hook = None     # ZeRO-3 (pipeline_parallel.zero): use(l, next) / done(l)
 
     # --- memory -----------------------------------------------------------------------
     @property
@@ -107,8 +108,10 @@ class StageLayers:
 
     # --- the three passes ---------------------------------------------------------------
     def forward(self, dev, mb: int, x):
-        saved = []
-        for spec, op, (w, b) in zip(self.specs, self._ops, self.params):
+        saved, hook, n = [], self.param_hook, len(self.specs)
+        for l, (spec, op, (w, b)) in enumerate(zip(self.specs, self._ops, self.params)):
+            if hook is not None:
+                hook.use(l, l + 1 if l + 1 < n else None)
             z = local_matmul(dev, x, w) if op is None else op.forward_local(dev, x, w)
             # elementwise work: declared with its bytes (memory-bound), 0 FLOPs, as the
             # FLOP formulas count only matrix products
@@ -117,6 +120,8 @@ class StageLayers:
                 out = activation(spec.activation, z) if spec.activation else z
             saved.append((x, z))
             x = out
+            if hook is not None:
+                hook.done(l)
         self._saved[mb] = saved
         return x
 
@@ -125,9 +130,11 @@ class StageLayers:
         stage, whose input gradient nobody needs)."""
         saved = self._saved[mb]
         dzs = [None] * len(self.specs)
-        grad = dy
+        grad, hook = dy, self.param_hook
         for l in reversed(range(len(self.specs))):
             spec, op, (w, _) = self.specs[l], self._ops[l], self.params[l]
+            if hook is not None:       # every layer, as FSDP's pre-backward hook does
+                hook.use(l, l - 1 if l > 0 else None)
             x, z = saved[l]
             with dev.compute("activation grad", flops=0, bytes=3 * z.nbytes):
                 dz = activation_grad(spec.activation, z, grad) if spec.activation else grad
@@ -139,6 +146,8 @@ class StageLayers:
             else:
                 grad_a, _ = op.gradient_ops()
                 grad = grad_a.forward_local(dev, dz, w.T)
+            if hook is not None:
+                hook.done(l)
         self._dz[mb] = dzs
         return grad
 

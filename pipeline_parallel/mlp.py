@@ -141,8 +141,15 @@ class MLP:
             bucket_bytes: int = 1 << 20, action_costs: dict | None = None, *,
             checkpoint_every: int | None = None, checkpoint_dir: str | None = None,
             faults=None, recovery: str = "fail", resume_from: str | None = None,
-            batch_size: int | None = None, data_seed: int = 0) -> FitResult:
+            batch_size: int | None = None, data_seed: int = 0,
+            zero_stage: int = 0) -> FitResult:
         """Train on ``cluster`` following ``schedule``; see the module docstring.
+
+        ``zero_stage``: 0 all-reduces gradients over dp (DDP); 1, 2, 3 shard the
+        optimizer state, + the gradients, + the parameters over dp (ZeRO-1/2/3, FSDP:
+        :mod:`pipeline_parallel.zero`; 2 and 3 need pp = 1). The results' ``memory``
+        (and ``cluster.stats()``) carry each rank's peak parameter, gradient, optimizer
+        and activation bytes.
 
         ``checkpoint_every`` steps a checkpoint goes to ``checkpoint_dir``; ``faults``
         (:mod:`vcluster.runtime.faults` specs or their dicts) are injected; a lost device is
@@ -153,6 +160,9 @@ class MLP:
         instead of the full batch; the sampler's state is part of every checkpoint.
         """
         from .plan import plan_training
+        from .zero import check_zero_stage
+        zero_stage = check_zero_stage(zero_stage, "MLP.fit",
+                                      cluster.mesh.shape.get("pp", 1))
         X, Y = self._check_data(X, Y)
         batch = len(X) if batch_size is None else as_int(batch_size, "batch_size", 1)
         plan = plan_training(self, cluster.mesh, batch, as_int(microbatches, "microbatches", 1),
@@ -162,9 +172,15 @@ class MLP:
             loss=self.loss, optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
             steps=as_int(steps, "steps", 1), microbatches=microbatches, global_batch=batch,
             pp_axis="pp", dp_axis=plan.dp_axis, tp_axis=plan.tp_axis,
-            bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}))
+            bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}),
+            zero_stage=zero_stage)
         if (checkpoint_every is not None or faults is not None or resume_from is not None
                 or recovery != "fail" or batch_size is not None):
+            if zero_stage:
+                raise ValueError(f"MLP.fit: zero_stage={zero_stage} cannot be combined with "
+                                 f"checkpoints, faults, recovery, resume_from or batch_size "
+                                 f"(their checkpoints hold unsharded optimizer state); "
+                                 f"use zero_stage=0 with them")
             from .resilient import fit_resilient
             return fit_resilient(self, cluster, plan, job, X, Y,
                                  checkpoint_every=checkpoint_every,

@@ -76,6 +76,8 @@ class TrainingPlan:
         import pandas as pd
 
         from .mlp import FitResult
+        from .zero import unshard_results
+        results = unshard_results(self.mesh, self.dp_axis, results)
         losses = None
         for r, res in enumerate(results):
             if res["losses"] is not None and self._coord(r, self.tp_axis) == 0:

@@ -274,6 +274,7 @@ class TransformerStage:
         self.microbatches, self.seq = microbatches, seq
         self._live: set = set()
         self._w_done = 0
+        self.param_hook = None     # ZeRO-3 (pipeline_parallel.zero): use(i, next) / done(i)
 
     @classmethod
     def gpt(cls, ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
@@ -307,16 +308,26 @@ class TransformerStage:
 
     def forward(self, dev, mb: int, x):
         self._live.add(mb)
-        for m in self.modules:
+        hook, n = self.param_hook, len(self.modules)
+        for i, m in enumerate(self.modules):
+            if hook is not None:
+                hook.use(i, i + 1 if i + 1 < n else None)
             x = m.forward(self.ops, mb, x)
+            if hook is not None:
+                hook.done(i)
         return x
 
     def loss_and_grad(self, dev, mb: int, logits, targets, global_batch: int):
         return self.modules[-1].loss_and_grad(self.ops, logits, targets, global_batch * self.seq)
 
     def backward_input(self, dev, mb: int, dy, need_input_grad: bool = True):
-        for m in reversed(self.modules):
-            dy = m.backward_input(self.ops, mb, dy)
+        hook = self.param_hook
+        for i in reversed(range(len(self.modules))):
+            if hook is not None:
+                hook.use(i, i - 1 if i > 0 else None)
+            dy = self.modules[i].backward_input(self.ops, mb, dy)
+            if hook is not None:
+                hook.done(i)
         return dy
 
     def backward_weight(self, dev, mb: int, on_layer_done=None) -> None:

@@ -5,6 +5,7 @@ and through the real `vcluster simulate gpt` and `vcluster plan gpt` commands.""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,26 @@ def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
             assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / dp, abs=1)
             assert (b.params_bytes, b.grads_bytes, b.activations_bytes, b.logits_bytes) == \
                 (a.params_bytes, a.grads_bytes, a.activations_bytes, a.logits_bytes)
+
+
+def test_zero_stages_divide_optimizer_gradients_and_weights_by_dp():
+    """ZeRO-1: 6 + 12/dp bytes per parameter; ZeRO-2: 2 + 16/dp (+ one module's fp32
+    gradient); ZeRO-3: 18/dp (+ two modules' weights)."""
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=32000)
+    h, V, s = cfg.hidden, cfg.vocab, cfg.seq
+    for dp, tp in ((8, 1), (4, 2)):
+        pars = [ParallelConfig(global_batch=8 * dp, dp=dp, tp=tp, zero_stage=z)
+                for z in range(4)]
+        (m0,), (m1,), (m2,), (m3,) = (gpt_memory(cfg, p, gpt_schedule(p)) for p in pars)
+        params = m0.params_bytes / 2
+        largest = max((12 * h * h + 4 * h) / tp + 9 * h, V * h / tp + s * h)
+        assert m1 == replace(m0, optimizer_bytes=m1.optimizer_bytes)
+        assert m1.optimizer_bytes == pytest.approx(12 * params / dp, abs=1)
+        assert m2.grads_bytes == pytest.approx(4 * params / dp + 4 * largest, abs=1)
+        assert (m2.params_bytes, m2.optimizer_bytes) == (m0.params_bytes, m1.optimizer_bytes)
+        assert m3.params_bytes == pytest.approx(2 * params / dp + 2 * 2 * largest, abs=1)
+        assert (m3.grads_bytes, m3.optimizer_bytes) == (m2.grads_bytes, m1.optimizer_bytes)
+        assert m3.total_bytes < m2.total_bytes < m1.total_bytes < m0.total_bytes
 
 
 def test_logits_live_on_the_last_stage_only():

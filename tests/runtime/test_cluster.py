@@ -96,7 +96,9 @@ def test_stats_follow_the_closed_forms(cluster):
     assert list(st.columns) == ["rank", "messages_sent", "bytes_sent", "messages_received",
                                 "bytes_received", "h2d_bytes", "d2h_bytes", "flops",
                                 "arena_bytes_in_use", "arena_peak_bytes",
-                                "arena_committed_bytes"]
+                                "arena_committed_bytes", "peak_params_bytes",
+                                "peak_grads_bytes", "peak_optimizer_bytes",
+                                "peak_activations_bytes"]
     assert st["arena_bytes_in_use"].tolist() == [0] * 4      # results released after the run
     assert (st["arena_peak_bytes"] >= 2 * nbytes).all()      # input + result, at least
     assert st["bytes_sent"].tolist() == [3 * nbytes // 4] * 4

@@ -13,7 +13,12 @@ Bytes per parameter: Megatron-LM's mixed precision with fp32 gradient accumulati
 ``OPTIMIZER_BYTES`` 12 (fp32 master weights, Adam's m and v) = 18. With the distributed
 optimizer (``ParallelConfig.distributed_optimizer``: Megatron's ``--use-distributed-
 optimizer``, ZeRO stage 1) the 12 are sharded over the dp ranks: 6 + 12/dp per parameter,
-as Megatron-LM's distributed-optimizer documentation counts it.
+as Megatron-LM's distributed-optimizer documentation counts it. ``ParallelConfig.
+zero_stage`` 2 also shards the gradients (2 + 16/dp, plus the largest module's full
+gradient, held from its accumulation to its reduce-scatter), 3 the weights too (18/dp,
+plus at most two of the largest module's weights gathered at once: the one computing
+and the prefetched next) — the ZeRO paper's stages, as :mod:`pipeline_parallel.zero`
+runs them.
 
 Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", 16-bit), s sequence, b micro-batch,
@@ -168,7 +173,13 @@ def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     """The breakdown of pipeline rank ``r`` holding ``in_flight`` micro-batches'
     activations at its peak."""
     params = rank_params(config, parallel, r)
-    optimizer = OPTIMIZER_BYTES / (parallel.dp if parallel.distributed_optimizer else 1)
+    zero, dp = parallel.zero_stage, parallel.dp
+    optimizer = OPTIMIZER_BYTES / (dp if zero >= 1 else 1)
+    largest = _largest_module(config, parallel, r)
+    weights = params * WEIGHT_BYTES / dp + 2 * largest * WEIGHT_BYTES if zero == 3 else \
+        params * WEIGHT_BYTES
+    grads = params * GRAD_BYTES / dp + largest * GRAD_BYTES if zero >= 2 else \
+        params * GRAD_BYTES
     per_stage = config.layers // (parallel.pp * parallel.chunks)
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
@@ -179,9 +190,21 @@ def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
     logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
               if last else 0)
-    return MemoryBreakdown(r, int(params * WEIGHT_BYTES), int(params * GRAD_BYTES),
-                           int(params * optimizer), int(in_flight * per_stage * act),
-                           int(logits))
+    return MemoryBreakdown(r, int(weights), int(grads), int(params * optimizer),
+                           int(in_flight * per_stage * act), int(logits))
+
+
+def _largest_module(config, parallel, r: int) -> float:
+    """Parameters of the largest module (a layer, the embedding, the head) on pipeline
+    rank r: what ZeRO-2/3 hold in full beside their shards."""
+    h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
+    stages = parallel.pp * parallel.chunks
+    sizes = [(12 * h * h + 4 * h) / t + 9 * h]
+    if r == 0:
+        sizes.append(V * h / t + s * h)
+    if (stages - 1) % parallel.pp == r:
+        sizes.append(V * h / t + 2 * h)
+    return max(sizes)
 
 
 def gpt_memory(config, parallel, schedule) -> list[MemoryBreakdown]:

@@ -244,8 +244,10 @@ class VirtualCluster:
         h2d_bytes, d2h_bytes, flops, arena_bytes_in_use (bytes of the device's arena
         allocated now, between runs), arena_peak_bytes (the most in use at any moment
         since the last :meth:`reset_stats`), arena_committed_bytes (the shared memory
-        the arena holds: it grows to the high-water mark and keeps it); with ``per_peer=True`` one row per
-        (rank, peer), traffic only.
+        the arena holds: it grows to the high-water mark and keeps it), and the peaks of
+        what the programs said they held (``dev.record_memory``): peak_params_bytes,
+        peak_grads_bytes, peak_optimizer_bytes, peak_activations_bytes (0 where a
+        program never said); with ``per_peer=True`` one row per (rank, peer), traffic only.
         """
         import pandas as pd
         from .recorder import PEER_COLUMNS, STAT_COLUMNS

@@ -31,6 +31,11 @@ send(x, to, tag=0) / recv(src, tag=0)  point to point between global ranks
 isend / irecv                          non-blocking; Work.wait() (irecv's returns it)
 barrier(axis=None)                     returns when every member has arrived
 =====================================  ================================================
+
+Memory. ``record_memory(params=..., grads=..., optimizer=..., activations=...)`` says
+how many bytes of each kind the program holds now (the program knows which arrays are
+which); each engine keeps the peak of every kind since its last reset
+(``cluster.stats()``'s ``peak_params_bytes`` ..., a trace's ``peak_bytes``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class DeviceContext(Protocol):
 
     def reduce(self, x, axis=None, root=0, op="sum", *, out=None, async_op=False,
                algorithm="auto"): ...
+
+    def record_memory(self, **held_bytes: int) -> None: ...
 
     def send(self, x, to: int, tag: int = 0) -> None: ...
 

@@ -220,6 +220,12 @@ class EmulatedDevice:
                              f"got flops={flops}, bytes={bytes}")
         return _ComputeBlock(self, name, flops, bytes)
 
+    def record_memory(self, **held_bytes: int) -> None:
+        """Say what the program holds now, in bytes per kind (params, grads, optimizer,
+        activations); ``cluster.stats()`` reports each kind's peak (``peak_params_bytes``
+        ...) since the last ``reset_stats``."""
+        self._recorder.record_memory(held_bytes)
+
     # --- groups ---------------------------------------------------------------------
     def _group(self, axis) -> Group:
         key = axis if isinstance(axis, (str, type(None))) else tuple(axis)

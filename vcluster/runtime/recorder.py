@@ -11,13 +11,41 @@ import threading
 
 from .events import CommEvent, ComputeEvent
 
-__all__ = ["Recorder", "STAT_COLUMNS", "PEER_COLUMNS"]
+__all__ = ["Recorder", "STAT_COLUMNS", "PEER_COLUMNS", "MEMORY_KINDS", "MemoryPeaks"]
 
+#: what a program may say it holds (``dev.record_memory``); stats keep each one's peak
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
 STAT_COLUMNS = ("rank", "messages_sent", "bytes_sent", "messages_received", "bytes_received",
                 "h2d_bytes", "d2h_bytes", "flops", "arena_bytes_in_use", "arena_peak_bytes",
-                "arena_committed_bytes")
+                "arena_committed_bytes") + tuple(f"peak_{k}_bytes" for k in MEMORY_KINDS)
 PEER_COLUMNS = ("rank", "peer", "messages_sent", "bytes_sent", "messages_received",
                 "bytes_received")
+
+
+class MemoryPeaks:
+    """The most bytes of each :data:`MEMORY_KINDS` a program said it held at once
+    (``dev.record_memory(params=..., ...)``), since the last reset. The program counts
+    (a training executor knows which arrays are parameters, gradients, optimizer state,
+    activations); the engines only keep the peaks, so emulator, tracer and torch agree."""
+
+    def __init__(self):
+        self.peaks = dict.fromkeys(MEMORY_KINDS, 0)
+
+    def __repr__(self) -> str:
+        return f"MemoryPeaks({self.peaks})"
+
+    def record(self, held: dict) -> None:
+        for kind, nbytes in held.items():
+            if kind not in MEMORY_KINDS:
+                raise ValueError(f"record_memory: unknown kind {kind!r}; the kinds are "
+                                 f"{MEMORY_KINDS}")
+            if int(nbytes) < 0:
+                raise ValueError(f"record_memory: {kind}={nbytes} bytes; must be >= 0")
+            self.peaks[kind] = max(self.peaks[kind], int(nbytes))
+
+    def columns(self) -> dict:
+        """``peak_{kind}_bytes`` per kind (the stats columns)."""
+        return {f"peak_{k}_bytes": v for k, v in self.peaks.items()}
 
 
 class Recorder:
@@ -31,6 +59,7 @@ class Recorder:
             self.events: list = []
             self.h2d_bytes = 0
             self.d2h_bytes = 0
+            self.memory = MemoryPeaks()
 
     def record(self, event: CommEvent | ComputeEvent) -> None:
         with self._lock:
@@ -40,6 +69,10 @@ class Recorder:
         with self._lock:
             self.h2d_bytes += h2d_bytes
             self.d2h_bytes += d2h_bytes
+
+    def record_memory(self, held: dict) -> None:
+        with self._lock:
+            self.memory.record(held)
 
     def totals(self) -> dict:
         """The recorded part of one row of ``cluster.stats()`` (the device adds the
@@ -55,6 +88,7 @@ class Recorder:
                 "h2d_bytes": self.h2d_bytes,
                 "d2h_bytes": self.d2h_bytes,
                 "flops": sum(e.flops for e in self.events if isinstance(e, ComputeEvent)),
+                **self.memory.columns(),
             }
 
     def per_peer(self) -> list[dict]:

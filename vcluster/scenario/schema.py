@@ -161,8 +161,9 @@ _PARALLEL = MappingProxyType({
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
         "attention": _enum(["flash", "unfused"], "the attention kernel the memory model "
                            "assumes (flash: no s² scores kept)", "flash"),
-        "distributed_optimizer": _bool("optimizer state sharded over dp (memory model; "
-                                       "Megatron's distributed optimizer, ZeRO-1)"),
+        "distributed_optimizer": _bool("optimizer state sharded over dp (Megatron's "
+                                       "distributed optimizer, ZeRO-1: emulated and in "
+                                       "the memory model)"),
         **_DEGREES,
     },
 })

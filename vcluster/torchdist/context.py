@@ -37,6 +37,7 @@ from vcluster.runtime.arguments import check_root
 from vcluster.runtime.collectives.common import ReduceOp, scaled_shape
 from vcluster.runtime.errors import CollectiveTimeout
 from vcluster.runtime.events import CommEvent, ComputeEvent
+from vcluster.runtime.recorder import MemoryPeaks
 
 from .p2p import PointToPoint
 from .tensors import TorchWork, check_dtype, encode_header, parse_header, to_wire
@@ -76,6 +77,7 @@ class TorchDeviceContext(PointToPoint):
         self._pending_sends: list = []
         self._posted_recvs: dict[tuple[int, int], deque] = {}
         self.events: list = []
+        self.memory = MemoryPeaks()
         self._backend = "nccl" if device.startswith("cuda") else "gloo"
 
     def __repr__(self) -> str:
@@ -97,9 +99,14 @@ class TorchDeviceContext(PointToPoint):
         self.events.append(ComputeEvent(self.rank, str(name), float(flops), int(bytes),
                                         start, time.perf_counter()))
 
+    def record_memory(self, **held_bytes: int) -> None:
+        """Keep the peak of each kind held (``self.memory``, until ``reset_stats``)."""
+        self.memory.record(held_bytes)
+
     def reset_stats(self) -> None:
-        """Forget the recorded events."""
+        """Forget the recorded events and memory peaks."""
         self.events = []
+        self.memory = MemoryPeaks()
 
     def synchronize(self, timeout_s: float | None = None) -> None:
         """Wait for every pending (buffered) send of this run."""

@@ -90,10 +90,12 @@ TraceOp = TraceCompute | TraceCollective | TraceSend | TraceRecv | TraceWait
 
 @dataclass(frozen=True)
 class DeviceTrace:
-    """The ops of one rank, in program order."""
+    """The ops of one rank, in program order; ``peak_bytes``: (kind, bytes) of the most
+    the program said it held of each kind (``dev.record_memory``)."""
 
     rank: int
     ops: tuple
+    peak_bytes: tuple = ()
 
     def __len__(self) -> int:
         return len(self.ops)

@@ -36,6 +36,7 @@ import numpy as np
 from ..algorithm import AlgorithmSettings, choose_algorithm
 from ..collectives.common import ReduceOp, scaled_shape
 from ..errors import VClusterError
+from ..recorder import MemoryPeaks
 from .host import HOST_OP, HostClock
 from .meta import MetaArray
 from .ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, TraceSend, TraceWait
@@ -123,9 +124,14 @@ class TracingDevice:
         self._board, self._settings = board, settings
         self._calls: dict = {}                  # group -> calls so far
         self._handles = itertools.count()
+        self.memory = MemoryPeaks()
 
     def __repr__(self) -> str:
         return f"TracingDevice(rank={self.rank})"
+
+    def record_memory(self, **held_bytes: int) -> None:
+        """Keep the peak of each kind (the trace's ``peak_bytes``)."""
+        self.memory.record(held_bytes)
 
     def record_host(self) -> None:
         """Close the program's current host segment into a host op (host timing on);
@@ -331,4 +337,5 @@ def trace_program(mesh, fn, args_per_rank=None, ranks=None, algorithm: str = "au
         first = min(r for r, e in errors.items() if "another traced rank failed" not in e) \
             if any("another traced rank failed" not in e for e in errors.values()) else min(errors)
         raise TraceError(f"tracing failed on rank {first}: {errors[first]}")
-    return [DeviceTrace(r, tuple(devices[r].ops)) for r in ranks]
+    return [DeviceTrace(r, tuple(devices[r].ops), tuple(devices[r].memory.peaks.items()))
+            for r in ranks]

@@ -1,0 +1,337 @@
+"""ZeRO (Rajbhandari et al., 2020) and FSDP: data parallelism with sharded training state.
+
+n = the data-parallel degree (the ``dp`` group of a rank), P = the bytes of the
+parameters this rank trains (its pipeline stages, its tensor-parallel pieces). Each
+module of a stage (an MLP layer; a transformer layer, the embedding, the head) is one
+*flat parameter*, like FSDP's: its arrays flattened in order and concatenated, zero-padded
+from N to N' = ceil(N/n)·n elements, so that dp position d owns elements
+[d·N'/n, (d+1)·N'/n). P' = the padded bytes (P' - P < n elements per module).
+
+=====  ==============================  ========================  =======================
+stage  what is sharded over dp          collectives per step      bytes sent per rank (ring)
+=====  ==============================  ========================  =======================
+0      nothing (DDP)                    all-reduce of grads       2(n-1)/n · P
+1      optimizer state                  reduce-scatter of grads,  2(n-1)/n · P'
+                                        all-gather of params
+2      + gradients                      reduce-scatter per        (m+1)(n-1)/n · P'
+                                        micro-batch, all-gather
+3      + parameters (FSDP)              per micro-batch: gather   3m(n-1)/n · P'
+                                        fwd, gather bwd, r-s
+=====  ==============================  ========================  =======================
+
+(m micro-batches per step; with m = 1: ZeRO-1/2 move what DDP moves, ZeRO-3 1.5x.)
+
+* ZeRO-1: gradients accumulate in full over the step's micro-batches, as in DDP; when a
+  module's gradient is final it is reduce-scattered (async, overlapping the rest of the
+  backward); each rank updates its shard of the flat parameter with its shard of the
+  optimizer state, then all-gathers the updated shards into the full parameters.
+  Megatron's distributed optimizer; composes with pp and tp.
+* ZeRO-2: a module's gradient is reduce-scattered as soon as a micro-batch's
+  contribution is accumulated, and summed into the rank's gradient shard; the full
+  buffer is free again at once (so at most one module's full gradient is held). Update
+  and all-gather as ZeRO-1. DeepSpeed's stage 2 (it reduces every micro-batch, which is
+  why it does not combine with pipeline parallelism: here pp > 1 is refused).
+* ZeRO-3 / FSDP: each rank keeps only its shard of every flat parameter. Before a
+  module's forward and backward its parameters are all-gathered (async; the next
+  module's gather is launched before the current one computes: prefetch), and released
+  after use; gradients as ZeRO-2; the optimizer updates the shards in place and nothing
+  is gathered after the step. Composes with tp (FSDP2 + TP); pp > 1 refused (DeepSpeed).
+
+Memory per rank (the ledger, :mod:`pipeline_parallel.ledger`; S = optimizer slots:
+1 for SGD, 2 for Adam): optimizer S·P'/n from stage 1 on (S·P for DDP); gradients P for
+stages 0, 1, then P'/n + the largest module's gradient; parameters P for stages 0-2,
+then P'/n + the modules gathered at once (the current one and the prefetched next one).
+
+The update is elementwise (:mod:`pipeline_parallel.optim`), so updating shards gives the
+same parameters as updating the whole; padding is zero in parameters and gradients and
+stays zero. Sequence parallelism (its LayerNorm gradients are reduced over tp after the
+step's last micro-batch) combines with ZeRO-1 only. Checkpoints and fault recovery
+(:mod:`pipeline_parallel.resilient`) need zero_stage=0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vcluster.runtime.tracing import is_meta
+
+from .optim import Optimizer, OptimizerConfig
+
+__all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "unshard_results"]
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(zero_stage, who: str, pp: int = 1, sequence_parallel: bool = False) -> int:
+    """``zero_stage`` as an int, or ValueError naming the value and what is allowed."""
+    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
+            or int(zero_stage) not in ZERO_STAGES:
+        raise ValueError(f"{who}: zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
+    zero_stage = int(zero_stage)
+    if zero_stage >= 2 and pp > 1:
+        raise ValueError(
+            f"{who}: zero_stage={zero_stage} with pipeline parallelism (pp={pp}) is not "
+            f"supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, and DeepSpeed "
+            f"refuses them with pipeline parallelism; with pp > 1 use zero_stage 0 or 1 "
+            f"(Megatron's distributed optimizer)")
+    if zero_stage >= 2 and sequence_parallel:
+        raise ValueError(
+            f"{who}: zero_stage={zero_stage} with sequence_parallel=True is not supported "
+            f"(the sequence-parallel LayerNorm gradients are reduced over tp once per step, "
+            f"ZeRO-2/3 reduce-scatter every micro-batch); use zero_stage 0 or 1")
+    return zero_stage
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """One flat parameter: arrays of ``sizes`` elements, flattened and concatenated,
+    zero-padded to ``padded`` = a multiple of ``n``; dp position d owns ``owned(d)``."""
+
+    sizes: tuple[int, ...]
+    n: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.n) * self.n
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.n
+
+    def owned(self, pos: int) -> slice:
+        return slice(pos * self.shard, (pos + 1) * self.shard)
+
+    def flatten(self, arrays):
+        """(padded,) copy of ``arrays`` (numpy or shape-only)."""
+        pad = self.padded - self.numel
+        parts = [a.reshape(-1) for a in arrays]
+        if pad:
+            parts.append(np.zeros_like(arrays[0], shape=(pad,)))
+        return np.concatenate(parts)
+
+    def unflatten_into(self, flat, arrays) -> None:
+        offset = 0
+        for a in arrays:
+            a[...] = flat[offset:offset + a.size].reshape(a.shape)
+            offset += a.size
+
+
+class _Ready:
+    """A finished local 'collective' (dp of one rank: nothing to move)."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def wait(self, timeout_s=None):
+        return self._value
+
+
+def _poison(arrays) -> None:
+    """Released parameters: NaN, so that a use before the next gather shows."""
+    for a in arrays:
+        if not is_meta(a):
+            a.fill(np.nan)
+
+
+class ShardedState:
+    """One rank's ZeRO state (stage 1, 2 or 3) for the pipeline stages it trains.
+
+    ``stages``: stage index -> the stage object (its ``params`` and ``grads``: one list
+    of arrays per module, updated in place); ``ledger``: the rank's MemoryLedger. The
+    executor calls :meth:`begin_step`, :meth:`grad_ready` (ZeRO-1: after a module's last
+    micro-batch; ZeRO-2/3: after every micro-batch), :meth:`finish_grads`, :meth:`step`.
+    """
+
+    def __init__(self, dev, zero_stage: int, axis: str | None, stages: dict,
+                 config: OptimizerConfig, ledger):
+        self.dev, self.stage, self.axis, self.ledger = dev, zero_stage, axis, ledger
+        group = dev.mesh.group(axis, dev.rank) if axis is not None else (dev.rank,)
+        self.n, self.pos = len(group), group.index(dev.rank)
+        self.stages = stages
+        self.units = [(s, i) for s in sorted(stages) for i in range(len(stages[s].params))]
+        self.layouts = {u: FlatLayout(tuple(int(a.size) for a in self._params(u)), self.n)
+                        for u in self.units}
+        self.full_bytes = {u: sum(a.nbytes for a in self._params(u)) for u in self.units}
+        item = {u: self._params(u)[0].itemsize for u in self.units}
+        self.shard_bytes = sum(self.layouts[u].shard * item[u] for u in self.units)
+        like = {u: np.zeros_like(self._params(u)[0], shape=(self.layouts[u].shard,))
+                for u in self.units}
+        self.grad_shard = {u: like[u].copy() for u in self.units}
+        self.param_shard = None
+        if zero_stage == 3:
+            for s, st in stages.items():
+                if not hasattr(st, "param_hook"):
+                    raise TypeError(f"zero_stage=3: stage {s} ({type(st).__name__}) has no "
+                                    f"param_hook (use(i, next) / done(i) around each "
+                                    f"module's forward and backward), which FSDP needs; "
+                                    f"StageLayers and TransformerStage have one")
+            self.param_shard = {u: self.layouts[u].flatten(self._params(u))[
+                self.layouts[u].owned(self.pos)].copy() for u in self.units}
+            for u in self.units:
+                _poison(self._params(u))
+            for s in stages:
+                stages[s].param_hook = _Gatherer(self, s)
+        self.opt = Optimizer(config, [like[u] for u in self.units])
+        self._reductions: list = []
+        total = sum(self.full_bytes.values())
+        ledger.set("params", self.shard_bytes if zero_stage == 3 else total)
+        ledger.set("grads", total if zero_stage == 1 else self.shard_bytes)
+        ledger.set("optimizer", self.opt.state_bytes)
+
+    def __repr__(self) -> str:
+        return (f"ShardedState(zero_stage={self.stage}, n={self.n}, pos={self.pos}, "
+                f"modules={len(self.units)}, shard_bytes={self.shard_bytes})")
+
+    def _params(self, u):
+        return self.stages[u[0]].params[u[1]]
+
+    def _grads(self, u):
+        return self.stages[u[0]].grads[u[1]]
+
+    # --- collectives (dp of one: nothing to move) -------------------------------------
+    def _reduce_scatter(self, flat):
+        if self.axis is None:
+            return _Ready(flat)
+        return self.dev.reduce_scatter(flat, self.axis, async_op=True)
+
+    def _all_gather(self, shard):
+        if self.axis is None:
+            return _Ready(shard)
+        return self.dev.all_gather(shard, self.axis, async_op=True)
+
+    # --- the step -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        for g in self.grad_shard.values():
+            g[...] = 0
+
+    def grad_ready(self, stage: int, module: int) -> None:
+        """Module ``module`` of ``stage`` has accumulated gradients: reduce-scatter them
+        (async); ZeRO-2/3 then zero the full buffer for the next micro-batch."""
+        u = (stage, module)
+        grads, layout = self._grads(u), self.layouts[u]
+        if self.stage >= 2:
+            self.ledger.add("grads", self.full_bytes[u])     # the full buffer holds data
+        self._reductions.append((u, self._reduce_scatter(layout.flatten(grads))))
+        if self.stage >= 2:
+            for g in grads:
+                g[...] = 0
+            self.ledger.add("grads", -self.full_bytes[u])
+
+    def finish_grads(self) -> None:
+        """Wait for every reduce-scatter; sum the pieces into the gradient shards."""
+        for u, work in self._reductions:
+            piece = work.wait()
+            if self.axis is None:
+                piece = piece[self.layouts[u].owned(self.pos)]
+            self.grad_shard[u] += piece
+        self._reductions = []
+
+    def step(self) -> None:
+        """Update the shards; ZeRO-1/2: all-gather them into the full parameters."""
+        units = self.units
+        if self.stage == 3:
+            shards = [self.param_shard[u] for u in units]
+        else:
+            shards = [self.layouts[u].flatten(self._params(u))[self.layouts[u].owned(self.pos)]
+                      for u in units]
+        with self.dev.compute("optimizer (shard)", flops=0,
+                              bytes=self.shard_bytes * self.opt.bytes_touched_per_param_byte):
+            self.opt.step(shards, [self.grad_shard[u] for u in units])
+        if self.stage == 3:
+            return
+        works = [self._all_gather(s) for s in shards]
+        for u, work in zip(units, works):
+            self.layouts[u].unflatten_into(work.wait(), self._params(u))
+
+    # --- results ----------------------------------------------------------------------
+    def result(self, named_params: dict, named_grads: dict) -> dict:
+        """What the host needs to rebuild the unsharded parameters (ZeRO-3) and the
+        reduced gradients (every stage) from the shards of a dp group
+        (:func:`unshard_results`): per module, where its arrays sit in the named dicts."""
+        return {"n": self.n, "pos": self.pos, "modules": [{
+            "params_at": _paths(named_params, self._params(u)),
+            "grads_at": _paths(named_grads, self._grads(u)),
+            "shapes": [tuple(a.shape) for a in self._params(u)],
+            "param_shard": None if self.param_shard is None else self.param_shard[u],
+            "grad_shard": self.grad_shard[u]} for u in self.units]}
+
+
+class _Gatherer:
+    """ZeRO-3's parameter hook of one stage: ``use(i, next)`` before module i computes
+    (waits for its all-gather, launching it if no prefetch did, and launches ``next``'s),
+    ``done(i)`` after (releases module i's full parameters)."""
+
+    def __init__(self, state: ShardedState, stage: int):
+        self.state, self.s = state, stage
+        self._pending: dict = {}
+
+    def _launch(self, i: int) -> None:
+        u = (self.s, i)
+        if i not in self._pending:
+            self.state.ledger.add("params", self.state.full_bytes[u])
+            self._pending[i] = self.state._all_gather(self.state.param_shard[u])
+
+    def use(self, i: int, nxt: int | None) -> None:
+        self._launch(i)
+        if nxt is not None:
+            self._launch(nxt)
+        u = (self.s, i)
+        self.state.layouts[u].unflatten_into(self._pending.pop(i).wait(),
+                                             self.state._params(u))
+
+    def done(self, i: int) -> None:
+        u = (self.s, i)
+        _poison(self.state._params(u))
+        self.state.ledger.add("params", -self.state.full_bytes[u])
+
+
+def _paths(named: dict, arrays) -> list:
+    """(key, index or None) of each array in ``named`` (values: arrays or tuples)."""
+    where = {}
+    for key, value in named.items():
+        if isinstance(value, tuple):
+            for k, a in enumerate(value):
+                where[id(a)] = (key, k)
+        else:
+            where[id(value)] = (key, None)
+    return [where[id(a)] for a in arrays]
+
+
+def unshard_results(mesh, dp_axis: str | None, results: list) -> list:
+    """``train_program``'s per-rank results with the ZeRO shards put together: each
+    rank's "grads" (and, for ZeRO-3, "params") become the full arrays of its dp group,
+    joined in dp order with the padding cut. Results without ZeRO pass unchanged."""
+    out = []
+    for rank, res in enumerate(results):
+        info = res.get("zero") if isinstance(res, dict) else None
+        if not info:
+            out.append(res)
+            continue
+        group = mesh.group(dp_axis, rank) if dp_axis is not None else (rank,)
+        peers = [results[r]["zero"]["modules"] for r in group]
+        res = dict(res, params=dict(res["params"]), grads=dict(res["grads"]))
+        for k, mod in enumerate(info["modules"]):
+            for what, at in (("param_shard", "params_at"), ("grad_shard", "grads_at")):
+                if mod[what] is None:
+                    continue
+                flat = np.concatenate([p[k][what] for p in peers])
+                offset = 0
+                for (key, idx), shape in zip(mod[at], mod["shapes"]):
+                    size = int(np.prod(shape, dtype=np.int64))
+                    a = flat[offset:offset + size].reshape(shape)
+                    offset += size
+                    named = res["params" if what == "param_shard" else "grads"]
+                    if idx is None:
+                        named[key] = a
+                    else:
+                        named[key] = tuple(a if j == idx else v
+                                           for j, v in enumerate(named[key]))
+        out.append(res)
+    return out
+

@@ -278,10 +278,12 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
-                           cfg.eps, job.microbatches, cfg.seq)
+                           cfg.eps, job.microbatches, cfg.seq,
+                           kv_sum_every=1 if par.zero_stage >= 2 else None)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden, par.recompute,
-                                cfg.eps, job.microbatches, cfg.seq)
+                                cfg.eps, job.microbatches, cfg.seq,
+                           kv_sum_every=1 if par.zero_stage >= 2 else None)
 
 
 def forward_program(dev, job: TrainJob, X, Y):

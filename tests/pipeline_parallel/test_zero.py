@@ -288,3 +288,23 @@ def test_flat_layout_pads_to_a_multiple_of_dp():
     out = [np.zeros((2, 3)), np.zeros(3)]
     lay.unflatten_into(flat, out)
     np.testing.assert_array_equal(np.concatenate([a.ravel() for a in out]), np.arange(9.0))
+
+
+def test_llama_kv_replicas_summed_under_every_stage(ring):
+    """Llama with kv_heads 1 < tp 2 (each KV head replicated over tp): ZeRO-2/3 reduce
+    every micro-batch's gradient, so the replicas' dW_kv are summed every micro-batch
+    there (once per step used to lose all but the last micro-batch's share)."""
+    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=4, vocab=16, arch="llama", kv_heads=1,
+                    ffn_hidden=24)
+    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
+    tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
+    kw = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+    ref = gpt.fit_reference(tokens, targets, steps=STEPS, **kw)
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    for zero in (1, 2, 3):
+        par = ParallelConfig(global_batch=8, micro_batch=2, dp=2, tp=2, zero_stage=zero)
+        run = gpt.fit(ring(mesh), tokens, targets, steps=STEPS, parallel=par, **kw)
+        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
+        for k, v in ref.params.items():
+            np.testing.assert_allclose(run.params[k], v, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{k} zero={zero}")

@@ -13,7 +13,11 @@ Messages are tagged (step, direction, stage, micro-batch), so any schedule's ord
 matched correctly. After the last micro-batch's weight gradient of a layer, the layer's
 gradients are final: they join a data-parallel bucket, and a full bucket
 (``bucket_bytes``) starts its all-reduce over ``dp`` at once, asynchronously
-(DDP-style), overlapping the remaining backward work. The optimizer steps once per step.
+(DDP-style), overlapping the remaining backward work. With context parallelism
+(``cp_axis``: each rank holds some of the sequence's rows, so its gradients are partial
+sums too) the buckets are all-reduced over the combined dp × cp group, one collective per
+bucket (Megatron reduces over its data-parallel-with-context group the same way). The
+optimizer steps once per step.
 
 ``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
 the measured timeline against :func:`pipelining.simulate`.
@@ -59,6 +63,7 @@ class TrainJob:
     dp_axis: str | None = None
     tp_axis: str | None = None
     bucket_bytes: int = 1 << 20
+    cp_axis: str | None = None         # context parallelism: gradients summed over dp x cp
     action_costs: dict = field(default_factory=dict)
     stage_factory: object = None       # (dev, job, stage) -> stage; None: StageLayers of specs
     first_step: int = 0                # global number of this job's first step (resumed runs)
@@ -185,6 +190,9 @@ def train_program(dev, job: TrainJob, X, Y):
     crash_steps = {step for rank, step in job.crash_at if rank == dev.rank}
     dp_size = 1 if job.dp_axis is None else len(dev.mesh.group(job.dp_axis, dev.rank))
     rows = job.global_batch // (dp_size * m)
+    grad_axes = tuple(a for a in (job.dp_axis, job.cp_axis) if a is not None)
+    grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
+    grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
     losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
 
     def tag(step, direction, stage, j):
@@ -200,7 +208,7 @@ def train_program(dev, job: TrainJob, X, Y):
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}
-        buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) if dp_size > 1 else None
+        buckets = GradBuckets(dev, grad_axis, job.bucket_bytes) if grad_size > 1 else None
         pending_dy, loss = {}, 0.0
         for action in job.actions[pos]:
             s, kind, j = action.stage, _letter(action), action.microbatch

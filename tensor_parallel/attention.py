@@ -24,6 +24,13 @@ products run as whole-batch 2-D or batched 3-D matmuls (over b·a_l), never per 
 
 ``selective`` recomputation (Korthikanti et al. 2022) keeps q, k, v and drops P and C,
 re-running the core attention (q k^T, softmax, P v) at the start of the backward.
+
+Context parallelism (``Attention(..., cp=ContextParallelAttention(...))``): the rows are
+this rank's load-balanced sequence chunks (:mod:`tensor_parallel.context_parallel`); the
+core attention is the operation's ``forward_local`` (K/V passed around the cp ring, or
+all-gathered) and its backward ``backward_local``, which recomputes P from the kept
+output and row log-sum-exp (the state holds (L, C) where it would hold P). Everything
+else is per row, unchanged.
 """
 
 from __future__ import annotations
@@ -143,8 +150,8 @@ class Attention:
     """The attention block's math on one device; per micro-batch state is kept by the
     caller (``forward`` returns it, the backward passes take it back)."""
 
-    def __init__(self, heads_local: int, head_dim: int):
-        self.a_l, self.d = heads_local, head_dim
+    def __init__(self, heads_local: int, head_dim: int, cp=None):
+        self.a_l, self.d, self.cp = heads_local, head_dim, cp
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def _heads(self, ops, t, b, s, name):
@@ -158,7 +165,11 @@ class Attention:
 
     # --- core attention --------------------------------------------------------------
     def core(self, ops, q, k, v):
-        """P = softmax(q k^T / sqrt(d) + M), C = P v, for (b·a_l, s, d) q, k, v."""
+        """P = softmax(q k^T / sqrt(d) + M), C = P v, for (b·a_l, s, d) q, k, v; under
+        context parallelism ((L, C), C): the row log-sum-exp L stands in for P."""
+        if self.cp is not None:
+            c, lse = self.cp.forward_local(ops.dev, q, k, v)
+            return (lse, c), c
         s = q.shape[1]
         scores = ops.bmm(q, k.transpose(0, 2, 1), "attention: q @ k^T")
         big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
@@ -175,7 +186,10 @@ class Attention:
         return p, ops.bmm(p, v, "attention: P @ v")
 
     def core_backward(self, ops, dc, q, k, v, p):
-        """(dq, dk, dv) from dC (b·a_l, s, d)."""
+        """(dq, dk, dv) from dC (b·a_l, s, d) (``p``: core's first output)."""
+        if self.cp is not None:
+            lse, c = p
+            return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
         dp = ops.bmm(dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = ops.bmm(p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
         ds = ops.ew("attention: softmax grad",

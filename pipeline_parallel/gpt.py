@@ -219,6 +219,10 @@ class ParallelConfig:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
+        if self.cp > 1 and self.attention != "flash":
+            raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' (context-"
+                             f"parallel attention keeps O and the log-sum-exp, never the "
+                             f"scores), got attention={self.attention!r}")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
                              f"into dp={self.dp} x micro_batch={self.micro_batch}")
@@ -257,11 +261,12 @@ class ParallelConfig:
         if config.layers % (self.pp * self.chunks):
             raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
-        if config.seq % (2 * self.cp):
+        if self.cp > 1 and config.seq % (2 * self.cp):
             raise ValueError(f"GPT: seq={config.seq} does not split into 2·cp = {2 * self.cp} "
                              f"chunks of equal length (cp={self.cp})")
         for what, n in (("heads", config.heads), ("vocab", config.vocab)) + (
-                (("seq/cp (sequence parallelism)", config.seq // self.cp),)
+                ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
+                  config.seq // self.cp),)
                 if self.sequence_parallel else ()) \
                 + ((("ffn_hidden", config.ffn_hidden),) if config.arch == "llama" else ()):
             if n % self.tp:

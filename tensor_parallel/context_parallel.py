@@ -174,9 +174,11 @@ class _Blocks:
         big = s.dtype.type(-np.finfo(s.dtype).max / 2)     # exp(−big − ...) is exactly 0
 
         def masked():
+            # the mask (1, g·c, n) built from s so that it is shape-only in a trace
             qpos = xp.arange(self.g * c) % c + q_chunk * c
             kpos = xp.concatenate([xp.arange(t * c, (t + 1) * c) for t in k_chunks])
-            return s * self.scale + (kpos[None, :] > qpos[:, None]) * big
+            future = (xp.zeros_like(s[:1, :, :1]) + qpos[:, None]) < kpos
+            return s * self.scale + future * big
         return self.ew("causal mask", masked, s)
 
     def forward(self, q, k, v, q_chunk, k_chunks, c):

@@ -55,7 +55,7 @@ REJECT_REASONS = {
     "tp_not_dividing_ffn": "Llama: tp does not divide ffn_hidden",
     "tp_larger_than_node": "tp is larger than the GPUs of a node (max_tp)",
     "pp_not_dividing_layers": "pp does not divide the layers",
-    "dp_not_dividing_batch": "dp = N/(tp·pp·cp) does not divide the global batch",
+    "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
     "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",

@@ -29,8 +29,9 @@ Context parallelism (``Attention(..., cp=ContextParallelAttention(...))``): the 
 this rank's load-balanced sequence chunks (:mod:`tensor_parallel.context_parallel`); the
 core attention is the operation's ``forward_local`` (K/V passed around the cp ring, or
 all-gathered) and its backward ``backward_local``, which recomputes P from the kept
-output and row log-sum-exp (the state holds (L, C) where it would hold P). Everything
-else is per row, unchanged.
+output and row log-sum-exp (the state holds L where it would hold P; C is taken back
+from the kept ctx, so one copy of the output is kept, as flash attention keeps it).
+Everything else is per row, unchanged.
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ class Attention:
         q, k, v = (self._heads(ops, qkv[:, i * h_l:(i + 1) * h_l], b, s, "attention: split heads")
                    for i in range(3))
         p, c = self.core(ops, q, k, v)
+        if self.cp is not None:
+            p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._merge(ops, c, b, s, "attention: merge heads")           # (b·s, h_l)
         y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.add_bias(ops.reduce_out(y, "attention: reduce y"), b_o, "attention: + b_o")
@@ -223,10 +226,12 @@ class Attention:
         """dx (x's layout) and the state of the weight gradient, from ``forward``'s state
         (with P and C recomputed first when it holds none: selective recomputation)."""
         x2, q, k, v, p, ctx = state
+        b, s = self._bs(x2, q)
         if p is None:
             p, c = self.core(ops, q, k, v)
-            ctx = self._merge(ops, c, *self._bs(x2, q), "attention: merge heads")
-        b, s = self._bs(x2, q)
+            ctx = self._merge(ops, c, b, s, "attention: merge heads")
+        elif self.cp is not None:
+            p = (p[0], self._heads(ops, ctx, b, s, "attention: split heads"))   # (L, C)
         dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)

@@ -195,6 +195,8 @@ class GQAttention:
                            b, s, "attention: split heads")
         v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
         p, c = self.core(ops, q, k, v)
+        if self.cp is not None:
+            p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
         y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.reduce_out(y, "attention: reduce y")
@@ -210,6 +212,8 @@ class GQAttention:
         if p is None:
             p, c = self.core(ops, q, k, v)
             ctx = self._q_merge(ops, c, b, s, "attention: merge heads")
+        elif self.cp is not None:
+            p = (p[0], self._q_group(ops, ctx, b, s, "attention: split heads"))  # (L, C)
         dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)

@@ -1,19 +1,28 @@
 """Context parallelism in the simulator and the planner: the stitched traces (every cp
 rank of each traced pipeline position, the K/V ring inside the actions) equal the
 program traced in full; `vcluster simulate gpt --cp 2` halves the activation memory of
---cp 1; the GPU count is checked; `plan gpt --max-cp` searches cp (default: none)."""
+--cp 1, and its activations are what the program keeps; the GPU count is checked;
+`plan gpt --max-cp` searches cp (default: none)."""
 
+import dataclasses
 import json
 
 import pytest
 
+from mesh import Mesh
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
+from pipeline_parallel.llama import llama_param_shapes
+from tensor_parallel.attention import TransformerOps
+from tensor_parallel.context_parallel import ContextParallelAttention, sequence_positions
+from tensor_parallel.llama import llama_piece, llama_stage
 from vcluster.cli.main import main
-from vcluster.planner.memory import CP_RING_BUFFERS, cp_buffer_bytes, rank_memory
+from vcluster.planner.memory import (CP_RING_BUFFERS, LSE_BYTES, cp_buffer_bytes,
+                                     llama_activation_bytes_per_layer, rank_memory)
 from vcluster.planner.search import plan_gpt
 from vcluster.planner.simulation import gpt_step_traces, simulate_gpt
-from vcluster.runtime.tracing import TraceCompute, TraceRecv, TraceSend, trace_program
+from vcluster.runtime.tracing import (MetaArray, TraceCompute, TraceRecv, TraceSend,
+                                      trace_program)
 from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import HardwareCostModel
 
@@ -130,3 +139,42 @@ def test_plan_cli_table_and_json_carry_cp(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1].split()[:6] == ["#", "tp", "pp", "dp", "cp",
                                                                    "b"]
     assert {c["cp"] for c in json.loads(path.read_text())["candidates"]} == {1, 2}
+
+
+def _layer_activations(dev, cfg, b, cp):
+    """Declare the bytes one Llama layer with context parallelism keeps after one
+    micro-batch's forward (this rank's s/cp rows)."""
+    ops = TransformerOps(dev, "tp", False)
+    t, shapes = ops.tp_size, llama_param_shapes(dataclasses.replace(cfg, layers=1))
+    meta = {n.rsplit(".", 1)[-1]: llama_piece(n, MetaArray(s), t, ops.tp_rank, cfg.kv_heads)
+            for n, s in shapes.items()}
+    op = ContextParallelAttention(cfg.heads // t, cfg.head_dim, "ring",
+                                  group=cfg.heads // t // max(cfg.kv_heads // t, 1))
+    positions = sequence_positions(cfg.seq, cp, dev.mesh.group_position("cp", dev.rank))
+    _, layer, _ = llama_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0],
+                              True, True, cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta,
+                              "none", cfg.eps, 1, cfg.seq, op, positions).modules
+    layer.forward(ops, 0, MetaArray((b, cfg.seq // cp, cfg.hidden)))
+    with dev.compute("activations", flops=layer.activation_bytes):
+        pass
+
+
+@pytest.mark.parametrize("kv, tp, cp", [(2, 2, 2), (8, 1, 4), (1, 2, 2)])
+def test_activation_memory_is_what_the_cp_layer_keeps(kv, tp, cp):
+    """The program's float64 tensors kept for the backward, at 2 bytes an element, equal
+    the flash formula at s/cp rows, but for the log-sum-exp (kept in the program's dtype,
+    2 bytes here, where the formula counts fp32) and the two RMSNorms' 1/rms per row that
+    the formula leaves out (2·2·s/cp·b bytes)."""
+    cfg, b = GPTConfig(hidden=64, layers=4, heads=8, seq=16, vocab=96, arch="llama",
+                       kv_heads=kv, ffn_hidden=80), 2
+    mesh = Mesh((cp, tp), ("cp", "tp"))
+    traces = trace_program(mesh, _layer_activations, [(cfg, b, cp)] * mesh.size,
+                           ranks=list(mesh.group("cp", 0)))
+    s_l = cfg.seq // cp
+    for t in traces:
+        kept = sum(o.flops for o in t.ops if isinstance(o, TraceCompute) and o.name ==
+                   "activations")
+        formula = llama_activation_bytes_per_layer(dataclasses.replace(cfg, seq=s_l), b, tp,
+                                                   "none", False, "flash")
+        lse = b * cfg.heads * s_l // tp
+        assert kept / 4 == formula - LSE_BYTES * lse + 2 * lse + 2 * 2 * s_l * b

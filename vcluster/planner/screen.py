@@ -140,7 +140,8 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
 
     exposed, dp_s = 0.0, 0.0
     if dp * cp > 1:
-        group = tuple(parallel.mesh().group(("dp", "cp") if cp > 1 else "dp", 0))
+        # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
+        group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
         grad_bytes = rank_params(config, parallel, crit) * TRACE_BYTES
         flows = max(1, min(t, hardware.gpus_per_node))
         full, rest = divmod(int(grad_bytes), BUCKET_BYTES)

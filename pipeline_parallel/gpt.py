@@ -446,8 +446,9 @@ class GPT:
     def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
         ``results`` on ``mesh``: each step's loss summed over the ranks that report one, in
-        tensor-parallel piece 0 (as ``fit`` reports it); the global arrays joined from the
-        pieces of data-parallel replica 0."""
+        tensor-parallel piece 0 (as ``fit`` reports it; the dp replicas' and cp ranks'
+        shares of the mean); the global arrays joined from the pieces of data-parallel
+        replica 0, cp rank 0."""
         losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
                      if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
         return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")

@@ -13,9 +13,12 @@ Messages are tagged (step, direction, stage, micro-batch), so any schedule's ord
 matched correctly. After the last micro-batch's weight gradient of a layer, the layer's
 gradients are final: they join a data-parallel bucket, and a full bucket
 (``bucket_bytes``) starts its all-reduce over ``dp`` at once, asynchronously
-(DDP-style), overlapping the remaining backward work. The optimizer steps once per step.
-With ``zero_stage`` 1, 2 or 3 the optimizer state (and gradients, and parameters) are
-sharded over ``dp`` instead (:mod:`pipeline_parallel.zero`: reduce-scatter, update of
+(DDP-style), overlapping the remaining backward work. With context parallelism
+(``cp_axis``: each rank holds some of the sequence's rows, so its gradients are partial
+sums too) the buckets are all-reduced over the combined dp × cp group, one collective per
+bucket (Megatron reduces over its data-parallel-with-context group the same way). The
+optimizer steps once per step. With ``zero_stage`` 1, 2 or 3 the optimizer state (and
+gradients, and parameters) are sharded over that same dp (× cp) group instead (:mod:`pipeline_parallel.zero`: reduce-scatter, update of
 the shard, all-gather; FSDP's gathers around each module for stage 3).
 
 Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
@@ -68,6 +71,7 @@ class TrainJob:
     dp_axis: str | None = None
     tp_axis: str | None = None
     bucket_bytes: int = 1 << 20
+    cp_axis: str | None = None         # context parallelism: gradients summed over dp x cp
     action_costs: dict = field(default_factory=dict)
     stage_factory: object = None       # (dev, job, stage) -> stage; None: StageLayers of specs
     first_step: int = 0                # global number of this job's first step (resumed runs)
@@ -196,9 +200,13 @@ def train_program(dev, job: TrainJob, X, Y):
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     check_zero_stage(job.zero_stage, "TrainJob", p)
+    grad_axes = tuple(a for a in (job.dp_axis, job.cp_axis) if a is not None)
+    grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
+    grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
     ledger, zero, opt = MemoryLedger(dev), None, None
     if job.zero_stage:
-        zero = ShardedState(dev, job.zero_stage, job.dp_axis, stages, job.optimizer, ledger)
+        zero = ShardedState(dev, job.zero_stage, grad_axis if grad_axes else None, stages,
+                            job.optimizer, ledger)
     else:
         opt = Optimizer(job.optimizer, params)
         ledger.set("params", sum(a.nbytes for a in params))
@@ -224,8 +232,8 @@ def train_program(dev, job: TrainJob, X, Y):
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}
-        buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) \
-            if dp_size > 1 and zero is None else None
+        buckets = GradBuckets(dev, grad_axis, job.bucket_bytes) \
+            if grad_size > 1 and zero is None else None
         if zero is not None:
             zero.begin_step()
         pending_dy, loss = {}, 0.0

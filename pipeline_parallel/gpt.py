@@ -27,6 +27,17 @@ attention with ``kv_heads``, SwiGLU MLP ``ffn_hidden`` wide, no biases, no learn
 positions; per device :mod:`tensor_parallel.llama`, reference
 :mod:`pipeline_parallel.llama`) under the same parallelism, executor and schedules; its
 FLOPs, causal attention counted at half of s²: :func:`llama_model_flops`.
+
+Context parallelism (``ParallelConfig(cp=N, cp_algorithm="ring" | "all_gather")``, mesh
+axis ``cp``; GPUs = dp·pp·cp·tp): every micro-batch's sequence is cut into 2·cp chunks
+and cp rank r holds chunks r and 2cp−1−r of the tokens and targets
+(:func:`~tensor_parallel.context_parallel.split_sequence`, Megatron's load balancing).
+Every per-token op (embedding, norms, MLP, head, cross-entropy) works on the local rows;
+attention is :class:`~tensor_parallel.context_parallel.ContextParallelAttention` over cp
+(K/V around the ring, or all-gathered), on the tp rank's heads; the learned positions
+(GPT) and RoPE (Llama) use the rows' global positions. The loss is the sum over the cp
+ranks of their rows' share of the mean over B·s tokens, and the executor all-reduces the
+gradients over dp × cp in one bucketed all-reduce per bucket.
 """
 
 from __future__ import annotations
@@ -40,11 +51,13 @@ from mesh import Mesh
 from pipelining import SCHEDULE_NAMES, make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
+from tensor_parallel.context_parallel import (CP_ALGORITHMS, ContextParallelAttention,
+                                              sequence_positions, split_sequence, join_sequence)
 from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
-from vcluster.runtime.tracing import MetaArray
+from vcluster.runtime.tracing import MetaArray, is_meta
 
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
@@ -172,18 +185,20 @@ class ParallelConfig:
     those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
     sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b).
 
-    Two choices only the memory model reads (the emulated program computes the same math
-    either way; :mod:`vcluster.planner.memory`): ``attention`` — the attention kernel a
-    real run uses, ``"flash"`` (default: no s² scores kept for the backward) or
-    ``"unfused"``; ``distributed_optimizer`` — the optimizer state and fp32 master weights
-    sharded over dp (Megatron's distributed optimizer, ZeRO-1).
+    ``attention``, which only the memory model reads (the emulated program computes the
+    same math either way; :mod:`vcluster.planner.memory`): the attention kernel a real run
+    uses, ``"flash"`` (default: no s² scores kept for the backward) or ``"unfused"``.
 
     ``zero_stage`` (0 DDP; 1, 2, 3: ZeRO, :mod:`pipeline_parallel.zero`; 2 and 3 need
     pp = 1 and no sequence parallelism) is what the emulated program runs.
     ``distributed_optimizer=True`` is an alias of ``zero_stage=1`` kept for existing
     callers (it raises a ``zero_stage`` of 0 or None to 1); after construction
     ``distributed_optimizer`` reads ``zero_stage >= 1`` (every ZeRO stage shards the
-    optimizer state)."""
+    optimizer state).
+
+    ``cp``: context parallelism, the size of the mesh axis ``cp`` (each rank holds 2 of
+    the sequence's 2·cp chunks; see the module doc), with ``cp_algorithm`` "ring" (K/V
+    passed around the cp ring, overlapping the attention) or "all_gather"."""
 
     global_batch: int
     micro_batch: int = 1
@@ -197,14 +212,17 @@ class ParallelConfig:
     attention: str = "flash"
     distributed_optimizer: bool = False
     zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
+    cp: int = 1
+    cp_algorithm: str = "ring"
 
     def __post_init__(self):
-        for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
             as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
                            ("sequence_parallel", (False, True)), ("attention", ATTENTION),
-                           ("distributed_optimizer", (False, True))):
+                           ("distributed_optimizer", (False, True)),
+                           ("cp_algorithm", CP_ALGORITHMS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
@@ -215,6 +233,10 @@ class ParallelConfig:
                                 self.sequence_parallel)
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
+        if self.cp > 1 and self.attention != "flash":
+            raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' (context-"
+                             f"parallel attention keeps O and the log-sum-exp, never the "
+                             f"scores), got attention={self.attention!r}")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
                              f"into dp={self.dp} x micro_batch={self.micro_batch}")
@@ -229,21 +251,37 @@ class ParallelConfig:
         return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
 
     def mesh(self):
+        """dp x pp x tp, with cp > 1 dp x pp x cp x tp: tp innermost (its collectives
+        close every block), cp next to it (the ring's K/V, every layer, stays on the
+        node's links when tp·cp fits a node), as Megatron orders tp-cp-dp-pp."""
+        if self.cp > 1:
+            return Mesh((self.dp, self.pp, self.cp, self.tp), ("dp", "pp", "cp", "tp"))
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
+
+    @property
+    def gpus(self) -> int:
+        """dp·pp·cp·tp."""
+        return self.dp * self.pp * self.cp * self.tp
 
     def check(self, config: GPTConfig, mesh) -> None:
         """Raise if the mesh or a count does not fit (naming both)."""
-        for a in (*mesh.axes, "dp", "pp", "tp"):
-            if a not in ("dp", "pp", "tp"):
-                raise ValueError(f"GPT: mesh axes must be among dp, pp, tp; got {mesh.axes}")
+        for a in (*mesh.axes, "dp", "pp", "cp", "tp"):
+            if a not in ("dp", "pp", "cp", "tp"):
+                raise ValueError(f"GPT: mesh axes must be among dp, pp, cp, tp; got "
+                                 f"{mesh.axes}")
             if mesh.shape.get(a, 1) != getattr(self, a):
                 raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} but the "
                                  f"mesh's {a} axis has size {mesh.shape.get(a, 1)}")
         if config.layers % (self.pp * self.chunks):
             raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
+        if self.cp > 1 and config.seq % (2 * self.cp):
+            raise ValueError(f"GPT: seq={config.seq} does not split into 2·cp = {2 * self.cp} "
+                             f"chunks of equal length (cp={self.cp})")
         for what, n in (("heads", config.heads), ("vocab", config.vocab)) + (
-                (("seq (sequence parallelism)", config.seq),) if self.sequence_parallel else ()) \
+                ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
+                  config.seq // self.cp),)
+                if self.sequence_parallel else ()) \
                 + ((("ffn_hidden", config.ffn_hidden),) if config.arch == "llama" else ()):
             if n % self.tp:
                 raise ValueError(f"GPT: {what}={n} does not split evenly over tp={self.tp}")
@@ -266,6 +304,14 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
                                par.sequence_parallel), dict(job.params)
+    cp = positions = None
+    if "cp" in dev.mesh.axes and dev.mesh.axis_size("cp") > 1:
+        n, kv = dev.mesh.axis_size("cp"), max(cfg.kv_heads // ops.tp_size, 1)
+        group = cfg.heads // ops.tp_size // kv if cfg.arch == "llama" else 1
+        cp = ContextParallelAttention(cfg.heads // ops.tp_size, cfg.head_dim,
+                                      par.cp_algorithm, "cp", group=group,
+                                      label="gpt: attention: cp")
+        positions = sequence_positions(cfg.seq, n, dev.mesh.group_position("cp", dev.rank))
 
     def local(names, prefix=""):
         arrays = {n: glob[prefix + n] for n in names}
@@ -278,12 +324,12 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
-                           cfg.eps, job.microbatches, cfg.seq,
+                           cfg.eps, job.microbatches, cfg.seq, cp, positions,
                            kv_sum_every=1 if par.zero_stage >= 2 else None)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
-                                stage == job.n_stages - 1, cfg.heads, cfg.hidden, par.recompute,
-                                cfg.eps, job.microbatches, cfg.seq,
-                           kv_sum_every=1 if par.zero_stage >= 2 else None)
+                                stage == job.n_stages - 1, cfg.heads, cfg.hidden,
+                                par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,
+                                positions)
 
 
 def forward_program(dev, job: TrainJob, X, Y):
@@ -305,8 +351,24 @@ def forward_program(dev, job: TrainJob, X, Y):
     return {"loss": loss, "logits": logits} if logits else None
 
 
+def _grad_axes(mesh):
+    """The group the gradients are reduced (and ZeRO shards) over: dp, with cp dp × cp."""
+    axes = tuple(a for a in ("dp", "cp") if a in mesh.axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def _coord(mesh, axis: str, rank: int) -> int:
     return mesh.group_position(axis, rank) if axis in mesh.axes else 0
+
+
+def _cp_rows(x, mesh, c: int):
+    """cp rank ``c``'s chunks of every sequence of ``x`` (rows, s) (shape-only: its shape)."""
+    cp = mesh.shape.get("cp", 1)
+    if cp == 1:
+        return x
+    if is_meta(x):
+        return MetaArray((x.shape[0], x.shape[1] // cp), x.dtype)
+    return split_sequence(x, cp)[c]
 
 
 class GPT:
@@ -355,18 +417,20 @@ class GPT:
             microbatches=m, global_batch=parallel.global_batch,
             dp_axis="dp" if "dp" in mesh.axes else None,
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
+            cp_axis="cp" if "cp" in mesh.axes else None,
             stage_factory=partial(_stage, self.config, parallel),
             zero_stage=parallel.zero_stage)
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get
-        their replica's tokens, the last stage's its targets."""
+        their replica's tokens, the last stage's its targets (with context parallelism
+        their cp rank's chunks of each sequence)."""
         rows, last = job.global_batch // mesh.shape.get("dp", 1), job.n_stages - 1
         parts = [(slice(_coord(mesh, "dp", r) * rows, (_coord(mesh, "dp", r) + 1) * rows),
-                  _coord(mesh, "pp", r)) for r in range(mesh.size)]
-        return [(job, tokens[part] if pos == 0 else None,
-                 targets[part] if pos == last % mesh.shape.get("pp", 1) else None)
-                for part, pos in parts]
+                  _coord(mesh, "pp", r), _coord(mesh, "cp", r)) for r in range(mesh.size)]
+        return [(job, _cp_rows(tokens[part], mesh, c) if pos == 0 else None,
+                 _cp_rows(targets[part], mesh, c) if pos == last % mesh.shape.get("pp", 1)
+                 else None) for part, pos, c in parts]
 
     def meta_args(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
                   bucket_bytes: int = 1 << 20) -> list[tuple]:
@@ -405,9 +469,10 @@ class GPT:
     def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
         ``results`` on ``mesh``: each step's loss summed over the ranks that report one, in
-        tensor-parallel piece 0 (as ``fit`` reports it); the global arrays joined from the
-        pieces of data-parallel replica 0 (ZeRO shards first joined over dp)."""
-        results = unshard_results(mesh, "dp" if "dp" in mesh.axes else None, results)
+        tensor-parallel piece 0 (as ``fit`` reports it; the dp replicas' and cp ranks'
+        shares of the mean); the global arrays joined from the pieces of data-parallel
+        replica 0, cp rank 0 (ZeRO shards first joined over dp × cp)."""
+        results = unshard_results(mesh, _grad_axes(mesh), results)
         losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
                      if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
         return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")
@@ -417,7 +482,8 @@ class GPT:
         W_kv replicated over tp: one piece per KV head)."""
         pieces: dict = {}
         for r, res in enumerate(results):
-            for name, a in res[key].items() if _coord(mesh, "dp", r) == 0 else ():
+            replica0 = _coord(mesh, "dp", r) == 0 and _coord(mesh, "cp", r) == 0
+            for name, a in res[key].items() if replica0 else ():
                 pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
         llama, tp = self.config.arch == "llama", mesh.shape.get("tp", 1)
         out = {}
@@ -435,12 +501,16 @@ class GPT:
         mesh, (B, s), V = cluster.mesh, tokens.shape, self.config.vocab
         results = cluster.run(forward_program, self.device_args(
             mesh, self.train_job(mesh, parallel), tokens, targets))
-        last = {(_coord(mesh, "dp", r), _coord(mesh, "tp", r)): res
-                for r, res in enumerate(results) if res}             # replica, tp piece
-        logits = np.concatenate([np.concatenate(
-            [np.concatenate(last[d, t]["logits"]).reshape(B // parallel.dp, s, V // parallel.tp)
-             for t in range(parallel.tp)], axis=2) for d in range(parallel.dp)])
-        return sum(last[d, 0]["loss"] for d in range(parallel.dp)), logits
+        last = {(_coord(mesh, "dp", r), _coord(mesh, "cp", r), _coord(mesh, "tp", r)): res
+                for r, res in enumerate(results) if res}             # replica, cp, tp piece
+        cp = parallel.cp
+
+        def piece(d, c):
+            return np.concatenate([np.concatenate(last[d, c, t]["logits"]).reshape(
+                B // parallel.dp, s // cp, V // parallel.tp) for t in range(parallel.tp)], axis=2)
+        logits = np.concatenate([join_sequence([piece(d, c) for c in range(cp)])
+                                 for d in range(parallel.dp)])
+        return sum(last[d, c, 0]["loss"] for d in range(parallel.dp) for c in range(cp)), logits
 
     # --- the single-process reference ---------------------------------------------------
     def _reference(self, params, tokens, targets, backward: bool = False):

@@ -24,6 +24,14 @@ products run as whole-batch 2-D or batched 3-D matmuls (over b·a_l), never per 
 
 ``selective`` recomputation (Korthikanti et al. 2022) keeps q, k, v and drops P and C,
 re-running the core attention (q k^T, softmax, P v) at the start of the backward.
+
+Context parallelism (``Attention(..., cp=ContextParallelAttention(...))``): the rows are
+this rank's load-balanced sequence chunks (:mod:`tensor_parallel.context_parallel`); the
+core attention is the operation's ``forward_local`` (K/V passed around the cp ring, or
+all-gathered) and its backward ``backward_local``, which recomputes P from the kept
+output and row log-sum-exp (the state holds L where it would hold P; C is taken back
+from the kept ctx, so one copy of the output is kept, as flash attention keeps it).
+Everything else is per row, unchanged.
 """
 
 from __future__ import annotations
@@ -143,8 +151,8 @@ class Attention:
     """The attention block's math on one device; per micro-batch state is kept by the
     caller (``forward`` returns it, the backward passes take it back)."""
 
-    def __init__(self, heads_local: int, head_dim: int):
-        self.a_l, self.d = heads_local, head_dim
+    def __init__(self, heads_local: int, head_dim: int, cp=None):
+        self.a_l, self.d, self.cp = heads_local, head_dim, cp
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def _heads(self, ops, t, b, s, name):
@@ -158,7 +166,11 @@ class Attention:
 
     # --- core attention --------------------------------------------------------------
     def core(self, ops, q, k, v):
-        """P = softmax(q k^T / sqrt(d) + M), C = P v, for (b·a_l, s, d) q, k, v."""
+        """P = softmax(q k^T / sqrt(d) + M), C = P v, for (b·a_l, s, d) q, k, v; under
+        context parallelism ((L, C), C): the row log-sum-exp L stands in for P."""
+        if self.cp is not None:
+            c, lse = self.cp.forward_local(ops.dev, q, k, v)
+            return (lse, c), c
         s = q.shape[1]
         scores = ops.bmm(q, k.transpose(0, 2, 1), "attention: q @ k^T")
         big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
@@ -175,7 +187,10 @@ class Attention:
         return p, ops.bmm(p, v, "attention: P @ v")
 
     def core_backward(self, ops, dc, q, k, v, p):
-        """(dq, dk, dv) from dC (b·a_l, s, d)."""
+        """(dq, dk, dv) from dC (b·a_l, s, d) (``p``: core's first output)."""
+        if self.cp is not None:
+            lse, c = p
+            return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
         dp = ops.bmm(dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = ops.bmm(p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
         ds = ops.ew("attention: softmax grad",
@@ -198,6 +213,8 @@ class Attention:
         q, k, v = (self._heads(ops, qkv[:, i * h_l:(i + 1) * h_l], b, s, "attention: split heads")
                    for i in range(3))
         p, c = self.core(ops, q, k, v)
+        if self.cp is not None:
+            p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._merge(ops, c, b, s, "attention: merge heads")           # (b·s, h_l)
         y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.add_bias(ops.reduce_out(y, "attention: reduce y"), b_o, "attention: + b_o")
@@ -209,10 +226,12 @@ class Attention:
         """dx (x's layout) and the state of the weight gradient, from ``forward``'s state
         (with P and C recomputed first when it holds none: selective recomputation)."""
         x2, q, k, v, p, ctx = state
+        b, s = self._bs(x2, q)
         if p is None:
             p, c = self.core(ops, q, k, v)
-            ctx = self._merge(ops, c, *self._bs(x2, q), "attention: merge heads")
-        b, s = self._bs(x2, q)
+            ctx = self._merge(ops, c, b, s, "attention: merge heads")
+        elif self.cp is not None:
+            p = (p[0], self._heads(ops, ctx, b, s, "attention: split heads"))   # (L, C)
         dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)

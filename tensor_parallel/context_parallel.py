@@ -62,6 +62,13 @@ its backward sends K, V cp−1 times and the dK, dV accumulators cp times:
                 (ring algorithms: forward 2(cp−1)X, backward 4(cp−1)X)
 
 cp = 1 is plain causal attention with no communication.
+
+Grouped-query attention (``group`` g > 1 query heads per K/V head, as
+:mod:`tensor_parallel.gqa` lays them out): local q, O, dO are (B, g·s_l, d) with the g
+query heads of one K/V head stacked on rows, head-major (row r is head r // s_l at local
+row r mod s_l), while k, v are (B, s_l, d). A block is then the g·c rows of one q chunk
+(every head) against the key rows; dk and dv sum over the g heads in the products
+(dS^T q). Only K and V travel: the traffic is that of k's shape, the FLOPs g times.
 """
 
 from __future__ import annotations
@@ -146,19 +153,20 @@ class _Blocks:
     """The per-block math of one rank: products through ``batched_matmul``, elementwise
     work declared with 0 FLOPs and the bytes it touches."""
 
-    def __init__(self, dev, scale: float):
-        self.dev, self.xp, self.scale = dev, dev.xp, scale
+    def __init__(self, dev, scale: float, label: str = "cp attention", group: int = 1):
+        self.dev, self.xp, self.scale, self.label, self.g = dev, dev.xp, scale, label, group
 
     def ew(self, name, fn, *operands):
         nbytes = sum(int(o.size) * np.dtype(o.dtype).itemsize for o in operands)
-        with self.dev.compute(f"cp attention: {name}", flops=0, bytes=nbytes):
+        with self.dev.compute(f"{self.label}: {name}", flops=0, bytes=nbytes):
             return fn()
 
     def bmm(self, a, b, name):
-        return batched_matmul(self.dev, a, b, f"cp attention: {name}")
+        return batched_matmul(self.dev, a, b, f"{self.label}: {name}")
 
     def scores(self, q, k, q_chunk, k_chunks, c):
-        """σ·q k^T with −big above the causal diagonal (global positions), (B, c, n)."""
+        """σ·q k^T with −big above the causal diagonal (global positions), (B, g·c, n)
+        (row r of q at position q_chunk·c + r mod c)."""
         s = self.bmm(q, k.transpose(0, 2, 1), "S = q k^T")
         if q_chunk not in k_chunks:                        # every key before every query
             return self.ew("scale", lambda: s * self.scale, s)
@@ -166,9 +174,11 @@ class _Blocks:
         big = s.dtype.type(-np.finfo(s.dtype).max / 2)     # exp(−big − ...) is exactly 0
 
         def masked():
-            qpos = xp.arange(q_chunk * c, (q_chunk + 1) * c)
+            # the mask (1, g·c, n) built from s so that it is shape-only in a trace
+            qpos = xp.arange(self.g * c) % c + q_chunk * c
             kpos = xp.concatenate([xp.arange(t * c, (t + 1) * c) for t in k_chunks])
-            return s * self.scale + (kpos[None, :] > qpos[:, None]) * big
+            future = (xp.zeros_like(s[:1, :, :1]) + qpos[:, None]) < kpos
+            return s * self.scale + future * big
         return self.ew("causal mask", masked, s)
 
     def forward(self, q, k, v, q_chunk, k_chunks, c):
@@ -205,6 +215,24 @@ class _Blocks:
                 dv)
 
 
+def _q_rows(x, i: int, c: int, g: int):
+    """Local chunk i's rows of a q-shaped (B, g·2c, ...) array (heads head-major): (B, g·c,
+    ...) — a slice when g = 1."""
+    if g == 1:
+        return x[:, i * c:(i + 1) * c]
+    b, rest = x.shape[0], tuple(x.shape[2:])
+    return x.reshape((b, g, 2, c) + rest)[:, :, i].reshape((b, g * c) + rest)
+
+
+def _q_join(xp, parts, c: int, g: int):
+    """The inverse of :func:`_q_rows` over both chunks: (B, g·2c, ...)."""
+    if g == 1:
+        return xp.concatenate(parts, axis=1)
+    b, rest = parts[0].shape[0], tuple(parts[0].shape[2:])
+    return xp.concatenate([p.reshape((b, g, c) + rest) for p in parts], axis=2).reshape(
+        (b, g * 2 * c) + rest)
+
+
 def _visible(q_chunk: int, k_chunks) -> int:
     """How many of the ascending ``k_chunks`` query chunk ``q_chunk`` sees (a prefix)."""
     return sum(t <= q_chunk for t in k_chunks)
@@ -219,8 +247,10 @@ def _add_to(pairs, n: int) -> None:
 # --- the operation -----------------------------------------------------------------------
 class ContextParallelAttention(ShardedOperation):
     """``ContextParallelAttention(heads, head_dim, algorithm="ring", axis="cp",
-    load_balance=True, collective_algorithm="auto")``: causal softmax(q k^T/sqrt(d)) v
-    with the sequence split over mesh axis ``axis`` (see the module docstring).
+    load_balance=True, collective_algorithm="auto", group=1, label="cp attention")``:
+    causal softmax(q k^T/sqrt(d)) v with the sequence split over mesh axis ``axis`` (see
+    the module docstring); ``group`` query heads per K/V head (GQA; the per-device
+    programs only), ``label`` begins the names of its compute ops.
 
     Global q, k, v, dy are (b·heads, s, head_dim) with s divisible by 2·cp; each rank
     holds the rows of :func:`split_sequence`. ``collective_algorithm`` is the algorithm
@@ -235,8 +265,9 @@ class ContextParallelAttention(ShardedOperation):
     name = "context-parallel attention"
 
     def __init__(self, heads: int, head_dim: int, algorithm: str = "ring", axis: str = "cp",
-                 load_balance: bool = True, collective_algorithm: str = "auto"):
-        for what, n in (("heads", heads), ("head_dim", head_dim)):
+                 load_balance: bool = True, collective_algorithm: str = "auto",
+                 group: int = 1, label: str = "cp attention"):
+        for what, n in (("heads", heads), ("head_dim", head_dim), ("group", group)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"ContextParallelAttention: {what} must be an int >= 1, "
                                  f"got {n!r}")
@@ -248,6 +279,7 @@ class ContextParallelAttention(ShardedOperation):
         self.heads, self.head_dim, self.algorithm = int(heads), int(head_dim), algorithm
         self.axis, self.load_balance = axis, bool(load_balance)
         self.collective_algorithm = collective_algorithm
+        self.group, self.label = int(group), str(label)
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def __repr__(self) -> str:
@@ -256,19 +288,23 @@ class ContextParallelAttention(ShardedOperation):
                 f"load_balance={self.load_balance})")
 
     # --- per-device programs ---------------------------------------------------------
-    def _where(self, dev, q):
-        """(cp, position, group, c) of this rank, with the local shape checked."""
+    def _where(self, dev, q, k):
+        """(cp, position, group, c) of this rank, with the local shapes checked."""
         cp = dev.mesh.axis_size(self.axis)
-        if q.ndim != 3 or q.shape[1] % 2 or q.shape[2] != self.head_dim:
-            raise ValueError(f"{self!r}: local q must be (b·heads, s_l, {self.head_dim}) with "
-                             f"s_l even (two chunks), got shape {tuple(q.shape)}")
+        g = self.group
+        if q.ndim != 3 or k.ndim != 3 or k.shape[1] % 2 or q.shape[2] != self.head_dim \
+                or tuple(q.shape) != (k.shape[0], g * k.shape[1], k.shape[2]):
+            raise ValueError(f"{self!r}: local q must be (B, {g}·s_l, {self.head_dim}) and k, v "
+                             f"(B, s_l, {self.head_dim}) with s_l even (two chunks), got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}")
         return (cp, dev.mesh.group_position(self.axis, dev.rank),
-                dev.mesh.group(self.axis, dev.rank), q.shape[1] // 2)
+                dev.mesh.group(self.axis, dev.rank), k.shape[1] // 2)
 
     def forward_local(self, dev, q, k, v):
         """This rank's (O (B, s_l, d), L (B, s_l, 1)): output rows and their log-sum-exp."""
-        cp, me, group, c = self._where(dev, q)
-        blk = _Blocks(dev, self.scale)
+        cp, me, group, c = self._where(dev, q, k)
+        g = self.group
+        blk = _Blocks(dev, self.scale, self.label, g)
         mine = chunk_ids(cp, me, self.load_balance)
         acc = [None, None]
         if self.algorithm == "ring":
@@ -280,7 +316,7 @@ class ContextParallelAttention(ShardedOperation):
                 for i, qc in enumerate(mine):
                     n = _visible(qc, theirs)
                     if n:
-                        part = blk.forward(q[:, i * c:(i + 1) * c], k[:, :n * c], v[:, :n * c],
+                        part = blk.forward(_q_rows(q, i, c, g), k[:, :n * c], v[:, :n * c],
                                            qc, theirs[:n], c)
                         acc[i] = blk.merge(acc[i], part)
                 if nxt is not None:
@@ -289,20 +325,20 @@ class ContextParallelAttention(ShardedOperation):
             kg, vg = (self._gather(dev, blk, x, cp, c) for x in (k, v))
             for i, qc in enumerate(mine):
                 n = qc + 1
-                acc[i] = blk.forward(q[:, i * c:(i + 1) * c], kg[:, :n * c], vg[:, :n * c],
+                acc[i] = blk.forward(_q_rows(q, i, c, g), kg[:, :n * c], vg[:, :n * c],
                                      qc, tuple(range(n)), c)
         xp = dev.xp
-        return tuple(blk.ew("concatenate chunks", lambda j=j: xp.concatenate(
-            [acc[0][j], acc[1][j]], axis=1), acc[0][j], acc[1][j]) for j in (0, 1))
+        return tuple(blk.ew("concatenate chunks", lambda j=j: _q_join(
+            xp, [acc[0][j], acc[1][j]], c, g), acc[0][j], acc[1][j]) for j in (0, 1))
 
     def backward_local(self, dev, q, k, v, o, lse, do):
         """This rank's (dq, dk, dv), each (B, s_l, d), from ``forward_local``'s (O, L)."""
-        cp, me, group, c = self._where(dev, q)
-        blk = _Blocks(dev, self.scale)
+        cp, me, group, c = self._where(dev, q, k)
+        g = self.group
+        blk = _Blocks(dev, self.scale, self.label, g)
         xp = dev.xp
         mine = chunk_ids(cp, me, self.load_balance)
         delta = blk.ew("D = rowsum(dO O)", lambda: (do * o).sum(axis=-1, keepdims=True), do, o)
-        rows = [slice(i * c, (i + 1) * c) for i in (0, 1)]
         dq = [None, None]
 
         def grads_of(kk, vv, dk, dv, theirs):
@@ -310,9 +346,10 @@ class ContextParallelAttention(ShardedOperation):
             for i, qc in enumerate(mine):
                 n = _visible(qc, theirs)
                 if n:
-                    r = rows[i]
-                    gq, gk, gv = blk.backward(q[:, r], kk[:, :n * c], vv[:, :n * c], do[:, r],
-                                              lse[:, r], delta[:, r], qc, theirs[:n], c)
+                    gq, gk, gv = blk.backward(*(_q_rows(x, i, c, g) for x in (q,)),
+                                              kk[:, :n * c], vv[:, :n * c],
+                                              *(_q_rows(x, i, c, g) for x in (do, lse, delta)),
+                                              qc, theirs[:n], c)
                     dq[i] = gq if dq[i] is None else blk.ew("dq +=", lambda a=dq[i]: a + gq, gq)
                     blk.ew("dk, dv +=", lambda: _add_to(((dk, gk), (dv, gv)), n * c),
                            gk, gv, gk, gv)
@@ -345,7 +382,7 @@ class ContextParallelAttention(ShardedOperation):
             dkg, dvg = (blk.ew("zeros", lambda: xp.zeros_like(kg), kg) for _ in (0, 1))
             grads_of(kg, vg, dkg, dvg, tuple(range(2 * cp)))
             dk, dv = (self._scatter(dev, blk, g, cp, c) for g in (dkg, dvg))
-        dq = blk.ew("concatenate chunks", lambda: xp.concatenate(dq, axis=1), *dq)
+        dq = blk.ew("concatenate chunks", lambda: _q_join(xp, dq, c, g), *dq)
         return dq, dk, dv
 
     # --- the ring's point to point ---------------------------------------------------
@@ -391,16 +428,17 @@ class ContextParallelAttention(ShardedOperation):
 
     # --- closed forms ----------------------------------------------------------------
     def flops(self, local_shape, cp: int, rank: int, backward: bool = False) -> int:
-        """Declared FLOPs of ``forward_local`` (4·B·c²·d·N_r) or ``backward_local``
-        (10·B·c²·d·N_r) on cp position ``rank`` with local q of ``local_shape``."""
+        """Declared FLOPs of ``forward_local`` (4·g·B·c²·d·N_r) or ``backward_local``
+        (10·g·B·c²·d·N_r) on cp position ``rank`` with local k of ``local_shape`` (B, s_l,
+        d) (= q's when group g = 1)."""
         b, s_l, d = local_shape
         c = s_l // 2
-        return (10 if backward else 4) * b * c * c * d * causal_chunk_pairs(
+        return (10 if backward else 4) * self.group * b * c * c * d * causal_chunk_pairs(
             cp, rank, self.load_balance)
 
     def sent_bytes(self, local_shape, cp: int, itemsize: int, backward: bool = False) -> int:
         """Bytes one rank sends in ``forward_local`` or ``backward_local`` (it receives as
-        many): ring (cp−1)·2X forward, (2cp−1)·2X backward; all_gather the collectives'
+        many) with local k of ``local_shape`` (B, s_l, d): ring (cp−1)·2X forward, (2cp−1)·2X backward; all_gather the collectives'
         traffic (:func:`~vcluster.runtime.traffic.collective_traffic`) of
         ``collective_algorithm`` (not auto)."""
         x = int(np.prod(local_shape)) * itemsize

@@ -30,6 +30,12 @@ convention: the masked half is never computed), forward 2·b·a_l·s²·d, backw
 that. GQA saves parameters and K/V memory, not attention FLOPs. The causal products are
 declared without a GEMM shape (one causal kernel is no plain GEMM): the timing model
 prices them by their FLOPs.
+
+Context parallelism (``GQAttention(..., cp=ContextParallelAttention(..., group=g))``):
+the rows are this rank's sequence chunks, RoPE turns them by their global positions
+(``Rope(..., positions=)``) and the core attention is the operation's
+``forward_local`` / ``backward_local`` with the g query heads of a K/V head on rows, as
+here; only the c_l K/V heads travel.
 """
 
 from __future__ import annotations
@@ -53,14 +59,19 @@ def causal_bmm(dev, a, b, name: str):
 
 class Rope:
     """Rotary embeddings of head dimension d with base ``theta``; the (s, d) cos / sin
-    tables are built once per sequence length (declared as elementwise work)."""
+    tables are built once per sequence length (declared as elementwise work).
+    ``positions``: the global positions of the rows (a sequence of ints, e.g. a context-
+    parallel rank's chunks, :func:`~tensor_parallel.context_parallel.sequence_positions`);
+    default 0, 1, ..., s-1."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, positions=None):
         self.d, self.theta = head_dim, float(theta)
+        self.positions = None if positions is None else tuple(int(p) for p in positions)
         self._tables: dict = {}
 
     def __repr__(self) -> str:
-        return f"Rope(head_dim={self.d}, theta={self.theta})"
+        at = "" if self.positions is None else f", positions={len(self.positions)} rows"
+        return f"Rope(head_dim={self.d}, theta={self.theta}{at})"
 
     def tables(self, ops, s: int, dtype):
         """(cos, sin), each (s, 1, d): [cos θ | cos θ] and [-sin θ | sin θ]."""
@@ -70,7 +81,11 @@ class Rope:
             with ops.dev.compute("gpt: attention: rope cos, sin tables", flops=0, bytes=nbytes):
                 xp, half = ops.xp, self.d // 2
                 inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
-                angle = xp.arange(s)[:, None] * inv[None, :]              # (s, d/2)
+                if self.positions is not None and len(self.positions) != s:
+                    raise ValueError(f"{self!r}: {s} rows given, the positions name "
+                                     f"{len(self.positions)}")
+                pos = xp.arange(s) if self.positions is None else xp.asarray(self.positions)
+                angle = pos[:, None] * inv[None, :]                       # (s, d/2)
                 cos, sin = np.cos(angle), np.sin(angle)
                 self._tables[key] = tuple(
                     np.concatenate(t, axis=1).reshape(s, 1, self.d).astype(dtype)
@@ -95,13 +110,14 @@ class GQAttention:
     """The block's math on one device (see the module docstring); the caller keeps the
     per-micro-batch state (``forward`` returns it, the backward passes take it back)."""
 
-    def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope):
+    def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope,
+                 cp=None):
         if heads_local % kv_heads_local:
             raise ValueError(f"GQAttention: heads_local={heads_local} is not a multiple of "
                              f"kv_heads_local={kv_heads_local}")
         self.a_l, self.c_l, self.d = heads_local, kv_heads_local, head_dim
         self.g = heads_local // kv_heads_local
-        self.scale, self.rope = 1.0 / math.sqrt(head_dim), rope
+        self.scale, self.rope, self.cp = 1.0 / math.sqrt(head_dim), rope, cp
 
     def __repr__(self) -> str:
         return f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, d={self.d})"
@@ -129,7 +145,11 @@ class GQAttention:
 
     # --- core attention ---------------------------------------------------------------
     def core(self, ops, q, k, v):
-        """P = softmax(q k^T / sqrt(d) + M), C = P v; q (b·c_l, g·s, d), k, v (b·c_l, s, d)."""
+        """P = softmax(q k^T / sqrt(d) + M), C = P v; q (b·c_l, g·s, d), k, v (b·c_l, s, d);
+        under context parallelism ((L, C), C): the row log-sum-exp L stands in for P."""
+        if self.cp is not None:
+            c, lse = self.cp.forward_local(ops.dev, q, k, v)
+            return (lse, c), c
         s = k.shape[1]
         scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T")
         big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
@@ -146,7 +166,11 @@ class GQAttention:
         return p, self._bmm(ops, p, v, "attention: P @ v")
 
     def core_backward(self, ops, dc, q, k, v, p):
-        """(dq, dk, dv) from dC (b·c_l, g·s, d), in q's, k's and v's layouts."""
+        """(dq, dk, dv) from dC (b·c_l, g·s, d), in q's, k's and v's layouts (``p``: core's
+        first output)."""
+        if self.cp is not None:
+            lse, c = p
+            return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
         dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
         ds = ops.ew("attention: softmax grad",
@@ -171,6 +195,8 @@ class GQAttention:
                            b, s, "attention: split heads")
         v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
         p, c = self.core(ops, q, k, v)
+        if self.cp is not None:
+            p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
         y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.reduce_out(y, "attention: reduce y")
@@ -186,6 +212,8 @@ class GQAttention:
         if p is None:
             p, c = self.core(ops, q, k, v)
             ctx = self._q_merge(ops, c, b, s, "attention: merge heads")
+        elif self.cp is not None:
+            p = (p[0], self._q_group(ops, ctx, b, s, "attention: split heads"))  # (L, C)
         dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)

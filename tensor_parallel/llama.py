@@ -274,18 +274,21 @@ def llama_piece(name: str, array, tp: int, tp_rank: int, kv_heads: int):
 
 def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
                 hidden: int, rope_theta: float, recompute: str, eps: float,
-                microbatches: int, seq: int,
+                microbatches: int, seq: int, cp=None, positions=None,
                 kv_sum_every: int | None = None) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
-    ``last``]; ``params(names, prefix="")`` gives this device's pieces by name. The K/V
-    replicas' dW_kv are summed every ``kv_sum_every`` micro-batches (default: once per
-    step; 1 where each micro-batch's gradient leaves the rank, as under ZeRO-2/3)."""
+    ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
+    Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
+    per K/V head here), ``positions`` the global positions of this rank's rows (RoPE).
+    The K/V replicas' dW_kv are summed every ``kv_sum_every`` micro-batches (default:
+    once per step; 1 where each micro-batch's gradient leaves the rank, as under
+    ZeRO-2/3)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
-    d, rope = hidden // heads, Rope(hidden // heads, rope_theta)
+    d, rope = hidden // heads, Rope(hidden // heads, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
     modules = [LlamaLayer(params(LlamaLayer.names, f"layers.{i}."),
-                          GQAttention(heads // t, kv_local, d, rope), kv_heads, replicas,
+                          GQAttention(heads // t, kv_local, d, rope, cp), kv_heads, replicas,
                           kv_sum_every or microbatches, recompute, eps) for i in layers]
     prefixes = [f"layers.{i}." for i in layers]
     if first:

@@ -29,6 +29,13 @@ all-reduced — reduce-scattered on the sequence under SP; then + positions P (s
 :class:`VocabParallelHead` (final LN, logits = x W_out with W_out (h, V) split on V,
 untied from E, and Megatron's vocabulary-parallel cross-entropy: all_reduce(max) of the
 row maxima, one all_reduce(sum) of [sum exp, target logit]; no rank holds all logits).
+
+Context parallelism (``TransformerStage.gpt(..., cp=, positions=)``): a rank's rows are
+its load-balanced chunks of the sequence; attention runs
+:class:`~tensor_parallel.context_parallel.ContextParallelAttention` over the cp axis,
+the positions P are looked up at the rows' global ``positions``, and every other op is
+per row. The loss divides by the global token count; the gradients are partial sums over
+this rank's rows (the executor all-reduces them over dp × cp).
 """
 
 from __future__ import annotations
@@ -80,12 +87,12 @@ class TransformerLayer(_Module):
     seq_partial = ("ln1_g", "ln1_b", "ln2_g", "ln2_b")
 
     def __init__(self, params, heads_local: int, head_dim: int, recompute: str = "none",
-                 eps: float = 1e-5):
+                 eps: float = 1e-5, cp=None):
         if recompute not in RECOMPUTE:
             raise ValueError(f"TransformerLayer: recompute must be one of {RECOMPUTE}, "
                              f"got {recompute!r}")
         super().__init__(params)
-        self.attn = Attention(heads_local, head_dim)
+        self.attn = Attention(heads_local, head_dim, cp)
         self.recompute, self.eps = recompute, eps
 
     def _forward(self, ops, x, keep: str):
@@ -165,6 +172,7 @@ class VocabParallelEmbedding(_Module):
     names = ("wte", "wpe")
     split = MappingProxyType({"wte": 0})
     seq_partial = ("wpe",)
+    positions = None        # the rows' global positions (context parallelism); None: 0..s-1
 
     def forward(self, ops, mb: int, ids):
         """ids (b, s) ints -> x (b, s, h), or (b, s/t, h) under SP (a subclass without
@@ -184,8 +192,11 @@ class VocabParallelEmbedding(_Module):
         if wpe is None:
             return e
         s_l = e.shape[1]
-        pos = wpe[ops.tp_rank * s_l:(ops.tp_rank + 1) * s_l] if ops.sequence_parallel \
-            else wpe[:s_l]
+        first = ops.tp_rank * s_l if ops.sequence_parallel else 0
+        if self.positions is not None:
+            rows = np.asarray(self.positions[first:first + s_l])
+            return ops.ew("embedding: + positions", lambda: e + _lookup(wpe, rows), e)
+        pos = wpe[first:first + s_l]
         return ops.ew("embedding: + positions", lambda: e + pos, e)
 
     def backward_input(self, ops, mb: int, dx):
@@ -201,7 +212,10 @@ class VocabParallelEmbedding(_Module):
 
         def fn():
             _scatter_add(self.g["wte"], local, de * inside[..., None])
-            if gwpe is not None:
+            if gwpe is not None and self.positions is not None:
+                _scatter_add(gwpe, np.asarray(self.positions[first:first + s_l]),
+                             dx.sum(axis=0))
+            elif gwpe is not None:
                 gwpe[first:first + s_l] += dx.sum(axis=0)
 
         ops.work("embedding grads (scatter-add)", 0, (de, de), None, fn)
@@ -278,15 +292,19 @@ class TransformerStage:
 
     @classmethod
     def gpt(cls, ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
-            recompute: str, eps: float, microbatches: int, seq: int) -> "TransformerStage":
+            recompute: str, eps: float, microbatches: int, seq: int, cp=None,
+            positions=None) -> "TransformerStage":
         """A GPT stage: [embedding if ``first``] + ``layers`` (indices) + [head if
-        ``last``]; ``params(names, prefix="")`` gives this device's pieces by name."""
+        ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
+        Context parallelism: ``cp`` a ContextParallelAttention, ``positions`` the global
+        positions of this rank's rows."""
         modules = [TransformerLayer(params(TransformerLayer.names, f"layers.{i}."),
-                                    heads // ops.tp_size, hidden // heads, recompute, eps)
+                                    heads // ops.tp_size, hidden // heads, recompute, eps, cp)
                    for i in layers]
         prefixes = [f"layers.{i}." for i in layers]
         if first:
             modules.insert(0, VocabParallelEmbedding(params(VocabParallelEmbedding.names)))
+            modules[0].positions = positions
             prefixes.insert(0, "")
         if last:
             modules.append(VocabParallelHead(params(VocabParallelHead.names), eps))

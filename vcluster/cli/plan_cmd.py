@@ -9,7 +9,10 @@ SimPy timing model (at least the top K and 10) and prints the top K (step time, 
 per GPU, MFU, peak memory, compute/comm ratio) and the rejections per reason.
 ``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}}`` (every
 configuration that fits, best first); ``--out DIR`` writes plan.json and plan.png (step
-time against peak memory for every candidate). Exit 0 when a configuration fits, 1 when
+time against peak memory for every candidate). ``--max-cp N`` also searches context
+parallelism up to cp = N (``--cp-algorithm ring|all_gather``; default 1: none, the
+search and table of earlier versions); the table then has a cp column, and the JSON
+candidates always carry ``cp``. Exit 0 when a configuration fits, 1 when
 none does, 2 on a bad flag.
 """
 
@@ -23,7 +26,7 @@ from .args import add_arch_arguments, fraction, model_title, positive_int
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
-JSON_KEYS = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
+JSON_KEYS = ("tp", "pp", "dp", "cp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
              "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 
@@ -55,6 +58,10 @@ def add_parser(commands) -> None:
                      default=None, help="shard the optimizer state over dp in every "
                      "configuration (or never, with --no-...); default: where a "
                      "configuration needs it to fit")
+    gpt.add_argument("--max-cp", type=positive_int, default=1,
+                     help="largest context-parallel degree to search (default 1: none)")
+    gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+                     help="context parallelism's attention algorithm (default ring)")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -73,8 +80,10 @@ def plan_json(df) -> dict:
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {}))}
 
 
-def _print_table(df, top: int) -> None:
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
+def _print_table(df, top: int, cp: bool = False) -> None:
+    """The top rows; ``cp``: with a cp column (after dp)."""
+    cp_head = f"{'cp':>3} " if cp else ""
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
             f"{'recompute':<9} {'dopt':<4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
             f"{'comp/comm':>9}  source")
     print(head)
@@ -82,7 +91,8 @@ def _print_table(df, top: int) -> None:
         sched = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
         ratio = f"{r['compute_comm_ratio']:9.1f}" if math.isfinite(r["compute_comm_ratio"]) \
             else f"{'inf':>9}"
-        print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['micro_batch']:>3} "
+        cp_col = f"{r['cp']:>3} " if cp else ""
+        print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
               f"{r['recompute']:<9} {'yes' if r['distributed_optimizer'] else 'no':<4} "
               f"{r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
@@ -116,6 +126,7 @@ def _gpt(args) -> int:
                   workers=args.workers, progress=False if args.quiet else None,
                   attention=args.attention, distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                  max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
@@ -124,7 +135,7 @@ def _gpt(args) -> int:
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s")
     if len(df):
-        _print_table(df, args.top)
+        _print_table(df, args.top, cp=args.max_cp > 1)
     print("rejected:" + ("" if a["rejected"] else " none"))
     for reason, count in a["rejected"].items():
         print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")

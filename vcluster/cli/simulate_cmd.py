@@ -8,7 +8,9 @@ communication, exposed communication, bubble), the compute/communication ratio f
 step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
 peak memory per device and its parts (``--attention flash|unfused``,
 ``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
-``--distributed-optimizer``: vcluster/planner/memory.py); ``--json PATH`` writes the
+``--distributed-optimizer``: vcluster/planner/memory.py); ``--cp N [--cp-algorithm
+ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
+tp·pp·cp·dp, which ``--gpus`` checks when given); ``--json PATH`` writes the
 same figures. A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
 simulated (``fits: false``), but the command says so on stderr and exits 1 unless
@@ -36,6 +38,12 @@ def add_parser(commands) -> None:
     add_arch_arguments(gpt)
     for name, default in (("tp", 1), ("pp", 1), ("dp", 1)):
         gpt.add_argument(f"--{name}", type=positive_int, default=default)
+    gpt.add_argument("--cp", type=positive_int, default=1,
+                     help="context parallelism: ranks the sequence is split over (default 1)")
+    gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+                     help="how attention reaches the other ranks' K/V (default ring)")
+    gpt.add_argument("--gpus", type=positive_int, default=None,
+                     help="check that tp·pp·cp·dp is this many GPUs")
     gpt.add_argument("--global-batch", type=positive_int, required=True)
     gpt.add_argument("--micro-batch", type=positive_int, default=1)
     gpt.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
@@ -72,10 +80,16 @@ def _gpt(args) -> int:
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               attention=args.attention,
-                              distributed_optimizer=args.distributed_optimizer)
+                              distributed_optimizer=args.distributed_optimizer,
+                              cp=args.cp, cp_algorithm=args.cp_algorithm)
+    if args.gpus is not None and args.gpus != parallel.gpus:
+        raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
+                         f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
+                         f"product is the GPU count")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom)
-    print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}, "
+    print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
+          f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}")
     print(f"  step time            {r.step_time_s:.3f} s")

@@ -21,6 +21,11 @@ candidate, or None (the default) to use it where dp > 1 and the candidate does n
 without it — it costs no extra traffic (its reduce-scatter and all-gather move what the
 all-reduce did), so the planner turns it on exactly where memory asks for it.
 
+Context parallelism (``max_cp`` > 1; default 1 keeps the search of earlier versions):
+cp among the divisors of N up to ``max_cp`` with s divisible by 2·cp, dp = N /
+(tp·pp·cp), with ``cp_algorithm``; it needs flash attention (the screen's memory then
+divides the activations by cp).
+
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
 """
@@ -31,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from pipeline_parallel.gpt import ATTENTION, GPTConfig, ParallelConfig
+from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "REJECT_REASONS",
@@ -50,6 +56,7 @@ REJECT_REASONS = {
     "tp_larger_than_node": "tp is larger than the GPUs of a node (max_tp)",
     "pp_not_dividing_layers": "pp does not divide the layers",
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
+    "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
 }
@@ -72,15 +79,24 @@ class SearchSpace:
     sequence_parallel: tuple = (False, True)
     attention: str = "flash"
     distributed_optimizer: bool | None = None      # None: where memory needs it
+    max_cp: int = 1                                # context parallelism: largest cp tried
+    cp_algorithm: str = "ring"
 
     def __post_init__(self):
+        if self.cp_algorithm not in CP_ALGORITHMS:
+            raise ValueError(f"plan_gpt: cp_algorithm must be one of {CP_ALGORITHMS}, got "
+                             f"{self.cp_algorithm!r}")
+        if self.max_cp > 1 and self.attention != "flash":
+            raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs attention='flash' "
+                             f"(context-parallel attention never keeps the scores), got "
+                             f"{self.attention!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"plan_gpt: attention must be one of {ATTENTION}, got "
                              f"{self.attention!r}")
         if self.distributed_optimizer not in (None, False, True):
             raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
                              f"(where memory needs it), got {self.distributed_optimizer!r}")
-        for name in ("max_tp", "max_micro_batch", "max_virtual_stages"):
+        for name in ("max_tp", "max_micro_batch", "max_virtual_stages", "max_cp"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"plan_gpt: {name} must be a positive int, got {v!r}")
@@ -139,37 +155,43 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
     """(the candidates that fit, rejected counts by reason) — see the module docstring."""
     rejected: Counter = Counter()
     out = []
-    for tp in divisors(gpus):
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            reason = _split_reason(config, tp, pp, dp, global_batch, space.max_tp)
-            if reason:
-                rejected[reason] += 1
-                continue
-            per_replica = global_batch // dp
-            mbs = [b for b in (space.micro_batches or divisors(per_replica))
-                   if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
-            sps = [sp for sp in space.sequence_parallel
-                   if not sp or (tp > 1 and config.seq % tp == 0)]
-            for b in mbs:
-                m = per_replica // b
-                for name, v in _schedules(space, config, pp):
-                    for sp in sps:
-                        for rc in space.recompute:
-                            if name == "interleaved_1f1b" and m % pp:
-                                rejected["interleaved_microbatches"] += 1
-                                continue
-                            par = ParallelConfig(
-                                global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
-                                schedule=name, virtual_stages=v, sequence_parallel=sp,
-                                recompute=rc, attention=space.attention,
-                                distributed_optimizer=bool(space.distributed_optimizer))
+    cps = [c for c in divisors(gpus) if c <= space.max_cp]
+    splits = [(tp, pp, cp) for cp in cps for tp in divisors(gpus // cp)
+              for pp in divisors(gpus // (cp * tp))]
+    for tp, pp, cp in splits:
+        dp = gpus // (tp * pp * cp)
+        reason = _split_reason(config, tp, pp, dp, global_batch, space.max_tp)
+        if reason is None and cp > 1 and config.seq % (2 * cp):
+            reason = "cp_not_dividing_seq"
+        if reason:
+            rejected[reason] += 1
+            continue
+        per_replica = global_batch // dp
+        mbs = [b for b in (space.micro_batches or divisors(per_replica))
+               if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
+        sps = [sp for sp in space.sequence_parallel
+               if not sp or (tp > 1 and config.seq // cp % tp == 0)]
+        for b in mbs:
+            m = per_replica // b
+            for name, v in _schedules(space, config, pp):
+                for sp in sps:
+                    for rc in space.recompute:
+                        if name == "interleaved_1f1b" and m % pp:
+                            rejected["interleaved_microbatches"] += 1
+                            continue
+                        par = ParallelConfig(
+                            global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
+                            schedule=name, virtual_stages=v, sequence_parallel=sp,
+                            recompute=rc, attention=space.attention,
+                            distributed_optimizer=bool(space.distributed_optimizer),
+                            **({"cp": cp, "cp_algorithm": space.cp_algorithm}
+                               if cp > 1 else {}))
+                        fits = peak_memory_bytes(config, par) <= hbm_bytes
+                        if not fits and space.distributed_optimizer is None and dp > 1:
+                            par = replace(par, distributed_optimizer=True)
                             fits = peak_memory_bytes(config, par) <= hbm_bytes
-                            if not fits and space.distributed_optimizer is None and dp > 1:
-                                par = replace(par, distributed_optimizer=True)
-                                fits = peak_memory_bytes(config, par) <= hbm_bytes
-                            if fits:
-                                out.append(par)
-                            else:
-                                rejected["out_of_memory"] += 1
+                        if fits:
+                            out.append(par)
+                        else:
+                            rejected["out_of_memory"] += 1
     return out, rejected

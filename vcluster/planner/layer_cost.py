@@ -18,6 +18,13 @@ the replay's :class:`~vcluster.timing.hardware_model.HardwareCostModel`: compute
 ``compute_time_s``, each tensor-parallel collective by ``collective_time_s`` with no
 concurrent flows. TP collectives sit on the compute stream's critical path in the
 program (each result is used at once), so ``seconds`` = compute + TP communication.
+
+With context parallelism (cp > 1) the pieces are traced on a (cp, tp) mesh, every cp
+rank of tp rank 0 (the ring's receives need their senders), on this rank's s/cp rows;
+rank 0's ops are priced (load-balanced chunks: every cp rank does the same work). The
+K/V ring's (or all-gather's) transfers are ``cp_s``: priced alone (``p2p_time_s``) and
+kept out of ``seconds`` — they overlap the attention blocks in the program — while its
+all-gather/reduce-scatter variant's collectives are blocking, in ``comm_s``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from pipeline_parallel.llama import llama_param_shapes
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
-from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
+from tensor_parallel.context_parallel import ContextParallelAttention, sequence_positions
+from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceSend,
+                                      trace_program)
 
 __all__ = ["PieceCost", "StagePieces", "trace_stage_pieces"]
 
@@ -48,6 +57,7 @@ class PieceCost:
     compute_s: float       # priced compute kernels
     comm_s: float          # tensor-parallel collectives (on the critical path)
     flops: float           # FLOPs executed (recomputation included)
+    cp_s: float = 0.0      # context parallelism's sends, overlapping the attention
 
     @property
     def seconds(self) -> float:
@@ -55,10 +65,10 @@ class PieceCost:
 
     def __add__(self, other: "PieceCost") -> "PieceCost":
         return PieceCost(self.compute_s + other.compute_s, self.comm_s + other.comm_s,
-                         self.flops + other.flops)
+                         self.flops + other.flops, self.cp_s + other.cp_s)
 
     def __mul__(self, k: float) -> "PieceCost":
-        return PieceCost(self.compute_s * k, self.comm_s * k, self.flops * k)
+        return PieceCost(self.compute_s * k, self.comm_s * k, self.flops * k, self.cp_s * k)
 
     __rmul__ = __mul__
 
@@ -75,6 +85,8 @@ class StagePieces:
     sequence_parallel: bool
     recompute: str
     pieces: dict
+    cp: int = 1
+    cp_algorithm: str = "ring"
 
     def __getitem__(self, key) -> PieceCost:
         return self.pieces[key]
@@ -89,7 +101,7 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
             "w_out": (h, V // t)}
 
 
-def _llama_modules(ops, config, recompute: str):
+def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
     """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
     for two micro-batches and given one, the layer leaves out the once-per-step sum of
     K/V replicas' gradients (kv_heads < tp): the replay counts it."""
@@ -99,28 +111,42 @@ def _llama_modules(ops, config, recompute: str):
             for n, shape in shapes.items()}
     stage = llama_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0], True,
                         True, config.heads, config.kv_heads, config.hidden, config.rope_theta,
-                        recompute, config.eps, 2, config.seq)
+                        recompute, config.eps, 2, config.seq, cp, positions)
     return stage.modules
 
 
-def _program(dev, config, b: int, sp: bool, recompute: str):
+def _context_parallel(dev, config, t: int, algorithm: str):
+    """(ContextParallelAttention, this rank's positions), or (None, None) without cp."""
+    if "cp" not in dev.mesh.axes:
+        return None, None
+    n = dev.mesh.axis_size("cp")
+    kv = max(config.kv_heads // t, 1)
+    group = config.heads // t // kv if config.arch == "llama" else 1
+    return (ContextParallelAttention(config.heads // t, config.head_dim, algorithm, "cp",
+                                     group=group, label="gpt: attention: cp"),
+            sequence_positions(config.seq, n, dev.mesh.group_position("cp", dev.rank)))
+
+
+def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring"):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp)
+    cp, positions = _context_parallel(dev, config, t, cp_algorithm)
     if config.arch == "llama":
-        emb, layer, head = _llama_modules(ops, config, recompute)
+        emb, layer, head = _llama_modules(ops, config, recompute, cp, positions)
     else:
         meta = {n: MetaArray(shape, np.float16)
                 for n, shape in _local_shapes(h, s, V, t).items()}
         emb = VocabParallelEmbedding(meta)
-        layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute)
+        emb.positions = positions
+        layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute, cp=cp)
         head = VocabParallelHead(meta)
 
     def mark():
         with dev.compute(_MARK):
             pass
 
-    ids = MetaArray((b, s), np.int64)
+    ids = MetaArray((b, s // (1 if cp is None else dev.mesh.axis_size("cp"))), np.int64)
     x = emb.forward(ops, 0, ids)
     mark()
     y = layer.forward(ops, 0, x)
@@ -140,22 +166,28 @@ def _program(dev, config, b: int, sp: bool, recompute: str):
 
 
 def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
-                       recompute: str, costs) -> StagePieces:
+                       recompute: str, costs, cp: int = 1,
+                       cp_algorithm: str = "ring") -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
-    (a HardwareCostModel)."""
+    (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism."""
     sp = bool(sequence_parallel and tp > 1)
-    (trace,) = trace_program(Mesh((tp,), ("tp",)), _program,
-                             [(config, micro_batch, sp, recompute)] * tp, ranks=[0])
-    pieces, compute, comm, flops, k = {}, 0.0, 0.0, 0.0, 0
+    mesh = Mesh((cp, tp), ("cp", "tp")) if cp > 1 else Mesh((tp,), ("tp",))
+    traces = trace_program(mesh, _program,
+                           [(config, micro_batch, sp, recompute, cp_algorithm)] * mesh.size,
+                           ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
+    trace = traces[0]
+    pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0
     for op in trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:
             piece, action = _PIECES[k].split(".")
-            pieces[(piece, action)] = PieceCost(compute, comm, flops)
-            compute, comm, flops, k = 0.0, 0.0, 0.0, k + 1
+            pieces[(piece, action)] = PieceCost(compute, comm, flops, ring)
+            compute, comm, flops, ring, k = 0.0, 0.0, 0.0, 0.0, k + 1
         elif isinstance(op, TraceCompute):
             compute += costs.compute_time_s(op)
             flops += op.flops
         elif isinstance(op, TraceCollective):
             comm += costs.collective_time_s(op, 1)
+        elif isinstance(op, TraceSend):
+            ring += costs.p2p_time_s(trace.rank, op.peer, op.nbytes)
     assert k == len(_PIECES), f"found {k} of {len(_PIECES)} piece markers"
-    return StagePieces(tp, micro_batch, sp, recompute, pieces)
+    return StagePieces(tp, micro_batch, sp, recompute, pieces, cp, cp_algorithm)

@@ -62,6 +62,19 @@ A rank holds as many micro-batches' activations as its schedule keeps in flight 
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
 rank r), each for one chunk's layers.
 
+Context parallelism (``ParallelConfig.cp``): a rank holds s/cp rows of every micro-batch,
+so every activation term above is taken at s/cp (with cp > 1 the attention is the
+flash form — the context-parallel kernels keep O and the log-sum-exp, as Megatron's CP
+needs flash attention — so every term is linear in s and the activations divide by
+cp). Added once, for the layer whose attention runs: the K/V buffers of the
+communication, X = 2·b·c_l·d·s/cp bytes for one local K (or V) block in 16 bits (c_l
+the K/V heads per rank: a/t for GPT): the ring holds the received K, V block and the
+next one in flight, and in the backward also the dK, dV accumulator it sends and the one
+it receives, 8X at its peak; all_gather holds K, V and dK, dV of the whole sequence,
+4·cp·X (:data:`CP_RING_BUFFERS`; counted in ``activations_bytes``). Parameters,
+gradients and optimizer state are replicated over cp (the gradients are all-reduced
+over dp × cp); the logits are s/cp rows.
+
 The peak (:attr:`MemoryBreakdown.total_bytes`) counts tensors, comparable to
 ``torch.cuda.max_memory_allocated``. A device also needs room the tensors do not show
 (the CUDA context, NCCL's buffers, the caching allocator's fragmentation): a
@@ -71,6 +84,7 @@ the reserve.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipelining import peak_in_flight
@@ -78,7 +92,7 @@ from pipelining import peak_in_flight
 __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
            "usable_memory_bytes", "activation_bytes_per_layer",
-           "llama_activation_bytes_per_layer"]
+           "llama_activation_bytes_per_layer", "cp_buffer_bytes", "CP_RING_BUFFERS"]
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -90,6 +104,9 @@ LSE_BYTES = 4        # flash attention's fp32 log-sum-exp per (row, head)
 # fragmentation. 5% is issue 31's default (chosen, not measured); --memory-headroom
 # changes it.
 MEMORY_HEADROOM = 0.05
+# The ring's K/V blocks held at once at its peak (the backward): the received K and V,
+# the next K and V in flight, the dK, dV accumulator sent and the one received.
+CP_RING_BUFFERS = 8
 
 
 def usable_memory_bytes(hbm_bytes: float, headroom: float = MEMORY_HEADROOM) -> float:
@@ -169,16 +186,31 @@ def rank_params(config, parallel, r: int) -> float:
     return params
 
 
+def cp_buffer_bytes(config, parallel) -> float:
+    """The context-parallel K/V communication buffers at their peak (the module doc):
+    ring 8X, all_gather 4·cp·X, X = 2·b·c_l·d·s/cp; 0 without context parallelism."""
+    cp = getattr(parallel, "cp", 1)
+    if cp == 1:
+        return 0
+    t = parallel.tp
+    kv_local = max(config.kv_heads // t, 1) if config.arch == "llama" else config.heads // t
+    x = WEIGHT_BYTES * parallel.micro_batch * kv_local * config.head_dim * config.seq / cp
+    return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
+
+
 def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     """The breakdown of pipeline rank ``r`` holding ``in_flight`` micro-batches'
     activations at its peak."""
     params = rank_params(config, parallel, r)
-    zero, dp = parallel.zero_stage, parallel.dp
-    optimizer = OPTIMIZER_BYTES / (dp if zero >= 1 else 1)
-    largest = _largest_module(config, parallel, r)
-    weights = params * WEIGHT_BYTES / dp + 2 * largest * WEIGHT_BYTES if zero == 3 else \
+    cp = getattr(parallel, "cp", 1)
+    full_config, config = config, (config if cp == 1 else
+                                   dataclasses.replace(config, seq=config.seq // cp))
+    zero, shards = parallel.zero_stage, parallel.dp * cp     # ZeRO shards over dp x cp
+    optimizer = OPTIMIZER_BYTES / (shards if zero >= 1 else 1)
+    largest = _largest_module(full_config, parallel, r)
+    weights = params * WEIGHT_BYTES / shards + 2 * largest * WEIGHT_BYTES if zero == 3 else \
         params * WEIGHT_BYTES
-    grads = params * GRAD_BYTES / dp + largest * GRAD_BYTES if zero >= 2 else \
+    grads = params * GRAD_BYTES / shards + largest * GRAD_BYTES if zero >= 2 else \
         params * GRAD_BYTES
     per_stage = config.layers // (parallel.pp * parallel.chunks)
     act = llama_activation_bytes_per_layer(
@@ -191,7 +223,8 @@ def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
               if last else 0)
     return MemoryBreakdown(r, int(weights), int(grads), int(params * optimizer),
-                           int(in_flight * per_stage * act), int(logits))
+                           int(in_flight * per_stage * act
+                               + cp_buffer_bytes(full_config, parallel)), int(logits))
 
 
 def _largest_module(config, parallel, r: int) -> float:

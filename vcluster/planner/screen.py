@@ -34,6 +34,12 @@ compute over its TP, p2p and DP communication; peak memory: :mod:`gpt_memory`'s 
 with the schedules' peaks of micro-batches in flight in closed form (1F1B min(m, p - r),
 ZB-H1 min(m, p), interleaved min((v-1)p + 2(p-1-r) + 1, v·m); tested equal).
 
+Context parallelism (cp > 1): the pieces are a cp rank's (its s/cp rows, its attention
+blocks; :mod:`~vcluster.planner.layer_cost`), the p2p messages are b·s/cp·h·2 bytes, the
+gradients are all-reduced over dp·cp ranks, N = dp·p·cp·t; the ring's K/V transfers
+count in comm but not in the step (assumed hidden behind the attention blocks, as the
+program overlaps them; the replay says how far they are).
+
 What it leaves out (the replay has them): the exact interleaving of TP, p2p and DP
 traffic on shared links, stragglers of uneven stages within a rank's schedule, the
 optimizer's tail. It is an estimate for ranking; the planner's final order comes from
@@ -126,14 +132,16 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
         name, p, m, v if name == "interleaved_1f1b" else 1, F.seconds, B.seconds,
         min(W.seconds, 0.999 * B.seconds))
 
-    act_bytes = parallel.micro_batch * config.seq * config.hidden * TRACE_BYTES
+    cp = getattr(parallel, "cp", 1)
+    act_bytes = parallel.micro_batch * config.seq // cp * config.hidden * TRACE_BYTES
     act_bytes //= t if pieces.sequence_parallel else 1
     p2p = 0.0 if p == 1 else 2 * (p * v - 1) * collective_time_s(
         "send", act_bytes, (0, t), hardware)
 
     exposed, dp_s = 0.0, 0.0
-    if dp > 1:
-        group = tuple(range(0, dp * p * t, p * t))
+    if dp * cp > 1:
+        # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
+        group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
         grad_bytes = rank_params(config, parallel, crit) * TRACE_BYTES
         flows = max(1, min(t, hardware.gpus_per_node))
         full, rest = divmod(int(grad_bytes), BUCKET_BYTES)
@@ -146,13 +154,13 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
 
     step = busy + bubble + p2p + exposed
     compute = m * (F.compute_s + B.compute_s)
-    comm = m * (F.comm_s + B.comm_s) + p2p + dp_s
+    comm = m * (F.comm_s + B.comm_s + F.cp_s + B.cp_s) + p2p + dp_s
     mean_layers_flops = m * (config.layers // p) * sum(pieces[("layer", a)].flops
                                                        for a in "FIW")
     ends_flops = m * sum(pieces[(e, a)].flops for e in ("emb", "head") for a in "FIW") / p
     tflops = (mean_layers_flops + ends_flops) / step / 1e12
     model = model_flops(config, parallel.global_batch)
-    n = dp * p * t
+    n = dp * p * t * cp
     return ScreenEstimate(
         step_time_s=step, busy_s=busy, bubble_s=bubble, p2p_s=p2p, exposed_dp_s=exposed,
         compute_s=compute, comm_s=comm, tflops_per_gpu=tflops,

@@ -43,13 +43,14 @@ __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_RE
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
-COLUMNS = ("tp", "pp", "dp", "micro_batch", "microbatches", "schedule", "virtual_stages",
+COLUMNS = ("tp", "pp", "dp", "cp", "micro_batch", "microbatches", "schedule", "virtual_stages",
            "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
 def _knobs(par: ParallelConfig) -> dict:
-    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch": par.micro_batch,
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "cp": par.cp,
+            "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer}
@@ -134,8 +135,10 @@ def _screen_all(config, candidates, hw, bar) -> list:
     out = []
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
-        if key not in pieces:
-            pieces[key] = trace_stage_pieces(config, *key, costs)
+        cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
+        if key + cp_key not in pieces:
+            pieces[key + cp_key] = trace_stage_pieces(config, *key, costs, *cp_key)
+        key = key + cp_key
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
@@ -150,7 +153,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              sequence_parallel=None, workers: int | None = None,
              progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
              attention: str = "flash", distributed_optimizer: bool | None = None,
-             arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None):
+             arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
+             max_cp: int = 1, cp_algorithm: str = "ring"):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -165,6 +169,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
     candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``: as
     :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama": grouped-query attention, SwiGLU).
+    ``max_cp``: the largest context-parallel degree searched (every cp up to it that
+    divides the GPUs and splits s into 2·cp chunks; default 1: no context parallelism,
+    the search of earlier versions), with ``cp_algorithm`` ("ring" or "all_gather").
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -183,7 +190,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
-        attention=attention, distributed_optimizer=distributed_optimizer)
+        attention=attention, distributed_optimizer=distributed_optimizer, max_cp=max_cp,
+        cp_algorithm=cp_algorithm)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)

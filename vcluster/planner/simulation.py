@@ -11,6 +11,12 @@
 3. replay them on the hardware (:func:`vcluster.timing.engine.simulate_trace` with
    :class:`~vcluster.timing.hardware_model.HardwareCostModel`), symmetric mode.
 
+With context parallelism (``ParallelConfig.cp`` > 1) every cp rank of replica 0 (tp 0)
+is traced at each traced pipeline position — the K/V ring's sends and receives inside
+an action run between them (a replayed receive needs its sender's trace), and stay in
+the templates, their peers renamed like the collectives' groups — and the full step has
+cp·p traces: the ring's transfers overlap the attention blocks on the hardware model.
+
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
@@ -179,10 +185,19 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short_mesh = short.mesh()
     args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer)
     job = args[0][0]
-    traces = trace_program(short_mesh, train_program, args,
-                           ranks=list(short_mesh.group("pp", 0)))
-    return short_mesh, [coalesce(cut_templates(t, job.actions[pos], p_short * v, m_short),
-                                 costs, gpt_op_kind) for pos, t in enumerate(traces)]
+    groups = [short_mesh.group("pp", _at(short_mesh, cp=c)) for c in range(short.cp)]
+    traces = {t.rank: t for t in trace_program(short_mesh, train_program, args,
+                                               ranks=[r for g in groups for r in g])}
+    return short_mesh, [[coalesce(cut_templates(traces[r], job.actions[pos], p_short * v,
+                                                m_short, pipeline_peers=frozenset(g)),
+                                  costs, gpt_op_kind) for pos, r in enumerate(g)]
+                        for g in groups]
+
+
+def _at(mesh, **coords) -> int:
+    """The rank at ``coords`` (axes not named: 0; names the mesh lacks must be 0)."""
+    assert all(a in mesh.axes or c == 0 for a, c in coords.items()), (mesh, coords)
+    return mesh.rank({a: coords.get(a, 0) for a in mesh.axes})
 
 
 def gpt_schedule(parallel: ParallelConfig):
@@ -195,8 +210,8 @@ def gpt_schedule(parallel: ParallelConfig):
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=None,
                     markers: bool = False) -> list:
-    """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
-    compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
+    """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
+    cp rank with context parallelism, cp rank-major — runs of compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
     :func:`~vcluster.planner.stitch.coalesce`).
 
     The GPT program is traced for a short step on a pipeline of ``p' = min(p,
@@ -221,7 +236,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p_short = p if traced_positions is None else min(p, traced_positions)
     short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer)
     S = p * v
-    sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
+    sizes_short = {k: n for ts in templates for t in ts for k, n in t.message_bytes.items()}
 
     def short_stage(s):
         return s // p * p_short + _short_position(s % p, p, p_short)
@@ -229,22 +244,26 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
              if (d, short_stage(s)) in sizes_short}
     schedule = schedule or gpt_schedule(parallel)
-    ranks = tuple(mesh.group("pp", 0))
     out = []
-    for q, rank in enumerate(ranks):
-        q_short = _short_position(q, p, p_short)
+    for cp_rank in range(parallel.cp):
+        ranks = tuple(mesh.group("pp", _at(mesh, cp=cp_rank)))
+        for q, rank in enumerate(ranks):
+            q_short = _short_position(q, p, p_short)
 
-        def full_rank(r, q=q, q_short=q_short):
-            c = short_mesh.index(r)
-            pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
-            if pos is None:
-                raise ValueError(f"GPT trace: a collective of traced pipeline position "
-                                 f"{q_short} reaches position {c['pp']}, which stands for "
-                                 f"no single position of the full pipeline")
-            return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
+            def full_rank(r, q=q, q_short=q_short):
+                c = short_mesh.index(r)
+                pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
+                if pos is None:
+                    raise ValueError(f"GPT trace: a collective of traced pipeline position "
+                                     f"{q_short} reaches position {c['pp']}, which stands "
+                                     f"for no single position of the full pipeline")
+                return _at(mesh, dp=c["dp"], pp=pos, tp=c["tp"],
+                           cp=c["cp"] if "cp" in short_mesh.axes else 0)
 
-        t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)
-        out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers))
+            t = moved(templates[cp_rank][q_short], lambda s, q=q: s // p_short * p + q,
+                      full_rank, sizes)
+            out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m,
+                              markers=markers))
     return out
 
 

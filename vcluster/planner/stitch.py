@@ -14,6 +14,10 @@ In a pipeline of uniform layers the middle stages do the same work, up to the na
 the ranks they talk to: :func:`moved` turns one pipeline position's templates into
 another's (stage numbers and collective groups renamed), so a deep pipeline is traced
 with one middle position only (see :mod:`vcluster.planner.simulation`).
+
+Point-to-point messages inside an action that are not pipeline messages (context
+parallelism's K/V ring, to peers outside the pipeline group: ``cut_templates(...,
+pipeline_peers=)``) stay in the templates, and :func:`moved` renames their peers.
 """
 
 from __future__ import annotations
@@ -57,13 +61,17 @@ class Templates:
     message_bytes: dict
 
 
-def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int) -> Templates:
-    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates."""
+def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int,
+                  pipeline_peers=None) -> Templates:
+    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates.
+    ``pipeline_peers``: the ranks whose sends and receives are pipeline messages (None:
+    every peer); messages to other peers are part of the action's body."""
     last = _last_backwards(actions)
     bodies, body, k = {}, [], 0
     sizes: dict = {}
     for op in trace.ops:
-        if isinstance(op, (TraceSend, TraceRecv)):
+        if isinstance(op, (TraceSend, TraceRecv)) and (pipeline_peers is None
+                                                       or op.peer in pipeline_peers):
             direction, stage = divmod(op.tag // microbatches, n_stages)
             sizes[(direction % 2, stage)] = op.nbytes
             continue
@@ -125,7 +133,8 @@ def coalesce(templates: Templates, costs, op_kind=None) -> Templates:
 def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templates:
     """``templates`` of another pipeline position: every key's stage ``s`` becomes
     ``stage_of(s)``, every collective's group ``(r, ...)`` becomes ``(rank_of(r), ...)``
-    (send/receive peers are not in templates: :func:`stitch` names them); the message
+    (pipeline send/receive peers are not in templates: :func:`stitch` names them; the
+    peers of the other point-to-point messages become ``rank_of(peer)``); the message
     sizes become ``message_bytes`` when given."""
     groups: dict = {}
 
@@ -138,6 +147,8 @@ def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templa
                     g = groups[op.group] = tuple(rank_of(r) for r in op.group)
                 op = TraceCollective(op.collective, g, op.nbytes, op.itemsize, op.algorithm,
                                      op.root, op.handle)
+            elif isinstance(op, (TraceSend, TraceRecv)):
+                op = type(op)(rank_of(op.peer), op.nbytes, op.tag)
             out.append(op)
         return tuple(out)
     bodies = {(stage_of(s), kind, last): rename(ops)

@@ -308,3 +308,23 @@ def test_llama_kv_replicas_summed_under_every_stage(ring):
         for k, v in ref.params.items():
             np.testing.assert_allclose(run.params[k], v, rtol=RTOL, atol=ATOL,
                                        err_msg=f"{k} zero={zero}")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_zero_shards_over_dp_and_cp(ring, arch):
+    """With context parallelism the gradients are partial over dp x cp, and ZeRO shards
+    (and reduce-scatters, and gathers) over that group, as Megatron's distributed
+    optimizer does: every stage equals the reference."""
+    extra = {"kv_heads": 2, "ffn_hidden": 24} if arch == "llama" else {}
+    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=16, arch=arch, **extra)
+    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
+    tokens, targets = (rng.integers(0, cfg.vocab, (4, cfg.seq)) for _ in range(2))
+    kw = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+    ref = gpt.fit_reference(tokens, targets, steps=STEPS, **kw)
+    for zero in (1, 2, 3):
+        par = ParallelConfig(global_batch=4, dp=2, cp=2, zero_stage=zero)
+        run = gpt.fit(ring(par.mesh()), tokens, targets, steps=STEPS, parallel=par, **kw)
+        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
+        for k, v in ref.params.items():
+            np.testing.assert_allclose(run.params[k], v, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{k} zero={zero}")

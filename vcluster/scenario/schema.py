@@ -24,7 +24,7 @@ from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA a
 
 __all__ = ["scenario_schema", "check_document", "check_section", "KINDS", "MODES", "DTYPES",
            "COLLECTIVE_OPS", "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS",
-           "ALGORITHMS", "PARALLEL_AXES"]
+           "ALGORITHMS", "PARALLEL_AXES", "TRANSFORMER_AXES"]
 
 KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
 MODES = Mode.values()
@@ -44,6 +44,8 @@ OPTIMIZERS = ("sgd", "adam")
 REPORT_FORMATS = ("md", "html", "json", "csv", "png", "trace")
 HARDWARE_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 PARALLEL_AXES = ("dp", "pp", "tp")
+TRANSFORMER_AXES = ("dp", "pp", "cp", "tp")   # ParallelConfig.mesh()'s order
+CP_ALGORITHMS = ("ring", "all_gather")        # tensor_parallel.context_parallel's
 ARCHS = ("gpt", "llama")          # pipeline_parallel.gpt.ARCHS (the front door imports no model)
 
 _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -165,6 +167,10 @@ _PARALLEL = MappingProxyType({
                                        "distributed optimizer, ZeRO-1: emulated and in "
                                        "the memory model)"),
         **_DEGREES,
+        "cp": _int("context-parallel degree: the sequence split over mesh axis 'cp' "
+                   "(ring attention; the mesh is built dp, pp, cp, tp)"),
+        "cp_algorithm": _enum(CP_ALGORITHMS, "context-parallel attention: K/V passed "
+                              "around the cp ring, or all-gathered", "ring"),
     },
 })
 

@@ -17,11 +17,13 @@ from mesh import Mesh
 from .errors import ScenarioError
 from .hardware import check_hardware
 from .resilience import check_faults
-from .schema import PARALLEL_AXES
+from .schema import PARALLEL_AXES, TRANSFORMER_AXES
 
 __all__ = ["resolve_mesh", "check_semantics", "DEGREE_KINDS"]
 
 DEGREE_KINDS = ("mlp", "transformer")      # kinds whose parallel section has dp / pp / tp
+#: the degree keys of those kinds, in the order a mesh built from them takes
+_DEGREE_AXES = {"mlp": PARALLEL_AXES, "transformer": TRANSFORMER_AXES}
 
 
 def resolve_mesh(scenario):
@@ -30,8 +32,8 @@ def resolve_mesh(scenario):
     if getattr(scenario, "mesh", None) is not None:
         return scenario.mesh
     par = scenario.parallel
-    degrees = {a: par[a] for a in PARALLEL_AXES if par.get(a) is not None} \
-        if scenario.workload.kind in DEGREE_KINDS else {}
+    degrees = {a: par[a] for a in _DEGREE_AXES[scenario.workload.kind]
+               if par.get(a) is not None} if scenario.workload.kind in DEGREE_KINDS else {}
     if scenario.cluster.mesh:
         axes = tuple(a for a, _ in scenario.cluster.mesh)
         mesh = Mesh(tuple(n for _, n in scenario.cluster.mesh), axes)

@@ -31,9 +31,9 @@ __all__ = ["validate", "build"]
 def validate(scenario, mesh) -> None:
     """The parser's cross-field rules (once per point; :func:`build` trusts them)."""
     o, par = scenario.workload.options, scenario.parallel
-    unknown = [a for a in mesh.axes if a not in ("dp", "pp", "tp")]
+    unknown = [a for a in mesh.axes if a not in _AXES]
     if unknown:
-        raise ScenarioError("cluster.mesh", dict(mesh.shape), "axes among dp, pp, tp",
+        raise ScenarioError("cluster.mesh", dict(mesh.shape), f"axes among {', '.join(_AXES)}",
                             f"unknown axes {unknown} for a transformer")
     if o["hidden"] % o["heads"]:
         raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
@@ -55,10 +55,20 @@ def validate(scenario, mesh) -> None:
     if o["layers"] % stages:
         raise ScenarioError("workload.layers", o["layers"], f"a multiple of {stages}",
                             f"layers split into pp={degrees['pp']} x {chunks} stages")
-    for key in ("heads", "vocab") + (("seq",) if par["sequence_parallel"] else ()):
+    for key in ("heads", "vocab"):
         if o[key] % degrees["tp"]:
             raise ScenarioError(f"workload.{key}", o[key], f"a multiple of tp={degrees['tp']}",
                                 f"{key} is split over tp")
+    cp, tp = degrees["cp"], degrees["tp"]
+    if cp > 1 and o["seq"] % (2 * cp):
+        raise ScenarioError("workload.seq", o["seq"], f"a multiple of 2 x cp = {2 * cp}",
+                            "the sequence is cut into 2·cp chunks (two per cp rank)")
+    if par["sequence_parallel"] and (o["seq"] // cp) % tp:
+        raise ScenarioError("workload.seq", o["seq"], f"a multiple of cp x tp = {cp * tp}",
+                            "sequence parallelism splits each cp rank's rows over tp")
+    if cp > 1 and par.get("attention", "flash") != "flash":
+        raise ScenarioError("parallel.attention", par["attention"], "flash with cp > 1",
+                            "context-parallel attention never keeps the s² scores")
 
 
 def _validate_arch(o, tp: int) -> None:
@@ -86,8 +96,11 @@ def _validate_arch(o, tp: int) -> None:
                             "the SwiGLU width is split over tp")
 
 
+_AXES = ("dp", "pp", "cp", "tp")
+
+
 def _degrees(mesh) -> dict:
-    return {a: mesh.shape.get(a, 1) for a in ("dp", "pp", "tp")}
+    return {a: mesh.shape.get(a, 1) for a in _AXES}
 
 
 def _configs(scenario, mesh):
@@ -102,7 +115,7 @@ def _configs(scenario, mesh):
                               recompute=par["recompute"],
                               attention=par.get("attention", "flash"),
                               distributed_optimizer=bool(par.get("distributed_optimizer")),
-                              **_degrees(mesh))
+                              cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
     return config, parallel
 
 

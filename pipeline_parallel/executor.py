@@ -66,6 +66,8 @@ class TrainJob:
     return_optimizer: bool = False     # results carry the optimizer state (checkpoints)
     crash_at: tuple = ()       # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
+    expert_dp_axis: object = None      # experts' gradients: sum over this (axis, tuple of
+    #                                    axes, () = none) instead of dp_axis; None: dp_axis
 
     @property
     def n_stages(self) -> int:
@@ -103,6 +105,38 @@ class GradBuckets:
                 a[...] = total[offset:offset + a.size].reshape(a.shape)
                 offset += a.size
         self._launched = []
+
+
+class _NoBuckets:
+    """Gradients that need no reduction (a group of one)."""
+
+    def add(self, arrays) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def _expert_buckets(job: TrainJob, dev):
+    """The experts' own buckets when ``job.expert_dp_axis`` is set (a _NoBuckets for a
+    group of one), else None."""
+    if job.expert_dp_axis is None:
+        return None
+    axes = job.expert_dp_axis
+    if axes == () or dev.mesh.axis_size(axes) == 1:
+        return _NoBuckets()
+    return GradBuckets(dev, axes, job.bucket_bytes)
+
+
+def _add_split(buckets, expert_buckets, layers, i: int) -> None:
+    """Module ``i``'s final gradients into the buckets: the experts' (``expert_mask``)
+    into ``expert_buckets``, the others into ``buckets`` (None: no reduction)."""
+    mask = layers.expert_mask(i) if hasattr(layers, "expert_mask") else ()
+    grads = layers.grads[i]
+    mask = mask or (False,) * len(grads)
+    if buckets is not None:
+        buckets.add([g for g, e in zip(grads, mask) if not e])
+    expert_buckets.add([g for g, e in zip(grads, mask) if e])
 
 
 def _letter(action) -> str:
@@ -186,6 +220,7 @@ def train_program(dev, job: TrainJob, X, Y):
     dp_size = 1 if job.dp_axis is None else len(dev.mesh.group(job.dp_axis, dev.rank))
     rows = job.global_batch // (dp_size * m)
     losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
+    aux_losses, moe_loads = [], []
 
     def tag(step, direction, stage, j):
         return ((step * 2 + direction) * S + stage) * m + j
@@ -201,6 +236,7 @@ def train_program(dev, job: TrainJob, X, Y):
             layers.zero_grads()
         left = {s: m for s in stages}
         buckets = GradBuckets(dev, job.dp_axis, job.bucket_bytes) if dp_size > 1 else None
+        expert_buckets = _expert_buckets(job, dev)
         pending_dy, loss = {}, 0.0
         for action in job.actions[pos]:
             s, kind, j = action.stage, _letter(action), action.microbatch
@@ -233,20 +269,28 @@ def train_program(dev, job: TrainJob, X, Y):
                 if kind in ("B", "W"):
                     left[s] -= 1
                     done = None
-                    if buckets is not None and left[s] == 0:
+                    if expert_buckets is not None and left[s] == 0:
+                        done = lambda l, L=layers: _add_split(  # noqa: E731
+                            buckets, expert_buckets, L, l)
+                    elif buckets is not None and left[s] == 0:
                         done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
                     layers.backward_weight(dev, j, on_layer_done=done)
             if out is not None and kind == "F":
                 dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))
             elif out is not None and s > 0:
                 dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
-        if buckets is not None:
-            buckets.finish()
+        for b in (buckets, expert_buckets):
+            if b:
+                b.finish()
         with dev.compute("optimizer", flops=0,
                          bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
             opt.step(params, grads)
         losses.append(loss)
+        reports = [L.moe_report() for L in stages.values() if hasattr(L, "moe_report")]
+        aux_losses.append(sum(a for a, _ in reports))
+        moe_loads.append({k: v for _, d in reports for k, v in d.items()})
     return {
+        "aux_losses": aux_losses, "moe_loads": moe_loads,
         "rank": dev.rank, "pp_position": pos,
         "optimizer": _optimizer_named(stages, opt) if job.return_optimizer else None,
         "losses": losses if (S - 1) in stages else None,

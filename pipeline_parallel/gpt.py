@@ -42,6 +42,9 @@ from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
+from tensor_parallel.moe import MoE
+from tensor_parallel.moe_layer import EXPERT_PARAMS, MOE_PARAMS, llama_moe_stage, moe_piece
+from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
 from vcluster.runtime.tracing import MetaArray
@@ -127,6 +130,11 @@ class GPTConfig:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
+    experts: int = 0                   # E > 0: every layer's MLP is a mixture of E experts
+    moe_top_k: int = 2                 # experts per token (1: Switch, 2: Mixtral)
+    moe_ffn_hidden: int | None = None  # each expert's SwiGLU width (default ffn_hidden)
+    capacity_factor: float | None = None   # per-expert capacity factor; None: dropless
+    moe_aux_coef: float = 0.01         # alpha of the Switch load-balancing loss
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -156,9 +164,31 @@ class GPTConfig:
                 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
                              f"{self.rope_theta!r}")
+        self._check_moe()
         if llama and (self.hidden // self.heads) % 2:
             raise ValueError(f"GPTConfig: arch='llama' rotates pairs of the head dimension "
                              f"(RoPE): hidden/heads = {self.hidden // self.heads} must be even")
+
+    def _check_moe(self) -> None:
+        as_int(self.experts, "GPTConfig: experts", 0)
+        if not self.experts:
+            return
+        if self.arch != "llama":
+            raise ValueError(f"GPTConfig: experts={self.experts} needs arch='llama' (the "
+                             f"MoE layer is Llama's, SwiGLU experts), got arch={self.arch!r}")
+        if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
+            raise ValueError(f"GPTConfig: moe_top_k must be 1 or 2 and <= experts="
+                             f"{self.experts}, got {self.moe_top_k!r}")
+        object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden if self.moe_ffn_hidden
+                           is None else as_int(self.moe_ffn_hidden, "GPTConfig: moe_ffn_hidden", 1))
+        self.moe()                      # capacity_factor, moe_aux_coef: MoE checks them
+
+    def moe(self) -> "MoE | None":
+        """The MoE layer of every layer (None: dense)."""
+        if not self.experts:
+            return None
+        return MoE(self.hidden, self.moe_ffn_hidden, self.experts, self.moe_top_k,
+                   self.capacity_factor, self.moe_aux_coef)
 
     @property
     def head_dim(self) -> int:
@@ -188,9 +218,10 @@ class ParallelConfig:
     recompute: str = "none"
     attention: str = "flash"
     distributed_optimizer: bool = False
+    ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
 
     def __post_init__(self):
-        for f in ("global_batch", "micro_batch", "dp", "pp", "tp") + (
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "ep") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
             as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
@@ -199,6 +230,9 @@ class ParallelConfig:
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelConfig: ep={self.ep} must divide dp={self.dp} (the "
+                             f"expert-parallel group is carved out of the data-parallel ranks)")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
                              f"into dp={self.dp} x micro_batch={self.micro_batch}")
@@ -213,16 +247,28 @@ class ParallelConfig:
         return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
 
     def mesh(self):
+        """Mesh (dp, pp, tp); with ep > 1, (dp/ep, ep, pp, tp) on axes ("dp", "ep", "pp",
+        "tp"): data parallelism is the axes (dp, ep) together (``self.dp``
+        ranks), the axis "dp" alone is then the expert-data-parallel group (the ranks
+        holding the same experts) and "ep" the expert-parallel group."""
+        if self.ep > 1:
+            return Mesh((self.dp // self.ep, self.ep, self.pp, self.tp),
+                        ("dp", "ep", "pp", "tp"))
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
 
     def check(self, config: GPTConfig, mesh) -> None:
         """Raise if the mesh or a count does not fit (naming both)."""
-        for a in (*mesh.axes, "dp", "pp", "tp"):
-            if a not in ("dp", "pp", "tp"):
-                raise ValueError(f"GPT: mesh axes must be among dp, pp, tp; got {mesh.axes}")
-            if mesh.shape.get(a, 1) != getattr(self, a):
-                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} but the "
-                                 f"mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+        expect = {"dp": self.dp // self.ep if "ep" in mesh.axes else self.dp, "ep": self.ep}
+        for a in (*mesh.axes, "dp", "pp", "tp", "ep"):
+            if a not in ("dp", "ep", "pp", "tp"):
+                raise ValueError(f"GPT: mesh axes must be among dp, ep, pp, tp; got {mesh.axes}")
+            if mesh.shape.get(a, 1) != expect.get(a, getattr(self, a)):
+                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} (ep="
+                                 f"{self.ep}) but the mesh's {a} axis has size "
+                                 f"{mesh.shape.get(a, 1)}")
+        if config.experts % self.ep:
+            raise ValueError(f"GPT: experts={config.experts} do not split over ep={self.ep}"
+                             + (" (a dense model needs ep=1)" if not config.experts else ""))
         if config.layers % (self.pp * self.chunks):
             raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
@@ -243,9 +289,11 @@ class GPTFitResult:
     params: dict
     grads: dict
     memory: object = None
+    aux_losses: np.ndarray | None = None   # MoE: the aux loss inside ``losses``, per step
+    expert_load: list | None = None   # MoE: per step {layer: ExpertLoad} (see GPT.fit)
 
 
-def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
+def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, load=None):
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
@@ -253,12 +301,23 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
 
     def local(names, prefix=""):
         arrays = {n: glob[prefix + n] for n in names}
+        if cfg.experts:
+            ep = (dev.mesh.axis_size("ep"), _coord(dev.mesh, "ep", dev.rank)) \
+                if "ep" in dev.mesh.axes else (1, 0)
+            return {n: moe_piece(n, a, *ep) if n in MOE_PARAMS else llama_piece(
+                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) for n, a in arrays.items()}
         if cfg.arch == "llama":
             return {n: llama_piece(n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads)
                     for n, a in arrays.items()}
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
+    if cfg.experts:
+        return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
+                               stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
+                               cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
+                               cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
+                               load)
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
@@ -291,6 +350,29 @@ def _coord(mesh, axis: str, rank: int) -> int:
     return mesh.group_position(axis, rank) if axis in mesh.axes else 0
 
 
+def _dp_axes(mesh):
+    """The data-parallel axes of ``mesh``: "dp", or ("dp", "ep") / "ep" with expert
+    parallelism (the ep group carved out of data parallelism), None without."""
+    axes = tuple(a for a in ("dp", "ep") if a in mesh.axes)
+    return axes[0] if len(axes) == 1 else axes or None
+
+
+def _dp_index(mesh, rank: int) -> int:
+    """The data-parallel replica of ``rank``: its position over :func:`_dp_axes`."""
+    axes = _dp_axes(mesh)
+    return 0 if axes is None else mesh.group_position(axes, rank)
+
+
+def moe_groups(parallel: ParallelConfig, global_batch: int | None = None) -> list:
+    """The batch rows of each MoE call: per expert-data-parallel replica d (dp/ep of
+    them) and micro-batch j, the rows of its ep ranks e = 0..ep-1 in order, rank e
+    (data-parallel replica d·ep + e) contributing its micro-batch j's b rows."""
+    B = parallel.global_batch if global_batch is None else global_batch
+    per, b, ep = B // parallel.dp, parallel.micro_batch, parallel.ep
+    return [[(d * ep + e) * per + j * b + i for e in range(ep) for i in range(b)]
+            for d in range(parallel.dp // ep) for j in range(parallel.microbatches)]
+
+
 class GPT:
     """The model of ``config`` with parameters drawn from ``seed`` (see the module doc)."""
 
@@ -318,13 +400,16 @@ class GPT:
         for name, shape in self.param_shapes().items():
             last, a = name.rsplit(".", 1)[-1], rng.standard_normal(shape)
             matrix = len(shape) > 1 and last != "b_qkv"
-            a = a / np.sqrt(shape[last == "wte"]) if matrix else a * 0.1 + last.endswith("_g")
+            fan = shape[1] if last in EXPERT_PARAMS else shape[last == "wte"]  # (E, in, out)
+            a = a / np.sqrt(fan) if matrix else a * 0.1 + last.endswith("_g")
             out[name] = a.astype(self.config.dtype)
         return out
 
     def train_job(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
-                  params=None, bucket_bytes: int = 1 << 20) -> TrainJob:
-        """The executor's job (``params``: global arrays by name, default the seed's)."""
+                  params=None, bucket_bytes: int = 1 << 20, expert_load=None) -> TrainJob:
+        """The executor's job (``params``: global arrays by name, default the seed's;
+        ``expert_load``: what a trace of an MoE model routes, an ExpertLoad for every
+        layer or a dict layer -> ExpertLoad)."""
         parallel.check(self.config, mesh)
         S, m = parallel.pp * parallel.chunks, parallel.microbatches
         per, sched = self.config.layers // S, make_schedule(
@@ -335,28 +420,37 @@ class GPT:
             actions=tuple(tuple(sched.actions[r]) for r in range(parallel.pp)),
             optimizer=optimizer or OptimizerConfig(), steps=as_int(steps, "steps", 1),
             microbatches=m, global_batch=parallel.global_batch,
-            dp_axis="dp" if "dp" in mesh.axes else None,
+            dp_axis=_dp_axes(mesh),
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
-            stage_factory=partial(_stage, self.config, parallel))
+            stage_factory=partial(_stage, self.config, parallel, load=expert_load),
+            expert_dp_axis=("dp" if "dp" in mesh.axes else ()) if "ep" in mesh.axes else None)
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get
         their replica's tokens, the last stage's its targets."""
-        rows, last = job.global_batch // mesh.shape.get("dp", 1), job.n_stages - 1
-        parts = [(slice(_coord(mesh, "dp", r) * rows, (_coord(mesh, "dp", r) + 1) * rows),
+        rows, last = job.global_batch // mesh.axis_size(_dp_axes(mesh) or ()), job.n_stages - 1
+        parts = [(slice(_dp_index(mesh, r) * rows, (_dp_index(mesh, r) + 1) * rows),
                   _coord(mesh, "pp", r)) for r in range(mesh.size)]
         return [(job, tokens[part] if pos == 0 else None,
                  targets[part] if pos == last % mesh.shape.get("pp", 1) else None)
                 for part, pos in parts]
 
     def meta_args(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
-                  bucket_bytes: int = 1 << 20) -> list[tuple]:
+                  bucket_bytes: int = 1 << 20, expert_load=None,
+                  expert_skew: float = 1.0) -> list[tuple]:
         """``device_args`` on shape-only arrays, for ``trace_program(mesh, train_program,
-        ...)`` (or ``forward_program``) at any scale."""
+        ...)`` (or ``forward_program``) at any scale. An MoE model routes ``expert_load``
+        (an ExpertLoad, or a dict layer -> ExpertLoad), default
+        ``ExpertLoad.skewed(ep, E, b·s, k, expert_skew, capacity)`` for every layer."""
         params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
         data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
+        c = self.config
+        if c.experts and expert_load is None:
+            tokens = parallel.micro_batch * c.seq
+            expert_load = ExpertLoad.skewed(parallel.ep, c.experts, tokens, c.moe_top_k,
+                                            expert_skew, c.moe().capacity(tokens))
         return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,
-                                                      bucket_bytes), data, data)
+                                                      bucket_bytes, expert_load), data, data)
 
     def _check_data(self, tokens, targets, parallel=None):
         """Both int arrays (B, s) of values in [0, V), B = ``parallel.global_batch``."""
@@ -381,7 +475,33 @@ class GPT:
         results = cluster.run(train_program, self.device_args(mesh, job, tokens, targets))
         memory = pd.DataFrame([dict(r["memory"], peak_in_flight=max(
             r["memory"]["peak_in_flight"].values(), default=0)) for r in results])
-        return GPTFitResult(*self.collect(mesh, results), memory)
+        if not self.config.experts:
+            return GPTFitResult(*self.collect(mesh, results), memory)
+        losses, params, grads = self.collect(mesh, results)
+        aux, load = self._moe_report(mesh, parallel, results)
+        return GPTFitResult(losses + aux, params, grads, memory, aux, load)
+
+    def _moe_report(self, mesh, parallel: ParallelConfig, results):
+        """(aux loss per step, per step {layer: ExpertLoad}): the aux losses of the ranks
+        of tp piece 0 and ep position 0 (an ep group's ranks share one value) summed; the
+        load's rows are the dp data-parallel replicas (their tokens, summed over the
+        step's micro-batches, so its capacity is m·C)."""
+        aux = sum(np.array(r["aux_losses"]) for i, r in enumerate(results)
+                  if _coord(mesh, "tp", i) == 0 and _coord(mesh, "ep", i) == 0)
+        cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq)
+        loads = []
+        for step in range(len(aux)):
+            tables: dict = {}
+            for i, r in enumerate(results):
+                if _coord(mesh, "tp", i) == 0:
+                    for prefix, counts in r["moe_loads"][step].items():
+                        tables.setdefault(int(prefix.split(".")[1]), {})[
+                            _dp_index(mesh, i)] = counts
+            loads.append({layer: ExpertLoad(
+                [t[d][0] for d in sorted(t)], [t[d][1] for d in sorted(t)],
+                None if cap is None else cap * parallel.microbatches)
+                for layer, t in sorted(tables.items())})
+        return aux, loads
 
     def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
@@ -398,10 +518,17 @@ class GPT:
         pieces: dict = {}
         for r, res in enumerate(results):
             for name, a in res[key].items() if _coord(mesh, "dp", r) == 0 else ():
-                pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
+                if name.rsplit(".", 1)[-1] in MOE_PARAMS:     # experts: pieces over ep
+                    pieces.setdefault(name, {})[_coord(mesh, "ep", r)] = a
+                elif _coord(mesh, "ep", r) == 0:
+                    pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
         llama, tp = self.config.arch == "llama", mesh.shape.get("tp", 1)
         out = {}
         for n in self.param_shapes():
+            if n.rsplit(".", 1)[-1] in MOE_PARAMS:
+                out[n] = np.concatenate([pieces[n][e] for e in sorted(pieces[n])]) \
+                    if n.rsplit(".", 1)[-1] in EXPERT_PARAMS else pieces[n][0]
+                continue
             dim = llama_split_dim(n) if llama else split_dim(n)
             step = tp // kv_pieces(self.config.kv_heads, tp) if llama and n.endswith("w_kv") \
                 else 1
@@ -415,7 +542,7 @@ class GPT:
         mesh, (B, s), V = cluster.mesh, tokens.shape, self.config.vocab
         results = cluster.run(forward_program, self.device_args(
             mesh, self.train_job(mesh, parallel), tokens, targets))
-        last = {(_coord(mesh, "dp", r), _coord(mesh, "tp", r)): res
+        last = {(_dp_index(mesh, r), _coord(mesh, "tp", r)): res
                 for r, res in enumerate(results) if res}             # replica, tp piece
         logits = np.concatenate([np.concatenate(
             [np.concatenate(last[d, t]["logits"]).reshape(B // parallel.dp, s, V // parallel.tp)
@@ -423,25 +550,40 @@ class GPT:
         return sum(last[d, 0]["loss"] for d in range(parallel.dp)), logits
 
     # --- the single-process reference ---------------------------------------------------
-    def _reference(self, params, tokens, targets, backward: bool = False):
+    def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):
+        if self.config.experts:
+            return llama_reference(self.config, params, tokens, targets, backward,
+                                   moe_groups=self._moe_groups(parallel, len(tokens)))
         ref = llama_reference if self.config.arch == "llama" else _reference
         return ref(self.config, params, tokens, targets, backward)
 
-    def reference_forward(self, tokens, targets, params=None):
-        """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth."""
+    def _moe_groups(self, parallel, batch: int):
+        """(ep, the rows of each MoE call) of ``parallel`` (MoE models; default: the whole
+        batch in one call, ep 1 — capacity and the aux loss depend on the grouping)."""
+        if parallel is None:
+            return 1, [list(range(batch))]
+        return parallel.ep, moe_groups(parallel, batch)
+
+    def reference_forward(self, tokens, targets, params=None, parallel=None):
+        """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth. An
+        MoE model routes each call of ``parallel`` (:func:`moe_groups`) apart, and its
+        loss includes the aux loss."""
         tokens, targets = self._check_data(tokens, targets)
-        return self._reference(params or self.init_params(), tokens, targets)[:2]
+        return self._reference(params or self.init_params(), tokens, targets,
+                               parallel=parallel)[:2]
 
     def fit_reference(self, tokens, targets, steps: int, optimizer: str = "sgd",
                       lr: float = 0.01, momentum: float = 0.9, betas=(0.9, 0.999),
-                      eps: float = 1e-8) -> GPTFitResult:
-        """Full-batch training in this process: what ``fit`` must reproduce."""
+                      eps: float = 1e-8, parallel=None) -> GPTFitResult:
+        """Full-batch training in this process: what ``fit`` must reproduce
+        (``parallel``: an MoE model's calls, as :meth:`reference_forward`)."""
         tokens, targets = self._check_data(tokens, targets)
         params, losses, grads = self.init_params(), [], {}
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
                         list(params.values()))
         for _ in range(as_int(steps, "steps", 1)):
-            loss, _, grads = self._reference(params, tokens, targets, backward=True)
+            loss, _, grads = self._reference(params, tokens, targets, backward=True,
+                                             parallel=parallel)
             opt.step(list(params.values()), [grads[n] for n in params])
             losses.append(loss)
         return GPTFitResult(np.array(losses), params, grads)

@@ -266,7 +266,7 @@ class ParallelConfig:
                 raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} (ep="
                                  f"{self.ep}) but the mesh's {a} axis has size "
                                  f"{mesh.shape.get(a, 1)}")
-        if config.experts % self.ep:
+        if config.experts % self.ep or (self.ep > 1 and not config.experts):
             raise ValueError(f"GPT: experts={config.experts} do not split over ep={self.ep}"
                              + (" (a dense model needs ep=1)" if not config.experts else ""))
         if config.layers % (self.pp * self.chunks):
@@ -328,10 +328,12 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
 
 
 def forward_program(dev, job: TrainJob, X, Y):
-    """Forward only, stage after stage: the last stage's {loss, logits per micro-batch}."""
+    """Forward only, stage after stage: the last stage's {loss, logits per micro-batch};
+    an MoE model's ranks add {aux}: their stages' weighted aux losses."""
     pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
     (p, pos), S, m = (len(pp), pp.index(dev.rank)), job.n_stages, job.microbatches
     rows, loss, logits = job.global_batch // (dev.mesh.axis_size(job.dp_axis or ()) * m), 0.0, []
+    aux = 0.0
     for s in range(pos, S, p):
         stage = job.stage_factory(dev, job, s)
         for j in range(m):
@@ -343,7 +345,9 @@ def forward_program(dev, job: TrainJob, X, Y):
                 loss += stage.loss_and_grad(dev, j, out, Y[j * rows:(j + 1) * rows],
                                             job.global_batch)[0]
                 logits.append(out)
-    return {"loss": loss, "logits": logits} if logits else None
+        if hasattr(stage, "moe_report"):
+            aux += stage.moe_report()[0]
+    return {"loss": loss, "logits": logits, "aux": aux} if logits or aux else None
 
 
 def _coord(mesh, axis: str, rank: int) -> int:
@@ -543,11 +547,13 @@ class GPT:
         results = cluster.run(forward_program, self.device_args(
             mesh, self.train_job(mesh, parallel), tokens, targets))
         last = {(_dp_index(mesh, r), _coord(mesh, "tp", r)): res
-                for r, res in enumerate(results) if res}             # replica, tp piece
+                for r, res in enumerate(results) if res and res["logits"]}   # replica, tp piece
+        aux = sum(res["aux"] for r, res in enumerate(results) if res and "aux" in res
+                  and _coord(mesh, "tp", r) == 0 and _coord(mesh, "ep", r) == 0)
         logits = np.concatenate([np.concatenate(
             [np.concatenate(last[d, t]["logits"]).reshape(B // parallel.dp, s, V // parallel.tp)
              for t in range(parallel.tp)], axis=2) for d in range(parallel.dp)])
-        return sum(last[d, 0]["loss"] for d in range(parallel.dp)), logits
+        return sum(last[d, 0]["loss"] for d in range(parallel.dp)) + aux, logits
 
     # --- the single-process reference ---------------------------------------------------
     def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):

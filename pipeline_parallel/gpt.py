@@ -57,7 +57,7 @@ from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
-           "llama_ffn_hidden", "model_flops", "ATTENTION", "ARCHS"]
+           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
@@ -99,10 +99,26 @@ def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_hea
     return 6 * n * B * s + 6 * B * s * s * l * hq
 
 
+def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
+                    experts: int, top_k: int, moe_ffn_hidden: int) -> int:
+    """6·N_active·B·s + 6·B·s²·l·h_q: :func:`llama_model_flops` with each layer's MLP
+    3·h·f replaced by the parameters a token uses, the router h·E and its k experts
+    k·3·h·f_e (N_active: the routed parameters, not all E experts)."""
+    d = h // heads
+    hq = heads * d
+    n = l * (h * (hq + 2 * kv_heads * d) + hq * h + h * experts + top_k * 3 * h * moe_ffn_hidden) \
+        + h * V
+    return 6 * n * B * s + 6 * B * s * s * l * hq
+
+
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
     """The model FLOPs of one step of ``config`` on ``global_batch`` sequences:
-    :func:`megatron_model_flops` (gpt) or :func:`llama_model_flops` (llama)."""
+    :func:`megatron_model_flops` (gpt), :func:`llama_model_flops` (llama) or
+    :func:`moe_model_flops` (experts > 0)."""
     c = config
+    if c.experts:
+        return moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
+                               c.kv_heads, c.experts, c.moe_top_k, c.moe_ffn_hidden)
     if c.arch == "llama":
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
                                  c.kv_heads, c.ffn_hidden)

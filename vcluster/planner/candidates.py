@@ -21,6 +21,10 @@ candidate, or None (the default) to use it where dp > 1 and the candidate does n
 without it — it costs no extra traffic (its reduce-scatter and all-gather move what the
 all-reduce did), so the planner turns it on exactly where memory asks for it.
 
+With a mixture of experts (``config.experts``), ep takes every value up to ``max_ep``
+(default 1) that divides both dp and the experts: the ep group is carved out of the
+data-parallel ranks, so ep multiplies no GPU count.
+
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
 """
@@ -72,6 +76,7 @@ class SearchSpace:
     sequence_parallel: tuple = (False, True)
     attention: str = "flash"
     distributed_optimizer: bool | None = None      # None: where memory needs it
+    max_ep: int = 1                                # MoE: the largest expert parallelism
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -80,7 +85,7 @@ class SearchSpace:
         if self.distributed_optimizer not in (None, False, True):
             raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
                              f"(where memory needs it), got {self.distributed_optimizer!r}")
-        for name in ("max_tp", "max_micro_batch", "max_virtual_stages"):
+        for name in ("max_tp", "max_micro_batch", "max_virtual_stages", "max_ep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"plan_gpt: {name} must be a positive int, got {v!r}")
@@ -151,7 +156,9 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                    if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
             sps = [sp for sp in space.sequence_parallel
                    if not sp or (tp > 1 and config.seq % tp == 0)]
-            for b in mbs:
+            eps = [e for e in divisors(dp) if e <= space.max_ep and config.experts % e == 0] \
+                if config.experts else [1]
+            for b, ep in ((b, ep) for b in mbs for ep in eps):
                 m = per_replica // b
                 for name, v in _schedules(space, config, pp):
                     for sp in sps:
@@ -162,7 +169,7 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             par = ParallelConfig(
                                 global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
                                 schedule=name, virtual_stages=v, sequence_parallel=sp,
-                                recompute=rc, attention=space.attention,
+                                recompute=rc, attention=space.attention, ep=ep,
                                 distributed_optimizer=bool(space.distributed_optimizer))
                             fits = peak_memory_bytes(config, par) <= hbm_bytes
                             if not fits and space.distributed_optimizer is None and dp > 1:

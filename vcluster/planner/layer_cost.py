@@ -31,6 +31,8 @@ from mesh import Mesh
 from pipeline_parallel.llama import llama_param_shapes
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
+from tensor_parallel.moe_layer import MOE_PARAMS, llama_moe_stage, moe_piece
+from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
 
@@ -89,11 +91,25 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
             "w_out": (h, V // t)}
 
 
-def _llama_modules(ops, config, recompute: str):
+def _llama_modules(ops, config, recompute: str, b: int = 1, expert_skew: float = 1.0):
     """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
     for two micro-batches and given one, the layer leaves out the once-per-step sum of
     K/V replicas' gradients (kv_heads < tp): the replay counts it."""
     shapes = llama_param_shapes(dataclasses.replace(config, layers=1))
+    if config.experts:          # ep rank 0 of an ep group (the mesh's "ep" axis)
+        ep = ops.dev.mesh.axis_size("ep")
+        meta = {n.rsplit(".", 1)[-1]: moe_piece(n, MetaArray(shape, np.float16), ep, 0)
+                if n.rsplit(".", 1)[-1] in MOE_PARAMS else llama_piece(
+                    n, MetaArray(shape, np.float16), ops.tp_size, ops.tp_rank, config.kv_heads)
+                for n, shape in shapes.items()}
+        tokens = b * config.seq
+        load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
+                                 config.moe().capacity(tokens))
+        stage = llama_moe_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0],
+                                True, True, config.heads, config.kv_heads, config.hidden,
+                                config.rope_theta, recompute, config.eps, 2, config.seq,
+                                config.moe(), 1.0, load)
+        return stage.modules
     meta = {n.rsplit(".", 1)[-1]: llama_piece(n, MetaArray(shape, np.float16), ops.tp_size,
                                               ops.tp_rank, config.kv_heads)
             for n, shape in shapes.items()}
@@ -103,12 +119,12 @@ def _llama_modules(ops, config, recompute: str):
     return stage.modules
 
 
-def _program(dev, config, b: int, sp: bool, recompute: str):
+def _program(dev, config, b: int, sp: bool, recompute: str, expert_skew: float = 1.0):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp)
     if config.arch == "llama":
-        emb, layer, head = _llama_modules(ops, config, recompute)
+        emb, layer, head = _llama_modules(ops, config, recompute, b, expert_skew)
     else:
         meta = {n: MetaArray(shape, np.float16)
                 for n, shape in _local_shapes(h, s, V, t).items()}
@@ -140,12 +156,17 @@ def _program(dev, config, b: int, sp: bool, recompute: str):
 
 
 def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
-                       recompute: str, costs) -> StagePieces:
+                       recompute: str, costs, ep: int = 1,
+                       expert_skew: float = 1.0) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
-    (a HardwareCostModel)."""
+    (a HardwareCostModel). A mixture of experts (``config.experts``) is traced on ep
+    rank 0 of a mesh (ep, tp) routing ``ExpertLoad.skewed(..., expert_skew)`` (its
+    busiest expert on that rank); its all_to_alls count with the tp collectives."""
     sp = bool(sequence_parallel and tp > 1)
-    (trace,) = trace_program(Mesh((tp,), ("tp",)), _program,
-                             [(config, micro_batch, sp, recompute)] * tp, ranks=[0])
+    mesh = Mesh((ep, tp), ("ep", "tp")) if config.experts else Mesh((tp,), ("tp",))
+    (trace,) = trace_program(mesh, _program,
+                             [(config, micro_batch, sp, recompute, expert_skew)] * mesh.size,
+                             ranks=[0])
     pieces, compute, comm, flops, k = {}, 0.0, 0.0, 0.0, 0
     for op in trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:

@@ -43,13 +43,13 @@ __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_RE
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
-COLUMNS = ("tp", "pp", "dp", "micro_batch", "microbatches", "schedule", "virtual_stages",
+COLUMNS = ("tp", "pp", "dp", "ep", "micro_batch", "microbatches", "schedule", "virtual_stages",
            "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
 def _knobs(par: ParallelConfig) -> dict:
-    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch": par.micro_batch,
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "ep": par.ep, "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer}
@@ -133,9 +133,9 @@ def _screen_all(config, candidates, hw, bar) -> list:
     task = bar.add_task("screening", total=len(candidates)) if bar else None
     out = []
     for par in candidates:
-        key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
+        key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute, par.ep)
         if key not in pieces:
-            pieces[key] = trace_stage_pieces(config, *key, costs)
+            pieces[key] = trace_stage_pieces(config, *key[:4], costs, ep=key[4])
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
@@ -150,7 +150,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              sequence_parallel=None, workers: int | None = None,
              progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
              attention: str = "flash", distributed_optimizer: bool | None = None,
-             arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None):
+             arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
+             experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
+             capacity_factor: float | None = None, max_ep: int = 1):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -165,11 +167,16 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
     candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``: as
     :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama": grouped-query attention, SwiGLU).
+    ``experts``, ``moe_top_k``, ``moe_ffn_hidden``, ``capacity_factor``: a mixture of
+    experts (GPTConfig's fields); ``max_ep``: the largest expert-parallel degree tried
+    (every ep <= max_ep dividing dp and the experts; default 1).
     """
     import pandas as pd
     t0 = time.perf_counter()
     config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
-                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden)
+                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden, experts=experts,
+                       moe_top_k=moe_top_k, moe_ffn_hidden=moe_ffn_hidden,
+                       capacity_factor=capacity_factor)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan_gpt: {name} must be a positive int, got {value!r}")
@@ -183,7 +190,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
-        attention=attention, distributed_optimizer=distributed_optimizer)
+        attention=attention, distributed_optimizer=distributed_optimizer, max_ep=max_ep)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)

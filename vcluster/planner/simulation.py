@@ -142,9 +142,11 @@ _INHERIT = ("residual",)       # the kind of the op before (see gpt_op_kind)
 
 def gpt_op_kind(name: str) -> str | None:
     """The kind of a GPT compute op (a key of :data:`OP_KINDS`; ``"other"`` for a GPT op
-    of no known kind) from its name. None — the kind of the op before — for the residual
+    of no known kind) from its name (a mixture of experts' ops, "moe: ...", are "mlp"). None — the kind of the op before — for the residual
     adds, which close the block they follow, and for names that are not the GPT's ops:
     the executor's zero-cost action markers (``"0F3"``) and unnamed merged runs."""
+    if name.startswith("moe: "):                 # the MoE block of an MoE layer is its MLP
+        return "mlp"
     rest = name[5:] if name.startswith("gpt: ") else name
     for kind, prefixes in OP_KINDS.items():
         if rest.startswith(prefixes):
@@ -167,7 +169,7 @@ def _short_position(q: int, p: int, p_short: int) -> int:
 
 
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
-                     optimizer=None):
+                     optimizer=None, expert_skew: float = 1.0):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
     positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
     p, v = parallel.pp, parallel.chunks
@@ -177,7 +179,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()
-    args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer)
+    args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer,
+                                       expert_skew=expert_skew)
     job = args[0][0]
     traces = trace_program(short_mesh, train_program, args,
                            ranks=list(short_mesh.group("pp", 0)))
@@ -194,7 +197,7 @@ def gpt_schedule(parallel: ParallelConfig):
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=None,
-                    markers: bool = False) -> list:
+                    markers: bool = False, expert_skew: float = 1.0) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0), runs of
     compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
     :func:`~vcluster.planner.stitch.coalesce`).
@@ -219,7 +222,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     parallel.check(config, mesh)
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
-    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer)
+    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer,
+                                             expert_skew)
     S = p * v
     sizes_short = {k: n for t in templates for k, n in t.message_bytes.items()}
 
@@ -241,7 +245,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                 raise ValueError(f"GPT trace: a collective of traced pipeline position "
                                  f"{q_short} reaches position {c['pp']}, which stands for "
                                  f"no single position of the full pipeline")
-            return mesh.rank({"dp": c["dp"], "pp": pos, "tp": c["tp"]})
+            return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos})
 
         t = moved(templates[q_short], lambda s, q=q: s // p_short * p + q, full_rank, sizes)
         out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers))
@@ -250,11 +254,15 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
-                 memory_headroom: float = MEMORY_HEADROOM) -> GPTSimulation:
+                 memory_headroom: float = MEMORY_HEADROOM,
+                 expert_skew: float = 1.0) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
     ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it);
     ``memory_headroom``: the share of the device memory kept free (``fits`` compares the
-    peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`)."""
+    peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`);
+    ``expert_skew`` (MoE): the busiest expert's tokens over the mean, >= 1 — the trace
+    routes ``ExpertLoad.skewed(..., expert_skew)``, whose busiest expert sits on the
+    traced ep rank 0, so its compute (which every all_to_all waits for) sets the step."""
 
     hw = load_hardware(hardware)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
@@ -262,14 +270,15 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
     schedule = gpt_schedule(parallel)
-    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions)
+    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
+                           expert_skew=expert_skew)
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
-    memory = tuple(gpt_memory(config, parallel, schedule))
+    memory = tuple(gpt_memory(config, parallel, schedule, expert_skew))
     peak = max(mm.total_bytes for mm in memory)
 
     def mean(d):

@@ -43,7 +43,8 @@ from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
-from tensor_parallel.moe_layer import EXPERT_PARAMS, MOE_PARAMS, llama_moe_stage, moe_piece
+from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, gpt_moe_stage, llama_moe_stage,
+                                       moe_piece)
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
@@ -51,7 +52,7 @@ from vcluster.runtime.tracing import MetaArray
 
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
-from .llama import llama_param_shapes, llama_reference
+from .llama import llama_param_shapes, llama_reference, moe_calls_reference
 from .optim import Optimizer, OptimizerConfig
 from mesh.arguments import as_int
 
@@ -114,11 +115,15 @@ def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
     """The model FLOPs of one step of ``config`` on ``global_batch`` sequences:
     :func:`megatron_model_flops` (gpt), :func:`llama_model_flops` (llama) or
-    :func:`moe_model_flops` (experts > 0)."""
+    :func:`moe_model_flops` (experts > 0; arch "gpt" adds 6·B·s²·l·h: its attention
+    counts the full s², as :func:`megatron_model_flops`)."""
     c = config
-    if c.experts:
-        return moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
-                               c.kv_heads, c.experts, c.moe_top_k, c.moe_ffn_hidden)
+    if c.experts:       # GPT's program declares attention's full s² (Megatron's count)
+        full_s2 = 6 * global_batch * c.seq * c.seq * c.layers * c.hidden if c.arch == "gpt" \
+            else 0
+        return full_s2 + moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
+                                         c.heads, c.kv_heads, c.experts, c.moe_top_k,
+                                         c.moe_ffn_hidden)
     if c.arch == "llama":
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
                                  c.kv_heads, c.ffn_hidden)
@@ -189,9 +194,6 @@ class GPTConfig:
         as_int(self.experts, "GPTConfig: experts", 0)
         if not self.experts:
             return
-        if self.arch != "llama":
-            raise ValueError(f"GPTConfig: experts={self.experts} needs arch='llama' (the "
-                             f"MoE layer is Llama's, SwiGLU experts), got arch={self.arch!r}")
         if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
             raise ValueError(f"GPTConfig: moe_top_k must be 1 or 2 and <= experts="
                              f"{self.experts}, got {self.moe_top_k!r}")
@@ -321,13 +323,20 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
             ep = (dev.mesh.axis_size("ep"), _coord(dev.mesh, "ep", dev.rank)) \
                 if "ep" in dev.mesh.axes else (1, 0)
             return {n: moe_piece(n, a, *ep) if n in MOE_PARAMS else llama_piece(
-                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) for n, a in arrays.items()}
+                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) if cfg.arch == "llama" else
+                a[shard_slices(a.shape, param_layout(n, a.ndim, ops.tp_axis), dev.mesh,
+                               dev.rank)] for n, a in arrays.items()}
         if cfg.arch == "llama":
             return {n: llama_piece(n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads)
                     for n, a in arrays.items()}
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
+    if cfg.experts and cfg.arch == "gpt":
+        return gpt_moe_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
+                             cfg.heads, cfg.hidden, par.recompute, cfg.eps, job.microbatches,
+                             cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
+                             load)
     if cfg.experts:
         return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
@@ -409,8 +418,12 @@ class GPT:
         c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
         layer = dict(zip(_LAYER, [(h,), (h,), (h, 3, h), (3, h), (h, h), (h,), (h,), (h,),
                                   (h, f), (f,), (f, h), (h,)]))
+        if c.experts:            # MoE: w_1, b_1, w_2, b_2 become the router + experts
+            e, fe = c.experts, c.moe_ffn_hidden
+            layer = {**{n: layer[n] for n in _LAYER[:8]}, "w_router": (h, e),
+                     "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h)}
         return {"wte": (c.vocab, h), "wpe": (c.seq, h),
-                **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in _LAYER},
+                **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in layer},
                 "lnf_g": (h,), "lnf_b": (h,), "w_out": (h, c.vocab)}
 
     def init_params(self) -> dict[str, np.ndarray]:
@@ -573,10 +586,10 @@ class GPT:
 
     # --- the single-process reference ---------------------------------------------------
     def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):
-        if self.config.experts:
-            return llama_reference(self.config, params, tokens, targets, backward,
-                                   moe_groups=self._moe_groups(parallel, len(tokens)))
         ref = llama_reference if self.config.arch == "llama" else _reference
+        if self.config.experts:
+            return ref(self.config, params, tokens, targets, backward,
+                       moe_groups=self._moe_groups(parallel, len(tokens)))
         return ref(self.config, params, tokens, targets, backward)
 
     def _moe_groups(self, parallel, batch: int):
@@ -625,13 +638,17 @@ def _ln_back(dy, cache):
     return dx, (dy * xhat).sum((0, 1)), dy.sum((0, 1))
 
 
-def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False):
-    """Forward (and backward) of the whole model on the whole batch: (loss, logits, grads)."""
+def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
+               moe_groups=None):
+    """Forward (and backward) of the whole model on the whole batch: (loss, logits, grads).
+    An MoE model's MLP is :func:`~pipeline_parallel.llama.moe_calls_reference` on the
+    calls ``moe_groups`` (ep, rows per call), its aux loss added to the loss."""
     (B, s), h, a, V = tokens.shape, cfg.hidden, cfg.heads, cfg.vocab
     d, future = h // a, np.triu(np.ones((s, s), bool), 1)
-    x, caches = P["wte"][tokens] + P["wpe"][:s], []
+    x, caches, aux_total = P["wte"][tokens] + P["wpe"][:s], [], 0.0
+    names = _LAYER[:8] + MOE_PARAMS if cfg.experts else _LAYER
     for i in range(cfg.layers):
-        L = {n: P[f"layers.{i}.{n}"] for n in _LAYER}
+        L = {n: P[f"layers.{i}.{n}"] for n in names}
         u, c1 = _ln(x, L["ln1_g"], L["ln1_b"], cfg.eps)
         qkv = np.einsum("bsh,htk->bstk", u, L["w_qkv"]) + L["b_qkv"]      # (B, s, 3, h)
         q, k, v = (qkv[:, :, t].reshape(B, s, a, d) for t in range(3))
@@ -642,14 +659,18 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
         ctx = np.einsum("bnqk,bknd->bqnd", A, v).reshape(B, s, h)
         x1 = x + ctx @ L["w_o"] + L["b_o"]
         u2, c2 = _ln(x1, L["ln2_g"], L["ln2_b"], cfg.eps)
-        z = u2 @ L["w_1"] + L["b_1"]
-        x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
+        if cfg.experts:
+            y, aux = moe_calls_reference(cfg, L, u2, moe_groups)
+            x, aux_total, z = x1 + y, aux_total + aux, None
+        else:
+            z = u2 @ L["w_1"] + L["b_1"]
+            x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
         caches.append((L, u, c1, q, k, v, A, ctx, u2, c2, z))
     uf, cf = _ln(x, P["lnf_g"], P["lnf_b"], cfg.eps)
     logits = uf @ P["w_out"]                                                 # (B, s, V)
     shifted = logits - logits.max(-1, keepdims=True)
     logp, onehot = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)), np.eye(V)[targets]
-    loss = -float((logp * onehot).sum()) / (B * s)
+    loss = -float((logp * onehot).sum()) / (B * s) + aux_total
     if not backward:
         return loss, logits, None
     G = {}
@@ -658,10 +679,15 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
     dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ P["w_out"].T, cf)
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, k, v, A, ctx, u2, c2, z = caches[i]
-        g = {"b_2": dx.sum((0, 1)), "w_2": np.einsum("bsf,bsh->fh", activation("gelu", z), dx)}
-        dz = activation_grad("gelu", z, dx @ L["w_2"].T)
-        g["b_1"], g["w_1"] = dz.sum((0, 1)), np.einsum("bsh,bsf->hf", u2, dz)
-        du2, g["ln2_g"], g["ln2_b"] = _ln_back(dz @ L["w_1"].T, c2)
+        if cfg.experts:
+            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx)
+            du2, g["ln2_g"], g["ln2_b"] = _ln_back(dmoe, c2)
+        else:
+            g = {"b_2": dx.sum((0, 1)),
+                 "w_2": np.einsum("bsf,bsh->fh", activation("gelu", z), dx)}
+            dz = activation_grad("gelu", z, dx @ L["w_2"].T)
+            g["b_1"], g["w_1"] = dz.sum((0, 1)), np.einsum("bsh,bsf->hf", u2, dz)
+            du2, g["ln2_g"], g["ln2_b"] = _ln_back(dz @ L["w_1"].T, c2)
         dx1 = dx + du2
         g["b_o"], g["w_o"] = dx1.sum((0, 1)), np.einsum("bsk,bsh->kh", ctx, dx1)
         dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
@@ -674,7 +700,7 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
         g["b_qkv"], g["w_qkv"] = dqkv.sum((0, 1)), np.einsum("bsh,bstk->htk", u, dqkv)
         du, g["ln1_g"], g["ln1_b"] = _ln_back(np.einsum("bstk,htk->bsh", dqkv, L["w_qkv"]), c1)
         dx = dx1 + du
-        G.update({f"layers.{i}.{n}": g[n] for n in _LAYER})
+        G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wpe"], G["wte"] = dx.sum(0), np.zeros_like(P["wte"])             # s = cfg.seq
     np.add.at(G["wte"], tokens, dx)
     return loss, logits, {n: G[n] for n in P}

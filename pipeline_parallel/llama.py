@@ -20,7 +20,7 @@ from tensor_parallel.moe_reference import moe_reference
 
 from .functional import one_hot
 
-__all__ = ["llama_param_shapes", "llama_reference"]
+__all__ = ["llama_param_shapes", "llama_reference", "moe_calls_reference"]
 
 _LAYER = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "w_down")
 
@@ -68,7 +68,7 @@ def _silu(z):
     return z / (1 + np.exp(-z))
 
 
-def _moe_calls(cfg, L, u2, groups, dy=None):
+def moe_calls_reference(cfg, L, u2, groups, dy=None):
     """The MoE block (``cfg.experts`` > 0) on u2 (B, s, h), each call apart: ``groups`` =
     (ep, [rows of each call]) — a call's tokens are its rows' in order, ep contiguous
     ranks of equal share (:func:`~tensor_parallel.moe_reference.moe_reference`, capacity
@@ -97,7 +97,7 @@ def _moe_calls(cfg, L, u2, groups, dy=None):
 def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_groups=None):
     """Forward (and backward) of the whole model on the whole batch: (loss, logits,
     grads by name or None). An MoE model (``cfg.experts``) needs ``moe_groups``: (ep,
-    the batch rows of each MoE call) — see :func:`_moe_calls`; its loss adds every
+    the batch rows of each MoE call) — see :func:`moe_calls_reference`; its loss adds every
     layer's aux loss."""
     (B, s), a, c, d, V = tokens.shape, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab
     grp, R = a // c, _rotations(s, d, cfg.rope_theta).astype(cfg.dtype)
@@ -121,7 +121,7 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         x1 = x + ctx @ L["w_o"]
         u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
         if moe:
-            y, aux = _moe_calls(cfg, L, u2, moe_groups)
+            y, aux = moe_calls_reference(cfg, L, u2, moe_groups)
             x, aux_total, zg, zu, act = x1 + y, aux_total + aux, None, None, None
         else:
             zg, zu = u2 @ L["w_gate"], u2 @ L["w_up"]
@@ -143,7 +143,7 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act = caches[i]
         if moe:
-            dmoe, g = _moe_calls(cfg, L, u2, moe_groups, dy=dx)
+            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx)
             du2, g["mlp_norm_g"] = _rms_back(dmoe, c2)
         else:
             g = {"w_down": np.einsum("bsf,bsh->fh", act, dx)}

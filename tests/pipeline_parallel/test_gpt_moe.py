@@ -47,15 +47,18 @@ CASES = [
     (2, 2, 2, 1, False, 2, 1.0, 1, "full"),
     (4, 2, 1, 1, False, 2, None, 1, "none"),
     (2, 2, 1, 2, True, 1, None, 2, "none"),
+    (2, 2, 2, 2, False, 2, 1.0, 1, "full"),
 ]
+GPT_ARCH = {len(CASES) - 1}         # the last case trains the GPT architecture
 
 
 @pytest.mark.parametrize("dp, ep, pp, tp, sp, top_k, cf, b, recompute", CASES,
                          ids=[f"dp{c[0]}-ep{c[1]}-pp{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}"
-                              f"-top{c[5]}-{'cf' + str(c[6]) if c[6] else 'dropless'}"
-                              for c in CASES])
+                              f"-top{c[5]}-{'cf' + str(c[6]) if c[6] else 'dropless'}-{c[8]}"
+                              + ("-gpt" if i in GPT_ARCH else "") for i, c in enumerate(CASES)])
 def test_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, top_k, cf, b, recompute):
-    cfg = _cfg(top_k, cf)
+    gpt = CASES.index((dp, ep, pp, tp, sp, top_k, cf, b, recompute)) in GPT_ARCH
+    cfg = _cfg(top_k, cf, **(dict(arch="gpt", kv_heads=None, ffn_hidden=None) if gpt else {}))
     par = ParallelConfig(global_batch=B * (b if tp > 1 else 1), micro_batch=b, dp=dp, ep=ep,
                          pp=pp, tp=tp, sequence_parallel=sp, recompute=recompute)
     model, (tokens, targets) = GPT(cfg, seed=3), _data(cfg, batch=par.global_batch)
@@ -175,8 +178,8 @@ def test_expert_grads_reduce_over_expert_data_parallel_axis():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
         ParallelConfig(global_batch=4, dp=4, ep=3)
-    with pytest.raises(ValueError, match="needs arch='llama'"):
-        GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32, experts=4)
+    with pytest.raises(ValueError, match="experts must be"):
+        _cfg(experts=-1)
     with pytest.raises(ValueError, match="moe_top_k"):
         _cfg(top_k=3)
     with pytest.raises(ValueError, match="capacity_factor"):

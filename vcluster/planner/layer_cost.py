@@ -28,10 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh import Mesh
+from pipeline_parallel.gpt import GPT
 from pipeline_parallel.llama import llama_param_shapes
+from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
-from tensor_parallel.moe_layer import MOE_PARAMS, llama_moe_stage, moe_piece
+from tensor_parallel.moe_layer import MOE_PARAMS, gpt_moe_stage, llama_moe_stage, moe_piece
+from tensor_parallel.transformer import param_layout
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from vcluster.runtime.tracing import MetaArray, TraceCollective, TraceCompute, trace_program
@@ -91,25 +94,11 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
             "w_out": (h, V // t)}
 
 
-def _llama_modules(ops, config, recompute: str, b: int = 1, expert_skew: float = 1.0):
+def _llama_modules(ops, config, recompute: str):
     """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
     for two micro-batches and given one, the layer leaves out the once-per-step sum of
     K/V replicas' gradients (kv_heads < tp): the replay counts it."""
     shapes = llama_param_shapes(dataclasses.replace(config, layers=1))
-    if config.experts:          # ep rank 0 of an ep group (the mesh's "ep" axis)
-        ep = ops.dev.mesh.axis_size("ep")
-        meta = {n.rsplit(".", 1)[-1]: moe_piece(n, MetaArray(shape, np.float16), ep, 0)
-                if n.rsplit(".", 1)[-1] in MOE_PARAMS else llama_piece(
-                    n, MetaArray(shape, np.float16), ops.tp_size, ops.tp_rank, config.kv_heads)
-                for n, shape in shapes.items()}
-        tokens = b * config.seq
-        load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
-                                 config.moe().capacity(tokens))
-        stage = llama_moe_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0],
-                                True, True, config.heads, config.kv_heads, config.hidden,
-                                config.rope_theta, recompute, config.eps, 2, config.seq,
-                                config.moe(), 1.0, load)
-        return stage.modules
     meta = {n.rsplit(".", 1)[-1]: llama_piece(n, MetaArray(shape, np.float16), ops.tp_size,
                                               ops.tp_rank, config.kv_heads)
             for n, shape in shapes.items()}
@@ -119,12 +108,43 @@ def _llama_modules(ops, config, recompute: str, b: int = 1, expert_skew: float =
     return stage.modules
 
 
+def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
+    """An MoE model's embedding, one layer and head on ep rank 0 of the mesh's "ep" axis
+    (shape-only), routing ``ExpertLoad.skewed(..., expert_skew)``."""
+    shapes, ep = GPT(dataclasses.replace(config, layers=1)).param_shapes(), \
+        ops.dev.mesh.axis_size("ep")
+
+    def piece(n, shape):
+        a = MetaArray(shape, np.float16)
+        if n.rsplit(".", 1)[-1] in MOE_PARAMS:
+            return moe_piece(n, a, ep, 0)
+        if config.arch == "llama":
+            return llama_piece(n, a, ops.tp_size, ops.tp_rank, config.kv_heads)
+        return a[shard_slices(shape, param_layout(n, len(shape)), ops.dev.mesh, ops.dev.rank)]
+
+    meta = {n.rsplit(".", 1)[-1]: piece(n, s) for n, s in shapes.items()}
+    tokens = b * config.seq
+    load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
+                             config.moe().capacity(tokens))
+    params = lambda names, prefix="": {n: meta[n] for n in names}      # noqa: E731
+    if config.arch == "llama":
+        stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
+                                config.hidden, config.rope_theta, recompute, config.eps, 2,
+                                config.seq, config.moe(), 1.0, load)
+    else:
+        stage = gpt_moe_stage(ops, params, [0], True, True, config.heads, config.hidden,
+                              recompute, config.eps, 2, config.seq, config.moe(), 1.0, load)
+    return stage.modules
+
+
 def _program(dev, config, b: int, sp: bool, recompute: str, expert_skew: float = 1.0):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp)
-    if config.arch == "llama":
-        emb, layer, head = _llama_modules(ops, config, recompute, b, expert_skew)
+    if config.experts:
+        emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
+    elif config.arch == "llama":
+        emb, layer, head = _llama_modules(ops, config, recompute)
     else:
         meta = {n: MetaArray(shape, np.float16)
                 for n, shape in _local_shapes(h, s, V, t).items()}

@@ -53,12 +53,13 @@ the attention output 4·s·b·h_q/t, k and v 4·s·b·c_l·d, SwiGLU's gate, up 
 plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2·a·s²·b/t
 (no dropout) without recomputation; full recomputation keeps 2·s·b·h/σ.
 
-Mixture of experts (``GPTConfig(experts=E)``, Llama layers; k = moe_top_k, f_e =
-moe_ffn_hidden, ``ParallelConfig(ep)``; :mod:`tensor_parallel.moe_layer`): the MLP's
-3·h·f/t parameters become the router h·E plus the rank's E/ep experts 3·h·f_e·E/ep
-(replicated over tp: not divided by t). With the distributed optimizer the experts'
+Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidden,
+``ParallelConfig(ep)``; :mod:`tensor_parallel.moe_layer`): the MLP's parameters (Llama
+3·h·f/t; GPT (8h² + 4h)/t + h) become the router h·E plus the rank's E/ep experts
+3·h·f_e·E/ep (replicated over tp: not divided by t). With the distributed optimizer the experts'
 optimizer state is sharded over the dp/ep ranks that hold them, the rest over dp.
-Activations: the SwiGLU term 6·s·b·f/t becomes the rank's routed rows R (those its
+Activations: the dense MLP's term (Llama's SwiGLU 6·s·b·f/t; GPT's 19·s·b·h of
+Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed rows R (those its
 experts receive, :meth:`~tensor_parallel.moe_load.ExpertLoad.received` of
 ``ExpertLoad.skewed(..., expert_skew)`` — ep rank 0 holds the busiest expert) times
 2·(h + 3·f_e) (each row's input, gate, up and product, 16-bit), plus the k·s·b rows
@@ -189,7 +190,11 @@ def rank_params(config, parallel, r: int) -> float:
         return _llama_rank_params(config, parallel, r)
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
-    params = config.layers // stages * parallel.chunks * ((12 * h * h + 4 * h) / t + 9 * h)
+    per_layer = (12 * h * h + 4 * h) / t + 9 * h
+    if getattr(config, "experts", 0):   # MoE: W1, b1, W2, b2 become router + experts
+        per_layer = 4 * h * h / t + 8 * h + h * config.experts \
+            + expert_params_per_layer(config, parallel)
+    params = config.layers // stages * parallel.chunks * per_layer
     if r == 0:
         params += V * h / t + s * h
     if (stages - 1) % parallel.pp == r:
@@ -218,7 +223,9 @@ def rank_memory(config, parallel, r: int, in_flight: int,
                                    parallel.sequence_parallel, parallel.attention)
     if getattr(config, "experts", 0) and parallel.recompute != "full":
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
-        act += -6 * s * b * config.ffn_hidden / t + 2 * moe_routed_rows(
+        dense_mlp = 6 * s * b * config.ffn_hidden / t if config.arch == "llama" else \
+            s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
+        act += -dense_mlp + 2 * moe_routed_rows(
             config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden) \
             + 4 * config.moe_top_k * s * b * h
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r

@@ -14,6 +14,10 @@ matched correctly. After the last micro-batch's weight gradient of a layer, the 
 gradients are final: they join a data-parallel bucket, and a full bucket
 (``bucket_bytes``) starts its all-reduce over ``dp`` at once, asynchronously
 (DDP-style), overlapping the remaining backward work. The optimizer steps once per step.
+A mixture of experts' expert parameters (a stage's ``expert_mask``) go to buckets of their
+own, all-reduced over ``expert_dp_axis`` (the expert-data-parallel group, dp/ep ranks)
+instead; the results carry each step's weighted MoE aux loss and tokens per expert
+(``aux_losses``, ``moe_loads``; a stage's ``moe_report()``).
 
 ``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
 the measured timeline against :func:`pipelining.simulate`.
@@ -113,8 +117,8 @@ class _NoBuckets:
     def add(self, arrays) -> None:
         pass
 
-    def __bool__(self) -> bool:
-        return False
+    def finish(self) -> None:
+        pass
 
 
 def _expert_buckets(job: TrainJob, dev):
@@ -280,7 +284,7 @@ def train_program(dev, job: TrainJob, X, Y):
             elif out is not None and s > 0:
                 dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
         for b in (buckets, expert_buckets):
-            if b:
+            if b is not None:
                 b.finish()
         with dev.compute("optimizer", flops=0,
                          bytes=sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte):

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-import numpy as np
-
 from vcluster.runtime.tracing import is_meta
 from .gqa import GQAttention, Rope
 from .llama import (LlamaLayer, RMSNormHead, TokenEmbedding, check_kv_heads, rms_norm_gain_grad)
@@ -50,7 +48,8 @@ from .moe_load import ExpertLoad
 from .transformer import (TransformerLayer, TransformerStage, VocabParallelEmbedding,
                           VocabParallelHead)
 
-__all__ = ["MoEBlock", "LlamaMoELayer", "GPTMoELayer", "llama_moe_stage", "gpt_moe_stage", "MOE_PARAMS", "EXPERT_PARAMS", "moe_piece"]
+__all__ = ["MoEBlock", "LlamaMoELayer", "GPTMoELayer", "llama_moe_stage", "gpt_moe_stage",
+           "MOE_PARAMS", "EXPERT_PARAMS", "moe_piece"]
 
 #: the MoE block's parameters, and those of them split over ep (dimension 0)
 MOE_PARAMS = ("w_router", "moe_gate", "moe_up", "moe_down")

@@ -7,7 +7,6 @@ trace given the run's ExpertLoad."""
 import numpy as np
 import pytest
 
-from mesh import Mesh
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, moe_groups
 from tensor_parallel.moe import MOE_TAG

@@ -24,7 +24,8 @@ from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title,
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
-JSON_KEYS = ("tp", "pp", "dp", "ep", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
+JSON_KEYS = ("tp", "pp", "dp", "ep", "micro_batch", "schedule", "virtual_stages",
+             "sequence_parallel",
              "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 

@@ -59,7 +59,8 @@ Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidde
 3·h·f_e·E/ep (replicated over tp: not divided by t). With the distributed optimizer the experts'
 optimizer state is sharded over the dp/ep ranks that hold them, the rest over dp.
 Activations: the dense MLP's term (Llama's SwiGLU 6·s·b·f/t; GPT's 19·s·b·h of
-Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed rows R (those its
+Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed
+rows R (those its
 experts receive, :meth:`~tensor_parallel.moe_load.ExpertLoad.received` of
 ``ExpertLoad.skewed(..., expert_skew)`` — ep rank 0 holds the busiest expert) times
 2·(h + 3·f_e) (each row's input, gate, up and product, 16-bit), plus the k·s·b rows

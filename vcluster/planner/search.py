@@ -43,7 +43,8 @@ __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_RE
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
-COLUMNS = ("tp", "pp", "dp", "ep", "micro_batch", "microbatches", "schedule", "virtual_stages",
+COLUMNS = ("tp", "pp", "dp", "ep", "micro_batch", "microbatches", "schedule",
+           "virtual_stages",
            "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 

@@ -142,9 +142,10 @@ _INHERIT = ("residual",)       # the kind of the op before (see gpt_op_kind)
 
 def gpt_op_kind(name: str) -> str | None:
     """The kind of a GPT compute op (a key of :data:`OP_KINDS`; ``"other"`` for a GPT op
-    of no known kind) from its name (a mixture of experts' ops, "moe: ...", are "mlp"). None — the kind of the op before — for the residual
-    adds, which close the block they follow, and for names that are not the GPT's ops:
-    the executor's zero-cost action markers (``"0F3"``) and unnamed merged runs."""
+    of no known kind) from its name (a mixture of experts' ops, "moe: ...", are "mlp").
+    None — the kind of the op before — for the residual adds, which close the block they
+    follow, and for names that are not the GPT's ops: the executor's zero-cost action
+    markers (``"0F3"``) and unnamed merged runs."""
     if name.startswith("moe: "):                 # the MoE block of an MoE layer is its MLP
         return "mlp"
     rest = name[5:] if name.startswith("gpt: ") else name

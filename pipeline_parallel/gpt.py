@@ -265,13 +265,14 @@ class ParallelConfig:
         return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
 
     def mesh(self):
-        """Mesh (dp, pp, tp); with ep > 1, (dp/ep, ep, pp, tp) on axes ("dp", "ep", "pp",
-        "tp"): data parallelism is the axes (dp, ep) together (``self.dp``
-        ranks), the axis "dp" alone is then the expert-data-parallel group (the ranks
-        holding the same experts) and "ep" the expert-parallel group."""
+        """Mesh (dp, pp, tp); with ep > 1, (dp/ep, pp, ep, tp) on axes ("dp", "pp", "ep",
+        "tp"): data parallelism is the axes (dp, ep) together (``self.dp`` ranks), the
+        axis "dp" alone is then the expert-data-parallel group (the ranks holding the same
+        experts) and "ep" the expert-parallel group — next to tp, so that an ep·tp group
+        of consecutive ranks shares a node when it fits one (its all_to_alls on NVLink)."""
         if self.ep > 1:
-            return Mesh((self.dp // self.ep, self.ep, self.pp, self.tp),
-                        ("dp", "ep", "pp", "tp"))
+            return Mesh((self.dp // self.ep, self.pp, self.ep, self.tp),
+                        ("dp", "pp", "ep", "tp"))
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
 
     def check(self, config: GPTConfig, mesh) -> None:
@@ -301,7 +302,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class GPTFitResult:
-    """Per-step losses, final parameters and last-step gradients by name, memory."""
+    """Per-step losses (MoE: the aux loss included), final parameters and last-step
+    gradients by name, memory; MoE: the aux loss per step and the tokens per expert."""
 
     losses: np.ndarray
     params: dict

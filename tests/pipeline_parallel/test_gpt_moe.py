@@ -159,7 +159,7 @@ def test_expert_grads_reduce_over_expert_data_parallel_axis():
     cfg = _cfg(2, None, layers=1)
     par = ParallelConfig(global_batch=4, dp=4, ep=2)
     mesh = par.mesh()
-    assert mesh.axes == ("dp", "ep", "pp", "tp") and mesh.shape["dp"] == 2
+    assert mesh.axes == ("dp", "pp", "ep", "tp") and mesh.shape["dp"] == 2
     trace = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par, 1,
                                                                   bucket_bytes=1 << 30))[0]
     reduces = [(op.group, op.nbytes) for op in trace.ops

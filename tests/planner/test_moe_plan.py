@@ -116,3 +116,27 @@ def test_plan_searches_ep(tmp_path):
                  "--quiet", "--json", str(out)]) == 0
     cands = json.loads(out.read_text())["candidates"]
     assert {c["ep"] for c in cands} == {1, 2, 4}
+
+
+def test_dropless_exchanges_replay_as_all_to_all():
+    """The simulated trace of a dropless MoE step has, per layer and micro-batch, four
+    all_to_alls over the ep group (dispatch, combine and their gradients) carrying, under
+    a balanced load, n/(n−1)·(n−1)·(k·b·s/E)·E_l·h·2 bytes of input each, and no MoE
+    send or receive left; the counts' all_to_all stays (E int64)."""
+    from collections import Counter
+
+    from vcluster.planner.simulation import gpt_step_traces
+    from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
+    from vcluster.timing.hardware_model import HardwareCostModel
+    cfg, n = _cfg(), 4
+    par = ParallelConfig(global_batch=8, dp=4, ep=n)
+    (trace,) = gpt_step_traces(cfg, par, HardwareCostModel(load_hardware(H100), "bf16"))
+    ep_group = par.mesh().group("ep", 0)
+    a2a = Counter(op.nbytes for op in trace.ops if isinstance(op, TraceCollective)
+                  and op.collective == "all_to_all" and op.group == ep_group)
+    assert not any(isinstance(op, (TraceSend, TraceRecv)) for op in trace.ops)
+    per_expert, e_l = cfg.moe_top_k * cfg.seq // cfg.experts, cfg.experts // n
+    rows = (n - 1) * per_expert * e_l                    # sent = received, balanced
+    m = par.microbatches
+    assert a2a == {rows * cfg.hidden * 2 * n // (n - 1): 4 * cfg.layers * m,
+                   cfg.experts * 8: cfg.layers * m}

@@ -11,6 +11,11 @@
 3. replay them on the hardware (:func:`vcluster.timing.engine.simulate_trace` with
    :class:`~vcluster.timing.hardware_model.HardwareCostModel`), symmetric mode.
 
+A mixture of experts (``GPTConfig(experts=E)``, ``ParallelConfig(ep)``) routes
+``ExpertLoad.skewed(..., expert_skew)`` in the trace (its busiest expert on the traced ep
+rank 0); its dropless token exchanges are replayed as all_to_alls over the ep group
+(:func:`moe_exchanges_as_all_to_all`).
+
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
@@ -30,15 +35,19 @@ from dataclasses import dataclass
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipelining import make_schedule
+from tensor_parallel.moe import MOE_TAG
+from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.tracing import TraceCompute, trace_program
+from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
-from .stitch import coalesce, cut_templates, moved, stitch
+from .stitch import Templates, coalesce, cut_templates, moved, stitch
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "moe_exchanges_as_all_to_all",
            "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS", "describe_ratio"]
 
 # The rule of thumb of DESIGN.md: keep compute / communication above 10, so that even
@@ -169,6 +178,47 @@ def _short_position(q: int, p: int, p_short: int) -> int:
     return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
 
 
+def _is_moe_message(op) -> bool:
+    return isinstance(op, (TraceSend, TraceRecv)) and MOE_TAG <= op.tag < MOE_TAG + 4
+
+
+def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates:
+    """``templates`` with each dropless MoE token exchange (a run of sends and receives of
+    one :data:`~tensor_parallel.moe.MOE_TAG` tag: one message per peer) replaced by one
+    all_to_all over the ep ``group`` whose per-peer share is the larger of what the
+    traced rank sends and receives, n/(n−1)·max(sent, received) bytes of input (the
+    pairwise all_to_all moves (n−1)/n of it each way). The symmetric replay lets an
+    untraced rank mirror the traced one but needs a receive's sender traced; the traced
+    rank is ep rank 0, the busiest expert's, which receives the most."""
+    n = len(group)
+
+    def rewrite(ops):
+        out, run = [], []
+
+        def flush():
+            if run:
+                sent = sum(o.nbytes for o in run if isinstance(o, TraceSend))
+                got = sum(o.nbytes for o in run if isinstance(o, TraceRecv))
+                nbytes = -(-max(sent, got) * n // (n - 1))
+                out.append(TraceCollective("all_to_all", group, nbytes, 1, choose_algorithm(
+                    "all_to_all", nbytes, n)))
+                run.clear()
+
+        for op in ops:
+            if _is_moe_message(op) and (not run or run[0].tag == op.tag):
+                run.append(op)
+                continue
+            flush()
+            if _is_moe_message(op):
+                run.append(op)
+            else:
+                out.append(op)
+        flush()
+        return tuple(out)
+    return Templates({k: rewrite(v) for k, v in templates.bodies.items()},
+                     rewrite(templates.tail), templates.message_bytes)
+
+
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
                      optimizer=None, expert_skew: float = 1.0):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
@@ -185,8 +235,12 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     job = args[0][0]
     traces = trace_program(short_mesh, train_program, args,
                            ranks=list(short_mesh.group("pp", 0)))
-    return short_mesh, [coalesce(cut_templates(t, job.actions[pos], p_short * v, m_short),
-                                 costs, gpt_op_kind) for pos, t in enumerate(traces)]
+    templates = [cut_templates(t, job.actions[pos], p_short * v, m_short)
+                 for pos, t in enumerate(traces)]
+    if "ep" in short_mesh.axes:
+        templates = [moe_exchanges_as_all_to_all(t, short_mesh.group("ep", tr.rank))
+                     for t, tr in zip(templates, traces)]
+    return short_mesh, [coalesce(t, costs, gpt_op_kind) for t in templates]
 
 
 def gpt_schedule(parallel: ParallelConfig):

@@ -58,12 +58,15 @@ class Templates:
 
 
 def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int) -> Templates:
-    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates."""
+    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates. The
+    pipeline's messages (tags below 2·n_stages·microbatches: :func:`message_tag` of step
+    0) are left out, :func:`stitch` puts them back; other point-to-point messages (a
+    mixture of experts' token exchanges, with their own user tags) stay in the bodies."""
     last = _last_backwards(actions)
     bodies, body, k = {}, [], 0
     sizes: dict = {}
     for op in trace.ops:
-        if isinstance(op, (TraceSend, TraceRecv)):
+        if isinstance(op, (TraceSend, TraceRecv)) and op.tag < 2 * n_stages * microbatches:
             direction, stage = divmod(op.tag // microbatches, n_stages)
             sizes[(direction % 2, stage)] = op.nbytes
             continue
@@ -125,8 +128,9 @@ def coalesce(templates: Templates, costs, op_kind=None) -> Templates:
 def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templates:
     """``templates`` of another pipeline position: every key's stage ``s`` becomes
     ``stage_of(s)``, every collective's group ``(r, ...)`` becomes ``(rank_of(r), ...)``
-    (send/receive peers are not in templates: :func:`stitch` names them); the message
-    sizes become ``message_bytes`` when given."""
+    and every send's or receive's peer r (a body's own messages: the pipeline's are not
+    in templates, :func:`stitch` names them) ``rank_of(r)``; the message sizes become
+    ``message_bytes`` when given."""
     groups: dict = {}
 
     def rename(ops):
@@ -138,6 +142,8 @@ def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templa
                     g = groups[op.group] = tuple(rank_of(r) for r in op.group)
                 op = TraceCollective(op.collective, g, op.nbytes, op.itemsize, op.algorithm,
                                      op.root, op.handle)
+            elif isinstance(op, (TraceSend, TraceRecv)):
+                op = type(op)(rank_of(op.peer), op.nbytes, op.tag)
             out.append(op)
         return tuple(out)
     bodies = {(stage_of(s), kind, last): rename(ops)

@@ -12,3 +12,6 @@ from .gpt import (GPT, GPTConfig, GPTFitResult, ParallelConfig, forward_program,
 
 __all__ += ["GPT", "GPTConfig", "GPTFitResult", "ParallelConfig", "forward_program",
             "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops"]
+from .gpt import moe_groups, moe_model_flops
+
+__all__ += ["moe_model_flops", "moe_groups"]

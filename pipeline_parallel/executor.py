@@ -18,8 +18,16 @@ gradients are final: they join a data-parallel bucket, and a full bucket
 sums too) the buckets are all-reduced over the combined dp × cp group, one collective per
 bucket (Megatron reduces over its data-parallel-with-context group the same way). The
 optimizer steps once per step. With ``zero_stage`` 1, 2 or 3 the optimizer state (and
-gradients, and parameters) are sharded over that same dp (× cp) group instead (:mod:`pipeline_parallel.zero`: reduce-scatter, update of
-the shard, all-gather; FSDP's gathers around each module for stage 3).
+gradients, and parameters) are sharded over that same dp (× cp) group instead
+(:mod:`pipeline_parallel.zero`: reduce-scatter, update of the shard, all-gather; FSDP's
+gathers around each module for stage 3).
+
+A mixture of experts' expert parameters (a stage's ``expert_mask``) go to buckets of their
+own, all-reduced over ``expert_dp_axis`` (the expert-data-parallel group, dp/ep ranks, × cp
+where present) instead; the results carry each step's weighted MoE aux loss and tokens per
+expert (``aux_losses``, ``moe_loads``; a stage's ``moe_report()``). ZeRO with expert
+parallelism (``zero_stage`` >= 1 and ``expert_dp_axis`` set: two gradient groups) is not
+supported yet and refused.
 
 Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
 holds (parameters, gradients, optimizer state, activations); ``dev.record_memory``
@@ -80,12 +88,19 @@ class TrainJob:
     crash_at: tuple = ()       # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
     zero_stage: int = 0                # 0 DDP; 1, 2, 3: ZeRO (pipeline_parallel.zero)
+    expert_dp_axis: object = None      # experts' gradients: sum over this (axis, tuple of
+    #                                    axes, () = none) instead of dp_axis; None: dp_axis
 
     def __post_init__(self):
         check_zero_stage(self.zero_stage, "TrainJob")
         if self.zero_stage and (self.optimizer_state is not None or self.return_optimizer):
             raise ValueError(f"TrainJob: zero_stage={self.zero_stage} does not save or "
                              f"restore optimizer state (checkpoints); use zero_stage=0")
+        if self.zero_stage and self.expert_dp_axis is not None:
+            raise ValueError(f"TrainJob: zero_stage={self.zero_stage} with expert "
+                             f"parallelism (expert_dp_axis={self.expert_dp_axis!r}) is not "
+                             f"supported yet: ZeRO shards one gradient group, the experts' "
+                             f"gradients need their own; use zero_stage=0 (or ep=1)")
 
     @property
     def n_stages(self) -> int:
@@ -123,6 +138,38 @@ class GradBuckets:
                 a[...] = total[offset:offset + a.size].reshape(a.shape)
                 offset += a.size
         self._launched = []
+
+
+class _NoBuckets:
+    """Gradients that need no reduction (a group of one)."""
+
+    def add(self, arrays) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def _expert_buckets(job: TrainJob, dev):
+    """The experts' own buckets when ``job.expert_dp_axis`` is set (a _NoBuckets for a
+    group of one), else None."""
+    if job.expert_dp_axis is None:
+        return None
+    axes = job.expert_dp_axis
+    if axes == () or dev.mesh.axis_size(axes) == 1:
+        return _NoBuckets()
+    return GradBuckets(dev, axes, job.bucket_bytes)
+
+
+def _add_split(buckets, expert_buckets, layers, i: int) -> None:
+    """Module ``i``'s final gradients into the buckets: the experts' (``expert_mask``)
+    into ``expert_buckets``, the others into ``buckets`` (None: no reduction)."""
+    mask = layers.expert_mask(i) if hasattr(layers, "expert_mask") else ()
+    grads = layers.grads[i]
+    mask = mask or (False,) * len(grads)
+    if buckets is not None:
+        buckets.add([g for g, e in zip(grads, mask) if not e])
+    expert_buckets.add([g for g, e in zip(grads, mask) if e])
 
 
 def _letter(action) -> str:
@@ -200,7 +247,8 @@ def train_program(dev, job: TrainJob, X, Y):
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     check_zero_stage(job.zero_stage, "TrainJob", p)
-    grad_axes = tuple(a for a in (job.dp_axis, job.cp_axis) if a is not None)
+    grad_axes = tuple(a for x in (job.dp_axis, job.cp_axis) if x is not None    # dp (× ep)
+                      for a in ((x,) if isinstance(x, str) else x))              # (× cp)
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
     ledger, zero, opt = MemoryLedger(dev), None, None
@@ -218,6 +266,7 @@ def train_program(dev, job: TrainJob, X, Y):
     dp_size = 1 if job.dp_axis is None else len(dev.mesh.group(job.dp_axis, dev.rank))
     rows = job.global_batch // (dp_size * m)
     losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
+    aux_losses, moe_loads = [], []
 
     def tag(step, direction, stage, j):
         return ((step * 2 + direction) * S + stage) * m + j
@@ -234,6 +283,7 @@ def train_program(dev, job: TrainJob, X, Y):
         left = {s: m for s in stages}
         buckets = GradBuckets(dev, grad_axis, job.bucket_bytes) \
             if grad_size > 1 and zero is None else None
+        expert_buckets = _expert_buckets(job, dev)
         if zero is not None:
             zero.begin_step()
         pending_dy, loss = {}, 0.0
@@ -270,7 +320,10 @@ def train_program(dev, job: TrainJob, X, Y):
                 if kind in ("B", "W"):
                     left[s] -= 1
                     done = None
-                    if buckets is not None and left[s] == 0:
+                    if expert_buckets is not None and left[s] == 0:
+                        done = lambda l, L=layers: _add_split(  # noqa: E731
+                            buckets, expert_buckets, L, l)
+                    elif buckets is not None and left[s] == 0:
                         done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
                     elif zero is not None and (left[s] == 0 or zero.stage >= 2):
                         done = lambda i, s=s: zero.grad_ready(s, i)  # noqa: E731
@@ -279,8 +332,9 @@ def train_program(dev, job: TrainJob, X, Y):
                 dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))
             elif out is not None and s > 0:
                 dev.send(out, pp[(s - 1) % p], tag(step, 1, s - 1, j))
-        if buckets is not None:
-            buckets.finish()
+        for b in (buckets, expert_buckets):
+            if b is not None:
+                b.finish()
         ledger.set("activations", sum(L.activation_bytes for L in stages.values()))
         if zero is not None:
             zero.finish_grads()
@@ -290,8 +344,12 @@ def train_program(dev, job: TrainJob, X, Y):
                     p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
                 opt.step(params, grads)
         losses.append(loss)
+        reports = [L.moe_report() for L in stages.values() if hasattr(L, "moe_report")]
+        aux_losses.append(sum(a for a, _ in reports))
+        moe_loads.append({k: v for _, d in reports for k, v in d.items()})
     named_params, named_grads = _named(stages, "params"), _named(stages, "grads")
     return {
+        "aux_losses": aux_losses, "moe_loads": moe_loads,
         "rank": dev.rank, "pp_position": pos,
         "optimizer": _optimizer_named(stages, opt) if job.return_optimizer else None,
         "losses": losses if (S - 1) in stages else None,

@@ -55,20 +55,24 @@ from tensor_parallel.context_parallel import (CP_ALGORITHMS, ContextParallelAtte
                                               sequence_positions, split_sequence, join_sequence)
 from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
+from tensor_parallel.moe import MoE
+from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, gpt_moe_stage, llama_moe_stage,
+                                       moe_piece)
+from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
 from vcluster.runtime.tracing import MetaArray, is_meta
 
 from .executor import TrainJob, train_program
 from .functional import activation, activation_grad
-from .llama import llama_param_shapes, llama_reference
+from .llama import llama_param_shapes, llama_reference, moe_calls_reference
 from .optim import Optimizer, OptimizerConfig
 from .zero import check_zero_stage, unshard_results
 from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
-           "llama_ffn_hidden", "model_flops", "ATTENTION", "ARCHS"]
+           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
@@ -110,10 +114,30 @@ def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_hea
     return 6 * n * B * s + 6 * B * s * s * l * hq
 
 
+def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
+                    experts: int, top_k: int, moe_ffn_hidden: int) -> int:
+    """6·N_active·B·s + 6·B·s²·l·h_q: :func:`llama_model_flops` with each layer's MLP
+    3·h·f replaced by the parameters a token uses, the router h·E and its k experts
+    k·3·h·f_e (N_active: the routed parameters, not all E experts)."""
+    d = h // heads
+    hq = heads * d
+    n = l * (h * (hq + 2 * kv_heads * d) + hq * h + h * experts + top_k * 3 * h * moe_ffn_hidden) \
+        + h * V
+    return 6 * n * B * s + 6 * B * s * s * l * hq
+
+
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
     """The model FLOPs of one step of ``config`` on ``global_batch`` sequences:
-    :func:`megatron_model_flops` (gpt) or :func:`llama_model_flops` (llama)."""
+    :func:`megatron_model_flops` (gpt), :func:`llama_model_flops` (llama) or
+    :func:`moe_model_flops` (experts > 0; arch "gpt" adds 6·B·s²·l·h: its attention
+    counts the full s², as :func:`megatron_model_flops`)."""
     c = config
+    if c.experts:       # GPT's program declares attention's full s² (Megatron's count)
+        full_s2 = 6 * global_batch * c.seq * c.seq * c.layers * c.hidden if c.arch == "gpt" \
+            else 0
+        return full_s2 + moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
+                                         c.heads, c.kv_heads, c.experts, c.moe_top_k,
+                                         c.moe_ffn_hidden)
     if c.arch == "llama":
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
                                  c.kv_heads, c.ffn_hidden)
@@ -141,6 +165,11 @@ class GPTConfig:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
+    experts: int = 0                   # E > 0: every layer's MLP is a mixture of E experts
+    moe_top_k: int = 2                 # experts per token (1: Switch, 2: Mixtral)
+    moe_ffn_hidden: int | None = None  # each expert's SwiGLU width (default ffn_hidden)
+    capacity_factor: float | None = None   # per-expert capacity factor; None: dropless
+    moe_aux_coef: float = 0.01         # alpha of the Switch load-balancing loss
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -170,9 +199,28 @@ class GPTConfig:
                 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
                              f"{self.rope_theta!r}")
+        self._check_moe()
         if llama and (self.hidden // self.heads) % 2:
             raise ValueError(f"GPTConfig: arch='llama' rotates pairs of the head dimension "
                              f"(RoPE): hidden/heads = {self.hidden // self.heads} must be even")
+
+    def _check_moe(self) -> None:
+        as_int(self.experts, "GPTConfig: experts", 0)
+        if not self.experts:
+            return
+        if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
+            raise ValueError(f"GPTConfig: moe_top_k must be 1 or 2 and <= experts="
+                             f"{self.experts}, got {self.moe_top_k!r}")
+        object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden if self.moe_ffn_hidden
+                           is None else as_int(self.moe_ffn_hidden, "GPTConfig: moe_ffn_hidden", 1))
+        self.moe()                      # capacity_factor, moe_aux_coef: MoE checks them
+
+    def moe(self) -> "MoE | None":
+        """The MoE layer of every layer (None: dense)."""
+        if not self.experts:
+            return None
+        return MoE(self.hidden, self.moe_ffn_hidden, self.experts, self.moe_top_k,
+                   self.capacity_factor, self.moe_aux_coef)
 
     @property
     def head_dim(self) -> int:
@@ -214,9 +262,10 @@ class ParallelConfig:
     zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
     cp: int = 1
     cp_algorithm: str = "ring"
+    ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
 
     def __post_init__(self):
-        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp") + (
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
                 ("virtual_stages",) if self.virtual_stages is not None else ()):
             as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
@@ -237,6 +286,13 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' (context-"
                              f"parallel attention keeps O and the log-sum-exp, never the "
                              f"scores), got attention={self.attention!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ParallelConfig: ep={self.ep} must divide dp={self.dp} (the "
+                             f"expert-parallel group is carved out of the data-parallel ranks)")
+        if self.cp > 1 and self.ep > 1:
+            raise ValueError(f"ParallelConfig: cp > 1 with ep > 1 is not supported yet (got "
+                             f"cp={self.cp}, ep={self.ep}); use context parallelism or expert "
+                             f"parallelism, not both")
         if self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
                              f"into dp={self.dp} x micro_batch={self.micro_batch}")
@@ -251,11 +307,21 @@ class ParallelConfig:
         return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
 
     def mesh(self):
-        """dp x pp x tp, with cp > 1 dp x pp x cp x tp: tp innermost (its collectives
+        """dp x pp x tp; with cp > 1 dp x pp x cp x tp: tp innermost (its collectives
         close every block), cp next to it (the ring's K/V, every layer, stays on the
-        node's links when tp·cp fits a node), as Megatron orders tp-cp-dp-pp."""
+        node's links when tp·cp fits a node), as Megatron orders tp-cp-dp-pp.
+
+        With ep > 1, (dp/ep, pp, ep, tp) on axes ("dp", "pp", "ep", "tp"): data
+        parallelism is the axes (dp, ep) together (``self.dp`` ranks), the axis "dp" alone
+        is then the expert-data-parallel group (the ranks holding the same experts) and
+        "ep" the expert-parallel group — next to tp, so that an ep·tp group of consecutive
+        ranks shares a node when it fits one (its all_to_alls on NVLink). cp > 1 with
+        ep > 1 is refused (``__post_init__``)."""
         if self.cp > 1:
             return Mesh((self.dp, self.pp, self.cp, self.tp), ("dp", "pp", "cp", "tp"))
+        if self.ep > 1:
+            return Mesh((self.dp // self.ep, self.pp, self.ep, self.tp),
+                        ("dp", "pp", "ep", "tp"))
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
 
     @property
@@ -265,13 +331,23 @@ class ParallelConfig:
 
     def check(self, config: GPTConfig, mesh) -> None:
         """Raise if the mesh or a count does not fit (naming both)."""
-        for a in (*mesh.axes, "dp", "pp", "cp", "tp"):
-            if a not in ("dp", "pp", "cp", "tp"):
-                raise ValueError(f"GPT: mesh axes must be among dp, pp, cp, tp; got "
+        expect = {"dp": self.dp // self.ep if "ep" in mesh.axes else self.dp, "ep": self.ep}
+        for a in (*mesh.axes, "dp", "pp", "cp", "tp", "ep"):
+            if a not in ("dp", "ep", "pp", "cp", "tp"):
+                raise ValueError(f"GPT: mesh axes must be among dp, ep, pp, cp, tp; got "
                                  f"{mesh.axes}")
-            if mesh.shape.get(a, 1) != getattr(self, a):
-                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)} but the "
-                                 f"mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+            if mesh.shape.get(a, 1) != expect.get(a, getattr(self, a)):
+                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)}"
+                                 + (f" (ep={self.ep})" if a in ("dp", "ep") else "")
+                                 + f" but the mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+        if config.experts % self.ep or (self.ep > 1 and not config.experts):
+            raise ValueError(f"GPT: experts={config.experts} do not split over ep={self.ep}"
+                             + (" (a dense model needs ep=1)" if not config.experts else ""))
+        if config.experts and self.cp > 1:
+            raise ValueError(f"GPT: a mixture of experts (experts={config.experts}) with "
+                             f"cp={self.cp} is not supported yet (each cp rank would route "
+                             f"only its chunk of the sequence: capacity and the aux loss "
+                             f"change); use cp=1")
         if config.layers % (self.pp * self.chunks):
             raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
@@ -291,15 +367,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class GPTFitResult:
-    """Per-step losses, final parameters and last-step gradients by name, memory."""
+    """Per-step losses (MoE: the aux loss included), final parameters and last-step
+    gradients by name, memory; MoE: the aux loss per step and the tokens per expert."""
 
     losses: np.ndarray
     params: dict
     grads: dict
     memory: object = None
+    aux_losses: np.ndarray | None = None   # MoE: the aux loss inside ``losses``, per step
+    expert_load: list | None = None   # MoE: per step {layer: ExpertLoad} (see GPT.fit)
 
 
-def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
+def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, load=None):
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
@@ -315,12 +394,30 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
 
     def local(names, prefix=""):
         arrays = {n: glob[prefix + n] for n in names}
+        if cfg.experts:
+            ep = (dev.mesh.axis_size("ep"), _coord(dev.mesh, "ep", dev.rank)) \
+                if "ep" in dev.mesh.axes else (1, 0)
+            return {n: moe_piece(n, a, *ep) if n in MOE_PARAMS else llama_piece(
+                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) if cfg.arch == "llama" else
+                a[shard_slices(a.shape, param_layout(n, a.ndim, ops.tp_axis), dev.mesh,
+                               dev.rank)] for n, a in arrays.items()}
         if cfg.arch == "llama":
             return {n: llama_piece(n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads)
                     for n, a in arrays.items()}
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
+    if cfg.experts and cfg.arch == "gpt":
+        return gpt_moe_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
+                             cfg.heads, cfg.hidden, par.recompute, cfg.eps, job.microbatches,
+                             cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
+                             load)
+    if cfg.experts:
+        return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
+                               stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
+                               cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
+                               cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
+                               load)
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
@@ -333,10 +430,12 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int):
 
 
 def forward_program(dev, job: TrainJob, X, Y):
-    """Forward only, stage after stage: the last stage's {loss, logits per micro-batch}."""
+    """Forward only, stage after stage: the last stage's {loss, logits per micro-batch};
+    an MoE model's ranks add {aux}: their stages' weighted aux losses."""
     pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
     (p, pos), S, m = (len(pp), pp.index(dev.rank)), job.n_stages, job.microbatches
     rows, loss, logits = job.global_batch // (dev.mesh.axis_size(job.dp_axis or ()) * m), 0.0, []
+    aux = 0.0
     for s in range(pos, S, p):
         stage = job.stage_factory(dev, job, s)
         for j in range(m):
@@ -348,12 +447,15 @@ def forward_program(dev, job: TrainJob, X, Y):
                 loss += stage.loss_and_grad(dev, j, out, Y[j * rows:(j + 1) * rows],
                                             job.global_batch)[0]
                 logits.append(out)
-    return {"loss": loss, "logits": logits} if logits else None
+        if hasattr(stage, "moe_report"):
+            aux += stage.moe_report()[0]
+    return {"loss": loss, "logits": logits, "aux": aux} if logits or aux else None
 
 
 def _grad_axes(mesh):
-    """The group the gradients are reduced (and ZeRO shards) over: dp, with cp dp × cp."""
-    axes = tuple(a for a in ("dp", "cp") if a in mesh.axes)
+    """The group the (non-expert) gradients are reduced (and ZeRO shards) over: every
+    data-parallel-like axis present, in the executor's order: dp, ep, cp."""
+    axes = tuple(a for a in ("dp", "ep", "cp") if a in mesh.axes)
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -369,6 +471,38 @@ def _cp_rows(x, mesh, c: int):
     if is_meta(x):
         return MetaArray((x.shape[0], x.shape[1] // cp), x.dtype)
     return split_sequence(x, cp)[c]
+
+
+def _dp_axes(mesh):
+    """The data-parallel axes of ``mesh``: "dp", or ("dp", "ep") / "ep" with expert
+    parallelism (the ep group carved out of data parallelism), None without."""
+    axes = tuple(a for a in ("dp", "ep") if a in mesh.axes)
+    return axes[0] if len(axes) == 1 else axes or None
+
+
+def _dp_index(mesh, rank: int) -> int:
+    """The data-parallel replica of ``rank``: its position over :func:`_dp_axes`."""
+    axes = _dp_axes(mesh)
+    return 0 if axes is None else mesh.group_position(axes, rank)
+
+
+def _expert_dp_axes(mesh):
+    """The experts' gradient group with expert parallelism (the expert-data-parallel
+    group: "dp", × "cp" where present; () for a group of one), None without ep."""
+    if "ep" not in mesh.axes:
+        return None
+    axes = tuple(a for a in ("dp", "cp") if a in mesh.axes)
+    return axes[0] if len(axes) == 1 else axes
+
+
+def moe_groups(parallel: ParallelConfig, global_batch: int | None = None) -> list:
+    """The batch rows of each MoE call: per expert-data-parallel replica d (dp/ep of
+    them) and micro-batch j, the rows of its ep ranks e = 0..ep-1 in order, rank e
+    (data-parallel replica d·ep + e) contributing its micro-batch j's b rows."""
+    B = parallel.global_batch if global_batch is None else global_batch
+    per, b, ep = B // parallel.dp, parallel.micro_batch, parallel.ep
+    return [[(d * ep + e) * per + j * b + i for e in range(ep) for i in range(b)]
+            for d in range(parallel.dp // ep) for j in range(parallel.microbatches)]
 
 
 class GPT:
@@ -387,8 +521,12 @@ class GPT:
         c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
         layer = dict(zip(_LAYER, [(h,), (h,), (h, 3, h), (3, h), (h, h), (h,), (h,), (h,),
                                   (h, f), (f,), (f, h), (h,)]))
+        if c.experts:            # MoE: w_1, b_1, w_2, b_2 become the router + experts
+            e, fe = c.experts, c.moe_ffn_hidden
+            layer = {**{n: layer[n] for n in _LAYER[:8]}, "w_router": (h, e),
+                     "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h)}
         return {"wte": (c.vocab, h), "wpe": (c.seq, h),
-                **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in _LAYER},
+                **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in layer},
                 "lnf_g": (h,), "lnf_b": (h,), "w_out": (h, c.vocab)}
 
     def init_params(self) -> dict[str, np.ndarray]:
@@ -398,14 +536,23 @@ class GPT:
         for name, shape in self.param_shapes().items():
             last, a = name.rsplit(".", 1)[-1], rng.standard_normal(shape)
             matrix = len(shape) > 1 and last != "b_qkv"
-            a = a / np.sqrt(shape[last == "wte"]) if matrix else a * 0.1 + last.endswith("_g")
+            fan = shape[1] if last in EXPERT_PARAMS else shape[last == "wte"]  # (E, in, out)
+            a = a / np.sqrt(fan) if matrix else a * 0.1 + last.endswith("_g")
             out[name] = a.astype(self.config.dtype)
         return out
 
     def train_job(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
-                  params=None, bucket_bytes: int = 1 << 20) -> TrainJob:
-        """The executor's job (``params``: global arrays by name, default the seed's)."""
+                  params=None, bucket_bytes: int = 1 << 20, expert_load=None) -> TrainJob:
+        """The executor's job (``params``: global arrays by name, default the seed's;
+        ``expert_load``: what a trace of an MoE model routes, an ExpertLoad for every
+        layer or a dict layer -> ExpertLoad)."""
         parallel.check(self.config, mesh)
+        if parallel.zero_stage and self.config.experts and "ep" in mesh.axes:
+            raise ValueError(f"GPT: zero_stage={parallel.zero_stage} with experts="
+                             f"{self.config.experts} on ep={parallel.ep} is not supported yet "
+                             f"(ZeRO shards one gradient group; the experts' gradients are "
+                             f"reduced over their own expert-data-parallel group): use "
+                             f"zero_stage=0, or ep=1")
         S, m = parallel.pp * parallel.chunks, parallel.microbatches
         per, sched = self.config.layers // S, make_schedule(
             parallel.schedule, parallel.pp, m, virtual_stages=parallel.virtual_stages)
@@ -415,31 +562,39 @@ class GPT:
             actions=tuple(tuple(sched.actions[r]) for r in range(parallel.pp)),
             optimizer=optimizer or OptimizerConfig(), steps=as_int(steps, "steps", 1),
             microbatches=m, global_batch=parallel.global_batch,
-            dp_axis="dp" if "dp" in mesh.axes else None,
+            dp_axis=_dp_axes(mesh),
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
             cp_axis="cp" if "cp" in mesh.axes else None,
-            stage_factory=partial(_stage, self.config, parallel),
-            zero_stage=parallel.zero_stage)
+            stage_factory=partial(_stage, self.config, parallel, load=expert_load),
+            zero_stage=parallel.zero_stage, expert_dp_axis=_expert_dp_axes(mesh))
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get
         their replica's tokens, the last stage's its targets (with context parallelism
         their cp rank's chunks of each sequence)."""
-        rows, last = job.global_batch // mesh.shape.get("dp", 1), job.n_stages - 1
-        parts = [(slice(_coord(mesh, "dp", r) * rows, (_coord(mesh, "dp", r) + 1) * rows),
+        rows, last = job.global_batch // mesh.axis_size(_dp_axes(mesh) or ()), job.n_stages - 1
+        parts = [(slice(_dp_index(mesh, r) * rows, (_dp_index(mesh, r) + 1) * rows),
                   _coord(mesh, "pp", r), _coord(mesh, "cp", r)) for r in range(mesh.size)]
         return [(job, _cp_rows(tokens[part], mesh, c) if pos == 0 else None,
                  _cp_rows(targets[part], mesh, c) if pos == last % mesh.shape.get("pp", 1)
                  else None) for part, pos, c in parts]
 
     def meta_args(self, mesh, parallel: ParallelConfig, steps: int = 1, optimizer=None,
-                  bucket_bytes: int = 1 << 20) -> list[tuple]:
+                  bucket_bytes: int = 1 << 20, expert_load=None,
+                  expert_skew: float = 1.0) -> list[tuple]:
         """``device_args`` on shape-only arrays, for ``trace_program(mesh, train_program,
-        ...)`` (or ``forward_program``) at any scale."""
+        ...)`` (or ``forward_program``) at any scale. An MoE model routes ``expert_load``
+        (an ExpertLoad, or a dict layer -> ExpertLoad), default
+        ``ExpertLoad.skewed(ep, E, b·s, k, expert_skew, capacity)`` for every layer."""
         params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
         data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
+        c = self.config
+        if c.experts and expert_load is None:
+            tokens = parallel.micro_batch * c.seq
+            expert_load = ExpertLoad.skewed(parallel.ep, c.experts, tokens, c.moe_top_k,
+                                            expert_skew, c.moe().capacity(tokens))
         return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,
-                                                      bucket_bytes), data, data)
+                                                      bucket_bytes, expert_load), data, data)
 
     def _check_data(self, tokens, targets, parallel=None):
         """Both int arrays (B, s) of values in [0, V), B = ``parallel.global_batch``."""
@@ -464,7 +619,33 @@ class GPT:
         results = cluster.run(train_program, self.device_args(mesh, job, tokens, targets))
         memory = pd.DataFrame([dict(r["memory"], peak_in_flight=max(
             r["memory"]["peak_in_flight"].values(), default=0)) for r in results])
-        return GPTFitResult(*self.collect(mesh, results), memory)
+        if not self.config.experts:
+            return GPTFitResult(*self.collect(mesh, results), memory)
+        losses, params, grads = self.collect(mesh, results)
+        aux, load = self._moe_report(mesh, parallel, results)
+        return GPTFitResult(losses + aux, params, grads, memory, aux, load)
+
+    def _moe_report(self, mesh, parallel: ParallelConfig, results):
+        """(aux loss per step, per step {layer: ExpertLoad}): the aux losses of the ranks
+        of tp piece 0 and ep position 0 (an ep group's ranks share one value) summed; the
+        load's rows are the dp data-parallel replicas (their tokens, summed over the
+        step's micro-batches, so its capacity is m·C)."""
+        aux = sum(np.array(r["aux_losses"]) for i, r in enumerate(results)
+                  if _coord(mesh, "tp", i) == 0 and _coord(mesh, "ep", i) == 0)
+        cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq)
+        loads = []
+        for step in range(len(aux)):
+            tables: dict = {}
+            for i, r in enumerate(results):
+                if _coord(mesh, "tp", i) == 0:
+                    for prefix, counts in r["moe_loads"][step].items():
+                        tables.setdefault(int(prefix.split(".")[1]), {})[
+                            _dp_index(mesh, i)] = counts
+            loads.append({layer: ExpertLoad(
+                [t[d][0] for d in sorted(t)], [t[d][1] for d in sorted(t)],
+                None if cap is None else cap * parallel.microbatches)
+                for layer, t in sorted(tables.items())})
+        return aux, loads
 
     def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
@@ -484,10 +665,17 @@ class GPT:
         for r, res in enumerate(results):
             replica0 = _coord(mesh, "dp", r) == 0 and _coord(mesh, "cp", r) == 0
             for name, a in res[key].items() if replica0 else ():
-                pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
+                if name.rsplit(".", 1)[-1] in MOE_PARAMS:     # experts: pieces over ep
+                    pieces.setdefault(name, {})[_coord(mesh, "ep", r)] = a
+                elif _coord(mesh, "ep", r) == 0:
+                    pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
         llama, tp = self.config.arch == "llama", mesh.shape.get("tp", 1)
         out = {}
         for n in self.param_shapes():
+            if n.rsplit(".", 1)[-1] in MOE_PARAMS:
+                out[n] = np.concatenate([pieces[n][e] for e in sorted(pieces[n])]) \
+                    if n.rsplit(".", 1)[-1] in EXPERT_PARAMS else pieces[n][0]
+                continue
             dim = llama_split_dim(n) if llama else split_dim(n)
             step = tp // kv_pieces(self.config.kv_heads, tp) if llama and n.endswith("w_kv") \
                 else 1
@@ -501,8 +689,10 @@ class GPT:
         mesh, (B, s), V = cluster.mesh, tokens.shape, self.config.vocab
         results = cluster.run(forward_program, self.device_args(
             mesh, self.train_job(mesh, parallel), tokens, targets))
-        last = {(_coord(mesh, "dp", r), _coord(mesh, "cp", r), _coord(mesh, "tp", r)): res
-                for r, res in enumerate(results) if res}             # replica, cp, tp piece
+        last = {(_dp_index(mesh, r), _coord(mesh, "cp", r), _coord(mesh, "tp", r)): res
+                for r, res in enumerate(results) if res and res["logits"]}  # replica, cp, tp
+        aux = sum(res["aux"] for r, res in enumerate(results) if res and "aux" in res
+                  and _coord(mesh, "tp", r) == 0 and _coord(mesh, "ep", r) == 0)
         cp = parallel.cp
 
         def piece(d, c):
@@ -510,28 +700,44 @@ class GPT:
                 B // parallel.dp, s // cp, V // parallel.tp) for t in range(parallel.tp)], axis=2)
         logits = np.concatenate([join_sequence([piece(d, c) for c in range(cp)])
                                  for d in range(parallel.dp)])
-        return sum(last[d, c, 0]["loss"] for d in range(parallel.dp) for c in range(cp)), logits
+        return sum(last[d, c, 0]["loss"] for d in range(parallel.dp)
+                   for c in range(cp)) + aux, logits
 
     # --- the single-process reference ---------------------------------------------------
-    def _reference(self, params, tokens, targets, backward: bool = False):
+    def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):
         ref = llama_reference if self.config.arch == "llama" else _reference
+        if self.config.experts:
+            return ref(self.config, params, tokens, targets, backward,
+                       moe_groups=self._moe_groups(parallel, len(tokens)))
         return ref(self.config, params, tokens, targets, backward)
 
-    def reference_forward(self, tokens, targets, params=None):
-        """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth."""
+    def _moe_groups(self, parallel, batch: int):
+        """(ep, the rows of each MoE call) of ``parallel`` (MoE models; default: the whole
+        batch in one call, ep 1 — capacity and the aux loss depend on the grouping)."""
+        if parallel is None:
+            return 1, [list(range(batch))]
+        return parallel.ep, moe_groups(parallel, batch)
+
+    def reference_forward(self, tokens, targets, params=None, parallel=None):
+        """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth. An
+        MoE model routes each call of ``parallel`` (:func:`moe_groups`) apart, and its
+        loss includes the aux loss."""
         tokens, targets = self._check_data(tokens, targets)
-        return self._reference(params or self.init_params(), tokens, targets)[:2]
+        return self._reference(params or self.init_params(), tokens, targets,
+                               parallel=parallel)[:2]
 
     def fit_reference(self, tokens, targets, steps: int, optimizer: str = "sgd",
                       lr: float = 0.01, momentum: float = 0.9, betas=(0.9, 0.999),
-                      eps: float = 1e-8) -> GPTFitResult:
-        """Full-batch training in this process: what ``fit`` must reproduce."""
+                      eps: float = 1e-8, parallel=None) -> GPTFitResult:
+        """Full-batch training in this process: what ``fit`` must reproduce
+        (``parallel``: an MoE model's calls, as :meth:`reference_forward`)."""
         tokens, targets = self._check_data(tokens, targets)
         params, losses, grads = self.init_params(), [], {}
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
                         list(params.values()))
         for _ in range(as_int(steps, "steps", 1)):
-            loss, _, grads = self._reference(params, tokens, targets, backward=True)
+            loss, _, grads = self._reference(params, tokens, targets, backward=True,
+                                             parallel=parallel)
             opt.step(list(params.values()), [grads[n] for n in params])
             losses.append(loss)
         return GPTFitResult(np.array(losses), params, grads)
@@ -551,13 +757,17 @@ def _ln_back(dy, cache):
     return dx, (dy * xhat).sum((0, 1)), dy.sum((0, 1))
 
 
-def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False):
-    """Forward (and backward) of the whole model on the whole batch: (loss, logits, grads)."""
+def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
+               moe_groups=None):
+    """Forward (and backward) of the whole model on the whole batch: (loss, logits, grads).
+    An MoE model's MLP is :func:`~pipeline_parallel.llama.moe_calls_reference` on the
+    calls ``moe_groups`` (ep, rows per call), its aux loss added to the loss."""
     (B, s), h, a, V = tokens.shape, cfg.hidden, cfg.heads, cfg.vocab
     d, future = h // a, np.triu(np.ones((s, s), bool), 1)
-    x, caches = P["wte"][tokens] + P["wpe"][:s], []
+    x, caches, aux_total = P["wte"][tokens] + P["wpe"][:s], [], 0.0
+    names = _LAYER[:8] + MOE_PARAMS if cfg.experts else _LAYER
     for i in range(cfg.layers):
-        L = {n: P[f"layers.{i}.{n}"] for n in _LAYER}
+        L = {n: P[f"layers.{i}.{n}"] for n in names}
         u, c1 = _ln(x, L["ln1_g"], L["ln1_b"], cfg.eps)
         qkv = np.einsum("bsh,htk->bstk", u, L["w_qkv"]) + L["b_qkv"]      # (B, s, 3, h)
         q, k, v = (qkv[:, :, t].reshape(B, s, a, d) for t in range(3))
@@ -568,14 +778,18 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
         ctx = np.einsum("bnqk,bknd->bqnd", A, v).reshape(B, s, h)
         x1 = x + ctx @ L["w_o"] + L["b_o"]
         u2, c2 = _ln(x1, L["ln2_g"], L["ln2_b"], cfg.eps)
-        z = u2 @ L["w_1"] + L["b_1"]
-        x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
+        if cfg.experts:
+            y, aux = moe_calls_reference(cfg, L, u2, moe_groups)
+            x, aux_total, z = x1 + y, aux_total + aux, None
+        else:
+            z = u2 @ L["w_1"] + L["b_1"]
+            x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
         caches.append((L, u, c1, q, k, v, A, ctx, u2, c2, z))
     uf, cf = _ln(x, P["lnf_g"], P["lnf_b"], cfg.eps)
     logits = uf @ P["w_out"]                                                 # (B, s, V)
     shifted = logits - logits.max(-1, keepdims=True)
     logp, onehot = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)), np.eye(V)[targets]
-    loss = -float((logp * onehot).sum()) / (B * s)
+    loss = -float((logp * onehot).sum()) / (B * s) + aux_total
     if not backward:
         return loss, logits, None
     G = {}
@@ -584,10 +798,15 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
     dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ P["w_out"].T, cf)
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, k, v, A, ctx, u2, c2, z = caches[i]
-        g = {"b_2": dx.sum((0, 1)), "w_2": np.einsum("bsf,bsh->fh", activation("gelu", z), dx)}
-        dz = activation_grad("gelu", z, dx @ L["w_2"].T)
-        g["b_1"], g["w_1"] = dz.sum((0, 1)), np.einsum("bsh,bsf->hf", u2, dz)
-        du2, g["ln2_g"], g["ln2_b"] = _ln_back(dz @ L["w_1"].T, c2)
+        if cfg.experts:
+            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx)
+            du2, g["ln2_g"], g["ln2_b"] = _ln_back(dmoe, c2)
+        else:
+            g = {"b_2": dx.sum((0, 1)),
+                 "w_2": np.einsum("bsf,bsh->fh", activation("gelu", z), dx)}
+            dz = activation_grad("gelu", z, dx @ L["w_2"].T)
+            g["b_1"], g["w_1"] = dz.sum((0, 1)), np.einsum("bsh,bsf->hf", u2, dz)
+            du2, g["ln2_g"], g["ln2_b"] = _ln_back(dz @ L["w_1"].T, c2)
         dx1 = dx + du2
         g["b_o"], g["w_o"] = dx1.sum((0, 1)), np.einsum("bsk,bsh->kh", ctx, dx1)
         dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
@@ -600,7 +819,7 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False)
         g["b_qkv"], g["w_qkv"] = dqkv.sum((0, 1)), np.einsum("bsh,bstk->htk", u, dqkv)
         du, g["ln1_g"], g["ln1_b"] = _ln_back(np.einsum("bstk,htk->bsh", dqkv, L["w_qkv"]), c1)
         dx = dx1 + du
-        G.update({f"layers.{i}.{n}": g[n] for n in _LAYER})
+        G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wpe"], G["wte"] = dx.sum(0), np.zeros_like(P["wte"])             # s = cfg.seq
     np.add.at(G["wte"], tokens, dx)
     return loss, logits, {n: G[n] for n in P}

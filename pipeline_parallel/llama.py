@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensor_parallel.moe_reference import moe_reference
+
 from .functional import one_hot
 
-__all__ = ["llama_param_shapes", "llama_reference"]
+__all__ = ["llama_param_shapes", "llama_reference", "moe_calls_reference"]
 
 _LAYER = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "w_down")
 
@@ -31,8 +33,12 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
         cfg.kv_heads * cfg.head_dim
     layer = dict(zip(_LAYER, [(h,), (h, hq), (h, 2, hkv), (hq, h), (h,), (h, f), (h, f),
                               (f, h)]))
+    if getattr(cfg, "experts", 0):        # MoE: the MLP's three become the router + experts
+        e, fe = cfg.experts, cfg.moe_ffn_hidden
+        layer = {**{n: layer[n] for n in _LAYER[:5]}, "w_router": (h, e),
+                 "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h)}
     return {"wte": (cfg.vocab, h),
-            **{f"layers.{i}.{n}": layer[n] for i in range(cfg.layers) for n in _LAYER},
+            **{f"layers.{i}.{n}": layer[n] for i in range(cfg.layers) for n in layer},
             "norm_f_g": (h,), "w_out": (h, cfg.vocab)}
 
 
@@ -62,15 +68,45 @@ def _silu(z):
     return z / (1 + np.exp(-z))
 
 
-def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False):
+def moe_calls_reference(cfg, L, u2, groups, dy=None):
+    """The MoE block (``cfg.experts`` > 0) on u2 (B, s, h), each call apart: ``groups`` =
+    (ep, [rows of each call]) — a call's tokens are its rows' in order, ep contiguous
+    ranks of equal share (:func:`~tensor_parallel.moe_reference.moe_reference`, capacity
+    per rank). Forward: (y, aux = mean over the calls); with ``dy``: (du2, grads by name)
+    of <dy, y> + aux."""
+    ep, calls = groups
+    h, w = u2.shape[-1], [L[n] for n in ("w_router", "moe_gate", "moe_up", "moe_down")]
+    out, aux = np.zeros_like(u2), 0.0
+    grads = {n: np.zeros_like(L[n]) for n in ("w_router", "moe_gate", "moe_up", "moe_down")}
+    for rows in calls:
+        res, _, _ = moe_reference(u2[rows].reshape(-1, h), *w, top_k=cfg.moe_top_k,
+                                  capacity_factor=cfg.capacity_factor,
+                                  aux_coef=cfg.moe_aux_coef, ep=ep,
+                                  dy=None if dy is None else dy[rows].reshape(-1, h),
+                                  d_aux=1 / len(calls))
+        if dy is None:
+            out[rows] = res.y.reshape(len(rows), -1, h)
+            aux += res.aux_loss / len(calls)
+        else:
+            out[rows] = res.dx.reshape(len(rows), -1, h)
+            for n, g in zip(grads, (res.d_router, res.d_gate, res.d_up, res.d_down)):
+                grads[n] += g
+    return (out, aux) if dy is None else (out, grads)
+
+
+def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_groups=None):
     """Forward (and backward) of the whole model on the whole batch: (loss, logits,
-    grads by name or None)."""
+    grads by name or None). An MoE model (``cfg.experts``) needs ``moe_groups``: (ep,
+    the batch rows of each MoE call) — see :func:`moe_calls_reference`; its loss adds every
+    layer's aux loss."""
     (B, s), a, c, d, V = tokens.shape, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab
     grp, R = a // c, _rotations(s, d, cfg.rope_theta).astype(cfg.dtype)
     causal = np.tril(np.ones((s, s), bool))
-    x, caches = P["wte"][tokens], []
+    x, caches, aux_total = P["wte"][tokens], [], 0.0
+    moe = bool(getattr(cfg, "experts", 0))
+    names = _LAYER[:5] + ("w_router", "moe_gate", "moe_up", "moe_down") if moe else _LAYER
     for i in range(cfg.layers):
-        L = {n: P[f"layers.{i}.{n}"] for n in _LAYER}
+        L = {n: P[f"layers.{i}.{n}"] for n in names}
         u, c1 = _rms(x, L["attn_norm_g"], cfg.eps)
         q0 = (u @ L["w_q"]).reshape(B, s, a, d)
         kv = np.einsum("bsh,htk->bstk", u, L["w_kv"])                     # (B, s, 2, c·d)
@@ -84,16 +120,20 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False):
         ctx = np.einsum("bnqk,bknd->bqnd", A, vr).reshape(B, s, a * d)
         x1 = x + ctx @ L["w_o"]
         u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
-        zg, zu = u2 @ L["w_gate"], u2 @ L["w_up"]
-        act = _silu(zg) * zu
-        x = x1 + act @ L["w_down"]
+        if moe:
+            y, aux = moe_calls_reference(cfg, L, u2, moe_groups)
+            x, aux_total, zg, zu, act = x1 + y, aux_total + aux, None, None, None
+        else:
+            zg, zu = u2 @ L["w_gate"], u2 @ L["w_up"]
+            act = _silu(zg) * zu
+            x = x1 + act @ L["w_down"]
         caches.append((L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act))
     uf, cf = _rms(x, P["norm_f_g"], cfg.eps)
     logits = uf @ P["w_out"]                                              # (B, s, V)
     shifted = logits - logits.max(-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     onehot = one_hot(targets.reshape(-1), V, logits.dtype).reshape(B, s, V)
-    loss = -float((logp * onehot).sum()) / (B * s)
+    loss = -float((logp * onehot).sum()) / (B * s) + aux_total
     if not backward:
         return loss, logits, None
     G = {}
@@ -102,13 +142,17 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False):
     dx, G["norm_f_g"] = _rms_back(dlogits @ P["w_out"].T, cf)
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act = caches[i]
-        g = {"w_down": np.einsum("bsf,bsh->fh", act, dx)}
-        dact = dx @ L["w_down"].T
-        sig = 1 / (1 + np.exp(-zg))
-        dzg, dzu = dact * zu * (sig + zg * sig * (1 - sig)), dact * _silu(zg)
-        g["w_gate"] = np.einsum("bsh,bsf->hf", u2, dzg)
-        g["w_up"] = np.einsum("bsh,bsf->hf", u2, dzu)
-        du2, g["mlp_norm_g"] = _rms_back(dzg @ L["w_gate"].T + dzu @ L["w_up"].T, c2)
+        if moe:
+            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx)
+            du2, g["mlp_norm_g"] = _rms_back(dmoe, c2)
+        else:
+            g = {"w_down": np.einsum("bsf,bsh->fh", act, dx)}
+            dact = dx @ L["w_down"].T
+            sig = 1 / (1 + np.exp(-zg))
+            dzg, dzu = dact * zu * (sig + zg * sig * (1 - sig)), dact * _silu(zg)
+            g["w_gate"] = np.einsum("bsh,bsf->hf", u2, dzg)
+            g["w_up"] = np.einsum("bsh,bsf->hf", u2, dzu)
+            du2, g["mlp_norm_g"] = _rms_back(dzg @ L["w_gate"].T + dzu @ L["w_up"].T, c2)
         dx1 = dx + du2
         g["w_o"] = np.einsum("bsk,bsh->kh", ctx, dx1)
         dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
@@ -127,7 +171,7 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False):
         du, g["attn_norm_g"] = _rms_back(dq0 @ L["w_q"].T
                                          + np.einsum("bstk,htk->bsh", dkv, L["w_kv"]), c1)
         dx = dx1 + du
-        G.update({f"layers.{i}.{n}": g[n] for n in _LAYER})
+        G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wte"] = np.zeros_like(P["wte"])
     np.add.at(G["wte"], tokens, dx)
     return loss, logits, {n: G[n] for n in P}

@@ -30,3 +30,6 @@ from .moe import MOE_TAG, MoE
 from .moe_load import ExpertLoad, MoEGradients, MoEOutput
 
 __all__ += ["MoE", "ExpertLoad", "MoEOutput", "MoEGradients", "MOE_TAG"]
+from .moe_layer import LlamaMoELayer, llama_moe_stage
+
+__all__ += ["LlamaMoELayer", "llama_moe_stage"]

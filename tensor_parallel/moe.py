@@ -118,7 +118,9 @@ class _Ops:
 
     def __init__(self, dev, ep_axis: str, algorithms: Mapping[str, str]):
         self.dev, self.ep_axis, self.algorithms = dev, ep_axis, algorithms
-        self.group = dev.mesh.group(dev.mesh.axis_tuple(ep_axis), dev.rank)
+        self.solo = ep_axis not in dev.mesh.axes       # no ep axis: all experts here
+        self.group = (dev.rank,) if self.solo else dev.mesh.group(
+            dev.mesh.axis_tuple(ep_axis), dev.rank)
         self.n = len(self.group)
         self.pos = self.group.index(dev.rank)
 
@@ -134,10 +136,14 @@ class _Ops:
             return fn()
 
     def all_reduce(self, x):
+        if self.solo:
+            return x
         return self.dev.all_reduce(x, self.ep_axis,
                                    algorithm=self.algorithms.get("all_reduce", "auto"))
 
     def all_to_all(self, x):
+        if self.solo:
+            return x
         return self.dev.all_to_all(x, self.ep_axis, split_dim=0, concat_dim=0,
                                    algorithm=self.algorithms.get("all_to_all", "auto"))
 
@@ -453,13 +459,29 @@ class MoE(ShardedOperation):
         y, aux, route, _ = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
         return (y, aux, *self._report(route))
 
-    def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, dy, d_aux=1.0,
-                       load=None):
-        """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
-        dW_down, routed, kept); dW_r summed over ep, the experts' on their owners."""
-        self.ep_size(dev.mesh)
-        ops = _Ops(dev, self.ep_axis, self.algorithms)
-        y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
+    # --- hooks for a layer inside a training program (tensor_parallel.moe_layer) ---------
+    def device_ops(self, dev):
+        """This rank's steps (collectives over ``ep_axis``; a mesh without that axis holds
+        every expert on each rank and communicates nothing)."""
+        if self.ep_axis in dev.mesh.axes:
+            self.ep_size(dev.mesh)
+        return _Ops(dev, self.ep_axis, self.algorithms)
+
+    def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None):
+        """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
+        routed (E,), kept (E,), state for :meth:`backward_saved`)."""
+        y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load)
+        return y, aux, route.routed, route.kept_arr, saved
+
+    def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux):
+        """Backward of <dy2, y> + d_aux · aux: (dx (T, h), dW_r of this rank's tokens (not
+        summed over ep: the caller reduces it with the other replicated parameters),
+        [dW_gate, dW_up, dW_down] of this rank's experts)."""
+        return self._backward(ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux)
+
+    def _backward(self, ops, saved, dy, w_router, w_gate, w_up, w_down, d_aux):
+        """The backward of :meth:`_forward` (``saved`` its state): (dx (T, h), dW_r of
+        this rank's tokens — not yet summed over ep —, [dW_gate, dW_up, dW_down])."""
         x2, route, ex, xs, states, out_rows, g_sel, f = saved
         h, k, n_exp, e_l = self.hidden, self.top_k, self.experts, len(xs)
         t = x2.shape[0]
@@ -498,9 +520,21 @@ class MoE(ShardedOperation):
 
         dl = ops.ew("router: dl = softmax'(dp)", dlogits, route.probs, route.gates, f,
                     shape=route.probs.shape)
-        d_router = ops.all_reduce(ops.matmul(x2.T, dl, "router: dW_r = x^T dl"))
+        d_router = ops.matmul(x2.T, dl, "router: dW_r = x^T dl")
         dx_r = ops.matmul(dl, w_router.T, "router: dx = dl W_r^T")
         dx = ops.ew("backward: dx + router", lambda: dx + dx_r, dx, dx_r)
+        return dx, d_router, dw
+
+    def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, dy, d_aux=1.0,
+                       load=None):
+        """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
+        dW_down, routed, kept); dW_r summed over ep, the experts' on their owners."""
+        self.ep_size(dev.mesh)
+        ops = _Ops(dev, self.ep_axis, self.algorithms)
+        y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
+        dx, d_router, dw = self._backward(ops, saved, dy, w_router, w_gate, w_up, w_down,
+                                          d_aux)
+        d_router = ops.all_reduce(d_router)
         return (y, aux, dx.reshape(x.shape), d_router, *dw, *self._report(route))
 
     # --- host conveniences ----------------------------------------------------------------

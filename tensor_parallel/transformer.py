@@ -367,6 +367,26 @@ class TransformerStage:
                 on_layer_done(i)
         self._live.discard(mb)
 
+    def expert_mask(self, i: int) -> tuple[bool, ...]:
+        """Per gradient of module ``i``: whether it is an expert's (``expert`` names of a
+        mixture-of-experts layer), which the executor sums over the expert-data-parallel
+        group instead of all of data parallelism."""
+        m = self.modules[i]
+        return tuple(n in getattr(m, "expert", ()) for n in m.names)
+
+    def moe_report(self) -> tuple[float, dict]:
+        """(the step's weighted aux loss, {layer prefix: (routed, kept) tokens per
+        expert summed over the step's micro-batches}) of this stage's MoE layers; each
+        reset."""
+        aux, load = 0.0, {}
+        for p, m in zip(self.prefixes, self.modules):
+            if hasattr(m, "reset_report"):
+                aux += m.aux_loss
+                if m.routed is not None:
+                    load[p] = (np.asarray(m.routed).tolist(), np.asarray(m.kept).tolist())
+                m.reset_report()
+        return aux, load
+
     def named_params(self) -> dict:
         return {f"{p}{n}": a for p, m in zip(self.prefixes, self.modules)
                 for n, a in m.p.items()}

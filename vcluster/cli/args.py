@@ -7,7 +7,7 @@ import argparse
 from vcluster.scenario.units import parse_size
 
 __all__ = ["positive_int", "int_at_least", "csv_of", "sizes", "add_arch_arguments",
-           "model_title"]
+           "add_moe_arguments", "moe_config", "model_title"]
 
 
 def positive_int(text: str) -> int:
@@ -86,3 +86,48 @@ def model_title(config) -> str:
     arch = f"Llama h={c.hidden}" if c.arch == "llama" else f"GPT h={c.hidden}"
     extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.arch == "llama" else ""
     return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}"
+
+
+def _at_least_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (the busiest expert's "
+                                         f"tokens over the mean), got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def add_moe_arguments(parser, skew: bool = True) -> None:
+    """--experts, --moe-top-k, --moe-ffn-hidden, --capacity-factor (GPTConfig's MoE
+    fields; llama only) and, with ``skew``, --expert-skew."""
+    parser.add_argument("--experts", type=int_at_least(0, "experts per layer; 0: dense"),
+                        default=0, help="llama: a mixture of this many experts in every "
+                        "layer's MLP (default 0: dense)")
+    parser.add_argument("--moe-top-k", type=int, choices=(1, 2), default=2,
+                        help="experts per token (default 2)")
+    parser.add_argument("--moe-ffn-hidden", type=positive_int, default=None,
+                        help="each expert's SwiGLU width (default --ffn-hidden)")
+    parser.add_argument("--capacity-factor", type=_positive_float, default=None,
+                        help="per-expert capacity factor (default: dropless)")
+    if skew:
+        parser.add_argument("--expert-skew", type=_at_least_one, default=1.0,
+                            help="the busiest expert's tokens over the mean (>= 1, default "
+                                 "1: balanced); the slowest expert sets the step")
+
+
+def moe_config(args) -> dict:
+    """GPTConfig's MoE keywords from the parsed arguments."""
+    return dict(experts=args.experts, moe_top_k=args.moe_top_k,
+                moe_ffn_hidden=args.moe_ffn_hidden, capacity_factor=args.capacity_factor)

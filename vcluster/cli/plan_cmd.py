@@ -22,11 +22,13 @@ import argparse
 import math
 import os
 
-from .args import add_arch_arguments, fraction, model_title, positive_int
+from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
+                   positive_int)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
-JSON_KEYS = ("tp", "pp", "dp", "cp", "micro_batch", "schedule", "virtual_stages", "sequence_parallel",
+JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "schedule", "virtual_stages",
+             "sequence_parallel",
              "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 
@@ -39,6 +41,10 @@ def add_parser(commands) -> None:
     for name in ("hidden", "layers", "heads", "seq", "vocab", "gpus"):
         gpt.add_argument(f"--{name}", type=positive_int, required=True)
     add_arch_arguments(gpt)
+    add_moe_arguments(gpt, skew=False)
+    gpt.add_argument("--max-ep", type=positive_int, default=1,
+                     help="MoE: the largest expert-parallel degree tried (each ep divides dp "
+                          "and --experts; default 1)")
     gpt.add_argument("--global-batch", type=positive_int, required=True)
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
@@ -80,10 +86,12 @@ def plan_json(df) -> dict:
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {}))}
 
 
-def _print_table(df, top: int, cp: bool = False) -> None:
-    """The top rows; ``cp``: with a cp column (after dp)."""
+def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
+    """The top rows; ``cp``: with a cp column (after dp); ``ep``: an expert-parallel
+    column after dp (and cp) (MoE models)."""
     cp_head = f"{'cp':>3} " if cp else ""
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} " if ep else "")
+            + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
             f"{'recompute':<9} {'dopt':<4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
             f"{'comp/comm':>9}  source")
     print(head)
@@ -92,7 +100,9 @@ def _print_table(df, top: int, cp: bool = False) -> None:
         ratio = f"{r['compute_comm_ratio']:9.1f}" if math.isfinite(r["compute_comm_ratio"]) \
             else f"{'inf':>9}"
         cp_col = f"{r['cp']:>3} " if cp else ""
-        print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{r['micro_batch']:>3} "
+        ep_col = f"{r['ep']:>3} " if ep else ""
+        print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{ep_col}"
+              f"{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
               f"{r['recompute']:<9} {'yes' if r['distributed_optimizer'] else 'no':<4} "
               f"{r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
@@ -127,6 +137,7 @@ def _gpt(args) -> int:
                   attention=args.attention, distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
+                  max_ep=args.max_ep, **moe_config(args),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
@@ -135,7 +146,7 @@ def _gpt(args) -> int:
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s")
     if len(df):
-        _print_table(df, args.top, cp=args.max_cp > 1)
+        _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
     print("rejected:" + ("" if a["rejected"] else " none"))
     for reason, count in a["rejected"].items():
         print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")

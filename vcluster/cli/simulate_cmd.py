@@ -10,7 +10,9 @@ peak memory per device and its parts (``--attention flash|unfused``,
 ``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
 ``--distributed-optimizer``: vcluster/planner/memory.py); ``--cp N [--cp-algorithm
 ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
-tp·pp·cp·dp, which ``--gpus`` checks when given); ``--json PATH`` writes the
+tp·pp·cp·dp, which ``--gpus`` checks when given); ``--experts N --moe-top-k K
+--ep E [--expert-skew X]``: a mixture of experts over E expert-parallel ranks carved out of
+dp, the busiest expert X times the mean (not with ``--cp`` > 1 yet); ``--json PATH`` writes the
 same figures. A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
 simulated (``fits: false``), but the command says so on stderr and exits 1 unless
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import sys
 
-from .args import add_arch_arguments, fraction, model_title, positive_int
+from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
+                   positive_int)
 
 __all__ = ["add_parser"]
 
@@ -36,7 +39,8 @@ def add_parser(commands) -> None:
     for name in ("hidden", "layers", "heads", "seq", "vocab"):
         gpt.add_argument(f"--{name}", type=positive_int, required=True)
     add_arch_arguments(gpt)
-    for name, default in (("tp", 1), ("pp", 1), ("dp", 1)):
+    add_moe_arguments(gpt)
+    for name, default in (("tp", 1), ("pp", 1), ("dp", 1), ("ep", 1)):
         gpt.add_argument(f"--{name}", type=positive_int, default=default)
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
@@ -74,24 +78,27 @@ def _gpt(args) -> int:
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
-                       ffn_hidden=args.ffn_hidden)
+                       ffn_hidden=args.ffn_hidden, **moe_config(args))
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               attention=args.attention,
                               distributed_optimizer=args.distributed_optimizer,
-                              cp=args.cp, cp_algorithm=args.cp_algorithm)
+                              cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
-    r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom)
+    r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
+                     expert_skew=args.expert_skew)
     print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
-          f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}")
+          f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
+          + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
+             f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")
     print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "

@@ -26,6 +26,12 @@ cp among the divisors of N up to ``max_cp`` with s divisible by 2·cp, dp = N /
 (tp·pp·cp), with ``cp_algorithm``; it needs flash attention (the screen's memory then
 divides the activations by cp).
 
+With a mixture of experts (``config.experts``), ep takes every value up to ``max_ep``
+(default 1) that divides both dp and the experts: the ep group is carved out of the
+data-parallel ranks, so ep multiplies no GPU count. A mixture of experts with cp > 1 is
+not supported yet (the emulated program refuses it): such splits are rejected as
+``cp_with_experts``.
+
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
 """
@@ -57,6 +63,7 @@ REJECT_REASONS = {
     "pp_not_dividing_layers": "pp does not divide the layers",
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
     "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
+    "cp_with_experts": "a mixture of experts with cp > 1 is not supported yet",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
 }
@@ -81,6 +88,7 @@ class SearchSpace:
     distributed_optimizer: bool | None = None      # None: where memory needs it
     max_cp: int = 1                                # context parallelism: largest cp tried
     cp_algorithm: str = "ring"
+    max_ep: int = 1                                # MoE: the largest expert parallelism
 
     def __post_init__(self):
         if self.cp_algorithm not in CP_ALGORITHMS:
@@ -96,7 +104,7 @@ class SearchSpace:
         if self.distributed_optimizer not in (None, False, True):
             raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
                              f"(where memory needs it), got {self.distributed_optimizer!r}")
-        for name in ("max_tp", "max_micro_batch", "max_virtual_stages", "max_cp"):
+        for name in ("max_tp", "max_micro_batch", "max_virtual_stages", "max_cp", "max_ep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"plan_gpt: {name} must be a positive int, got {v!r}")
@@ -163,6 +171,8 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
         reason = _split_reason(config, tp, pp, dp, global_batch, space.max_tp)
         if reason is None and cp > 1 and config.seq % (2 * cp):
             reason = "cp_not_dividing_seq"
+        if reason is None and cp > 1 and config.experts:
+            reason = "cp_with_experts"
         if reason:
             rejected[reason] += 1
             continue
@@ -171,7 +181,9 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
         sps = [sp for sp in space.sequence_parallel
                if not sp or (tp > 1 and config.seq // cp % tp == 0)]
-        for b in mbs:
+        eps = [e for e in divisors(dp) if e <= space.max_ep and config.experts % e == 0] \
+            if config.experts else [1]
+        for b, ep in ((b, ep) for b in mbs for ep in eps):
             m = per_replica // b
             for name, v in _schedules(space, config, pp):
                 for sp in sps:
@@ -182,7 +194,7 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                         par = ParallelConfig(
                             global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
                             schedule=name, virtual_stages=v, sequence_parallel=sp,
-                            recompute=rc, attention=space.attention,
+                            recompute=rc, attention=space.attention, ep=ep,
                             distributed_optimizer=bool(space.distributed_optimizer),
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
                                if cp > 1 else {}))

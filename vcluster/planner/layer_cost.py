@@ -35,9 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh import Mesh
+from pipeline_parallel.gpt import GPT
 from pipeline_parallel.llama import llama_param_shapes
+from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
+from tensor_parallel.moe_layer import MOE_PARAMS, gpt_moe_stage, llama_moe_stage, moe_piece
+from tensor_parallel.transformer import param_layout
+from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from tensor_parallel.context_parallel import ContextParallelAttention, sequence_positions
 from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceSend,
@@ -127,12 +132,44 @@ def _context_parallel(dev, config, t: int, algorithm: str):
             sequence_positions(config.seq, n, dev.mesh.group_position("cp", dev.rank)))
 
 
-def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring"):
+def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
+    """An MoE model's embedding, one layer and head on ep rank 0 of the mesh's "ep" axis
+    (shape-only), routing ``ExpertLoad.skewed(..., expert_skew)``."""
+    shapes, ep = GPT(dataclasses.replace(config, layers=1)).param_shapes(), \
+        ops.dev.mesh.axis_size("ep")
+
+    def piece(n, shape):
+        a = MetaArray(shape, np.float16)
+        if n.rsplit(".", 1)[-1] in MOE_PARAMS:
+            return moe_piece(n, a, ep, 0)
+        if config.arch == "llama":
+            return llama_piece(n, a, ops.tp_size, ops.tp_rank, config.kv_heads)
+        return a[shard_slices(shape, param_layout(n, len(shape)), ops.dev.mesh, ops.dev.rank)]
+
+    meta = {n.rsplit(".", 1)[-1]: piece(n, s) for n, s in shapes.items()}
+    tokens = b * config.seq
+    load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
+                             config.moe().capacity(tokens))
+    params = lambda names, prefix="": {n: meta[n] for n in names}      # noqa: E731
+    if config.arch == "llama":
+        stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
+                                config.hidden, config.rope_theta, recompute, config.eps, 2,
+                                config.seq, config.moe(), 1.0, load)
+    else:
+        stage = gpt_moe_stage(ops, params, [0], True, True, config.heads, config.hidden,
+                              recompute, config.eps, 2, config.seq, config.moe(), 1.0, load)
+    return stage.modules
+
+
+def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
+             expert_skew: float = 1.0):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm)
-    if config.arch == "llama":
+    if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
+        emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
+    elif config.arch == "llama":
         emb, layer, head = _llama_modules(ops, config, recompute, cp, positions)
     else:
         meta = {n: MetaArray(shape, np.float16)
@@ -166,14 +203,26 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
 
 
 def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
-                       recompute: str, costs, cp: int = 1,
-                       cp_algorithm: str = "ring") -> StagePieces:
+                       recompute: str, costs, cp: int = 1, cp_algorithm: str = "ring",
+                       ep: int = 1, expert_skew: float = 1.0) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
-    (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism."""
+    (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
+    experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
+    ``ExpertLoad.skewed(..., expert_skew)`` (its busiest expert on that rank); its
+    all_to_alls count with the tp collectives. cp > 1 with experts is not supported."""
+    if cp > 1 and config.experts:
+        raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
+                         f"{config.experts}) with cp={cp} is not supported yet")
     sp = bool(sequence_parallel and tp > 1)
-    mesh = Mesh((cp, tp), ("cp", "tp")) if cp > 1 else Mesh((tp,), ("tp",))
+    if cp > 1:
+        mesh = Mesh((cp, tp), ("cp", "tp"))
+    elif config.experts:
+        mesh = Mesh((ep, tp), ("ep", "tp"))
+    else:
+        mesh = Mesh((tp,), ("tp",))
     traces = trace_program(mesh, _program,
-                           [(config, micro_batch, sp, recompute, cp_algorithm)] * mesh.size,
+                           [(config, micro_batch, sp, recompute, cp_algorithm,
+                             expert_skew)] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0

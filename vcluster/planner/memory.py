@@ -58,6 +58,20 @@ the attention output 4·s·b·h_q/t, k and v 4·s·b·c_l·d, SwiGLU's gate, up 
 plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2·a·s²·b/t
 (no dropout) without recomputation; full recomputation keeps 2·s·b·h/σ.
 
+Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidden,
+``ParallelConfig(ep)``; :mod:`tensor_parallel.moe_layer`): the MLP's parameters (Llama
+3·h·f/t; GPT (8h² + 4h)/t + h) become the router h·E plus the rank's E/ep experts
+3·h·f_e·E/ep (replicated over tp: not divided by t). With the distributed optimizer the experts'
+optimizer state is sharded over the dp/ep ranks that hold them, the rest over dp.
+Activations: the dense MLP's term (Llama's SwiGLU 6·s·b·f/t; GPT's 19·s·b·h of
+Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed
+rows R (those its
+experts receive, :meth:`~tensor_parallel.moe_load.ExpertLoad.received` of
+``ExpertLoad.skewed(..., expert_skew)`` — ep rank 0 holds the busiest expert) times
+2·(h + 3·f_e) (each row's input, gate, up and product, 16-bit), plus the k·s·b rows
+dispatched and combined on the token side, 4·k·s·b·h (the block runs on the gathered
+sequence: no /t).
+
 A rank holds as many micro-batches' activations as its schedule keeps in flight at
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
 rank r), each for one chunk's layers.
@@ -88,11 +102,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from pipelining import peak_in_flight
+from tensor_parallel.moe_load import ExpertLoad
 
 __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
-           "usable_memory_bytes", "activation_bytes_per_layer",
-           "llama_activation_bytes_per_layer", "cp_buffer_bytes", "CP_RING_BUFFERS"]
+           "usable_memory_bytes", "activation_bytes_per_layer", "moe_routed_rows",
+           "expert_params_per_layer", "llama_activation_bytes_per_layer", "cp_buffer_bytes",
+           "CP_RING_BUFFERS"]
 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 4
@@ -159,10 +175,29 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
     return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
 
 
+def moe_routed_rows(config, parallel, expert_skew: float = 1.0) -> int:
+    """R: the rows ep rank 0's experts receive per layer and micro-batch (0: dense)."""
+    if not getattr(config, "experts", 0):
+        return 0
+    tokens = parallel.micro_batch * config.seq
+    cap = config.moe().capacity(tokens)
+    return ExpertLoad.skewed(parallel.ep, config.experts, tokens, config.moe_top_k,
+                             expert_skew, cap).received(0)
+
+
+def expert_params_per_layer(config, parallel) -> float:
+    """The parameters of the experts one rank holds, per layer: 3·h·f_e·E/ep (0: dense)."""
+    if not getattr(config, "experts", 0):
+        return 0
+    return 3 * config.hidden * config.moe_ffn_hidden * config.experts / parallel.ep
+
+
 def _llama_rank_params(config, parallel, r: int) -> float:
     h, V, t, d, f = config.hidden, config.vocab, parallel.tp, config.head_dim, config.ffn_hidden
     stages = parallel.pp * parallel.chunks
-    per_layer = (2 * h * config.heads * d + 3 * h * f) / t \
+    mlp = h * config.experts + expert_params_per_layer(config, parallel) \
+        if getattr(config, "experts", 0) else 3 * h * f / t
+    per_layer = 2 * h * config.heads * d / t + mlp \
         + 2 * h * d * max(config.kv_heads // t, 1) + 2 * h
     params = config.layers // stages * parallel.chunks * per_layer
     if r == 0:
@@ -178,7 +213,11 @@ def rank_params(config, parallel, r: int) -> float:
         return _llama_rank_params(config, parallel, r)
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
-    params = config.layers // stages * parallel.chunks * ((12 * h * h + 4 * h) / t + 9 * h)
+    per_layer = (12 * h * h + 4 * h) / t + 9 * h
+    if getattr(config, "experts", 0):   # MoE: W1, b1, W2, b2 become router + experts
+        per_layer = 4 * h * h / t + 8 * h + h * config.experts \
+            + expert_params_per_layer(config, parallel)
+    params = config.layers // stages * parallel.chunks * per_layer
     if r == 0:
         params += V * h / t + s * h
     if (stages - 1) % parallel.pp == r:
@@ -198,9 +237,10 @@ def cp_buffer_bytes(config, parallel) -> float:
     return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
 
 
-def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
+def rank_memory(config, parallel, r: int, in_flight: int,
+                expert_skew: float = 1.0) -> MemoryBreakdown:
     """The breakdown of pipeline rank ``r`` holding ``in_flight`` micro-batches'
-    activations at its peak."""
+    activations at its peak (MoE: ``expert_skew`` sets the routed rows)."""
     params = rank_params(config, parallel, r)
     cp = getattr(parallel, "cp", 1)
     full_config, config = config, (config if cp == 1 else
@@ -213,16 +253,29 @@ def rank_memory(config, parallel, r: int, in_flight: int) -> MemoryBreakdown:
     grads = params * GRAD_BYTES / shards + largest * GRAD_BYTES if zero >= 2 else \
         params * GRAD_BYTES
     per_stage = config.layers // (parallel.pp * parallel.chunks)
+    experts = per_stage * parallel.chunks * expert_params_per_layer(config, parallel)
+    if experts and parallel.distributed_optimizer:     # experts' state over dp/ep (x cp)
+        opt_bytes = (params - experts) * optimizer + experts * OPTIMIZER_BYTES / (
+            parallel.dp // parallel.ep * cp)
+    else:
+        opt_bytes = params * optimizer
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
         parallel.sequence_parallel, parallel.attention) if config.arch == "llama" else \
         activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                    config.heads, parallel.tp, parallel.recompute,
                                    parallel.sequence_parallel, parallel.attention)
+    if getattr(config, "experts", 0) and parallel.recompute != "full":
+        s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
+        dense_mlp = 6 * s * b * config.ffn_hidden / t if config.arch == "llama" else \
+            s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
+        act += -dense_mlp + 2 * moe_routed_rows(
+            config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden) \
+            + 4 * config.moe_top_k * s * b * h
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
     logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
               if last else 0)
-    return MemoryBreakdown(r, int(weights), int(grads), int(params * optimizer),
+    return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes),
                            int(in_flight * per_stage * act
                                + cp_buffer_bytes(full_config, parallel)), int(logits))
 
@@ -240,7 +293,8 @@ def _largest_module(config, parallel, r: int) -> float:
     return max(sizes)
 
 
-def gpt_memory(config, parallel, schedule) -> list[MemoryBreakdown]:
-    """One breakdown per pipeline position (every dp/tp peer holds the same)."""
-    return [rank_memory(config, parallel, r, peak_in_flight(schedule, r, check=False))
-            for r in range(parallel.pp)]
+def gpt_memory(config, parallel, schedule, expert_skew: float = 1.0) -> list[MemoryBreakdown]:
+    """One breakdown per pipeline position (every dp/tp peer holds the same; MoE: ep
+    rank 0's, the busiest expert's)."""
+    return [rank_memory(config, parallel, r, peak_in_flight(schedule, r, check=False),
+                        expert_skew) for r in range(parallel.pp)]

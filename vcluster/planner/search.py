@@ -43,13 +43,14 @@ __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_RE
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
-COLUMNS = ("tp", "pp", "dp", "cp", "micro_batch", "microbatches", "schedule", "virtual_stages",
+COLUMNS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "microbatches", "schedule",
+           "virtual_stages",
            "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
 def _knobs(par: ParallelConfig) -> dict:
-    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "cp": par.cp,
+    return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "cp": par.cp, "ep": par.ep,
             "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
@@ -136,9 +137,9 @@ def _screen_all(config, candidates, hw, bar) -> list:
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
-        if key + cp_key not in pieces:
-            pieces[key + cp_key] = trace_stage_pieces(config, *key, costs, *cp_key)
-        key = key + cp_key
+        key = key + cp_key + (par.ep,)
+        if key not in pieces:
+            pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
@@ -154,7 +155,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
              attention: str = "flash", distributed_optimizer: bool | None = None,
              arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
-             max_cp: int = 1, cp_algorithm: str = "ring"):
+             max_cp: int = 1, cp_algorithm: str = "ring",
+             experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
+             capacity_factor: float | None = None, max_ep: int = 1):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -172,11 +175,17 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``max_cp``: the largest context-parallel degree searched (every cp up to it that
     divides the GPUs and splits s into 2·cp chunks; default 1: no context parallelism,
     the search of earlier versions), with ``cp_algorithm`` ("ring" or "all_gather").
+    ``experts``, ``moe_top_k``, ``moe_ffn_hidden``, ``capacity_factor``: a mixture of
+    experts (GPTConfig's fields); ``max_ep``: the largest expert-parallel degree tried
+    (every ep <= max_ep dividing dp and the experts; default 1). A mixture of experts is
+    not combined with cp > 1 yet (those splits are rejected as ``cp_with_experts``).
     """
     import pandas as pd
     t0 = time.perf_counter()
     config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
-                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden)
+                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden, experts=experts,
+                       moe_top_k=moe_top_k, moe_ffn_hidden=moe_ffn_hidden,
+                       capacity_factor=capacity_factor)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan_gpt: {name} must be a positive int, got {value!r}")
@@ -191,7 +200,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
         attention=attention, distributed_optimizer=distributed_optimizer, max_cp=max_cp,
-        cp_algorithm=cp_algorithm)
+        cp_algorithm=cp_algorithm, max_ep=max_ep)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)

@@ -17,6 +17,14 @@ an action run between them (a replayed receive needs its sender's trace), and st
 the templates, their peers renamed like the collectives' groups — and the full step has
 cp·p traces: the ring's transfers overlap the attention blocks on the hardware model.
 
+A mixture of experts (``GPTConfig(experts=E)``, ``ParallelConfig(ep)``) routes
+``ExpertLoad.skewed(..., expert_skew)`` in the trace (its busiest expert on the traced ep
+rank 0); its dropless token exchanges are replayed as all_to_alls over the ep group
+(:func:`moe_exchanges_as_all_to_all`). The emulated program does not run ZeRO with expert
+parallelism yet, so with ep > 1 the distributed optimizer is traced as DDP (its
+all-reduces move what the reduce-scatter and all-gather would; the memory model still
+counts the sharded optimizer state).
+
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
@@ -36,15 +44,19 @@ from dataclasses import dataclass
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipelining import make_schedule
+from tensor_parallel.moe import MOE_TAG
+from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.tracing import TraceCompute, trace_program
+from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
-from .stitch import coalesce, cut_templates, moved, stitch
+from .stitch import Templates, coalesce, cut_templates, moved, stitch
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "moe_exchanges_as_all_to_all",
            "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS", "describe_ratio"]
 
 # The rule of thumb of DESIGN.md: keep compute / communication above 10, so that even
@@ -148,9 +160,12 @@ _INHERIT = ("residual",)       # the kind of the op before (see gpt_op_kind)
 
 def gpt_op_kind(name: str) -> str | None:
     """The kind of a GPT compute op (a key of :data:`OP_KINDS`; ``"other"`` for a GPT op
-    of no known kind) from its name. None — the kind of the op before — for the residual
-    adds, which close the block they follow, and for names that are not the GPT's ops:
-    the executor's zero-cost action markers (``"0F3"``) and unnamed merged runs."""
+    of no known kind) from its name (a mixture of experts' ops, "moe: ...", are "mlp").
+    None — the kind of the op before — for the residual adds, which close the block they
+    follow, and for names that are not the GPT's ops: the executor's zero-cost action
+    markers (``"0F3"``) and unnamed merged runs."""
+    if name.startswith("moe: "):                 # the MoE block of an MoE layer is its MLP
+        return "mlp"
     rest = name[5:] if name.startswith("gpt: ") else name
     for kind, prefixes in OP_KINDS.items():
         if rest.startswith(prefixes):
@@ -172,26 +187,73 @@ def _short_position(q: int, p: int, p_short: int) -> int:
     return 0 if q == 0 else p_short - 1 if q == p - 1 else min(q, p_short - 2)
 
 
+def _is_moe_message(op) -> bool:
+    return isinstance(op, (TraceSend, TraceRecv)) and MOE_TAG <= op.tag < MOE_TAG + 4
+
+
+def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates:
+    """``templates`` with each dropless MoE token exchange (a run of sends and receives of
+    one :data:`~tensor_parallel.moe.MOE_TAG` tag: one message per peer) replaced by one
+    all_to_all over the ep ``group`` whose per-peer share is the larger of what the
+    traced rank sends and receives, n/(n−1)·max(sent, received) bytes of input (the
+    pairwise all_to_all moves (n−1)/n of it each way). The symmetric replay lets an
+    untraced rank mirror the traced one but needs a receive's sender traced; the traced
+    rank is ep rank 0, the busiest expert's, which receives the most."""
+    n = len(group)
+
+    def rewrite(ops):
+        out, run = [], []
+
+        def flush():
+            if run:
+                sent = sum(o.nbytes for o in run if isinstance(o, TraceSend))
+                got = sum(o.nbytes for o in run if isinstance(o, TraceRecv))
+                nbytes = -(-max(sent, got) * n // (n - 1))
+                out.append(TraceCollective("all_to_all", group, nbytes, 1, choose_algorithm(
+                    "all_to_all", nbytes, n)))
+                run.clear()
+
+        for op in ops:
+            if _is_moe_message(op) and (not run or run[0].tag == op.tag):
+                run.append(op)
+                continue
+            flush()
+            if _is_moe_message(op):
+                run.append(op)
+            else:
+                out.append(op)
+        flush()
+        return tuple(out)
+    return Templates({k: rewrite(v) for k, v in templates.bodies.items()},
+                     rewrite(templates.tail), templates.message_bytes)
+
+
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
-                     optimizer=None):
+                     optimizer=None, expert_skew: float = 1.0):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
     positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
     p, v = parallel.pp, parallel.chunks
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    if short.ep > 1 and short.zero_stage:      # not emulated yet (TrainJob): traced as DDP
+        short = dataclasses.replace(short, zero_stage=0, distributed_optimizer=False)
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()
-    args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer)
+    args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer,
+                                       expert_skew=expert_skew)
     job = args[0][0]
     groups = [short_mesh.group("pp", _at(short_mesh, cp=c)) for c in range(short.cp)]
     traces = {t.rank: t for t in trace_program(short_mesh, train_program, args,
                                                ranks=[r for g in groups for r in g])}
-    return short_mesh, [[coalesce(cut_templates(traces[r], job.actions[pos], p_short * v,
-                                                m_short, pipeline_peers=frozenset(g)),
-                                  costs, gpt_op_kind) for pos, r in enumerate(g)]
-                        for g in groups]
+    templates = [[cut_templates(traces[r], job.actions[pos], p_short * v, m_short,
+                                pipeline_peers=frozenset(g)) for pos, r in enumerate(g)]
+                 for g in groups]
+    if "ep" in short_mesh.axes:
+        templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group("ep", r))
+                      for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
+    return short_mesh, [[coalesce(t, costs, gpt_op_kind) for t in ts] for ts in templates]
 
 
 def _at(mesh, **coords) -> int:
@@ -209,9 +271,10 @@ def gpt_schedule(parallel: ParallelConfig):
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=None,
-                    markers: bool = False) -> list:
+                    markers: bool = False, expert_skew: float = 1.0) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
-    cp rank with context parallelism, cp rank-major — runs of compute ops of one kind (:func:`gpt_op_kind`) coalesced under ``costs`` (see
+    cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
+    (:func:`gpt_op_kind`) coalesced under ``costs`` (see
     :func:`~vcluster.planner.stitch.coalesce`).
 
     The GPT program is traced for a short step on a pipeline of ``p' = min(p,
@@ -234,7 +297,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     parallel.check(config, mesh)
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
-    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer)
+    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer,
+                                             expert_skew)
     S = p * v
     sizes_short = {k: n for ts in templates for t in ts for k, n in t.message_bytes.items()}
 
@@ -250,15 +314,14 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
         for q, rank in enumerate(ranks):
             q_short = _short_position(q, p, p_short)
 
-            def full_rank(r, q=q, q_short=q_short):
+            def full_rank(r, q=q, q_short=q_short):      # every short-mesh axis by name
                 c = short_mesh.index(r)
                 pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
                 if pos is None:
                     raise ValueError(f"GPT trace: a collective of traced pipeline position "
                                      f"{q_short} reaches position {c['pp']}, which stands "
                                      f"for no single position of the full pipeline")
-                return _at(mesh, dp=c["dp"], pp=pos, tp=c["tp"],
-                           cp=c["cp"] if "cp" in short_mesh.axes else 0)
+                return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos})
 
             t = moved(templates[cp_rank][q_short], lambda s, q=q: s // p_short * p + q,
                       full_rank, sizes)
@@ -269,11 +332,15 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
-                 memory_headroom: float = MEMORY_HEADROOM) -> GPTSimulation:
+                 memory_headroom: float = MEMORY_HEADROOM,
+                 expert_skew: float = 1.0) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
     ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it);
     ``memory_headroom``: the share of the device memory kept free (``fits`` compares the
-    peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`)."""
+    peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`);
+    ``expert_skew`` (MoE): the busiest expert's tokens over the mean, >= 1 — the trace
+    routes ``ExpertLoad.skewed(..., expert_skew)``, whose busiest expert sits on the
+    traced ep rank 0, so its compute (which every all_to_all waits for) sets the step."""
 
     hw = load_hardware(hardware)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
@@ -281,14 +348,15 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
     schedule = gpt_schedule(parallel)
-    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions)
+    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
+                           expert_skew=expert_skew)
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
-    memory = tuple(gpt_memory(config, parallel, schedule))
+    memory = tuple(gpt_memory(config, parallel, schedule, expert_skew))
     peak = max(mm.total_bytes for mm in memory)
 
     def mean(d):

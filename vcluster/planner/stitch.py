@@ -63,15 +63,18 @@ class Templates:
 
 def cut_templates(trace: DeviceTrace, actions, n_stages: int, microbatches: int,
                   pipeline_peers=None) -> Templates:
-    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates.
-    ``pipeline_peers``: the ranks whose sends and receives are pipeline messages (None:
-    every peer); messages to other peers are part of the action's body."""
+    """Cut ``trace`` (one traced step of this rank with ``actions``) into templates. The
+    pipeline's messages (to or from ``pipeline_peers``, None: any peer, with tags below
+    2·n_stages·microbatches: :func:`message_tag` of step 0) are left out, :func:`stitch`
+    puts them back; other point-to-point messages (a context-parallel K/V ring's, a
+    mixture of experts' token exchanges, with their own user tags) stay in the bodies."""
     last = _last_backwards(actions)
     bodies, body, k = {}, [], 0
     sizes: dict = {}
     for op in trace.ops:
-        if isinstance(op, (TraceSend, TraceRecv)) and (pipeline_peers is None
-                                                       or op.peer in pipeline_peers):
+        if isinstance(op, (TraceSend, TraceRecv)) and (
+                pipeline_peers is None or op.peer in pipeline_peers) \
+                and op.tag < 2 * n_stages * microbatches:
             direction, stage = divmod(op.tag // microbatches, n_stages)
             sizes[(direction % 2, stage)] = op.nbytes
             continue
@@ -133,9 +136,9 @@ def coalesce(templates: Templates, costs, op_kind=None) -> Templates:
 def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templates:
     """``templates`` of another pipeline position: every key's stage ``s`` becomes
     ``stage_of(s)``, every collective's group ``(r, ...)`` becomes ``(rank_of(r), ...)``
-    (pipeline send/receive peers are not in templates: :func:`stitch` names them; the
-    peers of the other point-to-point messages become ``rank_of(peer)``); the message
-    sizes become ``message_bytes`` when given."""
+    and every send's or receive's peer r (a body's own messages — a cp ring's, an MoE
+    exchange's: the pipeline's are not in templates, :func:`stitch` names them)
+    ``rank_of(r)``; the message sizes become ``message_bytes`` when given."""
     groups: dict = {}
 
     def rename(ops):

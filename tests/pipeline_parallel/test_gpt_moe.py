@@ -1,0 +1,236 @@
+"""Mixture of experts in the Llama training program (GPTConfig(experts=E),
+ParallelConfig(ep)): the emulated dp x ep x pp x tp training equals a single-process numpy
+Llama whose MLP is the plain MoE reference (tensor_parallel.moe_reference) routing the
+same calls; the all_to_all traffic equals the closed form of the routed counts and the
+trace given the run's ExpertLoad."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pipeline_parallel.executor import train_program
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, moe_groups
+from tensor_parallel.moe import MOE_TAG
+from tensor_parallel.moe_load import ExpertLoad
+from vcluster.runtime.events import CommEvent
+from vcluster.runtime.tracing import comm_signature, trace_comm_signature, trace_program
+
+pytestmark = pytest.mark.timeout(300)
+
+B, STEPS, LR = 4, 3, 0.1
+RTOL, ATOL = 1e-9, 1e-12
+
+
+def _cfg(top_k=2, cf=None, experts=4, layers=2, **kw):
+    return GPTConfig(**{**dict(hidden=16, layers=layers, heads=4, seq=8, vocab=32, arch="llama",
+                               kv_heads=2, ffn_hidden=24, experts=experts, moe_top_k=top_k,
+                               moe_ffn_hidden=12, capacity_factor=cf), **kw})
+
+
+def _data(cfg, seed=0, batch=B):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, cfg.vocab, (batch, cfg.seq)),
+            rng.integers(0, cfg.vocab, (batch, cfg.seq)))
+
+
+def _close(a, b, what):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+# (dp, ep, pp, tp, sp, top_k, capacity factor, micro_batch, recompute): every ep in
+# {1, 2, 4}, top-1/2, dropping and dropless, pp 2, dp/ep 2 (experts' grads over "dp"),
+# tp 2 with SP (experts replicated over tp)
+CASES = [
+    (2, 1, 1, 1, False, 1, 1.0, 1, "none"),
+    (2, 2, 1, 1, False, 2, None, 1, "none"),
+    (4, 4, 1, 1, False, 1, 1.25, 1, "selective"),
+    (2, 2, 2, 1, False, 2, 1.0, 1, "full"),
+    (4, 2, 1, 1, False, 2, None, 1, "none"),
+    (2, 2, 1, 2, True, 1, None, 2, "none"),
+    (2, 2, 2, 2, False, 2, 1.0, 1, "full"),
+]
+GPT_ARCH = {len(CASES) - 1}         # the last case trains the GPT architecture
+
+
+@pytest.mark.parametrize("dp, ep, pp, tp, sp, top_k, cf, b, recompute", CASES,
+                         ids=[f"dp{c[0]}-ep{c[1]}-pp{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}"
+                              f"-top{c[5]}-{'cf' + str(c[6]) if c[6] else 'dropless'}-{c[8]}"
+                              + ("-gpt" if i in GPT_ARCH else "") for i, c in enumerate(CASES)])
+def test_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, top_k, cf, b, recompute):
+    gpt = CASES.index((dp, ep, pp, tp, sp, top_k, cf, b, recompute)) in GPT_ARCH
+    cfg = _cfg(top_k, cf, **(dict(arch="gpt", kv_heads=None, ffn_hidden=None) if gpt else {}))
+    par = ParallelConfig(global_batch=B * (b if tp > 1 else 1), micro_batch=b, dp=dp, ep=ep,
+                         pp=pp, tp=tp, sequence_parallel=sp, recompute=recompute)
+    model, (tokens, targets) = GPT(cfg, seed=3), _data(cfg, batch=par.global_batch)
+    cluster = cluster_of(par.mesh())
+    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
+    loss, logits = model.forward(cluster, tokens, targets, par)
+    _close(loss, ref_loss, "forward loss")
+    _close(logits, ref_logits, "logits")
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+    assert run.aux_losses.shape == (STEPS,) and (run.aux_losses > 0).all()
+    # the load: every token routes top_k times per layer; dropping never adds
+    for step in run.expert_load:
+        assert sorted(step) == list(range(cfg.layers))
+        for load in step.values():
+            assert load.ep == dp and sum(load.per_expert_routed) == par.global_batch * \
+                cfg.seq * top_k
+            assert (load.dropped > 0) <= (cf is not None)
+
+
+def test_aux_loss_is_reported_and_equals_the_reference(cluster_of):
+    """fit's aux_losses[0] equals the reference's loss with aux_coef 0.5 less its loss
+    with aux_coef 0 (same parameters: the seed draws them whatever the coefficient), and
+    fit's losses include it; the load's kept equals routed (dropless)."""
+    par = ParallelConfig(global_batch=B, dp=2, ep=2)
+    tokens, targets = _data(_cfg())
+    ref = {a: GPT(_cfg(moe_aux_coef=a), seed=3).reference_forward(tokens, targets,
+                                                                  parallel=par)[0]
+           for a in (0.0, 0.5)}
+    run = GPT(_cfg(moe_aux_coef=0.5), seed=3).fit(cluster_of(par.mesh()), tokens, targets, 1,
+                                                   parallel=par)
+    _close(run.aux_losses[0], ref[0.5] - ref[0.0], "aux")
+    _close(run.losses[0], ref[0.5], "loss with aux")
+    load = run.expert_load[0][0]
+    assert load.per_expert_routed == load.per_expert_kept and load.dropped == 0
+
+
+def test_moe_groups_are_the_ep_ranks_micro_batches():
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=4, ep=2)
+    # replicas 0..3 hold rows 0-1, 2-3, 4-5, 6-7; group (d, j) = rows of (2d, 2d+1) at j
+    assert moe_groups(par) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def _a2a_received(events, mesh, rank):
+    """Bytes ``rank`` received by all_to_all over its ep group and by the MoE's tagged
+    receives (received: the small counts go by the "shm" algorithm, whose sender records
+    no peer bytes)."""
+    group = mesh.group("ep", rank)
+    return sum(b for e in events if isinstance(e, CommEvent) and e.rank == rank and (
+        (e.collective == "all_to_all" and e.group == group)
+        or (e.collective == "recv" and MOE_TAG <= e.tag < MOE_TAG + 4)) for _, b, _ in e.received)
+
+
+@pytest.mark.parametrize("cf", [None, 1.0], ids=["dropless", "capacity"])
+def test_all_to_all_traffic_equals_closed_form_and_trace(cluster_of, cf):
+    """One step, one micro-batch, dp = ep = 2: received per layer by rank r, the counts'
+    all_to_all (n−1)/n·E·8 bytes, plus four token exchanges (dispatch, combine, and their
+    gradients): capacity 4·(n−1)·E_l·C·h·b, dropless 2·h·b·(sent_r + received_r) with
+    sent_r = Σ_{e not r's} kept[r][e], received_r = Σ_{s≠r} Σ_{e r's} kept[s][e]; the
+    trace, given the run's ExpertLoad per layer, moves the same messages."""
+    cfg = _cfg(2, cf)
+    par = ParallelConfig(global_batch=B, micro_batch=2, dp=2, ep=2)
+    mesh, model = par.mesh(), GPT(cfg, seed=5)
+    tokens, targets = _data(cfg)
+    cluster = cluster_of(mesh)
+    cluster.reset_stats()
+    run = model.fit(cluster, tokens, targets, 1, parallel=par)
+    events = cluster.trace()
+    loads = run.expert_load[0]
+    n, E, h, b8 = 2, cfg.experts, cfg.hidden, 8
+    e_l, T = E // n, par.micro_batch * cfg.seq
+    cap = cfg.moe().capacity(T)
+    for r in range(mesh.size):
+        want = 0
+        for load in loads.values():
+            kept, me = load.kept, range(r * e_l, (r + 1) * e_l)
+            want += (n - 1) * E * 8 // n
+            if cf is None:
+                sent = sum(kept[r][e] for e in range(E) if e not in me)
+                recv = sum(kept[s][e] for s in range(n) if s != r for e in me)
+                want += 2 * h * b8 * (sent + recv)
+            else:
+                want += 4 * (n - 1) * e_l * cap * h * b8
+        assert _a2a_received(events, mesh, r) == want, r
+    traces = trace_program(mesh, train_program, model.meta_args(mesh, par, 1,
+                                                                 expert_load=loads))
+    for t in traces:
+        assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank
+
+
+def test_expert_grads_reduce_over_expert_data_parallel_axis():
+    """dp 4, ep 2: the experts' gradients are all-reduced over the "dp" axis (2 ranks),
+    everything else over (dp, ep) (4 ranks); no all-reduce over ep alone of expert grads."""
+    from vcluster.runtime.tracing import TraceCollective
+    cfg = _cfg(2, None, layers=1)
+    par = ParallelConfig(global_batch=4, dp=4, ep=2)
+    mesh = par.mesh()
+    assert mesh.axes == ("dp", "pp", "ep", "tp") and mesh.shape["dp"] == 2
+    trace = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par, 1,
+                                                                  bucket_bytes=1 << 30))[0]
+    reduces = [(op.group, op.nbytes) for op in trace.ops
+               if isinstance(op, TraceCollective) and op.collective == "all_reduce"]
+    e_l, h, f = cfg.experts // 2, cfg.hidden, cfg.moe_ffn_hidden
+    expert_bytes = 3 * e_l * h * f * 8
+    total = sum(np.prod(s) for s in GPT(cfg).param_shapes().values()) * 8
+    by_group = {}
+    for g, nb in reduces:
+        by_group.setdefault(len(g), []).append(nb)
+    assert expert_bytes in by_group[2]
+    assert total - 3 * cfg.experts * h * f * 8 in by_group[4]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
+        ParallelConfig(global_batch=4, dp=4, ep=3)
+    with pytest.raises(ValueError, match="experts must be"):
+        _cfg(experts=-1)
+    with pytest.raises(ValueError, match="moe_top_k"):
+        _cfg(top_k=3)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        _cfg(cf=-1.0)
+    with pytest.raises(ValueError, match="experts=4 do not split over ep=8"):
+        ParallelConfig(global_batch=8, dp=8, ep=8).check(_cfg(), ParallelConfig(
+            global_batch=8, dp=8, ep=8).mesh())
+    with pytest.raises(ValueError, match="dense model needs ep=1"):
+        par = ParallelConfig(global_batch=4, dp=2, ep=2)
+        par.check(_cfg(experts=0), par.mesh())
+    assert ExpertLoad.skewed(2, 4, 16, 2, 2.0).per_expert_routed[0] == 32
+
+
+# --- MoE with context parallelism and ZeRO (the merge of moeint into cp/ZeRO) ---------
+
+def test_cp_with_ep_is_refused_clearly():
+    with pytest.raises(ValueError, match=r"cp > 1 with ep > 1 is not supported yet"):
+        ParallelConfig(global_batch=4, dp=2, ep=2, cp=2)
+
+
+def test_moe_with_cp_is_refused_clearly():
+    par = ParallelConfig(global_batch=4, dp=2, cp=2)
+    with pytest.raises(ValueError, match=r"experts=4\) with cp=2 is not supported yet"):
+        GPT(_cfg()).train_job(par.mesh(), par)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_with_expert_parallelism_is_refused_clearly(zero):
+    """ParallelConfig accepts it (the planner's memory model prices it); the emulated
+    program refuses it, naming both values (and TrainJob refuses it on its own)."""
+    par = ParallelConfig(global_batch=4, dp=2, ep=2, zero_stage=zero)
+    with pytest.raises(ValueError, match=rf"zero_stage={zero} with experts=4 on ep=2 is not "
+                                         r"supported yet"):
+        GPT(_cfg()).train_job(par.mesh(), par)
+    job = GPT(_cfg()).train_job(par.mesh(), ParallelConfig(global_batch=4, dp=2, ep=2))
+    with pytest.raises(ValueError, match=rf"zero_stage={zero} with expert parallelism"):
+        dataclasses.replace(job, zero_stage=zero)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_experts_on_ep_1_equals_ddp(cluster_of, zero):
+    """With ep 1 the experts are ordinary replicated parameters: ZeRO shards them over dp
+    with the rest and trains exactly as DDP (and the reference)."""
+    cfg = _cfg(cf=1.0)
+    tokens, targets = _data(cfg)
+    ddp = ParallelConfig(global_batch=B, dp=2)
+    par = ParallelConfig(global_batch=B, dp=2, zero_stage=zero)
+    model = GPT(cfg, seed=3)
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=ddp)
+    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.params[n], ref.params[n], f"param {n}")

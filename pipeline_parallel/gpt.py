@@ -622,10 +622,10 @@ class GPT:
         if not self.config.experts:
             return GPTFitResult(*self.collect(mesh, results), memory)
         losses, params, grads = self.collect(mesh, results)
-        aux, load = self._moe_report(mesh, parallel, results)
+        aux, load = self.moe_report(mesh, parallel, results)
         return GPTFitResult(losses + aux, params, grads, memory, aux, load)
 
-    def _moe_report(self, mesh, parallel: ParallelConfig, results):
+    def moe_report(self, mesh, parallel: ParallelConfig, results):
         """(aux loss per step, per step {layer: ExpertLoad}): the aux losses of the ranks
         of tp piece 0 and ep position 0 (an ep group's ranks share one value) summed; the
         load's rows are the dp data-parallel replicas (their tokens, summed over the

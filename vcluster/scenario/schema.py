@@ -44,7 +44,7 @@ OPTIMIZERS = ("sgd", "adam")
 REPORT_FORMATS = ("md", "html", "json", "csv", "png", "trace")
 HARDWARE_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 PARALLEL_AXES = ("dp", "pp", "tp")
-TRANSFORMER_AXES = ("dp", "pp", "cp", "tp")   # ParallelConfig.mesh()'s order
+TRANSFORMER_AXES = ("dp", "pp", "cp", "ep", "tp")   # ParallelConfig.mesh()'s order
 CP_ALGORITHMS = ("ring", "all_gather")        # tensor_parallel.context_parallel's
 ARCHS = ("gpt", "llama")          # pipeline_parallel.gpt.ARCHS (the front door imports no model)
 
@@ -125,6 +125,12 @@ _WORKLOAD = MappingProxyType({
                       "(RMSNorm, RoPE, grouped-query attention, SwiGLU)", "gpt"),
         "kv_heads": _int("llama: key/value heads (divide heads; default heads)"),
         "ffn_hidden": _int("llama: SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
+        "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
+        "moe_top_k": _enum([1, 2], "experts each token is routed to", 2),
+        "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),
+        "capacity_factor": {"type": "number", "exclusiveMinimum": 0,
+                            "description": "expert capacity = ceil(factor x tokens x k / E); "
+                                           "tokens beyond it are dropped (omit: dropless)"},
         **_TRAINING,
     },
 })
@@ -171,6 +177,8 @@ _PARALLEL = MappingProxyType({
                    "(ring attention; the mesh is built dp, pp, cp, tp)"),
         "cp_algorithm": _enum(CP_ALGORITHMS, "context-parallel attention: K/V passed "
                               "around the cp ring, or all-gathered", "ring"),
+        "ep": _int("expert-parallel degree: the experts split over mesh axis 'ep', carved "
+                   "out of the data-parallel ranks (divides dp and experts)"),
     },
 })
 

@@ -34,6 +34,13 @@ def resolve_mesh(scenario):
     par = scenario.parallel
     degrees = {a: par[a] for a in _DEGREE_AXES[scenario.workload.kind]
                if par.get(a) is not None} if scenario.workload.kind in DEGREE_KINDS else {}
+    if degrees.get("ep", 1) > 1:      # dp counts every data-parallel rank, ep among them
+        dp, ep = degrees.get("dp", 1), degrees["ep"]
+        if dp % ep:
+            raise ScenarioError("parallel.ep", ep, f"a divisor of parallel.dp={dp}",
+                                "the expert-parallel ranks are carved out of the "
+                                "data-parallel ones (mesh axis dp holds dp/ep)")
+        degrees["dp"] = dp // ep
     if scenario.cluster.mesh:
         axes = tuple(a for a, _ in scenario.cluster.mesh)
         mesh = Mesh(tuple(n for _, n in scenario.cluster.mesh), axes)

@@ -69,6 +69,28 @@ def validate(scenario, mesh) -> None:
     if cp > 1 and par.get("attention", "flash") != "flash":
         raise ScenarioError("parallel.attention", par["attention"], "flash with cp > 1",
                             "context-parallel attention never keeps the s² scores")
+    _validate_experts(o, degrees)
+
+
+def _validate_experts(o, degrees) -> None:
+    """The experts split over ep; ep needs experts; no experts with cp (yet)."""
+    experts, ep = o["experts"], degrees["ep"]
+    if ep > 1 and not experts:
+        raise ScenarioError("parallel.ep", ep, "1 for a dense model (workload.experts: 0)",
+                            "expert parallelism splits the experts")
+    if experts and experts % ep:
+        raise ScenarioError("workload.experts", experts, f"a multiple of ep={ep}",
+                            "each ep rank holds experts/ep experts")
+    if experts and o["moe_top_k"] > experts:
+        raise ScenarioError("workload.moe_top_k", o["moe_top_k"], f"at most experts={experts}",
+                            "each token is routed to k distinct experts")
+    if experts and degrees["cp"] > 1:
+        raise ScenarioError("parallel.cp", degrees["cp"], "1 with experts",
+                            "mixture of experts with context parallelism is not supported yet")
+    for key in ("moe_ffn_hidden", "capacity_factor"):
+        if not experts and o.get(key) is not None:
+            raise ScenarioError(f"workload.{key}", o[key], "no value without experts",
+                                "only a mixture-of-experts model takes it")
 
 
 def _validate_arch(o, tp: int) -> None:
@@ -96,11 +118,15 @@ def _validate_arch(o, tp: int) -> None:
                             "the SwiGLU width is split over tp")
 
 
-_AXES = ("dp", "pp", "cp", "tp")
+_AXES = ("dp", "pp", "cp", "ep", "tp")
 
 
 def _degrees(mesh) -> dict:
-    return {a: mesh.shape.get(a, 1) for a in _AXES}
+    """The ParallelConfig degrees of ``mesh``: its axis sizes, dp counting every
+    data-parallel rank (mesh axis dp x ep)."""
+    out = {a: mesh.shape.get(a, 1) for a in _AXES}
+    out["dp"] *= out["ep"]
+    return out
 
 
 def _configs(scenario, mesh):
@@ -108,7 +134,10 @@ def _configs(scenario, mesh):
     w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
-                       kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"))
+                       kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
+                       experts=o["experts"], moe_top_k=o["moe_top_k"],
+                       moe_ffn_hidden=o.get("moe_ffn_hidden"),
+                       capacity_factor=o.get("capacity_factor"))
     parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
                               schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
                               sequence_parallel=par["sequence_parallel"],
@@ -123,10 +152,11 @@ _NAMES = {"gpt": "GPT", "llama": "Llama"}
 
 
 def _gqa(config) -> str:
-    """The Llama-only shape terms of the description."""
-    if config.arch != "llama":
-        return ""
-    return f" kv={config.kv_heads} ffn={config.ffn_hidden}"
+    """The Llama-only and the mixture-of-experts shape terms of the description."""
+    out = f" kv={config.kv_heads} ffn={config.ffn_hidden}" if config.arch == "llama" else ""
+    if config.experts:
+        out += f" experts={config.experts} top-{config.moe_top_k}"
+    return out
 
 
 def build(scenario, mesh) -> Workload:
@@ -145,15 +175,21 @@ def build(scenario, mesh) -> Workload:
     meta_job = job if simulate_only else dataclasses.replace(
         job, params=tuple((n, meta_like(a)) for n, a in job.params))
     data = MetaArray((parallel.global_batch, config.seq), np.int64)
-    metas = tuple(gpt.device_args(mesh, meta_job, data, data))
+    # an MoE trace cannot route (no values): it routes a balanced load (GPT.meta_args),
+    # whose exchanged bytes equal the run's with a capacity factor (padded exchanges)
+    metas = tuple(gpt.meta_args(mesh, parallel, steps, optimizer) if config.experts
+                  else gpt.device_args(mesh, meta_job, data, data))
     args = () if simulate_only else tuple(gpt.device_args(mesh, job, tokens, targets))
 
     def assemble(results):
         losses, params, _ = gpt.collect(mesh, results)
+        if config.experts:                      # the aux loss is part of the loss (as fit)
+            losses = losses + gpt.moe_report(mesh, parallel, results)[0]
         return {"loss": np.asarray(losses), **params}
 
     def reference():
-        ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"])
+        ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"],
+                                parallel=parallel if config.experts else None)
         return {"loss": np.asarray(ref.losses), **ref.params}
 
     def step_traces(costs):

@@ -160,3 +160,15 @@ def test_transformer_zero2_with_sequence_parallelism_is_named():
     with pytest.raises(ScenarioError, match="data_parallel.zero_stage = 2") as info:
         scenario_from_dict(doc)
     assert "sequence_parallel" in info.value.allowed
+
+
+def test_a_large_simulated_parameter_server_traces_every_rank():
+    """Above 16 devices a simulate-only DDP run traces one pipeline and mirrors it; a
+    parameter server's ranks differ, so each is traced (the server's bytes are W x)."""
+    doc = _mlp({"mode": "ps"}, hardware="a100-80gb-dgx")
+    doc["workload"] = dict(MLP, batch=20)
+    doc["parallel"] = {"dp": 20}
+    doc["run"] = {"mode": "simulate"}
+    s = run_scenario(scenario_from_dict(doc)).summary
+    assert s["devices"] == 21
+    assert s["predicted_server_bytes_sent"] == 20 * s["predicted_worker_bytes_sent"] > 0

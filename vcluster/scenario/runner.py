@@ -193,10 +193,12 @@ def _representative_ranks(workload, scenario, setup):
     :data:`SYMMETRIC_FROM_DEVICES` devices of a hardware model traces one pipeline (the
     ranks of rank 0's ``pp`` group) and replays in symmetric mode — data- and
     tensor-parallel peers mirror them (equal to the full replay, tests/planner/test_simulate.py);
-    ``None`` (every rank) otherwise."""
+    ``None`` (every rank) otherwise, and for ranks of different roles (a parameter server's
+    servers and workers mirror nothing)."""
     mesh = workload.mesh
     if (not workload.training or scenario.run.mode != "simulate" or setup.core_pool is not None
-            or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())):
+            or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())
+            or getattr(workload, "roles", None) is not None):   # ranks differ: trace each
         return None
     return list(mesh.group("pp", 0)) if "pp" in mesh.axes else [0]
 

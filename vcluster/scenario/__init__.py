@@ -21,7 +21,7 @@ Stable interfaces (other commands and helpers build on them):
   :func:`vcluster.scenario.engines.make_engine` (``ENGINES``).
 
 A scenario is built from sections (``cluster, hardware, workload, parallel, run, faults,
-checkpoint, sweep, report``); a new section is one more property in :mod:`.schema` and one more field of
+checkpoint, data_parallel, sweep, report``); a new section is one more property in :mod:`.schema` and one more field of
 :class:`Scenario`.
 """
 

@@ -1,5 +1,5 @@
 """The closed choices of a scenario, as enums: schedule, mode, engine, recompute,
-collective algorithm, array module.
+collective algorithm, array module, data-parallel mode.
 
 Each is a ``str`` enum (``class Mode(Choice)``, ``Choice(str, Enum)``): a member *is* its
 text, so ``point.run.mode != "simulate"``, dict lookups, ``json.dumps`` and the algorithm
@@ -18,7 +18,7 @@ from enum import Enum
 from .errors import ScenarioError
 
 __all__ = ["Choice", "ScheduleName", "Mode", "Engine", "Recompute", "Algorithm",
-           "ArrayModule", "parse_choice"]
+           "ArrayModule", "DataParallelMode", "parse_choice"]
 
 
 class Choice(str, Enum):
@@ -84,6 +84,15 @@ class ArrayModule(Choice):
     NUMPY = "numpy"
     CUPY = "cupy"
     STRICT = "strict"     # numpy math under CuPy's rules (vcluster.runtime.strict)
+
+
+class DataParallelMode(Choice):
+    """``data_parallel.mode``: how the replicas of a training workload combine their
+    gradients."""
+
+    DDP = "ddp"        # all-reduce (or bucketed all-reduce) of the gradients over dp
+    ZERO = "zero"      # ZeRO-1/2/3: optimizer state (+ gradients, + parameters) sharded
+    PS = "ps"          # parameter server: servers hold the parameters, workers push grads
 
 
 def parse_choice(kind: type[Choice], value, path: str, reason: str = "unknown value"):

@@ -6,7 +6,8 @@ read-only mappings: ``scenario.workload.options["m"]``, ``scenario.parallel["sch
 Closed choices are enums (:mod:`.choices`): ``run.mode`` a :class:`~.choices.Mode`,
 ``cluster.array_module`` an :class:`~.choices.ArrayModule`, ``parallel["schedule"]`` a
 :class:`~.choices.ScheduleName`, ``parallel["recompute"]`` a :class:`~.choices.Recompute`,
-``parallel["algorithm"]`` an :class:`~.choices.Algorithm`; each is a ``str``.
+``parallel["algorithm"]`` an :class:`~.choices.Algorithm`, ``data_parallel.mode`` a
+:class:`~.choices.DataParallelMode`; each is a ``str``.
 
 :meth:`Scenario.from_document` trusts its document (the parser, :mod:`.load`, checked it);
 nothing built from a :class:`Scenario` checks it again.
@@ -21,11 +22,11 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from . import schema as S
-from .choices import Algorithm, ArrayModule, Mode, Recompute, ScheduleName
+from .choices import Algorithm, ArrayModule, DataParallelMode, Mode, Recompute, ScheduleName
 from .errors import ScenarioError
 
 __all__ = ["Scenario", "ClusterSpec", "HardwareChoice", "WorkloadSpec", "RunSpec",
-           "ReportSpec", "set_path", "get_path", "expand_sweep"]
+           "ReportSpec", "DataParallelSpec", "set_path", "get_path", "expand_sweep"]
 
 _MISSING = object()
 
@@ -111,6 +112,43 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class DataParallelSpec:
+    """``data_parallel``: how a training workload's replicas combine their gradients.
+
+    ``zero_stage`` is the ZeRO stage the program runs (0 unless ``mode`` is zero);
+    ``servers`` the parameter servers (0 unless ``mode`` is ps) and ``staleness`` their
+    bound (0: synchronous). ``DataParallelSpec()`` is DDP, today's behaviour."""
+
+    mode: DataParallelMode = DataParallelMode.DDP
+    zero_stage: int = 0
+    servers: int = 0
+    staleness: int = 0
+
+    @classmethod
+    def from_section(cls, section: Mapping) -> "DataParallelSpec":
+        """From a schema-valid ``data_parallel`` mapping: the keys of its mode, with the
+        schema's defaults (keys of other modes are the parser's errors, not read here)."""
+        props = S.scenario_schema()["properties"]["data_parallel"]["properties"]
+        given = _defaults(props, section)
+        mode = DataParallelMode(given["mode"])
+        if mode == DataParallelMode.ZERO:
+            return cls(mode, zero_stage=int(given["zero_stage"]))
+        if mode == DataParallelMode.PS:
+            return cls(mode, servers=int(given["servers"]), staleness=int(given["staleness"]))
+        return cls(mode)
+
+    @property
+    def label(self) -> str:
+        """What ran, for reports: ``ddp``, ``zero-2``, ``ps (1 server, staleness 0)``."""
+        if self.mode == DataParallelMode.ZERO:
+            return f"zero-{self.zero_stage}"
+        if self.mode == DataParallelMode.PS:
+            s = "" if self.servers == 1 else "s"
+            return f"ps ({self.servers} server{s}, staleness {self.staleness})"
+        return "ddp"
+
+
+@dataclass(frozen=True)
 class ReportSpec:
     out: str | None = None
     formats: tuple[str, ...] | None = None      # None: every format
@@ -140,6 +178,7 @@ class Scenario:
     base_dir: str = "."
     faults: tuple = ()                          # fault dicts (vcluster.scenario.resilience)
     checkpoint: Mapping[str, Any] = field(default_factory=dict)
+    data_parallel: DataParallelSpec = DataParallelSpec()
     mesh: Any = field(default=None, compare=False)       # the resolved Mesh (the parser's)
     points: tuple = field(default=(), compare=False)     # a sweep's parsed points
 
@@ -185,7 +224,8 @@ class Scenario:
             sweep=sweep_lists(doc.get("sweep", {})),
             document=_frozen(doc), base_dir=str(base_dir),
             faults=tuple(_frozen(f) for f in doc.get("faults", [])),
-            checkpoint=_frozen(doc.get("checkpoint", {})))
+            checkpoint=_frozen(doc.get("checkpoint", {})),
+            data_parallel=DataParallelSpec.from_section(doc.get("data_parallel", {})))
 
     def point_documents(self) -> list[tuple[dict, dict]]:
         """:func:`expand_sweep` of this scenario's document."""

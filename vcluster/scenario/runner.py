@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .choices import Engine, Mode, parse_choice
-from .timed_runs import WARMUP_RUNS, emulate_timed, measures_like_localhost, step_times
+from .timed_runs import (WARMUP_RUNS, emulate_timed, is_update, measures_like_localhost,
+                         step_times)
 from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
@@ -51,7 +52,11 @@ SUMMARY_KEYS = {
                  "predicted_messages_sent", "localhost_calibration"),
     "both": ("traffic_matches", "predicted_over_measured"),
     "memory": ("predicted_peak_memory_gb", "memory_limit_gb", "fits", "mfu"),  # simulate,
-}                                                    # transformer on a hardware model
+                                                     # transformer on a hardware model
+    "training": ("data_parallel",),                  # mlp, transformer
+    "roles": ("measured_server_bytes_sent", "measured_worker_bytes_sent",   # data_parallel
+              "predicted_server_bytes_sent", "predicted_worker_bytes_sent"),  # mode ps
+}
 
 
 @dataclass
@@ -121,7 +126,8 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
         engine.reset_stats()
         outputs = engine.run(workload.program, list(workload.args_by_rank))
         got = engine.trace()
-        times += step_times(got, training, steps)
+        times += step_times(got, training, steps,
+                            updates_per_step=workload.updates_per_step)
         events += got
         first_events = got if first_events is None else first_events
         bar.advance(f"emulate step {step + 1}")
@@ -170,6 +176,11 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
         if workload.fit_outputs is not None:      # an MLP: the hash a fault-free run gives
             from .resilience import named_params_sha256
             s["final_params_sha256"] = named_params_sha256(assembled)
+    if getattr(workload, "roles", None) is not None and traffic:
+        sent = {}
+        for e in comm:
+            sent[e.rank] = sent.get(e.rank, 0) + e.bytes_sent
+        s.update(_by_role("measured", sent, workload.roles))
     point.tables["steps"].append(steps)
     point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)))
     point.tables["collectives"].append(collectives_from_events(events, mesh))
@@ -182,10 +193,12 @@ def _representative_ranks(workload, scenario, setup):
     :data:`SYMMETRIC_FROM_DEVICES` devices of a hardware model traces one pipeline (the
     ranks of rank 0's ``pp`` group) and replays in symmetric mode — data- and
     tensor-parallel peers mirror them (equal to the full replay, tests/planner/test_simulate.py);
-    ``None`` (every rank) otherwise."""
+    ``None`` (every rank) otherwise, and for ranks of different roles (a parameter server's
+    servers and workers mirror nothing)."""
     mesh = workload.mesh
     if (not workload.training or scenario.run.mode != "simulate" or setup.core_pool is not None
-            or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())):
+            or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())
+            or getattr(workload, "roles", None) is not None):   # ranks differ: trace each
         return None
     return list(mesh.group("pp", 0)) if "pp" in mesh.axes else [0]
 
@@ -222,7 +235,7 @@ def _predicted_steps(result, training: bool, steps: int) -> list[float]:
     ends_by_rank = {}
     for rank, timeline in zip(result.ranks, result.timelines):
         for iv in timeline:
-            if str(iv.stream) == "compute" and getattr(iv.op, "name", None) == "optimizer":
+            if str(iv.stream) == "compute" and is_update(getattr(iv.op, "name", None)):
                 ends_by_rank.setdefault(rank, []).append(iv.end_s)
     if not ends_by_rank:
         return [result.step_time_s / steps] * steps
@@ -230,6 +243,22 @@ def _predicted_steps(result, training: bool, steps: int) -> list[float]:
             for k in range(steps)]
     ends[-1] = result.step_time_s
     return [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+
+
+def _by_role(source: str, sent_by_rank: dict, roles) -> dict:
+    """``{source}_{role}_bytes_sent``: the bytes one device of each role sent (the mean
+    over the role's devices), every step."""
+    out = {}
+    for role in dict.fromkeys(roles):
+        ranks = [r for r, of in enumerate(roles) if of == role]
+        out[f"{source}_{role}_bytes_sent"] = sum(sent_by_rank.get(r, 0)
+                                                 for r in ranks) / len(ranks)
+    return out
+
+
+def _trace_sent_by_rank(traces, costs) -> dict:
+    """Bytes each traced rank sends, counted as :func:`_trace_traffic` counts them."""
+    return {t.rank: _trace_traffic([t], costs)[0] for t in traces}
 
 
 def _trace_traffic(traces, costs) -> tuple[int, int, int | None]:
@@ -284,6 +313,9 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
         predicted_messages_sent=None if messages is None else messages * repeat,
         localhost_calibration=setup.calibration)
     point.summary.update(_memory_and_mfu(workload, setup, statistics.median(times)))
+    if getattr(workload, "roles", None) is not None:
+        sent = {r: n * repeat for r, n in _trace_sent_by_rank(traces, setup.costs).items()}
+        point.summary.update(_by_role("predicted", sent, workload.roles))
     point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
                                                "time_s": times}))
     point.tables["devices"].append(devices_from_simulation(result, mesh))
@@ -331,6 +363,8 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         "mesh": " x ".join(f"{a}={n}" for a, n in mesh.shape.items()),
         "devices": mesh.size, "dtype": workload.dtype, "steps": point.run.steps,
         "mode": str(mode)}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
+    if workload.training:
+        out.summary["data_parallel"] = _data_parallel_label(point)
     emu = None
     if mode in ("emulate", "both"):
         resilient = wants_resilience(point) or resume is not None
@@ -370,6 +404,14 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
                 if setup.localhost and measured else None)
     out.summary = {k: _finite(v) for k, v in out.summary.items()}
     return out
+
+
+def _data_parallel_label(point) -> str:
+    """What combined the replicas: ``ddp``, ``zero-2``, ``ps (1 server, staleness 0)``
+    (a transformer's ``parallel.distributed_optimizer`` is ZeRO-1)."""
+    if point.data_parallel.mode == "ddp" and point.parallel.get("distributed_optimizer"):
+        return "zero-1"
+    return point.data_parallel.label
 
 
 def _concat(frames: list, point_index: int | None):

@@ -18,13 +18,14 @@ from __future__ import annotations
 import copy
 from types import MappingProxyType
 
-from .choices import Algorithm, ArrayModule, Mode, Recompute, ScheduleName
+from .choices import Algorithm, ArrayModule, DataParallelMode, Mode, Recompute, ScheduleName
 from .errors import ScenarioError, format_path
 from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
 
 __all__ = ["scenario_schema", "check_document", "check_section", "KINDS", "MODES", "DTYPES",
            "COLLECTIVE_OPS", "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS",
-           "ALGORITHMS", "PARALLEL_AXES", "TRANSFORMER_AXES"]
+           "ALGORITHMS", "PARALLEL_AXES", "TRANSFORMER_AXES", "DATA_PARALLEL_MODES",
+           "DATA_PARALLEL_KEYS", "ZERO_STAGES"]
 
 KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
 MODES = Mode.values()
@@ -47,8 +48,14 @@ PARALLEL_AXES = ("dp", "pp", "tp")
 TRANSFORMER_AXES = ("dp", "pp", "cp", "ep", "tp")   # ParallelConfig.mesh()'s order
 CP_ALGORITHMS = ("ring", "all_gather")        # tensor_parallel.context_parallel's
 ARCHS = ("gpt", "llama")          # pipeline_parallel.gpt.ARCHS (the front door imports no model)
+DATA_PARALLEL_MODES = DataParallelMode.values()
+ZERO_STAGES = (1, 2, 3)            # data_parallel.zero_stage (0, DDP, is mode ddp)
+#: the data_parallel keys each mode takes besides ``mode`` (any other is an error)
+DATA_PARALLEL_KEYS = MappingProxyType({"ddp": (), "zero": ("zero_stage",),
+                                       "ps": ("servers", "staleness")})
 
 _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_SWEPT = "(cluster|hardware|workload|parallel|run|data_parallel)"   # sections a sweep varies
 
 
 def _int(description: str, minimum: int = 1, default=None) -> dict:
@@ -241,18 +248,36 @@ _SECTIONS = {
                           "float32, 1e-9 for float64)"},
         },
     },
+    "data_parallel": {
+        "type": "object", "additionalProperties": False,
+        "description": "how the replicas of a training workload (mlp, transformer) combine "
+                       "their gradients: all-reduce (ddp), ZeRO (zero) or a parameter "
+                       "server (ps; mlp only)",
+        "properties": {
+            "mode": _enum(DATA_PARALLEL_MODES, "ddp: gradients all-reduced over dp (the "
+                          "default); zero: ZeRO-1/2/3 over dp (zero_stage); ps: a "
+                          "parameter server (servers + parallel.dp workers on one mesh "
+                          "axis 'ps'; mlp only)", "ddp"),
+            "zero_stage": _enum(ZERO_STAGES, "mode zero only: 1 shards the optimizer "
+                                "state over dp, 2 also the gradients, 3 also the "
+                                "parameters (2 and 3: pp 1, no sequence parallelism)", 1),
+            "servers": _int("mode ps only: ranks holding the parameters (the first ranks "
+                            "of the mesh; each tensor lives on one server)", 1, 1),
+            "staleness": _int("mode ps only: 0 synchronous (equal to the reference); s >= "
+                              "1 asynchronous, workers at most s steps apart (emulate "
+                              "only, without check)", 0, 0),
+        },
+    },
     "faults": _FAULTS_SCHEMA,
     "checkpoint": _CHECKPOINT_SCHEMA,
     "sweep": {"type": "object", "minProperties": 1, "description": "key path: list of "
               "values; one run per point of the product of the lists; under zip, lists "
               "of one length that advance together",
-              "propertyNames": {"pattern": r"^(zip|(cluster|hardware|workload|parallel|run)"
-                                           r"(\.[A-Za-z_][A-Za-z0-9_]*)*)$"},
+              "propertyNames": {"pattern": rf"^(zip|{_SWEPT}(\.[A-Za-z_][A-Za-z0-9_]*)*)$"},
               "properties": {"zip": {
                   "type": "object", "minProperties": 1, "description": "key path: list "
                   "of values, every list as long: point i takes the i-th of each",
-                  "propertyNames": {"pattern": r"^(cluster|hardware|workload|parallel|run)"
-                                               r"(\.[A-Za-z_][A-Za-z0-9_]*)*$"},
+                  "propertyNames": {"pattern": rf"^{_SWEPT}(\.[A-Za-z_][A-Za-z0-9_]*)*$"},
                   "additionalProperties": {"type": "array", "minItems": 1}}},
               "additionalProperties": {"type": "array", "minItems": 1}},
     "report": {
@@ -374,7 +399,8 @@ def _raise_first(schema: dict, instance) -> None:
     if "propertyNames" in error.absolute_schema_path:   # a bad key name
         path, value = format_path(list(error.absolute_path) + [error.instance]), error.instance
         allowed = ("identifiers (letters, digits, _)" if "mesh" in path
-                   else "a key path under cluster, hardware, workload, parallel or run")
+                   else "a key path under cluster, hardware, workload, parallel, run or "
+                        "data_parallel")
         raise ScenarioError(path, value, allowed, "bad key")
     allowed, reason = _allowed(error)
     path, value = _path_of(error)

@@ -5,6 +5,13 @@ The mesh is ``cluster.mesh`` (axes in order), or, when that is omitted, the axes
 degree must equal its axis's size (an absent axis has size 1); ``cluster.devices``,
 when given, must equal the mesh's size.
 
+``data_parallel`` (:func:`check_data_parallel`): each mode takes its own keys; ZeRO and
+the parameter server train mlp / transformer (the parameter server: mlp only) without
+faults or checkpoints; ZeRO-2/3 need pp 1 and no sequence parallelism; the parameter
+server's mesh is one axis ``ps`` of ``servers`` + ``parallel.dp`` workers (built so when
+``cluster.mesh`` is omitted), without pp or tp; an asynchronous one (staleness >= 1) only
+emulates, unchecked.
+
 :func:`check_semantics` is part of the parser (:mod:`.load`): it runs once per sweep point
 and returns the mesh, which the parsed point keeps (``Scenario.mesh``); nothing after the
 parser runs these rules again.
@@ -14,12 +21,16 @@ from __future__ import annotations
 
 from mesh import Mesh
 
+from .choices import DataParallelMode
 from .errors import ScenarioError
 from .hardware import check_hardware
-from .resilience import check_faults
-from .schema import PARALLEL_AXES, TRANSFORMER_AXES
+from .resilience import check_faults, wants_resilience
+from .schema import DATA_PARALLEL_KEYS, PARALLEL_AXES, TRANSFORMER_AXES
 
-__all__ = ["resolve_mesh", "check_semantics", "DEGREE_KINDS"]
+__all__ = ["resolve_mesh", "check_semantics", "check_data_parallel", "DEGREE_KINDS",
+           "PS_AXIS"]
+
+PS_AXIS = "ps"          # the parameter server's one mesh axis: servers, then workers
 
 DEGREE_KINDS = ("mlp", "transformer")      # kinds whose parallel section has dp / pp / tp
 #: the degree keys of those kinds, in the order a mesh built from them takes
@@ -31,6 +42,8 @@ def resolve_mesh(scenario):
     when it resolved it already."""
     if getattr(scenario, "mesh", None) is not None:
         return scenario.mesh
+    if _is_ps(scenario):
+        return _ps_mesh(scenario)
     par = scenario.parallel
     degrees = {a: par[a] for a in _DEGREE_AXES[scenario.workload.kind]
                if par.get(a) is not None} if scenario.workload.kind in DEGREE_KINDS else {}
@@ -56,6 +69,10 @@ def resolve_mesh(scenario):
         raise ScenarioError("cluster.mesh", None, "a mapping of axis: size, e.g. {dp: 2, "
                             "tp: 4} (or parallel.dp / pp / tp for mlp and transformer)",
                             "missing")
+    return _check_devices(scenario, mesh)
+
+
+def _check_devices(scenario, mesh):
     devices = scenario.cluster.devices
     if devices is not None and devices != mesh.size:
         raise ScenarioError("cluster.devices", devices,
@@ -64,11 +81,103 @@ def resolve_mesh(scenario):
     return mesh
 
 
+def _is_ps(scenario) -> bool:
+    dp = getattr(scenario, "data_parallel", None)
+    return (dp is not None and dp.mode == DataParallelMode.PS
+            and scenario.workload.kind == "mlp")
+
+
+def _ps_mesh(scenario):
+    """The parameter server's mesh: one axis ``ps`` of servers then workers
+    (``parallel.dp`` of them, default 1; or what ``cluster.mesh`` leaves after the
+    servers)."""
+    servers, workers = scenario.data_parallel.servers, scenario.parallel.get("dp")
+    if not scenario.cluster.mesh:
+        return _check_devices(scenario, Mesh((servers + (workers or 1),), (PS_AXIS,)))
+    shape = dict(scenario.cluster.mesh)
+    if tuple(shape) != (PS_AXIS,):
+        raise ScenarioError("cluster.mesh", shape, f"one axis {PS_AXIS!r} of data_parallel."
+                            f"servers + parallel.dp devices (e.g. {{{PS_AXIS}: "
+                            f"{servers + (workers or 1)}}}), or omit cluster.mesh",
+                            "the parameter server runs on one axis: servers, then workers")
+    size = shape[PS_AXIS]
+    if workers is not None and size != servers + workers:
+        raise ScenarioError("parallel.dp", workers, f"{size - servers} (cluster.mesh "
+                            f"{shape} less data_parallel.servers={servers}), or omit "
+                            "parallel.dp", "does not match cluster.mesh")
+    if size <= servers:
+        raise ScenarioError("data_parallel.servers", servers, f"at most {size - 1} on "
+                            f"cluster.mesh {shape}", "leaves no worker")
+    return _check_devices(scenario, Mesh((size,), (PS_AXIS,)))
+
+
+def check_data_parallel(scenario) -> None:
+    """The ``data_parallel`` rules that need no mesh (module docstring)."""
+    dp, kind = scenario.data_parallel, scenario.workload.kind
+    mode = dp.mode
+    section = dict(scenario.document.get("data_parallel") or {})
+    for key in section:
+        if key != "mode" and key not in DATA_PARALLEL_KEYS[mode]:
+            owner = next(m for m, keys in DATA_PARALLEL_KEYS.items() if key in keys)
+            raise ScenarioError(f"data_parallel.{key}", section[key],
+                                f"no value with data_parallel.mode {mode} ({key} belongs "
+                                f"to mode {owner})", f"not a key of mode {mode}")
+    if mode == DataParallelMode.DDP:
+        return
+    if kind not in DEGREE_KINDS or (mode == DataParallelMode.PS and kind != "mlp"):
+        allowed = "ddp, zero" if kind == "transformer" else "ddp"
+        why = ("the parameter server trains the MLP (workload.kind mlp)"
+               if kind == "transformer" else f"workload kind {kind} does not train: it has "
+               "no replicas to combine")
+        raise ScenarioError("data_parallel.mode", mode, allowed, why)
+    if wants_resilience(scenario):
+        raise ScenarioError("data_parallel.mode", mode, "ddp with faults or checkpoint "
+                            "(or omit those sections)",
+                            "checkpoints and restarts hold the unsharded DDP training state")
+    par = scenario.parallel
+    if mode == DataParallelMode.PS:
+        for axis in ("pp", "tp"):
+            if par.get(axis) not in (None, 1):
+                raise ScenarioError(f"parallel.{axis}", par[axis], "1 or no value with "
+                                    "data_parallel.mode ps", "the parameter server runs "
+                                    "on one axis of servers and workers, each worker "
+                                    "holding the whole model")
+        if dp.staleness and (scenario.run.mode != "emulate" or scenario.run.check):
+            key = "run.mode" if scenario.run.mode != "emulate" else "run.check"
+            raise ScenarioError("data_parallel.staleness", dp.staleness, "0 (synchronous), "
+                                "or >= 1 with run.mode emulate and run.check false",
+                                f"asynchronous with {key} = "
+                                f"{str(scenario.run.mode) if key == 'run.mode' else 'true'}: "
+                                "its gradients apply in the machine's arrival order, so a "
+                                "check against the synchronous reference would fail and a "
+                                "trace cannot know the order")
+
+
+def _check_zero(scenario, mesh) -> None:
+    """ZeRO-2/3 reduce-scatter every micro-batch: not with pp > 1 or sequence parallelism
+    (the library refuses them; named here by key)."""
+    stage = scenario.data_parallel.zero_stage
+    if stage < 2:
+        return
+    pp = mesh.shape.get("pp", 1)
+    if pp > 1:
+        raise ScenarioError("data_parallel.zero_stage", stage, f"1 with pp={pp} (2 and 3 "
+                            "need pp 1)", "ZeRO-2/3 reduce-scatter gradients every "
+                            "micro-batch, which a pipeline refuses (as DeepSpeed does)")
+    if scenario.parallel.get("sequence_parallel"):
+        raise ScenarioError("data_parallel.zero_stage", stage, "1 with parallel."
+                            "sequence_parallel true (2 and 3 need it false)",
+                            "the sequence-parallel LayerNorm gradients are reduced over tp "
+                            "once per step, ZeRO-2/3 reduce-scatter every micro-batch")
+
+
 def check_semantics(scenario):
     """Raise :class:`ScenarioError` for the first broken cross-field rule; return the
     scenario's :class:`mesh.Mesh`."""
     from .workloads import workload_module  # lazy: keeps vcluster --help fast (numpy)
+    check_data_parallel(scenario)
     mesh = resolve_mesh(scenario)
+    _check_zero(scenario, mesh)
     if scenario.workload.dtype == "float16" and scenario.run.mode != "simulate":
         raise ScenarioError("workload.dtype", "float16", "float32, float64 (float16 only with "
                             "run.mode: simulate)", "the emulator computes in float32 or "

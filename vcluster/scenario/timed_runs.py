@@ -33,7 +33,7 @@ event).
 from __future__ import annotations
 
 __all__ = ["measures_like_localhost", "emulate_timed", "step_times", "within_run",
-           "WARMUP_RUNS", "TIMED_REPEATS"]
+           "is_update", "WARMUP_RUNS", "TIMED_REPEATS"]
 
 WARMUP_RUNS = 1          # untimed runs before the measured ones (as bench predict)
 TIMED_REPEATS = 3        # timed runs per measured one, the median kept (bench predict: 3)
@@ -47,13 +47,21 @@ def measures_like_localhost(point, engine_name: str) -> bool:
             and engine_name == "emulator")
 
 
+def is_update(name) -> bool:
+    """Whether a compute event of this name is an optimizer update, which ends a training
+    step: ``optimizer``, or ZeRO's ``optimizer (shard)``."""
+    return name == "optimizer" or (isinstance(name, str) and name.startswith("optimizer ("))
+
+
 def step_times(events, training: bool, steps: int, start: float | None = None,
-               end: float | None = None) -> list[float]:
+               end: float | None = None, updates_per_step: int = 1) -> list[float]:
     """A run's step times from its events, the first step starting at ``start`` (default:
     the first event): an op's run is one step; a training run's step k ends at the last
-    rank's k-th ``optimizer`` event. Given the run's ``end``, the last step ends there
-    (what follows the last update is the last step's, as in the replay's
-    ``step_time_s``); by default at its last optimizer event (op: its last event)."""
+    rank's k-th ``optimizer`` event (:func:`is_update`; its ((k + 1)·u)-th with
+    ``updates_per_step`` u, as an asynchronous parameter server records one per worker).
+    Given the run's ``end``, the last step ends there (what follows the last update is
+    the last step's, as in the replay's ``step_time_s``); by default at its last
+    optimizer event (op: its last event)."""
     if not events:
         return []
     if start is None:
@@ -61,10 +69,12 @@ def step_times(events, training: bool, steps: int, start: float | None = None,
     if not training:
         return [(max(e.end for e in events) if end is None else end) - start]
     ends_by_rank: dict = {}
-    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
+    for e in sorted((e for e in events if is_update(getattr(e, "name", None))),
                     key=lambda e: e.start):
         ends_by_rank.setdefault(e.rank, []).append(e.end)
-    ends = [max(v[k] for v in ends_by_rank.values() if len(v) > k) for k in range(steps)]
+    u = updates_per_step
+    ends = [max(v[(k + 1) * u - 1] for v in ends_by_rank.values() if len(v) >= (k + 1) * u)
+            for k in range(steps)]
     if end is not None and ends:
         ends[-1] = end
     return [b - a for a, b in zip([start] + ends[:-1], ends)]
@@ -102,7 +112,8 @@ def emulate_timed(workload, point, engine, bar, warmup: int = WARMUP_RUNS,
             spans = engine.run(timed_call, timed_args)
             got = within_run(engine.trace(), spans)
             runs.append((step_times(got, training, steps, start=min(s for s, _, _, _ in spans),
-                                    end=max(e for _, e, _, _ in spans)),
+                                    end=max(e for _, e, _, _ in spans),
+                                    updates_per_step=getattr(workload, "updates_per_step", 1)),
                          got, [result for _, _, result, _ in spans]))
         runs.sort(key=lambda r: sum(r[0]))
         run_times, got, outputs = runs[len(runs) // 2]

@@ -35,7 +35,11 @@ class Workload:
     and activations, :mod:`vcluster.planner.memory`); ``model_flops``: the model's FLOPs
     per step, for MFU; ``step_traces(costs)``: one step's traces of the pipeline ranks of
     replica 0, made the planner's fast way (:func:`vcluster.planner.simulation.
-    gpt_step_traces`), for a simulate-only run at cluster scale."""
+    gpt_step_traces`), for a simulate-only run at cluster scale. ``roles``: each rank's
+    role where ranks differ (a parameter server's ``server`` and ``worker`` ranks; the
+    summary then gives each role's bytes per device). ``updates_per_step``: ``optimizer``
+    events an updating rank records per step (an asynchronous parameter server applies
+    each worker's gradient on its own: one per worker)."""
 
     kind: str
     mesh: object
@@ -52,6 +56,8 @@ class Workload:
     peak_memory_bytes: Callable[[], float] | None = None   # per device, on real hardware
     model_flops: float | None = None       # per step (MFU's numerator), where known
     step_traces: Callable | None = None    # costs -> one step's traces of replica 0's pipeline
+    roles: tuple[str, ...] | None = None   # per rank, where ranks have different roles
+    updates_per_step: int = 1              # optimizer events per step on an updating rank
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

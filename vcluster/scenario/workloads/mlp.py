@@ -6,6 +6,15 @@ Data from the seed: X ~ N(0, 1) of shape (batch, sizes[0]); Y ~ N(0, 1) (batch,
 sizes[-1]) for mse, class labels in [0, sizes[-1]) for cross_entropy. The reference is
 ``MLP.fit_reference`` (full-batch training in one process): the per-step losses
 (``loss``) and every final parameter (``W{l}``, ``b{l}``) must match.
+
+``data_parallel`` picks how the dp replicas combine gradients: ``ddp`` all-reduces them;
+``zero`` runs the same program with the job's ``zero_stage`` (ZeRO-1/2/3 over dp);
+``ps`` runs :func:`pipeline_parallel.parameter_server.parameter_server_program` instead,
+as :meth:`MLP.fit_parameter_server` does, on one mesh axis ``ps``: the first
+``data_parallel.servers`` ranks hold the parameters, the ``parallel.dp`` workers after
+them each take an equal slice of the batch (``parallel.schedule`` and ``microbatches``
+do not apply). Its losses are summed over the workers and its parameters read from the
+servers; synchronous, it equals the same reference.
 """
 
 from __future__ import annotations
@@ -17,9 +26,12 @@ from pipeline_parallel import MLP
 from pipeline_parallel.executor import TrainJob, train_program
 from pipeline_parallel.mlp import layer_specs
 from pipeline_parallel.optim import OptimizerConfig
+from pipeline_parallel.parameter_server import (ParameterServerJob, assign_tensors,
+                                                layer_specs_of, parameter_server_program)
 from pipeline_parallel.plan import AXES, plan_training
 from vcluster.runtime.tracing import MetaArray, meta_like
 
+from ..choices import DataParallelMode
 from ..errors import ScenarioError
 from .base import Workload
 
@@ -34,6 +46,8 @@ def _mlp(scenario):
 
 def validate(scenario, mesh) -> None:
     par, o = scenario.parallel, scenario.workload.options
+    if scenario.data_parallel.mode == DataParallelMode.PS:
+        return _validate_ps(scenario, mesh)
     unknown = [a for a in mesh.axes if a not in AXES]
     if unknown or "pp" not in mesh.axes:
         raise ScenarioError("cluster.mesh", dict(mesh.shape), "axes among dp, pp, tp, "
@@ -64,6 +78,20 @@ def validate(scenario, mesh) -> None:
                                     f"layer {spec.index} is {spec.kind}-parallel over tp")
 
 
+def _validate_ps(scenario, mesh) -> None:
+    """The parameter server's rules (its mesh, pp and tp are the parser's
+    :func:`~vcluster.scenario.semantics.resolve_mesh` and ``check_data_parallel``)."""
+    o, servers = scenario.workload.options, scenario.data_parallel.servers
+    workers, tensors = mesh.size - servers, 2 * (len(o["sizes"]) - 1)
+    if servers > tensors:
+        raise ScenarioError("data_parallel.servers", servers, f"at most {tensors} (the "
+                            f"W and b of {tensors // 2} layers)",
+                            "each parameter tensor lives on one server")
+    if o["batch"] % workers:
+        raise ScenarioError("workload.batch", o["batch"], f"a multiple of {workers}",
+                            f"the batch splits into {workers} workers' slices")
+
+
 def _data(scenario):
     w, o = scenario.workload, scenario.workload.options
     rng = np.random.default_rng([w.seed, 1])
@@ -75,22 +103,36 @@ def _data(scenario):
     return X, Y
 
 
+def _named(fit) -> dict:
+    """A fit's per-step losses (``loss``) and parameters (``W{l}``, ``b{l}``)."""
+    out = {"loss": np.asarray(fit.losses)}
+    for l, (wt, b) in enumerate(fit.params):
+        out[f"W{l}"], out[f"b{l}"] = wt, b
+    return out
+
+
+def _meta_params(mlp) -> tuple:
+    return tuple((MetaArray((i, j), mlp.dtype), MetaArray((j,), mlp.dtype))
+                 for i, j in zip(mlp.sizes[:-1], mlp.sizes[1:]))
+
+
 def build(scenario, mesh) -> Workload:
     par, o, steps = scenario.parallel, scenario.workload.options, scenario.run.steps
     mlp = _mlp(scenario)
     X, Y = _data(scenario)
     X, Y = mlp._check_data(X, Y)
+    if scenario.data_parallel.mode == DataParallelMode.PS:
+        return _build_ps(scenario, mesh, mlp, X, Y)
     plan = plan_training(mlp, mesh, len(X), par["microbatches"], par["schedule"],
                          par.get("virtual_stages"))
     simulate_only = scenario.run.mode == "simulate"      # shapes only, no parameters
-    params = tuple((MetaArray((i, j), mlp.dtype), MetaArray((j,), mlp.dtype))
-                   for i, j in zip(mlp.sizes[:-1], mlp.sizes[1:])) if simulate_only \
-        else tuple(mlp.init_params())
+    params = _meta_params(mlp) if simulate_only else tuple(mlp.init_params())
+    zero_stage = scenario.data_parallel.zero_stage        # 0 unless data_parallel.mode zero
     job = TrainJob(params=params, specs=plan.stage_specs,
                    actions=plan.actions, loss=mlp.loss,
                    optimizer=OptimizerConfig(o["optimizer"], o["lr"]), steps=steps,
                    microbatches=par["microbatches"], global_batch=len(X), pp_axis="pp",
-                   dp_axis=plan.dp_axis, tp_axis=plan.tp_axis)
+                   dp_axis=plan.dp_axis, tp_axis=plan.tp_axis, zero_stage=zero_stage)
     if simulate_only:
         args, metas = (), tuple(plan.device_args(job, meta_like(X), meta_like(Y)))
     else:
@@ -101,20 +143,10 @@ def build(scenario, mesh) -> Workload:
                       for _, *rest in args)
 
     def assemble(results):
-        fit = plan.collect(mlp, list(results))
-        out = {"loss": np.asarray(fit.losses)}
-        for l, (wt, b) in enumerate(fit.params):
-            out[f"W{l}"], out[f"b{l}"] = wt, b
-        return out
-
-    def named(fit):
-        out = {"loss": np.asarray(fit.losses)}
-        for l, (wt, b) in enumerate(fit.params):
-            out[f"W{l}"], out[f"b{l}"] = wt, b
-        return out
+        return _named(plan.collect(mlp, list(results)))     # ZeRO shards unsharded there
 
     def reference():
-        return named(mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"]))
+        return _named(mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"]))
 
     def fit(engine, **resilience):
         """``MLP.fit`` of the same job, with checkpoints / faults / recovery."""
@@ -122,7 +154,56 @@ def build(scenario, mesh) -> Workload:
                        optimizer=o["optimizer"], lr=o["lr"],
                        virtual_stages=par.get("virtual_stages"), **resilience)
 
+    zero = f", ZeRO-{zero_stage} over dp" if zero_stage else ""
     return Workload("mlp", mesh, train_program, args, metas, str(mlp.dtype), assemble,
-                    reference, training=True, fit=fit, fit_outputs=named,
+                    reference, training=True, fit=fit, fit_outputs=_named,
                     description=f"{mlp!r}, {par['schedule']}, {par['microbatches']} "
-                                f"micro-batches")
+                                f"micro-batches{zero}")
+
+
+def _build_ps(scenario, mesh, mlp, X, Y) -> Workload:
+    """The parameter server's workload: the job and per-rank arguments
+    :meth:`MLP.fit_parameter_server` makes, the shape-only twin, and the reference."""
+    o, steps, dp = scenario.workload.options, scenario.run.steps, scenario.data_parallel
+    servers = dp.servers
+    workers = mesh.size - servers
+    simulate_only = scenario.run.mode == "simulate"      # shapes only, no parameters
+    meta_params = _meta_params(mlp)
+    params = meta_params if simulate_only else tuple(mlp.init_params())
+    job = ParameterServerJob(
+        params=params, specs=layer_specs_of(mlp), loss=mlp.loss,
+        optimizer=OptimizerConfig(o["optimizer"], o["lr"]), steps=steps,
+        global_batch=len(X), servers=servers, workers=workers,
+        owner=assign_tensors([a.nbytes for pair in params for a in pair], servers),
+        staleness=dp.staleness)
+    rows = len(X) // workers
+    slices = [(X[w * rows:(w + 1) * rows], Y[w * rows:(w + 1) * rows])
+              for w in range(workers)]
+    meta_job = dataclasses.replace(job, params=meta_params)
+    metas = tuple([(meta_job, None, None)] * servers
+                  + [(meta_job, meta_like(x), meta_like(y)) for x, y in slices])
+    args = () if simulate_only else tuple([(job, None, None)] * servers
+                                          + [(job, x, y) for x, y in slices])
+
+    def assemble(results):
+        results = list(results)
+        losses = np.sum([r["losses"] for r in results[servers:]], axis=0)
+        flat = {}
+        for r in results[:servers]:
+            flat.update(r["params"])
+        out = {"loss": np.asarray(losses)}
+        for l in range(mlp.n_layers):
+            out[f"W{l}"], out[f"b{l}"] = flat[2 * l], flat[2 * l + 1]
+        return out
+
+    def reference():
+        return _named(mlp.fit_reference(X, Y, steps, optimizer=o["optimizer"], lr=o["lr"]))
+
+    sync = "synchronous" if not dp.staleness else f"asynchronous, staleness {dp.staleness}"
+    s = "" if servers == 1 else "s"
+    return Workload("mlp", mesh, parameter_server_program, args, metas, str(mlp.dtype),
+                    assemble, reference, training=True, fit_outputs=_named,
+                    roles=("server",) * servers + ("worker",) * workers,
+                    updates_per_step=workers if dp.staleness else 1,
+                    description=f"{mlp!r}, parameter server: {servers} server{s} + "
+                                f"{workers} workers, {sync}")

@@ -3,6 +3,9 @@
 ``run.steps`` steps with Megatron tensor parallelism (``tp``), a pipeline schedule
 (``pp``) and data parallelism (``dp``) — the executor's ``train_program`` with GPT stages.
 
+``data_parallel.mode: zero`` runs ZeRO-``zero_stage`` (``ParallelConfig.zero_stage``; the
+memory model follows it); the parameter server (``ps``) trains the MLP only.
+
 Tokens and targets are drawn from the seed, uniform in [0, vocab). The reference is
 ``GPT.fit_reference`` (the whole model on the whole batch in one process): per-step
 losses (``loss``) and every final parameter (by its name) must match. In ``simulate``
@@ -144,6 +147,9 @@ def _configs(scenario, mesh):
                               recompute=par["recompute"],
                               attention=par.get("attention", "flash"),
                               distributed_optimizer=bool(par.get("distributed_optimizer")),
+                              # data_parallel.mode zero's stage (0 with ddp; the alias
+                              # distributed_optimizer raises 0 to 1)
+                              zero_stage=scenario.data_parallel.zero_stage,
                               cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
     return config, parallel
 
@@ -208,4 +214,6 @@ def build(scenario, mesh) -> Workload:
                     description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
                                 f"a={config.heads}{_gqa(config)} s={config.seq} "
                                 f"V={config.vocab}, {parallel.schedule}, "
-                                f"{parallel.microbatches} micro-batches")
+                                f"{parallel.microbatches} micro-batches"
+                                + (f", ZeRO-{parallel.zero_stage} over dp"
+                                   if parallel.zero_stage else ""))

@@ -12,7 +12,10 @@ configuration that fits, best first); ``--out DIR`` writes plan.json and plan.pn
 time against peak memory for every candidate). ``--max-cp N`` also searches context
 parallelism up to cp = N (``--cp-algorithm ring|all_gather``; default 1: none, the
 search and table of earlier versions); the table then has a cp column, and the JSON
-candidates always carry ``cp``. Exit 0 when a configuration fits, 1 when
+candidates always carry ``cp``. ZeRO: ``--zero-stages 0,1,2,3`` (the default) are the
+stages searched, each candidate taking the lowest that fits its memory (2 and 3 only
+with pp = 1 and no sequence parallelism; see vcluster/planner/candidates.py); the
+table's ``zero`` column and the JSON's ``zero_stage`` say which. Exit 0 when a configuration fits, 1 when
 none does, 2 on a bad flag.
 """
 
@@ -29,7 +32,8 @@ __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
 JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "schedule", "virtual_stages",
              "sequence_parallel",
-             "recompute", "distributed_optimizer", "step_time_s", "tflops_per_gpu", "mfu",
+             "recompute", "distributed_optimizer", "zero_stage", "step_time_s", "tflops_per_gpu",
+             "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 
 
@@ -62,8 +66,11 @@ def add_parser(commands) -> None:
                      help="the attention kernel the memory model assumes (default flash)")
     gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                      default=None, help="shard the optimizer state over dp in every "
-                     "configuration (or never, with --no-...); default: where a "
-                     "configuration needs it to fit")
+                     "configuration (or never, with --no-...): --zero-stages 1 (or 0); "
+                     "default: where a configuration needs it to fit")
+    gpt.add_argument("--zero-stages", type=_zero_stages, default=None, metavar="LIST",
+                     help="ZeRO stages to search, comma-separated (default 0,1,2,3): each "
+                          "candidate takes the lowest that fits")
     gpt.add_argument("--max-cp", type=positive_int, default=1,
                      help="largest context-parallel degree to search (default 1: none)")
     gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
@@ -72,6 +79,17 @@ def add_parser(commands) -> None:
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")
     gpt.set_defaults(run=_gpt)
+
+
+def _zero_stages(text: str) -> tuple:
+    try:
+        stages = tuple(sorted({int(z) for z in text.split(",")}))
+    except ValueError:
+        stages = ()
+    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+        raise argparse.ArgumentTypeError(f"expected stages among 0,1,2,3 separated by "
+                                         f"commas, got {text!r}")
+    return stages
 
 
 def _finite(x):
@@ -92,7 +110,7 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
     cp_head = f"{'cp':>3} " if cp else ""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} " if ep else "")
             + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
-            f"{'recompute':<9} {'dopt':<4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
+            f"{'recompute':<9} {'zero':>4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
             f"{'comp/comm':>9}  source")
     print(head)
     for i, r in df.head(top).iterrows():
@@ -104,7 +122,7 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
         print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{ep_col}"
               f"{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
-              f"{r['recompute']:<9} {'yes' if r['distributed_optimizer'] else 'no':<4} "
+              f"{r['recompute']:<9} {r['zero_stage']:>4} "
               f"{r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
               f"{100 * r['mfu']:5.1f}% {r['peak_memory_gb']:7.1f} {ratio}  "
               f"{'replay' if r['replayed'] else 'screen'}")
@@ -129,6 +147,9 @@ def _gpt(args) -> int:
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     if args.replay is not None and args.replay < 0:
         raise ValueError(f"--replay must be >= 0, got {args.replay}")
+    if args.zero_stages is not None and args.distributed_optimizer is not None:
+        raise ValueError("--distributed-optimizer means --zero-stages 1 (--no-... 0); give "
+                         "one of them")
     hw = load_hardware(args.hardware)
     df = plan_gpt(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                   vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
@@ -137,7 +158,7 @@ def _gpt(args) -> int:
                   attention=args.attention, distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
-                  max_ep=args.max_ep, **moe_config(args),
+                  max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs

@@ -8,7 +8,11 @@ communication, exposed communication, bubble), the compute/communication ratio f
 step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
 peak memory per device and its parts (``--attention flash|unfused``,
 ``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
-``--distributed-optimizer``: vcluster/planner/memory.py); ``--cp N [--cp-algorithm
+``--zero 0|1|2|3``: ZeRO's stage, traced and replayed as the program runs it — 1 shards
+the optimizer state over dp, 2 also the gradients (a reduce-scatter per micro-batch), 3
+also the weights (all-gathered before each module's forward and backward); 2 and 3 need
+pp = 1, no sequence parallelism and ep = 1; ``--distributed-optimizer`` is an alias of
+``--zero 1``: vcluster/planner/memory.py); ``--cp N [--cp-algorithm
 ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
 tp·pp·cp·dp, which ``--gpus`` checks when given); ``--experts N --moe-top-k K
 --ep E [--expert-skew X]``: a mixture of experts over E expert-parallel ranks carved out of
@@ -57,9 +61,13 @@ def add_parser(commands) -> None:
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash: no "
                           "s² scores kept for the backward)")
+    gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                     help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
+                          "2 also the gradients, 3 also the weights (2 and 3: pp = 1, no "
+                          "sequence parallelism, ep = 1)")
     gpt.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer state and fp32 master weights over dp "
-                          "(Megatron's distributed optimizer, ZeRO-1)")
+                          "(Megatron's distributed optimizer): an alias of --zero 1")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
@@ -76,6 +84,7 @@ def _gpt(args) -> int:
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
+    zero = zero_stage(args)
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
                        ffn_hidden=args.ffn_hidden, **moe_config(args))
@@ -84,19 +93,23 @@ def _gpt(args) -> int:
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               attention=args.attention,
-                              distributed_optimizer=args.distributed_optimizer,
-                              cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
+                              zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
+    if zero >= 2 and config.experts and args.ep > 1:
+        raise ValueError(f"--zero {zero} with --experts and --ep {args.ep} is not supported (the "
+                         "expert gradients need their own data-parallel group); use --zero "
+                         "0 or 1, or --ep 1")
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
                      expert_skew=args.expert_skew)
     print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
+          f", ZeRO stage {zero}"
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")
@@ -114,7 +127,7 @@ def _gpt(args) -> int:
         f"{k} {parts[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
                                          "logits")) + f" GB (pipeline rank "
           f"{parts['rank_position']}; {args.attention} attention"
-          f"{', distributed optimizer' if args.distributed_optimizer else ''})")
+          f"{f', ZeRO-{zero}' if zero else ''})")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
         # lazy: keeps vcluster --help fast
@@ -129,6 +142,28 @@ def _gpt(args) -> int:
               "to exit 0 anyway)", file=sys.stderr)
         return 0 if args.allow_oom else 1
     return 0
+
+
+def zero_stage(args) -> int:
+    """The ZeRO stage of ``--zero`` and ``--distributed-optimizer`` (an alias of ``--zero
+    1``); ValueError when both are given and disagree, or when the stage is not supported
+    with ``--pp`` > 1 or ``--sequence-parallel`` (the library's refusal, naming the flag)."""
+    zero = args.zero
+    if args.distributed_optimizer:
+        if zero is not None and zero != 1:
+            raise ValueError(f"--distributed-optimizer is an alias of --zero 1; it contradicts "
+                             f"--zero {zero} (give one of them)")
+        zero = 1
+    zero = 0 if zero is None else zero
+    if zero >= 2 and args.pp > 1:
+        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-2/3 "
+                         f"reduce-scatter gradients every micro-batch, and DeepSpeed refuses "
+                         f"them with pipeline parallelism; use --zero 0 or 1 with --pp > 1")
+    if zero >= 2 and args.sequence_parallel:
+        raise ValueError(f"--zero {zero} with --sequence-parallel is not supported (the "
+                         f"sequence-parallel LayerNorm gradients are reduced once per step); "
+                         f"use --zero 0 or 1")
+    return zero
 
 
 def _print_ops(ops, flag_below: float) -> None:

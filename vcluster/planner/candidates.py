@@ -21,6 +21,19 @@ candidate, or None (the default) to use it where dp > 1 and the candidate does n
 without it — it costs no extra traffic (its reduce-scatter and all-gather move what the
 all-reduce did), so the planner turns it on exactly where memory asks for it.
 
+ZeRO (``zero_stages``, default all of 0, 1, 2, 3; ``distributed_optimizer`` True is
+``(1,)``, False ``(0,)``): each candidate takes the *lowest* stage of ``zero_stages`` that
+fits its memory and that it supports — 2 and 3 need pp = 1, no sequence parallelism and,
+with experts, ep = 1; a stage >= 1 where dp·cp = 1 shards nothing and is tried only when 0
+is not asked for. Why the lowest: a higher stage only trades traffic for memory (ZeRO-1
+moves what DDP does; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also all-gathers
+the weights before each module's forward and backward), and whatever a higher stage's
+memory buys — a larger micro-batch, less recomputation — is a candidate of its own with
+its own lowest fitting stage; so the search keeps one candidate per configuration (the
+count of earlier versions), and ZeRO-2/3 appear exactly where 0 and 1 do not fit. A
+candidate none of whose allowed stages is supported is rejected as
+``zero_stage_unsupported``.
+
 Context parallelism (``max_cp`` > 1; default 1 keeps the search of earlier versions):
 cp among the divisors of N up to ``max_cp`` with s divisible by 2·cp, dp = N /
 (tp·pp·cp), with ``cp_algorithm``; it needs flash attention (the screen's memory then
@@ -42,6 +55,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from pipeline_parallel.gpt import ATTENTION, GPTConfig, ParallelConfig
+from pipeline_parallel.zero import ZERO_STAGES
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
@@ -65,6 +79,8 @@ REJECT_REASONS = {
     "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
     "cp_with_experts": "a mixture of experts with cp > 1 is not supported yet",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
+    "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
+                              "pp = 1, no sequence parallelism and, with experts, ep = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
 }
 
@@ -89,8 +105,22 @@ class SearchSpace:
     max_cp: int = 1                                # context parallelism: largest cp tried
     cp_algorithm: str = "ring"
     max_ep: int = 1                                # MoE: the largest expert parallelism
+    zero_stages: tuple | None = None               # None: from distributed_optimizer
 
     def __post_init__(self):
+        if self.zero_stages is None:
+            stages = ZERO_STAGES if self.distributed_optimizer is None else (
+                (1,) if self.distributed_optimizer else (0,))
+        else:
+            if self.distributed_optimizer is not None:
+                raise ValueError("plan_gpt: give zero_stages or distributed_optimizer, not "
+                                 f"both (got zero_stages={self.zero_stages!r}, "
+                                 f"distributed_optimizer={self.distributed_optimizer!r})")
+            stages = tuple(self.zero_stages)
+            if not stages or any(isinstance(z, bool) or z not in ZERO_STAGES for z in stages):
+                raise ValueError(f"plan_gpt: zero_stages must be a non-empty selection of "
+                                 f"{ZERO_STAGES}, got {self.zero_stages!r}")
+        object.__setattr__(self, "zero_stages", tuple(sorted(set(stages))))
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"plan_gpt: cp_algorithm must be one of {CP_ALGORITHMS}, got "
                              f"{self.cp_algorithm!r}")
@@ -158,6 +188,16 @@ def _schedules(space: SearchSpace, config: GPTConfig, pp: int):
     return out
 
 
+def _zero_stages(space: SearchSpace, config: GPTConfig, shards: int, pp: int, sp: bool,
+                 ep: int) -> tuple:
+    """The ZeRO stages a candidate tries, lowest first (see the module docstring)."""
+    stages = [z for z in space.zero_stages
+              if z < 2 or (pp == 1 and not sp and not (config.experts and ep > 1))]
+    if 0 in stages and shards == 1:          # sharding over one rank saves nothing
+        stages = [0]
+    return tuple(stages)
+
+
 def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space: SearchSpace,
                          hbm_bytes: int) -> tuple[list[ParallelConfig], Counter]:
     """(the candidates that fit, rejected counts by reason) — see the module docstring."""
@@ -191,16 +231,22 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1
                             continue
+                        stages = _zero_stages(space, config, dp * cp, pp, sp, ep)
+                        if not stages:
+                            rejected["zero_stage_unsupported"] += 1
+                            continue
                         par = ParallelConfig(
                             global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
                             schedule=name, virtual_stages=v, sequence_parallel=sp,
                             recompute=rc, attention=space.attention, ep=ep,
-                            distributed_optimizer=bool(space.distributed_optimizer),
+                            zero_stage=stages[0],
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
                                if cp > 1 else {}))
                         fits = peak_memory_bytes(config, par) <= hbm_bytes
-                        if not fits and space.distributed_optimizer is None and dp > 1:
-                            par = replace(par, distributed_optimizer=True)
+                        for z in stages[1:]:
+                            if fits:
+                                break
+                            par = replace(par, zero_stage=z)
                             fits = peak_memory_bytes(config, par) <= hbm_bytes
                         if fits:
                             out.append(par)

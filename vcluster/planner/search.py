@@ -45,7 +45,7 @@ REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far be
 
 COLUMNS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "microbatches", "schedule",
            "virtual_stages",
-           "sequence_parallel", "recompute", "distributed_optimizer", "step_time_s",
+           "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
@@ -54,7 +54,8 @@ def _knobs(par: ParallelConfig) -> dict:
             "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
-            "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer}
+            "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer,
+            "zero_stage": par.zero_stage}
 
 
 def _replay(args):
@@ -157,7 +158,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
              max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
-             capacity_factor: float | None = None, max_ep: int = 1):
+             capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -179,6 +180,10 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     experts (GPTConfig's fields); ``max_ep``: the largest expert-parallel degree tried
     (every ep <= max_ep dividing dp and the experts; default 1). A mixture of experts is
     not combined with cp > 1 yet (those splits are rejected as ``cp_with_experts``).
+    ``zero_stages``: the ZeRO stages searched (default all of 0-3; not with
+    ``distributed_optimizer``, which means ``(1,)`` / ``(0,)``); each candidate takes the
+    lowest of them that fits (:mod:`~vcluster.planner.candidates`), the DataFrame's
+    ``zero_stage`` (``distributed_optimizer`` is ``zero_stage >= 1``).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -200,7 +205,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
         attention=attention, distributed_optimizer=distributed_optimizer, max_cp=max_cp,
-        cp_algorithm=cp_algorithm, max_ep=max_ep)
+        cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)

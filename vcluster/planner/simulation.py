@@ -53,7 +53,7 @@ from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
-from .stitch import Templates, coalesce, cut_templates, moved, stitch
+from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
            "moe_exchanges_as_all_to_all",
@@ -106,6 +106,7 @@ class GPTSimulation:
     ops: tuple = ()          # OpStats per op kind, seconds per device (mean over pp ranks)
     memory_limit_gb: float = math.inf   # what fits compares with: HBM less the headroom
     device_memory_gb: float = math.inf  # the device's HBM
+    zero_stage: int = 0                 # the ZeRO stage traced and counted (0: DDP)
 
     @property
     def reserve_gb(self) -> float:
@@ -325,8 +326,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 
             t = moved(templates[cp_rank][q_short], lambda s, q=q: s // p_short * p + q,
                       full_rank, sizes)
-            out.append(stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m,
-                              markers=markers))
+            trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers)
+            # ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at the step's end
+            out.append(unique_handles(trace) if parallel.zero_stage >= 2 else trace)
     return out
 
 
@@ -371,6 +373,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
         peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
-        device_memory_gb=hw.device.hbm_bytes / 1e9,
+        device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
-                                          TraceSend)
+                                          TraceSend, TraceWait)
 
-__all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce", "moved"]
+__all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce", "moved",
+           "unique_handles"]
 
 
 def message_tag(step: int, direction: int, stage: int, microbatch: int, n_stages: int,
@@ -192,3 +193,25 @@ def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
                                  message_tag(step, 1, s - 1, j, n_stages, microbatches)))
     ops.extend(templates.tail)
     return DeviceTrace(rank, tuple(ops))
+
+
+def unique_handles(trace: DeviceTrace) -> DeviceTrace:
+    """``trace`` with every asynchronous collective given a handle of its own, for a
+    stitched step whose templates issue collectives that are waited for only later: ZeRO-2
+    and 3 reduce-scatter every micro-batch's gradients (async) and wait for them all at the
+    end of the step, so a template used for m - 1 micro-batches issues its handles m - 1
+    times. A wait for a traced handle waits for every outstanding instance of it, oldest
+    first (the tail's wait for a backward's reduce-scatter waits for all m - 1 of them;
+    a wait inside a body — ZeRO-3's all-gathers — finds one)."""
+    fresh, live, ops = 0, {}, []
+    for op in trace.ops:
+        if isinstance(op, TraceCollective) and op.handle is not None:
+            live.setdefault(op.handle, []).append(fresh)
+            op = TraceCollective(op.collective, op.group, op.nbytes, op.itemsize,
+                                 op.algorithm, op.root, fresh)
+            fresh += 1
+        elif isinstance(op, TraceWait):
+            ops.extend(TraceWait(h) for h in live.pop(op.handle, ()))
+            continue
+        ops.append(op)
+    return DeviceTrace(trace.rank, tuple(ops))

@@ -417,7 +417,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
                                cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
                                cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
-                               load)
+                               load, kv_sum_every=1 if par.zero_stage >= 2 else None)
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,

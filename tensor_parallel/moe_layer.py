@@ -253,17 +253,18 @@ def gpt_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, hidd
 def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
                     hidden: int, rope_theta: float, recompute: str, eps: float,
                     microbatches: int, seq: int, moe: MoE, aux_weight: float,
-                    load=None) -> TransformerStage:
+                    load=None, kv_sum_every: int | None = None) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
-    an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces)."""
+    an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
+    ``kv_sum_every``: as :func:`~tensor_parallel.llama.llama_stage`'s."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d, rope = hidden // heads, Rope(hidden // heads, rope_theta)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
     modules = [LlamaMoELayer(params(LlamaMoELayer.names, f"layers.{i}."),
                              GQAttention(heads // t, kv_local, d, rope), kv_heads, replicas,
-                             microbatches, moe, aux_weight,
+                             kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps)
                for i in layers]
     prefixes = [f"layers.{i}." for i in layers]

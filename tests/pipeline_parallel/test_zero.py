@@ -328,3 +328,21 @@ def test_zero_shards_over_dp_and_cp(ring, arch):
         for k, v in ref.params.items():
             np.testing.assert_allclose(run.params[k], v, rtol=RTOL, atol=ATOL,
                                        err_msg=f"{k} zero={zero}")
+
+
+def test_llama_moe_kv_replicas_summed_every_micro_batch_under_zero_2(ring):
+    """The MoE Llama layer sums its K/V replicas on the same cadence (kv_heads 1 < tp 2,
+    experts on ep 1 sharded by ZeRO like every parameter)."""
+    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=4, vocab=16, arch="llama", kv_heads=1,
+                    ffn_hidden=24, experts=2, moe_top_k=1, moe_ffn_hidden=8)
+    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
+    tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    for zero in (2, 3):
+        par = ParallelConfig(global_batch=8, micro_batch=2, dp=2, tp=2, zero_stage=zero)
+        ref = gpt.fit_reference(tokens, targets, steps=STEPS, lr=0.1, parallel=par)
+        run = gpt.fit(ring(mesh), tokens, targets, steps=STEPS, parallel=par, lr=0.1)
+        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
+        for k, v in ref.params.items():
+            np.testing.assert_allclose(run.params[k], v, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{k} zero={zero}")

@@ -290,11 +290,11 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
     modules = [LlamaLayer(params(LlamaLayer.names, f"layers.{i}."),
                           GQAttention(heads // t, kv_local, d, rope, cp), kv_heads, replicas,
                           kv_sum_every or microbatches, recompute, eps) for i in layers]
-    prefixes = [f"layers.{i}." for i in layers]
-    if first:
-        modules.insert(0, TokenEmbedding(params(TokenEmbedding.names)))
-        prefixes.insert(0, "")
-    if last:
-        modules.append(RMSNormHead(params(RMSNormHead.names), eps))
-        prefixes.append("")
-    return TransformerStage(ops, modules, prefixes, microbatches, seq)
+    return TransformerStage.chain(ops, modules, layers, *llama_ends(params, first, last, eps),
+                                  microbatches, seq)
+
+
+def llama_ends(params, first: bool, last: bool, eps: float) -> tuple:
+    """(the token embedding if ``first``, the final-norm head if ``last``), None else."""
+    return (TokenEmbedding(params(TokenEmbedding.names)) if first else None,
+            RMSNormHead(params(RMSNormHead.names), eps) if last else None)

@@ -42,7 +42,7 @@ from types import MappingProxyType
 
 from vcluster.runtime.tracing import is_meta
 from .gqa import GQAttention, Rope
-from .llama import (LlamaLayer, RMSNormHead, TokenEmbedding, check_kv_heads, rms_norm_gain_grad)
+from .llama import LlamaLayer, check_kv_heads, llama_ends, rms_norm_gain_grad
 from .moe import MoE
 from .moe_load import ExpertLoad
 from .transformer import (TransformerLayer, TransformerStage, VocabParallelEmbedding,
@@ -240,14 +240,9 @@ def gpt_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, hidd
                            hidden // heads, moe, aux_weight,
                            load.get(i) if isinstance(load, dict) else load, recompute, eps)
                for i in layers]
-    prefixes = [f"layers.{i}." for i in layers]
-    if first:
-        modules.insert(0, VocabParallelEmbedding(params(VocabParallelEmbedding.names)))
-        prefixes.insert(0, "")
-    if last:
-        modules.append(VocabParallelHead(params(VocabParallelHead.names), eps))
-        prefixes.append("")
-    return TransformerStage(ops, modules, prefixes, microbatches, seq)
+    embedding = VocabParallelEmbedding(params(VocabParallelEmbedding.names)) if first else None
+    head = VocabParallelHead(params(VocabParallelHead.names), eps) if last else None
+    return TransformerStage.chain(ops, modules, layers, embedding, head, microbatches, seq)
 
 
 def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
@@ -267,11 +262,5 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                              kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps)
                for i in layers]
-    prefixes = [f"layers.{i}." for i in layers]
-    if first:
-        modules.insert(0, TokenEmbedding(params(TokenEmbedding.names)))
-        prefixes.insert(0, "")
-    if last:
-        modules.append(RMSNormHead(params(RMSNormHead.names), eps))
-        prefixes.append("")
-    return TransformerStage(ops, modules, prefixes, microbatches, seq)
+    return TransformerStage.chain(ops, modules, layers, *llama_ends(params, first, last, eps),
+                                  microbatches, seq)

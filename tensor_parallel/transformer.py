@@ -301,15 +301,22 @@ class TransformerStage:
         modules = [TransformerLayer(params(TransformerLayer.names, f"layers.{i}."),
                                     heads // ops.tp_size, hidden // heads, recompute, eps, cp)
                    for i in layers]
-        prefixes = [f"layers.{i}." for i in layers]
-        if first:
-            modules.insert(0, VocabParallelEmbedding(params(VocabParallelEmbedding.names)))
-            modules[0].positions = positions
-            prefixes.insert(0, "")
-        if last:
-            modules.append(VocabParallelHead(params(VocabParallelHead.names), eps))
-            prefixes.append("")
-        return cls(ops, modules, prefixes, microbatches, seq)
+        embedding = VocabParallelEmbedding(params(VocabParallelEmbedding.names)) \
+            if first else None
+        if embedding is not None:
+            embedding.positions = positions
+        head = VocabParallelHead(params(VocabParallelHead.names), eps) if last else None
+        return cls.chain(ops, modules, layers, embedding, head, microbatches, seq)
+
+    @classmethod
+    def chain(cls, ops, modules, layers, embedding, head, microbatches: int,
+              seq: int) -> "TransformerStage":
+        """[``embedding``] + ``modules`` (those of the layers of indices ``layers``, their
+        parameters named "layers.{i}.") + [``head``]; None leaves an end out."""
+        pairs = ([(embedding, "")] if embedding is not None else []) + \
+            [(m, f"layers.{i}.") for i, m in zip(layers, modules)] + \
+            ([(head, "")] if head is not None else [])
+        return cls(ops, [m for m, _ in pairs], [p for _, p in pairs], microbatches, seq)
 
     @property
     def activation_bytes(self) -> int:

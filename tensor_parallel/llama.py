@@ -44,7 +44,7 @@ import numpy as np
 
 from .gqa import GQAttention, Rope
 from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
-                          VocabParallelHead, _Module)
+                          VocabParallelHead, _Layer)
 
 __all__ = ["LlamaLayer", "TokenEmbedding", "RMSNormHead", "llama_stage", "llama_split_dim",
            "llama_piece", "kv_pieces", "check_kv_heads"]
@@ -99,7 +99,7 @@ def kv_pieces(kv_heads: int, tp: int) -> int:
     return min(kv_heads, tp)
 
 
-class LlamaLayer(_Module):
+class LlamaLayer(_Layer):
     """One layer on one device; local parameters: attn_norm_g (h,), w_q (h, a_l·d),
     w_kv (h, 2, c_l·d), w_o (a_l·d, h), mlp_norm_g (h,), w_gate, w_up (h, f/t),
     w_down (f/t, h). ``kv_replicas`` = t/c when c < t (else 1): the ranks sharing this
@@ -159,20 +159,9 @@ class LlamaLayer(_Module):
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         return out, (n1, ast, n2, mst)
 
-    def forward(self, ops, mb: int, x):
-        if self.recompute == "full":
-            out, _ = self._forward(ops, x, "none")
-            self._state[mb] = (x,)
-        else:
-            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
-            self._state[mb] = st
-        return out
-
     def backward_input(self, ops, mb: int, dy):
         """dx from dy (both in x's layout); keeps what W needs."""
-        P, st = self.p, self._state.pop(mb)
-        if self.recompute == "full":
-            _, st = self._forward(ops, st[0], "all")
+        P, st = self.p, self._saved(ops, mb)
         n1, ast, n2, mst = st
         du, mw = self._mlp_backward(ops, mst, dy)
         dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp: norm grad + residual",
@@ -187,16 +176,21 @@ class LlamaLayer(_Module):
         """Accumulate mb's gradients (in place); after the step's last micro-batch, sum
         the K/V replicas' dW_kv (see the module docstring)."""
         G = self.g
-        xhat1, dv, aw, xhat2, du, (x2, dzg, dzu, a, dy2) = self._wstate.pop(mb)
-        G["w_down"] += ops.matmul(a.T, dy2, "mlp: dW_down = a^T dy")
-        G["w_gate"] += ops.matmul(x2.T, dzg, "mlp: dW_gate = x^T dzg")
-        G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
+        xhat1, dv, aw, xhat2, du, mw = self._wstate.pop(mb)
+        self._mlp_weight_grads(ops, G, mw)
         rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp: norm gain grad")
         self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"])
         rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
         self._w_count = (self._w_count + 1) % self.microbatches
         if self._w_count == 0 and self.kv_replicas > 1:
             self._sum_kv_replicas(ops)
+
+    def _mlp_weight_grads(self, ops, G, mw) -> None:
+        """dW_down, dW_gate, dW_up of the SwiGLU MLP (in place)."""
+        x2, dzg, dzu, a, dy2 = mw
+        G["w_down"] += ops.matmul(a.T, dy2, "mlp: dW_down = a^T dy")
+        G["w_gate"] += ops.matmul(x2.T, dzg, "mlp: dW_gate = x^T dzg")
+        G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
 
     def _sum_kv_replicas(self, ops) -> None:
         """dW_kv = the sum over the ranks holding this KV head (all_reduce(tp) of the

@@ -42,7 +42,7 @@ from types import MappingProxyType
 
 from vcluster.runtime.tracing import is_meta
 from .gqa import GQAttention, Rope
-from .llama import LlamaLayer, check_kv_heads, llama_ends, rms_norm_gain_grad
+from .llama import LlamaLayer, check_kv_heads, llama_ends
 from .moe import MoE
 from .moe_load import ExpertLoad
 from .transformer import (TransformerLayer, TransformerStage, VocabParallelEmbedding,
@@ -168,18 +168,9 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     def _mlp_backward(self, ops, st, dy):
         return self.block.backward(ops, self.p, st, dy)
 
-    def backward_weight(self, ops, mb: int) -> None:
-        """Accumulate mb's gradients (the MoE's were computed with dx); after the step's
-        last micro-batch, sum the K/V replicas' dW_kv (as LlamaLayer)."""
-        G = self.g
-        xhat1, dv, aw, xhat2, du, grads = self._wstate.pop(mb)
+    def _mlp_weight_grads(self, ops, G, grads) -> None:
+        """The MoE's gradients, computed with dx, added (the rest as LlamaLayer)."""
         self.block.add_grads(G, grads)
-        rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp: norm gain grad")
-        self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"])
-        rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
-        self._w_count = (self._w_count + 1) % self.microbatches
-        if self._w_count == 0 and self.kv_replicas > 1:
-            self._sum_kv_replicas(ops)
 
 
 class GPTMoELayer(_Reporting, TransformerLayer):
@@ -210,9 +201,7 @@ class GPTMoELayer(_Reporting, TransformerLayer):
         """dx from dy (both in x's layout); keeps what W needs."""
         self.block.recomputing = self.recompute == "full"
         try:
-            P, st = self.p, self._state.pop(mb)
-            if self.recompute == "full":
-                _, st = self._forward(ops, st[0], "all")
+            P, st = self.p, self._saved(ops, mb)
         finally:
             self.block.recomputing = False
         ln1, ast, ln2, mst = st

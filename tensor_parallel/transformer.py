@@ -75,7 +75,31 @@ class _Module:
         return saved_bytes(self._state, self._wstate)
 
 
-class TransformerLayer(_Module):
+class _Layer(_Module):
+    """A layer whose ``_forward(ops, x, keep)`` returns (out, state) and keeps what
+    ``recompute`` says ("none": all, "selective": q, k, v, "full": only x, re-running the
+    forward with its collectives at the start of the backward)."""
+
+    recompute = "none"
+
+    def forward(self, ops, mb: int, x):
+        if self.recompute == "full":
+            out, _ = self._forward(ops, x, "none")
+            self._state[mb] = (x,)
+        else:
+            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
+            self._state[mb] = st
+        return out
+
+    def _saved(self, ops, mb: int):
+        """Micro-batch ``mb``'s forward state for its backward (re-run under "full")."""
+        st = self._state.pop(mb)
+        if self.recompute == "full":
+            _, st = self._forward(ops, st[0], "all")
+        return st
+
+
+class TransformerLayer(_Layer):
     """One layer on one device (see the module docstring); parameters are the local
     pieces of ln1_g, ln1_b (h,); w_qkv (h, 3, h), b_qkv (3, h) split on the last dim;
     w_o (h, h) split on rows; b_o (h,); ln2_g, ln2_b; w_1 (h, 4h) and b_1 (4h,) split on
@@ -112,20 +136,9 @@ class TransformerLayer(_Module):
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         return out, (ln1, ast, ln2, mst)
 
-    def forward(self, ops, mb: int, x):
-        if self.recompute == "full":
-            out, _ = self._forward(ops, x, "none")
-            self._state[mb] = (x,)
-        else:
-            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
-            self._state[mb] = st
-        return out
-
     def backward_input(self, ops, mb: int, dy):
         """dx from dy (both in x's layout); keeps what W needs."""
-        P, st = self.p, self._state.pop(mb)
-        if self.recompute == "full":
-            _, st = self._forward(ops, st[0], "all")
+        P, st = self.p, self._saved(ops, mb)
         ln1, ast, ln2, (x2, h, a) = st
         dyf = ops.gather_seq(dy, "mlp: gather dy")
         dy2 = dyf.reshape(-1, dyf.shape[-1])

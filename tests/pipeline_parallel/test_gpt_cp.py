@@ -14,6 +14,8 @@ from tensor_parallel.context_parallel import ContextParallelAttention
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, TraceSend,
                                       comm_signature, trace_comm_signature, trace_program)
 
+from .gpt_data import token_data
+
 pytestmark = pytest.mark.timeout(600)
 
 CFGS = {"gpt": GPTConfig(hidden=16, layers=2, heads=4, seq=16, vocab=32),
@@ -24,8 +26,7 @@ RTOL, ATOL = 1e-9, 1e-12
 
 
 def _data(cfg, seed=0):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, cfg.vocab, (B, cfg.seq)), rng.integers(0, cfg.vocab, (B, cfg.seq)))
+    return token_data(cfg, B, seed)
 
 
 def _parallel(spec: str, **kw) -> ParallelConfig:

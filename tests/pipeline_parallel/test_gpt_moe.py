@@ -16,6 +16,8 @@ from tensor_parallel.moe_load import ExpertLoad
 from vcluster.runtime.events import CommEvent
 from vcluster.runtime.tracing import comm_signature, trace_comm_signature, trace_program
 
+from .gpt_data import token_data
+
 pytestmark = pytest.mark.timeout(300)
 
 B, STEPS, LR = 4, 3, 0.1
@@ -29,9 +31,7 @@ def _cfg(top_k=2, cf=None, experts=4, layers=2, **kw):
 
 
 def _data(cfg, seed=0, batch=B):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, cfg.vocab, (batch, cfg.seq)),
-            rng.integers(0, cfg.vocab, (batch, cfg.seq)))
+    return token_data(cfg, batch, seed)
 
 
 def _close(a, b, what):

@@ -9,14 +9,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from mesh import Mesh
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import (GPT, GPTConfig, ParallelConfig, llama_ffn_hidden,
                                    llama_model_flops)
 from pipeline_parallel.llama import _rotations
-from vcluster import VirtualCluster
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       trace_comm_signature, trace_program)
+
+from .gpt_data import mesh_of, token_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,15 +30,10 @@ def _cfg(kv_heads, layers=2, **kw):
 
 
 def _data(cfg, seed=0, batch=B):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, cfg.vocab, (batch, cfg.seq)),
-            rng.integers(0, cfg.vocab, (batch, cfg.seq)))
+    return token_data(cfg, batch, seed)
 
 
-def _mesh(spec: str) -> Mesh:
-    """"dp2 pp2 tp2" -> Mesh((2, 2, 2), ("dp", "pp", "tp"))."""
-    parts = [(p[:2], int(p[2:])) for p in spec.split()]
-    return Mesh(tuple(n for _, n in parts), tuple(a for a, _ in parts))
+_mesh = mesh_of
 
 
 def _parallel(mesh, **kw) -> ParallelConfig:
@@ -46,17 +41,8 @@ def _parallel(mesh, **kw) -> ParallelConfig:
 
 
 @pytest.fixture(scope="module")
-def clusters():
-    made = {}
-
-    def get(mesh):
-        if mesh not in made:
-            made[mesh] = VirtualCluster(mesh, timeout_s=30)
-        return made[mesh]
-
-    yield get
-    for c in made.values():
-        c.close()
+def clusters(cluster_of):
+    return cluster_of
 
 
 # --- configuration -------------------------------------------------------------------------

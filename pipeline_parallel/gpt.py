@@ -64,7 +64,7 @@ from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, Transforme
 from vcluster.runtime.tracing import MetaArray, is_meta
 
 from .executor import TrainJob, train_program
-from .functional import activation, activation_grad
+from .functional import activation, activation_grad, loss_and_grad
 from .llama import llama_param_shapes, llama_reference, moe_calls_reference
 from .optim import Optimizer, OptimizerConfig
 from .zero import check_zero_stage, unshard_results
@@ -787,13 +787,13 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
         caches.append((L, u, c1, q, k, v, A, ctx, u2, c2, z))
     uf, cf = _ln(x, P["lnf_g"], P["lnf_b"], cfg.eps)
     logits = uf @ P["w_out"]                                                 # (B, s, V)
-    shifted = logits - logits.max(-1, keepdims=True)
-    logp, onehot = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True)), np.eye(V)[targets]
-    loss = -float((logp * onehot).sum()) / (B * s) + aux_total
+    ce, dlogits = loss_and_grad("cross_entropy", logits.reshape(B * s, V),
+                                targets.reshape(-1), B * s)       # mean over the B·s tokens
+    loss = ce + aux_total
     if not backward:
         return loss, logits, None
     G = {}
-    dlogits = (np.exp(logp) - onehot) / (B * s)
+    dlogits = dlogits.reshape(B, s, V)
     G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
     dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ P["w_out"].T, cf)
     for i in reversed(range(cfg.layers)):

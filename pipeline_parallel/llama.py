@@ -18,7 +18,7 @@ import numpy as np
 
 from tensor_parallel.moe_reference import moe_reference
 
-from .functional import one_hot
+from .functional import loss_and_grad
 
 __all__ = ["llama_param_shapes", "llama_reference", "moe_calls_reference"]
 
@@ -130,14 +130,13 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         caches.append((L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act))
     uf, cf = _rms(x, P["norm_f_g"], cfg.eps)
     logits = uf @ P["w_out"]                                              # (B, s, V)
-    shifted = logits - logits.max(-1, keepdims=True)
-    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    onehot = one_hot(targets.reshape(-1), V, logits.dtype).reshape(B, s, V)
-    loss = -float((logp * onehot).sum()) / (B * s) + aux_total
+    ce, dlogits = loss_and_grad("cross_entropy", logits.reshape(B * s, V),
+                                targets.reshape(-1), B * s)       # mean over the B·s tokens
+    loss = ce + aux_total
     if not backward:
         return loss, logits, None
     G = {}
-    dlogits = (np.exp(logp) - onehot) / (B * s)
+    dlogits = dlogits.reshape(B, s, V)
     G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
     dx, G["norm_f_g"] = _rms_back(dlogits @ P["w_out"].T, cf)
     for i in reversed(range(cfg.layers)):

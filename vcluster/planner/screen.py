@@ -21,12 +21,30 @@ The slowest rank sets the pace (F, I, W = those of the rank with the largest F_r
               ZB-H1 (p-1)·max(F, I, F + I - W) for m >= p, else as 1F1B
     p2p     = 2·(S - 1)·t_send(b·s·h·2 bytes [/t with sequence parallelism])
               (the fill and drain cross every stage boundary once each way)
-    dp      = n_buckets·t_all_reduce(bucket over dp, t concurrent flows) for the 16-bit
-              gradients of the rank's parameters in 1 MiB buckets (the executor's DDP
-              buckets); launched during the last backward, so
+    dp      = Σ_k t_all_reduce(bucket_k over dp, t concurrent flows) for the 16-bit
+              gradients of the rank's modules (the head, its layers, the embedding, in
+              the order the backward finishes them), gathered into buckets as the
+              executor's DDP does: modules join the open bucket until it holds at least
+              1 MiB (``BUCKET_BYTES``), then it is launched — with modules larger than
+              that, one all-reduce per module; launched during the last backward, so
     exposed = max(dp - B_last, 0) + t_all_reduce(last bucket),  B_last = B_r (1F1B: the
               rank's last backward; its other work has ended)
     step    = busy + bubble + p2p + exposed
+
+ZeRO (``zero_stage``; :mod:`pipeline_parallel.zero`'s collectives, one per module and
+member of a dp group of n, each priced at nccl-tests sizes: the module's full bytes)::
+
+    ZeRO-1  rs = Σ t_reduce_scatter(module), ag = Σ t_all_gather(module)
+            exposed = max(rs - B_last, 0) + t_rs(last module) + ag   (the gathers
+            follow the step's update: nothing left to hide them)
+    ZeRO-2  the reduce-scatters run every micro-batch, hidden behind the compute that
+            follows them: exposed = max(m·rs - (m - 1)(F + B) - B_last, 0)
+            + t_rs(last module) + ag
+    ZeRO-3  every micro-batch gathers each module for its forward and again for its
+            backward (prefetched: the next module's while this one computes), and
+            reduce-scatters its gradient; nothing is gathered after the step:
+            exposed = t_ag(first module) + max(m·(2·ag + rs) - m·(F + B), 0)
+            + t_rs(last module)
 
 Figures beside it: TFLOP/s per GPU = executed FLOPs per rank (mean over ranks) / step;
 MFU = 72·B·s·l·h²(1 + s/6h + V/12lh) / (N · peak · step); compute / comm = the rank's
@@ -142,15 +160,29 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
     if dp * cp > 1:
         # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
         group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
-        grad_bytes = rank_params(config, parallel, crit) * TRACE_BYTES
         flows = max(1, min(t, hardware.gpus_per_node))
-        full, rest = divmod(int(grad_bytes), BUCKET_BYTES)
-        bucket_s = collective_time_s("all_reduce", BUCKET_BYTES, group, hardware,
-                                     concurrent_flows=flows)
-        last_s = collective_time_s("all_reduce", rest, group, hardware,
-                                   concurrent_flows=flows) if rest else bucket_s
-        dp_s = full * bucket_s + (last_s if rest else 0.0)
-        exposed = max(dp_s - B.seconds, 0.0) + last_s
+        modules = [n * TRACE_BYTES for n in _rank_modules(config, parallel, crit)]
+
+        def price(collective, sizes):
+            return [collective_time_s(collective, n, group, hardware, concurrent_flows=flows)
+                    for n in sizes]
+
+        if parallel.zero_stage == 0:
+            buckets = price("all_reduce", _buckets(modules, BUCKET_BYTES))
+            dp_s = sum(buckets)
+            exposed = max(dp_s - B.seconds, 0.0) + buckets[-1]
+        else:
+            rs, ag = price("reduce_scatter", modules), price("all_gather", modules)
+            if parallel.zero_stage == 1:
+                dp_s = sum(rs) + sum(ag)
+                exposed = max(sum(rs) - B.seconds, 0.0) + rs[-1] + sum(ag)
+            elif parallel.zero_stage == 2:
+                dp_s = m * sum(rs) + sum(ag)
+                exposed = max(m * sum(rs) - (m - 1) * (F.seconds + B.seconds) - B.seconds,
+                              0.0) + rs[-1] + sum(ag)
+            else:
+                dp_s = m * (2 * sum(ag) + sum(rs))
+                exposed = ag[-1] + max(dp_s - m * (F.seconds + B.seconds), 0.0) + rs[-1]
 
     step = busy + bubble + p2p + exposed
     compute = m * (F.compute_s + B.compute_s)
@@ -166,3 +198,30 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
         compute_s=compute, comm_s=comm, tflops_per_gpu=tflops,
         mfu=model / (n * hardware.device.peak_flops("bf16") * step),
         compute_comm_ratio=compute / comm if comm > 0 else math.inf)
+
+
+def _rank_modules(config, parallel, r: int) -> list[float]:
+    """Parameters of each module of pipeline rank r in the order its backward finishes
+    them: the head (on the rank of the last stage), the layers, the embedding (rank 0)
+    — :func:`~vcluster.planner.memory.rank_params` split by module."""
+    h, V, t = config.hidden, config.vocab, parallel.tp
+    llama = config.arch == "llama"
+    emb = V * h / t + (0 if llama else config.seq * h) if r == 0 else 0.0
+    last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
+    head = V * h / t + (h if llama else 2 * h) if last else 0.0
+    layers = config.layers // (parallel.pp * parallel.chunks) * parallel.chunks
+    layer = (rank_params(config, parallel, r) - emb - head) / layers
+    return [n for n in [head] + [layer] * layers + [emb] if n > 0]
+
+
+def _buckets(sizes, bucket_bytes: int) -> list[float]:
+    """The executor's DDP buckets (:class:`pipeline_parallel.executor.GradBuckets`):
+    ``sizes`` join the open bucket in order; it is launched once it holds at least
+    ``bucket_bytes``; what is left at the end is the last bucket."""
+    out, open_bytes = [], 0.0
+    for n in sizes:
+        open_bytes += n
+        if open_bytes >= bucket_bytes:
+            out.append(open_bytes)
+            open_bytes = 0.0
+    return out + ([open_bytes] if open_bytes else [])

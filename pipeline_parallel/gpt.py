@@ -42,7 +42,7 @@ gradients over dp × cp in one bucketed all-reduce per bucket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -429,10 +429,12 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                 positions)
 
 
-def _ps_stage(cfg: GPTConfig, parallel: ParallelConfig, names: tuple, dev, job):
+def _ps_stage(cfg: GPTConfig, names: tuple, dev, job):
     """A parameter server's worker stage (``ParameterServerJob.worker_stage``): the whole
-    model on this device, one micro-batch per step, its tensors ``job.tensors`` (named
-    ``names``, the stage's own order)."""
+    model on this device, its B/W sequences one micro-batch (a dp = W replica's stage),
+    its tensors ``job.tensors`` (named ``names``, the stage's own order)."""
+    B = job.global_batch
+    parallel = ParallelConfig(B, micro_batch=B // job.workers, dp=job.workers)
     train = TrainJob(params=tuple(zip(names, job.tensors)),
                      specs=(tuple(range(cfg.layers)),), actions=((),), loss="cross_entropy",
                      optimizer=job.optimizer, steps=job.steps, microbatches=1,
@@ -659,12 +661,10 @@ class GPT:
                              f"otherwise (e.g. 'ps')")
         params = params or self.init_params()
         names = tuple(self.param_shapes())
-        job = make_job(caller, mesh, [params[n] for n in names], None, loss="cross_entropy",
-                       optimizer=optimizer or OptimizerConfig(), steps=steps,
-                       batch=global_batch, servers=servers, staleness=staleness,
-                       replay=replay, timeout_s=timeout_s)
-        parallel = ParallelConfig(global_batch, global_batch // job.workers, dp=job.workers)
-        return replace(job, worker_stage=partial(_ps_stage, c, parallel, names))
+        return make_job(caller, mesh, [params[n] for n in names], partial(_ps_stage, c, names),
+                        loss="cross_entropy", optimizer=optimizer or OptimizerConfig(),
+                        steps=steps, batch=global_batch, servers=servers,
+                        staleness=staleness, replay=replay, timeout_s=timeout_s)
 
     def fit_parameter_server(self, cluster, tokens, targets, steps: int, servers: int = 1,
                              optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,

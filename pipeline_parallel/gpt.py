@@ -429,6 +429,21 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                 positions)
 
 
+def _ps_stage(cfg: GPTConfig, names: tuple, dev, job):
+    """A parameter server's worker stage (``ParameterServerJob.worker_stage``): the whole
+    model on this device, its B/W sequences one micro-batch (a dp = W replica's stage),
+    its tensors ``job.tensors`` (named ``names``, the stage's own order)."""
+    B = job.global_batch
+    parallel = ParallelConfig(B, micro_batch=B // job.workers, dp=job.workers)
+    train = TrainJob(params=tuple(zip(names, job.tensors)),
+                     specs=(tuple(range(cfg.layers)),), actions=((),), loss="cross_entropy",
+                     optimizer=job.optimizer, steps=job.steps, microbatches=1,
+                     global_batch=job.global_batch)
+    stage = _stage(cfg, parallel, dev, train, 0)
+    assert tuple(stage.named_params()) == names, "the worker's tensors in the job's order"
+    return stage
+
+
 def forward_program(dev, job: TrainJob, X, Y):
     """Forward only, stage after stage: the last stage's {loss, logits per micro-batch};
     an MoE model's ranks add {aux}: their stages' weighted aux losses."""
@@ -624,6 +639,56 @@ class GPT:
         losses, params, grads = self.collect(mesh, results)
         aux, load = self.moe_report(mesh, parallel, results)
         return GPTFitResult(losses + aux, params, grads, memory, aux, load)
+
+    def parameter_server_job(self, mesh, servers: int, global_batch: int, steps: int = 1,
+                             optimizer=None, staleness: int = 0, replay=None, params=None,
+                             timeout_s: float = 60.0):
+        """The :class:`~pipeline_parallel.parameter_server.ParameterServerJob` of
+        :meth:`fit_parameter_server` on ``mesh`` (``params``: the tensors by name, default
+        the seed's; shape-only arrays make a job to trace). Each worker's stage is the
+        whole model on one device (no tp, pp or cp), its ``global_batch / W`` sequences
+        one micro-batch: the stage a dp = W replica of :meth:`fit` runs with
+        ``ParallelConfig(global_batch, micro_batch=global_batch / W, dp=W)``."""
+        from .parameter_server import make_job
+        caller, c = "GPT.fit_parameter_server", self.config
+        if c.experts:
+            raise ValueError(f"{caller}: experts={c.experts} is not supported (a worker "
+                             f"holds the whole model and routes alone); use a dense model, "
+                             f"experts=0 (arch 'gpt' or 'llama')")
+        if len(mesh.axes) == 1 and mesh.axes[0] in ("tp", "cp", "ep"):
+            raise ValueError(f"{caller}: the mesh's one axis is called {mesh.axes[0]!r}, "
+                             f"which the GPT stages read as a {mesh.axes[0]} group; name it "
+                             f"otherwise (e.g. 'ps')")
+        params = params or self.init_params()
+        names = tuple(self.param_shapes())
+        return make_job(caller, mesh, [params[n] for n in names], partial(_ps_stage, c, names),
+                        loss="cross_entropy", optimizer=optimizer or OptimizerConfig(),
+                        steps=steps, batch=global_batch, servers=servers,
+                        staleness=staleness, replay=replay, timeout_s=timeout_s)
+
+    def fit_parameter_server(self, cluster, tokens, targets, steps: int, servers: int = 1,
+                             optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
+                             betas=(0.9, 0.999), eps: float = 1e-8, staleness: int = 0,
+                             replay=None):
+        """Parameter-server training on ``cluster`` (one mesh axis), as
+        :meth:`MLP.fit_parameter_server <pipeline_parallel.mlp.MLP.fit_parameter_server>`
+        (:mod:`pipeline_parallel.parameter_server`): its first ``servers`` ranks hold the
+        parameter tensors, the others are workers, each training the whole model on an
+        equal slice of the sequences (:meth:`parameter_server_job`). ``staleness=0``:
+        synchronous, bit for bit :meth:`fit` with ``ParallelConfig(B, micro_batch=B / W,
+        dp=W)`` on the ``shm`` all-reduce, and :meth:`fit_reference` within rounding;
+        ``staleness=s >= 1``: asynchronous, workers at most s steps apart,
+        ``replay=run.events`` repeats a run exactly. Returns a
+        :class:`~pipeline_parallel.parameter_server.ParameterServerFit` whose ``params``
+        are the final arrays by name. Dense models only (``experts=0``)."""
+        from .parameter_server import fit_parameter_server
+        tokens, targets = self._check_data(tokens, targets)
+        job = self.parameter_server_job(
+            cluster.mesh, servers, len(tokens), steps,
+            OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps), staleness, replay,
+            timeout_s=cluster.options.timeout_s)
+        return fit_parameter_server(cluster, job, tokens, targets,
+                                    lambda t: dict(zip(self.param_shapes(), t)))
 
     def moe_report(self, mesh, parallel: ParallelConfig, results):
         """(aux loss per step, per step {layer: ExpertLoad}): the aux losses of the ranks

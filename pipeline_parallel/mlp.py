@@ -23,6 +23,7 @@ from .executor import TrainJob, train_program
 from .functional import ACTIVATIONS, LOSSES, activation, activation_grad, loss_and_grad
 from .layers import LayerSpec, layer_kinds
 from .optim import Optimizer, OptimizerConfig
+from .parameter_server import ParameterServerFit
 from mesh.arguments import as_int
 
 __all__ = ["MLP", "FitResult", "ParameterServerFit"]
@@ -193,7 +194,7 @@ class MLP:
     def fit_parameter_server(self, cluster, X, Y, steps: int, servers: int = 1,
                              optimizer: str = "sgd", lr: float = 0.01, momentum: float = 0.9,
                              betas=(0.9, 0.999), eps: float = 1e-8, staleness: int = 0,
-                             replay=None) -> "ParameterServerFit":
+                             replay=None) -> ParameterServerFit:
         """Parameter-server training on ``cluster`` (one mesh axis): its first ``servers``
         ranks hold the parameters, the others are workers, each with an equal slice of
         the batch (:mod:`pipeline_parallel.parameter_server`). ``staleness=0``:
@@ -201,84 +202,16 @@ class MLP:
         all-reduce) and to :meth:`fit_reference` within rounding. ``staleness=s >= 1``:
         asynchronous, each gradient applied as it arrives, workers at most s steps apart;
         ``replay=run.events`` of such a run repeats it exactly."""
-        import pandas as pd
-        from .parameter_server import (ParameterServerJob, assign_tensors, layer_specs_of,
-                                       parameter_server_program)
+        from .parameter_server import fit_parameter_server, make_job, mlp_worker_stage
         X, Y = self._check_data(X, Y)
-        mesh = cluster.mesh
-        if len(mesh.axes) != 1:
-            raise ValueError(f"fit_parameter_server: the mesh must have one axis (servers + "
-                             f"workers), got {mesh}")
-        params = tuple(self.init_params())
-        owner = assign_tensors([a.nbytes for pair in params for a in pair], servers)
-        workers = mesh.size - servers
-        if workers < 1:
-            raise ValueError(f"fit_parameter_server: servers={servers} leaves no worker on "
-                             f"a mesh of {mesh.size} devices (need servers < {mesh.size})")
-        if len(X) % workers:
-            raise ValueError(f"fit_parameter_server: the batch of {len(X)} rows does not "
-                             f"split evenly over {workers} workers")
-        staleness = as_int(staleness, "staleness", 0)
-        if replay is not None:
-            if staleness == 0:
-                raise ValueError("fit_parameter_server: replay= repeats an asynchronous run "
-                                 "(staleness >= 1); a synchronous run is deterministic")
-            replay = tuple(tuple(tuple(e) for e in events) for events in replay)
-            if len(replay) != servers:
-                raise ValueError(f"fit_parameter_server: replay holds the events of "
-                                 f"{len(replay)} servers, this run has {servers}")
-        job = ParameterServerJob(
-            params=params, specs=layer_specs_of(self), loss=self.loss,
-            optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
-            steps=as_int(steps, "steps", 1), global_batch=len(X), servers=servers,
-            workers=workers, owner=owner, staleness=staleness, replay=replay,
-            timeout_s=cluster.options.timeout_s)
-        rows = len(X) // workers
-        args = [(job, None, None)] * servers + [
-            (job, X[w * rows:(w + 1) * rows], Y[w * rows:(w + 1) * rows])
-            for w in range(workers)]
-        cluster.reset_stats()
-        results = cluster.run(parameter_server_program, args)
-        stats = cluster.stats()
-        losses = np.sum([r["losses"] for r in results[servers:]], axis=0)
-        flat = {}
-        for r in results[:servers]:
-            flat.update(r["params"])
-        tensors = [flat[i] for i in range(len(owner))]
-        traffic = pd.DataFrame({
-            "rank": stats["rank"], "role": ["server"] * servers + ["worker"] * workers,
-            "bytes_sent_per_step": stats["bytes_sent"] / job.steps,
-            "bytes_received_per_step": stats["bytes_received"] / job.steps})
-        events = seen = None
-        if staleness:
-            events = tuple(tuple(r["events"]) for r in results[:servers])
-            seen = pd.DataFrame([(r["rank"], w, t, st) for r in results[:servers]
-                                 for w, t, st in r["staleness"]],
-                                columns=["server", "worker", "step", "staleness"])
-        return ParameterServerFit(np.asarray(losses), list(zip(tensors[::2], tensors[1::2])),
-                                  owner, traffic, events, seen)
-
-
-@dataclass(frozen=True)
-class ParameterServerFit:
-    """What :meth:`MLP.fit_parameter_server` returns: per-step losses (the sum of the
-    workers' shares, each on the parameters it received), final (W, b) per layer (read
-    from the servers), the server of each tensor, the bytes each rank sent and received
-    per step (``traffic``: a DataFrame with ``rank``, ``role``, ``bytes_sent_per_step``,
-    ``bytes_received_per_step``); asynchronous runs add each server's recorded
-    ``events`` (pass them back as ``replay``) and the ``staleness`` of every applied
-    gradient (a DataFrame: ``server``, ``worker``, ``step``, ``staleness``)."""
-
-    losses: np.ndarray
-    params: list
-    owner: tuple
-    traffic: object = None
-    events: tuple | None = None
-    staleness: object = None
-
-    def __repr__(self) -> str:
-        return (f"ParameterServerFit(losses={np.array2string(self.losses, precision=6)}, "
-                f"layers={len(self.params)}, servers={max(self.owner) + 1})")
+        job = make_job("MLP.fit_parameter_server", cluster.mesh,
+                       [a for pair in self.init_params() for a in pair],
+                       mlp_worker_stage(self), loss=self.loss,
+                       optimizer=OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
+                       steps=steps, batch=len(X), servers=servers, staleness=staleness,
+                       replay=replay, timeout_s=cluster.options.timeout_s)
+        return fit_parameter_server(cluster, job, X, Y,
+                                    lambda t: list(zip(t[::2], t[1::2])))
 
 
 def layer_specs(mlp: MLP, stages: int, tp: bool) -> tuple[tuple[LayerSpec, ...], ...]:

@@ -149,13 +149,14 @@ def _ps_traces(workers, sizes=(2048, 8192, 8192, 2048), steps=1):
     """The synchronous PS program traced: one server alone on node 0 (ranks 1-7 idle),
     the workers from rank 8 on; fp32 (sizes 2048-8192-8192-2048: a 403 MB model)."""
     from pipeline_parallel.optim import OptimizerConfig
-    from pipeline_parallel.parameter_server import (ParameterServerJob, layer_specs_of,
+    from pipeline_parallel.parameter_server import (ParameterServerJob, mlp_worker_stage,
                                                     parameter_server_program)
     from vcluster.runtime.tracing import MetaArray, trace_program
     mlp = MLP(list(sizes), seed=0)
     params = tuple((MetaArray((a, b), np.float32), MetaArray((b,), np.float32))
                    for a, b in zip(mlp.sizes[:-1], mlp.sizes[1:]))
-    job = ParameterServerJob(params=params, specs=layer_specs_of(mlp), loss="mse",
+    job = ParameterServerJob(tensors=tuple(a for pair in params for a in pair),
+                             worker_stage=mlp_worker_stage(mlp), loss="mse",
                              optimizer=OptimizerConfig("sgd", 0.01, 0.9, (0.9, 0.999), 1e-8),
                              steps=steps, global_batch=16 * workers, servers=1,
                              workers=workers, owner=(0,) * 6, first_worker=8)

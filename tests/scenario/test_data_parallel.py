@@ -172,3 +172,56 @@ def test_a_large_simulated_parameter_server_traces_every_rank():
     s = run_scenario(scenario_from_dict(doc)).summary
     assert s["devices"] == 21
     assert s["predicted_server_bytes_sent"] == 20 * s["predicted_worker_bytes_sent"] > 0
+
+
+GPT_SMALL = {"kind": "transformer", "layers": 2, "hidden": 16, "heads": 2, "seq": 8,
+             "vocab": 32, "batch": 8}
+
+
+def _gpt_ps(data_parallel, **sections):
+    doc = {"name": "gpt-ps", "workload": dict(GPT_SMALL), "parallel": {"dp": 4},
+           "data_parallel": data_parallel,
+           "run": {"mode": "both", "steps": 2, "check": True, "warmup": 0},
+           "hardware": "a100-80gb-dgx"}
+    doc.update(sections)
+    return doc
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_transformer_parameter_server_equals_the_reference_and_its_trace(arch):
+    """``kind: transformer`` with ``mode: ps``: what GPT.fit_parameter_server runs; the
+    server sends W x what a worker sends, measured and predicted alike."""
+    doc = _gpt_ps({"mode": "ps", "servers": 1})
+    doc["workload"]["arch"] = arch
+    s = run_scenario(scenario_from_dict(doc)).summary
+    assert s["checks_passed"] is True
+    assert s["mesh"] == "ps=5" and s["data_parallel"] == "ps (1 server, staleness 0)"
+    assert "parameter server: 1 server + 4 workers, synchronous" in s["workload"]
+    assert s["measured_server_bytes_sent"] == 4 * s["measured_worker_bytes_sent"] > 0
+    for role in ("server", "worker"):
+        assert s[f"measured_{role}_bytes_sent"] == s[f"predicted_{role}_bytes_sent"]
+
+
+def test_transformer_asynchronous_parameter_server_emulates_unchecked():
+    doc = _gpt_ps({"mode": "ps", "servers": 2, "staleness": 1},
+                  run={"mode": "emulate", "steps": 3, "warmup": 0})
+    doc.pop("hardware")
+    s = run_scenario(scenario_from_dict(doc)).summary
+    assert s["data_parallel"] == "ps (2 servers, staleness 1)"
+    assert s["checks_passed"] is None and math.isfinite(s["final_loss"])
+
+
+@pytest.mark.parametrize("change, path, value", [
+    ({"workload": dict(GPT_SMALL, arch="llama", experts=2)}, "workload.experts", 2),
+    ({"parallel": {"dp": 2, "cp": 2}}, "parallel.cp", 2),
+    ({"parallel": {"dp": 2, "tp": 2}}, "parallel.tp", 2),
+    ({"workload": dict(GPT_SMALL, batch=6)}, "workload.batch", 6),
+    ({"data_parallel": {"mode": "ps", "servers": 30}, "parallel": {"dp": 1}},
+     "data_parallel.servers", 30),
+])
+def test_transformer_parameter_server_rules_name_the_key(change, path, value):
+    doc = {**_gpt_ps({"mode": "ps"}), **change}
+    with pytest.raises(ScenarioError) as info:
+        scenario_from_dict(doc)
+    assert (info.value.path, info.value.value) == (path, value), info.value
+    assert info.value.allowed

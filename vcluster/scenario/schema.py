@@ -252,12 +252,12 @@ _SECTIONS = {
         "type": "object", "additionalProperties": False,
         "description": "how the replicas of a training workload (mlp, transformer) combine "
                        "their gradients: all-reduce (ddp), ZeRO (zero) or a parameter "
-                       "server (ps; mlp only)",
+                       "server (ps)",
         "properties": {
             "mode": _enum(DATA_PARALLEL_MODES, "ddp: gradients all-reduced over dp (the "
                           "default); zero: ZeRO-1/2/3 over dp (zero_stage); ps: a "
                           "parameter server (servers + parallel.dp workers on one mesh "
-                          "axis 'ps'; mlp only)", "ddp"),
+                          "axis 'ps')", "ddp"),
             "zero_stage": _enum(ZERO_STAGES, "mode zero only: 1 shards the optimizer "
                                 "state over dp, 2 also the gradients, 3 also the "
                                 "parameters (2 and 3: pp 1, no sequence parallelism)", 1),

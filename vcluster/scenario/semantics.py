@@ -6,11 +6,11 @@ degree must equal its axis's size (an absent axis has size 1); ``cluster.devices
 when given, must equal the mesh's size.
 
 ``data_parallel`` (:func:`check_data_parallel`): each mode takes its own keys; ZeRO and
-the parameter server train mlp / transformer (the parameter server: mlp only) without
-faults or checkpoints; ZeRO-2/3 need pp 1 and no sequence parallelism; the parameter
-server's mesh is one axis ``ps`` of ``servers`` + ``parallel.dp`` workers (built so when
-``cluster.mesh`` is omitted), without pp or tp; an asynchronous one (staleness >= 1) only
-emulates, unchecked.
+the parameter server train mlp / transformer without faults or checkpoints; ZeRO-2/3
+need pp 1 and no sequence parallelism; the parameter server's mesh is one axis ``ps`` of
+``servers`` + ``parallel.dp`` workers (built so when ``cluster.mesh`` is omitted), without
+pp or tp (nor cp or ep: each worker holds the whole model); an asynchronous one
+(staleness >= 1) only emulates, unchecked.
 
 :func:`check_semantics` is part of the parser (:mod:`.load`): it runs once per sweep point
 and returns the mesh, which the parsed point keeps (``Scenario.mesh``); nothing after the
@@ -84,7 +84,7 @@ def _check_devices(scenario, mesh):
 def _is_ps(scenario) -> bool:
     dp = getattr(scenario, "data_parallel", None)
     return (dp is not None and dp.mode == DataParallelMode.PS
-            and scenario.workload.kind == "mlp")
+            and scenario.workload.kind in DEGREE_KINDS)
 
 
 def _ps_mesh(scenario):
@@ -124,19 +124,17 @@ def check_data_parallel(scenario) -> None:
                                 f"to mode {owner})", f"not a key of mode {mode}")
     if mode == DataParallelMode.DDP:
         return
-    if kind not in DEGREE_KINDS or (mode == DataParallelMode.PS and kind != "mlp"):
-        allowed = "ddp, zero" if kind == "transformer" else "ddp"
-        why = ("the parameter server trains the MLP (workload.kind mlp)"
-               if kind == "transformer" else f"workload kind {kind} does not train: it has "
-               "no replicas to combine")
-        raise ScenarioError("data_parallel.mode", mode, allowed, why)
+    if kind not in DEGREE_KINDS:
+        raise ScenarioError("data_parallel.mode", mode, "ddp", f"workload kind {kind} does "
+                            "not train: it has no replicas to combine (zero and ps train "
+                            f"{' and '.join(DEGREE_KINDS)})")
     if wants_resilience(scenario):
         raise ScenarioError("data_parallel.mode", mode, "ddp with faults or checkpoint "
                             "(or omit those sections)",
                             "checkpoints and restarts hold the unsharded DDP training state")
     par = scenario.parallel
     if mode == DataParallelMode.PS:
-        for axis in ("pp", "tp"):
+        for axis in ("pp", "tp", "cp", "ep"):
             if par.get(axis) not in (None, 1):
                 raise ScenarioError(f"parallel.{axis}", par[axis], "1 or no value with "
                                     "data_parallel.mode ps", "the parameter server runs "

@@ -27,7 +27,8 @@ from pipeline_parallel.executor import TrainJob, train_program
 from pipeline_parallel.mlp import layer_specs
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.parameter_server import (ParameterServerJob, assign_tensors,
-                                                layer_specs_of, parameter_server_program)
+                                                mlp_worker_stage, parameter_server_program)
+from pipeline_parallel.parameter_server import assemble as assemble_ps
 from pipeline_parallel.plan import AXES, plan_training
 from vcluster.runtime.tracing import MetaArray, meta_like
 
@@ -168,30 +169,27 @@ def _build_ps(scenario, mesh, mlp, X, Y) -> Workload:
     servers = dp.servers
     workers = mesh.size - servers
     simulate_only = scenario.run.mode == "simulate"      # shapes only, no parameters
-    meta_params = _meta_params(mlp)
-    params = meta_params if simulate_only else tuple(mlp.init_params())
+    meta_tensors = tuple(a for pair in _meta_params(mlp) for a in pair)
+    tensors = meta_tensors if simulate_only else tuple(
+        a for pair in mlp.init_params() for a in pair)
     job = ParameterServerJob(
-        params=params, specs=layer_specs_of(mlp), loss=mlp.loss,
+        tensors=tensors, worker_stage=mlp_worker_stage(mlp), loss=mlp.loss,
         optimizer=OptimizerConfig(o["optimizer"], o["lr"]), steps=steps,
         global_batch=len(X), servers=servers, workers=workers,
-        owner=assign_tensors([a.nbytes for pair in params for a in pair], servers),
+        owner=assign_tensors([a.nbytes for a in tensors], servers),
         staleness=dp.staleness)
     rows = len(X) // workers
     slices = [(X[w * rows:(w + 1) * rows], Y[w * rows:(w + 1) * rows])
               for w in range(workers)]
-    meta_job = dataclasses.replace(job, params=meta_params)
+    meta_job = dataclasses.replace(job, tensors=meta_tensors)
     metas = tuple([(meta_job, None, None)] * servers
                   + [(meta_job, meta_like(x), meta_like(y)) for x, y in slices])
     args = () if simulate_only else tuple([(job, None, None)] * servers
                                           + [(job, x, y) for x, y in slices])
 
     def assemble(results):
-        results = list(results)
-        losses = np.sum([r["losses"] for r in results[servers:]], axis=0)
-        flat = {}
-        for r in results[:servers]:
-            flat.update(r["params"])
-        out = {"loss": np.asarray(losses)}
+        losses, flat = assemble_ps(job, results)
+        out = {"loss": losses}
         for l in range(mlp.n_layers):
             out[f"W{l}"], out[f"b{l}"] = flat[2 * l], flat[2 * l + 1]
         return out

@@ -4,7 +4,14 @@
 (``pp``) and data parallelism (``dp``) — the executor's ``train_program`` with GPT stages.
 
 ``data_parallel.mode: zero`` runs ZeRO-``zero_stage`` (``ParallelConfig.zero_stage``; the
-memory model follows it); the parameter server (``ps``) trains the MLP only.
+memory model follows it). ``ps`` runs :func:`pipeline_parallel.parameter_server.
+parameter_server_program` instead, as :meth:`GPT.fit_parameter_server
+<pipeline_parallel.gpt.GPT.fit_parameter_server>` does (:meth:`GPT.parameter_server_job`),
+on one mesh axis ``ps``: the first ``data_parallel.servers`` ranks hold the parameter
+tensors, the ``parallel.dp`` workers after them each train the whole model on an equal
+slice of the sequences (dense models only; the schedule and micro-batches do not apply).
+Its losses are summed over the workers and its parameters read from the servers;
+synchronous, it equals the same reference.
 
 Tokens and targets are drawn from the seed, uniform in [0, vocab). The reference is
 ``GPT.fit_reference`` (the whole model on the whole batch in one process): per-step
@@ -21,10 +28,14 @@ import numpy as np
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
+from pipeline_parallel.parameter_server import assemble as assemble_ps
+from pipeline_parallel.parameter_server import device_args as ps_device_args
+from pipeline_parallel.parameter_server import parameter_server_program
 from vcluster.planner.memory import gpt_memory
 from vcluster.planner.simulation import gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
 
+from ..choices import DataParallelMode
 from ..errors import ScenarioError
 from .base import Workload
 
@@ -34,6 +45,8 @@ __all__ = ["validate", "build"]
 def validate(scenario, mesh) -> None:
     """The parser's cross-field rules (once per point; :func:`build` trusts them)."""
     o, par = scenario.workload.options, scenario.parallel
+    if scenario.data_parallel.mode == DataParallelMode.PS:
+        return _validate_ps(scenario, mesh)
     unknown = [a for a in mesh.axes if a not in _AXES]
     if unknown:
         raise ScenarioError("cluster.mesh", dict(mesh.shape), f"axes among {', '.join(_AXES)}",
@@ -73,6 +86,30 @@ def validate(scenario, mesh) -> None:
         raise ScenarioError("parallel.attention", par["attention"], "flash with cp > 1",
                             "context-parallel attention never keeps the s² scores")
     _validate_experts(o, degrees)
+
+
+def _validate_ps(scenario, mesh) -> None:
+    """The parameter server's rules (its mesh, pp, tp, cp and ep are the parser's
+    :func:`~vcluster.scenario.semantics.resolve_mesh` and ``check_data_parallel``)."""
+    o, servers = scenario.workload.options, scenario.data_parallel.servers
+    if o["hidden"] % o["heads"]:
+        raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
+                            "hidden splits into heads")
+    _validate_arch(o, 1)
+    _validate_experts(o, dict.fromkeys(_AXES, 1))
+    if o["experts"]:
+        raise ScenarioError("workload.experts", o["experts"], "0 with data_parallel.mode ps",
+                            "the parameter server trains dense models (each worker "
+                            "holds the whole model)")
+    tensors = len(GPT(_configs(scenario)[0]).param_shapes())
+    if servers > tensors:
+        raise ScenarioError("data_parallel.servers", servers, f"at most {tensors} (the "
+                            f"model's parameter tensors)",
+                            "each parameter tensor lives on one server")
+    workers = mesh.size - servers
+    if o["batch"] % workers:
+        raise ScenarioError("workload.batch", o["batch"], f"a multiple of {workers}",
+                            f"the batch splits into {workers} workers' slices")
 
 
 def _validate_experts(o, degrees) -> None:
@@ -132,8 +169,9 @@ def _degrees(mesh) -> dict:
     return out
 
 
-def _configs(scenario, mesh):
-    """The GPT's configs from the parsed point (their own checks are the library's)."""
+def _configs(scenario, mesh=None):
+    """The GPT's configs from the parsed point (their own checks are the library's);
+    without ``mesh`` the ParallelConfig is None."""
     w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
@@ -141,6 +179,8 @@ def _configs(scenario, mesh):
                        experts=o["experts"], moe_top_k=o["moe_top_k"],
                        moe_ffn_hidden=o.get("moe_ffn_hidden"),
                        capacity_factor=o.get("capacity_factor"))
+    if mesh is None:
+        return config, None
     parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
                               schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
                               sequence_parallel=par["sequence_parallel"],
@@ -169,12 +209,15 @@ def build(scenario, mesh) -> Workload:
     """The point's workload: one training job (one schedule), its shape-only twin for the
     tracer, and (unless simulating) the real per-rank arguments."""
     w, o, steps = scenario.workload, scenario.workload.options, scenario.run.steps
-    config, parallel = _configs(scenario, mesh)
+    ps = scenario.data_parallel.mode == DataParallelMode.PS
+    config, parallel = _configs(scenario, None if ps else mesh)
     gpt = GPT(config, seed=w.seed)
     rng = np.random.default_rng([w.seed, 1])
     tokens = rng.integers(0, config.vocab, (o["batch"], config.seq))
     targets = rng.integers(0, config.vocab, (o["batch"], config.seq))
     optimizer = OptimizerConfig(o["optimizer"], o["lr"])
+    if ps:
+        return _build_ps(scenario, mesh, gpt, tokens, targets, optimizer)
     simulate_only = scenario.run.mode == "simulate"    # cluster scale: no real parameters
     shapes = {n: MetaArray(s, config.dtype) for n, s in gpt.param_shapes().items()}
     job = gpt.train_job(mesh, parallel, steps, optimizer, shapes if simulate_only else None)
@@ -217,3 +260,39 @@ def build(scenario, mesh) -> Workload:
                                 f"{parallel.microbatches} micro-batches"
                                 + (f", ZeRO-{parallel.zero_stage} over dp"
                                    if parallel.zero_stage else ""))
+
+
+def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
+    """The parameter server's workload: the job and per-rank arguments
+    :meth:`GPT.fit_parameter_server` makes, the shape-only twin, and the reference."""
+    o, steps, dp, config = (scenario.workload.options, scenario.run.steps,
+                            scenario.data_parallel, gpt.config)
+    servers, workers = dp.servers, mesh.size - dp.servers
+    simulate_only = scenario.run.mode == "simulate"      # shapes only, no parameters
+    shapes = {n: MetaArray(s, config.dtype) for n, s in gpt.param_shapes().items()}
+    job = gpt.parameter_server_job(mesh, servers, o["batch"], steps, optimizer,
+                                   dp.staleness, params=shapes if simulate_only else None)
+    meta_job = dataclasses.replace(job, tensors=tuple(shapes.values()))
+    data = MetaArray((o["batch"], config.seq), np.int64)
+    metas = tuple(ps_device_args(meta_job, data, data))
+    args = () if simulate_only else tuple(ps_device_args(job, tokens, targets))
+
+    def assemble(results):
+        losses, flat = assemble_ps(job, results)
+        return {"loss": losses, **dict(zip(gpt.param_shapes(), flat))}
+
+    def reference():
+        ref = gpt.fit_reference(tokens, targets, steps, optimizer=o["optimizer"], lr=o["lr"])
+        return {"loss": np.asarray(ref.losses), **ref.params}
+
+    sync = "synchronous" if not dp.staleness else f"asynchronous, staleness {dp.staleness}"
+    s = "" if servers == 1 else "s"
+    return Workload("transformer", mesh, parameter_server_program, args, metas, config.dtype,
+                    assemble, reference, training=True,
+                    model_flops=model_flops(config, o["batch"]),
+                    roles=("server",) * servers + ("worker",) * workers,
+                    updates_per_step=workers if dp.staleness else 1,
+                    description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
+                                f"a={config.heads}{_gqa(config)} s={config.seq} "
+                                f"V={config.vocab}, parameter server: {servers} server{s} + "
+                                f"{workers} workers, {sync}")

@@ -43,15 +43,15 @@ def _model(cfg, par, rank_pp: int, policy) -> dict:
             "activations": m.activations_bytes + m.logits_bytes}
 
 
-def _emulate(cluster_of, spec: str, zero: int, extra: dict):
+def _emulate(cluster_of, spec: str, zero: int, extra: dict, cfg=CFG, optimizer="adam"):
     mesh = mesh_of(spec)
     dp = dict(mesh.shape)["dp"]
     par = ParallelConfig(global_batch=4 * dp, micro_batch=2, zero_stage=zero,
                          **dict(mesh.shape), **extra)
     cluster = cluster_of(mesh)
     cluster.reset_stats()
-    tokens, targets = token_data(CFG, par.global_batch)
-    GPT(CFG, seed=0).fit(cluster, tokens, targets, steps=1, parallel=par, optimizer="adam",
+    tokens, targets = token_data(cfg, par.global_batch)
+    GPT(cfg, seed=0).fit(cluster, tokens, targets, steps=1, parallel=par, optimizer=optimizer,
                          lr=0.01)
     return mesh, par, cluster.stats()
 
@@ -83,6 +83,20 @@ def test_the_count_is_derived_not_fitted_it_agrees_to_the_byte(cluster_of):
             pos = mesh.group("pp", rank).index(rank) if "pp" in mesh.axes else 0
             want = _model(CFG, par, pos, "fp64")
             assert want == {k: int(st[f"peak_{k}_bytes"][rank]) for k in KINDS}, (spec, rank)
+
+
+def test_fp32_with_sgd_is_its_own_policy(cluster_of):
+    """float32 and SGD (one momentum slot): 4 + 4 + 4 bytes per parameter, 4-byte
+    activations — the policy PrecisionPolicy.emulated("float32", "sgd")."""
+    cfg = GPTConfig(hidden=32, layers=2, heads=4, seq=16, vocab=64, dtype="float32")
+    policy = PrecisionPolicy.emulated("float32", "sgd")
+    assert (policy.name, policy.bytes_per_param, policy.activation_bytes) == ("fp32-sgd", 12, 4)
+    for zero in (0, 3):
+        mesh, par, st = _emulate(cluster_of, "dp2 tp2", zero, {}, cfg, "sgd")
+        for rank in range(mesh.size):
+            want = _model(cfg, par, 0, policy)
+            got = {k: int(st[f"peak_{k}_bytes"][rank]) for k in KINDS}
+            assert want == pytest.approx(got, rel=0.05), (zero, rank, want, got)
 
 
 def test_the_emulated_zero_stages_shrink_every_part_they_shard(cluster_of):
@@ -160,3 +174,28 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
     assert main(model + ["--precision", "bf16"]) == 2
     err = capsys.readouterr().err
     assert "--precision must be one of megatron, torch_amp, fp64, fp32, got 'bf16'" in err
+
+
+def test_plan_gpt_precision_flag(tmp_path, capsys):
+    """plan gpt --precision: PyTorch AMP's 16 bytes a parameter fit where Megatron's 18
+    do not; the JSON and the header say which; a bad name is refused."""
+    cli = ["plan", "gpt", "--hidden", "1024", "--layers", "12", "--heads", "16", "--seq",
+           "512", "--vocab", "32000", "--gpus", "8", "--global-batch", "64", "--quiet",
+           "--replay", "0"]
+    docs = {}
+    for name in ("megatron", "torch_amp"):
+        path = tmp_path / f"{name}.json"
+        assert main(cli + ["--precision", name, "--json", str(path)]) == 0
+        docs[name] = json.loads(path.read_text())
+        assert docs[name]["precision"] == name
+        assert f"memory in {name} precision" in capsys.readouterr().out
+    peak = {n: {(c["tp"], c["pp"], c["dp"], c["micro_batch"], c["schedule"], c["recompute"],
+                 c["sequence_parallel"], c["zero_stage"]): c["peak_memory_gb"]
+                for c in d["candidates"]} for n, d in docs.items()}
+    # without ZeRO 16 < 18 bytes a parameter (with ZeRO-1 AMP's 8 + 8/dp passes
+    # Megatron's 6 + 12/dp from dp = 3 on: fp32 weights are not sharded)
+    both = {k for k in peak["megatron"].keys() & peak["torch_amp"].keys() if k[-1] == 0}
+    assert both and all(peak["torch_amp"][k] < peak["megatron"][k] for k in both)
+    assert main(cli + ["--precision", "fp16"]) == 2
+    assert "--precision must be one of megatron, torch_amp, fp64, fp32, got 'fp16'" in \
+        capsys.readouterr().err

@@ -278,7 +278,8 @@ def cp_buffer_bytes(config, parallel, precision: PrecisionPolicy = MEGATRON) -> 
         return 0
     t = parallel.tp
     kv_local = max(config.kv_heads // t, 1) if config.arch == "llama" else config.heads // t
-    x = precision.activation_bytes * parallel.micro_batch * kv_local * config.head_dim * config.seq / cp
+    x = precision.activation_bytes * parallel.micro_batch * kv_local * config.head_dim \
+        * config.seq / cp
     return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
 
 

@@ -30,7 +30,9 @@ parallelism (``zero_stage`` >= 1 and ``expert_dp_axis`` set: two gradient groups
 supported yet and refused.
 
 Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
-holds (parameters, gradients, optimizer state, activations); ``dev.record_memory``
+holds (parameters, gradients, optimizer state, activations — the stages' saved tensors and
+the last stage's dL/dy, the logits' gradient, from a micro-batch's forward to its
+backward), after every action; ``dev.record_memory``
 carries it to ``cluster.stats()`` (``peak_*_bytes``) and the results' ``memory``.
 
 ``action_costs`` (seconds per F, B, I, W) adds a sleep to each action — for checking
@@ -238,6 +240,13 @@ def _optimizer_named(stages, opt: Optimizer) -> dict:
     return {"t": opt.t, "slots": slots}
 
 
+def _activation_bytes(stages: dict, pending_dy: dict) -> int:
+    """What the stages keep for their backward, plus the loss gradients dL/dy (the last
+    stage's logits' gradient) held from a micro-batch's forward to its backward."""
+    return sum(L.activation_bytes for L in stages.values()) + sum(
+        int(d.nbytes) for d in pending_dy.values())
+
+
 def train_program(dev, job: TrainJob, X, Y):
     """The SPMD training program (see the module docstring); returns this rank's results."""
     pp = dev.mesh.group(job.pp_axis, dev.rank) if job.pp_axis in dev.mesh.axes else (dev.rank,)
@@ -314,7 +323,7 @@ def train_program(dev, job: TrainJob, X, Y):
                         out = None
                 elif kind in ("B", "I"):
                     out = layers.backward_input(dev, j, dy, need_input_grad=s > 0)
-                act = sum(L.activation_bytes for L in stages.values())
+                act = _activation_bytes(stages, pending_dy)
                 peak_act = max(peak_act, act)
                 ledger.set("activations", act)
                 if kind in ("B", "W"):
@@ -335,7 +344,7 @@ def train_program(dev, job: TrainJob, X, Y):
         for b in (buckets, expert_buckets):
             if b is not None:
                 b.finish()
-        ledger.set("activations", sum(L.activation_bytes for L in stages.values()))
+        ledger.set("activations", _activation_bytes(stages, pending_dy))
         if zero is not None:
             zero.finish_grads()
             zero.step()

@@ -12,7 +12,10 @@ to its reduce-scatter, a ZeRO-3 module's parameters from their all-gather to the
 release (the emulator keeps those buffers for reuse, as a caching allocator would, and
 fills released parameters with NaN so that a use after release cannot go unnoticed).
 Buffers a collective only stages (the flat copy a reduce-scatter sends) are transport,
-not state, and do not count.
+not state, and do not count. Activations are the stages' saved tensors plus the loss
+gradient dL/dy (the logits' gradient) the last stage holds from a micro-batch's forward
+to its backward; :func:`vcluster.planner.memory.emulator_activation_bytes` counts the
+same tensors in closed form.
 """
 
 from __future__ import annotations

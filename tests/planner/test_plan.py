@@ -238,6 +238,7 @@ def test_plan_gpt_bad_input(kwargs, message):
 PLAN_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["candidates", "rejected"],
     "properties": {
+        "precision": {"enum": ["megatron", "torch_amp", "fp64", "fp32"]},
         "rejected": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
         "candidates": {"type": "array", "minItems": 1, "items": {
             "type": "object",

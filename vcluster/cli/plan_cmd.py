@@ -7,9 +7,11 @@ enumerates TP x PP x DP x micro-batch x schedule x sequence parallelism x recomp
 drops what does not fit memory, screens the rest in closed form, replays the best in the
 SimPy timing model (at least the top K and 10) and prints the top K (step time, TFLOP/s
 per GPU, MFU, peak memory, compute/comm ratio) and the rejections per reason.
-``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}}`` (every
-configuration that fits, best first); ``--out DIR`` writes plan.json and plan.png (step
-time against peak memory for every candidate). ``--max-cp N`` also searches context
+``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}, "precision":
+name}`` (every configuration that fits, best first; ``--precision megatron|torch_amp|
+fp64|fp32``: the memory model's bytes per parameter and activation, as ``simulate
+gpt``'s); ``--out DIR`` writes plan.json and plan.png (step time against peak memory for
+every candidate). ``--max-cp N`` also searches context
 parallelism up to cp = N (``--cp-algorithm ring|all_gather``; default 1: none, the
 search and table of earlier versions); the table then has a cp column, and the JSON
 candidates always carry ``cp``. ZeRO: ``--zero-stages 0,1,2,3`` (the default) are the
@@ -75,6 +77,10 @@ def add_parser(commands) -> None:
                      help="largest context-parallel degree to search (default 1: none)")
     gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
                      help="context parallelism's attention algorithm (default ring)")
+    gpt.add_argument("--precision", default="megatron", metavar="POLICY",
+                     help="bytes per parameter and activation of the memory model: megatron "
+                          "(default, 18 B/param), torch_amp (16 B/param), fp64, fp32 (the "
+                          "emulated program's); see simulate gpt --help")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -101,7 +107,17 @@ def plan_json(df) -> dict:
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
-    return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {}))}
+    return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
+            "precision": df.attrs.get("precision", "megatron")}
+
+
+def _precision(name: str) -> str:
+    """``--precision``'s value, or ValueError naming it and the presets."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.precision import PRECISIONS
+    if name not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return name
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
@@ -159,13 +175,14 @@ def _gpt(args) -> int:
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
+                  precision=_precision(args.precision),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
     print(f"{model_title(a['config'])}, global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
-          f"{a['planning_time_s']:.1f} s")
+          f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision")
     if len(df):
         _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
     print("rejected:" + ("" if a["rejected"] else " none"))

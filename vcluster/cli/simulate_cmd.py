@@ -12,7 +12,10 @@ peak memory per device and its parts (``--attention flash|unfused``,
 the optimizer state over dp, 2 also the gradients (a reduce-scatter per micro-batch), 3
 also the weights (all-gathered before each module's forward and backward); 2 and 3 need
 pp = 1, no sequence parallelism and ep = 1; ``--distributed-optimizer`` is an alias of
-``--zero 1``: vcluster/planner/memory.py); ``--cp N [--cp-algorithm
+``--zero 1``: vcluster/planner/memory.py; ``--precision megatron|torch_amp|fp64|fp32``:
+the bytes per parameter and activation the memory counts — Megatron's bf16 + fp32
+master/grads/Adam, 18 B/param, the default; PyTorch AMP's fp32 params, grads and Adam,
+16 B/param; the emulated program's own: vcluster/planner/precision.py); ``--cp N [--cp-algorithm
 ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
 tp·pp·cp·dp, which ``--gpus`` checks when given); ``--experts N --moe-top-k K
 --ep E [--expert-skew X]``: a mixture of experts over E expert-parallel ranks carved out of
@@ -68,6 +71,11 @@ def add_parser(commands) -> None:
     gpt.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer state and fp32 master weights over dp "
                           "(Megatron's distributed optimizer): an alias of --zero 1")
+    gpt.add_argument("--precision", default="megatron", metavar="POLICY",
+                     help="bytes per parameter and activation of the memory model: "
+                          "megatron (default: bf16 weights, fp32 grads, fp32 master + Adam, "
+                          "18 B/param), torch_amp (fp32 params, grads, Adam: 16 B/param), "
+                          "fp64 or fp32 (the emulated program's own count)")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
@@ -84,7 +92,11 @@ def _gpt(args) -> int:
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
+    from vcluster.planner.precision import PRECISIONS
     zero = zero_stage(args)
+    if args.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
+                         f"{args.precision!r}")
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
                        ffn_hidden=args.ffn_hidden, **moe_config(args))
@@ -104,7 +116,7 @@ def _gpt(args) -> int:
                          "expert gradients need their own data-parallel group); use --zero "
                          "0 or 1, or --ep 1")
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
-                     expert_skew=args.expert_skew)
+                     expert_skew=args.expert_skew, precision=args.precision)
     print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -123,10 +135,12 @@ def _gpt(args) -> int:
           f"({'fits' if r.fits else 'does NOT fit'} {r.memory_limit_gb:.1f} GB: "
           f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom)")
     parts = r.memory_breakdown_gb
+    kept = f"{args.attention} attention" if PRECISIONS[r.precision].activation_count == \
+        "korthikanti" else "activations as the emulated program keeps them"
     print("                       " + ", ".join(
         f"{k} {parts[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
                                          "logits")) + f" GB (pipeline rank "
-          f"{parts['rank_position']}; {args.attention} attention"
+          f"{parts['rank_position']}; {r.precision} precision, {kept}"
           f"{f', ZeRO-{zero}' if zero else ''})")
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:

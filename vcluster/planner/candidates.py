@@ -106,6 +106,7 @@ class SearchSpace:
     cp_algorithm: str = "ring"
     max_ep: int = 1                                # MoE: the largest expert parallelism
     zero_stages: tuple | None = None               # None: from distributed_optimizer
+    precision: object = "megatron"                 # the memory model's PrecisionPolicy
 
     def __post_init__(self):
         if self.zero_stages is None:
@@ -242,12 +243,12 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             zero_stage=stages[0],
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
                                if cp > 1 else {}))
-                        fits = peak_memory_bytes(config, par) <= hbm_bytes
+                        fits = peak_memory_bytes(config, par, space.precision) <= hbm_bytes
                         for z in stages[1:]:
                             if fits:
                                 break
                             par = replace(par, zero_stage=z)
-                            fits = peak_memory_bytes(config, par) <= hbm_bytes
+                            fits = peak_memory_bytes(config, par, space.precision) <= hbm_bytes
                         if fits:
                             out.append(par)
                         else:

@@ -1,9 +1,14 @@
 """Peak memory per device of GPT (and Llama) training: parameters, gradients, optimizer state,
-activations and the logits, by the formulas of the Megatron-LM papers.
+activations and the logits, by the formulas of the Megatron-LM papers, in the bytes of a
+:class:`~vcluster.planner.precision.PrecisionPolicy` (``precision=``; default Megatron's,
+whose figures this docstring gives; ``torch_amp``: PyTorch AMP's 4 + 4 + 8 bytes per
+parameter; ``fp64``/``fp32``: the emulated program's own, with its own activation count,
+"The emulated program" below).
 
 Parameters on pipeline rank r (tensor-parallel degree t): its layers' 12h² + 13h each
 (QKV 3h² + 3h, projection h² + h, MLP 8h² + 5h, two LayerNorms 4h), divided by t
-except the LayerNorms and the row-parallel biases (small; counted whole); the first
+except the LayerNorms and the row-parallel biases (6h, counted whole: (12h² + 7h)/t +
+6h; the column-parallel QKV bias divides by t as in the program); the first
 stage also holds the word (V·h / t, vocabulary-parallel) and position (s·h) embeddings,
 the last the final LayerNorm and the output projection (V·h / t).
 
@@ -41,7 +46,7 @@ without recomputation flash attention keeps s·b·h·(10 + 24/t) + 4·b·a·s/t,
 selective recomputation plus the statistics.
 
 The logits: the last stage holds the fp32 logits of its micro-batch for the loss and its
-gradient, 4·b·s·V/t bytes (``LOGITS_BYTES`` per entry; PyTorch's and Megatron's
+gradient, 4·b·s·V/t bytes (the policy's ``logits_bytes`` per entry; PyTorch's and Megatron's
 cross-entropy upcast the logits to fp32), freed before the next micro-batch.
 
 Llama (``GPTConfig(arch="llama")``; d = h/a, h_q = a·d, c kv_heads, f ffn_hidden,
@@ -89,6 +94,40 @@ it receives, 8X at its peak; all_gather holds K, V and dK, dV of the whole seque
 gradients and optimizer state are replicated over cp (the gradients are all-reduced
 over dp × cp); the logits are s/cp rows.
 
+The emulated program (a policy with ``activation_count="emulator"``:
+:func:`emulator_activation_bytes`; dense GPT, no context parallelism). The numpy GPT
+(:mod:`tensor_parallel.transformer`, :mod:`tensor_parallel.attention`) saves its own set
+of tensors, not Megatron's, in its dtype (e bytes per element), and its ledger
+(:mod:`pipeline_parallel.ledger`) samples what it holds after every action. Per layer and
+micro-batch, in elements (σ = t with sequence parallelism, else 1; "gathered": the full
+sequence the TP block works on):
+
+* forward state F (from a layer's forward to its input gradient): LN1's x̂ s·b·h/σ and
+  rstd s·b/σ, the gathered LN1 output (the QKV input) s·b·h, q, k, v 3·s·b·h/t, the
+  softmax P b·a·s²/t (unfused: the program keeps it), the merged context s·b·h/t, LN2's x̂
+  and rstd, the gathered LN2 output (the MLP input) s·b·h, the MLP's pre-activation h and
+  gelu output a 8·s·b·h/t — s·b·h·(2/σ + 2 + 12/t) + b·a·s²/t + 2·s·b/σ. Selective
+  recomputation drops P and the context (s·b·h·(2/σ + 2 + 11/t) + 2·s·b/σ), full keeps
+  the layer's input s·b·h/σ;
+* weight state W (from the input gradient to the weight gradient, which a B action runs
+  after the whole stage's input gradient): x̂1, x̂2, the attention's and the MLP's input
+  gradients (s·b·h/σ each), the two gathered inputs and the two gathered output
+  gradients (s·b·h each), dqkv 3·s·b·h/t, the context s·b·h/t, dh and a 8·s·b·h/t —
+  s·b·h·(4/σ + 4 + 12/t), whatever the recomputation;
+* the ends: the embedding's int64 local ids and bool mask, 9·s·b bytes
+  (``INDEX_BYTES``), and in W its gathered input gradient s·b·h (+ s·b·h/t with SP); the
+  head's final-LN x̂, rstd and gathered input s·b·h·(1/σ + 1) + s·b/σ in F, and in W its
+  input, x̂ and input gradient s·b·h·(1 + 2/σ) plus the logits' gradient s·b·V/t — which
+  the last stage also holds from the loss to the backward (the executor counts it).
+
+A stage (its layers and ends) holding k micro-batches peaks after the input gradient of
+the first backward, (k−1)·F + max(F, W); the logits' gradients, k·s·b·V/t·e, are
+reported as ``logits_bytes`` (the ledger counts them among its activations). The count
+is exact for a stage per rank with B actions (1F1B, GPipe); the interleaved and
+zero-bubble schedules (I and W apart) hold other mixes. Parameters, gradients and
+optimizer state follow the formulas above with e bytes each (Adam: 2e, SGD's momentum: e;
+no master copy), ZeRO's padding aside (< dp elements per module).
+
 The peak (:attr:`MemoryBreakdown.total_bytes`) counts tensors, comparable to
 ``torch.cuda.max_memory_allocated``. A device also needs room the tensors do not show
 (the CUDA context, NCCL's buffers, the caching allocator's fragmentation): a
@@ -104,16 +143,21 @@ from dataclasses import dataclass
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
 
+from .precision import MEGATRON, PrecisionPolicy, precision_policy
+
 __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
            "usable_memory_bytes", "activation_bytes_per_layer", "moe_routed_rows",
            "expert_params_per_layer", "llama_activation_bytes_per_layer", "cp_buffer_bytes",
-           "CP_RING_BUFFERS"]
+           "CP_RING_BUFFERS", "emulator_activation_bytes", "INDEX_BYTES", "PrecisionPolicy"]
 
-WEIGHT_BYTES = 2
-GRAD_BYTES = 4
-OPTIMIZER_BYTES = 12
-LOGITS_BYTES = 4     # fp32 logits (the loss upcasts them)
+# Megatron's policy (vcluster.planner.precision.MEGATRON, the default): bytes per parameter
+WEIGHT_BYTES = MEGATRON.weight_bytes         # bf16 weights
+GRAD_BYTES = MEGATRON.grad_bytes             # fp32 main gradients
+OPTIMIZER_BYTES = MEGATRON.optimizer_bytes   # fp32 master weights, Adam's m and v
+LOGITS_BYTES = MEGATRON.logits_bytes         # fp32 logits (the loss upcasts them)
+# the emulated embedding's per-token index state: an int64 local id and a bool mask
+INDEX_BYTES = 8 + 1
 LSE_BYTES = 4        # flash attention's fp32 log-sum-exp per (row, head)
 # The share of a device's memory a plan leaves free: the formulas above count tensors,
 # not the CUDA context (~0.5 GB), NCCL's buffers or the caching allocator's
@@ -213,9 +257,9 @@ def rank_params(config, parallel, r: int) -> float:
         return _llama_rank_params(config, parallel, r)
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
-    per_layer = (12 * h * h + 4 * h) / t + 9 * h
+    per_layer = (12 * h * h + 7 * h) / t + 6 * h
     if getattr(config, "experts", 0):   # MoE: W1, b1, W2, b2 become router + experts
-        per_layer = 4 * h * h / t + 8 * h + h * config.experts \
+        per_layer = (4 * h * h + 3 * h) / t + 5 * h + h * config.experts \
             + expert_params_per_layer(config, parallel)
     params = config.layers // stages * parallel.chunks * per_layer
     if r == 0:
@@ -225,40 +269,52 @@ def rank_params(config, parallel, r: int) -> float:
     return params
 
 
-def cp_buffer_bytes(config, parallel) -> float:
+def cp_buffer_bytes(config, parallel, precision: PrecisionPolicy = MEGATRON) -> float:
     """The context-parallel K/V communication buffers at their peak (the module doc):
-    ring 8X, all_gather 4·cp·X, X = 2·b·c_l·d·s/cp; 0 without context parallelism."""
+    ring 8X, all_gather 4·cp·X, X = 2·b·c_l·d·s/cp (2: the policy's activation bytes);
+    0 without context parallelism."""
     cp = getattr(parallel, "cp", 1)
     if cp == 1:
         return 0
     t = parallel.tp
     kv_local = max(config.kv_heads // t, 1) if config.arch == "llama" else config.heads // t
-    x = WEIGHT_BYTES * parallel.micro_batch * kv_local * config.head_dim * config.seq / cp
+    x = precision.activation_bytes * parallel.micro_batch * kv_local * config.head_dim \
+        * config.seq / cp
     return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
 
 
-def rank_memory(config, parallel, r: int, in_flight: int,
-                expert_skew: float = 1.0) -> MemoryBreakdown:
+def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1.0,
+                precision=MEGATRON) -> MemoryBreakdown:
     """The breakdown of pipeline rank ``r`` holding ``in_flight`` micro-batches'
-    activations at its peak (MoE: ``expert_skew`` sets the routed rows)."""
+    activations at its peak (MoE: ``expert_skew`` sets the routed rows) under
+    ``precision`` (a :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's
+    name; default Megatron's)."""
+    precision = precision_policy(precision)
+    w_bytes, g_bytes, o_bytes = (precision.weight_bytes, precision.grad_bytes,
+                                 precision.optimizer_bytes)
     params = rank_params(config, parallel, r)
     cp = getattr(parallel, "cp", 1)
     full_config, config = config, (config if cp == 1 else
                                    dataclasses.replace(config, seq=config.seq // cp))
     zero, shards = parallel.zero_stage, parallel.dp * cp     # ZeRO shards over dp x cp
-    optimizer = OPTIMIZER_BYTES / (shards if zero >= 1 else 1)
+    optimizer = o_bytes / (shards if zero >= 1 else 1)
     largest = _largest_module(full_config, parallel, r)
-    weights = params * WEIGHT_BYTES / shards + 2 * largest * WEIGHT_BYTES if zero == 3 else \
-        params * WEIGHT_BYTES
-    grads = params * GRAD_BYTES / shards + largest * GRAD_BYTES if zero >= 2 else \
-        params * GRAD_BYTES
+    weights = params * w_bytes / shards + 2 * largest * w_bytes if zero == 3 else \
+        params * w_bytes
+    grads = params * g_bytes / shards + largest * g_bytes if zero >= 2 else \
+        params * g_bytes
     per_stage = config.layers // (parallel.pp * parallel.chunks)
     experts = per_stage * parallel.chunks * expert_params_per_layer(config, parallel)
     if experts and parallel.distributed_optimizer:     # experts' state over dp/ep (x cp)
-        opt_bytes = (params - experts) * optimizer + experts * OPTIMIZER_BYTES / (
+        opt_bytes = (params - experts) * optimizer + experts * o_bytes / (
             parallel.dp // parallel.ep * cp)
     else:
         opt_bytes = params * optimizer
+    if precision.activation_count == "emulator":
+        act, logits = emulator_activation_bytes(full_config, parallel, r, in_flight,
+                                                precision)
+        return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes), int(act),
+                               int(logits))
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
         parallel.sequence_parallel, parallel.attention) if config.arch == "llama" else \
@@ -273,11 +329,12 @@ def rank_memory(config, parallel, r: int, in_flight: int,
             config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden) \
             + 4 * config.moe_top_k * s * b * h
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
-    logits = (LOGITS_BYTES * parallel.micro_batch * config.seq * config.vocab / parallel.tp
-              if last else 0)
+    logits = (precision.logits_bytes * parallel.micro_batch * config.seq * config.vocab
+              / parallel.tp if last else 0)
     return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes),
                            int(in_flight * per_stage * act
-                               + cp_buffer_bytes(full_config, parallel)), int(logits))
+                               + cp_buffer_bytes(full_config, parallel, precision)),
+                           int(logits))
 
 
 def _largest_module(config, parallel, r: int) -> float:
@@ -285,7 +342,7 @@ def _largest_module(config, parallel, r: int) -> float:
     rank r: what ZeRO-2/3 hold in full beside their shards."""
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
-    sizes = [(12 * h * h + 4 * h) / t + 9 * h]
+    sizes = [(12 * h * h + 7 * h) / t + 6 * h]
     if r == 0:
         sizes.append(V * h / t + s * h)
     if (stages - 1) % parallel.pp == r:
@@ -293,8 +350,47 @@ def _largest_module(config, parallel, r: int) -> float:
     return max(sizes)
 
 
-def gpt_memory(config, parallel, schedule, expert_skew: float = 1.0) -> list[MemoryBreakdown]:
+def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
+                              precision=None) -> tuple[float, float]:
+    """(activations, logits) bytes pipeline rank ``r`` of the emulated GPT program holds at
+    its peak with ``in_flight`` micro-batches (the module doc, "The emulated program");
+    ``precision``: the element bytes (default the config's dtype)."""
+    if config.arch != "gpt" or getattr(config, "experts", 0) or getattr(parallel, "cp", 1) > 1:
+        raise ValueError(f"emulator_activation_bytes: the emulated program's count covers the "
+                         f"dense GPT without context parallelism, got arch={config.arch!r}, "
+                         f"experts={getattr(config, 'experts', 0)}, "
+                         f"cp={getattr(parallel, 'cp', 1)}; use a 'korthikanti' policy")
+    item = (precision_policy(precision) if precision is not None
+            else PrecisionPolicy.emulated(config.dtype)).activation_bytes
+    s, b, h, a, V, t = (config.seq, parallel.micro_batch, config.hidden, config.heads,
+                        config.vocab, parallel.tp)
+    sp = parallel.sequence_parallel and t > 1
+    sig = t if sp else 1
+    bsh = b * s * h
+    if parallel.recompute == "full":
+        layer_f = bsh / sig
+    else:
+        layer_f = bsh * (2 / sig + 2 + (12 if parallel.recompute == "none" else 11) / t) \
+            + 2 * b * s / sig + (b * a * s * s / t if parallel.recompute == "none" else 0)
+    layer_w = bsh * (4 / sig + 4 + 12 / t)
+    n = config.layers // (parallel.pp * parallel.chunks)
+    fwd, wgt = n * layer_f * item, n * layer_w * item
+    if r == 0:                       # the embedding: token indices; the gathered dx
+        fwd += INDEX_BYTES * b * s
+        wgt += INDEX_BYTES * b * s + bsh * (1 + (1 / sig if sp else 0)) * item
+    last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
+    dlogits = b * s * V / t * item if last else 0
+    if last:                         # the head: final LN's xhat, rstd and gathered input
+        fwd += (bsh * (1 / sig + 1) + b * s / sig) * item
+        wgt += bsh * (1 + 2 / sig) * item
+    act = max(in_flight - 1, 0) * fwd + (max(fwd, wgt) if in_flight else 0)
+    return act, in_flight * dlogits
+
+
+def gpt_memory(config, parallel, schedule, expert_skew: float = 1.0,
+               precision=MEGATRON) -> list[MemoryBreakdown]:
     """One breakdown per pipeline position (every dp/tp peer holds the same; MoE: ep
-    rank 0's, the busiest expert's)."""
+    rank 0's, the busiest expert's) under ``precision`` (a PrecisionPolicy or a preset's
+    name; default Megatron's)."""
     return [rank_memory(config, parallel, r, peak_in_flight(schedule, r, check=False),
-                        expert_skew) for r in range(parallel.pp)]
+                        expert_skew, precision) for r in range(parallel.pp)]

@@ -110,11 +110,13 @@ def peak_in_flight_closed_form(schedule: str, p: int, m: int, v: int, r: int) ->
     raise ValueError(f"peak_in_flight_closed_form: unknown schedule {schedule!r}")
 
 
-def peak_memory_bytes(config, parallel) -> int:
-    """max over pipeline ranks of gpt_memory's total, without building the schedule."""
+def peak_memory_bytes(config, parallel, precision="megatron") -> int:
+    """max over pipeline ranks of gpt_memory's total, without building the schedule
+    (``precision``: a PrecisionPolicy or a preset's name)."""
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     return max(rank_memory(config, parallel, r,
-                           peak_in_flight_closed_form(parallel.schedule, p, m, v, r)).total_bytes
+                           peak_in_flight_closed_form(parallel.schedule, p, m, v, r),
+                           precision=precision).total_bytes
                for r in sorted({0, p - 1, (p * v - 1) % p}))
 
 

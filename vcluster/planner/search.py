@@ -34,6 +34,7 @@ from vcluster.timing.hardware_model import HardwareCostModel
 
 from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
 from .memory import MEMORY_HEADROOM, usable_memory_bytes
+from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
 from .screen import peak_memory_bytes, screen_estimate
 from .simulation import simulate_gpt
@@ -60,8 +61,8 @@ def _knobs(par: ParallelConfig) -> dict:
 
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
-    config, par, hardware = args
-    r = simulate_gpt(config, par, hardware)
+    config, par, hardware, precision = args
+    r = simulate_gpt(config, par, hardware, precision=precision)
     return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
 
@@ -87,10 +88,10 @@ def _pool_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _run_replays(config, pars, hardware, workers: int, bar) -> list[dict]:
+def _run_replays(config, pars, hardware, workers: int, bar, precision) -> list[dict]:
     """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
     task = bar.add_task("replaying", total=len(pars)) if bar else None
-    jobs = [(config, p, hardware) for p in pars]
+    jobs = [(config, p, hardware, precision) for p in pars]
 
     def done():
         if bar:
@@ -158,7 +159,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
              max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
-             capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None):
+             capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
+             precision="megatron"):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -183,10 +185,13 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``zero_stages``: the ZeRO stages searched (default all of 0-3; not with
     ``distributed_optimizer``, which means ``(1,)`` / ``(0,)``); each candidate takes the
     lowest of them that fits (:mod:`~vcluster.planner.candidates`), the DataFrame's
-    ``zero_stage`` (``distributed_optimizer`` is ``zero_stage >= 1``).
+    ``zero_stage`` (``distributed_optimizer`` is ``zero_stage >= 1``). ``precision``: the
+    memory model's :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name
+    (default "megatron"; the DataFrame's ``attrs["precision"]``).
     """
     import pandas as pd
     t0 = time.perf_counter()
+    precision = precision_policy(precision)
     config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
                        arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden, experts=experts,
                        moe_top_k=moe_top_k, moe_ffn_hidden=moe_ffn_hidden,
@@ -205,7 +210,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
         attention=attention, distributed_optimizer=distributed_optimizer, max_cp=max_cp,
-        cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages)
+        cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
+        precision=precision)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
     n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
@@ -216,7 +222,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
         estimates = _screen_all(config, candidates, hw, bar)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
-                                workers or os.cpu_count() or 1, bar)
+                                workers or os.cpu_count() or 1, bar, precision)
     finally:
         if bar:
             bar.stop()
@@ -225,7 +231,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
         par, est = candidates[i], estimates[i]
         figures = replayed[k] if k < n_replay else {
             "step_time_s": est.step_time_s, "tflops_per_gpu": est.tflops_per_gpu,
-            "mfu": est.mfu, "peak_memory_gb": peak_memory_bytes(config, par) / 1e9,
+            "mfu": est.mfu, "peak_memory_gb": peak_memory_bytes(config, par, precision) / 1e9,
             "compute_comm_ratio": est.compute_comm_ratio}
         rows.append(_knobs(par) | figures | {"replayed": k < n_replay,
                                              "screen_step_time_s": est.step_time_s})
@@ -236,5 +242,6 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
+                    precision=precision.name,
                     planning_time_s=time.perf_counter() - t0)
     return df

@@ -53,6 +53,7 @@ from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
+from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
@@ -107,6 +108,7 @@ class GPTSimulation:
     memory_limit_gb: float = math.inf   # what fits compares with: HBM less the headroom
     device_memory_gb: float = math.inf  # the device's HBM
     zero_stage: int = 0                 # the ZeRO stage traced and counted (0: DDP)
+    precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
 
     @property
     def reserve_gb(self) -> float:
@@ -335,8 +337,11 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
                  memory_headroom: float = MEMORY_HEADROOM,
-                 expert_skew: float = 1.0) -> GPTSimulation:
+                 expert_skew: float = 1.0, precision="megatron") -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
+    ``precision``: the memory model's bytes per parameter and activation (a
+    :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name: "megatron",
+    the default, "torch_amp", "fp64", "fp32"; it changes the memory, not the timing);
     ``traced_positions``: see :func:`gpt_step_traces` (the result does not depend on it);
     ``memory_headroom``: the share of the device memory kept free (``fits`` compares the
     peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`);
@@ -358,7 +363,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
-    memory = tuple(gpt_memory(config, parallel, schedule, expert_skew))
+    precision = precision_policy(precision)
+    memory = tuple(gpt_memory(config, parallel, schedule, expert_skew, precision))
     peak = max(mm.total_bytes for mm in memory)
 
     def mean(d):
@@ -374,5 +380,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
+        precision=precision.name,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

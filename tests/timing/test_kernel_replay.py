@@ -126,3 +126,13 @@ def test_unfused_attention_still_moves_its_scores_and_is_priced_as_before():
     for op in softmax + grad:
         assert plain.compute_time_s(op) == dev.compute_time_s(0, op.bytes, "bf16") \
             / TRAINING_KERNEL_EFFICIENCY
+
+
+def test_a_hardware_file_opts_in_to_the_shipped_table_and_a_wrong_name_is_refused():
+    hw = load_hardware({"base": "h100-dgx", "device": {"kernel_table": "h100_kernels.csv"}})
+    costs = HardwareCostModel(hw)
+    assert costs.kernel_profile.launch_s == LAUNCH_INTERVAL_S
+    assert costs.gemm_profile.call_s == pytest.approx(5.30e-6)
+    with pytest.raises(ValueError, match="'h100.csv' is not a shipped table of measured "
+                                         "kernels; known: h100_kernels.csv"):
+        load_hardware({"base": "h100-dgx", "device": {"kernel_table": "h100.csv"}})

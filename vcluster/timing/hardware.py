@@ -171,6 +171,9 @@ class DeviceSpec:
         _number(self, "hbm_efficiency", at_most=1)
         _text(self, "source")
         _text(self, "kernel_table")
+        if self.kernel_table and self.kernel_table not in kernel_tables():
+            raise ValueError(f"kernel_table: {self.kernel_table!r} is not a shipped table of "
+                             f"measured kernels; known: {', '.join(kernel_tables())}")
         if isinstance(self.kernels, (str, bytes)) or not hasattr(self.kernels, "__iter__"):
             raise ValueError(f"kernels: expected a list of measured kernels, got {self.kernels!r}")
         object.__setattr__(self, "kernels", tuple(
@@ -244,6 +247,13 @@ class DeviceSpec:
 
     def _memory_s(self, nbytes: float) -> float:
         return nbytes / (self.hbm_bandwidth_gbps * _BYTES_PER_GB * self.hbm_efficiency)
+
+
+def kernel_tables() -> tuple[str, ...]:
+    """The shipped tables of measured kernels (``vcluster/timing/data/*_kernels.csv``)."""
+    from importlib import resources
+    data = resources.files("vcluster.timing").joinpath("data")
+    return tuple(sorted(f.name for f in data.iterdir() if f.name.endswith("_kernels.csv")))
 
 
 def _dims(m, k, n) -> int:

@@ -22,6 +22,11 @@ FLOPs (only the products, Megatron's count): forward 2·b·s·h·3h_l + 2·(2·b
 + 2·b·s·h_l·h, i.e. (6bsh² + 4bs²h + 2bsh²)/t; the backward twice as much. The
 products run as whole-batch 2-D or batched 3-D matmuls (over b·a_l), never per head.
 
+With ``TransformerOps(..., flash=True)`` (``ParallelConfig.attention="flash"``) the core
+attention (q k^T, softmax, P v, and their backward) runs in one compute block each way,
+declared as one fused kernel (:func:`flash_block`: the same FLOPs, O(s) bytes, never the
+s² scores); the math is the same.
+
 ``selective`` recomputation (Korthikanti et al. 2022) keeps q, k, v and drops P and C,
 re-running the core attention (q k^T, softmax, P v) at the start of the backward.
 

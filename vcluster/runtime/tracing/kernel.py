@@ -24,6 +24,7 @@ by kind (``shape``):
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -76,10 +77,16 @@ class Kernel:
         if len(shape) != len(names):
             raise ValueError(f"Kernel: a {self.kind.value} kernel's shape is "
                              f"({', '.join(names)}), got {shape!r}")
+        dims = []
         for name, v in zip(names, shape):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            try:
+                d = operator.index(v)           # ints, numpy integers
+            except TypeError:
+                d = None
+            if isinstance(v, bool) or d is None or d < 0:
                 raise ValueError(f"Kernel: {name} must be an int >= 0, got {v!r}")
-        object.__setattr__(self, "shape", tuple(int(v) for v in shape))
+            dims.append(d)
+        object.__setattr__(self, "shape", tuple(dims))
         if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
             raise ValueError(f"Kernel: parts must be an int >= 1, got {self.parts!r}")
 

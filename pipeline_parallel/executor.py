@@ -55,6 +55,7 @@ import numpy as np
 
 from sharding import shard_slices
 from vcluster.runtime.faults import crash_this_device
+from vcluster.runtime.tracing.kernel import Kernel
 
 from .functional import loss_and_grad
 from .layers import LayerSpec, StageLayers
@@ -350,7 +351,9 @@ def train_program(dev, job: TrainJob, X, Y):
             zero.step()
         else:
             with dev.compute("optimizer", flops=0, bytes=sum(
-                    p.nbytes for p in params) * opt.bytes_touched_per_param_byte):
+                    p.nbytes for p in params) * opt.bytes_touched_per_param_byte,
+                    kernel=Kernel.optimizer(sum(int(p.size) for p in params),
+                                            job.optimizer.name)):
                 opt.step(params, grads)
         losses.append(loss)
         reports = [L.moe_report() for L in stages.values() if hasattr(L, "moe_report")]

@@ -233,9 +233,12 @@ class ParallelConfig:
     those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
     sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b).
 
-    ``attention``, which only the memory model reads (the emulated program computes the
-    same math either way; :mod:`vcluster.planner.memory`): the attention kernel a real run
-    uses, ``"flash"`` (default: no s² scores kept for the backward) or ``"unfused"``.
+    ``attention``: the attention kernel a real run uses, ``"flash"`` (default: no s²
+    scores kept for the backward) or ``"unfused"``. The emulated program computes the same
+    math either way; the memory model (:mod:`vcluster.planner.memory`) and the trace read
+    it — under flash the core attention is traced as one fused kernel forward and one
+    backward (:func:`tensor_parallel.attention.flash_block`: O(s) bytes, the same FLOPs),
+    unfused as its products and the softmax passes over the s² scores.
 
     ``zero_stage`` (0 DDP; 1, 2, 3: ZeRO, :mod:`pipeline_parallel.zero`; 2 and 3 need
     pp = 1 and no sequence parallelism) is what the emulated program runs.
@@ -382,7 +385,8 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
-                               par.sequence_parallel), dict(job.params)
+                               par.sequence_parallel, flash=par.attention == "flash"), \
+        dict(job.params)
     cp = positions = None
     if "cp" in dev.mesh.axes and dev.mesh.axis_size("cp") > 1:
         n, kv = dev.mesh.axis_size("cp"), max(cfg.kv_heads // ops.tp_size, 1)

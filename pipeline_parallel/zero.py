@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vcluster.runtime.tracing import is_meta
+from vcluster.runtime.tracing import Kernel, is_meta
 
 from .optim import Optimizer, OptimizerConfig
 
@@ -241,7 +241,9 @@ class ShardedState:
             shards = [self.layouts[u].flatten(self._params(u))[self.layouts[u].owned(self.pos)]
                       for u in units]
         with self.dev.compute("optimizer (shard)", flops=0,
-                              bytes=self.shard_bytes * self.opt.bytes_touched_per_param_byte):
+                              bytes=self.shard_bytes * self.opt.bytes_touched_per_param_byte,
+                              kernel=Kernel.optimizer(sum(int(s.size) for s in shards),
+                                                      self.opt.config.name)):
             self.opt.step(shards, [self.grad_shard[u] for u in units])
         if self.stage == 3:
             return

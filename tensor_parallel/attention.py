@@ -22,6 +22,11 @@ FLOPs (only the products, Megatron's count): forward 2·b·s·h·3h_l + 2·(2·b
 + 2·b·s·h_l·h, i.e. (6bsh² + 4bs²h + 2bsh²)/t; the backward twice as much. The
 products run as whole-batch 2-D or batched 3-D matmuls (over b·a_l), never per head.
 
+With ``TransformerOps(..., flash=True)`` (``ParallelConfig.attention="flash"``) the core
+attention (q k^T, softmax, P v, and their backward) runs in one compute block each way,
+declared as one fused kernel (:func:`flash_block`: the same FLOPs, O(s) bytes, never the
+s² scores); the math is the same.
+
 ``selective`` recomputation (Korthikanti et al. 2022) keeps q, k, v and drops P and C,
 re-running the core attention (q k^T, softmax, P v) at the start of the backward.
 
@@ -40,11 +45,14 @@ import math
 
 import numpy as np
 
+from vcluster.runtime.tracing.kernel import Kernel
+
 from .ffn import ACTIVATIONS, _OnDevice
 from .ffn_sharding import FeedForwardSharding
 from .matmul import local_matmul
 
-__all__ = ["TransformerOps", "batched_matmul", "Attention", "saved_bytes"]
+__all__ = ["TransformerOps", "batched_matmul", "Attention", "saved_bytes", "flash_block",
+           "flash_grads"]
 
 
 def batched_matmul(dev, a, b, name: str = "batched matmul"):
@@ -78,8 +86,9 @@ class TransformerOps(_OnDevice):
     ``local_matmul`` / :func:`batched_matmul`, elementwise work (LayerNorm, softmax,
     gelu, residuals) declared with 0 FLOPs and the bytes it touches."""
 
-    def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool):
+    def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool, flash: bool = False):
         super().__init__(dev, ACTIVATIONS["gelu"], {})
+        self.flash = bool(flash)     # core attention as one fused kernel (Attention.core)
         tp = tp_axis is not None and dev.mesh.axis_size(tp_axis) > 1
         self.tp_axis = tp_axis if tp else None
         self.tp_size = dev.mesh.axis_size(tp_axis) if tp else 1
@@ -89,9 +98,13 @@ class TransformerOps(_OnDevice):
             else "Unsharded"
         self.c = FeedForwardSharding(policy, tp=self.tp_axis).collectives
 
-    def work(self, name, flops, operands, out_shape, fn):
-        nbytes = sum(int(o.size) for o in operands) * np.dtype(operands[0].dtype).itemsize
-        with self.dev.compute(f"gpt: {name}", flops=0, bytes=nbytes):
+    def work(self, name, flops, operands, out_shape, fn, kernel=None):
+        """``fn()`` declared with 0 FLOPs and the bytes of ``operands``; ``kernel`` (default:
+        an elementwise kernel moving the operands' elements)."""
+        elements = sum(int(o.size) for o in operands)
+        nbytes = elements * np.dtype(operands[0].dtype).itemsize
+        with self.dev.compute(f"gpt: {name}", flops=0, bytes=nbytes,
+                              kernel=Kernel.elementwise(elements) if kernel is None else kernel):
             return fn()
 
     def ew(self, name: str, fn, *operands):
@@ -126,7 +139,7 @@ class TransformerOps(_OnDevice):
             xhat = xc * rstd
             return xhat * g + b, (xhat, rstd)
 
-        return self.work(name, 0, (x, x, x), None, fn)
+        return self.work(name, 0, (x, x, x), None, fn, Kernel.norm(x.size // h, h))
 
     def layer_norm_grad(self, dy, state, g, name: str, residual=None):
         """dx = rstd·(d - mean(d) - xhat·mean(d·xhat)), d = dy·g; plus ``residual``."""
@@ -139,12 +152,39 @@ class TransformerOps(_OnDevice):
                          - xhat * (d * xhat).sum(axis=-1, keepdims=True) / h)
             return dx if residual is None else dx + residual
 
-        return self.work(name, 0, (dy, xhat, dy), None, fn)
+        return self.work(name, 0, (dy, xhat, dy), None, fn, Kernel.norm(dy.size // h, h, True))
 
     def layer_norm_params_grad(self, dy, xhat, gg, gb, name: str) -> None:
         """gg += rowsum(dy·xhat), gb += rowsum(dy) (in place)."""
         gg += self.ew(name, lambda: (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0), dy, xhat)
         gb += self.sum_rows(dy, name)
+
+
+LSE_BYTES = 4      # a fused attention kernel's fp32 row log-sum-exp, per (row, head)
+
+
+def flash_block(ops, name: str, flops: float, arrays, batch_heads: int, s: int, d: int,
+                backward: bool):
+    """The compute block of one fused (flash) causal attention kernel over ``batch_heads``
+    (s, d) heads: ``flops`` as the program declares its products, and the bytes it moves —
+    ``arrays`` (what it reads and writes: q, k, v, O forward; q, k, v, O, dO, dq, dk, dv
+    backward) plus the row log-sum-exp — O(s), never the s×s scores (FlashAttention keeps
+    them on chip). The math inside runs as plain array calls (no nested blocks)."""
+    itemsize = np.dtype(arrays[0].dtype).itemsize
+    nbytes = sum(int(a.size) for a in arrays) * itemsize + LSE_BYTES * batch_heads * s
+    return ops.dev.compute(f"gpt: {name}", flops=flops, bytes=nbytes,
+                           kernel=Kernel.attention(batch_heads, s, s, d, causal=True, flash=True,
+                                                   backward=backward))
+
+
+def flash_grads(xp, dc, q, k, v, p, scale: float):
+    """(dq, dk, dv) of C = P v, P = softmax(q k^T·scale + M), from P (the math of the
+    unfused backward, in one block): the k/v-side products are over k's rows (GQA: q's
+    rows may hold g query groups per K/V head)."""
+    dp = xp.matmul(dc, v.transpose(0, 2, 1))
+    dv = xp.matmul(p.transpose(0, 2, 1), dc)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale
+    return xp.matmul(ds, k), xp.matmul(ds.transpose(0, 2, 1), q), dv
 
 
 class Attention:
@@ -171,26 +211,37 @@ class Attention:
         if self.cp is not None:
             c, lse = self.cp.forward_local(ops.dev, q, k, v)
             return (lse, c), c
-        s = q.shape[1]
+        n, s, d = q.shape
+        if ops.flash:
+            with flash_block(ops, "attention: flash forward", 4 * n * s * s * d, (q, k, v, q),
+                             n, s, d, backward=False):
+                p = self._probs(ops, ops.xp.matmul(q, k.transpose(0, 2, 1)))
+                return p, ops.xp.matmul(p, v)
         scores = ops.bmm(q, k.transpose(0, 2, 1), "attention: q @ k^T")
-        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
-
-        def softmax():
-            # future[0, i, j] = j > i, built from scores so that it is shape-only in a trace
-            pos = ops.xp.arange(s)
-            future = (np.zeros_like(scores[:1, :, :1]) + pos[:, None]) < pos
-            z = scores * self.scale - future * big
-            e = np.exp(z - z.max(axis=-1, keepdims=True))
-            return e / e.sum(axis=-1, keepdims=True)
-
-        p = ops.ew("attention: causal softmax", softmax, scores)
+        p = ops.ew("attention: causal softmax", lambda: self._probs(ops, scores), scores)
         return p, ops.bmm(p, v, "attention: P @ v")
+
+    def _probs(self, ops, scores):
+        """softmax(scores·scale + M), M = -inf above the diagonal."""
+        s = scores.shape[1]
+        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
+        # future[0, i, j] = j > i, built from scores so that it is shape-only in a trace
+        pos = ops.xp.arange(s)
+        future = (np.zeros_like(scores[:1, :, :1]) + pos[:, None]) < pos
+        z = scores * self.scale - future * big
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
 
     def core_backward(self, ops, dc, q, k, v, p):
         """(dq, dk, dv) from dC (b·a_l, s, d) (``p``: core's first output)."""
         if self.cp is not None:
             lse, c = p
             return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
+        if ops.flash:
+            n, s, d = q.shape
+            with flash_block(ops, "attention: flash backward", 8 * n * s * s * d,
+                             (q, k, v, dc, dc, q, k, v), n, s, d, backward=True):
+                return flash_grads(ops.xp, dc, q, k, v, p, self.scale)
         dp = ops.bmm(dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = ops.bmm(p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
         ds = ops.ew("attention: softmax grad",

@@ -34,6 +34,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from vcluster.runtime.algorithm import choose_algorithm
+from vcluster.runtime.tracing.kernel import Kernel
 from vcluster.runtime.traffic import collective_traffic
 from .explain import compute_rows, to_frame
 from .ffn_sharding import (Collective, FeedForwardCollectives, FeedForwardSharding,
@@ -100,20 +101,25 @@ class _Backend(ABC):
         self.act = act
 
     @abstractmethod
-    def work(self, name: str, flops: int, operands, out_shape, fn):
+    def work(self, name: str, flops: int, operands, out_shape, fn, kernel=None):
         """``fn()`` declared as ``flops`` touching ``operands`` (inputs, then one array
-        shaped like the output) — or, on shapes, a row and zeros of ``out_shape``."""
+        shaped like the output) — or, on shapes, a row and zeros of ``out_shape``;
+        ``kernel``: what it is as one kernel (:class:`~vcluster.runtime.tracing.Kernel`)."""
 
     def add_bias(self, x, b, name):
         return self.work(name, x.size, (x, b, x), x.shape, lambda: x + b)
 
     def activation(self, h, name):
         return self.work(name, self.act.flops * h.size, (h, h), h.shape,
-                         lambda: self.act.fn(self.xp, h))
+                         lambda: self.act.fn(self.xp, h), self._act_kernel(h, False))
 
     def activation_grad(self, da, h, name):
         return self.work(name, self.act.grad_flops * h.size, (da, h, h), h.shape,
-                         lambda: self.act.grad(self.xp, da, h))
+                         lambda: self.act.grad(self.xp, da, h), self._act_kernel(h, True))
+
+    def _act_kernel(self, h, backward: bool) -> Kernel:
+        width = h.shape[-1] if h.ndim else 1
+        return Kernel.activation(h.size // max(width, 1), width, backward, self.act.name)
 
     def sum_rows(self, g, name):
         g2 = g.reshape(-1, g.shape[-1])
@@ -125,10 +131,10 @@ class _OnDevice(_Backend):
         super().__init__(act)
         self.dev, self.xp, self.algorithms = dev, dev.xp, algorithms
 
-    def work(self, name, flops, operands, out_shape, fn):
+    def work(self, name, flops, operands, out_shape, fn, kernel=None):
         itemsize = np.dtype(operands[0].dtype).itemsize
         nbytes = sum(int(o.size) for o in operands) * itemsize
-        with self.dev.compute(f"ffn: {name}", flops=flops, bytes=nbytes):
+        with self.dev.compute(f"ffn: {name}", flops=flops, bytes=nbytes, kernel=kernel):
             return fn()
 
     def matmul(self, a, b, name):
@@ -156,7 +162,7 @@ class _OnShapes(_Backend):
     def zeros(self, shape):
         return np.broadcast_to(np.zeros((), self.dtype), tuple(shape))
 
-    def work(self, name, flops, operands, out_shape, fn):
+    def work(self, name, flops, operands, out_shape, fn, kernel=None):
         step = f"elementwise on {tuple(operands[0].shape)}"
         self.rows += compute_rows(self.mesh, self.phase, name, step, flops)
         return self.zeros(out_shape)

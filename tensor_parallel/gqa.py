@@ -44,6 +44,10 @@ import math
 
 import numpy as np
 
+from vcluster.runtime.tracing.kernel import Kernel
+
+from .attention import flash_block, flash_grads
+
 __all__ = ["GQAttention", "Rope", "causal_bmm"]
 
 
@@ -53,7 +57,8 @@ def causal_bmm(dev, a, b, name: str):
     n, m, k = a.shape
     p = b.shape[-1]
     itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize):
+    with dev.compute(name, flops=n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize,
+                     gemm=(n, m, k, p)):     # the kernel computes the full product, then masks
         return dev.xp.matmul(a, b)
 
 
@@ -78,7 +83,8 @@ class Rope:
         key = (s, np.dtype(dtype).name)
         if key not in self._tables:
             nbytes = 2 * s * self.d * np.dtype(dtype).itemsize
-            with ops.dev.compute("gpt: attention: rope cos, sin tables", flops=0, bytes=nbytes):
+            with ops.dev.compute("gpt: attention: rope cos, sin tables", flops=0, bytes=nbytes,
+                                 kernel=Kernel.elementwise(2 * s * self.d)):
                 xp, half = ops.xp, self.d // 2
                 inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
                 if self.positions is not None and len(self.positions) != s:
@@ -150,20 +156,26 @@ class GQAttention:
         if self.cp is not None:
             c, lse = self.cp.forward_local(ops.dev, q, k, v)
             return (lse, c), c
-        s = k.shape[1]
+        n, s, d = k.shape
+        if ops.flash:       # declared as causal_bmm declares: half the full s² products
+            with flash_block(ops, "attention: flash forward", 2 * n * self.g * s * s * d,
+                             (q, k, v, q), n * self.g, s, d, backward=False):
+                p = self._probs(ops, ops.xp.matmul(q, k.transpose(0, 2, 1)))
+                return p, ops.xp.matmul(p, v)
         scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T")
-        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
-
-        def softmax():
-            # future[0, r, j] = j > (r mod s): row r is query position r mod s
-            rows = ops.xp.arange(self.g * s) % s
-            future = (np.zeros_like(scores[:1, :, :1]) + rows[:, None]) < ops.xp.arange(s)
-            z = scores * self.scale - future * big
-            e = np.exp(z - z.max(axis=-1, keepdims=True))
-            return e / e.sum(axis=-1, keepdims=True)
-
-        p = ops.ew("attention: causal softmax", softmax, scores)
+        p = ops.ew("attention: causal softmax", lambda: self._probs(ops, scores), scores)
         return p, self._bmm(ops, p, v, "attention: P @ v")
+
+    def _probs(self, ops, scores):
+        """softmax(scores·scale + M) over (n, g·s, s) scores: row r is query position r mod s."""
+        s = scores.shape[2]
+        big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
+        # future[0, r, j] = j > (r mod s)
+        rows = ops.xp.arange(self.g * s) % s
+        future = (np.zeros_like(scores[:1, :, :1]) + rows[:, None]) < ops.xp.arange(s)
+        z = scores * self.scale - future * big
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)
 
     def core_backward(self, ops, dc, q, k, v, p):
         """(dq, dk, dv) from dC (b·c_l, g·s, d), in q's, k's and v's layouts (``p``: core's
@@ -171,6 +183,11 @@ class GQAttention:
         if self.cp is not None:
             lse, c = p
             return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
+        if ops.flash:
+            n, s, d = k.shape
+            with flash_block(ops, "attention: flash backward", 4 * n * self.g * s * s * d,
+                             (q, k, v, dc, dc, q, k, v), n * self.g, s, d, backward=True):
+                return flash_grads(ops.xp, dc, q, k, v, p, self.scale)
         dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
         ds = ops.ew("attention: softmax grad",

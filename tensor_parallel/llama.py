@@ -42,12 +42,19 @@ from types import MappingProxyType
 
 import numpy as np
 
+from vcluster.runtime.tracing.kernel import Kernel
+
 from .gqa import GQAttention, Rope
 from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
                           VocabParallelHead, _Layer)
 
 __all__ = ["LlamaLayer", "TokenEmbedding", "RMSNormHead", "llama_stage", "llama_split_dim",
            "llama_piece", "kv_pieces", "check_kv_heads"]
+
+
+def _swiglu(zg, backward: bool) -> Kernel:
+    """SwiGLU's elementwise kernel over the gate's (tokens, f) (its forward or gradient)."""
+    return Kernel.activation(zg.size // zg.shape[-1], zg.shape[-1], backward, "swiglu")
 
 
 # --- RMSNorm over the last dimension h ----------------------------------------------------
@@ -60,7 +67,7 @@ def rms_norm(ops, x, g, eps: float, name: str):
         xhat = x * r
         return xhat * g, (xhat, r)
 
-    return ops.work(name, 0, (x, x, x), None, fn)
+    return ops.work(name, 0, (x, x, x), None, fn, Kernel.norm(x.size // h, h))
 
 
 def rms_norm_grad(ops, dy, state, g, name: str, residual=None):
@@ -73,7 +80,7 @@ def rms_norm_grad(ops, dy, state, g, name: str, residual=None):
         dx = r * (d - xhat * (d * xhat).sum(axis=-1, keepdims=True) / h)
         return dx if residual is None else dx + residual
 
-    return ops.work(name, 0, (dy, xhat, dy), None, fn)
+    return ops.work(name, 0, (dy, xhat, dy), None, fn, Kernel.norm(dy.size // h, h, True))
 
 
 def rms_norm_gain_grad(ops, dy, xhat, gg, name: str) -> None:
@@ -127,7 +134,8 @@ class LlamaLayer(_Layer):
         x2 = xf.reshape(-1, xf.shape[-1])
         zg = ops.matmul(x2, P["w_gate"], "mlp: x @ W_gate")                # (b·s, f/t)
         zu = ops.matmul(x2, P["w_up"], "mlp: x @ W_up")
-        a = ops.ew("mlp: silu(zg) * zu", lambda: zg / (1 + np.exp(-zg)) * zu, zg, zu)
+        a = ops.work("mlp: silu(zg) * zu", 0, (zg, zu, zg), None,
+                     lambda: zg / (1 + np.exp(-zg)) * zu, _swiglu(zg, False))
         y = ops.matmul(a, P["w_down"], "mlp: a @ W_down").reshape(xf.shape)
         return ops.reduce_out(y, "mlp: reduce y"), ((x2, zg, zu, a) if keep else ())
 
@@ -142,7 +150,8 @@ class LlamaLayer(_Layer):
             sg = 1 / (1 + np.exp(-zg))
             return da * zu * sg * (1 + zg * (1 - sg)), da * zg * sg
 
-        dzg, dzu = ops.work("mlp: swiglu grad", 0, (da, zg, zu, da, da), None, fn)
+        dzg, dzu = ops.work("mlp: swiglu grad", 0, (da, zg, zu, da, da), None, fn,
+                            _swiglu(zg, True))
         dug = ops.matmul(dzg, P["w_gate"].T, "mlp: du = dzg W_gate^T")
         duu = ops.matmul(dzu, P["w_up"].T, "mlp: du += dzu W_up^T")
         du = ops.ew("mlp: add du", lambda: dug + duu, dug, duu).reshape(dyf.shape)

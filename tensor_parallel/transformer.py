@@ -45,7 +45,7 @@ from types import MappingProxyType
 import numpy as np
 
 from sharding import TensorSharding as TS
-from vcluster.runtime.tracing import MetaArray, is_meta
+from vcluster.runtime.tracing import Kernel, MetaArray, is_meta
 from .attention import Attention, saved_bytes
 from .ffn import _forward as _ffn_forward, _hidden as _ffn_hidden
 
@@ -257,8 +257,9 @@ class VocabParallelHead(_Module):
         """(sum over the rows of -log softmax(logits)[target] / tokens, dL/dlogits) with
         the vocabulary split over tp; ``tokens`` = the global batch's token count."""
         v_l = logits.shape[1]
-        mx = ops.all_reduce_tp(ops.ew("ce: row max", lambda: logits.max(axis=1, keepdims=True),
-                                      logits), op="max")
+        ce = Kernel.cross_entropy(logits.shape[0], v_l, parts=3)   # three passes over logits
+        mx = ops.all_reduce_tp(ops.work("ce: row max", 0, (logits, logits), None,
+                                        lambda: logits.max(axis=1, keepdims=True), ce), op="max")
 
         def stats():
             e = np.exp(logits - mx)
@@ -266,14 +267,14 @@ class VocabParallelHead(_Module):
             return np.concatenate([e.sum(axis=1, keepdims=True),
                                    (logits * hit).sum(axis=1, keepdims=True)], axis=1), e, hit
 
-        st, e, hit = ops.work("ce: sum exp, target logit", 0, (logits, logits), None, stats)
+        st, e, hit = ops.work("ce: sum exp, target logit", 0, (logits, logits), None, stats, ce)
         st = ops.all_reduce_tp(st)                           # (b·s, 2)
 
         def fn():
             loss = float((np.log(st[:, 0]) + mx[:, 0] - st[:, 1]).sum()) / tokens
             return loss, (e / st[:, :1] - hit) / tokens
 
-        return ops.ew("ce: loss, dlogits", fn, logits)
+        return ops.work("ce: loss, dlogits", 0, (logits, logits), None, fn, ce)
 
     def backward_input(self, ops, mb: int, dlogits):
         ln, u2, shape = self._state.pop(mb)

@@ -119,6 +119,8 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     assert data["held_out_mean_abs_rel_error"] == pytest.approx(np.mean(held))
     assert "held out (15 rows, no constant chosen on them)" in proc.stdout
     assert data["gemm_profile"]["rows"] == 160
+    assert set(data["kernel_profiles"]) >= {"attention", "norm", "cross_entropy", "optimizer"}
+    assert "H100 kernel profiles by kind" in proc.stdout
     nccl = [r for r in rows if r["metric"] == "busbw_gbps"]
     assert all(abs(r["rel_error"]) <= 0.10 for r in nccl)
     megatron = [r for r in rows if r["table"].startswith("megatron")]

@@ -9,7 +9,8 @@ rel_error = predicted / published - 1, the shipped ``table`` it comes from and i
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
 ``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
 and the held-out mean separately; then the H100 GEMM profile's leave-one-out error on
-h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`).
+h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`) and that of each other kind's
+profile (:mod:`vcluster.timing.kernel_profiles`).
 
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
@@ -38,6 +39,7 @@ def validation_rows() -> dict:
     from vcluster.planner.validation import validate_gpu_steps, validate_megatron
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import h100_gemm_leave_one_out
+    from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
     rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_gpu_steps()]
@@ -50,7 +52,8 @@ def validation_rows() -> dict:
             "max_abs_rel_error": max(errors),
             "held_out_mean_abs_rel_error": sum(held) / len(held) if held else None,
             "fit_mean_abs_rel_error": sum(fit) / len(fit) if fit else None,
-            "gemm_profile": h100_gemm_leave_one_out()}
+            "gemm_profile": h100_gemm_leave_one_out(),
+            "kernel_profiles": h100_kernel_leave_one_out()}
 
 
 def _run(args) -> int:
@@ -70,6 +73,12 @@ def _run(args) -> int:
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "
           f"{100 * g['within_20_percent']:.1f}% of rows within 20%, max "
           f"{100 * g['max_abs_rel_error']:.1f}%")
+    print("H100 kernel profiles by kind (call + size x rate per kind, same table), each row "
+          "predicted by a profile fitted without it:")
+    for name, k in result["kernel_profiles"].items():
+        print(f"  {name:<20}{k['rows']:>3} rows  median |error| "
+              f"{100 * k['median_abs_rel_error']:5.1f}%  max {100 * k['max_abs_rel_error']:5.1f}%"
+              f"  (size: {k['unit']})")
     if args.json:
         # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json

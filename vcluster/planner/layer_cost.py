@@ -162,10 +162,10 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
 
 
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
-             expert_skew: float = 1.0):
+             expert_skew: float = 1.0, attention: str = "flash"):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
-    ops = TransformerOps(dev, "tp", sp)
+    ops = TransformerOps(dev, "tp", sp, flash=attention == "flash")
     cp, positions = _context_parallel(dev, config, t, cp_algorithm)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
@@ -204,12 +204,15 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
 
 def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
                        recompute: str, costs, cp: int = 1, cp_algorithm: str = "ring",
-                       ep: int = 1, expert_skew: float = 1.0) -> StagePieces:
+                       ep: int = 1, expert_skew: float = 1.0,
+                       attention: str = "flash") -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
     ``ExpertLoad.skewed(..., expert_skew)`` (its busiest expert on that rank); its
-    all_to_alls count with the tp collectives. cp > 1 with experts is not supported."""
+    all_to_alls count with the tp collectives. cp > 1 with experts is not supported.
+    ``attention``: the kernel traced, "flash" (one fused kernel) or "unfused"
+    (:class:`~pipeline_parallel.gpt.ParallelConfig`)."""
     if cp > 1 and config.experts:
         raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
                          f"{config.experts}) with cp={cp} is not supported yet")
@@ -222,7 +225,7 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
         mesh = Mesh((tp,), ("tp",))
     traces = trace_program(mesh, _program,
                            [(config, micro_batch, sp, recompute, cp_algorithm,
-                             expert_skew)] * mesh.size,
+                             expert_skew, attention)] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0

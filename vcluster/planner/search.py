@@ -139,9 +139,10 @@ def _screen_all(config, candidates, hw, bar) -> list:
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
-        key = key + cp_key + (par.ep,)
+        key = key + cp_key + (par.ep, par.attention)
         if key not in pieces:
-            pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep)
+            pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
+                                             attention=par.attention)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)

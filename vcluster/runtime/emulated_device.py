@@ -211,10 +211,11 @@ class EmulatedDevice:
 
     # --- compute --------------------------------------------------------------------
     def compute(self, name: str, flops: float = 0, bytes: int = 0,
-                gemm: tuple | None = None) -> "_ComputeBlock":
+                gemm: tuple | None = None, kernel=None) -> "_ComputeBlock":
         """Declare the work inside the block: ``flops`` operations touching ``bytes``;
-        ``gemm`` = (batch, m, k, n) when the block is one (batched) GEMM kernel (the
-        tracer records it for the timing model; the emulator needs only flops)."""
+        ``kernel`` (a :class:`~vcluster.runtime.tracing.kernel.Kernel`: kind and shape), or
+        ``gemm`` = (batch, m, k, n) when the block is one (batched) GEMM kernel (the tracer
+        records it for the timing model; the emulator needs only flops)."""
         if flops < 0 or bytes < 0:
             raise ValueError(f"compute({name!r}): flops and bytes must be >= 0, "
                              f"got flops={flops}, bytes={bytes}")

@@ -26,6 +26,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from .kernel_profile import GemmProfile, KernelTiming
+from .kernel_profiles import LAUNCH_INTERVAL_S, KernelProfile
 
 __all__ = ["DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec",
            "IntraNodeFabric", "NetworkTopology", "DTYPE_BYTES", "canonical_dtype"]
@@ -142,6 +143,10 @@ class DeviceSpec:
     # measured kernels this device's constants were fitted to (``vcluster hardware
     # calibrate --gpu``; kernel_profile.KernelTiming rows); empty for datasheet presets
     kernels: tuple = ()
+    # a shipped table of measured kernels timed alone (vcluster/timing/data, e.g.
+    # "h100_kernels.csv"): traced kernels are priced by the profiles fitted to it
+    # (kernel_profiles.KernelProfile.from_table); empty: none
+    kernel_table: str = ""
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -165,6 +170,10 @@ class DeviceSpec:
         _number(self, "kernel_overhead_us", positive=False)
         _number(self, "hbm_efficiency", at_most=1)
         _text(self, "source")
+        _text(self, "kernel_table")
+        if self.kernel_table and self.kernel_table not in kernel_tables():
+            raise ValueError(f"kernel_table: {self.kernel_table!r} is not a shipped table of "
+                             f"measured kernels; known: {', '.join(kernel_tables())}")
         if isinstance(self.kernels, (str, bytes)) or not hasattr(self.kernels, "__iter__"):
             raise ValueError(f"kernels: expected a list of measured kernels, got {self.kernels!r}")
         object.__setattr__(self, "kernels", tuple(
@@ -176,6 +185,22 @@ class DeviceSpec:
         traced GEMMs with it."""
         rows = [(r.m, r.k, r.n, r.seconds) for r in self.kernels if r.kind == "gemm"]
         return GemmProfile.fit(rows, f"{self.name}: measured kernels") if len(rows) >= 2 else None
+
+    def kernel_profile(self) -> KernelProfile | None:
+        """The prices of traced kernels by kind (None: price them analytically):
+        ``kernel_table``'s profiles when it names one, else the GEMM profile of the measured
+        ``kernels`` (:meth:`gemm_profile`, in-stream already); either way floored at the
+        measured ``launch`` interval when ``kernels`` holds one (else, with a table,
+        :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`; without, no floor)."""
+        launch = [r.seconds for r in self.kernels if r.kind == "launch"]
+        if self.kernel_table:
+            return KernelProfile.from_table(self.kernel_table,
+                                            launch[0] if launch else LAUNCH_INTERVAL_S)
+        gemm = self.gemm_profile()
+        if gemm is None:
+            return None
+        return KernelProfile(gemm=gemm, launch_s=launch[0] if launch else 0.0,
+                             source=gemm.source)
 
     def peak_flops(self, dtype) -> float:
         """Datasheet peak FLOP/s of ``dtype``."""
@@ -222,6 +247,13 @@ class DeviceSpec:
 
     def _memory_s(self, nbytes: float) -> float:
         return nbytes / (self.hbm_bandwidth_gbps * _BYTES_PER_GB * self.hbm_efficiency)
+
+
+def kernel_tables() -> tuple[str, ...]:
+    """The shipped tables of measured kernels (``vcluster/timing/data/*_kernels.csv``)."""
+    from importlib import resources
+    data = resources.files("vcluster.timing").joinpath("data")
+    return tuple(sorted(f.name for f in data.iterdir() if f.name.endswith("_kernels.csv")))
 
 
 def _dims(m, k, n) -> int:

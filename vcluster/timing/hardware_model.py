@@ -4,13 +4,16 @@
 * compute: ``DeviceSpec.compute_time_s(flops, bytes, dtype)`` — one kernel: its launch
   overhead plus the larger of the compute-bound time at the achieved GEMM efficiency and
   the memory-bound time at the achieved HBM bandwidth — divided by
-  ``TRAINING_KERNEL_EFFICIENCY``. On hardware with measured kernels (a file from
-  ``vcluster hardware calibrate --gpu``), a traced GEMM (``TraceCompute.gemm``, the
-  shape of one batched kernel) is priced instead by the device's GEMM profile fitted to
-  them: ``call_s + batch · tile-padded FLOPs / rate`` (:mod:`.kernel_profile`), with no
-  efficiency divisor — the profile was measured in a stream of calls, as kernels run
-  in a step. The rest of the step (elementwise work, attention's softmax, the optimizer)
-  keeps the divisor;
+  ``TRAINING_KERNEL_EFFICIENCY``. On hardware with measured kernels
+  (:meth:`~.hardware.DeviceSpec.kernel_profile`: a file from ``vcluster hardware
+  calibrate --gpu``, or a shipped ``kernel_table``), a traced op that names its kernel
+  (``TraceCompute.kernel``: kind and shape) is priced instead by its kind's profile — a
+  GEMM by ``call_s + batch · tile-padded FLOPs / rate`` (:mod:`.kernel_profile`), flash
+  attention, norms, GELU, elementwise work, the cross-entropy and Adam's step by theirs
+  (:mod:`.kernel_profiles`) — with no efficiency divisor (in-stream prices), and every
+  kernel, profiled or not, at no less than the host's launch interval: price =
+  max(in-stream price, launch interval). Kernels with no profile (dropout, activation
+  gradients, SGD, unfused attention's softmax) keep the analytic price and its divisor;
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests
@@ -59,20 +62,31 @@ class HardwareCostModel:
     # CollectiveCosts by (collective, nbytes, group, concurrent): a step repeats the same
     # calls thousands of times, and the cost is a pure function of these
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # the device's GEMM profile (None without measured kernels), fitted once
-    gemm_profile: object = field(default=None, init=False, repr=False, compare=False)
+    # the device's kernel prices by kind (None without measured kernels), fitted once
+    kernel_profile: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "gemm_profile", self.hardware.device.gemm_profile())
+        object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
+
+    @property
+    def gemm_profile(self):
+        """The GEMM profile that prices traced GEMMs (None: priced analytically)."""
+        return None if self.kernel_profile is None else self.kernel_profile.gemm
+
+    def analytic_time_s(self, op) -> float:
+        """t_k + max(F / rate, B / bandwidth) over the training-kernel efficiency."""
+        return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype) / self.efficiency
 
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
-        gemm = getattr(op, "gemm", None)
-        if gemm is not None and self.gemm_profile is not None:
-            batch, m, k, n = gemm
-            return self.gemm_profile.time_s(m, k, n, batch) if m and k and n else 0.0
-        return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype) / self.efficiency
+        kernel, profile = getattr(op, "kernel", None), self.kernel_profile
+        if kernel is None or profile is None:
+            return self.analytic_time_s(op)
+        t = profile.stream_time_s(kernel)
+        if t is None:
+            t = self.analytic_time_s(op)
+        return max(t, profile.launch_s) if t > 0 else 0.0
 
     def _cost(self, op, concurrent: int):
         key = (op.collective, op.nbytes, op.group, concurrent)

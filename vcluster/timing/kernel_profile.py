@@ -24,8 +24,9 @@ What the constants mean, and what they do not: ``call_s`` is the cost of one cal
 alone — launch, the kernel's first wave and epilogue, and the timing's own overhead (the
 table's smallest elementwise kernel, 12.6 MB of traffic that HBM moves in ~4 µs, takes
 16.5 µs). In a training step the host queues kernels ahead of the device, so part of it
-overlaps; the replay does not use this profile yet (issue 26 wires it in with a launch
-model).
+overlaps: the replay moves the profile into a stream (its fixed cost becomes the 5.30 µs
+of a GEMM in a stream) and floors each kernel at the launch interval
+(:mod:`.kernel_profiles`), on hardware that opts in to the table.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import statistics
 from dataclasses import dataclass
 
 __all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "gemm_rows", "leave_one_out",
+           "fit_call_and_rate",
            "h100_gemm_profile", "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
 
 TILE = 128                                 # cuBLAS's output tile edge on Hopper and Ampere
@@ -122,23 +124,32 @@ class GemmProfile:
     def fit(cls, rows, source: str = "") -> "GemmProfile":
         """Fit to ``rows`` of ``(m, k, n, seconds)`` (at least two of different sizes)."""
         rows = [tuple(r) for r in rows]
-        if len(rows) < 2:
-            raise ValueError(f"GemmProfile.fit: needs at least 2 rows, got {len(rows)}")
-        # minimise sum (a/t + b*F/t - 1)^2 over (a, b): the 2x2 normal equations
-        u = [1.0 / t for *_, t in rows]
-        v = [_padded_flops(m, k, n) / t for m, k, n, t in rows]
-        suu, suv, svv = sum(x * x for x in u), sum(x * y for x, y in zip(u, v)), \
-            sum(y * y for y in v)
-        su, sv = sum(u), sum(v)
-        det = suu * svv - suv * suv
-        if det <= 0:
-            raise ValueError("GemmProfile.fit: the rows do not tell a fixed cost from a rate "
-                             "(give GEMMs of different sizes)")
-        a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
-        if a < 0 or b <= 0:
-            raise ValueError(f"GemmProfile.fit: the rows give an unphysical fit (call "
-                             f"{a:.3g} s, {b:.3g} s per FLOP)")
+        a, b = fit_call_and_rate([(_padded_flops(m, k, n), t) for m, k, n, t in rows],
+                                 "GemmProfile.fit", "GEMMs", "FLOP")
         return cls(call_s=a, flops_per_s=1.0 / b, source=source, rows=len(rows))
+
+
+def fit_call_and_rate(points, who: str, what: str = "kernels", unit: str = "unit"):
+    """``(a, b)`` of ``t = a + b·x`` over ``points`` of ``(x, t)`` (at least two of different
+    sizes), least squares on the relative error: minimise Σ (a/t + b·x/t − 1)², the 2×2
+    normal equations. Raises unless a >= 0 and b > 0 (a fixed cost and a rate)."""
+    points = [tuple(p) for p in points]
+    if len(points) < 2:
+        raise ValueError(f"{who}: needs at least 2 rows, got {len(points)}")
+    u = [1.0 / t for _, t in points]
+    v = [x / t for x, t in points]
+    suu, suv, svv = sum(x * x for x in u), sum(x * y for x, y in zip(u, v)), \
+        sum(y * y for y in v)
+    su, sv = sum(u), sum(v)
+    det = suu * svv - suv * suv
+    if det <= 1e-12 * suu * svv:
+        raise ValueError(f"{who}: the rows do not tell a fixed cost from a rate "
+                         f"(give {what} of different sizes)")
+    a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+    if a < 0 or b <= 0:
+        raise ValueError(f"{who}: the rows give an unphysical fit (call {a:.3g} s, "
+                         f"{b:.3g} s per {unit})")
+    return a, b
 
 
 def gemm_rows(table: str = H100_KERNEL_TABLE) -> tuple[list[tuple[int, int, int, float]], str]:

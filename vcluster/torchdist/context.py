@@ -89,7 +89,7 @@ class TorchDeviceContext(PointToPoint):
         return np.empty((shape,) if isinstance(shape, int) else tuple(shape), np.dtype(dtype))
 
     @contextmanager
-    def compute(self, name: str, flops: float = 0, bytes: int = 0, gemm=None):
+    def compute(self, name: str, flops: float = 0, bytes: int = 0, gemm=None, kernel=None):
         """Declare the work inside the block (recorded in ``self.events`` per run)."""
         if flops < 0 or bytes < 0:
             raise ValueError(f"compute({name!r}): flops and bytes must be >= 0, "

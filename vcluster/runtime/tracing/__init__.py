@@ -1,11 +1,12 @@
 """Tracing: the same per-device programs on shape-only arrays, recorded as symbolic ops."""
 
 from .compare import comm_signature, trace_comm_signature
+from .kernel import Kernel, KernelKind
 from .meta import MetaArray, is_meta, meta_like
 from .ops import (DeviceTrace, TraceCollective, TraceCompute, TraceOp, TraceRecv, TraceSend,
                   TraceWait)
 from .tracer import TraceError, TracingDevice, trace_program
 
-__all__ = ["MetaArray", "meta_like", "is_meta", "DeviceTrace", "TraceCollective",
+__all__ = ["Kernel", "KernelKind", "MetaArray", "meta_like", "is_meta", "DeviceTrace", "TraceCollective",
            "TraceCompute", "TraceOp", "TraceRecv", "TraceSend", "TraceWait", "TraceError",
            "TracingDevice", "trace_program", "comm_signature", "trace_comm_signature"]

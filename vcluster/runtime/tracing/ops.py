@@ -6,7 +6,7 @@ model (:mod:`vcluster.timing`) replays them on a hardware model. Ops are small f
 dataclasses:
 
 * ``TraceCompute(name, flops, bytes, seconds=None, host_s=0, array_calls=0, array_s=0,
-  contains=0)`` — work on the device's compute stream; ops named ``"host"``
+  contains=0, kernel=None)`` — work on the device's compute stream; ops named ``"host"``
   (``trace_program(host_time=True)``) carry a program's own host work instead
   (:mod:`vcluster.runtime.tracing.host`). A ``dev.compute`` block is recorded when it
   ends, after the ops issued inside it: ``contains`` says how many of the ops just before
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kernel import Kernel, KernelKind
+
 __all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWait", "TraceOp",
            "DeviceTrace"]
 
@@ -40,9 +42,11 @@ class TraceCompute:
     spent inside them (:mod:`vcluster.runtime.tracing.host`). ``contains``: the number of
     ops just before this one in the rank's trace, host ops not counted, that were issued
     inside this block (0 for a block with no device calls in it); the block's own cost is
-    ``flops`` and ``bytes`` alone, its contents are priced as their own ops. ``gemm``:
-    (batch, m, k, n) when the block is one (batched) GEMM kernel, 2·batch·m·k·n =
-    ``flops`` (a timing model with measured kernels prices it by its shape)."""
+    ``flops`` and ``bytes`` alone, its contents are priced as their own ops. ``kernel``:
+    what the op is as one kernel, its kind and shape (:class:`~vcluster.runtime.tracing.
+    kernel.Kernel`; a timing model with measured kernels prices it by them), None when
+    the program did not say; ``gemm`` reads (batch, m, k, n) of a GEMM kernel
+    (2·batch·m·k·n = ``flops``)."""
 
     name: str
     flops: float
@@ -52,7 +56,13 @@ class TraceCompute:
     array_calls: int = 0
     array_s: float = 0.0
     contains: int = 0
-    gemm: tuple | None = None
+    kernel: Kernel | None = None
+
+    @property
+    def gemm(self) -> tuple | None:
+        """(batch, m, k, n) when the op is one (batched) GEMM kernel, else None."""
+        k = self.kernel
+        return k.shape if k is not None and k.kind is KernelKind.GEMM else None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from ..collectives.common import ReduceOp, scaled_shape
 from ..errors import VClusterError
 from ..recorder import MemoryPeaks
 from .host import HOST_OP, HostClock
+from .kernel import as_kernel
 from .meta import MetaArray
 from .ops import DeviceTrace, TraceCollective, TraceCompute, TraceRecv, TraceSend, TraceWait
 
@@ -148,7 +149,7 @@ class TracingDevice:
         return MetaArray((shape,) if isinstance(shape, int) else shape, dtype)
 
     @contextmanager
-    def compute(self, name: str, flops: float = 0, bytes: int = 0, gemm=None):
+    def compute(self, name: str, flops: float = 0, bytes: int = 0, gemm=None, kernel=None):
         clock = self.host_clock
         timed = clock is not None and not clock.depth
         if timed:
@@ -160,7 +161,7 @@ class TracingDevice:
             self.record_host()                  # the block's own calls (its kernels' host)
         held = sum(getattr(op, "name", None) != HOST_OP for op in self.ops[first:])
         self.ops.append(TraceCompute(str(name), float(flops), int(bytes), contains=held,
-                                     gemm=None if gemm is None else tuple(int(d) for d in gemm)))
+                                     kernel=as_kernel(name, gemm, kernel)))
         if timed:
             clock.resume()
 

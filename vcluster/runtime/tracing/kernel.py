@@ -1,0 +1,151 @@
+"""What one traced compute op is, as a kernel: its kind and shape (issue 26).
+
+A :class:`Kernel` rides on a :class:`~vcluster.runtime.tracing.ops.TraceCompute` (``kernel``)
+so that a timing model with measured kernels can price the op by what it is rather than
+by its FLOPs and bytes alone (:mod:`vcluster.timing.kernel_profiles`). The shape's fields
+by kind (``shape``):
+
+* ``gemm`` — ``(batch, m, k, n)``: one batched kernel of ``batch`` m×k×n products
+  (2·batch·m·k·n FLOPs);
+* ``attention`` — ``(batch·heads, s_q, s_kv, head_dim)``, with ``causal`` and ``flash``
+  (one fused kernel that never writes the s_q×s_kv scores) and ``backward``;
+* ``norm`` — ``(tokens, width)`` (LayerNorm, RMSNorm), ``backward`` for its input gradient;
+* ``activation`` — ``(tokens, width)`` of the activation's input (GELU over 4h, SwiGLU's
+  gate over f), ``backward`` for its gradient;
+* ``elementwise`` — ``(elements,)``: elements read plus written (residual adds, bias adds,
+  layout copies, reductions);
+* ``dropout`` — ``(elements,)`` likewise;
+* ``cross_entropy`` — ``(tokens, vocab)``, forward and backward together; ``parts``: the
+  op is one of that many equal passes over the logits (a vocabulary-parallel
+  cross-entropy runs three, with all-reduces between them);
+* ``optimizer`` — ``(params,)``: one step over that many parameters, ``variant`` the
+  optimizer's name ("sgd", "adam").
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Kernel", "KernelKind", "as_kernel"]
+
+
+class KernelKind(str, Enum):
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    NORM = "norm"
+    ACTIVATION = "activation"
+    ELEMENTWISE = "elementwise"
+    DROPOUT = "dropout"
+    CROSS_ENTROPY = "cross_entropy"
+    OPTIMIZER = "optimizer"
+
+
+#: the names of each kind's shape fields (module docstring)
+_SHAPE = {KernelKind.GEMM: ("batch", "m", "k", "n"),
+          KernelKind.ATTENTION: ("batch_heads", "s_q", "s_kv", "head_dim"),
+          KernelKind.NORM: ("tokens", "width"),
+          KernelKind.ACTIVATION: ("tokens", "width"),
+          KernelKind.ELEMENTWISE: ("elements",),
+          KernelKind.DROPOUT: ("elements",),
+          KernelKind.CROSS_ENTROPY: ("tokens", "vocab"),
+          KernelKind.OPTIMIZER: ("params",)}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel's kind and shape (module docstring); ``repr`` prints it as
+    ``Kernel(attention 64x2048x2048x128 causal flash bwd)``."""
+
+    kind: KernelKind
+    shape: tuple
+    backward: bool = False
+    causal: bool = False
+    flash: bool = False
+    parts: int = 1
+    variant: str = ""
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", KernelKind(self.kind))
+        except ValueError:
+            raise ValueError(f"Kernel: kind must be one of "
+                             f"{', '.join(k.value for k in KernelKind)}, got {self.kind!r}") from None
+        names = _SHAPE[self.kind]
+        shape = tuple(self.shape)
+        if len(shape) != len(names):
+            raise ValueError(f"Kernel: a {self.kind.value} kernel's shape is "
+                             f"({', '.join(names)}), got {shape!r}")
+        dims = []
+        for name, v in zip(names, shape):
+            try:
+                d = operator.index(v)           # ints, numpy integers
+            except TypeError:
+                d = None
+            if isinstance(v, bool) or d is None or d < 0:
+                raise ValueError(f"Kernel: {name} must be an int >= 0, got {v!r}")
+            dims.append(d)
+        object.__setattr__(self, "shape", tuple(dims))
+        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
+            raise ValueError(f"Kernel: parts must be an int >= 1, got {self.parts!r}")
+
+    def __repr__(self) -> str:
+        flags = [f for f, on in (("causal", self.causal), ("flash", self.flash),
+                                 ("bwd", self.backward)) if on]
+        flags += [f"1/{self.parts}"] if self.parts > 1 else []
+        flags += [self.variant] if self.variant else []
+        return (f"Kernel({self.kind.value} {'x'.join(map(str, self.shape))}"
+                f"{''.join(' ' + f for f in flags)})")
+
+    def dims(self) -> dict:
+        """The shape by field name (``{"batch": 1, "m": 256, ...}``)."""
+        return dict(zip(_SHAPE[self.kind], self.shape))
+
+    # --- constructors, one per kind -----------------------------------------------------
+    @classmethod
+    def gemm(cls, batch: int, m: int, k: int, n: int) -> "Kernel":
+        return cls(KernelKind.GEMM, (batch, m, k, n))
+
+    @classmethod
+    def attention(cls, batch_heads: int, s_q: int, s_kv: int, head_dim: int, *,
+                  causal: bool = True, flash: bool = True, backward: bool = False) -> "Kernel":
+        return cls(KernelKind.ATTENTION, (batch_heads, s_q, s_kv, head_dim), backward=backward,
+                   causal=causal, flash=flash)
+
+    @classmethod
+    def norm(cls, tokens: int, width: int, backward: bool = False) -> "Kernel":
+        return cls(KernelKind.NORM, (tokens, width), backward=backward)
+
+    @classmethod
+    def activation(cls, tokens: int, width: int, backward: bool = False,
+                   variant: str = "") -> "Kernel":
+        return cls(KernelKind.ACTIVATION, (tokens, width), backward=backward, variant=variant)
+
+    @classmethod
+    def elementwise(cls, elements: int) -> "Kernel":
+        return cls(KernelKind.ELEMENTWISE, (elements,))
+
+    @classmethod
+    def dropout(cls, elements: int) -> "Kernel":
+        return cls(KernelKind.DROPOUT, (elements,))
+
+    @classmethod
+    def cross_entropy(cls, tokens: int, vocab: int, parts: int = 1) -> "Kernel":
+        return cls(KernelKind.CROSS_ENTROPY, (tokens, vocab), parts=parts)
+
+    @classmethod
+    def optimizer(cls, params: int, variant: str) -> "Kernel":
+        return cls(KernelKind.OPTIMIZER, (params,), variant=variant)
+
+
+def as_kernel(name: str, gemm=None, kernel=None) -> Kernel | None:
+    """The kernel a ``dev.compute(name, ..., gemm=, kernel=)`` block declares: ``kernel``
+    itself, or ``gemm`` = (batch, m, k, n) as a GEMM kernel (the older spelling), or None."""
+    if gemm is not None and kernel is not None:
+        raise ValueError(f"compute({name!r}): give gemm= or kernel=, not both")
+    if gemm is not None:
+        return Kernel.gemm(*(int(d) for d in gemm))
+    if kernel is not None and not isinstance(kernel, Kernel):
+        raise TypeError(f"compute({name!r}): kernel must be a Kernel, got {kernel!r}")
+    return kernel

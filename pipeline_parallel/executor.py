@@ -126,7 +126,15 @@ class GradBuckets:
     def _launch(self) -> None:
         if not self._pending:
             return
-        flat = np.concatenate([a.reshape(-1) for a in self._pending])
+        # the bucket is written straight into device memory that peers read in place
+        # (dev.empty): a private np.concatenate here was copied once more into the arena
+        # by the all-reduce (its input must be resident), |bucket| bytes per bucket
+        flat = self.dev.empty((sum(a.size for a in self._pending),),
+                              np.result_type(*(a.dtype for a in self._pending)))
+        offset = 0
+        for a in self._pending:
+            flat[offset:offset + a.size] = a.reshape(-1)
+            offset += a.size
         work = self.dev.all_reduce(flat, self.axis, async_op=True)
         self._launched.append((work, self._pending))
         self._pending = []
@@ -281,6 +289,9 @@ def train_program(dev, job: TrainJob, X, Y):
     def tag(step, direction, stage, j):
         return ((step * 2 + direction) * S + stage) * m + j
 
+    # (stage, kind letter, micro-batch, compute-block name) of each action, once per run
+    my_actions = [(a.stage, _letter(a), a.microbatch, str(a)) for a in job.actions[pos]]
+    costs = job.action_costs
     all_X, all_Y = X, Y
     for step in range(job.steps):
         if job.first_step + step in crash_steps:
@@ -297,8 +308,7 @@ def train_program(dev, job: TrainJob, X, Y):
         if zero is not None:
             zero.begin_step()
         pending_dy, loss = {}, 0.0
-        for action in job.actions[pos]:
-            s, kind, j = action.stage, _letter(action), action.microbatch
+        for s, kind, j, name in my_actions:
             layers = stages[s]
             # inputs first: waiting for a neighbour is idle time, not part of the action
             if kind == "F":
@@ -308,9 +318,9 @@ def train_program(dev, job: TrainJob, X, Y):
                 dy = pending_dy.pop(j) if s == S - 1 else \
                     dev.recv(pp[(s + 1) % p], tag(step, 1, s, j))
             out = None
-            with dev.compute(str(action)):
-                if job.action_costs.get(kind):
-                    time.sleep(job.action_costs[kind])
+            with dev.compute(name):
+                if costs and costs.get(kind):
+                    time.sleep(costs[kind])
                 if kind == "F":
                     out = layers.forward(dev, j, x)
                     peak_in_flight[s] = max(peak_in_flight[s], layers.in_flight)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import math
 import os
 import threading
 
@@ -112,7 +113,7 @@ class Arena:
         """A new C-contiguous array in the arena, or None when it does not fit."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize   # math.prod: ~0.1 us, np.prod ~5 us
         if nbytes == 0:
             return None
         size = -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
@@ -198,7 +199,7 @@ class Arena:
     def view(self, offset: int, shape, dtype) -> np.ndarray:
         """An array over bytes [offset, offset + nbytes) of this arena (no ownership)."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if offset < 0 or offset + nbytes > self.size_bytes:
             raise ValueError(f"view of {nbytes} bytes at offset {offset} exceeds the arena "
                              f"of rank {self.owner} ({self.size_bytes} bytes)")

@@ -37,6 +37,7 @@ The channel is thread-safe (a device's communication thread and its program shar
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 
@@ -72,7 +73,7 @@ class SendHandle:
             return
         f = self._fabric
         words = f.mailbox[f.rank, self._dst, self._slot]
-        addr = f.address_of(f.mailbox, (f.rank, self._dst, self._slot, S.STATE))
+        addr = f.state_address(f.rank, self._dst, self._slot)
 
         def blocker():
             v = int(words[S.STATE])
@@ -103,7 +104,7 @@ class Incoming:
     def release(self) -> None:
         f = self._fabric
         self._words[S.STATE] = 0
-        f.wake(f.mailbox, (self.src, f.rank, self._slot, S.STATE))
+        f.waker.wake(f.state_address(self.src, f.rank, self._slot))
 
 
 class _Received:
@@ -251,7 +252,7 @@ class VirtualChannel:
                 free.append(seen.index(0))
                 return None
             oldest = seen.index(min(seen))       # the likeliest to be taken next
-            return f.address_of(f.mailbox, (me, dst, oldest, S.STATE)), seen[oldest]
+            return f.state_address(me, dst, oldest), seen[oldest]
 
         f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
                                  f"#{sorted(states.tolist())} and free a mailbox slot")
@@ -282,7 +283,7 @@ class VirtualChannel:
             words[S.OWNER], words[S.OFFSET] = me, offset
         words[S.STATE] = q
         f.posted[me, dst] = q
-        f.wake(f.posted, (me, dst))
+        f.waker.wake(f.posted_address(me, dst))
         self._sent[dst] = q
         return SendHandle(f, dst, slot, q, keep, eager)
 
@@ -290,8 +291,9 @@ class VirtualChannel:
     def take(self, src: int, kind: int, tag: int, what: str) -> Incoming:
         """Block until the next message from ``src`` with this (kind, tag) has arrived."""
         f, me = self._f, self._f.rank
-        posted_addr = f.address_of(f.posted, (src, me))
+        posted_addr = f.posted_address(src, me)
         found: list[Incoming] = []
+        scanned = [-1]      # posted[src, me] when the mailbox was last scanned in vain
 
         def blocker():
             with self._recv_lock:
@@ -305,6 +307,11 @@ class VirtualChannel:
                     del self._unexpected[(src, kind, tag)]
                 return None
             last = int(f.posted[src, me])
+            if last == scanned[0]:
+                # Nothing posted since the last scan, which found no match: a match would
+                # have to be a new message (one set aside by the other thread is in
+                # _unexpected, looked at above). Spares the scan on each yield of a wait.
+                return (posted_addr, last)
             taken = self._taken[src]
             box = f.mailbox[src, me]
             states = box[:, S.STATE].tolist()
@@ -333,6 +340,7 @@ class VirtualChannel:
                 for q, slot in candidates:
                     self._set_aside(src, q, slot)
                 return (posted_addr, -1)        # scan again at once
+            scanned[0] = last
             return (posted_addr, last)
 
         f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})")
@@ -368,7 +376,7 @@ class VirtualChannel:
         try:
             if out is None:
                 out = alloc(msg.shape, msg.dtype)
-            elif out.size != int(np.prod(msg.shape)):
+            elif out.size != math.prod(msg.shape):
                 raise ValueError(f"rank {self._f.rank}: {what} from rank {src} carries shape "
                                  f"{msg.shape}, which does not fit out= of shape {out.shape}")
             np.copyto(out, msg.view().reshape(out.shape), casting="unsafe")

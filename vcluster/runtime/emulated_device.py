@@ -16,6 +16,7 @@ receives are device arrays on device modules; each trace event says which path r
 
 from __future__ import annotations
 
+import math
 import operator
 import time
 from collections import deque
@@ -32,7 +33,7 @@ from .channel import USER_KIND, VirtualChannel
 from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
 from .device_memory import HostSpace
 from .errors import ArenaFullError
-from .events import CommEvent, ComputeEvent
+from .events import CommEvent
 from .fabric import Fabric
 from .recorder import Recorder
 from .work import CommQueue, Work
@@ -98,8 +99,8 @@ class _ComputeBlock:
         dev = self._dev
         if dev._delays is not None:           # an injected slow device (vcluster.runtime.faults)
             time.sleep(dev._delays.compute_extra_s(time.perf_counter() - self._start))
-        dev._recorder.record(ComputeEvent(dev.rank, str(self._name), float(self._flops),
-                                          int(self._bytes), self._start, time.perf_counter()))
+        dev._recorder.record_compute(str(self._name), float(self._flops), int(self._bytes),
+                                     self._start, time.perf_counter())
         return False
 
 
@@ -144,7 +145,7 @@ class EmulatedDevice:
             arena = self._space.arenas[self.rank] if self._space is not None else None
             arr = arena.empty(shape, dtype) if arena is not None else None
             return arr if arr is not None else self.xp.empty(shape, dtype)
-        if int(np.prod(shape, dtype=np.int64)) == 0:
+        if math.prod(shape) == 0:
             return np.empty(shape, dtype)
         arr = self._f.arenas[self.rank].empty(shape, dtype)
         if arr is None:
@@ -170,7 +171,7 @@ class EmulatedDevice:
         ``_RESIDENT_MIN_BYTES`` (peers can read it in place), else private memory; a
         resident array that does not fit is an ArenaFullError."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes and (resident or nbytes >= _RESIDENT_MIN_BYTES):
             arena = space.arenas[self.rank]
             arr = arena.empty(shape, dtype)
@@ -427,6 +428,9 @@ class EmulatedDevice:
 
     def recv(self, src: int, tag: int = 0, *, out=None):
         """Receive the next message from ``src`` with ``tag`` (after earlier irecvs)."""
+        src, tag = self._peer(src, "recv"), self._tag(tag)
+        if (src, tag) not in self._posted_recvs:     # no irecv of (src, tag) comes first
+            return self._receive_now(src, tag, out)
         return self._complete(self._post_recv(src, tag, out, "recv"))
 
     def irecv(self, src: int, tag: int = 0, *, out=None) -> Work:

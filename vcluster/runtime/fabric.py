@@ -20,7 +20,7 @@ import numpy as np
 
 from .arena import Arena
 from .errors import CollectiveTimeout, DeviceAborted
-from .layout import ABORT, ABORT_KIND, ABORT_RANK, ControlLayout
+from .layout import ABORT, ABORT_KIND, ABORT_RANK, SLOT_WORDS, ControlLayout, S
 
 __all__ = ["Fabric", "ABORT_LOST", "ABORT_ERROR", "ABORT_HOST", "fabric_from_segments"]
 
@@ -53,6 +53,8 @@ class Fabric:
         self.waker = waker
         self.timeout_s = timeout_s
         self._base = control.__array_interface__["data"][0]
+        self._n, self._k = layout.n_ranks, layout.mailbox_slots
+        self._posted_at, self._mailbox_at = layout.posted_at, layout.mailbox_at
         self.yields = _YIELDS_BEFORE_SLEEP
         self.pump = None        # set by the channel while buffered sends wait for slots
 
@@ -64,6 +66,16 @@ class Fabric:
 
     def progress_address(self, rank: int, slot: int) -> int:
         return self._base + 8 * (self.layout.progress_at + rank * self.layout.n_slots + slot)
+
+    def posted_address(self, src: int, dst: int) -> int:
+        """Address of ``posted[src, dst]`` (arithmetic: ``address_of`` builds the view's
+        array interface on every call, ~3 us; a message wakes or waits on two words)."""
+        return self._base + 8 * (self._posted_at + src * self._n + dst)
+
+    def state_address(self, src: int, dst: int, slot: int) -> int:
+        """Address of the state word of mailbox slot ``mailbox[src, dst, slot]``."""
+        return self._base + 8 * (self._mailbox_at + ((src * self._n + dst) * self._k + slot)
+                                 * SLOT_WORDS + S.STATE)
 
     def wake(self, view: np.ndarray, index: tuple) -> None:
         self.waker.wake(self.address_of(view, index))

@@ -10,7 +10,6 @@ import pytest
 
 from mesh import Mesh
 from pipeline_parallel import GPT, GPTConfig, ParallelConfig
-from vcluster import VirtualCluster
 
 from .gpt_data import token_data
 
@@ -22,19 +21,9 @@ OPTIM = {"sgd": {"optimizer": "sgd", "lr": 0.05}, "adam": {"optimizer": "adam", 
 
 
 @pytest.fixture(scope="module")
-def shm_cluster_of():
+def shm_cluster_of(cluster_of):
     """Data-parallel clusters on the ``shm`` all-reduce (the servers' fold)."""
-    clusters = {}
-
-    def get(mesh):
-        if mesh not in clusters:
-            clusters[mesh] = VirtualCluster(mesh, algorithm="shm", timeout_s=30.0,
-                                            run_timeout_s=300.0)
-        return clusters[mesh]
-
-    yield get
-    for cluster in clusters.values():
-        cluster.close()
+    return lambda mesh: cluster_of(mesh, algorithm="shm")
 
 
 def _without_key_bias(got, want):

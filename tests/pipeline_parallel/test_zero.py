@@ -16,7 +16,6 @@ from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.plan import plan_training
 from pipeline_parallel.zero import FlatLayout, ShardedState, check_zero_stage
-from vcluster import VirtualCluster
 from vcluster.runtime.tracing import (MetaArray, comm_signature, trace_comm_signature,
                                       trace_program)
 
@@ -32,19 +31,9 @@ RTOL, ATOL = 1e-9, 1e-12
 
 
 @pytest.fixture(scope="module")
-def ring():
+def ring(cluster_of):
     """One ring-algorithm cluster per mesh (the traffic formulas are the ring's)."""
-    made = {}
-
-    def get(mesh):
-        if mesh not in made:
-            made[mesh] = VirtualCluster(mesh, algorithm="ring", timeout_s=30.0,
-                                        run_timeout_s=120.0)
-        return made[mesh]
-
-    yield get
-    for c in made.values():
-        c.close()
+    return lambda mesh: cluster_of(mesh, algorithm="ring")
 
 
 def _data(sizes=SIZES, batch=BATCH, seed=0):

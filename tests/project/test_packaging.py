@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGES = ("vcluster", "mesh", "sharding", "pipelining", "tensor_parallel",
             "pipeline_parallel", "reports")
 TABLES = ("hardware.csv", "nccl_a100.csv", "megatron_2020_a100.csv",
-          "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv")
+          "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv",
+          "h100_gpt_steps.csv")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 

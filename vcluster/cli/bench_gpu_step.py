@@ -5,13 +5,17 @@ The step is :func:`vcluster.gpu.measure_gpt_step` (plain PyTorch: bf16 autocast,
 attention through SDPA, fused AdamW; optionally ``torch.compile``; median of the timed
 steps). The prediction is :func:`vcluster.planner.simulate_gpt` of the same model on
 tp = pp = dp = 1 with global batch = micro-batch, on ``--hardware`` (default: the preset
-of the GPU's name; a file from ``vcluster hardware calibrate --gpu`` works too). Errors
+of the GPU's name; a file from ``vcluster hardware calibrate --gpu`` works too), with the
+memory model of ``--precision`` (default ``torch_amp``: the step's own policy, fp32
+parameters, gradients and Adam state under bf16 autocast, 16 bytes per parameter). Errors
 are predicted / measured - 1. Without CUDA it exits 2 and says so.
 """
 
 from __future__ import annotations
 
 import sys
+
+from vcluster.planner.precision import PRECISIONS
 
 from .args import positive_int
 
@@ -35,6 +39,9 @@ def add_parser(kinds) -> None:
     gs.add_argument("--hardware", default=None,
                     help="what to predict on: a preset or a YAML file (default: the preset "
                     "of this GPU's name)")
+    gs.add_argument("--precision", default="torch_amp", choices=PRECISIONS,
+                    help="the memory model's bytes per parameter and activation (default "
+                    "torch_amp: the reference step is PyTorch AMP over fp32 parameters)")
     gs.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gs.set_defaults(run=run_gpu_step)
 
@@ -58,7 +65,7 @@ def run_gpu_step(args) -> int:
                          "(a preset, or a file from vcluster hardware calibrate --gpu)")
     hw = load_hardware(hardware)
     parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch)
-    predicted = simulate_gpt(config, parallel, hw)
+    predicted = simulate_gpt(config, parallel, hw, precision=args.precision)
     print(f"vcluster bench gpu-step: {name}, torch {torch.__version__}, "
           f"{'compiled' if args.compile else 'eager'}; GPT hidden {args.hidden}, layers "
           f"{args.layers}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
@@ -89,7 +96,7 @@ def run_gpu_step(args) -> int:
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                       "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
                       "parameters": measured.parameters},
-            "hardware": label, "measured_step_times_s": list(measured.step_times_s),
+            "hardware": label, "precision": args.precision, "measured_step_times_s": list(measured.step_times_s),
             "losses": list(measured.losses),
             **{k: {"measured": g, "predicted": w, "error": w / g - 1}
                for k, (g, w) in rows.items()}})

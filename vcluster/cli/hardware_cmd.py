@@ -210,7 +210,8 @@ def run_calibrate_gpu(args) -> int:
         print(f"vcluster hardware calibrate --gpu needs CUDA: {why}; on a machine without a "
               "GPU, --device cpu --tiny runs the same sweep on the CPU", file=sys.stderr)
         return 2
-    print(f"vcluster hardware calibrate --gpu: timing GEMMs, copies and launches on "
+    print(f"vcluster hardware calibrate --gpu: timing GEMMs, copies, a transformer "
+          f"layer's kernels, AdamW and launches on "
           f"{device}{' (tiny sizes)' if args.tiny else ''} ...", file=sys.stderr, flush=True)
     sweep = sweep_kernels(device, tiny=args.tiny)
     # a CPU is no preset's device: its sweep (a test of the path) borrows the H100 node

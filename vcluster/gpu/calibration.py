@@ -15,7 +15,10 @@ The timing model prices a kernel of F FLOPs and B bytes as
   bandwidth (at most 1).
 
 The measured rows travel in the file (``device.kernels``), so the file says what its
-constants came from. Everything else (links, network, node size) is the base preset's.
+constants came from, and the replay prices each traced kernel from them
+(:meth:`~vcluster.timing.hardware.DeviceSpec.kernel_profile`: GEMMs by their shape's
+profile, attention, norms, GELU, adds, cross-entropy and AdamW by their kind's), the
+constants above pricing only what no row measured. Everything else (links, network, node size) is the base preset's.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from vcluster.timing import load_hardware
-from vcluster.timing.kernel_profile import GemmProfile
+from vcluster.timing.kernel_profile import TABLE_OPS, GemmProfile
 
 from .kernel_sweep import KernelSweep
 
@@ -47,10 +50,12 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
     accepts it, as a dict or as YAML) with the sweep's constants and rows."""
     hw = load_hardware(base)
     gemms = [(k.m, k.k, k.n, k.seconds) for k in sweep.of_kind("gemm")]
-    profile = GemmProfile.fit(gemms, f"{sweep.device_name}, torch {sweep.torch_version}")
+    profile = GemmProfile.fit(gemms, f"{sweep.device_name}, torch {sweep.torch_version}",
+                              zero_call=True)
     launch_s = min((k.seconds for k in sweep.of_kind("launch")), default=0.0)
     copy_bps = max(k.bytes / k.seconds for k in sweep.of_kind("elementwise"))
     peak = hw.device.peak_flops(sweep.dtype)
+    layer = sum(k.kind in TABLE_OPS for k in sweep.kernels)
     device = {
         "name": f"{sweep.device_name} (calibrated)",
         "gemm_max_efficiency": min(1.0, profile.flops_per_s / peak),
@@ -60,7 +65,9 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
                    f" torch {sweep.torch_version}): {len(gemms)} {sweep.dtype} GEMMs fitted "
                    f"to {profile.flops_per_s / 1e12:.1f} TFLOP/s + {profile.call_s * 1e6:.2f} "
                    f"us per call; launch interval {launch_s * 1e6:.2f} us; best copy "
-                   f"{copy_bps / 1e9:.1f} GB/s; peak and bandwidth of {base}"),
-        "kernels": [dataclasses.asdict(k) for k in sweep.kernels],
+                   f"{copy_bps / 1e9:.1f} GB/s; {layer} kernels of a transformer layer and its "
+                   f"optimizer; peak and bandwidth of {base}"),
+        "kernels": [{f: v for f, v in dataclasses.asdict(k).items()
+                     if f in ("kind", "seconds") or v not in (0, "")} for k in sweep.kernels],
     }
     return {"base": base, "device": device}

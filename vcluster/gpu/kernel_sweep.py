@@ -1,27 +1,49 @@
-"""The kernel sweep of ``vcluster hardware calibrate --gpu``: GEMMs, copies and the launch
-interval, timed with PyTorch on one device.
+"""The kernel sweep of ``vcluster hardware calibrate --gpu``: GEMMs, copies, the kernels of
+a transformer layer and its optimizer, and the launch interval, timed with PyTorch on one
+device.
 
-Every kernel is timed in a stream of ``reps`` back-to-back calls (CUDA events around the
-stream on a GPU, ``perf_counter`` with a final synchronisation on the CPU) and reported as
-seconds per call: what a kernel costs inside a training step, where the host queues
-kernels ahead of the device — not the cost of one call timed alone, which adds the
-launch and the timer's own latency (the shipped ``h100_kernels.csv`` times calls alone).
+Every kernel is timed in a stream of ``reps`` back-to-back calls and reported as seconds
+per call: what a kernel costs inside a training step, where the host queues kernels ahead
+of the device — not the cost of one call timed alone, which adds the launch and the
+timer's own latency (the shipped ``h100_kernels.csv`` times calls alone). On a GPU the
+stream is timed with CUDA events, and it is *queued ahead*: a ``torch.cuda._sleep`` kernel
+holds the device while the host issues all ``reps`` calls (sized to twice the host's
+measured issue time, plus 1 ms), so the events time the device running the calls back to
+back even where the host issues one call slower than the device runs it (a small
+autograd backward: the step's host is ahead of its device there, as the host of a
+training step is; at most ``_MAX_QUEUED`` calls of a many-kernel op, within CUDA's launch
+queue). On the CPU: ``perf_counter`` around the stream with a final synchronisation.
 
 * GEMM: C = A @ B for m, k, n over a grid (bf16 on a GPU; fp32 on the CPU, whose bf16
   GEMMs are emulated and slow);
+* sustained GEMM: one GEMM of the grid run back to back for 1.5 s (the device reaches its
+  power limit and lowers its clock, as in a training run) and then timed for 1.5 s more:
+  its seconds per call over the same GEMM's in the grid is what a compute-bound kernel
+  keeps when sustained (:class:`~vcluster.timing.kernel_profiles.KernelProfile`'s
+  ``sustained_fraction``);
 * copy: ``dst.copy_(src)``, ``bytes`` = read + written;
-* launch: ``x.add_(1)`` on a one-element tensor: the interval at which the host issues
-  kernels when each does nothing.
+* the table's kernels (:data:`~vcluster.timing.kernel_profile.TABLE_OPS`), at the shapes
+  of ``h100_kernels.csv`` on a GPU (so each in-stream price sits beside the same shape
+  timed alone) and at tiny shapes on the CPU: causal SDPA attention forward, and forward
+  + backward (``torch.autograd.grad`` of q, k, v); layer norm forward, and forward +
+  backward (of x, weight, bias); GELU; an add; cross-entropy forward + backward of
+  16-bit logits upcast to fp32; one fused AdamW step over P fp32 parameters (``fused``
+  on a GPU);
+* launch: ``x.add_(1)`` on a one-element tensor, *not* queued ahead: the interval at
+  which the host issues kernels when each does nothing.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from vcluster.timing.kernel_profile import KernelTiming
 
-__all__ = ["KernelSweep", "sweep_kernels", "cuda_missing", "GPU_GEMM_DIMS", "TINY_GEMM_DIMS"]
+__all__ = ["KernelSweep", "StreamTimer", "sweep_kernels", "cuda_missing", "table_op",
+           "table_shapes",
+           "GPU_GEMM_DIMS", "TINY_GEMM_DIMS", "TINY_TABLE_DIMS"]
 
 # m, k and n each take these values (every combination). Kept to seconds of GPU time:
 # the largest GEMM (8192 x 16384 x 8192, 2.2 TFLOP) runs in ~3 ms on an H100.
@@ -29,7 +51,22 @@ GPU_GEMM_DIMS = {"m": (512, 2048, 8192), "k": (1024, 4096, 16384), "n": (1024, 4
 GPU_COPY_BYTES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
 TINY_GEMM_DIMS = {"m": (16, 64, 256), "k": (32, 128), "n": (16, 64, 256)}
 TINY_COPY_BYTES = (64 << 10, 1 << 20, 8 << 20)
-_TARGET_S = {"cuda": 0.02, "cpu": 0.01}      # each stream of calls lasts about this long
+# the table's kernels at sizes a CPU times in well under a second each (two shapes each,
+# so every kind's profile can be fitted)
+TINY_TABLE_DIMS = (("attn_fwd", "1x2x64x16"), ("attn_fwd", "2x2x128x16"),
+                   ("attn_fwd_bwd", "1x2x64x16"), ("attn_fwd_bwd", "2x2x128x16"),
+                   ("layernorm_fwd", "64x32"), ("layernorm_fwd", "256x128"),
+                   ("layernorm_fwd_bwd", "64x32"), ("layernorm_fwd_bwd", "256x128"),
+                   ("gelu_fwd", "64x128"), ("gelu_fwd", "256x512"),
+                   ("add", "64x32"), ("add", "256x128"),
+                   ("cross_entropy_fwd_bwd", "64x100"), ("cross_entropy_fwd_bwd", "256x500"),
+                   ("adamw_fused_step", "1000"), ("adamw_fused_step", "100000"))
+_TARGET_S = MappingProxyType({"cuda": 0.02, "cpu": 0.01})      # each stream of calls lasts about this long
+# gemm_sustained: this GEMM (in the grid) run for this long, then timed for as long again
+_SUSTAINED_GEMM, _TINY_SUSTAINED_GEMM = (8192, 4096, 8192), (256, 128, 256)
+_SUSTAINED_S = MappingProxyType({"cuda": 1.5, "cpu": 0.05})
+_MAX_REPS = 200                              # calls in one stream, at most
+_MAX_QUEUED = 40                             # ... of a table op (autograd: many kernels each)
 
 
 def cuda_missing() -> str | None:
@@ -63,38 +100,61 @@ class KernelSweep:
         return [k for k in self.kernels if k.kind == kind]
 
 
-class _Timer:
-    """Seconds per call of ``fn`` in a stream of calls on ``device``."""
+class StreamTimer:
+    """Seconds per call of ``fn`` in a stream of calls on ``device`` (module docstring)."""
 
     def __init__(self, torch, device: str):
         self.torch, self.device = torch, device
+        self._sleep_cycles_per_s = None
 
     def sync(self) -> None:
         if self.device == "cuda":
             self.torch.cuda.synchronize()
 
-    def stream(self, fn, reps: int) -> float:
+    def stream(self, fn, reps: int, ahead_s: float = 0.0) -> tuple[float, float]:
+        """``(device seconds per call, host seconds per call)`` of ``reps`` calls, the
+        device held for ``ahead_s`` first (GPU only) while the host queues them."""
         torch = self.torch
         if self.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead_s > 0:
+                torch.cuda._sleep(int(ahead_s * self._cycles_per_s()))
             start.record()
+            t0 = time.perf_counter()
             for _ in range(reps):
                 fn()
+            host_s = (time.perf_counter() - t0) / reps
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3 / reps
+            return start.elapsed_time(end) / 1e3 / reps, host_s
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        return (time.perf_counter() - t0) / reps
+        seconds = (time.perf_counter() - t0) / reps
+        return seconds, seconds
 
-    def per_call(self, fn) -> float:
-        """Warm up, size the stream to about ``_TARGET_S``, and time it."""
+    def _cycles_per_s(self) -> float:
+        """The rate of ``torch.cuda._sleep``'s cycles, timed once with CUDA events."""
+        if self._sleep_cycles_per_s is None:
+            torch, cycles = self.torch, 10_000_000
+            torch.cuda._sleep(cycles // 10)                       # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._sleep_cycles_per_s = cycles / (start.elapsed_time(end) / 1e3)
+        return self._sleep_cycles_per_s
+
+    def per_call(self, fn, max_reps: int = _MAX_REPS, queued: bool = True) -> float:
+        """Warm up, size the stream to about ``_TARGET_S`` (at most ``max_reps`` calls),
+        and time it; ``queued`` (GPU): with the device held while the host queues it."""
         fn()
         self.sync()
-        first = self.stream(fn, 2)
-        reps = int(min(200, max(3, _TARGET_S[self.device] / max(first, 1e-7))))
-        return self.stream(fn, reps)
+        device_s, host_s = self.stream(fn, 2)
+        reps = int(min(max_reps, max(3, _TARGET_S[self.device] / max(device_s, 1e-7))))
+        ahead_s = 2.0 * host_s * reps + 1e-3 if queued and self.device == "cuda" else 0.0
+        return self.stream(fn, reps, ahead_s)[0]
 
 
 def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
@@ -105,7 +165,7 @@ def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
     if device == "cuda" and (why := cuda_missing()):
         raise RuntimeError(why)
     import torch
-    timer = _Timer(torch, device)
+    timer = StreamTimer(torch, device)
     dtype, name = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
     dims, copies = (TINY_GEMM_DIMS, TINY_COPY_BYTES) if tiny else (GPU_GEMM_DIMS, GPU_COPY_BYTES)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -115,26 +175,98 @@ def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
             for n in dims["n"]:
                 seconds = _gemm_seconds(torch, timer, m, k, n, dtype, gen)
                 rows.append(KernelTiming("gemm", seconds, m=m, k=k, n=n, dtype=name))
+    m, k, n = _TINY_SUSTAINED_GEMM if tiny else _SUSTAINED_GEMM
+    seconds = _gemm_seconds(torch, timer, m, k, n, dtype, gen, _SUSTAINED_S[device])
+    rows.append(KernelTiming("gemm_sustained", seconds, m=m, k=k, n=n, dtype=name))
     for nbytes in copies:
         seconds = _copy_seconds(torch, timer, nbytes)
         rows.append(KernelTiming("elementwise", seconds, bytes=2 * nbytes, dtype="uint8"))
+    for op, shape in (TINY_TABLE_DIMS if tiny else table_shapes()):
+        fn = table_op(torch, op, shape, device, dtype, gen)
+        rows.append(KernelTiming(op, timer.per_call(fn, _MAX_QUEUED), dtype=name, dims=shape))
+        del fn
     one = torch.zeros(1, device=device)
-    rows.append(KernelTiming("launch", timer.per_call(lambda: one.add_(1)), dtype="fp32"))
+    rows.append(KernelTiming("launch", timer.per_call(lambda: one.add_(1), queued=False),
+                             dtype="fp32"))
     label = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
     return KernelSweep(label, torch.__version__, device, name, tuple(rows))
 
 
-def _gemm_seconds(torch, timer: _Timer, m: int, k: int, n: int, dtype, gen) -> float:
+def _gemm_seconds(torch, timer: StreamTimer, m: int, k: int, n: int, dtype, gen,
+                  sustained_s: float = 0.0) -> float:
+    """Seconds per call of the m×k×n GEMM in a burst, or (``sustained_s`` > 0) run back to
+    back for that long first and then timed for as long again."""
     a = torch.randn(m, k, device=timer.device, dtype=dtype, generator=gen)
     b = torch.randn(k, n, device=timer.device, dtype=dtype, generator=gen)
     out = torch.empty(m, n, device=timer.device, dtype=dtype)
-    return timer.per_call(lambda: torch.matmul(a, b, out=out))
+    if not sustained_s:
+        return timer.per_call(lambda: torch.matmul(a, b, out=out))
+    burst_s = timer.per_call(lambda: torch.matmul(a, b, out=out))
+    reps = max(3, int(sustained_s / burst_s))
+    timer.stream(lambda: torch.matmul(a, b, out=out), reps)       # to the power limit
+    return timer.stream(lambda: torch.matmul(a, b, out=out), reps)[0]
 
 
-def _copy_seconds(torch, timer: _Timer, nbytes: int) -> float:
+def _copy_seconds(torch, timer: StreamTimer, nbytes: int) -> float:
     src = torch.ones(nbytes, device=timer.device, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return timer.per_call(lambda: dst.copy_(src))
+
+
+def table_shapes() -> tuple:
+    """``((op, dims), ...)``: every non-GEMM row of the shipped ``h100_kernels.csv``."""
+    from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, TABLE_OPS
+    from vcluster.timing.presets import read_data_csv
+    _, rows = read_data_csv(H100_KERNEL_TABLE)
+    return tuple((r["op"], r["dims"]) for r in rows if r["op"] in TABLE_OPS)
+
+
+def table_op(torch, op: str, dims: str, device: str, dtype, gen):
+    """A no-argument callable running one ``op`` of
+    :data:`~vcluster.timing.kernel_profile.TABLE_OPS` at ``dims`` (module docstring), its
+    inputs allocated once on ``device`` in ``dtype``."""
+    KernelTiming(op, 1.0, dims=dims)                      # checks op and dims
+    F = torch.nn.functional
+    shape = [int(x) for x in dims.split("x")]
+
+    def randn(*size, grad=False, dt=dtype):
+        return torch.randn(*size, device=device, dtype=dt, generator=gen).requires_grad_(grad)
+
+    if op in ("attn_fwd", "attn_fwd_bwd"):
+        b, h, s, d = shape
+        backward = op == "attn_fwd_bwd"
+        q, k, v = (randn(b, h, s, d, grad=backward) for _ in range(3))
+        if not backward:
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        go = randn(b, h, s, d)
+        return lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), go)
+    if op in ("layernorm_fwd", "layernorm_fwd_bwd"):
+        t, w = shape
+        backward = op == "layernorm_fwd_bwd"
+        x, weight, bias = randn(t, w, grad=backward), randn(w, grad=backward), \
+            randn(w, grad=backward)
+        if not backward:
+            return lambda: F.layer_norm(x, (w,), weight, bias)
+        go = randn(t, w)
+        return lambda: torch.autograd.grad(F.layer_norm(x, (w,), weight, bias),
+                                           (x, weight, bias), go)
+    if op == "gelu_fwd":
+        x = randn(*shape)
+        return lambda: F.gelu(x)
+    if op == "add":
+        a, b = randn(*shape), randn(*shape)
+        return lambda: a + b
+    if op == "cross_entropy_fwd_bwd":
+        t, vocab = shape
+        logits = randn(t, vocab, grad=True)
+        targets = torch.randint(0, vocab, (t,), device=device, generator=gen)
+        return lambda: torch.autograd.grad(F.cross_entropy(logits.float(), targets), logits)
+    # adamw_fused_step
+    p = torch.nn.Parameter(randn(shape[0], dt=torch.float32))
+    p.grad = randn(shape[0], dt=torch.float32)
+    optimizer = torch.optim.AdamW([p], lr=1e-4, fused=device == "cuda")
+    return optimizer.step
 
 
 def _cpu_name() -> str:

@@ -20,6 +20,8 @@ the recomputation-inclusive FLOPs 96·B·s·l·h²·(1 + s/6h + V/16lh) over (GP
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
 from vcluster.timing import read_data_csv
 
@@ -29,7 +31,10 @@ __all__ = ["validate_megatron", "validate_gpu_steps", "micro_batch_for", "DEFAUL
            "HARDWARE", "GPU_STEP_TABLES"]
 
 #: measured one-GPU steps (``vcluster bench gpu-step``) and the preset of their GPU
-GPU_STEP_TABLES = {"h200_gpt_steps.csv": "h200-dgx"}
+#: measured one-GPU PyTorch steps: table -> (the preset it is predicted on, the precision
+#: policy of the step it measured: PyTorch AMP over fp32 parameters, its header says)
+GPU_STEP_TABLES = MappingProxyType({"h200_gpt_steps.csv": ("h200-dgx", "torch_amp"),
+                                    "h100_gpt_steps.csv": ("h100-dgx", "torch_amp")})
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"
@@ -82,15 +87,17 @@ def validate_gpu_steps() -> list[dict]:
     """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`): step time
     (ms) and peak memory (GB, ``peak_memory_gb``: without the allocator's reserve, as
     ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset with
-    global batch = micro-batch. A compiled row is predicted like an eager one: the model
-    has no notion of ``torch.compile``'s fusion."""
+    global batch = micro-batch, under the precision policy of the measured step
+    (``torch_amp``: 16 bytes per parameter). A compiled row is predicted like an eager
+    one: the model has no notion of ``torch.compile``'s fusion."""
     rows = []
-    for table, hardware in GPU_STEP_TABLES.items():
+    for table, (hardware, precision) in GPU_STEP_TABLES.items():
         for r in read_data_csv(table)[1]:
             cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
                             heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
             mb = int(r["micro_batch"])
-            sim = simulate_gpt(cfg, ParallelConfig(global_batch=mb, micro_batch=mb), hardware)
+            sim = simulate_gpt(cfg, ParallelConfig(global_batch=mb, micro_batch=mb), hardware,
+                               precision=precision)
             case = (f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
                     f" ({hardware})")
             rows.append(_row_result(table, case, "step_ms", float(r["step_ms"]),

@@ -223,7 +223,6 @@ class CoreQueues:
             return
         self._stranded_since = None
         self._advance()
-        moved = False
         while self._stranded():
             pinned, filled = self._loads()
             idle = next(c for c in range(self.cores) if pinned[c] + filled[c] == 0)
@@ -236,5 +235,4 @@ class CoreQueues:
                     job[4] = idle
             self.core_of[rank] = idle
             self.moves += 1
-            moved = True
         self._reschedule()

@@ -181,26 +181,24 @@ class DeviceSpec:
 
     def gemm_profile(self) -> GemmProfile | None:
         """The GEMM profile of this device's measured ``gemm`` kernels (None without
-        at least two); :class:`~vcluster.timing.hardware_model.HardwareCostModel` prices
-        traced GEMMs with it."""
+        at least two; in-stream rows, so a negative fitted fixed cost becomes 0)."""
         rows = [(r.m, r.k, r.n, r.seconds) for r in self.kernels if r.kind == "gemm"]
-        return GemmProfile.fit(rows, f"{self.name}: measured kernels") if len(rows) >= 2 else None
+        return GemmProfile.fit(rows, f"{self.name}: measured kernels", zero_call=True) \
+            if len(rows) >= 2 else None
 
     def kernel_profile(self) -> KernelProfile | None:
         """The prices of traced kernels by kind (None: price them analytically):
-        ``kernel_table``'s profiles when it names one, else the GEMM profile of the measured
-        ``kernels`` (:meth:`gemm_profile`, in-stream already); either way floored at the
-        measured ``launch`` interval when ``kernels`` holds one (else, with a table,
-        :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`; without, no floor)."""
+        ``kernel_table``'s profiles when it names one (floored at the measured ``launch``
+        interval when ``kernels`` holds one, else at
+        :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`), else the profiles of the measured
+        ``kernels`` (:meth:`KernelProfile.from_timings <.kernel_profiles.KernelProfile.
+        from_timings>`: GEMMs and every table kind measured, in-stream already, floored at
+        their ``launch`` row's interval)."""
         launch = [r.seconds for r in self.kernels if r.kind == "launch"]
         if self.kernel_table:
             return KernelProfile.from_table(self.kernel_table,
                                             launch[0] if launch else LAUNCH_INTERVAL_S)
-        gemm = self.gemm_profile()
-        if gemm is None:
-            return None
-        return KernelProfile(gemm=gemm, launch_s=launch[0] if launch else 0.0,
-                             source=gemm.source)
+        return KernelProfile.from_timings(self.kernels, f"{self.name}: measured kernels")
 
     def peak_flops(self, dtype) -> float:
         """Datasheet peak FLOP/s of ``dtype``."""

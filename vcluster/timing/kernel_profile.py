@@ -34,9 +34,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from types import MappingProxyType
 
-__all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "gemm_rows", "leave_one_out",
-           "fit_call_and_rate",
+__all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "TABLE_OPS", "gemm_rows",
+           "leave_one_out", "fit_call_and_rate",
            "h100_gemm_profile", "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
 
 TILE = 128                                 # cuBLAS's output tile edge on Hopper and Ampere
@@ -53,14 +54,24 @@ def _check_dims(m, k, n) -> None:
             raise ValueError(f"GemmProfile: {name} must be an int >= 1, got {v!r}")
 
 
-KERNEL_KINDS = ("gemm", "elementwise", "launch")
+#: the kernels of a measured table beside GEMMs (``data/h100_kernels.csv``'s ``op`` column,
+#: and ``vcluster hardware calibrate --gpu``'s rows), with how many ``x``-separated numbers
+#: their ``dims`` hold: attention BxHxSxD (causal), layernorm/add TOKENSxH, gelu TOKENSxW,
+#: cross-entropy TOKENSxVOCAB (forward + backward), AdamW's step over P parameters
+TABLE_OPS = MappingProxyType({
+    "attn_fwd": 4, "attn_fwd_bwd": 4, "layernorm_fwd": 2, "layernorm_fwd_bwd": 2,
+    "gelu_fwd": 2, "add": 2, "cross_entropy_fwd_bwd": 2, "adamw_fused_step": 1})
+KERNEL_KINDS = ("gemm", "gemm_sustained", "elementwise", "launch", *TABLE_OPS)
 
 
 @dataclass(frozen=True)
 class KernelTiming:
     """One measured kernel, seconds per call in a stream of back-to-back calls:
-    ``gemm`` (an m×k×n GEMM in ``dtype``), ``elementwise`` (a copy moving ``bytes``,
-    read plus written) or ``launch`` (a one-element kernel: the launch interval)."""
+    ``gemm`` (an m×k×n GEMM in ``dtype``), ``gemm_sustained`` (the same GEMM run back to
+    back for seconds, at the device's power limit), ``elementwise`` (a copy moving ``bytes``,
+    read plus written), ``launch`` (a one-element kernel: the launch interval), or one of
+    :data:`TABLE_OPS` with its shape in ``dims`` (as the measured table writes it,
+    e.g. ``"4x16x2048x128"``)."""
 
     kind: str
     seconds: float
@@ -69,6 +80,7 @@ class KernelTiming:
     n: int = 0
     bytes: int = 0
     dtype: str = ""
+    dims: str = ""
 
     def __post_init__(self):
         if self.kind not in KERNEL_KINDS:
@@ -80,10 +92,21 @@ class KernelTiming:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.kind == "gemm":
+        if self.kind in ("gemm", "gemm_sustained"):
             _check_dims(self.m, self.k, self.n)
         if self.kind == "elementwise" and self.bytes < 1:
             raise ValueError(f"an elementwise kernel moves bytes >= 1, got {self.bytes!r}")
+        if not isinstance(self.dims, str):
+            raise ValueError(f"dims must be a string like '4x16x2048x128', got {self.dims!r}")
+        if self.kind in TABLE_OPS:
+            parts = self.dims.split("x")
+            if len(parts) != TABLE_OPS[self.kind] or not all(
+                    p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"a {self.kind} kernel's dims are {TABLE_OPS[self.kind]} "
+                                 f"integers >= 1 joined by 'x', got {self.dims!r}")
+        elif self.dims:
+            raise ValueError(f"dims is for the kinds {', '.join(TABLE_OPS)}; a {self.kind} "
+                             f"kernel has none, got {self.dims!r}")
 
     @classmethod
     def coerce(cls, row, where: str) -> "KernelTiming":
@@ -121,18 +144,22 @@ class GemmProfile:
         return self.call_s + batch * _padded_flops(m, k, n) / self.flops_per_s
 
     @classmethod
-    def fit(cls, rows, source: str = "") -> "GemmProfile":
-        """Fit to ``rows`` of ``(m, k, n, seconds)`` (at least two of different sizes)."""
+    def fit(cls, rows, source: str = "", zero_call: bool = False) -> "GemmProfile":
+        """Fit to ``rows`` of ``(m, k, n, seconds)`` (at least two of different sizes);
+        ``zero_call``: see :func:`fit_call_and_rate`."""
         rows = [tuple(r) for r in rows]
         a, b = fit_call_and_rate([(_padded_flops(m, k, n), t) for m, k, n, t in rows],
-                                 "GemmProfile.fit", "GEMMs", "FLOP")
+                                 "GemmProfile.fit", "GEMMs", "FLOP", zero_call)
         return cls(call_s=a, flops_per_s=1.0 / b, source=source, rows=len(rows))
 
 
-def fit_call_and_rate(points, who: str, what: str = "kernels", unit: str = "unit"):
+def fit_call_and_rate(points, who: str, what: str = "kernels", unit: str = "unit",
+                      zero_call: bool = False):
     """``(a, b)`` of ``t = a + b·x`` over ``points`` of ``(x, t)`` (at least two of different
     sizes), least squares on the relative error: minimise Σ (a/t + b·x/t − 1)², the 2×2
-    normal equations. Raises unless a >= 0 and b > 0 (a fixed cost and a rate)."""
+    normal equations. Raises unless a >= 0 and b > 0 (a fixed cost and a rate) — except
+    that with ``zero_call`` a negative ``a`` (rows timed in a stream, where the fixed cost
+    is within the rows' noise) becomes the best pure rate, a = 0, b = Σ(x/t) / Σ(x/t)²."""
     points = [tuple(p) for p in points]
     if len(points) < 2:
         raise ValueError(f"{who}: needs at least 2 rows, got {len(points)}")
@@ -146,6 +173,8 @@ def fit_call_and_rate(points, who: str, what: str = "kernels", unit: str = "unit
         raise ValueError(f"{who}: the rows do not tell a fixed cost from a rate "
                          f"(give {what} of different sizes)")
     a, b = (su * svv - sv * suv) / det, (sv * suu - su * suv) / det
+    if a < 0 and zero_call:
+        a, b = 0.0, sv / svv
     if a < 0 or b <= 0:
         raise ValueError(f"{who}: the rows give an unphysical fit (call {a:.3g} s, "
                          f"{b:.3g} s per {unit})")

@@ -64,9 +64,10 @@ from types import MappingProxyType
 
 from vcluster.runtime.tracing.kernel import Kernel, KernelKind
 
-from .kernel_profile import H100_KERNEL_TABLE, GemmProfile, fit_call_and_rate, gemm_rows
+from .kernel_profile import (H100_KERNEL_TABLE, TABLE_OPS, GemmProfile, fit_call_and_rate,
+                             gemm_rows)
 
-__all__ = ["LinearProfile", "KernelProfile", "table_rows", "kind_leave_one_out",
+__all__ = ["LinearProfile", "KernelProfile", "table_rows", "profile_points", "kind_leave_one_out",
            "h100_kernel_profile", "h100_kernel_leave_one_out", "LAUNCH_INTERVAL_S",
            "STREAM_GEMM_CALL_S", "PROFILE_UNITS"]
 
@@ -86,6 +87,8 @@ PROFILE_UNITS = MappingProxyType({
 #: backward through autograd
 _ALONE = ("attention", "norm", "activation", "elementwise", "optimizer")
 _BACKWARD_OF = {"attention_backward": "attention", "norm_backward": "norm"}
+#: the kinds (beside GEMMs) whose prices the power limit's clock stretches
+_COMPUTE_BOUND = ("attention", "attention_backward")
 _FWD_BWD_FLOPS = 3.5   # the table's attn_fwd_bwd FLOPs over attn_fwd's (its header line)
 
 
@@ -102,11 +105,12 @@ class LinearProfile:
         return self.call_s + size * self.unit_s
 
     @classmethod
-    def fit(cls, points, unit: str = "") -> "LinearProfile":
-        """Fit to ``points`` of ``(size, seconds)``."""
+    def fit(cls, points, unit: str = "", zero_call: bool = False) -> "LinearProfile":
+        """Fit to ``points`` of ``(size, seconds)``; ``zero_call``: see
+        :func:`~.kernel_profile.fit_call_and_rate`."""
         points = list(points)
         a, b = fit_call_and_rate(points, f"LinearProfile.fit ({unit or 'size'})", "kernels",
-                                 unit or "unit")
+                                 unit or "unit", zero_call)
         return cls(a, b, unit, len(points))
 
 
@@ -143,12 +147,22 @@ def _size(k: Kernel) -> tuple[str, float] | None:
 class KernelProfile:
     """In-stream prices by kernel kind: ``gemm`` (a GemmProfile) and the ``kinds``'
     LinearProfiles (names of :data:`PROFILE_UNITS`), both with their in-stream fixed costs
-    already (module docstring), and the host's ``launch_s`` floor."""
+    already (module docstring), and the host's ``launch_s`` floor.
+
+    ``sustained_fraction`` (0 < f <= 1): the throughput a compute-bound kernel keeps when
+    the device runs for seconds at its power limit, over the short burst its profile was
+    timed in. GEMM and attention prices are divided by it (memory-bound kinds are not:
+    the power limit lowers the SM clock, not the HBM's). On one H100 SXM: 3.3 s of
+    8192³ bf16 GEMMs ran at 679.9 TFLOP/s against 792.9 for a 20 ms burst, the SM clock
+    down from 1980 to 1365 MHz at the 700 W limit — f = 0.857
+    (benchmarks/results/h100-2026-11-26/profile.json); ``hardware calibrate --gpu``
+    measures it (its ``gemm_sustained`` row)."""
 
     gemm: GemmProfile | None = None
     kinds: Mapping = field(default_factory=dict)
     launch_s: float = 0.0
     source: str = ""
+    sustained_fraction: float = 1.0
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(PROFILE_UNITS)
@@ -158,6 +172,9 @@ class KernelProfile:
         object.__setattr__(self, "kinds", MappingProxyType(dict(self.kinds)))
         if not (self.launch_s >= 0):
             raise ValueError(f"KernelProfile: launch_s must be >= 0, got {self.launch_s!r}")
+        if not (0 < self.sustained_fraction <= 1):
+            raise ValueError(f"KernelProfile: sustained_fraction must be in (0, 1], got "
+                             f"{self.sustained_fraction!r}")
 
     def stream_time_s(self, kernel: Kernel) -> float | None:
         """``kernel``'s in-stream price from its kind's profile; None where none applies
@@ -166,12 +183,16 @@ class KernelProfile:
             batch, m, k, n = kernel.shape
             if self.gemm is None:
                 return None
-            return self.gemm.time_s(m, k, n, batch) if batch and m and k and n else 0.0
+            return self.gemm.time_s(m, k, n, batch) / self.sustained_fraction \
+                if batch and m and k and n else 0.0
         found = _size(kernel)
         if found is None or found[0] not in self.kinds:
             return None
         name, size = found
-        return self.kinds[name].time_s(size) if size else 0.0
+        if not size:
+            return 0.0
+        t = self.kinds[name].time_s(size)
+        return t / self.sustained_fraction if name in _COMPUTE_BOUND else t
 
     def time_s(self, kernel: Kernel) -> float | None:
         """max(in-stream price, launch interval), or None (see :meth:`stream_time_s`)."""
@@ -194,6 +215,39 @@ class KernelProfile:
         return cls(replace(gemm, call_s=max(gemm.call_s - hidden_s, 0.0)), kinds, launch_s,
                    f"{source}; lone-call overhead {hidden_s * 1e6:.2f} us removed")
 
+    @classmethod
+    def from_timings(cls, kernels, source: str = "") -> "KernelProfile | None":
+        """The profile of kernels measured in a stream on one device
+        (:class:`~.kernel_profile.KernelTiming` rows, ``vcluster hardware calibrate
+        --gpu``): the GEMM profile of its ``gemm`` rows, a profile per kind of its
+        :data:`~.kernel_profile.TABLE_OPS` rows (sizes as the table's, module docstring),
+        both as measured — in a stream already, nothing removed — with a fixed cost of 0
+        where the rows fit a negative one, the ``launch`` row's interval as the floor, and
+        ``sustained_fraction`` = the ``gemm`` row's seconds over the ``gemm_sustained``
+        row's of the same shape (at most 1; 1 without such a pair).
+        None when the rows hold neither two GEMMs nor two rows of a kind."""
+        return _timings_profile(tuple(kernels), source)
+
+
+def _timings_profile(kernels, source: str) -> "KernelProfile | None":
+    """See :meth:`KernelProfile.from_timings`."""
+    gemms = [(r.m, r.k, r.n, r.seconds) for r in kernels if r.kind == "gemm"]
+    by_op: dict = {}
+    for r in kernels:
+        if r.kind in TABLE_OPS:
+            by_op.setdefault(r.kind, {})[r.dims] = r.seconds
+    kinds = {name: LinearProfile.fit(points, PROFILE_UNITS[name], zero_call=True)
+             for name, points in profile_points(by_op).items()}
+    gemm = GemmProfile.fit(gemms, source, zero_call=True) if len(gemms) >= 2 else None
+    if gemm is None and not kinds:
+        return None
+    launch = [r.seconds for r in kernels if r.kind == "launch"]
+    burst = {(r.m, r.k, r.n): r.seconds for r in kernels if r.kind == "gemm"}
+    fractions = [min(1.0, burst[(r.m, r.k, r.n)] / r.seconds) for r in kernels
+                 if r.kind == "gemm_sustained" and (r.m, r.k, r.n) in burst]
+    return KernelProfile(gemm, kinds, launch[0] if launch else 0.0, source,
+                         min(fractions, default=1.0))
+
 
 def table_rows(table: str = H100_KERNEL_TABLE) -> dict:
     """``{profile: [(size, seconds)]}`` of a shipped table's non-GEMM rows (module
@@ -203,6 +257,14 @@ def table_rows(table: str = H100_KERNEL_TABLE) -> dict:
     by_op: dict = {}
     for r in rows:
         by_op.setdefault(r["op"], {})[r["dims"]] = float(r["seconds"])
+    return profile_points(by_op)
+
+
+def profile_points(by_op: Mapping) -> dict:
+    """``{profile: [(size, seconds)]}`` of measured rows ``{op: {dims: seconds}}`` (ops of
+    :data:`~.kernel_profile.TABLE_OPS`; module docstring: the sizes, and each backward as
+    its shape's forward + backward less its forward); profiles with fewer than two rows
+    are left out."""
 
     def dims(text):
         return [int(x) for x in text.split("x")]
@@ -215,20 +277,21 @@ def table_rows(table: str = H100_KERNEL_TABLE) -> dict:
         t, w = dims(dim)
         return t * w
 
-    out = {"attention": [(attn(d), t) for d, t in by_op.get("attn_fwd", {}).items()],
-           "attention_backward": [((_FWD_BWD_FLOPS - 1.0) * attn(d),
-                                   t - by_op["attn_fwd"][d])
-                                  for d, t in by_op.get("attn_fwd_bwd", {}).items()
-                                  if d in by_op.get("attn_fwd", {})],
-           "norm": [(tokens_x(d), t) for d, t in by_op.get("layernorm_fwd", {}).items()],
-           "norm_backward": [(tokens_x(d), t - by_op["layernorm_fwd"][d])
-                             for d, t in by_op.get("layernorm_fwd_bwd", {}).items()
-                             if d in by_op.get("layernorm_fwd", {})],
-           "activation": [(tokens_x(d), t) for d, t in by_op.get("gelu_fwd", {}).items()],
-           "elementwise": [(3 * tokens_x(d), t) for d, t in by_op.get("add", {}).items()],
-           "cross_entropy": [(tokens_x(d), t)
-                             for d, t in by_op.get("cross_entropy_fwd_bwd", {}).items()],
-           "optimizer": [(dims(d)[0], t) for d, t in by_op.get("adamw_fused_step", {}).items()]}
+    def op(name):
+        return by_op.get(name, {})
+
+    out = {"attention": [(attn(d), t) for d, t in op("attn_fwd").items()],
+           "attention_backward": [((_FWD_BWD_FLOPS - 1.0) * attn(d), t - op("attn_fwd")[d])
+                                  for d, t in op("attn_fwd_bwd").items()
+                                  if d in op("attn_fwd") and t > op("attn_fwd")[d]],
+           "norm": [(tokens_x(d), t) for d, t in op("layernorm_fwd").items()],
+           "norm_backward": [(tokens_x(d), t - op("layernorm_fwd")[d])
+                             for d, t in op("layernorm_fwd_bwd").items()
+                             if d in op("layernorm_fwd") and t > op("layernorm_fwd")[d]],
+           "activation": [(tokens_x(d), t) for d, t in op("gelu_fwd").items()],
+           "elementwise": [(3 * tokens_x(d), t) for d, t in op("add").items()],
+           "cross_entropy": [(tokens_x(d), t) for d, t in op("cross_entropy_fwd_bwd").items()],
+           "optimizer": [(dims(d)[0], t) for d, t in op("adamw_fused_step").items()]}
     return {k: v for k, v in out.items() if len(v) >= 2}
 
 

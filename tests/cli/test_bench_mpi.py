@@ -72,3 +72,26 @@ def test_missing_mpi_fails_before_running(tmp_path):
         assert f"--mpiexec = {missing!r}: no such executable" in proc.stderr
     assert "pip install 'vcluster[mpi]'" in proc.stderr
     assert "all_reduce" not in proc.stdout          # nothing was measured
+
+
+def test_a_run_past_its_timeout_is_killed_and_named(tmp_path):
+    """Ranks that cannot finish within ``timeout_s``: TimeoutError naming the ranks and
+    the launcher, soon after the limit, with the run's temporary files removed."""
+    import time
+
+    from vcluster.cli.bench_mpi import run_mpi_bench
+    launcher = _mpi_or_skip()
+    before = set(os.listdir(tempfile.gettempdir()))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"waited 0.5 s for 2 MPI ranks started by {launcher}"):
+        run_mpi_bench(2, [64 << 20], reps=50, timeout_s=0.5)
+    assert time.monotonic() - start < 15
+    assert not [f for f in set(os.listdir(tempfile.gettempdir())) - before
+                if f.startswith("vcluster-mpi")]
+
+
+def test_unknown_ops_are_named():
+    from vcluster.cli.bench_mpi import run_mpi_bench
+    with pytest.raises(ValueError, match=r"ops = \['all_reduce', 'allreduce'\]: \['allreduce'\] "
+                                         "unknown; allowed: all_reduce, all_gather"):
+        run_mpi_bench(2, [8], ops=["all_reduce", "allreduce"])

@@ -95,6 +95,11 @@ def run_mpi_bench(devices: int, sizes, ops=OPS, paths=PATHS, dtype: str = "float
     RuntimeError with the ranks' stderr when they fail (a wrong result among them)."""
     if devices < 1:
         raise ValueError(f"devices = {devices}: must be a positive number of MPI ranks")
+    for name, given, allowed in (("ops", ops, OPS), ("paths", paths, PATHS)):
+        unknown = [v for v in given if v not in allowed]
+        if unknown:
+            raise ValueError(f"{name} = {list(given)!r}: {unknown} unknown; allowed: "
+                             + ", ".join(allowed))
     launcher = find_mpiexec(mpiexec)
     itemsize = np.dtype(dtype).itemsize
     cases = []

@@ -95,3 +95,12 @@ def test_unknown_ops_are_named():
     with pytest.raises(ValueError, match=r"ops = \['all_reduce', 'allreduce'\]: \['allreduce'\] "
                                          "unknown; allowed: all_reduce, all_gather"):
         run_mpi_bench(2, [8], ops=["all_reduce", "allreduce"])
+
+
+def test_a_failing_rank_fails_the_run_with_its_error():
+    """A rank that raises (MPI has no SUM on booleans) aborts every rank at once
+    (``python -m mpi4py``): RuntimeError carrying the ranks' traceback, no hang."""
+    from vcluster.cli.bench_mpi import run_mpi_bench
+    _mpi_or_skip()
+    with pytest.raises(RuntimeError, match=r"2 MPI ranks .* exited with status [1-9](?s:.*)Allreduce"):
+        run_mpi_bench(2, [8], ops=["all_reduce"], dtype="bool", timeout_s=60)

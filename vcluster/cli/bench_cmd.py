@@ -37,6 +37,12 @@ def add_parser(commands) -> None:
                       help="torch: also run on local torch.distributed ranks (NCCL when "
                       "every rank can have its own GPU, else gloo on CPU) and print both "
                       "engines' figures side by side")
+    coll.add_argument("--mpi", action="store_true",
+                      help="also run on as many MPI ranks (mpi4py + mpiexec; install: pip "
+                      "install 'vcluster[mpi]') and print both engines' figures side by side")
+    coll.add_argument("--mpiexec", metavar="PATH", default=None,
+                      help="the MPI launcher for --mpi (default: the mpiexec beside this "
+                      "python, else the first on PATH)")
     coll.add_argument("--array-module", default="numpy", choices=["numpy", "cupy", "strict"],
                       help="what the devices' arrays are (default numpy; cupy: GPU arrays)")
     coll.add_argument("--transport", type=csv_of(("auto", "ipc", "host"), "transport"),
@@ -130,6 +136,7 @@ def _collectives(args) -> int:
     print(f"vcluster bench collectives: {args.devices} devices, dtype {args.dtype}, "
           f"algorithm {args.algorithm}, array module {args.array_module}", flush=True)
     backend = _torch_backend(args.devices) if args.engine == "torch" else None
+    mpiexec = _mpi_launcher(args) if args.mpi else None
     print(format_header(), flush=True)
     records = []
     for transport in args.transport:
@@ -155,8 +162,36 @@ def _collectives(args) -> int:
         print("\nemulator beside torch (median time per call, same run):")
         print(format_comparison(records, theirs))
         records += theirs
+    if args.mpi:
+        records += _mpi_side(args, mpiexec, records)
     _maybe_json(args.json, [asdict(r) for r in records])
     return 0
+
+
+def _mpi_launcher(args) -> str:
+    """``--mpi``'s launcher, found before anything runs (exit 2 when MPI is missing)."""
+    # lazy: keeps vcluster --help fast
+    from .bench_mpi import find_mpiexec
+    if args.array_module != "numpy":
+        raise ValueError(f"--array-module = {args.array_module!r} with --mpi: the MPI ranks "
+                         "move numpy host arrays, so --mpi compares only --array-module numpy")
+    return find_mpiexec(args.mpiexec)
+
+
+def _mpi_side(args, mpiexec: str, emulator: list) -> list:
+    """The same cases on MPI ranks, printed, then beside the emulator's rows."""
+    # lazy: keeps vcluster --help fast
+    from .bench_collectives import format_comparison, format_row
+    from .bench_mpi import run_mpi_bench
+    info, theirs = run_mpi_bench(args.devices, args.sizes, args.ops, args.paths, args.dtype,
+                                 args.reps, mpiexec=mpiexec)
+    print(f"mpi: {info['library']} (mpi4py {info['mpi4py']}), {info['ranks']} ranks by "
+          f"{info['mpiexec']}, same sizes:", flush=True)
+    for rec in theirs:
+        print(format_row(rec), flush=True)
+    print("\nemulator beside mpi (median time per call, same run):")
+    print(format_comparison([r for r in emulator if r.engine == "emulator"], theirs))
+    return theirs
 
 
 def _torch_backend(devices: int) -> str:

@@ -29,7 +29,9 @@ memory: numpy's own arrays, the message algorithms, and ``--transport host``).
 ``--engine torch`` runs the same program on local torch.distributed ranks too (NCCL when
 every rank can have its own GPU, else gloo on CPU, with one line saying why when GPUs are
 present but too few; ``algorithm`` is then the backend's name) and prints both engines'
-figures side by side (:func:`format_comparison`), measured in the same run.
+figures side by side (:func:`format_comparison`), measured in the same run. ``--mpi``
+does the same on MPI ranks started by ``mpiexec`` (:mod:`vcluster.cli.bench_mpi`), timed
+the same way and turned into records by the same :func:`timed_record`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor",
-           "format_comparison", "format_transports"]
+           "format_comparison", "format_transports", "message_bytes", "message_shapes",
+           "timed_record", "memcpy_gbps", "default_reps"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
        "gather", "scatter")
@@ -79,7 +82,7 @@ def message_bytes(op: str, requested: int, n: int, itemsize: int) -> int:
     return max(unit, -(-requested // unit) * unit)
 
 
-def _shapes(op: str, nbytes: int, n: int, itemsize: int) -> tuple[int, int]:
+def message_shapes(op: str, nbytes: int, n: int, itemsize: int) -> tuple[int, int]:
     """(input elements, output elements) per rank (root's for rooted ops)."""
     total = nbytes // itemsize
     return {"all_reduce": (total, total), "all_gather": (total // n, total),
@@ -92,7 +95,7 @@ def _bench_program(dev, op, path, nbytes, dtype, reps, warmup, algorithm):
     """The per-device program: time `reps` barrier-aligned iterations of one collective."""
     n = dev.mesh.size
     dtype = np.dtype(dtype)
-    n_in, n_out = _shapes(op, nbytes, n, dtype.itemsize)
+    n_in, n_out = message_shapes(op, nbytes, n, dtype.itemsize)
     root = dev.rank == 0
     xp = dev.xp
     sync = xp.cuda.get_current_stream().synchronize if hasattr(xp, "cuda") else _nothing
@@ -134,7 +137,7 @@ def _traced_transport(cluster, op: str, backend) -> str:
     return "+".join(sorted(seen)) or "host"
 
 
-def _memcpy_gbps(nbytes: int, reps: int) -> float:
+def memcpy_gbps(nbytes: int, reps: int) -> float:
     src = np.ones(max(nbytes, 1), np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -146,12 +149,31 @@ def _memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / float(np.median(times)) / 1e9
 
 
-def _default_reps(nbytes: int) -> int:
+def default_reps(nbytes: int) -> int:
     if nbytes <= 1 << 20:
         return 50
     if nbytes <= 16 << 20:
         return 10
     return 5
+
+
+def timed_record(op: str, path: str, algorithm: str, dtype: str, nbytes: int, times,
+                 memcpy: float, engine: str, array_module: str = "numpy",
+                 transport: str = "host") -> BenchRecord:
+    """One record from every rank's ``[(t0, t1), ...]`` over the same timed repetitions.
+
+    Repetition i takes ``max_r t1[r][i] - min_r t0[r][i]`` (first member's start to the
+    last member's end); ``median_s`` is the median over i, algbw = bytes / median_s and
+    busbw = algbw x :func:`busbw_factor`. ``times`` holds one list per rank, in rank
+    order; the clocks are ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every
+    process of the machine)."""
+    n = len(times)
+    per_rep = [max(rank[i][1] for rank in times) - min(rank[i][0] for rank in times)
+               for i in range(len(times[0]))]
+    median_s = float(np.median(per_rep))
+    algbw = nbytes / median_s / 1e9
+    return BenchRecord(op, path, algorithm, dtype, n, nbytes, median_s, algbw,
+                       algbw * busbw_factor(op, n), memcpy, engine, array_module, transport)
 
 
 def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
@@ -166,23 +188,18 @@ def run_collectives_bench(cluster, sizes, ops=OPS, paths=PATHS, dtype="float32",
     for op in ops:
         for requested in sizes:
             nbytes = message_bytes(op, requested, n, itemsize)
-            r = reps or _default_reps(nbytes)
-            memcpy = _memcpy_gbps(nbytes, r)
+            r = reps or default_reps(nbytes)
+            memcpy = memcpy_gbps(nbytes, r)
             for path in paths:
                 cluster.reset_stats()
                 results = cluster.run(_bench_program,
                                       [(op, path, nbytes, dtype, r, warmup, algorithm)] * n)
                 transport = _traced_transport(cluster, op, backend)
-                per_rep = [max(res[i][1] for res in results) - min(res[i][0] for res in results)
-                           for i in range(r)]
-                median_s = float(np.median(per_rep))
-                algbw = nbytes / median_s / 1e9
                 alg = backend or choose_algorithm(op, nbytes, n, requested=algorithm)
                 module = getattr(getattr(cluster, "options", None), "array_module", "numpy")
-                records.append(BenchRecord(
-                    op, path, alg, str(dtype), n, nbytes, median_s, algbw,
-                    algbw * busbw_factor(op, n), memcpy, "torch" if backend else "emulator",
-                    module, transport))
+                records.append(timed_record(
+                    op, path, alg, str(dtype), nbytes, results, memcpy,
+                    "torch" if backend else "emulator", module, transport))
                 if progress is not None:
                     progress(records[-1])
     return records
@@ -238,15 +255,17 @@ def format_transports(records: list[BenchRecord]) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(emulator: list[BenchRecord], torch: list[BenchRecord]) -> str:
-    """The two engines' figures for the same (op, path, bytes), side by side."""
+def format_comparison(emulator: list[BenchRecord], theirs: list[BenchRecord]) -> str:
+    """The emulator's and another engine's figures (torch, mpi: named by the records'
+    ``engine``) for the same (op, path, bytes), side by side."""
     # lazy: keeps vcluster --help fast
     from vcluster.scenario.units import format_size
-    other = {(r.op, r.path, r.bytes): r for r in torch}
+    name = theirs[0].engine if theirs else "other"
+    other = {(r.op, r.path, r.bytes): r for r in theirs}
     lines = [f"{'op':<15}{'path':<10}{'bytes':>9}{'emulator':>12}{'busbw':>9}"
-             f"{'torch':>12}{'busbw':>9}{'torch/emulator':>16}",
+             f"{name:>12}{'busbw':>9}{name + '/emulator':>16}",
              f"{'':<34}{'(' + (emulator[0].algorithm if emulator else '') + ')':>12}"
-             f"{'(GB/s)':>9}{'(' + (torch[0].algorithm if torch else '') + ')':>12}{'(GB/s)':>9}"]
+             f"{'(GB/s)':>9}{'(' + (theirs[0].algorithm if theirs else '') + ')':>12}{'(GB/s)':>9}"]
     for e in emulator:
         t = other.get((e.op, e.path, e.bytes))
         if t is None:

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
-from vcluster.planner.simulation import (OP_KINDS, gpt_op_kind, gpt_step_traces,
+from vcluster.planner.simulation import (ADAM, OP_KINDS, gpt_op_kind, gpt_step_traces,
                                               simulate_gpt)
 from vcluster.runtime.tracing import trace_program
 from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute, TraceRecv,
@@ -128,7 +128,7 @@ def test_coalesced_stitched_step_keeps_the_per_op_split(schedule, v, sp, recompu
     par = ParallelConfig(global_batch=16, micro_batch=2, dp=2, pp=4, tp=2, schedule=schedule,
                          virtual_stages=v, sequence_parallel=sp, recompute=recompute)
     mesh, costs = par.mesh(), HardwareCostModel(load_hardware("a100-80gb-dgx"))
-    raw = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par),
+    raw = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par, optimizer=ADAM),
                         ranks=list(mesh.group("pp", 0)))
     kw = dict(mesh=mesh, symmetric=True, timeline=False, op_kind=gpt_op_kind)
     full = _by_op(simulate_trace(raw, costs, **kw))

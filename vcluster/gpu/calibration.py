@@ -56,6 +56,12 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
     copy_bps = max(k.bytes / k.seconds for k in sweep.of_kind("elementwise"))
     peak = hw.device.peak_flops(sweep.dtype)
     layer = sum(k.kind in TABLE_OPS for k in sweep.kernels)
+    burst = {(k.m, k.k, k.n): k.seconds for k in sweep.of_kind("gemm")}
+    sustained = [f"; a GEMM {m}x{k}x{n} sustained for seconds ran at "
+                 f"{burst[(m, k, n)] / t:.1%} of its burst rate"
+                 for m, k, n, t in ((r.m, r.k, r.n, r.seconds)
+                                    for r in sweep.of_kind("gemm_sustained"))
+                 if (m, k, n) in burst]
     device = {
         "name": f"{sweep.device_name} (calibrated)",
         "gemm_max_efficiency": min(1.0, profile.flops_per_s / peak),
@@ -66,7 +72,7 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
                    f"to {profile.flops_per_s / 1e12:.1f} TFLOP/s + {profile.call_s * 1e6:.2f} "
                    f"us per call; launch interval {launch_s * 1e6:.2f} us; best copy "
                    f"{copy_bps / 1e9:.1f} GB/s; {layer} kernels of a transformer layer and its "
-                   f"optimizer; peak and bandwidth of {base}"),
+                   f"optimizer{''.join(sustained)}; peak and bandwidth of {base}"),
         "kernels": [{f: v for f, v in dataclasses.asdict(k).items()
                      if f in ("kind", "seconds") or v not in (0, "")} for k in sweep.kernels],
     }

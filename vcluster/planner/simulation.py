@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
+from pipeline_parallel.optim import OptimizerConfig
 from pipelining import make_schedule
 from tensor_parallel.moe import MOE_TAG
 from vcluster.runtime.algorithm import choose_algorithm
@@ -55,6 +56,9 @@ from vcluster.timing.hardware_model import HardwareCostModel
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
+
+#: the optimizer of a simulated step: Adam, as Megatron-LM and PyTorch training steps run
+ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
            "moe_exchanges_as_all_to_all",
@@ -273,7 +277,7 @@ def gpt_schedule(parallel: ParallelConfig):
 
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
-                    traced_positions: int | None = TRACED_POSITIONS, optimizer=None,
+                    traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
                     markers: bool = False, expert_skew: float = 1.0) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
@@ -288,7 +292,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     collective's group renamed by coordinates (pp coordinate q' -> q, dp and tp kept),
     and is stitched following the full schedule. A test checks that this equals tracing
     all p positions, op for op. ``optimizer``: the step's
-    :class:`~pipeline_parallel.optim.OptimizerConfig` (default SGD). ``markers``: keep
+    :class:`~pipeline_parallel.optim.OptimizerConfig` (default :data:`ADAM`, the
+    optimizer of the training steps the model is validated on; it was SGD before
+    2026-11-26). ``markers``: keep
     the zero-cost action markers (``"0F3"``, each holding its work: a report draws the
     schedule from them); the planner leaves them out.
     """

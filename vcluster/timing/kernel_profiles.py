@@ -83,12 +83,15 @@ PROFILE_UNITS = MappingProxyType({
     "norm_backward": "element", "activation": "element", "elementwise": "element moved",
     "cross_entropy": "token x vocab", "optimizer": "parameter"})
 
+#: the table op each profile is measured by (module docstring's table)
+_PROFILE_OP = MappingProxyType({
+    "attention": "attn_fwd", "attention_backward": "attn_fwd_bwd", "norm": "layernorm_fwd",
+    "norm_backward": "layernorm_fwd_bwd", "activation": "gelu_fwd", "elementwise": "add",
+    "cross_entropy": "cross_entropy_fwd_bwd", "optimizer": "adamw_fused_step"})
 #: the profiles of one lone forward kernel per row (module docstring); the others time a
 #: backward through autograd
 _ALONE = ("attention", "norm", "activation", "elementwise", "optimizer")
 _BACKWARD_OF = {"attention_backward": "attention", "norm_backward": "norm"}
-#: the kinds (beside GEMMs) whose prices the power limit's clock stretches
-_COMPUTE_BOUND = ("attention", "attention_backward")
 _FWD_BWD_FLOPS = 3.5   # the table's attn_fwd_bwd FLOPs over attn_fwd's (its header line)
 
 
@@ -149,20 +152,17 @@ class KernelProfile:
     LinearProfiles (names of :data:`PROFILE_UNITS`), both with their in-stream fixed costs
     already (module docstring), and the host's ``launch_s`` floor.
 
-    ``sustained_fraction`` (0 < f <= 1): the throughput a compute-bound kernel keeps when
-    the device runs for seconds at its power limit, over the short burst its profile was
-    timed in. GEMM and attention prices are divided by it (memory-bound kinds are not:
-    the power limit lowers the SM clock, not the HBM's). On one H100 SXM: 3.3 s of
-    8192³ bf16 GEMMs ran at 679.9 TFLOP/s against 792.9 for a 20 ms burst, the SM clock
-    down from 1980 to 1365 MHz at the 700 W limit — f = 0.857
-    (benchmarks/results/h100-2026-11-26/profile.json); ``hardware calibrate --gpu``
-    measures it (its ``gemm_sustained`` row)."""
+    Prices are burst prices: a GEMM run back to back for seconds slows at the device's
+    power limit (one H100 SXM: 679.9 against 792.9 TFLOP/s, SM clock 1365 against
+    1980 MHz at 700 W; ``hardware calibrate --gpu`` records it as a ``gemm_sustained``
+    row), but inside a real eager step, whose memory-bound kernels draw less power, the
+    GEMMs took 0.97–1.06× their burst prices (micro-batch 1–8,
+    benchmarks/results/h100-2026-11-26/): no sustained factor is applied."""
 
     gemm: GemmProfile | None = None
     kinds: Mapping = field(default_factory=dict)
     launch_s: float = 0.0
     source: str = ""
-    sustained_fraction: float = 1.0
 
     def __post_init__(self):
         unknown = set(self.kinds) - set(PROFILE_UNITS)
@@ -172,9 +172,6 @@ class KernelProfile:
         object.__setattr__(self, "kinds", MappingProxyType(dict(self.kinds)))
         if not (self.launch_s >= 0):
             raise ValueError(f"KernelProfile: launch_s must be >= 0, got {self.launch_s!r}")
-        if not (0 < self.sustained_fraction <= 1):
-            raise ValueError(f"KernelProfile: sustained_fraction must be in (0, 1], got "
-                             f"{self.sustained_fraction!r}")
 
     def stream_time_s(self, kernel: Kernel) -> float | None:
         """``kernel``'s in-stream price from its kind's profile; None where none applies
@@ -183,16 +180,12 @@ class KernelProfile:
             batch, m, k, n = kernel.shape
             if self.gemm is None:
                 return None
-            return self.gemm.time_s(m, k, n, batch) / self.sustained_fraction \
-                if batch and m and k and n else 0.0
+            return self.gemm.time_s(m, k, n, batch) if batch and m and k and n else 0.0
         found = _size(kernel)
         if found is None or found[0] not in self.kinds:
             return None
         name, size = found
-        if not size:
-            return 0.0
-        t = self.kinds[name].time_s(size)
-        return t / self.sustained_fraction if name in _COMPUTE_BOUND else t
+        return self.kinds[name].time_s(size) if size else 0.0
 
     def time_s(self, kernel: Kernel) -> float | None:
         """max(in-stream price, launch interval), or None (see :meth:`stream_time_s`)."""
@@ -222,10 +215,11 @@ class KernelProfile:
         --gpu``): the GEMM profile of its ``gemm`` rows, a profile per kind of its
         :data:`~.kernel_profile.TABLE_OPS` rows (sizes as the table's, module docstring),
         both as measured — in a stream already, nothing removed — with a fixed cost of 0
-        where the rows fit a negative one, the ``launch`` row's interval as the floor, and
-        ``sustained_fraction`` = the ``gemm`` row's seconds over the ``gemm_sustained``
-        row's of the same shape (at most 1; 1 without such a pair).
-        None when the rows hold neither two GEMMs nor two rows of a kind."""
+        where the rows fit a negative one, and the ``launch`` row's interval as the floor
+        (a ``gemm_sustained`` row is a record, not a price: class docstring). A kind whose
+        rows cannot be fitted (a larger size ran faster, or a backward no slower than its
+        forward: noise) gets no profile — the analytic model prices it — and ``source``
+        says so. None when the rows hold neither two GEMMs nor two rows of a kind."""
         return _timings_profile(tuple(kernels), source)
 
 
@@ -236,17 +230,23 @@ def _timings_profile(kernels, source: str) -> "KernelProfile | None":
     for r in kernels:
         if r.kind in TABLE_OPS:
             by_op.setdefault(r.kind, {})[r.dims] = r.seconds
-    kinds = {name: LinearProfile.fit(points, PROFILE_UNITS[name], zero_call=True)
-             for name, points in profile_points(by_op).items()}
+    kinds = {}
+    points = profile_points(by_op)
+    for name, rows in points.items():
+        try:
+            kinds[name] = LinearProfile.fit(rows, PROFILE_UNITS[name], zero_call=True)
+        except ValueError:             # noisy rows: a larger size ran faster
+            pass
+    # kinds measured (their op has rows) that got no profile: too few usable rows (a
+    # backward not above its forward) or rows that fall with size
+    unfit = [name for name, op in _PROFILE_OP.items() if op in by_op and name not in kinds]
+    if unfit:
+        source += f" (no profile for {', '.join(unfit)}: its rows cannot be fitted)"
     gemm = GemmProfile.fit(gemms, source, zero_call=True) if len(gemms) >= 2 else None
     if gemm is None and not kinds:
         return None
     launch = [r.seconds for r in kernels if r.kind == "launch"]
-    burst = {(r.m, r.k, r.n): r.seconds for r in kernels if r.kind == "gemm"}
-    fractions = [min(1.0, burst[(r.m, r.k, r.n)] / r.seconds) for r in kernels
-                 if r.kind == "gemm_sustained" and (r.m, r.k, r.n) in burst]
-    return KernelProfile(gemm, kinds, launch[0] if launch else 0.0, source,
-                         min(fractions, default=1.0))
+    return KernelProfile(gemm, kinds, launch[0] if launch else 0.0, source)
 
 
 def table_rows(table: str = H100_KERNEL_TABLE) -> dict:

@@ -53,7 +53,7 @@ def test_reduce_rows_is_the_group_order_fold(dtype, n, k):
         with np.errstate(all="ignore"):
             reduce_into([want], list(rows), op, n)
             got = np.empty(k, rows.dtype)
-            assert reduce_rows(got, rows, op, n)
+            assert reduce_rows(got, rows, op, n) is got
         assert got.tobytes() == want.tobytes(), (dtype, name, n, k, got, want)
 
 
@@ -61,14 +61,14 @@ def test_reduce_rows_fold_differs_from_pairwise_reduce():
     """The case the fold guards against: numpy's pairwise sum of 16 float32 values."""
     rows = _descriptor_rows(_values(np.random.default_rng(2), "float32", 16, 1))
     got = np.empty(1, np.float32)
-    assert reduce_rows(got, rows, ReduceOp.SUM, 16)
+    assert reduce_rows(got, rows, ReduceOp.SUM, 16) is got
     assert got.tobytes() != np.add.reduce(rows, axis=0).tobytes()
 
 
 def test_reduce_rows_leaves_complex_to_the_fold():
     rows = _descriptor_rows(np.ones((3, 2), np.complex64))
     got = np.zeros(2, np.complex64)
-    assert not reduce_rows(got, rows, ReduceOp.PROD, 3)
+    assert reduce_rows(got, rows, ReduceOp.PROD, 3) is None
     assert (got == 0).all()
 
 

@@ -58,7 +58,8 @@ class ReduceOp(Enum):
     @classmethod
     def parse(cls, op, dtype: np.dtype) -> "ReduceOp":
         try:
-            parsed = op if isinstance(op, ReduceOp) else cls(str(op).lower())
+            parsed = op if isinstance(op, ReduceOp) else \
+                (type(op) is str and _BY_NAME.get(op)) or cls(str(op).lower())
         except ValueError:
             raise ValueError(f"op must be one of {[o.value for o in cls]}, got {op!r}") from None
         if parsed is cls.AVG and not np.issubdtype(dtype, np.inexact):
@@ -78,6 +79,7 @@ _UFUNCS = MappingProxyType({ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
                             ReduceOp.PROD: np.multiply, ReduceOp.MAX: np.maximum,
                             ReduceOp.MIN: np.minimum})
 _CODES = MappingProxyType({op: i + 1 for i, op in enumerate(ReduceOp)})
+_BY_NAME = MappingProxyType({op.value: op for op in ReduceOp})   # "sum" -> SUM, without Enum lookup
 
 
 def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp,
@@ -111,24 +113,28 @@ def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp
             np.copyto(part(d), tmp)
 
 
-def reduce_rows(res: np.ndarray, rows: np.ndarray, op: ReduceOp, divisor: int) -> bool:
+def reduce_rows(res: np.ndarray | None, rows: np.ndarray, op: ReduceOp,
+                divisor: int) -> np.ndarray | None:
     """res = (((rows[0] op rows[1]) op rows[2]) ... ) [/ divisor], in one numpy call.
 
     ``ufunc.accumulate`` along axis 0 computes ``acc[i] = acc[i-1] op rows[i]``, strictly in
     row order, with the same elementwise loop as ``reduce_into``'s left fold, so the result
     is bit for bit the same (``ufunc.reduce`` is not: it may sum a contiguous axis
     pairwise). Complex products are the exception (numpy's binary loop may fuse
-    multiply-adds where accumulate does not): for complex dtypes nothing is done and False
+    multiply-adds where accumulate does not): for complex dtypes nothing is done and None
     returned, and the caller folds with ``reduce_into``. ``rows``: (members, elements),
-    host memory; ``res``: any array of rows.shape[1] elements.
+    host memory; ``res``: any array of rows.shape[1] elements, or None for a new 1-D one.
+    Returns the result.
     """
     if rows.dtype.kind == "c":
-        return False
-    acc = op.ufunc.accumulate(rows, axis=0, dtype=rows.dtype)[-1]   # (elements,)
+        return None
+    acc = op.ufunc.accumulate(rows, axis=0, dtype=rows.dtype)[-1].copy()   # (elements,)
     if op is ReduceOp.AVG:
         np.true_divide(acc, divisor, out=acc, casting="unsafe")
+    if res is None:
+        return acc
     np.copyto(res, acc.reshape(res.shape))
-    return True
+    return res
 
 
 def split_bounds(n_items: int, parts: int) -> list[tuple[int, int]]:

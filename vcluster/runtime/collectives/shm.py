@@ -55,13 +55,18 @@ def _result(call: GroupCall, out, shape, dtype, resident: bool) -> np.ndarray:
     return out if out is not None else call.alloc(shape, dtype, resident)
 
 
-def _reduce_inline(call: GroupCall, res, x, op: ReduceOp, n: int) -> None:
-    """res = the group-order fold of every member's inline input (phase 1 reached)."""
+def _reduce_inline(call: GroupCall, out, x, op: ReduceOp, n: int):
+    """The group-order fold of every member's inline input (phase 1 reached), in ``out``
+    when given."""
     rows = call.inline_inputs(x.dtype, x.size)          # (n, size), group order
     call.inline = True
-    if type(rows) is np.ndarray and reduce_rows(res, rows, op, n):
-        return
+    if type(rows) is np.ndarray:                        # host memory: one numpy call
+        res = reduce_rows(out, rows, op, n)
+        if res is not None:
+            return res if out is not None else res.reshape(x.shape)
+    res = _result(call, out, x.shape, x.dtype, False)
     _reduce_to(res, list(rows), op, n)
+    return res
 
 
 def _reduce_to(res: np.ndarray, sources: list[np.ndarray], op: ReduceOp, n: int) -> None:
@@ -82,9 +87,7 @@ def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
         call.wait_all(1)
         _agree(call, x.dtype, x.shape, op.code)
         call.count_received_from_all(x.nbytes)
-        res = _result(call, out, x.shape, x.dtype, False)
-        _reduce_inline(call, res, x, op, n)
-        return res
+        return _reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = out if out is not None and arena.offset_of(out) is not None else \
         call.alloc(x.shape, x.dtype, True)
@@ -118,9 +121,7 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
             return None
         for m in g.members:
             call.count_received(m, x.nbytes)
-        res = _result(call, out, x.shape, x.dtype, False)
-        _reduce_inline(call, res, x, op, n)
-        return res
+        return _reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = None
     if is_root:

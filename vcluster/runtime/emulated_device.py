@@ -291,8 +291,7 @@ class EmulatedDevice:
                     res = _RUNNERS[(name, alg)](call, x_in, out_in, **args)
                 call.finish()
                 self._link_delay(group.members, start)
-                self._recorder.record_later(CommEvent.from_counts,
-                                            call.event_args(nbytes, start, time.perf_counter()))
+                self._recorder.record_later(*call.event_later(nbytes, start, time.perf_counter()))
             if out is not None and out_in is None and res is not None:
                 out[...] = self._device(res)
                 return out

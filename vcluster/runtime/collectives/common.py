@@ -137,6 +137,21 @@ def reduce_rows(res: np.ndarray | None, rows: np.ndarray, op: ReduceOp,
     return res
 
 
+def _from_all(rank: int, members: tuple, nbytes: int) -> dict:
+    """peer -> [nbytes, 1 message] for every member but ``rank``."""
+    return {m: [nbytes, 1] for m in members if m != rank}
+
+
+def _call_event(rank: int, collective: str, members: tuple, algorithm: str, nbytes: int,
+                sent: dict, received: dict, received_from_all: int, seq: int, start: float,
+                end: float, transport: str) -> CommEvent:
+    """A collective call's :class:`CommEvent` from its counts (``GroupCall.event_later``)."""
+    if received_from_all >= 0:
+        received = {**received, **_from_all(rank, members, received_from_all)}
+    return CommEvent.from_counts(rank, collective, members, algorithm, nbytes, sent, received,
+                                 seq, start, end, transport)
+
+
 def split_bounds(n_items: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) of ``parts`` nearly equal pieces (the first n_items % parts get one more)."""
     base, extra = divmod(n_items, parts)
@@ -188,6 +203,7 @@ class GroupCall:
         self.me = group.position
         self.sent: dict[int, list[int]] = {}       # peer -> [bytes, messages]
         self.received: dict[int, list[int]] = {}
+        self._received_from_all = -1    # >= 0: bytes read from every other member, once
         self._keep: list[np.ndarray] = []   # staging blocks alive until the call ends
 
     # --- accounting -----------------------------------------------------------------
@@ -199,18 +215,19 @@ class GroupCall:
 
     def count_received(self, peer: int, nbytes: int, messages: int = 1) -> None:
         if peer != self.f.rank:
+            if self._received_from_all >= 0:
+                self._spell_out_received()
             entry = self.received.setdefault(peer, [0, 0])
             entry[0] += int(nbytes)
             entry[1] += messages
 
-    def event(self, nbytes: int, start: float, end: float) -> CommEvent:
-        return CommEvent.from_counts(*self.event_args(nbytes, start, end))
-
-    def event_args(self, nbytes: int, start: float, end: float) -> tuple:
-        """The arguments of ``CommEvent.from_counts`` for this call (the recorder builds
-        the event when it is read; the counts are not touched after the call ends)."""
-        return (self.f.rank, self.collective, self.group.members, self.algorithm, nbytes,
-                self.sent, self.received, self.seq, start, end, self.space.name)
+    def event_later(self, nbytes: int, start: float, end: float) -> tuple:
+        """(build, args): ``build(*args)`` is this call's :class:`CommEvent`, for the
+        recorder to build when it is read (the counts are not touched after the call
+        ends). A call that read every member once keeps that as one number until then."""
+        return _call_event, (self.f.rank, self.collective, self.group.members,
+                             self.algorithm, nbytes, self.sent, self.received,
+                             self._received_from_all, self.seq, start, end, self.space.name)
 
     # --- descriptors ----------------------------------------------------------------
     def _row(self, member: int) -> np.ndarray:
@@ -308,9 +325,14 @@ class GroupCall:
         return self.space.from_host(self._rows[:, D.INLINE:].view(np.uint8)[:, :nbytes].view(dtype))
 
     def count_received_from_all(self, nbytes: int) -> None:
-        for m in self.group.members:
-            if m != self.f.rank:
-                self.received[m] = [int(nbytes), 1]
+        """``nbytes`` in one message from every other member (the entries are spelled
+        out when the event is built, or before another count)."""
+        self._received_from_all = int(nbytes)
+
+    def _spell_out_received(self) -> None:
+        self.received.update(_from_all(self.f.rank, self.group.members,
+                                       self._received_from_all))
+        self._received_from_all = -1
 
     def peer_input(self, member: int) -> np.ndarray:
         dtype, shape, nbytes, _ = self.peer_meta(member)

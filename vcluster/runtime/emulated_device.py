@@ -122,6 +122,7 @@ class EmulatedDevice:
         self._settings = settings
         self._groups: dict = {}
         self._seq = [0] * (1 << len(mesh.axes))
+        self._seen = [0] * len(self._seq)    # per slot: progress every member reached
         self._run_base = list(self._seq)
         self._queue = CommQueue(rank)
         self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
@@ -251,6 +252,7 @@ class EmulatedDevice:
     def reset(self) -> None:
         """Forget call numbers (the host zeroes the shared counters at the same time)."""
         self._seq = [0] * len(self._seq)
+        self._seen = [0] * len(self._seq)
         self._posted_recvs = {}
         self._run_base = list(self._seq)
 
@@ -276,20 +278,20 @@ class EmulatedDevice:
                 space, alloc = self._host_space, self._alloc
             if alg == "local":
                 res = _local(name, x_in, out_in, **args)
-                event = CommEvent(self.rank, name, group.members, alg, nbytes, (), (), 0,
-                                  start, time.perf_counter(), space.name)
+                self._recorder.record(CommEvent(self.rank, name, group.members, alg, nbytes,
+                                                (), (), 0, start, time.perf_counter(),
+                                                space.name))
             else:
                 self._seq[group.slot] += 1
                 call = GroupCall(self._f, self._channel, group, self._seq[group.slot], name,
-                                 alg, alloc, self._run_base[group.slot], space)
+                                 alg, alloc, self._run_base[group.slot], space, self._seen)
                 if name == "barrier":
                     res = C.shm.barrier(call)
                 else:
                     res = _RUNNERS[(name, alg)](call, x_in, out_in, **args)
                 call.finish()
                 self._link_delay(group.members, start)
-                event = call.event(nbytes, start, time.perf_counter())
-            self._recorder.record(event)
+                self._recorder.record_later(*call.event_later(nbytes, start, time.perf_counter()))
             if out is not None and out_in is None and res is not None:
                 out[...] = self._device(res)
                 return out

@@ -88,5 +88,19 @@ class CommEvent(PeerTotals):
     def duration_s(self) -> float:
         return self.end - self.start
 
+    @classmethod
+    def from_counts(cls, rank: int, collective: str, group: tuple[int, ...], algorithm: str,
+                    nbytes: int, sent: dict, received: dict, tag: int, start: float,
+                    end: float, transport: str = "host") -> "CommEvent":
+        """The event of a call that counted ``sent``/``received`` as peer -> [bytes,
+        messages] (what a collective accumulates while it runs), pairs sorted by peer."""
+        return cls(rank, collective, group, algorithm, int(nbytes), _pairs(sent),
+                   _pairs(received), tag, start, end, transport)
+
+
+def _pairs(counts: dict) -> tuple:
+    """((peer, bytes, messages), ...) sorted by peer, from peer -> [bytes, messages]."""
+    return tuple((p, b, m) for p, (b, m) in sorted(counts.items()))
+
 
 Event = ComputeEvent | CommEvent

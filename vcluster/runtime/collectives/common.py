@@ -22,8 +22,8 @@ from ..device_memory import HostSpace
 from ..fabric import Fabric
 from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
 
-__all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "split_bounds",
-           "scaled_shape"]
+__all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "reduce_rows",
+           "split_bounds", "scaled_shape"]
 
 OP_CODES = MappingProxyType({"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3,
                              "all_to_all": 4, "broadcast": 5, "scatter": 6, "gather": 7,
@@ -58,7 +58,8 @@ class ReduceOp(Enum):
     @classmethod
     def parse(cls, op, dtype: np.dtype) -> "ReduceOp":
         try:
-            parsed = op if isinstance(op, ReduceOp) else cls(str(op).lower())
+            parsed = op if isinstance(op, ReduceOp) else \
+                (type(op) is str and _BY_NAME.get(op)) or cls(str(op).lower())
         except ValueError:
             raise ValueError(f"op must be one of {[o.value for o in cls]}, got {op!r}") from None
         if parsed is cls.AVG and not np.issubdtype(dtype, np.inexact):
@@ -78,6 +79,7 @@ _UFUNCS = MappingProxyType({ReduceOp.SUM: np.add, ReduceOp.AVG: np.add,
                             ReduceOp.PROD: np.multiply, ReduceOp.MAX: np.maximum,
                             ReduceOp.MIN: np.minimum})
 _CODES = MappingProxyType({op: i + 1 for i, op in enumerate(ReduceOp)})
+_BY_NAME = MappingProxyType({op.value: op for op in ReduceOp})   # "sum" -> SUM, without Enum lookup
 
 
 def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp,
@@ -109,6 +111,45 @@ def reduce_into(dests: list[np.ndarray], sources: list[np.ndarray], op: ReduceOp
             np.true_divide(tmp, divisor, out=tmp, casting="unsafe")
         for d in dests:
             np.copyto(part(d), tmp)
+
+
+def reduce_rows(res: np.ndarray | None, rows: np.ndarray, op: ReduceOp,
+                divisor: int) -> np.ndarray | None:
+    """res = (((rows[0] op rows[1]) op rows[2]) ... ) [/ divisor], in one numpy call.
+
+    ``ufunc.accumulate`` along axis 0 computes ``acc[i] = acc[i-1] op rows[i]``, strictly in
+    row order, with the same elementwise loop as ``reduce_into``'s left fold, so the result
+    is bit for bit the same (``ufunc.reduce`` is not: it may sum a contiguous axis
+    pairwise). Complex products are the exception (numpy's binary loop may fuse
+    multiply-adds where accumulate does not): for complex dtypes nothing is done and None
+    returned, and the caller folds with ``reduce_into``. ``rows``: (members, elements),
+    host memory; ``res``: any array of rows.shape[1] elements, or None for a new 1-D one.
+    Returns the result.
+    """
+    if rows.dtype.kind == "c":
+        return None
+    acc = op.ufunc.accumulate(rows, axis=0, dtype=rows.dtype)[-1].copy()   # (elements,)
+    if op is ReduceOp.AVG:
+        np.true_divide(acc, divisor, out=acc, casting="unsafe")
+    if res is None:
+        return acc
+    np.copyto(res, acc.reshape(res.shape))
+    return res
+
+
+def _from_all(rank: int, members: tuple, nbytes: int) -> dict:
+    """peer -> [nbytes, 1 message] for every member but ``rank``."""
+    return {m: [nbytes, 1] for m in members if m != rank}
+
+
+def _call_event(rank: int, collective: str, members: tuple, algorithm: str, nbytes: int,
+                sent: dict, received: dict, received_from_all: int, seq: int, start: float,
+                end: float, transport: str) -> CommEvent:
+    """A collective call's :class:`CommEvent` from its counts (``GroupCall.event_later``)."""
+    if received_from_all >= 0:
+        received = {**received, **_from_all(rank, members, received_from_all)}
+    return CommEvent.from_counts(rank, collective, members, algorithm, nbytes, sent, received,
+                                 seq, start, end, transport)
 
 
 def split_bounds(n_items: int, parts: int) -> list[tuple[int, int]]:
@@ -143,8 +184,14 @@ class GroupCall:
     """One member's side of one collective call: descriptors, phases, byte accounting."""
 
     def __init__(self, fabric: Fabric, channel, group: Group, seq: int, collective: str,
-                 algorithm: str, alloc, run_base: int = 0, space=None):
+                 algorithm: str, alloc, run_base: int = 0, space=None,
+                 seen: list[int] | None = None):
         self.f, self.channel, self.group, self.seq = fabric, channel, group, seq
+        # seen[slot]: a progress value every member of this slot's group is known to have
+        # reached (this member waited for it), kept by the device across calls; progress
+        # only grows (until a reset, which zeroes both), so it stays a lower bound
+        self.seen = seen if seen is not None else [0] * (group.slot + 1)
+        self.inline = False     # set once every input was copied out of the descriptors
         # where buffers live (vcluster.runtime.device_memory): the host's arenas, or
         # device memory the peers read in place
         self.space = space if space is not None else HostSpace(fabric.arenas)
@@ -156,6 +203,7 @@ class GroupCall:
         self.me = group.position
         self.sent: dict[int, list[int]] = {}       # peer -> [bytes, messages]
         self.received: dict[int, list[int]] = {}
+        self._received_from_all = -1    # >= 0: bytes read from every other member, once
         self._keep: list[np.ndarray] = []   # staging blocks alive until the call ends
 
     # --- accounting -----------------------------------------------------------------
@@ -167,16 +215,19 @@ class GroupCall:
 
     def count_received(self, peer: int, nbytes: int, messages: int = 1) -> None:
         if peer != self.f.rank:
+            if self._received_from_all >= 0:
+                self._spell_out_received()
             entry = self.received.setdefault(peer, [0, 0])
             entry[0] += int(nbytes)
             entry[1] += messages
 
-    def event(self, nbytes: int, start: float, end: float) -> CommEvent:
-        def pairs(d):
-            return tuple((p, b, m) for p, (b, m) in sorted(d.items()))
-        return CommEvent(self.f.rank, self.collective, self.group.members, self.algorithm,
-                         int(nbytes), pairs(self.sent), pairs(self.received), self.seq,
-                         start, end, self.space.name)
+    def event_later(self, nbytes: int, start: float, end: float) -> tuple:
+        """(build, args): ``build(*args)`` is this call's :class:`CommEvent`, for the
+        recorder to build when it is read (the counts are not touched after the call
+        ends). A call that read every member once keeps that as one number until then."""
+        return _call_event, (self.f.rank, self.collective, self.group.members,
+                             self.algorithm, nbytes, self.sent, self.received,
+                             self._received_from_all, self.seq, start, end, self.space.name)
 
     # --- descriptors ----------------------------------------------------------------
     def _row(self, member: int) -> np.ndarray:
@@ -199,9 +250,12 @@ class GroupCall:
 
         The descriptor slot of parity s mod 2 was last used by call s - 2; every member
         must be done with that call (progress >= 4 (s - 2) + 2) before it is rewritten.
+        No wait when this member already saw every member get that far (``seen``): after
+        an shm call s - 1 it saw 4 (s - 1) + 1 >= 4 (s - 2) + 2 from each.
         """
-        if self.seq > 2:
-            self._wait_members(4 * (self.seq - 2) + 2, "to finish call #%d" % (self.number - 2))
+        target = 4 * (self.seq - 2) + 2
+        if self.seq > 2 and self.seen[self.group.slot] < target:
+            self._wait_members(target, "to finish call #%d" % (self.number - 2))
         row = self._row(self.f.rank)
         if array is None:
             row[:D.NBYTES + 1] = [self.seq, self.op_code, 0, 0] + [0] * MAX_NDIM + [0, 0, -1]
@@ -231,11 +285,16 @@ class GroupCall:
         """Copy every member's descriptor once phase 1 is reached; check they match.
 
         Reading one copy costs one numpy call instead of several per member, and inline
-        payloads stay valid in the copy however far the peers run ahead.
+        payloads stay valid in the copy however far the peers run ahead. The check
+        compares the bytes of the (members, [seq, op]) block with n copies of this
+        member's own (seq, op) words, which ``publish`` wrote; only a mismatch walks the
+        members to name the first one that differs.
         """
         f, g = self.f, self.group
-        self._rows = f.desc[list(g.members), g.slot, self.seq % 2]
-        self._headers = self._rows[:, :D.INLINE].tolist()
+        self._rows = rows = f.desc[g.members, g.slot, self.seq % 2]   # (members, DESC_WORDS)
+        self._header_list = None
+        if rows[:, :D.OP + 1].tobytes() == rows[self.me, :D.OP + 1].tobytes() * g.size:
+            return
         for member, h in zip(g.members, self._headers):
             if h[D.SEQ] != self.seq or h[D.OP] != self.op_code:
                 theirs = _OP_NAMES.get(h[D.OP], f"op {h[D.OP]}")
@@ -243,6 +302,14 @@ class GroupCall:
                     f"rank {f.rank} called {self.collective} (call #{self.number} over axes "
                     f"{g.axes}, group {g.members}) but rank {member} called {theirs} "
                     f"(call #{h[D.SEQ] - self.run_base}) at that point")
+
+    @property
+    def _headers(self) -> list[list[int]]:
+        """The members' descriptor headers (words before the inline payload) as lists,
+        read from the snapshot on first use."""
+        if self._header_list is None:
+            self._header_list = self._rows[:, :D.INLINE].tolist()
+        return self._header_list
 
     def peer_meta(self, member: int) -> tuple[np.dtype | None, tuple, int, int]:
         """(dtype, shape, nbytes, arg) that ``member`` published for this call."""
@@ -258,9 +325,14 @@ class GroupCall:
         return self.space.from_host(self._rows[:, D.INLINE:].view(np.uint8)[:, :nbytes].view(dtype))
 
     def count_received_from_all(self, nbytes: int) -> None:
-        for m in self.group.members:
-            if m != self.f.rank:
-                self.received[m] = [int(nbytes), 1]
+        """``nbytes`` in one message from every other member (the entries are spelled
+        out when the event is built, or before another count)."""
+        self._received_from_all = int(nbytes)
+
+    def _spell_out_received(self) -> None:
+        self.received.update(_from_all(self.f.rank, self.group.members,
+                                       self._received_from_all))
+        self._received_from_all = -1
 
     def peer_input(self, member: int) -> np.ndarray:
         dtype, shape, nbytes, _ = self.peer_meta(member)
@@ -281,8 +353,19 @@ class GroupCall:
         return all(h[D.NBYTES] <= INLINE_BYTES for h in self._headers)
 
     def check_agree_all(self, dtype, shape, arg) -> None:
-        """Every member published this dtype, shape and argument."""
+        """Every member published this dtype, shape and argument.
+
+        The bytes of the (members, [dtype, ndim, shape words]) block and of the argument
+        column are compared with n copies of the expected words: ``publish`` zero-fills
+        the shape words past ndim, so equal words are equal (dtype, shape). Only a
+        mismatch walks the members to name one.
+        """
         mine = [encode_dtype(dtype), len(shape), *shape]
+        rows, n = self._rows, self.group.size
+        expected = np.array(mine + [0] * (MAX_NDIM - len(shape)) + [arg], np.int64).tobytes()
+        if (rows[:, D.DTYPE:D.IN_OWNER].tobytes() == expected[:-8] * n
+                and rows[:, D.ARG].tobytes() == expected[-8:] * n):
+            return
         for member, h in zip(self.group.members, self._headers):
             if h[D.DTYPE:D.SHAPE + len(shape)] != mine or h[D.ARG] != arg:
                 theirs = self.peer_meta(member)
@@ -311,7 +394,10 @@ class GroupCall:
     def wait_all(self, phase: int) -> None:
         """Wait until every member has arrived at ``phase`` of this call (after phase 1
         the members' descriptors are read)."""
-        self._wait_members(4 * self.seq + phase, "")
+        target = 4 * self.seq + phase
+        self._wait_members(target, "")
+        if self.seen[self.group.slot] < target:
+            self.seen[self.group.slot] = target
         if phase == 1:
             self._snapshot()
 
@@ -340,10 +426,23 @@ class GroupCall:
         f.wait(blocker, describe)
 
     def finish(self) -> None:
-        """Mark the call done on this member (phase 2) and drop staging buffers."""
+        """Mark the call done on this member (phase 2) and drop staging buffers.
+
+        An ``inline`` call (every member's input copied out of the descriptor snapshot,
+        no peer buffer touched) writes phase 2 without the futex wake, as nobody can
+        need it: only call s + 2's ``publish`` waits for 4 s + 2 from this member. If
+        call s + 1 on this slot is an shm call, a peer there has already seen this
+        member's 4 (s + 1) + 1 and does not sleep; if it is a message algorithm, its
+        ``finish`` writes 4 (s + 1) + 2 and wakes the word — before the peer could use
+        the wake anyway, since its call s + 2 cannot end before this member publishes
+        call s + 2, after call s + 1.
+        """
         f, me, slot = self.f, self.f.rank, self.group.slot
         if f.progress[me, slot] < 4 * self.seq + 2:
-            self.arrive(2)
+            if self.inline:
+                f.progress[me, slot] = 4 * self.seq + 2
+            else:
+                self.arrive(2)
         self._keep.clear()
 
     # --- messages (for ring, tree and pairwise algorithms) ---------------------------

@@ -5,7 +5,9 @@ reads what it needs straight from its peers' arenas — or, for the reductions, 
 own 1/n chunk of every member's input and writes the result into every member's output —
 and finally waits until all are done (phase 2) so nobody reuses a buffer still being
 read. When every member's input fits inline in its descriptor (<= 512 B) the data is
-copied out of the control segment and phase 2 is skipped.
+copied out of the control segment and phase 2 is skipped (``GroupCall.inline``: phase 2
+is written without a wake-up). An inline reduction is one ``ufunc.accumulate`` over the
+(members, elements) block of the snapshot (:func:`~.common.reduce_rows`).
 
 Per device, with n members and |x| the input bytes (reductions: chunks of |x|/n):
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layout import INLINE_BYTES
-from .common import GroupCall, ReduceOp, reduce_into, scaled_shape, split_bounds
+from .common import GroupCall, ReduceOp, reduce_into, reduce_rows, scaled_shape, split_bounds
 
 __all__ = ["all_reduce", "reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
            "scatter", "gather", "barrier"]
@@ -42,13 +44,29 @@ def _agree(call: GroupCall, dtype, shape, arg) -> None:
 
 
 def _done(call: GroupCall) -> None:
-    if not call.all_inline():
+    if call.all_inline():
+        call.inline = True
+    else:
         call.arrive(2)
         call.wait_all(2)
 
 
 def _result(call: GroupCall, out, shape, dtype, resident: bool) -> np.ndarray:
     return out if out is not None else call.alloc(shape, dtype, resident)
+
+
+def _reduce_inline(call: GroupCall, out, x, op: ReduceOp, n: int):
+    """The group-order fold of every member's inline input (phase 1 reached), in ``out``
+    when given."""
+    rows = call.inline_inputs(x.dtype, x.size)          # (n, size), group order
+    call.inline = True
+    if type(rows) is np.ndarray:                        # host memory: one numpy call
+        res = reduce_rows(out, rows, op, n)
+        if res is not None:
+            return res if out is not None else res.reshape(x.shape)
+    res = _result(call, out, x.shape, x.dtype, False)
+    _reduce_to(res, list(rows), op, n)
+    return res
 
 
 def _reduce_to(res: np.ndarray, sources: list[np.ndarray], op: ReduceOp, n: int) -> None:
@@ -68,11 +86,8 @@ def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
         call.publish(x, arg=op.code)
         call.wait_all(1)
         _agree(call, x.dtype, x.shape, op.code)
-        rows = call.inline_inputs(x.dtype, x.size)          # (n, size), group order
         call.count_received_from_all(x.nbytes)
-        res = _result(call, out, x.shape, x.dtype, False)
-        _reduce_to(res, list(rows), op, n)
-        return res
+        return _reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = out if out is not None and arena.offset_of(out) is not None else \
         call.alloc(x.shape, x.dtype, True)
@@ -102,12 +117,11 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
         call.wait_all(1)
         _agree(call, x.dtype, x.shape, op.code * 4096 + root)
         if not is_root:
+            call.inline = True
             return None
         for m in g.members:
             call.count_received(m, x.nbytes)
-        res = _result(call, out, x.shape, x.dtype, False)
-        _reduce_to(res, [call.peer_input(m).reshape(-1) for m in g.members], op, n)
-        return res
+        return _reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = None
     if is_root:
@@ -243,6 +257,5 @@ def gather(call: GroupCall, x: np.ndarray, out, root: int, dim: int):
 
 def barrier(call: GroupCall) -> None:
     call.publish(None)
-    call.wait_all(1)
-    for m in call.group.members:
-        call.peer_meta(m)   # raises CollectiveMismatch if a member called something else
+    call.wait_all(1)        # raises CollectiveMismatch if a member called something else
+    call.inline = True

@@ -138,6 +138,26 @@ def test_training_equals_reference(clusters, reference, mesh, schedule, b, extra
     assert ref.losses[-1] < ref.losses[0]
 
 
+def test_training_on_64_devices_equals_reference():
+    """tp 2 x pp 4 x dp 8 (issue 30): 64 device processes on this machine train one step
+    of the tiny GPT (4 micro-batches per replica, 1F1B) and land where the single-process
+    reference does."""
+    from vcluster import VirtualCluster
+    gpt = GPT(CFG, seed=1)
+    tokens, targets = _data(batch=32)
+    ref = gpt.fit_reference(tokens, targets, steps=1, optimizer="sgd", lr=LR)
+    mesh = _mesh("dp8 pp4 tp2")
+    with VirtualCluster(mesh, timeout_s=60.0, run_timeout_s=600.0) as cluster:
+        run = gpt.fit(cluster, tokens, targets, steps=1, optimizer="sgd", lr=LR,
+                      parallel=_parallel(mesh, global_batch=32, micro_batch=1))
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
+    for name in ref.params:
+        np.testing.assert_allclose(run.grads[name], ref.grads[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+        np.testing.assert_allclose(run.params[name], ref.params[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+
+
 def test_recomputation_keeps_fewer_activations(clusters, reference):
     gpt, tokens, targets, _, _ = reference
     mesh = _mesh("pp2 tp2")

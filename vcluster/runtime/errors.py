@@ -27,8 +27,22 @@ class DeviceProgramError(VClusterError):
         others = {r: e for r, e in errors.items() if r != rank}
         also = ""
         if others:
-            also = "\nother ranks: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(others.items()))
+            by_error: dict = {}
+            for r, e in sorted(others.items()):
+                by_error.setdefault(e, []).append(r)
+            also = "\nother ranks: " + "; ".join(
+                f"{_ranks_text(rs)}: {e}" for e, rs in by_error.items())
         super().__init__(f"rank {rank} raised in {fn_name}:\n{remote_traceback.rstrip()}{also}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] -> "ranks 1-3, 5" (sorted ranks; "rank 4" for one)."""
+    runs, start = [], ranks[0]
+    for prev, r in zip(ranks, ranks[1:] + [None]):
+        if r is None or r != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(runs)
 
 
 class DeviceLostError(VClusterError):

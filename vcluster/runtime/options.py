@@ -9,6 +9,7 @@ from mesh import Mesh
 
 from .algorithm import AlgorithmSettings
 from .arrays import ARRAY_MODULES
+from .capacity import check_capacity, memory_available_bytes, open_files_limit
 from .cores import usable_cores
 from .device_memory import TRANSPORTS
 
@@ -59,6 +60,9 @@ class ClusterOptions:
           when there are more devices than cores (a device's own thread is the floor).
         * ``transport``: ``auto`` is ``ipc`` on the device modules (collectives on device
           arrays read peers' device memory in place) and ``host`` on numpy.
+
+        Before anything starts, the machine must hold ``mesh.size`` device processes
+        (open files and memory: :func:`~.capacity.check_capacity`).
         """
         if not isinstance(mesh, Mesh):
             raise TypeError(f"VirtualCluster: mesh must be a mesh.Mesh, got {type(mesh).__name__}")
@@ -75,6 +79,7 @@ class ClusterOptions:
         if wait not in _WAITS:
             raise ValueError(f"VirtualCluster: wait must be one of {_WAITS}, got {wait!r}")
         n = mesh.size
+        check_capacity(n, memory_available_bytes(), open_files_limit())
         if arena_bytes is None:
             arena_bytes = DEFAULT_ARENA_BYTES
             if shm_free_bytes is not None:

@@ -18,25 +18,13 @@ from pipeline_parallel.checkpoint import list_checkpoints, load_checkpoint, para
 from vcluster import VirtualCluster
 from vcluster.runtime.segments import list_segments
 
+from .processes import alive as _alive
+from .processes import wait_dead as _wait_dead
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES, BATCH, STEPS = [8, 32, 32, 32, 4], 32, 120   # ~60 ms a step: a run of ~7 s
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _wait_dead(pids, timeout_s=10.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _data():

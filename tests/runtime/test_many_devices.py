@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,8 @@ from vcluster import VirtualCluster
 from vcluster.runtime.capacity import BYTES_PER_DEVICE, check_capacity
 from vcluster.runtime.segments import list_segments
 from vcluster.runtime.wire import readable, send_msg
+
+from .processes import wait_dead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,14 +53,6 @@ def _every_collective(dev, n):
     return got
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 @pytest.mark.slow
 def test_256_devices_run_every_collective_and_leave_nothing():
     n = 256
@@ -79,10 +72,7 @@ def test_256_devices_run_every_collective_and_leave_nothing():
             assert got["gather"] is None and got["reduce"] is None
         if r % 2:
             assert got["recv"] == float(r - 1)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "device processes outlived the cluster"
+    assert wait_dead(pids) == [], "device processes outlived the cluster"
     assert not [s for s in list_segments() if s.split("-")[1] == str(os.getpid())]
 
 

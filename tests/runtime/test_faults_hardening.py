@@ -18,7 +18,6 @@ from pipeline_parallel.checkpoint import list_checkpoints, load_checkpoint, para
 from vcluster import VirtualCluster
 from vcluster.runtime.segments import list_segments
 
-from .processes import alive as _alive
 from .processes import wait_dead as _wait_dead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

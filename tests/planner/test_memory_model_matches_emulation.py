@@ -127,17 +127,22 @@ def test_policies_bytes_per_parameter():
 
 
 def test_megatron_is_the_default_and_torch_amp_moves_bytes_from_optimizer_to_weights():
+    """torch_amp: fp32 weights (2x Megatron's bf16), 8 of Megatron's 12 optimizer bytes,
+    the same fp32 gradients (1F1B with m > in flight: they coexist with the activations),
+    and its own count of what PyTorch saves (tests/planner/test_torch_amp_memory.py)."""
+    from vcluster.planner.memory import torch_amp_activation_bytes
     par = ParallelConfig(global_batch=8, micro_batch=2, pp=2, tp=2)
     sched = gpt_schedule(par)
     default = gpt_memory(BIG, par, sched)
     assert default == gpt_memory(BIG, par, sched, precision="megatron")
     amp = gpt_memory(BIG, par, sched, precision="torch_amp")
-    for d, a in zip(default, amp):
+    for r, (d, a) in enumerate(zip(default, amp)):
         assert a.params_bytes == pytest.approx(2 * d.params_bytes, abs=2)
         assert a.optimizer_bytes == pytest.approx(d.optimizer_bytes * 8 / 12, abs=2)
-        assert (a.grads_bytes, a.activations_bytes, a.logits_bytes) == \
-            (d.grads_bytes, d.activations_bytes, d.logits_bytes)
-        assert a.total_bytes < d.total_bytes       # 16 < 18 bytes per parameter
+        assert a.grads_bytes == d.grads_bytes
+        per_mb, logits = torch_amp_activation_bytes(BIG, par, r)
+        assert a.activations_bytes == int((2 - r) * per_mb)       # min(m, p - r) in flight
+        assert a.logits_bytes == int(12 * logits)                 # 0 off the last stage
 
 
 def test_bad_policies_are_refused_by_name():
@@ -177,8 +182,10 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
 
 
 def test_plan_gpt_precision_flag(tmp_path, capsys):
-    """plan gpt --precision: PyTorch AMP's 16 bytes a parameter fit where Megatron's 18
-    do not; the JSON and the header say which; a bad name is refused."""
+    """plan gpt --precision: each candidate's peak is the chosen policy's model (PyTorch
+    AMP: 16 bytes a parameter, its own activation count, per-step gradients); the JSON and
+    the header say which; a bad name is refused."""
+    from vcluster.planner.screen import peak_memory_bytes
     cli = ["plan", "gpt", "--hidden", "1024", "--layers", "12", "--heads", "16", "--seq",
            "512", "--vocab", "32000", "--gpus", "8", "--global-batch", "64", "--quiet",
            "--replay", "0"]
@@ -190,12 +197,19 @@ def test_plan_gpt_precision_flag(tmp_path, capsys):
         assert docs[name]["precision"] == name
         assert f"memory in {name} precision" in capsys.readouterr().out
     peak = {n: {(c["tp"], c["pp"], c["dp"], c["micro_batch"], c["schedule"], c["recompute"],
-                 c["sequence_parallel"], c["zero_stage"]): c["peak_memory_gb"]
+                 c["sequence_parallel"], c["zero_stage"], c["virtual_stages"]):
+                c["peak_memory_gb"]
                 for c in d["candidates"]} for n, d in docs.items()}
-    # without ZeRO 16 < 18 bytes a parameter (with ZeRO-1 AMP's 8 + 8/dp passes
-    # Megatron's 6 + 12/dp from dp = 3 on: fp32 weights are not sharded)
-    both = {k for k in peak["megatron"].keys() & peak["torch_amp"].keys() if k[-1] == 0}
-    assert both and all(peak["torch_amp"][k] < peak["megatron"][k] for k in both)
+    cfg = GPTConfig(hidden=1024, layers=12, heads=16, seq=512, vocab=32000)
+    for name, table in peak.items():
+        assert table
+        for (tp, pp, dp, b, schedule, recompute, sp, zero, v), gb in table.items():
+            par = ParallelConfig(global_batch=64, micro_batch=b, tp=tp, pp=pp, dp=dp,
+                                 schedule=schedule, recompute=recompute,
+                                 sequence_parallel=sp, zero_stage=zero, virtual_stages=v)
+            assert gb == pytest.approx(peak_memory_bytes(cfg, par, name) / 1e9, rel=1e-6)
+    both = peak["megatron"].keys() & peak["torch_amp"].keys()
+    assert both and any(peak["torch_amp"][k] != peak["megatron"][k] for k in both)
     assert main(cli + ["--precision", "fp16"]) == 2
     assert "--precision must be one of megatron, torch_amp, fp64, fp32, got 'fp16'" in \
         capsys.readouterr().err

@@ -100,7 +100,7 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {r["source"] for r in rows} >= {"megatron_2020_a100.csv", "megatron_sc21_table1.csv"}
-    assert len(rows) == 5 + 8 + 10 + 2 * 5 + 2 * 8
+    assert len(rows) == 5 + 8 + 10 + 2 * 5 + 2 * 8 + 2 * 7
     for r in rows:
         assert set(r) == {"source", "case", "metric", "published", "predicted", "rel_error",
                           "table", "role"}
@@ -110,7 +110,8 @@ def test_validate_model_meets_the_acceptance(tmp_path):
                            ("megatron_2020_a100.csv", ("iter_ms",)),
                            ("megatron_sc21_table1.csv", ("tflops_per_gpu",)),
                            ("h200_gpt_steps.csv", ("step_ms", "peak_gb")),
-                           ("h100_gpt_steps.csv", ("step_ms", "peak_gb"))):
+                           ("h100_gpt_steps.csv", ("step_ms", "peak_gb")),
+                           ("h200_shapes_steps.csv", ("step_ms", "peak_gb"))):
         _, published = read_data_csv(table)
         mine = [r for r in rows if r["table"] == table]
         assert [r["published"] for r in mine] == [float(p[c]) for p in published for c in columns]
@@ -123,7 +124,7 @@ def test_validate_model_meets_the_acceptance(tmp_path):
         assert len(h100) == 8 and np.mean(h100) <= 0.15, (metric, h100)
     held = [abs(r["rel_error"]) for r in rows if r["role"] == "held_out"]
     assert data["held_out_mean_abs_rel_error"] == pytest.approx(np.mean(held))
-    assert "held out (31 rows, no constant chosen on them)" in proc.stdout
+    assert "held out (45 rows, no constant chosen on them)" in proc.stdout
     assert data["gemm_profile"]["rows"] == 160
     assert set(data["kernel_profiles"]) >= {"attention", "norm", "cross_entropy", "optimizer"}
     assert "H100 kernel profiles by kind" in proc.stdout

@@ -18,7 +18,7 @@ PACKAGES = ("vcluster", "mesh", "sharding", "pipelining", "tensor_parallel",
             "pipeline_parallel", "reports")
 TABLES = ("hardware.csv", "nccl_a100.csv", "megatron_2020_a100.csv",
           "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv",
-          "h100_gpt_steps.csv")
+          "h100_gpt_steps.csv", "h200_shapes_steps.csv")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 

@@ -2,8 +2,9 @@
 
 Rows: bus bandwidth of every row of nccl_a100.csv, iteration time of every row of
 megatron_2020_a100.csv, TFLOP/s per GPU of every row of megatron_sc21_table1.csv, and step
-time and peak memory of every row of h200_gpt_steps.csv (one-GPU PyTorch steps measured
-with ``vcluster bench gpu-step``) (copies ship with vcluster as package data), each with
+time and peak memory of every row of h200_gpt_steps.csv, h100_gpt_steps.csv and
+h200_shapes_steps.csv (one-GPU PyTorch steps measured with ``vcluster bench gpu-step``)
+(copies ship with vcluster as package data), each with
 published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
@@ -15,8 +16,9 @@ profile (:mod:`vcluster.timing.kernel_profiles`).
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
-``held_out``) nor on h200_gpt_steps.csv (measured after every constant was set:
-``held_out``).
+``held_out``) nor on the one-GPU step tables (measured after every constant was set:
+``held_out``; h200_shapes_steps.csv also after the ``torch_amp`` memory count was
+written, at shapes fixed beforehand).
 """
 
 from __future__ import annotations

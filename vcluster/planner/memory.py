@@ -49,6 +49,13 @@ The logits: the last stage holds the fp32 logits of its micro-batch for the loss
 gradient, 4·b·s·V/t bytes (the policy's ``logits_bytes`` per entry; PyTorch's and Megatron's
 cross-entropy upcast the logits to fp32), freed before the next micro-batch.
 
+Plain PyTorch under autocast (the ``torch_amp`` policy, ``activation_count="torch_amp"``)
+is counted by its own program's saved tensors instead: :func:`torch_amp_activation_bytes`
+(the LayerNorms' fp32 inputs, the linears' bf16 input and weight casts, 12 bytes a logit
+at the loss's backward) and, its ``.grad`` being set to None between steps, a peak that
+is the larger of the first backward's start and what follows it
+(:func:`in_flight_after_first_backward`), not the sum of gradients and activations.
+
 Llama (``GPTConfig(arch="llama")``; d = h/a, h_q = a·d, c kv_heads, f ffn_hidden,
 c_l = max(c/t, 1) KV heads per rank — replicated when c < t). Parameters per layer:
 (2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no biases); the first
@@ -149,7 +156,8 @@ __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGH
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
            "usable_memory_bytes", "activation_bytes_per_layer", "moe_routed_rows",
            "expert_params_per_layer", "llama_activation_bytes_per_layer", "cp_buffer_bytes",
-           "CP_RING_BUFFERS", "emulator_activation_bytes", "INDEX_BYTES", "PrecisionPolicy"]
+           "CP_RING_BUFFERS", "emulator_activation_bytes", "torch_amp_activation_bytes",
+           "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy"]
 
 # Megatron's policy (vcluster.planner.precision.MEGATRON, the default): bytes per parameter
 WEIGHT_BYTES = MEGATRON.weight_bytes         # bf16 weights
@@ -315,6 +323,19 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
                                                 precision)
         return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes), int(act),
                                int(logits))
+    if precision.activation_count == "torch_amp":
+        per_mb, logit_entries = torch_amp_activation_bytes(full_config, parallel, r, precision)
+
+        def at(k: int, with_grads: bool) -> MemoryBreakdown:
+            logits = (precision.logits_bytes + (k - 1) * precision.logits_saved_bytes) \
+                * logit_entries if k else 0
+            return MemoryBreakdown(r, int(weights), int(grads if with_grads else 0),
+                                   int(opt_bytes), int(k * per_mb), int(logits))
+        if precision.grads_persistent:
+            return at(in_flight, True)
+        return max(at(in_flight, False),
+                   at(in_flight_after_first_backward(parallel, in_flight), True),
+                   key=lambda m: m.total_bytes)
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
         parallel.sequence_parallel, parallel.attention) if config.arch == "llama" else \
@@ -348,6 +369,74 @@ def _largest_module(config, parallel, r: int) -> float:
     if (stages - 1) % parallel.pp == r:
         sizes.append(V * h / t + 2 * h)
     return max(sizes)
+
+
+def in_flight_after_first_backward(parallel, in_flight: int) -> int:
+    """Micro-batches a rank that peaks at ``in_flight`` holds at most once its first
+    backward of the step has run (when per-step gradients exist, ``grads_persistent``
+    False): 1F1B runs a forward after it while forwards remain (``in_flight`` again if
+    m > in_flight, else one fewer); GPipe has run every forward (m − 1). The interleaved
+    and zero-bubble schedules are counted as holding ``in_flight`` (their I/W split and
+    chunks make the additive peak the safe bound)."""
+    m = parallel.microbatches
+    if parallel.schedule == "1f1b":
+        return in_flight if m > in_flight else max(in_flight - 1, 0)
+    if parallel.schedule == "gpipe":
+        return max(m - 1, 0)
+    return in_flight
+
+
+def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tuple[float, float]:
+    """(bytes per micro-batch in flight, logits per micro-batch) on pipeline rank ``r`` for
+    plain PyTorch under bf16 autocast (:mod:`vcluster.gpu.gpt_step`'s program), tensor by
+    tensor as autograd saves them (σ = t with sequence parallelism, else 1; tp splits the
+    tensors Megatron splits):
+
+    * per layer, s·b·h·(8/σ + 4 + 24/t) + 16·s·b/σ bytes: the two LayerNorms run in fp32
+      and keep their fp32 inputs (the residual stream, 4 + 4) and fp32 mean and rstd
+      (2 × 8 per row); the QKV and first MLP linears keep the bf16 casts of the LayerNorm
+      outputs (2 + 2); attention keeps q, k, v (6/t) and its output (2/t), which the
+      output projection keeps too (flash attention lays it out (b, s, a, d): the
+      transpose back is a view, not a copy); GELU keeps its input (8/t) and the second
+      MLP linear GELU's output (8/t). Flash attention adds its fp32 log-sum-exp
+      4·b·a·s/t; unfused attention (``--attention unfused``) instead the bf16 softmax
+      2·a·s²·b/t (no dropout). Full recomputation keeps the fp32 layer input 4·s·b·h/σ;
+      selective is the same as none with flash (unfused: the softmax is recomputed);
+    * the autocast weight casts each linear saves: ``weight_copy_bytes`` × the stage's
+      matrices (12·h²/t per layer, the head's V·h/t on the last stage) per micro-batch;
+    * the first stage's int64 token ids 8·s·b; the last stage's final LayerNorm input
+      (fp32) and statistics, the head's bf16 input and the int64 targets:
+      s·b·h·(4/σ + 2) + 8·s·b/σ + 8·s·b.
+
+    The logits per micro-batch are b·s·V/t (the caller multiplies them by the policy's
+    ``logits_bytes`` and ``logits_saved_bytes``); 0 off the last stage. Dense GPT without
+    context parallelism (the reference program)."""
+    if config.arch != "gpt" or getattr(config, "experts", 0) or getattr(parallel, "cp", 1) > 1:
+        raise ValueError(f"torch_amp_activation_bytes: the PyTorch program's count covers "
+                         f"the dense GPT without context parallelism, got "
+                         f"arch={config.arch!r}, experts={getattr(config, 'experts', 0)}, "
+                         f"cp={getattr(parallel, 'cp', 1)}; use --precision megatron")
+    copy_bytes = precision_policy(precision or "torch_amp").weight_copy_bytes
+    s, b, h, a, V, t = (config.seq, parallel.micro_batch, config.hidden, config.heads,
+                        config.vocab, parallel.tp)
+    sig = t if parallel.sequence_parallel and t > 1 else 1
+    stages = parallel.pp * parallel.chunks
+    layers = config.layers // stages * parallel.chunks
+    if parallel.recompute == "full":
+        layer = 4 * s * b * h / sig
+    else:
+        layer = s * b * h * (8 / sig + 4 + 24 / t) + 16 * s * b / sig
+        if parallel.attention == "flash":
+            layer += LSE_BYTES * b * a * s / t
+        elif parallel.recompute != "selective":
+            layer += 2 * a * s * s * b / t
+    matrices = layers * 12 * h * h / t
+    last = (stages - 1) % parallel.pp == r
+    ends = 8 * s * b if r == 0 else 0
+    if last:
+        matrices += V * h / t
+        ends += s * b * h * (4 / sig + 2) + 8 * s * b / sig + 8 * s * b
+    return layers * layer + copy_bytes * matrices + ends, (b * s * V / t if last else 0)
 
 
 def emulator_activation_bytes(config, parallel, r: int, in_flight: int,

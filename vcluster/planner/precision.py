@@ -5,7 +5,7 @@ keeps, by framework — what :mod:`vcluster.planner.memory` multiplies its count
 preset         weight  grad  optimizer  activation  logits  activations counted by
 =============  ======  ====  =========  ==========  ======  =====================
 ``megatron``   2       4     12         2           4       Korthikanti et al.
-``torch_amp``  4       4     8          2           4       Korthikanti et al.
+``torch_amp``  4       4     8          2           12      the PyTorch program
 ``fp64``       8       8     16         8           8       the emulated program
 ``fp32``       4       4     8          4           4       the emulated program
 =============  ======  ====  =========  ==========  ======  =====================
@@ -19,8 +19,22 @@ preset         weight  grad  optimizer  activation  logits  activations counted 
 * ``torch_amp``: PyTorch automatic mixed precision (``torch.autocast(dtype=bfloat16)``
   around an fp32 model, ``torch.optim.Adam``): fp32 parameters 4 (they are the master
   copy: autocast casts them to bf16 per op, no stored bf16 copy), fp32 ``.grad`` 4, Adam's
-  ``exp_avg`` and ``exp_avg_sq`` fp32 8 = 16; the activations autocast keeps are bf16 (the
-  matmul outputs), the logits fp32 (``cross_entropy`` runs in fp32 under autocast).
+  ``exp_avg`` and ``exp_avg_sq`` fp32 8 = 16. What the step holds besides is counted
+  tensor by tensor as PyTorch's autograd saves it for :mod:`vcluster.gpu.gpt_step`'s
+  reference program (``activation_count="torch_amp"``,
+  :func:`vcluster.planner.memory.torch_amp_activation_bytes`): LayerNorms in fp32 keep
+  their fp32 inputs, each linear keeps the bf16 cast of its input *and of its weight*
+  (``weight_copy_bytes`` 2: autocast casts a weight once per forward and the linear saves
+  the cast until its backward, so every micro-batch in flight holds a bf16 copy of the
+  stage's matrices), and the loss holds 12 bytes per logit at the start of its backward
+  (``logits_bytes``: the fp32 log-softmax output it saved, 4, the nll gradient and
+  log-softmax's input gradient, 4 + 4; ``logits_saved_bytes`` 4 for every other
+  micro-batch in flight). ``optimizer.zero_grad(set_to_none=True)`` frees ``.grad``
+  between steps (``grads_persistent=False``): the gradients appear during the first
+  backward, so the peak is the larger of the first backward's start (activations, no
+  gradients) and what follows it (gradients and the activations still in flight), not
+  their sum. Megatron keeps its main gradients in one buffer for the whole run
+  (``grads_persistent=True``).
 * ``fp64`` / ``fp32``: vcluster's own emulated program (:class:`pipeline_parallel.gpt.GPT`
   with ``GPTConfig(dtype=...)``): weights and gradients in the dtype, no master copy,
   Adam's m and v in the dtype (:mod:`pipeline_parallel.optim`; SGD keeps one momentum
@@ -29,7 +43,8 @@ preset         weight  grad  optimizer  activation  logits  activations counted 
   (``activation_count="emulator"``: :func:`vcluster.planner.memory.emulator_activation_bytes`).
 
 ``activation_count`` chooses the activation formula: ``"korthikanti"`` (Korthikanti et al.
-2022's 16-bit count of Megatron's saved tensors; it needs ``activation_bytes`` 2) or
+2022's 16-bit count of Megatron's saved tensors; it needs ``activation_bytes`` 2),
+``"torch_amp"`` (what plain PyTorch under bf16 autocast saves: dense GPT only) or
 ``"emulator"`` (what the numpy program keeps: dense GPT only).
 """
 
@@ -43,7 +58,7 @@ __all__ = ["PrecisionPolicy", "PRECISIONS", "ACTIVATION_COUNTS", "precision_poli
            "MEGATRON"]
 
 #: the activation formulas a policy may name
-ACTIVATION_COUNTS = ("korthikanti", "emulator")
+ACTIVATION_COUNTS = ("korthikanti", "torch_amp", "emulator")
 
 
 @dataclass(frozen=True)
@@ -56,12 +71,15 @@ class PrecisionPolicy:
     grad_bytes: float            # per parameter, the accumulated gradient
     optimizer_bytes: float       # per parameter: master copy (if any) + optimizer slots
     activation_bytes: int        # per element of a saved activation
-    logits_bytes: int            # per element of the logits (or their gradient) held
+    logits_bytes: int            # per logit of the micro-batch whose loss is backwarded
     activation_count: str = "korthikanti"
+    logits_saved_bytes: float = 0    # per logit of each other micro-batch in flight
+    weight_copy_bytes: float = 0     # per matrix parameter, per micro-batch in flight
+    grads_persistent: bool = True    # gradients allocated for the whole run (else per step)
 
     def __post_init__(self):
         for f in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                  "logits_bytes"):
+                  "logits_bytes", "logits_saved_bytes", "weight_copy_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"PrecisionPolicy: {f} must be a number of bytes >= 0, "
@@ -69,8 +87,13 @@ class PrecisionPolicy:
         if self.activation_count not in ACTIVATION_COUNTS:
             raise ValueError(f"PrecisionPolicy: activation_count must be one of "
                              f"{ACTIVATION_COUNTS}, got {self.activation_count!r}")
-        if self.activation_count == "korthikanti" and self.activation_bytes != 2:
-            raise ValueError(f"PrecisionPolicy: activation_count='korthikanti' is a 16-bit "
+        if not isinstance(self.grads_persistent, bool):
+            raise ValueError(f"PrecisionPolicy: grads_persistent must be a bool, got "
+                             f"{self.grads_persistent!r}")
+        if self.activation_count in ("korthikanti", "torch_amp") \
+                and self.activation_bytes != 2:
+            raise ValueError(f"PrecisionPolicy: activation_count="
+                             f"{self.activation_count!r} is a 16-bit "
                              f"count (activation_bytes 2), got activation_bytes="
                              f"{self.activation_bytes!r}; use activation_count='emulator' "
                              f"for another element size")
@@ -106,7 +129,9 @@ MEGATRON = PrecisionPolicy("megatron", 2, 4, 12, 2, 4)
 #: the named presets (``--precision``)
 PRECISIONS = {
     "megatron": MEGATRON,
-    "torch_amp": PrecisionPolicy("torch_amp", 4, 4, 8, 2, 4),
+    "torch_amp": PrecisionPolicy("torch_amp", 4, 4, 8, 2, 12, "torch_amp",
+                                 logits_saved_bytes=4, weight_copy_bytes=2,
+                                 grads_persistent=False),
     "fp64": PrecisionPolicy.emulated("float64"),
     "fp32": PrecisionPolicy.emulated("float32"),
 }

@@ -34,7 +34,8 @@ __all__ = ["validate_megatron", "validate_gpu_steps", "micro_batch_for", "DEFAUL
 #: measured one-GPU PyTorch steps: table -> (the preset it is predicted on, the precision
 #: policy of the step it measured: PyTorch AMP over fp32 parameters, its header says)
 GPU_STEP_TABLES = MappingProxyType({"h200_gpt_steps.csv": ("h200-dgx", "torch_amp"),
-                                    "h100_gpt_steps.csv": ("h100-dgx", "torch_amp")})
+                                    "h100_gpt_steps.csv": ("h100-dgx", "torch_amp"),
+                                    "h200_shapes_steps.csv": ("h200-dgx", "torch_amp")})
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"

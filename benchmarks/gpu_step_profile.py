@@ -2,6 +2,7 @@
 idle time, and GEMM throughput sustained for seconds against a short burst.
 
     python benchmarks/gpu_step_profile.py --out profile.json [--micro-batch 1 4]
+        [--hidden 2048 --layers 24 --heads 16 --seq 2048 --vocab 51200] [--no-sustained]
 
 1. The step of ``vcluster bench gpu-step`` (:func:`vcluster.gpu.gpt_step`'s model: bf16
    autocast, SDPA, fused AdamW; eager), three steps after three warm-ups under
@@ -11,6 +12,7 @@ idle time, and GEMM throughput sustained for seconds against a short burst.
 2. An 8192×8192×8192 bf16 GEMM run back to back for a 20 ms burst (what
    ``hardware calibrate --gpu`` times) and for 3 s (what a training run sustains), with
    the SM clock (NVML) read after each: is a calibrated rate a burst rate?
+   (``--no-sustained`` skips it.)
 
 Needs CUDA (exits 2 without it).
 """
@@ -123,17 +125,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[1, 4])
+    for name, default in (("hidden", 2048), ("layers", 24), ("heads", 16), ("seq", 2048),
+                          ("vocab", 51200)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--no-sustained", action="store_true",
+                    help="skip the burst / sustained GEMM comparison")
     args = ap.parse_args(argv)
     if why := cuda_missing():
         print(f"gpu_step_profile needs CUDA: {why}", file=sys.stderr)
         return 2
     import torch
+    shape = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "seq", "vocab")}
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "burst": sustained_gemm(torch, 0.02), "sustained": sustained_gemm(torch, 3.0),
-              "burst_after": sustained_gemm(torch, 0.02), "steps": []}
-    print(json.dumps({k: result[k] for k in ("burst", "sustained", "burst_after")}), flush=True)
+              "model": shape, "steps": []}
+    if not args.no_sustained:
+        result.update(burst=sustained_gemm(torch, 0.02), sustained=sustained_gemm(torch, 3.0),
+                      burst_after=sustained_gemm(torch, 0.02))
+        print(json.dumps({k: result[k] for k in ("burst", "sustained", "burst_after")}),
+              flush=True)
     for mb in args.micro_batch:
-        row = profile_step(torch, mb)
+        row = profile_step(torch, mb, **shape)
         result["steps"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms"}), flush=True)
         torch.cuda.empty_cache()

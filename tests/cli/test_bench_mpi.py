@@ -76,8 +76,8 @@ def test_rounds_alternate_the_engines(tmp_path):
         by.setdefault((r["engine"], r["path"]), {})[r["round"]] = r["median_s"]
     assert {k: sorted(v) for k, v in by.items()} == {
         (e, p): [1, 2, 3] for e in ("emulator", "mpi") for p in ("resident", "copy")}
-    table = proc.stdout.split("over 3 alternating rounds")[1].splitlines()[2:]
-    assert len(table) == 2
+    table = proc.stdout.split("over 3 alternating rounds")[1].splitlines()[2:4]
+    assert proc.stdout.splitlines()[-1] == f"wrote {out}"
     for line, path in zip(table, ("resident", "copy")):
         ratios = sorted(by[("mpi", path)][r] / by[("emulator", path)][r] for r in (1, 2, 3))
         assert line.split()[:4] == ["all_reduce", path, "8B", "3"]

@@ -311,3 +311,46 @@ def test_a_member_that_differs_is_named(cluster_of, what, words):
         cluster.run(_differ, [(what,)] * 4)
     assert "CollectiveMismatch" in str(info.value) and words in str(info.value)
     assert cluster.run(_differ, [("none",)] * 4)[0].tolist() == [4.0, 4.0]
+
+
+def _count_splits(dev, calls: int):
+    """``np.split`` calls made inside the shm algorithms by inline and large all_to_alls."""
+    from vcluster.runtime.collectives import shm
+    real, counted = shm.np, [0]
+
+    class _CountingNumpy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def split(self, *args, **kwargs):
+            counted[0] += 1
+            return real.split(*args, **kwargs)
+
+    n = dev.mesh.size
+    shm.np = _CountingNumpy()
+    try:
+        counts, results = [], []
+        for per in (2, 1024):                               # 8 B pieces (inline), 4 KiB
+            start = counted[0]
+            for _ in range(calls):
+                x = (np.arange(n * per, dtype=np.float32) + 1000 * dev.rank).reshape(n, per)
+                results.append(dev.all_to_all(x, split_dim=0, concat_dim=1))
+            counts.append(counted[0] - start)
+        return counts, results
+    finally:
+        shm.np = real
+
+
+def test_all_to_all_slices_only_its_own_piece(cluster_of):
+    """Each member takes its piece of every input by one slice (inline: one indexing of
+    all members' inputs at once), not by splitting every member's input n ways: n + 1
+    splits per call before, whose cost grew as n^2 per device."""
+    mesh = Mesh((8,), ("x",))
+    calls = 3
+    for rank, (counts, results) in enumerate(cluster_of(mesh).run(_count_splits,
+                                                                  [(calls,)] * 8)):
+        assert counts == [0, calls]                # the large one splits its result once
+        for i, per in enumerate([2] * calls + [1024] * calls):
+            want = np.concatenate([(np.arange(8 * per, dtype=np.float32) + 1000 * m)
+                                   .reshape(8, per)[rank:rank + 1] for m in range(8)], axis=1)
+            np.testing.assert_array_equal(results[i], want)

@@ -195,10 +195,21 @@ def all_to_all(call: GroupCall, x: np.ndarray, out, split_dim: int, concat_dim: 
     call.wait_all(1)
     _agree(call, x.dtype, x.shape, arg)
     res = _result(call, out, shape, x.dtype, x.nbytes > INLINE_BYTES)
-    for piece, m in zip(np.split(res, n, axis=concat_dim), g.members):
-        src = np.split(call.peer_input(m), n, axis=split_dim)[g.position]
-        np.copyto(piece, src)
-        call.count_received(m, src.nbytes)
+    split, concat = split_dim % x.ndim, concat_dim % x.ndim
+    k = x.shape[split] // n
+    mine = (slice(None),) * split + (slice(g.position * k, (g.position + 1) * k),)
+    if call.all_inline():
+        # every input in the descriptors: my piece of each, (members, *piece), in one
+        # indexing, then member m's piece to place m along concat_dim in one copy
+        pieces = call.inline_inputs(x.dtype, x.size).reshape((n,) + x.shape)[(slice(None),)
+                                                                               + mine]
+        order = list(range(1, x.ndim + 1))
+        order.insert(concat, 0)
+        np.copyto(res, pieces.transpose(order).reshape(shape))
+    else:
+        for piece, m in zip(np.split(res, n, axis=concat_dim), g.members):
+            np.copyto(piece, call.peer_input(m)[mine])    # a slice, not n pieces per member
+    call.count_received_from_all(x.nbytes // n)
     _done(call)
     return res
 

@@ -31,7 +31,11 @@ every rank can have its own GPU, else gloo on CPU, with one line saying why when
 present but too few; ``algorithm`` is then the backend's name) and prints both engines'
 figures side by side (:func:`format_comparison`), measured in the same run. ``--mpi``
 does the same on MPI ranks started by ``mpiexec`` (:mod:`vcluster.cli.bench_mpi`), timed
-the same way and turned into records by the same :func:`timed_record`.
+the same way and turned into records by the same :func:`timed_record`. ``--rounds N``
+repeats everything N times, the emulator and MPI taking turns round by round, and closes
+with :func:`format_rounds`: per case the median over rounds [range] of both engines and of
+the per-round ratio (MPICH's own latency moves 20x and more when anything else runs on
+the machine, so only ratios taken back to back compare).
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ from .arrays import ArrayModule
 from .channel import USER_KIND, VirtualChannel
 from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
 from .collectives.inline import InlinePlan, inline_eligible
-from .layout import INLINE_BYTES
 from .device_memory import HostSpace
 from .errors import ArenaFullError
 from .events import CommEvent
 from .fabric import Fabric
+from .layout import INLINE_BYTES
 from .recorder import Recorder
 from .work import CommQueue, Work
 

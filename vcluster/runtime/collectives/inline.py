@@ -37,11 +37,12 @@ non-complex numeric dtype take a plan (complex products fold differently under
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from types import MappingProxyType
 
 import numpy as np
 
-from ..layout import D, INLINE_BYTES, MAX_NDIM, encode_dtype
+from ..layout import INLINE_BYTES, MAX_NDIM, D, encode_dtype
 from .common import (OP_CODES, Group, GroupCall, ReduceOp, call_event, describe_wait,
                      reduce_rows)
 from .shm import reduce_inline
@@ -62,7 +63,7 @@ def inline_eligible(x: np.ndarray) -> bool:
 def _arithmetic(values: tuple[int, ...]) -> int | None:
     """The common step of ``values`` (sorted, at least 2), or None when there is none."""
     step = values[1] - values[0]
-    if step > 0 and all(b - a == step for a, b in zip(values, values[1:])):
+    if step > 0 and all(b - a == step for a, b in pairwise(values)):
         return step
     return None
 
@@ -152,7 +153,7 @@ class InlinePlan:
         mv, slot = self._mv, self._slot
         target = 4 * s - 6                               # call s - 2 finished everywhere
         if s > 2 and seen[slot] < target:
-            self._wait(target, s, run_base, "to finish call #%d" % (s - run_base - 2))
+            self._wait(target, s, run_base, f"to finish call #{s - run_base - 2}")
         parity = s & 1
         at = self._head_at[parity]
         mv[at:at + HEAD_WORDS] = self._header

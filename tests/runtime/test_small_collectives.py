@@ -231,6 +231,41 @@ def test_a_call_site_builds_its_plan_once(cluster_of):
         assert (inline, barrier, large) == (0, 0, 10)
 
 
+def _mixed_paths(dev):
+    """Call 1 publishes output words (a large all_reduce); call 3, on the same parity,
+    is inline, by the general path on rank 0 (asynchronous) and by plans elsewhere:
+    GroupCalls the plans built for call 3, and its result."""
+    from vcluster.runtime.collectives import common
+    built = [0]
+    real = common.GroupCall.__init__
+
+    def counting(self, *args, **kwargs):
+        built[0] += 1
+        real(self, *args, **kwargs)
+
+    x = np.full(3, dev.rank + 1.0)
+    dev.all_reduce(np.ones(1024))                          # call 1: out= words published
+    dev.all_reduce(x)                                      # call 2
+    common.GroupCall.__init__ = counting
+    try:
+        if dev.rank == 0:
+            res = dev.all_reduce(x, async_op=True).wait()  # call 3: the general path
+            return None, res
+        res = dev.all_reduce(x)
+        return built[0], res
+    finally:
+        common.GroupCall.__init__ = real
+
+
+def test_general_and_plan_paths_write_the_same_header(cluster_of):
+    """The general publish writes the output words (-1, 0) when it has no output, so a
+    plan sees identical headers from a member on the general path: no fallback to the
+    general checks (before, the words of call 1 were still there)."""
+    for rank, (built, res) in enumerate(cluster_of(Mesh((4,), ("x",))).run(_mixed_paths)):
+        assert res.tolist() == [10.0] * 3
+        assert built == (None if rank == 0 else 0)
+
+
 def _plan_results(dev, axes):
     """Inline all_reduces of several signatures on one call site each, twice over (the
     second time through the cached plans), beside barriers."""

@@ -58,6 +58,39 @@ def test_mpi_rows_beside_the_emulator(tmp_path, devices):
     assert not [f for f in set(os.listdir(tempfile.gettempdir())) - before if f.startswith("vcluster-mpi")]
 
 
+def test_rounds_alternate_the_engines(tmp_path):
+    """--rounds 3: the emulator and MPI take turns round by round (the printed order says
+    so), every record carries its round, and the closing table gives per case the median
+    over the rounds with its range, and the per-round ratio computed from the records."""
+    _mpi_or_skip()
+    out = tmp_path / "r.json"
+    proc = _vcluster("bench", "collectives", "--mpi", "--devices", "2", "--sizes", "8B",
+                     "--ops", "all_reduce", "--paths", "resident,copy", "--reps", "3",
+                     "--rounds", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    turns = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
+    assert turns == [f"round {r}/3: {engine}" for r in (1, 2, 3) for engine in ("emulator", "mpi")]
+    records = json.loads(out.read_text())
+    by = {}
+    for r in records:
+        by.setdefault((r["engine"], r["path"]), {})[r["round"]] = r["median_s"]
+    assert {k: sorted(v) for k, v in by.items()} == {
+        (e, p): [1, 2, 3] for e in ("emulator", "mpi") for p in ("resident", "copy")}
+    table = proc.stdout.split("over 3 alternating rounds")[1].splitlines()[2:4]
+    assert proc.stdout.splitlines()[-1] == f"wrote {out}"
+    for line, path in zip(table, ("resident", "copy")):
+        ratios = sorted(by[("mpi", path)][r] / by[("emulator", path)][r] for r in (1, 2, 3))
+        assert line.split()[:4] == ["all_reduce", path, "8B", "3"]
+        assert line.rstrip().endswith(f"{ratios[1]:.2f}x [{ratios[0]:.2f}x-{ratios[2]:.2f}x]")
+
+
+def test_rounds_refuse_the_torch_engine():
+    proc = _vcluster("bench", "collectives", "--engine", "torch", "--rounds", "2",
+                     "--devices", "2", "--sizes", "8B", "--ops", "all_reduce")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--rounds = 2 with --engine torch" in proc.stderr
+
+
 def test_missing_mpi_fails_before_running(tmp_path):
     """--mpiexec naming no executable: exit 2 before any device starts, naming the
     argument, the value and how to install MPI (or, where mpi4py itself is missing,

@@ -245,8 +245,9 @@ def test_bench_cli_writes_json(tmp_path):
     records = json.loads(out.read_text())
     assert len(records) == 2 * 2 * 2
     keys = {"op", "path", "algorithm", "dtype", "devices", "bytes", "median_s", "algbw_gbps",
-            "busbw_gbps", "memcpy_gbps", "engine", "array_module", "transport"}
-    assert all(set(r) == keys and r["engine"] == "emulator" for r in records)
+            "busbw_gbps", "memcpy_gbps", "engine", "array_module", "transport", "round"}
+    assert all(set(r) == keys and r["engine"] == "emulator" and r["round"] == 1
+               for r in records)
     assert {(r["array_module"], r["transport"]) for r in records} == {("numpy", "host")}
     ar = [r for r in records if r["op"] == "all_reduce" and r["bytes"] == 256 * 1024]
     for r in ar:   # busbw = algbw * 2(n-1)/n and algbw = bytes / median

@@ -7,13 +7,18 @@
 * inline calls interleaved with message-algorithm and large calls on the same group, in
   both sync and async order, give the reference results (the skipped publish waits and
   phase-2 wakes never let a descriptor be rewritten while it is read);
-* the recorded events of inline calls still hold sorted (peer, bytes, messages) pairs.
+* the recorded events of inline calls still hold sorted (peer, bytes, messages) pairs;
+* a call site's plan (``collectives.inline``) is built once: repeated inline all_reduces
+  and barriers build no ``GroupCall``; its results equal the group-order fold on evenly
+  and unevenly spaced groups, for every op, ``out=``, 0-d and strided inputs; a member
+  that differs is named with the general path's words.
 """
 
 import numpy as np
 import pytest
 
 from mesh import Mesh
+from vcluster import DeviceProgramError
 from vcluster.runtime.collectives.common import ReduceOp, reduce_into, reduce_rows
 from vcluster.runtime.layout import D
 
@@ -195,3 +200,192 @@ def test_inline_events_hold_sorted_peer_pairs(cluster_of):
             assert e.nbytes == 12
         else:
             assert e.received == ()
+
+
+def _count_group_calls(dev, calls: int):
+    """GroupCalls built by ``calls`` inline all_reduces, barriers and large all_reduces."""
+    from vcluster.runtime.collectives import common
+    built = [0]
+    real = common.GroupCall.__init__
+
+    def counting(self, *args, **kwargs):
+        built[0] += 1
+        real(self, *args, **kwargs)
+
+    common.GroupCall.__init__ = counting
+    try:
+        counts = []
+        for x in (np.full(2, dev.rank, np.float32), None, np.ones(1024, np.float32)):
+            start = built[0]
+            for _ in range(calls):
+                dev.barrier() if x is None else dev.all_reduce(x)
+            counts.append(built[0] - start)
+        return tuple(counts)
+    finally:
+        common.GroupCall.__init__ = real
+
+
+def test_a_call_site_builds_its_plan_once(cluster_of):
+    mesh = Mesh((4,), ("x",))
+    for inline, barrier, large in cluster_of(mesh).run(_count_group_calls, [(10,)] * 4):
+        assert (inline, barrier, large) == (0, 0, 10)
+
+
+def _mixed_paths(dev):
+    """Call 1 publishes output words (a large all_reduce); call 3, on the same parity,
+    is inline, by the general path on rank 0 (asynchronous) and by plans elsewhere:
+    GroupCalls the plans built for call 3, and its result."""
+    from vcluster.runtime.collectives import common
+    built = [0]
+    real = common.GroupCall.__init__
+
+    def counting(self, *args, **kwargs):
+        built[0] += 1
+        real(self, *args, **kwargs)
+
+    x = np.full(3, dev.rank + 1.0)
+    dev.all_reduce(np.ones(1024))                          # call 1: out= words published
+    dev.all_reduce(x)                                      # call 2
+    common.GroupCall.__init__ = counting
+    try:
+        if dev.rank == 0:
+            res = dev.all_reduce(x, async_op=True).wait()  # call 3: the general path
+            return None, res
+        res = dev.all_reduce(x)
+        return built[0], res
+    finally:
+        common.GroupCall.__init__ = real
+
+
+def test_general_and_plan_paths_write_the_same_header(cluster_of):
+    """The general publish writes the output words (-1, 0) when it has no output, so a
+    plan sees identical headers from a member on the general path: no fallback to the
+    general checks (before, the words of call 1 were still there)."""
+    for rank, (built, res) in enumerate(cluster_of(Mesh((4,), ("x",))).run(_mixed_paths)):
+        assert res.tolist() == [10.0] * 3
+        assert built == (None if rank == 0 else 0)
+
+
+def _plan_results(dev, axes):
+    """Inline all_reduces of several signatures on one call site each, twice over (the
+    second time through the cached plans), beside barriers."""
+    got = []
+    r = dev.rank
+    for _ in range(2):
+        for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int16", "prod"),
+                          ("bool", "max"), ("float16", "min")):
+            x = (np.arange(6) * (r + 1) % 5 - 2 + 0.37 * r).astype(dtype).reshape(2, 3)
+            got.append(dev.all_reduce(x, axes, op=op))
+            got.append(dev.all_reduce(x[:, ::2], axes, op=op))         # strided input
+            dev.barrier(axes)
+        out = np.zeros((2,), np.float64)
+        assert dev.all_reduce(np.array([r, 1.0 / (r + 3)]), axes, out=out) is out
+        got.append(out.copy())
+        got.append(dev.all_reduce(np.float32(r + 0.5) * np.ones(()), axes))   # 0-d
+    return got
+
+
+def _fold(xs: list[np.ndarray], op: str, n: int) -> np.ndarray:
+    want = np.empty(xs[0].size, xs[0].dtype)
+    reduce_into([want], [np.ascontiguousarray(x).reshape(-1) for x in xs], ReduceOp(op), n)
+    return want.reshape(xs[0].shape)
+
+
+@pytest.mark.parametrize("shape,names,axes", [
+    ((4,), ("x",), "x"),                        # members evenly spaced, step 1
+    ((2, 3), ("a", "b"), "a"),                  # step 3
+    ((2, 2, 2), ("a", "b", "c"), ("a", "c")),   # (0, 1, 4, 5): gathered per call
+])
+def test_plans_give_the_group_order_fold(cluster_of, shape, names, axes):
+    mesh = Mesh(shape, names)
+    results = cluster_of(mesh).run(_plan_results, [(axes,)] * mesh.size)
+    for rank in range(mesh.size):
+        members = mesh.group(mesh.axis_tuple(axes), rank)
+        n = len(members)
+        k = 0
+        for _ in range(2):
+            for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int16", "prod"),
+                              ("bool", "max"), ("float16", "min")):
+                xs = [(np.arange(6) * (m + 1) % 5 - 2 + 0.37 * m).astype(dtype).reshape(2, 3)
+                      for m in members]
+                for want in (_fold(xs, op, n), _fold([x[:, ::2] for x in xs], op, n)):
+                    got = results[rank][k]
+                    assert got.dtype == want.dtype and got.shape == want.shape
+                    assert got.tobytes() == want.tobytes(), (rank, k, dtype, op)
+                    k += 1
+            want = _fold([np.array([m, 1.0 / (m + 3)]) for m in members], "sum", n)
+            assert results[rank][k].tobytes() == want.tobytes()
+            want = _fold([np.float32(m + 0.5) * np.ones(()) for m in members], "sum", n)
+            assert results[rank][k + 1].shape == () and results[rank][k + 1] == want
+            k += 2
+
+
+def _differ(dev, what: str):
+    x = np.ones(2, np.float32)
+    for _ in range(3):
+        dev.all_reduce(x)                      # the plan is built and used first
+    if dev.rank == 2 and what != "none":
+        if what == "shape":
+            return dev.all_reduce(np.ones(3, np.float32))
+        if what == "op":
+            return dev.all_reduce(x, op="max")
+        return dev.barrier()
+    return dev.all_reduce(x)
+
+
+@pytest.mark.parametrize("what,words", [
+    ("shape", "has dtype float32, shape (2,), argument 1 but rank 2 has dtype float32, "
+              "shape (3,), argument 1"),
+    ("op", "argument 1 but rank 2 has dtype float32, shape (2,), argument 3"),
+    ("collective", "called all_reduce (call #4 over axes ('x',), group (0, 1, 2, 3)) but "
+                   "rank 2 called barrier (call #4) at that point"),
+])
+def test_a_member_that_differs_is_named(cluster_of, what, words):
+    cluster = cluster_of(Mesh((4,), ("x",)))
+    with pytest.raises(DeviceProgramError) as info:
+        cluster.run(_differ, [(what,)] * 4)
+    assert "CollectiveMismatch" in str(info.value) and words in str(info.value)
+    assert cluster.run(_differ, [("none",)] * 4)[0].tolist() == [4.0, 4.0]
+
+
+def _count_splits(dev, calls: int):
+    """``np.split`` calls made inside the shm algorithms by inline and large all_to_alls."""
+    from vcluster.runtime.collectives import shm
+    real, counted = shm.np, [0]
+
+    class _CountingNumpy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def split(self, *args, **kwargs):
+            counted[0] += 1
+            return real.split(*args, **kwargs)
+
+    n = dev.mesh.size
+    shm.np = _CountingNumpy()
+    try:
+        counts, results = [], []
+        for per in (2, 1024):                               # 8 B pieces (inline), 4 KiB
+            start = counted[0]
+            for _ in range(calls):
+                x = (np.arange(n * per, dtype=np.float32) + 1000 * dev.rank).reshape(n, per)
+                results.append(dev.all_to_all(x, split_dim=0, concat_dim=1))
+            counts.append(counted[0] - start)
+        return counts, results
+    finally:
+        shm.np = real
+
+
+def test_all_to_all_slices_only_its_own_piece(cluster_of):
+    """Each member takes its piece of every input by one slice (inline: one indexing of
+    all members' inputs at once), not by splitting every member's input n ways: n + 1
+    splits per call before, whose cost grew as n^2 per device."""
+    mesh = Mesh((8,), ("x",))
+    calls = 3
+    for rank, (counts, results) in enumerate(cluster_of(mesh).run(_count_splits,
+                                                                  [(calls,)] * 8)):
+        assert counts == [0, calls]                # the large one splits its result once
+        for i, per in enumerate([2] * calls + [1024] * calls):
+            want = np.concatenate([(np.arange(8 * per, dtype=np.float32) + 1000 * m)
+                                   .reshape(8, per)[rank:rank + 1] for m in range(8)], axis=1)
+            np.testing.assert_array_equal(results[i], want)

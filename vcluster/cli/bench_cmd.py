@@ -43,6 +43,11 @@ def add_parser(commands) -> None:
     coll.add_argument("--mpiexec", metavar="PATH", default=None,
                       help="the MPI launcher for --mpi (default: the mpiexec beside this "
                       "python, else the first on PATH)")
+    coll.add_argument("--rounds", type=positive_int, default=1,
+                      help="measure everything N times, the emulator and --mpi taking turns "
+                      "round by round (a noisy machine hits both alike); then print, per "
+                      "case, the median over rounds [range] of each and of the per-round "
+                      "ratio (default 1)")
     coll.add_argument("--array-module", default="numpy", choices=["numpy", "cupy", "strict"],
                       help="what the devices' arrays are (default numpy; cupy: GPU arrays)")
     coll.add_argument("--transport", type=csv_of(("auto", "ipc", "host"), "transport"),
@@ -130,14 +135,61 @@ def _maybe_json(path, obj) -> None:
 
 def _collectives(args) -> int:
     # lazy: keeps vcluster --help fast
-    from mesh import Mesh
-    from vcluster import VirtualCluster
-    from .bench_collectives import format_header, format_row, run_collectives_bench
+    from .bench_collectives import format_header
     print(f"vcluster bench collectives: {args.devices} devices, dtype {args.dtype}, "
           f"algorithm {args.algorithm}, array module {args.array_module}", flush=True)
+    if args.rounds > 1 and args.engine == "torch":
+        raise ValueError(f"--rounds = {args.rounds} with --engine torch: rounds alternate the "
+                         "emulator with --mpi only; use --rounds 1 with --engine torch")
     backend = _torch_backend(args.devices) if args.engine == "torch" else None
     mpiexec = _mpi_launcher(args) if args.mpi else None
     print(format_header(), flush=True)
+    records, theirs = [], []
+    for r in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"round {r}/{args.rounds}: emulator", flush=True)
+        ours = _emulator_round(args, r)
+        records += ours
+        if args.mpi:
+            if args.rounds > 1:
+                print(f"round {r}/{args.rounds}: mpi", flush=True)
+            theirs += _mpi_side(args, mpiexec, ours, r)
+    if len(args.transport) > 1:
+        # lazy: keeps vcluster --help fast
+        from .bench_collectives import format_transports
+        print("\n" + format_transports(records))
+    if args.engine == "torch":
+        # lazy: keeps vcluster --help fast
+        from mesh import Mesh
+        from vcluster.torchdist import TorchCluster
+        from .bench_collectives import format_comparison, format_row, run_collectives_bench
+        with TorchCluster(Mesh((args.devices,), ("x",)), backend=backend) as cluster:
+            print(f"torch {cluster.info['torch_version']} ({cluster.info['torch_backend']}), "
+                  "same sizes:", flush=True)
+            torch_records = run_collectives_bench(
+                cluster, args.sizes, args.ops, args.paths, args.dtype, "auto", args.reps,
+                progress=lambda rec: print(format_row(rec), flush=True))
+        print("\nemulator beside torch (median time per call, same run):")
+        print(format_comparison(records, torch_records))
+        records += torch_records
+    if args.mpi and args.rounds > 1:
+        # lazy: keeps vcluster --help fast
+        from .bench_collectives import format_rounds
+        print(f"\nemulator beside mpi over {args.rounds} alternating rounds (median of the "
+              "rounds' medians [range]; ratio taken per round):")
+        print(format_rounds(records, theirs))
+    _maybe_json(args.json, [asdict(r) for r in records + theirs])
+    return 0
+
+
+def _emulator_round(args, round_number: int) -> list:
+    """One round of every case on the emulator (a cluster per transport, brought up for
+    the round), printed as it goes; records numbered ``round_number``."""
+    # lazy: keeps vcluster --help fast
+    from dataclasses import replace
+    from mesh import Mesh
+    from vcluster import VirtualCluster
+    from .bench_collectives import format_row, run_collectives_bench
     records = []
     for transport in args.transport:
         with VirtualCluster(Mesh((args.devices,), ("x",)), array_module=args.array_module,
@@ -145,27 +197,7 @@ def _collectives(args) -> int:
             records += run_collectives_bench(
                 cluster, args.sizes, args.ops, args.paths, args.dtype, args.algorithm,
                 args.reps, progress=lambda rec: print(format_row(rec), flush=True))
-    if len(args.transport) > 1:
-        # lazy: keeps vcluster --help fast
-        from .bench_collectives import format_transports
-        print("\n" + format_transports(records))
-    if args.engine == "torch":
-        # lazy: keeps vcluster --help fast
-        from vcluster.torchdist import TorchCluster
-        from .bench_collectives import format_comparison
-        with TorchCluster(Mesh((args.devices,), ("x",)), backend=backend) as cluster:
-            print(f"torch {cluster.info['torch_version']} ({cluster.info['torch_backend']}), "
-                  "same sizes:", flush=True)
-            theirs = run_collectives_bench(
-                cluster, args.sizes, args.ops, args.paths, args.dtype, "auto", args.reps,
-                progress=lambda rec: print(format_row(rec), flush=True))
-        print("\nemulator beside torch (median time per call, same run):")
-        print(format_comparison(records, theirs))
-        records += theirs
-    if args.mpi:
-        records += _mpi_side(args, mpiexec, records)
-    _maybe_json(args.json, [asdict(r) for r in records])
-    return 0
+    return [replace(rec, round=round_number) for rec in records]
 
 
 def _mpi_launcher(args) -> str:
@@ -178,13 +210,16 @@ def _mpi_launcher(args) -> str:
     return find_mpiexec(args.mpiexec)
 
 
-def _mpi_side(args, mpiexec: str, emulator: list) -> list:
-    """The same cases on MPI ranks, printed, then beside the emulator's rows."""
+def _mpi_side(args, mpiexec: str, emulator: list, round_number: int = 1) -> list:
+    """The same cases on MPI ranks, printed, then beside the emulator's rows of the same
+    round; records numbered ``round_number``."""
     # lazy: keeps vcluster --help fast
+    from dataclasses import replace
     from .bench_collectives import format_comparison, format_row
     from .bench_mpi import run_mpi_bench
     info, theirs = run_mpi_bench(args.devices, args.sizes, args.ops, args.paths, args.dtype,
                                  args.reps, mpiexec=mpiexec)
+    theirs = [replace(rec, round=round_number) for rec in theirs]
     print(f"mpi: {info['library']} (mpi4py {info['mpi4py']}), {info['ranks']} ranks by "
           f"{info['mpiexec']}, same sizes:", flush=True)
     for rec in theirs:

@@ -31,7 +31,11 @@ every rank can have its own GPU, else gloo on CPU, with one line saying why when
 present but too few; ``algorithm`` is then the backend's name) and prints both engines'
 figures side by side (:func:`format_comparison`), measured in the same run. ``--mpi``
 does the same on MPI ranks started by ``mpiexec`` (:mod:`vcluster.cli.bench_mpi`), timed
-the same way and turned into records by the same :func:`timed_record`.
+the same way and turned into records by the same :func:`timed_record`. ``--rounds N``
+repeats everything N times, the emulator and MPI taking turns round by round, and closes
+with :func:`format_rounds`: per case the median over rounds [range] of both engines and of
+the per-round ratio (MPICH's own latency moves 20x and more when anything else runs on
+the machine, so only ratios taken back to back compare).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np
 
 __all__ = ["BenchRecord", "OPS", "PATHS", "run_collectives_bench", "format_table", "busbw_factor",
            "format_comparison", "format_transports", "message_bytes", "message_shapes",
-           "timed_record", "memcpy_gbps", "default_reps"]
+           "timed_record", "memcpy_gbps", "default_reps", "format_rounds"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
        "gather", "scatter")
@@ -66,6 +70,7 @@ class BenchRecord:
     engine: str = "emulator"
     array_module: str = "numpy"
     transport: str = "host"
+    round: int = 1              # which round of ``--rounds`` measured it
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -274,3 +279,39 @@ def format_comparison(emulator: list[BenchRecord], theirs: list[BenchRecord]) ->
                      f"{e.busbw_gbps:>9.3f}{_fmt_time(t.median_s):>12}{t.busbw_gbps:>9.3f}"
                      f"{t.median_s / e.median_s:>15.2f}x")
     return "\n".join(lines)
+
+
+def format_rounds(emulator: list[BenchRecord], theirs: list[BenchRecord]) -> str:
+    """Per (op, path, bytes): the median over rounds of each engine's per-round median time
+    [min-max], and of the per-round ratio theirs / emulator [min-max].
+
+    The ratio is taken round by round, each round's two figures measured back to back, so
+    a burst of load from elsewhere on the machine weighs on both sides of the same ratio
+    (``vcluster bench collectives --rounds N --mpi``)."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.scenario.units import format_size
+    name = theirs[0].engine if theirs else "other"
+    ours: dict[tuple, dict[int, float]] = {}
+    other: dict[tuple, dict[int, float]] = {}
+    for table, records in ((ours, emulator), (other, theirs)):
+        for r in records:
+            table.setdefault((r.op, r.path, r.bytes), {})[r.round] = r.median_s
+    lines = [f"{'op':<15}{'path':<10}{'bytes':>9}{'rounds':>7}{'emulator':>30}"
+             f"{name:>30}{name + '/emulator':>26}"]
+    for key, by_round in ours.items():
+        rounds = sorted(set(by_round) & set(other.get(key, {})))
+        if not rounds:
+            continue
+        e = [by_round[r] for r in rounds]
+        t = [other[key][r] for r in rounds]
+        ratio = [b / a for a, b in zip(e, t)]
+        op, path, nbytes = key
+        lines.append(f"{op:<15}{path:<10}{format_size(nbytes):>9}{len(rounds):>7}"
+                     f"{_spread(e, _fmt_time):>30}{_spread(t, _fmt_time):>30}"
+                     f"{_spread(ratio, lambda v: f'{v:.2f}x'):>26}")
+    return "\n".join(lines)
+
+
+def _spread(values: list[float], fmt) -> str:
+    """``median [min-max]`` of ``values``, each written by ``fmt``."""
+    return f"{fmt(float(np.median(values)))} [{fmt(min(values))}-{fmt(max(values))}]"

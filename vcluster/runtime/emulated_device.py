@@ -31,16 +31,19 @@ from .arguments import check_peer, check_root
 from .arrays import ArrayModule
 from .channel import USER_KIND, VirtualChannel
 from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
+from .collectives.inline import InlinePlan, inline_eligible
 from .device_memory import HostSpace
 from .errors import ArenaFullError
 from .events import CommEvent
 from .fabric import Fabric
+from .layout import INLINE_BYTES
 from .recorder import Recorder
 from .work import CommQueue, Work
 
 __all__ = ["EmulatedDevice"]
 
 _RESIDENT_MIN_BYTES = 64 * 1024   # results this large are allocated in the arena
+_MAX_PLANS = 256                  # inline plans kept per device (a program has a few call sites)
 
 # (collective, algorithm) -> function(call, x, out, **arguments)
 _RUNNERS = MappingProxyType({
@@ -121,6 +124,9 @@ class EmulatedDevice:
         self._f, self._channel, self._recorder = fabric, channel, recorder
         self._settings = settings
         self._groups: dict = {}
+        # (collective, axis, op, algorithm[, dtype, shape]) -> InlinePlan, or None where
+        # such calls take the general path (collectives.inline)
+        self._plans: dict = {}
         self._seq = [0] * (1 << len(mesh.axes))
         self._seen = [0] * len(self._seq)    # per slot: progress every member reached
         self._run_base = list(self._seq)
@@ -316,8 +322,59 @@ class EmulatedDevice:
     def close(self) -> None:
         self._queue.shutdown()
 
+    # --- small calls: a plan per call site (collectives.inline) -------------------------
+    def _inline_plan(self, name: str, axis, x, op, algorithm) -> InlinePlan | None:
+        """The plan of a blocking inline ``name`` call of this signature, or None when it
+        takes the general path: device arrays, injected delays, queued asynchronous
+        operations (issue order), another algorithm, a group of one, or an ``x`` that
+        :func:`inline_eligible` refuses."""
+        if self._device_arrays or self._delays is not None or not self._queue.idle():
+            return None
+        key = (name, axis, op, algorithm) if x is None else \
+            (name, axis, op, algorithm, x.dtype, x.shape)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        except TypeError:                  # an unhashable axis (a list) or op
+            return None
+        plan = self._new_plan(name, axis, x, op, algorithm)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _new_plan(self, name: str, axis, x, op, algorithm) -> InlinePlan | None:
+        """Build the plan; errors (a bad op, axis or algorithm) are raised in the general
+        path's order: op, then axis, then algorithm."""
+        if x is not None and not inline_eligible(x):
+            return None
+        rop = ReduceOp.parse(op, x.dtype) if name == "all_reduce" else None
+        group = self._group(axis)
+        nbytes = 0 if x is None else x.nbytes
+        if choose_algorithm(name, nbytes, group.size, self._settings, algorithm) != "shm":
+            return None
+        if x is None:
+            return InlinePlan(self._f, group, name)
+        return InlinePlan(self._f, group, name, x.dtype, x.shape, rop)
+
+    def _run_inline(self, plan: InlinePlan, x, out):
+        """One call by its plan: counted, run, recorded like ``_collective``'s."""
+        start = time.perf_counter()
+        slot = plan.slot
+        s = self._seq[slot] + 1
+        self._seq[slot] = s
+        res = plan.run(s, x, out, self._seen, self._run_base[slot], self)
+        self._recorder.record_later(*plan.event_later(s, start, time.perf_counter()))
+        return res
+
     # --- collectives ----------------------------------------------------------------
     def all_reduce(self, x, axis=None, op="sum", *, out=None, async_op=False, algorithm="auto"):
+        if (type(x) is np.ndarray and x.nbytes <= INLINE_BYTES and not async_op
+                and (out is None or type(out) is np.ndarray)):
+            plan = self._inline_plan("all_reduce", axis, x, op, algorithm)
+            if plan is not None:
+                return self._run_inline(plan, x, out)
         x = self._input(x)
         return self._collective("all_reduce", axis, x, out, async_op, algorithm,
                                 op=ReduceOp.parse(op, x.dtype))
@@ -373,6 +430,10 @@ class EmulatedDevice:
                                 op=ReduceOp.parse(op, x.dtype))
 
     def barrier(self, axis=None, *, async_op=False, algorithm="auto"):
+        if not async_op:
+            plan = self._inline_plan("barrier", axis, None, None, algorithm)
+            if plan is not None:
+                return self._run_inline(plan, None, None)
         return self._collective("barrier", axis, None, None, async_op, algorithm)
 
     def _root(self, axis, root, what: str) -> int:

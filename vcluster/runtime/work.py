@@ -109,6 +109,8 @@ class CommQueue:
         self._pending: list[cf.Future] = []
 
     def idle(self) -> bool:
+        if not self._pending:     # one list read under the GIL: a blocking call's common case
+            return True
         with self._lock:
             return all(f.done() for f in self._pending)
 

@@ -23,7 +23,7 @@ from ..fabric import Fabric
 from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
 
 __all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "reduce_rows",
-           "split_bounds", "scaled_shape"]
+           "split_bounds", "scaled_shape", "describe_wait", "call_event"]
 
 OP_CODES = MappingProxyType({"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3,
                              "all_to_all": 4, "broadcast": 5, "scatter": 6, "gather": 7,
@@ -142,7 +142,7 @@ def _from_all(rank: int, members: tuple, nbytes: int) -> dict:
     return {m: [nbytes, 1] for m in members if m != rank}
 
 
-def _call_event(rank: int, collective: str, members: tuple, algorithm: str, nbytes: int,
+def call_event(rank: int, collective: str, members: tuple, algorithm: str, nbytes: int,
                 sent: dict, received: dict, received_from_all: int, seq: int, start: float,
                 end: float, transport: str) -> CommEvent:
     """A collective call's :class:`CommEvent` from its counts (``GroupCall.event_later``)."""
@@ -178,6 +178,19 @@ def scaled_shape(shape: tuple, dim: int, factor: int, divide: bool, what: str) -
     else:
         new = size * factor
     return shape[:dim] + (new,) + shape[dim + 1:]
+
+
+def describe_wait(f: Fabric, group: Group, target: int, collective: str, number: int,
+                  run_base: int, why: str) -> str:
+    """Who a member of ``group`` waits for (progress below ``target``) and how far they
+    got: the tail of the CollectiveTimeout a wait raises."""
+    slot, members = group.slot, group.members
+    late = [m for m in members if f.progress[m, slot] < target]
+    at = {m: int(f.progress[m, slot]) // 4 - run_base for m in late}
+    return (f"in {collective} (call #{number} over axes {group.axes}, "
+            f"group {members}) waiting for rank(s) {late}{' ' + why if why else ''}; "
+            f"they have finished {sorted(set(at.values()))} call(s) on this group "
+            "in this run")
 
 
 class GroupCall:
@@ -225,7 +238,7 @@ class GroupCall:
         """(build, args): ``build(*args)`` is this call's :class:`CommEvent`, for the
         recorder to build when it is read (the counts are not touched after the call
         ends). A call that read every member once keeps that as one number until then."""
-        return _call_event, (self.f.rank, self.collective, self.group.members,
+        return call_event, (self.f.rank, self.collective, self.group.members,
                              self.algorithm, nbytes, self.sent, self.received,
                              self._received_from_all, self.seq, start, end, self.space.name)
 
@@ -257,17 +270,18 @@ class GroupCall:
         if self.seq > 2 and self.seen[self.group.slot] < target:
             self._wait_members(target, "to finish call #%d" % (self.number - 2))
         row = self._row(self.f.rank)
+        # words SEQ .. ARG, the output as (-1, 0) until set below: every member writes
+        # the same words for the same call (what an InlinePlan compares in one piece)
         if array is None:
-            row[:D.NBYTES + 1] = [self.seq, self.op_code, 0, 0] + [0] * MAX_NDIM + [0, 0, -1]
-            row[D.ARG] = arg
+            row[:D.ARG + 1] = [self.seq, self.op_code, 0, 0] + [0] * MAX_NDIM + [0, 0, -1,
+                                                                                -1, 0, arg]
         else:
             if array.ndim > MAX_NDIM:
                 raise ValueError(f"{self.collective}: arrays of more than {MAX_NDIM} dimensions "
                                  f"are not supported (got shape {array.shape})")
-            row[:D.NBYTES + 1] = ([self.seq, self.op_code, encode_dtype(array.dtype), array.ndim]
-                                  + list(array.shape) + [0] * (MAX_NDIM - array.ndim)
-                                  + [-1, 0, array.nbytes])
-            row[D.ARG] = arg
+            row[:D.ARG + 1] = ([self.seq, self.op_code, encode_dtype(array.dtype), array.ndim]
+                               + list(array.shape) + [0] * (MAX_NDIM - array.ndim)
+                               + [-1, 0, array.nbytes, -1, 0, arg])
             if array.nbytes <= INLINE_BYTES:
                 row[D.INLINE:].view(np.uint8)[:array.nbytes] = self.space.inline_bytes(array)
             elif array.nbytes:
@@ -415,15 +429,8 @@ class GroupCall:
                 pending.pop()
             return None
 
-        def describe():
-            late = [m for m in members if f.progress[m, slot] < target]
-            at = {m: int(f.progress[m, slot]) // 4 - self.run_base for m in late}
-            return (f"in {self.collective} (call #{self.number} over axes {self.group.axes}, "
-                    f"group {members}) waiting for rank(s) {late}{' ' + why if why else ''}; "
-                    f"they have finished {sorted(set(at.values()))} call(s) on this group "
-                    "in this run")
-
-        f.wait(blocker, describe)
+        f.wait(blocker, lambda: describe_wait(f, self.group, target, self.collective,
+                                              self.number, self.run_base, why))
 
     def finish(self) -> None:
         """Mark the call done on this member (phase 2) and drop staging buffers.

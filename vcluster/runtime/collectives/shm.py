@@ -35,8 +35,8 @@ import numpy as np
 from ..layout import INLINE_BYTES
 from .common import GroupCall, ReduceOp, reduce_into, reduce_rows, scaled_shape, split_bounds
 
-__all__ = ["all_reduce", "reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-           "scatter", "gather", "barrier"]
+__all__ = ["all_reduce", "reduce_inline", "reduce", "all_gather", "reduce_scatter",
+           "all_to_all", "broadcast", "scatter", "gather", "barrier"]
 
 
 def _agree(call: GroupCall, dtype, shape, arg) -> None:
@@ -55,7 +55,7 @@ def _result(call: GroupCall, out, shape, dtype, resident: bool) -> np.ndarray:
     return out if out is not None else call.alloc(shape, dtype, resident)
 
 
-def _reduce_inline(call: GroupCall, out, x, op: ReduceOp, n: int):
+def reduce_inline(call: GroupCall, out, x, op: ReduceOp, n: int):
     """The group-order fold of every member's inline input (phase 1 reached), in ``out``
     when given."""
     rows = call.inline_inputs(x.dtype, x.size)          # (n, size), group order
@@ -87,7 +87,7 @@ def all_reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp) -> np.ndarray:
         call.wait_all(1)
         _agree(call, x.dtype, x.shape, op.code)
         call.count_received_from_all(x.nbytes)
-        return _reduce_inline(call, out, x, op, n)
+        return reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = out if out is not None and arena.offset_of(out) is not None else \
         call.alloc(x.shape, x.dtype, True)
@@ -121,7 +121,7 @@ def reduce(call: GroupCall, x: np.ndarray, out, op: ReduceOp, root: int):
             return None
         for m in g.members:
             call.count_received(m, x.nbytes)
-        return _reduce_inline(call, out, x, op, n)
+        return reduce_inline(call, out, x, op, n)
     arena = call.arenas[call.f.rank]
     res = None
     if is_root:
@@ -195,10 +195,21 @@ def all_to_all(call: GroupCall, x: np.ndarray, out, split_dim: int, concat_dim: 
     call.wait_all(1)
     _agree(call, x.dtype, x.shape, arg)
     res = _result(call, out, shape, x.dtype, x.nbytes > INLINE_BYTES)
-    for piece, m in zip(np.split(res, n, axis=concat_dim), g.members):
-        src = np.split(call.peer_input(m), n, axis=split_dim)[g.position]
-        np.copyto(piece, src)
-        call.count_received(m, src.nbytes)
+    split, concat = split_dim % x.ndim, concat_dim % x.ndim
+    k = x.shape[split] // n
+    mine = (slice(None),) * split + (slice(g.position * k, (g.position + 1) * k),)
+    if call.all_inline():
+        # every input in the descriptors: my piece of each, (members, *piece), in one
+        # indexing, then member m's piece to place m along concat_dim in one copy
+        pieces = call.inline_inputs(x.dtype, x.size).reshape((n,) + x.shape)[(slice(None),)
+                                                                               + mine]
+        order = list(range(1, x.ndim + 1))
+        order.insert(concat, 0)
+        np.copyto(res, pieces.transpose(order).reshape(shape))
+    else:
+        for piece, m in zip(np.split(res, n, axis=concat_dim), g.members):
+            np.copyto(piece, call.peer_input(m)[mine])    # a slice, not n pieces per member
+    call.count_received_from_all(x.nbytes // n)
     _done(call)
     return res
 

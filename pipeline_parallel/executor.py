@@ -126,49 +126,29 @@ class GradBuckets:
     def _launch(self) -> None:
         if not self._pending:
             return
-        work = self.dev.all_reduce(self._packed(self._pending), self.axis, async_op=True)
+        # the bucket is written straight into device memory that peers read in place
+        # (dev.empty): a private np.concatenate here was copied once more into the arena
+        # by the all-reduce (its input must be resident), |bucket| bytes per bucket
+        flat = self.dev.empty((sum(a.size for a in self._pending),),
+                              np.result_type(*(a.dtype for a in self._pending)))
+        offset = 0
+        for a in self._pending:
+            flat[offset:offset + a.size] = a.reshape(-1)
+            offset += a.size
+        work = self.dev.all_reduce(flat, self.axis, async_op=True)
         self._launched.append((work, self._pending))
         self._pending = []
 
     def finish(self) -> None:
-        """Wait for every bucket in flight, all-reduce what is left, write the sums back.
-
-        What is left would be waited for as soon as it started, so it goes as a blocking
-        all-reduce after the buckets in flight rather than ``async_op=True`` + ``wait()``:
-        the same collective in the same issue order, started where a comm stream would
-        have started it (once the buckets before it are done). On the emulator a
-        blocking call with nothing in flight runs in the program's own thread, where the
-        asynchronous form handed it to the communication thread and back for nothing to
-        overlap. At width 128 (dp 2 x pp 4, 8 devices on 2 cores) a stage's gradients are
-        one such bucket: the step went from 7.7-7.8 to 7.2-7.3 ms, devices' CPU equal or
-        lower (benchmarks/README.md, issue 32). Under heavy other load (load average
-        40-70) with the devices unpinned the blocking form measured slower, so it rests
-        on the devices being pinned when they outnumber the cores (the default)."""
-        launched, self._launched = self._launched, []
-        for work, arrays in launched:
-            self._unpack(work.wait(), arrays)
-        if self._pending:
-            arrays, self._pending = self._pending, []
-            self._unpack(self.dev.all_reduce(self._packed(arrays), self.axis), arrays)
-
-    @staticmethod
-    def _unpack(total, arrays) -> None:
-        offset = 0
-        for a in arrays:
-            a[...] = total[offset:offset + a.size].reshape(a.shape)
-            offset += a.size
-
-    def _packed(self, arrays):
-        """``arrays`` one after another in one flat array of device memory."""
-        # written straight into device memory that peers read in place (dev.empty): a
-        # private np.concatenate was copied once more into the arena by the all-reduce
-        flat = self.dev.empty((sum(a.size for a in arrays),),
-                              np.result_type(*(a.dtype for a in arrays)))
-        offset = 0
-        for a in arrays:
-            flat[offset:offset + a.size] = a.reshape(-1)
-            offset += a.size
-        return flat
+        """Launch what is left, wait for every bucket, write the sums back."""
+        self._launch()
+        for work, arrays in self._launched:
+            total = work.wait()
+            offset = 0
+            for a in arrays:
+                a[...] = total[offset:offset + a.size].reshape(a.shape)
+                offset += a.size
+        self._launched = []
 
 
 class _NoBuckets:

@@ -101,7 +101,8 @@ class VirtualCluster:
         and the repr say which). By default (None) the devices are pinned when they
         outnumber the cores this process may use, where a pipeline or tensor-parallel
         group on one core hands work on without crossing cores (issue 32: the
-        width-128 MLP step on 8 devices and 2 cores ran ~40% faster); False leaves them
+        width-128 MLP step on 8 devices and 2 cores ran ~10% faster on a quiet machine,
+        ~40% under other load); False leaves them
         to the kernel's scheduler, True pins them however many cores there are.
     """
 

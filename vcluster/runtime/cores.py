@@ -69,7 +69,8 @@ def device_cpu_sets(n_devices: int, cpus) -> tuple:
     ``tp`` last); on one CPU a receiver that waits yields to the sender that will wake it,
     and the sender's data is still in that CPU's caches. Measured on the 2-core machine
     (issue 32; benchmarks/README.md): the width-128 MLP step on dp 2 x pp 4, one pipeline
-    replica per CPU, took 8.8-9.1 ms against 14-22 ms free to migrate, and 5% less CPU.
+    replica per CPU, took 7.4-7.7 ms against 8.4-8.5 ms free to migrate on a quiet
+    machine, 8.8-9.1 ms against 14-22 ms under other load, with ~5% less CPU.
     """
     cpus = tuple(cpus)
     c = len(cpus)

@@ -80,6 +80,7 @@ class StageLayers:
         self._ops = [_matmul_for(s.kind) for s in specs]
         self._saved: dict[int, list] = {}       # micro-batch -> [(x, z)] per layer
         self._dz: dict[int, list] = {}          # micro-batch -> dz per layer (I done, W not)
+        self._held_bytes = 0                    # nbytes of everything in _saved and _dz
         self.param_hook = None     # ZeRO-3 (pipeline_parallel.zero): use(l, next) / done(l)
 
     # --- memory -----------------------------------------------------------------------
@@ -93,8 +94,10 @@ class StageLayers:
 
     @property
     def activation_bytes(self) -> int:
-        saved = sum(x.nbytes + z.nbytes for xs in self._saved.values() for x, z in xs)
-        return saved + sum(d.nbytes for ds in self._dz.values() for d in ds if d is not None)
+        """The saved x_l, z_l and dz_l of the micro-batches in flight. Counted as they
+        come and go: the training executor asks after every action (issue 32), and
+        summing the dicts each time was ~4 us of a ~70 us action at width 128."""
+        return self._held_bytes
 
     @property
     def in_flight(self) -> int:
@@ -123,6 +126,7 @@ class StageLayers:
             if hook is not None:
                 hook.done(l)
         self._saved[mb] = saved
+        self._held_bytes += sum(x.nbytes + z.nbytes for x, z in saved)
         return x
 
     def backward_input(self, dev, mb: int, dy, need_input_grad: bool = True):
@@ -149,6 +153,7 @@ class StageLayers:
             if hook is not None:
                 hook.done(l)
         self._dz[mb] = dzs
+        self._held_bytes += sum(d.nbytes for d in dzs if d is not None)
         return grad
 
     def backward_weight(self, dev, mb: int, on_layer_done=None):
@@ -157,6 +162,8 @@ class StageLayers:
         ``on_layer_done(l)`` is called after layer l's gradient is accumulated.
         """
         saved, dzs = self._saved.pop(mb), self._dz.pop(mb)
+        self._held_bytes -= sum(x.nbytes + z.nbytes for x, z in saved) + sum(
+            d.nbytes for d in dzs if d is not None)
         for l in reversed(range(len(self.specs))):
             x, _ = saved[l]
             dz = dzs[l]

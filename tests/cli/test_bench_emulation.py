@@ -48,3 +48,11 @@ def test_bench_emulation_command_prints_the_table_and_writes_json(tmp_path):
 def test_bench_emulation_rejects_bad_cases(value, message):
     proc = _cli("--mlp", value)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_bench_emulation_says_whether_the_devices_are_pinned():
+    proc = _cli("--mlp", "16x32", "--no-gpt", "--steps", "1", "--reps", "1",
+                "--pin-devices", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert "devices pinned: off" in proc.stdout and "MLP width 16, batch 32" in proc.stdout
+    assert _cli("--pin-devices", "maybe").returncode == 2

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from types import MappingProxyType
 
 from .args import csv_of, positive_int, sizes
 from .bench_collectives import OPS, PATHS
 
 __all__ = ["add_parser"]
 
+
+# --pin-devices: VirtualCluster(pin_devices=...)
+_PIN_CHOICES = MappingProxyType({"auto": None, "on": True, "off": False})
 
 def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmarks of the emulator")
@@ -96,6 +100,9 @@ def add_parser(commands) -> None:
     emu.add_argument("--reps", type=positive_int, default=3, help="runs of each length (3)")
     emu.add_argument("--threads-per-device", type=positive_int, default=None,
                      help="each device's BLAS threads (default: cores // devices, at least 1)")
+    emu.add_argument("--pin-devices", choices=tuple(_PIN_CHOICES), default="auto",
+                     help="pin the devices to CPUs: auto (when they outnumber the cores; "
+                          "the default), on, off")
     emu.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     emu.set_defaults(run=_emulation)
 
@@ -255,14 +262,17 @@ def _startup(args) -> int:
 
 def _emulation(args) -> int:
     from .bench_emulation import format_table, measure_gpt, measure_mlp
+    pin = _PIN_CHOICES[args.pin_devices]
     print(f"vcluster bench emulation: per-step time after the first step, median of "
-          f"{args.reps} runs of 1 and {1 + args.steps} steps each side, same run", flush=True)
+          f"{args.reps} runs of 1 and {1 + args.steps} steps each side, same run; "
+          f"devices pinned: {args.pin_devices}", flush=True)
     cases = []
     for width, batch in args.mlp:
-        cases.append(measure_mlp(width, batch, args.steps, args.reps, args.threads_per_device))
+        cases.append(measure_mlp(width, batch, args.steps, args.reps, args.threads_per_device,
+                                 pin))
         print(f"  {cases[-1].name}: {cases[-1].ratio:.2f}x", flush=True)
     if args.gpt:
-        cases.append(measure_gpt(args.steps, args.reps, args.threads_per_device))
+        cases.append(measure_gpt(args.steps, args.reps, args.threads_per_device, pin))
     print(format_table(cases))
     _maybe_json(args.json, [c.as_dict() for c in cases])
     return 0

@@ -29,6 +29,9 @@ one large one (on the development machine, single-threaded, 128 x 1024 x 1024 pr
 at 19-34 GFLOP/s against 27-39 for 1024 rows). ``overhead_ratio`` = emulated /
 microbatched is what the emulator itself adds.
 
+``pin_devices`` is ``VirtualCluster``'s (None: pinned when the devices outnumber the
+cores, which on a 2-core machine they do; ``--pin-devices off`` measures them free).
+
 Cases: the MLP of issue 32 (8 layers of ``width`` features, ``batch`` samples, 1F1B with
 4 micro-batches on dp 2 x pp 4) and a tiny GPT on tp x pp x dp = 2 x 2 x 2.
 """
@@ -125,7 +128,8 @@ def _case(name, mesh, cluster, reference, emulated, steps, reps, losses_of,
 
 
 def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
-                threads_per_device: int | None = None) -> EmulationCase:
+                threads_per_device: int | None = None,
+                pin_devices: bool | None = None) -> EmulationCase:
     """The MLP case: ``[width] * 9`` sizes, float64, SGD, 1F1B, 4 micro-batches, dp 2 x pp 4."""
     from mesh import Mesh
     from pipeline_parallel import MLP
@@ -143,7 +147,8 @@ def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
             mlp.fit_reference(X[c * rows:(c + 1) * rows], Y[c * rows:(c + 1) * rows],
                               steps=n, **kw)
 
-    with VirtualCluster(mesh, threads_per_device=threads_per_device) as cluster:
+    with VirtualCluster(mesh, threads_per_device=threads_per_device,
+                        pin_devices=pin_devices) as cluster:
         return _case(f"MLP width {width}, batch {batch}", "dp 2 x pp 4", cluster,
                      lambda n: mlp.fit_reference(X, Y, steps=n, **kw),
                      lambda n: mlp.fit(cluster, X, Y, steps=n, microbatches=4,
@@ -152,7 +157,8 @@ def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
 
 
 def measure_gpt(steps: int = 3, reps: int = 3,
-                threads_per_device: int | None = None) -> EmulationCase:
+                threads_per_device: int | None = None,
+                pin_devices: bool | None = None) -> EmulationCase:
     """The GPT case: hidden 64, 4 layers, 4 heads, sequence 16, vocabulary 64, batch 8,
     SGD, on tp 2 x pp 2 x dp 2."""
     from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
@@ -163,7 +169,8 @@ def measure_gpt(steps: int = 3, reps: int = 3,
     rng = np.random.default_rng(0)
     tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
     kw = dict(optimizer="sgd", lr=0.1)
-    with VirtualCluster(par.mesh(), threads_per_device=threads_per_device) as cluster:
+    with VirtualCluster(par.mesh(), threads_per_device=threads_per_device,
+                        pin_devices=pin_devices) as cluster:
         return _case("GPT hidden 64, 4 layers, batch 8", "tp 2 x pp 2 x dp 2", cluster,
                      lambda n: gpt.fit_reference(tokens, targets, steps=n, **kw),
                      lambda n: gpt.fit(cluster, tokens, targets, steps=n, parallel=par, **kw),

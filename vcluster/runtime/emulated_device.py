@@ -455,10 +455,15 @@ class EmulatedDevice:
         return tag
 
     def _p2p_event(self, name, peer, x, tag, start, sent) -> None:
-        pair = ((peer, x.nbytes, 1),) if peer != self.rank else ()
-        self._recorder.record(CommEvent(self.rank, name, (self.rank, peer), "p2p", x.nbytes,
-                                        pair if sent else (), () if sent else pair, tag,
-                                        start, time.perf_counter()))
+        """The call's CommEvent, built when the events are read (like compute events):
+        a pipeline step sends and receives ~16 messages per device, and building each
+        frozen dataclass at once was ~2 us of a ~15 us send."""
+        nbytes = x.nbytes
+        pair = ((peer, nbytes, 1),) if peer != self.rank else ()
+        self._recorder.record_later(CommEvent, (self.rank, name, (self.rank, peer), "p2p",
+                                                nbytes, pair if sent else (),
+                                                () if sent else pair, tag, start,
+                                                time.perf_counter()))
 
     def send(self, x, to: int, tag: int = 0) -> None:
         """Send ``x`` to global rank ``to``; returns once the payload is copied out."""

@@ -6,7 +6,8 @@ file descriptors and one control socket per device, and it:
 
 1. limits BLAS to one thread per device (the environment is set before numpy loads),
    and has freed memory kept for reuse (:func:`keep_freed_memory`);
-2. maps the segments, then forks one ``VirtualDevice`` per rank — forking a process
+2. maps the segments, then forks one ``VirtualDevice`` per rank (pinned to its
+   ``cpu_sets`` CPUs when the cluster pins devices) — forking a process
    that never ran user code is safe and fast (~30 ms for 8), unlike ``spawn`` (~0.85 s)
    which would also re-import the user's ``__main__``;
 3. reports each device's exit to the host, restarts a rank on request, and kills every
@@ -71,6 +72,8 @@ def _start_device(rank: int, config: dict, segments: dict, host_sock: socket.soc
     code = 0
     try:
         die_with_parent()
+        if config.get("cpu_sets") is not None:   # before any thread: they inherit it
+            os.sched_setaffinity(0, config["cpu_sets"][rank])
         signal.signal(signal.SIGINT, signal.SIG_IGN)    # the host handles Ctrl-C
         host_sock.close()
         for r, fd in enumerate(config["device_fds"]):

@@ -10,7 +10,7 @@ from mesh import Mesh
 from .algorithm import AlgorithmSettings
 from .arrays import ARRAY_MODULES
 from .capacity import check_capacity, memory_available_bytes, open_files_limit
-from .cores import usable_cores
+from .cores import device_cpu_sets, usable_cores, usable_cpus
 from .device_memory import TRANSPORTS
 
 __all__ = ["ClusterOptions"]
@@ -42,12 +42,14 @@ class ClusterOptions:
     startup_timeout_s: float = 60.0
     transport: str = "host"              # "ipc" | "host" (resolved from "auto")
     device_arena_bytes: int | None = None    # cupy + ipc: GPU memory each device exports
+    cpu_sets: tuple | None = None        # per rank, the CPUs it is pinned to; None: not pinned
 
     @classmethod
     def build(cls, mesh, array_module, timeout_s, algorithm, arena_bytes, run_timeout_s,
               wait, shm_free_bytes: int | None,
               threads_per_device: int | None = None, transport: str = "auto",
-              device_arena_bytes: int | None = None) -> "ClusterOptions":
+              device_arena_bytes: int | None = None,
+              pin_devices: bool | None = None) -> "ClusterOptions":
         """Validated options. Defaults derived from the machine:
 
         * ``arena_bytes``: the range each arena may grow to,
@@ -58,6 +60,10 @@ class ClusterOptions:
           where ``cores`` is what this process may use (:func:`usable_cores`), so that
           the devices together start at most one pool thread per core — or one per device
           when there are more devices than cores (a device's own thread is the floor).
+        * ``pin_devices``: None pins the devices when there are more of them than
+          cores (``cpu_sets``: consecutive ranks share a CPU,
+          :func:`~.cores.device_cpu_sets`), True always, False never; pinning needs
+          affinity masks (Linux), without them None pins nothing and True is an error.
         * ``transport``: ``auto`` is ``ipc`` on the device modules (collectives on device
           arrays read peers' device memory in place) and ``host`` on numpy.
 
@@ -96,6 +102,7 @@ class ClusterOptions:
             raise ValueError("VirtualCluster: threads_per_device must be an int >= 1, got "
                              f"{threads_per_device!r}")
         transport = _transport(array_module, transport)
+        cpu_sets = _cpu_sets(n, pin_devices)
         if device_arena_bytes is not None and (
                 not isinstance(device_arena_bytes, numbers.Integral)
                 or isinstance(device_arena_bytes, bool) or device_arena_bytes < MIN_ARENA_BYTES):
@@ -103,12 +110,32 @@ class ClusterOptions:
                              f"{MIN_ARENA_BYTES} (4 MiB) or None, got {device_arena_bytes!r}")
         return cls(array_module, float(timeout_s), algorithm, int(arena_bytes),
                    int(arena_bytes), float(run_timeout_s), wait, int(threads_per_device),
-                   transport=transport, device_arena_bytes=device_arena_bytes)
+                   transport=transport, device_arena_bytes=device_arena_bytes,
+                   cpu_sets=cpu_sets)
 
     def thread_environment(self) -> dict[str, str]:
         """The variables that size the devices' BLAS/OpenMP pools (set before numpy
         loads in the launcher, so every library reads them at start-up)."""
         return {v: str(self.threads_per_device) for v in THREAD_VARIABLES}
+
+
+def _cpu_sets(n: int, pin_devices) -> tuple | None:
+    """The CPUs of each rank, or None for devices free to run anywhere."""
+    if pin_devices is not None and not isinstance(pin_devices, bool):
+        raise ValueError(f"VirtualCluster: pin_devices must be None (pin when the devices "
+                         f"outnumber the cores), True or False, got {pin_devices!r}")
+    if pin_devices is False:
+        return None
+    cpus = usable_cpus()
+    if not cpus:
+        if pin_devices:
+            raise ValueError("VirtualCluster: pin_devices=True needs CPU affinity masks "
+                             "(os.sched_setaffinity, Linux), which this platform lacks; "
+                             "use pin_devices=None or False")
+        return None
+    if pin_devices is None and n <= len(cpus):
+        return None
+    return device_cpu_sets(n, cpus)
 
 
 def _transport(array_module: str, transport) -> str:

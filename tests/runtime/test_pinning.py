@@ -1,0 +1,105 @@
+"""Devices pinned to CPUs (issue 32): when the devices outnumber the cores, consecutive
+ranks share a CPU — read inside the devices with ``os.sched_getaffinity``, for the
+program's thread and the communication thread alike, and again after a restart;
+``pin_devices=False`` leaves them free, ``True`` pins them anyway; the CPU sets follow a
+closed form."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from mesh import Mesh
+from vcluster import VirtualCluster
+from vcluster.runtime.cores import device_cpu_sets, usable_cpus
+
+pytestmark = pytest.mark.timeout(120)
+linux_only = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"),
+                                reason="CPU affinity masks are a Linux feature")
+
+
+@pytest.mark.parametrize("n, cpus, want", [
+    (8, (0, 1), ((0,),) * 4 + ((1,),) * 4),                # one pipeline replica per CPU
+    (4, (2, 5), ((2,), (2,), (5,), (5,))),                 # the mask's CPUs, not 0..C-1
+    (3, (0, 1), ((0,), (0, 1), (1,))),                     # rank 1's share straddles both
+    (2, (0, 1, 2, 3), ((0, 1), (2, 3))),                   # fewer devices: blocks of CPUs
+    (1, (7,), ((7,),)),
+])
+def test_cpu_sets_closed_form(n, cpus, want):
+    assert device_cpu_sets(n, cpus) == want
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64])
+@pytest.mark.parametrize("c", [1, 2, 3, 4, 16])
+def test_cpu_sets_cover_every_cpu_in_rank_order(n, c):
+    sets = device_cpu_sets(n, tuple(range(c)))
+    assert len(sets) == n and set().union(*sets) == set(range(c))
+    firsts = [s[0] for s in sets]
+    assert firsts == sorted(firsts)                      # consecutive ranks, CPUs ascending
+    for s in sets:                                       # each set a run of CPUs
+        assert list(s) == list(range(s[0], s[-1] + 1))
+    if n >= c:                                           # at most ceil(n / c) + 1 per CPU
+        per_cpu = np.bincount([x for s in sets for x in s], minlength=c)
+        assert per_cpu.max() <= -(-n // c) + 1
+
+
+def test_cpu_sets_refuse_nothing_to_share():
+    with pytest.raises(ValueError, match=r"need >= 1 device and >= 1 CPU, got 0 device"):
+        device_cpu_sets(0, (0, 1))
+
+
+def _affinities(dev):
+    """The CPUs of every thread of this device (program and communication thread)."""
+    dev.all_reduce(np.ones(4), async_op=True).wait()      # start the communication thread
+    return {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+
+
+@linux_only
+def test_devices_outnumbering_the_cores_are_pinned():
+    cpus = usable_cpus()
+    n = 2 * len(cpus)
+    with VirtualCluster(Mesh((n,), ("x",)), timeout_s=30.0) as cluster:
+        want = device_cpu_sets(n, cpus)
+        assert cluster.options.cpu_sets == want
+        assert "cpus=any" not in repr(cluster)
+        for rank, threads in enumerate(cluster.run(_affinities)):
+            assert len(threads) >= 2, threads             # the program's and the comm thread
+            for cpu_list in threads.values():
+                assert cpu_list == sorted(want[rank]), (rank, threads)
+        cluster.restart()                                 # fresh processes: pinned again
+        after = cluster.run(lambda dev: tuple(os.sched_getaffinity(0)))
+        assert [sorted(a) for a in after] == [sorted(w) for w in want]
+
+
+@linux_only
+def test_pinning_can_be_turned_off_and_forced():
+    cpus = usable_cpus()
+    mine = sorted(os.sched_getaffinity(0))
+    with VirtualCluster(Mesh((2 * len(cpus),), ("x",)), timeout_s=30.0,
+                        pin_devices=False) as cluster:
+        assert cluster.options.cpu_sets is None and "cpus=any" in repr(cluster)
+        assert all(sorted(a) == mine
+                   for a in cluster.run(lambda dev: tuple(os.sched_getaffinity(0))))
+    with VirtualCluster(Mesh((1,), ("x",)), timeout_s=30.0, pin_devices=True) as cluster:
+        assert cluster.options.cpu_sets == (cpus,)
+        assert sorted(cluster.run(lambda dev: tuple(os.sched_getaffinity(0)))[0]) == \
+            sorted(cpus)
+
+
+def test_devices_within_the_cores_are_not_pinned_by_default():
+    with VirtualCluster(Mesh((1,), ("x",)), timeout_s=30.0) as cluster:
+        assert cluster.options.cpu_sets is None and "cpus=any" in repr(cluster)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.5])
+def test_pin_devices_is_checked(value):
+    with pytest.raises(ValueError, match=r"pin_devices must be None \(pin when the devices "
+                                         r"outnumber the cores\), True or False, got"):
+        VirtualCluster(Mesh((2,), ("x",)), pin_devices=value)
+
+
+@pytest.mark.skipif(sys.platform.startswith("linux"), reason="the platform without masks")
+def test_forced_pinning_without_affinity_masks_is_refused():
+    with pytest.raises(ValueError, match="pin_devices=True needs CPU affinity masks"):
+        VirtualCluster(Mesh((2,), ("x",)), pin_devices=True)

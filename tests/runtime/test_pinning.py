@@ -1,7 +1,8 @@
-"""Devices pinned to CPUs (issue 32): when the devices outnumber the cores, consecutive
-ranks share a CPU — read inside the devices with ``os.sched_getaffinity``, for the
+"""Devices pinned to CPUs on request (issue 32): when the devices outnumber the cores,
+consecutive ranks share a CPU — read inside the devices with ``os.sched_getaffinity``, for the
 program's thread and the communication thread alike, and again after a restart;
-``pin_devices=False`` leaves them free, ``True`` pins them anyway; the CPU sets follow a
+``pin_devices=False`` (the default) leaves them free, ``None`` pins them when they
+outnumber the cores, ``True`` pins them anyway; the CPU sets follow a
 closed form."""
 
 import os
@@ -56,10 +57,10 @@ def _affinities(dev):
 
 
 @linux_only
-def test_devices_outnumbering_the_cores_are_pinned():
+def test_devices_outnumbering_the_cores_are_pinned_on_request():
     cpus = usable_cpus()
     n = 2 * len(cpus)
-    with VirtualCluster(Mesh((n,), ("x",)), timeout_s=30.0) as cluster:
+    with VirtualCluster(Mesh((n,), ("x",)), timeout_s=30.0, pin_devices=None) as cluster:
         want = device_cpu_sets(n, cpus)
         assert cluster.options.cpu_sets == want
         assert "cpus=any" not in repr(cluster)
@@ -90,6 +91,18 @@ def test_pinning_can_be_turned_off_and_forced():
 def test_devices_within_the_cores_are_not_pinned_by_default():
     with VirtualCluster(Mesh((1,), ("x",)), timeout_s=30.0) as cluster:
         assert cluster.options.cpu_sets is None and "cpus=any" in repr(cluster)
+    with VirtualCluster(Mesh((1,), ("x",)), timeout_s=30.0, pin_devices=None) as cluster:
+        assert cluster.options.cpu_sets is None and "cpus=any" in repr(cluster)
+
+
+@linux_only
+def test_devices_outnumbering_the_cores_are_free_by_default():
+    """Pinning is opt-in: the localhost model prices devices the scheduler moves."""
+    mine = sorted(os.sched_getaffinity(0))
+    with VirtualCluster(Mesh((2 * len(usable_cpus()),), ("x",)), timeout_s=30.0) as cluster:
+        assert cluster.options.cpu_sets is None and "cpus=any" in repr(cluster)
+        assert all(sorted(a) == mine
+                   for a in cluster.run(lambda dev: tuple(os.sched_getaffinity(0))))
 
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.5])

@@ -100,9 +100,9 @@ def add_parser(commands) -> None:
     emu.add_argument("--reps", type=positive_int, default=3, help="runs of each length (3)")
     emu.add_argument("--threads-per-device", type=positive_int, default=None,
                      help="each device's BLAS threads (default: cores // devices, at least 1)")
-    emu.add_argument("--pin-devices", choices=tuple(_PIN_CHOICES), default="auto",
-                     help="pin the devices to CPUs: auto (when they outnumber the cores; "
-                          "the default), on, off")
+    emu.add_argument("--pin-devices", choices=tuple(_PIN_CHOICES), default="off",
+                     help="pin the devices to CPUs: off (VirtualCluster's default), auto "
+                          "(when they outnumber the cores), on")
     emu.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     emu.set_defaults(run=_emulation)
 

@@ -29,8 +29,9 @@ one large one (on the development machine, single-threaded, 128 x 1024 x 1024 pr
 at 19-34 GFLOP/s against 27-39 for 1024 rows). ``overhead_ratio`` = emulated /
 microbatched is what the emulator itself adds.
 
-``pin_devices`` is ``VirtualCluster``'s (None: pinned when the devices outnumber the
-cores, which on a 2-core machine they do; ``--pin-devices off`` measures them free).
+``pin_devices`` is ``VirtualCluster``'s (False, the default: free to migrate; None,
+``--pin-devices auto``: pinned when the devices outnumber the cores, which on a 2-core
+machine they do; ``on``: always).
 
 Cases: the MLP of issue 32 (8 layers of ``width`` features, ``batch`` samples, 1F1B with
 4 micro-batches on dp 2 x pp 4) and a tiny GPT on tp x pp x dp = 2 x 2 x 2.
@@ -129,7 +130,7 @@ def _case(name, mesh, cluster, reference, emulated, steps, reps, losses_of,
 
 def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
                 threads_per_device: int | None = None,
-                pin_devices: bool | None = None) -> EmulationCase:
+                pin_devices: bool | None = False) -> EmulationCase:
     """The MLP case: ``[width] * 9`` sizes, float64, SGD, 1F1B, 4 micro-batches, dp 2 x pp 4."""
     from mesh import Mesh
     from pipeline_parallel import MLP
@@ -158,7 +159,7 @@ def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
 
 def measure_gpt(steps: int = 3, reps: int = 3,
                 threads_per_device: int | None = None,
-                pin_devices: bool | None = None) -> EmulationCase:
+                pin_devices: bool | None = False) -> EmulationCase:
     """The GPT case: hidden 64, 4 layers, 4 heads, sequence 16, vocabulary 64, batch 8,
     SGD, on tp 2 x pp 2 x dp 2."""
     from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig

@@ -95,22 +95,23 @@ class VirtualCluster:
         ``cupy`` with ``ipc``: the GPU memory each device exports to its peers
         (default: an eighth of the GPU's memory shared by the devices, at most 1 GiB
         each); buffers that do not fit are staged through the host.
-    pin_devices : bool, optional
+    pin_devices : bool or None, optional
         Pin each device process to CPUs (Linux affinity masks), consecutive ranks
         sharing one (:func:`~vcluster.runtime.cores.device_cpu_sets`; ``options.cpu_sets``
-        and the repr say which). By default (None) the devices are pinned when they
-        outnumber the cores this process may use, where a pipeline or tensor-parallel
-        group on one core hands work on without crossing cores (issue 32: the
-        width-128 MLP step on 8 devices and 2 cores ran ~10% faster on a quiet machine,
-        ~40% under other load); False leaves them
-        to the kernel's scheduler, True pins them however many cores there are.
+        and the repr say which). False (the default) leaves them to the kernel's
+        scheduler; None pins them when they outnumber the cores this process may use,
+        where a pipeline or tensor-parallel group on one core hands work on without
+        crossing cores (issue 32: the width-128 MLP step on 8 devices and 2 cores ran
+        ~10% faster on a quiet machine, ~40% under other load); True pins them however
+        many cores there are. Not the default because the ``localhost`` timing model
+        prices devices the scheduler places and moves (docs/runtime.md).
     """
 
     def __init__(self, mesh, array_module: str = "numpy", timeout_s: float = 60.0,
                  algorithm: str = "auto", arena_bytes: int | None = None,
                  run_timeout_s: float = 3600.0, wait: str = "auto",
                  threads_per_device: int | None = None, transport: str = "auto",
-                 device_arena_bytes: int | None = None, pin_devices: bool | None = None):
+                 device_arena_bytes: int | None = None, pin_devices: bool | None = False):
         self.options = ClusterOptions.build(mesh, array_module, timeout_s, algorithm,
                                             arena_bytes, run_timeout_s, wait,
                                             shm_available_bytes(), threads_per_device,

@@ -49,7 +49,7 @@ class ClusterOptions:
               wait, shm_free_bytes: int | None,
               threads_per_device: int | None = None, transport: str = "auto",
               device_arena_bytes: int | None = None,
-              pin_devices: bool | None = None) -> "ClusterOptions":
+              pin_devices: bool | None = False) -> "ClusterOptions":
         """Validated options. Defaults derived from the machine:
 
         * ``arena_bytes``: the range each arena may grow to,
@@ -60,9 +60,9 @@ class ClusterOptions:
           where ``cores`` is what this process may use (:func:`usable_cores`), so that
           the devices together start at most one pool thread per core — or one per device
           when there are more devices than cores (a device's own thread is the floor).
-        * ``pin_devices``: None pins the devices when there are more of them than
-          cores (``cpu_sets``: consecutive ranks share a CPU,
-          :func:`~.cores.device_cpu_sets`), True always, False never; pinning needs
+        * ``pin_devices``: False (the default) never pins, None pins the devices when
+          there are more of them than cores (``cpu_sets``: consecutive ranks share a CPU,
+          :func:`~.cores.device_cpu_sets`), True always; pinning needs
           affinity masks (Linux), without them None pins nothing and True is an error.
         * ``transport``: ``auto`` is ``ipc`` on the device modules (collectives on device
           arrays read peers' device memory in place) and ``host`` on numpy.

@@ -87,7 +87,7 @@ def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((work / "v.json").read_text())["rows"]
     # every row of the shipped tables: 5 NCCL, 8 Megatron 2020, 10 SC21, 5 H200 steps x 2, 8 H100 steps x 2
-    assert len(rows) == 5 + 8 + 10 + 2 * 5 + 2 * 8
+    assert len(rows) == 5 + 8 + 10 + 2 * 5 + 2 * 8 + 2 * 7
     assert {r["metric"] for r in rows} == {"busbw_gbps", "iter_ms", "tflops_per_gpu", "step_ms",
                                            "peak_gb"}
     listed = subprocess.run([str(env_dir / "bin" / "vcluster"), "hardware", "list"],

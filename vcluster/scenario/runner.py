@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .choices import Engine, Mode, parse_choice
-from .timed_runs import (WARMUP_RUNS, emulate_timed, is_update, measures_like_localhost,
-                         step_times)
+from .timed_runs import (WARMUP_RUNS, all_running, emulate_timed, is_update,
+                         measures_like_localhost, step_times)
 from .workloads.base import compare
 
 __all__ = ["run_scenario", "SUMMARY_KEYS", "RATIO_FLAG"]
@@ -126,7 +126,9 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
         engine.reset_stats()
         outputs = engine.run(workload.program, list(workload.args_by_rank))
         got = engine.trace()
-        times += step_times(got, training, steps,
+        # a training run's steps from the instant every device runs (the host's wake-up
+        # of the devices one by one is start-up: timed_runs.all_running)
+        times += step_times(got, training, steps, start=all_running(got) if training else None,
                             updates_per_step=workload.updates_per_step)
         events += got
         first_events = got if first_events is None else first_events
@@ -376,7 +378,7 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         elif engines.name == "emulator":                       # the same, measured once
             emu = emulate_timed(workload, point,
                                 engines.get(mesh, point.cluster.array_module), bar,
-                                warmup=point.run.warmup, repeats=1)
+                                warmup=point.run.warmup, repeats=1, steady=True)
         else:
             emu = _emulate(workload, point, engines, bar)
         _measured(out, workload, emu, point)

@@ -23,17 +23,20 @@ the instant, a barrier after each device's end) are dropped, so the run's traffi
 the program's alone and still equals the trace's.
 
 Every other emulator run is measured the same way but once (no median of repeats), after
-``run.warmup`` untimed runs (default 1): so a report's first step is a step, not the
-start-up (a quick start's step 0 took 0.12 s against 0.025 s for the others when it was
-timed from the first event of the first run). The torch engine keeps the plain runs of
-:mod:`vcluster.scenario.runner` (after the same warm-up; a step timed from its first
-event).
+``run.warmup`` untimed runs (default 1), and a training run's steps from the instant every
+device is running (:func:`all_running`, ``emulate_timed(steady=True)``); the torch engine
+keeps the plain runs of :mod:`vcluster.scenario.runner`, after the same warm-up, its
+training steps timed from that instant too. So a report's first step is a step, not the
+start-up: a quick start's step 0 took 0.12 s against 0.025 s for the others when it was
+timed from the first event of the first run, and after the warm-up run still 1.2-1.5x
+the others (2026-11-27, steps of 8-9 ms) while it was timed from the common start, which
+each device leaves 2.5-4 ms apart on 8 devices and 2 cores.
 """
 
 from __future__ import annotations
 
 __all__ = ["measures_like_localhost", "emulate_timed", "step_times", "within_run",
-           "is_update", "WARMUP_RUNS", "TIMED_REPEATS"]
+           "is_update", "all_running", "WARMUP_RUNS", "TIMED_REPEATS"]
 
 WARMUP_RUNS = 1          # untimed runs before the measured ones (as bench predict)
 TIMED_REPEATS = 3        # timed runs per measured one, the median kept (bench predict: 3)
@@ -80,6 +83,21 @@ def step_times(events, training: bool, steps: int, start: float | None = None,
     return [b - a for a, b in zip([start] + ends[:-1], ends)]
 
 
+def all_running(events) -> float | None:
+    """The instant every rank of a run is running its program: the latest of the ranks'
+    first events (a rank's first event starts as its program does: a compute op, or the
+    wait of its first receive or collective). The host wakes the devices one after
+    another, 2.5-4 ms apart from first to last for the quick start's 8 devices on 2 cores
+    (2026-11-27, steps of 8-9 ms): timed from the first rank's first event, step 0 would
+    carry that start-up (max/median of 3 steps 1.12-1.42 over 8 runs; from this instant
+    1.01-1.29). None without events."""
+    first: dict = {}
+    for e in events:
+        if e.rank not in first or e.start < first[e.rank]:
+            first[e.rank] = e.start
+    return max(first.values()) if first else None
+
+
 def within_run(events, spans) -> list:
     """The events of each rank that lie inside its timed run ``spans[rank]`` =
     (start, end, result, began): the program's own, not the start and end protocol's.
@@ -90,12 +108,15 @@ def within_run(events, spans) -> list:
 
 
 def emulate_timed(workload, point, engine, bar, warmup: int = WARMUP_RUNS,
-                  repeats: int = TIMED_REPEATS) -> dict:
+                  repeats: int = TIMED_REPEATS, steady: bool = False) -> dict:
     """The runner's emulation record (``outputs``, ``events``, ``first_events``,
     ``step_times``, ``records_traffic``) of ``warmup`` untimed runs then timed ones: one
     for a training program (its steps inside, split by :func:`step_times`), ``run.steps``
     for an op, each timed from its common start to the last device's end and each the
-    median of ``repeats`` runs."""
+    median of ``repeats`` runs. ``steady``: a training program's first step starts when
+    every device runs (:func:`all_running`), not at the common start — the devices'
+    getting going (2.5-4 ms for 8 devices on 2 cores) is start-up, which the ``localhost``
+    model prices (its run-start cost) but a hardware model's steps do not contain."""
     # lazy: keeps vcluster --help fast
     from vcluster.localhost.start import timed_call
     steps, training = point.run.steps, workload.training
@@ -111,7 +132,10 @@ def emulate_timed(workload, point, engine, bar, warmup: int = WARMUP_RUNS,
             engine.reset_stats()
             spans = engine.run(timed_call, timed_args)
             got = within_run(engine.trace(), spans)
-            runs.append((step_times(got, training, steps, start=min(s for s, _, _, _ in spans),
+            start = min(s for s, _, _, _ in spans)
+            if steady and training:
+                start = max(start, all_running(got) or start)
+            runs.append((step_times(got, training, steps, start=start,
                                     end=max(e for _, e, _, _ in spans),
                                     updates_per_step=getattr(workload, "updates_per_step", 1)),
                          got, [result for _, _, result, _ in spans]))

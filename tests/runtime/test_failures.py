@@ -21,28 +21,11 @@ from vcluster import (ClusterBrokenError, CollectiveTimeout, DeviceLostError,
 from tests.interruptible import popen_interruptible
 from vcluster.runtime.segments import list_segments
 
+from .processes import wait_dead as _wait_dead
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _alive(pid: int) -> bool:
-    """True if the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):   # gone, or going while we read
-        return False
-
-
-def _wait_dead(pids, timeout_s=5.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 def _my_segments() -> list[str]:

@@ -364,7 +364,7 @@ class EmulatedDevice:
         slot = plan.slot
         s = self._seq[slot] + 1
         self._seq[slot] = s
-        res = plan.run(s, x, out, self._seen, self._run_base[slot], self)
+        res = plan.run(s, x, out, self._seen, self._run_base[slot], self._alloc)
         self._recorder.record_later(*plan.event_later(s, start, time.perf_counter()))
         return res
 

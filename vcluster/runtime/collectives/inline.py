@@ -78,7 +78,7 @@ class InlinePlan:
     """
 
     __slots__ = ("f", "group", "slot", "n", "collective", "dtype", "shape", "op", "nbytes", "arg",
-                 "_mv", "_slot", "_address", "_head_at", "_header", "_rest", "_progress_at",
+                 "_mv", "_address", "_head_at", "_header", "_rest", "_progress_at",
                  "_peer_progress", "_peer_addresses", "_progress_slice", "_progress_idx",
                  "_payload", "_rows", "_heads", "_members_idx", "_event_args")
 
@@ -92,7 +92,7 @@ class InlinePlan:
         self.arg = 0 if op is None else op.code
         layout = f.layout
         self._mv = memoryview(f.words)                   # Python ints, ~20 ns a word
-        self._slot = self.slot = g.slot
+        self.slot = g.slot
         self._address = f.progress_address(f.rank, g.slot)   # my progress word, for wakes
         # word index of my row's header, per parity
         desc0 = layout.desc_at + (f.rank * layout.n_slots + g.slot) * 2 * D.WORDS
@@ -146,11 +146,11 @@ class InlinePlan:
         return block[:, D.INLINE:].view(np.uint8)[:, :self.nbytes].view(self.dtype)
 
     # --- one call -------------------------------------------------------------------
-    def run(self, s: int, x, out, seen: list[int], run_base: int, device):
+    def run(self, s: int, x, out, seen: list[int], run_base: int, alloc):
         """Call number ``s`` on this group (the device has counted it): publish, wait,
-        check, reduce. ``seen`` and ``run_base`` are the device's (see ``GroupCall``);
-        ``device`` builds the general path's :class:`GroupCall` when a check fails."""
-        mv, slot = self._mv, self._slot
+        check, reduce. ``seen``, ``run_base`` and ``alloc`` are the device's (see
+        ``GroupCall``), for the general path's :class:`GroupCall` when a check fails."""
+        mv, slot = self._mv, self.slot
         target = 4 * s - 6                               # call s - 2 finished everywhere
         if s > 2 and seen[slot] < target:
             self._wait(target, s, run_base, f"to finish call #{s - run_base - 2}")
@@ -176,7 +176,7 @@ class InlinePlan:
             heads, rows = block[:, :HEAD_WORDS], self._typed(block)
         expected = (s.to_bytes(8, "little", signed=True) + self._rest) * self.n
         if heads.tobytes() != expected:
-            res = self._general(s, x, out, run_base, device)
+            res = self._general(s, x, out, run_base, seen, alloc)
         elif rows is None:
             res = None
         else:
@@ -210,11 +210,11 @@ class InlinePlan:
         self.f.wait(blocker, lambda: describe_wait(self.f, g, target, self.collective,
                                                    s - run_base, run_base, why))
 
-    def _general(self, s: int, x, out, run_base: int, device):
+    def _general(self, s: int, x, out, run_base: int, seen: list[int], alloc):
         """The general path's checks and inline reduction of this call (its descriptors
         differ from mine somewhere: the checks name the member, or pass)."""
-        call = GroupCall(self.f, None, self.group, s, self.collective, "shm", device._alloc,
-                         run_base, None, device._seen)
+        call = GroupCall(self.f, None, self.group, s, self.collective, "shm", alloc,
+                         run_base, None, seen)
         call._snapshot()
         if self.collective == "barrier":
             return None

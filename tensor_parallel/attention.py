@@ -98,11 +98,13 @@ class TransformerOps(_OnDevice):
             else "Unsharded"
         self.c = FeedForwardSharding(policy, tp=self.tp_axis).collectives
 
-    def work(self, name, flops, operands, out_shape, fn, kernel=None):
-        """``fn()`` declared with 0 FLOPs and the bytes of ``operands``; ``kernel`` (default:
-        an elementwise kernel moving the operands' elements)."""
+    def work(self, name, flops, operands, out_shape, fn, kernel=None, nbytes=None):
+        """``fn()`` declared with 0 FLOPs and the bytes of ``operands`` (or ``nbytes``, where
+        the kernel moves other bytes than its operands'); ``kernel`` (default: an elementwise
+        kernel moving the operands' elements)."""
         elements = sum(int(o.size) for o in operands)
-        nbytes = elements * np.dtype(operands[0].dtype).itemsize
+        if nbytes is None:
+            nbytes = elements * np.dtype(operands[0].dtype).itemsize
         with self.dev.compute(f"gpt: {name}", flops=0, bytes=nbytes,
                               kernel=Kernel.elementwise(elements) if kernel is None else kernel):
             return fn()

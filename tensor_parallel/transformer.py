@@ -50,7 +50,7 @@ from .attention import Attention, saved_bytes
 from .ffn import _forward as _ffn_forward, _hidden as _ffn_hidden
 
 __all__ = ["TransformerLayer", "VocabParallelEmbedding", "VocabParallelHead",
-           "TransformerStage", "param_layout", "split_dim", "RECOMPUTE"]
+           "TransformerStage", "cross_entropy_bytes", "param_layout", "split_dim", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -234,6 +234,29 @@ class VocabParallelEmbedding(_Module):
         ops.work("embedding grads (scatter-add)", 0, (de, de), None, fn)
 
 
+def cross_entropy_bytes(logits: int, itemsize: int) -> int:
+    """HBM bytes the cross-entropy's forward and backward move over ``logits`` entries of
+    ``itemsize`` bytes, as the frameworks run it: in fp32 or wider (PyTorch's autocast
+    runs ``cross_entropy``/``log_softmax`` in fp32, and Megatron-LM calls its
+    vocabulary-parallel cross-entropy on ``output.float()``). With w = max(itemsize, 4)
+    bytes per entry of that compute dtype, per logit:
+
+        upcast (16-bit logits only)      read itemsize, write w
+        log-softmax forward              read w, write w
+        nll backward (dense gradient)    write w
+        log-softmax backward             read w (gradient) + w (output), write w
+        downcast of dlogits (16-bit)     read w, write itemsize
+
+    6·w, plus 2·(itemsize + w) for 16-bit logits: 36 bytes per bf16 logit, 24 per fp32
+    one. The kernels are those a PyTorch profile of an eager bf16 step shows for the loss
+    (``direct_copy`` to fp32, ``log_softmax`` forward and backward, ``bfloat16_copy``:
+    benchmarks/results/h200-2026-11-27). The row reductions inside the log-softmax read
+    rows that stay in cache and the target gather is b·s entries: neither is counted."""
+    w = max(int(itemsize), 4)
+    casts = 2 * (int(itemsize) + w) if itemsize < 4 else 0
+    return int(logits) * (6 * w + casts)
+
+
 class VocabParallelHead(_Module):
     """Final LN, logits = x W_out (W_out (h, V/t) local) and the cross-entropy loss."""
 
@@ -258,8 +281,10 @@ class VocabParallelHead(_Module):
         the vocabulary split over tp; ``tokens`` = the global batch's token count."""
         v_l = logits.shape[1]
         ce = Kernel.cross_entropy(logits.shape[0], v_l, parts=3)   # three passes over logits
+        part = cross_entropy_bytes(logits.size, np.dtype(logits.dtype).itemsize) // 3
         mx = ops.all_reduce_tp(ops.work("ce: row max", 0, (logits, logits), None,
-                                        lambda: logits.max(axis=1, keepdims=True), ce), op="max")
+                                        lambda: logits.max(axis=1, keepdims=True), ce,
+                                        nbytes=part), op="max")
 
         def stats():
             e = np.exp(logits - mx)
@@ -267,14 +292,15 @@ class VocabParallelHead(_Module):
             return np.concatenate([e.sum(axis=1, keepdims=True),
                                    (logits * hit).sum(axis=1, keepdims=True)], axis=1), e, hit
 
-        st, e, hit = ops.work("ce: sum exp, target logit", 0, (logits, logits), None, stats, ce)
+        st, e, hit = ops.work("ce: sum exp, target logit", 0, (logits, logits), None, stats, ce,
+                              nbytes=part)
         st = ops.all_reduce_tp(st)                           # (b·s, 2)
 
         def fn():
             loss = float((np.log(st[:, 0]) + mx[:, 0] - st[:, 1]).sum()) / tokens
             return loss, (e / st[:, :1] - hit) / tokens
 
-        return ops.work("ce: loss, dlogits", 0, (logits, logits), None, fn, ce)
+        return ops.work("ce: loss, dlogits", 0, (logits, logits), None, fn, ce, nbytes=part)
 
     def backward_input(self, ops, mb: int, dlogits):
         ln, u2, shape = self._state.pop(mb)

@@ -5,6 +5,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
@@ -31,6 +32,17 @@ def test_simulate_scale_case_runs_in_a_fresh_process():
         assert r["wall_s"] > 0 and 10e6 < r["peak_rss_bytes"] < 4e9
         assert r["gpus"] == 16 and r["goal_s"] == 30.0
     assert full["all_positions_traced"] and not fast["all_positions_traced"]
+
+
+def test_simulate_scale_case_reports_its_own_peak_not_the_parents():
+    """A child started by vfork + exec keeps its parent's peak in ru_maxrss (Linux): the
+    case's peak must be its own (VmHWM), however large this process has grown."""
+    ballast = np.ones(96 << 20)                  # 768 MiB resident in this process
+    model = dict(hidden=256, layers=8, heads=4, seq=128, vocab=1024)
+    r = run_case(ScaleCase("tiny", model, tp=2, pp=4, dp=2, microbatches=8, schedule="1f1b",
+                           virtual_stages=None, goal_s=30.0))
+    assert float(ballast.sum()) == ballast.size
+    assert 10e6 < r["peak_rss_bytes"] < 400e6, r
 
 
 def test_simulate_scale_cases_are_the_acceptance_configurations():

@@ -1,6 +1,46 @@
-"""Shared fixtures."""
+"""Shared fixtures; how tests share the machine on several workers (tests/machine_share.py)."""
+
+import os
 
 import pytest
+
+from .machine_share import MachineShare
+
+# Most workers ``-n auto`` starts (the test command's default): the suite's tests start
+# device processes of their own, so more workers than this add memory, not speed.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core this process may use, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked alone first (in their order), then the rest: on several workers one
+    worker runs them back to back at the start while the others wait once, instead of
+    each waiting for whatever long test another worker has under way."""
+    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
+
+
+@pytest.fixture(scope="session")
+def _machine_share(request, tmp_path_factory):
+    """The run's lock files (None without workers: one process runs every test)."""
+    if not hasattr(request.config, "workerinput"):       # pytest-xdist's, on a worker
+        return None
+    return MachineShare(tmp_path_factory.getbasetemp().parent)   # the run's, shared
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request, _machine_share):
+    if _machine_share is None:
+        yield
+        return
+    node = request.node
+    with _machine_share.hold(node.nodeid, alone=node.get_closest_marker("alone") is not None,
+                             heavy=node.get_closest_marker("heavy") is not None):
+        yield
 
 
 @pytest.fixture(scope="module")

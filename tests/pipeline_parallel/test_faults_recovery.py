@@ -125,6 +125,7 @@ def test_bad_resilience_arguments(cluster_of, kw, message):
     assert message in str(info.value)
 
 
+@pytest.mark.alone   # action times against the wall clock
 def test_straggler_gives_the_identical_result_later(cluster_of):
     sizes = [8, 16, 16, 4]
     mlp, (X, Y) = MLP(sizes, seed=7), _data(sizes, batch=12)

@@ -15,7 +15,7 @@ from mesh import Mesh
 from pipeline_parallel import MLP
 from vcluster import VirtualCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.timeout(900)]  # GBs of arenas
 
 
 @pytest.mark.parametrize("width, batch, steps", [(2048, 2048, 1), (4096, 1024, 1)])

@@ -24,9 +24,17 @@ STEPS = 200
 WIDE = [1024] * 9
 
 
+@pytest.fixture(scope="module")
+def wide_reference():
+    """The width-1024 MLP trained STEPS steps in this process (both meshes train the same
+    model on the same data: one reference for both)."""
+    mlp, (X, Y) = MLP(WIDE, seed=0), _data(WIDE, batch=16)
+    return mlp.fit_reference(X, Y, steps=STEPS, optimizer="sgd", lr=0.01)
+
+
 @pytest.mark.parametrize("shape, axes, microbatches", [((2, 4), ("dp", "pp"), 2),
                                                        ((2, 2, 2), ("dp", "pp", "tp"), 2)])
-def test_mlp_width_1024_200_steps(shape, axes, microbatches):
+def test_mlp_width_1024_200_steps(shape, axes, microbatches, wide_reference):
     """Micro-batches: fewer than the stages on pp 4, as many on pp 2 (each micro-batch
     re-reads every weight, so these steps are memory-bound: ~0.4 s each at m = 4 on
     pp 4, two thirds of that at m = 2; test_arena_steps runs m = 4 for 12-30 steps)."""
@@ -39,7 +47,7 @@ def test_mlp_width_1024_200_steps(shape, axes, microbatches):
     pp = dict(zip(axes, shape))["pp"]
     message = 16 // (2 * microbatches) * 1024 * 8        # rows x width x float64
     _assert_flat(one, many, slack=_in_flight(message, pp), why=str(mesh))
-    _assert_reference(mlp, many[2], X, Y, STEPS)
+    _assert_reference(mlp, many[2], X, Y, STEPS, wide_reference)
 
 
 def test_gpt_tp2_pp2_dp2_200_steps():

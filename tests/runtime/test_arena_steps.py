@@ -62,8 +62,10 @@ def _assert_flat(one, many, slack=0, why=""):
     assert min(peak_one) > 64 * 1024, "the run must use the arena for a meaningful check"
 
 
-def _assert_reference(mlp, run, X, Y, steps):
-    ref = mlp.fit_reference(X, Y, steps=steps, optimizer="sgd", lr=0.01)
+def _assert_reference(mlp, run, X, Y, steps, ref=None):
+    """``run`` equals ``mlp.fit_reference`` (``ref``: that reference, computed already)."""
+    if ref is None:
+        ref = mlp.fit_reference(X, Y, steps=steps, optimizer="sgd", lr=0.01)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-9, atol=0)
     for (w, b), (rw, rb) in zip(run.params, ref.params):
         np.testing.assert_allclose(w, rw, rtol=1e-9, atol=1e-12)

@@ -23,7 +23,8 @@ from vcluster.runtime.segments import list_segments
 
 from .processes import wait_dead as _wait_dead
 
-pytestmark = pytest.mark.timeout(120)
+# alone: aborts timed against the wall clock
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(120)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

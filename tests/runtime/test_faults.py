@@ -96,6 +96,7 @@ def _ping(dev, nbytes, trials):
     return None
 
 
+@pytest.mark.alone   # delays measured on the wall clock
 def test_injected_slow_device_and_link_are_real_delays():
     with VirtualCluster(Mesh((4,), ("x",)), timeout_s=20.0) as cluster:
         cluster.inject_faults([{"kind": "slow", "rank": 2, "slowdown": 3.0},

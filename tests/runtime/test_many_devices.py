@@ -54,6 +54,7 @@ def _every_collective(dev, n):
 
 
 @pytest.mark.slow
+@pytest.mark.alone       # 256 device processes: ~5 GB, and they starve any test beside them
 def test_256_devices_run_every_collective_and_leave_nothing():
     n = 256
     total = n * (n - 1) / 2
@@ -76,6 +77,7 @@ def test_256_devices_run_every_collective_and_leave_nothing():
     assert not [s for s in list_segments() if s.split("-")[1] == str(os.getpid())]
 
 
+@pytest.mark.alone       # counts the machine's segments; a bring-up within 1 s
 def test_more_devices_than_the_open_files_limit_fail_before_starting():
     """Under ``ulimit -n 256`` a 100-device cluster (3 files a device + 64) is refused at
     once, naming the 64 devices that fit; nothing starts and no segment is made."""

@@ -37,6 +37,7 @@ def _cli(*args):
     return time.perf_counter() - t0
 
 
+@pytest.mark.alone   # wall-clock speed against simulate gpt
 def test_splits_scenario_runs_at_the_speed_of_simulate_gpt(tmp_path):
     """As a user runs them: ``vcluster run gpt_splits.yaml`` (report written) against the
     three ``vcluster simulate gpt`` commands, best of two each on this shared machine

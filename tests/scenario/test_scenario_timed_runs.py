@@ -20,6 +20,8 @@ from vcluster.scenario.progress import ProgressBar
 from vcluster.scenario.timed_runs import (TIMED_REPEATS, emulate_timed,
                                          measures_like_localhost, step_times, within_run)
 
+pytestmark = pytest.mark.alone   # step times held to wall-clock thresholds
+
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_RUN_SLEEP_S = 0.4
 

@@ -14,7 +14,8 @@ from vcluster.scenario import load_scenario, run_scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = os.path.join(ROOT, "scenarios", "quickstart.yaml")
-pytestmark = pytest.mark.timeout(300)
+# alone: the test compares step times with each other
+pytestmark = [pytest.mark.alone, pytest.mark.timeout(300)]
 
 
 def _measured(record):

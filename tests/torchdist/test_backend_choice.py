@@ -120,6 +120,7 @@ def test_the_gpu_count_comes_from_torch_cuda(fake_gpus):
     (0, (r"^TorchCluster: backend='nccl' needs one GPU per rank: 8 ranks, no GPU \(CUDA is "
          r"not available\); use backend='gloo' or 'auto'$")),
 ])
+@pytest.mark.alone   # fails within 2 s of wall clock
 def test_nccl_fails_fast_on_the_host(fake_gpus, no_process, gpus, expected):
     """No process is started (Popen refuses) and the error comes at once."""
     import torch  # noqa: F401  (imported before the clock starts)

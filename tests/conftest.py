@@ -38,8 +38,7 @@ def _share_the_machine(request, _machine_share):
         yield
         return
     node = request.node
-    with _machine_share.hold(node.nodeid, alone=node.get_closest_marker("alone") is not None,
-                             heavy=node.get_closest_marker("heavy") is not None):
+    with _machine_share.hold(node.nodeid, alone=node.get_closest_marker("alone") is not None):
         yield
 
 

@@ -1,25 +1,22 @@
 """How tests share the machine when the suite runs on several pytest-xdist workers.
 
-Most tests only need a share of the cores. Some need more:
+Most tests only need a share of the cores. Tests marked ``@pytest.mark.alone`` need the
+machine to themselves: their assertions are wall-clock thresholds (a step within 20% of
+another, an abort within 2 s), they count what the whole machine holds (shared-memory
+segments), they take gigabytes (a width-4096 MLP's arenas), or they start so many
+processes (256 devices) that a test beside them would get no CPU and time out.
 
-* ``@pytest.mark.alone``: the machine to themselves. Their assertions are wall-clock
-  thresholds (a step within 20% of another, an abort within 2 s), count what the whole
-  machine holds (shared-memory segments), or start so many processes (256 devices) that
-  a test beside them would get no CPU and time out.
-* ``@pytest.mark.heavy``: gigabytes of memory (a width-4096 MLP's arenas). They run
-  beside ordinary tests, but never two at once.
+A readers-writer lock over two files of the run's temporary directory (``flock``, so a
+worker that dies releases what it held):
 
-Locks over files of the run's temporary directory (``flock``, so a worker that dies
-releases what it held):
-
-* ``machine.lock``, a readers-writer lock: a test passes a turnstile (exclusive, released
-  at once) and holds it shared for its whole run; an alone test holds the turnstile for
-  its whole run — so no other test starts after it asked — and takes ``machine.lock``
-  exclusive once the tests already running on other workers have finished;
-* ``heavy.lock``: exclusive, taken by a heavy test first.
+* a test that shares the machine passes a turnstile (exclusive, released at once) and
+  then holds ``machine.lock`` shared for its whole run;
+* an alone test holds the turnstile for its whole run — so no other test starts after it
+  asked — and takes ``machine.lock`` exclusive once the tests already running on other
+  workers have finished.
 
 Without workers (``pytest -n 0``) nothing is locked. Every wait has a deadline, and its
-error names who waits and the last test that held the lock it waits for.
+error names who waits and the last test that held the machine alone.
 """
 
 from __future__ import annotations
@@ -46,30 +43,22 @@ class MachineShare:
     directory: Path
 
     @contextmanager
-    def hold(self, who: str, alone: bool = False, heavy: bool = False,
-             wait_s: float = WAIT_S):
-        """Hold the machine for test ``who``: alone (exclusive) or shared; ``heavy``: and
-        the heavy lock."""
+    def hold(self, who: str, alone: bool = False, wait_s: float = WAIT_S):
+        """Hold the machine for test ``who``: alone (exclusive) or shared."""
         d = self.directory
-        files = [open(d / name, "a+") for name in ("heavy.lock", "machine.turnstile",
-                                                    "machine.lock")]
-        heavy_lock, turnstile, machine = files
+        turnstile, machine = (open(d / name, "a+") for name in ("machine.turnstile",
+                                                                "machine.lock"))
+        holder = d / "machine.holder"
         deadline = time.monotonic() + wait_s
         held = []
         try:
-            if heavy:
-                _take(heavy_lock, fcntl.LOCK_EX, who, "the heavy lock", d / "heavy.holder",
-                      deadline)
-                held.append(heavy_lock)
-                (d / "heavy.holder").write_text(who)
-            _take(turnstile, fcntl.LOCK_EX, who, "the turnstile", d / "machine.holder",
-                  deadline)
+            _take(turnstile, fcntl.LOCK_EX, who, "the turnstile", holder, deadline)
             held.append(turnstile)
             _take(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, who,
-                  "the machine" + (" alone" if alone else ""), d / "machine.holder", deadline)
+                  "the machine" + (" alone" if alone else ""), holder, deadline)
             held.append(machine)
             if alone:
-                (d / "machine.holder").write_text(who)
+                holder.write_text(who)
             else:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)
                 held.remove(turnstile)
@@ -77,8 +66,8 @@ class MachineShare:
         finally:
             for f in reversed(held):
                 fcntl.flock(f, fcntl.LOCK_UN)
-            for f in files:
-                f.close()
+            turnstile.close()
+            machine.close()
 
 
 def _take(f, mode: int, who: str, what: str, holder: Path, deadline: float) -> None:
@@ -96,5 +85,5 @@ def _take(f, mode: int, who: str, what: str, holder: Path, deadline: float) -> N
                 raise TimeoutError(
                     f"{who} waited {time.monotonic() - start:.0f} s for {what} (pid "
                     f"{os.getpid()}): a test on another worker still holds it; the last "
-                    f"test that held it exclusively: {last}") from None
+                    f"test that held the machine alone: {last}") from None
             time.sleep(POLL_S)

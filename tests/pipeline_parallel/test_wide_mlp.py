@@ -15,7 +15,8 @@ from mesh import Mesh
 from pipeline_parallel import MLP
 from vcluster import VirtualCluster
 
-pytestmark = [pytest.mark.heavy, pytest.mark.slow, pytest.mark.timeout(900)]  # GBs of arenas
+# alone: up to ~7 GB of arenas, beside the reference's own gigabytes
+pytestmark = [pytest.mark.alone, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.parametrize("width, batch, steps", [(2048, 2048, 1), (4096, 1024, 1)])

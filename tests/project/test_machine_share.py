@@ -1,8 +1,7 @@
 """The locks by which tests share the machine on several workers (tests/machine_share.py):
 shared holders run together, an alone holder runs with none, a waiting alone test lets no
-new test start, heavy tests run beside ordinary ones but not beside each other, and every
-wait ends in an error naming who waits (real files, real flock; flock locks belong to
-each open file, so threads stand in for workers)."""
+new test start, and every wait ends in an error naming who waits (real files, real flock;
+flock locks belong to each open file, so threads stand in for workers)."""
 
 import threading
 import time
@@ -54,26 +53,11 @@ def test_a_waiting_alone_test_lets_no_new_test_start(tmp_path):
             pass
     release_a.set()
     assert took_b.wait(5.0)                                     # A finished: B runs alone
-    with pytest.raises(TimeoutError, match="the last test that held it exclusively: B$"):
+    with pytest.raises(TimeoutError, match="the last test that held the machine alone: B$"):
         with share.hold("D", wait_s=0.2):
             pass
     release_b.set()
     for t in (a, b):
         t.join(5.0)
     with share.hold("D", wait_s=1.0):
-        pass
-
-
-def test_heavy_tests_run_beside_ordinary_ones_not_each_other(tmp_path):
-    share, (release, took) = MachineShare(tmp_path), _events(2)
-    a = _hold_in_thread(share, "A", release, took, heavy=True)
-    assert took.wait(5.0)
-    with share.hold("B", wait_s=1.0):                    # an ordinary test beside it
-        pass
-    with pytest.raises(TimeoutError, match="^C waited 0 s for the heavy lock .* exclusively: A$"):
-        with share.hold("C", heavy=True, wait_s=0.2):
-            pass
-    release.set()
-    a.join(5.0)
-    with share.hold("C", heavy=True, wait_s=1.0):
         pass

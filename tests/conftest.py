@@ -1,8 +1,8 @@
 """Shared fixtures; how tests share the machine on several workers (tests/machine_share.py)."""
 
-import os
-
 import pytest
+
+from vcluster.runtime.cores import usable_cores
 
 from .machine_share import MachineShare
 
@@ -12,9 +12,9 @@ MAX_WORKERS = 4
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker per core this process may use, at most MAX_WORKERS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, MAX_WORKERS))
+    """``-n auto``: one worker per core this process may use (its affinity mask and cgroup
+    quota: ``usable_cores``), at most MAX_WORKERS."""
+    return min(usable_cores(), MAX_WORKERS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_flops_with_recompute
-from vcluster.planner.simulation import simulate_gpt
+from vcluster.planner.simulation import gpt_op_kind, gpt_schedule, gpt_step_traces, simulate_gpt
 from vcluster.runtime.tracing import trace_program
 from vcluster.timing import load_hardware, read_data_csv
 from vcluster.timing.engine import simulate_trace
@@ -66,7 +66,6 @@ def test_pipeline_bubble_follows_the_closed_form(vocab):
 
     which for equal stages is (m + p - 1) T, a bubble of (p - 1) T that does not grow with
     m. Micro-batch counts below, equal to and above the stages."""
-    from vcluster.planner.simulation import gpt_op_kind, gpt_schedule, gpt_step_traces
     cfg = GPTConfig(hidden=512, layers=8, heads=8, seq=256, vocab=vocab)
     costs = HardwareCostModel(load_hardware("h100-dgx"))
     p, computes = 4, {}

@@ -3,17 +3,13 @@
 downcast), 36 bytes a logit — what the trace declares, and what an analytic price then
 comes to against the H100's measured cross-entropy kernels (each timed alone)."""
 
-import csv
-import io
-from importlib import resources
-
 import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from tensor_parallel.transformer import cross_entropy_bytes
 from vcluster.runtime.tracing import KernelKind, TraceCompute, trace_program
-from vcluster.timing import load_hardware
+from vcluster.timing import load_hardware, read_data_csv
 from vcluster.timing.hardware_model import HardwareCostModel
 
 
@@ -38,18 +34,12 @@ def test_the_trace_declares_them(tp):
     assert sum(op.bytes for op in ce) == par.microbatches * cross_entropy_bytes(logits, 2)
 
 
-def _h100_cross_entropy_rows():
-    text = resources.files("vcluster.timing").joinpath("data", "h100_kernels.csv").read_text()
-    body = "\n".join(ln for ln in text.splitlines() if ln and not ln.startswith("#"))
-    return [r for r in csv.DictReader(io.StringIO(body)) if r["op"] == "cross_entropy_fwd_bwd"]
-
-
 def test_analytic_price_against_the_measured_kernels():
     """The six measured losses (2,048-8,192 tokens, vocabularies 32,000-131,072) on the
     h100-dgx preset's analytic prices: 12 bytes a logit (three 16-bit passes) came out
     ~72% low; 36 come out 15-19% low (PyTorch's log-softmax reads a long row twice)."""
     costs = HardwareCostModel(load_hardware("h100-dgx"))
-    rows = _h100_cross_entropy_rows()
+    rows = [r for r in read_data_csv("h100_kernels.csv")[1] if r["op"] == "cross_entropy_fwd_bwd"]
     assert len(rows) == 6
     for row in rows:
         tokens, vocab = (int(x) for x in row["dims"].split("x"))

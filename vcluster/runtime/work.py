@@ -90,6 +90,27 @@ class _Handoff:
         return value
 
 
+class _RunOnce:
+    """Runs ``thunk`` once and lets go of it before the result is published.
+
+    The pool's worker thread references the callable it ran until it fetches the next
+    one, a moment after completing the future, and a collective's thunk holds its input
+    (a DDP bucket, say) in its closure. Dropping the thunk first means the input returns
+    to the arena as soon as the program drops it too, whenever the worker is next
+    scheduled (a descheduled worker used to keep a bucket alive past the program's
+    next allocations: a peak one bucket higher).
+    """
+
+    __slots__ = ("_thunk",)
+
+    def __init__(self, thunk: Callable[[], Any]):
+        self._thunk = thunk
+
+    def __call__(self) -> _Handoff:
+        thunk, self._thunk = self._thunk, None
+        return _Handoff(thunk())
+
+
 class CommQueue:
     """One device's communication thread (started on first use).
 
@@ -117,7 +138,7 @@ class CommQueue:
     def submit(self, thunk: Callable[[], Any]) -> cf.Future:
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix=f"vcluster-comm-{self._rank}")
-        future = self._executor.submit(lambda: _Handoff(thunk()))
+        future = self._executor.submit(_RunOnce(thunk))
         with self._lock:
             self._pending.append(future)
         future.add_done_callback(self._forget_if_ok)   # runs now if already done

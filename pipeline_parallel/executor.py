@@ -126,6 +126,14 @@ class GradBuckets:
     def _launch(self) -> None:
         if not self._pending:
             return
+        span = adjacent_span(self._pending)
+        if span is not None and self.dev.xp is np:
+            # the gradients lie back to back in device memory (StageLayers.place_grads):
+            # the bucket is that memory, summed in place — no packing, no write-back
+            work = self.dev.all_reduce(span, self.axis, out=span, async_op=True)
+            self._launched.append((work, None))
+            self._pending = []
+            return
         # the bucket is written straight into device memory that peers read in place
         # (dev.empty): a private np.concatenate here was copied once more into the arena
         # by the all-reduce (its input must be resident), |bucket| bytes per bucket
@@ -144,11 +152,38 @@ class GradBuckets:
         self._launch()
         for work, arrays in self._launched:
             total = work.wait()
+            if arrays is None:                 # summed in place
+                continue
             offset = 0
             for a in arrays:
                 a[...] = total[offset:offset + a.size].reshape(a.shape)
                 offset += a.size
         self._launched = []
+
+
+def adjacent_span(arrays) -> np.ndarray | None:
+    """One 1-D view over ``arrays`` when they are C-contiguous numpy arrays of one dtype
+    lying back to back, in this order, in one buffer; else None."""
+    first = arrays[0]
+    if type(first) is not np.ndarray:
+        return None
+    root = first
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    item, start = first.itemsize, first.__array_interface__["data"][0]
+    end = start
+    for a in arrays:
+        if (type(a) is not np.ndarray or a.dtype != first.dtype or not a.flags.c_contiguous
+                or a.__array_interface__["data"][0] != end):
+            return None
+        end += a.nbytes
+    if root.dtype != first.dtype or not root.flags.c_contiguous:
+        return None
+    lo, rem = divmod(start - root.__array_interface__["data"][0], item)
+    n = (end - start) // item
+    if rem or lo < 0 or lo + n > root.size:
+        return None
+    return root.reshape(-1)[lo:lo + n]
 
 
 class _NoBuckets:
@@ -262,13 +297,18 @@ def train_program(dev, job: TrainJob, X, Y):
     p, pos = len(pp), pp.index(dev.rank)
     S, m = job.n_stages, job.microbatches
     stages = {s: _stage(job, dev, s) for s in range(S) if s % p == pos}
-    params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
-    grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     check_zero_stage(job.zero_stage, "TrainJob", p)
     grad_axes = tuple(a for x in (job.dp_axis, job.cp_axis) if x is not None    # dp (× ep)
                       for a in ((x,) if isinstance(x, str) else x))              # (× cp)
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
+    if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None:
+        for layers in stages.values():      # buckets become views summed in place
+            place = getattr(layers, "place_grads", None)
+            if place is not None and dev.xp is np:
+                place(dev.empty)
+    params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
+    grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     ledger, zero, opt = MemoryLedger(dev), None, None
     if job.zero_stage:
         zero = ShardedState(dev, job.zero_stage, grad_axis if grad_axes else None, stages,

@@ -8,6 +8,15 @@ layer but the model's last). Per micro-batch j it keeps what the backward needs:
     W(j):  dW_l += x_l^T dz_l,  db_l += sum_rows dz_l      (weight gradient; frees j)
     B(j) = I(j) then W(j)
 
+The first W of a step writes the gradients (``zero_grads`` only marks them stale: no
+pass that writes zeros only to add to them), the later ones add in the product's own
+pass (one GEMM with beta = 1, :func:`tensor_parallel.matmul_accumulate`); the trace
+declares every W alike, as the fused accumulation into a zeroed buffer that Megatron-LM
+runs, so a step's trace does not depend on which W came first. For
+data-parallel buckets the gradients can live back to back in one buffer
+(:meth:`StageLayers.place_grads`), so that a bucket is a view the all-reduce sums in
+place.
+
 With tensor parallelism over ``tp`` the layers pair up as in Megatron-LM: a
 column-parallel layer (W, b split by columns; its output stays split, so the activation
 is applied to the local columns) followed by a row-parallel layer (W split by rows; the
@@ -25,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sharding import TensorSharding as TS
-from tensor_parallel import MatMul, MatMulSharding, local_matmul
+from tensor_parallel import MatMul, MatMulSharding, local_matmul, matmul_accumulate
 from .functional import activation, activation_grad
 
 __all__ = ["LayerSpec", "StageLayers", "layer_kinds"]
@@ -77,6 +86,7 @@ class StageLayers:
         self.specs = specs
         self.params = [[w.copy(), b.copy()] for w, b in params]   # copy(): numpy or meta
         self.grads = [[np.zeros_like(w), np.zeros_like(b)] for w, b in self.params]
+        self._stale = [False] * len(specs)      # layer l's grads await their first write
         self._ops = [_matmul_for(s.kind) for s in specs]
         self._saved: dict[int, list] = {}       # micro-batch -> [(x, z)] per layer
         self._dz: dict[int, list] = {}          # micro-batch -> dz per layer (I done, W not)
@@ -105,9 +115,30 @@ class StageLayers:
         return len(self._saved)
 
     def zero_grads(self) -> None:
-        for g in self.grads:
-            g[0][...] = 0
-            g[1][...] = 0
+        """Start a new sum: the next W of each layer writes its gradients instead of
+        adding to them (nothing reads them before; :attr:`grads` stay valid until then)."""
+        self._stale = [True] * len(self.specs)
+
+    def place_grads(self, empty) -> np.ndarray | None:
+        """Move the gradients into one buffer from ``empty(shape, dtype)`` (a device's
+        memory), laid out in the order W completes them — the last layer first, W then
+        b — so that the gradients a data-parallel bucket collects are adjacent. Returns
+        the buffer (None, nothing moved, when the gradients' dtypes differ or
+        ``empty`` gives no memory). Values are kept."""
+        order = [g for l in reversed(range(len(self.grads))) for g in self.grads[l]]
+        dtypes = {g.dtype for g in order}
+        if len(dtypes) != 1 or not all(type(g) is np.ndarray for g in order):
+            return None
+        buffer = empty((sum(g.size for g in order),), dtypes.pop())
+        if buffer is None:
+            return None
+        offset, views = 0, {}
+        for g in order:
+            views[id(g)] = view = buffer[offset:offset + g.size].reshape(g.shape)
+            view[...] = g
+            offset += g.size
+        self.grads = [[views[id(gw)], views[id(gb)]] for gw, gb in self.grads]
+        return buffer
 
     # --- the three passes ---------------------------------------------------------------
     def forward(self, dev, mb: int, x):
@@ -168,15 +199,22 @@ class StageLayers:
             x, _ = saved[l]
             dz = dzs[l]
             gw, gb = self.grads[l]
-            op = self._ops[l]
+            op, first = self._ops[l], self._stale[l]
+            self._stale[l] = False
             if op is None:
-                dw = local_matmul(dev, x.T, dz, name="matmul dW")
+                matmul_accumulate(dev, x.T, dz, gw, first=first, name="matmul dW")
             else:
                 _, grad_b = op.gradient_ops()
                 dw = grad_b.forward_local(dev, x.T, dz)
-            with dev.compute("accumulate dW", flops=0, bytes=3 * gw.nbytes):
-                gw += dw
+                with dev.compute("accumulate dW", flops=0, bytes=3 * gw.nbytes):
+                    if first:
+                        gw[...] = dw
+                    else:
+                        gw += dw
             with dev.compute("bias grad", flops=dz.size, bytes=dz.nbytes):
-                gb += dz.sum(axis=0)
+                if first:
+                    dz.sum(axis=0, out=gb)
+                else:
+                    gb += dz.sum(axis=0)
             if on_layer_done is not None:
                 on_layer_done(l)

@@ -1,13 +1,13 @@
 """Tensor parallelism: sharded MatMul (five policies) and FeedForward, forward and backward."""
 
-from .matmul import MatMul, global_shape, local_matmul
+from .matmul import MatMul, global_shape, local_matmul, matmul_accumulate
 from .matmul_sharding import MatMulPlan, MatMulSharding, MatMulShardingPolicy, transpose_layout
 from .operation import ShardedOperation, run_sharded
 from .ffn import ACTIVATIONS, Activation, FeedForward
 from .ffn_sharding import FeedForwardCollectives, FeedForwardSharding, FeedForwardShardingPolicy
 
 __all__ = ["MatMul", "MatMulSharding", "MatMulShardingPolicy", "MatMulPlan", "ShardedOperation",
-           "run_sharded", "global_shape", "local_matmul", "transpose_layout"]
+           "run_sharded", "global_shape", "local_matmul", "matmul_accumulate", "transpose_layout"]
 __all__ += ["FeedForward", "FeedForwardSharding", "FeedForwardShardingPolicy",
             "FeedForwardCollectives", "Activation", "ACTIVATIONS"]
 from .attention import Attention, TransformerOps, batched_matmul

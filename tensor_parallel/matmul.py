@@ -22,10 +22,11 @@ import numpy as np
 
 from sharding import TensorSharding, redistribute
 from .explain import compute_rows, plan_rows, to_frame
+from .gemm import gemm_accumulate
 from .matmul_sharding import MatMulPlan, MatMulSharding, transpose_layout
 from .operation import ShardedOperation, run_sharded
 
-__all__ = ["MatMul", "global_shape", "local_matmul"]
+__all__ = ["MatMul", "global_shape", "local_matmul", "matmul_accumulate"]
 
 _RESIDENT_MIN_BYTES = 1 << 20   # products this large go to shared memory (warm pages)
 
@@ -35,18 +36,36 @@ def global_shape(local_shape, layout: TensorSharding, mesh) -> tuple[int, ...]:
     return tuple(n * mesh.axis_size(d.axes) for n, d in zip(local_shape, layout.dims))
 
 
-def local_matmul(dev, a, b, name: str = "matmul"):
-    """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands."""
+def local_matmul(dev, a, b, name: str = "matmul", *, out=None):
+    """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands
+    (into ``out`` when given)."""
     m, k = a.shape
     n = b.shape[1]
     itemsize = np.dtype(a.dtype).itemsize
     with dev.compute(name, flops=2 * m * k * n, bytes=(m * k + k * n + m * n) * itemsize,
                      gemm=(1, m, k, n)):
+        if out is not None:
+            return dev.xp.matmul(a, b, out=out)
         dtype = np.result_type(a.dtype, b.dtype)
         if dev.xp is np and m * n * dtype.itemsize >= _RESIDENT_MIN_BYTES:
             out = dev.empty((m, n), dtype)
             return np.matmul(a, b, out=out)
         return dev.xp.matmul(a, b)
+
+
+def matmul_accumulate(dev, a, b, out, *, first: bool, name: str = "matmul accumulate"):
+    """out += a @ b on this device (out = a @ b when ``first``: a new sum), declared as
+    one GEMM that also reads and writes C — 2mkn FLOPs, (mk + kn + 2mn) elements — every
+    time: what a GPU framework with gradient-accumulation fusion runs for each
+    micro-batch into a buffer zeroed at the step's start (Megatron-LM's fused wgrad
+    into ``main_grad``). Here the first writes instead of adding to zeros: the same
+    numbers without a pass of zeros."""
+    m, k = a.shape
+    n = b.shape[1]
+    itemsize = np.dtype(a.dtype).itemsize
+    with dev.compute(name, flops=2 * m * k * n,
+                     bytes=(m * k + k * n + 2 * m * n) * itemsize, gemm=(1, m, k, n)):
+        return gemm_accumulate(a, b, out, beta=0.0 if first else 1.0)
 
 
 class MatMul(ShardedOperation):

@@ -31,7 +31,7 @@ def test_inputs_are_released_before_the_result_is_published():
     queue = CommQueue(rank=0)
     try:
         gate = threading.Event()
-        queue.submit(lambda: gate.wait(10))           # holds the worker until the callback is in place
+        queue.submit(lambda: gate.wait(10))      # the worker waits until the callback is set
         bucket = np.ones(1 << 16)
         alive = weakref.ref(bucket)
         future = queue.submit(_summing(bucket))

@@ -55,8 +55,11 @@ def gemm_accumulate(a, b, c, beta: float = 1.0):
             if not np.shares_memory(res, c):        # BLAS wrote a copy: keep the sum
                 np.copyto(c, res.T)
             return c
-    if beta == 0.0:                 # numpy's matmul takes out= (CuPy's and meta arrays too)
-        np.matmul(a, b, out=c)
+    if beta == 0.0:
+        if type(c) is np.ndarray:
+            np.matmul(a, b, out=c)
+        else:                       # CuPy or meta arrays: their own product, then a copy
+            c[...] = a @ b
         return c
     c += a @ b
     return c

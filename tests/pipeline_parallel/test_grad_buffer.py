@@ -110,11 +110,13 @@ def test_buckets_sum_in_place_or_packed_alike(cluster_of, placed):
         assert sums == [(3 + 3 * l, 30 - 3 * l) for l in range(3)]
 
 
-@pytest.mark.parametrize("microbatches", [1, 3, 4, 6])
-def test_mlp_on_dp_x_pp_equals_the_reference(cluster_of, microbatches):
+@pytest.mark.parametrize("microbatches, algorithm", [(1, None), (3, None), (4, None),
+                                                     (6, None), (3, "ring"), (3, "tree")])
+def test_mlp_on_dp_x_pp_equals_the_reference(cluster_of, microbatches, algorithm):
     """The in-place buckets and written-then-added gradients, through fit, against the
-    one-process reference: fewer, as many and more micro-batches than the 2 stages."""
-    cluster = cluster_of(Mesh((2, 2), ("dp", "pp")))
+    one-process reference: fewer, as many and more micro-batches than the 2 stages, and
+    the buckets summed in place by each all-reduce algorithm."""
+    cluster = cluster_of(Mesh((2, 2), ("dp", "pp")), algorithm)
     sizes = [8, 16, 12, 16, 4]
     mlp = MLP(sizes, seed=2)
     rng = np.random.default_rng(5)

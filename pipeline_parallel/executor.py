@@ -303,7 +303,10 @@ def train_program(dev, job: TrainJob, X, Y):
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
     if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None:
-        for layers in stages.values():      # buckets become views summed in place
+        # buckets become views summed in place; where the arena cannot hold the gradients
+        # this raises ArenaFullError, as packing would later (it holds every bucket's copy
+        # and sum until the step's end: twice the gradients)
+        for layers in stages.values():
             place = getattr(layers, "place_grads", None)
             if place is not None and dev.xp is np:
                 place(dev.empty)

@@ -43,12 +43,6 @@ from .work import CommQueue, Work
 __all__ = ["EmulatedDevice"]
 
 _RESIDENT_MIN_BYTES = 64 * 1024   # results this large are allocated in the arena
-# An async collective at least this large hands the GIL to the communication thread at
-# once (time.sleep(0)), so its copies and reductions overlap the program's compute. A
-# smaller one waits for the program's next blocking call: the handoff cost the program
-# the comm thread's Python (up to the 5 ms switch interval before the GIL came back) —
-# MLP width 128, dp 2 x pp 4: ~0.36 ms of a device's ~8 ms step on a 264 KiB bucket.
-_HANDOFF_MIN_BYTES = 1 << 20
 _MAX_PLANS = 256                  # inline plans kept per device (a program has a few call sites)
 
 # (collective, algorithm) -> function(call, x, out, **arguments)
@@ -311,10 +305,9 @@ class EmulatedDevice:
 
         if async_op:
             work = Work(self._f.check_abort, future=self._queue.submit(thunk))
-            if nbytes >= _HANDOFF_MIN_BYTES:
-                # Give the GIL away for a moment so the communication thread starts the
-                # collective now, not when this thread next blocks: overlap is real.
-                time.sleep(0)
+            # Give the GIL away for a moment so the communication thread starts the
+            # collective now, not when this thread next blocks: overlap is real.
+            time.sleep(0)
             return work
         if self._queue.idle():
             return thunk()

@@ -21,13 +21,24 @@ not C-contiguous) takes the two-pass path, with the same result up to rounding.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
-from scipy.linalg import blas
 
 __all__ = ["gemm_accumulate"]  # tensor_parallel.matmul_accumulate declares it to a device
 
-_GEMM = {np.dtype(np.float32): blas.sgemm, np.dtype(np.float64): blas.dgemm,
-         np.dtype(np.complex64): blas.cgemm, np.dtype(np.complex128): blas.zgemm}
+# BLAS's letter for each dtype it multiplies: s, d, c, z + "gemm"
+_GEMM_PREFIX = MappingProxyType({np.dtype(np.float32): "s", np.dtype(np.float64): "d",
+                                 np.dtype(np.complex64): "c", np.dtype(np.complex128): "z"})
+
+
+def _blas_gemm(prefix: str):
+    """scipy's ``?gemm`` wrapper. Imported here, at the first accumulation, not with this
+    module: ``scipy.linalg`` takes ~0.13 s of CPU to import, which every device process
+    that loads tensor_parallel would pay at its start, accumulating or not (after the
+    first call the import is a dictionary lookup)."""
+    from scipy.linalg import blas
+    return getattr(blas, prefix + "gemm")
 
 
 def _fortran_operand(x: np.ndarray):
@@ -40,26 +51,27 @@ def _fortran_operand(x: np.ndarray):
 
 
 def gemm_accumulate(a, b, c, beta: float = 1.0):
-    """``c = a @ b + beta c`` in place (one GEMM where BLAS can); returns ``c``. ``beta``
-    is 1 (add) or 0 (write: C is not read, as BLAS specifies for beta = 0)."""
+    """``c = a @ b + beta c`` in place; returns ``c``. ``beta`` is 1 (add: one GEMM with
+    beta = 1 where BLAS can take the operands) or 0 (write: numpy's ``matmul`` into
+    ``c``, which it does not read)."""
     if beta not in (0.0, 1.0):
         raise ValueError(f"gemm_accumulate: beta must be 0 or 1, got {beta!r}")
-    gemm = _GEMM.get(getattr(c, "dtype", None))
-    if (gemm is not None and type(a) is np.ndarray and type(b) is np.ndarray
-            and type(c) is np.ndarray and a.dtype == b.dtype == c.dtype
-            and c.flags.c_contiguous and c.ndim == a.ndim == b.ndim == 2 and c.size):
-        p, q = _fortran_operand(b.T), _fortran_operand(a.T)
-        if p is not None and q is not None:
-            res = gemm(1.0, p[0], q[0], beta=beta, c=c.T, trans_a=p[1], trans_b=q[1],
-                       overwrite_c=1)
-            if not np.shares_memory(res, c):        # BLAS wrote a copy: keep the sum
-                np.copyto(c, res.T)
-            return c
     if beta == 0.0:
         if type(c) is np.ndarray:
             np.matmul(a, b, out=c)
         else:                       # CuPy or meta arrays: their own product, then a copy
             c[...] = a @ b
         return c
+    prefix = _GEMM_PREFIX.get(getattr(c, "dtype", None))
+    if (prefix is not None and type(a) is np.ndarray and type(b) is np.ndarray
+            and type(c) is np.ndarray and a.dtype == b.dtype == c.dtype
+            and c.flags.c_contiguous and c.ndim == a.ndim == b.ndim == 2 and c.size):
+        p, q = _fortran_operand(b.T), _fortran_operand(a.T)
+        if p is not None and q is not None:
+            res = _blas_gemm(prefix)(1.0, p[0], q[0], beta=1.0, c=c.T, trans_a=p[1],
+                                     trans_b=q[1], overwrite_c=1)
+            if not np.shares_memory(res, c):        # BLAS wrote a copy: keep the sum
+                np.copyto(c, res.T)
+            return c
     c += a @ b
     return c

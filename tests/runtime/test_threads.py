@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _pools(dev):
     from threadpoolctl import threadpool_info
-    import tensor_parallel.gemm  # noqa: F401  (scipy's own OpenBLAS, which W's GEMMs use)
+    import scipy.linalg.blas  # noqa: F401  (scipy's own OpenBLAS, which W's GEMMs use)
     return sorted((p["user_api"], p["internal_api"], p["num_threads"])
                   for p in threadpool_info())
 

@@ -126,8 +126,8 @@ class GradBuckets:
     def _launch(self) -> None:
         if not self._pending:
             return
-        span = adjacent_span(self._pending)
-        if span is not None and self.dev.xp is np:
+        span = adjacent_span(self._pending)         # None for device and meta arrays
+        if span is not None:
             # the gradients lie back to back in device memory (StageLayers.place_grads):
             # the bucket is that memory, summed in place — no packing, no write-back
             work = self.dev.all_reduce(span, self.axis, out=span, async_op=True)
@@ -302,14 +302,13 @@ def train_program(dev, job: TrainJob, X, Y):
                       for a in ((x,) if isinstance(x, str) else x))              # (× cp)
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
-    if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None:
+    if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None and dev.xp is np:
         # buckets become views summed in place; where the arena cannot hold the gradients
         # this raises ArenaFullError, as packing would later (it holds every bucket's copy
         # and sum until the step's end: twice the gradients)
         for layers in stages.values():
-            place = getattr(layers, "place_grads", None)
-            if place is not None and dev.xp is np:
-                place(dev.empty)
+            if hasattr(layers, "place_grads"):
+                layers.place_grads(dev.empty)
     params = [arr for s in sorted(stages) for pair in stages[s].params for arr in pair]
     grads = [arr for s in sorted(stages) for pair in stages[s].grads for arr in pair]
     ledger, zero, opt = MemoryLedger(dev), None, None

@@ -4,9 +4,9 @@ numpy's ``matmul`` always writes a fresh product, so summing products (a weight 
 over micro-batches) costs a product-sized temporary and a second pass over C
 (``c += a @ b`` reads and writes C once more: 3 |C| bytes). BLAS ``?gemm`` computes
 ``C = alpha op(A) op(B) + beta C`` and with beta = 1 adds in the same pass as the
-product. numpy exposes no GEMM with beta; scipy's BLAS wrappers do, over the same
-OpenBLAS, and write in place when C is Fortran-ordered — which a C-ordered C's
-transpose is:
+product. numpy exposes no GEMM with beta; scipy's BLAS wrappers do (over scipy's own
+OpenBLAS, whose threads the devices limit like numpy's), and write in place when C is
+Fortran-ordered — which a C-ordered C's transpose is:
 
     C^T = op(P) op(Q),   P = B^T (n × k),  Q = A^T (k × m),
 
@@ -16,7 +16,8 @@ each passed as whichever of itself or its transpose is Fortran-contiguous (with 
 ``c += a @ b``.
 
 Anything BLAS cannot take in place (other dtypes, device or meta arrays, a C that is
-not C-contiguous) takes the two-pass path, with the same result up to rounding.
+not C-contiguous) takes the two-pass path, with the same result up to rounding. With
+beta = 0 (a new sum) numpy's ``matmul`` writes C directly.
 """
 
 from __future__ import annotations

@@ -36,16 +36,21 @@ def global_shape(local_shape, layout: TensorSharding, mesh) -> tuple[int, ...]:
     return tuple(n * mesh.axis_size(d.axes) for n, d in zip(local_shape, layout.dims))
 
 
-def local_matmul(dev, a, b, name: str = "matmul", *, out=None):
-    """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands
-    (into ``out`` when given)."""
+def _product_block(dev, name: str, a, b, c_passes: int):
+    """The compute block of a @ b on ``dev``: 2mkn FLOPs touching A, B and ``c_passes``
+    passes over C (1: written; 2: read and written)."""
     m, k = a.shape
     n = b.shape[1]
     itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=2 * m * k * n, bytes=(m * k + k * n + m * n) * itemsize,
-                     gemm=(1, m, k, n)):
-        if out is not None:
-            return dev.xp.matmul(a, b, out=out)
+    return dev.compute(name, flops=2 * m * k * n,
+                       bytes=(m * k + k * n + c_passes * m * n) * itemsize,
+                       gemm=(1, m, k, n))
+
+
+def local_matmul(dev, a, b, name: str = "matmul"):
+    """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands."""
+    with _product_block(dev, name, a, b, c_passes=1):
+        m, n = a.shape[0], b.shape[1]
         dtype = np.result_type(a.dtype, b.dtype)
         if dev.xp is np and m * n * dtype.itemsize >= _RESIDENT_MIN_BYTES:
             out = dev.empty((m, n), dtype)
@@ -60,11 +65,7 @@ def matmul_accumulate(dev, a, b, out, *, first: bool, name: str = "matmul accumu
     micro-batch into a buffer zeroed at the step's start (Megatron-LM's fused wgrad
     into ``main_grad``). Here the first writes instead of adding to zeros: the same
     numbers without a pass of zeros."""
-    m, k = a.shape
-    n = b.shape[1]
-    itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=2 * m * k * n,
-                     bytes=(m * k + k * n + 2 * m * n) * itemsize, gemm=(1, m, k, n)):
+    with _product_block(dev, name, a, b, c_passes=2):
         return gemm_accumulate(a, b, out, beta=0.0 if first else 1.0)
 
 

@@ -1,14 +1,30 @@
 """Shared fixtures; how tests share the machine on several workers (tests/machine_share.py)."""
 
+import os
+
 import pytest
 
 from vcluster.runtime.cores import usable_cores
+from vcluster.runtime.options import PRELOAD_VARIABLE
 
 from .machine_share import MachineShare
 
 # Most workers ``-n auto`` starts (the test command's default): the suite's tests start
 # device processes of their own, so more workers than this add memory, not speed.
 MAX_WORKERS = 4
+
+
+# What the suite's device processes start with (VirtualCluster's preload, through the
+# environment, so the CLI's subprocesses get it too): device programs defined in a test
+# module make each device import that module, and with it pytest (~0.09 s of CPU), and
+# most programs run pipeline_parallel's layers (~0.13 s with tensor_parallel). Imported
+# once in each cluster's launcher instead of in each of its devices, the suite's CPU
+# time fell from 1135 to ... s on the 2-core development machine (benchmarks/README.md).
+SUITE_PRELOAD = "pytest,pipeline_parallel"
+
+
+def pytest_configure(config):
+    os.environ.setdefault(PRELOAD_VARIABLE, SUITE_PRELOAD)
 
 
 def pytest_xdist_auto_num_workers(config):

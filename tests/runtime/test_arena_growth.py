@@ -5,6 +5,8 @@ memory is an ``ArenaFullError`` that names the bytes needed and free; nothing ou
 the cluster.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -50,7 +52,6 @@ def test_a_device_grows_past_the_old_fixed_arena_and_idle_devices_commit_nothing
     holds those pages as the file system counts them (st_blocks), idle ranks' hold at
     most one commit step, and all of it returns when the cluster closes."""
     nbytes = 768 * _MiB
-    mine = set(list_segments())
     with VirtualCluster(Mesh((4,), ("x",)), timeout_s=60.0) as cluster:
         assert cluster.options.arena_bytes > nbytes
 
@@ -74,7 +75,8 @@ def test_a_device_grows_past_the_old_fixed_arena_and_idle_devices_commit_nothing
     committed = st["arena_committed_bytes"].tolist()
     assert [b for _, b in out] == committed                # what the file system holds
     assert committed[0] == nbytes and max(committed[1:]) <= COMMIT_STEP_BYTES
-    assert set(list_segments()) <= mine                    # no name left behind
+    # no name of this process's left behind (the other workers' clusters have their own)
+    assert not [s for s in list_segments() if s.split("-")[1] == str(os.getpid())]
     assert free_closed - free_open >= nbytes - 64 * _MiB   # and the pages came back
 
 

@@ -7,7 +7,7 @@ import argparse
 from vcluster.scenario.units import parse_size
 
 __all__ = ["positive_int", "int_at_least", "csv_of", "sizes", "add_arch_arguments",
-           "add_moe_arguments", "moe_config", "model_title"]
+           "add_moe_arguments", "moe_config", "model_title", "precision_name"]
 
 
 def positive_int(text: str) -> int:
@@ -18,6 +18,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def precision_name(name: str) -> str:
+    """``--precision``'s value (a :data:`vcluster.planner.precision.PRECISIONS` name), or
+    ValueError naming it and the presets; checked when the command runs, not as an
+    argparse type, so that only the commands that price memory load the planner."""
+    # lazy: keeps vcluster --help fast (the planner package loads in ~0.27 s)
+    from vcluster.planner.precision import PRECISIONS
+    if name not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return name
 
 
 def fraction(text: str) -> float:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from vcluster.planner.precision import PRECISIONS
-
-from .args import positive_int
+from .args import positive_int, precision_name
 
 __all__ = ["add_parser", "run_gpu_step"]
 
@@ -39,9 +37,10 @@ def add_parser(kinds) -> None:
     gs.add_argument("--hardware", default=None,
                     help="what to predict on: a preset or a YAML file (default: the preset "
                     "of this GPU's name)")
-    gs.add_argument("--precision", default="torch_amp", choices=PRECISIONS,
-                    help="the memory model's bytes per parameter and activation (default "
-                    "torch_amp: the reference step is PyTorch AMP over fp32 parameters)")
+    gs.add_argument("--precision", default="torch_amp", metavar="POLICY",
+                    help="the memory model's bytes per parameter and activation: torch_amp "
+                    "(default: the reference step is PyTorch AMP over fp32 parameters), "
+                    "megatron, fp64, fp32")
     gs.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gs.set_defaults(run=run_gpu_step)
 
@@ -54,6 +53,7 @@ def run_gpu_step(args) -> int:
     from vcluster.timing import load_hardware
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab)                   # checks the shape first
+    precision_name(args.precision)
     if why := cuda_missing():
         print(f"vcluster bench gpu-step needs a CUDA GPU: {why}", file=sys.stderr)
         return 2

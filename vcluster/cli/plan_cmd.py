@@ -28,7 +28,7 @@ import math
 import os
 
 from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
-                   positive_int)
+                   positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
@@ -111,15 +111,6 @@ def plan_json(df) -> dict:
             "precision": df.attrs.get("precision", "megatron")}
 
 
-def _precision(name: str) -> str:
-    """``--precision``'s value, or ValueError naming it and the presets."""
-    # lazy: keeps vcluster --help fast
-    from vcluster.planner.precision import PRECISIONS
-    if name not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {name!r}")
-    return name
-
-
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
     """The top rows; ``cp``: with a cp column (after dp); ``ep``: an expert-parallel
     column after dp (and cp) (MoE models)."""
@@ -175,7 +166,7 @@ def _gpt(args) -> int:
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
-                  precision=_precision(args.precision),
+                  precision=precision_name(args.precision),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs

@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 
 from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
-                   positive_int)
+                   positive_int, precision_name)
 
 __all__ = ["add_parser"]
 
@@ -94,9 +94,7 @@ def _gpt(args) -> int:
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     from vcluster.planner.precision import PRECISIONS
     zero = zero_stage(args)
-    if args.precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got "
-                         f"{args.precision!r}")
+    precision_name(args.precision)
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
                        ffn_hidden=args.ffn_hidden, **moe_config(args))

@@ -105,17 +105,27 @@ class VirtualCluster:
         ~10% faster on a quiet machine, ~40% under other load); True pins them however
         many cores there are. Not the default because the ``localhost`` timing model
         prices devices the scheduler places and moves (docs/runtime.md).
+    preload : sequence of str, optional
+        Modules the launcher imports before it forks the devices, so that every device
+        starts with them loaded instead of importing them at its first program (a
+        program's module, e.g. a test module with pytest, or torch): paid once per
+        cluster, not once per device. None (the default) takes the comma-separated names
+        of the ``VCLUSTER_PRELOAD`` environment variable, or none. Each must be
+        importable here; an import that fails in the launcher fails the start with its
+        error. Shown in the repr.
     """
 
     def __init__(self, mesh, array_module: str = "numpy", timeout_s: float = 60.0,
                  algorithm: str = "auto", arena_bytes: int | None = None,
                  run_timeout_s: float = 3600.0, wait: str = "auto",
                  threads_per_device: int | None = None, transport: str = "auto",
-                 device_arena_bytes: int | None = None, pin_devices: bool | None = False):
+                 device_arena_bytes: int | None = None, pin_devices: bool | None = False,
+                 preload=None):
         self.options = ClusterOptions.build(mesh, array_module, timeout_s, algorithm,
                                             arena_bytes, run_timeout_s, wait,
                                             shm_available_bytes(), threads_per_device,
-                                            transport, device_arena_bytes, pin_devices)
+                                            transport, device_arena_bytes, pin_devices,
+                                            preload)
         self.mesh = mesh
         self._state = None
         self._broken: str | None = None
@@ -126,7 +136,9 @@ class VirtualCluster:
         status = "closed" if self._state is None else ("broken" if self._broken else "running")
         return (f"VirtualCluster({self.mesh}, {status}, "
                 f"threads_per_device={self.options.threads_per_device}, "
-                f"cpus={_cpus_text(self.options.cpu_sets)})")
+                f"cpus={_cpus_text(self.options.cpu_sets)}"
+                + (f", preload={','.join(self.options.preload)}" if self.options.preload
+                   else "") + ")")
 
     def __enter__(self) -> "VirtualCluster":
         return self
@@ -331,7 +343,7 @@ class _ClusterState:
                 "arenas": [(a.name, a.fd, a.size_bytes) for a in arenas],
                 "host_arena": (host_arena.name, host_arena.fd, host_arena.size_bytes),
                 "device_fds": [b.fileno() for _, b in pairs],
-                "cpu_sets": options.cpu_sets,
+                "cpu_sets": options.cpu_sets, "preload": options.preload,
             }
             launcher = LauncherClient.start(config, [s.fd for s in segments]
                                             + [b.fileno() for _, b in pairs],

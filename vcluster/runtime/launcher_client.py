@@ -66,6 +66,9 @@ class LauncherClient:
                 break
             if msg is not None and msg[0] == "started":
                 return [msg[1][r] for r in range(n)]
+            if msg is not None and msg[0] == "preload-error":
+                self.finish(5.0)
+                raise VClusterError(f"the device launcher did not start: {msg[1]}")
             if self.proc.poll() is not None:
                 break
         self.finish(1.0)

@@ -19,7 +19,8 @@ MAX_WORKERS = 4
 # module make each device import that module, and with it pytest (~0.09 s of CPU), and
 # most programs run pipeline_parallel's layers (~0.13 s with tensor_parallel). Imported
 # once in each cluster's launcher instead of in each of its devices, the suite's CPU
-# time fell from 1135 to ... s on the 2-core development machine (benchmarks/README.md).
+# time (user + sys) fell from ~1135 to ~996 s on the 2-core development machine
+# (benchmarks/README.md, "The test suite's time").
 SUITE_PRELOAD = "pytest,pipeline_parallel"
 
 

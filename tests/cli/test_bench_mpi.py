@@ -23,6 +23,14 @@ def _vcluster(*args, env=None):
                           env=dict(env or os.environ, PYTHONPATH=ROOT))
 
 
+def _launcher_files() -> set:
+    """What MPI launchers leave in the temporary directory: MPICH's hydra makes a
+    ``hydra_hwloc_xmlfile_*`` per run (in /tmp, whatever TMPDIR says) and removes it as it
+    ends, unless it is killed or a rank calls MPI_Abort."""
+    return {f for f in os.listdir("/tmp") if f.startswith("hydra_hwloc_xmlfile_")} \
+        if os.path.isdir("/tmp") else set()
+
+
 def _mpi_or_skip() -> str:
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'vcluster[mpi]')")
     from vcluster.cli.bench_mpi import find_mpiexec
@@ -107,20 +115,23 @@ def test_missing_mpi_fails_before_running(tmp_path):
     assert "all_reduce" not in proc.stdout          # nothing was measured
 
 
+@pytest.mark.alone      # counts the launcher's files in /tmp, which any MPI run makes
 def test_a_run_past_its_timeout_is_killed_and_named(tmp_path):
     """Ranks that cannot finish within ``timeout_s``: TimeoutError naming the ranks and
-    the launcher, soon after the limit, with the run's temporary files removed."""
+    the launcher, soon after the limit, with the run's temporary files removed and none
+    of the launcher's left (it is stopped with SIGTERM before any SIGKILL)."""
     import time
 
     from vcluster.cli.bench_mpi import run_mpi_bench
     launcher = _mpi_or_skip()
-    before = set(os.listdir(tempfile.gettempdir()))
+    before, hydra = set(os.listdir(tempfile.gettempdir())), _launcher_files()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=f"waited 0.5 s for 2 MPI ranks started by {launcher}"):
         run_mpi_bench(2, [64 << 20], reps=50, timeout_s=0.5)
     assert time.monotonic() - start < 15
     assert not [f for f in set(os.listdir(tempfile.gettempdir())) - before
                 if f.startswith("vcluster-mpi")]
+    assert not _launcher_files() - hydra
 
 
 def test_unknown_ops_are_named():
@@ -130,10 +141,17 @@ def test_unknown_ops_are_named():
         run_mpi_bench(2, [8], ops=["all_reduce", "allreduce"])
 
 
+@pytest.mark.alone      # counts the launcher's files in /tmp, which any MPI run makes
 def test_a_failing_rank_fails_the_run_with_its_error():
-    """A rank that raises (MPI has no SUM on booleans) aborts every rank at once
-    (``python -m mpi4py``): RuntimeError carrying the ranks' traceback, no hang."""
+    """A rank that raises (MPI has no SUM on booleans) flags it, and the parent stops the
+    launcher, which ends every rank: RuntimeError carrying the ranks' traceback, no hang,
+    and no launcher file left (MPI_Abort, mpi4py's way, left MPICH's behind)."""
+    import time
+
     from vcluster.cli.bench_mpi import run_mpi_bench
     _mpi_or_skip()
+    hydra, start = _launcher_files(), time.monotonic()
     with pytest.raises(RuntimeError, match=r"2 MPI ranks .* exited with status [1-9](?s:.*)Allreduce"):
         run_mpi_bench(2, [8], ops=["all_reduce"], dtype="bool", timeout_s=60)
+    assert time.monotonic() - start < 8          # not the rank's 10 s wait for the parent
+    assert not _launcher_files() - hydra

@@ -32,11 +32,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 
 import numpy as np
 
 from .bench_collectives import (OPS, PATHS, BenchRecord, default_reps, memcpy_gbps,
                                 message_bytes, timed_record)
+from .bench_mpi_rank import FAILED_SUFFIX
 
 __all__ = ["INSTALL_HINT", "MPI_RUN_TIMEOUT_S", "find_mpiexec", "run_mpi_bench"]
 
@@ -45,8 +47,10 @@ INSTALL_HINT = "pip install 'vcluster[mpi]'  (mpi4py and the mpich wheel, which 
 # The whole MPI run (every case), generous: 64 ranks x 64 MiB x 8 ops is minutes on 2 cores.
 MPI_RUN_TIMEOUT_S = 1800.0
 
-# How long the launcher may take to go after its ranks were killed on a timeout.
+# How long the launcher may take to go after SIGTERM, and after SIGKILL.
 _KILL_WAIT_S = 10.0
+# How often the parent looks for a failed rank's flag while the ranks run.
+_POLL_S = 0.1
 
 
 def find_mpiexec(requested: str | None = None) -> str:
@@ -115,7 +119,7 @@ def run_mpi_bench(devices: int, sizes, ops=OPS, paths=PATHS, dtype: str = "float
             json.dump({"cases": cases}, f)
         command = [launcher, "-n", str(devices), sys.executable, "-m", "mpi4py", "-m",
                    "vcluster.cli.bench_mpi_rank", spec, out]
-        _run_ranks(command, devices, launcher, timeout_s)
+        _run_ranks(command, devices, launcher, timeout_s, out + FAILED_SUFFIX)
         with open(out) as f:
             result = json.load(f)
     library = " ".join(result["library"].splitlines()[0].split())
@@ -133,28 +137,52 @@ def run_mpi_bench(devices: int, sizes, ops=OPS, paths=PATHS, dtype: str = "float
     return info, records
 
 
-def _run_ranks(command: list[str], ranks: int, launcher: str, timeout_s: float) -> None:
-    """Run the launcher in its own process group; kill the group on a timeout."""
+def _run_ranks(command: list[str], ranks: int, launcher: str, timeout_s: float,
+               failed_flag: str) -> None:
+    """Run the launcher in its own process group until it ends, a rank creates
+    ``failed_flag`` (it raised: :mod:`vcluster.cli.bench_mpi_rank`) or ``timeout_s``
+    passes; in the last two cases stop it (:func:`_stop`)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            proc.communicate(timeout=_KILL_WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(
-                f"bench collectives --mpi: {launcher} (pid {proc.pid}) still running "
-                f"{_KILL_WAIT_S:g} s after its process group was killed") from None
-        raise TimeoutError(
-            f"bench collectives --mpi: waited {timeout_s:g} s for {ranks} MPI ranks "
-            f"started by {launcher} to finish their cases; killed them") from None
+        while True:
+            try:
+                stdout, stderr = proc.communicate(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                if os.path.exists(failed_flag):
+                    stdout, stderr = _stop(proc, launcher)
+                    break
+                if time.monotonic() >= deadline:
+                    _stop(proc, launcher)
+                    raise TimeoutError(
+                        f"bench collectives --mpi: waited {timeout_s:g} s for {ranks} MPI "
+                        f"ranks started by {launcher} to finish their cases; killed them"
+                    ) from None
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=_KILL_WAIT_S)
+        if proc.poll() is None:
+            _stop(proc, launcher)
         raise
-    if proc.returncode != 0:
+    if proc.returncode != 0 or os.path.exists(failed_flag):
         raise RuntimeError(
             f"bench collectives --mpi: {ranks} MPI ranks ({' '.join(command[:3])} ...) "
             f"exited with status {proc.returncode}:\n{(stderr or stdout)[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen, launcher: str) -> tuple[str, str]:
+    """Stop the launcher: SIGTERM first, so that it ends its ranks and removes its own
+    files (MPICH's hydra leaves ``/tmp/hydra_hwloc_xmlfile_*`` when killed, and when a
+    rank calls ``MPI_Abort``), then SIGKILL to its process group after
+    :data:`_KILL_WAIT_S`. Its output so far."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=_KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        return proc.communicate(timeout=_KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(
+            f"bench collectives --mpi: {launcher} (pid {proc.pid}) still running "
+            f"{2 * _KILL_WAIT_S:g} s after SIGTERM and SIGKILL") from None

@@ -4,8 +4,12 @@ Started by :mod:`vcluster.cli.bench_mpi` as::
 
     mpiexec -n N python -m mpi4py -m vcluster.cli.bench_mpi_rank SPEC.json OUT.json
 
-(``-m mpi4py`` aborts every rank when one raises, so a failing rank never leaves the
-others waiting). SPEC holds the cases ``{op, path, bytes, dtype, reps, warmup}``; for
+A rank that raises prints its traceback, creates ``OUT.json.failed``
+(:data:`FAILED_SUFFIX`) and waits up to :data:`ABORT_AFTER_S` for the parent, which polls
+for that file, to stop the launcher with SIGTERM. MPICH's launcher then ends every rank
+and removes its ``/tmp/hydra_hwloc_xmlfile_*``, which ``MPI_Abort`` leaves behind. Only
+if nobody stops it does the exception go on to ``-m mpi4py``, which aborts every rank, so
+a failing rank never leaves the others waiting. SPEC holds the cases ``{op, path, bytes, dtype, reps, warmup}``; for
 each one every rank first checks the op's result once against its closed form, then
 times ``warmup + reps`` iterations of::
 
@@ -33,13 +37,20 @@ from __future__ import annotations
 import json
 import sys
 import time
+import traceback
 
 import numpy as np
 
 from vcluster.cli.bench_collectives import message_shapes
 from vcluster.runtime.files import write_json
 
-__all__ = ["main", "run_case"]
+__all__ = ["main", "run_case", "FAILED_SUFFIX", "ABORT_AFTER_S"]
+
+# A failing rank's flag for the parent: OUT.json + this.
+FAILED_SUFFIX = ".failed"
+# How long a failing rank waits to be stopped before it lets mpi4py abort: the parent
+# polls every 0.1 s (vcluster.cli.bench_mpi), so this is only for runs without it.
+ABORT_AFTER_S = 10.0
 
 
 def _buffers(op: str, path: str, n_in: int, n_out: int, dtype, rank: int):
@@ -148,9 +159,17 @@ def main(argv: list[str]) -> int:
         spec = json.load(f)
     comm = MPI.COMM_WORLD
     results = []
-    for case in spec["cases"]:
-        times = comm.gather(run_case(comm, MPI, case), root=0)
-        results.append(dict(case, times=times))
+    try:
+        for case in spec["cases"]:
+            times = comm.gather(run_case(comm, MPI, case), root=0)
+            results.append(dict(case, times=times))
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        with open(argv[1] + FAILED_SUFFIX, "w") as f:
+            f.write(f"rank {comm.Get_rank()}\n")
+        time.sleep(ABORT_AFTER_S)               # the parent stops the launcher meanwhile
+        raise
     if comm.Get_rank() == 0:
         write_json(argv[1], {"library": MPI.Get_library_version().strip(),
                              "mpi4py": mpi4py.__version__, "ranks": comm.Get_size(),

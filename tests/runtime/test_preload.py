@@ -81,6 +81,7 @@ def test_an_import_failing_in_the_launcher_fails_the_start_and_leaves_nothing(
     (tmp_path / "vcluster_boom_probe.py").write_text(
         "raise RuntimeError('this module refuses to load')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    before = _children()
     t0 = time.monotonic()
     with pytest.raises(VClusterError) as info:
         VirtualCluster(Mesh((4,), ("x",)), preload=["json", "vcluster_boom_probe"])
@@ -89,9 +90,14 @@ def test_an_import_failing_in_the_launcher_fails_the_start_and_leaves_nothing(
                                "'vcluster_boom_probe' failed: RuntimeError: this module "
                                "refuses to load")
     assert not [s for s in list_segments() if s.split("-")[1] == str(os.getpid())]
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit()
-                and _parent(int(p)) == os.getpid()] if os.path.isdir("/proc") else []
-    assert not wait_dead(children, 5.0)
+    assert not wait_dead(sorted(_children() - before), 5.0)    # the launcher is gone
+
+
+def _children() -> set:
+    """This process's child processes (Linux; empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    return {int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == os.getpid()}
 
 
 def _parent(pid: int) -> int:

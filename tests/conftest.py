@@ -4,8 +4,10 @@ import os
 
 import pytest
 
+from threadpoolctl import threadpool_limits
+
 from vcluster.runtime.cores import usable_cores
-from vcluster.runtime.options import PRELOAD_VARIABLE
+from vcluster.runtime.options import PRELOAD_VARIABLE, THREAD_VARIABLES
 
 from .machine_share import MachineShare
 
@@ -26,6 +28,22 @@ SUITE_PRELOAD = "pytest,pipeline_parallel"
 
 def pytest_configure(config):
     os.environ.setdefault(PRELOAD_VARIABLE, SUITE_PRELOAD)
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        _share_blas_threads(max(1, usable_cores() // workers))
+
+
+def _share_blas_threads(threads: int) -> None:
+    """On a pytest-xdist worker: at most ``threads`` BLAS/OpenMP threads in this process
+    (threadpoolctl: numpy is loaded already) and in the processes it starts (the
+    variables, unless set; a cluster's launcher sets its devices' own), as
+    VirtualCluster sizes its devices' pools. With each worker's references on every core,
+    OpenBLAS's threads spun while the other workers' tests held the cores: the suite took
+    548 s and 996 s of CPU, 520 s and 941 s with one thread per worker (2 cores,
+    benchmarks/README.md, "The test suite's time")."""
+    threadpool_limits(threads)
+    for name in THREAD_VARIABLES:
+        os.environ.setdefault(name, str(threads))
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 _MiB = 1 << 20
 
 
+@pytest.mark.alone   # counts the free shared memory of the whole machine
 def test_arena_commits_pages_as_allocations_reach_them():
     seg = create_segment("test-growth", 1 << 30)         # a sparse 1 GiB range
     try:
@@ -47,6 +48,7 @@ def test_arena_commits_pages_as_allocations_reach_them():
         seg.close_fd()
 
 
+@pytest.mark.alone   # counts the free shared memory of the whole machine
 def test_a_device_grows_past_the_old_fixed_arena_and_idle_devices_commit_nothing():
     """768 MiB resident on rank 0 (the old default arena held 512 MiB): rank 0's segment
     holds those pages as the file system counts them (st_blocks), idle ranks' hold at

@@ -7,7 +7,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from vcluster.runtime.cores import usable_cores
-from vcluster.runtime.options import PRELOAD_VARIABLE, THREAD_VARIABLES
+from vcluster.runtime.options import PRELOAD_VARIABLE, blas_thread_environment
 
 from .machine_share import MachineShare
 
@@ -42,8 +42,8 @@ def _share_blas_threads(threads: int) -> None:
     548 s and 996 s of CPU, 520 s and 941 s with one thread per worker (2 cores,
     benchmarks/README.md, "The test suite's time")."""
     threadpool_limits(threads)
-    for name in THREAD_VARIABLES:
-        os.environ.setdefault(name, str(threads))
+    for name, value in blas_thread_environment(threads).items():
+        os.environ.setdefault(name, value)
 
 
 def pytest_xdist_auto_num_workers(config):

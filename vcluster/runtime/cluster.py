@@ -134,11 +134,11 @@ class VirtualCluster:
 
     def __repr__(self) -> str:
         status = "closed" if self._state is None else ("broken" if self._broken else "running")
+        preload = self.options.preload
+        preload_text = f", preload={','.join(preload)}" if preload else ""
         return (f"VirtualCluster({self.mesh}, {status}, "
                 f"threads_per_device={self.options.threads_per_device}, "
-                f"cpus={_cpus_text(self.options.cpu_sets)}"
-                + (f", preload={','.join(self.options.preload)}" if self.options.preload
-                   else "") + ")")
+                f"cpus={_cpus_text(self.options.cpu_sets)}{preload_text})")
 
     def __enter__(self) -> "VirtualCluster":
         return self

@@ -15,7 +15,7 @@ from .capacity import check_capacity, memory_available_bytes, open_files_limit
 from .cores import device_cpu_sets, usable_cores, usable_cpus
 from .device_memory import TRANSPORTS
 
-__all__ = ["ClusterOptions"]
+__all__ = ["ClusterOptions", "blas_thread_environment"]
 
 _MiB = 1 << 20
 # Without a shared-memory file system to ask (not Linux), arenas are fixed at this size.
@@ -124,7 +124,13 @@ class ClusterOptions:
     def thread_environment(self) -> dict[str, str]:
         """The variables that size the devices' BLAS/OpenMP pools (set before numpy
         loads in the launcher, so every library reads them at start-up)."""
-        return {v: str(self.threads_per_device) for v in THREAD_VARIABLES}
+        return blas_thread_environment(self.threads_per_device)
+
+
+def blas_thread_environment(threads: int) -> dict[str, str]:
+    """:data:`THREAD_VARIABLES`, each set to ``threads``: what sizes the BLAS/OpenMP pools
+    of a process started with them."""
+    return {v: str(threads) for v in THREAD_VARIABLES}
 
 
 def _preload(preload) -> tuple[str, ...]:

@@ -110,6 +110,35 @@ def test_buckets_sum_in_place_or_packed_alike(cluster_of, placed):
         assert sums == [(3 + 3 * l, 30 - 3 * l) for l in range(3)]
 
 
+@pytest.mark.parametrize("placed", [True, False])
+def test_what_is_left_at_finish_is_all_reduced_in_the_programs_thread(placed):
+    """A bucket that never filled is waited for as soon as it starts, so ``finish`` runs
+    it as a blocking all-reduce: same sums, and no communication thread is started for
+    it (a fresh cluster: none ran before)."""
+    import threading
+
+    from vcluster import VirtualCluster
+
+    def prog(dev):
+        layers = _layers([40, 30, 20, 10], seed=0)
+        if placed:
+            layers.place_grads(dev.empty)
+        for l, (gw, gb) in enumerate(layers.grads):
+            gw[...], gb[...] = dev.rank + l, 10 * dev.rank - l
+        buckets = GradBuckets(dev, "dp", bucket_bytes=1 << 30)     # never full
+        for l in (2, 1, 0):
+            buckets.add(layers.grads[l])
+        assert buckets._launched == []
+        buckets.finish()
+        comm = [t.name for t in threading.enumerate() if t.name.startswith("vcluster-comm")]
+        return comm, [(float(gw.mean()), float(gb.mean())) for gw, gb in layers.grads]
+
+    with VirtualCluster(Mesh((3,), ("dp",)), timeout_s=30.0) as cluster:
+        for comm, sums in cluster.run(prog):
+            assert comm == []
+            assert sums == [(3 + 3 * l, 30 - 3 * l) for l in range(3)]
+
+
 @pytest.mark.parametrize("microbatches, algorithm", [(1, None), (3, None), (4, None),
                                                      (6, None), (3, "ring"), (3, "tree")])
 def test_mlp_on_dp_x_pp_equals_the_reference(cluster_of, microbatches, algorithm):

@@ -3,7 +3,8 @@ consecutive ranks share a CPU — read inside the devices with ``os.sched_getaff
 program's thread and the communication thread alike, and again after a restart;
 ``pin_devices=False`` (the default) leaves them free, ``None`` pins them when they
 outnumber the cores, ``True`` pins them anyway; the CPU sets follow a
-closed form."""
+closed form. A pinned device's waits yield only toward peers that may run on its CPU, and
+any wait stops yielding once a yield took longer than its spin budget."""
 
 import os
 import sys
@@ -116,3 +117,84 @@ def test_pin_devices_is_checked(value):
 def test_forced_pinning_without_affinity_masks_is_refused():
     with pytest.raises(ValueError, match="pin_devices=True needs CPU affinity masks"):
         VirtualCluster(Mesh((2,), ("x",)), pin_devices=True)
+
+
+# --- the waits' yields (vcluster.runtime.fabric): only where a peer may run on the CPU ----
+
+def _fabric(rank: int, n: int, cpu_sets):
+    from vcluster.runtime.arena import Arena
+    from vcluster.runtime.fabric import Fabric
+    from vcluster.runtime.futex import make_waker
+    from vcluster.runtime.layout import ControlLayout
+    layout = ControlLayout(n, 2)
+    return Fabric(rank, layout, np.zeros(layout.total_words, np.int64),
+                  [Arena(r, np.zeros(1 << 12, np.uint8)) for r in range(n)],
+                  Arena(-1, np.zeros(1 << 12, np.uint8)), make_waker("auto"), 10.0,
+                  cpu_sets)
+
+
+@pytest.mark.parametrize("rank, cpu_sets, peers, yields", [
+    (1, None, (5,), 10),                                  # free to migrate: as before
+    (1, ((0,),) * 4 + ((1,),) * 4, (2,), 10),             # a pipeline neighbour on my CPU
+    (1, ((0,),) * 4 + ((1,),) * 4, (5,), 0),              # my DDP partner on the other CPU
+    (1, ((0,),) * 4 + ((1,),) * 4, (1, 5), 0),            # ... as a group with me
+    (1, ((0,),) * 4 + ((1,),) * 4, tuple(range(8)), 10),  # a group with one neighbour here
+    (0, ((0, 1), (2, 3)), (1,), 10),                      # alone on my CPUs: spin freely
+    (1, ((0,), (0, 1), (1,)), (2,), 10),                  # a straddling share meets rank 2
+    (0, ((0,), (0, 1), (1,)), (2,), 0),
+    (-1, ((0,),) * 4 + ((1,),) * 4, (5,), 10),            # the host is not pinned
+])
+def test_a_wait_yields_only_where_the_awaited_peer_may_run(rank, cpu_sets, peers, yields):
+    n = 8 if cpu_sets is None else len(cpu_sets)
+    f = _fabric(rank, n, cpu_sets)
+    assert f.yields_for(peers) == yields
+    assert f.yields_for(peers) == yields                  # memoised, same answer
+
+
+def test_a_wait_that_does_not_yield_still_wakes_and_returns():
+    f = _fabric(1, 8, ((0,),) * 4 + ((1,),) * 4)
+    calls = []
+
+    def blocker():
+        calls.append(1)
+        return None if len(calls) > 2 else (f.progress_address(5, 0), 0)
+
+    f.wait(blocker, lambda: "test", timeout_s=5.0, yields=f.yields_for((5,)))
+    assert len(calls) == 3            # checked, slept (a nap: nobody wakes it), checked
+
+
+@linux_only
+def test_pinned_devices_wait_with_their_cpu_sets():
+    """The launcher hands each device the cluster's CPU sets: a device yields toward its
+    neighbour on its own CPU and sleeps at once for one on another CPU."""
+    cpus = usable_cpus()
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs to put two devices on different ones")
+    n = 2 * len(cpus)
+    with VirtualCluster(Mesh((n,), ("x",)), timeout_s=30.0, pin_devices=None) as cluster:
+        got = cluster.run(lambda dev: (dev._f.yields_for(((dev.rank + 1) % 2 + dev.rank // 2 * 2,)),
+                                       dev._f.yields_for(((dev.rank + 2) % n,))))
+    for rank, (same_cpu, other_cpu) in enumerate(got):
+        assert same_cpu == 10, rank            # ranks 2k, 2k + 1 share a CPU
+        assert other_cpu == 0, rank            # rank + 2 sits on the next CPU
+
+
+def test_a_wait_stops_yielding_once_its_spin_budget_is_spent():
+    """A yield that gave a CPU-bound process its time slice returns milliseconds later;
+    after that the wait sleeps instead of yielding again. Here each check of the blocker
+    takes 3 budgets (as such a yield would): the wait yields once, then naps on the word
+    (nobody wakes it, so the nap lasts its full length) before the third check."""
+    import time
+
+    from vcluster.runtime.fabric import _NAP_S, _SPIN_BUDGET_S
+    f = _fabric(-1, 2, None)
+    calls = []
+
+    def blocker():
+        calls.append(time.perf_counter())
+        time.sleep(3 * _SPIN_BUDGET_S)
+        return None if len(calls) >= 3 else (f.progress_address(1, 0), 0)
+
+    f.wait(blocker, lambda: "test", timeout_s=5.0, yields=10)
+    assert len(calls) == 3
+    assert calls[2] - calls[1] >= 0.8 * _NAP_S        # slept, did not yield a second time

@@ -106,3 +106,23 @@ def _parent(pid: int) -> int:
             return int(f.read().split(")")[-1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+def _gc_state(dev, name):
+    import gc
+    module = sys.modules[name]
+    return gc.isenabled(), gc.get_freeze_count(), gc.is_tracked(module.__dict__)
+
+
+def test_what_the_launcher_imported_is_frozen_out_of_the_collector(no_env_preload):
+    """``gc.freeze`` before the forks: a device's full collections skip the launcher's
+    objects (the preloaded modules' among them) and the collector stays on."""
+    import gc
+    with VirtualCluster(Mesh((2,), ("x",)), preload=[PROBE]) as cluster:
+        for enabled, frozen, tracked in cluster.run(_gc_state, [(PROBE,)] * 2):
+            assert enabled
+            assert frozen > 10_000                  # numpy and the runtime at least
+            assert tracked                          # frozen objects stay tracked ...
+        # ... but in the permanent generation: a collection in a device leaves them
+        counts = cluster.run(lambda dev: (gc.collect(), gc.get_freeze_count())[1])
+        assert all(c > 10_000 for c in counts)

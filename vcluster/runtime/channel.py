@@ -80,7 +80,8 @@ class SendHandle:
             return None if v != self._seq else (addr, v)
 
         f.wait(blocker, lambda: f"waiting for rank {self._dst} to receive message "
-                                f"#{self._seq} (tag {int(words[S.TAG])})")
+                                f"#{self._seq} (tag {int(words[S.TAG])})",
+               yields=f.yields_for((self._dst,)))
         self._done, self._keep = True, None
 
 
@@ -255,7 +256,8 @@ class VirtualChannel:
             return f.state_address(me, dst, oldest), seen[oldest]
 
         f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
-                                 f"#{sorted(states.tolist())} and free a mailbox slot")
+                                 f"#{sorted(states.tolist())} and free a mailbox slot",
+               yields=f.yields_for((dst,)))
         slot = free[0]
         words = f.mailbox[me, dst, slot]
         words[S.SEQ], words[S.KIND], words[S.TAG] = q, kind, tag
@@ -343,7 +345,8 @@ class VirtualChannel:
             scanned[0] = last
             return (posted_addr, last)
 
-        f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})")
+        f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
+               yields=f.yields_for((src,)))
         return found[0]
 
     def probe(self, src: int, kind: int, tag: int) -> bool:

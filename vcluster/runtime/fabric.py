@@ -8,6 +8,21 @@ segments; nothing here is global, so two clusters in one process never meet.
 :meth:`Fabric.wait` is the only place anything in the runtime sleeps on a peer: it
 checks the abort word between naps and turns an expired deadline into a
 :class:`~vcluster.runtime.errors.CollectiveTimeout` whose text says who waited for whom.
+
+Before it sleeps, a wait yields its CPU a few times (``os.sched_yield``), so that a peer
+that is runnable on the same CPU arrives without a futex round trip. When the devices are
+pinned (``cpu_sets``) a wait yields only where that can help (:meth:`Fabric.yields_for`):
+toward a peer that shares one of its CPUs, or on a CPU no other device uses. A wait for
+peers that all run on other CPUs, beside other devices on its own, sleeps at once: its
+yields would only hand the CPU to whatever else is runnable there, and Linux's scheduler
+(EEVDF, 6.6 and later) gives a yielding task's CPU to another runnable task for a whole
+time slice (~3-4 ms) — measured on the 2-core machine (issue 32), a step whose DDP
+all-reduce waited in the program's thread for its partner on the other CPU took
+13.7-14.4 ms beside two CPU-bound processes with the yields, 7.5-7.6 ms without them.
+For the same reason a wait spins for at most ``_SPIN_BUDGET_S``, pinned or not: one
+yield that gave such a process its slice ends the spinning (devices free to migrate, the
+same step beside two such processes: 10.2-13.4 ms spinning up to 10 yields, 7.8-10.2
+with the budget).
 """
 
 from __future__ import annotations
@@ -31,6 +46,12 @@ _PUMP_NAP_S = 0.002                             # ... while buffered sends wait 
 # without a futex round trip. 8-byte all_reduce over 8 devices on 2 cores, median:
 # 0 yields ~710 us, 3 ~590 us, 10 ~540 us, 30 ~580 us, 100 ~630 us.
 _YIELDS_BEFORE_SLEEP = 10
+# ... but for at most this long: a yield that let a CPU-bound process on the same CPU run
+# took ~3.8 ms (its time slice; 90th percentile of 200 yields beside one, the 2-core
+# machine, Linux 6.18), where a yield to a device that soon blocks takes tens to hundreds
+# of us. One such yield ends the spinning: the wait sleeps, and the peer's wake ends it.
+# (The width-128 MLP step, pinned, quiet: 7.2-7.4 ms with 0.25 ms, 1 ms or no budget.)
+_SPIN_BUDGET_S = 1e-3
 _ABORT_WHY = {ABORT_LOST: "died", ABORT_ERROR: "raised an error", ABORT_HOST: "was interrupted"}
 
 Blocker = Callable[[], "tuple[int, int] | None"]
@@ -40,7 +61,8 @@ class Fabric:
     """One process's view of a cluster's shared memory."""
 
     def __init__(self, rank: int, layout: ControlLayout, control: np.ndarray,
-                 arenas: list[Arena], host_arena: Arena, waker, timeout_s: float):
+                 arenas: list[Arena], host_arena: Arena, waker, timeout_s: float,
+                 cpu_sets: tuple | None = None):
         self.rank = rank                     # -1 in the host
         self.layout = layout
         self.words = control                 # int64 over the whole control segment
@@ -57,6 +79,22 @@ class Fabric:
         self._posted_at, self._mailbox_at = layout.posted_at, layout.mailbox_at
         self.yields = _YIELDS_BEFORE_SLEEP
         self.pump = None        # set by the channel while buffered sends wait for slots
+        self._near = _near_ranks(rank, cpu_sets)
+        self._yields_for: dict = {}
+
+    def yields_for(self, peers) -> int:
+        """How many times a wait for ``peers`` (global ranks) yields before it sleeps:
+        ``yields``, or 0 when the devices are pinned, none of ``peers`` shares a CPU with
+        this rank, and another device does (see the module docstring). Memoised per
+        tuple of peers."""
+        near = self._near
+        if near is None:
+            return self.yields
+        n = self._yields_for.get(peers)
+        if n is None:
+            n = self._yields_for[peers] = self.yields if (
+                near is True or any(p in near for p in peers)) else 0
+        return n
 
     # --- addresses of futex words ---------------------------------------------------
     def address_of(self, view: np.ndarray, index: tuple) -> int:
@@ -97,20 +135,27 @@ class Fabric:
 
     # --- waiting --------------------------------------------------------------------
     def wait(self, blocker: Blocker, describe: Callable[[], str],
-             timeout_s: float | None = None) -> None:
+             timeout_s: float | None = None, yields: int | None = None) -> None:
         """Return when ``blocker()`` is None; else sleep on the word it names.
 
         ``blocker`` returns None when the wait is over, or ``(address, value)``: the
-        futex word to sleep on and the value it was seen to hold.
+        futex word to sleep on and the value it was seen to hold. ``yields``: how often to
+        yield the CPU before sleeping (default ``self.yields``; :meth:`yields_for` says
+        how many for a wait on given peers).
         """
         blocked = blocker()
         if blocked is None:
             return
-        for _ in range(self.yields):
-            os.sched_yield()
-            blocked = blocker()
-            if blocked is None:
-                return
+        n = self.yields if yields is None else yields
+        if n:
+            spin_end = time.perf_counter() + _SPIN_BUDGET_S
+            for _ in range(n):
+                os.sched_yield()
+                blocked = blocker()
+                if blocked is None:
+                    return
+                if time.perf_counter() > spin_end:
+                    break
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit_s
         while blocked is not None:
@@ -126,16 +171,29 @@ class Fabric:
             blocked = blocker()
 
 
+def _near_ranks(rank: int, cpu_sets):
+    """The ranks that share a CPU with ``rank`` (a frozenset), True when no other rank
+    uses its CPUs (its waits may spin: nobody else needs them), or None when the devices
+    are not pinned or ``rank`` is the host (-1)."""
+    if cpu_sets is None or not 0 <= rank < len(cpu_sets):
+        return None
+    mine = set(cpu_sets[rank])
+    near = frozenset(r for r, cpus in enumerate(cpu_sets) if r != rank and mine & set(cpus))
+    return near or True
+
+
 def fabric_from_segments(rank: int, layout: ControlLayout, control, arenas: list, host_arena,
-                         wait: str, timeout_s: float) -> Fabric:
+                         wait: str, timeout_s: float, cpu_sets: tuple | None = None) -> Fabric:
     """Build a Fabric over mapped :class:`~vcluster.runtime.segments.Segment` objects.
 
     The arena that ``rank`` owns (the host's for -1) grows through its segment's file
-    descriptor, which must stay open while the fabric is used."""
+    descriptor, which must stay open while the fabric is used. ``cpu_sets``: each rank's
+    CPUs when the devices are pinned (the waits' yields depend on them), else None."""
     from .futex import make_waker
     words = np.frombuffer(control.buf, np.int64, count=layout.total_words)
     device_arenas = [Arena(r, np.frombuffer(seg.buf, np.uint8), seg.fd if r == rank else None)
                      for r, seg in enumerate(arenas)]
     host = Arena(-1, np.frombuffer(host_arena.buf, np.uint8),
                  host_arena.fd if rank == -1 else None)
-    return Fabric(rank, layout, words, device_arenas, host, make_waker(wait), timeout_s)
+    return Fabric(rank, layout, words, device_arenas, host, make_waker(wait), timeout_s,
+                  cpu_sets)

@@ -430,7 +430,8 @@ class GroupCall:
             return None
 
         f.wait(blocker, lambda: describe_wait(f, self.group, target, self.collective,
-                                              self.number, self.run_base, why))
+                                              self.number, self.run_base, why),
+               yields=f.yields_for(members))
 
     def finish(self) -> None:
         """Mark the call done on this member (phase 2) and drop staging buffers.

@@ -32,6 +32,7 @@ import errno
 import math
 import os
 import threading
+from functools import lru_cache
 
 import numpy as np
 
@@ -45,18 +46,26 @@ ALIGN_BYTES = 64  # one cache line
 COMMIT_STEP_BYTES = 32 << 20
 
 
+@lru_cache(maxsize=64)    # pure: a message's staging block is one allocation per send
+def _interface_of(dtype: np.dtype) -> tuple:
+    """A dtype's ``typestr`` and ``descr`` for ``__array_interface__`` (``descr`` builds
+    a new list on each read)."""
+    return dtype.str, dtype.descr
+
+
 class _Block:
     """Owns one allocation; numpy keeps it alive as the ``base`` of every view."""
 
     __slots__ = ("__array_interface__", "_arena", "_offset", "_size")
 
-    def __init__(self, arena: "Arena", offset: int, size: int, shape, dtype: np.dtype):
+    def __init__(self, arena: "Arena", offset: int, size: int, shape: tuple, dtype: np.dtype):
         self._arena, self._offset, self._size = arena, offset, size
+        typestr, descr = _interface_of(dtype)
         self.__array_interface__ = {
             "version": 3,
-            "shape": tuple(shape),
-            "typestr": dtype.str,
-            "descr": dtype.descr,
+            "shape": shape,
+            "typestr": typestr,
+            "descr": descr,
             "data": (arena.address + offset, False),
             "strides": None,
         }
@@ -111,8 +120,15 @@ class Arena:
     # --- allocation -----------------------------------------------------------------
     def empty(self, shape, dtype) -> np.ndarray | None:
         """A new C-contiguous array in the arena, or None when it does not fit."""
+        placed = self.allocate(shape, dtype)
+        return None if placed is None else placed[0]
+
+    def allocate(self, shape, dtype) -> tuple[np.ndarray, int] | None:
+        """A new C-contiguous array in the arena and its offset (what :meth:`offset_of`
+        would say, without reading the array's address back), or None when it does not
+        fit."""
         dtype = np.dtype(dtype)
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(map(int, shape))
         nbytes = math.prod(shape) * dtype.itemsize   # math.prod: ~0.1 us, np.prod ~5 us
         if nbytes == 0:
             return None
@@ -120,7 +136,7 @@ class Arena:
         offset = self._take(size)
         if offset is None:
             return None
-        return np.asarray(_Block(self, offset, size, shape, dtype))
+        return np.asarray(_Block(self, offset, size, shape, dtype)), offset
 
     def _take(self, size: int) -> int | None:
         with self._lock:

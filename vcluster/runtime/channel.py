@@ -90,17 +90,17 @@ class Incoming:
 
     def __init__(self, fabric: Fabric, src: int, slot: int, words: np.ndarray):
         self._fabric, self.src, self._slot, self._words = fabric, src, slot, words
-        self.dtype = decode_dtype(words[S.DTYPE])
-        self.shape = tuple(int(s) for s in words[S.SHAPE:S.SHAPE + int(words[S.NDIM])])
-        self.nbytes = int(words[S.NBYTES])
+        head = words[:S.INLINE].tolist()          # one read of the header words
+        self.dtype = decode_dtype(head[S.DTYPE])
+        self.shape = tuple(head[S.SHAPE:S.SHAPE + head[S.NDIM]])
+        self.nbytes = head[S.NBYTES]
+        self._owner, self._offset = head[S.OWNER], head[S.OFFSET]
 
     def view(self) -> np.ndarray:
-        w = self._words
-        owner = int(w[S.OWNER])
-        if owner < 0:
-            raw = w[S.INLINE:].view(np.uint8)[:self.nbytes]
+        if self._owner < 0:
+            raw = self._words[S.INLINE:].view(np.uint8)[:self.nbytes]
             return raw.view(self.dtype).reshape(self.shape)
-        return self._fabric.arenas[owner].view(int(w[S.OFFSET]), self.shape, self.dtype)
+        return self._fabric.arenas[self._owner].view(self._offset, self.shape, self.dtype)
 
     def release(self) -> None:
         f = self._fabric
@@ -154,8 +154,10 @@ class VirtualChannel:
     def send_buffered(self, dst: int, kind: int, tag: int, array: np.ndarray) -> None:
         """Send a private copy of ``array``; never waits for the receiver."""
         with self._send_lock:
-            self._buffered = [h for h in self._buffered if not h.is_completed()]
-            self._pump(dst)
+            if self._buffered:
+                self._buffered = [h for h in self._buffered if not h.is_completed()]
+            if self._overflow:
+                self._pump(dst)
             if self._overflow.get(dst) or not self._has_free_slot(dst):
                 self._overflow.setdefault(dst, deque()).append((kind, tag, array.copy()))
                 self._f.pump = self.pump
@@ -255,9 +257,10 @@ class VirtualChannel:
             oldest = seen.index(min(seen))       # the likeliest to be taken next
             return f.state_address(me, dst, oldest), seen[oldest]
 
-        f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
-                                 f"#{sorted(states.tolist())} and free a mailbox slot",
-               yields=f.yields_for((dst,)))
+        if all_busy() is not None:      # no free slot: wait for one (usually there is)
+            f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
+                                     f"#{sorted(states.tolist())} and free a mailbox slot",
+                   yields=f.yields_for((dst,)))
         slot = free[0]
         words = f.mailbox[me, dst, slot]
         words[S.SEQ], words[S.KIND], words[S.TAG] = q, kind, tag
@@ -274,14 +277,14 @@ class VirtualChannel:
             offset = None if copy else arena.offset_of(array)
             keep = array
             if offset is None:
-                keep = arena.empty(array.shape, array.dtype)
-                if keep is None:
+                placed = arena.allocate(array.shape, array.dtype)
+                if placed is None:
                     raise ArenaFullError(f"rank {me}: no room for a {array.nbytes}-byte "
                                          f"message to rank {dst}: {arena.shortfall}; "
                                          "release arrays, or raise "
                                          "VirtualCluster(arena_bytes=...) if you capped it")
+                keep, offset = placed
                 np.copyto(keep, array)
-                offset = arena.offset_of(keep)
             words[S.OWNER], words[S.OFFSET] = me, offset
         words[S.STATE] = q
         f.posted[me, dst] = q
@@ -345,8 +348,9 @@ class VirtualChannel:
             scanned[0] = last
             return (posted_addr, last)
 
-        f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
-               yields=f.yields_for((src,)))
+        if blocker() is not None:        # not there yet: wait (a message there needs none)
+            f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
+                   yields=f.yields_for((src,)))
         return found[0]
 
     def probe(self, src: int, kind: int, tag: int) -> bool:

@@ -115,6 +115,7 @@ class EmulatedDevice:
                  space=None):
         self.rank = rank
         self.mesh = mesh
+        self._size = mesh.size
         self.index = mesh.index(rank)
         self.xp = arrays.xp
         self._arrays = arrays
@@ -168,6 +169,10 @@ class EmulatedDevice:
     def _alloc(self, shape, dtype, resident: bool) -> np.ndarray:
         """A host array: in this device's shared arena when ``resident`` (or big)."""
         return self._alloc_in(self._host_space, shape, dtype, resident)
+
+    def _alloc_private(self, shape, dtype) -> np.ndarray:
+        """A received message's host array (private memory unless it is big)."""
+        return self._alloc_in(self._host_space, shape, dtype, False)
 
     def _device_alloc(self, shape, dtype, resident: bool):
         """A device array of the resident space, likewise."""
@@ -445,11 +450,14 @@ class EmulatedDevice:
 
     # --- point to point -------------------------------------------------------------
     def _peer(self, peer, what: str) -> int:
-        return check_peer(peer, self.mesh.size, what)
+        if type(peer) is int and 0 <= peer < self._size:    # the common case, no call
+            return peer
+        return check_peer(peer, self._size, what)
 
     @staticmethod
     def _tag(tag) -> int:
-        tag = operator.index(tag)
+        if type(tag) is not int:
+            tag = operator.index(tag)
         if not 0 <= tag < 2**62:
             raise ValueError(f"tag must be an int in [0, 2**62), got {tag}")
         return tag
@@ -470,7 +478,8 @@ class EmulatedDevice:
         to, tag, x = self._peer(to, "send"), self._tag(tag), self._host(x)
         start = time.perf_counter()
         self._channel.send_buffered(to, USER_KIND, tag, x)
-        self._link_delay(to, start)
+        if self._delays is not None:
+            self._link_delay(to, start)
         self._p2p_event("send", to, x, tag, start, True)
 
     def isend(self, x, to: int, tag: int = 0) -> Work:
@@ -533,8 +542,9 @@ class EmulatedDevice:
         start = time.perf_counter()
         host_out = out if out is None or isinstance(out, np.ndarray) else None
         res = self._channel.recv_into(src, USER_KIND, tag, f"recv (tag {tag})", host_out,
-                                      lambda s, d: self._alloc(s, d, False))
-        self._link_delay(src, start)
+                                      self._alloc_private)
+        if self._delays is not None:
+            self._link_delay(src, start)
         self._p2p_event("recv", src, res, tag, start, False)
         if out is not None and host_out is None:
             out[...] = self._device(res)

@@ -340,6 +340,8 @@ def train_program(dev, job: TrainJob, X, Y):
                             job.optimizer, ledger)
     else:
         opt = Optimizer(job.optimizer, params)
+        opt_bytes = sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte
+        opt_kernel = Kernel.optimizer(sum(int(p.size) for p in params), job.optimizer.name)
         ledger.set("params", sum(a.nbytes for a in params))
         ledger.set("grads", sum(a.nbytes for a in grads))
         ledger.set("optimizer", opt.state_bytes)
@@ -425,10 +427,7 @@ def train_program(dev, job: TrainJob, X, Y):
             zero.finish_grads()
             zero.step()
         else:
-            with dev.compute("optimizer", flops=0, bytes=sum(
-                    p.nbytes for p in params) * opt.bytes_touched_per_param_byte,
-                    kernel=Kernel.optimizer(sum(int(p.size) for p in params),
-                                            job.optimizer.name)):
+            with dev.compute("optimizer", flops=0, bytes=opt_bytes, kernel=opt_kernel):
                 opt.step(params, grads)
         losses.append(loss)
         reports = [L.moe_report() for L in stages.values() if hasattr(L, "moe_report")]

@@ -21,8 +21,8 @@ all-reduce waited in the program's thread for its partner on the other CPU took
 13.7-14.4 ms beside two CPU-bound processes with the yields, 7.5-7.6 ms without them.
 For the same reason a wait spins for at most ``_SPIN_BUDGET_S``, pinned or not: one
 yield that gave such a process its slice ends the spinning (devices free to migrate, the
-same step beside two such processes: 10.2-13.4 ms spinning up to 10 yields, 7.8-10.2
-with the budget).
+same step beside two such processes: 10.2-13.4 ms spinning up to 10 yields, 7.8-10.6
+with a budget; benchmarks/README.md).
 """
 
 from __future__ import annotations

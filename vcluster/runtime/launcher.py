@@ -12,9 +12,10 @@ file descriptors and one control socket per device, and it:
    that never ran user code is safe and fast (~30 ms for 8), unlike ``spawn`` (~0.85 s)
    which would also re-import the user's ``__main__``. What it imported is frozen
    out of the garbage collector's reach first (``gc.freeze``, as the ``gc`` docs advise
-   before a fork): a device's full collections then skip the ~25,000 objects of numpy
-   and the runtime, which on the width-128 MLP cost ~12 ms per full collection, one per
-   ~200 steps per device (issue 32), and never write to their pages, which stay shared;
+   before a fork): a device's full collections then skip the ~24,500 objects of numpy
+   and the runtime (more with ``preload``) — a full collection took ~12 ms on the
+   width-128 MLP, one per ~200 steps per device (issue 32) — and never write to their
+   pages, which stay shared;
 3. reports each device's exit to the host, restarts a rank on request, and kills every
    device if the host goes away (its socket closes), so no process is ever orphaned.
    Devices die with the launcher too (``PR_SET_PDEATHSIG`` on Linux).

@@ -86,16 +86,23 @@ def test_zero_grads_then_w_writes_and_later_ws_add(cluster_of):
     assert cluster.run(prog) == [pytest.approx(0.0, abs=1e-12)]
 
 
+def _ranked_grads(dev, placed: bool) -> StageLayers:
+    """Three layers whose gradients hold rank + l (W) and 10 rank - l (b): summed over 3
+    ranks, 3 + 3l and 30 - 3l. In one buffer of device memory when ``placed``."""
+    layers = _layers([40, 30, 20, 10], seed=0)
+    if placed:
+        layers.place_grads(dev.empty)
+    for l, (gw, gb) in enumerate(layers.grads):
+        gw[...], gb[...] = dev.rank + l, 10 * dev.rank - l
+    return layers
+
+
 @pytest.mark.parametrize("placed", [True, False])
 def test_buckets_sum_in_place_or_packed_alike(cluster_of, placed):
     cluster = cluster_of(Mesh((3,), ("dp",)))
 
     def prog(dev):
-        layers = _layers([40, 30, 20, 10], seed=0)
-        if placed:
-            layers.place_grads(dev.empty)
-        for l, (gw, gb) in enumerate(layers.grads):
-            gw[...], gb[...] = dev.rank + l, 10 * dev.rank - l
+        layers = _ranked_grads(dev, placed)
         kept = [g for pair in layers.grads for g in pair]
         buckets = GradBuckets(dev, "dp", bucket_bytes=30 * 20 * 8)   # two layers, then one
         for l in (2, 1, 0):
@@ -120,11 +127,7 @@ def test_what_is_left_at_finish_is_all_reduced_in_the_programs_thread(placed):
     from vcluster import VirtualCluster
 
     def prog(dev):
-        layers = _layers([40, 30, 20, 10], seed=0)
-        if placed:
-            layers.place_grads(dev.empty)
-        for l, (gw, gb) in enumerate(layers.grads):
-            gw[...], gb[...] = dev.rank + l, 10 * dev.rank - l
+        layers = _ranked_grads(dev, placed)
         buckets = GradBuckets(dev, "dp", bucket_bytes=1 << 30)     # never full
         for l in (2, 1, 0):
             buckets.add(layers.grads[l])

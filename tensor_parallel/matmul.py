@@ -41,7 +41,7 @@ def _product_block(dev, name: str, a, b, c_passes: int):
     passes over C (1: written; 2: read and written)."""
     m, k = a.shape
     n = b.shape[1]
-    itemsize = np.dtype(a.dtype).itemsize
+    itemsize = a.dtype.itemsize
     return dev.compute(name, flops=2 * m * k * n,
                        bytes=(m * k + k * n + c_passes * m * n) * itemsize,
                        gemm=(1, m, k, n))
@@ -51,7 +51,7 @@ def local_matmul(dev, a, b, name: str = "matmul"):
     """a @ b on this device, declared to it as 2mkn FLOPs touching the three operands."""
     with _product_block(dev, name, a, b, c_passes=1):
         m, n = a.shape[0], b.shape[1]
-        dtype = np.result_type(a.dtype, b.dtype)
+        dtype = a.dtype if a.dtype == b.dtype else np.result_type(a.dtype, b.dtype)
         if dev.xp is np and m * n * dtype.itemsize >= _RESIDENT_MIN_BYTES:
             out = dev.empty((m, n), dtype)
             return np.matmul(a, b, out=out)

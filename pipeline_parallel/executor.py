@@ -127,15 +127,17 @@ class GradBuckets:
         if not self._pending:
             return
         arrays, self._pending = self._pending, []
+        self._launched.append(self._all_reduce(arrays, async_op=True))
+
+    def _all_reduce(self, arrays, async_op: bool) -> tuple:
+        """All-reduce ``arrays`` as one bucket: (the Work or the sum, the arrays to write
+        the sum back to, or None when it was summed where they lie)."""
         span = adjacent_span(arrays)          # None for device and meta arrays
         if span is not None:
             # the gradients lie back to back in device memory (StageLayers.place_grads):
             # the bucket is that memory, summed in place — no packing, no write-back
-            self._launched.append((self.dev.all_reduce(span, self.axis, out=span,
-                                                       async_op=True), None))
-        else:
-            self._launched.append((self.dev.all_reduce(self._packed(arrays), self.axis,
-                                                       async_op=True), arrays))
+            return self.dev.all_reduce(span, self.axis, out=span, async_op=async_op), None
+        return self.dev.all_reduce(self._packed(arrays), self.axis, async_op=async_op), arrays
 
     def finish(self) -> None:
         """Wait for the buckets in flight, all-reduce what is left, write the sums back.
@@ -156,11 +158,9 @@ class GradBuckets:
                 _unpack(total, arrays)
         if self._pending:
             arrays, self._pending = self._pending, []
-            span = adjacent_span(arrays)
-            if span is not None:
-                self.dev.all_reduce(span, self.axis, out=span)
-            else:
-                _unpack(self.dev.all_reduce(self._packed(arrays), self.axis), arrays)
+            total, arrays = self._all_reduce(arrays, async_op=False)
+            if arrays is not None:
+                _unpack(total, arrays)
 
     def _packed(self, arrays):
         """``arrays`` one after another in one flat array of device memory: written

@@ -159,24 +159,27 @@ def test_a_wait_that_does_not_yield_still_wakes_and_returns():
         calls.append(1)
         return None if len(calls) > 2 else (f.progress_address(5, 0), 0)
 
-    f.wait(blocker, lambda: "test", timeout_s=5.0, yields=f.yields_for((5,)))
+    f.wait(blocker, lambda: "test", timeout_s=5.0, peers=(5,))
     assert len(calls) == 3            # checked, slept (a nap: nobody wakes it), checked
 
 
 @linux_only
 def test_pinned_devices_wait_with_their_cpu_sets():
-    """The launcher hands each device the cluster's CPU sets: a device yields toward its
-    neighbour on its own CPU and sleeps at once for one on another CPU."""
+    """The launcher hands each device the cluster's CPU sets: a device yields toward a
+    peer on its own CPU and sleeps at once for one on another CPU (two devices per CPU,
+    so none is alone on its CPU; on a one-CPU machine every peer shares it)."""
     cpus = usable_cpus()
-    if len(cpus) < 2:
-        pytest.skip("needs 2 CPUs to put two devices on different ones")
     n = 2 * len(cpus)
     with VirtualCluster(Mesh((n,), ("x",)), timeout_s=30.0, pin_devices=None) as cluster:
-        got = cluster.run(lambda dev: (dev._f.yields_for(((dev.rank + 1) % 2 + dev.rank // 2 * 2,)),
-                                       dev._f.yields_for(((dev.rank + 2) % n,))))
-    for rank, (same_cpu, other_cpu) in enumerate(got):
-        assert same_cpu == 10, rank            # ranks 2k, 2k + 1 share a CPU
-        assert other_cpu == 0, rank            # rank + 2 sits on the next CPU
+        sets = cluster.options.cpu_sets
+        got = cluster.run(lambda dev: [dev._f.yields_for((p,)) for p in range(n)])
+    for rank, per_peer in enumerate(got):
+        for peer in range(n):
+            if peer != rank:
+                shared = set(sets[rank]) & set(sets[peer])
+                assert per_peer[peer] == (10 if shared else 0), (rank, peer)
+    values = {v for rank, per_peer in enumerate(got) for p, v in enumerate(per_peer) if p != rank}
+    assert values == ({10, 0} if len(cpus) > 1 else {10})
 
 
 def test_a_wait_stops_yielding_once_its_spin_budget_is_spent():
@@ -195,6 +198,6 @@ def test_a_wait_stops_yielding_once_its_spin_budget_is_spent():
         time.sleep(3 * _SPIN_BUDGET_S)
         return None if len(calls) >= 3 else (f.progress_address(1, 0), 0)
 
-    f.wait(blocker, lambda: "test", timeout_s=5.0, yields=10)
+    f.wait(blocker, lambda: "test", timeout_s=5.0)     # unpinned: 10 yields
     assert len(calls) == 3
     assert calls[2] - calls[1] >= 0.8 * _NAP_S        # slept, did not yield a second time

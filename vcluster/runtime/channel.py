@@ -81,7 +81,7 @@ class SendHandle:
 
         f.wait(blocker, lambda: f"waiting for rank {self._dst} to receive message "
                                 f"#{self._seq} (tag {int(words[S.TAG])})",
-               yields=f.yields_for((self._dst,)))
+               peers=(self._dst,))
         self._done, self._keep = True, None
 
 
@@ -260,7 +260,7 @@ class VirtualChannel:
         if all_busy() is not None:      # no free slot: wait for one (usually there is)
             f.wait(all_busy, lambda: f"waiting for rank {dst} to take one of messages "
                                      f"#{sorted(states.tolist())} and free a mailbox slot",
-                   yields=f.yields_for((dst,)))
+                   peers=(dst,))
         slot = free[0]
         words = f.mailbox[me, dst, slot]
         words[S.SEQ], words[S.KIND], words[S.TAG] = q, kind, tag
@@ -350,7 +350,7 @@ class VirtualChannel:
 
         if blocker() is not None:        # not there yet: wait (a message there needs none)
             f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
-                   yields=f.yields_for((src,)))
+                   peers=(src,))
         return found[0]
 
     def probe(self, src: int, kind: int, tag: int) -> bool:

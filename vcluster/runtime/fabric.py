@@ -82,18 +82,17 @@ class Fabric:
         self._near = _near_ranks(rank, cpu_sets)
         self._yields_for: dict = {}
 
-    def yields_for(self, peers) -> int:
+    def yields_for(self, peers: tuple) -> int:
         """How many times a wait for ``peers`` (global ranks) yields before it sleeps:
         ``yields``, or 0 when the devices are pinned, none of ``peers`` shares a CPU with
         this rank, and another device does (see the module docstring). Memoised per
         tuple of peers."""
         near = self._near
-        if near is None:
+        if not near:                    # not pinned, or alone on its CPUs: spin freely
             return self.yields
         n = self._yields_for.get(peers)
         if n is None:
-            n = self._yields_for[peers] = self.yields if (
-                near is True or any(p in near for p in peers)) else 0
+            n = self._yields_for[peers] = self.yields if any(p in near for p in peers) else 0
         return n
 
     # --- addresses of futex words ---------------------------------------------------
@@ -135,18 +134,18 @@ class Fabric:
 
     # --- waiting --------------------------------------------------------------------
     def wait(self, blocker: Blocker, describe: Callable[[], str],
-             timeout_s: float | None = None, yields: int | None = None) -> None:
+             timeout_s: float | None = None, peers: tuple | None = None) -> None:
         """Return when ``blocker()`` is None; else sleep on the word it names.
 
         ``blocker`` returns None when the wait is over, or ``(address, value)``: the
-        futex word to sleep on and the value it was seen to hold. ``yields``: how often to
-        yield the CPU before sleeping (default ``self.yields``; :meth:`yields_for` says
-        how many for a wait on given peers).
+        futex word to sleep on and the value it was seen to hold. ``peers``: the global
+        ranks it waits for, which decide how often it yields the CPU before sleeping
+        (:meth:`yields_for`; ``self.yields`` when not given).
         """
         blocked = blocker()
         if blocked is None:
             return
-        n = self.yields if yields is None else yields
+        n = self.yields if peers is None else self.yields_for(peers)
         if n:
             spin_end = time.perf_counter() + _SPIN_BUDGET_S
             for _ in range(n):
@@ -171,15 +170,13 @@ class Fabric:
             blocked = blocker()
 
 
-def _near_ranks(rank: int, cpu_sets):
-    """The ranks that share a CPU with ``rank`` (a frozenset), True when no other rank
-    uses its CPUs (its waits may spin: nobody else needs them), or None when the devices
-    are not pinned or ``rank`` is the host (-1)."""
+def _near_ranks(rank: int, cpu_sets) -> frozenset:
+    """The other ranks that share a CPU with ``rank``: empty when the devices are not
+    pinned, ``rank`` is the host (-1), or no other rank uses its CPUs."""
     if cpu_sets is None or not 0 <= rank < len(cpu_sets):
-        return None
+        return frozenset()
     mine = set(cpu_sets[rank])
-    near = frozenset(r for r, cpus in enumerate(cpu_sets) if r != rank and mine & set(cpus))
-    return near or True
+    return frozenset(r for r, cpus in enumerate(cpu_sets) if r != rank and mine & set(cpus))
 
 
 def fabric_from_segments(rank: int, layout: ControlLayout, control, arenas: list, host_arena,

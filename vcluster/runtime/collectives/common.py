@@ -446,7 +446,7 @@ class GroupCall:
 
         f.wait(blocker, lambda: describe_wait(f, self.group, target, self.collective,
                                               self.number, self.run_base, why),
-               yields=f.yields_for(members))
+               peers=members)
 
     def finish(self) -> None:
         """Mark the call done on this member (phase 2) and drop staging buffers.

@@ -209,7 +209,7 @@ class InlinePlan:
         g = self.group
         self.f.wait(blocker, lambda: describe_wait(self.f, g, target, self.collective,
                                                    s - run_base, run_base, why),
-                    yields=self.f.yields_for(g.members))
+                    peers=g.members)
 
     def _general(self, s: int, x, out, run_base: int, seen: list[int], alloc):
         """The general path's checks and inline reduction of this call (its descriptors

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from types import MappingProxyType
 
-from .kernel_profile import GemmProfile, KernelTiming
+from .kernel_profile import TABLE_PRESETS, GemmProfile, KernelTiming
 from .kernel_profiles import LAUNCH_INTERVAL_S, KernelProfile
 
 __all__ = ["DeviceSpec", "LinkSpec", "NodeSpec", "NetworkSpec", "HardwareSpec",
@@ -188,16 +188,24 @@ class DeviceSpec:
 
     def kernel_profile(self) -> KernelProfile | None:
         """The prices of traced kernels by kind (None: price them analytically):
-        ``kernel_table``'s profiles when it names one (floored at the measured ``launch``
-        interval when ``kernels`` holds one, else at
-        :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`), else the profiles of the measured
+        ``kernel_table``'s profiles when it names one, moved from the GPU that measured
+        the table (:data:`~.kernel_profile.TABLE_PRESETS`) to this one by the ratios of
+        their achieved FLOP/s and HBM bandwidth (:meth:`KernelProfile.moved
+        <.kernel_profiles.KernelProfile.moved>`; unchanged on the measuring GPU's own
+        constants) and floored at the measured ``launch`` interval when ``kernels`` holds
+        one, else at :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`; else the profiles of the measured
         ``kernels`` (:meth:`KernelProfile.from_timings <.kernel_profiles.KernelProfile.
         from_timings>`: GEMMs and every table kind measured, in-stream already, floored at
         their ``launch`` row's interval)."""
         launch = [r.seconds for r in self.kernels if r.kind == "launch"]
         if self.kernel_table:
-            return KernelProfile.from_table(self.kernel_table,
-                                            launch[0] if launch else LAUNCH_INTERVAL_S)
+            from .presets import preset          # presets builds DeviceSpecs: no cycle at import
+            measured_on = preset(TABLE_PRESETS[self.kernel_table]).device
+            return KernelProfile.from_table(
+                self.kernel_table, launch[0] if launch else LAUNCH_INTERVAL_S).moved(
+                    self.achieved_flops("bf16") / measured_on.achieved_flops("bf16"),
+                    self.achieved_hbm_bytes_per_s() / measured_on.achieved_hbm_bytes_per_s(),
+                    self.name)
         return KernelProfile.from_timings(self.kernels, f"{self.name}: measured kernels")
 
     def peak_flops(self, dtype) -> float:
@@ -207,6 +215,14 @@ class DeviceSpec:
             raise ValueError(f"{self.name} has no peak for dtype {key!r}; "
                              f"known: {', '.join(self.peak_tflops)}")
         return self.peak_tflops[key] * _FLOPS_PER_TFLOPS
+
+    def achieved_flops(self, dtype) -> float:
+        """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max."""
+        return self.peak_flops(dtype) * self.gemm_max_efficiency
+
+    def achieved_hbm_bytes_per_s(self) -> float:
+        """The achieved HBM bandwidth of streaming kernels: datasheet × e_hbm, bytes/s."""
+        return self.hbm_bandwidth_gbps * _BYTES_PER_GB * self.hbm_efficiency
 
     def gemm_half_efficiency_flops(self, dtype) -> float:
         """F_half = peak * e_max * t_k: the GEMM size (FLOPs) that reaches e_max / 2."""
@@ -226,7 +242,7 @@ class DeviceSpec:
             raise ValueError(f"flops and nbytes must be >= 0, got {flops!r} and {nbytes!r}")
         if flops == 0 and nbytes == 0:
             return 0.0
-        compute_s = flops / (self.peak_flops(dtype) * self.gemm_max_efficiency)
+        compute_s = flops / self.achieved_flops(dtype)
         return self.kernel_overhead_us * _S_PER_US + max(compute_s, self._memory_s(nbytes))
 
     def matmul_time_s(self, m: int, k: int, n: int, dtype) -> float:
@@ -244,7 +260,7 @@ class DeviceSpec:
         return 0.0 if nbytes == 0 else self.kernel_overhead_us * _S_PER_US + self._memory_s(nbytes)
 
     def _memory_s(self, nbytes: float) -> float:
-        return nbytes / (self.hbm_bandwidth_gbps * _BYTES_PER_GB * self.hbm_efficiency)
+        return nbytes / self.achieved_hbm_bytes_per_s()
 
 
 def kernel_tables() -> tuple[str, ...]:

@@ -37,11 +37,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 __all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "TABLE_OPS", "gemm_rows",
-           "leave_one_out", "fit_call_and_rate",
+           "leave_one_out", "fit_call_and_rate", "TABLE_PRESETS",
            "h100_gemm_profile", "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
 
 TILE = 128                                 # cuBLAS's output tile edge on Hopper and Ampere
 H100_KERNEL_TABLE = "h100_kernels.csv"     # in vcluster/timing/data
+#: the hardware preset whose GPU measured each shipped table (its header line: one
+#: "NVIDIA H100 80GB HBM3 (SXM)", the H100-SXM5-80GB of ``h100-dgx``): a table priced on
+#: another device is moved to it by datasheet ratios (:meth:`.kernel_profiles.KernelProfile.moved`)
+TABLE_PRESETS = MappingProxyType({H100_KERNEL_TABLE: "h100-dgx"})
 
 
 def _padded_flops(m: int, k: int, n: int) -> float:

@@ -69,7 +69,7 @@ from .kernel_profile import (H100_KERNEL_TABLE, TABLE_OPS, GemmProfile, fit_call
 
 __all__ = ["LinearProfile", "KernelProfile", "table_rows", "profile_points", "kind_leave_one_out",
            "h100_kernel_profile", "h100_kernel_leave_one_out", "LAUNCH_INTERVAL_S",
-           "STREAM_GEMM_CALL_S", "PROFILE_UNITS"]
+           "STREAM_GEMM_CALL_S", "PROFILE_UNITS", "COMPUTE_BOUND"]
 
 # benchmarks/results/h200-2026-11-26/calibrated.yaml (`vcluster hardware calibrate --gpu`
 # on one H200): "27 bf16 GEMMs fitted to 741.4 TFLOP/s + 5.30 us per call (in-stream)"
@@ -88,6 +88,10 @@ _PROFILE_OP = MappingProxyType({
     "attention": "attn_fwd", "attention_backward": "attn_fwd_bwd", "norm": "layernorm_fwd",
     "norm_backward": "layernorm_fwd_bwd", "activation": "gelu_fwd", "elementwise": "add",
     "cross_entropy": "cross_entropy_fwd_bwd", "optimizer": "adamw_fused_step"})
+#: the profiles whose size is FLOPs (compute-bound: they move with the device's achieved
+#: FLOP/s); every other kind's size is elements or bytes moved (memory-bound: they move
+#: with its achieved HBM bandwidth) — :meth:`KernelProfile.moved`
+COMPUTE_BOUND = ("attention", "attention_backward")
 #: the profiles of one lone forward kernel per row (module docstring); the others time a
 #: backward through autograd
 _ALONE = ("attention", "norm", "activation", "elementwise", "optimizer")
@@ -191,6 +195,32 @@ class KernelProfile:
         """max(in-stream price, launch interval), or None (see :meth:`stream_time_s`)."""
         t = self.stream_time_s(kernel)
         return None if t is None else max(t, self.launch_s)
+
+    def moved(self, compute_ratio: float, memory_ratio: float, to: str = "") -> "KernelProfile":
+        """These prices on another device, by datasheet ratios: ``compute_ratio`` = its
+        achieved FLOP/s over the measuring device's (bf16 peak × GEMM efficiency, each
+        device's), ``memory_ratio`` = its achieved HBM bandwidth over the measuring
+        device's (datasheet bandwidth × HBM efficiency). The GEMM rate is multiplied by
+        ``compute_ratio`` and the :data:`COMPUTE_BOUND` kinds' time per FLOP divided by it;
+        every other kind's time per element moved is divided by ``memory_ratio``. Fixed
+        costs and the launch floor stay: they are the host's and the launch's, the same
+        software on either device (an assumption). ``to`` names the device in
+        ``source``. Ratios of 1 give this profile back."""
+        for name, r in (("compute_ratio", compute_ratio), ("memory_ratio", memory_ratio)):
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (r > 0) \
+                    or r == float("inf"):
+                raise ValueError(f"KernelProfile.moved: {name} must be a number > 0, got {r!r}")
+        if compute_ratio == 1 and memory_ratio == 1:
+            return self
+        gemm = None if self.gemm is None else \
+            replace(self.gemm, flops_per_s=self.gemm.flops_per_s * compute_ratio)
+        kinds = {name: replace(p, unit_s=p.unit_s / (compute_ratio if name in COMPUTE_BOUND
+                                                     else memory_ratio))
+                 for name, p in self.kinds.items()}
+        return KernelProfile(gemm, kinds, self.launch_s,
+                             f"{self.source}; moved to {to or 'another device'} by datasheet "
+                             f"ratios: FLOP/s x{compute_ratio:.4g}, HBM bandwidth "
+                             f"x{memory_ratio:.4g}")
 
     @classmethod
     def from_table(cls, table: str = H100_KERNEL_TABLE, launch_s: float = LAUNCH_INTERVAL_S,

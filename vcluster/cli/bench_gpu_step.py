@@ -80,7 +80,8 @@ def run_gpu_step(args) -> int:
         "step_time_s": (measured.step_time_s, predicted.step_time_s),
         "peak_memory_gb": (peak_gb, predicted.peak_memory_gb),
     }
-    label = str(hardware) if isinstance(hardware, str) else hw.device.name
+    label = (str(hardware) if isinstance(hardware, str) else hw.device.name) + \
+        (", autocast's kernels priced" if predicted.autocast_kernels else "")
     print(f"{name}, {measured.parameters / 1e9:.2f}B parameters, "
           f"{'compiled' if args.compile else 'eager'}: {flops / measured.step_time_s / 1e12:.0f} "
           f"model TFLOP/s measured")
@@ -96,7 +97,9 @@ def run_gpu_step(args) -> int:
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                       "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
                       "parameters": measured.parameters},
-            "hardware": label, "precision": args.precision, "measured_step_times_s": list(measured.step_times_s),
+            "hardware": label, "precision": args.precision,
+            "autocast_kernels": predicted.autocast_kernels,
+            "measured_step_times_s": list(measured.step_times_s),
             "losses": list(measured.losses),
             **{k: {"measured": g, "predicted": w, "error": w / g - 1}
                for k, (g, w) in rows.items()}})

@@ -126,6 +126,9 @@ def _gpt(args) -> int:
     print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
           f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
+    if r.autocast_kernels:
+        print("  kernels              plain PyTorch's under autocast: weight, input and "
+              "gradient casts, fp32 LayerNorms and residual adds (measured prices)")
     rule, cost = describe_ratio(r.compute_s, r.comm_s, r.exposed_comm_s, r.step_time_s)
     print(f"  compute / comm       {r.compute_comm_ratio:.1f}   {rule}")
     print(f"                       {cost}")

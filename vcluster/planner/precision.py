@@ -34,7 +34,9 @@ preset         weight  grad  optimizer  activation  logits  activations counted 
   backward, so the peak is the larger of the first backward's start (activations, no
   gradients) and what follows it (gradients and the activations still in flight), not
   their sum. Megatron keeps its main gradients in one buffer for the whole run
-  (``grads_persistent=True``).
+  (``grads_persistent=True``). The step also runs kernels of its own, autocast's casts
+  among them (``autocast_kernels=True``: :mod:`vcluster.planner.autocast_kernels`, priced
+  where kernels are priced from measurements).
 * ``fp64`` / ``fp32``: vcluster's own emulated program (:class:`pipeline_parallel.gpt.GPT`
   with ``GPTConfig(dtype=...)``): weights and gradients in the dtype, no master copy,
   Adam's m and v in the dtype (:mod:`pipeline_parallel.optim`; SGD keeps one momentum
@@ -76,6 +78,7 @@ class PrecisionPolicy:
     logits_saved_bytes: float = 0    # per logit of each other micro-batch in flight
     weight_copy_bytes: float = 0     # per matrix parameter, per micro-batch in flight
     grads_persistent: bool = True    # gradients allocated for the whole run (else per step)
+    autocast_kernels: bool = False   # the step runs plain PyTorch's autocast kernels (casts)
 
     def __post_init__(self):
         for f in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
@@ -87,9 +90,10 @@ class PrecisionPolicy:
         if self.activation_count not in ACTIVATION_COUNTS:
             raise ValueError(f"PrecisionPolicy: activation_count must be one of "
                              f"{ACTIVATION_COUNTS}, got {self.activation_count!r}")
-        if not isinstance(self.grads_persistent, bool):
-            raise ValueError(f"PrecisionPolicy: grads_persistent must be a bool, got "
-                             f"{self.grads_persistent!r}")
+        for f in ("grads_persistent", "autocast_kernels"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"PrecisionPolicy: {f} must be a bool, got "
+                                 f"{getattr(self, f)!r}")
         if self.activation_count in ("korthikanti", "torch_amp") \
                 and self.activation_bytes != 2:
             raise ValueError(f"PrecisionPolicy: activation_count="
@@ -131,7 +135,7 @@ PRECISIONS = {
     "megatron": MEGATRON,
     "torch_amp": PrecisionPolicy("torch_amp", 4, 4, 8, 2, 12, "torch_amp",
                                  logits_saved_bytes=4, weight_copy_bytes=2,
-                                 grads_persistent=False),
+                                 grads_persistent=False, autocast_kernels=True),
     "fp64": PrecisionPolicy.emulated("float64"),
     "fp32": PrecisionPolicy.emulated("float32"),
 }

@@ -53,6 +53,7 @@ from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
+from .autocast_kernels import with_autocast_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
@@ -113,6 +114,7 @@ class GPTSimulation:
     device_memory_gb: float = math.inf  # the device's HBM
     zero_stage: int = 0                 # the ZeRO stage traced and counted (0: DDP)
     precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
+    autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced (autocast_kernels.py)
 
     @property
     def reserve_gb(self) -> float:
@@ -236,9 +238,10 @@ def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates
 
 
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
-                     optimizer=None, expert_skew: float = 1.0):
+                     optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
-    positions with ``parallel``'s layers per stage, micro-batch, dp and tp."""
+    positions with ``parallel``'s layers per stage, micro-batch, dp and tp
+    (``autocast_kernels``: rewritten by :func:`.autocast_kernels.with_autocast_kernels`)."""
     p, v = parallel.pp, parallel.chunks
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
@@ -257,6 +260,10 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     templates = [[cut_templates(traces[r], job.actions[pos], p_short * v, m_short,
                                 pipeline_peers=frozenset(g)) for pos, r in enumerate(g)]
                  for g in groups]
+    if autocast_kernels:
+        templates = [[Templates({key: with_autocast_kernels(body) for key, body in t.bodies.items()},
+                                with_autocast_kernels(t.tail), t.message_bytes) for t in ts]
+                     for ts in templates]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group("ep", r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
@@ -278,7 +285,8 @@ def gpt_schedule(parallel: ParallelConfig):
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
-                    markers: bool = False, expert_skew: float = 1.0) -> list:
+                    markers: bool = False, expert_skew: float = 1.0,
+                    autocast_kernels: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -296,7 +304,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     optimizer of the training steps the model is validated on; it was SGD before
     2026-11-26). ``markers``: keep
     the zero-cost action markers (``"0F3"``, each holding its work: a report draws the
-    schedule from them); the planner leaves them out.
+    schedule from them); the planner leaves them out. ``autocast_kernels``: the kernel
+    list of plain PyTorch under bf16 autocast (:mod:`.autocast_kernels`), not the
+    program's own.
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -307,7 +317,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
     short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer,
-                                             expert_skew)
+                                             expert_skew, autocast_kernels)
     S = p * v
     sizes_short = {k: n for ts in templates for t in ts for k, n in t.message_bytes.items()}
 
@@ -343,7 +353,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
                  memory_headroom: float = MEMORY_HEADROOM,
-                 expert_skew: float = 1.0, precision="megatron") -> GPTSimulation:
+                 expert_skew: float = 1.0, precision="megatron",
+                 autocast_kernels: bool | None = None) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
     ``precision``: the memory model's bytes per parameter and activation (a
     :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name: "megatron",
@@ -353,23 +364,32 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     peak with the rest, :func:`~vcluster.planner.memory.usable_memory_bytes`);
     ``expert_skew`` (MoE): the busiest expert's tokens over the mean, >= 1 — the trace
     routes ``ExpertLoad.skewed(..., expert_skew)``, whose busiest expert sits on the
-    traced ep rank 0, so its compute (which every all_to_all waits for) sets the step."""
+    traced ep rank 0, so its compute (which every all_to_all waits for) sets the step;
+    ``autocast_kernels``: price plain PyTorch's autocast kernels (:mod:`.autocast_kernels`)
+    — None, the default: when the precision policy runs them (``torch_amp``) and the
+    hardware prices kernels from measurements (a kernel table or a calibrated GPU: that
+    module's docstring says why not on the analytic presets)."""
 
     hw = load_hardware(hardware)
+    precision = precision_policy(precision)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     mesh = parallel.mesh()
     m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
+    if autocast_kernels is None:
+        autocast_kernels = precision.autocast_kernels and costs.kernel_profile is not None
+    elif not isinstance(autocast_kernels, bool):
+        raise ValueError(f"simulate_gpt: autocast_kernels must be True, False or None, got "
+                         f"{autocast_kernels!r}")
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
-                           expert_skew=expert_skew)
+                           expert_skew=expert_skew, autocast_kernels=autocast_kernels)
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
-    precision = precision_policy(precision)
     memory = tuple(gpt_memory(config, parallel, schedule, expert_skew, precision))
     peak = max(mm.total_bytes for mm in memory)
 
@@ -386,6 +406,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
-        precision=precision.name,
+        precision=precision.name, autocast_kernels=autocast_kernels,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

@@ -164,6 +164,10 @@ def test_priced_by_default_under_torch_amp_where_kernels_are_measured_only():
     with pytest.raises(ValueError, match="autocast_kernels must be True, False or None, "
                                          "got 'yes'"):
         simulate_gpt(CFG, ONE, _table(), autocast_kernels="yes")
+    llama = GPTConfig(hidden=256, layers=2, heads=4, seq=128, vocab=512, arch="llama")
+    with pytest.raises(ValueError, match="rewrites the dense GPT program .* got "
+                                         "arch='llama', experts=0, cp=1"):
+        simulate_gpt(llama, ONE, _table(), autocast_kernels=True)
 
 
 @pytest.mark.parametrize("name", ["h100-dgx", "h200-dgx"])

@@ -381,6 +381,10 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     elif not isinstance(autocast_kernels, bool):
         raise ValueError(f"simulate_gpt: autocast_kernels must be True, False or None, got "
                          f"{autocast_kernels!r}")
+    if autocast_kernels and (config.arch != "gpt" or config.experts or parallel.cp > 1):
+        raise ValueError(f"simulate_gpt: autocast_kernels rewrites the dense GPT program "
+                         f"without context parallelism (the PyTorch reference step), got "
+                         f"arch={config.arch!r}, experts={config.experts}, cp={parallel.cp}")
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels)

@@ -64,7 +64,8 @@ from vcluster.runtime.tracing import Kernel, KernelKind, TraceCompute
 
 __all__ = ["with_autocast_kernels", "AUTOCAST_CAST"]
 
-#: the name the inserted casts carry (``autocast: cast <what>``)
+#: the inserted casts' names end ``autocast: cast <what>``, after the name of the block
+#: they serve ("gpt: attention: autocast: cast weight"), whose kind reports count them in
 AUTOCAST_CAST = "autocast: cast"
 
 # the traced op names the rewrite keys on: the last ": "-separated part of a
@@ -90,9 +91,10 @@ _RESIZED = MappingProxyType({"residual": (5, 3), "merge dq, dk, dv": (3, 2),
                              "+ positions": (2, 1)})
 
 
-def _cast(what: str, elements16: int) -> TraceCompute:
-    """A cast kernel moving ``elements16`` elements of 16-bit traffic (2 bytes each)."""
-    return TraceCompute(f"{AUTOCAST_CAST} {what}", 0.0, 2 * elements16,
+def _cast(block: str, what: str, elements16: int) -> TraceCompute:
+    """A cast kernel of ``block`` moving ``elements16`` elements of 16-bit traffic (2 bytes
+    each)."""
+    return TraceCompute(f"{block}: {AUTOCAST_CAST} {what}", 0.0, 2 * elements16,
                         kernel=Kernel.elementwise(elements16))
 
 
@@ -112,7 +114,7 @@ def with_autocast_kernels(ops) -> tuple:
         if k is None:
             out.append(op)
             continue
-        name = op.name.rsplit(": ", 1)[-1]
+        block, _, name = op.name.rpartition(": ")
         if name in _NOT_RUN:
             continue
         if k.kind is KernelKind.NORM:
@@ -120,26 +122,26 @@ def with_autocast_kernels(ops) -> tuple:
             out.append(dataclasses.replace(op, bytes=2 * op.bytes,
                                            kernel=dataclasses.replace(k, shape=(tokens, 2 * width))))
             if not k.backward and name in _NORM_FEEDS_LINEAR:
-                out.append(_cast("input", 3 * tokens * width))
+                out.append(_cast(op.name, "input", 3 * tokens * width))
             elif k.backward and name.endswith("+ residual"):
-                out.append(TraceCompute("eager: residual gradient add", 0.0,
+                out.append(TraceCompute(f"{op.name}: residual gradient add (fp32)", 0.0,
                                         12 * tokens * width,
                                         kernel=Kernel.elementwise(6 * tokens * width)))
         elif k.kind is KernelKind.GEMM:
             _, m, kk, n = k.shape
             if name in _LINEAR_FORWARD:
-                out.append(_cast("weight", 3 * kk * n))
+                out.append(_cast(block, "weight", 3 * kk * n))
                 if _LINEAR_FORWARD[name]:
-                    out.append(_cast("bias", 3 * n))
+                    out.append(_cast(block, "bias", 3 * n))
                 out.append(op)
             elif name in _INPUT_GRAD_FROM_FP32:
-                out += [_cast("gradient", 3 * m * kk), op]
+                out += [_cast(block, "gradient", 3 * m * kk), op]
             elif name in _INPUT_GRAD_TO_FP32:
-                out += [op, _cast("input gradient", 3 * m * n)]
+                out += [op, _cast(block, "input gradient", 3 * m * n)]
             elif name in _WEIGHT_GRAD:
-                out += [op, _cast("weight gradient", 3 * m * n)]
+                out += [op, _cast(block, "weight gradient", 3 * m * n)]
                 if _WEIGHT_GRAD[name]:
-                    out.append(_cast("bias gradient", 3 * n))
+                    out.append(_cast(block, "bias gradient", 3 * n))
             else:
                 out.append(op)
         elif k.kind is KernelKind.ELEMENTWISE and name in _RESIZED:

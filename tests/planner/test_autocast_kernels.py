@@ -187,7 +187,8 @@ def test_the_step_grows_by_the_price_of_the_kernels_added_less_those_left_out(na
 
 def test_simulate_gpt_says_when_it_prices_autocast_kernels(tmp_path):
     """The CLI: a hardware file that opts in to the kernel table, ``--precision
-    torch_amp``: the kernels line and the JSON key; the preset: neither."""
+    torch_amp``: the kernels line and the JSON key; the preset: neither;
+    ``--autocast-kernels on|off`` overrides either."""
     import json
     import os
     import subprocess
@@ -199,9 +200,11 @@ def test_simulate_gpt_says_when_it_prices_autocast_kernels(tmp_path):
     args = [sys.executable, "-m", "vcluster", "simulate", "gpt", "--hidden", "256",
             "--layers", "2", "--heads", "4", "--seq", "128", "--vocab", "512",
             "--global-batch", "2", "--micro-batch", "2", "--precision", "torch_amp"]
-    for hardware, priced in ((str(hw), True), ("h100-dgx", False)):
+    for hardware, flag, priced in ((str(hw), [], True), ("h100-dgx", [], False),
+                                   (str(hw), ["--autocast-kernels", "off"], False),
+                                   ("h100-dgx", ["--autocast-kernels", "on"], True)):
         out = tmp_path / "r.json"
-        proc = subprocess.run(args + ["--hardware", hardware, "--json", str(out)],
+        proc = subprocess.run(args + flag + ["--hardware", hardware, "--json", str(out)],
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, proc.stderr
         assert ("plain PyTorch's under autocast" in proc.stdout) is priced

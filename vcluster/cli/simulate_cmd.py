@@ -76,6 +76,10 @@ def add_parser(commands) -> None:
                           "megatron (default: bf16 weights, fp32 grads, fp32 master + Adam, "
                           "18 B/param), torch_amp (fp32 params, grads, Adam: 16 B/param), "
                           "fp64 or fp32 (the emulated program's own count)")
+    gpt.add_argument("--autocast-kernels", choices=("auto", "on", "off"), default="auto",
+                     help="price plain PyTorch's autocast kernels (casts, fp32 LayerNorms "
+                          "and residual adds; docs/timing.md): auto (default) under "
+                          "--precision torch_amp on hardware with measured kernels")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
@@ -114,7 +118,9 @@ def _gpt(args) -> int:
                          "expert gradients need their own data-parallel group); use --zero "
                          "0 or 1, or --ep 1")
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
-                     expert_skew=args.expert_skew, precision=args.precision)
+                     expert_skew=args.expert_skew, precision=args.precision,
+                     autocast_kernels={"auto": None, "on": True, "off": False}[
+                         args.autocast_kernels])
     print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "

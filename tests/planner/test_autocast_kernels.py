@@ -220,3 +220,25 @@ def test_each_added_kernel_counts_in_the_kind_of_the_block_it_serves():
     assert gpt_op_kind("gpt: attention: autocast: cast weight") == "attention"
     assert gpt_op_kind("gpt: ln2: autocast: cast input") == "mlp"
     assert gpt_op_kind("gpt: head: autocast: cast weight gradient") == "logits"
+
+
+@pytest.mark.parametrize("knobs", [dict(tp=1, pp=1, dp=1, micro_batch=4),
+                                   dict(tp=2, pp=2, dp=1, micro_batch=1),
+                                   dict(tp=1, pp=4, dp=1, micro_batch=1, recompute="full")])
+def test_the_planners_screen_prices_them_as_the_replay_does(knobs):
+    """The screen traces its per-layer pieces with the same rewrite, so a ``torch_amp`` plan
+    on measured hardware ranks what the replay will price (within the screen's 10%)."""
+    from vcluster.planner.layer_cost import trace_stage_pieces
+    from vcluster.planner.screen import screen_estimate
+    cfg = GPTConfig(hidden=1024, layers=8, heads=16, seq=1024, vocab=32000)
+    par = ParallelConfig(global_batch=16, **knobs)
+    hw = _table()
+    costs = HardwareCostModel(hw)
+    est = {a: screen_estimate(cfg, par, trace_stage_pieces(
+        cfg, par.tp, par.micro_batch, par.sequence_parallel, par.recompute, costs,
+        autocast_kernels=a), hw).step_time_s for a in (False, True)}
+    sim = {a: simulate_gpt(cfg, par, hw, precision="torch_amp", autocast_kernels=a).step_time_s
+           for a in (False, True)}
+    assert est[True] > est[False] and sim[True] > sim[False]
+    assert est[True] == pytest.approx(sim[True], rel=0.10)
+    assert est[True] / est[False] == pytest.approx(sim[True] / sim[False], rel=0.03)

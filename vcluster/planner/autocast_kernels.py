@@ -62,7 +62,7 @@ from types import MappingProxyType
 
 from vcluster.runtime.tracing import Kernel, KernelKind, TraceCompute
 
-__all__ = ["with_autocast_kernels", "AUTOCAST_CAST"]
+__all__ = ["with_autocast_kernels", "autocast_kernels_priced", "AUTOCAST_CAST"]
 
 #: the inserted casts' names end ``autocast: cast <what>``, after the name of the block
 #: they serve ("gpt: attention: autocast: cast weight"), whose kind reports count them in
@@ -149,3 +149,12 @@ def with_autocast_kernels(ops) -> tuple:
         else:
             out.append(op)
     return tuple(out)
+
+
+def autocast_kernels_priced(policy, costs) -> bool:
+    """Whether a step under precision ``policy`` (a
+    :class:`~vcluster.planner.precision.PrecisionPolicy`) priced by ``costs`` (a
+    :class:`~vcluster.timing.hardware_model.HardwareCostModel`) runs these kernels by
+    default: when the policy's step runs them (``torch_amp``) and the hardware prices
+    kernels from measurements (module docstring: why not on the analytic presets)."""
+    return policy.autocast_kernels and costs.kernel_profile is not None

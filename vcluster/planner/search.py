@@ -32,6 +32,7 @@ from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import HardwareCostModel
 
+from .autocast_kernels import autocast_kernels_priced
 from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
 from .memory import MEMORY_HEADROOM, usable_memory_bytes
 from .precision import precision_policy
@@ -131,8 +132,9 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision) -> list[d
     return out
 
 
-def _screen_all(config, candidates, hw, bar) -> list:
+def _screen_all(config, candidates, hw, bar, precision) -> list:
     costs = HardwareCostModel(hw)
+    autocast = autocast_kernels_priced(precision, costs)     # as the replays will
     pieces: dict = {}
     task = bar.add_task("screening", total=len(candidates)) if bar else None
     out = []
@@ -142,7 +144,7 @@ def _screen_all(config, candidates, hw, bar) -> list:
         key = key + cp_key + (par.ep, par.attention)
         if key not in pieces:
             pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
-                                             attention=par.attention)
+                                             attention=par.attention, autocast_kernels=autocast)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
@@ -220,7 +222,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     if bar:
         bar.start()
     try:
-        estimates = _screen_all(config, candidates, hw, bar)
+        estimates = _screen_all(config, candidates, hw, bar, precision)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
                                 workers or os.cpu_count() or 1, bar, precision)

@@ -53,7 +53,7 @@ from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
-from .autocast_kernels import with_autocast_kernels
+from .autocast_kernels import autocast_kernels_priced, with_autocast_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
@@ -377,7 +377,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     m = parallel.microbatches
     costs = HardwareCostModel(hw, dtype)
     if autocast_kernels is None:
-        autocast_kernels = precision.autocast_kernels and costs.kernel_profile is not None
+        autocast_kernels = autocast_kernels_priced(precision, costs)
     elif not isinstance(autocast_kernels, bool):
         raise ValueError(f"simulate_gpt: autocast_kernels must be True, False or None, got "
                          f"{autocast_kernels!r}")

@@ -153,6 +153,13 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     assert np.mean([abs(r["rel_error"]) for r in megatron]) <= 0.10
     assert max(abs(r["rel_error"]) for r in megatron) <= 0.20
     assert data["mean_abs_rel_error"] == pytest.approx(np.mean([abs(r["rel_error"]) for r in rows]))
+    # the same steps priced by the measured kernel table with autocast's kernels (issue 26)
+    measured = data["measured_prices"]
+    assert measured["kernel_table"] == "h100_kernels.csv"
+    assert set(measured["step_ms_mean_abs_rel_error"]) == {
+        "h200_gpt_steps.csv", "h100_gpt_steps.csv", "h200_shapes_steps.csv"}
+    assert all(e <= 0.15 for e in measured["step_ms_mean_abs_rel_error"].values())
+    assert "with plain PyTorch's autocast kernels" in proc.stdout
 
 
 def test_ratio_wording_states_the_figures_and_the_rule():

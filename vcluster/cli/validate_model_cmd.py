@@ -40,7 +40,7 @@ def validation_rows() -> dict:
     # lazy: keeps vcluster --help fast
     from vcluster.planner.validation import validate_gpu_steps, validate_megatron
     from vcluster.timing import validate_nccl
-    from vcluster.timing.kernel_profile import h100_gemm_leave_one_out
+    from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
@@ -50,12 +50,20 @@ def validation_rows() -> dict:
     errors = [abs(r["rel_error"]) for r in rows]
     held = [abs(r["rel_error"]) for r in rows if r["role"] == "held_out"]
     fit = [abs(r["rel_error"]) for r in rows if r["role"] == "fit"]
+    measured: dict = {}
+    for r in validate_gpu_steps(kernel_table=H100_KERNEL_TABLE):
+        if r["metric"] == "step_ms":
+            measured.setdefault(r["source"], []).append(abs(r["rel_error"]))
     return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors),
             "max_abs_rel_error": max(errors),
             "held_out_mean_abs_rel_error": sum(held) / len(held) if held else None,
             "fit_mean_abs_rel_error": sum(fit) / len(fit) if fit else None,
             "gemm_profile": h100_gemm_leave_one_out(),
-            "kernel_profiles": h100_kernel_leave_one_out()}
+            "kernel_profiles": h100_kernel_leave_one_out(),
+            # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
+            # plain PyTorch's autocast kernels: checked, not held out (docs/timing.md)
+            "measured_prices": {"kernel_table": H100_KERNEL_TABLE, "step_ms_mean_abs_rel_error": {
+                table: sum(e) / len(e) for table, e in measured.items()}}}
 
 
 def _run(args) -> int:
@@ -81,6 +89,11 @@ def _run(args) -> int:
         print(f"  {name:<20}{k['rows']:>3} rows  median |error| "
               f"{100 * k['median_abs_rel_error']:5.1f}%  max {100 * k['max_abs_rel_error']:5.1f}%"
               f"  (size: {k['unit']})")
+    m = result["measured_prices"]
+    print(f"one-GPU step time priced by {m['kernel_table']} (moved to each step's GPU) with "
+          f"plain PyTorch's autocast kernels, no efficiency constant on the profiled kernels "
+          f"(checked, not held out): "
+          + ", ".join(f"{t} {100 * e:.1f}%" for t, e in m["step_ms_mean_abs_rel_error"].items()))
     if args.json:
         # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json

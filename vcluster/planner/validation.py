@@ -23,7 +23,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
-from vcluster.timing import read_data_csv
+from vcluster.timing import load_hardware, read_data_csv
 
 from .simulation import simulate_gpt
 
@@ -84,15 +84,20 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
     return rows
 
 
-def validate_gpu_steps() -> list[dict]:
+def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
     """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`): step time
     (ms) and peak memory (GB, ``peak_memory_gb``: without the allocator's reserve, as
     ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset with
     global batch = micro-batch, under the precision policy of the measured step
     (``torch_amp``: 16 bytes per parameter). A compiled row is predicted like an eager
-    one: the model has no notion of ``torch.compile``'s fusion."""
+    one: the model has no notion of ``torch.compile``'s fusion. ``kernel_table``: a
+    shipped table of measured kernels the preset prices kernels by instead (moved to the
+    table's GPU by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's
+    autocast kernels: :mod:`.autocast_kernels`)."""
     rows = []
-    for table, (hardware, precision) in GPU_STEP_TABLES.items():
+    for table, (preset, precision) in GPU_STEP_TABLES.items():
+        hardware = load_hardware({"base": preset, "device": {"kernel_table": kernel_table}}) \
+            if kernel_table else preset
         for r in read_data_csv(table)[1]:
             cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
                             heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
@@ -100,7 +105,7 @@ def validate_gpu_steps() -> list[dict]:
             sim = simulate_gpt(cfg, ParallelConfig(global_batch=mb, micro_batch=mb), hardware,
                                precision=precision)
             case = (f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
-                    f" ({hardware})")
+                    f" ({preset}{', ' + kernel_table if kernel_table else ''})")
             rows.append(_row_result(table, case, "step_ms", float(r["step_ms"]),
                                     sim.step_time_s * 1e3))
             rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),

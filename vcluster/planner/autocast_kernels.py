@@ -119,8 +119,8 @@ def with_autocast_kernels(ops) -> tuple:
             continue
         if k.kind is KernelKind.NORM:
             tokens, width = k.shape
-            out.append(dataclasses.replace(op, bytes=2 * op.bytes,
-                                           kernel=dataclasses.replace(k, shape=(tokens, 2 * width))))
+            fp32 = dataclasses.replace(k, shape=(tokens, 2 * width))
+            out.append(dataclasses.replace(op, bytes=2 * op.bytes, kernel=fp32))
             if not k.backward and name in _NORM_FEEDS_LINEAR:
                 out.append(_cast(op.name, "input", 3 * tokens * width))
             elif k.backward and name.endswith("+ residual"):

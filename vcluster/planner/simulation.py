@@ -114,7 +114,7 @@ class GPTSimulation:
     device_memory_gb: float = math.inf  # the device's HBM
     zero_stage: int = 0                 # the ZeRO stage traced and counted (0: DDP)
     precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
-    autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced (autocast_kernels.py)
+    autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
 
     @property
     def reserve_gb(self) -> float:
@@ -261,7 +261,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
                                 pipeline_peers=frozenset(g)) for pos, r in enumerate(g)]
                  for g in groups]
     if autocast_kernels:
-        templates = [[Templates({key: with_autocast_kernels(body) for key, body in t.bodies.items()},
+        templates = [[Templates({key: with_autocast_kernels(body)
+                                 for key, body in t.bodies.items()},
                                 with_autocast_kernels(t.tail), t.message_bytes) for t in ts]
                      for ts in templates]
     if "ep" in short_mesh.axes:

@@ -73,3 +73,15 @@ def test_ratios_of_one_give_the_profile_back():
     p = h100_kernel_profile()
     assert p.moved(1, 1.0) is p
     assert isinstance(p.moved(2.0, 0.5, "X"), KernelProfile)
+
+
+def test_hardware_show_says_how_the_table_prices_this_gpu(tmp_path, capsys):
+    from vcluster.cli.main import main
+    assert preset("h200-dgx").device.kernel_table_ratios() == (1.0, 1.0)    # no table
+    for base, says in (("h100-dgx", "h100_kernels.csv's profiles, as measured"),
+                       ("h200-dgx", "moved here by datasheet ratios: FLOP/s x1, HBM "
+                                    "bandwidth x1.433")):
+        f = tmp_path / f"{base}.yaml"
+        f.write_text(f"base: {base}\ndevice:\n  kernel_table: {H100_KERNEL_TABLE}\n")
+        assert main(["hardware", "show", str(f)]) == 0
+        assert says in capsys.readouterr().out

@@ -59,10 +59,17 @@ def _text(value) -> str:
 def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
     d, link, net = hw.device, hw.node.gpu_link, hw.network
     half = {dt: d.gemm_half_efficiency_flops(dt) / 1e9 for dt in d.peak_tflops}
+    device = [f"# GEMM efficiency e(F) = {d.gemm_max_efficiency:g} * F / (F + F_half); "
+              "F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
+              f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"]
+    if d.kernel_table:
+        compute, memory = d.kernel_table_ratios()
+        device.append(f"# traced kernels priced by {d.kernel_table}'s profiles, "
+                      + ("as measured" if (compute, memory) == (1, 1) else
+                         f"moved here by datasheet ratios: FLOP/s x{compute:.4g}, "
+                         f"HBM bandwidth x{memory:.4g}"))
     return {
-        "device": [f"# GEMM efficiency e(F) = {d.gemm_max_efficiency:g} * F / (F + F_half); "
-                   "F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
-                   f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"],
+        "device": device,
         "gpu_link": [f"# effective {link.effective_gbps:g} GB/s per direction per GPU"],
         "network": [f"# inter-node bandwidth per node {net.node_bandwidth_gbps:g} GB/s "
                     f"per direction ({net.nics_per_node} x {net.nic.effective_gbps:g})"],

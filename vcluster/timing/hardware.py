@@ -199,13 +199,9 @@ class DeviceSpec:
         their ``launch`` row's interval)."""
         launch = [r.seconds for r in self.kernels if r.kind == "launch"]
         if self.kernel_table:
-            from .presets import preset          # presets builds DeviceSpecs: no cycle at import
-            measured_on = preset(TABLE_PRESETS[self.kernel_table]).device
             return KernelProfile.from_table(
                 self.kernel_table, launch[0] if launch else LAUNCH_INTERVAL_S).moved(
-                    self.achieved_flops("bf16") / measured_on.achieved_flops("bf16"),
-                    self.achieved_hbm_bytes_per_s() / measured_on.achieved_hbm_bytes_per_s(),
-                    self.name)
+                    *self.kernel_table_ratios(), self.name)
         return KernelProfile.from_timings(self.kernels, f"{self.name}: measured kernels")
 
     def peak_flops(self, dtype) -> float:
@@ -215,6 +211,17 @@ class DeviceSpec:
             raise ValueError(f"{self.name} has no peak for dtype {key!r}; "
                              f"known: {', '.join(self.peak_tflops)}")
         return self.peak_tflops[key] * _FLOPS_PER_TFLOPS
+
+    def kernel_table_ratios(self) -> tuple[float, float]:
+        """(compute, memory): this device's achieved bf16 FLOP/s and HBM bandwidth over
+        those of the GPU that measured ``kernel_table`` (its preset's,
+        :data:`~.kernel_profile.TABLE_PRESETS`); (1, 1) without a table."""
+        if not self.kernel_table:
+            return 1.0, 1.0
+        from .presets import preset          # presets builds DeviceSpecs: no cycle at import
+        measured_on = preset(TABLE_PRESETS[self.kernel_table]).device
+        return (self.achieved_flops("bf16") / measured_on.achieved_flops("bf16"),
+                self.achieved_hbm_bytes_per_s() / measured_on.achieved_hbm_bytes_per_s())
 
     def achieved_flops(self, dtype) -> float:
         """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max."""

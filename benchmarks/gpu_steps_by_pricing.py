@@ -18,10 +18,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.planner.simulation import simulate_gpt
-from vcluster.planner.validation import GPU_STEP_TABLES
-from vcluster.timing import load_hardware, read_data_csv
+from vcluster.planner.validation import GPU_STEP_TABLES, gpu_steps
+from vcluster.timing import load_hardware
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATED = {"H100": RESULTS / "h100-2026-11-26" / "calibrated-final.yaml",
@@ -41,22 +40,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", action="store_true", help="print every row's error too")
     args = parser.parse_args(argv)
     errors: dict = {}
-    for table, (preset, precision) in GPU_STEP_TABLES.items():
-        for r in read_data_csv(table)[1]:
-            cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
-                            heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
-            mb = int(r["micro_batch"])
-            par = ParallelConfig(global_batch=mb, micro_batch=mb)
-            measured = float(r["step_ms"]) / 1e3
-            case = f"{table} {r['model']} mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
-            for pricing, hw in _pricings(preset).items():
-                for autocast in (False, True):
-                    sim = simulate_gpt(cfg, par, hw, precision=precision,
-                                       autocast_kernels=autocast)
-                    e = sim.step_time_s / measured - 1.0
-                    errors.setdefault((table, pricing, autocast), []).append(e)
-                    if args.rows:
-                        print(f"{case:55s} {pricing:24s} autocast={autocast!s:5s} {100 * e:+6.1f}%")
+    pricings = {preset: _pricings(preset) for preset, _ in GPU_STEP_TABLES.values()}
+    for table, preset, precision, r, cfg, par, case in gpu_steps():
+        measured = float(r["step_ms"]) / 1e3
+        for pricing, hw in pricings[preset].items():
+            for autocast in (False, True):
+                sim = simulate_gpt(cfg, par, hw, precision=precision, autocast_kernels=autocast)
+                e = sim.step_time_s / measured - 1.0
+                errors.setdefault((table, pricing, autocast), []).append(e)
+                if args.rows:
+                    print(f"{table + ' ' + case:55s} {pricing:24s} autocast={autocast!s:5s} "
+                          f"{100 * e:+6.1f}%")
     print(f"{'table':24s} {'pricing':24s} {'without autocast kernels':>26s} "
           f"{'with them':>22s}")
     for (table, pricing, autocast), e in errors.items():

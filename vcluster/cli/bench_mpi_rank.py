@@ -11,8 +11,9 @@ and removes its ``/tmp/hydra_hwloc_xmlfile_*``, which ``MPI_Abort`` leaves behin
 if nobody stops it does the exception go on to ``-m mpi4py``, which aborts every rank, so
 a failing rank never leaves the others waiting.
 
-SPEC holds the cases ``{op, path, bytes, dtype, reps, warmup}``; for each one every rank first checks the op's result once against its closed form, then
-times ``warmup + reps`` iterations of::
+SPEC holds the cases ``{op, path, bytes, dtype, reps, warmup}``; for each one every rank
+first checks the op's result once against its closed form, then times ``warmup + reps``
+iterations of::
 
     comm.Barrier(); t0 = perf_counter(); <MPI op>; t1 = perf_counter()
 

@@ -27,7 +27,7 @@ from vcluster.timing import load_hardware, read_data_csv
 
 from .simulation import simulate_gpt
 
-__all__ = ["validate_megatron", "validate_gpu_steps", "micro_batch_for", "DEFAULT_MICRO_BATCH",
+__all__ = ["validate_megatron", "validate_gpu_steps", "gpu_steps", "micro_batch_for", "DEFAULT_MICRO_BATCH",
            "HARDWARE", "GPU_STEP_TABLES"]
 
 #: measured one-GPU steps (``vcluster bench gpu-step``) and the preset of their GPU
@@ -84,30 +84,39 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
     return rows
 
 
-def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
-    """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`): step time
-    (ms) and peak memory (GB, ``peak_memory_gb``: without the allocator's reserve, as
-    ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset with
-    global batch = micro-batch, under the precision policy of the measured step
-    (``torch_amp``: 16 bytes per parameter). A compiled row is predicted like an eager
-    one: the model has no notion of ``torch.compile``'s fusion. ``kernel_table``: a
-    shipped table of measured kernels the preset prices kernels by instead (moved to the
-    table's GPU by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's
-    autocast kernels: :mod:`.autocast_kernels`)."""
-    rows = []
+def gpu_steps():
+    """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`) as
+    ``(table, preset, precision, row, config, parallel, case)``: the table's preset and
+    precision policy, the CSV row (``step_ms``, ``peak_gb``, ...), its GPTConfig, one GPU
+    with global batch = micro-batch, and the row's label."""
     for table, (preset, precision) in GPU_STEP_TABLES.items():
-        hardware = load_hardware({"base": preset, "device": {"kernel_table": kernel_table}}) \
-            if kernel_table else preset
         for r in read_data_csv(table)[1]:
             cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
                             heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
             mb = int(r["micro_batch"])
-            sim = simulate_gpt(cfg, ParallelConfig(global_batch=mb, micro_batch=mb), hardware,
-                               precision=precision)
-            case = (f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
-                    f" ({preset}{', ' + kernel_table if kernel_table else ''})")
-            rows.append(_row_result(table, case, "step_ms", float(r["step_ms"]),
-                                    sim.step_time_s * 1e3))
-            rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),
-                                    sim.peak_memory_gb))
+            case = f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
+            yield (table, preset, precision, r, cfg,
+                   ParallelConfig(global_batch=mb, micro_batch=mb), case)
+
+
+def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
+    """Every row of :func:`gpu_steps`: step time (ms) and peak memory (GB,
+    ``peak_memory_gb``: without the allocator's reserve, as
+    ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset under
+    the precision policy of the measured step (``torch_amp``: 16 bytes per parameter). A
+    compiled row is predicted like an eager one: the model has no notion of
+    ``torch.compile``'s fusion. ``kernel_table``: a shipped table of measured kernels that
+    prices the preset's kernels instead (moved from the GPU that measured it to the
+    preset's by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's autocast
+    kernels: :mod:`.autocast_kernels`)."""
+    rows = []
+    hardware = {preset: load_hardware({"base": preset, "device": {"kernel_table": kernel_table}})
+                if kernel_table else preset for preset, _ in GPU_STEP_TABLES.values()}
+    for table, preset, precision, r, cfg, par, case in gpu_steps():
+        sim = simulate_gpt(cfg, par, hardware[preset], precision=precision)
+        case = f"{case} ({preset}{', ' + kernel_table if kernel_table else ''})"
+        rows.append(_row_result(table, case, "step_ms", float(r["step_ms"]),
+                                sim.step_time_s * 1e3))
+        rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),
+                                sim.peak_memory_gb))
     return rows

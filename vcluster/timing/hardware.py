@@ -193,8 +193,8 @@ class DeviceSpec:
         their achieved FLOP/s and HBM bandwidth (:meth:`KernelProfile.moved
         <.kernel_profiles.KernelProfile.moved>`; unchanged on the measuring GPU's own
         constants) and floored at the measured ``launch`` interval when ``kernels`` holds
-        one, else at :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`; else the profiles of the measured
-        ``kernels`` (:meth:`KernelProfile.from_timings <.kernel_profiles.KernelProfile.
+        one, else at :data:`~.kernel_profiles.LAUNCH_INTERVAL_S`; else the profiles of the
+        measured ``kernels`` (:meth:`KernelProfile.from_timings <.kernel_profiles.KernelProfile.
         from_timings>`: GEMMs and every table kind measured, in-stream already, floored at
         their ``launch`` row's interval)."""
         launch = [r.seconds for r in self.kernels if r.kind == "launch"]
@@ -233,8 +233,7 @@ class DeviceSpec:
 
     def gemm_half_efficiency_flops(self, dtype) -> float:
         """F_half = peak * e_max * t_k: the GEMM size (FLOPs) that reaches e_max / 2."""
-        return (self.peak_flops(dtype) * self.gemm_max_efficiency
-                * self.kernel_overhead_us * _S_PER_US)
+        return self.achieved_flops(dtype) * self.kernel_overhead_us * _S_PER_US
 
     def gemm_efficiency(self, m: int, k: int, n: int, dtype) -> float:
         """Achieved / peak FLOP/s of a compute-bound GEMM: e_max * F / (F + F_half)."""

@@ -3,6 +3,7 @@ the reference PyTorch GPT step of ``bench gpu-step``. Their whole path runs on t
 tiny sizes here; on a machine with CUDA the GPU commands run too (never skipped there),
 and without CUDA they exit 2 naming it."""
 
+import json
 import math
 
 import pytest
@@ -180,13 +181,19 @@ def test_gpu_commands_run_on_a_gpu_and_name_cuda_elsewhere(tmp_path, capsys):
     step = main(["bench", "gpu-step", "--hidden", "64", "--layers", "2", "--heads", "4",
                  "--seq", "64", "--vocab", "128", "--micro-batch", "2", "--steps", "2",
                  "--json", str(tmp_path / "step.json")])
+    compiled = main(["bench", "gpu-step", "--hidden", "64", "--layers", "2", "--heads", "4",
+                     "--seq", "64", "--vocab", "128", "--micro-batch", "2", "--steps", "2",
+                     "--compile", "--json", str(tmp_path / "compiled.json")])
     text = capsys.readouterr()
     if cuda_missing():
-        assert (calibrate, step) == (2, 2)
+        assert (calibrate, step, compiled) == (2, 2, 2)
         assert "calibrate --gpu needs CUDA" in text.err and "gpu-step needs a CUDA GPU" in text.err
         assert not out.exists()
     else:
-        assert (calibrate, step) == (0, 0), text.err
+        assert (calibrate, step, compiled) == (0, 0, 0), text.err
+        assert json.loads((tmp_path / "step.json").read_text())["precision"] == "torch_amp"
+        assert json.loads((tmp_path / "compiled.json").read_text())["precision"] == \
+            "torch_compile"     # the compiled step's own policy by default
         device = load_hardware(str(out)).device
         assert device.gemm_profile().rows == 27
         assert sum(k.kind == "gemm_sustained" for k in device.kernels) == 1

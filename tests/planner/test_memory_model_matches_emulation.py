@@ -120,7 +120,7 @@ BIG = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=32000)
 
 def test_policies_bytes_per_parameter():
     assert {n: p.bytes_per_param for n, p in PRECISIONS.items()} == {
-        "megatron": 18, "torch_amp": 16, "fp64": 32, "fp32": 16}
+        "megatron": 18, "torch_amp": 16, "torch_compile": 16, "fp64": 32, "fp32": 16}
     assert PrecisionPolicy.emulated("float32", "sgd").optimizer_bytes == 4   # momentum slot
     assert "18 B/param" not in str(PRECISIONS["megatron"])    # says 2+4+12
     assert str(PRECISIONS["megatron"]).startswith("megatron (2+4+12 B/param")
@@ -147,7 +147,7 @@ def test_megatron_is_the_default_and_torch_amp_moves_bytes_from_optimizer_to_wei
 
 def test_bad_policies_are_refused_by_name():
     with pytest.raises(ValueError, match=r"precision must be one of \('megatron', "
-                                         r"'torch_amp', 'fp64', 'fp32'\).*'bf16'"):
+                                         r"'torch_amp', 'torch_compile', 'fp64', 'fp32'\).*'bf16'"):
         precision_policy("bf16")
     with pytest.raises(ValueError, match="activation_count='korthikanti' is a 16-bit"):
         PrecisionPolicy("x", 4, 4, 8, 4, 4)
@@ -178,7 +178,7 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
     assert a["params_bytes"] == pytest.approx(2 * m["params_bytes"], abs=2)
     assert main(model + ["--precision", "bf16"]) == 2
     err = capsys.readouterr().err
-    assert "--precision must be one of megatron, torch_amp, fp64, fp32, got 'bf16'" in err
+    assert "--precision must be one of megatron, torch_amp, torch_compile, fp64, fp32, got 'bf16'" in err
 
 
 def test_plan_gpt_precision_flag(tmp_path, capsys):
@@ -211,5 +211,5 @@ def test_plan_gpt_precision_flag(tmp_path, capsys):
     both = peak["megatron"].keys() & peak["torch_amp"].keys()
     assert both and any(peak["torch_amp"][k] != peak["megatron"][k] for k in both)
     assert main(cli + ["--precision", "fp16"]) == 2
-    assert "--precision must be one of megatron, torch_amp, fp64, fp32, got 'fp16'" in \
+    assert "--precision must be one of megatron, torch_amp, torch_compile, fp64, fp32, got 'fp16'" in \
         capsys.readouterr().err

@@ -6,8 +6,10 @@ attention through SDPA, fused AdamW; optionally ``torch.compile``; median of the
 steps). The prediction is :func:`vcluster.planner.simulate_gpt` of the same model on
 tp = pp = dp = 1 with global batch = micro-batch, on ``--hardware`` (default: the preset
 of the GPU's name; a file from ``vcluster hardware calibrate --gpu`` works too), with the
-memory model of ``--precision`` (default ``torch_amp``: the step's own policy, fp32
-parameters, gradients and Adam state under bf16 autocast, 16 bytes per parameter). Errors
+memory model of ``--precision`` (default the step's own policy: ``torch_amp``, fp32
+parameters, gradients and Adam state under bf16 autocast, 16 bytes per parameter, or with
+``--compile`` ``torch_compile``, the same step as ``torch.compile`` saves and fuses it).
+Errors
 are predicted / measured - 1. Without CUDA it exits 2 and says so.
 """
 
@@ -37,10 +39,10 @@ def add_parser(kinds) -> None:
     gs.add_argument("--hardware", default=None,
                     help="what to predict on: a preset or a YAML file (default: the preset "
                     "of this GPU's name)")
-    gs.add_argument("--precision", default="torch_amp", metavar="POLICY",
+    gs.add_argument("--precision", default=None, metavar="POLICY",
                     help="the memory model's bytes per parameter and activation: torch_amp "
                     "(default: the reference step is PyTorch AMP over fp32 parameters), "
-                    "megatron, fp64, fp32")
+                    "torch_compile (the default with --compile), megatron, fp64, fp32")
     gs.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gs.set_defaults(run=run_gpu_step)
 
@@ -53,7 +55,8 @@ def run_gpu_step(args) -> int:
     from vcluster.timing import load_hardware
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab)                   # checks the shape first
-    precision_name(args.precision)
+    precision = precision_name(args.precision or
+                               ("torch_compile" if args.compile else "torch_amp"))
     if why := cuda_missing():
         print(f"vcluster bench gpu-step needs a CUDA GPU: {why}", file=sys.stderr)
         return 2
@@ -65,7 +68,7 @@ def run_gpu_step(args) -> int:
                          "(a preset, or a file from vcluster hardware calibrate --gpu)")
     hw = load_hardware(hardware)
     parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch)
-    predicted = simulate_gpt(config, parallel, hw, precision=args.precision)
+    predicted = simulate_gpt(config, parallel, hw, precision=precision)
     print(f"vcluster bench gpu-step: {name}, torch {torch.__version__}, "
           f"{'compiled' if args.compile else 'eager'}; GPT hidden {args.hidden}, layers "
           f"{args.layers}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
@@ -81,7 +84,8 @@ def run_gpu_step(args) -> int:
         "peak_memory_gb": (peak_gb, predicted.peak_memory_gb),
     }
     label = (str(hardware) if isinstance(hardware, str) else hw.device.name) + \
-        (", autocast's kernels priced" if predicted.autocast_kernels else "")
+        (", autocast's kernels priced" if predicted.autocast_kernels else "") + \
+        (", fused as torch.compile fuses them" if predicted.inductor_fusion else "")
     print(f"{name}, {measured.parameters / 1e9:.2f}B parameters, "
           f"{'compiled' if args.compile else 'eager'}: {flops / measured.step_time_s / 1e12:.0f} "
           f"model TFLOP/s measured")
@@ -97,8 +101,9 @@ def run_gpu_step(args) -> int:
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                       "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
                       "parameters": measured.parameters},
-            "hardware": label, "precision": args.precision,
+            "hardware": label, "precision": precision,
             "autocast_kernels": predicted.autocast_kernels,
+            "inductor_fusion": predicted.inductor_fusion,
             "measured_step_times_s": list(measured.step_times_s),
             "losses": list(measured.losses),
             **{k: {"measured": g, "predicted": w, "error": w / g - 1}

@@ -9,7 +9,7 @@ SimPy timing model (at least the top K and 10) and prints the top K (step time, 
 per GPU, MFU, peak memory, compute/comm ratio) and the rejections per reason.
 ``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}, "precision":
 name}`` (every configuration that fits, best first; ``--precision megatron|torch_amp|
-fp64|fp32``: the memory model's bytes per parameter and activation, as ``simulate
+torch_compile|fp64|fp32``: the memory model's bytes per parameter and activation, as ``simulate
 gpt``'s); ``--out DIR`` writes plan.json and plan.png (step time against peak memory for
 every candidate). ``--max-cp N`` also searches context
 parallelism up to cp = N (``--cp-algorithm ring|all_gather``; default 1: none, the
@@ -79,8 +79,9 @@ def add_parser(commands) -> None:
                      help="context parallelism's attention algorithm (default ring)")
     gpt.add_argument("--precision", default="megatron", metavar="POLICY",
                      help="bytes per parameter and activation of the memory model: megatron "
-                          "(default, 18 B/param), torch_amp (16 B/param), fp64, fp32 (the "
-                          "emulated program's); see simulate gpt --help")
+                          "(default, 18 B/param), torch_amp (16 B/param), torch_compile "
+                          "(torch_amp under torch.compile), fp64, fp32 (the emulated "
+                          "program's); see simulate gpt --help")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
     gpt.add_argument("--quiet", action="store_true", help="no progress bar")

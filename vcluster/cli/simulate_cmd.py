@@ -12,10 +12,11 @@ peak memory per device and its parts (``--attention flash|unfused``,
 the optimizer state over dp, 2 also the gradients (a reduce-scatter per micro-batch), 3
 also the weights (all-gathered before each module's forward and backward); 2 and 3 need
 pp = 1, no sequence parallelism and ep = 1; ``--distributed-optimizer`` is an alias of
-``--zero 1``: vcluster/planner/memory.py; ``--precision megatron|torch_amp|fp64|fp32``:
-the bytes per parameter and activation the memory counts — Megatron's bf16 + fp32
-master/grads/Adam, 18 B/param, the default; PyTorch AMP's fp32 params, grads and Adam,
-16 B/param; the emulated program's own: vcluster/planner/precision.py); ``--cp N [--cp-algorithm
+``--zero 1``: vcluster/planner/memory.py; ``--precision
+megatron|torch_amp|torch_compile|fp64|fp32``: the bytes per parameter and activation the
+memory counts — Megatron's bf16 + fp32 master/grads/Adam, 18 B/param, the default;
+PyTorch AMP's fp32 params, grads and Adam, 16 B/param, eager or under ``torch.compile``;
+the emulated program's own: vcluster/planner/precision.py); ``--cp N [--cp-algorithm
 ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
 tp·pp·cp·dp, which ``--gpus`` checks when given); ``--experts N --moe-top-k K
 --ep E [--expert-skew X]``: a mixture of experts over E expert-parallel ranks carved out of
@@ -75,6 +76,7 @@ def add_parser(commands) -> None:
                      help="bytes per parameter and activation of the memory model: "
                           "megatron (default: bf16 weights, fp32 grads, fp32 master + Adam, "
                           "18 B/param), torch_amp (fp32 params, grads, Adam: 16 B/param), "
+                          "torch_compile (torch_amp under torch.compile), "
                           "fp64 or fp32 (the emulated program's own count)")
     gpt.add_argument("--autocast-kernels", choices=("auto", "on", "off"), default="auto",
                      help="price plain PyTorch's autocast kernels (casts, fp32 LayerNorms "
@@ -132,7 +134,11 @@ def _gpt(args) -> int:
     print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
           f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
-    if r.autocast_kernels:
+    if r.inductor_fusion:
+        print("  kernels              plain PyTorch's under autocast, fused by torch.compile: "
+              "weight and gradient casts, LayerNorms with their residual adds and casts, a "
+              "bf16 loss (measured prices)")
+    elif r.autocast_kernels:
         print("  kernels              plain PyTorch's under autocast: weight, input and "
               "gradient casts, fp32 LayerNorms and residual adds (measured prices)")
     rule, cost = describe_ratio(r.compute_s, r.comm_s, r.exposed_comm_s, r.step_time_s)
@@ -142,8 +148,10 @@ def _gpt(args) -> int:
           f"({'fits' if r.fits else 'does NOT fit'} {r.memory_limit_gb:.1f} GB: "
           f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom)")
     parts = r.memory_breakdown_gb
-    kept = f"{args.attention} attention" if PRECISIONS[r.precision].activation_count == \
-        "korthikanti" else "activations as the emulated program keeps them"
+    kept = {"korthikanti": f"{args.attention} attention",
+            "emulator": "activations as the emulated program keeps them"}.get(
+        PRECISIONS[r.precision].activation_count,
+        f"{args.attention} attention, activations as PyTorch's autograd saves them")
     print("                       " + ", ".join(
         f"{k} {parts[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
                                          "logits")) + f" GB (pipeline rank "

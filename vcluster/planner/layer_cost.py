@@ -48,7 +48,7 @@ from tensor_parallel.context_parallel import ContextParallelAttention, sequence_
 from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceSend,
                                       trace_program)
 
-from .autocast_kernels import with_autocast_kernels
+from .inductor_kernels import pytorch_kernels
 
 __all__ = ["PieceCost", "StagePieces", "trace_stage_pieces"]
 
@@ -207,7 +207,8 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
 def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: bool,
                        recompute: str, costs, cp: int = 1, cp_algorithm: str = "ring",
                        ep: int = 1, expert_skew: float = 1.0,
-                       attention: str = "flash", autocast_kernels: bool = False) -> StagePieces:
+                       attention: str = "flash", autocast_kernels: bool = False,
+                       inductor_fusion: bool = False) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
@@ -216,7 +217,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     ``attention``: the kernel traced, "flash" (one fused kernel) or "unfused"
     (:class:`~pipeline_parallel.gpt.ParallelConfig`). ``autocast_kernels``: price the
     kernels plain PyTorch runs under autocast instead of the program's own
-    (:mod:`.autocast_kernels`, as :func:`~.simulation.simulate_gpt` does)."""
+    (:mod:`.autocast_kernels`, as :func:`~.simulation.simulate_gpt` does), fused as
+    ``torch.compile`` fuses them with ``inductor_fusion`` (:mod:`.inductor_kernels`)."""
     if cp > 1 and config.experts:
         raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
                          f"{config.experts}) with cp={cp} is not supported yet")
@@ -233,7 +235,7 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0
-    for op in with_autocast_kernels(trace.ops) if autocast_kernels else trace.ops:
+    for op in pytorch_kernels(trace.ops, inductor_fusion) if autocast_kernels else trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:
             piece, action = _PIECES[k].split(".")
             pieces[(piece, action)] = PieceCost(compute, comm, flops, ring)

@@ -55,6 +55,9 @@ is counted by its own program's saved tensors instead: :func:`torch_amp_activati
 at the loss's backward) and, its ``.grad`` being set to None between steps, a peak that
 is the larger of the first backward's start and what follows it
 (:func:`in_flight_after_first_backward`), not the sum of gradients and activations.
+The same program under ``torch.compile`` (the ``torch_compile`` policy) saves the same
+tensors but for a few row statistics and keeps 4 bytes a logit at the loss's backward
+(Inductor fuses the loss: the bf16 logits and their bf16 gradient, no fp32 copy).
 
 Llama (``GPTConfig(arch="llama")``; d = h/a, h_q = a·d, c kv_heads, f ffn_hidden,
 c_l = max(c/t, 1) KV heads per rank — replicated when c < t). Parameters per layer:
@@ -323,7 +326,7 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
                                                 precision)
         return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes), int(act),
                                int(logits))
-    if precision.activation_count == "torch_amp":
+    if precision.activation_count in ("torch_amp", "torch_compile"):
         per_mb, logit_entries = torch_amp_activation_bytes(full_config, parallel, r, precision)
 
         def at(k: int, with_grads: bool) -> MemoryBreakdown:
@@ -408,6 +411,14 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
       (fp32) and statistics, the head's bf16 input and the int64 targets:
       s·b·h·(4/σ + 2) + 8·s·b/σ + 8·s·b.
 
+    Under ``torch.compile`` (``activation_count="torch_compile"``) AOTAutograd's
+    partitioner saves the same tensors but for the row statistics: the 2L + 1 LayerNorms
+    of L layers keep 2L + 2 fp32 statistics per row (their rstd, and one mean), counted
+    as 8·s·b/σ a layer instead of 16 and the final LayerNorm's 8·s·b/σ as before; the
+    fused loss keeps each row's max and log-sum-exp, 8·s·b on the last stage, and the
+    logits in bf16 (the policy's ``logits_saved_bytes`` 2, against eager's fp32
+    log-softmax output, 4).
+
     The logits per micro-batch are b·s·V/t (the caller multiplies them by the policy's
     ``logits_bytes`` and ``logits_saved_bytes``); 0 off the last stage. Dense GPT without
     context parallelism (the reference program)."""
@@ -416,7 +427,9 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
                          f"the dense GPT without context parallelism, got "
                          f"arch={config.arch!r}, experts={getattr(config, 'experts', 0)}, "
                          f"cp={getattr(parallel, 'cp', 1)}; use --precision megatron")
-    copy_bytes = precision_policy(precision or "torch_amp").weight_copy_bytes
+    policy = precision_policy(precision or "torch_amp")
+    copy_bytes, compiled = policy.weight_copy_bytes, policy.activation_count == "torch_compile"
+    stats = 8 if compiled else 16             # a layer's two LayerNorms' row statistics
     s, b, h, a, V, t = (config.seq, parallel.micro_batch, config.hidden, config.heads,
                         config.vocab, parallel.tp)
     sig = t if parallel.sequence_parallel and t > 1 else 1
@@ -425,7 +438,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
     if parallel.recompute == "full":
         layer = 4 * s * b * h / sig
     else:
-        layer = s * b * h * (8 / sig + 4 + 24 / t) + 16 * s * b / sig
+        layer = s * b * h * (8 / sig + 4 + 24 / t) + stats * s * b / sig
         if parallel.attention == "flash":
             layer += LSE_BYTES * b * a * s / t
         elif parallel.recompute != "selective":
@@ -435,7 +448,8 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
     ends = 8 * s * b if r == 0 else 0
     if last:
         matrices += V * h / t
-        ends += s * b * h * (4 / sig + 2) + 8 * s * b / sig + 8 * s * b
+        ends += s * b * h * (4 / sig + 2) + 8 * s * b / sig + 8 * s * b \
+            + (8 * s * b if compiled else 0)
     return layers * layer + copy_bytes * matrices + ends, (b * s * V / t if last else 0)
 
 

@@ -1,14 +1,15 @@
 """``PrecisionPolicy``: the bytes per parameter and per activation element a training run
 keeps, by framework — what :mod:`vcluster.planner.memory` multiplies its counts by.
 
-=============  ======  ====  =========  ==========  ======  =====================
-preset         weight  grad  optimizer  activation  logits  activations counted by
-=============  ======  ====  =========  ==========  ======  =====================
-``megatron``   2       4     12         2           4       Korthikanti et al.
-``torch_amp``  4       4     8          2           12      the PyTorch program
-``fp64``       8       8     16         8           8       the emulated program
-``fp32``       4       4     8          4           4       the emulated program
-=============  ======  ====  =========  ==========  ======  =====================
+=================  ======  ====  =========  ==========  ======  ============================
+preset             weight  grad  optimizer  activation  logits  activations counted by
+=================  ======  ====  =========  ==========  ======  ============================
+``megatron``       2       4     12         2           4       Korthikanti et al.
+``torch_amp``      4       4     8          2           12      the PyTorch program
+``torch_compile``  4       4     8          2           4       it, under ``torch.compile``
+``fp64``           8       8     16         8           8       the emulated program
+``fp32``           4       4     8          4           4       the emulated program
+=================  ======  ====  =========  ==========  ======  ============================
 
 (bytes per parameter for weight, grad, optimizer; per element for activation, logits.)
 
@@ -37,6 +38,21 @@ preset         weight  grad  optimizer  activation  logits  activations counted 
   (``grads_persistent=True``). The step also runs kernels of its own, autocast's casts
   among them (``autocast_kernels=True``: :mod:`vcluster.planner.autocast_kernels`, priced
   where kernels are priced from measurements).
+* ``torch_compile``: the same PyTorch AMP step under ``torch.compile`` (Inductor, the
+  default mode; ``vcluster bench gpu-step --compile``): the same bytes per parameter and
+  the same saved tensors per layer (AOTAutograd's partitioner saves what eager autograd
+  saves: the LayerNorms' fp32 inputs, the bf16 casts of the linears' inputs and weights,
+  q, k, v, attention's output and log-sum-exp, GELU's input and output), but the loss is
+  fused: the fp32 upcast of the logits never materialises. The forward saves the bf16
+  logits (``logits_saved_bytes`` 2) and each row's max and log-sum-exp, and the fused
+  backward writes the bf16 logits' gradient straight from them (``logits_bytes`` 4 at
+  the loss's backward: the saved logits and their gradient, against eager's 12). Its
+  LayerNorms save their rstd, not their mean (``activation_count="torch_compile"``:
+  :func:`vcluster.planner.memory.torch_amp_activation_bytes`). Checked on the CPU
+  against the tensors the compiled step saves and the buffers Inductor's scheduler
+  writes (``tests/planner/test_inductor_kernels.py``). Its kernels are the eager step's
+  autocast kernels as Inductor fuses them (``inductor_fusion=True``:
+  :mod:`vcluster.planner.inductor_kernels`, priced where the autocast kernels are).
 * ``fp64`` / ``fp32``: vcluster's own emulated program (:class:`pipeline_parallel.gpt.GPT`
   with ``GPTConfig(dtype=...)``): weights and gradients in the dtype, no master copy,
   Adam's m and v in the dtype (:mod:`pipeline_parallel.optim`; SGD keeps one momentum
@@ -46,7 +62,8 @@ preset         weight  grad  optimizer  activation  logits  activations counted 
 
 ``activation_count`` chooses the activation formula: ``"korthikanti"`` (Korthikanti et al.
 2022's 16-bit count of Megatron's saved tensors; it needs ``activation_bytes`` 2),
-``"torch_amp"`` (what plain PyTorch under bf16 autocast saves: dense GPT only) or
+``"torch_amp"`` (what plain PyTorch under bf16 autocast saves: dense GPT only),
+``"torch_compile"`` (the same program under ``torch.compile``) or
 ``"emulator"`` (what the numpy program keeps: dense GPT only).
 """
 
@@ -60,7 +77,7 @@ __all__ = ["PrecisionPolicy", "PRECISIONS", "ACTIVATION_COUNTS", "precision_poli
            "MEGATRON"]
 
 #: the activation formulas a policy may name
-ACTIVATION_COUNTS = ("korthikanti", "torch_amp", "emulator")
+ACTIVATION_COUNTS = ("korthikanti", "torch_amp", "torch_compile", "emulator")
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,7 @@ class PrecisionPolicy:
     weight_copy_bytes: float = 0     # per matrix parameter, per micro-batch in flight
     grads_persistent: bool = True    # gradients allocated for the whole run (else per step)
     autocast_kernels: bool = False   # the step runs plain PyTorch's autocast kernels (casts)
+    inductor_fusion: bool = False    # ... fused by torch.compile (Inductor)
 
     def __post_init__(self):
         for f in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
@@ -90,11 +108,11 @@ class PrecisionPolicy:
         if self.activation_count not in ACTIVATION_COUNTS:
             raise ValueError(f"PrecisionPolicy: activation_count must be one of "
                              f"{ACTIVATION_COUNTS}, got {self.activation_count!r}")
-        for f in ("grads_persistent", "autocast_kernels"):
+        for f in ("grads_persistent", "autocast_kernels", "inductor_fusion"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"PrecisionPolicy: {f} must be a bool, got "
                                  f"{getattr(self, f)!r}")
-        if self.activation_count in ("korthikanti", "torch_amp") \
+        if self.activation_count in ("korthikanti", "torch_amp", "torch_compile") \
                 and self.activation_bytes != 2:
             raise ValueError(f"PrecisionPolicy: activation_count="
                              f"{self.activation_count!r} is a 16-bit "
@@ -136,6 +154,10 @@ PRECISIONS = {
     "torch_amp": PrecisionPolicy("torch_amp", 4, 4, 8, 2, 12, "torch_amp",
                                  logits_saved_bytes=4, weight_copy_bytes=2,
                                  grads_persistent=False, autocast_kernels=True),
+    "torch_compile": PrecisionPolicy("torch_compile", 4, 4, 8, 2, 4, "torch_compile",
+                                     logits_saved_bytes=2, weight_copy_bytes=2,
+                                     grads_persistent=False, autocast_kernels=True,
+                                     inductor_fusion=True),
     "fp64": PrecisionPolicy.emulated("float64"),
     "fp32": PrecisionPolicy.emulated("float32"),
 }

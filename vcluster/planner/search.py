@@ -135,6 +135,7 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision) -> list[d
 def _screen_all(config, candidates, hw, bar, precision) -> list:
     costs = HardwareCostModel(hw)
     autocast = autocast_kernels_priced(precision, costs)     # as the replays will
+    fused = autocast and precision.inductor_fusion
     pieces: dict = {}
     task = bar.add_task("screening", total=len(candidates)) if bar else None
     out = []
@@ -144,7 +145,8 @@ def _screen_all(config, candidates, hw, bar, precision) -> list:
         key = key + cp_key + (par.ep, par.attention)
         if key not in pieces:
             pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
-                                             attention=par.attention, autocast_kernels=autocast)
+                                             attention=par.attention, autocast_kernels=autocast,
+                                             inductor_fusion=fused)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)

@@ -53,7 +53,8 @@ from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
-from .autocast_kernels import autocast_kernels_priced, with_autocast_kernels
+from .autocast_kernels import autocast_kernels_priced
+from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
@@ -115,6 +116,7 @@ class GPTSimulation:
     zero_stage: int = 0                 # the ZeRO stage traced and counted (0: DDP)
     precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
     autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
+    inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
 
     @property
     def reserve_gb(self) -> float:
@@ -238,10 +240,12 @@ def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates
 
 
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
-                     optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False):
+                     optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
+                     inductor_fusion: bool = False):
     """(mesh, templates per position) of a short step on a pipeline of ``p_short``
     positions with ``parallel``'s layers per stage, micro-batch, dp and tp
-    (``autocast_kernels``: rewritten by :func:`.autocast_kernels.with_autocast_kernels`)."""
+    (``autocast_kernels``: rewritten by :func:`.inductor_kernels.pytorch_kernels`, compiled
+    with ``inductor_fusion``)."""
     p, v = parallel.pp, parallel.chunks
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
@@ -261,9 +265,10 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
                                 pipeline_peers=frozenset(g)) for pos, r in enumerate(g)]
                  for g in groups]
     if autocast_kernels:
-        templates = [[Templates({key: with_autocast_kernels(body)
+        templates = [[Templates({key: pytorch_kernels(body, inductor_fusion)
                                  for key, body in t.bodies.items()},
-                                with_autocast_kernels(t.tail), t.message_bytes) for t in ts]
+                                pytorch_kernels(t.tail, inductor_fusion), t.message_bytes)
+                      for t in ts]
                      for ts in templates]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group("ep", r))
@@ -287,7 +292,7 @@ def gpt_schedule(parallel: ParallelConfig):
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
                     markers: bool = False, expert_skew: float = 1.0,
-                    autocast_kernels: bool = False) -> list:
+                    autocast_kernels: bool = False, inductor_fusion: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -307,7 +312,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     the zero-cost action markers (``"0F3"``, each holding its work: a report draws the
     schedule from them); the planner leaves them out. ``autocast_kernels``: the kernel
     list of plain PyTorch under bf16 autocast (:mod:`.autocast_kernels`), not the
-    program's own.
+    program's own; with ``inductor_fusion``, as ``torch.compile`` fuses it
+    (:mod:`.inductor_kernels`).
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -318,7 +324,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
     p_short = p if traced_positions is None else min(p, traced_positions)
     short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer,
-                                             expert_skew, autocast_kernels)
+                                             expert_skew, autocast_kernels, inductor_fusion)
     S = p * v
     sizes_short = {k: n for ts in templates for t in ts for k, n in t.message_bytes.items()}
 
@@ -369,7 +375,9 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     ``autocast_kernels``: price plain PyTorch's autocast kernels (:mod:`.autocast_kernels`)
     — None, the default: when the precision policy runs them (``torch_amp``) and the
     hardware prices kernels from measurements (a kernel table or a calibrated GPU: that
-    module's docstring says why not on the analytic presets)."""
+    module's docstring says why not on the analytic presets); under a policy with
+    ``inductor_fusion`` (``torch_compile``) they are priced as ``torch.compile`` fuses them
+    (:mod:`.inductor_kernels`)."""
 
     hw = load_hardware(hardware)
     precision = precision_policy(precision)
@@ -386,9 +394,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         raise ValueError(f"simulate_gpt: autocast_kernels rewrites the dense GPT program "
                          f"without context parallelism (the PyTorch reference step), got "
                          f"arch={config.arch!r}, experts={config.experts}, cp={parallel.cp}")
+    fused = autocast_kernels and precision.inductor_fusion
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
-                           expert_skew=expert_skew, autocast_kernels=autocast_kernels)
+                           expert_skew=expert_skew, autocast_kernels=autocast_kernels,
+                           inductor_fusion=fused)
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind)
     step = result.step_time_s
@@ -411,6 +421,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
-        precision=precision.name, autocast_kernels=autocast_kernels,
+        precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

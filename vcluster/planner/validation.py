@@ -27,15 +27,19 @@ from vcluster.timing import load_hardware, read_data_csv
 
 from .simulation import simulate_gpt
 
-__all__ = ["validate_megatron", "validate_gpu_steps", "gpu_steps", "micro_batch_for", "DEFAULT_MICRO_BATCH",
-           "HARDWARE", "GPU_STEP_TABLES"]
+__all__ = ["validate_megatron", "validate_gpu_steps", "gpu_steps", "micro_batch_for",
+           "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
-#: measured one-GPU steps (``vcluster bench gpu-step``) and the preset of their GPU
-#: measured one-GPU PyTorch steps: table -> (the preset it is predicted on, the precision
-#: policy of the step it measured: PyTorch AMP over fp32 parameters, its header says)
+#: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
+#: is predicted on, the precision policy of the step it measured: PyTorch AMP over fp32
+#: parameters, its header says; its ``compiled`` rows are predicted under that policy's
+#: compiled counterpart, :data:`COMPILED_POLICY`)
 GPU_STEP_TABLES = MappingProxyType({"h200_gpt_steps.csv": ("h200-dgx", "torch_amp"),
                                     "h100_gpt_steps.csv": ("h100-dgx", "torch_amp"),
                                     "h200_shapes_steps.csv": ("h200-dgx", "torch_amp")})
+
+#: a measured step's policy -> the same step's under ``torch.compile``
+COMPILED_POLICY = MappingProxyType({"torch_amp": "torch_compile"})
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"
@@ -87,15 +91,16 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
 def gpu_steps():
     """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`) as
     ``(table, preset, precision, row, config, parallel, case)``: the table's preset and
-    precision policy, the CSV row (``step_ms``, ``peak_gb``, ...), its GPTConfig, one GPU
+    precision policy (:data:`COMPILED_POLICY`'s for a compiled row), the CSV row (``step_ms``, ``peak_gb``, ...), its GPTConfig, one GPU
     with global batch = micro-batch, and the row's label."""
     for table, (preset, precision) in GPU_STEP_TABLES.items():
         for r in read_data_csv(table)[1]:
             cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
                             heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
             mb = int(r["micro_batch"])
-            case = f"{r['model']} 1 GPU mb={mb} {'compiled' if r['compiled'] == '1' else 'eager'}"
-            yield (table, preset, precision, r, cfg,
+            compiled = r["compiled"] == "1"
+            case = f"{r['model']} 1 GPU mb={mb} {'compiled' if compiled else 'eager'}"
+            yield (table, preset, COMPILED_POLICY[precision] if compiled else precision, r, cfg,
                    ParallelConfig(global_batch=mb, micro_batch=mb), case)
 
 
@@ -103,9 +108,8 @@ def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
     """Every row of :func:`gpu_steps`: step time (ms) and peak memory (GB,
     ``peak_memory_gb``: without the allocator's reserve, as
     ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset under
-    the precision policy of the measured step (``torch_amp``: 16 bytes per parameter). A
-    compiled row is predicted like an eager one: the model has no notion of
-    ``torch.compile``'s fusion. ``kernel_table``: a shipped table of measured kernels that
+    the precision policy of the measured step (``torch_amp``: 16 bytes per parameter;
+    ``torch_compile`` for a compiled row). ``kernel_table``: a shipped table of measured kernels that
     prices the preset's kernels instead (moved from the GPU that measured it to the
     preset's by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's autocast
     kernels: :mod:`.autocast_kernels`)."""

@@ -1,0 +1,154 @@
+"""The kernels of the reference PyTorch step under ``torch.compile``: Inductor's fusions of
+plain PyTorch's autocast kernels.
+
+:func:`~.autocast_kernels.with_autocast_kernels` gives the kernel list of the eager
+reference step (:mod:`vcluster.gpu.gpt_step`, ``torch_amp``). Under ``torch.compile``
+(``vcluster bench gpu-step --compile``, the ``torch_compile`` precision policy) the
+GEMMs and attention stay library kernels (cuBLAS, SDPA), and Inductor fuses the
+memory-bound work between them: a pointwise op feeding a reduction is computed inside it
+(its input is read, never written), and a pointwise op consuming a reduction's output
+becomes that kernel's epilogue. :func:`with_inductor_fusion` rewrites the eager list so,
+per layer and micro-batch (T tokens, width h; bytes per element of T·h):
+
+=====================================================  ====================================
+eager (:mod:`.autocast_kernels`)                       under ``torch.compile``
+=====================================================  ====================================
+fp32 residual add (10 B), fp32 LayerNorm (reads 4,     one LayerNorm kernel: reads the
+writes 4), cast of its output to bf16 (6)              fp32 stream and the bf16 branch
+                                                       (6), writes the new fp32 stream and
+                                                       the bf16 output (6): 12 B, not 24
+cast of the bf16 input gradient to fp32 (6), fp32      one LayerNorm backward: reads the
+LayerNorm backward (reads 8, writes 4), fp32           bf16 gradient, the fp32 input and
+residual-gradient add (12), cast of the sum to bf16    the residual gradient (10), writes
+for the branch below (6)                               the fp32 sum and its bf16 cast (6):
+                                                       16 B, not 36
+the loss: fp32 upcast of the logits, log-softmax,      one reduction reading the bf16
+its gradient, the cast back (the ``cross_entropy``     logits (2 B a logit), one pointwise
+profile's measured eager kernels)                      kernel writing their bf16 gradient
+                                                       from them and the row statistics
+                                                       (4 B a logit)
+a bias gradient's reduction and its cast to fp32       one reduction (the cast its
+                                                       epilogue)
+=====================================================  ====================================
+
+A fused LayerNorm is priced by the ``norm`` (``norm_backward``) profile at the width that
+moves its bytes — the fp32 LayerNorm of the eager list is that profile at width 2h (8 B an
+element forward, 12 backward), so a fused one moving B bytes an element is width
+2h·B/8 (2h·B/12) — and the loss's two kernels by the ``elementwise`` profile at their
+bytes. Everything else is unchanged: the weight and bias casts (their consumers are
+library GEMMs, which Inductor does not fuse into), the weight-gradient casts, GELU and its
+gradient (their inputs are GEMM outputs), attention's dq/dk/dv concatenation, the
+optimizer (outside the compiled model).
+
+How these were checked. On the CPU, Inductor's own scheduler (the C++ backend) for the
+compiled reference step writes the logits and their gradient only in bf16 (no fp32 copy
+of either: ``tests/planner/test_inductor_kernels.py``), fuses each LayerNorm's output cast
+into it and leaves the weight, bias and weight-gradient casts as kernels of their own,
+one per tensor, as this rewrite does. It also leaves the cast of the gradient entering a
+residual branch as a kernel of its own, where this rewrite fuses it into the LayerNorm
+backward as Inductor's GPU (Triton) backend does with a persistent reduction's epilogue:
+that step, and the fused kernels' prices, were not checked on a GPU (no profile of a
+compiled step was taken); the measured compiled steps of ``validate-model``'s tables are
+the only check, and they were seen before this was written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vcluster.runtime.tracing import Kernel, KernelKind, TraceCompute
+
+from .autocast_kernels import AUTOCAST_CAST, with_autocast_kernels
+
+__all__ = ["with_inductor_fusion", "pytorch_kernels"]
+
+# bytes per element of T·h that the eager fp32 LayerNorm moves (module docstring)
+_NORM_FORWARD_BYTES = 8
+_NORM_BACKWARD_BYTES = 12
+# what fusing a neighbour adds to (or takes from) a LayerNorm's bytes per element
+_FUSED_RESIDUAL = 6         # reads the bf16 branch (2), writes the fp32 stream (4)
+_FUSED_OUTPUT_CAST = -2     # writes its output in bf16 (2), not fp32 (4)
+_FUSED_INPUT_GRAD_CAST = -2   # reads the bf16 gradient (2), not its fp32 cast (4)
+_FUSED_RESIDUAL_GRAD = 4    # reads the fp32 residual gradient
+_FUSED_BRANCH_GRAD_CAST = 2   # writes the sum's bf16 cast too
+# the fused loss: bytes per logit read and written (module docstring)
+_LOSS_FORWARD_BYTES = 2
+_LOSS_BACKWARD_BYTES = 4
+
+
+def _compute(op) -> bool:
+    return isinstance(op, TraceCompute) and not op.contains and op.kernel is not None
+
+
+def _named(op, suffix: str) -> bool:
+    return _compute(op) and op.name.endswith(suffix)
+
+
+def _norm(op: TraceCompute, fused_bytes: int, eager_bytes: int) -> TraceCompute:
+    """``op`` (an fp32 LayerNorm of the eager list) widened to move ``fused_bytes`` per
+    element where it moved ``eager_bytes``."""
+    tokens, width = op.kernel.shape
+    kernel = dataclasses.replace(op.kernel,
+                                 shape=(tokens, max(1, round(width * fused_bytes / eager_bytes))))
+    return dataclasses.replace(op, bytes=op.bytes * fused_bytes // eager_bytes, kernel=kernel)
+
+
+def _loss(op: TraceCompute, what: str, bytes_per_logit: int) -> TraceCompute:
+    tokens, vocab = op.kernel.shape          # the logits (``parts``: the eager passes)
+    logits = tokens * vocab
+    block = op.name.rpartition(": ")[0]
+    return TraceCompute(f"{block}: compiled: {what}", 0.0, bytes_per_logit * logits,
+                        kernel=Kernel.elementwise(bytes_per_logit * logits // 2))
+
+
+def with_inductor_fusion(ops) -> tuple:
+    """``ops`` — a kernel list of :func:`~.autocast_kernels.with_autocast_kernels` — as
+    ``torch.compile`` runs it: the module docstring's table, op by op. Ops it does not
+    name pass unchanged."""
+    ops, out, i = list(ops), [], 0
+    while i < len(ops):
+        op = ops[i]
+        k = op.kernel if _compute(op) else None
+        i += 1
+        if k is None:
+            out.append(op)
+        elif k.kind is KernelKind.NORM and not k.backward:
+            moved = _NORM_FORWARD_BYTES
+            if out and _named(out[-1], ": residual"):
+                out.pop()
+                moved += _FUSED_RESIDUAL
+            if i < len(ops) and _named(ops[i], f"{op.name}: {AUTOCAST_CAST} input"):
+                i += 1
+                moved += _FUSED_OUTPUT_CAST
+            out.append(_norm(op, moved, _NORM_FORWARD_BYTES))
+        elif k.kind is KernelKind.NORM:
+            moved = _NORM_BACKWARD_BYTES
+            if out and _named(out[-1], f"{AUTOCAST_CAST} input gradient"):
+                out.pop()
+                moved += _FUSED_INPUT_GRAD_CAST
+            if i < len(ops) and _named(ops[i], "residual gradient add (fp32)"):
+                i += 1
+                moved += _FUSED_RESIDUAL_GRAD
+            if i < len(ops) and _named(ops[i], f"{AUTOCAST_CAST} gradient"):
+                i += 1
+                moved += _FUSED_BRANCH_GRAD_CAST
+            out.append(_norm(op, moved, _NORM_BACKWARD_BYTES))
+        elif k.kind is KernelKind.CROSS_ENTROPY:
+            name = op.name.rpartition(": ")[2]
+            if name == "sum exp, target logit":
+                out.append(_loss(op, "loss forward (max, log-sum-exp, target logit)",
+                                 _LOSS_FORWARD_BYTES))
+            elif name == "loss, dlogits":
+                out.append(_loss(op, "loss backward (bf16 dlogits)", _LOSS_BACKWARD_BYTES))
+            elif name != "row max":            # the forward reduction computes it
+                out.append(op)
+        elif not op.name.endswith(f"{AUTOCAST_CAST} bias gradient"):
+            out.append(op)
+    return tuple(out)
+
+
+def pytorch_kernels(ops, compiled: bool = False) -> tuple:
+    """The kernel list of the reference PyTorch step for the traced ``ops``: eager under
+    autocast, or (``compiled``) under ``torch.compile``."""
+    ops = with_autocast_kernels(ops)
+    return with_inductor_fusion(ops) if compiled else ops

@@ -1,6 +1,7 @@
 """The measured one-GPU PyTorch steps (``validate-model``'s GPU-step tables) predicted
 under each way of pricing kernels, with and without plain PyTorch's autocast kernels
-(:mod:`vcluster.planner.autocast_kernels`).
+(:mod:`vcluster.planner.autocast_kernels`; on a compiled row, under the ``torch_compile``
+policy, those kernels as Inductor fuses them: :mod:`vcluster.planner.inductor_kernels`).
 
 Pricings: the GPU's preset (analytic, over ``TRAINING_KERNEL_EFFICIENCY``: what
 ``validate-model`` reports); the preset with the shipped ``h100_kernels.csv`` moved to

@@ -18,7 +18,8 @@ micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
 ``held_out``) nor on the one-GPU step tables (measured after every constant was set:
 ``held_out``; h200_shapes_steps.csv also after the ``torch_amp`` memory count was
-written, at shapes fixed beforehand).
+written, at shapes fixed beforehand; the three compiled rows are predicted under the
+``torch_compile`` count, which was written after they were seen: docs/timing.md).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def validation_rows() -> dict:
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
-            # plain PyTorch's autocast kernels: checked, not held out (docs/timing.md)
+            # plain PyTorch's autocast kernels (fused as torch.compile fuses them on a
+            # compiled row): checked, not held out (docs/timing.md)
             "measured_prices": {"kernel_table": H100_KERNEL_TABLE, "step_ms_mean_abs_rel_error": {
                 table: sum(e) / len(e) for table, e in measured.items()}}}
 
@@ -91,7 +93,8 @@ def _run(args) -> int:
               f"  (size: {k['unit']})")
     m = result["measured_prices"]
     print(f"one-GPU step time priced by {m['kernel_table']} (moved to each step's GPU) with "
-          f"plain PyTorch's autocast kernels, no efficiency constant on the profiled kernels "
+          f"plain PyTorch's autocast kernels (fused on the compiled rows), no efficiency "
+          f"constant on the profiled kernels "
           f"(checked, not held out): "
           + ", ".join(f"{t} {100 * e:.1f}%" for t, e in m["step_ms_mean_abs_rel_error"].items()))
     if args.json:

@@ -41,6 +41,7 @@ def _compiled_step(hidden, layers, heads, seq, vocab, batch):
                     "which this check wraps to read the scheduled kernels")
     from vcluster.gpu.gpt_step import _model
 
+    from .test_torch_amp_memory import saved_forward     # it needs torch: imported here
     graphs = []
     codegen = inductor_scheduler.Scheduler.codegen
 
@@ -62,29 +63,19 @@ def _compiled_step(hidden, layers, heads, seq, vocab, batch):
     step = torch.compile(model)
     tokens = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch, seq))
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     inductor_scheduler.Scheduler.codegen = recording
     try:      # no cached graph: the scheduler must run
         with inductor_config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = step(tokens, targets)
+                functorch_config.patch(enable_autograd_cache=False):
+            saved, loss = saved_forward(model, step, tokens, targets)
             loss.backward()
     finally:
         inductor_scheduler.Scheduler.codegen = codegen
         torch._dynamo.reset()
     assert len(graphs) == 2, "one forward and one backward graph"
-    return sum(saved.values()) - loss.element_size(), graphs      # less the loss scalar
+    return saved, graphs
 
 
 # tokens (batch x seq) differ from every weight's and bias's size, so a cast's size says

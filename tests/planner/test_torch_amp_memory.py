@@ -16,13 +16,10 @@ torch = pytest.importorskip("torch", reason="the saved-tensor check runs PyTorch
 AMP = PRECISIONS["torch_amp"]
 
 
-def _saved_bytes(hidden, layers, heads, seq, vocab, batch) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves in the forward."""
-    from vcluster.gpu.gpt_step import _model
-    torch.manual_seed(0)
-    model = _model(torch, hidden, layers, heads, seq, vocab)
-    tokens = torch.randint(0, vocab, (batch, seq))
-    targets = torch.randint(0, vocab, (batch, seq))
+def saved_forward(model, step, tokens, targets):
+    """(bytes of the distinct non-parameter storages autograd saves while ``step`` — the
+    reference ``model`` or its compiled form — runs the forward under CPU bf16 autocast,
+    the loss)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -33,8 +30,18 @@ def _saved_bytes(hidden, layers, heads, seq, vocab, batch) -> int:
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(tokens, targets)
-    return sum(saved.values()) - loss.element_size()     # the loss scalar's total_weight
+            loss = step(tokens, targets)
+    return sum(saved.values()) - loss.element_size(), loss   # less the loss scalar's total_weight
+
+
+def _saved_bytes(hidden, layers, heads, seq, vocab, batch) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in the forward."""
+    from vcluster.gpu.gpt_step import _model
+    torch.manual_seed(0)
+    model = _model(torch, hidden, layers, heads, seq, vocab)
+    tokens = torch.randint(0, vocab, (batch, seq))
+    targets = torch.randint(0, vocab, (batch, seq))
+    return saved_forward(model, model, tokens, targets)[0]
 
 
 @pytest.mark.parametrize("hidden,layers,heads,seq,vocab,batch", [

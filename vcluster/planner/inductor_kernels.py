@@ -17,11 +17,14 @@ fp32 residual add (10 B), fp32 LayerNorm (reads 4,     one LayerNorm kernel: rea
 writes 4), cast of its output to bf16 (6)              fp32 stream and the bf16 branch
                                                        (6), writes the new fp32 stream and
                                                        the bf16 output (6): 12 B, not 24
-cast of the bf16 input gradient to fp32 (6), fp32      one LayerNorm backward: reads the
-LayerNorm backward (reads 8, writes 4), fp32           bf16 gradient, the fp32 input and
-residual-gradient add (12), cast of the sum to bf16    the residual gradient (10), writes
-for the branch below (6)                               the fp32 sum and its bf16 cast (6):
-                                                       16 B, not 36
+cast of the bf16 input gradient to fp32 (6), fp32      a LayerNorm backward whose input-
+LayerNorm backward: its input-gradient kernel (reads   gradient kernel reads the bf16
+8, writes 4) and its parameter-gradient kernel         gradient, the fp32 input and the
+(reads 8), fp32 residual-gradient add (12), cast of    residual gradient (10) and writes
+the sum to bf16 for the branch below (6)               the fp32 sum and its bf16 cast (6),
+                                                       and whose parameter-gradient kernel
+                                                       reads the bf16 gradient and the
+                                                       input (6): 22 B, not 44
 the loss: fp32 upcast of the logits, log-softmax,      one reduction reading the bf16
 its gradient, the cast back (the ``cross_entropy``     logits (2 B a logit), one pointwise
 profile's measured eager kernels)                      kernel writing their bf16 gradient
@@ -33,8 +36,8 @@ a bias gradient's reduction and its cast to fp32       one reduction (the cast i
 
 A fused LayerNorm is priced by the ``norm`` (``norm_backward``) profile at the width that
 moves its bytes — the fp32 LayerNorm of the eager list is that profile at width 2h (8 B an
-element forward, 12 backward), so a fused one moving B bytes an element is width
-2h·B/8 (2h·B/12) — and the loss's two kernels by the ``elementwise`` profile at their
+element forward, 20 backward: the profile's rows time both backward kernels), so a fused
+one moving B bytes an element is width 2h·B/8 (2h·B/20) — and the loss's two kernels by the ``elementwise`` profile at their
 bytes. Everything else is unchanged: the weight and bias casts (their consumers are
 library GEMMs, which Inductor does not fuse into), the weight-gradient casts, GELU and its
 gradient (their inputs are GEMM outputs), attention's dq/dk/dv concatenation, the
@@ -62,13 +65,15 @@ from .autocast_kernels import AUTOCAST_CAST, with_autocast_kernels
 
 __all__ = ["with_inductor_fusion", "pytorch_kernels"]
 
-# bytes per element of T·h that the eager fp32 LayerNorm moves (module docstring)
+# bytes per element of T·h that the eager fp32 LayerNorm moves (module docstring): forward
+# reads x and writes y; backward, its input-gradient kernel reads dy and x and writes dx
+# (12), its parameter-gradient kernel reads dy and x again (8)
 _NORM_FORWARD_BYTES = 8
-_NORM_BACKWARD_BYTES = 12
+_NORM_BACKWARD_BYTES = 20
 # what fusing a neighbour adds to (or takes from) a LayerNorm's bytes per element
 _FUSED_RESIDUAL = 6         # reads the bf16 branch (2), writes the fp32 stream (4)
 _FUSED_OUTPUT_CAST = -2     # writes its output in bf16 (2), not fp32 (4)
-_FUSED_INPUT_GRAD_CAST = -2   # reads the bf16 gradient (2), not its fp32 cast (4)
+_FUSED_INPUT_GRAD_CAST = -4   # both kernels read the bf16 gradient (2 + 2), not its fp32 cast
 _FUSED_RESIDUAL_GRAD = 4    # reads the fp32 residual gradient
 _FUSED_BRANCH_GRAD_CAST = 2   # writes the sum's bf16 cast too
 # the fused loss: bytes per logit read and written (module docstring)

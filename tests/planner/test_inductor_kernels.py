@@ -130,6 +130,27 @@ def _casts(graph):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
+def test_no_add_runs_as_a_kernel_of_its_own(compiled, shape):
+    """The residual-gradient adds all run inside the LayerNorm backward's kernels, and the
+    position add and the residual adds inside the LayerNorms' — but one: from two layers
+    on, the C++ backend writes one residual sum in a kernel of its own (the rewrite fuses
+    every one: the module docstring says so)."""
+    views = {"aten.permute.default", "aten.reshape.default", "aten.view.default",
+             "prims.convert_element_type.default"}
+    alone = [[outs for kind, origins, outs in graph if kind != "ExternKernelSchedulerNode"
+              and "aten.add.Tensor" in origins and origins <= views | {"aten.add.Tensor"}]
+             for graph in compiled[shape][1]]
+    hidden, layers, _, seq, _, batch = shape
+    import torch
+    assert alone[0] == ([] if layers == 1 else [((torch.float32, batch * seq * hidden),)])
+    assert alone[1] == []
+    norms = [origins for kind, origins, _ in compiled[shape][1][0]
+             if "aten.var_mean.correction" in origins and "aten.add.Tensor" in origins]
+    assert norms, "the forward's LayerNorms compute the adds"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
 def test_the_casts_left_are_those_inductor_leaves(compiled, shape):
     """Forward: a cast per weight and per bias, none of a LayerNorm's output (fused).
     Backward: a cast per weight gradient, none of a bias gradient (the reduction's
@@ -149,8 +170,8 @@ def test_the_casts_left_are_those_inductor_leaves(compiled, shape):
 
 
 def test_the_fused_kernels_move_the_bytes_the_table_gives():
-    """Per layer, the LayerNorms move 12 B an element forward (6 for the first, after the
-    embedding) and 22 backward in their two kernels (20 for the first, whose gradient
+    """Per layer, the LayerNorms move 12 B an element forward (14 for the first, which adds
+    the positions) and 22 backward in their two kernels (20 for the first, whose gradient
     leaves in fp32, 18 for the final one, with no residual gradient); the casts around them, the residual adds, the residual-gradient adds,
     the bias-gradient casts and the loss's row-max pass are gone."""
     h, layers, heads, seq, vocab, b = 64, 3, 4, 32, 100, 2
@@ -158,8 +179,8 @@ def test_the_fused_kernels_move_the_bytes_the_table_gives():
     eager = _compute(with_autocast_kernels(_traced(h, layers, heads, seq, vocab, b)))
     fused = _compute(with_inductor_fusion(eager))
     names = collections.Counter(op.name.rsplit(": ", 1)[-1] for op in fused)
-    for gone in ("residual", "residual gradient add (fp32)", "row max", "sum exp, target logit",
-                 "loss, dlogits"):
+    for gone in ("residual", "residual gradient add (fp32)", "+ positions", "row max",
+                 "sum exp, target logit", "loss, dlogits"):
         assert names[gone] == 0, gone
     for gone in ("input", "input gradient", "gradient", "bias gradient"):
         assert names[f"cast {gone}"] == 0, gone
@@ -171,7 +192,7 @@ def test_the_fused_kernels_move_the_bytes_the_table_gives():
     # the norm profile's size is tokens x width; the eager fp32 LayerNorm is width 2h at
     # 8 B (forward) and 20 B (backward: both kernels) an element
     assert [op.kernel.shape for op in forward] == \
-        [(tokens, 2 * h * 6 // 8)] + [(tokens, 2 * h * 12 // 8)] * (2 * layers)
+        [(tokens, 2 * h * 14 // 8)] + [(tokens, 2 * h * 12 // 8)] * (2 * layers)
     assert [op.kernel.shape for op in backward] == \
         [(tokens, round(2 * h * 18 / 20))] + [(tokens, round(2 * h * 22 / 20))] \
         * (2 * layers - 1) + [(tokens, 2 * h * 20 // 20)]

@@ -17,6 +17,8 @@ fp32 residual add (10 B), fp32 LayerNorm (reads 4,     one LayerNorm kernel: rea
 writes 4), cast of its output to bf16 (6)              fp32 stream and the bf16 branch
                                                        (6), writes the new fp32 stream and
                                                        the bf16 output (6): 12 B, not 24
+the first LayerNorm: the fp32 position add (12 B)      the same, reading the token and
+before it                                              position rows (8): 14 B, not 26
 cast of the bf16 input gradient to fp32 (6), fp32      a LayerNorm backward whose input-
 LayerNorm backward: its input-gradient kernel (reads   gradient kernel reads the bf16
 8, writes 4) and its parameter-gradient kernel         gradient, the fp32 input and the
@@ -46,8 +48,10 @@ optimizer (outside the compiled model).
 How these were checked. On the CPU, Inductor's own scheduler (the C++ backend) for the
 compiled reference step writes the logits and their gradient only in bf16 (no fp32 copy
 of either: ``tests/planner/test_inductor_kernels.py``), fuses each LayerNorm's output cast
-into it and leaves the weight, bias and weight-gradient casts as kernels of their own,
-one per tensor, as this rewrite does. It also leaves the cast of the gradient entering a
+into it, runs the position add, the residual adds (all but one: from two layers on it
+writes one residual sum in a kernel of its own) and every residual-gradient add inside
+the LayerNorms' kernels, and leaves the weight, bias and weight-gradient casts as kernels
+of their own, one per tensor, as this rewrite does. It also leaves the cast of the gradient entering a
 residual branch as a kernel of its own, where this rewrite fuses it into the LayerNorm
 backward as Inductor's GPU (Triton) backend does with a persistent reduction's epilogue:
 that step, and the fused kernels' prices, were not checked on a GPU (no profile of a
@@ -72,6 +76,7 @@ _NORM_FORWARD_BYTES = 8
 _NORM_BACKWARD_BYTES = 20
 # what fusing a neighbour adds to (or takes from) a LayerNorm's bytes per element
 _FUSED_RESIDUAL = 6         # reads the bf16 branch (2), writes the fp32 stream (4)
+_FUSED_POSITION_ADD = 8     # reads the fp32 position rows (4), writes the fp32 stream (4)
 _FUSED_OUTPUT_CAST = -2     # writes its output in bf16 (2), not fp32 (4)
 _FUSED_INPUT_GRAD_CAST = -4   # both kernels read the bf16 gradient (2 + 2), not its fp32 cast
 _FUSED_RESIDUAL_GRAD = 4    # reads the fp32 residual gradient
@@ -122,6 +127,9 @@ def with_inductor_fusion(ops) -> tuple:
             if out and _named(out[-1], ": residual"):
                 out.pop()
                 moved += _FUSED_RESIDUAL
+            elif out and _named(out[-1], ": + positions"):
+                out.pop()
+                moved += _FUSED_POSITION_ADD
             if i < len(ops) and _named(ops[i], f"{op.name}: {AUTOCAST_CAST} input"):
                 i += 1
                 moved += _FUSED_OUTPUT_CAST

@@ -30,10 +30,7 @@ def _compiled_step(hidden, layers, heads, seq, vocab, batch):
     (bf16 autocast): (bytes of the distinct non-parameter storages the compiled forward
     saves for the backward, and per compiled graph — forward, then backward — the
     buffers Inductor's scheduler writes as (origins, dtype, elements) per kernel)."""
-    torch = pytest.importorskip("torch", reason="the compiled-step check runs PyTorch "
-                                                "(vcluster[torch])")
-    if not (shutil.which("g++") or shutil.which("c++")):
-        pytest.skip("torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
+    import torch
     import torch._inductor.ir as inductor_ir
     import torch._inductor.scheduler as inductor_scheduler
     if not hasattr(inductor_scheduler.Scheduler, "codegen"):
@@ -83,8 +80,34 @@ def _compiled_step(hidden, layers, heads, seq, vocab, batch):
 SHAPES = [(64, 1, 4, 24, 100, 3), (32, 2, 2, 20, 50, 2), (48, 3, 4, 16, 60, 1)]
 
 
+def _cannot_compile_here(torch) -> str | None:
+    """Why Inductor cannot build C++ kernels on this machine (what it needs: a C++
+    compiler, the Python headers its kernels are built against, a toolchain that works),
+    or None."""
+    import sysconfig
+    from pathlib import Path
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return "torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        return f"torch.compile on the CPU builds kernels against the Python headers: no {headers}"
+    try:
+        torch._dynamo.reset()
+        torch.compile(lambda x: (x.sin() + 1).sum())(torch.ones(8))
+    except Exception as e:          # the toolchain, not the model: say what failed
+        return f"torch.compile cannot build a kernel here: {type(e).__name__}: " \
+               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 @pytest.fixture(scope="module")
 def compiled():
+    torch = pytest.importorskip("torch", reason="the compiled-step check runs PyTorch "
+                                                "(vcluster[torch])")
+    if why := _cannot_compile_here(torch):
+        pytest.skip(why)
     return {shape: _compiled_step(*shape) for shape in SHAPES}
 
 

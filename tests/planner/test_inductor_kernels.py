@@ -49,7 +49,7 @@ def _compiled_step(hidden, layers, heads, seq, vocab, batch):
                                 if n.node is not None for o in n.node.origins)
             outs = tuple((b.node.get_dtype(), math.prod(int(d) for d in b.node.get_size()))
                          for b in node.get_outputs()
-                         if isinstance(b.node.layout, inductor_ir.Layout))  # not multi-output
+                         if isinstance(b.node.layout, inductor_ir.Layout))  # one output
             kernels.append((type(node).__name__, origins, outs))
         graphs.append(kernels)
         return codegen(self)
@@ -90,7 +90,8 @@ def _cannot_compile_here(torch) -> str | None:
         return "torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)"
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not headers.exists():
-        return f"torch.compile on the CPU builds kernels against the Python headers: no {headers}"
+        return f"torch.compile on the CPU builds kernels against Python's headers: " \
+               f"no {headers}"
     try:
         torch._dynamo.reset()
         torch.compile(lambda x: (x.sin() + 1).sum())(torch.ones(8))
@@ -195,8 +196,9 @@ def test_the_casts_left_are_those_inductor_leaves(compiled, shape):
 def test_the_fused_kernels_move_the_bytes_the_table_gives():
     """Per layer, the LayerNorms move 12 B an element forward (14 for the first, which adds
     the positions) and 22 backward in their two kernels (20 for the first, whose gradient
-    leaves in fp32, 18 for the final one, with no residual gradient); the casts around them, the residual adds, the residual-gradient adds,
-    the bias-gradient casts and the loss's row-max pass are gone."""
+    leaves in fp32, 18 for the final one, with no residual gradient); the casts around
+    them, the position and residual adds, the residual-gradient adds, the bias-gradient
+    casts and the loss's row-max pass are gone."""
     h, layers, heads, seq, vocab, b = 64, 3, 4, 32, 100, 2
     tokens = b * seq
     eager = _compute(with_autocast_kernels(_traced(h, layers, heads, seq, vocab, b)))
@@ -210,8 +212,9 @@ def test_the_fused_kernels_move_the_bytes_the_table_gives():
     for kept in ("weight", "bias", "weight gradient"):
         assert names[f"cast {kept}"] == sum(
             op.name.endswith(f"{AUTOCAST_CAST} {kept}") for op in eager)
-    forward = [op for op in fused if op.kernel.kind is KernelKind.NORM and not op.kernel.backward]
-    backward = [op for op in fused if op.kernel.kind is KernelKind.NORM and op.kernel.backward]
+    norms = [op for op in fused if op.kernel.kind is KernelKind.NORM]
+    forward = [op for op in norms if not op.kernel.backward]
+    backward = [op for op in norms if op.kernel.backward]
     # the norm profile's size is tokens x width; the eager fp32 LayerNorm is width 2h at
     # 8 B (forward) and 20 B (backward: both kernels) an element
     assert [op.kernel.shape for op in forward] == \
@@ -266,7 +269,8 @@ def test_the_compiled_step_is_the_eager_one_less_the_fused_kernels_prices(name):
     eager = _compute(with_autocast_kernels(_traced(256, 2, 4, 128, 512, 2)))
     delta = sum(map(costs.compute_time_s, _compute(with_inductor_fusion(eager)))) \
         - sum(map(costs.compute_time_s, eager))
-    amp, comp = (simulate_gpt(CFG, ONE, hw, precision=p) for p in ("torch_amp", "torch_compile"))
+    amp, comp = (simulate_gpt(CFG, ONE, hw, precision=p)
+                 for p in ("torch_amp", "torch_compile"))
     assert delta < 0
     assert comp.step_time_s - amp.step_time_s == pytest.approx(delta, rel=1e-9)
 

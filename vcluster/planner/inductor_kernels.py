@@ -18,7 +18,9 @@ writes 4), cast of its output to bf16 (6)              fp32 stream and the bf16 
                                                        (6), writes the new fp32 stream and
                                                        the bf16 output (6): 12 B, not 24
 the first LayerNorm: the fp32 position add (12 B)      the same, reading the token and
-before it                                              position rows (8): 14 B, not 26
+before it                                              position rows (8), writing the
+                                                       stream and the output (6): 14 B,
+                                                       not 26
 cast of the bf16 input gradient to fp32 (6), fp32      a LayerNorm backward whose input-
 LayerNorm backward: its input-gradient kernel (reads   gradient kernel reads the bf16
 8, writes 4) and its parameter-gradient kernel         gradient, the fp32 input and the
@@ -39,11 +41,11 @@ a bias gradient's reduction and its cast to fp32       one reduction (the cast i
 A fused LayerNorm is priced by the ``norm`` (``norm_backward``) profile at the width that
 moves its bytes — the fp32 LayerNorm of the eager list is that profile at width 2h (8 B an
 element forward, 20 backward: the profile's rows time both backward kernels), so a fused
-one moving B bytes an element is width 2h·B/8 (2h·B/20) — and the loss's two kernels by the ``elementwise`` profile at their
-bytes. Everything else is unchanged: the weight and bias casts (their consumers are
-library GEMMs, which Inductor does not fuse into), the weight-gradient casts, GELU and its
-gradient (their inputs are GEMM outputs), attention's dq/dk/dv concatenation, the
-optimizer (outside the compiled model).
+one moving B bytes an element is width 2h·B/8 (2h·B/20) — and the loss's two kernels by
+the ``elementwise`` profile at their bytes. Everything else is unchanged: the weight and
+bias casts (their consumers are library GEMMs, which Inductor does not fuse into), the
+weight-gradient casts, GELU and its gradient (their inputs are GEMM outputs), attention's
+dq/dk/dv concatenation, the optimizer (outside the compiled model).
 
 How these were checked. On the CPU, Inductor's own scheduler (the C++ backend) for the
 compiled reference step writes the logits and their gradient only in bf16 (no fp32 copy
@@ -51,12 +53,13 @@ of either: ``tests/planner/test_inductor_kernels.py``), fuses each LayerNorm's o
 into it, runs the position add, the residual adds (all but one: from two layers on it
 writes one residual sum in a kernel of its own) and every residual-gradient add inside
 the LayerNorms' kernels, and leaves the weight, bias and weight-gradient casts as kernels
-of their own, one per tensor, as this rewrite does. It also leaves the cast of the gradient entering a
-residual branch as a kernel of its own, where this rewrite fuses it into the LayerNorm
-backward as Inductor's GPU (Triton) backend does with a persistent reduction's epilogue:
-that step, and the fused kernels' prices, were not checked on a GPU (no profile of a
-compiled step was taken); the measured compiled steps of ``validate-model``'s tables are
-the only check, and they were seen before this was written.
+of their own, one per tensor, as this rewrite does. It also leaves the cast of the
+gradient entering a residual branch as a kernel of its own, where this rewrite fuses it
+into the LayerNorm backward, as Inductor's GPU (Triton) backend can: there the LayerNorm
+backward is a persistent reduction that stores several outputs. That step, and the fused
+kernels' prices, were not checked on a GPU (no profile of a compiled step was taken); the
+measured compiled steps of ``validate-model``'s tables are the only check, and they were
+seen before this was written.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ _NORM_BACKWARD_BYTES = 20
 _FUSED_RESIDUAL = 6         # reads the bf16 branch (2), writes the fp32 stream (4)
 _FUSED_POSITION_ADD = 8     # reads the fp32 position rows (4), writes the fp32 stream (4)
 _FUSED_OUTPUT_CAST = -2     # writes its output in bf16 (2), not fp32 (4)
-_FUSED_INPUT_GRAD_CAST = -4   # both kernels read the bf16 gradient (2 + 2), not its fp32 cast
+_FUSED_INPUT_GRAD_CAST = -4   # both kernels read the bf16 gradient, not its fp32 cast
 _FUSED_RESIDUAL_GRAD = 4    # reads the fp32 residual gradient
 _FUSED_BRANCH_GRAD_CAST = 2   # writes the sum's bf16 cast too
 # the fused loss: bytes per logit read and written (module docstring)
@@ -98,9 +101,9 @@ def _norm(op: TraceCompute, fused_bytes: int, eager_bytes: int) -> TraceCompute:
     """``op`` (an fp32 LayerNorm of the eager list) widened to move ``fused_bytes`` per
     element where it moved ``eager_bytes``."""
     tokens, width = op.kernel.shape
-    kernel = dataclasses.replace(op.kernel,
-                                 shape=(tokens, max(1, round(width * fused_bytes / eager_bytes))))
-    return dataclasses.replace(op, bytes=op.bytes * fused_bytes // eager_bytes, kernel=kernel)
+    wide = max(1, round(width * fused_bytes / eager_bytes))
+    return dataclasses.replace(op, bytes=op.bytes * fused_bytes // eager_bytes,
+                               kernel=dataclasses.replace(op.kernel, shape=(tokens, wide)))
 
 
 def _loss(op: TraceCompute, what: str, bytes_per_logit: int) -> TraceCompute:

@@ -105,11 +105,15 @@ def _cannot_compile_here(torch) -> str | None:
 
 @pytest.fixture(scope="module")
 def compiled():
+    """Each shape's compiled step, its kernels built in this process (no compile
+    workers)."""
     torch = pytest.importorskip("torch", reason="the compiled-step check runs PyTorch "
                                                 "(vcluster[torch])")
-    if why := _cannot_compile_here(torch):
-        pytest.skip(why)
-    return {shape: _compiled_step(*shape) for shape in SHAPES}
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(compile_threads=1):
+        if why := _cannot_compile_here(torch):
+            pytest.skip(why)
+        return {shape: _compiled_step(*shape) for shape in SHAPES}
 
 
 @pytest.mark.slow

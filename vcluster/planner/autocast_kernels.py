@@ -49,7 +49,8 @@ through unchanged.
 
 Where it applies (:func:`~vcluster.planner.simulation.simulate_gpt`): under the
 ``torch_amp`` policy, on hardware whose kernels are priced from measurements (a kernel
-table or a ``hardware calibrate --gpu`` file). The analytic presets divide every kernel by
+table or a ``hardware calibrate --gpu`` file); under ``torch_compile`` too, the list then
+fused as Inductor fuses it (:mod:`.inductor_kernels`). The analytic presets divide every kernel by
 ``TRAINING_KERNEL_EFFICIENCY``, a constant that stands for the work a trace does not
 itemise, eager PyTorch's casts among it: itemising them there as well would count them
 twice.
@@ -155,6 +156,7 @@ def autocast_kernels_priced(policy, costs) -> bool:
     """Whether a step under precision ``policy`` (a
     :class:`~vcluster.planner.precision.PrecisionPolicy`) priced by ``costs`` (a
     :class:`~vcluster.timing.hardware_model.HardwareCostModel`) runs these kernels by
-    default: when the policy's step runs them (``torch_amp``) and the hardware prices
-    kernels from measurements (module docstring: why not on the analytic presets)."""
+    default: when the policy's step runs them (``torch_amp``, ``torch_compile``) and the
+    hardware prices kernels from measurements (module docstring: why not on the analytic
+    presets)."""
     return policy.autocast_kernels and costs.kernel_profile is not None

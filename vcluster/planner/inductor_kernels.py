@@ -84,6 +84,11 @@ _FUSED_OUTPUT_CAST = -2     # writes its output in bf16 (2), not fp32 (4)
 _FUSED_INPUT_GRAD_CAST = -4   # both kernels read the bf16 gradient, not its fp32 cast
 _FUSED_RESIDUAL_GRAD = 4    # reads the fp32 residual gradient
 _FUSED_BRANCH_GRAD_CAST = 2   # writes the sum's bf16 cast too
+# the neighbours a LayerNorm takes in: (name suffix, bytes per element added), in order
+_FORWARD_BEFORE = ((": residual", _FUSED_RESIDUAL), (": + positions", _FUSED_POSITION_ADD))
+_BACKWARD_BEFORE = ((f"{AUTOCAST_CAST} input gradient", _FUSED_INPUT_GRAD_CAST),)
+_BACKWARD_AFTER = (("residual gradient add (fp32)", _FUSED_RESIDUAL_GRAD),
+                   (f"{AUTOCAST_CAST} gradient", _FUSED_BRANCH_GRAD_CAST))
 # the fused loss: bytes per logit read and written (module docstring)
 _LOSS_FORWARD_BYTES = 2
 _LOSS_BACKWARD_BYTES = 4
@@ -114,6 +119,28 @@ def _loss(op: TraceCompute, what: str, bytes_per_logit: int) -> TraceCompute:
                         kernel=Kernel.elementwise(bytes_per_logit * logits // 2))
 
 
+def _absorb_before(out: list, fusible) -> int:
+    """Pop the op before (``out[-1]``) when its name ends with one of ``fusible``'s
+    suffixes — (suffix, bytes per element it adds) pairs, the first match taken — and
+    return the bytes it adds (0: nothing absorbed)."""
+    for suffix, moved in fusible:
+        if out and _named(out[-1], suffix):
+            out.pop()
+            return moved
+    return 0
+
+
+def _absorb_after(ops: list, i: int, fusible) -> tuple[int, int]:
+    """Take the ops from ``ops[i]`` on that end with ``fusible``'s suffixes, in that order,
+    each optional: (the index after them, the bytes per element they add)."""
+    added = 0
+    for suffix, moved in fusible:
+        if i < len(ops) and _named(ops[i], suffix):
+            i += 1
+            added += moved
+    return i, added
+
+
 def with_inductor_fusion(ops) -> tuple:
     """``ops`` — a kernel list of :func:`~.autocast_kernels.with_autocast_kernels` — as
     ``torch.compile`` runs it: the module docstring's table, op by op. Ops it does not
@@ -126,29 +153,14 @@ def with_inductor_fusion(ops) -> tuple:
         if k is None:
             out.append(op)
         elif k.kind is KernelKind.NORM and not k.backward:
-            moved = _NORM_FORWARD_BYTES
-            if out and _named(out[-1], ": residual"):
-                out.pop()
-                moved += _FUSED_RESIDUAL
-            elif out and _named(out[-1], ": + positions"):
-                out.pop()
-                moved += _FUSED_POSITION_ADD
-            if i < len(ops) and _named(ops[i], f"{op.name}: {AUTOCAST_CAST} input"):
-                i += 1
-                moved += _FUSED_OUTPUT_CAST
-            out.append(_norm(op, moved, _NORM_FORWARD_BYTES))
+            moved = _NORM_FORWARD_BYTES + _absorb_before(out, _FORWARD_BEFORE)
+            i, cast = _absorb_after(ops, i, ((f"{op.name}: {AUTOCAST_CAST} input",
+                                              _FUSED_OUTPUT_CAST),))
+            out.append(_norm(op, moved + cast, _NORM_FORWARD_BYTES))
         elif k.kind is KernelKind.NORM:
-            moved = _NORM_BACKWARD_BYTES
-            if out and _named(out[-1], f"{AUTOCAST_CAST} input gradient"):
-                out.pop()
-                moved += _FUSED_INPUT_GRAD_CAST
-            if i < len(ops) and _named(ops[i], "residual gradient add (fp32)"):
-                i += 1
-                moved += _FUSED_RESIDUAL_GRAD
-            if i < len(ops) and _named(ops[i], f"{AUTOCAST_CAST} gradient"):
-                i += 1
-                moved += _FUSED_BRANCH_GRAD_CAST
-            out.append(_norm(op, moved, _NORM_BACKWARD_BYTES))
+            moved = _NORM_BACKWARD_BYTES + _absorb_before(out, _BACKWARD_BEFORE)
+            i, after = _absorb_after(ops, i, _BACKWARD_AFTER)
+            out.append(_norm(op, moved + after, _NORM_BACKWARD_BYTES))
         elif k.kind is KernelKind.CROSS_ENTROPY:
             name = op.name.rpartition(": ")[2]
             if name == "sum exp, target logit":

@@ -185,30 +185,36 @@ def test_the_step_grows_by_the_price_of_the_kernels_added_less_those_left_out(na
     assert on.step_time_s - off.step_time_s == pytest.approx(delta, rel=1e-9)
 
 
-def test_simulate_gpt_says_when_it_prices_autocast_kernels(tmp_path):
+def simulate_cli(tmp_path, capsys, precision: str, hardware: str, *flags) -> tuple:
+    """``vcluster simulate gpt`` of a small GPT on one GPU under ``precision``, run as the
+    console script runs it: (stdout, the JSON). ``hardware`` "table": a file that opts in
+    to ``h100_kernels.csv`` on ``h100-dgx``; else a preset."""
+    import json
+
+    from vcluster.cli.main import main
+    if hardware == "table":
+        hardware = tmp_path / "h100-table.yaml"
+        hardware.write_text("base: h100-dgx\ndevice:\n  kernel_table: h100_kernels.csv\n")
+    out = tmp_path / "r.json"
+    code = main(["simulate", "gpt", "--hidden", "256", "--layers", "2", "--heads", "4",
+                 "--seq", "128", "--vocab", "512", "--global-batch", "2", "--micro-batch",
+                 "2", "--precision", precision, *flags, "--hardware", str(hardware),
+                 "--json", str(out)])
+    text = capsys.readouterr()
+    assert code == 0, text.err
+    return text.out, json.loads(out.read_text())
+
+
+def test_simulate_gpt_says_when_it_prices_autocast_kernels(tmp_path, capsys):
     """The CLI: a hardware file that opts in to the kernel table, ``--precision
     torch_amp``: the kernels line and the JSON key; the preset: neither;
     ``--autocast-kernels on|off`` overrides either."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    hw = tmp_path / "h100-table.yaml"
-    hw.write_text("base: h100-dgx\ndevice:\n  kernel_table: h100_kernels.csv\n")
-    args = [sys.executable, "-m", "vcluster", "simulate", "gpt", "--hidden", "256",
-            "--layers", "2", "--heads", "4", "--seq", "128", "--vocab", "512",
-            "--global-batch", "2", "--micro-batch", "2", "--precision", "torch_amp"]
-    for hardware, flag, priced in ((str(hw), [], True), ("h100-dgx", [], False),
-                                   (str(hw), ["--autocast-kernels", "off"], False),
+    for hardware, flag, priced in (("table", [], True), ("h100-dgx", [], False),
+                                   ("table", ["--autocast-kernels", "off"], False),
                                    ("h100-dgx", ["--autocast-kernels", "on"], True)):
-        out = tmp_path / "r.json"
-        proc = subprocess.run(args + flag + ["--hardware", hardware, "--json", str(out)],
-                              capture_output=True, text=True, timeout=120, env=env)
-        assert proc.returncode == 0, proc.stderr
-        assert ("plain PyTorch's under autocast" in proc.stdout) is priced
-        assert json.loads(out.read_text())["autocast_kernels"] is priced
+        out, result = simulate_cli(tmp_path, capsys, "torch_amp", hardware, *flag)
+        assert ("plain PyTorch's under autocast" in out) is priced
+        assert result["autocast_kernels"] is priced
 
 
 def test_each_added_kernel_counts_in_the_kind_of_the_block_it_serves():

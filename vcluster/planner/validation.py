@@ -91,8 +91,9 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
 def gpu_steps():
     """Every row of the measured one-GPU step tables (:data:`GPU_STEP_TABLES`) as
     ``(table, preset, precision, row, config, parallel, case)``: the table's preset and
-    precision policy (:data:`COMPILED_POLICY`'s for a compiled row), the CSV row (``step_ms``, ``peak_gb``, ...), its GPTConfig, one GPU
-    with global batch = micro-batch, and the row's label."""
+    precision policy (:data:`COMPILED_POLICY`'s for a compiled row), the CSV row
+    (``step_ms``, ``peak_gb``, ...), its GPTConfig, one GPU with global batch =
+    micro-batch, and the row's label."""
     for table, (preset, precision) in GPU_STEP_TABLES.items():
         for r in read_data_csv(table)[1]:
             cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
@@ -109,10 +110,11 @@ def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
     ``peak_memory_gb``: without the allocator's reserve, as
     ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset under
     the precision policy of the measured step (``torch_amp``: 16 bytes per parameter;
-    ``torch_compile`` for a compiled row). ``kernel_table``: a shipped table of measured kernels that
-    prices the preset's kernels instead (moved from the GPU that measured it to the
-    preset's by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's autocast
-    kernels: :mod:`.autocast_kernels`)."""
+    ``torch_compile`` for a compiled row). ``kernel_table``: a shipped table of measured
+    kernels that prices the preset's kernels instead (moved from the GPU that measured it
+    to the preset's by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's
+    autocast kernels, :mod:`.autocast_kernels`, fused under ``torch_compile``,
+    :mod:`.inductor_kernels`)."""
     rows = []
     hardware = {preset: load_hardware({"base": preset, "device": {"kernel_table": kernel_table}})
                 if kernel_table else preset for preset, _ in GPU_STEP_TABLES.values()}

@@ -119,7 +119,7 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {r["source"] for r in rows} >= {"megatron_2020_a100.csv", "megatron_sc21_table1.csv"}
-    assert len(rows) == 5 + 8 + 10 + 2 * 5 + 2 * 8 + 2 * 7
+    assert len(rows) == 5 + 8 + 10 + 14 + 2 * 5 + 2 * 8 + 2 * 7
     for r in rows:
         assert set(r) == {"source", "case", "metric", "published", "predicted", "rel_error",
                           "table", "role"}
@@ -128,6 +128,7 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     for table, columns in (("nccl_a100.csv", ("busbw_gbps",)),
                            ("megatron_2020_a100.csv", ("iter_ms",)),
                            ("megatron_sc21_table1.csv", ("tflops_per_gpu",)),
+                           ("korthikanti_2022_a100.csv", ("published",)),
                            ("h200_gpt_steps.csv", ("step_ms", "peak_gb")),
                            ("h100_gpt_steps.csv", ("step_ms", "peak_gb")),
                            ("h200_shapes_steps.csv", ("step_ms", "peak_gb"))):
@@ -143,7 +144,16 @@ def test_validate_model_meets_the_acceptance(tmp_path):
         assert len(h100) == 8 and np.mean(h100) <= 0.15, (metric, h100)
     held = [abs(r["rel_error"]) for r in rows if r["role"] == "held_out"]
     assert data["held_out_mean_abs_rel_error"] == pytest.approx(np.mean(held))
-    assert "held out (45 rows, no constant chosen on them)" in proc.stdout
+    assert "held out (59 rows, no constant chosen on them)" in proc.stdout
+    # per table and metric: the recompute table's iterations and layers apart (issue 26)
+    korthikanti = data["by_table"]["korthikanti_2022_a100.csv"]
+    assert {m: k["rows"] for m, k in korthikanti.items()} == {"iter_s": 9, "layer_ms": 5}
+    for metric, k in korthikanti.items():
+        e = [abs(r["rel_error"]) for r in rows if r["table"] == "korthikanti_2022_a100.csv"
+             and r["metric"] == metric]
+        assert k["mean_abs_rel_error"] == pytest.approx(np.mean(e))
+        assert k["max_abs_rel_error"] == pytest.approx(max(e))
+    assert "korthikanti_2022_a100.csv   held_out iter_s" in proc.stdout
     assert data["gemm_profile"]["rows"] == 160
     assert set(data["kernel_profiles"]) >= {"attention", "norm", "cross_entropy", "optimizer"}
     assert "H100 kernel profiles by kind" in proc.stdout

@@ -1,7 +1,9 @@
 """``vcluster validate-model``: the timing model against published measurements.
 
 Rows: bus bandwidth of every row of nccl_a100.csv, iteration time of every row of
-megatron_2020_a100.csv, TFLOP/s per GPU of every row of megatron_sc21_table1.csv, and step
+megatron_2020_a100.csv, TFLOP/s per GPU of every row of megatron_sc21_table1.csv,
+iteration time and one layer's time of every row of korthikanti_2022_a100.csv (full and
+selective recomputation, :func:`~vcluster.planner.validation.validate_recompute`), and step
 time and peak memory of every row of h200_gpt_steps.csv, h100_gpt_steps.csv and
 h200_shapes_steps.csv (one-GPU PyTorch steps measured with ``vcluster bench gpu-step``)
 (copies ship with vcluster as package data), each with
@@ -9,15 +11,17 @@ published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
 ``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
-and the held-out mean separately; then the H100 GEMM profile's leave-one-out error on
+and the held-out mean separately, then each table's mean and max per metric
+(``by_table``); then the H100 GEMM profile's leave-one-out error on
 h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`) and that of each other kind's
 profile (:mod:`vcluster.timing.kernel_profiles`).
 
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
-``held_out``) nor on the one-GPU step tables (measured after every constant was set:
-``held_out``; h200_shapes_steps.csv also after the ``torch_amp`` memory count was
+``held_out``) nor on korthikanti_2022_a100.csv (added after every constant was set)
+nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
+h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
 ``torch_compile`` count, which was written after they were seen: docs/timing.md).
 """
@@ -39,18 +43,24 @@ def add_parser(commands) -> None:
 
 def validation_rows() -> dict:
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import validate_gpu_steps, validate_megatron
+    from vcluster.planner.validation import (validate_gpu_steps, validate_megatron,
+                                             validate_recompute)
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
-    rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_gpu_steps()]
+    rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_recompute()
+                                                   + validate_gpu_steps()]
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
     held = [abs(r["rel_error"]) for r in rows if r["role"] == "held_out"]
     fit = [abs(r["rel_error"]) for r in rows if r["role"] == "fit"]
+    by_table: dict = {}
+    for r in rows:
+        by_table.setdefault(r["table"], {}).setdefault(r["metric"], []).append(
+            abs(r["rel_error"]))
     measured: dict = {}
     for r in validate_gpu_steps(kernel_table=H100_KERNEL_TABLE):
         if r["metric"] == "step_ms":
@@ -59,6 +69,11 @@ def validation_rows() -> dict:
             "max_abs_rel_error": max(errors),
             "held_out_mean_abs_rel_error": sum(held) / len(held) if held else None,
             "fit_mean_abs_rel_error": sum(fit) / len(fit) if fit else None,
+            # mean |error| per table and metric: step times and peak memory apart
+            "by_table": {table: {metric: {"rows": len(e), "mean_abs_rel_error": sum(e) / len(e),
+                                          "max_abs_rel_error": max(e)}
+                                 for metric, e in metrics.items()}
+                         for table, metrics in by_table.items()},
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -72,14 +87,21 @@ def _run(args) -> int:
     result = validation_rows()
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
-        print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.1f}"
-              f"{r['predicted']:>11.1f}{100 * r['rel_error']:>+7.1f}%  {r['role']}")
+        print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"
+              f"{r['predicted']:>11.4g}{100 * r['rel_error']:>+7.1f}%  {r['role']}")
     n_held = sum(r["role"] == "held_out" for r in result["rows"])
     print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
           f"max |error| {100 * result['max_abs_rel_error']:.1f}%   "
           f"held out ({n_held} rows, no constant chosen on them): "
           f"{100 * result['held_out_mean_abs_rel_error']:.1f}%   fit "
           f"({len(result['rows']) - n_held} rows): {100 * result['fit_mean_abs_rel_error']:.1f}%")
+    print("by table and metric (mean |error|, max |error|, rows):")
+    roles = {r["table"]: r["role"] for r in result["rows"]}
+    for table, metrics in result["by_table"].items():
+        print(f"  {table:<28}{roles[table]:<9}" + "   ".join(
+            f"{metric} {100 * m['mean_abs_rel_error']:.1f}% "
+            f"(max {100 * m['max_abs_rel_error']:.1f}%, {m['rows']})"
+            for metric, m in metrics.items()))
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

@@ -1,4 +1,6 @@
-"""Predicted against published: Megatron-LM's iteration times and TFLOP/s per GPU.
+"""Predicted against published: Megatron-LM's iteration times and TFLOP/s per GPU (and,
+in :func:`validate_recompute`, Korthikanti et al. 2022's iterations and layer times with
+full and selective recomputation, run as that paper gives them).
 
 Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
 ``megatron_sc21_table1.csv`` (TFLOP/s per GPU) is simulated with
@@ -27,7 +29,8 @@ from vcluster.timing import load_hardware, read_data_csv
 
 from .simulation import simulate_gpt
 
-__all__ = ["validate_megatron", "validate_gpu_steps", "gpu_steps", "micro_batch_for",
+__all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
+           "micro_batch_for", "RECOMPUTE_TABLE",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -43,6 +46,16 @@ COMPILED_POLICY = MappingProxyType({"torch_amp": "torch_compile"})
 
 DEFAULT_MICRO_BATCH = 1
 HARDWARE = "a100-80gb-dgx"
+
+#: Korthikanti et al. 2022's A100 iterations and layer times with full and selective
+#: recomputation (:func:`validate_recompute`)
+RECOMPUTE_TABLE = "korthikanti_2022_a100.csv"
+
+_RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
+                                     "selective": "selective recompute"})
+
+#: the layer ops of :attr:`GPTSimulation.ops` (the rest: embedding, logits, optimizer)
+_LAYER_OPS = ("attention", "mlp")
 
 
 def micro_batch_for(global_batch: int, dp: int, pp: int) -> int:
@@ -85,6 +98,45 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
         case = f"{r['model']} tp={tp} pp={pp} dp={par.dp} ({gpus} GPUs)"
         rows.append(_row_result("megatron_sc21_table1.csv", case, "tflops_per_gpu",
                                 float(r["tflops_per_gpu"]), flops / gpus / sim.step_time_s / 1e12))
+    return rows
+
+
+def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
+    """Every row of :data:`RECOMPUTE_TABLE` (Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models", 2022): the configuration its header and
+    columns give (micro-batch, interleaving degree, recomputation, sequence parallelism as
+    run, unfused attention as for the other Megatron tables), simulated on the A100-80GB
+    DGX preset. ``iter_s``: the step time. ``layer_ms``: one transformer layer's forward
+    plus backward, the layer ops' compute and communication over the layers — on one
+    pipeline stage with one micro-batch the model runs them one after the other, so their
+    sum is the layers' share of the step (:data:`_LAYER_OPS`; the rest is the embedding,
+    the logits and loss, and the optimizer)."""
+    rows = []
+    for r in read_data_csv(RECOMPUTE_TABLE)[1]:
+        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        v = int(r["virtual_stages"])
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=int(r["micro_batch"]), dp=int(r["dp"]),
+                             pp=int(r["pp"]), tp=int(r["tp"]),
+                             schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                             virtual_stages=v if v > 1 else None, recompute=r["recompute"],
+                             sequence_parallel=r["sequence_parallel"] == "1",
+                             attention="unfused")
+        sim = simulate_gpt(cfg, par, hardware)
+        how = _RECOMPUTE_LABEL[r["recompute"]] + (" + sp" if par.sequence_parallel else "")
+        if r["metric"] == "iter_s":
+            case = f"{r['model']} {how} pp={par.pp} dp={par.dp} ({r['gpus']} GPUs)"
+            predicted = sim.step_time_s
+        else:
+            if par.pp != 1 or par.microbatches != 1:
+                raise ValueError(f"{RECOMPUTE_TABLE}: a layer_ms row needs pp = 1 and one "
+                                 f"micro-batch, got pp={par.pp}, {par.microbatches}")
+            case = f"{r['model']} one layer, {how}"
+            predicted = 1e3 * sum(o.compute_s + o.comm_s for o in sim.ops
+                                  if o.op in _LAYER_OPS) / cfg.layers
+        rows.append(_row_result(RECOMPUTE_TABLE, case, r["metric"], float(r["published"]),
+                                predicted))
     return rows
 
 

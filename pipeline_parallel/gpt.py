@@ -72,10 +72,14 @@ from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
-           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS"]
+           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
+           "TP_OVERLAP"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
+#: ParallelConfig.tp_overlap: "backward" (Megatron-LM's asynchronous reduction of a
+#: column-parallel linear's input gradient during its weight-gradient GEMM) or "none"
+TP_OVERLAP = ("backward", "none")
 
 _LAYER = TransformerLayer.names
 
@@ -249,7 +253,15 @@ class ParallelConfig:
 
     ``cp``: context parallelism, the size of the mesh axis ``cp`` (each rank holds 2 of
     the sequence's 2·cp chunks; see the module doc), with ``cp_algorithm`` "ring" (K/V
-    passed around the cp ring, overlapping the attention) or "all_gather"."""
+    passed around the cp ring, overlapping the attention) or "all_gather".
+
+    ``tp_overlap``: ``"backward"`` (default) reduces the input gradient of each
+    column-parallel linear (QKV, the MLP's first) asynchronously while that linear's
+    weight gradient is computed, as Megatron-LM has done since 2021
+    (``--async-tensor-model-parallel-allreduce``, always on in Megatron-Core; Korthikanti
+    et al. 2022 §6.2): the math is the same, the timeline overlaps (see
+    :meth:`use_async_grad_reduce`); ``"none"`` puts every tensor-parallel collective on
+    the critical path, as Megatron-LM's 2020 and SC'21 runs did."""
 
     global_batch: int
     micro_batch: int = 1
@@ -266,6 +278,7 @@ class ParallelConfig:
     cp: int = 1
     cp_algorithm: str = "ring"
     ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
+    tp_overlap: str = "backward"
 
     def __post_init__(self):
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
@@ -274,7 +287,7 @@ class ParallelConfig:
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
                            ("sequence_parallel", (False, True)), ("attention", ATTENTION),
                            ("distributed_optimizer", (False, True)),
-                           ("cp_algorithm", CP_ALGORITHMS)):
+                           ("cp_algorithm", CP_ALGORITHMS), ("tp_overlap", TP_OVERLAP)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
@@ -303,6 +316,14 @@ class ParallelConfig:
     @property
     def microbatches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def use_async_grad_reduce(self) -> bool:
+        """Whether the program overlaps a column-parallel linear's input-gradient
+        reduction with its weight gradient (``tp_overlap`` "backward"): not under the
+        zero-bubble schedule, whose weight pass ``W`` runs apart from the input gradient
+        ``I`` to fill the pipeline's bubbles."""
+        return self.tp_overlap == "backward" and self.schedule != "zero_bubble"
 
     @property
     def chunks(self) -> int:
@@ -385,7 +406,8 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
-                               par.sequence_parallel, flash=par.attention == "flash"), \
+                               par.sequence_parallel, flash=par.attention == "flash",
+                               async_grad_reduce=par.use_async_grad_reduce), \
         dict(job.params)
     cp = positions = None
     if "cp" in dev.mesh.axes and dev.mesh.axis_size("cp") > 1:

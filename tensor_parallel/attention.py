@@ -86,9 +86,13 @@ class TransformerOps(_OnDevice):
     ``local_matmul`` / :func:`batched_matmul`, elementwise work (LayerNorm, softmax,
     gelu, residuals) declared with 0 FLOPs and the bytes it touches."""
 
-    def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool, flash: bool = False):
+    def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool, flash: bool = False,
+                 async_grad_reduce: bool = False):
         super().__init__(dev, ACTIVATIONS["gelu"], {})
         self.flash = bool(flash)     # core attention as one fused kernel (Attention.core)
+        # a column-parallel linear's input gradient reduced while its weight gradient is
+        # computed (reduce_input_grad)
+        self.async_grad_reduce = bool(async_grad_reduce)
         tp = tp_axis is not None and dev.mesh.axis_size(tp_axis) > 1
         self.tp_axis = tp_axis if tp else None
         self.tp_size = dev.mesh.axis_size(tp_axis) if tp else 1
@@ -126,6 +130,22 @@ class TransformerOps(_OnDevice):
     def reduce_out(self, x, name):
         """Leave a TP region: all_reduce(tp), SP reduce_scatter(tp) on dim 1, or x."""
         return self.comm(self.c.y_out, x, name)
+
+    def reduce_input_grad(self, dx, name, weight_grads) -> tuple:
+        """Leave a TP region with ``dx``, the input gradient of a column-parallel linear
+        (all_reduce(tp), or reduce_scatter(tp) under SP, as :meth:`reduce_out`): ``(dx
+        reduced, True)`` after running ``weight_grads()`` — that linear's weight and
+        bias gradients, accumulated in place — while the reduction is in flight, as
+        Megatron-LM's column-parallel linears do (``async_grad_reduce``: the reduction
+        issued asynchronously before the weight-gradient GEMM and waited after it, Megatron's
+        ``--async-tensor-model-parallel-allreduce``, Korthikanti et al. 2022 §6.2); else
+        ``(reduce_out(dx), False)`` with ``weight_grads`` left to the caller's weight pass."""
+        c = self.c.y_out
+        if c is None or not self.async_grad_reduce:
+            return self.reduce_out(dx, name), False
+        work = self.comm(c, dx, name, async_op=True)
+        weight_grads()
+        return work.wait(), True
 
     def all_reduce_tp(self, x, op: str = "sum"):
         return x if self.tp_axis is None else self.dev.all_reduce(x, self.tp_axis, op=op)
@@ -275,9 +295,12 @@ class Attention:
                  "none": ()}[keep]
         return y, state
 
-    def backward_input(self, ops, state, dy, w_qkv, w_o):
+    def backward_input(self, ops, state, dy, w_qkv, w_o, g_qkv=None, gb_qkv=None):
         """dx (x's layout) and the state of the weight gradient, from ``forward``'s state
-        (with P and C recomputed first when it holds none: selective recomputation)."""
+        (with P and C recomputed first when it holds none: selective recomputation).
+        ``g_qkv``, ``gb_qkv``: W_qkv's and b_qkv's gradients, accumulated here while dx is
+        reduced under ``ops.async_grad_reduce`` (:meth:`TransformerOps.reduce_input_grad`;
+        the state then says so and :meth:`backward_weight` leaves them)."""
         x2, q, k, v, p, ctx = state
         b, s = self._bs(x2, q)
         if p is None:
@@ -294,14 +317,25 @@ class Attention:
         dqkv = ops.ew("attention: merge dq, dk, dv", lambda: np.concatenate(
             [self._merge_raw(t, b, s) for t in (dq, dk, dv)], axis=1), dq, dk, dv)
         dx = ops.matmul(dqkv, w_qkv.reshape(h, -1).T, "attention: dx = dqkv W_qkv^T")
-        dx = ops.reduce_out(dx.reshape(b, s, h), "attention: reduce dx")
-        return dx, (x2, dqkv, ctx, dy2)
+        if g_qkv is None:
+            return ops.reduce_out(dx.reshape(b, s, h), "attention: reduce dx"), \
+                (x2, dqkv, ctx, dy2)
+        dx, done = ops.reduce_input_grad(
+            dx.reshape(b, s, h), "attention: reduce dx",
+            lambda: self._qkv_grads(ops, x2, dqkv, g_qkv, gb_qkv))
+        return dx, ((None, None) if done else (x2, dqkv)) + (ctx, dy2)
 
-    def backward_weight(self, ops, wstate, g_qkv, gb_qkv, g_o, gb_o) -> None:
-        """Accumulate dW_qkv, db_qkv, dW_o, db_o (in place)."""
-        x2, dqkv, ctx, dy2 = wstate
+    @staticmethod
+    def _qkv_grads(ops, x2, dqkv, g_qkv, gb_qkv) -> None:
         g_qkv += ops.matmul(x2.T, dqkv, "attention: dW_qkv = x^T dqkv").reshape(g_qkv.shape)
         gb_qkv += ops.sum_rows(dqkv, "attention: db_qkv").reshape(gb_qkv.shape)
+
+    def backward_weight(self, ops, wstate, g_qkv, gb_qkv, g_o, gb_o) -> None:
+        """Accumulate dW_qkv, db_qkv (unless :meth:`backward_input` did), dW_o, db_o (in
+        place)."""
+        x2, dqkv, ctx, dy2 = wstate
+        if x2 is not None:
+            self._qkv_grads(ops, x2, dqkv, g_qkv, gb_qkv)
         g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
         gb_o += ops.sum_rows(dy2, "attention: db_o")
 

@@ -140,15 +140,18 @@ class _OnDevice(_Backend):
     def matmul(self, a, b, name):
         return local_matmul(self.dev, a, b, f"ffn: {name}")
 
-    def comm(self, c: Collective | None, x, name):
+    def comm(self, c: Collective | None, x, name, async_op: bool = False):
+        """``c`` on x (x itself when None); ``async_op``: issued asynchronously, its
+        :class:`Work` returned (``wait()`` gives the result)."""
         if c is None:
             return x
         alg = self.algorithms.get(c.kind, "auto")
         if c.kind == "all_gather":
-            return self.dev.all_gather(x, c.axis, dim=c.dim, algorithm=alg)
+            return self.dev.all_gather(x, c.axis, dim=c.dim, algorithm=alg, async_op=async_op)
         if c.kind == "reduce_scatter":
-            return self.dev.reduce_scatter(x, c.axis, dim=c.dim, algorithm=alg)
-        return self.dev.all_reduce(x, c.axis, algorithm=alg)
+            return self.dev.reduce_scatter(x, c.axis, dim=c.dim, algorithm=alg,
+                                           async_op=async_op)
+        return self.dev.all_reduce(x, c.axis, algorithm=alg, async_op=async_op)
 
 
 class _OnShapes(_Backend):

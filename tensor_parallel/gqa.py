@@ -221,9 +221,12 @@ class GQAttention:
                  "none": ()}[keep]
         return y, state
 
-    def backward_input(self, ops, state, dy, w_q, w_kv, w_o):
+    def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None):
         """dx (x's layout) and the weight gradient's state (P and C recomputed first when
-        the state holds none: selective recomputation)."""
+        the state holds none: selective recomputation). ``g_q``, ``g_kv``: W_q's and
+        W_kv's gradients, accumulated here while dx is reduced under
+        ``ops.async_grad_reduce`` (``TransformerOps.reduce_input_grad``; the state then
+        says so and :meth:`backward_weight` leaves them)."""
         x2, q, k, v, p, ctx = state
         b, s = x2.shape[0] // k.shape[1], k.shape[1]
         if p is None:
@@ -246,14 +249,23 @@ class GQAttention:
         dxq = ops.matmul(dq, w_q.T, "attention: dx = dq W_q^T")
         dxkv = ops.matmul(dkv, w_kv.reshape(h, -1).T, "attention: dx += dkv W_kv^T")
         dx = ops.ew("attention: add dx", lambda: dxq + dxkv, dxq, dxkv).reshape(b, s, h)
-        dx = ops.reduce_out(dx, "attention: reduce dx")
-        return dx, (x2, dq, dkv, ctx, dy2)
+        if g_q is None:
+            return ops.reduce_out(dx, "attention: reduce dx"), (x2, dq, dkv, ctx, dy2)
+        dx, done = ops.reduce_input_grad(dx, "attention: reduce dx",
+                                         lambda: self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv))
+        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2)
 
-    def backward_weight(self, ops, wstate, g_q, g_kv, g_o) -> None:
-        """Accumulate dW_q, dW_kv, dW_o (in place)."""
-        x2, dq, dkv, ctx, dy2 = wstate
+    @staticmethod
+    def _qkv_grads(ops, x2, dq, dkv, g_q, g_kv) -> None:
         g_q += ops.matmul(x2.T, dq, "attention: dW_q = x^T dq")
         g_kv += ops.matmul(x2.T, dkv, "attention: dW_kv = x^T dkv").reshape(g_kv.shape)
+
+    def backward_weight(self, ops, wstate, g_q, g_kv, g_o) -> None:
+        """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did) and dW_o (in
+        place)."""
+        x2, dq, dkv, ctx, dy2 = wstate
+        if x2 is not None:
+            self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv)
         g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
 
     @staticmethod

@@ -155,7 +155,9 @@ class LlamaLayer(_Layer):
         dug = ops.matmul(dzg, P["w_gate"].T, "mlp: du = dzg W_gate^T")
         duu = ops.matmul(dzu, P["w_up"].T, "mlp: du += dzu W_up^T")
         du = ops.ew("mlp: add du", lambda: dug + duu, dug, duu).reshape(dyf.shape)
-        return ops.reduce_out(du, "mlp: reduce du"), (x2, dzg, dzu, a, dy2)
+        du, done = ops.reduce_input_grad(du, "mlp: reduce du",
+                                         lambda: self._gate_up_grads(ops, self.g, x2, dzg, dzu))
+        return du, ((None, None, None) if done else (x2, dzg, dzu)) + (a, dy2)
 
     # --- the layer ----------------------------------------------------------------------
     def _forward(self, ops, x, keep: str):
@@ -175,7 +177,8 @@ class LlamaLayer(_Layer):
         du, mw = self._mlp_backward(ops, mst, dy)
         dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp: norm grad + residual",
                             residual=dy)
-        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"])
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"],
+                                          self.g["w_q"], self.g["w_kv"])
         dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attention: norm grad + residual",
                            residual=dx1)
         self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
@@ -195,9 +198,15 @@ class LlamaLayer(_Layer):
             self._sum_kv_replicas(ops)
 
     def _mlp_weight_grads(self, ops, G, mw) -> None:
-        """dW_down, dW_gate, dW_up of the SwiGLU MLP (in place)."""
+        """dW_down, dW_gate, dW_up of the SwiGLU MLP (in place; the last two unless
+        ``_mlp_backward`` did, overlapping du's reduction)."""
         x2, dzg, dzu, a, dy2 = mw
         G["w_down"] += ops.matmul(a.T, dy2, "mlp: dW_down = a^T dy")
+        if x2 is not None:
+            self._gate_up_grads(ops, G, x2, dzg, dzu)
+
+    @staticmethod
+    def _gate_up_grads(ops, G, x2, dzg, dzu) -> None:
         G["w_gate"] += ops.matmul(x2.T, dzg, "mlp: dW_gate = x^T dzg")
         G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
 

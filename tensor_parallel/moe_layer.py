@@ -207,7 +207,8 @@ class GPTMoELayer(_Reporting, TransformerLayer):
         ln1, ast, ln2, mst = st
         du, grads = self.block.backward(ops, P, mst, dy)
         dx1 = ops.layer_norm_grad(du, ln2, P["ln2_g"], "ln2 grad + residual", residual=dy)
-        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"])
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"], self.g["w_qkv"],
+                                          self.g["b_qkv"])
         dx = ops.layer_norm_grad(dv, ln1, P["ln1_g"], "ln1 grad + residual", residual=dx1)
         self._wstate[mb] = (ln1[0], dv, aw, ln2[0], du, grads)
         return dx

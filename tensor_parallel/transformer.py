@@ -145,21 +145,32 @@ class TransformerLayer(_Layer):
         da = ops.matmul(dy2, P["w_2"].T, "mlp: da = dy W2^T")
         dh = ops.activation_grad(da, h, "mlp: dh = da act'(h)")
         du = ops.matmul(dh, P["w_1"].T, "mlp: du = dh W1^T").reshape(dyf.shape)
-        du = ops.reduce_out(du, "mlp: reduce du")
+        G = self.g
+        du, done = ops.reduce_input_grad(du, "mlp: reduce du",
+                                         lambda: self._w1_grads(ops, G, x2, dh))
         dx1 = ops.layer_norm_grad(du, ln2, P["ln2_g"], "ln2 grad + residual", residual=dy)
-        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"])
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"], G["w_qkv"],
+                                          G["b_qkv"])
         dx = ops.layer_norm_grad(dv, ln1, P["ln1_g"], "ln1 grad + residual", residual=dx1)
-        self._wstate[mb] = (ln1[0], dv, aw, ln2[0], du, x2, dh, a, dy2)
+        self._wstate[mb] = (ln1[0], dv, aw, ln2[0], du) + ((None, None) if done else (x2, dh)) \
+            + (a, dy2)
         return dx
 
+    @staticmethod
+    def _w1_grads(ops, G, x2, dh) -> None:
+        G["w_1"] += ops.matmul(x2.T, dh, "mlp: dW1 = u^T dh")
+        G["b_1"] += ops.sum_rows(dh, "mlp: db1")
+
     def backward_weight(self, ops, mb: int) -> None:
-        """Accumulate every parameter's gradient of micro-batch ``mb`` (in place)."""
+        """Accumulate every parameter's gradient of micro-batch ``mb`` (in place; W1's,
+        b1's, W_qkv's and b_qkv's unless ``backward_input`` did, overlapping the
+        reductions of their input gradients: ``TransformerOps.reduce_input_grad``)."""
         G = self.g
         xhat1, dv, aw, xhat2, du, x2, dh, a, dy2 = self._wstate.pop(mb)
         G["w_2"] += ops.matmul(a.T, dy2, "mlp: dW2 = a^T dy")
         G["b_2"] += ops.sum_rows(dy2, "mlp: db2")
-        G["w_1"] += ops.matmul(x2.T, dh, "mlp: dW1 = u^T dh")
-        G["b_1"] += ops.sum_rows(dh, "mlp: db1")
+        if x2 is not None:
+            self._w1_grads(ops, G, x2, dh)
         ops.layer_norm_params_grad(du, xhat2, G["ln2_g"], G["ln2_b"], "ln2 params grad")
         self.attn.backward_weight(ops, aw, G["w_qkv"], G["b_qkv"], G["w_o"], G["b_o"])
         ops.layer_norm_params_grad(dv, xhat1, G["ln1_g"], G["ln1_b"], "ln1 params grad")

@@ -10,8 +10,8 @@ import pytest
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import (GPT, GPTConfig, ParallelConfig, forward_program,
                                    megatron_flops_with_recompute, megatron_model_flops)
-from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
-                                      trace_comm_signature, trace_program)
+from vcluster.runtime.tracing import (TraceCollective, TraceCompute, TraceWait,
+                                      comm_signature, trace_comm_signature, trace_program)
 
 from .gpt_data import mesh_of, token_data
 
@@ -99,6 +99,7 @@ def test_reference_gradients_match_finite_differences():
 # --- emulated training equals the reference --------------------------------------------------
 CASES = [  # mesh, schedule, micro-batch, extra
     ("dp2 pp2 tp2", "1f1b", 2, {}),
+    ("dp2 pp2 tp2", "1f1b", 2, {"tp_overlap": "none"}),     # every TP collective blocking
     ("dp2 pp2 tp2", "zero_bubble", 1, {}),
     ("dp2 pp2 tp2", "interleaved_1f1b", 2, {"virtual_stages": 2}),
     ("pp4", "1f1b", 1, {}),
@@ -117,7 +118,8 @@ RUNS = [(m, s, b, x, sp, r) for m, s, b, x in CASES for sp in ((False, True) if 
 
 @pytest.mark.parametrize("mesh, schedule, b, extra, sp, recompute", RUNS,
                          ids=[f"{m}-{s}-b{b}-{'sp' if sp else 'nosp'}-{r}"
-                              for m, s, b, _, sp, r in RUNS])
+                              + ("-blocking" if x.get("tp_overlap") == "none" else "")
+                              for m, s, b, x, sp, r in RUNS])
 def test_training_equals_reference(clusters, reference, mesh, schedule, b, extra, sp, recompute):
     mesh = _mesh(mesh)
     gpt, tokens, targets, (ref_loss, ref_logits), ref = reference
@@ -242,6 +244,38 @@ def test_megatron_tp_collectives_per_layer(sp, recompute):
     else:
         assert kinds == {"all_reduce": layer + 4 * m}
         assert Counter(op.nbytes for op in ops)[act] == layer + 2 * m
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("schedule, overlap, issued", [("1f1b", "backward", True),
+                                                       ("1f1b", "none", False),
+                                                       ("zero_bubble", "backward", False)])
+def test_input_gradient_reductions_overlap_the_weight_gradients(sp, schedule, overlap, issued):
+    """tp_overlap="backward": per layer and micro-batch the backward's two input-gradient
+    reductions (all-reduce, SP reduce-scatter) are asynchronous, and the weight-gradient
+    GEMM of the same linear (dW_qkv = x^T dqkv, dW1 = u^T dh) runs between each and its
+    wait; "none", and the zero-bubble schedule (its W pass runs apart), keep them
+    blocking. The collectives themselves are the same either way."""
+    l, b, m = 2, 2, 2
+    cfg = GPTConfig(hidden=16, layers=l, heads=4, seq=8, vocab=32)
+    mesh = _mesh("tp2")
+    par = ParallelConfig(global_batch=b * m, micro_batch=b, tp=2, sequence_parallel=sp,
+                         schedule=schedule, tp_overlap=overlap)
+    ops = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))[0].ops
+    blocking = ParallelConfig(global_batch=b * m, micro_batch=b, tp=2, sequence_parallel=sp,
+                              schedule=schedule, tp_overlap="none")
+    reference = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, blocking))[0].ops
+    signature = [(o.collective, o.nbytes) for o in ops if isinstance(o, TraceCollective)]
+    assert signature == [(o.collective, o.nbytes) for o in reference
+                         if isinstance(o, TraceCollective)]
+    issued_at = {o.handle: i for i, o in enumerate(ops)
+                 if isinstance(o, TraceCollective) and o.handle is not None}
+    assert len(issued_at) == (2 * l * m if issued else 0)
+    between = [[o.name for o in ops[issued_at[w.handle] + 1:i] if isinstance(o, TraceCompute)]
+               for i, w in enumerate(ops) if isinstance(w, TraceWait)]
+    assert len(between) == len(issued_at)
+    assert sorted(n[0] for n in between) == sorted(
+        ["gpt: mlp: dW1 = u^T dh", "gpt: attention: dW_qkv = x^T dqkv"] * l * m * issued)
 
 
 def test_traces_at_scale_one_rank_per_stage():

@@ -139,7 +139,8 @@ def test_screen_tracks_the_replay():
     for knobs in SCREEN_CASES:
         par = ParallelConfig(global_batch=512, **knobs)
         pieces = trace_stage_pieces(cfg, par.tp, par.micro_batch, par.sequence_parallel,
-                                    par.recompute, costs)
+                                    par.recompute, costs,
+                                    async_grad_reduce=par.use_async_grad_reduce)
         est = screen_estimate(cfg, par, pieces, hw)
         sim = simulate_gpt(cfg, par, hw)
         screened.append(est.step_time_s)

@@ -73,8 +73,10 @@ def test_one_collective_alone_takes_its_alpha_beta_time(collective, p):
 
 
 def test_concurrent_collectives_share_the_links():
-    """Rank 0 runs blocking (0,1) beside async (0,2): both see 2 in flight, halving bandwidth;
-    two async ones of rank 0 queue on its comm stream instead and each sees 1."""
+    """Rank 0 runs blocking (0,1) beside async (0,2): both see 2 in flight, halving bandwidth.
+    Async ones on two groups run side by side too (a communication stream per group, as a
+    process group's NCCL communicator has), each seeing 2; two async ones on one group
+    queue on that group's stream and each sees 1."""
     seen = []
 
     class Recording(SimpleCostModel):
@@ -86,7 +88,12 @@ def test_concurrent_collectives_share_the_links():
     a01, a02 = coll("all_reduce", (0, 1), n, handle=1), coll("all_reduce", (0, 2), n, handle=2)
     rows = ([a01, a02, TraceWait(1), TraceWait(2)], [a01, TraceWait(1)], [a02, TraceWait(2)])
     res = simulate_trace(traces(*rows), model)
-    assert sorted(seen) == [((0, 1), 1), ((0, 2), 1)] and res.step_time_s == 2 * n / BW
+    assert sorted(seen) == [((0, 1), 2), ((0, 2), 2)] and res.step_time_s == 2 * n / BW
+    seen.clear()
+    again = coll("all_reduce", (0, 1), n, handle=3)
+    rows = ([a01, again, TraceWait(1), TraceWait(3)], [a01, again, TraceWait(1), TraceWait(3)])
+    res = simulate_trace(traces(*rows), model)
+    assert seen == [((0, 1), 1), ((0, 1), 1)] and res.step_time_s == 2 * n / BW
     seen.clear()
     rows = ([a02, coll("all_reduce", (0, 1), n), TraceWait(2)], [coll("all_reduce", (0, 1), n)],
             [a02, TraceWait(2)])
@@ -251,9 +258,13 @@ A01, A02, A12 = (coll("all_reduce", g) for g in [(0, 1), (0, 2), (1, 2)])
     (([A01, A02], [A12, A01], [A02, A12]), [0, 1, 2],                  # a cycle of three
      "rank 0: op #0 waits in blocking all_reduce on group (0, 1) (call #0 on that group): "
      "ranks [1] never call it (rank 1 is stuck itself at op #0)"),
-    (([coll("all_reduce", (0, 2), handle=1), coll("all_reduce", (0, 1), handle=2), TraceWait(2)],
-      [coll("all_reduce", (0, 1), handle=2), TraceWait(2)], []), [0, 1],
+    (([coll("all_reduce", (0, 1), handle=1), coll("all_reduce", (0, 1), handle=2), TraceWait(2)],
+      []), [0],
      "it is queued on rank 0's communication stream behind an earlier collective"),
+    (([coll("all_reduce", (0, 2), handle=1), coll("all_reduce", (0, 1), handle=2), TraceWait(2)],
+      [coll("all_reduce", (0, 1), handle=2), TraceWait(2)], []), [0],   # another group's
+     "rank 0: at the end of its trace, waits for un-waited asynchronous all_reduce on group "
+     "(0, 2) (call #0 on that group): ranks [2] never call it (rank 2 finished its trace)"),
 ])
 def test_deadlocks_name_every_stuck_rank_and_what_it_waits_for(rows, stuck, says):
     with pytest.raises(ReplayDeadlock) as err:
@@ -344,7 +355,7 @@ def programs(draw):
 
 def by_hand(p, steps, model):
     """The traces of a program and its step time by max-plus in the global order."""
-    rows, clock, free, links, issued = [[] for _ in range(p)], [0.0] * p, [0.0] * p, {}, {}
+    rows, clock, free, links, issued = [[] for _ in range(p)], [0.0] * p, {}, {}, {}
     for k, (kind, ranks, size) in enumerate(steps):
         if kind == "compute":
             rows[ranks[0]].append(comp(size))
@@ -355,12 +366,12 @@ def by_hand(p, steps, model):
             for m in ranks:
                 rows[m].append(coll("all_reduce", ranks, size))
                 clock[m] = end
-        elif kind == "async":                      # one comm stream per rank, FIFO
-            issued[k] = ranks, max(max(clock[m], free[m]) for m in ranks) + \
-                model.collective_time_s(coll("all_reduce", ranks, size))
+        elif kind == "async":                      # a comm stream per rank and group, FIFO
+            issued[k] = ranks, max(max(clock[m], free.get((m, ranks), 0.0)) for m in ranks) \
+                + model.collective_time_s(coll("all_reduce", ranks, size))
             for m in ranks:
                 rows[m].append(coll("all_reduce", ranks, size, handle=k))
-                free[m] = issued[k][1]
+                free[(m, ranks)] = issued[k][1]
         elif kind == "wait":
             group, end = issued.pop(ranks)
             for m in group:

@@ -66,6 +66,12 @@ def add_parser(commands) -> None:
                           "(default 0.05)")
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash)")
+    gpt.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
+                     help="how tensor parallelism's backward overlaps: backward (default: each "
+                          "column-parallel linear's input-gradient all-reduce, or reduce-scatter "
+                          "under sequence parallelism, runs during its weight-gradient GEMM, as "
+                          "Megatron-LM since 2021) or none (every TP collective blocking, as the "
+                          "2020/2021 Megatron runs)")
     gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                      default=None, help="shard the optimizer state over dp in every "
                      "configuration (or never, with --no-...): --zero-stages 1 (or 0); "
@@ -163,7 +169,8 @@ def _gpt(args) -> int:
                   vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=False if args.quiet else None,
-                  attention=args.attention, distributed_optimizer=args.distributed_optimizer,
+                  attention=args.attention, tp_overlap=args.tp_overlap,
+                  distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),

@@ -65,6 +65,12 @@ def add_parser(commands) -> None:
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash: no "
                           "s² scores kept for the backward)")
+    gpt.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
+                     help="how tensor parallelism's backward overlaps: backward (default: each "
+                          "column-parallel linear's input-gradient all-reduce, or reduce-scatter "
+                          "under sequence parallelism, runs during its weight-gradient GEMM, as "
+                          "Megatron-LM since 2021) or none (every TP collective blocking, as the "
+                          "2020/2021 Megatron runs)")
     gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
                           "2 also the gradients, 3 also the weights (2 and 3: pp = 1, no "
@@ -108,7 +114,7 @@ def _gpt(args) -> int:
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
-                              attention=args.attention,
+                              attention=args.attention, tp_overlap=args.tp_overlap,
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
@@ -128,6 +134,7 @@ def _gpt(args) -> int:
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
           f", ZeRO stage {zero}"
+          + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from pipeline_parallel.gpt import ATTENTION, GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import ATTENTION, TP_OVERLAP, GPTConfig, ParallelConfig
 from pipeline_parallel.zero import ZERO_STAGES
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
@@ -101,6 +101,7 @@ class SearchSpace:
     recompute: tuple = RECOMPUTE_MODES
     sequence_parallel: tuple = (False, True)
     attention: str = "flash"
+    tp_overlap: str = "backward"                   # ParallelConfig.tp_overlap, every candidate
     distributed_optimizer: bool | None = None      # None: where memory needs it
     max_cp: int = 1                                # context parallelism: largest cp tried
     cp_algorithm: str = "ring"
@@ -132,6 +133,9 @@ class SearchSpace:
         if self.attention not in ATTENTION:
             raise ValueError(f"plan_gpt: attention must be one of {ATTENTION}, got "
                              f"{self.attention!r}")
+        if self.tp_overlap not in TP_OVERLAP:
+            raise ValueError(f"plan_gpt: tp_overlap must be one of {TP_OVERLAP}, got "
+                             f"{self.tp_overlap!r}")
         if self.distributed_optimizer not in (None, False, True):
             raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
                              f"(where memory needs it), got {self.distributed_optimizer!r}")
@@ -240,6 +244,7 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
                             schedule=name, virtual_stages=v, sequence_parallel=sp,
                             recompute=rc, attention=space.attention, ep=ep,
+                            tp_overlap=space.tp_overlap,
                             zero_stage=stages[0],
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
                                if cp > 1 else {}))

@@ -17,7 +17,10 @@ traced; their collectives complete on their own), and every traced op is priced 
 the replay's :class:`~vcluster.timing.hardware_model.HardwareCostModel`: compute by
 ``compute_time_s``, each tensor-parallel collective by ``collective_time_s`` with no
 concurrent flows. TP collectives sit on the compute stream's critical path in the
-program (each result is used at once), so ``seconds`` = compute + TP communication.
+program (each result is used at once), so ``seconds`` = compute + TP communication —
+but for the input-gradient reductions that Megatron overlaps with the weight gradients
+(``async_grad_reduce``): an asynchronous collective adds only what the compute between
+its issue and its wait does not cover.
 
 With context parallelism (cp > 1) the pieces are traced on a (cp, tp) mesh, every cp
 rank of tp rank 0 (the ring's receives need their senders), on this rank's s/cp rows;
@@ -46,7 +49,7 @@ from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from tensor_parallel.context_parallel import ContextParallelAttention, sequence_positions
 from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceSend,
-                                      trace_program)
+                                      TraceWait, trace_program)
 
 from .inductor_kernels import pytorch_kernels
 
@@ -164,10 +167,12 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
 
 
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
-             expert_skew: float = 1.0, attention: str = "flash"):
+             expert_skew: float = 1.0, attention: str = "flash",
+             async_grad_reduce: bool = False):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
-    ops = TransformerOps(dev, "tp", sp, flash=attention == "flash")
+    ops = TransformerOps(dev, "tp", sp, flash=attention == "flash",
+                         async_grad_reduce=async_grad_reduce)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
@@ -208,7 +213,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                        recompute: str, costs, cp: int = 1, cp_algorithm: str = "ring",
                        ep: int = 1, expert_skew: float = 1.0,
                        attention: str = "flash", autocast_kernels: bool = False,
-                       inductor_fusion: bool = False) -> StagePieces:
+                       inductor_fusion: bool = False,
+                       async_grad_reduce: bool = True) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
@@ -218,7 +224,12 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     (:class:`~pipeline_parallel.gpt.ParallelConfig`). ``autocast_kernels``: price the
     kernels plain PyTorch runs under autocast instead of the program's own
     (:mod:`.autocast_kernels`, as :func:`~.simulation.simulate_gpt` does), fused as
-    ``torch.compile`` fuses them with ``inductor_fusion`` (:mod:`.inductor_kernels`)."""
+    ``torch.compile`` fuses them with ``inductor_fusion`` (:mod:`.inductor_kernels`).
+    ``async_grad_reduce``: the layer's input-gradient reductions overlap its weight
+    gradients (:attr:`~pipeline_parallel.gpt.ParallelConfig.use_async_grad_reduce`, default
+    True as under ParallelConfig's defaults); such an
+    asynchronous collective costs the piece only what the compute between its issue and
+    its wait leaves of it."""
     if cp > 1 and config.experts:
         raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
                          f"{config.experts}) with cp={cp} is not supported yet")
@@ -231,18 +242,24 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
         mesh = Mesh((tp,), ("tp",))
     traces = trace_program(mesh, _program,
                            [(config, micro_batch, sp, recompute, cp_algorithm,
-                             expert_skew, attention)] * mesh.size,
+                             expert_skew, attention, async_grad_reduce)] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0
+    in_flight = {}              # an asynchronous collective's handle -> (its end, compute)
     for op in pytorch_kernels(trace.ops, inductor_fusion) if autocast_kernels else trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:
+            assert not in_flight, f"{_PIECES[k]}: a collective waited for in another piece"
             piece, action = _PIECES[k].split(".")
             pieces[(piece, action)] = PieceCost(compute, comm, flops, ring)
             compute, comm, flops, ring, k = 0.0, 0.0, 0.0, 0.0, k + 1
         elif isinstance(op, TraceCompute):
             compute += costs.compute_time_s(op)
             flops += op.flops
+        elif isinstance(op, TraceCollective) and op.handle is not None:
+            in_flight[op.handle] = compute + comm + costs.collective_time_s(op, 1)
+        elif isinstance(op, TraceWait):
+            comm += max(0.0, in_flight.pop(op.handle) - (compute + comm))
         elif isinstance(op, TraceCollective):
             comm += costs.collective_time_s(op, 1)
         elif isinstance(op, TraceSend):

@@ -123,7 +123,10 @@ sequence the TP block works on):
   after the whole stage's input gradient): x̂1, x̂2, the attention's and the MLP's input
   gradients (s·b·h/σ each), the two gathered inputs and the two gathered output
   gradients (s·b·h each), dqkv 3·s·b·h/t, the context s·b·h/t, dh and a 8·s·b·h/t —
-  s·b·h·(4/σ + 4 + 12/t), whatever the recomputation;
+  s·b·h·(4/σ + 4 + 12/t), whatever the recomputation; with t > 1 and the input-gradient
+  reductions overlapped (``ParallelConfig.use_async_grad_reduce``) the weight gradients
+  of QKV and of the MLP's first linear are computed during the input gradient, so the
+  two gathered inputs, dqkv and dh are not kept: s·b·h·(4/σ + 2 + 5/t);
 * the ends: the embedding's int64 local ids and bool mask, 9·s·b bytes
   (``INDEX_BYTES``), and in W its gathered input gradient s·b·h (+ s·b·h/t with SP); the
   head's final-LN x̂, rstd and gathered input s·b·h·(1/σ + 1) + s·b/σ in F, and in W its
@@ -475,7 +478,12 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
     else:
         layer_f = bsh * (2 / sig + 2 + (12 if parallel.recompute == "none" else 11) / t) \
             + 2 * b * s / sig + (b * a * s * s / t if parallel.recompute == "none" else 0)
-    layer_w = bsh * (4 / sig + 4 + 12 / t)
+    if t > 1 and getattr(parallel, "use_async_grad_reduce", False):
+        # the gathered inputs of QKV and of the MLP, dqkv and dh went into their weight
+        # gradients during the input gradient (ParallelConfig.tp_overlap)
+        layer_w = bsh * (4 / sig + 2 + 5 / t)
+    else:
+        layer_w = bsh * (4 / sig + 4 + 12 / t)
     n = config.layers // (parallel.pp * parallel.chunks)
     fwd, wgt = n * layer_f * item, n * layer_w * item
     if r == 0:                       # the embedding: token indices; the gathered dx

@@ -142,11 +142,12 @@ def _screen_all(config, candidates, hw, bar, precision) -> list:
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
-        key = key + cp_key + (par.ep, par.attention)
+        key = key + cp_key + (par.ep, par.attention, par.use_async_grad_reduce)
         if key not in pieces:
             pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
                                              attention=par.attention, autocast_kernels=autocast,
-                                             inductor_fusion=fused)
+                                             inductor_fusion=fused,
+                                             async_grad_reduce=par.use_async_grad_reduce)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
@@ -160,7 +161,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              schedules=None, max_virtual_stages: int | None = None, recompute=None,
              sequence_parallel=None, workers: int | None = None,
              progress: bool | None = None, memory_headroom: float = MEMORY_HEADROOM,
-             attention: str = "flash", distributed_optimizer: bool | None = None,
+             attention: str = "flash", tp_overlap: str = "backward",
+             distributed_optimizer: bool | None = None,
              arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
              max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
@@ -176,7 +178,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
     ``memory_headroom``: the share of each device's memory a configuration must leave
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
-    the attention kernel the memory model assumes ("flash" or "unfused");
+    the attention kernel the memory model assumes ("flash" or "unfused"); ``tp_overlap``:
+    every candidate's :attr:`~pipeline_parallel.gpt.ParallelConfig.tp_overlap` ("backward",
+    the default: Megatron's asynchronous input-gradient reductions, or "none");
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
     candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``: as
     :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama": grouped-query attention, SwiGLU).
@@ -214,7 +218,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
-        attention=attention, distributed_optimizer=distributed_optimizer, max_cp=max_cp,
+        attention=attention, tp_overlap=tp_overlap,
+        distributed_optimizer=distributed_optimizer, max_cp=max_cp,
         cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
         precision=precision)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)

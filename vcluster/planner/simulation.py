@@ -352,8 +352,10 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
             t = moved(templates[cp_rank][q_short], lambda s, q=q: s // p_short * p + q,
                       full_rank, sizes)
             trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers)
-            # ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at the step's end
-            out.append(unique_handles(trace) if parallel.zero_stage >= 2 else trace)
+            # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at
+            # the step's end; the overlapped TP reductions reuse a template's handle in each
+            # copy (and the numbers a template got depend on the short step traced)
+            out.append(unique_handles(trace))
     return out
 
 

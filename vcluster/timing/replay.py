@@ -1,15 +1,18 @@
 """The SimPy replay of symbolic traces (:mod:`vcluster.runtime.tracing.ops`).
 
 Every traced rank has a **compute stream** (one SimPy process running its ops in order)
-and a **communication stream** (a FIFO of its asynchronous collectives). Semantics:
+and a **communication stream per group** (a FIFO of its asynchronous collectives on that
+group, as each process group's NCCL communicator has a stream of its own: a tensor-parallel
+reduction is not queued behind a data-parallel one). Semantics:
 
 * ``TraceCompute`` runs for ``costs.compute_time_s(op) * slowdown[rank]``.
 * A collective call is matched across the members of ``op.group`` by its order among the
   member's calls on that group (the k-th call of a on G matches the k-th call of b on G).
   A member *arrives* at a blocking call when its compute stream reaches it, and at an
-  asynchronous call (``handle`` set) when its communication stream reaches it (the stream
-  runs one collective at a time, in issue order). The collective starts when the last
-  member arrives and lasts ``costs.collective_time_s(op, concurrent)``, ``concurrent``
+  asynchronous call (``handle`` set) when its communication stream for that group
+  reaches it (the stream runs one collective at a time, in issue order). The collective
+  starts when the last member arrives and lasts ``costs.collective_time_s(op,
+  concurrent)``, ``concurrent``
   being 1 + the most other collectives in flight at that instant on any one (traced)
   member; collectives starting at the same instant all count each other. A blocking call
   holds the compute stream until the end; ``TraceWait(handle)`` holds it until that
@@ -104,8 +107,9 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.call_count = {r: {} for r in ranks}           # rank -> {group: calls so far}
         self.batches: dict[float, list[Call]] = {}         # start instant -> calls
         self.inflight = {r: [] for r in ranks}             # rank -> end times
-        self.queue = {r: deque() for r in ranks}           # comm stream: (call, issued at)
-        self.stream_busy = dict.fromkeys(ranks, False)
+        # a communication stream per rank and group: group -> FIFO of (call, issued at)
+        self.queue = {r: {} for r in ranks}
+        self.stream_busy = {r: set() for r in ranks}      # rank -> groups whose stream runs
         self.handles = {r: {} for r in ranks}              # rank -> {handle: call}
         self.links: dict[tuple, tuple] = {}                # (src, dst) -> (free, busy since)
         self.ports: dict = {}                              # port -> free (costs.p2p_ports)

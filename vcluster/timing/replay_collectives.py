@@ -14,6 +14,8 @@ serves the members' shares first.
 
 from __future__ import annotations
 
+from collections import deque
+
 from simpy.events import Event
 
 from vcluster.runtime.errors import CollectiveMismatch
@@ -30,7 +32,8 @@ _new = tuple.__new__                                       # Interval without it
 class CollectiveReplayMixin:
     """The collective steps of :class:`~vcluster.timing.replay.Replay` (its state: the
     replay's ``groups``, ``open_calls``, ``call_count``, ``batches``, ``inflight``,
-    ``queue``, ``stream_busy``, ``handles``, ``history``)."""
+    ``queue``, ``stream_busy``, ``handles``, ``history``; a communication stream per rank
+    and group)."""
 
     def _group(self, rank: int, i: int, op) -> GroupInfo:
         info = GroupInfo.build(op.group, self.traces, self.symmetric, self.limit,
@@ -74,10 +77,14 @@ class CollectiveReplayMixin:
         handles[op.handle] = call
         call.async_ranks.append(rank)
         self.history[rank].append(call)
-        if self.stream_busy[rank]:
-            self.queue[rank].append((call, t))
+        busy = self.stream_busy[rank]
+        if group in busy:                                  # the group's stream is running
+            queue = self.queue[rank].get(group)
+            if queue is None:
+                queue = self.queue[rank][group] = deque()
+            queue.append((call, t))
         else:
-            self.stream_busy[rank] = True
+            busy.add(group)
             self._arrive(call, t)
         return call
 
@@ -185,22 +192,26 @@ class CollectiveReplayMixin:
         call = event.value
         if call.done is not None and not call.done.triggered:   # pool mode: the end is now
             call.done.succeed()
+        group = call.info.group
         for m in call.async_ranks:                         # next collective of the stream
-            q = self.queue[m]
+            q = self.queue[m].get(group)
             if q:
                 nxt, issued = q.popleft()
                 self._arrive(nxt, issued if issued > call.end_s else call.end_s)
             else:
-                self.stream_busy[m] = False
+                self.stream_busy[m].discard(group)
 
     def _stream_overlap(self, rank: int, call: Call, b: float, e: float) -> float:
-        """Time of [b, e] during which ``call`` or a collective ahead of it on the stream runs."""
+        """Time of [b, e] during which ``call`` or a collective ahead of it on its group's
+        stream runs."""
         hist = self.history[rank]
         while hist and hist[0] is not call and hist[0].end_s is not None \
                 and hist[0].end_s <= b:
             hist.popleft()                                 # ended before b: never counts again
-        total = 0.0
+        total, group = 0.0, call.info.group
         for c in hist:                                     # all ahead of call have started
+            if c.info.group != group:
+                continue                                   # another stream's
             lo = c.start_s if c.start_s > b else b
             hi = c.end_s if c.end_s < e else e
             if hi > lo:

@@ -150,7 +150,8 @@ def describe_call(rank: int, i: int, op, call: Call, queues, traces, waiting) ->
     if missing:
         states = "; ".join(_status(m, traces, waiting) for m in missing)
         reasons.append(f"ranks {missing} never call it ({states})")
-    queued = [m for m in call.calls if any(q is call for q, _ in queues[m])]
+    queued = [m for m in call.calls
+              if any(q is call for stream in queues[m].values() for q, _ in stream)]
     for m in queued:
         reasons.append(f"it is queued on rank {m}'s communication stream behind an earlier "
                        f"collective that never completes")

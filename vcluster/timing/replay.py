@@ -12,12 +12,11 @@ reduction is not queued behind a data-parallel one). Semantics:
   asynchronous call (``handle`` set) when its communication stream for that group
   reaches it (the stream runs one collective at a time, in issue order). The collective
   starts when the last member arrives and lasts ``costs.collective_time_s(op,
-  concurrent)``, ``concurrent``
-  being 1 + the most other collectives in flight at that instant on any one (traced)
-  member; collectives starting at the same instant all count each other. A blocking call
-  holds the compute stream until the end; ``TraceWait(handle)`` holds it until that
-  collective's end; collectives still un-waited when a trace ends are waited for there (a
-  stream synchronise ends the step).
+  concurrent)``, ``concurrent`` being 1 + the most other collectives in flight at that
+  instant on any one (traced) member; collectives starting at the same instant all count
+  each other. A blocking call holds the compute stream until the end; ``TraceWait(handle)``
+  holds it until that collective's end; collectives still un-waited when a trace ends are
+  waited for there (a stream synchronise ends the step).
 * ``TraceSend`` does not block: the transfer starts at ``max(send time, link free)`` on the
   link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``. A
   cost model may name *ports* a transfer also occupies (``costs.p2p_ports(src, dst)``: the

@@ -91,6 +91,17 @@ def add_arch_arguments(parser) -> None:
                              "up to a multiple of 256)")
 
 
+def add_tp_overlap_argument(parser) -> None:
+    """--tp-overlap backward|none: ParallelConfig.tp_overlap
+    (``pipeline_parallel.gpt.TP_OVERLAP``)."""
+    parser.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
+                        help="how tensor parallelism's backward overlaps: backward (default: "
+                             "each column-parallel linear's input-gradient all-reduce, or "
+                             "reduce-scatter under sequence parallelism, runs during its "
+                             "weight-gradient GEMM, as Megatron-LM since 2021) or none (every "
+                             "TP collective blocking, as the 2020/2021 Megatron runs)")
+
+
 def model_title(config) -> str:
     """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=) of a GPTConfig."""
     c = config

@@ -27,8 +27,8 @@ import argparse
 import math
 import os
 
-from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
-                   positive_int, precision_name)
+from .args import (add_arch_arguments, add_moe_arguments, add_tp_overlap_argument, fraction,
+                   model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
@@ -66,12 +66,7 @@ def add_parser(commands) -> None:
                           "(default 0.05)")
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash)")
-    gpt.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
-                     help="how tensor parallelism's backward overlaps: backward (default: each "
-                          "column-parallel linear's input-gradient all-reduce, or reduce-scatter "
-                          "under sequence parallelism, runs during its weight-gradient GEMM, as "
-                          "Megatron-LM since 2021) or none (every TP collective blocking, as the "
-                          "2020/2021 Megatron runs)")
+    add_tp_overlap_argument(gpt)
     gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                      default=None, help="shard the optimizer state over dp in every "
                      "configuration (or never, with --no-...): --zero-stages 1 (or 0); "

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import sys
 
-from .args import (add_arch_arguments, add_moe_arguments, fraction, model_title, moe_config,
-                   positive_int, precision_name)
+from .args import (add_arch_arguments, add_moe_arguments, add_tp_overlap_argument, fraction,
+                   model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser"]
 
@@ -65,12 +65,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash: no "
                           "s² scores kept for the backward)")
-    gpt.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
-                     help="how tensor parallelism's backward overlaps: backward (default: each "
-                          "column-parallel linear's input-gradient all-reduce, or reduce-scatter "
-                          "under sequence parallelism, runs during its weight-gradient GEMM, as "
-                          "Megatron-LM since 2021) or none (every TP collective blocking, as the "
-                          "2020/2021 Megatron runs)")
+    add_tp_overlap_argument(gpt)
     gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
                           "2 also the gradients, 3 also the weights (2 and 3: pp = 1, no "

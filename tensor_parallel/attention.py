@@ -15,7 +15,9 @@ its rows (row-parallel), b_o (h,) replicated.
                                                       (b, s/t, h)    SP: reduce_scatter(tp)
     backward:  dyf = gather_seq(dy);  dctx = dyf W_o^T;  dP = dC v^T;  dv = P^T dC
                dS  = P·(dP - rowsum(dP·P)) / sqrt(d);  dq = dS k;  dk = dS^T q
-               dx  = reduce(dqkv W_qkv^T)             all_reduce(tp) / SP: reduce_scatter(tp)
+               dx  = reduce(dqkv W_qkv^T)             all_reduce(tp) / SP: reduce_scatter(tp),
+                                                      overlapping dW_qkv, db_qkv when
+                                                      ops.async_grad_reduce
     weights:   dW_qkv = xf^T dqkv, db_qkv = rowsum dqkv, dW_o = ctx^T dyf, db_o = rowsum dyf
 
 FLOPs (only the products, Megatron's count): forward 2·b·s·h·3h_l + 2·(2·b·a_l·s²·d)

@@ -18,6 +18,11 @@ after the MLP in the forward and two (of dx) in the backward; SP replaces each b
 all_gather(tp) entering and a reduce_scatter(tp) leaving the block (the backward gathers
 dy and reduce-scatters dx). Under SP the LayerNorm parameters see only this rank's
 sequence shard: their gradients (``seq_partial``) are all-reduced over tp once per step.
+With ``TransformerOps(..., async_grad_reduce=True)`` (``ParallelConfig.tp_overlap``
+"backward", Megatron's default) the backward's two reductions are issued asynchronously
+and the weight gradients of the linear that produced them (W1 and b1; W_qkv and b_qkv)
+are computed before the wait, in the input gradient I rather than in W: the same sums,
+overlapped (:meth:`~tensor_parallel.attention.TransformerOps.reduce_input_grad`).
 
 Recomputation: "none" keeps every activation; "selective" keeps q, k, v and re-runs the
 core attention in the backward; "full" keeps only x and re-runs the layer's forward

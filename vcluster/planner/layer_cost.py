@@ -168,7 +168,7 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
 
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
              expert_skew: float = 1.0, attention: str = "flash",
-             async_grad_reduce: bool = False):
+             async_grad_reduce: bool = True):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp, flash=attention == "flash",
@@ -226,10 +226,9 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     (:mod:`.autocast_kernels`, as :func:`~.simulation.simulate_gpt` does), fused as
     ``torch.compile`` fuses them with ``inductor_fusion`` (:mod:`.inductor_kernels`).
     ``async_grad_reduce``: the layer's input-gradient reductions overlap its weight
-    gradients (:attr:`~pipeline_parallel.gpt.ParallelConfig.use_async_grad_reduce`, default
-    True as under ParallelConfig's defaults); such an
-    asynchronous collective costs the piece only what the compute between its issue and
-    its wait leaves of it."""
+    gradients (:attr:`~pipeline_parallel.gpt.ParallelConfig.use_async_grad_reduce`; default
+    True, as under ParallelConfig's defaults); such an asynchronous collective costs the
+    piece only what the compute between its issue and its wait leaves of it."""
     if cp > 1 and config.experts:
         raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
                          f"{config.experts}) with cp={cp} is not supported yet")
@@ -246,7 +245,7 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0
-    in_flight = {}              # an asynchronous collective's handle -> (its end, compute)
+    in_flight = {}      # an asynchronous collective's handle -> its end on the piece's clock
     for op in pytorch_kernels(trace.ops, inductor_fusion) if autocast_kernels else trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:
             assert not in_flight, f"{_PIECES[k]}: a collective waited for in another piece"

@@ -1,5 +1,6 @@
-"""ZeRO-2 and ZeRO-3 (FSDP) on the torch engine (4 gloo ranks, dp 2 x tp 2): the same
-training programs train the MLP and GPT as the single-process references do."""
+"""ZeRO-2 and ZeRO-3 (FSDP), and tensor parallelism's overlapped backward, on the torch
+engine (4 gloo ranks, dp 2 x tp 2): the same training programs train the MLP and GPT as
+the single-process references do."""
 
 import importlib.util
 
@@ -53,3 +54,22 @@ def test_gpt_zero_2_and_3_on_torch(torch_cluster):
             for name, want in getattr(ref, what).items():
                 np.testing.assert_allclose(getattr(run, what)[name], want, rtol=RTOL,
                                            atol=ATOL, err_msg=f"{what} {name} zero={zero}")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_gpt_backward_overlap_on_torch(torch_cluster, sp):
+    """Tensor parallelism's asynchronous input-gradient reductions (the default
+    ``tp_overlap``: an async all_reduce, or reduce_scatter under sequence parallelism,
+    waited after the weight gradients) through torch.distributed's async work."""
+    cfg = GPTConfig(hidden=8, layers=2, heads=2, seq=4, vocab=16)
+    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
+    tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
+    ref = gpt.fit_reference(tokens, targets, steps=2, lr=0.1, momentum=0.9)
+    par = ParallelConfig(global_batch=8, micro_batch=2, dp=2, tp=2, sequence_parallel=sp)
+    assert par.use_async_grad_reduce
+    run = gpt.fit(torch_cluster, tokens, targets, steps=2, parallel=par, lr=0.1, momentum=0.9)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
+    for what in ("params", "grads"):
+        for name, want in getattr(ref, what).items():
+            np.testing.assert_allclose(getattr(run, what)[name], want, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{what} {name} sp={sp}")

@@ -176,6 +176,10 @@ _PARALLEL = MappingProxyType({
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
         "attention": _enum(["flash", "unfused"], "the attention kernel the memory model "
                            "assumes (flash: no s² scores kept)", "flash"),
+        "tp_overlap": _enum(["backward", "none"], "tensor parallelism's backward: each "
+                            "column-parallel linear's input-gradient reduction overlapping "
+                            "its weight gradient, as Megatron's (backward), or every TP "
+                            "collective blocking (none)", "backward"),
         "distributed_optimizer": _bool("optimizer state sharded over dp (Megatron's "
                                        "distributed optimizer, ZeRO-1: emulated and in "
                                        "the memory model)"),

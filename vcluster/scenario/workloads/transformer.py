@@ -186,6 +186,7 @@ def _configs(scenario, mesh=None):
                               sequence_parallel=par["sequence_parallel"],
                               recompute=par["recompute"],
                               attention=par.get("attention", "flash"),
+                              tp_overlap=par.get("tp_overlap", "backward"),
                               distributed_optimizer=bool(par.get("distributed_optimizer")),
                               # data_parallel.mode zero's stage (0 with ddp; the alias
                               # distributed_optimizer raises 0 to 1)

@@ -76,7 +76,9 @@ def test_concurrent_collectives_share_the_links():
     """Rank 0 runs blocking (0,1) beside async (0,2): both see 2 in flight, halving bandwidth.
     Async ones on two groups run side by side too (a communication stream per group, as a
     process group's NCCL communicator has), each seeing 2; two async ones on one group
-    queue on that group's stream and each sees 1."""
+    queue on that group's stream and each sees 1, and so do two on different groups under
+    a cost model with one stream per rank (``comm_stream_per_group = False``: the
+    emulator's devices, one communication thread each)."""
     seen = []
 
     class Recording(SimpleCostModel):
@@ -95,6 +97,12 @@ def test_concurrent_collectives_share_the_links():
     res = simulate_trace(traces(*rows), model)
     assert seen == [((0, 1), 1), ((0, 1), 1)] and res.step_time_s == 2 * n / BW
     seen.clear()
+    model.comm_stream_per_group = False       # one FIFO per rank, as an emulated device's
+    rows = ([a01, a02, TraceWait(1), TraceWait(2)], [a01, TraceWait(1)], [a02, TraceWait(2)])
+    res = simulate_trace(traces(*rows), model)
+    assert sorted(seen) == [((0, 1), 1), ((0, 2), 1)] and res.step_time_s == 2 * n / BW
+    seen.clear()
+    model.comm_stream_per_group = True
     rows = ([a02, coll("all_reduce", (0, 1), n), TraceWait(2)], [coll("all_reduce", (0, 1), n)],
             [a02, TraceWait(2)])
     res = simulate_trace(traces(*rows), model)

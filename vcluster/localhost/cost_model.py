@@ -125,6 +125,10 @@ class LocalhostCostModel:
     spec: LocalhostSpec
     n_devices: int
     dtype: str = "float64"
+    # an emulated device runs all its asynchronous collectives on one FIFO communication
+    # thread (vcluster/runtime/work.py), not a stream per group as NCCL does: the replay
+    # queues them so (Replay, "a communication stream per group")
+    comm_stream_per_group = False
     tracer: object = None
     core_queues: bool = False
     shared_tracer_rates: tuple = ()

@@ -3,7 +3,9 @@
 Every traced rank has a **compute stream** (one SimPy process running its ops in order)
 and a **communication stream per group** (a FIFO of its asynchronous collectives on that
 group, as each process group's NCCL communicator has a stream of its own: a tensor-parallel
-reduction is not queued behind a data-parallel one). Semantics:
+reduction is not queued behind a data-parallel one; a cost model with
+``comm_stream_per_group = False`` — the emulator's, whose devices run one FIFO
+communication thread each — gets one stream per rank). Semantics:
 
 * ``TraceCompute`` runs for ``costs.compute_time_s(op) * slowdown[rank]``.
 * A collective call is matched across the members of ``op.group`` by its order among the
@@ -106,9 +108,11 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.call_count = {r: {} for r in ranks}           # rank -> {group: calls so far}
         self.batches: dict[float, list[Call]] = {}         # start instant -> calls
         self.inflight = {r: [] for r in ranks}             # rank -> end times
-        # a communication stream per rank and group: group -> FIFO of (call, issued at)
+        # a communication stream per rank and group: group -> FIFO of (call, issued at);
+        # one per rank (key None) for a cost model whose devices run a single FIFO
         self.queue = {r: {} for r in ranks}
-        self.stream_busy = {r: set() for r in ranks}      # rank -> groups whose stream runs
+        self.stream_busy = {r: set() for r in ranks}      # rank -> streams running
+        self.stream_per_group = bool(getattr(costs, "comm_stream_per_group", True))
         self.handles = {r: {} for r in ranks}              # rank -> {handle: call}
         self.links: dict[tuple, tuple] = {}                # (src, dst) -> (free, busy since)
         self.ports: dict = {}                              # port -> free (costs.p2p_ports)

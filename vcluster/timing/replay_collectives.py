@@ -33,7 +33,7 @@ class CollectiveReplayMixin:
     """The collective steps of :class:`~vcluster.timing.replay.Replay` (its state: the
     replay's ``groups``, ``open_calls``, ``call_count``, ``batches``, ``inflight``,
     ``queue``, ``stream_busy``, ``handles``, ``history``; a communication stream per rank
-    and group)."""
+    and group, or per rank under ``stream_per_group`` False)."""
 
     def _group(self, rank: int, i: int, op) -> GroupInfo:
         info = GroupInfo.build(op.group, self.traces, self.symmetric, self.limit,
@@ -77,14 +77,14 @@ class CollectiveReplayMixin:
         handles[op.handle] = call
         call.async_ranks.append(rank)
         self.history[rank].append(call)
-        busy = self.stream_busy[rank]
-        if group in busy:                                  # the group's stream is running
-            queue = self.queue[rank].get(group)
+        busy, stream = self.stream_busy[rank], group if self.stream_per_group else None
+        if stream in busy:                                 # the stream is running
+            queue = self.queue[rank].get(stream)
             if queue is None:
-                queue = self.queue[rank][group] = deque()
+                queue = self.queue[rank][stream] = deque()
             queue.append((call, t))
         else:
-            busy.add(group)
+            busy.add(stream)
             self._arrive(call, t)
         return call
 
@@ -192,14 +192,14 @@ class CollectiveReplayMixin:
         call = event.value
         if call.done is not None and not call.done.triggered:   # pool mode: the end is now
             call.done.succeed()
-        group = call.info.group
+        stream = call.info.group if self.stream_per_group else None
         for m in call.async_ranks:                         # next collective of the stream
-            q = self.queue[m].get(group)
+            q = self.queue[m].get(stream)
             if q:
                 nxt, issued = q.popleft()
                 self._arrive(nxt, issued if issued > call.end_s else call.end_s)
             else:
-                self.stream_busy[m].discard(group)
+                self.stream_busy[m].discard(stream)
 
     def _stream_overlap(self, rank: int, call: Call, b: float, e: float) -> float:
         """Time of [b, e] during which ``call`` or a collective ahead of it on its group's
@@ -208,9 +208,9 @@ class CollectiveReplayMixin:
         while hist and hist[0] is not call and hist[0].end_s is not None \
                 and hist[0].end_s <= b:
             hist.popleft()                                 # ended before b: never counts again
-        total, group = 0.0, call.info.group
+        total, group = 0.0, call.info.group if self.stream_per_group else None
         for c in hist:                                     # all ahead of call have started
-            if c.info.group != group:
+            if group is not None and c.info.group != group:
                 continue                                   # another stream's
             lo = c.start_s if c.start_s > b else b
             hi = c.end_s if c.end_s < e else e

@@ -4,12 +4,14 @@ gradients in the simulated step, the planner's screen counts only what stays exp
 the command lines take ``--tp-overlap``. (The traced program: tests/pipeline_parallel/
 test_gpt.py; its math equals the reference either way: the same file's training tests.)"""
 
+import argparse
 import json
 
 import pytest
 
 from pipeline_parallel.gpt import TP_OVERLAP, GPTConfig, ParallelConfig
-from vcluster.cli.main import build_parser, main
+from vcluster.cli.args import add_tp_overlap_argument
+from vcluster.cli.main import main
 from vcluster.planner.layer_cost import trace_stage_pieces
 from vcluster.planner.search import plan_gpt
 from vcluster.planner.simulation import simulate_gpt
@@ -38,7 +40,6 @@ def test_overlapping_the_input_gradient_reductions_hides_two_all_reduces_of_four
         hidden, rel=0.02)
 
 
-
 def test_the_screen_counts_only_the_exposed_part_of_an_overlapped_reduction():
     """The layer's input-gradient piece: its compute is the same either way, its
     communication is the blocking case's less the two reductions' hidden share (here all
@@ -57,11 +58,9 @@ def test_the_screen_counts_only_the_exposed_part_of_an_overlapped_reduction():
 
 
 def test_the_command_lines_take_tp_overlap(tmp_path, capsys):
-    parser = build_parser()
-    for command in ("simulate", "plan"):
-        gpt = parser._subparsers._group_actions[0].choices[command]._subparsers \
-            ._group_actions[0].choices["gpt"]
-        assert tuple(gpt._option_string_actions["--tp-overlap"].choices) == TP_OVERLAP
+    parser = argparse.ArgumentParser()          # what simulate gpt and plan gpt add
+    add_tp_overlap_argument(parser)
+    assert tuple(parser._option_string_actions["--tp-overlap"].choices) == TP_OVERLAP
     model = ["--hidden", "256", "--layers", "4", "--heads", "4", "--seq", "128", "--vocab",
              "512", "--global-batch", "8"]
     steps = {}

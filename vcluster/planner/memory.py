@@ -478,7 +478,7 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
     else:
         layer_f = bsh * (2 / sig + 2 + (12 if parallel.recompute == "none" else 11) / t) \
             + 2 * b * s / sig + (b * a * s * s / t if parallel.recompute == "none" else 0)
-    if t > 1 and getattr(parallel, "use_async_grad_reduce", False):
+    if t > 1 and parallel.use_async_grad_reduce:
         # the gathered inputs of QKV and of the MLP, dqkv and dh went into their weight
         # gradients during the input gradient (ParallelConfig.tp_overlap)
         layer_w = bsh * (4 / sig + 2 + 5 / t)

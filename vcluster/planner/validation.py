@@ -116,7 +116,7 @@ def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
     communication, over the layers — on one pipeline stage with one micro-batch the rest
     (the embedding, the logits and loss, the optimizer: every op but :data:`_LAYER_OPS`)
     runs apart from the layers, its collectives blocking."""
-    rows = []
+    rows, sims = [], {}      # a configuration's iteration and layer rows share its step
     for r in read_data_csv(RECOMPUTE_TABLE)[1]:
         cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
                         seq=int(r["seq"]), vocab=int(r["vocab"]))
@@ -128,7 +128,9 @@ def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
                              virtual_stages=v if v > 1 else None, recompute=r["recompute"],
                              sequence_parallel=r["sequence_parallel"] == "1",
                              attention="unfused", tp_overlap="backward")
-        sim = simulate_gpt(cfg, par, hardware)
+        sim = sims.get((cfg, par))
+        if sim is None:
+            sim = sims[(cfg, par)] = simulate_gpt(cfg, par, hardware)
         how = _RECOMPUTE_LABEL[r["recompute"]] + (" + sp" if par.sequence_parallel else "")
         if r["metric"] == "iter_s":
             case = f"{r['model']} {how} pp={par.pp} dp={par.dp} ({r['gpus']} GPUs)"

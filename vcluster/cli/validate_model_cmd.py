@@ -5,21 +5,25 @@ megatron_2020_a100.csv, TFLOP/s per GPU of every row of megatron_sc21_table1.csv
 iteration time and one layer's time of every row of korthikanti_2022_a100.csv (full and
 selective recomputation, :func:`~vcluster.planner.validation.validate_recompute`), and step
 time and peak memory of every row of h200_gpt_steps.csv, h100_gpt_steps.csv and
-h200_shapes_steps.csv (one-GPU PyTorch steps measured with ``vcluster bench gpu-step``)
+h200_shapes_steps.csv (one-GPU PyTorch steps measured with ``vcluster bench gpu-step``),
+and training throughput of every row of llm_foundry_mpt.csv (MosaicML's MPT models under
+FSDP on 8-128 A100s and H100s, :func:`~vcluster.planner.validation.validate_fsdp`)
 (copies ship with vcluster as package data), each with
 published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
 ``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
 and the held-out mean separately, then each table's mean and max per metric
-(``by_table``); then the H100 GEMM profile's leave-one-out error on
+(``by_table``), the FSDP table's by GPU and how many of its configurations the memory
+model says fit (``fsdp``: every one ran); then the H100 GEMM profile's leave-one-out error on
 h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`) and that of each other kind's
 profile (:mod:`vcluster.timing.kernel_profiles`).
 
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
-``held_out``) nor on korthikanti_2022_a100.csv (added after every constant was set)
+``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv (added after every constant
+was set)
 nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
 h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
@@ -43,8 +47,8 @@ def add_parser(commands) -> None:
 
 def validation_rows() -> dict:
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import (validate_gpu_steps, validate_megatron,
-                                             validate_recompute)
+    from vcluster.planner.validation import (validate_fsdp, validate_gpu_steps,
+                                             validate_megatron, validate_recompute)
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
@@ -52,6 +56,8 @@ def validation_rows() -> dict:
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
     rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_recompute()
                                                    + validate_gpu_steps()]
+    fsdp = validate_fsdp()
+    rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -74,6 +80,7 @@ def validation_rows() -> dict:
                                           "max_abs_rel_error": max(e)}
                                  for metric, e in metrics.items()}
                          for table, metrics in by_table.items()},
+            "fsdp": _fsdp_summary(fsdp),
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -81,6 +88,18 @@ def validation_rows() -> dict:
             # compiled row): checked, not held out (docs/timing.md)
             "measured_prices": {"kernel_table": H100_KERNEL_TABLE, "step_ms_mean_abs_rel_error": {
                 table: sum(e) / len(e) for table, e in measured.items()}}}
+
+
+def _fsdp_summary(rows: list[dict]) -> dict:
+    """The FSDP table's mean and max |error| per GPU, and how many of its configurations
+    (all of which ran) the memory model says fit."""
+    by_gpu: dict = {}
+    for r in rows:
+        by_gpu.setdefault(r["gpu"], []).append(abs(r["rel_error"]))
+    return {"table": rows[0]["source"], "rows": len(rows),
+            "predicted_to_fit": sum(r["fits"] for r in rows),
+            "by_gpu": {gpu: {"rows": len(e), "mean_abs_rel_error": sum(e) / len(e),
+                             "max_abs_rel_error": max(e)} for gpu, e in by_gpu.items()}}
 
 
 def _run(args) -> int:
@@ -102,6 +121,12 @@ def _run(args) -> int:
             f"{metric} {100 * m['mean_abs_rel_error']:.1f}% "
             f"(max {100 * m['max_abs_rel_error']:.1f}%, {m['rows']})"
             for metric, m in metrics.items()))
+    f = result["fsdp"]
+    print(f"  {f['table']} by GPU: " + ", ".join(
+        f"{gpu} {100 * e['mean_abs_rel_error']:.1f}% (max {100 * e['max_abs_rel_error']:.1f}%, "
+        f"{e['rows']})" for gpu, e in f["by_gpu"].items())
+        + f"; the memory model says {f['predicted_to_fit']} of its {f['rows']} configurations "
+        f"fit (every one ran)")
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

@@ -1,6 +1,7 @@
 """Predicted against published: Megatron-LM's iteration times and TFLOP/s per GPU (and,
 in :func:`validate_recompute`, Korthikanti et al. 2022's iterations and layer times with
-full and selective recomputation, run as that paper gives them).
+full and selective recomputation, run as that paper gives them; in :func:`validate_fsdp`,
+MosaicML's measured MPT throughput under FSDP on A100s and H100s).
 
 Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
 ``megatron_sc21_table1.csv`` (TFLOP/s per GPU) is simulated with
@@ -34,7 +35,7 @@ from vcluster.timing import load_hardware, read_data_csv
 from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
-           "micro_batch_for", "RECOMPUTE_TABLE",
+           "validate_fsdp", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE", "FSDP_HARDWARE",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -54,6 +55,14 @@ HARDWARE = "a100-80gb-dgx"
 #: Korthikanti et al. 2022's A100 iterations and layer times with full and selective
 #: recomputation (:func:`validate_recompute`)
 RECOMPUTE_TABLE = "korthikanti_2022_a100.csv"
+
+#: MosaicML LLM Foundry's measured MPT training throughput under FSDP (:func:`validate_fsdp`)
+FSDP_TABLE = "llm_foundry_mpt.csv"
+
+#: that table's GPUs -> the preset its rows are predicted on (the A100 tables' 1600 Gb/s
+#: RoCE per node is the DGX A100's 8 x 200 Gb/s)
+FSDP_HARDWARE = MappingProxyType({"h100_80gb": "h100-dgx", "a100_80gb": "a100-80gb-dgx",
+                                  "a100_40gb": "a100-40gb-dgx"})
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -185,3 +194,40 @@ def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
         rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),
                                 sim.peak_memory_gb))
     return rows
+
+
+def validate_fsdp(rows=None) -> list[dict]:
+    """Every row of :data:`FSDP_TABLE` (MosaicML LLM Foundry's MPT benchmarks: Composer and
+    PyTorch FSDP ``FULL_SHARD`` on 8 to 128 A100s or H100s, sequences of 512 to 65,536),
+    simulated as a user would type it, nothing chosen per row::
+
+        vcluster simulate gpt --hidden h --layers l --heads a --seq s --vocab 50368 \\
+            --dp GPUS --zero 3 --micro-batch b --global-batch B [--recompute full] \\
+            --hardware <FSDP_HARDWARE[gpu]>
+
+    ZeRO-3 (FSDP's full sharding: every layer's parameters gathered before its forward and
+    again before its backward, its gradients reduce-scattered per micro-batch), data
+    parallelism only, flash attention, full recomputation where the row checkpoints
+    activations, the default (Megatron) precision policy, every collective in bf16.
+    ``tokens_per_s`` = B·s / step time. What the modelled GPT does not share with MPT:
+    its output head is not tied to the input embedding (V·h more parameters to gather,
+    reduce and update: the same FLOPs), and the rows whose FSDP mixed precision is
+    ``DEFAULT`` may reduce gradients in fp32. Each row also carries ``fits``: whether the
+    memory model says the configuration fits (every one of them ran). ``rows``: the table
+    rows to run (dicts as :func:`~vcluster.timing.read_data_csv` reads them; default all)."""
+    results = []
+    for r in read_data_csv(FSDP_TABLE)[1] if rows is None else rows:
+        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        checkpointed = r["activation_checkpointing"] == "1"
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             micro_batch=int(r["micro_batch"]), dp=int(r["gpus"]), zero_stage=3,
+                             recompute="full" if checkpointed else "none")
+        sim = simulate_gpt(cfg, par, FSDP_HARDWARE[r["gpu"]])
+        gpu = r["gpu"].replace("_", "-").upper()
+        case = (f"MPT-{r['model']} s={cfg.seq} {par.dp}x{gpu} mb={par.micro_batch}"
+                f"x{par.microbatches}{' ckpt' if checkpointed else ''}")
+        results.append(_row_result(FSDP_TABLE, case, "tokens_per_s", float(r["tokens_per_s"]),
+                                   par.global_batch * cfg.seq / sim.step_time_s)
+                       | {"gpu": r["gpu"], "fits": sim.fits})
+    return results

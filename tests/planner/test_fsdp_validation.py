@@ -1,0 +1,76 @@
+"""MosaicML LLM Foundry's measured MPT throughput under FSDP (``llm_foundry_mpt.csv``,
+:func:`vcluster.planner.validation.validate_fsdp`): the shipped rows are the published
+ones, the architecture the simulator runs is MPT's (parameter for parameter), and a row's
+prediction is what ``vcluster simulate gpt`` says for the same command line."""
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.planner.memory import rank_params
+from vcluster.planner.validation import FSDP_HARDWARE, FSDP_TABLE, validate_fsdp
+from vcluster.timing import read_data_csv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.timeout(300)
+
+
+def _table():
+    return read_data_csv(FSDP_TABLE)[1]
+
+
+def test_the_three_published_tables_are_shipped_whole_with_their_source():
+    comments, rows = read_data_csv(FSDP_TABLE)
+    assert "mosaicml/llm-foundry" in comments[0] and "061f2c7ce64e6551" in comments[0]
+    assert Counter(r["gpu"] for r in rows) == {"h100_80gb": 52, "a100_80gb": 61,
+                                               "a100_40gb": 78}
+    assert set(FSDP_HARDWARE) == {r["gpu"] for r in rows}
+    # the first and last rows of the README's tables, as published
+    assert (rows[0]["model"], rows[0]["gpus"], rows[0]["tokens_per_s"]) == ("70b", "64", "66523")
+    assert (rows[-1]["model"], rows[-1]["seq"], rows[-1]["tokens_per_s"]) == \
+        ("125m", "512", "1253886")
+    for r in rows:
+        mb, ga, gpus = int(r["micro_batch"]), int(r["grad_accum"]), int(r["gpus"])
+        assert int(r["global_batch"]) == mb * ga * gpus, r
+        assert r["activation_checkpointing"] in ("0", "1")
+
+
+def test_each_row_is_mpts_architecture_parameter_for_parameter():
+    """MPT ties its output head to the input embedding; the modelled GPT does not: its
+    count (the memory model's) is the published NumParams plus one vocab x hidden."""
+    for r in _table():
+        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
+                        heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
+        untied = rank_params(cfg, ParallelConfig(global_batch=1), 0)
+        assert untied - cfg.vocab * cfg.hidden == int(r["num_params"]), r
+
+
+@pytest.mark.parametrize("index", [0, 52 + 10, 52 + 61 + 45])   # an H100, A100-80GB, A100-40GB
+def test_a_row_is_the_simulate_command_a_user_types(index, tmp_path):
+    r = _table()[index]
+    (row,) = validate_fsdp([r])
+    assert row["source"] == FSDP_TABLE and row["metric"] == "tokens_per_s"
+    assert row["published"] == float(r["tokens_per_s"])
+    assert row["rel_error"] == pytest.approx(row["predicted"] / row["published"] - 1)
+    assert row["gpu"] == r["gpu"] and isinstance(row["fits"], bool)
+    out = tmp_path / "sim.json"
+    argv = ["--hidden", r["hidden"], "--layers", r["layers"], "--heads", r["heads"],
+            "--seq", r["seq"], "--vocab", r["vocab"], "--dp", r["gpus"], "--zero", "3",
+            "--micro-batch", r["micro_batch"], "--global-batch", r["global_batch"],
+            "--hardware", FSDP_HARDWARE[r["gpu"]], "--allow-oom", "--json", str(out)]
+    if r["activation_checkpointing"] == "1":
+        argv += ["--recompute", "full"]
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *argv],
+                          capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    sim = json.loads(out.read_text())
+    tokens = int(r["global_batch"]) * int(r["seq"])
+    assert row["predicted"] == pytest.approx(tokens / sim["step_time_s"], rel=1e-9)
+    assert row["fits"] == sim["fits"]
+    assert row["case"].startswith(f"MPT-{r['model']} s={r['seq']} {r['gpus']}x")

@@ -240,6 +240,7 @@ PLAN_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["candidates", "rejected"],
     "properties": {
         "precision": {"enum": ["megatron", "torch_amp", "fp64", "fp32"]},
+        "fp8": {"type": "boolean"},
         "rejected": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
         "candidates": {"type": "array", "minItems": 1, "items": {
             "type": "object",

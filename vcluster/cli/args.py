@@ -102,6 +102,16 @@ def add_tp_overlap_argument(parser) -> None:
                              "TP collective blocking, as the 2020/2021 Megatron runs)")
 
 
+def add_fp8_argument(parser) -> None:
+    """--fp8: the transformer layers' linear GEMMs priced in FP8
+    (:func:`vcluster.planner.simulation.fp8_gemm`)."""
+    parser.add_argument("--fp8", action="store_true",
+                        help="the transformer layers' linear layers in FP8, as Transformer "
+                             "Engine runs them (Megatron-LM --fp8-format): priced at the "
+                             "device's FP8 peak (H100, H200; not A100); attention's products, "
+                             "the output head and the rest stay BF16")
+
+
 def model_title(config) -> str:
     """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=) of a GPTConfig."""
     c = config

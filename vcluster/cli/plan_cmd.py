@@ -27,7 +27,8 @@ import argparse
 import math
 import os
 
-from .args import (add_arch_arguments, add_moe_arguments, add_tp_overlap_argument, fraction,
+from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
+                   add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
@@ -67,6 +68,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash)")
     add_tp_overlap_argument(gpt)
+    add_fp8_argument(gpt)
     gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                      default=None, help="shard the optimizer state over dp in every "
                      "configuration (or never, with --no-...): --zero-stages 1 (or 0); "
@@ -105,12 +107,14 @@ def _finite(x):
 
 
 def plan_json(df) -> dict:
-    """``{"candidates": [...], "rejected": {reason: count}}`` from plan_gpt's DataFrame."""
+    """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...}``
+    from plan_gpt's DataFrame."""
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
-            "precision": df.attrs.get("precision", "megatron")}
+            "precision": df.attrs.get("precision", "megatron"),
+            "fp8": df.attrs.get("fp8", False)}
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
@@ -169,14 +173,15 @@ def _gpt(args) -> int:
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
-                  precision=precision_name(args.precision),
+                  precision=precision_name(args.precision), fp8=args.fp8,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
     print(f"{model_title(a['config'])}, global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
-          f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision")
+          f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision"
+          + ("; FP8 linear layers" if a["fp8"] else ""))
     if len(df):
         _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
     print("rejected:" + ("" if a["rejected"] else " none"))

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import sys
 
-from .args import (add_arch_arguments, add_moe_arguments, add_tp_overlap_argument, fraction,
+from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
+                   add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser"]
@@ -66,6 +67,7 @@ def add_parser(commands) -> None:
                      help="the attention kernel the memory model assumes (default flash: no "
                           "s² scores kept for the backward)")
     add_tp_overlap_argument(gpt)
+    add_fp8_argument(gpt)
     gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
                           "2 also the gradients, 3 also the weights (2 and 3: pp = 1, no "
@@ -123,13 +125,14 @@ def _gpt(args) -> int:
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
                      expert_skew=args.expert_skew, precision=args.precision,
                      autocast_kernels={"auto": None, "on": True, "off": False}[
-                         args.autocast_kernels])
+                         args.autocast_kernels], fp8=args.fp8)
     print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
           f", ZeRO stage {zero}"
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
+          + (", FP8 linear layers" if r.fp8 else "")
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")

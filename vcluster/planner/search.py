@@ -38,7 +38,7 @@ from .memory import MEMORY_HEADROOM, usable_memory_bytes
 from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
 from .screen import peak_memory_bytes, screen_estimate
-from .simulation import simulate_gpt
+from .simulation import fp8_gemm, simulate_gpt
 
 __all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_REASONS"]
 
@@ -62,8 +62,8 @@ def _knobs(par: ParallelConfig) -> dict:
 
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
-    config, par, hardware, precision = args
-    r = simulate_gpt(config, par, hardware, precision=precision)
+    config, par, hardware, precision, fp8 = args
+    r = simulate_gpt(config, par, hardware, precision=precision, fp8=fp8)
     return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
 
@@ -89,10 +89,10 @@ def _pool_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _run_replays(config, pars, hardware, workers: int, bar, precision) -> list[dict]:
+def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> list[dict]:
     """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
     task = bar.add_task("replaying", total=len(pars)) if bar else None
-    jobs = [(config, p, hardware, precision) for p in pars]
+    jobs = [(config, p, hardware, precision, fp8) for p in pars]
 
     def done():
         if bar:
@@ -132,8 +132,8 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision) -> list[d
     return out
 
 
-def _screen_all(config, candidates, hw, bar, precision) -> list:
-    costs = HardwareCostModel(hw)
+def _screen_all(config, candidates, hw, bar, precision, fp8) -> list:
+    costs = HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None)
     autocast = autocast_kernels_priced(precision, costs)     # as the replays will
     fused = autocast and precision.inductor_fusion
     pieces: dict = {}
@@ -167,7 +167,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
-             precision="megatron"):
+             precision="megatron", fp8: bool = False):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -196,7 +196,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     lowest of them that fits (:mod:`~vcluster.planner.candidates`), the DataFrame's
     ``zero_stage`` (``distributed_optimizer`` is ``zero_stage >= 1``). ``precision``: the
     memory model's :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name
-    (default "megatron"; the DataFrame's ``attrs["precision"]``).
+    (default "megatron"; the DataFrame's ``attrs["precision"]``). ``fp8``: every candidate's
+    transformer-layer linear GEMMs priced in FP8 (:func:`~.simulation.fp8_gemm`; hardware
+    with an FP8 peak; ``attrs["fp8"]``).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -211,6 +213,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     if replay is not None and (isinstance(replay, bool) or not isinstance(replay, int)
                                or replay < 0):
         raise ValueError(f"plan_gpt: replay must be an int >= 0, got {replay!r}")
+    if not isinstance(fp8, bool):
+        raise ValueError(f"plan_gpt: fp8 must be True or False, got {fp8!r}")
     hw = load_hardware(hardware)
     space = SearchSpace(
         max_tp=max_tp or hw.gpus_per_node, micro_batches=micro_batches,
@@ -229,10 +233,10 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     if bar:
         bar.start()
     try:
-        estimates = _screen_all(config, candidates, hw, bar, precision)
+        estimates = _screen_all(config, candidates, hw, bar, precision, fp8)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
-                                workers or os.cpu_count() or 1, bar, precision)
+                                workers or os.cpu_count() or 1, bar, precision, fp8)
     finally:
         if bar:
             bar.stop()
@@ -252,6 +256,6 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
-                    precision=precision.name,
+                    precision=precision.name, fp8=fp8,
                     planning_time_s=time.perf_counter() - t0)
     return df

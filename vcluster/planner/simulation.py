@@ -47,7 +47,7 @@ from pipeline_parallel.optim import OptimizerConfig
 from pipelining import make_schedule
 from tensor_parallel.moe import MOE_TAG
 from vcluster.runtime.algorithm import choose_algorithm
-from vcluster.runtime.tracing import TraceCompute, trace_program
+from vcluster.runtime.tracing import KernelKind, TraceCompute, trace_program
 from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
@@ -63,6 +63,7 @@ from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_ha
 ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "fp8_gemm",
            "moe_exchanges_as_all_to_all",
            "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS", "describe_ratio"]
 
@@ -117,6 +118,7 @@ class GPTSimulation:
     precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
     autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
+    fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
 
     @property
     def reserve_gb(self) -> float:
@@ -182,6 +184,20 @@ def gpt_op_kind(name: str) -> str | None:
         if rest.startswith(prefixes):
             return kind
     return "other" if rest is not name and not rest.startswith(_INHERIT) else None
+
+
+def fp8_gemm(op) -> bool:
+    """Whether a traced compute op is a GEMM that runs in FP8 under Transformer Engine's FP8
+    training as Megatron-LM uses it (``--fp8-format``): the linear layers of every
+    transformer layer — attention's QKV and output projections, the MLP's (or each
+    expert's) two or three — forward and backward. The core attention's products (one
+    batched GEMM per head, or the flash kernel), the output head (logits), the MoE router
+    and every op that is not a GEMM stay in BF16."""
+    kernel = getattr(op, "kernel", None)
+    if kernel is None or kernel.kind is not KernelKind.GEMM or kernel.shape[0] > 1:
+        return False
+    return not op.name.startswith("moe: router") and gpt_op_kind(op.name) in ("attention",
+                                                                            "mlp")
 
 
 def _short_microbatches(parallel: ParallelConfig) -> int:
@@ -363,7 +379,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  traced_positions: int | None = TRACED_POSITIONS,
                  memory_headroom: float = MEMORY_HEADROOM,
                  expert_skew: float = 1.0, precision="megatron",
-                 autocast_kernels: bool | None = None) -> GPTSimulation:
+                 autocast_kernels: bool | None = None, fp8: bool = False) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
     ``precision``: the memory model's bytes per parameter and activation (a
     :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name: "megatron",
@@ -379,14 +395,18 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     hardware prices kernels from measurements (a kernel table or a calibrated GPU: that
     module's docstring says why not on the analytic presets); under a policy with
     ``inductor_fusion`` (``torch_compile``) they are priced as ``torch.compile`` fuses them
-    (:mod:`.inductor_kernels`)."""
+    (:mod:`.inductor_kernels`); ``fp8``: the transformer layers' linear GEMMs priced in FP8
+    (:func:`fp8_gemm`: at the device's FP8 peak, analytic hardware with one only; the
+    memory model is unchanged, and ``mfu`` stays against the BF16 peak)."""
 
     hw = load_hardware(hardware)
     precision = precision_policy(precision)
     limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
     mesh = parallel.mesh()
     m = parallel.microbatches
-    costs = HardwareCostModel(hw, dtype)
+    if not isinstance(fp8, bool):
+        raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
+    costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None)
     if autocast_kernels is None:
         autocast_kernels = autocast_kernels_priced(precision, costs)
     elif not isinstance(autocast_kernels, bool):
@@ -424,5 +444,5 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
-        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
+        fp8=fp8, ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

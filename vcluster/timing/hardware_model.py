@@ -14,6 +14,12 @@
   kernel, profiled or not, at no less than the host's launch interval: price =
   max(in-stream price, launch interval). Kernels with no profile (dropout, activation
   gradients, SGD, unfused attention's softmax) keep the analytic price and its divisor;
+* FP8 GEMMs: with ``fp8_gemms`` (a predicate on compute ops: which GEMMs run in FP8, as
+  Transformer Engine runs a transformer layer's linear layers; the caller knows its
+  program's ops) those ops are priced by the same analytic model at the device's FP8
+  peak (``peak_tflops["fp8"]``), every other op as before. It needs the analytic model:
+  measured kernel prices are of BF16 kernels, so hardware with measured kernels refuses
+  it, as does a device with no FP8 peak;
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests
@@ -64,9 +70,21 @@ class HardwareCostModel:
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the device's kernel prices by kind (None without measured kernels), fitted once
     kernel_profile: object = field(default=None, init=False, repr=False, compare=False)
+    # op -> True for the GEMMs that run in FP8 (None: none do); see the module docstring
+    fp8_gemms: object = None
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
+        if self.fp8_gemms is not None:
+            device = self.hardware.device
+            if "fp8" not in device.peak_tflops:
+                raise ValueError(f"FP8 GEMMs need an FP8 peak: {self.hardware.name} "
+                                 f"({device.name}) has peaks for "
+                                 f"{', '.join(device.peak_tflops)} only")
+            if self.kernel_profile is not None:
+                raise ValueError(f"FP8 GEMMs are priced by the analytic model: "
+                                 f"{self.hardware.name} prices kernels from measured "
+                                 f"BF16 kernels ({self.kernel_profile.source})")
 
     @property
     def gemm_profile(self):
@@ -80,6 +98,8 @@ class HardwareCostModel:
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
+        if self.fp8_gemms is not None and self.fp8_gemms(op):
+            return self.hardware.device.compute_time_s(op.flops, op.bytes, "fp8") / self.efficiency
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
         if kernel is None or profile is None:
             return self.analytic_time_s(op)

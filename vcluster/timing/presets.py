@@ -36,6 +36,12 @@ __all__ = ["PRESET_NAMES", "preset", "load_hardware", "hardware_from_dict",
 # (CUDA 12.1). H200 has the same GH100 compute (hardware.csv notes): H100's figure.
 A100_GEMM_MAX_EFFICIENCY = 0.859
 H100_GEMM_MAX_EFFICIENCY = 0.801
+# Dense FP8 Tensor Core peak over dense BF16: NVIDIA H100 SXM datasheet, FP8 3,958 and
+# BF16 1,979 TFLOPS (both with sparsity; dense is half of each); the H200's are the same.
+# The A100 has no FP8 Tensor Cores: its presets have no "fp8" peak. No FP8 maximum
+# achievable matmul figure is cited here: FP8 GEMMs are assumed to reach the same share
+# of their peak (e_max) as BF16 GEMMs.
+HOPPER_FP8_OVER_BF16_PEAK = 2.0
 # Fixed cost of one kernel (launch, first-wave ramp, epilogue): a tiny cuBLAS GEMM takes
 # ~5-7 us (e.g. cublasLt 128^3 in 6.5 us, AD2605/gemm-zoo benchmarks.md); CUDA launch
 # latency alone is ~3-5 us. Sets the GEMM half-efficiency size F_half = peak*e_max*t_k.
@@ -83,6 +89,7 @@ _GENERATION = MappingProxyType({  # generation -> (e_max, NCCL GB/s per NVLink, 
     "H100": (H100_GEMM_MAX_EFFICIENCY, H100_NCCL_NVLINK_GBPS_PER_LINK,
              H100_NODES_PER_LEAF_SWITCH),
 })
+_FP8_OVER_BF16_PEAK = MappingProxyType({"H100": HOPPER_FP8_OVER_BF16_PEAK})  # by generation
 _NIC_ACHIEVED_GBPS = MappingProxyType({"HDR-4x": HDR_NCCL_ACHIEVED_GBPS,
                                        "NDR-4x": NDR_NCCL_ACHIEVED_GBPS})
 
@@ -106,12 +113,15 @@ def preset(name: str) -> HardwareSpec:
     gpu, nic = parts[gpu_part], parts[nic_part]
     e_max, nvlink_per_link_gbps, nodes_per_leaf = _GENERATION[generation]
     csv_source = "hardware.csv (" + " ".join(comments) + ")"
+    peaks = {"bf16": float(gpu["bf16_dense_tflops"]),
+             "fp16": float(gpu["bf16_dense_tflops"]),  # datasheet: FP16 == BF16
+             "tf32": float(gpu["tf32_dense_tflops"]),
+             "fp32": float(gpu["fp32_tflops"])}
+    if generation in _FP8_OVER_BF16_PEAK:
+        peaks["fp8"] = peaks["bf16"] * _FP8_OVER_BF16_PEAK[generation]
     device = DeviceSpec(
         name=gpu_part,
-        peak_tflops={"bf16": float(gpu["bf16_dense_tflops"]),
-                     "fp16": float(gpu["bf16_dense_tflops"]),  # datasheet: FP16 == BF16
-                     "tf32": float(gpu["tf32_dense_tflops"]),
-                     "fp32": float(gpu["fp32_tflops"])},
+        peak_tflops=peaks,
         hbm_bytes=int(round(float(gpu["hbm_gb"]) * BYTES_PER_GB)),
         hbm_bandwidth_gbps=float(gpu["hbm_bandwidth_gbps"]),
         gemm_max_efficiency=e_max, kernel_overhead_us=KERNEL_OVERHEAD_US,

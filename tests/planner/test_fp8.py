@@ -1,0 +1,143 @@
+"""FP8 linear layers (``simulate_gpt(fp8=True)``, ``--fp8``): which GEMMs run in FP8, their
+price at the datasheet's FP8 peak, and the refusals (no FP8 peak, measured BF16 kernels)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.planner.search import plan_gpt
+from vcluster.planner.simulation import fp8_gemm, gpt_step_traces, simulate_gpt
+from vcluster.runtime.tracing import Kernel, TraceCompute
+from vcluster.timing import load_hardware
+from vcluster.timing.hardware_model import TRAINING_KERNEL_EFFICIENCY, HardwareCostModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.timeout(300)
+
+
+class _Recorder:
+    """A cost model that prices as ``costs`` does and keeps every compute op it prices."""
+
+    def __init__(self, costs):
+        self.costs, self.ops = costs, []
+
+    def compute_time_s(self, op):
+        self.ops.append(op)
+        return self.costs.compute_time_s(op)
+
+    def __getattr__(self, name):
+        return getattr(self.costs, name)
+
+
+def _gemm_names(config, parallel):
+    recorder = _Recorder(HardwareCostModel(load_hardware("h100-dgx")))
+    gpt_step_traces(config, parallel, recorder)
+    gemms = {op.name: fp8_gemm(op) for op in recorder.ops
+             if op.kernel is not None and op.kernel.kind.value == "gemm"}
+    assert gemms
+    return gemms
+
+
+@pytest.mark.parametrize("arch, experts", [("gpt", 0), ("llama", 0), ("llama", 4)])
+def test_the_layers_linear_gemms_run_in_fp8_and_nothing_else(arch, experts):
+    config = GPTConfig(hidden=256, layers=2, heads=4, seq=128, vocab=512, arch=arch,
+                       experts=experts)
+    parallel = ParallelConfig(global_batch=2, micro_batch=1, tp=2, attention="unfused")
+    for name, fp8 in _gemm_names(config, parallel).items():
+        linear = any(w in name for w in ("W_qkv", "W_q", "W_kv", "W_o", "W1", "W2", "W_gate",
+                                         "W_up", "W_down", "dW1", "dW2")) \
+            or name.startswith("moe: expert")
+        if "head:" in name or "router" in name or any(
+                p in name for p in ("q @ k^T", "P @ v", "dP =", "dq =", "dk =", "dv =")):
+            assert not fp8, name        # output head, router, attention's batched products
+        else:
+            assert linear and fp8, name
+
+
+def test_an_fp8_gemm_is_priced_at_the_datasheet_fp8_peak():
+    # H100 SXM: FP8 3,958 TFLOPS with sparsity -> 1,978.8 dense; e_max 0.801 (BF16's);
+    # HBM 3,350 GB/s at 0.9; 5 us per kernel; the training-kernel divisor
+    op = TraceCompute("gpt: mlp: x @ W1", 2 * 8192 * 4096 * 16384, 2 * (8192 * 4096
+                      + 4096 * 16384 + 8192 * 16384), kernel=Kernel.gemm(1, 8192, 4096, 16384))
+    assert fp8_gemm(op)
+    fp8 = HardwareCostModel(load_hardware("h100-dgx"), fp8_gemms=fp8_gemm)
+    bf16 = HardwareCostModel(load_hardware("h100-dgx"))
+    expected = (5e-6 + op.flops / (1978.8e12 * 0.801)) / TRAINING_KERNEL_EFFICIENCY
+    assert fp8.compute_time_s(op) == pytest.approx(expected, rel=1e-9)
+    assert bf16.compute_time_s(op) == pytest.approx(
+        (5e-6 + op.flops / (989.4e12 * 0.801)) / TRAINING_KERNEL_EFFICIENCY, rel=1e-9)
+    head = TraceCompute("gpt: head: logits = x W_out", op.flops, op.bytes,
+                        kernel=Kernel.gemm(1, 8192, 4096, 16384))
+    assert not fp8_gemm(head) and fp8.compute_time_s(head) == bf16.compute_time_s(head)
+
+
+def test_fp8_halves_at_most_the_linear_layers_time():
+    config = GPTConfig(hidden=4096, layers=4, heads=32, seq=2048, vocab=32000)
+    parallel = ParallelConfig(global_batch=8, micro_batch=1, dp=8)
+    bf16 = simulate_gpt(config, parallel, "h100-dgx")
+    fp8 = simulate_gpt(config, parallel, "h100-dgx", fp8=True)
+    assert fp8.fp8 and not bf16.fp8
+    mlp = {r.op: r.compute_s for r in bf16.ops}["mlp"], {r.op: r.compute_s for r in fp8.ops}["mlp"]
+    assert 0.5 * mlp[0] < mlp[1] < 0.6 * mlp[0]      # GEMMs at 2x, the GELU and adds as before
+    logits = [{r.op: r.compute_s for r in s.ops}["logits"] for s in (bf16, fp8)]
+    assert logits[0] == pytest.approx(logits[1])      # the output head stays BF16
+    assert fp8.step_time_s < bf16.step_time_s
+    assert fp8.peak_memory_gb == bf16.peak_memory_gb  # the memory model is unchanged
+    assert fp8.to_json()["fp8"] is True
+
+
+def test_fp8_needs_an_fp8_peak_and_analytic_prices():
+    config = GPTConfig(hidden=256, layers=2, heads=4, seq=128, vocab=512)
+    parallel = ParallelConfig(global_batch=2, micro_batch=1)
+    with pytest.raises(ValueError, match=r"a100-80gb-dgx \(A100-SXM4-80GB\) has peaks for "
+                                         r"bf16, fp16, tf32, fp32 only"):
+        simulate_gpt(config, parallel, "a100-80gb-dgx", fp8=True)
+    table = {"base": "h100-dgx", "device": {"kernel_table": "h100_kernels.csv"}}
+    with pytest.raises(ValueError, match="priced by the analytic model.*measured BF16"):
+        simulate_gpt(config, parallel, table, fp8=True)
+    with pytest.raises(ValueError, match="fp8 must be True or False"):
+        simulate_gpt(config, parallel, "h100-dgx", fp8="yes")
+
+
+def test_the_planner_prices_every_candidate_in_fp8():
+    kw = dict(hidden=1024, layers=8, heads=16, seq=1024, vocab=32000, gpus=8, global_batch=16,
+              hardware="h100-dgx", top=3, workers=1, progress=False, max_micro_batch=2)
+    bf16, fp8 = plan_gpt(**kw), plan_gpt(**kw, fp8=True)
+    assert fp8.attrs["fp8"] is True and bf16.attrs["fp8"] is False
+    assert fp8.step_time_s.iloc[0] < bf16.step_time_s.iloc[0]
+    with pytest.raises(ValueError, match="has peaks for"):
+        plan_gpt(**(kw | {"hardware": "a100-80gb-dgx"}), fp8=True)
+
+
+def _vcluster(*args):
+    return subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
+                          text=True, timeout=200, env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def test_the_cli_flag(tmp_path):
+    model = ["--hidden", "1024", "--layers", "4", "--heads", "16", "--seq", "1024",
+             "--vocab", "32000", "--global-batch", "8"]
+    out = tmp_path / "sim.json"
+    proc = _vcluster("simulate", "gpt", *model, "--dp", "8", "--hardware", "h100-dgx", "--fp8",
+                     "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert ", FP8 linear layers" in proc.stdout and json.loads(out.read_text())["fp8"] is True
+    proc = _vcluster("simulate", "gpt", *model, "--dp", "8", "--fp8")
+    assert proc.returncode == 2 and "FP8 GEMMs need an FP8 peak: a100-80gb-dgx" in proc.stderr
+    plan = tmp_path / "plan.json"
+    proc = _vcluster("plan", "gpt", *model, "--gpus", "8", "--hardware", "h100-dgx", "--fp8",
+                     "--workers", "1", "--quiet", "--json", str(plan))
+    assert proc.returncode == 0, proc.stderr
+    assert "; FP8 linear layers" in proc.stdout and json.loads(plan.read_text())["fp8"] is True
+
+
+def test_the_hopper_presets_carry_the_datasheet_fp8_peak():
+    for name in ("h100-dgx", "h200-dgx"):
+        peaks = load_hardware(name).device.peak_tflops
+        assert peaks["fp8"] == 2 * peaks["bf16"] == pytest.approx(1978.8)
+    for name in ("a100-40gb-dgx", "a100-80gb-dgx"):
+        assert "fp8" not in load_hardware(name).device.peak_tflops

@@ -415,7 +415,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
         group = cfg.heads // ops.tp_size // kv if cfg.arch == "llama" else 1
         cp = ContextParallelAttention(cfg.heads // ops.tp_size, cfg.head_dim,
                                       par.cp_algorithm, "cp", group=group,
-                                      label="gpt: attention: cp")
+                                      label="gpt: attention: cp", flash=ops.flash)
         positions = sequence_positions(cfg.seq, n, dev.mesh.group_position("cp", dev.rank))
 
     def local(names, prefix=""):

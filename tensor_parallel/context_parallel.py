@@ -73,6 +73,7 @@ row r mod s_l), while k, v are (B, s_l, d). A block is then the g·c rows of one
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -80,7 +81,9 @@ import numpy as np
 from sharding import TensorSharding
 from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.traffic import collective_traffic
-from .attention import batched_matmul
+from vcluster.runtime.tracing.kernel import Kernel
+
+from .attention import LSE_BYTES, batched_matmul
 from .operation import ShardedOperation, run_sharded
 
 __all__ = ["ContextParallelAttention", "CP_ALGORITHMS", "chunk_ids", "sequence_positions",
@@ -151,18 +154,48 @@ def causal_chunk_pairs(cp: int, rank: int, load_balance: bool = True) -> int:
 # --- one rank's blocks -------------------------------------------------------------------
 class _Blocks:
     """The per-block math of one rank: products through ``batched_matmul``, elementwise
-    work declared with 0 FLOPs and the bytes it touches."""
+    work declared with 0 FLOPs and the bytes it touches — or, with ``flash``, each block's
+    forward (scores, mask, softmax, P v) and backward as one fused attention kernel
+    (:meth:`_fused`), the same math inside."""
 
-    def __init__(self, dev, scale: float, label: str = "cp attention", group: int = 1):
+    def __init__(self, dev, scale: float, label: str = "cp attention", group: int = 1,
+                 flash: bool = False):
         self.dev, self.xp, self.scale, self.label, self.g = dev, dev.xp, scale, label, group
+        self.flash, self._inside = bool(flash), False
 
     def ew(self, name, fn, *operands):
+        if self._inside:
+            return fn()
         nbytes = sum(int(o.size) * np.dtype(o.dtype).itemsize for o in operands)
         with self.dev.compute(f"{self.label}: {name}", flops=0, bytes=nbytes):
             return fn()
 
     def bmm(self, a, b, name):
+        if self._inside:
+            return self.xp.matmul(a, b)
         return batched_matmul(self.dev, a, b, f"{self.label}: {name}")
+
+    @contextlib.contextmanager
+    def _fused(self, name, products: int, q, k, arrays, diagonal: bool, backward: bool):
+        """One flash-attention kernel for a block of q (B, g·c, d) against k (B, n, d):
+        ``products`` GEMMs' FLOPs (2·B·g·c·n·d each, as the unfused block declares them)
+        and the bytes of ``arrays`` plus the fp32 row log-sum-exp — never the g·c × n
+        scores. The kernel is (B·g heads, c queries, n keys), causal when the block is the
+        diagonal chunk alone (a block with earlier chunks too is priced as full: its
+        diagonal part's masked half is counted)."""
+        b, rows, d = q.shape
+        n, c = k.shape[1], rows // self.g
+        itemsize = np.dtype(q.dtype).itemsize
+        nbytes = sum(int(a.size) for a in arrays) * itemsize + LSE_BYTES * b * rows
+        kernel = Kernel.attention(b * self.g, c, n, d, causal=diagonal and n == c, flash=True,
+                                  backward=backward)
+        with self.dev.compute(f"{self.label}: {name}", flops=2 * products * b * rows * n * d,
+                              bytes=nbytes, kernel=kernel):
+            self._inside = True
+            try:
+                yield
+            finally:
+                self._inside = False
 
     def scores(self, q, k, q_chunk, k_chunks, c):
         """σ·q k^T with −big above the causal diagonal (global positions), (B, g·c, n)
@@ -183,6 +216,10 @@ class _Blocks:
 
     def forward(self, q, k, v, q_chunk, k_chunks, c):
         """Partial (O_b, L_b) of q (B, c, d) against k, v (B, n, d)."""
+        if self.flash and not self._inside:
+            with self._fused("flash forward", 2, q, k, (q, k, v, q), q_chunk in k_chunks,
+                             backward=False):
+                return self.forward(q, k, v, q_chunk, k_chunks, c)
         z = self.scores(q, k, q_chunk, k_chunks, c)
 
         def softmax():
@@ -206,6 +243,10 @@ class _Blocks:
 
     def backward(self, q, k, v, do, lse, delta, q_chunk, k_chunks, c):
         """(dq, dk, dv) of one block, P recomputed from the saved log-sum-exp."""
+        if self.flash and not self._inside:
+            with self._fused("flash backward", 5, q, k, (q, k, v, do, do, q, k, v),
+                             q_chunk in k_chunks, backward=True):
+                return self.backward(q, k, v, do, lse, delta, q_chunk, k_chunks, c)
         z = self.scores(q, k, q_chunk, k_chunks, c)
         p = self.ew("P = exp(S - L)", lambda: np.exp(z - lse), z)
         dv = self.bmm(p.transpose(0, 2, 1), do, "dv = P^T dO")
@@ -247,10 +288,13 @@ def _add_to(pairs, n: int) -> None:
 # --- the operation -----------------------------------------------------------------------
 class ContextParallelAttention(ShardedOperation):
     """``ContextParallelAttention(heads, head_dim, algorithm="ring", axis="cp",
-    load_balance=True, collective_algorithm="auto", group=1, label="cp attention")``:
-    causal softmax(q k^T/sqrt(d)) v with the sequence split over mesh axis ``axis`` (see
-    the module docstring); ``group`` query heads per K/V head (GQA; the per-device
-    programs only), ``label`` begins the names of its compute ops.
+    load_balance=True, collective_algorithm="auto", group=1, label="cp attention",
+    flash=False)``: causal softmax(q k^T/sqrt(d)) v with the sequence split over mesh axis
+    ``axis`` (see the module docstring); ``group`` query heads per K/V head (GQA; the
+    per-device programs only), ``label`` begins the names of its compute ops; ``flash``:
+    each block's forward and backward declared as one fused attention kernel (the same
+    FLOPs, the bytes of q, k, v and the outputs, no scores), as Megatron's CP runs a flash
+    kernel per ring step — the math is the same either way.
 
     Global q, k, v, dy are (b·heads, s, head_dim) with s divisible by 2·cp; each rank
     holds the rows of :func:`split_sequence`. ``collective_algorithm`` is the algorithm
@@ -266,7 +310,7 @@ class ContextParallelAttention(ShardedOperation):
 
     def __init__(self, heads: int, head_dim: int, algorithm: str = "ring", axis: str = "cp",
                  load_balance: bool = True, collective_algorithm: str = "auto",
-                 group: int = 1, label: str = "cp attention"):
+                 group: int = 1, label: str = "cp attention", flash: bool = False):
         for what, n in (("heads", heads), ("head_dim", head_dim), ("group", group)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"ContextParallelAttention: {what} must be an int >= 1, "
@@ -279,13 +323,13 @@ class ContextParallelAttention(ShardedOperation):
         self.heads, self.head_dim, self.algorithm = int(heads), int(head_dim), algorithm
         self.axis, self.load_balance = axis, bool(load_balance)
         self.collective_algorithm = collective_algorithm
-        self.group, self.label = int(group), str(label)
+        self.group, self.label, self.flash = int(group), str(label), bool(flash)
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def __repr__(self) -> str:
         return (f"ContextParallelAttention(heads={self.heads}, head_dim={self.head_dim}, "
                 f"algorithm={self.algorithm!r}, axis={self.axis!r}, "
-                f"load_balance={self.load_balance})")
+                f"load_balance={self.load_balance}{', flash=True' if self.flash else ''})")
 
     # --- per-device programs ---------------------------------------------------------
     def _where(self, dev, q, k):
@@ -304,7 +348,7 @@ class ContextParallelAttention(ShardedOperation):
         """This rank's (O (B, s_l, d), L (B, s_l, 1)): output rows and their log-sum-exp."""
         cp, me, group, c = self._where(dev, q, k)
         g = self.group
-        blk = _Blocks(dev, self.scale, self.label, g)
+        blk = _Blocks(dev, self.scale, self.label, g, self.flash)
         mine = chunk_ids(cp, me, self.load_balance)
         acc = [None, None]
         if self.algorithm == "ring":
@@ -335,7 +379,7 @@ class ContextParallelAttention(ShardedOperation):
         """This rank's (dq, dk, dv), each (B, s_l, d), from ``forward_local``'s (O, L)."""
         cp, me, group, c = self._where(dev, q, k)
         g = self.group
-        blk = _Blocks(dev, self.scale, self.label, g)
+        blk = _Blocks(dev, self.scale, self.label, g, self.flash)
         xp = dev.xp
         mine = chunk_ids(cp, me, self.load_balance)
         delta = blk.ew("D = rowsum(dO O)", lambda: (do * o).sum(axis=-1, keepdims=True), do, o)

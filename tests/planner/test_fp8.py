@@ -141,3 +141,28 @@ def test_the_hopper_presets_carry_the_datasheet_fp8_peak():
         assert peaks["fp8"] == 2 * peaks["bf16"] == pytest.approx(1978.8)
     for name in ("a100-40gb-dgx", "a100-80gb-dgx"):
         assert "fp8" not in load_hardware(name).device.peak_tflops
+
+
+def test_the_nemo_fp8_table_is_the_published_one_with_its_architectures():
+    """Every row's model: the table's own Model TFLOP/s over its tokens/s is the model's
+    FLOPs per token (attention counted over the full s², as NeMo counts it)."""
+    from pipeline_parallel.gpt import model_flops
+    from vcluster.planner.validation import FP8_TABLE, fp8_row_config, validate_fp8
+    from vcluster.timing import read_data_csv
+    comments, rows = read_data_csv(FP8_TABLE)
+    assert "NVIDIA/NeMo" in comments[0] and "070a0bb168d405d6" in comments[0]
+    assert [r["model"] for r in rows] == ["GPT3-5B", "GPT3-20B", "GPT3-175B", "GPT3-175B",
+                                          "LLAMA2-7B", "LLAMA2-13B", "LLAMA2-70B", "LLAMA3-8B",
+                                          "LLAMA3-70B"]
+    for r in rows:
+        cfg, par = fp8_row_config(r)
+        assert par.gpus == int(r["gpus"]) and (par.tp, par.pp, par.cp) == tuple(
+            int(r[k]) for k in ("tp", "pp", "cp"))
+        per_token = model_flops(cfg, 1) / cfg.seq
+        if cfg.arch == "llama":                  # the causal half the simulator leaves out
+            per_token += 6 * cfg.seq * cfg.hidden * cfg.layers
+        published = float(r["model_tflops_per_gpu"]) * 1e12 / float(r["tokens_per_s_per_gpu"])
+        assert published == pytest.approx(per_token, rel=0.005), r["model"]
+    got = validate_fp8()
+    assert [g["published"] for g in got] == [float(r["tokens_per_s_per_gpu"]) for r in rows]
+    assert all(g["metric"] == "tokens_per_s_per_gpu" and g["source"] == FP8_TABLE for g in got)

@@ -19,7 +19,7 @@ PACKAGES = ("vcluster", "mesh", "sharding", "pipelining", "tensor_parallel",
 TABLES = ("hardware.csv", "nccl_a100.csv", "megatron_2020_a100.csv",
           "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv",
           "h100_gpt_steps.csv", "h200_shapes_steps.csv", "korthikanti_2022_a100.csv",
-          "llm_foundry_mpt.csv")
+          "llm_foundry_mpt.csv", "nemo_2407_h100_fp8.csv")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -88,10 +88,12 @@ def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((work / "v.json").read_text())["rows"]
     # every row of the shipped tables: 5 NCCL, 8 Megatron 2020, 10 SC21, 14 Korthikanti 2022,
-    # 5 H200 steps x 2, 8 H100 steps x 2, 7 new-shape H200 steps x 2, 191 MPT runs under FSDP
-    assert len(rows) == 5 + 8 + 10 + 14 + 2 * 5 + 2 * 8 + 2 * 7 + 191
+    # 5 H200 steps x 2, 8 H100 steps x 2, 7 new-shape H200 steps x 2, 191 MPT runs under FSDP,
+    # 9 NeMo FP8 runs
+    assert len(rows) == 5 + 8 + 10 + 14 + 2 * 5 + 2 * 8 + 2 * 7 + 191 + 9
     assert {r["metric"] for r in rows} == {"busbw_gbps", "iter_ms", "tflops_per_gpu", "iter_s",
-                                           "layer_ms", "step_ms", "peak_gb", "tokens_per_s"}
+                                           "layer_ms", "step_ms", "peak_gb", "tokens_per_s",
+                                           "tokens_per_s_per_gpu"}
     listed = subprocess.run([str(env_dir / "bin" / "vcluster"), "hardware", "list"],
                             capture_output=True, text=True, timeout=60, cwd=work, env=environ)
     assert listed.returncode == 0, listed.stderr

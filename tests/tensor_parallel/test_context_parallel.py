@@ -228,3 +228,43 @@ def test_bad_arguments_are_named(cluster_of):
         split_sequence(np.zeros((1, 6)), 2)
     with pytest.raises(ValueError, match="cp must be an int >= 1, got 0"):
         chunk_ids(0, 0)
+
+
+# --- flash blocks -----------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_flash_blocks_are_one_fused_kernel_each_with_the_same_math(cluster_of, cp, algorithm):
+    """``flash=True`` declares each block's forward and backward as one attention kernel:
+    the same results to the bit, the same FLOPs on every rank, and per kernel only the
+    bytes of q, k, v and the outputs plus the fp32 log-sum-exp, never the c x n scores."""
+    b, heads, c, d = 2, 2, 3, 4
+    mesh = MESHES[cp]
+    args = _inputs(b, heads, 2 * cp * c, d, seed=2)
+    plain, flash = CPA(heads, d, algorithm), CPA(heads, d, algorithm, flash=True)
+    assert "flash=True" in repr(flash)
+    for x, y in zip(plain.backward(cluster_of(mesh), *args), flash.backward(cluster_of(mesh), *args)):
+        np.testing.assert_array_equal(x, y)
+    local = (b * heads, 2 * c, d)
+    unfused, _ = _traced(plain, mesh, local)
+    fused, _ = _traced(flash, mesh, local)
+    for t_plain, t_flash in zip(unfused, fused):
+        ops_plain = [o for o in t_plain.ops if isinstance(o, TraceCompute)]
+        ops_flash = [o for o in t_flash.ops if isinstance(o, TraceCompute)]
+        assert sum(o.flops for o in ops_flash) == sum(o.flops for o in ops_plain)
+        kernels = [o for o in ops_flash if o.kernel is not None]
+        assert all(o.flops == 0 for o in ops_flash if o.kernel is None)  # merges, zeros, ...
+        forward = [o for o in kernels if not o.kernel.backward]
+        backward = [o for o in kernels if o.kernel.backward]
+        pos = mesh.group_position("cp", t_flash.rank)
+        assert len(forward) == len(backward) > 0
+        for o in kernels:
+            bh, s_q, s_kv, hd = o.kernel.shape
+            assert o.kernel.kind.value == "attention" and o.kernel.flash
+            assert (bh, s_q, hd) == (b * heads, c, d) and s_kv % c == 0
+            assert o.flops == (10 if o.kernel.backward else 4) * bh * s_q * s_kv * hd
+            arrays = (4 * s_q + 4 * s_kv) if o.kernel.backward else (2 * s_q + 2 * s_kv)
+            assert o.bytes == arrays * bh * hd * 8 + 4 * bh * s_q      # + the fp32 LSE
+            assert not o.kernel.causal or s_kv == c     # causal: a lone diagonal chunk
+        assert sum(o.flops for o in forward) == plain.flops(local, cp, pos)
+        assert sum(o.flops for o in backward) == plain.flops(local, cp, pos, backward=True)
+

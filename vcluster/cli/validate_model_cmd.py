@@ -7,7 +7,9 @@ selective recomputation, :func:`~vcluster.planner.validation.validate_recompute`
 time and peak memory of every row of h200_gpt_steps.csv, h100_gpt_steps.csv and
 h200_shapes_steps.csv (one-GPU PyTorch steps measured with ``vcluster bench gpu-step``),
 and training throughput of every row of llm_foundry_mpt.csv (MosaicML's MPT models under
-FSDP on 8-128 A100s and H100s, :func:`~vcluster.planner.validation.validate_fsdp`)
+FSDP on 8-128 A100s and H100s, :func:`~vcluster.planner.validation.validate_fsdp`) and
+of every row of nemo_2407_h100_fp8.csv (NeMo's FP8 pretraining on DGX H100,
+:func:`~vcluster.planner.validation.validate_fp8`)
 (copies ship with vcluster as package data), each with
 published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
@@ -22,8 +24,8 @@ profile (:mod:`vcluster.timing.kernel_profiles`).
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
-``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv (added after every constant
-was set)
+``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv nor on
+nemo_2407_h100_fp8.csv (added after every constant was set)
 nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
 h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
@@ -47,7 +49,7 @@ def add_parser(commands) -> None:
 
 def validation_rows() -> dict:
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import (validate_fsdp, validate_gpu_steps,
+    from vcluster.planner.validation import (validate_fp8, validate_fsdp, validate_gpu_steps,
                                              validate_megatron, validate_recompute)
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
@@ -58,6 +60,7 @@ def validation_rows() -> dict:
                                                    + validate_gpu_steps()]
     fsdp = validate_fsdp()
     rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
+    rows += [r | {"table": r["source"]} for r in validate_fp8()]
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]

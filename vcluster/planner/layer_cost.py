@@ -125,15 +125,16 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
     return stage.modules
 
 
-def _context_parallel(dev, config, t: int, algorithm: str):
-    """(ContextParallelAttention, this rank's positions), or (None, None) without cp."""
+def _context_parallel(dev, config, t: int, algorithm: str, flash: bool = True):
+    """(ContextParallelAttention, this rank's positions), or (None, None) without cp;
+    ``flash``: its blocks as fused attention kernels (``ParallelConfig.attention``)."""
     if "cp" not in dev.mesh.axes:
         return None, None
     n = dev.mesh.axis_size("cp")
     kv = max(config.kv_heads // t, 1)
     group = config.heads // t // kv if config.arch == "llama" else 1
     return (ContextParallelAttention(config.heads // t, config.head_dim, algorithm, "cp",
-                                     group=group, label="gpt: attention: cp"),
+                                     group=group, label="gpt: attention: cp", flash=flash),
             sequence_positions(config.seq, n, dev.mesh.group_position("cp", dev.rank)))
 
 
@@ -173,7 +174,7 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp, flash=attention == "flash",
                          async_grad_reduce=async_grad_reduce)
-    cp, positions = _context_parallel(dev, config, t, cp_algorithm)
+    cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
     elif config.arch == "llama":

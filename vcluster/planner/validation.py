@@ -1,7 +1,8 @@
 """Predicted against published: Megatron-LM's iteration times and TFLOP/s per GPU (and,
 in :func:`validate_recompute`, Korthikanti et al. 2022's iterations and layer times with
 full and selective recomputation, run as that paper gives them; in :func:`validate_fsdp`,
-MosaicML's measured MPT throughput under FSDP on A100s and H100s).
+MosaicML's measured MPT throughput under FSDP on A100s and H100s; in :func:`validate_fp8`,
+NeMo's FP8 pretraining throughput on H100s).
 
 Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
 ``megatron_sc21_table1.csv`` (TFLOP/s per GPU) is simulated with
@@ -35,7 +36,8 @@ from vcluster.timing import load_hardware, read_data_csv
 from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
-           "validate_fsdp", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE", "FSDP_HARDWARE",
+           "validate_fsdp", "validate_fp8", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE",
+           "FSDP_HARDWARE", "FP8_TABLE",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -63,6 +65,9 @@ FSDP_TABLE = "llm_foundry_mpt.csv"
 #: RoCE per node is the DGX A100's 8 x 200 Gb/s)
 FSDP_HARDWARE = MappingProxyType({"h100_80gb": "h100-dgx", "a100_80gb": "a100-80gb-dgx",
                                   "a100_40gb": "a100-40gb-dgx"})
+
+#: NeMo 24.07's FP8 pretraining throughput on DGX H100 (:func:`validate_fp8`)
+FP8_TABLE = "nemo_2407_h100_fp8.csv"
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -231,3 +236,43 @@ def validate_fsdp(rows=None) -> list[dict]:
                                    par.global_batch * cfg.seq / sim.step_time_s)
                        | {"gpu": r["gpu"], "fits": sim.fits})
     return results
+
+
+def fp8_row_config(r: dict) -> tuple:
+    """(GPTConfig, ParallelConfig) of a :data:`FP8_TABLE` row: its model, degrees,
+    micro-batch and interleaving, and what the table leaves out, the same for every row:
+    sequence parallelism where tp > 1, the distributed optimizer (ZeRO-1), no
+    recomputation, flash attention, tensor parallelism's backward overlap."""
+    arch = r["arch"]
+    cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                    seq=int(r["seq"]), vocab=int(r["vocab"]), arch=arch,
+                    **({"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
+                       if arch == "llama" else {}))
+    tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
+    par = ParallelConfig(global_batch=int(r["global_batch"]), micro_batch=int(r["micro_batch"]),
+                         dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp,
+                         schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+                         virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
+                         zero_stage=1)
+    return cfg, par
+
+
+def validate_fp8() -> list[dict]:
+    """Every row of :data:`FP8_TABLE` (NeMo 24.07 on DGX H100 with Transformer Engine's
+    FP8: GPT-3 5B to 175B and Llama 2/3 7B to 70B on 8 to 512 GPUs, with tensor, pipeline
+    (interleaved), context and data parallelism), simulated on the ``h100-dgx`` preset
+    with the transformer layers' linear GEMMs in FP8 (``simulate_gpt(fp8=True)``) and the
+    configuration of :func:`fp8_row_config`. ``tokens_per_s_per_gpu`` = B·s / (step ·
+    GPUs). Not modelled: Transformer Engine's FP8 casts and scaling (amax) kernels, and
+    its overlap of the forward's tensor-parallel collectives with GEMMs
+    (``--tp-comm-overlap``)."""
+    rows = []
+    for r in read_data_csv(FP8_TABLE)[1]:
+        cfg, par = fp8_row_config(r)
+        sim = simulate_gpt(cfg, par, "h100-dgx", fp8=True)
+        how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp") if r[k] != "1")
+        case = f"{r['model']} FP8 {r['gpus']}xH100 {how or 'dp only'}"
+        rows.append(_row_result(FP8_TABLE, case, "tokens_per_s_per_gpu",
+                                float(r["tokens_per_s_per_gpu"]),
+                                par.global_batch * cfg.seq / sim.step_time_s / par.gpus))
+    return rows

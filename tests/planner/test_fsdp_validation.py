@@ -74,3 +74,19 @@ def test_a_row_is_the_simulate_command_a_user_types(index, tmp_path):
     assert row["predicted"] == pytest.approx(tokens / sim["step_time_s"], rel=1e-9)
     assert row["fits"] == sim["fits"]
     assert row["case"].startswith(f"MPT-{r['model']} s={r['seq']} {r['gpus']}x")
+
+
+def test_validate_model_keeps_only_the_tables_asked_for(tmp_path):
+    out = tmp_path / "v.json"
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "validate-model", "--table",
+                           "nemo_2407_h100_fp8.csv", "--json", str(out)], capture_output=True,
+                          text=True, timeout=250, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert {r["table"] for r in data["rows"]} == {"nemo_2407_h100_fp8.csv"}
+    assert len(data["rows"]) == 9 and data["fsdp"] is None and data["fit_mean_abs_rel_error"] is None
+    assert "fit (0 rows): -" in proc.stdout and "by GPU" not in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "validate-model", "--table",
+                           "nope.csv"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "invalid choice: 'nope.csv'" in proc.stderr

@@ -17,9 +17,11 @@ rel_error = predicted / published - 1, the shipped ``table`` it comes from and i
 ``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
 and the held-out mean separately, then each table's mean and max per metric
 (``by_table``), the FSDP table's by GPU and how many of its configurations the memory
-model says fit (``fsdp``: every one ran); then the H100 GEMM profile's leave-one-out error on
+model says fit (``fsdp``: every one ran; null without that table); then the H100 GEMM
+profile's leave-one-out error on
 h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`) and that of each other kind's
-profile (:mod:`vcluster.timing.kernel_profiles`).
+profile (:mod:`vcluster.timing.kernel_profiles`). ``--table NAME`` (repeatable) keeps
+only those tables' rows (and simulates only what they need).
 
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
@@ -34,20 +36,40 @@ written, at shapes fixed beforehand; the three compiled rows are predicted under
 
 from __future__ import annotations
 
-__all__ = ["add_parser", "validation_rows", "FIT_TABLES"]
+__all__ = ["add_parser", "validation_rows", "FIT_TABLES", "TABLES"]
 
 #: the tables a constant was chosen on (module docstring): their rows are "fit"
 FIT_TABLES = {"megatron_2020_a100.csv": "fit", "megatron_sc21_table1.csv": "fit"}
+
+#: every shipped table validate-model predicts, and the group of rows it belongs to (a
+#: group is simulated as a whole: :func:`validation_rows`)
+_GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
+           "megatron_sc21_table1.csv": "megatron", "korthikanti_2022_a100.csv": "recompute",
+           "h200_gpt_steps.csv": "gpu_steps", "h100_gpt_steps.csv": "gpu_steps",
+           "h200_shapes_steps.csv": "gpu_steps", "llm_foundry_mpt.csv": "fsdp",
+           "nemo_2407_h100_fp8.csv": "fp8"}
+TABLES = tuple(_GROUPS)
 
 
 def add_parser(commands) -> None:
     cmd = commands.add_parser("validate-model", help="predicted vs published figures",
                               description=__doc__.split("\n\n")[0])
     cmd.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    cmd.add_argument("--table", action="append", choices=TABLES, metavar="TABLE",
+                     help="only this table's rows (repeatable; default every table: "
+                          + ", ".join(TABLES) + ")")
     cmd.set_defaults(run=_run)
 
 
-def validation_rows() -> dict:
+def validation_rows(tables=None) -> dict:
+    """The rows of ``tables`` (names of :data:`TABLES`; default all) and their summaries
+    (the module docstring)."""
+    wanted = set(TABLES if tables is None else tables)
+    unknown = wanted - set(TABLES)
+    if unknown or not wanted:
+        raise ValueError(f"validate-model: tables must be among {', '.join(TABLES)}, got "
+                         f"{sorted(unknown) or 'none'}")
+    groups = {_GROUPS[t] for t in wanted}
     # lazy: keeps vcluster --help fast
     from vcluster.planner.validation import (validate_fp8, validate_fsdp, validate_gpu_steps,
                                              validate_megatron, validate_recompute)
@@ -55,12 +77,16 @@ def validation_rows() -> dict:
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
-    rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in validate_nccl()]
-    rows += [r | {"table": r["source"]} for r in validate_megatron() + validate_recompute()
-                                                   + validate_gpu_steps()]
-    fsdp = validate_fsdp()
+    rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"}
+            for r in (validate_nccl() if "nccl" in groups else [])]
+    for group, validate in (("megatron", validate_megatron), ("recompute", validate_recompute),
+                            ("gpu_steps", validate_gpu_steps)):
+        rows += [r | {"table": r["source"]} for r in (validate() if group in groups else [])]
+    fsdp = validate_fsdp() if "fsdp" in groups else []
     rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
-    rows += [r | {"table": r["source"]} for r in validate_fp8()]
+    rows += [r | {"table": r["source"]} for r in (validate_fp8() if "fp8" in groups else [])]
+    rows = [r for r in rows if r["table"] in wanted]
+    fsdp = [r for r in fsdp if r["source"] in wanted]
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -71,8 +97,8 @@ def validation_rows() -> dict:
         by_table.setdefault(r["table"], {}).setdefault(r["metric"], []).append(
             abs(r["rel_error"]))
     measured: dict = {}
-    for r in validate_gpu_steps(kernel_table=H100_KERNEL_TABLE):
-        if r["metric"] == "step_ms":
+    for r in validate_gpu_steps(kernel_table=H100_KERNEL_TABLE) if "gpu_steps" in groups else []:
+        if r["metric"] == "step_ms" and r["source"] in wanted:
             measured.setdefault(r["source"], []).append(abs(r["rel_error"]))
     return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors),
             "max_abs_rel_error": max(errors),
@@ -83,7 +109,7 @@ def validation_rows() -> dict:
                                           "max_abs_rel_error": max(e)}
                                  for metric, e in metrics.items()}
                          for table, metrics in by_table.items()},
-            "fsdp": _fsdp_summary(fsdp),
+            "fsdp": _fsdp_summary(fsdp) if fsdp else None,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -106,17 +132,20 @@ def _fsdp_summary(rows: list[dict]) -> dict:
 
 
 def _run(args) -> int:
-    result = validation_rows()
+    result = validation_rows(args.table)
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
         print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"
               f"{r['predicted']:>11.4g}{100 * r['rel_error']:>+7.1f}%  {r['role']}")
     n_held = sum(r["role"] == "held_out" for r in result["rows"])
+
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
     print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
           f"max |error| {100 * result['max_abs_rel_error']:.1f}%   "
           f"held out ({n_held} rows, no constant chosen on them): "
-          f"{100 * result['held_out_mean_abs_rel_error']:.1f}%   fit "
-          f"({len(result['rows']) - n_held} rows): {100 * result['fit_mean_abs_rel_error']:.1f}%")
+          f"{percent(result['held_out_mean_abs_rel_error'])}   fit "
+          f"({len(result['rows']) - n_held} rows): {percent(result['fit_mean_abs_rel_error'])}")
     print("by table and metric (mean |error|, max |error|, rows):")
     roles = {r["table"]: r["role"] for r in result["rows"]}
     for table, metrics in result["by_table"].items():
@@ -125,11 +154,12 @@ def _run(args) -> int:
             f"(max {100 * m['max_abs_rel_error']:.1f}%, {m['rows']})"
             for metric, m in metrics.items()))
     f = result["fsdp"]
-    print(f"  {f['table']} by GPU: " + ", ".join(
-        f"{gpu} {100 * e['mean_abs_rel_error']:.1f}% (max {100 * e['max_abs_rel_error']:.1f}%, "
-        f"{e['rows']})" for gpu, e in f["by_gpu"].items())
-        + f"; the memory model says {f['predicted_to_fit']} of its {f['rows']} configurations "
-        f"fit (every one ran)")
+    if f is not None:
+        print(f"  {f['table']} by GPU: " + ", ".join(
+            f"{gpu} {100 * e['mean_abs_rel_error']:.1f}% (max "
+            f"{100 * e['max_abs_rel_error']:.1f}%, {e['rows']})" for gpu, e in f["by_gpu"].items())
+            + f"; the memory model says {f['predicted_to_fit']} of its {f['rows']} "
+            f"configurations fit (every one ran)")
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "
@@ -142,11 +172,12 @@ def _run(args) -> int:
               f"{100 * k['median_abs_rel_error']:5.1f}%  max {100 * k['max_abs_rel_error']:5.1f}%"
               f"  (size: {k['unit']})")
     m = result["measured_prices"]
-    print(f"one-GPU step time priced by {m['kernel_table']} (moved to each step's GPU) with "
-          f"plain PyTorch's autocast kernels (fused on the compiled rows), no efficiency "
-          f"constant on the profiled kernels "
-          f"(checked, not held out): "
-          + ", ".join(f"{t} {100 * e:.1f}%" for t, e in m["step_ms_mean_abs_rel_error"].items()))
+    if m["step_ms_mean_abs_rel_error"]:
+        print(f"one-GPU step time priced by {m['kernel_table']} (moved to each step's GPU) with "
+              f"plain PyTorch's autocast kernels (fused on the compiled rows), no efficiency "
+              f"constant on the profiled kernels (checked, not held out): "
+              + ", ".join(f"{t} {100 * e:.1f}%"
+                          for t, e in m["step_ms_mean_abs_rel_error"].items()))
     if args.json:
         # lazy: keeps vcluster --help fast
         from vcluster.runtime.files import write_json

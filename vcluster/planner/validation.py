@@ -86,12 +86,17 @@ def _row_result(source: str, case: str, metric: str, published: float, predicted
             "predicted": predicted, "rel_error": predicted / published - 1.0}
 
 
+def _model(r: dict, **extra) -> GPTConfig:
+    """The GPTConfig of a table row's hidden, layers, heads, seq and vocab columns."""
+    return GPTConfig(**{k: int(r[k]) for k in ("hidden", "layers", "heads", "seq", "vocab")},
+                     **extra)
+
+
 def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
 
     rows = []
     for r in read_data_csv("megatron_2020_a100.csv")[1]:
-        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
-                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        cfg = _model(r)
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=micro_batch_for(int(r["global_batch"]), int(r["dp"]),
                                                          int(r["pp"])),
@@ -103,8 +108,7 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
                                 float(r["iter_ms"]), sim.step_time_s * 1e3))
     for r in read_data_csv("megatron_sc21_table1.csv")[1]:
         tp, pp, gpus = int(r["tp"]), int(r["pp"]), int(r["gpus"])
-        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
-                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        cfg = _model(r)
         dp = gpus // (tp * pp)
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=micro_batch_for(int(r["global_batch"]), dp, pp),
@@ -132,8 +136,7 @@ def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
     runs apart from the layers, its collectives blocking."""
     rows, sims = [], {}      # a configuration's iteration and layer rows share its step
     for r in read_data_csv(RECOMPUTE_TABLE)[1]:
-        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
-                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        cfg = _model(r)
         v = int(r["virtual_stages"])
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=int(r["micro_batch"]), dp=int(r["dp"]),
@@ -169,8 +172,7 @@ def gpu_steps():
     micro-batch, and the row's label."""
     for table, (preset, precision) in GPU_STEP_TABLES.items():
         for r in read_data_csv(table)[1]:
-            cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
-                            heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
+            cfg = _model(r)
             mb = int(r["micro_batch"])
             compiled = r["compiled"] == "1"
             case = f"{r['model']} 1 GPU mb={mb} {'compiled' if compiled else 'eager'}"
@@ -222,8 +224,7 @@ def validate_fsdp(rows=None) -> list[dict]:
     rows to run (dicts as :func:`~vcluster.timing.read_data_csv` reads them; default all)."""
     results = []
     for r in read_data_csv(FSDP_TABLE)[1] if rows is None else rows:
-        cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
-                        seq=int(r["seq"]), vocab=int(r["vocab"]))
+        cfg = _model(r)
         checkpointed = r["activation_checkpointing"] == "1"
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=int(r["micro_batch"]), dp=int(r["gpus"]), zero_stage=3,
@@ -244,10 +245,8 @@ def fp8_row_config(r: dict) -> tuple:
     sequence parallelism where tp > 1, the distributed optimizer (ZeRO-1), no
     recomputation, flash attention, tensor parallelism's backward overlap."""
     arch = r["arch"]
-    cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
-                    seq=int(r["seq"]), vocab=int(r["vocab"]), arch=arch,
-                    **({"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
-                       if arch == "llama" else {}))
+    llama = {"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
+    cfg = _model(r, arch=arch, **(llama if arch == "llama" else {}))
     tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
     par = ParallelConfig(global_batch=int(r["global_batch"]), micro_batch=int(r["micro_batch"]),
                          dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp,

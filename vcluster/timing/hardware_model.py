@@ -91,15 +91,17 @@ class HardwareCostModel:
         """The GEMM profile that prices traced GEMMs (None: priced analytically)."""
         return None if self.kernel_profile is None else self.kernel_profile.gemm
 
-    def analytic_time_s(self, op) -> float:
-        """t_k + max(F / rate, B / bandwidth) over the training-kernel efficiency."""
-        return self.hardware.device.compute_time_s(op.flops, op.bytes, self.dtype) / self.efficiency
+    def analytic_time_s(self, op, dtype=None) -> float:
+        """t_k + max(F / rate, B / bandwidth) over the training-kernel efficiency, the rate
+        that of ``dtype`` (default the model's)."""
+        return self.hardware.device.compute_time_s(op.flops, op.bytes,
+                                                   dtype or self.dtype) / self.efficiency
 
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
         if self.fp8_gemms is not None and self.fp8_gemms(op):
-            return self.hardware.device.compute_time_s(op.flops, op.bytes, "fp8") / self.efficiency
+            return self.analytic_time_s(op, "fp8")
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
         if kernel is None or profile is None:
             return self.analytic_time_s(op)

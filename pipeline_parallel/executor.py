@@ -91,6 +91,8 @@ class TrainJob:
     crash_at: tuple = ()       # (rank, global step): injected crashes (vcluster.runtime.faults)
     per_step_data: bool = False        # X, Y hold one batch per step: (steps, rows, ...)
     zero_stage: int = 0                # 0 DDP; 1, 2, 3: ZeRO (pipeline_parallel.zero)
+    tied: tuple = ()                   # parameter names held by the first and last stage
+    #                                    as one parameter: their gradients summed per step
     expert_dp_axis: object = None      # experts' gradients: sum over this (axis, tuple of
     #                                    axes, () = none) instead of dp_axis; None: dp_axis
 
@@ -307,6 +309,47 @@ def _optimizer_named(stages, opt: Optimizer) -> dict:
     return {"t": opt.t, "slots": slots}
 
 
+def _tied_modules(job: TrainJob, stages: dict) -> set:
+    """(stage, module) of this rank's modules holding a copy of a ``job.tied`` parameter,
+    where the first and last stage differ (one stage holds one copy: nothing to sum)."""
+    if not job.tied or job.n_stages == 1:
+        return set()
+    return {(s, i) for s in stages if s in (0, job.n_stages - 1)
+            for i, m in enumerate(getattr(stages[s], "modules", ()))
+            if any(n in getattr(m, "p", {}) for n in job.tied)}
+
+
+def _sum_tied(dev, job: TrainJob, stages: dict, pp, tag: int) -> None:
+    """Sum the gradients of ``job.tied`` (e.g. a tied word embedding E) between the first
+    stage and the last, which hold one copy each (Megatron-LM's embedding group): both
+    become first + last, in that order (the same sum, bit for bit, so the copies stay
+    equal). Under DDP after the data-parallel reduction, as Megatron-LM; under ZeRO-1
+    before it (the executor holds those modules' reduce-scatter back until then). On one
+    rank a local sum; else pipeline rank 0 and the last stage's rank exchange their
+    gradients (p2p; ``tag`` is the step's forward tag of stage 0, which no pipeline
+    message uses)."""
+    S, p = job.n_stages, len(pp)
+    first, last = stages.get(0), stages.get(S - 1)
+    for name in job.tied:
+        g0 = None if first is None else first.named_grads()[name]
+        gl = None if last is None else last.named_grads()[name]
+        if g0 is not None and gl is not None:
+            with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
+                total = g0 + gl
+            g0[...] = total
+            gl[...] = total
+        elif g0 is not None:
+            dev.send(g0, pp[(S - 1) % p], tag)
+            other = dev.recv(pp[(S - 1) % p], tag)
+            with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
+                g0[...] = g0 + other
+        elif gl is not None:
+            other = dev.recv(pp[0], tag)
+            dev.send(gl, pp[0], tag)
+            with dev.compute("tied grads: sum", flops=gl.size, bytes=3 * gl.nbytes):
+                gl[...] = other + gl
+
+
 def _activation_bytes(stages: dict, pending_dy: dict) -> int:
     """What the stages keep for their backward, plus the loss gradients dL/dy (the last
     stage's logits' gradient) held from a micro-batch's forward to its backward."""
@@ -352,6 +395,7 @@ def train_program(dev, job: TrainJob, X, Y):
     rows = job.global_batch // (dp_size * m)
     losses, peak_act, peak_in_flight = [], 0, {s: 0 for s in stages}
     aux_losses, moe_loads = [], []
+    tied_modules = _tied_modules(job, stages)
 
     def tag(step, direction, stage, j):
         return ((step * 2 + direction) * S + stage) * m + j
@@ -413,7 +457,8 @@ def train_program(dev, job: TrainJob, X, Y):
                     elif buckets is not None and left[s] == 0:
                         done = lambda l, L=layers: buckets.add(L.grads[l])  # noqa: E731
                     elif zero is not None and (left[s] == 0 or zero.stage >= 2):
-                        done = lambda i, s=s: zero.grad_ready(s, i)  # noqa: E731
+                        done = lambda i, s=s: None if (s, i) in tied_modules \
+                            else zero.grad_ready(s, i)  # noqa: E731
                     layers.backward_weight(dev, j, on_layer_done=done)
             if out is not None and kind == "F":
                 dev.send(out, pp[(s + 1) % p], tag(step, 0, s + 1, j))
@@ -422,8 +467,12 @@ def train_program(dev, job: TrainJob, X, Y):
         for b in (buckets, expert_buckets):
             if b is not None:
                 b.finish()
+        if tied_modules:
+            _sum_tied(dev, job, stages, pp, tag(step, 0, 0, 0))
         ledger.set("activations", _activation_bytes(stages, pending_dy))
         if zero is not None:
+            for u in sorted(tied_modules):     # held back until the copies were summed
+                zero.grad_ready(*u)
             zero.finish_grads()
             zero.step()
         else:

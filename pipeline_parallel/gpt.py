@@ -156,7 +156,14 @@ class GPTConfig:
     or "llama" (:mod:`tensor_parallel.llama`): ``kv_heads`` (a % kv_heads == 0; default
     a: multi-head attention, 1: multi-query), ``ffn_hidden`` (default
     :func:`llama_ffn_hidden`), RoPE base ``rope_theta``; the head dimension h/a even.
-    After construction kv_heads and ffn_hidden hold the values used."""
+    After construction kv_heads and ffn_hidden hold the values used.
+
+    ``tie_embeddings``: the output head multiplies by the word embedding's transpose,
+    logits = x E^T, instead of its own W_out (GPT-2, MPT, Gemma; Llama 3.2 1B and 3B), so
+    the model has V·h fewer parameters and dE gains the head's x^T dlogits. A stage that
+    holds both ends keeps one E; on a pipeline the first and the last stage each keep a
+    copy and, after the data-parallel reduction, sum their gradients (Megatron-LM's
+    embedding group): the same update keeps the copies equal."""
 
     hidden: int
     layers: int
@@ -174,6 +181,7 @@ class GPTConfig:
     moe_ffn_hidden: int | None = None  # each expert's SwiGLU width (default ffn_hidden)
     capacity_factor: float | None = None   # per-expert capacity factor; None: dropless
     moe_aux_coef: float = 0.01         # alpha of the Switch load-balancing loss
+    tie_embeddings: bool = False       # the output head is E^T (no W_out; GPT-2, MPT, Gemma)
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -181,6 +189,9 @@ class GPTConfig:
         if self.hidden % self.heads:
             raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by "
                              f"heads={self.heads}")
+        if self.tie_embeddings not in (False, True):
+            raise ValueError(f"GPTConfig: tie_embeddings must be True or False, got "
+                             f"{self.tie_embeddings!r}")
         if np.dtype(self.dtype).kind != "f":
             raise ValueError(f"GPTConfig: dtype must be a float type, got {self.dtype!r}")
         object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
@@ -437,22 +448,24 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
         return gpt_moe_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                              cfg.heads, cfg.hidden, par.recompute, cfg.eps, job.microbatches,
                              cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
-                             load)
+                             load, tie=cfg.tie_embeddings)
     if cfg.experts:
         return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
                                cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
                                cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
-                               load, kv_sum_every=1 if par.zero_stage >= 2 else None)
+                               load, kv_sum_every=1 if par.zero_stage >= 2 else None,
+                               tie=cfg.tie_embeddings)
     if cfg.arch == "llama":
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
                            cfg.eps, job.microbatches, cfg.seq, cp, positions,
-                           kv_sum_every=1 if par.zero_stage >= 2 else None)
+                           kv_sum_every=1 if par.zero_stage >= 2 else None,
+                           tie=cfg.tie_embeddings)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden,
                                 par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,
-                                positions)
+                                positions, tie=cfg.tie_embeddings)
 
 
 def _ps_stage(cfg: GPTConfig, names: tuple, dev, job):
@@ -556,7 +569,7 @@ class GPT:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Global shapes by name: wte, wpe, layers.{i}.{ln1_g ... b_2}, lnf_g, lnf_b, w_out
-        (Llama: :func:`~pipeline_parallel.llama.llama_param_shapes`)."""
+        (not with ``tie_embeddings``; Llama: :func:`~pipeline_parallel.llama.llama_param_shapes`)."""
         if self.config.arch == "llama":
             return llama_param_shapes(self.config)
         c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
@@ -568,7 +581,8 @@ class GPT:
                      "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h)}
         return {"wte": (c.vocab, h), "wpe": (c.seq, h),
                 **{f"layers.{i}.{n}": layer[n] for i in range(c.layers) for n in layer},
-                "lnf_g": (h,), "lnf_b": (h,), "w_out": (h, c.vocab)}
+                "lnf_g": (h,), "lnf_b": (h,),
+                **({} if c.tie_embeddings else {"w_out": (h, c.vocab)})}
 
     def init_params(self) -> dict[str, np.ndarray]:
         """Every parameter random (so that every gradient path shows): matrices
@@ -595,6 +609,14 @@ class GPT:
                              f"reduced over their own expert-data-parallel group): use "
                              f"zero_stage=0, or ep=1")
         S, m = parallel.pp * parallel.chunks, parallel.microbatches
+        zero = parallel.zero_stage
+        if self.config.tie_embeddings and S > 1 and zero and (zero >= 2 or parallel.pp == 1):
+            raise ValueError(f"GPT: tie_embeddings with zero_stage={zero} on {S} stages (pp="
+                             f"{parallel.pp} x {parallel.chunks}) is not supported: the "
+                             f"first and last stage's copies of E are summed once per step, "
+                             f"which ZeRO-2/3 (reducing every micro-batch) and ZeRO on one "
+                             f"pipeline rank (both copies there) do not allow; use one "
+                             f"stage, zero_stage 0, or zero_stage 1 with pp > 1")
         per, sched = self.config.layers // S, make_schedule(
             parallel.schedule, parallel.pp, m, virtual_stages=parallel.virtual_stages)
         return TrainJob(
@@ -607,7 +629,8 @@ class GPT:
             tp_axis="tp" if "tp" in mesh.axes else None, bucket_bytes=int(bucket_bytes),
             cp_axis="cp" if "cp" in mesh.axes else None,
             stage_factory=partial(_stage, self.config, parallel, load=expert_load),
-            zero_stage=parallel.zero_stage, expert_dp_axis=_expert_dp_axes(mesh))
+            zero_stage=parallel.zero_stage, expert_dp_axis=_expert_dp_axes(mesh),
+            tied=("wte",) if self.config.tie_embeddings else ())
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get
@@ -877,7 +900,8 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
             x = x1 + activation("gelu", z) @ L["w_2"] + L["b_2"]
         caches.append((L, u, c1, q, k, v, A, ctx, u2, c2, z))
     uf, cf = _ln(x, P["lnf_g"], P["lnf_b"], cfg.eps)
-    logits = uf @ P["w_out"]                                                 # (B, s, V)
+    w_out = P["wte"].T if cfg.tie_embeddings else P["w_out"]                 # (h, V)
+    logits = uf @ w_out                                                      # (B, s, V)
     ce, dlogits = loss_and_grad("cross_entropy", logits.reshape(B * s, V),
                                 targets.reshape(-1), B * s)       # mean over the B·s tokens
     loss = ce + aux_total
@@ -886,7 +910,7 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
     G = {}
     dlogits = dlogits.reshape(B, s, V)
     G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
-    dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ P["w_out"].T, cf)
+    dx, G["lnf_g"], G["lnf_b"] = _ln_back(dlogits @ w_out.T, cf)
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, k, v, A, ctx, u2, c2, z = caches[i]
         if cfg.experts:
@@ -913,4 +937,6 @@ def _reference(cfg: GPTConfig, P: dict, tokens, targets, backward: bool = False,
         G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wpe"], G["wte"] = dx.sum(0), np.zeros_like(P["wte"])             # s = cfg.seq
     np.add.at(G["wte"], tokens, dx)
+    if cfg.tie_embeddings:
+        G["wte"] += G.pop("w_out").T
     return loss, logits, {n: G[n] for n in P}

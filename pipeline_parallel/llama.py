@@ -28,7 +28,7 @@ _LAYER = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "
 def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Global shapes by name: wte (V, h), layers.{i}.{attn_norm_g (h,), w_q (h, a·d),
     w_kv (h, 2, c·d), w_o (a·d, h), mlp_norm_g (h,), w_gate, w_up (h, f), w_down (f, h)},
-    norm_f_g (h,), w_out (h, V)."""
+    norm_f_g (h,), w_out (h, V) (not with ``tie_embeddings``: the head uses E^T)."""
     h, f, hq, hkv = cfg.hidden, cfg.ffn_hidden, cfg.heads * cfg.head_dim, \
         cfg.kv_heads * cfg.head_dim
     layer = dict(zip(_LAYER, [(h,), (h, hq), (h, 2, hkv), (hq, h), (h,), (h, f), (h, f),
@@ -39,7 +39,8 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
                  "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h)}
     return {"wte": (cfg.vocab, h),
             **{f"layers.{i}.{n}": layer[n] for i in range(cfg.layers) for n in layer},
-            "norm_f_g": (h,), "w_out": (h, cfg.vocab)}
+            "norm_f_g": (h,),
+            **({} if getattr(cfg, "tie_embeddings", False) else {"w_out": (h, cfg.vocab)})}
 
 
 def _rotations(s: int, d: int, theta: float) -> np.ndarray:
@@ -129,7 +130,8 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             x = x1 + act @ L["w_down"]
         caches.append((L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act))
     uf, cf = _rms(x, P["norm_f_g"], cfg.eps)
-    logits = uf @ P["w_out"]                                              # (B, s, V)
+    w_out = P["wte"].T if getattr(cfg, "tie_embeddings", False) else P["w_out"]   # (h, V)
+    logits = uf @ w_out                                                   # (B, s, V)
     ce, dlogits = loss_and_grad("cross_entropy", logits.reshape(B * s, V),
                                 targets.reshape(-1), B * s)       # mean over the B·s tokens
     loss = ce + aux_total
@@ -138,7 +140,7 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
     G = {}
     dlogits = dlogits.reshape(B, s, V)
     G["w_out"] = np.einsum("bsh,bsv->hv", uf, dlogits)
-    dx, G["norm_f_g"] = _rms_back(dlogits @ P["w_out"].T, cf)
+    dx, G["norm_f_g"] = _rms_back(dlogits @ w_out.T, cf)
     for i in reversed(range(cfg.layers)):
         L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act = caches[i]
         if moe:
@@ -173,4 +175,6 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wte"] = np.zeros_like(P["wte"])
     np.add.at(G["wte"], tokens, dx)
+    if getattr(cfg, "tie_embeddings", False):
+        G["wte"] += G.pop("w_out").T
     return loss, logits, {n: G[n] for n in P}

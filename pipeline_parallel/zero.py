@@ -279,18 +279,25 @@ class _Gatherer:
             self.state.ledger.add("params", self.state.full_bytes[u])
             self._pending[i] = self.state._all_gather(self.state.param_shard[u])
 
+    def _with_borrowed(self, i: int) -> tuple:
+        """Module i and the module whose parameters it also uses (``stage.borrows``: a
+        tied head and its embedding's E), gathered and released together."""
+        j = getattr(self.state.stages[self.s], "borrows", {}).get(i)
+        return (i,) if j is None else (i, j)
+
     def use(self, i: int, nxt: int | None) -> None:
-        self._launch(i)
-        if nxt is not None:
-            self._launch(nxt)
-        u = (self.s, i)
-        self.state.layouts[u].unflatten_into(self._pending.pop(i).wait(),
-                                             self.state._params(u))
+        for k in self._with_borrowed(i) + (() if nxt is None else self._with_borrowed(nxt)):
+            self._launch(k)
+        for k in self._with_borrowed(i):
+            u = (self.s, k)
+            self.state.layouts[u].unflatten_into(self._pending.pop(k).wait(),
+                                                 self.state._params(u))
 
     def done(self, i: int) -> None:
-        u = (self.s, i)
-        _poison(self.state._params(u))
-        self.state.ledger.add("params", -self.state.full_bytes[u])
+        for k in self._with_borrowed(i):
+            u = (self.s, k)
+            _poison(self.state._params(u))
+            self.state.ledger.add("params", -self.state.full_bytes[u])
 
 
 def _paths(named: dict, arrays) -> list:

@@ -235,7 +235,8 @@ class TokenEmbedding(VocabParallelEmbedding):
 
 
 class RMSNormHead(VocabParallelHead):
-    """Final RMSNorm, logits = x W_out (W_out (h, V/t) local) and the vocabulary-parallel
+    """Final RMSNorm, logits = x W_out (W_out (h, V/t) local; tied: E^T, as
+    :class:`~tensor_parallel.transformer.VocabParallelHead`) and the vocabulary-parallel
     cross-entropy."""
 
     names = ("norm_f_g", "w_out")
@@ -248,18 +249,18 @@ class RMSNormHead(VocabParallelHead):
         uf = ops.gather_seq(u, "head: gather x")
         u2 = uf.reshape(-1, uf.shape[-1])
         self._state[mb] = (st, u2, uf.shape)
-        return ops.matmul(u2, self.p["w_out"], "head: logits = x W_out")
+        return self.logits(ops, u2)
 
     def backward_input(self, ops, mb: int, dlogits):
         st, u2, shape = self._state.pop(mb)
-        du = ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
+        du = self.logits_input_grad(ops, dlogits)
         du = ops.reduce_out(du.reshape(shape), "head: reduce dx")
         self._wstate[mb] = (u2, dlogits, du, st[0])
         return rms_norm_grad(ops, du, st, self.p["norm_f_g"], "head: final norm grad")
 
     def backward_weight(self, ops, mb: int) -> None:
         u2, dlogits, du, xhat = self._wstate.pop(mb)
-        self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
+        self.add_logits_weight_grad(ops, u2, dlogits)
         rms_norm_gain_grad(ops, du, xhat, self.g["norm_f_g"], "head: final norm gain grad")
 
 
@@ -287,14 +288,14 @@ def llama_piece(name: str, array, tp: int, tp_rank: int, kv_heads: int):
 def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
                 hidden: int, rope_theta: float, recompute: str, eps: float,
                 microbatches: int, seq: int, cp=None, positions=None,
-                kv_sum_every: int | None = None) -> TransformerStage:
+                kv_sum_every: int | None = None, tie: bool = False) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
     Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
     per K/V head here), ``positions`` the global positions of this rank's rows (RoPE).
     The K/V replicas' dW_kv are summed every ``kv_sum_every`` micro-batches (default:
     once per step; 1 where each micro-batch's gradient leaves the rank, as under
-    ZeRO-2/3)."""
+    ZeRO-2/3). ``tie``: the head uses E^T (GPTConfig.tie_embeddings)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d, rope = hidden // heads, Rope(hidden // heads, rope_theta, positions)
@@ -302,11 +303,12 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
     modules = [LlamaLayer(params(LlamaLayer.names, f"layers.{i}."),
                           GQAttention(heads // t, kv_local, d, rope, cp), kv_heads, replicas,
                           kv_sum_every or microbatches, recompute, eps) for i in layers]
-    return TransformerStage.chain(ops, modules, layers, *llama_ends(params, first, last, eps),
-                                  microbatches, seq)
+    return TransformerStage.chain(ops, modules, layers,
+                                  *llama_ends(params, first, last, eps, tie), microbatches, seq)
 
 
-def llama_ends(params, first: bool, last: bool, eps: float) -> tuple:
-    """(the token embedding if ``first``, the final-norm head if ``last``), None else."""
-    return (TokenEmbedding(params(TokenEmbedding.names)) if first else None,
-            RMSNormHead(params(RMSNormHead.names), eps) if last else None)
+def llama_ends(params, first: bool, last: bool, eps: float, tie: bool = False) -> tuple:
+    """(the token embedding if ``first``, the final-norm head if ``last``), None else;
+    ``tie``: the head uses E^T (the embedding's where the stage has it)."""
+    embedding = TokenEmbedding(params(TokenEmbedding.names)) if first else None
+    return embedding, RMSNormHead.build(params, eps, tie, embedding) if last else None

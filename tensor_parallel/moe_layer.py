@@ -224,25 +224,26 @@ class GPTMoELayer(_Reporting, TransformerLayer):
 
 def gpt_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
                   recompute: str, eps: float, microbatches: int, seq: int, moe: MoE,
-                  aux_weight: float, load=None) -> TransformerStage:
+                  aux_weight: float, load=None, tie: bool = False) -> TransformerStage:
     """A GPT-MoE stage (as :meth:`TransformerStage.gpt`, with :class:`GPTMoELayer`s)."""
     modules = [GPTMoELayer(params(GPTMoELayer.names, f"layers.{i}."), heads // ops.tp_size,
                            hidden // heads, moe, aux_weight,
                            load.get(i) if isinstance(load, dict) else load, recompute, eps)
                for i in layers]
     embedding = VocabParallelEmbedding(params(VocabParallelEmbedding.names)) if first else None
-    head = VocabParallelHead(params(VocabParallelHead.names), eps) if last else None
+    head = VocabParallelHead.build(params, eps, tie, embedding) if last else None
     return TransformerStage.chain(ops, modules, layers, embedding, head, microbatches, seq)
 
 
 def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
                     hidden: int, rope_theta: float, recompute: str, eps: float,
                     microbatches: int, seq: int, moe: MoE, aux_weight: float,
-                    load=None, kv_sum_every: int | None = None) -> TransformerStage:
+                    load=None, kv_sum_every: int | None = None,
+                    tie: bool = False) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
     an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
-    ``kv_sum_every``: as :func:`~tensor_parallel.llama.llama_stage`'s."""
+    ``kv_sum_every``, ``tie``: as :func:`~tensor_parallel.llama.llama_stage`'s."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d, rope = hidden // heads, Rope(hidden // heads, rope_theta)
@@ -252,5 +253,5 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                              kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps)
                for i in layers]
-    return TransformerStage.chain(ops, modules, layers, *llama_ends(params, first, last, eps),
-                                  microbatches, seq)
+    return TransformerStage.chain(ops, modules, layers,
+                                  *llama_ends(params, first, last, eps, tie), microbatches, seq)

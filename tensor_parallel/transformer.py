@@ -274,15 +274,63 @@ def cross_entropy_bytes(logits: int, itemsize: int) -> int:
 
 
 class VocabParallelHead(_Module):
-    """Final LN, logits = x W_out (W_out (h, V/t) local) and the cross-entropy loss."""
+    """Final LN, logits = x W_out (W_out (h, V/t) local) and the cross-entropy loss.
+
+    Tied (``tie=True``, GPTConfig.tie_embeddings): W_out = E^T, E (V/t, h) the word
+    embedding's piece, and dE += dlogits^T x. With ``embedding`` (the stage's own
+    :class:`VocabParallelEmbedding`) the head uses that module's E and adds into its
+    gradient: one parameter, listed once (the embedding's). Without, the head holds its
+    own copy of E, named "wte" (the last stage of a pipeline), whose gradient the executor
+    sums with the first stage's (``TrainJob.tied``)."""
 
     names = ("lnf_g", "lnf_b", "w_out")
     split = MappingProxyType({"w_out": 1})
     seq_partial = ("lnf_g", "lnf_b")
 
-    def __init__(self, params, eps: float = 1e-5):
+    def __init__(self, params, eps: float = 1e-5, tie: bool = False, embedding=None):
+        if tie:   # instance names: the class's, w_out replaced by a copy of E or by nothing
+            self.names = self.tied_names(embedding is None)
         super().__init__(params)
-        self.eps = eps
+        self.eps, self.tie = eps, bool(tie)
+        self.borrowed = embedding if tie else None   # the module whose E this head uses
+
+    @classmethod
+    def build(cls, params, eps: float, tie: bool = False, embedding=None):
+        """The head of a last stage: ``params(names)`` its pieces; tied, it uses
+        ``embedding``'s E when the stage has one, else a copy of E of its own."""
+        if not tie:
+            return cls(params(cls.names), eps)
+        return cls(params(cls.tied_names(embedding is None)), eps, tie=True,
+                   embedding=embedding)
+
+    @classmethod
+    def tied_names(cls, own_copy: bool) -> tuple[str, ...]:
+        """A tied head's parameters: the class's without w_out, plus "wte" (its own copy
+        of E) where ``own_copy``."""
+        return tuple(n for n in cls.names if n != "w_out") + (("wte",) if own_copy else ())
+
+    def _e_module(self):
+        return self.borrowed if self.borrowed is not None else self
+
+    def logits(self, ops, u2):
+        """x W_out: (b·s, h) -> (b·s, V/t)."""
+        if not self.tie:
+            return ops.matmul(u2, self.p["w_out"], "head: logits = x W_out")
+        return ops.matmul(u2, self._e_module().p["wte"].T, "head: logits = x E^T (tied)")
+
+    def logits_input_grad(self, ops, dlogits):
+        """dlogits W_out^T: (b·s, V/t) -> (b·s, h)."""
+        if not self.tie:
+            return ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
+        return ops.matmul(dlogits, self._e_module().p["wte"], "head: dx = dlogits E (tied)")
+
+    def add_logits_weight_grad(self, ops, u2, dlogits) -> None:
+        """dW_out += x^T dlogits (tied: dE += dlogits^T x)."""
+        if not self.tie:
+            self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
+        else:
+            self._e_module().g["wte"] += ops.matmul(dlogits.T, u2,
+                                                    "head: dE += dlogits^T x (tied)")
 
     def forward(self, ops, mb: int, x):
         """x (b, s, h) (SP: (b, s/t, h)) -> this rank's logits (b·s, V/t)."""
@@ -290,7 +338,7 @@ class VocabParallelHead(_Module):
         uf = ops.gather_seq(u, "head: gather x")
         u2 = uf.reshape(-1, uf.shape[-1])
         self._state[mb] = (ln, u2, uf.shape)
-        return ops.matmul(u2, self.p["w_out"], "head: logits = x W_out")
+        return self.logits(ops, u2)
 
     def loss_and_grad(self, ops, logits, targets, tokens: int):
         """(sum over the rows of -log softmax(logits)[target] / tokens, dL/dlogits) with
@@ -320,14 +368,14 @@ class VocabParallelHead(_Module):
 
     def backward_input(self, ops, mb: int, dlogits):
         ln, u2, shape = self._state.pop(mb)
-        du = ops.matmul(dlogits, self.p["w_out"].T, "head: dx = dlogits W_out^T")
+        du = self.logits_input_grad(ops, dlogits)
         du = ops.reduce_out(du.reshape(shape), "head: reduce dx")
         self._wstate[mb] = (u2, dlogits, du, ln[0])
         return ops.layer_norm_grad(du, ln, self.p["lnf_g"], "final ln grad")
 
     def backward_weight(self, ops, mb: int) -> None:
         u2, dlogits, du, xhat = self._wstate.pop(mb)
-        self.g["w_out"] += ops.matmul(u2.T, dlogits, "head: dW_out = x^T dlogits")
+        self.add_logits_weight_grad(ops, u2, dlogits)
         ops.layer_norm_params_grad(du, xhat, self.g["lnf_g"], self.g["lnf_b"], "final ln grads")
 
 
@@ -345,15 +393,19 @@ class TransformerStage:
         self._live: set = set()
         self._w_done = 0
         self.param_hook = None     # ZeRO-3 (pipeline_parallel.zero): use(i, next) / done(i)
+        # module i -> the module whose parameters it also uses (a tied head: the embedding)
+        self.borrows = {i: modules.index(m.borrowed) for i, m in enumerate(modules)
+                        if getattr(m, "borrowed", None) is not None}
 
     @classmethod
     def gpt(cls, ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
             recompute: str, eps: float, microbatches: int, seq: int, cp=None,
-            positions=None) -> "TransformerStage":
+            positions=None, tie: bool = False) -> "TransformerStage":
         """A GPT stage: [embedding if ``first``] + ``layers`` (indices) + [head if
         ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
         Context parallelism: ``cp`` a ContextParallelAttention, ``positions`` the global
-        positions of this rank's rows."""
+        positions of this rank's rows. ``tie``: the head uses E^T (see
+        :class:`VocabParallelHead`)."""
         modules = [TransformerLayer(params(TransformerLayer.names, f"layers.{i}."),
                                     heads // ops.tp_size, hidden // heads, recompute, eps, cp)
                    for i in layers]
@@ -361,7 +413,7 @@ class TransformerStage:
             if first else None
         if embedding is not None:
             embedding.positions = positions
-        head = VocabParallelHead(params(VocabParallelHead.names), eps) if last else None
+        head = VocabParallelHead.build(params, eps, tie, embedding) if last else None
         return cls.chain(ops, modules, layers, embedding, head, microbatches, seq)
 
     @classmethod

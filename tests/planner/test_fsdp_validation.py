@@ -3,6 +3,7 @@
 ones, the architecture the simulator runs is MPT's (parameter for parameter), and a row's
 prediction is what ``vcluster simulate gpt`` says for the same command line."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -41,12 +42,16 @@ def test_the_three_published_tables_are_shipped_whole_with_their_source():
 
 
 def test_each_row_is_mpts_architecture_parameter_for_parameter():
-    """MPT ties its output head to the input embedding; the modelled GPT does not: its
-    count (the memory model's) is the published NumParams plus one vocab x hidden."""
+    """MPT ties its output head to the input embedding, as the modelled GPT with
+    tie_embeddings: its count (the memory model's, on one stage) is the published
+    NumParams exactly; untied, one vocab x hidden more."""
     for r in _table():
         cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]),
-                        heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]))
-        untied = rank_params(cfg, ParallelConfig(global_batch=1), 0)
+                        heads=int(r["heads"]), seq=int(r["seq"]), vocab=int(r["vocab"]),
+                        tie_embeddings=True)
+        par = ParallelConfig(global_batch=1)
+        assert rank_params(cfg, par, 0) == int(r["num_params"]), r
+        untied = rank_params(dataclasses.replace(cfg, tie_embeddings=False), par, 0)
         assert untied - cfg.vocab * cfg.hidden == int(r["num_params"]), r
 
 
@@ -62,7 +67,8 @@ def test_a_row_is_the_simulate_command_a_user_types(index, tmp_path):
     argv = ["--hidden", r["hidden"], "--layers", r["layers"], "--heads", r["heads"],
             "--seq", r["seq"], "--vocab", r["vocab"], "--dp", r["gpus"], "--zero", "3",
             "--micro-batch", r["micro_batch"], "--global-batch", r["global_batch"],
-            "--hardware", FSDP_HARDWARE[r["gpu"]], "--allow-oom", "--json", str(out)]
+            "--hardware", FSDP_HARDWARE[r["gpu"]], "--tie-embeddings", "--allow-oom",
+            "--json", str(out)]
     if r["activation_checkpointing"] == "1":
         argv += ["--recompute", "full"]
     proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *argv],

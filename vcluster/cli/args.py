@@ -79,7 +79,8 @@ def sizes(text: str) -> list[int]:
 
 
 def add_arch_arguments(parser) -> None:
-    """--arch gpt|llama, --kv-heads, --ffn-hidden: GPTConfig's architecture fields
+    """--arch gpt|llama, --kv-heads, --ffn-hidden, --tie-embeddings: GPTConfig's
+    architecture fields
     (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
     parser.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
                         help="gpt (LayerNorm, gelu MLP 4h) or llama (RMSNorm, RoPE, "
@@ -89,6 +90,10 @@ def add_arch_arguments(parser) -> None:
     parser.add_argument("--ffn-hidden", type=positive_int, default=None,
                         help="llama: the SwiGLU width (default Llama's rule: 8h/3 rounded "
                              "up to a multiple of 256)")
+    parser.add_argument("--tie-embeddings", action="store_true",
+                        help="the output head is the word embedding's transpose (GPT-2, "
+                             "MPT, Gemma): V·h fewer parameters; on a pipeline the first and "
+                             "last stage each keep a copy and sum its gradient every step")
 
 
 def add_tp_overlap_argument(parser) -> None:
@@ -113,11 +118,13 @@ def add_fp8_argument(parser) -> None:
 
 
 def model_title(config) -> str:
-    """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=) of a GPTConfig."""
+    """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=; "(tied embeddings)")
+    of a GPTConfig."""
     c = config
     arch = f"Llama h={c.hidden}" if c.arch == "llama" else f"GPT h={c.hidden}"
     extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.arch == "llama" else ""
-    return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}"
+    tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
+    return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}{tied}"
 
 
 def _at_least_one(text: str) -> float:

@@ -171,6 +171,7 @@ def _gpt(args) -> int:
                   attention=args.attention, tp_overlap=args.tp_overlap,
                   distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                  tie_embeddings=args.tie_embeddings,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
                   precision=precision_name(args.precision), fp8=args.fp8,

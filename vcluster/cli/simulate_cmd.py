@@ -106,7 +106,8 @@ def _gpt(args) -> int:
     precision_name(args.precision)
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
-                       ffn_hidden=args.ffn_hidden, **moe_config(args))
+                       ffn_hidden=args.ffn_hidden, tie_embeddings=args.tie_embeddings,
+                       **moe_config(args))
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,

@@ -121,7 +121,8 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
             for n, shape in shapes.items()}
     stage = llama_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0], True,
                         True, config.heads, config.kv_heads, config.hidden, config.rope_theta,
-                        recompute, config.eps, 2, config.seq, cp, positions)
+                        recompute, config.eps, 2, config.seq, cp, positions,
+                        tie=config.tie_embeddings)
     return stage.modules
 
 
@@ -160,10 +161,12 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
     if config.arch == "llama":
         stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
                                 config.hidden, config.rope_theta, recompute, config.eps, 2,
-                                config.seq, config.moe(), 1.0, load)
+                                config.seq, config.moe(), 1.0, load,
+                                tie=config.tie_embeddings)
     else:
         stage = gpt_moe_stage(ops, params, [0], True, True, config.heads, config.hidden,
-                              recompute, config.eps, 2, config.seq, config.moe(), 1.0, load)
+                              recompute, config.eps, 2, config.seq, config.moe(), 1.0, load,
+                              tie=config.tie_embeddings)
     return stage.modules
 
 
@@ -185,7 +188,8 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
         emb = VocabParallelEmbedding(meta)
         emb.positions = positions
         layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute, cp=cp)
-        head = VocabParallelHead(meta)
+        head = VocabParallelHead.build(lambda names: {n: meta[n] for n in names}, 1e-5,
+                                       config.tie_embeddings, emb)
 
     def mark():
         with dev.compute(_MARK):

@@ -10,7 +10,9 @@ Parameters on pipeline rank r (tensor-parallel degree t): its layers' 12h² + 13
 except the LayerNorms and the row-parallel biases (6h, counted whole: (12h² + 7h)/t +
 6h; the column-parallel QKV bias divides by t as in the program); the first
 stage also holds the word (V·h / t, vocabulary-parallel) and position (s·h) embeddings,
-the last the final LayerNorm and the output projection (V·h / t).
+the last the final LayerNorm and the output projection (V·h / t; with tied embeddings,
+``GPTConfig.tie_embeddings``, a copy of the word embedding on a pipeline's last stage,
+nothing more when one stage holds both ends).
 
 Bytes per parameter: Megatron-LM's mixed precision with fp32 gradient accumulation
 (Narayanan et al. SC'21; the ZeRO paper's count): ``WEIGHT_BYTES`` 2 (bf16/fp16 weights)
@@ -261,8 +263,15 @@ def _llama_rank_params(config, parallel, r: int) -> float:
     if r == 0:
         params += V * h / t
     if (stages - 1) % parallel.pp == r:
-        params += V * h / t + h
+        params += _head_matrix(config, stages) * V * h / t + h
     return params
+
+
+def _head_matrix(config, stages: int) -> int:
+    """How many V·h/t output matrices the last stage adds: 1, or 0 when it is tied to the
+    word embedding of the same (only) stage (``tie_embeddings``: one E, both ends on the
+    stage; on a pipeline the last stage keeps its own copy, as Megatron-LM does)."""
+    return 0 if getattr(config, "tie_embeddings", False) and stages == 1 else 1
 
 
 def rank_params(config, parallel, r: int) -> float:
@@ -279,7 +288,7 @@ def rank_params(config, parallel, r: int) -> float:
     if r == 0:
         params += V * h / t + s * h
     if (stages - 1) % parallel.pp == r:
-        params += V * h / t + 2 * h
+        params += _head_matrix(config, stages) * V * h / t + 2 * h
     return params
 
 

@@ -164,7 +164,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              attention: str = "flash", tp_overlap: str = "backward",
              distributed_optimizer: bool | None = None,
              arch: str = "gpt", kv_heads: int | None = None, ffn_hidden: int | None = None,
-             max_cp: int = 1, cp_algorithm: str = "ring",
+             tie_embeddings: bool = False, max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
              precision="megatron", fp8: bool = False):
@@ -182,8 +182,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     every candidate's :attr:`~pipeline_parallel.gpt.ParallelConfig.tp_overlap` ("backward",
     the default: Megatron's asynchronous input-gradient reductions, or "none");
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
-    candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``: as
-    :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama": grouped-query attention, SwiGLU).
+    candidate with dp > 1 needs it to fit. ``arch``, ``kv_heads``, ``ffn_hidden``,
+    ``tie_embeddings``: as :class:`~pipeline_parallel.gpt.GPTConfig`'s ("llama":
+    grouped-query attention, SwiGLU; tied: the head is E^T).
     ``max_cp``: the largest context-parallel degree searched (every cp up to it that
     divides the GPUs and splits s into 2·cp chunks; default 1: no context parallelism,
     the search of earlier versions), with ``cp_algorithm`` ("ring" or "all_gather").
@@ -204,7 +205,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     t0 = time.perf_counter()
     precision = precision_policy(precision)
     config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
-                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden, experts=experts,
+                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                       tie_embeddings=tie_embeddings, experts=experts,
                        moe_top_k=moe_top_k, moe_ffn_hidden=moe_ffn_hidden,
                        capacity_factor=capacity_factor)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):

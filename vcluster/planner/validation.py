@@ -209,22 +209,23 @@ def validate_fsdp(rows=None) -> list[dict]:
     simulated as a user would type it, nothing chosen per row::
 
         vcluster simulate gpt --hidden h --layers l --heads a --seq s --vocab 50368 \\
-            --dp GPUS --zero 3 --micro-batch b --global-batch B [--recompute full] \\
-            --hardware <FSDP_HARDWARE[gpu]>
+            --tie-embeddings --dp GPUS --zero 3 --micro-batch b --global-batch B \\
+            [--recompute full] --hardware <FSDP_HARDWARE[gpu]>
 
     ZeRO-3 (FSDP's full sharding: every layer's parameters gathered before its forward and
     again before its backward, its gradients reduce-scattered per micro-batch), data
     parallelism only, flash attention, full recomputation where the row checkpoints
     activations, the default (Megatron) precision policy, every collective in bf16.
-    ``tokens_per_s`` = B·s / step time. What the modelled GPT does not share with MPT:
-    its output head is not tied to the input embedding (V·h more parameters to gather,
-    reduce and update: the same FLOPs), and the rows whose FSDP mixed precision is
-    ``DEFAULT`` may reduce gradients in fp32. Each row also carries ``fits``: whether the
-    memory model says the configuration fits (every one of them ran). ``rows``: the table
+    ``tokens_per_s`` = B·s / step time. MPT ties its output head to the input embedding:
+    so does the modelled GPT (``tie_embeddings``, ``--tie-embeddings``; since 2026-11-28,
+    after the table's first run, which modelled an untied head: V·h more parameters to
+    gather, reduce and update). What it does not share with MPT: the rows whose FSDP mixed
+    precision is ``DEFAULT`` may reduce gradients in fp32. Each row also carries ``fits``:
+    whether the memory model says the configuration fits (every one of them ran). ``rows``: the table
     rows to run (dicts as :func:`~vcluster.timing.read_data_csv` reads them; default all)."""
     results = []
     for r in read_data_csv(FSDP_TABLE)[1] if rows is None else rows:
-        cfg = _model(r)
+        cfg = _model(r, tie_embeddings=True)
         checkpointed = r["activation_checkpointing"] == "1"
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=int(r["micro_batch"]), dp=int(r["gpus"]), zero_stage=3,

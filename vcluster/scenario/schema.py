@@ -132,6 +132,8 @@ _WORKLOAD = MappingProxyType({
                       "(RMSNorm, RoPE, grouped-query attention, SwiGLU)", "gpt"),
         "kv_heads": _int("llama: key/value heads (divide heads; default heads)"),
         "ffn_hidden": _int("llama: SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
+        "tie_embeddings": _bool("the output head is the word embedding's transpose (GPT-2, "
+                                "MPT, Gemma)"),
         "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
         "moe_top_k": _enum([1, 2], "experts each token is routed to", 2),
         "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),

@@ -176,8 +176,8 @@ def _configs(scenario, mesh=None):
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
                        kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
-                       experts=o["experts"], moe_top_k=o["moe_top_k"],
-                       moe_ffn_hidden=o.get("moe_ffn_hidden"),
+                       tie_embeddings=o["tie_embeddings"], experts=o["experts"],
+                       moe_top_k=o["moe_top_k"], moe_ffn_hidden=o.get("moe_ffn_hidden"),
                        capacity_factor=o.get("capacity_factor"))
     if mesh is None:
         return config, None

@@ -166,3 +166,53 @@ def test_the_nemo_fp8_table_is_the_published_one_with_its_architectures():
     got = validate_fp8()
     assert [g["published"] for g in got] == [float(r["tokens_per_s_per_gpu"]) for r in rows]
     assert all(g["metric"] == "tokens_per_s_per_gpu" and g["source"] == FP8_TABLE for g in got)
+
+
+def _scenario(*overrides):
+    """scenarios/transformer_simulate.yaml's GPT at h 4096 (large enough GEMMs to be
+    compute-bound) on one preset, not its sweep."""
+    from pathlib import Path
+
+    import yaml
+
+    from vcluster.scenario import parse_override, scenario_from_dict
+    root = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "scenarios" / "transformer_simulate.yaml").read_text())
+    del doc["sweep"]
+    doc["hardware"]["name"] = "h100-dgx"
+    doc["workload"].update(hidden=4096, heads=32, seq=2048)
+    for text in overrides:
+        key, value = parse_override(text)
+        *path, last = key.split(".")
+        node = doc
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return scenario_from_dict(doc)
+
+
+def test_the_scenario_key_prices_a_simulation_as_simulate_gpt_fp8():
+    """workload.fp8 on a simulate-only transformer scenario prices the linear layers'
+    GEMMs with simulate gpt --fp8's predicate: faster than BF16, by less than half."""
+    from vcluster.scenario import build_workload, run_scenario
+    steps = {}
+    for fp8 in (False, True):
+        s = _scenario(f"workload.fp8={str(fp8).lower()}")
+        w = build_workload(s)
+        assert (w.fp8_gemms is fp8_gemm) == fp8
+        assert ("FP8 linear layers" in w.description) == fp8
+        steps[fp8] = run_scenario(s).summary["predicted_step_time_s"]
+    assert 0.5 * steps[False] < steps[True] < 0.97 * steps[False]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (("run.mode=emulate", "workload.dtype=float64", "workload.hidden=32", "workload.heads=4",
+      "workload.seq=16", "parallel.tp=2", "parallel.pp=2", "parallel.dp=1"),
+     "allowed: run.mode simulate or both"),
+    (("hardware.name=localhost",), "localhost prices this machine's CPU kernels"),
+    (("hardware.name=a100-80gb-dgx",), "A100-SXM4-80GB has none")])
+def test_the_scenario_key_is_refused_where_it_cannot_apply(overrides, says):
+    from vcluster.scenario import ScenarioError
+    with pytest.raises(ScenarioError, match=says) as info:
+        _scenario("workload.fp8=true", *overrides)
+    assert "workload.fp8" in str(info.value)

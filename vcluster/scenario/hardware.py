@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import ScenarioError
 
-__all__ = ["check_hardware", "CostSetup", "cost_setup", "LocalhostCalibrations",
+__all__ = ["check_hardware", "check_fp8", "CostSetup", "cost_setup", "LocalhostCalibrations",
            "LOCALHOST"]
 
 LOCALHOST = "localhost"
@@ -140,8 +140,28 @@ class CostSetup:
     calibration: str | None = None
 
 
-def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
-    """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``."""
+def check_fp8(scenario, key: str = "workload.fp8") -> None:
+    """Raise :class:`ScenarioError` (naming ``key``) unless the scenario simulates on
+    hardware with an FP8 peak: a preset or file whose device has ``peak_tflops["fp8"]``
+    (the H100 and H200 presets), not localhost, whose kernels are this machine's."""
+    if scenario.run.mode == "emulate":
+        raise ScenarioError(key, True, "run.mode simulate or both",
+                            "FP8 prices the simulation; the emulated math is unchanged")
+    check_hardware(scenario)
+    if scenario.hardware.name == LOCALHOST:
+        raise ScenarioError(key, True, "a hardware preset or file with an FP8 peak (h100-dgx, "
+                            "h200-dgx)", "localhost prices this machine's CPU kernels")
+    # lazy: keeps vcluster --help fast
+    from vcluster.timing import load_hardware
+    spec = load_hardware(_hardware_arg(scenario))
+    if "fp8" not in spec.device.peak_tflops:
+        raise ScenarioError(key, True, "a hardware preset or file with an FP8 peak (h100-dgx, "
+                            "h200-dgx)", f"{spec.name}'s {spec.device.name} has none")
+
+
+def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None) -> CostSetup:
+    """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``;
+    ``fp8_gemms``: the traced GEMMs priced at the FP8 peak (:func:`check_fp8` first)."""
     hw = scenario.hardware
     if hw.name == LOCALHOST:
         # lazy: keeps vcluster --help fast
@@ -158,4 +178,5 @@ def cost_setup(scenario, mesh, dtype: str) -> CostSetup:
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_model import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))
-    return CostSetup(HardwareCostModel(spec, hw.dtype), None, spec.name, False)
+    return CostSetup(HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms), None, spec.name,
+                     False)

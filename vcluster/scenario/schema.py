@@ -134,6 +134,10 @@ _WORKLOAD = MappingProxyType({
         "ffn_hidden": _int("llama: SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
         "tie_embeddings": _bool("the output head is the word embedding's transpose (GPT-2, "
                                 "MPT, Gemma)"),
+        "fp8": _bool("simulation: the transformer layers' linear GEMMs priced at the "
+                     "hardware's FP8 peak, as Transformer Engine runs them (simulate gpt "
+                     "--fp8; a preset or file with an FP8 peak; the emulated math is "
+                     "unchanged)"),
         "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
         "moe_top_k": _enum([1, 2], "experts each token is routed to", 2),
         "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),

@@ -39,7 +39,9 @@ class Workload:
     role where ranks differ (a parameter server's ``server`` and ``worker`` ranks; the
     summary then gives each role's bytes per device). ``updates_per_step``: ``optimizer``
     events an updating rank records per step (an asynchronous parameter server applies
-    each worker's gradient on its own: one per worker)."""
+    each worker's gradient on its own: one per worker). ``fp8_gemms``: which traced GEMMs
+    the simulation prices at the hardware's FP8 peak (a GPT's ``workload.fp8``:
+    :func:`vcluster.planner.simulation.fp8_gemm`)."""
 
     kind: str
     mesh: object
@@ -58,6 +60,7 @@ class Workload:
     step_traces: Callable | None = None    # costs -> one step's traces of replica 0's pipeline
     roles: tuple[str, ...] | None = None   # per rank, where ranks have different roles
     updates_per_step: int = 1              # optimizer events per step on an updating rank
+    fp8_gemms: Callable | None = None      # traced op -> priced in FP8 (simulation); None: none
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

@@ -32,11 +32,12 @@ from pipeline_parallel.parameter_server import assemble as assemble_ps
 from pipeline_parallel.parameter_server import device_args as ps_device_args
 from pipeline_parallel.parameter_server import parameter_server_program
 from vcluster.planner.memory import gpt_memory
-from vcluster.planner.simulation import gpt_schedule, gpt_step_traces
+from vcluster.planner.simulation import fp8_gemm, gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
 
 from ..choices import DataParallelMode
 from ..errors import ScenarioError
+from ..hardware import check_fp8
 from .base import Workload
 
 __all__ = ["validate", "build"]
@@ -45,6 +46,8 @@ __all__ = ["validate", "build"]
 def validate(scenario, mesh) -> None:
     """The parser's cross-field rules (once per point; :func:`build` trusts them)."""
     o, par = scenario.workload.options, scenario.parallel
+    if o["fp8"]:
+        check_fp8(scenario)
     if scenario.data_parallel.mode == DataParallelMode.PS:
         return _validate_ps(scenario, mesh)
     unknown = [a for a in mesh.axes if a not in _AXES]
@@ -260,7 +263,9 @@ def build(scenario, mesh) -> Workload:
                                 f"V={config.vocab}, {parallel.schedule}, "
                                 f"{parallel.microbatches} micro-batches"
                                 + (f", ZeRO-{parallel.zero_stage} over dp"
-                                   if parallel.zero_stage else ""))
+                                   if parallel.zero_stage else "")
+                                + (", FP8 linear layers" if o["fp8"] else ""),
+                    fp8_gemms=fp8_gemm if o["fp8"] else None)
 
 
 def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
@@ -296,4 +301,6 @@ def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
                     description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
                                 f"a={config.heads}{_gqa(config)} s={config.seq} "
                                 f"V={config.vocab}, parameter server: {servers} server{s} + "
-                                f"{workers} workers, {sync}")
+                                f"{workers} workers, {sync}"
+                                + (", FP8 linear layers" if o["fp8"] else ""),
+                    fp8_gemms=fp8_gemm if o["fp8"] else None)

@@ -3,6 +3,7 @@ the reference PyTorch GPT step of ``bench gpu-step``. Their whole path runs on t
 tiny sizes here; on a machine with CUDA the GPU commands run too (never skipped there),
 and without CUDA they exit 2 naming it."""
 
+import dataclasses
 import json
 import math
 
@@ -26,6 +27,14 @@ def test_reference_step_is_the_emulators_gpt_and_trains():
     assert m.parameters == sum(math.prod(s) for s in GPT(cfg).param_shapes().values())
     assert len(m.losses) == 6 and m.losses[-1] < m.losses[0]
     assert len(m.step_times_s) == 4 and m.step_time_s > 0 and m.peak_memory_bytes is None
+    tied = measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, steps=2, warmup=1, device="cpu",
+                            tie_embeddings=True)
+    assert tied.parameters == m.parameters - 64 * 32 == sum(
+        math.prod(s) for s in GPT(dataclasses.replace(cfg, tie_embeddings=True))
+        .param_shapes().values())
+    assert tied.losses[-1] < tied.losses[0]
+    with pytest.raises(ValueError, match="tie_embeddings must be True or False, got .yes."):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", tie_embeddings="yes")
     with pytest.raises(ValueError, match="hidden=30 is not divisible by heads=4"):
         measure_gpt_step(30, 2, 4, 16, 64, micro_batch=2, device="cpu")
     with pytest.raises(ValueError, match="micro_batch must be an int >= 1, got 0"):

@@ -20,9 +20,9 @@ SHAPES = [(64, 1, 4, 32, 100, 3), (64, 2, 4, 32, 100, 1), (32, 3, 2, 16, 50, 2),
           (96, 2, 6, 24, 77, 4)]
 
 
-def _traced(hidden, layers, heads, seq, vocab, batch, **parallel):
+def _traced(hidden, layers, heads, seq, vocab, batch, tie=False, **parallel):
     cfg = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
-                    dtype="float16")
+                    dtype="float16", tie_embeddings=tie)
     par = ParallelConfig(global_batch=batch, micro_batch=batch, **parallel)
     args = GPT(cfg).meta_args(par.mesh(), par, optimizer=OptimizerConfig("adam"))
     return trace_program(par.mesh(), train_program, args, ranks=[0])[0].ops
@@ -32,7 +32,7 @@ def _compute(ops):
     return [op for op in ops if isinstance(op, TraceCompute) and not op.contains]
 
 
-def _dispatched(hidden, layers, heads, seq, vocab, batch):
+def _dispatched(hidden, layers, heads, seq, vocab, batch, tie=False):
     """(phase, op name, input dtypes, bytes read + written, output shape) of every op
     PyTorch dispatches for the reference step's forward and backward under CPU bf16
     autocast."""
@@ -42,7 +42,7 @@ def _dispatched(hidden, layers, heads, seq, vocab, batch):
 
     from vcluster.gpu.gpt_step import _model
     torch.manual_seed(0)
-    model = _model(torch, hidden, layers, heads, seq, vocab)
+    model = _model(torch, hidden, layers, heads, seq, vocab, tie)
     tokens = torch.randint(0, vocab, (batch, seq))
     targets = torch.randint(0, vocab, (batch, seq))
 
@@ -71,15 +71,18 @@ def _dispatched(hidden, layers, heads, seq, vocab, batch):
     return record.ops
 
 
-@pytest.mark.parametrize("hidden,layers,heads,seq,vocab,batch", SHAPES)
-def test_the_casts_are_those_pytorch_dispatches(hidden, layers, heads, seq, vocab, batch):
+@pytest.mark.parametrize("hidden,layers,heads,seq,vocab,batch,tie",
+                         [s + (False,) for s in SHAPES] + [SHAPES[0] + (True,),
+                                                            SHAPES[3] + (True,)])
+def test_the_casts_are_those_pytorch_dispatches(hidden, layers, heads, seq, vocab, batch, tie):
     """Every autocast cast of weights, biases, inputs and gradients, op for op in count
-    and bytes (the logits' up- and down-cast belong to the cross-entropy kernel)."""
+    and bytes (the logits' up- and down-cast belong to the cross-entropy kernel); a tied
+    head (the embedding's weight) casts as an untied one."""
     dispatched = [b for _, name, _, b, shape in _dispatched(hidden, layers, heads, seq, vocab,
-                                                            batch)
+                                                            batch, tie)
                   if name == "_to_copy" and shape != (batch, seq, vocab)]
     casts = [op.bytes for op in _compute(with_autocast_kernels(
-        _traced(hidden, layers, heads, seq, vocab, batch))) if AUTOCAST_CAST in op.name]
+        _traced(hidden, layers, heads, seq, vocab, batch, tie))) if AUTOCAST_CAST in op.name]
     assert len(casts) == len(dispatched) == 22 * layers + 4
     assert sorted(casts) == sorted(dispatched)
 
@@ -127,7 +130,8 @@ def test_what_eager_pytorch_does_not_run_is_left_out():
 def test_every_name_the_rewrite_keys_on_is_one_the_program_traces():
     """A renamed block in the GPT program fails here, not silently in a prediction."""
     from vcluster.planner import autocast_kernels as ak
-    traced = {op.name.rsplit(": ", 1)[-1] for op in _compute(_traced(64, 1, 4, 32, 100, 2))}
+    traced = {op.name.rsplit(": ", 1)[-1] for tie in (False, True)
+              for op in _compute(_traced(64, 1, 4, 32, 100, 2, tie))}
     recomputed = {op.name.rsplit(": ", 1)[-1] for op in
                   _compute(_traced(64, 1, 4, 32, 100, 2, recompute="full"))}
     keys = (set(ak._LINEAR_FORWARD) | set(ak._WEIGHT_GRAD) | ak._NORM_FEEDS_LINEAR

@@ -33,6 +33,8 @@ def add_parser(kinds) -> None:
         gs.add_argument(f"--{name}", type=positive_int, required=True)
     gs.add_argument("--micro-batch", type=positive_int, required=True,
                     help="sequences per step (the global batch of the one GPU)")
+    gs.add_argument("--tie-embeddings", action="store_true",
+                    help="the head is the token embedding's weight (nanoGPT, GPT-2)")
     gs.add_argument("--compile", action="store_true", help="torch.compile the model")
     gs.add_argument("--steps", type=positive_int, default=8, help="timed steps (8)")
     gs.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (3)")
@@ -54,7 +56,7 @@ def run_gpu_step(args) -> int:
     from vcluster.planner.simulation import simulate_gpt
     from vcluster.timing import load_hardware
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                       vocab=args.vocab)                   # checks the shape first
+                       vocab=args.vocab, tie_embeddings=args.tie_embeddings)   # checks first
     precision = precision_name(args.precision or
                                ("torch_compile" if args.compile else "torch_amp"))
     if why := cuda_missing():
@@ -75,7 +77,7 @@ def run_gpu_step(args) -> int:
           f"micro-batch {args.micro_batch} ...", file=sys.stderr, flush=True)
     measured = measure_gpt_step(args.hidden, args.layers, args.heads, args.seq, args.vocab,
                                 args.micro_batch, steps=args.steps, warmup=args.warmup,
-                                compile=args.compile)
+                                compile=args.compile, tie_embeddings=args.tie_embeddings)
     flops = megatron_model_flops(args.micro_batch, args.seq, args.layers, args.hidden,
                                  args.vocab)
     peak_gb = measured.peak_memory_bytes / 1e9
@@ -100,6 +102,7 @@ def run_gpu_step(args) -> int:
             "gpu": name, "torch": torch.__version__, "compiled": args.compile,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                       "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
+                      "tie_embeddings": args.tie_embeddings,
                       "parameters": measured.parameters},
             "hardware": label, "precision": precision,
             "autocast_kernels": predicted.autocast_kernels,

@@ -4,8 +4,9 @@ gpu-step``): what the simulator's one-GPU prediction is checked against.
 The model is the GPT of :mod:`pipeline_parallel.gpt` written as plain PyTorch: token and
 position embeddings, ``layers`` pre-LayerNorm blocks (fused QKV projection, causal
 ``scaled_dot_product_attention`` — flash attention where the GPU has it — output
-projection, 4h GELU MLP), a final LayerNorm and an untied output projection to the
-vocabulary; cross-entropy loss. Training as users run it: fp32 parameters, bf16 autocast
+projection, 4h GELU MLP), a final LayerNorm and an output projection to the vocabulary,
+untied or (``tie_embeddings``) the token embedding's weight, as nanoGPT ties it;
+cross-entropy loss. Training as users run it: fp32 parameters, bf16 autocast
 (on a GPU; the CPU runs fp32), AdamW (``fused=True`` on a GPU), optionally
 ``torch.compile``. A step is forward, backward and optimizer step, timed from a
 synchronised start to a synchronised end; the figure is the median of ``steps`` steps
@@ -43,7 +44,8 @@ class StepMeasurement:
                 f"{self.device_name}, {'compiled' if self.compiled else 'eager'})")
 
 
-def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int):
+def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int,
+           tie_embeddings: bool = False):
     nn, F = torch.nn, torch.nn.functional
 
     class Block(nn.Module):
@@ -67,6 +69,8 @@ def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int):
             self.wte, self.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.lnf, self.head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+            if tie_embeddings:
+                self.head.weight = self.wte.weight              # one (V, h) parameter
 
         def forward(self, tokens, targets):
             x = self.wte(tokens) + self.wpe.weight[:tokens.shape[1]]
@@ -80,8 +84,10 @@ def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int):
 
 def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
                      micro_batch: int, steps: int = 8, warmup: int = 3, compile: bool = False,
-                     device: str = "cuda", seed: int = 0) -> StepMeasurement:
-    """Time ``steps`` training steps (after ``warmup``) of the reference GPT on ``device``."""
+                     device: str = "cuda", seed: int = 0,
+                     tie_embeddings: bool = False) -> StepMeasurement:
+    """Time ``steps`` training steps (after ``warmup``) of the reference GPT on ``device``
+    (``tie_embeddings``: its head is the token embedding's weight)."""
     for name, v in (("hidden", hidden), ("layers", layers), ("heads", heads), ("seq", seq),
                     ("vocab", vocab), ("micro_batch", micro_batch), ("steps", steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -90,6 +96,8 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+    if tie_embeddings not in (False, True):
+        raise ValueError(f"tie_embeddings must be True or False, got {tie_embeddings!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     import torch
@@ -97,7 +105,7 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
         raise RuntimeError("measure_gpt_step(device='cuda') needs a CUDA device "
                            "(torch.cuda.is_available() is False)")
     torch.manual_seed(seed)
-    model = _model(torch, hidden, layers, heads, seq, vocab).to(device)
+    model = _model(torch, hidden, layers, heads, seq, vocab, tie_embeddings).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     step_model = torch.compile(model) if compile else model
     gen = torch.Generator(device="cpu").manual_seed(seed)

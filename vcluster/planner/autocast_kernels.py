@@ -70,18 +70,23 @@ __all__ = ["with_autocast_kernels", "autocast_kernels_priced", "AUTOCAST_CAST"]
 AUTOCAST_CAST = "autocast: cast"
 
 # the traced op names the rewrite keys on: the last ": "-separated part of a
-# TraceCompute's name (its prefixes name the module: "gpt: attention: x @ W_qkv")
+# TraceCompute's name (its prefixes name the module: "gpt: attention: x @ W_qkv"); a tied
+# head (GPTConfig.tie_embeddings) multiplies by E^T and casts as the untied one does: its
+# weight once forward (h·V elements), its input gradient (T·h), its weight gradient (V·h)
 #: a linear's forward GEMM -> whether the linear has a bias
 _LINEAR_FORWARD = MappingProxyType({"x @ W_qkv": True, "ctx @ W_o": True, "x @ W1": True,
-                                    "a @ W2": True, "logits = x W_out": False})
+                                    "a @ W2": True, "logits = x W_out": False,
+                                    "logits = x E^T (tied)": False})
 #: a weight-gradient GEMM -> whether its linear has a bias (its gradient cast follows)
 _WEIGHT_GRAD = MappingProxyType({"dW_qkv = x^T dqkv": True, "dW_o = ctx^T dy": True,
                                  "dW1 = u^T dh": True, "dW2 = a^T dy": True,
-                                 "dW_out = x^T dlogits": False})
+                                 "dW_out = x^T dlogits": False,
+                                 "dE += dlogits^T x (tied)": False})
 #: the LayerNorms whose fp32 output a linear casts to bf16
 _NORM_FEEDS_LINEAR = frozenset({"ln1", "ln2", "final ln"})
 #: input-gradient GEMMs of the linears a LayerNorm feeds: their bf16 result is cast to fp32
-_INPUT_GRAD_TO_FP32 = frozenset({"dx = dqkv W_qkv^T", "du = dh W1^T", "dx = dlogits W_out^T"})
+_INPUT_GRAD_TO_FP32 = frozenset({"dx = dqkv W_qkv^T", "du = dh W1^T", "dx = dlogits W_out^T",
+                                 "dx = dlogits E (tied)"})
 #: input-gradient GEMMs of the residual branches' last linears: their fp32 input is cast
 _INPUT_GRAD_FROM_FP32 = frozenset({"dctx = dy W_o^T", "da = dy W2^T"})
 #: traced blocks eager PyTorch does not run as kernels of their own

@@ -116,6 +116,12 @@ def test_training_equals_reference(clusters, arch, mesh, b, extra):
     par = ParallelConfig(global_batch=B, micro_batch=b, **dict(mesh.shape), **extra)
     ref = gpt.fit_reference(tokens, targets, steps=STEPS, optimizer="adam", lr=LR,
                             parallel=par if cfg.experts else None)
+    if not par.zero_stage:                       # the forward alone: loss and logits
+        loss, logits = gpt.forward(clusters(mesh), tokens, targets, par)
+        ref_loss, ref_logits = gpt.reference_forward(tokens, targets,
+                                                     parallel=par if cfg.experts else None)
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+        np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
     run = gpt.fit(clusters(mesh), tokens, targets, steps=STEPS, parallel=par,
                   optimizer="adam", lr=LR)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)

@@ -31,6 +31,14 @@ def _launcher_files() -> set:
         if os.path.isdir("/tmp") else set()
 
 
+def _shm_segments() -> set:
+    """MPICH's shared-memory segments (``/dev/shm/mpich_shm_*``): unlinked in
+    ``MPI_Finalize``, so ranks stopped before it leave theirs unless the launcher's
+    stopper removes them."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")} \
+        if os.path.isdir("/dev/shm") else set()
+
+
 def _mpi_or_skip() -> str:
     pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'vcluster[mpi]')")
     from vcluster.cli.bench_mpi import find_mpiexec
@@ -115,7 +123,7 @@ def test_missing_mpi_fails_before_running(tmp_path):
     assert "all_reduce" not in proc.stdout          # nothing was measured
 
 
-@pytest.mark.alone      # counts the launcher's files in /tmp, which any MPI run makes
+@pytest.mark.alone      # counts the launcher's files in /tmp and /dev/shm, which any MPI run makes
 def test_a_run_past_its_timeout_is_killed_and_named(tmp_path):
     """Ranks that cannot finish within ``timeout_s``: TimeoutError naming the ranks and
     the launcher, soon after the limit, with the run's temporary files removed and none
@@ -141,17 +149,19 @@ def test_unknown_ops_are_named():
         run_mpi_bench(2, [8], ops=["all_reduce", "allreduce"])
 
 
-@pytest.mark.alone      # counts the launcher's files in /tmp, which any MPI run makes
+@pytest.mark.alone      # counts the launcher's files in /tmp and /dev/shm, which any MPI run makes
 def test_a_failing_rank_fails_the_run_with_its_error():
     """A rank that raises (MPI has no SUM on booleans) flags it, and the parent stops the
     launcher, which ends every rank: RuntimeError carrying the ranks' traceback, no hang,
-    and no launcher file left (MPI_Abort, mpi4py's way, left MPICH's behind)."""
+    and no launcher file left (MPI_Abort, mpi4py's way, left MPICH's behind), nor the
+    ranks' shared-memory segments (they left one a run before 2026-11-28)."""
     import time
 
     from vcluster.cli.bench_mpi import run_mpi_bench
     _mpi_or_skip()
-    hydra, start = _launcher_files(), time.monotonic()
+    hydra, shm, start = _launcher_files(), _shm_segments(), time.monotonic()
     with pytest.raises(RuntimeError, match=r"2 MPI ranks .* exited with status [1-9](?s:.*)Allreduce"):
         run_mpi_bench(2, [8], ops=["all_reduce"], dtype="bool", timeout_s=60)
     assert time.monotonic() - start < 8          # not the rank's 10 s wait for the parent
     assert not _launcher_files() - hydra
+    assert not _shm_segments() - shm             # the stopped ranks' MPICH segments too

@@ -174,7 +174,54 @@ def _stop(proc: subprocess.Popen, launcher: str) -> tuple[str, str]:
     """Stop the launcher: SIGTERM first, so that it ends its ranks and removes its own
     files (MPICH's hydra leaves ``/tmp/hydra_hwloc_xmlfile_*`` when killed, and when a
     rank calls ``MPI_Abort``), then SIGKILL to its process group after
-    :data:`_KILL_WAIT_S`. Its output so far."""
+    :data:`_KILL_WAIT_S`. The shared-memory segments its ranks had mapped are removed
+    after (MPICH unlinks its ``/dev/shm/mpich_shm_*`` only in ``MPI_Finalize``: ranks
+    stopped in a collective leave theirs, 2 MB each, for good). Its output so far."""
+    segments = _mapped_shm(proc.pid)
+    try:
+        return _terminate(proc, launcher)
+    finally:
+        for path in segments:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def _mapped_shm(root_pid: int) -> set[str]:
+    """The ``/dev/shm`` files mapped by ``root_pid`` and its descendants (the launcher, its
+    proxy and the ranks, which MPICH's proxy starts in sessions of their own), read from
+    ``/proc`` (empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:          # pid (comm) state ppid ...
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue                                      # gone meanwhile
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.rstrip("\n").split(None, 5)   # ... inode path
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/") \
+                            and not fields[5].endswith(" (deleted)"):
+                        out.add(fields[5])
+        except OSError:
+            continue                       # gone meanwhile, or not ours to read
+    return out
+
+
+def _terminate(proc: subprocess.Popen, launcher: str) -> tuple[str, str]:
+    """SIGTERM, then SIGKILL to the process group: :func:`_stop`'s first part."""
     proc.terminate()
     try:
         return proc.communicate(timeout=_KILL_WAIT_S)

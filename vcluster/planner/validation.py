@@ -37,7 +37,7 @@ from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
            "validate_fsdp", "validate_fp8", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE",
-           "FSDP_HARDWARE", "FP8_TABLE",
+           "FSDP_HARDWARE", "FP8_TABLE", "validate_fsdp2", "FSDP2_TABLE", "FSDP2_HARDWARE",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -68,6 +68,9 @@ FSDP_HARDWARE = MappingProxyType({"h100_80gb": "h100-dgx", "a100_80gb": "a100-80
 
 #: NeMo 24.07's FP8 pretraining throughput on DGX H100 (:func:`validate_fp8`)
 FP8_TABLE = "nemo_2407_h100_fp8.csv"
+#: torchtitan's FSDP2 runs of Llama 2 and Llama 3 on 64 A100-80GB, and the preset they run on
+FSDP2_TABLE = "torchtitan_a100_fsdp.csv"
+FSDP2_HARDWARE = "a100-80gb-dgx"
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -238,6 +241,37 @@ def validate_fsdp(rows=None) -> list[dict]:
                                    par.global_batch * cfg.seq / sim.step_time_s)
                        | {"gpu": r["gpu"], "fits": sim.fits})
     return results
+
+
+def validate_fsdp2() -> list[dict]:
+    """Every row of :data:`FSDP2_TABLE` (torchtitan's FSDP2 training of Llama 2 13B/70B
+    and Llama 3 70B on 64 A100-80GB GPUs), simulated as a user would type it, nothing
+    chosen per row::
+
+        vcluster simulate gpt --arch llama --hidden h --layers l --heads a --kv-heads c \\
+            --ffn-hidden f --seq s --vocab V --dp 64 --zero 3 --micro-batch b \\
+            --global-batch 64b [--recompute full] --hardware a100-80gb-dgx
+
+    FSDP2 shards every parameter over the 64 GPUs and gathers each block's before its
+    forward and its backward (ZeRO-3); one micro-batch per step; flash attention. Not
+    modelled: torchtitan's default FSDP2 mixed precision reduces gradients in fp32 (the
+    model reduce-scatters them in bf16), and the machines' network, which the document
+    does not give (the preset's: HDR InfiniBand, one NIC per GPU)."""
+    rows = []
+    for r in read_data_csv(FSDP2_TABLE)[1]:
+        cfg = _model(r, arch="llama", kv_heads=int(r["kv_heads"]),
+                     ffn_hidden=int(r["ffn_hidden"]))
+        gpus, b = int(r["gpus"]), int(r["batch"])
+        par = ParallelConfig(global_batch=gpus * b, micro_batch=b, dp=gpus, zero_stage=3,
+                             recompute="full" if r["activation_checkpointing"] == "full"
+                             else "none")
+        sim = simulate_gpt(cfg, par, FSDP2_HARDWARE)
+        case = (f"torchtitan {r['model']} s={cfg.seq} {gpus}xA100-80GB b={b}"
+                f"{' full AC' if par.recompute == 'full' else ''}")
+        rows.append(_row_result(FSDP2_TABLE, case, "tokens_per_s_per_gpu",
+                                float(r["tokens_per_s_per_gpu"]),
+                                b * cfg.seq / sim.step_time_s) | {"fits": sim.fits})
+    return rows
 
 
 def fp8_row_config(r: dict) -> tuple:

@@ -328,26 +328,22 @@ def _sum_tied(dev, job: TrainJob, stages: dict, pp, tag: int) -> None:
     rank a local sum; else pipeline rank 0 and the last stage's rank exchange their
     gradients (p2p; ``tag`` is the step's forward tag of stage 0, which no pipeline
     message uses)."""
-    S, p = job.n_stages, len(pp)
+    S = job.n_stages
     first, last = stages.get(0), stages.get(S - 1)
     for name in job.tied:
         g0 = None if first is None else first.named_grads()[name]
         gl = None if last is None else last.named_grads()[name]
-        if g0 is not None and gl is not None:
-            with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
-                total = g0 + gl
-            g0[...] = total
-            gl[...] = total
-        elif g0 is not None:
-            dev.send(g0, pp[(S - 1) % p], tag)
-            other = dev.recv(pp[(S - 1) % p], tag)
-            with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
-                g0[...] = g0 + other
-        elif gl is not None:
-            other = dev.recv(pp[0], tag)
+        if g0 is None:                     # the last stage's rank: receive, then send
+            g0 = dev.recv(pp[0], tag)
             dev.send(gl, pp[0], tag)
-            with dev.compute("tied grads: sum", flops=gl.size, bytes=3 * gl.nbytes):
-                gl[...] = other + gl
+        elif gl is None:                   # pipeline rank 0: send, then receive
+            dev.send(g0, pp[(S - 1) % len(pp)], tag)
+            gl = dev.recv(pp[(S - 1) % len(pp)], tag)
+        with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
+            total = g0 + gl
+        for s, g in ((0, g0), (S - 1, gl)):
+            if s in stages:
+                g[...] = total
 
 
 def _activation_bytes(stages: dict, pending_dy: dict) -> int:

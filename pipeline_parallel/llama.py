@@ -130,7 +130,8 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             x = x1 + act @ L["w_down"]
         caches.append((L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act))
     uf, cf = _rms(x, P["norm_f_g"], cfg.eps)
-    w_out = P["wte"].T if getattr(cfg, "tie_embeddings", False) else P["w_out"]   # (h, V)
+    tied = getattr(cfg, "tie_embeddings", False)
+    w_out = P["wte"].T if tied else P["w_out"]                            # (h, V)
     logits = uf @ w_out                                                   # (B, s, V)
     ce, dlogits = loss_and_grad("cross_entropy", logits.reshape(B * s, V),
                                 targets.reshape(-1), B * s)       # mean over the B·s tokens
@@ -175,6 +176,6 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         G.update({f"layers.{i}.{n}": g[n] for n in names})
     G["wte"] = np.zeros_like(P["wte"])
     np.add.at(G["wte"], tokens, dx)
-    if getattr(cfg, "tie_embeddings", False):
+    if tied:
         G["wte"] += G.pop("w_out").T
     return loss, logits, {n: G[n] for n in P}

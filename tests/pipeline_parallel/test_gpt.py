@@ -13,7 +13,7 @@ from pipeline_parallel.gpt import (GPT, GPTConfig, ParallelConfig, forward_progr
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, TraceWait,
                                       comm_signature, trace_comm_signature, trace_program)
 
-from .gpt_data import mesh_of, token_data
+from .gpt_data import assert_same_params_and_grads, mesh_of, token_data
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -132,11 +132,7 @@ def test_training_equals_reference(clusters, reference, mesh, schedule, b, extra
     run = gpt.fit(cluster, tokens, targets, steps=STEPS, parallel=par, optimizer="sgd", lr=LR)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
     assert run.params.keys() == ref.params.keys() == run.grads.keys()
-    for name in ref.params:
-        np.testing.assert_allclose(run.grads[name], ref.grads[name], rtol=RTOL, atol=ATOL,
-                                   err_msg=name)
-        np.testing.assert_allclose(run.params[name], ref.params[name], rtol=RTOL, atol=ATOL,
-                                   err_msg=name)
+    assert_same_params_and_grads(run, ref, RTOL, ATOL)
     assert ref.losses[-1] < ref.losses[0]
 
 

@@ -188,7 +188,7 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
         emb = VocabParallelEmbedding(meta)
         emb.positions = positions
         layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute, cp=cp)
-        head = VocabParallelHead.build(lambda names: {n: meta[n] for n in names}, 1e-5,
+        head = VocabParallelHead.build(lambda names: {n: meta[n] for n in names}, config.eps,
                                        config.tie_embeddings, emb)
 
     def mark():

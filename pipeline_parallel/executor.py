@@ -16,7 +16,11 @@ gradients are final: they join a data-parallel bucket, and a full bucket
 (DDP-style), overlapping the remaining backward work. With context parallelism
 (``cp_axis``: each rank holds some of the sequence's rows, so its gradients are partial
 sums too) the buckets are all-reduced over the combined dp × cp group, one collective per
-bucket (Megatron reduces over its data-parallel-with-context group the same way). The
+bucket (Megatron reduces over its data-parallel-with-context group the same way).
+``grad_reduce_dtype`` (None: the gradients' own dtype) is the dtype every gradient
+reduction runs in — DDP's buckets, ZeRO's reduce-scatters, the tied copies' exchange: the
+gradients are cast up into it, summed, and cast back (``"float32"``: FSDP's
+``reduce_dtype=float32``, Megatron-LM's fp32 main-gradient reduction). The
 optimizer steps once per step. With ``zero_stage`` 1, 2 or 3 the optimizer state (and
 gradients, and parameters) are sharded over that same dp (× cp) group instead
 (:mod:`pipeline_parallel.zero`: reduce-scatter, update of the shard, all-gather; FSDP's
@@ -63,7 +67,10 @@ from .ledger import MemoryLedger
 from .optim import Optimizer, OptimizerConfig
 from .zero import ShardedState, check_zero_stage
 
-__all__ = ["TrainJob", "train_program", "GradBuckets"]
+__all__ = ["TrainJob", "train_program", "GradBuckets", "REDUCE_DTYPES"]
+
+#: the dtypes a gradient reduction may run in (TrainJob.grad_reduce_dtype)
+REDUCE_DTYPES = ("float16", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,15 @@ class TrainJob:
     #                                    as one parameter: their gradients summed per step
     expert_dp_axis: object = None      # experts' gradients: sum over this (axis, tuple of
     #                                    axes, () = none) instead of dp_axis; None: dp_axis
+    grad_reduce_dtype: str | None = None   # gradient reductions in this dtype (None: the
+    #                                        gradients' own), e.g. "float32"
 
     def __post_init__(self):
         check_zero_stage(self.zero_stage, "TrainJob")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"TrainJob: grad_reduce_dtype must be None (the gradients' own "
+                             f"dtype) or one of {REDUCE_DTYPES}, got "
+                             f"{self.grad_reduce_dtype!r}")
         if self.zero_stage and (self.optimizer_state is not None or self.return_optimizer):
             raise ValueError(f"TrainJob: zero_stage={self.zero_stage} does not save or "
                              f"restore optimizer state (checkpoints); use zero_stage=0")
@@ -113,10 +126,16 @@ class TrainJob:
 
 
 class GradBuckets:
-    """DDP-style gradient buckets: all-reduce (sum) over ``axis`` as soon as full."""
+    """DDP-style gradient buckets: all-reduce (sum) over ``axis`` as soon as full.
 
-    def __init__(self, dev, axis: str, bucket_bytes: int):
+    ``reduce_dtype`` (None: the gradients' own): the dtype the sum runs in. A bucket of
+    another dtype is packed cast into one flat array of it, all-reduced, and written back
+    cast to the gradients' dtype — what PyTorch DDP/FSDP do with a ``reduce_dtype``:
+    float32 moves 4 bytes per element where bf16 gradients hold 2."""
+
+    def __init__(self, dev, axis: str, bucket_bytes: int, reduce_dtype=None):
         self.dev, self.axis, self.bucket_bytes = dev, axis, bucket_bytes
+        self.reduce_dtype = None if reduce_dtype is None else np.dtype(reduce_dtype)
         self._pending: list[np.ndarray] = []
         self._launched: list = []
 
@@ -135,6 +154,8 @@ class GradBuckets:
         """All-reduce ``arrays`` as one bucket: (the Work or the sum, the arrays to write
         the sum back to, or None when it was summed where they lie)."""
         span = adjacent_span(arrays)          # None for device and meta arrays
+        if span is not None and self.reduce_dtype not in (None, span.dtype):
+            span = None                       # summed in another dtype: packed, cast
         if span is not None:
             # the gradients lie back to back in device memory (StageLayers.place_grads):
             # the bucket is that memory, summed in place — no packing, no write-back
@@ -170,7 +191,7 @@ class GradBuckets:
         ``np.concatenate`` was copied once more into the arena by the all-reduce (its
         input must be resident), |bucket| bytes per bucket."""
         flat = self.dev.empty((sum(a.size for a in arrays),),
-                              np.result_type(*(a.dtype for a in arrays)))
+                              self.reduce_dtype or np.result_type(*(a.dtype for a in arrays)))
         offset = 0
         for a in arrays:
             flat[offset:offset + a.size] = a.reshape(-1)
@@ -229,7 +250,7 @@ def _expert_buckets(job: TrainJob, dev):
     axes = job.expert_dp_axis
     if axes == () or dev.mesh.axis_size(axes) == 1:
         return _NoBuckets()
-    return GradBuckets(dev, axes, job.bucket_bytes)
+    return GradBuckets(dev, axes, job.bucket_bytes, job.grad_reduce_dtype)
 
 
 def _add_split(buckets, expert_buckets, layers, i: int) -> None:
@@ -327,12 +348,18 @@ def _sum_tied(dev, job: TrainJob, stages: dict, pp, tag: int) -> None:
     before it (the executor holds those modules' reduce-scatter back until then). On one
     rank a local sum; else pipeline rank 0 and the last stage's rank exchange their
     gradients (p2p; ``tag`` is the step's forward tag of stage 0, which no pipeline
-    message uses)."""
+    message uses), in ``job.grad_reduce_dtype`` where one is set."""
     S = job.n_stages
     first, last = stages.get(0), stages.get(S - 1)
+    rd = job.grad_reduce_dtype
+
+    def cast(g):
+        return g if rd is None or g.dtype == rd else g.astype(rd)
+
     for name in job.tied:
-        g0 = None if first is None else first.named_grads()[name]
-        gl = None if last is None else last.named_grads()[name]
+        own = [st.named_grads()[name] for st in (first, last) if st is not None]
+        g0 = None if first is None else cast(own[0])
+        gl = None if last is None else cast(own[-1])
         if g0 is None:                     # the last stage's rank: receive, then send
             g0 = dev.recv(pp[0], tag)
             dev.send(gl, pp[0], tag)
@@ -341,9 +368,8 @@ def _sum_tied(dev, job: TrainJob, stages: dict, pp, tag: int) -> None:
             gl = dev.recv(pp[(S - 1) % len(pp)], tag)
         with dev.compute("tied grads: sum", flops=g0.size, bytes=3 * g0.nbytes):
             total = g0 + gl
-        for s, g in ((0, g0), (S - 1, gl)):
-            if s in stages:
-                g[...] = total
+        for g in own:                      # cast back to the gradients' dtype
+            g[...] = total
 
 
 def _activation_bytes(stages: dict, pending_dy: dict) -> int:
@@ -364,7 +390,8 @@ def train_program(dev, job: TrainJob, X, Y):
                       for a in ((x,) if isinstance(x, str) else x))              # (× cp)
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
-    if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None and dev.xp is np:
+    if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None and dev.xp is np \
+            and job.grad_reduce_dtype is None:
         # buckets become views summed in place; where the arena cannot hold the gradients
         # this raises ArenaFullError, as packing would later (it holds every bucket's copy
         # and sum until the step's end: twice the gradients)
@@ -376,7 +403,7 @@ def train_program(dev, job: TrainJob, X, Y):
     ledger, zero, opt = MemoryLedger(dev), None, None
     if job.zero_stage:
         zero = ShardedState(dev, job.zero_stage, grad_axis if grad_axes else None, stages,
-                            job.optimizer, ledger)
+                            job.optimizer, ledger, reduce_dtype=job.grad_reduce_dtype)
     else:
         opt = Optimizer(job.optimizer, params)
         opt_bytes = sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte
@@ -409,7 +436,7 @@ def train_program(dev, job: TrainJob, X, Y):
         for layers in stages.values():
             layers.zero_grads()
         left = {s: m for s in stages}
-        buckets = GradBuckets(dev, grad_axis, job.bucket_bytes) \
+        buckets = GradBuckets(dev, grad_axis, job.bucket_bytes, job.grad_reduce_dtype) \
             if grad_size > 1 and zero is None else None
         expert_buckets = _expert_buckets(job, dev)
         if zero is not None:

@@ -73,13 +73,16 @@ from mesh.arguments import as_int
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
            "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
-           "TP_OVERLAP"]
+           "TP_OVERLAP", "GRAD_REDUCE_DTYPES"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention)
 ATTENTION = ("flash", "unfused")
 #: ParallelConfig.tp_overlap: "backward" (Megatron-LM's asynchronous reduction of a
 #: column-parallel linear's input gradient during its weight-gradient GEMM) or "none"
 TP_OVERLAP = ("backward", "none")
+#: ParallelConfig.grad_reduce_dtype: "model" (the data-parallel gradient reductions run in
+#: the gradients' own dtype) or "fp32" (cast up to float32 for the reduction and back)
+GRAD_REDUCE_DTYPES = ("model", "fp32")
 
 _LAYER = TransformerLayer.names
 
@@ -272,7 +275,17 @@ class ParallelConfig:
     (``--async-tensor-model-parallel-allreduce``, always on in Megatron-Core; Korthikanti
     et al. 2022 §6.2): the math is the same, the timeline overlaps (see
     :meth:`use_async_grad_reduce`); ``"none"`` puts every tensor-parallel collective on
-    the critical path, as Megatron-LM's 2020 and SC'21 runs did."""
+    the critical path, as Megatron-LM's 2020 and SC'21 runs did.
+
+    ``grad_reduce_dtype``: the dtype the data-parallel gradient reductions run in (DDP's
+    all-reduces, ZeRO's reduce-scatters, the tied embedding's exchange): ``"model"``
+    (default) the gradients' own — 16-bit in a simulated step, PyTorch FSDP's default
+    (``MixedPrecision(param_dtype=bf16)`` reduces in bf16 unless ``reduce_dtype`` is set)
+    — or ``"fp32"``: each bucket is cast up to float32, summed, and cast back, twice the
+    bytes of a 16-bit reduction. Megatron-LM under ``--bf16`` (its fp32 main gradients,
+    ``accumulate_allreduce_grads_in_fp32``), FSDP with ``reduce_dtype=float32`` (Composer's
+    ``DEFAULT`` mixed precision, torchtitan's ``mixed_precision_reduce``) reduce in fp32.
+    The emulated program runs the cast: a float64 model's sums lose to float32 rounding."""
 
     global_batch: int
     micro_batch: int = 1
@@ -290,6 +303,7 @@ class ParallelConfig:
     cp_algorithm: str = "ring"
     ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
     tp_overlap: str = "backward"
+    grad_reduce_dtype: str = "model"
 
     def __post_init__(self):
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
@@ -298,7 +312,8 @@ class ParallelConfig:
         for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
                            ("sequence_parallel", (False, True)), ("attention", ATTENTION),
                            ("distributed_optimizer", (False, True)),
-                           ("cp_algorithm", CP_ALGORITHMS), ("tp_overlap", TP_OVERLAP)):
+                           ("cp_algorithm", CP_ALGORITHMS), ("tp_overlap", TP_OVERLAP),
+                           ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
                                  f"{getattr(self, f)!r}")
@@ -630,7 +645,8 @@ class GPT:
             cp_axis="cp" if "cp" in mesh.axes else None,
             stage_factory=partial(_stage, self.config, parallel, load=expert_load),
             zero_stage=parallel.zero_stage, expert_dp_axis=_expert_dp_axes(mesh),
-            tied=("wte",) if self.config.tie_embeddings else ())
+            tied=("wte",) if self.config.tie_embeddings else (),
+            grad_reduce_dtype=None if parallel.grad_reduce_dtype == "model" else "float32")
 
     def device_args(self, mesh, job: TrainJob, tokens, targets) -> list[tuple]:
         """(job, tokens or None, targets or None) per rank: the first stage's ranks get

@@ -146,11 +146,16 @@ class ShardedState:
     of arrays per module, updated in place); ``ledger``: the rank's MemoryLedger. The
     executor calls :meth:`begin_step`, :meth:`grad_ready` (ZeRO-1: after a module's last
     micro-batch; ZeRO-2/3: after every micro-batch), :meth:`finish_grads`, :meth:`step`.
+    ``reduce_dtype`` (None: the gradients' own): the dtype of the gradients'
+    reduce-scatters — a module's flat gradient is cast to it before, and its reduced piece
+    added into the gradient shard (the parameters' dtype) after, as FSDP's
+    ``MixedPrecision(reduce_dtype=...)``.
     """
 
     def __init__(self, dev, zero_stage: int, axis: str | None, stages: dict,
-                 config: OptimizerConfig, ledger):
+                 config: OptimizerConfig, ledger, reduce_dtype=None):
         self.dev, self.stage, self.axis, self.ledger = dev, zero_stage, axis, ledger
+        self.reduce_dtype = None if reduce_dtype is None else np.dtype(reduce_dtype)
         group = dev.mesh.group(axis, dev.rank) if axis is not None else (dev.rank,)
         self.n, self.pos = len(group), group.index(dev.rank)
         self.stages = stages
@@ -186,7 +191,9 @@ class ShardedState:
 
     def __repr__(self) -> str:
         return (f"ShardedState(zero_stage={self.stage}, n={self.n}, pos={self.pos}, "
-                f"modules={len(self.units)}, shard_bytes={self.shard_bytes})")
+                f"modules={len(self.units)}, shard_bytes={self.shard_bytes}"
+                + ("" if self.reduce_dtype is None else f", reduce_dtype={self.reduce_dtype}")
+                + ")")
 
     def _params(self, u):
         return self.stages[u[0]].params[u[1]]
@@ -217,7 +224,10 @@ class ShardedState:
         grads, layout = self._grads(u), self.layouts[u]
         if self.stage >= 2:
             self.ledger.add("grads", self.full_bytes[u])     # the full buffer holds data
-        self._reductions.append((u, self._reduce_scatter(layout.flatten(grads))))
+        flat = layout.flatten(grads)
+        if self.reduce_dtype not in (None, flat.dtype):
+            flat = flat.astype(self.reduce_dtype)
+        self._reductions.append((u, self._reduce_scatter(flat)))
         if self.stage >= 2:
             for g in grads:
                 g[...] = 0

@@ -240,3 +240,23 @@ def test_transformer_tp_overlap_reaches_the_simulated_step():
     assert overlapped["predicted_comm_s"] == pytest.approx(blocking["predicted_comm_s"])
     assert overlapped["predicted_exposed_comm_s"] < blocking["predicted_exposed_comm_s"]
     assert overlapped["predicted_step_time_s"] < blocking["predicted_step_time_s"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero"])
+def test_transformer_grad_reduce_dtype_reaches_the_emulated_and_simulated_step(mode):
+    """``parallel.grad_reduce_dtype: fp32`` on a float16 workload: the simulated step
+    sends more bytes (its gradient reductions at 4 bytes where the gradients hold 2) and
+    takes at least as long; a value outside model/fp32 is refused, naming the key."""
+    dp = {"mode": mode, **({"zero_stage": 1} if mode == "zero" else {})}
+    doc = {"workload": {"kind": "transformer", "hidden": 256, "heads": 4, "seq": 128,
+                        "layers": 2, "dtype": "float16"},
+           "parallel": {"dp": 4}, "data_parallel": dp, "hardware": {"name": "h100-dgx"},
+           "run": {"mode": "simulate"}}
+    model = run_scenario(scenario_from_dict(doc)).summary
+    fp32 = run_scenario(scenario_from_dict(
+        dict(doc, parallel={"dp": 4, "grad_reduce_dtype": "fp32"}))).summary
+    assert fp32["predicted_bytes_sent"] > model["predicted_bytes_sent"]
+    assert fp32["predicted_step_time_s"] >= model["predicted_step_time_s"]
+    with pytest.raises(ScenarioError) as info:
+        scenario_from_dict(dict(doc, parallel={"dp": 4, "grad_reduce_dtype": "bf16"}))
+    assert info.value.path == "parallel.grad_reduce_dtype" and info.value.value == "bf16"

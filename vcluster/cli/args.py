@@ -107,6 +107,16 @@ def add_tp_overlap_argument(parser) -> None:
                              "TP collective blocking, as the 2020/2021 Megatron runs)")
 
 
+def add_grad_reduce_argument(parser) -> None:
+    """--grad-reduce-dtype model|fp32: ParallelConfig.grad_reduce_dtype
+    (``pipeline_parallel.gpt.GRAD_REDUCE_DTYPES``)."""
+    parser.add_argument("--grad-reduce-dtype", choices=("model", "fp32"), default="model",
+                        help="the dtype of the data-parallel gradient reductions: model "
+                             "(default: the 16-bit gradients, PyTorch FSDP's default) or fp32 "
+                             "(twice the bytes: Megatron-LM under --bf16, FSDP with "
+                             "reduce_dtype=float32 as MosaicML's DEFAULT and torchtitan)")
+
+
 def add_fp8_argument(parser) -> None:
     """--fp8: the transformer layers' linear GEMMs priced in FP8
     (:func:`vcluster.planner.simulation.fp8_gemm`)."""

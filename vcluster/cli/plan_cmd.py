@@ -28,7 +28,7 @@ import math
 import os
 
 from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
-                   add_tp_overlap_argument, fraction,
+                   add_grad_reduce_argument, add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
@@ -68,6 +68,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                      help="the attention kernel the memory model assumes (default flash)")
     add_tp_overlap_argument(gpt)
+    add_grad_reduce_argument(gpt)
     add_fp8_argument(gpt)
     gpt.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction,
                      default=None, help="shard the optimizer state over dp in every "
@@ -169,6 +170,7 @@ def _gpt(args) -> int:
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=False if args.quiet else None,
                   attention=args.attention, tp_overlap=args.tp_overlap,
+                  grad_reduce_dtype=args.grad_reduce_dtype,
                   distributed_optimizer=args.distributed_optimizer,
                   arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                   tie_embeddings=args.tie_embeddings,

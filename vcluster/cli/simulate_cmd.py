@@ -32,7 +32,7 @@ from __future__ import annotations
 import sys
 
 from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
-                   add_tp_overlap_argument, fraction,
+                   add_grad_reduce_argument, add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser"]
@@ -67,6 +67,7 @@ def add_parser(commands) -> None:
                      help="the attention kernel the memory model assumes (default flash: no "
                           "s² scores kept for the backward)")
     add_tp_overlap_argument(gpt)
+    add_grad_reduce_argument(gpt)
     add_fp8_argument(gpt)
     gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
@@ -113,6 +114,7 @@ def _gpt(args) -> int:
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               attention=args.attention, tp_overlap=args.tp_overlap,
+                              grad_reduce_dtype=args.grad_reduce_dtype,
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
@@ -134,6 +136,7 @@ def _gpt(args) -> int:
           f", ZeRO stage {zero}"
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (", FP8 linear layers" if r.fp8 else "")
+          + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")

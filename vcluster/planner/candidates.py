@@ -54,7 +54,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from pipeline_parallel.gpt import ATTENTION, TP_OVERLAP, GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import (ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP, GPTConfig,
+                                   ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
@@ -102,6 +103,7 @@ class SearchSpace:
     sequence_parallel: tuple = (False, True)
     attention: str = "flash"
     tp_overlap: str = "backward"                   # ParallelConfig.tp_overlap, every candidate
+    grad_reduce_dtype: str = "model"               # ParallelConfig.grad_reduce_dtype, every one
     distributed_optimizer: bool | None = None      # None: where memory needs it
     max_cp: int = 1                                # context parallelism: largest cp tried
     cp_algorithm: str = "ring"
@@ -133,6 +135,9 @@ class SearchSpace:
         if self.attention not in ATTENTION:
             raise ValueError(f"plan_gpt: attention must be one of {ATTENTION}, got "
                              f"{self.attention!r}")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(f"plan_gpt: grad_reduce_dtype must be one of "
+                             f"{GRAD_REDUCE_DTYPES}, got {self.grad_reduce_dtype!r}")
         if self.tp_overlap not in TP_OVERLAP:
             raise ValueError(f"plan_gpt: tp_overlap must be one of {TP_OVERLAP}, got "
                              f"{self.tp_overlap!r}")
@@ -245,6 +250,7 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             schedule=name, virtual_stages=v, sequence_parallel=sp,
                             recompute=rc, attention=space.attention, ep=ep,
                             tp_overlap=space.tp_overlap,
+                            grad_reduce_dtype=space.grad_reduce_dtype,
                             zero_stage=stages[0],
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
                                if cp > 1 else {}))

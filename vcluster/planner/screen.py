@@ -22,7 +22,7 @@ The slowest rank sets the pace (F, I, W = those of the rank with the largest F_r
     p2p     = 2·(S - 1)·t_send(b·s·h·2 bytes [/t with sequence parallelism])
               (the fill and drain cross every stage boundary once each way)
     dp      = Σ_k t_all_reduce(bucket_k over dp, t concurrent flows) for the 16-bit
-              gradients of the rank's modules (the head, its layers, the embedding, in
+              (``grad_reduce_dtype="fp32"``: 32-bit) gradients of the rank's modules (the head, its layers, the embedding, in
               the order the backward finishes them), gathered into buckets as the
               executor's DDP does: modules join the open bucket until it holds at least
               1 MiB (``BUCKET_BYTES``), then it is launched — with modules larger than
@@ -32,7 +32,8 @@ The slowest rank sets the pace (F, I, W = those of the rank with the largest F_r
     step    = busy + bubble + p2p + exposed
 
 ZeRO (``zero_stage``; :mod:`pipeline_parallel.zero`'s collectives, one per module and
-member of a dp group of n, each priced at nccl-tests sizes: the module's full bytes)::
+member of a dp group of n, each priced at nccl-tests sizes: the module's full bytes, its
+gradient's in the reduction dtype)::
 
     ZeRO-1  rs = Σ t_reduce_scatter(module), ag = Σ t_all_gather(module)
             exposed = max(rs - B_last, 0) + t_rs(last module) + ag   (the gathers
@@ -81,6 +82,12 @@ __all__ = ["ScreenEstimate", "screen_estimate", "peak_in_flight_closed_form",
 
 BUCKET_BYTES = 1 << 20    # the executor's default gradient bucket (train_job bucket_bytes)
 TRACE_BYTES = 2           # 16-bit activations and gradients in the traced program
+
+
+def grad_reduce_bytes(parallel) -> int:
+    """Bytes per gradient element a data-parallel reduction moves: the traced 16-bit
+    gradients', or 4 under ``ParallelConfig.grad_reduce_dtype="fp32"``."""
+    return 4 if getattr(parallel, "grad_reduce_dtype", "model") == "fp32" else TRACE_BYTES
 
 
 @dataclass(frozen=True)
@@ -163,18 +170,20 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
         # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
         group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
         flows = max(1, min(t, hardware.gpus_per_node))
-        modules = [n * TRACE_BYTES for n in _rank_modules(config, parallel, crit)]
+        params = _rank_modules(config, parallel, crit)
+        modules = [n * TRACE_BYTES for n in params]             # 16-bit parameters
+        reduced = [n * grad_reduce_bytes(parallel) for n in params]   # their gradients
 
         def price(collective, sizes):
             return [collective_time_s(collective, n, group, hardware, concurrent_flows=flows)
                     for n in sizes]
 
         if parallel.zero_stage == 0:
-            buckets = price("all_reduce", _buckets(modules, BUCKET_BYTES))
+            buckets = price("all_reduce", _buckets(reduced, BUCKET_BYTES))
             dp_s = sum(buckets)
             exposed = max(dp_s - B.seconds, 0.0) + buckets[-1]
         else:
-            rs, ag = price("reduce_scatter", modules), price("all_gather", modules)
+            rs, ag = price("reduce_scatter", reduced), price("all_gather", modules)
             if parallel.zero_stage == 1:
                 dp_s = sum(rs) + sum(ag)
                 exposed = max(sum(rs) - B.seconds, 0.0) + rs[-1] + sum(ag)

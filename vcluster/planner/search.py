@@ -167,7 +167,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              tie_embeddings: bool = False, max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
-             precision="megatron", fp8: bool = False):
+             precision="megatron", fp8: bool = False, grad_reduce_dtype: str = "model"):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
@@ -199,7 +199,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     memory model's :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name
     (default "megatron"; the DataFrame's ``attrs["precision"]``). ``fp8``: every candidate's
     transformer-layer linear GEMMs priced in FP8 (:func:`~.simulation.fp8_gemm`; hardware
-    with an FP8 peak; ``attrs["fp8"]``).
+    with an FP8 peak; ``attrs["fp8"]``). ``grad_reduce_dtype``: every candidate's
+    :attr:`~pipeline_parallel.gpt.ParallelConfig.grad_reduce_dtype` ("model", the default:
+    16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -224,7 +226,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
                              ("sequence_parallel", sequence_parallel)) if v is not None},
-        attention=attention, tp_overlap=tp_overlap,
+        attention=attention, tp_overlap=tp_overlap, grad_reduce_dtype=grad_reduce_dtype,
         distributed_optimizer=distributed_optimizer, max_cp=max_cp,
         cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
         precision=precision)
@@ -258,6 +260,6 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
-                    precision=precision.name, fp8=fp8,
+                    precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,
                     planning_time_s=time.perf_counter() - t0)
     return df

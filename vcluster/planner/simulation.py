@@ -119,6 +119,7 @@ class GPTSimulation:
     autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
+    grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
 
     @property
     def reserve_gb(self) -> float:
@@ -444,5 +445,5 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
-        fp8=fp8, ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
+        fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

@@ -250,13 +250,16 @@ def validate_fsdp2() -> list[dict]:
 
         vcluster simulate gpt --arch llama --hidden h --layers l --heads a --kv-heads c \\
             --ffn-hidden f --seq s --vocab V --dp 64 --zero 3 --micro-batch b \\
-            --global-batch 64b [--recompute full] --hardware a100-80gb-dgx
+            --global-batch 64b [--recompute full] --grad-reduce-dtype fp32 \\
+            --hardware a100-80gb-dgx
 
     FSDP2 shards every parameter over the 64 GPUs and gathers each block's before its
-    forward and its backward (ZeRO-3); one micro-batch per step; flash attention. Not
-    modelled: torchtitan's default FSDP2 mixed precision reduces gradients in fp32 (the
-    model reduce-scatters them in bf16), and the machines' network, which the document
-    does not give (the preset's: HDR InfiniBand, one NIC per GPU)."""
+    forward and its backward (ZeRO-3); one micro-batch per step; flash attention;
+    gradients reduce-scattered in fp32 (torchtitan's ``training.mixed_precision_reduce``,
+    default and only value "float32", passed to FSDP2 as ``MixedPrecisionPolicy(
+    reduce_dtype=...)``; since 2026-11-28, after the first run, which reduced in bf16).
+    Not modelled: the machines' network, which the document does not give (the preset's:
+    HDR InfiniBand, one NIC per GPU)."""
     rows = []
     for r in read_data_csv(FSDP2_TABLE)[1]:
         cfg = _model(r, arch="llama", kv_heads=int(r["kv_heads"]),
@@ -264,7 +267,7 @@ def validate_fsdp2() -> list[dict]:
         gpus, b = int(r["gpus"]), int(r["batch"])
         par = ParallelConfig(global_batch=gpus * b, micro_batch=b, dp=gpus, zero_stage=3,
                              recompute="full" if r["activation_checkpointing"] == "full"
-                             else "none")
+                             else "none", grad_reduce_dtype="fp32")
         sim = simulate_gpt(cfg, par, FSDP2_HARDWARE)
         case = (f"torchtitan {r['model']} s={cfg.seq} {gpus}xA100-80GB b={b}"
                 f"{' full AC' if par.recompute == 'full' else ''}")

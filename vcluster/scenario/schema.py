@@ -186,6 +186,11 @@ _PARALLEL = MappingProxyType({
                             "column-parallel linear's input-gradient reduction overlapping "
                             "its weight gradient, as Megatron's (backward), or every TP "
                             "collective blocking (none)", "backward"),
+        "grad_reduce_dtype": _enum(["model", "fp32"], "the dtype of the data-parallel "
+                                   "gradient reductions: the gradients' own (model) or "
+                                   "float32, twice the bytes of 16-bit gradients (fp32: "
+                                   "Megatron under bf16, FSDP's reduce_dtype=float32)",
+                                   "model"),
         "distributed_optimizer": _bool("optimizer state sharded over dp (Megatron's "
                                        "distributed optimizer, ZeRO-1: emulated and in "
                                        "the memory model)"),

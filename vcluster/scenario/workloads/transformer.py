@@ -190,6 +190,7 @@ def _configs(scenario, mesh=None):
                               recompute=par["recompute"],
                               attention=par.get("attention", "flash"),
                               tp_overlap=par.get("tp_overlap", "backward"),
+                              grad_reduce_dtype=par.get("grad_reduce_dtype", "model"),
                               distributed_optimizer=bool(par.get("distributed_optimizer")),
                               # data_parallel.mode zero's stage (0 with ddp; the alias
                               # distributed_optimizer raises 0 to 1)

@@ -390,8 +390,11 @@ def train_program(dev, job: TrainJob, X, Y):
                       for a in ((x,) if isinstance(x, str) else x))              # (× cp)
     grad_axis = grad_axes[0] if len(grad_axes) == 1 else grad_axes
     grad_size = dev.mesh.axis_size(grad_axes) if grad_axes else 1
+    in_place = job.grad_reduce_dtype is None or all(   # summed in their own dtype
+        a.dtype == job.grad_reduce_dtype for st in stages.values() for pair in st.params
+        for a in pair)
     if grad_size > 1 and not job.zero_stage and job.expert_dp_axis is None and dev.xp is np \
-            and job.grad_reduce_dtype is None:
+            and in_place:
         # buckets become views summed in place; where the arena cannot hold the gradients
         # this raises ArenaFullError, as packing would later (it holds every bucket's copy
         # and sum until the step's end: twice the gradients)

@@ -163,9 +163,36 @@ def test_the_nemo_fp8_table_is_the_published_one_with_its_architectures():
             per_token += 6 * cfg.seq * cfg.hidden * cfg.layers
         published = float(r["model_tflops_per_gpu"]) * 1e12 / float(r["tokens_per_s_per_gpu"])
         assert published == pytest.approx(per_token, rel=0.005), r["model"]
-    got = validate_fp8()
+    got = validate_fp8(tables=(FP8_TABLE,))
     assert [g["published"] for g in got] == [float(r["tokens_per_s_per_gpu"]) for r in rows]
     assert all(g["metric"] == "tokens_per_s_per_gpu" and g["source"] == FP8_TABLE for g in got)
+
+
+def test_the_megatron_bridge_table_is_the_published_one_with_its_architectures():
+    """Megatron-Bridge 25.11's DGX-H100 Llama 3 rows: the table's Model TFLOP/s over its
+    tokens/s is the model's FLOPs per token (causal attention at half the s² products, as
+    Megatron-Bridge counts it); 8B under Megatron FSDP (ZeRO-3 over 8), 70B tp 4 x pp 8
+    interleaved 5 with the distributed optimizer."""
+    from pipeline_parallel.gpt import model_flops
+    from vcluster.planner.validation import FP8_BRIDGE_TABLE, fp8_row_config, validate_fp8
+    from vcluster.timing import read_data_csv
+    comments, rows = read_data_csv(FP8_BRIDGE_TABLE)
+    assert "NVIDIA-NeMo/Megatron-Bridge" in comments[0] and "00b7660be0254ac6" in comments[0]
+    assert [(r["model"], r["tokens_per_s_per_gpu"]) for r in rows] == [
+        ("LLAMA3_8B", "14451"), ("LLAMA3_70B", "1602")]
+    configs = [fp8_row_config(r) for r in rows]
+    for r, (cfg, par) in zip(rows, configs):
+        published = float(r["model_tflops_per_gpu"]) * 1e12 / float(r["tokens_per_s_per_gpu"])
+        assert published == pytest.approx(model_flops(cfg, 1) / cfg.seq, rel=0.002), r["model"]
+        assert par.gpus == int(r["gpus"]) and par.microbatches * par.dp * par.micro_batch \
+            == int(r["global_batch"])
+    (_, p8), (_, p70) = configs
+    assert (p8.dp, p8.zero_stage, p8.tp, p8.pp) == (8, 3, 1, 1)
+    assert (p70.dp, p70.tp, p70.pp, p70.chunks, p70.zero_stage, p70.sequence_parallel) == \
+        (2, 4, 8, 5, 1, True)
+    got = validate_fp8(tables=(FP8_BRIDGE_TABLE,))
+    assert [g["published"] for g in got] == [14451.0, 1602.0]
+    assert all(g["source"] == FP8_BRIDGE_TABLE for g in got)
 
 
 def _scenario(*overrides):

@@ -11,7 +11,8 @@ FSDP on 8-128 A100s and H100s, :func:`~vcluster.planner.validation.validate_fsdp
 of every row of nemo_2407_h100_fp8.csv (NeMo's FP8 pretraining on DGX H100,
 :func:`~vcluster.planner.validation.validate_fp8`) and of torchtitan_a100_fsdp.csv
 (torchtitan's FSDP2 Llama runs on 64 A100s,
-:func:`~vcluster.planner.validation.validate_fsdp2`)
+:func:`~vcluster.planner.validation.validate_fsdp2`) and of megatron_bridge_h100_fp8.csv
+(Megatron-Bridge's FP8 Llama 3 8B and 70B on DGX H100, also ``validate_fp8``)
 (copies ship with vcluster as package data), each with
 published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
@@ -29,7 +30,8 @@ Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
 ``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv nor on
-nemo_2407_h100_fp8.csv nor on torchtitan_a100_fsdp.csv (added after every constant was set)
+nemo_2407_h100_fp8.csv nor on torchtitan_a100_fsdp.csv nor on megatron_bridge_h100_fp8.csv
+(added after every constant was set)
 nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
 h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
@@ -49,7 +51,8 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "megatron_sc21_table1.csv": "megatron", "korthikanti_2022_a100.csv": "recompute",
            "h200_gpt_steps.csv": "gpu_steps", "h100_gpt_steps.csv": "gpu_steps",
            "h200_shapes_steps.csv": "gpu_steps", "llm_foundry_mpt.csv": "fsdp",
-           "nemo_2407_h100_fp8.csv": "fp8", "torchtitan_a100_fsdp.csv": "fsdp2"}
+           "nemo_2407_h100_fp8.csv": "fp8", "torchtitan_a100_fsdp.csv": "fsdp2",
+           "megatron_bridge_h100_fp8.csv": "fp8"}
 TABLES = tuple(_GROUPS)
 
 
@@ -73,9 +76,9 @@ def validation_rows(tables=None) -> dict:
                          f"{sorted(unknown) or 'none'}")
     groups = {_GROUPS[t] for t in wanted}
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import (validate_fp8, validate_fsdp, validate_fsdp2,
-                                             validate_gpu_steps, validate_megatron,
-                                             validate_recompute)
+    from vcluster.planner.validation import (FP8_TABLES, validate_fp8, validate_fsdp,
+                                             validate_fsdp2, validate_gpu_steps,
+                                             validate_megatron, validate_recompute)
     from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
@@ -87,7 +90,8 @@ def validation_rows(tables=None) -> dict:
         rows += [r | {"table": r["source"]} for r in (validate() if group in groups else [])]
     fsdp = validate_fsdp() if "fsdp" in groups else []
     rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
-    rows += [r | {"table": r["source"]} for r in (validate_fp8() if "fp8" in groups else [])]
+    rows += [r | {"table": r["source"]}
+             for r in validate_fp8(tuple(t for t in FP8_TABLES if t in wanted))]
     rows += [{k: r[k] for k in keys} | {"table": r["source"]}
              for r in (validate_fsdp2() if "fsdp2" in groups else [])]
     rows = [r for r in rows if r["table"] in wanted]
@@ -153,8 +157,9 @@ def _run(args) -> int:
           f"({len(result['rows']) - n_held} rows): {percent(result['fit_mean_abs_rel_error'])}")
     print("by table and metric (mean |error|, max |error|, rows):")
     roles = {r["table"]: r["role"] for r in result["rows"]}
+    width = max(map(len, result["by_table"])) + 1
     for table, metrics in result["by_table"].items():
-        print(f"  {table:<28}{roles[table]:<9}" + "   ".join(
+        print(f"  {table:<{width}}{roles[table]:<9}" + "   ".join(
             f"{metric} {100 * m['mean_abs_rel_error']:.1f}% "
             f"(max {100 * m['max_abs_rel_error']:.1f}%, {m['rows']})"
             for metric, m in metrics.items()))

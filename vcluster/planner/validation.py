@@ -37,7 +37,8 @@ from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
            "validate_fsdp", "validate_fp8", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE",
-           "FSDP_HARDWARE", "FP8_TABLE", "validate_fsdp2", "FSDP2_TABLE", "FSDP2_HARDWARE",
+           "FSDP_HARDWARE", "FP8_TABLE", "FP8_BRIDGE_TABLE", "FP8_TABLES", "validate_fsdp2",
+           "FSDP2_TABLE", "FSDP2_HARDWARE",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -68,6 +69,11 @@ FSDP_HARDWARE = MappingProxyType({"h100_80gb": "h100-dgx", "a100_80gb": "a100-80
 
 #: NeMo 24.07's FP8 pretraining throughput on DGX H100 (:func:`validate_fp8`)
 FP8_TABLE = "nemo_2407_h100_fp8.csv"
+#: Megatron-Bridge's (NeMo 25.11) FP8 Llama 3 pretraining throughput on DGX H100
+#: (:func:`validate_fp8`; added after every constant was set, held out)
+FP8_BRIDGE_TABLE = "megatron_bridge_h100_fp8.csv"
+#: the FP8 tables :func:`validate_fp8` predicts
+FP8_TABLES = (FP8_TABLE, FP8_BRIDGE_TABLE)
 #: torchtitan's FSDP2 runs of Llama 2 and Llama 3 on 64 A100-80GB, and the preset they run on
 FSDP2_TABLE = "torchtitan_a100_fsdp.csv"
 FSDP2_HARDWARE = "a100-80gb-dgx"
@@ -278,10 +284,11 @@ def validate_fsdp2() -> list[dict]:
 
 
 def fp8_row_config(r: dict) -> tuple:
-    """(GPTConfig, ParallelConfig) of a :data:`FP8_TABLE` row: its model, degrees,
-    micro-batch and interleaving, and what the table leaves out, the same for every row:
-    sequence parallelism where tp > 1, the distributed optimizer (ZeRO-1), no
-    recomputation, flash attention, tensor parallelism's backward overlap."""
+    """(GPTConfig, ParallelConfig) of a row of an :data:`FP8_TABLES` table: its model,
+    degrees, micro-batch and interleaving, and what the tables leave out, the same for
+    every row: sequence parallelism where tp > 1, the distributed optimizer (ZeRO-1; a row
+    with ``fsdp`` 1: ZeRO-3, Megatron FSDP), no recomputation, flash attention, tensor
+    parallelism's backward overlap."""
     arch = r["arch"]
     llama = {"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
     cfg = _model(r, arch=arch, **(llama if arch == "llama" else {}))
@@ -290,26 +297,31 @@ def fp8_row_config(r: dict) -> tuple:
                          dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp,
                          schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                          virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
-                         zero_stage=1)
+                         zero_stage=3 if r.get("fsdp") == "1" else 1)
     return cfg, par
 
 
-def validate_fp8() -> list[dict]:
-    """Every row of :data:`FP8_TABLE` (NeMo 24.07 on DGX H100 with Transformer Engine's
-    FP8: GPT-3 5B to 175B and Llama 2/3 7B to 70B on 8 to 512 GPUs, with tensor, pipeline
-    (interleaved), context and data parallelism), simulated on the ``h100-dgx`` preset
+def validate_fp8(tables=FP8_TABLES) -> list[dict]:
+    """Every row of the :data:`FP8_TABLES` (NeMo 24.07 on DGX H100 with Transformer
+    Engine's FP8: GPT-3 5B to 175B and Llama 2/3 7B to 70B on 8 to 512 GPUs, with tensor,
+    pipeline (interleaved), context and data parallelism; Megatron-Bridge 25.11's Llama 3
+    8B under Megatron FSDP on 8 and 70B with tp 4, pp 8 interleaved on 64), simulated on
+    the ``h100-dgx`` preset
     with the transformer layers' linear GEMMs in FP8 (``simulate_gpt(fp8=True)``) and the
     configuration of :func:`fp8_row_config`. ``tokens_per_s_per_gpu`` = B·s / (step ·
     GPUs). Not modelled: Transformer Engine's FP8 casts and scaling (amax) kernels, and
     its overlap of the forward's tensor-parallel collectives with GEMMs
     (``--tp-comm-overlap``)."""
     rows = []
-    for r in read_data_csv(FP8_TABLE)[1]:
-        cfg, par = fp8_row_config(r)
-        sim = simulate_gpt(cfg, par, "h100-dgx", fp8=True)
-        how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp") if r[k] != "1")
-        case = f"{r['model']} FP8 {r['gpus']}xH100 {how or 'dp only'}"
-        rows.append(_row_result(FP8_TABLE, case, "tokens_per_s_per_gpu",
-                                float(r["tokens_per_s_per_gpu"]),
-                                par.global_batch * cfg.seq / sim.step_time_s / par.gpus))
+    for table in tables:
+        for r in read_data_csv(table)[1]:
+            cfg, par = fp8_row_config(r)
+            sim = simulate_gpt(cfg, par, "h100-dgx", fp8=True)
+            how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp") if r[k] != "1")
+            if r.get("fsdp") == "1":
+                how = "fsdp"
+            case = f"{r['model']} FP8 {r['gpus']}xH100 {how or 'dp only'}"
+            rows.append(_row_result(table, case, "tokens_per_s_per_gpu",
+                                    float(r["tokens_per_s_per_gpu"]),
+                                    par.global_batch * cfg.seq / sim.step_time_s / par.gpus))
     return rows

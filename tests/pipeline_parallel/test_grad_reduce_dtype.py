@@ -206,6 +206,16 @@ def test_cli_and_json_and_plan_take_the_flag(tmp_path):
                          text=True, timeout=300)
     assert bad.returncode == 2 and "--grad-reduce-dtype" in bad.stderr \
         and "'model', 'fp32'" in bad.stderr
+    plan = tmp_path / "plan.json"
+    model = ["--hidden", "512", "--layers", "4", "--heads", "8", "--seq", "512", "--vocab",
+             "8192", "--global-batch", "16"]
+    run = subprocess.run([sys.executable, "-m", "vcluster", "plan", "gpt", *model,
+                          "--gpus", "8", "--top", "2", "--replay", "2", "--workers", "1",
+                          "--grad-reduce-dtype", "fp32", "--hardware", "h100-dgx",
+                          "--json", str(plan)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "gradients reduced in fp32" in run.stdout
+    assert json.loads(plan.read_text())["grad_reduce_dtype"] == "fp32"
     from vcluster.planner import plan_gpt
     df = plan_gpt(hidden=512, layers=4, heads=8, seq=512, vocab=8192, gpus=8,
                   global_batch=16, hardware="h100-dgx", top=2, replay=2, workers=1,

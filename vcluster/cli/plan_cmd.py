@@ -108,14 +108,15 @@ def _finite(x):
 
 
 def plan_json(df) -> dict:
-    """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...}``
-    from plan_gpt's DataFrame."""
+    """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...,
+    "grad_reduce_dtype": ...}`` from plan_gpt's DataFrame."""
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
             "precision": df.attrs.get("precision", "megatron"),
-            "fp8": df.attrs.get("fp8", False)}
+            "fp8": df.attrs.get("fp8", False),
+            "grad_reduce_dtype": df.attrs.get("grad_reduce_dtype", "model")}
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
@@ -184,7 +185,8 @@ def _gpt(args) -> int:
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision"
-          + ("; FP8 linear layers" if a["fp8"] else ""))
+          + ("; FP8 linear layers" if a["fp8"] else "")
+          + ("; gradients reduced in fp32" if a.get("grad_reduce_dtype") == "fp32" else ""))
     if len(df):
         _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
     print("rejected:" + ("" if a["rejected"] else " none"))

@@ -59,14 +59,15 @@ def test_the_layers_linear_gemms_run_in_fp8_and_nothing_else(arch, experts):
 
 
 def test_an_fp8_gemm_is_priced_at_the_datasheet_fp8_peak():
-    # H100 SXM: FP8 3,958 TFLOPS with sparsity -> 1,978.8 dense; e_max 0.801 (BF16's);
-    # HBM 3,350 GB/s at 0.9; 5 us per kernel; the training-kernel divisor
+    # H100 SXM: FP8 3,958 TFLOPS with sparsity -> 1,978.8 dense; e_max 0.709 (the measured
+    # FP8 MAMF; BF16's 0.801); HBM 3,350 GB/s at 0.9; 5 us per kernel; the training-kernel
+    # divisor
     op = TraceCompute("gpt: mlp: x @ W1", 2 * 8192 * 4096 * 16384, 2 * (8192 * 4096
                       + 4096 * 16384 + 8192 * 16384), kernel=Kernel.gemm(1, 8192, 4096, 16384))
     assert fp8_gemm(op)
     fp8 = HardwareCostModel(load_hardware("h100-dgx"), fp8_gemms=fp8_gemm)
     bf16 = HardwareCostModel(load_hardware("h100-dgx"))
-    expected = (5e-6 + op.flops / (1978.8e12 * 0.801)) / TRAINING_KERNEL_EFFICIENCY
+    expected = (5e-6 + op.flops / (1978.8e12 * 0.709)) / TRAINING_KERNEL_EFFICIENCY
     assert fp8.compute_time_s(op) == pytest.approx(expected, rel=1e-9)
     assert bf16.compute_time_s(op) == pytest.approx(
         (5e-6 + op.flops / (989.4e12 * 0.801)) / TRAINING_KERNEL_EFFICIENCY, rel=1e-9)
@@ -75,14 +76,15 @@ def test_an_fp8_gemm_is_priced_at_the_datasheet_fp8_peak():
     assert not fp8_gemm(head) and fp8.compute_time_s(head) == bf16.compute_time_s(head)
 
 
-def test_fp8_halves_at_most_the_linear_layers_time():
+def test_fp8_cuts_the_linear_layers_time_by_the_achieved_fp8_rate():
     config = GPTConfig(hidden=4096, layers=4, heads=32, seq=2048, vocab=32000)
     parallel = ParallelConfig(global_batch=8, micro_batch=1, dp=8)
     bf16 = simulate_gpt(config, parallel, "h100-dgx")
     fp8 = simulate_gpt(config, parallel, "h100-dgx", fp8=True)
     assert fp8.fp8 and not bf16.fp8
     mlp = {r.op: r.compute_s for r in bf16.ops}["mlp"], {r.op: r.compute_s for r in fp8.ops}["mlp"]
-    assert 0.5 * mlp[0] < mlp[1] < 0.6 * mlp[0]      # GEMMs at 2x, the GELU and adds as before
+    gemms = 0.801 / (2 * 0.709)        # the GEMMs at FP8's achieved rate over BF16's
+    assert gemms * mlp[0] < mlp[1] < (gemms + 0.1) * mlp[0]   # the GELU and adds as before
     logits = [{r.op: r.compute_s for r in s.ops}["logits"] for s in (bf16, fp8)]
     assert logits[0] == pytest.approx(logits[1])      # the output head stays BF16
     assert fp8.step_time_s < bf16.step_time_s

@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import io
+import re
 import subprocess
 import sys
 from importlib import resources
@@ -77,6 +78,35 @@ def test_preset_efficiencies_follow_their_documented_sources():
     # stas00/ml-engineering MAMF: A100 267.9 / 312, H100 792.1 / 989 TFLOP/s.
     assert a100.device.gemm_max_efficiency == pytest.approx(267.9 / 312, abs=1e-3)
     assert h100.device.gemm_max_efficiency == pytest.approx(792.1 / 989, abs=1e-3)
+    # the same table's FP8 MAMF: H100 1402.6 / 1979, H200 1453.4 / 1979; no FP8 on A100
+    h200 = preset("h200-dgx")
+    assert h100.device.e_max("fp8") == pytest.approx(1402.6 / 1979, abs=1e-3)
+    assert h200.device.e_max("fp8") == pytest.approx(1453.4 / 1979, abs=1e-3)
+    assert h100.device.e_max("bf16") == h100.device.gemm_max_efficiency
+    assert dict(a100.device.gemm_max_efficiency_by_dtype) == {}
+    # an FP8 GEMM's time: its FLOPs over the FP8 peak at that share
+    big = 2.0 * 16384 ** 3
+    assert h100.device.compute_time_s(big, 0, "fp8") == pytest.approx(
+        5e-6 + big / (1978.8e12 * h100.device.e_max("fp8")))
+
+
+def test_gemm_max_efficiency_by_dtype_is_checked_and_overridable(tmp_path):
+    h100 = preset("h100-dgx").device
+    for bad, says in (({"int4": 0.5}, "gemm_max_efficiency_by_dtype.int4"),
+                      ({"fp8": 1.5}, "(0, 1], got 1.5"),
+                      ({"fp8": True}, "got True"),
+                      ([0.5], "expected a mapping")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            dataclasses.replace(h100, gemm_max_efficiency_by_dtype=bad)
+    with pytest.raises(ValueError, match=r"no peak_tflops for 'fp8'"):
+        dataclasses.replace(preset("a100-80gb-dgx").device,
+                            gemm_max_efficiency_by_dtype={"fp8": 0.7})
+    path = tmp_path / "fp8.yaml"
+    path.write_text("base: h100-dgx\ndevice: {gemm_max_efficiency_by_dtype: {fp8: 0.8, "
+                    "tf32: 0.5}}\n")
+    hw = load_hardware(path)
+    assert (hw.device.e_max("fp8"), hw.device.e_max("tf32"), hw.device.e_max("bf16")) == \
+        (0.8, 0.5, h100.gemm_max_efficiency)
 
 
 def test_unknown_preset_lists_the_presets():

@@ -35,6 +35,7 @@ _UNITS = (("_gbps", "GB/s"), ("_us", "us"), ("_bytes", "B"), ("peak_tflops", "TF
 _LABELS = MappingProxyType({
     "gpus_per_node": "GPUs", "nics_per_node": "NICs", "nodes_per_leaf_switch": "nodes",
     "gemm_max_efficiency": "(fraction of peak)",
+    "gemm_max_efficiency_by_dtype": "(fraction of that dtype's peak)",
     "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
     "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)"})
 
@@ -59,8 +60,9 @@ def _text(value) -> str:
 def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
     d, link, net = hw.device, hw.node.gpu_link, hw.network
     half = {dt: d.gemm_half_efficiency_flops(dt) / 1e9 for dt in d.peak_tflops}
-    device = [f"# GEMM efficiency e(F) = {d.gemm_max_efficiency:g} * F / (F + F_half); "
-              "F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
+    device = [f"# GEMM efficiency e(F) = e_max * F / (F + F_half), e_max "
+              + ", ".join(f"{dt} {d.e_max(dt):g}" for dt in d.peak_tflops)
+              + "; F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
               f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"]
     if d.kernel_table:
         compute, memory = d.kernel_table_ratios()

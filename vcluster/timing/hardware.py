@@ -7,7 +7,8 @@ gigabits), ``*_us`` microseconds, ``*_s`` seconds, ``*_bytes`` bytes, ``peak_tfl
 Compute model of one device (``DeviceSpec``), for a kernel of F FLOPs touching B bytes
 of HBM in dtype d::
 
-    t_compute = F / (peak(d) * e_max)              e_max = gemm_max_efficiency
+    t_compute = F / (peak(d) * e_max(d))           e_max(d) = gemm_max_efficiency, or
+                                                   gemm_max_efficiency_by_dtype[d]
     t_memory  = B / (hbm_bandwidth * hbm_efficiency)
     t         = t_k + max(t_compute, t_memory)     t_k = kernel_overhead_us
 
@@ -147,6 +148,10 @@ class DeviceSpec:
     # "h100_kernels.csv"): traced kernels are priced by the profiles fitted to it
     # (kernel_profiles.KernelProfile.from_table); empty: none
     kernel_table: str = ""
+    # e_max of the dtypes measured apart from gemm_max_efficiency's (e.g. {"fp8": 0.709}:
+    # the best achieved FP8 GEMM over the FP8 peak); a dtype not here takes
+    # gemm_max_efficiency
+    gemm_max_efficiency_by_dtype: Mapping[str, float] = _FrozenMap({})
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -167,6 +172,24 @@ class DeviceSpec:
         _number(self, "hbm_bytes", integer=True)
         _number(self, "hbm_bandwidth_gbps")
         _number(self, "gemm_max_efficiency", at_most=1)
+        by_dtype = self.gemm_max_efficiency_by_dtype
+        if not isinstance(by_dtype, Mapping):
+            raise ValueError(f"gemm_max_efficiency_by_dtype: expected a mapping dtype -> "
+                             f"fraction of that dtype's peak, got {by_dtype!r}")
+        effs = {}
+        for dtype, e in by_dtype.items():
+            try:
+                key = canonical_dtype(dtype)
+            except ValueError as exc:
+                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: {exc}") from None
+            if key not in peaks:
+                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: no peak_tflops for "
+                                 f"{key!r} (peaks: {', '.join(peaks)})")
+            if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: must be a number in "
+                                 f"(0, 1], got {e!r}")
+            effs[key] = float(e)
+        object.__setattr__(self, "gemm_max_efficiency_by_dtype", _FrozenMap(effs))
         _number(self, "kernel_overhead_us", positive=False)
         _number(self, "hbm_efficiency", at_most=1)
         _text(self, "source")
@@ -223,9 +246,16 @@ class DeviceSpec:
         return (self.achieved_flops("bf16") / measured_on.achieved_flops("bf16"),
                 self.achieved_hbm_bytes_per_s() / measured_on.achieved_hbm_bytes_per_s())
 
+    def e_max(self, dtype) -> float:
+        """The best achieved share of ``dtype``'s peak by a GEMM:
+        ``gemm_max_efficiency_by_dtype[dtype]`` where measured, else
+        ``gemm_max_efficiency``."""
+        return self.gemm_max_efficiency_by_dtype.get(canonical_dtype(dtype),
+                                                     self.gemm_max_efficiency)
+
     def achieved_flops(self, dtype) -> float:
-        """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max."""
-        return self.peak_flops(dtype) * self.gemm_max_efficiency
+        """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max(dtype)."""
+        return self.peak_flops(dtype) * self.e_max(dtype)
 
     def achieved_hbm_bytes_per_s(self) -> float:
         """The achieved HBM bandwidth of streaming kernels: datasheet × e_hbm, bytes/s."""
@@ -240,7 +270,7 @@ class DeviceSpec:
         flops = 2.0 * _dims(m, k, n)
         if flops == 0:
             return 0.0
-        return self.gemm_max_efficiency * flops / (flops + self.gemm_half_efficiency_flops(dtype))
+        return self.e_max(dtype) * flops / (flops + self.gemm_half_efficiency_flops(dtype))
 
     def compute_time_s(self, flops: float, nbytes: float, dtype) -> float:
         """One kernel: t_k + max(F / (peak * e_max), B / (hbm_bandwidth * hbm_efficiency))."""

@@ -38,10 +38,14 @@ A100_GEMM_MAX_EFFICIENCY = 0.859
 H100_GEMM_MAX_EFFICIENCY = 0.801
 # Dense FP8 Tensor Core peak over dense BF16: NVIDIA H100 SXM datasheet, FP8 3,958 and
 # BF16 1,979 TFLOPS (both with sparsity; dense is half of each); the H200's are the same.
-# The A100 has no FP8 Tensor Cores: its presets have no "fp8" peak. No FP8 maximum
-# achievable matmul figure is cited here: FP8 GEMMs are assumed to reach the same share
-# of their peak (e_max) as BF16 GEMMs.
+# The A100 has no FP8 Tensor Cores: its presets have no "fp8" peak.
 HOPPER_FP8_OVER_BF16_PEAK = 2.0
+# Best achieved dense FP8 (float8_e4m3fn) GEMM / FP8 peak, the same table's FP8 "MAMF"
+# (stas00/ml-engineering, compute/accelerator/README.md, torch 2.7): H100 SXM
+# 1402.6/1979 = 70.9 %, H200 SXM 1453.4/1979 = 73.4 % — below BF16's share (before
+# 2026-11-28 FP8 GEMMs were assumed to reach BF16's e_max).
+H100_FP8_GEMM_MAX_EFFICIENCY = 0.709
+H200_FP8_GEMM_MAX_EFFICIENCY = 0.734
 # Fixed cost of one kernel (launch, first-wave ramp, epilogue): a tiny cuBLAS GEMM takes
 # ~5-7 us (e.g. cublasLt 128^3 in 6.5 us, AD2605/gemm-zoo benchmarks.md); CUDA launch
 # latency alone is ~3-5 us. Sets the GEMM half-efficiency size F_half = peak*e_max*t_k.
@@ -90,6 +94,9 @@ _GENERATION = MappingProxyType({  # generation -> (e_max, NCCL GB/s per NVLink, 
              H100_NODES_PER_LEAF_SWITCH),
 })
 _FP8_OVER_BF16_PEAK = MappingProxyType({"H100": HOPPER_FP8_OVER_BF16_PEAK})  # by generation
+_FP8_GEMM_MAX_EFFICIENCY = MappingProxyType({  # hardware.csv GPU part -> FP8 e_max
+    "H100-SXM5-80GB": H100_FP8_GEMM_MAX_EFFICIENCY,
+    "H200-SXM-141GB": H200_FP8_GEMM_MAX_EFFICIENCY})
 _NIC_ACHIEVED_GBPS = MappingProxyType({"HDR-4x": HDR_NCCL_ACHIEVED_GBPS,
                                        "NDR-4x": NDR_NCCL_ACHIEVED_GBPS})
 
@@ -125,6 +132,8 @@ def preset(name: str) -> HardwareSpec:
         hbm_bytes=int(round(float(gpu["hbm_gb"]) * BYTES_PER_GB)),
         hbm_bandwidth_gbps=float(gpu["hbm_bandwidth_gbps"]),
         gemm_max_efficiency=e_max, kernel_overhead_us=KERNEL_OVERHEAD_US,
+        gemm_max_efficiency_by_dtype=(
+            {"fp8": _FP8_GEMM_MAX_EFFICIENCY[gpu_part]} if "fp8" in peaks else {}),
         hbm_efficiency=HBM_EFFICIENCY,
         source=f"{csv_source}; efficiencies: vcluster.timing.presets constants")
     links = int(gpu["nvlink_links"])
@@ -197,7 +206,8 @@ def _merge(base: dict, over: Mapping, path: str) -> dict:
         if isinstance(base[key], dict):
             if not isinstance(value, Mapping):
                 raise ValueError(f"{path}.{key}: expected a mapping, got {value!r}")
-            out[key] = ({**base[key], **value} if key == "peak_tflops"  # dtypes may be added
+            out[key] = ({**base[key], **value}          # dtypes may be added
+                        if key in ("peak_tflops", "gemm_max_efficiency_by_dtype")
                         else _merge(base[key], value, f"{path}.{key}"))
         else:
             out[key] = value

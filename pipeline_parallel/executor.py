@@ -65,7 +65,7 @@ from .functional import loss_and_grad
 from .layers import LayerSpec, StageLayers
 from .ledger import MemoryLedger
 from .optim import Optimizer, OptimizerConfig
-from .zero import ShardedState, check_zero_stage
+from .zero import ShardedState, check_zero_stage, in_dtype
 
 __all__ = ["TrainJob", "train_program", "GradBuckets", "REDUCE_DTYPES"]
 
@@ -352,14 +352,10 @@ def _sum_tied(dev, job: TrainJob, stages: dict, pp, tag: int) -> None:
     S = job.n_stages
     first, last = stages.get(0), stages.get(S - 1)
     rd = job.grad_reduce_dtype
-
-    def cast(g):
-        return g if rd is None or g.dtype == rd else g.astype(rd)
-
     for name in job.tied:
         own = [st.named_grads()[name] for st in (first, last) if st is not None]
-        g0 = None if first is None else cast(own[0])
-        gl = None if last is None else cast(own[-1])
+        g0 = None if first is None else in_dtype(own[0], rd)
+        gl = None if last is None else in_dtype(own[-1], rd)
         if g0 is None:                     # the last stage's rank: receive, then send
             g0 = dev.recv(pp[0], tag)
             dev.send(gl, pp[0], tag)

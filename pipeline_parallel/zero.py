@@ -59,7 +59,8 @@ from vcluster.runtime.tracing import Kernel, is_meta
 
 from .optim import Optimizer, OptimizerConfig
 
-__all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "unshard_results"]
+__all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "unshard_results",
+           "in_dtype"]
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -120,6 +121,12 @@ class FlatLayout:
         for a in arrays:
             a[...] = flat[offset:offset + a.size].reshape(a.shape)
             offset += a.size
+
+
+def in_dtype(a, dtype):
+    """``a`` itself when ``dtype`` is None or already its dtype, else a cast copy: the
+    array a gradient reduction in ``dtype`` sends (numpy, device or shape-only)."""
+    return a if dtype is None or a.dtype == dtype else a.astype(dtype)
 
 
 class _Ready:
@@ -224,9 +231,7 @@ class ShardedState:
         grads, layout = self._grads(u), self.layouts[u]
         if self.stage >= 2:
             self.ledger.add("grads", self.full_bytes[u])     # the full buffer holds data
-        flat = layout.flatten(grads)
-        if self.reduce_dtype not in (None, flat.dtype):
-            flat = flat.astype(self.reduce_dtype)
+        flat = in_dtype(layout.flatten(grads), self.reduce_dtype)
         self._reductions.append((u, self._reduce_scatter(flat)))
         if self.stage >= 2:
             for g in grads:

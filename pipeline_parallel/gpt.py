@@ -75,8 +75,11 @@ __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_progra
            "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
            "TP_OVERLAP", "GRAD_REDUCE_DTYPES"]
 
-#: the attention kernels the memory model knows (ParallelConfig.attention)
-ATTENTION = ("flash", "unfused")
+#: the attention kernels the memory model knows (ParallelConfig.attention): "flash"
+#: (today's fused kernels), "flash-v1" (fused kernels built for Ampere, as FlashAttention 1
+#: and the Triton and xformers kernels of 2022-23: the same memory and trace, priced apart
+#: by the timing model) and "unfused"
+ATTENTION = ("flash", "unfused", "flash-v1")
 #: ParallelConfig.tp_overlap: "backward" (Megatron-LM's asynchronous reduction of a
 #: column-parallel linear's input gradient during its weight-gradient GEMM) or "none"
 TP_OVERLAP = ("backward", "none")
@@ -252,7 +255,10 @@ class ParallelConfig:
     sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b).
 
     ``attention``: the attention kernel a real run uses, ``"flash"`` (default: no s²
-    scores kept for the backward) or ``"unfused"``. The emulated program computes the same
+    scores kept for the backward), ``"flash-v1"`` (fused too, but a kernel built for
+    Ampere — FlashAttention 1, the Triton and xformers kernels of 2022-23 — which the
+    timing model prices apart: :class:`~vcluster.timing.hardware_model.HardwareCostModel`'s
+    ``flash_v1``) or ``"unfused"``. The emulated program computes the same
     math either way; the memory model (:mod:`vcluster.planner.memory`) and the trace read
     it — under flash the core attention is traced as one fused kernel forward and one
     backward (:func:`tensor_parallel.attention.flash_block`: O(s) bytes, the same FLOPs),
@@ -324,8 +330,8 @@ class ParallelConfig:
                                 self.sequence_parallel)
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
-        if self.cp > 1 and self.attention != "flash":
-            raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' (context-"
+        if self.cp > 1 and self.attention == "unfused":
+            raise ValueError(f"ParallelConfig: cp={self.cp} needs a fused attention (context-"
                              f"parallel attention keeps O and the log-sum-exp, never the "
                              f"scores), got attention={self.attention!r}")
         if self.dp % self.ep:
@@ -432,7 +438,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
-                               par.sequence_parallel, flash=par.attention == "flash",
+                               par.sequence_parallel, flash=par.attention != "unfused",
                                async_grad_reduce=par.use_async_grad_reduce), \
         dict(job.params)
     cp = positions = None

@@ -68,7 +68,7 @@ def test_a_row_is_the_simulate_command_a_user_types(index, tmp_path):
             "--seq", r["seq"], "--vocab", r["vocab"], "--dp", r["gpus"], "--zero", "3",
             "--micro-batch", r["micro_batch"], "--global-batch", r["global_batch"],
             "--hardware", FSDP_HARDWARE[r["gpu"]], "--tie-embeddings", "--allow-oom",
-            "--json", str(out)]
+            "--attention", "flash-v1", "--json", str(out)]
     if r["activation_checkpointing"] == "1":
         argv += ["--recompute", "full"]
     proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *argv],

@@ -242,6 +242,7 @@ PLAN_SCHEMA = {
         "precision": {"enum": ["megatron", "torch_amp", "fp64", "fp32"]},
         "fp8": {"type": "boolean"},
         "grad_reduce_dtype": {"enum": ["model", "fp32"]},
+        "attention": {"enum": ["flash", "unfused", "flash-v1"]},
         "rejected": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
         "candidates": {"type": "array", "minItems": 1, "items": {
             "type": "object",

@@ -117,6 +117,18 @@ def add_grad_reduce_argument(parser) -> None:
                              "reduce_dtype=float32 as MosaicML's DEFAULT and torchtitan)")
 
 
+def add_attention_argument(parser) -> None:
+    """--attention flash|unfused|flash-v1: ParallelConfig.attention
+    (``pipeline_parallel.gpt.ATTENTION``)."""
+    parser.add_argument("--attention", choices=("flash", "unfused", "flash-v1"),
+                        default="flash",
+                        help="the attention kernel a real run uses: flash (default: fused, "
+                             "no s² scores kept for the backward), unfused (the scores "
+                             "kept), or flash-v1 (fused, a kernel built for Ampere: "
+                             "FlashAttention 1, the Triton and xformers kernels of 2022-23, "
+                             "priced at its measured speed on each GPU)")
+
+
 def add_fp8_argument(parser) -> None:
     """--fp8: the transformer layers' linear GEMMs priced in FP8
     (:func:`vcluster.planner.simulation.fp8_gemm`)."""

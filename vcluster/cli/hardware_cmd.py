@@ -37,6 +37,7 @@ _LABELS = MappingProxyType({
     "gemm_max_efficiency": "(fraction of peak)",
     "gemm_max_efficiency_by_dtype": "(fraction of that dtype's peak)",
     "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
+    "flash_v1_speedup": "(x an A100's speed, for attention kernels built for Ampere)",
     "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)"})
 
 
@@ -50,6 +51,8 @@ def _unit(key: str) -> str:
 
 
 def _text(value) -> str:
+    if value is None:
+        return "null"
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, str) and (": " in value or " #" in value or not value):
@@ -60,7 +63,7 @@ def _text(value) -> str:
 def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
     d, link, net = hw.device, hw.node.gpu_link, hw.network
     half = {dt: d.gemm_half_efficiency_flops(dt) / 1e9 for dt in d.peak_tflops}
-    device = [f"# GEMM efficiency e(F) = e_max * F / (F + F_half), e_max "
+    device = ["# GEMM efficiency e(F) = e_max * F / (F + F_half), e_max "
               + ", ".join(f"{dt} {d.e_max(dt):g}" for dt in d.peak_tflops)
               + "; F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
               f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"]

@@ -27,8 +27,8 @@ import argparse
 import math
 import os
 
-from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
-                   add_grad_reduce_argument, add_tp_overlap_argument, fraction,
+from .args import (add_arch_arguments, add_attention_argument, add_fp8_argument,
+                   add_moe_arguments, add_grad_reduce_argument, add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
@@ -65,8 +65,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
                      help="share of each device's memory a configuration leaves free "
                           "(default 0.05)")
-    gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                     help="the attention kernel the memory model assumes (default flash)")
+    add_attention_argument(gpt)
     add_tp_overlap_argument(gpt)
     add_grad_reduce_argument(gpt)
     add_fp8_argument(gpt)
@@ -109,14 +108,15 @@ def _finite(x):
 
 def plan_json(df) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...,
-    "grad_reduce_dtype": ...}`` from plan_gpt's DataFrame."""
+    "grad_reduce_dtype": ..., "attention": ...}`` from plan_gpt's DataFrame."""
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
             "precision": df.attrs.get("precision", "megatron"),
             "fp8": df.attrs.get("fp8", False),
-            "grad_reduce_dtype": df.attrs.get("grad_reduce_dtype", "model")}
+            "grad_reduce_dtype": df.attrs.get("grad_reduce_dtype", "model"),
+            "attention": df.attrs.get("attention", "flash")}
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
@@ -186,7 +186,9 @@ def _gpt(args) -> int:
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision"
           + ("; FP8 linear layers" if a["fp8"] else "")
-          + ("; gradients reduced in fp32" if a.get("grad_reduce_dtype") == "fp32" else ""))
+          + ("; gradients reduced in fp32" if a.get("grad_reduce_dtype") == "fp32" else "")
+          + (f"; {a['attention']} attention" if a.get("attention", "flash") != "flash"
+             else ""))
     if len(df):
         _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
     print("rejected:" + ("" if a["rejected"] else " none"))

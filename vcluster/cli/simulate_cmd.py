@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import sys
 
-from .args import (add_arch_arguments, add_fp8_argument, add_moe_arguments,
-                   add_grad_reduce_argument, add_tp_overlap_argument, fraction,
+from .args import (add_arch_arguments, add_attention_argument, add_fp8_argument,
+                   add_moe_arguments, add_grad_reduce_argument, add_tp_overlap_argument, fraction,
                    model_title, moe_config, positive_int, precision_name)
 
 __all__ = ["add_parser"]
@@ -63,9 +63,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--virtual-stages", type=positive_int, default=None)
     gpt.add_argument("--sequence-parallel", action="store_true")
     gpt.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    gpt.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                     help="the attention kernel the memory model assumes (default flash: no "
-                          "s² scores kept for the backward)")
+    add_attention_argument(gpt)
     add_tp_overlap_argument(gpt)
     add_grad_reduce_argument(gpt)
     add_fp8_argument(gpt)
@@ -137,6 +135,7 @@ def _gpt(args) -> int:
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (", FP8 linear layers" if r.fp8 else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
+          + (f", {r.attention} attention" if r.attention != "flash" else "")
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")

@@ -128,8 +128,8 @@ class SearchSpace:
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"plan_gpt: cp_algorithm must be one of {CP_ALGORITHMS}, got "
                              f"{self.cp_algorithm!r}")
-        if self.max_cp > 1 and self.attention != "flash":
-            raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs attention='flash' "
+        if self.max_cp > 1 and self.attention == "unfused":
+            raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs a fused attention "
                              f"(context-parallel attention never keeps the scores), got "
                              f"{self.attention!r}")
         if self.attention not in ATTENTION:

@@ -175,7 +175,7 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
              async_grad_reduce: bool = True):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
-    ops = TransformerOps(dev, "tp", sp, flash=attention == "flash",
+    ops = TransformerOps(dev, "tp", sp, flash=attention != "unfused",
                          async_grad_reduce=async_grad_reduce)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
@@ -225,7 +225,7 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
     ``ExpertLoad.skewed(..., expert_skew)`` (its busiest expert on that rank); its
     all_to_alls count with the tp collectives. cp > 1 with experts is not supported.
-    ``attention``: the kernel traced, "flash" (one fused kernel) or "unfused"
+    ``attention``: the kernel traced, "flash" or "flash-v1" (one fused kernel) or "unfused"
     (:class:`~pipeline_parallel.gpt.ParallelConfig`). ``autocast_kernels``: price the
     kernels plain PyTorch runs under autocast instead of the program's own
     (:mod:`.autocast_kernels`, as :func:`~.simulation.simulate_gpt` does), fused as

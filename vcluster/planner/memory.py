@@ -41,7 +41,7 @@ full           2·s·b·h (the layer's input)           2·s·b·h/t
 
 The 5·a·s/(h·t) term is what unfused attention keeps for its backward: the scores (2 bytes
 per entry), the softmax (2) and the dropout mask (1) of b·a/t·s² entries.
-``attention="flash"`` (the default: FlashAttention, PyTorch's SDPA, Megatron-Core's
+``attention="flash"`` (the default; ``"flash-v1"`` keeps the same: FlashAttention, PyTorch's SDPA, Megatron-Core's
 TE attention) keeps none of them — it recomputes the scores block by block in the
 backward — only the softmax's log-sum-exp, fp32 per row: 4·b·a·s/t bytes per layer. So
 without recomputation flash attention keeps s·b·h·(10 + 24/t) + 4·b·a·s/t, the same as
@@ -216,7 +216,7 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     base = s * b * h * (34 / t if sp else 10 + 24 / t)
-    if attention == "flash":
+    if attention != "unfused":
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if recompute == "selective" else s * b * h * 5 * a * s / (h * t))
 
@@ -230,7 +230,7 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
         return 2 * s * b * h / sigma
     base = s * b * (8 * h / sigma + 4 * a * d / t + 4 * max(config.kv_heads // t, 1) * d
                     + 6 * f / t)
-    if attention == "flash":
+    if attention != "unfused":
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
 
@@ -451,7 +451,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
         layer = 4 * s * b * h / sig
     else:
         layer = s * b * h * (8 / sig + 4 + 24 / t) + stats * s * b / sig
-        if parallel.attention == "flash":
+        if parallel.attention != "unfused":
             layer += LSE_BYTES * b * a * s / t
         elif parallel.recompute != "selective":
             layer += 2 * a * s * s * b / t

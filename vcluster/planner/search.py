@@ -132,8 +132,9 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> l
     return out
 
 
-def _screen_all(config, candidates, hw, bar, precision, fp8) -> list:
-    costs = HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None)
+def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
+    costs = HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
+                              flash_v1=attention == "flash-v1")
     autocast = autocast_kernels_priced(precision, costs)     # as the replays will
     fused = autocast and precision.inductor_fusion
     pieces: dict = {}
@@ -178,7 +179,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
     ``memory_headroom``: the share of each device's memory a configuration must leave
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
-    the attention kernel the memory model assumes ("flash" or "unfused"); ``tp_overlap``:
+    the attention kernel ("flash", "unfused" or "flash-v1": ParallelConfig's); ``tp_overlap``:
     every candidate's :attr:`~pipeline_parallel.gpt.ParallelConfig.tp_overlap` ("backward",
     the default: Megatron's asynchronous input-gradient reductions, or "none");
     ``distributed_optimizer``: True / False for every candidate, None (default) where a
@@ -201,7 +202,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     transformer-layer linear GEMMs priced in FP8 (:func:`~.simulation.fp8_gemm`; hardware
     with an FP8 peak; ``attrs["fp8"]``). ``grad_reduce_dtype``: every candidate's
     :attr:`~pipeline_parallel.gpt.ParallelConfig.grad_reduce_dtype` ("model", the default:
-    16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``).
+    16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``). ``attrs["attention"]``:
+    ``attention``.
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -237,7 +239,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     if bar:
         bar.start()
     try:
-        estimates = _screen_all(config, candidates, hw, bar, precision, fp8)
+        estimates = _screen_all(config, candidates, hw, bar, precision, fp8, attention)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
                                 workers or os.cpu_count() or 1, bar, precision, fp8)
@@ -261,5 +263,5 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
                     candidates=len(candidates), hardware=hw.name,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,
-                    planning_time_s=time.perf_counter() - t0)
+                    attention=attention, planning_time_s=time.perf_counter() - t0)
     return df

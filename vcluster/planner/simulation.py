@@ -120,6 +120,7 @@ class GPTSimulation:
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
+    attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
 
     @property
     def reserve_gb(self) -> float:
@@ -407,7 +408,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     m = parallel.microbatches
     if not isinstance(fp8, bool):
         raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
-    costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None)
+    costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None,
+                              flash_v1=parallel.attention == "flash-v1")
     if autocast_kernels is None:
         autocast_kernels = autocast_kernels_priced(precision, costs)
     elif not isinstance(autocast_kernels, bool):
@@ -445,5 +447,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
         device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
-        fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
+        fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
+        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats))

@@ -219,11 +219,14 @@ def validate_fsdp(rows=None) -> list[dict]:
 
         vcluster simulate gpt --hidden h --layers l --heads a --seq s --vocab 50368 \\
             --tie-embeddings --dp GPUS --zero 3 --micro-batch b --global-batch B \\
-            [--recompute full] --hardware <FSDP_HARDWARE[gpu]>
+            [--recompute full] --attention flash-v1 --hardware <FSDP_HARDWARE[gpu]>
 
     ZeRO-3 (FSDP's full sharding: every layer's parameters gathered before its forward and
     again before its backward, its gradients reduce-scattered per micro-batch), data
-    parallelism only, flash attention, full recomputation where the row checkpoints
+    parallelism only, flash attention built for Ampere (``flash-v1``: LLM Foundry's benchmark
+    configurations run ``attn_impl: triton``, its 2023 Triton FlashAttention, which its
+    TUTORIAL.md calls "slightly faster than" FlashAttention 1; since 2026-11-28, after the
+    table's first run, which priced today's kernels), full recomputation where the row checkpoints
     activations, the default (Megatron) precision policy, every collective in bf16.
     ``tokens_per_s`` = B·s / step time. MPT ties its output head to the input embedding:
     so does the modelled GPT (``tie_embeddings``, ``--tie-embeddings``; since 2026-11-28,
@@ -238,7 +241,8 @@ def validate_fsdp(rows=None) -> list[dict]:
         checkpointed = r["activation_checkpointing"] == "1"
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              micro_batch=int(r["micro_batch"]), dp=int(r["gpus"]), zero_stage=3,
-                             recompute="full" if checkpointed else "none")
+                             recompute="full" if checkpointed else "none",
+                             attention="flash-v1")
         sim = simulate_gpt(cfg, par, FSDP_HARDWARE[r["gpu"]])
         gpu = r["gpu"].replace("_", "-").upper()
         case = (f"MPT-{r['model']} s={cfg.seq} {par.dp}x{gpu} mb={par.micro_batch}"

@@ -159,10 +159,16 @@ def check_fp8(scenario, key: str = "workload.fp8") -> None:
                             "h200-dgx)", f"{spec.name}'s {spec.device.name} has none")
 
 
-def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None) -> CostSetup:
+def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = False) -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``;
-    ``fp8_gemms``: the traced GEMMs priced at the FP8 peak (:func:`check_fp8` first)."""
+    ``fp8_gemms``: the traced GEMMs priced at the FP8 peak (:func:`check_fp8` first);
+    ``flash_v1``: fused attention priced as kernels built for Ampere
+    (``parallel.attention: flash-v1``; a GPU model's, not localhost's)."""
     hw = scenario.hardware
+    if flash_v1 and hw.name == LOCALHOST:
+        raise ScenarioError("parallel.attention", "flash-v1", "flash or unfused on localhost",
+                            "flash-v1 prices a GPU's attention kernels; localhost prices "
+                            "this machine's CPU kernels")
     if hw.name == LOCALHOST:
         # lazy: keeps vcluster --help fast
         from vcluster.localhost.cost_model import load_localhost_spec, localhost_model
@@ -178,5 +184,11 @@ def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None) -> CostSetup:
     from vcluster.timing import load_hardware
     from vcluster.timing.hardware_model import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))
-    return CostSetup(HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms), None, spec.name,
-                     False)
+    try:
+        costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1)
+    except ValueError as exc:
+        if not flash_v1 or "flash-v1" not in str(exc):
+            raise
+        raise ScenarioError("parallel.attention", "flash-v1",
+                            "flash or unfused on this hardware", str(exc)) from None
+    return CostSetup(costs, None, spec.name, False)

@@ -180,8 +180,9 @@ _PARALLEL = MappingProxyType({
         "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
         "sequence_parallel": _bool("Megatron sequence parallelism"),
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
-        "attention": _enum(["flash", "unfused"], "the attention kernel the memory model "
-                           "assumes (flash: no s² scores kept)", "flash"),
+        "attention": _enum(["flash", "unfused", "flash-v1"], "the attention kernel a real "
+                           "run uses (flash: no s² scores kept; flash-v1: the same, a "
+                           "kernel built for Ampere as in 2022-23, priced apart)", "flash"),
         "tp_overlap": _enum(["backward", "none"], "tensor parallelism's backward: each "
                             "column-parallel linear's input-gradient reduction overlapping "
                             "its weight gradient, as Megatron's (backward), or every TP "

@@ -152,6 +152,11 @@ class DeviceSpec:
     # the best achieved FP8 GEMM over the FP8 peak); a dtype not here takes
     # gemm_max_efficiency
     gemm_max_efficiency_by_dtype: Mapping[str, float] = _FrozenMap({})
+    # how much faster than on the A100 (the ``a100-80gb-dgx`` preset's device) attention
+    # kernels built for Ampere run here: FlashAttention 1, the Triton and xformers kernels
+    # of 2022-23 (``ParallelConfig.attention="flash-v1"``; HardwareCostModel.flash_v1).
+    # None: not known, and such runs are refused on this device
+    flash_v1_speedup: float | None = None
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -192,6 +197,8 @@ class DeviceSpec:
         object.__setattr__(self, "gemm_max_efficiency_by_dtype", _FrozenMap(effs))
         _number(self, "kernel_overhead_us", positive=False)
         _number(self, "hbm_efficiency", at_most=1)
+        if self.flash_v1_speedup is not None:
+            _number(self, "flash_v1_speedup")
         _text(self, "source")
         _text(self, "kernel_table")
         if self.kernel_table and self.kernel_table not in kernel_tables():

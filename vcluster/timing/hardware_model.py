@@ -20,6 +20,13 @@
   peak (``peak_tflops["fp8"]``), every other op as before. It needs the analytic model:
   measured kernel prices are of BF16 kernels, so hardware with measured kernels refuses
   it, as does a device with no FP8 peak;
+* FlashAttention-1-class attention: with ``flash_v1`` (a run whose attention kernels were
+  built for Ampere: FlashAttention 1, the Triton and xformers kernels of 2022-23;
+  ``ParallelConfig.attention="flash-v1"``) every fused attention kernel is priced as on
+  the A100 (the analytic price on the ``a100-80gb-dgx`` preset's device) divided by the
+  device's ``flash_v1_speedup`` (H100: 1.60, from FlashAttention-2's Figs. 4 and 7),
+  not at this device's peak: such kernels gained 1.6x on the H100 where its dense peak
+  grew 3.17x. On an A100 it changes nothing. Like FP8 it needs the analytic model;
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests
@@ -49,6 +56,7 @@ from .hardware import HardwareSpec
 __all__ = ["HardwareCostModel", "TRAINING_KERNEL_EFFICIENCY"]
 
 _GATHERING = ("all_gather", "gather")
+_S_PER_US = 1e-6
 
 # Kernels inside a training step run slower than the same kernels in a microbenchmark
 # (the device's GEMM and HBM efficiencies): launch gaps between hundreds of small
@@ -72,6 +80,10 @@ class HardwareCostModel:
     kernel_profile: object = field(default=None, init=False, repr=False, compare=False)
     # op -> True for the GEMMs that run in FP8 (None: none do); see the module docstring
     fp8_gemms: object = None
+    # price fused attention kernels as FlashAttention-1-class ones (module docstring)
+    flash_v1: bool = False
+    # the device those kernels' prices are moved from (set from flash_v1)
+    _flash_v1_reference: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
@@ -85,6 +97,21 @@ class HardwareCostModel:
                 raise ValueError(f"FP8 GEMMs are priced by the analytic model: "
                                  f"{self.hardware.name} prices kernels from measured "
                                  f"BF16 kernels ({self.kernel_profile.source})")
+        if not isinstance(self.flash_v1, bool):
+            raise ValueError(f"flash_v1 must be True or False, got {self.flash_v1!r}")
+        if self.flash_v1:
+            device = self.hardware.device
+            if device.flash_v1_speedup is None:
+                raise ValueError(f"attention flash-v1 needs the device's flash_v1_speedup "
+                                 f"(how much faster than on an A100 such kernels run): "
+                                 f"{self.hardware.name} ({device.name}) has none")
+            if self.kernel_profile is not None:
+                raise ValueError(f"attention flash-v1 is priced by the analytic model: "
+                                 f"{self.hardware.name} prices kernels from measured "
+                                 f"kernels ({self.kernel_profile.source})")
+            from .presets import FLASH_V1_REFERENCE_PRESET, preset
+            object.__setattr__(self, "_flash_v1_reference",
+                               preset(FLASH_V1_REFERENCE_PRESET).device)
 
     @property
     def gemm_profile(self):
@@ -97,12 +124,29 @@ class HardwareCostModel:
         return self.hardware.device.compute_time_s(op.flops, op.bytes,
                                                    dtype or self.dtype) / self.efficiency
 
+    def flash_v1_time_s(self, op) -> float:
+        """A FlashAttention-1-class kernel's price: the analytic price with its compute at
+        the A100's achieved rate times the device's ``flash_v1_speedup`` (module
+        docstring); the launch overhead and the HBM term are the device's own:
+        (t_k + max(F / (speedup · A100 peak · A100 e_max), B / achieved HBM)) / efficiency."""
+        device = self.hardware.device
+        if op.flops == 0 and op.bytes == 0:
+            return 0.0
+        rate_flops = (self._flash_v1_reference.achieved_flops(self.dtype)
+                      * device.flash_v1_speedup)
+        memory_s = op.bytes / device.achieved_hbm_bytes_per_s()
+        return (device.kernel_overhead_us * _S_PER_US + max(op.flops / rate_flops, memory_s)
+                ) / self.efficiency
+
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
         if self.fp8_gemms is not None and self.fp8_gemms(op):
             return self.analytic_time_s(op, "fp8")
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
+        if self.flash_v1 and kernel is not None and kernel.kind == "attention" \
+                and kernel.flash:
+            return self.flash_v1_time_s(op)
         if kernel is None or profile is None:
             return self.analytic_time_s(op)
         t = profile.stream_time_s(kernel)

@@ -46,6 +46,16 @@ HOPPER_FP8_OVER_BF16_PEAK = 2.0
 # 2026-11-28 FP8 GEMMs were assumed to reach BF16's e_max).
 H100_FP8_GEMM_MAX_EFFICIENCY = 0.709
 H200_FP8_GEMM_MAX_EFFICIENCY = 0.734
+# Attention kernels built for Ampere (mma.sync, no TMA or wgmma) on Hopper: FlashAttention
+# 1 ran 1.60x as fast on an H100 SXM5 as on an A100 SXM4 (Dao 2023, "FlashAttention-2",
+# arXiv 2307.08691: the FlashAttention bars of Fig. 4 (A100) and Fig. 7 (H100), forward +
+# backward TFLOP/s, median of the 20 ratios at head dimension 64 and 128, causal or not,
+# sequences 512-8k; range 1.20-1.85), where the dense BF16 peak grows 3.17x. The paper's
+# FlashAttention-2 bars, also built for Ampere, give 1.6-1.7x. The H200 takes the H100's
+# figure (the same GH100 SMs and clocks; the kernel is compute-bound): an assumption.
+HOPPER_FLASH_V1_SPEEDUP = 1.60
+# The device those speedups are relative to (whose analytic attention price they divide)
+FLASH_V1_REFERENCE_PRESET = "a100-80gb-dgx"
 # Fixed cost of one kernel (launch, first-wave ramp, epilogue): a tiny cuBLAS GEMM takes
 # ~5-7 us (e.g. cublasLt 128^3 in 6.5 us, AD2605/gemm-zoo benchmarks.md); CUDA launch
 # latency alone is ~3-5 us. Sets the GEMM half-efficiency size F_half = peak*e_max*t_k.
@@ -97,6 +107,8 @@ _FP8_OVER_BF16_PEAK = MappingProxyType({"H100": HOPPER_FP8_OVER_BF16_PEAK})  # b
 _FP8_GEMM_MAX_EFFICIENCY = MappingProxyType({  # hardware.csv GPU part -> FP8 e_max
     "H100-SXM5-80GB": H100_FP8_GEMM_MAX_EFFICIENCY,
     "H200-SXM-141GB": H200_FP8_GEMM_MAX_EFFICIENCY})
+_FLASH_V1_SPEEDUP = MappingProxyType({"A100": 1.0,   # by generation: the A100 is the unit
+                                      "H100": HOPPER_FLASH_V1_SPEEDUP})
 _NIC_ACHIEVED_GBPS = MappingProxyType({"HDR-4x": HDR_NCCL_ACHIEVED_GBPS,
                                        "NDR-4x": NDR_NCCL_ACHIEVED_GBPS})
 
@@ -134,7 +146,7 @@ def preset(name: str) -> HardwareSpec:
         gemm_max_efficiency=e_max, kernel_overhead_us=KERNEL_OVERHEAD_US,
         gemm_max_efficiency_by_dtype=(
             {"fp8": _FP8_GEMM_MAX_EFFICIENCY[gpu_part]} if "fp8" in peaks else {}),
-        hbm_efficiency=HBM_EFFICIENCY,
+        hbm_efficiency=HBM_EFFICIENCY, flash_v1_speedup=_FLASH_V1_SPEEDUP[generation],
         source=f"{csv_source}; efficiencies: vcluster.timing.presets constants")
     links = int(gpu["nvlink_links"])
     per_direction_gbps = float(gpu["nvlink_total_gbps_bidirectional"]) / 2

@@ -61,6 +61,7 @@ class Workload:
     roles: tuple[str, ...] | None = None   # per rank, where ranks have different roles
     updates_per_step: int = 1              # optimizer events per step on an updating rank
     fp8_gemms: Callable | None = None      # traced op -> priced in FP8 (simulation); None: none
+    flash_v1: bool = False                 # attention kernels priced as built for Ampere
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

@@ -85,8 +85,9 @@ def validate(scenario, mesh) -> None:
     if par["sequence_parallel"] and (o["seq"] // cp) % tp:
         raise ScenarioError("workload.seq", o["seq"], f"a multiple of cp x tp = {cp * tp}",
                             "sequence parallelism splits each cp rank's rows over tp")
-    if cp > 1 and par.get("attention", "flash") != "flash":
-        raise ScenarioError("parallel.attention", par["attention"], "flash with cp > 1",
+    if cp > 1 and par.get("attention", "flash") == "unfused":
+        raise ScenarioError("parallel.attention", par["attention"],
+                            "flash or flash-v1 with cp > 1",
                             "context-parallel attention never keeps the s² scores")
     _validate_experts(o, degrees)
 
@@ -265,8 +266,11 @@ def build(scenario, mesh) -> Workload:
                                 f"{parallel.microbatches} micro-batches"
                                 + (f", ZeRO-{parallel.zero_stage} over dp"
                                    if parallel.zero_stage else "")
-                                + (", FP8 linear layers" if o["fp8"] else ""),
-                    fp8_gemms=fp8_gemm if o["fp8"] else None)
+                                + (", FP8 linear layers" if o["fp8"] else "")
+                                + (", flash-v1 attention" if parallel.attention == "flash-v1"
+                                   else ""),
+                    fp8_gemms=fp8_gemm if o["fp8"] else None,
+                    flash_v1=parallel.attention == "flash-v1")
 
 
 def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:

@@ -93,10 +93,7 @@ class HardwareCostModel:
                 raise ValueError(f"FP8 GEMMs need an FP8 peak: {self.hardware.name} "
                                  f"({device.name}) has peaks for "
                                  f"{', '.join(device.peak_tflops)} only")
-            if self.kernel_profile is not None:
-                raise ValueError(f"FP8 GEMMs are priced by the analytic model: "
-                                 f"{self.hardware.name} prices kernels from measured "
-                                 f"BF16 kernels ({self.kernel_profile.source})")
+            self._refuse_measured_kernels("FP8 GEMMs are", "BF16 kernels")
         if not isinstance(self.flash_v1, bool):
             raise ValueError(f"flash_v1 must be True or False, got {self.flash_v1!r}")
         if self.flash_v1:
@@ -105,13 +102,17 @@ class HardwareCostModel:
                 raise ValueError(f"attention flash-v1 needs the device's flash_v1_speedup "
                                  f"(how much faster than on an A100 such kernels run): "
                                  f"{self.hardware.name} ({device.name}) has none")
-            if self.kernel_profile is not None:
-                raise ValueError(f"attention flash-v1 is priced by the analytic model: "
-                                 f"{self.hardware.name} prices kernels from measured "
-                                 f"kernels ({self.kernel_profile.source})")
+            self._refuse_measured_kernels("attention flash-v1 is", "kernels")
             from .presets import FLASH_V1_REFERENCE_PRESET, preset
             object.__setattr__(self, "_flash_v1_reference",
                                preset(FLASH_V1_REFERENCE_PRESET).device)
+
+    def _refuse_measured_kernels(self, what: str, measured: str) -> None:
+        """Raise unless this hardware prices kernels analytically (no measured kernels)."""
+        if self.kernel_profile is not None:
+            raise ValueError(f"{what} priced by the analytic model: {self.hardware.name} "
+                             f"prices kernels from measured {measured} "
+                             f"({self.kernel_profile.source})")
 
     @property
     def gemm_profile(self):

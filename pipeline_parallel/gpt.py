@@ -331,9 +331,9 @@ class ParallelConfig:
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
         if self.cp > 1 and self.attention == "unfused":
-            raise ValueError(f"ParallelConfig: cp={self.cp} needs a fused attention (context-"
-                             f"parallel attention keeps O and the log-sum-exp, never the "
-                             f"scores), got attention={self.attention!r}")
+            raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' or "
+                             f"'flash-v1' (context-parallel attention keeps O and the "
+                             f"log-sum-exp, never the scores), got attention={self.attention!r}")
         if self.dp % self.ep:
             raise ValueError(f"ParallelConfig: ep={self.ep} must divide dp={self.dp} (the "
                              f"expert-parallel group is carved out of the data-parallel ranks)")

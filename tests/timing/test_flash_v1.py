@@ -128,7 +128,7 @@ def test_refused_where_it_cannot_be_priced():
 
 def test_cp_takes_either_fused_kernel_and_the_choices_are_named():
     ParallelConfig(global_batch=4, cp=2, attention="flash-v1")
-    with pytest.raises(ValueError, match="needs a fused attention"):
+    with pytest.raises(ValueError, match="needs attention='flash' or 'flash-v1'"):
         ParallelConfig(global_batch=4, cp=2, attention="unfused")
     with pytest.raises(ValueError, match="flash-v1"):
         ParallelConfig(global_batch=4, attention="flash2")

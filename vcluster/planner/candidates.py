@@ -129,9 +129,9 @@ class SearchSpace:
             raise ValueError(f"plan_gpt: cp_algorithm must be one of {CP_ALGORITHMS}, got "
                              f"{self.cp_algorithm!r}")
         if self.max_cp > 1 and self.attention == "unfused":
-            raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs a fused attention "
-                             f"(context-parallel attention never keeps the scores), got "
-                             f"{self.attention!r}")
+            raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs attention='flash' or "
+                             f"'flash-v1' (context-parallel attention never keeps the "
+                             f"scores), got {self.attention!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"plan_gpt: attention must be one of {ATTENTION}, got "
                              f"{self.attention!r}")

@@ -22,11 +22,12 @@
   it, as does a device with no FP8 peak;
 * FlashAttention-1-class attention: with ``flash_v1`` (a run whose attention kernels were
   built for Ampere: FlashAttention 1, the Triton and xformers kernels of 2022-23;
-  ``ParallelConfig.attention="flash-v1"``) every fused attention kernel is priced as on
-  the A100 (the analytic price on the ``a100-80gb-dgx`` preset's device) divided by the
-  device's ``flash_v1_speedup`` (H100: 1.60, from FlashAttention-2's Figs. 4 and 7),
-  not at this device's peak: such kernels gained 1.6x on the H100 where its dense peak
-  grew 3.17x. On an A100 it changes nothing. Like FP8 it needs the analytic model;
+  ``ParallelConfig.attention="flash-v1"``) every fused attention kernel computes at the
+  ``a100-80gb-dgx`` preset's achieved rate times the device's ``flash_v1_speedup`` (H100:
+  1.60, from FlashAttention-2's Figs. 4 and 7), not at this device's peak — such kernels
+  gained 1.6x on the H100 where its dense peak grew 3.17x — with this device's launch
+  overhead and HBM term (:meth:`HardwareCostModel.flash_v1_time_s`). On an A100 it
+  changes nothing. Like FP8 it needs the analytic model;
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests

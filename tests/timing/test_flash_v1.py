@@ -179,3 +179,24 @@ def test_a_scenario_names_it_and_localhost_refuses_it():
     with pytest.raises(ScenarioError) as info:
         scenario_from_dict(dict(doc, parallel={"dp": 2, "attention": "flash2"}))
     assert info.value.path == "parallel.attention" and "flash-v1" in str(info.value)
+
+
+def test_the_planners_screen_prices_it_as_the_replay_does():
+    """plan_gpt(attention="flash-v1"): the screen's estimate of each replayed candidate
+    stays within 5% of its replay (the same cost model prices both), and every replayed
+    step is slower than under today's kernels on the H100."""
+    from vcluster.planner.search import plan_gpt
+    common = dict(hidden=512, layers=2, heads=8, seq=4096, vocab=1024, gpus=4,
+                  global_batch=8, hardware="h100-dgx", progress=False, replay=3, top=3,
+                  workers=1)
+    v1 = plan_gpt(attention="flash-v1", **common)
+    flash = plan_gpt(attention="flash", **common)
+    assert v1.attrs["attention"] == "flash-v1"
+    replayed = v1[v1["replayed"]]
+    assert len(replayed) == 3
+    for _, row in replayed.iterrows():
+        assert row["screen_step_time_s"] == pytest.approx(row["step_time_s"], rel=0.05)
+    keys = ["tp", "pp", "dp", "micro_batch", "schedule", "recompute", "sequence_parallel"]
+    both = replayed.merge(flash[flash["replayed"]], on=keys, suffixes=("_v1", "_flash"))
+    assert len(both) >= 1
+    assert (both["step_time_s_v1"] > both["step_time_s_flash"]).all()

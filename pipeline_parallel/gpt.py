@@ -73,13 +73,15 @@ from mesh.arguments import as_int
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
            "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
-           "TP_OVERLAP", "GRAD_REDUCE_DTYPES"]
+           "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION"]
 
 #: the attention kernels the memory model knows (ParallelConfig.attention): "flash"
 #: (today's fused kernels), "flash-v1" (fused kernels built for Ampere, as FlashAttention 1
 #: and the Triton and xformers kernels of 2022-23: the same memory and trace, priced apart
 #: by the timing model) and "unfused"
 ATTENTION = ("flash", "unfused", "flash-v1")
+#: the fused ones: one kernel forward and one backward, O(s) bytes, no s² scores kept
+FUSED_ATTENTION = ("flash", "flash-v1")
 #: ParallelConfig.tp_overlap: "backward" (Megatron-LM's asynchronous reduction of a
 #: column-parallel linear's input gradient during its weight-gradient GEMM) or "none"
 TP_OVERLAP = ("backward", "none")
@@ -330,7 +332,7 @@ class ParallelConfig:
                                 self.sequence_parallel)
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
-        if self.cp > 1 and self.attention == "unfused":
+        if self.cp > 1 and self.attention not in FUSED_ATTENTION:
             raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' or "
                              f"'flash-v1' (context-parallel attention keeps O and the "
                              f"log-sum-exp, never the scores), got attention={self.attention!r}")
@@ -438,7 +440,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
-                               par.sequence_parallel, flash=par.attention != "unfused",
+                               par.sequence_parallel, flash=par.attention in FUSED_ATTENTION,
                                async_grad_reduce=par.use_async_grad_reduce), \
         dict(job.params)
     cp = positions = None

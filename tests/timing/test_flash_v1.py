@@ -1,7 +1,7 @@
 """``attention="flash-v1"``: fused attention kernels built for Ampere (FlashAttention 1, the
-Triton and xformers kernels of 2022-23), priced as on the A100 divided by the device's
-``flash_v1_speedup`` (H100 and H200 1.60, from FlashAttention-2's Figs. 4 and 7) — not at
-the device's own peak. Same memory and trace as ``flash``; nothing changes on an A100."""
+Triton and xformers kernels of 2022-23), computing at the A100's achieved rate times the
+device's ``flash_v1_speedup`` (H100 and H200 1.60, from FlashAttention-2's Figs. 4 and 7) —
+not at the device's own peak. Same memory and trace as ``flash``; nothing changes on an A100."""
 
 import dataclasses
 import json

@@ -54,8 +54,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from pipeline_parallel.gpt import (ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP, GPTConfig,
-                                   ParallelConfig)
+from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP,
+                                   GPTConfig, ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
@@ -128,7 +128,7 @@ class SearchSpace:
         if self.cp_algorithm not in CP_ALGORITHMS:
             raise ValueError(f"plan_gpt: cp_algorithm must be one of {CP_ALGORITHMS}, got "
                              f"{self.cp_algorithm!r}")
-        if self.max_cp > 1 and self.attention == "unfused":
+        if self.max_cp > 1 and self.attention not in FUSED_ATTENTION:
             raise ValueError(f"plan_gpt: max_cp={self.max_cp} needs attention='flash' or "
                              f"'flash-v1' (context-parallel attention never keeps the "
                              f"scores), got {self.attention!r}")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh import Mesh
-from pipeline_parallel.gpt import GPT
+from pipeline_parallel.gpt import FUSED_ATTENTION, GPT
 from pipeline_parallel.llama import llama_param_shapes
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
@@ -175,7 +175,7 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
              async_grad_reduce: bool = True):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
-    ops = TransformerOps(dev, "tp", sp, flash=attention != "unfused",
+    ops = TransformerOps(dev, "tp", sp, flash=attention in FUSED_ATTENTION,
                          async_grad_reduce=async_grad_reduce)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)

@@ -155,6 +155,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pipeline_parallel.gpt import FUSED_ATTENTION
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
 
@@ -216,7 +217,7 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     base = s * b * h * (34 / t if sp else 10 + 24 / t)
-    if attention != "unfused":
+    if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if recompute == "selective" else s * b * h * 5 * a * s / (h * t))
 
@@ -230,7 +231,7 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
         return 2 * s * b * h / sigma
     base = s * b * (8 * h / sigma + 4 * a * d / t + 4 * max(config.kv_heads // t, 1) * d
                     + 6 * f / t)
-    if attention != "unfused":
+    if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
 
@@ -451,7 +452,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
         layer = 4 * s * b * h / sig
     else:
         layer = s * b * h * (8 / sig + 4 + 24 / t) + stats * s * b / sig
-        if parallel.attention != "unfused":
+        if parallel.attention in FUSED_ATTENTION:
             layer += LSE_BYTES * b * a * s / t
         elif parallel.recompute != "selective":
             layer += 2 * a * s * s * b / t

@@ -279,13 +279,16 @@ class DeviceSpec:
             return 0.0
         return self.e_max(dtype) * flops / (flops + self.gemm_half_efficiency_flops(dtype))
 
-    def compute_time_s(self, flops: float, nbytes: float, dtype) -> float:
-        """One kernel: t_k + max(F / (peak * e_max), B / (hbm_bandwidth * hbm_efficiency))."""
+    def compute_time_s(self, flops: float, nbytes: float, dtype,
+                       flops_per_s: float | None = None) -> float:
+        """One kernel: t_k + max(F / (peak * e_max), B / (hbm_bandwidth * hbm_efficiency));
+        ``flops_per_s``, when given, in place of peak * e_max (a kernel that computes at a
+        rate of its own, e.g. HardwareCostModel's flash-v1 attention)."""
         if flops < 0 or nbytes < 0:
             raise ValueError(f"flops and nbytes must be >= 0, got {flops!r} and {nbytes!r}")
         if flops == 0 and nbytes == 0:
             return 0.0
-        compute_s = flops / self.achieved_flops(dtype)
+        compute_s = flops / (self.achieved_flops(dtype) if flops_per_s is None else flops_per_s)
         return self.kernel_overhead_us * _S_PER_US + max(compute_s, self._memory_s(nbytes))
 
     def matmul_time_s(self, m: int, k: int, n: int, dtype) -> float:

@@ -57,7 +57,6 @@ from .hardware import HardwareSpec
 __all__ = ["HardwareCostModel", "TRAINING_KERNEL_EFFICIENCY"]
 
 _GATHERING = ("all_gather", "gather")
-_S_PER_US = 1e-6
 
 # Kernels inside a training step run slower than the same kernels in a microbenchmark
 # (the device's GEMM and HBM efficiencies): launch gaps between hundreds of small
@@ -83,8 +82,8 @@ class HardwareCostModel:
     fp8_gemms: object = None
     # price fused attention kernels as FlashAttention-1-class ones (module docstring)
     flash_v1: bool = False
-    # the device those kernels' prices are moved from (set from flash_v1)
-    _flash_v1_reference: object = field(default=None, init=False, repr=False, compare=False)
+    # the FLOP/s those kernels compute at here (set from flash_v1; None without it)
+    _flash_v1_flops_per_s: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
@@ -105,8 +104,9 @@ class HardwareCostModel:
                                  f"{self.hardware.name} ({device.name}) has none")
             self._refuse_measured_kernels("attention flash-v1 is", "kernels")
             from .presets import FLASH_V1_REFERENCE_PRESET, preset
-            object.__setattr__(self, "_flash_v1_reference",
-                               preset(FLASH_V1_REFERENCE_PRESET).device)
+            reference = preset(FLASH_V1_REFERENCE_PRESET).device
+            object.__setattr__(self, "_flash_v1_flops_per_s",
+                               reference.achieved_flops(self.dtype) * device.flash_v1_speedup)
 
     def _refuse_measured_kernels(self, what: str, measured: str) -> None:
         """Raise unless this hardware prices kernels analytically (no measured kernels)."""
@@ -131,14 +131,9 @@ class HardwareCostModel:
         the A100's achieved rate times the device's ``flash_v1_speedup`` (module
         docstring); the launch overhead and the HBM term are the device's own:
         (t_k + max(F / (speedup · A100 peak · A100 e_max), B / achieved HBM)) / efficiency."""
-        device = self.hardware.device
-        if op.flops == 0 and op.bytes == 0:
-            return 0.0
-        rate_flops = (self._flash_v1_reference.achieved_flops(self.dtype)
-                      * device.flash_v1_speedup)
-        memory_s = op.bytes / device.achieved_hbm_bytes_per_s()
-        return (device.kernel_overhead_us * _S_PER_US + max(op.flops / rate_flops, memory_s)
-                ) / self.efficiency
+        return self.hardware.device.compute_time_s(
+            op.flops, op.bytes, self.dtype, flops_per_s=self._flash_v1_flops_per_s
+        ) / self.efficiency
 
     def compute_time_s(self, op) -> float:
         if getattr(op, "seconds", None) is not None:

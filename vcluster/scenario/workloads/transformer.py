@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
+from pipeline_parallel.gpt import FUSED_ATTENTION, GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.parameter_server import assemble as assemble_ps
 from pipeline_parallel.parameter_server import device_args as ps_device_args
@@ -85,7 +85,7 @@ def validate(scenario, mesh) -> None:
     if par["sequence_parallel"] and (o["seq"] // cp) % tp:
         raise ScenarioError("workload.seq", o["seq"], f"a multiple of cp x tp = {cp * tp}",
                             "sequence parallelism splits each cp rank's rows over tp")
-    if cp > 1 and par.get("attention", "flash") == "unfused":
+    if cp > 1 and par.get("attention", "flash") not in FUSED_ATTENTION:
         raise ScenarioError("parallel.attention", par["attention"],
                             "flash or flash-v1 with cp > 1",
                             "context-parallel attention never keeps the s² scores")

@@ -47,19 +47,21 @@ from functools import partial
 
 import numpy as np
 
-from mesh import Mesh
-from pipelining import SCHEDULE_NAMES, make_schedule
+from modeling import (Attention, AttentionKernel, ConfigError, GradReduceDtype, MLPKind,
+                      ModelSpec, NormKind, ParallelConfig, Positions, TPOverlap)
+from modeling import MoE as MoESpec
+from pipelining import make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
-from tensor_parallel.context_parallel import (CP_ALGORITHMS, ContextParallelAttention,
+from tensor_parallel.context_parallel import (ContextParallelAttention,
                                               sequence_positions, split_sequence, join_sequence)
-from tensor_parallel.llama import check_kv_heads, kv_pieces, llama_piece, llama_split_dim, \
+from tensor_parallel.llama import kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
 from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, gpt_moe_stage, llama_moe_stage,
                                        moe_piece)
 from tensor_parallel.moe_load import ExpertLoad
-from tensor_parallel.transformer import (RECOMPUTE, TransformerLayer, TransformerStage,
+from tensor_parallel.transformer import (TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
 from vcluster.runtime.tracing import MetaArray, is_meta
 
@@ -67,27 +69,19 @@ from .executor import TrainJob, train_program
 from .functional import activation, activation_grad, loss_and_grad
 from .llama import llama_param_shapes, llama_reference, moe_calls_reference
 from .optim import Optimizer, OptimizerConfig
-from .zero import check_zero_stage, unshard_results
+from .zero import unshard_results
 from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
            "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
-           "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION"]
+           "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION", "BLOCKS"]
 
-#: the attention kernels the memory model knows (ParallelConfig.attention): "flash"
-#: (today's fused kernels), "flash-v1" (fused kernels built for Ampere, as FlashAttention 1
-#: and the Triton and xformers kernels of 2022-23: the same memory and trace, priced apart
-#: by the timing model) and "unfused"
-ATTENTION = ("flash", "unfused", "flash-v1")
-#: the fused ones: one kernel forward and one backward, O(s) bytes, no s² scores kept
-FUSED_ATTENTION = ("flash", "flash-v1")
-#: ParallelConfig.tp_overlap: "backward" (Megatron-LM's asynchronous reduction of a
-#: column-parallel linear's input gradient during its weight-gradient GEMM) or "none"
-TP_OVERLAP = ("backward", "none")
-#: ParallelConfig.grad_reduce_dtype: "model" (the data-parallel gradient reductions run in
-#: the gradients' own dtype) or "fp32" (cast up to float32 for the reduction and back)
-GRAD_REDUCE_DTYPES = ("model", "fp32")
+#: the closed choices of ParallelConfig, as text (the enums of :mod:`modeling.choices`)
+ATTENTION = AttentionKernel.values()
+FUSED_ATTENTION = AttentionKernel.fused_values()
+TP_OVERLAP = TPOverlap.values()
+GRAD_REDUCE_DTYPES = GradReduceDtype.values()
 
 _LAYER = TransformerLayer.names
 
@@ -105,6 +99,10 @@ def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int
 #: the architectures GPTConfig.arch names: GPT-2 (LayerNorm, learned positions, gelu MLP
 #: 4h, biases) and Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases)
 ARCHS = ("gpt", "llama")
+#: the block a ModelSpec's types name: (norm, positions, MLP kind, MLP biases, attention
+#: biases) -> GPTConfig.arch (GPTConfig.from_spec)
+BLOCKS = {(NormKind.LAYERNORM, Positions.LEARNED, MLPKind.GELU, True, True): "gpt",
+          (NormKind.RMSNORM, Positions.ROPE, MLPKind.SWIGLU, False, False): "llama"}
 
 
 def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
@@ -249,178 +247,79 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, seq: int, dtype: str = "float64",
+                  timing_only: bool = False) -> "GPTConfig":
+        """The GPTConfig of a :class:`~modeling.ModelSpec` trained on sequences of
+        ``seq`` tokens, or ConfigError naming the feature of ``spec`` this program cannot
+        run (latent attention, sliding windows shorter than ``seq``, QK-norm, attention
+        sinks, a head dimension other than h/heads, layers that differ, shared experts,
+        top-k > 2, gated GELU MLPs, ...). The block's types pick the program: LayerNorm +
+        learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
+        SwiGLU MLP without biases the Llama block (:data:`BLOCKS`).
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Global batch B, micro-batch b, degrees dp x pp x tp (the sizes of the mesh axes of
-    those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
-    sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b).
+        ``timing_only``: the config is only traced, simulated and counted, so settings
+        that change values but no shape or FLOP are accepted: RoPE scaling, a clamped
+        SwiGLU, the routing weights' normalisation and scaling, a sigmoid router."""
+        def refuse(feature, value, allowed="a model without it"):
+            raise ConfigError("model", spec.name, allowed, f"the GPT program cannot run "
+                              f"{feature} ({value}) yet")
 
-    ``attention``: the attention kernel a real run uses, ``"flash"`` (default: no s²
-    scores kept for the backward), ``"flash-v1"`` (fused too, but a kernel built for
-    Ampere — FlashAttention 1, the Triton and xformers kernels of 2022-23 — which the
-    timing model prices apart: :class:`~vcluster.timing.hardware_model.HardwareCostModel`'s
-    ``flash_v1``) or ``"unfused"``. The emulated program computes the same
-    math either way; the memory model (:mod:`vcluster.planner.memory`) and the trace read
-    it — under flash the core attention is traced as one fused kernel forward and one
-    backward (:func:`tensor_parallel.attention.flash_block`: O(s) bytes, the same FLOPs),
-    unfused as its products and the softmax passes over the s² scores.
-
-    ``zero_stage`` (0 DDP; 1, 2, 3: ZeRO, :mod:`pipeline_parallel.zero`; 2 and 3 need
-    pp = 1 and no sequence parallelism) is what the emulated program runs.
-    ``distributed_optimizer=True`` is an alias of ``zero_stage=1`` kept for existing
-    callers (it raises a ``zero_stage`` of 0 or None to 1); after construction
-    ``distributed_optimizer`` reads ``zero_stage >= 1`` (every ZeRO stage shards the
-    optimizer state).
-
-    ``cp``: context parallelism, the size of the mesh axis ``cp`` (each rank holds 2 of
-    the sequence's 2·cp chunks; see the module doc), with ``cp_algorithm`` "ring" (K/V
-    passed around the cp ring, overlapping the attention) or "all_gather".
-
-    ``tp_overlap``: ``"backward"`` (default) reduces the input gradient of each
-    column-parallel linear (QKV, the MLP's first) asynchronously while that linear's
-    weight gradient is computed, as Megatron-LM has done since 2021
-    (``--async-tensor-model-parallel-allreduce``, always on in Megatron-Core; Korthikanti
-    et al. 2022 §6.2): the math is the same, the timeline overlaps (see
-    :meth:`use_async_grad_reduce`); ``"none"`` puts every tensor-parallel collective on
-    the critical path, as Megatron-LM's 2020 and SC'21 runs did.
-
-    ``grad_reduce_dtype``: the dtype the data-parallel gradient reductions run in (DDP's
-    all-reduces, ZeRO's reduce-scatters, the tied embedding's exchange): ``"model"``
-    (default) the gradients' own — 16-bit in a simulated step, PyTorch FSDP's default
-    (``MixedPrecision(param_dtype=bf16)`` reduces in bf16 unless ``reduce_dtype`` is set)
-    — or ``"fp32"``: each bucket is cast up to float32, summed, and cast back, twice the
-    bytes of a 16-bit reduction. Megatron-LM under ``--bf16`` (its fp32 main gradients,
-    ``accumulate_allreduce_grads_in_fp32``), FSDP with ``reduce_dtype=float32`` (Composer's
-    ``DEFAULT`` mixed precision, torchtitan's ``mixed_precision_reduce``) reduce in fp32.
-    The emulated program runs the cast: a float64 model's sums lose to float32 rounding."""
-
-    global_batch: int
-    micro_batch: int = 1
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int | None = None
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    attention: str = "flash"
-    distributed_optimizer: bool = False
-    zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
-    cp: int = 1
-    cp_algorithm: str = "ring"
-    ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
-    tp_overlap: str = "backward"
-    grad_reduce_dtype: str = "model"
-
-    def __post_init__(self):
-        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
-                ("virtual_stages",) if self.virtual_stages is not None else ()):
-            as_int(getattr(self, f), f"ParallelConfig: {f}", 1)
-        for f, allowed in (("schedule", SCHEDULE_NAMES), ("recompute", RECOMPUTE),
-                           ("sequence_parallel", (False, True)), ("attention", ATTENTION),
-                           ("distributed_optimizer", (False, True)),
-                           ("cp_algorithm", CP_ALGORITHMS), ("tp_overlap", TP_OVERLAP),
-                           ("grad_reduce_dtype", GRAD_REDUCE_DTYPES)):
-            if getattr(self, f) not in allowed:
-                raise ValueError(f"ParallelConfig: {f} must be one of {allowed}, got "
-                                 f"{getattr(self, f)!r}")
-        zero = self.zero_stage
-        if self.distributed_optimizer and zero in (None, 0):
-            zero = 1
-        zero = check_zero_stage(0 if zero is None else zero, "ParallelConfig", self.pp,
-                                self.sequence_parallel)
-        object.__setattr__(self, "zero_stage", zero)
-        object.__setattr__(self, "distributed_optimizer", zero >= 1)
-        if self.cp > 1 and self.attention not in FUSED_ATTENTION:
-            raise ValueError(f"ParallelConfig: cp={self.cp} needs attention='flash' or "
-                             f"'flash-v1' (context-parallel attention keeps O and the "
-                             f"log-sum-exp, never the scores), got attention={self.attention!r}")
-        if self.dp % self.ep:
-            raise ValueError(f"ParallelConfig: ep={self.ep} must divide dp={self.dp} (the "
-                             f"expert-parallel group is carved out of the data-parallel ranks)")
-        if self.cp > 1 and self.ep > 1:
-            raise ValueError(f"ParallelConfig: cp > 1 with ep > 1 is not supported yet (got "
-                             f"cp={self.cp}, ep={self.ep}); use context parallelism or expert "
-                             f"parallelism, not both")
-        if self.global_batch % (self.dp * self.micro_batch):
-            raise ValueError(f"ParallelConfig: global_batch={self.global_batch} does not split "
-                             f"into dp={self.dp} x micro_batch={self.micro_batch}")
-
-    @property
-    def microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    @property
-    def use_async_grad_reduce(self) -> bool:
-        """Whether the program overlaps a column-parallel linear's input-gradient
-        reduction with its weight gradient (``tp_overlap`` "backward"): not under the
-        zero-bubble schedule, whose weight pass ``W`` runs apart from the input gradient
-        ``I`` to fill the pipeline's bubbles."""
-        return self.tp_overlap == "backward" and self.schedule != "zero_bubble"
-
-    @property
-    def chunks(self) -> int:
-        """Stages per pipeline rank v."""
-        return self.virtual_stages or (2 if self.schedule == "interleaved_1f1b" else 1)
-
-    def mesh(self):
-        """dp x pp x tp; with cp > 1 dp x pp x cp x tp: tp innermost (its collectives
-        close every block), cp next to it (the ring's K/V, every layer, stays on the
-        node's links when tp·cp fits a node), as Megatron orders tp-cp-dp-pp.
-
-        With ep > 1, (dp/ep, pp, ep, tp) on axes ("dp", "pp", "ep", "tp"): data
-        parallelism is the axes (dp, ep) together (``self.dp`` ranks), the axis "dp" alone
-        is then the expert-data-parallel group (the ranks holding the same experts) and
-        "ep" the expert-parallel group — next to tp, so that an ep·tp group of consecutive
-        ranks shares a node when it fits one (its all_to_alls on NVLink). cp > 1 with
-        ep > 1 is refused (``__post_init__``)."""
-        if self.cp > 1:
-            return Mesh((self.dp, self.pp, self.cp, self.tp), ("dp", "pp", "cp", "tp"))
-        if self.ep > 1:
-            return Mesh((self.dp // self.ep, self.pp, self.ep, self.tp),
-                        ("dp", "pp", "ep", "tp"))
-        return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
-
-    @property
-    def gpus(self) -> int:
-        """dp·pp·cp·tp."""
-        return self.dp * self.pp * self.cp * self.tp
-
-    def check(self, config: GPTConfig, mesh) -> None:
-        """Raise if the mesh or a count does not fit (naming both)."""
-        expect = {"dp": self.dp // self.ep if "ep" in mesh.axes else self.dp, "ep": self.ep}
-        for a in (*mesh.axes, "dp", "pp", "cp", "tp", "ep"):
-            if a not in ("dp", "ep", "pp", "cp", "tp"):
-                raise ValueError(f"GPT: mesh axes must be among dp, ep, pp, cp, tp; got "
-                                 f"{mesh.axes}")
-            if mesh.shape.get(a, 1) != expect.get(a, getattr(self, a)):
-                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)}"
-                                 + (f" (ep={self.ep})" if a in ("dp", "ep") else "")
-                                 + f" but the mesh's {a} axis has size {mesh.shape.get(a, 1)}")
-        if config.experts % self.ep or (self.ep > 1 and not config.experts):
-            raise ValueError(f"GPT: experts={config.experts} do not split over ep={self.ep}"
-                             + (" (a dense model needs ep=1)" if not config.experts else ""))
-        if config.experts and self.cp > 1:
-            raise ValueError(f"GPT: a mixture of experts (experts={config.experts}) with "
-                             f"cp={self.cp} is not supported yet (each cp rank would route "
-                             f"only its chunk of the sequence: capacity and the aux loss "
-                             f"change); use cp=1")
-        if config.layers % (self.pp * self.chunks):
-            raise ValueError(f"GPT: the {config.layers} layers do not split evenly into "
-                             f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})")
-        if self.cp > 1 and config.seq % (2 * self.cp):
-            raise ValueError(f"GPT: seq={config.seq} does not split into 2·cp = {2 * self.cp} "
-                             f"chunks of equal length (cp={self.cp})")
-        for what, n in (("heads", config.heads), ("vocab", config.vocab)) + (
-                ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
-                  config.seq // self.cp),)
-                if self.sequence_parallel else ()) \
-                + ((("ffn_hidden", config.ffn_hidden),) if config.arch == "llama" else ()):
-            if n % self.tp:
-                raise ValueError(f"GPT: {what}={n} does not split evenly over tp={self.tp}")
-        if config.arch == "llama":
-            check_kv_heads(config.heads, config.kv_heads, self.tp)
+        layer = spec.uniform()
+        if layer is None:
+            refuse("layers that differ", f"{len(spec.runs())} runs of layers "
+                   f"(dense layers {list(spec.dense_layers)[:4]}...)" if spec.is_moe
+                   else "mixed attention", "every layer alike")
+        att, mlp = layer.attention, layer.mlp
+        expert = mlp.expert if isinstance(mlp, MoESpec) else mlp
+        if not isinstance(att, Attention):
+            refuse("multi-head latent attention", str(att))
+        if att.window is not None and att.window < seq:
+            refuse("sliding-window attention", att.window, f"a window >= seq={seq}")
+        for feature, on in (("QK-norm", att.qk_norm), ("attention sinks", att.sinks)):
+            if on:
+                refuse(feature, True)
+        if att.heads * att.head_dim != spec.hidden:
+            refuse("a head dimension independent of the hidden size",
+                   f"{att.heads} x {att.head_dim} != {spec.hidden}")
+        arch = BLOCKS.get((spec.norm, spec.positions, expert.kind, expert.bias,
+                           att.qkv_bias or att.out_bias))
+        if arch is None:
+            refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
+                   f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
+                   "a GPT block (layernorm, learned positions, gelu with biases) or a "
+                   "Llama block (rmsnorm, rope, swiglu, no biases)")
+        if not timing_only:
+            for feature, value in (("RoPE scaling", spec.rope_scaling),
+                                   ("a clamped SwiGLU", expert.clamp)):
+                if value is not None:
+                    refuse(feature, value, "none when emulated (timing_only=True to "
+                           "simulate)")
+        moe = {}
+        if isinstance(mlp, MoESpec):
+            if arch != "llama":
+                refuse("GELU experts", str(mlp), "SwiGLU experts (the Llama block)")
+            if mlp.shared_experts:
+                refuse("shared experts", mlp.shared_experts)
+            if mlp.top_k > 2:
+                refuse("top-k routing beyond 2", mlp.top_k, "1 or 2")
+            if mlp.router_bias or mlp.expert.bias:
+                refuse("biases in the router or experts", True)
+            if not timing_only and (mlp.router != "softmax" or mlp.routed_scaling != 1
+                                    or mlp.groups):
+                refuse("this router", f"{mlp.router}, scaling {mlp.routed_scaling}, groups "
+                       f"{mlp.groups}", "a softmax router (timing_only=True to simulate)")
+            moe = dict(experts=mlp.experts, moe_top_k=mlp.top_k,
+                       moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
+                       moe_aux_coef=mlp.aux_loss_coef)
+        ffn = expert.width
+        if arch == "gpt" and ffn != 4 * spec.hidden:
+            refuse("a GPT MLP other than 4h", ffn, f"{4 * spec.hidden}")
+        llama = dict(kv_heads=att.kv_heads, ffn_hidden=ffn, rope_theta=spec.rope_theta) \
+            if arch == "llama" else {}
+        return cls(hidden=spec.hidden, layers=spec.num_layers, heads=att.heads, seq=seq,
+                   vocab=spec.vocab, dtype=dtype, eps=spec.norm_eps, arch=arch,
+                   tie_embeddings=spec.tie_embeddings, **llama, **moe)
 
 
 @dataclass(frozen=True)

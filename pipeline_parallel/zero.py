@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from modeling import ZeroStage
+from modeling.plan import check_zero_stage as _zero_rule
 from vcluster.runtime.tracing import Kernel, is_meta
 
 from .optim import Optimizer, OptimizerConfig
@@ -62,27 +64,14 @@ from .optim import Optimizer, OptimizerConfig
 __all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "unshard_results",
            "in_dtype"]
 
-ZERO_STAGES = (0, 1, 2, 3)
+ZERO_STAGES = ZeroStage.values()     # the one list: modeling.choices
 
 
-def check_zero_stage(zero_stage, who: str, pp: int = 1, sequence_parallel: bool = False) -> int:
-    """``zero_stage`` as an int, or ValueError naming the value and what is allowed."""
-    if isinstance(zero_stage, bool) or not isinstance(zero_stage, (int, np.integer)) \
-            or int(zero_stage) not in ZERO_STAGES:
-        raise ValueError(f"{who}: zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-    zero_stage = int(zero_stage)
-    if zero_stage >= 2 and pp > 1:
-        raise ValueError(
-            f"{who}: zero_stage={zero_stage} with pipeline parallelism (pp={pp}) is not "
-            f"supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, and DeepSpeed "
-            f"refuses them with pipeline parallelism; with pp > 1 use zero_stage 0 or 1 "
-            f"(Megatron's distributed optimizer)")
-    if zero_stage >= 2 and sequence_parallel:
-        raise ValueError(
-            f"{who}: zero_stage={zero_stage} with sequence_parallel=True is not supported "
-            f"(the sequence-parallel LayerNorm gradients are reduced over tp once per step, "
-            f"ZeRO-2/3 reduce-scatter every micro-batch); use zero_stage 0 or 1")
-    return zero_stage
+def check_zero_stage(zero_stage, who: str, pp: int = 1, sequence_parallel: bool = False,
+                     ep: int = 1) -> int:
+    """``zero_stage`` as an int, or ConfigError (a ValueError) naming ``who``, the value and
+    the rule: :func:`modeling.plan.check_zero_stage`, the one copy of the rule."""
+    return int(_zero_rule(zero_stage, pp, sequence_parallel, ep, owner=who))
 
 
 @dataclass(frozen=True)

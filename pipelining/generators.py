@@ -35,6 +35,7 @@ Each returns a :class:`Schedule`: per rank ``r``, the ordered actions it runs.
 from __future__ import annotations
 
 from mesh.arguments import as_int
+from modeling.choices import ScheduleName
 
 from .actions import Action, ActionKind
 from .schedule import Schedule, _generated
@@ -43,7 +44,7 @@ __all__ = ["SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_b
            "make_schedule"]
 
 #: The names :func:`make_schedule` accepts.
-SCHEDULE_NAMES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULE_NAMES: tuple[str, ...] = ScheduleName.values()   # the one list: modeling.choices
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 

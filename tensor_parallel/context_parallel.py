@@ -78,6 +78,7 @@ import math
 
 import numpy as np
 
+from modeling.choices import CPAlgorithm
 from sharding import TensorSharding
 from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.traffic import collective_traffic
@@ -89,7 +90,7 @@ from .operation import ShardedOperation, run_sharded
 __all__ = ["ContextParallelAttention", "CP_ALGORITHMS", "chunk_ids", "sequence_positions",
            "sequence_order", "split_sequence", "join_sequence", "causal_chunk_pairs"]
 
-CP_ALGORITHMS = ("ring", "all_gather")
+CP_ALGORITHMS = CPAlgorithm.values()     # the one list: modeling.choices
 _TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4        # p2p tags of the ring's four streams
 
 

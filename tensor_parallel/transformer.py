@@ -49,6 +49,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from modeling.choices import Recompute
 from sharding import TensorSharding as TS
 from vcluster.runtime.tracing import Kernel, MetaArray, is_meta
 from .attention import Attention, saved_bytes
@@ -57,7 +58,7 @@ from .ffn import _forward as _ffn_forward, _hidden as _ffn_hidden
 __all__ = ["TransformerLayer", "VocabParallelEmbedding", "VocabParallelHead",
            "TransformerStage", "cross_entropy_bytes", "param_layout", "split_dim", "RECOMPUTE"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = Recompute.values()     # the one list: modeling.choices
 
 
 class _Module:

@@ -223,10 +223,10 @@ def _gpt_modules(gpt):
 
 def test_bad_input_is_refused_by_name(ring):
     for bad in (4, -1, 1.5, "1", True, None):
-        with pytest.raises(ValueError, match=r"zero_stage must be one of \(0, 1, 2, 3\)"):
+        with pytest.raises(ValueError, match=r"zero_stage=.*: not a known value; allowed: one of 0, 1, 2, 3"):
             check_zero_stage(bad, "MLP.fit")
     mlp, (X, Y) = MLP([4, 4, 4], seed=0), _data([4, 4, 4])
-    with pytest.raises(ValueError, match=r"MLP.fit: zero_stage must be one of .* got 7"):
+    with pytest.raises(ValueError, match=r"MLP.fit: zero_stage=7: not a known value"):
         mlp.fit(ring(Mesh((4, 1), ("dp", "pp"))), X, Y, steps=1, microbatches=1, zero_stage=7)
     for zero in (2, 3):
         with pytest.raises(ValueError, match=rf"zero_stage={zero} with pipeline parallelism "

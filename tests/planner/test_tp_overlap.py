@@ -79,5 +79,6 @@ def test_the_command_lines_take_tp_overlap(tmp_path, capsys):
     with pytest.raises(ValueError, match="tp_overlap must be one of"):
         plan_gpt(hidden=64, layers=2, heads=4, seq=16, vocab=64, gpus=2, global_batch=4,
                  tp_overlap="forward", replay=0, progress=False)
-    with pytest.raises(ValueError, match="tp_overlap must be one of"):
+    with pytest.raises(ValueError, match="tp_overlap='always': not a known value; allowed: "
+                                         "one of backward, none"):
         ParallelConfig(global_batch=4, tp_overlap="always")

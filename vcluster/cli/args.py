@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from modeling import (AttentionKernel, GradReduceDtype, ScheduleName, TPOverlap,
+                      load_model)
 from vcluster.scenario.units import parse_size
 
 __all__ = ["positive_int", "int_at_least", "csv_of", "sizes", "add_arch_arguments",
-           "add_moe_arguments", "moe_config", "model_title", "precision_name"]
+           "add_moe_arguments", "moe_config", "model_title", "precision_name",
+           "add_model_arguments", "gpt_config", "SCHEDULES", "SHAPE_FLAGS"]
+
+#: --schedule's choices (modeling.choices.ScheduleName, the one list)
+SCHEDULES = ScheduleName.values()
+#: the shape flags a --model may leave out (and, given, override)
+SHAPE_FLAGS = ("hidden", "layers", "heads", "seq", "vocab")
 
 
 def positive_int(text: str) -> int:
@@ -82,9 +90,10 @@ def add_arch_arguments(parser) -> None:
     """--arch gpt|llama, --kv-heads, --ffn-hidden, --tie-embeddings: GPTConfig's
     architecture fields
     (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
-    parser.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+    parser.add_argument("--arch", choices=("gpt", "llama"), default=None,
                         help="gpt (LayerNorm, gelu MLP 4h) or llama (RMSNorm, RoPE, "
-                             "grouped-query attention, SwiGLU); default gpt")
+                             "grouped-query attention, SwiGLU); default gpt, or the "
+                             "--model's")
     parser.add_argument("--kv-heads", type=positive_int, default=None,
                         help="llama: key/value heads, dividing --heads (default --heads)")
     parser.add_argument("--ffn-hidden", type=positive_int, default=None,
@@ -99,7 +108,7 @@ def add_arch_arguments(parser) -> None:
 def add_tp_overlap_argument(parser) -> None:
     """--tp-overlap backward|none: ParallelConfig.tp_overlap
     (``pipeline_parallel.gpt.TP_OVERLAP``)."""
-    parser.add_argument("--tp-overlap", choices=("backward", "none"), default="backward",
+    parser.add_argument("--tp-overlap", choices=TPOverlap.values(), default="backward",
                         help="how tensor parallelism's backward overlaps: backward (default: "
                              "each column-parallel linear's input-gradient all-reduce, or "
                              "reduce-scatter under sequence parallelism, runs during its "
@@ -110,7 +119,8 @@ def add_tp_overlap_argument(parser) -> None:
 def add_grad_reduce_argument(parser) -> None:
     """--grad-reduce-dtype model|fp32: ParallelConfig.grad_reduce_dtype
     (``pipeline_parallel.gpt.GRAD_REDUCE_DTYPES``)."""
-    parser.add_argument("--grad-reduce-dtype", choices=("model", "fp32"), default="model",
+    parser.add_argument("--grad-reduce-dtype", choices=GradReduceDtype.values(),
+                        default="model",
                         help="the dtype of the data-parallel gradient reductions: model "
                              "(default: the 16-bit gradients, PyTorch FSDP's default) or fp32 "
                              "(twice the bytes: Megatron-LM under --bf16, FSDP with "
@@ -120,8 +130,7 @@ def add_grad_reduce_argument(parser) -> None:
 def add_attention_argument(parser) -> None:
     """--attention flash|unfused|flash-v1: ParallelConfig.attention
     (``pipeline_parallel.gpt.ATTENTION``)."""
-    parser.add_argument("--attention", choices=("flash", "unfused", "flash-v1"),
-                        default="flash",
+    parser.add_argument("--attention", choices=AttentionKernel.values(), default="flash",
                         help="the attention kernel a real run uses: flash (default: fused, "
                              "no s² scores kept for the backward), unfused (the scores "
                              "kept), or flash-v1 (fused, a kernel built for Ampere: "
@@ -139,10 +148,12 @@ def add_fp8_argument(parser) -> None:
                              "the output head and the rest stay BF16")
 
 
-def model_title(config) -> str:
+def model_title(config, name: str | None = None) -> str:
     """"GPT h=... l=... a=... s=... V=..." (Llama: and kv=, f=; "(tied embeddings)")
-    of a GPTConfig."""
+    of a GPTConfig, after the model's ``name`` when there is one."""
     c = config
+    if name:
+        return f"{name} ({model_title(config)})"
     arch = f"Llama h={c.hidden}" if c.arch == "llama" else f"GPT h={c.hidden}"
     extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.arch == "llama" else ""
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
@@ -174,10 +185,10 @@ def add_moe_arguments(parser, skew: bool = True) -> None:
     """--experts, --moe-top-k, --moe-ffn-hidden, --capacity-factor (GPTConfig's MoE
     fields; llama only) and, with ``skew``, --expert-skew."""
     parser.add_argument("--experts", type=int_at_least(0, "experts per layer; 0: dense"),
-                        default=0, help="llama: a mixture of this many experts in every "
-                        "layer's MLP (default 0: dense)")
-    parser.add_argument("--moe-top-k", type=int, choices=(1, 2), default=2,
-                        help="experts per token (default 2)")
+                        default=None, help="llama: a mixture of this many experts in every "
+                        "layer's MLP (default 0: dense, or the --model's)")
+    parser.add_argument("--moe-top-k", type=int, choices=(1, 2), default=None,
+                        help="experts per token (default 2, or the --model's)")
     parser.add_argument("--moe-ffn-hidden", type=positive_int, default=None,
                         help="each expert's SwiGLU width (default --ffn-hidden)")
     parser.add_argument("--capacity-factor", type=_positive_float, default=None,
@@ -189,6 +200,56 @@ def add_moe_arguments(parser, skew: bool = True) -> None:
 
 
 def moe_config(args) -> dict:
-    """GPTConfig's MoE keywords from the parsed arguments."""
-    return dict(experts=args.experts, moe_top_k=args.moe_top_k,
+    """GPTConfig's MoE keywords from the parsed arguments (defaults: dense, top-2)."""
+    return dict(experts=args.experts or 0, moe_top_k=args.moe_top_k or 2,
                 moe_ffn_hidden=args.moe_ffn_hidden, capacity_factor=args.capacity_factor)
+
+
+def add_model_arguments(parser, skew: bool = True) -> None:
+    """--model NAME|PATH, the shape flags (:data:`SHAPE_FLAGS`), the architecture and MoE
+    flags: a transformer as a preset, a Hugging Face config.json, or flags — flags given
+    beside --model override the spec (``--model llama-3.1-405b --layers 8``: a proxy)."""
+    parser.add_argument("--model", metavar="NAME|PATH", default=None,
+                        help="a preset (vcluster model list) or a Hugging Face config.json; "
+                             "the shape flags then override it")
+    helps = {"hidden": "hidden size h", "layers": "transformer layers",
+             "heads": "attention heads", "seq": "training sequence length (tokens)",
+             "vocab": "vocabulary size"}
+    for name in SHAPE_FLAGS:
+        parser.add_argument(f"--{name}", type=positive_int, default=None,
+                            help=helps[name] + (" (required)" if name == "seq" else
+                                                " (required without --model)"))
+    add_arch_arguments(parser)
+    add_moe_arguments(parser, skew)
+
+
+#: flags that override a --model's GPTConfig field of the same name
+_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden", "experts",
+              "moe_top_k", "moe_ffn_hidden", "capacity_factor")
+
+
+def gpt_config(args, dtype: str = "float64"):
+    """The GPTConfig of ``--model`` and the shape flags (:func:`add_model_arguments`);
+    ValueError naming the flags missing without ``--model``."""
+    # lazy: keeps vcluster --help fast (pipeline_parallel loads the emulator's programs)
+    from pipeline_parallel.gpt import GPTConfig
+    from dataclasses import replace
+    if args.seq is None:
+        raise ValueError("--seq (the training sequence length) is required")
+    if args.model is None:
+        missing = [f"--{n}" for n in SHAPE_FLAGS if getattr(args, n) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required (or --model NAME|PATH: vcluster "
+                             "model list)")
+        return GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads,
+                         seq=args.seq, vocab=args.vocab, dtype=dtype, arch=args.arch or "gpt",
+                         kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
+                         tie_embeddings=args.tie_embeddings, **moe_config(args))
+    spec = load_model(args.model)
+    if args.layers is not None:
+        spec = spec.with_layers(args.layers)
+    config = GPTConfig.from_spec(spec, args.seq, dtype, timing_only=True)
+    given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
+    if args.tie_embeddings:
+        given["tie_embeddings"] = True
+    return replace(config, **given) if given else config

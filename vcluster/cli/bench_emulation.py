@@ -44,6 +44,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from mesh import Mesh
+from pipeline_parallel import MLP
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
+from vcluster import VirtualCluster
+
 from .bench_predict_measure import BackgroundLoad, processes_cpu_s
 
 __all__ = ["EmulationCase", "measure_mlp", "measure_gpt", "format_table"]
@@ -132,10 +137,6 @@ def measure_mlp(width: int, batch: int, steps: int = 3, reps: int = 3,
                 threads_per_device: int | None = None,
                 pin_devices: bool | None = False) -> EmulationCase:
     """The MLP case: ``[width] * 9`` sizes, float64, SGD, 1F1B, 4 micro-batches, dp 2 x pp 4."""
-    from mesh import Mesh
-    from pipeline_parallel import MLP
-    from vcluster import VirtualCluster
-
     sizes = [width] * 9
     mlp, rng = MLP(sizes, seed=0), np.random.default_rng(0)
     X, Y = rng.standard_normal((batch, width)), rng.standard_normal((batch, width))
@@ -162,9 +163,6 @@ def measure_gpt(steps: int = 3, reps: int = 3,
                 pin_devices: bool | None = False) -> EmulationCase:
     """The GPT case: hidden 64, 4 layers, 4 heads, sequence 16, vocabulary 64, batch 8,
     SGD, on tp 2 x pp 2 x dp 2."""
-    from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
-    from vcluster import VirtualCluster
-
     cfg = GPTConfig(hidden=64, layers=4, heads=4, seq=16, vocab=64)
     gpt, par = GPT(cfg, seed=1), ParallelConfig(global_batch=8, dp=2, pp=2, tp=2)
     rng = np.random.default_rng(0)

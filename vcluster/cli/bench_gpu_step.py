@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import sys
 
+from vcluster.runtime.files import write_json
+
 from .args import positive_int, precision_name
 
 __all__ = ["add_parser", "run_gpu_step"]
@@ -97,7 +99,6 @@ def run_gpu_step(args) -> int:
         print(f"{key.split('_')[0] + ' ' + key.split('_')[1]:<14}{got * scale:>9.1f} {unit}"
               f"{want * scale:>9.1f} {unit}{100 * (want / got - 1):>+8.1f}%")
     if args.json:
-        from vcluster.runtime.files import write_json
         write_json(args.json, {
             "gpu": name, "torch": torch.__version__, "compiled": args.compile,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,

@@ -12,8 +12,10 @@ import signal
 import sys
 import threading
 
-from . import (bench_cmd, hardware_cmd, oracle_cmd, plan_cmd, run_cmd, schedule_cmd,
-               simulate_cmd, validate_model_cmd)
+from modeling import ConfigError
+
+from . import (bench_cmd, hardware_cmd, model_cmd, oracle_cmd, plan_cmd, run_cmd,
+               schedule_cmd, simulate_cmd, validate_model_cmd)
 
 __all__ = ["main", "build_parser"]
 
@@ -22,10 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vcluster", description="A virtual GPU cluster on one machine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (run_cmd, bench_cmd, hardware_cmd, plan_cmd, schedule_cmd, simulate_cmd,
-                   validate_model_cmd, oracle_cmd):
+    for module in (run_cmd, bench_cmd, hardware_cmd, model_cmd, plan_cmd, schedule_cmd,
+                   simulate_cmd, validate_model_cmd, oracle_cmd):
         module.add_parser(commands)
     return parser
+
+
+#: a plan field -> the flag a user types for it, where the two names differ
+_FLAGS = {"zero_stage": "--zero", "microbatches": "--global-batch / (--dp x --micro-batch)",
+          "model": "--model"}
+
+
+def flag_of(error: ConfigError) -> str | None:
+    """The flag of a :class:`~modeling.ConfigError` about the plan (``zero_stage`` ->
+    ``--zero``); None (the error's own name) for one about a model file."""
+    if error.owner not in ("", "ParallelConfig", "GPT"):
+        return None
+    return _FLAGS.get(error.field, "--" + error.field.replace("_", "-"))
 
 
 class Terminated(KeyboardInterrupt):
@@ -57,6 +72,9 @@ def main(argv=None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 128 + signal.SIGPIPE
+    except ConfigError as exc:      # a rule of the model layer: say it in flags
+        print(f"vcluster: error: {exc.describe(flag_of(exc))}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as exc:
         print(f"vcluster: error: {exc}", file=sys.stderr)
         return 2

@@ -27,9 +27,11 @@ import argparse
 import math
 import os
 
-from .args import (add_arch_arguments, add_attention_argument, add_fp8_argument,
-                   add_moe_arguments, add_grad_reduce_argument, add_tp_overlap_argument, fraction,
-                   model_title, moe_config, positive_int, precision_name)
+from modeling import CPAlgorithm, ZeroStage
+
+from .args import (add_attention_argument, add_fp8_argument, add_grad_reduce_argument,
+                   add_model_arguments, add_tp_overlap_argument, fraction, gpt_config,
+                   model_title, positive_int, precision_name)
 
 __all__ = ["add_parser", "plan_json", "JSON_KEYS"]
 
@@ -43,12 +45,11 @@ JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "schedule", "virtual_s
 def add_parser(commands) -> None:
     plan = commands.add_parser("plan", help="search the best parallel configuration")
     kinds = plan.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
-    gpt = kinds.add_parser("gpt", help="a GPT-style transformer (TP x PP x DP x schedule)",
+    gpt = kinds.add_parser("train", aliases=["gpt"], help="a transformer's training "
+                           "(TP x PP x DP x schedule; a preset, a config.json or shape flags)",
                            description=__doc__.split("\n\n")[0])
-    for name in ("hidden", "layers", "heads", "seq", "vocab", "gpus"):
-        gpt.add_argument(f"--{name}", type=positive_int, required=True)
-    add_arch_arguments(gpt)
-    add_moe_arguments(gpt, skew=False)
+    add_model_arguments(gpt, skew=False)
+    gpt.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
     gpt.add_argument("--max-ep", type=positive_int, default=1,
                      help="MoE: the largest expert-parallel degree tried (each ep divides dp "
                           "and --experts; default 1)")
@@ -78,7 +79,7 @@ def add_parser(commands) -> None:
                           "candidate takes the lowest that fits")
     gpt.add_argument("--max-cp", type=positive_int, default=1,
                      help="largest context-parallel degree to search (default 1: none)")
-    gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+    gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",
                      help="context parallelism's attention algorithm (default ring)")
     gpt.add_argument("--precision", default="megatron", metavar="POLICY",
                      help="bytes per parameter and activation of the memory model: megatron "
@@ -96,7 +97,7 @@ def _zero_stages(text: str) -> tuple:
         stages = tuple(sorted({int(z) for z in text.split(",")}))
     except ValueError:
         stages = ()
-    if not stages or any(z not in (0, 1, 2, 3) for z in stages):
+    if not stages or any(z not in ZeroStage.values() for z in stages):
         raise argparse.ArgumentTypeError(f"expected stages among 0,1,2,3 separated by "
                                          f"commas, got {text!r}")
     return stages
@@ -166,22 +167,25 @@ def _gpt(args) -> int:
         raise ValueError("--distributed-optimizer means --zero-stages 1 (--no-... 0); give "
                          "one of them")
     hw = load_hardware(args.hardware)
-    df = plan_gpt(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                  vocab=args.vocab, gpus=args.gpus, global_batch=args.global_batch,
+    c = gpt_config(args)
+    df = plan_gpt(hidden=c.hidden, layers=c.layers, heads=c.heads, seq=c.seq,
+                  vocab=c.vocab, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=False if args.quiet else None,
                   attention=args.attention, tp_overlap=args.tp_overlap,
                   grad_reduce_dtype=args.grad_reduce_dtype,
                   distributed_optimizer=args.distributed_optimizer,
-                  arch=args.arch, kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
-                  tie_embeddings=args.tie_embeddings,
+                  arch=c.arch, kv_heads=c.kv_heads, ffn_hidden=c.ffn_hidden,
+                  tie_embeddings=c.tie_embeddings,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
-                  max_ep=args.max_ep, zero_stages=args.zero_stages, **moe_config(args),
+                  max_ep=args.max_ep, zero_stages=args.zero_stages, experts=c.experts,
+                  moe_top_k=c.moe_top_k, moe_ffn_hidden=c.moe_ffn_hidden,
+                  capacity_factor=c.capacity_factor,
                   precision=precision_name(args.precision), fp8=args.fp8,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
-    print(f"{model_title(a['config'])}, global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
+    print(f"{model_title(a['config'], args.model)}, global batch {args.global_batch}, on {args.gpus} x {hw.name}: {a['candidates']} "
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision"
@@ -205,7 +209,8 @@ def _gpt(args) -> int:
         from reports.plan_plot import plan_png
         from vcluster.runtime.files import write_bytes_atomic, write_json
         write_json(os.path.join(args.out, "plan.json"), result)
-        png = plan_png(df, title=f"GPT h={args.hidden} l={args.layers} on {args.gpus} x "
+        png = plan_png(df, title=f"{args.model or 'GPT'} h={c.hidden} l={c.layers} on "
+                       f"{args.gpus} x "
                        f"{hw.name}", hbm_gb=hw.device.hbm_bytes / 1e9)
         if png is not None:
             write_bytes_atomic(os.path.join(args.out, "plan.png"), png)

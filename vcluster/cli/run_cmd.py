@@ -105,6 +105,7 @@ def _formats(scenario):
     write), which it writes only when ``report.formats`` names ``trace``."""
     if scenario.report.formats is not None:
         return scenario.report.formats
+    # lazy: keeps vcluster --help fast (reports loads pandas)
     from reports.write import FORMATS
     return [f for f in FORMATS if f != "trace" or scenario.run.mode != "simulate"]
 

@@ -31,29 +31,28 @@ from __future__ import annotations
 
 import sys
 
-from .args import (add_arch_arguments, add_attention_argument, add_fp8_argument,
-                   add_moe_arguments, add_grad_reduce_argument, add_tp_overlap_argument, fraction,
-                   model_title, moe_config, positive_int, precision_name)
+from modeling import CPAlgorithm, Recompute, ZeroStage
+
+from .args import (SCHEDULES, add_attention_argument, add_fp8_argument,
+                   add_grad_reduce_argument, add_model_arguments, add_tp_overlap_argument,
+                   fraction, gpt_config, model_title, positive_int, precision_name)
 
 __all__ = ["add_parser"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def add_parser(commands) -> None:
     sim = commands.add_parser("simulate", help="predict step time on real hardware")
     kinds = sim.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
-    gpt = kinds.add_parser("gpt", help="a GPT-style transformer (Megatron TP, PP, DP)",
+    gpt = kinds.add_parser("train", aliases=["gpt"], help="a transformer's training step "
+                           "(a preset, a config.json or shape flags; Megatron TP, PP, DP)",
                            description=__doc__.split("\n\n")[0])
-    for name in ("hidden", "layers", "heads", "seq", "vocab"):
-        gpt.add_argument(f"--{name}", type=positive_int, required=True)
-    add_arch_arguments(gpt)
-    add_moe_arguments(gpt)
+    add_model_arguments(gpt)
     for name, default in (("tp", 1), ("pp", 1), ("dp", 1), ("ep", 1)):
         gpt.add_argument(f"--{name}", type=positive_int, default=default)
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
-    gpt.add_argument("--cp-algorithm", choices=("ring", "all_gather"), default="ring",
+    gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",
                      help="how attention reaches the other ranks' K/V (default ring)")
     gpt.add_argument("--gpus", type=positive_int, default=None,
                      help="check that tp·pp·cp·dp is this many GPUs")
@@ -62,12 +61,13 @@ def add_parser(commands) -> None:
     gpt.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     gpt.add_argument("--virtual-stages", type=positive_int, default=None)
     gpt.add_argument("--sequence-parallel", action="store_true")
-    gpt.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    gpt.add_argument("--recompute", choices=Recompute.values(), default="none",
+                     help="activation recomputation (default none)")
     add_attention_argument(gpt)
     add_tp_overlap_argument(gpt)
     add_grad_reduce_argument(gpt)
     add_fp8_argument(gpt)
-    gpt.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+    gpt.add_argument("--zero", type=int, choices=ZeroStage.values(), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
                           "2 also the gradients, 3 also the weights (2 and 3: pp = 1, no "
                           "sequence parallelism, ep = 1)")
@@ -96,17 +96,14 @@ def add_parser(commands) -> None:
 
 def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
-    from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+    from pipeline_parallel.gpt import ParallelConfig
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     from vcluster.planner.precision import PRECISIONS
     zero = zero_stage(args)
     precision_name(args.precision)
-    config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                       vocab=args.vocab, arch=args.arch, kv_heads=args.kv_heads,
-                       ffn_hidden=args.ffn_hidden, tie_embeddings=args.tie_embeddings,
-                       **moe_config(args))
+    config = gpt_config(args)
     parallel = ParallelConfig(global_batch=args.global_batch, micro_batch=args.micro_batch,
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
@@ -119,19 +116,15 @@ def _gpt(args) -> int:
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
-    if zero >= 2 and config.experts and args.ep > 1:
-        raise ValueError(f"--zero {zero} with --experts and --ep {args.ep} is not supported (the "
-                         "expert gradients need their own data-parallel group); use --zero "
-                         "0 or 1, or --ep 1")
     r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
                      expert_skew=args.expert_skew, precision=args.precision,
                      autocast_kernels={"auto": None, "on": True, "off": False}[
                          args.autocast_kernels], fp8=args.fp8)
-    print(f"{model_title(config)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
+    print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
-          f", ZeRO stage {zero}"
+          f", ZeRO stage {int(parallel.zero_stage)}"
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (", FP8 linear layers" if r.fp8 else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
@@ -183,24 +176,16 @@ def _gpt(args) -> int:
 
 def zero_stage(args) -> int:
     """The ZeRO stage of ``--zero`` and ``--distributed-optimizer`` (an alias of ``--zero
-    1``); ValueError when both are given and disagree, or when the stage is not supported
-    with ``--pp`` > 1 or ``--sequence-parallel`` (the library's refusal, naming the flag)."""
+    1``); ValueError when both are given and disagree. Whether the stage is allowed with
+    the rest of the plan is the rulebook's (:func:`modeling.check_zero_stage`), reported
+    under ``--zero``."""
     zero = args.zero
     if args.distributed_optimizer:
         if zero is not None and zero != 1:
             raise ValueError(f"--distributed-optimizer is an alias of --zero 1; it contradicts "
                              f"--zero {zero} (give one of them)")
         zero = 1
-    zero = 0 if zero is None else zero
-    if zero >= 2 and args.pp > 1:
-        raise ValueError(f"--zero {zero} with --pp {args.pp} is not supported: ZeRO-2/3 "
-                         f"reduce-scatter gradients every micro-batch, and DeepSpeed refuses "
-                         f"them with pipeline parallelism; use --zero 0 or 1 with --pp > 1")
-    if zero >= 2 and args.sequence_parallel:
-        raise ValueError(f"--zero {zero} with --sequence-parallel is not supported (the "
-                         f"sequence-parallel LayerNorm gradients are reduced once per step); "
-                         f"use --zero 0 or 1")
-    return zero
+    return 0 if zero is None else zero
 
 
 def _print_ops(ops, flag_below: float) -> None:

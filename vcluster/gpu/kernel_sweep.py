@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from vcluster.timing.kernel_profile import KernelTiming
+from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, TABLE_OPS, KernelTiming
+from vcluster.timing.presets import read_data_csv
 
 __all__ = ["KernelSweep", "StreamTimer", "sweep_kernels", "cuda_missing", "table_op",
            "table_shapes",
@@ -214,8 +215,6 @@ def _copy_seconds(torch, timer: StreamTimer, nbytes: int) -> float:
 
 def table_shapes() -> tuple:
     """``((op, dims), ...)``: every non-GEMM row of the shipped ``h100_kernels.csv``."""
-    from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, TABLE_OPS
-    from vcluster.timing.presets import read_data_csv
     _, rows = read_data_csv(H100_KERNEL_TABLE)
     return tuple((r["op"], r["dims"]) for r in rows if r["op"] in TABLE_OPS)
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass, replace
 from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP,
                                    GPTConfig, ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
+from modeling import ConfigError, Recompute, ScheduleName, check_zero_stage
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
@@ -65,8 +66,10 @@ __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "REJECT_REASONS",
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
 DEFAULT_MAX_VIRTUAL_STAGES = 8
-PLAN_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
-RECOMPUTE_MODES = ("none", "selective", "full")
+#: the schedules the planner searches: every one of modeling's but GPipe (1F1B's memory
+#: at GPipe's bubble, never better)
+PLAN_SCHEDULES = tuple(s for s in ScheduleName.values() if s != ScheduleName.GPIPE)
+RECOMPUTE_MODES = Recompute.values()
 
 REJECT_REASONS = {
     "tp_not_dividing_heads": "tp does not divide the attention heads",
@@ -198,11 +201,19 @@ def _schedules(space: SearchSpace, config: GPTConfig, pp: int):
     return out
 
 
+def _zero_allowed(zero: int, pp: int, sp: bool, ep: int) -> bool:
+    """Whether the plan's rulebook (:func:`modeling.check_zero_stage`) allows ``zero``."""
+    try:
+        check_zero_stage(zero, pp, sp, ep)
+    except ConfigError:
+        return False
+    return True
+
+
 def _zero_stages(space: SearchSpace, config: GPTConfig, shards: int, pp: int, sp: bool,
                  ep: int) -> tuple:
     """The ZeRO stages a candidate tries, lowest first (see the module docstring)."""
-    stages = [z for z in space.zero_stages
-              if z < 2 or (pp == 1 and not sp and not (config.experts and ep > 1))]
+    stages = [z for z in space.zero_stages if _zero_allowed(z, pp, sp, ep)]
     if 0 in stages and shards == 1:          # sharding over one rank saves nothing
         stages = [0]
     return tuple(stages)

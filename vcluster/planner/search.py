@@ -179,7 +179,7 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
     ``memory_headroom``: the share of each device's memory a configuration must leave
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
-    the attention kernel ("flash", "unfused" or "flash-v1": ParallelConfig's); ``tp_overlap``:
+    the attention kernel (one of ParallelConfig's: flash, unfused or flash-v1); ``tp_overlap``:
     every candidate's :attr:`~pipeline_parallel.gpt.ParallelConfig.tp_overlap` ("backward",
     the default: Megatron's asynchronous input-gradient reductions, or "none");
     ``distributed_optimizer``: True / False for every candidate, None (default) where a

@@ -268,8 +268,6 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
-    if short.ep > 1 and short.zero_stage:      # not emulated yet (TrainJob): traced as DDP
-        short = dataclasses.replace(short, zero_stage=0, distributed_optimizer=False)
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()
@@ -445,7 +443,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
         peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
         gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
-        device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=parallel.zero_stage,
+        device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=int(parallel.zero_stage),
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),

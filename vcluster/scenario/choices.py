@@ -13,36 +13,12 @@ allowed values (the parser's schema check reports a bad file value the same way 
 
 from __future__ import annotations
 
-from enum import Enum
+from modeling.choices import Choice, Recompute, ScheduleName
 
 from .errors import ScenarioError
 
 __all__ = ["Choice", "ScheduleName", "Mode", "Engine", "Recompute", "Algorithm",
            "ArrayModule", "DataParallelMode", "parse_choice"]
-
-
-class Choice(str, Enum):
-    """A closed choice: a ``str`` whose ``str()`` and format are its value."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    @classmethod
-    def values(cls) -> tuple[str, ...]:
-        """Every allowed text, in declaration order."""
-        return tuple(member.value for member in cls)
-
-
-class ScheduleName(Choice):
-    """``parallel.schedule``: a pipeline schedule of :mod:`pipelining`."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-    ZERO_BUBBLE = "zero_bubble"
 
 
 class Mode(Choice):
@@ -58,14 +34,6 @@ class Engine(Choice):
 
     EMULATOR = "emulator"
     TORCH = "torch"
-
-
-class Recompute(Choice):
-    """``parallel.recompute`` of a transformer: activation recomputation."""
-
-    NONE = "none"
-    SELECTIVE = "selective"
-    FULL = "full"
 
 
 class Algorithm(Choice):

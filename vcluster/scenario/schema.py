@@ -18,6 +18,8 @@ from __future__ import annotations
 import copy
 from types import MappingProxyType
 
+from modeling import AttentionKernel, CPAlgorithm, GradReduceDtype, TPOverlap, ZeroStage
+
 from .choices import Algorithm, ArrayModule, DataParallelMode, Mode, Recompute, ScheduleName
 from .errors import ScenarioError, format_path
 from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA as _FAULTS_SCHEMA
@@ -46,10 +48,11 @@ REPORT_FORMATS = ("md", "html", "json", "csv", "png", "trace")
 HARDWARE_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp8")
 PARALLEL_AXES = ("dp", "pp", "tp")
 TRANSFORMER_AXES = ("dp", "pp", "cp", "ep", "tp")   # ParallelConfig.mesh()'s order
-CP_ALGORITHMS = ("ring", "all_gather")        # tensor_parallel.context_parallel's
+CP_ALGORITHMS = CPAlgorithm.values()          # modeling.choices: the one list
 ARCHS = ("gpt", "llama")          # pipeline_parallel.gpt.ARCHS (the front door imports no model)
 DATA_PARALLEL_MODES = DataParallelMode.values()
-ZERO_STAGES = (1, 2, 3)            # data_parallel.zero_stage (0, DDP, is mode ddp)
+#: data_parallel.zero_stage: modeling's ZeRO stages but 0 (DDP is data_parallel.mode ddp)
+ZERO_STAGES = tuple(z for z in ZeroStage.values() if z != ZeroStage.DDP)
 #: the data_parallel keys each mode takes besides ``mode`` (any other is an error)
 DATA_PARALLEL_KEYS = MappingProxyType({"ddp": (), "zero": ("zero_stage",),
                                        "ps": ("servers", "staleness")})
@@ -124,6 +127,9 @@ _WORKLOAD = MappingProxyType({
         **_TRAINING,
     },
     "transformer": {
+        "model": {"type": "string", "description": "a preset (vcluster model list) or a "
+                  "Hugging Face config.json: the model's shapes and blocks; the shape keys "
+                  "written beside it override it (layers: a proxy of fewer layers)"},
         "hidden": _int("hidden size h", 1, 16), "layers": _int("transformer layers", 1, 4),
         "heads": _int("attention heads (divide hidden)", 1, 4),
         "seq": _int("sequence length", 1, 8), "vocab": _int("vocabulary size", 1, 32),
@@ -180,14 +186,14 @@ _PARALLEL = MappingProxyType({
         "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
         "sequence_parallel": _bool("Megatron sequence parallelism"),
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
-        "attention": _enum(["flash", "unfused", "flash-v1"], "the attention kernel a real "
+        "attention": _enum(AttentionKernel.values(), "the attention kernel a real "
                            "run uses (flash: no s² scores kept; flash-v1: the same, a "
                            "kernel built for Ampere as in 2022-23, priced apart)", "flash"),
-        "tp_overlap": _enum(["backward", "none"], "tensor parallelism's backward: each "
+        "tp_overlap": _enum(TPOverlap.values(), "tensor parallelism's backward: each "
                             "column-parallel linear's input-gradient reduction overlapping "
                             "its weight gradient, as Megatron's (backward), or every TP "
                             "collective blocking (none)", "backward"),
-        "grad_reduce_dtype": _enum(["model", "fp32"], "the dtype of the data-parallel "
+        "grad_reduce_dtype": _enum(GradReduceDtype.values(), "the dtype of the data-parallel "
                                    "gradient reductions: the gradients' own (model) or "
                                    "float32, twice the bytes of 16-bit gradients (fp32: "
                                    "Megatron under bf16, FSDP's reduce_dtype=float32)",

@@ -35,6 +35,8 @@ from vcluster.planner.memory import gpt_memory
 from vcluster.planner.simulation import fp8_gemm, gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
 
+from modeling import ConfigError, load_model
+
 from ..choices import DataParallelMode
 from ..errors import ScenarioError
 from ..hardware import check_fp8
@@ -54,6 +56,8 @@ def validate(scenario, mesh) -> None:
     if unknown:
         raise ScenarioError("cluster.mesh", dict(mesh.shape), f"axes among {', '.join(_AXES)}",
                             f"unknown axes {unknown} for a transformer")
+    if o.get("model"):        # the model's shapes: every rule is the model layer's
+        return _check_plan(scenario, mesh, check_model=True)
     if o["hidden"] % o["heads"]:
         raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
                             "hidden splits into heads")
@@ -90,6 +94,30 @@ def validate(scenario, mesh) -> None:
                             "flash or flash-v1 with cp > 1",
                             "context-parallel attention never keeps the s² scores")
     _validate_experts(o, degrees)
+    _check_plan(scenario, mesh)
+
+
+def _check_plan(scenario, mesh, check_model: bool = False) -> None:
+    """The plan's rulebook (:class:`modeling.ParallelConfig`; with ``check_model`` also
+    :meth:`~modeling.ParallelConfig.check` against the model), each rule once, its
+    ConfigError reported under the scenario key the user wrote."""
+    try:
+        config, parallel = _configs(scenario, mesh)
+        if check_model:
+            parallel.check(config, parallel.mesh())
+    except ConfigError as exc:
+        path = _KEY_PATHS.get(exc.field, f"parallel.{exc.field}")
+        value = scenario.workload.options["batch"] if exc.field == "microbatches" \
+            else exc.value
+        if exc.owner not in ("", "ParallelConfig", "GPT", "model"):    # a config.json's key
+            path = f"workload.model ({exc.owner}: {exc.field})"
+        raise ScenarioError(path, value, exc.allowed, exc.reason) from None
+
+
+#: a ConfigError field of the plan -> the scenario key a user wrote it under
+_KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch",
+              "zero_stage": "data_parallel.zero_stage", "model": "workload.model",
+              "experts": "workload.experts", "micro_batch": "parallel.micro_batch"}
 
 
 def _validate_ps(scenario, mesh) -> None:
@@ -177,27 +205,52 @@ def _configs(scenario, mesh=None):
     """The GPT's configs from the parsed point (their own checks are the library's);
     without ``mesh`` the ParallelConfig is None."""
     w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
+    if o.get("model"):
+        return _model_config(scenario), None if mesh is None else _parallel(scenario, mesh)
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
                        kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
                        tie_embeddings=o["tie_embeddings"], experts=o["experts"],
                        moe_top_k=o["moe_top_k"], moe_ffn_hidden=o.get("moe_ffn_hidden"),
                        capacity_factor=o.get("capacity_factor"))
-    if mesh is None:
-        return config, None
-    parallel = ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
-                              schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
-                              sequence_parallel=par["sequence_parallel"],
-                              recompute=par["recompute"],
-                              attention=par.get("attention", "flash"),
-                              tp_overlap=par.get("tp_overlap", "backward"),
-                              grad_reduce_dtype=par.get("grad_reduce_dtype", "model"),
-                              distributed_optimizer=bool(par.get("distributed_optimizer")),
-                              # data_parallel.mode zero's stage (0 with ddp; the alias
-                              # distributed_optimizer raises 0 to 1)
-                              zero_stage=scenario.data_parallel.zero_stage,
-                              cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
-    return config, parallel
+    return config, None if mesh is None else _parallel(scenario, mesh)
+
+
+#: workload keys that, written beside workload.model, override the model's
+_MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden",
+                    "tie_embeddings", "experts", "moe_top_k", "moe_ffn_hidden",
+                    "capacity_factor")
+
+
+def _model_config(scenario):
+    """``workload.model`` (a preset or a config.json, :func:`modeling.load_model`) as the
+    GPTConfig the program runs: the keys written beside it (``layers``, ``seq`` and the
+    shape keys) override the model's, the others keep the model's values."""
+    w = scenario.workload
+    written = dict(scenario.document.get("workload") or {})
+    spec = load_model(w.options["model"])
+    if "layers" in written:
+        spec = spec.with_layers(written["layers"])
+    config = GPTConfig.from_spec(spec, w.options["seq"], w.dtype,
+                                 timing_only=scenario.run.mode == "simulate")
+    given = {k: written[k] for k in _MODEL_OVERRIDES if k in written}
+    return dataclasses.replace(config, **given) if given else config
+
+
+def _parallel(scenario, mesh):
+    o, par = scenario.workload.options, scenario.parallel
+    return ParallelConfig(global_batch=o["batch"], micro_batch=par["micro_batch"],
+                         schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
+                         sequence_parallel=par["sequence_parallel"],
+                         recompute=par["recompute"],
+                         attention=par.get("attention", "flash"),
+                         tp_overlap=par.get("tp_overlap", "backward"),
+                         grad_reduce_dtype=par.get("grad_reduce_dtype", "model"),
+                         distributed_optimizer=bool(par.get("distributed_optimizer")),
+                         # data_parallel.mode zero's stage (0 with ddp; the alias
+                         # distributed_optimizer raises 0 to 1)
+                         zero_stage=scenario.data_parallel.zero_stage,
+                         cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
 
 
 _NAMES = {"gpt": "GPT", "llama": "Llama"}

@@ -1,0 +1,291 @@
+"""The parallel plan of a transformer training step, and its one rulebook.
+
+:class:`ParallelConfig` is the typed plan: global batch B, micro-batch b, degrees dp × pp
+× cp × tp (and ep carved out of dp), the pipeline schedule, sequence parallelism,
+recomputation, the attention kernel, the ZeRO stage, the context-parallel algorithm, TP
+overlap and the gradient-reduction dtype — each closed choice an enum of
+:mod:`modeling.choices`. Every cross-field rule is written once, here, and raises one
+:class:`~modeling.errors.ConfigError` naming the field; the CLI maps the field to its flag
+(``--zero``) and the scenario loader to its key path (``parallel.zero_stage``).
+
+The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
+
+1. degrees, batch sizes and virtual stages are integers >= 1; each choice is one of its
+   enum's values;
+2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
+   with pipelines) and no sequence parallelism (its LayerNorm gradients are reduced over
+   tp once per step); any ZeRO stage with ep > 1 is refused (the expert-parallel program
+   has no expert-data-parallel group for the experts' sharded state yet: it would be
+   priced as something it is not);
+3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
+   log-sum-exp, never the scores);
+4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);
+   cp > 1 with ep > 1 is not supported;
+5. B splits into dp × b; m = B / (dp·b) micro-batches;
+6. ``virtual_stages`` > 1 only under ``interleaved_1f1b``, whose v >= 2 chunks need m a
+   multiple of pp (Megatron runs micro-batches in rounds of p).
+
+Rules that need the model (layers over stages, heads over tp, experts over ep) are
+:meth:`ParallelConfig.check`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh import Mesh
+from mesh.arguments import as_int
+
+from .choices import (AttentionKernel, CPAlgorithm, GradReduceDtype, Recompute,
+                      ScheduleName, TPOverlap, ZeroStage)
+from .errors import ConfigError
+
+__all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse"]
+
+
+def parse(kind, value, field: str, owner: str = ""):
+    """``kind(value)`` (an enum member), or ConfigError naming ``field`` and the values."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(map(str, kind.values()))
+        raise ConfigError(field, value, f"one of {allowed}", "not a known value",
+                          owner=owner) from None
+
+
+def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
+                     ep: int = 1, owner: str = "") -> ZeroStage:
+    """``zero_stage`` as a :class:`ZeroStage`, or ConfigError by rule 2 (module doc)."""
+    if isinstance(zero_stage, bool):
+        raise ConfigError("zero_stage", zero_stage, "one of 0, 1, 2, 3",
+                          "not a known value", owner=owner)
+    zero = parse(ZeroStage, zero_stage, "zero_stage", owner)
+    if zero >= 2 and pp > 1:
+        raise ConfigError("zero_stage", int(zero), "0 or 1 with pp > 1",
+                          f"zero_stage={int(zero)} with pipeline parallelism (pp={pp}) is not "
+                          "supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, "
+                          "and DeepSpeed refuses them with pipeline parallelism", owner=owner)
+    if zero >= 2 and sequence_parallel:
+        raise ConfigError("zero_stage", int(zero), "0 or 1 with sequence parallelism",
+                          f"zero_stage={int(zero)} with sequence_parallel=True is not "
+                          "supported (the sequence-parallel LayerNorm gradients are reduced "
+                          "over tp once per step, ZeRO-2/3 reduce-scatter every "
+                          "micro-batch)", owner=owner)
+    if zero >= 1 and ep > 1:
+        raise ConfigError("zero_stage", int(zero), "0 with ep > 1",
+                          f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
+                          "supported yet: the experts' sharded state needs an "
+                          "expert-data-parallel group the program does not build, and a "
+                          "plan is never priced as something it does not run", owner=owner)
+    return zero
+
+
+def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
+    """ConfigError unless the query and key/value heads split over ``tp`` ranks: heads
+    a multiple of tp; kv_heads a multiple of tp, or (fewer) a divisor of it, each KV head
+    then replicated over tp/kv_heads ranks."""
+    if heads % tp:
+        raise ConfigError("tp", tp, f"a divisor of heads={heads}",
+                          f"heads={heads} does not split evenly over tp={tp}")
+    if kv_heads >= tp and kv_heads % tp:
+        raise ConfigError("tp", tp, f"a divisor of kv_heads={kv_heads}",
+                          f"kv_heads={kv_heads} >= tp={tp} must be a multiple of tp "
+                          "(K/V heads split over tp)")
+    if kv_heads < tp and tp % kv_heads:
+        raise ConfigError("tp", tp, f"a multiple of kv_heads={kv_heads}",
+                          f"kv_heads={kv_heads} < tp={tp} must divide tp (each KV head "
+                          "replicated over tp/kv_heads ranks)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Global batch B, micro-batch b, degrees dp x pp x tp (the sizes of the mesh axes of
+    those names), the schedule (virtual stages: interleaved_1f1b only, default 2),
+    sequence parallelism, recomputation. Micro-batches per step m = B / (dp·b). The
+    rules are the module docstring's.
+
+    ``attention``: the attention kernel a real run uses (:class:`AttentionKernel`). The
+    emulated program computes the same math either way; the memory model and the trace
+    read it — fused kernels are traced as one kernel forward and one backward (O(s)
+    bytes, the same FLOPs), unfused as the products and the softmax passes over the s²
+    scores.
+
+    ``zero_stage`` (0 DDP; 1, 2, 3: ZeRO, :mod:`pipeline_parallel.zero`) is what the
+    emulated program runs. ``distributed_optimizer=True`` is an alias of ``zero_stage=1``
+    kept for existing callers (it raises a ``zero_stage`` of 0 or None to 1); after
+    construction ``distributed_optimizer`` reads ``zero_stage >= 1``.
+
+    ``cp``: context parallelism, the size of the mesh axis ``cp`` (each rank holds 2 of
+    the sequence's 2·cp chunks), with ``cp_algorithm`` ring or all_gather.
+
+    ``tp_overlap``: ``backward`` (default) reduces the input gradient of each
+    column-parallel linear asynchronously while that linear's weight gradient is computed
+    (Megatron-LM's ``--async-tensor-model-parallel-allreduce``; Korthikanti et al. 2022
+    §6.2); ``none`` puts every tensor-parallel collective on the critical path.
+
+    ``grad_reduce_dtype``: the dtype of the data-parallel gradient reductions (DDP's
+    all-reduces, ZeRO's reduce-scatters, the tied embedding's exchange): ``model`` (the
+    gradients' own) or ``fp32`` (each bucket cast up to float32, summed, cast back)."""
+
+    global_batch: int
+    micro_batch: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    schedule: ScheduleName = ScheduleName.ONE_F_ONE_B
+    virtual_stages: int | None = None
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    attention: AttentionKernel = AttentionKernel.FLASH
+    distributed_optimizer: bool = False
+    zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
+    cp: int = 1
+    cp_algorithm: CPAlgorithm = CPAlgorithm.RING
+    ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
+    tp_overlap: TPOverlap = TPOverlap.BACKWARD
+    grad_reduce_dtype: GradReduceDtype = GradReduceDtype.MODEL
+
+    def __post_init__(self):
+        who = "ParallelConfig"
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
+                ("virtual_stages",) if self.virtual_stages is not None else ()):
+            try:
+                as_int(getattr(self, f), f"{who}: {f}", 1)
+            except (TypeError, ValueError):
+                raise ConfigError(f, getattr(self, f), "an integer >= 1",
+                                  "not a positive integer", owner=who) from None
+        for f, kind in (("schedule", ScheduleName), ("recompute", Recompute),
+                        ("attention", AttentionKernel), ("cp_algorithm", CPAlgorithm),
+                        ("tp_overlap", TPOverlap), ("grad_reduce_dtype", GradReduceDtype)):
+            object.__setattr__(self, f, parse(kind, getattr(self, f), f, who))
+        for f in ("sequence_parallel", "distributed_optimizer"):
+            if getattr(self, f) not in (False, True):
+                raise ConfigError(f, getattr(self, f), "True or False", "not a boolean",
+                                  owner=who)
+        zero = self.zero_stage
+        if self.distributed_optimizer and zero in (None, 0):
+            zero = 1
+        zero = check_zero_stage(0 if zero is None else zero, self.pp, self.sequence_parallel,
+                                self.ep, who)
+        object.__setattr__(self, "zero_stage", zero)
+        object.__setattr__(self, "distributed_optimizer", zero >= 1)
+        if self.cp > 1 and not self.attention.fused:
+            raise ConfigError("attention", self.attention, " or ".join(
+                repr(v) for v in AttentionKernel.fused_values()) + f" with cp={self.cp}",
+                f"cp={self.cp} needs attention='flash' or 'flash-v1' (context-parallel "
+                "attention keeps O and the log-sum-exp, never the scores)", owner=who)
+        if self.dp % self.ep:
+            raise ConfigError("ep", self.ep, f"a divisor of dp={self.dp}",
+                              f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
+                              "group is carved out of the data-parallel ranks)", owner=who)
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigError("ep", self.ep, f"1 with cp={self.cp}",
+                              f"cp > 1 with ep > 1 is not supported yet (got cp={self.cp}, "
+                              f"ep={self.ep}); use context parallelism or expert "
+                              "parallelism, not both", owner=who)
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ConfigError("global_batch", self.global_batch,
+                              f"a multiple of dp x micro_batch = {self.dp * self.micro_batch}",
+                              f"global_batch={self.global_batch} does not split into "
+                              f"dp={self.dp} x micro_batch={self.micro_batch}", owner=who)
+        self._check_schedule(who)
+
+    def _check_schedule(self, who: str) -> None:
+        v = self.virtual_stages
+        if self.schedule is not ScheduleName.INTERLEAVED_1F1B:
+            if v not in (None, 1):
+                raise ConfigError("virtual_stages", v, f"1 (or none) with {self.schedule}",
+                                  "virtual_stages must be 1 except under interleaved_1f1b",
+                                  owner=who)
+            return
+        m, p = self.microbatches, self.pp
+        if self.chunks > 1 and m % p:
+            lower, upper = (m // p) * p, (m // p + 1) * p
+            near = f"{lower} or {upper}" if lower else f"{upper}"
+            raise ConfigError(
+                "microbatches", m, f"a multiple of pp={p} (e.g. {near}), or another schedule",
+                f"interleaved_1f1b with {self.chunks} virtual stages runs micro-batches in "
+                f"rounds of pp={p}: global_batch / (dp x micro_batch) = {m} is not a "
+                "multiple of pp", owner=who)
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def use_async_grad_reduce(self) -> bool:
+        """Whether the program overlaps a column-parallel linear's input-gradient
+        reduction with its weight gradient (``tp_overlap`` backward): not under the
+        zero-bubble schedule, whose weight pass ``W`` runs apart from the input gradient
+        ``I`` to fill the pipeline's bubbles."""
+        return self.tp_overlap is TPOverlap.BACKWARD and \
+            self.schedule is not ScheduleName.ZERO_BUBBLE
+
+    @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank v."""
+        return self.virtual_stages or (
+            2 if self.schedule is ScheduleName.INTERLEAVED_1F1B else 1)
+
+    def mesh(self) -> Mesh:
+        """dp x pp x tp; with cp > 1 dp x pp x cp x tp: tp innermost (its collectives
+        close every block), cp next to it (the ring's K/V, every layer, stays on the
+        node's links when tp·cp fits a node), as Megatron orders tp-cp-dp-pp.
+
+        With ep > 1, (dp/ep, pp, ep, tp) on axes ("dp", "pp", "ep", "tp"): data
+        parallelism is the axes (dp, ep) together (``self.dp`` ranks), the axis "dp" alone
+        is then the expert-data-parallel group (the ranks holding the same experts) and
+        "ep" the expert-parallel group — next to tp, so that an ep·tp group of consecutive
+        ranks shares a node when it fits one (its all_to_alls on NVLink)."""
+        if self.cp > 1:
+            return Mesh((self.dp, self.pp, self.cp, self.tp), ("dp", "pp", "cp", "tp"))
+        if self.ep > 1:
+            return Mesh((self.dp // self.ep, self.pp, self.ep, self.tp),
+                        ("dp", "pp", "ep", "tp"))
+        return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
+
+    @property
+    def gpus(self) -> int:
+        """dp·pp·cp·tp."""
+        return self.dp * self.pp * self.cp * self.tp
+
+    def check(self, config, mesh) -> None:
+        """Raise if the mesh or a count of the model ``config`` (hidden, heads, kv_heads,
+        ffn_hidden, layers, seq, vocab, experts) does not fit (naming both)."""
+        expect = {"dp": self.dp // self.ep if "ep" in mesh.axes else self.dp, "ep": self.ep}
+        for a in (*mesh.axes, "dp", "pp", "cp", "tp", "ep"):
+            if a not in ("dp", "ep", "pp", "cp", "tp"):
+                raise ValueError(f"GPT: mesh axes must be among dp, ep, pp, cp, tp; got "
+                                 f"{mesh.axes}")
+            if mesh.shape.get(a, 1) != expect.get(a, getattr(self, a)):
+                raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)}"
+                                 + (f" (ep={self.ep})" if a in ("dp", "ep") else "")
+                                 + f" but the mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+        if config.experts % self.ep or (self.ep > 1 and not config.experts):
+            raise ConfigError("ep", self.ep, f"a divisor of experts={config.experts}",
+                              f"experts={config.experts} do not split over ep={self.ep}"
+                              + (" (a dense model needs ep=1)" if not config.experts else ""),
+                              owner="GPT")
+        if config.experts and self.cp > 1:
+            raise ConfigError("cp", self.cp, "1 with a mixture of experts",
+                              f"a mixture of experts (experts={config.experts}) with "
+                              f"cp={self.cp} is not supported yet (each cp rank would route "
+                              "only its chunk of the sequence: capacity and the aux loss "
+                              "change)", owner="GPT")
+        if config.layers % (self.pp * self.chunks):
+            raise ConfigError("pp", self.pp, f"stages dividing the {config.layers} layers",
+                              f"the {config.layers} layers do not split evenly into "
+                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})",
+                              owner="GPT")
+        if self.cp > 1 and config.seq % (2 * self.cp):
+            raise ConfigError("cp", self.cp, f"a cp with 2·cp dividing seq={config.seq}",
+                              f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "
+                              f"chunks of equal length (cp={self.cp})", owner="GPT")
+        for what, n in (("vocab", config.vocab), ("ffn_hidden", config.ffn_hidden)) + (
+                ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
+                  config.seq // self.cp),) if self.sequence_parallel else ()):
+            if n % self.tp:
+                raise ConfigError("tp", self.tp, f"a divisor of {what}={n}",
+                                  f"{what}={n} does not split evenly over tp={self.tp}",
+                                  owner="GPT")
+        check_kv_heads(config.heads, config.kv_heads, self.tp)

@@ -132,3 +132,22 @@ def test_each_closed_choice_is_defined_once():
             found += [f"{path.relative_to(ROOT)}: {p}" for p in CHOICE_LITERALS
                       if re.search(p, text)]
     assert found == []
+
+
+def test_a_scenario_names_its_model(tmp_path, capsys):
+    """workload.model: the preset's shapes, the keys written beside it overriding them; a
+    model the program cannot run is refused at check time under workload.model."""
+    good = tmp_path / "model.yaml"
+    good.write_text("workload: {kind: transformer, model: llama-3.1-8b, layers: 2, seq: 1024, "
+                    "batch: 8}\nparallel: {tp: 8, micro_batch: 1}\nrun: {mode: simulate}\n"
+                    "hardware: {name: h100-dgx}\n")
+    assert main(["run", str(good), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "Llama h=4096 l=2 a=32 kv=8 ffn=14336 s=1024 V=128256" in summary
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workload: {kind: transformer, model: qwen3-8b, layers: 2, seq: 64}\n"
+                   "parallel: {tp: 1}\n"
+                   "run: {mode: simulate}\nhardware: {name: h100-dgx}\n")
+    assert main(["run", str(bad), "--out", str(tmp_path / "out2"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "workload.model = 'qwen3-8b': the GPT program cannot run QK-norm" in err

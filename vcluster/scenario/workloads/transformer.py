@@ -204,7 +204,7 @@ def _degrees(mesh) -> dict:
 def _configs(scenario, mesh=None):
     """The GPT's configs from the parsed point (their own checks are the library's);
     without ``mesh`` the ParallelConfig is None."""
-    w, o, par = scenario.workload, scenario.workload.options, scenario.parallel
+    w, o = scenario.workload, scenario.workload.options
     if o.get("model"):
         return _model_config(scenario), None if mesh is None else _parallel(scenario, mesh)
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],

@@ -66,17 +66,16 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
                           "supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, "
                           "and DeepSpeed refuses them with pipeline parallelism", owner=owner)
     if zero >= 2 and sequence_parallel:
-        raise ConfigError("zero_stage", int(zero), "0 or 1 with sequence parallelism",
+        raise ConfigError("zero_stage", int(zero), "0 or 1 with sequence_parallel true",
                           f"zero_stage={int(zero)} with sequence_parallel=True is not "
                           "supported (the sequence-parallel LayerNorm gradients are reduced "
                           "over tp once per step, ZeRO-2/3 reduce-scatter every "
                           "micro-batch)", owner=owner)
-    if zero >= 1 and ep > 1:
-        raise ConfigError("zero_stage", int(zero), "0 with ep > 1",
+    if zero >= 2 and ep > 1:
+        raise ConfigError("zero_stage", int(zero), "0 or 1 with ep > 1",
                           f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
-                          "supported yet: the experts' sharded state needs an "
-                          "expert-data-parallel group the program does not build, and a "
-                          "plan is never priced as something it does not run", owner=owner)
+                          "supported (the expert gradients need their own data-parallel "
+                          "group)", owner=owner)
     return zero
 
 
@@ -188,15 +187,22 @@ class ParallelConfig:
                               f"a multiple of dp x micro_batch = {self.dp * self.micro_batch}",
                               f"global_batch={self.global_batch} does not split into "
                               f"dp={self.dp} x micro_batch={self.micro_batch}", owner=who)
-        self._check_schedule(who)
+        self._check_virtual_stages(who)
 
-    def _check_schedule(self, who: str) -> None:
+    def _check_virtual_stages(self, who: str) -> None:
         v = self.virtual_stages
         if self.schedule is not ScheduleName.INTERLEAVED_1F1B:
             if v not in (None, 1):
                 raise ConfigError("virtual_stages", v, f"1 (or none) with {self.schedule}",
                                   "virtual_stages must be 1 except under interleaved_1f1b",
                                   owner=who)
+
+    def check_microbatches(self) -> None:
+        """Rule 6's second half: interleaved_1f1b with v >= 2 needs m a multiple of pp
+        (checked where a user's plan enters — the CLI, the scenario loader — since the
+        simulator traces shortened steps of its own)."""
+        who = "ParallelConfig"
+        if self.schedule is not ScheduleName.INTERLEAVED_1F1B:
             return
         m, p = self.microbatches, self.pp
         if self.chunks > 1 and m % p:
@@ -281,6 +287,7 @@ class ParallelConfig:
             raise ConfigError("cp", self.cp, f"a cp with 2·cp dividing seq={config.seq}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "
                               f"chunks of equal length (cp={self.cp})", owner="GPT")
+        check_kv_heads(config.heads, config.kv_heads, self.tp)
         for what, n in (("vocab", config.vocab), ("ffn_hidden", config.ffn_hidden)) + (
                 ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
                   config.seq // self.cp),) if self.sequence_parallel else ()):
@@ -288,4 +295,3 @@ class ParallelConfig:
                 raise ConfigError("tp", self.tp, f"a divisor of {what}={n}",
                                   f"{what}={n} does not split evenly over tp={self.tp}",
                                   owner="GPT")
-        check_kv_heads(config.heads, config.kv_heads, self.tp)

@@ -62,8 +62,8 @@ def test_distributed_optimizer_is_zero_1(tmp_path):
 
 @pytest.mark.parametrize("flags,words", [
     (["--zero", "2", "--distributed-optimizer"], "--distributed-optimizer"),
-    (["--zero", "2", "--pp", "2"], "--pp 2"),
-    (["--zero", "3", "--tp", "2", "--sequence-parallel"], "--sequence-parallel"),
+    (["--zero", "2", "--pp", "2"], "pp=2"),
+    (["--zero", "3", "--tp", "2", "--sequence-parallel"], "sequence_parallel=True"),
 ])
 def test_simulate_refuses_unsupported_zero(flags, words, capsys):
     rc = main(["simulate", "gpt", "--hidden", "64", "--layers", "2", "--heads", "4", "--seq",

@@ -111,6 +111,7 @@ def _gpt(args) -> int:
                               attention=args.attention, tp_overlap=args.tp_overlap,
                               grad_reduce_dtype=args.grad_reduce_dtype,
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
+    parallel.check_microbatches()
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "

@@ -268,6 +268,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    if short.ep > 1 and short.zero_stage:      # not emulated yet (TrainJob): traced as DDP
+        short = dataclasses.replace(short, zero_stage=0, distributed_optimizer=False)
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()

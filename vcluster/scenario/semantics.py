@@ -20,6 +20,7 @@ parser runs these rules again.
 from __future__ import annotations
 
 from mesh import Mesh
+from modeling import ConfigError, check_zero_stage
 
 from .choices import DataParallelMode
 from .errors import ScenarioError
@@ -152,21 +153,15 @@ def check_data_parallel(scenario) -> None:
 
 
 def _check_zero(scenario, mesh) -> None:
-    """ZeRO-2/3 reduce-scatter every micro-batch: not with pp > 1 or sequence parallelism
-    (the library refuses them; named here by key)."""
-    stage = scenario.data_parallel.zero_stage
-    if stage < 2:
-        return
-    pp = mesh.shape.get("pp", 1)
-    if pp > 1:
-        raise ScenarioError("data_parallel.zero_stage", stage, f"1 with pp={pp} (2 and 3 "
-                            "need pp 1)", "ZeRO-2/3 reduce-scatter gradients every "
-                            "micro-batch, which a pipeline refuses (as DeepSpeed does)")
-    if scenario.parallel.get("sequence_parallel"):
-        raise ScenarioError("data_parallel.zero_stage", stage, "1 with parallel."
-                            "sequence_parallel true (2 and 3 need it false)",
-                            "the sequence-parallel LayerNorm gradients are reduced over tp "
-                            "once per step, ZeRO-2/3 reduce-scatter every micro-batch")
+    """The ZeRO stage against the plan's rulebook (:func:`modeling.check_zero_stage`: 2 and
+    3 need pp 1 and no sequence parallelism, any stage needs ep 1), named by key."""
+    try:
+        check_zero_stage(scenario.data_parallel.zero_stage, mesh.shape.get("pp", 1),
+                         bool(scenario.parallel.get("sequence_parallel")),
+                         mesh.shape.get("ep", 1))
+    except ConfigError as exc:
+        raise ScenarioError("data_parallel.zero_stage", exc.value, exc.allowed,
+                            exc.reason) from None
 
 
 def check_semantics(scenario):

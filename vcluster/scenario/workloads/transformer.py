@@ -103,6 +103,7 @@ def _check_plan(scenario, mesh, check_model: bool = False) -> None:
     ConfigError reported under the scenario key the user wrote."""
     try:
         config, parallel = _configs(scenario, mesh)
+        parallel.check_microbatches()
         if check_model:
             parallel.check(config, parallel.mesh())
     except ConfigError as exc:

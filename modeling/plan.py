@@ -13,10 +13,9 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
 1. degrees, batch sizes and virtual stages are integers >= 1; each choice is one of its
    enum's values;
 2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
-   with pipelines) and no sequence parallelism (its LayerNorm gradients are reduced over
-   tp once per step); any ZeRO stage with ep > 1 is refused (the expert-parallel program
-   has no expert-data-parallel group for the experts' sharded state yet: it would be
-   priced as something it is not);
+   with pipelines), no sequence parallelism (its LayerNorm gradients are reduced over
+   tp once per step) and ep = 1 (the expert gradients need their own data-parallel
+   group);
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
 4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);

@@ -42,13 +42,14 @@ gradients over dp × cp in one bucketed all-reduce per bucket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
 
 from modeling import (Attention, AttentionKernel, ConfigError, GradReduceDtype, MLPKind,
-                      ModelSpec, NormKind, ParallelConfig, Positions, TPOverlap)
+                      ModelSpec, NormKind, ParallelConfig, Positions, TPOverlap,
+                      load_model)
 from modeling import MoE as MoESpec
 from pipelining import make_schedule
 from sharding import shard_slices
@@ -248,6 +249,19 @@ class GPTConfig:
         return self.hidden // self.heads
 
     @classmethod
+    def of_model(cls, model, seq: int, dtype: str = "float64", timing_only: bool = False,
+                 layers: int | None = None, **overrides) -> "GPTConfig":
+        """The GPTConfig of a preset or a config.json (:func:`modeling.load_model`),
+        cut to ``layers`` (the model's own layer pattern, a proxy) and with GPTConfig
+        fields in ``overrides`` replacing the model's — what ``--model`` with shape flags
+        and ``workload.model`` with shape keys mean."""
+        spec = load_model(model)
+        if layers is not None:
+            spec = spec.with_layers(layers)
+        config = cls.from_spec(spec, seq, dtype, timing_only)
+        return replace(config, **overrides) if overrides else config
+
+    @classmethod
     def from_spec(cls, spec: ModelSpec, seq: int, dtype: str = "float64",
                   timing_only: bool = False) -> "GPTConfig":
         """The GPTConfig of a :class:`~modeling.ModelSpec` trained on sequences of
@@ -297,8 +311,8 @@ class GPTConfig:
                            "simulate)")
         moe = {}
         if isinstance(mlp, MoESpec):
-            if arch != "llama":
-                refuse("GELU experts", str(mlp), "SwiGLU experts (the Llama block)")
+            if expert.kind is not MLPKind.SWIGLU:
+                refuse(f"{expert.kind} experts", str(mlp), "SwiGLU experts (the Llama block)")
             if mlp.shared_experts:
                 refuse("shared experts", mlp.shared_experts)
             if mlp.top_k > 2:
@@ -313,10 +327,10 @@ class GPTConfig:
                        moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
                        moe_aux_coef=mlp.aux_loss_coef)
         ffn = expert.width
-        if arch == "gpt" and ffn != 4 * spec.hidden:
+        if expert.kind is MLPKind.GELU and ffn != 4 * spec.hidden:
             refuse("a GPT MLP other than 4h", ffn, f"{4 * spec.hidden}")
         llama = dict(kv_heads=att.kv_heads, ffn_hidden=ffn, rope_theta=spec.rope_theta) \
-            if arch == "llama" else {}
+            if spec.positions is Positions.ROPE else {}
         return cls(hidden=spec.hidden, layers=spec.num_layers, heads=att.heads, seq=seq,
                    vocab=spec.vocab, dtype=dtype, eps=spec.norm_eps, arch=arch,
                    tie_embeddings=spec.tie_embeddings, **llama, **moe)

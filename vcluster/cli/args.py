@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from modeling import (AttentionKernel, GradReduceDtype, ScheduleName, TPOverlap,
-                      load_model)
+from modeling import AttentionKernel, GradReduceDtype, ScheduleName, TPOverlap
 from vcluster.scenario.units import parse_size
 
 __all__ = ["positive_int", "int_at_least", "csv_of", "sizes", "add_arch_arguments",
@@ -233,7 +232,6 @@ def gpt_config(args, dtype: str = "float64"):
     ValueError naming the flags missing without ``--model``."""
     # lazy: keeps vcluster --help fast (pipeline_parallel loads the emulator's programs)
     from pipeline_parallel.gpt import GPTConfig
-    from dataclasses import replace
     if args.seq is None:
         raise ValueError("--seq (the training sequence length) is required")
     if args.model is None:
@@ -245,11 +243,8 @@ def gpt_config(args, dtype: str = "float64"):
                          seq=args.seq, vocab=args.vocab, dtype=dtype, arch=args.arch or "gpt",
                          kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                          tie_embeddings=args.tie_embeddings, **moe_config(args))
-    spec = load_model(args.model)
-    if args.layers is not None:
-        spec = spec.with_layers(args.layers)
-    config = GPTConfig.from_spec(spec, args.seq, dtype, timing_only=True)
     given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
     if args.tie_embeddings:
         given["tie_embeddings"] = True
-    return replace(config, **given) if given else config
+    return GPTConfig.of_model(args.model, args.seq, dtype, timing_only=True,
+                              layers=args.layers, **given)

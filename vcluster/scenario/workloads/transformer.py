@@ -35,7 +35,7 @@ from vcluster.planner.memory import gpt_memory
 from vcluster.planner.simulation import fp8_gemm, gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
 
-from modeling import ConfigError, load_model
+from modeling import ConfigError
 
 from ..choices import DataParallelMode
 from ..errors import ScenarioError
@@ -229,13 +229,10 @@ def _model_config(scenario):
     shape keys) override the model's, the others keep the model's values."""
     w = scenario.workload
     written = dict(scenario.document.get("workload") or {})
-    spec = load_model(w.options["model"])
-    if "layers" in written:
-        spec = spec.with_layers(written["layers"])
-    config = GPTConfig.from_spec(spec, w.options["seq"], w.dtype,
-                                 timing_only=scenario.run.mode == "simulate")
-    given = {k: written[k] for k in _MODEL_OVERRIDES if k in written}
-    return dataclasses.replace(config, **given) if given else config
+    return GPTConfig.of_model(w.options["model"], w.options["seq"], w.dtype,
+                              timing_only=scenario.run.mode == "simulate",
+                              layers=written.get("layers"),
+                              **{k: written[k] for k in _MODEL_OVERRIDES if k in written})
 
 
 def _parallel(scenario, mesh):

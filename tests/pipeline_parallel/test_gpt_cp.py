@@ -139,9 +139,11 @@ def test_ring_traffic_and_gradient_group_closed_forms():
 
 # --- configuration -------------------------------------------------------------------------
 def test_cp_config_errors_are_clear():
-    with pytest.raises(ValueError, match="cp_algorithm=.*: not a known value; allowed: one of ring, all_gather"):
+    with pytest.raises(ValueError, match="cp_algorithm=.*: not a known value; allowed: one "
+                                         "of ring, all_gather"):
         ParallelConfig(global_batch=4, cp=2, cp_algorithm="tree")
-    with pytest.raises(ValueError, match="ParallelConfig: cp must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="ParallelConfig: cp=0: not a positive integer; "
+                                         "allowed: an integer >= 1"):
         ParallelConfig(global_batch=4, cp=0)
     gpt = GPT(GPTConfig(hidden=16, layers=2, heads=4, seq=12, vocab=32))
     par = ParallelConfig(global_batch=4, cp=4)

@@ -14,8 +14,8 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    enum's values;
 2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
    with pipelines), no sequence parallelism (its LayerNorm gradients are reduced over
-   tp once per step) and ep = 1 (the expert gradients need their own data-parallel
-   group);
+   tp once per step); any ZeRO stage needs ep = 1 (the experts' sharded state needs an
+   expert-data-parallel group the program does not build: refused, never priced as DDP);
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
 4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);
@@ -70,11 +70,12 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
                           "supported (the sequence-parallel LayerNorm gradients are reduced "
                           "over tp once per step, ZeRO-2/3 reduce-scatter every "
                           "micro-batch)", owner=owner)
-    if zero >= 2 and ep > 1:
-        raise ConfigError("zero_stage", int(zero), "0 or 1 with ep > 1",
+    if zero >= 1 and ep > 1:
+        raise ConfigError("zero_stage", int(zero), "0 with ep > 1",
                           f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
-                          "supported (the expert gradients need their own data-parallel "
-                          "group)", owner=owner)
+                          "supported yet: the experts' sharded state needs an "
+                          "expert-data-parallel group the program does not build (a plan is "
+                          "never priced as something it does not run)", owner=owner)
     return zero
 
 

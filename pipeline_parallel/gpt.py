@@ -538,12 +538,6 @@ class GPT:
         ``expert_load``: what a trace of an MoE model routes, an ExpertLoad for every
         layer or a dict layer -> ExpertLoad)."""
         parallel.check(self.config, mesh)
-        if parallel.zero_stage and self.config.experts and "ep" in mesh.axes:
-            raise ValueError(f"GPT: zero_stage={parallel.zero_stage} with experts="
-                             f"{self.config.experts} on ep={parallel.ep} is not supported yet "
-                             f"(ZeRO shards one gradient group; the experts' gradients are "
-                             f"reduced over their own expert-data-parallel group): use "
-                             f"zero_stage=0, or ep=1")
         S, m = parallel.pp * parallel.chunks, parallel.microbatches
         zero = parallel.zero_stage
         if self.config.tie_embeddings and S > 1 and zero and (zero >= 2 or parallel.pp == 1):

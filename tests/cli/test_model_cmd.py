@@ -81,10 +81,8 @@ def test_model_list_and_show(capsys, tmp_path):
     assert main(["model", "show", str(tmp_path / "none.json")]) == 2
 
 
-#: every ZeRO x pp x sp combination with ep 1, and ZeRO-2/3 with ep 2 (refused); ZeRO-1
-#: with ep 2 is still traced as DDP while the memory counts ZeRO-1 (issue 51, left open)
-COMBOS = list(itertools.product((0, 1, 2, 3), (1,), (1, 2), (False, True))) + \
-    list(itertools.product((2, 3), (2,), (1, 2), (False, True)))
+#: every ZeRO x ep x pp x sp combination; 8 or 16 GPUs, a 4-layer MoE Llama
+COMBOS = list(itertools.product((0, 1, 2, 3), (1, 2), (1, 2), (False, True)))
 
 
 @pytest.mark.parametrize("zero, ep, pp, sp", COMBOS)
@@ -99,7 +97,7 @@ def test_the_stage_traced_counted_and_printed_agree(zero, ep, pp, sp):
                              sequence_parallel=sp, zero_stage=zero, ep=ep)
     except ConfigError as exc:
         assert exc.field == "zero_stage" and exc.reason
-        assert zero >= 2 and (pp > 1 or sp or ep > 1)
+        assert zero >= 2 and (pp > 1 or sp) or zero >= 1 and ep > 1
         return
     hw = load_hardware("h100-dgx")
     r = simulate_gpt(config, par, hw)

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from modeling import ConfigError
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops, moe_model_flops
 from tensor_parallel.moe_layer import EXPERT_PARAMS
@@ -167,18 +168,14 @@ def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
     assert {c["ep"] for c in cands} == {1, 2} and {c["cp"] for c in cands} == {1}
 
 
-def test_simulate_moe_with_distributed_optimizer_on_ep(tmp_path):
-    """The executor refuses ZeRO with ep > 1, but simulate prices it: the memory model
-    shards the optimizer state (the experts' over dp/ep) and the traced step runs DDP."""
-    cfg, hw = _cfg(), load_hardware(H100)
-    plain = simulate_gpt(cfg, ParallelConfig(global_batch=8, dp=4, ep=2), hw)
-    zero = simulate_gpt(cfg, ParallelConfig(global_batch=8, dp=4, ep=2,
-                                            distributed_optimizer=True), hw)
-    assert zero.peak_memory_gb < plain.peak_memory_gb
-    assert zero.step_time_s == pytest.approx(plain.step_time_s, rel=0.05)
-    out = tmp_path / "sim.json"
+def test_zero_with_expert_parallelism_is_refused_not_priced_as_ddp(capsys):
+    """The executor cannot run ZeRO with ep > 1; the simulator once traced such a plan as
+    DDP while the memory model counted ZeRO-1 and the printout said "ZeRO stage 1". The
+    plan's rulebook now refuses it, so no engine prices what it does not run."""
+    with pytest.raises(ConfigError, match=r"zero_stage=1 with expert parallelism \(ep=2\)"):
+        ParallelConfig(global_batch=8, dp=4, ep=2, distributed_optimizer=True)
     assert main(["simulate", "gpt", "--arch", "llama", "--hidden", "256", "--layers", "4",
                  "--heads", "8", "--kv-heads", "4", "--ffn-hidden", "512", "--seq", "128",
                  "--vocab", "1024", "--experts", "8", "--ep", "2", "--dp", "4",
-                 "--global-batch", "8", "--distributed-optimizer", "--hardware", H100,
-                 "--json", str(out)]) == 0
+                 "--global-batch", "8", "--distributed-optimizer", "--hardware", H100]) == 2
+    assert "--zero=1: zero_stage=1 with expert parallelism" in capsys.readouterr().err

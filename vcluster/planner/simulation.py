@@ -21,9 +21,8 @@ A mixture of experts (``GPTConfig(experts=E)``, ``ParallelConfig(ep)``) routes
 ``ExpertLoad.skewed(..., expert_skew)`` in the trace (its busiest expert on the traced ep
 rank 0); its dropless token exchanges are replayed as all_to_alls over the ep group
 (:func:`moe_exchanges_as_all_to_all`). The emulated program does not run ZeRO with expert
-parallelism yet, so with ep > 1 the distributed optimizer is traced as DDP (its
-all-reduces move what the reduce-scatter and all-gather would; the memory model still
-counts the sharded optimizer state).
+parallelism yet, and the plan's rulebook refuses that combination
+(:func:`modeling.check_zero_stage`): what is simulated is what the program runs.
 
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
@@ -268,8 +267,6 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
-    if short.ep > 1 and short.zero_stage:      # not emulated yet (TrainJob): traced as DDP
-        short = dataclasses.replace(short, zero_stage=0, distributed_optimizer=False)
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=config.layers // (p * v) * p_short * v)
     short_mesh = short.mesh()

@@ -8,6 +8,7 @@ parallel plan it is trained under (``ParallelConfig``: enums, one rulebook,
 8.03
 """
 
+from .blocks import BLOCKS, GPT2_BLOCK, LLAMA_BLOCK, Block, block_named, block_of
 from .choices import (AttentionKernel, Choice, CPAlgorithm, FlopConvention, GradReduceDtype,
                       MLPKind, NormKind, Positions, Recompute, RouterScore, ScheduleName,
                       TPOverlap, ZeroStage)
@@ -20,7 +21,8 @@ from .plan import ParallelConfig, check_zero_stage
 from .presets import load_model, preset_info, preset_names
 from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
-__all__ = ["ModelSpec", "Layer", "Attention", "LatentAttention", "MLP", "MoE",
+__all__ = ["Block", "BLOCKS", "GPT2_BLOCK", "LLAMA_BLOCK", "block_named", "block_of",
+           "ModelSpec", "Layer", "Attention", "LatentAttention", "MLP", "MoE",
            "from_hf_config", "load_model", "preset_names", "preset_info",
            "ParameterCount", "FlopsPerToken", "parameter_count", "flops_per_token",
            "kv_bytes_per_token", "kv_cache_bytes", "activation_bytes_per_layer",

@@ -47,8 +47,9 @@ from functools import partial
 
 import numpy as np
 
-from modeling import (Attention, AttentionKernel, ConfigError, GradReduceDtype, MLPKind,
-                      ModelSpec, NormKind, ParallelConfig, Positions, TPOverlap,
+from modeling import (BLOCKS, GPT2_BLOCK, LLAMA_BLOCK, Attention, AttentionKernel, Block,
+                      ConfigError, FlopConvention, GradReduceDtype, ModelSpec,
+                      ParallelConfig, Positions, TPOverlap, block_named, block_of,
                       load_model)
 from modeling import MoE as MoESpec
 from pipelining import make_schedule
@@ -76,7 +77,7 @@ from mesh.arguments import as_int
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
            "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
-           "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION", "BLOCKS"]
+           "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION"]
 
 #: the closed choices of ParallelConfig, as text (the enums of :mod:`modeling.choices`)
 ATTENTION = AttentionKernel.values()
@@ -97,13 +98,16 @@ def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int
     return 96 * B * s * l * h * h + 16 * B * s * s * l * h + 6 * B * s * h * V
 
 
-#: the architectures GPTConfig.arch names: GPT-2 (LayerNorm, learned positions, gelu MLP
-#: 4h, biases) and Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases)
-ARCHS = ("gpt", "llama")
-#: the block a ModelSpec's types name: (norm, positions, MLP kind, MLP biases, attention
-#: biases) -> GPTConfig.arch (GPTConfig.from_spec)
-BLOCKS = {(NormKind.LAYERNORM, Positions.LEARNED, MLPKind.GELU, True, True): "gpt",
-          (NormKind.RMSNORM, Positions.ROPE, MLPKind.SWIGLU, False, False): "llama"}
+#: the architectures GPTConfig.arch names (:data:`modeling.BLOCKS`): GPT-2 (LayerNorm,
+#: learned positions, gelu MLP 4h, biases) and Llama (RMSNorm, RoPE, grouped-query
+#: attention, SwiGLU, no biases)
+ARCHS = tuple(BLOCKS)
+
+
+def _settable(block: Block, field: str) -> bool:
+    """Whether a config of ``block`` takes its own ``field``: kv_heads under grouped-query
+    attention, ffn_hidden with a gated MLP (a plain one is 4h)."""
+    return block.grouped_query if field == "kv_heads" else block.mlp.matrices == 3
 
 
 def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
@@ -144,12 +148,12 @@ def model_flops(config: "GPTConfig", global_batch: int) -> int:
     counts the full s², as :func:`megatron_model_flops`)."""
     c = config
     if c.experts:       # GPT's program declares attention's full s² (Megatron's count)
-        full_s2 = 6 * global_batch * c.seq * c.seq * c.layers * c.hidden if c.arch == "gpt" \
-            else 0
+        full_s2 = 6 * global_batch * c.seq * c.seq * c.layers * c.hidden \
+            if c.block.attention_flops is FlopConvention.MEGATRON else 0
         return full_s2 + moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
                                          c.heads, c.kv_heads, c.experts, c.moe_top_k,
                                          c.moe_ffn_hidden)
-    if c.arch == "llama":
+    if c.block.attention_flops is FlopConvention.CAUSAL:
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
                                  c.kv_heads, c.ffn_hidden)
     return megatron_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab)
@@ -202,16 +206,17 @@ class GPTConfig:
         if np.dtype(self.dtype).kind != "f":
             raise ValueError(f"GPTConfig: dtype must be a float type, got {self.dtype!r}")
         object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
-        if self.arch not in ARCHS:
-            raise ValueError(f"GPTConfig: arch must be one of {ARCHS}, got {self.arch!r}")
-        llama = self.arch == "llama"
+        block = block_named(self.arch)
+        gated = block.mlp.matrices == 3
         defaults = {"kv_heads": self.heads,
-                    "ffn_hidden": llama_ffn_hidden(self.hidden) if llama else 4 * self.hidden}
+                    "ffn_hidden": llama_ffn_hidden(self.hidden) if gated else 4 * self.hidden}
         for f, default in defaults.items():
             value = default if getattr(self, f) is None else as_int(
                 getattr(self, f), f"GPTConfig: {f}", 1)
-            if not llama and value != default:
-                raise ValueError(f"GPTConfig: {f}={value} needs arch='llama'; arch='gpt' has "
+            if not _settable(block, f) and value != default:
+                takes = [b.arch for b in BLOCKS.values() if _settable(b, f)]
+                raise ValueError(f"GPTConfig: {f}={value} needs arch="
+                                 f"{' or '.join(map(repr, takes))}; arch={self.arch!r} has "
                                  f"{f}={default} (or None)")
             object.__setattr__(self, f, value)
         if self.heads % self.kv_heads:
@@ -222,9 +227,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
                              f"{self.rope_theta!r}")
         self._check_moe()
-        if llama and (self.hidden // self.heads) % 2:
-            raise ValueError(f"GPTConfig: arch='llama' rotates pairs of the head dimension "
-                             f"(RoPE): hidden/heads = {self.hidden // self.heads} must be even")
+        if block.positions is Positions.ROPE and (self.hidden // self.heads) % 2:
+            raise ValueError(f"GPTConfig: arch={self.arch!r} rotates pairs of the head "
+                             f"dimension (RoPE): hidden/heads = {self.hidden // self.heads} "
+                             "must be even")
 
     def _check_moe(self) -> None:
         as_int(self.experts, "GPTConfig: experts", 0)
@@ -248,6 +254,12 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def block(self) -> Block:
+        """What this config's layers are made of (:mod:`modeling.blocks`): engines ask
+        it, never the ``arch`` name."""
+        return BLOCKS[self.arch]
+
     @classmethod
     def of_model(cls, model, seq: int, dtype: str = "float64", timing_only: bool = False,
                  layers: int | None = None, **overrides) -> "GPTConfig":
@@ -270,7 +282,7 @@ class GPTConfig:
         sinks, a head dimension other than h/heads, layers that differ, shared experts,
         top-k > 2, gated GELU MLPs, ...). The block's types pick the program: LayerNorm +
         learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
-        SwiGLU MLP without biases the Llama block (:data:`BLOCKS`).
+        SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`).
 
         ``timing_only``: the config is only traced, simulated and counted, so settings
         that change values but no shape or FLOP are accepted: RoPE scaling, a clamped
@@ -296,9 +308,9 @@ class GPTConfig:
         if att.heads * att.head_dim != spec.hidden:
             refuse("a head dimension independent of the hidden size",
                    f"{att.heads} x {att.head_dim} != {spec.hidden}")
-        arch = BLOCKS.get((spec.norm, spec.positions, expert.kind, expert.bias,
-                           att.qkv_bias or att.out_bias))
-        if arch is None:
+        block = block_of(spec.norm, spec.positions, expert.kind, expert.bias,
+                         att.qkv_bias or att.out_bias)
+        if block is None:
             refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
                    f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
                    "a GPT block (layernorm, learned positions, gelu with biases) or a "
@@ -311,7 +323,7 @@ class GPTConfig:
                            "simulate)")
         moe = {}
         if isinstance(mlp, MoESpec):
-            if expert.kind is not MLPKind.SWIGLU:
+            if block is not LLAMA_BLOCK:      # the program's experts are SwiGLU
                 refuse(f"{expert.kind} experts", str(mlp), "SwiGLU experts (the Llama block)")
             if mlp.shared_experts:
                 refuse("shared experts", mlp.shared_experts)
@@ -326,14 +338,15 @@ class GPTConfig:
             moe = dict(experts=mlp.experts, moe_top_k=mlp.top_k,
                        moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
                        moe_aux_coef=mlp.aux_loss_coef)
-        ffn = expert.width
-        if expert.kind is MLPKind.GELU and ffn != 4 * spec.hidden:
-            refuse("a GPT MLP other than 4h", ffn, f"{4 * spec.hidden}")
-        llama = dict(kv_heads=att.kv_heads, ffn_hidden=ffn, rope_theta=spec.rope_theta) \
-            if spec.positions is Positions.ROPE else {}
+        own = {"kv_heads": att.kv_heads, "ffn_hidden": expert.width}
+        if not _settable(block, "ffn_hidden") and expert.width != 4 * spec.hidden:
+            refuse(f"a {block} MLP other than 4h", expert.width, f"{4 * spec.hidden}")
+        fields = {f: v for f, v in own.items() if _settable(block, f)}
+        if block.positions is Positions.ROPE:
+            fields["rope_theta"] = spec.rope_theta
         return cls(hidden=spec.hidden, layers=spec.num_layers, heads=att.heads, seq=seq,
-                   vocab=spec.vocab, dtype=dtype, eps=spec.norm_eps, arch=arch,
-                   tie_embeddings=spec.tie_embeddings, **llama, **moe)
+                   vocab=spec.vocab, dtype=dtype, eps=spec.norm_eps, arch=block.arch,
+                   tie_embeddings=spec.tie_embeddings, **fields, **moe)
 
 
 @dataclass(frozen=True)
@@ -359,7 +372,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     cp = positions = None
     if "cp" in dev.mesh.axes and dev.mesh.axis_size("cp") > 1:
         n, kv = dev.mesh.axis_size("cp"), max(cfg.kv_heads // ops.tp_size, 1)
-        group = cfg.heads // ops.tp_size // kv if cfg.arch == "llama" else 1
+        group = cfg.heads // ops.tp_size // kv if cfg.block.grouped_query else 1
         cp = ContextParallelAttention(cfg.heads // ops.tp_size, cfg.head_dim,
                                       par.cp_algorithm, "cp", group=group,
                                       label="gpt: attention: cp", flash=ops.flash)
@@ -371,16 +384,16 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
             ep = (dev.mesh.axis_size("ep"), _coord(dev.mesh, "ep", dev.rank)) \
                 if "ep" in dev.mesh.axes else (1, 0)
             return {n: moe_piece(n, a, *ep) if n in MOE_PARAMS else llama_piece(
-                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) if cfg.arch == "llama" else
+                n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) if cfg.block is LLAMA_BLOCK else
                 a[shard_slices(a.shape, param_layout(n, a.ndim, ops.tp_axis), dev.mesh,
                                dev.rank)] for n, a in arrays.items()}
-        if cfg.arch == "llama":
+        if cfg.block is LLAMA_BLOCK:
             return {n: llama_piece(n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads)
                     for n, a in arrays.items()}
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
-    if cfg.experts and cfg.arch == "gpt":
+    if cfg.experts and cfg.block is GPT2_BLOCK:
         return gpt_moe_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                              cfg.heads, cfg.hidden, par.recompute, cfg.eps, job.microbatches,
                              cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
@@ -392,7 +405,7 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
                                load, kv_sum_every=1 if par.zero_stage >= 2 else None,
                                tie=cfg.tie_embeddings)
-    if cfg.arch == "llama":
+    if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
                            cfg.eps, job.microbatches, cfg.seq, cp, positions,
@@ -506,7 +519,7 @@ class GPT:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Global shapes by name: wte, wpe, layers.{i}.{ln1_g ... b_2}, lnf_g, lnf_b, w_out
         (not with ``tie_embeddings``; Llama: :func:`~pipeline_parallel.llama.llama_param_shapes`)."""
-        if self.config.arch == "llama":
+        if self.config.block is LLAMA_BLOCK:
             return llama_param_shapes(self.config)
         c, h, f = self.config, self.config.hidden, 4 * self.config.hidden
         layer = dict(zip(_LAYER, [(h,), (h,), (h, 3, h), (3, h), (h, h), (h,), (h,), (h,),
@@ -714,7 +727,7 @@ class GPT:
                     pieces.setdefault(name, {})[_coord(mesh, "ep", r)] = a
                 elif _coord(mesh, "ep", r) == 0:
                     pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
-        llama, tp = self.config.arch == "llama", mesh.shape.get("tp", 1)
+        llama, tp = self.config.block is LLAMA_BLOCK, mesh.shape.get("tp", 1)
         out = {}
         for n in self.param_shapes():
             if n.rsplit(".", 1)[-1] in MOE_PARAMS:
@@ -750,7 +763,7 @@ class GPT:
 
     # --- the single-process reference ---------------------------------------------------
     def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):
-        ref = llama_reference if self.config.arch == "llama" else _reference
+        ref = llama_reference if self.config.block is LLAMA_BLOCK else _reference
         if self.config.experts:
             return ref(self.config, params, tokens, targets, backward,
                        moe_groups=self._moe_groups(parallel, len(tokens)))

@@ -151,3 +151,16 @@ def test_a_scenario_names_its_model(tmp_path, capsys):
     assert main(["run", str(bad), "--out", str(tmp_path / "out2"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "workload.model = 'qwen3-8b': the GPT program cannot run QK-norm" in err
+
+
+ARCH_TEST = re.compile(r"""arch[a-z_]*\s*(==|!=|in)\s*\(?["']""")
+
+
+def test_no_engine_tests_an_architecture_by_name():
+    """A model is data: outside the model layer nothing compares an ``arch`` with a name;
+    engines ask the block (``config.block.grouped_query``, ``config.block is LLAMA_BLOCK``)."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for top in ("vcluster", "pipelining", "tensor_parallel",
+                                                     "pipeline_parallel", "reports")
+             for p in (ROOT / top).rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if ARCH_TEST.search(line)]
+    assert found == []

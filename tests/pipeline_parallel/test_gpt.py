@@ -52,9 +52,11 @@ def test_config_errors_are_clear():
         GPTConfig(hidden=10, layers=2, heads=4, seq=8, vocab=32)
     with pytest.raises(ValueError, match="GPTConfig: vocab must be an int >= 1"):
         GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=0)
-    with pytest.raises(ValueError, match="recompute=.*: not a known value; allowed: one of none, selective, full"):
+    with pytest.raises(ValueError, match="recompute=.*: not a known value; allowed: one of "
+                                         "none, selective, full"):
         ParallelConfig(global_batch=8, recompute="some")
-    with pytest.raises(ValueError, match="schedule=.*: not a known value; allowed: one of gpipe, 1f1b"):
+    with pytest.raises(ValueError, match="schedule=.*: not a known value; allowed: one of "
+                                         "gpipe, 1f1b"):
         ParallelConfig(global_batch=8, schedule="2f2b")
     with pytest.raises(ValueError, match="global_batch=8 does not split into dp=3"):
         ParallelConfig(global_batch=8, dp=3)

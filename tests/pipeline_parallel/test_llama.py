@@ -54,7 +54,8 @@ def test_config_defaults_and_errors():
     assert llama_ffn_hidden(5120) == 13824                           # Llama-2 13B's
     assert "arch='llama', kv_heads=32, ffn_hidden=11008, rope_theta=10000.0" in repr(llama)
     base = dict(hidden=16, layers=2, heads=4, seq=8, vocab=32)
-    with pytest.raises(ValueError, match=r"arch must be one of \('gpt', 'llama'\), got 'bert'"):
+    with pytest.raises(ValueError, match=r"arch='bert': not a block the GPT program runs; "
+                                         r"allowed: one of gpt, llama"):
         GPTConfig(**base, arch="bert")
     with pytest.raises(ValueError, match="kv_heads=3 must divide heads=4"):
         GPTConfig(**base, arch="llama", kv_heads=3)

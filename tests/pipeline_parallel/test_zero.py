@@ -223,7 +223,8 @@ def _gpt_modules(gpt):
 
 def test_bad_input_is_refused_by_name(ring):
     for bad in (4, -1, 1.5, "1", True, None):
-        with pytest.raises(ValueError, match=r"zero_stage=.*: not a known value; allowed: one of 0, 1, 2, 3"):
+        with pytest.raises(ValueError, match=r"zero_stage=.*: not a known value; allowed: "
+                                             r"one of 0, 1, 2, 3"):
             check_zero_stage(bad, "MLP.fit")
     mlp, (X, Y) = MLP([4, 4, 4], seed=0), _data([4, 4, 4])
     with pytest.raises(ValueError, match=r"MLP.fit: zero_stage=7: not a known value"):
@@ -233,7 +234,8 @@ def test_bad_input_is_refused_by_name(ring):
                                              r"\(pp=2\).*allowed: 0 or 1 with pp > 1"):
             mlp.fit(ring(Mesh((2, 2), ("dp", "pp"))), X, Y, steps=1, microbatches=2,
                     zero_stage=zero)
-        with pytest.raises(ValueError, match=rf"ParallelConfig: zero_stage={zero}: zero_stage={zero} with "
+        with pytest.raises(ValueError, match=rf"ParallelConfig: zero_stage={zero}: "
+                                             rf"zero_stage={zero} with "
                                              r"pipeline parallelism \(pp=2\)"):
             ParallelConfig(global_batch=8, pp=2, zero_stage=zero)
         with pytest.raises(ValueError, match=rf"zero_stage={zero} with sequence_parallel"):

@@ -115,7 +115,8 @@ def test_the_planner_shards_the_optimizer_where_memory_needs_it():
 
 
 def test_bad_memory_options_are_named():
-    with pytest.raises(ValueError, match="attention=.*: not a known value; allowed: one of flash, unfused, flash-v1"):
+    with pytest.raises(ValueError, match="attention=.*: not a known value; allowed: one of "
+                                         "flash, unfused, flash-v1"):
         ParallelConfig(global_batch=8, attention="paged")
     with pytest.raises(ValueError, match="distributed_optimizer='yes': not a boolean"):
         ParallelConfig(global_batch=8, distributed_optimizer="yes")

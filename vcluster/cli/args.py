@@ -153,8 +153,8 @@ def model_title(config, name: str | None = None) -> str:
     c = config
     if name:
         return f"{name} ({model_title(config)})"
-    arch = f"Llama h={c.hidden}" if c.arch == "llama" else f"GPT h={c.hidden}"
-    extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.arch == "llama" else ""
+    arch = f"{c.block} h={c.hidden}"
+    extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.block.grouped_query else ""
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
     return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}{tied}"
 

@@ -172,7 +172,7 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
         return "tp_not_dividing_heads"
     if config.vocab % tp:
         return "tp_not_dividing_vocab"
-    if config.arch == "llama":
+    if config.block.grouped_query:
         c = config.kv_heads
         if (c >= tp and c % tp) or (c < tp and tp % c):
             return "tp_not_fitting_kv_heads"

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh import Mesh
+from modeling import LLAMA_BLOCK
 from pipeline_parallel.gpt import FUSED_ATTENTION, GPT
 from pipeline_parallel.llama import llama_param_shapes
 from sharding import shard_slices
@@ -133,7 +134,7 @@ def _context_parallel(dev, config, t: int, algorithm: str, flash: bool = True):
         return None, None
     n = dev.mesh.axis_size("cp")
     kv = max(config.kv_heads // t, 1)
-    group = config.heads // t // kv if config.arch == "llama" else 1
+    group = config.heads // t // kv if config.block.grouped_query else 1
     return (ContextParallelAttention(config.heads // t, config.head_dim, algorithm, "cp",
                                      group=group, label="gpt: attention: cp", flash=flash),
             sequence_positions(config.seq, n, dev.mesh.group_position("cp", dev.rank)))
@@ -149,7 +150,7 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
         a = MetaArray(shape, np.float16)
         if n.rsplit(".", 1)[-1] in MOE_PARAMS:
             return moe_piece(n, a, ep, 0)
-        if config.arch == "llama":
+        if config.block is LLAMA_BLOCK:
             return llama_piece(n, a, ops.tp_size, ops.tp_rank, config.kv_heads)
         return a[shard_slices(shape, param_layout(n, len(shape)), ops.dev.mesh, ops.dev.rank)]
 
@@ -158,7 +159,7 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
     load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
                              config.moe().capacity(tokens))
     params = lambda names, prefix="": {n: meta[n] for n in names}      # noqa: E731
-    if config.arch == "llama":
+    if config.block is LLAMA_BLOCK:
         stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
                                 config.hidden, config.rope_theta, recompute, config.eps, 2,
                                 config.seq, config.moe(), 1.0, load,
@@ -180,7 +181,7 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
-    elif config.arch == "llama":
+    elif config.block is LLAMA_BLOCK:
         emb, layer, head = _llama_modules(ops, config, recompute, cp, positions)
     else:
         meta = {n: MetaArray(shape, np.float16)

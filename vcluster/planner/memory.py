@@ -155,6 +155,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from modeling import GPT2_BLOCK, LLAMA_BLOCK
 from pipeline_parallel.gpt import FUSED_ATTENTION
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
@@ -277,7 +278,7 @@ def _head_matrix(config, stages: int) -> int:
 
 def rank_params(config, parallel, r: int) -> float:
     """Parameters on pipeline rank r (the module docstring's counting)."""
-    if config.arch == "llama":
+    if config.block is LLAMA_BLOCK:
         return _llama_rank_params(config, parallel, r)
     h, s, V, t = config.hidden, config.seq, config.vocab, parallel.tp
     stages = parallel.pp * parallel.chunks
@@ -301,7 +302,7 @@ def cp_buffer_bytes(config, parallel, precision: PrecisionPolicy = MEGATRON) -> 
     if cp == 1:
         return 0
     t = parallel.tp
-    kv_local = max(config.kv_heads // t, 1) if config.arch == "llama" else config.heads // t
+    kv_local = max(config.kv_heads // t, 1) if config.block.grouped_query else config.heads // t
     x = precision.activation_bytes * parallel.micro_batch * kv_local * config.head_dim \
         * config.seq / cp
     return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
@@ -354,13 +355,13 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
                    key=lambda m: m.total_bytes)
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
-        parallel.sequence_parallel, parallel.attention) if config.arch == "llama" else \
+        parallel.sequence_parallel, parallel.attention) if config.block is LLAMA_BLOCK else \
         activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                    config.heads, parallel.tp, parallel.recompute,
                                    parallel.sequence_parallel, parallel.attention)
     if getattr(config, "experts", 0) and parallel.recompute != "full":
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
-        dense_mlp = 6 * s * b * config.ffn_hidden / t if config.arch == "llama" else \
+        dense_mlp = 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 else \
             s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
         act += -dense_mlp + 2 * moe_routed_rows(
             config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden) \
@@ -435,7 +436,8 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
     The logits per micro-batch are b·s·V/t (the caller multiplies them by the policy's
     ``logits_bytes`` and ``logits_saved_bytes``); 0 off the last stage. Dense GPT without
     context parallelism (the reference program)."""
-    if config.arch != "gpt" or getattr(config, "experts", 0) or getattr(parallel, "cp", 1) > 1:
+    if config.block is not GPT2_BLOCK or getattr(config, "experts", 0) \
+            or getattr(parallel, "cp", 1) > 1:
         raise ValueError(f"torch_amp_activation_bytes: the PyTorch program's count covers "
                          f"the dense GPT without context parallelism, got "
                          f"arch={config.arch!r}, experts={getattr(config, 'experts', 0)}, "
@@ -471,7 +473,8 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
     """(activations, logits) bytes pipeline rank ``r`` of the emulated GPT program holds at
     its peak with ``in_flight`` micro-batches (the module doc, "The emulated program");
     ``precision``: the element bytes (default the config's dtype)."""
-    if config.arch != "gpt" or getattr(config, "experts", 0) or getattr(parallel, "cp", 1) > 1:
+    if config.block is not GPT2_BLOCK or getattr(config, "experts", 0) \
+            or getattr(parallel, "cp", 1) > 1:
         raise ValueError(f"emulator_activation_bytes: the emulated program's count covers the "
                          f"dense GPT without context parallelism, got arch={config.arch!r}, "
                          f"experts={getattr(config, 'experts', 0)}, "

@@ -70,6 +70,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from modeling import NormKind, Positions
 from pipeline_parallel.gpt import model_flops
 from pipelining import bubble_time_closed_form
 from vcluster.timing.collective_cost import collective_time_s
@@ -216,10 +217,12 @@ def _rank_modules(config, parallel, r: int) -> list[float]:
     them: the head (on the rank of the last stage), the layers, the embedding (rank 0)
     — :func:`~vcluster.planner.memory.rank_params` split by module."""
     h, V, t = config.hidden, config.vocab, parallel.tp
-    llama = config.arch == "llama"
-    emb = V * h / t + (0 if llama else config.seq * h) if r == 0 else 0.0
+    block = config.block
+    learned = block.positions is Positions.LEARNED      # a position table on the first rank
+    emb = V * h / t + (config.seq * h if learned else 0) if r == 0 else 0.0
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
-    head = V * h / t + (h if llama else 2 * h) if last else 0.0
+    norm = 2 * h if block.norm is NormKind.LAYERNORM else h                # the final norm
+    head = V * h / t + norm if last else 0.0
     layers = config.layers // (parallel.pp * parallel.chunks) * parallel.chunks
     layer = (rank_params(config, parallel, r) - emb - head) / layers
     return [n for n in [head] + [layer] * layers + [emb] if n > 0]

@@ -40,6 +40,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from modeling import GPT2_BLOCK
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
@@ -412,7 +413,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     elif not isinstance(autocast_kernels, bool):
         raise ValueError(f"simulate_gpt: autocast_kernels must be True, False or None, got "
                          f"{autocast_kernels!r}")
-    if autocast_kernels and (config.arch != "gpt" or config.experts or parallel.cp > 1):
+    if autocast_kernels and (config.block is not GPT2_BLOCK or config.experts or parallel.cp > 1):
         raise ValueError(f"simulate_gpt: autocast_kernels rewrites the dense GPT program "
                          f"without context parallelism (the PyTorch reference step), got "
                          f"arch={config.arch!r}, experts={config.experts}, cp={parallel.cp}")

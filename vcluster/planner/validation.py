@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from modeling import block_named
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
 from vcluster.timing import load_hardware, read_data_csv
 
@@ -295,7 +296,7 @@ def fp8_row_config(r: dict) -> tuple:
     parallelism's backward overlap."""
     arch = r["arch"]
     llama = {"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
-    cfg = _model(r, arch=arch, **(llama if arch == "llama" else {}))
+    cfg = _model(r, arch=arch, **(llama if block_named(arch).grouped_query else {}))
     tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
     par = ParallelConfig(global_batch=int(r["global_batch"]), micro_batch=int(r["micro_batch"]),
                          dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp,

@@ -251,12 +251,9 @@ def _parallel(scenario, mesh):
                          cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
 
 
-_NAMES = {"gpt": "GPT", "llama": "Llama"}
-
-
 def _gqa(config) -> str:
     """The Llama-only and the mixture-of-experts shape terms of the description."""
-    out = f" kv={config.kv_heads} ffn={config.ffn_hidden}" if config.arch == "llama" else ""
+    out = f" kv={config.kv_heads} ffn={config.ffn_hidden}" if config.block.grouped_query else ""
     if config.experts:
         out += f" experts={config.experts} top-{config.moe_top_k}"
     return out
@@ -311,7 +308,7 @@ def build(scenario, mesh) -> Workload:
                     step_traces=step_traces if steps == 1 and config.dtype == "float16"
                     else None,
                     model_flops=model_flops(config, parallel.global_batch),
-                    description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
+                    description=f"{config.block} h={config.hidden} l={config.layers} "
                                 f"a={config.heads}{_gqa(config)} s={config.seq} "
                                 f"V={config.vocab}, {parallel.schedule}, "
                                 f"{parallel.microbatches} micro-batches"
@@ -354,7 +351,7 @@ def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
                     model_flops=model_flops(config, o["batch"]),
                     roles=("server",) * servers + ("worker",) * workers,
                     updates_per_step=workers if dp.staleness else 1,
-                    description=f"{_NAMES[config.arch]} h={config.hidden} l={config.layers} "
+                    description=f"{config.block} h={config.hidden} l={config.layers} "
                                 f"a={config.heads}{_gqa(config)} s={config.seq} "
                                 f"V={config.vocab}, parameter server: {servers} server{s} + "
                                 f"{workers} workers, {sync}"

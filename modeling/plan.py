@@ -84,16 +84,14 @@ def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
     a multiple of tp; kv_heads a multiple of tp, or (fewer) a divisor of it, each KV head
     then replicated over tp/kv_heads ranks."""
     if heads % tp:
-        raise ConfigError("tp", tp, f"a divisor of heads={heads}",
-                          f"heads={heads} does not split evenly over tp={tp}")
-    if kv_heads >= tp and kv_heads % tp:
-        raise ConfigError("tp", tp, f"a divisor of kv_heads={kv_heads}",
-                          f"kv_heads={kv_heads} >= tp={tp} must be a multiple of tp "
-                          "(K/V heads split over tp)")
-    if kv_heads < tp and tp % kv_heads:
-        raise ConfigError("tp", tp, f"a multiple of kv_heads={kv_heads}",
-                          f"kv_heads={kv_heads} < tp={tp} must divide tp (each KV head "
-                          "replicated over tp/kv_heads ranks)")
+        raise ConfigError("heads", heads, f"a multiple of tp={tp}",
+                          f"heads={heads} does not split evenly over tp={tp}", owner="GPT")
+    if kv_heads >= tp and kv_heads % tp or kv_heads < tp and tp % kv_heads:
+        rule = f"kv_heads={kv_heads} >= tp={tp} must be a multiple of tp (K/V heads split " \
+            "over tp)" if kv_heads >= tp else f"kv_heads={kv_heads} < tp={tp} must divide " \
+            "tp (each KV head replicated over tp/kv_heads ranks)"
+        raise ConfigError("kv_heads", kv_heads, f"a multiple or a divisor of tp={tp}", rule,
+                          owner="GPT")
 
 
 @dataclass(frozen=True)
@@ -267,11 +265,14 @@ class ParallelConfig:
                 raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)}"
                                  + (f" (ep={self.ep})" if a in ("dp", "ep") else "")
                                  + f" but the mesh's {a} axis has size {mesh.shape.get(a, 1)}")
-        if config.experts % self.ep or (self.ep > 1 and not config.experts):
-            raise ConfigError("ep", self.ep, f"a divisor of experts={config.experts}",
-                              f"experts={config.experts} do not split over ep={self.ep}"
-                              + (" (a dense model needs ep=1)" if not config.experts else ""),
-                              owner="GPT")
+        if self.ep > 1 and not config.experts:
+            raise ConfigError("ep", self.ep, "1 for a dense model (experts: 0)",
+                              f"experts=0 do not split over ep={self.ep} (a dense model needs "
+                              "ep=1)", owner="GPT")
+        if config.experts % self.ep:
+            raise ConfigError("experts", config.experts, f"a multiple of ep={self.ep}",
+                              f"experts={config.experts} do not split over ep={self.ep} (each "
+                              "ep rank holds experts/ep experts)", owner="GPT")
         if config.experts and self.cp > 1:
             raise ConfigError("cp", self.cp, "1 with a mixture of experts",
                               f"a mixture of experts (experts={config.experts}) with "
@@ -279,19 +280,23 @@ class ParallelConfig:
                               "only its chunk of the sequence: capacity and the aux loss "
                               "change)", owner="GPT")
         if config.layers % (self.pp * self.chunks):
-            raise ConfigError("pp", self.pp, f"stages dividing the {config.layers} layers",
+            raise ConfigError("layers", config.layers, f"a multiple of {self.pp * self.chunks} "
+                              f"(pp={self.pp} x {self.chunks} stages per rank)",
                               f"the {config.layers} layers do not split evenly into "
                               f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})",
                               owner="GPT")
         if self.cp > 1 and config.seq % (2 * self.cp):
-            raise ConfigError("cp", self.cp, f"a cp with 2·cp dividing seq={config.seq}",
+            raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "
                               f"chunks of equal length (cp={self.cp})", owner="GPT")
         check_kv_heads(config.heads, config.kv_heads, self.tp)
-        for what, n in (("vocab", config.vocab), ("ffn_hidden", config.ffn_hidden)) + (
-                ((f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
+        for field, what, n in (("vocab", "vocab", config.vocab),
+                               ("ffn_hidden", "ffn_hidden", config.ffn_hidden)) + (
+                (("seq", f"seq{'/cp' if self.cp > 1 else ''} (sequence parallelism)",
                   config.seq // self.cp),) if self.sequence_parallel else ()):
             if n % self.tp:
-                raise ConfigError("tp", self.tp, f"a divisor of {what}={n}",
-                                  f"{what}={n} does not split evenly over tp={self.tp}",
-                                  owner="GPT")
+                value = config.seq if field == "seq" else n
+                raise ConfigError(field, value, f"a multiple of {self.cp * self.tp} "
+                                  f"(cp x tp)" if field == "seq" else f"a multiple of "
+                                  f"tp={self.tp}", f"{what}={n} does not split evenly over "
+                                  f"tp={self.tp}", owner="GPT")

@@ -197,9 +197,11 @@ class GPTConfig:
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
             as_int(getattr(self, f), f"GPTConfig: {f}", 1)
+        who = "GPTConfig"
         if self.hidden % self.heads:
-            raise ValueError(f"GPTConfig: hidden={self.hidden} is not divisible by "
-                             f"heads={self.heads}")
+            raise ConfigError("heads", self.heads, f"a divisor of hidden={self.hidden}",
+                              f"hidden={self.hidden} is not divisible by heads={self.heads}",
+                              owner=who)
         if self.tie_embeddings not in (False, True):
             raise ValueError(f"GPTConfig: tie_embeddings must be True or False, got "
                              f"{self.tie_embeddings!r}")
@@ -214,31 +216,39 @@ class GPTConfig:
             value = default if getattr(self, f) is None else as_int(
                 getattr(self, f), f"GPTConfig: {f}", 1)
             if not _settable(block, f) and value != default:
-                takes = [b.arch for b in BLOCKS.values() if _settable(b, f)]
-                raise ValueError(f"GPTConfig: {f}={value} needs arch="
-                                 f"{' or '.join(map(repr, takes))}; arch={self.arch!r} has "
-                                 f"{f}={default} (or None)")
+                takes = " or ".join(repr(b.arch) for b in BLOCKS.values() if _settable(b, f))
+                raise ConfigError(f, value, f"{default} (or no value) with arch={self.arch!r}",
+                                  f"{f}={value} needs arch={takes}; arch={self.arch!r} has "
+                                  f"{f}={default}", owner=who)
             object.__setattr__(self, f, value)
         if self.heads % self.kv_heads:
-            raise ValueError(f"GPTConfig: kv_heads={self.kv_heads} must divide "
-                             f"heads={self.heads}")
+            raise ConfigError("kv_heads", self.kv_heads, f"a divisor of heads={self.heads}",
+                              f"kv_heads={self.kv_heads} must divide heads={self.heads} "
+                              "(query heads share key/value heads in equal groups)", owner=who)
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) \
                 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
                              f"{self.rope_theta!r}")
         self._check_moe()
         if block.positions is Positions.ROPE and (self.hidden // self.heads) % 2:
-            raise ValueError(f"GPTConfig: arch={self.arch!r} rotates pairs of the head "
-                             f"dimension (RoPE): hidden/heads = {self.hidden // self.heads} "
-                             "must be even")
+            raise ConfigError("heads", self.heads, "a count that leaves hidden/heads even",
+                              f"arch={self.arch!r} rotates pairs of the head dimension (RoPE): "
+                              f"hidden/heads = {self.hidden // self.heads} must be even",
+                              owner=who)
 
     def _check_moe(self) -> None:
         as_int(self.experts, "GPTConfig: experts", 0)
         if not self.experts:
+            for f in ("moe_ffn_hidden", "capacity_factor"):
+                if getattr(self, f) is not None:
+                    raise ConfigError(f, getattr(self, f), "no value without experts",
+                                      "only a mixture-of-experts model takes it",
+                                      owner="GPTConfig")
             return
         if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
-            raise ValueError(f"GPTConfig: moe_top_k must be 1 or 2 and <= experts="
-                             f"{self.experts}, got {self.moe_top_k!r}")
+            raise ConfigError("moe_top_k", self.moe_top_k, f"1 or 2, at most experts="
+                              f"{self.experts}", f"moe_top_k must be 1 or 2 and <= experts="
+                              f"{self.experts}, got {self.moe_top_k!r}", owner="GPTConfig")
         object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden if self.moe_ffn_hidden
                            is None else as_int(self.moe_ffn_hidden, "GPTConfig: moe_ffn_hidden", 1))
         self.moe()                      # capacity_factor, moe_aux_coef: MoE checks them

@@ -42,6 +42,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from modeling.plan import check_kv_heads
 from vcluster.runtime.tracing.kernel import Kernel
 
 from .gqa import GQAttention, Rope
@@ -89,18 +90,6 @@ def rms_norm_gain_grad(ops, dy, xhat, gg, name: str) -> None:
 
 
 # --- the layout of the parameters over tp -------------------------------------------------
-def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
-    """Raise unless the query and KV heads split over ``tp`` ranks (see the module doc)."""
-    if heads % tp:
-        raise ValueError(f"Llama: heads={heads} does not split evenly over tp={tp}")
-    if kv_heads >= tp and kv_heads % tp:
-        raise ValueError(f"Llama: kv_heads={kv_heads} >= tp={tp} must be a multiple of tp "
-                         f"(K/V heads split over tp)")
-    if kv_heads < tp and tp % kv_heads:
-        raise ValueError(f"Llama: kv_heads={kv_heads} < tp={tp} must divide tp (each KV "
-                         f"head replicated over tp/kv_heads ranks)")
-
-
 def kv_pieces(kv_heads: int, tp: int) -> int:
     """The distinct pieces of W_kv over tp ranks: min(kv_heads, tp)."""
     return min(kv_heads, tp)

@@ -25,9 +25,9 @@ RTOL, ATOL = 1e-9, 1e-12
 
 
 def _cfg(top_k=2, cf=None, experts=4, layers=2, **kw):
+    moe = dict(moe_top_k=top_k, moe_ffn_hidden=12, capacity_factor=cf) if experts else {}
     return GPTConfig(**{**dict(hidden=16, layers=layers, heads=4, seq=8, vocab=32, arch="llama",
-                               kv_heads=2, ffn_hidden=24, experts=experts, moe_top_k=top_k,
-                               moe_ffn_hidden=12, capacity_factor=cf), **kw})
+                               kv_heads=2, ffn_hidden=24, experts=experts, **moe), **kw})
 
 
 def _data(cfg, seed=0, batch=B):
@@ -191,6 +191,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="dense model needs ep=1"):
         par = ParallelConfig(global_batch=4, dp=2, ep=2)
         par.check(_cfg(experts=0), par.mesh())
+    with pytest.raises(ValueError, match="moe_ffn_hidden=12: only a mixture-of-experts model "
+                                         "takes it"):
+        GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32, moe_ffn_hidden=12)
     assert ExpertLoad.skewed(2, 4, 16, 2, 2.0).per_expert_routed[0] == 32
 
 

@@ -22,11 +22,12 @@ arguments the tracer needs, so cluster-scale models cost no memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import FUSED_ATTENTION, GPT, GPTConfig, ParallelConfig, model_flops
+from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
 from pipeline_parallel.parameter_server import assemble as assemble_ps
 from pipeline_parallel.parameter_server import device_args as ps_device_args
@@ -46,8 +47,11 @@ __all__ = ["validate", "build"]
 
 
 def validate(scenario, mesh) -> None:
-    """The parser's cross-field rules (once per point; :func:`build` trusts them)."""
-    o, par = scenario.workload.options, scenario.parallel
+    """The parser's cross-field rules (once per point; :func:`build` trusts them): the
+    model's and the plan's are the model layer's (:class:`~pipeline_parallel.gpt.GPTConfig`,
+    :class:`modeling.ParallelConfig` and its ``check`` against the model), each written
+    once there and reported here under the key the user wrote."""
+    o = scenario.workload.options
     if o["fp8"]:
         check_fp8(scenario)
     if scenario.data_parallel.mode == DataParallelMode.PS:
@@ -56,61 +60,23 @@ def validate(scenario, mesh) -> None:
     if unknown:
         raise ScenarioError("cluster.mesh", dict(mesh.shape), f"axes among {', '.join(_AXES)}",
                             f"unknown axes {unknown} for a transformer")
-    if o.get("model"):        # the model's shapes: every rule is the model layer's
-        return _check_plan(scenario, mesh, check_model=True)
-    if o["hidden"] % o["heads"]:
-        raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
-                            "hidden splits into heads")
-    degrees = _degrees(mesh)
-    _validate_arch(o, degrees["tp"])
-    interleaved = par["schedule"] == "interleaved_1f1b"
-    if par.get("virtual_stages") is not None and not interleaved:
-        raise ScenarioError("parallel.virtual_stages", par["virtual_stages"],
-                            "no value, or schedule interleaved_1f1b",
-                            f"schedule {par['schedule']} has one stage per rank")
-    if o["batch"] % (degrees["dp"] * par["micro_batch"]):
-        raise ScenarioError("workload.batch", o["batch"],
-                            f"a multiple of {degrees['dp'] * par['micro_batch']}",
-                            f"the batch splits into dp={degrees['dp']} x "
-                            f"micro_batch={par['micro_batch']}")
-    chunks = par.get("virtual_stages") or (2 if interleaved else 1)
-    stages = degrees["pp"] * chunks
-    if o["layers"] % stages:
-        raise ScenarioError("workload.layers", o["layers"], f"a multiple of {stages}",
-                            f"layers split into pp={degrees['pp']} x {chunks} stages")
-    for key in ("heads", "vocab"):
-        if o[key] % degrees["tp"]:
-            raise ScenarioError(f"workload.{key}", o[key], f"a multiple of tp={degrees['tp']}",
-                                f"{key} is split over tp")
-    cp, tp = degrees["cp"], degrees["tp"]
-    if cp > 1 and o["seq"] % (2 * cp):
-        raise ScenarioError("workload.seq", o["seq"], f"a multiple of 2 x cp = {2 * cp}",
-                            "the sequence is cut into 2·cp chunks (two per cp rank)")
-    if par["sequence_parallel"] and (o["seq"] // cp) % tp:
-        raise ScenarioError("workload.seq", o["seq"], f"a multiple of cp x tp = {cp * tp}",
-                            "sequence parallelism splits each cp rank's rows over tp")
-    if cp > 1 and par.get("attention", "flash") not in FUSED_ATTENTION:
-        raise ScenarioError("parallel.attention", par["attention"],
-                            "flash or flash-v1 with cp > 1",
-                            "context-parallel attention never keeps the s² scores")
-    _validate_experts(o, degrees)
-    _check_plan(scenario, mesh)
-
-
-def _check_plan(scenario, mesh, check_model: bool = False) -> None:
-    """The plan's rulebook (:class:`modeling.ParallelConfig`; with ``check_model`` also
-    :meth:`~modeling.ParallelConfig.check` against the model), each rule once, its
-    ConfigError reported under the scenario key the user wrote."""
-    try:
+    with _by_key(scenario):
         config, parallel = _configs(scenario, mesh)
         parallel.check_microbatches()
-        if check_model:
-            parallel.check(config, parallel.mesh())
+        parallel.check(config, mesh)
+
+
+@contextlib.contextmanager
+def _by_key(scenario):
+    """A :class:`~modeling.ConfigError` inside, raised as a ScenarioError at the scenario
+    key the user wrote (:data:`_KEY_PATHS`; a config.json's own key under workload.model)."""
+    try:
+        yield
     except ConfigError as exc:
         path = _KEY_PATHS.get(exc.field, f"parallel.{exc.field}")
         value = scenario.workload.options["batch"] if exc.field == "microbatches" \
             else exc.value
-        if exc.owner not in ("", "ParallelConfig", "GPT", "model"):    # a config.json's key
+        if exc.owner not in ("", "ParallelConfig", "GPT", "GPTConfig", "model"):
             path = f"workload.model ({exc.owner}: {exc.field})"
         raise ScenarioError(path, value, exc.allowed, exc.reason) from None
 
@@ -118,23 +84,24 @@ def _check_plan(scenario, mesh, check_model: bool = False) -> None:
 #: a ConfigError field of the plan -> the scenario key a user wrote it under
 _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch",
               "zero_stage": "data_parallel.zero_stage", "model": "workload.model",
-              "experts": "workload.experts", "micro_batch": "parallel.micro_batch"}
+              **{f: f"workload.{f}" for f in ("hidden", "layers", "heads", "seq", "vocab",
+                                               "kv_heads", "ffn_hidden", "experts",
+                                               "moe_top_k", "moe_ffn_hidden",
+                                               "capacity_factor", "arch")}}
 
 
 def _validate_ps(scenario, mesh) -> None:
     """The parameter server's rules (its mesh, pp, tp, cp and ep are the parser's
-    :func:`~vcluster.scenario.semantics.resolve_mesh` and ``check_data_parallel``)."""
+    :func:`~vcluster.scenario.semantics.resolve_mesh` and ``check_data_parallel``); the
+    model's are GPTConfig's."""
     o, servers = scenario.workload.options, scenario.data_parallel.servers
-    if o["hidden"] % o["heads"]:
-        raise ScenarioError("workload.heads", o["heads"], f"a divisor of hidden={o['hidden']}",
-                            "hidden splits into heads")
-    _validate_arch(o, 1)
-    _validate_experts(o, dict.fromkeys(_AXES, 1))
-    if o["experts"]:
+    with _by_key(scenario):
+        config = _configs(scenario)[0]
+    if config.experts:
         raise ScenarioError("workload.experts", o["experts"], "0 with data_parallel.mode ps",
                             "the parameter server trains dense models (each worker "
                             "holds the whole model)")
-    tensors = len(GPT(_configs(scenario)[0]).param_shapes())
+    tensors = len(GPT(config).param_shapes())
     if servers > tensors:
         raise ScenarioError("data_parallel.servers", servers, f"at most {tensors} (the "
                             f"model's parameter tensors)",
@@ -143,52 +110,6 @@ def _validate_ps(scenario, mesh) -> None:
     if o["batch"] % workers:
         raise ScenarioError("workload.batch", o["batch"], f"a multiple of {workers}",
                             f"the batch splits into {workers} workers' slices")
-
-
-def _validate_experts(o, degrees) -> None:
-    """The experts split over ep; ep needs experts; no experts with cp (yet)."""
-    experts, ep = o["experts"], degrees["ep"]
-    if ep > 1 and not experts:
-        raise ScenarioError("parallel.ep", ep, "1 for a dense model (workload.experts: 0)",
-                            "expert parallelism splits the experts")
-    if experts and experts % ep:
-        raise ScenarioError("workload.experts", experts, f"a multiple of ep={ep}",
-                            "each ep rank holds experts/ep experts")
-    if experts and o["moe_top_k"] > experts:
-        raise ScenarioError("workload.moe_top_k", o["moe_top_k"], f"at most experts={experts}",
-                            "each token is routed to k distinct experts")
-    if experts and degrees["cp"] > 1:
-        raise ScenarioError("parallel.cp", degrees["cp"], "1 with experts",
-                            "mixture of experts with context parallelism is not supported yet")
-    for key in ("moe_ffn_hidden", "capacity_factor"):
-        if not experts and o.get(key) is not None:
-            raise ScenarioError(f"workload.{key}", o[key], "no value without experts",
-                                "only a mixture-of-experts model takes it")
-
-
-def _validate_arch(o, tp: int) -> None:
-    """kv_heads and ffn_hidden belong to llama; their splits over tp (the rules of
-    :func:`tensor_parallel.llama.check_kv_heads`, named by key)."""
-    if o["arch"] != "llama":
-        for key in ("kv_heads", "ffn_hidden"):
-            if o.get(key) is not None:
-                raise ScenarioError(f"workload.{key}", o[key], "no value with arch gpt",
-                                    "only arch llama takes it (gpt: heads and 4 x hidden)")
-        return
-    heads, kv = o["heads"], o.get("kv_heads") or o["heads"]
-    if heads % kv:
-        raise ScenarioError("workload.kv_heads", kv, f"a divisor of heads={heads}",
-                            "query heads share key/value heads in equal groups")
-    if (o["hidden"] // heads) % 2:
-        raise ScenarioError("workload.heads", heads, "a count that leaves hidden/heads even",
-                            "RoPE rotates pairs of the head dimension")
-    if kv >= tp and kv % tp or kv < tp and tp % kv:
-        raise ScenarioError("workload.kv_heads", kv, f"a multiple or a divisor of tp={tp}",
-                            "key/value heads split over tp, or each replicated over "
-                            "tp/kv_heads ranks")
-    if o.get("ffn_hidden") is not None and o["ffn_hidden"] % tp:
-        raise ScenarioError("workload.ffn_hidden", o["ffn_hidden"], f"a multiple of tp={tp}",
-                            "the SwiGLU width is split over tp")
 
 
 _AXES = ("dp", "pp", "cp", "ep", "tp")

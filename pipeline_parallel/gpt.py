@@ -47,8 +47,8 @@ from functools import partial
 
 import numpy as np
 
-from modeling import (BLOCKS, GPT2_BLOCK, LLAMA_BLOCK, Attention, AttentionKernel, Block,
-                      ConfigError, FlopConvention, GradReduceDtype, ModelSpec,
+from modeling import (BLOCKS, LLAMA_BLOCK, Attention, AttentionKernel, Block,
+                      ConfigError, FlopConvention, GradReduceDtype, MLPKind, ModelSpec,
                       ParallelConfig, Positions, TPOverlap, block_named, block_of,
                       load_model)
 from modeling import MoE as MoESpec
@@ -60,7 +60,7 @@ from tensor_parallel.context_parallel import (ContextParallelAttention,
 from tensor_parallel.llama import kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
-from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, gpt_moe_stage, llama_moe_stage,
+from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, llama_moe_stage,
                                        moe_piece)
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (TransformerLayer, TransformerStage,
@@ -144,13 +144,10 @@ def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
     """The model FLOPs of one step of ``config`` on ``global_batch`` sequences:
     :func:`megatron_model_flops` (gpt), :func:`llama_model_flops` (llama) or
-    :func:`moe_model_flops` (experts > 0; arch "gpt" adds 6·B·s²·l·h: its attention
-    counts the full s², as :func:`megatron_model_flops`)."""
+    :func:`moe_model_flops` (experts > 0, which only a SwiGLU block takes)."""
     c = config
-    if c.experts:       # GPT's program declares attention's full s² (Megatron's count)
-        full_s2 = 6 * global_batch * c.seq * c.seq * c.layers * c.hidden \
-            if c.block.attention_flops is FlopConvention.MEGATRON else 0
-        return full_s2 + moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
+    if c.experts:
+        return moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
                                          c.heads, c.kv_heads, c.experts, c.moe_top_k,
                                          c.moe_ffn_hidden)
     if c.block.attention_flops is FlopConvention.CAUSAL:
@@ -245,6 +242,12 @@ class GPTConfig:
                                       "only a mixture-of-experts model takes it",
                                       owner="GPTConfig")
             return
+        if self.block.mlp is not MLPKind.SWIGLU:
+            raise ConfigError("experts", self.experts, f"0 with arch={self.arch!r} (experts need "
+                              "a SwiGLU block: arch='llama')",
+                              f"the program's experts are SwiGLU MLPs, and arch={self.arch!r}'s "
+                              f"MLP is {self.block.mlp.value}: its experts would be a model "
+                              "that does not exist (1.5x its MLP)", owner="GPTConfig")
         if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
             raise ConfigError("moe_top_k", self.moe_top_k, f"1 or 2, at most experts="
                               f"{self.experts}", f"moe_top_k must be 1 or 2 and <= experts="
@@ -403,11 +406,6 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
         return arrays if ops.tp_axis is None else {n: a[shard_slices(
             a.shape, param_layout(n, a.ndim), dev.mesh, dev.rank)] for n, a in arrays.items()}
 
-    if cfg.experts and cfg.block is GPT2_BLOCK:
-        return gpt_moe_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
-                             cfg.heads, cfg.hidden, par.recompute, cfg.eps, job.microbatches,
-                             cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
-                             load, tie=cfg.tie_embeddings)
     if cfg.experts:
         return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,

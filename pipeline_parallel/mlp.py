@@ -143,7 +143,7 @@ class MLP:
             checkpoint_every: int | None = None, checkpoint_dir: str | None = None,
             faults=None, recovery: str = "fail", resume_from: str | None = None,
             batch_size: int | None = None, data_seed: int = 0,
-            zero_stage: int = 0) -> FitResult:
+            zero_stage: int = 0, on_segment=None) -> FitResult:
         """Train on ``cluster`` following ``schedule``; see the module docstring.
 
         ``zero_stage``: 0 all-reduces gradients over dp (DDP); 1, 2, 3 shard the
@@ -159,6 +159,8 @@ class MLP:
         ``batch_size``: train on mini-batches of that many samples, drawn in shuffled
         epochs (:class:`~pipeline_parallel.sampler.BatchSampler`, seed ``data_seed``)
         instead of the full batch; the sampler's state is part of every checkpoint.
+        ``on_segment(first_step, end_step, recovery)``: called after each completed
+        segment of such a run (:func:`~pipeline_parallel.resilient.fit_resilient`).
         """
         from .plan import plan_training
         from .zero import check_zero_stage
@@ -176,7 +178,7 @@ class MLP:
             bucket_bytes=int(bucket_bytes), action_costs=dict(action_costs or {}),
             zero_stage=zero_stage)
         if (checkpoint_every is not None or faults is not None or resume_from is not None
-                or recovery != "fail" or batch_size is not None):
+                or recovery != "fail" or batch_size is not None or on_segment is not None):
             if zero_stage:
                 raise ValueError(f"MLP.fit: zero_stage={zero_stage} cannot be combined with "
                                  f"checkpoints, faults, recovery, resume_from or batch_size "
@@ -187,7 +189,8 @@ class MLP:
                                  checkpoint_every=checkpoint_every,
                                  checkpoint_dir=checkpoint_dir, faults=faults,
                                  recovery=recovery, resume_from=resume_from,
-                                 batch_size=batch_size, data_seed=data_seed)
+                                 batch_size=batch_size, data_seed=data_seed,
+                                 on_segment=on_segment)
         results = cluster.run(train_program, plan.device_args(job, X, Y))
         return plan.collect(self, results)
 

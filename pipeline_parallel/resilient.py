@@ -113,11 +113,15 @@ def _check_policy(checkpoint_every, checkpoint_dir, recovery) -> int | None:
 
 def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=None,
                   checkpoint_dir=None, faults=(), recovery: str = "fail", resume_from=None,
-                  batch_size=None, data_seed: int = 0):
+                  batch_size=None, data_seed: int = 0, on_segment=None):
     """Train ``job`` (its params/steps describe the whole run) as the module describes.
 
     Returns the :class:`~pipeline_parallel.mlp.FitResult` of the whole run, with
-    ``recoveries`` and ``checkpoints`` filled in.
+    ``recoveries`` and ``checkpoints`` filled in. ``on_segment(first_step, end_step,
+    recovery)``, when given, is called after each segment that completes (steps
+    ``first_step .. end_step - 1``), before its checkpoint is written; ``recovery`` is the
+    :class:`Recovery` the segment resumed after, or None. A caller reads the cluster's
+    events there: a restart replaces the processes and every event they recorded.
     """
     every = _check_policy(checkpoint_every, checkpoint_dir, recovery)
     faults = parse_faults(faults, "faults", cluster.mesh.size)
@@ -135,9 +139,11 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
         cluster.inject_faults(degraded)
     recoveries, written, fit = [], [], None
     last = None if resume_from is None else _checkpoint_path(resume_from)
+    resumed_after = None          # the recovery the next segment resumes after
     try:
         while state.step < job.steps or fit is None:
             end = job.steps if every is None else min(job.steps, (state.step // every + 1) * every)
+            first = state.step
             try:
                 fit, state = _segment(mlp, cluster, plan, job, X, Y, state, end, crashes, data)
             except DeviceLostError as exc:
@@ -146,8 +152,11 @@ def fit_resilient(mlp, cluster, plan, job: TrainJob, X, Y, *, checkpoint_every=N
                 resume = _recover(exc, fired, state, recovery, last, checkpoint_dir,
                                   len(recoveries), len(faults), cluster, fp, mlp, job, data)
                 recoveries.append(resume[1])
-                state = resume[0]
+                state, resumed_after = resume[0], resume[1]
                 continue
+            if on_segment is not None:
+                on_segment(first, end, resumed_after)
+            resumed_after = None
             if every is not None and (state.step % every == 0 or state.step == job.steps):
                 last = save_checkpoint(checkpoint_dir, state)
                 written.append(last)

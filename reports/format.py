@@ -7,7 +7,8 @@ import numbers
 
 import pandas as pd
 
-__all__ = ["fmt", "formatted", "steps_overview", "shown_checks", "MAX_ROWS", "MAX_CHECK_ROWS"]
+__all__ = ["fmt", "formatted", "steps_overview", "shown_checks", "reading_notes", "MAX_ROWS",
+           "MAX_CHECK_ROWS"]
 
 MAX_ROWS = 64          # longer tables are shown in part; the CSV holds every row
 MAX_CHECK_ROWS = 12    # more checks than this: the failed ones are listed, then a count
@@ -63,3 +64,31 @@ def shown_checks(checks) -> tuple[list, str]:
     hidden = len(checks) - len(shown)
     return shown, (f"{hidden} more checks, all passed, are listed in results.json"
                    if hidden else "")
+
+
+def reading_notes(summary: dict) -> list[str]:
+    """How to read a run's figures, one line each: what *measured* and *predicted* are
+    (and what exposed communication means on the emulator), and why the measured and
+    predicted bytes differ — only the lines whose figures the summary holds."""
+    notes = []
+    if summary.get("measured_step_time_s") is not None:
+        notes.append(
+            f"Measured: the program run by {summary.get('devices', 'the')} emulated devices, "
+            "processes on this machine's CPU cores. A device waiting for a core, or for a "
+            "peer that waits for one, is waiting in a receive or collective, so its "
+            "measured communication and exposed communication are mostly waiting, not "
+            "network time; measured steps test the program, not the hardware.")
+    if summary.get("predicted_step_time_s") is not None:
+        notes.append(
+            f"Predicted: the same program traced and replayed on the timing model of "
+            f"{summary.get('hardware') or 'the hardware'}: its exposed communication is "
+            "the time the model's devices wait on links.")
+    if summary.get("traced_bytes_sent") is not None or (
+            summary.get("measured_bytes_sent") is not None
+            and summary.get("predicted_bytes_sent") is not None):
+        notes.append(
+            "Bytes: measured and traced count what the emulator's collective algorithms "
+            "move (shm reads peers' buffers in place: its all_gather and reduce_scatter "
+            "send nothing), and traffic_matches compares those two; predicted counts what "
+            "the hardware's collectives put on its links, so it differs by design.")
+    return notes

@@ -8,7 +8,7 @@ from html import escape
 
 import pandas as pd
 
-from reports.format import MAX_ROWS, fmt, formatted, shown_checks, steps_overview
+from reports.format import MAX_ROWS, fmt, formatted, reading_notes, shown_checks, steps_overview
 from reports.tables import record_tables
 
 __all__ = ["html_table", "report_html", "record_html", "PLOT_TITLES"]
@@ -91,6 +91,7 @@ def _head(record) -> list[str]:
                 f'memory the devices do not have): '
                 f'{escape("; ".join(record.out_of_memory))}.</p>']
                if record.out_of_memory else []),
+             *(f'<p class="note">{escape(note)}</p>' for note in reading_notes(record.summary)),
              "<h2>Headline figures</h2>", _sweep_note(record), _cards(record.summary)]
     if record.checks:
         parts += ["<h2>Checks</h2>", _checks(record.checks)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from reports.format import MAX_ROWS, fmt, formatted, shown_checks, steps_overview
+from reports.format import MAX_ROWS, fmt, formatted, reading_notes, shown_checks, steps_overview
 from reports.tables import record_tables
 
 __all__ = ["markdown_table", "summary_markdown"]
@@ -44,6 +44,7 @@ def summary_markdown(record, files: dict) -> str:
            *([f"\n**Does not fit the device memory** (the figures assume memory the "
               f"devices do not have): {'; '.join(record.out_of_memory)}.\n"]
              if record.out_of_memory else []),
+           *(f"\n_{note}_\n" for note in reading_notes(record.summary)),
            "\n## Headline figures\n\n"]
     if record.sweep is not None:
         out.append("_A sweep: these are the last point's figures; every point's are in "

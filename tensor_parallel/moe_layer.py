@@ -1,4 +1,4 @@
-"""The Llama (and GPT) layer with a mixture of experts in place of its MLP, for the
+"""The Llama layer with a mixture of experts in place of its MLP, for the
 training program (``GPTConfig(experts=E)``): every layer is MoE, as Mixtral's.
 
 Layer (x (b, s, h), or (b, s/t, h) under sequence parallelism):
@@ -6,8 +6,8 @@ Layer (x (b, s, h), or (b, s/t, h) under sequence parallelism):
     x1 = x + Attention(RMSNorm1(x))                       as :class:`~.llama.LlamaLayer`
     y  = x1 + MoE(RMSNorm2(x1))                           :class:`~.moe.MoE`, top-k of E
 
-(GPT: LayerNorms and the GPT attention of :class:`~.transformer.TransformerLayer`, the
-same MoE block: :class:`GPTMoELayer`.)
+The experts are SwiGLU MLPs, so only the Llama block takes them (``GPTConfig`` refuses
+experts with the GPT block, whose MLP is GELU).
 
 Parameters of the MoE block: ``w_router`` (h, E), ``moe_gate``, ``moe_up`` (E, h, f_e),
 ``moe_down`` (E, f_e, h). The experts are split over the mesh axis ``ep`` on their first
@@ -45,10 +45,9 @@ from .gqa import GQAttention, Rope
 from .llama import LlamaLayer, check_kv_heads, llama_ends
 from .moe import MoE
 from .moe_load import ExpertLoad
-from .transformer import (TransformerLayer, TransformerStage, VocabParallelEmbedding,
-                          VocabParallelHead)
+from .transformer import TransformerStage
 
-__all__ = ["MoEBlock", "LlamaMoELayer", "GPTMoELayer", "llama_moe_stage", "gpt_moe_stage",
+__all__ = ["MoEBlock", "LlamaMoELayer", "llama_moe_stage",
            "MOE_PARAMS", "EXPERT_PARAMS", "moe_piece"]
 
 #: the MoE block's parameters, and those of them split over ep (dimension 0)
@@ -171,68 +170,6 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     def _mlp_weight_grads(self, ops, G, grads) -> None:
         """The MoE's gradients, computed with dx, added (the rest as LlamaLayer)."""
         self.block.add_grads(G, grads)
-
-
-class GPTMoELayer(_Reporting, TransformerLayer):
-    """A GPT :class:`~.transformer.TransformerLayer` (LayerNorms, biased attention) whose
-    MLP is ``moe``: SwiGLU experts, no biases (see :class:`MoEBlock`)."""
-
-    names = ("ln1_g", "ln1_b", "w_qkv", "b_qkv", "w_o", "b_o", "ln2_g", "ln2_b") + MOE_PARAMS
-    split = MappingProxyType({"w_qkv": 2, "b_qkv": 1, "w_o": 0})
-    seq_partial = ("ln1_g", "ln1_b", "ln2_g", "ln2_b")
-    expert = EXPERT_PARAMS
-
-    def __init__(self, params, heads_local: int, head_dim: int, moe: MoE, aux_weight: float,
-                 load: ExpertLoad | None, recompute: str = "none", eps: float = 1e-5):
-        super().__init__(params, heads_local, head_dim, recompute, eps)
-        self.block = MoEBlock(moe, aux_weight, load)
-
-    def _forward(self, ops, x, keep: str):
-        P = self.p
-        u, ln1 = ops.layer_norm(x, P["ln1_g"], P["ln1_b"], self.eps, "ln1")
-        att, ast = self.attn.forward(ops, u, P["w_qkv"], P["b_qkv"], P["w_o"], P["b_o"], keep)
-        x1 = ops.ew("residual", lambda: x + att, x, att)
-        u, ln2 = ops.layer_norm(x1, P["ln2_g"], P["ln2_b"], self.eps, "ln2")
-        y, mst = self.block.forward(ops, P, u, keep != "none")
-        out = ops.ew("residual", lambda: x1 + y, x1, y)
-        return out, (ln1, ast, ln2, mst)
-
-    def backward_input(self, ops, mb: int, dy):
-        """dx from dy (both in x's layout); keeps what W needs."""
-        self.block.recomputing = self.recompute == "full"
-        try:
-            P, st = self.p, self._saved(ops, mb)
-        finally:
-            self.block.recomputing = False
-        ln1, ast, ln2, mst = st
-        du, grads = self.block.backward(ops, P, mst, dy)
-        dx1 = ops.layer_norm_grad(du, ln2, P["ln2_g"], "ln2 grad + residual", residual=dy)
-        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_qkv"], P["w_o"], self.g["w_qkv"],
-                                          self.g["b_qkv"])
-        dx = ops.layer_norm_grad(dv, ln1, P["ln1_g"], "ln1 grad + residual", residual=dx1)
-        self._wstate[mb] = (ln1[0], dv, aw, ln2[0], du, grads)
-        return dx
-
-    def backward_weight(self, ops, mb: int) -> None:
-        G = self.g
-        xhat1, dv, aw, xhat2, du, grads = self._wstate.pop(mb)
-        self.block.add_grads(G, grads)
-        ops.layer_norm_params_grad(du, xhat2, G["ln2_g"], G["ln2_b"], "ln2 params grad")
-        self.attn.backward_weight(ops, aw, G["w_qkv"], G["b_qkv"], G["w_o"], G["b_o"])
-        ops.layer_norm_params_grad(dv, xhat1, G["ln1_g"], G["ln1_b"], "ln1 params grad")
-
-
-def gpt_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
-                  recompute: str, eps: float, microbatches: int, seq: int, moe: MoE,
-                  aux_weight: float, load=None, tie: bool = False) -> TransformerStage:
-    """A GPT-MoE stage (as :meth:`TransformerStage.gpt`, with :class:`GPTMoELayer`s)."""
-    modules = [GPTMoELayer(params(GPTMoELayer.names, f"layers.{i}."), heads // ops.tp_size,
-                           hidden // heads, moe, aux_weight,
-                           load.get(i) if isinstance(load, dict) else load, recompute, eps)
-               for i in layers]
-    embedding = VocabParallelEmbedding(params(VocabParallelEmbedding.names)) if first else None
-    head = VocabParallelHead.build(params, eps, tie, embedding) if last else None
-    return TransformerStage.chain(ops, modules, layers, embedding, head, microbatches, seq)
 
 
 def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,

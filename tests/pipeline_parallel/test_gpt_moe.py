@@ -50,16 +50,14 @@ CASES = [
     (2, 2, 1, 2, True, 1, None, 2, "none"),
     (2, 2, 2, 2, False, 2, 1.0, 1, "full"),
 ]
-GPT_ARCH = {len(CASES) - 1}         # the last case trains the GPT architecture
 
 
 @pytest.mark.parametrize("dp, ep, pp, tp, sp, top_k, cf, b, recompute", CASES,
                          ids=[f"dp{c[0]}-ep{c[1]}-pp{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}"
                               f"-top{c[5]}-{'cf' + str(c[6]) if c[6] else 'dropless'}-{c[8]}"
-                              + ("-gpt" if i in GPT_ARCH else "") for i, c in enumerate(CASES)])
+                              for c in CASES])
 def test_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, top_k, cf, b, recompute):
-    gpt = CASES.index((dp, ep, pp, tp, sp, top_k, cf, b, recompute)) in GPT_ARCH
-    cfg = _cfg(top_k, cf, **(dict(arch="gpt", kv_heads=None, ffn_hidden=None) if gpt else {}))
+    cfg = _cfg(top_k, cf)
     par = ParallelConfig(global_batch=B * (b if tp > 1 else 1), micro_batch=b, dp=dp, ep=ep,
                          pp=pp, tp=tp, sequence_parallel=sp, recompute=recompute)
     model, (tokens, targets) = GPT(cfg, seed=3), _data(cfg, batch=par.global_batch)
@@ -191,6 +189,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="dense model needs ep=1"):
         par = ParallelConfig(global_batch=4, dp=2, ep=2)
         par.check(_cfg(experts=0), par.mesh())
+    with pytest.raises(ValueError, match="experts=4: the program's experts are SwiGLU MLPs, "
+                                         "and arch='gpt''s MLP is gelu.*allowed: 0 with "
+                                         "arch='gpt'"):
+        _cfg(arch="gpt", kv_heads=None, ffn_hidden=None)
     with pytest.raises(ValueError, match="moe_ffn_hidden=12: only a mixture-of-experts model "
                                          "takes it"):
         GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32, moe_ffn_hidden=12)

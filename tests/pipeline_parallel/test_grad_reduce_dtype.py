@@ -44,7 +44,8 @@ CASES = {
     "zero2": (dict(), dict(dp=2, zero_stage=2)),
     "zero3 tp2": (dict(), dict(dp=2, tp=2, zero_stage=3)),
     "cp2 dp2": (dict(), dict(dp=2, cp=2)),
-    "moe ep2": (dict(experts=2, moe_top_k=1, moe_ffn_hidden=8), dict(dp=2, ep=2)),
+    "moe ep2": (dict(arch="llama", kv_heads=2, ffn_hidden=24, experts=2, moe_top_k=1,
+                     moe_ffn_hidden=8), dict(dp=2, ep=2)),
 }
 
 

@@ -45,6 +45,17 @@ def test_faults_scenario_recovers_bit_identical(tmp_path):
     assert rec["checkpoint"].endswith(os.path.join("ckpt", "step-00000004"))
     assert s["final_params_sha256"] == s["fault_free_params_sha256"]
     assert len(s["final_params_sha256"]) == 64
+    # the steps table, steps.csv and the headline tell one story: all 8 steps, the one
+    # after the restart marked, the last loss the final loss
+    with open(tmp_path / "report" / "results.json") as f:
+        rows = [r for r in json.load(f)["steps"] if r["source"] == "measured"]
+    assert [r["step"] for r in rows] == list(range(8))
+    assert [bool(r["note"]) for r in rows] == [k == 4 for k in range(8)]
+    assert rows[4]["note"] == "resumed from step 4 after rank 3 was lost at step 5"
+    assert rows[-1]["loss"] == pytest.approx(s["final_loss"], rel=1e-12)
+    csv = (tmp_path / "report" / "steps.csv").read_text().splitlines()
+    assert csv[0] == "source,step,time_s,note,loss" and len(csv) == 1 + 8
+    assert "| measured | 8 |" in (tmp_path / "report" / "summary.md").read_text()
     # the goodput table and plot from the measured step, checkpoint and restart times
     report = tmp_path / "report"
     assert (report / "goodput.png").stat().st_size > 1000 and (report / "goodput.csv").is_file()

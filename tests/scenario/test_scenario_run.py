@@ -57,6 +57,12 @@ def _check_report(out: Path, scenario) -> dict:
         assert results["summary"]["checks_passed"] is True
     if scenario.run.mode == "both" and not scenario.document.get("faults"):
         assert results["summary"]["traffic_matches"] is True
+        # "matches" follows from the figures shown: measured == traced bytes, every point
+        for row in [results["summary"], *(results.get("sweep") or [])]:
+            if row.get("traffic_matches") is not None and row.get("traced_bytes_sent") is not None:
+                assert row["traced_bytes_sent"] == row["measured_bytes_sent"], row
+    if scenario.run.mode != "simulate":       # every report says what measured means
+        assert "_Measured: the program run by" in (out / "summary.md").read_text()
     if scenario.sweep:
         assert len(results["sweep"]) == len(sweep_points(scenario))
     if scenario.run.mode == "simulate" and scenario.report.formats is None:

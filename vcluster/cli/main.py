@@ -14,6 +14,7 @@ import threading
 
 from modeling import ConfigError
 
+from .. import __version__
 from . import (bench_cmd, hardware_cmd, model_cmd, oracle_cmd, plan_cmd, run_cmd,
                schedule_cmd, simulate_cmd, validate_model_cmd)
 
@@ -23,6 +24,8 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vcluster", description="A virtual GPU cluster on one machine.")
+    parser.add_argument("--version", action="version", version=f"vcluster {__version__}",
+                        help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (run_cmd, bench_cmd, hardware_cmd, model_cmd, plan_cmd, schedule_cmd,
                    simulate_cmd, validate_model_cmd, oracle_cmd):

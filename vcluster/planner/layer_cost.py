@@ -44,7 +44,7 @@ from pipeline_parallel.llama import llama_param_shapes
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
-from tensor_parallel.moe_layer import MOE_PARAMS, gpt_moe_stage, llama_moe_stage, moe_piece
+from tensor_parallel.moe_layer import MOE_PARAMS, llama_moe_stage, moe_piece
 from tensor_parallel.transformer import param_layout
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
@@ -159,15 +159,9 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
     load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
                              config.moe().capacity(tokens))
     params = lambda names, prefix="": {n: meta[n] for n in names}      # noqa: E731
-    if config.block is LLAMA_BLOCK:
-        stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
-                                config.hidden, config.rope_theta, recompute, config.eps, 2,
-                                config.seq, config.moe(), 1.0, load,
-                                tie=config.tie_embeddings)
-    else:
-        stage = gpt_moe_stage(ops, params, [0], True, True, config.heads, config.hidden,
-                              recompute, config.eps, 2, config.seq, config.moe(), 1.0, load,
-                              tie=config.tie_embeddings)
+    stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
+                            config.hidden, config.rope_theta, recompute, config.eps, 2,
+                            config.seq, config.moe(), 1.0, load, tie=config.tie_embeddings)
     return stage.modules
 
 

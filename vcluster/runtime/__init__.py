@@ -8,8 +8,8 @@ from .device import VirtualDevice
 from .emulated_device import EmulatedDevice
 from .errors import (ArenaFullError, ClusterBrokenError, CollectiveMismatch, CollectiveTimeout,
                      DeviceAborted, DeviceArenaFullError, DeviceCollectiveMismatch,
-                     DeviceCollectiveTimeout, DeviceLostError, DeviceProgramError, HostTimeout,
-                     VClusterError)
+                     DeviceCollectiveTimeout, DeviceLeftoverMessagesError, DeviceLostError,
+                     DeviceProgramError, HostTimeout, LeftoverMessagesError, VClusterError)
 from .events import CommEvent, ComputeEvent, Event
 
 __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChannel",
@@ -17,4 +17,4 @@ __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChanne
            "ArenaFullError", "ClusterBrokenError", "CollectiveMismatch", "CollectiveTimeout",
            "DeviceAborted", "DeviceLostError", "DeviceProgramError", "HostTimeout",
            "DeviceCollectiveTimeout", "DeviceCollectiveMismatch", "DeviceArenaFullError",
-           "VClusterError", "CommEvent", "ComputeEvent", "Event"]
+           "LeftoverMessagesError", "DeviceLeftoverMessagesError", "VClusterError", "CommEvent", "ComputeEvent", "Event"]

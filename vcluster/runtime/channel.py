@@ -43,13 +43,19 @@ from collections import deque
 
 import numpy as np
 
+from .collectives.common import op_name
 from .errors import ArenaFullError, CollectiveMismatch
 from .fabric import Fabric
 from .layout import INLINE_BYTES, MAX_NDIM, S, decode_dtype, encode_dtype
 
-__all__ = ["VirtualChannel", "SendHandle", "Incoming", "USER_KIND"]
+__all__ = ["VirtualChannel", "SendHandle", "Incoming", "USER_KIND", "kind_text"]
 
 USER_KIND = 0   # kind word of user send/recv; collectives use their op code
+
+
+def kind_text(kind: int) -> str:
+    """A message's kind word in words: "send" or the collective that sent it."""
+    return "send" if kind == USER_KIND else f"{op_name(kind)} message"
 
 
 class SendHandle:
@@ -367,6 +373,14 @@ class VirtualChannel:
                         and box[slot, S.KIND] == kind:
                     return True
         return False
+
+    def leftovers(self) -> list[str]:
+        """What the receiving side holds that no receive took: messages set aside (copied
+        out of a full mailbox) and never received. Empty at the end of a correct run."""
+        with self._recv_lock:
+            return [f"{len(queue)} message(s) from rank {src} ({kind_text(kind)}, tag {tag}) "
+                    "arrived and were never received"
+                    for (src, kind, tag), queue in self._unexpected.items() if queue]
 
     def _set_aside(self, src: int, q: int, slot: int) -> None:
         """Copy message q out of its slot into the unexpected-message store, free the slot."""

@@ -24,12 +24,13 @@ import time
 import weakref
 
 from .arguments import check_run_args
-from .errors import (ClusterBrokenError, DeviceLostError, HostTimeout, VClusterError,
-                     program_error)
+from .channel import kind_text
+from .errors import (ClusterBrokenError, DeviceLostError, HostTimeout, LeftoverMessagesError,
+                     VClusterError, program_error)
 from .events import CommEvent, ComputeEvent
 from .fabric import ABORT_HOST, ABORT_LOST, fabric_from_segments
 from .launcher_client import LauncherClient
-from .layout import ControlLayout
+from .layout import ControlLayout, S
 from .options import ClusterOptions
 from .segments import create_segment, shm_available_bytes, sweep_stale_segments
 from .transfer import dumps, pack, unpack
@@ -261,6 +262,14 @@ class VirtualCluster:
             reply = failed[first]
             raise program_error(first, fn_name, reply[2], errors,
                                 reply[3] if len(reply) > 3 else None)
+        unreceived = state.unreceived()
+        if unreceived:
+            state.reset_comm()
+            raise LeftoverMessagesError(
+                f"{fn_name} ended with {len(unreceived)} message(s) that no receive took: "
+                + "; ".join(unreceived[:8]) + ("; ..." if len(unreceived) > 8 else "")
+                + " — every message must be received in the run that sends it (the next "
+                "run would take it in place of its own); the cluster dropped them")
         return [replies[r][1] for r in range(self.mesh.size)]
 
     # --- statistics and trace -------------------------------------------------------
@@ -429,6 +438,18 @@ class _ClusterState:
             return False
         self.reset_comm()
         return True
+
+    def unreceived(self) -> list[str]:
+        """The messages still in a mailbox (sent, never received), oldest first per pair,
+        in words; read once every device has finished its run."""
+        box = self.fabric.mailbox
+        found = []
+        for src, dst, slot in zip(*(box[..., S.STATE] != 0).nonzero()):
+            words = box[src, dst, slot]
+            found.append((int(src), int(dst), int(words[S.SEQ]), int(words[S.KIND]),
+                          int(words[S.TAG]), int(words[S.NBYTES])))
+        return [f"rank {src} -> rank {dst}: {kind_text(kind)} #{seq} (tag {tag}, "
+                f"{nbytes} bytes)" for src, dst, seq, kind, tag, nbytes in sorted(found)]
 
     def first_failure(self, errors: dict[int, str]) -> int:
         """The rank that raised first (it set the abort word), else the lowest."""

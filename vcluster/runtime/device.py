@@ -142,6 +142,7 @@ class VirtualDevice:
             self.context.begin_run()
             result = fn(self.context, *args)
             self.context.synchronize()
+            self.context.check_clean()
             to_host = self._result_to_host if self.arrays.device else None
             payload, result_locations = pack(result, f.arenas[self.rank], self._results,
                                              to_host=to_host)

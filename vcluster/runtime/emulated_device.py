@@ -33,7 +33,7 @@ from .channel import USER_KIND, VirtualChannel
 from .collectives.common import Group, GroupCall, ReduceOp, scaled_shape
 from .collectives.inline import InlinePlan, inline_eligible
 from .device_memory import HostSpace
-from .errors import ArenaFullError
+from .errors import ArenaFullError, LeftoverMessagesError
 from .events import CommEvent
 from .fabric import Fabric
 from .layout import INLINE_BYTES
@@ -323,6 +323,23 @@ class EmulatedDevice:
         run does this, so no message is left behind in this process)."""
         self._queue.drain(self._f.check_abort)
         self._channel.flush()
+
+    def check_clean(self) -> None:
+        """Raise :class:`LeftoverMessagesError` when this device ends a run holding
+        point-to-point state: a receive posted with ``irecv`` that no wait completed, or a
+        message that arrived and no receive took. Either would be matched by the next
+        run's receive of the same (source, tag) — its data silently replaced by stale data —
+        so the run that leaves it fails instead (messages still in a mailbox are the
+        host's check, once every device has finished)."""
+        lines = [f"{len(queue)} receive(s) from rank {src} (tag {tag}) posted with irecv "
+                 "and never waited for" for (src, tag), queue in self._posted_recvs.items()
+                 if queue]
+        lines += self._channel.leftovers()
+        if lines:
+            raise LeftoverMessagesError(
+                f"rank {self.rank}: the run ended with " + "; ".join(lines) + " — every "
+                "message must be received, and every irecv waited for, in the run that "
+                "posts it")
 
     def close(self) -> None:
         self._queue.shutdown()

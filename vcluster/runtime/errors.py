@@ -6,8 +6,9 @@ from types import MappingProxyType
 
 __all__ = ["VClusterError", "DeviceProgramError", "DeviceLostError", "CollectiveTimeout",
            "CollectiveMismatch", "DeviceAborted", "ClusterBrokenError", "HostTimeout",
-           "ArenaFullError", "DeviceCollectiveTimeout", "DeviceCollectiveMismatch",
-           "DeviceArenaFullError", "error_kind", "program_error"]
+           "ArenaFullError", "LeftoverMessagesError", "DeviceCollectiveTimeout",
+           "DeviceCollectiveMismatch", "DeviceArenaFullError", "DeviceLeftoverMessagesError",
+           "error_kind", "program_error"]
 
 
 class VClusterError(RuntimeError):
@@ -78,6 +79,13 @@ class ArenaFullError(VClusterError):
     """A device's shared-memory arena has no room for a buffer."""
 
 
+class LeftoverMessagesError(VClusterError):
+    """A run ended with point-to-point state left behind: a message no receive took, or
+    a posted receive no wait completed. Left in place, the next run on the cluster would
+    take the stale message in place of its own (a wrong number, not an error), so the
+    run fails instead and the cluster forgets the leftovers (it stays usable)."""
+
+
 # --- a device's error, raised again in the host ----------------------------------------
 class DeviceCollectiveTimeout(DeviceProgramError, CollectiveTimeout):
     """A device's :class:`CollectiveTimeout`, raised in the host: ``except
@@ -95,14 +103,20 @@ class DeviceArenaFullError(DeviceProgramError, ArenaFullError):
     :class:`DeviceCollectiveTimeout`)."""
 
 
+class DeviceLeftoverMessagesError(DeviceProgramError, LeftoverMessagesError):
+    """A device's :class:`LeftoverMessagesError`, raised in the host (see
+    :class:`DeviceCollectiveTimeout`)."""
+
+
 # the kinds a device reports (error_kind) -> the class the host raises (program_error)
 _HOST_CLASSES = MappingProxyType({
     "CollectiveTimeout": DeviceCollectiveTimeout,
     "CollectiveMismatch": DeviceCollectiveMismatch,
     "ArenaFullError": DeviceArenaFullError,
+    "LeftoverMessagesError": DeviceLeftoverMessagesError,
 })
 _KINDS = ((CollectiveTimeout, "CollectiveTimeout"), (CollectiveMismatch, "CollectiveMismatch"),
-          (ArenaFullError, "ArenaFullError"))
+          (ArenaFullError, "ArenaFullError"), (LeftoverMessagesError, "LeftoverMessagesError"))
 
 
 def error_kind(exc: BaseException) -> str | None:

@@ -30,6 +30,7 @@ import os
 import time
 
 from .errors import ScenarioError
+from .timed_runs import all_running, step_times
 
 __all__ = ["FAULTS_SCHEMA", "CHECKPOINT_SCHEMA", "RECOVERY", "check_faults",
            "wants_resilience", "checkpoint_dir", "run_resilient"]
@@ -161,12 +162,21 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
             clean = workload.fit(engine)
             clean_s = time.perf_counter() - t0
         engine.reset_stats()
+        segments = []
+
+        def on_segment(first: int, end: int, recovery) -> None:
+            # read before a restart replaces the processes (and their events)
+            segments.append((first, end, recovery, engine.trace()))
+            engine.reset_stats()
+
         t0 = time.perf_counter()
         fit = workload.fit(engine, checkpoint_every=ckpt.get("every"),
                            checkpoint_dir=directory, faults=faults,
-                           recovery=ckpt.get("recovery", "fail"), resume_from=resume)
+                           recovery=ckpt.get("recovery", "fail"), resume_from=resume,
+                           on_segment=on_segment)
         wall_s = time.perf_counter() - t0
-        events = engine.trace()
+        events = [e for *_, got in segments for e in got]
+        steps = _segment_steps(segments)
         summary = {
             "faults": [f.to_dict() for f in faults],
             "faults_injected": [f.to_dict() for f in faults if not isinstance(f, CrashFault)]
@@ -180,13 +190,13 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
             "measured_wall_s": wall_s,
         }
         if ckpt.get("mtbf_s"):
-            summary.update(_goodput_inputs(engine, fit, events, workload.mesh.size))
+            summary.update(_goodput_inputs(engine, fit, steps["step_times"]))
         if clean is not None:
             summary["fault_free_wall_s"] = clean_s
             summary["fault_free_params_sha256"] = params_sha256(clean.params)
             summary["matches_fault_free"] = summary["final_params_sha256"] == \
                 summary["fault_free_params_sha256"]
-    out = {"fit": fit, "events": events, "first_events": events, "summary": summary}
+    out = {"fit": fit, "events": events, "first_events": events, "summary": summary, **steps}
     if ckpt.get("mtbf_s"):
         # lazy: keeps vcluster --help fast
         from vcluster.timing.faults.impact import goodput_table
@@ -197,24 +207,38 @@ def run_resilient(workload, point, engine_name: str, resume: str | None) -> dict
     return out
 
 
-def _goodput_inputs(engine, fit, events, n_ranks: int) -> dict:
-    """Measured inputs of the goodput model: the median step time (optimizer event to
-    optimizer event), the time to write one checkpoint (the last one, written again to a
+def _segment_steps(segments) -> dict:
+    """The run's steps from its completed segments (first_step, end_step, recovery,
+    events): ``step_times`` (each segment's steps from the instant every device ran,
+    :func:`~.timed_runs.all_running`: the host's wake-up is start-up, not step 0),
+    ``step_numbers`` (the global step of each) and ``step_notes`` (on the first step a
+    segment resumed after a lost device: who was lost, at which step, and from which
+    checkpoint step training resumed; "" elsewhere). A segment that a lost device cut
+    short left no events (its processes were replaced); its steps are counted once, by
+    the segment that ran them again."""
+    times, numbers, notes = [], [], []
+    for first, end, recovery, got in segments:
+        times += step_times(got, True, end - first, start=all_running(got))
+        numbers += range(first, end)
+        notes += ["" if recovery is None or k != first else
+                  f"resumed from step {recovery.resumed_from_step} after rank "
+                  f"{recovery.rank} was lost"
+                  + ("" if recovery.lost_at_step is None else f" at step {recovery.lost_at_step}")
+                  for k in range(first, end)]
+    return {"step_times": times, "step_numbers": numbers, "step_notes": notes}
+
+
+def _goodput_inputs(engine, fit, times: list) -> dict:
+    """Measured inputs of the goodput model: the median step time (of the completed
+    segments' steps), the time to write one checkpoint (the last one, written again to a
     temporary directory), the mean restart time (of the recoveries, else of one restart)."""
     # lazy: keeps vcluster --help fast
     import statistics
     import tempfile
     from pipeline_parallel.checkpoint import load_checkpoint, save_checkpoint
-    ends: dict[int, list] = {}
-    for e in sorted((e for e in events if getattr(e, "name", None) == "optimizer"),
-                    key=lambda e: e.end):
-        ends.setdefault(e.rank, []).append(e.end)
-    steps = min((len(v) for v in ends.values()), default=0)
-    done = [max(v[k] for v in ends.values()) for k in range(steps)]
-    gaps = [b - a for a, b in zip(done, done[1:])]
-    if not gaps or len(ends) < n_ranks:
-        raise ScenarioError("checkpoint.mtbf_s", None, "a run of at least 2 steps since the "
-                            "last restart", "no step time to build the goodput table from")
+    if not times:
+        raise ScenarioError("checkpoint.mtbf_s", None, "a run of at least 1 step",
+                            "no step time to build the goodput table from")
     state = load_checkpoint(fit.checkpoints[-1]) if fit.checkpoints else None
     checkpoint_s = 0.0
     if state is not None:
@@ -228,5 +252,5 @@ def _goodput_inputs(engine, fit, events, n_ranks: int) -> dict:
         t0 = time.perf_counter()
         engine.restart()
         restart_s = time.perf_counter() - t0
-    return {"goodput_step_time_s": statistics.median(gaps), "goodput_checkpoint_s": checkpoint_s,
+    return {"goodput_step_time_s": statistics.median(times), "goodput_checkpoint_s": checkpoint_s,
             "goodput_restart_s": restart_s}

@@ -50,7 +50,7 @@ SUMMARY_KEYS = {
                  "compute_comm_ratio_low", "predicted_exposed_comm_fraction",
                  "predicted_bytes_sent", "predicted_bytes_received",
                  "predicted_messages_sent", "localhost_calibration"),
-    "both": ("traffic_matches", "predicted_over_measured"),
+    "both": ("traced_bytes_sent", "traffic_matches", "predicted_over_measured"),
     "memory": ("predicted_peak_memory_gb", "memory_limit_gb", "fits", "mfu"),  # simulate,
                                                      # transformer on a hardware model
     "training": ("data_parallel",),                  # mlp, transformer
@@ -140,15 +140,10 @@ def _emulate(workload, point, engines: _Engines, bar) -> dict:
 
 def _emulate_resilient(workload, point, engine_name: str, resume, bar) -> dict:
     """Training through the model's ``fit`` with checkpoints / faults
-    (:mod:`vcluster.scenario.resilience`); step times from the events recorded since the last
-    restart (a lost device takes its predecessors' events with it)."""
-    from collections import Counter
+    (:mod:`vcluster.scenario.resilience`): every step the run completed, each segment's
+    events read before a restart could take them."""
     from .resilience import run_resilient
     emu = run_resilient(workload, point, engine_name, resume)
-    counts = Counter(e.rank for e in emu["events"] if getattr(e, "name", None) == "optimizer")
-    steps = min(counts.values(), default=0)
-    emu["step_times"] = step_times(emu["events"], True, steps) \
-        if steps else []
     emu["assembled"] = workload.fit_outputs(emu["fit"])
     bar.advance("emulate (resilient)")
     return emu
@@ -169,11 +164,14 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
     s["measured_bytes_received"] = sum(e.bytes_received for e in comm) if traffic else None
     s["measured_messages_sent"] = sum(e.messages_sent for e in comm) if traffic else None
     s["measured_flops"] = sum(e.flops for e in events if hasattr(e, "flops"))
-    steps = pd.DataFrame({"source": "measured", "step": range(len(times)), "time_s": times})
+    numbers = list(emu.get("step_numbers", range(len(times))))
+    steps = pd.DataFrame({"source": "measured", "step": numbers, "time_s": times})
+    if "step_notes" in emu:             # a resilient run: the steps after a recovery
+        steps["note"] = emu["step_notes"]
     if workload.training:
         assembled = emu.get("assembled") or workload.assemble(emu["outputs"])
         losses = np.asarray(assembled["loss"], np.float64)
-        steps["loss"] = losses[:len(times)]
+        steps["loss"] = losses[numbers]
         s["final_loss"] = float(losses[-1])
         if workload.fit_outputs is not None:      # an MLP: the hash a fault-free run gives
             from .resilience import named_params_sha256
@@ -398,8 +396,19 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         traces, result, setup = _simulate(workload, point, bar)
         _predicted(out, workload, traces, result, setup, point)
         if emu is not None and "fit" not in emu:    # segmented / restarted runs: not one trace
-            out.summary["traffic_matches"] = (_traffic_matches(traces, emu["first_events"])
-                                              if emu.get("records_traffic", True) else None)
+            if emu.get("records_traffic", True):
+                # both counted the emulator's way (shm reads peers' buffers in place), the
+                # trace's over as many runs as the measured events hold
+                # (None when only some ranks were traced: their signatures still compare)
+                runs = 1 if workload.training else point.run.steps
+                traced = _trace_traffic(traces, None)[0] * runs \
+                    if len(traces) == mesh.size else None
+                out.summary["traced_bytes_sent"] = traced
+                out.summary["traffic_matches"] = bool(
+                    _traffic_matches(traces, emu["first_events"])
+                    and traced in (None, out.summary["measured_bytes_sent"]))
+            else:
+                out.summary["traffic_matches"] = None
             measured = out.summary["measured_step_time_s"]
             out.summary["predicted_over_measured"] = (
                 out.summary["predicted_step_time_s"] / measured

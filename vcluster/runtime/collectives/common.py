@@ -22,13 +22,18 @@ from ..device_memory import HostSpace
 from ..fabric import Fabric
 from ..layout import D, INLINE_BYTES, MAX_NDIM, decode_dtype, encode_dtype
 
-__all__ = ["Group", "OP_CODES", "ReduceOp", "GroupCall", "reduce_into", "reduce_rows",
+__all__ = ["Group", "OP_CODES", "op_name", "ReduceOp", "GroupCall", "reduce_into", "reduce_rows",
            "split_bounds", "scaled_shape", "describe_wait", "call_event"]
 
 OP_CODES = MappingProxyType({"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3,
                              "all_to_all": 4, "broadcast": 5, "scatter": 6, "gather": 7,
                              "reduce": 8, "barrier": 9})
 _OP_NAMES = MappingProxyType({v: k for k, v in OP_CODES.items()})
+
+
+def op_name(code: int) -> str:
+    """The collective of an op code (``OP_CODES``), or "op N" for an unknown one."""
+    return _OP_NAMES.get(int(code), f"op {int(code)}")
 _BLOCK_BYTES = 256 * 1024   # reduction block: stays in L2 while it is combined
 
 
@@ -326,7 +331,7 @@ class GroupCall:
             return
         for member, h in zip(g.members, self._headers):
             if h[D.SEQ] != self.seq or h[D.OP] != self.op_code:
-                theirs = _OP_NAMES.get(h[D.OP], f"op {h[D.OP]}")
+                theirs = op_name(h[D.OP])
                 raise CollectiveMismatch(
                     f"rank {f.rank} called {self.collective} (call #{self.number} over axes "
                     f"{g.axes}, group {g.members}) but rank {member} called {theirs} "

@@ -147,6 +147,7 @@ def _measured_idle_fractions(events, p):
 
 
 @pytest.mark.slow
+@pytest.mark.alone      # action times against the wall clock: a test beside it starves a rank
 @pytest.mark.parametrize("schedule, m, v", [("gpipe", 4, None), ("1f1b", 8, None),
                                             ("zero_bubble", 8, None), ("interleaved_1f1b", 4, 2)])
 def test_timeline_matches_ideal_bubble_calculator(schedule, m, v):

@@ -148,10 +148,12 @@ def predicted_vs_measured_png(record) -> bytes | None:
 
 
 def comparison_rows(record) -> list[tuple[str, float, float]]:
-    """(label, measured, predicted) of each bar of ``predicted_vs_measured.png``: the
-    median step time of each source (the statistic of ``measured_step_time_s``), then
-    the summed time per (collective, axis), else the mean compute and communication per
-    device; rows without both positive figures are dropped."""
+    """(label, measured, predicted) of each bar of ``predicted_vs_measured.png``, every
+    one in seconds per step: the median step time of each source (the statistic of
+    ``measured_step_time_s``), then the time per step of each (collective, axis) (its
+    summed time over the steps its rows cover, ``steps_covered``), else the mean compute
+    and communication per device and step; rows without both positive figures are
+    dropped."""
     both = {"measured", "predicted"}
     rows: list[tuple[str, float, float]] = []
     steps = _last_point(record.steps)[0]
@@ -160,8 +162,9 @@ def comparison_rows(record) -> list[tuple[str, float, float]]:
         rows.append(("step (median)", float(median["measured"]), float(median["predicted"])))
     coll = _last_point(record.collectives)[0]
     if both <= set(coll["source"]):
-        table = (coll.assign(axis=coll["axis"].fillna("-"))
-                 .groupby(["collective", "axis", "source"])["time_s"].sum()
+        covered = coll["steps_covered"] if "steps_covered" in coll else 1
+        table = (coll.assign(axis=coll["axis"].fillna("-"), per_step=coll["time_s"] / covered)
+                 .groupby(["collective", "axis", "source"])["per_step"].sum()
                  .unstack("source"))
         for (collective, axis), row in table.iterrows():
             if not (pd.isna(row.get("measured")) or pd.isna(row.get("predicted"))):
@@ -169,8 +172,10 @@ def comparison_rows(record) -> list[tuple[str, float, float]]:
                              float(row["predicted"])))
     devices = _last_point(record.devices)[0]
     if not rows and both <= set(devices["source"]):
+        covered = devices["steps_covered"] if "steps_covered" in devices else 1
         for column in ("compute_s", "comm_s"):
-            mean = devices.groupby("source")[column].mean()
+            mean = devices.assign(per_step=devices[column] / covered).groupby(
+                "source")["per_step"].mean()
             rows.append((f"{column} (mean)", float(mean["measured"]),
                          float(mean["predicted"])))
     return [r for r in rows if r[1] > 0 and r[2] > 0 and math.isfinite(r[1] + r[2])]
@@ -186,7 +191,7 @@ def _predicted_vs_measured_figure(record, rows) -> bytes:
            label=f"predicted ({record.hardware or 'model'})", color="#dd8452")
     ax.set_yscale("log")
     ax.set_xticks(x, [r[0] for r in rows], rotation=20, ha="right")
-    ax.set_ylabel("seconds (log)")
+    ax.set_ylabel("seconds per step (log)")
     ax.set_title(f"predicted vs measured{point}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

@@ -182,8 +182,11 @@ def _measured(point: _Point, workload, emu: dict, scenario) -> None:
             sent[e.rank] = sent.get(e.rank, 0) + e.bytes_sent
         s.update(_by_role("measured", sent, workload.roles))
     point.tables["steps"].append(steps)
-    point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)))
-    point.tables["collectives"].append(collectives_from_events(events, mesh))
+    point.tables["devices"].append(devices_from_events(events, mesh, range(mesh.size)).assign(
+        steps_covered=len(times) or 1))
+    # steps_covered: how many steps the rows' times sum over (a per-step plot divides)
+    point.tables["collectives"].append(collectives_from_events(events, mesh).assign(
+        steps_covered=len(times) or 1))
     point.tables["spans"].append(spans_from_events(events))
 
 
@@ -318,9 +321,12 @@ def _predicted(point: _Point, workload, traces, result, setup, scenario) -> None
         point.summary.update(_by_role("predicted", sent, workload.roles))
     point.tables["steps"].append(pd.DataFrame({"source": "predicted", "step": range(steps),
                                                "time_s": times}))
-    point.tables["devices"].append(devices_from_simulation(result, mesh))
+    point.tables["devices"].append(devices_from_simulation(result, mesh).assign(
+        steps_covered=steps if training else 1))
+    # one traced step stands for every step of an op; a training program traces them all
     point.tables["collectives"].append(collectives_from_simulation(
-        result, mesh, algorithm_of=getattr(setup.costs, "collective_algorithm", None)))
+        result, mesh, algorithm_of=getattr(setup.costs, "collective_algorithm", None)).assign(
+        steps_covered=steps if training else 1))
     point.tables["spans"].append(spans_from_simulation(result))
 
 

@@ -7,7 +7,8 @@ import datetime
 
 from .groups import group_plan
 
-__all__ = ["choose_backend", "backend_choice", "visible_gpus", "init_rank", "backend_info"]
+__all__ = ["choose_backend", "backend_choice", "visible_gpus", "init_rank", "join_world",
+           "mesh_context", "backend_info"]
 
 _BACKENDS = ("auto", "gloo", "nccl")
 
@@ -91,33 +92,64 @@ def choose_backend(backend: str = "auto", world_size: int | None = None,
 
 def init_rank(mesh, rank: int, backend: str, init_method: str, timeout_s: float,
               local_rank: int | None = None, local_world_size: int | None = None):
-    """Join the world of ``mesh.size`` ranks and return this rank's device context.
+    """Join the world of ``mesh.size`` ranks and return this rank's device context:
+    :func:`join_world`, then :func:`mesh_context`.
 
     ``backend`` as :func:`choose_backend`: without ``local_rank`` (the local launcher)
     all ``mesh.size`` ranks share this machine's GPUs, so NCCL needs that many; with
     ``local_rank`` (torchrun) the ``local_world_size`` ranks of this node share its GPUs
     (None: this rank alone), each rank on ``cuda:<local_rank>``.
-
-    Every rank calls ``new_group`` for every group of :func:`group_plan`, in its order
-    (torch requires that of members and non-members alike).
     """
+    device = join_world(mesh.size, rank, backend, init_method, timeout_s, local_rank,
+                        local_world_size)
+    return mesh_context(mesh, rank, device, timeout_s)
+
+
+def join_world(world_size: int, rank: int, backend: str, init_method: str, timeout_s: float,
+               local_rank: int | None = None, local_world_size: int | None = None) -> str:
+    """``init_process_group`` for ``world_size`` ranks; return where this rank stages
+    its tensors: "cpu" (gloo) or "cuda:<i>" (NCCL; i = ``local_rank``, else ``rank``).
+    The arguments as :func:`init_rank`'s."""
     import torch
     import torch.distributed as dist
-    from .context import TorchDeviceContext
 
-    backend = choose_backend(backend, mesh.size if local_rank is None else local_world_size)
+    backend = choose_backend(backend, world_size if local_rank is None else local_world_size)
     device = "cpu"
     if backend == "nccl":
         device = f"cuda:{rank if local_rank is None else local_rank}"    # one GPU per rank
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=mesh.size, timeout=timeout)
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def mesh_context(mesh, rank: int, device: str, timeout_s: float, made: dict | None = None):
+    """This rank's :class:`TorchDeviceContext` on ``mesh`` in the world joined by
+    :func:`join_world` (``mesh.size`` must be its size: a ValueError names both).
+
+    Every rank calls ``new_group`` for every group of :func:`group_plan` in its order
+    (torch requires that of members and non-members alike), except those in ``made``
+    (sorted member tuple -> process group, from an earlier mesh of the same world; new
+    groups are added to it): several meshes of one world, as the points of a sweep, then
+    share their common groups, as long as every rank builds them in the same order.
+    """
+    import torch.distributed as dist
+    from .context import TorchDeviceContext
+
+    world = dist.get_world_size()
+    if mesh.size != world:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices, the torch.distributed world "
+                         f"has {world} ranks")
+    made = {} if made is None else made
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     groups = {tuple(range(mesh.size)): dist.group.WORLD}
     for members in group_plan(mesh):
-        pg = dist.new_group(list(members), timeout=timeout, backend=backend)
+        if members not in made:
+            made[members] = dist.new_group(list(members), timeout=timeout, backend=backend)
         if rank in members:
-            groups[members] = pg
+            groups[members] = made[members]
     return TorchDeviceContext(rank, mesh, groups, device)
 
 

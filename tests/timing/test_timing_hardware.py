@@ -3,9 +3,11 @@
 import csv
 import dataclasses
 import io
+import os
 import re
 import subprocess
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.cli_helpers import run_cli
 from vcluster.cli.hardware_cmd import add_parser, format_hardware
+from vcluster.cli.main import main
 from vcluster.timing import (PRESET_NAMES, DeviceSpec, HardwareSpec, LinkSpec, hardware_from_dict,
                              hardware_to_dict, load_hardware, preset)
 
@@ -360,14 +363,40 @@ def test_cli_calibrate_saves_what_it_prints_for_a_scenario(tmp_path, capsys):
     assert summary["predicted_step_time_s"] > 0
 
 
-def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        _run(["hardware", "calibrate", "--devices", "1"])
-    assert "--devices: expected an integer >= 2" in capsys.readouterr().err
-    missing = tmp_path / "no-such-dir" / "machine.json"
-    with pytest.raises(ValueError, match=r"--out = .*no-such-dir.* does not exist"):
-        _run(["hardware", "calibrate", "--out", str(missing)])
-    assert "measuring" not in capsys.readouterr().err     # refused before the 20 s
+def _bad_outs(tmp_path):
+    """(--out, what the error says) for paths no file can be written at."""
+    (tmp_path / "a-file").write_text("")
+    cases = [(tmp_path / "no-such-dir" / "machine.json",
+              f"directory {str(tmp_path / 'no-such-dir')!r} does not exist"),
+             (tmp_path / "a-file" / "machine.json",
+              f"{str(tmp_path / 'a-file')!r} is a file, not a directory"),
+             (tmp_path, "is a directory: name a file to write in it")]
+    if Path("/proc/self").is_dir():                 # Linux: no file can be created there
+        cases.append((Path("/proc/machine.yaml"), "cannot write in directory '/proc'"))
+    if hasattr(os, "geteuid") and os.geteuid() != 0:    # root writes in a 0o500 directory
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((locked / "machine.json", f"cannot write in directory {str(locked)!r}"))
+    return cases
+
+
+@pytest.mark.parametrize("gpu", [[], ["--gpu", "--device", "cpu", "--tiny"]])
+def test_cli_calibrate_checks_its_arguments_before_measuring(tmp_path, capsys, gpu):
+    """A bad --devices or --out fails at once (exit 2, naming the flag and the path), well
+    under the measurement (~20 s; --gpu --device cpu --tiny: seconds), writing nothing."""
+    if not gpu:
+        with pytest.raises(SystemExit):
+            _run(["hardware", "calibrate", "--devices", "1"])
+        assert "--devices: expected an integer >= 2" in capsys.readouterr().err
+    for out, why in _bad_outs(tmp_path):
+        before = sorted(tmp_path.rglob("*"))
+        t0 = time.perf_counter()
+        assert main(["hardware", "calibrate", *gpu, "--out", str(out)]) == 2
+        assert time.perf_counter() - t0 < 2.0
+        err = capsys.readouterr().err
+        assert f"vcluster: error: --out = {str(out)!r}" in err and why in err, err
+        assert "measuring" not in err and "timing" not in err      # refused before it
+        assert sorted(tmp_path.rglob("*")) == before              # no probe left behind
 
 
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])

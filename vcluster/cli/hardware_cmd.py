@@ -12,14 +12,23 @@ or a subset of it under ``base: <preset>``, is what ``load_hardware`` reads.
 ``show FILE`` also prints a saved calibration. ``calibrate`` measures this machine for
 the ``localhost`` hardware (~20 s) and saves the figures, which a scenario then reuses
 with ``hardware.calibration: FILE`` instead of measuring again in every ``vcluster
-run``.
+run``; ``calibrate --gpu`` writes a hardware file named for itself (``--name``, default
+``<device>-calibrated-<date>``) on a ``base`` preset.
+
+Before measuring, ``calibrate`` checks its flags, that ``--out`` can be written (a file
+is created and removed in its directory) and, with ``--gpu``, that torch imports (else a
+one-line install hint, exit 2). After measuring, it checks the figures
+(:mod:`vcluster.localhost.plausibility`, :mod:`vcluster.gpu.plausibility`): implausible
+ones, a busy machine's, are named on stderr and not saved (exit 1) unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 from types import MappingProxyType
 
@@ -166,13 +175,59 @@ def run_show(args) -> int:
     return 0
 
 
+def checked_out(value: str) -> Path:
+    """``--out``'s path if a file can be written there (atomically: a temporary file in
+    its directory, then renamed); else ValueError naming ``--out``, the path and why.
+    Checked before measuring, so a bad path costs no measurement."""
+    out = Path(value)
+    parent = out.parent
+    if out.is_dir():
+        raise ValueError(f"--out = {value!r} is a directory: name a file to write in it")
+    if not parent.exists():
+        raise ValueError(f"--out = {value!r}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise ValueError(f"--out = {value!r}: {str(parent)!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tmp-", dir=parent)
+    except OSError as exc:
+        raise ValueError(f"--out = {value!r}: cannot write in directory {str(parent)!r} "
+                         f"({exc.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return out
+
+
+def _implausible(problems: tuple, advice: str, out, force: bool) -> bool:
+    """Name each implausible figure on stderr; whether to refuse saving to ``out``."""
+    if not problems:
+        return False
+    print(f"vcluster hardware calibrate: {len(problems)} implausible figure(s):",
+          file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+    print(f"  the machine was busy: {advice}", file=sys.stderr)
+    if out is not None and not force:
+        print(f"vcluster hardware calibrate: not saved to {out}; pass --force to save "
+              "these figures anyway", file=sys.stderr)
+        return True
+    return False
+
+
+_QUIET_ADVICE = "rerun on a quiet machine (nothing else running)"
+# calibrate --gpu --device cpu: each kernel the fastest of this many timed streams unless
+# --repeats (measured here, load average 6-8 on 2 cores: with one stream three sweeps in
+# three were refused, a 64x32x16 GEMM at 14x the time of 64x32x64; with three, none was)
+CPU_REPEATS = 3
+
+
 def run_calibrate(args) -> int:
     """Measure this machine on ``args.devices`` devices, print the figures and, with
     ``args.out``, save them (atomically) for ``hardware.calibration``; with ``--gpu``,
     measure the GPU's kernels instead (:func:`run_calibrate_gpu`)."""
     if args.gpu:
         return run_calibrate_gpu(args)
-    for flag, value in (("--base", args.base), ("--device", args.device)):
+    for flag, value in (("--base", args.base), ("--device", args.device),
+                        ("--name", args.name), ("--repeats", args.repeats)):
         if value is not None:
             raise ValueError(f"{flag} calibrates a GPU: add --gpu")
     if args.tiny:
@@ -182,16 +237,17 @@ def run_calibrate(args) -> int:
     # lazy: keeps vcluster --help fast
     from vcluster.scenario.hardware import LocalhostCalibrations
     from vcluster.localhost.cost_model import save_localhost_spec
+    from vcluster.localhost.plausibility import spec_problems
 
     from .localhost_spec_text import format_localhost_spec
-    out = Path(args.out) if args.out else None
-    if out is not None and not out.parent.is_dir():      # checked before the 20 s
-        raise ValueError(f"--out = {args.out!r}: directory {str(out.parent)!r} does not exist")
+    out = checked_out(args.out) if args.out else None     # checked before the 20 s
     print(f"vcluster hardware calibrate: measuring this machine on {args.devices} devices "
           "(about 20 s) ...", file=sys.stderr, flush=True)
     spec, measured = LocalhostCalibrations().calibration(args.devices)
     print(f"localhost {measured}:")                       # as summary.localhost_calibration
     print(format_localhost_spec(spec))
+    if _implausible(spec_problems(spec), _QUIET_ADVICE, out, args.force):
+        return 1
     if out is not None:
         save_localhost_spec(spec, out)
         print(f"wrote {out}; reuse it with hardware.calibration, e.g.\n"
@@ -206,6 +262,9 @@ def run_calibrate_gpu(args) -> int:
     are the measured ones (:mod:`vcluster.gpu.calibration`)."""
     # lazy: keeps vcluster --help fast (torch)
     from vcluster.gpu import calibrated_hardware, cuda_missing, default_base, sweep_kernels
+    from vcluster.gpu.calibration import check_name
+    from vcluster.gpu.kernel_sweep import torch_missing
+    from vcluster.gpu.plausibility import sweep_problems
     from vcluster.runtime.files import write_text_atomic
     if args.devices is not None:
         raise ValueError("--devices sizes the localhost calibration cluster; --gpu measures "
@@ -215,9 +274,12 @@ def run_calibrate_gpu(args) -> int:
         raise ValueError("--tiny runs the sweep at sizes for a CPU: use it with --device cpu")
     if not args.out:
         raise ValueError("calibrate --gpu needs --out FILE (the hardware YAML it writes)")
-    out = Path(args.out)
-    if not out.parent.is_dir():
-        raise ValueError(f"--out = {args.out!r}: directory {str(out.parent)!r} does not exist")
+    if args.name is not None:
+        check_name(args.name, "--name")
+    out = checked_out(args.out)
+    if why := torch_missing():
+        print(f"vcluster hardware calibrate --gpu: {why}", file=sys.stderr)
+        return 2
     if device == "cuda" and (why := cuda_missing()):
         print(f"vcluster hardware calibrate --gpu needs CUDA: {why}; on a machine without a "
               "GPU, --device cpu --tiny runs the same sweep on the CPU", file=sys.stderr)
@@ -225,19 +287,27 @@ def run_calibrate_gpu(args) -> int:
     print(f"vcluster hardware calibrate --gpu: timing GEMMs, copies, a transformer "
           f"layer's kernels, AdamW and launches on "
           f"{device}{' (tiny sizes)' if args.tiny else ''} ...", file=sys.stderr, flush=True)
-    sweep = sweep_kernels(device, tiny=args.tiny)
+    # a CPU is shared with this machine's other processes: the fastest of 3 streams
+    repeats = args.repeats or (CPU_REPEATS if device == "cpu" else 1)
+    sweep = sweep_kernels(device, tiny=args.tiny, repeats=repeats)
     # a CPU is no preset's device: its sweep (a test of the path) borrows the H100 node
     base = args.base or default_base(sweep.device_name) or ("h100-dgx" if device == "cpu"
                                                             else None)
     if base is None:
         raise ValueError(f"no preset is a {sweep.device_name!r}: name the one whose node, "
                          f"links and network to use with --base ({', '.join(PRESET_NAMES)})")
-    document = calibrated_hardware(sweep, base)
+    if _implausible(sweep_problems(sweep), f"rerun on a quiet machine or pass --repeats "
+                    f"{max(5, 2 * repeats + 1)} (each kernel the fastest of that many "
+                    "timed streams)", out, args.force):
+        return 1
+    document = calibrated_hardware(sweep, base, name=args.name)
     import yaml
     d = document["device"]
-    header = (f"# {d['source']}\n# use it: vcluster simulate gpt ... --hardware {out.name}\n")
+    header = (f"# {document['name']}: {document['source']}\n# device: {d['source']}\n"
+              f"# use it: vcluster simulate gpt ... --hardware {out.name}\n")
     write_text_atomic(str(out), header + yaml.safe_dump(document, sort_keys=False))
-    print(f"{sweep.device_name}: gemm_max_efficiency {d['gemm_max_efficiency']:.3f}, "
+    print(f"{document['name']} ({sweep.device_name}): gemm_max_efficiency "
+          f"{d['gemm_max_efficiency']:.3f}, "
           f"kernel_overhead_us {d['kernel_overhead_us']:.2f}, hbm_efficiency "
           f"{d['hbm_efficiency']:.3f} (base {base}, {len(sweep.kernels)} kernels)")
     print(f"wrote {out}; use it with --hardware {out}")
@@ -262,7 +332,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Measure this machine for the localhost hardware (GEMM, elementwise "
                     "and memcpy rates, this project's channel calls, the core pool; about "
                     "20 s) and print the figures; with --out, save them for a scenario's "
-                    "hardware.calibration (JSON, or YAML for .yaml/.yml).")
+                    "hardware.calibration (JSON, or YAML for .yaml/.yml). --out is checked "
+                    "before measuring; figures no quiet machine produces are named and "
+                    "not saved unless --force. --gpu needs torch (pip install -e "
+                    "'.[torch]'; on a CPU-only machine first pip install torch "
+                    "--index-url https://download.pytorch.org/whl/cpu).")
     cal.add_argument("--devices", type=int_at_least(2, "devices of the calibration cluster"),
                      default=None,
                      help="devices of the calibration cluster (default 8; not with --gpu)")
@@ -279,5 +353,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      "without a GPU)")
     cal.add_argument("--tiny", action="store_true",
                      help="with --gpu --device cpu: sizes a CPU times in seconds")
+    cal.add_argument("--name", default=None,
+                     help="with --gpu: the name the file's hardware is reported under "
+                     "(default <device>-calibrated-<date>, e.g. "
+                     "nvidia-h200-calibrated-2026-11-26; not a preset's name)")
+    cal.add_argument("--repeats", type=int_at_least(1, "timed streams per kernel"),
+                     default=None,
+                     help="with --gpu: time each kernel's stream this many times and keep "
+                     "the fastest (default 1 on cuda, 3 on cpu; more steadies a sweep on a busy "
+                     "machine)")
+    cal.add_argument("--force", action="store_true",
+                     help="save the figures even when they look like a busy machine's "
+                     "(implausible: named on stderr; without --force they are not saved "
+                     "and the exit status is 1)")
     cal.set_defaults(run=run_calibrate)
     return parser

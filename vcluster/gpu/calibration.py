@@ -19,18 +19,26 @@ constants came from, and the replay prices each traced kernel from them
 (:meth:`~vcluster.timing.hardware.DeviceSpec.kernel_profile`: GEMMs by their shape's
 profile, attention, norms, GELU, adds, cross-entropy and AdamW by their kind's), the
 constants above pricing only what no row measured. Everything else (links, network, node size) is the base preset's.
+
+The file is a hardware of its own: ``name`` (``<device>-calibrated-<date>``, e.g.
+``nvidia-h200-calibrated-2026-11-26``, or the caller's) is what ``hardware show``,
+``simulate``, ``plan`` and their JSON report, never the base preset's name; ``base``
+names the preset it starts from, and ``source`` says both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import re
 
-from vcluster.timing import load_hardware
+from vcluster.timing import PRESET_NAMES, load_hardware
 from vcluster.timing.kernel_profile import TABLE_OPS, GemmProfile
 
 from .kernel_sweep import KernelSweep
 
-__all__ = ["calibrated_hardware", "default_base", "BASE_BY_GPU"]
+__all__ = ["calibrated_hardware", "default_base", "default_name", "check_name",
+           "BASE_BY_GPU"]
 
 # GPU name (as torch reports it) -> the preset whose node, links and network it borrows
 BASE_BY_GPU = (("H200", "h200-dgx"), ("H100", "h100-dgx"), ("A100-SXM4-40GB", "a100-40gb-dgx"),
@@ -45,9 +53,34 @@ def default_base(device_name: str) -> str | None:
     return None
 
 
-def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
-    """``{"base": base, "device": {...}}``: a hardware description (``load_hardware``
-    accepts it, as a dict or as YAML) with the sweep's constants and rows."""
+def default_name(device_name: str, date: datetime.date) -> str:
+    """``<device>-calibrated-<date>``: the device's name in lower case, runs of other
+    characters than letters, digits, ``.`` and ``_`` as one ``-`` ("NVIDIA H200" on
+    2026-11-26: ``nvidia-h200-calibrated-2026-11-26``)."""
+    slug = re.sub(r"[^a-z0-9._]+", "-", device_name.lower()).strip("-") or "device"
+    return f"{slug}-calibrated-{date.isoformat()}"
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """``name`` if a calibrated file may carry it: non-empty text on one line, and not a
+    preset's name (the file would then be reported as that preset); else ValueError
+    naming ``what``, the value and the rule."""
+    if not isinstance(name, str) or not name.strip() or "\n" in name:
+        raise ValueError(f"{what} must be a non-empty name on one line, got {name!r}")
+    if name in PRESET_NAMES:
+        raise ValueError(f"{what} = {name!r} is a preset's name; a calibrated file needs its "
+                         f"own (the presets: {', '.join(PRESET_NAMES)})")
+    return name
+
+
+def calibrated_hardware(sweep: KernelSweep, base: str, name: str | None = None,
+                        date: datetime.date | None = None) -> dict:
+    """``{"base": base, "name": ..., "source": ..., "device": {...}}``: a hardware
+    description (``load_hardware`` accepts it, as a dict or as YAML) with the sweep's
+    constants and rows, named ``name`` (default :func:`default_name` of the sweep's
+    device on ``date``, default today)."""
+    date = datetime.date.today() if date is None else date
+    name = check_name(default_name(sweep.device_name, date) if name is None else name)
     hw = load_hardware(base)
     gemms = [(k.m, k.k, k.n, k.seconds) for k in sweep.of_kind("gemm")]
     profile = GemmProfile.fit(gemms, f"{sweep.device_name}, torch {sweep.torch_version}",
@@ -62,6 +95,7 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
                  for m, k, n, t in ((r.m, r.k, r.n, r.seconds)
                                     for r in sweep.of_kind("gemm_sustained"))
                  if (m, k, n) in burst]
+    fastest = f", each the fastest of {sweep.repeats} streams" if sweep.repeats > 1 else ""
     device = {
         "name": f"{sweep.device_name} (calibrated)",
         "gemm_max_efficiency": min(1.0, profile.flops_per_s / peak),
@@ -72,8 +106,11 @@ def calibrated_hardware(sweep: KernelSweep, base: str) -> dict:
                    f"to {profile.flops_per_s / 1e12:.1f} TFLOP/s + {profile.call_s * 1e6:.2f} "
                    f"us per call; launch interval {launch_s * 1e6:.2f} us; best copy "
                    f"{copy_bps / 1e9:.1f} GB/s; {layer} kernels of a transformer layer and its "
-                   f"optimizer{''.join(sustained)}; peak and bandwidth of {base}"),
+                   f"optimizer{''.join(sustained)}{fastest}; peak and bandwidth of {base}"),
         "kernels": [{f: v for f, v in dataclasses.asdict(k).items()
                      if f in ("kind", "seconds") or v not in (0, "")} for k in sweep.kernels],
     }
-    return {"base": base, "device": device}
+    source = (f"calibrated by vcluster hardware calibrate --gpu on {date.isoformat()}: the "
+              f"device measured on {sweep.device_name}; node, links and network of base "
+              f"{base} ({hw.source})")
+    return {"base": base, "name": name, "source": source, "device": device}

@@ -12,7 +12,12 @@ measured issue time, plus 1 ms), so the events time the device running the calls
 back even where the host issues one call slower than the device runs it (a small
 autograd backward: the step's host is ahead of its device there, as the host of a
 training step is; at most ``_MAX_QUEUED`` calls of a many-kernel op, within CUDA's launch
-queue). On the CPU: ``perf_counter`` around the stream with a final synchronisation.
+queue). On the CPU: ``perf_counter`` around the stream with a final synchronisation,
+torch on one thread (:data:`_CPU_THREADS`).
+With ``repeats`` N > 1 every kernel's stream is timed N times and the fastest kept: other
+processes on the machine only ever add time to a stream, so the fastest of several is the
+least disturbed (the rule of Python's ``timeit``); :mod:`vcluster.gpu.plausibility` says
+when a sweep still looks stalled.
 
 * GEMM: C = A @ B for m, k, n over a grid (bf16 on a GPU; fp32 on the CPU, whose bf16
   GEMMs are emulated and slow);
@@ -41,8 +46,8 @@ from types import MappingProxyType
 from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, TABLE_OPS, KernelTiming
 from vcluster.timing.presets import read_data_csv
 
-__all__ = ["KernelSweep", "StreamTimer", "sweep_kernels", "cuda_missing", "table_op",
-           "table_shapes",
+__all__ = ["KernelSweep", "StreamTimer", "sweep_kernels", "cuda_missing", "torch_missing",
+           "TORCH_INSTALL_HINT", "table_op", "table_shapes",
            "GPU_GEMM_DIMS", "TINY_GEMM_DIMS", "TINY_TABLE_DIMS"]
 
 # m, k and n each take these values (every combination). Kept to seconds of GPU time:
@@ -67,15 +72,35 @@ _SUSTAINED_GEMM, _TINY_SUSTAINED_GEMM = (8192, 4096, 8192), (256, 128, 256)
 _SUSTAINED_S = MappingProxyType({"cuda": 1.5, "cpu": 0.05})
 _MAX_REPS = 200                              # calls in one stream, at most
 _MAX_QUEUED = 40                             # ... of a table op (autograd: many kernels each)
+# torch's threads in a CPU sweep (restored after it): one, as each virtual device runs
+# BLAS on one. With torch's default (one per core) on a loaded 2-core machine, every tiny
+# call waited for the second thread's time slice: a 16x32x16 fp32 GEMM took 10-16 ms per
+# call against 1.9 us on one thread (measured here, load average 7-9), and the sweep
+# recorded 20-50 ms for every GEMM of the grid.
+_CPU_THREADS = 1
+
+
+# what to do without torch (pyproject.toml's extra `torch`; the CPU wheel avoids the ~3 GB
+# of CUDA libraries an unpinned install pulls, as docs/torch.md says)
+TORCH_INSTALL_HINT = ("torch is not installed: pip install -e '.[torch]' in the vcluster "
+                      "checkout (on a CPU-only machine: pip install torch --index-url "
+                      "https://download.pytorch.org/whl/cpu first)")
+
+
+def torch_missing() -> str | None:
+    """:data:`TORCH_INSTALL_HINT` when ``import torch`` fails here (None when it works)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return TORCH_INSTALL_HINT
+    return None
 
 
 def cuda_missing() -> str | None:
     """Why torch cannot use a CUDA device here (None when it can)."""
-    try:
-        import torch
-    except ImportError:
-        return ("torch is not installed (pip install -e '.[torch]'); a GPU measurement "
-                "needs torch with CUDA")
+    if why := torch_missing():
+        return f"{why}; a GPU measurement needs torch with CUDA"
+    import torch
     if not torch.cuda.is_available():
         return (f"no CUDA device: torch {torch.__version__} reports "
                 "torch.cuda.is_available() == False")
@@ -91,10 +116,12 @@ class KernelSweep:
     device: str                  # "cuda" or "cpu"
     dtype: str                   # the GEMMs' dtype: "bf16" (cuda) or "fp32" (cpu)
     kernels: tuple               # KernelTiming rows
+    repeats: int = 1             # each row: the fastest of this many timed streams
 
     def __repr__(self) -> str:
+        fastest = f", fastest of {self.repeats}" if self.repeats > 1 else ""
         return (f"KernelSweep({self.device_name!r}, torch {self.torch_version}, "
-                f"{self.dtype}, {len(self.kernels)} kernels)")
+                f"{self.dtype}, {len(self.kernels)} kernels{fastest})")
 
     def of_kind(self, kind: str) -> list:
         return [k for k in self.kernels if k.kind == kind]
@@ -103,8 +130,8 @@ class KernelSweep:
 class StreamTimer:
     """Seconds per call of ``fn`` in a stream of calls on ``device`` (module docstring)."""
 
-    def __init__(self, torch, device: str):
-        self.torch, self.device = torch, device
+    def __init__(self, torch, device: str, repeats: int = 1):
+        self.torch, self.device, self.repeats = torch, device, repeats
         self._sleep_cycles_per_s = None
 
     def sync(self) -> None:
@@ -148,24 +175,39 @@ class StreamTimer:
 
     def per_call(self, fn, max_reps: int = _MAX_REPS, queued: bool = True) -> float:
         """Warm up, size the stream to about ``_TARGET_S`` (at most ``max_reps`` calls),
-        and time it; ``queued`` (GPU): with the device held while the host queues it."""
+        and time it ``repeats`` times (the fastest); ``queued`` (GPU): with the device held
+        while the host queues it."""
         fn()
         self.sync()
         device_s, host_s = self.stream(fn, 2)
         reps = int(min(max_reps, max(3, _TARGET_S[self.device] / max(device_s, 1e-7))))
         ahead_s = 2.0 * host_s * reps + 1e-3 if queued and self.device == "cuda" else 0.0
-        return self.stream(fn, reps, ahead_s)[0]
+        return min(self.stream(fn, reps, ahead_s)[0] for _ in range(self.repeats))
 
 
-def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
+def sweep_kernels(device: str = "cuda", tiny: bool = False, repeats: int = 1) -> KernelSweep:
     """Run the sweep on ``device`` ("cuda": the current GPU; "cpu"), at the GPU sizes or
-    (``tiny``) at sizes a CPU times in a few seconds."""
+    (``tiny``) at sizes a CPU times in a few seconds; each kernel the fastest of
+    ``repeats`` timed streams (the sustained GEMM: one)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    if device == "cuda" and (why := cuda_missing()):
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1 (timed streams per kernel), "
+                         f"got {repeats!r}")
+    if why := (cuda_missing() if device == "cuda" else torch_missing()):
         raise RuntimeError(why)
     import torch
-    timer = StreamTimer(torch, device)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(_CPU_THREADS)
+    try:
+        return _sweep(torch, StreamTimer(torch, device, repeats), tiny)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(torch, timer: StreamTimer, tiny: bool) -> KernelSweep:
+    device, repeats = timer.device, timer.repeats
     dtype, name = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
     dims, copies = (TINY_GEMM_DIMS, TINY_COPY_BYTES) if tiny else (GPU_GEMM_DIMS, GPU_COPY_BYTES)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -189,7 +231,7 @@ def sweep_kernels(device: str = "cuda", tiny: bool = False) -> KernelSweep:
     rows.append(KernelTiming("launch", timer.per_call(lambda: one.add_(1), queued=False),
                              dtype="fp32"))
     label = torch.cuda.get_device_name() if device == "cuda" else _cpu_name()
-    return KernelSweep(label, torch.__version__, device, name, tuple(rows))
+    return KernelSweep(label, torch.__version__, device, name, tuple(rows), repeats)
 
 
 def _gemm_seconds(torch, timer: StreamTimer, m: int, k: int, n: int, dtype, gen,

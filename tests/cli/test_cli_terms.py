@@ -34,3 +34,20 @@ def test_experts_with_the_gpt_block_are_refused_by_flag(capsys):
     assert main(["simulate", "train", "--arch", "llama", "--kv-heads", "4", "--experts", "8",
                  *SHAPE]) == 0
     assert "8 experts, top-2, ep=2" in capsys.readouterr().out
+
+
+def _flags_without_help(parser, path):
+    """(command, flag) of every option of ``parser`` and its subcommands that has no help."""
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _flags_without_help(sub, path + [name])
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)) \
+                and (not action.help or action.help == argparse.SUPPRESS):
+            yield " ".join(path), "/".join(action.option_strings) or action.dest
+
+
+def test_every_flag_of_every_command_has_help():
+    from vcluster.cli.main import build_parser
+    assert list(_flags_without_help(build_parser(), ["vcluster"])) == []

@@ -378,3 +378,97 @@ def test_plan_keeps_the_memory_headroom(capsys, tmp_path):
     assert counts["0"][0] >= counts["0.05"][0] > counts["0.3"][0]
     assert counts["0"][1] <= counts["0.05"][1] < counts["0.3"][1]
     assert "(5% headroom)" in capsys.readouterr().out
+
+
+# --- issue 56: tokens/s per GPU, honest TFLOP/s, progress when piped -----------------------------
+def test_cli_gives_tokens_per_gpu_and_both_tflops(tmp_path, capsys):
+    """Every JSON candidate: tokens/s per GPU = B·s / (step · GPUs), model TFLOP/s per GPU =
+    72·B·s·l·h²·(1 + s/6h + V/12lh) / (step · GPUs) (MFU's numerator: mfu · the A100's
+    312), hardware TFLOP/s per GPU = the earlier ``tflops_per_gpu`` (FLOPs executed), never
+    below the model's and above it exactly when the candidate recomputes; the table's
+    tok/s/GPU column holds the first, under a header and legend that name the others."""
+    path = tmp_path / "plan.json"
+    assert main(CLI + ["--top", "3", "--replay", "2", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    B, s, gpus = 64, 512, 16
+    model = megatron_model_flops(B, s, SMALL["layers"], SMALL["hidden"], SMALL["vocab"])
+    for c in doc["candidates"]:
+        step = c["step_time_s"]
+        assert c["tokens_per_s_per_gpu"] == pytest.approx(B * s / (step * gpus), rel=1e-12)
+        assert c["model_tflops_per_gpu"] == pytest.approx(model / (step * gpus) / 1e12,
+                                                          rel=1e-12)
+        assert c["model_tflops_per_gpu"] == pytest.approx(c["mfu"] * 312, rel=1e-9)
+        assert c["hardware_tflops_per_gpu"] == c["tflops_per_gpu"]
+        assert c["hardware_tflops_per_gpu"] >= c["model_tflops_per_gpu"] * (1 - 1e-9)
+        if c["recompute"] == "none":
+            assert c["hardware_tflops_per_gpu"] == pytest.approx(c["model_tflops_per_gpu"],
+                                                                 rel=1e-9)
+    lines = text.splitlines()
+    head = next(ln for ln in lines if ln.lstrip().startswith("#"))
+    assert "tok/s/GPU" in head and "hw TFLOP/s" in head
+    first = lines[lines.index(head) + 1].split()
+    col = head.split().index("tok/s/GPU") - 1      # the header's "step s" is two words
+    assert first[col] == f"{doc['candidates'][0]['tokens_per_s_per_gpu']:,.0f}"
+    assert first[col + 1] == f"{doc['candidates'][0]['hardware_tflops_per_gpu']:.1f}"
+    legend = lines[lines.index(head) + 4]
+    assert "tok/s/GPU: global batch · seq / (step · GPUs)" in legend
+    assert "hw TFLOP/s: hardware TFLOP/s per GPU, the FLOPs executed (with recomputation)" \
+        in legend
+
+
+def _plan_piped(*extra):
+    """``vcluster plan`` with stdout and stderr pipes (not terminals), as under ``| tee``."""
+    import subprocess
+    import sys
+    args = [a for a in CLI if a != "--quiet"] + ["--top", "1", "--replay", "1",
+                                                 "--workers", "1", *extra]
+    return subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_plan_prints_progress_lines_when_piped():
+    """Issue 56: piped, the plan printed nothing until its end (the bar is for terminals
+    only). Now stderr gets a line per stage (and one every few seconds in between)."""
+    import re
+    proc = _plan_piped()
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines and all(ln.startswith("plan: ") for ln in lines), proc.stderr
+    screened = re.fullmatch(r"plan: (\d+)/(\d+) candidates screened in \d+\.\d s",
+                            next(ln for ln in lines if "screened in" in ln))
+    assert screened and screened[1] == screened[2] and int(screened[1]) > 1
+    assert re.fullmatch(r"plan: 1/1 candidates replayed in \d+\.\d s", lines[-1]), lines
+    assert f"{screened[1]} configurations fit" in proc.stdout
+    assert "plan:" not in proc.stdout
+
+
+def test_plan_quiet_prints_no_progress():
+    proc = _plan_piped("--quiet")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_progress_lines_are_throttled_and_end_with_the_count():
+    """ProgressLines: at most one line per task every ``every_s`` seconds, a final line
+    when the task reaches its total (or finish() ends an open one), each object its own."""
+    import io
+
+    from vcluster.planner.progress import ProgressLines
+    now = [0.0]
+    out = io.StringIO()
+    p = ProgressLines("plan", stream=out, every_s=5.0, clock=lambda: now[0])
+    task = p.add_task("candidates replayed", total=4)
+    for t in (1.0, 6.0, 7.0, 12.5):
+        now[0] = t
+        p.advance(task)
+    assert out.getvalue().splitlines() == ["plan: 2/4 candidates replayed (6 s)",
+                                           "plan: 4/4 candidates replayed in 12.5 s"]
+    other = ProgressLines("validate-model", stream=io.StringIO(), clock=lambda: now[0])
+    rows = other.add_task("rows predicted")
+    other.advance(rows, 3)
+    other.finish(rows)
+    other.finish(rows)                                  # once
+    assert other.stream.getvalue() == "validate-model: 3 rows predicted in 0.0 s\n"
+    assert len(out.getvalue().splitlines()) == 2        # the first object's untouched
+    with pytest.raises(ValueError, match="every_s must be seconds >= 0, got -1"):
+        ProgressLines("plan", every_s=-1)

@@ -245,3 +245,124 @@ def test_memory_headroom_moves_what_fits():
                      "--seq", "1024", "--vocab", "32000", "--global-batch", "32",
                      "--hardware", "h100-dgx", "--memory-headroom", "1.5")
     assert proc.returncode == 2 and "expected a fraction in [0, 1), got 1.5" in proc.stderr
+
+
+# --- issue 56: throughput, honest TFLOP/s, data-parallel communication apart -------------------
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_tokens_and_tflops_per_gpu_follow_their_closed_forms(recompute):
+    """tokens/s per GPU = B·s / (step · GPUs); model TFLOP/s per GPU = the model's FLOPs
+    (72·B·s·l·h²·(1 + s/6h + V/12lh)) / (step · GPUs), MFU's numerator; hardware TFLOP/s
+    per GPU counts the FLOPs executed: with full recomputation Megatron's 96·B·s·l·h²·(1 +
+    s/6h + V/16lh), so it exceeds the model's by that ratio (1.32 here), and by none
+    without."""
+    from pipeline_parallel.gpt import megatron_model_flops
+    B, s, l, h, V = 32, 512, 8, 1024, 4096
+    cfg = GPTConfig(hidden=h, layers=l, heads=16, seq=s, vocab=V)
+    par = ParallelConfig(global_batch=B, micro_batch=2, dp=2, pp=2, tp=2, recompute=recompute)
+    r = simulate_gpt(cfg, par, "a100-80gb-dgx")
+    gpus, step = 8, r.step_time_s
+    assert r.gpus == gpus
+    assert r.tokens_per_s_per_gpu == pytest.approx(B * s / (step * gpus), rel=1e-12)
+    model = megatron_model_flops(B, s, l, h, V)
+    assert r.model_tflops_per_gpu == pytest.approx(model / (step * gpus) / 1e12, rel=1e-12)
+    assert r.model_tflops_per_gpu == pytest.approx(r.mfu * 312, rel=1e-12)   # A100 bf16 peak
+    executed = megatron_flops_with_recompute(B, s, l, h, V) if recompute == "full" else model
+    assert r.hardware_tflops_per_gpu == r.tflops_per_gpu
+    assert r.hardware_tflops_per_gpu / r.model_tflops_per_gpu == pytest.approx(
+        executed / model, rel=1e-9)
+    data = r.to_json()
+    assert data["hardware_tflops_per_gpu"] == data["tflops_per_gpu"] == r.tflops_per_gpu
+    assert data["model_tflops_per_gpu"] == r.model_tflops_per_gpu
+    assert data["tokens_per_s_per_gpu"] == r.tokens_per_s_per_gpu
+
+
+def test_one_gradient_bucket_is_the_data_parallel_row():
+    """A model whose gradients fit one bucket (141,056 parameters, 282,112 bytes < 1 MiB)
+    reduces them in one all-reduce over the 2 dp ranks at the end of the backward: the
+    "grad reduce (dp)" row's communication is that all-reduce's price, and no op kind
+    keeps any (it used to be charged to the embedding, the last backward op before it)."""
+    import math
+
+    from vcluster.planner.simulation import DP_GRAD_REDUCE
+    from vcluster.runtime.tracing.ops import TraceCollective
+    cfg = GPTConfig(hidden=64, layers=2, heads=4, seq=128, vocab=256)
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=2)
+    params = sum(math.prod(shape) for shape in GPT(cfg).param_shapes().values())
+    assert params == 141056
+    r = simulate_gpt(cfg, par, "h100-dgx")
+    ops = {o.op: o for o in r.ops}
+    costs = HardwareCostModel(load_hardware("h100-dgx"))
+    all_reduce = TraceCollective("all_reduce", tuple(par.mesh().group("dp", 0)), 2 * params,
+                                 2, "auto")
+    assert ops[DP_GRAD_REDUCE].comm_s == pytest.approx(costs.collective_time_s(all_reduce, 1),
+                                                       rel=1e-12)
+    assert ops[DP_GRAD_REDUCE].compute_s == 0.0
+    assert all(o.comm_s == 0.0 for o in r.ops if o.op != DP_GRAD_REDUCE)
+    assert sum(o.comm_s for o in r.ops) == pytest.approx(r.comm_s, rel=1e-12)
+    assert r.to_json()["ops"][-1] == {"op": DP_GRAD_REDUCE, "compute_s": 0.0,
+                                      "comm_s": ops[DP_GRAD_REDUCE].comm_s,
+                                      "compute_comm_ratio": None, "low_ratio": False}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_attention_keeps_only_its_own_communication(zero):
+    """Issue 56: with dp > 1 the gradient buckets' all-reduces (ZeRO: reduce-scatters, and
+    the weights' all-gathers) were booked under "attention", the kind of the last backward
+    op before each. Now with tp = cp = 1 and one pipeline stage no op kind communicates;
+    the dp rows hold it all, and the rows still add up to the step's communication."""
+    from vcluster.planner.simulation import DP_GRAD_REDUCE, DP_PARAM_GATHER
+    cfg = GPTConfig(hidden=256, layers=4, heads=8, seq=512, vocab=1024, arch="llama",
+                    kv_heads=4, ffn_hidden=512)
+    par = ParallelConfig(global_batch=16, micro_batch=1, dp=4, zero_stage=zero)
+    r = simulate_gpt(cfg, par, "h100-dgx")
+    ops = {o.op: o for o in r.ops}
+    assert ops["attention"].comm_s == 0.0 and ops["attention"].compute_s > 0
+    assert all(o.comm_s == 0.0 for o in r.ops if o.op not in (DP_GRAD_REDUCE, DP_PARAM_GATHER))
+    assert ops[DP_GRAD_REDUCE].comm_s > 0
+    assert (DP_PARAM_GATHER in ops) == (zero > 0)        # ZeRO-1 gathers after the step
+    assert sum(o.comm_s for o in r.ops) == pytest.approx(r.comm_s, rel=1e-12)
+    assert sum(o.compute_s for o in r.ops) == pytest.approx(r.compute_s, rel=1e-12)
+
+
+def test_data_parallel_row_names_only_data_parallel_groups():
+    """The rule of :func:`data_parallel_row` on a dp × cp × ep × tp mesh: reductions and
+    gathers over groups spanning dp (with cp or ep ranks or not) are data-parallel; tp's,
+    ep's alone (MoE's router all-reduce, the token all_to_all) and cp's gathers are not;
+    an all-reduce over cp alone is the gradients' (context parallelism's attention has no
+    all-reduce)."""
+    from mesh import Mesh
+
+    from vcluster.planner.simulation import (DP_GRAD_REDUCE, DP_PARAM_GATHER,
+                                             data_parallel_row)
+    from vcluster.runtime.tracing.ops import TraceCollective
+    mesh = Mesh((2, 2, 2, 2), ("dp", "ep", "cp", "tp"))
+
+    def row(collective, **fixed):       # the group of rank 0 over the axes not fixed
+        axes = tuple(a for a in mesh.axes if a not in fixed)
+        return data_parallel_row(TraceCollective(collective, tuple(mesh.group(axes, 0)), 64, 2,
+                                                 "auto"), mesh)
+    assert row("all_reduce", ep=0, cp=0, tp=0) == DP_GRAD_REDUCE
+    assert row("reduce_scatter", cp=0, tp=0) == DP_GRAD_REDUCE       # dp × ep
+    assert row("all_reduce", ep=0, tp=0) == DP_GRAD_REDUCE           # dp × cp
+    assert row("all_gather", ep=0, cp=0, tp=0) == DP_PARAM_GATHER
+    assert row("all_to_all", ep=0, cp=0, tp=0) is None
+    assert row("all_reduce", ep=0, cp=0) is None                     # spans tp too
+    assert row("all_reduce", dp=0, ep=0, cp=0) is None               # tp
+    assert row("all_reduce", dp=0, cp=0, tp=0) is None               # ep: the router's
+    assert row("all_gather", dp=0, ep=0, tp=0) is None               # cp: attention's K/V
+    assert row("all_reduce", dp=0, ep=0, tp=0) == DP_GRAD_REDUCE     # cp: the gradients'
+
+
+def test_validate_model_reports_progress_on_stderr_unless_quiet():
+    """Issue 56: validate-model printed nothing for minutes when piped. Now a line per
+    group of tables (and every few seconds) goes to stderr; --quiet silences it."""
+    args = ("validate-model", "--table", "torchtitan_a100_fsdp.csv")
+    proc = _vcluster(*args)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("validate-model: ")]
+    assert lines and re.fullmatch(r"validate-model: 3/3 rows of torchtitan_a100_fsdp\.csv "
+                                  r"predicted in \d+\.\d s", lines[-1]), proc.stderr
+    assert "validate-model:" not in proc.stdout
+    quiet = _vcluster(*args, "--quiet")
+    assert quiet.returncode == 0 and "validate-model:" not in quiet.stderr
+    assert quiet.stdout == proc.stdout

@@ -31,7 +31,8 @@ def add_parser(commands) -> None:
                       help="collectives to run (default: all): " + ",".join(OPS))
     coll.add_argument("--paths", type=csv_of(PATHS, "path"), default=list(PATHS),
                       help="resident (dev.empty buffers, out=) and/or copy (default: both)")
-    coll.add_argument("--dtype", default="float32", choices=["float32", "float64", "int64"])
+    coll.add_argument("--dtype", default="float32", choices=["float32", "float64", "int64"],
+                      help="element type of the buffers (default float32)")
     coll.add_argument("--algorithm", default="auto",
                       choices=["auto", "ring", "tree", "pairwise", "shm"],
                       help="algorithm for every op that has it (default auto)")
@@ -75,12 +76,16 @@ def add_parser(commands) -> None:
         "matmul", help="emulated sharded MatMul vs one process's A @ B",
         description="Median wall time of MatMul (MatchedInnerSharding) on N emulated devices, "
                     "host transfers included, beside numpy's A @ B in this process.")
-    mm.add_argument("--m", type=positive_int, default=4096)
-    mm.add_argument("--k", type=positive_int, default=2048)
-    mm.add_argument("--n", type=positive_int, default=4096)
-    mm.add_argument("--devices", type=positive_int, default=8)
-    mm.add_argument("--reps", type=positive_int, default=3)
-    mm.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    mm.add_argument("--m", type=positive_int, default=4096, help="rows of A and C (default 4096)")
+    mm.add_argument("--k", type=positive_int, default=2048,
+                    help="columns of A, rows of B: the summed dimension (default 2048)")
+    mm.add_argument("--n", type=positive_int, default=4096, help="columns of B and C (default 4096)")
+    mm.add_argument("--devices", type=positive_int, default=8,
+                    help="emulated devices the product is sharded over (default 8)")
+    mm.add_argument("--reps", type=positive_int, default=3,
+                    help="timed repetitions; the median is reported (default 3)")
+    mm.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="element type (default float32)")
     mm.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     mm.set_defaults(run=_matmul)
 

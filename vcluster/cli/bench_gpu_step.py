@@ -31,8 +31,10 @@ def add_parser(kinds) -> None:
                     "step on the local CUDA GPU (bf16 autocast, SDPA flash attention, fused "
                     "AdamW; --compile: torch.compile), beside vcluster's one-GPU prediction "
                     "of the same step, with the errors. Needs CUDA.")
-    for name in ("hidden", "layers", "heads", "seq", "vocab"):
-        gs.add_argument(f"--{name}", type=positive_int, required=True)
+    for name, what in (("hidden", "the model width h"), ("layers", "transformer layers"),
+                       ("heads", "attention heads (head dim = hidden/heads)"),
+                       ("seq", "tokens per sequence"), ("vocab", "vocabulary size")):
+        gs.add_argument(f"--{name}", type=positive_int, required=True, help=what)
     gs.add_argument("--micro-batch", type=positive_int, required=True,
                     help="sequences per step (the global batch of the one GPU)")
     gs.add_argument("--tie-embeddings", action="store_true",

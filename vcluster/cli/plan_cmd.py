@@ -5,10 +5,16 @@
 
 enumerates TP x PP x DP x micro-batch x schedule x sequence parallelism x recomputation,
 drops what does not fit memory, screens the rest in closed form, replays the best in the
-SimPy timing model (at least the top K and 10) and prints the top K (step time, TFLOP/s
-per GPU, MFU, peak memory, compute/comm ratio) and the rejections per reason.
+SimPy timing model (at least the top K and 10) and prints the top K (step time, tokens/s
+per GPU, hardware TFLOP/s per GPU — the FLOPs executed, recomputation included —, MFU —
+the model's FLOPs —, peak memory, compute/comm ratio) and the rejections per reason.
+Progress goes to stderr: a bar on a terminal, a line every few seconds and one per stage
+when stderr is a pipe or a file (``plan: 10/10 candidates replayed in 11.2 s``);
+``--quiet``: none.
 ``--json PATH`` writes ``{"candidates": [...], "rejected": {reason: count}, "precision":
-name}`` (every configuration that fits, best first; ``--precision megatron|torch_amp|
+name}`` (every configuration that fits, best first, each with ``tokens_per_s_per_gpu``,
+``hardware_tflops_per_gpu`` (also under its earlier name ``tflops_per_gpu``) and
+``model_tflops_per_gpu``; ``--precision megatron|torch_amp|
 torch_compile|fp64|fp32``: the memory model's bytes per parameter and activation, as ``simulate
 gpt``'s); ``--out DIR`` writes plan.json and plan.png (step time against peak memory for
 every candidate). ``--max-cp N`` also searches context
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 from modeling import CPAlgorithm, ZeroStage
 
@@ -33,13 +40,18 @@ from .args import (add_attention_argument, add_fp8_argument, add_grad_reduce_arg
                    add_model_arguments, add_tp_overlap_argument, fraction, gpt_config,
                    model_title, positive_int, precision_name)
 
-__all__ = ["add_parser", "plan_json", "JSON_KEYS"]
+__all__ = ["add_parser", "plan_json", "JSON_KEYS", "DERIVED_KEYS"]
 
+#: a JSON candidate's keys from plan_gpt's columns (``tflops_per_gpu``: hardware FLOPs,
+#: recomputation included, the name earlier versions wrote; ``hardware_tflops_per_gpu``
+#: repeats it under the clearer name)
 JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "schedule", "virtual_stages",
              "sequence_parallel",
              "recompute", "distributed_optimizer", "zero_stage", "step_time_s", "tflops_per_gpu",
              "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
+#: and the keys derived from them (:func:`vcluster.planner.search.throughput`)
+DERIVED_KEYS = ("tokens_per_s_per_gpu", "hardware_tflops_per_gpu", "model_tflops_per_gpu")
 
 
 def add_parser(commands) -> None:
@@ -53,7 +65,8 @@ def add_parser(commands) -> None:
     gpt.add_argument("--max-ep", type=positive_int, default=1,
                      help="MoE: the largest expert-parallel degree tried (each ep divides dp "
                           "and --experts; default 1)")
-    gpt.add_argument("--global-batch", type=positive_int, required=True)
+    gpt.add_argument("--global-batch", type=positive_int, required=True,
+                     help="sequences per step, over all data-parallel replicas")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list) or a YAML file")
     gpt.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
@@ -88,7 +101,9 @@ def add_parser(commands) -> None:
                           "program's); see simulate gpt --help")
     gpt.add_argument("--json", metavar="PATH", help="write every candidate as JSON")
     gpt.add_argument("--out", metavar="DIR", help="write plan.json and plan.png here")
-    gpt.add_argument("--quiet", action="store_true", help="no progress bar")
+    gpt.add_argument("--quiet", action="store_true",
+                     help="no progress on stderr (a bar on a terminal, else a line every few "
+                          "seconds and one per stage)")
     gpt.set_defaults(run=_gpt)
 
 
@@ -109,10 +124,15 @@ def _finite(x):
 
 def plan_json(df) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...,
-    "grad_reduce_dtype": ..., "attention": ...}`` from plan_gpt's DataFrame."""
+    "grad_reduce_dtype": ..., "attention": ...}`` from plan_gpt's DataFrame; a candidate
+    holds :data:`JSON_KEYS` and :data:`DERIVED_KEYS`."""
+    from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
+    for c in candidates:
+        c.update(throughput(c["step_time_s"], df.attrs),
+                 hardware_tflops_per_gpu=c["tflops_per_gpu"])
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
             "precision": df.attrs.get("precision", "megatron"),
             "fp8": df.attrs.get("fp8", False),
@@ -121,15 +141,17 @@ def plan_json(df) -> dict:
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
-    """The top rows; ``cp``: with a cp column (after dp); ``ep``: an expert-parallel
-    column after dp (and cp) (MoE models)."""
+    """The top rows and a legend of the figures; ``cp``: with a cp column (after dp);
+    ``ep``: an expert-parallel column after dp (and cp) (MoE models)."""
+    from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     cp_head = f"{'cp':>3} " if cp else ""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} " if ep else "")
             + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
-            f"{'recompute':<9} {'zero':>4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} "
-            f"{'comp/comm':>9}  source")
+            f"{'recompute':<9} {'zero':>4} {'step s':>8} {'tok/s/GPU':>9} {'hw TFLOP/s':>10} "
+            f"{'MFU':>6} {'mem GB':>7} {'comp/comm':>9}  source")
     print(head)
     for i, r in df.head(top).iterrows():
+        tokens = throughput(r["step_time_s"], df.attrs)["tokens_per_s_per_gpu"]
         sched = r["schedule"] + (f" v={r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
         ratio = f"{r['compute_comm_ratio']:9.1f}" if math.isfinite(r["compute_comm_ratio"]) \
             else f"{'inf':>9}"
@@ -139,9 +161,21 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
               f"{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
               f"{r['recompute']:<9} {r['zero_stage']:>4} "
-              f"{r['step_time_s']:8.3f} {r['tflops_per_gpu']:8.1f} "
+              f"{r['step_time_s']:8.3f} {tokens:9,.0f} {r['tflops_per_gpu']:10.1f} "
               f"{100 * r['mfu']:5.1f}% {r['peak_memory_gb']:7.1f} {ratio}  "
               f"{'replay' if r['replayed'] else 'screen'}")
+    print(f"{'':>4}tok/s/GPU: global batch · seq / (step · GPUs); hw TFLOP/s: hardware "
+          "TFLOP/s per GPU, the FLOPs executed (with recomputation); MFU: the model's FLOPs "
+          "over the peak (without)")
+
+
+def _progress(quiet: bool, lines):
+    """plan_gpt's ``progress``: none with ``--quiet``; rich's bar when stderr is a terminal
+    (None); else ``lines("plan")``, a line every few seconds and one per stage (a bar's
+    escape codes in a pipe or a log file would be noise, and nothing looked hung)."""
+    if quiet:
+        return False
+    return None if sys.stderr.isatty() else lines("plan")
 
 
 def _why_none(rejected: dict, gpus: int, hw) -> str:
@@ -161,6 +195,7 @@ def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
     from vcluster.planner.search import REJECT_REASONS, plan_gpt
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
+    from vcluster.planner.progress import ProgressLines
     if args.replay is not None and args.replay < 0:
         raise ValueError(f"--replay must be >= 0, got {args.replay}")
     if args.zero_stages is not None and args.distributed_optimizer is not None:
@@ -171,7 +206,7 @@ def _gpt(args) -> int:
     df = plan_gpt(hidden=c.hidden, layers=c.layers, heads=c.heads, seq=c.seq,
                   vocab=c.vocab, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
-                  workers=args.workers, progress=False if args.quiet else None,
+                  workers=args.workers, progress=_progress(args.quiet, ProgressLines),
                   attention=args.attention, tp_overlap=args.tp_overlap,
                   grad_reduce_dtype=args.grad_reduce_dtype,
                   distributed_optimizer=args.distributed_optimizer,

@@ -3,9 +3,13 @@
     vcluster simulate gpt --hidden 12288 --layers 96 --heads 96 --seq 2048 --vocab 51200 \\
         --tp 8 --pp 8 --dp 16 --global-batch 1536 --micro-batch 1 --schedule 1f1b
 
-prints the step time, TFLOP/s per GPU, MFU, the per-device split of the step (compute,
+prints the step time, tokens/s per GPU (global batch · seq / (step time · GPUs)), hardware
+TFLOP/s per GPU (the FLOPs executed, recomputation included), model TFLOP/s per GPU and
+MFU (the model's FLOPs, no recomputation), the per-device split of the step (compute,
 communication, exposed communication, bubble), the compute/communication ratio for the
-step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10) and
+step and per op kind (embedding, attention, mlp, logits, optimizer; flagged below 10; the
+data-parallel gradient reductions, and ZeRO's weight gathers, in rows of their own,
+"grad reduce (dp)" and "param gather (dp)", communication only) and
 peak memory per device and its parts (``--attention flash|unfused``,
 ``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
 ``--zero 0|1|2|3``: ZeRO's stage, traced and replayed as the program runs it — 1 shards
@@ -21,7 +25,8 @@ ring|all_gather]``: context parallelism (the sequence split over N ranks; GPUs =
 tp·pp·cp·dp, which ``--gpus`` checks when given); ``--experts N --moe-top-k K
 --ep E [--expert-skew X]``: a mixture of experts over E expert-parallel ranks carved out of
 dp, the busiest expert X times the mean (not with ``--cp`` > 1 yet); ``--json PATH`` writes the
-same figures. A configuration
+same figures (``tokens_per_s_per_gpu``, ``hardware_tflops_per_gpu`` — also under its earlier
+name ``tflops_per_gpu`` —, ``model_tflops_per_gpu``, ``mfu``, ``ops``, ...). A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
 simulated (``fits: false``), but the command says so on stderr and exits 1 unless
 ``--allow-oom`` is given.
@@ -48,19 +53,30 @@ def add_parser(commands) -> None:
                            "(a preset, a config.json or shape flags; Megatron TP, PP, DP)",
                            description=__doc__.split("\n\n")[0])
     add_model_arguments(gpt)
-    for name, default in (("tp", 1), ("pp", 1), ("dp", 1), ("ep", 1)):
-        gpt.add_argument(f"--{name}", type=positive_int, default=default)
+    for name, what in (("tp", "tensor-parallel degree: ranks each layer's matrices are split "
+                               "over"),
+                       ("pp", "pipeline-parallel degree: stages the layers are split into"),
+                       ("dp", "data-parallel degree: replicas, each with B/dp sequences"),
+                       ("ep", "expert-parallel degree (MoE): ranks the experts are spread "
+                              "over, carved out of dp")):
+        gpt.add_argument(f"--{name}", type=positive_int, default=1, help=f"{what} (default 1)")
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
     gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",
                      help="how attention reaches the other ranks' K/V (default ring)")
     gpt.add_argument("--gpus", type=positive_int, default=None,
                      help="check that tp·pp·cp·dp is this many GPUs")
-    gpt.add_argument("--global-batch", type=positive_int, required=True)
-    gpt.add_argument("--micro-batch", type=positive_int, default=1)
-    gpt.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    gpt.add_argument("--virtual-stages", type=positive_int, default=None)
-    gpt.add_argument("--sequence-parallel", action="store_true")
+    gpt.add_argument("--global-batch", type=positive_int, required=True,
+                     help="sequences per step, over all data-parallel replicas (B)")
+    gpt.add_argument("--micro-batch", type=positive_int, default=1,
+                     help="sequences per micro-batch (b; B/(dp·b) micro-batches; default 1)")
+    gpt.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                     help="pipeline schedule (default 1f1b)")
+    gpt.add_argument("--virtual-stages", type=positive_int, default=None,
+                     help="chunks per pipeline rank of the interleaved_1f1b schedule")
+    gpt.add_argument("--sequence-parallel", action="store_true",
+                     help="Megatron's sequence parallelism over the tp ranks (LayerNorms and "
+                          "dropout split along the sequence)")
     gpt.add_argument("--recompute", choices=Recompute.values(), default="none",
                      help="activation recomputation (default none)")
     add_attention_argument(gpt)
@@ -133,7 +149,12 @@ def _gpt(args) -> int:
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
              f"{args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")
-    print(f"  TFLOP/s per GPU      {r.tflops_per_gpu:.1f}   (MFU {100 * r.mfu:.1f}%)")
+    print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
+          f"(step time · GPUs))")
+    print(f"  hardware TFLOP/s     {r.hardware_tflops_per_gpu:.1f} per GPU: the FLOPs executed, "
+          f"recomputation included")
+    print(f"  model TFLOP/s        {r.model_tflops_per_gpu:.1f} per GPU: the model's FLOPs, "
+          f"MFU {100 * r.mfu:.1f}%")
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
           f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
     if r.inductor_fusion:
@@ -190,10 +211,13 @@ def zero_stage(args) -> int:
 
 
 def _print_ops(ops, flag_below: float) -> None:
-    """The per-op table: seconds per device, T_compute / T_comm, flagged below the bound."""
-    print(f"  {'op':<12}{'compute':>11}{'comm':>11}{'compute/comm':>14}")
+    """The per-op table: seconds per device, T_compute / T_comm, flagged below the bound;
+    a row of communication alone (the data-parallel rows) has no ratio ("-")."""
+    width = max([len("op"), *(len(o.op) for o in ops)]) + 2
+    print(f"  {'op':<{width}}{'compute':>9}{'comm':>11}{'compute/comm':>14}")
     for o in ops:
         ratio = o.compute_comm_ratio
-        low = f"  below the rule (>= {flag_below:g})" if ratio < flag_below else ""
-        text = "no comm" if ratio == float("inf") else f"{ratio:.1f}"
-        print(f"  {o.op:<12}{o.compute_s:>10.3f}s{o.comm_s:>10.3f}s{text:>14}{low}")
+        low = f"  below the rule (>= {flag_below:g})" if o.compute_s and ratio < flag_below \
+            else ""
+        text = "-" if not o.compute_s else "no comm" if ratio == float("inf") else f"{ratio:.1f}"
+        print(f"  {o.op:<{width}}{o.compute_s:>8.3f}s{o.comm_s:>10.3f}s{text:>14}{low}")

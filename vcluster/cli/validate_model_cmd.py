@@ -17,7 +17,10 @@ of every row of nemo_2407_h100_fp8.csv (NeMo's FP8 pretraining on DGX H100,
 published (or measured), predicted and
 rel_error = predicted / published - 1, the shipped ``table`` it comes from and its
 ``role``: ``fit`` when a constant of the model was chosen while looking at it,
-``held_out`` otherwise. The summary gives the mean and max absolute error over all rows
+``held_out`` otherwise. While it runs (minutes), progress lines go to stderr — each
+group of tables' rows predicted so far, every few seconds, and its count when done
+(``validate-model: 191/191 rows of llm_foundry_mpt.csv predicted in 36.5 s``); ``--quiet``:
+none. The summary gives the mean and max absolute error over all rows
 and the held-out mean separately, then each table's mean and max per metric
 (``by_table``), the FSDP table's by GPU and how many of its configurations the memory
 model says fit (``fsdp``: every one ran; null without that table); then the H100 GEMM
@@ -63,12 +66,17 @@ def add_parser(commands) -> None:
     cmd.add_argument("--table", action="append", choices=TABLES, metavar="TABLE",
                      help="only this table's rows (repeatable; default every table: "
                           + ", ".join(TABLES) + ")")
+    cmd.add_argument("--quiet", action="store_true",
+                     help="no progress lines on stderr (by default a line every few seconds "
+                          "and one per group of tables: the run takes minutes)")
     cmd.set_defaults(run=_run)
 
 
-def validation_rows(tables=None) -> dict:
+def validation_rows(tables=None, progress=None) -> dict:
     """The rows of ``tables`` (names of :data:`TABLES`; default all) and their summaries
-    (the module docstring)."""
+    (the module docstring). ``progress``: None, or an object that reports a task's count
+    (:class:`~vcluster.planner.progress.ProgressLines`: ``add_task``, ``advance``,
+    ``finish``), one task per group of tables counting its table rows predicted."""
     wanted = set(TABLES if tables is None else tables)
     unknown = wanted - set(TABLES)
     if unknown or not wanted:
@@ -79,21 +87,38 @@ def validation_rows(tables=None) -> dict:
     from vcluster.planner.validation import (FP8_TABLES, validate_fp8, validate_fsdp,
                                              validate_fsdp2, validate_gpu_steps,
                                              validate_megatron, validate_recompute)
-    from vcluster.timing import validate_nccl
+    from vcluster.timing import read_data_csv, validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
+    fp8_tables = tuple(t for t in FP8_TABLES if t in wanted)
+
+    def run(group, validate, counted=None, label=None, **kwargs):
+        """``validate(**kwargs)``'s rows when ``group`` is asked for, counted on
+        ``progress`` (one task: the table rows of ``counted``, default every table of
+        ``group``; ``label``: what the count is of, default "rows of <tables> predicted")."""
+        if group not in groups:
+            return []
+        counted = counted or tuple(t for t, g in _GROUPS.items() if g == group)
+        if progress is None:
+            return validate(**kwargs)
+        task = progress.add_task(label or f"rows of {', '.join(counted)} predicted",
+                                 total=sum(len(read_data_csv(t)[1]) for t in counted))
+        out = validate(**kwargs, on_row=lambda: progress.advance(task))
+        progress.finish(task)
+        return out
+
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
-    rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"}
-            for r in (validate_nccl() if "nccl" in groups else [])]
+    nccl = validate_nccl() if "nccl" in groups else []      # instant: no progress
+    rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in nccl]
     for group, validate in (("megatron", validate_megatron), ("recompute", validate_recompute),
                             ("gpu_steps", validate_gpu_steps)):
-        rows += [r | {"table": r["source"]} for r in (validate() if group in groups else [])]
-    fsdp = validate_fsdp() if "fsdp" in groups else []
+        rows += [r | {"table": r["source"]} for r in run(group, validate)]
+    fsdp = run("fsdp", validate_fsdp)
     rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
     rows += [r | {"table": r["source"]}
-             for r in validate_fp8(tuple(t for t in FP8_TABLES if t in wanted))]
+             for r in run("fp8", validate_fp8, fp8_tables, tables=fp8_tables)]
     rows += [{k: r[k] for k in keys} | {"table": r["source"]}
-             for r in (validate_fsdp2() if "fsdp2" in groups else [])]
+             for r in run("fsdp2", validate_fsdp2)]
     rows = [r for r in rows if r["table"] in wanted]
     fsdp = [r for r in fsdp if r["source"] in wanted]
     for r in rows:
@@ -106,7 +131,8 @@ def validation_rows(tables=None) -> dict:
         by_table.setdefault(r["table"], {}).setdefault(r["metric"], []).append(
             abs(r["rel_error"]))
     measured: dict = {}
-    for r in validate_gpu_steps(kernel_table=H100_KERNEL_TABLE) if "gpu_steps" in groups else []:
+    for r in run("gpu_steps", validate_gpu_steps, label=f"one-GPU step rows repriced by "
+                 f"{H100_KERNEL_TABLE}", kernel_table=H100_KERNEL_TABLE):
         if r["metric"] == "step_ms" and r["source"] in wanted:
             measured.setdefault(r["source"], []).append(abs(r["rel_error"]))
     return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors),
@@ -141,7 +167,9 @@ def _fsdp_summary(rows: list[dict]) -> dict:
 
 
 def _run(args) -> int:
-    result = validation_rows(args.table)
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.progress import ProgressLines
+    result = validation_rows(args.table, None if args.quiet else ProgressLines("validate-model"))
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
         print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"

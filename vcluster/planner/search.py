@@ -17,7 +17,11 @@ N GPUs, by a closed-form screen of every candidate and a SimPy replay of the bes
 
 The result is a pandas DataFrame, one row per candidate that fits, with the columns of
 ``COLUMNS``; ``df.attrs`` holds ``config`` (the GPTConfig planned), ``rejected`` (reason
--> count), ``replayed`` (count), ``planning_time_s`` and ``hardware``.
+-> count), ``replayed`` (count), ``planning_time_s``, ``hardware``, ``gpus`` and
+``global_batch``. ``tflops_per_gpu`` counts the FLOPs executed (hardware FLOPs,
+recomputation included); ``mfu`` the model's. :func:`throughput` derives tokens/s per GPU
+and model TFLOP/s per GPU from a row's step time (figures of the step time, not columns:
+the columns are the knobs and what was measured of them).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
 from vcluster.timing import load_hardware
 from vcluster.timing.hardware_model import HardwareCostModel
 
@@ -40,7 +44,8 @@ from .layer_cost import trace_stage_pieces
 from .screen import peak_memory_bytes, screen_estimate
 from .simulation import fp8_gemm, simulate_gpt
 
-__all__ = ["plan_gpt", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S", "REJECT_REASONS"]
+__all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S",
+           "REJECT_REASONS"]
 
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
@@ -60,6 +65,16 @@ def _knobs(par: ParallelConfig) -> dict:
             "zero_stage": par.zero_stage}
 
 
+def throughput(step_time_s: float, attrs: dict) -> dict:
+    """The figures of a plan row's step time, given its DataFrame's ``attrs``:
+    ``tokens_per_s_per_gpu`` = global batch · seq / (step · GPUs), the unit of published
+    training tables, and ``model_tflops_per_gpu`` = model FLOPs / (step · GPUs) / 1e12
+    (:func:`~pipeline_parallel.gpt.model_flops`: no recomputation, MFU's numerator)."""
+    config, batch, gpus = attrs["config"], attrs["global_batch"], attrs["gpus"]
+    return {"tokens_per_s_per_gpu": batch * config.seq / (step_time_s * gpus),
+            "model_tflops_per_gpu": model_flops(config, batch) / (step_time_s * gpus) / 1e12}
+
+
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
     config, par, hardware, precision, fp8 = args
@@ -68,8 +83,17 @@ def _replay(args):
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
 
 
-def _progress(enabled: bool | None):
-    """A rich progress bar on a terminal (silent when not a tty or disabled)."""
+def _progress(enabled):
+    """A rich progress bar on a terminal (silent when not a tty or disabled); ``enabled``
+    True, False, None (a bar when stderr is a tty) or a progress object of rich's
+    ``Progress`` calls (``add_task``, ``advance``, ``start``, ``stop``), used as given:
+    :class:`~vcluster.planner.progress.ProgressLines` for a pipe."""
+    if enabled is not None and not isinstance(enabled, bool):
+        if not all(callable(getattr(enabled, m, None))
+                   for m in ("add_task", "advance", "start", "stop")):
+            raise TypeError(f"plan_gpt: progress must be True, False, None or an object with "
+                            f"add_task, advance, start and stop, got {enabled!r}")
+        return enabled
     if enabled is None:
         enabled = sys.stderr.isatty()
     if not enabled:
@@ -91,7 +115,7 @@ def _pool_context():
 
 def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> list[dict]:
     """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
-    task = bar.add_task("replaying", total=len(pars)) if bar else None
+    task = bar.add_task("candidates replayed", total=len(pars)) if bar else None
     jobs = [(config, p, hardware, precision, fp8) for p in pars]
 
     def done():
@@ -138,7 +162,7 @@ def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
     autocast = autocast_kernels_priced(precision, costs)     # as the replays will
     fused = autocast and precision.inductor_fusion
     pieces: dict = {}
-    task = bar.add_task("screening", total=len(candidates)) if bar else None
+    task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
     out = []
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
@@ -176,7 +200,9 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     ``max_tp`` default the GPUs per node; ``micro_batches`` an explicit list, else the
     divisors of B/dp up to ``max_micro_batch`` (8); ``schedules``, ``recompute``,
     ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
-    the machine's cores); ``progress``: a progress bar (default: when stderr is a tty);
+    the machine's cores); ``progress``: a progress bar (True; default None: when stderr is a
+    tty; False: none) or a progress object used as given (rich's ``Progress`` calls:
+    :class:`~vcluster.planner.progress.ProgressLines` prints lines, for a pipe);
     ``memory_headroom``: the share of each device's memory a configuration must leave
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
     the attention kernel (one of ParallelConfig's: flash, unfused or flash-v1); ``tp_overlap``:
@@ -260,7 +286,8 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
         df = df.sort_values(["replayed", "step_time_s"], ascending=[False, True],
                             kind="stable").reset_index(drop=True)
     df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
-                    candidates=len(candidates), hardware=hw.name,
+                    candidates=len(candidates), hardware=hw.name, gpus=gpus,
+                    global_batch=global_batch,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,
                     attention=attention, planning_time_s=time.perf_counter() - t0)

@@ -27,11 +27,14 @@ parallelism yet, and the plan's rulebook refuses that combination
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
-communication charged to each as :mod:`vcluster.timing.results` defines); TFLOP/s per GPU counting the
-FLOPs actually executed (recomputation included, from the trace); MFU with the model
-FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh) (Llama: :func:`~pipeline_parallel.gpt.
-llama_model_flops`) over the peak of the compute dtype; peak memory
-per device (:mod:`vcluster.planner.memory`) and whether it fits.
+communication charged to each as :mod:`vcluster.timing.results` defines, except the
+data-parallel communication, which has rows of its own: :func:`data_parallel_row`);
+tokens/s per GPU, B·s / (step·GPUs), the unit of published training tables; hardware
+TFLOP/s per GPU counting the FLOPs actually executed (recomputation included, from the
+trace) and model TFLOP/s per GPU counting the model FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh)
+(Llama: :func:`~pipeline_parallel.gpt.llama_model_flops`), which over the peak of the
+compute dtype is the MFU; peak memory per device (:mod:`vcluster.planner.memory`) and
+whether it fits.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.timing.replay import OTHER
+from vcluster.timing.results import OpStats, Stream
 
 from .autocast_kernels import autocast_kernels_priced
 from .inductor_kernels import pytorch_kernels
@@ -64,8 +69,9 @@ ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
            "fp8_gemm",
-           "moe_exchanges_as_all_to_all",
-           "OP_KINDS", "RATIO_FLAG", "TRACED_POSITIONS", "describe_ratio"]
+           "moe_exchanges_as_all_to_all", "data_parallel_row", "split_data_parallel_comm",
+           "OP_KINDS", "DP_GRAD_REDUCE", "DP_PARAM_GATHER", "RATIO_FLAG", "TRACED_POSITIONS",
+           "describe_ratio"]
 
 # The rule of thumb of DESIGN.md: keep compute / communication above 10, so that even
 # communication that does not overlap costs under a tenth of the step.
@@ -97,8 +103,8 @@ def describe_ratio(compute_s: float, comm_s: float, exposed_comm_s: float,
 @dataclass(frozen=True)
 class GPTSimulation:
     step_time_s: float
-    tflops_per_gpu: float
-    mfu: float
+    tflops_per_gpu: float    # hardware TFLOP/s per GPU: FLOPs executed, recomputation included
+    mfu: float               # model FLOPs / (GPUs · peak · step): no recomputation counted
     compute_s: float
     comm_s: float
     exposed_comm_s: float
@@ -121,6 +127,14 @@ class GPTSimulation:
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
     attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
+    model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
+    tokens_per_s_per_gpu: float = math.nan   # global batch · seq / (step · GPUs)
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """TFLOP/s per GPU of the FLOPs executed, recomputation included (``tflops_per_gpu``,
+        the name earlier versions wrote); ``model_tflops_per_gpu`` counts the model's."""
+        return self.tflops_per_gpu
 
     @property
     def reserve_gb(self) -> float:
@@ -147,9 +161,13 @@ class GPTSimulation:
                          for m in self.memory]
         out["memory_breakdown_gb"] = self.memory_breakdown_gb
         out["compute_comm_ratio"] = _finite(self.compute_comm_ratio)
+        out["hardware_tflops_per_gpu"] = self.hardware_tflops_per_gpu
+        # a communication-only row (the data-parallel ones) has no ratio to hold to the rule
         out["ops"] = [{"op": o.op, "compute_s": o.compute_s, "comm_s": o.comm_s,
-                       "compute_comm_ratio": _finite(o.compute_comm_ratio),
-                       "low_ratio": o.compute_comm_ratio < RATIO_FLAG} for o in self.ops]
+                       "compute_comm_ratio": _finite(o.compute_comm_ratio)
+                       if o.compute_s else None,
+                       "low_ratio": bool(o.compute_s) and o.compute_comm_ratio < RATIO_FLAG}
+                      for o in self.ops]
         return out
 
 
@@ -186,6 +204,95 @@ def gpt_op_kind(name: str) -> str | None:
         if rest.startswith(prefixes):
             return kind
     return "other" if rest is not name and not rest.startswith(_INHERIT) else None
+
+
+#: The per-op table's rows of the data-parallel communication, booked apart from the
+#: compute op each collective follows (issue 56: the gradient buckets' all-reduces went to
+#: "attention", the kind of the last backward op before them).
+DP_GRAD_REDUCE = "grad reduce (dp)"      # DDP's bucket all-reduces, ZeRO's reduce-scatters
+DP_PARAM_GATHER = "param gather (dp)"    # ZeRO's all-gathers of the weights over dp
+_REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
+_GATHERS = ("all_gather", "broadcast")
+#: the axes a gradient group spans (:class:`pipeline_parallel.executor.TrainJob`: dp, the
+#: ep ranks carved out of it, and cp, whose ranks hold the same weights)
+_GRADIENT_AXES = ("dp", "ep", "cp")
+
+
+def data_parallel_row(op: TraceCollective, mesh, axes_of: dict | None = None) -> str | None:
+    """The per-op table's row of collective ``op`` when it is data-parallel communication,
+    else None (it stays with the op it follows). Data-parallel: its group spans
+    data-parallel replicas — ranks that differ in their ``dp`` coordinate and in nothing
+    but dp, ep and cp — and it is a reduction (:data:`DP_GRAD_REDUCE`: the gradients' or
+    ZeRO's) or a gather (:data:`DP_PARAM_GATHER`: ZeRO's weights); and the all-reduce of
+    the gradients over the cp ranks alone when dp = 1 (context parallelism's own attention
+    collectives are sends and receives, or all-gathers and reduce-scatters, never an
+    all-reduce). A group over ep or cp ranks alone is otherwise the MoE layer's or
+    attention's (the router's all-reduce, the K/V all-gather), and so is the gradient
+    reduction there when the ep or cp group is the whole data-parallel group (dp = ep, or
+    dp = 1 with ZeRO and cp): it stays with its op. ``axes_of``: a cache of each group's
+    varying axes, kept by the caller."""
+    if axes_of is None:
+        axes_of = {}
+    axes = axes_of.get(op.group)
+    if axes is None:
+        coords = [mesh.index(r) for r in op.group]
+        axes = axes_of[op.group] = frozenset(
+            a for a in mesh.axes if len({c[a] for c in coords}) > 1)
+    if not axes or not axes <= set(_GRADIENT_AXES):
+        return None
+    if "dp" in axes:
+        return DP_GRAD_REDUCE if op.collective in _REDUCTIONS else \
+            DP_PARAM_GATHER if op.collective in _GATHERS else None
+    return DP_GRAD_REDUCE if axes == {"cp"} and op.collective == "all_reduce" else None
+
+
+def split_data_parallel_comm(op_stats, traces, result, mesh) -> tuple:
+    """``op_stats`` (:class:`~vcluster.timing.results.OpStats` per op kind, summed over the
+    traced ranks, of ``simulate_trace(traces, ..., op_kind=gpt_op_kind)``) with the
+    data-parallel collectives (:func:`data_parallel_row`) moved from the op kind they were
+    charged to into rows of their own, after the others (only rows that have some).
+
+    A collective is charged to the kind of the last compute op before it in its rank's
+    program (:mod:`vcluster.timing.results`, "Per op"; the first op's kind is
+    :data:`~vcluster.timing.replay.OTHER`), so walking each trace with
+    :func:`gpt_op_kind` finds that kind; its seconds are its interval in ``result``'s
+    timelines (the replay must record them), the duration the replay charged. The comm
+    left to a kind is its total less what moved; when every collective charged to it
+    moved, what is left is the rounding of two sums taken in different orders, and it is
+    0 (within 1e-9 of what moved); a kind left with neither compute nor communication (the
+    ``other`` before a rank's first compute op, where ZeRO-3 gathers) is dropped."""
+    timelines = dict(zip(result.ranks, result.timelines))
+    if traces and not any(timelines.get(t.rank) for t in traces):
+        raise ValueError("split_data_parallel_comm: the replay recorded no timelines; "
+                         "replay with simulate_trace(..., timeline=True)")
+    axes_of: dict = {}
+    moved_from: dict = {}                # kind charged -> seconds moved, every traced rank
+    moved_to: dict = {}                  # dp row -> seconds
+    for trace in traces:
+        charged, kind = {}, OTHER        # op index -> (kind, row)
+        for i, op in enumerate(trace.ops):
+            if isinstance(op, TraceCompute):
+                kind = gpt_op_kind(op.name) or kind
+            elif isinstance(op, TraceCollective):
+                row = data_parallel_row(op, mesh, axes_of)
+                if row is not None:
+                    charged[i] = (kind, row)
+        for iv in timelines.get(trace.rank, ()):
+            key = charged.get(iv.op_index) if iv.stream is Stream.COMM else None
+            if key is not None:
+                moved_from.setdefault(key[0], []).append(iv.end_s - iv.start_s)
+                moved_to.setdefault(key[1], []).append(iv.end_s - iv.start_s)
+    rows = []
+    for o in op_stats:
+        gone = math.fsum(moved_from.get(o.op, ()))
+        left = o.comm_s - gone
+        assert left >= -1e-9 * gone, (o, gone)       # moved at most what was charged
+        left = 0.0 if left <= 1e-9 * gone else left
+        if o.compute_s or left or not gone:      # a row left with nothing at all goes
+            rows.append(OpStats(o.op, o.compute_s, left))
+    rows += [OpStats(row, 0.0, math.fsum(moved_to[row]))
+             for row in (DP_GRAD_REDUCE, DP_PARAM_GATHER) if row in moved_to]
+    return tuple(rows)
 
 
 def fp8_gemm(op) -> bool:
@@ -422,7 +529,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
                            inductor_fusion=fused)
-    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
+    # timelines: the data-parallel collectives' seconds (split_data_parallel_comm)
+    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=True,
                             op_kind=gpt_op_kind)
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
@@ -435,9 +543,12 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         return sum(d.values()) / len(d)
 
     ratio = result.compute_comm_ratio
+    ops = split_data_parallel_comm(result.op_stats, full, result, mesh)
     return GPTSimulation(
         step_time_s=step, tflops_per_gpu=sum(flops) / len(flops) / step / 1e12,
         mfu=flops_model / (n * hw.device.peak_flops(dtype) * step),
+        model_tflops_per_gpu=flops_model / (n * step) / 1e12,
+        tokens_per_s_per_gpu=parallel.global_batch * config.seq / (step * n),
         compute_s=mean(result.compute_s), comm_s=mean(result.comm_s),
         exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
@@ -447,4 +558,4 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
-                                      comm_s=o.comm_s / len(full)) for o in result.op_stats))
+                                      comm_s=o.comm_s / len(full)) for o in ops))

@@ -86,6 +86,12 @@ _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recom
 _LAYER_OPS = ("attention", "mlp")
 
 
+def _done(on_row) -> None:
+    """One more row predicted: ``on_row()`` when given (a progress report)."""
+    if on_row is not None:
+        on_row()
+
+
 def micro_batch_for(global_batch: int, dp: int, pp: int) -> int:
     """The documented default micro-batch of every row (see the module docstring)."""
     return global_batch // dp if pp == 1 else DEFAULT_MICRO_BATCH
@@ -102,7 +108,8 @@ def _model(r: dict, **extra) -> GPTConfig:
                      **extra)
 
 
-def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
+def validate_megatron(hardware: str = HARDWARE, on_row=None) -> list[dict]:
+    """Every row of both Megatron tables (``on_row``: called after each, for progress)."""
 
     rows = []
     for r in read_data_csv("megatron_2020_a100.csv")[1]:
@@ -116,6 +123,7 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
         case = f"{r['model']} tp={r['tp']} pp={r['pp']} dp={r['dp']} ({r['gpus']} GPUs)"
         rows.append(_row_result("megatron_2020_a100.csv", case, "iter_ms",
                                 float(r["iter_ms"]), sim.step_time_s * 1e3))
+        _done(on_row)
     for r in read_data_csv("megatron_sc21_table1.csv")[1]:
         tp, pp, gpus = int(r["tp"]), int(r["pp"]), int(r["gpus"])
         cfg = _model(r)
@@ -130,10 +138,11 @@ def validate_megatron(hardware: str = HARDWARE) -> list[dict]:
         case = f"{r['model']} tp={tp} pp={pp} dp={par.dp} ({gpus} GPUs)"
         rows.append(_row_result("megatron_sc21_table1.csv", case, "tflops_per_gpu",
                                 float(r["tflops_per_gpu"]), flops / gpus / sim.step_time_s / 1e12))
+        _done(on_row)
     return rows
 
 
-def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
+def validate_recompute(hardware: str = HARDWARE, on_row=None) -> list[dict]:
     """Every row of :data:`RECOMPUTE_TABLE` (Korthikanti et al., "Reducing Activation
     Recomputation in Large Transformer Models", 2022): the configuration its header and
     columns give (micro-batch, interleaving degree, recomputation, sequence parallelism as
@@ -143,7 +152,8 @@ def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
     transformer layer's forward plus backward, the step less the other ops' compute and
     communication, over the layers — on one pipeline stage with one micro-batch the rest
     (the embedding, the logits and loss, the optimizer: every op but :data:`_LAYER_OPS`)
-    runs apart from the layers, its collectives blocking."""
+    runs apart from the layers, its collectives blocking. ``on_row``: called after each row
+    (progress)."""
     rows, sims = [], {}      # a configuration's iteration and layer rows share its step
     for r in read_data_csv(RECOMPUTE_TABLE)[1]:
         cfg = _model(r)
@@ -171,6 +181,7 @@ def validate_recompute(hardware: str = HARDWARE) -> list[dict]:
             predicted = 1e3 * (sim.step_time_s - rest) / cfg.layers
         rows.append(_row_result(RECOMPUTE_TABLE, case, r["metric"], float(r["published"]),
                                 predicted))
+        _done(on_row)
     return rows
 
 
@@ -190,7 +201,7 @@ def gpu_steps():
                    ParallelConfig(global_batch=mb, micro_batch=mb), case)
 
 
-def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
+def validate_gpu_steps(kernel_table: str = "", on_row=None) -> list[dict]:
     """Every row of :func:`gpu_steps`: step time (ms) and peak memory (GB,
     ``peak_memory_gb``: without the allocator's reserve, as
     ``torch.cuda.max_memory_allocated``), simulated on one GPU of the table's preset under
@@ -199,7 +210,8 @@ def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
     kernels that prices the preset's kernels instead (moved from the GPU that measured it
     to the preset's by datasheet ratios; under ``torch_amp`` that adds plain PyTorch's
     autocast kernels, :mod:`.autocast_kernels`, fused under ``torch_compile``,
-    :mod:`.inductor_kernels`)."""
+    :mod:`.inductor_kernels`). ``on_row``: called after each table row (its two results),
+    for progress."""
     rows = []
     hardware = {preset: load_hardware({"base": preset, "device": {"kernel_table": kernel_table}})
                 if kernel_table else preset for preset, _ in GPU_STEP_TABLES.values()}
@@ -210,10 +222,11 @@ def validate_gpu_steps(kernel_table: str = "") -> list[dict]:
                                 sim.step_time_s * 1e3))
         rows.append(_row_result(table, case, "peak_gb", float(r["peak_gb"]),
                                 sim.peak_memory_gb))
+        _done(on_row)
     return rows
 
 
-def validate_fsdp(rows=None) -> list[dict]:
+def validate_fsdp(rows=None, on_row=None) -> list[dict]:
     """Every row of :data:`FSDP_TABLE` (MosaicML LLM Foundry's MPT benchmarks: Composer and
     PyTorch FSDP ``FULL_SHARD`` on 8 to 128 A100s or H100s, sequences of 512 to 65,536),
     simulated as a user would type it, nothing chosen per row::
@@ -235,7 +248,8 @@ def validate_fsdp(rows=None) -> list[dict]:
     gather, reduce and update). What it does not share with MPT: the rows whose FSDP mixed
     precision is ``DEFAULT`` may reduce gradients in fp32. Each row also carries ``fits``:
     whether the memory model says the configuration fits (every one of them ran). ``rows``: the table
-    rows to run (dicts as :func:`~vcluster.timing.read_data_csv` reads them; default all)."""
+    rows to run (dicts as :func:`~vcluster.timing.read_data_csv` reads them; default all);
+    ``on_row``: called after each (progress)."""
     results = []
     for r in read_data_csv(FSDP_TABLE)[1] if rows is None else rows:
         cfg = _model(r, tie_embeddings=True)
@@ -251,10 +265,11 @@ def validate_fsdp(rows=None) -> list[dict]:
         results.append(_row_result(FSDP_TABLE, case, "tokens_per_s", float(r["tokens_per_s"]),
                                    par.global_batch * cfg.seq / sim.step_time_s)
                        | {"gpu": r["gpu"], "fits": sim.fits})
+        _done(on_row)
     return results
 
 
-def validate_fsdp2() -> list[dict]:
+def validate_fsdp2(on_row=None) -> list[dict]:
     """Every row of :data:`FSDP2_TABLE` (torchtitan's FSDP2 training of Llama 2 13B/70B
     and Llama 3 70B on 64 A100-80GB GPUs), simulated as a user would type it, nothing
     chosen per row::
@@ -270,7 +285,7 @@ def validate_fsdp2() -> list[dict]:
     default and only value "float32", passed to FSDP2 as ``MixedPrecisionPolicy(
     reduce_dtype=...)``; since 2026-11-28, after the first run, which reduced in bf16).
     Not modelled: the machines' network, which the document does not give (the preset's:
-    HDR InfiniBand, one NIC per GPU)."""
+    HDR InfiniBand, one NIC per GPU). ``on_row``: called after each row (progress)."""
     rows = []
     for r in read_data_csv(FSDP2_TABLE)[1]:
         cfg = _model(r, arch="llama", kv_heads=int(r["kv_heads"]),
@@ -285,6 +300,7 @@ def validate_fsdp2() -> list[dict]:
         rows.append(_row_result(FSDP2_TABLE, case, "tokens_per_s_per_gpu",
                                 float(r["tokens_per_s_per_gpu"]),
                                 b * cfg.seq / sim.step_time_s) | {"fits": sim.fits})
+        _done(on_row)
     return rows
 
 
@@ -306,7 +322,7 @@ def fp8_row_config(r: dict) -> tuple:
     return cfg, par
 
 
-def validate_fp8(tables=FP8_TABLES) -> list[dict]:
+def validate_fp8(tables=FP8_TABLES, on_row=None) -> list[dict]:
     """Every row of the :data:`FP8_TABLES` (NeMo 24.07 on DGX H100 with Transformer
     Engine's FP8: GPT-3 5B to 175B and Llama 2/3 7B to 70B on 8 to 512 GPUs, with tensor,
     pipeline (interleaved), context and data parallelism; Megatron-Bridge 25.11's Llama 3
@@ -316,7 +332,7 @@ def validate_fp8(tables=FP8_TABLES) -> list[dict]:
     configuration of :func:`fp8_row_config`. ``tokens_per_s_per_gpu`` = B·s / (step ·
     GPUs). Not modelled: Transformer Engine's FP8 casts and scaling (amax) kernels, and
     its overlap of the forward's tensor-parallel collectives with GEMMs
-    (``--tp-comm-overlap``)."""
+    (``--tp-comm-overlap``). ``on_row``: called after each row (progress)."""
     rows = []
     for table in tables:
         for r in read_data_csv(table)[1]:
@@ -329,4 +345,5 @@ def validate_fp8(tables=FP8_TABLES) -> list[dict]:
             rows.append(_row_result(table, case, "tokens_per_s_per_gpu",
                                     float(r["tokens_per_s_per_gpu"]),
                                     par.global_batch * cfg.seq / sim.step_time_s / par.gpus))
+            _done(on_row)
     return rows

@@ -55,8 +55,6 @@ from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
-from vcluster.timing.replay import OTHER
-from vcluster.timing.results import OpStats, Stream
 
 from .autocast_kernels import autocast_kernels_priced
 from .inductor_kernels import pytorch_kernels
@@ -69,7 +67,7 @@ ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
            "fp8_gemm",
-           "moe_exchanges_as_all_to_all", "data_parallel_row", "split_data_parallel_comm",
+           "moe_exchanges_as_all_to_all", "data_parallel_row",
            "OP_KINDS", "DP_GRAD_REDUCE", "DP_PARAM_GATHER", "RATIO_FLAG", "TRACED_POSITIONS",
            "describe_ratio"]
 
@@ -244,55 +242,6 @@ def data_parallel_row(op: TraceCollective, mesh, axes_of: dict | None = None) ->
         return DP_GRAD_REDUCE if op.collective in _REDUCTIONS else \
             DP_PARAM_GATHER if op.collective in _GATHERS else None
     return DP_GRAD_REDUCE if axes == {"cp"} and op.collective == "all_reduce" else None
-
-
-def split_data_parallel_comm(op_stats, traces, result, mesh) -> tuple:
-    """``op_stats`` (:class:`~vcluster.timing.results.OpStats` per op kind, summed over the
-    traced ranks, of ``simulate_trace(traces, ..., op_kind=gpt_op_kind)``) with the
-    data-parallel collectives (:func:`data_parallel_row`) moved from the op kind they were
-    charged to into rows of their own, after the others (only rows that have some).
-
-    A collective is charged to the kind of the last compute op before it in its rank's
-    program (:mod:`vcluster.timing.results`, "Per op"; the first op's kind is
-    :data:`~vcluster.timing.replay.OTHER`), so walking each trace with
-    :func:`gpt_op_kind` finds that kind; its seconds are its interval in ``result``'s
-    timelines (the replay must record them), the duration the replay charged. The comm
-    left to a kind is its total less what moved; when every collective charged to it
-    moved, what is left is the rounding of two sums taken in different orders, and it is
-    0 (within 1e-9 of what moved); a kind left with neither compute nor communication (the
-    ``other`` before a rank's first compute op, where ZeRO-3 gathers) is dropped."""
-    timelines = dict(zip(result.ranks, result.timelines))
-    if traces and not any(timelines.get(t.rank) for t in traces):
-        raise ValueError("split_data_parallel_comm: the replay recorded no timelines; "
-                         "replay with simulate_trace(..., timeline=True)")
-    axes_of: dict = {}
-    moved_from: dict = {}                # kind charged -> seconds moved, every traced rank
-    moved_to: dict = {}                  # dp row -> seconds
-    for trace in traces:
-        charged, kind = {}, OTHER        # op index -> (kind, row)
-        for i, op in enumerate(trace.ops):
-            if isinstance(op, TraceCompute):
-                kind = gpt_op_kind(op.name) or kind
-            elif isinstance(op, TraceCollective):
-                row = data_parallel_row(op, mesh, axes_of)
-                if row is not None:
-                    charged[i] = (kind, row)
-        for iv in timelines.get(trace.rank, ()):
-            key = charged.get(iv.op_index) if iv.stream is Stream.COMM else None
-            if key is not None:
-                moved_from.setdefault(key[0], []).append(iv.end_s - iv.start_s)
-                moved_to.setdefault(key[1], []).append(iv.end_s - iv.start_s)
-    rows = []
-    for o in op_stats:
-        gone = math.fsum(moved_from.get(o.op, ()))
-        left = o.comm_s - gone
-        assert left >= -1e-9 * gone, (o, gone)       # moved at most what was charged
-        left = 0.0 if left <= 1e-9 * gone else left
-        if o.compute_s or left or not gone:      # a row left with nothing at all goes
-            rows.append(OpStats(o.op, o.compute_s, left))
-    rows += [OpStats(row, 0.0, math.fsum(moved_to[row]))
-             for row in (DP_GRAD_REDUCE, DP_PARAM_GATHER) if row in moved_to]
-    return tuple(rows)
 
 
 def fp8_gemm(op) -> bool:
@@ -529,9 +478,10 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
                            inductor_fusion=fused)
-    # timelines: the data-parallel collectives' seconds (split_data_parallel_comm)
-    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=True,
-                            op_kind=gpt_op_kind)
+    axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
+    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
+                            op_kind=gpt_op_kind,
+                            collective_kind=lambda op: data_parallel_row(op, mesh, axes_of))
     step = result.step_time_s
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
@@ -543,7 +493,6 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         return sum(d.values()) / len(d)
 
     ratio = result.compute_comm_ratio
-    ops = split_data_parallel_comm(result.op_stats, full, result, mesh)
     return GPTSimulation(
         step_time_s=step, tflops_per_gpu=sum(flops) / len(flops) / step / 1e12,
         mfu=flops_model / (n * hw.device.peak_flops(dtype) * step),
@@ -558,4 +507,4 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
-                                      comm_s=o.comm_s / len(full)) for o in ops))
+                                      comm_s=o.comm_s / len(full)) for o in result.op_stats))

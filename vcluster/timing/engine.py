@@ -97,7 +97,8 @@ def _gc_paused():
 def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
                    costs: CostModel, mesh=None, symmetric: bool = False,
                    stragglers: Mapping[int, float] | None = None, *,
-                   timeline: bool = True, core_pool=None, op_kind=None) -> SimulationResult:
+                   timeline: bool = True, core_pool=None, op_kind=None,
+                   collective_kind=None) -> SimulationResult:
     """Replay ``traces`` on ``costs`` and return step time, per-rank accounting, timelines.
 
     ``mesh`` (optional, a :class:`mesh.Mesh`): every rank must lie in it and the result
@@ -115,6 +116,9 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     ``"mlp"``, ...) or None (the kind of the rank's previous compute op); the result's
     ``op_stats`` then give each kind's compute and charged communication time (see
     :mod:`vcluster.timing.results` for the attribution rule); not with ``core_pool``.
+    ``collective_kind`` (optional, with ``op_kind``): a function from a
+    :class:`~vcluster.runtime.tracing.ops.TraceCollective` to a kind of its own (the
+    planner's "grad reduce (dp)") or None (the rule's: the previous compute op's kind).
 
     Raises :class:`ReplayDeadlock` when some ranks can never finish, ``ValueError`` /
     ``TypeError`` / :class:`~vcluster.runtime.errors.CollectiveMismatch` on bad traces.
@@ -141,8 +145,12 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     if op_kind is not None and pool is not None:
         raise ValueError("simulate_trace: op_kind (per-op accounting) is not available with a "
                          "core_pool; pass one or the other")
+    if collective_kind is not None and (op_kind is None or not callable(collective_kind)):
+        raise TypeError(f"simulate_trace: collective_kind must be a function collective -> "
+                        f"kind, given with op_kind; got {collective_kind!r} (op_kind "
+                        f"{op_kind!r})")
     kwargs = dict(symmetric=bool(symmetric), slowdown=slowdown, record=bool(timeline),
-                  limit=limit, core_pool=pool, op_kind=op_kind)
+                  limit=limit, core_pool=pool, op_kind=op_kind, collective_kind=collective_kind)
     if pool is None or not pool.placements:
         return _replayed(Replay(ops, costs, **kwargs), limit, bool(symmetric))
     return _placed_median(ops, costs, pool, limit, kwargs)

@@ -89,15 +89,15 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
 
     ``traces`` maps rank -> op tuple; ``slowdown`` rank -> compute-time factor; ``record``
     whether to keep timelines; ``placement`` the core of each rank (per-core queues, with
-    a ``core_pool``); ``op_kind`` name -> op kind (per-op accounting, see
-    :mod:`vcluster.timing.results`). Call :meth:`run` once; it fills ``end_s``,
+    a ``core_pool``); ``op_kind`` name -> op kind and ``collective_kind`` collective ->
+    its own kind or None (per-op accounting, see :mod:`vcluster.timing.results`). Call :meth:`run` once; it fills ``end_s``,
     ``compute_s``, ``exposed_s``, ``bubble_s`` (blocked part only), ``comm_s``,
     ``timelines``, ``last_s`` and, with ``op_kind``, ``kind_compute_s`` / ``kind_comm_s``.
     """
 
     def __init__(self, traces: dict, costs, *, symmetric: bool, slowdown: dict,
                  record: bool, limit: int | None = None, core_pool=None, op_kind=None,
-                 placement=None):
+                 collective_kind=None, placement=None):
         self.env = simpy.Environment()
         self._init_pool(core_pool, placement)
         self.traces, self.costs, self.symmetric = traces, costs, symmetric
@@ -128,6 +128,7 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.timelines = {r: [] for r in ranks} if record else None
         self.last_s = 0.0
         self.op_kind = op_kind                             # name -> kind (None: inherit)
+        self.collective_kind = collective_kind             # collective -> kind or None
         self.kind_cache: dict = {}
         self.kind_compute_s = {r: {} for r in ranks} if op_kind is not None else None
         self.kind_comm_s = {r: {} for r in ranks} if op_kind is not None else None
@@ -220,7 +221,9 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                 elif cls is TraceCollective:
                     call = self._issue(rank, i, op, t)
                     if kinds is not None:
-                        call.kinds[rank] = kind
+                        own = None if self.collective_kind is None else \
+                            self.collective_kind(op)
+                        call.kinds[rank] = kind if own is None else own
                     if op.handle is not None:
                         i += 1
                         continue

@@ -36,7 +36,9 @@ first such op of a rank is ``"other"``), and every communication op of a rank is
 to the op kind adjacent to it in that rank's program order, the op whose data it carries:
 
 * a collective (blocking or asynchronous) and a send: the kind of the last compute op
-  before it (the producer of what it sends or reduces);
+  before it (the producer of what it sends or reduces) — unless
+  ``simulate_trace(..., collective_kind=g)`` gives the collective a kind of its own
+  (``g(op)`` not None: the planner books data-parallel reductions to a row of theirs);
 * a receive: the kind of the first compute op after it (the consumer of what it
   brings), or of the last one if none follows.
 

@@ -2,8 +2,10 @@
 documented for several nodes (docs/torch.md, "Several machines"), really run on two.
 
 Two torchrun agents, each a subprocess standing for one node with 2 processes, meet at
-one c10d rendezvous endpoint on 127.0.0.1 (the first agent hosts its store, as the node
-named in ``--rdzv-endpoint`` does) and run the toy GPT (1F1B over pp 2 across the two
+one c10d rendezvous endpoint on 127.0.0.1 — a store the test itself hosts, as a cluster's
+rendezvous service outlives its jobs' agents: when the first agent hosted it and finished
+first, the other agent's next poll of the store failed ("Failed to recv, got 0 bytes")
+and it exited 1 under load — and run the toy GPT (1F1B over pp 2 across the two
 nodes, Megatron TP 2 within each), the Llama-MoE (the experts' all_to_all over ep 1, 2
 and 4, three meshes of one world) and the ZeRO scenario (DDP, ZeRO-1, -2, -3) on 4 gloo
 ranks. Each rank's results are checked on rank 0 against the workload's unsharded numpy
@@ -31,7 +33,10 @@ import pytest
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch is not installed: two torchrun nodes need "
                                         "torch (pip install -e '.[torch]')"),
-              pytest.mark.timeout(300)]
+              pytest.mark.timeout(300),
+              # 2 agents and 4 gloo ranks with their rendezvous timeouts: beside a loaded
+              # suite one of 3 full runs under a CPU hog failed (issue 56)
+              pytest.mark.alone]
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES, PROCS = 2, 2                 # 2 nodes x 2 processes: 4 ranks
@@ -61,7 +66,7 @@ def _agent_command(node: int, port: int, run_id: str, scenario: Path, out: Path,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", run_id, "--max-restarts", "0",
             # both agents are on 127.0.0.1: say which one hosts the rendezvous store
-            "--rdzv-conf", f"is_host={int(node == 0)},join_timeout={JOIN_TIMEOUT_S}",
+            "--rdzv-conf", f"is_host=0,join_timeout={JOIN_TIMEOUT_S}",
             "-m", "vcluster.cli.torchrun", str(scenario), "--out", str(out),
             "--backend", "gloo", "--timeout", str(RANK_TIMEOUT_S),
             *(f"--set={o}" for o in overrides)]
@@ -107,6 +112,12 @@ def run_two_nodes(tmp_path: Path, scenario: str, overrides=()) -> tuple[list[int
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                         os.environ.get("PYTHONPATH")])))
     procs, logs = [], [tmp_path / f"node{n}.log" for n in range(NODES)]
+    import datetime
+
+    import torch.distributed as dist
+    # the rendezvous store, alive until both agents are gone (neither agent hosts it)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
     try:
         for node in range(NODES):
             with open(logs[node], "wb") as log:   # the child keeps its own descriptor
@@ -120,6 +131,7 @@ def run_two_nodes(tmp_path: Path, scenario: str, overrides=()) -> tuple[list[int
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
     finally:
         _stop(procs)
+        del store
         orphans = _processes_naming(str(out))
         for pid in orphans:
             try:

@@ -81,6 +81,17 @@ def attention_params(att: Attention | LatentAttention, hidden: int) -> int:
     return n + (att.heads if att.sinks else 0)
 
 
+def _attention_replicated(att: Attention | LatentAttention, hidden: int) -> int:
+    """The attention parameters every tp rank holds whole: the output bias; latent
+    attention's down-projections and their norms, h·r_q + r_q + h·(r_kv + d_rope) + r_kv
+    (Megatron-Core's MLA: only the heads' up-projections and W_o split)."""
+    if isinstance(att, LatentAttention):
+        r_q = att.q_lora_rank or 0
+        return hidden * r_q + r_q + hidden * (att.kv_lora_rank + att.qk_rope_head_dim) \
+            + att.kv_lora_rank
+    return hidden if att.out_bias else 0
+
+
 def _attention_matmul_params(att: Attention | LatentAttention, hidden: int) -> int:
     """The attention weights that enter products (no biases, norms, sinks)."""
     h = hidden
@@ -158,7 +169,8 @@ def rank_params(spec: ModelSpec, pp: int = 1, tp: int = 1, ep: int = 1,
                 chunks: int = 1) -> list[float]:
     """Parameters one GPU of each pipeline rank holds under Megatron's layout: stage k of
     pp·chunks on rank k mod pp; attention and dense MLP weights split over tp (norms and
-    the row-parallel output biases replicated), routed experts split over ep·tp (expert
+    the row-parallel output biases replicated; latent attention's down-projections and
+    their norms too), routed experts split over ep·tp (expert
     tensor parallelism = tp) with the router replicated; the word embedding and head split
     over tp (vocabulary-parallel; learned positions replicated) on the first and last rank
     (both on one stage when tied and pp·chunks = 1)."""
@@ -169,8 +181,8 @@ def rank_params(spec: ModelSpec, pp: int = 1, tp: int = 1, ep: int = 1,
         for i in layers:
             layer = spec.layers[i]
             att = attention_params(layer.attention, h)
-            out_bias = h if getattr(layer.attention, "out_bias", False) else 0
-            n = 2 * _norm(spec.norm, h) + (att - out_bias) / tp + out_bias
+            whole = _attention_replicated(layer.attention, h)
+            n = 2 * _norm(spec.norm, h) + (att - whole) / tp + whole
             if isinstance(layer.mlp, MoE):
                 moe = layer.mlp
                 router = h * moe.experts + (moe.experts if moe.router_bias else 0)

@@ -19,7 +19,11 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
 4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);
-   cp > 1 with ep > 1 is not supported;
+   with ``etp`` = 1 and tp > 1 (the expert group folded over whole tp groups) ep is tp ×
+   a divisor of dp instead, and sequence parallelism is on (each tp rank routes its own
+   sequence slice, as Megatron-Core requires of MoE with tp); etp is 1 or tp;
+   with cp > 1 the expert group takes whole cp groups: ep is cp (× tp when folded) × a
+   divisor of dp (each rank routes its own chunks' tokens);
 5. B splits into dp × b; m = B / (dp·b) micro-batches;
 6. ``virtual_stages`` > 1 only under ``interleaved_1f1b``, whose v >= 2 chunks need m a
    multiple of pp (Megatron runs micro-batches in rounds of p).
@@ -39,7 +43,12 @@ from .choices import (AttentionKernel, CPAlgorithm, GradReduceDtype, Recompute,
                       ScheduleName, TPOverlap, ZeroStage)
 from .errors import ConfigError
 
-__all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse"]
+__all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS"]
+
+#: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
+#: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
+#: the experts' partial outputs (:mod:`tensor_parallel.moe`)
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 def parse(kind, value, field: str, owner: str = ""):
@@ -120,6 +129,11 @@ class ParallelConfig:
     (Megatron-LM's ``--async-tensor-model-parallel-allreduce``; Korthikanti et al. 2022
     §6.2); ``none`` puts every tensor-parallel collective on the critical path.
 
+    ``etp``: expert tensor parallelism, tp (each expert split over tp) or 1 (the expert
+    group folded over whole tp groups; rule 4, :meth:`mesh`). ``moe_dispatcher``: how an
+    MoE layer's tokens reach their experts, ``alltoall`` or ``allgather``
+    (:data:`MOE_DISPATCHERS`).
+
     ``grad_reduce_dtype``: the dtype of the data-parallel gradient reductions (DDP's
     all-reduces, ZeRO's reduce-scatters, the tied embedding's exchange): ``model`` (the
     gradients' own) or ``fp32`` (each bucket cast up to float32, summed, cast back)."""
@@ -139,13 +153,18 @@ class ParallelConfig:
     cp: int = 1
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
+    etp: int | None = None   # expert tensor parallelism: tp (default) or 1 (see mesh())
+    moe_dispatcher: str = "alltoall"   # MoE token dispatch: alltoall or allgather
+    first_stage_layers: int | None = None   # layers of the first pipeline stage (uneven)
+    last_stage_layers: int | None = None    # layers of the last pipeline stage (uneven)
     tp_overlap: TPOverlap = TPOverlap.BACKWARD
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.MODEL
 
     def __post_init__(self):
         who = "ParallelConfig"
-        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + (
-                ("virtual_stages",) if self.virtual_stages is not None else ()):
+        for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + tuple(
+                f for f in ("virtual_stages", "first_stage_layers", "last_stage_layers")
+                if getattr(self, f) is not None):
             try:
                 as_int(getattr(self, f), f"{who}: {f}", 1)
             except (TypeError, ValueError):
@@ -171,21 +190,126 @@ class ParallelConfig:
                 repr(v) for v in AttentionKernel.fused_values()) + f" with cp={self.cp}",
                 f"cp={self.cp} needs attention='flash' or 'flash-v1' (context-parallel "
                 "attention keeps O and the log-sum-exp, never the scores)", owner=who)
-        if self.dp % self.ep:
-            raise ConfigError("ep", self.ep, f"a divisor of dp={self.dp}",
-                              f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
-                              "group is carved out of the data-parallel ranks)", owner=who)
-        if self.cp > 1 and self.ep > 1:
-            raise ConfigError("ep", self.ep, f"1 with cp={self.cp}",
-                              f"cp > 1 with ep > 1 is not supported yet (got cp={self.cp}, "
-                              f"ep={self.ep}); use context parallelism or expert "
-                              "parallelism, not both", owner=who)
+        self._check_experts(who)
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ConfigError("moe_dispatcher", self.moe_dispatcher,
+                              f"one of {', '.join(MOE_DISPATCHERS)}", "not a token dispatcher",
+                              owner=who)
         if self.global_batch % (self.dp * self.micro_batch):
             raise ConfigError("global_batch", self.global_batch,
                               f"a multiple of dp x micro_batch = {self.dp * self.micro_batch}",
                               f"global_batch={self.global_batch} does not split into "
                               f"dp={self.dp} x micro_batch={self.micro_batch}", owner=who)
         self._check_virtual_stages(who)
+
+    def _check_experts(self, who: str) -> None:
+        """Rule 4's expert-parallel part (etp and ep)."""
+        etp = self.tp if self.etp is None else self.etp
+        try:
+            as_int(etp, f"{who}: etp", 1)
+        except (TypeError, ValueError):
+            raise ConfigError("etp", etp, f"1 or tp={self.tp}", "not a positive integer",
+                              owner=who) from None
+        if etp not in (1, self.tp):
+            raise ConfigError("etp", etp, f"1 or tp={self.tp}",
+                              f"etp={etp}: the experts' hidden dimension is split over the "
+                              f"whole tp group (etp = tp = {self.tp}) or not at all (etp = 1, "
+                              "the expert group folded over the tp ranks)", owner=who)
+        object.__setattr__(self, "etp", etp)
+        if self.ep == 1:
+            return
+        inner = (self.tp if self.folded else 1) * self.cp     # whole groups the ep group takes
+        if self.ep % inner or self.dp % (self.ep // inner):
+            whole = " x ".join(n for n, on in ((f"tp={self.tp}", self.folded),
+                                               (f"cp={self.cp}", self.cp > 1)) if on)
+            if not whole:
+                raise ConfigError("ep", self.ep, f"a divisor of dp={self.dp}",
+                                  f"ep={self.ep} must divide dp={self.dp} (the expert-parallel "
+                                  "group is carved out of the data-parallel ranks)", owner=who)
+            groups = " and ".join(n for n, on in (("tp (etp=1)", self.folded),
+                                                  ("cp", self.cp > 1)) if on)
+            raise ConfigError("ep", self.ep, f"{whole} x a divisor of dp={self.dp}",
+                              f"the expert-parallel group is made of whole {groups} groups: "
+                              f"ep={self.ep} must be {whole} times a divisor of dp={self.dp}",
+                              owner=who)
+        if not self.folded:
+            return
+        if not self.sequence_parallel:
+            raise ConfigError("sequence_parallel", False, f"True with etp=1 and tp={self.tp}",
+                              "with etp=1 each tp rank routes its own sequence slice to "
+                              "experts outside its tp group: the tokens must be split over "
+                              "tp (Megatron-Core requires sequence parallelism for MoE with "
+                              "tp > 1)", owner=who)
+
+    @property
+    def folded(self) -> bool:
+        """Whether the expert-parallel group is folded over the tp ranks (etp = 1, tp > 1,
+        ep > 1): experts whole, spread over ep ranks made of ep/tp whole tp groups."""
+        return self.etp == 1 and self.tp > 1 and self.ep > 1
+
+    @property
+    def expert_axes(self):
+        """The mesh axes of the expert-parallel group: "ep", with "cp" (cp > 1) and "tp"
+        (folded) after it — ep consecutive ranks ("ep" alone, absent from the mesh, with
+        ep = 1: no group)."""
+        if self.ep == 1:
+            return "ep"
+        axes = ("ep",) + (("cp",) if self.cp > 1 else ()) + (("tp",) if self.folded else ())
+        return axes if len(axes) > 1 else "ep"
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert groups of a pipeline stage and tp slice — the ranks holding the same
+        experts, the mesh's "dp" axis with ep > 1: dp·cp·f/ep, f = tp when folded else 1
+        (dp/ep without cp or folding; dp·cp with ep = 1, each rank its own group)."""
+        return self.dp * self.cp * (self.tp if self.folded else 1) // self.ep
+
+    @property
+    def token_split(self) -> int:
+        """cp·f, f = tp when folded else 1: the ranks a micro-batch's b·s tokens are routed
+        from (each rank routes b·s/(cp·f): its chunks, its sequence slice when folded)."""
+        return self.cp * (self.tp if self.folded else 1)
+
+    def stage_layers(self, layers: int) -> tuple[int, ...]:
+        """The transformer layers of each of the pp·v pipeline stages, in order: the first
+        ``first_stage_layers`` and the last ``last_stage_layers`` when given (Megatron-
+        Core's ``decoder_first/last_pipeline_num_layers``: a first stage that also holds
+        the embedding, a last that holds the head, or a layer count pp·v does not
+        divide — Qwen3-235B's 94, DeepSeek-V3's 61), the others an equal share of the
+        rest; ConfigError naming the field when they do not split."""
+        S, a, c = self.pp * self.chunks, self.first_stage_layers, self.last_stage_layers
+        ends = [n for n in (a, c) if n is not None]
+        if S == 1:
+            if ends:
+                field = "first_stage_layers" if a is not None else "last_stage_layers"
+                raise ConfigError(field, a if a is not None else c, "none with one pipeline "
+                                  "stage", "one stage holds every layer", owner="GPT")
+            return (layers,)
+        rest, n_rest = layers - sum(ends), S - len(ends)
+        if any(n < 0 for n in ends) or rest < 0 or (n_rest and rest % n_rest) or \
+                (n_rest == 0 and rest):
+            if not ends:
+                raise ConfigError("layers", layers, f"a multiple of {S} (pp={self.pp} x "
+                                  f"{self.chunks} stages per rank), or first_stage_layers / "
+                                  f"last_stage_layers", f"the {layers} layers do not split "
+                                  f"evenly into {S} stages (pp={self.pp} x {self.chunks})",
+                                  owner="GPT")
+            field = "first_stage_layers" if a is not None else "last_stage_layers"
+            raise ConfigError(field, a if a is not None else c, f"counts that leave the "
+                              f"other {n_rest} stages an equal share of the {layers} layers",
+                              f"first {a}, last {c}: the remaining {rest} layers do not "
+                              f"split evenly into {n_rest} stages", owner="GPT")
+        mid = rest // n_rest if n_rest else 0
+        out = [mid] * S
+        if a is not None:
+            out[0] = a
+        if c is not None:
+            out[-1] = c
+        return tuple(out)
+
+    def rank_layers(self, layers: int, r: int) -> int:
+        """The transformer layers pipeline rank r holds: its stages r, r + pp, ..."""
+        return sum(self.stage_layers(layers)[r::self.pp])
 
     def _check_virtual_stages(self, who: str) -> None:
         v = self.virtual_stages
@@ -240,12 +364,17 @@ class ParallelConfig:
         parallelism is the axes (dp, ep) together (``self.dp`` ranks), the axis "dp" alone
         is then the expert-data-parallel group (the ranks holding the same experts) and
         "ep" the expert-parallel group — next to tp, so that an ep·tp group of consecutive
-        ranks shares a node when it fits one (its all_to_alls on NVLink)."""
+        ranks shares a node when it fits one (its all_to_alls on NVLink). Folded (etp = 1,
+        tp > 1) the "ep" axis has size ep/tp and the expert group is the axes ("ep",
+        "tp") together (:attr:`expert_axes`): ep consecutive ranks, whole tp groups."""
+        if self.ep > 1:
+            k = self.ep // self.token_split          # data-parallel replicas in a group
+            if self.cp > 1:
+                return Mesh((self.dp // k, self.pp, k, self.cp, self.tp),
+                            ("dp", "pp", "ep", "cp", "tp"))
+            return Mesh((self.dp // k, self.pp, k, self.tp), ("dp", "pp", "ep", "tp"))
         if self.cp > 1:
             return Mesh((self.dp, self.pp, self.cp, self.tp), ("dp", "pp", "cp", "tp"))
-        if self.ep > 1:
-            return Mesh((self.dp // self.ep, self.pp, self.ep, self.tp),
-                        ("dp", "pp", "ep", "tp"))
         return Mesh((self.dp, self.pp, self.tp), ("dp", "pp", "tp"))
 
     @property
@@ -256,7 +385,8 @@ class ParallelConfig:
     def check(self, config, mesh) -> None:
         """Raise if the mesh or a count of the model ``config`` (hidden, heads, kv_heads,
         ffn_hidden, layers, seq, vocab, experts) does not fit (naming both)."""
-        expect = {"dp": self.dp // self.ep if "ep" in mesh.axes else self.dp, "ep": self.ep}
+        k = self.ep // self.token_split if self.ep > 1 else 1
+        expect = {"dp": self.dp // k, "ep": k}
         for a in (*mesh.axes, "dp", "pp", "cp", "tp", "ep"):
             if a not in ("dp", "ep", "pp", "cp", "tp"):
                 raise ValueError(f"GPT: mesh axes must be among dp, ep, pp, cp, tp; got "
@@ -273,18 +403,7 @@ class ParallelConfig:
             raise ConfigError("experts", config.experts, f"a multiple of ep={self.ep}",
                               f"experts={config.experts} do not split over ep={self.ep} (each "
                               "ep rank holds experts/ep experts)", owner="GPT")
-        if config.experts and self.cp > 1:
-            raise ConfigError("cp", self.cp, "1 with a mixture of experts",
-                              f"a mixture of experts (experts={config.experts}) with "
-                              f"cp={self.cp} is not supported yet (each cp rank would route "
-                              "only its chunk of the sequence: capacity and the aux loss "
-                              "change)", owner="GPT")
-        if config.layers % (self.pp * self.chunks):
-            raise ConfigError("layers", config.layers, f"a multiple of {self.pp * self.chunks} "
-                              f"(pp={self.pp} x {self.chunks} stages per rank)",
-                              f"the {config.layers} layers do not split evenly into "
-                              f"{self.pp * self.chunks} stages (pp={self.pp} x {self.chunks})",
-                              owner="GPT")
+        self.stage_layers(config.layers)          # raises when they do not split
         if self.cp > 1 and config.seq % (2 * self.cp):
             raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "

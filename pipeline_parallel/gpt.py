@@ -42,16 +42,19 @@ gradients over dp × cp in one bucketed all-reduce per bucket.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
 
-from modeling import (BLOCKS, LLAMA_BLOCK, Attention, AttentionKernel, Block,
-                      ConfigError, FlopConvention, GradReduceDtype, MLPKind, ModelSpec,
+from modeling import (BLOCKS, LLAMA_BLOCK, AttentionKernel, Block, ConfigError,
+                      LatentAttention, FlopConvention, GradReduceDtype, MLPKind, ModelSpec,
                       ParallelConfig, Positions, TPOverlap, block_named, block_of,
                       load_model)
 from modeling import MoE as MoESpec
+from modeling import RouterScore
+from modeling.plan import parse
 from pipelining import make_schedule
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
@@ -60,8 +63,8 @@ from tensor_parallel.context_parallel import (ContextParallelAttention,
 from tensor_parallel.llama import kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
-from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, llama_moe_stage,
-                                       moe_piece)
+from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, MOE_TP_DIM,
+                                       is_moe_param, llama_moe_stage, moe_piece)
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
@@ -76,7 +79,8 @@ from mesh.arguments import as_int
 
 __all__ = ["GPT", "GPTConfig", "ParallelConfig", "GPTFitResult", "forward_program",
            "megatron_model_flops", "megatron_flops_with_recompute", "llama_model_flops",
-           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "ATTENTION", "ARCHS",
+           "llama_ffn_hidden", "model_flops", "moe_model_flops", "moe_groups", "moe_call_blocks",
+           "ATTENTION", "ARCHS",
            "TP_OVERLAP", "GRAD_REDUCE_DTYPES", "FUSED_ATTENTION"]
 
 #: the closed choices of ParallelConfig, as text (the enums of :mod:`modeling.choices`)
@@ -104,10 +108,19 @@ def megatron_flops_with_recompute(B: int, s: int, l: int, h: int, V: int) -> int
 ARCHS = tuple(BLOCKS)
 
 
+#: GPTConfig's fields of multi-head latent attention (MLA; on when kv_lora_rank is set)
+LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim")
+
+
 def _settable(block: Block, field: str) -> bool:
-    """Whether a config of ``block`` takes its own ``field``: kv_heads under grouped-query
-    attention, ffn_hidden with a gated MLP (a plain one is 4h)."""
-    return block.grouped_query if field == "kv_heads" else block.mlp.matrices == 3
+    """Whether a config of ``block`` takes its own ``field``: kv_heads, head_dim and qk_norm
+    under grouped-query attention (:mod:`tensor_parallel.gqa`), and multi-head latent
+    attention's fields (:data:`LATENT_FIELDS`, :mod:`tensor_parallel.mla`) in the same
+    block, ffn_hidden with a gated MLP (a plain one is 4h)."""
+    if field in ("kv_heads", "head_dim", "qk_norm") + LATENT_FIELDS:
+        return block.grouped_query
+    return block.mlp.matrices == 3
 
 
 def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
@@ -116,29 +129,56 @@ def llama_ffn_hidden(hidden: int, multiple_of: int = 256) -> int:
     return multiple_of * -(-int(2 * 4 * hidden / 3) // multiple_of)
 
 
+def _attention_terms(h: int, heads: int, kv_heads: int, d: int,
+                     latent: LatentAttention | None) -> tuple[int, int]:
+    """(the attention's weights that enter products, the causal core's width per query
+    a·(d_qk + d_v)): GQA h·(h_q + 2·c·d) + h_q·h and 2·h_q; MLA (``latent``)
+    h·r_q + r_q·a·d_qk (or h·a·d_qk) + h·(r_kv + d_r) + r_kv·a·(d_n + d_v) + a·d_v·h and
+    a·(d_n + d_r + d_v)."""
+    if latent is None:
+        hq = heads * d
+        return h * (hq + 2 * kv_heads * d) + hq * h, 2 * hq
+    a, r_q, r_kv = latent.heads, latent.q_lora_rank, latent.kv_lora_rank
+    d_qk, d_v = latent.qk_head_dim, latent.v_head_dim
+    q = h * r_q + r_q * a * d_qk if r_q else h * a * d_qk
+    kv = h * (r_kv + latent.qk_rope_head_dim) + r_kv * a * (latent.qk_nope_head_dim + d_v)
+    return q + kv + a * d_v * h, a * (d_qk + d_v)
+
+
 def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
-                      ffn_hidden: int) -> int:
+                      ffn_hidden: int, head_dim: int | None = None,
+                      latent: LatentAttention | None = None) -> int:
     """6·N·B·s + 6·B·s²·l·h_q: a Llama step's FLOPs (forward + backward = 3x forward),
     products only, causal attention at half the full s² count (FlashAttention's). N =
     l·(h·(h_q + 2·c·d) + h_q·h + 3·h·f) + h·V, the parameters that enter a product (not
-    the embedding: a lookup), d = h/heads, h_q = heads·d, c = kv_heads, f = ffn_hidden; GQA
-    shrinks N, not the attention term."""
-    d = h // heads
-    hq = heads * d
-    n = l * (h * (hq + 2 * kv_heads * d) + hq * h + 3 * h * ffn_hidden) + h * V
-    return 6 * n * B * s + 6 * B * s * s * l * hq
+    the embedding: a lookup), d = ``head_dim`` (default h/heads), h_q = heads·d, c =
+    kv_heads, f = ffn_hidden; GQA shrinks N, not the attention term. QK-norm adds no
+    product (its norms are elementwise, 0 FLOPs as every norm here). ``latent``: the
+    layers' multi-head latent attention (a :class:`~modeling.spec.LatentAttention`):
+    its projections (:func:`_attention_terms`) enter N and the core term is
+    3·B·s²·l·a·(d_qk + d_v) (6·B·s²·l·h_q when d_v = d_qk = d)."""
+    d = head_dim or h // heads
+    attention, core = _attention_terms(h, heads, kv_heads, d, latent)
+    n = l * (attention + 3 * h * ffn_hidden) + h * V
+    return 6 * n * B * s + 3 * B * s * s * l * core
 
 
 def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
-                    experts: int, top_k: int, moe_ffn_hidden: int) -> int:
+                    experts: int, top_k: int, moe_ffn_hidden: int,
+                    head_dim: int | None = None, shared_ffn_hidden: int = 0,
+                    latent: LatentAttention | None = None, dense_layers: int = 0,
+                    ffn_hidden: int = 0) -> int:
     """6·N_active·B·s + 6·B·s²·l·h_q: :func:`llama_model_flops` with each layer's MLP
-    3·h·f replaced by the parameters a token uses, the router h·E and its k experts
-    k·3·h·f_e (N_active: the routed parameters, not all E experts)."""
-    d = h // heads
-    hq = heads * d
-    n = l * (h * (hq + 2 * kv_heads * d) + hq * h + h * experts + top_k * 3 * h * moe_ffn_hidden) \
-        + h * V
-    return 6 * n * B * s + 6 * B * s * s * l * hq
+    3·h·f replaced by the parameters a token uses, the router h·E, its k experts
+    k·3·h·f_e and the shared expert 3·h·F_s (N_active: the routed parameters, not all E
+    experts) — except ``dense_layers`` of the l layers, whose MLP stays the dense
+    3·h·``ffn_hidden``; d = ``head_dim`` (default h/heads); ``latent``: as
+    :func:`llama_model_flops`'s."""
+    d = head_dim or h // heads
+    attention, core = _attention_terms(h, heads, kv_heads, d, latent)
+    mlp = h * experts + top_k * 3 * h * moe_ffn_hidden + 3 * h * shared_ffn_hidden
+    n = l * attention + (l - dense_layers) * mlp + dense_layers * 3 * h * ffn_hidden + h * V
+    return 6 * n * B * s + 3 * B * s * s * l * core
 
 
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
@@ -149,22 +189,40 @@ def model_flops(config: "GPTConfig", global_batch: int) -> int:
     if c.experts:
         return moe_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab,
                                          c.heads, c.kv_heads, c.experts, c.moe_top_k,
-                                         c.moe_ffn_hidden)
+                                         c.moe_ffn_hidden, head_dim=c.head_dim,
+                                         shared_ffn_hidden=c.moe_shared_ffn_hidden,
+                                         latent=c.latent_attention(),
+                                         dense_layers=len(c.moe_dense_layers),
+                                         ffn_hidden=c.ffn_hidden)
     if c.block.attention_flops is FlopConvention.CAUSAL:
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
-                                 c.kv_heads, c.ffn_hidden)
+                                 c.kv_heads, c.ffn_hidden, c.head_dim,
+                                 latent=c.latent_attention())
     return megatron_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab)
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """hidden h, layers l, heads a (h % a == 0), seq s, vocab V, dtype, norm eps.
+    """hidden h, layers l, heads a (h % a == 0 unless head_dim is given), seq s, vocab
+    V, dtype, norm eps.
 
-    ``arch``: "gpt" (default; kv_heads = a and ffn_hidden = 4h, the only values it takes)
-    or "llama" (:mod:`tensor_parallel.llama`): ``kv_heads`` (a % kv_heads == 0; default
-    a: multi-head attention, 1: multi-query), ``ffn_hidden`` (default
-    :func:`llama_ffn_hidden`), RoPE base ``rope_theta``; the head dimension h/a even.
-    After construction kv_heads and ffn_hidden hold the values used.
+    ``arch``: "gpt" (default; kv_heads = a, ffn_hidden = 4h, head_dim = h/a and no
+    qk_norm, the only values it takes) or "llama" (:mod:`tensor_parallel.llama`):
+    ``kv_heads`` (a % kv_heads == 0; default a: multi-head attention, 1: multi-query),
+    ``ffn_hidden`` (default :func:`llama_ffn_hidden`), RoPE base ``rope_theta``,
+    ``head_dim`` d (default h/a; any even d: Qwen3 32 x 128 with h 2560, GPT-OSS 64 x 64
+    with h 2880, so W_q is (h, a·d), W_kv (h, 2, c·d), W_o (a·d, h)), ``qk_norm``
+    (Qwen3, OLMo 2: an RMSNorm of width d, eps ``eps``, on every query and key head
+    before RoPE, with gains q_norm_g, k_norm_g (d,)). After construction kv_heads,
+    ffn_hidden and head_dim hold the values used.
+
+    Multi-head latent attention (MLA: DeepSeek-V2/V3, :mod:`tensor_parallel.mla`; Llama
+    block only) when ``kv_lora_rank`` r_kv is set: keys and values from one latent of
+    rank r_kv (with a ``qk_rope_head_dim`` d_r rotary key shared by the heads), queries
+    through a ``q_lora_rank`` r_q bottleneck (None: one h × a·d_qk matrix), each head
+    ``qk_nope_head_dim`` d_n + d_r wide for queries and keys and ``v_head_dim`` d_v for
+    values. The three head dims are then required (d_r even: RoPE), kv_heads is heads,
+    head_dim is d_qk = d_n + d_r (the scores' width and scale) and there is no qk_norm.
 
     ``tie_embeddings``: the output head multiplies by the word embedding's transpose,
     logits = x E^T, instead of its own W_out (GPT-2, MPT, Gemma; Llama 3.2 1B and 3B), so
@@ -184,31 +242,46 @@ class GPTConfig:
     kv_heads: int | None = None
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
+    head_dim: int | None = None        # d of each attention head (default hidden // heads)
+    qk_norm: bool = False              # RMSNorm of each query and key head before RoPE
+    kv_lora_rank: int | None = None    # MLA's K/V latent rank r_kv (None: no MLA)
+    q_lora_rank: int | None = None     # MLA's query latent rank r_q (None: W_q is h × a·d_qk)
+    qk_nope_head_dim: int | None = None   # MLA: each q/k head's part without RoPE, d_n
+    qk_rope_head_dim: int | None = None   # MLA: each q/k head's rotary part d_r (shared key)
+    v_head_dim: int | None = None      # MLA: each value head's width d_v
     experts: int = 0                   # E > 0: every layer's MLP is a mixture of E experts
-    moe_top_k: int = 2                 # experts per token (1: Switch, 2: Mixtral)
+    moe_top_k: int = 2                 # experts per token, 1 to E (Switch 1, Mixtral 2, DeepSeek 8)
     moe_ffn_hidden: int | None = None  # each expert's SwiGLU width (default ffn_hidden)
     capacity_factor: float | None = None   # per-expert capacity factor; None: dropless
-    moe_aux_coef: float = 0.01         # alpha of the Switch load-balancing loss
+    moe_aux_coef: float = 0.01         # alpha of the Switch load-balancing loss (0: none)
+    moe_router: str = "softmax"        # the router's scores: softmax or sigmoid (DeepSeek-V3)
+    moe_normalize_top_k: bool | None = None   # gates / their sum (None: the MoE's default)
+    moe_routed_scaling: float = 1.0    # the gates' factor (DeepSeek-V3 2.5)
+    moe_shared_ffn_hidden: int = 0     # the always-on shared experts' total width (0: none)
+    moe_dense_layers: tuple = ()       # layers whose MLP stays dense (DeepSeek-V3: 0, 1, 2)
     tie_embeddings: bool = False       # the output head is E^T (no W_out; GPT-2, MPT, Gemma)
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
             as_int(getattr(self, f), f"GPTConfig: {f}", 1)
         who = "GPTConfig"
-        if self.hidden % self.heads:
+        block = block_named(self.arch)
+        latent = self._check_latent(block)          # MLA: sets head_dim = d_n + d_r
+        head_dim_given = self.head_dim is not None and _settable(block, "head_dim") or latent
+        if self.hidden % self.heads and not head_dim_given:
             raise ConfigError("heads", self.heads, f"a divisor of hidden={self.hidden}",
-                              f"hidden={self.hidden} is not divisible by heads={self.heads}",
-                              owner=who)
+                              f"hidden={self.hidden} is not divisible by heads={self.heads}"
+                              " (the default head_dim is hidden/heads)", owner=who)
         if self.tie_embeddings not in (False, True):
             raise ValueError(f"GPTConfig: tie_embeddings must be True or False, got "
                              f"{self.tie_embeddings!r}")
         if np.dtype(self.dtype).kind != "f":
             raise ValueError(f"GPTConfig: dtype must be a float type, got {self.dtype!r}")
         object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
-        block = block_named(self.arch)
         gated = block.mlp.matrices == 3
         defaults = {"kv_heads": self.heads,
-                    "ffn_hidden": llama_ffn_hidden(self.hidden) if gated else 4 * self.hidden}
+                    "ffn_hidden": llama_ffn_hidden(self.hidden) if gated else 4 * self.hidden,
+                    "head_dim": self.hidden // self.heads}
         for f, default in defaults.items():
             value = default if getattr(self, f) is None else as_int(
                 getattr(self, f), f"GPTConfig: {f}", 1)
@@ -226,19 +299,81 @@ class GPTConfig:
                 or not self.rope_theta > 0:
             raise ValueError(f"GPTConfig: rope_theta must be a number > 0, got "
                              f"{self.rope_theta!r}")
+        if self.qk_norm not in (False, True):
+            raise ValueError(f"GPTConfig: qk_norm must be True or False, got "
+                             f"{self.qk_norm!r}")
+        if self.qk_norm and not _settable(block, "qk_norm"):
+            takes = " or ".join(repr(b.arch) for b in BLOCKS.values() if _settable(b, "qk_norm"))
+            raise ConfigError("qk_norm", True, f"False with arch={self.arch!r}",
+                              f"qk_norm=True needs arch={takes}; the {block} block's "
+                              "attention has no QK-norm", owner=who)
+        object.__setattr__(self, "qk_norm", bool(self.qk_norm))
         self._check_moe()
-        if block.positions is Positions.ROPE and (self.hidden // self.heads) % 2:
-            raise ConfigError("heads", self.heads, "a count that leaves hidden/heads even",
+        if block.positions is Positions.ROPE and self.head_dim % 2 and not latent:
+            field, value, what, allowed = ("head_dim", self.head_dim, "head_dim", "an even "
+                                           "head dimension") if head_dim_given else \
+                ("heads", self.heads, "hidden/heads", "a count that leaves hidden/heads even")
+            raise ConfigError(field, value, allowed,
                               f"arch={self.arch!r} rotates pairs of the head dimension (RoPE): "
-                              f"hidden/heads = {self.hidden // self.heads} must be even",
-                              owner=who)
+                              f"{what} = {self.head_dim} must be even", owner=who)
+
+    def _check_latent(self, block: Block) -> bool:
+        """Check multi-head latent attention's fields (the class docstring); True with MLA,
+        whose query/key head dimension d_n + d_r then becomes ``head_dim``."""
+        who = "GPTConfig"
+        if self.kv_lora_rank is None:
+            for f in LATENT_FIELDS:
+                if getattr(self, f) is not None:
+                    raise ConfigError(f, getattr(self, f), "None without kv_lora_rank",
+                                      f"{f} is multi-head latent attention's, which "
+                                      "kv_lora_rank turns on", owner=who)
+            return False
+        if not _settable(block, "kv_lora_rank"):
+            takes = " or ".join(repr(b.arch) for b in BLOCKS.values()
+                                if _settable(b, "kv_lora_rank"))
+            raise ConfigError("kv_lora_rank", self.kv_lora_rank, f"None with arch="
+                              f"{self.arch!r}", f"multi-head latent attention needs arch="
+                              f"{takes}", owner=who)
+        for f in LATENT_FIELDS:
+            if f == "q_lora_rank" and self.q_lora_rank is None:
+                continue
+            if getattr(self, f) is None:
+                raise ConfigError(f, None, "an integer >= 1", f"multi-head latent "
+                                  f"attention (kv_lora_rank={self.kv_lora_rank}) needs {f}",
+                                  owner=who)
+            object.__setattr__(self, f, as_int(getattr(self, f), f"GPTConfig: {f}", 1))
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("qk_rope_head_dim", self.qk_rope_head_dim, "an even width",
+                              "RoPE rotates pairs of the rotary head dimension", owner=who)
+        d_qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        for f, value, rule in (("head_dim", d_qk, "the query/key head width d_n + d_r"),
+                               ("kv_heads", self.heads, "heads (one latent serves every "
+                                "head; each has its own key and value)"),
+                               ("qk_norm", False, "no QK-norm")):
+            if getattr(self, f) not in (None, value):
+                raise ConfigError(f, getattr(self, f), f"{value!r} (or no value) with "
+                                  f"kv_lora_rank", f"multi-head latent attention's {f} is "
+                                  f"{rule}", owner=who)
+        object.__setattr__(self, "head_dim", d_qk)
+        return True
+
+    def latent_attention(self) -> LatentAttention | None:
+        """The layers' multi-head latent attention as the model layer describes it (None:
+        grouped-query attention)."""
+        if self.kv_lora_rank is None:
+            return None
+        return LatentAttention(self.heads, self.q_lora_rank, self.kv_lora_rank,
+                               self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
 
     def _check_moe(self) -> None:
         as_int(self.experts, "GPTConfig: experts", 0)
         if not self.experts:
-            for f in ("moe_ffn_hidden", "capacity_factor"):
-                if getattr(self, f) is not None:
-                    raise ConfigError(f, getattr(self, f), "no value without experts",
+            for f, unset in (("moe_ffn_hidden", None), ("capacity_factor", None),
+                             ("moe_router", "softmax"), ("moe_normalize_top_k", None),
+                             ("moe_routed_scaling", 1.0), ("moe_shared_ffn_hidden", 0),
+                             ("moe_dense_layers", ())):
+                if getattr(self, f) != unset:
+                    raise ConfigError(f, getattr(self, f), f"{unset!r} without experts",
                                       "only a mixture-of-experts model takes it",
                                       owner="GPTConfig")
             return
@@ -248,24 +383,51 @@ class GPTConfig:
                               f"the program's experts are SwiGLU MLPs, and arch={self.arch!r}'s "
                               f"MLP is {self.block.mlp.value}: its experts would be a model "
                               "that does not exist (1.5x its MLP)", owner="GPTConfig")
-        if self.moe_top_k not in (1, 2) or self.moe_top_k > self.experts:
-            raise ConfigError("moe_top_k", self.moe_top_k, f"1 or 2, at most experts="
-                              f"{self.experts}", f"moe_top_k must be 1 or 2 and <= experts="
-                              f"{self.experts}, got {self.moe_top_k!r}", owner="GPTConfig")
+        if isinstance(self.moe_top_k, bool) or not isinstance(self.moe_top_k, int) \
+                or not 1 <= self.moe_top_k <= self.experts:
+            raise ConfigError("moe_top_k", self.moe_top_k, f"an integer from 1 to experts="
+                              f"{self.experts}", f"moe_top_k must be 1 to experts="
+                              f"{self.experts} (a token uses each expert at most once), got "
+                              f"{self.moe_top_k!r}", owner="GPTConfig")
         object.__setattr__(self, "moe_ffn_hidden", self.ffn_hidden if self.moe_ffn_hidden
                            is None else as_int(self.moe_ffn_hidden, "GPTConfig: moe_ffn_hidden", 1))
-        self.moe()                      # capacity_factor, moe_aux_coef: MoE checks them
+        object.__setattr__(self, "moe_shared_ffn_hidden", as_int(
+            self.moe_shared_ffn_hidden, "GPTConfig: moe_shared_ffn_hidden", 0))
+        object.__setattr__(self, "moe_router", parse(RouterScore, self.moe_router,
+                                                      "moe_router", "GPTConfig").value)
+        if self.moe_normalize_top_k not in (None, False, True):
+            raise ConfigError("moe_normalize_top_k", self.moe_normalize_top_k,
+                              "True, False or None (the router's default)", "not a boolean",
+                              owner="GPTConfig")
+        r = self.moe_routed_scaling
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
+            raise ConfigError("moe_routed_scaling", r, "a finite number > 0",
+                              "not a gate factor", owner="GPTConfig")
+        moe = self.moe()                # capacity_factor, moe_aux_coef: MoE checks them
+        object.__setattr__(self, "moe_normalize_top_k", moe.normalize_top_k)
+        dense = self.moe_dense_layers
+        try:
+            dense = tuple(sorted({as_int(i, "moe_dense_layers", 0) for i in dense}))
+        except (TypeError, ValueError):
+            dense = None
+        if dense is None or any(i >= self.layers for i in dense) or \
+                len(dense) >= self.layers:
+            raise ConfigError("moe_dense_layers", self.moe_dense_layers,
+                              f"layer indices 0 to {self.layers - 1}, not every layer",
+                              "the layers whose MLP stays dense (the others are the mixture "
+                              "of experts)", owner="GPTConfig")
+        object.__setattr__(self, "moe_dense_layers", dense)
 
-    def moe(self) -> "MoE | None":
-        """The MoE layer of every layer (None: dense)."""
+    def moe(self, dispatcher: str = "alltoall") -> "MoE | None":
+        """The MoE layer of every layer (None: dense), its tokens moved by ``dispatcher``
+        (ParallelConfig.moe_dispatcher)."""
         if not self.experts:
             return None
         return MoE(self.hidden, self.moe_ffn_hidden, self.experts, self.moe_top_k,
-                   self.capacity_factor, self.moe_aux_coef)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+                   self.capacity_factor, self.moe_aux_coef, router=self.moe_router,
+                   normalize_top_k=self.moe_normalize_top_k,
+                   routed_scaling=self.moe_routed_scaling,
+                   shared_ffn_hidden=self.moe_shared_ffn_hidden, dispatcher=dispatcher)
 
     @property
     def block(self) -> Block:
@@ -279,23 +441,39 @@ class GPTConfig:
         """The GPTConfig of a preset or a config.json (:func:`modeling.load_model`),
         cut to ``layers`` (the model's own layer pattern, a proxy) and with GPTConfig
         fields in ``overrides`` replacing the model's — what ``--model`` with shape flags
-        and ``workload.model`` with shape keys mean."""
+        and ``workload.model`` with shape keys mean. A head dimension the model ties to
+        hidden/heads (Llama's) follows new ``hidden``/``heads``; one of its own (Qwen3-32B's
+        128 with 64 heads and h 5120) stays unless ``head_dim`` is given."""
         spec = load_model(model)
         if layers is not None:
             spec = spec.with_layers(layers)
         config = cls.from_spec(spec, seq, dtype, timing_only)
-        return replace(config, **overrides) if overrides else config
+        if not overrides:
+            return config
+        block = block_named(overrides.get("arch", config.arch))
+        follow = {}
+        if {"hidden", "heads", "arch"} & set(overrides) and (
+                config.head_dim * config.heads == config.hidden
+                or not _settable(block, "head_dim")):
+            follow["head_dim"] = None
+        if config.kv_lora_rank is not None:       # MLA: d_n + d_r and heads, derived
+            follow.update(head_dim=None, kv_heads=None)
+        return replace(config, **{**follow, **overrides})
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, seq: int, dtype: str = "float64",
                   timing_only: bool = False) -> "GPTConfig":
         """The GPTConfig of a :class:`~modeling.ModelSpec` trained on sequences of
         ``seq`` tokens, or ConfigError naming the feature of ``spec`` this program cannot
-        run (latent attention, sliding windows shorter than ``seq``, QK-norm, attention
-        sinks, a head dimension other than h/heads, layers that differ, shared experts,
-        top-k > 2, gated GELU MLPs, ...). The block's types pick the program: LayerNorm +
+        run (sliding windows shorter than ``seq``, attention sinks, latent attention,
+        QK-norm or a head dimension other than h/heads in a GPT block, layers that differ
+        other than MoE layers beside dense ones (``moe_dense_layers``), gated GELU MLPs,
+        ...). The block's types pick the program: LayerNorm +
         learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
-        SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`).
+        SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`). Multi-head
+        latent attention (:class:`~modeling.spec.LatentAttention`) passes its ranks and
+        head dims (GPTConfig's MLA fields); YaRN's attention scale (``rope_scaling``,
+        timing_only) is not modelled.
 
         ``timing_only``: the config is only traced, simulated and counted, so settings
         that change values but no shape or FLOP are accepted: RoPE scaling, a clamped
@@ -304,30 +482,45 @@ class GPTConfig:
             raise ConfigError("model", spec.name, allowed, f"the GPT program cannot run "
                               f"{feature} ({value}) yet")
 
-        layer = spec.uniform()
-        if layer is None:
-            refuse("layers that differ", f"{len(spec.runs())} runs of layers "
-                   f"(dense layers {list(spec.dense_layers)[:4]}...)" if spec.is_moe
-                   else "mixed attention", "every layer alike")
+        layer, dense_mlp = spec.uniform(), None
+        if layer is None:         # dense-first layers among MoE ones: one of each kind
+            kinds = {x for x in spec.layers}
+            moes = [x for x in kinds if isinstance(x.mlp, MoESpec)]
+            denses = [x for x in kinds if not isinstance(x.mlp, MoESpec)]
+            if len(moes) != 1 or len(denses) != 1 or \
+                    moes[0].attention != denses[0].attention:
+                refuse("layers that differ", f"{len(spec.runs())} runs of layers"
+                       + ("" if spec.is_moe else " (mixed attention)"),
+                       "every layer alike, or MoE layers with some dense ones")
+            layer, dense_mlp = moes[0], denses[0].mlp
         att, mlp = layer.attention, layer.mlp
         expert = mlp.expert if isinstance(mlp, MoESpec) else mlp
-        if not isinstance(att, Attention):
-            refuse("multi-head latent attention", str(att))
+        if dense_mlp is not None and (dense_mlp.kind, dense_mlp.bias, dense_mlp.clamp) != \
+                (expert.kind, expert.bias, expert.clamp):
+            refuse("dense layers whose MLP differs from the experts' in kind", str(dense_mlp),
+                   f"{expert.kind} dense layers")
+        latent = isinstance(att, LatentAttention)
         if att.window is not None and att.window < seq:
             refuse("sliding-window attention", att.window, f"a window >= seq={seq}")
-        for feature, on in (("QK-norm", att.qk_norm), ("attention sinks", att.sinks)):
-            if on:
-                refuse(feature, True)
-        if att.heads * att.head_dim != spec.hidden:
-            refuse("a head dimension independent of the hidden size",
-                   f"{att.heads} x {att.head_dim} != {spec.hidden}")
+        if att.sinks:
+            refuse("attention sinks", True)
         block = block_of(spec.norm, spec.positions, expert.kind, expert.bias,
-                         att.qkv_bias or att.out_bias)
+                         not latent and (att.qkv_bias or att.out_bias))
         if block is None:
             refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
                    f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
                    "a GPT block (layernorm, learned positions, gelu with biases) or a "
                    "Llama block (rmsnorm, rope, swiglu, no biases)")
+        if latent and not _settable(block, "kv_lora_rank"):
+            refuse(f"multi-head latent attention in a {block} block", str(att),
+                   "grouped-query attention, or the Llama block")
+        if not latent and not _settable(block, "head_dim") \
+                and att.heads * att.head_dim != spec.hidden:
+            refuse(f"a head dimension independent of the hidden size in a {block} block",
+                   f"{att.heads} x {att.head_dim} != {spec.hidden}", "heads x head_dim = "
+                   "hidden, or the Llama block")
+        if not _settable(block, "qk_norm") and att.qk_norm:
+            refuse(f"QK-norm in a {block} block", True, "no QK-norm, or the Llama block")
         if not timing_only:
             for feature, value in (("RoPE scaling", spec.rope_scaling),
                                    ("a clamped SwiGLU", expert.clamp)):
@@ -338,20 +531,22 @@ class GPTConfig:
         if isinstance(mlp, MoESpec):
             if block is not LLAMA_BLOCK:      # the program's experts are SwiGLU
                 refuse(f"{expert.kind} experts", str(mlp), "SwiGLU experts (the Llama block)")
-            if mlp.shared_experts:
-                refuse("shared experts", mlp.shared_experts)
-            if mlp.top_k > 2:
-                refuse("top-k routing beyond 2", mlp.top_k, "1 or 2")
             if mlp.router_bias or mlp.expert.bias:
                 refuse("biases in the router or experts", True)
-            if not timing_only and (mlp.router != "softmax" or mlp.routed_scaling != 1
-                                    or mlp.groups):
-                refuse("this router", f"{mlp.router}, scaling {mlp.routed_scaling}, groups "
-                       f"{mlp.groups}", "a softmax router (timing_only=True to simulate)")
+            if not timing_only and mlp.groups:
+                refuse("group-limited routing", f"groups {mlp.groups}", "routing over all "
+                       "experts (timing_only=True to simulate)")
             moe = dict(experts=mlp.experts, moe_top_k=mlp.top_k,
                        moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
-                       moe_aux_coef=mlp.aux_loss_coef)
-        own = {"kv_heads": att.kv_heads, "ffn_hidden": expert.width}
+                       moe_aux_coef=mlp.aux_loss_coef, moe_router=mlp.router.value,
+                       moe_normalize_top_k=mlp.normalize_top_k,
+                       moe_routed_scaling=float(mlp.routed_scaling),
+                       moe_shared_ffn_hidden=mlp.shared_experts * (mlp.shared_width or 0),
+                       moe_dense_layers=spec.dense_layers)
+        own = {"kv_heads": att.kv_heads,
+               "ffn_hidden": expert.width if dense_mlp is None else dense_mlp.width,
+               "head_dim": None if latent else att.head_dim, "qk_norm": att.qk_norm,
+               **({f: getattr(att, f) for f in LATENT_FIELDS} if latent else {})}
         if not _settable(block, "ffn_hidden") and expert.width != 4 * spec.hidden:
             refuse(f"a {block} MLP other than 4h", expert.width, f"{4 * spec.hidden}")
         fields = {f: v for f, v in own.items() if _settable(block, f)}
@@ -388,15 +583,16 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
         group = cfg.heads // ops.tp_size // kv if cfg.block.grouped_query else 1
         cp = ContextParallelAttention(cfg.heads // ops.tp_size, cfg.head_dim,
                                       par.cp_algorithm, "cp", group=group,
-                                      label="gpt: attention: cp", flash=ops.flash)
+                                      label="gpt: attention: cp", flash=ops.flash,
+                                      v_head_dim=cfg.v_head_dim)
         positions = sequence_positions(cfg.seq, n, dev.mesh.group_position("cp", dev.rank))
 
     def local(names, prefix=""):
         arrays = {n: glob[prefix + n] for n in names}
         if cfg.experts:
-            ep = (dev.mesh.axis_size("ep"), _coord(dev.mesh, "ep", dev.rank)) \
-                if "ep" in dev.mesh.axes else (1, 0)
-            return {n: moe_piece(n, a, *ep) if n in MOE_PARAMS else llama_piece(
+            coords = _expert_coords(dev.mesh, par, dev.rank)
+            return {n: moe_piece(n, a, *coords) if is_moe_param(n)
+                    else llama_piece(
                 n, a, ops.tp_size, ops.tp_rank, cfg.kv_heads) if cfg.block is LLAMA_BLOCK else
                 a[shard_slices(a.shape, param_layout(n, a.ndim, ops.tp_axis), dev.mesh,
                                dev.rank)] for n, a in arrays.items()}
@@ -410,15 +606,21 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
         return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
                                cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
-                               cfg.seq, cfg.moe(), 1 / (par.dp // par.ep * job.microbatches),
+                               cfg.seq, cfg.moe(par.moe_dispatcher),
+                               1 / (par.expert_dp * job.microbatches),
                                load, kv_sum_every=1 if par.zero_stage >= 2 else None,
-                               tie=cfg.tie_embeddings)
+                               tie=cfg.tie_embeddings,
+                               ep_axes=par.expert_axes, folded=par.folded,
+                               head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
+                               latent=cfg.latent_attention(), cp=cp, positions=positions,
+                               dense_layers=cfg.moe_dense_layers)
     if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
                            cfg.eps, job.microbatches, cfg.seq, cp, positions,
                            kv_sum_every=1 if par.zero_stage >= 2 else None,
-                           tie=cfg.tie_embeddings)
+                           tie=cfg.tie_embeddings, head_dim=cfg.head_dim,
+                           qk_norm=cfg.qk_norm, latent=cfg.latent_attention())
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden,
                                 par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,
@@ -498,20 +700,61 @@ def _dp_index(mesh, rank: int) -> int:
 
 
 def _expert_dp_axes(mesh):
-    """The experts' gradient group with expert parallelism (the expert-data-parallel
-    group: "dp", × "cp" where present; () for a group of one), None without ep."""
-    if "ep" not in mesh.axes:
-        return None
-    axes = tuple(a for a in ("dp", "cp") if a in mesh.axes)
-    return axes[0] if len(axes) == 1 else axes
+    """The experts' gradient group with expert parallelism: the expert-data-parallel
+    group, the axis "dp" (the expert group holds every cp rank: ParallelConfig.mesh),
+    None without ep."""
+    return "dp" if "ep" in mesh.axes else None
 
 
-def moe_groups(parallel: ParallelConfig, global_batch: int | None = None) -> list:
+def _expert_coords(mesh, parallel: ParallelConfig, rank: int) -> tuple[int, int, int, int]:
+    """(ep, e, etp, t): the size of ``rank``'s expert group and its position in it (its
+    experts are e·E/ep ...), the size of the group its experts' hidden dimension is split
+    over and its position there (tp, or 1 when folded)."""
+    ep, e = (mesh.axis_size(parallel.expert_axes),
+             mesh.group_position(parallel.expert_axes, rank)) if "ep" in mesh.axes else (1, 0)
+    if parallel.folded:
+        return ep, e, 1, 0
+    return ep, e, mesh.shape.get("tp", 1), _coord(mesh, "tp", rank)
+
+
+def _reports_aux(mesh, parallel: ParallelConfig, rank: int) -> bool:
+    """Whether ``rank``'s aux losses count in the step's: one rank per MoE call — the
+    first of its expert group (every member computes the group's value), in tp piece 0
+    (tp ranks repeat it unless the group is folded over them)."""
+    return _expert_coords(mesh, parallel, rank)[1] == 0 and _coord(mesh, "tp", rank) == 0
+
+
+def moe_call_blocks(parallel: ParallelConfig, global_batch: int, seq: int) -> list:
+    """The tokens of each MoE call as blocks (batch rows, positions): a call's ranks in
+    expert-group order (replica, cp rank, tp rank when folded), each rank's tokens one
+    block — its micro-batch rows (:func:`moe_groups`) at its positions: the whole
+    sequence, a cp rank's two chunks (:func:`~tensor_parallel.context_parallel.
+    sequence_positions`), and folded (etp = 1) its tp slice of those."""
+    t, cp = (parallel.tp if parallel.folded else 1), parallel.cp
+    local = [np.asarray(sequence_positions(seq, cp, c)) if cp > 1 else np.arange(seq)
+             for c in range(cp)]
+    n = len(local[0]) // t
+    per_rank = [pos[r * n:(r + 1) * n] for pos in local for r in range(t)]
+    replicas = max(parallel.ep // parallel.token_split, 1)    # replicas in a group
+    calls = moe_groups(parallel, global_batch, replicas)
+    if parallel.ep == 1 and parallel.token_split > 1:     # no group: each rank a call
+        return [[(rows, pos)] for rows in calls for pos in per_rank]
+    out = []
+    for rows in calls:
+        b = len(rows) // replicas
+        out.append([(rows[e * b:(e + 1) * b], pos) for e in range(replicas)
+                    for pos in per_rank])
+    return out
+
+
+def moe_groups(parallel: ParallelConfig, global_batch: int | None = None,
+               ep: int | None = None) -> list:
     """The batch rows of each MoE call: per expert-data-parallel replica d (dp/ep of
     them) and micro-batch j, the rows of its ep ranks e = 0..ep-1 in order, rank e
     (data-parallel replica d·ep + e) contributing its micro-batch j's b rows."""
     B = parallel.global_batch if global_batch is None else global_batch
-    per, b, ep = B // parallel.dp, parallel.micro_batch, parallel.ep
+    per, b = B // parallel.dp, parallel.micro_batch
+    ep = parallel.ep if ep is None else ep          # data-parallel replicas in a group
     return [[(d * ep + e) * per + j * b + i for e in range(ep) for i in range(b)]
             for d in range(parallel.dp // ep) for j in range(parallel.microbatches)]
 
@@ -568,11 +811,12 @@ class GPT:
                              f"which ZeRO-2/3 (reducing every micro-batch) and ZeRO on one "
                              f"pipeline rank (both copies there) do not allow; use one "
                              f"stage, zero_stage 0, or zero_stage 1 with pp > 1")
-        per, sched = self.config.layers // S, make_schedule(
-            parallel.schedule, parallel.pp, m, virtual_stages=parallel.virtual_stages)
+        sched = make_schedule(parallel.schedule, parallel.pp, m,
+                              virtual_stages=parallel.virtual_stages)
+        bounds = np.cumsum((0,) + parallel.stage_layers(self.config.layers)).tolist()
         return TrainJob(
             params=tuple((params or self.init_params()).items()), loss="cross_entropy",
-            specs=tuple(tuple(range(k * per, (k + 1) * per)) for k in range(S)),
+            specs=tuple(tuple(range(bounds[k], bounds[k + 1])) for k in range(S)),
             actions=tuple(tuple(sched.actions[r]) for r in range(parallel.pp)),
             optimizer=optimizer or OptimizerConfig(), steps=as_int(steps, "steps", 1),
             microbatches=m, global_batch=parallel.global_batch,
@@ -601,12 +845,13 @@ class GPT:
         """``device_args`` on shape-only arrays, for ``trace_program(mesh, train_program,
         ...)`` (or ``forward_program``) at any scale. An MoE model routes ``expert_load``
         (an ExpertLoad, or a dict layer -> ExpertLoad), default
-        ``ExpertLoad.skewed(ep, E, b·s, k, expert_skew, capacity)`` for every layer."""
+        ``ExpertLoad.skewed(ep, E, b·s, k, expert_skew, capacity)`` for every layer
+        (folded, etp = 1: each rank routes b·s/t tokens)."""
         params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
         data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
         c = self.config
         if c.experts and expert_load is None:
-            tokens = parallel.micro_batch * c.seq
+            tokens = parallel.micro_batch * c.seq // parallel.token_split
             expert_load = ExpertLoad.skewed(parallel.ep, c.experts, tokens, c.moe_top_k,
                                             expert_skew, c.moe().capacity(tokens))
         return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,
@@ -636,8 +881,8 @@ class GPT:
         memory = pd.DataFrame([dict(r["memory"], peak_in_flight=max(
             r["memory"]["peak_in_flight"].values(), default=0)) for r in results])
         if not self.config.experts:
-            return GPTFitResult(*self.collect(mesh, results), memory)
-        losses, params, grads = self.collect(mesh, results)
+            return GPTFitResult(*self.collect(mesh, results, parallel), memory)
+        losses, params, grads = self.collect(mesh, results, parallel)
         aux, load = self.moe_report(mesh, parallel, results)
         return GPTFitResult(losses + aux, params, grads, memory, aux, load)
 
@@ -692,55 +937,71 @@ class GPT:
                                     lambda t: dict(zip(self.param_shapes(), t)))
 
     def moe_report(self, mesh, parallel: ParallelConfig, results):
-        """(aux loss per step, per step {layer: ExpertLoad}): the aux losses of the ranks
-        of tp piece 0 and ep position 0 (an ep group's ranks share one value) summed; the
-        load's rows are the dp data-parallel replicas (their tokens, summed over the
-        step's micro-batches, so its capacity is m·C)."""
+        """(aux loss per step, per step {layer: ExpertLoad}): the aux losses summed over
+        one rank of each call (:func:`_reports_aux`); the load's rows are the routing
+        ranks — the dp data-parallel replicas, each replica's cp ranks (cp > 1) and tp
+        ranks (folded, etp = 1) — their tokens summed over the step's micro-batches, so its
+        capacity is m·C."""
         aux = sum(np.array(r["aux_losses"]) for i, r in enumerate(results)
-                  if _coord(mesh, "tp", i) == 0 and _coord(mesh, "ep", i) == 0)
-        cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq)
+                  if _reports_aux(mesh, parallel, i))
+        cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq
+                                         // parallel.token_split)
         loads = []
         for step in range(len(aux)):
             tables: dict = {}
             for i, r in enumerate(results):
-                if _coord(mesh, "tp", i) == 0:
+                if parallel.folded or _coord(mesh, "tp", i) == 0:
                     for prefix, counts in r["moe_loads"][step].items():
                         tables.setdefault(int(prefix.split(".")[1]), {})[
-                            _dp_index(mesh, i)] = counts
+                            (_dp_index(mesh, i), _coord(mesh, "cp", i),
+                             _coord(mesh, "tp", i) if parallel.folded else 0)] = counts
             loads.append({layer: ExpertLoad(
-                [t[d][0] for d in sorted(t)], [t[d][1] for d in sorted(t)],
+                [table[d][0] for d in sorted(table)], [table[d][1] for d in sorted(table)],
                 None if cap is None else cap * parallel.microbatches)
-                for layer, t in sorted(tables.items())})
+                for layer, table in sorted(tables.items())})
         return aux, loads
 
-    def collect(self, mesh, results) -> tuple[np.ndarray, dict, dict]:
+    def collect(self, mesh, results, parallel: ParallelConfig | None = None
+                ) -> tuple[np.ndarray, dict, dict]:
         """(losses per step, parameters, gradients) from ``train_program``'s per-rank
         ``results`` on ``mesh``: each step's loss summed over the ranks that report one, in
         tensor-parallel piece 0 (as ``fit`` reports it; the dp replicas' and cp ranks'
         shares of the mean); the global arrays joined from the pieces of data-parallel
-        replica 0, cp rank 0 (ZeRO shards first joined over dp × cp)."""
+        replica 0, cp rank 0 (ZeRO shards first joined over dp × cp). ``parallel``: how
+        an MoE model's experts were laid out (default: the mesh's, etp = tp)."""
         results = unshard_results(mesh, _grad_axes(mesh), results)
         losses = sum(np.array(r["losses"]) for i, r in enumerate(results)
                      if r["losses"] is not None and _coord(mesh, "tp", i) == 0)
-        return losses, self._join(mesh, results, "params"), self._join(mesh, results, "grads")
+        par = parallel or ParallelConfig(global_batch=1, tp=mesh.shape.get("tp", 1))
+        return (losses, self._join(mesh, results, "params", par),
+                self._join(mesh, results, "grads", par))
 
-    def _join(self, mesh, results, key: str) -> dict:
+    def _join(self, mesh, results, key: str, parallel: ParallelConfig) -> dict:
         """Global arrays from the pieces of the ranks of data-parallel replica 0 (Llama's
-        W_kv replicated over tp: one piece per KV head)."""
+        W_kv replicated over tp: one piece per KV head; the experts' by expert group and
+        etp position)."""
         pieces: dict = {}
         for r, res in enumerate(results):
-            replica0 = _coord(mesh, "dp", r) == 0 and _coord(mesh, "cp", r) == 0
+            replica0, cp0 = _coord(mesh, "dp", r) == 0, _coord(mesh, "cp", r) == 0
             for name, a in res[key].items() if replica0 else ():
-                if name.rsplit(".", 1)[-1] in MOE_PARAMS:     # experts: pieces over ep
-                    pieces.setdefault(name, {})[_coord(mesh, "ep", r)] = a
-                elif _coord(mesh, "ep", r) == 0:
+                if is_moe_param(name):     # experts: pieces over the expert group and etp
+                    _, e, _, t = _expert_coords(mesh, parallel, r)
+                    if cp0 or parallel.ep > 1:
+                        pieces.setdefault(name, {})[(e, t)] = a
+                elif cp0 and _coord(mesh, "ep", r) == 0:
                     pieces.setdefault(name, {})[_coord(mesh, "tp", r)] = a
         llama, tp = self.config.block is LLAMA_BLOCK, mesh.shape.get("tp", 1)
         out = {}
         for n in self.param_shapes():
-            if n.rsplit(".", 1)[-1] in MOE_PARAMS:
-                out[n] = np.concatenate([pieces[n][e] for e in sorted(pieces[n])]) \
-                    if n.rsplit(".", 1)[-1] in EXPERT_PARAMS else pieces[n][0]
+            if is_moe_param(n):
+                last = n.rsplit(".", 1)[-1]
+                ep_n = max(e for e, _ in pieces[n]) + 1 if last in EXPERT_PARAMS else 1
+                etp_n = max(t for _, t in pieces[n]) + 1
+                tp_dim = MOE_TP_DIM.get(last)
+                by_ep = [pieces[n][(e, 0)] if tp_dim is None or etp_n == 1 else np.concatenate(
+                    [pieces[n][(e, t)] for t in range(etp_n)], axis=tp_dim)
+                    for e in range(ep_n)]
+                out[n] = np.concatenate(by_ep) if ep_n > 1 else by_ep[0]
                 continue
             dim = llama_split_dim(n) if llama else split_dim(n)
             step = tp // kv_pieces(self.config.kv_heads, tp) if llama and n.endswith("w_kv") \
@@ -758,7 +1019,7 @@ class GPT:
         last = {(_dp_index(mesh, r), _coord(mesh, "cp", r), _coord(mesh, "tp", r)): res
                 for r, res in enumerate(results) if res and res["logits"]}  # replica, cp, tp
         aux = sum(res["aux"] for r, res in enumerate(results) if res and "aux" in res
-                  and _coord(mesh, "tp", r) == 0 and _coord(mesh, "ep", r) == 0)
+                  and _reports_aux(mesh, parallel, r))
         cp = parallel.cp
 
         def piece(d, c):
@@ -781,8 +1042,8 @@ class GPT:
         """(ep, the rows of each MoE call) of ``parallel`` (MoE models; default: the whole
         batch in one call, ep 1 — capacity and the aux loss depend on the grouping)."""
         if parallel is None:
-            return 1, [list(range(batch))]
-        return parallel.ep, moe_groups(parallel, batch)
+            return 1, [[(list(range(batch)), np.arange(self.config.seq))]]
+        return parallel.ep, moe_call_blocks(parallel, batch, self.config.seq)
 
     def reference_forward(self, tokens, targets, params=None, parallel=None):
         """(mean loss, logits (B, s, V)) in plain numpy, unsharded: the ground truth. An

@@ -69,6 +69,13 @@ query heads of one K/V head stacked on rows, head-major (row r is head r // s_l 
 row r mod s_l), while k, v are (B, s_l, d). A block is then the g·c rows of one q chunk
 (every head) against the key rows; dk and dv sum over the g heads in the products
 (dS^T q). Only K and V travel: the traffic is that of k's shape, the FLOPs g times.
+
+A value dimension of its own (``v_head_dim`` d_v ≠ d, multi-head latent attention's
+q, k of d_nope + d_rope and v of d_v: :mod:`tensor_parallel.mla`): v, O, dO and dv are
+(B, ·, d_v) while q, k, dq, dk stay d wide; the scale is still 1/sqrt(d). The products
+with v (P v, dP = dO v^T, dv = P^T dO) count d_v instead of d: forward
+2·B·c²·(d + d_v)·N_r, backward 2·B·c²·(3d + 2d_v)·N_r (times g); a block's traffic is
+|K_r| + |V_r| = X + X·d_v/d. With d_v = d everything above is unchanged.
 """
 
 from __future__ import annotations
@@ -177,20 +184,24 @@ class _Blocks:
         return batched_matmul(self.dev, a, b, f"{self.label}: {name}")
 
     @contextlib.contextmanager
-    def _fused(self, name, products: int, q, k, arrays, diagonal: bool, backward: bool):
-        """One flash-attention kernel for a block of q (B, g·c, d) against k (B, n, d):
-        ``products`` GEMMs' FLOPs (2·B·g·c·n·d each, as the unfused block declares them)
-        and the bytes of ``arrays`` plus the fp32 row log-sum-exp — never the g·c × n
-        scores. The kernel is (B·g heads, c queries, n keys), causal when the block is the
-        diagonal chunk alone (a block with earlier chunks too is priced as full: its
-        diagonal part's masked half is counted)."""
+    def _fused(self, name, products: tuple[int, int], q, k, arrays, diagonal: bool,
+               backward: bool):
+        """One flash-attention kernel for a block of q (B, g·c, d) against k (B, n, d) and
+        v (``arrays[2]``, (B, n, d_v)): ``products`` = (GEMMs over d, GEMMs over d_v),
+        2·B·g·c·n·d (or d_v) FLOPs each, as the unfused block declares them, and the bytes
+        of ``arrays`` plus the fp32 row log-sum-exp — never the g·c × n scores. The kernel
+        is (B·g heads, c queries, n keys, the mean (d + d_v)/2 of the two head dims: its
+        price is by 4·heads·c·n·head_dim), causal when the block is the diagonal chunk
+        alone (a block with earlier chunks too is priced as full: its diagonal part's
+        masked half is counted)."""
         b, rows, d = q.shape
-        n, c = k.shape[1], rows // self.g
+        n, c, dv = k.shape[1], rows // self.g, arrays[2].shape[2]
         itemsize = np.dtype(q.dtype).itemsize
         nbytes = sum(int(a.size) for a in arrays) * itemsize + LSE_BYTES * b * rows
-        kernel = Kernel.attention(b * self.g, c, n, d, causal=diagonal and n == c, flash=True,
-                                  backward=backward)
-        with self.dev.compute(f"{self.label}: {name}", flops=2 * products * b * rows * n * d,
+        kernel = Kernel.attention(b * self.g, c, n, (d + dv) // 2, causal=diagonal and n == c,
+                                  flash=True, backward=backward)
+        flops = 2 * b * rows * n * (products[0] * d + products[1] * dv)
+        with self.dev.compute(f"{self.label}: {name}", flops=flops,
                               bytes=nbytes, kernel=kernel):
             self._inside = True
             try:
@@ -218,7 +229,7 @@ class _Blocks:
     def forward(self, q, k, v, q_chunk, k_chunks, c):
         """Partial (O_b, L_b) of q (B, c, d) against k, v (B, n, d)."""
         if self.flash and not self._inside:
-            with self._fused("flash forward", 2, q, k, (q, k, v, q), q_chunk in k_chunks,
+            with self._fused("flash forward", (1, 1), q, k, (q, k, v, q), q_chunk in k_chunks,
                              backward=False):
                 return self.forward(q, k, v, q_chunk, k_chunks, c)
         z = self.scores(q, k, q_chunk, k_chunks, c)
@@ -245,7 +256,7 @@ class _Blocks:
     def backward(self, q, k, v, do, lse, delta, q_chunk, k_chunks, c):
         """(dq, dk, dv) of one block, P recomputed from the saved log-sum-exp."""
         if self.flash and not self._inside:
-            with self._fused("flash backward", 5, q, k, (q, k, v, do, do, q, k, v),
+            with self._fused("flash backward", (3, 2), q, k, (q, k, v, do, do, q, k, v),
                              q_chunk in k_chunks, backward=True):
                 return self.backward(q, k, v, do, lse, delta, q_chunk, k_chunks, c)
         z = self.scores(q, k, q_chunk, k_chunks, c)
@@ -290,14 +301,17 @@ def _add_to(pairs, n: int) -> None:
 class ContextParallelAttention(ShardedOperation):
     """``ContextParallelAttention(heads, head_dim, algorithm="ring", axis="cp",
     load_balance=True, collective_algorithm="auto", group=1, label="cp attention",
-    flash=False)``: causal softmax(q k^T/sqrt(d)) v with the sequence split over mesh axis
-    ``axis`` (see the module docstring); ``group`` query heads per K/V head (GQA; the
-    per-device programs only), ``label`` begins the names of its compute ops; ``flash``:
+    flash=False, v_head_dim=None)``: causal softmax(q k^T/sqrt(d)) v with the sequence
+    split over mesh axis ``axis`` (see the module docstring); ``group`` query heads per
+    K/V head (GQA; the per-device programs only), ``v_head_dim`` the values' (and the
+    output's) width d_v (default head_dim; MLA's differs), ``label`` begins the names of
+    its compute ops; ``flash``:
     each block's forward and backward declared as one fused attention kernel (the same
     FLOPs, the bytes of q, k, v and the outputs, no scores), as Megatron's CP runs a flash
     kernel per ring step — the math is the same either way.
 
-    Global q, k, v, dy are (b·heads, s, head_dim) with s divisible by 2·cp; each rank
+    Global q, k are (b·heads, s, head_dim), v, dy (b·heads, s, d_v), with s divisible by
+    2·cp; each rank
     holds the rows of :func:`split_sequence`. ``collective_algorithm`` is the algorithm
     of the all_gather variant's collectives (ring, shm, ... or auto).
 
@@ -311,8 +325,11 @@ class ContextParallelAttention(ShardedOperation):
 
     def __init__(self, heads: int, head_dim: int, algorithm: str = "ring", axis: str = "cp",
                  load_balance: bool = True, collective_algorithm: str = "auto",
-                 group: int = 1, label: str = "cp attention", flash: bool = False):
-        for what, n in (("heads", heads), ("head_dim", head_dim), ("group", group)):
+                 group: int = 1, label: str = "cp attention", flash: bool = False,
+                 v_head_dim: int | None = None):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        for what, n in (("heads", heads), ("head_dim", head_dim), ("group", group),
+                        ("v_head_dim", v_head_dim)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
                 raise ValueError(f"ContextParallelAttention: {what} must be an int >= 1, "
                                  f"got {n!r}")
@@ -325,10 +342,12 @@ class ContextParallelAttention(ShardedOperation):
         self.axis, self.load_balance = axis, bool(load_balance)
         self.collective_algorithm = collective_algorithm
         self.group, self.label, self.flash = int(group), str(label), bool(flash)
+        self.v_head_dim = int(v_head_dim)
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def __repr__(self) -> str:
-        return (f"ContextParallelAttention(heads={self.heads}, head_dim={self.head_dim}, "
+        dv = "" if self.v_head_dim == self.head_dim else f", v_head_dim={self.v_head_dim}"
+        return (f"ContextParallelAttention(heads={self.heads}, head_dim={self.head_dim}{dv}, "
                 f"algorithm={self.algorithm!r}, axis={self.axis!r}, "
                 f"load_balance={self.load_balance}{', flash=True' if self.flash else ''})")
 
@@ -407,7 +426,7 @@ class ContextParallelAttention(ShardedOperation):
                 nxt = self._pass(dev, group, me, (k, v), (_TAG_K, _TAG_V)) if t < cp - 1 \
                     else None
                 got = self._post(dev, group, me, (_TAG_DK, _TAG_DV)) if t > 0 else None
-                dk, dv = (blk.ew("zeros", lambda: xp.zeros_like(k), k) for _ in (0, 1))
+                dk, dv = (blk.ew("zeros", lambda x=x: xp.zeros_like(x), x) for x in (k, v))
                 grads_of(k, v, dk, dv, chunk_ids(cp, src, self.load_balance))
                 if got is not None:
                     rk, rv = (w.wait() for w in got)
@@ -424,7 +443,7 @@ class ContextParallelAttention(ShardedOperation):
             dk, dv = acc
         else:
             kg, vg = (self._gather(dev, blk, x, cp, c) for x in (k, v))
-            dkg, dvg = (blk.ew("zeros", lambda: xp.zeros_like(kg), kg) for _ in (0, 1))
+            dkg, dvg = (blk.ew("zeros", lambda x=x: xp.zeros_like(x), x) for x in (kg, vg))
             grads_of(kg, vg, dkg, dvg, tuple(range(2 * cp)))
             dk, dv = (self._scatter(dev, blk, g, cp, c) for g in (dkg, dvg))
         dq = blk.ew("concatenate chunks", lambda: _q_join(xp, dq, c, g), *dq)
@@ -473,24 +492,28 @@ class ContextParallelAttention(ShardedOperation):
 
     # --- closed forms ----------------------------------------------------------------
     def flops(self, local_shape, cp: int, rank: int, backward: bool = False) -> int:
-        """Declared FLOPs of ``forward_local`` (4·g·B·c²·d·N_r) or ``backward_local``
-        (10·g·B·c²·d·N_r) on cp position ``rank`` with local k of ``local_shape`` (B, s_l,
-        d) (= q's when group g = 1)."""
+        """Declared FLOPs of ``forward_local`` (2·g·B·c²·(d + d_v)·N_r, 4·g·B·c²·d·N_r when
+        d_v = d) or ``backward_local`` (2·g·B·c²·(3d + 2d_v)·N_r, 10·g·B·c²·d·N_r) on cp
+        position ``rank`` with local k of ``local_shape`` (B, s_l, d) (= q's when group
+        g = 1)."""
         b, s_l, d = local_shape
-        c = s_l // 2
-        return (10 if backward else 4) * self.group * b * c * c * d * causal_chunk_pairs(
+        c, dv = s_l // 2, self.v_head_dim * d // self.head_dim
+        width = 3 * d + 2 * dv if backward else d + dv
+        return 2 * width * self.group * b * c * c * causal_chunk_pairs(
             cp, rank, self.load_balance)
 
     def sent_bytes(self, local_shape, cp: int, itemsize: int, backward: bool = False) -> int:
         """Bytes one rank sends in ``forward_local`` or ``backward_local`` (it receives as
         many) with local k of ``local_shape`` (B, s_l, d): ring (cp−1)·2X forward, (2cp−1)·2X backward; all_gather the collectives'
         traffic (:func:`~vcluster.runtime.traffic.collective_traffic`) of
-        ``collective_algorithm`` (not auto)."""
+        ``collective_algorithm`` (not auto). With d_v ≠ d, 2X is |K| + |V| = X·(1 +
+        d_v/d)."""
         x = int(np.prod(local_shape)) * itemsize
+        xv = x * self.v_head_dim // self.head_dim           # one local V block
         if cp == 1:
             return 0
         if self.algorithm == "ring":
-            return 2 * x * ((cp - 1) + (cp if backward else 0))
+            return (x + xv) * ((cp - 1) + (cp if backward else 0))
         if self.collective_algorithm == "auto":
             raise ValueError(f"{self!r}.sent_bytes: name the collective_algorithm (auto "
                              "depends on the cluster's settings)")
@@ -499,8 +522,9 @@ class ContextParallelAttention(ShardedOperation):
             alg = choose_algorithm(kind, nbytes, cp, requested=self.collective_algorithm)
             return collective_traffic(kind, alg, tuple(range(cp)), 0, nbytes,
                                       itemsize).bytes_sent
-        total = 2 * sent("all_gather", x)
-        return total + 2 * sent("reduce_scatter", cp * x) if backward else total
+        total = sent("all_gather", x) + sent("all_gather", xv)
+        return total + sent("reduce_scatter", cp * x) + sent("reduce_scatter", cp * xv) \
+            if backward else total
 
     # --- host conveniences -----------------------------------------------------------
     def _check(self, mesh, **arrays):
@@ -509,9 +533,12 @@ class ContextParallelAttention(ShardedOperation):
             raise ValueError(f"{self!r}: the mesh {mesh} has no axis {self.axis!r}")
         shape = np.shape(arrays["q"])
         for name, a in arrays.items():
-            if np.shape(a) != shape or len(shape) != 3:
-                raise ValueError(f"{self!r}: {name} has shape {np.shape(a)}; q, k, v and dy "
-                                 f"must all be (b·heads, s, head_dim), q is {shape}")
+            want = shape[:2] + (self.v_head_dim,) if name in ("v", "dy") \
+                and self.v_head_dim != self.head_dim else shape
+            if np.shape(a) != want or len(shape) != 3:
+                raise ValueError(f"{self!r}: {name} has shape {np.shape(a)}; q, k must be "
+                                 f"(b·heads, s, head_dim) and v, dy (b·heads, s, v_head_dim),"
+                                 f" q is {shape}")
         if shape[0] % self.heads or shape[2] != self.head_dim:
             raise ValueError(f"{self!r}: q of shape {shape} must be (b·heads, s, "
                              f"{self.head_dim}) with b·heads a multiple of heads={self.heads}")

@@ -24,10 +24,22 @@ RoPE (the "rotate half" form of GPT-NeoX and Hugging Face Llama): for position p
 i < d/2, angle θ_{p,i} = p·base^(-2i/d);  R(x)_i = x_i cos θ - x_{i+d/2} sin θ,
 R(x)_{i+d/2} = x_i sin θ + x_{i+d/2} cos θ; its transpose (the backward) turns by -θ.
 
+The head dimension d is free of h (Qwen3: 32 heads x 128 = 4096 with h 2560; GPT-OSS
+64 x 64 with h 2880): only W_q's and W_kv's columns and W_o's rows are a·d and c·d wide.
+
+QK-norm (``GQAttention(..., qk_norm=eps)``, Qwen3 and OLMo 2; Hugging Face's order
+q = R(N_q(x W_q)), k = R(N_k(x W_k))): N an RMSNorm of width d over each head
+(:mod:`.rmsnorm`), one gain vector per side, g_q and g_k (d,), shared by all heads.
+Backward: the gradient leaving R^T passes N's RMSNorm' per head before dW_q, dW_kv and
+dx; the gains' gradients dg = sum over rows and heads of (gradient · xhat), this rank's
+heads only (the caller sums them over tp). Declared as norm kernels with 0 FLOPs, as the
+block's other norms.
+
 FLOPs (products only): projections forward 2·b·s·h·(a_l·d + 2·c_l·d) + 2·b·s·a_l·d·h;
 the causal core attention is declared at half the full count (FlashAttention's
 convention: the masked half is never computed), forward 2·b·a_l·s²·d, backward twice
-that. GQA saves parameters and K/V memory, not attention FLOPs. The causal products are
+that (:meth:`GQAttention.core` takes values of another width d_v too, as
+:mod:`.mla`'s: forward b·a_l·s²·(d + d_v)). GQA saves parameters and K/V memory, not attention FLOPs. The causal products are
 declared without a GEMM shape (one causal kernel is no plain GEMM): the timing model
 prices them by their FLOPs.
 
@@ -47,6 +59,7 @@ import numpy as np
 from vcluster.runtime.tracing.kernel import Kernel
 
 from .attention import flash_block, flash_grads
+from .rmsnorm import rms_norm, rms_norm_gain_grad, rms_norm_grad
 
 __all__ = ["GQAttention", "Rope", "causal_bmm"]
 
@@ -114,19 +127,40 @@ class Rope:
 
 class GQAttention:
     """The block's math on one device (see the module docstring); the caller keeps the
-    per-micro-batch state (``forward`` returns it, the backward passes take it back)."""
+    per-micro-batch state (``forward`` returns it, the backward passes take it back).
+    ``qk_norm``: QK-norm's eps (None: no QK-norm); its gains (g_q, g_k) are then passed
+    to every pass (``qk_gains``), and their gradients to :meth:`backward_weight`."""
 
     def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope,
-                 cp=None):
+                 cp=None, qk_norm: float | None = None):
         if heads_local % kv_heads_local:
             raise ValueError(f"GQAttention: heads_local={heads_local} is not a multiple of "
                              f"kv_heads_local={kv_heads_local}")
+        if qk_norm is not None and not (isinstance(qk_norm, (int, float)) and qk_norm > 0):
+            raise ValueError(f"GQAttention: qk_norm must be None or the norm's eps > 0, got "
+                             f"{qk_norm!r}")
         self.a_l, self.c_l, self.d = heads_local, kv_heads_local, head_dim
         self.g = heads_local // kv_heads_local
         self.scale, self.rope, self.cp = 1.0 / math.sqrt(head_dim), rope, cp
+        self.qk_norm = qk_norm
 
     def __repr__(self) -> str:
-        return f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, d={self.d})"
+        norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm}"
+        return (f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, "
+                f"d={self.d}{norm})")
+
+    # --- QK-norm: an RMSNorm of width d on each head of (rows, n·d) ------------------
+    def _head_norm(self, ops, t, g, name):
+        """(N(t), state) for t (rows, n·d): each head's d values normalised, times g."""
+        rows = t.shape[0]
+        y, state = rms_norm(ops, t.reshape(rows, -1, self.d), g, self.qk_norm, name)
+        return y.reshape(t.shape), state                          # state: (rows, n, d|1)
+
+    def _head_norm_grad(self, ops, dy, state, g, name):
+        """N's input gradient of dy (rows, n·d)."""
+        rows = dy.shape[0]
+        return rms_norm_grad(ops, dy.reshape(rows, -1, self.d), state, g, name) \
+            .reshape(dy.shape)
 
     # --- layouts ----------------------------------------------------------------------
     def _q_group(self, ops, t, b, s, name):
@@ -157,9 +191,10 @@ class GQAttention:
             c, lse = self.cp.forward_local(ops.dev, q, k, v)
             return (lse, c), c
         n, s, d = k.shape
+        dv = v.shape[2]     # the values' width (d; MLA's v_head_dim, :mod:`.mla`)
         if ops.flash:       # declared as causal_bmm declares: half the full s² products
-            with flash_block(ops, "attention: flash forward", 2 * n * self.g * s * s * d,
-                             (q, k, v, q), n * self.g, s, d, backward=False):
+            with flash_block(ops, "attention: flash forward", n * self.g * s * s * (d + dv),
+                             (q, k, v, q), n * self.g, s, (d + dv) // 2, backward=False):
                 p = self._probs(ops, ops.xp.matmul(q, k.transpose(0, 2, 1)))
                 return p, ops.xp.matmul(p, v)
         scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T")
@@ -184,9 +219,10 @@ class GQAttention:
             lse, c = p
             return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
         if ops.flash:
-            n, s, d = k.shape
-            with flash_block(ops, "attention: flash backward", 4 * n * self.g * s * s * d,
-                             (q, k, v, dc, dc, q, k, v), n * self.g, s, d, backward=True):
+            (n, s, d), dv = k.shape, v.shape[2]
+            with flash_block(ops, "attention: flash backward",
+                             2 * n * self.g * s * s * (d + dv), (q, k, v, dc, dc, q, k, v),
+                             n * self.g, s, (d + dv) // 2, backward=True):
                 return flash_grads(ops.xp, dc, q, k, v, p, self.scale)
         dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
         dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
@@ -197,18 +233,23 @@ class GQAttention:
         return dq, dk, dv
 
     # --- the block --------------------------------------------------------------------
-    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all"):
+    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None):
         """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
-        recomputation: not P nor C) or "none"."""
+        recomputation: not P nor C) or "none"; ``qk_gains``: (g_q, g_k) with QK-norm."""
         xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
         q = ops.matmul(x2, w_q, "attention: x @ W_q")                        # (b·s, a_l·d)
         kv = ops.matmul(x2, w_kv.reshape(h, -1), "attention: x @ W_kv")     # (b·s, 2·c_l·d)
         kd = self.c_l * self.d
+        k, norms = kv[:, :kd], None
+        if self.qk_norm is not None:
+            q, nq = self._head_norm(ops, q, qk_gains[0], "attention: q norm")
+            k, nk = self._head_norm(ops, k, qk_gains[1], "attention: k norm")
+            norms = (nq, nk)
         q = self._q_group(ops, self.rope.apply(ops, q, b, s, "attention: rope q"), b, s,
                           "attention: split heads")
-        k = self._kv_heads(ops, self.rope.apply(ops, kv[:, :kd], b, s, "attention: rope k"),
+        k = self._kv_heads(ops, self.rope.apply(ops, k, b, s, "attention: rope k"),
                            b, s, "attention: split heads")
         v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
         p, c = self.core(ops, q, k, v)
@@ -217,17 +258,19 @@ class GQAttention:
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
         y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.reduce_out(y, "attention: reduce y")
-        state = {"all": (x2, q, k, v, p, ctx), "qkv": (x2, q, k, v, None, None),
-                 "none": ()}[keep]
+        state = {"all": (x2, q, k, v, p, ctx, norms),
+                 "qkv": (x2, q, k, v, None, None, norms), "none": ()}[keep]
         return y, state
 
-    def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None):
+    def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None,
+                       qk_gains=None):
         """dx (x's layout) and the weight gradient's state (P and C recomputed first when
         the state holds none: selective recomputation). ``g_q``, ``g_kv``: W_q's and
         W_kv's gradients, accumulated here while dx is reduced under
         ``ops.async_grad_reduce`` (``TransformerOps.reduce_input_grad``; the state then
-        says so and :meth:`backward_weight` leaves them)."""
-        x2, q, k, v, p, ctx = state
+        says so and :meth:`backward_weight` leaves them). ``qk_gains``: (g_q, g_k) with
+        QK-norm."""
+        x2, q, k, v, p, ctx, norms = state
         b, s = x2.shape[0] // k.shape[1], k.shape[1]
         if p is None:
             p, c = self.core(ops, q, k, v)
@@ -244,29 +287,42 @@ class GQAttention:
                              "attention: rope^T dq", inverse=True)          # (b·s, a_l·d)
         dk = self.rope.apply(ops, self._kv_merge(ops, dk, b, s, "attention: merge dk"), b, s,
                              "attention: rope^T dk", inverse=True)
+        gains = None                    # QK-norm: (dN_q, xhat_q, dN_k, xhat_k) for the gains
+        if norms is not None:
+            (nq, nk), dqn, dkn = norms, dq, dk
+            dq = self._head_norm_grad(ops, dqn, nq, qk_gains[0], "attention: q norm grad")
+            dk = self._head_norm_grad(ops, dkn, nk, qk_gains[1], "attention: k norm grad")
+            gains = (dqn, nq[0], dkn, nk[0])
         dkv = ops.ew("attention: merge dk, dv", lambda: np.concatenate(
             [dk, self._kv_merge_raw(dv, b, s)], axis=1), dk, dv)            # (b·s, 2·c_l·d)
         dxq = ops.matmul(dq, w_q.T, "attention: dx = dq W_q^T")
         dxkv = ops.matmul(dkv, w_kv.reshape(h, -1).T, "attention: dx += dkv W_kv^T")
         dx = ops.ew("attention: add dx", lambda: dxq + dxkv, dxq, dxkv).reshape(b, s, h)
         if g_q is None:
-            return ops.reduce_out(dx, "attention: reduce dx"), (x2, dq, dkv, ctx, dy2)
+            return ops.reduce_out(dx, "attention: reduce dx"), (x2, dq, dkv, ctx, dy2, gains)
         dx, done = ops.reduce_input_grad(dx, "attention: reduce dx",
                                          lambda: self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv))
-        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2)
+        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2, gains)
 
     @staticmethod
     def _qkv_grads(ops, x2, dq, dkv, g_q, g_kv) -> None:
         g_q += ops.matmul(x2.T, dq, "attention: dW_q = x^T dq")
         g_kv += ops.matmul(x2.T, dkv, "attention: dW_kv = x^T dkv").reshape(g_kv.shape)
 
-    def backward_weight(self, ops, wstate, g_q, g_kv, g_o) -> None:
-        """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did) and dW_o (in
-        place)."""
-        x2, dq, dkv, ctx, dy2 = wstate
+    def backward_weight(self, ops, wstate, g_q, g_kv, g_o, qk_gain_grads=None) -> None:
+        """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did), dW_o and, with
+        QK-norm, this rank's part of the gains' gradients ``qk_gain_grads`` (in place)."""
+        x2, dq, dkv, ctx, dy2, gains = wstate
         if x2 is not None:
             self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv)
         g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
+        if gains is not None:
+            dqn, xq, dkn, xk = gains
+            rows = dqn.shape[0]
+            rms_norm_gain_grad(ops, dqn.reshape(rows, -1, self.d), xq, qk_gain_grads[0],
+                               "attention: q norm gain grad")
+            rms_norm_gain_grad(ops, dkn.reshape(rows, -1, self.d), xk, qk_gain_grads[1],
+                               "attention: k norm gain grad")
 
     @staticmethod
     def _bmm(ops, a, b, name):

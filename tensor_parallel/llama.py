@@ -11,6 +11,21 @@ parallelism (SP):
     RMSNorm'  : dx = r·(d - xhat·mean(d·xhat)),  d = dy·g;   dg = rowsum(dy·xhat)
     silu(z) = z·σ(z),  silu'(z) = σ(z)·(1 + z·(1 - σ(z)))
 
+The head dimension d is the config's (``GPTConfig.head_dim``, default h/a; Qwen3 32 x
+128 = 4096 with h 2560): W_q (h, a·d), W_kv (h, 2, c·d), W_o (a·d, h). QK-norm
+(``qk_norm``: Qwen3, OLMo 2) adds two gains q_norm_g, k_norm_g (d,), replicated over tp
+and shared by every head: an RMSNorm of width d on each query and key head before RoPE
+(:mod:`.gqa`). A rank's gain gradients hold only its own heads' part, so after the
+step's last micro-batch (when the K/V replicas are summed) the layer all-reduces them
+over tp (2d elements); their sequence rows are whole on every rank (the norm runs on
+the gathered sequence), so sequence parallelism adds nothing.
+
+Multi-head latent attention (``latent``: DeepSeek-V2/V3's MLA, :mod:`.mla`) replaces
+w_q, w_kv, w_o by the latent projections w_q_a, q_a_norm_g, w_q_b (or w_q), w_kv_a,
+kv_a_norm_g, w_kv_b and w_o: the up-projections and w_o split over tp by whole heads, the
+down-projections and their norms' gains replicated, their gradients (each rank's heads'
+part) all-reduced over tp with the same timing as the QK-norm gains'.
+
 Tensor parallelism over t ranks as Megatron's: W_q, W_gate, W_up column-parallel, W_o
 and W_down row-parallel, so each block closes with one all_reduce(tp) (SP: an
 all_gather(tp) entering and a reduce_scatter(tp) leaving it), and the RMSNorm gains are
@@ -46,6 +61,8 @@ from modeling.plan import check_kv_heads
 from vcluster.runtime.tracing.kernel import Kernel
 
 from .gqa import GQAttention, Rope
+from .mla import MLA_SPLIT, MLAttention, mla_names
+from .rmsnorm import rms_norm, rms_norm_gain_grad, rms_norm_grad
 from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
                           VocabParallelHead, _Layer)
 
@@ -58,37 +75,6 @@ def _swiglu(zg, backward: bool) -> Kernel:
     return Kernel.activation(zg.size // zg.shape[-1], zg.shape[-1], backward, "swiglu")
 
 
-# --- RMSNorm over the last dimension h ----------------------------------------------------
-def rms_norm(ops, x, g, eps: float, name: str):
-    """(xhat·g, (xhat, r)), xhat = x·r, r = 1/sqrt(mean(x²) + eps)."""
-    h = x.shape[-1]
-
-    def fn():
-        r = 1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) / h + eps)
-        xhat = x * r
-        return xhat * g, (xhat, r)
-
-    return ops.work(name, 0, (x, x, x), None, fn, Kernel.norm(x.size // h, h))
-
-
-def rms_norm_grad(ops, dy, state, g, name: str, residual=None):
-    """dx = r·(d - xhat·mean(d·xhat)), d = dy·g; plus ``residual``."""
-    xhat, r = state
-    h = dy.shape[-1]
-
-    def fn():
-        d = dy * g
-        dx = r * (d - xhat * (d * xhat).sum(axis=-1, keepdims=True) / h)
-        return dx if residual is None else dx + residual
-
-    return ops.work(name, 0, (dy, xhat, dy), None, fn, Kernel.norm(dy.size // h, h, True))
-
-
-def rms_norm_gain_grad(ops, dy, xhat, gg, name: str) -> None:
-    """gg += rowsum(dy·xhat) (in place)."""
-    gg += ops.ew(name, lambda: (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0), dy, xhat)
-
-
 # --- the layout of the parameters over tp -------------------------------------------------
 def kv_pieces(kv_heads: int, tp: int) -> int:
     """The distinct pieces of W_kv over tp ranks: min(kv_heads, tp)."""
@@ -97,20 +83,46 @@ def kv_pieces(kv_heads: int, tp: int) -> int:
 
 class LlamaLayer(_Layer):
     """One layer on one device; local parameters: attn_norm_g (h,), w_q (h, a_l·d),
-    w_kv (h, 2, c_l·d), w_o (a_l·d, h), mlp_norm_g (h,), w_gate, w_up (h, f/t),
-    w_down (f/t, h). ``kv_replicas`` = t/c when c < t (else 1): the ranks sharing this
-    rank's KV head; ``microbatches`` per step tells the step's last weight gradient."""
+    w_kv (h, 2, c_l·d), [q_norm_g, k_norm_g (d,) with QK-norm], w_o (a_l·d, h),
+    mlp_norm_g (h,), w_gate, w_up (h, f/t), w_down (f/t, h). ``kv_replicas`` = t/c when
+    c < t (else 1): the ranks sharing this rank's KV head; ``microbatches``: after how
+    many weight gradients the partial ones (the K/V replicas', the QK-norm gains') are
+    summed over tp — a step's (or 1 where each micro-batch's gradient leaves the rank).
+    QK-norm is on when ``attention.qk_norm`` is (its gains then join the names)."""
 
     names = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g", "w_gate", "w_up", "w_down")
     split = MappingProxyType({"w_q": 1, "w_kv": 2, "w_o": 0, "w_gate": 1, "w_up": 1,
                               "w_down": 0})
     seq_partial = ("attn_norm_g", "mlp_norm_g")
+    qk_norm_names = ("q_norm_g", "k_norm_g")     # QK-norm's gains, whole on every tp rank
+
+    @classmethod
+    def layer_names(cls, qk_norm: bool, names=None, latent=None) -> tuple[str, ...]:
+        """``names`` (default the class's), with QK-norm's gains after w_kv when
+        ``qk_norm`` (the order of the model's parameters, :func:`~pipeline_parallel.llama.
+        llama_param_shapes`); ``latent`` (a :class:`~modeling.spec.LatentAttention`, MLA):
+        w_q, w_kv, w_o become the latent attention's (:func:`~.mla.mla_names`)."""
+        names = cls.names if names is None else tuple(names)
+        if latent is not None and "w_kv" in names:
+            at, end = names.index("w_q"), names.index("w_o") + 1
+            names = names[:at] + mla_names(latent.q_lora_rank is not None) + names[end:]
+        if not qk_norm or cls.qk_norm_names[0] in names:
+            return names
+        at = names.index("w_kv") + 1
+        return names[:at] + cls.qk_norm_names + names[at:]
 
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
                  microbatches: int, recompute: str = "none", eps: float = 1e-5):
         if recompute not in RECOMPUTE:
             raise ValueError(f"LlamaLayer: recompute must be one of {RECOMPUTE}, "
                              f"got {recompute!r}")
+        self.qk_norm = attention.qk_norm is not None
+        self.latent = isinstance(attention, MLAttention)      # MLA: its parameters by name
+        if self.latent:          # instance names: w_q, w_kv, w_o become the attention's
+            at, end = self.names.index("w_q"), self.names.index("w_o") + 1
+            self.names = self.names[:at] + attention.names + self.names[end:]
+        if self.qk_norm:         # instance names: the (subclass's) names and the two gains
+            self.names = self.layer_names(True, self.names)
         super().__init__(params)
         self.attn, self.recompute, self.eps = attention, recompute, eps
         self.kv_heads, self.kv_replicas, self.microbatches = kv_heads, kv_replicas, microbatches
@@ -152,7 +164,8 @@ class LlamaLayer(_Layer):
     def _forward(self, ops, x, keep: str):
         P = self.p
         u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm")
-        att, ast = self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep)
+        att, ast = self.attn.forward(ops, u, P, keep) if self.latent else \
+            self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep, self._qk_gains(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
         y, mst = self._mlp(ops, u2, keep != "none")
@@ -166,25 +179,38 @@ class LlamaLayer(_Layer):
         du, mw = self._mlp_backward(ops, mst, dy)
         dx1 = rms_norm_grad(ops, du, n2, P["mlp_norm_g"], "mlp: norm grad + residual",
                             residual=dy)
-        dv, aw = self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"],
-                                          self.g["w_q"], self.g["w_kv"])
+        dv, aw = self.attn.backward_input(ops, ast, dx1, P, self.g) if self.latent else \
+            self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"],
+                                     self.g["w_q"], self.g["w_kv"], self._qk_gains(P))
         dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attention: norm grad + residual",
                            residual=dx1)
         self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
         return dx
 
+    def _qk_gains(self, P):
+        """(q_norm_g, k_norm_g) of ``P`` (parameters or gradients) with QK-norm, else None."""
+        return (P["q_norm_g"], P["k_norm_g"]) if self.qk_norm else None
+
     def backward_weight(self, ops, mb: int) -> None:
         """Accumulate mb's gradients (in place); after the step's last micro-batch, sum
-        the K/V replicas' dW_kv (see the module docstring)."""
+        the K/V replicas' dW_kv and the QK-norm gains' gradients over tp (see the module
+        docstring)."""
         G = self.g
         xhat1, dv, aw, xhat2, du, mw = self._wstate.pop(mb)
         self._mlp_weight_grads(ops, G, mw)
         rms_norm_gain_grad(ops, du, xhat2, G["mlp_norm_g"], "mlp: norm gain grad")
-        self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"])
+        if self.latent:
+            self.attn.backward_weight(ops, aw, G)
+        else:
+            self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"], self._qk_gains(G))
         rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
         self._w_count = (self._w_count + 1) % self.microbatches
         if self._w_count == 0 and self.kv_replicas > 1:
             self._sum_kv_replicas(ops)
+        if self._w_count == 0 and self.qk_norm and ops.tp_size > 1:
+            self._sum_qk_gains(ops)
+        if self._w_count == 0 and self.latent and ops.tp_size > 1:
+            self._sum_latent_grads(ops)
 
     def _mlp_weight_grads(self, ops, G, mw) -> None:
         """dW_down, dW_gate, dW_up of the SwiGLU MLP (in place; the last two unless
@@ -212,6 +238,29 @@ class LlamaLayer(_Layer):
         stacked = ops.work("attention: stack the K/V replicas' dW_kv", 0, (g, g), None, stack)
         total = ops.all_reduce_tp(stacked)
         g[...] = total[slot]
+
+    def _sum_qk_gains(self, ops) -> None:
+        """dq_norm_g, dk_norm_g = their sums over tp (each rank holds its own query heads'
+        part, and a K/V replica its query heads' part of its K head): one all_reduce(tp)
+        of the two concatenated."""
+        gq, gk = self._qk_gains(self.g)
+        both = ops.work("attention: concatenate the QK-norm gains' gradients", 0, (gq, gk),
+                        None, lambda: np.concatenate([gq, gk]))
+        total = ops.all_reduce_tp(both)
+        gq[...], gk[...] = total[:gq.size], total[gq.size:]
+
+    def _sum_latent_grads(self, ops) -> None:
+        """MLA's replicated parameters' gradients (W_qa, W_kva, the latent norms' gains:
+        each rank holds its heads' part) = their sums over tp: one all_reduce(tp) of them
+        flattened and concatenated."""
+        parts = [self.g[n] for n in self.attn.replicated]
+        flat = ops.work("attention: concatenate the latent projections' gradients", 0,
+                        tuple(parts), None,
+                        lambda: np.concatenate([g.reshape(-1) for g in parts]))
+        total, at = ops.all_reduce_tp(flat), 0
+        for g in parts:
+            g[...] = total[at:at + g.size].reshape(g.shape)
+            at += g.size
 
 
 # --- the ends of the model ----------------------------------------------------------------
@@ -256,6 +305,10 @@ class RMSNormHead(VocabParallelHead):
 def llama_split_dim(name: str) -> int | None:
     """The dimension of Llama parameter ``name`` ("layers.3.w_kv", "wte", ...) split over tp."""
     last = name.rsplit(".", 1)[-1]
+    if last in LlamaLayer.qk_norm_names:
+        return None
+    if last in mla_names(True) + mla_names(False):     # MLA's: heads split, latents whole
+        return MLA_SPLIT.get(last)
     for module in (LlamaLayer, TokenEmbedding, RMSNormHead):
         if last in module.names:
             return module.split.get(last)
@@ -277,21 +330,33 @@ def llama_piece(name: str, array, tp: int, tp_rank: int, kv_heads: int):
 def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_heads: int,
                 hidden: int, rope_theta: float, recompute: str, eps: float,
                 microbatches: int, seq: int, cp=None, positions=None,
-                kv_sum_every: int | None = None, tie: bool = False) -> TransformerStage:
+                kv_sum_every: int | None = None, tie: bool = False,
+                head_dim: int | None = None, qk_norm: bool = False,
+                latent=None) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
     Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
     per K/V head here), ``positions`` the global positions of this rank's rows (RoPE).
-    The K/V replicas' dW_kv are summed every ``kv_sum_every`` micro-batches (default:
-    once per step; 1 where each micro-batch's gradient leaves the rank, as under
-    ZeRO-2/3). ``tie``: the head uses E^T (GPTConfig.tie_embeddings)."""
+    The K/V replicas' dW_kv (and the QK-norm gains' gradients) are summed every
+    ``kv_sum_every`` micro-batches (default: once per step; 1 where each micro-batch's
+    gradient leaves the rank, as under ZeRO-2/3). ``tie``: the head uses E^T
+    (GPTConfig.tie_embeddings). ``head_dim``: d (default hidden // heads); ``qk_norm``:
+    RMSNorm (eps ``eps``) on each query and key head before RoPE. ``latent``: a
+    :class:`~modeling.spec.LatentAttention` — the layers' attention is then multi-head
+    latent attention (:mod:`.mla`; ``cp`` with group 1 and its v_head_dim; the latent
+    projections' gradients summed over tp as the K/V replicas')."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
-    d, rope = hidden // heads, Rope(hidden // heads, rope_theta, positions)
+    d = head_dim or hidden // heads
+    rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
-    modules = [LlamaLayer(params(LlamaLayer.names, f"layers.{i}."),
-                          GQAttention(heads // t, kv_local, d, rope, cp), kv_heads, replicas,
-                          kv_sum_every or microbatches, recompute, eps) for i in layers]
+    modules = [LlamaLayer(params(LlamaLayer.layer_names(qk_norm, latent=latent),
+                                 f"layers.{i}."),
+                          GQAttention(heads // t, kv_local, d, rope, cp,
+                                      qk_norm=eps if qk_norm else None) if latent is None
+                          else MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps),
+                          kv_heads, replicas, kv_sum_every or microbatches, recompute, eps)
+               for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)
 

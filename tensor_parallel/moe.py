@@ -8,11 +8,13 @@ tokens each), W_r (h, E) replicated, W_gate, W_up (E_l, h, f), W_down (E_l, f, h
 
 Forward on rank r:
 
-    l = x W_r,  p = softmax(l)                    (T, E)      router
-    e[t, :k] = the k largest p[t] (ties: the lower expert index), k in {1, 2}
-    g[t, c]  = p[t, e_c]                          k = 1  (Switch: the raw probability)
-             = p[t, e_c] / (p[t, e_1] + p[t, e_2]) k = 2  (Mixtral: renormalised over the
-                                                          k selected; = softmax of their logits)
+    l = x W_r,  v = softmax(l) or sigmoid(l)      (T, E)      router scores
+    e[t, :k] = the k largest v[t] (ties: the lower expert index), 1 <= k <= E
+    g[t, c]  = σ · v[t, e_c]                      raw (Switch, Qwen2-MoE)
+             = σ · v[t, e_c] / S_t, S_t = sum_c v[t, e_c]   normalised over the k chosen
+               (``normalize_top_k``; Mixtral, Qwen3, DeepSeek-V3; for a softmax router =
+               the softmax of the k chosen logits); σ = ``routed_scaling`` (DeepSeek-V3 2.5)
+    p = v (softmax) or v / sum_e v[t, e] (sigmoid): the probabilities the aux loss reads
     capacity C = ceil(capacity_factor · T·k / E) per expert and rank (None: dropless);
       slots fill in a fixed order: every token's first choice in token order, then every
       second choice (GShard); a choice that finds its expert full is dropped and
@@ -22,6 +24,9 @@ Forward on rank r:
     expert i on its m_i rows X_i:  O_i = (silu(X_i Wg_i) * (X_i Wu_i)) Wd_i,
       silu(a) = a·sigmoid(a)
     combine: O back to the token's rank; y[t] = sum over kept c of g[t, c] · O[t, c]
+    shared expert (``shared_ffn_hidden`` F_s > 0; DeepSeek, Qwen2-MoE): one SwiGLU MLP of
+      width F_s (the shared experts side by side) on every token, y[t] += S(x[t]); its
+      weights are replicated over ep like the router's
     aux = alpha · E · sum_i f_i · P_i   over the *global* batch of the ep group (N = ep·T
       tokens): f_i = (assignments routed to i, before dropping) / (N·k),
       P_i = (1/N) sum_t p[t, i]; one all_reduce(ep) of the 2·E local sums. = alpha when
@@ -33,12 +38,23 @@ Backward of L = <dy, y> + d_aux · aux (f is a count: no gradient), per rank:
     expert: dWd = H^T dO, dH = dO Wd^T, dA = dH·B·silu'(A), dB = dH·silu(A),
             dWg = X^T dA, dWu = X^T dB, dX = dA Wg^T + dB Wu^T  (combined back like O)
             with A = X Wg, B = X Wu, H = silu(A)·B, silu'(a) = s(a)(1 + a(1 − s(a)))
-    gates: dp[t, e_c] = dg (k = 1);  dp[t, e_c] = (dg_c − sum_c' g_c' dg_c') / S (k = 2,
-           S = p[t, e_1] + p[t, e_2]);  aux: dp[t, i] += d_aux · alpha·E·f_i / N
-    softmax: dl = p·(dp − <p, dp>);  dW_r = all_reduce_ep(x^T dl);  dx = dX + dl W_r^T
+    gates: dv[t, e_c] = σ dg_c (raw);  dv[t, e_c] = (σ dg_c − sum_c' g_c' dg_c') / S_t
+           (normalised);  aux: dp[t, i] = d_aux · alpha·E·f_i / N, through p's
+           normalisation for a sigmoid router: dv[t] += (dp[t] − <p[t], dp[t]>) / sum v[t]
+    scores: dl = v·(dv − <v, dv>) (softmax), dv·v·(1 − v) (sigmoid);
+            dW_r = all_reduce_ep(x^T dl);  dx = dX + dl W_r^T (+ the shared expert's dx)
 
 Every expert's gradient lives on its owner (nothing to reduce over ep); the router is
 replicated over ep, so its gradient is summed over ep by one all_reduce.
+
+Expert tensor parallelism (a training layer's ``device_ops(dev, etp_axis="tp")``,
+Megatron-Core's etp = tp): every etp rank routes the same tokens and holds a column
+slice f/t of each expert's (and the shared expert's) W_gate, W_up and the matching row
+slice of W_down, so its O (and y) is a partial sum over the etp group — the caller
+reduces it (all_reduce, or reduce_scatter under sequence parallelism) — and its expert
+FLOPs are 1/t of the expert's. In the backward dg = <dy, O> needs the whole O: one
+all_reduce(etp) of dg over the kept rows (A values); dX of the experts is again a
+partial sum (the caller's reduction), the router's dl W_r^T whole on every rank.
 
 Exchanges. The counts first: one all_to_all(ep) of the E kept counts (int64; rank r
 learns c[s][j], the rows rank s sends to its expert j). Then the rows, in one of two
@@ -72,7 +88,9 @@ forward and of dW_r (h, E) in the backward.
 FLOPs declared (products only; softmax, routing, gathers and SwiGLU's elementwise work
 are declared with 0 FLOPs and the bytes they touch): router 2·T·h·E forward, 4·T·h·E
 backward; experts 2·3·h·f per row they compute forward (m_r = rows rank r's experts
-receive), 2·6·h·f backward.
+receive), 2·6·h·f backward; the shared expert 2·3·h·F_s per token forward, 2·6·h·F_s
+backward. Many small expert GEMMs are declared one per expert with its own (m_j, h, f)
+shape, so the timing model prices each at the efficiency of its size.
 
 Tracing. A trace holds no values, so it cannot route: it takes the counts as given, an
 :class:`ExpertLoad` (``meta_args``; the emulator returns the load it saw, and
@@ -97,7 +115,7 @@ from .moe_load import ExpertLoad, MoEGradients, MoEOutput, expert_capacity
 from .moe_reference import moe_reference
 from .operation import ShardedOperation, run_sharded
 
-__all__ = ["MoE", "MOE_TAG"]
+__all__ = ["MoE", "MOE_TAG", "DISPATCHERS", "ROUTERS"]
 
 MOE_TAG = 0x4D6F45 << 4            # "MoE": user tags MOE_TAG + 0..3 of the dropless exchanges
 _DISPATCH, _COMBINE, _GRAD_DISPATCH, _GRAD_COMBINE = range(4)
@@ -114,23 +132,32 @@ def _sigmoid(a):
 # --- the device steps -------------------------------------------------------------------
 class _Ops:
     """A rank's steps: products through ``local_matmul``, other work declared with 0
-    FLOPs; collectives over the ep axis."""
+    FLOPs; collectives over the ep axis (and the etp axis, when the experts' hidden
+    dimension is split over it)."""
 
-    def __init__(self, dev, ep_axis: str, algorithms: Mapping[str, str]):
-        self.dev, self.ep_axis, self.algorithms = dev, ep_axis, algorithms
-        self.solo = ep_axis not in dev.mesh.axes       # no ep axis: all experts here
-        self.group = (dev.rank,) if self.solo else dev.mesh.group(
-            dev.mesh.axis_tuple(ep_axis), dev.rank)
+    def __init__(self, dev, ep_axis: str, algorithms: Mapping[str, str],
+                 etp_axis: str | None = None):
+        axes = (ep_axis,) if isinstance(ep_axis, str) else tuple(ep_axis)
+        present = tuple(a for a in axes if a in dev.mesh.axes)
+        self.dev, self.algorithms = dev, algorithms
+        self.ep_axis = present[0] if len(present) == 1 else present   # one axis or several
+        self.etp_axis = etp_axis if etp_axis in dev.mesh.axes and \
+            dev.mesh.axis_size(etp_axis) > 1 else None
+        self.solo = not present                        # no ep axis: all experts here
+        self.group = (dev.rank,) if self.solo else dev.mesh.group(present, dev.rank)
         self.n = len(self.group)
         self.pos = self.group.index(dev.rank)
 
     def matmul(self, a, b, name):
         return local_matmul(self.dev, a, b, f"moe: {name}")
 
-    def ew(self, name, fn, *operands, shape=None, dtype=None):
+    def ew(self, name, fn, *operands, shape=None, dtype=None, nbytes=None):
         """``fn()`` over ``operands``; on shape-only operands (a trace) a result of
-        ``shape`` and ``dtype`` (default: the first operand's) when ``shape`` is given."""
-        with self.dev.compute(f"moe: {name}", flops=0, bytes=sum(map(_nbytes, operands))):
+        ``shape`` and ``dtype`` (default: the first operand's) when ``shape`` is given.
+        Declared with 0 FLOPs and the bytes it reads: ``nbytes``, or all of ``operands``
+        (a copy of some rows of them reads only those: give ``nbytes``)."""
+        read = sum(map(_nbytes, operands)) if nbytes is None else int(nbytes)
+        with self.dev.compute(f"moe: {name}", flops=0, bytes=read):
             if shape is not None and any(is_meta(o) for o in operands):
                 return MetaArray(shape, dtype or operands[0].dtype)
             return fn()
@@ -139,6 +166,13 @@ class _Ops:
         if self.solo:
             return x
         return self.dev.all_reduce(x, self.ep_axis,
+                                   algorithm=self.algorithms.get("all_reduce", "auto"))
+
+    def all_reduce_etp(self, x):
+        """Sum over the expert-tensor-parallel group (x itself without one)."""
+        if self.etp_axis is None:
+            return x
+        return self.dev.all_reduce(x, self.etp_axis,
                                    algorithm=self.algorithms.get("all_reduce", "auto"))
 
     def all_to_all(self, x):
@@ -166,22 +200,22 @@ class _Ops:
 
 
 class _Routing:
-    """One rank's routing: probs (T, E), experts and gates (T, k); the kept assignments
+    """One rank's routing: scores v (T, E), experts and gates (T, k); the kept assignments
     sorted by (expert, slot): tok, choice (A,) and slot = expert·C + position (A,);
     routed and kept counts (E,) as device arrays, kept also as host ints."""
 
-    def __init__(self, probs, experts, gates, tok, choice, slot, routed, kept_arr, kept):
-        self.probs, self.experts, self.gates = probs, experts, gates
+    def __init__(self, scores, experts, gates, tok, choice, slot, routed, kept_arr, kept):
+        self.scores, self.experts, self.gates = scores, experts, gates
         self.tok, self.choice, self.slot = tok, choice, slot
         self.routed, self.kept_arr, self.kept = routed, kept_arr, tuple(kept)
 
 
-def _route_values(probs, k: int, cap: int | None):
+def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: float):
     """Top-k, gates and capacity on real arrays (see the module docstring)."""
-    t, n_exp = probs.shape
-    experts = np.argsort(-probs, axis=1, kind="stable")[:, :k]            # (T, k)
-    sel = np.take_along_axis(probs, experts, axis=1)
-    gates = sel if k == 1 else sel / sel.sum(axis=1, keepdims=True)
+    t, n_exp = scores.shape
+    experts = np.argsort(-scores, axis=1, kind="stable")[:, :k]           # (T, k)
+    sel = np.take_along_axis(scores, experts, axis=1)
+    gates = scaling * (sel / sel.sum(axis=1, keepdims=True) if normalize else sel)
     flat = experts.T.reshape(-1)                      # choice-major: all 1st, then 2nd
     onehot = (flat[:, None] == np.arange(n_exp, like=flat)[None, :]).astype(np.int64)
     position = np.take_along_axis(np.cumsum(onehot, axis=0) - onehot, flat[:, None], 1)[:, 0]
@@ -193,7 +227,8 @@ def _route_values(probs, k: int, cap: int | None):
     return (experts, gates, order % t, order // t, slot, onehot.sum(axis=0), kept_arr)
 
 
-def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None):
+def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
+           normalize: bool = False, scaling: float = 1.0):
     t, n_exp = probs.shape
     if is_meta(probs):
         if load is None:
@@ -207,7 +242,8 @@ def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None):
                MetaArray((n_exp,), i64))
         ops.ew("route: top-k, capacity", lambda: None, probs)
         return _Routing(probs, *res, kept)
-    res = ops.ew("route: top-k, capacity", lambda: _route_values(probs, k, cap), probs)
+    res = ops.ew("route: top-k, capacity", lambda: _route_values(probs, k, cap, normalize,
+                                                                   scaling), probs)
     return _Routing(probs, *res, res[-1].tolist())
 
 
@@ -243,8 +279,10 @@ class _Exchange:
 
             got = ops.all_to_all(ops.ew(f"{what}: pack (E, C, h)", pack, rows,
                                         self.route.slot, shape=(n_exp, cap, h)))
+            item = np.dtype(rows.dtype).itemsize
             return [ops.ew(f"{what}: gather expert rows", lambda j=j: np.concatenate(
-                [got[s * e_l + j, :self.c[s][j]] for s in range(n)]), got) for j in range(e_l)]
+                [got[s * e_l + j, :self.c[s][j]] for s in range(n)]), got,
+                nbytes=sum(self.c[s][j] for s in range(n)) * h * item) for j in range(e_l)]
         bounds = np.concatenate([[0], np.cumsum(self.send_rows)]).tolist()
         pieces = [rows[bounds[q]:bounds[q + 1]] for q in range(n)]
         got = ops.exchange(pieces, self.recv_rows, rows, tag)
@@ -254,7 +292,9 @@ class _Exchange:
                 offs = [sum(self.c[s][:j]) for s in range(n)]
                 return np.concatenate([got[s][offs[s]:offs[s] + self.c[s][j]]
                                        for s in range(n)])
-            out.append(ops.ew(f"{what}: gather expert rows", gather, *got))
+            out.append(ops.ew(f"{what}: gather expert rows", gather, *got,
+                              nbytes=sum(self.c[s][j] for s in range(n)) * h
+                              * np.dtype(rows.dtype).itemsize))
         return out
 
     def combine(self, outs, tag: int, what: str):
@@ -275,11 +315,189 @@ class _Exchange:
             a = self.route.slot.shape[0]
             return ops.ew(f"{what}: unpack rows", lambda: got.reshape(n * e_l * cap, h)[
                 self.route.slot], got, self.route.slot, shape=(a, h))
+        item = np.dtype(outs[0].dtype).itemsize
         pieces = [ops.ew(f"{what}: pack rows for member {s}", lambda s=s: np.concatenate(
-            [outs[j][segs[j][s][1]:segs[j][s][2]] for j in range(e_l)]), *outs)
+            [outs[j][segs[j][s][1]:segs[j][s][2]] for j in range(e_l)]), *outs,
+            nbytes=sum(segs[j][s][2] - segs[j][s][1] for j in range(e_l)) * h * item)
             for s in range(n)]
         got = ops.exchange(pieces, self.send_rows, outs[0], tag)
         return ops.ew(f"{what}: unpack rows", lambda: np.concatenate(got), *got)
+
+
+class _AllToAllDispatch:
+    """The all-to-all dispatcher (Megatron's ``alltoall``; the module docstring's
+    "Exchanges"): the kept rows to their experts' owners and back, by all_to_all (a
+    capacity's padded buffers) or one message per peer (dropless)."""
+
+    def __init__(self, ops, route, cap, e_l: int, load):
+        self.ops, self.route, self.e_l = ops, route, e_l
+        counts = ops.all_to_all(route.kept_arr)                   # (n·E_l,): [s][j]
+        if is_meta(counts):
+            if load is None:
+                raise ValueError("MoE: a traced program needs load=ExpertLoad(...)")
+            mine = range(ops.pos * e_l, (ops.pos + 1) * e_l)
+            c = [[load.kept[s][e] for e in mine] for s in range(ops.n)]
+        else:
+            flat = counts.tolist()
+            c = [flat[s * e_l:(s + 1) * e_l] for s in range(ops.n)]
+        self.ex = _Exchange(ops, route, c, cap, e_l)
+
+    def forward(self, x2, weights):
+        """(y of the routed experts (T, h), the backward's state)."""
+        ops, route, ex, h, t = self.ops, self.route, self.ex, x2.shape[1], x2.shape[0]
+        wg, wu, wd = weights
+        a = route.tok.shape[0]
+        rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok,
+                      shape=(a, h))
+        xs = ex.dispatch(rows, _DISPATCH, "dispatch")
+        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j)
+                             for j in range(self.e_l)))
+        out_rows = ex.combine(list(outs), _COMBINE, "combine")
+        g_sel = ops.ew("combine: gates of kept rows", lambda: route.gates[
+            route.tok, route.choice], route.gates, route.tok)
+        y = _scatter_rows(ops, "combine: y = sum g O", t, route.tok,
+                          ops.ew("combine: g O", lambda: g_sel[:, None] * out_rows,
+                                 g_sel, out_rows))
+        return y, (xs, states, out_rows, g_sel)
+
+    def backward(self, state, dy2, weights):
+        """(dx of the routed experts (T, h), dg of the kept assignments (A,), summed over
+        etp, [dW_gate, dW_up, dW_down])."""
+        ops, route, ex, t, h = self.ops, self.route, self.ex, dy2.shape[0], dy2.shape[1]
+        xs, states, out_rows, g_sel = state
+        wg, wu, wd = weights
+        dy_rows = ops.ew("backward: gather dy rows", lambda: dy2[route.tok], dy2, route.tok,
+                         shape=(route.tok.shape[0], h))
+        d_out_rows = ops.ew("backward: dO = g dy", lambda: g_sel[:, None] * dy_rows,
+                            g_sel, dy_rows)
+        dg_sel = ops.all_reduce_etp(ops.ew("backward: dg = <dy, O>", lambda: (
+            dy_rows * out_rows).sum(axis=1), dy_rows, out_rows))
+        d_outs = ex.dispatch(d_out_rows, _GRAD_DISPATCH, "backward dispatch")
+        dw = [np.zeros_like(w) for w in weights]
+        dxs = []
+        for j in range(self.e_l):
+            dxj, *gj = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j],
+                                        d_outs[j], j)
+            dxs.append(dxj)
+            for acc, g in zip(dw, gj):
+                acc[j] = g
+        dx_rows = ex.combine(dxs, _GRAD_COMBINE, "backward combine")
+        return _scatter_rows(ops, "backward: dx = sum dX", t, route.tok, dx_rows), dg_sel, dw
+
+
+class _AllGatherDispatch:
+    """The all-gather dispatcher (Megatron's ``allgather``, for small expert groups):
+    every rank all-gathers the group's tokens x (n·T, h) and their routing table (T, 2k:
+    each choice's expert, -1 when dropped, and gate), computes its experts on the rows
+    routed to them, weighs them by their gates into a partial y (n·T, h) and
+    reduce-scatters it back to the tokens' owners. The backward all-gathers dy, and
+    reduce-scatters dx (n·T, h) and dg (n·T, k). Traffic per rank and call, whatever the
+    routing, with b the itemsize and n the group: all_gather (n−1)·T·(h + 2k)·b received,
+    reduce_scatter (n−1)/n of n·T·h·b sent; backward all_gather (n−1)·T·h·b, reduce_scatter
+    (n−1)/n of n·T·(h + k)·b."""
+
+    def __init__(self, ops, route, cap, e_l: int, load):
+        self.ops, self.route, self.e_l, self.load = ops, route, e_l, load
+
+    def _all_gather(self, x):
+        ops = self.ops
+        if ops.solo:
+            return x
+        return ops.dev.all_gather(x, ops.ep_axis, dim=0,
+                                  algorithm=ops.algorithms.get("all_gather", "auto"))
+
+    def _reduce_scatter(self, x):
+        ops = self.ops
+        if ops.solo:
+            return x
+        return ops.dev.reduce_scatter(x, ops.ep_axis, dim=0,
+                                      algorithm=ops.algorithms.get("reduce_scatter", "auto"))
+
+    def _rows(self, table, j: int):
+        """(i, c): the gathered tokens routed to local expert j and their choice."""
+        e = self.ops.pos * self.e_l + j
+        if is_meta(table):
+            m = sum(row[e] for row in self.load.kept)
+            return MetaArray((m,), np.dtype(np.int64)), MetaArray((m,), np.dtype(np.int64))
+        k = table.shape[1] // 2
+        return np.nonzero(table[:, :k] == e)
+
+    def forward(self, x2, weights):
+        ops, route, (t, h) = self.ops, self.route, x2.shape
+        k = route.gates.shape[1]
+        wg, wu, wd = weights
+
+        def table():
+            chosen = np.full(route.experts.shape, -1.0, dtype=route.gates.dtype)
+            chosen[route.tok, route.choice] = route.experts[route.tok, route.choice]
+            return np.concatenate([chosen, route.gates], axis=1)
+
+        tab = self._all_gather(ops.ew("dispatch: routing table (T, 2k)", table, route.gates,
+                                      route.experts, shape=(t, 2 * k)))
+        x_all = self._all_gather(x2)                                   # (n·T, h)
+        n_t = x_all.shape[0]
+        rows = [self._rows(tab, j) for j in range(self.e_l)]
+        item = np.dtype(x2.dtype).itemsize
+        xs = [ops.ew(f"dispatch: rows of expert {j}", lambda i=i: x_all[i], x_all, i,
+                     shape=(i.shape[0], h), nbytes=i.shape[0] * h * item)
+              for j, (i, _) in enumerate(rows)]
+        gs = [ops.ew(f"dispatch: gates of expert {j}", lambda i=i, c=c: tab[i, k + c], tab, i,
+                     shape=(i.shape[0],), nbytes=i.shape[0] * item)
+              for j, (i, c) in enumerate(rows)]
+        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j)
+                             for j in range(self.e_l)))
+
+        def partial():
+            y = np.zeros_like(x_all)
+            for (i, _), g, o in zip(rows, gs, outs):
+                np.add.at(y, i, g[:, None] * o)
+            return y
+
+        y_all = ops.ew("combine: partial y = sum g O (n·T, h)", partial, *outs,
+                       shape=(n_t, h), dtype=x2.dtype)
+        return self._reduce_scatter(y_all), (rows, xs, gs, outs, states, n_t)
+
+    def backward(self, state, dy2, weights):
+        ops, route, (t, h) = self.ops, self.route, dy2.shape
+        k = route.gates.shape[1]
+        rows, xs, gs, outs, states, n_t = state
+        wg, wu, wd = weights
+        dy_all = self._all_gather(dy2)
+        dw = [np.zeros_like(w) for w in weights]
+        dxs, dgs = [], []
+        for j, (i, _) in enumerate(rows):
+            dyj = ops.ew(f"backward: dy rows of expert {j}", lambda i=i: dy_all[i], dy_all, i,
+                         shape=(i.shape[0], h),
+                         nbytes=i.shape[0] * h * np.dtype(dy2.dtype).itemsize)
+            dgs.append(ops.ew(f"backward: dg = <dy, O> of expert {j}", lambda d=dyj, o=outs[j]:
+                              (d * o).sum(axis=1), dyj, outs[j], shape=(i.shape[0],)))
+            d_out = ops.ew(f"backward: dO = g dy of expert {j}", lambda d=dyj, g=gs[j]:
+                           g[:, None] * d, dyj, gs[j])
+            dxj, *gj = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j], d_out, j)
+            dxs.append(dxj)
+            for acc, g in zip(dw, gj):
+                acc[j] = g
+
+        def partial():
+            dx = np.zeros((n_t, h + k), dtype=dy2.dtype)
+            for (i, c), dxj, dgj in zip(rows, dxs, dgs):
+                np.add.at(dx[:, :h], i, dxj)
+                dx[i, h + c] = dgj
+            return dx
+
+        both = self._reduce_scatter(ops.ew("backward: partial [dx | dg] (n·T, h + k)",
+                                           partial, *dxs, *dgs, shape=(n_t, h + k),
+                                           dtype=dy2.dtype))
+        dx = ops.ew("backward: dx", lambda: both[:, :h], both, shape=(t, h))
+        dg = ops.all_reduce_etp(ops.ew("backward: dg", lambda: both[:, h:], both,
+                                       shape=(t, k)))
+        dg_sel = ops.ew("backward: dg of kept rows", lambda: dg[route.tok, route.choice],
+                        dg, route.tok, shape=(route.tok.shape[0],))
+        return dx, dg_sel, dw
+
+
+_DISPATCHERS = {"alltoall": _AllToAllDispatch, "allgather": _AllGatherDispatch}
+DISPATCHERS = tuple(_DISPATCHERS)
 
 
 def _expert_forward(ops, x, wg, wu, wd, j):
@@ -318,27 +536,49 @@ def _scatter_rows(ops, name, t, tok, rows):
 
 
 # --- the operation ----------------------------------------------------------------------
+ROUTERS = ("softmax", "sigmoid")
+_SHARED = ("w_shared_gate", "w_shared_up", "w_shared_down")
+
+
 class MoE(ShardedOperation):
     """``MoE(hidden, ffn_hidden, experts, top_k=2, capacity_factor=None, aux_coef=0.01,
-    seed=0, ep_axis="ep", algorithms=None)``; see the module docstring.
+    seed=0, ep_axis="ep", algorithms=None, *, router="softmax", normalize_top_k=None,
+    routed_scaling=1.0, shared_ffn_hidden=0, dispatcher="alltoall")``; see the module
+    docstring.
 
-    ``capacity_factor`` None is dropless; ``aux_coef`` is alpha of the auxiliary loss;
-    ``seed`` draws :meth:`init_params`; ``algorithms`` maps ``all_to_all`` /
-    ``all_reduce`` to the algorithm every such call uses (default ``auto``).
+    ``top_k``: experts per token, 1 to ``experts``; ``capacity_factor`` None is
+    dropless; ``aux_coef`` is alpha of the auxiliary loss (0: none, as DeepSeek-V3's
+    auxiliary-loss-free routing); ``router``: the scores, ``softmax`` or ``sigmoid``;
+    ``normalize_top_k``: the k gates divided by their sum (None: True for k > 1 with a
+    softmax router — Mixtral's — and for a sigmoid router, False for k = 1);
+    ``routed_scaling``: σ, the gates' factor; ``shared_ffn_hidden``: the width of the
+    always-on shared expert (0: none); ``dispatcher``: how tokens reach the experts,
+    ``alltoall`` (the module docstring's exchanges) or ``allgather`` (every rank gathers
+    the group's tokens and reduce-scatters its experts' partial outputs; Megatron's for
+    small groups); ``seed`` draws :meth:`init_params`;
+    ``algorithms`` maps ``all_to_all`` / ``all_reduce`` to the algorithm every such call
+    uses (default ``auto``).
+
+    The per-device programs take the weights in the order of :meth:`weight_names`:
+    router, the routed experts' three, then the shared expert's three when it has one.
     """
 
     name = "mixture-of-experts"
 
     def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int = 2,
                  capacity_factor: float | None = None, aux_coef: float = 0.01, seed: int = 0,
-                 ep_axis: str = "ep", algorithms: Mapping[str, str] | None = None):
-        for name, v in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("experts", experts)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"MoE: {name} must be an int >= 1, got {v!r}")
-        if top_k not in (1, 2):
-            raise ValueError(f"MoE: top_k must be 1 or 2, got {top_k!r}")
+                 ep_axis: str = "ep", algorithms: Mapping[str, str] | None = None, *,
+                 router: str = "softmax", normalize_top_k: bool | None = None,
+                 routed_scaling: float = 1.0, shared_ffn_hidden: int = 0,
+                 dispatcher: str = "alltoall"):
+        for name, v, low in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
+                             ("experts", experts, 1), ("top_k", top_k, 1),
+                             ("shared_ffn_hidden", shared_ffn_hidden, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError(f"MoE: {name} must be an int >= {low}, got {v!r}")
         if top_k > experts:
-            raise ValueError(f"MoE: top_k={top_k} exceeds experts={experts}")
+            raise ValueError(f"MoE: top_k={top_k} exceeds experts={experts} (a token uses "
+                             "at most every expert once)")
         if capacity_factor is not None and (
                 isinstance(capacity_factor, bool) or not isinstance(capacity_factor, Real)
                 or not math.isfinite(capacity_factor) or capacity_factor <= 0):
@@ -346,38 +586,77 @@ class MoE(ShardedOperation):
                              f"got {capacity_factor!r}")
         if not isinstance(aux_coef, Real) or not math.isfinite(aux_coef) or aux_coef < 0:
             raise ValueError(f"MoE: aux_coef must be a finite number >= 0, got {aux_coef!r}")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"MoE: dispatcher must be one of {DISPATCHERS}, got "
+                             f"{dispatcher!r}")
+        if router not in ROUTERS:
+            raise ValueError(f"MoE: router must be one of {ROUTERS}, got {router!r}")
+        if normalize_top_k not in (None, False, True):
+            raise ValueError(f"MoE: normalize_top_k must be True, False or None (the "
+                             f"router's default), got {normalize_top_k!r}")
+        if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, Real) \
+                or not math.isfinite(routed_scaling) or routed_scaling <= 0:
+            raise ValueError(f"MoE: routed_scaling must be a finite number > 0, got "
+                             f"{routed_scaling!r}")
         self.hidden, self.ffn_hidden, self.experts = int(hidden), int(ffn_hidden), int(experts)
         self.top_k, self.aux_coef, self.seed = int(top_k), float(aux_coef), seed
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.router = router
+        self.normalize_top_k = (router == "sigmoid" or self.top_k > 1) \
+            if normalize_top_k is None else bool(normalize_top_k)
+        self.routed_scaling = float(routed_scaling)
+        self.shared_ffn_hidden = int(shared_ffn_hidden)
+        self.dispatcher = dispatcher
         self.ep_axis = ep_axis
         self.algorithms = dict(algorithms or {})
         for kind, alg in self.algorithms.items():
             choose_algorithm(kind, 0, 2, requested=alg)   # unknown names raise ValueError
 
     def __repr__(self) -> str:
+        extra = "".join((
+            f", router={self.router!r}" if self.router != "softmax" else "",
+            f", normalize_top_k={self.normalize_top_k}",
+            f", routed_scaling={self.routed_scaling:g}" if self.routed_scaling != 1 else "",
+            f", shared_ffn_hidden={self.shared_ffn_hidden}" if self.shared_ffn_hidden else "",
+            f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else ""))
         return (f"MoE(hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
                 f"experts={self.experts}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, aux_coef={self.aux_coef}, "
-                f"seed={self.seed}, ep_axis={self.ep_axis!r})")
+                f"capacity_factor={self.capacity_factor}, aux_coef={self.aux_coef}"
+                f"{extra}, seed={self.seed}, ep_axis={self.ep_axis!r})")
 
     # --- parameters and layouts ---------------------------------------------------------
+    def weight_names(self) -> tuple[str, ...]:
+        """The weights in the order the per-device programs take them."""
+        return ("w_router", "w_gate", "w_up", "w_down") + (
+            _SHARED if self.shared_ffn_hidden else ())
+
+    def weight_shapes(self) -> dict:
+        """Name -> global shape: w_router (h, E), w_gate and w_up (E, h, f), w_down
+        (E, f, h); with a shared expert w_shared_gate, w_shared_up (h, F_s) and
+        w_shared_down (F_s, h)."""
+        h, f, e, fs = self.hidden, self.ffn_hidden, self.experts, self.shared_ffn_hidden
+        shapes = {"w_router": (h, e), "w_gate": (e, h, f), "w_up": (e, h, f),
+                  "w_down": (e, f, h)}
+        if fs:
+            shapes.update(w_shared_gate=(h, fs), w_shared_up=(h, fs), w_shared_down=(fs, h))
+        return shapes
+
     def init_params(self, dtype=np.float64) -> dict:
-        """w_router (h, E), w_gate and w_up (E, h, f), w_down (E, f, h), normal with
-        standard deviation 1/sqrt(fan-in), drawn from ``seed``."""
+        """Every weight of :meth:`weight_shapes`, normal with standard deviation
+        1/sqrt(fan-in), drawn from ``seed``."""
         rng = np.random.default_rng(self.seed)
-        h, f, e = self.hidden, self.ffn_hidden, self.experts
-        shapes = {"w_router": ((h, e), h), "w_gate": ((e, h, f), h), "w_up": ((e, h, f), h),
-                  "w_down": ((e, f, h), f)}
-        return {n: (rng.standard_normal(s) / math.sqrt(fan)).astype(dtype)
-                for n, (s, fan) in shapes.items()}
+        return {n: (rng.standard_normal(s) / math.sqrt(s[-2])).astype(dtype)
+                for n, s in self.weight_shapes().items()}
 
     @property
     def layouts(self) -> dict:
         """Name -> TensorSharding: experts' weights split by expert over ep, the router
-        replicated, tokens (x, y, dx) split on their first dimension over ep."""
+        and the shared expert replicated, tokens (x, y, dx) split on their first
+        dimension over ep."""
         ep = self.ep_axis
         return {"w_router": TS(None, None), "w_gate": TS(ep, None, None),
                 "w_up": TS(ep, None, None), "w_down": TS(ep, None, None),
+                **{n: TS(None, None) for n in _SHARED},
                 "aux": TS(None), "counts": TS(ep, None)}
 
     def _tokens_layout(self, ndim: int) -> TS:
@@ -397,21 +676,36 @@ class MoE(ShardedOperation):
         """ceil(capacity_factor · T·k / E) (None: dropless)."""
         return expert_capacity(self.capacity_factor, tokens_per_rank, self.top_k, self.experts)
 
+    def _split(self, rest, tail: int):
+        """(shared weights or None, the ``tail`` arguments after them) of a per-device
+        program's arguments past w_down."""
+        n = len(_SHARED) if self.shared_ffn_hidden else 0
+        return (tuple(rest[:n]) or None), tuple(rest[n:n + tail])
+
     # --- per-device programs --------------------------------------------------------------
-    def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load):
+    def _scores(self, ops, logits):
+        """v = softmax(l) or sigmoid(l), and p (the aux loss's probabilities)."""
+        if self.router == "sigmoid":
+            v = ops.ew("router: v = sigmoid(l)", lambda: _sigmoid(logits), logits)
+            p = ops.ew("router: p = v / sum v", lambda: v / v.sum(axis=1, keepdims=True), v)
+            return v, p
+
+        def softmax():
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            return e / e.sum(axis=1, keepdims=True)
+
+        v = ops.ew("router: p = softmax(l)", softmax, logits)
+        return v, v
+
+    def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load, shared=None):
         h, k, n_exp = self.hidden, self.top_k, self.experts
         e_l = n_exp // ops.n
         x2 = x.reshape(-1, h)
         t = x2.shape[0]
         cap = self.capacity(t)
         logits = ops.matmul(x2, w_router, "router: l = x W_r")
-
-        def softmax():
-            e = np.exp(logits - logits.max(axis=1, keepdims=True))
-            return e / e.sum(axis=1, keepdims=True)
-
-        probs = ops.ew("router: p = softmax(l)", softmax, logits)
-        route = _route(ops, probs, k, cap, load)
+        scores, probs = self._scores(ops, logits)
+        route = _route(ops, scores, k, cap, load, self.normalize_top_k, self.routed_scaling)
 
         # aux loss: global f and P over the ep group
         sums = ops.all_reduce(ops.ew("aux: local sums", lambda: np.concatenate(
@@ -421,133 +715,133 @@ class MoE(ShardedOperation):
         aux = ops.ew("aux = alpha E sum f P", lambda: (self.aux_coef * n_exp * (
             f * sums[n_exp:] / n_glob).sum()).reshape(1), sums)
 
-        counts = ops.all_to_all(route.kept_arr)                   # (n·E_l,): [s][j]
-        if is_meta(counts):
-            if load is None:
-                raise ValueError("MoE: a traced program needs load=ExpertLoad(...)")
-            mine = range(ops.pos * e_l, (ops.pos + 1) * e_l)
-            c = [[load.kept[s][e] for e in mine] for s in range(ops.n)]
-        else:
-            flat = counts.tolist()
-            c = [flat[s * e_l:(s + 1) * e_l] for s in range(ops.n)]
-        ex = _Exchange(ops, route, c, cap, e_l)
-
-        a = route.tok.shape[0]
-        rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok,
-                      shape=(a, h))
-        xs = ex.dispatch(rows, _DISPATCH, "dispatch")
-        outs, states = zip(*(_expert_forward(ops, xs[j], w_gate[j], w_up[j], w_down[j], j)
-                             for j in range(e_l)))
-        out_rows = ex.combine(list(outs), _COMBINE, "combine")
-        g_sel = ops.ew("combine: gates of kept rows", lambda: route.gates[
-            route.tok, route.choice], route.gates, route.tok)
-        y = _scatter_rows(ops, "combine: y = sum g O", t, route.tok,
-                          ops.ew("combine: g O", lambda: g_sel[:, None] * out_rows,
-                                 g_sel, out_rows))
-        saved = (x2, route, ex, xs, states, out_rows, g_sel, f)
+        disp = _DISPATCHERS[self.dispatcher](ops, route, cap, e_l, load)
+        y, d_state = disp.forward(x2, (w_gate, w_up, w_down))
+        s_state = None
+        if shared is not None:
+            y_s, s_state = _expert_forward(ops, x2, *shared, "shared")
+            y = ops.ew("y += shared expert", lambda: y + y_s, y, y_s)
+        saved = (x2, route, disp, d_state, f, probs, s_state)
         return y.reshape(x.shape), aux, route, saved
 
     @staticmethod
     def _report(route):
         return route.routed.reshape(1, -1), route.kept_arr.reshape(1, -1)
 
-    def forward_local(self, dev, x, w_router, w_gate, w_up, w_down, load=None):
-        """(y, aux (1,), routed (1, E), kept (1, E)) on this rank; ``load``: the counts a
+    def forward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
+        """(y, aux (1,), routed (1, E), kept (1, E)) on this rank; ``rest``: the shared
+        expert's weights when the layer has one, then optionally ``load``, the counts a
         trace takes as given (ignored when the arrays hold values)."""
+        shared, tail = self._split(rest, 1)
+        load = tail[0] if tail else None
         self.ep_size(dev.mesh)
         ops = _Ops(dev, self.ep_axis, self.algorithms)
-        y, aux, route, _ = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
+        y, aux, route, _ = self._forward(ops, x, w_router, w_gate, w_up, w_down, load,
+                                         shared)
         return (y, aux, *self._report(route))
 
     # --- hooks for a layer inside a training program (tensor_parallel.moe_layer) ---------
-    def device_ops(self, dev):
-        """This rank's steps (collectives over ``ep_axis``; a mesh without that axis holds
-        every expert on each rank and communicates nothing)."""
-        if self.ep_axis in dev.mesh.axes:
-            self.ep_size(dev.mesh)
-        return _Ops(dev, self.ep_axis, self.algorithms)
+    def device_ops(self, dev, etp_axis: str | None = None, ep_axes=None):
+        """This rank's steps (collectives over ``ep_axes``, default ``ep_axis``: one mesh
+        axis or a tuple of them, the expert group folded over several; a mesh without
+        them holds every expert on each rank and communicates nothing); ``etp_axis``: the
+        axis the experts' hidden dimension is split over (the module docstring)."""
+        ops = _Ops(dev, self.ep_axis if ep_axes is None else ep_axes, self.algorithms,
+                   etp_axis)
+        if self.experts % ops.n:
+            raise ValueError(f"MoE: experts={self.experts} is not divisible by the expert "
+                             f"group's {ops.n} ranks (mesh axes {ops.ep_axis!r})")
+        return ops
 
-    def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None):
+    def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None):
         """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
-        routed (E,), kept (E,), state for :meth:`backward_saved`)."""
-        y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load)
+        routed (E,), kept (E,), state for :meth:`backward_saved`); ``shared``: the shared
+        expert's (W_gate, W_up, W_down) when the layer has one."""
+        y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load,
+                                             shared)
         return y, aux, route.routed, route.kept_arr, saved
 
-    def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux):
-        """Backward of <dy2, y> + d_aux · aux: (dx (T, h), dW_r of this rank's tokens (not
-        summed over ep: the caller reduces it with the other replicated parameters),
-        [dW_gate, dW_up, dW_down] of this rank's experts)."""
-        return self._backward(ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux)
+    def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux,
+                       shared=None):
+        """Backward of <dy2, y> + d_aux · aux: (dx of the experts (T, h) — a partial sum
+        over the etp group when there is one —, the router's dx (T, h), dW_r of this
+        rank's tokens (not summed over ep: the caller reduces it with the other
+        replicated parameters), [dW_gate, dW_up, dW_down] of this rank's experts, the
+        shared expert's three gradients of this rank's tokens or None)."""
+        return self._backward(ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux, shared)
 
-    def _backward(self, ops, saved, dy, w_router, w_gate, w_up, w_down, d_aux):
-        """The backward of :meth:`_forward` (``saved`` its state): (dx (T, h), dW_r of
-        this rank's tokens — not yet summed over ep —, [dW_gate, dW_up, dW_down])."""
-        x2, route, ex, xs, states, out_rows, g_sel, f = saved
-        h, k, n_exp, e_l = self.hidden, self.top_k, self.experts, len(xs)
+    def _dlogits(self, route, probs, dg_sel, f, t: int, n: int, d_aux: float):
+        """dl (T, E) on real arrays: the gates', the aux loss's and the scores' chain (the
+        module docstring's 'gates' and 'scores' lines)."""
+        v, n_exp = route.scores, self.experts
+        sigma = self.routed_scaling
+        dg = np.zeros_like(route.gates)
+        dg[route.tok, route.choice] = dg_sel
+        if self.normalize_top_k:
+            s = np.take_along_axis(v, route.experts, axis=1).sum(axis=1, keepdims=True)
+            dv_sel = (sigma * dg - (route.gates * dg).sum(axis=1, keepdims=True)) / s
+        else:
+            dv_sel = sigma * dg
+        dp = np.zeros_like(v) + d_aux * self.aux_coef * n_exp / (t * n) * f
+        if self.router == "sigmoid":            # p = v / sum v
+            dv = (dp - (probs * dp).sum(axis=1, keepdims=True)) / v.sum(axis=1, keepdims=True)
+        else:
+            dv = dp
+        dv[np.arange(t, like=route.experts)[:, None], route.experts] += dv_sel
+        if self.router == "sigmoid":
+            return dv * v * (1 - v)
+        return v * (dv - (v * dv).sum(axis=1, keepdims=True))
+
+    def _backward(self, ops, saved, dy, w_router, w_gate, w_up, w_down, d_aux, shared=None):
+        """The backward of :meth:`_forward` (``saved`` its state): (the experts' dx
+        (T, h), the router's dx (T, h), dW_r of this rank's tokens — not yet summed over
+        ep —, [dW_gate, dW_up, dW_down], the shared expert's [dW_gate, dW_up, dW_down] or
+        None)."""
+        x2, route, disp, d_state, f, probs, s_state = saved
         t = x2.shape[0]
-        dy2 = dy.reshape(-1, h)
-        dy_rows = ops.ew("backward: gather dy rows", lambda: dy2[route.tok], dy2, route.tok,
-                         shape=(route.tok.shape[0], h))
-        d_out_rows = ops.ew("backward: dO = g dy", lambda: g_sel[:, None] * dy_rows,
-                            g_sel, dy_rows)
-        dg_sel = ops.ew("backward: dg = <dy, O>", lambda: (dy_rows * out_rows).sum(axis=1),
-                        dy_rows, out_rows)
-        d_outs = ex.dispatch(d_out_rows, _GRAD_DISPATCH, "backward dispatch")
-        dw = [np.zeros_like(w) for w in (w_gate, w_up, w_down)]
-        dxs = []
-        for j in range(e_l):
-            dxj, *gj = _expert_backward(ops, xs[j], w_gate[j], w_up[j], w_down[j], states[j],
-                                        d_outs[j], j)
-            dxs.append(dxj)
-            for acc, g in zip(dw, gj):
-                acc[j] = g
-        dx_rows = ex.combine(dxs, _GRAD_COMBINE, "backward combine")
-        dx = _scatter_rows(ops, "backward: dx = sum dX", t, route.tok, dx_rows)
+        dy2 = dy.reshape(-1, self.hidden)
+        dx, dg_sel, dw = disp.backward(d_state, dy2, (w_gate, w_up, w_down))
+        d_shared = None
+        if shared is not None:
+            dx_s, *d_shared = _expert_backward(ops, x2, *shared, s_state, dy2, "shared")
+            dx = ops.ew("backward: dx += shared expert", lambda: dx + dx_s, dx, dx_s)
 
-        def dlogits():
-            p = route.probs
-            dg = np.zeros_like(route.gates)
-            dg[route.tok, route.choice] = dg_sel
-            if k == 1:
-                dp_sel = dg
-            else:
-                s = np.take_along_axis(p, route.experts, axis=1).sum(axis=1, keepdims=True)
-                dp_sel = (dg - (route.gates * dg).sum(axis=1, keepdims=True)) / s
-            dp = np.zeros_like(p) + d_aux * self.aux_coef * n_exp / (t * ex.ops.n) * f
-            rows = np.arange(t, like=route.experts)[:, None]
-            dp[rows, route.experts] += dp_sel
-            return p * (dp - (p * dp).sum(axis=1, keepdims=True))
-
-        dl = ops.ew("router: dl = softmax'(dp)", dlogits, route.probs, route.gates, f,
-                    shape=route.probs.shape)
+        dl = ops.ew("router: dl = scores'(dv)", lambda: self._dlogits(
+            route, probs, dg_sel, f, t, ops.n, d_aux), route.scores, route.gates, f,
+            shape=route.scores.shape)
         d_router = ops.matmul(x2.T, dl, "router: dW_r = x^T dl")
         dx_r = ops.matmul(dl, w_router.T, "router: dx = dl W_r^T")
-        dx = ops.ew("backward: dx + router", lambda: dx + dx_r, dx, dx_r)
-        return dx, d_router, dw
+        return dx, dx_r, d_router, dw, d_shared
 
-    def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, dy, d_aux=1.0,
-                       load=None):
+    def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
         """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
-        dW_down, routed, kept); dW_r summed over ep, the experts' on their owners."""
+        dW_down, [the shared expert's three,] routed, kept); dW_r (and the shared
+        expert's) summed over ep, the experts' on their owners. ``rest``: the shared
+        expert's weights when the layer has one, then dy, optionally d_aux (default 1)
+        and ``load`` (traces)."""
+        shared, tail = self._split(rest, 3)
+        dy, d_aux, load = tail + (1.0, None)[len(tail) - 1:]
         self.ep_size(dev.mesh)
         ops = _Ops(dev, self.ep_axis, self.algorithms)
-        y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load)
-        dx, d_router, dw = self._backward(ops, saved, dy, w_router, w_gate, w_up, w_down,
-                                          d_aux)
+        y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load,
+                                             shared)
+        dx, dx_r, d_router, dw, d_shared = self._backward(ops, saved, dy, w_router, w_gate,
+                                                          w_up, w_down, d_aux, shared)
+        dx = ops.ew("backward: dx + router", lambda: dx + dx_r, dx, dx_r)
         d_router = ops.all_reduce(d_router)
-        return (y, aux, dx.reshape(x.shape), d_router, *dw, *self._report(route))
+        d_shared = [ops.all_reduce(g) for g in d_shared] if shared is not None else []
+        return (y, aux, dx.reshape(x.shape), d_router, *dw, *d_shared, *self._report(route))
 
     # --- host conveniences ----------------------------------------------------------------
     def _check(self, mesh, x, params, dy=None) -> int:
         ep = self.ep_size(mesh)
-        h, f, e = self.hidden, self.ffn_hidden, self.experts
+        h = self.hidden
         xs = np.shape(x)
         if len(xs) < 2 or xs[-1] != h:
             raise ValueError(f"MoE: x must have shape (tokens, ..., hidden={h}), got {xs}")
         if xs[0] % ep:
             raise ValueError(f"MoE: x's first dimension {xs[0]} is not divisible by ep={ep}")
-        expected = {"w_router": (h, e), "w_gate": (e, h, f), "w_up": (e, h, f),
-                    "w_down": (e, f, h)}
+        expected = self.weight_shapes()
         if set(params) != set(expected):
             raise ValueError(f"MoE: params must have the keys {sorted(expected)}, got "
                              f"{sorted(params)}")
@@ -562,7 +856,7 @@ class MoE(ShardedOperation):
     def _inputs(self, x, params, *more):
         L = self.layouts
         tok = self._tokens_layout(np.ndim(x))
-        return ([(x, tok)] + [(params[n], L[n]) for n in ("w_router", "w_gate", "w_up", "w_down")]
+        return ([(x, tok)] + [(params[n], L[n]) for n in self.weight_names()]
                 + [(m, tok) for m in more])
 
     def _load(self, routed, kept, x, ep) -> ExpertLoad:
@@ -579,23 +873,29 @@ class MoE(ShardedOperation):
         return MoEOutput(y, float(aux[0]), self._load(routed, kept, x, ep))
 
     def backward(self, cluster, x, params, dy, d_aux: float = 1.0) -> MoEGradients:
-        """Forward and backward of <dy, y> + d_aux · aux: every gradient, global."""
+        """Forward and backward of <dy, y> + d_aux · aux: every gradient, global (the
+        shared expert's in ``shared_grads``)."""
         ep = self._check(cluster.mesh, x, params, dy)
         L, tok = self.layouts, self._tokens_layout(np.ndim(x))
-        y, aux, dx, dr, dg, du, dd, routed, kept = run_sharded(
-            cluster, self.backward_local, self._inputs(x, params, dy),
-            [tok, L["aux"], tok, L["w_router"], L["w_gate"], L["w_up"], L["w_down"],
-             L["counts"], L["counts"]], extra_args=(float(d_aux),))
+        names = self.weight_names()
+        out = run_sharded(cluster, self.backward_local, self._inputs(x, params, dy),
+                          [tok, L["aux"], tok] + [L[n] for n in names]
+                          + [L["counts"], L["counts"]], extra_args=(float(d_aux),))
+        y, aux, dx, dr, dg, du, dd, *shared, routed, kept = out
         return MoEGradients(y, float(aux[0]), dx, dr, dg, du, dd,
-                            self._load(routed, kept, x, ep))
+                            self._load(routed, kept, x, ep), tuple(shared) or None)
 
     def reference(self, x, params, dy=None, ep: int = 1, d_aux: float = 1.0):
         """The plain-numpy layer (:mod:`tensor_parallel.moe_reference`) on the global
         batch, capacity per ep rank as here: a MoEOutput, or with ``dy`` a MoEGradients."""
+        shared = tuple(params[n] for n in _SHARED) if self.shared_ffn_hidden else None
         result, _, _ = moe_reference(x, params["w_router"], params["w_gate"], params["w_up"],
                                      params["w_down"], top_k=self.top_k,
                                      capacity_factor=self.capacity_factor,
-                                     aux_coef=self.aux_coef, ep=ep, dy=dy, d_aux=d_aux)
+                                     aux_coef=self.aux_coef, ep=ep, dy=dy, d_aux=d_aux,
+                                     router=self.router,
+                                     normalize_top_k=self.normalize_top_k,
+                                     routed_scaling=self.routed_scaling, shared=shared)
         return result
 
     def meta_args(self, mesh, x_shape, load: ExpertLoad, backward: bool = False,
@@ -606,10 +906,11 @@ class MoE(ShardedOperation):
         if not isinstance(load, ExpertLoad) or (load.ep, load.experts) != (ep, self.experts):
             raise ValueError(f"MoE: load must be an ExpertLoad of ep={ep} ranks and "
                              f"{self.experts} experts, got {load!r}")
-        h, f, e_l = self.hidden, self.ffn_hidden, self.experts // ep
+        shapes = self.weight_shapes()
+        e_l = self.experts // ep
         x_local = (x_shape[0] // ep,) + tuple(x_shape[1:])
-        w = [MetaArray(s, dtype) for s in ((h, self.experts), (e_l, h, f), (e_l, h, f),
-                                            (e_l, f, h))]
+        w = [MetaArray((e_l,) + shapes[n][1:] if n in ("w_gate", "w_up", "w_down")
+                       else shapes[n], dtype) for n in self.weight_names()]
         args = (MetaArray(x_local, dtype), *w)
         args += (MetaArray(x_local, dtype), 1.0, load) if backward else (load,)
         return [args] * mesh.size

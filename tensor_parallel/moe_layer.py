@@ -10,19 +10,37 @@ The experts are SwiGLU MLPs, so only the Llama block takes them (``GPTConfig`` r
 experts with the GPT block, whose MLP is GELU).
 
 Parameters of the MoE block: ``w_router`` (h, E), ``moe_gate``, ``moe_up`` (E, h, f_e),
-``moe_down`` (E, f_e, h). The experts are split over the mesh axis ``ep`` on their first
+``moe_down`` (E, f_e, h); with a shared expert (``GPTConfig(moe_shared_ffn_hidden=F_s)``)
+also ``shared_gate``, ``shared_up`` (h, F_s) and ``shared_down`` (F_s, h), replicated
+like the router. The experts are split over the mesh axis ``ep`` on their first
 dimension (rank with ep coordinate r holds experts r·E/ep … (r+1)·E/ep − 1); the router
 is replicated. The ep group is carved out of the data-parallel ranks (Megatron: ep
 divides dp·cp): its members hold different micro-batch rows, and the MoE's all_to_all
 sends each routed token to its expert's owner.
 
-Tensor parallelism: the experts are *replicated* over tp. Each tp rank runs the whole MoE
-block on the whole micro-batch (under SP it first all-gathers the sequence, and keeps its
-own sequence slice of the output; the backward all-gathers dy the same way and keeps its
-slice of dx), so every tp rank computes the same routing, the same tokens and the same
-gradients — no tp collective closes the block and no tp reduction of its gradients is
-needed (each tp rank's ep group, ranks that share its tp coordinate, exchanges its own
-copy). It costs t-fold expert FLOPs over the tp group; it is simple and exact.
+Tensor parallelism: the experts are *split* over tp (expert tensor parallelism with
+etp = tp, as Megatron-Core's default): each tp rank holds a column slice f_e/t of every
+expert's W_gate and W_up and the matching row slice of W_down (the shared expert's
+likewise), so a rank's expert FLOPs and weights are 1/t of the experts'. The block is a
+tensor-parallel region like the dense MLP: it enters with the gathered micro-batch
+(``gather_seq``: SP all-gathers the sequence), every tp rank routes the same tokens (the
+router is replicated and cheap) and exchanges them over its own ep group (the ranks
+sharing its tp coordinate), its experts give partial sums of y, and it leaves with
+``reduce_out`` (all_reduce(tp), or reduce_scatter(tp) under SP). The backward mirrors
+it: dy gathered, dg = <dy, O> summed over tp (A values), the experts' dx a partial sum
+reduced like y, the router's dx whole on every rank (its own sequence slice under SP).
+Each tp rank sends every routed token through its ep exchange (Megatron's all-to-all
+dispatcher sends a rank's own sequence slice and all-gathers the received rows over tp
+instead: t-fold less all-to-all traffic; not modelled yet).
+
+Folded (``ParallelConfig(etp=1)``, tp > 1, sequence parallelism on): the expert group is
+ep consecutive ranks made of whole tp groups (mesh axes ("ep", "tp")), each expert whole
+on one rank. The block is no tensor-parallel region: each rank routes its own sequence
+slice (b, s/t, h) straight to the experts' owners over that group and gets its slice of
+y back — no tp collective, a rank's expert FLOPs E/ep experts' share of the group's
+tokens. The router (and the shared expert, replicated over tp here) see only the rank's
+tokens, so their gradients are partial over tp and summed over it once per step with
+the norms' (``seq_partial``).
 
 Gradients: the router's is this rank's tokens' share (summed, with every replicated
 parameter, over all of data parallelism by the executor); the experts' are complete for
@@ -43,25 +61,51 @@ from types import MappingProxyType
 from vcluster.runtime.tracing import is_meta
 from .gqa import GQAttention, Rope
 from .llama import LlamaLayer, check_kv_heads, llama_ends
+from .mla import MLAttention
 from .moe import MoE
 from .moe_load import ExpertLoad
 from .transformer import TransformerStage
 
-__all__ = ["MoEBlock", "LlamaMoELayer", "llama_moe_stage",
-           "MOE_PARAMS", "EXPERT_PARAMS", "moe_piece"]
+__all__ = ["MoEBlock", "LlamaMoELayer", "llama_moe_stage", "moe_param_names",
+           "MOE_PARAMS", "EXPERT_PARAMS", "SHARED_PARAMS", "MOE_TP_DIM", "moe_piece",
+           "is_moe_param"]
 
-#: the MoE block's parameters, and those of them split over ep (dimension 0)
+#: the MoE block's parameters, those of them split over ep (dimension 0), and the
+#: shared expert's (replicated, present when the layer has one)
 MOE_PARAMS = ("w_router", "moe_gate", "moe_up", "moe_down")
 EXPERT_PARAMS = ("moe_gate", "moe_up", "moe_down")
+SHARED_PARAMS = ("shared_gate", "shared_up", "shared_down")
 
 
-def moe_piece(name: str, array, ep: int, ep_rank: int):
-    """Rank ``ep_rank``'s piece of MoE parameter ``name``: its experts' rows of an expert
-    weight, the whole router."""
-    if name.rsplit(".", 1)[-1] not in EXPERT_PARAMS or ep == 1:
+def moe_param_names(moe: MoE) -> tuple[str, ...]:
+    """The MoE block's parameter names for ``moe``: MOE_PARAMS, + SHARED_PARAMS when it
+    has a shared expert."""
+    return MOE_PARAMS + (SHARED_PARAMS if moe.shared_ffn_hidden else ())
+
+
+def is_moe_param(name: str) -> bool:
+    """Whether global parameter ``name`` (``layers.{i}.<last>``) is the MoE block's."""
+    return name.rsplit(".", 1)[-1] in MOE_PARAMS + SHARED_PARAMS
+
+
+#: the dimension of each MoE parameter split over tp (the expert hidden dimension)
+MOE_TP_DIM = {"moe_gate": 2, "moe_up": 2, "moe_down": 1, "shared_gate": 1, "shared_up": 1,
+              "shared_down": 0}
+
+
+def moe_piece(name: str, array, ep: int, ep_rank: int, tp: int = 1, tp_rank: int = 0):
+    """Rank (``ep_rank``, ``tp_rank``)'s piece of MoE parameter ``name``: its experts'
+    rows of an expert weight, cut to its slice of the expert hidden dimension
+    (:data:`MOE_TP_DIM`; the shared expert's too), the whole router."""
+    last = name.rsplit(".", 1)[-1]
+    if last in EXPERT_PARAMS and ep > 1:
+        e_l = array.shape[0] // ep
+        array = array[ep_rank * e_l:(ep_rank + 1) * e_l]
+    dim = MOE_TP_DIM.get(last)
+    if dim is None or tp == 1:
         return array
-    e_l = array.shape[0] // ep
-    return array[ep_rank * e_l:(ep_rank + 1) * e_l]
+    size = array.shape[dim] // tp
+    return array[(slice(None),) * dim + (slice(tp_rank * size, (tp_rank + 1) * size),)]
 
 
 class MoEBlock:
@@ -70,8 +114,11 @@ class MoEBlock:
     on real arrays), ``aux_weight`` each call's weight in the training loss; it keeps the
     step's report (aux loss, tokens per expert)."""
 
-    def __init__(self, moe: MoE, aux_weight: float, load: ExpertLoad | None):
+    def __init__(self, moe: MoE, aux_weight: float, load: ExpertLoad | None, ep_axes=None,
+                 folded: bool = False):
         self.moe, self.aux_weight, self.load = moe, float(aux_weight), load
+        self.ep_axes = ep_axes          # the expert group's mesh axes (None: moe.ep_axis)
+        self.folded = folded            # the group folded over tp: tokens stay local
         self.recomputing = False                # a full recomputation's forward: not counted
         self.reset_report()
 
@@ -90,33 +137,47 @@ class MoEBlock:
 
     def forward(self, ops, P, u, keep: bool):
         """y (u's layout) of the MoE on u, and the backward's state (() unless ``keep``)."""
-        xf = ops.gather_seq(u, "mlp: gather x")                    # (b, s, h)
-        mops = self.moe.device_ops(ops.dev)
+        folded = self.folded
+        xf = u if folded else ops.gather_seq(u, "mlp: gather x")    # (b, s, h) or local
+        mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes)
         y, aux, routed, kept, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
-            P["moe_down"], self.load)
+            P["moe_down"], self.load, self._shared(P))
         if not self.recomputing and not is_meta(aux):
             self.aux_loss += self.aux_weight * float(aux[0])
             self.routed = routed.copy() if self.routed is None else self.routed + routed
             self.kept = kept.copy() if self.kept is None else self.kept + kept
-        y = self._local_seq(ops, y.reshape(xf.shape), "mlp: keep my sequence slice")
+        y = y.reshape(xf.shape) if folded else \
+            ops.reduce_out(y.reshape(xf.shape), "mlp: reduce the experts' y over tp")
         return y, ((mops, saved, xf.shape) if keep else ())
 
+    def _shared(self, P):
+        return tuple(P[n] for n in SHARED_PARAMS) if self.moe.shared_ffn_hidden else None
+
     def backward(self, ops, P, st, dy):
-        """(du in dy's layout, (dW_router, [dW_gate, dW_up, dW_down]))."""
+        """(du in dy's layout, (dW_router, [dW_gate, dW_up, dW_down], the shared
+        expert's three or None))."""
         mops, saved, shape = st
-        dyf = ops.gather_seq(dy, "mlp: gather dy")
-        dx, d_router, dw = self.moe.backward_saved(
+        folded = self.folded
+        dyf = dy if folded else ops.gather_seq(dy, "mlp: gather dy")
+        dx, dx_r, d_router, dw, d_shared = self.moe.backward_saved(
             mops, saved, dyf.reshape(-1, shape[-1]), P["w_router"], P["moe_gate"],
-            P["moe_up"], P["moe_down"], self.aux_weight)
-        du = self._local_seq(ops, dx.reshape(shape), "mlp: keep my slice of dx")
-        return du, (d_router, dw)
+            P["moe_up"], P["moe_down"], self.aux_weight, self._shared(P))
+        if folded:
+            du = ops.ew("mlp: dx + router's", lambda: dx + dx_r, dx, dx_r)
+            return du.reshape(shape), (d_router, dw, d_shared)
+        du = ops.reduce_out(dx.reshape(shape), "mlp: reduce the experts' dx over tp")
+        dr = self._local_seq(ops, dx_r.reshape(shape), "mlp: my slice of the router's dx")
+        du = ops.ew("mlp: dx + router's", lambda: du + dr, du, dr)
+        return du, (d_router, dw, d_shared)
 
     @staticmethod
     def add_grads(G, grads) -> None:
-        d_router, dw = grads
+        d_router, dw, d_shared = grads
         G["w_router"] += d_router
         for n, g in zip(EXPERT_PARAMS, dw):
+            G[n] += g
+        for n, g in zip(SHARED_PARAMS, d_shared or ()):
             G[n] += g
 
 
@@ -157,9 +218,14 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
 
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
                  microbatches: int, moe: MoE, aux_weight: float, load: ExpertLoad | None,
-                 recompute: str = "none", eps: float = 1e-5):
+                 recompute: str = "none", eps: float = 1e-5, ep_axes=None,
+                 folded: bool = False):
+        shared = SHARED_PARAMS if moe.shared_ffn_hidden else ()
+        self.names = LlamaMoELayer.names + shared
+        if folded:                  # the router's (and shared) grads partial over tp
+            self.seq_partial = LlamaMoELayer.seq_partial + ("w_router",) + shared
         super().__init__(params, attention, kv_heads, kv_replicas, microbatches, recompute, eps)
-        self.block = MoEBlock(moe, aux_weight, load)
+        self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded)
 
     def _mlp(self, ops, u, keep: bool):
         return self.block.forward(ops, self.p, u, keep)
@@ -176,19 +242,41 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                     hidden: int, rope_theta: float, recompute: str, eps: float,
                     microbatches: int, seq: int, moe: MoE, aux_weight: float,
                     load=None, kv_sum_every: int | None = None,
-                    tie: bool = False) -> TransformerStage:
+                    tie: bool = False, ep_axes=None, folded: bool = False,
+                    head_dim: int | None = None,
+                    qk_norm: bool = False, latent=None, cp=None,
+                    positions=None, dense_layers=()) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
     an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
-    ``kv_sum_every``, ``tie``: as :func:`~tensor_parallel.llama.llama_stage`'s."""
+    ``kv_sum_every``, ``tie``: as :func:`~tensor_parallel.llama.llama_stage`'s;
+    ``ep_axes``: the expert group's mesh axes (None: the MoE's ``ep_axis``), ``folded``:
+    that group folded over tp (etp = 1: tokens stay local; else experts split over tp); ``head_dim``, ``qk_norm``, ``latent`` (multi-head
+    latent attention), ``cp``, ``positions`` (context parallelism: each rank's MoE routes
+    its own chunks' tokens): as :func:`~tensor_parallel.llama.llama_stage`'s;
+    ``dense_layers``: the layer indices whose MLP is the dense SwiGLU (DeepSeek-V3's first
+    three), :class:`~.llama.LlamaLayer` among the MoE ones."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
-    d, rope = hidden // heads, Rope(hidden // heads, rope_theta)
+    d = head_dim or hidden // heads
+    rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
-    modules = [LlamaMoELayer(params(LlamaMoELayer.names, f"layers.{i}."),
-                             GQAttention(heads // t, kv_local, d, rope), kv_heads, replicas,
+    names = LlamaMoELayer.layer_names(qk_norm, LlamaMoELayer.names + (
+        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent)
+    dense_names = LlamaLayer.layer_names(qk_norm, latent=latent)
+
+    def attention():
+        return GQAttention(heads // t, kv_local, d, rope, cp, qk_norm=eps if qk_norm
+                           else None) if latent is None else \
+            MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps)
+
+    modules = [LlamaLayer(params(dense_names, f"layers.{i}."), attention(), kv_heads,
+                          replicas, kv_sum_every or microbatches, recompute, eps)
+               if i in dense_layers else
+               LlamaMoELayer(params(names, f"layers.{i}."), attention(), kv_heads, replicas,
                              kv_sum_every or microbatches, moe, aux_weight,
-                             load.get(i) if isinstance(load, dict) else load, recompute, eps)
+                             load.get(i) if isinstance(load, dict) else load, recompute, eps,
+                             ep_axes, folded)
                for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)

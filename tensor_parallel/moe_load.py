@@ -154,7 +154,8 @@ class MoEOutput:
 @dataclass(frozen=True, repr=False)
 class MoEGradients:
     """Forward and backward: y, aux loss, dx, the router's and the experts' gradients
-    (d_gate, d_up (E, h, f), d_down (E, f, h)), the load."""
+    (d_gate, d_up (E, h, f), d_down (E, f, h)), the load; ``shared_grads``: the shared
+    expert's (d_gate, d_up (h, F_s), d_down (F_s, h)), None without one."""
 
     y: np.ndarray
     aux_loss: float
@@ -164,12 +165,15 @@ class MoEGradients:
     d_up: np.ndarray
     d_down: np.ndarray
     load: ExpertLoad
+    shared_grads: tuple | None = None
 
     def __repr__(self) -> str:
         return (f"MoEGradients(y={_shape(self.y)}, aux_loss={self.aux_loss:.6g}, "
                 f"dx={_shape(self.dx)}, d_router={_shape(self.d_router)}, "
                 f"d_gate={_shape(self.d_gate)}, d_up={_shape(self.d_up)}, "
-                f"d_down={_shape(self.d_down)}, load=<{self.load}>)")
+                f"d_down={_shape(self.d_down)}, load=<{self.load}>"
+                + (f", shared_grads={tuple(_shape(g) for g in self.shared_grads)}"
+                   if self.shared_grads is not None else "") + ")")
 
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,

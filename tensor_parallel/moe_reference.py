@@ -4,18 +4,22 @@ Written apart from :mod:`tensor_parallel.moe` and in another way: routing by Pyt
 over tokens, every expert computed *densely* on every token (a combine matrix of gates
 zeroes what was not routed or was dropped), gradients by hand from the definitions:
 
-    p = softmax(x W_r)                          (N, E)
-    choice[t] = the k largest p[t] (ties: the lower index), in decreasing order
-    gate[t, c] = p[t, choice]            k = 1   (Switch)
-               = softmax(l[t, choice])_c k = 2   (Mixtral: renormalised over the k)
+    v = softmax(x W_r) or sigmoid(x W_r)        (N, E)  router scores
+    choice[t] = the k largest v[t] (ties: the lower index), in decreasing order
+    gate[t, c] = σ v[t, choice]                        raw
+               = σ v[t, choice] / sum_c' v[t, choice']  normalised (softmax router: the
+                                                        softmax of the k chosen logits)
+    p = v (softmax) or v / sum_e v (sigmoid)    the probabilities the aux loss reads
     capacity per ep rank (T = N/ep tokens each): C = ceil(cf · T·k / E); rank r fills
       its experts' slots with all first choices in token order, then all second choices;
       a choice that finds its expert full is dropped (keep = 0)
     O_e = (silu(x Wg_e) * (x Wu_e)) Wd_e        (N, h), every token
-    y[t] = sum_c keep[t,c] gate[t,c] O_{choice[t,c]}[t]
+    y[t] = sum_c keep[t,c] gate[t,c] O_{choice[t,c]}[t]  (+ S(x[t]), the shared expert:
+           a SwiGLU MLP like the others, on every token)
     aux = alpha · E · sum_e f_e P_e,  f_e = routed_e / (N k),  P_e = mean_t p[t, e]
 
-The gradients are those of  L = <dy, y> + d_aux · aux  (f is a count: no gradient).
+The gradients are those of  L = <dy, y> + d_aux · aux  (f is a count: no gradient),
+each chain rule written as its Jacobian matrix, token by token.
 """
 
 from __future__ import annotations
@@ -31,29 +35,52 @@ def _sigmoid(a):
     return 1.0 / (1.0 + np.exp(-a))
 
 
+def _swiglu(x2, wg, wu, wd):
+    a, b = x2 @ wg, x2 @ wu
+    s = a * _sigmoid(a)
+    return (s * b) @ wd, (a, b, s)
+
+
+def _swiglu_grads(x2, wg, wu, wd, acts, d_out):
+    """(dx, dWg, dWu, dWd) of O = (silu(x Wg) * (x Wu)) Wd."""
+    a, b, s = acts
+    dhid = d_out @ wd.T
+    sig = _sigmoid(a)
+    da = dhid * b * sig * (1 + a * (1 - sig))
+    db = dhid * s
+    return da @ wg.T + db @ wu.T, x2.T @ da, x2.T @ db, (s * b).T @ d_out
+
+
 def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_factor,
-                  aux_coef: float, ep: int = 1, dy=None, d_aux: float = 1.0):
+                  aux_coef: float, ep: int = 1, dy=None, d_aux: float = 1.0,
+                  router: str = "softmax", normalize_top_k: bool | None = None,
+                  routed_scaling: float = 1.0, shared=None):
     """(result, choice (N, k), keep (N, k)): result a MoEOutput, or with ``dy`` a
-    MoEGradients; x (N, h) or (..., h) with N tokens, split into ep contiguous ranks."""
+    MoEGradients; x (N, h) or (..., h) with N tokens, split into ep contiguous ranks.
+    ``normalize_top_k`` None: True for a sigmoid router or k > 1; ``shared``: the shared
+    expert's (W_gate, W_up, W_down) or None."""
     x = np.asarray(x, np.float64)
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     n_tok, n_exp, k = x2.shape[0], w_router.shape[1], top_k
+    norm = (router == "sigmoid" or k > 1) if normalize_top_k is None else normalize_top_k
     t_rank = n_tok // ep
     logits = x2 @ w_router
-    p = np.exp(logits - logits.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    if router == "sigmoid":
+        v = _sigmoid(logits)
+        p = v / v.sum(axis=1, keepdims=True)
+    else:
+        v = np.exp(logits - logits.max(axis=1, keepdims=True))
+        v /= v.sum(axis=1, keepdims=True)
+        p = v
 
     choice = np.zeros((n_tok, k), dtype=np.int64)
     gate = np.zeros((n_tok, k))
     for t in range(n_tok):
-        order = sorted(range(n_exp), key=lambda e: (-p[t, e], e))[:k]
+        order = sorted(range(n_exp), key=lambda e: (-v[t, e], e))[:k]
         choice[t] = order
-        if k == 1:
-            gate[t, 0] = p[t, order[0]]
-        else:
-            sel = np.exp(logits[t, order] - logits[t, order].max())
-            gate[t] = sel / sel.sum()
+        sel = v[t, order]
+        gate[t] = routed_scaling * (sel / sel.sum() if norm else sel)
 
     cap = expert_capacity(capacity_factor, t_rank, k, n_exp)
     keep = np.zeros((n_tok, k), dtype=bool)
@@ -76,11 +103,13 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
     acts = []
     outs = np.zeros((n_exp, n_tok, h))
     for e in range(n_exp):
-        a, b = x2 @ w_gate[e], x2 @ w_up[e]
-        s = a * _sigmoid(a)
-        acts.append((a, b, s))
-        outs[e] = (s * b) @ w_down[e]
-    y = np.einsum("te,eth->th", w, outs).reshape(x.shape)
+        outs[e], act = _swiglu(x2, w_gate[e], w_up[e], w_down[e])
+        acts.append(act)
+    y = np.einsum("te,eth->th", w, outs)
+    if shared is not None:
+        y_shared, shared_acts = _swiglu(x2, *shared)
+        y = y + y_shared
+    y = y.reshape(x.shape)
     f = routed.sum(axis=0) / (n_tok * k)
     aux = float(aux_coef * n_exp * np.sum(f * p.mean(axis=0)))
     if dy is None:
@@ -91,31 +120,38 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
     d_gate, d_up, d_down = (np.zeros_like(np.asarray(m, np.float64))
                             for m in (w_gate, w_up, w_down))
     for e in range(n_exp):
-        a, b, s = acts[e]
-        d_out = w[:, e:e + 1] * dy2
-        d_down[e] = (s * b).T @ d_out
-        dhid = d_out @ w_down[e].T
-        sig = _sigmoid(a)
-        da = dhid * b * sig * (1 + a * (1 - sig))
-        db = dhid * s
-        d_gate[e] = x2.T @ da
-        d_up[e] = x2.T @ db
-        dx += da @ w_gate[e].T + db @ w_up[e].T
+        dxe, d_gate[e], d_up[e], d_down[e] = _swiglu_grads(
+            x2, w_gate[e], w_up[e], w_down[e], acts[e], w[:, e:e + 1] * dy2)
+        dx += dxe
+    shared_grads = None
+    if shared is not None:
+        dxs, *shared_grads = _swiglu_grads(x2, *shared, shared_acts, dy2)
+        dx += dxs
+        shared_grads = tuple(shared_grads)
 
     dg = np.zeros((n_tok, k))
     for c in range(k):
         dg[:, c] = keep[:, c] * np.einsum("th,th->t", dy2, outs[choice[:, c], np.arange(n_tok)])
+    # d aux / d p[t, i] = alpha E f_i / N
+    dp = d_aux * aux_coef * n_exp / n_tok * np.broadcast_to(f, (n_tok, n_exp))
     dl = np.zeros((n_tok, n_exp))
     for t in range(n_tok):
-        if k == 1:
-            e = choice[t, 0]
-            onehot = np.eye(n_exp)[e]
-            dl[t] += dg[t, 0] * p[t, e] * (onehot - p[t])       # d p_e / d l = p_e (1_e - p)
+        sel = v[t, choice[t]]
+        if norm:     # J[c, d] = d gate_c / d v_d = σ (δ_cd / S - v_c / S²)
+            tot = sel.sum()
+            jac_gate = routed_scaling * (np.eye(k) / tot - sel[:, None] / tot ** 2)
         else:
-            g = gate[t]
-            dl[t, choice[t]] += g * (dg[t] - np.dot(g, dg[t]))  # softmax over the k logits
-    # d aux / d l[t] = alpha E / N · p[t] (f - <p[t], f>)
-    dl += d_aux * aux_coef * n_exp / n_tok * p * (f[None, :] - (p @ f)[:, None])
+            jac_gate = routed_scaling * np.eye(k)
+        dv = np.zeros(n_exp)
+        dv[choice[t]] += jac_gate.T @ dg[t]
+        if router == "sigmoid":     # d p_i / d v_j = δ_ij / Σv - v_i / (Σv)²
+            tot = v[t].sum()
+            dv += (np.eye(n_exp) / tot - v[t][:, None] / tot ** 2).T @ dp[t]
+            dl[t] = dv * v[t] * (1 - v[t])
+        else:                       # d v_i / d l_j = v_i (δ_ij - v_j)
+            dv += dp[t]
+            dl[t] = (np.diag(v[t]) - np.outer(v[t], v[t])).T @ dv
     dx += dl @ w_router.T
-    grads = MoEGradients(y, aux, dx.reshape(x.shape), x2.T @ dl, d_gate, d_up, d_down, load)
+    grads = MoEGradients(y, aux, dx.reshape(x.shape), x2.T @ dl, d_gate, d_up, d_down, load,
+                         shared_grads)
     return grads, choice, keep

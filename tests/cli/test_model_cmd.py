@@ -58,9 +58,9 @@ def test_plan_takes_a_model_and_gpt_stays_an_alias(tmp_path, capsys):
 
 
 def test_a_model_the_program_cannot_run_is_refused_by_name(capsys):
-    assert main(["simulate", "train", "--model", "deepseek-v3", "--seq", "4096",
+    assert main(["simulate", "train", "--model", "gpt-oss-20b", "--seq", "4096",
                  "--global-batch", "8"]) == 2
-    assert "--model='deepseek-v3': the GPT program cannot run layers that differ" in \
+    assert "--model='gpt-oss-20b': the GPT program cannot run layers that differ" in \
         capsys.readouterr().err
     assert main(["simulate", "train", "--hidden", "64", "--seq", "64",
                  "--global-batch", "8"]) == 2
@@ -145,12 +145,13 @@ def test_a_scenario_names_its_model(tmp_path, capsys):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "Llama h=4096 l=2 a=32 kv=8 ffn=14336 s=1024 V=128256" in summary
     bad = tmp_path / "bad.yaml"
-    bad.write_text("workload: {kind: transformer, model: qwen3-8b, layers: 2, seq: 64}\n"
+    bad.write_text("workload: {kind: transformer, model: gpt-oss-20b, layers: 2, seq: 64}\n"
                    "parallel: {tp: 1}\n"
                    "run: {mode: simulate}\nhardware: {name: h100-dgx}\n")
     assert main(["run", str(bad), "--out", str(tmp_path / "out2"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "workload.model = 'qwen3-8b': the GPT program cannot run QK-norm" in err
+    assert "workload.model = 'gpt-oss-20b': the GPT program cannot run layers that differ" \
+        in err
 
 
 ARCH_TEST = re.compile(r"""arch[a-z_]*\s*(==|!=|in)\s*\(?["']""")

@@ -82,6 +82,130 @@ def test_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, top_k, cf, b,
             assert (load.dropped > 0) <= (cf is not None)
 
 
+# fine-grained MoE, as DeepSeek-V3 and Qwen3 route: (dp, ep, pp, tp, sp, experts, top_k,
+# router, shared width, routed scaling, capacity factor, recompute); micro-batches 2 per
+# step (fewer than, equal to and more than pp over the cases)
+FINE = [
+    (2, 2, 1, 1, False, 8, 4, "softmax", 0, 1.0, None, "none"),
+    (2, 2, 2, 1, False, 8, 8, "sigmoid", 10, 2.5, None, "selective"),
+    (4, 4, 1, 1, False, 8, 8, "sigmoid", 0, 2.5, 1.0, "none"),
+    (2, 2, 1, 2, True, 8, 4, "softmax", 6, 1.0, None, "full"),
+    (2, 1, 2, 2, False, 4, 3, "sigmoid", 6, 1.0, None, "none"),
+]
+
+
+@pytest.mark.parametrize("dp, ep, pp, tp, sp, experts, top_k, router, fs, sigma, cf, recompute",
+                         FINE, ids=[f"dp{c[0]}-ep{c[1]}-pp{c[2]}-tp{c[3]}{'-sp' if c[4] else ''}"
+                                    f"-E{c[5]}-top{c[6]}-{c[7]}-shared{c[8]}-{c[11]}"
+                                    for c in FINE])
+def test_fine_grained_moe_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, experts,
+                                                    top_k, router, fs, sigma, cf, recompute):
+    """Top-k up to E, sigmoid scores with DeepSeek-V3's scaling, a shared expert: forward,
+    every gradient and 3 steps of training equal the numpy Llama whose MLP is the MoE
+    reference, rtol 1e-9 in float64."""
+    cfg = _cfg(top_k, cf, experts=experts, moe_router=router, moe_shared_ffn_hidden=fs,
+               moe_routed_scaling=sigma, moe_aux_coef=0.01 if router == "softmax" else 0.0)
+    par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, pp=pp, tp=tp,
+                         sequence_parallel=sp, recompute=recompute)
+    model, (tokens, targets) = GPT(cfg, seed=5), _data(cfg, batch=par.global_batch)
+    cluster = cluster_of(par.mesh())
+    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
+    loss, logits = model.forward(cluster, tokens, targets, par)
+    _close(loss, ref_loss, "forward loss")
+    _close(logits, ref_logits, "logits")
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    assert {n.rsplit(".", 1)[-1] for n in ref.params} >= (
+        {"shared_gate", "shared_up", "shared_down"} if fs else {"w_router"})
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+    for step in run.expert_load:
+        for load in step.values():
+            assert sum(load.per_expert_routed) == par.global_batch * cfg.seq * top_k
+
+
+# expert tensor parallelism: (tp, etp, ep, dp, pp, top_k, shared width, capacity factor,
+# micro-batches per step) — etp = tp splits each expert over tp, etp = 1 folds the expert
+# group over whole tp groups (each tp rank routes its own sequence slice)
+ETP = [
+    (1, 1, 2, 2, 1, 4, 0, None, 2),
+    (1, 1, 2, 2, 2, 2, 6, None, 1),
+    (2, 1, 2, 1, 1, 4, 0, None, 2),
+    (2, 1, 2, 1, 2, 8, 6, None, 3),
+    (2, 1, 2, 2, 1, 2, 0, 1.0, 1),
+    (2, 1, 4, 2, 2, 4, 6, None, 2),
+    (2, 1, 4, 4, 1, 2, 0, None, 1),
+    (2, 2, 2, 2, 1, 4, 6, None, 2),
+    (2, 2, 2, 2, 2, 8, 0, 1.0, 1),
+]
+
+
+@pytest.mark.parametrize("tp, etp, ep, dp, pp, top_k, fs, cf, m", ETP,
+                         ids=[f"tp{c[0]}-etp{c[1]}-ep{c[2]}-dp{c[3]}-pp{c[4]}-top{c[5]}"
+                              f"-shared{c[6]}-{'cf' if c[7] else 'dropless'}-m{c[8]}"
+                              for c in ETP])
+def test_expert_tensor_parallelism_equals_reference(cluster_of, tp, etp, ep, dp, pp, top_k,
+                                                    fs, cf, m):
+    """Forward, gradients and 3 steps equal the reference that routes the same calls —
+    folded, a call's tokens are the sequence slices of the group's tp ranks."""
+    cfg = _cfg(top_k, cf, experts=8, moe_shared_ffn_hidden=fs)
+    par = ParallelConfig(global_batch=dp * m, micro_batch=1, dp=dp, ep=ep, pp=pp, tp=tp,
+                         etp=etp, sequence_parallel=tp > 1)
+    assert par.folded == (etp == 1 and tp > 1)
+    model, (tokens, targets) = GPT(cfg, seed=7), _data(cfg, batch=par.global_batch)
+    cluster = cluster_of(par.mesh())
+    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
+    loss, logits = model.forward(cluster, tokens, targets, par)
+    _close(loss, ref_loss, "forward loss")
+    _close(logits, ref_logits, "logits")
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    assert (run.aux_losses > 0).all()
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+    rows = dp * (tp if par.folded else 1)
+    for step in run.expert_load:
+        for load in step.values():
+            assert load.ep == rows
+            assert sum(load.per_expert_routed) == par.global_batch * cfg.seq * top_k
+
+
+@pytest.mark.parametrize("tp, etp, ep, dp", [(1, 1, 2, 2), (2, 1, 4, 2), (2, 2, 2, 2)],
+                         ids=["tp1-ep2", "tp2-etp1-ep4", "tp2-etp2-ep2"])
+def test_qwen3_like_moe_equals_reference(cluster_of, tp, etp, ep, dp):
+    """Qwen3's MoE block: 8 experts top-8 (here all of them), a head dimension 6 !=
+    hidden/heads 4 and QK-norm, under both expert tensor parallelisms."""
+    cfg = _cfg(8, None, experts=8, head_dim=6, qk_norm=True, moe_ffn_hidden=6)
+    par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, tp=tp, etp=etp,
+                         sequence_parallel=tp > 1)
+    model, (tokens, targets) = GPT(cfg, seed=9), _data(cfg, batch=par.global_batch)
+    cluster = cluster_of(par.mesh())
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    assert "layers.0.q_norm_g" in ref.params
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+
+
+def test_folded_expert_group_rules():
+    with pytest.raises(ValueError, match="etp=3: the experts' hidden dimension is split"):
+        ParallelConfig(global_batch=4, dp=2, ep=2, tp=4, etp=3, sequence_parallel=True)
+    with pytest.raises(ValueError, match="ep=2 must be tp=4 times a divisor of dp=2"):
+        ParallelConfig(global_batch=4, dp=2, ep=2, tp=4, etp=1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=False.*etp=1 each tp rank routes"):
+        ParallelConfig(global_batch=4, dp=2, ep=4, tp=2, etp=1)
+    par = ParallelConfig(global_batch=4, dp=2, ep=4, tp=2, etp=1, sequence_parallel=True)
+    assert par.mesh().shape == {"dp": 1, "pp": 1, "ep": 2, "tp": 2}
+    assert (par.expert_axes, par.expert_dp) == (("ep", "tp"), 1)
+    assert ParallelConfig(global_batch=4, dp=2, ep=2, tp=2).etp == 2     # default: tp
+
+
 def test_aux_loss_is_reported_and_equals_the_reference(cluster_of):
     """fit's aux_losses[0] equals the reference's loss with aux_coef 0.5 less its loss
     with aux_coef 0 (same parameters: the seed draws them whatever the coefficient), and
@@ -179,8 +303,16 @@ def test_bad_arguments():
         ParallelConfig(global_batch=4, dp=4, ep=3)
     with pytest.raises(ValueError, match="experts must be"):
         _cfg(experts=-1)
-    with pytest.raises(ValueError, match="moe_top_k"):
-        _cfg(top_k=3)
+    with pytest.raises(ValueError, match="moe_top_k must be 1 to experts=4"):
+        _cfg(top_k=5)
+    with pytest.raises(ValueError, match="moe_router='tanh'.*one of softmax, sigmoid"):
+        _cfg(moe_router="tanh")
+    with pytest.raises(ValueError, match="moe_routed_scaling=0"):
+        _cfg(moe_routed_scaling=0)
+    with pytest.raises(ValueError, match="moe_shared_ffn_hidden"):
+        _cfg(moe_shared_ffn_hidden=-3)
+    with pytest.raises(ValueError, match="moe_router='sigmoid': only a mixture-of-experts"):
+        GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32, moe_router="sigmoid")
     with pytest.raises(ValueError, match="capacity_factor"):
         _cfg(cf=-1.0)
     with pytest.raises(ValueError, match="experts=4 do not split over ep=8"):
@@ -201,15 +333,115 @@ def test_bad_arguments():
 
 # --- MoE with context parallelism and ZeRO (the merge of moeint into cp/ZeRO) ---------
 
-def test_cp_with_ep_is_refused_clearly():
-    with pytest.raises(ValueError, match=r"cp > 1 with ep > 1 is not supported yet"):
-        ParallelConfig(global_batch=4, dp=2, ep=2, cp=2)
+# context parallelism with experts: (tp, etp, ep, cp, dp, pp, top_k, capacity factor,
+# micro-batches) — each cp rank routes its own two chunks; the expert group takes whole cp
+# groups (and whole tp groups when folded); ep 1 with cp: every rank a call of its own
+CP_EP = [
+    (1, 1, 2, 2, 1, 1, 2, None, 2),
+    (1, 1, 2, 2, 2, 2, 4, None, 1),
+    (1, 1, 4, 2, 2, 1, 2, 1.0, 1),
+    (2, 1, 4, 2, 1, 1, 4, None, 2),
+    (2, 1, 4, 2, 1, 2, 2, None, 3),
+    (2, 2, 2, 2, 1, 1, 4, None, 2),
+    (1, 1, 1, 2, 2, 1, 2, 1.0, 1),
+]
 
 
-def test_moe_with_cp_is_refused_clearly():
-    par = ParallelConfig(global_batch=4, dp=2, cp=2)
-    with pytest.raises(ValueError, match=r"experts=4\) with cp=2 is not supported yet"):
-        GPT(_cfg()).train_job(par.mesh(), par)
+@pytest.mark.parametrize("tp, etp, ep, cp, dp, pp, top_k, cf, m", CP_EP,
+                         ids=[f"tp{c[0]}-etp{c[1]}-ep{c[2]}-cp{c[3]}-dp{c[4]}-pp{c[5]}"
+                              f"-top{c[6]}-{'cf' if c[7] else 'dropless'}-m{c[8]}"
+                              for c in CP_EP])
+def test_context_and_expert_parallelism_equal_reference(cluster_of, tp, etp, ep, cp, dp, pp,
+                                                        top_k, cf, m):
+    """CP × EP: forward, gradients and 3 steps equal the reference that routes each
+    rank's chunks (its tp slice of them when folded) as one rank of its call."""
+    cfg = _cfg(top_k, cf, experts=8, moe_shared_ffn_hidden=6 if tp > 1 else 0)
+    par = ParallelConfig(global_batch=dp * m, micro_batch=1, dp=dp, ep=ep, pp=pp, tp=tp,
+                         etp=etp, cp=cp, sequence_parallel=tp > 1)
+    model, (tokens, targets) = GPT(cfg, seed=11), _data(cfg, batch=par.global_batch)
+    cluster = cluster_of(par.mesh())
+    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
+    loss, logits = model.forward(cluster, tokens, targets, par)
+    _close(loss, ref_loss, "forward loss")
+    _close(logits, ref_logits, "logits")
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+    for step in run.expert_load:
+        for load in step.values():
+            assert load.ep == dp * cp * (tp if par.folded else 1)      # routing ranks
+            assert sum(load.per_expert_routed) == par.global_batch * cfg.seq * top_k
+
+
+@pytest.mark.parametrize("tp, etp, ep, cp, dp", [(1, 1, 2, 1, 2), (2, 2, 2, 1, 2),
+                                                  (2, 1, 4, 1, 2), (1, 1, 2, 2, 1)],
+                         ids=["ep2", "tp2-etp2-ep2", "tp2-etp1-ep4", "cp2-ep2"])
+def test_allgather_dispatcher_training_equals_reference(cluster_of, tp, etp, ep, cp, dp):
+    """ParallelConfig(moe_dispatcher="allgather") trains exactly as the reference (and so
+    as the all-to-all dispatcher) under split, folded and context-parallel groups."""
+    cfg = _cfg(4, None, experts=8, moe_shared_ffn_hidden=6)
+    par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, tp=tp, etp=etp,
+                         cp=cp, sequence_parallel=tp > 1, moe_dispatcher="allgather")
+    model, (tokens, targets) = GPT(cfg, seed=13), _data(cfg, batch=par.global_batch)
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+
+
+# dense-first layers (DeepSeek-V3's first three): (dense layers, layers, pp, tp, etp, ep,
+# dp, first stage layers)
+DENSE = [((0,), 3, 1, 1, 1, 2, 2, None), ((0, 1), 4, 2, 1, 1, 2, 2, None),
+         ((0, 2), 4, 2, 2, 1, 4, 2, None), ((0,), 5, 2, 2, 2, 2, 2, 1),
+         ((3,), 4, 1, 2, 1, 2, 1, None)]
+
+
+@pytest.mark.parametrize("dense, layers, pp, tp, etp, ep, dp, first", DENSE,
+                         ids=[f"dense{'-'.join(map(str, c[0]))}-l{c[1]}-pp{c[2]}-tp{c[3]}"
+                              f"-etp{c[4]}-ep{c[5]}" for c in DENSE])
+def test_dense_layers_among_moe_layers_equal_reference(cluster_of, dense, layers, pp, tp, etp,
+                                                       ep, dp, first):
+    """``moe_dense_layers``: those layers keep the dense SwiGLU (width ffn_hidden), the
+    others are the mixture; training equals the reference, and the load reports only the
+    MoE layers."""
+    cfg = _cfg(4, None, experts=8, layers=layers, moe_dense_layers=dense,
+               moe_shared_ffn_hidden=6)
+    par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, pp=pp, tp=tp,
+                         etp=etp, sequence_parallel=tp > 1, first_stage_layers=first)
+    model, (tokens, targets) = GPT(cfg, seed=17), _data(cfg, batch=par.global_batch)
+    assert f"layers.{dense[0]}.w_gate" in model.param_shapes() and \
+        f"layers.{dense[0]}.w_router" not in model.param_shapes()
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+    assert sorted(run.expert_load[0]) == [i for i in range(layers) if i not in dense]
+
+
+def test_dense_layers_rules():
+    with pytest.raises(ValueError, match=r"moe_dense_layers=\(5,\).*layer indices 0 to 1"):
+        _cfg(moe_dense_layers=(5,))
+    with pytest.raises(ValueError, match=r"moe_dense_layers=\(0, 1\).*not every layer"):
+        _cfg(moe_dense_layers=(0, 1))
+    with pytest.raises(ValueError, match=r"moe_dense_layers=\(0,\): only a mixture"):
+        GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32, moe_dense_layers=(0,))
+    assert _cfg(layers=4, moe_dense_layers=[2, 0, 2]).moe_dense_layers == (0, 2)
+
+
+def test_cp_with_ep_rules():
+    with pytest.raises(ValueError, match=r"ep=3 must be cp=2 times a divisor of dp=2"):
+        ParallelConfig(global_batch=4, dp=2, ep=3, cp=2)
+    with pytest.raises(ValueError, match=r"ep=2 must be tp=2 x cp=2 times a divisor"):
+        ParallelConfig(global_batch=4, dp=2, ep=2, cp=2, tp=2, etp=1, sequence_parallel=True)
+    par = ParallelConfig(global_batch=4, dp=2, ep=4, cp=2)
+    assert par.mesh().shape == {"dp": 1, "pp": 1, "ep": 2, "cp": 2, "tp": 1}
+    assert (par.expert_axes, par.expert_dp, par.token_split) == (("ep", "cp"), 1, 2)
 
 
 @pytest.mark.parametrize("zero", [1, 2])

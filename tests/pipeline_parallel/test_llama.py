@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import (GPT, GPTConfig, ParallelConfig, llama_ffn_hidden,
-                                   llama_model_flops)
+                                   llama_model_flops, model_flops)
 from pipeline_parallel.llama import _rotations
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       trace_comm_signature, trace_program)
@@ -172,20 +172,24 @@ def test_training_equals_reference(clusters, mesh, kv, sp, recompute, schedule, 
 
 # --- FLOPs and traffic: emulator == trace == closed form --------------------------------------
 def _layer_params(cfg) -> int:
-    """Per layer, the parameters that enter a product: h·(h_q + 2·c·d) + h_q·h + 3·h·f."""
+    """Per layer, the parameters that enter a product: h·(h_q + 2·c·d) + h_q·h + 3·h·f,
+    h_q = a·d (h itself unless the config has a head_dim of its own)."""
     h, d = cfg.hidden, cfg.head_dim
-    return h * (h + 2 * cfg.kv_heads * d) + h * h + 3 * h * cfg.ffn_hidden
+    hq = cfg.heads * d
+    return h * (hq + 2 * cfg.kv_heads * d) + hq * h + 3 * h * cfg.ffn_hidden
 
 
 def _expected_flops(cfg, batch, tp, recompute) -> int:
     """The closed form, + recomputation (full: every layer's forward; selective: the core
     attention's forward), + the K/V products the kv_heads < tp replicas repeat."""
     h, s, l, d = cfg.hidden, cfg.seq, cfg.layers, cfg.head_dim
+    hq = cfg.heads * d
     model = llama_model_flops(batch, s, l, h, cfg.vocab, cfg.heads, cfg.kv_heads,
-                              cfg.ffn_hidden)
+                              cfg.ffn_hidden, head_dim=d)
     n = l * _layer_params(cfg) + h * cfg.vocab
-    assert model == 6 * n * batch * s + 6 * batch * s * s * l * h
-    attention = 2 * batch * s * s * l * h
+    assert model == 6 * n * batch * s + 6 * batch * s * s * l * hq
+    assert model == model_flops(cfg, batch)
+    attention = 2 * batch * s * s * l * hq
     extra = {"none": 0, "selective": attention,
              "full": 2 * l * _layer_params(cfg) * batch * s + attention}[recompute]
     replicas = max(tp - cfg.kv_heads, 0) * (6 + 2 * (recompute == "full")) * batch * s * h \
@@ -193,17 +197,24 @@ def _expected_flops(cfg, batch, tp, recompute) -> int:
     return model + extra + replicas
 
 
-FLOPS = [  # mesh, kv_heads, sequence parallel, recompute
+FLOPS = [  # mesh, kv_heads, sequence parallel, recompute[, attention variant (issue 52)]
     ("tp1", 2, False, "none"), ("dp2 pp2 tp2", 2, True, "none"), ("tp4", 4, False, "full"),
-    ("pp2 tp2", 1, True, "selective"), ("tp4", 2, False, "none"), ("tp4", 1, True, "full")]
+    ("pp2 tp2", 1, True, "selective"), ("tp4", 2, False, "none"), ("tp4", 1, True, "full"),
+    ("tp2", 2, True, "selective", {"head_dim": 12}),                  # h_q = 48 > h = 32
+    ("pp2 tp4", 1, False, "full", {"head_dim": 4, "qk_norm": True}),  # h_q = 16 < h
+    ("tp1", 4, False, "none", {"head_dim": 10, "qk_norm": True})]
 
 
-@pytest.mark.parametrize("mesh, kv, sp, recompute", FLOPS,
+@pytest.mark.parametrize("mesh, kv, sp, recompute, variant",
+                         [f + ({},) * (5 - len(f)) for f in FLOPS],
                          ids=[f"{m.replace(' ', '-')}-kv{k}-{'sp' if sp else 'nosp'}-{r}"
-                              for m, k, sp, r in FLOPS])
-def test_traced_flops_equal_the_closed_form(mesh, kv, sp, recompute):
+                              + "".join(f"-{a}={b}" for a, b in (v[0] if v else {}).items())
+                              for m, k, sp, r, *v in FLOPS])
+def test_traced_flops_equal_the_closed_form(mesh, kv, sp, recompute, variant):
+    """With a head_dim of its own (h_q = a·d != h) and QK-norm (declared 0 FLOPs, as every
+    norm) too."""
     mesh = _mesh(mesh)
-    cfg = _cfg(kv, layers=4, hidden=32, vocab=64, ffn_hidden=40)
+    cfg = _cfg(kv, layers=4, hidden=32, vocab=64, ffn_hidden=40, **variant)
     par = _parallel(mesh, global_batch=8, micro_batch=2, sequence_parallel=sp,
                     recompute=recompute)
     traces = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))

@@ -43,15 +43,132 @@ def test_traced_flops_equal_the_active_parameter_closed_form():
     assert model_flops(cfg, 4) == flops
 
 
+@pytest.mark.parametrize("top_k, fs, router", [(8, 0, "sigmoid"), (4, 40, "softmax"),
+                                               (3, 24, "sigmoid")])
+def test_fine_grained_traced_flops_equal_the_closed_form(top_k, fs, router):
+    """Top-k up to E and a shared expert of width F_s: the traced step's FLOPs are
+    moe_model_flops with k·3·h·f_e + 3·h·F_s per token and layer, under ep and pp."""
+    cfg = _cfg(hidden=32, layers=2, heads=4, seq=16, vocab=64, kv_heads=2, ffn_hidden=48,
+               moe_top_k=top_k, moe_ffn_hidden=12, moe_shared_ffn_hidden=fs,
+               moe_router=router)
+    par = ParallelConfig(global_batch=4, micro_batch=1, dp=2, ep=2, pp=2)
+    mesh = par.mesh()
+    traces = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))
+    flops = sum(op.flops for t in traces for op in t.ops if isinstance(op, TraceCompute))
+    want = moe_model_flops(4, cfg.seq, cfg.layers, cfg.hidden, cfg.vocab, cfg.heads,
+                           cfg.kv_heads, cfg.experts, top_k, 12, shared_ffn_hidden=fs)
+    assert flops == want == model_flops(cfg, 4)
+    dense = moe_model_flops(4, cfg.seq, cfg.layers, cfg.hidden, cfg.vocab, cfg.heads,
+                            cfg.kv_heads, cfg.experts, top_k, 12)
+    assert want - dense == 6 * 4 * cfg.seq * cfg.layers * 3 * cfg.hidden * fs
+
+
+@pytest.mark.parametrize("fs", [0, 32])
+def test_a_ranks_expert_flops_shrink_with_tp(fs):
+    """The experts (and the shared expert) are split over tp (etp = tp), never
+    replicated: a rank's traced expert FLOPs times tp is the same for tp 1, 2 and 4, and
+    the router's do not change."""
+    cfg = _cfg(hidden=32, layers=2, heads=4, seq=16, vocab=64, kv_heads=4, ffn_hidden=48,
+               moe_top_k=4, moe_ffn_hidden=16, moe_shared_ffn_hidden=fs)
+    per_tp = {}
+    for tp in (1, 2, 4):
+        par = ParallelConfig(global_batch=2, micro_batch=1, dp=2, ep=2, tp=tp,
+                             sequence_parallel=tp > 1)
+        mesh = par.mesh()
+        trace = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))[0]
+        ops = [op for op in trace.ops if isinstance(op, TraceCompute)]
+        per_tp[tp] = (sum(op.flops for op in ops if "moe: expert" in op.name),
+                      sum(op.flops for op in ops if "moe: router" in op.name))
+    assert per_tp[1][0] > 0
+    assert {tp * e for tp, (e, _) in per_tp.items()} == {per_tp[1][0]}
+    assert {r for _, r in per_tp.values()} == {per_tp[1][1]}
+
+
+def test_a_ranks_expert_flops_do_not_grow_with_tp_when_folded():
+    """etp = 1: the same model and global batch on 4 GPUs as tp 1 (ep 4 over dp), tp 2 and
+    tp 4 (the expert group folded over the tp ranks): rank 0's expert FLOPs per step are
+    the same — each rank routes its sequence slice and holds E/ep whole experts — and
+    equal etp = tp's at tp 2 (experts split over tp instead)."""
+    cfg = _cfg(hidden=32, layers=2, heads=4, seq=16, vocab=64, kv_heads=4, ffn_hidden=48,
+               moe_top_k=2, moe_ffn_hidden=16)
+
+    def expert_flops(**kw):
+        par = ParallelConfig(global_batch=4, micro_batch=1, **kw)
+        mesh = par.mesh()
+        trace = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))[0]
+        return sum(op.flops for op in trace.ops
+                   if isinstance(op, TraceCompute) and "moe: expert" in op.name)
+
+    folded = {tp: expert_flops(dp=4 // tp, tp=tp, ep=4, etp=1, sequence_parallel=tp > 1)
+              for tp in (1, 2, 4)}
+    assert folded[1] > 0 and set(folded.values()) == {folded[1]}
+    assert expert_flops(dp=2, tp=2, ep=2, sequence_parallel=True) == folded[1]
+
+
+@pytest.mark.parametrize("pp, first", [(1, None), (2, None), (2, 1)])
+def test_dense_first_layers_flops_and_memory(pp, first):
+    """DeepSeek-style dense-first layers: the traced step's FLOPs equal moe_model_flops
+    with those layers' MLP dense (3·h·f), and each pipeline rank's parameters count its
+    own dense and MoE layers (summed: the model's, the experts' divided by ep)."""
+    cfg = _cfg(hidden=32, layers=4, heads=4, seq=16, vocab=64, kv_heads=2, ffn_hidden=48,
+               moe_top_k=4, moe_ffn_hidden=12, moe_shared_ffn_hidden=12,
+               moe_dense_layers=(0, 1))
+    par = ParallelConfig(global_batch=4, micro_batch=1, dp=2, ep=2, pp=pp,
+                         first_stage_layers=first)
+    mesh = par.mesh()
+    traces = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))
+    flops = sum(op.flops for t in traces for op in t.ops if isinstance(op, TraceCompute))
+    assert flops == model_flops(cfg, 4) == moe_model_flops(
+        4, cfg.seq, 4, cfg.hidden, cfg.vocab, cfg.heads, cfg.kv_heads, cfg.experts, 4, 12,
+        shared_ffn_hidden=12, dense_layers=2, ffn_hidden=48)
+    want = sum(np.prod(s) / (2 if n.rsplit(".", 1)[-1] in EXPERT_PARAMS else 1)
+               for n, s in GPT(cfg).param_shapes().items())
+    assert sum(rank_params(cfg, par, r) for r in range(pp)) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("pp, dense, first", [(4, (0, 1), None), (5, (0, 1, 2), 3)])
+def test_the_simulated_step_runs_the_dense_first_layers_where_they_are(pp, dense, first):
+    """The short pipeline the simulator traces keeps the first stage's dense layers: the
+    stitched step executes exactly the model's FLOPs (no recomputation)."""
+    cfg = _cfg(layers=11 if first else 8, moe_top_k=4, moe_ffn_hidden=128,
+               moe_dense_layers=dense)
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=2, ep=2, pp=pp,
+                         first_stage_layers=first)
+    r = simulate_gpt(cfg, par, load_hardware(H100))
+    executed = r.hardware_tflops_per_gpu * 1e12 * r.step_time_s * r.gpus
+    assert executed == pytest.approx(model_flops(cfg, 8), rel=1e-6)
+
+
+def test_deepseek_v3_loads_with_its_dense_first_layers():
+    cfg = GPTConfig.of_model("deepseek-v3", seq=4096, timing_only=True)
+    assert (cfg.layers, cfg.moe_dense_layers, cfg.ffn_hidden, cfg.moe_ffn_hidden) == \
+        (61, (0, 1, 2), 18432, 2048)
+    assert (cfg.experts, cfg.moe_top_k, cfg.moe_shared_ffn_hidden, cfg.moe_router,
+            cfg.moe_routed_scaling) == (256, 8, 2048, "sigmoid", 2.5)
+    assert GPTConfig.of_model("deepseek-v3", seq=4096, timing_only=True,
+                              layers=4).moe_dense_layers == (0, 1, 2)
+
+
 def test_memory_counts_the_experts_a_rank_holds():
-    """rank_params = every parameter once, the experts' divided by ep (they are split over
-    ep, replicated over tp), the rest as the dense Llama's (tp 1 here)."""
-    for cfg in (_cfg(), _cfg(kv_heads=8, ffn_hidden=256)):
+    """rank_params = every parameter once, the experts' divided by ep·tp (split over ep
+    by expert and over tp by their hidden dimension), the shared expert's by tp, the rest
+    as the dense Llama's."""
+    for cfg in (_cfg(), _cfg(kv_heads=8, ffn_hidden=256),
+                _cfg(moe_top_k=8, moe_shared_ffn_hidden=96, moe_ffn_hidden=64)):
         for ep in (1, 2, 4, 8):
             par = ParallelConfig(global_batch=8, dp=8, ep=ep)
             want = sum(np.prod(s) / (ep if n.rsplit(".", 1)[-1] in EXPERT_PARAMS else 1)
                        for n, s in GPT(cfg).param_shapes().items())
             assert rank_params(cfg, par, 0) == pytest.approx(want, rel=1e-12), (cfg.arch, ep)
+    # tp 2: a layer's MoE block on a rank (its parameters less the dense MLP's 3·h·f/t)
+    cfg, tp, ep = _cfg(moe_top_k=8, moe_shared_ffn_hidden=96, moe_ffn_hidden=64), 2, 4
+    par = ParallelConfig(global_batch=8, dp=4, ep=ep, tp=tp)
+    dense = _cfg(experts=0, moe_top_k=2, moe_ffn_hidden=None)
+    h, layers = cfg.hidden, cfg.layers
+    moe_block = rank_params(cfg, par, 0) - rank_params(dense, par, 0) \
+        + layers * 3 * h * dense.ffn_hidden / tp
+    assert moe_block == pytest.approx(layers * (h * cfg.experts + 3 * h * 64 * cfg.experts
+                                                / (ep * tp) + 3 * h * 96 / tp), rel=1e-12)
 
 
 def test_mfu_counts_the_routed_parameters():
@@ -142,7 +259,8 @@ def test_dropless_exchanges_replay_as_all_to_all():
 
 def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
     """--max-cp and --max-ep together: a dense model searches cp (ep 1); an MoE model
-    searches ep and rejects its cp > 1 splits as cp_with_experts; the JSON carries both."""
+    searches ep and cp together, an ep group taking whole cp groups (ep = cp × a divisor
+    of dp); the JSON carries both."""
     kw = dict(hidden=256, layers=4, heads=8, seq=128, vocab=1024, gpus=4, global_batch=8,
               hardware=H100, arch="llama", kv_heads=4, ffn_hidden=512,
               recompute=("none",), sequence_parallel=(False,), schedules=("1f1b",),
@@ -151,8 +269,8 @@ def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
     assert {"cp", "ep"} <= set(dense.columns) and set(dense["cp"]) == {1, 2}
     assert set(dense["ep"]) == {1}
     moe = plan_gpt(**kw, experts=8)
-    assert set(moe["cp"]) == {1} and set(moe["ep"]) == {1, 2, 4}
-    assert moe.attrs["rejected"]["cp_with_experts"] > 0
+    assert set(moe["cp"]) == {1, 2} and set(moe["ep"]) == {1, 2, 4}
+    assert set(moe[moe["cp"] == 2]["ep"]) == {1, 2, 4}     # no group, cp x 1, cp x 2
     out = tmp_path / "plan.json"
     assert main(["plan", "gpt", "--arch", "llama", "--hidden", "256", "--layers", "4",
                  "--heads", "8", "--kv-heads", "4", "--ffn-hidden", "512", "--seq", "128",
@@ -160,7 +278,7 @@ def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
                  "--max-ep", "2", "--max-cp", "2", "--hardware", H100, "--replay", "1",
                  "--workers", "1", "--quiet", "--json", str(out)]) == 0
     cands = json.loads(out.read_text())["candidates"]
-    assert {c["ep"] for c in cands} == {1, 2} and {c["cp"] for c in cands} == {1}
+    assert {c["ep"] for c in cands} == {1, 2} and {c["cp"] for c in cands} == {1, 2}
 
 
 def test_zero_with_expert_parallelism_is_refused_not_priced_as_ddp(capsys):

@@ -341,6 +341,7 @@ def test_plan_with_no_divisible_configuration_says_so():
     import sys
     args = list(CLI)
     args[args.index("--gpus") + 1] = "7"
+    args[args.index("--layers") + 1] = "13"     # 13 and 13 + 2 (embedding, head) over pp 7
     proc = subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1

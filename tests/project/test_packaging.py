@@ -20,7 +20,7 @@ TABLES = ("hardware.csv", "nccl_a100.csv", "megatron_2020_a100.csv",
           "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv",
           "h100_gpt_steps.csv", "h200_shapes_steps.csv", "korthikanti_2022_a100.csv",
           "llm_foundry_mpt.csv", "nemo_2407_h100_fp8.csv", "torchtitan_a100_fsdp.csv",
-          "megatron_bridge_h100_fp8.csv")
+          "megatron_bridge_h100_fp8.csv", "megatron_bridge_h100_moe.csv")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -97,7 +97,8 @@ def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_
                                          "h200_shapes_steps.csv": 7, "llm_foundry_mpt.csv": 191,
                                          "nemo_2407_h100_fp8.csv": 9,
                                          "torchtitan_a100_fsdp.csv": 3,
-                                         "megatron_bridge_h100_fp8.csv": 2}
+                                         "megatron_bridge_h100_fp8.csv": 2,
+                                         "megatron_bridge_h100_moe.csv": 14}
     # and validate-model runs from it (two tables: the whole run is the slow acceptance
     # test's, from the source tree)
     proc = subprocess.run([str(env_dir / "bin" / "vcluster"), "validate-model", "--table",

@@ -135,6 +135,121 @@ def test_reference_gradients_are_finite_differences(k, cf):
     assert checked >= 25
 
 
+# --- fine-grained routing: any top-k, sigmoid scores, scaling, shared experts ----------------
+# (ep, experts, top_k, router, normalize_top_k, routed_scaling, shared width, capacity factor)
+ROUTINGS = [(1, 8, 4, "softmax", True, 1.0, 0, None),
+            (2, 8, 4, "softmax", False, 1.0, 10, None),
+            (2, 8, 8, "sigmoid", True, 2.5, 6, None),
+            (4, 16, 8, "sigmoid", True, 2.5, 0, 1.0),
+            (4, 8, 3, "sigmoid", False, 1.0, 4, 0.75),
+            (2, 8, 1, "softmax", True, 1.0, 10, None)]
+
+
+def _routing_id(case):
+    ep, e, k, router, norm, sigma, fs, cf = case
+    return (f"ep{ep}-E{e}-top{k}-{router}-{'norm' if norm else 'raw'}-x{sigma:g}"
+            f"-shared{fs}-" + ("dropless" if cf is None else f"cf{cf}"))
+
+
+def _fine_moe(case, seed=1, aux=0.2):
+    ep, e, k, router, norm, sigma, fs, cf = case
+    return MoE(H, F, e, top_k=k, capacity_factor=cf, aux_coef=aux, seed=seed, router=router,
+               normalize_top_k=norm, routed_scaling=sigma, shared_ffn_hidden=fs)
+
+
+@pytest.mark.parametrize("case", ROUTINGS, ids=[_routing_id(c) for c in ROUTINGS])
+def test_fine_grained_routing_equals_the_reference(clusters, case):
+    """Forward, backward and every gradient (the shared expert's too) on the emulated
+    ranks equal the plain-numpy reference, for top-k up to E, both routers, raw and
+    normalised gates, a routed scaling and a shared expert."""
+    ep = case[0]
+    moe = _fine_moe(case, seed=ep + case[2])
+    params = moe.init_params()
+    x, dy = _data(seed=ep * 7 + case[2], n=32)
+    got = moe.backward(clusters(ep), x, params, dy, d_aux=0.7)
+    ref = moe.reference(x, params, dy, ep=ep, d_aux=0.7)
+    for name in GRADS:
+        np.testing.assert_allclose(getattr(got, name), getattr(ref, name), rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+    assert got.aux_loss == pytest.approx(ref.aux_loss, rel=RTOL)
+    assert got.load == ref.load
+    assert sum(sum(r) for r in got.load.routed) == 32 * case[2]
+    if case[6]:
+        for g, r in zip(got.shared_grads, ref.shared_grads):
+            np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL)
+    else:
+        assert got.shared_grads is None and ref.shared_grads is None
+    fwd = moe.run(clusters(ep), x, params)
+    np.testing.assert_allclose(fwd.y, ref.y, rtol=RTOL, atol=ATOL)
+
+
+def test_default_normalisation_follows_the_router():
+    assert MoE(H, F, 4, top_k=1).normalize_top_k is False          # Switch: the raw p
+    assert MoE(H, F, 4, top_k=2).normalize_top_k is True           # Mixtral
+    assert MoE(H, F, 4, top_k=1, router="sigmoid").normalize_top_k is True   # DeepSeek-V3
+    assert "shared_ffn_hidden=5" in repr(MoE(H, F, 4, shared_ffn_hidden=5))
+
+
+def test_gates_by_hand():
+    """One token, sigmoid scores: the gates are σ·v/Σv over the chosen k, by hand."""
+    w_r = np.zeros((H, 4))
+    x = np.zeros((1, H))
+    x[0, 0] = 1.0
+    w_r[0] = [2.0, -1.0, 0.5, 1.0]              # logits of the 4 experts
+    moe = MoE(H, F, 4, top_k=2, router="sigmoid", routed_scaling=2.5, aux_coef=0.0)
+    p = dict(moe.init_params(), w_router=w_r)
+    out, choice, _ = moe_reference(x, w_r, p["w_gate"], p["w_up"], p["w_down"], top_k=2,
+                                   capacity_factor=None, aux_coef=0.0, router="sigmoid",
+                                   routed_scaling=2.5)
+    v = 1 / (1 + np.exp(-np.array([2.0, 1.0])))
+    assert choice.tolist() == [[0, 3]]
+    o = [(lambda a, b: (a / (1 + np.exp(-a)) * b) @ p["w_down"][e])(
+        x @ p["w_gate"][e], x @ p["w_up"][e]) for e in (0, 3)]
+    np.testing.assert_allclose(out.y, 2.5 * (v[0] * o[0] + v[1] * o[1]) / v.sum(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", [ROUTINGS[1], ROUTINGS[2], ROUTINGS[4]],
+                         ids=[_routing_id(c) for c in (ROUTINGS[1], ROUTINGS[2], ROUTINGS[4])])
+def test_fine_grained_reference_gradients_are_finite_differences(case):
+    """The reference's Jacobians (normalised gates, sigmoid scores, the aux loss through
+    p = v/Σv, the shared expert) against central differences."""
+    rng = np.random.default_rng(12)
+    ep, e, k, router, norm, sigma, fs, cf = case
+    moe = _fine_moe(case, seed=3, aux=0.3)
+    p = moe.init_params()
+    x, dy = _data(seed=5, n=16)
+    d_aux, eps = 0.7, 1e-6
+    names = moe.weight_names()
+
+    def run(x_, p_, dy_=None):
+        shared = tuple(p_[n] for n in names[4:]) or None
+        return moe_reference(x_, *(p_[n] for n in names[:4]), top_k=k, capacity_factor=cf,
+                             aux_coef=0.3, ep=ep, dy=dy_, d_aux=d_aux, router=router,
+                             normalize_top_k=norm, routed_scaling=sigma, shared=shared)
+
+    grads, choice0, keep0 = run(x, p, dy)
+    targets = [("x", x, grads.dx), ("w_router", p["w_router"], grads.d_router),
+               ("w_gate", p["w_gate"], grads.d_gate), ("w_down", p["w_down"], grads.d_down)]
+    targets += [(n, p[n], g) for n, g in zip(names[4:], grads.shared_grads or ())]
+    checked = 0
+    for name, arr, grad in targets:
+        for flat in rng.choice(arr.size, 6, replace=False):
+            idx = np.unravel_index(flat, arr.shape)
+            vals = []
+            for sign in (1, -1):
+                a = arr.copy()
+                a[idx] += sign * eps
+                out, choice, keep = run(a, p) if name == "x" else run(x, dict(p, **{name: a}))
+                same = np.array_equal(choice, choice0) and np.array_equal(keep, keep0)
+                vals.append(float(np.sum(dy * out.y)) + d_aux * out.aux_loss if same else None)
+            if None in vals:
+                continue
+            assert grad[idx] == pytest.approx((vals[0] - vals[1]) / (2 * eps), rel=1e-5,
+                                              abs=1e-7), (name, idx)
+            checked += 1
+    assert checked >= 20
+
+
 # --- the load report ------------------------------------------------------------------------
 @pytest.mark.parametrize("ep, k, cf", [(2, 1, 1.0), (4, 2, None), (4, 2, 1.0)])
 def test_load_report_is_a_direct_count_of_the_reference_routing(clusters, ep, k, cf):
@@ -232,6 +347,76 @@ def test_traffic_equals_the_closed_form_and_the_trace(clusters, ep, k, cf):
                 for tr in traces] == flops
 
 
+# --- the all-gather dispatcher ---------------------------------------------------------------
+GATHER = [(2, 8, 2, None, 0), (4, 8, 4, None, 6), (4, 8, 2, 0.75, 0), (2, 4, 1, 1.0, 6),
+          (1, 4, 2, None, 0)]
+
+
+@pytest.mark.parametrize("ep, e, k, cf, fs", GATHER,
+                         ids=[f"ep{c[0]}-E{c[1]}-top{c[2]}-"
+                              f"{'dropless' if c[3] is None else 'cf' + str(c[3])}-shared{c[4]}"
+                              for c in GATHER])
+def test_allgather_dispatcher_equals_the_reference_and_the_alltoall(clusters, ep, e, k, cf,
+                                                                    fs):
+    """Megatron's all-gather dispatcher (gather the group's tokens, reduce-scatter the
+    experts' partial outputs) gives the reference's outputs, gradients and load — the
+    same numbers as the all-to-all dispatcher."""
+    kw = dict(top_k=k, capacity_factor=cf, aux_coef=0.1, seed=ep + k, shared_ffn_hidden=fs)
+    gather, a2a = MoE(H, F, e, dispatcher="allgather", **kw), MoE(H, F, e, **kw)
+    params = _skewed_params(gather, bias=0.5)
+    x, dy = _data(seed=ep + 20, n=32)
+    got = gather.backward(clusters(ep), x, params, dy, d_aux=0.7)
+    ref = gather.reference(x, params, dy, ep=ep, d_aux=0.7)
+    other = a2a.backward(clusters(ep), x, params, dy, d_aux=0.7)
+    for name in GRADS:
+        np.testing.assert_allclose(getattr(got, name), getattr(ref, name), rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+        np.testing.assert_allclose(getattr(got, name), getattr(other, name), rtol=RTOL,
+                                   atol=ATOL, err_msg=name)
+    assert got.load == ref.load == other.load
+    assert got.aux_loss == pytest.approx(ref.aux_loss, rel=RTOL)
+    np.testing.assert_allclose(gather.run(clusters(ep), x, params).y, ref.y, rtol=RTOL,
+                               atol=ATOL)
+
+
+@pytest.mark.parametrize("ep, k, cf", [(2, 2, None), (4, 2, 0.75), (4, 1, None)])
+def test_allgather_traffic_equals_the_closed_form_and_the_trace(clusters, ep, k, cf):
+    """Per rank and call, whatever the routing (b the itemsize, n = ep, T tokens per
+    rank): forward all_gather of the routing table (T, 2k) and of x (T, h), reduce_scatter
+    of the partial y (n·T, h); the backward all_gathers dy and reduce-scatters [dx | dg]
+    (n·T, h + k). An all_gather receives (n−1) pieces, a reduce_scatter sends (n−1)/n of
+    its input (the ring). The trace moves the same, event for event."""
+    e, b = 8, 8
+    moe = MoE(H, F, e, top_k=k, capacity_factor=cf, aux_coef=0.1, seed=4,
+              dispatcher="allgather", algorithms={"all_gather": "ring",
+                                                  "reduce_scatter": "ring"})
+    params = _skewed_params(moe, bias=1.0)
+    x, dy = _data(seed=6, n=32)
+    cluster, mesh, t = clusters(ep), Mesh((ep,), ("ep",)), 32 // ep
+    for backward in (False, True):
+        cluster.reset_stats()
+        res = moe.backward(cluster, x, params, dy) if backward else moe.run(cluster, x, params)
+        events = cluster.trace()
+        for r in range(ep):
+            ev = [v for v in events if isinstance(v, CommEvent) and v.rank == r]
+            gathers = [v.bytes_received for v in ev if v.collective == "all_gather"]
+            scatters = [v.bytes_sent for v in ev if v.collective == "reduce_scatter"]
+            want_g = [(ep - 1) * t * 2 * k * b, (ep - 1) * t * H * b]
+            want_s = [(ep - 1) * t * H * b]
+            if backward:
+                want_g += [(ep - 1) * t * H * b]
+                want_s += [(ep - 1) * t * (H + k) * b]
+            assert gathers == want_g and scatters == want_s
+            assert not [v for v in ev if v.collective in ("send", "recv", "all_to_all")]
+        program = moe.backward_local if backward else moe.forward_local
+        traces = trace_program(mesh, program, moe.meta_args(mesh, x.shape, res.load, backward))
+        for tr in traces:
+            assert trace_comm_signature(tr) == comm_signature(events, tr.rank), tr.rank
+        flops = cluster.stats()["flops"].tolist()
+        assert [sum(op.flops for op in tr.ops if isinstance(op, TraceCompute))
+                for tr in traces] == flops
+
+
 def test_trace_equals_the_emulator_with_default_algorithms(clusters):
     moe = MoE(H, F, 8, top_k=2, capacity_factor=None, seed=1)
     params, mesh = _skewed_params(moe), Mesh((4,), ("ep",))
@@ -275,8 +460,23 @@ def test_trace_prices_an_expert_skew():
 def test_bad_arguments_are_named(clusters):
     with pytest.raises(ValueError, match="top_k=2 exceeds experts=1"):
         MoE(H, F, 1, top_k=2)
-    with pytest.raises(ValueError, match="top_k must be 1 or 2, got 3"):
-        MoE(H, F, 4, top_k=3)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1, got 0"):
+        MoE(H, F, 4, top_k=0)
+    with pytest.raises(ValueError, match=r"router must be one of \('softmax', 'sigmoid'\), "
+                       "got 'relu'"):
+        MoE(H, F, 4, router="relu")
+    with pytest.raises(ValueError, match="normalize_top_k must be True, False or None"):
+        MoE(H, F, 4, normalize_top_k="yes")
+    for bad in (0, -2.5, float("inf"), True):
+        with pytest.raises(ValueError, match="routed_scaling must be a finite number > 0"):
+            MoE(H, F, 4, routed_scaling=bad)
+    with pytest.raises(ValueError, match=r"dispatcher must be one of \('alltoall', "
+                       r"'allgather'\), got 'deepep'"):
+        MoE(H, F, 4, dispatcher="deepep")
+    with pytest.raises(ValueError, match="shared_ffn_hidden must be an int >= 0, got -1"):
+        MoE(H, F, 4, shared_ffn_hidden=-1)
+    with pytest.raises(ValueError, match=r"params must have the keys .*w_shared_down"):
+        MoE(H, F, 4, shared_ffn_hidden=6).run(clusters(2), _data()[0], MoE(H, F, 4).init_params())
     for cf in (0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
             MoE(H, F, 4, capacity_factor=cf)

@@ -86,8 +86,9 @@ def sizes(text: str) -> list[int]:
 
 
 def add_arch_arguments(parser) -> None:
-    """--arch gpt|llama, --kv-heads, --ffn-hidden, --tie-embeddings: GPTConfig's
-    architecture fields
+    """--arch gpt|llama, --kv-heads, --ffn-hidden, --head-dim, --qk-norm, the
+    multi-head latent attention flags (:data:`LATENT_FLAGS`), --tie-embeddings:
+    GPTConfig's architecture fields
     (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
     parser.add_argument("--arch", choices=("gpt", "llama"), default=None,
                         help="gpt (LayerNorm, gelu MLP 4h) or llama (RMSNorm, RoPE, "
@@ -98,10 +99,32 @@ def add_arch_arguments(parser) -> None:
     parser.add_argument("--ffn-hidden", type=positive_int, default=None,
                         help="llama: the SwiGLU width (default Llama's rule: 8h/3 rounded "
                              "up to a multiple of 256)")
+    parser.add_argument("--head-dim", type=positive_int, default=None,
+                        help="llama: each attention head's dimension d, even, independent "
+                             "of --hidden (Qwen3: 128; default hidden/heads, or the "
+                             "--model's)")
+    parser.add_argument("--qk-norm", action="store_true",
+                        help="llama: an RMSNorm of width d on every query and key head "
+                             "before RoPE (Qwen3, OLMo 2; on with a --model that has it)")
+    for flag, text in LATENT_FLAGS.items():
+        parser.add_argument(flag, type=positive_int, default=None, metavar="N",
+                            help=f"llama, multi-head latent attention (DeepSeek-V2/V3): {text}")
     parser.add_argument("--tie-embeddings", action="store_true",
                         help="the output head is the word embedding's transpose (GPT-2, "
                              "MPT, Gemma): V·h fewer parameters; on a pipeline the first and "
                              "last stage each keep a copy and sum its gradient every step")
+
+
+#: multi-head latent attention's flags (GPTConfig's fields of the same names)
+LATENT_FLAGS = {
+    "--kv-lora-rank": "the rank of the one latent keys and values come from; turns MLA on "
+                      "and needs the three head dims (default none, or the --model's)",
+    "--q-lora-rank": "the queries' latent rank (default none: one h x heads·(d_n + d_r) "
+                     "matrix, or the --model's)",
+    "--qk-nope-head-dim": "each query/key head's dims without RoPE, d_n",
+    "--qk-rope-head-dim": "each query/key head's rotary dims d_r, even (one rotary key "
+                          "shared by the heads)",
+    "--v-head-dim": "each value head's dims d_v"}
 
 
 def add_tp_overlap_argument(parser) -> None:
@@ -155,6 +178,11 @@ def model_title(config, name: str | None = None) -> str:
         return f"{name} ({model_title(config)})"
     arch = f"{c.block} h={c.hidden}"
     extra = f" kv={c.kv_heads} f={c.ffn_hidden}" if c.block.grouped_query else ""
+    if c.block.grouped_query and c.head_dim * c.heads != c.hidden:
+        extra += f" d={c.head_dim}"
+    extra += " qk-norm" if getattr(c, "qk_norm", False) else ""
+    if getattr(c, "kv_lora_rank", None):
+        extra += f" mla(r_q={c.q_lora_rank}, r_kv={c.kv_lora_rank}, d_v={c.v_head_dim})"
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
     return f"{arch} l={c.layers} a={c.heads}{extra} s={c.seq} V={c.vocab}{tied}"
 
@@ -180,18 +208,44 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """'0,1,2' -> (0, 1, 2): layer indices, each an integer >= 0."""
+    try:
+        out = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        out = None
+    if not out or any(i < 0 for i in out):
+        raise argparse.ArgumentTypeError(f"expected layer indices like 0,1,2, got {text!r}")
+    return out
+
+
 def add_moe_arguments(parser, skew: bool = True) -> None:
-    """--experts, --moe-top-k, --moe-ffn-hidden, --capacity-factor (GPTConfig's MoE
-    fields; llama only) and, with ``skew``, --expert-skew."""
+    """--experts, --moe-top-k, --moe-ffn-hidden, --capacity-factor, --moe-router,
+    --moe-shared-ffn-hidden, --moe-routed-scaling (GPTConfig's MoE fields; llama only)
+    and, with ``skew``, --expert-skew."""
     parser.add_argument("--experts", type=int_at_least(0, "experts per layer; 0: dense"),
                         default=None, help="llama: a mixture of this many experts in every "
                         "layer's MLP (default 0: dense, or the --model's)")
-    parser.add_argument("--moe-top-k", type=int, choices=(1, 2), default=None,
-                        help="experts per token (default 2, or the --model's)")
+    parser.add_argument("--moe-top-k", type=positive_int, default=None,
+                        help="experts per token, 1 to --experts (default 2, or the "
+                             "--model's; DeepSeek-V3 and Qwen3 route 8)")
     parser.add_argument("--moe-ffn-hidden", type=positive_int, default=None,
                         help="each expert's SwiGLU width (default --ffn-hidden)")
     parser.add_argument("--capacity-factor", type=_positive_float, default=None,
                         help="per-expert capacity factor (default: dropless)")
+    parser.add_argument("--moe-router", choices=("softmax", "sigmoid"), default=None,
+                        help="the router's scores (default softmax, or the --model's; "
+                             "DeepSeek-V3: sigmoid, gates normalised over the top k)")
+    parser.add_argument("--moe-shared-ffn-hidden", type=int_at_least(0, "width"),
+                        default=None, help="the always-on shared experts' total SwiGLU "
+                        "width (default 0: none, or the --model's)")
+    parser.add_argument("--moe-dense-layers", type=_layer_list, default=None,
+                        metavar="I,J,...", help="layers whose MLP stays dense among the MoE "
+                        "ones, e.g. 0,1,2 (DeepSeek-V3's first three; default none, or the "
+                        "--model's)")
+    parser.add_argument("--moe-routed-scaling", type=_positive_float, default=None,
+                        help="the routed experts' gate factor (default 1, or the "
+                             "--model's; DeepSeek-V3 2.5)")
     if skew:
         parser.add_argument("--expert-skew", type=_at_least_one, default=1.0,
                             help="the busiest expert's tokens over the mean (>= 1, default "
@@ -201,7 +255,11 @@ def add_moe_arguments(parser, skew: bool = True) -> None:
 def moe_config(args) -> dict:
     """GPTConfig's MoE keywords from the parsed arguments (defaults: dense, top-2)."""
     return dict(experts=args.experts or 0, moe_top_k=args.moe_top_k or 2,
-                moe_ffn_hidden=args.moe_ffn_hidden, capacity_factor=args.capacity_factor)
+                moe_ffn_hidden=args.moe_ffn_hidden, capacity_factor=args.capacity_factor,
+                moe_router=args.moe_router or "softmax",
+                moe_shared_ffn_hidden=args.moe_shared_ffn_hidden or 0,
+                moe_routed_scaling=args.moe_routed_scaling or 1.0,
+                moe_dense_layers=args.moe_dense_layers or ())
 
 
 def add_model_arguments(parser, skew: bool = True) -> None:
@@ -223,8 +281,16 @@ def add_model_arguments(parser, skew: bool = True) -> None:
 
 
 #: flags that override a --model's GPTConfig field of the same name
-_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden", "experts",
-              "moe_top_k", "moe_ffn_hidden", "capacity_factor")
+_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden", "head_dim",
+              "experts",
+              "moe_top_k", "moe_ffn_hidden", "capacity_factor", "moe_router",
+              "moe_shared_ffn_hidden", "moe_routed_scaling", "moe_dense_layers")
+
+
+def _latent_config(args) -> dict:
+    """GPTConfig's multi-head latent attention fields from :data:`LATENT_FLAGS`."""
+    return {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_"))
+            for f in LATENT_FLAGS}
 
 
 def gpt_config(args, dtype: str = "float64"):
@@ -242,9 +308,13 @@ def gpt_config(args, dtype: str = "float64"):
         return GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads,
                          seq=args.seq, vocab=args.vocab, dtype=dtype, arch=args.arch or "gpt",
                          kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
-                         tie_embeddings=args.tie_embeddings, **moe_config(args))
+                         head_dim=args.head_dim, qk_norm=args.qk_norm,
+                         tie_embeddings=args.tie_embeddings, **moe_config(args),
+                         **_latent_config(args))
     given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
-    if args.tie_embeddings:
-        given["tie_embeddings"] = True
+    given.update({f: v for f, v in _latent_config(args).items() if v is not None})
+    for flag in ("tie_embeddings", "qk_norm"):       # switches: on when given
+        if getattr(args, flag):
+            given[flag] = True
     return GPTConfig.of_model(args.model, args.seq, dtype, timing_only=True,
                               layers=args.layers, **given)

@@ -45,7 +45,8 @@ __all__ = ["add_parser", "plan_json", "JSON_KEYS", "DERIVED_KEYS"]
 #: a JSON candidate's keys from plan_gpt's columns (``tflops_per_gpu``: hardware FLOPs,
 #: recomputation included, the name earlier versions wrote; ``hardware_tflops_per_gpu``
 #: repeats it under the clearer name)
-JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "schedule", "virtual_stages",
+JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "schedule", "virtual_stages",
+             "first_stage_layers", "last_stage_layers",
              "sequence_parallel",
              "recompute", "distributed_optimizer", "zero_stage", "step_time_s", "tflops_per_gpu",
              "mfu",
@@ -63,8 +64,9 @@ def add_parser(commands) -> None:
     add_model_arguments(gpt, skew=False)
     gpt.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for")
     gpt.add_argument("--max-ep", type=positive_int, default=1,
-                     help="MoE: the largest expert-parallel degree tried (each ep divides dp "
-                          "and --experts; default 1)")
+                     help="MoE: the largest expert-parallel degree tried (each ep divides "
+                          "--experts and dp, or with the expert group folded over tp, etp 1, "
+                          "is tp x a divisor of dp; default 1)")
     gpt.add_argument("--global-batch", type=positive_int, required=True,
                      help="sequences per step, over all data-parallel replicas")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
@@ -131,6 +133,8 @@ def plan_json(df) -> dict:
     candidates = [{k: _finite(v.item() if hasattr(v, "item") else v) for k, v in r.items()}
                   for r in rows]
     for c in candidates:
+        for k in ("first_stage_layers", "last_stage_layers"):     # None: an even split
+            c[k] = None if c[k] is None else int(c[k])
         c.update(throughput(c["step_time_s"], df.attrs),
                  hardware_tflops_per_gpu=c["tflops_per_gpu"])
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
@@ -142,10 +146,10 @@ def plan_json(df) -> dict:
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
     """The top rows and a legend of the figures; ``cp``: with a cp column (after dp);
-    ``ep``: an expert-parallel column after dp (and cp) (MoE models)."""
+    ``ep``: expert-parallel columns after dp (and cp), ep and etp (MoE models)."""
     from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     cp_head = f"{'cp':>3} " if cp else ""
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} " if ep else "")
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} {'etp':>3} " if ep else "")
             + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
             f"{'recompute':<9} {'zero':>4} {'step s':>8} {'tok/s/GPU':>9} {'hw TFLOP/s':>10} "
             f"{'MFU':>6} {'mem GB':>7} {'comp/comm':>9}  source")
@@ -156,7 +160,7 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
         ratio = f"{r['compute_comm_ratio']:9.1f}" if math.isfinite(r["compute_comm_ratio"]) \
             else f"{'inf':>9}"
         cp_col = f"{r['cp']:>3} " if cp else ""
-        ep_col = f"{r['ep']:>3} " if ep else ""
+        ep_col = f"{r['ep']:>3} {r['etp']:>3} " if ep else ""
         print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{ep_col}"
               f"{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
@@ -203,19 +207,14 @@ def _gpt(args) -> int:
                          "one of them")
     hw = load_hardware(args.hardware)
     c = gpt_config(args)
-    df = plan_gpt(hidden=c.hidden, layers=c.layers, heads=c.heads, seq=c.seq,
-                  vocab=c.vocab, gpus=args.gpus, global_batch=args.global_batch,
+    df = plan_gpt(config=c, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
                   workers=args.workers, progress=_progress(args.quiet, ProgressLines),
                   attention=args.attention, tp_overlap=args.tp_overlap,
                   grad_reduce_dtype=args.grad_reduce_dtype,
                   distributed_optimizer=args.distributed_optimizer,
-                  arch=c.arch, kv_heads=c.kv_heads, ffn_hidden=c.ffn_hidden,
-                  tie_embeddings=c.tie_embeddings,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
-                  max_ep=args.max_ep, zero_stages=args.zero_stages, experts=c.experts,
-                  moe_top_k=c.moe_top_k, moe_ffn_hidden=c.moe_ffn_hidden,
-                  capacity_factor=c.capacity_factor,
+                  max_ep=args.max_ep, zero_stages=args.zero_stages,
                   precision=precision_name(args.precision), fp8=args.fp8,
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))

@@ -11,7 +11,8 @@ step and per op kind (embedding, attention, mlp, logits, optimizer; flagged belo
 data-parallel gradient reductions, and ZeRO's weight gathers, in rows of their own,
 "grad reduce (dp)" and "param gather (dp)", communication only) and
 peak memory per device and its parts (``--attention flash|unfused``,
-``--arch llama --kv-heads N --ffn-hidden N``: a Llama,
+``--arch llama --kv-heads N --ffn-hidden N [--head-dim D] [--qk-norm]``: a Llama
+(a head dimension of its own, QK-norm),
 ``--zero 0|1|2|3``: ZeRO's stage, traced and replayed as the program runs it — 1 shards
 the optimizer state over dp, 2 also the gradients (a reduce-scatter per micro-batch), 3
 also the weights (all-gathered before each module's forward and backward); 2 and 3 need
@@ -58,8 +59,23 @@ def add_parser(commands) -> None:
                        ("pp", "pipeline-parallel degree: stages the layers are split into"),
                        ("dp", "data-parallel degree: replicas, each with B/dp sequences"),
                        ("ep", "expert-parallel degree (MoE): ranks the experts are spread "
-                              "over, carved out of dp")):
+                              "over, carved out of dp (with --etp 1: of tp x dp)")):
         gpt.add_argument(f"--{name}", type=positive_int, default=1, help=f"{what} (default 1)")
+    gpt.add_argument("--etp", type=positive_int, default=None,
+                     help="expert tensor parallelism (MoE): --tp (the default: each expert "
+                          "split over tp) or 1 (experts whole, the ep group made of whole tp "
+                          "groups; needs --sequence-parallel)")
+    for end in ("first", "last"):
+        gpt.add_argument(f"--{end}-stage-layers", type=positive_int, default=None,
+                         help=f"layers of the {end} pipeline stage (the other stages share "
+                              "the rest evenly; Megatron's decoder_"
+                              f"{end}_pipeline_num_layers, for layer counts pp x v does not "
+                              "divide; default: an even split)")
+    gpt.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"),
+                     default="alltoall", help="MoE: how tokens reach their experts, "
+                     "all_to_all over the expert group or all-gather the group's tokens and "
+                     "reduce-scatter the outputs (Megatron's allgather, for small groups; "
+                     "default alltoall)")
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
     gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",
@@ -126,7 +142,10 @@ def _gpt(args) -> int:
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               attention=args.attention, tp_overlap=args.tp_overlap,
                               grad_reduce_dtype=args.grad_reduce_dtype,
-                              zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm, ep=args.ep)
+                              zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm,
+                              ep=args.ep, etp=args.etp, moe_dispatcher=args.moe_dispatcher,
+                              first_stage_layers=args.first_stage_layers,
+                              last_stage_layers=args.last_stage_layers)
     parallel.check_microbatches()
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
@@ -146,8 +165,9 @@ def _gpt(args) -> int:
           + (", FP8 linear layers" if r.fp8 else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f", {r.attention} attention" if r.attention != "flash" else "")
-          + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}, expert skew "
-             f"{args.expert_skew:g}" if config.experts else ""))
+          + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}"
+             + (f", etp={parallel.etp}" if args.tp > 1 else "")
+             + f", expert skew {args.expert_skew:g}" if config.experts else ""))
     print(f"  step time            {r.step_time_s:.3f} s")
     print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
           f"(step time · GPUs))")

@@ -26,15 +26,25 @@ and the held-out mean separately, then each table's mean and max per metric
 model says fit (``fsdp``: every one ran; null without that table); then the H100 GEMM
 profile's leave-one-out error on
 h100_kernels.csv (:mod:`vcluster.timing.kernel_profile`) and that of each other kind's
-profile (:mod:`vcluster.timing.kernel_profiles`). ``--table NAME`` (repeatable) keeps
-only those tables' rows (and simulates only what they need).
+profile (:mod:`vcluster.timing.kernel_profiles`).
+
+Mixture-of-experts training (megatron_bridge_h100_moe.csv: Megatron-Bridge's DGX-H100 MoE
+rows and Megatron-Core's MoE Model Zoo H100 rows, Mixtral 8x22B, Qwen3, GPT-OSS,
+DeepSeek-V3, :func:`~vcluster.planner.validation.validate_moe`) has its own section
+(``moe`` in the JSON, null without that table): every row of the table with its role
+(``held_out``), its status — ``predicted`` (published, predicted, rel_error), ``refused``
+(the reason: a feature or plan the program cannot run yet) or ``failed`` (the program
+accepted the row and could not trace it) — and the median, mean and max |error| of the
+predicted rows. Its rows stay out of ``rows`` and of the means above (some carry no
+prediction). ``--table NAME`` (repeatable) keeps only those tables' rows (and simulates
+only what they need).
 
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
 ``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv nor on
 nemo_2407_h100_fp8.csv nor on torchtitan_a100_fsdp.csv nor on megatron_bridge_h100_fp8.csv
-(added after every constant was set)
+nor on megatron_bridge_h100_moe.csv (added after every constant was set)
 nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
 h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
@@ -55,7 +65,7 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "h200_gpt_steps.csv": "gpu_steps", "h100_gpt_steps.csv": "gpu_steps",
            "h200_shapes_steps.csv": "gpu_steps", "llm_foundry_mpt.csv": "fsdp",
            "nemo_2407_h100_fp8.csv": "fp8", "torchtitan_a100_fsdp.csv": "fsdp2",
-           "megatron_bridge_h100_fp8.csv": "fp8"}
+           "megatron_bridge_h100_fp8.csv": "fp8", "megatron_bridge_h100_moe.csv": "moe"}
 TABLES = tuple(_GROUPS)
 
 
@@ -84,9 +94,10 @@ def validation_rows(tables=None, progress=None) -> dict:
                          f"{sorted(unknown) or 'none'}")
     groups = {_GROUPS[t] for t in wanted}
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation import (FP8_TABLES, validate_fp8, validate_fsdp,
-                                             validate_fsdp2, validate_gpu_steps,
-                                             validate_megatron, validate_recompute)
+    from vcluster.planner.validation import (FP8_TABLES, MOE_TABLE, validate_fp8,
+                                             validate_fsdp, validate_fsdp2,
+                                             validate_gpu_steps, validate_megatron,
+                                             validate_moe, validate_recompute)
     from vcluster.timing import read_data_csv, validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
@@ -121,6 +132,7 @@ def validation_rows(tables=None, progress=None) -> dict:
              for r in run("fsdp2", validate_fsdp2)]
     rows = [r for r in rows if r["table"] in wanted]
     fsdp = [r for r in fsdp if r["source"] in wanted]
+    moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -135,8 +147,8 @@ def validation_rows(tables=None, progress=None) -> dict:
                  f"{H100_KERNEL_TABLE}", kernel_table=H100_KERNEL_TABLE):
         if r["metric"] == "step_ms" and r["source"] in wanted:
             measured.setdefault(r["source"], []).append(abs(r["rel_error"]))
-    return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors),
-            "max_abs_rel_error": max(errors),
+    return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors) if errors else None,
+            "max_abs_rel_error": max(errors) if errors else None,
             "held_out_mean_abs_rel_error": sum(held) / len(held) if held else None,
             "fit_mean_abs_rel_error": sum(fit) / len(fit) if fit else None,
             # mean |error| per table and metric: step times and peak memory apart
@@ -145,6 +157,7 @@ def validation_rows(tables=None, progress=None) -> dict:
                                  for metric, e in metrics.items()}
                          for table, metrics in by_table.items()},
             "fsdp": _fsdp_summary(fsdp) if fsdp else None,
+            "moe": _moe_summary(MOE_TABLE, moe) if moe else None,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -166,6 +179,40 @@ def _fsdp_summary(rows: list[dict]) -> dict:
                              "max_abs_rel_error": max(e)} for gpu, e in by_gpu.items()}}
 
 
+def _moe_summary(table: str, rows: list[dict]) -> dict:
+    """The MoE table's rows (every one, predicted or not), its role, and the median, mean
+    and max |error| of its predicted rows (None when none is)."""
+    errors = sorted(abs(r["rel_error"]) for r in rows if r["status"] == "predicted")
+    n = len(errors)
+    return {"table": table, "role": FIT_TABLES.get(table, "held_out"), "rows": rows,
+            "predicted": n, "refused": sum(r["status"] == "refused" for r in rows),
+            "failed": sum(r["status"] == "failed" for r in rows),
+            "median_abs_rel_error": (errors[n // 2] if n % 2 else
+                                     (errors[n // 2 - 1] + errors[n // 2]) / 2) if n else None,
+            "mean_abs_rel_error": sum(errors) / n if n else None,
+            "max_abs_rel_error": errors[-1] if n else None}
+
+
+def _print_moe(m: dict) -> None:
+    """The MoE section: each row predicted against published, or why it is not."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+    print(f"mixture of experts ({m['table']}, {m['role']}): {m['predicted']} of "
+          f"{len(m['rows'])} rows predicted, {m['refused']} refused, {m['failed']} failed; "
+          f"predicted rows: median |error| {percent(m['median_abs_rel_error'])}, mean "
+          f"{percent(m['mean_abs_rel_error'])}, max {percent(m['max_abs_rel_error'])}")
+    for r in m["rows"]:
+        if r["status"] == "predicted":
+            tflops = "" if r["published_tflops"] is None or r["metric"] == \
+                "model_tflops_per_gpu" else (f"  model TFLOP/s {r['published_tflops']:.4g} "
+                                             f"-> {r['predicted_tflops']:.4g}")
+            print(f"  {r['case'][:88]:<89}{r['metric']:<22}{r['published']:>9.4g}"
+                  f"{r['predicted']:>10.4g}{100 * r['rel_error']:>+7.1f}%{tflops}")
+        else:
+            print(f"  {r['case'][:88]:<89}{r['metric']:<22}{r['published']:>9.4g}"
+                  f"{'-':>10}  {r['status']}: {r['reason']}")
+
+
 def _run(args) -> int:
     # lazy: keeps vcluster --help fast
     from vcluster.planner.progress import ProgressLines
@@ -178,14 +225,14 @@ def _run(args) -> int:
 
     def percent(x):
         return "-" if x is None else f"{100 * x:.1f}%"
-    print(f"mean |error| {100 * result['mean_abs_rel_error']:.1f}%   "
-          f"max |error| {100 * result['max_abs_rel_error']:.1f}%   "
+    print(f"mean |error| {percent(result['mean_abs_rel_error'])}   "
+          f"max |error| {percent(result['max_abs_rel_error'])}   "
           f"held out ({n_held} rows, no constant chosen on them): "
           f"{percent(result['held_out_mean_abs_rel_error'])}   fit "
           f"({len(result['rows']) - n_held} rows): {percent(result['fit_mean_abs_rel_error'])}")
     print("by table and metric (mean |error|, max |error|, rows):")
     roles = {r["table"]: r["role"] for r in result["rows"]}
-    width = max(map(len, result["by_table"])) + 1
+    width = max(map(len, result["by_table"]), default=0) + 1
     for table, metrics in result["by_table"].items():
         print(f"  {table:<{width}}{roles[table]:<9}" + "   ".join(
             f"{metric} {100 * m['mean_abs_rel_error']:.1f}% "
@@ -198,6 +245,8 @@ def _run(args) -> int:
             f"{100 * e['max_abs_rel_error']:.1f}%, {e['rows']})" for gpu, e in f["by_gpu"].items())
             + f"; the memory model says {f['predicted_to_fit']} of its {f['rows']} "
             f"configurations fit (every one ran)")
+    if result["moe"] is not None:
+        _print_moe(result["moe"])
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

@@ -41,9 +41,10 @@ divides the activations by cp).
 
 With a mixture of experts (``config.experts``), ep takes every value up to ``max_ep``
 (default 1) that divides both dp and the experts: the ep group is carved out of the
-data-parallel ranks, so ep multiplies no GPU count. A mixture of experts with cp > 1 is
-not supported yet (the emulated program refuses it): such splits are rejected as
-``cp_with_experts``.
+data-parallel ranks, so ep multiplies no GPU count; each expert is split over tp (etp =
+tp). With tp > 1 and sequence parallelism the search also folds the expert group over
+whole tp groups (etp = 1, ep = tp × a divisor of dp, up to ``max_ep``). With cp > 1 the
+expert group takes whole cp groups: ep = cp × a divisor of dp (× tp when folded).
 
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
@@ -61,7 +62,7 @@ from modeling import ConfigError, Recompute, ScheduleName, check_zero_stage
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
-__all__ = ["SearchSpace", "enumerate_candidates", "divisors", "REJECT_REASONS",
+__all__ = ["SearchSpace", "enumerate_candidates", "divisors", "stage_split", "REJECT_REASONS",
            "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES"]
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
@@ -78,10 +79,10 @@ REJECT_REASONS = {
                                "does not divide tp",
     "tp_not_dividing_ffn": "Llama: tp does not divide ffn_hidden",
     "tp_larger_than_node": "tp is larger than the GPUs of a node (max_tp)",
-    "pp_not_dividing_layers": "pp does not divide the layers",
+    "pp_not_dividing_layers": "the layers split into pp stages neither evenly nor with "
+                              "the embedding and the head counted as layers",
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
     "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
-    "cp_with_experts": "a mixture of experts with cp > 1 is not supported yet",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
     "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
                               "pp = 1, no sequence parallelism and, with experts, ep = 1)",
@@ -180,10 +181,23 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
             return "tp_not_dividing_ffn"
     if tp > max_tp:
         return "tp_larger_than_node"
-    if config.layers % pp:
+    if stage_split(config.layers, pp) is None:
         return "pp_not_dividing_layers"
     if global_batch % dp:
         return "dp_not_dividing_batch"
+    return None
+
+
+def stage_split(layers: int, stages: int):
+    """How ``layers`` go into ``stages`` pipeline stages: () evenly, (k, k) with the first
+    and last stages one layer short — Megatron-Core's account-for-embedding-and-loss
+    split, the embedding and the head each counted as a layer, (L + 2)/S per stage — or
+    None when neither splits."""
+    if layers % stages == 0:
+        return ()
+    if stages > 1 and (layers + 2) % stages == 0 and (layers + 2) // stages >= 2:
+        k = (layers + 2) // stages - 1
+        return (k, k)
     return None
 
 
@@ -196,8 +210,23 @@ def _schedules(space: SearchSpace, config: GPTConfig, pp: int):
         if name != "interleaved_1f1b":
             out.append((name, None))
         else:
-            out += [(name, v) for v in divisors(config.layers // pp)
-                    if 2 <= v <= space.max_virtual_stages]
+            out += [(name, v) for v in range(2, space.max_virtual_stages + 1)
+                    if stage_split(config.layers, pp * v) is not None]
+    return out
+
+
+def _expert_layouts(config, space, dp: int, tp: int, cp: int = 1) -> list[tuple[int, int]]:
+    """The (ep, etp) a candidate tries: experts split over tp (etp = tp) in an ep group of
+    cp × a divisor of dp ranks (ep 1 too: no group), and — tp > 1 — the expert group
+    folded over whole tp groups (etp = 1, ep = tp × cp × a divisor of dp); each ep at
+    most ``max_ep`` and dividing the experts."""
+    if not config.experts:
+        return [(1, tp)]
+    out = [(1, tp)] + [(cp * e, tp) for e in divisors(dp) if 1 < cp * e <= space.max_ep
+                       and config.experts % (cp * e) == 0]
+    if tp > 1:
+        out += [(tp * cp * e, 1) for e in divisors(dp)
+                if tp * cp * e <= space.max_ep and config.experts % (tp * cp * e) == 0]
     return out
 
 
@@ -232,8 +261,6 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
         reason = _split_reason(config, tp, pp, dp, global_batch, space.max_tp)
         if reason is None and cp > 1 and config.seq % (2 * cp):
             reason = "cp_not_dividing_seq"
-        if reason is None and cp > 1 and config.experts:
-            reason = "cp_with_experts"
         if reason:
             rejected[reason] += 1
             continue
@@ -242,12 +269,13 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
         sps = [sp for sp in space.sequence_parallel
                if not sp or (tp > 1 and config.seq // cp % tp == 0)]
-        eps = [e for e in divisors(dp) if e <= space.max_ep and config.experts % e == 0] \
-            if config.experts else [1]
-        for b, ep in ((b, ep) for b in mbs for ep in eps):
+        layouts = _expert_layouts(config, space, dp, tp, cp)
+        for b, (ep, etp) in ((b, x) for b in mbs for x in layouts):
             m = per_replica // b
             for name, v in _schedules(space, config, pp):
                 for sp in sps:
+                    if etp == 1 and tp > 1 and ep > 1 and not sp:
+                        continue              # folded: each tp rank routes its own slice
                     for rc in space.recompute:
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1
@@ -256,10 +284,13 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                         if not stages:
                             rejected["zero_stage_unsupported"] += 1
                             continue
+                        ends = stage_split(config.layers, pp * (v or 1))
                         par = ParallelConfig(
                             global_batch=global_batch, micro_batch=b, dp=dp, pp=pp, tp=tp,
                             schedule=name, virtual_stages=v, sequence_parallel=sp,
-                            recompute=rc, attention=space.attention, ep=ep,
+                            first_stage_layers=ends[0] if ends else None,
+                            last_stage_layers=ends[1] if ends else None,
+                            recompute=rc, attention=space.attention, ep=ep, etp=etp,
                             tp_overlap=space.tp_overlap,
                             grad_reduce_dtype=space.grad_reduce_dtype,
                             zero_stage=stages[0],

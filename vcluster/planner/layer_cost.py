@@ -44,7 +44,7 @@ from pipeline_parallel.llama import llama_param_shapes
 from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.llama import llama_piece, llama_stage
-from tensor_parallel.moe_layer import MOE_PARAMS, llama_moe_stage, moe_piece
+from tensor_parallel.moe_layer import is_moe_param, llama_moe_stage, moe_piece
 from tensor_parallel.transformer import param_layout
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
@@ -114,8 +114,9 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
 
 def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
     """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
-    for two micro-batches and given one, the layer leaves out the once-per-step sum of
-    K/V replicas' gradients (kv_heads < tp): the replay counts it."""
+    for two micro-batches and given one, the layer leaves out the once-per-step sums over
+    tp of the K/V replicas' gradients (kv_heads < tp), of the QK-norm gains' and of
+    multi-head latent attention's replicated projections': the replay counts them."""
     shapes = llama_param_shapes(dataclasses.replace(config, layers=1))
     meta = {n.rsplit(".", 1)[-1]: llama_piece(n, MetaArray(shape, np.float16), ops.tp_size,
                                               ops.tp_rank, config.kv_heads)
@@ -123,7 +124,8 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
     stage = llama_stage(ops, lambda names, prefix="": {n: meta[n] for n in names}, [0], True,
                         True, config.heads, config.kv_heads, config.hidden, config.rope_theta,
                         recompute, config.eps, 2, config.seq, cp, positions,
-                        tie=config.tie_embeddings)
+                        tie=config.tie_embeddings, head_dim=config.head_dim,
+                        qk_norm=config.qk_norm, latent=config.latent_attention())
     return stage.modules
 
 
@@ -136,45 +138,60 @@ def _context_parallel(dev, config, t: int, algorithm: str, flash: bool = True):
     kv = max(config.kv_heads // t, 1)
     group = config.heads // t // kv if config.block.grouped_query else 1
     return (ContextParallelAttention(config.heads // t, config.head_dim, algorithm, "cp",
-                                     group=group, label="gpt: attention: cp", flash=flash),
+                                     group=group, label="gpt: attention: cp", flash=flash,
+                                     v_head_dim=config.v_head_dim),
             sequence_positions(config.seq, n, dev.mesh.group_position("cp", dev.rank)))
 
 
-def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float):
+def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
+                 folded: bool = False, ep_axes="ep", cp=None, positions=None,
+                 dispatcher: str = "alltoall"):
     """An MoE model's embedding, one layer and head on ep rank 0 of the mesh's "ep" axis
-    (shape-only), routing ``ExpertLoad.skewed(..., expert_skew)``."""
-    shapes, ep = GPT(dataclasses.replace(config, layers=1)).param_shapes(), \
-        ops.dev.mesh.axis_size("ep")
+    (shape-only), routing ``ExpertLoad.skewed(..., expert_skew)``; ``folded``: the expert
+    group is the axes ("ep", "tp") together (etp = 1), each rank routing its sequence
+    slice."""
+    shapes = GPT(dataclasses.replace(config, layers=1)).param_shapes()
+    axes = ep_axes
+    ep = ops.dev.mesh.axis_size(axes)
+    coords = (ep, 0, 1, 0) if folded else (ep, 0, ops.tp_size, ops.tp_rank)
+    split = (ops.dev.mesh.axis_size("cp") if cp is not None else 1) * (
+        ops.tp_size if folded else 1)                  # the ranks a micro-batch routes from
 
     def piece(n, shape):
         a = MetaArray(shape, np.float16)
-        if n.rsplit(".", 1)[-1] in MOE_PARAMS:
-            return moe_piece(n, a, ep, 0)
+        if is_moe_param(n):
+            return moe_piece(n, a, *coords)
         if config.block is LLAMA_BLOCK:
             return llama_piece(n, a, ops.tp_size, ops.tp_rank, config.kv_heads)
         return a[shard_slices(shape, param_layout(n, len(shape)), ops.dev.mesh, ops.dev.rank)]
 
     meta = {n.rsplit(".", 1)[-1]: piece(n, s) for n, s in shapes.items()}
-    tokens = b * config.seq
+    tokens = b * config.seq // split
     load = ExpertLoad.skewed(ep, config.experts, tokens, config.moe_top_k, expert_skew,
                              config.moe().capacity(tokens))
     params = lambda names, prefix="": {n: meta[n] for n in names}      # noqa: E731
     stage = llama_moe_stage(ops, params, [0], True, True, config.heads, config.kv_heads,
                             config.hidden, config.rope_theta, recompute, config.eps, 2,
-                            config.seq, config.moe(), 1.0, load, tie=config.tie_embeddings)
+                            config.seq, config.moe(dispatcher), 1.0, load,
+                            tie=config.tie_embeddings,
+                            ep_axes=axes, folded=folded, cp=cp, positions=positions,
+                            head_dim=config.head_dim,
+                            qk_norm=config.qk_norm, latent=config.latent_attention())
     return stage.modules
 
 
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
              expert_skew: float = 1.0, attention: str = "flash",
-             async_grad_reduce: bool = True):
+             async_grad_reduce: bool = True, folded: bool = False, ep_axes="ep",
+             dispatcher: str = "alltoall"):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp, flash=attention in FUSED_ATTENTION,
                          async_grad_reduce=async_grad_reduce)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
-    if config.experts:       # (a mixture of experts with cp > 1 is refused upstream)
-        emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew)
+    if config.experts:
+        emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew, folded,
+                                        ep_axes, cp, positions, dispatcher)
     elif config.block is LLAMA_BLOCK:
         emb, layer, head = _llama_modules(ops, config, recompute, cp, positions)
     else:
@@ -214,7 +231,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                        ep: int = 1, expert_skew: float = 1.0,
                        attention: str = "flash", autocast_kernels: bool = False,
                        inductor_fusion: bool = False,
-                       async_grad_reduce: bool = True) -> StagePieces:
+                       async_grad_reduce: bool = True, etp: int | None = None,
+                       moe_dispatcher: str = "alltoall") -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
@@ -228,20 +246,27 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     ``async_grad_reduce``: the layer's input-gradient reductions overlap its weight
     gradients (:attr:`~pipeline_parallel.gpt.ParallelConfig.use_async_grad_reduce`; default
     True, as under ParallelConfig's defaults); such an asynchronous collective costs the
-    piece only what the compute between its issue and its wait leaves of it."""
-    if cp > 1 and config.experts:
-        raise ValueError(f"trace_stage_pieces: a mixture of experts (experts="
-                         f"{config.experts}) with cp={cp} is not supported yet")
+    piece only what the compute between its issue and its wait leaves of it. ``etp``: the
+    experts' tensor parallelism (default tp: each expert split over tp; 1 with ep > 1 and
+    tp > 1: the expert group folded over the tp ranks, a mesh (ep/tp, tp)); with cp > 1
+    the expert group takes whole cp groups (a mesh (ep/cp, cp, tp), traced on rank 0's cp
+    group). ``moe_dispatcher``: ParallelConfig's."""
     sp = bool(sequence_parallel and tp > 1)
-    if cp > 1:
+    folded = bool(config.experts) and etp == 1 and tp > 1 and ep > 1
+    ep_axes = "ep"
+    if config.experts:          # the expert group: whole cp (and, folded, tp) groups
+        k = max(ep // (cp * (tp if folded else 1)), 1)
+        mesh = Mesh((k, cp, tp), ("ep", "cp", "tp")) if cp > 1 else Mesh((k, tp), ("ep", "tp"))
+        if ep > 1:
+            ep_axes = ("ep",) + (("cp",) if cp > 1 else ()) + (("tp",) if folded else ())
+    elif cp > 1:
         mesh = Mesh((cp, tp), ("cp", "tp"))
-    elif config.experts:
-        mesh = Mesh((ep, tp), ("ep", "tp"))
     else:
         mesh = Mesh((tp,), ("tp",))
     traces = trace_program(mesh, _program,
                            [(config, micro_batch, sp, recompute, cp_algorithm,
-                             expert_skew, attention, async_grad_reduce)] * mesh.size,
+                             expert_skew, attention, async_grad_reduce, folded,
+                             ep_axes, moe_dispatcher)] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0

@@ -61,16 +61,30 @@ The same program under ``torch.compile`` (the ``torch_compile`` policy) saves th
 tensors but for a few row statistics and keeps 4 bytes a logit at the loss's backward
 (Inductor fuses the loss: the bf16 logits and their bf16 gradient, no fp32 copy).
 
-Llama (``GPTConfig(arch="llama")``; d = h/a, h_q = a·d, c kv_heads, f ffn_hidden,
-c_l = max(c/t, 1) KV heads per rank — replicated when c < t). Parameters per layer:
-(2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no biases); the first
-stage adds the word embedding V·h/t (no positions), the last the final gain and the
-output projection V·h/t + h. Activations per layer and micro-batch, 16-bit, by the same
+Llama (``GPTConfig(arch="llama")``; d = ``head_dim`` (default h/a), h_q = a·d, c
+kv_heads, f ffn_hidden, c_l = max(c/t, 1) KV heads per rank — replicated when c < t).
+Parameters per layer: (2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no
+biases), + 2d with QK-norm (its two gains, whole on every rank); the first stage adds
+the word embedding V·h/t (no positions), the last the final gain and the output
+projection V·h/t + h. Activations per layer and micro-batch, 16-bit, by the same
 counting with no dropout: the two norms' inputs and outputs 8·s·b·h (/t with SP), q and
 the attention output 4·s·b·h_q/t, k and v 4·s·b·c_l·d, SwiGLU's gate, up and product
 6·s·b·f/t, so
 
     s·b·(8h/σ + 4·h_q/t + 4·c_l·d + 6f/t)     σ = t with sequence parallelism, else 1
+
+(QK-norm keeps its norms' inputs too, q and k before the norm: + 2·s·b·(h_q/t + c_l·d))
+
+Multi-head latent attention (``GPTConfig.kv_lora_rank``; r_q = q_lora_rank, r_kv,
+d_n + d_r = d_qk, d_v; :mod:`tensor_parallel.mla`): the attention's parameters per rank
+are the replicated down-projections and their norms, h·r_q + r_q + h·(r_kv + d_r) + r_kv
+(without r_q: none of them), plus (r_q·a·d_qk + r_kv·a·(d_n + d_v) + a·d_v·h)/t (without
+r_q h·a·d_qk/t more) split by heads — in place of (2·h·h_q)/t + 2·h·d·c_l. Its
+activations in place of 4·h_q/t + 4·c_l·d: the latents' norms' inputs and outputs
+4·s·b·(r_q + r_kv) (whole on every rank: the down-projections are replicated) and q, k,
+v and the output 4·s·b·a·(d_qk + d_v)/t; the shared rotary key is part of k. The
+context-parallel K/V blocks are a_l·d_qk and a_l·d_v wide (the up-projected k and v
+travel, not the latent).
 
 plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2·a·s²·b/t
 (no dropout) without recomputation; full recomputation keeps 2·s·b·h/σ.
@@ -78,16 +92,20 @@ plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2
 Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidden,
 ``ParallelConfig(ep)``; :mod:`tensor_parallel.moe_layer`): the MLP's parameters (Llama
 3·h·f/t; GPT (8h² + 4h)/t + h) become the router h·E plus the rank's E/ep experts
-3·h·f_e·E/ep (replicated over tp: not divided by t). With the distributed optimizer the experts'
+3·h·f_e·E/(ep·etp) (each expert's hidden dimension split over etp = tp: expert tensor
+parallelism; whole when the expert group is folded over tp, etp = 1), and the shared
+expert's 3·h·F_s/etp (``moe_shared_ffn_hidden``; replicated over tp when folded). With the distributed optimizer the experts'
 optimizer state is sharded over the dp/ep ranks that hold them, the rest over dp.
 Activations: the dense MLP's term (Llama's SwiGLU 6·s·b·f/t; GPT's 19·s·b·h of
 Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed
 rows R (those its
 experts receive, :meth:`~tensor_parallel.moe_load.ExpertLoad.received` of
 ``ExpertLoad.skewed(..., expert_skew)`` — ep rank 0 holds the busiest expert) times
-2·(h + 3·f_e) (each row's input, gate, up and product, 16-bit), plus the k·s·b rows
-dispatched and combined on the token side, 4·k·s·b·h (the block runs on the gathered
-sequence: no /t).
+2·(h + 3·f_e/etp) (each row's input, and its slice of gate, up and product, 16-bit),
+plus the k·s·b rows dispatched and combined on the token side, 4·k·s·b·h (the block runs
+on the gathered sequence: no /t; folded, each rank routes its s/t slice: /t), plus the
+shared expert's gate, up and product on every token, 6·s·b·F_s/t (its slice, or folded
+its tokens' share). Folded, a rank routes b·s/t tokens (R from those).
 
 A rank holds as many micro-batches' activations as its schedule keeps in flight at
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
@@ -227,11 +245,17 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
                                      attention: str = "flash") -> float:
     """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc)."""
     h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
-    sigma = t if sp else 1
+    sigma, kv_local = t if sp else 1, max(config.kv_heads // t, 1)
     if recompute == "full":
         return 2 * s * b * h / sigma
-    base = s * b * (8 * h / sigma + 4 * a * d / t + 4 * max(config.kv_heads // t, 1) * d
-                    + 6 * f / t)
+    if getattr(config, "kv_lora_rank", None):      # MLA: the latents, q, k, v, output
+        att = 4 * ((config.q_lora_rank or 0) + config.kv_lora_rank) \
+            + 4 * a * (d + config.v_head_dim) / t
+    else:
+        att = 4 * a * d / t + 4 * kv_local * d
+    base = s * b * (8 * h / sigma + att + 6 * f / t)
+    if getattr(config, "qk_norm", False):          # the q and k norms' inputs
+        base += 2 * s * b * (a * d / t + kv_local * d)
     if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
@@ -241,32 +265,67 @@ def moe_routed_rows(config, parallel, expert_skew: float = 1.0) -> int:
     """R: the rows ep rank 0's experts receive per layer and micro-batch (0: dense)."""
     if not getattr(config, "experts", 0):
         return 0
-    tokens = parallel.micro_batch * config.seq
+    tokens = parallel.micro_batch * config.seq // (parallel.tp if parallel.folded else 1)
     cap = config.moe().capacity(tokens)
     return ExpertLoad.skewed(parallel.ep, config.experts, tokens, config.moe_top_k,
                              expert_skew, cap).received(0)
 
 
 def expert_params_per_layer(config, parallel) -> float:
-    """The parameters of the experts one rank holds, per layer: 3·h·f_e·E/ep (0: dense)."""
+    """The parameters of the experts one rank holds, per layer: 3·h·f_e·E/(ep·etp) (0:
+    dense; each expert split over etp = tp, or whole when folded, etp = 1)."""
     if not getattr(config, "experts", 0):
         return 0
-    return 3 * config.hidden * config.moe_ffn_hidden * config.experts / parallel.ep
+    return 3 * config.hidden * config.moe_ffn_hidden * config.experts / (
+        parallel.ep * parallel.etp)
 
 
 def _llama_rank_params(config, parallel, r: int) -> float:
     h, V, t, d, f = config.hidden, config.vocab, parallel.tp, config.head_dim, config.ffn_hidden
     stages = parallel.pp * parallel.chunks
-    mlp = h * config.experts + expert_params_per_layer(config, parallel) \
-        if getattr(config, "experts", 0) else 3 * h * f / t
-    per_layer = 2 * h * config.heads * d / t + mlp \
-        + 2 * h * d * max(config.kv_heads // t, 1) + 2 * h
-    params = config.layers // stages * parallel.chunks * per_layer
+    moe = h * config.experts + expert_params_per_layer(config, parallel) \
+        + 3 * h * config.moe_shared_ffn_hidden / parallel.etp \
+        if getattr(config, "experts", 0) else 0
+    attention = _latent_params(config, t) if getattr(config, "kv_lora_rank", None) else \
+        2 * h * config.heads * d / t + 2 * h * d * max(config.kv_heads // t, 1)
+    per_layer = attention + 2 * h + (2 * d if getattr(config, "qk_norm", False) else 0)
+    n_moe = _rank_moe_layers(config, parallel, r)
+    params = _rank_layers(config, parallel, r) * (per_layer + 3 * h * f / t) \
+        + n_moe * (moe - 3 * h * f / t)
     if r == 0:
         params += V * h / t
     if (stages - 1) % parallel.pp == r:
         params += _head_matrix(config, stages) * V * h / t + h
     return params
+
+
+def _latent_params(config, t: int) -> float:
+    """Multi-head latent attention's parameters on one of t tp ranks (the module doc)."""
+    h, a, r_q, r_kv = config.hidden, config.heads, config.q_lora_rank, config.kv_lora_rank
+    d_qk, d_r, d_v = config.head_dim, config.qk_rope_head_dim, config.v_head_dim
+    replicated = h * (r_kv + d_r) + r_kv + (h * r_q + r_q if r_q else 0)
+    split = (r_q if r_q else h) * a * d_qk + r_kv * a * (config.qk_nope_head_dim + d_v) \
+        + a * d_v * h
+    return replicated + split / t
+
+
+def _rank_layers(config, parallel, r: int) -> int:
+    """The transformer layers pipeline rank r holds (ParallelConfig.rank_layers: even
+    stages, or first/last stages of their own)."""
+    return parallel.rank_layers(config.layers, r)
+
+
+def _rank_moe_layers(config, parallel, r: int) -> int:
+    """How many of pipeline rank r's layers are mixtures of experts (0: a dense model;
+    ``moe_dense_layers`` keep the dense MLP)."""
+    if not getattr(config, "experts", 0):
+        return 0
+    bounds = [0]
+    for n in parallel.stage_layers(config.layers):
+        bounds.append(bounds[-1] + n)
+    dense = set(config.moe_dense_layers)
+    return sum(i not in dense for s in range(r, len(bounds) - 1, parallel.pp)
+               for i in range(bounds[s], bounds[s + 1]))
 
 
 def _head_matrix(config, stages: int) -> int:
@@ -286,7 +345,7 @@ def rank_params(config, parallel, r: int) -> float:
     if getattr(config, "experts", 0):   # MoE: W1, b1, W2, b2 become router + experts
         per_layer = (4 * h * h + 3 * h) / t + 5 * h + h * config.experts \
             + expert_params_per_layer(config, parallel)
-    params = config.layers // stages * parallel.chunks * per_layer
+    params = _rank_layers(config, parallel, r) * per_layer
     if r == 0:
         params += V * h / t + s * h
     if (stages - 1) % parallel.pp == r:
@@ -296,16 +355,18 @@ def rank_params(config, parallel, r: int) -> float:
 
 def cp_buffer_bytes(config, parallel, precision: PrecisionPolicy = MEGATRON) -> float:
     """The context-parallel K/V communication buffers at their peak (the module doc):
-    ring 8X, all_gather 4·cp·X, X = 2·b·c_l·d·s/cp (2: the policy's activation bytes);
+    ring 8X, all_gather 4·cp·X, X = 2·b·c_l·d·s/cp (2: the policy's activation bytes;
+    with values of their own width, MLA's d_v, 2X is one K block and one V block);
     0 without context parallelism."""
     cp = getattr(parallel, "cp", 1)
     if cp == 1:
         return 0
     t = parallel.tp
     kv_local = max(config.kv_heads // t, 1) if config.block.grouped_query else config.heads // t
-    x = precision.activation_bytes * parallel.micro_batch * kv_local * config.head_dim \
-        * config.seq / cp
-    return (CP_RING_BUFFERS if parallel.cp_algorithm == "ring" else 4 * cp) * x
+    widths = config.head_dim + (getattr(config, "v_head_dim", None) or config.head_dim)
+    kv = precision.activation_bytes * parallel.micro_batch * kv_local * widths \
+        * config.seq / cp                                     # one K and one V block
+    return (CP_RING_BUFFERS // 2 if parallel.cp_algorithm == "ring" else 2 * cp) * kv
 
 
 def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1.0,
@@ -328,11 +389,10 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
         params * w_bytes
     grads = params * g_bytes / shards + largest * g_bytes if zero >= 2 else \
         params * g_bytes
-    per_stage = config.layers // (parallel.pp * parallel.chunks)
-    experts = per_stage * parallel.chunks * expert_params_per_layer(config, parallel)
-    if experts and parallel.distributed_optimizer:     # experts' state over dp/ep (x cp)
-        opt_bytes = (params - experts) * optimizer + experts * o_bytes / (
-            parallel.dp // parallel.ep * cp)
+    per_stage = _rank_layers(config, parallel, r) / parallel.chunks     # mean per stage
+    experts = _rank_moe_layers(config, parallel, r) * expert_params_per_layer(config, parallel)
+    if experts and parallel.distributed_optimizer:     # experts' state over expert-dp
+        opt_bytes = (params - experts) * optimizer + experts * o_bytes / parallel.expert_dp
     else:
         opt_bytes = params * optimizer
     if precision.activation_count == "emulator":
@@ -359,13 +419,17 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
         activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                    config.heads, parallel.tp, parallel.recompute,
                                    parallel.sequence_parallel, parallel.attention)
+    n_layers = _rank_layers(config, parallel, r)
+    moe_act = 0.0          # what an MoE layer keeps beyond the dense layer's activations
     if getattr(config, "experts", 0) and parallel.recompute != "full":
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
         dense_mlp = 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 else \
             s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
-        act += -dense_mlp + 2 * moe_routed_rows(
-            config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden) \
-            + 4 * config.moe_top_k * s * b * h
+        moe_act = -dense_mlp + 2 * moe_routed_rows(
+            config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden / parallel.etp) \
+            + (4 * config.moe_top_k * s * b * h / (t if parallel.folded else 1)
+               + 6 * s * b * config.moe_shared_ffn_hidden / t)
+    act += moe_act * _rank_moe_layers(config, parallel, r) / max(n_layers, 1)
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
     logits = (precision.logits_bytes * parallel.micro_batch * config.seq * config.vocab
               / parallel.tp if last else 0)
@@ -448,8 +512,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
     s, b, h, a, V, t = (config.seq, parallel.micro_batch, config.hidden, config.heads,
                         config.vocab, parallel.tp)
     sig = t if parallel.sequence_parallel and t > 1 else 1
-    stages = parallel.pp * parallel.chunks
-    layers = config.layers // stages * parallel.chunks
+    stages, layers = parallel.pp * parallel.chunks, _rank_layers(config, parallel, r)
     if parallel.recompute == "full":
         layer = 4 * s * b * h / sig
     else:
@@ -497,7 +560,7 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
         layer_w = bsh * (4 / sig + 2 + 5 / t)
     else:
         layer_w = bsh * (4 / sig + 4 + 12 / t)
-    n = config.layers // (parallel.pp * parallel.chunks)
+    n = _rank_layers(config, parallel, r) / parallel.chunks
     fwd, wgt = n * layer_f * item, n * layer_w * item
     if r == 0:                       # the embedding: token indices; the gathered dx
         fwd += INDEX_BYTES * b * s

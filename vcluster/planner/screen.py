@@ -130,7 +130,7 @@ def peak_memory_bytes(config, parallel, precision="megatron") -> int:
 
 def _rank_costs(config, parallel, pieces: StagePieces, r: int) -> dict:
     p, v = parallel.pp, parallel.chunks
-    per_rank_layers = config.layers // (p * v) * v
+    per_rank_layers = parallel.rank_layers(config.layers, r)
     out = {}
     for a in ("F", "I", "W"):
         c = per_rank_layers * pieces[("layer", a)]
@@ -199,7 +199,7 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
     step = busy + bubble + p2p + exposed
     compute = m * (F.compute_s + B.compute_s)
     comm = m * (F.comm_s + B.comm_s + F.cp_s + B.cp_s) + p2p + dp_s
-    mean_layers_flops = m * (config.layers // p) * sum(pieces[("layer", a)].flops
+    mean_layers_flops = m * (config.layers / p) * sum(pieces[("layer", a)].flops
                                                        for a in "FIW")
     ends_flops = m * sum(pieces[(e, a)].flops for e in ("emb", "head") for a in "FIW") / p
     tflops = (mean_layers_flops + ends_flops) / step / 1e12
@@ -223,7 +223,7 @@ def _rank_modules(config, parallel, r: int) -> list[float]:
     last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
     norm = 2 * h if block.norm is NormKind.LAYERNORM else h                # the final norm
     head = V * h / t + norm if last else 0.0
-    layers = config.layers // (parallel.pp * parallel.chunks) * parallel.chunks
+    layers = parallel.rank_layers(config.layers, r)
     layer = (rank_params(config, parallel, r) - emb - head) / layers
     return [n for n in [head] + [layer] * layers + [emb] if n > 0]
 

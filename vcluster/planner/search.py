@@ -50,17 +50,20 @@ __all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
-COLUMNS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "microbatches", "schedule",
-           "virtual_stages",
+COLUMNS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "microbatches", "schedule",
+           "virtual_stages", "first_stage_layers", "last_stage_layers",
            "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
 def _knobs(par: ParallelConfig) -> dict:
     return {"tp": par.tp, "pp": par.pp, "dp": par.dp, "cp": par.cp, "ep": par.ep,
+            "etp": par.etp,
             "micro_batch": par.micro_batch,
             "microbatches": par.microbatches, "schedule": par.schedule,
-            "virtual_stages": par.chunks, "sequence_parallel": par.sequence_parallel,
+            "virtual_stages": par.chunks, "first_stage_layers": par.first_stage_layers,
+            "last_stage_layers": par.last_stage_layers,
+            "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer,
             "zero_stage": par.zero_stage}
 
@@ -167,20 +170,45 @@ def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
     for par in candidates:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
-        key = key + cp_key + (par.ep, par.attention, par.use_async_grad_reduce)
+        key = key + cp_key + (par.ep, par.etp, par.moe_dispatcher, par.attention,
+                              par.use_async_grad_reduce)
         if key not in pieces:
             pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
                                              attention=par.attention, autocast_kernels=autocast,
                                              inductor_fusion=fused,
-                                             async_grad_reduce=par.use_async_grad_reduce)
+                                             async_grad_reduce=par.use_async_grad_reduce,
+                                             etp=par.etp, moe_dispatcher=par.moe_dispatcher)
         out.append(screen_estimate(config, par, pieces[key], hw))
         if bar:
             bar.advance(task)
     return out
 
 
-def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus: int,
-             global_batch: int, hardware="a100-80gb-dgx", top: int = 10,
+_MODEL_DEFAULTS = dict(hidden=None, layers=None, heads=None, seq=None, vocab=None,
+                      arch="gpt", kv_heads=None, ffn_hidden=None, tie_embeddings=False,
+                      experts=0, moe_top_k=2, moe_ffn_hidden=None, capacity_factor=None)
+
+
+def _model(config, **fields) -> GPTConfig:
+    """``config``, or the GPTConfig of ``fields``; ValueError naming what was given twice
+    or is missing."""
+    given = [k for k, v in fields.items() if v != _MODEL_DEFAULTS[k]]
+    if config is not None:
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"plan_gpt: config must be a GPTConfig, got {config!r}")
+        if given:
+            raise ValueError(f"plan_gpt: config= is the whole model; do not also pass "
+                             f"{', '.join(given)} (use dataclasses.replace(config, ...))")
+        return config
+    missing = [k for k in ("hidden", "layers", "heads", "seq", "vocab") if fields[k] is None]
+    if missing:
+        raise ValueError(f"plan_gpt: {', '.join(missing)} required (or config=GPTConfig)")
+    return GPTConfig(**fields)
+
+
+def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
+             heads: int | None = None, seq: int | None = None, vocab: int | None = None,
+             gpus: int, global_batch: int, hardware="a100-80gb-dgx", top: int = 10,
              replay: int | None = None, max_tp: int | None = None,
              micro_batches=None, max_micro_batch: int | None = None,
              schedules=None, max_virtual_stages: int | None = None, recompute=None,
@@ -192,8 +220,15 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
              tie_embeddings: bool = False, max_cp: int = 1, cp_algorithm: str = "ring",
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
-             precision="megatron", fp8: bool = False, grad_reduce_dtype: str = "model"):
+             precision="megatron", fp8: bool = False, grad_reduce_dtype: str = "model",
+             config: GPTConfig | None = None):
     """Plan the parallel configuration of a GPT (see the module docstring).
+
+    The model: ``config`` (a :class:`~pipeline_parallel.gpt.GPTConfig`, e.g.
+    ``GPTConfig.of_model("qwen3-235b-a22b", seq=4096, timing_only=True)``: every field of
+    it, fine-grained MoE and attention variants included), or the keywords ``hidden``,
+    ``layers``, ``heads``, ``seq``, ``vocab`` and the architecture and MoE keywords below
+    (not both).
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
     of the screen's best are replayed (default max(top, 10); 0 = screen only);
@@ -217,8 +252,10 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     the search of earlier versions), with ``cp_algorithm`` ("ring" or "all_gather").
     ``experts``, ``moe_top_k``, ``moe_ffn_hidden``, ``capacity_factor``: a mixture of
     experts (GPTConfig's fields); ``max_ep``: the largest expert-parallel degree tried
-    (every ep <= max_ep dividing dp and the experts; default 1). A mixture of experts is
-    not combined with cp > 1 yet (those splits are rejected as ``cp_with_experts``).
+    (every ep <= max_ep dividing dp and the experts; default 1), each expert split over
+    tp (etp = tp) or, tp > 1 with sequence parallelism, the group folded over whole tp
+    groups (etp = 1); with cp > 1 the group takes whole cp groups (ep = cp × a divisor of
+    dp).
     ``zero_stages``: the ZeRO stages searched (default all of 0-3; not with
     ``distributed_optimizer``, which means ``(1,)`` / ``(0,)``); each candidate takes the
     lowest of them that fits (:mod:`~vcluster.planner.candidates`), the DataFrame's
@@ -234,11 +271,10 @@ def plan_gpt(*, hidden: int, layers: int, heads: int, seq: int, vocab: int, gpus
     import pandas as pd
     t0 = time.perf_counter()
     precision = precision_policy(precision)
-    config = GPTConfig(hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
-                       arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
-                       tie_embeddings=tie_embeddings, experts=experts,
-                       moe_top_k=moe_top_k, moe_ffn_hidden=moe_ffn_hidden,
-                       capacity_factor=capacity_factor)
+    config = _model(config, hidden=hidden, layers=layers, heads=heads, seq=seq, vocab=vocab,
+                    arch=arch, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                    tie_embeddings=tie_embeddings, experts=experts, moe_top_k=moe_top_k,
+                    moe_ffn_hidden=moe_ffn_hidden, capacity_factor=capacity_factor)
     for name, value in (("gpus", gpus), ("global_batch", global_batch), ("top", top)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan_gpt: {name} must be a positive int, got {value!r}")

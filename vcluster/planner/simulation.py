@@ -313,6 +313,26 @@ def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates
                      rewrite(templates.tail), templates.message_bytes)
 
 
+def _short_dense_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
+    """The short step's ``moe_dense_layers``: short stage k holds full stage k's pattern
+    (the last short stage the last full stage's), so dense-first layers on the first
+    stage — DeepSeek-V3's three — are traced where they run; dense layers on middle
+    stages stand for the middle stages the short step traces ({} for a model without
+    them)."""
+    dense = set(getattr(config, "moe_dense_layers", ()) or ())
+    if not dense:
+        return {}
+    starts = [sum(full[:k]) for k in range(len(full))]
+    mapping = list(range(stages - 1)) + [len(full) - 1] if stages > 1 else [0]
+    out, at = [], 0
+    for k in mapping:
+        out += [at + o for o in range(full[k]) if starts[k] + o in dense]
+        at += full[k]
+    if len(out) >= at:                      # every short layer dense: keep one MoE layer
+        out = out[:-1]
+    return {"moe_dense_layers": tuple(out)}
+
+
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False):
@@ -320,12 +340,16 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     positions with ``parallel``'s layers per stage, micro-batch, dp and tp
     (``autocast_kernels``: rewritten by :func:`.inductor_kernels.pytorch_kernels`, compiled
     with ``inductor_fusion``)."""
-    p, v = parallel.pp, parallel.chunks
+    v = parallel.chunks
     short = dataclasses.replace(parallel, pp=p_short)
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
+    full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
+    layers = full[0] + full[-1] + (p_short * v - 2) * (full[1] if len(full) > 2 else 0) \
+        if p_short * v > 1 else full[0]
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
-                                       layers=config.layers // (p * v) * p_short * v)
+                                       layers=layers, **_short_dense_layers(
+                                           config, full, p_short * v))
     short_mesh = short.mesh()
     args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer,
                                        expert_skew=expert_skew)
@@ -343,7 +367,7 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
                       for t in ts]
                      for ts in templates]
     if "ep" in short_mesh.axes:
-        templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group("ep", r))
+        templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
     return short_mesh, [[coalesce(t, costs, gpt_op_kind) for t in ts] for ts in templates]
 

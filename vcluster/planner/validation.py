@@ -2,7 +2,9 @@
 in :func:`validate_recompute`, Korthikanti et al. 2022's iterations and layer times with
 full and selective recomputation, run as that paper gives them; in :func:`validate_fsdp`,
 MosaicML's measured MPT throughput under FSDP on A100s and H100s; in :func:`validate_fp8`,
-NeMo's FP8 pretraining throughput on H100s).
+NeMo's FP8 pretraining throughput on H100s; in :func:`validate_moe`, published
+mixture-of-experts pretraining throughput on H100s, each row predicted or refused with its
+reason).
 
 Every row of ``megatron_2020_a100.csv`` (iteration time, ms) and
 ``megatron_sc21_table1.csv`` (TFLOP/s per GPU) is simulated with
@@ -30,16 +32,19 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from modeling import block_named
+from modeling import ConfigError, block_named
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with_recompute
+from vcluster.runtime.tracing import TraceError
 from vcluster.timing import load_hardware, read_data_csv
 
+from .candidates import stage_split
 from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
            "validate_fsdp", "validate_fp8", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE",
            "FSDP_HARDWARE", "FP8_TABLE", "FP8_BRIDGE_TABLE", "FP8_TABLES", "validate_fsdp2",
-           "FSDP2_TABLE", "FSDP2_HARDWARE",
+           "FSDP2_TABLE", "FSDP2_HARDWARE", "validate_moe", "moe_row_config", "MOE_TABLE",
+           "MOE_HARDWARE", "MOE_METRICS", "MOE_DEFAULT_ETP",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -78,6 +83,17 @@ FP8_TABLES = (FP8_TABLE, FP8_BRIDGE_TABLE)
 #: torchtitan's FSDP2 runs of Llama 2 and Llama 3 on 64 A100-80GB, and the preset they run on
 FSDP2_TABLE = "torchtitan_a100_fsdp.csv"
 FSDP2_HARDWARE = "a100-80gb-dgx"
+#: published mixture-of-experts pretraining throughput on DGX H100: Megatron-Bridge's
+#: performance archive and Megatron-Core's MoE Model Zoo (:func:`validate_moe`; every row
+#: held out)
+MOE_TABLE = "megatron_bridge_h100_moe.csv"
+#: the preset :data:`MOE_TABLE`'s rows are simulated on
+MOE_HARDWARE = "h100-dgx"
+#: a :data:`MOE_TABLE` row's published figures; the first it gives is its compared metric
+MOE_METRICS = ("tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu")
+#: the expert tensor parallelism of a :data:`MOE_TABLE` row whose source does not state it
+#: (:func:`moe_row_config`)
+MOE_DEFAULT_ETP = 1
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -346,4 +362,134 @@ def validate_fp8(tables=FP8_TABLES, on_row=None) -> list[dict]:
                                     float(r["tokens_per_s_per_gpu"]),
                                     par.global_batch * cfg.seq / sim.step_time_s / par.gpus))
             _done(on_row)
+    return rows
+
+
+def moe_row_config(r: dict) -> tuple:
+    """(config, parallel, fp8, refusals) of a :data:`MOE_TABLE` row: its GPTConfig, its
+    ParallelConfig, whether its GEMMs run in FP8, and the message of every ConfigError the
+    program raises on it, in order — the model, the precision, the recomputation, the plan
+    (its rules, the micro-batch rounds, the model over the mesh); ``config`` and ``parallel``
+    are None where refused before they could be built, and a row with refusals is not
+    simulated.
+
+    The model: ``GPTConfig.of_model(preset, seq, timing_only=True)`` (refused where the GPT
+    program cannot run the preset: latent attention, sliding windows, dense-first
+    layers...). The plan, the row's own where it gives it: global and micro-batch, dp =
+    GPUs / (tp·pp·cp), tp, pp, cp, ep; ``etp`` as published, else :data:`MOE_DEFAULT_ETP`
+    (1: each expert whole, the expert group folded over the tp ranks — what
+    Megatron-Bridge's Qwen3 and GPT-OSS performance recipes and the Model Zoo's
+    configurations set, ``expert_tensor_parallel_size = 1``; the same as etp = tp where
+    tp = 1); the interleaved 1F1B schedule with ``vp`` virtual stages where vp > 1, else
+    1F1B; sequence parallelism where tp > 1 (Megatron-Core requires it of MoE with tp); the
+    recomputation as published (none where the row says none: the H100 recipes of both
+    sources set none; Megatron-Core's selective recomputation of modules, "norm, act", is
+    refused: it is not the simulator's selective recomputation, the attention core's); FP8
+    GEMMs where the precision is FP8 (refused where the source states none); a layer count
+    pp·vp does not divide is split as Megatron-Core's ``account_for_embedding_in_pipeline_
+    split`` and ``account_for_loss_in_pipeline_split`` do, the embedding and the head
+    each counted as a layer (:func:`~.candidates.stage_split`: Qwen3-235B's 94 layers on
+    32 stages, 2 + 30 × 3 + 2), refused where that does not split either. The
+    optimizer: a row with ``fsdp`` 1 asks for ZeRO-3; every other row ran Megatron's
+    distributed optimizer (ZeRO-1), which the program refuses with ep > 1, and is simulated
+    with plain data-parallel gradients instead (zero_stage 0): the same gradient bytes (a
+    reduce-scatter and an all-gather are a ring all-reduce's halves), an optimizer step
+    over the rank's whole parameters instead of a 1/dp share (under 1% of these steps), and
+    memory without the sharded optimizer state (``fits`` is the DDP verdict)."""
+    refusals = []
+    try:
+        cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
+    except ConfigError as e:
+        return None, None, False, [str(e)]
+    precision = r["precision"]
+    if precision != "BF16" and not precision.startswith("FP8"):
+        refusals.append(str(ConfigError(
+            "precision", precision, "BF16 or FP8", "the source does not state the precision "
+            "the row ran in", owner=MOE_TABLE)))
+    recompute = {"": "none", "full": "full"}.get(r["recompute"])
+    if recompute is None:
+        refusals.append(str(ConfigError(
+            "recompute", r["recompute"], "none or full", "Megatron-Core's selective "
+            "recomputation of modules (layernorm, the MoE activation) is not the simulator's "
+            "selective recomputation (the attention core's)", owner=MOE_TABLE)))
+    tp, pp, cp, vp, ep = (int(r[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
+    ends = stage_split(cfg.layers, pp * vp) or ()        # Megatron's embedding/loss split
+    try:
+        par = ParallelConfig(global_batch=int(r["global_batch"]),
+                             first_stage_layers=ends[0] if ends else None,
+                             last_stage_layers=ends[1] if ends else None,
+                             micro_batch=int(r["micro_batch"]),
+                             dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp, ep=ep,
+                             etp=int(r["etp"]) if r["etp"] else MOE_DEFAULT_ETP,
+                             schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+                             virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
+                             recompute=recompute or "none",
+                             zero_stage=3 if r["fsdp"] == "1" else 0)
+    except ConfigError as e:
+        return cfg, None, False, refusals + [str(e)]
+    for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):
+        try:
+            check()
+        except ConfigError as e:
+            refusals.append(str(e))
+    return cfg, par, precision.startswith("FP8"), refusals
+
+
+def _moe_case(i: int, r: dict) -> str:
+    how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp", "ep", "etp")
+                   if r[k] not in ("", "1"))
+    return (f"#{i} {r['model']} {r['precision']} {r['gpus']}xH100 {how or 'dp only'}"
+            f"{' fsdp' if r['fsdp'] == '1' else ''} mb={r['micro_batch']} "
+            f"B={r['global_batch']} ({r['release']})")
+
+
+def validate_moe(on_row=None) -> list[dict]:
+    """Every row of :data:`MOE_TABLE` (Megatron-Bridge's DGX-H100 MoE pretraining rows,
+    25.09 to 26.04.01 containers, and Megatron-Core's MoE Model Zoo H100 rows: Mixtral
+    8x22B, Qwen3 30B-A3B and 235B-A22B, GPT-OSS 120B, DeepSeek-V3), one result each, in
+    the table's order: the configuration of :func:`moe_row_config` simulated on
+    :data:`MOE_HARDWARE` with even routing (``expert_skew`` 1: both sources force-balance
+    the tokens over the experts). Every row is ``held_out``: the table was added after every
+    constant of the timing model was set, and none was chosen looking at it.
+
+    ``metric``: the first of :data:`MOE_METRICS` the row publishes, ``published`` and
+    ``predicted`` (``simulate_gpt``'s ``tokens_per_s_per_gpu``, ``step_time_s`` or
+    ``model_tflops_per_gpu``: the simulator's model FLOPs, which match both sources' counts
+    within 0.7%, the table's header says) and ``rel_error`` = predicted / published − 1;
+    ``published_tflops`` and ``predicted_tflops``: model TFLOP/s per GPU where the row
+    publishes them. ``status``: ``predicted``; ``refused`` (``predicted`` and ``rel_error``
+    None, ``reason`` every ConfigError of the features or plan the program cannot run yet,
+    "; "-joined); or
+    ``failed`` (the program accepted the row but could not trace it: ``reason`` the
+    TraceError, a defect to fix, not a limit). Not modelled: the dispatchers' kernels
+    (DeepEP, HybridEP) and the overlap of the expert all-to-alls with computation
+    (``--overlap-moe-expert-parallel-comm``), Transformer Engine's FP8 scaling kernels,
+    CUDA graphs. ``on_row``: called after each row (progress)."""
+    rows = []
+    for i, r in enumerate(read_data_csv(MOE_TABLE)[1], 1):
+        metric = next(m for m in MOE_METRICS if r[m])
+        out = {"source": MOE_TABLE, "case": _moe_case(i, r), "metric": metric,
+               "published": float(r[metric]), "predicted": None, "rel_error": None,
+               "role": "held_out", "status": "predicted", "reason": "",
+               "published_tflops": float(r["model_tflops_per_gpu"])
+               if r["model_tflops_per_gpu"] else None, "predicted_tflops": None,
+               "fits": None, "model": r["model"], "preset": r["preset"],
+               "release": r["release"], "url": r["source"]}
+        cfg, par, fp8, refusals = moe_row_config(r)
+        try:
+            if refusals:
+                raise ConfigError("row", i, "a row the program runs", "; ".join(refusals))
+            sim = simulate_gpt(cfg, par, MOE_HARDWARE, fp8=fp8)
+        except ConfigError as e:
+            out.update(status="refused", reason=e.reason if refusals else str(e))
+        except TraceError as e:
+            out.update(status="failed", reason=str(e).splitlines()[0])
+        else:
+            predicted = {"tokens_per_s_per_gpu": sim.tokens_per_s_per_gpu,
+                         "step_s": sim.step_time_s,
+                         "model_tflops_per_gpu": sim.model_tflops_per_gpu}[metric]
+            out.update(predicted=predicted, rel_error=predicted / out["published"] - 1.0,
+                       predicted_tflops=sim.model_tflops_per_gpu, fits=sim.fits)
+        rows.append(out)
+        _done(on_row)
     return rows

@@ -138,6 +138,10 @@ _WORKLOAD = MappingProxyType({
                       "(RMSNorm, RoPE, grouped-query attention, SwiGLU)", "gpt"),
         "kv_heads": _int("llama: key/value heads (divide heads; default heads)"),
         "ffn_hidden": _int("llama: SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
+        "head_dim": _int("llama: each attention head's dimension, even, independent of hidden "
+                         "(Qwen3: 128; default hidden/heads)"),
+        "qk_norm": _bool("llama: an RMSNorm of width head_dim on every query and key head "
+                         "before RoPE (Qwen3, OLMo 2)"),
         "tie_embeddings": _bool("the output head is the word embedding's transpose (GPT-2, "
                                 "MPT, Gemma)"),
         "fp8": _bool("simulation: the transformer layers' linear GEMMs priced at the "
@@ -145,8 +149,22 @@ _WORKLOAD = MappingProxyType({
                      "--fp8; a preset or file with an FP8 peak; the emulated math is "
                      "unchanged)"),
         "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
-        "moe_top_k": _enum([1, 2], "experts each token is routed to", 2),
+        "moe_top_k": _int("experts each token is routed to, 1 to experts (DeepSeek-V3, "
+                          "Qwen3: 8)", 1, 2),
         "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),
+        "moe_router": _enum(["softmax", "sigmoid"], "the router's scores (DeepSeek-V3: "
+                            "sigmoid, gates normalised over the top k)", "softmax"),
+        "moe_dense_layers": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                             "description": "layers whose MLP stays dense among the MoE "
+                                            "ones (DeepSeek-V3: [0, 1, 2])"},
+        "moe_aux_coef": {"type": "number", "minimum": 0, "default": 0.01,
+                         "description": "alpha of the Switch load-balancing loss (0: none, "
+                                        "as DeepSeek-V3's auxiliary-loss-free routing)"},
+        "moe_shared_ffn_hidden": _int("the always-on shared experts' total SwiGLU width "
+                                      "(0: none)", 0, 0),
+        "moe_routed_scaling": {"type": "number", "exclusiveMinimum": 0, "default": 1.0,
+                               "description": "the routed experts' gate factor "
+                                              "(DeepSeek-V3: 2.5)"},
         "capacity_factor": {"type": "number", "exclusiveMinimum": 0,
                             "description": "expert capacity = ceil(factor x tokens x k / E); "
                                            "tokens beyond it are dropped (omit: dropless)"},
@@ -208,6 +226,17 @@ _PARALLEL = MappingProxyType({
                               "around the cp ring, or all-gathered", "ring"),
         "ep": _int("expert-parallel degree: the experts split over mesh axis 'ep', carved "
                    "out of the data-parallel ranks (divides dp and experts)"),
+        "first_stage_layers": _int("layers of the first pipeline stage (the others share "
+                                   "the rest evenly; default an even split)"),
+        "last_stage_layers": _int("layers of the last pipeline stage (the others share the "
+                                  "rest evenly; default an even split)"),
+        "moe_dispatcher": _enum(["alltoall", "allgather"], "how an MoE layer's tokens "
+                                "reach their experts: all_to_all over the expert group, or "
+                                "all-gather the group's tokens and reduce-scatter the "
+                                "experts' outputs", "alltoall"),
+        "etp": _int("expert tensor parallelism: tp (the default: each expert split over "
+                    "tp) or 1 (experts whole; the ep group made of whole tp groups, ep = "
+                    "tp x a divisor of dp; needs sequence_parallel)"),
     },
 })
 

@@ -49,12 +49,19 @@ def resolve_mesh(scenario):
     degrees = {a: par[a] for a in _DEGREE_AXES[scenario.workload.kind]
                if par.get(a) is not None} if scenario.workload.kind in DEGREE_KINDS else {}
     if degrees.get("ep", 1) > 1:      # dp counts every data-parallel rank, ep among them
-        dp, ep = degrees.get("dp", 1), degrees["ep"]
+        dp, ep, tp = degrees.get("dp", 1), degrees["ep"], degrees.get("tp", 1)
+        if par.get("etp") == 1 and tp > 1:       # folded: the group is ep/tp whole tp groups
+            if ep % tp or dp % (ep // tp):
+                raise ScenarioError("parallel.ep", ep, f"parallel.tp={tp} x a divisor of "
+                                    f"parallel.dp={dp} with parallel.etp 1",
+                                    "the expert group is made of whole tp groups (mesh axis "
+                                    "ep holds ep/tp)")
+            ep //= tp
         if dp % ep:
-            raise ScenarioError("parallel.ep", ep, f"a divisor of parallel.dp={dp}",
+            raise ScenarioError("parallel.ep", degrees["ep"], f"a divisor of parallel.dp={dp}",
                                 "the expert-parallel ranks are carved out of the "
                                 "data-parallel ones (mesh axis dp holds dp/ep)")
-        degrees["dp"] = dp // ep
+        degrees["dp"], degrees["ep"] = dp // ep, ep
     if scenario.cluster.mesh:
         axes = tuple(a for a, _ in scenario.cluster.mesh)
         mesh = Mesh(tuple(n for _, n in scenario.cluster.mesh), axes)

@@ -85,9 +85,13 @@ def _by_key(scenario):
 _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch",
               "zero_stage": "data_parallel.zero_stage", "model": "workload.model",
               **{f: f"workload.{f}" for f in ("hidden", "layers", "heads", "seq", "vocab",
-                                               "kv_heads", "ffn_hidden", "experts",
+                                               "kv_heads", "ffn_hidden", "head_dim",
+                                               "qk_norm", "experts",
                                                "moe_top_k", "moe_ffn_hidden",
-                                               "capacity_factor", "arch")}}
+                                               "capacity_factor", "arch", "moe_router",
+                                               "moe_shared_ffn_hidden",
+                                               "moe_routed_scaling", "moe_aux_coef",
+                                               "moe_dense_layers")}}
 
 
 def _validate_ps(scenario, mesh) -> None:
@@ -115,11 +119,14 @@ def _validate_ps(scenario, mesh) -> None:
 _AXES = ("dp", "pp", "cp", "ep", "tp")
 
 
-def _degrees(mesh) -> dict:
+def _degrees(mesh, etp=None) -> dict:
     """The ParallelConfig degrees of ``mesh``: its axis sizes, dp counting every
-    data-parallel rank (mesh axis dp x ep)."""
+    data-parallel rank (mesh axis dp x ep); with ``etp`` 1 (the expert group folded over
+    tp) ep counts the group, mesh axis ep x tp."""
     out = {a: mesh.shape.get(a, 1) for a in _AXES}
     out["dp"] *= out["ep"]
+    if etp == 1 and out["tp"] > 1 and "ep" in mesh.axes:
+        out["ep"] *= out["tp"]
     return out
 
 
@@ -132,16 +139,23 @@ def _configs(scenario, mesh=None):
     config = GPTConfig(hidden=o["hidden"], layers=o["layers"], heads=o["heads"], seq=o["seq"],
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
                        kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
+                       head_dim=o.get("head_dim"), qk_norm=o.get("qk_norm", False),
                        tie_embeddings=o["tie_embeddings"], experts=o["experts"],
                        moe_top_k=o["moe_top_k"], moe_ffn_hidden=o.get("moe_ffn_hidden"),
-                       capacity_factor=o.get("capacity_factor"))
+                       capacity_factor=o.get("capacity_factor"),
+                       **{k: o[k] for k in ("moe_router", "moe_shared_ffn_hidden",
+                                            "moe_routed_scaling", "moe_aux_coef")
+                          if k in o},
+                       moe_dense_layers=tuple(o.get("moe_dense_layers") or ()))
     return config, None if mesh is None else _parallel(scenario, mesh)
 
 
 #: workload keys that, written beside workload.model, override the model's
 _MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden",
+                    "head_dim", "qk_norm",
                     "tie_embeddings", "experts", "moe_top_k", "moe_ffn_hidden",
-                    "capacity_factor")
+                    "capacity_factor", "moe_router", "moe_shared_ffn_hidden",
+                    "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers")
 
 
 def _model_config(scenario):
@@ -169,12 +183,19 @@ def _parallel(scenario, mesh):
                          # data_parallel.mode zero's stage (0 with ddp; the alias
                          # distributed_optimizer raises 0 to 1)
                          zero_stage=scenario.data_parallel.zero_stage,
-                         cp_algorithm=par.get("cp_algorithm", "ring"), **_degrees(mesh))
+                         cp_algorithm=par.get("cp_algorithm", "ring"), etp=par.get("etp"),
+                         moe_dispatcher=par.get("moe_dispatcher", "alltoall"),
+                         first_stage_layers=par.get("first_stage_layers"),
+                         last_stage_layers=par.get("last_stage_layers"),
+                         **_degrees(mesh, par.get("etp")))
 
 
 def _gqa(config) -> str:
     """The Llama-only and the mixture-of-experts shape terms of the description."""
     out = f" kv={config.kv_heads} ffn={config.ffn_hidden}" if config.block.grouped_query else ""
+    if config.block.grouped_query and config.head_dim * config.heads != config.hidden:
+        out += f" d={config.head_dim}"
+    out += " qk-norm" if config.qk_norm else ""
     if config.experts:
         out += f" experts={config.experts} top-{config.moe_top_k}"
     return out
@@ -206,7 +227,7 @@ def build(scenario, mesh) -> Workload:
     args = () if simulate_only else tuple(gpt.device_args(mesh, job, tokens, targets))
 
     def assemble(results):
-        losses, params, _ = gpt.collect(mesh, results)
+        losses, params, _ = gpt.collect(mesh, results, parallel)
         if config.experts:                      # the aux loss is part of the loss (as fit)
             losses = losses + gpt.moe_report(mesh, parallel, results)[0]
         return {"loss": np.asarray(losses), **params}

@@ -501,6 +501,9 @@ def train_program(dev, job: TrainJob, X, Y):
             with dev.compute("optimizer", flops=0, bytes=opt_bytes, kernel=opt_kernel):
                 opt.step(params, grads)
         losses.append(loss)
+        for L in stages.values():
+            if hasattr(L, "end_step"):          # MoE: the auxiliary-loss-free bias update
+                L.end_step()
         reports = [L.moe_report() for L in stages.values() if hasattr(L, "moe_report")]
         aux_losses.append(sum(a for a, _ in reports))
         moe_loads.append({k: v for _, d in reports for k, v in d.items()})

@@ -259,6 +259,8 @@ class GPTConfig:
     moe_routed_scaling: float = 1.0    # the gates' factor (DeepSeek-V3 2.5)
     moe_shared_ffn_hidden: int = 0     # the always-on shared experts' total width (0: none)
     moe_dense_layers: tuple = ()       # layers whose MLP stays dense (DeepSeek-V3: 0, 1, 2)
+    moe_groups: tuple | None = None    # (n_group, topk_group): group-limited routing (V3: 8, 4)
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (V3: 1e-3; 0: none)
     tie_embeddings: bool = False       # the output head is E^T (no W_out; GPT-2, MPT, Gemma)
 
     def __post_init__(self):
@@ -371,7 +373,8 @@ class GPTConfig:
             for f, unset in (("moe_ffn_hidden", None), ("capacity_factor", None),
                              ("moe_router", "softmax"), ("moe_normalize_top_k", None),
                              ("moe_routed_scaling", 1.0), ("moe_shared_ffn_hidden", 0),
-                             ("moe_dense_layers", ())):
+                             ("moe_dense_layers", ()), ("moe_groups", None),
+                             ("moe_bias_update_rate", 0.0)):
                 if getattr(self, f) != unset:
                     raise ConfigError(f, getattr(self, f), f"{unset!r} without experts",
                                       "only a mixture-of-experts model takes it",
@@ -403,7 +406,19 @@ class GPTConfig:
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf:
             raise ConfigError("moe_routed_scaling", r, "a finite number > 0",
                               "not a gate factor", owner="GPTConfig")
-        moe = self.moe()                # capacity_factor, moe_aux_coef: MoE checks them
+        if self.moe_groups is not None:
+            object.__setattr__(self, "moe_groups", tuple(self.moe_groups))
+        g = self.moe_bias_update_rate
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
+            raise ConfigError("moe_bias_update_rate", g, "a finite number >= 0 (0: no bias)",
+                              "not a bias step", owner="GPTConfig")
+        try:
+            moe = self.moe()            # capacity_factor, moe_aux_coef, moe_groups: MoE checks
+        except ValueError as e:
+            if "groups" not in str(e):
+                raise
+            raise ConfigError("moe_groups", self.moe_groups, "(n_group, topk_group)",
+                              str(e).removeprefix("MoE: "), owner="GPTConfig") from None
         object.__setattr__(self, "moe_normalize_top_k", moe.normalize_top_k)
         dense = self.moe_dense_layers
         try:
@@ -427,7 +442,8 @@ class GPTConfig:
                    self.capacity_factor, self.moe_aux_coef, router=self.moe_router,
                    normalize_top_k=self.moe_normalize_top_k,
                    routed_scaling=self.moe_routed_scaling,
-                   shared_ffn_hidden=self.moe_shared_ffn_hidden, dispatcher=dispatcher)
+                   shared_ffn_hidden=self.moe_shared_ffn_hidden, dispatcher=dispatcher,
+                   groups=self.moe_groups)
 
     @property
     def block(self) -> Block:
@@ -533,16 +549,13 @@ class GPTConfig:
                 refuse(f"{expert.kind} experts", str(mlp), "SwiGLU experts (the Llama block)")
             if mlp.router_bias or mlp.expert.bias:
                 refuse("biases in the router or experts", True)
-            if not timing_only and mlp.groups:
-                refuse("group-limited routing", f"groups {mlp.groups}", "routing over all "
-                       "experts (timing_only=True to simulate)")
             moe = dict(experts=mlp.experts, moe_top_k=mlp.top_k,
                        moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
                        moe_aux_coef=mlp.aux_loss_coef, moe_router=mlp.router.value,
                        moe_normalize_top_k=mlp.normalize_top_k,
                        moe_routed_scaling=float(mlp.routed_scaling),
                        moe_shared_ffn_hidden=mlp.shared_experts * (mlp.shared_width or 0),
-                       moe_dense_layers=spec.dense_layers)
+                       moe_dense_layers=spec.dense_layers, moe_groups=mlp.groups)
         own = {"kv_heads": att.kv_heads,
                "ffn_hidden": expert.width if dense_mlp is None else dense_mlp.width,
                "head_dim": None if latent else att.head_dim, "qk_norm": att.qk_norm,
@@ -613,7 +626,8 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                ep_axes=par.expert_axes, folded=par.folded,
                                head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
                                latent=cfg.latent_attention(), cp=cp, positions=positions,
-                               dense_layers=cfg.moe_dense_layers)
+                               dense_layers=cfg.moe_dense_layers,
+                               bias_rate=cfg.moe_bias_update_rate)
     if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
@@ -1031,11 +1045,13 @@ class GPT:
                    for c in range(cp)) + aux, logits
 
     # --- the single-process reference ---------------------------------------------------
-    def _reference(self, params, tokens, targets, backward: bool = False, parallel=None):
+    def _reference(self, params, tokens, targets, backward: bool = False, parallel=None,
+                   moe_state=None):
         ref = llama_reference if self.config.block is LLAMA_BLOCK else _reference
         if self.config.experts:
             return ref(self.config, params, tokens, targets, backward,
-                       moe_groups=self._moe_groups(parallel, len(tokens)))
+                       moe_groups=self._moe_groups(parallel, len(tokens)),
+                       **({"moe_state": moe_state} if moe_state is not None else {}))
         return ref(self.config, params, tokens, targets, backward)
 
     def _moe_groups(self, parallel, batch: int):
@@ -1062,11 +1078,18 @@ class GPT:
         params, losses, grads = self.init_params(), [], {}
         opt = Optimizer(OptimizerConfig(optimizer, lr, momentum, tuple(betas), eps),
                         list(params.values()))
+        rate = self.config.moe_bias_update_rate if self.config.experts else 0.0
+        state = {"bias": {}, "routed": {}} if rate else None   # aux-loss-free balancing
         for _ in range(as_int(steps, "steps", 1)):
             loss, _, grads = self._reference(params, tokens, targets, backward=True,
-                                             parallel=parallel)
+                                             parallel=parallel, moe_state=state)
             opt.step(list(params.values()), [grads[n] for n in params])
             losses.append(loss)
+            for i, n in (state["routed"].items() if state else ()):
+                state["bias"][i] = state["bias"].get(i, np.zeros_like(n)) \
+                    + rate * np.sign(n.mean() - n)
+            if state:
+                state["routed"] = {}
         return GPTFitResult(np.array(losses), params, grads)
 
 

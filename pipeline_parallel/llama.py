@@ -198,13 +198,15 @@ def _moe_names(cfg) -> tuple[str, ...]:
         ("shared_gate", "shared_up", "shared_down") if cfg.moe_shared_ffn_hidden else ())
 
 
-def moe_calls_reference(cfg, L, u2, groups, dy=None):
+def moe_calls_reference(cfg, L, u2, groups, dy=None, bias=None, routed=None):
     """The MoE block (``cfg.experts`` > 0) on u2 (B, s, h), each call apart: ``groups`` =
     (ep, [blocks of each call]) — a call's tokens are its blocks' (batch rows, positions;
     :func:`~pipeline_parallel.gpt.moe_call_blocks`) in order, ep
     contiguous ranks of equal share (:func:`~tensor_parallel.moe_reference.moe_reference`,
     capacity per rank). Forward: (y, aux = mean over the calls); with ``dy``: (du2, grads
-    by name) of <dy, y> + aux."""
+    by name) of <dy, y> + aux. ``bias``: the auxiliary-loss-free balancing's (E,) offset
+    to the choice; ``routed``: an (E,) array the calls' routed tokens per expert are
+    added to."""
     ep, calls = groups
     names = _moe_names(cfg)
     h, w = u2.shape[-1], [L[n] for n in names[:4]]
@@ -228,7 +230,10 @@ def moe_calls_reference(cfg, L, u2, groups, dy=None):
                                   dy=None if dy is None else tokens(dy, blocks),
                                   d_aux=1 / len(calls), router=cfg.moe_router,
                                   normalize_top_k=cfg.moe_normalize_top_k,
-                                  routed_scaling=cfg.moe_routed_scaling, shared=shared)
+                                  routed_scaling=cfg.moe_routed_scaling, shared=shared,
+                                  groups=getattr(cfg, "moe_groups", None), bias=bias)
+        if routed is not None:
+            routed += np.asarray(res.load.per_expert_routed)
         if dy is None:
             put(out, blocks, res.y)
             aux += res.aux_loss / len(calls)
@@ -240,7 +245,8 @@ def moe_calls_reference(cfg, L, u2, groups, dy=None):
     return (out, aux) if dy is None else (out, grads)
 
 
-def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_groups=None):
+def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_groups=None,
+                    moe_state=None):
     """Forward (and backward) of the whole model on the whole batch: (loss, logits,
     grads by name or None). An MoE model (``cfg.experts``) needs ``moe_groups``: (ep,
     the batch rows of each MoE call) — see :func:`moe_calls_reference`; its loss adds every
@@ -288,7 +294,10 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         x1 = x + ctx @ L["w_o"]
         u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
         if moe:
-            y, aux = moe_calls_reference(cfg, L, u2, moe_groups)
+            bias = moe_state["bias"].get(i) if moe_state else None
+            routed = moe_state["routed"].setdefault(i, np.zeros(cfg.experts)) \
+                if moe_state is not None else None
+            y, aux = moe_calls_reference(cfg, L, u2, moe_groups, bias=bias, routed=routed)
             x, aux_total, zg, zu, act = x1 + y, aux_total + aux, None, None, None
         else:
             zg, zu = u2 @ L["w_gate"], u2 @ L["w_up"]
@@ -312,7 +321,8 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         L, u, c1, q, kr, vr, A, ctx, u2, c2, zg, zu, act, qkn, mla = caches[i]
         moe = _is_moe_layer(cfg, i)
         if moe:
-            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx)
+            dmoe, g = moe_calls_reference(cfg, L, u2, moe_groups, dy=dx, bias=moe_state[
+                "bias"].get(i) if moe_state else None)
             du2, g["mlp_norm_g"] = _rms_back(dmoe, c2)
         else:
             g = {"w_down": np.einsum("bsf,bsh->fh", act, dx)}

@@ -9,7 +9,9 @@ tokens each), W_r (h, E) replicated, W_gate, W_up (E_l, h, f), W_down (E_l, f, h
 Forward on rank r:
 
     l = x W_r,  v = softmax(l) or sigmoid(l)      (T, E)      router scores
-    e[t, :k] = the k largest v[t] (ties: the lower expert index), 1 <= k <= E
+    e[t, :k] = the k largest v[t] (ties: the lower expert index), 1 <= k <= E; with
+               ``groups`` (n_group, topk_group) only among the experts of t's topk_group
+               best groups (a group's score: its two best experts' scores summed)
     g[t, c]  = σ · v[t, e_c]                      raw (Switch, Qwen2-MoE)
              = σ · v[t, e_c] / S_t, S_t = sum_c v[t, e_c]   normalised over the k chosen
                (``normalize_top_k``; Mixtral, Qwen3, DeepSeek-V3; for a softmax router =
@@ -210,10 +212,28 @@ class _Routing:
         self.routed, self.kept_arr, self.kept = routed, kept_arr, tuple(kept)
 
 
-def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: float):
-    """Top-k, gates and capacity on real arrays (see the module docstring)."""
+def _group_mask(scores, groups):
+    """The scores with every expert outside each token's ``topk_group`` best of
+    ``n_group`` groups set to -inf (a group's score: the sum of its two best experts',
+    DeepSeek-V3's; ties: the lower group)."""
+    n_group, topk_group = groups
     t, n_exp = scores.shape
-    experts = np.argsort(-scores, axis=1, kind="stable")[:, :k]           # (T, k)
+    by_group = scores.reshape(t, n_group, n_exp // n_group)
+    best2 = -np.sort(-by_group, axis=2)[:, :, :min(2, n_exp // n_group)].sum(axis=2)
+    keep = np.argsort(-best2, axis=1, kind="stable")[:, :topk_group]      # (T, topk_group)
+    allowed = np.zeros((t, n_group), dtype=bool)
+    np.put_along_axis(allowed, keep, True, axis=1)
+    return np.where(np.repeat(allowed, n_exp // n_group, axis=1), scores, -np.inf)
+
+
+def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: float,
+                  groups=None, bias=None):
+    """Top-k, gates and capacity on real arrays (see the module docstring); ``bias``
+    (E,) shifts the choice, not the gates (DeepSeek-V3's auxiliary-loss-free balance)."""
+    t, n_exp = scores.shape
+    choose = scores if bias is None else scores + bias
+    choose = choose if groups is None else _group_mask(choose, groups)
+    experts = np.argsort(-choose, axis=1, kind="stable")[:, :k]           # (T, k)
     sel = np.take_along_axis(scores, experts, axis=1)
     gates = scaling * (sel / sel.sum(axis=1, keepdims=True) if normalize else sel)
     flat = experts.T.reshape(-1)                      # choice-major: all 1st, then 2nd
@@ -228,7 +248,7 @@ def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: flo
 
 
 def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
-           normalize: bool = False, scaling: float = 1.0):
+           normalize: bool = False, scaling: float = 1.0, groups=None, bias=None):
     t, n_exp = probs.shape
     if is_meta(probs):
         if load is None:
@@ -243,7 +263,7 @@ def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
         ops.ew("route: top-k, capacity", lambda: None, probs)
         return _Routing(probs, *res, kept)
     res = ops.ew("route: top-k, capacity", lambda: _route_values(probs, k, cap, normalize,
-                                                                   scaling), probs)
+                                                                   scaling, groups, bias), probs)
     return _Routing(probs, *res, res[-1].tolist())
 
 
@@ -555,7 +575,9 @@ class MoE(ShardedOperation):
     always-on shared expert (0: none); ``dispatcher``: how tokens reach the experts,
     ``alltoall`` (the module docstring's exchanges) or ``allgather`` (every rank gathers
     the group's tokens and reduce-scatters its experts' partial outputs; Megatron's for
-    small groups); ``seed`` draws :meth:`init_params`;
+    small groups); ``groups``: (n_group, topk_group), DeepSeek's group-limited routing —
+    each token chooses its k experts within its ``topk_group`` best of ``n_group`` equal
+    groups of experts (a group scored by its two best experts' scores), None: among all; ``seed`` draws :meth:`init_params`;
     ``algorithms`` maps ``all_to_all`` / ``all_reduce`` to the algorithm every such call
     uses (default ``auto``).
 
@@ -570,7 +592,7 @@ class MoE(ShardedOperation):
                  ep_axis: str = "ep", algorithms: Mapping[str, str] | None = None, *,
                  router: str = "softmax", normalize_top_k: bool | None = None,
                  routed_scaling: float = 1.0, shared_ffn_hidden: int = 0,
-                 dispatcher: str = "alltoall"):
+                 dispatcher: str = "alltoall", groups: tuple | None = None):
         for name, v, low in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
                              ("experts", experts, 1), ("top_k", top_k, 1),
                              ("shared_ffn_hidden", shared_ffn_hidden, 0)):
@@ -586,6 +608,17 @@ class MoE(ShardedOperation):
                              f"got {capacity_factor!r}")
         if not isinstance(aux_coef, Real) or not math.isfinite(aux_coef) or aux_coef < 0:
             raise ValueError(f"MoE: aux_coef must be a finite number >= 0, got {aux_coef!r}")
+        if groups is not None:
+            ok = isinstance(groups, (tuple, list)) and len(groups) == 2 and all(
+                isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g >= 1
+                for g in groups)
+            if not ok or experts % groups[0] or groups[1] > groups[0] or \
+                    groups[1] * (experts // groups[0]) < top_k:
+                raise ValueError(f"MoE: groups must be (n_group, topk_group) with n_group "
+                                 f"dividing experts={experts}, topk_group <= n_group and "
+                                 f"topk_group x experts/n_group >= top_k={top_k}, got "
+                                 f"{groups!r}")
+            groups = (int(groups[0]), int(groups[1]))
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"MoE: dispatcher must be one of {DISPATCHERS}, got "
                              f"{dispatcher!r}")
@@ -606,7 +639,7 @@ class MoE(ShardedOperation):
             if normalize_top_k is None else bool(normalize_top_k)
         self.routed_scaling = float(routed_scaling)
         self.shared_ffn_hidden = int(shared_ffn_hidden)
-        self.dispatcher = dispatcher
+        self.dispatcher, self.groups = dispatcher, groups
         self.ep_axis = ep_axis
         self.algorithms = dict(algorithms or {})
         for kind, alg in self.algorithms.items():
@@ -618,7 +651,8 @@ class MoE(ShardedOperation):
             f", normalize_top_k={self.normalize_top_k}",
             f", routed_scaling={self.routed_scaling:g}" if self.routed_scaling != 1 else "",
             f", shared_ffn_hidden={self.shared_ffn_hidden}" if self.shared_ffn_hidden else "",
-            f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else ""))
+            f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else "",
+            f", groups={self.groups}" if self.groups else ""))
         return (f"MoE(hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
                 f"experts={self.experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, aux_coef={self.aux_coef}"
@@ -697,7 +731,8 @@ class MoE(ShardedOperation):
         v = ops.ew("router: p = softmax(l)", softmax, logits)
         return v, v
 
-    def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load, shared=None):
+    def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load, shared=None,
+                 bias=None):
         h, k, n_exp = self.hidden, self.top_k, self.experts
         e_l = n_exp // ops.n
         x2 = x.reshape(-1, h)
@@ -705,7 +740,8 @@ class MoE(ShardedOperation):
         cap = self.capacity(t)
         logits = ops.matmul(x2, w_router, "router: l = x W_r")
         scores, probs = self._scores(ops, logits)
-        route = _route(ops, scores, k, cap, load, self.normalize_top_k, self.routed_scaling)
+        route = _route(ops, scores, k, cap, load, self.normalize_top_k, self.routed_scaling,
+                       self.groups, bias)
 
         # aux loss: global f and P over the ep group
         sums = ops.all_reduce(ops.ew("aux: local sums", lambda: np.concatenate(
@@ -753,12 +789,14 @@ class MoE(ShardedOperation):
                              f"group's {ops.n} ranks (mesh axes {ops.ep_axis!r})")
         return ops
 
-    def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None):
+    def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None,
+                      bias=None):
         """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
         routed (E,), kept (E,), state for :meth:`backward_saved`); ``shared``: the shared
-        expert's (W_gate, W_up, W_down) when the layer has one."""
+        expert's (W_gate, W_up, W_down) when the layer has one; ``bias``: (E,) added to
+        the scores for the choice only (auxiliary-loss-free balancing), or None."""
         y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load,
-                                             shared)
+                                             shared, bias)
         return y, aux, route.routed, route.kept_arr, saved
 
     def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux,
@@ -895,7 +933,8 @@ class MoE(ShardedOperation):
                                      aux_coef=self.aux_coef, ep=ep, dy=dy, d_aux=d_aux,
                                      router=self.router,
                                      normalize_top_k=self.normalize_top_k,
-                                     routed_scaling=self.routed_scaling, shared=shared)
+                                     routed_scaling=self.routed_scaling, shared=shared,
+                                     groups=self.groups)
         return result
 
     def meta_args(self, mesh, x_shape, load: ExpertLoad, backward: bool = False,

@@ -58,7 +58,9 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from vcluster.runtime.tracing import is_meta
+import numpy as np
+
+from vcluster.runtime.tracing import MetaArray, is_meta
 from .gqa import GQAttention, Rope
 from .llama import LlamaLayer, check_kv_heads, llama_ends
 from .mla import MLAttention
@@ -112,15 +114,46 @@ class MoEBlock:
     """The MLP block of an MoE layer on one device (see the module docstring): ``moe``
     on the gathered micro-batch, ``load`` the ExpertLoad a trace takes as given (ignored
     on real arrays), ``aux_weight`` each call's weight in the training loss; it keeps the
-    step's report (aux loss, tokens per expert)."""
+    step's report (aux loss, tokens per expert).
+
+    ``bias_rate`` γ > 0: DeepSeek-V3's auxiliary-loss-free balancing. A per-expert bias b
+    (E,), zero at first, is added to the router's scores for the choice of experts only
+    (the gates stay the scores); after each step (:meth:`update_bias`) the step's routed
+    tokens per expert n_i, summed over every data-parallel rank, move it by
+    b_i += γ · sign(mean(n) − n_i): an overloaded expert becomes less likely."""
 
     def __init__(self, moe: MoE, aux_weight: float, load: ExpertLoad | None, ep_axes=None,
-                 folded: bool = False):
+                 folded: bool = False, bias_rate: float = 0.0):
         self.moe, self.aux_weight, self.load = moe, float(aux_weight), load
         self.ep_axes = ep_axes          # the expert group's mesh axes (None: moe.ep_axis)
         self.folded = folded            # the group folded over tp: tokens stay local
+        self.bias_rate, self.bias = float(bias_rate), None      # b: made at the first call
         self.recomputing = False                # a full recomputation's forward: not counted
         self.reset_report()
+
+    def _bias(self, ops, like):
+        """The choice's bias (None without balancing, or in a trace: it routes a load)."""
+        if not self.bias_rate or is_meta(like):
+            return None
+        if self.bias is None:
+            self.bias = ops.dev.xp.zeros(self.moe.experts, dtype=like.dtype)
+        return self.bias
+
+    def update_bias(self, ops) -> None:
+        """The step's bias update (see the class docstring): one all_reduce of the E routed
+        counts over the data-parallel axes (dp, ep, cp; and tp when the group is folded
+        over it: its ranks route different tokens), then b += γ·sign(mean − n)."""
+        if not self.bias_rate:
+            return
+        dev = ops.dev
+        axes = tuple(a for a in ("dp", "ep", "cp") if a in dev.mesh.axes) + (
+            ("tp",) if self.folded and "tp" in dev.mesh.axes else ())
+        counts = MetaArray((self.moe.experts,), np.dtype(np.float64)) if self.routed is None \
+            else self.routed.astype(np.float64)     # none in a trace: it routes no values
+        total = dev.all_reduce(counts, axes) if axes else counts
+        if is_meta(total) or self.bias is None:
+            return
+        self.bias += self.bias_rate * dev.xp.sign(total.mean() - total).astype(self.bias.dtype)
 
     def reset_report(self) -> None:
         """Start a step's report: aux loss (weighted sum) and tokens per expert."""
@@ -142,7 +175,7 @@ class MoEBlock:
         mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes)
         y, aux, routed, kept, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
-            P["moe_down"], self.load, self._shared(P))
+            P["moe_down"], self.load, self._shared(P), self._bias(ops, xf))
         if not self.recomputing and not is_meta(aux):
             self.aux_loss += self.aux_weight * float(aux[0])
             self.routed = routed.copy() if self.routed is None else self.routed + routed
@@ -219,13 +252,13 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
                  microbatches: int, moe: MoE, aux_weight: float, load: ExpertLoad | None,
                  recompute: str = "none", eps: float = 1e-5, ep_axes=None,
-                 folded: bool = False):
+                 folded: bool = False, bias_rate: float = 0.0):
         shared = SHARED_PARAMS if moe.shared_ffn_hidden else ()
         self.names = LlamaMoELayer.names + shared
         if folded:                  # the router's (and shared) grads partial over tp
             self.seq_partial = LlamaMoELayer.seq_partial + ("w_router",) + shared
         super().__init__(params, attention, kv_heads, kv_replicas, microbatches, recompute, eps)
-        self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded)
+        self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded, bias_rate)
 
     def _mlp(self, ops, u, keep: bool):
         return self.block.forward(ops, self.p, u, keep)
@@ -245,7 +278,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                     tie: bool = False, ep_axes=None, folded: bool = False,
                     head_dim: int | None = None,
                     qk_norm: bool = False, latent=None, cp=None,
-                    positions=None, dense_layers=()) -> TransformerStage:
+                    positions=None, dense_layers=(), bias_rate: float = 0.0
+                    ) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
     an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
@@ -255,7 +289,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
     latent attention), ``cp``, ``positions`` (context parallelism: each rank's MoE routes
     its own chunks' tokens): as :func:`~tensor_parallel.llama.llama_stage`'s;
     ``dense_layers``: the layer indices whose MLP is the dense SwiGLU (DeepSeek-V3's first
-    three), :class:`~.llama.LlamaLayer` among the MoE ones."""
+    three), :class:`~.llama.LlamaLayer` among the MoE ones; ``bias_rate``: the
+    auxiliary-loss-free balancing's γ (:class:`MoEBlock`; 0: none)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
@@ -276,7 +311,7 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                LlamaMoELayer(params(names, f"layers.{i}."), attention(), kv_heads, replicas,
                              kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps,
-                             ep_axes, folded)
+                             ep_axes, folded, bias_rate)
                for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)

@@ -54,11 +54,14 @@ def _swiglu_grads(x2, wg, wu, wd, acts, d_out):
 def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_factor,
                   aux_coef: float, ep: int = 1, dy=None, d_aux: float = 1.0,
                   router: str = "softmax", normalize_top_k: bool | None = None,
-                  routed_scaling: float = 1.0, shared=None):
+                  routed_scaling: float = 1.0, shared=None, groups=None, bias=None):
     """(result, choice (N, k), keep (N, k)): result a MoEOutput, or with ``dy`` a
     MoEGradients; x (N, h) or (..., h) with N tokens, split into ep contiguous ranks.
     ``normalize_top_k`` None: True for a sigmoid router or k > 1; ``shared``: the shared
-    expert's (W_gate, W_up, W_down) or None."""
+    expert's (W_gate, W_up, W_down) or None; ``groups``: (n_group, topk_group), each
+    token choosing among its topk_group best groups of experts (a group's score its two
+    best experts' scores summed), None: all; ``bias`` (E,): added to the scores for the
+    choice only (DeepSeek-V3's auxiliary-loss-free balancing), None: none."""
     x = np.asarray(x, np.float64)
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
@@ -76,8 +79,16 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
 
     choice = np.zeros((n_tok, k), dtype=np.int64)
     gate = np.zeros((n_tok, k))
+    size = n_exp // groups[0] if groups else n_exp
     for t in range(n_tok):
-        order = sorted(range(n_exp), key=lambda e: (-v[t, e], e))[:k]
+        c = [v[t, e] + (0.0 if bias is None else bias[e]) for e in range(n_exp)]
+        allowed = range(n_exp)
+        if groups:
+            score = [sum(sorted(c[g * size:(g + 1) * size], reverse=True)[:2])
+                     for g in range(groups[0])]
+            best = sorted(range(groups[0]), key=lambda g: (-score[g], g))[:groups[1]]
+            allowed = [e for e in range(n_exp) if e // size in best]
+        order = sorted(allowed, key=lambda e: (-c[e], e))[:k]
         choice[t] = order
         sel = v[t, order]
         gate[t] = routed_scaling * (sel / sel.sum() if norm else sel)

@@ -490,6 +490,14 @@ class TransformerStage:
         m = self.modules[i]
         return tuple(n in getattr(m, "expert", ()) for n in m.names)
 
+    def end_step(self) -> None:
+        """After a step's optimizer step: each MoE layer's auxiliary-loss-free bias update
+        (:meth:`~.moe_layer.MoEBlock.update_bias`; nothing without it)."""
+        for m in self.modules:
+            block = getattr(m, "block", None)
+            if block is not None and getattr(block, "bias_rate", 0):
+                block.update_bias(self.ops)
+
     def moe_report(self) -> tuple[float, dict]:
         """(the step's weighted aux loss, {layer prefix: (routed, kept) tokens per
         expert summed over the step's micro-batches}) of this stage's MoE layers; each

@@ -424,6 +424,47 @@ def test_dense_layers_among_moe_layers_equal_reference(cluster_of, dense, layers
     assert sorted(run.expert_load[0]) == [i for i in range(layers) if i not in dense]
 
 
+def test_group_limited_routing_in_training_equals_reference(cluster_of):
+    """DeepSeek-V3's routing in miniature: 16 experts in 4 groups, each token choosing 4
+    among its 2 best groups, a sigmoid router scaled 2.5, a dense first layer."""
+    cfg = _cfg(4, None, experts=16, layers=3, moe_groups=(4, 2), moe_router="sigmoid",
+               moe_routed_scaling=2.5, moe_dense_layers=(0,), moe_aux_coef=0.0)
+    par = ParallelConfig(global_batch=4, micro_batch=1, dp=2, ep=2, tp=2, etp=1,
+                         sequence_parallel=True)
+    model, (tokens, targets) = GPT(cfg, seed=19), _data(cfg, batch=4)
+    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
+    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+    with pytest.raises(ValueError, match=r"moe_groups=\(3, 1\)"):
+        _cfg(experts=16, moe_groups=(3, 1))
+
+
+@pytest.mark.parametrize("tp, etp, ep, dp, cp", [(1, 1, 2, 2, 1), (2, 1, 4, 2, 1),
+                                                  (2, 2, 2, 2, 1), (1, 1, 2, 1, 2)],
+                         ids=["ep2", "tp2-etp1-ep4", "tp2-etp2-ep2", "cp2-ep2"])
+def test_aux_loss_free_balancing_equals_reference(cluster_of, tp, etp, ep, dp, cp):
+    """DeepSeek-V3's auxiliary-loss-free balancing (no aux loss; a per-expert bias on the
+    choice, moved by γ·sign(mean load − load) after each step from the global load):
+    5 steps equal the reference, whose bias follows the same global counts; the bias
+    really changes the routing (the losses differ from no bias)."""
+    base = dict(experts=8, moe_router="sigmoid", moe_aux_coef=0.0, moe_top_k=2)
+    cfg = _cfg(**base, moe_bias_update_rate=0.05)
+    par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, tp=tp, etp=etp,
+                         cp=cp, sequence_parallel=tp > 1)
+    model, (tokens, targets) = GPT(cfg, seed=23), _data(cfg, batch=par.global_batch)
+    ref = model.fit_reference(tokens, targets, 5, lr=LR, parallel=par)
+    run = model.fit(cluster_of(par.mesh()), tokens, targets, 5, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.params[n], ref.params[n], f"param {n}")
+    plain = GPT(_cfg(**base), seed=23).fit_reference(tokens, targets, 5, lr=LR, parallel=par)
+    assert not np.allclose(plain.losses, ref.losses)
+    with pytest.raises(ValueError, match="moe_bias_update_rate=-1"):
+        _cfg(**base, moe_bias_update_rate=-1)
+
+
 def test_dense_layers_rules():
     with pytest.raises(ValueError, match=r"moe_dense_layers=\(5,\).*layer indices 0 to 1"):
         _cfg(moe_dense_layers=(5,))

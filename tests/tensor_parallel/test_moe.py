@@ -347,6 +347,40 @@ def test_traffic_equals_the_closed_form_and_the_trace(clusters, ep, k, cf):
                 for tr in traces] == flops
 
 
+# --- group-limited routing (DeepSeek-V3's n_group / topk_group) ------------------------------
+@pytest.mark.parametrize("ep, groups, k, router", [(2, (4, 2), 4, "sigmoid"),
+                                                   (4, (8, 3), 6, "sigmoid"),
+                                                   (2, (4, 1), 2, "softmax")])
+def test_group_limited_routing_equals_the_reference(clusters, ep, groups, k, router):
+    """Each token picks its experts within its best groups only: emulated = reference,
+    and every token's chosen experts lie in at most topk_group groups."""
+    moe = MoE(H, F, 16, top_k=k, aux_coef=0.1, seed=ep + k, router=router, groups=groups)
+    params = moe.init_params()
+    x, dy = _data(seed=31, n=32)
+    got = moe.backward(clusters(ep), x, params, dy, d_aux=0.7)
+    ref = moe.reference(x, params, dy, ep=ep, d_aux=0.7)
+    for name in GRADS:
+        np.testing.assert_allclose(getattr(got, name), getattr(ref, name), rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+    assert got.load == ref.load
+    _, choice, _ = moe_reference(x, *(params[n] for n in moe.weight_names()), top_k=k,
+                                 capacity_factor=None, aux_coef=0.1, router=router,
+                                 groups=groups)
+    size = 16 // groups[0]
+    assert max(len({e // size for e in row}) for row in choice.tolist()) <= groups[1]
+    free, _, _ = moe_reference(x, *(params[n] for n in moe.weight_names()), top_k=k,
+                               capacity_factor=None, aux_coef=0.1, router=router)
+    assert not np.allclose(free.y, ref.y)            # the groups really change the routing
+
+
+def test_bad_groups_are_named():
+    for bad in ((3, 1), (4, 5), (4, 0), (2, 1, 1)):
+        with pytest.raises(ValueError, match=r"groups must be \(n_group, topk_group\)"):
+            MoE(H, F, 16, top_k=4, groups=bad)
+    with pytest.raises(ValueError, match="topk_group x experts/n_group >= top_k=8"):
+        MoE(H, F, 16, top_k=8, groups=(8, 2))
+
+
 # --- the all-gather dispatcher ---------------------------------------------------------------
 GATHER = [(2, 8, 2, None, 0), (4, 8, 4, None, 6), (4, 8, 2, 0.75, 0), (2, 4, 1, 1.0, 6),
           (1, 4, 2, None, 0)]

@@ -243,6 +243,10 @@ def add_moe_arguments(parser, skew: bool = True) -> None:
                         metavar="I,J,...", help="layers whose MLP stays dense among the MoE "
                         "ones, e.g. 0,1,2 (DeepSeek-V3's first three; default none, or the "
                         "--model's)")
+    parser.add_argument("--moe-groups", type=_layer_list, default=None, metavar="N,K",
+                        help="group-limited routing: each token chooses among its K best of "
+                        "N groups of experts (DeepSeek-V3: 8,4; default none, or the "
+                        "--model's)")
     parser.add_argument("--moe-routed-scaling", type=_positive_float, default=None,
                         help="the routed experts' gate factor (default 1, or the "
                              "--model's; DeepSeek-V3 2.5)")
@@ -259,7 +263,7 @@ def moe_config(args) -> dict:
                 moe_router=args.moe_router or "softmax",
                 moe_shared_ffn_hidden=args.moe_shared_ffn_hidden or 0,
                 moe_routed_scaling=args.moe_routed_scaling or 1.0,
-                moe_dense_layers=args.moe_dense_layers or ())
+                moe_dense_layers=args.moe_dense_layers or (), moe_groups=args.moe_groups)
 
 
 def add_model_arguments(parser, skew: bool = True) -> None:
@@ -284,7 +288,8 @@ def add_model_arguments(parser, skew: bool = True) -> None:
 _OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden", "head_dim",
               "experts",
               "moe_top_k", "moe_ffn_hidden", "capacity_factor", "moe_router",
-              "moe_shared_ffn_hidden", "moe_routed_scaling", "moe_dense_layers")
+              "moe_shared_ffn_hidden", "moe_routed_scaling", "moe_dense_layers",
+              "moe_groups")
 
 
 def _latent_config(args) -> dict:

@@ -154,6 +154,14 @@ _WORKLOAD = MappingProxyType({
         "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),
         "moe_router": _enum(["softmax", "sigmoid"], "the router's scores (DeepSeek-V3: "
                             "sigmoid, gates normalised over the top k)", "softmax"),
+        "moe_groups": {"type": "array", "items": {"type": "integer", "minimum": 1},
+                       "minItems": 2, "maxItems": 2,
+                       "description": "group-limited routing [n_group, topk_group]: each "
+                                      "token chooses among its topk_group best groups of "
+                                      "experts (DeepSeek-V3: [8, 4])"},
+        "moe_bias_update_rate": {"type": "number", "minimum": 0, "default": 0.0,
+                                 "description": "DeepSeek-V3's auxiliary-loss-free balancing: "
+                                                "the per-expert choice bias's step (0: none)"},
         "moe_dense_layers": {"type": "array", "items": {"type": "integer", "minimum": 0},
                              "description": "layers whose MLP stays dense among the MoE "
                                             "ones (DeepSeek-V3: [0, 1, 2])"},

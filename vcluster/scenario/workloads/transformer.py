@@ -91,7 +91,8 @@ _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch"
                                                "capacity_factor", "arch", "moe_router",
                                                "moe_shared_ffn_hidden",
                                                "moe_routed_scaling", "moe_aux_coef",
-                                               "moe_dense_layers")}}
+                                               "moe_dense_layers", "moe_groups",
+                                               "moe_bias_update_rate")}}
 
 
 def _validate_ps(scenario, mesh) -> None:
@@ -144,9 +145,10 @@ def _configs(scenario, mesh=None):
                        moe_top_k=o["moe_top_k"], moe_ffn_hidden=o.get("moe_ffn_hidden"),
                        capacity_factor=o.get("capacity_factor"),
                        **{k: o[k] for k in ("moe_router", "moe_shared_ffn_hidden",
-                                            "moe_routed_scaling", "moe_aux_coef")
-                          if k in o},
-                       moe_dense_layers=tuple(o.get("moe_dense_layers") or ()))
+                                            "moe_routed_scaling", "moe_aux_coef",
+                                            "moe_bias_update_rate") if k in o},
+                       moe_dense_layers=tuple(o.get("moe_dense_layers") or ()),
+                       moe_groups=tuple(o["moe_groups"]) if o.get("moe_groups") else None)
     return config, None if mesh is None else _parallel(scenario, mesh)
 
 
@@ -155,7 +157,8 @@ _MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden"
                     "head_dim", "qk_norm",
                     "tie_embeddings", "experts", "moe_top_k", "moe_ffn_hidden",
                     "capacity_factor", "moe_router", "moe_shared_ffn_hidden",
-                    "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers")
+                    "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers", "moe_groups",
+                    "moe_bias_update_rate")
 
 
 def _model_config(scenario):

@@ -18,8 +18,9 @@ __all__ += ["Attention", "TransformerOps", "batched_matmul", "TransformerLayer",
             "TransformerStage", "VocabParallelEmbedding", "VocabParallelHead", "RECOMPUTE"]
 from .gqa import GQAttention
 from .llama import LlamaLayer
+from .mla import MLAttention
 
-__all__ += ["GQAttention", "LlamaLayer"]
+__all__ += ["GQAttention", "LlamaLayer", "MLAttention"]
 from .context_parallel import (CP_ALGORITHMS, ContextParallelAttention, causal_chunk_pairs,
                                chunk_ids, join_sequence, sequence_order, sequence_positions,
                                split_sequence)

@@ -186,6 +186,9 @@ CASES = [  # mesh, query compression, extra ParallelConfig fields
     ("cp2", False, {"cp_algorithm": "all_gather", "attention": "flash"}),
     ("cp2 tp2", True, {"cp_algorithm": "ring", "attention": "flash",
                        "sequence_parallel": True}),
+    ("cp2 tp2", False, {"cp_algorithm": "all_gather", "attention": "flash",
+                        "recompute": "selective"}),           # the core re-run under cp
+    ("dp2 tp2", True, {"zero_stage": 3}),
 ]
 
 

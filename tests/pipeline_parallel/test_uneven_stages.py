@@ -37,8 +37,17 @@ def test_the_split():
         ParallelConfig(global_batch=8, pp=4).stage_layers(94)
     with pytest.raises(ConfigError, match="last_stage_layers=2: .*none with one pipeline"):
         ParallelConfig(global_batch=8, last_stage_layers=2).stage_layers(4)
-    assert stage_split(94, 32) == (2, 2) and stage_split(96, 32) == () \
-        and stage_split(61, 16) is None
+    assert stage_split(94, 32) == (2, 2) and stage_split(96, 32) == ()
+    assert stage_split(61, 16) == (3, 2) and stage_split(61, 32) is None \
+        and stage_split(7, 1) == ()
+    for layers in range(2, 70):
+        for stages in (2, 3, 4, 8, 16):
+            ends = stage_split(layers, stages)
+            if ends:        # a valid split: the stages hold every layer, none empty
+                par = ParallelConfig(global_batch=8, pp=stages, first_stage_layers=ends[0],
+                                     last_stage_layers=ends[1])
+                split = par.stage_layers(layers)
+                assert sum(split) == layers and min(split) >= 1
 
 
 def _llama(**kw):

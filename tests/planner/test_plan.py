@@ -13,7 +13,7 @@ from scipy.stats import spearmanr
 
 from pipeline_parallel.gpt import (GPTConfig, ParallelConfig, megatron_flops_with_recompute,
                                    megatron_model_flops)
-from vcluster.planner.candidates import SearchSpace, divisors, enumerate_candidates
+from vcluster.planner.candidates import SearchSpace, divisors, enumerate_candidates, stage_split
 from vcluster.planner.layer_cost import trace_stage_pieces
 from vcluster.planner.memory import gpt_memory
 from vcluster.planner.search import COLUMNS, plan_gpt
@@ -98,10 +98,12 @@ def test_every_candidate_is_valid_and_rejections_are_counted(gpus, batch, hbm_gb
     (4, 2, 4, False, "full", "flash", True), (8, 3, 1, True, "none", "unfused", False)])
 def test_peak_memory_equals_gpt_memory(schedule, v, tp, pp, b, sp, rc, att, dopt):
     cfg = GPTConfig(hidden=1024, layers=24, heads=16, seq=512, vocab=32000)
+    ends = stage_split(cfg.layers, pp * (v or 1)) or (None, None)   # 24 on 9: 2, 3 x 7, 1
     for m in (pp, 2 * pp, 3 * pp + (0 if v else 1)):
         par = ParallelConfig(global_batch=m * b * 2, micro_batch=b, dp=2, pp=pp, tp=tp,
                              schedule=schedule, virtual_stages=v, sequence_parallel=sp,
-                             recompute=rc, attention=att, distributed_optimizer=dopt)
+                             recompute=rc, attention=att, distributed_optimizer=dopt,
+                             first_stage_layers=ends[0], last_stage_layers=ends[1])
         assert peak_memory_bytes(cfg, par) == _gpt_memory_peak(cfg, par)
 
 
@@ -341,7 +343,7 @@ def test_plan_with_no_divisible_configuration_says_so():
     import sys
     args = list(CLI)
     args[args.index("--gpus") + 1] = "7"
-    args[args.index("--layers") + 1] = "13"     # 13 and 13 + 2 (embedding, head) over pp 7
+    args[args.index("--layers") + 1] = "6"      # 6 layers split into 7 stages no way
     proc = subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1

@@ -189,15 +189,25 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
 
 
 def stage_split(layers: int, stages: int):
-    """How ``layers`` go into ``stages`` pipeline stages: () evenly, (k, k) with the first
-    and last stages one layer short — Megatron-Core's account-for-embedding-and-loss
-    split, the embedding and the head each counted as a layer, (L + 2)/S per stage — or
-    None when neither splits."""
+    """How ``layers`` go into ``stages`` pipeline stages: () evenly; else (k, k), the
+    first and last stages one layer short — Megatron-Core's account-for-embedding-and-loss
+    split, the embedding and the head each counted as a layer, (L + 2)/S per stage; else
+    (a, c), the middle stages m = ceil(L/S) layers each and the first and last the rest,
+    a = ceil(r/2) >= c = floor(r/2) >= 1, r = L − (S−2)·m, a <= m (DeepSeek-V3's 61 on 16
+    stages: 3, 4 × 14, 2); None when none of these splits."""
     if layers % stages == 0:
         return ()
-    if stages > 1 and (layers + 2) % stages == 0 and (layers + 2) // stages >= 2:
+    if stages == 1:
+        return None
+    if (layers + 2) % stages == 0 and (layers + 2) // stages >= 2:
         k = (layers + 2) // stages - 1
         return (k, k)
+    if stages > 2:
+        m = -(-layers // stages)
+        rest = layers - (stages - 2) * m
+        a, c = -(-rest // 2), rest // 2
+        if c >= 1 and a <= m:
+            return (a, c)
     return None
 
 

@@ -38,6 +38,24 @@ def _close(a, b, what):
     np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=what)
 
 
+def _trains_as_reference(cluster, model, tokens, targets, par, forward=True, steps=STEPS):
+    """The emulated run against the reference routing the same calls: forward loss and
+    logits (``forward``), then ``steps`` SGD steps — losses, every gradient and parameter
+    at rtol 1e-9. Returns (run, ref)."""
+    if forward:
+        ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
+        loss, logits = model.forward(cluster, tokens, targets, par)
+        _close(loss, ref_loss, "forward loss")
+        _close(logits, ref_logits, "logits")
+    ref = model.fit_reference(tokens, targets, steps, lr=LR, parallel=par)
+    run = model.fit(cluster, tokens, targets, steps, parallel=par, lr=LR)
+    _close(run.losses, ref.losses, "losses")
+    for n in ref.params:
+        _close(run.grads[n], ref.grads[n], f"grad {n}")
+        _close(run.params[n], ref.params[n], f"param {n}")
+    return run, ref
+
+
 # (dp, ep, pp, tp, sp, top_k, capacity factor, micro_batch, recompute): every ep in
 # {1, 2, 4}, top-1/2, dropping and dropless, pp 2, dp/ep 2 (experts' grads over "dp"),
 # tp 2 with SP (experts replicated over tp)
@@ -62,16 +80,7 @@ def test_training_equals_reference(cluster_of, dp, ep, pp, tp, sp, top_k, cf, b,
                          pp=pp, tp=tp, sequence_parallel=sp, recompute=recompute)
     model, (tokens, targets) = GPT(cfg, seed=3), _data(cfg, batch=par.global_batch)
     cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    _close(loss, ref_loss, "forward loss")
-    _close(logits, ref_logits, "logits")
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
-        _close(run.params[n], ref.params[n], f"param {n}")
+    run, ref = _trains_as_reference(cluster, model, tokens, targets, par)
     assert run.aux_losses.shape == (STEPS,) and (run.aux_losses > 0).all()
     # the load: every token routes top_k times per layer; dropping never adds
     for step in run.expert_load:
@@ -109,18 +118,9 @@ def test_fine_grained_moe_training_equals_reference(cluster_of, dp, ep, pp, tp, 
                          sequence_parallel=sp, recompute=recompute)
     model, (tokens, targets) = GPT(cfg, seed=5), _data(cfg, batch=par.global_batch)
     cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    _close(loss, ref_loss, "forward loss")
-    _close(logits, ref_logits, "logits")
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
+    run, ref = _trains_as_reference(cluster, model, tokens, targets, par)
     assert {n.rsplit(".", 1)[-1] for n in ref.params} >= (
         {"shared_gate", "shared_up", "shared_down"} if fs else {"w_router"})
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
-        _close(run.params[n], ref.params[n], f"param {n}")
     for step in run.expert_load:
         for load in step.values():
             assert sum(load.per_expert_routed) == par.global_batch * cfg.seq * top_k
@@ -156,17 +156,8 @@ def test_expert_tensor_parallelism_equals_reference(cluster_of, tp, etp, ep, dp,
     assert par.folded == (etp == 1 and tp > 1)
     model, (tokens, targets) = GPT(cfg, seed=7), _data(cfg, batch=par.global_batch)
     cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    _close(loss, ref_loss, "forward loss")
-    _close(logits, ref_logits, "logits")
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
+    run, ref = _trains_as_reference(cluster, model, tokens, targets, par)
     assert (run.aux_losses > 0).all()
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
-        _close(run.params[n], ref.params[n], f"param {n}")
     rows = dp * (tp if par.folded else 1)
     for step in run.expert_load:
         for load in step.values():
@@ -360,16 +351,7 @@ def test_context_and_expert_parallelism_equal_reference(cluster_of, tp, etp, ep,
                          etp=etp, cp=cp, sequence_parallel=tp > 1)
     model, (tokens, targets) = GPT(cfg, seed=11), _data(cfg, batch=par.global_batch)
     cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    _close(loss, ref_loss, "forward loss")
-    _close(logits, ref_logits, "logits")
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
-        _close(run.params[n], ref.params[n], f"param {n}")
+    run, ref = _trains_as_reference(cluster, model, tokens, targets, par)
     for step in run.expert_load:
         for load in step.values():
             assert load.ep == dp * cp * (tp if par.folded else 1)      # routing ranks
@@ -386,12 +368,8 @@ def test_allgather_dispatcher_training_equals_reference(cluster_of, tp, etp, ep,
     par = ParallelConfig(global_batch=2 * dp, micro_batch=1, dp=dp, ep=ep, tp=tp, etp=etp,
                          cp=cp, sequence_parallel=tp > 1, moe_dispatcher="allgather")
     model, (tokens, targets) = GPT(cfg, seed=13), _data(cfg, batch=par.global_batch)
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
-        _close(run.params[n], ref.params[n], f"param {n}")
+    run, ref = _trains_as_reference(cluster_of(par.mesh()), model, tokens, targets, par,
+                                    forward=False)
 
 
 # dense-first layers (DeepSeek-V3's first three): (dense layers, layers, pp, tp, etp, ep,
@@ -416,11 +394,8 @@ def test_dense_layers_among_moe_layers_equal_reference(cluster_of, dense, layers
     model, (tokens, targets) = GPT(cfg, seed=17), _data(cfg, batch=par.global_batch)
     assert f"layers.{dense[0]}.w_gate" in model.param_shapes() and \
         f"layers.{dense[0]}.w_router" not in model.param_shapes()
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
+    run, ref = _trains_as_reference(cluster_of(par.mesh()), model, tokens, targets, par,
+                                    forward=False)
     assert sorted(run.expert_load[0]) == [i for i in range(layers) if i not in dense]
 
 
@@ -432,11 +407,8 @@ def test_group_limited_routing_in_training_equals_reference(cluster_of):
     par = ParallelConfig(global_batch=4, micro_batch=1, dp=2, ep=2, tp=2, etp=1,
                          sequence_parallel=True)
     model, (tokens, targets) = GPT(cfg, seed=19), _data(cfg, batch=4)
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster_of(par.mesh()), tokens, targets, STEPS, parallel=par, lr=LR)
-    _close(run.losses, ref.losses, "losses")
-    for n in ref.params:
-        _close(run.grads[n], ref.grads[n], f"grad {n}")
+    run, ref = _trains_as_reference(cluster_of(par.mesh()), model, tokens, targets, par,
+                                    forward=False)
     with pytest.raises(ValueError, match=r"moe_groups=\(3, 1\)"):
         _cfg(experts=16, moe_groups=(3, 1))
 

@@ -93,28 +93,12 @@ def test_run_equals_the_reference_forward(clusters, ep, k, cf):
     assert got.load == ref.load
 
 
-@pytest.mark.parametrize("k, cf", [(1, None), (2, None), (1, 0.75), (2, 0.75)])
-def test_reference_gradients_are_finite_differences(k, cf):
-    """The reference's hand-written gradients against central differences of
-    L = <dy, y> + d_aux·aux, at entries whose perturbation leaves the routing alone."""
-    rng = np.random.default_rng(11)
-    moe = MoE(H, F, 4, top_k=k, capacity_factor=cf, aux_coef=0.3, seed=2)
-    p = moe.init_params()
-    x, dy = _data(seed=4)
-    d_aux, eps = 0.7, 1e-6
-
-    def loss(x_, p_):
-        out, choice, keep = moe_reference(x_, p_["w_router"], p_["w_gate"], p_["w_up"],
-                                          p_["w_down"], top_k=k, capacity_factor=cf,
-                                          aux_coef=0.3, ep=2)
-        return float(np.sum(dy * out.y)) + d_aux * out.aux_loss, choice, keep
-
-    grads, choice0, keep0 = moe_reference(x, p["w_router"], p["w_gate"], p["w_up"],
-                                          p["w_down"], top_k=k, capacity_factor=cf,
-                                          aux_coef=0.3, ep=2, dy=dy, d_aux=d_aux)
-    targets = [("x", x, grads.dx), ("w_router", p["w_router"], grads.d_router),
-               ("w_gate", p["w_gate"], grads.d_gate), ("w_up", p["w_up"], grads.d_up),
-               ("w_down", p["w_down"], grads.d_down)]
+def _finite_differences(run, x, p, targets, dy, d_aux, rng, eps=1e-6) -> int:
+    """Check each target's hand-written gradient against central differences of
+    L = <dy, y> + d_aux·aux at 6 random entries, skipping entries whose perturbation
+    changes the routing; ``run(x, params, dy=None)`` -> (result, choice, keep). Returns
+    how many entries were checked."""
+    _, choice0, keep0 = run(x, p, dy)
     checked = 0
     for name, arr, grad in targets:
         for flat in rng.choice(arr.size, 6, replace=False):
@@ -123,16 +107,35 @@ def test_reference_gradients_are_finite_differences(k, cf):
             for sign in (1, -1):
                 a = arr.copy()
                 a[idx] += sign * eps
-                args = (a, p) if name == "x" else (x, dict(p, **{name: a}))
-                val, choice, keep = loss(*args)
-                vals.append(val if (np.array_equal(choice, choice0)
-                                    and np.array_equal(keep, keep0)) else None)
+                out, choice, keep = run(a, p) if name == "x" else run(x, dict(p, **{name: a}))
+                same = np.array_equal(choice, choice0) and np.array_equal(keep, keep0)
+                vals.append(float(np.sum(dy * out.y)) + d_aux * out.aux_loss if same else None)
             if None in vals:
                 continue
-            numeric = (vals[0] - vals[1]) / (2 * eps)
-            assert grad[idx] == pytest.approx(numeric, rel=1e-5, abs=1e-7), (name, idx)
+            assert grad[idx] == pytest.approx((vals[0] - vals[1]) / (2 * eps), rel=1e-5,
+                                              abs=1e-7), (name, idx)
             checked += 1
-    assert checked >= 25
+    return checked
+
+
+@pytest.mark.parametrize("k, cf", [(1, None), (2, None), (1, 0.75), (2, 0.75)])
+def test_reference_gradients_are_finite_differences(k, cf):
+    """The reference's hand-written gradients against central differences of
+    L = <dy, y> + d_aux·aux, at entries whose perturbation leaves the routing alone."""
+    moe = MoE(H, F, 4, top_k=k, capacity_factor=cf, aux_coef=0.3, seed=2)
+    p = moe.init_params()
+    x, dy = _data(seed=4)
+
+    def run(x_, p_, dy_=None):
+        return moe_reference(x_, p_["w_router"], p_["w_gate"], p_["w_up"], p_["w_down"],
+                             top_k=k, capacity_factor=cf, aux_coef=0.3, ep=2, dy=dy_,
+                             d_aux=0.7)
+
+    grads = run(x, p, dy)[0]
+    targets = [("x", x, grads.dx), ("w_router", p["w_router"], grads.d_router),
+               ("w_gate", p["w_gate"], grads.d_gate), ("w_up", p["w_up"], grads.d_up),
+               ("w_down", p["w_down"], grads.d_down)]
+    assert _finite_differences(run, x, p, targets, dy, 0.7, np.random.default_rng(11)) >= 25
 
 
 # --- fine-grained routing: any top-k, sigmoid scores, scaling, shared experts ----------------
@@ -213,41 +216,23 @@ def test_gates_by_hand():
 def test_fine_grained_reference_gradients_are_finite_differences(case):
     """The reference's Jacobians (normalised gates, sigmoid scores, the aux loss through
     p = v/Σv, the shared expert) against central differences."""
-    rng = np.random.default_rng(12)
     ep, e, k, router, norm, sigma, fs, cf = case
     moe = _fine_moe(case, seed=3, aux=0.3)
     p = moe.init_params()
     x, dy = _data(seed=5, n=16)
-    d_aux, eps = 0.7, 1e-6
     names = moe.weight_names()
 
     def run(x_, p_, dy_=None):
         shared = tuple(p_[n] for n in names[4:]) or None
         return moe_reference(x_, *(p_[n] for n in names[:4]), top_k=k, capacity_factor=cf,
-                             aux_coef=0.3, ep=ep, dy=dy_, d_aux=d_aux, router=router,
+                             aux_coef=0.3, ep=ep, dy=dy_, d_aux=0.7, router=router,
                              normalize_top_k=norm, routed_scaling=sigma, shared=shared)
 
-    grads, choice0, keep0 = run(x, p, dy)
+    grads = run(x, p, dy)[0]
     targets = [("x", x, grads.dx), ("w_router", p["w_router"], grads.d_router),
                ("w_gate", p["w_gate"], grads.d_gate), ("w_down", p["w_down"], grads.d_down)]
     targets += [(n, p[n], g) for n, g in zip(names[4:], grads.shared_grads or ())]
-    checked = 0
-    for name, arr, grad in targets:
-        for flat in rng.choice(arr.size, 6, replace=False):
-            idx = np.unravel_index(flat, arr.shape)
-            vals = []
-            for sign in (1, -1):
-                a = arr.copy()
-                a[idx] += sign * eps
-                out, choice, keep = run(a, p) if name == "x" else run(x, dict(p, **{name: a}))
-                same = np.array_equal(choice, choice0) and np.array_equal(keep, keep0)
-                vals.append(float(np.sum(dy * out.y)) + d_aux * out.aux_loss if same else None)
-            if None in vals:
-                continue
-            assert grad[idx] == pytest.approx((vals[0] - vals[1]) / (2 * eps), rel=1e-5,
-                                              abs=1e-7), (name, idx)
-            checked += 1
-    assert checked >= 20
+    assert _finite_differences(run, x, p, targets, dy, 0.7, np.random.default_rng(12)) >= 20
 
 
 # --- the load report ------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
 __all__ = ["ParameterCount", "FlopsPerToken", "attention_params", "mlp_params", "moe_params",
            "layer_params", "parameter_count", "stage_layers", "rank_params",
-           "flops_per_token", "keys_per_query", "kv_bytes_per_token", "kv_cache_bytes",
-           "activation_bytes_per_layer"]
+           "flops_per_token", "keys_per_query", "causal_square", "kv_bytes_per_token",
+           "kv_cache_bytes", "activation_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -217,16 +217,25 @@ class FlopsPerToken:
         return 3 * self.forward
 
 
+def causal_square(seq: int, window: int | None = None) -> int:
+    """The s² of the causal count (which declares s²/2 (query, key) pairs per head) under a
+    sliding window w (key j visible to query i iff i − w < j ≤ i): 2·m·s − m², m = min(s,
+    w) — twice Σ_i min(i+1, w) − m/2, the pairs each query reads with its own diagonal
+    key at half, as the causal count's; s² without a window or with w >= s. The one
+    closed form the program's declarations (:mod:`tensor_parallel.gqa`), the model FLOPs
+    (:func:`pipeline_parallel.gpt.model_flops`) and :func:`keys_per_query` share."""
+    m = seq if window is None else min(seq, window)
+    return 2 * m * seq - m * m
+
+
 def keys_per_query(att: Attention | LatentAttention, seq: int,
                    convention: FlopConvention) -> float:
     """Keys a query reads on average: under ``causal`` s/2 (full) or w − w²/(2s) for a
-    window w < s (∫₀ˢ min(x, w) dx / s); under ``megatron`` and ``palm`` all s."""
+    window w < s (∫₀ˢ min(x, w) dx / s = :func:`causal_square` / 2s); under ``megatron``
+    and ``palm`` all s."""
     if FlopConvention(convention) is not FlopConvention.CAUSAL:
         return float(seq)
-    w = att.window
-    if w is None or w >= seq:
-        return seq / 2
-    return w - w * w / (2 * seq)
+    return causal_square(seq, att.window) / (2 * seq)
 
 
 def flops_per_token(spec: ModelSpec, seq: int,
@@ -294,7 +303,8 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     * otherwise the two norms' inputs 2·s·b·h and the attention and MLP inputs 2·s·b·h
       (/t under sequence parallelism); attention's Q, K, V and output s·b·(2q + 2c)/t
       (latent: the q and kv latents, the up-projected q, k, v and the output); under
-      ``unfused`` attention and no ``selective`` recompute the softmax's s²·b·heads/t;
+      ``unfused`` attention and no ``selective`` recompute the softmax's s²·b·heads/t
+      (s·min(s, w)·b·heads/t under a sliding window w);
       the MLP's hidden m·s·b·f/t (gated: both products and their product; plain: the
       product and the activation); an MoE's router logits s·b·E and, per routed copy,
       k·s·b·(h + m·f_e)/t, plus its shared experts' m·s·b·f_s/t."""
@@ -311,7 +321,8 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     else:
         elements += x * (2 * att.q_width + 2 * att.kv_width) / tp
     if not attention.fused and recompute is not Recompute.SELECTIVE:
-        elements += seq * x * att.heads / tp
+        keys = seq if att.window is None else min(seq, att.window)     # a window's scores
+        elements += keys * x * att.heads / tp
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         m = mlp.expert.kind.matrices

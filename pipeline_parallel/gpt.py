@@ -54,6 +54,7 @@ from modeling import (BLOCKS, LLAMA_BLOCK, AttentionKernel, Block, ConfigError,
                       load_model)
 from modeling import MoE as MoESpec
 from modeling import RouterScore
+from modeling.counts import causal_square
 from modeling.plan import parse
 from pipelining import make_schedule
 from sharding import shard_slices
@@ -114,11 +115,13 @@ LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_hea
 
 
 def _settable(block: Block, field: str) -> bool:
-    """Whether a config of ``block`` takes its own ``field``: kv_heads, head_dim and qk_norm
-    under grouped-query attention (:mod:`tensor_parallel.gqa`), and multi-head latent
+    """Whether a config of ``block`` takes its own ``field``: kv_heads, head_dim, qk_norm,
+    the sliding window (window, window_layers) and attention_sinks under grouped-query
+    attention (:mod:`tensor_parallel.gqa`), and multi-head latent
     attention's fields (:data:`LATENT_FIELDS`, :mod:`tensor_parallel.mla`) in the same
     block, ffn_hidden with a gated MLP (a plain one is 4h)."""
-    if field in ("kv_heads", "head_dim", "qk_norm") + LATENT_FIELDS:
+    if field in ("kv_heads", "head_dim", "qk_norm", "window", "window_layers",
+                 "attention_sinks") + LATENT_FIELDS:
         return block.grouped_query
     return block.mlp.matrices == 3
 
@@ -145,9 +148,20 @@ def _attention_terms(h: int, heads: int, kv_heads: int, d: int,
     return q + kv + a * d_v * h, a * (d_qk + d_v)
 
 
+def _core_square(s: int, l: int, window: int | None, window_layers: int | None) -> int:
+    """Σ over the l layers of the causal core's s² (:func:`modeling.counts.causal_square`):
+    2·m·s − m² (m = min(s, w)) on the ``window_layers`` layers with the window (None:
+    all l), s² on the others."""
+    n = l if window_layers is None else window_layers
+    if window is None or not n:
+        return l * s * s
+    return (l - n) * s * s + n * causal_square(s, window)
+
+
 def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
                       ffn_hidden: int, head_dim: int | None = None,
-                      latent: LatentAttention | None = None) -> int:
+                      latent: LatentAttention | None = None, window: int | None = None,
+                      window_layers: int | None = None) -> int:
     """6·N·B·s + 6·B·s²·l·h_q: a Llama step's FLOPs (forward + backward = 3x forward),
     products only, causal attention at half the full s² count (FlashAttention's). N =
     l·(h·(h_q + 2·c·d) + h_q·h + 3·h·f) + h·V, the parameters that enter a product (not
@@ -156,29 +170,33 @@ def llama_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_hea
     product (its norms are elementwise, 0 FLOPs as every norm here). ``latent``: the
     layers' multi-head latent attention (a :class:`~modeling.spec.LatentAttention`):
     its projections (:func:`_attention_terms`) enter N and the core term is
-    3·B·s²·l·a·(d_qk + d_v) (6·B·s²·l·h_q when d_v = d_qk = d)."""
+    3·B·s²·l·a·(d_qk + d_v) (6·B·s²·l·h_q when d_v = d_qk = d). A sliding ``window`` w
+    on ``window_layers`` of the l layers (a count; None: all) replaces their s² by
+    2·m·s − m², m = min(s, w) (Σ_i min(i+1, w) pairs per head, the diagonal at half:
+    :func:`modeling.counts.causal_square`); attention sinks add no product."""
     d = head_dim or h // heads
     attention, core = _attention_terms(h, heads, kv_heads, d, latent)
     n = l * (attention + 3 * h * ffn_hidden) + h * V
-    return 6 * n * B * s + 3 * B * s * s * l * core
+    return 6 * n * B * s + 3 * B * _core_square(s, l, window, window_layers) * core
 
 
 def moe_model_flops(B: int, s: int, l: int, h: int, V: int, heads: int, kv_heads: int,
                     experts: int, top_k: int, moe_ffn_hidden: int,
                     head_dim: int | None = None, shared_ffn_hidden: int = 0,
                     latent: LatentAttention | None = None, dense_layers: int = 0,
-                    ffn_hidden: int = 0) -> int:
+                    ffn_hidden: int = 0, window: int | None = None,
+                    window_layers: int | None = None) -> int:
     """6·N_active·B·s + 6·B·s²·l·h_q: :func:`llama_model_flops` with each layer's MLP
     3·h·f replaced by the parameters a token uses, the router h·E, its k experts
     k·3·h·f_e and the shared expert 3·h·F_s (N_active: the routed parameters, not all E
     experts) — except ``dense_layers`` of the l layers, whose MLP stays the dense
-    3·h·``ffn_hidden``; d = ``head_dim`` (default h/heads); ``latent``: as
-    :func:`llama_model_flops`'s."""
+    3·h·``ffn_hidden``; d = ``head_dim`` (default h/heads); ``latent``, ``window``,
+    ``window_layers``: as :func:`llama_model_flops`'s."""
     d = head_dim or h // heads
     attention, core = _attention_terms(h, heads, kv_heads, d, latent)
     mlp = h * experts + top_k * 3 * h * moe_ffn_hidden + 3 * h * shared_ffn_hidden
     n = l * attention + (l - dense_layers) * mlp + dense_layers * 3 * h * ffn_hidden + h * V
-    return 6 * n * B * s + 3 * B * s * s * l * core
+    return 6 * n * B * s + 3 * B * _core_square(s, l, window, window_layers) * core
 
 
 def model_flops(config: "GPTConfig", global_batch: int) -> int:
@@ -193,11 +211,13 @@ def model_flops(config: "GPTConfig", global_batch: int) -> int:
                                          shared_ffn_hidden=c.moe_shared_ffn_hidden,
                                          latent=c.latent_attention(),
                                          dense_layers=len(c.moe_dense_layers),
-                                         ffn_hidden=c.ffn_hidden)
+                                         ffn_hidden=c.ffn_hidden, window=c.window,
+                                         window_layers=c.windowed_layers())
     if c.block.attention_flops is FlopConvention.CAUSAL:
         return llama_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab, c.heads,
                                  c.kv_heads, c.ffn_hidden, c.head_dim,
-                                 latent=c.latent_attention())
+                                 latent=c.latent_attention(), window=c.window,
+                                 window_layers=c.windowed_layers())
     return megatron_model_flops(global_batch, c.seq, c.layers, c.hidden, c.vocab)
 
 
@@ -229,7 +249,17 @@ class GPTConfig:
     the model has V·h fewer parameters and dE gains the head's x^T dlogits. A stage that
     holds both ends keeps one E; on a pipeline the first and the last stage each keep a
     copy and, after the data-parallel reduction, sum their gradients (Megatron-LM's
-    embedding group): the same update keeps the copies equal."""
+    embedding group): the same update keeps the copies equal.
+
+    Sliding-window attention (Llama block; Mistral, GPT-OSS): ``window`` w, each query
+    attending to its last w positions, itself included (key j visible to query i iff
+    i − w < j ≤ i, Hugging Face's convention), on the layers ``window_layers`` (a tuple
+    of indices; None: every layer) — GPT-OSS alternates w = 128 with full layers. Its
+    FLOPs, unfused scores and fused kernels follow the window, not the sequence
+    (:func:`llama_model_flops`). ``attention_sinks`` (GPT-OSS): every layer's softmax has
+    one learned logit per query head in its denominator (parameters ``sinks`` (a,), split
+    over tp by heads), whose probability is dropped (:mod:`tensor_parallel.gqa`). Not
+    with multi-head latent attention."""
 
     hidden: int
     layers: int
@@ -262,6 +292,9 @@ class GPTConfig:
     moe_groups: tuple | None = None    # (n_group, topk_group): group-limited routing (V3: 8, 4)
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (V3: 1e-3; 0: none)
     tie_embeddings: bool = False       # the output head is E^T (no W_out; GPT-2, MPT, Gemma)
+    window: int | None = None          # sliding window: a query sees its last `window` keys
+    window_layers: tuple | None = None   # the layers with the window (None: every layer)
+    attention_sinks: bool = False      # GPT-OSS: a learned logit per head in each softmax
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -311,6 +344,7 @@ class GPTConfig:
                               "attention has no QK-norm", owner=who)
         object.__setattr__(self, "qk_norm", bool(self.qk_norm))
         self._check_moe()
+        self._check_window(block)
         if block.positions is Positions.ROPE and self.head_dim % 2 and not latent:
             field, value, what, allowed = ("head_dim", self.head_dim, "head_dim", "an even "
                                            "head dimension") if head_dim_given else \
@@ -358,6 +392,58 @@ class GPTConfig:
                                   f"{rule}", owner=who)
         object.__setattr__(self, "head_dim", d_qk)
         return True
+
+    def _check_window(self, block: Block) -> None:
+        """Check sliding-window attention's and attention sinks' fields (the class
+        docstring): grouped-query attention of the Llama block only."""
+        who = "GPTConfig"
+        if self.attention_sinks not in (False, True):
+            raise ConfigError("attention_sinks", self.attention_sinks, "True or False",
+                              "not a boolean", owner=who)
+        object.__setattr__(self, "attention_sinks", bool(self.attention_sinks))
+        for f, value, unset in (("window", self.window, None),
+                                ("window_layers", self.window_layers, None),
+                                ("attention_sinks", self.attention_sinks, False)):
+            if value == unset:
+                continue
+            if not _settable(block, f):
+                takes = " or ".join(repr(b.arch) for b in BLOCKS.values() if _settable(b, f))
+                raise ConfigError(f, value, f"{unset!r} with arch={self.arch!r}",
+                                  f"{f} needs arch={takes}: the {block} block's attention "
+                                  "has no sliding window or sinks", owner=who)
+            if self.kv_lora_rank is not None:
+                raise ConfigError(f, value, f"{unset!r} with kv_lora_rank",
+                                  "multi-head latent attention has no sliding-window or "
+                                  "sink form here", owner=who)
+        if self.window is not None:
+            object.__setattr__(self, "window", as_int(self.window, "GPTConfig: window", 1))
+        if self.window_layers is None:
+            return
+        if self.window is None:
+            raise ConfigError("window_layers", self.window_layers, "None without window",
+                              "the layers a window applies to need a window", owner=who)
+        try:
+            layers = tuple(sorted({as_int(i, "window_layers", 0) for i in self.window_layers}))
+        except (TypeError, ValueError):
+            layers = None
+        if not layers or layers[-1] >= self.layers:
+            raise ConfigError("window_layers", self.window_layers, f"layer indices 0 to "
+                              f"{self.layers - 1}, at least one", "the layers whose attention "
+                              "has the sliding window (the others see every earlier key)",
+                              owner=who)
+        object.__setattr__(self, "window_layers", layers)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window (None: every earlier key)."""
+        if self.window is None or (self.window_layers is not None
+                                   and i not in self.window_layers):
+            return None
+        return self.window
+
+    def windowed_layers(self) -> int:
+        """How many layers have the sliding window."""
+        return 0 if self.window is None else (
+            self.layers if self.window_layers is None else len(self.window_layers))
 
     def latent_attention(self) -> LatentAttention | None:
         """The layers' multi-head latent attention as the model layer describes it (None:
@@ -481,10 +567,12 @@ class GPTConfig:
                   timing_only: bool = False) -> "GPTConfig":
         """The GPTConfig of a :class:`~modeling.ModelSpec` trained on sequences of
         ``seq`` tokens, or ConfigError naming the feature of ``spec`` this program cannot
-        run (sliding windows shorter than ``seq``, attention sinks, latent attention,
-        QK-norm or a head dimension other than h/heads in a GPT block, layers that differ
-        other than MoE layers beside dense ones (``moe_dense_layers``), gated GELU MLPs,
-        ...). The block's types pick the program: LayerNorm +
+        run (latent attention, QK-norm, a head dimension other than h/heads, sliding
+        windows or attention sinks in a GPT block, sliding windows of different widths,
+        layers that differ other than MoE layers beside dense ones (``moe_dense_layers``)
+        and windowed layers beside full ones (``window_layers``), biases in a Llama
+        block's attention or experts, gated GELU MLPs, ...). The block's types pick the
+        program: LayerNorm +
         learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
         SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`). Multi-head
         latent attention (:class:`~modeling.spec.LatentAttention`) passes its ranks and
@@ -498,16 +586,27 @@ class GPTConfig:
             raise ConfigError("model", spec.name, allowed, f"the GPT program cannot run "
                               f"{feature} ({value}) yet")
 
-        layer, dense_mlp = spec.uniform(), None
+        windows = sorted({x.attention.window for x in spec.layers} - {None})
+        if len(windows) > 1:
+            refuse("sliding windows of different widths", windows, "one window width, "
+                   "with full layers beside it or not")
+        window = windows[0] if windows else None
+        window_layers = tuple(i for i, x in enumerate(spec.layers)
+                              if x.attention.window is not None)
+        bare = replace(spec, layers=tuple(      # the layers with their windows set apart
+            replace(x, attention=replace(x.attention, window=None))
+            if x.attention.window is not None else x for x in spec.layers))
+        layer, dense_mlp = bare.uniform(), None
         if layer is None:         # dense-first layers among MoE ones: one of each kind
-            kinds = {x for x in spec.layers}
+            kinds = {x for x in bare.layers}
             moes = [x for x in kinds if isinstance(x.mlp, MoESpec)]
             denses = [x for x in kinds if not isinstance(x.mlp, MoESpec)]
             if len(moes) != 1 or len(denses) != 1 or \
                     moes[0].attention != denses[0].attention:
-                refuse("layers that differ", f"{len(spec.runs())} runs of layers"
-                       + ("" if spec.is_moe else " (mixed attention)"),
-                       "every layer alike, or MoE layers with some dense ones")
+                refuse("layers that differ", f"{len(bare.runs())} runs of layers"
+                       + ("" if bare.is_moe else " (mixed attention)"),
+                       "every layer alike (but for a sliding window), or MoE layers with "
+                       "some dense ones")
             layer, dense_mlp = moes[0], denses[0].mlp
         att, mlp = layer.attention, layer.mlp
         expert = mlp.expert if isinstance(mlp, MoESpec) else mlp
@@ -516,12 +615,18 @@ class GPTConfig:
             refuse("dense layers whose MLP differs from the experts' in kind", str(dense_mlp),
                    f"{expert.kind} dense layers")
         latent = isinstance(att, LatentAttention)
-        if att.window is not None and att.window < seq:
-            refuse("sliding-window attention", att.window, f"a window >= seq={seq}")
-        if att.sinks:
-            refuse("attention sinks", True)
-        block = block_of(spec.norm, spec.positions, expert.kind, expert.bias,
-                         not latent and (att.qkv_bias or att.out_bias))
+        attention_bias = not latent and (att.qkv_bias or att.out_bias)
+        block = block_of(spec.norm, spec.positions, expert.kind, expert.bias, attention_bias)
+        if block is None and block_of(spec.norm, spec.positions, expert.kind, False,
+                                      False) is LLAMA_BLOCK:   # a Llama block with biases
+            projections = ", ".join(["q, k, v"] * bool(att.qkv_bias)
+                                    + ["output"] * bool(att.out_bias))
+            biases = [what for what, on in (
+                (f"the attention's projections ({projections})", attention_bias),
+                ("the experts" if isinstance(mlp, MoESpec) else "the MLP", expert.bias),
+                ("the router", isinstance(mlp, MoESpec) and mlp.router_bias)) if on]
+            refuse(f"biases in {' and '.join(biases)} of a Llama block", True,
+                   "a Llama block without biases")
         if block is None:
             refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
                    f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
@@ -537,6 +642,12 @@ class GPTConfig:
                    "hidden, or the Llama block")
         if not _settable(block, "qk_norm") and att.qk_norm:
             refuse(f"QK-norm in a {block} block", True, "no QK-norm, or the Llama block")
+        if not _settable(block, "window") and window is not None:
+            refuse(f"sliding-window attention in a {block} block", window,
+                   "no window, or the Llama block")
+        if not _settable(block, "attention_sinks") and att.sinks:
+            refuse(f"attention sinks in a {block} block", True, "no sinks, or the Llama "
+                   "block")
         if not timing_only:
             for feature, value in (("RoPE scaling", spec.rope_scaling),
                                    ("a clamped SwiGLU", expert.clamp)):
@@ -559,6 +670,9 @@ class GPTConfig:
         own = {"kv_heads": att.kv_heads,
                "ffn_hidden": expert.width if dense_mlp is None else dense_mlp.width,
                "head_dim": None if latent else att.head_dim, "qk_norm": att.qk_norm,
+               "window": window, "attention_sinks": att.sinks,
+               "window_layers": window_layers if 0 < len(window_layers) < spec.num_layers
+               else None,
                **({f: getattr(att, f) for f in LATENT_FIELDS} if latent else {})}
         if not _settable(block, "ffn_hidden") and expert.width != 4 * spec.hidden:
             refuse(f"a {block} MLP other than 4h", expert.width, f"{4 * spec.hidden}")
@@ -627,14 +741,17 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
                                head_dim=cfg.head_dim, qk_norm=cfg.qk_norm,
                                latent=cfg.latent_attention(), cp=cp, positions=positions,
                                dense_layers=cfg.moe_dense_layers,
-                               bias_rate=cfg.moe_bias_update_rate)
+                               bias_rate=cfg.moe_bias_update_rate, window=cfg.window,
+                               window_layers=cfg.window_layers, sinks=cfg.attention_sinks)
     if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
                            cfg.eps, job.microbatches, cfg.seq, cp, positions,
                            kv_sum_every=1 if par.zero_stage >= 2 else None,
                            tie=cfg.tie_embeddings, head_dim=cfg.head_dim,
-                           qk_norm=cfg.qk_norm, latent=cfg.latent_attention())
+                           qk_norm=cfg.qk_norm, latent=cfg.latent_attention(),
+                           window=cfg.window, window_layers=cfg.window_layers,
+                           sinks=cfg.attention_sinks)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden,
                                 par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,

@@ -25,6 +25,15 @@ key k_pe (d_r, R its (d_r, d_r) rotations) shared by every head, written here as
 two terms (the program concatenates [k_nope | R k_pe] per head); x1 = x + ctx W_o with
 ctx (a·d_v). The latent norms N are N above over one head of width r_q (r_kv), their
 backward its Jacobian form.
+
+Sliding-window attention (``cfg.window`` on the layers ``cfg.window_layers``, None:
+every layer): the layer's mask allows key j for query i iff j ≤ i and j > i − w, written
+here as an explicit (s, s) boolean matrix per layer. Attention sinks
+(``cfg.attention_sinks``; GPT-OSS): each head n's logit σ_n is a column appended to the
+scores, A_ext = softmax([S | σ_n]) over s + 1 columns, and the sink's column is dropped,
+A = A_ext[..., :s]; its backward is the softmax's over the s + 1 columns with a zero
+upstream gradient in the sink's, dσ_n = Σ over the batch and queries of that column of
+dS_ext.
 """
 
 from __future__ import annotations
@@ -47,15 +56,21 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     (not with ``tie_embeddings``: the head uses E^T). MLA (``kv_lora_rank``): w_q, w_kv,
     w_o become w_q_a (h, r_q), q_a_norm_g (r_q,), w_q_b (r_q, a·(d_n + d_r)) — or w_q
     (h, a·(d_n + d_r)) without ``q_lora_rank`` — w_kv_a (h, r_kv + d_r), kv_a_norm_g
-    (r_kv,), w_kv_b (r_kv, a·(d_n + d_v)), w_o (a·d_v, h)."""
+    (r_kv,), w_kv_b (r_kv, a·(d_n + d_v)), w_o (a·d_v, h). Attention sinks
+    (``attention_sinks``): sinks (a,) after w_o."""
     h, f, hq, hkv = cfg.hidden, cfg.ffn_hidden, cfg.heads * cfg.head_dim, \
         cfg.kv_heads * cfg.head_dim
     dense = dict(zip(_LAYER, [(h,), (h, hq), (h, 2, hkv), (hq, h), (h,), (h, f), (h, f),
                               (f, h)]))
+    if getattr(cfg, "attention_sinks", False):   # one sink logit per head, after W_o
+        items = list(dense.items())
+        at = [n for n, _ in items].index("w_o") + 1
+        dense = dict(items[:at] + [("sinks", (cfg.heads,))] + items[at:])
     layer = dense
     if getattr(cfg, "experts", 0):        # MoE: the MLP's three become the router + experts
         e, fe, fs = cfg.experts, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
-        layer = {**{n: dense[n] for n in _LAYER[:5]}, "w_router": (h, e),
+        attention = list(dense)[:list(dense).index("mlp_norm_g") + 1]
+        layer = {**{n: dense[n] for n in attention}, "w_router": (h, e),
                  "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h),
                  **({"shared_gate": (h, fs), "shared_up": (h, fs), "shared_down": (fs, h)}
                     if fs else {})}
@@ -183,6 +198,17 @@ def _mla_backward(cfg, L, u, R, cache, dctx):
     return du + dkva @ L["w_kv_a"].T, g
 
 
+def _visible(cfg, i: int, s: int) -> np.ndarray:
+    """(s, s) booleans of layer ``i``: query p sees key j iff j <= p and, under a sliding
+    window w (``cfg.window`` on ``cfg.window_layers``, None: every layer), j > p − w."""
+    p, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    w = getattr(cfg, "window", None)
+    layers = getattr(cfg, "window_layers", None)
+    if w is None or (layers is not None and i not in layers):
+        return j <= p
+    return (j <= p) & (j > p - w)
+
+
 def _silu(z):
     return z / (1 + np.exp(-z))
 
@@ -257,10 +283,12 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
     x, caches, aux_total = P["wte"][tokens], [], 0.0
     qk_norm = bool(getattr(cfg, "qk_norm", False))
     latent = bool(getattr(cfg, "kv_lora_rank", None))
+    sinks = bool(getattr(cfg, "attention_sinks", False))
     names = {}                  # per kind of layer (MoE or dense), its parameters' names
     for kind in (False, True):
         one = _LAYER[:5] + _moe_names(cfg) if kind else _LAYER
         one += ("q_norm_g", "k_norm_g") if qk_norm else ()
+        one += ("sinks",) if sinks else ()
         if latent:              # MLA: its parameters for w_q, w_kv, w_o; RoPE on d_rope
             at, end = one.index("w_q"), one.index("w_o") + 1
             one = one[:at] + tuple(_mla_shapes(cfg)) + one[end:]
@@ -287,10 +315,14 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             q = np.einsum("pij,bpnj->bpni", R, q0)                        # RoPE
             k = np.einsum("pij,bpnj->bpni", R, k0)
             kr, vr = np.repeat(k, grp, axis=2), np.repeat(v, grp, axis=2)  # (B, s, a, d)
-            S = np.where(causal, np.einsum("bqnd,bknd->bnqk", q, kr) / np.sqrt(d), -np.inf)
+            S = np.where(_visible(cfg, i, s), np.einsum("bqnd,bknd->bnqk", q, kr) / np.sqrt(d),
+                         -np.inf)
+            if sinks:                                 # the sink's column, then dropped
+                S = np.concatenate([S, np.broadcast_to(L["sinks"][None, :, None, None],
+                                                       (B, a, s, 1))], axis=-1)
             A = np.exp(S - S.max(-1, keepdims=True))
-            A /= A.sum(-1, keepdims=True)                                 # (B, a, s, s)
-            ctx = np.einsum("bnqk,bknd->bqnd", A, vr).reshape(B, s, a * d)
+            A /= A.sum(-1, keepdims=True)             # (B, a, s, s) (+ the sink's column)
+            ctx = np.einsum("bnqk,bknd->bqnd", A[..., :s], vr).reshape(B, s, a * d)
         x1 = x + ctx @ L["w_o"]
         u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
         if moe:
@@ -340,8 +372,13 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
         else:
             dctx = (dx1 @ L["w_o"].T).reshape(B, s, a, d)
             dA = np.einsum("bqnd,bknd->bnqk", dctx, vr)
-            dvr = np.einsum("bnqk,bqnd->bknd", A, dctx)
-            dS = A * (dA - (dA * A).sum(-1, keepdims=True)) / np.sqrt(d)
+            dvr = np.einsum("bnqk,bqnd->bknd", A[..., :s], dctx)
+            if sinks:                                 # the sink's column: no upstream
+                dA = np.concatenate([dA, np.zeros((B, a, s, 1))], axis=-1)
+            dS = A * (dA - (dA * A).sum(-1, keepdims=True))
+            if sinks:
+                g["sinks"], dS = dS[..., s].sum((0, 2)), dS[..., :s]
+            dS = dS / np.sqrt(d)
             dq = np.einsum("bnqk,bknd->bqnd", dS, kr)
             dkr = np.einsum("bnqk,bqnd->bknd", dS, q)
             dk = dkr.reshape(B, s, c, grp, d).sum(3)                      # the group's sum

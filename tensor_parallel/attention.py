@@ -188,17 +188,18 @@ LSE_BYTES = 4      # a fused attention kernel's fp32 row log-sum-exp, per (row, 
 
 
 def flash_block(ops, name: str, flops: float, arrays, batch_heads: int, s: int, d: int,
-                backward: bool):
+                backward: bool, window: int | None = None):
     """The compute block of one fused (flash) causal attention kernel over ``batch_heads``
     (s, d) heads: ``flops`` as the program declares its products, and the bytes it moves —
     ``arrays`` (what it reads and writes: q, k, v, O forward; q, k, v, O, dO, dq, dk, dv
     backward) plus the row log-sum-exp — O(s), never the s×s scores (FlashAttention keeps
-    them on chip). The math inside runs as plain array calls (no nested blocks)."""
+    them on chip); ``window``: a sliding window (the kernel's, :mod:`.gqa`). The math
+    inside runs as plain array calls (no nested blocks)."""
     itemsize = np.dtype(arrays[0].dtype).itemsize
     nbytes = sum(int(a.size) for a in arrays) * itemsize + LSE_BYTES * batch_heads * s
     return ops.dev.compute(f"gpt: {name}", flops=flops, bytes=nbytes,
                            kernel=Kernel.attention(batch_heads, s, s, d, causal=True, flash=True,
-                                                   backward=backward))
+                                                   backward=backward, window=window))
 
 
 def flash_grads(xp, dc, q, k, v, p, scale: float):

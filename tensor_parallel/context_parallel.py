@@ -76,6 +76,22 @@ q, k of d_nope + d_rope and v of d_v: :mod:`tensor_parallel.mla`): v, O, dO and 
 with v (P v, dP = dO v^T, dv = P^T dO) count d_v instead of d: forward
 2·B·c²·(d + d_v)·N_r, backward 2·B·c²·(3d + 2d_v)·N_r (times g); a block's traffic is
 |K_r| + |V_r| = X + X·d_v/d. With d_v = d everything above is unchanged.
+
+Sliding-window attention (``window`` w: key j visible to query i iff i − w < j ≤ i,
+:mod:`tensor_parallel.gqa`): key chunk K is visible to query chunk Q when K ≤ Q and
+(Q − K)·c ≤ w + c − 2 (some pair of the two chunks lies in the window), so the chunks Q
+sees are a contiguous run K_lo..Q of the global order and, on a rank, a contiguous run
+of its (ascending) key chunks — no longer a prefix. A block is that run; blocks wholly
+outside the window are skipped (no products, no FLOPs declared) and a block that
+reaches past the window is masked there too (M_ij = −∞ at j ≤ i − w, by global
+positions; a row that sees none of a block's keys gets a log-sum-exp of about −big,
+which the merge weighs by exp(−big − L) = 0). A computed pair is still c × c whole, so
+N_r counts the visible pairs (:func:`causal_chunk_pairs` with ``window``), min(Q, ⌊(w +
+c − 2)/c⌋) + 1 key chunks for query chunk Q. What still travels: the ring passes every
+K, V block (and dK, dV accumulator) the whole way round and the all_gather variant
+gathers the whole K, V, as without a window — the traffic (:meth:`~ContextParallelAttention.
+sent_bytes`) does not shrink, only the products do (a window shorter than a chunk
+leaves each rank's ring steps but the first with little or nothing to compute).
 """
 
 from __future__ import annotations
@@ -85,6 +101,7 @@ import math
 
 import numpy as np
 
+from mesh.arguments import as_int
 from modeling.choices import CPAlgorithm
 from sharding import TensorSharding
 from vcluster.runtime.algorithm import choose_algorithm
@@ -153,10 +170,17 @@ def join_sequence(pieces, load_balance: bool = True) -> np.ndarray:
     return out
 
 
-def causal_chunk_pairs(cp: int, rank: int, load_balance: bool = True) -> int:
+def causal_chunk_pairs(cp: int, rank: int, load_balance: bool = True,
+                       window: int | None = None, chunk: int | None = None) -> int:
     """N_r = Σ_{Q ∈ chunk_ids} (Q+1): the c × c chunk pairs (key chunk ≤ query chunk,
-    diagonal whole) cp position ``rank`` computes: 2·cp+1, or 4·rank+3 unbalanced."""
-    return sum(q + 1 for q in chunk_ids(cp, rank, load_balance))
+    diagonal whole) cp position ``rank`` computes: 2·cp+1, or 4·rank+3 unbalanced. With a
+    sliding ``window`` over chunks of ``chunk`` rows: Σ_Q min(Q, ⌊(w + c − 2)/c⌋) + 1,
+    the chunks in the window (the module docstring)."""
+    ids = chunk_ids(cp, rank, load_balance)
+    if window is None:
+        return sum(q + 1 for q in ids)
+    c = as_int(chunk, "causal_chunk_pairs: chunk (with a window)", 1)
+    return sum(min(q, (window + c - 2) // c) + 1 for q in ids)
 
 
 # --- one rank's blocks -------------------------------------------------------------------
@@ -167,9 +191,9 @@ class _Blocks:
     (:meth:`_fused`), the same math inside."""
 
     def __init__(self, dev, scale: float, label: str = "cp attention", group: int = 1,
-                 flash: bool = False):
+                 flash: bool = False, window: int | None = None):
         self.dev, self.xp, self.scale, self.label, self.g = dev, dev.xp, scale, label, group
-        self.flash, self._inside = bool(flash), False
+        self.flash, self._inside, self.window = bool(flash), False, window
 
     def ew(self, name, fn, *operands):
         if self._inside:
@@ -198,8 +222,10 @@ class _Blocks:
         n, c, dv = k.shape[1], rows // self.g, arrays[2].shape[2]
         itemsize = np.dtype(q.dtype).itemsize
         nbytes = sum(int(a.size) for a in arrays) * itemsize + LSE_BYTES * b * rows
-        kernel = Kernel.attention(b * self.g, c, n, (d + dv) // 2, causal=diagonal and n == c,
-                                  flash=True, backward=backward)
+        causal = diagonal and n == c
+        kernel = Kernel.attention(b * self.g, c, n, (d + dv) // 2, causal=causal,
+                                  flash=True, backward=backward,
+                                  window=self.window if causal else None)
         flops = 2 * b * rows * n * (products[0] * d + products[1] * dv)
         with self.dev.compute(f"{self.label}: {name}", flops=flops,
                               bytes=nbytes, kernel=kernel):
@@ -210,10 +236,13 @@ class _Blocks:
                 self._inside = False
 
     def scores(self, q, k, q_chunk, k_chunks, c):
-        """σ·q k^T with −big above the causal diagonal (global positions), (B, g·c, n)
-        (row r of q at position q_chunk·c + r mod c)."""
+        """σ·q k^T with −big above the causal diagonal and, with a window w, at keys
+        j <= i − w (global positions), (B, g·c, n) (row r of q at position q_chunk·c +
+        r mod c)."""
         s = self.bmm(q, k.transpose(0, 2, 1), "S = q k^T")
-        if q_chunk not in k_chunks:                        # every key before every query
+        w = self.window
+        inside = w is None or (q_chunk - k_chunks[0] + 1) * c <= w   # no key too old
+        if q_chunk not in k_chunks and inside:             # every key before every query
             return self.ew("scale", lambda: s * self.scale, s)
         xp = self.xp
         big = s.dtype.type(-np.finfo(s.dtype).max / 2)     # exp(−big − ...) is exactly 0
@@ -222,7 +251,10 @@ class _Blocks:
             # the mask (1, g·c, n) built from s so that it is shape-only in a trace
             qpos = xp.arange(self.g * c) % c + q_chunk * c
             kpos = xp.concatenate([xp.arange(t * c, (t + 1) * c) for t in k_chunks])
-            future = (xp.zeros_like(s[:1, :, :1]) + qpos[:, None]) < kpos
+            at = xp.zeros_like(s[:1, :, :1]) + qpos[:, None]
+            future = at < kpos
+            if not inside:
+                future = future + (at - w >= kpos)        # boolean or: the keys too old
             return s * self.scale + future * big
         return self.ew("causal mask", masked, s)
 
@@ -286,26 +318,36 @@ def _q_join(xp, parts, c: int, g: int):
         (b, g * 2 * c) + rest)
 
 
-def _visible(q_chunk: int, k_chunks) -> int:
-    """How many of the ascending ``k_chunks`` query chunk ``q_chunk`` sees (a prefix)."""
-    return sum(t <= q_chunk for t in k_chunks)
+def _sees(q_chunk: int, k_chunk: int, c: int, window: int | None) -> bool:
+    """Whether some query of chunk ``q_chunk`` sees some key of chunk ``k_chunk`` (c rows
+    each): K ≤ Q, and with a window w (Q − K)·c ≤ w + c − 2."""
+    return k_chunk <= q_chunk and (window is None or (q_chunk - k_chunk) * c <= window + c - 2)
 
 
-def _add_to(pairs, n: int) -> None:
-    """acc[:, :n] += g for each (acc, g) of ``pairs`` (in place)."""
+def _visible(q_chunk: int, k_chunks, c: int = 1, window: int | None = None
+             ) -> tuple[int, int]:
+    """(i0, i1): the ascending ``k_chunks[i0:i1]`` query chunk ``q_chunk`` sees (a
+    contiguous run: a prefix without a window); i0 == i1 when none."""
+    seen = [i for i, t in enumerate(k_chunks) if _sees(q_chunk, t, c, window)]
+    return (seen[0], seen[-1] + 1) if seen else (0, 0)
+
+
+def _add_to(pairs, start: int, stop: int) -> None:
+    """acc[:, start:stop] += g for each (acc, g) of ``pairs`` (in place)."""
     for acc, g in pairs:
-        acc[:, :n] += g
+        acc[:, start:stop] += g
 
 
 # --- the operation -----------------------------------------------------------------------
 class ContextParallelAttention(ShardedOperation):
     """``ContextParallelAttention(heads, head_dim, algorithm="ring", axis="cp",
     load_balance=True, collective_algorithm="auto", group=1, label="cp attention",
-    flash=False, v_head_dim=None)``: causal softmax(q k^T/sqrt(d)) v with the sequence
-    split over mesh axis ``axis`` (see the module docstring); ``group`` query heads per
-    K/V head (GQA; the per-device programs only), ``v_head_dim`` the values' (and the
-    output's) width d_v (default head_dim; MLA's differs), ``label`` begins the names of
-    its compute ops; ``flash``:
+    flash=False, v_head_dim=None, window=None)``: causal softmax(q k^T/sqrt(d)) v with the
+    sequence split over mesh axis ``axis`` (see the module docstring); ``group`` query heads
+    per K/V head (GQA; the per-device programs only), ``v_head_dim`` the values' (and the
+    output's) width d_v (default head_dim; MLA's differs), ``window`` a sliding window
+    (each query sees its last ``window`` keys; None: every earlier key), ``label`` begins
+    the names of its compute ops; ``flash``:
     each block's forward and backward declared as one fused attention kernel (the same
     FLOPs, the bytes of q, k, v and the outputs, no scores), as Megatron's CP runs a flash
     kernel per ring step — the math is the same either way.
@@ -326,8 +368,10 @@ class ContextParallelAttention(ShardedOperation):
     def __init__(self, heads: int, head_dim: int, algorithm: str = "ring", axis: str = "cp",
                  load_balance: bool = True, collective_algorithm: str = "auto",
                  group: int = 1, label: str = "cp attention", flash: bool = False,
-                 v_head_dim: int | None = None):
+                 v_head_dim: int | None = None, window: int | None = None):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if window is not None:
+            window = as_int(window, "ContextParallelAttention: window", 1)
         for what, n in (("heads", heads), ("head_dim", head_dim), ("group", group),
                         ("v_head_dim", v_head_dim)):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -342,11 +386,19 @@ class ContextParallelAttention(ShardedOperation):
         self.axis, self.load_balance = axis, bool(load_balance)
         self.collective_algorithm = collective_algorithm
         self.group, self.label, self.flash = int(group), str(label), bool(flash)
-        self.v_head_dim = int(v_head_dim)
+        self.v_head_dim, self.window = int(v_head_dim), window
         self.scale = 1.0 / math.sqrt(head_dim)
+
+    def windowed(self, window: int | None) -> "ContextParallelAttention":
+        """The same operation with a sliding ``window`` (a layer's: :mod:`.gqa`)."""
+        return ContextParallelAttention(
+            self.heads, self.head_dim, self.algorithm, self.axis, self.load_balance,
+            self.collective_algorithm, self.group, self.label, self.flash, self.v_head_dim,
+            window)
 
     def __repr__(self) -> str:
         dv = "" if self.v_head_dim == self.head_dim else f", v_head_dim={self.v_head_dim}"
+        dv += "" if self.window is None else f", window={self.window}"
         return (f"ContextParallelAttention(heads={self.heads}, head_dim={self.head_dim}{dv}, "
                 f"algorithm={self.algorithm!r}, axis={self.axis!r}, "
                 f"load_balance={self.load_balance}{', flash=True' if self.flash else ''})")
@@ -368,7 +420,7 @@ class ContextParallelAttention(ShardedOperation):
         """This rank's (O (B, s_l, d), L (B, s_l, 1)): output rows and their log-sum-exp."""
         cp, me, group, c = self._where(dev, q, k)
         g = self.group
-        blk = _Blocks(dev, self.scale, self.label, g, self.flash)
+        blk = _Blocks(dev, self.scale, self.label, g, self.flash, self.window)
         mine = chunk_ids(cp, me, self.load_balance)
         acc = [None, None]
         if self.algorithm == "ring":
@@ -378,19 +430,20 @@ class ContextParallelAttention(ShardedOperation):
                     else None
                 theirs = chunk_ids(cp, src, self.load_balance)
                 for i, qc in enumerate(mine):
-                    n = _visible(qc, theirs)
-                    if n:
-                        part = blk.forward(_q_rows(q, i, c, g), k[:, :n * c], v[:, :n * c],
-                                           qc, theirs[:n], c)
+                    i0, i1 = _visible(qc, theirs, c, self.window)
+                    if i1 > i0:
+                        part = blk.forward(_q_rows(q, i, c, g), k[:, i0 * c:i1 * c],
+                                           v[:, i0 * c:i1 * c], qc, theirs[i0:i1], c)
                         acc[i] = blk.merge(acc[i], part)
                 if nxt is not None:
                     k, v = self._finish(nxt)
         else:
             kg, vg = (self._gather(dev, blk, x, cp, c) for x in (k, v))
+            every = tuple(range(2 * cp))
             for i, qc in enumerate(mine):
-                n = qc + 1
-                acc[i] = blk.forward(_q_rows(q, i, c, g), kg[:, :n * c], vg[:, :n * c],
-                                     qc, tuple(range(n)), c)
+                i0, i1 = _visible(qc, every, c, self.window)
+                acc[i] = blk.forward(_q_rows(q, i, c, g), kg[:, i0 * c:i1 * c],
+                                     vg[:, i0 * c:i1 * c], qc, every[i0:i1], c)
         xp = dev.xp
         return tuple(blk.ew("concatenate chunks", lambda j=j: _q_join(
             xp, [acc[0][j], acc[1][j]], c, g), acc[0][j], acc[1][j]) for j in (0, 1))
@@ -399,7 +452,7 @@ class ContextParallelAttention(ShardedOperation):
         """This rank's (dq, dk, dv), each (B, s_l, d), from ``forward_local``'s (O, L)."""
         cp, me, group, c = self._where(dev, q, k)
         g = self.group
-        blk = _Blocks(dev, self.scale, self.label, g, self.flash)
+        blk = _Blocks(dev, self.scale, self.label, g, self.flash, self.window)
         xp = dev.xp
         mine = chunk_ids(cp, me, self.load_balance)
         delta = blk.ew("D = rowsum(dO O)", lambda: (do * o).sum(axis=-1, keepdims=True), do, o)
@@ -408,14 +461,14 @@ class ContextParallelAttention(ShardedOperation):
         def grads_of(kk, vv, dk, dv, theirs):
             """Add the local q chunks' gradients against key rows kk, vv (chunks theirs)."""
             for i, qc in enumerate(mine):
-                n = _visible(qc, theirs)
-                if n:
+                i0, i1 = _visible(qc, theirs, c, self.window)
+                if i1 > i0:
                     gq, gk, gv = blk.backward(*(_q_rows(x, i, c, g) for x in (q,)),
-                                              kk[:, :n * c], vv[:, :n * c],
+                                              kk[:, i0 * c:i1 * c], vv[:, i0 * c:i1 * c],
                                               *(_q_rows(x, i, c, g) for x in (do, lse, delta)),
-                                              qc, theirs[:n], c)
+                                              qc, theirs[i0:i1], c)
                     dq[i] = gq if dq[i] is None else blk.ew("dq +=", lambda a=dq[i]: a + gq, gq)
-                    blk.ew("dk, dv +=", lambda: _add_to(((dk, gk), (dv, gv)), n * c),
+                    blk.ew("dk, dv +=", lambda: _add_to(((dk, gk), (dv, gv)), i0 * c, i1 * c),
                            gk, gv, gk, gv)
 
         if self.algorithm == "ring":
@@ -500,7 +553,7 @@ class ContextParallelAttention(ShardedOperation):
         c, dv = s_l // 2, self.v_head_dim * d // self.head_dim
         width = 3 * d + 2 * dv if backward else d + dv
         return 2 * width * self.group * b * c * c * causal_chunk_pairs(
-            cp, rank, self.load_balance)
+            cp, rank, self.load_balance, self.window, c)
 
     def sent_bytes(self, local_shape, cp: int, itemsize: int, backward: bool = False) -> int:
         """Bytes one rank sends in ``forward_local`` or ``backward_local`` (it receives as

@@ -43,6 +43,29 @@ that (:meth:`GQAttention.core` takes values of another width d_v too, as
 declared without a GEMM shape (one causal kernel is no plain GEMM): the timing model
 prices them by their FLOPs.
 
+Sliding-window attention (``GQAttention(..., window=w)``; Mistral, GPT-OSS, Hugging
+Face's convention): key j is visible to query i iff i − w < j ≤ i, so the mask M is −∞
+above the diagonal and at j ≤ i − w; w >= s is plain causal attention. The products
+still run over the (g·s, s) scores (the mask zeroes the old keys' probabilities) but
+are declared by the pairs a windowed kernel reads: s² becomes 2·m·s − m², m = min(s,
+w) (:func:`modeling.counts.causal_square`: Σ_i min(i+1, w) pairs per head, the diagonal
+at half as the causal count's), and the fused kernel carries the window
+(``Kernel.attention(..., window=w)``), priced by those FLOPs.
+
+Attention sinks (``GQAttention(..., sinks=True)``, GPT-OSS): a learned logit σ_n per
+query head n joins every row's softmax and its probability is dropped,
+
+    P_ij = exp(S_ij) / (Σ_k exp(S_ik) + exp(σ_n)),    p_i = exp(σ_n) / (same) = 1 − Σ_j P_ij
+
+so a row's weights sum to 1 − p_i. The scores' gradient is unchanged in form, dS =
+P·(dP − D)/sqrt(d) with D_i = Σ_j P_ij dP_ij (the sink's column carries dP = 0), and the
+sink's is dσ_n = −Σ_{rows i of head n} p_i·D_i (summed over the batch). The parameter
+``sinks`` (a,) is split over tp by query heads, as W_q's columns: a rank's gradient is
+whole for its heads (no tp reduction). Under context parallelism the core's merged
+(O, L) take the sink after the ring: L' = logaddexp(L, σ), O' = O·exp(L − L'); the
+backward runs from (O', L') unchanged (D = rowsum(dO·O')), and p_i = exp(σ − L'_i) — no
+communication.
+
 Context parallelism (``GQAttention(..., cp=ContextParallelAttention(..., group=g))``):
 the rows are this rank's sequence chunks, RoPE turns them by their global positions
 (``Rope(..., positions=)``) and the core attention is the operation's
@@ -56,6 +79,7 @@ import math
 
 import numpy as np
 
+from modeling.counts import causal_square
 from vcluster.runtime.tracing.kernel import Kernel
 
 from .attention import flash_block, flash_grads
@@ -64,13 +88,18 @@ from .rmsnorm import rms_norm, rms_norm_gain_grad, rms_norm_grad
 __all__ = ["GQAttention", "Rope", "causal_bmm"]
 
 
-def causal_bmm(dev, a, b, name: str):
+def causal_bmm(dev, a, b, name: str, seq: int | None = None, window: int | None = None):
     """a @ b over a leading batch, (n, m, k) @ (n, k, p), one of causal attention's
-    products: declared n·m·k·p FLOPs, half of the full 2·n·m·k·p."""
+    products: declared n·m·k·p FLOPs, half of the full 2·n·m·k·p; under a sliding
+    ``window`` over ``seq`` positions n·m·k·p·causal_square(s, w)/s² (two of m, k, p
+    are s or a multiple of it: the count is whole)."""
     n, m, k = a.shape
     p = b.shape[-1]
     itemsize = np.dtype(a.dtype).itemsize
-    with dev.compute(name, flops=n * m * k * p, bytes=n * (m * k + k * p + m * p) * itemsize,
+    flops = n * m * k * p
+    if window is not None and window < seq:
+        flops = flops * causal_square(seq, window) // (seq * seq)
+    with dev.compute(name, flops=flops, bytes=n * (m * k + k * p + m * p) * itemsize,
                      gemm=(n, m, k, p)):     # the kernel computes the full product, then masks
         return dev.xp.matmul(a, b)
 
@@ -129,23 +158,38 @@ class GQAttention:
     """The block's math on one device (see the module docstring); the caller keeps the
     per-micro-batch state (``forward`` returns it, the backward passes take it back).
     ``qk_norm``: QK-norm's eps (None: no QK-norm); its gains (g_q, g_k) are then passed
-    to every pass (``qk_gains``), and their gradients to :meth:`backward_weight`."""
+    to every pass (``qk_gains``), and their gradients to :meth:`backward_weight`.
+    ``window``: the sliding window w (None: every earlier key; a context-parallel ``cp``
+    takes it too); ``sinks``: attention sinks, whose (a_l,) logits are then passed to
+    every pass (``sinks=``) and their gradient to :meth:`backward_weight`."""
 
     def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope,
-                 cp=None, qk_norm: float | None = None):
+                 cp=None, qk_norm: float | None = None, window: int | None = None,
+                 sinks: bool = False):
         if heads_local % kv_heads_local:
             raise ValueError(f"GQAttention: heads_local={heads_local} is not a multiple of "
                              f"kv_heads_local={kv_heads_local}")
         if qk_norm is not None and not (isinstance(qk_norm, (int, float)) and qk_norm > 0):
             raise ValueError(f"GQAttention: qk_norm must be None or the norm's eps > 0, got "
                              f"{qk_norm!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(
+                window, (int, np.integer)) or window < 1):
+            raise ValueError(f"GQAttention: window must be None or an int >= 1, got "
+                             f"{window!r}")
+        if sinks not in (False, True):
+            raise ValueError(f"GQAttention: sinks must be True or False, got {sinks!r}")
         self.a_l, self.c_l, self.d = heads_local, kv_heads_local, head_dim
         self.g = heads_local // kv_heads_local
+        self.window, self.sinks = None if window is None else int(window), bool(sinks)
+        if cp is not None and self.window is not None:
+            cp = cp.windowed(self.window)
         self.scale, self.rope, self.cp = 1.0 / math.sqrt(head_dim), rope, cp
         self.qk_norm = qk_norm
 
     def __repr__(self) -> str:
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm}"
+        norm += "" if self.window is None else f", window={self.window}"
+        norm += ", sinks=True" if self.sinks else ""
         return (f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, "
                 f"d={self.d}{norm})")
 
@@ -184,58 +228,119 @@ class GQAttention:
                       .reshape(b * s, self.c_l * self.d), t)
 
     # --- core attention ---------------------------------------------------------------
-    def core(self, ops, q, k, v):
+    def core(self, ops, q, k, v, sinks=None):
         """P = softmax(q k^T / sqrt(d) + M), C = P v; q (b·c_l, g·s, d), k, v (b·c_l, s, d);
-        under context parallelism ((L, C), C): the row log-sum-exp L stands in for P."""
+        under context parallelism ((L, C), C): the row log-sum-exp L stands in for P.
+        ``sinks``: this rank's (a_l,) sink logits (with ``self.sinks``)."""
         if self.cp is not None:
             c, lse = self.cp.forward_local(ops.dev, q, k, v)
+            if sinks is not None:           # the sink joins each row's denominator
+                col = self._sink_column(lse, sinks)
+
+                def sink():
+                    full = np.logaddexp(lse, col)
+                    return c * np.exp(lse - full), full
+                c, lse = ops.ew("attention: sink", sink, c, lse, c)
             return (lse, c), c
         n, s, d = k.shape
         dv = v.shape[2]     # the values' width (d; MLA's v_head_dim, :mod:`.mla`)
         if ops.flash:       # declared as causal_bmm declares: half the full s² products
-            with flash_block(ops, "attention: flash forward", n * self.g * s * s * (d + dv),
-                             (q, k, v, q), n * self.g, s, (d + dv) // 2, backward=False):
-                p = self._probs(ops, ops.xp.matmul(q, k.transpose(0, 2, 1)))
+            with flash_block(ops, "attention: flash forward",
+                             n * self.g * causal_square(s, self.window) * (d + dv),
+                             (q, k, v, q), n * self.g, s, (d + dv) // 2, backward=False,
+                             window=self.window):
+                p = self._probs(ops, ops.xp.matmul(q, k.transpose(0, 2, 1)), sinks)
                 return p, ops.xp.matmul(p, v)
-        scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T")
-        p = ops.ew("attention: causal softmax", lambda: self._probs(ops, scores), scores)
-        return p, self._bmm(ops, p, v, "attention: P @ v")
+        scores = self._bmm(ops, q, k.transpose(0, 2, 1), "attention: q @ k^T", s)
+        p = ops.ew("attention: causal softmax", lambda: self._probs(ops, scores, sinks),
+                   scores)
+        return p, self._bmm(ops, p, v, "attention: P @ v", s)
 
-    def _probs(self, ops, scores):
-        """softmax(scores·scale + M) over (n, g·s, s) scores: row r is query position r mod s."""
+    def _sink_column(self, like, sinks):
+        """The sink logit of each row of a q-shaped ``like`` (b·c_l, g·s, ·): (b·c_l, g·s,
+        1), row r of K/V head c holding query head c·g + r // s's (built from ``like``'s
+        shape so that it is shape-only in a trace)."""
+        n, rows = like.shape[0], like.shape[1]
+        zero = np.zeros_like(like[:, :, :1]).reshape(n // self.c_l, self.c_l, self.g,
+                                                     rows // self.g)
+        return (zero + sinks.reshape(1, self.c_l, self.g, 1)).reshape(n, rows, 1)
+
+    def _sink_grad(self, psink, delta):
+        """dσ (a_l,) = −Σ over the batch and each head's rows of p_i·D_i, from (b·c_l, g·s,
+        1) row arrays."""
+        n, rows = psink.shape[0], psink.shape[1]
+        per_row = (-psink * delta).reshape(n // self.c_l, self.c_l, self.g, rows // self.g)
+        return per_row.sum(axis=(0, 3)).reshape(self.a_l)
+
+    def _probs(self, ops, scores, sinks=None):
+        """softmax(scores·scale + M) over (n, g·s, s) scores (row r is query position r mod
+        s; M: −big above the diagonal and, with a window w, at keys j <= i − w), with the
+        sink logits in the denominator when ``sinks`` is given."""
         s = scores.shape[2]
         big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
-        # future[0, r, j] = j > (r mod s)
+        # future[0, r, j] = j > (r mod s); with a window also j <= (r mod s) - w
         rows = ops.xp.arange(self.g * s) % s
-        future = (np.zeros_like(scores[:1, :, :1]) + rows[:, None]) < ops.xp.arange(s)
-        z = scores * self.scale - future * big
-        e = np.exp(z - z.max(axis=-1, keepdims=True))
-        return e / e.sum(axis=-1, keepdims=True)
+        at = np.zeros_like(scores[:1, :, :1]) + rows[:, None]
+        masked = at < ops.xp.arange(s)
+        if self.window is not None and self.window < s:
+            masked = masked + (at - self.window >= ops.xp.arange(s))     # boolean or
+        z = scores * self.scale - masked * big
+        if sinks is None:
+            e = np.exp(z - z.max(axis=-1, keepdims=True))
+            return e / e.sum(axis=-1, keepdims=True)
+        col = self._sink_column(scores, sinks)
+        m = np.maximum(z.max(axis=-1, keepdims=True), col)
+        e = np.exp(z - m)
+        return e / (e.sum(axis=-1, keepdims=True) + np.exp(col - m))
 
-    def core_backward(self, ops, dc, q, k, v, p):
+    def core_backward(self, ops, dc, q, k, v, p, sinks=None):
         """(dq, dk, dv) from dC (b·c_l, g·s, d), in q's, k's and v's layouts (``p``: core's
-        first output)."""
+        first output); with ``sinks`` (the (a_l,) logits) (dq, dk, dv, dσ)."""
         if self.cp is not None:
             lse, c = p
-            return self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
+            grads = self.cp.backward_local(ops.dev, q, k, v, c, lse, dc)
+            if sinks is None:
+                return grads
+            col = self._sink_column(lse, sinks)
+            dsink = ops.ew("attention: sink grad", lambda: self._sink_grad(
+                np.exp(col - lse), (dc * c).sum(axis=-1, keepdims=True)), dc, c, lse)
+            return (*grads, dsink)
         if ops.flash:
             (n, s, d), dv = k.shape, v.shape[2]
             with flash_block(ops, "attention: flash backward",
-                             2 * n * self.g * s * s * (d + dv), (q, k, v, dc, dc, q, k, v),
-                             n * self.g, s, (d + dv) // 2, backward=True):
-                return flash_grads(ops.xp, dc, q, k, v, p, self.scale)
-        dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T")
-        dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC")
-        ds = ops.ew("attention: softmax grad",
-                    lambda: p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * self.scale, dp, p)
-        dq = self._bmm(ops, ds, k, "attention: dq = dS k")
-        dk = self._bmm(ops, ds.transpose(0, 2, 1), q, "attention: dk = dS^T q")
-        return dq, dk, dv
+                             2 * n * self.g * causal_square(s, self.window) * (d + dv),
+                             (q, k, v, dc, dc, q, k, v), n * self.g, s, (d + dv) // 2,
+                             backward=True, window=self.window):
+                if sinks is None:
+                    return flash_grads(ops.xp, dc, q, k, v, p, self.scale)
+                xp = ops.xp
+                dp = xp.matmul(dc, v.transpose(0, 2, 1))
+                delta = (dp * p).sum(axis=-1, keepdims=True)
+                ds = p * (dp - delta) * self.scale
+                return (xp.matmul(ds, k), xp.matmul(ds.transpose(0, 2, 1), q),
+                        xp.matmul(p.transpose(0, 2, 1), dc),
+                        self._sink_grad(1 - p.sum(axis=-1, keepdims=True), delta))
+        s = k.shape[1]
+        dp = self._bmm(ops, dc, v.transpose(0, 2, 1), "attention: dP = dC v^T", s)
+        dv = self._bmm(ops, p.transpose(0, 2, 1), dc, "attention: dv = P^T dC", s)
+        delta = None if sinks is None else ops.ew(
+            "attention: D = rowsum(dP P)", lambda: (dp * p).sum(axis=-1, keepdims=True), dp, p)
+        ds = ops.ew("attention: softmax grad", lambda: p * (dp - (
+            (dp * p).sum(axis=-1, keepdims=True) if delta is None else delta)) * self.scale,
+            dp, p)
+        dq = self._bmm(ops, ds, k, "attention: dq = dS k", s)
+        dk = self._bmm(ops, ds.transpose(0, 2, 1), q, "attention: dk = dS^T q", s)
+        if sinks is None:
+            return dq, dk, dv
+        dsink = ops.ew("attention: sink grad", lambda: self._sink_grad(
+            1 - p.sum(axis=-1, keepdims=True), delta), p, delta)
+        return dq, dk, dv, dsink
 
     # --- the block --------------------------------------------------------------------
-    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None):
+    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None, sinks=None):
         """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
-        recomputation: not P nor C) or "none"; ``qk_gains``: (g_q, g_k) with QK-norm."""
+        recomputation: not P nor C) or "none"; ``qk_gains``: (g_q, g_k) with QK-norm;
+        ``sinks``: the (a_l,) sink logits with attention sinks."""
         xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
@@ -252,7 +357,7 @@ class GQAttention:
         k = self._kv_heads(ops, self.rope.apply(ops, k, b, s, "attention: rope k"),
                            b, s, "attention: split heads")
         v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
-        p, c = self.core(ops, q, k, v)
+        p, c = self.core(ops, q, k, v, sinks)
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
@@ -263,17 +368,18 @@ class GQAttention:
         return y, state
 
     def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None,
-                       qk_gains=None):
+                       qk_gains=None, sinks=None):
         """dx (x's layout) and the weight gradient's state (P and C recomputed first when
         the state holds none: selective recomputation). ``g_q``, ``g_kv``: W_q's and
         W_kv's gradients, accumulated here while dx is reduced under
         ``ops.async_grad_reduce`` (``TransformerOps.reduce_input_grad``; the state then
         says so and :meth:`backward_weight` leaves them). ``qk_gains``: (g_q, g_k) with
-        QK-norm."""
+        QK-norm; ``sinks``: the sink logits with attention sinks (their gradient rides in
+        the weight gradient's state)."""
         x2, q, k, v, p, ctx, norms = state
         b, s = x2.shape[0] // k.shape[1], k.shape[1]
         if p is None:
-            p, c = self.core(ops, q, k, v)
+            p, c = self.core(ops, q, k, v, sinks)
             ctx = self._q_merge(ops, c, b, s, "attention: merge heads")
         elif self.cp is not None:
             p = (p[0], self._q_group(ops, ctx, b, s, "attention: split heads"))  # (L, C)
@@ -281,8 +387,9 @@ class GQAttention:
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)
         dctx = ops.matmul(dy2, w_o.T, "attention: dctx = dy W_o^T")         # (b·s, a_l·d)
-        dq, dk, dv = self.core_backward(
-            ops, self._q_group(ops, dctx, b, s, "attention: split heads"), q, k, v, p)
+        grads = self.core_backward(
+            ops, self._q_group(ops, dctx, b, s, "attention: split heads"), q, k, v, p, sinks)
+        (dq, dk, dv), dsink = grads[:3], (grads[3] if sinks is not None else None)
         dq = self.rope.apply(ops, self._q_merge(ops, dq, b, s, "attention: merge dq"), b, s,
                              "attention: rope^T dq", inverse=True)          # (b·s, a_l·d)
         dk = self.rope.apply(ops, self._kv_merge(ops, dk, b, s, "attention: merge dk"), b, s,
@@ -299,20 +406,26 @@ class GQAttention:
         dxkv = ops.matmul(dkv, w_kv.reshape(h, -1).T, "attention: dx += dkv W_kv^T")
         dx = ops.ew("attention: add dx", lambda: dxq + dxkv, dxq, dxkv).reshape(b, s, h)
         if g_q is None:
-            return ops.reduce_out(dx, "attention: reduce dx"), (x2, dq, dkv, ctx, dy2, gains)
+            return ops.reduce_out(dx, "attention: reduce dx"), \
+                (x2, dq, dkv, ctx, dy2, gains, dsink)
         dx, done = ops.reduce_input_grad(dx, "attention: reduce dx",
                                          lambda: self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv))
-        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2, gains)
+        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2, gains, dsink)
 
     @staticmethod
     def _qkv_grads(ops, x2, dq, dkv, g_q, g_kv) -> None:
         g_q += ops.matmul(x2.T, dq, "attention: dW_q = x^T dq")
         g_kv += ops.matmul(x2.T, dkv, "attention: dW_kv = x^T dkv").reshape(g_kv.shape)
 
-    def backward_weight(self, ops, wstate, g_q, g_kv, g_o, qk_gain_grads=None) -> None:
-        """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did), dW_o and, with
-        QK-norm, this rank's part of the gains' gradients ``qk_gain_grads`` (in place)."""
-        x2, dq, dkv, ctx, dy2, gains = wstate
+    def backward_weight(self, ops, wstate, g_q, g_kv, g_o, qk_gain_grads=None,
+                        sink_grad=None) -> None:
+        """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did), dW_o, with QK-norm
+        this rank's part of the gains' gradients ``qk_gain_grads`` and with attention
+        sinks the sinks' gradient ``sink_grad`` (whole for this rank's heads) (in place)."""
+        x2, dq, dkv, ctx, dy2, gains, dsink = wstate
+        if dsink is not None:
+            ops.ew("attention: sinks' gradient", lambda: np.add(sink_grad, dsink,
+                                                                 out=sink_grad), dsink)
         if x2 is not None:
             self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv)
         g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
@@ -324,9 +437,8 @@ class GQAttention:
             rms_norm_gain_grad(ops, dkn.reshape(rows, -1, self.d), xk, qk_gain_grads[1],
                                "attention: k norm gain grad")
 
-    @staticmethod
-    def _bmm(ops, a, b, name):
-        return causal_bmm(ops.dev, a, b, f"gpt: {name}")
+    def _bmm(self, ops, a, b, name, seq: int):
+        return causal_bmm(ops.dev, a, b, f"gpt: {name}", seq, self.window)
 
     def _kv_merge_raw(self, t, b, s):
         return t.reshape(b, self.c_l, s, self.d).transpose(0, 2, 1, 3).reshape(b * s, -1)

@@ -20,6 +20,11 @@ step's last micro-batch (when the K/V replicas are summed) the layer all-reduces
 over tp (2d elements); their sequence rows are whole on every rank (the norm runs on
 the gathered sequence), so sequence parallelism adds nothing.
 
+Sliding-window attention and attention sinks (``window`` on ``window_layers``,
+``sinks``: Mistral, GPT-OSS; :mod:`.gqa`): each layer builds its own attention with its
+window (:func:`layer_window`); the sinks' logits ``sinks`` (a,) follow w_o, split over tp
+by heads like W_q's columns, so a rank's gradient is whole for its heads (no tp sum).
+
 Multi-head latent attention (``latent``: DeepSeek-V2/V3's MLA, :mod:`.mla`) replaces
 w_q, w_kv, w_o by the latent projections w_q_a, q_a_norm_g, w_q_b (or w_q), w_kv_a,
 kv_a_norm_g, w_kv_b and w_o: the up-projections and w_o split over tp by whole heads, the
@@ -67,7 +72,7 @@ from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
                           VocabParallelHead, _Layer)
 
 __all__ = ["LlamaLayer", "TokenEmbedding", "RMSNormHead", "llama_stage", "llama_split_dim",
-           "llama_piece", "kv_pieces", "check_kv_heads"]
+           "llama_piece", "kv_pieces", "check_kv_heads", "layer_window"]
 
 
 def _swiglu(zg, backward: bool) -> Kernel:
@@ -95,14 +100,20 @@ class LlamaLayer(_Layer):
                               "w_down": 0})
     seq_partial = ("attn_norm_g", "mlp_norm_g")
     qk_norm_names = ("q_norm_g", "k_norm_g")     # QK-norm's gains, whole on every tp rank
+    sink_name = "sinks"      # attention sinks' logits (a,), split over tp by heads
 
     @classmethod
-    def layer_names(cls, qk_norm: bool, names=None, latent=None) -> tuple[str, ...]:
+    def layer_names(cls, qk_norm: bool, names=None, latent=None,
+                    sinks: bool = False) -> tuple[str, ...]:
         """``names`` (default the class's), with QK-norm's gains after w_kv when
         ``qk_norm`` (the order of the model's parameters, :func:`~pipeline_parallel.llama.
         llama_param_shapes`); ``latent`` (a :class:`~modeling.spec.LatentAttention`, MLA):
-        w_q, w_kv, w_o become the latent attention's (:func:`~.mla.mla_names`)."""
+        w_q, w_kv, w_o become the latent attention's (:func:`~.mla.mla_names`);
+        ``sinks``: the attention sinks' logits after w_o."""
         names = cls.names if names is None else tuple(names)
+        if sinks and cls.sink_name not in names:
+            at = names.index("w_o") + 1
+            names = names[:at] + (cls.sink_name,) + names[at:]
         if latent is not None and "w_kv" in names:
             at, end = names.index("w_q"), names.index("w_o") + 1
             names = names[:at] + mla_names(latent.q_lora_rank is not None) + names[end:]
@@ -117,12 +128,13 @@ class LlamaLayer(_Layer):
             raise ValueError(f"LlamaLayer: recompute must be one of {RECOMPUTE}, "
                              f"got {recompute!r}")
         self.qk_norm = attention.qk_norm is not None
+        self.sinks = bool(getattr(attention, "sinks", False))   # attention sinks' logits
         self.latent = isinstance(attention, MLAttention)      # MLA: its parameters by name
         if self.latent:          # instance names: w_q, w_kv, w_o become the attention's
             at, end = self.names.index("w_q"), self.names.index("w_o") + 1
             self.names = self.names[:at] + attention.names + self.names[end:]
-        if self.qk_norm:         # instance names: the (subclass's) names and the two gains
-            self.names = self.layer_names(True, self.names)
+        if self.qk_norm or self.sinks:  # instance names: the (subclass's) names, gains, sinks
+            self.names = self.layer_names(self.qk_norm, self.names, sinks=self.sinks)
         super().__init__(params)
         self.attn, self.recompute, self.eps = attention, recompute, eps
         self.kv_heads, self.kv_replicas, self.microbatches = kv_heads, kv_replicas, microbatches
@@ -165,7 +177,8 @@ class LlamaLayer(_Layer):
         P = self.p
         u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm")
         att, ast = self.attn.forward(ops, u, P, keep) if self.latent else \
-            self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep, self._qk_gains(P))
+            self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep, self._qk_gains(P),
+                              self._sinks(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
         y, mst = self._mlp(ops, u2, keep != "none")
@@ -181,7 +194,8 @@ class LlamaLayer(_Layer):
                             residual=dy)
         dv, aw = self.attn.backward_input(ops, ast, dx1, P, self.g) if self.latent else \
             self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"],
-                                     self.g["w_q"], self.g["w_kv"], self._qk_gains(P))
+                                     self.g["w_q"], self.g["w_kv"], self._qk_gains(P),
+                                     self._sinks(P))
         dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attention: norm grad + residual",
                            residual=dx1)
         self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
@@ -190,6 +204,10 @@ class LlamaLayer(_Layer):
     def _qk_gains(self, P):
         """(q_norm_g, k_norm_g) of ``P`` (parameters or gradients) with QK-norm, else None."""
         return (P["q_norm_g"], P["k_norm_g"]) if self.qk_norm else None
+
+    def _sinks(self, P):
+        """The attention sinks' logits of ``P`` (parameters or gradients), else None."""
+        return P[self.sink_name] if self.sinks else None
 
     def backward_weight(self, ops, mb: int) -> None:
         """Accumulate mb's gradients (in place); after the step's last micro-batch, sum
@@ -202,7 +220,8 @@ class LlamaLayer(_Layer):
         if self.latent:
             self.attn.backward_weight(ops, aw, G)
         else:
-            self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"], self._qk_gains(G))
+            self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"], self._qk_gains(G),
+                                      self._sinks(G))
         rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
         self._w_count = (self._w_count + 1) % self.microbatches
         if self._w_count == 0 and self.kv_replicas > 1:
@@ -307,6 +326,8 @@ def llama_split_dim(name: str) -> int | None:
     last = name.rsplit(".", 1)[-1]
     if last in LlamaLayer.qk_norm_names:
         return None
+    if last == LlamaLayer.sink_name:        # one logit per query head: split as W_q's heads
+        return 0
     if last in mla_names(True) + mla_names(False):     # MLA's: heads split, latents whole
         return MLA_SPLIT.get(last)
     for module in (LlamaLayer, TokenEmbedding, RMSNormHead):
@@ -332,7 +353,8 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
                 microbatches: int, seq: int, cp=None, positions=None,
                 kv_sum_every: int | None = None, tie: bool = False,
                 head_dim: int | None = None, qk_norm: bool = False,
-                latent=None) -> TransformerStage:
+                latent=None, window: int | None = None, window_layers=None,
+                sinks: bool = False) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
     Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
@@ -344,21 +366,33 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
     RMSNorm (eps ``eps``) on each query and key head before RoPE. ``latent``: a
     :class:`~modeling.spec.LatentAttention` — the layers' attention is then multi-head
     latent attention (:mod:`.mla`; ``cp`` with group 1 and its v_head_dim; the latent
-    projections' gradients summed over tp as the K/V replicas')."""
+    projections' gradients summed over tp as the K/V replicas'). ``window``: sliding-window
+    attention on the layers ``window_layers`` (None: every layer; :func:`layer_window`);
+    ``sinks``: attention sinks on every layer (:mod:`.gqa`)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
     rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
-    modules = [LlamaLayer(params(LlamaLayer.layer_names(qk_norm, latent=latent),
+    modules = [LlamaLayer(params(LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks),
                                  f"layers.{i}."),
                           GQAttention(heads // t, kv_local, d, rope, cp,
-                                      qk_norm=eps if qk_norm else None) if latent is None
+                                      qk_norm=eps if qk_norm else None,
+                                      window=layer_window(i, window, window_layers),
+                                      sinks=sinks) if latent is None
                           else MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps),
                           kv_heads, replicas, kv_sum_every or microbatches, recompute, eps)
                for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)
+
+
+def layer_window(i: int, window: int | None, window_layers=None) -> int | None:
+    """Layer ``i``'s sliding window: ``window`` on the layers ``window_layers`` (None:
+    every layer), None elsewhere (GPTConfig.window, window_layers)."""
+    if window is None or (window_layers is not None and i not in window_layers):
+        return None
+    return window
 
 
 def llama_ends(params, first: bool, last: bool, eps: float, tie: bool = False) -> tuple:

@@ -62,7 +62,7 @@ import numpy as np
 
 from vcluster.runtime.tracing import MetaArray, is_meta
 from .gqa import GQAttention, Rope
-from .llama import LlamaLayer, check_kv_heads, llama_ends
+from .llama import LlamaLayer, check_kv_heads, layer_window, llama_ends
 from .mla import MLAttention
 from .moe import MoE
 from .moe_load import ExpertLoad
@@ -278,7 +278,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                     tie: bool = False, ep_axes=None, folded: bool = False,
                     head_dim: int | None = None,
                     qk_norm: bool = False, latent=None, cp=None,
-                    positions=None, dense_layers=(), bias_rate: float = 0.0
+                    positions=None, dense_layers=(), bias_rate: float = 0.0,
+                    window: int | None = None, window_layers=None, sinks: bool = False
                     ) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
@@ -290,25 +291,28 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
     its own chunks' tokens): as :func:`~tensor_parallel.llama.llama_stage`'s;
     ``dense_layers``: the layer indices whose MLP is the dense SwiGLU (DeepSeek-V3's first
     three), :class:`~.llama.LlamaLayer` among the MoE ones; ``bias_rate``: the
-    auxiliary-loss-free balancing's γ (:class:`MoEBlock`; 0: none)."""
+    auxiliary-loss-free balancing's γ (:class:`MoEBlock`; 0: none); ``window``,
+    ``window_layers``, ``sinks`` (sliding-window attention, attention sinks): as
+    :func:`~tensor_parallel.llama.llama_stage`'s."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
     rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
     names = LlamaMoELayer.layer_names(qk_norm, LlamaMoELayer.names + (
-        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent)
-    dense_names = LlamaLayer.layer_names(qk_norm, latent=latent)
+        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent, sinks=sinks)
+    dense_names = LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks)
 
-    def attention():
+    def attention(i):
         return GQAttention(heads // t, kv_local, d, rope, cp, qk_norm=eps if qk_norm
-                           else None) if latent is None else \
+                           else None, window=layer_window(i, window, window_layers),
+                           sinks=sinks) if latent is None else \
             MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps)
 
-    modules = [LlamaLayer(params(dense_names, f"layers.{i}."), attention(), kv_heads,
+    modules = [LlamaLayer(params(dense_names, f"layers.{i}."), attention(i), kv_heads,
                           replicas, kv_sum_every or microbatches, recompute, eps)
                if i in dense_layers else
-               LlamaMoELayer(params(names, f"layers.{i}."), attention(), kv_heads, replicas,
+               LlamaMoELayer(params(names, f"layers.{i}."), attention(i), kv_heads, replicas,
                              kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps,
                              ep_axes, folded, bias_rate)

@@ -86,8 +86,9 @@ def sizes(text: str) -> list[int]:
 
 
 def add_arch_arguments(parser) -> None:
-    """--arch gpt|llama, --kv-heads, --ffn-hidden, --head-dim, --qk-norm, the
-    multi-head latent attention flags (:data:`LATENT_FLAGS`), --tie-embeddings:
+    """--arch gpt|llama, --kv-heads, --ffn-hidden, --head-dim, --qk-norm, --window,
+    --window-layers, --attention-sinks, the multi-head latent attention flags
+    (:data:`LATENT_FLAGS`), --tie-embeddings:
     GPTConfig's architecture fields
     (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
     parser.add_argument("--arch", choices=("gpt", "llama"), default=None,
@@ -106,6 +107,18 @@ def add_arch_arguments(parser) -> None:
     parser.add_argument("--qk-norm", action="store_true",
                         help="llama: an RMSNorm of width d on every query and key head "
                              "before RoPE (Qwen3, OLMo 2; on with a --model that has it)")
+    parser.add_argument("--window", type=positive_int, default=None, metavar="W",
+                        help="llama: sliding-window attention, each query attending to its "
+                             "last W positions (Mistral 4096, GPT-OSS 128; default none, or "
+                             "the --model's): its FLOPs follow the window, not --seq")
+    parser.add_argument("--window-layers", type=_layer_list, default=None,
+                        metavar="I,J,...", help="llama: the layers with the --window, e.g. "
+                        "0,2,4 (GPT-OSS alternates windowed and full layers; default every "
+                        "layer, or the --model's)")
+    parser.add_argument("--attention-sinks", action="store_true",
+                        help="llama: attention sinks, one learned logit per query head in "
+                             "every softmax's denominator (GPT-OSS; on with a --model that "
+                             "has it)")
     for flag, text in LATENT_FLAGS.items():
         parser.add_argument(flag, type=positive_int, default=None, metavar="N",
                             help=f"llama, multi-head latent attention (DeepSeek-V2/V3): {text}")
@@ -181,6 +194,10 @@ def model_title(config, name: str | None = None) -> str:
     if c.block.grouped_query and c.head_dim * c.heads != c.hidden:
         extra += f" d={c.head_dim}"
     extra += " qk-norm" if getattr(c, "qk_norm", False) else ""
+    if getattr(c, "window", None) is not None:
+        extra += f" window={c.window}" + ("" if c.window_layers is None else
+                                          f" ({len(c.window_layers)}/{c.layers} layers)")
+    extra += " sinks" if getattr(c, "attention_sinks", False) else ""
     if getattr(c, "kv_lora_rank", None):
         extra += f" mla(r_q={c.q_lora_rank}, r_kv={c.kv_lora_rank}, d_v={c.v_head_dim})"
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
@@ -286,7 +303,7 @@ def add_model_arguments(parser, skew: bool = True) -> None:
 
 #: flags that override a --model's GPTConfig field of the same name
 _OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden", "head_dim",
-              "experts",
+              "window", "window_layers", "experts",
               "moe_top_k", "moe_ffn_hidden", "capacity_factor", "moe_router",
               "moe_shared_ffn_hidden", "moe_routed_scaling", "moe_dense_layers",
               "moe_groups")
@@ -314,11 +331,13 @@ def gpt_config(args, dtype: str = "float64"):
                          seq=args.seq, vocab=args.vocab, dtype=dtype, arch=args.arch or "gpt",
                          kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden,
                          head_dim=args.head_dim, qk_norm=args.qk_norm,
+                         window=args.window, window_layers=args.window_layers,
+                         attention_sinks=args.attention_sinks,
                          tie_embeddings=args.tie_embeddings, **moe_config(args),
                          **_latent_config(args))
     given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
     given.update({f: v for f, v in _latent_config(args).items() if v is not None})
-    for flag in ("tie_embeddings", "qk_norm"):       # switches: on when given
+    for flag in ("tie_embeddings", "qk_norm", "attention_sinks"):   # switches: on when given
         if getattr(args, flag):
             given[flag] = True
     return GPTConfig.of_model(args.model, args.seq, dtype, timing_only=True,

@@ -125,7 +125,8 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
                         True, config.heads, config.kv_heads, config.hidden, config.rope_theta,
                         recompute, config.eps, 2, config.seq, cp, positions,
                         tie=config.tie_embeddings, head_dim=config.head_dim,
-                        qk_norm=config.qk_norm, latent=config.latent_attention())
+                        qk_norm=config.qk_norm, latent=config.latent_attention(),
+                        window=config.window, sinks=config.attention_sinks)
     return stage.modules
 
 
@@ -176,7 +177,8 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
                             tie=config.tie_embeddings,
                             ep_axes=axes, folded=folded, cp=cp, positions=positions,
                             head_dim=config.head_dim,
-                            qk_norm=config.qk_norm, latent=config.latent_attention())
+                            qk_norm=config.qk_norm, latent=config.latent_attention(),
+                            window=config.window, sinks=config.attention_sinks)
     return stage.modules
 
 
@@ -250,7 +252,21 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     experts' tensor parallelism (default tp: each expert split over tp; 1 with ep > 1 and
     tp > 1: the expert group folded over the tp ranks, a mesh (ep/tp, tp)); with cp > 1
     the expert group takes whole cp groups (a mesh (ep/cp, cp, tp), traced on rank 0's cp
-    group). ``moe_dispatcher``: ParallelConfig's."""
+    group). ``moe_dispatcher``: ParallelConfig's. Sliding-window attention on some of the
+    layers (``config.window_layers``): the pieces are traced twice, a layer with the
+    window and one without, and the layer's costs are their mean weighted by the layers
+    of each kind (a rank's stage holds the model's mix, not its own)."""
+    args = (tp, micro_batch, sequence_parallel, recompute, costs, cp, cp_algorithm, ep,
+            expert_skew, attention, autocast_kernels, inductor_fusion, async_grad_reduce,
+            etp, moe_dispatcher)
+    if config.window_layers is not None:         # some layers windowed: the mean layer
+        windowed = trace_stage_pieces(dataclasses.replace(config, window_layers=None), *args)
+        full = trace_stage_pieces(dataclasses.replace(config, window=None,
+                                                      window_layers=None), *args)
+        share = config.windowed_layers() / config.layers
+        return dataclasses.replace(full, pieces={
+            key: windowed[key] * share + full[key] * (1 - share) if key[0] == "layer"
+            else full[key] for key in full.pieces})
     sp = bool(sequence_parallel and tp > 1)
     folded = bool(config.experts) and etp == 1 and tp > 1 and ep > 1
     ep_axes = "ep"

@@ -64,7 +64,8 @@ tensors but for a few row statistics and keeps 4 bytes a logit at the loss's bac
 Llama (``GPTConfig(arch="llama")``; d = ``head_dim`` (default h/a), h_q = a·d, c
 kv_heads, f ffn_hidden, c_l = max(c/t, 1) KV heads per rank — replicated when c < t).
 Parameters per layer: (2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no
-biases), + 2d with QK-norm (its two gains, whole on every rank); the first stage adds
+biases), + 2d with QK-norm (its two gains, whole on every rank), + a/t with attention
+sinks (one logit per query head, split by heads); the first stage adds
 the word embedding V·h/t (no positions), the last the final gain and the output
 projection V·h/t + h. Activations per layer and micro-batch, 16-bit, by the same
 counting with no dropout: the two norms' inputs and outputs 8·s·b·h (/t with SP), q and
@@ -74,6 +75,11 @@ the attention output 4·s·b·h_q/t, k and v 4·s·b·c_l·d, SwiGLU's gate, up 
     s·b·(8h/σ + 4·h_q/t + 4·c_l·d + 6f/t)     σ = t with sequence parallelism, else 1
 
 (QK-norm keeps its norms' inputs too, q and k before the norm: + 2·s·b·(h_q/t + c_l·d))
+
+Sliding-window attention (``GPTConfig.window`` w on ``window_layers``): flash attention
+keeps no scores anyway; unfused attention keeps each windowed layer's b·a·s·min(s, w)
+scores instead of s² (the term below takes the mean over the layers), and the
+context-parallel K/V buffers are the same (every block still travels).
 
 Multi-head latent attention (``GPTConfig.kv_lora_rank``; r_q = q_lora_rank, r_kv,
 d_n + d_r = d_qk, d_v; :mod:`tensor_parallel.mla`): the attention's parameters per rank
@@ -87,7 +93,8 @@ context-parallel K/V blocks are a_l·d_qk and a_l·d_v wide (the up-projected k 
 travel, not the latent).
 
 plus flash attention's 4·b·a·s/t statistics, or unfused attention's softmax 2·a·s²·b/t
-(no dropout) without recomputation; full recomputation keeps 2·s·b·h/σ.
+(no dropout; 2·a·s·min(s, w)·b/t on a layer with a sliding window w) without
+recomputation; full recomputation keeps 2·s·b·h/σ.
 
 Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidden,
 ``ParallelConfig(ep)``; :mod:`tensor_parallel.moe_layer`): the MLP's parameters (Llama
@@ -258,7 +265,19 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
         base += 2 * s * b * (a * d / t + kv_local * d)
     if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
-    return base + (0 if recompute == "selective" else 2 * a * s * s * b / t)
+    return base + (0 if recompute == "selective" else 2 * a * s * _mean_keys(config) * b / t)
+
+
+def _mean_keys(config) -> float:
+    """The keys each query's unfused scores keep, over the layers: s, and min(s, w) on the
+    layers with a sliding window w (``window``, ``window_layers``): a layer keeps the
+    b·a·s·w scores of its window, not s² (the mean over the layers, as every per-layer
+    term here)."""
+    s, w = config.seq, getattr(config, "window", None)
+    if w is None:
+        return s
+    n = config.windowed_layers()
+    return (n * min(s, w) + (config.layers - n) * s) / config.layers
 
 
 def moe_routed_rows(config, parallel, expert_skew: float = 1.0) -> int:
@@ -288,7 +307,8 @@ def _llama_rank_params(config, parallel, r: int) -> float:
         if getattr(config, "experts", 0) else 0
     attention = _latent_params(config, t) if getattr(config, "kv_lora_rank", None) else \
         2 * h * config.heads * d / t + 2 * h * d * max(config.kv_heads // t, 1)
-    per_layer = attention + 2 * h + (2 * d if getattr(config, "qk_norm", False) else 0)
+    per_layer = attention + 2 * h + (2 * d if getattr(config, "qk_norm", False) else 0) \
+        + (config.heads / t if getattr(config, "attention_sinks", False) else 0)
     n_moe = _rank_moe_layers(config, parallel, r)
     params = _rank_layers(config, parallel, r) * (per_layer + 3 * h * f / t) \
         + n_moe * (moe - 3 * h * f / t)

@@ -333,6 +333,25 @@ def _short_dense_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
     return {"moe_dense_layers": tuple(out)}
 
 
+def _short_window_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
+    """The short step's ``window_layers`` (sliding-window attention on some layers): short
+    stage k holds full stage k's pattern, as :func:`_short_dense_layers` maps the dense
+    ones ({} where every layer or none has the window)."""
+    windowed = getattr(config, "window_layers", None)
+    if windowed is None:
+        return {}
+    windowed = set(windowed)
+    starts = [sum(full[:k]) for k in range(len(full))]
+    mapping = list(range(stages - 1)) + [len(full) - 1] if stages > 1 else [0]
+    out, at = [], 0
+    for k in mapping:
+        out += [at + o for o in range(full[k]) if starts[k] + o in windowed]
+        at += full[k]
+    if not out:                             # the traced stages have no windowed layer
+        return {"window": None, "window_layers": None}
+    return {"window_layers": tuple(out) if len(out) < at else None}
+
+
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False):
@@ -349,7 +368,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
         if p_short * v > 1 else full[0]
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=layers, **_short_dense_layers(
-                                           config, full, p_short * v))
+                                           config, full, p_short * v),
+                                       **_short_window_layers(config, full, p_short * v))
     short_mesh = short.mesh()
     args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer,
                                        expert_skew=expert_skew)

@@ -142,6 +142,14 @@ _WORKLOAD = MappingProxyType({
                          "(Qwen3: 128; default hidden/heads)"),
         "qk_norm": _bool("llama: an RMSNorm of width head_dim on every query and key head "
                          "before RoPE (Qwen3, OLMo 2)"),
+        "window": _int("llama: sliding-window attention, each query attending to its last "
+                       "window positions (Mistral 4096, GPT-OSS 128; omit: none)"),
+        "window_layers": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                          "minItems": 1,
+                          "description": "llama: the layers with the window (GPT-OSS: "
+                                         "[0, 2, 4, ...]; omit: every layer)"},
+        "attention_sinks": _bool("llama: attention sinks, one learned logit per query head "
+                                 "in every softmax's denominator (GPT-OSS)"),
         "tie_embeddings": _bool("the output head is the word embedding's transpose (GPT-2, "
                                 "MPT, Gemma)"),
         "fp8": _bool("simulation: the transformer layers' linear GEMMs priced at the "

@@ -122,8 +122,13 @@ class LinearProfile:
 
 
 def _attention_flops(k: Kernel) -> float:
-    """Causal (half) or full FLOPs of one attention forward: 4·BH·s_q·s_kv·D (·½ causal)."""
+    """Causal (half) or full FLOPs of one attention forward: 4·BH·s_q·s_kv·D (·½ causal);
+    under a sliding window w (``k.window``) 2·BH·D·(2·w·s − w²) (s = s_q = s_kv: the
+    program's count, :func:`modeling.counts.causal_square`)."""
     bh, s_q, s_kv, d = k.shape
+    if k.window:
+        w = min(k.window, s_q)
+        return 2.0 * bh * d * (2 * w * s_q - w * w)
     return 4.0 * bh * s_q * s_kv * d * (0.5 if k.causal else 1.0)
 
 

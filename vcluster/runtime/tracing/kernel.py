@@ -8,7 +8,8 @@ by kind (``shape``):
 * ``gemm`` — ``(batch, m, k, n)``: one batched kernel of ``batch`` m×k×n products
   (2·batch·m·k·n FLOPs);
 * ``attention`` — ``(batch·heads, s_q, s_kv, head_dim)``, with ``causal`` and ``flash``
-  (one fused kernel that never writes the s_q×s_kv scores) and ``backward``;
+  (one fused kernel that never writes the s_q×s_kv scores) and ``backward``; ``window``
+  (> 0, causal only): a sliding window, each query reading its last ``window`` keys;
 * ``norm`` — ``(tokens, width)`` (LayerNorm, RMSNorm), ``backward`` for its input gradient;
 * ``activation`` — ``(tokens, width)`` of the activation's input (GELU over 4h, SwiGLU's
   gate over f), ``backward`` for its gradient;
@@ -65,6 +66,7 @@ class Kernel:
     flash: bool = False
     parts: int = 1
     variant: str = ""
+    window: int = 0         # attention: the sliding window in keys (0: none)
 
     def __post_init__(self):
         try:
@@ -89,12 +91,17 @@ class Kernel:
         object.__setattr__(self, "shape", tuple(dims))
         if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
             raise ValueError(f"Kernel: parts must be an int >= 1, got {self.parts!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) \
+                or self.window < 0 or (self.window and not self.causal):
+            raise ValueError(f"Kernel: window must be an int >= 0 (0: none; a causal "
+                             f"kernel's), got {self.window!r}")
 
     def __repr__(self) -> str:
         flags = [f for f, on in (("causal", self.causal), ("flash", self.flash),
                                  ("bwd", self.backward)) if on]
         flags += [f"1/{self.parts}"] if self.parts > 1 else []
         flags += [self.variant] if self.variant else []
+        flags += [f"window {self.window}"] if self.window else []
         return (f"Kernel({self.kind.value} {'x'.join(map(str, self.shape))}"
                 f"{''.join(' ' + f for f in flags)})")
 
@@ -109,9 +116,12 @@ class Kernel:
 
     @classmethod
     def attention(cls, batch_heads: int, s_q: int, s_kv: int, head_dim: int, *,
-                  causal: bool = True, flash: bool = True, backward: bool = False) -> "Kernel":
+                  causal: bool = True, flash: bool = True, backward: bool = False,
+                  window: int | None = None) -> "Kernel":
+        """``window``: a causal kernel's sliding window (None, or one >= s_kv: none)."""
+        window = 0 if window is None or window >= s_kv else int(window)
         return cls(KernelKind.ATTENTION, (batch_heads, s_q, s_kv, head_dim), backward=backward,
-                   causal=causal, flash=flash)
+                   causal=causal, flash=flash, window=window)
 
     @classmethod
     def norm(cls, tokens: int, width: int, backward: bool = False) -> "Kernel":

@@ -86,7 +86,8 @@ _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch"
               "zero_stage": "data_parallel.zero_stage", "model": "workload.model",
               **{f: f"workload.{f}" for f in ("hidden", "layers", "heads", "seq", "vocab",
                                                "kv_heads", "ffn_hidden", "head_dim",
-                                               "qk_norm", "experts",
+                                               "qk_norm", "window", "window_layers",
+                                               "attention_sinks", "experts",
                                                "moe_top_k", "moe_ffn_hidden",
                                                "capacity_factor", "arch", "moe_router",
                                                "moe_shared_ffn_hidden",
@@ -141,6 +142,9 @@ def _configs(scenario, mesh=None):
                        vocab=o["vocab"], dtype=w.dtype, arch=o["arch"],
                        kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
                        head_dim=o.get("head_dim"), qk_norm=o.get("qk_norm", False),
+                       window=o.get("window"), attention_sinks=o.get("attention_sinks", False),
+                       window_layers=tuple(o["window_layers"]) if o.get("window_layers")
+                       else None,
                        tie_embeddings=o["tie_embeddings"], experts=o["experts"],
                        moe_top_k=o["moe_top_k"], moe_ffn_hidden=o.get("moe_ffn_hidden"),
                        capacity_factor=o.get("capacity_factor"),
@@ -154,7 +158,7 @@ def _configs(scenario, mesh=None):
 
 #: workload keys that, written beside workload.model, override the model's
 _MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden",
-                    "head_dim", "qk_norm",
+                    "head_dim", "qk_norm", "window", "window_layers", "attention_sinks",
                     "tie_embeddings", "experts", "moe_top_k", "moe_ffn_hidden",
                     "capacity_factor", "moe_router", "moe_shared_ffn_hidden",
                     "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers", "moe_groups",
@@ -199,6 +203,11 @@ def _gqa(config) -> str:
     if config.block.grouped_query and config.head_dim * config.heads != config.hidden:
         out += f" d={config.head_dim}"
     out += " qk-norm" if config.qk_norm else ""
+    if config.window is not None:
+        out += f" window={config.window}" + ("" if config.window_layers is None else
+                                             f" ({len(config.window_layers)}/{config.layers}"
+                                             " layers)")
+    out += " sinks" if config.attention_sinks else ""
     if config.experts:
         out += f" experts={config.experts} top-{config.moe_top_k}"
     return out

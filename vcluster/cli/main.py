@@ -51,17 +51,27 @@ class Terminated(KeyboardInterrupt):
     aborted and stopped, shared memory released, a half-written report removed."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated(f"signal {signum}")
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    received: list[int] = []          # SIGTERMs that arrived: the exit status says so
+
+    def raise_terminated(signum, frame):
+        received.append(signum)
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if main_thread else None
     try:
-        return args.run(args)
+        try:
+            status = args.run(args)
+        except Exception as exc:
+            if received:     # the unwinding surfaced as another error (a file's close)
+                raise Terminated(f"signal {received[0]}") from exc
+            raise
+        if received:         # a command that caught the unwinding and reported a failure
+            raise Terminated(f"signal {received[0]}")
+        return status
     except Terminated:
         print("terminated", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -1,6 +1,7 @@
 """Shared by the GPT-family tests: random token data and meshes written as text."""
 
 import numpy as np
+import pytest
 
 from mesh import Mesh
 
@@ -26,3 +27,21 @@ def assert_same_params_and_grads(run, ref, rtol: float, atol: float) -> None:
                                    err_msg=name)
         np.testing.assert_allclose(run.params[name], ref.params[name], rtol=rtol, atol=atol,
                                    err_msg=name)
+
+
+def assert_central_difference(model, tokens, targets, params, grads, name, idx,
+                              abs_tol: float = 1e-8, eps: float = 1e-6) -> None:
+    """The reference's gradient of parameter ``name`` at ``idx`` equals the central
+    difference of its loss (``params`` perturbed in place and restored); an index into
+    ``wte`` is moved to a row the batch uses."""
+    p = params[name]
+    if name == "wte":
+        idx = (int(tokens[0, 0]),) + tuple(idx[1:])
+    old = p[idx]
+    p[idx] = old + eps
+    up = model.reference_forward(tokens, targets, params)[0]
+    p[idx] = old - eps
+    down = model.reference_forward(tokens, targets, params)[0]
+    p[idx] = old
+    assert (up - down) / (2 * eps) == pytest.approx(grads[name][idx], rel=1e-5,
+                                                    abs=abs_tol), (name, idx)

@@ -18,7 +18,8 @@ from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       trace_comm_signature, trace_program)
 
-from .gpt_data import assert_same_params_and_grads, mesh_of, token_data
+from .gpt_data import (assert_central_difference, assert_same_params_and_grads, mesh_of,
+                       token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,16 +84,8 @@ def test_reference_qk_norm_gradients_match_finite_differences():
         picks = p.size if "norm_g" in name and name.startswith("layers.") else 2
         for _ in range(picks):
             idx = tuple(int(rng.integers(0, n)) for n in p.shape)
-            if name == "wte":
-                idx = (int(tokens[0, 0]),) + idx[1:]
-            old, e = p[idx], 1e-6
-            p[idx] = old + e
-            up = model.reference_forward(tokens, targets, params)[0]
-            p[idx] = old - e
-            down = model.reference_forward(tokens, targets, params)[0]
-            p[idx] = old
-            assert (up - down) / (2 * e) == pytest.approx(grads[name][idx], rel=1e-5,
-                                                          abs=1e-8), (name, idx)
+            assert_central_difference(model, tokens, targets, params, grads, name, idx,
+                                      abs_tol=1e-8)
 
 
 def _qwen3_logits(cfg, P, tokens):

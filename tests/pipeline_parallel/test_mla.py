@@ -28,7 +28,8 @@ from vcluster.planner.memory import cp_buffer_bytes, rank_params
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       meta_like, trace_comm_signature, trace_program)
 
-from .gpt_data import assert_same_params_and_grads, mesh_of, token_data
+from .gpt_data import (assert_central_difference, assert_same_params_and_grads, mesh_of,
+                       token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,16 +100,8 @@ def test_reference_gradients_match_finite_differences(q_lora):
         picks = p.size if name.endswith("_a_norm_g") else 2
         for _ in range(picks):
             idx = tuple(int(rng.integers(0, n)) for n in p.shape)
-            if name == "wte":
-                idx = (int(tokens[0, 0]),) + idx[1:]
-            old, e = p[idx], 1e-6
-            p[idx] = old + e
-            up = model.reference_forward(tokens, targets, params)[0]
-            p[idx] = old - e
-            down = model.reference_forward(tokens, targets, params)[0]
-            p[idx] = old
-            assert (up - down) / (2 * e) == pytest.approx(grads[name][idx], rel=1e-5,
-                                                          abs=1e-8), (name, idx)
+            assert_central_difference(model, tokens, targets, params, grads, name, idx,
+                                      abs_tol=1e-8)
     # the block alone: d<w, ctx(u) W_o>/du for a fixed random w, every entry of u
     L = {n.split(".", 2)[2]: a for n, a in params.items() if n.startswith("layers.0.")}
     u = rng.standard_normal((2, cfg.seq, cfg.hidden))

@@ -15,7 +15,7 @@ from enum import Enum, IntEnum
 
 __all__ = ["Choice", "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm",
            "TPOverlap", "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
-           "RouterScore", "FlopConvention"]
+           "RouterScore", "FlopConvention", "Engine", "Router"]
 
 
 class Choice(str, Enum):
@@ -173,3 +173,25 @@ class FlopConvention(Choice):
     CAUSAL = "causal"
     MEGATRON = "megatron"
     PALM = "palm"
+
+
+# --- serving ----------------------------------------------------------------------------
+
+class Engine(Choice):
+    """The serving engine whose scheduler a run imitates (:mod:`serving.scheduler`):
+    ``vllm-v1`` — vLLM's v1 engine (0.8–0.11): continuous batching with chunked prefill
+    under a token budget and a sequence cap, FCFS, recompute preemption; ``static`` —
+    static batching as FasterTransformer and early TGI ran it: a batch prefilled
+    together and decoded until its last request ends, no request joining mid-batch."""
+
+    VLLM_V1 = "vllm-v1"
+    STATIC = "static"
+
+
+class Router(Choice):
+    """How requests are spread over data-parallel replicas: ``round_robin`` in arrival
+    order, or ``least_loaded`` — the replica with the fewest unfinished requests (ties to
+    the lowest index)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"

@@ -1,0 +1,388 @@
+"""Engine schedulers: which requests run how many tokens in each engine step.
+
+An engine step runs one forward over a batch of sequences; each scheduled sequence
+computes the KV of ``num_new_tokens`` tokens starting at position ``num_computed_tokens``
+(a prefill chunk, or one decode token) and, when that reaches the end of its known
+tokens, samples one new token. Schedulers count tokens and blocks only; token values
+never enter them, so the emulator (which computes real tokens) and the simulator (which
+prices steps) run the same scheduler and see the same steps.
+
+**vLLM v1** (:class:`VllmV1Scheduler`; imitated: ``vllm/v1/core/sched/scheduler.py``
+``Scheduler.schedule`` and ``update_from_output`` of vLLM 0.8–0.11, no prefix caching,
+no speculative decoding, FCFS policy). Each step has a token budget
+``max_num_batched_tokens``:
+
+1. *Running* requests, in order: each gets n = min(tokens − computed,
+   ``long_prefill_token_threshold`` when set, the budget left, max_model_len − 1 − computed)
+   new tokens — one for a decode, the next chunk for a prefill that did not fit earlier.
+   Its blocks are grown to hold computed + n tokens; when the pool is short, the *last*
+   running request is preempted (its blocks freed, its computed tokens set to 0, put at
+   the head of the waiting queue) and the allocation retried; when the request preempted
+   is the one being scheduled, scheduling of running requests stops.
+2. *Waiting* requests, only if nothing was preempted in this step, FCFS, while budget is
+   left and fewer than ``max_num_seqs`` run: each gets n = min(tokens − computed, budget)
+   (with chunked prefill disabled a prompt that does not fit whole stops admission), its
+   blocks, and joins the running queue's tail; a request whose blocks do not fit stops
+   admission.
+
+After the step (``finish_step``) each scheduled request's computed tokens grow by n; one
+that now has every known token computed emits a token; one with ``output_len`` tokens
+(or max_model_len tokens) finishes and frees its blocks. A preempted request is
+recomputed: re-prefilled over its prompt *and* the tokens it already emitted, then
+decoded on.
+
+**Static** batching (:class:`StaticScheduler`): a batch of up to ``max_num_seqs`` arrived
+requests (FCFS; as many as fit when each reserves blocks for its whole prompt + output,
+as FasterTransformer sized its buffers; under ``max_num_batched_tokens`` prompt tokens
+when set) is prefilled in one step and decoded until its last request finishes; finished
+requests leave idle slots, and nobody joins until the batch is done.
+
+A hand-worked vLLM v1 example is in ``docs/serving.md`` and is a test.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from modeling.choices import Engine
+from modeling.errors import ConfigError
+
+from .blocks import BlockPool, blocks_for
+from .request import Request
+
+__all__ = ["ScheduledRequest", "EngineStep", "StepOutcome", "VllmV1Scheduler",
+           "StaticScheduler", "make_scheduler"]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` from position
+    ``num_computed_tokens``; ``block_table`` after this step's allocation; ``samples``:
+    the step reaches the end of its known tokens and emits one; ``is_decode``: one new
+    token after its prompt was fully computed."""
+
+    request_id: int
+    num_new_tokens: int
+    num_computed_tokens: int
+    block_table: tuple[int, ...]
+    samples: bool
+    is_decode: bool
+
+    @property
+    def context(self) -> int:
+        """Keys the step's last query of this request sees: computed + new."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """Step ``index``: the ``scheduled`` requests in the engine's order and the requests
+    ``preempted`` while forming it."""
+
+    index: int
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[int, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of prefill chunks (recomputation included)."""
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+    @property
+    def decode_seqs(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences that emit a token: the rows the LM head computes."""
+        return sum(1 for s in self.scheduled if s.samples)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def __repr__(self) -> str:
+        return (f"EngineStep(index={self.index}, prefill_tokens={self.prefill_tokens}, "
+                f"decode_seqs={self.decode_seqs}, requests={[s.request_id for s in self.scheduled]}"
+                + (f", preempted={list(self.preempted)}" if self.preempted else "") + ")")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """Requests that emitted one token in the step, and those that finished (freed)."""
+
+    emitted: tuple[int, ...]
+    finished: tuple[int, ...]
+
+
+class _State:
+    """A request's mutable progress inside one scheduler."""
+
+    __slots__ = ("request", "computed", "emitted", "preemptions")
+
+    def __init__(self, request: Request, computed: int = 0):
+        self.request, self.computed, self.emitted, self.preemptions = request, computed, 0, 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: the prompt and every token emitted so far."""
+        return self.request.prompt_len + self.emitted
+
+
+def _count(owner: str, name: str, value, minimum: int = 1, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(name, value, f"an integer >= {minimum}" + (" or None" if allow_none
+                                                                     else ""),
+                          "not a valid setting", owner=owner)
+    return value
+
+
+class _Scheduler:
+    """What both engines share: the block pool, the queues, the step counter and the
+    bookkeeping after a step."""
+
+    engine: Engine
+
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int | None):
+        owner = type(self).__name__
+        self.pool = BlockPool(num_blocks, block_size)
+        self.max_num_seqs = _count(owner, "max_num_seqs", max_num_seqs)
+        self.max_model_len = _count(owner, "max_model_len", max_model_len, 2, allow_none=True)
+        self._waiting: deque[_State] = deque()
+        self._running: list[_State] = []
+        self._states: dict = {}
+        self._step = 0
+        self.num_preemptions = 0
+
+    # --- requests in -------------------------------------------------------------------
+    def add(self, request: Request, num_external_computed_tokens: int = 0) -> None:
+        """Queue ``request`` (FCFS). ``num_external_computed_tokens``: prompt tokens whose KV
+        is already here (a disaggregated decode instance received it), capped at
+        prompt_len − 1 — vLLM recomputes the last prompt token to get its logits; their
+        blocks are taken when the request is admitted."""
+        if not isinstance(request, Request):
+            raise TypeError(f"add: expected a serving.Request, got {type(request).__name__}")
+        if request.request_id in self._states:
+            raise ConfigError("request_id", request.request_id, "an id not already queued",
+                              "two requests with one id", owner=type(self).__name__)
+        limit = self.max_model_len or request.max_tokens
+        longest = min(request.max_tokens, limit)
+        if blocks_for(longest, self.pool.block_size) > self.pool.num_usable:
+            raise ConfigError("prompt_len + output_len", longest,
+                              f"at most {self.pool.capacity_tokens} tokens (the whole cache: "
+                              f"{self.pool.num_usable} blocks of {self.pool.block_size})",
+                              f"request {request.request_id!r} can never fit in the KV cache",
+                              owner=type(self).__name__)
+        if self.max_model_len is not None and request.prompt_len >= self.max_model_len:
+            raise ConfigError("prompt_len", request.prompt_len,
+                              f"< max_model_len={self.max_model_len}",
+                              f"request {request.request_id!r}'s prompt leaves no room to "
+                              "generate", owner=type(self).__name__)
+        external = _count(type(self).__name__, "num_external_computed_tokens",
+                          num_external_computed_tokens, 0)
+        state = _State(request, min(external, request.prompt_len - 1))
+        self._states[request.request_id] = state
+        self._waiting.append(state)
+
+    # --- what is inside ----------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def emitted(self, request_id) -> int:
+        """Tokens ``request_id`` has emitted so far."""
+        return self._states[request_id].emitted
+
+    # --- a step ------------------------------------------------------------------------
+    def _scheduled(self, state: _State, n: int) -> ScheduledRequest:
+        req = state.request
+        return ScheduledRequest(
+            req.request_id, n, state.computed, self.pool.table(req.request_id),
+            samples=state.computed + n == state.num_tokens,
+            is_decode=n == 1 and state.computed >= req.prompt_len)
+
+    def _next_step(self, scheduled, preempted=()) -> EngineStep:
+        step = EngineStep(self._step, tuple(scheduled), tuple(preempted))
+        self._step += 1
+        return step
+
+    def _done(self, state: _State) -> bool:
+        req = state.request
+        return state.emitted >= req.output_len or (
+            self.max_model_len is not None and state.num_tokens >= self.max_model_len)
+
+    def finish_step(self, step: EngineStep) -> StepOutcome:
+        """Advance the step's requests: computed += new tokens; emit where the step
+        reached the end of the known tokens; finish (and free) those at their length."""
+        emitted, finished = [], []
+        for s in step.scheduled:
+            state = self._states[s.request_id]
+            if state.computed != s.num_computed_tokens:
+                raise ValueError(f"finish_step: step {step.index} is stale for request "
+                                 f"{s.request_id!r} (computed {state.computed}, the step says "
+                                 f"{s.num_computed_tokens}); finish each step once, in order")
+            state.computed += s.num_new_tokens
+            if state.computed == state.num_tokens:
+                state.emitted += 1
+                emitted.append(s.request_id)
+                if self._done(state):
+                    finished.append(s.request_id)
+                    self._finish(state)
+        return StepOutcome(tuple(emitted), tuple(finished))
+
+    def _finish(self, state: _State) -> None:
+        self.pool.free(state.request.request_id)
+        self._running.remove(state)
+        del self._states[state.request.request_id]
+
+
+class VllmV1Scheduler(_Scheduler):
+    """vLLM v1's scheduler (module docstring): ``num_blocks`` KV blocks of ``block_size``
+    tokens, ``max_num_batched_tokens`` per step, ``max_num_seqs`` running, optional
+    ``max_model_len`` and ``long_prefill_token_threshold`` (0: off), chunked prefill on by
+    default as in v1. Defaults: vLLM's ``SchedulerConfig`` — 8192 batched tokens (the
+    OpenAI server's default with chunked prefill on an H100-class GPU, vLLM ≥ 0.8's
+    ``EngineArgs._set_default_args_v1``) and 256 sequences."""
+
+    engine = Engine.VLLM_V1
+
+    def __init__(self, num_blocks: int, *, block_size: int = 16,
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
+                 enable_chunked_prefill: bool = True):
+        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len)
+        owner = type(self).__name__
+        self.max_num_batched_tokens = _count(owner, "max_num_batched_tokens",
+                                             max_num_batched_tokens)
+        self.long_prefill_token_threshold = _count(owner, "long_prefill_token_threshold",
+                                                   long_prefill_token_threshold, 0)
+        if enable_chunked_prefill not in (True, False):
+            raise ConfigError("enable_chunked_prefill", enable_chunked_prefill,
+                              "true or false", "not a boolean", owner=owner)
+        self.enable_chunked_prefill = enable_chunked_prefill
+
+    def _cap(self, state: _State, n: int, budget: int) -> int:
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        n = min(n, budget)
+        if self.max_model_len is not None:
+            n = min(n, self.max_model_len - 1 - state.computed)
+        return n
+
+    def _preempt(self) -> _State:
+        victim = self._running.pop()
+        self.pool.free(victim.request.request_id)
+        victim.computed = 0
+        victim.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(victim)
+        return victim
+
+    def schedule(self) -> EngineStep:
+        """One step's batch (module docstring, steps 1 and 2)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[int] = []
+        i = 0
+        while i < len(self._running) and budget > 0:
+            state = self._running[i]
+            n = self._cap(state, state.num_tokens - state.computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.pool.allocate(state.request.request_id, state.computed + n):
+                victim = self._preempt()
+                preempted.append(victim.request.request_id)
+                if victim is state:
+                    break
+            else:
+                scheduled.append(self._scheduled(state, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        if not preempted:
+            while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+                state = self._waiting[0]
+                n = state.num_tokens - state.computed
+                if not self.enable_chunked_prefill and n > budget:
+                    break
+                n = self._cap(state, n, budget)
+                if not self.pool.allocate(state.request.request_id, state.computed + n):
+                    break
+                self._waiting.popleft()
+                self._running.append(state)
+                scheduled.append(self._scheduled(state, n))
+                budget -= n
+        # a running request preempted after it was scheduled in this step cannot stay in it
+        gone = set(preempted)
+        scheduled = [s for s in scheduled if s.request_id not in gone]
+        return self._next_step(scheduled, preempted)
+
+
+class StaticScheduler(_Scheduler):
+    """Static batching (module docstring): batches of up to ``max_num_seqs`` requests,
+    each reserving blocks for prompt + output; ``max_num_batched_tokens`` (None: no cap)
+    bounds a batch's prompt tokens."""
+
+    engine = Engine.STATIC
+
+    def __init__(self, num_blocks: int, *, block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None):
+        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len)
+        self.max_num_batched_tokens = _count(type(self).__name__, "max_num_batched_tokens",
+                                             max_num_batched_tokens, allow_none=True)
+
+    def _reserve(self, state: _State) -> int:
+        req = state.request
+        return min(req.max_tokens, self.max_model_len or req.max_tokens)
+
+    def schedule(self) -> EngineStep:
+        if not self._running:                      # form the next batch
+            tokens = 0
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                state = self._waiting[0]
+                prompt = state.num_tokens - state.computed
+                if self.max_num_batched_tokens is not None and self._running \
+                        and tokens + prompt > self.max_num_batched_tokens:
+                    break
+                if not self.pool.allocate(state.request.request_id, self._reserve(state)):
+                    break
+                self._waiting.popleft()
+                self._running.append(state)
+                tokens += prompt
+        return self._next_step([self._scheduled(s, s.num_tokens - s.computed)
+                                for s in self._running])
+
+
+def make_scheduler(engine: Engine | str, num_blocks: int, **settings):
+    """The scheduler of ``engine`` (:class:`~modeling.choices.Engine`) with ``settings``
+    (its keyword arguments; one it does not take is an error naming it)."""
+    try:
+        engine = Engine(engine)
+    except ValueError:
+        raise ConfigError("engine", engine, ", ".join(Engine.values()),
+                          "no such serving engine") from None
+    cls = VllmV1Scheduler if engine is Engine.VLLM_V1 else StaticScheduler
+    try:
+        return cls(num_blocks, **settings)
+    except TypeError as exc:
+        raise ConfigError("engine settings", sorted(settings), f"the settings of {engine}",
+                          str(exc)) from None

@@ -1,0 +1,199 @@
+"""The engine schedulers of :mod:`serving`: the hand-worked vLLM v1 example of
+docs/serving.md step by step, invariants over random workloads, static batching, and bad
+settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from modeling.errors import ConfigError
+from serving import (BlockPool, EngineStep, Request, StaticScheduler, VllmV1Scheduler,
+                     blocks_for, make_scheduler)
+
+
+def run(scheduler, arrivals=None, limit=10_000):
+    """Drive ``scheduler`` to the end; ``arrivals`` maps a step index to requests added
+    before it. Returns [(step, outcome)]."""
+    arrivals = dict(arrivals or {})
+    steps = []
+    while scheduler.has_unfinished or arrivals:
+        for r in arrivals.pop(len(steps), ()):
+            scheduler.add(r)
+        step = scheduler.schedule()
+        steps.append((step, scheduler.finish_step(step)))
+        assert len(steps) < limit
+    return steps
+
+
+def rows(step: EngineStep):
+    return [(s.request_id, s.num_computed_tokens, s.num_new_tokens, s.block_table)
+            for s in step.scheduled]
+
+
+def test_the_hand_worked_vllm_v1_example_of_the_docs():
+    """docs/serving.md, "A vLLM v1 schedule by hand": 6 blocks of 4 (block 0 the null
+    block: 20 token slots), 8 tokens per step, 3 sequences; A = (prompt 9, 4 out),
+    B = (4, 3), C = (2, 5) all queued before step 0."""
+    s = VllmV1Scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=8, max_num_seqs=3)
+    for i, (p, o) in enumerate([(9, 4), (4, 3), (2, 5)]):
+        s.add(Request(i, p, o))
+    steps = run(s)
+    A, B, C = 0, 1, 2
+    expected = [
+        # step 0: A's first chunk takes the whole budget (8 of its 9 prompt tokens)
+        ([(A, 0, 8, (1, 2))], (), (), ()),
+        # step 1: A's last prompt token, then B's and C's whole prompts (1 + 4 + 2 <= 8):
+        # all three emit their first token; the pool is now empty
+        ([(A, 8, 1, (1, 2, 3)), (B, 0, 4, (4,)), (C, 0, 2, (5,))], (), (A, B, C), ()),
+        # step 2: A decodes in its 3 blocks; B's 5th token needs a 2nd block: none free,
+        # so the last running request (C) is preempted, its block 5 goes to B
+        ([(A, 9, 1, (1, 2, 3)), (B, 4, 1, (4, 5))], (C,), (A, B), ()),
+        # step 3: nothing was preempted, but C's block does not fit: B finishes
+        ([(A, 10, 1, (1, 2, 3)), (B, 5, 1, (4, 5))], (), (A, B), (B,)),
+        # step 4: A's last token; C is recomputed over its prompt and its one emitted
+        # token (3 tokens) in B's freed block 5 (the free queue's head: B freed 5 then 4)
+        ([(A, 11, 1, (1, 2, 3)), (C, 0, 3, (5,))], (), (A, C), (A,)),
+        ([(C, 3, 1, (5,))], (), (C,), ()),
+        ([(C, 4, 1, (5, 4))], (), (C,), ()),
+        ([(C, 5, 1, (5, 4))], (), (C,), (C,)),
+    ]
+    assert len(steps) == len(expected)
+    for (step, out), (sched, preempted, emitted, finished) in zip(steps, expected):
+        assert rows(step) == sched, step.index
+        assert step.preempted == preempted
+        assert out.emitted == emitted and out.finished == finished
+    assert s.num_preemptions == 1
+    assert [st.prefill_tokens for st, _ in steps] == [8, 7, 0, 0, 3, 0, 0, 0]
+    assert [st.decode_seqs for st, _ in steps] == [0, 0, 2, 2, 1, 1, 1, 1]
+    assert s.pool.num_free == s.pool.num_usable
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("engine", ["vllm-v1", "static"])
+def test_invariants_over_random_workloads(seed, engine):
+    """Every request emits exactly output_len tokens, a step never exceeds the token
+    budget or the sequence cap, a table always holds its context, and every block is
+    free at the end."""
+    rng = np.random.default_rng(seed)
+    budget, seqs, bs = int(rng.integers(8, 64)), int(rng.integers(1, 6)), 4
+    s = make_scheduler(engine, int(rng.integers(12, 40)), block_size=bs,
+                       max_num_batched_tokens=budget, max_num_seqs=seqs)
+    n = 25
+    reqs = [Request(i, int(rng.integers(1, 30)), int(rng.integers(1, 20))) for i in range(n)]
+    reqs = [r for r in reqs if blocks_for(r.max_tokens, bs) <= s.pool.num_usable]
+    arrivals: dict = {}
+    for r in reqs:
+        arrivals.setdefault(int(rng.integers(0, 40)), []).append(r)
+    emitted = {r.request_id: 0 for r in reqs}
+    for step, out in run(s, arrivals):
+        if engine == "vllm-v1":
+            assert step.num_scheduled_tokens <= budget
+        assert len(step.scheduled) <= seqs
+        for x in step.scheduled:
+            assert len(x.block_table) * bs >= x.context
+        for i in out.emitted:
+            emitted[i] += 1
+    assert emitted == {r.request_id: r.output_len for r in reqs}
+    assert s.pool.num_free == s.pool.num_usable and not s.has_unfinished
+
+
+def test_preempted_requests_are_recomputed_over_prompt_and_outputs():
+    """A cache of 4 usable blocks of 4: two requests that each grow to 12 tokens cannot
+    both stay; the later one is preempted, re-prefilled over prompt + emitted tokens, and
+    still emits exactly output_len tokens."""
+    s = VllmV1Scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=16)
+    s.add(Request(0, 4, 8))
+    s.add(Request(1, 4, 8))
+    recomputed = []
+    steps = run(s)
+    for step, _ in steps:
+        recomputed += [x for x in step.scheduled
+                       if x.request_id == 1 and x.num_computed_tokens == 0 and step.index > 0]
+    assert s.num_preemptions >= 1
+    assert recomputed and recomputed[0].num_new_tokens > 4     # prompt + emitted tokens
+    assert sum(1 for _, out in steps for i in out.emitted if i == 1) == 8
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    s = VllmV1Scheduler(20, block_size=4, max_num_batched_tokens=10,
+                        enable_chunked_prefill=False)
+    s.add(Request(0, 6, 3))
+    s.add(Request(1, 6, 1))
+    first = s.schedule()
+    assert rows(first) == [(0, 0, 6, (1, 2))]               # 6 + 6 > 10: B waits whole
+    s.finish_step(first)
+    assert [x.num_new_tokens for x in s.schedule().scheduled] == [1, 6]
+
+
+def test_long_prefill_threshold_and_max_model_len():
+    s = VllmV1Scheduler(40, block_size=4, max_num_batched_tokens=64,
+                        long_prefill_token_threshold=5, max_model_len=20)
+    s.add(Request(0, 12, 30))
+    assert [x.num_new_tokens for x in s.schedule().scheduled] == [5]
+    steps = run(s)
+    assert sum(len(out.emitted) for _, out in steps) == 20 - 12   # stops at max_model_len
+    assert max(x.context for st, _ in steps for x in st.scheduled) <= 19
+
+
+def test_static_batching_decodes_a_batch_to_its_end_before_the_next():
+    s = StaticScheduler(64, block_size=4, max_num_seqs=2)
+    for i, (p, o) in enumerate([(5, 2), (3, 4), (4, 1)]):
+        s.add(Request(i, p, o))
+    steps = run(s)
+    ids = [[x.request_id for x in st.scheduled] for st, _ in steps]
+    assert ids == [[0, 1], [0, 1], [1], [1], [2]]
+    assert [st.prefill_tokens for st, _ in steps] == [8, 0, 0, 0, 4]
+    # each request reserves its whole prompt + output at admission
+    assert len(steps[0][0].scheduled[1].block_table) == blocks_for(3 + 4, 4)
+
+
+def test_static_batching_caps_prompt_tokens():
+    s = StaticScheduler(64, block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    for i in range(3):
+        s.add(Request(i, 5, 1))
+    assert [x.request_id for x in s.schedule().scheduled] == [0]
+
+
+def test_block_pool_allocates_reuses_and_refuses_without_change():
+    pool = BlockPool(5, block_size=4)
+    assert pool.num_usable == 4 and pool.num_free == 4
+    assert pool.allocate("a", 9) and pool.table("a") == (1, 2, 3)
+    assert not pool.allocate("b", 8) and pool.table("b") == () and pool.num_free == 1
+    pool.free("a")
+    assert pool.allocate("b", 8) and pool.table("b") == (4, 3)    # tail-first reuse order
+    assert pool.usage == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: VllmV1Scheduler(1), "num_blocks"),
+    (lambda: VllmV1Scheduler(8, max_num_seqs=0), "max_num_seqs"),
+    (lambda: VllmV1Scheduler(8, max_num_batched_tokens=1.5), "max_num_batched_tokens"),
+    (lambda: VllmV1Scheduler(3, block_size=4).add(Request(0, 6, 4)), "prompt_len + output_len"),
+    (lambda: VllmV1Scheduler(30, max_model_len=8).add(Request(0, 8, 1)), "prompt_len"),
+    (lambda: Request(0, 0, 4), "prompt_len"),
+    (lambda: Request(0, 4, 4, arrival_s=-1.0), "arrival_s"),
+    (lambda: make_scheduler("orca", 8), "engine"),
+    (lambda: make_scheduler("static", 8, enable_chunked_prefill=False), "engine settings"),
+])
+def test_bad_settings_name_the_field(call, field):
+    with pytest.raises(ConfigError) as err:
+        call()
+    assert err.value.field == field
+
+
+def test_a_request_id_is_queued_once():
+    s = VllmV1Scheduler(10)
+    s.add(Request(7, 3, 3))
+    with pytest.raises(ConfigError, match="request_id"):
+        s.add(Request(7, 3, 3))
+
+
+def test_external_computed_tokens_leave_the_last_prompt_token_to_compute():
+    """A disaggregated decode instance: the prompt's KV arrived; vLLM recomputes the last
+    prompt token for its logits, then decodes."""
+    s = VllmV1Scheduler(20, block_size=4)
+    s.add(Request(0, 10, 3), num_external_computed_tokens=10)
+    step = s.schedule()
+    assert rows(step) == [(0, 9, 1, (1, 2, 3))] and step.scheduled[0].samples
+    assert s.finish_step(step).emitted == (0,)

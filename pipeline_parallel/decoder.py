@@ -1,0 +1,689 @@
+"""Emulated serving: a Llama decoder with a paged KV cache on the virtual devices, under
+tensor, pipeline and expert parallelism and continuous batching.
+
+>>> run = serve(cluster, spec, None, requests, prompts, tp=2, pp=2,
+...             num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)  # doctest: +SKIP
+>>> len(run.outputs[0]) == requests[0].output_len                           # doctest: +SKIP
+True
+
+The per-device program :func:`serve_program` runs on a mesh ("pp", "tp"), rank (k, t)
+holding stage k's layers (equal shares, :func:`modeling.counts.stage_layers`) cut for tp
+rank t. It is SPMD all the way down, scheduling included: every rank runs the same
+deterministic scheduler (:func:`serving.make_scheduler`, default vLLM v1's) on the same
+requests, so every rank forms the same steps without a message. Per engine step:
+
+1. requests whose ``arrival_step`` has come are added; ``schedule()`` gives the step: for
+   each scheduled request its new tokens (a prefill chunk, or one decode token) at
+   positions c .. c + n − 1 and its block table;
+2. ONE batched forward over the N concatenated new tokens (stage 0: the token ids, its
+   embedding; later stages: the hidden states (N, h) received from the stage before);
+   every layer writes the new keys and values into the paged cache and each sequence
+   attends to its own blocks (:mod:`.paged_attention`);
+3. the last stage takes the rows that sample (a request's last known token:
+   ``ScheduledRequest.samples``), its final norm and logits, and picks the greedy token
+   (argmax); it sends the new tokens to every earlier stage, so every rank knows every
+   request's tokens (prompt + outputs, what a recompute re-prefills);
+4. ``finish_step`` advances the counts, frees finished requests' blocks (which later
+   requests reuse) and, when blocks ran out while forming the step, preempted requests
+   had theirs freed and are recomputed later (vLLM's recompute preemption).
+
+The stages run one step at a time (no second batch in flight): stage k + 1 waits for
+stage k's hidden states, and stage 0 for the last stage's tokens before the next step —
+the bubble of a synchronous pipeline, (pp − 1)/pp of each rank's step.
+
+Tensor parallelism (Megatron, as vLLM's): query heads split over tp (K/V heads too, or
+each replicated over tp/kv_heads ranks when kv_heads < tp, :func:`~tensor_parallel.llama.
+kv_pieces`), so each rank caches only its KV heads; W_q, W_kv, W_gate, W_up
+column-parallel, W_o, W_down row-parallel: one all_reduce(tp) after the attention's
+output projection and one after the MLP. The embedding is vocabulary-parallel (each rank
+looks up its V/t rows, zeros elsewhere, then all_reduce(tp): vLLM's
+VocabParallelEmbedding) and so is the head (logits of the sampled rows for V/t words,
+then all_gather(tp) along the vocabulary: vLLM's LogitsProcessor gather), so every tp
+rank picks the same token.
+
+Mixture of experts (``ep``): vLLM's layout without an all-to-all backend —
+``ep = tp``: attention tensor-parallel as above, the experts expert-parallel over the
+same tp ranks (rank t holds experts t·E/ep .. (t + 1)·E/ep − 1 whole); every rank
+routes every token (the router is replicated, the tokens are whole on every rank after
+the attention's all-reduce), computes its own experts' share Σ_{e local} gate_{t,e}·
+SwiGLU_e(x_t) for the tokens routed to them, and one all_reduce(tp) sums the shares —
+the same collective a dense MLP ends with. ``ep = 1``: every expert tensor-parallel (its
+width split over tp, vLLM's default without ``--enable-expert-parallel``), one
+all_reduce likewise. Routing is dropless (serving engines drop no tokens): top-k of the
+softmax (or sigmoid) scores, ties to the lower index, gates renormalised as the model
+says — :func:`~tensor_parallel.moe_reference.moe_reference`'s rules.
+
+Declared costs (products only, as the training programs; every GEMM through
+:func:`~tensor_parallel.matmul.local_matmul`), per step on rank (k, t), N tokens, S
+sampled rows, a_l = a/t, c_l its KV heads, f_l = f/t:
+
+    per layer   2·N·h·(a_l·d + 2·c_l·d) + 2·N·a_l·d·h       projections
+                + Σ_r 4·a_l·d·(n_r·c_r + n_r(n_r + 1)/2)     paged attention
+                + 3·2·N·h·f_l                                dense SwiGLU
+                  (MoE: 2·N·h·E router + Σ_{e local} 3·2·N_e·h·f_e,l
+                   + the shared expert's 3·2·N·h·f_s/t)
+    last stage  2·S·h·V/t                                     logits
+
+The program is traceable (:func:`trace_serve`: shape-only parameters, no prompts; the
+schedule needs counts only), and the trace moves exactly the emulator's messages and
+bytes and replays on the timing model (``simulate_trace``). Token values are unknown
+there: an MoE layer then assumes the N·k routed tokens spread evenly over the experts
+(expert e gets ⌊N·k/E⌋, the first N·k mod E one more).
+
+Reference (:func:`greedy_reference`): greedy generation re-running the WHOLE unsharded
+sequence (prompt + outputs so far) through :func:`~pipeline_parallel.llama.llama_reference`
+for every token — no cache at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import numpy as np
+
+from mesh import Mesh
+from modeling import LLAMA_BLOCK, ConfigError, ModelSpec
+from modeling.counts import stage_layers
+from modeling.plan import check_kv_heads
+from serving import EngineStep, Request, make_scheduler
+from tensor_parallel.attention import TransformerOps
+from tensor_parallel.gqa import Rope
+from tensor_parallel.llama import llama_piece
+from tensor_parallel.matmul import local_matmul
+from tensor_parallel.rmsnorm import rms_norm
+from vcluster.runtime.tracing import Kernel, MetaArray, is_meta, trace_program
+
+from .gpt import GPT, GPTConfig
+from .llama import llama_param_shapes, llama_reference
+from .paged_attention import PagedKVCache, SequenceChunk, slots
+
+__all__ = ["BLOCK_SIZE", "ServeJob", "ServeRun", "greedy_reference", "serve", "serve_config",
+           "serve_mesh", "serve_meta_args", "serve_program", "shard_params", "trace_serve"]
+
+#: vLLM's default KV block size on GPUs (CacheConfig.block_size = 16 tokens)
+BLOCK_SIZE = 16
+#: point-to-point tags: a stage's hidden states to the next, the sampled tokens back
+HIDDEN_TAG, TOKENS_TAG = 5301, 5302
+_MOE = ("w_router", "moe_gate", "moe_up", "moe_down")
+_SHARED = ("shared_gate", "shared_up", "shared_down")
+
+
+def serve_mesh(tp: int = 1, pp: int = 1) -> Mesh:
+    """The serving mesh: axes ("pp", "tp"), tp fastest (a stage's tp group adjacent)."""
+    return Mesh((pp, tp), ("pp", "tp"))
+
+
+# --- the job: what every rank is given ------------------------------------------------------
+@dataclass(frozen=True)
+class ServeJob:
+    """What every rank runs: the model ``config``, the degrees, the ``requests`` and
+    their ``prompts`` (token ids, one tuple per request; None in a trace) and the
+    scheduler: ``engine`` and its ``settings`` (num_blocks, block_size,
+    max_num_batched_tokens, max_num_seqs as pairs)."""
+
+    config: GPTConfig
+    tp: int
+    pp: int
+    ep: int
+    requests: tuple
+    prompts: tuple | None
+    engine: str
+    settings: tuple
+
+    def __repr__(self) -> str:
+        return (f"ServeJob(tp={self.tp}, pp={self.pp}, ep={self.ep}, requests="
+                f"{len(self.requests)}, engine={self.engine!r}, settings={dict(self.settings)}"
+                f"{', traced' if self.prompts is None else ''})")
+
+    @property
+    def num_blocks(self) -> int:
+        return dict(self.settings)["num_blocks"]
+
+    @property
+    def block_size(self) -> int:
+        return dict(self.settings)["block_size"]
+
+    def layers(self, stage: int) -> range:
+        return stage_layers(self.config.layers, self.pp)[stage]
+
+
+# --- the device side ---------------------------------------------------------------------------
+def _is_moe_layer(cfg: GPTConfig, i: int) -> bool:
+    return bool(cfg.experts) and i not in cfg.moe_dense_layers
+
+
+class _StageModel:
+    """This rank's share of the model: its stage's layers cut for its tp rank, its
+    paged cache, and their forward math (module docstring)."""
+
+    def __init__(self, dev, job: ServeJob, params: dict):
+        cfg = self.cfg = job.config
+        self.dev, self.P, self.job = dev, params, job
+        self.ops = TransformerOps(dev, "tp", sequence_parallel=False)
+        self.stage = dev.mesh.group_position("pp", dev.rank)
+        self.first, self.last = self.stage == 0, self.stage == job.pp - 1
+        self.layers = job.layers(self.stage)
+        t, d = job.tp, cfg.head_dim
+        self.heads_local, self.kv_local, self.d = cfg.heads // t, max(cfg.kv_heads // t, 1), d
+        self.cache = PagedKVCache(dev, self.layers, job.num_blocks, job.block_size,
+                                  self.kv_local, d, cfg.dtype)
+
+    # --- the ends ---------------------------------------------------------------------------
+    def embed(self, ids):
+        """x (N, h) = E[ids]: this rank's V/t rows looked up, zeros elsewhere, summed over
+        tp (vocabulary-parallel)."""
+        ops, wte = self.ops, self.P["wte"]
+        v_l = wte.shape[0]
+
+        def lookup():
+            local = ids - ops.tp_rank * v_l
+            inside = (local >= 0) * (local < v_l)
+            return wte[local * inside] * inside[:, None]
+
+        x = ops.work("embedding lookup", 0, (ids, ids), None, lookup,
+                     nbytes=int(ids.size) * (2 * wte.shape[1] * wte.itemsize + ids.itemsize))
+        return ops.reduce_out(x, "embedding: reduce")
+
+    def logits(self, x):
+        """The sampled rows' logits (S, V): final RMSNorm, x W_out (h, V/t), then
+        all_gather(tp) along the vocabulary."""
+        ops, cfg = self.ops, self.cfg
+        u, _ = rms_norm(ops, x, self.P["norm_f_g"], cfg.eps, "head: final norm")
+        w_out = self.P["wte"].T if cfg.tie_embeddings else self.P["w_out"]
+        part = ops.matmul(u, w_out, "logits: x @ W_out")
+        return part if ops.tp_axis is None else self.dev.all_gather(part, "tp", dim=1)
+
+    # --- a layer ----------------------------------------------------------------------------
+    def layer(self, i: int, x, chunks, rows, rope):
+        """Layer i on the step's tokens x (N, h): attention through the paged cache
+        (``rows``: the new tokens' pool rows), then the MLP or the mixture."""
+        ops, cfg, P = self.ops, self.cfg, self._layer_params(i)
+        n, h = x.shape
+        cd = self.kv_local * self.d
+        u, _ = rms_norm(ops, x, P["attn_norm_g"], cfg.eps, "attention: norm")
+        q = ops.matmul(u, P["w_q"], "attention: x @ W_q")                  # (N, a_l·d)
+        kv = ops.matmul(u, P["w_kv"].reshape(h, 2 * cd), "attention: x @ W_kv")
+        q = rope.apply(ops, q, 1, n, "attention: rope q")
+        k = rope.apply(ops, kv[:, :cd], 1, n, "attention: rope k")
+        shape = (n, self.kv_local, self.d)
+        self.cache.write(ops, i, k.reshape(shape), kv[:, cd:].reshape(shape), rows)
+        ctx = self.cache.attend(ops, i, q, chunks)                          # (N, a_l·d)
+        att = ops.reduce_out(ops.matmul(ctx, P["w_o"], "attention: ctx @ W_o"),
+                             "attention: reduce y")
+        x1 = ops.ew("residual", lambda: x + att, x, att)
+        u2, _ = rms_norm(ops, x1, P["mlp_norm_g"], cfg.eps, "mlp: norm")
+        y = self._moe(u2, P) if _is_moe_layer(cfg, i) else \
+            self._swiglu(u2, P["w_gate"], P["w_up"], P["w_down"], "gpt: mlp")
+        y = ops.reduce_out(y, "mlp: reduce y")
+        return ops.ew("residual", lambda: x1 + y, x1, y)
+
+    def _layer_params(self, i: int) -> dict:
+        prefix = f"layers.{i}."
+        return {n[len(prefix):]: a for n, a in self.P.items() if n.startswith(prefix)}
+
+    def _swiglu(self, u, w_gate, w_up, w_down, what: str):
+        """(silu(u W_gate) * (u W_up)) W_down, this rank's columns / rows (a partial sum);
+        ``what`` prefixes the ops' names ("gpt: mlp", "moe: expert 3")."""
+        dev = self.dev
+        zg = local_matmul(dev, u, w_gate, f"{what}: x @ W_gate")
+        zu = local_matmul(dev, u, w_up, f"{what}: x @ W_up")
+        with dev.compute(f"{what}: silu(zg) * zu", flops=0,
+                         bytes=3 * zg.size * zg.itemsize,
+                         kernel=Kernel.activation(zg.shape[0], zg.shape[1], False, "swiglu")):
+            a = zg / (1 + np.exp(-zg)) * zu
+        return local_matmul(dev, a, w_down, f"{what}: a @ W_down")
+
+    def _moe(self, u, P):
+        """This rank's share of the mixture on u (N, h): the routed tokens of its local
+        experts, gated, plus its slice of the shared expert (a partial sum over tp)."""
+        cfg, dev = self.cfg, self.dev
+        n, h = u.shape
+        E, k = cfg.experts, cfg.moe_top_k
+        logits = local_matmul(dev, u, P["w_router"], "moe: router x @ W_r")   # (N, E)
+        e_l = P["moe_gate"].shape[0]
+        first = self.ops.tp_rank * e_l if self.job.ep > 1 else 0
+        with dev.compute("moe: route (top-k, gates)", flops=0,
+                         bytes=2 * logits.size * logits.itemsize,
+                         kernel=Kernel.elementwise(2 * logits.size)):
+            routes = None if is_meta(logits) else _route(cfg, logits)
+        y = None
+        for j in range(e_l):
+            e = first + j
+            if routes is None:                   # a trace: the even spread (module doc)
+                count = n * k // E + (e < n * k % E)
+                rows, gates = np.zeros(count, np.int64), MetaArray((count, 1), u.dtype)
+            else:
+                rows, gates = routes[0][e], routes[1][e][:, None]
+            if not len(rows):
+                continue
+            with dev.compute(f"moe: expert {e} gather", flops=0,
+                             bytes=2 * len(rows) * h * u.itemsize,
+                             kernel=Kernel.elementwise(2 * len(rows) * h)):
+                xe = u[rows]
+            out = self._swiglu(xe, P["moe_gate"][j], P["moe_up"][j], P["moe_down"][j],
+                               f"moe: expert {e}")
+            with dev.compute(f"moe: expert {e} gate and scatter-add", flops=0,
+                             bytes=3 * len(rows) * h * u.itemsize,
+                             kernel=Kernel.elementwise(3 * len(rows) * h)):
+                if y is None:
+                    y = np.zeros_like(u)
+                if not is_meta(y):
+                    np.add.at(y, rows, out * gates)
+        if cfg.moe_shared_ffn_hidden:
+            shared = self._swiglu(u, P["shared_gate"], P["shared_up"], P["shared_down"],
+                                  "moe: shared expert")
+            if y is not None:
+                with dev.compute("moe: + shared expert", flops=0, bytes=3 * y.size * y.itemsize,
+                                 kernel=Kernel.elementwise(3 * y.size)):
+                    shared = y + shared
+            y = shared
+        if y is None:
+            with dev.compute("moe: zeros", flops=0, bytes=u.size * u.itemsize,
+                             kernel=Kernel.elementwise(u.size)):
+                y = np.zeros_like(u)
+        return y
+
+
+def _route(cfg: GPTConfig, logits) -> tuple[dict, dict]:
+    """(rows, gates) by expert: the tokens routed to each (ascending) and their gates —
+    top-k of the scores (softmax or sigmoid), ties to the lower index, gates renormalised
+    over the k when the model says (default: sigmoid, or k > 1) and scaled by the routed
+    scaling (:func:`~tensor_parallel.moe_reference.moe_reference`'s rules, dropless)."""
+    k = cfg.moe_top_k
+    if cfg.moe_router == "sigmoid":
+        v = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        v = np.exp(logits - logits.max(axis=1, keepdims=True))
+        v = v / v.sum(axis=1, keepdims=True)
+    norm = (cfg.moe_router == "sigmoid" or k > 1) if cfg.moe_normalize_top_k is None \
+        else cfg.moe_normalize_top_k
+    choice = np.argsort(-v, axis=1, kind="stable")[:, :k]                    # (N, k)
+    sel = np.take_along_axis(v, choice, axis=1)
+    gate = cfg.moe_routed_scaling * (sel / sel.sum(axis=1, keepdims=True) if norm else sel)
+    rows, gates = {}, {}
+    for e in range(cfg.experts):
+        t, c = np.nonzero(choice == e)
+        rows[e], gates[e] = t, gate[t, c]
+    return rows, gates
+
+
+def serve_program(dev, job: ServeJob, params: dict) -> dict:
+    """One rank's serving loop (module docstring). Returns {"outputs": request id ->
+    its output tokens, "logits": request id -> the logits each output was picked from
+    (the last stage's tp rank 0 only), "steps": the EngineSteps (rank 0 only),
+    "preemptions": the scheduler's count}."""
+    model = _StageModel(dev, job, params)
+    mesh, t = dev.mesh, dev.mesh.group_position("tp", dev.rank)
+    stage = model.stage
+    prev = mesh.rank({"pp": stage - 1, "tp": t}) if not model.first else None
+    nxt = mesh.rank({"pp": stage + 1, "tp": t}) if not model.last else None
+    last_rank = mesh.rank({"pp": job.pp - 1, "tp": t})
+    sched = make_scheduler(job.engine, job.num_blocks, **{
+        n: v for n, v in job.settings if n != "num_blocks"})
+    traced = job.prompts is None
+    tokens = {r.request_id: (list(job.prompts[i]) if not traced else [None] * r.prompt_len)
+              for i, r in enumerate(job.requests)}
+    prompt_len = {r.request_id: r.prompt_len for r in job.requests}
+    pending = sorted(job.requests, key=lambda r: r.arrival_step)
+    logits_of = {r.request_id: [] for r in job.requests}
+    steps, index = [], 0
+    while pending or sched.has_unfinished:
+        while pending and pending[0].arrival_step <= index:
+            sched.add(pending.pop(0))
+        step = sched.schedule()
+        if step.is_empty and sched.has_unfinished and not pending:
+            raise RuntimeError(f"serve: rank {dev.rank}: step {index} schedules nothing "
+                               f"while {sched.num_running} requests run and "
+                               f"{sched.num_waiting} wait, and none will arrive: the KV "
+                               f"cache of {job.num_blocks} blocks cannot hold them")
+        if not step.is_empty:
+            sampled = _forward(model, step, tokens, logits_of, prev, nxt, last_rank, traced)
+        else:
+            sampled = []
+        outcome = sched.finish_step(step)
+        assert sorted(outcome.emitted) == sorted(sampled), (outcome, sampled)
+        if dev.rank == 0:
+            steps.append(step)
+        index += 1
+    last_tp0 = model.last and t == 0
+    return {"outputs": {rid: tuple(ts[prompt_len[rid]:]) for rid, ts in tokens.items()},
+            "logits": ({rid: np.array(v).reshape(len(v), job.config.vocab)
+                        for rid, v in logits_of.items()} if last_tp0 and not traced else None),
+            "steps": steps if dev.rank == 0 else None,
+            "preemptions": sched.num_preemptions}
+
+
+def _forward(model: _StageModel, step: EngineStep, tokens, logits_of, prev, nxt, last_rank,
+             traced: bool) -> list:
+    """The step's batched forward on this rank; appends the sampled tokens to ``tokens``
+    (every rank) and their logits to ``logits_of`` (the last stage). Returns the ids of
+    the requests that sampled."""
+    dev, job = model.dev, model.job
+    chunks, positions, ids, sample_rows, sampled = [], [], [], [], []
+    first = 0
+    for s in step.scheduled:
+        n, c = s.num_new_tokens, s.num_computed_tokens
+        chunks.append(SequenceChunk(first, n, c, tuple(s.block_table)))
+        positions.extend(range(c, c + n))
+        ids.extend(tokens[s.request_id][c:c + n])
+        if s.samples:
+            sample_rows.append(first + n - 1)
+            sampled.append(s.request_id)
+        first += n
+    n_tok = first
+    rows = np.concatenate([slots(ch.block_table, np.arange(ch.n_computed, ch.context),
+                                 job.block_size) for ch in chunks])
+    rope = Rope(model.d, model.cfg.rope_theta, positions)
+    if model.first:
+        x = model.embed(MetaArray((n_tok,), np.int64) if traced else
+                        np.array(ids, dtype=np.int64))
+    else:
+        x = dev.recv(prev, HIDDEN_TAG)
+    for i in model.layers:
+        x = model.layer(i, x, chunks, rows, rope)
+    if not model.last:
+        dev.send(x, nxt, HIDDEN_TAG)
+    if not sampled:
+        return sampled
+    if model.last:
+        with dev.compute("gpt: head: take the sampled rows", flops=0,
+                         bytes=2 * len(sample_rows) * x.shape[1] * x.itemsize):
+            xs = x[np.array(sample_rows)]
+        logits = model.logits(xs)                                        # (S, V)
+        with dev.compute("gpt: head: greedy sample (argmax)", flops=0,
+                         bytes=logits.size * logits.itemsize):
+            new = MetaArray((len(sampled),), np.int64) if is_meta(logits) else \
+                np.argmax(logits, axis=1).astype(np.int64)
+        for k in range(job.pp - 1):
+            dev.send(new, dev.mesh.rank({"pp": k, "tp": dev.mesh.group_position(
+                "tp", dev.rank)}), TOKENS_TAG)
+        if not traced:
+            for rid, row in zip(sampled, logits):
+                logits_of[rid].append(np.array(row))
+    else:
+        new = dev.recv(last_rank, TOKENS_TAG)
+    for j, rid in enumerate(sampled):
+        tokens[rid].append(None if traced else int(new[j]))
+    return sampled
+
+
+# --- the host side -----------------------------------------------------------------------------
+def serve_config(model, timing_only: bool = False) -> GPTConfig:
+    """The GPTConfig of ``model`` (a ModelSpec, a preset name, or a GPTConfig), or
+    ConfigError naming what this serving program cannot run (``timing_only``: only
+    traced, so settings that change values but no shape pass, :meth:`GPTConfig.
+    from_spec`)."""
+    if isinstance(model, (ModelSpec, str)):
+        spec = model if isinstance(model, ModelSpec) else None
+        cfg = GPTConfig.from_spec(spec, seq=spec.max_seq, timing_only=timing_only) \
+            if spec is not None else GPTConfig.of_model(model, seq=4096,
+                                                        timing_only=timing_only)
+    elif isinstance(model, GPTConfig):
+        cfg = model
+    else:
+        raise ConfigError("model", model, "a ModelSpec, a preset name or a GPTConfig",
+                          "not a model")
+    if cfg.block is not LLAMA_BLOCK:
+        raise ConfigError("model", cfg.arch, "a Llama block (RMSNorm, RoPE, SwiGLU)",
+                          "the serving program runs Llama decoders")
+    unsupported = [(f, v) for f, v in (
+        ("qk_norm", cfg.qk_norm), ("window", cfg.window),
+        ("attention_sinks", cfg.attention_sinks), ("kv_lora_rank", cfg.kv_lora_rank),
+        ("capacity_factor", cfg.capacity_factor if cfg.experts else None),
+        ("moe_groups", cfg.moe_groups if cfg.experts else None),
+        ("moe_bias_update_rate", cfg.moe_bias_update_rate or None)) if v]
+    if unsupported:
+        f, v = unsupported[0]
+        raise ConfigError(f, v, "none (a dropless MoE; grouped-query attention without "
+                          "QK-norm, windows or sinks)",
+                          "the serving program does not run it yet")
+    return cfg
+
+
+def _check_degrees(cfg: GPTConfig, tp: int, pp: int, ep: int) -> None:
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(name, value, "an integer >= 1", "not a parallel degree")
+    if cfg.heads % tp:
+        raise ConfigError("tp", tp, f"a divisor of heads={cfg.heads}",
+                          "tensor parallelism splits the query heads evenly")
+    check_kv_heads(cfg.heads, cfg.kv_heads, tp)
+    for what, width in (("vocab", cfg.vocab), ("ffn_hidden", cfg.ffn_hidden)):
+        if width % tp:
+            raise ConfigError("tp", tp, f"a divisor of {what}={width}",
+                              f"the {what} dimension is split over tp")
+    if cfg.layers % pp:
+        raise ConfigError("pp", pp, f"a divisor of layers={cfg.layers}",
+                          "every pipeline stage holds an equal share of the layers")
+    if not cfg.experts:
+        if ep != 1:
+            raise ConfigError("ep", ep, "1 for a dense model", "there are no experts")
+        return
+    if ep not in (1, tp):
+        raise ConfigError("ep", ep, f"1 or tp={tp}", "the experts are expert-parallel over "
+                          "the tp ranks (vLLM's layout without an all-to-all) or each "
+                          "tensor-parallel (ep=1)")
+    if cfg.experts % ep:
+        raise ConfigError("ep", ep, f"a divisor of experts={cfg.experts}",
+                          "each ep rank holds an equal share of the experts")
+    if ep == 1 and cfg.moe_ffn_hidden % tp:
+        raise ConfigError("tp", tp, f"a divisor of moe_ffn_hidden={cfg.moe_ffn_hidden}",
+                          "with ep=1 each expert's width is split over tp")
+    if cfg.moe_shared_ffn_hidden % tp:
+        raise ConfigError("tp", tp, f"a divisor of moe_shared_ffn_hidden="
+                          f"{cfg.moe_shared_ffn_hidden}", "the shared expert is split over tp")
+
+
+def _check_requests(cfg: GPTConfig, requests, prompts, num_blocks: int,
+                    block_size: int) -> tuple:
+    """(requests, prompts as tuples of ints or None), or ConfigError."""
+    requests = tuple(requests)
+    if not requests or not all(isinstance(r, Request) for r in requests):
+        raise ConfigError("requests", requests, "a non-empty sequence of serving.Request",
+                          "nothing to serve")
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("requests", ids, "distinct request ids", "a request id repeats")
+    for name, value, low in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(name, value, f"an integer >= {low}", "not a KV cache size")
+    capacity = (num_blocks - 1) * block_size               # block 0: vLLM's null block
+    for i, r in enumerate(requests):
+        if r.max_tokens > capacity:         # the scheduler's rule (serving.scheduler)
+            raise ConfigError(f"requests[{i}]", r, f"prompt_len + output_len <= "
+                              f"{capacity} tokens", f"the cache of num_blocks={num_blocks} "
+                              f"blocks (one the null block) of {block_size} tokens can "
+                              f"never hold its {r.max_tokens} tokens")
+    if prompts is None:
+        return requests, None
+    prompts = tuple(prompts)
+    if len(prompts) != len(requests):
+        raise ConfigError("prompts", f"{len(prompts)} prompts", f"{len(requests)}, one per "
+                          "request", "every request needs its prompt's tokens")
+    out = []
+    for i, (r, p) in enumerate(zip(requests, prompts)):
+        a = np.asarray(p)
+        if a.shape != (r.prompt_len,) or a.dtype.kind not in "iu" or \
+                (a.size and (a.min() < 0 or a.max() >= cfg.vocab)):
+            raise ConfigError(f"prompts[{i}]", p, f"{r.prompt_len} token ids in [0, "
+                              f"{cfg.vocab})", f"request {r.request_id}'s prompt_len is "
+                              f"{r.prompt_len}")
+        out.append(tuple(int(x) for x in a))
+    return requests, tuple(out)
+
+
+def shard_params(cfg: GPTConfig, params: dict, tp: int, pp: int, ep: int) -> list[dict]:
+    """Each rank's pieces of the global ``params`` (by name), rank = stage·tp + t: the
+    stage's layers (K/V pieces by :func:`~tensor_parallel.llama.llama_piece`; an MoE
+    layer's router whole, its experts t's E/ep whole ones when ep = tp, else each
+    expert's columns / rows of f; the shared expert as a dense MLP), wte on the first
+    stage (and the last when tied), norm_f_g and w_out on the last."""
+    out = []
+    for stage in range(pp):
+        layers = stage_layers(cfg.layers, pp)[stage]
+        names = [n for n in params if n.startswith("layers.")
+                 and int(n.split(".")[1]) in layers]
+        if stage == 0 or (stage == pp - 1 and cfg.tie_embeddings):
+            names.insert(0, "wte")
+        if stage == pp - 1:
+            names += [n for n in ("norm_f_g", "w_out") if n in params]
+        for t in range(tp):
+            out.append({n: _contiguous(_piece(cfg, n, params[n], tp, t, ep))
+                        for n in names})
+    return out
+
+
+def _contiguous(a):
+    return a if is_meta(a) else np.ascontiguousarray(a)
+
+
+def _piece(cfg: GPTConfig, name: str, array, tp: int, t: int, ep: int):
+    last = name.rsplit(".", 1)[-1]
+    if last == "w_router" or tp == 1:
+        return array
+    if last in _MOE:
+        if ep > 1:                                   # whole experts, split over ep = tp
+            e_l = array.shape[0] // ep
+            return array[t * e_l:(t + 1) * e_l]
+        dim = 1 if last == "moe_down" else 2         # each expert's f split over tp
+        f_l = array.shape[dim] // tp
+        return array[(slice(None),) * dim + (slice(t * f_l, (t + 1) * f_l),)]
+    if last in _SHARED:
+        return llama_piece(name.replace("shared_", "w_"), array, tp, t, cfg.kv_heads)
+    return llama_piece(name, array, tp, t, cfg.kv_heads)
+
+
+@dataclass(frozen=True)
+class ServeRun:
+    """What :func:`serve` did: ``outputs`` request id -> its generated tokens; ``steps``
+    the engine steps in order (each request's chunk or decode and block table, the
+    preemptions); ``preemptions`` the scheduler's total; ``logits`` request id -> the
+    (output_len, V) logits each output was picked from."""
+
+    outputs: MappingProxyType
+    steps: tuple
+    preemptions: int
+    logits: MappingProxyType = field(repr=False)
+
+    def __repr__(self) -> str:
+        return (f"ServeRun(requests={len(self.outputs)}, steps={len(self.steps)}, "
+                f"output_tokens={sum(map(len, self.outputs.values()))}, preemptions="
+                f"{self.preemptions}, blocks_used={len(self.blocks_used)}, blocks_reused="
+                f"{len(self.blocks_reused)})")
+
+    @property
+    def block_owners(self) -> MappingProxyType:
+        """Block id -> the distinct request ids whose tables held it, in order of use."""
+        owners: dict = {}
+        for step in self.steps:
+            for s in step.scheduled:
+                for b in s.block_table:
+                    seen = owners.setdefault(b, [])
+                    if s.request_id not in seen:
+                        seen.append(s.request_id)
+        return MappingProxyType({b: tuple(v) for b, v in sorted(owners.items())})
+
+    @property
+    def blocks_used(self) -> frozenset:
+        return frozenset(self.block_owners)
+
+    @property
+    def blocks_reused(self) -> frozenset:
+        """Blocks that served two or more requests over the run."""
+        return frozenset(b for b, v in self.block_owners.items() if len(v) > 1)
+
+
+def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
+         max_num_batched_tokens, max_num_seqs, engine) -> ServeJob:
+    cfg = serve_config(model, timing_only=prompts is None)
+    _check_degrees(cfg, tp, pp, ep)
+    requests, prompts = _check_requests(cfg, requests, prompts, num_blocks, block_size)
+    settings = {"num_blocks": num_blocks, "block_size": block_size}
+    if max_num_batched_tokens is not None:
+        settings["max_num_batched_tokens"] = max_num_batched_tokens
+    if max_num_seqs is not None:
+        settings["max_num_seqs"] = max_num_seqs
+    make_scheduler(engine, num_blocks, **{n: v for n, v in settings.items()
+                                          if n != "num_blocks"})   # its own checks, here
+    return ServeJob(cfg, tp, pp, ep, requests, prompts, str(engine),
+                    tuple(settings.items()))
+
+
+def serve(cluster, model, params, requests, prompts, *, tp: int = 1, pp: int = 1,
+          ep: int = 1, num_blocks: int, block_size: int = BLOCK_SIZE,
+          max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+          engine: str = "vllm-v1") -> ServeRun:
+    """Serve ``requests`` (:class:`serving.Request`, their ``prompts`` token ids) with
+    ``model`` (a ModelSpec, preset name or GPTConfig; ``params`` its global parameters by
+    name, None: ``GPT(config, seed=0).init_params()``) on ``cluster`` (a VirtualCluster on
+    :func:`serve_mesh` (tp, pp)); the scheduler ``engine`` with ``num_blocks`` KV blocks
+    of ``block_size`` tokens per device and its token budget and sequence cap (None: its
+    defaults). Every rank must agree on every token, or RuntimeError."""
+    job = _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
+               max_num_batched_tokens, max_num_seqs, engine)
+    cfg = job.config
+    if getattr(cluster, "mesh", None) != serve_mesh(tp, pp):
+        raise ConfigError("cluster", getattr(cluster, "mesh", cluster),
+                          f"a VirtualCluster on {serve_mesh(tp, pp)!r}",
+                          f"tp={tp} x pp={pp} serve on the mesh (pp, tp)")
+    params = GPT(cfg, seed=0).init_params() if params is None else params
+    shapes = llama_param_shapes(cfg)
+    if set(params) != set(shapes) or any(np.shape(params[n]) != s for n, s in shapes.items()):
+        raise ConfigError("params", f"{len(params)} arrays", "the global parameters of the "
+                          "model by name (llama_param_shapes)", "names or shapes differ")
+    pieces = shard_params(cfg, params, tp, pp, ep)
+    results = cluster.run(serve_program, [(job, p) for p in pieces])
+    outputs = results[0]["outputs"]
+    for r, res in enumerate(results):
+        if res["outputs"] != outputs:
+            raise RuntimeError(f"serve: rank {r}'s tokens differ from rank 0's")
+    logits = next(res["logits"] for res in results if res["logits"] is not None)
+    return ServeRun(MappingProxyType(dict(outputs)), tuple(results[0]["steps"]),
+                    results[0]["preemptions"], MappingProxyType(dict(logits)))
+
+
+def serve_meta_args(mesh, model, requests, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                    num_blocks: int, block_size: int = BLOCK_SIZE,
+                    max_num_batched_tokens: int | None = None,
+                    max_num_seqs: int | None = None, engine: str = "vllm-v1",
+                    dtype: str = "float64") -> list[tuple]:
+    """``serve_program``'s arguments per rank on shape-only parameters of ``dtype``
+    ("float16" for a 16-bit model's bytes) and no prompts, for ``trace_program(mesh,
+    serve_program, ...)`` (the schedule needs counts only)."""
+    job = _job(model, requests, None, tp, pp, ep, num_blocks, block_size,
+               max_num_batched_tokens, max_num_seqs, engine)
+    job = replace(job, config=replace(job.config, dtype=dtype))
+    if mesh != serve_mesh(tp, pp):
+        raise ConfigError("mesh", mesh, f"{serve_mesh(tp, pp)!r}", "serving's mesh is (pp, tp)")
+    params = {n: MetaArray(s, job.config.dtype)
+              for n, s in llama_param_shapes(job.config).items()}
+    return [(job, p) for p in shard_params(job.config, params, tp, pp, ep)]
+
+
+def trace_serve(model, requests, *, tp: int = 1, pp: int = 1, ep: int = 1, **settings):
+    """The traces (one per rank) of serving ``requests``: every step's compute and
+    communication, shape-only (:func:`serve_meta_args`; ``settings`` its scheduler's and
+    ``dtype``)."""
+    mesh = serve_mesh(tp, pp)
+    return trace_program(mesh, serve_program,
+                         serve_meta_args(mesh, model, requests, tp=tp, pp=pp, ep=ep,
+                                         **settings))
+
+
+def greedy_reference(model, params, prompt, output_len: int) -> tuple[tuple, np.ndarray]:
+    """(output tokens, their logits (output_len, V)): greedy generation in one process,
+    re-running the WHOLE sequence (prompt + outputs so far) through
+    :func:`~pipeline_parallel.llama.llama_reference` for each token — no cache. An MoE
+    model routes the sequence in one dropless call."""
+    cfg = serve_config(model)
+    seq, rows = [int(x) for x in prompt], []
+    for _ in range(int(output_len)):
+        tokens = np.array([seq])
+        groups = (1, [[([0], np.arange(len(seq)))]]) if cfg.experts else None
+        _, logits, _ = llama_reference(cfg, params, tokens, np.zeros_like(tokens),
+                                       moe_groups=groups)
+        rows.append(logits[0, -1])
+        seq.append(int(np.argmax(logits[0, -1])))
+    return tuple(seq[len(prompt):]), np.array(rows)
+

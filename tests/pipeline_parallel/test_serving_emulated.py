@@ -1,0 +1,326 @@
+"""Emulated serving (pipeline_parallel.decoder): a tiny Llama (and an MoE Llama) served on
+the virtual devices with a paged KV cache under tp, pp and ep and vLLM v1's continuous
+batching emits, for every request, the greedy tokens — and the logits — of the
+single-process reference that re-runs the whole sequence for each token (no cache);
+blocks are freed and reused, preempted requests are recomputed, bad input is refused by
+name, and the program's trace declares the closed-form FLOPs and moves the emulator's
+bytes."""
+
+from contextlib import nullcontext
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from mesh import Mesh
+from modeling import MLP, Attention, ConfigError, Layer, ModelSpec, MoE
+from pipeline_parallel.decoder import (
+    greedy_reference, serve, serve_config, serve_mesh, trace_serve)
+from pipeline_parallel.gpt import GPT
+from pipeline_parallel.paged_attention import PagedKVCache, SequenceChunk, slots
+from serving import Request
+from tensor_parallel.attention import TransformerOps
+from vcluster.runtime.tracing import TraceCompute, comm_signature, trace_comm_signature
+
+pytestmark = pytest.mark.timeout(300)
+
+RTOL, ATOL = 1e-9, 1e-12
+H, V, HEADS, KV_HEADS, D, F = 32, 64, 4, 2, 8, 64
+DENSE = ModelSpec("tiny-llama", hidden=H, vocab=V,
+                  layers=(Layer(Attention(HEADS, KV_HEADS, D), MLP("swiglu", F)),) * 2)
+_MOE_LAYER = Layer(Attention(HEADS, KV_HEADS, D),
+                   MoE(experts=4, top_k=2, expert=MLP("swiglu", 16), shared_experts=1,
+                       shared_width=8, normalize_top_k=True))
+# a dense first layer, then experts (DeepSeek's pattern), with a shared expert
+MOE = ModelSpec("tiny-moe", hidden=H, vocab=V,
+                layers=(Layer(Attention(HEADS, KV_HEADS, D), MLP("swiglu", F)),)
+                + (_MOE_LAYER,) * 3)
+
+# 8 requests: prompts 3..40 tokens, outputs 1..12, arriving at steps 0..9
+PROMPT_LENS = (3, 40, 17, 9, 25, 5, 33, 12)
+OUTPUT_LENS = (4, 1, 12, 7, 3, 10, 5, 8)
+ARRIVALS = (0, 0, 1, 2, 3, 5, 6, 9)
+BUDGET, SEQS = 16, 4            # max_num_batched_tokens (prompts get chunked), max_num_seqs
+REQUESTS = tuple(Request(i, p, o, arrival_step=a)
+                 for i, (p, o, a) in enumerate(zip(PROMPT_LENS, OUTPUT_LENS, ARRIVALS)))
+
+
+def _prompts(requests, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, V, r.prompt_len) for r in requests]
+
+
+class _Case:
+    """A model, its parameters, prompts and the reference's tokens and logits."""
+
+    def __init__(self, spec, requests=REQUESTS, seed=1):
+        self.spec, self.requests = spec, requests
+        self.params = GPT(serve_config(spec), seed=seed).init_params()
+        self.prompts = _prompts(requests)
+        self.ref = {r.request_id: greedy_reference(spec, self.params, p, r.output_len)
+                    for r, p in zip(requests, self.prompts)}
+
+    def run(self, cluster_of, tp=1, pp=1, ep=1, num_blocks=10, **kw):
+        return serve(cluster_of(serve_mesh(tp, pp)), self.spec, self.params, self.requests,
+                     self.prompts, tp=tp, pp=pp, ep=ep, num_blocks=num_blocks,
+                     max_num_batched_tokens=kw.pop("max_num_batched_tokens", BUDGET),
+                     max_num_seqs=kw.pop("max_num_seqs", SEQS), **kw)
+
+    def check(self, run):
+        for r in self.requests:
+            tokens, logits = self.ref[r.request_id]
+            assert run.outputs[r.request_id] == tokens, r
+            np.testing.assert_allclose(run.logits[r.request_id], logits, rtol=RTOL,
+                                       atol=ATOL, err_msg=f"request {r.request_id}")
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return _Case(DENSE)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return _Case(MOE)
+
+
+def _owners(steps) -> dict:
+    """Block id -> [(step index, request id)] for every scheduled table that held it."""
+    out = {}
+    for step in steps:
+        for s in step.scheduled:
+            for b in s.block_table:
+                out.setdefault(b, []).append((step.index, s.request_id))
+    return out
+
+
+def _check_batching(run, requests=REQUESTS):
+    """The steps honour the budget and the cap; prompts were chunked; requests joined
+    at their arrival step or later, mid-run; a block served two requests, one after the
+    other (the first had finished or been preempted before the second got it)."""
+    first_step = {}
+    for step in run.steps:
+        assert step.num_scheduled_tokens <= BUDGET and len(step.scheduled) <= SEQS
+        for s in step.scheduled:
+            first_step.setdefault(s.request_id, step.index)
+    by_id = {r.request_id: r for r in requests}
+    assert all(first_step[i] >= by_id[i].arrival_step for i in first_step)
+    assert any(not s.is_decode and s.num_new_tokens < by_id[s.request_id].prompt_len
+               for step in run.steps for s in step.scheduled), "no prompt was chunked"
+    assert any(len({s.request_id for s in step.scheduled}) > 1 and any(
+        s.is_decode for s in step.scheduled) and any(not s.is_decode for s in step.scheduled)
+        for step in run.steps), "no step mixed decodes with a prefill"
+    reused = {b for b, uses in _owners(run.steps).items() if len({r for _, r in uses}) > 1}
+    assert reused and reused == set(run.blocks_reused)
+    for b in reused:
+        uses = _owners(run.steps)[b]
+        for (s1, r1), (s2, r2) in pairwise(uses):
+            assert s2 > s1 or r1 == r2        # never two owners in one step
+
+
+# --- tokens equal the reference ------------------------------------------------------------
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+                         ids=["tp1", "tp2", "tp4-kv-replicated", "pp2", "tp2-pp2"])
+def test_dense_greedy_tokens_equal_reference(cluster_of, dense, tp, pp):
+    run = dense.run(cluster_of, tp, pp)
+    dense.check(run)
+    _check_batching(run)
+    assert sum(map(len, run.outputs.values())) == sum(OUTPUT_LENS)
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 2), (2, 1, 1), (4, 1, 4),
+                                        (2, 2, 2)],
+                         ids=["ep1", "tp2-ep2", "tp2-experts-tp", "tp4-ep4", "tp2-pp2-ep2"])
+def test_moe_greedy_tokens_equal_reference(cluster_of, moe, tp, pp, ep):
+    """Experts split whole over ep = tp ranks (or each over tp, ep = 1), the router and
+    its top-2 replicated, one all-reduce combining; dense first layer, shared expert."""
+    run = moe.run(cluster_of, tp, pp, ep)
+    moe.check(run)
+    _check_batching(run)
+
+
+def test_static_batching_tokens_equal_reference(cluster_of, dense):
+    """The static scheduler's steps (whole prompts, batches decoded to the end) give the
+    same tokens: the batch composition never changes a request's tokens."""
+    run = dense.run(cluster_of, 2, 1, engine="static", num_blocks=16,
+                    max_num_batched_tokens=None)
+    dense.check(run)
+    assert all(s.num_computed_tokens == 0 or s.is_decode for st in run.steps
+               for s in st.scheduled)
+
+
+# --- preemption --------------------------------------------------------------------------
+@pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe")])
+def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, pp, spec,
+                                                               request):
+    """5 usable blocks (80 tokens) for a 50-token request growing beside others: the
+    scheduler preempts, the victim is re-prefilled from position 0 over its prompt and
+    the tokens it had emitted, and every token still equals the reference."""
+    case = request.getfixturevalue(f"_preempt_{spec}")
+    run = case.run(cluster_of, tp, pp, ep=tp if spec == "moe" else 1, num_blocks=6)
+    case.check(run)
+    assert run.preemptions > 0
+    victims = {r for step in run.steps for r in step.preempted}
+    assert victims
+    recomputed = 0
+    for rid in victims:
+        emitted = 0
+        for step in run.steps:
+            for s in step.scheduled:
+                if s.request_id != rid:
+                    continue
+                if s.num_computed_tokens == 0 and emitted:
+                    # a recompute: prefills prompt + emitted outputs, in chunks
+                    recomputed += 1
+                emitted += s.samples
+    assert recomputed > 0
+
+
+# a 50-token request growing beside three others in 5 usable blocks
+PREEMPTING = (Request(0, 30, 20), Request(1, 12, 12), Request(2, 20, 6, arrival_step=1),
+              Request(3, 7, 9, arrival_step=2))
+
+
+@pytest.fixture(scope="module")
+def _preempt_dense():
+    return _Case(DENSE, PREEMPTING)
+
+
+@pytest.fixture(scope="module")
+def _preempt_moe():
+    return _Case(MOE, PREEMPTING)
+
+
+# --- the paged cache on its own -----------------------------------------------------------
+class _HostDevice:
+    """Just enough of a device for the cache's math in this process."""
+
+    rank, xp = 0, np
+    mesh = Mesh((1,), ("tp",))
+
+    def compute(self, *_, **__):
+        return nullcontext()
+
+    def empty(self, shape, dtype):
+        return np.full(shape, np.nan, dtype)       # unwritten slots poison any read
+
+
+def test_paged_attention_reads_only_its_own_blocks():
+    """Two sequences with scattered tables in a NaN-filled pool: a decode and a prefill
+    chunk attend exactly as dense causal attention over each sequence's contiguous keys
+    (numpy softmax), reading nothing outside their tables."""
+    rng = np.random.default_rng(3)
+    c, g, d, B = 2, 2, 4, 4
+    ops = TransformerOps(_HostDevice(), "tp", False)
+    cache = PagedKVCache(ops.dev, [0], num_blocks=12, block_size=B, kv_heads_local=c,
+                         head_dim=d, dtype=np.float64)
+    tables = ((7, 2, 9), (4, 11, 1, 5))
+    prior = (9, 6)                              # cached tokens
+    new = (1, 7)                                # a decode, a prefill chunk
+    keys = [rng.standard_normal((p + n, c, d)) for p, n in zip(prior, new)]
+    vals = [rng.standard_normal((p + n, c, d)) for p, n in zip(prior, new)]
+    for t, k, v, p in zip(tables, keys, vals, prior):             # earlier steps' writes
+        cache.write(ops, 0, k[:p], v[:p], slots(t, np.arange(p), B))
+    chunks = (SequenceChunk(0, 1, 9, tables[0]), SequenceChunk(1, 7, 6, tables[1]))
+    rows = np.concatenate([slots(t, np.arange(p, p + n), B)
+                           for t, p, n in zip(tables, prior, new)])
+    cache.write(ops, 0, np.concatenate([k[p:] for k, p in zip(keys, prior)]),
+                np.concatenate([v[p:] for v, p in zip(vals, prior)]), rows)
+    q = rng.standard_normal((sum(new), c * g * d))
+    out = cache.attend(ops, 0, q, chunks)
+    at = 0
+    for k, v, p, n in zip(keys, vals, prior, new):
+        for i in range(n):
+            for head in range(c * g):
+                kv = head // g
+                qi = q[at + i, head * d:(head + 1) * d]
+                s = k[:p + i + 1, kv] @ qi / np.sqrt(d)
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                np.testing.assert_allclose(out[at + i, head * d:(head + 1) * d],
+                                           w @ v[:p + i + 1, kv], rtol=1e-12)
+        at += n
+    assert np.isnan(cache.pools[0][0][0]).all()      # block 0 (vLLM's null block) untouched
+
+
+def test_slots_follow_the_block_table():
+    assert slots((5, 2, 8), [0, 15, 16, 31, 32, 40], 16).tolist() == \
+        [80, 95, 32, 47, 128, 136]
+
+
+# --- bad input --------------------------------------------------------------------------------
+def test_bad_input_is_refused_by_name(dense):
+    kw = dict(num_blocks=10, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS)
+    prompts = dense.prompts
+    with pytest.raises(ConfigError, match=r"requests\[1\]=.*can never hold its 200 tokens"):
+        serve(None, DENSE, None, [REQUESTS[0], Request(1, 190, 10)],
+              [prompts[0], np.zeros(190, int)], **kw)
+    with pytest.raises(ConfigError, match=r"^tp=3: .*allowed: a divisor of heads=4"):
+        serve(None, DENSE, None, REQUESTS, prompts, tp=3, **kw)
+    with pytest.raises(ConfigError, match=r"^ep=2: .*allowed: 1 for a dense model"):
+        serve(None, DENSE, None, REQUESTS, prompts, tp=2, ep=2, **kw)
+    with pytest.raises(ConfigError, match=r"^ep=2: .*allowed: 1 or tp=4"):
+        serve(None, MOE, None, REQUESTS, prompts, tp=4, ep=2, **kw)
+    with pytest.raises(ConfigError, match=r"^pp=3: .*a divisor of layers=2"):
+        serve(None, DENSE, None, REQUESTS, prompts, pp=3, **kw)
+    with pytest.raises(ConfigError, match=r"^prompts\[2\]=.*17 token ids in \[0, 64\)"):
+        serve(None, DENSE, None, REQUESTS, prompts[:2] + [np.full(17, V)] + prompts[3:], **kw)
+    with pytest.raises(ConfigError, match=r"^prompts=.*7 prompts.*allowed: 8, one per"):
+        serve(None, DENSE, None, REQUESTS, prompts[:7], **kw)
+    with pytest.raises(ConfigError, match=r"^cluster=None: tp=2 x pp=1 serve on the mesh"):
+        serve(None, DENSE, None, REQUESTS, prompts, tp=2, **kw)
+    with pytest.raises(ConfigError, match=r"^qk_norm=True: the serving program does not"):
+        serve(None, ModelSpec("qk", hidden=H, vocab=V, layers=(Layer(Attention(
+            HEADS, KV_HEADS, D, qk_norm=True), MLP("swiglu", F)),)), None, REQUESTS,
+            prompts, **kw)
+
+
+# --- the trace -------------------------------------------------------------------------------
+def _closed_form_flops(step, stage: int, tp: int, pp: int) -> int:
+    """Declared FLOPs of one step on a rank of ``stage`` (module doc of the decoder):
+    per layer 2·N·h·(a_l·d + 2·c_l·d) + 2·N·a_l·d·h
+    + Σ_r 4·a_l·d·(n_r·c_r + n_r(n_r+1)/2) + 3·2·N·h·f/t; the last stage adds
+    2·S·h·V/t for the S sampled rows."""
+    a_l, c_l = HEADS // tp, max(KV_HEADS // tp, 1)
+    n = step.num_scheduled_tokens
+    pairs = sum(s.num_new_tokens * s.num_computed_tokens
+                + s.num_new_tokens * (s.num_new_tokens + 1) // 2 for s in step.scheduled)
+    layer = 2 * n * H * (a_l * D + 2 * c_l * D) + 2 * n * a_l * D * H + 4 * a_l * D * pairs \
+        + 3 * 2 * n * H * F // tp
+    samples = sum(s.samples for s in step.scheduled)
+    return DENSE.num_layers // pp * layer + (2 * samples * H * V // tp if stage == pp - 1
+                                             else 0)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2-pp2"])
+def test_trace_flops_equal_closed_form_and_bytes_equal_emulator(cluster_of, dense, tp, pp):
+    """The program traced on shape-only arrays (no prompts, no token values): each rank's
+    declared FLOPs are the closed form summed over the run's steps, and its messages and
+    bytes equal what the emulator moved, collective by collective."""
+    kw = dict(tp=tp, pp=pp, num_blocks=10, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS)
+    traces = trace_serve(DENSE, REQUESTS, **kw)
+    cluster = cluster_of(serve_mesh(tp, pp))
+    cluster.reset_stats()
+    run = serve(cluster, DENSE, dense.params, REQUESTS, dense.prompts, **kw)
+    events = cluster.trace()
+    mesh = serve_mesh(tp, pp)
+    for trace in traces:
+        stage = mesh.group_position("pp", trace.rank)
+        flops = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute))
+        assert flops == sum(_closed_form_flops(s, stage, tp, pp) for s in run.steps)
+        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+
+
+def test_one_step_flops_equal_closed_form():
+    """A run of one step (three prompts prefilled together, one token each): the traced
+    FLOPs of that step equal the closed form, and its attention's share is the causal
+    pairs of each prompt, P(P+1)/2 per head."""
+    requests = (Request(0, 5, 1), Request(1, 11, 1), Request(2, 3, 1))
+    (trace,) = trace_serve(DENSE, requests, num_blocks=8, max_num_batched_tokens=32)
+    ops = [op for op in trace.ops if isinstance(op, TraceCompute)]
+    n, pairs = 19, 15 + 66 + 6
+    want = 2 * (2 * n * H * (HEADS * D + 2 * KV_HEADS * D) + 2 * n * HEADS * D * H
+                + 4 * HEADS * D * pairs + 6 * n * H * F) + 2 * 3 * H * V
+    assert sum(op.flops for op in ops) == want
+    assert [op.flops for op in ops if op.name.endswith("paged attention")] == \
+        [4 * HEADS * D * pairs] * 2

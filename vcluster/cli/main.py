@@ -41,7 +41,7 @@ _FLAGS = {"zero_stage": "--zero", "microbatches": "--global-batch / (--dp x --mi
 def flag_of(error: ConfigError) -> str | None:
     """The flag of a :class:`~modeling.ConfigError` about the plan (``zero_stage`` ->
     ``--zero``); None (the error's own name) for one about a model file."""
-    if error.owner not in ("", "ParallelConfig", "GPT", "GPTConfig"):
+    if error.owner not in ("", "ParallelConfig", "GPT", "GPTConfig", "ServingPlan", "Workload"):
         return None
     return _FLAGS.get(error.field, "--" + error.field.replace("_", "-"))
 

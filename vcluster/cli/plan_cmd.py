@@ -36,6 +36,7 @@ import sys
 
 from modeling import CPAlgorithm, ZeroStage
 
+from . import serve_cmd
 from .args import (add_attention_argument, add_fp8_argument, add_grad_reduce_argument,
                    add_model_arguments, add_tp_overlap_argument, fraction, gpt_config,
                    model_title, positive_int, precision_name)
@@ -107,6 +108,7 @@ def add_parser(commands) -> None:
                      help="no progress on stderr (a bar on a terminal, else a line every few "
                           "seconds and one per stage)")
     gpt.set_defaults(run=_gpt)
+    serve_cmd.add_plan_parser(kinds)
 
 
 def _zero_stages(text: str) -> tuple:

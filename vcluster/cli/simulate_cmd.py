@@ -39,6 +39,7 @@ import sys
 
 from modeling import CPAlgorithm, Recompute, ZeroStage
 
+from . import serve_cmd
 from .args import (SCHEDULES, add_attention_argument, add_fp8_argument,
                    add_grad_reduce_argument, add_model_arguments, add_tp_overlap_argument,
                    fraction, gpt_config, model_title, positive_int, precision_name)
@@ -124,6 +125,7 @@ def add_parser(commands) -> None:
                      help="exit 0 even when the configuration does not fit the memory")
     gpt.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gpt.set_defaults(run=_gpt)
+    serve_cmd.add_simulate_parser(kinds)
 
 
 def _gpt(args) -> int:

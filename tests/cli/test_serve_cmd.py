@@ -1,0 +1,123 @@
+"""``vcluster simulate serve`` and ``vcluster plan serve`` as a user types them (issue 53):
+vLLM's result keys, the floors beside the prediction, exit codes, and agreement with the
+library call they wrap."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modeling.presets import load_model
+from serving import ServingPlan
+from vcluster.timing.presets import preset
+from vcluster.timing.serving.deployment import simulate_serve
+from vcluster.timing.serving.workload import Workload
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+#: vllm bench serve's result keys (vllm/benchmarks/serve.py, the --save-result JSON)
+VLLM_KEYS = ("duration", "completed", "total_input_tokens", "total_output_tokens",
+             "request_throughput", "output_throughput", "total_token_throughput",
+             *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+               for s in ("mean", "median", "std", "p90", "p99")))
+
+
+def vcluster(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "vcluster", *args], capture_output=True,
+                          text=True, timeout=240, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_the_issue_command_prints_vllm_keys_and_equals_the_library():
+    proc = vcluster("simulate", "serve", "--model", "llama-3.1-8b", "--hardware", "h100-dgx",
+                    "--tp", "1", "--pp", "1", "--ep", "1", "--replicas", "2", "--engine",
+                    "vllm-v1", "--rate", "8", "--input-len", "512", "--output-len", "64",
+                    "--requests", "120", "--json")
+    got = json.loads(proc.stdout)
+    for key in VLLM_KEYS:
+        assert key in got, key
+    assert got["completed"] == 120 and got["total_output_tokens"] == 120 * 64
+    assert got["num_gpus"] == 2 and got["fits"]
+    report = simulate_serve(load_model("llama-3.1-8b"), preset("h100-dgx"),
+                            ServingPlan(replicas=2),
+                            Workload(num_requests=120, input_len=512, output_len=64, rate=8.0))
+    want = report.as_json()
+    for key in VLLM_KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-12), key
+    # the physics printed beside it: never faster than the floor
+    assert got["busy_s"] >= got["floor_s"] > 0
+    assert got["decode_step_ms"] >= got["decode_step_floor_ms"] > 0
+
+
+def test_the_text_report_has_the_vllm_block_floors_and_kv(tmp_path):
+    out = tmp_path / "serve.json"
+    proc = vcluster("simulate", "serve", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "2",
+                    "--concurrency", "8", "--input-len", "256", "--output-len", "32",
+                    "--requests", "40", "--json", str(out))
+    text = proc.stdout
+    for line in ("Serving Benchmark Result", "Mean TTFT (ms):", "P90 TPOT (ms):",
+                 "P99 ITL (ms):", "Output token throughput per GPU", "floor",
+                 "KV cache per replica:", "preemptions"):
+        assert line in text, line
+    saved = json.loads(out.read_text())
+    assert saved["ep"] == 2 and saved["completed"] == 40
+    assert saved["max_concurrent_requests"] <= 8
+
+
+def test_a_trace_csv_drives_the_run(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,input_len,output_len\n0.0,100,5\n0.5,300,10\n0.6,50,1\n")
+    got = json.loads(vcluster("simulate", "serve", "--model", "llama-3.1-8b", "--trace",
+                              str(trace), "--json").stdout)
+    assert got["completed"] == 3 and got["total_input_tokens"] == 450
+    assert got["total_output_tokens"] == 16
+
+
+def test_a_model_that_does_not_fit_exits_1_unless_allowed():
+    args = ("simulate", "serve", "--model", "llama-3.1-70b", "--tp", "1", "--requests", "4",
+            "--output-len", "4", "--input-len", "64")
+    proc = vcluster(*args, check=False)
+    assert proc.returncode == 1
+    assert "KV cache holds" in proc.stderr and "weights" in proc.stderr
+    forced = vcluster(*args, "--allow-oom", check=False)
+    assert forced.returncode == 0, forced.stderr
+    assert "Serving Benchmark Result" in forced.stdout
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("--tp", "3"), "--tp"),                       # 32 heads
+    (("--ep", "2"), "--ep"),                       # dense model, ep != tp
+    (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization"),
+    (("--rate", "0"), "--rate"),
+    (("--rate", "2", "--concurrency", "4"), "--concurrency"),
+])
+def test_bad_flags_exit_2_and_name_the_flag(args, flag):
+    proc = vcluster("simulate", "serve", "--model", "llama-3.1-8b", *args, check=False)
+    assert proc.returncode == 2
+    assert flag in proc.stderr, proc.stderr
+
+
+def test_plan_serve_finds_the_fewest_gpus_meeting_the_slos(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = vcluster("plan", "serve", "--model", "llama-3.1-8b", "--gpus", "4", "--rate", "30",
+                    "--slo-ttft", "500", "--slo-tpot", "40", "--requests", "300",
+                    "--input-len", "512", "--output-len", "64", "--json", str(out))
+    assert "best: tp" in proc.stdout
+    got = json.loads(out.read_text())
+    meets = [c for c in got["candidates"] if c["meets_slo"]]
+    best = got["candidates"][0]
+    assert best["meets_slo"] and best["gpus"] <= 4
+    assert best["goodput_per_gpu"] == max(c["goodput_per_gpu"] for c in meets)
+    # the bisection's answer is the fewest replicas of its layout that meet the SLOs
+    same = [c for c in got["candidates"] if (c["tp"], c["pp"], c["ep"]) ==
+            (best["tp"], best["pp"], best["ep"]) and c["prefill_replicas"] == 0]
+    assert all(c["meets_slo"] for c in same if c["replicas"] >= best["replicas"])
+    assert not any(c["meets_slo"] for c in same if c["replicas"] < best["replicas"])

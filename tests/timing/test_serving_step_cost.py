@@ -1,0 +1,317 @@
+"""vcluster.timing.serving: the price of an engine step and its physical floors.
+
+The acceptance sweep (issue 53): for every model × tp × batch × context, the predicted
+decode step is at least the bandwidth floor and a prefill at least the compute floor;
+beside it the model's pieces are checked against independent references — DeviceSpec's
+GEMM price, collective_time_s, brute-force attention pairs, a Monte-Carlo count of the
+experts a batch reaches, and the closed forms of a Llama-3.1-8B step on an H100.
+
+Speed (the simulator calls step_time thousands of times): on the 2-core development
+machine, Llama-3.1-70B at tp 8 with 256 decode rows costs 55–65 µs per call, from (n, c)
+pairs or from an EngineStep (``test_step_time_is_fast`` measures it; DeepSeek-V3 and
+GPT-OSS-120B 60–75 µs).
+"""
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from modeling import flops_per_token, load_model
+from modeling.errors import ConfigError
+from serving import EngineStep, Request, ScheduledRequest, VllmV1Scheduler
+from vcluster.timing.collective_cost import collective_time_s
+from vcluster.timing.presets import load_hardware, preset
+from vcluster.timing.serving.floors import (attention_pairs, decode_floor_s,
+                                            expected_experts, prefill_floor_s, step_floor)
+from vcluster.timing.serving.step_cost import STEP_OVERHEAD_S, ServingCostModel, StepTime
+
+H100 = preset("h100-dgx")
+MODELS = {name: load_model(name) for name in
+          ("llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")}
+
+
+def _valid_tps(name):
+    if name == "deepseek-v3":
+        return (8,)
+    out = []
+    for tp in (1, 2, 4, 8):
+        try:
+            ServingCostModel(MODELS[name], H100, tp=tp)
+        except ConfigError:
+            continue
+        out.append(tp)
+    return tuple(out)
+
+
+SWEEP = [(name, tp, ep) for name in MODELS for tp in _valid_tps(name)
+         for ep in ((1, tp) if MODELS[name].is_moe and tp > 1 else (1,))]
+
+
+@pytest.mark.parametrize("name, tp, ep", SWEEP)
+def test_never_below_the_floors(name, tp, ep):
+    """Issue 53's acceptance: every batch ∈ {1, 8, 64, 256} × context ∈ {128, 2048, 32768}
+    — the decode step's parts sum to at least the bandwidth floor, a prefill of one prompt
+    of the context's length at least the compute floor (the parts, not total_s: total_s
+    is clamped to the floor, the parts are not). MoE models with experts split (ep 1) and
+    whole (ep = tp)."""
+    spec = MODELS[name]
+    model = ServingCostModel(spec, H100, tp=tp, ep=ep)
+    for batch, context in itertools.product((1, 8, 64, 256), (128, 2048, 32768)):
+        decode = model.step_time([(1, context)] * batch)
+        bandwidth = decode_floor_s(spec, H100, tp=tp, ep=ep, contexts=[context] * batch)
+        assert decode.parts_s >= bandwidth, (batch, context, decode)
+        assert decode.parts_s >= decode.floor_s >= bandwidth
+        prefill = model.step_time([(context, context)])
+        compute = prefill_floor_s(spec, H100, tp=tp, ep=ep, new_tokens=[context],
+                                  contexts=[context])
+        assert prefill.parts_s >= compute, (context, prefill)
+        assert prefill.parts_s >= prefill.floor_s >= compute
+        assert decode.total_s == pytest.approx(decode.parts_s, rel=1e-12)
+        assert prefill.total_s == pytest.approx(prefill.parts_s, rel=1e-12)
+
+
+def test_llama_8b_decode_near_its_weights_over_bandwidth():
+    """One sequence, 128 tokens of context: 16.06 GB of bf16 weights at 3.35 TB/s is
+    4.79 ms; the prediction is within [1x, 2x] of it."""
+    model = ServingCostModel(MODELS["llama-3.1-8b"], H100)
+    step = model.step_time([(1, 128)])
+    closed = 16.06e9 / 3.35e12
+    assert closed <= step.total_s <= 2 * closed, step
+    assert step.floor_s <= closed        # the floor reads one embedding row, not the table
+
+
+def test_llama_8b_prefill_near_its_flops_over_peak():
+    """8192 prompt tokens: modeling's forward FLOPs (causal) over the 989 TFLOP/s bf16 peak,
+    the prediction within [1x, 2x] of it."""
+    spec = MODELS["llama-3.1-8b"]
+    step = ServingCostModel(spec, H100).step_time([(8192, 8192)])
+    closed = flops_per_token(spec, 8192).forward * 8192 / 989.4e12
+    assert closed <= step.total_s <= 2 * closed, step
+
+
+def test_decode_grows_with_context_and_batch_and_falls_with_tp():
+    spec = MODELS["llama-3.1-70b"]
+    model = ServingCostModel(spec, H100, tp=4)
+    by_context = [model.step_time([(1, c)] * 16).total_s for c in (128, 2048, 32768)]
+    by_batch = [model.step_time([(1, 2048)] * b).total_s for b in (1, 8, 64, 256)]
+    assert by_context == sorted(by_context) and len(set(by_context)) == 3
+    assert by_batch == sorted(by_batch) and len(set(by_batch)) == 4
+    weights = [ServingCostModel(spec, H100, tp=tp).step_time([(1, 2048)] * 8).gemm_s
+               for tp in (2, 4, 8)]
+    assert weights[0] > weights[1] > weights[2]
+    assert weights[0] / weights[1] == pytest.approx(2, rel=0.1)   # memory-bound: weights/tp
+
+
+def test_gemms_are_priced_by_the_device_model():
+    """Eager (no CUDA graph), Llama-3.1-8B: gemm_s is exactly Σ over 32 layers of
+    DeviceSpec.matmul_time_s of the QKV, O, gate/up and down GEMMs, and lm_head_s
+    includes the head's (S × h × V) GEMM."""
+    spec, device = MODELS["llama-3.1-8b"], H100.device
+    model = ServingCostModel(spec, H100, cudagraph_max_tokens=0)
+    for rows in ([(1, 300)] * 7, [(512, 512), (1, 40)]):
+        t = sum(n for n, _ in rows)
+        step = model.step_time(rows)
+        expected = 32 * sum(device.matmul_time_s(t, k, n, "bf16") for k, n in (
+            (4096, 4096 + 2 * 1024), (4096, 4096), (4096, 2 * 14336), (14336, 4096)))
+        assert step.gemm_s == pytest.approx(expected, rel=1e-12)
+        assert step.lm_head_s > device.matmul_time_s(len(rows), 4096, 128256, "bf16")
+        assert step.cuda_graph == "none"
+
+
+def test_tensor_parallel_all_reduces_are_the_collective_model():
+    """tp = 8: two all-reduces of T·h·2 bytes per layer over ranks 0..7
+    (collective_time_s, NCCL's choice); tp = 1: no communication."""
+    spec = MODELS["llama-3.1-70b"]
+    for t in (1, 64, 3000):
+        rows = [(1, 1000)] * t if t < 3000 else [(3000, 3000)]
+        step = ServingCostModel(spec, H100, tp=8).step_time(rows)
+        expected = 2 * 80 * collective_time_s("all_reduce", t * 8192 * 2, tuple(range(8)),
+                                              H100)
+        assert step.comm_s == pytest.approx(expected, rel=1e-9)
+    assert ServingCostModel(MODELS["llama-3.1-8b"], H100).step_time([(1, 9)]).comm_s == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
+def test_affine_collective_fits_equal_the_collective_model(tp):
+    """The cost model stores each algorithm's (α, β) and takes min(α + β·n); at every size
+    that is collective_time_s (tp 16 spans two nodes)."""
+    model = ServingCostModel(MODELS["llama-3.1-70b"], H100, tp=tp)
+    fit = model._c["all_reduce"][0]
+    for n in (2, 1000, 2**16, 3 * 10**6, 10**9):
+        got = float((fit[:, 0] + fit[:, 1] * n).min())
+        assert got == pytest.approx(collective_time_s("all_reduce", n, tuple(range(tp)),
+                                                      H100), rel=1e-9)
+
+
+def test_pipeline_stages_and_sends():
+    """pp = 2 (tp 4): two stages of 40 layers, one boundary priced as vLLM's send of the
+    hidden states and residual (2·T·h·2 bytes, a 1/tp slice per rank, then an all-gather
+    on the next stage); the total is the stages, the send and the overhead."""
+    spec = MODELS["llama-3.1-70b"]
+    model = ServingCostModel(spec, H100, tp=4, pp=2)
+    step = model.step_time([(1, 2048)] * 32)
+    assert len(step.stage_s) == 2 and len(step.pp_send_s) == 1
+    nbytes = 2 * 32 * 8192 * 2
+    send = collective_time_s("send", nbytes / 4, (0, 4), H100) + collective_time_s(
+        "all_gather", nbytes, (4, 5, 6, 7), H100)
+    assert step.pp_send_s[0] == pytest.approx(send, rel=1e-9)
+    assert step.total_s == pytest.approx(sum(step.stage_s) + send + step.overhead_s)
+    assert step.stage_s[1] > step.stage_s[0]            # the last holds the head
+    assert step.bottleneck_s == pytest.approx(step.stage_s[1] + step.overhead_s)
+    # vLLM's uneven split: DeepSeek-V3's 61 layers over 4 stages
+    ds = ServingCostModel(MODELS["deepseek-v3"], H100, tp=8, pp=4)
+    assert len(ds.step_time([(1, 100)]).stage_s) == 4
+
+
+def test_parts_add_up():
+    for name, tp in (("mixtral-8x7b", 2), ("deepseek-v3", 8), ("qwen3-30b-a3b", 4)):
+        step = ServingCostModel(MODELS[name], H100, tp=tp).step_time(
+            [(700, 900), (1, 5000), (1, 17)])
+        assert step.total_s == pytest.approx(sum(step.stage_s) + sum(step.pp_send_s)
+                                             + step.overhead_s, rel=1e-12)
+        assert step.total_s == pytest.approx(step.parts_s, rel=1e-12)
+        assert step.moe_s > 0 and step.tokens == 702 and step.samples == 3
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 50])
+def test_attention_pairs_count_each_querys_keys(window):
+    """K(c) − K(c − n) against a loop over the chunk's queries: query at position p sees
+    min(p + 1, w) keys."""
+    rows = [(1, 1), (1, 9), (5, 5), (5, 12), (40, 40), (40, 97), (3, 3)]
+    n = np.array([r[0] for r in rows])
+    c = np.array([r[1] for r in rows])
+    brute = [sum(min(p + 1, window or p + 1) for p in range(ci - ni, ci)) for ni, ci in rows]
+    assert attention_pairs(n, c, window).tolist() == brute
+    step = step_floor(load_model("mistral-7b"), H100, new_tokens=n, contexts=c)
+    assert step.flops > 0
+
+
+def test_expected_experts_matches_sampling():
+    """E·(1 − (1 − k/E)^T) against 4000 draws of T tokens each routed to k distinct of E
+    experts at random."""
+    rng = np.random.default_rng(0)
+    for experts, top_k, tokens in ((128, 8, 4), (256, 8, 40), (8, 2, 3)):
+        touched = [len(set(np.concatenate([rng.choice(experts, top_k, replace=False)
+                                           for _ in range(tokens)])))
+                   for _ in range(4000)]
+        assert expected_experts(experts, top_k, tokens) == pytest.approx(np.mean(touched),
+                                                                         rel=0.01)
+    assert expected_experts(8, 2, 0) == 0 and expected_experts(8, 8, 5) == 8
+
+
+def test_moe_decode_reads_only_the_experts_reached():
+    """Qwen3-30B-A3B (128 experts, top 8): one token reads 8 experts per layer, 256 tokens
+    nearly all 128 — the MoE part grows with the batch until every expert is read."""
+    model = ServingCostModel(MODELS["qwen3-30b-a3b"], H100)
+    moe = [model.step_time([(1, 512)] * b).moe_s for b in (1, 8, 64, 256)]
+    assert moe == sorted(moe)
+    assert moe[1] / moe[0] > 4 and moe[3] / moe[2] < 1.3
+
+
+def test_cuda_graph_modes():
+    spec = MODELS["llama-3.1-8b"]
+    model = ServingCostModel(spec, H100)
+    assert model.step_time([(1, 64)] * 512).cuda_graph == "full"
+    assert model.step_time([(1, 64)] * 8 + [(100, 100)]).cuda_graph == "piecewise"
+    assert model.step_time([(1, 64)] * 600).cuda_graph == "none"
+    eager = ServingCostModel(spec, H100, cudagraph_max_tokens=0)
+    graph = model.step_time([(1, 64)] * 4)
+    plain = eager.step_time([(1, 64)] * 4)
+    assert plain.cuda_graph == "none" and plain.total_s > graph.total_s
+    assert graph.floor_s == plain.floor_s
+
+
+def test_overhead_is_a_documented_overridable_constant():
+    spec = MODELS["llama-3.1-8b"]
+    base = ServingCostModel(spec, H100).step_time([(1, 64)] * 4)
+    none = ServingCostModel(spec, H100, step_overhead_s=0.0).step_time([(1, 64)] * 4)
+    per_seq = ServingCostModel(spec, H100, per_sequence_overhead_s=1e-5).step_time(
+        [(1, 64)] * 4)
+    assert base.overhead_s == STEP_OVERHEAD_S
+    assert base.total_s - none.total_s == pytest.approx(STEP_OVERHEAD_S)
+    assert per_seq.total_s - base.total_s == pytest.approx(4e-5)
+
+
+def _engine_step(rows):
+    scheduled = tuple(ScheduledRequest(i, n, c - n, (), samples=s, is_decode=n == 1 and c > 1)
+                      for i, (n, c, s) in enumerate(rows))
+    return EngineStep(0, scheduled)
+
+
+def test_engine_step_and_rows_agree():
+    model = ServingCostModel(MODELS["mixtral-8x7b"], H100, tp=2)
+    rows = [(1, 300, True), (1, 4000, True), (256, 512, False), (30, 30, True)]
+    assert model.step_time(_engine_step(rows)) == model.step_time(rows)
+    assert model.step_time(rows).samples == 3
+    assert model.step_time([r[:2] for r in rows]).samples == 4
+    empty = model.step_time(EngineStep(0, ()))
+    assert isinstance(empty, StepTime) and empty.total_s == 0 and empty.tokens == 0
+
+
+def test_prices_the_steps_a_vllm_scheduler_forms():
+    """Steps of VllmV1Scheduler (chunked prefills beside decodes, 16-token blocks): each
+    priced above its floor, its tokens and samples those of the step."""
+    model = ServingCostModel(MODELS["llama-3.1-8b"], H100)
+    sched = VllmV1Scheduler(num_blocks=4000, max_num_batched_tokens=2048, max_num_seqs=32)
+    for i in range(12):
+        sched.add(Request(i, prompt_len=300 + 170 * i, output_len=20 + 3 * i))
+    kinds = set()
+    while sched.has_unfinished:
+        step = sched.schedule()
+        priced = model.step_time(step)
+        assert priced.tokens == step.num_scheduled_tokens
+        assert priced.samples == sum(1 for r in step.scheduled if r.samples)
+        assert priced.parts_s >= priced.floor_s > 0
+        kinds.add(priced.cuda_graph)
+        sched.finish_step(step)
+    assert kinds == {"full", "none"}       # 2048-token prefill steps, then decodes
+
+
+def test_measured_kernel_prices_are_used_and_stay_above_the_floor():
+    """Hardware that opts in to the measured H100 table: GEMMs at the profile's rate over
+    tile-padded FLOPs, still never under the memory-bound time or the floor."""
+    measured = load_hardware({"base": "h100-dgx", "device": {"kernel_table":
+                                                             "h100_kernels.csv"}})
+    spec = MODELS["llama-3.1-8b"]
+    a = ServingCostModel(spec, measured).step_time([(8192, 8192)])
+    b = ServingCostModel(spec, H100).step_time([(8192, 8192)])
+    assert a.gemm_s != b.gemm_s
+    for rows in ([(8192, 8192)], [(1, 2048)] * 64):
+        step = ServingCostModel(spec, measured).step_time(rows)
+        assert step.parts_s >= step.floor_s
+
+
+def test_bad_input_names_the_argument():
+    spec = MODELS["llama-3.1-8b"]
+    with pytest.raises(ConfigError, match="tp=3"):
+        ServingCostModel(spec, H100, tp=3)
+    with pytest.raises(ValueError, match="step_overhead_s"):
+        ServingCostModel(spec, H100, step_overhead_s=-1)
+    with pytest.raises(ValueError, match="cudagraph_max_tokens"):
+        ServingCostModel(spec, H100, cudagraph_max_tokens=-1)
+    model = ServingCostModel(spec, H100)
+    with pytest.raises(ValueError, match="context"):
+        model.step_time([(5, 3)])
+    with pytest.raises(ValueError, match="lengths"):
+        model.step_time([(1, 3), (1, 2, True, 0)])
+    with pytest.raises(TypeError, match="EngineStep"):
+        model.step_time([1, 2])
+
+
+def test_step_time_is_fast():
+    """≤ 100 µs per call for an 80-layer uniform model with 256 sequences (module
+    docstring's figure); asserted at 1 ms so a loaded machine does not fail it."""
+    model = ServingCostModel(MODELS["llama-3.1-70b"], H100, tp=8)
+    rows = [(1, 2048 + i) for i in range(256)]
+    step = _engine_step([(1, 2048 + i, True) for i in range(256)])
+    for s in (rows, step):
+        model.step_time(s)
+        start = time.perf_counter()
+        for _ in range(200):
+            model.step_time(s)
+        per_call = (time.perf_counter() - start) / 200
+        assert per_call < 1e-3, per_call
+    assert math.isfinite(model.step_time(step).total_s)

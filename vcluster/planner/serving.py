@@ -1,0 +1,247 @@
+"""``plan_serve``: the serving layout with the most goodput per GPU under latency SLOs.
+
+The question it answers: *how many GPUs, at what TP, PP and EP, in how many replicas (or
+prefill:decode pools), to serve this model at R requests/s with P90 TTFT ≤ a and P90
+TPOT ≤ b?*
+
+* **Goodput** (DistServe, Zhong et al. OSDI'24): the rate of requests that meet *both*
+  SLOs — R × attainment, attainment being the share of requests with TTFT ≤ a and TPOT ≤
+  b. A candidate *meets the SLOs* when the ``slo_percentile`` (default 90) of TTFT and of
+  TPOT are within them. Candidates are ranked: those that meet the SLOs first, by goodput
+  per GPU (R × attainment / GPUs), then by fewer GPUs and lower P90 TTFT.
+* **Layouts**: tp a power of two up to ``max_tp`` (default: the GPUs of one node, the NVLink
+  domain) that the model's heads allow; pp ∈ {1, 2, 4, 8} with tp·pp ≤ the GPUs; ep ∈ {1,
+  tp} for an MoE whose experts it divides (:class:`serving.ServingPlan`). A layout whose
+  weights leave no KV cache for the workload's longest request is rejected ("does not
+  fit").
+* **Replicas**: under round-robin routing replica 0 of n serves requests 0, n, 2n, … and
+  the replicas are identical, so n replicas are priced by simulating replica 0 on that
+  subsequence (exact for replica 0; the others see statistically the same load). For each
+  layout the fewest replicas that meet the SLOs are found by bisection (latency falls as
+  replicas are added — the load per replica falls), every simulated n is a candidate.
+* **Disaggregated** (``disaggregated=True``): for each layout, every split of its most
+  replicas into p prefill and d decode replicas (p + d = GPUs // (tp·pp)) is simulated
+  whole (both pools and the KV transfers).
+
+The workload's requests are the same for every candidate (one seed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from modeling.errors import ConfigError
+from modeling.spec import ModelSpec, MoE
+from serving import ServingPlan
+from vcluster.timing.hardware import HardwareSpec
+from vcluster.timing.serving.deployment import serving_capacity, simulate_serve
+
+__all__ = ["ServeCandidate", "ServePlanResult", "plan_serve", "serving_layouts"]
+
+_PIPELINE_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class ServeCandidate:
+    """One simulated deployment: its ``plan``, the SLO percentile's TTFT and TPOT (ms),
+    ``attainment`` (share of requests within both SLOs), ``goodput_rps`` (rate ×
+    attainment), output throughput and whether it ``meets_slo``."""
+
+    plan: ServingPlan
+    ttft_ms: float
+    tpot_ms: float
+    attainment: float
+    goodput_rps: float
+    output_throughput: float
+    meets_slo: bool
+    kv_blocks: int
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.gpus
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / self.gpus
+
+    def row(self) -> dict:
+        p = self.plan
+        return {"tp": p.tp, "pp": p.pp, "ep": p.ep, "replicas": p.replicas,
+                "prefill_replicas": p.prefill_replicas, "gpus": self.gpus,
+                "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
+                "attainment": self.attainment, "goodput_rps": self.goodput_rps,
+                "goodput_per_gpu": self.goodput_per_gpu,
+                "output_throughput": self.output_throughput, "meets_slo": self.meets_slo,
+                "kv_blocks": self.kv_blocks}
+
+
+@dataclass(frozen=True)
+class ServePlanResult:
+    """Every simulated candidate, best first; ``rejected`` layouts by reason; the search's
+    settings and wall time."""
+
+    model: str
+    hardware: str
+    rate: float
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    slo_percentile: float
+    candidates: tuple[ServeCandidate, ...]
+    rejected: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @property
+    def best(self) -> ServeCandidate | None:
+        """The best candidate that meets the SLOs (None when none does)."""
+        return next((c for c in self.candidates if c.meets_slo), None)
+
+    def as_json(self) -> dict:
+        return {"model": self.model, "hardware": self.hardware, "rate": self.rate,
+                "slo_ttft_ms": self.slo_ttft_ms, "slo_tpot_ms": self.slo_tpot_ms,
+                "slo_percentile": self.slo_percentile,
+                "candidates": [c.row() for c in self.candidates],
+                "rejected": dict(self.rejected), "wall_s": self.wall_s}
+
+    def describe(self, top: int = 10) -> str:
+        p = f"P{self.slo_percentile:g}"
+        lines = [f"plan serve: {self.model} on {self.hardware} at {self.rate:g} req/s; SLOs "
+                 f"{p} TTFT <= {self.slo_ttft_ms:g} ms, {p} TPOT <= {self.slo_tpot_ms:g} ms; "
+                 f"{len(self.candidates)} deployments simulated in {self.wall_s:.1f} s"]
+        header = (f"{'tp':>3} {'pp':>3} {'ep':>3} {'repl':>5} {'pre':>4} {'GPUs':>5} "
+                  f"{p + ' TTFT ms':>13} {p + ' TPOT ms':>13} {'attain':>7} "
+                  f"{'goodput/GPU':>12} {'out tok/s':>10}  SLO")
+        lines.append(header)
+        for c in self.candidates[:top]:
+            q = c.plan
+            lines.append(f"{q.tp:>3} {q.pp:>3} {q.ep:>3} {q.replicas:>5} "
+                         f"{q.prefill_replicas:>4} {c.gpus:>5} {c.ttft_ms:>13.1f} "
+                         f"{c.tpot_ms:>13.2f} {c.attainment:>7.1%} "
+                         f"{c.goodput_per_gpu:>12.3f} {c.output_throughput:>10.0f}  "
+                         + ("meets" if c.meets_slo else "misses"))
+        for reason, count in sorted(self.rejected.items()):
+            lines.append(f"rejected: {count} layout(s): {reason}")
+        best = self.best
+        lines.append("best: " + ("none meets the SLOs at this rate" if best is None else
+                                 f"tp {best.plan.tp} x pp {best.plan.pp}"
+                                 + (f" (ep {best.plan.ep})" if best.plan.ep > 1 else "")
+                                 + f", {best.plan.replicas} replica(s)"
+                                 + (f" + {best.plan.prefill_replicas} prefill"
+                                    if best.plan.prefill_replicas else "")
+                                 + f" = {best.gpus} GPUs"))
+        return "\n".join(lines)
+
+
+def serving_layouts(spec: ModelSpec, gpus: int, max_tp: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, ep) the search tries (module docstring), refused layouts left out."""
+    out = []
+    moe = any(isinstance(x.mlp, MoE) for x in spec.layers)
+    tp = 1
+    while tp <= min(max_tp, gpus):
+        for pp in _PIPELINE_DEGREES:
+            if tp * pp > gpus:
+                continue
+            for ep in ((1, tp) if moe and tp > 1 else (1,)):
+                try:
+                    ServingPlan(tp=tp, pp=pp, ep=ep).check(spec)
+                except ConfigError:
+                    continue
+                out.append((tp, pp, ep))
+        tp *= 2
+    return out
+
+
+def _candidate(plan: ServingPlan, report, rate: float, slo_ttft_ms: float,
+               slo_tpot_ms: float, q: float, scale: int) -> ServeCandidate:
+    """Figures of a simulated ``report``; ``scale``: replicas the simulated one stands for."""
+    result = report.result
+    frame = result.requests_frame()
+    ttft = frame["ttft_s"].to_numpy() * 1e3
+    tpot = frame["tpot_s"].to_numpy() * 1e3
+    tpot_known = tpot[~np.isnan(tpot)]
+    ttft_q = float(np.percentile(ttft, q))
+    tpot_q = float(np.percentile(tpot_known, q)) if tpot_known.size else 0.0
+    ok = (ttft <= slo_ttft_ms) & (np.isnan(tpot) | (tpot <= slo_tpot_ms))
+    attainment = float(ok.mean())
+    return ServeCandidate(plan, ttft_q, tpot_q, attainment, rate * attainment,
+                          result.metrics.output_throughput * scale,
+                          ttft_q <= slo_ttft_ms and tpot_q <= slo_tpot_ms,
+                          report.capacity.num_blocks)
+
+
+def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workload, *,
+               gpus: int, slo_ttft_ms: float, slo_tpot_ms: float,
+               slo_percentile: float = 90.0, max_tp: int | None = None,
+               disaggregated: bool = False, progress=None) -> ServePlanResult:
+    """Search deployments of ``spec`` on at most ``gpus`` GPUs of ``hardware`` (module
+    docstring); ``base`` carries the engine settings, ``workload`` the load (its
+    ``rate`` is the whole deployment's). ``progress``: a stream for one line per layout."""
+    start = time.perf_counter()
+    for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(name, value, "a number of milliseconds > 0", "not an SLO")
+    if not 0 < slo_percentile <= 100:
+        raise ConfigError("slo_percentile", slo_percentile, "in (0, 100]", "not a percentile")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError("gpus", gpus, "an integer >= 1", "not a GPU count")
+    max_tp = max_tp or hardware.gpus_per_node
+    requests = workload.requests()
+    rate = float(getattr(workload, "rate", math.inf))
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    cands: list[ServeCandidate] = []
+    rejected: dict[str, int] = {}
+    layouts = serving_layouts(spec, gpus, max_tp)
+    if not layouts:
+        raise ConfigError("gpus", gpus, "enough GPUs for one replica",
+                          f"no layout of {spec.name} fits the search's limits")
+
+    def simulate(plan: ServingPlan, n: int) -> ServeCandidate:
+        one = replace(plan, replicas=1)
+        report = simulate_serve(spec, hardware, one, requests[0::n])
+        return _candidate(plan, report, rate, slo_ttft_ms, slo_tpot_ms, slo_percentile, n)
+
+    for k, (tp, pp, ep) in enumerate(layouts):
+        plan = replace(base, tp=tp, pp=pp, ep=ep, replicas=1, prefill_replicas=0)
+        cap = serving_capacity(spec, hardware, plan, base.max_model_len)
+        if cap.num_blocks * cap.block_size < min(longest, base.max_model_len or longest) \
+                or cap.num_blocks < 2:
+            rejected["does not fit: weights leave no KV cache for the longest request"] = \
+                rejected.get("does not fit: weights leave no KV cache for the longest "
+                             "request", 0) + 1
+            continue
+        most = gpus // (tp * pp)
+        seen: dict[int, ServeCandidate] = {}
+
+        def at(n: int) -> ServeCandidate:
+            if n not in seen:
+                seen[n] = simulate(replace(plan, replicas=n), n)
+            return seen[n]
+
+        lo, hi = 1, most                    # bisection for the fewest replicas that meet
+        if at(hi).meets_slo:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if at(mid).meets_slo:
+                    hi = mid
+                else:
+                    lo = mid + 1
+        else:
+            at(1)
+        cands.extend(seen.values())
+        if disaggregated and most >= 2:
+            for p in range(1, most):        # every split of the layout's replicas
+                plan_pd = replace(plan, replicas=most - p, prefill_replicas=p)
+                report = simulate_serve(spec, hardware, plan_pd, requests)
+                cands.append(_candidate(plan_pd, report, rate, slo_ttft_ms, slo_tpot_ms,
+                                        slo_percentile, 1))
+        if progress is not None:
+            print(f"plan serve: layout {k + 1}/{len(layouts)} (tp {tp}, pp {pp}, ep {ep}) "
+                  f"done, {len(cands)} deployments in {time.perf_counter() - start:.1f} s",
+                  file=progress, flush=True)
+    cands.sort(key=lambda c: (not c.meets_slo, -c.goodput_per_gpu, c.gpus, c.ttft_ms))
+    return ServePlanResult(spec.name, hardware.name, rate, slo_ttft_ms, slo_tpot_ms,
+                           slo_percentile, tuple(cands), rejected,
+                           time.perf_counter() - start)

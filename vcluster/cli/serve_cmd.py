@@ -154,6 +154,10 @@ def add_plan_parser(kinds) -> None:
     p.add_argument("--disaggregated", action="store_true",
                    help="also search prefill:decode pools")
     p.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="processes searching layouts side by side (default: the cores)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr")
     p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,
                    help="print the candidates as JSON (or write them to PATH)")
     p.set_defaults(run=_plan)
@@ -225,8 +229,8 @@ def _plan(args) -> int:
     result = plan_serve(spec, hardware, base, _workload(args, plan_only=True),
                         gpus=args.gpus, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot,
                         slo_percentile=args.slo_percentile, max_tp=args.max_tp,
-                        disaggregated=args.disaggregated,
-                        progress=None if args.json == "-" else sys.stderr)
+                        disaggregated=args.disaggregated, workers=args.workers,
+                        progress=None if args.quiet else sys.stderr)
     if args.json == "-":
         _emit_json("-", result.as_json())
     else:

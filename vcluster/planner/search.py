@@ -108,7 +108,7 @@ def _progress(enabled):
                     transient=True)
 
 
-def _pool_context():
+def pool_context():
     """fork where the platform has it (works from notebooks and scripts without a
     ``__main__`` guard; the workers only run pure replays), else spawn."""
     import multiprocessing
@@ -128,7 +128,7 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> l
     if workers > 1 and len(jobs) > 1:
         try:
             pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
-                                       mp_context=_pool_context())
+                                       mp_context=pool_context())
         except (OSError, ImportError, NotImplementedError, ValueError) as exc:
             print(f"plan_gpt: no process pool ({exc}); replaying in this process",
                   file=sys.stderr)

@@ -19,9 +19,12 @@ TPOT ≤ b?*
   subsequence (exact for replica 0; the others see statistically the same load). For each
   layout the fewest replicas that meet the SLOs are found by bisection (latency falls as
   replicas are added — the load per replica falls), every simulated n is a candidate.
-* **Disaggregated** (``disaggregated=True``): for each layout, every split of its most
-  replicas into p prefill and d decode replicas (p + d = GPUs // (tp·pp)) is simulated
-  whole (both pools and the KV transfers).
+* **Disaggregated** (``disaggregated=True``): for each layout, its most replicas R = GPUs
+  // (tp·pp) split into p prefill and R − p decode replicas, each split simulated whole
+  (both pools and the KV transfers). TTFT falls as p grows and TPOT rises (fewer decode
+  replicas), so bisection finds the fewest prefill replicas that meet the TTFT SLO: that
+  split meets both SLOs if any does; every simulated split is a candidate.
+* Layouts are searched side by side on ``workers`` processes.
 
 The workload's requests are the same for every candidate (one seed).
 """
@@ -29,7 +32,11 @@ The workload's requests are the same for every candidate (one seed).
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -39,6 +46,8 @@ from modeling.spec import ModelSpec, MoE
 from serving import ServingPlan
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.serving.deployment import serving_capacity, simulate_serve
+
+from .search import pool_context
 
 __all__ = ["ServeCandidate", "ServePlanResult", "plan_serve", "serving_layouts"]
 
@@ -93,6 +102,7 @@ class ServePlanResult:
     candidates: tuple[ServeCandidate, ...]
     rejected: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    space: int = 0                  # deployments the search covers (bisection simulates fewer)
 
     @property
     def best(self) -> ServeCandidate | None:
@@ -104,13 +114,15 @@ class ServePlanResult:
                 "slo_ttft_ms": self.slo_ttft_ms, "slo_tpot_ms": self.slo_tpot_ms,
                 "slo_percentile": self.slo_percentile,
                 "candidates": [c.row() for c in self.candidates],
-                "rejected": dict(self.rejected), "wall_s": self.wall_s}
+                "rejected": dict(self.rejected), "wall_s": self.wall_s,
+                "space": self.space}
 
     def describe(self, top: int = 10) -> str:
         p = f"P{self.slo_percentile:g}"
         lines = [f"plan serve: {self.model} on {self.hardware} at {self.rate:g} req/s; SLOs "
                  f"{p} TTFT <= {self.slo_ttft_ms:g} ms, {p} TPOT <= {self.slo_tpot_ms:g} ms; "
-                 f"{len(self.candidates)} deployments simulated in {self.wall_s:.1f} s"]
+                 f"{len(self.candidates)} of {self.space} deployments simulated (bisection) in "
+                 f"{self.wall_s:.1f} s"]
         header = (f"{'tp':>3} {'pp':>3} {'ep':>3} {'repl':>5} {'pre':>4} {'GPUs':>5} "
                   f"{p + ' TTFT ms':>13} {p + ' TPOT ms':>13} {'attain':>7} "
                   f"{'goodput/GPU':>12} {'out tok/s':>10}  SLO")
@@ -172,13 +184,91 @@ def _candidate(plan: ServingPlan, report, rate: float, slo_ttft_ms: float,
                           report.capacity.num_blocks)
 
 
+_NO_FIT = "does not fit: weights leave no KV cache for the longest request"
+#: how long the search waits for one layout's worker before it says which layout hangs
+LAYOUT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One layout's search: everything a worker process needs."""
+
+    spec: ModelSpec
+    hardware: HardwareSpec
+    plan: ServingPlan              # the layout, 1 replica, no prefill pool
+    requests: tuple
+    most: int                      # replicas the GPUs allow
+    rate: float
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    slo_percentile: float
+    disaggregated: bool
+
+
+def _search_layout(job: _Job) -> tuple[list[ServeCandidate], str | None]:
+    """The candidates of one layout (module docstring), or why it was rejected."""
+    spec, hw, plan, requests = job.spec, job.hardware, job.plan, job.requests
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    cap = serving_capacity(spec, hw, plan, plan.max_model_len)
+    if cap.num_blocks * cap.block_size < min(longest, plan.max_model_len or longest) \
+            or cap.num_blocks < 2:
+        return [], _NO_FIT
+    figures = (job.rate, job.slo_ttft_ms, job.slo_tpot_ms, job.slo_percentile)
+    seen: dict[int, ServeCandidate] = {}
+
+    def colocated(n: int) -> ServeCandidate:
+        if n not in seen:
+            report = simulate_serve(spec, hw, plan, requests[0::n])
+            seen[n] = _candidate(replace(plan, replicas=n), report, *figures, n)
+        return seen[n]
+
+    lo, hi = 1, job.most                # the fewest replicas that meet the SLOs
+    if colocated(hi).meets_slo:
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if colocated(mid).meets_slo:
+                hi = mid
+            else:
+                lo = mid + 1
+    else:
+        colocated(1)
+    out = list(seen.values())
+    if job.disaggregated and job.most >= 2:
+        split: dict[int, ServeCandidate] = {}
+
+        def pools(p: int) -> ServeCandidate:
+            if p not in split:
+                pd_plan = replace(plan, replicas=job.most - p, prefill_replicas=p)
+                split[p] = _candidate(pd_plan, simulate_serve(spec, hw, pd_plan, requests),
+                                      *figures, 1)
+            return split[p]
+
+        def ttft_ok(c: ServeCandidate) -> bool:
+            return c.ttft_ms <= job.slo_ttft_ms
+
+        lo, hi = 1, job.most - 1        # the fewest prefill replicas that meet the TTFT SLO
+        if ttft_ok(pools(hi)):
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if ttft_ok(pools(mid)):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            pools(lo)
+        out += list(split.values())
+    return out, None
+
+
 def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workload, *,
                gpus: int, slo_ttft_ms: float, slo_tpot_ms: float,
                slo_percentile: float = 90.0, max_tp: int | None = None,
-               disaggregated: bool = False, progress=None) -> ServePlanResult:
+               disaggregated: bool = False, workers: int | None = None,
+               progress=None) -> ServePlanResult:
     """Search deployments of ``spec`` on at most ``gpus`` GPUs of ``hardware`` (module
     docstring); ``base`` carries the engine settings, ``workload`` the load (its
-    ``rate`` is the whole deployment's). ``progress``: a stream for one line per layout."""
+    ``rate`` is the whole deployment's). ``workers``: processes searching layouts side by
+    side (default: the machine's cores; 1: this process). ``progress``: a stream for one
+    line per layout."""
     start = time.perf_counter()
     for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -190,58 +280,54 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
     max_tp = max_tp or hardware.gpus_per_node
     requests = workload.requests()
     rate = float(getattr(workload, "rate", math.inf))
-    longest = max(r.prompt_len + r.output_len for r in requests)
-    cands: list[ServeCandidate] = []
-    rejected: dict[str, int] = {}
     layouts = serving_layouts(spec, gpus, max_tp)
     if not layouts:
         raise ConfigError("gpus", gpus, "enough GPUs for one replica",
                           f"no layout of {spec.name} fits the search's limits")
+    jobs = [_Job(spec, hardware, replace(base, tp=tp, pp=pp, ep=ep, replicas=1,
+                                         prefill_replicas=0),
+                 requests, gpus // (tp * pp), rate, slo_ttft_ms, slo_tpot_ms,
+                 slo_percentile, disaggregated) for tp, pp, ep in layouts]
+    cands: list[ServeCandidate] = []
+    rejected: dict[str, int] = {}
 
-    def simulate(plan: ServingPlan, n: int) -> ServeCandidate:
-        one = replace(plan, replicas=1)
-        report = simulate_serve(spec, hardware, one, requests[0::n])
-        return _candidate(plan, report, rate, slo_ttft_ms, slo_tpot_ms, slo_percentile, n)
-
-    for k, (tp, pp, ep) in enumerate(layouts):
-        plan = replace(base, tp=tp, pp=pp, ep=ep, replicas=1, prefill_replicas=0)
-        cap = serving_capacity(spec, hardware, plan, base.max_model_len)
-        if cap.num_blocks * cap.block_size < min(longest, base.max_model_len or longest) \
-                or cap.num_blocks < 2:
-            rejected["does not fit: weights leave no KV cache for the longest request"] = \
-                rejected.get("does not fit: weights leave no KV cache for the longest "
-                             "request", 0) + 1
-            continue
-        most = gpus // (tp * pp)
-        seen: dict[int, ServeCandidate] = {}
-
-        def at(n: int) -> ServeCandidate:
-            if n not in seen:
-                seen[n] = simulate(replace(plan, replicas=n), n)
-            return seen[n]
-
-        lo, hi = 1, most                    # bisection for the fewest replicas that meet
-        if at(hi).meets_slo:
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if at(mid).meets_slo:
-                    hi = mid
-                else:
-                    lo = mid + 1
-        else:
-            at(1)
-        cands.extend(seen.values())
-        if disaggregated and most >= 2:
-            for p in range(1, most):        # every split of the layout's replicas
-                plan_pd = replace(plan, replicas=most - p, prefill_replicas=p)
-                report = simulate_serve(spec, hardware, plan_pd, requests)
-                cands.append(_candidate(plan_pd, report, rate, slo_ttft_ms, slo_tpot_ms,
-                                        slo_percentile, 1))
+    def collect(k: int, found, reason) -> None:
+        cands.extend(found)
+        if reason:
+            rejected[reason] = rejected.get(reason, 0) + 1
         if progress is not None:
-            print(f"plan serve: layout {k + 1}/{len(layouts)} (tp {tp}, pp {pp}, ep {ep}) "
+            p = jobs[k].plan
+            print(f"plan serve: layout {k + 1}/{len(jobs)} (tp {p.tp}, pp {p.pp}, ep {p.ep}) "
                   f"done, {len(cands)} deployments in {time.perf_counter() - start:.1f} s",
                   file=progress, flush=True)
+
+    workers = workers or os.cpu_count() or 1
+    pool = None
+    if workers > 1 and len(jobs) > 1:
+        try:
+            pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                       mp_context=pool_context())
+        except (OSError, ImportError, NotImplementedError, ValueError) as exc:
+            print(f"plan serve: no process pool ({exc}); searching in this process",
+                  file=sys.stderr)
+    if pool is not None:
+        with pool:
+            futures = [pool.submit(_search_layout, job) for job in jobs]
+            for k, fut in enumerate(futures):
+                try:
+                    collect(k, *fut.result(timeout=LAYOUT_TIMEOUT_S))
+                except FutureTimeout:
+                    for f in futures:
+                        f.cancel()
+                    p = jobs[k].plan
+                    raise TimeoutError(f"plan serve: waited {LAYOUT_TIMEOUT_S:.0f} s for the "
+                                       f"worker searching tp {p.tp}, pp {p.pp}, ep {p.ep}; it "
+                                       "did not finish") from None
+    else:
+        for k, job in enumerate(jobs):
+            collect(k, *_search_layout(job))
     cands.sort(key=lambda c: (not c.meets_slo, -c.goodput_per_gpu, c.gpus, c.ttft_ms))
+    space = sum(j.most + (j.most - 1 if disaggregated else 0) for j in jobs)
     return ServePlanResult(spec.name, hardware.name, rate, slo_ttft_ms, slo_tpot_ms,
                            slo_percentile, tuple(cands), rejected,
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, space)

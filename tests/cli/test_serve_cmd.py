@@ -121,3 +121,18 @@ def test_plan_serve_finds_the_fewest_gpus_meeting_the_slos(tmp_path):
             (best["tp"], best["pp"], best["ep"]) and c["prefill_replicas"] == 0]
     assert all(c["meets_slo"] for c in same if c["replicas"] >= best["replicas"])
     assert not any(c["meets_slo"] for c in same if c["replicas"] < best["replicas"])
+
+
+def _readme_serve_commands():
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    return [line.split()[1:] for line in text.splitlines()
+            if line.startswith(("vcluster simulate serve", "vcluster plan serve"))]
+
+
+@pytest.mark.slow
+def test_the_readme_serve_commands_run_as_written():
+    commands = _readme_serve_commands()
+    assert len(commands) == 2
+    for args in commands:
+        proc = vcluster(*args)
+        assert ("Serving Benchmark Result" in proc.stdout) or ("best: tp" in proc.stdout)

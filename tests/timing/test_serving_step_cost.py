@@ -315,3 +315,78 @@ def test_step_time_is_fast():
         per_call = (time.perf_counter() - start) / 200
         assert per_call < 1e-3, per_call
     assert math.isfinite(model.step_time(step).total_s)
+
+
+# The analytic model's figures before measured layer steps existed (h100-dgx; this file's
+# ServingCostModel as it was): (total, gemm, attention, elementwise, moe, comm, lm_head)
+# seconds of a decode step (64 rows at context 2048), a prefill (8192 tokens) and a mixed
+# step (a 512-token chunk at context 1536 beside 16 decodes at 1000). A device without
+# measured layer steps, or with rows of another layer, must price every one unchanged.
+_BEFORE_MEASURED_STEPS = {
+    ("llama-3.1-8b", 1, 1, "decode"): (
+        0.01258603447827529, 0.004980330475621891, 0.0057732615641791045, 0.00044711638606965173,
+        0.0, 0.0, 0.00038532605240464347),
+    ("llama-3.1-8b", 1, 1, "prefill"): (
+        0.1867258462906971, 0.14492751165437784, 0.023870442056551446, 0.016568897416915425,
+        0.0, 0.0, 0.00035899516285240466),
+    ("llama-3.1-8b", 1, 1, "mixed"): (
+        0.014614271408413801, 0.009939781024598573, 0.0014815740163193734, 0.0018257101850746266,
+        0.0, 0.0, 0.0003672061824212272),
+    ("llama-3.1-70b", 4, 2, "decode"): (
+        0.023628833704178138, 0.012191725320066335, 0.0037352442056384745, 0.0011201378388059702,
+        0.0, 0.005322745717367852, 0.0002589806222995057),
+    ("llama-3.1-70b", 4, 2, "prefill"): (
+        0.5213340392169805, 0.3553818795371765, 0.030038052570689307, 0.042475643367164174,
+        0.0, 0.0922346518230853, 0.0002038119188652208),
+    ("llama-3.1-70b", 4, 2, "mixed"): (
+        0.042341318389393395, 0.024402347704544577, 0.001817234518740842, 0.004618137170149254,
+        0.0, 0.010284252168284793, 0.0002193468276739281),
+    ("mixtral-8x7b", 2, 1, "decode"): (
+        0.021511549857085685, 0.0005912514865671642, 0.002918630782089552, 0.00031495025140961853,
+        0.015550982981405833, 0.0010632919956850052, 7.244235992851278e-05),
+    ("mixtral-8x7b", 2, 1, "prefill"): (
+        0.16588817344827878, 0.014193799197536333, 0.012015221028275723, 0.007683632180431178,
+        0.11837426652763022, 0.012555775447680693, 6.547906672462928e-05),
+    ("mixtral-8x7b", 2, 1, "mixed"): (
+        0.02327845230635553, 0.0012142097139037089, 0.0009007870081596867, 0.001103339574129353,
+        0.017271985714096185, 0.0017193589644012945, 6.87713316652981e-05),
+    ("deepseek-v3", 8, 1, "decode"): (
+        0.06361043963702584, 0.002777022413266998, 0.003190215105804312, 0.0007751120504145936,
+        0.04832728676421192, 0.007360282373247032, 0.00018052093008098658),
+    ("deepseek-v3", 8, 1, "prefill"): (
+        0.2831840373107805, 0.05821841332986115, 0.028553768856438243, 0.022157342453067996,
+        0.09868227543349918, 0.07445214377562027, 0.00012009346229370946),
+    ("deepseek-v3", 8, 1, "mixed"): (
+        0.08225955599696737, 0.006477823897787364, 0.0015381161614543013, 0.002864174415920398,
+        0.059052148012214124, 0.011190329579288024, 0.00013696393030317665),
+    ("qwen3-8b", 2, 1, "decode"): (
+        0.008870425718784717, 0.0026527736358208957, 0.003283459629850746, 0.00045390278474295183,
+        0.0, 0.001196203495145631, 0.00028408617322449244),
+    ("qwen3-8b", 2, 1, "prefill"): (
+        0.11380601635498729, 0.07251691084725051, 0.013517123656810189, 0.012417556447097845,
+        0.0, 0.014125247378640779, 0.00022917802518797597),
+    ("qwen3-8b", 2, 1, "mixed"): (
+        0.011191544223909403, 0.005347535269451694, 0.0010133853841796476, 0.001651697974129353,
+        0.0, 0.0019342788349514563, 0.00024464676119725),
+}
+_GOLDEN_STEPS = {"decode": [(1, 2048)] * 64, "prefill": [(8192, 8192)],
+                 "mixed": [(512, 1536)] + [(1, 1000)] * 16}
+
+
+@pytest.mark.parametrize("key", sorted(_BEFORE_MEASURED_STEPS))
+def test_figures_unchanged_without_measured_layer_steps(key):
+    name, tp, pp, kind = key
+    other = load_hardware({"base": "h100-dgx", "device": {"kernels": [
+        {"kind": kind_, "seconds": 1e-4 * (i + 1), "dtype": "bf16", "dims": dims,
+         "layer": "hidden=512 heads=8 kv_heads=8 head_dim=64 mlp=swiglu ffn=1024 tp=1"}
+        for i, (kind_, dims) in enumerate(
+            [("decode_layer", f"{b}x{c}") for b in (1, 8) for c in (64, 512)]
+            + [("prefill_layer", str(t)) for t in (16, 64, 256)])]}})
+    for hardware in (H100, other):
+        model = ServingCostModel(MODELS.get(name) or load_model(name), hardware, tp=tp, pp=pp)
+        step = model.step_time(_GOLDEN_STEPS[kind])
+        got = (step.total_s, step.gemm_s, step.attention_s, step.elementwise_s, step.moe_s,
+               step.comm_s, step.lm_head_s)
+        assert got == pytest.approx(_BEFORE_MEASURED_STEPS[key], rel=1e-12, abs=1e-15)
+        assert step.layers_s == 0 and model.measured_layers == ()
+        assert step.parts_s == pytest.approx(step.total_s, rel=1e-12)

@@ -111,10 +111,11 @@ def add_parser(commands) -> None:
     emu.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     emu.set_defaults(run=_emulation)
 
-    from . import bench_gpu_step, bench_predict, bench_simulate
+    from . import bench_gpu_decode, bench_gpu_step, bench_predict, bench_simulate
     bench_predict.add_parser(kinds)
     bench_simulate.add_parser(kinds)
     bench_gpu_step.add_parser(kinds)
+    bench_gpu_decode.add_parser(kinds)
 
 
 def _width_batch_list(text: str) -> list[tuple[int, int]]:

@@ -186,6 +186,7 @@ def _plan_of(args, **layout):
 
 
 def _workload(args, plan_only: bool = False):
+    # lazy: keeps vcluster --help fast (the timing layer loads numpy and simpy)
     from vcluster.timing.serving.workload import TraceWorkload, Workload
     if not plan_only and args.trace is not None:
         return TraceWorkload(args.trace)
@@ -200,12 +201,14 @@ def _emit_json(target: str, payload: dict) -> None:
     if target == "-":
         print(text)
         return
-    from vcluster.runtime.files import write_text_atomic   # atomic: never half a file
+    # lazy: keeps vcluster --help fast; written atomically, never half a file
+    from vcluster.runtime.files import write_text_atomic
     write_text_atomic(target, text + "\n")
 
 
 def _simulate(args) -> int:
-    from vcluster.planner.serving import simulate_serve
+    # lazy: keeps vcluster --help fast (the simulator loads simpy and the hardware model)
+    from vcluster.timing.serving.deployment import simulate_serve
     spec, hardware = _spec_and_hardware(args)
     plan = _plan_of(args, tp=args.tp, pp=args.pp, ep=args.ep, replicas=args.replicas,
                     prefill_replicas=args.prefill_replicas)
@@ -223,6 +226,7 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
+    # lazy: keeps vcluster --help fast (the planner loads the simulator)
     from vcluster.planner.serving import plan_serve
     spec, hardware = _spec_and_hardware(args)
     base = _plan_of(args)

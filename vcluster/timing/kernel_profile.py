@@ -36,7 +36,10 @@ import statistics
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from modeling.choices import MLPKind
+
 __all__ = ["GemmProfile", "KernelTiming", "KERNEL_KINDS", "TABLE_OPS", "gemm_rows",
+           "LAYER_STEP_KINDS", "LAYER_STEP_DTYPES", "LayerShape",
            "leave_one_out", "fit_call_and_rate", "TABLE_PRESETS",
            "h100_gemm_profile", "h100_gemm_leave_one_out", "TILE", "H100_KERNEL_TABLE"]
 
@@ -65,7 +68,64 @@ def _check_dims(m, k, n) -> None:
 TABLE_OPS = MappingProxyType({
     "attn_fwd": 4, "attn_fwd_bwd": 4, "layernorm_fwd": 2, "layernorm_fwd_bwd": 2,
     "gelu_fwd": 2, "add": 2, "cross_entropy_fwd_bwd": 2, "adamw_fused_step": 1})
-KERNEL_KINDS = ("gemm", "gemm_sustained", "elementwise", "launch", *TABLE_OPS)
+#: one transformer layer's serving step, timed whole (``vcluster bench gpu-decode``), with how
+#: many ``x``-separated numbers their ``dims`` hold: ``decode_layer`` BxC (B sequences of one
+#: new token, each attending to C cached tokens), ``prefill_layer`` T (one causal prompt of
+#: T tokens); the layer is the row's ``layer`` (:class:`LayerShape`)
+LAYER_STEP_KINDS = MappingProxyType({"decode_layer": 2, "prefill_layer": 1})
+#: the dtypes a layer step is measured in (bf16 on a GPU; fp32 on a CPU, whose bf16 is slow)
+LAYER_STEP_DTYPES = ("bf16", "fp16", "fp32")
+KERNEL_KINDS = ("gemm", "gemm_sustained", "elementwise", "launch", *TABLE_OPS,
+                *LAYER_STEP_KINDS)
+#: LayerShape's fields as a row's ``layer`` text names them, in order
+_LAYER_KEYS = ("hidden", "heads", "kv_heads", "head_dim", "mlp", "ffn", "tp")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The transformer layer a ``decode_layer`` / ``prefill_layer`` row timed: the model's
+    width ``hidden`` h, its attention's ``heads``, ``kv_heads`` and ``head_dim``, its MLP's
+    kind ``mlp`` (gelu, swiglu, geglu) and width ``ffn``, and the tensor-parallel degree
+    ``tp`` whose one-GPU shard ran (heads/tp query heads, max(1, kv_heads/tp) KV heads,
+    ffn/tp of the MLP; no communication). In a file it is one line (``str``)::
+
+        hidden=4096 heads=32 kv_heads=8 head_dim=128 mlp=swiglu ffn=14336 tp=1
+    """
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: str
+    ffn: int
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LayerShape: {name} must be an int >= 1, got {v!r}")
+        if self.mlp not in MLPKind.values():
+            raise ValueError(f"LayerShape: mlp must be one of {', '.join(MLPKind.values())}, "
+                             f"got {self.mlp!r}")
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={getattr(self, k)}" for k in _LAYER_KEYS)
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerShape":
+        """The shape ``str`` wrote (every key once, in any order); else ValueError naming
+        the text and the form."""
+        form = " ".join(f"{k}=..." for k in _LAYER_KEYS)
+        pairs = [p.split("=", 1) for p in text.split()] if isinstance(text, str) else None
+        if not pairs or any(len(p) != 2 for p in pairs) or \
+                sorted(k for k, _ in pairs) != sorted(_LAYER_KEYS):
+            raise ValueError(f"layer must be '{form}', got {text!r}")
+        values = dict(pairs)
+        try:
+            return cls(**{k: v if k == "mlp" else int(v) for k, v in values.items()})
+        except ValueError as exc:
+            raise ValueError(f"layer {text!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -75,7 +135,8 @@ class KernelTiming:
     back for seconds, at the device's power limit), ``elementwise`` (a copy moving ``bytes``,
     read plus written), ``launch`` (a one-element kernel: the launch interval), or one of
     :data:`TABLE_OPS` with its shape in ``dims`` (as the measured table writes it,
-    e.g. ``"4x16x2048x128"``)."""
+    e.g. ``"4x16x2048x128"``), or a whole layer's serving step of :data:`LAYER_STEP_KINDS`
+    (``dims`` ``"BxC"`` or ``"T"``) of the :class:`LayerShape` written in ``layer``."""
 
     kind: str
     seconds: float
@@ -85,6 +146,7 @@ class KernelTiming:
     bytes: int = 0
     dtype: str = ""
     dims: str = ""
+    layer: str = ""
 
     def __post_init__(self):
         if self.kind not in KERNEL_KINDS:
@@ -102,15 +164,24 @@ class KernelTiming:
             raise ValueError(f"an elementwise kernel moves bytes >= 1, got {self.bytes!r}")
         if not isinstance(self.dims, str):
             raise ValueError(f"dims must be a string like '4x16x2048x128', got {self.dims!r}")
-        if self.kind in TABLE_OPS:
+        numbers = TABLE_OPS.get(self.kind) or LAYER_STEP_KINDS.get(self.kind)
+        if numbers:
             parts = self.dims.split("x")
-            if len(parts) != TABLE_OPS[self.kind] or not all(
-                    p.isdigit() and int(p) > 0 for p in parts):
-                raise ValueError(f"a {self.kind} kernel's dims are {TABLE_OPS[self.kind]} "
+            if len(parts) != numbers or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"a {self.kind} kernel's dims are {numbers} "
                                  f"integers >= 1 joined by 'x', got {self.dims!r}")
         elif self.dims:
-            raise ValueError(f"dims is for the kinds {', '.join(TABLE_OPS)}; a {self.kind} "
-                             f"kernel has none, got {self.dims!r}")
+            raise ValueError(f"dims is for the kinds {', '.join(TABLE_OPS)}, "
+                             f"{', '.join(LAYER_STEP_KINDS)}; a {self.kind} kernel has none, "
+                             f"got {self.dims!r}")
+        if self.kind in LAYER_STEP_KINDS:
+            LayerShape.parse(self.layer)
+            if self.dtype not in LAYER_STEP_DTYPES:
+                raise ValueError(f"a {self.kind} row's dtype must be one of "
+                                 f"{', '.join(LAYER_STEP_DTYPES)}, got {self.dtype!r}")
+        elif self.layer:
+            raise ValueError(f"layer is for the kinds {', '.join(LAYER_STEP_KINDS)}; a "
+                             f"{self.kind} kernel has none, got {self.layer!r}")
 
     @classmethod
     def coerce(cls, row, where: str) -> "KernelTiming":

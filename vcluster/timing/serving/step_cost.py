@@ -52,6 +52,21 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
   sequences: the scheduler, input preparation, sampling bookkeeping and output
   processing that keep the GPU waiting (module constants' sources).
 
+Measured layer steps (``layers_s``): on a device whose ``kernels`` carry ``decode_layer``
+and ``prefill_layer`` rows (``vcluster bench gpu-decode``) of a layer of the same shape —
+:class:`~vcluster.timing.kernel_profile.LayerShape`: hidden, heads, kv_heads, head_dim, MLP
+kind and width, tp — measured in the model's ``dtype``, with weights and KV cache of that
+dtype's bytes, each such layer's compute (its GEMMs, attention, norms, activation and
+KV-cache write) is the fitted step of :mod:`.measured_steps` (DistServe's decode form
+a + b·B + c·ΣC and prefill form a + b·T + c·T²; a mixed step the sum less one shared fixed
+part) instead of the kernels above; its tp all-reduces, the LM head, the embedding and
+final norm, pipeline sends and the per-step overhead stay as above, and ``total_s`` stays
+at least the floor. The measured layer has no rotary embedding (one elementwise kernel of
+2·(q + kv)·b bytes per token in vLLM, under 1% of a layer's step) and runs PyTorch's eager
+kernels back to back, not vLLM's fused ones. A layer of any other shape (MoE, latent or
+sliding-window attention included), rows that cannot be fitted, or another dtype: the
+analytic price, unchanged.
+
 CUDA graphs (vLLM v1 ≥ 0.11's FULL_AND_PIECEWISE, ``cudagraph_max_tokens``: its largest
 capture size, 512): a decode-only step of at most that many tokens replays one full graph
 (every kernel at the graph's fixed cost); a mixed or prefill step that small runs piecewise
@@ -91,6 +106,7 @@ from ..collective_cost import NCCL_ALGORITHMS, Collective, collective_cost
 from ..hardware import DTYPE_BYTES, HardwareSpec, canonical_dtype
 from ..kernel_profile import TILE
 from .floors import FloorModel, StepShape, expected_experts, shape_of
+from .measured_steps import layer_shape, measured_layer_steps
 
 __all__ = ["ServingCostModel", "StepTime", "STEP_OVERHEAD_S", "CUDA_LAUNCH_US",
            "FLASH_ATTENTION_UTILIZATION", "SAMPLER_BYTES_PER_LOGIT", "CUDAGRAPH_MAX_TOKENS",
@@ -132,7 +148,8 @@ _GEMM, _MOE, _HEAD = 0, 1, 2    # which part of the breakdown a GEMM belongs to
 class StepTime:
     """One step's predicted seconds: ``total_s`` (never below ``floor_s``) and its parts —
     ``gemm_s``, ``attention_s``, ``moe_s``, ``elementwise_s``, ``comm_s`` (tp collectives and
-    pipeline sends), ``lm_head_s``, ``overhead_s`` — summed over the stages; ``stage_s``
+    pipeline sends), ``lm_head_s``, ``overhead_s``, ``layers_s`` (the layers priced from
+    measured layer steps; 0 without them) — summed over the stages; ``stage_s``
     each stage's compute and tp communication, ``pp_send_s`` each stage boundary's
     transfer; ``tokens`` T, ``samples`` S, ``cuda_graph`` "full", "piecewise" or "none"."""
 
@@ -145,6 +162,7 @@ class StepTime:
     comm_s: float = 0.0
     lm_head_s: float = 0.0
     overhead_s: float = 0.0
+    layers_s: float = 0.0
     stage_s: tuple = ()
     pp_send_s: tuple = ()
     tokens: int = 0
@@ -155,7 +173,7 @@ class StepTime:
     def parts_s(self) -> float:
         """The parts' sum (equal to total_s unless the floor binds)."""
         return (self.gemm_s + self.attention_s + self.moe_s + self.elementwise_s
-                + self.comm_s + self.lm_head_s + self.overhead_s)
+                + self.comm_s + self.lm_head_s + self.overhead_s + self.layers_s)
 
     @property
     def bottleneck_s(self) -> float:
@@ -171,7 +189,8 @@ class StepTime:
                 f" attention={self.attention_s * ms:.3f}, moe={self.moe_s * ms:.3f}, "
                 f"elementwise={self.elementwise_s * ms:.3f}, comm={self.comm_s * ms:.3f}, "
                 f"lm_head={self.lm_head_s * ms:.3f}, overhead={self.overhead_s * ms:.3f}, "
-                f"stages=[{stages}] ms, cuda_graph={self.cuda_graph!r})")
+                + (f"measured layers={self.layers_s * ms:.3f}, " if self.layers_s else "")
+                + f"stages=[{stages}] ms, cuda_graph={self.cuda_graph!r})")
 
 
 def step_rows(step) -> tuple[list, list, int]:
@@ -276,6 +295,12 @@ class ServingCostModel:
             self.weight_bytes_per_param, self.kv_bytes_per_element))
         object.__setattr__(self, "_c", self._constants())
 
+    @property
+    def measured_layers(self) -> tuple:
+        """The :class:`~.measured_steps.MeasuredLayerSteps` pricing this model's layers
+        (module docstring), once each; () when every layer is priced analytically."""
+        return tuple(dict.fromkeys(fit for _, fit, _ in self._c["measured"]))
+
     # --- construction: every shape the layout fixes -----------------------------------
     def _constants(self) -> dict:
         spec, tp, pp, device = self.spec, self.tp, self.pp, self.hardware.device
@@ -289,6 +314,8 @@ class ServingCostModel:
             gemm_rate = profile.gemm.flops_per_s
         if profile is not None and "attention" in profile.kinds:
             attn_rate = 1.0 / profile.kinds["attention"].unit_s
+        measured = self._measured_fits()
+        steps = []          # (stage, MeasuredLayerSteps, count): layers priced as measured
         gemms = []          # (stage, part, m source, k, n, count)
         moe = []            # (stage, experts, top_k, matrices, width per GPU, count)
         attention = []      # (stage, window, prefill coef, decode coef, KV B/token, count)
@@ -298,6 +325,10 @@ class ServingCostModel:
             layers_per_stage.append(len(layers))
             for layer, count in Counter(spec.layers[i] for i in layers).items():
                 att, mlp = layer.attention, layer.mlp
+                fit = measured.get(layer_shape(layer, h, tp))
+                if fit is not None:
+                    steps.append((s, fit, count))
+                    continue
                 if isinstance(att, LatentAttention):
                     heads = att.heads // tp
                     if att.q_lora_rank:
@@ -357,7 +388,7 @@ class ServingCostModel:
             "gemm_stage": g[:, 0].astype(int), "gemm_part": g[:, 1].astype(int),
             "gemm_m": g[:, 2].astype(int), "gemm_k": g[:, 3], "gemm_n": g[:, 4],
             "gemm_count": g[:, 5], "gemm_slot": (g[:, 0] * 3 + g[:, 1]).astype(int),
-            "moe": tuple(moe), "attention": tuple(attention),
+            "moe": tuple(moe), "attention": tuple(attention), "measured": tuple(steps),
             "elementwise": tuple(elementwise), "layers": tuple(layers_per_stage),
             "act_in": act_in, "gemm_rate": gemm_rate, "attn_rate": attn_rate,
             "padded": profile is not None and profile.gemm is not None,
@@ -370,6 +401,15 @@ class ServingCostModel:
             "send": tuple(_affine(Collective.SEND, (s * tp, (s + 1) * tp), self.hardware)
                           for s in range(pp - 1)),
         }
+
+    def _measured_fits(self) -> dict:
+        """{LayerShape: MeasuredLayerSteps} of the device's measured layer steps usable
+        here: in ``dtype``, with weights and KV cache of that dtype's bytes, fitted."""
+        b = DTYPE_BYTES[self.dtype]
+        if self.weight_bytes_per_param != b or self.kv_bytes_per_element != b:
+            return {}
+        fits, _ = measured_layer_steps(self.hardware.device.kernels)
+        return {shape: fit for (shape, dtype), fit in fits.items() if dtype == self.dtype}
 
     # --- one step ------------------------------------------------------------------------
     def step_time(self, step) -> StepTime:
@@ -425,6 +465,13 @@ class ServingCostModel:
                 cost += fix_attn + max(2.0 * dec * p_dec / k["attn_rate"],
                                        (r_dec * kv_tok + decode * pre * _ACT) / bw)
             attention[s] += count * cost
+        # layers priced from measured layer steps (module docstring)
+        layers = np.zeros(pp)
+        if k["measured"]:
+            square = 2 * shape.pairs[None][0] - t_pre     # Σ(2P_i − n_i): T² of one prompt
+            context = shape.read[None][1]
+            for s, fit, count in k["measured"]:
+                layers[s] += count * fit.step_s(decode, context, t_pre, square)
         elementwise = np.zeros(pp)
         for s, per_token, kernels, count in k["elementwise"]:
             elementwise[s] += count * (kernels * fix + t * per_token / bw)
@@ -439,7 +486,7 @@ class ServingCostModel:
                 + fix + logits * SAMPLER_BYTES_PER_LOGIT / bw
         sends = tuple(_time(k["send"][s], 2 * hidden_bytes / self.tp)
                       + _time(k["all_gather"][s + 1], 2 * hidden_bytes) for s in range(pp - 1))
-        stage = gemm + moe + attention + elementwise + comm + head
+        stage = gemm + moe + attention + elementwise + comm + head + layers
         overhead = self.step_overhead_s + self.per_sequence_overhead_s * shape.sequences
         floor = self.floors.floor(shape).floor_s
         parts_total = float(stage.sum()) + sum(sends) + overhead
@@ -447,7 +494,7 @@ class ServingCostModel:
             total_s=max(parts_total, floor), floor_s=floor, gemm_s=float(gemm.sum()),
             attention_s=float(attention.sum()), moe_s=float(moe.sum()),
             elementwise_s=float(elementwise.sum()), comm_s=float(comm.sum()) + sum(sends),
-            lm_head_s=float(head.sum()), overhead_s=overhead,
+            lm_head_s=float(head.sum()), overhead_s=overhead, layers_s=float(layers.sum()),
             stage_s=tuple(float(x) for x in stage), pp_send_s=sends, tokens=t,
             samples=s_rows, cuda_graph=graph)
 

@@ -401,6 +401,7 @@ def simulate_row_default(row: ServingRow, *, seed: int = 0) -> dict[str, float]:
     the run's duration (the last request's end: one generate() over the batch). A row
     :func:`refusal` refuses, or one whose KV cache cannot hold a request, raises
     :class:`ConfigError`."""
+    # why: a row names its model; the presets' JSON files are read only when a row runs
     from modeling.presets import load_model
     from serving import ServingPlan
 

@@ -9,6 +9,10 @@ and one thread per device (``tid`` = rank), named by ``"M"`` metadata events
 (``process_name`` such as ``"measured (quickstart)"``, ``thread_name`` = ``"rank r"``,
 sort indexes), so each device is its own track.
 
+A served model's simulation (scenario kind ``inference``) follows in processes of its own:
+one track per replica with a slice per engine step, and every request's lifetime as an
+asynchronous slice (:mod:`reports.serving_trace`).
+
 Spans of one device that overlap without nesting (an asynchronous collective running
 beside compute) share the device's track; viewers draw them as well as the format allows.
 """
@@ -19,6 +23,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+
+from reports.serving_trace import serving_trace_events
 
 __all__ = ["chrome_trace", "write_chrome_trace", "US_PER_S"]
 
@@ -46,10 +52,20 @@ def _args(row) -> dict:
 
 
 def chrome_trace(record) -> dict:
-    """The trace-event JSON object of ``record.spans`` (empty spans -> no events)."""
+    """The trace-event JSON object of ``record.spans`` (empty spans -> no events), then a
+    served model's simulated engine steps and requests in processes of their own
+    (:mod:`reports.serving_trace`)."""
+    events = _span_events(record)
+    first_pid = max((e["pid"] for e in events), default=0) + 1
+    events += serving_trace_events(record, first_pid)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _span_events(record) -> list[dict]:
+    """The events of ``record.spans`` (module docstring)."""
     spans = record.spans
     if not len(spans):
-        return {"traceEvents": [], "displayTimeUnit": "ms"}
+        return []
     spans = spans.assign(_point=spans["point"] if "point" in spans.columns else None)
     processes = _processes(spans, record.name)
     events = []
@@ -76,7 +92,7 @@ def chrome_trace(record) -> dict:
                        "dur": max(float(row["end_s"] - row["start_s"]), 0.0) * US_PER_S,
                        "pid": processes[(point, row["source"])][0], "tid": int(row["rank"]),
                        "args": _args(row)})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return events
 
 
 def write_chrome_trace(record, directory: Path) -> str:

@@ -9,6 +9,8 @@ from html import escape
 import pandas as pd
 
 from reports.format import MAX_ROWS, fmt, formatted, reading_notes, shown_checks, steps_overview
+from reports.serving_plots import SERVING_PLOT_TITLES
+from reports.serving_summary import serving_sections
 from reports.tables import record_tables
 
 __all__ = ["html_table", "report_html", "record_html", "PLOT_TITLES"]
@@ -17,7 +19,8 @@ PLOT_TITLES = {"timeline": "Timeline per device (F/B/W compute, communication)",
                "time_breakdown": "Compute vs communication vs bubble per device",
                "predicted_vs_measured": "Predicted vs measured",
                "sweep": "Sweep",
-               "goodput": "Goodput under failures vs checkpoint interval"}
+               "goodput": "Goodput under failures vs checkpoint interval",
+               **SERVING_PLOT_TITLES}
 
 _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#222;
@@ -118,6 +121,8 @@ def report_html(record, plots: dict[str, bytes], files: dict) -> str:
     """The page; ``plots`` maps plot names to PNG bytes (embedded), ``files`` as in
     ``results.json`` (linked)."""
     parts = _head(record)
+    for title, frame in serving_sections(record):       # a served model's figures
+        parts += [f"<h2>{escape(title)}</h2>", html_table(frame)]
     for name, png in plots.items():
         data = base64.b64encode(png).decode("ascii")
         parts += [f"<h2>{escape(PLOT_TITLES.get(name, name))}</h2>",

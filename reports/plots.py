@@ -10,6 +10,8 @@
 * ``predicted_vs_measured.png`` — when both sources are present: median step time and
   summed time per (collective, axis), measured beside predicted, log scale (they usually
   differ by orders of magnitude: an emulator on one CPU versus a model of a GPU cluster);
+* ``latency_cdf.png``, ``kv_usage.png``, ``throughput_vs_rate.png`` — a served model's
+  (:mod:`reports.serving_plots`);
 * ``sweep.png`` — when the run was a sweep: the numeric headline figures that vary over
   the points (times, fractions and ratios first; at most six) against the first varied
   key, one line per value of the other varied keys.
@@ -30,12 +32,14 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from reports.serving_plots import SERVING_PLOT_NAMES, SERVING_PLOTS
 from reports.tables import sweep_keys
 
 __all__ = ["PLOT_NAMES", "timeline_png", "time_breakdown_png", "predicted_vs_measured_png",
            "sweep_png", "record_plots"]
 
-PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep", "goodput")
+PLOT_NAMES = ("timeline", "time_breakdown", "predicted_vs_measured", "sweep", "goodput",
+              *SERVING_PLOT_NAMES)     # a served model's: reports/serving_plots.py
 DPI = 100
 MAX_SWEEP_PANELS = 6
 MIN_ACTION_WIDTH = 0.002    # share of the time axis: the least width a pipeline action gets
@@ -272,7 +276,7 @@ def _goodput_png(record) -> bytes | None:
 
 _MAKERS = {"timeline": timeline_png, "time_breakdown": time_breakdown_png,
            "predicted_vs_measured": predicted_vs_measured_png, "sweep": sweep_png,
-           "goodput": _goodput_png}
+           "goodput": _goodput_png, **SERVING_PLOTS}
 
 
 def record_plots(record) -> dict[str, bytes]:

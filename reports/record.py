@@ -21,6 +21,10 @@ otherwise. ``source`` is ``"measured"`` (the emulator's wall clock) or ``"predic
 * ``goodput`` — with ``checkpoint.mtbf_s`` (docs/faults.md): one row per (MTBF,
   checkpoint interval), the columns of :func:`vcluster.timing.faults.impact.goodput_table`;
   ``None`` otherwise.
+* ``requests`` / ``engine_steps`` — a served model (scenario kind ``inference``): one row
+  per request, one per engine step, each tagged ``source`` ``emulated`` (counted in engine
+  steps) or ``simulated`` (seconds); the columns in docs/scenario.md ("kind: inference")
+  (:mod:`vcluster.scenario.serving_records`). ``None`` for every other run.
 * ``spans`` — one row per timeline interval: ``source, rank, stream`` (``compute`` |
   ``comm`` | ``p2p`` | ``wait``), ``name`` (op or collective name; pipeline actions as
   ``F``/``B``/``W`` with ``stage`` and ``microbatch`` columns where known), ``start_s,
@@ -77,6 +81,8 @@ class RunRecord:
     sweep: pd.DataFrame | None = None
     goodput: pd.DataFrame | None = None
     sweep_keys: tuple[str, ...] = ()      # the varied key paths, in the sweep's order
+    requests: pd.DataFrame | None = None      # a served model's requests (see above)
+    engine_steps: pd.DataFrame | None = None  # a served model's engine steps (see above)
 
     @property
     def passed(self) -> bool:

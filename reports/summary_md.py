@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from reports.format import MAX_ROWS, fmt, formatted, reading_notes, shown_checks, steps_overview
+from reports.serving_summary import serving_sections
 from reports.tables import record_tables
 
 __all__ = ["markdown_table", "summary_markdown"]
@@ -57,6 +58,8 @@ def summary_markdown(record, files: dict) -> str:
         out += ["\n## Checks\n\n", markdown_table(pd.DataFrame(shown))]
         if note:
             out.append(f"\n_{note}._\n")
+    for title, frame in serving_sections(record):       # a served model's figures
+        out += [f"\n## {title}\n\n", markdown_table(frame)]
     tables = record_tables(record)
     out += ["\n## Devices\n\n", markdown_table(tables["devices"]),
             "\n## Collectives\n\n", markdown_table(tables["collectives"]),

@@ -1,4 +1,5 @@
-"""CSV tables of a report: devices.csv, collectives.csv, steps.csv, sweep.csv.
+"""CSV tables of a report: devices.csv, collectives.csv, steps.csv, sweep.csv (and a served
+model's requests.csv, engine_steps.csv).
 
 Each is the :class:`~reports.RunRecord` DataFrame as is (its columns are documented in
 ``reports/record.py``); an empty table is written with its header only; ``sweep.csv``
@@ -13,11 +14,13 @@ import pandas as pd
 
 __all__ = ["TABLE_NAMES", "record_tables", "write_tables", "sweep_keys"]
 
-TABLE_NAMES = ("devices", "collectives", "steps", "sweep", "goodput")
+TABLE_NAMES = ("devices", "collectives", "steps", "sweep", "goodput", "requests",
+               "engine_steps")        # the last two: a served model's (RunRecord)
 
 
 def record_tables(record) -> dict[str, pd.DataFrame]:
-    """``{table name: DataFrame}`` of the tables this record has (sweep, goodput: when set)."""
+    """``{table name: DataFrame}`` of the tables this record has (sweep, goodput, requests,
+    engine_steps: when set)."""
     tables = {name: getattr(record, name, None) for name in TABLE_NAMES}
     return {name: t for name, t in tables.items() if t is not None}
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # checks its report as these do (and its default --out, and a silent stderr)
 EXAMPLES = sorted(p for p in (ROOT / "scenarios").glob("*.yaml")
                   if p.stem not in ("faults", "quickstart"))
-FAST = {"matmul_layouts", "transformer_simulate"}
+FAST = {"matmul_layouts", "transformer_simulate", "serving"}
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -43,6 +43,13 @@ def _expected_keys(scenario) -> set:
         keys |= set(SUMMARY_KEYS["simulate"])
     if mode == "both" and not scenario.document.get("faults"):
         keys |= set(SUMMARY_KEYS["both"])
+    if kind == "inference":     # a served model: the serving simulation's keys, which
+        if mode == "simulate":  # replace the trace replay's when it runs alone
+            keys -= set(SUMMARY_KEYS["simulate"])
+        if mode != "emulate" and scenario.hardware.name != "localhost":
+            keys |= set(SUMMARY_KEYS["serving"])
+        if mode != "simulate":
+            keys |= set(SUMMARY_KEYS["emulated_serving"])
     return keys
 
 

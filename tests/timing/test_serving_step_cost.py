@@ -24,6 +24,7 @@ from modeling.errors import ConfigError
 from serving import EngineStep, Request, ScheduledRequest, VllmV1Scheduler
 from vcluster.timing.collective_cost import collective_time_s
 from vcluster.timing.presets import load_hardware, preset
+from vcluster.timing.serving.tp_allreduce import tp_allreduce_s
 from vcluster.timing.serving.floors import (attention_pairs, decode_floor_s,
                                             expected_experts, prefill_floor_s, step_floor)
 from vcluster.timing.serving.step_cost import STEP_OVERHEAD_S, ServingCostModel, StepTime
@@ -110,7 +111,8 @@ def test_gemms_are_priced_by_the_device_model():
     DeviceSpec.matmul_time_s of the QKV, O, gate/up and down GEMMs, and lm_head_s
     includes the head's (S × h × V) GEMM."""
     spec, device = MODELS["llama-3.1-8b"], H100.device
-    model = ServingCostModel(spec, H100, cudagraph_max_tokens=0)
+    model = ServingCostModel(spec, H100, cudagraph_max_tokens=0,     # the device's t_k
+                             eager_kernel_overhead_s=device.kernel_overhead_us * 1e-6)
     for rows in ([(1, 300)] * 7, [(512, 512), (1, 40)]):
         t = sum(n for n, _ in rows)
         step = model.step_time(rows)
@@ -122,16 +124,27 @@ def test_gemms_are_priced_by_the_device_model():
 
 
 def test_tensor_parallel_all_reduces_are_the_collective_model():
-    """tp = 8: two all-reduces of T·h·2 bytes per layer over ranks 0..7
-    (collective_time_s, NCCL's choice); tp = 1: no communication."""
+    """tp = 8: two all-reduces of T·h·2 bytes per layer over ranks 0..7 — under
+    ``tp_allreduce="nccl"`` collective_time_s (NCCL's choice), by default vLLM's custom
+    all-reduce (tp_allreduce_s); tp = 1: no communication."""
     spec = MODELS["llama-3.1-70b"]
     for t in (1, 64, 3000):
         rows = [(1, 1000)] * t if t < 3000 else [(3000, 3000)]
-        step = ServingCostModel(spec, H100, tp=8).step_time(rows)
-        expected = 2 * 80 * collective_time_s("all_reduce", t * 8192 * 2, tuple(range(8)),
-                                              H100)
-        assert step.comm_s == pytest.approx(expected, rel=1e-9)
+        nbytes = t * 8192 * 2
+        nccl = collective_time_s("all_reduce", nbytes, tuple(range(8)), H100)
+        step = ServingCostModel(spec, H100, tp=8, tp_allreduce="nccl").step_time(rows)
+        assert step.comm_s == pytest.approx(2 * 80 * nccl, rel=1e-9)
+        custom = ServingCostModel(spec, H100, tp=8).step_time(rows)
+        assert custom.comm_s == pytest.approx(
+            2 * 80 * tp_allreduce_s(H100.device.name, 8, nbytes, nccl), rel=1e-9)
+        assert custom.comm_s <= step.comm_s
     assert ServingCostModel(MODELS["llama-3.1-8b"], H100).step_time([(1, 9)]).comm_s == 0
+    # not on one node (tp 16 over two DGX nodes): NCCL
+    wide = ServingCostModel(spec, H100, tp=16).step_time([(1, 1000)])
+    assert wide.comm_s == pytest.approx(2 * 80 * collective_time_s(
+        "all_reduce", 8192 * 2, tuple(range(16)), H100), rel=1e-9)
+    with pytest.raises(ValueError, match="tp_allreduce"):
+        ServingCostModel(spec, H100, tp=8, tp_allreduce="mpi")
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
@@ -205,7 +218,8 @@ def test_expected_experts_matches_sampling():
 def test_moe_decode_reads_only_the_experts_reached():
     """Qwen3-30B-A3B (128 experts, top 8): one token reads 8 experts per layer, 256 tokens
     nearly all 128 — the MoE part grows with the batch until every expert is read."""
-    model = ServingCostModel(MODELS["qwen3-30b-a3b"], H100)
+    model = ServingCostModel(MODELS["qwen3-30b-a3b"], H100, graph_kernel_overhead_s=0.0,
+                             eager_kernel_overhead_s=0.0)      # the experts' bytes alone
     moe = [model.step_time([(1, 512)] * b).moe_s for b in (1, 8, 64, 256)]
     assert moe == sorted(moe)
     assert moe[1] / moe[0] > 4 and moe[3] / moe[2] < 1.3
@@ -383,7 +397,9 @@ def test_figures_unchanged_without_measured_layer_steps(key):
             [("decode_layer", f"{b}x{c}") for b in (1, 8) for c in (64, 512)]
             + [("prefill_layer", str(t)) for t in (16, 64, 256)])]}})
     for hardware in (H100, other):
-        model = ServingCostModel(MODELS.get(name) or load_model(name), hardware, tp=tp, pp=pp)
+        model = ServingCostModel(MODELS.get(name) or load_model(name), hardware, tp=tp, pp=pp,
+                                 tp_allreduce="nccl", step_overhead_s=1e-3,
+                                 graph_kernel_overhead_s=2e-6, eager_kernel_overhead_s=5e-6)
         step = model.step_time(_GOLDEN_STEPS[kind])
         got = (step.total_s, step.gemm_s, step.attention_s, step.elementwise_s, step.moe_s,
                step.comm_s, step.lm_head_s)

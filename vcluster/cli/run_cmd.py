@@ -184,7 +184,9 @@ def _print_summary(record, out: Path) -> None:
     for key in ("measured_step_time_s", "predicted_step_time_s", "hardware",
                 "compute_comm_ratio", "predicted_bubble_fraction", "traffic_matches",
                 "final_loss", "checks_passed", "max_abs_error", "points",
-                "final_params_sha256", "matches_fault_free"):
+                "final_params_sha256", "matches_fault_free",
+                # an inference scenario's headline figures (vLLM bench serve's keys)
+                "p90_ttft_ms", "p90_tpot_ms", "output_throughput", "fits"):
         if s.get(key) is not None:
             print(f"  {key:<26}{_fmt(s[key])}")
     print(f"report: {out}")

@@ -32,7 +32,6 @@ import json
 import math
 import sys
 
-from modeling import ConfigError
 from modeling.choices import Engine, Router
 
 from .args import fraction, positive_int

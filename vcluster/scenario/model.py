@@ -179,6 +179,9 @@ class Scenario:
     faults: tuple = ()                          # fault dicts (vcluster.scenario.resilience)
     checkpoint: Mapping[str, Any] = field(default_factory=dict)
     data_parallel: DataParallelSpec = DataParallelSpec()
+    # the inference kind's serving engine and its settings, the schema's defaults filled in
+    # (vcluster/scenario/workloads/inference.py; the section is refused for other kinds)
+    engine: Mapping[str, Any] = field(default_factory=dict)
     mesh: Any = field(default=None, compare=False)       # the resolved Mesh (the parser's)
     points: tuple = field(default=(), compare=False)     # a sweep's parsed points
 
@@ -225,7 +228,8 @@ class Scenario:
             document=_frozen(doc), base_dir=str(base_dir),
             faults=tuple(_frozen(f) for f in doc.get("faults", [])),
             checkpoint=_frozen(doc.get("checkpoint", {})),
-            data_parallel=DataParallelSpec.from_section(doc.get("data_parallel", {})))
+            data_parallel=DataParallelSpec.from_section(doc.get("data_parallel", {})),
+            engine=_frozen(_defaults(sections["engine"]["properties"], doc.get("engine", {}))))
 
     def point_documents(self) -> list[tuple[dict, dict]]:
         """:func:`expand_sweep` of this scenario's document."""

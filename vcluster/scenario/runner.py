@@ -13,6 +13,12 @@ Per point (``mode``):
 * **both** — also compares the traffic: the bytes and messages the emulator moved in one
   step equal the trace's, per device and collective (``traffic_matches``).
 
+A served model (``kind: inference``, :mod:`.workloads.inference`) adds its serving
+records (:mod:`.serving_records`): the emulated run's engine steps and requests, and the
+serving simulation (:func:`~vcluster.timing.serving.deployment.simulate_serve`), which in
+``simulate`` mode replaces the trace's replay (a whole serving run of a full-size model is
+the simulator's, not a trace's); the record's ``requests`` and ``engine_steps`` tables.
+
 The summary's keys are listed in :data:`SUMMARY_KEYS` (docs/scenario.md explains each).
 A sweep's record has one ``sweep`` row per point (the varied key paths, then that
 point's summary); its tables and checks are those of every point, with a ``point`` column
@@ -29,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .choices import Engine, Mode, parse_choice
+from .serving_records import EMULATED_SUMMARY_KEYS, SERVING_SUMMARY_KEYS
 from .timed_runs import (WARMUP_RUNS, all_running, emulate_timed, is_update,
                          measures_like_localhost, step_times)
 from .workloads.base import compare
@@ -56,6 +63,11 @@ SUMMARY_KEYS = {
     "training": ("data_parallel",),                  # mlp, transformer
     "roles": ("measured_server_bytes_sent", "measured_worker_bytes_sent",   # data_parallel
               "predicted_server_bytes_sent", "predicted_worker_bytes_sent"),  # mode ps
+    # the inference kind (serving_records): its emulated serving run (emulate, both), and
+    # the serving simulation (simulate; both on a GPU model), which replaces the simulate
+    # keys above in a simulate-only run
+    "emulated_serving": EMULATED_SUMMARY_KEYS,
+    "serving": SERVING_SUMMARY_KEYS,
 }
 
 
@@ -86,7 +98,10 @@ def _units(point, training: bool, engine: str) -> int:
     else:
         warmup = point.run.warmup
     emulate = (1 if training else steps) + (1 if point.run.check else 0) + warmup
-    return (emulate if mode != "simulate" else 0) + (1 if mode != "emulate" else 0)
+    # the inference kind in mode both: the trace's replay and the serving simulation
+    serving_both = point.workload.kind == "inference" and mode == "both"
+    return (emulate if mode != "simulate" else 0) + (1 if mode != "emulate" else 0) \
+        + (1 if serving_both else 0)
 
 
 # --- emulation ---------------------------------------------------------------------------
@@ -371,6 +386,7 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
         "mode": str(mode)}, tables={k: [] for k in ("steps", "devices", "collectives", "spans")})
     if workload.training:
         out.summary["data_parallel"] = _data_parallel_label(point)
+    serving = getattr(workload, "serving", None)   # the inference kind's records' hooks
     emu = None
     if mode in ("emulate", "both"):
         resilient = wants_resilience(point) or resume is not None
@@ -398,7 +414,14 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
             if point.run.check else None
         out.summary["max_abs_error"] = max((c["max_abs_error"] for c in out.checks),
                                            default=None)
-    if mode in ("simulate", "both"):
+        if serving is not None:     # the emulated serving run's steps, requests, KV usage
+            _add_records(out, *serving.emulated(emu["outputs"]))
+    if serving is not None and serving.simulated is not None:   # the serving simulation
+        _add_records(out, *serving.simulated())
+        bar.advance("simulate serving")
+    # a served model simulated alone is the serving simulation above; with emulation (both)
+    # its emulated run's trace is replayed too, as every kind's
+    if mode == "both" or (mode == "simulate" and serving is None):
         traces, result, setup = _simulate(workload, point, bar)
         _predicted(out, workload, traces, result, setup, point)
         if emu is not None and "fit" not in emu:    # segmented / restarted runs: not one trace
@@ -421,6 +444,14 @@ def _run_point(point, engines: _Engines, bar, resume: str | None = None) -> _Poi
                 if setup.localhost and measured else None)
     out.summary = {k: _finite(v) for k, v in out.summary.items()}
     return out
+
+
+def _add_records(point: _Point, summary: dict, tables: dict) -> None:
+    """A serving run's summary keys and tables (``requests``, ``engine_steps``) into
+    ``point`` (the inference kind, :mod:`vcluster.scenario.serving_records`)."""
+    point.summary.update(summary)
+    for name, frame in tables.items():
+        point.tables.setdefault(name, []).append(frame)
 
 
 def _data_parallel_label(point) -> str:
@@ -484,7 +515,8 @@ def run_scenario(scenario, *, mode: str | None = None, engine: str = "emulator",
             rows.append({**values, **res.summary})
     sweeping = bool(scenario.sweep)
     tables = {}
-    for name in ("steps", "devices", "collectives", "spans", "goodput"):
+    for name in ("steps", "devices", "collectives", "spans", "goodput", "requests",
+                 "engine_steps"):
         parts = [_concat(r.tables.get(name, []), i if sweeping else None)
                  for i, r in enumerate(results)]
         parts = [p for p in parts if p is not None]

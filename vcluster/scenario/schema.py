@@ -19,6 +19,7 @@ import copy
 from types import MappingProxyType
 
 from modeling import AttentionKernel, CPAlgorithm, GradReduceDtype, TPOverlap, ZeroStage
+from modeling.choices import Engine as ServingEngine, Router
 
 from .choices import Algorithm, ArrayModule, DataParallelMode, Mode, Recompute, ScheduleName
 from .errors import ScenarioError, format_path
@@ -27,9 +28,10 @@ from .resilience import CHECKPOINT_SCHEMA as _CHECKPOINT_SCHEMA, FAULTS_SCHEMA a
 __all__ = ["scenario_schema", "check_document", "check_section", "KINDS", "MODES", "DTYPES",
            "COLLECTIVE_OPS", "MATMUL_POLICIES", "FFN_POLICIES", "SCHEDULES", "REPORT_FORMATS",
            "ALGORITHMS", "PARALLEL_AXES", "TRANSFORMER_AXES", "DATA_PARALLEL_MODES",
-           "DATA_PARALLEL_KEYS", "ZERO_STAGES"]
+           "DATA_PARALLEL_KEYS", "ZERO_STAGES", "SERVING_KIND"]
 
-KINDS = ("collective", "matmul", "ffn", "mlp", "transformer")
+SERVING_KIND = "inference"        # a model served: vcluster/scenario/workloads/inference.py
+KINDS = ("collective", "matmul", "ffn", "mlp", "transformer", SERVING_KIND)
 MODES = Mode.values()
 DTYPES = ("float16", "float32", "float64")     # float16: run.mode simulate only
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -58,7 +60,8 @@ DATA_PARALLEL_KEYS = MappingProxyType({"ddp": (), "zero": ("zero_stage",),
                                        "ps": ("servers", "staleness")})
 
 _IDENT = r"^[A-Za-z_][A-Za-z0-9_]*$"
-_SWEPT = "(cluster|hardware|workload|parallel|run|data_parallel)"   # sections a sweep varies
+#: sections a sweep varies (engine: the inference kind's serving engine)
+_SWEPT = "(cluster|hardware|workload|parallel|run|data_parallel|engine)"
 
 
 def _int(description: str, minimum: int = 1, default=None) -> dict:
@@ -77,6 +80,20 @@ def _enum(values, description: str, default=None) -> dict:
 
 def _bool(description: str, default: bool = False) -> dict:
     return {"type": "boolean", "description": description, "default": default}
+
+
+def _lengths(description: str, default: int) -> dict:
+    """Token counts: one integer for every request, or a list of one per request."""
+    return {"description": description, "default": default,
+            "anyOf": [{"type": "integer", "minimum": 1},
+                      {"type": "array", "items": {"type": "integer", "minimum": 1},
+                       "minItems": 1}]}
+
+
+def _rate(description: str, default) -> dict:
+    """A positive number, or ``inf`` (YAML ``.inf`` or the text ``inf``)."""
+    return {"description": description, "default": default,
+            "anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"const": "inf"}]}
 
 
 _AXES = {"description": "a mesh axis name, a list of names (major to minor), or null",
@@ -186,6 +203,41 @@ _WORKLOAD = MappingProxyType({
                                            "tokens beyond it are dropped (omit: dropless)"},
         **_TRAINING,
     },
+    SERVING_KIND: {     # docs/scenario.md ("kind: inference"); checked in workloads/inference.py
+        "model": {"type": "string", "description": "a preset (vcluster model list) or a "
+                  "Hugging Face config.json: the served model; the shape keys written beside "
+                  "it override it (a proxy for emulation: layers, hidden, ...). Omitted: a "
+                  "Llama of the shape keys"},
+        "hidden": _int("hidden size h", 1, 16), "layers": _int("transformer layers", 1, 2),
+        "heads": _int("attention heads", 1, 4),
+        "kv_heads": _int("key/value heads (divide heads; default heads)"),
+        "head_dim": _int("each head's dimension (default hidden/heads)"),
+        "ffn_hidden": _int("SwiGLU width (default Llama's rule, 256-multiple of 8h/3)"),
+        "vocab": _int("vocabulary size", 1, 32),
+        "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
+        "moe_top_k": _int("experts each token is routed to", 1, 2),
+        "moe_ffn_hidden": _int("each expert's SwiGLU width (default ffn_hidden)"),
+        "requests": _int("requests to serve (vllm bench --num-prompts; default: the "
+                         "length of a per-request list, else 8)"),
+        "input_len": _lengths("prompt tokens of each request, or one per request", 32),
+        "output_len": _lengths("output tokens of each request (generation ignores "
+                               "end-of-sequence), or one per request", 8),
+        "range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "default": 0.0,
+                        "description": "lengths drawn uniformly within +-ratio of input_len "
+                                       "and output_len (vllm bench --random-range-ratio)"},
+        "arrival_steps": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                          "minItems": 1, "description": "emulation: the engine step each "
+                          "request arrives at, one per request (default: all at step 0)"},
+        "rate": _rate("simulation: requests per second (Poisson, gamma with burstiness; "
+                      "inf: all at once)", "inf"),
+        "burstiness": _rate("simulation: gamma shape of the inter-arrival times (1: "
+                            "Poisson; inf: evenly spaced)", 1.0),
+        "concurrency": _int("simulation: most requests outstanding, a new one sent when one "
+                            "finishes (vllm bench --max-concurrency; omit: no limit)"),
+        "trace": {"type": "string", "description": "run.mode simulate: requests from a CSV "
+                  "file with columns arrival_s,input_len,output_len (relative to the "
+                  "scenario file), instead of requests, lengths and rate"},
+    },
 })
 
 #: parallel keys of each kind
@@ -253,6 +305,18 @@ _PARALLEL = MappingProxyType({
         "etp": _int("expert tensor parallelism: tp (the default: each expert split over "
                     "tp) or 1 (experts whole; the ep group made of whole tp groups, ep = "
                     "tp x a divisor of dp; needs sequence_parallel)"),
+    },
+    SERVING_KIND: {
+        "tp": _int("tensor-parallel degree of each replica (mesh axis tp)", 1, 1),
+        "pp": _int("pipeline stages of each replica (mesh axis pp)", 1, 1),
+        "ep": _int("MoE: 1 (every expert split over tp) or tp (experts whole, spread over "
+                   "the tp ranks: vLLM's --enable-expert-parallel)", 1, 1),
+        "replicas": _int("simulation: engine replicas behind the router (the decode pool "
+                         "when prefill_replicas > 0); emulation serves one", 1, 1),
+        "prefill_replicas": _int("simulation: prefill-only replicas, a disaggregated "
+                                 "deployment (the KV moved over the network)", 0, 0),
+        "router": _enum(Router.values(), "simulation: how requests are spread over the "
+                        "replicas", "round_robin"),
     },
 })
 
@@ -335,6 +399,35 @@ _SECTIONS = {
                               "only, without check)", 0, 0),
         },
     },
+    "engine": {
+        "type": "object", "additionalProperties": False,
+        "description": "workload.kind inference: the serving engine whose scheduler runs, "
+                       "and its settings (vLLM's names and defaults)",
+        "properties": {
+            "name": _enum(ServingEngine.values(), "vllm-v1: continuous batching with chunked "
+                          "prefill and recompute preemption; static: static batching",
+                          "vllm-v1"),
+            "max_num_batched_tokens": _int("token budget of one step (default: vllm-v1 "
+                                           "8192, static none)"),
+            "max_num_seqs": _int("most sequences running at once", 1, 256),
+            "block_size": _int("tokens per KV-cache block", 1, 16),
+            "num_blocks": _int("emulation: KV blocks on each device, block 0 the null block "
+                               "(default: room for every request at its longest at once)",
+                               2),
+            "gpu_memory_utilization": {"type": "number", "exclusiveMinimum": 0,
+                                       "maximum": 1, "default": 0.9,
+                                       "description": "simulation: share of each GPU's "
+                                                      "memory the engine may use"},
+            "max_model_len": _int("simulation: longest sequence the engine accepts "
+                                  "(default: the workload's longest)", 2),
+            "enable_chunked_prefill": _bool("simulation, vllm-v1: split a prompt over steps "
+                                            "(false: admit it only when it fits one step)",
+                                            True),
+            "weight_dtype": _enum(("bf16", "fp8"), "simulation: bytes per weight", "bf16"),
+            "kv_cache_dtype": _enum(("auto", "fp8"), "simulation: KV-cache bytes per "
+                                    "element (auto: the weights' 16-bit)", "auto"),
+        },
+    },
     "faults": _FAULTS_SCHEMA,
     "checkpoint": _CHECKPOINT_SCHEMA,
     "sweep": {"type": "object", "minProperties": 1, "description": "key path: list of "
@@ -411,6 +504,9 @@ def _allowed(error) -> tuple[str, str]:
     if v in ("minimum", "exclusiveMinimum"):
         op = ">=" if v == "minimum" else ">"
         return f"a number {op} {error.validator_value}", "too small"
+    if v in ("maximum", "exclusiveMaximum"):
+        op = "<=" if v == "maximum" else "<"
+        return f"a number {op} {error.validator_value}", "too large"
     if v in ("maxItems", "minItems"):
         return f"a list of {'at most' if v == 'maxItems' else 'at least'} " \
                f"{error.validator_value} items", "wrong length"
@@ -466,8 +562,8 @@ def _raise_first(schema: dict, instance) -> None:
     if "propertyNames" in error.absolute_schema_path:   # a bad key name
         path, value = format_path(list(error.absolute_path) + [error.instance]), error.instance
         allowed = ("identifiers (letters, digits, _)" if "mesh" in path
-                   else "a key path under cluster, hardware, workload, parallel, run or "
-                        "data_parallel")
+                   else "a key path under cluster, hardware, workload, parallel, run, "
+                        "data_parallel or engine")
         raise ScenarioError(path, value, allowed, "bad key")
     allowed, reason = _allowed(error)
     path, value = _path_of(error)

@@ -3,7 +3,9 @@
 The mesh is ``cluster.mesh`` (axes in order), or, when that is omitted, the axes of
 ``parallel.dp / pp / tp`` that are given (in that order). When both are given, each
 degree must equal its axis's size (an absent axis has size 1); ``cluster.devices``,
-when given, must equal the mesh's size.
+when given, must equal the mesh's size. A served model (``kind: inference``) runs one
+replica on the mesh (pp, tp) (:func:`~.workloads.inference.replica_mesh`), and only it
+takes the ``engine`` section.
 
 ``data_parallel`` (:func:`check_data_parallel`): each mode takes its own keys; ZeRO and
 the parameter server train mlp / transformer without faults or checkpoints; ZeRO-2/3
@@ -26,7 +28,7 @@ from .choices import DataParallelMode
 from .errors import ScenarioError
 from .hardware import check_hardware
 from .resilience import check_faults, wants_resilience
-from .schema import DATA_PARALLEL_KEYS, PARALLEL_AXES, TRANSFORMER_AXES
+from .schema import DATA_PARALLEL_KEYS, PARALLEL_AXES, SERVING_KIND, TRANSFORMER_AXES
 
 __all__ = ["resolve_mesh", "check_semantics", "check_data_parallel", "DEGREE_KINDS",
            "PS_AXIS"]
@@ -43,6 +45,9 @@ def resolve_mesh(scenario):
     when it resolved it already."""
     if getattr(scenario, "mesh", None) is not None:
         return scenario.mesh
+    if scenario.workload.kind == SERVING_KIND:     # one serving replica: mesh (pp, tp)
+        from .workloads.inference import replica_mesh  # lazy: the decoder's layer (numpy)
+        return _check_devices(scenario, replica_mesh(scenario))
     if _is_ps(scenario):
         return _ps_mesh(scenario)
     par = scenario.parallel
@@ -171,10 +176,20 @@ def _check_zero(scenario, mesh) -> None:
                             exc.reason) from None
 
 
+def _check_engine_section(scenario) -> None:
+    """The ``engine`` section configures a served model: only with workload.kind inference."""
+    kind = scenario.workload.kind
+    if kind != SERVING_KIND and "engine" in scenario.document:
+        raise ScenarioError("engine", dict(scenario.document["engine"]),
+                            f"no engine section with workload.kind {kind}",
+                            f"the serving engine belongs to workload.kind {SERVING_KIND}")
+
+
 def check_semantics(scenario):
     """Raise :class:`ScenarioError` for the first broken cross-field rule; return the
     scenario's :class:`mesh.Mesh`."""
     from .workloads import workload_module  # lazy: keeps vcluster --help fast (numpy)
+    _check_engine_section(scenario)
     check_data_parallel(scenario)
     mesh = resolve_mesh(scenario)
     _check_zero(scenario, mesh)

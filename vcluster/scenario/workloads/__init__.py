@@ -17,7 +17,8 @@ __all__ = ["Workload", "compare", "REGISTRY", "workload_module"]
 
 #: kind -> module name (imported on first use: numpy-heavy algorithm layers load lazily)
 REGISTRY = MappingProxyType({"collective": "collective", "matmul": "matmul", "ffn": "ffn",
-                             "mlp": "mlp", "transformer": "transformer"})
+                             "mlp": "mlp", "transformer": "transformer",
+                             "inference": "inference"})
 
 
 def workload_module(kind: str):

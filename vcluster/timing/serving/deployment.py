@@ -54,12 +54,14 @@ def reported_memory_bytes(hardware: HardwareSpec) -> int:
     return int(gib * _GIB)
 
 
-def serving_pricer(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan) -> ServingCostModel:
-    """The step prices of one replica of ``plan``."""
+def serving_pricer(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan,
+                   **options) -> ServingCostModel:
+    """The step prices of one replica of ``plan``; ``options``: the cost model's other
+    settings (``step_overhead_s``, ``tp_allreduce``, ...)."""
     return ServingCostModel(spec, hardware, tp=plan.tp, pp=plan.pp, ep=plan.ep,
                             dtype="fp8" if plan.weight_bytes == 1 else "bf16",
                             weight_bytes_per_param=plan.weight_bytes,
-                            kv_bytes_per_element=plan.kv_bytes)
+                            kv_bytes_per_element=plan.kv_bytes, **options)
 
 
 def serving_capacity(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan,

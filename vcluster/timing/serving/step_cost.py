@@ -9,8 +9,9 @@ activation, b_w bytes per weight, t = tp. Every kernel k costs
     t_k = t_fix + max(F_k / R, B_k / BW)     R: achieved FLOP/s, BW: achieved HBM bytes/s
 
 (:meth:`DeviceSpec.compute_time_s <vcluster.timing.hardware.DeviceSpec.compute_time_s>`'s
-roofline), where t_fix is the device's ``kernel_overhead_us`` launched eagerly and
-``kernel_overhead_us`` less a CUDA launch (:data:`CUDA_LAUNCH_US`) inside a CUDA graph.
+roofline), where t_fix is :data:`GRAPH_KERNEL_FIXED_US` inside a CUDA graph (fitted: see
+its comment) and, launched eagerly, that plus a CUDA launch (:data:`CUDA_LAUNCH_US`) — at
+least the device's ``kernel_overhead_us``.
 Per layer, each distinct layer type priced once and multiplied by its count on the stage:
 
 * GEMMs (``gemm_s``), m = T: QKV (h × (heads/t + 2·kv_local)·d), O (heads/t·d × h), a dense
@@ -40,9 +41,11 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
 * elementwise (``elementwise_s``): two fused add+RMSNorms (4·T·h·b each), rotary
   embedding on q and k, the KV-cache write (2·T·KV bytes per token), a dense MLP's
   activation (T·(m·f/t)·b), the embedding lookup (first stage) and the final norm (last).
-* communication (``comm_s``): tp > 1 — two all-reduces of T·h·b per layer
-  (:func:`~vcluster.timing.collective_cost.collective_time_s` over the stage's tp ranks,
-  NCCL's algorithm choice); pp > 1 — per stage boundary vLLM's ``send_tensor_dict`` of the
+* communication (``comm_s``): tp > 1 — two all-reduces of T·h·b per layer, as the engine
+  runs them (``tp_allreduce``): ``vllm-custom`` (the default) — vLLM's custom all-reduce
+  where vLLM uses it (:mod:`.tp_allreduce`: measured on H100, one node, up to 8 MiB), NCCL
+  elsewhere; ``nccl`` — :func:`~vcluster.timing.collective_cost.collective_time_s` over
+  the stage's tp ranks, NCCL's algorithm choice; pp > 1 — per stage boundary vLLM's ``send_tensor_dict`` of the
   hidden states and the residual, 2·T·h·b: each tp rank sends its 1/t slice to its peer
   and the next stage all-gathers them (``pp_send_s``).
 * LM head (``lm_head_s``, last stage): the S sampled rows only, S × h × V/t, the
@@ -107,8 +110,10 @@ from ..hardware import DTYPE_BYTES, HardwareSpec, canonical_dtype
 from ..kernel_profile import TILE
 from .floors import FloorModel, StepShape, expected_experts, shape_of
 from .measured_steps import layer_shape, measured_layer_steps
+from .tp_allreduce import tp_allreduce_s
 
 __all__ = ["ServingCostModel", "StepTime", "STEP_OVERHEAD_S", "CUDA_LAUNCH_US",
+           "GRAPH_KERNEL_FIXED_US", "TP_ALLREDUCE",
            "FLASH_ATTENTION_UTILIZATION", "SAMPLER_BYTES_PER_LOGIT", "CUDAGRAPH_MAX_TOKENS",
            "step_rows"]
 
@@ -121,10 +126,18 @@ __all__ = ["ServingCostModel", "StepTime", "STEP_OVERHEAD_S", "CUDA_LAUNCH_US",
 # (inference-sim hardware_config.json), InferSim 5 ms per decode step (its research note,
 # docs/research/roofline-v2-improvement). We take 1 ms, to be calibrated on "fit" rows.
 STEP_OVERHEAD_S = 1.0e-3
-# A CUDA launch's share of a kernel's fixed cost: vcluster.timing.presets'
-# KERNEL_OVERHEAD_US comment ("CUDA launch latency alone is ~3-5 us", the lower end). In a
-# CUDA graph the launch is replayed by the device, leaving the kernel's ramp and epilogue:
-# 5 - 3 = 2 us per kernel on the presets' devices.
+#: how tensor-parallel all-reduces are priced: vLLM's custom kernel where vLLM uses it, or NCCL
+TP_ALLREDUCE = ("vllm-custom", "nccl")
+# The fixed cost of one kernel inside a CUDA-graph-replayed decode step: a small, latency-
+# bound kernel's minimum duration and the gap to the next. FITTED on the one `fit` row of
+# the batch-latency table (serving_measured.csv, vllm-ci-9515-latency: Llama-3-70B TP4 on
+# H200, batch 8, 32 in / 128 out, 2,077.5 ms): 5 us gives -4.7%, 6 us +0.3% (2 us, the
+# device's 5 us less a ~3 us CUDA launch, gave -19.5%). The held-out rows of the same table then
+# land at -0.5% (Llama-3.1-8B TP1) and -5.8% (Mixtral-8x7B TP2): what the fit row missed
+# was per kernel (about 40 us per dense layer, 80 per MoE layer), not per step.
+GRAPH_KERNEL_FIXED_US = 6.0
+# What a kernel launched eagerly adds to it: a CUDA launch, ~3-5 us (vcluster.timing.presets'
+# KERNEL_OVERHEAD_US comment), the lower end; a CUDA graph replays the launches on the device.
 CUDA_LAUNCH_US = 3.0
 # FlashAttention-3's forward reaches 75% of the H100's BF16 peak ("up to 740 TFLOPs/s (75%
 # utilization)", Shah et al. 2024, arXiv 2407.08608); FlashAttention-2's 50-73% of the
@@ -251,9 +264,10 @@ class ServingCostModel:
     """Step prices of ``spec`` served on ``hardware`` with ``tp`` × ``pp`` GPUs (``ep``: 1,
     or tp for expert parallelism), computing in ``dtype`` with weights of
     ``weight_bytes_per_param`` and a KV cache of ``kv_bytes_per_element`` (module docstring
-    for the model and each constant's source). ``eager_kernel_overhead_s`` None: the
-    device's ``kernel_overhead_us``; ``graph_kernel_overhead_s`` None: that less
-    :data:`CUDA_LAUNCH_US`; ``cudagraph_max_tokens`` 0: no CUDA graphs (``enforce_eager``)."""
+    for the model and each constant's source). ``graph_kernel_overhead_s`` None:
+    :data:`GRAPH_KERNEL_FIXED_US`; ``eager_kernel_overhead_s`` None: that plus
+    :data:`CUDA_LAUNCH_US`, at least the device's ``kernel_overhead_us``; ``cudagraph_max_tokens`` 0: no CUDA graphs
+    (``enforce_eager``)."""
 
     spec: ModelSpec
     hardware: HardwareSpec
@@ -264,6 +278,7 @@ class ServingCostModel:
     weight_bytes_per_param: float = 2
     kv_bytes_per_element: int = 2
     step_overhead_s: float = STEP_OVERHEAD_S
+    tp_allreduce: str = "vllm-custom"
     per_sequence_overhead_s: float = 0.0
     cudagraph_max_tokens: int = CUDAGRAPH_MAX_TOKENS
     eager_kernel_overhead_s: float | None = None
@@ -275,15 +290,19 @@ class ServingCostModel:
         check_layout(self.spec, self.tp, self.pp, self.ep)
         if not isinstance(self.hardware, HardwareSpec):
             raise TypeError(f"hardware must be a HardwareSpec, got {self.hardware!r}")
+        if self.tp_allreduce not in TP_ALLREDUCE:
+            raise ValueError(f"tp_allreduce={self.tp_allreduce!r}: allowed "
+                             f"{', '.join(TP_ALLREDUCE)}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         for name in ("step_overhead_s", "per_sequence_overhead_s"):
             _seconds(name, getattr(self, name))
         device = self.hardware.device
-        if self.eager_kernel_overhead_s is None:
-            object.__setattr__(self, "eager_kernel_overhead_s", device.kernel_overhead_us * _US)
         if self.graph_kernel_overhead_s is None:
-            object.__setattr__(self, "graph_kernel_overhead_s",
-                               max(device.kernel_overhead_us - CUDA_LAUNCH_US, 0.0) * _US)
+            object.__setattr__(self, "graph_kernel_overhead_s", GRAPH_KERNEL_FIXED_US * _US)
+        if self.eager_kernel_overhead_s is None:
+            object.__setattr__(self, "eager_kernel_overhead_s", max(
+                device.kernel_overhead_us * _US,
+                self.graph_kernel_overhead_s + CUDA_LAUNCH_US * _US))
         for name in ("eager_kernel_overhead_s", "graph_kernel_overhead_s"):
             _seconds(name, getattr(self, name))
         m = self.cudagraph_max_tokens
@@ -396,6 +415,9 @@ class ServingCostModel:
                 self.dtype),
             "all_reduce": tuple(_affine(Collective.ALL_REDUCE, grp, self.hardware)
                                 for grp in groups),
+            # vLLM's custom all-reduce: within one node (tp dividing the node's GPUs)
+            "custom_ar": device.name if self.tp_allreduce == "vllm-custom"
+            and self.hardware.gpus_per_node % tp == 0 else None,
             "all_gather": tuple(_affine(Collective.ALL_GATHER, grp, self.hardware)
                                 for grp in groups),
             "send": tuple(_affine(Collective.SEND, (s * tp, (s + 1) * tp), self.hardware)
@@ -479,7 +501,10 @@ class ServingCostModel:
         comm = np.zeros(pp)
         hidden_bytes = t * self.spec.hidden * _ACT
         for s in range(pp):
-            comm[s] = 2 * k["layers"][s] * _time(k["all_reduce"][s], hidden_bytes)
+            nccl = _time(k["all_reduce"][s], hidden_bytes)
+            reduce_s = nccl if k["custom_ar"] is None or self.tp == 1 else tp_allreduce_s(
+                k["custom_ar"], self.tp, hidden_bytes, nccl)
+            comm[s] = 2 * k["layers"][s] * reduce_s
         if s_rows:
             logits = s_rows * self.spec.vocab
             head[-1] += _time(k["all_gather"][-1], logits * _ACT) \

@@ -387,7 +387,8 @@ def vllm_default_limits(row: ServingRow) -> tuple[int, int]:
     return (row.max_num_batched_tokens or tokens, row.max_num_seqs or seqs)
 
 
-def simulate_row_default(row: ServingRow, *, seed: int = 0) -> dict[str, float]:
+def simulate_row_default(row: ServingRow, *, seed: int = 0,
+                         cost_options: dict | None = None) -> dict[str, float]:
     """Predict ``row`` with the serving simulator as ``vcluster simulate serve`` runs it
     (:func:`~vcluster.timing.serving.deployment.simulate_serve`: vLLM's KV capacity, the
     :class:`~vcluster.timing.serving.step_cost.ServingCostModel` step prices, the vLLM-v1
@@ -400,12 +401,14 @@ def simulate_row_default(row: ServingRow, *, seed: int = 0) -> dict[str, float]:
     rate. Returns vLLM bench's keys; a ``batch`` row also gets ``mean_batch_latency_ms`` =
     the run's duration (the last request's end: one generate() over the batch). A row
     :func:`refusal` refuses, or one whose KV cache cannot hold a request, raises
-    :class:`ConfigError`."""
+    :class:`ConfigError`. ``cost_options``: settings of the step-cost model to try instead
+    of its defaults (``step_overhead_s``, ...: what a calibration on the ``fit`` rows
+    varies)."""
     # why: a row names its model; the presets' JSON files are read only when a row runs
     from modeling.presets import load_model
     from serving import ServingPlan
 
-    from .deployment import simulate_serve
+    from .deployment import serving_pricer, simulate_serve
     from .workload import Workload
 
     reason = refusal(row)
@@ -418,8 +421,9 @@ def simulate_row_default(row: ServingRow, *, seed: int = 0) -> dict[str, float]:
     load = ({"rate": row.load} if row.load_kind is LoadKind.RATE else
             {"concurrency": int(row.load)} if row.load_kind is LoadKind.CONCURRENCY else {})
     workload = Workload(count, row.input_len, row.output_len, seed=seed, **load)
-    report = simulate_serve(load_model(row.model), preset(row.hardware), plan, workload,
-                            seed=seed)
+    spec, hardware = load_model(row.model), preset(row.hardware)
+    pricer = serving_pricer(spec, hardware, plan, **(cost_options or {}))
+    report = simulate_serve(spec, hardware, plan, workload, seed=seed, pricer=pricer)
     if report.result is None:
         raise ConfigError("row", str(row), "a deployment whose KV cache holds a request",
                           report.oom_reason)

@@ -10,7 +10,7 @@ fit the GPU's memory are skipped and named). The file
 the preset of the GPU's name) or a hardware file, e.g. one from ``vcluster hardware
 calibrate --gpu`` — with the rows added to ``device.kernels`` as ``decode_layer`` and
 ``prefill_layer`` rows; :class:`~vcluster.timing.serving.step_cost.ServingCostModel` on it
-prices every layer of that shape from them (docs/serving_calibration.md). ``--device
+prices every layer of that shape from them (docs/serving.md, "Measured layer steps"). ``--device
 cpu`` runs the same code on the CPU at tiny sizes (fp32): a test of the path, not GPU
 calibration. Without CUDA (and without ``--device cpu``) it exits 2 and says so.
 """

@@ -133,8 +133,9 @@ TP_ALLREDUCE = ("vllm-custom", "nccl")
 # the batch-latency table (serving_measured.csv, vllm-ci-9515-latency: Llama-3-70B TP4 on
 # H200, batch 8, 32 in / 128 out, 2,077.5 ms): 5 us gives -4.7%, 6 us +0.3% (2 us, the
 # device's 5 us less a ~3 us CUDA launch, gave -19.5%). The held-out rows of the same table then
-# land at -0.5% (Llama-3.1-8B TP1) and -5.8% (Mixtral-8x7B TP2): what the fit row missed
-# was per kernel (about 40 us per dense layer, 80 per MoE layer), not per step.
+# land at -0.5% (Llama-3.1-8B TP1) and -5.8% (Mixtral-8x7B TP2). Which constant to fit was
+# chosen looking at all three rows (each missed by ~40 us per dense layer, ~80 per MoE
+# layer: per kernel, not per step); its value on the fit row alone (docs/serving.md).
 GRAPH_KERNEL_FIXED_US = 6.0
 # What a kernel launched eagerly adds to it: a CUDA launch, ~3-5 us (vcluster.timing.presets'
 # KERNEL_OVERHEAD_US comment), the lower end; a CUDA graph replays the launches on the device.

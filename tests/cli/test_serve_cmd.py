@@ -136,3 +136,18 @@ def test_the_readme_serve_commands_run_as_written():
     for args in commands:
         proc = vcluster(*args)
         assert ("Serving Benchmark Result" in proc.stdout) or ("best: tp" in proc.stdout)
+
+
+def test_validate_serving_prints_both_roles_and_writes_every_row(tmp_path):
+    out = tmp_path / "v.json"
+    proc = vcluster("validate-serving", "--json", str(out))
+    assert "| * | fit |" in proc.stdout and "| * | held_out |" in proc.stdout
+    got = json.loads(out.read_text())
+    from vcluster.timing.serving.validation import serving_rows
+    assert len(got["rows"]) == len(serving_rows())
+    simulated = [r for r in got["rows"] if r["refused"] is None]
+    assert simulated and all(r["errors"] for r in simulated)
+    for r in simulated:
+        for e in r["errors"]:
+            assert e["rel_error"] == pytest.approx(e["predicted"] / e["published"] - 1)
+    assert all(r["refused"] for r in got["rows"] if not r["errors"])

@@ -16,7 +16,7 @@ from modeling import ConfigError
 
 from .. import __version__
 from . import (bench_cmd, hardware_cmd, model_cmd, oracle_cmd, plan_cmd, run_cmd,
-               schedule_cmd, simulate_cmd, validate_model_cmd)
+               schedule_cmd, simulate_cmd, validate_model_cmd, validate_serving_cmd)
 
 __all__ = ["main", "build_parser"]
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (run_cmd, bench_cmd, hardware_cmd, model_cmd, plan_cmd, schedule_cmd,
-                   simulate_cmd, validate_model_cmd, oracle_cmd):
+                   simulate_cmd, validate_model_cmd, validate_serving_cmd, oracle_cmd):
         module.add_parser(commands)
     return parser
 

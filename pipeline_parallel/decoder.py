@@ -86,7 +86,7 @@ from mesh import Mesh
 from modeling import LLAMA_BLOCK, ConfigError, ModelSpec
 from modeling.counts import stage_layers
 from modeling.plan import check_kv_heads
-from serving import EngineStep, Request, make_scheduler
+from serving import EngineStep, Request, make_scheduler, steps_by_arrival
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.gqa import Rope
 from tensor_parallel.llama import llama_piece
@@ -325,18 +325,9 @@ def serve_program(dev, job: ServeJob, params: dict) -> dict:
     tokens = {r.request_id: (list(job.prompts[i]) if not traced else [None] * r.prompt_len)
               for i, r in enumerate(job.requests)}
     prompt_len = {r.request_id: r.prompt_len for r in job.requests}
-    pending = sorted(job.requests, key=lambda r: r.arrival_step)
     logits_of = {r.request_id: [] for r in job.requests}
-    steps, index = [], 0
-    while pending or sched.has_unfinished:
-        while pending and pending[0].arrival_step <= index:
-            sched.add(pending.pop(0))
-        step = sched.schedule()
-        if step.is_empty and sched.has_unfinished and not pending:
-            raise RuntimeError(f"serve: rank {dev.rank}: step {index} schedules nothing "
-                               f"while {sched.num_running} requests run and "
-                               f"{sched.num_waiting} wait, and none will arrive: the KV "
-                               f"cache of {job.num_blocks} blocks cannot hold them")
+    steps = []
+    for step in steps_by_arrival(sched, job.requests, f"serve: rank {dev.rank}"):
         if not step.is_empty:
             sampled = _forward(model, step, tokens, logits_of, prev, nxt, last_rank, traced)
         else:
@@ -345,7 +336,6 @@ def serve_program(dev, job: ServeJob, params: dict) -> dict:
         assert sorted(outcome.emitted) == sorted(sampled), (outcome, sampled)
         if dev.rank == 0:
             steps.append(step)
-        index += 1
     last_tp0 = model.last and t == 0
     return {"outputs": {rid: tuple(ts[prompt_len[rid]:]) for rid, ts in tokens.items()},
             "logits": ({rid: np.array(v).reshape(len(v), job.config.vocab)

@@ -15,8 +15,9 @@ from .blocks import BlockPool, blocks_for
 from .plan import ServingPlan
 from .request import Request
 from .scheduler import (EngineStep, ScheduledRequest, StaticScheduler, StepOutcome,
-                        VllmV1Scheduler, make_scheduler)
+                        VllmV1Scheduler, make_scheduler, steps_by_arrival)
 
 __all__ = ["Request", "BlockPool", "blocks_for", "ScheduledRequest", "EngineStep",
-           "StepOutcome", "VllmV1Scheduler", "StaticScheduler", "make_scheduler", "Engine",
+           "StepOutcome", "VllmV1Scheduler", "StaticScheduler", "make_scheduler",
+           "steps_by_arrival", "Engine",
            "Router", "ServingPlan"]

@@ -52,7 +52,7 @@ from .blocks import BlockPool, blocks_for
 from .request import Request
 
 __all__ = ["ScheduledRequest", "EngineStep", "StepOutcome", "VllmV1Scheduler",
-           "StaticScheduler", "make_scheduler"]
+           "StaticScheduler", "make_scheduler", "steps_by_arrival"]
 
 
 @dataclass(frozen=True)
@@ -386,3 +386,24 @@ def make_scheduler(engine: Engine | str, num_blocks: int, **settings):
     except TypeError as exc:
         raise ConfigError("engine settings", sorted(settings), f"the settings of {engine}",
                           str(exc)) from None
+
+
+def steps_by_arrival(scheduler, requests, who: str = "engine"):
+    """Drive ``scheduler`` over ``requests`` counted in engine steps: before step i the
+    requests with ``arrival_step`` <= i join (in arrival order), then each step is yielded
+    — empty ones too, while requests are still to arrive — and the caller runs it and calls
+    ``finish_step`` before asking for the next. A step that schedules nothing while requests
+    wait and none will arrive is an error naming ``who`` (the cache cannot hold them)."""
+    pending = sorted(requests, key=lambda r: r.arrival_step)
+    index = 0
+    while pending or scheduler.has_unfinished:
+        while pending and pending[0].arrival_step <= index:
+            scheduler.add(pending.pop(0))
+        step = scheduler.schedule()
+        if step.is_empty and scheduler.has_unfinished and not pending:
+            raise RuntimeError(f"{who}: step {index} schedules nothing while "
+                               f"{scheduler.num_running} requests run and "
+                               f"{scheduler.num_waiting} wait, and none will arrive: the KV "
+                               f"cache of {scheduler.pool.num_blocks} blocks cannot hold them")
+        yield step
+        index += 1

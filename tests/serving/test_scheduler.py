@@ -197,3 +197,24 @@ def test_external_computed_tokens_leave_the_last_prompt_token_to_compute():
     step = s.schedule()
     assert rows(step) == [(0, 9, 1, (1, 2, 3))] and step.scheduled[0].samples
     assert s.finish_step(step).emitted == (0,)
+
+
+def test_steps_by_arrival_adds_requests_at_their_step_and_names_a_stuck_cache():
+    from serving import steps_by_arrival
+    s = VllmV1Scheduler(20, block_size=4, max_num_batched_tokens=64)
+    reqs = [Request(0, 4, 2, arrival_step=0), Request(1, 4, 1, arrival_step=3)]
+    seen = []
+    for step in steps_by_arrival(s, reqs):
+        seen.append([x.request_id for x in step.scheduled])
+        s.finish_step(step)
+    assert seen == [[0], [0], [], [1]]                  # an idle step while 1 is on its way
+
+    class Stuck:              # a scheduler holding requests it can never schedule
+        has_unfinished, num_running, num_waiting = True, 1, 1
+        pool = BlockPool(3, block_size=4)
+
+        def schedule(self):
+            return EngineStep(0, ())
+
+    with pytest.raises(RuntimeError, match="replica 7: step 0 schedules nothing.*3 blocks"):
+        next(steps_by_arrival(Stuck(), [], "replica 7"))

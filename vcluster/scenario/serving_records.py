@@ -77,22 +77,13 @@ def replay_schedule(requests, engine: str, num_blocks: int, settings: dict) -> t
     requests with ``arrival_step <= i`` join, then ``schedule()``, the usage after its
     allocation, ``finish_step()`` — one entry per step, empty steps included."""
     # lazy: keeps vcluster --help fast
-    from serving import make_scheduler
+    from serving import make_scheduler, steps_by_arrival
     sched = make_scheduler(engine, num_blocks, **settings)
-    pending = sorted(requests, key=lambda r: r.arrival_step)
-    steps, usage, outcomes, index = [], [], [], 0
-    while pending or sched.has_unfinished:
-        while pending and pending[0].arrival_step <= index:
-            sched.add(pending.pop(0))
-        step = sched.schedule()
-        if step.is_empty and sched.has_unfinished and not pending:
-            raise RuntimeError(f"replay_schedule: step {index} schedules nothing while "
-                               f"{sched.num_running} requests run and {sched.num_waiting} "
-                               f"wait: {num_blocks} blocks cannot hold them")
+    steps, usage, outcomes = [], [], []
+    for step in steps_by_arrival(sched, requests, "replay_schedule"):
         usage.append(sched.pool.usage)
         outcomes.append(sched.finish_step(step))
         steps.append(step)
-        index += 1
     return steps, usage, outcomes
 
 

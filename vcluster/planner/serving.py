@@ -102,7 +102,7 @@ class ServePlanResult:
     candidates: tuple[ServeCandidate, ...]
     rejected: dict = field(default_factory=dict)
     wall_s: float = 0.0
-    space: int = 0                  # deployments the search covers (bisection simulates fewer)
+    space: int = 0      # deployments of the layouts that fit (bisection simulates fewer)
 
     @property
     def best(self) -> ServeCandidate | None:
@@ -290,11 +290,15 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
                  slo_percentile, disaggregated) for tp, pp, ep in layouts]
     cands: list[ServeCandidate] = []
     rejected: dict[str, int] = {}
+    space = 0
 
     def collect(k: int, found, reason) -> None:
+        nonlocal space
         cands.extend(found)
         if reason:
             rejected[reason] = rejected.get(reason, 0) + 1
+        else:
+            space += jobs[k].most + (jobs[k].most - 1 if disaggregated else 0)
         if progress is not None:
             p = jobs[k].plan
             print(f"plan serve: layout {k + 1}/{len(jobs)} (tp {p.tp}, pp {p.pp}, ep {p.ep}) "
@@ -327,7 +331,6 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
         for k, job in enumerate(jobs):
             collect(k, *_search_layout(job))
     cands.sort(key=lambda c: (not c.meets_slo, -c.goodput_per_gpu, c.gpus, c.ttft_ms))
-    space = sum(j.most + (j.most - 1 if disaggregated else 0) for j in jobs)
     return ServePlanResult(spec.name, hardware.name, rate, slo_ttft_ms, slo_tpot_ms,
                            slo_percentile, tuple(cands), rejected,
                            time.perf_counter() - start, space)

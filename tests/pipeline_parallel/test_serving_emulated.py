@@ -7,6 +7,7 @@ name, and the program's trace declares the closed-form FLOPs and moves the emula
 bytes."""
 
 from contextlib import nullcontext
+from dataclasses import replace
 from itertools import pairwise
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 
 from mesh import Mesh
 from modeling import MLP, Attention, ConfigError, Layer, ModelSpec, MoE
+from modeling.presets import load_model
 from pipeline_parallel.decoder import (
     greedy_reference, serve, serve_config, serve_mesh, trace_serve)
 from pipeline_parallel.gpt import GPT
@@ -136,6 +138,33 @@ def test_moe_greedy_tokens_equal_reference(cluster_of, moe, tp, pp, ep):
     its top-2 replicated, one all-reduce combining; dense first layer, shared expert."""
     run = moe.run(cluster_of, tp, pp, ep)
     moe.check(run)
+    _check_batching(run)
+
+
+def _shrunk(name: str) -> ModelSpec:
+    """A shipped preset's architecture at emulator size: its block types, router, top-k,
+    expert count and GQA ratio kept; widths, layers and vocabulary cut."""
+    spec = load_model(name)
+    layer = spec.layers[0]
+    att = replace(layer.attention, heads=HEADS, kv_heads=HEADS * layer.attention.kv_heads
+                  // layer.attention.heads or 1, head_dim=D)
+    mlp = layer.mlp
+    mlp = replace(mlp, expert=replace(mlp.expert, width=16)) if isinstance(mlp, MoE) else \
+        replace(mlp, width=F)
+    return replace(spec, name=f"{name} (shrunk)", hidden=H, vocab=V,
+                   layers=(Layer(att, mlp),) * 2)
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 2), (2, 1)], ids=["tp2-ep2", "tp2-experts-tp"])
+def test_an_moe_preset_shrunk_serves_the_reference_tokens(cluster_of, tp, ep):
+    """Mixtral-8x7B's architecture (8 experts, softmax top-2, normalised gates, GQA 4:1)
+    at emulator size, experts over ep = 2: every request's greedy tokens equal the
+    reference, blocks reused."""
+    spec = _shrunk("mixtral-8x7b")
+    assert spec.layers[0].mlp.experts == 8 and spec.layers[0].mlp.top_k == 2
+    case = _Case(spec)
+    run = case.run(cluster_of, tp, 1, ep)
+    case.check(run)
     _check_batching(run)
 
 

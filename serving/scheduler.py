@@ -37,6 +37,12 @@ as FasterTransformer sized its buffers; under ``max_num_batched_tokens`` prompt 
 when set) is prefilled in one step and decoded until its last request finishes; finished
 requests leave idle slots, and nobody joins until the batch is done.
 
+**Steps in flight.** A pipelined engine (vLLM v1's batch queue: pp steps in flight) asks
+for the next step before the last has finished: a request's next tokens start where its
+tokens in flight end (vLLM advances ``num_computed_tokens`` when it schedules), so a decode
+waits for its token and a prompt's next chunk goes on; a request with a step in flight is
+never preempted. Steps must be finished in the order they were formed.
+
 A hand-worked vLLM v1 example is in ``docs/serving.md`` and is a test.
 """
 
@@ -121,17 +127,26 @@ class StepOutcome:
 
 
 class _State:
-    """A request's mutable progress inside one scheduler."""
+    """A request's mutable progress inside one scheduler: ``computed`` tokens finished,
+    ``flight`` more in steps scheduled and not finished yet (a pipelined engine keeps
+    several steps in flight)."""
 
-    __slots__ = ("request", "computed", "emitted", "preemptions")
+    __slots__ = ("request", "computed", "flight", "emitted", "preemptions")
 
     def __init__(self, request: Request, computed: int = 0):
-        self.request, self.computed, self.emitted, self.preemptions = request, computed, 0, 0
+        self.request, self.computed, self.flight = request, computed, 0
+        self.emitted = self.preemptions = 0
 
     @property
     def num_tokens(self) -> int:
         """Known tokens: the prompt and every token emitted so far."""
         return self.request.prompt_len + self.emitted
+
+    @property
+    def ahead(self) -> int:
+        """Where the next scheduled token starts: computed + in flight (vLLM v1 advances
+        ``num_computed_tokens`` when it schedules)."""
+        return self.computed + self.flight
 
 
 def _count(owner: str, name: str, value, minimum: int = 1, allow_none: bool = False):
@@ -212,10 +227,12 @@ class _Scheduler:
     # --- a step ------------------------------------------------------------------------
     def _scheduled(self, state: _State, n: int) -> ScheduledRequest:
         req = state.request
+        start = state.ahead
+        state.flight += n
         return ScheduledRequest(
-            req.request_id, n, state.computed, self.pool.table(req.request_id),
-            samples=state.computed + n == state.num_tokens,
-            is_decode=n == 1 and state.computed >= req.prompt_len)
+            req.request_id, n, start, self.pool.table(req.request_id),
+            samples=start + n == state.num_tokens,
+            is_decode=n == 1 and start >= req.prompt_len)
 
     def _next_step(self, scheduled, preempted=()) -> EngineStep:
         step = EngineStep(self._step, tuple(scheduled), tuple(preempted))
@@ -238,6 +255,7 @@ class _Scheduler:
                                  f"{s.request_id!r} (computed {state.computed}, the step says "
                                  f"{s.num_computed_tokens}); finish each step once, in order")
             state.computed += s.num_new_tokens
+            state.flight -= s.num_new_tokens
             if state.computed == state.num_tokens:
                 state.emitted += 1
                 emitted.append(s.request_id)
@@ -283,17 +301,24 @@ class VllmV1Scheduler(_Scheduler):
             n = threshold
         n = min(n, budget)
         if self.max_model_len is not None:
-            n = min(n, self.max_model_len - 1 - state.computed)
+            n = min(n, self.max_model_len - 1 - state.ahead)
         return n
 
-    def _preempt(self) -> _State:
-        victim = self._running.pop()
+    def _preempt(self) -> tuple[_State | None, int]:
+        """The last running request with no step in flight, preempted, and where it was
+        in the running queue ((None, -1): every one has a step in flight — a pipelined
+        engine cannot take back their blocks yet)."""
+        at = next((i for i in range(len(self._running) - 1, -1, -1)
+                   if not self._running[i].flight), None)
+        if at is None:
+            return None, -1
+        victim = self._running.pop(at)
         self.pool.free(victim.request.request_id)
         victim.computed = 0
         victim.preemptions += 1
         self.num_preemptions += 1
         self._waiting.appendleft(victim)
-        return victim
+        return victim, at
 
     def schedule(self) -> EngineStep:
         """One step's batch (module docstring, steps 1 and 2)."""
@@ -303,15 +328,19 @@ class VllmV1Scheduler(_Scheduler):
         i = 0
         while i < len(self._running) and budget > 0:
             state = self._running[i]
-            n = self._cap(state, state.num_tokens - state.computed, budget)
+            n = self._cap(state, state.num_tokens - state.ahead, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self.pool.allocate(state.request.request_id, state.computed + n):
-                victim = self._preempt()
+            while not self.pool.allocate(state.request.request_id, state.ahead + n):
+                victim, at = self._preempt()
+                if victim is None:
+                    break
                 preempted.append(victim.request.request_id)
                 if victim is state:
                     break
+                if at < i:            # only under pipelining: earlier requests in flight
+                    i -= 1
             else:
                 scheduled.append(self._scheduled(state, n))
                 budget -= n
@@ -321,11 +350,11 @@ class VllmV1Scheduler(_Scheduler):
         if not preempted:
             while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
                 state = self._waiting[0]
-                n = state.num_tokens - state.computed
+                n = state.num_tokens - state.ahead
                 if not self.enable_chunked_prefill and n > budget:
                     break
                 n = self._cap(state, n, budget)
-                if not self.pool.allocate(state.request.request_id, state.computed + n):
+                if not self.pool.allocate(state.request.request_id, state.ahead + n):
                     break
                 self._waiting.popleft()
                 self._running.append(state)
@@ -359,7 +388,7 @@ class StaticScheduler(_Scheduler):
             tokens = 0
             while self._waiting and len(self._running) < self.max_num_seqs:
                 state = self._waiting[0]
-                prompt = state.num_tokens - state.computed
+                prompt = state.num_tokens - state.ahead
                 if self.max_num_batched_tokens is not None and self._running \
                         and tokens + prompt > self.max_num_batched_tokens:
                     break
@@ -368,8 +397,8 @@ class StaticScheduler(_Scheduler):
                 self._waiting.popleft()
                 self._running.append(state)
                 tokens += prompt
-        return self._next_step([self._scheduled(s, s.num_tokens - s.computed)
-                                for s in self._running])
+        return self._next_step([self._scheduled(s, s.num_tokens - s.ahead)
+                                for s in self._running if s.num_tokens > s.ahead])
 
 
 def make_scheduler(engine: Engine | str, num_blocks: int, **settings):

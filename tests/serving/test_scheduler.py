@@ -130,8 +130,11 @@ def test_long_prefill_threshold_and_max_model_len():
     s = VllmV1Scheduler(40, block_size=4, max_num_batched_tokens=64,
                         long_prefill_token_threshold=5, max_model_len=20)
     s.add(Request(0, 12, 30))
-    assert [x.num_new_tokens for x in s.schedule().scheduled] == [5]
+    first = s.schedule()
+    assert [x.num_new_tokens for x in first.scheduled] == [5]
+    s.finish_step(first)
     steps = run(s)
+    assert [x.num_new_tokens for x in steps[0][0].scheduled] == [5]
     assert sum(len(out.emitted) for _, out in steps) == 20 - 12   # stops at max_model_len
     assert max(x.context for st, _ in steps for x in st.scheduled) <= 19
 
@@ -218,3 +221,61 @@ def test_steps_by_arrival_adds_requests_at_their_step_and_names_a_stuck_cache():
 
     with pytest.raises(RuntimeError, match="replica 7: step 0 schedules nothing.*3 blocks"):
         next(steps_by_arrival(Stuck(), [], "replica 7"))
+
+
+def test_a_step_in_flight_holds_its_decodes_and_lets_prefill_chunks_run_ahead():
+    """A pipelined engine (vLLM v1's batch queue) schedules the next step before the last
+    finishes: a request whose next token is not known yet sits out; a prompt's next chunk
+    goes on from where the chunk in flight ends."""
+    s = VllmV1Scheduler(40, block_size=4, max_num_batched_tokens=8)
+    s.add(Request(0, 3, 4))
+    s.add(Request(1, 20, 2))
+    a = s.schedule()
+    assert rows(a) == [(0, 0, 3, (1,)), (1, 0, 5, (2, 3))]
+    b = s.schedule()                     # a in flight: 0 waits for its token, 1 chunks on
+    assert rows(b) == [(1, 5, 8, (2, 3, 4, 5))]
+    s.finish_step(a)
+    s.finish_step(b)
+    c = s.schedule()
+    assert [(x.request_id, x.num_computed_tokens, x.num_new_tokens) for x in c.scheduled] == [
+        (0, 3, 1), (1, 13, 7)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_pipelined_steps_never_overlap_a_requests_tokens(seed, depth):
+    """Up to ``depth`` steps in flight, finished in order: every request emits exactly
+    output_len tokens, each scheduled range starts where the request's last one ended
+    (or at 0 after a preemption), and a request in flight is never preempted."""
+    rng = np.random.default_rng(seed)
+    s = VllmV1Scheduler(int(rng.integers(12, 30)), block_size=4,
+                        max_num_batched_tokens=int(rng.integers(8, 40)), max_num_seqs=4)
+    reqs = [Request(i, int(rng.integers(1, 25)), int(rng.integers(1, 12))) for i in range(20)]
+    reqs = [r for r in reqs if blocks_for(r.max_tokens, 4) <= s.pool.num_usable]
+    for r in reqs:
+        s.add(r)
+    flight, ends, emitted = [], {}, {r.request_id: 0 for r in reqs}
+    for _ in range(5000):
+        if not s.has_unfinished and not flight:
+            break
+        step = s.schedule() if len(flight) < depth else None
+        if step is not None and not step.is_empty:
+            in_flight = {x.request_id for f in flight for x in f.scheduled}
+            assert not set(step.preempted) & in_flight
+            for x in step.scheduled:
+                if x.request_id in step.preempted:
+                    continue
+                assert x.num_computed_tokens == ends.get(x.request_id, 0), (x, ends)
+                ends[x.request_id] = x.context
+            for rid in step.preempted:
+                ends[rid] = 0
+            flight.append(step)
+        else:
+            for rid in (step.preempted if step is not None else ()):
+                ends[rid] = 0
+            assert flight, "nothing in flight and nothing scheduled"
+            out = s.finish_step(flight.pop(0))
+            for rid in out.emitted:
+                emitted[rid] += 1
+    assert emitted == {r.request_id: r.output_len for r in reqs}
+    assert s.pool.num_free == s.pool.num_usable

@@ -17,11 +17,15 @@ Order at one instant: step ends first (tokens, finishes, freed concurrency slots
 arrivals are routed (so ``least_loaded`` sees the requests that just finished), then
 engines schedule (so a request arriving exactly when a step ends joins the next step).
 
-**Pipeline parallelism.** The pricer prices a whole step; with pp > 1 it is expected to
-return the *sum* of the stage times (one batch crosses the pipeline before the next step
-starts). vLLM v1 keeps up to pp batches in flight (its batch queue), overlapping stages of
-consecutive steps; this simulator does not, so its pp > 1 throughput is a lower bound and
-its per-token latency the honest single-batch one.
+**Pipeline parallelism.** A pricer with ``pp`` > 1 stages (``ServingCostModel``) returns
+each stage's time (``stage_s``), the sends between them (``pp_send_s``) and the CPU
+overhead. Under ``vllm-v1`` the engine keeps up to pp steps in flight, as vLLM v1's batch
+queue does (``max_concurrent_batches`` = pp): a step is formed when fewer than pp are in
+flight and the first stage is free; it takes its CPU overhead, then each stage as soon as
+it has left the one before and that stage is free, with the send between; it finishes when
+it leaves the last. The scheduler leaves out what steps in flight are computing (a decode
+waits for its token; a prompt's next chunk goes on). Steps finish in the order they
+started. The static engine runs one step at a time.
 
 **Disaggregated prefill/decode** (:func:`simulate_disaggregated`): a request is prefilled
 on a prefill replica as a request for one output token — that token is its first, and TTFT
@@ -274,7 +278,16 @@ class _Replica:
         self.inbox: list = []
         self.load = 0          # routed here and not finished (the router's measure)
         self._wake: Event | None = None
-        self.env.process(self.sim.guarded(self._run()))
+        # vLLM v1 keeps pp batches in flight (its batch queue); the static engine one
+        self.depth = getattr(self.pricer, "pp", 1) if Engine(pool_cfg.engine) is \
+            Engine.VLLM_V1 else 1
+        if self.depth > 1:
+            self.flight: list = []         # submitted steps, oldest first
+            self._landed: Event | None = None
+            self.env.process(self.sim.guarded(self._run_pipelined()))
+            self.env.process(self.sim.guarded(self._drain()))
+        else:
+            self.env.process(self.sim.guarded(self._run()))
 
     def assign(self) -> None:
         """A request is on its way here (counted in the load from now)."""
@@ -283,8 +296,99 @@ class _Replica:
     def deliver(self, request: Request, external: int = 0) -> None:
         """``request`` reaches the engine (joins its next step)."""
         self.inbox.append((request, external))
+        self._rouse()
+
+    def _rouse(self) -> None:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
+
+    def _priced(self, step) -> tuple:
+        priced = self.pricer.step_time(step)
+        duration = priced.total_s
+        if not (isinstance(duration, (int, float)) and math.isfinite(duration)
+                and duration > 0):
+            raise ValueError(f"pricer {self.pricer!r}: step {step.index} of "
+                             f"{self.pool or 'replica'} {self.index} got total_s={duration!r}; "
+                             "a step must take a finite time > 0 s")
+        return priced, duration
+
+    def _record(self, step, start, now, usage, priced) -> None:
+        outcome = self.scheduler.finish_step(step)
+        self.sim.step_log.append((
+            self.pool, self.index, step.index, start, now, step.prefill_tokens,
+            step.decode_seqs, step.num_scheduled_tokens, len(step.scheduled), usage,
+            len(step.preempted), getattr(priced, "floor_s", None)))
+        for rid in outcome.emitted:
+            self.on_emit(rid, now)
+        for rid in outcome.finished:
+            self.load -= 1
+            self.on_finish(self, rid, now)
+
+    def _timeline(self, priced, duration: float, stage_free: list) -> float:
+        """Pass a step through the pipeline (module docstring): its CPU overhead, then
+        each stage when the step has left the one before and the stage is free, the send
+        between stages; returns when it leaves the last. Stage times are scaled so that
+        one step alone takes ``total_s`` (a binding floor included)."""
+        stages = tuple(getattr(priced, "stage_s", ()) or ())
+        sends = tuple(getattr(priced, "pp_send_s", ()) or ())
+        overhead = getattr(priced, "overhead_s", 0.0)
+        if len(stages) != self.depth:
+            stages, sends, overhead = (duration / self.depth,) * self.depth, (), 0.0
+        alone = sum(stages) + sum(sends) + overhead
+        scale = duration / alone if alone > 0 else 1.0
+        t = self.env.now + overhead * scale
+        for k, busy in enumerate(stages):
+            begin = max(t, stage_free[k])
+            stage_free[k] = begin + busy * scale
+            t = stage_free[k] + (sends[k] * scale if k < len(sends) else 0.0)
+        return stage_free[-1]
+
+    def _run_pipelined(self):
+        """The engine loop with up to ``depth`` steps in flight (vLLM v1's batch queue):
+        a step is formed when fewer than depth are in flight and the first stage is free;
+        the scheduler leaves out the tokens of steps in flight."""
+        env, sched = self.env, self.scheduler
+        stage_free = [env.now] * self.depth
+        while True:
+            if env.peek() <= env.now:
+                yield _At(env, 0, _SCHEDULE)
+            for request, external in self.inbox:
+                sched.add(request, external)
+            self.inbox.clear()
+            if len(self.flight) < self.depth and env.now >= stage_free[0]:
+                step = sched.schedule()
+                if not step.is_empty:
+                    priced, duration = self._priced(step)
+                    end = self._timeline(priced, duration, stage_free)
+                    self.flight.append((step, env.now, end, sched.pool.usage, priced))
+                    if self._landed is not None and not self._landed.triggered:
+                        self._landed.succeed()
+                    continue
+                if not self.flight and sched.has_unfinished:
+                    raise RuntimeError(
+                        f"{self.pool or 'replica'} {self.index}: the scheduler holds "
+                        f"{sched.num_waiting} waiting and {sched.num_running} running "
+                        f"requests but formed an empty step at t={env.now} s")
+            self._wake = env.event()
+            waits = [self._wake]
+            if len(self.flight) < self.depth and env.now < stage_free[0]:
+                waits.append(_At(env, stage_free[0] - env.now, _SCHEDULE))
+            yield env.any_of(waits)
+            self._wake = None
+
+    def _drain(self):
+        """Finishes the steps in flight in order, each when it leaves the last stage."""
+        env = self.env
+        while True:
+            if not self.flight:
+                self._landed = env.event()
+                yield self._landed
+                self._landed = None
+            step, start, end, usage, priced = self.flight[0]
+            yield _At(env, max(end - env.now, 0.0), _STEP_END)
+            self.flight.pop(0)
+            self._record(step, start, env.now, usage, priced)
+            self._rouse()
 
     def _run(self):
         env, sched, log = self.env, self.scheduler, self.sim.step_log

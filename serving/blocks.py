@@ -43,6 +43,7 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = deque(range(1, num_blocks))
         self._tables: dict = {}
+        self._frozen: dict = {}          # request id -> its table as a tuple, until it grows
 
     @property
     def num_usable(self) -> int:
@@ -69,7 +70,10 @@ class BlockPool:
 
     def table(self, request_id) -> tuple[int, ...]:
         """The request's block ids in token order (empty when it holds none)."""
-        return tuple(self._tables.get(request_id, ()))
+        frozen = self._frozen.get(request_id)
+        if frozen is None:
+            frozen = self._frozen[request_id] = tuple(self._tables.get(request_id, ()))
+        return frozen
 
     def needed(self, request_id, num_tokens: int) -> int:
         """Blocks to add so the request holds ``num_tokens`` tokens."""
@@ -85,13 +89,14 @@ class BlockPool:
         if need:
             table = self._tables.setdefault(request_id, [])
             for _ in range(need):
-                block = self._free.popleft()
-                table.append(block)
+                table.append(self._free.popleft())
+            self._frozen.pop(request_id, None)
         return True
 
     def free(self, request_id) -> None:
         """The request's blocks return to the free queue's tail, last block first."""
         self._free.extend(reversed(self._tables.pop(request_id, [])))
+        self._frozen.pop(request_id, None)
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "

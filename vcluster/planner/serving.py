@@ -21,7 +21,9 @@ TPOT ≤ b?*
   replicas are added — the load per replica falls), every simulated n is a candidate.
 * **Disaggregated** (``disaggregated=True``): for each layout, its most replicas R = GPUs
   // (tp·pp) split into p prefill and R − p decode replicas, each split simulated whole
-  (both pools and the KV transfers). TTFT falls as p grows and TPOT rises (fewer decode
+  (both pools and the KV transfers; under round robin p prefill and d decode replicas
+  are g = gcd(p, d) like sub-deployments of p/g and d/g, each serving every g-th request,
+  so one of them is simulated). TTFT falls as p grows and TPOT rises (fewer decode
   replicas), so bisection finds the fewest prefill replicas that meet the TTFT SLO: that
   split meets both SLOs if any does; every simulated split is a candidate.
 * Layouts are searched side by side on ``workers`` processes.
@@ -222,25 +224,26 @@ def _search_layout(job: _Job) -> tuple[list[ServeCandidate], str | None]:
             seen[n] = _candidate(replace(plan, replicas=n), report, *figures, n)
         return seen[n]
 
-    lo, hi = 1, job.most                # the fewest replicas that meet the SLOs
-    if colocated(hi).meets_slo:
+    lo, hi = 1, job.most                # the fewest replicas that meet the SLOs (none if
+    if colocated(hi).meets_slo:         # the most do not: fewer replicas only add load)
         while lo < hi:
             mid = (lo + hi) // 2
             if colocated(mid).meets_slo:
                 hi = mid
             else:
                 lo = mid + 1
-    else:
-        colocated(1)
     out = list(seen.values())
     if job.disaggregated and job.most >= 2:
         split: dict[int, ServeCandidate] = {}
 
         def pools(p: int) -> ServeCandidate:
             if p not in split:
-                pd_plan = replace(plan, replicas=job.most - p, prefill_replicas=p)
-                split[p] = _candidate(pd_plan, simulate_serve(spec, hw, pd_plan, requests),
-                                      *figures, 1)
+                d = job.most - p
+                g = math.gcd(p, d)          # g like sub-deployments, each every g-th request
+                unit = replace(plan, replicas=d // g, prefill_replicas=p // g)
+                report = simulate_serve(spec, hw, unit, requests[0::g])
+                split[p] = _candidate(replace(plan, replicas=d, prefill_replicas=p), report,
+                                      *figures, g)
             return split[p]
 
         def ttft_ok(c: ServeCandidate) -> bool:

@@ -31,6 +31,7 @@ from vcluster import VirtualCluster
 from vcluster.scenario import (ScenarioError, build_workload, run_scenario, scenario_from_dict,
                                scenario_schema)
 from vcluster.scenario.runner import SUMMARY_KEYS
+from vcluster.timing.serving.deployment import REPORTED_MEMORY_GIB
 from tests.localhost_specs import localhost_spec_file
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,7 +46,7 @@ SIMULATE = {"name": "sim", "hardware": "h100-dgx",
 # Llama 3.1 8B (its config.json): h, layers, heads, KV heads, head dim, SwiGLU width, V
 H, L, A, C, D, F, V = 4096, 32, 32, 8, 128, 14336, 128256
 H100_BYTES_PER_S = 3.35e12          # the H100 SXM5 datasheet's HBM3 bandwidth
-H100_TORCH_GIB = 79.19              # torch.cuda's total memory of an H100 80GB (vLLM logs)
+H100_TORCH_GIB = REPORTED_MEMORY_GIB["H100-SXM5-80GB"]   # torch's total of an H100 (vLLM logs)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_simulate_physics_and_memory_in_closed_form(simulated):
     """The decode floor reads every weight but the embedding table (a lookup) once:
     (L (h·a·d + 2·h·c·d + a·d·h + 3·h·f + 2h) + V·h + h) · 2 bytes over the datasheet
     bandwidth, plus the KV it attends to, at most the peak batch's whole contexts; the
-    memory vLLM may use is ceil(79.19 GiB × 0.9); the KV blocks (16 tokens × 2 × L × c ×
+    memory vLLM may use is ceil(79.11 GiB × 0.9); the KV blocks (16 tokens × 2 × L × c ×
     d × 2 bytes each) fit what the weights leave of it."""
     s = simulated[0].summary
     params = L * (H * A * D + 2 * H * C * D + A * D * H + 3 * H * F + 2 * H) + V * H + H
@@ -140,7 +141,8 @@ def test_a_deployment_that_does_not_fit_is_flagged_as_training_is():
     assert s["fits"] is False and s["completed"] == 5
     assert s["weights_gb_per_gpu"] > 140 and s["predicted_peak_memory_gb"] > 140
     (line,) = record.out_of_memory
-    assert "GB per device > 76.5 GB usable" in line
+    usable = math.ceil(H100_TORCH_GIB * 2**30 * 0.9) / 1e9
+    assert f"GB per device > {usable:.1f} GB usable" in line
 
 
 # --- emulate and simulate on localhost ---------------------------------------------------

@@ -33,14 +33,16 @@ __all__ = ["ServeReport", "simulate_serve", "reported_memory_bytes", "serving_pr
 
 _GIB = 2**30
 
-#: the total memory torch reports per GPU (``torch.cuda.get_device_properties().
-#: total_memory``, what vLLM's gpu_memory_utilization multiplies), GiB, by device name.
-#: Sources: vLLM start-up logs quoted in vLLM issues — H100 80GB "total_gpu_memory
-#: (79.19GiB)" (e.g. vllm-project/vllm#7039 and many others), A100 80GB 79.15 GiB,
-#: A100 40GB 39.39 GiB; H200 139.81 GiB (vllm-project/vllm#11911-era logs). A device not
-#: here: its datasheet bytes less 1% (the measured devices lose 0.8–1.1%).
+#: the total memory torch reports per GPU (``torch.cuda.mem_get_info()[1]``, what vLLM's
+#: gpu_memory_utilization multiplies), GiB, by device name. vLLM start-up logs on 80 GB
+#: parts print "total_gpu_memory (79.11GiB)" to "(79.33GiB)" (public logs quoted in vLLM
+#: issues and READMEs; 79.11 GiB with Llama-3-8B under V1's 8192-token default, the H100
+#: case taken here; 79.15 GiB for the A100 80 GB); one 8-GPU DeepSeek-R1 log prints
+#: "total_gpu_memory (139.81GiB)" (141 GB, the H200). The A100 40 GB's 39.39 GiB is
+#: derived, not seen: 40 GiB less the ~0.6 GiB the 80 GB parts lose. A device not here:
+#: its datasheet bytes less 1% (the measured parts lose 0.8-1.1%).
 REPORTED_MEMORY_GIB = MappingProxyType({
-    "H100-SXM5-80GB": 79.19, "H200-SXM-141GB": 139.81, "A100-SXM4-80GB": 79.15,
+    "H100-SXM5-80GB": 79.11, "H200-SXM-141GB": 139.81, "A100-SXM4-80GB": 79.15,
     "A100-SXM4-40GB": 39.39})
 _UNLISTED_SHARE = 0.99
 

@@ -116,6 +116,19 @@ def pool_context():
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
+def process_pool(workers: int, jobs: int, who: str) -> ProcessPoolExecutor | None:
+    """A pool of min(workers, jobs) processes (:func:`pool_context`), or None — one worker
+    or one job, or a platform that cannot start one (``who`` says so on stderr, and the
+    caller runs its jobs in this process)."""
+    if workers <= 1 or jobs <= 1:
+        return None
+    try:
+        return ProcessPoolExecutor(max_workers=min(workers, jobs), mp_context=pool_context())
+    except (OSError, ImportError, NotImplementedError, ValueError) as exc:
+        print(f"{who}: no process pool ({exc}); working in this process", file=sys.stderr)
+        return None
+
+
 def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> list[dict]:
     """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
     task = bar.add_task("candidates replayed", total=len(pars)) if bar else None
@@ -125,33 +138,27 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> l
         if bar:
             bar.advance(task)
 
-    if workers > 1 and len(jobs) > 1:
-        try:
-            pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
-                                       mp_context=pool_context())
-        except (OSError, ImportError, NotImplementedError, ValueError) as exc:
-            print(f"plan_gpt: no process pool ({exc}); replaying in this process",
-                  file=sys.stderr)
-        else:
-            with pool:
-                # longest first (ops to replay ~ m·l, twice the collectives under SP), so
-                # that no long replay starts last while the other workers idle
-                order = sorted(range(len(jobs)), key=lambda i: -pars[i].microbatches * (
-                    2 if pars[i].sequence_parallel else 1))
-                submitted = {i: pool.submit(_replay, jobs[i]) for i in order}
-                futures = [submitted[i] for i in range(len(jobs))]
-                out = []
-                for par, fut in zip(pars, futures):
-                    try:
-                        out.append(fut.result(timeout=REPLAY_TIMEOUT_S))
-                    except FutureTimeout:
-                        for f in futures:
-                            f.cancel()
-                        raise TimeoutError(
-                            f"plan_gpt: waited {REPLAY_TIMEOUT_S:.0f} s for the replay worker of "
-                            f"{_knobs(par)}; it did not finish") from None
-                    done()
-                return out
+    pool = process_pool(workers, len(jobs), "plan_gpt")
+    if pool is not None:
+        with pool:
+            # longest first (ops to replay ~ m·l, twice the collectives under SP), so
+            # that no long replay starts last while the other workers idle
+            order = sorted(range(len(jobs)), key=lambda i: -pars[i].microbatches * (
+                2 if pars[i].sequence_parallel else 1))
+            submitted = {i: pool.submit(_replay, jobs[i]) for i in order}
+            futures = [submitted[i] for i in range(len(jobs))]
+            out = []
+            for par, fut in zip(pars, futures):
+                try:
+                    out.append(fut.result(timeout=REPLAY_TIMEOUT_S))
+                except FutureTimeout:
+                    for f in futures:
+                        f.cancel()
+                    raise TimeoutError(
+                        f"plan_gpt: waited {REPLAY_TIMEOUT_S:.0f} s for the replay worker of "
+                        f"{_knobs(par)}; it did not finish") from None
+                done()
+            return out
     out = []
     for j in jobs:
         out.append(_replay(j))

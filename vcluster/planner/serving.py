@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
@@ -49,7 +47,7 @@ from serving import ServingPlan
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.serving.deployment import serving_capacity, simulate_serve
 
-from .search import pool_context
+from .search import process_pool
 
 __all__ = ["ServeCandidate", "ServePlanResult", "plan_serve", "serving_layouts"]
 
@@ -308,15 +306,7 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
                   f"done, {len(cands)} deployments in {time.perf_counter() - start:.1f} s",
                   file=progress, flush=True)
 
-    workers = workers or os.cpu_count() or 1
-    pool = None
-    if workers > 1 and len(jobs) > 1:
-        try:
-            pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
-                                       mp_context=pool_context())
-        except (OSError, ImportError, NotImplementedError, ValueError) as exc:
-            print(f"plan serve: no process pool ({exc}); searching in this process",
-                  file=sys.stderr)
+    pool = process_pool(workers or os.cpu_count() or 1, len(jobs), "plan serve")
     if pool is not None:
         with pool:
             futures = [pool.submit(_search_layout, job) for job in jobs]

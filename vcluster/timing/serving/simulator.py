@@ -302,6 +302,18 @@ class _Replica:
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
+    def _take_inbox(self) -> None:
+        for request, external in self.inbox:
+            self.scheduler.add(request, external)
+        self.inbox.clear()
+
+    def _stuck(self) -> RuntimeError:
+        sched = self.scheduler
+        return RuntimeError(
+            f"{self.pool or 'replica'} {self.index}: the scheduler holds {sched.num_waiting} "
+            f"waiting and {sched.num_running} running requests but formed an empty step at "
+            f"t={self.env.now} s")
+
     def _priced(self, step) -> tuple:
         priced = self.pricer.step_time(step)
         duration = priced.total_s
@@ -352,9 +364,7 @@ class _Replica:
         while True:
             if env.peek() <= env.now:
                 yield _At(env, 0, _SCHEDULE)
-            for request, external in self.inbox:
-                sched.add(request, external)
-            self.inbox.clear()
+            self._take_inbox()
             if len(self.flight) < self.depth and env.now >= stage_free[0]:
                 step = sched.schedule()
                 if not step.is_empty:
@@ -365,10 +375,7 @@ class _Replica:
                         self._landed.succeed()
                     continue
                 if not self.flight and sched.has_unfinished:
-                    raise RuntimeError(
-                        f"{self.pool or 'replica'} {self.index}: the scheduler holds "
-                        f"{sched.num_waiting} waiting and {sched.num_running} running "
-                        f"requests but formed an empty step at t={env.now} s")
+                    raise self._stuck()
             self._wake = env.event()
             waits = [self._wake]
             if len(self.flight) < self.depth and env.now < stage_free[0]:
@@ -391,45 +398,24 @@ class _Replica:
             self._rouse()
 
     def _run(self):
-        env, sched, log = self.env, self.scheduler, self.sim.step_log
-        pool, index = self.pool, self.index
+        """The engine loop with one step at a time."""
+        env, sched = self.env, self.scheduler
         while True:
             if env.peek() <= env.now:               # more events at this instant: let the
                 yield _At(env, 0, _SCHEDULE)        # arrivals in first (else: none can come)
-            for request, external in self.inbox:
-                sched.add(request, external)
-            self.inbox.clear()
+            self._take_inbox()
             step = sched.schedule()
             if step.is_empty:
                 if sched.has_unfinished:
-                    raise RuntimeError(
-                        f"{pool or 'replica'} {index}: the scheduler holds "
-                        f"{sched.num_waiting} waiting and {sched.num_running} running requests "
-                        f"but formed an empty step at t={env.now} s")
+                    raise self._stuck()
                 self._wake = env.event()
                 yield self._wake
                 self._wake = None
                 continue
-            priced = self.pricer.step_time(step)
-            duration = priced.total_s
-            if not (isinstance(duration, (int, float)) and math.isfinite(duration)
-                    and duration > 0):
-                raise ValueError(f"pricer {self.pricer!r}: step {step.index} of {pool or 'replica'} "
-                                 f"{index} got total_s={duration!r}; a step must take a finite "
-                                 "time > 0 s")
-            start = env.now
-            usage = sched.pool.usage
+            priced, duration = self._priced(step)
+            start, usage = env.now, sched.pool.usage
             yield _At(env, duration, _STEP_END)
-            outcome = sched.finish_step(step)
-            now = env.now
-            log.append((pool, index, step.index, start, now, step.prefill_tokens,
-                        step.decode_seqs, step.num_scheduled_tokens, len(step.scheduled),
-                        usage, len(step.preempted), getattr(priced, "floor_s", None)))
-            for rid in outcome.emitted:
-                self.on_emit(rid, now)
-            for rid in outcome.finished:
-                self.load -= 1
-                self.on_finish(self, rid, now)
+            self._record(step, start, env.now, usage, priced)
 
 
 class _Simulation:

@@ -85,6 +85,33 @@ def _timed_compute(dev, seconds, repeats=5):
     return None
 
 
+def _nested_compute(dev, seconds, repeats=3):
+    for _ in range(repeats):
+        with dev.compute("outer"):
+            time.sleep(seconds)
+            with dev.compute("inner"):
+                time.sleep(seconds)
+    return None
+
+
+@pytest.mark.alone   # delays measured on the wall clock
+def test_a_nested_block_on_a_slow_device_is_slowed_once():
+    """Each block sleeps its own time x (slowdown - 1): the outer block of 2 x 40 ms takes
+    3 x 80 ms at slowdown 3 (it compounded to ~3 x 40 + 3 x (40 + 80) = 480 ms before)."""
+    with VirtualCluster(Mesh((2,), ("x",)), timeout_s=20.0) as cluster:
+        cluster.inject_faults([{"kind": "slow", "rank": 1, "slowdown": 3.0}])
+        cluster.run(_nested_compute, [(0.04,)] * 2)
+        spans: dict = {}
+        for e in cluster.trace():
+            name = getattr(e, "name", None)
+            if name in ("outer", "inner"):
+                key = (e.rank, name)
+                spans[key] = min(spans.get(key, 1e9), e.end - e.start)
+        assert spans[(1, "inner")] == pytest.approx(3 * 0.04, rel=0.25)
+        assert spans[(1, "outer")] == pytest.approx(3 * 0.08, rel=0.25)
+        assert spans[(0, "outer")] < 1.5 * 0.08
+
+
 def _ping(dev, nbytes, trials):
     x = np.ones(nbytes // 8)
     for t in range(trials):

@@ -86,22 +86,35 @@ class _ComputeBlock:
     """``with dev.compute(...)``: records a ComputeEvent when the block ends normally.
 
     A plain class rather than ``contextlib.contextmanager``: a training step enters
-    ~130 of these per device, and the generator machinery cost ~3x as much per block."""
+    ~130 of these per device, and the generator machinery cost ~3x as much per block.
 
-    __slots__ = ("_dev", "_name", "_flops", "_bytes", "_start")
+    On a slow device (an injected fault) a block sleeps for its *own* time times the
+    slowdown less one: its elapsed time less that of the blocks nested in it (their own
+    sleeps included), so a block inside a block is slowed once, not once per level."""
+
+    __slots__ = ("_dev", "_name", "_flops", "_bytes", "_start", "_slowed")
 
     def __init__(self, dev: "EmulatedDevice", name, flops, nbytes):
         self._dev, self._name, self._flops, self._bytes = dev, name, flops, nbytes
 
     def __enter__(self) -> None:
+        dev = self._dev
+        self._slowed = dev._delays is not None
+        if self._slowed:
+            dev._nested_s.append(0.0)         # time of the blocks nested in this one
         self._start = time.perf_counter()
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        dev = self._dev
+        if self._slowed:                      # an injected slow device (vcluster.runtime.faults)
+            inner_s = dev._nested_s.pop()
+            if exc_type is None:
+                own_s = time.perf_counter() - self._start - inner_s
+                time.sleep(dev._delays.compute_extra_s(max(0.0, own_s)))
+            if dev._nested_s:                 # this block, sleep included, is its parent's
+                dev._nested_s[-1] += time.perf_counter() - self._start
         if exc_type is not None:
             return False
-        dev = self._dev
-        if dev._delays is not None:           # an injected slow device (vcluster.runtime.faults)
-            time.sleep(dev._delays.compute_extra_s(time.perf_counter() - self._start))
         dev._recorder.record_compute(str(self._name), float(self._flops), int(self._bytes),
                                      self._start, time.perf_counter())
         return False
@@ -134,6 +147,7 @@ class EmulatedDevice:
         self._queue = CommQueue(rank)
         self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
         self._delays = None          # vcluster.runtime.faults.DeviceDelays of injected faults, or None
+        self._nested_s: list = []    # per open compute block on a slow device: nested time
 
     def __repr__(self) -> str:
         return f"EmulatedDevice(rank={self.rank}, index={self.index!r})"

@@ -50,8 +50,11 @@ SINGLE_NODE = {
 
 
 def test_every_algorithm_has_a_closed_form_test():
+    # NVLink SHARP needs a fabric with it (not this file's presets): its closed form is
+    # tested in test_scaleup_domains.py
     pairs = {(c.value, a.value) for c, algs in ALGORITHMS.items() for a in algs
-             if c not in (Collective.SEND, Collective.RECV)}
+             if c not in (Collective.SEND, Collective.RECV)
+             and a.value not in ("nvls", "nvls_tree")}
     assert pairs == set(SINGLE_NODE)
 
 

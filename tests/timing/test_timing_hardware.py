@@ -49,7 +49,7 @@ def test_package_data_are_copies_of_the_reference_with_their_source_lines():
             assert text == (REFERENCE / name).read_text("utf-8")
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+@pytest.mark.parametrize("name", sorted(PRESET_PARTS))
 def test_presets_match_hardware_csv(name):
     hw, rows = preset(name), _hardware_csv()
     gpu, nic = (rows[p] for p in PRESET_PARTS[name])
@@ -114,10 +114,10 @@ def test_gemm_max_efficiency_by_dtype_is_checked_and_overridable(tmp_path):
 
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError) as err:
-        preset("b200-dgx")
+        preset("z100-dgx")
     assert all(n in str(err.value) for n in PRESET_NAMES)
     with pytest.raises(ValueError) as err:
-        load_hardware("b200-dgx")
+        load_hardware("z100-dgx")
     assert all(n in str(err.value) for n in PRESET_NAMES)
 
 
@@ -191,7 +191,7 @@ BAD_YAMLS = [
     (_full_yaml(network__oversubscription=0.5), ["hardware.network.oversubscription", "0.5",
                                                   ">= 1"]),
     (_full_yaml(network=4), ["hardware.network", "mapping", "4"]),
-    ("base: b300-dgx\n", ["hardware.base", "'b300-dgx'", "a100-80gb-dgx"]),
+    ("base: z300-dgx\n", ["hardware.base", "'z300-dgx'", "a100-80gb-dgx"]),
     ("base: h100-dgx\nnetwork: {nics: 4}\n", ["hardware.network.nics", "nics_per_node"]),
     ("- 1\n- 2\n", ["hardware", "mapping"]),
     ("name: [unclosed\n", ["not valid YAML"]),
@@ -323,7 +323,21 @@ def test_cli_show_prints_every_field_with_units(name, capsys):
     assert f"latency_us: {hw.network.nic.latency_us:g} us" in out
     assert f"bf16: {hw.device.peak_tflops['bf16']:g} TFLOP/s" in out
     assert f"hbm_bytes: {hw.device.hbm_bytes} B" in out
-    assert "gpus_per_node: 8 GPUs" in out
+    assert f"gpus_per_node: {hw.gpus_per_node} GPUs" in out
+    assert f"domain_gpus: {hw.domain_gpus} GPUs" in out
+    # every field a preset has is printed with its source (names and source texts aside)
+    paths = [p for p in _field_paths(hardware_to_dict(hw))
+             if not p.endswith(("source", "name"))]
+    sourced = [ln for ln in lines if "  # source: " in ln]
+    assert len(sourced) == len(paths), (len(sourced), len(paths))
+
+
+def _field_paths(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _field_paths(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k
 
 
 def test_cli_show_yaml_file_and_unknown_name(tmp_path, capsys):

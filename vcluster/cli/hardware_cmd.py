@@ -47,7 +47,9 @@ _LABELS = MappingProxyType({
     "gemm_max_efficiency_by_dtype": "(fraction of that dtype's peak)",
     "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
     "flash_v1_speedup": "(x an A100's speed, for attention kernels built for Ampere)",
-    "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)"})
+    "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)",
+    "domain_gpus": "GPUs (one NVLink / Infinity Fabric domain)",
+    "nvls_efficiency": "(NVLink SHARP all_reduce algbw, fraction of gpu_link.bandwidth_gbps)"})
 
 
 def _unit(key: str) -> str:
@@ -91,20 +93,30 @@ def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
 
 
 def format_hardware(hw: HardwareSpec) -> str:
-    """Every field of ``hw`` with its unit, YAML-like, plus derived figures as comments."""
+    """Every field of ``hw`` with its unit and, as a ``# source:`` comment, where its value
+    comes from (``HardwareSpec.sources``), YAML-like, plus derived figures as comments."""
     derived = _derived(hw)
     lines: list[str] = []
 
-    def emit(mapping: dict, indent: str, parent: str) -> None:
+    def sourced(line: str, path: str) -> str:
+        source = hw.sources.get(path)
+        return line if source is None else f"{line}  # source: {source}"
+
+    def emit(mapping: dict, indent: str, parent: str, prefix: str = "") -> None:
         for key, value in mapping.items():
-            if isinstance(value, dict):
+            path = prefix + key
+            if isinstance(value, dict) and value:
                 lines.append(f"{indent}{key}:")
-                emit(value, indent + "  ", key)
+                emit(value, indent + "  ", key, path + ".")
                 lines.extend(indent + "  " + c for c in derived.get(key, []))
+                continue
+            if isinstance(value, dict):
+                lines.append(sourced(f"{indent}{key}: {{}}", path))
                 continue
             if key == "kernels":                 # measured rows: counted, not listed
                 if not value:
-                    lines.append(f"{indent}kernels: none measured (datasheet constants)")
+                    lines.append(sourced(f"{indent}kernels: none measured (datasheet "
+                                         f"constants)", path))
                     continue
                 kinds = {}
                 for row in value:
@@ -113,28 +125,35 @@ def format_hardware(hw: HardwareSpec) -> str:
                 lines.append(f"{indent}kernels: {len(value)} measured ({what})")
                 continue
             unit = _unit(parent if parent == "peak_tflops" else key)
-            if key.endswith("_bytes"):
-                unit += f"  # {value / 1e9:g} GB"
-            lines.append(f"{indent}{key}: {_text(value)}" + (f" {unit}" if unit else ""))
+            if key.endswith("_bytes") and value is not None:
+                unit += f" ({value / 1e9:g} GB)"
+            lines.append(sourced(f"{indent}{key}: {_text(value)}" + (f" {unit}" if unit else ""),
+                                 path))
     emit(hardware_to_dict(hw), "", "")
     return "\n".join(lines)
 
 
 def format_preset_table() -> str:
-    """One line per preset: GPU, GPUs per node, peak, HBM, NVLink and NICs."""
-    header = (f"{'name':<15} {'device':<16} {'gpus/node':>9} {'bf16 TFLOP/s':>12} "
-              f"{'HBM GB':>7} {'HBM GB/s':>8} {'GPU link GB/s':>13} {'NICs x GB/s':>11}")
+    """One line per preset: GPU, GPUs per node and per scale-up domain, fabric, peaks,
+    HBM, scale-up link and NICs."""
+    header = (f"{'name':<14} {'device':<15} {'gpus/node':>9} {'domain':>6} {'fabric':<9} "
+              f"{'bf16':>7} {'fp8':>7} {'fp4':>7} {'HBM GB':>6} {'HBM GB/s':>8} "
+              f"{'link GB/s':>9} {'NICs x GB/s':>11}")
     lines = [header]
     for name in PRESET_NAMES:
         hw = preset(name)
-        d, net = hw.device, hw.network
+        d, net, peaks = hw.device, hw.network, hw.device.peak_tflops
+        low = {dt: f"{peaks[dt]:g}" if dt in peaks else "-" for dt in ("fp8", "fp4")}
         lines.append(
-            f"{name:<15} {d.name:<16} {hw.node.gpus_per_node:>9} "
-            f"{d.peak_tflops['bf16']:>12g} {d.hbm_bytes / 1e9:>7g} "
-            f"{d.hbm_bandwidth_gbps:>8g} {hw.node.gpu_link.bandwidth_gbps:>13g} "
+            f"{name:<14} {d.name:<15} {hw.node.gpus_per_node:>9} {hw.domain_gpus:>6} "
+            f"{hw.node.fabric.value:<9} {peaks['bf16']:>7g} {low['fp8']:>7} "
+            f"{low['fp4']:>7} {d.hbm_bytes / 1e9:>6g} {d.hbm_bandwidth_gbps:>8g} "
+            f"{hw.node.gpu_link.bandwidth_gbps:>9g} "
             f"{f'{net.nics_per_node} x {net.nic.bandwidth_gbps:g}':>11}")
-    lines.append("(line rates per direction; `vcluster hardware show NAME` for every field; "
-                 "localhost, this machine: `vcluster hardware calibrate`)")
+    lines.append("(dense TFLOP/s per dtype; domain: GPUs one NVLink / Infinity Fabric joins; "
+                 "line rates per direction, per GPU and per node; `vcluster hardware show "
+                 "NAME` for every field and its source; localhost, this machine: `vcluster "
+                 "hardware calibrate`)")
     return "\n".join(lines)
 
 

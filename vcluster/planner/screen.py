@@ -170,7 +170,7 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
     if dp * cp > 1:
         # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
         group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
-        flows = max(1, min(t, hardware.gpus_per_node))
+        flows = max(1, min(t, hardware.domain_gpus))   # dp rings sharing a domain's NICs
         params = _rank_modules(config, parallel, crit)
         modules = [n * TRACE_BYTES for n in params]             # 16-bit parameters
         reduced = [n * grad_reduce_bytes(parallel) for n in params]   # their gradients

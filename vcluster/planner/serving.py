@@ -278,7 +278,7 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
         raise ConfigError("slo_percentile", slo_percentile, "in (0, 100]", "not a percentile")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError("gpus", gpus, "an integer >= 1", "not a GPU count")
-    max_tp = max_tp or hardware.gpus_per_node
+    max_tp = max_tp or hardware.domain_gpus        # tp inside one NVLink domain
     requests = workload.requests()
     rate = float(getattr(workload, "rate", math.inf))
     layouts = serving_layouts(spec, gpus, max_tp)

@@ -2,17 +2,23 @@
 
 Notation: p ranks, n bytes (nccl-tests: the buffer for all_reduce, broadcast, reduce,
 send/recv; the gathered output for all_gather; the input for reduce_scatter; the send
-buffer for all_to_all). Rank r sits on node r // gpus_per_node; the group spans N nodes
-with m_j members on node j. Every call adds NCCL's base latency ``NCCL_BASE_LATENCY_US``.
+buffer for all_to_all). A "node" below is a scale-up domain: rank r sits in domain
+r // domain_gpus (``HardwareSpec.domain_of``: one 8-GPU DGX, or a 72-GPU NVL72 rack of
+4-GPU trays), whose NICs are its hosts' NICs together; the group spans N domains with
+m_j members in domain j. Every call adds NCCL's base latency ``NCCL_BASE_LATENCY_US``.
 
-* intra-node step: alpha_nv = gpu_link.latency_us, beta_nv = 1 / gpu_link.effective_gbps
-  (NVSwitch: each GPU has its own port).
-* inter-node step: alpha_net = nic.latency_us + (hops - 1) * switch_latency_us (hops = 1
-  if all the group's nodes share a leaf switch, else 3). The NICs of node j give this
-  collective B_j(c) = min(nics * nic_eff / flows, rails(c)) / s, c the members of node j
-  that send, rails(c) = nic_eff * min(nics, ceil(c * nics / gpus_per_node)) (GPU i uses its
-  rail's NIC), flows = ``concurrent_flows`` (collectives of the same shape sharing the
-  NICs), s = oversubscription if the group crosses the spine, else 1.
+* intra-domain step: alpha_nv = gpu_link.latency_us, beta_nv(k) = 1 / fabric(k), fabric(k)
+  the bandwidth of a member sending to k others of its domain at once
+  (:meth:`~.hardware.NodeSpec.fabric_gbps`): the whole port ``gpu_link.effective_gbps``
+  through NVSwitch; k of the D - 1 links of a full mesh (Infinity Fabric), so a ring of
+  m members uses beta_nv(m - 1), a pairwise round beta_nv(1).
+* inter-domain step: alpha_net = nic.latency_us + (hops - 1) * switch_latency_us (hops = 1
+  if all the group's nodes share a leaf switch, else 3). The NICs of domain j give this
+  collective B_j(c) = min(nics * nic_eff / flows, rails(c)) / s, c the members of domain j
+  that send, nics those of its hosts together, rails(c) = nic_eff * min(nics, ceil(c * nics
+  / domain_gpus)) (GPU i uses its rail's NIC), flows = ``concurrent_flows`` (collectives of
+  the same shape sharing the NICs), s = oversubscription if the group crosses the spine,
+  else 1.
 
 =======================  =================================================================
 ring (NCCL orders the    one phase = p-1 steps: (p-N) alpha_nv + (N-1) alpha_net (tuning.cc);
@@ -31,6 +37,12 @@ pairwise (all_to_all)    (m_min-1) alpha_nv + (p-m_min) alpha_net + max(max_j (m
 hierarchical             all_reduce with m members on every node: ring reduce_scatter in
                          each node, ring all_reduce of n/m across nodes (m rings share the
                          NICs), ring all_gather in each node; one base latency per phase
+nvls (all_reduce)        NVLink SHARP, one domain of >= 5 GPUs with ``nvls_efficiency``:
+                         2 alpha_nv + n / (gpu_link.bandwidth_gbps * nvls_efficiency)
+nvls_tree (all_reduce)   NCCL's NVLSTree: NVLS in each of N >= 2 domains (>= 5 members each),
+                         a tree between them: 2 alpha_nv + 2 ceil(lg N) alpha_net
+                         + n max(1 / nvls rate, 1 / min_j B_j(m_j)) (a domain's NICs carry
+                         n each way, shared by its members)
 p2p (send, recv)         alpha + n beta of the link between the two ranks
 =======================  =================================================================
 
@@ -55,7 +67,7 @@ from types import MappingProxyType
 from .hardware import HardwareSpec
 
 __all__ = ["Collective", "Algorithm", "CollectiveCost", "ALGORITHMS", "NCCL_ALGORITHMS",
-           "NCCL_BASE_LATENCY_US", "collective_cost", "collective_time_s", "bus_factor",
+           "NCCL_BASE_LATENCY_US", "NVLS_MIN_GPUS", "nccl_algorithms", "collective_cost", "collective_time_s", "bus_factor",
            "algbw_gbps", "busbw_gbps", "wire_bytes"]
 
 # NVIDIA/nccl src/graph/tuning.cc baseLat, Ring/Simple: fixed cost of one NCCL call, us.
@@ -90,6 +102,8 @@ class Algorithm(str, Enum):
     RECURSIVE = "recursive"
     PAIRWISE = "pairwise"
     HIERARCHICAL = "hierarchical"
+    NVLS = "nvls"
+    NVLS_TREE = "nvls_tree"
     P2P = "p2p"
     LOCAL = "local"  # a group of one rank, or zero bytes: nothing moves
 
@@ -97,7 +111,7 @@ class Algorithm(str, Enum):
 _C, _A = Collective, Algorithm
 ALGORITHMS: Mapping[Collective, tuple[Algorithm, ...]] = MappingProxyType({
     # every algorithm this model prices, per collective
-    _C.ALL_REDUCE: (_A.RING, _A.TREE, _A.RECURSIVE, _A.HIERARCHICAL),
+    _C.ALL_REDUCE: (_A.RING, _A.TREE, _A.NVLS, _A.NVLS_TREE, _A.RECURSIVE, _A.HIERARCHICAL),
     _C.ALL_GATHER: (_A.RING, _A.RECURSIVE),
     _C.REDUCE_SCATTER: (_A.RING, _A.RECURSIVE),
     _C.ALL_TO_ALL: (_A.PAIRWISE,),
@@ -110,8 +124,13 @@ ALGORITHMS: Mapping[Collective, tuple[Algorithm, ...]] = MappingProxyType({
     _C.RECV: (_A.P2P,),
 })
 NCCL_ALGORITHMS: Mapping[Collective, tuple[Algorithm, ...]] = MappingProxyType({
-    c: (algs[:2] if c in (_C.ALL_REDUCE, _C.BARRIER) else algs[:1])
-    for c, algs in ALGORITHMS.items()})  # what algorithm="auto" chooses from
+    c: (algs[:4] if c is _C.ALL_REDUCE else algs[:2] if c is _C.BARRIER else algs[:1])
+    for c, algs in ALGORITHMS.items()})  # what algorithm="auto" chooses from (NVLS where
+#                                          the hardware has it: _nvls_unavailable)
+# NVLink SHARP needs multicast objects, which NVIDIA's fabric manager gives partitions of
+# more than 4 GPUs only ("Fabric Manager for NVIDIA NVSwitch Systems", GPU partitions:
+# partitions of 4 GPUs or fewer have no multicast; stas00/ml-engineering network/README.md)
+NVLS_MIN_GPUS = 5
 
 
 @dataclass(frozen=True)
@@ -136,35 +155,45 @@ class CollectiveCost:
 
 
 class _Ctx:
-    """The group's placement and the link parameters it sees (internal)."""
+    """The group's placement and the link parameters it sees (internal). "Node" in the
+    formulas is a scale-up domain (``HardwareSpec.domain_of``): the GPUs one NVLink or
+    Infinity Fabric joins, whose NICs are its nodes' NICs together."""
 
     def __init__(self, group, hw: HardwareSpec, flows: int):
         self.hw, self.flows = hw, flows
         self.ranks = sorted(group)  # NCCL orders rings node by node
         self.root = self.ranks.index(group[0])  # position of the rooted collectives' root
         self.p = len(self.ranks)
-        self.node = [hw.node_of(r) for r in self.ranks]
+        self.node = [hw.domain_of(r) for r in self.ranks]
         self.counts = Counter(self.node)
         self.n_nodes = len(self.counts)
-        net = hw.network
-        leaves = {j // net.nodes_per_leaf_switch for j in self.counts}
+        net, per_domain = hw.network, hw.node.nodes_per_domain
+        leaves = {j * per_domain // net.nodes_per_leaf_switch for j in self.counts}
         spine = len(leaves) > 1
         hops = _FAT_TREE_HOPS_VIA_SPINE if spine else _FAT_TREE_HOPS_SAME_LEAF
         self.alpha_nv = hw.node.gpu_link.latency_us * _US
         self.alpha_net = (net.nic.latency_us + (hops - 1) * net.switch_latency_us) * _US
-        self.nv_bps = hw.node.gpu_link.effective_gbps * _GB
         self._oversub = net.oversubscription if spine else 1.0
+        self._nics = net.nics_per_node * per_domain     # the NICs of one domain
+
+    def nv_bps(self, peers: int) -> float:
+        """Scale-up bandwidth of one member sending to ``peers`` others of its domain at
+        once, bytes/s (:meth:`NodeSpec.fabric_gbps`: the port on a switch, that many
+        links on a full mesh)."""
+        return self.hw.node.fabric_gbps(peers) * _GB
 
     def net_bps(self, senders: int) -> float:
-        """B(c): inter-node bandwidth of one node to ``senders`` of its members, bytes/s."""
-        net, gpn = self.hw.network, self.hw.node.gpus_per_node
-        rails = min(net.nics_per_node, math.ceil(senders * net.nics_per_node / gpn))
-        shared = net.node_bandwidth_gbps / self.flows
+        """B(c): inter-domain bandwidth of one domain to ``senders`` of its members, bytes/s."""
+        net, gpd = self.hw.network, self.hw.domain_gpus
+        rails = min(self._nics, math.ceil(senders * self._nics / gpd))
+        shared = self._nics * net.nic.effective_gbps / self.flows
         return min(shared, rails * net.nic.effective_gbps) * _GB / self._oversub
 
     def ring_beta(self) -> float:
-        """Seconds per byte of the ring's slowest link."""
-        beta = 1 / self.nv_bps if max(self.counts.values()) >= 2 else 0.0
+        """Seconds per byte of the ring's slowest link (on a full mesh, the rings of a
+        domain's m members use their m - 1 links each)."""
+        beta = max((1 / self.nv_bps(m - 1) for m in self.counts.values() if m >= 2),
+                   default=0.0)
         if self.n_nodes >= 2:
             beta = max(beta, max(1 / self.net_bps(m) for m in self.counts.values()))
         return beta
@@ -173,7 +202,8 @@ class _Ctx:
         return (self.p - self.n_nodes) * self.alpha_nv + (self.n_nodes - 1) * self.alpha_net
 
     def rounds(self, rounds) -> tuple[float, float]:
-        """(latency, bandwidth time) of rounds given as (pairs of positions, bytes)."""
+        """(latency, bandwidth time) of rounds given as (pairs of positions, bytes): each
+        member exchanges with one partner, over one link of a full mesh."""
         lat = bw = 0.0
         for pairs, nbytes in rounds:
             intra, crossing = False, Counter()
@@ -183,7 +213,7 @@ class _Ctx:
                 else:
                     crossing[self.node[src]] += 1
             lat += self.alpha_net if crossing else self.alpha_nv
-            t = nbytes / self.nv_bps if intra else 0.0
+            t = nbytes / self.nv_bps(1) if intra else 0.0
             for c in crossing.values():
                 t = max(t, nbytes * c / self.net_bps(c))
             bw += t
@@ -235,12 +265,58 @@ def _pairwise(c: Collective, n: float, x: _Ctx):
     if c in (_C.SCATTER, _C.GATHER):  # the root exchanges n/p with every other member
         m = x.counts[x.node[x.root]]
         lat = (m - 1) * x.alpha_nv + (p - m) * x.alpha_net
-        return 1, lat, max((m - 1) / p * n / x.nv_bps, (p - m) / p * n / x.net_bps(1))
+        return 1, lat, max((m - 1) / p * n / x.nv_bps(m - 1) if m > 1 else 0.0,
+                           (p - m) / p * n / x.net_bps(1))
     m_min = min(counts)
     lat = (m_min - 1) * x.alpha_nv + (p - m_min) * x.alpha_net
-    bw = max(max((m - 1) / p * n / x.nv_bps for m in counts),
+    bw = max(max((m - 1) / p * n / x.nv_bps(m - 1) if m > 1 else 0.0 for m in counts),
              max(m * (p - m) / p * n / x.net_bps(m) for m in counts))
     return 1, lat, bw
+
+
+def _nvls_unavailable(x: _Ctx, across: bool = False) -> str | None:
+    """Why NVLink SHARP cannot run this group (None: it can): inside one domain (nvls), or
+    inside each of several (nvls_tree, ``across``)."""
+    node = x.hw.node
+    if node.nvls_efficiency is None:
+        return f"{x.hw.name} has no NVLink SHARP (node.nvls_efficiency is null)"
+    if not across and x.n_nodes > 1:
+        return "the group spans scale-up domains (NVLS reduces inside one NVSwitch fabric)"
+    if across and x.n_nodes == 1:
+        return "the group lies in one scale-up domain (nvls_tree joins several)"
+    fewest = min(x.counts.values())
+    if fewest < NVLS_MIN_GPUS:
+        return (f"a domain holds {fewest} of the group's GPUs; NVLS multicast needs "
+                f"{NVLS_MIN_GPUS} or more")
+    return None
+
+
+def _nvls_tree(c: Collective, n: float, x: _Ctx):
+    """NCCL's NVLSTree all_reduce: NVLS inside each domain, a tree between domains over the
+    NICs, pipelined. Each domain's members reduce their n bytes in the switch, then each
+    sends its 1/m share of the domain's sum over its own NIC up the tree and gets the
+    result back: a domain puts n bytes each way on its NICs together, so
+    t = 2 alpha_nv + 2 ceil(lg N) alpha_net + n * max(1 / nvls rate, 1 / B_j(m_j))."""
+    why = _nvls_unavailable(x, across=True)
+    if why is not None:
+        raise ValueError(f"nvls_tree: {why}")
+    node = x.hw.node
+    rate = node.gpu_link.bandwidth_gbps * node.nvls_efficiency * _GB
+    beta = max(1 / rate, max(1 / x.net_bps(m) for m in x.counts.values()))
+    lat = 2 * x.alpha_nv + 2 * math.ceil(math.log2(x.n_nodes)) * x.alpha_net
+    return 1, lat, n * beta
+
+
+def _nvls(c: Collective, n: float, x: _Ctx):
+    """all_reduce reduced in the switch: each member sends its n bytes once and receives
+    the n-byte result once (multimem load-reduce, then multicast store), at
+    ``nvls_efficiency`` of its port: one step to the switch and one back."""
+    why = _nvls_unavailable(x)
+    if why is not None:
+        raise ValueError(f"nvls: {why}")
+    node = x.hw.node
+    rate = node.gpu_link.bandwidth_gbps * node.nvls_efficiency * _GB
+    return 1, 2 * x.alpha_nv, n / rate
 
 
 def _hierarchical(c: Collective, n: float, x: _Ctx):
@@ -253,7 +329,7 @@ def _hierarchical(c: Collective, n: float, x: _Ctx):
     if m > 1:  # reduce_scatter then all_gather inside every node
         calls += 2
         lat += 2 * (m - 1) * x.alpha_nv
-        bw += 2 * (m - 1) / m * n / x.nv_bps
+        bw += 2 * (m - 1) / m * n / x.nv_bps(m - 1)
     if big_n > 1:  # m rings of n/m bytes, one member per node each, sharing the NICs
         calls += 1
         lat += 2 * (big_n - 1) * x.alpha_net
@@ -266,13 +342,13 @@ def _p2p(c: Collective, n: float, x: _Ctx):
         raise ValueError(f"{c.value} needs a group of two ranks (source, destination), "
                          f"got {x.p}")
     if x.n_nodes == 1:
-        return 1, x.alpha_nv, n / x.nv_bps
+        return 1, x.alpha_nv, n / x.nv_bps(1)
     return 1, x.alpha_net, n / x.net_bps(1)
 
 
 _COST = MappingProxyType({_A.RING: _ring, _A.TREE: _tree, _A.RECURSIVE: _recursive,
                           _A.PAIRWISE: _pairwise, _A.HIERARCHICAL: _hierarchical,
-                          _A.P2P: _p2p})
+                          _A.NVLS: _nvls, _A.NVLS_TREE: _nvls_tree, _A.P2P: _p2p})
 
 
 def _parse(enum, value, what):
@@ -326,12 +402,27 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
         return CollectiveCost(coll, _A.LOCAL, nbytes, x.p, x.n_nodes, 0.0, 0.0)
     best = None
     for alg in choices:
+        if alg in (_A.NVLS, _A.NVLS_TREE) and algorithm == "auto" and (
+                priced is not _C.ALL_REDUCE
+                or _nvls_unavailable(x, across=alg is _A.NVLS_TREE) is not None):
+            continue                        # NCCL picks NVLS only where the fabric has it
         calls, lat, bw = _COST[alg](priced, float(nbytes), x)
         cost = CollectiveCost(coll, alg, nbytes, x.p, x.n_nodes,
                               calls * NCCL_BASE_LATENCY_US * _US + lat, bw)
         if best is None or cost.time_s < best.time_s:
             best = cost
     return best
+
+
+def nccl_algorithms(collective, group, hardware: HardwareSpec) -> tuple[Algorithm, ...]:
+    """The algorithms ``algorithm="auto"`` chooses from for ``collective`` over ``group``
+    on ``hardware``: :data:`NCCL_ALGORITHMS`, NVLink SHARP only where it can run."""
+    coll = _parse(Collective, collective, "collective")
+    x = _Ctx(_check_group(group), hardware, 1)
+    return tuple(a for a in NCCL_ALGORITHMS[coll]
+                 if a not in (_A.NVLS, _A.NVLS_TREE) or (
+                     coll is _C.ALL_REDUCE
+                     and _nvls_unavailable(x, across=a is _A.NVLS_TREE) is None))
 
 
 def _check_args(hardware, nbytes, concurrent_flows) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from types import MappingProxyType
 
@@ -37,15 +37,16 @@ _BYTES_PER_GB = 1e9       # GB/s is 1e9 bytes/s
 _FLOPS_PER_TFLOPS = 1e12  # TFLOP/s is 1e12 FLOP/s
 
 # Bytes per element of each compute dtype (tf32 is stored as fp32).
-DTYPE_BYTES: Mapping[str, int] = MappingProxyType(
-    {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4})
+DTYPE_BYTES: Mapping[str, float] = MappingProxyType(
+    {"fp4": 0.5, "fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4})
 _DTYPE_ALIASES: Mapping[str, str] = MappingProxyType(
     {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
      "float": "fp32", "float8": "fp8"})
 
 
 def canonical_dtype(dtype) -> str:
-    """``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``, ``"fp8"`` from a name or numpy dtype."""
+    """``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``, ``"fp8"``, ``"fp4"`` from a name or
+    numpy dtype."""
     name = str(getattr(dtype, "name", dtype)).lower()
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_BYTES:
@@ -55,11 +56,19 @@ def canonical_dtype(dtype) -> str:
 
 
 class IntraNodeFabric(str, Enum):
-    """How the GPUs of a node reach each other: both are modelled as a non-blocking switch
-    with one port of ``NodeSpec.gpu_link`` bandwidth per GPU."""
+    """How the GPUs of a scale-up domain reach each other.
+
+    ``nvswitch``, ``pcie``: a non-blocking switch with one port of ``NodeSpec.gpu_link``
+    bandwidth per GPU: any pair, or a GPU talking to all the others, gets the whole port.
+    ``full_mesh``: no switch; each GPU has one direct link to every other GPU of its
+    domain (AMD Infinity Fabric, xGMI), ``gpu_link`` the sum of its D - 1 links
+    (D = ``domain_gpus``). A GPU talking to ``k`` peers of its domain at once drives
+    ``k`` links: ``gpu_link * k / (D - 1)`` (``NodeSpec.fabric_gbps``); a pair gets one
+    link's bandwidth, not the port's."""
 
     NVSWITCH = "nvswitch"
     PCIE = "pcie"
+    FULL_MESH = "full_mesh"
 
 
 class NetworkTopology(str, Enum):
@@ -157,6 +166,9 @@ class DeviceSpec:
     # of 2022-23 (``ParallelConfig.attention="flash-v1"``; HardwareCostModel.flash_v1).
     # None: not known, and such runs are refused on this device
     flash_v1_speedup: float | None = None
+    # block-scaled GEMM formats the tensor cores read natively (gemm_formats.
+    # BLOCK_SCALED_FORMATS: "mxfp8", "mxfp6", "mxfp4", "nvfp4"); () : none
+    block_scaled_formats: tuple = ()
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -199,6 +211,13 @@ class DeviceSpec:
         _number(self, "hbm_efficiency", at_most=1)
         if self.flash_v1_speedup is not None:
             _number(self, "flash_v1_speedup")
+        from .gemm_formats import BLOCK_SCALED_FORMATS   # why: a table of names, no cycle
+        formats = self.block_scaled_formats
+        if isinstance(formats, str) or not hasattr(formats, "__iter__") or any(
+                f not in BLOCK_SCALED_FORMATS for f in formats):
+            raise ValueError(f"block_scaled_formats: expected a list of "
+                             f"{', '.join(BLOCK_SCALED_FORMATS)}, got {formats!r}")
+        object.__setattr__(self, "block_scaled_formats", tuple(formats))
         _text(self, "source")
         _text(self, "kernel_table")
         if self.kernel_table and self.kernel_table not in kernel_tables():
@@ -347,19 +366,71 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """A node of ``gpus_per_node`` GPUs; ``gpu_link`` is one GPU's port on the intra-node
-    switch (all its NVLinks together, per direction)."""
+    """A node (host) of ``gpus_per_node`` GPUs in a scale-up domain of ``domain_gpus``.
+
+    ``gpu_link`` is one GPU's port on the scale-up fabric (all its NVLinks or Infinity
+    Fabric links together, per direction). The scale-up domain — the GPUs one NVLink or
+    Infinity Fabric reaches — is independent of the host: 8 GPUs in a DGX node, 72 in a
+    GB200 NVL72 rack of 18 four-GPU trays (``gpus_per_node`` 4, ``domain_gpus`` 72).
+    ``domain_gpus`` (default: ``gpus_per_node``) is a whole number of nodes; traffic
+    between domains goes through the nodes' NICs (:class:`NetworkSpec`).
+    """
 
     gpus_per_node: int
     gpu_link: LinkSpec
     fabric: IntraNodeFabric = IntraNodeFabric.NVSWITCH
     source: str = ""
+    domain_gpus: int | None = None   # scale-up domain size (None: one node)
+    # NVLink SHARP (NVLS): the switch reduces, so an all_reduce of n bytes moves n each way
+    # per GPU; its achieved rate (nccl-tests algbw at large sizes) over gpu_link's
+    # bandwidth_gbps. None: the fabric has no in-switch reduction (or it is not modelled)
+    nvls_efficiency: float | None = None
+    # the GPU's link to its host CPU's memory (NVLink-C2C on Grace, PCIe elsewhere), per
+    # direction, and the host memory each GPU may use there; None: not modelled
+    host_link: LinkSpec | None = None
+    host_memory_bytes: int | None = None
 
     def __post_init__(self):
         _number(self, "gpus_per_node", integer=True)
         _nested(self, "gpu_link", LinkSpec)
         _enum(self, "fabric", IntraNodeFabric)
         _text(self, "source")
+        if self.nvls_efficiency is not None:
+            _number(self, "nvls_efficiency", at_most=1)
+            if self.fabric is not IntraNodeFabric.NVSWITCH:
+                raise ValueError(f"nvls_efficiency: NVLink SHARP needs an NVSwitch fabric, "
+                                 f"got fabric {self.fabric.value!r}")
+        if self.host_link is not None:
+            _nested(self, "host_link", LinkSpec)
+        if self.host_memory_bytes is not None:
+            _number(self, "host_memory_bytes", integer=True)
+        if self.domain_gpus is None:
+            object.__setattr__(self, "domain_gpus", self.gpus_per_node)
+        _number(self, "domain_gpus", integer=True)
+        if self.domain_gpus % self.gpus_per_node:
+            raise ValueError(f"domain_gpus: must be a whole number of nodes of "
+                             f"{self.gpus_per_node} GPUs (gpus_per_node), got "
+                             f"{self.domain_gpus!r}")
+        if self.fabric is IntraNodeFabric.FULL_MESH and self.domain_gpus < 2:
+            raise ValueError(f"fabric: full_mesh needs a domain of 2 or more GPUs, got "
+                             f"domain_gpus {self.domain_gpus}")
+
+    @property
+    def nodes_per_domain(self) -> int:
+        return self.domain_gpus // self.gpus_per_node
+
+    def fabric_gbps(self, peers: int) -> float:
+        """Achieved scale-up bandwidth per direction of one GPU sending to ``peers`` other
+        GPUs of its domain at once: the whole port through a switch; ``peers`` of its
+        ``domain_gpus - 1`` links on a full mesh."""
+        port = self.gpu_link.effective_gbps
+        if self.fabric is not IntraNodeFabric.FULL_MESH:
+            return port
+        if isinstance(peers, bool) or not isinstance(peers, int) or not (
+                1 <= peers < self.domain_gpus):
+            raise ValueError(f"peers must be an integer in 1..{self.domain_gpus - 1}, "
+                             f"got {peers!r}")
+        return port * peers / (self.domain_gpus - 1)
 
 
 @dataclass(frozen=True)
@@ -400,13 +471,22 @@ class NetworkSpec:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """A cluster of identical nodes: rank r lives on node ``r // gpus_per_node``."""
+    """A cluster of identical nodes: rank r lives on node ``r // gpus_per_node`` and in
+    scale-up domain ``r // domain_gpus``.
+
+    ``sources`` maps a field's dotted path (``device.peak_tflops.bf16``,
+    ``node.gpu_link.bandwidth_gbps``) to where its value comes from — a datasheet, a
+    measurement, a paper; presets have one for every field (``vcluster hardware show``).
+    It is documentation: not compared, not hashed, not part of :func:`hardware_to_dict
+    <.presets.hardware_to_dict>`'s values.
+    """
 
     name: str
     device: DeviceSpec
     node: NodeSpec
     network: NetworkSpec
     source: str = ""
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -414,16 +494,54 @@ class HardwareSpec:
         _nested(self, "node", NodeSpec)
         _nested(self, "network", NetworkSpec)
         _text(self, "source")
+        if not isinstance(self.sources, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.sources.items()):
+            raise TypeError(f"sources: expected a mapping field path -> source text, got "
+                            f"{self.sources!r}")
+        object.__setattr__(self, "sources", _FrozenMap(self.sources))   # picklable
 
     @property
     def gpus_per_node(self) -> int:
         return self.node.gpus_per_node
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of one scale-up domain (one NVLink / Infinity Fabric)."""
+        return self.node.domain_gpus
+
+    def domain_of(self, rank: int) -> int:
+        """The scale-up domain that holds global rank ``rank``."""
+        return self.node_of(rank) // self.node.nodes_per_domain
 
     def node_of(self, rank: int) -> int:
         """The node that holds global rank ``rank``."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
         return rank // self.node.gpus_per_node
+
+    def for_job(self, gpus: int) -> "HardwareSpec":
+        """The hardware as a job of ``gpus`` GPUs sees it. A job that does not fill its
+        scale-up domains whole is placed on the fewest domains, an equal segment in each
+        (a scheduler's job segments, Slurm's ``--segment``): 256 GPUs on 72-GPU NVL72
+        racks are 4 racks of 64, so its groups of 64 stay on NVLink. The segment must be a
+        whole number of nodes; otherwise, and for a job of one domain or whole domains,
+        the hardware is unchanged. The segment becomes ``domain_gpus`` (named
+        ``<name>-<segment>per-domain``)."""
+        domain = self.domain_gpus
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
+        if gpus <= domain or gpus % domain == 0:
+            return self
+        used = -(-gpus // domain)
+        segment, rest = divmod(gpus, used)
+        if rest or segment % self.node.gpus_per_node:
+            return self
+        sources = dict(self.sources)
+        sources["node.domain_gpus"] = (f"a job of {gpus} GPUs in {used} equal segments of "
+                                       f"{segment} (HardwareSpec.for_job), of "
+                                       f"{domain}-GPU domains")
+        return replace(self, name=f"{self.name}-{segment}per-domain",
+                       node=replace(self.node, domain_gpus=segment), sources=sources)
 
     def with_nics_per_node(self, nics: int) -> "HardwareSpec":
         """The same cluster with ``nics`` NICs per node (named ``<name>-<nics>nic``)."""

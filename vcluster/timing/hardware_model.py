@@ -14,12 +14,14 @@
   kernel, profiled or not, at no less than the host's launch interval: price =
   max(in-stream price, launch interval). Kernels with no profile (dropout, activation
   gradients, SGD, unfused attention's softmax) keep the analytic price and its divisor;
-* FP8 GEMMs: with ``fp8_gemms`` (a predicate on compute ops: which GEMMs run in FP8, as
-  Transformer Engine runs a transformer layer's linear layers; the caller knows its
-  program's ops) those ops are priced by the same analytic model at the device's FP8
-  peak (``peak_tflops["fp8"]``), every other op as before. It needs the analytic model:
+* low-precision GEMMs: with ``fp8_gemms`` (a predicate on compute ops: which GEMMs run
+  in low precision, as Transformer Engine runs a transformer layer's linear layers; the
+  caller knows its program's ops) those ops are priced by the same analytic model in
+  ``gemm_format`` (:mod:`.gemm_formats`: ``fp8``, the default, ``fp8-block``,
+  ``mxfp8`` at the device's FP8 peak; ``nvfp4``, ``mxfp4`` at its FP4 peak; each at that
+  dtype's best achieved share), every other op as before. It needs the analytic model:
   measured kernel prices are of BF16 kernels, so hardware with measured kernels refuses
-  it, as does a device with no FP8 peak;
+  it, as does a device without the format (:func:`.gemm_formats.check_gemm_format`);
 * FlashAttention-1-class attention: with ``flash_v1`` (a run whose attention kernels were
   built for Ampere: FlashAttention 1, the Triton and xformers kernels of 2022-23;
   ``ParallelConfig.attention="flash-v1"``) every fused attention kernel computes at the
@@ -51,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .collective_cost import collective_cost, collective_time_s
+from .gemm_formats import check_gemm_format, gemm_format
 from .collective_cost import wire_bytes as _wire_bytes
 from .hardware import HardwareSpec
 
@@ -78,22 +81,24 @@ class HardwareCostModel:
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the device's kernel prices by kind (None without measured kernels), fitted once
     kernel_profile: object = field(default=None, init=False, repr=False, compare=False)
-    # op -> True for the GEMMs that run in FP8 (None: none do); see the module docstring
+    # op -> True for the GEMMs that run in low precision (None: none do), in gemm_format;
+    # see the module docstring
     fp8_gemms: object = None
+    gemm_format: str = "fp8"
     # price fused attention kernels as FlashAttention-1-class ones (module docstring)
     flash_v1: bool = False
     # the FLOP/s those kernels compute at here (set from flash_v1; None without it)
     _flash_v1_flops_per_s: object = field(default=None, init=False, repr=False, compare=False)
+    # the dtype whose peak gemm_format's GEMMs compute at
+    _gemm_dtype: str = field(default="fp8", init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
+        fmt = gemm_format(self.gemm_format)
         if self.fp8_gemms is not None:
-            device = self.hardware.device
-            if "fp8" not in device.peak_tflops:
-                raise ValueError(f"FP8 GEMMs need an FP8 peak: {self.hardware.name} "
-                                 f"({device.name}) has peaks for "
-                                 f"{', '.join(device.peak_tflops)} only")
-            self._refuse_measured_kernels("FP8 GEMMs are", "BF16 kernels")
+            check_gemm_format(fmt, self.hardware)
+            self._refuse_measured_kernels(f"{fmt.name} GEMMs are", "BF16 kernels")
+        object.__setattr__(self, "_gemm_dtype", fmt.dtype)
         if not isinstance(self.flash_v1, bool):
             raise ValueError(f"flash_v1 must be True or False, got {self.flash_v1!r}")
         if self.flash_v1:
@@ -139,7 +144,7 @@ class HardwareCostModel:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
         if self.fp8_gemms is not None and self.fp8_gemms(op):
-            return self.analytic_time_s(op, "fp8")
+            return self.analytic_time_s(op, self._gemm_dtype)
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
         if self.flash_v1 and kernel is not None and kernel.kind == "attention" \
                 and kernel.flash:
@@ -175,11 +180,11 @@ class HardwareCostModel:
         return _wire_bytes(op.collective, _nccl_bytes(op), n) / n
 
     def p2p_ports(self, src: int, dst: int) -> tuple:
-        """The NICs a transfer between nodes occupies (the sender's, the receiver's: each
-        GPU drives one NIC rail): concurrent transfers through one of them queue. Within
-        a node, none (the GPU links of the switch are per pair)."""
-        gpn = self.hardware.node.gpus_per_node
-        if src // gpn == dst // gpn:
+        """The NICs a transfer between scale-up domains occupies (the sender's, the
+        receiver's: each GPU drives one NIC rail): concurrent transfers through one of them
+        queue. Within a domain, none (the switch's GPU links are per pair)."""
+        hw = self.hardware
+        if hw.domain_of(src) == hw.domain_of(dst):
             return ()
         return (("nic_out", src), ("nic_in", dst))
 

@@ -9,6 +9,13 @@ the preset with that many NICs). One JSON-friendly dict per row::
      "hardware", "algorithm"}        rel_error = predicted / published - 1
 
 Acceptance (tests): |rel_error| <= ``NCCL_TOLERANCE`` for every row.
+
+``validate_nccl_2026()`` does the same for ``data/nccl_2026.csv``: collectives measured
+on the hardware of 2026 (DGX B200/B300, GB200 NVL72, MI300X), each row on its preset,
+with the run's scale-up domain (``domain_gpus``: NVL72 racks partitioned into NVL4/NVL8
+domains), NVLink SHARP switched off where the run did (``nvls`` 0) and the algorithm it
+forced. Its rows carry a ``role``: ``fit`` rows are the ones a preset constant was read
+from, ``held_out`` rows chose nothing; the errors of both are reported apart.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from .collective_cost import collective_cost
 from .hardware import HardwareSpec
 from .presets import load_hardware, read_data_csv
 
-__all__ = ["validate_nccl", "format_validation_table", "SYSTEM_PRESETS", "NCCL_TOLERANCE"]
+__all__ = ["validate_nccl", "validate_nccl_2026", "format_validation_table", "SYSTEM_PRESETS",
+           "NCCL_TOLERANCE", "NCCL_2026_CSV"]
 
 NCCL_TOLERANCE = 0.10  # acceptance: every published busbw within 10 %
 NCCL_CSV = "nccl_a100.csv"
+NCCL_2026_CSV = "nccl_2026.csv"
 SYSTEM_PRESETS = (("A100", "a100-80gb-dgx"), ("H100", "h100-dgx"), ("H200", "h200-dgx"))
 
 
@@ -73,6 +82,40 @@ def validate_nccl(hardware_by_system: Mapping | None = None) -> list[dict]:
             "rel_error": predicted / published - 1,
             "hardware": hw.name,
             "algorithm": cost.algorithm.value,
+        })
+    return out
+
+
+def validate_nccl_2026() -> list[dict]:
+    """One row per line of nccl_2026.csv: published vs predicted busbw (GB/s), with its
+    role (``fit`` / ``held_out``), as :func:`validate_nccl`'s rows."""
+    _, rows = read_data_csv(NCCL_2026_CSV)
+    out = []
+    for row in rows:
+        hw = load_hardware(row["preset"])
+        node = hw.node
+        if row["domain_gpus"].strip():
+            node = replace(node, domain_gpus=int(row["domain_gpus"]))
+        if row["nvls"].strip() == "0":
+            node = replace(node, nvls_efficiency=None)
+        if node != hw.node:
+            hw = replace(hw, name=f"{hw.name}-nvl{node.domain_gpus}"
+                         + ("-no-nvls" if node.nvls_efficiency is None else ""), node=node)
+        gpus, nbytes = int(row["gpus"]), int(float(row["message_bytes"]))
+        nodes = int(row["nodes"])
+        if not (nodes - 1) * hw.gpus_per_node < gpus <= nodes * hw.gpus_per_node:
+            raise ValueError(f"{NCCL_2026_CSV}: {row['system']!r}: {row['gpus']} GPUs do "
+                             f"not fill {row['nodes']} nodes of {hw.gpus_per_node}")
+        cost = collective_cost(row["collective"], nbytes, tuple(range(gpus)), hw,
+                               algorithm=row["algorithm"])
+        published = float(row["busbw_gbps"])
+        out.append({
+            "source": row["source"],
+            "case": (f"{row['system']}: {gpus} GPUs in domains of {hw.domain_gpus}, "
+                     f"{row['collective']} {nbytes:.3g} B"),
+            "metric": "busbw_gbps", "published": published, "predicted": cost.busbw_gbps,
+            "rel_error": cost.busbw_gbps / published - 1, "hardware": hw.name,
+            "algorithm": cost.algorithm.value, "role": row["role"],
         })
     return out
 

@@ -105,7 +105,7 @@ import numpy as np
 from modeling.spec import LatentAttention, ModelSpec, MoE
 from serving.memory import check_layout, kv_heads_per_rank, vllm_stage_layers
 
-from ..collective_cost import NCCL_ALGORITHMS, Collective, collective_cost
+from ..collective_cost import Collective, collective_cost, nccl_algorithms
 from ..hardware import DTYPE_BYTES, HardwareSpec, canonical_dtype
 from ..kernel_profile import TILE
 from .floors import FloorModel, StepShape, expected_experts, shape_of
@@ -247,7 +247,7 @@ def _affine(collective: Collective, group: tuple, hardware: HardwareSpec) -> np.
         return np.zeros((0, 2))
     n1, n2 = float(2**20), float(2**21)
     rows = []
-    for alg in NCCL_ALGORITHMS[collective]:
+    for alg in nccl_algorithms(collective, group, hardware):
         t1 = collective_cost(collective, n1, group, hardware, alg).time_s
         t2 = collective_cost(collective, n2, group, hardware, alg).time_s
         rows.append((2 * t1 - t2, (t2 - t1) / (n2 - n1)))

@@ -1,0 +1,85 @@
+"""Low-precision GEMM formats a training run's linear layers may use, and what each needs.
+
+A format is priced by the analytic GEMM model (:meth:`~.hardware.DeviceSpec.compute_time_s`)
+at the peak of the dtype its tensor cores compute in and that dtype's best achieved share
+(``e_max``: ``gemm_max_efficiency_by_dtype``, a measured MAMF figure where the preset has
+one — every preset field names its source). The formats:
+
+===============  =====  ==================================================================
+format           peak   needs
+===============  =====  ==================================================================
+``fp8``          fp8    FP8 tensor cores; one scale per tensor (Transformer Engine's
+                        delayed or current scaling, ``FP8-DS`` / ``FP8-CS``)
+``fp8-block``    fp8    FP8 tensor cores; a scale per 1x128 / 128x128 block (DeepSeek-V3's
+                        recipe; Transformer Engine's ``Float8BlockScaling``): on Hopper the
+                        scales are applied outside the tensor cores, priced as ``fp8``
+``mxfp8``        fp8    tensor cores that read OCP microscaling scales (one E8M0 scale per
+                        32 elements): ``block_scaled_formats`` has ``mxfp8`` (Blackwell)
+``mxfp4``        fp4    ``block_scaled_formats`` has ``mxfp4`` (Blackwell, CDNA 4)
+``nvfp4``        fp4    ``block_scaled_formats`` has ``nvfp4`` (NVIDIA's E4M3 scale per 16
+                        elements plus a tensor scale: Blackwell)
+===============  =====  ==================================================================
+
+An MX or NV format on hardware without it is refused by name (:func:`check_gemm_format`),
+as is FP8 on a GPU without FP8 tensor cores (the A100). No format changes the memory
+model: the master weights, gradients and optimizer state keep their precision policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["GemmFormat", "GEMM_FORMATS", "BLOCK_SCALED_FORMATS", "gemm_format",
+           "check_gemm_format"]
+
+# the block-scaled formats a device's tensor cores may read natively
+BLOCK_SCALED_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+
+
+@dataclass(frozen=True)
+class GemmFormat:
+    """A GEMM format: its name, the dtype whose peak it computes at, and the native
+    block-scaling support it needs (None: plain tensor cores of that dtype)."""
+
+    name: str
+    dtype: str
+    needs: str | None = None
+
+
+GEMM_FORMATS: Mapping[str, GemmFormat] = MappingProxyType({
+    "fp8": GemmFormat("fp8", "fp8"),
+    "fp8-block": GemmFormat("fp8-block", "fp8"),
+    "mxfp8": GemmFormat("mxfp8", "fp8", "mxfp8"),
+    "mxfp4": GemmFormat("mxfp4", "fp4", "mxfp4"),
+    "nvfp4": GemmFormat("nvfp4", "fp4", "nvfp4"),
+})
+
+
+def gemm_format(name) -> GemmFormat:
+    """The format ``name`` (a :data:`GEMM_FORMATS` key or a GemmFormat); ValueError
+    naming the allowed ones otherwise."""
+    if isinstance(name, GemmFormat):
+        return name
+    if name not in GEMM_FORMATS:
+        raise ValueError(f"GEMM format {name!r} is not known; use one of "
+                         f"{', '.join(GEMM_FORMATS)}")
+    return GEMM_FORMATS[name]
+
+
+def check_gemm_format(fmt, hardware) -> GemmFormat:
+    """``fmt`` if ``hardware``'s device can run it, else ValueError naming the hardware,
+    its device and what it has."""
+    fmt = gemm_format(fmt)
+    device = hardware.device
+    if fmt.dtype not in device.peak_tflops:
+        raise ValueError(f"{fmt.name} GEMMs need {fmt.dtype.upper()} tensor cores: "
+                         f"{hardware.name} ({device.name}) has peaks for "
+                         f"{', '.join(device.peak_tflops)} only")
+    if fmt.needs is not None and fmt.needs not in device.block_scaled_formats:
+        has = ", ".join(device.block_scaled_formats) or "none"
+        raise ValueError(f"{fmt.name} GEMMs need tensor cores that read {fmt.needs} block "
+                         f"scales: {hardware.name} ({device.name}) has none of that kind "
+                         f"(block-scaled formats: {has})")
+    return fmt

@@ -26,7 +26,17 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    divisor of dp (each rank routes its own chunks' tokens);
 5. B splits into dp × b; m = B / (dp·b) micro-batches;
 6. ``virtual_stages`` > 1 only under ``interleaved_1f1b``, whose v >= 2 chunks need m a
-   multiple of pp (Megatron runs micro-batches in rounds of p).
+   multiple of pp (Megatron runs micro-batches in rounds of p);
+7. ``layers_per_stage`` (one layer count per pipeline stage, each >= 1) has pp counts,
+   needs one stage per rank (no interleaving: a count per rank is what a split over GPU
+   kinds needs, and an interleaved rank's chunks would need a count each) and excludes
+   ``first_stage_layers`` / ``last_stage_layers`` (two ways to say one split);
+8. ``activation_offload`` (the share of each pipeline stage's layers whose saved
+   activations go to host memory: Megatron-Core's ``--cpu-offloading-num-layers`` N of a
+   stage of L layers is N / L) is in [0, 1) — the last layer is never offloaded — and 0
+   with ``recompute`` full (a fully recomputed layer keeps only its input; Megatron-Core
+   refuses CPU offloading with recomputation). Where it is priced: vcluster's
+   ``planner.offload``.
 
 Rules that need the model (layers over stages, heads over tp, experts over ep) are
 :meth:`ParallelConfig.check`.
@@ -157,8 +167,10 @@ class ParallelConfig:
     moe_dispatcher: str = "alltoall"   # MoE token dispatch: alltoall or allgather
     first_stage_layers: int | None = None   # layers of the first pipeline stage (uneven)
     last_stage_layers: int | None = None    # layers of the last pipeline stage (uneven)
+    layers_per_stage: tuple | None = None   # every stage's layers (rule 7; uneven, general)
     tp_overlap: TPOverlap = TPOverlap.BACKWARD
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.MODEL
+    activation_offload: float = 0.0   # share of each stage's layers offloaded (rule 8)
 
     def __post_init__(self):
         who = "ParallelConfig"
@@ -201,6 +213,57 @@ class ParallelConfig:
                               f"global_batch={self.global_batch} does not split into "
                               f"dp={self.dp} x micro_batch={self.micro_batch}", owner=who)
         self._check_virtual_stages(who)
+        self._check_layers_per_stage(who)
+        self._check_activation_offload(who)
+
+    def _check_activation_offload(self, who: str) -> None:
+        """Rule 8 (module docstring)."""
+        f = self.activation_offload
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1:
+            raise ConfigError("activation_offload", f, "a fraction in [0, 1)",
+                              "the share of each pipeline stage's layers whose activations "
+                              "go to host memory; below 1: a stage's last layer is never "
+                              "offloaded (its backward follows its forward at once)",
+                              owner=who)
+        object.__setattr__(self, "activation_offload", float(f))
+        if f and self.recompute is Recompute.FULL:
+            raise ConfigError("activation_offload", f, "0 with recompute='full'",
+                              "a fully recomputed layer keeps only its input and rebuilds "
+                              "the rest in the backward: there is nothing to offload "
+                              "(Megatron-Core refuses CPU offloading with recomputation)",
+                              owner=who)
+
+    def _check_layers_per_stage(self, who: str) -> None:
+        """Rule 7 (module docstring); the counts' sum is checked against the model's
+        layers by :meth:`stage_layers`."""
+        counts = self.layers_per_stage
+        if counts is None:
+            return
+        if isinstance(counts, (str, bytes)) or not hasattr(counts, "__iter__"):
+            raise ConfigError("layers_per_stage", counts, f"{self.pp} layer counts (one per "
+                              f"pipeline stage, pp={self.pp})", "not a list of counts",
+                              owner=who)
+        counts = tuple(counts)
+        for n in counts:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError("layers_per_stage", counts, f"{self.pp} integers >= 1",
+                                  f"{n!r} is not a layer count >= 1 (every stage holds at "
+                                  "least one layer)", owner=who)
+        object.__setattr__(self, "layers_per_stage", counts)
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            raise ConfigError("layers_per_stage", counts, "none with first_stage_layers or "
+                              "last_stage_layers", "layers_per_stage gives every stage's "
+                              "count, first_stage_layers / last_stage_layers the ends': give "
+                              "one of them", owner=who)
+        if self.chunks != 1:
+            raise ConfigError("layers_per_stage", counts, f"none with {self.chunks} stages "
+                              "per rank (interleaved_1f1b)", "layers_per_stage takes one "
+                              "stage per pipeline rank; an interleaved rank's chunks would "
+                              "need a count each", owner=who)
+        if len(counts) != self.pp:
+            raise ConfigError("layers_per_stage", counts, f"{self.pp} counts (pp={self.pp})",
+                              f"{len(counts)} counts for {self.pp} pipeline stages",
+                              owner=who)
 
     def _check_experts(self, who: str) -> None:
         """Rule 4's expert-parallel part (etp and ep)."""
@@ -276,7 +339,15 @@ class ParallelConfig:
         Core's ``decoder_first/last_pipeline_num_layers``: a first stage that also holds
         the embedding, a last that holds the head, or a layer count pp·v does not
         divide — Qwen3-235B's 94, DeepSeek-V3's 61), the others an equal share of the
-        rest; ConfigError naming the field when they do not split."""
+        rest; ``layers_per_stage`` as given when set (its counts must add up to
+        ``layers``); ConfigError naming the field when they do not split."""
+        if self.layers_per_stage is not None:
+            if sum(self.layers_per_stage) != layers:
+                raise ConfigError("layers_per_stage", self.layers_per_stage,
+                                  f"{self.pp} counts adding up to the model's {layers} layers",
+                                  f"the counts add up to {sum(self.layers_per_stage)} layers, "
+                                  f"the model has {layers}", owner="GPT")
+            return self.layers_per_stage
         S, a, c = self.pp * self.chunks, self.first_stage_layers, self.last_stage_layers
         ends = [n for n in (a, c) if n is not None]
         if S == 1:

@@ -129,7 +129,18 @@ def test_the_cli_flag(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert ", FP8 linear layers" in proc.stdout and json.loads(out.read_text())["fp8"] is True
     proc = _vcluster("simulate", "gpt", *model, "--dp", "8", "--fp8")
-    assert proc.returncode == 2 and "FP8 GEMMs need an FP8 peak: a100-80gb-dgx" in proc.stderr
+    assert proc.returncode == 2 and "fp8 GEMMs need FP8 tensor cores: a100-80gb-dgx" in proc.stderr
+    proc = _vcluster("simulate", "train", *model, "--dp", "8", "--hardware", "b200-dgx",
+                     "--gemm-format", "nvfp4", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert ", NVFP4 linear layers" in proc.stdout
+    assert json.loads(out.read_text())["gemm_format"] == "nvfp4"
+    proc = _vcluster("simulate", "train", *model, "--dp", "8", "--hardware", "h200-dgx",
+                     "--gemm-format", "mxfp8")
+    assert proc.returncode == 2 and "mxfp8 GEMMs need tensor cores that read mxfp8" in proc.stderr
+    proc = _vcluster("simulate", "train", *model, "--dp", "8", "--hardware", "b200-dgx",
+                     "--fp8", "--gemm-format", "mxfp8")
+    assert proc.returncode == 2 and "--fp8 and --gemm-format mxfp8 disagree" in proc.stderr
     plan = tmp_path / "plan.json"
     proc = _vcluster("plan", "gpt", *model, "--gpus", "8", "--hardware", "h100-dgx", "--fp8",
                      "--workers", "1", "--quiet", "--json", str(plan))
@@ -239,9 +250,27 @@ def test_the_scenario_key_prices_a_simulation_as_simulate_gpt_fp8():
       "workload.seq=16", "parallel.tp=2", "parallel.pp=2", "parallel.dp=1"),
      "allowed: run.mode simulate or both"),
     (("hardware.name=localhost",), "localhost prices this machine's CPU kernels"),
-    (("hardware.name=a100-80gb-dgx",), "A100-SXM4-80GB has none")])
+    (("hardware.name=a100-80gb-dgx",), r"A100-SXM4-80GB\) has peaks for")])
 def test_the_scenario_key_is_refused_where_it_cannot_apply(overrides, says):
     from vcluster.scenario import ScenarioError
     with pytest.raises(ScenarioError, match=says) as info:
         _scenario("workload.fp8=true", *overrides)
     assert "workload.fp8" in str(info.value)
+
+
+def test_the_scenario_gemm_format_key():
+    """workload.gemm_format: nvfp4 on a B200 prices the linear layers at the FP4 peak
+    (faster than its FP8); on an H200 it is refused naming the key and the hardware."""
+    from vcluster.scenario import ScenarioError, build_workload, run_scenario
+    steps = {}
+    for fmt in ("fp8", "nvfp4"):
+        s = _scenario("hardware.name=b200-dgx", f"workload.gemm_format={fmt}")
+        w = build_workload(s)
+        assert w.gemm_format == fmt and f"{fmt.upper()} linear layers" in w.description
+        steps[fmt] = run_scenario(s).summary["predicted_step_time_s"]
+    assert steps["nvfp4"] < steps["fp8"]
+    with pytest.raises(ScenarioError, match="nvfp4 GEMMs need FP4 tensor cores") as info:
+        _scenario("workload.gemm_format=nvfp4")
+    assert "workload.gemm_format" in str(info.value)
+    with pytest.raises(ScenarioError, match="fp8: true is gemm_format: fp8"):
+        _scenario("hardware.name=b200-dgx", "workload.fp8=true", "workload.gemm_format=mxfp8")

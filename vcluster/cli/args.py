@@ -174,13 +174,32 @@ def add_attention_argument(parser) -> None:
 
 
 def add_fp8_argument(parser) -> None:
-    """--fp8: the transformer layers' linear GEMMs priced in FP8
-    (:func:`vcluster.planner.simulation.fp8_gemm`)."""
+    """--fp8 and --gemm-format: the transformer layers' linear GEMMs priced in FP8 or in a
+    block-scaled format (:func:`vcluster.planner.simulation.fp8_gemm`,
+    :mod:`vcluster.timing.gemm_formats`); :func:`low_precision` reads them."""
+    from vcluster.timing.gemm_formats import GEMM_FORMATS  # lazy: keeps --help fast
     parser.add_argument("--fp8", action="store_true",
                         help="the transformer layers' linear layers in FP8, as Transformer "
                              "Engine runs them (Megatron-LM --fp8-format): priced at the "
-                             "device's FP8 peak (H100, H200; not A100); attention's products, "
-                             "the output head and the rest stay BF16")
+                             "device's FP8 peak (H100 and later; not A100); attention's "
+                             "products, the output head and the rest stay BF16 "
+                             "(= --gemm-format fp8)")
+    parser.add_argument("--gemm-format", choices=tuple(GEMM_FORMATS), default=None,
+                        help="the transformer layers' linear layers in this format: fp8 "
+                             "(one scale per tensor), fp8-block (DeepSeek-V3's 128-blocks), "
+                             "mxfp8 (Blackwell, MI355X), nvfp4 (Blackwell), mxfp4 "
+                             "(Blackwell, MI355X); each priced at its dtype's peak and "
+                             "measured share; refused on hardware without it")
+
+
+def low_precision(args) -> bool | str:
+    """What --fp8 / --gemm-format ask for: False, True (FP8) or a format's name; both
+    given must agree."""
+    fmt = getattr(args, "gemm_format", None)
+    if fmt is not None and args.fp8 and fmt != "fp8":
+        raise ValueError(f"--fp8 and --gemm-format {fmt} disagree: --fp8 is --gemm-format "
+                         f"fp8; give one of them")
+    return fmt if fmt is not None and fmt != "fp8" else bool(args.fp8 or fmt)
 
 
 def model_title(config, name: str | None = None) -> str:

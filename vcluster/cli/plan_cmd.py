@@ -23,7 +23,12 @@ search and table of earlier versions); the table then has a cp column, and the J
 candidates always carry ``cp``. ZeRO: ``--zero-stages 0,1,2,3`` (the default) are the
 stages searched, each candidate taking the lowest that fits its memory (2 and 3 only
 with pp = 1 and no sequence parallelism; see vcluster/planner/candidates.py); the
-table's ``zero`` column and the JSON's ``zero_stage`` say which. Exit 0 when a configuration fits, 1 when
+table's ``zero`` column and the JSON's ``zero_stage`` say which. ``--hardware`` also
+takes a heterogeneous cluster file (``parts: [{hardware, nodes}, ...]``,
+docs/heterogeneous.md; ``--gpus`` must be its GPU count): the stages are placed on the
+GPU kinds and their layers balanced (the table's ``layers`` column, the JSON's
+``layers_per_stage``), and the output names the cluster and, for the best configuration,
+each part's kind, nodes, stages and layers. Exit 0 when a configuration fits, 1 when
 none does, 2 on a bad flag.
 """
 
@@ -37,7 +42,7 @@ import sys
 from modeling import CPAlgorithm, ZeroStage
 
 from . import serve_cmd
-from .args import (add_attention_argument, add_fp8_argument, add_grad_reduce_argument,
+from .args import (add_attention_argument, add_fp8_argument, low_precision, add_grad_reduce_argument,
                    add_model_arguments, add_tp_overlap_argument, fraction, gpt_config,
                    model_title, positive_int, precision_name)
 
@@ -47,7 +52,7 @@ __all__ = ["add_parser", "plan_json", "JSON_KEYS", "DERIVED_KEYS"]
 #: recomputation included, the name earlier versions wrote; ``hardware_tflops_per_gpu``
 #: repeats it under the clearer name)
 JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "schedule", "virtual_stages",
-             "first_stage_layers", "last_stage_layers",
+             "first_stage_layers", "last_stage_layers", "layers_per_stage",
              "sequence_parallel",
              "recompute", "distributed_optimizer", "zero_stage", "step_time_s", "tflops_per_gpu",
              "mfu",
@@ -71,7 +76,8 @@ def add_parser(commands) -> None:
     gpt.add_argument("--global-batch", type=positive_int, required=True,
                      help="sequences per step, over all data-parallel replicas")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
-                     help="a preset (vcluster hardware list) or a YAML file")
+                     help="a preset (vcluster hardware list), a YAML file, or a cluster "
+                          "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
     gpt.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
     gpt.add_argument("--replay", type=int, default=None,
                      help="candidates to replay in SimPy (default max(top, 10))")
@@ -128,7 +134,7 @@ def _finite(x):
 
 def plan_json(df) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...,
-    "grad_reduce_dtype": ..., "attention": ...}`` from plan_gpt's DataFrame; a candidate
+    "gemm_format": ..., "grad_reduce_dtype": ..., "attention": ..., "cluster_parts": ...}`` from plan_gpt's DataFrame; a candidate
     holds :data:`JSON_KEYS` and :data:`DERIVED_KEYS`."""
     from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
@@ -137,24 +143,72 @@ def plan_json(df) -> dict:
     for c in candidates:
         for k in ("first_stage_layers", "last_stage_layers"):     # None: an even split
             c[k] = None if c[k] is None else int(c[k])
+        c["layers_per_stage"] = None if c["layers_per_stage"] is None else [
+            int(n) for n in c["layers_per_stage"]]
         c.update(throughput(c["step_time_s"], df.attrs),
                  hardware_tflops_per_gpu=c["tflops_per_gpu"])
     return {"candidates": candidates, "rejected": dict(df.attrs.get("rejected", {})),
             "precision": df.attrs.get("precision", "megatron"),
-            "fp8": df.attrs.get("fp8", False),
+            "fp8": bool(df.attrs.get("fp8", False)),
+            "gemm_format": (None if not df.attrs.get("fp8") else "fp8"
+                            if df.attrs["fp8"] is True else df.attrs["fp8"]),
             "grad_reduce_dtype": df.attrs.get("grad_reduce_dtype", "model"),
-            "attention": df.attrs.get("attention", "flash")}
+            "attention": df.attrs.get("attention", "flash"),
+            "cluster_parts": df.attrs.get("cluster_parts")}
 
 
-def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
+def _stage_layers(row, layers: int) -> tuple:
+    """Each pipeline rank's layers of a plan row (its ``layers_per_stage``, else the
+    split its knobs give)."""
+    # lazy: keeps vcluster --help fast
+    from pipeline_parallel.gpt import ParallelConfig
+    if row["layers_per_stage"] is not None:
+        return tuple(int(n) for n in row["layers_per_stage"])
+    v = int(row["virtual_stages"])
+    ends = {k: None if row[k] is None or row[k] != row[k] else int(row[k])
+            for k in ("first_stage_layers", "last_stage_layers")}
+    par = ParallelConfig(global_batch=1, pp=int(row["pp"]), schedule=row["schedule"],
+                         virtual_stages=v if row["schedule"] == "interleaved_1f1b" else None,
+                         **ends)
+    return tuple(par.rank_layers(layers, r) for r in range(par.pp))
+
+
+def _print_cluster(df, cluster) -> None:
+    """The best configuration's stages on the cluster's parts."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.candidates import stage_kinds
+    from .simulate_cmd import cluster_lines
+    row = df.iloc[0]
+    pp = int(row["pp"])
+    if len(cluster.kinds) == 1:                  # one kind: the mesh's own rank order
+        print(f"cluster {cluster.name}: {cluster.gpus} GPUs of one kind, ranks in the "
+              f"mesh's order:")
+        for line in cluster_lines(cluster, []):
+            print("  " + line)
+        return
+    kinds = stage_kinds(cluster, pp)
+    size = cluster.gpus // pp
+    stages = [(cluster.part_of(q * size), n) for q, n in
+              enumerate(_stage_layers(row, df.attrs["config"].layers))]
+    print(f"cluster {cluster.name}: {cluster.gpus} GPUs of {len(cluster.kinds)} kinds; the "
+          f"best configuration's pipeline stages (placed pipeline-major, each on one kind"
+          f"{'' if kinds is not None else ': NOT'}):")
+    for line in cluster_lines(cluster, stages):
+        print("  " + line)
+
+
+def _print_table(df, top: int, cp: bool = False, ep: bool = False,
+                 layers: bool = False) -> None:
     """The top rows and a legend of the figures; ``cp``: with a cp column (after dp);
-    ``ep``: expert-parallel columns after dp (and cp), ep and etp (MoE models)."""
+    ``ep``: expert-parallel columns after dp (and cp), ep and etp (MoE models);
+    ``layers``: a column of the layers per stage (heterogeneous clusters)."""
     from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     cp_head = f"{'cp':>3} " if cp else ""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} {'etp':>3} " if ep else "")
             + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
             f"{'recompute':<9} {'zero':>4} {'step s':>8} {'tok/s/GPU':>9} {'hw TFLOP/s':>10} "
-            f"{'MFU':>6} {'mem GB':>7} {'comp/comm':>9}  source")
+            f"{'MFU':>6} {'mem GB':>7} {'comp/comm':>9}  source"
+            + ("  layers per stage" if layers else ""))
     print(head)
     for i, r in df.head(top).iterrows():
         tokens = throughput(r["step_time_s"], df.attrs)["tokens_per_s_per_gpu"]
@@ -169,10 +223,16 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False) -> None:
               f"{r['recompute']:<9} {r['zero_stage']:>4} "
               f"{r['step_time_s']:8.3f} {tokens:9,.0f} {r['tflops_per_gpu']:10.1f} "
               f"{100 * r['mfu']:5.1f}% {r['peak_memory_gb']:7.1f} {ratio}  "
-              f"{'replay' if r['replayed'] else 'screen'}")
+              f"{'replay' if r['replayed'] else 'screen':<6}"
+              + (f"  {_layers_text(r)}" if layers else ""))
     print(f"{'':>4}tok/s/GPU: global batch · seq / (step · GPUs); hw TFLOP/s: hardware "
           "TFLOP/s per GPU, the FLOPs executed (with recomputation); MFU: the model's FLOPs "
           "over the peak (without)")
+
+
+def _layers_text(row) -> str:
+    lps = row["layers_per_stage"]
+    return "even" if lps is None else ",".join(str(int(n)) for n in lps)
 
 
 def _progress(quiet: bool, lines):
@@ -190,7 +250,9 @@ def _why_none(rejected: dict, gpus: int, hw) -> str:
     memory = rejected.get("out_of_memory", 0)
     shapes = sum(n for reason, n in rejected.items() if reason != "out_of_memory")
     if memory:
-        return (f"no configuration fits the device memory ({hw.device.hbm_bytes / 1e9:.0f} "
+        kinds = getattr(hw, "kinds", (hw,))        # a cluster's GPU kinds, or the one
+        hbm = " or ".join(f"{h.device.hbm_bytes / 1e9:.0f}" for h in kinds)
+        return (f"no configuration fits the device memory ({hbm} "
                 f"GB per GPU): {memory} rejected for memory, {shapes} for counts that do "
                 "not divide (see 'rejected')")
     return (f"no configuration divides this model and batch over {gpus} GPUs (every "
@@ -202,12 +264,14 @@ def _gpt(args) -> int:
     from vcluster.planner.search import REJECT_REASONS, plan_gpt
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
     from vcluster.planner.progress import ProgressLines
+    from vcluster.timing.cluster import ClusterSpec, load_cluster
     if args.replay is not None and args.replay < 0:
         raise ValueError(f"--replay must be >= 0, got {args.replay}")
     if args.zero_stages is not None and args.distributed_optimizer is not None:
         raise ValueError("--distributed-optimizer means --zero-stages 1 (--no-... 0); give "
                          "one of them")
-    hw = load_hardware(args.hardware)
+    hw = load_cluster(args.hardware, hardware_loader=load_hardware)
+    cluster = hw if isinstance(hw, ClusterSpec) else None
     c = gpt_config(args)
     df = plan_gpt(config=c, gpus=args.gpus, global_batch=args.global_batch,
                   hardware=hw, top=args.top, replay=args.replay, max_tp=args.max_tp,
@@ -217,7 +281,7 @@ def _gpt(args) -> int:
                   distributed_optimizer=args.distributed_optimizer,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages,
-                  precision=precision_name(args.precision), fp8=args.fp8,
+                  precision=precision_name(args.precision), fp8=low_precision(args),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs
@@ -225,12 +289,16 @@ def _gpt(args) -> int:
           f"configurations fit {a['memory_limit_gb']:.1f} GB per device "
           f"({100 * a['memory_headroom']:g}% headroom), {a['replayed']} replayed, planned in "
           f"{a['planning_time_s']:.1f} s; memory in {a['precision']} precision"
-          + ("; FP8 linear layers" if a["fp8"] else "")
+          + (f"; {'FP8' if a['fp8'] is True else str(a['fp8']).upper()} linear layers"
+             if a["fp8"] else "")
           + ("; gradients reduced in fp32" if a.get("grad_reduce_dtype") == "fp32" else "")
           + (f"; {a['attention']} attention" if a.get("attention", "flash") != "flash"
              else ""))
     if len(df):
-        _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts))
+        _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts),
+                     layers=cluster is not None)
+        if cluster is not None:
+            _print_cluster(df, cluster)
     print("rejected:" + ("" if a["rejected"] else " none"))
     for reason, count in a["rejected"].items():
         print(f"  {count:>7}  {reason}: {REJECT_REASONS[reason]}")
@@ -247,7 +315,8 @@ def _gpt(args) -> int:
         write_json(os.path.join(args.out, "plan.json"), result)
         png = plan_png(df, title=f"{args.model or 'GPT'} h={c.hidden} l={c.layers} on "
                        f"{args.gpus} x "
-                       f"{hw.name}", hbm_gb=hw.device.hbm_bytes / 1e9)
+                       f"{hw.name}", hbm_gb=min(h.device.hbm_bytes for h in getattr(
+                           hw, "kinds", (hw,))) / 1e9)
         if png is not None:
             write_bytes_atomic(os.path.join(args.out, "plan.png"), png)
         print(f"wrote {args.out}/plan.json" + (" and plan.png" if png else ""))

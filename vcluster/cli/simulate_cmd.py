@@ -30,7 +30,16 @@ same figures (``tokens_per_s_per_gpu``, ``hardware_tflops_per_gpu`` — also und
 name ``tflops_per_gpu`` —, ``model_tflops_per_gpu``, ``mfu``, ``ops``, ...). A configuration
 whose peak exceeds the device memory less ``--memory-headroom`` (default 5%) is still
 simulated (``fits: false``), but the command says so on stderr and exits 1 unless
-``--allow-oom`` is given.
+``--allow-oom`` is given. ``--hardware`` also takes a heterogeneous cluster file
+(``name`` and ``parts: [{hardware, nodes}, ...]``, docs/heterogeneous.md): every rank is
+then priced on its own GPU kind, the output names the cluster and, per part, its kind,
+nodes, the pipeline stages on it and their layers (``--layers-per-stage 5,11``: an
+uneven split of one count per stage; the JSON's ``stages``). ``--activation-offload F``:
+the first floor(F·L) layers of each stage keep their activations in host memory over the
+hardware's host link (NVLink-C2C on gb200-nvl72, gb300-nvl72; refused elsewhere): the
+output adds the host memory per GPU and the copy time the layers' compute does not hide,
+included in the step time (docs/offload.md; the JSON's ``host_memory_gb``,
+``offload_exposed_s``, ``offload``).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import sys
 from modeling import CPAlgorithm, Recompute, ZeroStage
 
 from . import serve_cmd
-from .args import (SCHEDULES, add_attention_argument, add_fp8_argument,
+from .args import (SCHEDULES, add_attention_argument, add_fp8_argument, low_precision,
                    add_grad_reduce_argument, add_model_arguments, add_tp_overlap_argument,
                    fraction, gpt_config, model_title, positive_int, precision_name)
 
@@ -72,6 +81,10 @@ def add_parser(commands) -> None:
                               "the rest evenly; Megatron's decoder_"
                               f"{end}_pipeline_num_layers, for layer counts pp x v does not "
                               "divide; default: an even split)")
+    gpt.add_argument("--layers-per-stage", type=layer_counts, default=None, metavar="LIST",
+                     help="every pipeline stage's layers, comma-separated (one per stage, "
+                          "one stage per rank; e.g. 5,11 on pp 2: stages on GPU kinds of "
+                          "different speeds; not with --first/--last-stage-layers)")
     gpt.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"),
                      default="alltoall", help="MoE: how tokens reach their experts, "
                      "all_to_all over the expert group or all-gather the group's tokens and "
@@ -118,9 +131,15 @@ def add_parser(commands) -> None:
                           "and residual adds; docs/timing.md): auto (default) under "
                           "--precision torch_amp on hardware with measured kernels")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
-                     help="a preset (vcluster hardware list) or a YAML file")
+                     help="a preset (vcluster hardware list), a YAML file, or a cluster "
+                          "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
                      help="share of the device memory to leave free (default 0.05)")
+    gpt.add_argument("--activation-offload", type=fraction, default=0.0, metavar="FRACTION",
+                     help="share of each pipeline stage's layers whose activations go to "
+                          "host memory over the host link (NVLink-C2C: gb200-nvl72, "
+                          "gb300-nvl72); Megatron's --cpu-offloading-num-layers N of a stage "
+                          "of L layers is N/L (default 0; docs/offload.md)")
     gpt.add_argument("--allow-oom", action="store_true",
                      help="exit 0 even when the configuration does not fit the memory")
     gpt.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
@@ -132,6 +151,7 @@ def _gpt(args) -> int:
     # lazy: keeps vcluster --help fast
     from pipeline_parallel.gpt import ParallelConfig
     from vcluster.localhost import load_hardware   # presets and files; says where localhost goes
+    from vcluster.timing.cluster import load_cluster
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     from vcluster.planner.precision import PRECISIONS
@@ -147,29 +167,41 @@ def _gpt(args) -> int:
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm,
                               ep=args.ep, etp=args.etp, moe_dispatcher=args.moe_dispatcher,
                               first_stage_layers=args.first_stage_layers,
-                              last_stage_layers=args.last_stage_layers)
+                              last_stage_layers=args.last_stage_layers,
+                              layers_per_stage=args.layers_per_stage,
+                              activation_offload=args.activation_offload)
     parallel.check_microbatches()
     if args.gpus is not None and args.gpus != parallel.gpus:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
-    r = simulate_gpt(config, parallel, load_hardware(args.hardware), memory_headroom=headroom,
+    hardware = load_cluster(args.hardware, hardware_loader=load_hardware)
+    r = simulate_gpt(config, parallel, hardware, memory_headroom=headroom,
                      expert_skew=args.expert_skew, precision=args.precision,
                      autocast_kernels={"auto": None, "on": True, "off": False}[
-                         args.autocast_kernels], fp8=args.fp8)
+                         args.autocast_kernels], fp8=bool(low_precision(args)),
+                     gemm_format=low_precision(args) if isinstance(low_precision(args), str)
+                     else "fp8")
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
           f"recompute {args.recompute}{', sequence parallel' if args.sequence_parallel else ''}"
           f", ZeRO stage {int(parallel.zero_stage)}"
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
-          + (", FP8 linear layers" if r.fp8 else "")
+          + (f", {r.gemm_format.upper()} linear layers" if r.fp8 else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f", {r.attention} attention" if r.attention != "flash" else "")
+          + (f", activation offload {r.activation_offload:g}" if r.activation_offload else "")
           + (f"; {config.experts} experts, top-{config.moe_top_k}, ep={args.ep}"
              + (f", etp={parallel.etp}" if args.tp > 1 else "")
              + f", expert skew {args.expert_skew:g}" if config.experts else ""))
+    if r.stages:
+        print(f"  cluster {r.hardware}: {hardware.gpus} GPUs of {len(hardware.kinds)} kinds; "
+              f"each rank priced on its own GPU, the slowest stage sets the step; MFU "
+              f"against the GPUs' mean peak")
+        for line in cluster_lines(hardware, [(s.part, s.layers) for s in r.stages]):
+            print("    " + line)
     print(f"  step time            {r.step_time_s:.3f} s")
     print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
           f"(step time · GPUs))")
@@ -191,7 +223,12 @@ def _gpt(args) -> int:
     print(f"                       {cost}")
     print(f"  peak memory          {r.peak_memory_gb:.1f} GB per device "
           f"({'fits' if r.fits else 'does NOT fit'} {r.memory_limit_gb:.1f} GB: "
-          f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom)")
+          f"{r.device_memory_gb:.1f} GB less {100 * headroom:g}% headroom"
+          + (", the stage nearest its device's limit" if r.stages else "") + ")")
+    for st in r.stages:
+        print(f"                       stage {st.stage} on {st.hardware}: "
+              f"{st.peak_memory_gb:.1f} GB of {st.memory_limit_gb:.1f}"
+              + ("" if st.fits else " (does NOT fit)"))
     parts = r.memory_breakdown_gb
     kept = {"korthikanti": f"{args.attention} attention",
             "emulator": "activations as the emulated program keeps them"}.get(
@@ -202,6 +239,8 @@ def _gpt(args) -> int:
                                          "logits")) + f" GB (pipeline rank "
           f"{parts['rank_position']}; {r.precision} precision, {kept}"
           f"{f', ZeRO-{zero}' if zero else ''})")
+    if r.activation_offload:
+        _print_offload(r)
     _print_ops(r.ops, RATIO_FLAG)
     if args.json:
         # lazy: keeps vcluster --help fast
@@ -212,10 +251,60 @@ def _gpt(args) -> int:
         print(f"vcluster simulate: the configuration does not fit: {r.peak_memory_gb:.1f} GB "
               f"per device at its peak, {r.memory_limit_gb:.1f} GB usable of the "
               f"{r.device_memory_gb:.1f} GB of a {r.hardware} device ({100 * headroom:g}% "
-              "headroom); the figures above assume memory it does not have (--allow-oom "
+              "headroom)" + (f", and {r.host_memory_gb:.1f} GB of offloaded activations in "
+                             f"{r.host_memory_limit_gb:.1f} GB of host memory per GPU"
+                             if r.activation_offload else "")
+              + "; the figures above assume memory it does not have (--allow-oom "
               "to exit 0 anyway)", file=sys.stderr)
         return 0 if args.allow_oom else 1
     return 0
+
+
+def _print_offload(r) -> None:
+    """The activation offload's lines: layers, host memory, the copies' exposed time."""
+    st = max(r.offload, key=lambda s: s.exposed_s)
+    rate = st.layer_bytes / st.copy_s / 1e9 if st.copy_s else float("inf")
+    slots = round(r.offload_exposed_s / st.exposed_s) if st.exposed_s else None
+    print(f"  activation offload   {r.activation_offload:g} of each stage's layers "
+          f"({st.offloaded} of {st.layers}) to host memory over the host link at "
+          f"{rate:.0f} GB/s")
+    print(f"  host memory          {r.host_memory_gb:.2f} GB per GPU of "
+          f"{r.host_memory_limit_gb:.1f} GB ("
+          f"{'fits' if r.host_memory_gb <= r.host_memory_limit_gb else 'does NOT fit'})")
+    print(f"  exposed copy time    {r.offload_exposed_s:.4f} s per step (in the step time)"
+          + (f": {1e3 * st.exposed_s:.3f} ms per micro-batch slot x {slots} slots"
+             if slots else ": the layers' compute hides every copy")
+          + f"; a layer's copy {1e3 * st.copy_s:.3f} ms, forward "
+          f"{1e3 * st.forward_layer_s:.3f} ms, backward {1e3 * st.backward_layer_s:.3f} ms")
+
+
+def layer_counts(text: str) -> tuple:
+    """``--layers-per-stage``: comma-separated layer counts, e.g. ``5,11``."""
+    # lazy: keeps vcluster --help fast
+    import argparse
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"expected layer counts >= 1 separated by commas "
+                                         f"(one per pipeline stage), got {text!r}")
+    return counts
+
+
+def cluster_lines(cluster, stages) -> list[str]:
+    """One line per part of ``cluster``: its kind, nodes and ranks, and the pipeline
+    stages on it with their layers; ``stages``: (part, layers) of each stage in order."""
+    out = []
+    for k, part in enumerate(cluster.parts):
+        on = [(q, n) for q, (pk, n) in enumerate(stages) if pk == k]
+        ranks = cluster.part_ranks(k)
+        where = (f"stage{'s' if len(on) > 1 else ''} " + ", ".join(str(q) for q, _ in on)
+                 + f" with {', '.join(str(n) for _, n in on)} layers") if on else "no stage"
+        out.append(f"part {k}: {part.nodes} x {part.hardware.name} "
+                   f"({part.hardware.device.name}), GPUs {ranks.start}-{ranks.stop - 1}: "
+                   f"{where}")
+    return out
 
 
 def zero_stage(args) -> int:

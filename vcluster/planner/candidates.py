@@ -48,6 +48,13 @@ expert group takes whole cp groups: ep = cp × a divisor of dp (× tp when folde
 
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
+
+On a heterogeneous cluster (:class:`~vcluster.timing.cluster.ClusterSpec`) the pipeline
+stages are placed pipeline-major (stage q on the cluster's GPUs q·G .. (q+1)·G − 1, G =
+N / pp: :func:`stage_kinds`), each stage must lie on one GPU kind (else
+``stage_spans_gpu_kinds``), and :func:`balance_layers` splits the layers over stages of
+different speeds (the planner, :mod:`~vcluster.planner.search`, prices a layer on each
+kind).
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "stage_split", "REJECT_REASONS",
-           "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES"]
+           "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES",
+           "stage_kinds", "balance_layers"]
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
 DEFAULT_MAX_VIRTUAL_STAGES = 8
@@ -87,6 +95,8 @@ REJECT_REASONS = {
     "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
                               "pp = 1, no sequence parallelism and, with experts, ep = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
+    "stage_spans_gpu_kinds": "heterogeneous cluster: a pipeline stage's GPUs (N/pp, placed "
+                             "pipeline-major) lie on two GPU kinds",
 }
 
 
@@ -209,6 +219,50 @@ def stage_split(layers: int, stages: int):
         if c >= 1 and a <= m:
             return (a, c)
     return None
+
+
+def stage_kinds(cluster, pp: int) -> tuple | None:
+    """The GPU kind (an index into ``cluster.kinds``) of each of ``pp`` pipeline stages
+    placed pipeline-major — stage q on the cluster's GPUs q·G .. (q+1)·G − 1, G = N / pp,
+    as :func:`~vcluster.planner.simulation.cluster_placement` places them — or None when
+    a stage straddles two kinds."""
+    n = cluster.gpus
+    if n % pp:
+        return None
+    size, kinds = n // pp, cluster.kinds
+    out = []
+    for q in range(pp):
+        first = cluster.hardware_of(q * size)
+        last = cluster.hardware_of((q + 1) * size - 1)
+        if first != last or any(cluster.hardware_of(d) != first
+                                for d in range(q * size, (q + 1) * size,
+                                               cluster.gpus_per_node)):
+            return None
+        out.append(kinds.index(first))
+    return tuple(out)
+
+
+def balance_layers(layers: int, seconds_per_layer, fixed_s=None) -> tuple[int, ...]:
+    """Whole layers per stage (each >= 1, ``layers`` in all) that minimise the slowest
+    stage's time ``n_s · seconds_per_layer[s] + fixed_s[s]`` (``fixed_s``: work a stage
+    holds besides its layers — the embedding on the first, the head on the last; default
+    none): every stage starts with one layer, and each further layer goes to the stage
+    that would finish it earliest (the first such stage on a tie). For identical layers on
+    stages of different speeds this greedy split is optimal (an exchange argument: moving
+    a layer off the stage it chose can only end later)."""
+    t = [float(x) for x in seconds_per_layer]
+    c = [0.0] * len(t) if fixed_s is None else [float(x) for x in fixed_s]
+    if not t or len(c) != len(t) or any(x <= 0 for x in t) or any(x < 0 for x in c):
+        raise ValueError(f"balance_layers: seconds_per_layer must be > 0 and fixed_s >= 0, "
+                         f"one per stage; got {seconds_per_layer!r} and {fixed_s!r}")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < len(t):
+        raise ValueError(f"balance_layers: {layers!r} layers do not give each of "
+                         f"{len(t)} stages one")
+    n = [1] * len(t)
+    for _ in range(layers - len(t)):
+        s = min(range(len(t)), key=lambda k: ((n[k] + 1) * t[k] + c[k], k))
+        n[s] += 1
+    return tuple(n)
 
 
 def _schedules(space: SearchSpace, config: GPTConfig, pp: int):

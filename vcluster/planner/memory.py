@@ -168,6 +168,13 @@ zero-bubble schedules (I and W apart) hold other mixes. Parameters, gradients an
 optimizer state follow the formulas above with e bytes each (Adam: 2e, SGD's momentum: e;
 no master copy), ZeRO's padding aside (< dp elements per module).
 
+Activation offload (``ParallelConfig.activation_offload`` f, :mod:`.offload`): the first
+k = floor(f·L) layers of each chunk of L layers keep their activations in host memory,
+so a rank holding n micro-batches keeps n·(L − k)·A in HBM and n·k·A in host memory
+(``host_bytes``, outside ``total_bytes``), A a layer's bytes above (Korthikanti's count
+only; the other counts refuse it). No copy buffer is added: Transformer Engine's schedule
+holds at most L − k layers' sets on the GPU, the one in flight among them.
+
 The peak (:attr:`MemoryBreakdown.total_bytes`) counts tensors, comparable to
 ``torch.cuda.max_memory_allocated``. A device also needs room the tensors do not show
 (the CUDA context, NCCL's buffers, the caching allocator's fragmentation): a
@@ -185,6 +192,7 @@ from pipeline_parallel.gpt import FUSED_ATTENTION
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
 
+from .offload import rank_offloaded_layers
 from .precision import MEGATRON, PrecisionPolicy, precision_policy
 
 __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGHT_BYTES",
@@ -192,7 +200,8 @@ __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGH
            "usable_memory_bytes", "activation_bytes_per_layer", "moe_routed_rows",
            "expert_params_per_layer", "llama_activation_bytes_per_layer", "cp_buffer_bytes",
            "CP_RING_BUFFERS", "emulator_activation_bytes", "torch_amp_activation_bytes",
-           "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy"]
+           "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy",
+           "layer_activation_bytes"]
 
 # Megatron's policy (vcluster.planner.precision.MEGATRON, the default): bytes per parameter
 WEIGHT_BYTES = MEGATRON.weight_bytes         # bf16 weights
@@ -231,6 +240,9 @@ class MemoryBreakdown:
     optimizer_bytes: int
     activations_bytes: int
     logits_bytes: int = 0
+    # offloaded activations in host memory (ParallelConfig.activation_offload): not HBM,
+    # not in total_bytes
+    host_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -415,6 +427,12 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
         opt_bytes = (params - experts) * optimizer + experts * o_bytes / parallel.expert_dp
     else:
         opt_bytes = params * optimizer
+    if getattr(parallel, "activation_offload", 0) and \
+            precision.activation_count != "korthikanti":
+        raise ValueError(f"rank_memory: activation_offload={parallel.activation_offload:g} is "
+                         f"counted by layers of Korthikanti's activations (a 'korthikanti' "
+                         f"policy such as megatron); precision {precision.name!r} counts "
+                         f"its program's own tensors ({precision.activation_count})")
     if precision.activation_count == "emulator":
         act, logits = emulator_activation_bytes(full_config, parallel, r, in_flight,
                                                 precision)
@@ -433,6 +451,31 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
         return max(at(in_flight, False),
                    at(in_flight_after_first_backward(parallel, in_flight), True),
                    key=lambda m: m.total_bytes)
+    act = _layer_activation_bytes(config, parallel, r, expert_skew)
+    # activation offload (planner.offload): the first k layers of each chunk go to host
+    # memory, k the mean over the rank's chunks; no copy buffer beyond the kept layers
+    offloaded = rank_offloaded_layers(parallel, config.layers, r)
+    last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
+    logits = (precision.logits_bytes * parallel.micro_batch * config.seq * config.vocab
+              / parallel.tp if last else 0)
+    return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes),
+                           int(in_flight * (per_stage - offloaded) * act
+                               + cp_buffer_bytes(full_config, parallel, precision)),
+                           int(logits), int(in_flight * offloaded * act))
+
+
+def layer_activation_bytes(config, parallel, r: int, expert_skew: float = 1.0) -> float:
+    """The bytes one of pipeline rank ``r``'s layers keeps per micro-batch, Korthikanti's
+    count (the module doc; s/cp rows with context parallelism; an MoE rank's mean over
+    its layers): what :func:`rank_memory` multiplies by the layers and micro-batches in
+    flight, and what an offloaded layer copies to host memory (:mod:`.offload`)."""
+    if getattr(parallel, "cp", 1) > 1:
+        config = dataclasses.replace(config, seq=config.seq // parallel.cp)
+    return _layer_activation_bytes(config, parallel, r, expert_skew)
+
+
+def _layer_activation_bytes(config, parallel, r: int, expert_skew: float) -> float:
+    """:func:`layer_activation_bytes` of a ``config`` already cut to s/cp rows."""
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
         parallel.sequence_parallel, parallel.attention) if config.block is LLAMA_BLOCK else \
@@ -450,13 +493,7 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
             + (4 * config.moe_top_k * s * b * h / (t if parallel.folded else 1)
                + 6 * s * b * config.moe_shared_ffn_hidden / t)
     act += moe_act * _rank_moe_layers(config, parallel, r) / max(n_layers, 1)
-    last = (parallel.pp * parallel.chunks - 1) % parallel.pp == r
-    logits = (precision.logits_bytes * parallel.micro_batch * config.seq * config.vocab
-              / parallel.tp if last else 0)
-    return MemoryBreakdown(r, int(weights), int(grads), int(opt_bytes),
-                           int(in_flight * per_stage * act
-                               + cp_buffer_bytes(full_config, parallel, precision)),
-                           int(logits))
+    return act
 
 
 def _largest_module(config, parallel, r: int) -> float:

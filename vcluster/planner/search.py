@@ -17,11 +17,30 @@ N GPUs, by a closed-form screen of every candidate and a SimPy replay of the bes
 
 The result is a pandas DataFrame, one row per candidate that fits, with the columns of
 ``COLUMNS``; ``df.attrs`` holds ``config`` (the GPTConfig planned), ``rejected`` (reason
--> count), ``replayed`` (count), ``planning_time_s``, ``hardware``, ``gpus`` and
-``global_batch``. ``tflops_per_gpu`` counts the FLOPs executed (hardware FLOPs,
-recomputation included); ``mfu`` the model's. :func:`throughput` derives tokens/s per GPU
-and model TFLOP/s per GPU from a row's step time (figures of the step time, not columns:
-the columns are the knobs and what was measured of them).
+-> count), ``replayed`` (count), ``planning_time_s``, ``hardware``, ``gpus``,
+``global_batch`` and ``cluster_parts`` (on a heterogeneous cluster, one mapping per part:
+hardware, device, nodes, gpus; else None). ``tflops_per_gpu`` counts the FLOPs executed
+(hardware FLOPs, recomputation included); ``mfu`` the model's. :func:`throughput` derives
+tokens/s per GPU and model TFLOP/s per GPU from a row's step time (figures of the step
+time, not columns: the columns are the knobs and what was measured of them).
+
+On a heterogeneous cluster (``hardware`` a :class:`~vcluster.timing.cluster.ClusterSpec`
+or its file; ``gpus`` must be its GPU count) the stages are placed pipeline-major, each
+on one GPU kind (:func:`~vcluster.planner.candidates.stage_kinds`; a candidate whose
+stage straddles two kinds is rejected, ``stage_spans_gpu_kinds``), and a candidate with
+one stage per rank takes the layer split that balances its stages
+(:func:`balanced_split`): one transformer layer's forward and backward (and the
+embedding's on the first stage, the head's on the last) priced on each stage's kind by
+the screen's traced pieces (:func:`~vcluster.planner.layer_cost.trace_stage_pieces`
+under that kind's model), then the whole layers per stage that minimise the slowest
+stage (:func:`~vcluster.planner.candidates.balance_layers`; the ``layers_per_stage``
+column, None where the split is the candidate's own). Each stage's memory is held to
+its own device (``out_of_memory`` when the balanced split and the even one both exceed
+it). The screen's estimate (:func:`cluster_screen_estimate`) takes the slowest stage's
+F, I and W on its kind, the bubble's closed form at the stages' mean, and the
+pipeline's and data-parallel communication as the screen prices them on the slowest
+stage's kind; the replay prices every stage on its own device
+(:func:`~vcluster.planner.simulation.simulate_gpt`).
 """
 
 from __future__ import annotations
@@ -32,26 +51,31 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import dataclasses
+
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
-from vcluster.timing import load_hardware
+from pipelining import bubble_time_closed_form
+from vcluster.timing.cluster import ClusterSpec, load_cluster
+from vcluster.timing.gemm_formats import GEMM_FORMATS
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .autocast_kernels import autocast_kernels_priced
-from .candidates import REJECT_REASONS, SearchSpace, enumerate_candidates
-from .memory import MEMORY_HEADROOM, usable_memory_bytes
+from .candidates import (REJECT_REASONS, SearchSpace, balance_layers, enumerate_candidates,
+                         stage_kinds)
+from .memory import MEMORY_HEADROOM, rank_memory, usable_memory_bytes
 from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
-from .screen import peak_memory_bytes, screen_estimate
+from .screen import peak_in_flight_closed_form, peak_memory_bytes, screen_estimate
 from .simulation import fp8_gemm, simulate_gpt
 
 __all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S",
-           "REJECT_REASONS"]
+           "REJECT_REASONS", "balanced_split", "cluster_screen_estimate", "stage_memory_bytes"]
 
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
 COLUMNS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "microbatches", "schedule",
-           "virtual_stages", "first_stage_layers", "last_stage_layers",
+           "virtual_stages", "first_stage_layers", "last_stage_layers", "layers_per_stage",
            "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
@@ -63,6 +87,7 @@ def _knobs(par: ParallelConfig) -> dict:
             "microbatches": par.microbatches, "schedule": par.schedule,
             "virtual_stages": par.chunks, "first_stage_layers": par.first_stage_layers,
             "last_stage_layers": par.last_stage_layers,
+            "layers_per_stage": par.layers_per_stage,
             "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer,
             "zero_stage": par.zero_stage}
@@ -81,7 +106,8 @@ def throughput(step_time_s: float, attrs: dict) -> dict:
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
     config, par, hardware, precision, fp8 = args
-    r = simulate_gpt(config, par, hardware, precision=precision, fp8=fp8)
+    r = simulate_gpt(config, par, hardware, precision=precision, fp8=bool(fp8),
+                     gemm_format=_gemm_format(fp8))
     return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
 
@@ -166,29 +192,162 @@ def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> l
     return out
 
 
-def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
-    costs = HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
-                              flash_v1=attention == "flash-v1")
-    autocast = autocast_kernels_priced(precision, costs)     # as the replays will
-    fused = autocast and precision.inductor_fusion
-    pieces: dict = {}
-    task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
-    out = []
-    for par in candidates:
+class _Pieces:
+    """The screen's traced pieces of each candidate's (tp, b, SP, recompute, ...) key,
+    priced under ``costs`` (traced once per key)."""
+
+    def __init__(self, config, costs, precision):
+        self.config, self.costs, self.cache = config, costs, {}
+        self.autocast = autocast_kernels_priced(precision, costs)     # as the replays will
+        self.fused = self.autocast and precision.inductor_fusion
+
+    def __call__(self, par):
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
         key = key + cp_key + (par.ep, par.etp, par.moe_dispatcher, par.attention,
                               par.use_async_grad_reduce)
-        if key not in pieces:
-            pieces[key] = trace_stage_pieces(config, *key[:4], costs, *cp_key, ep=par.ep,
-                                             attention=par.attention, autocast_kernels=autocast,
-                                             inductor_fusion=fused,
-                                             async_grad_reduce=par.use_async_grad_reduce,
-                                             etp=par.etp, moe_dispatcher=par.moe_dispatcher)
-        out.append(screen_estimate(config, par, pieces[key], hw))
+        if key not in self.cache:
+            self.cache[key] = trace_stage_pieces(
+                self.config, *key[:4], self.costs, *cp_key, ep=par.ep,
+                attention=par.attention, autocast_kernels=self.autocast,
+                inductor_fusion=self.fused, async_grad_reduce=par.use_async_grad_reduce,
+                etp=par.etp, moe_dispatcher=par.moe_dispatcher)
+        return self.cache[key]
+
+
+def _gemm_format(fp8) -> str:
+    """The GEMM format of plan_gpt's ``fp8`` (True: "fp8"; a format's name: itself)."""
+    return fp8 if isinstance(fp8, str) else "fp8"
+
+
+def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
+    pieces = _Pieces(config, HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
+                                               gemm_format=_gemm_format(fp8),
+                                               flash_v1=attention == "flash-v1"), precision)
+    task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
+    out = []
+    for par in candidates:
+        out.append(screen_estimate(config, par, pieces(par), hw))
         if bar:
             bar.advance(task)
     return out
+
+
+def _piece_s(pieces, piece: str) -> float:
+    """One micro-batch's forward and backward (F + I + W) of ``piece``, seconds."""
+    return sum(pieces[(piece, a)].seconds for a in ("F", "I", "W"))
+
+
+def balanced_split(config, par: ParallelConfig, kinds, pieces) -> tuple | None:
+    """The layers per stage that balance ``par``'s stages on GPU kinds ``kinds`` (one
+    kind index per stage) given each kind's traced pieces (``pieces[kind]``): one layer's
+    F + I + W on the stage's kind, the embedding's on the first stage and the head's on
+    the last as fixed work (:func:`~vcluster.planner.candidates.balance_layers`). None
+    where there is nothing to balance: one kind, one stage, or interleaved chunks (the
+    plan's ``layers_per_stage`` takes one stage per rank)."""
+    p = par.pp
+    if p == 1 or par.chunks != 1 or len(set(kinds)) == 1:
+        return None
+    per_layer = [_piece_s(pieces[k], "layer") for k in kinds]
+    fixed = [0.0] * p
+    fixed[0] += _piece_s(pieces[kinds[0]], "emb")
+    fixed[-1] += _piece_s(pieces[kinds[-1]], "head")
+    return balance_layers(config.layers, per_layer, fixed)
+
+
+def stage_memory_bytes(config, par: ParallelConfig, precision) -> list:
+    """Each pipeline rank's peak memory (:func:`~vcluster.planner.memory.rank_memory` with
+    the schedule's closed-form micro-batches in flight), bytes."""
+    p, v, m = par.pp, par.chunks, par.microbatches
+    return [rank_memory(config, par, r, peak_in_flight_closed_form(par.schedule, p, m, v, r),
+                        precision=precision).total_bytes for r in range(p)]
+
+
+def cluster_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware,
+                            peak_flops: float):
+    """The screen's estimate (:func:`~vcluster.planner.screen.screen_estimate`) of ``par``
+    with its stages on GPU kinds ``kinds`` (``pieces[k]``, ``hardware[k]``: kind k's traced
+    pieces and HardwareSpec): the slowest rank's F, I and W on its own kind set the busy
+    time m·(F + B); the bubble is the schedule's closed form at the ranks' mean F, B and
+    W; the pipeline's sends and the exposed data-parallel communication are the screen's
+    on the slowest rank's kind; ``peak_flops`` is the mean peak of the GPUs (MFU). An
+    estimate for ranking; the replay prices each stage on its own device."""
+    p, v, m = par.pp, par.chunks, par.microbatches
+    per_rank = []
+    for r in range(p):
+        k = kinds[r]
+        c = {}
+        for a in ("F", "I", "W"):
+            x = par.rank_layers(config.layers, r) * pieces[k][("layer", a)]
+            if r == 0:
+                x = x + pieces[k][("emb", a)]
+            if (p * v - 1) % p == r:
+                x = x + pieces[k][("head", a)]
+            c[a] = x.seconds
+        per_rank.append(c)
+    crit = max(range(p), key=lambda r: sum(per_rank[r].values()))
+    est = screen_estimate(config, par, pieces[kinds[crit]], hardware[kinds[crit]])
+    F, I, W = (per_rank[crit][a] for a in ("F", "I", "W"))
+    busy = m * (F + I + W)
+    mean = {a: sum(c[a] for c in per_rank) / p for a in ("F", "I", "W")}
+    name = par.schedule if p > 1 else "1f1b"
+    B = mean["I"] + mean["W"]
+    if name == "zero_bubble" and (m < p or mean["W"] >= B):
+        name = "1f1b"
+    bubble = 0.0 if p == 1 else bubble_time_closed_form(
+        name, p, m, v if name == "interleaved_1f1b" else 1, mean["F"], B,
+        min(mean["W"], 0.999 * B))
+    step = busy + bubble + est.p2p_s + est.exposed_dp_s
+    n = par.gpus
+    return dataclasses.replace(
+        est, step_time_s=step, busy_s=busy, bubble_s=bubble,
+        tflops_per_gpu=est.tflops_per_gpu * est.step_time_s / step,
+        mfu=model_flops(config, par.global_batch) / (n * peak_flops * step))
+
+
+def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attention,
+                        memory_headroom, rejected) -> tuple[list, list]:
+    """(candidates placed and balanced on ``cluster``, their screen estimates); the others
+    counted in ``rejected`` (module docstring)."""
+    kinds_hw = cluster.kinds
+    pieces = [_Pieces(config, HardwareCostModel(h, fp8_gemms=fp8_gemm if fp8 else None,
+                                                gemm_format=_gemm_format(fp8),
+                                                flash_v1=attention == "flash-v1"), precision)
+              for h in kinds_hw]
+    if len({p.autocast for p in pieces}) > 1:
+        raise ValueError(f"plan_gpt: cluster {cluster.name!r}: some GPU kinds price kernels "
+                         f"from measurements and others analytically, so whether plain "
+                         f"PyTorch's autocast kernels are priced has no default (the "
+                         f"planner takes it from the hardware)")
+    limits = [usable_memory_bytes(h.device.hbm_bytes, memory_headroom) for h in kinds_hw]
+    peak = sum(part.hardware.device.peak_flops("bf16") * part.gpus
+               for part in cluster.parts) / cluster.gpus
+    task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
+    out, estimates = [], []
+    for par in candidates:
+        if bar:
+            bar.advance(task)
+        kinds = stage_kinds(cluster, par.pp)
+        if kinds is None:
+            rejected["stage_spans_gpu_kinds"] += 1
+            continue
+        by_kind = {k: pieces[k](par) for k in set(kinds)}
+        split = balanced_split(config, par, kinds, by_kind)
+        tries = [par]
+        if split is not None and split != par.stage_layers(config.layers):
+            tries.insert(0, dataclasses.replace(par, first_stage_layers=None,
+                                                last_stage_layers=None,
+                                                layers_per_stage=split))
+        for t in tries:
+            if all(b <= limits[kinds[r]]
+                   for r, b in enumerate(stage_memory_bytes(config, t, precision))):
+                out.append(t)
+                estimates.append(cluster_screen_estimate(config, t, kinds, by_kind,
+                                                         kinds_hw, peak))
+                break
+        else:
+            rejected["out_of_memory"] += 1
+    return out, estimates
 
 
 _MODEL_DEFAULTS = dict(hidden=None, layers=None, heads=None, seq=None, vocab=None,
@@ -239,7 +398,7 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
 
     ``top``: rows the caller shows (at least that many are replayed); ``replay``: how many
     of the screen's best are replayed (default max(top, 10); 0 = screen only);
-    ``max_tp`` default the GPUs per node; ``micro_batches`` an explicit list, else the
+    ``max_tp`` default the GPUs of one scale-up (NVLink) domain; ``micro_batches`` an explicit list, else the
     divisors of B/dp up to ``max_micro_batch`` (8); ``schedules``, ``recompute``,
     ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
     the machine's cores); ``progress``: a progress bar (True; default None: when stderr is a
@@ -270,7 +429,9 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     memory model's :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name
     (default "megatron"; the DataFrame's ``attrs["precision"]``). ``fp8``: every candidate's
     transformer-layer linear GEMMs priced in FP8 (:func:`~.simulation.fp8_gemm`; hardware
-    with an FP8 peak; ``attrs["fp8"]``). ``grad_reduce_dtype``: every candidate's
+    with an FP8 peak; ``attrs["fp8"]``), or in the format named (``"mxfp8"``,
+    ``"nvfp4"``, ...: :mod:`vcluster.timing.gemm_formats`; refused by name on hardware
+    without it). ``grad_reduce_dtype``: every candidate's
     :attr:`~pipeline_parallel.gpt.ParallelConfig.grad_reduce_dtype` ("model", the default:
     16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``). ``attrs["attention"]``:
     ``attention``.
@@ -288,11 +449,17 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     if replay is not None and (isinstance(replay, bool) or not isinstance(replay, int)
                                or replay < 0):
         raise ValueError(f"plan_gpt: replay must be an int >= 0, got {replay!r}")
-    if not isinstance(fp8, bool):
-        raise ValueError(f"plan_gpt: fp8 must be True or False, got {fp8!r}")
-    hw = load_hardware(hardware)
+    if not isinstance(fp8, bool) and fp8 not in GEMM_FORMATS:
+        raise ValueError(f"plan_gpt: fp8 must be True, False or a GEMM format "
+                         f"({', '.join(GEMM_FORMATS)}), got {fp8!r}")
+    hw = load_cluster(hardware)
+    cluster = hw if isinstance(hw, ClusterSpec) else None
+    if cluster is not None and gpus != cluster.gpus:
+        parts = " + ".join(f"{p.nodes} x {p.hardware.name}" for p in cluster.parts)
+        raise ValueError(f"plan_gpt: gpus={gpus} but cluster {cluster.name!r} has "
+                         f"{cluster.gpus} GPUs ({parts}); allowed: {cluster.gpus}")
     space = SearchSpace(
-        max_tp=max_tp or hw.gpus_per_node, micro_batches=micro_batches,
+        max_tp=max_tp or hw.domain_gpus, micro_batches=micro_batches,
         **{k: v for k, v in (("max_micro_batch", max_micro_batch), ("schedules", schedules),
                              ("max_virtual_stages", max_virtual_stages),
                              ("recompute", recompute),
@@ -301,14 +468,23 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
         distributed_optimizer=distributed_optimizer, max_cp=max_cp,
         cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
         precision=precision)
-    limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
+    # on a cluster: the largest device's limit here, each stage's own after the balance
+    limit = max(usable_memory_bytes(h.device.hbm_bytes, memory_headroom)
+                for h in (cluster.kinds if cluster is not None else (hw,)))
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
-    n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
     bar = _progress(progress)
     if bar:
         bar.start()
     try:
-        estimates = _screen_all(config, candidates, hw, bar, precision, fp8, attention)
+        if cluster is None:
+            estimates = _screen_all(config, candidates, hw, bar, precision, fp8, attention)
+        else:
+            candidates, estimates = _cluster_candidates(
+                config, candidates, cluster, bar, precision, fp8, attention,
+                memory_headroom, rejected)
+            limit = min(usable_memory_bytes(h.device.hbm_bytes, memory_headroom)
+                        for h in cluster.kinds)
+        n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
                                 workers or os.cpu_count() or 1, bar, precision, fp8)
@@ -318,9 +494,11 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     rows = []
     for k, i in enumerate(order):
         par, est = candidates[i], estimates[i]
+        memory = peak_memory_bytes(config, par, precision) if cluster is None else max(
+            stage_memory_bytes(config, par, precision))
         figures = replayed[k] if k < n_replay else {
             "step_time_s": est.step_time_s, "tflops_per_gpu": est.tflops_per_gpu,
-            "mfu": est.mfu, "peak_memory_gb": peak_memory_bytes(config, par, precision) / 1e9,
+            "mfu": est.mfu, "peak_memory_gb": memory / 1e9,
             "compute_comm_ratio": est.compute_comm_ratio}
         rows.append(_knobs(par) | figures | {"replayed": k < n_replay,
                                              "screen_step_time_s": est.step_time_s})
@@ -330,6 +508,9 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
                             kind="stable").reset_index(drop=True)
     df.attrs.update(config=config, rejected=dict(sorted(rejected.items())), replayed=n_replay,
                     candidates=len(candidates), hardware=hw.name, gpus=gpus,
+                    cluster_parts=None if cluster is None else [
+                        {"hardware": part.hardware.name, "device": part.hardware.device.name,
+                         "nodes": part.nodes, "gpus": part.gpus} for part in cluster.parts],
                     global_batch=global_batch,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,

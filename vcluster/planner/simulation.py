@@ -24,6 +24,19 @@ rank 0); its dropless token exchanges are replayed as all_to_alls over the ep gr
 parallelism yet, and the plan's rulebook refuses that combination
 (:func:`modeling.check_zero_stage`): what is simulated is what the program runs.
 
+Uneven stages (``ParallelConfig.layers_per_stage``): the short step traces the first
+position, one middle position per distinct middle layer count and the last; each stands
+for the full positions of its count (tested equal to tracing them all).
+
+A heterogeneous cluster (``hardware`` a :class:`~vcluster.timing.cluster.ClusterSpec`,
+several GPU kinds): the ranks are placed pipeline-major (:func:`cluster_placement`), so
+that stage q runs on the cluster's GPUs q·N/pp .. (q+1)·N/pp − 1 — stage 0 on the first
+part's GPUs — and each stage must lie on one kind (:func:`stage_parts`); the templates
+are coalesced and the replay prices compute under each traced rank's own kind
+(:class:`~vcluster.timing.cluster_cost.ClusterCostModel`), collectives and transfers on
+the kinds they span (the slowest). The result's ``stages`` say where each stage runs and
+whether its memory fits its own device.
+
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
 (embedding, attention, mlp, logits, optimizer: :func:`gpt_op_kind`, with the
@@ -34,7 +47,8 @@ TFLOP/s per GPU counting the FLOPs actually executed (recomputation included, fr
 trace) and model TFLOP/s per GPU counting the model FLOPs 72·B·s·l·h²·(1 + s/6h + V/12lh)
 (Llama: :func:`~pipeline_parallel.gpt.llama_model_flops`), which over the peak of the
 compute dtype is the MFU; peak memory per device (:mod:`vcluster.planner.memory`) and
-whether it fits.
+whether it fits; with activation offload (``ParallelConfig.activation_offload``,
+:mod:`vcluster.planner.offload`) the host memory per GPU and the copy time exposed.
 """
 
 from __future__ import annotations
@@ -52,13 +66,15 @@ from tensor_parallel.moe import MOE_TAG
 from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.tracing import KernelKind, TraceCompute, trace_program
 from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
-from vcluster.timing import load_hardware
+from vcluster.timing.cluster import ClusterSpec, axis_major_placement, load_cluster
+from vcluster.timing.cluster_cost import ClusterCostModel
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
 
 from .autocast_kernels import autocast_kernels_priced
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
+from .offload import host_link_of, microbatch_slots, offload_timing
 from .precision import precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
 
@@ -66,7 +82,7 @@ from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_ha
 ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
-           "fp8_gemm",
+           "fp8_gemm", "StagePlacement", "stage_parts", "cluster_placement",
            "moe_exchanges_as_all_to_all", "data_parallel_row",
            "OP_KINDS", "DP_GRAD_REDUCE", "DP_PARAM_GATHER", "RATIO_FLAG", "TRACED_POSITIONS",
            "describe_ratio"]
@@ -123,10 +139,20 @@ class GPTSimulation:
     autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
+    # their format (vcluster.timing.gemm_formats: fp8, fp8-block, mxfp8, nvfp4, mxfp4);
+    # None without fp8
+    gemm_format: str | None = None
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
     attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
     model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
     tokens_per_s_per_gpu: float = math.nan   # global batch · seq / (step · GPUs)
+    stages: tuple = ()       # on a heterogeneous cluster: a StagePlacement per pp position
+    # activation offload to host memory (ParallelConfig.activation_offload, planner.offload):
+    activation_offload: float = 0.0     # the share of each stage's layers offloaded
+    host_memory_gb: float = 0.0         # offloaded activations per GPU, the largest stage's
+    host_memory_limit_gb: float | None = None   # NodeSpec.host_memory_bytes (None: none)
+    offload_exposed_s: float = 0.0      # what the copies add to the step (in step_time_s)
+    offload: tuple = ()                 # an OffloadStage per pipeline rank and chunk
 
     @property
     def hardware_tflops_per_gpu(self) -> float:
@@ -143,12 +169,17 @@ class GPTSimulation:
     @property
     def memory_breakdown_gb(self) -> dict:
         """The peak pipeline position's parts, GB: params, grads, optimizer, activations,
-        logits and the reserve (``peak_memory_gb`` is their sum less the reserve)."""
+        logits and the reserve (``peak_memory_gb`` is their sum less the reserve); with
+        activation offload also ``host``, its activations in host memory (not in the
+        peak)."""
         peak = max(self.memory, key=lambda m: m.total_bytes)
-        return {"rank_position": peak.rank_position, "params": peak.params_bytes / 1e9,
-                "grads": peak.grads_bytes / 1e9, "optimizer": peak.optimizer_bytes / 1e9,
-                "activations": peak.activations_bytes / 1e9, "logits": peak.logits_bytes / 1e9,
-                "reserve": self.reserve_gb}
+        parts = {"rank_position": peak.rank_position, "params": peak.params_bytes / 1e9,
+                 "grads": peak.grads_bytes / 1e9, "optimizer": peak.optimizer_bytes / 1e9,
+                 "activations": peak.activations_bytes / 1e9,
+                 "logits": peak.logits_bytes / 1e9, "reserve": self.reserve_gb}
+        if self.activation_offload:
+            parts["host"] = peak.host_bytes / 1e9
+        return parts
 
     def to_json(self) -> dict:
         """The fields as JSON values; a ratio without communication (infinite) is null."""
@@ -313,9 +344,18 @@ def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates
                      rewrite(templates.tail), templates.message_bytes)
 
 
-def _short_dense_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
+def _stage_mapping(full: tuple, stages: int, mapping=None) -> list:
+    """The full stage each short stage stands for: ``mapping`` when given, else short
+    stage k for full stage k and the last short stage for the last full one."""
+    if mapping is not None:
+        return list(mapping)
+    return list(range(stages - 1)) + [len(full) - 1] if stages > 1 else [0]
+
+
+def _short_dense_layers(config: GPTConfig, full: tuple, stages: int, mapping=None) -> dict:
     """The short step's ``moe_dense_layers``: short stage k holds full stage k's pattern
-    (the last short stage the last full stage's), so dense-first layers on the first
+    (the last short stage the last full stage's; ``mapping``: the full stage of each
+    short stage), so dense-first layers on the first
     stage — DeepSeek-V3's three — are traced where they run; dense layers on middle
     stages stand for the middle stages the short step traces ({} for a model without
     them)."""
@@ -323,7 +363,7 @@ def _short_dense_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
     if not dense:
         return {}
     starts = [sum(full[:k]) for k in range(len(full))]
-    mapping = list(range(stages - 1)) + [len(full) - 1] if stages > 1 else [0]
+    mapping = _stage_mapping(full, stages, mapping)
     out, at = [], 0
     for k in mapping:
         out += [at + o for o in range(full[k]) if starts[k] + o in dense]
@@ -333,7 +373,7 @@ def _short_dense_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
     return {"moe_dense_layers": tuple(out)}
 
 
-def _short_window_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
+def _short_window_layers(config: GPTConfig, full: tuple, stages: int, mapping=None) -> dict:
     """The short step's ``window_layers`` (sliding-window attention on some layers): short
     stage k holds full stage k's pattern, as :func:`_short_dense_layers` maps the dense
     ones ({} where every layer or none has the window)."""
@@ -342,7 +382,7 @@ def _short_window_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
         return {}
     windowed = set(windowed)
     starts = [sum(full[:k]) for k in range(len(full))]
-    mapping = list(range(stages - 1)) + [len(full) - 1] if stages > 1 else [0]
+    mapping = _stage_mapping(full, stages, mapping)
     out, at = [], 0
     for k in mapping:
         out += [at + o for o in range(full[k]) if starts[k] + o in windowed]
@@ -352,24 +392,54 @@ def _short_window_layers(config: GPTConfig, full: tuple, stages: int) -> dict:
     return {"window_layers": tuple(out) if len(out) < at else None}
 
 
-def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, costs,
+def _short_layout(parallel: ParallelConfig, layers: int, traced_positions) -> tuple:
+    """(the full pipeline positions the short step traces, in order; the short position
+    that stands for each full position). An even split (or first/last_stage_layers):
+    the first, ``min(p, traced_positions) - 2`` middle ones and the last (all of them with
+    ``traced_positions`` None). ``layers_per_stage``: the first, one middle position per
+    distinct middle layer count (its first) and the last — the middle positions of a
+    split over GPU kinds differ in their counts; every position with ``traced_positions``
+    None."""
+    p = parallel.pp
+    if parallel.layers_per_stage is None or traced_positions is None or p <= 3:
+        p_short = p if traced_positions is None else min(p, traced_positions)
+        reps = list(range(p_short - 1)) + [p - 1] if p_short > 1 else [0]
+        return reps, [_short_position(q, p, p_short) for q in range(p)]
+    counts = parallel.stage_layers(layers)
+    middle: dict = {}
+    for q in range(1, p - 1):
+        middle.setdefault(counts[q], q)
+    reps = [0] + list(middle.values()) + [p - 1]
+    index = {n: 1 + k for k, n in enumerate(middle)}
+    return reps, [0] + [index[counts[q]] for q in range(1, p - 1)] + [len(reps) - 1]
+
+
+def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False):
-    """(mesh, templates per position) of a short step on a pipeline of ``p_short``
-    positions with ``parallel``'s layers per stage, micro-batch, dp and tp
-    (``autocast_kernels``: rewritten by :func:`.inductor_kernels.pytorch_kernels`, compiled
-    with ``inductor_fusion``)."""
+    """(mesh, templates per cp rank and short position, not coalesced) of a short step on
+    a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
+    layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
+    :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``)."""
     v = parallel.chunks
-    short = dataclasses.replace(parallel, pp=p_short)
+    p_short = len(reps)
+    full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
+    mapping = None
+    if parallel.layers_per_stage is not None:
+        short = dataclasses.replace(parallel, pp=p_short,
+                                    layers_per_stage=tuple(full[q] for q in reps))
+        layers, mapping = sum(full[q] for q in reps), reps
+    else:
+        short = dataclasses.replace(parallel, pp=p_short)
+        layers = full[0] + full[-1] + (p_short * v - 2) * (full[1] if len(full) > 2 else 0) \
+            if p_short * v > 1 else full[0]
     m_short = _short_microbatches(short)
     short = dataclasses.replace(short, global_batch=parallel.dp * parallel.micro_batch * m_short)
-    full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
-    layers = full[0] + full[-1] + (p_short * v - 2) * (full[1] if len(full) > 2 else 0) \
-        if p_short * v > 1 else full[0]
     short_config = dataclasses.replace(config, dtype="float16",          # 16-bit bytes
                                        layers=layers, **_short_dense_layers(
-                                           config, full, p_short * v),
-                                       **_short_window_layers(config, full, p_short * v))
+                                           config, full, p_short * v, mapping),
+                                       **_short_window_layers(config, full, p_short * v,
+                                                              mapping))
     short_mesh = short.mesh()
     args = GPT(short_config).meta_args(short_mesh, short, optimizer=optimizer,
                                        expert_skew=expert_skew)
@@ -389,7 +459,7 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, p_short: int, 
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
-    return short_mesh, [[coalesce(t, costs, gpt_op_kind) for t in ts] for ts in templates]
+    return short_mesh, templates
 
 
 def _at(mesh, **coords) -> int:
@@ -438,14 +508,26 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     mesh = parallel.mesh()
     parallel.check(config, mesh)
     p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
-    p_short = p if traced_positions is None else min(p, traced_positions)
-    short_mesh, templates = _short_templates(config, parallel, p_short, costs, optimizer,
-                                             expert_skew, autocast_kernels, inductor_fusion)
+    reps, short_of = _short_layout(parallel, config.layers, traced_positions)
+    p_short = len(reps)
+    short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
+                                       autocast_kernels, inductor_fusion)
     S = p * v
-    sizes_short = {k: n for ts in templates for t in ts for k, n in t.message_bytes.items()}
+    sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
+    # compute runs coalesced under the model that prices the rank: ``costs``, or on a
+    # cluster of several GPU kinds (costs.rank_costs) the rank's own kind's model
+    rank_costs = getattr(costs, "rank_costs", None)
+    coalesced: dict = {}
+
+    def templates(cp_rank, q_short, rank):
+        model = costs if rank_costs is None else rank_costs(rank)
+        key = (cp_rank, q_short, id(model))
+        if key not in coalesced:
+            coalesced[key] = coalesce(raw[cp_rank][q_short], model, gpt_op_kind)
+        return coalesced[key]
 
     def short_stage(s):
-        return s // p * p_short + _short_position(s % p, p, p_short)
+        return s // p * p_short + short_of[s % p]
 
     sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
              if (d, short_stage(s)) in sizes_short}
@@ -454,7 +536,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     for cp_rank in range(parallel.cp):
         ranks = tuple(mesh.group("pp", _at(mesh, cp=cp_rank)))
         for q, rank in enumerate(ranks):
-            q_short = _short_position(q, p, p_short)
+            q_short = short_of[q]
 
             def full_rank(r, q=q, q_short=q_short):      # every short-mesh axis by name
                 c = short_mesh.index(r)
@@ -465,7 +547,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                                      f"for no single position of the full pipeline")
                 return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos})
 
-            t = moved(templates[cp_rank][q_short], lambda s, q=q: s // p_short * p + q,
+            t = moved(templates(cp_rank, q_short, rank), lambda s, q=q: s // p_short * p + q,
                       full_rank, sizes)
             trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers)
             # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at
@@ -475,12 +557,77 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     return out
 
 
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one pipeline position runs on a heterogeneous cluster, and its memory."""
+
+    stage: int               # the pipeline position (rank of the pp axis)
+    part: int                # the cluster part (GPU kind) that holds its ranks
+    hardware: str            # that part's hardware name
+    layers: int              # the transformer layers it holds (all its chunks)
+    peak_memory_gb: float    # its peak (memory model), per device
+    memory_limit_gb: float   # its device's HBM less the headroom
+    fits: bool
+
+
+def stage_parts(parallel: ParallelConfig, costs) -> list[int]:
+    """The cluster part of each pipeline position under ``costs`` (a
+    :class:`~vcluster.timing.cluster_cost.ClusterCostModel`: its placement; the part of
+    the position's first rank); ValueError naming the position, its ranks' parts and the
+    rule when a position's ranks lie on more than one GPU kind (its traced rank would
+    stand for ranks of another kind)."""
+    mesh = parallel.mesh()
+    cluster = costs.cluster
+    out = []
+    for q in range(parallel.pp):
+        ranks = [r for r in range(mesh.size) if mesh.index(r)["pp"] == q]
+        parts = sorted({costs.part_of(r) for r in ranks})
+        if len({cluster.parts[k].hardware.name for k in parts}) > 1 or len(
+                {id(costs.models[k]) for k in parts}) > 1:
+            kinds = ", ".join(f"part {k} ({cluster.parts[k].hardware.name})" for k in parts)
+            raise ValueError(
+                f"simulate_gpt: pipeline stage {q}'s {len(ranks)} ranks lie on {kinds} of "
+                f"cluster {cluster.name!r}; allowed: parts that hold whole pipeline stages "
+                f"({mesh.size // parallel.pp} GPUs each: dp·cp·tp = {parallel.dp}·"
+                f"{parallel.cp}·{parallel.tp}; the stages are placed pp-outermost, stage 0 "
+                f"on the first ranks)")
+        out.append(costs.part_of(ranks[0]))
+    return out
+
+
+def cluster_placement(parallel: ParallelConfig, cluster):
+    """The device of each mesh rank on ``cluster``: None (the mesh's own order) on a
+    cluster of one GPU kind; else pipeline-major (:func:`~vcluster.timing.cluster.
+    axis_major_placement` on "pp", Megatron-LM's default order ``tp-cp-ep-dp-pp``), so
+    that stage 0's dp·cp·tp ranks come first, then stage 1's, and parts holding whole
+    stages hold each on one kind."""
+    if len(cluster.kinds) == 1:
+        return None
+    return axis_major_placement(parallel.mesh(), "pp")
+
+
+def _cluster_costs(cluster, parallel: ParallelConfig, dtype: str, fp8: bool,
+                   gemm_format: str = "fp8"):
+    """The ClusterCostModel of ``parallel`` on ``cluster`` (its GPU count checked)."""
+    if parallel.gpus != cluster.gpus:
+        raise ValueError(f"simulate_gpt: the plan uses dp·pp·cp·tp = {parallel.dp}·"
+                         f"{parallel.pp}·{parallel.cp}·{parallel.tp} = {parallel.gpus} GPUs, "
+                         f"cluster {cluster.name!r} has {cluster.gpus}; allowed: a plan of "
+                         f"every GPU of the cluster")
+    return ClusterCostModel(cluster, dtype, fp8_gemms=fp8_gemm if fp8 else None,
+                            flash_v1=parallel.attention == "flash-v1", gemm_format=gemm_format,
+                            placement=cluster_placement(parallel, cluster))
+
+
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
                  memory_headroom: float = MEMORY_HEADROOM,
                  expert_skew: float = 1.0, precision="megatron",
-                 autocast_kernels: bool | None = None, fp8: bool = False) -> GPTSimulation:
-    """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file;
+                 autocast_kernels: bool | None = None, fp8: bool = False,
+                 gemm_format: str = "fp8") -> GPTSimulation:
+    """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
+    or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
+    file: :func:`~vcluster.timing.cluster.load_cluster`; below);
     ``precision``: the memory model's bytes per parameter and activation (a
     :class:`~vcluster.planner.precision.PrecisionPolicy` or a preset's name: "megatron",
     the default, "torch_amp", "fp64", "fp32"; it changes the memory, not the timing);
@@ -497,17 +644,63 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     ``inductor_fusion`` (``torch_compile``) they are priced as ``torch.compile`` fuses them
     (:mod:`.inductor_kernels`); ``fp8``: the transformer layers' linear GEMMs priced in FP8
     (:func:`fp8_gemm`: at the device's FP8 peak, analytic hardware with one only; the
-    memory model is unchanged, and ``mfu`` stays against the BF16 peak)."""
+    memory model is unchanged, and ``mfu`` stays against the BF16 peak), in
+    ``gemm_format`` (:mod:`vcluster.timing.gemm_formats`: ``fp8``, the default — one
+    scale per tensor, Transformer Engine's delayed or current scaling — ``fp8-block``,
+    ``mxfp8`` at the FP8 peak; ``nvfp4``, ``mxfp4`` at the FP4 peak; refused by name on
+    hardware without it). ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
+    first floor(f·L) layers of each stage keep their activations in the host's memory
+    over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
+    on a cluster of several kinds): the memory counts them as ``host_bytes`` and ``fits``
+    also holds them to ``host_memory_bytes``; the copies the layers' compute does not hide
+    add ``offload_exposed_s`` to the replayed step (slots · e, :func:`.offload.
+    offload_timing`), which ``step_time_s`` and the rates include (not ``bubble_s``). A job
+    on hardware whose scale-up domains it does not fill
+    whole is placed on the fewest domains in equal segments
+    (:meth:`~vcluster.timing.hardware.HardwareSpec.for_job`: 256 GPUs on GB200 NVL72
+    racks are 4 racks of 64).
 
-    hw = load_hardware(hardware)
-    precision = precision_policy(precision)
-    limit = usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)
-    mesh = parallel.mesh()
-    m = parallel.microbatches
+    On a cluster of several GPU kinds (a ClusterSpec, whose GPUs the plan must use
+    all of) the replay prices each rank on its own device
+    (:class:`~vcluster.timing.cluster_cost.ClusterCostModel`): the stages are placed
+    pipeline-major (:func:`cluster_placement`: stage 0's ranks on the cluster's first
+    GPUs, then stage 1's, ...), each stage's ranks must lie on one kind
+    (:func:`stage_parts`; else ValueError), and the traced rank of each stage is priced
+    on its kind, so the slowest stage sets the step. ``fits`` holds each stage to its own
+    device's memory (``stages``: one :class:`StagePlacement` per pipeline position);
+    ``memory_limit_gb`` and ``device_memory_gb`` are those of the stage closest to its
+    limit; ``mfu`` is against the mean peak of the GPUs used; ``hardware`` is the
+    cluster's name. A cluster of one kind keeps the mesh's rank order and gives the
+    figures of its HardwareSpec."""
+    hw = load_cluster(hardware)
     if not isinstance(fp8, bool):
         raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
-    costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None,
-                              flash_v1=parallel.attention == "flash-v1")
+    precision = precision_policy(precision)
+    mesh = parallel.mesh()
+    m = parallel.microbatches
+    if isinstance(hw, ClusterSpec):
+        costs = _cluster_costs(hw, parallel, dtype, fp8, gemm_format)
+        parts = stage_parts(parallel, costs)
+        kinds = [hw.parts[k].hardware for k in parts]
+        limits = [usable_memory_bytes(h.device.hbm_bytes, memory_headroom) for h in kinds]
+        if parallel.activation_offload:
+            raise ValueError(f"simulate_gpt: activation_offload="
+                             f"{parallel.activation_offload:g} on cluster {hw.name!r} of "
+                             f"several GPU kinds is not modelled; allowed: a hardware preset "
+                             f"or file with a host link (gb200-nvl72, gb300-nvl72)")
+        peak_flops = sum(hw.hardware_of(costs.device(r)).device.peak_flops(dtype)
+                         for r in range(mesh.size)) / mesh.size
+    else:
+        hw = hw.for_job(mesh.size)
+        costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None,
+                                  flash_v1=parallel.attention == "flash-v1",
+                                  gemm_format=gemm_format)
+        kinds = [hw] * parallel.pp
+        limits = [usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)] * parallel.pp
+        if parallel.activation_offload:   # refused before tracing: no host link, or
+            host_link_of(hw, parallel.activation_offload)  # a schedule not modelled
+            microbatch_slots(parallel)
+        peak_flops = hw.device.peak_flops(dtype)
     if autocast_kernels is None:
         autocast_kernels = autocast_kernels_priced(precision, costs)
     elif not isinstance(autocast_kernels, bool):
@@ -526,12 +719,28 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
                             collective_kind=lambda op: data_parallel_row(op, mesh, axes_of))
-    step = result.step_time_s
+    offload = None
+    if parallel.activation_offload:       # the copies' exposed time (planner.offload)
+        offload = offload_timing(config, parallel, hw, costs, expert_skew, autocast_kernels,
+                                 fused)
+    step = result.step_time_s + (offload.step_exposed_s if offload else 0.0)
     flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
     memory = tuple(gpt_memory(config, parallel, schedule, expert_skew, precision))
     peak = max(mm.total_bytes for mm in memory)
+    tight = max(range(len(memory)), key=lambda q: memory[q].total_bytes / limits[q])
+    fits = all(mm.total_bytes <= limits[q] for q, mm in enumerate(memory))
+    host_limit = None if isinstance(hw, ClusterSpec) else hw.node.host_memory_bytes
+    if offload:                           # the offloaded activations fit the host's memory
+        fits = fits and all(mm.host_bytes <= host_limit for mm in memory)
+    stages = ()
+    if isinstance(hw, ClusterSpec):
+        stages = tuple(StagePlacement(q, parts[q], kinds[q].name,
+                                      parallel.rank_layers(config.layers, q),
+                                      memory[q].total_bytes / 1e9, limits[q] / 1e9,
+                                      memory[q].total_bytes <= limits[q])
+                       for q in range(parallel.pp))
 
     def mean(d):
         return sum(d.values()) / len(d)
@@ -539,16 +748,23 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     ratio = result.compute_comm_ratio
     return GPTSimulation(
         step_time_s=step, tflops_per_gpu=sum(flops) / len(flops) / step / 1e12,
-        mfu=flops_model / (n * hw.device.peak_flops(dtype) * step),
+        mfu=flops_model / (n * peak_flops * step),
         model_tflops_per_gpu=flops_model / (n * step) / 1e12,
         tokens_per_s_per_gpu=parallel.global_batch * config.seq / (step * n),
         compute_s=mean(result.compute_s), comm_s=mean(result.comm_s),
         exposed_comm_s=mean(result.exposed_comm_s), bubble_s=mean(result.bubble_s),
         compute_comm_ratio=ratio, low_ratio=ratio < RATIO_FLAG,
-        peak_memory_gb=peak / 1e9, fits=peak <= limit, memory=memory,
-        gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limit / 1e9,
-        device_memory_gb=hw.device.hbm_bytes / 1e9, zero_stage=int(parallel.zero_stage),
+        peak_memory_gb=peak / 1e9, fits=fits, memory=memory,
+        gpus=n, microbatches=m, hardware=hw.name, memory_limit_gb=limits[tight] / 1e9,
+        device_memory_gb=kinds[tight].device.hbm_bytes / 1e9,
+        zero_stage=int(parallel.zero_stage),
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
-        fp8=fp8, grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
+        fp8=fp8, gemm_format=gemm_format if fp8 else None,
+        grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
-                                      comm_s=o.comm_s / len(full)) for o in result.op_stats))
+                                      comm_s=o.comm_s / len(full)) for o in result.op_stats),
+        stages=stages, activation_offload=parallel.activation_offload,
+        host_memory_gb=max(mm.host_bytes for mm in memory) / 1e9,
+        host_memory_limit_gb=None if host_limit is None else host_limit / 1e9,
+        offload_exposed_s=offload.step_exposed_s if offload else 0.0,
+        offload=offload.stages if offload else ())

@@ -140,28 +140,34 @@ class CostSetup:
     calibration: str | None = None
 
 
-def check_fp8(scenario, key: str = "workload.fp8") -> None:
-    """Raise :class:`ScenarioError` (naming ``key``) unless the scenario simulates on
-    hardware with an FP8 peak: a preset or file whose device has ``peak_tflops["fp8"]``
-    (the H100 and H200 presets), not localhost, whose kernels are this machine's."""
+def check_fp8(scenario, key: str = "workload.fp8", value=True, fmt: str = "fp8") -> None:
+    """Raise :class:`ScenarioError` (naming ``key`` and ``value``) unless the scenario
+    simulates on hardware that runs GEMMs in ``fmt`` (:mod:`vcluster.timing.gemm_formats`:
+    FP8 needs an FP8 peak — H100 and later —, mxfp8/nvfp4/mxfp4 block-scaled tensor
+    cores), not localhost, whose kernels are this machine's."""
     if scenario.run.mode == "emulate":
-        raise ScenarioError(key, True, "run.mode simulate or both",
-                            "FP8 prices the simulation; the emulated math is unchanged")
+        raise ScenarioError(key, value, "run.mode simulate or both",
+                            f"{fmt} prices the simulation; the emulated math is unchanged")
     check_hardware(scenario)
     if scenario.hardware.name == LOCALHOST:
-        raise ScenarioError(key, True, "a hardware preset or file with an FP8 peak (h100-dgx, "
-                            "h200-dgx)", "localhost prices this machine's CPU kernels")
+        raise ScenarioError(key, value, f"a hardware preset or file that runs {fmt} GEMMs "
+                            f"(`vcluster hardware list`)",
+                            "localhost prices this machine's CPU kernels")
     # lazy: keeps vcluster --help fast
     from vcluster.timing import load_hardware
+    from vcluster.timing.gemm_formats import check_gemm_format
     spec = load_hardware(_hardware_arg(scenario))
-    if "fp8" not in spec.device.peak_tflops:
-        raise ScenarioError(key, True, "a hardware preset or file with an FP8 peak (h100-dgx, "
-                            "h200-dgx)", f"{spec.name}'s {spec.device.name} has none")
+    try:
+        check_gemm_format(fmt, spec)
+    except ValueError as exc:
+        raise ScenarioError(key, value, f"a hardware preset or file that runs {fmt} GEMMs "
+                            f"(`vcluster hardware list`)", str(exc)) from None
 
 
-def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = False) -> CostSetup:
+def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = False,
+               gemm_format: str = "fp8") -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``;
-    ``fp8_gemms``: the traced GEMMs priced at the FP8 peak (:func:`check_fp8` first);
+    ``fp8_gemms``: the traced GEMMs priced in ``gemm_format`` (:func:`check_fp8` first);
     ``flash_v1``: fused attention priced as kernels built for Ampere
     (``parallel.attention: flash-v1``; a GPU model's, not localhost's)."""
     hw = scenario.hardware
@@ -185,7 +191,8 @@ def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = Fals
     from vcluster.timing.hardware_model import HardwareCostModel
     spec = load_hardware(_hardware_arg(scenario))
     try:
-        costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1)
+        costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1,
+                                  gemm_format=gemm_format)
     except ValueError as exc:
         if not flash_v1 or "flash-v1" not in str(exc):
             raise

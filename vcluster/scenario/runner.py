@@ -228,7 +228,8 @@ def _simulate(workload, scenario, bar) -> tuple:
     from vcluster.timing.engine import simulate_trace
     from .hardware import cost_setup
     mesh = workload.mesh
-    setup = cost_setup(scenario, mesh, workload.dtype, workload.fp8_gemms, workload.flash_v1)
+    setup = cost_setup(scenario, mesh, workload.dtype, workload.fp8_gemms, workload.flash_v1,
+                       workload.gemm_format)
     ranks = _representative_ranks(workload, scenario, setup)
     if ranks is not None and workload.step_traces is not None:   # as simulate gpt does
         traces = workload.step_traces(setup.costs)

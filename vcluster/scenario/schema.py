@@ -172,7 +172,14 @@ _WORKLOAD = MappingProxyType({
         "fp8": _bool("simulation: the transformer layers' linear GEMMs priced at the "
                      "hardware's FP8 peak, as Transformer Engine runs them (simulate gpt "
                      "--fp8; a preset or file with an FP8 peak; the emulated math is "
-                     "unchanged)"),
+                     "unchanged); the same as gemm_format: fp8"),
+        "gemm_format": _enum(["fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4"],
+                             "simulation: the transformer layers' linear GEMMs in this "
+                             "format (simulate train --gemm-format): fp8 one scale per "
+                             "tensor, fp8-block 128-blocks, mxfp8 (Blackwell, MI355X), "
+                             "nvfp4 (Blackwell), mxfp4 (Blackwell, MI355X), each at its "
+                             "dtype's peak and measured share; refused on hardware without "
+                             "it; the emulated math is unchanged"),
         "experts": _int("mixture of experts: experts per layer (0: a dense MLP)", 0, 0),
         "moe_top_k": _int("experts each token is routed to, 1 to experts (DeepSeek-V3, "
                           "Qwen3: 8)", 1, 2),

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 from operator import itemgetter
 from typing import Mapping, Sequence
 
-from vcluster.runtime.tracing.ops import DeviceTrace, TraceCompute, TraceRecv, TraceSend
+from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCompute,
+                                          TraceRecv, TraceSend)
 
 from .cost_model import CostModel
 from .core_pool import as_core_pool
@@ -78,6 +79,38 @@ def _slowdowns(stragglers, traced, symmetric: bool) -> dict[int, float]:
     return out
 
 
+def _check_mirrors(ops: dict, costs, limit: int | None) -> None:
+    """Symmetric mode on a cost model with a model per rank (``costs.rank_costs``: a
+    cluster of several GPU kinds): an untraced member of a group mirrors its traced
+    members, so it must run on the kind of one of them; ValueError naming the group, the
+    rank and both kinds otherwise."""
+    of = costs.rank_costs
+    seen, seen_ids = set(), set()          # groups checked; the ids of those objects
+    for rank, trace in ops.items():
+        for op in trace:
+            if op.__class__ is not TraceCollective or id(op.group) in seen_ids:
+                continue
+            group = op.group
+            seen_ids.add(id(group))
+            if group in seen:
+                continue
+            seen.add(group)
+            traced = {id(of(r)): r for r in group if r in ops}
+            for r in group:
+                if r in ops or (limit is not None and not 0 <= r < limit):
+                    continue
+                if id(of(r)) not in traced:
+                    kind = getattr(getattr(of(r), "hardware", None), "name", "?")
+                    other = next(iter(traced.values()))
+                    theirs = getattr(getattr(of(other), "hardware", None), "name", "?")
+                    raise ValueError(
+                        f"simulate_trace: symmetric mode would let untraced rank {r} "
+                        f"({kind}) mirror traced rank {other} ({theirs}) of group {group}, "
+                        f"a rank of one GPU kind in place of another; trace a rank of each "
+                        f"kind in the group, or place the ranks so that mirrored peers share "
+                        f"a kind")
+
+
 @contextmanager
 def _gc_paused():
     """Pause the cyclic garbage collector during a replay (restored after, even on error).
@@ -105,7 +138,10 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
     stands for ``mesh.size`` devices. ``symmetric``: untraced members of a group mirror its
     traced members (see :mod:`vcluster.timing.replay`); with every rank traced and identical
     devices the result equals the full replay. ``stragglers``: ``{rank: slowdown}``
-    multiplies that rank's compute times (the rank must be traced). ``timeline=False``
+    multiplies that rank's compute times (the rank must be traced). A cost model with
+    ``rank_costs(rank)`` (:class:`~vcluster.timing.cluster_cost.ClusterCostModel`) prices
+    each rank's compute on its own device; in symmetric mode an untraced member of a
+    group must then run on the kind of one of its traced members. ``timeline=False``
     skips recording intervals (faster, less memory). ``core_pool`` (default None: every
     device has a core of its own): an int number of cores or a
     :class:`~vcluster.timing.core_pool.CorePoolSpec`; the devices' work then shares
@@ -135,6 +171,8 @@ def simulate_trace(traces: Mapping[int, DeviceTrace] | Sequence[DeviceTrace],
             raise ValueError(f"simulate_trace: traced ranks {bad} are outside {mesh!r} "
                              f"(valid ranks 0..{limit - 1})")
     slowdown = _slowdowns(stragglers, ops, bool(symmetric))
+    if symmetric and getattr(costs, "rank_costs", None) is not None:
+        _check_mirrors(ops, costs, limit)
     pool = as_core_pool(core_pool)
     if pool is not None and symmetric:
         raise ValueError("simulate_trace: a core_pool needs every rank's trace (untraced "

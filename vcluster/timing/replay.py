@@ -7,7 +7,10 @@ reduction is not queued behind a data-parallel one; a cost model with
 ``comm_stream_per_group = False`` — the emulator's, whose devices run one FIFO
 communication thread each — gets one stream per rank). Semantics:
 
-* ``TraceCompute`` runs for ``costs.compute_time_s(op) * slowdown[rank]``.
+* ``TraceCompute`` runs for ``costs.compute_time_s(op) * slowdown[rank]``; a cost model
+  with ``rank_costs(rank)`` (a cluster of several GPU kinds,
+  :class:`~vcluster.timing.cluster_cost.ClusterCostModel`) prices each rank's compute
+  ops with the model it returns for that rank (its own device's).
 * A collective call is matched across the members of ``op.group`` by its order among the
   member's calls on that group (the k-th call of a on G matches the k-th call of b on G).
   A member *arrives* at a blocking call when its compute stream reaches it, and at an
@@ -122,6 +125,9 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.recv_waiters: dict[tuple, Event] = {}
         self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
         self.compute_cache: dict = {}                      # id(op) -> seconds
+        # a cost model per rank (costs.rank_costs): its compute prices, cached per model
+        self._rank_costs = getattr(costs, "rank_costs", None)
+        self.model_caches: dict = {}                       # id(model) -> (model, cache)
         self.p2p_cache: dict = {}
         self.comm_s = dict.fromkeys(ranks, 0.0)
         self.end_s, self.compute_s, self.exposed_s, self.bubble_s = {}, {}, {}, {}
@@ -153,6 +159,10 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         slow = self.slowdown.get(rank, 1.0)
         tl = self.timelines[rank] if self.timelines is not None else None
         cache, costs = self.compute_cache, self.costs
+        if self._rank_costs is not None:                   # this rank's own device
+            costs = self._rank_costs(rank)
+            if costs is not self.costs:
+                cache = self.model_caches.setdefault(id(costs), (costs, {}))[1]
         handles, mail, pool = self.handles[rank], self.mail, self.pool
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)

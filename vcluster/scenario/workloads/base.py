@@ -41,7 +41,8 @@ class Workload:
     events an updating rank records per step (an asynchronous parameter server applies
     each worker's gradient on its own: one per worker). ``fp8_gemms``: which traced GEMMs
     the simulation prices at the hardware's FP8 peak (a GPT's ``workload.fp8``:
-    :func:`vcluster.planner.simulation.fp8_gemm`)."""
+    :func:`vcluster.planner.simulation.fp8_gemm`), or in ``gemm_format`` (a GPT's
+    ``workload.gemm_format``: :mod:`vcluster.timing.gemm_formats`)."""
 
     kind: str
     mesh: object
@@ -61,6 +62,7 @@ class Workload:
     roles: tuple[str, ...] | None = None   # per rank, where ranks have different roles
     updates_per_step: int = 1              # optimizer events per step on an updating rank
     fp8_gemms: Callable | None = None      # traced op -> priced in FP8 (simulation); None: none
+    gemm_format: str = "fp8"               # the format fp8_gemms ops are priced in
     flash_v1: bool = False                 # attention kernels priced as built for Ampere
 
     def __repr__(self) -> str:

@@ -52,7 +52,13 @@ def validate(scenario, mesh) -> None:
     :class:`modeling.ParallelConfig` and its ``check`` against the model), each written
     once there and reported here under the key the user wrote."""
     o = scenario.workload.options
-    if o["fp8"]:
+    if o.get("gemm_format") is not None:
+        if o["fp8"] and o["gemm_format"] != "fp8":
+            raise ScenarioError("workload.fp8", True, f"false with workload.gemm_format "
+                                f"{o['gemm_format']}", "fp8: true is gemm_format: fp8; give "
+                                "one of them")
+        check_fp8(scenario, "workload.gemm_format", o["gemm_format"], o["gemm_format"])
+    elif o["fp8"]:
         check_fp8(scenario)
     if scenario.data_parallel.mode == DataParallelMode.PS:
         return _validate_ps(scenario, mesh)
@@ -268,11 +274,19 @@ def build(scenario, mesh) -> Workload:
                                 f"{parallel.microbatches} micro-batches"
                                 + (f", ZeRO-{parallel.zero_stage} over dp"
                                    if parallel.zero_stage else "")
-                                + (", FP8 linear layers" if o["fp8"] else "")
+                                + (f", {_format(o).upper()} linear layers" if _format(o)
+                                   else "")
                                 + (", flash-v1 attention" if parallel.attention == "flash-v1"
                                    else ""),
-                    fp8_gemms=fp8_gemm if o["fp8"] else None,
+                    fp8_gemms=fp8_gemm if _format(o) else None,
+                    gemm_format=_format(o) or "fp8",
                     flash_v1=parallel.attention == "flash-v1")
+
+
+def _format(o) -> str | None:
+    """The GEMM format the workload's options ask for (``gemm_format``, or ``fp8: true``
+    as ``fp8``), None for BF16."""
+    return o.get("gemm_format") or ("fp8" if o["fp8"] else None)
 
 
 def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
@@ -309,5 +323,7 @@ def _build_ps(scenario, mesh, gpt, tokens, targets, optimizer) -> Workload:
                                 f"a={config.heads}{_gqa(config)} s={config.seq} "
                                 f"V={config.vocab}, parameter server: {servers} server{s} + "
                                 f"{workers} workers, {sync}"
-                                + (", FP8 linear layers" if o["fp8"] else ""),
-                    fp8_gemms=fp8_gemm if o["fp8"] else None)
+                                + (f", {_format(o).upper()} linear layers" if _format(o)
+                                   else ""),
+                    fp8_gemms=fp8_gemm if _format(o) else None,
+                    gemm_format=_format(o) or "fp8")

@@ -115,7 +115,11 @@ def test_simulate_cli_rejects_bad_configurations():
 @pytest.mark.slow
 def test_validate_model_meets_the_acceptance(tmp_path):
     out = tmp_path / "validation.json"
-    proc = _vcluster("validate-model", "--json", str(out), timeout=540)
+    # every table but the 2026 hardware's (their own test: test_validation_2026.py)
+    from vcluster.cli.validate_model_cmd import TABLES
+    older = [a for t in TABLES if t not in ("nccl_2026.csv", "megatron_bridge_blackwell.csv",
+                                            "amd_instinct_training.csv") for a in ("--table", t)]
+    proc = _vcluster("validate-model", *older, "--json", str(out), timeout=540)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     rows = data["rows"]

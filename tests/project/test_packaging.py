@@ -20,7 +20,8 @@ TABLES = ("hardware.csv", "nccl_a100.csv", "megatron_2020_a100.csv",
           "megatron_sc21_table1.csv", "h100_kernels.csv", "h200_gpt_steps.csv",
           "h100_gpt_steps.csv", "h200_shapes_steps.csv", "korthikanti_2022_a100.csv",
           "llm_foundry_mpt.csv", "nemo_2407_h100_fp8.csv", "torchtitan_a100_fsdp.csv",
-          "megatron_bridge_h100_fp8.csv", "megatron_bridge_h100_moe.csv")
+          "megatron_bridge_h100_fp8.csv", "megatron_bridge_h100_moe.csv", "nccl_2026.csv",
+          "megatron_bridge_blackwell.csv", "amd_instinct_training.csv")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -48,6 +49,9 @@ def test_wheel_holds_every_package_and_the_published_tables(wheel):
     for table in TABLES:
         assert f"vcluster/timing/data/{table}" in names, table
     assert not any(n.startswith(("tests/", "scenarios/")) for n in names)
+    from vcluster.timing.presets import PRESET_NAMES
+    for name in PRESET_NAMES:                      # the presets are data files too
+        assert f"vcluster/timing/data/presets/{name}.yaml" in names, name
 
 
 def _see_this_environments_packages(python) -> None:
@@ -98,7 +102,10 @@ def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_
                                          "nemo_2407_h100_fp8.csv": 9,
                                          "torchtitan_a100_fsdp.csv": 3,
                                          "megatron_bridge_h100_fp8.csv": 2,
-                                         "megatron_bridge_h100_moe.csv": 14}
+                                         "megatron_bridge_h100_moe.csv": 14,
+                                         "nccl_2026.csv": 19,
+                                         "megatron_bridge_blackwell.csv": 193,
+                                         "amd_instinct_training.csv": 4}
     # and validate-model runs from it (two tables: the whole run is the slow acceptance
     # test's, from the source tree)
     proc = subprocess.run([str(env_dir / "bin" / "vcluster"), "validate-model", "--table",

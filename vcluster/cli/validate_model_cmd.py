@@ -39,6 +39,16 @@ predicted rows. Its rows stay out of ``rows`` and of the means above (some carry
 prediction). ``--table NAME`` (repeatable) keeps only those tables' rows (and simulates
 only what they need).
 
+The hardware of 2026 has a section of its own (``hardware_2026`` in the JSON, null
+without its tables), also out of ``rows`` and the means above: collectives measured on
+DGX B200/B300, GB200 NVL72 and MI300X (nccl_2026.csv, each row ``fit`` where a preset
+constant was read from it, else ``held_out``:
+:func:`~vcluster.timing.nccl_validation.validate_nccl_2026`) and training throughput on
+DGX-B200/B300, GB200/GB300 NVL72, MI325X and MI355X (megatron_bridge_blackwell.csv,
+amd_instinct_training.csv: :func:`~vcluster.planner.validation_2026.validate_2026`; by
+default the rows of each configuration's latest release, ``--all-releases`` for every
+release's), with the mean |error| per GPU kind and role, dense and MoE apart.
+
 Which constant was chosen on which table: ``TRAINING_KERNEL_EFFICIENCY`` and the
 micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
@@ -65,7 +75,9 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "h200_gpt_steps.csv": "gpu_steps", "h100_gpt_steps.csv": "gpu_steps",
            "h200_shapes_steps.csv": "gpu_steps", "llm_foundry_mpt.csv": "fsdp",
            "nemo_2407_h100_fp8.csv": "fp8", "torchtitan_a100_fsdp.csv": "fsdp2",
-           "megatron_bridge_h100_fp8.csv": "fp8", "megatron_bridge_h100_moe.csv": "moe"}
+           "megatron_bridge_h100_fp8.csv": "fp8", "megatron_bridge_h100_moe.csv": "moe",
+           "nccl_2026.csv": "hw2026", "megatron_bridge_blackwell.csv": "hw2026",
+           "amd_instinct_training.csv": "hw2026"}
 TABLES = tuple(_GROUPS)
 
 
@@ -76,13 +88,16 @@ def add_parser(commands) -> None:
     cmd.add_argument("--table", action="append", choices=TABLES, metavar="TABLE",
                      help="only this table's rows (repeatable; default every table: "
                           + ", ".join(TABLES) + ")")
+    cmd.add_argument("--all-releases", action="store_true",
+                     help="the 2026 hardware tables: every release's rows (default: each "
+                          "configuration's latest release; all take ~5 minutes)")
     cmd.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (by default a line every few seconds "
                           "and one per group of tables: the run takes minutes)")
     cmd.set_defaults(run=_run)
 
 
-def validation_rows(tables=None, progress=None) -> dict:
+def validation_rows(tables=None, progress=None, all_releases: bool = False) -> dict:
     """The rows of ``tables`` (names of :data:`TABLES`; default all) and their summaries
     (the module docstring). ``progress``: None, or an object that reports a task's count
     (:class:`~vcluster.planner.progress.ProgressLines`: ``add_task``, ``advance``,
@@ -133,6 +148,7 @@ def validation_rows(tables=None, progress=None) -> dict:
     rows = [r for r in rows if r["table"] in wanted]
     fsdp = [r for r in fsdp if r["source"] in wanted]
     moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
+    hw2026 = _hardware_2026(wanted, progress, all_releases) if "hw2026" in groups else None
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -158,6 +174,7 @@ def validation_rows(tables=None, progress=None) -> dict:
                          for table, metrics in by_table.items()},
             "fsdp": _fsdp_summary(fsdp) if fsdp else None,
             "moe": _moe_summary(MOE_TABLE, moe) if moe else None,
+            "hardware_2026": hw2026,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -165,6 +182,80 @@ def validation_rows(tables=None, progress=None) -> dict:
             # compiled row): checked, not held out (docs/timing.md)
             "measured_prices": {"kernel_table": H100_KERNEL_TABLE, "step_ms_mean_abs_rel_error": {
                 table: sum(e) / len(e) for table, e in measured.items()}}}
+
+
+def _hardware_2026(wanted: set, progress, all_releases: bool) -> dict:
+    """The 2026 hardware section (module docstring): collective rows and their mean |error|
+    by role; training rows and their summary by GPU kind."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.validation_2026 import TABLES_2026, summary_by_kind, validate_2026
+    from vcluster.timing import read_data_csv
+    from vcluster.timing.nccl_validation import NCCL_2026_CSV, validate_nccl_2026
+    collectives = validate_nccl_2026() if NCCL_2026_CSV in wanted else []
+    by_role = {}
+    for role in ("fit", "held_out"):
+        e = [abs(r["rel_error"]) for r in collectives if r["role"] == role]
+        by_role[role] = None if not e else {"rows": len(e), "mean_abs_rel_error": sum(e) / len(e),
+                                            "max_abs_rel_error": max(e)}
+    tables = tuple(t for t in TABLES_2026 if t in wanted)
+    training = []
+    if tables:
+        latest_only = not all_releases
+        task = None
+        if progress is not None:
+            total = sum(1 for t in tables for r in read_data_csv(t)[1]
+                        if all_releases or r.get("latest") == "1")
+            task = progress.add_task(f"rows of {', '.join(tables)} simulated (or refused)",
+                                     total=total)
+        training = validate_2026(tables, latest_only=latest_only,
+                                 on_row=None if task is None else
+                                 (lambda: progress.advance(task)))
+        if task is not None:
+            progress.finish(task)
+    return {"collectives": {"table": NCCL_2026_CSV, "rows": collectives, "by_role": by_role}
+            if collectives else None,
+            "training": {"tables": list(tables), "latest_only": not all_releases,
+                         "rows": training, "by_kind": summary_by_kind(training)}
+            if tables else None}
+
+
+def _print_hardware_2026(h: dict) -> None:
+    """The 2026 hardware section: collectives, then training rows, then the summary."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:+.1f}%"
+    c = h["collectives"]
+    if c is not None:
+        print(f"collectives on 2026 hardware ({c['table']}):")
+        for r in c["rows"]:
+            print(f"  {r['case'][:78]:<79}{r['published']:>8.4g}{r['predicted']:>9.4g}"
+                  f"{percent(r['rel_error']):>8}  {r['role']:<9}{r['algorithm']}")
+        print("  " + "   ".join(f"{role}: mean |error| {100 * v['mean_abs_rel_error']:.1f}% "
+                                f"(max {100 * v['max_abs_rel_error']:.1f}%, {v['rows']} rows)"
+                                for role, v in c["by_role"].items() if v))
+    t = h["training"]
+    if t is None:
+        return
+    print(f"training on 2026 hardware ({', '.join(t['tables'])}; "
+          f"{'latest release of each configuration' if t['latest_only'] else 'every release'}):")
+    for r in t["rows"]:
+        if r["status"] == "predicted":
+            print(f"  {r['case'][:96]:<97}{r['published']:>10.0f}{r['predicted']:>10.0f}"
+                  f"{percent(r['rel_error']):>8}  {r['role']}")
+        else:
+            print(f"  {r['case'][:96]:<97}{r['published']:>10.0f}{'-':>10}  {r['status']}: "
+                  f"{r['reason'][:140]}")
+    print("  by GPU kind (tokens/s per GPU; mean |error|, median, mean signed):")
+    for kind, k in t["by_kind"].items():
+        parts = []
+        for role in ("held_out", "fit"):
+            for family in ("all", "dense", "moe"):
+                v = k[role] if family == "all" else (k.get(f"{role}_{family}") or None)
+                if v:
+                    parts.append(f"{role}{'' if family == 'all' else ' ' + family} "
+                                 f"{100 * v['mean_abs']:.1f}% / {100 * v['median_abs']:.1f}% / "
+                                 f"{100 * v['mean_signed']:+.1f}% ({v['predicted']})")
+        print(f"  {kind:<14}{k['rows']:>3} rows, {k['refused']} refused, {k['failed']} failed"
+              + (": " + "; ".join(parts) if parts else ""))
 
 
 def _fsdp_summary(rows: list[dict]) -> dict:
@@ -216,7 +307,8 @@ def _print_moe(m: dict) -> None:
 def _run(args) -> int:
     # lazy: keeps vcluster --help fast
     from vcluster.planner.progress import ProgressLines
-    result = validation_rows(args.table, None if args.quiet else ProgressLines("validate-model"))
+    result = validation_rows(args.table, None if args.quiet else ProgressLines("validate-model"),
+                             all_releases=args.all_releases)
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
         print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"
@@ -247,6 +339,8 @@ def _run(args) -> int:
             f"configurations fit (every one ran)")
     if result["moe"] is not None:
         _print_moe(result["moe"])
+    if result["hardware_2026"] is not None:
+        _print_hardware_2026(result["hardware_2026"])
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

@@ -1,0 +1,66 @@
+"""The timing model against published training throughput and collectives on the hardware
+of 2026 (Blackwell DGX and NVL72, AMD Instinct): every row mapped, simulated or refused
+with its reason, the errors reported by GPU kind and role."""
+
+import json
+
+import pytest
+
+from vcluster.planner.validation_2026 import (FIT_ROWS, PRECISION_FORMATS, SYSTEM_PRESETS,
+                                              TABLES_2026, row_config, summary_by_kind,
+                                              validate_2026)
+from vcluster.timing import read_data_csv
+from vcluster.timing.gemm_formats import GEMM_FORMATS
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_every_row_maps_to_a_preset_and_a_format():
+    for table in TABLES_2026:
+        for r in read_data_csv(table)[1]:
+            assert r["system"] in SYSTEM_PRESETS, r["system"]
+            assert r["precision"] in PRECISION_FORMATS, r["precision"]
+            assert PRECISION_FORMATS[r["precision"]] in (None, *GEMM_FORMATS)
+    keys = {(t, r["model"], r["system"], r["precision"], r["release"])
+            for t in TABLES_2026 for r in read_data_csv(t)[1]}
+    assert FIT_ROWS <= keys
+
+
+def test_a_row_config_is_the_published_layout():
+    rows = read_data_csv("megatron_bridge_blackwell.csv")[1]
+    r = next(r for r in rows if r["model"] == "LLAMA3.1_405B" and r["system"] == "DGX-GB300"
+             and r["precision"] == "NVFP4" and r["latest"] == "1")
+    cfg, par, fmt, assumed, refusals = row_config(r)
+    assert refusals == [] and assumed == [] and fmt == "nvfp4"
+    assert (par.tp, par.pp, par.dp, par.virtual_stages, par.global_batch) == (4, 8, 8, 4, 1536)
+    assert sum(par.stage_layers(cfg.layers)) == 126 == cfg.layers
+    amd = read_data_csv("amd_instinct_training.csv")[1]
+    cfg, par, fmt, assumed, refusals = row_config(amd[0])          # no global batch, no pp
+    assert par.microbatches == 1 and "one micro-batch per step" in assumed[0]
+    *_, refusals = row_config(amd[3])                              # pp 4: the bubble
+    assert "global_batch" in refusals[0]
+
+
+@pytest.mark.slow
+def test_dense_llama_rows_on_blackwell_and_mi325x(tmp_path):
+    """The latest dense Llama rows of every system: predicted, each within the band the
+    documentation reports (docs/hardware.md), the fit row within 2%."""
+    rows = validate_2026(latest_only=True,
+                         select=lambda r: not r["experts"] and ("8B" in r["model"].upper()
+                                                                or "70B" in r["model"].upper()))
+    predicted = [r for r in rows if r["status"] == "predicted"]
+    assert len(predicted) >= 14
+    for r in predicted:
+        assert r["rel_error"] == pytest.approx(r["predicted"] / r["published"] - 1)
+        assert abs(r["rel_error"]) < 0.35, r
+        if r["role"] == "fit":
+            assert abs(r["rel_error"]) < 0.02, r
+    by_kind = summary_by_kind(rows)
+    assert {"b200-dgx", "gb200-nvl72", "gb300-nvl72", "mi325x"} <= set(by_kind)
+    for kind, k in by_kind.items():
+        if k["held_out"]:
+            assert k["held_out"]["mean_abs"] < 0.25, (kind, k["held_out"])
+    for r in rows:
+        if r["status"] != "predicted":
+            assert r["reason"] and r["predicted"] is None
+    json.dumps(by_kind)                                            # JSON-ready

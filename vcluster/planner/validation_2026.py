@@ -1,0 +1,194 @@
+"""The timing model against published training throughput on the hardware of 2026.
+
+Two shipped tables (their header lines give every source, commit and doubt):
+
+* ``megatron_bridge_blackwell.csv``: NVIDIA Megatron-Bridge's and NeMo 2.0's pre-training
+  rows on DGX-B200, DGX-B300, DGX-GB200 and DGX-GB300 (Llama 3/3.1 8B-405B, GPT-3 175B,
+  DeepSeek-V3, Qwen3, GPT-OSS, Mixtral), 25.02 to 26.08 containers, in BF16, FP8 (tensor
+  scaling), MXFP8 and NVFP4;
+* ``amd_instinct_training.csv``: AMD's published 8-node rows on MI325X and MI355X (as
+  AMD's Primus team quotes them: no global batch stated).
+
+Each row is simulated (:func:`row_config`) on the preset of its system
+(:data:`SYSTEM_PRESETS`) with its linear GEMMs in its precision's format
+(:data:`PRECISION_FORMATS`, priced by :mod:`vcluster.timing.gemm_formats` at that dtype's
+measured share of the peak) and compared on tokens/s per GPU. Every row is ``held_out``
+but those of :data:`FIT_ROWS`: the rows seen before a preset constant was chosen (the
+GB300's GEMM efficiencies were taken from the B300's measurements after one GB300 row's
+error was seen; nothing was tuned on any other row). A row the program cannot run yet is
+``refused`` with every ConfigError's message; one it accepts and cannot trace ``failed``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from modeling import ConfigError
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.runtime.tracing import TraceError
+from vcluster.timing import read_data_csv
+
+from .candidates import stage_split
+from .simulation import simulate_gpt
+from .validation import MOE_DEFAULT_ETP
+
+__all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
+           "validate_2026", "summary_by_kind"]
+
+TABLES_2026 = ("megatron_bridge_blackwell.csv", "amd_instinct_training.csv")
+SYSTEM_PRESETS: Mapping[str, str] = MappingProxyType({
+    "DGX-B200": "b200-dgx", "DGX-B300": "b300-dgx", "DGX-GB200": "gb200-nvl72",
+    "DGX-GB300": "gb300-nvl72", "MI300X": "mi300x", "MI325X": "mi325x", "MI355X": "mi355x"})
+# a row's precision as published -> the GEMM format its linear layers are priced in
+# (None: BF16); FP8-CS / FP8-DS are Transformer Engine's current / delayed tensor scaling
+PRECISION_FORMATS: Mapping[str, str | None] = MappingProxyType({
+    "BF16": None, "FP8": "fp8", "FP8-CS": "fp8", "FP8-DS": "fp8", "FP8-MX": "mxfp8",
+    "MXFP8": "mxfp8", "NVFP4": "nvfp4"})
+# (table, model, system, precision, release) of the rows seen before a constant was chosen
+FIT_ROWS = frozenset({
+    ("megatron_bridge_blackwell.csv", "LLAMA3_8B", "DGX-GB300", "FP8-CS",
+     "25.11 NeMo container (Megatron-Bridge)"),
+})
+
+
+def _key(table: str, r: dict) -> tuple:
+    return (table, r["model"], r["system"], r["precision"], r["release"])
+
+
+def row_config(r: dict) -> tuple:
+    """(config, parallel, gemm_format, assumed, refusals) of a row: its GPTConfig (from its
+    model preset, ``GPTConfig.of_model(preset, seq, timing_only=True)``), its
+    ParallelConfig, the GEMM format of its precision, what was assumed where the source is
+    silent, and every ConfigError's message (a row with refusals is not simulated).
+
+    The plan as published: dp = GPUs / (tp·pp·cp), tp, pp, cp, ep (MoE: etp
+    :data:`~.validation.MOE_DEFAULT_ETP`); the interleaved 1F1B schedule with ``vp``
+    virtual stages where vp > 1; sequence parallelism where tp > 1; no recomputation (the
+    tables state none); a layer count pp·vp does not divide split as Megatron-Core's
+    embedding- and loss-accounting split (:func:`~.candidates.stage_split`). The
+    optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; otherwise Megatron's distributed
+    optimizer (ZeRO-1), or with ep > 1, which the program refuses under ZeRO, plain
+    data-parallel gradients (the same bytes; :func:`~.validation.moe_row_config` says
+    why). A row with no global batch (AMD's) and no pipeline is simulated with one
+    micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
+    on the batch)."""
+    refusals, assumed = [], []
+    try:
+        cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
+    except ConfigError as e:
+        return None, None, None, assumed, [str(e)]
+    precision = r["precision"]
+    if precision not in PRECISION_FORMATS:
+        refusals.append(str(ConfigError("precision", precision, ", ".join(PRECISION_FORMATS),
+                                        "not a precision this validation maps to a format")))
+    tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
+    ep = int(r["ep"] or 1)
+    dp = int(r["gpus"]) // (tp * pp * cp)
+    micro = int(r["micro_batch"])
+    if r["global_batch"]:
+        global_batch = int(r["global_batch"])
+    elif pp == 1:
+        global_batch = micro * dp
+        assumed.append("global batch not published: one micro-batch per step")
+    else:
+        return cfg, None, None, assumed, refusals + [str(ConfigError(
+            "global_batch", "", "a published global batch", "a pipeline's bubble depends on "
+            "the micro-batches per step, which the source does not state"))]
+    ends = stage_split(cfg.layers, pp * vp) or ()
+    zero = 3 if r["fsdp"] == "1" else (0 if ep > 1 else 1)
+    try:
+        par = ParallelConfig(global_batch=global_batch, micro_batch=micro, dp=dp, pp=pp, tp=tp,
+                             cp=cp, ep=ep, etp=MOE_DEFAULT_ETP if ep > 1 else None,
+                             first_stage_layers=ends[0] if ends else None,
+                             last_stage_layers=ends[1] if ends else None,
+                             schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+                             virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
+                             zero_stage=zero)
+    except ConfigError as e:
+        return cfg, None, None, assumed, refusals + [str(e)]
+    for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):
+        try:
+            check()
+        except ConfigError as e:
+            refusals.append(str(e))
+    return cfg, par, PRECISION_FORMATS.get(precision), assumed, refusals
+
+
+def _case(r: dict) -> str:
+    how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp", "ep") if r[k] not in ("", "1"))
+    return (f"{r['model']} {r['precision']} {r['gpus']}x{r['system']} {how or 'dp only'}"
+            f"{' fsdp' if r['fsdp'] == '1' else ''} mb={r['micro_batch']} "
+            f"B={r['global_batch'] or '?'} ({r['release']})")
+
+
+def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
+                  select=None) -> list[dict]:
+    """One result per row of ``tables`` (module docstring), in order: ``source``,
+    ``case``, ``system``, ``hardware`` (the preset), ``metric`` (tokens_per_s_per_gpu),
+    ``family`` (``dense`` or ``moe``: the row's experts), ``published``, ``predicted`` and
+    ``rel_error`` (None unless ``status`` is
+    ``predicted``), ``role``, ``status`` (``predicted``, ``refused``, ``failed``),
+    ``reason``, ``assumed``. ``latest_only``: the rows the sources mark as their latest
+    release of each configuration. ``on_row``: called after each row (progress).
+    ``select``: a predicate on the table's row (a dict of its columns): only those."""
+    out = []
+    for table in tables:
+        for r in read_data_csv(table)[1]:
+            if (latest_only and r.get("latest") != "1") or (select and not select(r)):
+                continue
+            cfg, par, fmt, assumed, refusals = row_config(r)
+            hardware = SYSTEM_PRESETS.get(r["system"])
+            result = {"source": table, "case": _case(r), "system": r["system"],
+                      "family": "moe" if int(r["experts"] or 0) > 0 else "dense",
+                      "hardware": hardware, "metric": "tokens_per_s_per_gpu",
+                      "published": float(r["tokens_per_s_per_gpu"]), "predicted": None,
+                      "rel_error": None, "role": "fit" if _key(table, r) in FIT_ROWS
+                      else "held_out", "status": "predicted", "reason": "",
+                      "assumed": "; ".join(assumed)}
+            if hardware is None:
+                refusals.append(f"system {r['system']!r} has no preset; known: "
+                                f"{', '.join(SYSTEM_PRESETS)}")
+            if refusals:
+                result.update(status="refused", reason="; ".join(refusals))
+            else:
+                try:
+                    sim = simulate_gpt(cfg, par, hardware, fp8=fmt is not None,
+                                       gemm_format=fmt or "fp8")
+                except TraceError as e:                        # a defect, not a limit
+                    result.update(status="failed", reason=f"{type(e).__name__}: {e}")
+                else:
+                    result.update(predicted=sim.tokens_per_s_per_gpu,
+                                  rel_error=sim.tokens_per_s_per_gpu / result["published"] - 1)
+            out.append(result)
+            if on_row is not None:
+                on_row()
+    return out
+
+
+def _stats(errs: list) -> dict | None:
+    return None if not errs else {
+        "predicted": len(errs), "mean_abs": statistics.fmean(abs(e) for e in errs),
+        "median_abs": statistics.median(abs(e) for e in errs),
+        "mean_signed": statistics.fmean(errs)}
+
+
+def summary_by_kind(rows: list[dict]) -> dict:
+    """Per GPU kind (preset) and role (``held_out``, ``fit``; and ``<role>_dense``,
+    ``<role>_moe`` apart): rows predicted, mean and median |error|, mean signed error;
+    with the counts of rows refused and failed."""
+    out: dict = {}
+    for kind in sorted({r["hardware"] or r["system"] for r in rows}):
+        mine = [r for r in rows if (r["hardware"] or r["system"]) == kind]
+        entry = {"rows": len(mine),
+                 "refused": sum(r["status"] == "refused" for r in mine),
+                 "failed": sum(r["status"] == "failed" for r in mine)}
+        for role in ("held_out", "fit"):
+            done = [r for r in mine if r["role"] == role and r["status"] == "predicted"]
+            entry[role] = _stats([r["rel_error"] for r in done])
+            for family in ("dense", "moe"):
+                entry[f"{role}_{family}"] = _stats([r["rel_error"] for r in done
+                                                    if r["family"] == family])
+        out[kind] = entry
+    return out

@@ -201,6 +201,21 @@ def _is_cluster_data(data) -> bool:
     return isinstance(data, Mapping) and "parts" in data
 
 
+def _check_keys(data, where: str, allowed: tuple, required: tuple) -> None:
+    """Raise ValueError naming ``where`` unless ``data`` is a mapping of ``allowed`` keys
+    holding every ``required`` one."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(allowed)}, "
+                         f"got {data!r}")
+    for key in data:
+        if key not in allowed:
+            raise ValueError(f"{where}.{key}: unknown key {key!r}; allowed: "
+                             f"{', '.join(allowed)}")
+    for key in required:
+        if key not in data:
+            raise ValueError(f"{where}.{key}: missing; required keys: {', '.join(required)}")
+
+
 def cluster_from_dict(data: Mapping, path: str = "cluster", hardware_loader=None,
                       base_dir: Path | None = None) -> ClusterSpec:
     """Build and validate a ClusterSpec from ``{name, parts: [{hardware, nodes}, ...]}``;
@@ -208,16 +223,7 @@ def cluster_from_dict(data: Mapping, path: str = "cluster", hardware_loader=None
     accepts — a preset name, a hardware mapping, a YAML file (relative to ``base_dir``).
     Errors name the key path (``cluster.parts[1].nodes``), the value and what is allowed."""
     loader = hardware_loader or load_hardware
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: expected a mapping with keys {', '.join(CLUSTER_KEYS)}, "
-                         f"got {data!r}")
-    for key in data:
-        if key not in CLUSTER_KEYS:
-            raise ValueError(f"{path}.{key}: unknown key {key!r}; allowed: "
-                             f"{', '.join(CLUSTER_KEYS)}")
-    for key in ("name", "parts"):
-        if key not in data:
-            raise ValueError(f"{path}.{key}: missing; required keys: name, parts")
+    _check_keys(data, path, CLUSTER_KEYS, ("name", "parts"))
     name = data["name"]
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{path}.name: expected a non-empty string, got {name!r}")
@@ -231,17 +237,7 @@ def cluster_from_dict(data: Mapping, path: str = "cluster", hardware_loader=None
     parts = []
     for i, item in enumerate(raw):
         where = f"{path}.parts[{i}]"
-        if not isinstance(item, Mapping):
-            raise ValueError(f"{where}: expected a mapping with keys {', '.join(PART_KEYS)}, "
-                             f"got {item!r}")
-        for key in item:
-            if key not in PART_KEYS:
-                raise ValueError(f"{where}.{key}: unknown key {key!r}; allowed: "
-                                 f"{', '.join(PART_KEYS)}")
-        for key in PART_KEYS:
-            if key not in item:
-                raise ValueError(f"{where}.{key}: missing; required keys: "
-                                 f"{', '.join(PART_KEYS)}")
+        _check_keys(item, where, PART_KEYS, PART_KEYS)
         nodes = item["nodes"]
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
             raise ValueError(f"{where}.nodes: must be an integer >= 1, got {nodes!r}")

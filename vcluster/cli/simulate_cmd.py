@@ -208,7 +208,7 @@ def _gpt(args) -> int:
     print(f"  hardware TFLOP/s     {r.hardware_tflops_per_gpu:.1f} per GPU: the FLOPs executed, "
           f"recomputation included")
     print(f"  model TFLOP/s        {r.model_tflops_per_gpu:.1f} per GPU: the model's FLOPs, "
-          f"MFU {100 * r.mfu:.1f}%")
+          f"MFU {100 * r.mfu:.1f}%" + (" of the BF16 peak" if r.fp8 else ""))
     print(f"  per device: compute {r.compute_s:.3f} s, communication {r.comm_s:.3f} s, "
           f"exposed {r.exposed_comm_s:.3f} s, bubble {r.bubble_s:.3f} s")
     if r.inductor_fusion:

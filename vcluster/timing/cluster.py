@@ -267,8 +267,8 @@ def load_cluster(spec, hardware_loader=None):
     ClusterSpec; anything else — a preset name, a hardware file or mapping, a
     HardwareSpec — goes to ``hardware_loader`` (default :func:`load_hardware`) and comes
     back as its HardwareSpec, unchanged. The loader also reads each part's ``hardware``
-    (the CLI passes :func:`vcluster.localhost.load_hardware`, which says where
-    ``localhost`` belongs)."""
+    (the CLI passes the front door's own loader, which also knows this machine's
+    calibrated model and says where it belongs)."""
     loader = hardware_loader or load_hardware
     if isinstance(spec, (ClusterSpec, HardwareSpec)):
         return spec

@@ -2,7 +2,7 @@
 
 :func:`from_hf_config` reads the families whose ``model_type`` is in :data:`FAMILIES`:
 ``gpt2`` (GPT2LMHeadModel), ``llama``, ``mistral``, ``mixtral``, ``qwen2``, ``qwen3``,
-``qwen3_moe``, ``deepseek_v3`` and ``gpt_oss``. Every key of the file must be known:
+``qwen3_moe``, ``deepseek_v3``, ``gpt_oss`` and ``phi3``. Every key of the file must be known:
 
 * an *architecture* key of its family is read into the spec (see each ``_read_*``);
 * a key in :data:`NOT_MATH` is metadata, tokenizer ids, serving or initialisation
@@ -167,6 +167,15 @@ def _qwen3(k):
     return _dense_family(k, qwen=True, qk_norm=True)
 
 
+def _phi3(k: _Keys):
+    """Phi-3: the Llama block with q, k, v and gate, up packed into one weight each (the
+    same products), a sliding window as Mistral's; RoPE over the whole head only."""
+    k.expect("partial_rotary_factor", (1.0,), "RoPE over a part of each head (Phi-4-mini's "
+             "0.75) is not modelled")
+    k.get("original_max_position_embeddings")   # LongRoPE's base length: in rope_scaling
+    return _dense_family(k)
+
+
 def _mixtral(k: _Keys):
     spec = _dense_family(k)
     jitter = k.get("router_jitter_noise", 0.0)
@@ -264,7 +273,7 @@ def _gpt_oss(k: _Keys):
 FAMILIES = MappingProxyType({
     "gpt2": _gpt2, "llama": _llama, "mistral": _llama, "mixtral": _mixtral,
     "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
-    "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
+    "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss, "phi3": _phi3,
 })
 
 

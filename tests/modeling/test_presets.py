@@ -22,11 +22,13 @@ PUBLISHED = {
     "llama-3.1-405b": (405.9, None, None),
     "mixtral-8x7b": (46.7, 12.9, "all"), "deepseek-v3": (671, 37, "no-embedding"),
     "qwen3-235b-a22b": (235, 22, "all"), "gpt-oss-120b": (116.8, 5.1, "no-embedding"),
+    "phi-3-mini-4k": (3.8, None, None),      # Microsoft's model card: 3.8B parameters
 }
 NAMED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b", "llama-2-7b",
          "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
          "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-8b", "qwen3-32b",
-         "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b")
+         "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
+         "phi-3-mini-4k")
 
 
 def _close(ours: float, published: float) -> bool:
@@ -127,3 +129,19 @@ def test_a_missing_preset_names_the_presets():
         load_model("llama-9")
     with pytest.raises(ConfigError, match="no such file"):
         load_model("/nonexistent/config.json")
+
+
+def test_the_phi3_family_is_a_llama_block_with_a_window_and_whole_head_rope(tmp_path):
+    """Phi-3 (a family added after the model layer: its reader and its preset file only):
+    the Llama block, 2047-token window; partial RoPE refused by name."""
+    from pipeline_parallel.gpt import GPTConfig
+    spec = load_model("phi-3-mini-4k")
+    att = spec.layers[0].attention
+    assert (att.heads, att.kv_heads, att.head_dim, att.window) == (32, 32, 96, 2047)
+    assert parameter_count(spec).total == 3_821_079_552
+    config = GPTConfig.of_model("phi-3-mini-4k", seq=4096, timing_only=True)
+    assert (config.hidden, config.layers, config.vocab) == (3072, 32, 32064)
+    raw = json.loads(_preset_path("phi-3-mini-4k").read_text())
+    raw["partial_rotary_factor"] = 0.75
+    with pytest.raises(ConfigError, match="partial_rotary_factor=0.75.*RoPE over a part"):
+        from_hf_config(raw)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 from collections.abc import Mapping
 from enum import Enum
@@ -71,14 +72,21 @@ def preset(name: str) -> HardwareSpec:
     comes from."""
     if name not in PRESET_NAMES:
         raise ValueError(f"unknown hardware preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
-    import yaml  # why: a core dependency; imported here so `import vcluster` stays light
-    text = resources.files(_DATA_PACKAGE).joinpath(
-        "data", _PRESET_DIR, f"{name}.yaml").read_text("utf-8")
-    data = yaml.safe_load(text)
+    data = _preset_file(name)
     if data.get("name") != name:
         raise ValueError(f"data/presets/{name}.yaml: name must be {name!r}, "
                          f"got {data.get('name')!r}")
     return hardware_from_dict(data, path=f"preset {name}", origin=f"preset {name}")
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_file(name: str) -> Mapping:
+    """The parsed ``data/presets/<name>.yaml`` (read once per process: the files ship with
+    the package; callers build new dicts from it and never change it)."""
+    import yaml  # why: a core dependency; imported here so `import vcluster` stays light
+    text = resources.files(_DATA_PACKAGE).joinpath(
+        "data", _PRESET_DIR, f"{name}.yaml").read_text("utf-8")
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def preset_source_gaps(hardware: HardwareSpec) -> list[str]:

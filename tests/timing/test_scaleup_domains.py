@@ -241,3 +241,26 @@ def test_a_job_is_placed_in_equal_segments_of_its_domains():
     assert b200.for_job(20) is b200            # 20 = 2 x 10: not whole nodes
     with pytest.raises(ValueError, match="gpus must be an integer >= 1"):
         gb.for_job(0)
+
+
+def test_hardware_show_prints_a_cluster_file_part_by_part(tmp_path, capsys):
+    from vcluster.cli.main import main
+    path = tmp_path / "mixed.yaml"
+    path.write_text("name: mixed\nparts:\n  - {hardware: h100-dgx, nodes: 2}\n"
+                    "  - {hardware: b200-dgx, nodes: 1}\n")
+    assert main(["hardware", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("name: mixed (a cluster of 24 GPUs in 2 parts")
+    assert "parts[0]: h100-dgx: 2 nodes x 8 H100-SXM5-80GB, ranks 0-15" in out
+    assert "parts[1]: b200-dgx: 1 nodes x 8 B200, ranks 16-23" in out
+    assert "    bf16: 2250 TFLOP/s  # source: " in out          # each part's fields, sourced
+
+
+def test_a_hardware_file_may_not_set_sources_directly():
+    with pytest.raises(ValueError, match=r"hardware.sources: unknown key 'sources'; write a "
+                                         r"field's source beside its value"):
+        hardware_from_dict({"base": "b200-dgx", "sources": {}})
+    with pytest.raises(ValueError) as err:
+        hardware_from_dict({"base": "b200-dgx", "nodes": 4})
+    assert "allowed: name, device, node, network, source" in str(err.value)
+    assert "sources" not in str(err.value).split("allowed:")[1]

@@ -32,13 +32,14 @@ import tempfile
 from pathlib import Path
 from types import MappingProxyType
 
+from vcluster.timing.cluster import ClusterSpec, load_cluster
 from vcluster.timing.hardware import HardwareSpec
-from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, load_hardware, preset
+from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, preset
 
 from .args import int_at_least
 
 __all__ = ["add_parser", "run_list", "run_show", "run_calibrate", "format_hardware",
-           "format_preset_table"]
+           "format_cluster", "format_preset_table"]
 
 _UNITS = (("_gbps", "GB/s"), ("_us", "us"), ("_bytes", "B"), ("peak_tflops", "TFLOP/s"))
 _LABELS = MappingProxyType({
@@ -190,8 +191,28 @@ def run_show(args) -> int:
               f"devices):")
         print(format_localhost_spec(spec))
         return 0
-    print(format_hardware(load_hardware(args.name)))
+    hw = load_cluster(args.name)
+    if isinstance(hw, ClusterSpec):
+        print(format_cluster(hw))
+        return 0
+    print(format_hardware(hw))
     return 0
+
+
+def format_cluster(cluster: ClusterSpec) -> str:
+    """A heterogeneous cluster: its name and, per part, its GPU kind, nodes and ranks,
+    then every part's fields (:func:`format_hardware`), indented under it."""
+    lines = [f"name: {cluster.name} (a cluster of {cluster.gpus} GPUs in "
+             f"{len(cluster.parts)} parts; docs/heterogeneous.md)"]
+    first = 0
+    for i, part in enumerate(cluster.parts):
+        hw = part.hardware
+        gpus = part.nodes * hw.gpus_per_node
+        lines.append(f"parts[{i}]: {hw.name}: {part.nodes} nodes x {hw.gpus_per_node} "
+                     f"{hw.device.name}, ranks {first}-{first + gpus - 1}")
+        lines.extend("  " + line for line in format_hardware(hw).splitlines())
+        first += gpus
+    return "\n".join(lines)
 
 
 def checked_out(value: str) -> Path:

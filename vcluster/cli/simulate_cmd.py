@@ -248,9 +248,13 @@ def _gpt(args) -> int:
         write_json(args.json, r.to_json())
         print(f"wrote {args.json}")
     if not r.fits:
-        print(f"vcluster simulate: the configuration does not fit: {r.peak_memory_gb:.1f} GB "
+        tight = [s for s in r.stages if not s.fits]        # a cluster: the stages short of it
+        where = (f"stage {tight[0].stage} on {tight[0].hardware}" if tight
+                 else f"a {r.hardware} device")
+        peak = tight[0].peak_memory_gb if tight else r.peak_memory_gb
+        print(f"vcluster simulate: the configuration does not fit: {peak:.1f} GB "
               f"per device at its peak, {r.memory_limit_gb:.1f} GB usable of the "
-              f"{r.device_memory_gb:.1f} GB of a {r.hardware} device ({100 * headroom:g}% "
+              f"{r.device_memory_gb:.1f} GB of {where} ({100 * headroom:g}% "
               "headroom)" + (f", and {r.host_memory_gb:.1f} GB of offloaded activations in "
                              f"{r.host_memory_limit_gb:.1f} GB of host memory per GPU"
                              if r.activation_offload else "")

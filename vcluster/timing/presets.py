@@ -220,9 +220,10 @@ def _build(cls, data, path):
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: expected a mapping of keys, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    allowed = [n for n in fields if n != "sources"]    # sources: written beside each value
     for key in data:
         if key not in fields:
-            raise ValueError(f"{path}.{key}: unknown key {key!r}; allowed: {', '.join(fields)}")
+            raise ValueError(f"{path}.{key}: unknown key {key!r}; allowed: {', '.join(allowed)}")
     required = [n for n, f in fields.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [n for n in required if n not in data]

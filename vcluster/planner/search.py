@@ -220,10 +220,14 @@ def _gemm_format(fp8) -> str:
     return fp8 if isinstance(fp8, str) else "fp8"
 
 
+def _screen_costs(hw, fp8, attention) -> HardwareCostModel:
+    """The model the screen prices a GPU kind's pieces with, as the replays will."""
+    return HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
+                             gemm_format=_gemm_format(fp8), flash_v1=attention == "flash-v1")
+
+
 def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
-    pieces = _Pieces(config, HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
-                                               gemm_format=_gemm_format(fp8),
-                                               flash_v1=attention == "flash-v1"), precision)
+    pieces = _Pieces(config, _screen_costs(hw, fp8, attention), precision)
     task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
     out = []
     for par in candidates:
@@ -310,10 +314,7 @@ def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attent
     """(candidates placed and balanced on ``cluster``, their screen estimates); the others
     counted in ``rejected`` (module docstring)."""
     kinds_hw = cluster.kinds
-    pieces = [_Pieces(config, HardwareCostModel(h, fp8_gemms=fp8_gemm if fp8 else None,
-                                                gemm_format=_gemm_format(fp8),
-                                                flash_v1=attention == "flash-v1"), precision)
-              for h in kinds_hw]
+    pieces = [_Pieces(config, _screen_costs(h, fp8, attention), precision) for h in kinds_hw]
     if len({p.autocast for p in pieces}) > 1:
         raise ValueError(f"plan_gpt: cluster {cluster.name!r}: some GPU kinds price kernels "
                          f"from measurements and others analytically, so whether plain "
@@ -468,6 +469,8 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
         distributed_optimizer=distributed_optimizer, max_cp=max_cp,
         cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
         precision=precision)
+    if cluster is None and isinstance(gpus, int) and gpus >= 1:
+        hw = hw.for_job(gpus)     # as simulate_gpt places the job: the screen prices it so
     # on a cluster: the largest device's limit here, each stage's own after the balance
     limit = max(usable_memory_bytes(h.device.hbm_bytes, memory_headroom)
                 for h in (cluster.kinds if cluster is not None else (hw,)))

@@ -43,7 +43,7 @@ class ClusterCostModel:
         models = []
         for k, part in enumerate(self.cluster.parts):
             hw = part.hardware
-            model = next((m for h, m in by_kind.items() if h == hw), None)
+            model = by_kind.get(hw)
             if model is None:
                 try:
                     model = by_kind[hw] = HardwareCostModel(

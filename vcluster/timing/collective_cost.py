@@ -384,15 +384,15 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
     coll = _parse(Collective, collective, "collective")
     group = _check_group(group)
     _check_args(hardware, nbytes, concurrent_flows)
+    x = _Ctx(group, hardware, concurrent_flows)
     if algorithm == "auto":
-        choices = NCCL_ALGORITHMS[coll]
+        choices = _auto(coll, x)
     else:
         alg = _parse(Algorithm, algorithm, "algorithm")
         if alg not in ALGORITHMS[coll]:
             raise ValueError(f"{coll.value} has no algorithm {alg.value!r}; choose one of "
                              f"auto, {', '.join(a.value for a in ALGORITHMS[coll])}")
         choices = (alg,)
-    x = _Ctx(group, hardware, concurrent_flows)
     if coll in (_C.SEND, _C.RECV):
         _p2p(coll, 0.0, x)  # validates the group size even when nothing moves
     priced = coll
@@ -402,10 +402,6 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
         return CollectiveCost(coll, _A.LOCAL, nbytes, x.p, x.n_nodes, 0.0, 0.0)
     best = None
     for alg in choices:
-        if alg in (_A.NVLS, _A.NVLS_TREE) and algorithm == "auto" and (
-                priced is not _C.ALL_REDUCE
-                or _nvls_unavailable(x, across=alg is _A.NVLS_TREE) is not None):
-            continue                        # NCCL picks NVLS only where the fabric has it
         calls, lat, bw = _COST[alg](priced, float(nbytes), x)
         cost = CollectiveCost(coll, alg, nbytes, x.p, x.n_nodes,
                               calls * NCCL_BASE_LATENCY_US * _US + lat, bw)
@@ -417,8 +413,13 @@ def collective_cost(collective, nbytes: float, group, hardware: HardwareSpec,
 def nccl_algorithms(collective, group, hardware: HardwareSpec) -> tuple[Algorithm, ...]:
     """The algorithms ``algorithm="auto"`` chooses from for ``collective`` over ``group``
     on ``hardware``: :data:`NCCL_ALGORITHMS`, NVLink SHARP only where it can run."""
-    coll = _parse(Collective, collective, "collective")
-    x = _Ctx(_check_group(group), hardware, 1)
+    return _auto(_parse(Collective, collective, "collective"),
+                 _Ctx(_check_group(group), hardware, 1))
+
+
+def _auto(coll: Collective, x: _Ctx) -> tuple[Algorithm, ...]:
+    """:data:`NCCL_ALGORITHMS` of ``coll``, NVLink SHARP only where the group's fabric has
+    it (NCCL picks NVLS only there)."""
     return tuple(a for a in NCCL_ALGORITHMS[coll]
                  if a not in (_A.NVLS, _A.NVLS_TREE) or (
                      coll is _C.ALL_REDUCE

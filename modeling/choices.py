@@ -84,10 +84,16 @@ class CPAlgorithm(Choice):
 
 class TPOverlap(Choice):
     """``backward``: each column-parallel linear's input-gradient reduction runs during
-    its weight-gradient GEMM (Megatron-LM since 2021); ``none``: every tensor-parallel
-    collective on the critical path (Megatron's 2020 and SC'21 runs)."""
+    its weight-gradient GEMM (Megatron-LM since 2021); ``te``: that, and every
+    sequence-parallel all-gather and reduce-scatter run as ring steps overlapping the
+    GEMM they feed or drain, forward and backward (Transformer Engine's
+    ``tp_comm_overlap``: Megatron-LM ``--tp-comm-overlap``, NeMo ``tp_comm_overlap``,
+    torchtitan ``enable_async_tensor_parallel``; :mod:`tensor_parallel.collective_matmul`);
+    ``none``: every tensor-parallel collective on the critical path (Megatron's 2020 and
+    SC'21 runs)."""
 
     BACKWARD = "backward"
+    TE = "te"
     NONE = "none"
 
 

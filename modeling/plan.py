@@ -137,7 +137,11 @@ class ParallelConfig:
     ``tp_overlap``: ``backward`` (default) reduces the input gradient of each
     column-parallel linear asynchronously while that linear's weight gradient is computed
     (Megatron-LM's ``--async-tensor-model-parallel-allreduce``; Korthikanti et al. 2022
-    §6.2); ``none`` puts every tensor-parallel collective on the critical path.
+    §6.2); ``te`` adds Transformer Engine's overlap of the sequence-parallel all-gathers
+    and reduce-scatters with the GEMMs they feed or drain, forward and backward
+    (:mod:`tensor_parallel.collective_matmul`; it needs ``sequence_parallel`` with tp > 1,
+    as Megatron-LM's ``--tp-comm-overlap`` does); ``none`` puts every tensor-parallel
+    collective on the critical path.
 
     ``etp``: expert tensor parallelism, tp (each expert split over tp) or 1 (the expert
     group folded over whole tp groups; rule 4, :meth:`mesh`). ``moe_dispatcher``: how an
@@ -212,6 +216,13 @@ class ParallelConfig:
                               f"a multiple of dp x micro_batch = {self.dp * self.micro_batch}",
                               f"global_batch={self.global_batch} does not split into "
                               f"dp={self.dp} x micro_batch={self.micro_batch}", owner=who)
+        if self.tp_overlap is TPOverlap.TE and self.tp > 1 and not self.sequence_parallel:
+            raise ConfigError("tp_overlap", self.tp_overlap.value,
+                              "'backward' or 'none' without sequence_parallel",
+                              f"tp_overlap='te' overlaps the sequence-parallel all-gathers "
+                              f"and reduce-scatters with their GEMMs: it needs "
+                              f"sequence_parallel=True with tp={self.tp} (Megatron-LM's "
+                              f"--tp-comm-overlap needs --sequence-parallel)", owner=who)
         self._check_virtual_stages(who)
         self._check_layers_per_stage(who)
         self._check_activation_offload(who)
@@ -417,8 +428,14 @@ class ParallelConfig:
         reduction with its weight gradient (``tp_overlap`` backward): not under the
         zero-bubble schedule, whose weight pass ``W`` runs apart from the input gradient
         ``I`` to fill the pipeline's bubbles."""
-        return self.tp_overlap is TPOverlap.BACKWARD and \
+        return self.tp_overlap in (TPOverlap.BACKWARD, TPOverlap.TE) and \
             self.schedule is not ScheduleName.ZERO_BUBBLE
+
+    @property
+    def use_tp_comm_overlap(self) -> bool:
+        """Whether the sequence-parallel gathers and reduce-scatters overlap their GEMMs
+        (``tp_overlap`` te: :mod:`tensor_parallel.collective_matmul`)."""
+        return self.tp_overlap is TPOverlap.TE and self.sequence_parallel and self.tp > 1
 
     @property
     def chunks(self) -> int:

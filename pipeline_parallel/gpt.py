@@ -702,7 +702,8 @@ def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, 
     + the stage's layers + [head]) with its pieces of the job's global parameters."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
                                par.sequence_parallel, flash=par.attention in FUSED_ATTENTION,
-                               async_grad_reduce=par.use_async_grad_reduce), \
+                               async_grad_reduce=par.use_async_grad_reduce,
+                               tp_comm_overlap=par.use_tp_comm_overlap), \
         dict(job.params)
     cp = positions = None
     if "cp" in dev.mesh.axes and dev.mesh.axis_size("cp") > 1:

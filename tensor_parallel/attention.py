@@ -49,6 +49,7 @@ import numpy as np
 
 from vcluster.runtime.tracing.kernel import Kernel
 
+from .collective_matmul import ring_gather_matmul, ring_matmul_reduce
 from .ffn import ACTIVATIONS, _OnDevice
 from .ffn_sharding import FeedForwardSharding
 from .matmul import local_matmul
@@ -89,7 +90,7 @@ class TransformerOps(_OnDevice):
     gelu, residuals) declared with 0 FLOPs and the bytes it touches."""
 
     def __init__(self, dev, tp_axis: str | None, sequence_parallel: bool, flash: bool = False,
-                 async_grad_reduce: bool = False):
+                 async_grad_reduce: bool = False, tp_comm_overlap: bool = False):
         super().__init__(dev, ACTIVATIONS["gelu"], {})
         self.flash = bool(flash)     # core attention as one fused kernel (Attention.core)
         # a column-parallel linear's input gradient reduced while its weight gradient is
@@ -103,6 +104,9 @@ class TransformerOps(_OnDevice):
         policy = ("SequenceParallel" if self.sequence_parallel else "Megatron") if tp \
             else "Unsharded"
         self.c = FeedForwardSharding(policy, tp=self.tp_axis).collectives
+        # the sequence-parallel gathers and reduce-scatters as ring steps overlapping their
+        # GEMMs (gather_matmul, matmul_reduce; :mod:`tensor_parallel.collective_matmul`)
+        self.tp_comm_overlap = bool(tp_comm_overlap and self.sequence_parallel)
 
     def work(self, name, flops, operands, out_shape, fn, kernel=None, nbytes=None):
         """``fn()`` declared with 0 FLOPs and the bytes of ``operands`` (or ``nbytes``, where
@@ -132,6 +136,23 @@ class TransformerOps(_OnDevice):
     def reduce_out(self, x, name):
         """Leave a TP region: all_reduce(tp), SP reduce_scatter(tp) on dim 1, or x."""
         return self.comm(self.c.y_out, x, name)
+
+    def gather_matmul(self, c, x, weights, gather_name, names):
+        """``(xf, [xf2 @ w ...])`` (:meth:`~tensor_parallel.ffn._Backend.gather_matmul`);
+        under ``tp_comm_overlap`` the sequence-parallel gather runs as ring steps that
+        overlap the products (:func:`~tensor_parallel.collective_matmul.
+        ring_gather_matmul`). ``c``: ``self.c.x_in`` (None outside a TP region)."""
+        if self.tp_comm_overlap and c is self.c.x_in and c is not None:
+            return ring_gather_matmul(self, x, weights, names)
+        return super().gather_matmul(c, x, weights, gather_name, names)
+
+    def matmul_reduce(self, c, a, w, shape, name, reduce_name):
+        """``c`` on ``(a @ w).reshape(shape)``; under ``tp_comm_overlap`` the
+        sequence-parallel reduce-scatter as ring steps overlapping the product
+        (:func:`~tensor_parallel.collective_matmul.ring_matmul_reduce`)."""
+        if self.tp_comm_overlap and c is self.c.y_out and c is not None:
+            return ring_matmul_reduce(self, a, w, shape, name, reduce_name)
+        return super().matmul_reduce(c, a, w, shape, name, reduce_name)
 
     def reduce_input_grad(self, dx, name, weight_grads) -> tuple:
         """Leave a TP region with ``dx``, the input gradient of a column-parallel linear
@@ -279,12 +300,12 @@ class Attention:
     def forward(self, ops, x, w_qkv, b_qkv, w_o, b_o, keep: str = "all"):
         """y (x's layout) and the state for the backward: ``keep`` = "all" (everything),
         "qkv" (selective recomputation: not P nor C) or "none" (nothing)."""
-        xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
+        w2 = w_qkv.reshape(x.shape[-1], -1)                                 # (h, 3·h_l)
+        xf, (qkv,) = ops.gather_matmul(ops.c.x_in, x, (w2,), "attention: gather x",
+                                       ("attention: x @ W_qkv",))           # (b, s, h)
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
-        w2 = w_qkv.reshape(h, -1)                                           # (h, 3·h_l)
-        qkv = ops.add_bias(ops.matmul(x2, w2, "attention: x @ W_qkv"), b_qkv.reshape(-1),
-                           "attention: + b_qkv")                            # (b·s, 3·h_l)
+        qkv = ops.add_bias(qkv, b_qkv.reshape(-1), "attention: + b_qkv")    # (b·s, 3·h_l)
         h_l = self.a_l * self.d
         q, k, v = (self._heads(ops, qkv[:, i * h_l:(i + 1) * h_l], b, s, "attention: split heads")
                    for i in range(3))
@@ -292,8 +313,9 @@ class Attention:
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._merge(ops, c, b, s, "attention: merge heads")           # (b·s, h_l)
-        y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
-        y = ops.add_bias(ops.reduce_out(y, "attention: reduce y"), b_o, "attention: + b_o")
+        y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h), "attention: ctx @ W_o",
+                              "attention: reduce y")
+        y = ops.add_bias(y, b_o, "attention: + b_o")
         state = {"all": (x2, q, k, v, p, ctx), "qkv": (x2, q, k, v, None, None),
                  "none": ()}[keep]
         return y, state
@@ -311,10 +333,10 @@ class Attention:
             ctx = self._merge(ops, c, b, s, "attention: merge heads")
         elif self.cp is not None:
             p = (p[0], self._heads(ops, ctx, b, s, "attention: split heads"))   # (L, C)
-        dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
+        dyf, (dctx,) = ops.gather_matmul(ops.c.x_in, dy, (w_o.T,), "attention: gather dy",
+                                         ("attention: dctx = dy W_o^T",))   # (b·s, h_l)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)
-        dctx = ops.matmul(dy2, w_o.T, "attention: dctx = dy W_o^T")         # (b·s, h_l)
         dq, dk, dv = self.core_backward(
             ops, self._heads(ops, dctx, b, s, "attention: split heads"), q, k, v, p)
         dqkv = ops.ew("attention: merge dq, dk, dv", lambda: np.concatenate(

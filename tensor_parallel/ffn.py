@@ -125,6 +125,19 @@ class _Backend(ABC):
         g2 = g.reshape(-1, g.shape[-1])
         return self.work(name, g2.size, (g2,), g2.shape[1:], lambda: g2.sum(axis=0))
 
+    def gather_matmul(self, c: Collective | None, x, weights, gather_name, names):
+        """``(xc, [xc2 @ w for w in weights])``: x after ``c`` (a gather, or None) and its
+        rows times each weight (``names``: one per weight). A backend may overlap the
+        gather with the products (:mod:`tensor_parallel.collective_matmul`)."""
+        xc = self.comm(c, x, gather_name)
+        x2 = xc.reshape(-1, xc.shape[-1])
+        return xc, [self.matmul(x2, w, name) for w, name in zip(weights, names)]
+
+    def matmul_reduce(self, c: Collective | None, a, w, shape, name, reduce_name):
+        """``c`` (a reduction, or None) applied to ``(a @ w).reshape(shape)``; a backend may
+        overlap the reduction with the product (as :meth:`gather_matmul`)."""
+        return self.comm(c, self.matmul(a, w, name).reshape(shape), reduce_name)
+
 
 class _OnDevice(_Backend):
     def __init__(self, dev, act: Activation, algorithms: Mapping[str, str]):
@@ -205,10 +218,10 @@ class _OnShapes(_Backend):
 # --- the program ----------------------------------------------------------------------
 def _hidden(be, c: FeedForwardCollectives, x, w1, b1, w2, tag=""):
     """Gather what the products need; h = x W1 + b1 and a = act(h) on (rows, f_local)."""
-    xc = be.comm(c.x_in, x, f"{tag}gather x")
     w1c = be.comm(c.w1_in, w1, f"{tag}gather W1")
+    xc, (xw,) = be.gather_matmul(c.x_in, x, (w1c,), f"{tag}gather x", (f"{tag}x @ W1",))
     x2 = xc.reshape(-1, xc.shape[-1])
-    h = be.add_bias(be.matmul(x2, w1c, f"{tag}x @ W1"), b1, f"{tag}h = x W1 + b1")
+    h = be.add_bias(xw, b1, f"{tag}h = x W1 + b1")
     a = be.activation(h, f"{tag}a = act(h)")
     w2c = be.comm(c.w2_in, w2, f"{tag}gather W2")
     return xc, x2, w1c, w2c, h, a
@@ -216,8 +229,8 @@ def _hidden(be, c: FeedForwardCollectives, x, w1, b1, w2, tag=""):
 
 def _forward(be, c: FeedForwardCollectives, x, w1, b1, w2, b2):
     xc, _, _, w2c, _, a = _hidden(be, c, x, w1, b1, w2)
-    y = be.matmul(a, w2c, "a @ W2").reshape(xc.shape[:-1] + (w2c.shape[1],))
-    y = be.comm(c.y_out, y, "reduce y")
+    y = be.matmul_reduce(c.y_out, a, w2c, xc.shape[:-1] + (w2c.shape[1],), "a @ W2",
+                         "reduce y")
     return be.add_bias(y, b2, "y + b2")
 
 

@@ -341,11 +341,11 @@ class GQAttention:
         """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
         recomputation: not P nor C) or "none"; ``qk_gains``: (g_q, g_k) with QK-norm;
         ``sinks``: the (a_l,) sink logits with attention sinks."""
-        xf = ops.gather_seq(x, "attention: gather x")                       # (b, s, h)
+        xf, (q, kv) = ops.gather_matmul(                  # (b, s, h); (b·s, a_l·d); (b·s, 2·c_l·d)
+            ops.c.x_in, x, (w_q, w_kv.reshape(x.shape[-1], -1)), "attention: gather x",
+            ("attention: x @ W_q", "attention: x @ W_kv"))
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
-        q = ops.matmul(x2, w_q, "attention: x @ W_q")                        # (b·s, a_l·d)
-        kv = ops.matmul(x2, w_kv.reshape(h, -1), "attention: x @ W_kv")     # (b·s, 2·c_l·d)
         kd = self.c_l * self.d
         k, norms = kv[:, :kd], None
         if self.qk_norm is not None:
@@ -361,8 +361,8 @@ class GQAttention:
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
-        y = ops.matmul(ctx, w_o, "attention: ctx @ W_o").reshape(b, s, h)
-        y = ops.reduce_out(y, "attention: reduce y")
+        y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h), "attention: ctx @ W_o",
+                              "attention: reduce y")
         state = {"all": (x2, q, k, v, p, ctx, norms),
                  "qkv": (x2, q, k, v, None, None, norms), "none": ()}[keep]
         return y, state
@@ -383,10 +383,10 @@ class GQAttention:
             ctx = self._q_merge(ops, c, b, s, "attention: merge heads")
         elif self.cp is not None:
             p = (p[0], self._q_group(ops, ctx, b, s, "attention: split heads"))  # (L, C)
-        dyf = ops.gather_seq(dy, "attention: gather dy")                    # (b, s, h)
+        dyf, (dctx,) = ops.gather_matmul(ops.c.x_in, dy, (w_o.T,), "attention: gather dy",
+                                         ("attention: dctx = dy W_o^T",))   # (b·s, a_l·d)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)
-        dctx = ops.matmul(dy2, w_o.T, "attention: dctx = dy W_o^T")         # (b·s, a_l·d)
         grads = self.core_backward(
             ops, self._q_group(ops, dctx, b, s, "attention: split heads"), q, k, v, p, sinks)
         (dq, dk, dv), dsink = grads[:3], (grads[3] if sinks is not None else None)

@@ -143,21 +143,21 @@ class LlamaLayer(_Layer):
     # --- MLP: (silu(u W_gate) * (u W_up)) W_down -----------------------------------------
     def _mlp(self, ops, u, keep: bool):
         P = self.p
-        xf = ops.gather_seq(u, "mlp: gather x")
+        xf, (zg, zu) = ops.gather_matmul(ops.c.x_in, u, (P["w_gate"], P["w_up"]),  # (b·s, f/t)
+                                         "mlp: gather x", ("mlp: x @ W_gate", "mlp: x @ W_up"))
         x2 = xf.reshape(-1, xf.shape[-1])
-        zg = ops.matmul(x2, P["w_gate"], "mlp: x @ W_gate")                # (b·s, f/t)
-        zu = ops.matmul(x2, P["w_up"], "mlp: x @ W_up")
         a = ops.work("mlp: silu(zg) * zu", 0, (zg, zu, zg), None,
                      lambda: zg / (1 + np.exp(-zg)) * zu, _swiglu(zg, False))
-        y = ops.matmul(a, P["w_down"], "mlp: a @ W_down").reshape(xf.shape)
-        return ops.reduce_out(y, "mlp: reduce y"), ((x2, zg, zu, a) if keep else ())
+        y = ops.matmul_reduce(ops.c.y_out, a, P["w_down"], xf.shape, "mlp: a @ W_down",
+                              "mlp: reduce y")
+        return y, ((x2, zg, zu, a) if keep else ())
 
     def _mlp_backward(self, ops, st, dy):
         """du (u's layout) and the weight gradient's state."""
         P, (x2, zg, zu, a) = self.p, st
-        dyf = ops.gather_seq(dy, "mlp: gather dy")
+        dyf, (da,) = ops.gather_matmul(ops.c.x_in, dy, (P["w_down"].T,), "mlp: gather dy",
+                                       ("mlp: da = dy W_down^T",))
         dy2 = dyf.reshape(-1, dyf.shape[-1])
-        da = ops.matmul(dy2, P["w_down"].T, "mlp: da = dy W_down^T")
 
         def fn():
             sg = 1 / (1 + np.exp(-zg))

@@ -136,8 +136,9 @@ class TransformerLayer(_Layer):
         else:
             xc, x2, _, _, h, a = _ffn_hidden(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"],
                                              tag="mlp: ")
-            y = ops.matmul(a, P["w_2"], "mlp: a @ W2").reshape(xc.shape)
-            y = ops.add_bias(ops.reduce_out(y, "mlp: reduce y"), P["b_2"], "mlp: + b2")
+            y = ops.matmul_reduce(ops.c.y_out, a, P["w_2"], xc.shape, "mlp: a @ W2",
+                                  "mlp: reduce y")
+            y = ops.add_bias(y, P["b_2"], "mlp: + b2")
             mst = (x2, h, a)
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         return out, (ln1, ast, ln2, mst)
@@ -146,9 +147,9 @@ class TransformerLayer(_Layer):
         """dx from dy (both in x's layout); keeps what W needs."""
         P, st = self.p, self._saved(ops, mb)
         ln1, ast, ln2, (x2, h, a) = st
-        dyf = ops.gather_seq(dy, "mlp: gather dy")
+        dyf, (da,) = ops.gather_matmul(ops.c.x_in, dy, (P["w_2"].T,), "mlp: gather dy",
+                                       ("mlp: da = dy W2^T",))
         dy2 = dyf.reshape(-1, dyf.shape[-1])
-        da = ops.matmul(dy2, P["w_2"].T, "mlp: da = dy W2^T")
         dh = ops.activation_grad(da, h, "mlp: dh = da act'(h)")
         du = ops.matmul(dh, P["w_1"].T, "mlp: du = dh W1^T").reshape(dyf.shape)
         G = self.g

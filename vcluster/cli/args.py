@@ -141,14 +141,20 @@ LATENT_FLAGS = {
 
 
 def add_tp_overlap_argument(parser) -> None:
-    """--tp-overlap backward|none: ParallelConfig.tp_overlap
+    """--tp-overlap backward|te|none: ParallelConfig.tp_overlap
     (``pipeline_parallel.gpt.TP_OVERLAP``)."""
     parser.add_argument("--tp-overlap", choices=TPOverlap.values(), default="backward",
-                        help="how tensor parallelism's backward overlaps: backward (default: "
-                             "each column-parallel linear's input-gradient all-reduce, or "
-                             "reduce-scatter under sequence parallelism, runs during its "
-                             "weight-gradient GEMM, as Megatron-LM since 2021) or none (every "
-                             "TP collective blocking, as the 2020/2021 Megatron runs)")
+                        help="how tensor parallelism's collectives overlap compute: backward "
+                             "(default: each column-parallel linear's input-gradient "
+                             "all-reduce, or reduce-scatter under sequence parallelism, runs "
+                             "during its weight-gradient GEMM, as Megatron-LM since 2021), te "
+                             "(that, and every sequence-parallel all-gather and "
+                             "reduce-scatter run as ring steps overlapping the GEMM they feed "
+                             "or drain, forward and backward: Transformer Engine's "
+                             "tp_comm_overlap, Megatron-LM --tp-comm-overlap, NeMo "
+                             "tp_comm_overlap, torchtitan enable_async_tensor_parallel; needs "
+                             "--sequence-parallel) or none (every TP collective blocking, as "
+                             "the 2020/2021 Megatron runs)")
 
 
 def add_grad_reduce_argument(parser) -> None:

@@ -33,6 +33,7 @@ all-gather/reduce-scatter variant's collectives are blocking, in ``comm_s``.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,8 +50,8 @@ from tensor_parallel.transformer import param_layout
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import TransformerLayer, VocabParallelEmbedding, VocabParallelHead
 from tensor_parallel.context_parallel import ContextParallelAttention, sequence_positions
-from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceSend,
-                                      TraceWait, trace_program)
+from vcluster.runtime.tracing import (MetaArray, TraceCollective, TraceCompute, TraceRecv,
+                                      TraceSend, TraceWait, is_ring_tag, trace_program)
 
 from .inductor_kernels import pytorch_kernels
 
@@ -185,11 +186,11 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
              expert_skew: float = 1.0, attention: str = "flash",
              async_grad_reduce: bool = True, folded: bool = False, ep_axes="ep",
-             dispatcher: str = "alltoall"):
+             dispatcher: str = "alltoall", tp_comm_overlap: bool = False):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp, flash=attention in FUSED_ATTENTION,
-                         async_grad_reduce=async_grad_reduce)
+                         async_grad_reduce=async_grad_reduce, tp_comm_overlap=tp_comm_overlap)
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew, folded,
@@ -234,7 +235,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                        attention: str = "flash", autocast_kernels: bool = False,
                        inductor_fusion: bool = False,
                        async_grad_reduce: bool = True, etp: int | None = None,
-                       moe_dispatcher: str = "alltoall") -> StagePieces:
+                       moe_dispatcher: str = "alltoall",
+                       tp_comm_overlap: bool = False) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
@@ -252,13 +254,18 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     experts' tensor parallelism (default tp: each expert split over tp; 1 with ep > 1 and
     tp > 1: the expert group folded over the tp ranks, a mesh (ep/tp, tp)); with cp > 1
     the expert group takes whole cp groups (a mesh (ep/cp, cp, tp), traced on rank 0's cp
-    group). ``moe_dispatcher``: ParallelConfig's. Sliding-window attention on some of the
+    group). ``moe_dispatcher``: ParallelConfig's. ``tp_comm_overlap``: the
+    sequence-parallel gathers and reduce-scatters as ring steps overlapping their GEMMs
+    (:attr:`~pipeline_parallel.gpt.ParallelConfig.use_tp_comm_overlap`): a ring step's
+    receive costs the piece what its transfer (queued on the link to the next rank, as
+    the traced rank's own send: every member runs alike) outlasts the compute since its
+    send. Sliding-window attention on some of the
     layers (``config.window_layers``): the pieces are traced twice, a layer with the
     window and one without, and the layer's costs are their mean weighted by the layers
     of each kind (a rank's stage holds the model's mix, not its own)."""
     args = (tp, micro_batch, sequence_parallel, recompute, costs, cp, cp_algorithm, ep,
             expert_skew, attention, autocast_kernels, inductor_fusion, async_grad_reduce,
-            etp, moe_dispatcher)
+            etp, moe_dispatcher, tp_comm_overlap)
     if config.window_layers is not None:         # some layers windowed: the mean layer
         windowed = trace_stage_pieces(dataclasses.replace(config, window_layers=None), *args)
         full = trace_stage_pieces(dataclasses.replace(config, window=None,
@@ -282,17 +289,22 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     traces = trace_program(mesh, _program,
                            [(config, micro_batch, sp, recompute, cp_algorithm,
                              expert_skew, attention, async_grad_reduce, folded,
-                             ep_axes, moe_dispatcher)] * mesh.size,
+                             ep_axes, moe_dispatcher, tp_comm_overlap)] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0
     in_flight = {}      # an asynchronous collective's handle -> its end on the piece's clock
+    # collective matmuls: ring tag -> its sends' ends, and when the link to the next rank
+    # frees (both on the piece's clock)
+    ring_ends, link_free = {}, 0.0
     for op in pytorch_kernels(trace.ops, inductor_fusion) if autocast_kernels else trace.ops:
         if isinstance(op, TraceCompute) and op.name == _MARK:
             assert not in_flight, f"{_PIECES[k]}: a collective waited for in another piece"
             piece, action = _PIECES[k].split(".")
+            assert not any(ring_ends.values()), f"{_PIECES[k]}: a ring step received in " \
+                "another piece"
             pieces[(piece, action)] = PieceCost(compute, comm, flops, ring)
-            compute, comm, flops, ring, k = 0.0, 0.0, 0.0, 0.0, k + 1
+            compute, comm, flops, ring, k, link_free = 0.0, 0.0, 0.0, 0.0, k + 1, 0.0
         elif isinstance(op, TraceCompute):
             compute += costs.compute_time_s(op)
             flops += op.flops
@@ -302,6 +314,12 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
             comm += max(0.0, in_flight.pop(op.handle) - (compute + comm))
         elif isinstance(op, TraceCollective):
             comm += costs.collective_time_s(op, 1)
+        elif isinstance(op, TraceSend) and is_ring_tag(op.tag):      # collective matmul
+            link_free = max(compute + comm, link_free) + costs.p2p_time_s(
+                trace.rank, op.peer, op.nbytes)
+            ring_ends.setdefault(op.tag, deque()).append(link_free)
+        elif isinstance(op, TraceRecv) and is_ring_tag(op.tag):
+            comm += max(0.0, ring_ends[op.tag].popleft() - (compute + comm))
         elif isinstance(op, TraceSend):
             ring += costs.p2p_time_s(trace.rank, op.peer, op.nbytes)
     assert k == len(_PIECES), f"found {k} of {len(_PIECES)} piece markers"

@@ -34,7 +34,12 @@ communication thread each — gets one stream per rank). Semantics:
 * **Symmetric mode**: a group may hold untraced ranks; they are assumed to mirror the
   traced members (to arrive when they arrive), so a collective waits only for its traced
   members. Sends to untraced ranks occupy their link and are dropped; receiving from an
-  untraced rank is an error (trace one representative per pipeline stage).
+  untraced rank is an error (trace one representative per pipeline stage) — but for a
+  ring's steps (a tag of :func:`~vcluster.runtime.tracing.ops.is_ring_tag`: a
+  tensor-parallel collective matmul, whose members all do what the traced one does,
+  sending each step's chunk before receiving the next), where it mirrors this rank's own
+  sends: the k-th receive with ring tag T from untraced ranks completes as this rank's
+  k-th send with tag T to an untraced rank ends (with no such send before it, an error).
 
 How time advances. A rank's process keeps a local clock ``t >= env.now`` and runs compute
 ops, sends, and receives / waits whose data is already known without yielding: their
@@ -70,8 +75,8 @@ from collections import deque
 import simpy
 from simpy.events import Event
 
-from vcluster.runtime.tracing.ops import TraceCollective, TraceCompute, TraceRecv, TraceSend, \
-    TraceWait
+from vcluster.runtime.tracing.ops import (TraceCollective, TraceCompute, TraceRecv, TraceSend,
+                                          TraceWait, is_ring_tag)
 
 from .core_pool import PooledReplayMixin
 from .replay_collectives import CollectiveReplayMixin
@@ -122,6 +127,9 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self._p2p_ports = getattr(costs, "p2p_ports", None)
         self.history = {r: deque() for r in ranks}         # async calls, issue order
         self.mail: dict[tuple, deque] = {}                 # (src, dst, tag) -> transfers
+        # symmetric mode: (rank, tag) -> its transfers to untraced ranks, which the
+        # receives from untraced ranks mirror (module docstring)
+        self.mirrors: dict[tuple, deque] = {}
         self.recv_waiters: dict[tuple, Event] = {}
         self.waiting: dict[int, tuple] = {}                # rank -> (op index, op, call)
         self.compute_cache: dict = {}                      # id(op) -> seconds
@@ -208,10 +216,11 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                     continue
                 if cls is TraceRecv:
                     key = (op.peer, rank, op.tag)
-                    q = mail.get(key)
+                    mirrored = op.peer not in self.traces and is_ring_tag(op.tag)
+                    q = self._mirror(rank, i, op) if mirrored else mail.get(key)
                     if q:
                         start, end, nbytes, since = q.popleft()
-                        if not q:
+                        if not q and not mirrored:
                             del mail[key]
                     else:
                         self._check_peer(rank, i, op, sending=False)
@@ -332,7 +341,24 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                 ev.succeed((start, end, op.nbytes, since))
             else:
                 self.mail.setdefault(key, deque()).append((start, end, op.nbytes, since))
+        elif is_ring_tag(op.tag):                          # symmetric ring: the mirror
+            self.mirrors.setdefault((rank, op.tag), deque()).append(
+                (start, end, op.nbytes, since))
         return d
+
+    def _mirror(self, rank: int, i: int, op):
+        """The queue whose head is the transfer mirroring ``op``, a receive from an
+        untraced rank (module docstring); ValueError when nothing mirrors it."""
+        if not self.symmetric:
+            self._check_peer(rank, i, op, sending=False)       # raises: no trace, not symmetric
+        q = self.mirrors.get((rank, op.tag))
+        if not q:
+            raise ValueError(
+                f"rank {rank} op #{i} {op!r} receives from rank {op.peer}, which has no trace, "
+                f"before rank {rank} has sent a tag-{op.tag} message to an untraced rank: an "
+                f"untraced peer mirrors the traced rank's own sends (a ring step sends before "
+                f"it receives); trace rank {op.peer} too")
+        return q
 
     def _kind_of(self, name: str, previous: str) -> str:
         """The kind of compute op ``name`` (``op_kind``; None: the previous op's kind)."""

@@ -30,7 +30,18 @@ from dataclasses import dataclass
 from .kernel import Kernel, KernelKind
 
 __all__ = ["TraceCompute", "TraceCollective", "TraceSend", "TraceRecv", "TraceWait", "TraceOp",
-           "DeviceTrace"]
+           "DeviceTrace", "RING_TAG_BASE", "is_ring_tag"]
+
+#: point-to-point tags from here on mark the steps of a ring every member of a group runs
+#: alike (a tensor-parallel collective matmul): under symmetric replay a receive with such a
+#: tag from an untraced rank mirrors the receiver's own send (vcluster.timing.replay); other
+#: tags keep the rule that a receive's peer must be traced
+RING_TAG_BASE = 1 << 40
+
+
+def is_ring_tag(tag: int) -> bool:
+    """Whether ``tag`` marks a symmetric ring's step (:data:`RING_TAG_BASE`)."""
+    return tag >= RING_TAG_BASE
 
 
 @dataclass(frozen=True)

@@ -56,14 +56,21 @@ class Recompute(Choice):
 
 class AttentionKernel(Choice):
     """The attention kernel a real run uses: ``flash`` (today's fused kernels: one kernel
-    forward and one backward, O(s) bytes, no s² scores kept), ``unfused`` (the scores kept
-    for the backward) or ``flash-v1`` (fused, built for Ampere — FlashAttention 1, the
-    Triton and xformers kernels of 2022-23: the same memory and trace as ``flash``, priced
-    apart by the timing model)."""
+    forward and one backward, O(s) bytes, no s² scores kept; the timing model prices the
+    device's default fused kernel), ``unfused`` (the scores kept for the backward),
+    ``flash-v1`` (fused, built for Ampere — FlashAttention 1, the Triton and xformers
+    kernels of 2022-23) or one fused kernel by name, priced from its published curves:
+    ``flash2`` (FlashAttention-2: PyTorch's SDPA flash backend), ``flash3``
+    (FlashAttention-3, Hopper) or ``cudnn`` (cuDNN's fused attention: Transformer Engine's
+    FusedAttention, PyTorch's SDPA cuDNN backend). Every fused kernel has the same memory
+    and trace as ``flash``."""
 
     FLASH = "flash"
     UNFUSED = "unfused"
     FLASH_V1 = "flash-v1"
+    FLASH2 = "flash2"
+    FLASH3 = "flash3"
+    CUDNN = "cudnn"
 
     @property
     def fused(self) -> bool:

@@ -19,6 +19,7 @@ from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import TRAINING_KERNEL_EFFICIENCY, HardwareCostModel
 from vcluster.timing.kernel_profile import TILE
 from vcluster.timing.kernel_profiles import LAUNCH_INTERVAL_S
+from vcluster.timing.attention_kernels import attention_prices
 
 CFG = GPTConfig(hidden=256, layers=1, heads=4, seq=128, vocab=512, dtype="float16")
 
@@ -89,11 +90,22 @@ def test_a_one_layer_steps_compute_is_the_sum_of_its_kernels_at_their_profile_pr
 
 
 def test_without_a_table_the_prices_are_the_analytic_ones():
+    """No measured kernels: every op at its analytic price but fused attention, which the
+    device's published curves price (vcluster.timing.attention_kernels)."""
     plain = HardwareCostModel(load_hardware("h100-dgx"))
     assert plain.kernel_profile is None and plain.gemm_profile is None
+    device = plain.hardware.device
+    curves = attention_prices(device.attention_gpu, device.attention_kernel)
+    attention = 0
     for op in _one_layer()[0].ops:
-        if isinstance(op, TraceCompute):
+        if isinstance(op, TraceCompute) and op.kernel is not None \
+                and op.kernel.kind is KernelKind.ATTENTION:
+            attention += 1
+            assert plain.compute_time_s(op) == curves.time_s(
+                op.kernel, op.flops, device.kernel_overhead_us * 1e-6)
+        elif isinstance(op, TraceCompute):
             assert plain.compute_time_s(op) == plain.analytic_time_s(op)
+    assert attention >= 2
 
 
 LONG = GPTConfig(hidden=512, layers=2, heads=8, seq=8192, vocab=1024)

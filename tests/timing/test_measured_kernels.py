@@ -9,7 +9,8 @@ import pytest
 from mesh import Mesh
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
-from vcluster.runtime.tracing import TraceCompute, trace_program
+from vcluster.runtime.tracing import KernelKind, TraceCompute, trace_program
+from vcluster.timing.attention_kernels import attention_prices
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel, TRAINING_KERNEL_EFFICIENCY
@@ -59,15 +60,20 @@ def test_gemms_are_priced_by_the_profile_the_rest_as_before():
 
 def test_a_one_layer_steps_compute_is_the_sum_of_its_kernels():
     """Σ over the traced kernels of their prices = the replay's compute time (one GPU:
-    nothing overlaps); GEMMs at the profile's price, the rest at t_k + max(F/rate, B/bw)
-    over the training-kernel efficiency."""
+    nothing overlaps); GEMMs at the profile's price, fused attention at the device's
+    published curves (its measured rows are GEMMs only), the rest at t_k + max(F/rate,
+    B/bw) over the training-kernel efficiency."""
     costs = HardwareCostModel(_measured())
     traces = _one_layer_traces()
     expected = sum(costs.compute_time_s(op) for op in traces[0].ops
                    if isinstance(op, TraceCompute))
     device = costs.hardware.device
 
+    curves = attention_prices(device.attention_gpu, device.attention_kernel)
+
     def price(op):
+        if op.kernel is not None and op.kernel.kind is KernelKind.ATTENTION:
+            return curves.time_s(op.kernel, op.flops, device.kernel_overhead_us * 1e-6)
         if op.gemm is None:
             return device.compute_time_s(op.flops, op.bytes, "bf16") / TRAINING_KERNEL_EFFICIENCY
         batch, m, k, n = op.gemm

@@ -48,6 +48,8 @@ _LABELS = MappingProxyType({
     "gemm_max_efficiency_by_dtype": "(fraction of that dtype's peak)",
     "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
     "flash_v1_speedup": "(x an A100's speed, for attention kernels built for Ampere)",
+    "attention_gpu": "(published fused-attention curves, attention_benchmarks.csv)",
+    "attention_kernel": "(the kernel attention='flash' runs)",
     "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)",
     "domain_gpus": "GPUs (one NVLink / Infinity Fabric domain)",
     "nvls_efficiency": "(NVLink SHARP all_reduce algbw, fraction of gpu_link.bandwidth_gbps)"})

@@ -77,7 +77,8 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "nemo_2407_h100_fp8.csv": "fp8", "torchtitan_a100_fsdp.csv": "fsdp2",
            "megatron_bridge_h100_fp8.csv": "fp8", "megatron_bridge_h100_moe.csv": "moe",
            "nccl_2026.csv": "hw2026", "megatron_bridge_blackwell.csv": "hw2026",
-           "amd_instinct_training.csv": "hw2026"}
+           "amd_instinct_training.csv": "hw2026",
+           "torchtitan_long_context.csv": "long_context"}
 TABLES = tuple(_GROUPS)
 
 
@@ -149,6 +150,11 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
     fsdp = [r for r in fsdp if r["source"] in wanted]
     moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
     hw2026 = _hardware_2026(wanted, progress, all_releases) if "hw2026" in groups else None
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.validation_long_context import (LONG_CONTEXT_TABLE,
+                                                          validate_long_context)
+    long_context = run("long_context", validate_long_context,
+                       label=f"rows of {LONG_CONTEXT_TABLE} simulated (or refused)")
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -175,6 +181,8 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
             "fsdp": _fsdp_summary(fsdp) if fsdp else None,
             "moe": _moe_summary(MOE_TABLE, moe) if moe else None,
             "hardware_2026": hw2026,
+            "long_context": _long_context_summary(LONG_CONTEXT_TABLE, long_context)
+            if long_context else None,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -284,6 +292,44 @@ def _moe_summary(table: str, rows: list[dict]) -> dict:
             "max_abs_rel_error": errors[-1] if n else None}
 
 
+def _long_context_summary(table: str, rows: list[dict]) -> dict:
+    """The long-context table's rows, the mean |error| of its predicted rows now and as
+    first run, and the signed error by sequence band (both)."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.validation_long_context import summary_by_band
+    done = [r for r in rows if r["status"] == "predicted"]
+
+    def mean(key):
+        return sum(abs(r[key]) for r in done) / len(done) if done else None
+    return {"table": table, "role": "held_out", "rows": rows, "predicted": len(done),
+            "refused": len(rows) - len(done), "mean_abs_rel_error": mean("rel_error"),
+            "first_run_mean_abs_rel_error": mean("first_run_error"),
+            "by_band": summary_by_band(rows), "first_run_by_band":
+            summary_by_band(rows, "first_run_error")}
+
+
+def _print_long_context(c: dict) -> None:
+    """The long-context section: each row's error now and as first run, then by band."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:+.1f}%"
+    print(f"long context and overlapped TP ({c['table']}, {c['role']}): {c['predicted']} of "
+          f"{len(c['rows'])} rows predicted, {c['refused']} refused; mean |error| "
+          f"{100 * c['mean_abs_rel_error']:.1f}% (first run "
+          f"{100 * c['first_run_mean_abs_rel_error']:.1f}%)")
+    print(f"  {'case':<82}{'published':>10}{'predicted':>10}{'error':>8}{'first run':>10}")
+    for r in c["rows"]:
+        if r["status"] == "predicted":
+            print(f"  {r['case'][:81]:<82}{r['published']:>10.4g}{r['predicted']:>10.4g}"
+                  f"{percent(r['rel_error']):>8}{percent(r['first_run_error']):>10}")
+        else:
+            print(f"  {r['case'][:81]:<82}{r['published']:>10.4g}{'-':>10}  refused: "
+                  f"{r['reason']}")
+    print("  signed error by sequence band (mean; rows): " + "; ".join(
+        f"{band} {percent(v['mean_signed'])} ({v['rows']}), first run "
+        f"{percent(c['first_run_by_band'][band]['mean_signed'])}"
+        for band, v in c["by_band"].items() if v is not None))
+
+
 def _print_moe(m: dict) -> None:
     """The MoE section: each row predicted against published, or why it is not."""
     def percent(x):
@@ -341,6 +387,8 @@ def _run(args) -> int:
         _print_moe(result["moe"])
     if result["hardware_2026"] is not None:
         _print_hardware_2026(result["hardware_2026"])
+    if result["long_context"] is not None:
+        _print_long_context(result["long_context"])
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

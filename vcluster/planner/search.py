@@ -58,6 +58,7 @@ from pipelining import bubble_time_closed_form
 from vcluster.timing.cluster import ClusterSpec, load_cluster
 from vcluster.timing.gemm_formats import GEMM_FORMATS
 from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .candidates import (REJECT_REASONS, SearchSpace, balance_layers, enumerate_candidates,
@@ -224,7 +225,8 @@ def _gemm_format(fp8) -> str:
 def _screen_costs(hw, fp8, attention) -> HardwareCostModel:
     """The model the screen prices a GPU kind's pieces with, as the replays will."""
     return HardwareCostModel(hw, fp8_gemms=fp8_gemm if fp8 else None,
-                             gemm_format=_gemm_format(fp8), flash_v1=attention == "flash-v1")
+                             gemm_format=_gemm_format(fp8), flash_v1=attention == "flash-v1",
+                             attention_kernel=named_kernel(attention))
 
 
 def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:

@@ -70,6 +70,7 @@ from vcluster.timing.cluster import ClusterSpec, axis_major_placement, load_clus
 from vcluster.timing.cluster_cost import ClusterCostModel
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .inductor_kernels import pytorch_kernels
@@ -616,7 +617,8 @@ def _cluster_costs(cluster, parallel: ParallelConfig, dtype: str, fp8: bool,
                          f"every GPU of the cluster")
     return ClusterCostModel(cluster, dtype, fp8_gemms=fp8_gemm if fp8 else None,
                             flash_v1=parallel.attention == "flash-v1", gemm_format=gemm_format,
-                            placement=cluster_placement(parallel, cluster))
+                            placement=cluster_placement(parallel, cluster),
+                            attention_kernel=named_kernel(parallel.attention))
 
 
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
@@ -694,7 +696,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         hw = hw.for_job(mesh.size)
         costs = HardwareCostModel(hw, dtype, fp8_gemms=fp8_gemm if fp8 else None,
                                   flash_v1=parallel.attention == "flash-v1",
-                                  gemm_format=gemm_format)
+                                  gemm_format=gemm_format,
+                                  attention_kernel=named_kernel(parallel.attention))
         kinds = [hw] * parallel.pp
         limits = [usable_memory_bytes(hw.device.hbm_bytes, memory_headroom)] * parallel.pp
         if parallel.activation_offload:   # refused before tracing: no host link, or

@@ -324,8 +324,14 @@ def fp8_row_config(r: dict) -> tuple:
     """(GPTConfig, ParallelConfig) of a row of an :data:`FP8_TABLES` table: its model,
     degrees, micro-batch and interleaving, and what the tables leave out, the same for
     every row: sequence parallelism where tp > 1, the distributed optimizer (ZeRO-1; a row
-    with ``fsdp`` 1: ZeRO-3, Megatron FSDP), no recomputation, flash attention, tensor
-    parallelism's backward overlap."""
+    with ``fsdp`` 1: ZeRO-3, Megatron FSDP), no recomputation, flash attention, and tensor
+    parallelism overlapped as Transformer Engine runs it (``tp_overlap="te"`` where tp > 1:
+    NeMo's launcher configurations of these runs set ``sequence_parallel: true`` and
+    ``ub_tp_comm_overlap: true`` — github.com/NVIDIA/NeMo-Framework-Launcher,
+    launcher_scripts/conf/training/gpt3/175b.yaml at 056a90e and
+    launcher_scripts/conf/training/llama/llama3_70b.yaml at 3dd3561, the latter the 24.07
+    row's tp 4, pp 4, cp 2, vp 5 — and Megatron-Bridge's H100 performance recipes keep TP
+    communication overlap on)."""
     arch = r["arch"]
     llama = {"kv_heads": int(r["kv_heads"]), "ffn_hidden": int(r["ffn_hidden"])}
     cfg = _model(r, arch=arch, **(llama if block_named(arch).grouped_query else {}))
@@ -334,7 +340,8 @@ def fp8_row_config(r: dict) -> tuple:
                          dp=int(r["gpus"]) // (tp * pp * cp), pp=pp, tp=tp, cp=cp,
                          schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                          virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
-                         zero_stage=3 if r.get("fsdp") == "1" else 1)
+                         zero_stage=3 if r.get("fsdp") == "1" else 1,
+                         tp_overlap="te" if tp > 1 else "backward")
     return cfg, par
 
 
@@ -346,9 +353,8 @@ def validate_fp8(tables=FP8_TABLES, on_row=None) -> list[dict]:
     the ``h100-dgx`` preset
     with the transformer layers' linear GEMMs in FP8 (``simulate_gpt(fp8=True)``) and the
     configuration of :func:`fp8_row_config`. ``tokens_per_s_per_gpu`` = B·s / (step ·
-    GPUs). Not modelled: Transformer Engine's FP8 casts and scaling (amax) kernels, and
-    its overlap of the forward's tensor-parallel collectives with GEMMs
-    (``--tp-comm-overlap``). ``on_row``: called after each row (progress)."""
+    GPUs). Not modelled: Transformer Engine's FP8 casts and scaling (amax) kernels.
+    ``on_row``: called after each row (progress)."""
     rows = []
     for table in tables:
         for r in read_data_csv(table)[1]:

@@ -53,6 +53,13 @@ FIT_ROWS = frozenset({
 })
 
 
+#: the systems whose rows ran Megatron-Bridge / NeMo with Transformer Engine's TP overlap
+#: where tp > 1 (the recipes keep CommOverlapConfig(tp_comm_overlap=True) with sequence
+#: parallelism: github.com/NVIDIA-NeMo/Megatron-Bridge scripts/performance, tags v0.1.0rc4
+#: to v0.5.0; NeMo 2.0's recipes likewise)
+_TE_SYSTEMS = frozenset({"DGX-B200", "DGX-B300", "DGX-GB200", "DGX-GB300"})
+
+
 def _key(table: str, r: dict) -> tuple:
     return (table, r["model"], r["system"], r["precision"], r["release"])
 
@@ -68,7 +75,9 @@ def row_config(r: dict) -> tuple:
     virtual stages where vp > 1; sequence parallelism where tp > 1; no recomputation (the
     tables state none); a layer count pp·vp does not divide split as Megatron-Core's
     embedding- and loss-accounting split (:func:`~.candidates.stage_split`). The
-    optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; otherwise Megatron's distributed
+    optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; Transformer Engine's tensor-parallel
+    overlap (``tp_overlap="te"``) on NVIDIA systems where tp > 1 (since issue 54; the
+    recipes keep it on, :data:`_TE_SYSTEMS`); otherwise Megatron's distributed
     optimizer (ZeRO-1), or with ep > 1, which the program refuses under ZeRO, plain
     data-parallel gradients (the same bytes; :func:`~.validation.moe_row_config` says
     why). A row with no global batch (AMD's) and no pipeline is simulated with one
@@ -105,7 +114,9 @@ def row_config(r: dict) -> tuple:
                              last_stage_layers=ends[1] if ends else None,
                              schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
-                             zero_stage=zero)
+                             zero_stage=zero,
+                             tp_overlap="te" if tp > 1 and r["system"] in _TE_SYSTEMS
+                             else "backward")
     except ConfigError as e:
         return cfg, None, None, assumed, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

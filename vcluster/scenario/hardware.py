@@ -165,15 +165,18 @@ def check_fp8(scenario, key: str = "workload.fp8", value=True, fmt: str = "fp8")
 
 
 def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = False,
-               gemm_format: str = "fp8") -> CostSetup:
+               gemm_format: str = "fp8", attention_kernel: str = "") -> CostSetup:
     """The cost model of the scenario's hardware for a ``dtype`` workload on ``mesh``;
     ``fp8_gemms``: the traced GEMMs priced in ``gemm_format`` (:func:`check_fp8` first);
     ``flash_v1``: fused attention priced as kernels built for Ampere
-    (``parallel.attention: flash-v1``; a GPU model's, not localhost's)."""
+    (``parallel.attention: flash-v1``; a GPU model's, not localhost's);
+    ``attention_kernel``: fused attention priced from that kernel's published curves
+    (``parallel.attention: flash2``, ``flash3``, ``cudnn``; a GPU model's too)."""
     hw = scenario.hardware
-    if flash_v1 and hw.name == LOCALHOST:
-        raise ScenarioError("parallel.attention", "flash-v1", "flash or unfused on localhost",
-                            "flash-v1 prices a GPU's attention kernels; localhost prices "
+    named = "flash-v1" if flash_v1 else attention_kernel
+    if named and hw.name == LOCALHOST:
+        raise ScenarioError("parallel.attention", named, "flash or unfused on localhost",
+                            f"{named} prices a GPU's attention kernels; localhost prices "
                             "this machine's CPU kernels")
     if hw.name == LOCALHOST:
         # lazy: keeps vcluster --help fast
@@ -192,10 +195,10 @@ def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = Fals
     spec = load_hardware(_hardware_arg(scenario))
     try:
         costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1,
-                                  gemm_format=gemm_format)
+                                  gemm_format=gemm_format, attention_kernel=attention_kernel)
     except ValueError as exc:
-        if not flash_v1 or "flash-v1" not in str(exc):
+        if not named or named not in str(exc):
             raise
-        raise ScenarioError("parallel.attention", "flash-v1",
+        raise ScenarioError("parallel.attention", named,
                             "flash or unfused on this hardware", str(exc)) from None
     return CostSetup(costs, None, spec.name, False)

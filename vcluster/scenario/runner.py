@@ -229,7 +229,7 @@ def _simulate(workload, scenario, bar) -> tuple:
     from .hardware import cost_setup
     mesh = workload.mesh
     setup = cost_setup(scenario, mesh, workload.dtype, workload.fp8_gemms, workload.flash_v1,
-                       workload.gemm_format)
+                       workload.gemm_format, workload.attention_kernel)
     ranks = _representative_ranks(workload, scenario, setup)
     if ranks is not None and workload.step_traces is not None:   # as simulate gpt does
         traces = workload.step_traces(setup.costs)

@@ -31,6 +31,7 @@ class ClusterCostModel:
     flash_v1: bool = False
     gemm_format: str = "fp8"          # the format of the fp8_gemms ops (gemm_formats)
     placement: tuple | None = None
+    attention_kernel: str = ""        # HardwareCostModel's: a named fused attention kernel
     # one HardwareCostModel per part (parts of equal hardware share one)
     models: tuple = field(default=(), init=False, repr=False, compare=False)
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -48,7 +49,8 @@ class ClusterCostModel:
                 try:
                     model = by_kind[hw] = HardwareCostModel(
                         hw, self.dtype, self.efficiency, fp8_gemms=self.fp8_gemms,
-                        flash_v1=self.flash_v1, gemm_format=self.gemm_format)
+                        flash_v1=self.flash_v1, gemm_format=self.gemm_format,
+                        attention_kernel=self.attention_kernel)
                 except ValueError as exc:
                     raise ValueError(f"cluster {self.cluster.name!r} part {k} "
                                      f"({hw.name}): {exc}") from None

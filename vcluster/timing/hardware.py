@@ -169,6 +169,12 @@ class DeviceSpec:
     # block-scaled GEMM formats the tensor cores read natively (gemm_formats.
     # BLOCK_SCALED_FORMATS: "mxfp8", "mxfp6", "mxfp4", "nvfp4"); () : none
     block_scaled_formats: tuple = ()
+    # the GPU whose published fused-attention curves price this device's attention kernels
+    # (a ``gpu`` of attention_kernels.ATTENTION_TABLE, e.g. "h100-sxm"); "": none (analytic)
+    attention_gpu: str = ""
+    # the kernel of those curves that ``ParallelConfig.attention="flash"`` runs here (one
+    # of attention_kernels.NAMED_KERNELS: "flash2", "flash3", "cudnn"); "" without curves
+    attention_kernel: str = ""
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -218,6 +224,7 @@ class DeviceSpec:
             raise ValueError(f"block_scaled_formats: expected a list of "
                              f"{', '.join(BLOCK_SCALED_FORMATS)}, got {formats!r}")
         object.__setattr__(self, "block_scaled_formats", tuple(formats))
+        self._check_attention()
         _text(self, "source")
         _text(self, "kernel_table")
         if self.kernel_table and self.kernel_table not in kernel_tables():
@@ -227,6 +234,23 @@ class DeviceSpec:
             raise ValueError(f"kernels: expected a list of measured kernels, got {self.kernels!r}")
         object.__setattr__(self, "kernels", tuple(
             KernelTiming.coerce(row, f"kernels[{i}]") for i, row in enumerate(self.kernels)))
+
+    def _check_attention(self) -> None:
+        """``attention_gpu`` names published curves and ``attention_kernel`` one of its
+        kernels (both or neither)."""
+        _text(self, "attention_gpu")
+        _text(self, "attention_kernel")
+        if not self.attention_gpu and not self.attention_kernel:
+            return
+        from .attention_kernels import attention_gpus, kernels_of   # why: reads the table
+        if self.attention_gpu not in attention_gpus():
+            raise ValueError(f"attention_gpu: {self.attention_gpu!r} has no published "
+                             f"attention curves; allowed: {', '.join(attention_gpus())}, or "
+                             f"\"\" (attention priced analytically)")
+        if self.attention_kernel not in kernels_of(self.attention_gpu):
+            raise ValueError(f"attention_kernel: {self.attention_kernel!r} has no curves on "
+                             f"{self.attention_gpu}; allowed: "
+                             f"{', '.join(kernels_of(self.attention_gpu))}")
 
     def gemm_profile(self) -> GemmProfile | None:
         """The GEMM profile of this device's measured ``gemm`` kernels (None without

@@ -30,6 +30,13 @@
   gained 1.6x on the H100 where its dense peak grew 3.17x — with this device's launch
   overhead and HBM term (:meth:`HardwareCostModel.flash_v1_time_s`). On an A100 it
   changes nothing. Like FP8 it needs the analytic model;
+* fused attention from published curves (:mod:`.attention_kernels`): a kernel named by
+  ``attention_kernel`` (``flash2``, ``flash3``, ``cudnn``: ``ParallelConfig.attention``)
+  is priced t_k + F / r(seq, head dim, mask, direction) from that kernel's curves on the
+  device's ``attention_gpu`` (refused by name where there are none); ``attention="flash"``
+  (``attention_kernel`` "") takes the measured profile where the hardware has one, else the
+  device's default kernel (``DeviceSpec.attention_kernel``) on its curves, else the
+  analytic price. No efficiency divisor: the curves are the kernels' own rates;
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests
@@ -52,6 +59,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vcluster.runtime.tracing.kernel import KernelKind
+
+from .attention_kernels import NAMED_KERNELS, attention_prices
 from .collective_cost import collective_cost, collective_time_s
 from .gemm_formats import check_gemm_format, gemm_format
 from .collective_cost import wire_bytes as _wire_bytes
@@ -91,6 +101,11 @@ class HardwareCostModel:
     _flash_v1_flops_per_s: object = field(default=None, init=False, repr=False, compare=False)
     # the dtype whose peak gemm_format's GEMMs compute at
     _gemm_dtype: str = field(default="fp8", init=False, repr=False, compare=False)
+    # a fused attention kernel with published curves (attention_kernels.NAMED_KERNELS), or
+    # "": the device's default (module docstring)
+    attention_kernel: str = ""
+    # the curves fused attention is priced by (None: the profile or the analytic model)
+    _attention: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "kernel_profile", self.hardware.device.kernel_profile())
@@ -99,6 +114,7 @@ class HardwareCostModel:
             check_gemm_format(fmt, self.hardware)
             self._refuse_measured_kernels(f"{fmt.name} GEMMs are", "BF16 kernels")
         object.__setattr__(self, "_gemm_dtype", fmt.dtype)
+        object.__setattr__(self, "_attention", self._attention_prices())
         if not isinstance(self.flash_v1, bool):
             raise ValueError(f"flash_v1 must be True or False, got {self.flash_v1!r}")
         if self.flash_v1:
@@ -112,6 +128,28 @@ class HardwareCostModel:
             reference = preset(FLASH_V1_REFERENCE_PRESET).device
             object.__setattr__(self, "_flash_v1_flops_per_s",
                                reference.achieved_flops(self.dtype) * device.flash_v1_speedup)
+
+    def _attention_prices(self):
+        """The curves fused attention is priced by (module docstring), or None."""
+        device, name = self.hardware.device, self.attention_kernel
+        if name:
+            if name not in NAMED_KERNELS:
+                raise ValueError(f"attention_kernel={name!r}: not a kernel with published "
+                                 f"curves; allowed: {', '.join(NAMED_KERNELS)}, or \"\" (the "
+                                 f"device's default)")
+            if self.flash_v1:
+                raise ValueError(f"attention_kernel={name!r} and flash_v1: one attention "
+                                 f"kernel at a time")
+            if not device.attention_gpu:
+                raise ValueError(f"attention {name!r} is priced from published curves: "
+                                 f"{self.hardware.name} ({device.name}) has none "
+                                 f"(attention_gpu); run attention 'flash' (analytic here)")
+            return attention_prices(device.attention_gpu, name)
+        has_profile = self.kernel_profile is not None and \
+            "attention" in self.kernel_profile.kinds
+        if self.flash_v1 or has_profile or not device.attention_kernel:
+            return None
+        return attention_prices(device.attention_gpu, device.attention_kernel)
 
     def _refuse_measured_kernels(self, what: str, measured: str) -> None:
         """Raise unless this hardware prices kernels analytically (no measured kernels)."""
@@ -146,9 +184,12 @@ class HardwareCostModel:
         if self.fp8_gemms is not None and self.fp8_gemms(op):
             return self.analytic_time_s(op, self._gemm_dtype)
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
-        if self.flash_v1 and kernel is not None and kernel.kind == "attention" \
-                and kernel.flash:
-            return self.flash_v1_time_s(op)
+        if kernel is not None and kernel.kind is KernelKind.ATTENTION and kernel.flash:
+            if self.flash_v1:
+                return self.flash_v1_time_s(op)
+            if self._attention is not None:
+                return self._attention.time_s(
+                    kernel, op.flops, self.hardware.device.kernel_overhead_us * 1e-6)
         if kernel is None or profile is None:
             return self.analytic_time_s(op)
         t = profile.stream_time_s(kernel)

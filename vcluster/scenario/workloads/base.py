@@ -64,6 +64,7 @@ class Workload:
     fp8_gemms: Callable | None = None      # traced op -> priced in FP8 (simulation); None: none
     gemm_format: str = "fp8"               # the format fp8_gemms ops are priced in
     flash_v1: bool = False                 # attention kernels priced as built for Ampere
+    attention_kernel: str = ""             # a named fused kernel's curves ("": default)
 
     def __repr__(self) -> str:
         return (f"Workload({self.kind!r}, mesh={self.mesh}, dtype={self.dtype!r}, "

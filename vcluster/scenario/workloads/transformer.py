@@ -35,6 +35,7 @@ from pipeline_parallel.parameter_server import parameter_server_program
 from vcluster.planner.memory import gpt_memory
 from vcluster.planner.simulation import fp8_gemm, gpt_schedule, gpt_step_traces
 from vcluster.runtime.tracing import MetaArray, meta_like
+from vcluster.timing.attention_kernels import named_kernel
 
 from modeling import ConfigError
 
@@ -280,7 +281,8 @@ def build(scenario, mesh) -> Workload:
                                    else ""),
                     fp8_gemms=fp8_gemm if _format(o) else None,
                     gemm_format=_format(o) or "fp8",
-                    flash_v1=parallel.attention == "flash-v1")
+                    flash_v1=parallel.attention == "flash-v1",
+                    attention_kernel=named_kernel(parallel.attention.value))
 
 
 def _format(o) -> str | None:

@@ -1,0 +1,177 @@
+"""Fused attention priced from published kernel measurements (vcluster.timing.
+attention_kernels, data/attention_benchmarks.csv): every profiled GPU prices a causal kernel
+inside its measured band, its time grows with the sequence as the measured kernels' does
+(no flat rate), the derived curves keep the published totals, and runs name a kernel
+(``ParallelConfig.attention``: flash2, flash3, cudnn) or take the device's default."""
+
+import math
+
+import pytest
+
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.planner.simulation import simulate_gpt
+from vcluster.runtime.tracing import Kernel, TraceCompute
+from vcluster.timing import read_data_csv
+from vcluster.timing.attention_kernels import (ATTENTION_TABLE, NAMED_KERNELS, attention_gpus,
+                                               attention_prices, kernels_of, named_kernel)
+from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.timing.presets import PRESET_NAMES, preset
+
+#: the presets whose devices read published curves, and their default kernel
+CURVED = [n for n in PRESET_NAMES if preset(n).device.attention_gpu]
+FWD_BWD = 3.5
+
+
+def _published(gpu, kernel):
+    """{(direction, causal, head_dim): {seq: [tflops, ...]}} of the table's rows."""
+    out: dict = {}
+    for r in read_data_csv(ATTENTION_TABLE)[1]:
+        if r["gpu"] == gpu and r["kernel"] == kernel:
+            key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
+            out.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
+    return out
+
+
+def _op(seq, head_dim=128, causal=True, backward=False, heads=16, batch=1, s_q=None):
+    s_q = seq if s_q is None else s_q
+    k = Kernel.attention(batch * heads, s_q, seq, head_dim, causal=causal, backward=backward)
+    flops = 4.0 * batch * heads * s_q * seq * head_dim * (0.5 if causal else 1.0)
+    return TraceCompute("gpt: attention: core", flops * (2.5 if backward else 1.0), 0.0,
+                        kernel=k)
+
+
+def test_the_presets_with_curves_are_the_profiled_gpus():
+    assert {preset(n).device.attention_gpu for n in CURVED} == set(attention_gpus())
+    assert {"h100-dgx", "h200-dgx", "b200-dgx", "a100-80gb-dgx"} <= set(CURVED)
+    for name in CURVED:
+        device = preset(name).device
+        assert device.attention_kernel in kernels_of(device.attention_gpu)
+
+
+@pytest.mark.parametrize("name", CURVED)
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_a_causal_kernels_priced_rate_stays_in_the_measured_band(name, backward):
+    """The acceptance test: on every profiled GPU the default kernel's causal attention,
+    priced through the hardware model at each published sequence, runs at the published
+    rate (the median of the sources at that point; a derived curve within the band its
+    sources span), between published sequences inside the band of its two neighbours,
+    and its time grows with the sequence as the measured kernels' does."""
+    hw = preset(name)
+    device = hw.device
+    costs = HardwareCostModel(hw)
+    t_k = device.kernel_overhead_us * 1e-6
+    prices = attention_prices(device.attention_gpu, device.attention_kernel)
+    direction = "bwd" if backward else "fwd"
+    curve = prices.curve(direction, True, 128)
+    seqs = [s for s, _ in curve.points]
+
+    def rate(seq):
+        op = _op(seq, backward=backward)
+        return op.flops / (costs.compute_time_s(op) - t_k) / 1e12
+
+    for s, published in curve.points:
+        assert rate(s) == pytest.approx(published, rel=1e-9)
+    for (s0, r0), (s1, r1) in zip(curve.points, curve.points[1:]):
+        mid = round(math.sqrt(s0 * s1))
+        assert min(r0, r1) - 1e-9 <= rate(mid) <= max(r0, r1) + 1e-9
+    # no flat rate: time grows with the sequence as the curve's rates say, and faster
+    # than the FLOPs alone where the rate rises (short sequences)
+    times = [costs.compute_time_s(_op(s, backward=backward)) - t_k for s in seqs]
+    for (s0, t0), (s1, t1), (_, r0), (_, r1) in zip(zip(seqs, times), zip(seqs[1:], times[1:]),
+                                                    curve.points, curve.points[1:]):
+        assert t1 / t0 == pytest.approx((s1 / s0) ** 2 * r0 / r1, rel=1e-9)
+    assert len({round(r) for _, r in curve.points}) > 2          # not one flat rate
+    if not curve.derived:
+        published = _published(device.attention_gpu, device.attention_kernel)
+        assert curve.points == tuple(sorted(
+            (s, sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1:
+                                                                       len(v) // 2 + 1]) / 2)
+            for s, v in published[(direction, True, 128)].items()))
+
+
+def test_derived_backward_keeps_the_published_forward_plus_backward():
+    """Rule 1: FlashAttention-2's causal backward on H100 is its fwd_bwd time less its
+    forward time, so forward + backward take exactly the published fwd_bwd time."""
+    prices = attention_prices("h100-sxm", "flash2")
+    published = _published("h100-sxm", "flash2")
+    fb = {s: v[0] for s, v in published[("fwd_bwd", True, 128)].items()}
+    f = {s: v[0] for s, v in published[("fwd", True, 128)].items()}
+    bwd = prices.curve("bwd", True, 128)
+    assert bwd.derived.startswith("backward from fwd_bwd")
+    for s in set(fb) & set(f):
+        F = 1.0
+        assert F / f[s] + 2.5 * F / bwd.tflops(s) == pytest.approx(FWD_BWD * F / fb[s])
+
+
+def test_the_causal_backward_follows_the_forwards_mask_ratio_where_unpublished():
+    """Rule 3: FlashAttention-3 publishes no causal backward; its curve is the non-causal
+    backward times the forward's causal / non-causal rate."""
+    prices = attention_prices("h100-sxm", "flash3")
+    c, nc = prices.curve("bwd", True, 128), prices.curve("bwd", False, 128)
+    fc, fnc = prices.curve("fwd", True, 128), prices.curve("fwd", False, 128)
+    assert "mask ratio" in c.derived and not nc.derived
+    for s, _ in nc.points:
+        assert c.tflops(s) == pytest.approx(nc.tflops(s) * fc.tflops(s) / fnc.tflops(s))
+
+
+def test_blocks_and_windows_are_read_at_their_own_length():
+    """A context-parallel block (s_q != s_kv) is the smaller kernel it is: read at
+    √(s_q·s_kv); a sliding window at the window; past the published range the rate holds."""
+    prices = attention_prices("h200", "cudnn")
+    fwd = prices.curve("fwd", False, 128)
+    block = Kernel.attention(16, 4096, 16384, 128, causal=False)
+    assert prices.rate_tflops(block) == pytest.approx(fwd.tflops(8192))
+    windowed = Kernel.attention(16, 65536, 65536, 128, window=4096)
+    assert prices.rate_tflops(windowed) == pytest.approx(
+        prices.curve("fwd", True, 128).tflops(4096))
+    last_s, last_r = fwd.points[-1]
+    assert fwd.tflops(4 * last_s) == last_r and fwd.tflops(64) == fwd.points[0][1]
+
+
+@pytest.mark.parametrize("attention", NAMED_KERNELS)
+def test_a_run_names_its_kernel(attention):
+    """ParallelConfig.attention flash2, flash3 or cudnn prices the step's attention from
+    that kernel's curves: on an H100 at 32K tokens FlashAttention-2 is the slowest and
+    FlashAttention-3 the fastest (their published rates), and ``flash`` is the device's
+    default (cuDNN: Transformer Engine's choice on Hopper)."""
+    cfg = GPTConfig(hidden=2048, layers=2, heads=16, seq=32768, vocab=1024, arch="llama",
+                    kv_heads=4, ffn_hidden=5632)
+    step = {a: simulate_gpt(cfg, ParallelConfig(global_batch=1, attention=a), "h100-dgx")
+            .step_time_s for a in ("flash", *NAMED_KERNELS)}
+    assert step["flash2"] > step["cudnn"] > step["flash3"]
+    assert step["flash"] == step["cudnn"]
+    assert named_kernel(attention) == attention and named_kernel("flash") == ""
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match=r"attention 'flash3' is priced from published "
+                                         r"curves: mi300x .* has none"):
+        HardwareCostModel(preset("mi300x"), attention_kernel="flash3")
+    with pytest.raises(ValueError, match="attention_kernel='xformers': not a kernel with "
+                                         "published curves; allowed: flash2, flash3, cudnn"):
+        HardwareCostModel(preset("h100-dgx"), attention_kernel="xformers")
+    with pytest.raises(ValueError, match="attention kernel 'flash3' on a100-80gb: no "
+                                         "published curve; kernels with curves on "
+                                         "a100-80gb: flash2"):
+        HardwareCostModel(preset("a100-80gb-dgx"), attention_kernel="flash3")
+    from vcluster.timing.presets import hardware_from_dict
+    with pytest.raises(ValueError, match=r"attention_gpu: 'tpu-v5' has no published "
+                                         r"attention curves; allowed: a100-80gb"):
+        hardware_from_dict({"base": "h100-dgx", "device": {"attention_gpu": "tpu-v5"}})
+    with pytest.raises(ValueError, match=r"attention_kernel: 'flash3' has no curves on "
+                                         r"a100-80gb; allowed: flash2"):
+        hardware_from_dict({"base": "a100-80gb-dgx", "device": {"attention_kernel": "flash3"}})
+
+
+def test_a_measured_kernel_table_keeps_its_own_attention():
+    """Hardware with measured kernels (a shipped kernel table) prices ``flash`` by its own
+    attention profile, not by the curves; a named kernel still reads its curves."""
+    from vcluster.timing.presets import hardware_from_dict
+    hw = hardware_from_dict({"base": "h100-dgx", "device": {"kernel_table": "h100_kernels.csv"}})
+    op = _op(8192)
+    measured = HardwareCostModel(hw)
+    assert measured.compute_time_s(op) == measured.kernel_profile.time_s(op.kernel)
+    named = HardwareCostModel(hw, attention_kernel="flash2")
+    assert named.compute_time_s(op) == pytest.approx(
+        5e-6 + op.flops / (attention_prices("h100-sxm", "flash2").curve("fwd", True, 128)
+                           .tflops(8192) * 1e12))

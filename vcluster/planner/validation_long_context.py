@@ -1,0 +1,162 @@
+"""The timing model against published long-context and overlapped training runs.
+
+``torchtitan_long_context.csv`` (its header gives every source, commit and doubt): the
+torchtitan paper's (Liang et al., arXiv 2410.06511, ICLR 2025) and the torchtitan
+repository's measured Llama 3.1 8B/70B/405B throughput on H100s — FSDP2, tensor parallelism
+with and without asynchronous TP, pipelines, and context parallelism at 32K to 262K tokens
+— and one H200 run. Every row is ``held_out``: no constant was chosen on it.
+
+Each row is simulated as the source states it (:func:`row_config`), with what torchtitan
+runs where the row is silent, the same for every row:
+
+* FSDP2 over the data-parallel ranks (ZeRO-3), its gradients reduced in fp32
+  (torchtitan's ``mixed_precision_reduce``); with tensor parallelism, sequence parallelism
+  and ZeRO-1 (the program does not run ZeRO-3 beside sequence parallelism: the parameter
+  gathers FSDP2 overlaps with the previous layer are left out);
+* attention ``flash2``: PyTorch's SDPA tries FlashAttention(-2) first on H100 and H200
+  (torchtitan selected cuDNN only on B200: github.com/pytorch/torchtitan pull 1196);
+* ``tp_overlap="te"`` where the row ran asynchronous TP (torchtitan's
+  ``enable_async_tensor_parallel``: the same decomposition of the sequence-parallel
+  gathers and reduce-scatters, :mod:`tensor_parallel.collective_matmul`);
+* Float8 rows with their linear GEMMs in FP8 (``fp8``, one scale per tensor);
+* activation checkpointing ``full`` as full recomputation; torchtitan's per-op selective
+  policy (``op``) as ``selective`` — not the same policy (``op`` also recomputes every
+  second matmul and the elementwise work), so those rows are predicted too fast by that
+  much.
+
+Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
+Not modelled, and in the signed errors: the 500 W power limit and HBM2e memory of Meta's
+H100s (the paper's §3.1; the model prices the DGX H100's 700 W part), eager PyTorch's
+per-kernel host cost against ``torch.compile``, FSDP2's and Float8's extra kernels.
+
+Each row is also simulated as the model stood before issue 54 (``first_run``: fused
+attention at the device's achieved GEMM rate, no TE overlap) so both errors print side by
+side, and the signed errors are summarised by sequence band (:data:`BANDS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from modeling import ConfigError
+from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.timing import read_data_csv
+from vcluster.timing.presets import hardware_from_dict
+
+from .simulation import simulate_gpt
+
+__all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
+           "band_of", "summary_by_band"]
+
+LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
+#: a row's GPU -> the preset it is simulated on (module docstring: Meta's 500 W HBM2e
+#: H100 on the DGX H100's)
+GPU_PRESETS = {"h100-sxm-hbm2e": "h100-dgx", "h200-sxm": "h200-dgx"}
+#: the sequence bands of the benchmark goal: (label, lowest, highest) in tokens
+BANDS = (("<=4K", 0, 4096), ("8-16K", 8192, 16384), ("32K", 32768, 32768),
+         (">=64K", 65536, math.inf))
+_RECOMPUTE = {"full": "full", "op": "selective", "none": "none", "selective": "selective"}
+
+
+def band_of(seq: int) -> str:
+    """The label of the :data:`BANDS` band ``seq`` falls in ("" between bands)."""
+    return next((label for label, lo, hi in BANDS if lo <= seq <= hi), "")
+
+
+def row_config(r: dict) -> tuple:
+    """(config, parallel, fp8, refusals) of a row (module docstring); with refusals the
+    row is not simulated."""
+    refusals = []
+    for key, what in (("micro_batch", "the micro-batch"), ("vp", "the interleaving"),
+                      ("compiled", "whether torch.compile ran")):
+        if not r[key]:
+            refusals.append(f"{key}='': the source does not state {what}")
+    cfg = GPTConfig(hidden=int(r["hidden"]), layers=int(r["layers"]), heads=int(r["heads"]),
+                    seq=int(r["seq"]), vocab=int(r["vocab"]), arch=r["arch"],
+                    kv_heads=int(r["kv_heads"]), ffn_hidden=int(r["ffn_hidden"]))
+    if refusals:
+        return cfg, None, False, refusals
+    tp, pp, cp, dp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "fsdp", "vp"))
+    try:
+        par = ParallelConfig(
+            global_batch=int(r["global_batch"]), micro_batch=int(r["micro_batch"]), dp=dp,
+            tp=tp, pp=pp, cp=cp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
+            virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
+            zero_stage=3 if tp == 1 and pp == 1 else 1,
+            recompute=_RECOMPUTE[r["activation_checkpointing"]], grad_reduce_dtype="fp32",
+            attention="flash2", tp_overlap="te" if r["tp_overlap"] == "1" else "backward")
+    except ConfigError as e:
+        return cfg, None, False, [str(e)]
+    return cfg, par, r["float8"] == "1", []
+
+
+def _first_run_hardware(name: str):
+    """Preset ``name`` as the model priced it before issue 54: fused attention at the
+    device's achieved GEMM rate (no published curves)."""
+    return hardware_from_dict({"base": name, "device": {"attention_gpu": "",
+                                                         "attention_kernel": ""}})
+
+
+def _case(r: dict) -> str:
+    how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp") if r[k] not in ("1", ""))
+    extra = [x for x, on in (("compile", r["compiled"] == "1"), ("float8", r["float8"] == "1"),
+                             ("asyncTP", r["tp_overlap"] == "1")) if on]
+    return (f"{r['model']} s={int(r['seq']) // 1024}K {r['gpus']}x{r['gpu']} fsdp={r['fsdp']}"
+            f"{' ' + how if how else ''} AC={r['activation_checkpointing']}"
+            f"{' ' + '+'.join(extra) if extra else ''}")
+
+
+def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
+    """Every row of :data:`LONG_CONTEXT_TABLE` (``rows_of``: a predicate on the table's
+    rows, as :func:`~vcluster.timing.read_data_csv` reads them, keeping only some):
+    ``predicted`` (tokens/s per GPU), its ``rel_error``, the ``first_run`` prediction and
+    error, the row's sequence ``band``; ``status`` predicted or refused (with ``reason``).
+    ``on_row``: called after each."""
+    rows = []
+    for i, r in enumerate(read_data_csv(LONG_CONTEXT_TABLE)[1]):
+        if rows_of is not None and not rows_of(r):
+            continue
+        cfg, par, fp8, refusals = row_config(r)
+        out = {"table": LONG_CONTEXT_TABLE, "row": i + 1, "case": _case(r),
+               "source_row": r["source_row"], "seq": cfg.seq, "band": band_of(cfg.seq),
+               "metric": "tokens_per_s_per_gpu", "published": float(r["tokens_per_s_per_gpu"]),
+               "role": "held_out"}
+        if refusals:
+            rows.append(out | {"status": "refused", "reason": "; ".join(refusals)})
+        else:
+            preset = GPU_PRESETS[r["gpu"]]
+            tokens = par.global_batch * cfg.seq / par.gpus
+            sim = simulate_gpt(cfg, par, preset, fp8=fp8)
+            first = simulate_gpt(
+                cfg, ParallelConfig(**{**_fields(par), "attention": "flash",
+                                       "tp_overlap": "backward"}),
+                _first_run_hardware(preset), fp8=fp8)
+            predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
+            rows.append(out | {"status": "predicted", "hardware": preset,
+                               "predicted": predicted,
+                               "rel_error": predicted / out["published"] - 1,
+                               "first_run": before,
+                               "first_run_error": before / out["published"] - 1,
+                               "fits": sim.fits})
+        if on_row is not None:
+            on_row()
+    return rows
+
+
+def _fields(par: ParallelConfig) -> dict:
+    """ParallelConfig's constructor arguments of ``par`` (its fields)."""
+    return {f.name: getattr(par, f.name) for f in dataclasses.fields(par)}
+
+
+def summary_by_band(rows: list[dict], key: str = "rel_error") -> dict:
+    """Per :data:`BANDS` label: rows, mean signed error, mean |error| of the predicted rows
+    (``key``: rel_error, or first_run_error)."""
+    out = {}
+    for label, _, _ in BANDS:
+        errs = [r[key] for r in rows if r["status"] == "predicted" and r["band"] == label]
+        out[label] = None if not errs else {
+            "rows": len(errs), "mean_signed": statistics.fmean(errs),
+            "mean_abs": statistics.fmean(abs(e) for e in errs)}
+    return out

@@ -1,0 +1,222 @@
+"""Fused attention kernels priced from published measurements: the FLOP/s a kernel reaches
+at a sequence length, head dimension and mask, per GPU.
+
+``data/attention_benchmarks.csv`` holds the published throughput of FlashAttention 2 and 3,
+cuDNN's fused SDPA and others (its header names each source: the FlashAttention-2 and -3
+papers' figures, NVIDIA's cudnn-frontend benchmark results) as TFLOP/s by GPU, kernel,
+direction (``fwd``, ``bwd``, ``fwd_bwd``), causal mask, head dimension and sequence length,
+in FlashAttention's FLOP convention — forward 4·B·H·S²·D (halved when causal), backward
+2.5× the forward — which is the traced program's (:func:`~.kernel_profiles.
+_attention_flops`; cuDNN's benchmarks count causal S(S+1)/2, equal up to 1/S).
+
+A kernel of that shape is priced as
+
+    t = t_k + F / r(direction, causal, d, s)
+
+with ``t_k`` the device's kernel overhead, ``F`` the traced op's FLOPs and ``r`` the curve's
+rate, interpolated linearly in log2(s) between the published sequence lengths and held at
+the ends (the sources sweep 512 to 16K, some to 128K; past 16K the published rates stay
+within ±8% to 128K: cudnn-frontend's B200 and H200 runs, S5-S7). No efficiency divisor: the
+rates are the kernels' own, measured alone (as :mod:`.kernel_profiles`' in-stream prices).
+
+The sequence a kernel is read at: √(s_q·s_kv) for its query and key rows (a context-
+parallel block is the smaller kernel it is), under a sliding window w the lesser of that
+and w; the head dimension: the published one nearest in log2 (the lower on a tie).
+
+Where a source leaves a (direction, mask) out, the curve is derived, in this order, and says
+so (:attr:`AttentionCurve.derived`):
+
+1. ``bwd`` from ``fwd`` and ``fwd_bwd`` (both published): 2.5·F / (3.5·F/r_fb − F/r_f);
+   ``fwd`` likewise from ``bwd`` and ``fwd_bwd``;
+2. ``fwd`` and ``bwd`` both missing: both at the ``fwd_bwd`` rate (a 3.5·F pair at that rate);
+3. a causal ``bwd`` from the non-causal ``bwd`` times the forward's causal over non-causal
+   rate at the same sequence (the mask's cost measured on the forward, assumed the same
+   on the backward: FlashAttention-3 publishes no causal backward);
+4. a mask with no curve at all takes the other mask's (cudnn-frontend's B200 runs are
+   causal only: non-causal blocks, as context parallelism's, then price at the causal rate,
+   the lower at short sequences).
+
+Which GPU's curves a device reads and its default kernel are preset fields
+(:attr:`~.hardware.DeviceSpec.attention_gpu`, :attr:`~.hardware.DeviceSpec.
+attention_kernel`); a run names another with ``ParallelConfig.attention`` (``flash2``,
+``flash3``, ``cudnn``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from dataclasses import dataclass
+
+from vcluster.runtime.tracing.kernel import Kernel
+
+from .presets import read_data_csv
+
+__all__ = ["ATTENTION_TABLE", "NAMED_KERNELS", "AttentionCurve", "AttentionKernelPrices",
+           "attention_prices", "attention_gpus", "kernels_of", "named_kernel"]
+
+#: the published measurements (module docstring)
+ATTENTION_TABLE = "attention_benchmarks.csv"
+#: the kernels a run may name (ParallelConfig.attention): their curves in ATTENTION_TABLE
+NAMED_KERNELS = ("flash2", "flash3", "cudnn")
+_FWD_BWD, _BWD = 3.5, 2.5         # FLOPs of fwd+bwd and bwd over the forward's
+_DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """TFLOP/s by sequence length: ``points`` ((seq, tflops), ...) ascending; ``derived``:
+    how it was made where not published ("" when published; module docstring)."""
+
+    points: tuple
+    derived: str = ""
+
+    def tflops(self, seq: float) -> float:
+        """The rate at ``seq``: linear in log2(seq) between points, held at the ends."""
+        pts = self.points
+        if seq <= pts[0][0]:
+            return pts[0][1]
+        if seq >= pts[-1][0]:
+            return pts[-1][1]
+        x = math.log2(seq)
+        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+            if seq <= s1:
+                u = (x - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return r0 + u * (r1 - r0)
+        return pts[-1][1]                                   # unreachable
+
+
+def _combine(a: AttentionCurve, b: AttentionCurve, fn, how: str) -> AttentionCurve | None:
+    """``fn(ra, rb)`` at the sequence lengths both curves publish (None if none)."""
+    rb = dict(b.points)
+    pts = tuple((s, fn(r, rb[s])) for s, r in a.points if s in rb)
+    pts = tuple((s, r) for s, r in pts if r > 0 and math.isfinite(r))
+    return AttentionCurve(pts, how) if pts else None
+
+
+@dataclass(frozen=True)
+class AttentionKernelPrices:
+    """One kernel on one GPU: its curves by (direction, causal, head_dim)."""
+
+    gpu: str
+    kernel: str
+    curves: dict
+
+    @property
+    def head_dims(self) -> tuple:
+        return tuple(sorted({d for _, _, d in self.curves}))
+
+    def curve(self, direction: str, causal: bool, head_dim: int) -> AttentionCurve:
+        """The curve of the published head dimension nearest ``head_dim`` (module docstring)."""
+        d = min(self.head_dims, key=lambda h: (abs(math.log2(h) - math.log2(head_dim)), h))
+        return self.curves[(direction, bool(causal), d)]
+
+    def rate_tflops(self, kernel: Kernel) -> float:
+        """The TFLOP/s ``kernel`` (an attention kernel) runs at (module docstring)."""
+        _, s_q, s_kv, d = kernel.shape
+        seq = math.sqrt(max(s_q, 1) * max(s_kv, 1))
+        if kernel.window:
+            seq = min(seq, kernel.window)
+        return self.curve("bwd" if kernel.backward else "fwd", kernel.causal or
+                          bool(kernel.window), d).tflops(seq)
+
+    def time_s(self, kernel: Kernel, flops: float, overhead_s: float) -> float:
+        """t_k + F / r (module docstring); 0 for an empty kernel."""
+        if flops <= 0:
+            return 0.0
+        return overhead_s + flops / (self.rate_tflops(kernel) * 1e12)
+
+
+def named_kernel(attention) -> str:
+    """The named kernel of a run's ``attention`` (ParallelConfig's; "flash2", "flash3",
+    "cudnn"), or "" for every other (``flash``: the device's default)."""
+    value = getattr(attention, "value", attention)
+    return value if value in NAMED_KERNELS else ""
+
+
+@functools.lru_cache(maxsize=None)
+def _rows() -> tuple:
+    return tuple(read_data_csv(ATTENTION_TABLE)[1])
+
+
+def attention_gpus() -> tuple:
+    """The GPUs the table has curves for (its ``gpu`` keys)."""
+    return tuple(sorted({r["gpu"] for r in _rows()}))
+
+
+def kernels_of(gpu: str) -> tuple:
+    """The named kernels (:data:`NAMED_KERNELS`) with curves on ``gpu``."""
+    return tuple(k for k in NAMED_KERNELS if any(r["gpu"] == gpu and r["kernel"] == k
+                                                 for r in _rows()))
+
+
+@functools.lru_cache(maxsize=None)
+def attention_prices(gpu: str, kernel: str) -> AttentionKernelPrices:
+    """``kernel``'s curves on ``gpu``, published and derived (module docstring);
+    ValueError naming what the table has when it has none."""
+    if kernel not in NAMED_KERNELS:
+        raise ValueError(f"attention kernel {kernel!r}: not a kernel with published curves; "
+                         f"allowed: {', '.join(NAMED_KERNELS)}")
+    if gpu not in attention_gpus():
+        raise ValueError(f"attention curves for GPU {gpu!r}: none published in "
+                         f"{ATTENTION_TABLE}; GPUs with curves: {', '.join(attention_gpus())}")
+    samples: dict = {}
+    for r in _rows():
+        if r["gpu"] == gpu and r["kernel"] == kernel:
+            key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
+            samples.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
+    if not samples:
+        raise ValueError(f"attention kernel {kernel!r} on {gpu}: no published curve; kernels "
+                         f"with curves on {gpu}: {', '.join(kernels_of(gpu)) or 'none'}")
+    curves = {key: AttentionCurve(tuple((s, statistics.median(v)) for s, v in sorted(
+        by_seq.items()))) for key, by_seq in samples.items()}
+    return AttentionKernelPrices(gpu, kernel, _complete(curves))
+
+
+def _complete(curves: dict) -> dict:
+    """Every (fwd|bwd, causal) curve at every published head dimension, derived where
+    missing by the module docstring's rules 1-4."""
+    out = dict(curves)
+    for d in sorted({k[2] for k in curves}):
+        for causal in (True, False):
+            f, b, fb = (out.get((x, causal, d)) for x in _DIRECTIONS)
+            if b is None and f is not None and fb is not None:          # rule 1
+                b = _combine(fb, f, lambda r_fb, r_f: _BWD / (_FWD_BWD / r_fb - 1 / r_f),
+                             "backward from fwd_bwd less fwd")
+            if f is None and b is not None and fb is not None:
+                f = _combine(fb, b, lambda r_fb, r_b: 1 / (_FWD_BWD / r_fb - _BWD / r_b),
+                             "forward from fwd_bwd less bwd")
+            if f is None and b is None and fb is not None:              # rule 2
+                f = b = AttentionCurve(fb.points, "forward and backward at the fwd_bwd rate")
+            for key, c in (((("fwd", causal, d)), f), (("bwd", causal, d), b)):
+                if c is not None:
+                    out[key] = c
+        for causal in (True, False):                                    # rule 3
+            if ("bwd", causal, d) not in out and all(
+                    k in out for k in (("bwd", not causal, d), ("fwd", True, d),
+                                       ("fwd", False, d))):
+                f_ratio = _combine(out[("fwd", causal, d)], out[("fwd", not causal, d)],
+                                   lambda a, b: a / b, "")
+                if f_ratio is not None:
+                    ratio = AttentionCurve(f_ratio.points)
+                    nc = out[("bwd", not causal, d)]
+                    out[("bwd", causal, d)] = AttentionCurve(
+                        tuple((s, r * ratio.tflops(s)) for s, r in nc.points),
+                        f"{'causal' if causal else 'non-causal'} backward: the other mask's "
+                        f"backward times the forward's mask ratio")
+        for direction in ("fwd", "bwd"):                                # rule 4
+            for causal in (True, False):
+                other = out.get((direction, not causal, d))
+                if (direction, causal, d) not in out and other is not None:
+                    out[(direction, causal, d)] = AttentionCurve(
+                        other.points, f"{'causal' if causal else 'non-causal'}: none "
+                        f"published, the other mask's curve")
+    missing = [(x, c, d) for d in sorted({k[2] for k in out}) for x in ("fwd", "bwd")
+               for c in (True, False) if (x, c, d) not in out]
+    for key in missing:       # a head dim published for one direction only: the nearest
+        near = [k for k in out if k[:2] == key[:2]]
+        if near:
+            src = min(near, key=lambda k: abs(math.log2(k[2]) - math.log2(key[2])))
+            out[key] = AttentionCurve(out[src].points, f"head dim {src[2]}'s curve")
+    return {k: v for k, v in out.items() if k[0] in ("fwd", "bwd")}

@@ -246,7 +246,8 @@ PLAN_SCHEMA = {
         "gemm_format": {"enum": [None, "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4"]},
         "cluster_parts": {"type": ["array", "null"]},
         "grad_reduce_dtype": {"enum": ["model", "fp32"]},
-        "attention": {"enum": ["flash", "unfused", "flash-v1"]},
+        "attention": {"enum": ["flash", "unfused", "flash-v1", "flash2", "flash3", "cudnn"]},
+        "tp_overlap": {"enum": ["backward", "te", "none"]},
         "rejected": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
         "candidates": {"type": "array", "minItems": 1, "items": {
             "type": "object",

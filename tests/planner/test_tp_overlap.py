@@ -87,3 +87,17 @@ def test_the_command_lines_take_tp_overlap(tmp_path, capsys):
     with pytest.raises(ValueError, match="tp_overlap='always': not a known value; allowed: "
                                          "one of backward, te, none"):
         ParallelConfig(global_batch=4, tp_overlap="always")
+
+
+def test_the_planner_pairs_te_with_sequence_parallelism():
+    """plan_gpt(tp_overlap="te"): Transformer Engine's overlap needs sequence parallelism,
+    so every candidate with tp > 1 runs it (none is refused for lacking it), and the ones
+    with tp = 1 are as under ``backward``."""
+    common = dict(hidden=1024, layers=4, heads=16, seq=2048, vocab=1024, gpus=8,
+                  global_batch=8, hardware="h100-dgx", progress=False, replay=1, top=1,
+                  workers=1)
+    te = plan_gpt(tp_overlap="te", **common)
+    assert len(te) and te.attrs["tp_overlap"] == "te"
+    assert te[te["tp"] > 1]["sequence_parallel"].all() and (te["tp"] > 1).any()
+    backward = plan_gpt(tp_overlap="backward", **common)
+    assert len(te[te["tp"] == 1]) == len(backward[backward["tp"] == 1])

@@ -134,7 +134,8 @@ def _finite(x):
 
 def plan_json(df) -> dict:
     """``{"candidates": [...], "rejected": {reason: count}, "precision": ..., "fp8": ...,
-    "gemm_format": ..., "grad_reduce_dtype": ..., "attention": ..., "cluster_parts": ...}`` from plan_gpt's DataFrame; a candidate
+    "gemm_format": ..., "grad_reduce_dtype": ..., "attention": ..., "tp_overlap": ...,
+    "cluster_parts": ...}`` from plan_gpt's DataFrame; a candidate
     holds :data:`JSON_KEYS` and :data:`DERIVED_KEYS`."""
     from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     rows = df[list(JSON_KEYS)].to_dict(orient="records")
@@ -154,6 +155,7 @@ def plan_json(df) -> dict:
                             if df.attrs["fp8"] is True else df.attrs["fp8"]),
             "grad_reduce_dtype": df.attrs.get("grad_reduce_dtype", "model"),
             "attention": df.attrs.get("attention", "flash"),
+            "tp_overlap": df.attrs.get("tp_overlap", "backward"),
             "cluster_parts": df.attrs.get("cluster_parts")}
 
 

@@ -333,6 +333,8 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                if per_replica % b == 0 and (space.micro_batches or b <= space.max_micro_batch)]
         sps = [sp for sp in space.sequence_parallel
                if not sp or (tp > 1 and config.seq // cp % tp == 0)]
+        if space.tp_overlap == "te" and tp > 1:      # TE's overlap needs sequence parallelism
+            sps = [sp for sp in sps if sp]
         layouts = _expert_layouts(config, space, dp, tp, cp)
         for b, (ep, etp) in ((b, x) for b in mbs for x in layouts):
             m = per_replica // b

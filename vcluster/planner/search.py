@@ -438,7 +438,8 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     without it). ``grad_reduce_dtype``: every candidate's
     :attr:`~pipeline_parallel.gpt.ParallelConfig.grad_reduce_dtype` ("model", the default:
     16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``). ``attrs["attention"]``:
-    ``attention``.
+    ``attention``; ``attrs["tp_overlap"]``: ``tp_overlap`` (with ``te``, every candidate
+    with tp > 1 runs sequence parallelism, which that overlap needs).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -520,5 +521,6 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
                     global_batch=global_batch,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,
-                    attention=attention, planning_time_s=time.perf_counter() - t0)
+                    attention=attention, tp_overlap=tp_overlap,
+                    planning_time_s=time.perf_counter() - t0)
     return df

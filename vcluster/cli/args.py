@@ -169,14 +169,19 @@ def add_grad_reduce_argument(parser) -> None:
 
 
 def add_attention_argument(parser) -> None:
-    """--attention flash|unfused|flash-v1: ParallelConfig.attention
+    """--attention flash|unfused|flash-v1|flash2|flash3|cudnn: ParallelConfig.attention
     (``pipeline_parallel.gpt.ATTENTION``)."""
     parser.add_argument("--attention", choices=AttentionKernel.values(), default="flash",
                         help="the attention kernel a real run uses: flash (default: fused, "
-                             "no s² scores kept for the backward), unfused (the scores "
-                             "kept), or flash-v1 (fused, a kernel built for Ampere: "
+                             "no s² scores kept for the backward; the GPU's default kernel, "
+                             "priced from its published curves where it has them), unfused "
+                             "(the scores kept), flash-v1 (fused, a kernel built for Ampere: "
                              "FlashAttention 1, the Triton and xformers kernels of 2022-23, "
-                             "priced at its measured speed on each GPU)")
+                             "priced at its measured speed on each GPU), or a fused kernel "
+                             "by name, priced from its published curves on the GPU: flash2 "
+                             "(FlashAttention-2, PyTorch SDPA's first choice), flash3 "
+                             "(FlashAttention-3, Hopper), cudnn (cuDNN fused attention, "
+                             "Transformer Engine's choice on Hopper and later)")
 
 
 def add_fp8_argument(parser) -> None:

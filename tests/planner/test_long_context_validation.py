@@ -75,3 +75,4 @@ def test_the_section_prints(capsys):
     out = capsys.readouterr().out
     assert "long context and overlapped TP (torchtitan_long_context.csv, held_out): 1 of 1" \
         in out and ">=64K" in out and "first run" in out
+

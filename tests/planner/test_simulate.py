@@ -117,8 +117,11 @@ def test_validate_model_meets_the_acceptance(tmp_path):
     out = tmp_path / "validation.json"
     # every table but the 2026 hardware's (their own test: test_validation_2026.py)
     from vcluster.cli.validate_model_cmd import TABLES
+    # (and the long-context table's: test_long_context_validation.py, on some of its rows)
     older = [a for t in TABLES if t not in ("nccl_2026.csv", "megatron_bridge_blackwell.csv",
-                                            "amd_instinct_training.csv") for a in ("--table", t)]
+                                            "amd_instinct_training.csv",
+                                            "torchtitan_long_context.csv")
+             for a in ("--table", t)]
     proc = _vcluster("validate-model", *older, "--json", str(out), timeout=540)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
@@ -189,16 +192,7 @@ def test_validate_model_meets_the_acceptance(tmp_path):
         "h200_gpt_steps.csv", "h100_gpt_steps.csv", "h200_shapes_steps.csv"}
     assert all(e <= 0.15 for e in measured["step_ms_mean_abs_rel_error"].values())
     assert "with plain PyTorch's autocast kernels" in proc.stdout
-    # long context and overlapped TP (issue 54): its own section, each row's error now and
-    # as first run, the signed error by sequence band
-    long = data["long_context"]
-    assert long["table"] == "torchtitan_long_context.csv" and long["role"] == "held_out"
-    assert long["predicted"] + long["refused"] == 45 and long["predicted"] >= 30
-    assert long["mean_abs_rel_error"] < long["first_run_mean_abs_rel_error"]
-    for band in (">=64K", "32K"):          # the long sequences' flat-rate error, halved
-        assert abs(long["by_band"][band]["mean_signed"]) < \
-            0.5 * abs(long["first_run_by_band"][band]["mean_signed"])
-    assert "signed error by sequence band" in proc.stdout
+    assert data["long_context"] is None          # not asked for
 
 
 def test_ratio_wording_states_the_figures_and_the_rule():

@@ -130,8 +130,7 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
             tokens = par.global_batch * cfg.seq / par.gpus
             sim = simulate_gpt(cfg, par, preset, fp8=fp8)
             first = simulate_gpt(
-                cfg, ParallelConfig(**{**_fields(par), "attention": "flash",
-                                       "tp_overlap": "backward"}),
+                cfg, dataclasses.replace(par, attention="flash", tp_overlap="backward"),
                 _first_run_hardware(preset), fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
             rows.append(out | {"status": "predicted", "hardware": preset,
@@ -143,11 +142,6 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
         if on_row is not None:
             on_row()
     return rows
-
-
-def _fields(par: ParallelConfig) -> dict:
-    """ParallelConfig's constructor arguments of ``par`` (its fields)."""
-    return {f.name: getattr(par, f.name) for f in dataclasses.fields(par)}
 
 
 def summary_by_band(rows: list[dict], key: str = "rel_error") -> dict:

@@ -232,9 +232,10 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                         raise ValueError(
                             f"rank {rank} op #{i} {op!r}: the matching send of rank {op.peer} "
                             f"(tag {op.tag}) carries {nbytes} bytes, not {op.nbytes}")
-                    self.comm_s[rank] += end - start
-                    if kinds is not None:
-                        unclaimed += end - start
+                    if not is_ring_tag(op.tag):   # a ring's transfer counts at its sender
+                        self.comm_s[rank] += end - start
+                        if kinds is not None:
+                            unclaimed += end - start
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, start, end, _P2P)))
                 elif cls is TraceCollective:

@@ -5,8 +5,11 @@ collective or transfer of any rank):
 
 * ``compute_s`` — busy time of the compute stream on compute ops;
 * ``comm_s`` — summed durations (start to end) of the collectives ``r`` is a member of
-  (blocking and asynchronous) and of the transfers it sends or receives; these may overlap
-  compute and each other, so ``comm_s`` is not a share of ``T``;
+  (blocking and asynchronous) and of the transfers it sends or receives — but a ring
+  step's receive (:func:`~vcluster.runtime.tracing.ops.is_ring_tag`: a collective matmul),
+  which its sender counts while ``r``'s own send of that step runs beside it, as a ring
+  collective counts once per member; these may overlap compute and each other, so
+  ``comm_s`` is not a share of ``T``;
 * the compute stream is *blocked* on a blocking collective from its arrival to the
   collective's end, on a ``TraceWait`` (or the implicit wait for un-waited asynchronous
   collectives at the end of the trace) from the wait to the collective's end, and on a

@@ -47,7 +47,9 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from vcluster.runtime.tracing.kernel import Kernel
 
@@ -101,11 +103,12 @@ class AttentionKernelPrices:
 
     gpu: str
     kernel: str
-    curves: dict
+    curves: Mapping = field(repr=False)           # read-only after construction
+    head_dims: tuple = field(init=False)           # the published head dimensions
 
-    @property
-    def head_dims(self) -> tuple:
-        return tuple(sorted({d for _, _, d in self.curves}))
+    def __post_init__(self):
+        object.__setattr__(self, "curves", MappingProxyType(dict(self.curves)))
+        object.__setattr__(self, "head_dims", tuple(sorted({d for _, _, d in self.curves})))
 
     def curve(self, direction: str, causal: bool, head_dim: int) -> AttentionCurve:
         """The curve of the published head dimension nearest ``head_dim`` (module docstring)."""

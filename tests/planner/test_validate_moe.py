@@ -13,8 +13,7 @@ import pytest
 
 from modeling import load_model
 from pipeline_parallel.gpt import GPTConfig, model_flops
-from vcluster.planner.validation import (MOE_METRICS, MOE_TABLE, moe_row_config,
-                                         validate_moe)
+from vcluster.planner.validation import MOE_METRICS, MOE_TABLE, moe_row_config
 from vcluster.timing import read_data_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,8 +102,20 @@ def test_what_the_program_cannot_run_is_refused_with_its_reason(changes, reason)
 
 
 @pytest.fixture(scope="module")
-def moe_rows():
-    return validate_moe()
+def moe_run(tmp_path_factory):
+    """``validate-model --table megatron_bridge_h100_moe.csv --json``, run once for the
+    module: (the process, its JSON). Its ``moe`` rows are ``validate_moe()``'s."""
+    out = tmp_path_factory.mktemp("moe") / "v.json"
+    proc = subprocess.run([sys.executable, "-m", "vcluster", "validate-model", "--table",
+                           MOE_TABLE, "--json", str(out), "--quiet"], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def moe_rows(moe_run):
+    return moe_run[1]["moe"]["rows"]
 
 
 @pytest.mark.slow
@@ -134,13 +145,8 @@ def test_validate_moe_predicts_or_refuses_every_row(moe_rows):
 
 
 @pytest.mark.slow
-def test_validate_model_prints_the_moe_section_apart(tmp_path):
-    out = tmp_path / "v.json"
-    proc = subprocess.run([sys.executable, "-m", "vcluster", "validate-model", "--table",
-                           MOE_TABLE, "--json", str(out), "--quiet"], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(out.read_text())
+def test_validate_model_prints_the_moe_section_apart(moe_run):
+    proc, data = moe_run
     assert data["rows"] == [] and data["mean_abs_rel_error"] is None
     moe = data["moe"]
     assert moe["table"] == MOE_TABLE and moe["role"] == "held_out" and len(moe["rows"]) == 14

@@ -26,9 +26,9 @@ communication thread each — gets one stream per rank). Semantics:
   link ``(src, dst)`` (one transfer at a time, FIFO) and lasts ``costs.p2p_time_s``. A
   cost model may name *ports* a transfer also occupies (``costs.p2p_ports(src, dst)``: the
   hardware model names the sender's NIC and the receiver's NIC when the two are on
-  different nodes): transfers sharing a port run one after another, in the order the
-  replay reaches their sends — so W workers' messages to one parameter server queue at
-  its NIC.
+  different nodes): transfers sharing a port run one after another, in the order of
+  their send times (ties: the order the replay reaches them) — so W workers' messages to
+  one parameter server queue at its NIC.
   ``TraceRecv`` completes at ``max(receive reached, transfer end)`` of the matching send
   (same ``(src, dst, tag)``, in order).
 * **Symmetric mode**: a group may hold untraced ranks; they are assumed to mirror the
@@ -49,7 +49,13 @@ collective's end time is known — at its start, without a core pool: it resumes
 event that starts the collective (or from the collective's ``done`` event, made only when
 someone waits before the start is scheduled) with its local clock at the end; only
 collectives issued asynchronously keep an event at their end (their streams' next
-collective starts there). Every fact is registered at an
+collective starts there). A blocking collective whose only traced member is this rank,
+issued while the rank's communication streams are idle, starts at once with no event at
+all: nothing else can start beside it on that rank, so its price is already known
+(:meth:`~.replay_collectives.CollectiveReplayMixin._start_now`). Because a rank may thus
+run far ahead of ``env.now``, a send on a cost model with shared *ports* first lets the
+environment catch up with the rank's clock, so ports are claimed in send-time order, not
+in the order the ranks happen to run. Every fact is registered at an
 environment time no later than its own timestamp, so collective starts, which need the
 set of collectives in flight, are processed at their exact instant: by one event of
 priority :data:`LATE` per instant, after every other event of that instant.
@@ -144,6 +150,7 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
         self.op_kind = op_kind                             # name -> kind (None: inherit)
         self.collective_kind = collective_kind             # collective -> kind or None
         self.kind_cache: dict = {}
+        self.collective_kind_cache: dict = {}              # id(op) -> collective_kind(op)
         self.kind_compute_s = {r: {} for r in ranks} if op_kind is not None else None
         self.kind_comm_s = {r: {} for r in ranks} if op_kind is not None else None
 
@@ -172,6 +179,7 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
             if costs is not self.costs:
                 cache = self.model_caches.setdefault(id(costs), (costs, {}))[1]
         handles, mail, pool = self.handles[rank], self.mail, self.pool
+        ports = self._p2p_ports is not None
         t = busy = exposed = bubble = 0.0
         i, n = 0, len(ops)
         drain = None
@@ -206,6 +214,9 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                     i += 1
                     continue
                 if cls is TraceSend:
+                    if ports and t > self.env.now:
+                        # ports are shared: claim them in send-time order (below)
+                        yield self.env.timeout(t - self.env.now)
                     if pool is not None:                   # the sender's copy, then the send
                         share = self._p2p_shares(rank, op.peer, op.nbytes)[1]
                         t = (yield from self._serve(rank, t, share, (i, op)))[1]
@@ -239,11 +250,12 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                     if tl is not None:
                         tl.append(_new(Interval, (i, op, start, end, _P2P)))
                 elif cls is TraceCollective:
-                    call = self._issue(rank, i, op, t)
+                    own = None
                     if kinds is not None:
                         own = None if self.collective_kind is None else \
-                            self.collective_kind(op)
-                        call.kinds[rank] = kind if own is None else own
+                            self._collective_kind_of(op)
+                        own = kind if own is None else own
+                    call = self._issue(rank, i, op, t, own)
                     if op.handle is not None:
                         i += 1
                         continue
@@ -360,6 +372,14 @@ class Replay(CollectiveReplayMixin, PooledReplayMixin):
                 f"untraced peer mirrors the traced rank's own sends (a ring step sends before "
                 f"it receives); trace rank {op.peer} too")
         return q
+
+    def _collective_kind_of(self, op) -> str | None:
+        """``collective_kind(op)``, asked once per op (ops outlive the replay; a stitched
+        trace holds each template op many times)."""
+        kind = self.collective_kind_cache.get(id(op), _UNSEEN)
+        if kind is _UNSEEN:
+            kind = self.collective_kind_cache[id(op)] = self.collective_kind(op)
+        return kind
 
     def _kind_of(self, name: str, previous: str) -> str:
         """The kind of compute op ``name`` (``op_kind``; None: the previous op's kind)."""

@@ -41,7 +41,10 @@ class CollectiveReplayMixin:
         self.groups[op.group] = info
         return info
 
-    def _issue(self, rank: int, i: int, op, t: float) -> Call:
+    def _issue(self, rank: int, i: int, op, t: float, kind: str | None = None) -> Call:
+        """Match ``op`` (rank's op #i, reached at local time ``t``) to its call and arrive
+        (a blocking call) or queue it on its stream (an asynchronous one); ``kind``: the op
+        kind its time is charged to (per-op accounting)."""
         group = op.group
         info = self.groups.get(group) or self._group(rank, i, op)
         pos = info.position.get(rank)
@@ -67,7 +70,12 @@ class CollectiveReplayMixin:
             if pos < call.pos:
                 call.op, call.pos = op, pos
         call.calls[rank] = (i, op)
+        if kind is not None:
+            call.kinds[rank] = kind
         if op.handle is None:
+            if len(info.traced) == 1 and not self.stream_busy[rank] and self.pool is None \
+                    and self._start_now(call, t):
+                return call
             self._arrive(call, t)
             return call
         handles = self.handles[rank]
@@ -152,6 +160,32 @@ class CollectiveReplayMixin:
             if call.async_ranks:                           # their streams move on at the end
                 env.timeout(d, call).callbacks.append(end_call)
 
+    def _start_now(self, call: Call, t: float) -> bool:
+        """Start a blocking call of a lone traced member at its arrival ``t`` without an
+        event, when nothing can start beside it at ``t`` on that member; False (nothing
+        done) otherwise.
+
+        Exact, not an approximation: its member's streams are idle (every asynchronous call
+        it issued has ended, at an environment time <= now <= t), and its compute stream is
+        held by this call, so no other call of the member can start at ``t`` — unless this
+        one lasts 0 s, when the member could issue another at the same instant (then the
+        event path decides). Its other calls that are still in flight are the blocking
+        ones already started, whose ends are known. So :meth:`_start` at instant ``t``
+        would count the same concurrency and price the same duration; this saves the
+        event and the rank's resumption, the replay's commonest step.
+        """
+        (m,) = call.info.traced
+        ends = [e for e in self.inflight[m] if e > t]
+        d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
+                       "collective_time_s", call.op)
+        if d <= 0.0:
+            return False
+        del self.open_calls[(call.info.group, call.k)]
+        call.arrived, call.ready_s = 1, t
+        self.inflight[m] = ends
+        self._started_alone(call, t, d)
+        return True
+
     def _start_alone(self, call: Call, t: float) -> None:
         """:meth:`_start` of the most common case, one collective with one traced member."""
         (m,) = call.info.traced
@@ -160,11 +194,16 @@ class CollectiveReplayMixin:
             self.inflight[m] = ends = [e for e in ends if e > t]
         d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
                        "collective_time_s", call.op)
+        self._started_alone(call, t, d)
+
+    def _started_alone(self, call: Call, t: float, d: float) -> None:
+        """Book a lone member's call started at ``t`` lasting ``d``."""
+        (m,) = call.info.traced
         call.start_s, end = t, t + d
         call.end_s = end
         if end > self.last_s:
             self.last_s = end
-        ends.append(end)
+        self.inflight[m].append(end)
         self.comm_s[m] += d
         if call.kinds:
             self._charge(call, d)

@@ -184,6 +184,40 @@ def test_sends_on_one_link_go_one_at_a_time():
     assert res.comm_s[0] == res.comm_s[1] == 4.0
 
 
+class _NicCosts:
+    """Compute: f flops take f s; every collective 1 s; every transfer 1 s and occupies
+    its receiver's NIC (a port, as ``HardwareCostModel.p2p_ports`` names them)."""
+
+    def compute_time_s(self, op):
+        return float(op.flops)
+
+    def collective_time_s(self, op, concurrent=1):
+        return 1.0
+
+    def p2p_time_s(self, src, dst, nbytes):
+        return 1.0
+
+    def p2p_ports(self, src, dst):
+        return (("nic_in", dst),)
+
+
+def test_transfers_sharing_a_nic_queue_in_send_time_order():
+    """Rank 0 sends at t = 5, after five blocking collectives that only it traces (each
+    started at once, without an event: the rank runs ahead of the environment's clock);
+    rank 1 sends at t = 2. Both transfers enter rank 2's NIC: rank 1's runs first, [2, 3],
+    then rank 0's, [5, 6]. Claimed in the order the ranks ran instead, rank 1's would
+    wait behind rank 0's until 6 and the step would end at 7."""
+    rows = {0: [coll("all_reduce", (0, 3), 8) for _ in range(5)] + [TraceSend(2, 8, 0)],
+            1: [comp(2.0), TraceSend(2, 8, 1)],
+            2: [TraceRecv(0, 8, 0), TraceRecv(1, 8, 1)]}
+    res = simulate_trace({r: DeviceTrace(r, tuple(ops)) for r, ops in rows.items()},
+                         _NicCosts(), symmetric=True)
+    p2p = {r: [(iv.start_s, iv.end_s) for iv in res.timeline(r) if iv.stream is Stream.P2P]
+           for r in (0, 1)}
+    assert p2p == {0: [(5.0, 6.0)], 1: [(2.0, 3.0)]}
+    assert res.step_time_s == 6.0 and res.comm_s[0] == 6.0
+
+
 # --------------------------------------------------------------------------- stragglers
 def test_a_straggler_slows_everyone_waiting_on_it():
     model = SimpleCostModel(1.0, math.inf, 0.0, 1.0)            # all_reduce 2 bytes, p=3: 8/3 s

@@ -172,7 +172,10 @@ class CollectiveReplayMixin:
         event path decides). Its other calls that are still in flight are the blocking
         ones already started, whose ends are known. So :meth:`_start` at instant ``t``
         would count the same concurrency and price the same duration; this saves the
-        event and the rank's resumption, the replay's commonest step.
+        event and the rank's resumption, the replay's commonest step. The rank then runs
+        on ahead of ``env.now``; what depends on the order ranks run in (ports shared by
+        transfers) waits for the environment at the rank's sends
+        (:class:`~vcluster.timing.replay.Replay`).
         """
         (m,) = call.info.traced
         ends = [e for e in self.inflight[m] if e > t]

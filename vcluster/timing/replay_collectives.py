@@ -179,8 +179,7 @@ class CollectiveReplayMixin:
         """
         (m,) = call.info.traced
         ends = [e for e in self.inflight[m] if e > t]
-        d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
-                       "collective_time_s", call.op)
+        d = self._lone_duration(call, ends)
         if d <= 0.0:
             return False
         del self.open_calls[(call.info.group, call.k)]
@@ -195,9 +194,13 @@ class CollectiveReplayMixin:
         ends = self.inflight[m]
         if ends:
             self.inflight[m] = ends = [e for e in ends if e > t]
-        d = cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
-                       "collective_time_s", call.op)
-        self._started_alone(call, t, d)
+        self._started_alone(call, t, self._lone_duration(call, ends))
+
+    def _lone_duration(self, call: Call, ends: list) -> float:
+        """The price of a lone member's ``call`` beside its ``ends`` (the end times of its
+        calls still in flight at the start)."""
+        return cost_value(self.costs.collective_time_s(call.op, 1 + len(ends)),
+                          "collective_time_s", call.op)
 
     def _started_alone(self, call: Call, t: float, d: float) -> None:
         """Book a lone member's call started at ``t`` lasting ``d``."""

@@ -47,11 +47,14 @@ class ScheduleName(Choice):
 class Recompute(Choice):
     """Activation recomputation: ``none`` keeps every activation, ``selective`` re-runs
     the core attention (Korthikanti et al. 2022), ``full`` re-runs every layer's forward
-    from its input."""
+    from its input, ``op`` is torchtitan's per-op selective policy (the Llama layer only:
+    the attention kernel's and every other matmul's outputs kept, the other matmuls — W_k,
+    W_o, W_up — and every elementwise op re-run; :mod:`tensor_parallel.llama`)."""
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    OP = "op"
 
 
 class AttentionKernel(Choice):

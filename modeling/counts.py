@@ -290,6 +290,18 @@ def kv_cache_bytes(spec: ModelSpec, context: int, bytes_per_element: int = 2) ->
                for x in spec.layers) * bytes_per_element
 
 
+def _op_activation_elements(layer: Layer, x: int, h: int, tp: int, sp: int) -> float:
+    """The elements ``op`` keeps (:func:`activation_bytes_per_layer`); ValueError for a
+    layer it does not run on."""
+    att, mlp = layer.attention, layer.mlp
+    if isinstance(att, LatentAttention) or isinstance(mlp, MoE) or mlp.kind.matrices != 3:
+        raise ValueError("activation_bytes_per_layer: recompute 'op' (torchtitan's per-op "
+                         "policy) runs on a dense layer with grouped-query attention and a "
+                         f"gated MLP, not {type(att).__name__} with {type(mlp).__name__}")
+    return x * (h / sp + (h / tp if sp > 1 else 0) + (2 * att.q_width + att.kv_width) / tp
+                + mlp.width / tp)
+
+
 def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_batch: int,
                                tp: int = 1, sequence_parallel: bool = False,
                                recompute: Recompute | str = Recompute.NONE,
@@ -300,6 +312,10 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     each):
 
     * ``full``: the layer's input, s·b·h (/t under sequence parallelism);
+    * ``op`` (torchtitan's per-op policy; a dense layer with grouped-query attention and a
+      gated MLP): the input s·b·h (/t under SP), the products x W_q, x W_v and the
+      attention's output s·b·(2q + c)/t, the gate's product s·b·f/t and, under SP, the
+      attention's reduce-scattered output s·b·h/t (no statistics: none of the above has);
     * otherwise the two norms' inputs 2·s·b·h and the attention and MLP inputs 2·s·b·h
       (/t under sequence parallelism); attention's Q, K, V and output s·b·(2q + 2c)/t
       (latent: the q and kv latents, the up-projected q, k, v and the output); under
@@ -313,6 +329,8 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     sp = tp if sequence_parallel else 1
     if recompute is Recompute.FULL:
         return x * h / sp * bytes_per_element
+    if recompute is Recompute.OP:
+        return _op_activation_elements(layer, x, h, tp, sp) * bytes_per_element
     elements = 4 * x * h / sp
     att = layer.attention
     if isinstance(att, LatentAttention):

@@ -98,6 +98,16 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
     return zero
 
 
+def op_recompute_refusal(config) -> str:
+    """Why recompute ``op`` (torchtitan's per-op policy) does not run on ``config`` — it is
+    the dense Llama layer's, with grouped-query attention — or "" where it does."""
+    if config.block.arch == "gpt" or config.experts or getattr(config, "kv_lora_rank", None):
+        return ("'op' (torchtitan's per-op policy) is the dense Llama layer's with "
+                f"grouped-query attention; this model is {config.block.arch}, experts="
+                f"{config.experts}, kv_lora_rank={getattr(config, 'kv_lora_rank', None)}")
+    return ""
+
+
 def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
     """ConfigError unless the query and key/value heads split over ``tp`` ranks: heads
     a multiple of tp; kv_heads a multiple of tp, or (fewer) a divisor of it, each KV head
@@ -492,6 +502,9 @@ class ParallelConfig:
                               f"experts={config.experts} do not split over ep={self.ep} (each "
                               "ep rank holds experts/ep experts)", owner="GPT")
         self.stage_layers(config.layers)          # raises when they do not split
+        if self.recompute is Recompute.OP and (why := op_recompute_refusal(config)):
+            raise ConfigError("recompute", "op", "none, selective or full for this model",
+                              why, owner="GPT")
         if self.cp > 1 and config.seq % (2 * self.cp):
             raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "

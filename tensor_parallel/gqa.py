@@ -339,7 +339,8 @@ class GQAttention:
     # --- the block --------------------------------------------------------------------
     def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None, sinks=None):
         """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
-        recomputation: not P nor C) or "none"; ``qk_gains``: (g_q, g_k) with QK-norm;
+        recomputation: not P nor C), "op" (torchtitan's per-op policy: :meth:`recompute_op`)
+        or "none"; ``qk_gains``: (g_q, g_k) with QK-norm;
         ``sinks``: the (a_l,) sink logits with attention sinks."""
         xf, (q, kv) = ops.gather_matmul(                  # (b, s, h); (b·s, a_l·d); (b·s, 2·c_l·d)
             ops.c.x_in, x, (w_q, w_kv.reshape(x.shape[-1], -1)), "attention: gather x",
@@ -347,25 +348,54 @@ class GQAttention:
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
         kd = self.c_l * self.d
-        k, norms = kv[:, :kd], None
-        if self.qk_norm is not None:
-            q, nq = self._head_norm(ops, q, qk_gains[0], "attention: q norm")
-            k, nk = self._head_norm(ops, k, qk_gains[1], "attention: k norm")
-            norms = (nq, nk)
-        q = self._q_group(ops, self.rope.apply(ops, q, b, s, "attention: rope q"), b, s,
-                          "attention: split heads")
-        k = self._kv_heads(ops, self.rope.apply(ops, k, b, s, "attention: rope k"),
-                           b, s, "attention: split heads")
-        v = self._kv_heads(ops, kv[:, kd:], b, s, "attention: split heads")
+        qm, vm = q, kv[:, kd:]
+        q, k, v, norms = self._heads(ops, qm, kv[:, :kd], vm, b, s, qk_gains, "")
         p, c = self.core(ops, q, k, v, sinks)
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
         y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h), "attention: ctx @ W_o",
                               "attention: reduce y")
+        if keep == "op":        # torchtitan's per-op policy: see recompute_op
+            return y, (qm, vm, p, ctx, y if ops.sequence_parallel else None)
         state = {"all": (x2, q, k, v, p, ctx, norms),
                  "qkv": (x2, q, k, v, None, None, norms), "none": ()}[keep]
         return y, state
+
+    def _heads(self, ops, q, k, v, b: int, s: int, qk_gains, tag: str):
+        """(q, k, v, norms): the projections (b·s, ·) as the core takes them — QK-norm
+        (``qk_gains``), RoPE, heads split — and the QK-norms' states (None without)."""
+        norms = None
+        if self.qk_norm is not None:
+            q, nq = self._head_norm(ops, q, qk_gains[0], f"attention: q norm{tag}")
+            k, nk = self._head_norm(ops, k, qk_gains[1], f"attention: k norm{tag}")
+            norms = (nq, nk)
+        q = self._q_group(ops, self.rope.apply(ops, q, b, s, f"attention: rope q{tag}"), b, s,
+                          f"attention: split heads{tag}")
+        k = self._kv_heads(ops, self.rope.apply(ops, k, b, s, f"attention: rope k{tag}"),
+                           b, s, f"attention: split heads{tag}")
+        v = self._kv_heads(ops, v, b, s, f"attention: split heads{tag}")
+        return q, k, v, norms
+
+    def recompute_op(self, ops, x, state, w_q, w_kv, w_o, qk_gains=None):
+        """(y, the "all" state) from the state ``forward(keep="op")`` kept — W_q's and
+        W_v's products, the attention kernel's P and C, and y where a reduce-scatter
+        produced it (sequence parallelism) — and the block's input ``x``, as torchtitan's
+        per-op policy re-runs the rest in the backward: the sequence-parallel gather, the
+        K product (W_kv's first half), QK-norm, RoPE, and the W_o product with its
+        reduction where y was not kept (an all-reduce's output is not saved)."""
+        qm, vm, p, ctx, y = state
+        xf = ops.gather_seq(x, "attention: gather x (recompute)")
+        b, s, h = xf.shape
+        x2 = xf.reshape(b * s, h)
+        w_k = w_kv.reshape(h, 2, -1)[:, 0]
+        km = ops.matmul(x2, w_k, "attention: x @ W_k (recompute)")
+        q, k, v, norms = self._heads(ops, qm, km, vm, b, s, qk_gains, " (recompute)")
+        if y is None:
+            y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h),
+                                  "attention: ctx @ W_o (recompute)",
+                                  "attention: reduce y (recompute)")
+        return y, (x2, q, k, v, p, ctx, norms)
 
     def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None,
                        qk_gains=None, sinks=None):

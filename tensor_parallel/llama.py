@@ -53,7 +53,22 @@ on V and untied from E, the vocabulary-parallel cross-entropy of
 :class:`~tensor_parallel.transformer.VocabParallelHead`).
 
 Recomputation as the GPT layer's: "none", "selective" (keep q, k, v; re-run the core
-attention) and "full" (keep x; re-run the layer's forward, with its collectives).
+attention) and "full" (keep x; re-run the layer's forward, with its collectives); and
+"op", torchtitan's per-op selective policy (``activation_checkpoint.mode: selective``,
+``selective_ac_option: op``), which keeps the outputs of the attention kernel and of
+every matmul but every second one in forward order, and re-runs everything else its
+backward needs:
+
+    kept      x, x W_q, x W_v, P and C (the kernel's), x W_gate; y = C W_o where a
+              reduce-scatter produced it (sequence parallelism: torchtitan saves
+              reduce-scatters' outputs)
+    re-run    both RMSNorms, the sequence-parallel gathers, x W_k, RoPE, C W_o and its
+              reduction (no sequence parallelism), the residual, x W_up, SwiGLU
+
+(torchtitan's count, per layer: W_q, W_k, W_v, W_o, W_gate, W_up, W_down — the 2nd, 4th
+and 6th re-run; W_down's product feeds only the residual, which no backward needs, so it is
+not re-run. Here W_kv is one parameter: its K half is re-run.) The MoE and MLA layers have
+no "op" (refused).
 """
 
 from __future__ import annotations
@@ -127,6 +142,11 @@ class LlamaLayer(_Layer):
         if recompute not in RECOMPUTE:
             raise ValueError(f"LlamaLayer: recompute must be one of {RECOMPUTE}, "
                              f"got {recompute!r}")
+        if recompute == "op" and (isinstance(attention, MLAttention) or
+                                  type(self)._mlp is not LlamaLayer._mlp):
+            raise ValueError(f"LlamaLayer: recompute 'op' (torchtitan's per-op policy) is the "
+                             f"dense Llama layer's with grouped-query attention; "
+                             f"{type(self).__name__} with {type(attention).__name__} has none")
         self.qk_norm = attention.qk_norm is not None
         self.sinks = bool(getattr(attention, "sinks", False))   # attention sinks' logits
         self.latent = isinstance(attention, MLAttention)      # MLA: its parameters by name
@@ -181,9 +201,33 @@ class LlamaLayer(_Layer):
                               self._sinks(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
+        if keep == "op":
+            y, mst = self._mlp(ops, u2, True)
+            out = ops.ew("residual", lambda: x1 + y, x1, y)
+            return out, (x, ast, mst[1])        # the gate's product: W_up's is re-run
         y, mst = self._mlp(ops, u2, keep != "none")
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         return out, (n1, ast, n2, mst)
+
+    def _recompute_op(self, ops, st):
+        """The backward's state from what torchtitan's per-op policy kept (x, the
+        attention's kept products and kernel outputs, W_gate's product): the norms, the
+        attention's K product, RoPE and (without sequence parallelism) W_o's product
+        (:meth:`~.gqa.GQAttention.recompute_op`), the residual, the MLP's gather, W_up's
+        product and SwiGLU re-run. W_down's product feeds only the residual, which no
+        backward needs: it is not re-run."""
+        P, (x, ast, zg) = self.p, st
+        u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm (recompute)")
+        att, ast = self.attn.recompute_op(ops, u, ast, P["w_q"], P["w_kv"], P["w_o"],
+                                          self._qk_gains(P))
+        x1 = ops.ew("residual (recompute)", lambda: x + att, x, att)
+        u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm (recompute)")
+        xf = ops.gather_seq(u2, "mlp: gather x (recompute)")
+        x2 = xf.reshape(-1, xf.shape[-1])
+        zu = ops.matmul(x2, P["w_up"], "mlp: x @ W_up (recompute)")
+        a = ops.work("mlp: silu(zg) * zu (recompute)", 0, (zg, zu, zg), None,
+                     lambda: zg / (1 + np.exp(-zg)) * zu, _swiglu(zg, False))
+        return n1, ast, n2, (x2, zg, zu, a)
 
     def backward_input(self, ops, mb: int, dy):
         """dx from dy (both in x's layout); keeps what W needs."""

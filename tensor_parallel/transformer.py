@@ -26,7 +26,8 @@ overlapped (:meth:`~tensor_parallel.attention.TransformerOps.reduce_input_grad`)
 
 Recomputation: "none" keeps every activation; "selective" keeps q, k, v and re-runs the
 core attention in the backward; "full" keeps only x and re-runs the layer's forward
-(with its collectives) at the start of its backward.
+(with its collectives) at the start of its backward; "op" (torchtitan's per-op policy) is
+the Llama layer's alone (:mod:`tensor_parallel.llama`).
 
 Ends: :class:`VocabParallelEmbedding` (E (V, h) split over tp on the vocabulary: each
 rank looks up the tokens in its range, zeros elsewhere, and the partial sums are
@@ -59,6 +60,8 @@ __all__ = ["TransformerLayer", "VocabParallelEmbedding", "VocabParallelHead",
            "TransformerStage", "cross_entropy_bytes", "param_layout", "split_dim", "RECOMPUTE"]
 
 RECOMPUTE = Recompute.values()     # the one list: modeling.choices
+#: a recompute policy -> what a layer's ``_forward`` keeps ("full" keeps only x, outside it)
+_KEEP = MappingProxyType({"none": "all", "selective": "qkv", "op": "op"})
 
 
 class _Module:
@@ -93,16 +96,25 @@ class _Layer(_Module):
             out, _ = self._forward(ops, x, "none")
             self._state[mb] = (x,)
         else:
-            out, st = self._forward(ops, x, "qkv" if self.recompute == "selective" else "all")
+            out, st = self._forward(ops, x, _KEEP.get(self.recompute, "all"))
             self._state[mb] = st
         return out
 
     def _saved(self, ops, mb: int):
-        """Micro-batch ``mb``'s forward state for its backward (re-run under "full")."""
+        """Micro-batch ``mb``'s forward state for its backward (re-run under "full", the
+        unsaved part re-run under "op")."""
         st = self._state.pop(mb)
         if self.recompute == "full":
             _, st = self._forward(ops, st[0], "all")
+        elif self.recompute == "op":
+            st = self._recompute_op(ops, st)
         return st
+
+    def _recompute_op(self, ops, st):
+        """The full state from what the forward kept under "op" (a layer that has the
+        policy defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no 'op' recomputation")
+
 
 
 class TransformerLayer(_Layer):
@@ -118,9 +130,10 @@ class TransformerLayer(_Layer):
 
     def __init__(self, params, heads_local: int, head_dim: int, recompute: str = "none",
                  eps: float = 1e-5, cp=None):
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"TransformerLayer: recompute must be one of {RECOMPUTE}, "
-                             f"got {recompute!r}")
+        if recompute not in RECOMPUTE or recompute == "op":
+            raise ValueError(f"TransformerLayer: recompute must be one of "
+                             f"{tuple(r for r in RECOMPUTE if r != 'op')}, got {recompute!r} "
+                             f"('op' is torchtitan's policy of the Llama layer)")
         super().__init__(params)
         self.attn = Attention(heads_local, head_dim, cp)
         self.recompute, self.eps = recompute, eps

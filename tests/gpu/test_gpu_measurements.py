@@ -41,6 +41,71 @@ def test_reference_step_is_the_emulators_gpt_and_trains():
         measure_gpt_step(32, 2, 4, 16, 64, micro_batch=0, device="cpu")
 
 
+def test_reference_llama_is_the_emulators_and_its_checkpointing_is_torchtitans():
+    """The torch Llama has exactly pipeline_parallel's Llama parameters; its three
+    checkpointing modes train to the same losses (a policy changes what is kept, never a
+    number); ``op`` re-runs 3 of a block's 7 matmuls (torchtitan's every second one: W_k,
+    W_o, W_up), counted by the FLOPs that reach the kernels in one step."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from pipeline_parallel.llama import llama_param_shapes
+    from vcluster.gpu.llama_model import llama_model
+    cfg = GPTConfig(hidden=32, layers=2, heads=4, seq=16, vocab=64, arch="llama", kv_heads=2,
+                    ffn_hidden=48)
+    runs = {ac: measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, steps=3, warmup=1,
+                                 device="cpu", arch="llama", kv_heads=2, ffn_hidden=48,
+                                 recompute=ac) for ac in ("none", "op", "full")}
+    for ac, m in runs.items():
+        assert m.parameters == sum(math.prod(s) for s in llama_param_shapes(cfg).values())
+        assert (m.arch, m.recompute) == ("llama", ac) and m.losses[-1] < m.losses[0]
+        assert m.losses == runs["none"].losses, ac
+    flops = {}
+    for ac in ("none", "op", "full"):
+        torch.manual_seed(0)
+        model = llama_model(torch, 32, 2, 4, 2, 48, 16, 64, ac)
+        tokens = torch.randint(0, 64, (2, 16))
+        with FlopCounterMode(display=False) as counted:     # what reaches the kernels
+            model(tokens, tokens).backward()
+        flops[ac] = counted.get_total_flops()
+    b, s, h, kv, f = 2, 16, 32, 2 * 8, 48                 # kv: the K (or V) width c·d
+    assert flops["op"] - flops["none"] == 2 * 2 * b * s * (h * kv + h * h + h * f)
+    # torch's non-reentrant checkpoint stops once the backward has what it needs: "full"
+    # re-runs every product but W_down's
+    assert flops["full"] - flops["none"] == 2 * 2 * b * s * (h * (h + 2 * kv) + h * h
+                                                             + 2 * h * f)
+    with pytest.raises(ValueError, match="ffn_hidden must be an int >= 1 with arch='llama'"):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", arch="llama")
+    with pytest.raises(ValueError, match="kv_heads must be an int >= 1 dividing heads=4"):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", arch="llama",
+                         kv_heads=3, ffn_hidden=48)
+    with pytest.raises(ValueError, match=r"recompute='op' is the Llama's"):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", recompute="op")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", arch="llama",
+                         ffn_hidden=48, recompute="selective")
+    with pytest.raises(ValueError, match="flash must be False, or True on device 'cuda'"):
+        measure_gpt_step(32, 2, 4, 16, 64, micro_batch=2, device="cpu", flash=True)
+
+
+def test_the_sequence_sweep_runs_its_whole_path_on_the_cpu(tmp_path):
+    """benchmarks/gpu_llama_sweep.py --quick: every configuration of the GPU sweep at tiny
+    sizes on the CPU, one JSON line each, losses equal across checkpointing modes."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                        "gpu_llama_sweep.py")
+    spec = importlib.util.spec_from_file_location("gpu_llama_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.jsonl"
+    assert sweep.main(["--out", str(out), "--quick"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(sweep.STEPS) and all("error" not in r for r in rows)
+    by = {(r["layers"], r["seq"], r["recompute"]): r["losses"] for r in rows
+          if not r["compiled"]}
+    assert by[(4, 32, "op")] == by[(4, 32, "full")] == by[(4, 32, "none")]
+
+
 def test_calibration_constants_come_from_the_sweep():
     sweep = sweep_kernels("cpu", tiny=True)
     kinds = [k.kind for k in sweep.kernels]
@@ -180,6 +245,12 @@ def test_calibrate_on_the_cpu_writes_hardware_that_simulate_accepts(tmp_path, ca
      "--tiny runs the sweep at sizes for a CPU"),
     (["hardware", "calibrate", "--tiny"], "--tiny calibrates a GPU"),
     (["hardware", "calibrate", "--gpu"], "calibrate --gpu needs --out FILE"),
+    (["bench", "gpu-step", "--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "64",
+      "--vocab", "128", "--micro-batch", "2", "--recompute", "op"],
+     "--kv-heads, --ffn-hidden and --recompute are the Llama's: add --arch llama"),
+    (["bench", "gpu-step", "--arch", "llama", "--hidden", "64", "--layers", "2", "--heads",
+      "4", "--seq", "64", "--vocab", "128", "--micro-batch", "2"],
+     "--arch llama needs --ffn-hidden"),
 ])
 def test_calibrate_usage_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -196,9 +267,13 @@ def test_gpu_commands_run_on_a_gpu_and_name_cuda_elsewhere(tmp_path, capsys):
     compiled = main(["bench", "gpu-step", "--hidden", "64", "--layers", "2", "--heads", "4",
                      "--seq", "64", "--vocab", "128", "--micro-batch", "2", "--steps", "2",
                      "--compile", "--json", str(tmp_path / "compiled.json")])
+    llama = main(["bench", "gpu-step", "--arch", "llama", "--hidden", "64", "--layers", "2",
+                  "--heads", "4", "--kv-heads", "2", "--ffn-hidden", "96", "--seq", "64",
+                  "--vocab", "128", "--micro-batch", "2", "--steps", "2", "--recompute", "op",
+                  "--flash", "--json", str(tmp_path / "llama.json")])
     text = capsys.readouterr()
     if cuda_missing():
-        assert (calibrate, step, compiled) == (2, 2, 2)
+        assert (calibrate, step, compiled, llama) == (2, 2, 2, 2)
         assert "calibrate --gpu needs CUDA" in text.err and "gpu-step needs a CUDA GPU" in text.err
         assert not out.exists()
     else:
@@ -206,6 +281,10 @@ def test_gpu_commands_run_on_a_gpu_and_name_cuda_elsewhere(tmp_path, capsys):
         assert json.loads((tmp_path / "step.json").read_text())["precision"] == "torch_amp"
         assert json.loads((tmp_path / "compiled.json").read_text())["precision"] == \
             "torch_compile"     # the compiled step's own policy by default
+        assert llama == 0, text.err
+        got = json.loads((tmp_path / "llama.json").read_text())
+        assert (got["recompute"], got["attention"], got["model"]["kv_heads"]) == (
+            "op", "flash2", 2)
         device = load_hardware(str(out)).device
         assert device.gemm_profile().rows == 27
         assert sum(k.kind == "gemm_sustained" for k in device.kernels) == 1

@@ -133,6 +133,10 @@ CASES = [  # mesh, kv_heads, sequence parallel, recompute, schedule, micro-batch
     ("tp4", 4, True, "selective", "1f1b", 1),
     ("pp2 tp2", 1, False, "none", "zero_bubble", 1),     # W split from I, kv replicated
     ("dp2 pp2 tp2", 1, True, "none", "1f1b", 1),         # replicas' sum, then dp's
+    ("pp2", 2, False, "op", "1f1b", 1),                  # torchtitan's per-op policy
+    ("tp2", 1, True, "op", "1f1b", 2),                   # y kept, the gathers re-run
+    ("tp2", 2, False, "op", "gpipe", 2),                 # W_o and its all-reduce re-run
+    ("pp2 tp2", 1, True, "op", "zero_bubble", 1),
 ]
 
 
@@ -172,9 +176,10 @@ def _layer_params(cfg) -> int:
     return h * (hq + 2 * cfg.kv_heads * d) + hq * h + 3 * h * cfg.ffn_hidden
 
 
-def _expected_flops(cfg, batch, tp, recompute) -> int:
+def _expected_flops(cfg, batch, tp, recompute, sp=False) -> int:
     """The closed form, + recomputation (full: every layer's forward; selective: the core
-    attention's forward), + the K/V products the kv_heads < tp replicas repeat."""
+    attention's forward; op: the K, W_up and — without sequence parallelism — W_o
+    products), + the K/V products the kv_heads < tp replicas repeat (op: their K again)."""
     h, s, l, d = cfg.hidden, cfg.seq, cfg.layers, cfg.head_dim
     hq = cfg.heads * d
     model = llama_model_flops(batch, s, l, h, cfg.vocab, cfg.heads, cfg.kv_heads,
@@ -183,10 +188,11 @@ def _expected_flops(cfg, batch, tp, recompute) -> int:
     assert model == 6 * n * batch * s + 6 * batch * s * s * l * hq
     assert model == model_flops(cfg, batch)
     attention = 2 * batch * s * s * l * hq
-    extra = {"none": 0, "selective": attention,
+    op = 2 * batch * s * l * (h * cfg.kv_heads * d + h * cfg.ffn_hidden + (0 if sp else hq * h))
+    extra = {"none": 0, "selective": attention, "op": op,
              "full": 2 * l * _layer_params(cfg) * batch * s + attention}[recompute]
     replicas = max(tp - cfg.kv_heads, 0) * (6 + 2 * (recompute == "full")) * batch * s * h \
-        * 2 * d * l
+        * 2 * d * l + max(tp - cfg.kv_heads, 0) * 2 * batch * s * h * d * l * (recompute == "op")
     return model + extra + replicas
 
 
@@ -195,7 +201,9 @@ FLOPS = [  # mesh, kv_heads, sequence parallel, recompute[, attention variant (i
     ("pp2 tp2", 1, True, "selective"), ("tp4", 2, False, "none"), ("tp4", 1, True, "full"),
     ("tp2", 2, True, "selective", {"head_dim": 12}),                  # h_q = 48 > h = 32
     ("pp2 tp4", 1, False, "full", {"head_dim": 4, "qk_norm": True}),  # h_q = 16 < h
-    ("tp1", 4, False, "none", {"head_dim": 10, "qk_norm": True})]
+    ("tp1", 4, False, "none", {"head_dim": 10, "qk_norm": True}),
+    ("tp1", 2, False, "op"), ("tp2", 1, True, "op"), ("pp2 tp2", 2, False, "op"),
+    ("tp4", 2, False, "op", {"head_dim": 10, "qk_norm": True})]
 
 
 @pytest.mark.parametrize("mesh, kv, sp, recompute, variant",
@@ -212,11 +220,12 @@ def test_traced_flops_equal_the_closed_form(mesh, kv, sp, recompute, variant):
                     recompute=recompute)
     traces = trace_program(mesh, train_program, GPT(cfg).meta_args(mesh, par))
     total = sum(op.flops for t in traces for op in t.ops if isinstance(op, TraceCompute))
-    assert total == _expected_flops(cfg, 8, mesh.shape.get("tp", 1), recompute)
+    assert total == _expected_flops(cfg, 8, mesh.shape.get("tp", 1), recompute, sp)
 
 
 TRAFFIC = [("pp2 tp2", 2, True, "full", "1f1b"), ("tp4", 1, True, "none", "zero_bubble"),
-           ("dp2 tp2", 1, False, "selective", "1f1b")]
+           ("dp2 tp2", 1, False, "selective", "1f1b"), ("tp2", 1, True, "op", "1f1b"),
+           ("pp2 tp2", 2, False, "op", "zero_bubble")]
 
 
 @pytest.mark.parametrize("mesh, kv, sp, recompute, schedule", TRAFFIC,
@@ -236,7 +245,7 @@ def test_traced_traffic_and_flops_equal_the_emulator(clusters, mesh, kv, sp, rec
     for t in traces:
         assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank
     assert [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in traces] == flops
-    assert sum(flops) == _expected_flops(cfg, B, mesh.shape.get("tp", 1), recompute)
+    assert sum(flops) == _expected_flops(cfg, B, mesh.shape.get("tp", 1), recompute, sp)
 
 
 def test_kv_replicas_sum_once_per_step():
@@ -253,3 +262,16 @@ def test_kv_replicas_sum_once_per_step():
     cfg = _cfg(1)
     assert counts[1] - counts[4] == {("all_reduce", 2 * cfg.hidden * cfg.head_dim * 8): steps * l}
     assert counts[4] - counts[1] == Counter() and counts[2] == counts[4]
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32),
+                                 _cfg(2, experts=4, moe_ffn_hidden=12, moe_top_k=2)],
+                         ids=["gpt", "moe"])
+def test_op_recompute_is_the_dense_llama_layers(cfg):
+    """torchtitan's per-op policy runs on the dense Llama layer alone: a GPT or an MoE model
+    asking for it is refused, naming the field, its value and what is allowed."""
+    from modeling import ConfigError
+    mesh = _mesh("tp2")
+    with pytest.raises(ConfigError, match=r"recompute.*'op'.*none, selective or full"):
+        trace_program(mesh, train_program,
+                      GPT(cfg).meta_args(mesh, _parallel(mesh, recompute="op")))

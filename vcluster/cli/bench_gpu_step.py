@@ -1,5 +1,6 @@
-"""``vcluster bench gpu-step``: a real PyTorch GPT training step on this machine's GPU,
-beside what ``vcluster simulate gpt`` predicts for it on one GPU.
+"""``vcluster bench gpu-step``: a real PyTorch GPT (or, ``--arch llama``, torchtitan's
+Llama 3) training step on this machine's GPU, beside what ``vcluster simulate gpt``
+predicts for it on one GPU.
 
 The step is :func:`vcluster.gpu.measure_gpt_step` (plain PyTorch: bf16 autocast, flash
 attention through SDPA, fused AdamW; optionally ``torch.compile``; median of the timed
@@ -9,8 +10,11 @@ of the GPU's name; a file from ``vcluster hardware calibrate --gpu`` works too),
 memory model of ``--precision`` (default the step's own policy: ``torch_amp``, fp32
 parameters, gradients and Adam state under bf16 autocast, 16 bytes per parameter, or with
 ``--compile`` ``torch_compile``, the same step as ``torch.compile`` saves and fuses it).
-Errors
-are predicted / measured - 1. Without CUDA it exits 2 and says so.
+The Llama is priced on the program's own kernels (plain PyTorch's autocast kernel list is
+the GPT's) with its memory under ``--precision megatron`` by default (the ``torch_amp``
+count is the GPT's), and torchtitan's ``op`` checkpointing as the program's ``op``.
+``--flash`` pins SDPA to FlashAttention-2 and prices ``flash2``. Errors are predicted / measured - 1. Without CUDA
+it exits 2 and says so.
 """
 
 from __future__ import annotations
@@ -39,6 +43,19 @@ def add_parser(kinds) -> None:
                     help="sequences per step (the global batch of the one GPU)")
     gs.add_argument("--tie-embeddings", action="store_true",
                     help="the head is the token embedding's weight (nanoGPT, GPT-2)")
+    gs.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                    help="gpt (default) or llama: torchtitan's Llama 3 (RMSNorm, RoPE, "
+                    "grouped-query attention, SwiGLU)")
+    gs.add_argument("--kv-heads", type=positive_int, default=None,
+                    help="the Llama's K/V heads (default: --heads)")
+    gs.add_argument("--ffn-hidden", type=positive_int, default=None,
+                    help="the Llama's SwiGLU width (required with --arch llama)")
+    gs.add_argument("--recompute", choices=("none", "op", "full"), default="none",
+                    help="the Llama's activation checkpointing, as torchtitan's mode: none "
+                    "(default), op (its per-op selective policy), full")
+    gs.add_argument("--flash", action="store_true",
+                    help="pin PyTorch's SDPA to its FlashAttention-2 backend and price "
+                    "flash2 (default: PyTorch's choice, priced as the preset's kernel)")
     gs.add_argument("--compile", action="store_true", help="torch.compile the model")
     gs.add_argument("--steps", type=positive_int, default=8, help="timed steps (8)")
     gs.add_argument("--warmup", type=positive_int, default=3, help="steps before timing (3)")
@@ -55,14 +72,24 @@ def add_parser(kinds) -> None:
 
 def run_gpu_step(args) -> int:
     # lazy: keeps vcluster --help fast (torch)
-    from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_model_flops
+    from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
     from vcluster.gpu import cuda_missing, default_base, measure_gpt_step
     from vcluster.planner.simulation import simulate_gpt
     from vcluster.timing import load_hardware
+    llama = args.arch == "llama"
+    if llama and args.ffn_hidden is None:
+        raise ValueError("--arch llama needs --ffn-hidden (the SwiGLU width)")
+    if not llama and (args.kv_heads, args.ffn_hidden, args.recompute) != (None, None, "none"):
+        raise ValueError("--kv-heads, --ffn-hidden and --recompute are the Llama's: add "
+                         "--arch llama")
+    extra = dict(arch="llama", kv_heads=args.kv_heads or args.heads,
+                 ffn_hidden=args.ffn_hidden) if llama else {}
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
-                       vocab=args.vocab, tie_embeddings=args.tie_embeddings)   # checks first
-    precision = precision_name(args.precision or
-                               ("torch_compile" if args.compile else "torch_amp"))
+                       vocab=args.vocab, tie_embeddings=args.tie_embeddings,
+                       **extra)                                                # checks first
+    precision = precision_name(args.precision or ("megatron" if args.arch == "llama" else
+                                                  "torch_compile" if args.compile else
+                                                  "torch_amp"))
     if why := cuda_missing():
         print(f"vcluster bench gpu-step needs a CUDA GPU: {why}", file=sys.stderr)
         return 2
@@ -73,17 +100,23 @@ def run_gpu_step(args) -> int:
         raise ValueError(f"no preset is a {name!r}: say what to predict on with --hardware "
                          "(a preset, or a file from vcluster hardware calibrate --gpu)")
     hw = load_hardware(hardware)
-    parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch)
-    predicted = simulate_gpt(config, parallel, hw, precision=precision)
+    parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch,
+                              recompute=args.recompute, **({"attention": "flash2"} if args.flash
+                                                           else {}))
+    # plain PyTorch's autocast kernel list is the GPT's: the Llama is priced on its own
+    predicted = simulate_gpt(config, parallel, hw, precision=precision,
+                             **({"autocast_kernels": False} if llama else {}))
     print(f"vcluster bench gpu-step: {name}, torch {torch.__version__}, "
-          f"{'compiled' if args.compile else 'eager'}; GPT hidden {args.hidden}, layers "
+          f"{'compiled' if args.compile else 'eager'}; {args.arch} hidden {args.hidden}, layers "
           f"{args.layers}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
           f"micro-batch {args.micro_batch} ...", file=sys.stderr, flush=True)
     measured = measure_gpt_step(args.hidden, args.layers, args.heads, args.seq, args.vocab,
                                 args.micro_batch, steps=args.steps, warmup=args.warmup,
-                                compile=args.compile, tie_embeddings=args.tie_embeddings)
-    flops = megatron_model_flops(args.micro_batch, args.seq, args.layers, args.hidden,
-                                 args.vocab)
+                                compile=args.compile, tie_embeddings=args.tie_embeddings,
+                                recompute=args.recompute, flash=args.flash,
+                                **{k: v for k, v in extra.items() if k != "arch"},
+                                **({"arch": "llama"} if llama else {}))
+    flops = model_flops(config, args.micro_batch)
     peak_gb = measured.peak_memory_bytes / 1e9
     rows = {
         "step_time_s": (measured.step_time_s, predicted.step_time_s),
@@ -103,10 +136,14 @@ def run_gpu_step(args) -> int:
     if args.json:
         write_json(args.json, {
             "gpu": name, "torch": torch.__version__, "compiled": args.compile,
-            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+            "model": {"arch": args.arch, "hidden": args.hidden, "layers": args.layers,
+                      "heads": args.heads, "kv_heads": config.kv_heads,
+                      "ffn_hidden": config.ffn_hidden if llama else 4 * args.hidden,
                       "seq": args.seq, "vocab": args.vocab, "micro_batch": args.micro_batch,
                       "tie_embeddings": args.tie_embeddings,
                       "parameters": measured.parameters},
+            "recompute": args.recompute, "attention": "flash2" if args.flash else "",
+            "model_flops": flops,
             "hardware": label, "precision": precision,
             "autocast_kernels": predicted.autocast_kernels,
             "inductor_fusion": predicted.inductor_fusion,

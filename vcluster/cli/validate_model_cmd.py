@@ -39,6 +39,16 @@ predicted rows. Its rows stay out of ``rows`` and of the means above (some carry
 prediction). ``--table NAME`` (repeatable) keeps only those tables' rows (and simulates
 only what they need).
 
+Long-context and overlapped training (torchtitan_long_context.csv: torchtitan's Llama 3.1
+runs on H100s and H200s, :func:`~vcluster.planner.validation_long_context.
+validate_long_context`) has a section of its own (``long_context``), and so has this
+project's sequence sweep of one model on one real H200 (h200_llama_steps.csv: Llama 3.1 8B's
+layer shapes at 2K to 32K tokens, eager and compiled, torchtitan's checkpointing modes,
+:func:`~vcluster.planner.validation_long_context.validate_gpu_sweep`;
+``gpu_sequence_sweep``): each row's tokens/s measured and predicted, its error now and as
+the model stood before issue 54 (``first_run``), and the signed error by sequence band.
+Both are ``held_out`` and stay out of ``rows`` and the means above.
+
 The hardware of 2026 has a section of its own (``hardware_2026`` in the JSON, null
 without its tables), also out of ``rows`` and the means above: collectives measured on
 DGX B200/B300, GB200 NVL72 and MI300X (nccl_2026.csv, each row ``fit`` where a preset
@@ -78,7 +88,8 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "megatron_bridge_h100_fp8.csv": "fp8", "megatron_bridge_h100_moe.csv": "moe",
            "nccl_2026.csv": "hw2026", "megatron_bridge_blackwell.csv": "hw2026",
            "amd_instinct_training.csv": "hw2026",
-           "torchtitan_long_context.csv": "long_context"}
+           "torchtitan_long_context.csv": "long_context",
+           "h200_llama_steps.csv": "gpu_sweep"}
 TABLES = tuple(_GROUPS)
 
 
@@ -151,10 +162,12 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
     moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
     hw2026 = _hardware_2026(wanted, progress, all_releases) if "hw2026" in groups else None
     # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation_long_context import (LONG_CONTEXT_TABLE,
+    from vcluster.planner.validation_long_context import (GPU_SWEEP_TABLE, LONG_CONTEXT_TABLE,
+                                                          validate_gpu_sweep,
                                                           validate_long_context)
     long_context = run("long_context", validate_long_context,
                        label=f"rows of {LONG_CONTEXT_TABLE} simulated (or refused)")
+    gpu_sweep = run("gpu_sweep", validate_gpu_sweep)
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -183,6 +196,8 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
             "hardware_2026": hw2026,
             "long_context": _long_context_summary(LONG_CONTEXT_TABLE, long_context)
             if long_context else None,
+            "gpu_sequence_sweep": _long_context_summary(GPU_SWEEP_TABLE, gpu_sweep)
+            if gpu_sweep else None,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -308,11 +323,12 @@ def _long_context_summary(table: str, rows: list[dict]) -> dict:
             summary_by_band(rows, "first_run_error")}
 
 
-def _print_long_context(c: dict) -> None:
-    """The long-context section: each row's error now and as first run, then by band."""
+def _print_long_context(c: dict, title: str = "long context and overlapped TP") -> None:
+    """The long-context section (or, ``title``, the one-GPU sequence sweep's): each row's
+    error now and as first run, then by band."""
     def percent(x):
         return "-" if x is None else f"{100 * x:+.1f}%"
-    print(f"long context and overlapped TP ({c['table']}, {c['role']}): {c['predicted']} of "
+    print(f"{title} ({c['table']}, {c['role']}): {c['predicted']} of "
           f"{len(c['rows'])} rows predicted, {c['refused']} refused; mean |error| "
           f"{100 * c['mean_abs_rel_error']:.1f}% (first run "
           f"{100 * c['first_run_mean_abs_rel_error']:.1f}%)")
@@ -389,6 +405,8 @@ def _run(args) -> int:
         _print_hardware_2026(result["hardware_2026"])
     if result["long_context"] is not None:
         _print_long_context(result["long_context"])
+    if result["gpu_sequence_sweep"] is not None:
+        _print_long_context(result["gpu_sequence_sweep"], "one-GPU sequence sweep, tokens/s")
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

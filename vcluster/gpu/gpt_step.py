@@ -1,4 +1,4 @@
-"""A reference PyTorch GPT training step, timed on one device (``vcluster bench
+"""A reference PyTorch GPT (or Llama) training step, timed on one device (``vcluster bench
 gpu-step``): what the simulator's one-GPU prediction is checked against.
 
 The model is the GPT of :mod:`pipeline_parallel.gpt` written as plain PyTorch: token and
@@ -13,13 +13,22 @@ synchronised start to a synchronised end; the figure is the median of ``steps`` 
 after ``warmup`` steps, and the peak memory is ``torch.cuda.max_memory_allocated`` over
 the timed steps (what the simulator's ``peak_memory_gb``, which excludes the allocator's
 reserve, is comparable to).
+
+``arch="llama"`` times :func:`.llama_model.llama_model` instead (torchtitan's Llama 3:
+RMSNorm, RoPE, grouped-query attention, SwiGLU) with its activation checkpointing
+``recompute`` (``none``, ``op``, ``full``); compiled as torchtitan compiles it, each block
+on its own (``torch.compile(block)``: the blocks share one compiled graph).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import statistics
 import time
 from dataclasses import dataclass
+
+from .llama_model import LLAMA_RECOMPUTE, llama_model
 
 __all__ = ["StepMeasurement", "measure_gpt_step"]
 
@@ -36,12 +45,16 @@ class StepMeasurement:
     torch_version: str
     compiled: bool
     parameters: int
+    arch: str = "gpt"
+    recompute: str = "none"
+    attention_backend: str = ""      # the SDPA backend the step was pinned to ("": PyTorch's)
 
     def __repr__(self) -> str:
         peak = "" if self.peak_memory_bytes is None else \
             f", peak {self.peak_memory_bytes / 1e9:.2f} GB"
-        return (f"StepMeasurement({self.step_time_s * 1e3:.2f} ms/step{peak}, "
-                f"{self.device_name}, {'compiled' if self.compiled else 'eager'})")
+        ac = "" if self.recompute == "none" else f", AC {self.recompute}"
+        return (f"StepMeasurement({self.arch}, {self.step_time_s * 1e3:.2f} ms/step{peak}, "
+                f"{self.device_name}, {'compiled' if self.compiled else 'eager'}{ac})")
 
 
 def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int,
@@ -85,9 +98,14 @@ def _model(torch, hidden: int, layers: int, heads: int, seq: int, vocab: int,
 def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
                      micro_batch: int, steps: int = 8, warmup: int = 3, compile: bool = False,
                      device: str = "cuda", seed: int = 0,
-                     tie_embeddings: bool = False) -> StepMeasurement:
+                     tie_embeddings: bool = False, arch: str = "gpt",
+                     kv_heads: int | None = None, ffn_hidden: int | None = None,
+                     recompute: str = "none", flash: bool = False) -> StepMeasurement:
     """Time ``steps`` training steps (after ``warmup``) of the reference GPT on ``device``
-    (``tie_embeddings``: its head is the token embedding's weight)."""
+    (``tie_embeddings``: its head is the token embedding's weight). ``arch="llama"``: the
+    reference Llama (module docstring) with ``kv_heads`` (default ``heads``), SwiGLU width
+    ``ffn_hidden`` (required) and activation checkpointing ``recompute``. ``flash``: pin
+    SDPA to its FlashAttention-2 backend (a CUDA GPU only), so the kernel priced is known."""
     for name, v in (("hidden", hidden), ("layers", layers), ("heads", heads), ("seq", seq),
                     ("vocab", vocab), ("micro_batch", micro_batch), ("steps", steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -100,18 +118,36 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
         raise ValueError(f"tie_embeddings must be True or False, got {tie_embeddings!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    _check_arch(arch, heads, kv_heads, ffn_hidden, recompute, tie_embeddings)
+    if flash not in (False, True) or (flash and device != "cuda"):
+        raise ValueError(f"flash must be False, or True on device 'cuda', got {flash!r} "
+                         f"on {device!r}")
     import torch
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("measure_gpt_step(device='cuda') needs a CUDA device "
                            "(torch.cuda.is_available() is False)")
     torch.manual_seed(seed)
-    model = _model(torch, hidden, layers, heads, seq, vocab, tie_embeddings).to(device)
+    with torch.device(device):      # built where it runs: no host copy of the weights
+        if arch == "llama":
+            model = llama_model(torch, hidden, layers, heads, kv_heads or heads, ffn_hidden,
+                                seq, vocab, recompute)
+        else:
+            model = _model(torch, hidden, layers, heads, seq, vocab, tie_embeddings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    step_model = torch.compile(model) if compile else model
+    if compile and arch == "llama":         # per block, as torchtitan compiles
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+        step_model = model
+    else:
+        step_model = torch.compile(model) if compile else model
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tokens = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
     targets = torch.randint(0, vocab, (micro_batch, seq), generator=gen).to(device)
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda")
+    backend = contextlib.nullcontext          # a fresh context manager for each step
+    if flash:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION)
 
     def sync():
         if device == "cuda":
@@ -123,9 +159,10 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
             torch.cuda.reset_peak_memory_stats()
         sync()
         t0 = time.perf_counter()
-        with autocast:
-            loss = step_model(tokens, targets)
-        loss.backward()
+        with backend():          # the backward too: "full" re-runs the attention in it
+            with autocast:
+                loss = step_model(tokens, targets)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
@@ -135,4 +172,28 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
     peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     return StepMeasurement(statistics.median(times), tuple(times), peak, tuple(losses), name,
-                           torch.__version__, compile, sum(p.numel() for p in model.parameters()))
+                           torch.__version__, compile, sum(p.numel() for p in model.parameters()),
+                           arch, recompute, "flash" if flash else "")
+
+
+def _check_arch(arch, heads, kv_heads, ffn_hidden, recompute, tie_embeddings) -> None:
+    """The Llama-only arguments: refused with the GPT, checked with the Llama."""
+    if arch not in ("gpt", "llama"):
+        raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
+    if arch == "gpt":
+        for name, v, default in (("kv_heads", kv_heads, None), ("ffn_hidden", ffn_hidden, None),
+                                 ("recompute", recompute, "none")):
+            if v != default:
+                raise ValueError(f"{name}={v!r} is the Llama's (arch='llama'); the reference "
+                                 f"GPT has none")
+        return
+    if tie_embeddings:
+        raise ValueError("tie_embeddings=True: the reference Llama's output projection is "
+                         "untied (arch='llama')")
+    if isinstance(ffn_hidden, bool) or not isinstance(ffn_hidden, int) or ffn_hidden < 1:
+        raise ValueError(f"ffn_hidden must be an int >= 1 with arch='llama', got {ffn_hidden!r}")
+    kv = heads if kv_heads is None else kv_heads
+    if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
+        raise ValueError(f"kv_heads must be an int >= 1 dividing heads={heads}, got {kv_heads!r}")
+    if recompute not in LLAMA_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {LLAMA_RECOMPUTE}, got {recompute!r}")

@@ -65,7 +65,8 @@ from dataclasses import dataclass, replace
 from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP,
                                    GPTConfig, ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
-from modeling import ConfigError, Recompute, ScheduleName, check_zero_stage
+from modeling import (ConfigError, Recompute, ScheduleName, check_zero_stage,
+                      op_recompute_refusal)
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
@@ -79,6 +80,9 @@ DEFAULT_MAX_VIRTUAL_STAGES = 8
 #: at GPipe's bubble, never better)
 PLAN_SCHEDULES = tuple(s for s in ScheduleName.values() if s != ScheduleName.GPIPE)
 RECOMPUTE_MODES = Recompute.values()
+#: the recomputation the planner searches unless asked: Megatron's three (torchtitan's
+#: per-op ``op`` when asked for, on the models it runs on)
+DEFAULT_RECOMPUTE = tuple(r for r in RECOMPUTE_MODES if r != Recompute.OP)
 
 REJECT_REASONS = {
     "tp_not_dividing_heads": "tp does not divide the attention heads",
@@ -92,6 +96,8 @@ REJECT_REASONS = {
     "dp_not_dividing_batch": "dp = N/(tp·pp) does not divide the global batch",
     "cp_not_dividing_seq": "s does not split into 2·cp equal chunks",
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
+    "op_recompute_model": "recompute 'op' (torchtitan's per-op policy) runs on the dense "
+                          "Llama layer only",
     "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
                               "pp = 1, no sequence parallelism and, with experts, ep = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
@@ -113,7 +119,7 @@ class SearchSpace:
     max_micro_batch: int = DEFAULT_MAX_MICRO_BATCH
     schedules: tuple = PLAN_SCHEDULES
     max_virtual_stages: int = DEFAULT_MAX_VIRTUAL_STAGES
-    recompute: tuple = RECOMPUTE_MODES
+    recompute: tuple = DEFAULT_RECOMPUTE
     sequence_parallel: tuple = (False, True)
     attention: str = "flash"
     tp_overlap: str = "backward"                   # ParallelConfig.tp_overlap, every candidate
@@ -343,6 +349,9 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                     if etp == 1 and tp > 1 and ep > 1 and not sp:
                         continue              # folded: each tp rank routes its own slice
                     for rc in space.recompute:
+                        if rc == "op" and op_recompute_refusal(config):
+                            rejected["op_recompute_model"] += 1
+                            continue
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1
                             continue

@@ -252,6 +252,9 @@ class MemoryBreakdown:
 
 def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "flash") -> float:
     """Bytes one layer keeps for its backward, per micro-batch (the module's table)."""
+    if recompute == "op":
+        raise ValueError("activation_bytes_per_layer: recompute 'op' (torchtitan's per-op "
+                         "policy) is the Llama layer's: llama_activation_bytes_per_layer")
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
     base = s * b * h * (34 / t if sp else 10 + 24 / t)
@@ -262,11 +265,17 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
 
 def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
                                      attention: str = "flash") -> float:
-    """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc)."""
+    """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc;
+    ``op``, torchtitan's per-op policy: the layer's input x, the products x W_q, x W_v and
+    x W_gate, the attention kernel's output C and log-sum-exp, and with sequence
+    parallelism the attention's reduce-scattered output, :mod:`tensor_parallel.llama`)."""
     h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
     sigma, kv_local = t if sp else 1, max(config.kv_heads // t, 1)
     if recompute == "full":
         return 2 * s * b * h / sigma
+    if recompute == "op":           # x, x W_q, x W_v, C, x W_gate (+ y under SP), the LSE
+        return s * b * (2 * h / sigma + (2 * h / t if sp else 0) + 4 * a * d / t
+                        + 2 * kv_local * d + 2 * f / t) + LSE_BYTES * b * a * s / t
     if getattr(config, "kv_lora_rank", None):      # MLA: the latents, q, k, v, output
         att = 4 * ((config.q_lora_rank or 0) + config.kv_lora_rank) \
             + 4 * a * (d + config.v_head_dim) / t

@@ -19,10 +19,9 @@ runs where the row is silent, the same for every row:
   ``enable_async_tensor_parallel``: the same decomposition of the sequence-parallel
   gathers and reduce-scatters, :mod:`tensor_parallel.collective_matmul`);
 * Float8 rows with their linear GEMMs in FP8 (``fp8``, one scale per tensor);
-* activation checkpointing ``full`` as full recomputation; torchtitan's per-op selective
-  policy (``op``) as ``selective`` — not the same policy (``op`` also recomputes every
-  second matmul and the elementwise work), so those rows are predicted too fast by that
-  much.
+* activation checkpointing ``full`` as full recomputation, torchtitan's per-op selective
+  policy as the program's ``op`` (:mod:`tensor_parallel.llama`; before it existed these
+  rows ran as ``selective``, and their first-run prediction still does).
 
 Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
 Not modelled, and in the signed errors: the 500 W power limit and HBM2e memory of Meta's
@@ -30,8 +29,16 @@ H100s (the paper's §3.1; the model prices the DGX H100's 700 W part), eager PyT
 per-kernel host cost against ``torch.compile``, FSDP2's and Float8's extra kernels.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
-attention at the device's achieved GEMM rate, no TE overlap) so both errors print side by
-side, and the signed errors are summarised by sequence band (:data:`BANDS`).
+attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
+both errors print side by side, and the signed errors are summarised by sequence band
+(:data:`BANDS`).
+
+:data:`GPU_SWEEP_TABLE` is this project's own sequence sweep of one model on one real GPU
+(``benchmarks/gpu_llama_sweep.py``: Llama 3.1 8B's layer shapes, 4 or 8 layers, 2K to 32K
+tokens, eager and compiled, torchtitan's three checkpointing modes, on an H200): no
+network, no power cap, no FSDP — the kernels and the host alone.
+:func:`validate_gpu_sweep` predicts each row's step on the ``h200-dgx`` preset with the
+attention kernel it ran (``flash2``), in tokens/s, beside its first-run prediction.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ from vcluster.timing.presets import hardware_from_dict
 from .simulation import simulate_gpt
 
 __all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
-           "band_of", "summary_by_band"]
+           "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_MODEL",
+           "validate_gpu_sweep"]
 
 LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
 #: a row's GPU -> the preset it is simulated on (module docstring: Meta's 500 W HBM2e
@@ -57,7 +65,12 @@ GPU_PRESETS = {"h100-sxm-hbm2e": "h100-dgx", "h200-sxm": "h200-dgx"}
 #: the sequence bands of the benchmark goal: (label, lowest, highest) in tokens
 BANDS = (("<=4K", 0, 4096), ("8-16K", 8192, 16384), ("32K", 32768, 32768),
          (">=64K", 65536, math.inf))
-_RECOMPUTE = {"full": "full", "op": "selective", "none": "none", "selective": "selective"}
+#: the one-GPU sequence sweep (module docstring) and the preset its rows run on
+GPU_SWEEP_TABLE = "h200_llama_steps.csv"
+GPU_SWEEP_HARDWARE = "h200-dgx"
+#: the layer shapes of every :data:`GPU_SWEEP_TABLE` row (Llama 3.1 8B's; its header)
+GPU_SWEEP_MODEL = dict(hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256,
+                       arch="llama")
 
 
 def band_of(seq: int) -> str:
@@ -85,7 +98,7 @@ def row_config(r: dict) -> tuple:
             tp=tp, pp=pp, cp=cp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
             virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
             zero_stage=3 if tp == 1 and pp == 1 else 1,
-            recompute=_RECOMPUTE[r["activation_checkpointing"]], grad_reduce_dtype="fp32",
+            recompute=r["activation_checkpointing"], grad_reduce_dtype="fp32",
             attention="flash2", tp_overlap="te" if r["tp_overlap"] == "1" else "backward")
     except ConfigError as e:
         return cfg, None, False, [str(e)]
@@ -97,6 +110,14 @@ def _first_run_hardware(name: str):
     device's achieved GEMM rate (no published curves)."""
     return hardware_from_dict({"base": name, "device": {"attention_gpu": "",
                                                          "attention_kernel": ""}})
+
+
+def _first_run_parallel(par):
+    """``par`` as the model ran it before issue 54: the device's default fused attention,
+    no TE overlap, torchtitan's ``op`` checkpointing as ``selective``."""
+    return dataclasses.replace(par, attention="flash", tp_overlap="backward",
+                               recompute="selective" if par.recompute == "op"
+                               else par.recompute)
 
 
 def _case(r: dict) -> str:
@@ -129,9 +150,8 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
             preset = GPU_PRESETS[r["gpu"]]
             tokens = par.global_batch * cfg.seq / par.gpus
             sim = simulate_gpt(cfg, par, preset, fp8=fp8)
-            first = simulate_gpt(
-                cfg, dataclasses.replace(par, attention="flash", tp_overlap="backward"),
-                _first_run_hardware(preset), fp8=fp8)
+            first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
+                                 fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
             rows.append(out | {"status": "predicted", "hardware": preset,
                                "predicted": predicted,
@@ -154,3 +174,37 @@ def summary_by_band(rows: list[dict], key: str = "rel_error") -> dict:
             "rows": len(errs), "mean_signed": statistics.fmean(errs),
             "mean_abs": statistics.fmean(abs(e) for e in errs)}
     return out
+
+
+def validate_gpu_sweep(on_row=None) -> list[dict]:
+    """Every row of :data:`GPU_SWEEP_TABLE` (module docstring), in the rows' form of
+    :func:`validate_long_context` (``metric`` tokens_per_s_per_gpu: tokens per step over
+    the step time) with the measured ``step_ms`` and ``predicted_step_ms`` beside it.
+    ``on_row``: called after each."""
+    rows = []
+    for i, r in enumerate(read_data_csv(GPU_SWEEP_TABLE)[1]):
+        seq, b, layers = int(r["seq"]), int(r["micro_batch"]), int(r["layers"])
+        cfg = GPTConfig(layers=layers, seq=seq, **GPU_SWEEP_MODEL)
+        par = ParallelConfig(global_batch=b, micro_batch=b, recompute=r["recompute"],
+                             attention="flash2")
+        compiled = r["compiled"] == "1"
+        # the step's memory is PyTorch AMP's, which the torch_amp count prices for the GPT
+        # alone: step time is what is compared (Megatron's bytes, the default policy)
+        sim = simulate_gpt(cfg, par, GPU_SWEEP_HARDWARE)
+        first = simulate_gpt(cfg, _first_run_parallel(par),
+                             _first_run_hardware(GPU_SWEEP_HARDWARE))
+        tokens, measured_s = b * seq, float(r["step_ms"]) / 1e3
+        published = tokens / measured_s
+        predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
+        rows.append({
+            "table": GPU_SWEEP_TABLE, "row": i + 1, "seq": seq, "band": band_of(seq),
+            "case": f"llama3.1-8b shapes, {layers} layers, s={seq // 1024}K b={b} "
+                    f"{'compiled' if compiled else 'eager'} AC={r['recompute']}",
+            "metric": "tokens_per_s_per_gpu", "published": published, "role": "held_out",
+            "status": "predicted", "hardware": GPU_SWEEP_HARDWARE, "compiled": compiled,
+            "step_ms": float(r["step_ms"]), "predicted_step_ms": sim.step_time_s * 1e3,
+            "predicted": predicted, "rel_error": predicted / published - 1,
+            "first_run": before, "first_run_error": before / published - 1, "fits": sim.fits})
+        if on_row is not None:
+            on_row()
+    return rows

@@ -8,7 +8,7 @@ Measures only (no simulator on the GPU machine): every result is one JSON line a
 ``--out`` as it is measured, so a run stopped midway keeps what it measured. The
 predictions beside them come from ``benchmarks/gpu_llama_sweep_predict.py`` (any machine).
 
-    python benchmarks/gpu_llama_sweep.py --out sweep.jsonl [--quick]
+    python benchmarks/gpu_llama_sweep.py --out sweep.jsonl [--model 70b] [--quick]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import time
 import traceback
 
 MODEL = dict(hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256)
+#: ``--model 70b``: Llama 3.1 70B's layer shapes (its vocabulary too)
+MODEL_70B = dict(hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab=128256)
 #: (layers, seq, micro_batch, compile, recompute), in the order they run: the eager
 #: sequence sweep first, then the policies, then the compiled steps (tens of seconds each)
 STEPS = [(4, 2048, 4, False, "none"), (4, 4096, 2, False, "none"), (4, 8192, 1, False, "none"),
@@ -29,6 +31,11 @@ STEPS = [(4, 2048, 4, False, "none"), (4, 4096, 2, False, "none"), (4, 8192, 1, 
          (8, 8192, 1, False, "none"),
          (4, 8192, 1, True, "none"), (4, 2048, 4, True, "none"), (4, 32768, 1, True, "none"),
          (4, 8192, 1, True, "op")]
+#: ``--model 70b``'s steps (2 layers; fixed before its run, as STEPS)
+STEPS_70B = [(2, 8192, 1, False, "none"), (2, 8192, 1, False, "op"), (2, 8192, 1, False, "full"),
+             (2, 16384, 1, False, "none"), (2, 32768, 1, False, "op"),
+             (2, 32768, 1, False, "full"), (2, 2048, 4, False, "none"),
+             (2, 8192, 1, True, "none"), (2, 8192, 1, True, "op"), (2, 16384, 1, True, "none")]
 ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -63,12 +70,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the JSON-lines file results are appended to")
     ap.add_argument("--no-attention", action="store_true", help="the steps only")
+    ap.add_argument("--model", choices=("8b", "70b"), default="8b",
+                    help="the layer shapes: Llama 3.1 8B's (default) or 70B's")
     ap.add_argument("--quick", action="store_true", help="tiny sizes on the CPU: the path only")
     args = ap.parse_args(argv)
     import torch
     from vcluster.gpu.gpt_step import measure_gpt_step
     cuda = torch.cuda.is_available() and not args.quick
-    model = MODEL if cuda else dict(hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=256)
+    big = MODEL_70B if args.model == "70b" else MODEL
+    model = big if cuda else dict(hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab=256)
+    steps = STEPS_70B if args.model == "70b" else STEPS
     rc = 0
 
     def emit(row):
@@ -76,7 +87,7 @@ def main(argv=None) -> int:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    for layers, seq, mb, compiled, recompute in STEPS:
+    for layers, seq, mb, compiled, recompute in steps:
         if not cuda:
             seq, mb = seq // 256, mb
         t0 = time.perf_counter()

@@ -42,7 +42,7 @@ only what they need).
 Long-context and overlapped training (torchtitan_long_context.csv: torchtitan's Llama 3.1
 runs on H100s and H200s, :func:`~vcluster.planner.validation_long_context.
 validate_long_context`) has a section of its own (``long_context``), and so has this
-project's sequence sweep of one model on one real H200 (h200_llama_steps.csv: Llama 3.1 8B's
+project's sequence sweep on one real H200 (h200_llama_steps.csv: Llama 3.1 8B's and 70B's
 layer shapes at 2K to 32K tokens, eager and compiled, torchtitan's checkpointing modes,
 :func:`~vcluster.planner.validation_long_context.validate_gpu_sweep`;
 ``gpu_sequence_sweep``): each row's tokens/s measured and predicted, its error now and as

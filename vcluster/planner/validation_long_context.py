@@ -34,8 +34,9 @@ both errors print side by side, and the signed errors are summarised by sequence
 (:data:`BANDS`).
 
 :data:`GPU_SWEEP_TABLE` is this project's own sequence sweep of one model on one real GPU
-(``benchmarks/gpu_llama_sweep.py``: Llama 3.1 8B's layer shapes, 4 or 8 layers, 2K to 32K
-tokens, eager and compiled, torchtitan's three checkpointing modes, on an H200): no
+(``benchmarks/gpu_llama_sweep.py``: Llama 3.1 8B's layer shapes, 4 or 8 layers, and 70B's,
+2 layers, 2K to 32K tokens, eager and compiled, torchtitan's three checkpointing modes, on
+an H200): no
 network, no power cap, no FSDP — the kernels and the host alone.
 :func:`validate_gpu_sweep` predicts each row's step on the ``h200-dgx`` preset with the
 attention kernel it ran (``flash2``), in tokens/s, beside its first-run prediction.
@@ -55,7 +56,7 @@ from vcluster.timing.presets import hardware_from_dict
 from .simulation import simulate_gpt
 
 __all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
-           "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_MODEL",
+           "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_SHAPES",
            "validate_gpu_sweep"]
 
 LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
@@ -68,9 +69,8 @@ BANDS = (("<=4K", 0, 4096), ("8-16K", 8192, 16384), ("32K", 32768, 32768),
 #: the one-GPU sequence sweep (module docstring) and the preset its rows run on
 GPU_SWEEP_TABLE = "h200_llama_steps.csv"
 GPU_SWEEP_HARDWARE = "h200-dgx"
-#: the layer shapes of every :data:`GPU_SWEEP_TABLE` row (Llama 3.1 8B's; its header)
-GPU_SWEEP_MODEL = dict(hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab=128256,
-                       arch="llama")
+#: the columns of a :data:`GPU_SWEEP_TABLE` row that give its model's layer shapes
+GPU_SWEEP_SHAPES = ("hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "layers")
 
 
 def band_of(seq: int) -> str:
@@ -184,7 +184,7 @@ def validate_gpu_sweep(on_row=None) -> list[dict]:
     rows = []
     for i, r in enumerate(read_data_csv(GPU_SWEEP_TABLE)[1]):
         seq, b, layers = int(r["seq"]), int(r["micro_batch"]), int(r["layers"])
-        cfg = GPTConfig(layers=layers, seq=seq, **GPU_SWEEP_MODEL)
+        cfg = GPTConfig(seq=seq, arch="llama", **{k: int(r[k]) for k in GPU_SWEEP_SHAPES})
         par = ParallelConfig(global_batch=b, micro_batch=b, recompute=r["recompute"],
                              attention="flash2")
         compiled = r["compiled"] == "1"
@@ -198,7 +198,7 @@ def validate_gpu_sweep(on_row=None) -> list[dict]:
         predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
         rows.append({
             "table": GPU_SWEEP_TABLE, "row": i + 1, "seq": seq, "band": band_of(seq),
-            "case": f"llama3.1-8b shapes, {layers} layers, s={seq // 1024}K b={b} "
+            "case": f"llama3.1-{r['model']} shapes, {layers} layers, s={seq // 1024}K b={b} "
                     f"{'compiled' if compiled else 'eager'} AC={r['recompute']}",
             "metric": "tokens_per_s_per_gpu", "published": published, "role": "held_out",
             "status": "predicted", "hardware": GPU_SWEEP_HARDWARE, "compiled": compiled,

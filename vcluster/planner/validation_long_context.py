@@ -23,10 +23,12 @@ runs where the row is silent, the same for every row:
   policy as the program's ``op`` (:mod:`tensor_parallel.llama`; before it existed these
   rows ran as ``selective``, and their first-run prediction still does).
 
+Meta's H100s (the paper's §3.1) are the DGX H100's die with 96 GB of HBM2e at 2.4 TB/s
+(:data:`META_H100_MEMORY`, since 2026-11-30; before, the DGX H100's 3.35 TB/s of HBM3).
 Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
-Not modelled, and in the signed errors: the 500 W power limit and HBM2e memory of Meta's
-H100s (the paper's §3.1; the model prices the DGX H100's 700 W part), eager PyTorch's
-per-kernel host cost against ``torch.compile``, FSDP2's and Float8's extra kernels.
+Not modelled, and in the signed errors: those H100s' 500 W power limit (the model prices
+the 700 W part's clocks), eager PyTorch's per-kernel host cost and unfused kernels against
+``torch.compile``, FSDP2's and Float8's extra kernels.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -47,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from types import MappingProxyType
 
 from modeling import ConfigError
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
@@ -57,12 +60,22 @@ from .simulation import simulate_gpt
 
 __all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
            "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_SHAPES",
-           "validate_gpu_sweep"]
+           "validate_gpu_sweep", "META_H100_MEMORY"]
 
 LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
-#: a row's GPU -> the preset it is simulated on (module docstring: Meta's 500 W HBM2e
-#: H100 on the DGX H100's)
+#: a row's GPU -> the preset it is simulated on (module docstring: Meta's HBM2e H100 on
+#: the DGX H100's, its memory replaced: :data:`META_H100_MEMORY`)
 GPU_PRESETS = {"h100-sxm-hbm2e": "h100-dgx", "h200-sxm": "h200-dgx"}
+#: the memory of Meta's H100 (``h100-sxm-hbm2e``), over the DGX H100 preset's 80 GB of
+#: HBM3 at 3.35 TB/s; same die, NVLink and 400 Gb/s per GPU otherwise. Its 500 W power
+#: limit is not modelled: no source gives the BF16 clock it holds under it
+META_H100_MEMORY = MappingProxyType({
+    "hbm_bytes": {"value": 96e9, "source": "torchtitan_long_context.csv header, from the "
+                  "torchtitan paper (arXiv 2410.06511) section 3.1: 96 GB HBM2e H100 SXM "
+                  "parts (95 GiB visible)"},
+    "hbm_bandwidth_gbps": {"value": 2400.0, "source": "the same header: HBM2e at 2.4 TB/s; "
+                           "2.41 TB/s for the 94 GiB HBM2e H100 in Ujeniya et al. 2026, "
+                           "arXiv 2604.11391 (power-capping study of H100 and H200)"}})
 #: the sequence bands of the benchmark goal: (label, lowest, highest) in tokens
 BANDS = (("<=4K", 0, 4096), ("8-16K", 8192, 16384), ("32K", 32768, 32768),
          (">=64K", 65536, math.inf))
@@ -105,9 +118,18 @@ def row_config(r: dict) -> tuple:
     return cfg, par, r["float8"] == "1", []
 
 
+def _hardware(gpu: str):
+    """The hardware a row's ``gpu`` is simulated on: its :data:`GPU_PRESETS` preset, with
+    Meta's H100 memory (:data:`META_H100_MEMORY`) on ``h100-sxm-hbm2e``."""
+    if gpu != "h100-sxm-hbm2e":
+        return GPU_PRESETS[gpu]
+    return hardware_from_dict({"base": GPU_PRESETS[gpu],
+                               "device": {"name": "H100-SXM5-96GB-HBM2e", **META_H100_MEMORY}})
+
+
 def _first_run_hardware(name: str):
     """Preset ``name`` as the model priced it before issue 54: fused attention at the
-    device's achieved GEMM rate (no published curves)."""
+    device's achieved GEMM rate (no published curves), the preset's own memory."""
     return hardware_from_dict({"base": name, "device": {"attention_gpu": "",
                                                          "attention_kernel": ""}})
 
@@ -149,7 +171,7 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
         else:
             preset = GPU_PRESETS[r["gpu"]]
             tokens = par.global_batch * cfg.seq / par.gpus
-            sim = simulate_gpt(cfg, par, preset, fp8=fp8)
+            sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8)
             first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
                                  fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s

@@ -72,11 +72,12 @@ def add_parser(kinds) -> None:
 
 def run_gpu_step(args) -> int:
     # lazy: keeps vcluster --help fast (torch)
+    from modeling import LLAMA_BLOCK, block_named
     from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
     from vcluster.gpu import cuda_missing, default_base, measure_gpt_step
     from vcluster.planner.simulation import simulate_gpt
     from vcluster.timing import load_hardware
-    llama = args.arch == "llama"
+    llama = block_named(args.arch) is LLAMA_BLOCK
     if llama and args.ffn_hidden is None:
         raise ValueError("--arch llama needs --ffn-hidden (the SwiGLU width)")
     if not llama and (args.kv_heads, args.ffn_hidden, args.recompute) != (None, None, "none"):
@@ -87,7 +88,7 @@ def run_gpu_step(args) -> int:
     config = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
                        vocab=args.vocab, tie_embeddings=args.tie_embeddings,
                        **extra)                                                # checks first
-    precision = precision_name(args.precision or ("megatron" if args.arch == "llama" else
+    precision = precision_name(args.precision or ("megatron" if llama else
                                                   "torch_compile" if args.compile else
                                                   "torch_amp"))
     if why := cuda_missing():

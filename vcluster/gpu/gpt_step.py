@@ -28,6 +28,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from modeling import BLOCKS, LLAMA_BLOCK, block_named
+
 from .llama_model import LLAMA_RECOMPUTE, llama_model
 
 __all__ = ["StepMeasurement", "measure_gpt_step"]
@@ -127,14 +129,15 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
         raise RuntimeError("measure_gpt_step(device='cuda') needs a CUDA device "
                            "(torch.cuda.is_available() is False)")
     torch.manual_seed(seed)
+    llama = block_named(arch) is LLAMA_BLOCK
     with torch.device(device):      # built where it runs: no host copy of the weights
-        if arch == "llama":
+        if llama:
             model = llama_model(torch, hidden, layers, heads, kv_heads or heads, ffn_hidden,
                                 seq, vocab, recompute)
         else:
             model = _model(torch, hidden, layers, heads, seq, vocab, tie_embeddings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    if compile and arch == "llama":         # per block, as torchtitan compiles
+    if compile and llama:                   # per block, as torchtitan compiles
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block)
         step_model = model
@@ -178,9 +181,9 @@ def measure_gpt_step(hidden: int, layers: int, heads: int, seq: int, vocab: int,
 
 def _check_arch(arch, heads, kv_heads, ffn_hidden, recompute, tie_embeddings) -> None:
     """The Llama-only arguments: refused with the GPT, checked with the Llama."""
-    if arch not in ("gpt", "llama"):
-        raise ValueError(f"arch must be 'gpt' or 'llama', got {arch!r}")
-    if arch == "gpt":
+    if arch not in BLOCKS:
+        raise ValueError(f"arch must be one of {tuple(BLOCKS)}, got {arch!r}")
+    if block_named(arch) is not LLAMA_BLOCK:
         for name, v, default in (("kv_heads", kv_heads, None), ("ffn_hidden", ffn_hidden, None),
                                  ("recompute", recompute, "none")):
             if v != default:

@@ -108,7 +108,10 @@ def add_parser(commands) -> None:
                      help="Megatron's sequence parallelism over the tp ranks (LayerNorms and "
                           "dropout split along the sequence)")
     gpt.add_argument("--recompute", choices=Recompute.values(), default="none",
-                     help="activation recomputation (default none)")
+                     help="activation recomputation (default none): selective re-runs the "
+                          "core attention, full every layer's forward, op torchtitan's per-op "
+                          "policy (dense Llama models: W_k, W_o, W_up and the elementwise ops "
+                          "re-run)")
     add_attention_argument(gpt)
     add_tp_overlap_argument(gpt)
     add_grad_reduce_argument(gpt)

@@ -97,6 +97,15 @@ def test_activation_bytes_by_hand():
     assert activation_bytes_per_layer(layer, spec, S, 2, recompute="full") == 2 * X * 256
     tp2 = activation_bytes_per_layer(layer, spec, S, 2, tp=2, sequence_parallel=True)
     assert tp2 == flash / 2
+    # torchtitan's per-op policy: x, x W_q, x W_v, the attention's output, x W_gate
+    op = activation_bytes_per_layer(layer, spec, S, 2, recompute="op")
+    assert op == 2 * (X * 256 + X * (2 * 256 + 64) + X * 704)
+    assert activation_bytes_per_layer(layer, spec, S, 2, tp=2, sequence_parallel=True,
+                                      recompute="op") == op / 2 + 2 * X * 256 / 2
+    moe = ModelSpec(name="moe", hidden=256, vocab=1000, layers=(
+        Layer(layer.attention, MoE(experts=4, top_k=2, expert=MLP("swiglu", 128))),))
+    with pytest.raises(ValueError, match="recompute 'op'.*runs on a dense layer"):
+        activation_bytes_per_layer(moe.layers[0], moe, S, 2, recompute="op")
 
 
 def test_every_convention_is_named():

@@ -273,9 +273,11 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
     sigma, kv_local = t if sp else 1, max(config.kv_heads // t, 1)
     if recompute == "full":
         return 2 * s * b * h / sigma
-    if recompute == "op":           # x, x W_q, x W_v, C, x W_gate (+ y under SP), the LSE
-        return s * b * (2 * h / sigma + (2 * h / t if sp else 0) + 4 * a * d / t
-                        + 2 * kv_local * d + 2 * f / t) + LSE_BYTES * b * a * s / t
+    if recompute == "op":     # x, x W_q, x W_v, C, x W_gate (+ y under SP), the kernel's
+        kept = s * b * (2 * h / sigma + (2 * h / t if sp else 0) + 4 * a * d / t
+                        + 2 * kv_local * d + 2 * f / t)
+        return kept + (LSE_BYTES * b * a * s / t if attention in FUSED_ATTENTION
+                       else 2 * a * s * _mean_keys(config) * b / t)
     if getattr(config, "kv_lora_rank", None):      # MLA: the latents, q, k, v, output
         att = 4 * ((config.q_lora_rank or 0) + config.kv_lora_rank) \
             + 4 * a * (d + config.v_head_dim) / t

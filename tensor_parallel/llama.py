@@ -201,12 +201,10 @@ class LlamaLayer(_Layer):
                               self._sinks(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
-        if keep == "op":
-            y, mst = self._mlp(ops, u2, True)
-            out = ops.ew("residual", lambda: x1 + y, x1, y)
-            return out, (x, ast, mst[1])        # the gate's product: W_up's is re-run
         y, mst = self._mlp(ops, u2, keep != "none")
         out = ops.ew("residual", lambda: x1 + y, x1, y)
+        if keep == "op":            # x and the gate's product (mst[1]): W_up's is re-run
+            return out, (x, ast, mst[1])
         return out, (n1, ast, n2, mst)
 
     def _recompute_op(self, ops, st):

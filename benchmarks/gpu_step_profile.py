@@ -3,6 +3,7 @@ idle time, and GEMM throughput sustained for seconds against a short burst.
 
     python benchmarks/gpu_step_profile.py --out profile.json [--micro-batch 1 4]
         [--hidden 2048 --layers 24 --heads 16 --seq 2048 --vocab 51200] [--no-sustained]
+        [--llama KV_HEADS FFN_HIDDEN RECOMPUTE [--compile]]
 
 1. The step of ``vcluster bench gpu-step`` (:func:`vcluster.gpu.gpt_step`'s model: bf16
    autocast, SDPA, fused AdamW; eager), three steps after three warm-ups under
@@ -14,13 +15,15 @@ idle time, and GEMM throughput sustained for seconds against a short burst.
    the SM clock (NVML) read after each: is a calibrated rate a burst rate?
    (``--no-sustained`` skips it.)
 
-Needs CUDA (exits 2 without it).
+``--llama``: the reference Llama of ``bench gpu-step --arch llama`` instead (SDPA pinned to
+FlashAttention-2; ``--compile``: each block compiled). Needs CUDA (exits 2 without it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 import sys
 import time
 
@@ -44,20 +47,33 @@ def kind_of(name: str) -> str:
 
 
 def profile_step(torch, micro_batch: int, hidden=2048, layers=24, heads=16, seq=2048,
-                 vocab=51200, steps: int = 3) -> dict:
+                 vocab=51200, steps: int = 3, llama: dict | None = None,
+                 compiled: bool = False) -> dict:
+    """``llama``: {"kv_heads", "ffn_hidden", "recompute"} profiles the reference Llama
+    (:mod:`vcluster.gpu.llama_model`, SDPA pinned to FlashAttention-2) instead of the GPT;
+    ``compiled``: its blocks ``torch.compile``d one by one, as torchtitan does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
     from vcluster.gpu.gpt_step import _model
+    from vcluster.gpu.llama_model import llama_model
     torch.manual_seed(0)
-    model = _model(torch, hidden, layers, heads, seq, vocab).cuda()
+    with torch.device("cuda"):
+        model = _model(torch, hidden, layers, heads, seq, vocab) if llama is None else \
+            llama_model(torch, hidden, layers, heads, llama["kv_heads"], llama["ffn_hidden"],
+                        seq, vocab, llama["recompute"])
+    if compiled and llama is not None:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, vocab, (micro_batch, seq), device="cuda")
     targets = torch.randint(0, vocab, (micro_batch, seq), device="cuda")
 
     def one():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(tokens, targets)
-        loss.backward()
+        with (nullcontext() if llama is None else sdpa_kernel(SDPBackend.FLASH_ATTENTION)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(tokens, targets)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -130,6 +146,11 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--no-sustained", action="store_true",
                     help="skip the burst / sustained GEMM comparison")
+    ap.add_argument("--llama", nargs=3, metavar=("KV_HEADS", "FFN_HIDDEN", "RECOMPUTE"),
+                    help="profile the reference Llama (vcluster/gpu/llama_model.py) with these "
+                         "K/V heads, SwiGLU width and checkpointing (none, op, full)")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --llama: torch.compile each block, as torchtitan does")
     args = ap.parse_args(argv)
     if why := cuda_missing():
         print(f"gpu_step_profile needs CUDA: {why}", file=sys.stderr)
@@ -143,8 +164,12 @@ def main(argv=None) -> int:
                       burst_after=sustained_gemm(torch, 0.02))
         print(json.dumps({k: result[k] for k in ("burst", "sustained", "burst_after")}),
               flush=True)
+    llama = None if args.llama is None else {
+        "kv_heads": int(args.llama[0]), "ffn_hidden": int(args.llama[1]),
+        "recompute": args.llama[2]}
+    result.update(llama=llama, compiled=args.compile)
     for mb in args.micro_batch:
-        row = profile_step(torch, mb, **shape)
+        row = profile_step(torch, mb, **shape, llama=llama, compiled=args.compile)
         result["steps"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "top_kernels_ms"}), flush=True)
         torch.cuda.empty_cache()

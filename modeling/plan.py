@@ -49,11 +49,13 @@ from dataclasses import dataclass
 from mesh import Mesh
 from mesh.arguments import as_int
 
+from .blocks import LLAMA_BLOCK
 from .choices import (AttentionKernel, CPAlgorithm, GradReduceDtype, Recompute,
                       ScheduleName, TPOverlap, ZeroStage)
 from .errors import ConfigError
 
-__all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS"]
+__all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS",
+           "op_recompute_refusal"]
 
 #: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
 #: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
@@ -101,7 +103,8 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
 def op_recompute_refusal(config) -> str:
     """Why recompute ``op`` (torchtitan's per-op policy) does not run on ``config`` — it is
     the dense Llama layer's, with grouped-query attention — or "" where it does."""
-    if config.block.arch == "gpt" or config.experts or getattr(config, "kv_lora_rank", None):
+    if config.block is not LLAMA_BLOCK or config.experts or getattr(config, "kv_lora_rank",
+                                                                        None):
         return ("'op' (torchtitan's per-op policy) is the dense Llama layer's with "
                 f"grouped-query attention; this model is {config.block.arch}, experts="
                 f"{config.experts}, kv_lora_rank={getattr(config, 'kv_lora_rank', None)}")

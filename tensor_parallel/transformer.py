@@ -106,14 +106,9 @@ class _Layer(_Module):
         st = self._state.pop(mb)
         if self.recompute == "full":
             _, st = self._forward(ops, st[0], "all")
-        elif self.recompute == "op":
+        elif self.recompute == "op":       # only a layer with _recompute_op accepts "op"
             st = self._recompute_op(ops, st)
         return st
-
-    def _recompute_op(self, ops, st):
-        """The full state from what the forward kept under "op" (a layer that has the
-        policy defines it)."""
-        raise NotImplementedError(f"{type(self).__name__} has no 'op' recomputation")
 
 
 

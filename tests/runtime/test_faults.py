@@ -30,8 +30,8 @@ def test_issue_example_parses():
 
 @pytest.mark.parametrize("spec,message", [
     ({"kind": "explode", "rank": 0}, "faults[0].kind: 'explode' is not a fault kind; "
-                                     "allowed: crash, slow, link"),
-    ({"rank": 0}, "faults[0].kind: missing; allowed: crash, slow, link"),
+                                     "allowed: crash, slow, link, jitter"),
+    ({"rank": 0}, "faults[0].kind: missing; allowed: crash, slow, link, jitter"),
     ({"kind": "crash", "rank": 0}, "faults[0].at_step: missing for a crash fault"),
     ({"kind": "crash", "rank": 0, "at_step": 1, "when": 2},
      "faults[0].when: unknown key for a crash fault; allowed keys: kind, rank, at_step"),

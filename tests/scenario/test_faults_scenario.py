@@ -108,6 +108,8 @@ def test_fail_names_the_checkpoint_and_resume_continues(tmp_path):
     ("faults=[{kind: slow, rank: 1, slowdown: 0.5}]", "faults[0].slowdown"),
     ("faults=[{kind: slow, rank: 1, speed: 2}]", "faults[0].speed"),
     ("faults=[{kind: link, ranks: [1, 1], bandwidth_factor: 0.5}]", "faults[0].ranks"),
+    ("faults=[{kind: jitter, max_delay_s: 0}]", "faults[0].max_delay_s"),
+    ("faults=[{kind: jitter, max_delay_s: 0.001, probability: 1.5}]", "faults[0].probability"),
     ("checkpoint.every=0", "checkpoint.every"),
     ("checkpoint.recovery=retry", "checkpoint.recovery"),
 ])
@@ -115,6 +117,20 @@ def test_bad_fault_sections_exit_2_naming_the_key(tmp_path, override, path):
     bad = _vcluster("validate", FAULTS, "--set", override, cwd=tmp_path)
     assert bad.returncode == 2, (bad.stdout, bad.stderr)
     assert path in bad.stderr, bad.stderr
+
+
+def test_a_jittered_run_matches_the_fault_free_one(tmp_path):
+    """The jitter stress mode: every device pauses at random around its communication;
+    the 1F1B pipeline's training still equals the fault-free run bit for bit."""
+    run = _vcluster("run", FAULTS, "--out", "report", "--quiet", "--set", "checkpoint={}",
+                    "--set", "faults=[{kind: jitter, max_delay_s: 0.002, seed: 3}]",
+                    cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    s = _summary(tmp_path / "report")
+    assert s["faults_injected"] == [{"kind": "jitter", "max_delay_s": 0.002,
+                                     "probability": 0.25, "seed": 3}]
+    assert s["matches_fault_free"] is True and s["checks_passed"] is True
+    assert s["final_params_sha256"] == s["fault_free_params_sha256"]
 
 
 def test_faults_only_for_training_workloads(tmp_path):

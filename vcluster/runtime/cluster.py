@@ -171,16 +171,20 @@ class VirtualCluster:
     # --- injected faults --------------------------------------------------------------
     @property
     def faults(self) -> tuple:
-        """The slow-device and slow-link faults in force (see :meth:`inject_faults`)."""
+        """The slow-device, slow-link and jitter faults in force (see :meth:`inject_faults`)."""
         return self._faults
 
     def inject_faults(self, faults) -> None:
-        """Slow devices and links for every later run, until changed (``[]``: none).
+        """Slow devices and links, or jitter, for every later run, until changed (``[]``:
+        none).
 
         ``faults``: :class:`vcluster.runtime.faults.SlowFault` /
-        :class:`~vcluster.runtime.faults.LinkFault` objects or their dict form. They stay in force across :meth:`restart` (a replaced
-        process on a slow card is still slow); on a broken cluster they take effect at the
-        restart. Crashes are training-step events: give
+        :class:`~vcluster.runtime.faults.LinkFault` / :class:`~vcluster.runtime.faults.
+        JitterFault` objects or their dict form (a jitter makes every device pause at
+        random before and after its communication: a stress mode for programs whose
+        results might depend on timing). They stay in force across :meth:`restart` (a
+        replaced process on a slow card is still slow); on a broken cluster they take
+        effect at the restart. Crashes are training-step events: give
         :class:`~vcluster.runtime.faults.CrashFault` to the trainer (``MLP.fit(faults=...)``).
         """
         from vcluster.runtime.faults import CrashFault, parse_faults
@@ -189,7 +193,7 @@ class VirtualCluster:
         if crash:
             raise ValueError(f"faults[{crash[0]}]: a crash fault fires at a training step; "
                              "pass it to the trainer (MLP.fit(faults=...)); inject_faults "
-                             "takes kinds slow and link")
+                             "takes kinds slow, link and jitter")
         self._faults = parsed
         if self._state is not None and not self._broken:
             self._send_delays()             # else they apply from the next restart()

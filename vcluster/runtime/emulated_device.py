@@ -117,6 +117,8 @@ class _ComputeBlock:
             return False
         dev._recorder.record_compute(str(self._name), float(self._flops), int(self._bytes),
                                      self._start, time.perf_counter())
+        if self._slowed:
+            dev._pause()                      # an injected jitter, outside the block's time
         return False
 
 
@@ -147,6 +149,7 @@ class EmulatedDevice:
         self._queue = CommQueue(rank)
         self._posted_recvs: dict[tuple[int, int], deque] = {}   # (src, tag) -> requests
         self._delays = None          # vcluster.runtime.faults.DeviceDelays of injected faults, or None
+        self._jitter = None          # the random stream of an injected jitter, or None
         self._nested_s: list = []    # per open compute block on a slow device: nested time
 
     def __repr__(self) -> str:
@@ -267,12 +270,24 @@ class EmulatedDevice:
         return group
 
     def set_delays(self, delays) -> None:
-        """Slow this device or its links (a :class:`vcluster.runtime.faults.DeviceDelays`; None: off)."""
+        """Slow this device or its links, or jitter it (a :class:`vcluster.runtime.faults.
+        DeviceDelays`; None: off)."""
         self._delays = delays if delays is not None and delays.active else None
+        self._jitter = None if self._delays is None else self._delays.jitter_stream()
 
     def _link_delay(self, peers, start: float) -> None:
         if self._delays is not None:          # an injected slow link (vcluster.runtime.faults)
             time.sleep(self._delays.transfer_extra_s(peers, time.perf_counter() - start))
+            self._pause()
+
+    def _pause(self) -> None:
+        """An injected jitter's random pause (:class:`vcluster.runtime.faults.JitterFault`):
+        taken before and after each send, receive and collective and after each compute
+        block, so that the devices meet in a different order from run to run."""
+        if self._jitter is not None:
+            pause_s = self._delays.jitter_s(self._jitter)
+            if pause_s:
+                time.sleep(pause_s)
 
     def reset(self) -> None:
         """Forget call numbers (the host zeroes the shared counters at the same time)."""
@@ -292,6 +307,7 @@ class EmulatedDevice:
         alg = choose_algorithm(name, nbytes, group.size, self._settings, algorithm)
 
         def thunk():
+            self._pause()
             start = time.perf_counter()
             resident = self._device_arrays and self._resident(alg, group)
             if resident:                # device arrays stay in device memory
@@ -507,6 +523,7 @@ class EmulatedDevice:
     def send(self, x, to: int, tag: int = 0) -> None:
         """Send ``x`` to global rank ``to``; returns once the payload is copied out."""
         to, tag, x = self._peer(to, "send"), self._tag(tag), self._host(x)
+        self._pause()
         start = time.perf_counter()
         self._channel.send_buffered(to, USER_KIND, tag, x)
         if self._delays is not None:
@@ -516,6 +533,7 @@ class EmulatedDevice:
     def isend(self, x, to: int, tag: int = 0) -> Work:
         """Start sending ``x``; keep it unchanged until ``wait()`` (zero-copy from the arena)."""
         to, tag, x = self._peer(to, "isend"), self._tag(tag), self._host(x)
+        self._pause()
         start = time.perf_counter()
         handle = self._channel.isend(to, USER_KIND, tag, x)
 
@@ -570,6 +588,7 @@ class EmulatedDevice:
         return request.result
 
     def _receive_now(self, src: int, tag: int, out):
+        self._pause()
         start = time.perf_counter()
         host_out = out if out is None or isinstance(out, np.ndarray) else None
         res = self._channel.recv_into(src, USER_KIND, tag, f"recv (tag {tag})", host_out,

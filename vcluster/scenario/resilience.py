@@ -36,15 +36,16 @@ __all__ = ["FAULTS_SCHEMA", "CHECKPOINT_SCHEMA", "RECOVERY", "check_faults",
            "wants_resilience", "checkpoint_dir", "run_resilient"]
 
 RECOVERY = ("restart", "fail")
-_FAULT_KINDS = ("crash", "slow", "link")
+_FAULT_KINDS = ("crash", "slow", "link", "jitter")
 
 FAULTS_SCHEMA = {
     "type": "array", "default": [],
     "description": "faults to inject (workload kind mlp): crash {rank, at_step}, slow "
-                   "{rank, slowdown}, link {ranks: [a, b], bandwidth_factor}",
+                   "{rank, slowdown}, link {ranks: [a, b], bandwidth_factor}, jitter "
+                   "{max_delay_s, probability, seed}",
     "items": {
         "type": "object", "additionalProperties": False, "required": ["kind"],
-        "description": "one fault: kind crash | slow | link and its keys",
+        "description": "one fault: kind crash | slow | link | jitter and its keys",
         "properties": {
             "kind": {"enum": list(_FAULT_KINDS), "description": "what goes wrong"},
             "rank": {"type": "integer", "minimum": 0, "description": "crash, slow: the device"},
@@ -57,6 +58,16 @@ FAULTS_SCHEMA = {
                       "description": "link: the two ranks the link joins"},
             "bandwidth_factor": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
                                  "description": "link: the fraction of bandwidth left"},
+            "max_delay_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                            "description": "jitter: the longest random pause (s) a device "
+                                           "takes before and after each send, receive, "
+                                           "collective and compute block"},
+            "probability": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                            "default": 0.25,
+                            "description": "jitter: the share of those points that pause"},
+            "seed": {"type": "integer", "minimum": 0, "default": 0,
+                     "description": "jitter: seeds each device's stream of pauses (with "
+                                    "its rank)"},
         },
     },
 }

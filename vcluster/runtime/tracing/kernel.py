@@ -69,26 +69,30 @@ class Kernel:
     window: int = 0         # attention: the sliding window in keys (0: none)
 
     def __post_init__(self):
-        try:
-            object.__setattr__(self, "kind", KernelKind(self.kind))
-        except ValueError:
-            raise ValueError(f"Kernel: kind must be one of "
-                             f"{', '.join(k.value for k in KernelKind)}, got {self.kind!r}") from None
+        if type(self.kind) is not KernelKind:
+            try:
+                object.__setattr__(self, "kind", KernelKind(self.kind))
+            except ValueError:
+                raise ValueError(f"Kernel: kind must be one of "
+                                 f"{', '.join(k.value for k in KernelKind)}, "
+                                 f"got {self.kind!r}") from None
         names = _SHAPE[self.kind]
-        shape = tuple(self.shape)
+        shape = self.shape if type(self.shape) is tuple else tuple(self.shape)
         if len(shape) != len(names):
             raise ValueError(f"Kernel: a {self.kind.value} kernel's shape is "
                              f"({', '.join(names)}), got {shape!r}")
-        dims = []
-        for name, v in zip(names, shape):
-            try:
-                d = operator.index(v)           # ints, numpy integers
-            except TypeError:
-                d = None
-            if isinstance(v, bool) or d is None or d < 0:
-                raise ValueError(f"Kernel: {name} must be an int >= 0, got {v!r}")
-            dims.append(d)
-        object.__setattr__(self, "shape", tuple(dims))
+        if not all(type(v) is int and v >= 0 for v in shape):    # else: plain ints already
+            dims = []
+            for name, v in zip(names, shape):
+                try:
+                    d = operator.index(v)           # ints, numpy integers
+                except TypeError:
+                    d = None
+                if isinstance(v, bool) or d is None or d < 0:
+                    raise ValueError(f"Kernel: {name} must be an int >= 0, got {v!r}")
+                dims.append(d)
+            shape = tuple(dims)
+        object.__setattr__(self, "shape", shape)
         if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
             raise ValueError(f"Kernel: parts must be an int >= 1, got {self.parts!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) \

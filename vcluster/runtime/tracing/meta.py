@@ -25,10 +25,35 @@ from .host import counted
 __all__ = ["MetaArray", "meta_like", "is_meta"]
 
 
-def _standin(shape, dtype) -> np.ndarray:
-    """A read-only array of ``shape`` backed by a single element."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=tuple(shape),
+@lru_cache(maxsize=4096)   # pure: a read-only stand-in per (shape, dtype); views use it
+def _standin(shape: tuple, dtype) -> np.ndarray:
+    """A read-only array of ``shape`` backed by a single element (one per shape and
+    dtype: nothing writes to it)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape,
                                            strides=(0,) * len(shape), writeable=False)
+
+
+@lru_cache(maxsize=4096)   # pure: operand shapes -> their broadcast shape
+def _broadcast_cached(shapes: tuple) -> tuple:
+    return tuple(np.broadcast_shapes(*shapes))
+
+
+def _broadcast(shapes: list) -> tuple:
+    """numpy's broadcast shape of ``shapes`` (tuples); equal shapes, the common case, at
+    once."""
+    first = shapes[0]
+    for s in shapes:
+        if s != first:
+            return _broadcast_cached(tuple(shapes))
+    return first
+
+
+def _meta(shape: tuple, dtype: np.dtype) -> "MetaArray":
+    """A MetaArray of a shape that is already a tuple of ints and a dtype that is already
+    an ``np.dtype`` (what numpy's own results are): no conversion."""
+    m = object.__new__(MetaArray)
+    m.shape, m.dtype = shape, dtype
+    return m
 
 
 def _dtype_of(x):
@@ -53,9 +78,16 @@ def _probe_dtype(ufunc, kinds) -> np.dtype:
         return ufunc(*[k(1) if isinstance(k, type) else np.ones(1, k) for k in kinds]).dtype
 
 
+def _kind(x):
+    """What decides ``x``'s part in a result dtype: its dtype, or its Python scalar type."""
+    t = type(x)
+    if t is MetaArray or t is np.ndarray:
+        return x.dtype
+    return t if isinstance(x, _SCALARS) else (_dtype_of(x) or np.asarray(x).dtype)
+
+
 def _result_dtype(inputs, ufunc=None):
-    kinds = tuple(type(x) if isinstance(x, _SCALARS) else
-                  (_dtype_of(x) or np.asarray(x).dtype) for x in inputs)
+    kinds = tuple(map(_kind, inputs))
     if ufunc is not None and ufunc.nout == 1 and ufunc.types:
         return _probe_dtype(ufunc, kinds)
     arrays = [k for k in kinds if not isinstance(k, type)]
@@ -75,7 +107,7 @@ def _index(key):
             if k.dtype.kind not in "iu":
                 raise TypeError(f"tracing: indexing by a meta array of {k.dtype} (a boolean "
                                 "mask's result depends on values); index by integer arrays")
-            k = _standin(k.shape, k.dtype)
+            k = _standin(tuple(k.shape), k.dtype)
         out.append(k)
     return tuple(out) if isinstance(key, tuple) else out[0]
 
@@ -136,7 +168,7 @@ class MetaArray:
     # --- views and copies -------------------------------------------------------------
     def _view(self, fn) -> "MetaArray":
         out = fn(_standin(self.shape, self.dtype))
-        return MetaArray(out.shape, out.dtype)
+        return _meta(out.shape, out.dtype)
 
     @counted
     def __getitem__(self, key) -> "MetaArray":
@@ -166,7 +198,7 @@ class MetaArray:
         if -1 in shape or total != self.size:
             raise ValueError(f"cannot reshape a meta array of size {self.size} into "
                              f"shape {shape}")
-        return MetaArray(shape, self.dtype)
+        return _meta(shape, self.dtype)
 
     @counted
     def transpose(self, *axes) -> "MetaArray":
@@ -277,12 +309,12 @@ class MetaArray:
         if ufunc is np.matmul:
             shape = _matmul_shape(_shape_of(inputs[0]), _shape_of(inputs[1]))
         else:
-            shape = np.broadcast_shapes(*[_shape_of(x) for x in inputs])
+            shape = _broadcast([_shape_of(x) for x in inputs])
         dtype = _result_dtype(inputs, ufunc)
         if out is not None:
             target = out[0] if isinstance(out, tuple) else out
             return target
-        return MetaArray(shape, dtype)
+        return _meta(shape, dtype)
 
     @counted
     def __array_function__(self, func, types, args, kwargs):

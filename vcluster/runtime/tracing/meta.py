@@ -184,7 +184,8 @@ class MetaArray:
     def reshape(self, *shape, order="C") -> "MetaArray":
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        shape = tuple(int(n) for n in shape)
+        if not all(type(n) is int for n in shape):
+            shape = tuple(int(n) for n in shape)
         if shape.count(-1) == 1:
             known = 1
             for n in shape:

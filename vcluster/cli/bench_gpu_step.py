@@ -104,9 +104,11 @@ def run_gpu_step(args) -> int:
     parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch,
                               recompute=args.recompute, **({"attention": "flash2"} if args.flash
                                                            else {}))
-    # plain PyTorch's autocast kernel list is the GPT's: the Llama is priced on its own
+    # plain PyTorch's autocast kernel list is the GPT's: the Llama is priced on its own,
+    # eager with eager PyTorch's unfused kernels (planner.eager_kernels)
     predicted = simulate_gpt(config, parallel, hw, precision=precision,
-                             **({"autocast_kernels": False} if llama else {}))
+                             **({"autocast_kernels": False, "eager_kernels": not args.compile}
+                                if llama else {}))
     print(f"vcluster bench gpu-step: {name}, torch {torch.__version__}, "
           f"{'compiled' if args.compile else 'eager'}; {args.arch} hidden {args.hidden}, layers "
           f"{args.layers}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
@@ -125,6 +127,7 @@ def run_gpu_step(args) -> int:
     }
     label = (str(hardware) if isinstance(hardware, str) else hw.device.name) + \
         (", autocast's kernels priced" if predicted.autocast_kernels else "") + \
+        (", eager PyTorch's unfused kernels priced" if predicted.eager_kernels else "") + \
         (", fused as torch.compile fuses them" if predicted.inductor_fusion else "")
     print(f"{name}, {measured.parameters / 1e9:.2f}B parameters, "
           f"{'compiled' if args.compile else 'eager'}: {flops / measured.step_time_s / 1e12:.0f} "
@@ -147,6 +150,7 @@ def run_gpu_step(args) -> int:
             "model_flops": flops,
             "hardware": label, "precision": precision,
             "autocast_kernels": predicted.autocast_kernels,
+            "eager_kernels": predicted.eager_kernels,
             "inductor_fusion": predicted.inductor_fusion,
             "measured_step_times_s": list(measured.step_times_s),
             "losses": list(measured.losses),

@@ -133,6 +133,11 @@ def add_parser(commands) -> None:
                      help="price plain PyTorch's autocast kernels (casts, fp32 LayerNorms "
                           "and residual adds; docs/timing.md): auto (default) under "
                           "--precision torch_amp on hardware with measured kernels")
+    gpt.add_argument("--eager-kernels", action="store_true",
+                     help="a Llama run by eager PyTorch (torchtitan without torch.compile): "
+                          "price its RMSNorms, rotary embeddings, SwiGLU and grouped K/V as "
+                          "the unfused kernels eager PyTorch runs (dense Llama only; "
+                          "docs/timing.md)")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list), a YAML file, or a cluster "
                           "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
@@ -185,7 +190,7 @@ def _gpt(args) -> int:
                      autocast_kernels={"auto": None, "on": True, "off": False}[
                          args.autocast_kernels], fp8=bool(low_precision(args)),
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
-                     else "fp8")
+                     else "fp8", eager_kernels=args.eager_kernels)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -221,6 +226,9 @@ def _gpt(args) -> int:
     elif r.autocast_kernels:
         print("  kernels              plain PyTorch's under autocast: weight, input and "
               "gradient casts, fp32 LayerNorms and residual adds (measured prices)")
+    elif r.eager_kernels:
+        print("  kernels              eager PyTorch's: RMSNorms, rotary embeddings, SwiGLU "
+              "and the K/V repeat unfused, each op its own kernel")
     rule, cost = describe_ratio(r.compute_s, r.comm_s, r.exposed_comm_s, r.step_time_s)
     print(f"  compute / comm       {r.compute_comm_ratio:.1f}   {rule}")
     print(f"                       {cost}")

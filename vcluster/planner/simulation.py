@@ -57,7 +57,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from modeling import GPT2_BLOCK
+from modeling import GPT2_BLOCK, LLAMA_BLOCK
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
@@ -73,6 +73,7 @@ from vcluster.timing.hardware_model import HardwareCostModel
 from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
+from .eager_kernels import with_eager_kernels
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .offload import host_link_of, microbatch_slots, offload_timing
@@ -139,6 +140,7 @@ class GPTSimulation:
     precision: str = "megatron"         # the PrecisionPolicy the memory counts bytes by
     autocast_kernels: bool = False      # plain PyTorch's autocast kernels priced
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
+    eager_kernels: bool = False         # eager PyTorch's unfused Llama kernels priced
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
     # their format (vcluster.timing.gemm_formats: fp8, fp8-block, mxfp8, nvfp4, mxfp4);
     # None without fp8
@@ -417,7 +419,7 @@ def _short_layout(parallel: ParallelConfig, layers: int, traced_positions) -> tu
 
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
-                     inductor_fusion: bool = False):
+                     inductor_fusion: bool = False, eager_kernels: bool = False):
     """(mesh, templates per cp rank and short position, not coalesced) of a short step on
     a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
     layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
@@ -457,6 +459,11 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                                 pytorch_kernels(t.tail, inductor_fusion), t.message_bytes)
                       for t in ts]
                      for ts in templates]
+    if eager_kernels:
+        templates = [[Templates({key: with_eager_kernels(body) for key, body in t.bodies.items()},
+                                with_eager_kernels(t.tail), t.message_bytes)
+                      for t in ts]
+                     for ts in templates]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
@@ -479,7 +486,8 @@ def gpt_schedule(parallel: ParallelConfig):
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
                     markers: bool = False, expert_skew: float = 1.0,
-                    autocast_kernels: bool = False, inductor_fusion: bool = False) -> list:
+                    autocast_kernels: bool = False, inductor_fusion: bool = False,
+                    eager_kernels: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -500,7 +508,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     schedule from them); the planner leaves them out. ``autocast_kernels``: the kernel
     list of plain PyTorch under bf16 autocast (:mod:`.autocast_kernels`), not the
     program's own; with ``inductor_fusion``, as ``torch.compile`` fuses it
-    (:mod:`.inductor_kernels`).
+    (:mod:`.inductor_kernels`). ``eager_kernels``: the Llama program's norms, rotary
+    embeddings, SwiGLU and grouped K/V as eager PyTorch runs them, unfused
+    (:mod:`.eager_kernels`).
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -512,7 +522,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     reps, short_of = _short_layout(parallel, config.layers, traced_positions)
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
-                                       autocast_kernels, inductor_fusion)
+                                       autocast_kernels, inductor_fusion, eager_kernels)
     S = p * v
     sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
     # compute runs coalesced under the model that prices the rank: ``costs``, or on a
@@ -626,7 +636,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  memory_headroom: float = MEMORY_HEADROOM,
                  expert_skew: float = 1.0, precision="megatron",
                  autocast_kernels: bool | None = None, fp8: bool = False,
-                 gemm_format: str = "fp8") -> GPTSimulation:
+                 gemm_format: str = "fp8", eager_kernels: bool = False) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -644,7 +654,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     hardware prices kernels from measurements (a kernel table or a calibrated GPU: that
     module's docstring says why not on the analytic presets); under a policy with
     ``inductor_fusion`` (``torch_compile``) they are priced as ``torch.compile`` fuses them
-    (:mod:`.inductor_kernels`); ``fp8``: the transformer layers' linear GEMMs priced in FP8
+    (:mod:`.inductor_kernels`); ``eager_kernels``: the dense Llama layer run by eager
+    PyTorch (torchtitan without ``torch.compile``): its norms, rotary embeddings, SwiGLU
+    and grouped K/V priced as the unfused kernels eager PyTorch runs
+    (:mod:`.eager_kernels`; refused on other models); ``fp8``: the transformer layers'
+    linear GEMMs priced in FP8
     (:func:`fp8_gemm`: at the device's FP8 peak, analytic hardware with one only; the
     memory model is unchanged, and ``mfu`` stays against the BF16 peak), in
     ``gemm_format`` (:mod:`vcluster.timing.gemm_formats`: ``fp8``, the default — one
@@ -713,11 +727,24 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         raise ValueError(f"simulate_gpt: autocast_kernels rewrites the dense GPT program "
                          f"without context parallelism (the PyTorch reference step), got "
                          f"arch={config.arch!r}, experts={config.experts}, cp={parallel.cp}")
+    if not isinstance(eager_kernels, bool):
+        raise ValueError(f"simulate_gpt: eager_kernels must be True or False, got "
+                         f"{eager_kernels!r}")
+    if eager_kernels and (config.block is not LLAMA_BLOCK or config.experts
+                          or getattr(config, "kv_lora_rank", None)
+                          or parallel.activation_offload):
+        raise ValueError(f"simulate_gpt: eager_kernels prices eager PyTorch's unfused kernels "
+                         f"of the dense Llama layer with grouped-query attention (torchtitan's "
+                         f"Llama 3), without activation offload; got arch={config.arch!r}, "
+                         f"experts={config.experts}, kv_lora_rank="
+                         f"{getattr(config, 'kv_lora_rank', None)}, activation_offload="
+                         f"{parallel.activation_offload:g} (a GPT run in plain PyTorch: "
+                         f"precision='torch_amp')")
     fused = autocast_kernels and precision.inductor_fusion
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
-                           inductor_fusion=fused)
+                           inductor_fusion=fused, eager_kernels=eager_kernels)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
@@ -762,6 +789,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         device_memory_gb=kinds[tight].device.hbm_bytes / 1e9,
         zero_stage=int(parallel.zero_stage),
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
+        eager_kernels=eager_kernels,
         fp8=fp8, gemm_format=gemm_format if fp8 else None,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),

@@ -21,14 +21,17 @@ runs where the row is silent, the same for every row:
 * Float8 rows with their linear GEMMs in FP8 (``fp8``, one scale per tensor);
 * activation checkpointing ``full`` as full recomputation, torchtitan's per-op selective
   policy as the program's ``op`` (:mod:`tensor_parallel.llama`; before it existed these
-  rows ran as ``selective``, and their first-run prediction still does).
+  rows ran as ``selective``, and their first-run prediction still does);
+* rows without ``torch.compile`` with eager PyTorch's unfused kernels of the Llama layer
+  (``eager_kernels``: :mod:`.eager_kernels`, since 2026-11-30; the first run prices them
+  as the compiled rows).
 
 Meta's H100s (the paper's §3.1) are the DGX H100's die with 96 GB of HBM2e at 2.4 TB/s
 (:data:`META_H100_MEMORY`, since 2026-11-30; before, the DGX H100's 3.35 TB/s of HBM3).
 Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
 Not modelled, and in the signed errors: those H100s' 500 W power limit (the model prices
-the 700 W part's clocks), eager PyTorch's per-kernel host cost and unfused kernels against
-``torch.compile``, FSDP2's and Float8's extra kernels.
+the 700 W part's clocks), eager PyTorch's per-kernel host cost (its unfused kernels are
+priced), FSDP2's and Float8's extra kernels.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -41,7 +44,10 @@ both errors print side by side, and the signed errors are summarised by sequence
 an H200): no
 network, no power cap, no FSDP — the kernels and the host alone.
 :func:`validate_gpu_sweep` predicts each row's step on the ``h200-dgx`` preset with the
-attention kernel it ran (``flash2``), in tokens/s, beside its first-run prediction.
+attention kernel it ran (``flash2``) — its eager rows with eager PyTorch's unfused kernels
+(``eager_kernels``: derived for torchtitan's bf16 model; the sweep's step is PyTorch AMP,
+whose casts and fp32 residual stream differ: said so where its errors are reported) —
+in tokens/s, beside its first-run prediction.
 """
 
 from __future__ import annotations
@@ -171,7 +177,8 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
         else:
             preset = GPU_PRESETS[r["gpu"]]
             tokens = par.global_batch * cfg.seq / par.gpus
-            sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8)
+            sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8,
+                               eager_kernels=r["compiled"] == "0")
             first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
                                  fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s
@@ -212,7 +219,7 @@ def validate_gpu_sweep(on_row=None) -> list[dict]:
         compiled = r["compiled"] == "1"
         # the step's memory is PyTorch AMP's, which the torch_amp count prices for the GPT
         # alone: step time is what is compared (Megatron's bytes, the default policy)
-        sim = simulate_gpt(cfg, par, GPU_SWEEP_HARDWARE)
+        sim = simulate_gpt(cfg, par, GPU_SWEEP_HARDWARE, eager_kernels=not compiled)
         first = simulate_gpt(cfg, _first_run_parallel(par),
                              _first_run_hardware(GPU_SWEEP_HARDWARE))
         tokens, measured_s = b * seq, float(r["step_ms"]) / 1e3

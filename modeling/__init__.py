@@ -17,7 +17,7 @@ from .counts import (FlopsPerToken, ParameterCount, activation_bytes_per_layer,
                      rank_params)
 from .errors import ConfigError
 from .hf_config import from_hf_config
-from .plan import ParallelConfig, check_zero_stage, op_recompute_refusal
+from .plan import ParallelConfig, check_zero_stage, full_torch_refusal, op_recompute_refusal
 from .presets import load_model, preset_info, preset_names
 from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
@@ -29,4 +29,5 @@ __all__ = ["Block", "BLOCKS", "GPT2_BLOCK", "LLAMA_BLOCK", "block_named", "block
            "rank_params", "ParallelConfig", "check_zero_stage", "ConfigError", "Choice",
            "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm", "TPOverlap",
            "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
-           "RouterScore", "FlopConvention", "op_recompute_refusal"]
+           "RouterScore", "FlopConvention", "op_recompute_refusal",
+           "full_torch_refusal"]

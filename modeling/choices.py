@@ -47,13 +47,19 @@ class ScheduleName(Choice):
 class Recompute(Choice):
     """Activation recomputation: ``none`` keeps every activation, ``selective`` re-runs
     the core attention (Korthikanti et al. 2022), ``full`` re-runs every layer's forward
-    from its input, ``op`` is torchtitan's per-op selective policy (the Llama layer only:
-    the attention kernel's and every other matmul's outputs kept, the other matmuls — W_k,
-    W_o, W_up — and every elementwise op re-run; :mod:`tensor_parallel.llama`)."""
+    from its input (Megatron-LM's ``--recompute-granularity full``), ``full-torch`` is full
+    recomputation as PyTorch's non-reentrant ``torch.utils.checkpoint`` runs it (torchtitan's
+    ``full``, FSDP's activation checkpointing): the recomputation stops once the tensors the
+    backward needs are rebuilt, so the layer's last GEMM (the MLP's W_down / W2), its
+    tensor-parallel reduction and the residual add are not re-run (dense GPT and Llama
+    layers); ``op`` is torchtitan's per-op selective policy (the Llama layer only: the
+    attention kernel's and every other matmul's outputs kept, the other matmuls — W_k, W_o,
+    W_up — and every elementwise op re-run; :mod:`tensor_parallel.llama`)."""
 
     NONE = "none"
     SELECTIVE = "selective"
     FULL = "full"
+    FULL_TORCH = "full-torch"
     OP = "op"
 
 

@@ -327,7 +327,7 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     recompute, attention = Recompute(recompute), AttentionKernel(attention)
     h, x = spec.hidden, seq * micro_batch
     sp = tp if sequence_parallel else 1
-    if recompute is Recompute.FULL:
+    if recompute in (Recompute.FULL, Recompute.FULL_TORCH):
         return x * h / sp * bytes_per_element
     if recompute is Recompute.OP:
         return _op_activation_elements(layer, x, h, tp, sp) * bytes_per_element

@@ -55,7 +55,7 @@ from .choices import (AttentionKernel, CPAlgorithm, GradReduceDtype, Recompute,
 from .errors import ConfigError
 
 __all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS",
-           "op_recompute_refusal"]
+           "op_recompute_refusal", "full_torch_refusal"]
 
 #: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
 #: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
@@ -98,6 +98,17 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
                           "expert-data-parallel group the program does not build (a plan is "
                           "never priced as something it does not run)", owner=owner)
     return zero
+
+
+def full_torch_refusal(config) -> str:
+    """Why recompute ``full-torch`` (PyTorch's non-reentrant checkpoint, stopping before the
+    layer's last GEMM) does not run on ``config`` — the dense GPT and Llama layers' — or ""
+    where it does."""
+    if config.experts or getattr(config, "kv_lora_rank", None):
+        return ("'full-torch' (PyTorch's non-reentrant checkpoint, stopping before the MLP's "
+                f"last GEMM) is the dense GPT and Llama layers'; this model has experts="
+                f"{config.experts}, kv_lora_rank={getattr(config, 'kv_lora_rank', None)}")
+    return ""
 
 
 def op_recompute_refusal(config) -> str:
@@ -250,8 +261,9 @@ class ParallelConfig:
                               "offloaded (its backward follows its forward at once)",
                               owner=who)
         object.__setattr__(self, "activation_offload", float(f))
-        if f and self.recompute is Recompute.FULL:
-            raise ConfigError("activation_offload", f, "0 with recompute='full'",
+        if f and self.recompute in (Recompute.FULL, Recompute.FULL_TORCH):
+            raise ConfigError("activation_offload", f, f"0 with recompute="
+                              f"'{self.recompute.value}'",
                               "a fully recomputed layer keeps only its input and rebuilds "
                               "the rest in the backward: there is nothing to offload "
                               "(Megatron-Core refuses CPU offloading with recomputation)",
@@ -508,6 +520,9 @@ class ParallelConfig:
         if self.recompute is Recompute.OP and (why := op_recompute_refusal(config)):
             raise ConfigError("recompute", "op", "none, selective or full for this model",
                               why, owner="GPT")
+        if self.recompute is Recompute.FULL_TORCH and (why := full_torch_refusal(config)):
+            raise ConfigError("recompute", "full-torch", "none, selective or full for this "
+                              "model", why, owner="GPT")
         if self.cp > 1 and config.seq % (2 * self.cp):
             raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "

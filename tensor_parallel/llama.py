@@ -53,7 +53,9 @@ on V and untied from E, the vocabulary-parallel cross-entropy of
 :class:`~tensor_parallel.transformer.VocabParallelHead`).
 
 Recomputation as the GPT layer's: "none", "selective" (keep q, k, v; re-run the core
-attention) and "full" (keep x; re-run the layer's forward, with its collectives); and
+attention), "full" (keep x; re-run the layer's forward, with its collectives) and
+"full-torch" (keep x; re-run the forward as PyTorch's non-reentrant checkpoint does, up to
+SwiGLU's output a: W_down's product, its reduction and the residual are not re-run); and
 "op", torchtitan's per-op selective policy (``activation_checkpoint.mode: selective``,
 ``selective_ac_option: op``), which keeps the outputs of the attention kernel and of
 every matmul but every second one in forward order, and re-runs everything else its
@@ -161,13 +163,17 @@ class LlamaLayer(_Layer):
         self._w_count = 0
 
     # --- MLP: (silu(u W_gate) * (u W_up)) W_down -----------------------------------------
-    def _mlp(self, ops, u, keep: bool):
+    def _mlp(self, ops, u, keep: bool, stop: bool = False):
+        """(y, state); ``stop``: (None, state) without W_down's product and its reduction
+        (PyTorch's non-reentrant recomputation stops once ``a`` is rebuilt)."""
         P = self.p
         xf, (zg, zu) = ops.gather_matmul(ops.c.x_in, u, (P["w_gate"], P["w_up"]),  # (b·s, f/t)
                                          "mlp: gather x", ("mlp: x @ W_gate", "mlp: x @ W_up"))
         x2 = xf.reshape(-1, xf.shape[-1])
         a = ops.work("mlp: silu(zg) * zu", 0, (zg, zu, zg), None,
                      lambda: zg / (1 + np.exp(-zg)) * zu, _swiglu(zg, False))
+        if stop:
+            return None, (x2, zg, zu, a)
         y = ops.matmul_reduce(ops.c.y_out, a, P["w_down"], xf.shape, "mlp: a @ W_down",
                               "mlp: reduce y")
         return y, ((x2, zg, zu, a) if keep else ())
@@ -195,12 +201,15 @@ class LlamaLayer(_Layer):
     # --- the layer ----------------------------------------------------------------------
     def _forward(self, ops, x, keep: str):
         P = self.p
+        stop, keep = keep == "stop", "all" if keep == "stop" else keep   # "full-torch"
         u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm")
         att, ast = self.attn.forward(ops, u, P, keep) if self.latent else \
             self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep, self._qk_gains(P),
                               self._sinks(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
+        if stop:                  # the dense MLP's (MoE and MLA layers refuse full-torch)
+            return None, (n1, ast, n2, self._mlp(ops, u2, True, stop=True)[1])
         y, mst = self._mlp(ops, u2, keep != "none")
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         if keep == "op":            # x and the gate's product (mst[1]): W_up's is re-run

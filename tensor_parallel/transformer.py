@@ -86,13 +86,16 @@ class _Module:
 
 class _Layer(_Module):
     """A layer whose ``_forward(ops, x, keep)`` returns (out, state) and keeps what
-    ``recompute`` says ("none": all, "selective": q, k, v, "full": only x, re-running the
+    ``recompute`` says ("none": all, "selective": q, k, v, "full" and "full-torch": only x,
+    re-running the forward — "full-torch" as PyTorch's non-reentrant checkpoint does, up to
+    the MLP's last GEMM, whose output the backward does not need: ``_forward``'s keep
+    "stop" — re-running the
     forward with its collectives at the start of the backward)."""
 
     recompute = "none"
 
     def forward(self, ops, mb: int, x):
-        if self.recompute == "full":
+        if self.recompute in ("full", "full-torch"):
             out, _ = self._forward(ops, x, "none")
             self._state[mb] = (x,)
         else:
@@ -106,6 +109,8 @@ class _Layer(_Module):
         st = self._state.pop(mb)
         if self.recompute == "full":
             _, st = self._forward(ops, st[0], "all")
+        elif self.recompute == "full-torch":     # stops before the MLP's last GEMM
+            _, st = self._forward(ops, st[0], "stop")
         elif self.recompute == "op":       # only a layer with _recompute_op accepts "op"
             st = self._recompute_op(ops, st)
         return st
@@ -136,7 +141,8 @@ class TransformerLayer(_Layer):
     def _forward(self, ops, x, keep: str):
         P = self.p
         u, ln1 = ops.layer_norm(x, P["ln1_g"], P["ln1_b"], self.eps, "ln1")
-        att, ast = self.attn.forward(ops, u, P["w_qkv"], P["b_qkv"], P["w_o"], P["b_o"], keep)
+        att, ast = self.attn.forward(ops, u, P["w_qkv"], P["b_qkv"], P["w_o"], P["b_o"],
+                                     "all" if keep == "stop" else keep)
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u, ln2 = ops.layer_norm(x1, P["ln2_g"], P["ln2_b"], self.eps, "ln2")
         if keep == "none":
@@ -144,6 +150,8 @@ class TransformerLayer(_Layer):
         else:
             xc, x2, _, _, h, a = _ffn_hidden(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"],
                                              tag="mlp: ")
+            if keep == "stop":         # the backward needs a, not a W2 nor what follows it
+                return None, (ln1, ast, ln2, (x2, h, a))
             y = ops.matmul_reduce(ops.c.y_out, a, P["w_2"], xc.shape, "mlp: a @ W2",
                                   "mlp: reduce y")
             y = ops.add_bias(y, P["b_2"], "mlp: + b2")

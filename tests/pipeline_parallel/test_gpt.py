@@ -115,7 +115,10 @@ CASES = [  # mesh, schedule, micro-batch, extra
 
 RUNS = [(m, s, b, x, sp, r) for m, s, b, x in CASES for sp in ((False, True) if "tp" in m
                                                                   else (False,))
-        for r in ("none", "selective", "full")]
+        for r in ("none", "selective", "full")] + [
+    # PyTorch's non-reentrant full recomputation: W2's product, its reduction, not re-run
+    ("dp2 pp2 tp2", "1f1b", 1, {}, True, "full-torch"),
+    ("pp4", "zero_bubble", 1, {}, False, "full-torch")]
 
 
 @pytest.mark.parametrize("mesh, schedule, b, extra, sp, recompute", RUNS,
@@ -173,7 +176,8 @@ def test_recomputation_keeps_fewer_activations(clusters, reference):
 # --- FLOPs and traffic: emulator == trace == Megatron -----------------------------------------
 TRAFFIC = [("dp2 pp2 tp2", "1f1b", False, "none"), ("dp2 pp2 tp2", "zero_bubble", True, "full"),
            ("dp2 pp2 tp2", "interleaved_1f1b", True, "selective"), ("tp4", "gpipe", True, "none"),
-           ("pp4", "1f1b", False, "full"), ("dp2 tp2", "1f1b", False, "selective")]
+           ("pp4", "1f1b", False, "full"), ("dp2 tp2", "1f1b", False, "selective"),
+           ("dp2 pp2 tp2", "1f1b", True, "full-torch")]
 
 
 @pytest.mark.parametrize("mesh, schedule, sp, recompute", TRAFFIC,
@@ -200,6 +204,8 @@ def test_flops_and_traced_traffic_equal_the_emulator(clusters, reference, mesh, 
     expected = {"none": model,
                 "selective": model + 4 * B * c.seq ** 2 * c.hidden * c.layers,
                 "full": megatron_flops_with_recompute(B, c.seq, c.layers, c.hidden, c.vocab)}
+    # full-torch: the full count less W2's forward product, 2·B·s·4h·h per layer
+    expected["full-torch"] = expected["full"] - 8 * B * c.seq * c.hidden ** 2 * c.layers
     assert sum(flops) == expected[recompute]
     assert expected["full"] == pytest.approx(96 * B * c.seq * c.layers * c.hidden ** 2 * (
         1 + c.seq / (6 * c.hidden) + c.vocab / (16 * c.layers * c.hidden)), rel=1e-12)

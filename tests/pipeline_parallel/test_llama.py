@@ -137,6 +137,8 @@ CASES = [  # mesh, kv_heads, sequence parallel, recompute, schedule, micro-batch
     ("tp2", 1, True, "op", "1f1b", 2),                   # y kept, the gathers re-run
     ("tp2", 2, False, "op", "gpipe", 2),                 # W_o and its all-reduce re-run
     ("pp2 tp2", 1, True, "op", "zero_bubble", 1),
+    ("pp2 tp2", 1, True, "full-torch", "1f1b", 1),       # PyTorch's: W_down not re-run
+    ("tp2", 2, False, "full-torch", "zero_bubble", 2),
 ]
 
 
@@ -177,9 +179,10 @@ def _layer_params(cfg) -> int:
 
 
 def _expected_flops(cfg, batch, tp, recompute, sp=False) -> int:
-    """The closed form, + recomputation (full: every layer's forward; selective: the core
-    attention's forward; op: the K, W_up and — without sequence parallelism — W_o
-    products), + the K/V products the kv_heads < tp replicas repeat (op: their K again)."""
+    """The closed form, + recomputation (full: every layer's forward; full-torch: every
+    layer's forward but W_down's product; selective: the core attention's forward; op: the
+    K, W_up and — without sequence parallelism — W_o products), + the K/V products the
+    kv_heads < tp replicas repeat (op: their K again)."""
     h, s, l, d = cfg.hidden, cfg.seq, cfg.layers, cfg.head_dim
     hq = cfg.heads * d
     model = llama_model_flops(batch, s, l, h, cfg.vocab, cfg.heads, cfg.kv_heads,
@@ -189,9 +192,11 @@ def _expected_flops(cfg, batch, tp, recompute, sp=False) -> int:
     assert model == model_flops(cfg, batch)
     attention = 2 * batch * s * s * l * hq
     op = 2 * batch * s * l * (h * cfg.kv_heads * d + h * cfg.ffn_hidden + (0 if sp else hq * h))
-    extra = {"none": 0, "selective": attention, "op": op,
-             "full": 2 * l * _layer_params(cfg) * batch * s + attention}[recompute]
-    replicas = max(tp - cfg.kv_heads, 0) * (6 + 2 * (recompute == "full")) * batch * s * h \
+    full = 2 * l * _layer_params(cfg) * batch * s + attention
+    extra = {"none": 0, "selective": attention, "op": op, "full": full,
+             "full-torch": full - 2 * l * h * cfg.ffn_hidden * batch * s}[recompute]
+    rerun = recompute in ("full", "full-torch")
+    replicas = max(tp - cfg.kv_heads, 0) * (6 + 2 * rerun) * batch * s * h \
         * 2 * d * l + max(tp - cfg.kv_heads, 0) * 2 * batch * s * h * d * l * (recompute == "op")
     return model + extra + replicas
 
@@ -203,7 +208,8 @@ FLOPS = [  # mesh, kv_heads, sequence parallel, recompute[, attention variant (i
     ("pp2 tp4", 1, False, "full", {"head_dim": 4, "qk_norm": True}),  # h_q = 16 < h
     ("tp1", 4, False, "none", {"head_dim": 10, "qk_norm": True}),
     ("tp1", 2, False, "op"), ("tp2", 1, True, "op"), ("pp2 tp2", 2, False, "op"),
-    ("tp4", 2, False, "op", {"head_dim": 10, "qk_norm": True})]
+    ("tp4", 2, False, "op", {"head_dim": 10, "qk_norm": True}),
+    ("tp4", 2, False, "full-torch"), ("pp2 tp2", 1, True, "full-torch")]
 
 
 @pytest.mark.parametrize("mesh, kv, sp, recompute, variant",
@@ -225,7 +231,8 @@ def test_traced_flops_equal_the_closed_form(mesh, kv, sp, recompute, variant):
 
 TRAFFIC = [("pp2 tp2", 2, True, "full", "1f1b"), ("tp4", 1, True, "none", "zero_bubble"),
            ("dp2 tp2", 1, False, "selective", "1f1b"), ("tp2", 1, True, "op", "1f1b"),
-           ("pp2 tp2", 2, False, "op", "zero_bubble")]
+           ("pp2 tp2", 2, False, "op", "zero_bubble"),
+           ("pp2 tp2", 2, True, "full-torch", "1f1b"), ("tp2", 1, False, "full-torch", "1f1b")]
 
 
 @pytest.mark.parametrize("mesh, kv, sp, recompute, schedule", TRAFFIC,
@@ -262,6 +269,25 @@ def test_kv_replicas_sum_once_per_step():
     cfg = _cfg(1)
     assert counts[1] - counts[4] == {("all_reduce", 2 * cfg.hidden * cfg.head_dim * 8): steps * l}
     assert counts[4] - counts[1] == Counter() and counts[2] == counts[4]
+
+
+def test_full_torch_recompute_is_the_dense_layers():
+    """PyTorch's non-reentrant full recomputation stops before the MLP's last GEMM: the
+    dense GPT and Llama layers run it (tests above), an MoE model asking for it is refused
+    naming the field; the plan keeps what "full" keeps."""
+    from modeling import ConfigError
+    mesh = _mesh("tp2")
+    moe = _cfg(2, experts=4, moe_ffn_hidden=12, moe_top_k=2)
+    with pytest.raises(ConfigError, match=r"recompute='full-torch'.*dense GPT and Llama "
+                                          r"layers'.*allowed: none, selective or full"):
+        trace_program(mesh, train_program,
+                      GPT(moe).meta_args(mesh, _parallel(mesh, recompute="full-torch")))
+    from vcluster.planner.memory import gpt_memory
+    from vcluster.planner.simulation import gpt_schedule
+    cfg = _cfg(2)
+    full, torch_full = (_parallel(mesh, recompute=r) for r in ("full", "full-torch"))
+    assert gpt_memory(cfg, full, gpt_schedule(full)) == \
+        gpt_memory(cfg, torch_full, gpt_schedule(torch_full))
 
 
 @pytest.mark.parametrize("cfg", [GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=32),

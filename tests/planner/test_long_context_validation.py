@@ -35,7 +35,7 @@ def test_rows_become_the_plans_torchtitan_ran():
     assert par.attention.value == "flash2" and par.grad_reduce_dtype.value == "fp32"
     cfg, par, fp8, refused = row_config(_row("[P] arXiv 2410.06511 Table 5 row FSDP 2 CP 4"))
     assert (cfg.seq, par.cp, par.dp, par.zero_stage, par.recompute.value) == (
-        131072, 4, 2, 3, "full")
+        131072, 4, 2, 3, "full-torch")          # PyTorch's checkpoint: stops before W_down
     cfg, par, fp8, refused = row_config(_row("[P] arXiv 2410.06511 Table 1 row FSDP"))
     assert par.recompute.value == "op" and not fp8          # torchtitan's per-op policy
     _, par, _, refused = row_config(_row("[P] arXiv 2410.06511 Table 4 row 1F1B"))

@@ -52,7 +52,8 @@ def add_parser(kinds) -> None:
                     help="the Llama's SwiGLU width (required with --arch llama)")
     gs.add_argument("--recompute", choices=("none", "op", "full"), default="none",
                     help="the Llama's activation checkpointing, as torchtitan's mode: none "
-                    "(default), op (its per-op selective policy), full")
+                    "(default), op (its per-op selective policy), full (PyTorch's "
+                    "non-reentrant checkpoint: predicted as recompute full-torch)")
     gs.add_argument("--flash", action="store_true",
                     help="pin PyTorch's SDPA to its FlashAttention-2 backend and price "
                     "flash2 (default: PyTorch's choice, priced as the preset's kernel)")
@@ -101,9 +102,11 @@ def run_gpu_step(args) -> int:
         raise ValueError(f"no preset is a {name!r}: say what to predict on with --hardware "
                          "(a preset, or a file from vcluster hardware calibrate --gpu)")
     hw = load_hardware(hardware)
+    # the reference step's full checkpointing is PyTorch's non-reentrant one: full-torch
     parallel = ParallelConfig(global_batch=args.micro_batch, micro_batch=args.micro_batch,
-                              recompute=args.recompute, **({"attention": "flash2"} if args.flash
-                                                           else {}))
+                              recompute="full-torch" if args.recompute == "full"
+                              else args.recompute,
+                              **({"attention": "flash2"} if args.flash else {}))
     # plain PyTorch's autocast kernel list is the GPT's: the Llama is priced on its own,
     # eager with eager PyTorch's unfused kernels (planner.eager_kernels)
     predicted = simulate_gpt(config, parallel, hw, precision=precision,

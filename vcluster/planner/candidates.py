@@ -66,7 +66,7 @@ from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPE
                                    GPTConfig, ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
 from modeling import (ConfigError, Recompute, ScheduleName, check_zero_stage,
-                      op_recompute_refusal)
+                      full_torch_refusal, op_recompute_refusal)
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
@@ -81,8 +81,9 @@ DEFAULT_MAX_VIRTUAL_STAGES = 8
 PLAN_SCHEDULES = tuple(s for s in ScheduleName.values() if s != ScheduleName.GPIPE)
 RECOMPUTE_MODES = Recompute.values()
 #: the recomputation the planner searches unless asked: Megatron's three (torchtitan's
-#: per-op ``op`` when asked for, on the models it runs on)
-DEFAULT_RECOMPUTE = tuple(r for r in RECOMPUTE_MODES if r != Recompute.OP)
+#: per-op ``op`` and PyTorch's ``full-torch`` when asked for, on the models they run on)
+DEFAULT_RECOMPUTE = tuple(r for r in RECOMPUTE_MODES
+                          if r not in (Recompute.OP, Recompute.FULL_TORCH))
 
 REJECT_REASONS = {
     "tp_not_dividing_heads": "tp does not divide the attention heads",
@@ -98,6 +99,8 @@ REJECT_REASONS = {
     "interleaved_microbatches": "interleaved 1F1B needs m = B/(dp·b) to be a multiple of pp",
     "op_recompute_model": "recompute 'op' (torchtitan's per-op policy) runs on the dense "
                           "Llama layer only",
+    "full_torch_model": "recompute 'full-torch' (PyTorch's non-reentrant checkpoint) runs "
+                        "on dense GPT and Llama layers only",
     "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
                               "pp = 1, no sequence parallelism and, with experts, ep = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
@@ -351,6 +354,9 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                     for rc in space.recompute:
                         if rc == "op" and op_recompute_refusal(config):
                             rejected["op_recompute_model"] += 1
+                            continue
+                        if rc == "full-torch" and full_torch_refusal(config):
+                            rejected["full_torch_model"] += 1
                             continue
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1

@@ -203,6 +203,10 @@ __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGH
            "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy",
            "layer_activation_bytes"]
 
+#: the recompute policies that keep only a layer's input (Megatron's and PyTorch's full
+#: recomputation keep the same tensors; they differ in what the backward re-runs)
+FULL_RECOMPUTE = ("full", "full-torch")
+
 # Megatron's policy (vcluster.planner.precision.MEGATRON, the default): bytes per parameter
 WEIGHT_BYTES = MEGATRON.weight_bytes         # bf16 weights
 GRAD_BYTES = MEGATRON.grad_bytes             # fp32 main gradients
@@ -255,7 +259,7 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
     if recompute == "op":
         raise ValueError("activation_bytes_per_layer: recompute 'op' (torchtitan's per-op "
                          "policy) is the Llama layer's: llama_activation_bytes_per_layer")
-    if recompute == "full":
+    if recompute in FULL_RECOMPUTE:
         return 2 * s * b * h / (t if sp else 1)
     base = s * b * h * (34 / t if sp else 10 + 24 / t)
     if attention in FUSED_ATTENTION:
@@ -271,7 +275,7 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
     parallelism the attention's reduce-scattered output, :mod:`tensor_parallel.llama`)."""
     h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
     sigma, kv_local = t if sp else 1, max(config.kv_heads // t, 1)
-    if recompute == "full":
+    if recompute in FULL_RECOMPUTE:
         return 2 * s * b * h / sigma
     if recompute == "op":     # x, x W_q, x W_v, C, x W_gate (+ y under SP), the kernel's
         kept = s * b * (2 * h / sigma + (2 * h / t if sp else 0) + 4 * a * d / t
@@ -495,7 +499,7 @@ def _layer_activation_bytes(config, parallel, r: int, expert_skew: float) -> flo
                                    parallel.sequence_parallel, parallel.attention)
     n_layers = _rank_layers(config, parallel, r)
     moe_act = 0.0          # what an MoE layer keeps beyond the dense layer's activations
-    if getattr(config, "experts", 0) and parallel.recompute != "full":
+    if getattr(config, "experts", 0) and parallel.recompute not in FULL_RECOMPUTE:
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
         dense_mlp = 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 else \
             s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
@@ -581,7 +585,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
                         config.vocab, parallel.tp)
     sig = t if parallel.sequence_parallel and t > 1 else 1
     stages, layers = parallel.pp * parallel.chunks, _rank_layers(config, parallel, r)
-    if parallel.recompute == "full":
+    if parallel.recompute in FULL_RECOMPUTE:
         layer = 4 * s * b * h / sig
     else:
         layer = s * b * h * (8 / sig + 4 + 24 / t) + stats * s * b / sig
@@ -617,7 +621,7 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
     sp = parallel.sequence_parallel and t > 1
     sig = t if sp else 1
     bsh = b * s * h
-    if parallel.recompute == "full":
+    if parallel.recompute in FULL_RECOMPUTE:
         layer_f = bsh / sig
     else:
         layer_f = bsh * (2 / sig + 2 + (12 if parallel.recompute == "none" else 11) / t) \

@@ -19,9 +19,11 @@ runs where the row is silent, the same for every row:
   ``enable_async_tensor_parallel``: the same decomposition of the sequence-parallel
   gathers and reduce-scatters, :mod:`tensor_parallel.collective_matmul`);
 * Float8 rows with their linear GEMMs in FP8 (``fp8``, one scale per tensor);
-* activation checkpointing ``full`` as full recomputation, torchtitan's per-op selective
-  policy as the program's ``op`` (:mod:`tensor_parallel.llama`; before it existed these
-  rows ran as ``selective``, and their first-run prediction still does);
+* activation checkpointing ``full`` as PyTorch's non-reentrant full recomputation, which
+  stops before W_down (``full-torch``, since 2026-11-30; before, and in the first run, the
+  program's ``full``), torchtitan's per-op selective policy as the program's ``op``
+  (:mod:`tensor_parallel.llama`; before it existed these rows ran as ``selective``, and
+  their first-run prediction still does);
 * rows without ``torch.compile`` with eager PyTorch's unfused kernels of the Llama layer
   (``eager_kernels``: :mod:`.eager_kernels`, since 2026-11-30; the first run prices them
   as the compiled rows).
@@ -117,11 +119,16 @@ def row_config(r: dict) -> tuple:
             tp=tp, pp=pp, cp=cp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
             virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
             zero_stage=3 if tp == 1 and pp == 1 else 1,
-            recompute=r["activation_checkpointing"], grad_reduce_dtype="fp32",
+            recompute=_TORCH_AC[r["activation_checkpointing"]], grad_reduce_dtype="fp32",
             attention="flash2", tp_overlap="te" if r["tp_overlap"] == "1" else "backward")
     except ConfigError as e:
         return cfg, None, False, [str(e)]
     return cfg, par, r["float8"] == "1", []
+
+
+#: torchtitan's activation checkpointing -> the program's recompute: ``full`` is PyTorch's
+#: non-reentrant checkpoint, which stops before W_down (``full-torch``, since 2026-11-30)
+_TORCH_AC = MappingProxyType({"none": "none", "op": "op", "full": "full-torch"})
 
 
 def _hardware(gpu: str):
@@ -144,8 +151,8 @@ def _first_run_parallel(par):
     """``par`` as the model ran it before issue 54: the device's default fused attention,
     no TE overlap, torchtitan's ``op`` checkpointing as ``selective``."""
     return dataclasses.replace(par, attention="flash", tp_overlap="backward",
-                               recompute="selective" if par.recompute == "op"
-                               else par.recompute)
+                               recompute={"op": "selective", "full-torch": "full"}.get(
+                                   str(par.recompute), par.recompute))
 
 
 def _case(r: dict) -> str:
@@ -214,8 +221,8 @@ def validate_gpu_sweep(on_row=None) -> list[dict]:
     for i, r in enumerate(read_data_csv(GPU_SWEEP_TABLE)[1]):
         seq, b, layers = int(r["seq"]), int(r["micro_batch"]), int(r["layers"])
         cfg = GPTConfig(seq=seq, arch="llama", **{k: int(r[k]) for k in GPU_SWEEP_SHAPES})
-        par = ParallelConfig(global_batch=b, micro_batch=b, recompute=r["recompute"],
-                             attention="flash2")
+        par = ParallelConfig(global_batch=b, micro_batch=b,
+                             recompute=_TORCH_AC[r["recompute"]], attention="flash2")
         compiled = r["compiled"] == "1"
         # the step's memory is PyTorch AMP's, which the torch_amp count prices for the GPT
         # alone: step time is what is compared (Megatron's bytes, the default policy)

@@ -167,6 +167,13 @@ def test_the_rewrite_adds_the_closed_forms_bytes(recompute, tp):
     gpt, plain = GPTConfig(hidden=64, layers=2, heads=4, seq=32, vocab=64), \
         ParallelConfig(global_batch=2, micro_batch=1, tp=tp)
     assert E.with_eager_kernels(_ops(plain, gpt)) == tuple(_ops(plain, gpt))
+    # as many K/V heads as heads: torchtitan's repeat_kv returns K and V, no copy
+    mha = GPTConfig(hidden=64, layers=2, heads=4, seq=32, vocab=64, arch="llama", kv_heads=4,
+                    ffn_hidden=96)
+    assert not [op for op in E.with_eager_kernels(_ops(plain, mha))
+                if "repeat K, V" in getattr(op, "name", "")]
+    assert [op for op in E.with_eager_kernels(_ops(plain, CFG))
+            if "repeat K, V" in getattr(op, "name", "")]
 
 
 def test_simulate_prices_eager_kernels_and_refuses_other_models():

@@ -23,7 +23,8 @@ x.float().pow(2).mean(-1) + eps))      casts up and down, pow, mean,    its weig
 ``view_as_complex(x.float()) *         multiply, cast down
 freqs_cis``, ``type_as``
 ``repeat_kv`` (K and V to every        2·(2·n_kv + 2·n_q) [2]: the      2·(2·n_q + 2·n_kv) [2]:
-query head: expand + reshape)          copies                           the sums over the repeats
+query head: expand + reshape; none     copies                           the sums over the repeats
+with as many K/V heads as heads)
 ``silu(w1(x)) * w3(x)``                10·T·f [2]                       18·T·f [3]
 ====================================  ===============================  ==========================
 
@@ -130,9 +131,10 @@ def with_eager_kernels(ops) -> tuple:
                       per_unit * unit - program, kernels - 1)
         if base in ("attention: rope q", "attention: rope^T dq"):
             n_q = unit
-        elif base in ("attention: rope k", "attention: rope^T dk") and n_q:
+        elif base in ("attention: rope k", "attention: rope^T dk") and n_q > unit:
             # K and V repeated to every query head (forward: copies reading n_kv, writing
-            # n_q; backward: sums reading n_q, writing n_kv), bf16
+            # n_q; backward: sums reading n_q, writing n_kv), bf16; torchtitan's repeat_kv
+            # returns K and V themselves when every query head has its own (n_q = n_kv)
             out += _extra(f"{prefix}attention: {EAGER_NAME} repeat K, V{suffix}",
                           2 * (2 * unit + 2 * n_q), 2)
     return tuple(out)

@@ -738,8 +738,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                          f"Llama 3), without activation offload; got arch={config.arch!r}, "
                          f"experts={config.experts}, kv_lora_rank="
                          f"{getattr(config, 'kv_lora_rank', None)}, activation_offload="
-                         f"{parallel.activation_offload:g} (a GPT run in plain PyTorch: "
-                         f"precision='torch_amp')")
+                         f"{parallel.activation_offload:g} (a GPT model run in plain "
+                         f"PyTorch: precision='torch_amp' prices its autocast kernels)")
     fused = autocast_kernels and precision.inductor_fusion
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,

@@ -9,15 +9,15 @@ parallel plan it is trained under (``ParallelConfig``: enums, one rulebook,
 """
 
 from .blocks import BLOCKS, GPT2_BLOCK, LLAMA_BLOCK, Block, block_named, block_of
-from .choices import (AttentionKernel, Choice, CPAlgorithm, FlopConvention, GradReduceDtype,
-                      MLPKind, NormKind, Positions, Recompute, RouterScore, ScheduleName,
-                      TPOverlap, ZeroStage)
+from .choices import (FULL_RECOMPUTE, AttentionKernel, Choice, CPAlgorithm, FlopConvention,
+                      GradReduceDtype, MLPKind, NormKind, Positions, Recompute, RouterScore,
+                      ScheduleName, TPOverlap, ZeroStage)
 from .counts import (FlopsPerToken, ParameterCount, activation_bytes_per_layer,
                      flops_per_token, kv_bytes_per_token, kv_cache_bytes, parameter_count,
                      rank_params)
 from .errors import ConfigError
 from .hf_config import from_hf_config
-from .plan import ParallelConfig, check_zero_stage, full_torch_refusal, op_recompute_refusal
+from .plan import ParallelConfig, check_zero_stage, recompute_refusal
 from .presets import load_model, preset_info, preset_names
 from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
@@ -29,5 +29,5 @@ __all__ = ["Block", "BLOCKS", "GPT2_BLOCK", "LLAMA_BLOCK", "block_named", "block
            "rank_params", "ParallelConfig", "check_zero_stage", "ConfigError", "Choice",
            "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm", "TPOverlap",
            "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
-           "RouterScore", "FlopConvention", "op_recompute_refusal",
-           "full_torch_refusal"]
+           "RouterScore", "FlopConvention", "recompute_refusal",
+           "FULL_RECOMPUTE"]

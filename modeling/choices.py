@@ -63,6 +63,11 @@ class Recompute(Choice):
     OP = "op"
 
 
+#: the recompute policies that keep only a layer's input (Megatron's and PyTorch's full
+#: recomputation keep the same tensors; they differ in what the backward re-runs)
+FULL_RECOMPUTE = (Recompute.FULL, Recompute.FULL_TORCH)
+
+
 class AttentionKernel(Choice):
     """The attention kernel a real run uses: ``flash`` (today's fused kernels: one kernel
     forward and one backward, O(s) bytes, no s² scores kept; the timing model prices the

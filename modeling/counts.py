@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .choices import AttentionKernel, FlopConvention, NormKind, Positions, Recompute
+from .choices import (FULL_RECOMPUTE, AttentionKernel, FlopConvention, NormKind, Positions,
+                      Recompute)
 from .errors import ConfigError
 from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
@@ -327,7 +328,7 @@ def activation_bytes_per_layer(layer: Layer, spec: ModelSpec, seq: int, micro_ba
     recompute, attention = Recompute(recompute), AttentionKernel(attention)
     h, x = spec.hidden, seq * micro_batch
     sp = tp if sequence_parallel else 1
-    if recompute in (Recompute.FULL, Recompute.FULL_TORCH):
+    if recompute in FULL_RECOMPUTE:
         return x * h / sp * bytes_per_element
     if recompute is Recompute.OP:
         return _op_activation_elements(layer, x, h, tp, sp) * bytes_per_element

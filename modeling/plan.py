@@ -50,12 +50,12 @@ from mesh import Mesh
 from mesh.arguments import as_int
 
 from .blocks import LLAMA_BLOCK
-from .choices import (AttentionKernel, CPAlgorithm, GradReduceDtype, Recompute,
-                      ScheduleName, TPOverlap, ZeroStage)
+from .choices import (FULL_RECOMPUTE, AttentionKernel, CPAlgorithm, GradReduceDtype,
+                      Recompute, ScheduleName, TPOverlap, ZeroStage)
 from .errors import ConfigError
 
 __all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS",
-           "op_recompute_refusal", "full_torch_refusal"]
+           "recompute_refusal"]
 
 #: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
 #: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
@@ -100,25 +100,20 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
     return zero
 
 
-def full_torch_refusal(config) -> str:
-    """Why recompute ``full-torch`` (PyTorch's non-reentrant checkpoint, stopping before the
-    layer's last GEMM) does not run on ``config`` — the dense GPT and Llama layers' — or ""
-    where it does."""
-    if config.experts or getattr(config, "kv_lora_rank", None):
-        return ("'full-torch' (PyTorch's non-reentrant checkpoint, stopping before the MLP's "
-                f"last GEMM) is the dense GPT and Llama layers'; this model has experts="
-                f"{config.experts}, kv_lora_rank={getattr(config, 'kv_lora_rank', None)}")
-    return ""
-
-
-def op_recompute_refusal(config) -> str:
-    """Why recompute ``op`` (torchtitan's per-op policy) does not run on ``config`` — it is
-    the dense Llama layer's, with grouped-query attention — or "" where it does."""
-    if config.block is not LLAMA_BLOCK or config.experts or getattr(config, "kv_lora_rank",
-                                                                        None):
+def recompute_refusal(recompute, config) -> str:
+    """Why ``recompute`` does not run on ``config``, or "" where it does: ``op``
+    (torchtitan's per-op policy) is the dense Llama layer's, with grouped-query attention;
+    ``full-torch`` (PyTorch's non-reentrant checkpoint, stopping before the MLP's last
+    GEMM) the dense GPT and Llama layers'; the others run everywhere."""
+    recompute, latent = Recompute(recompute), getattr(config, "kv_lora_rank", None)
+    model = f"experts={config.experts}, kv_lora_rank={latent}"
+    if recompute is Recompute.OP and (config.block is not LLAMA_BLOCK or config.experts
+                                      or latent):
         return ("'op' (torchtitan's per-op policy) is the dense Llama layer's with "
-                f"grouped-query attention; this model is {config.block.arch}, experts="
-                f"{config.experts}, kv_lora_rank={getattr(config, 'kv_lora_rank', None)}")
+                f"grouped-query attention; this model is {config.block.arch}, {model}")
+    if recompute is Recompute.FULL_TORCH and (config.experts or latent):
+        return ("'full-torch' (PyTorch's non-reentrant checkpoint, stopping before the MLP's "
+                f"last GEMM) is the dense GPT and Llama layers'; this model has {model}")
     return ""
 
 
@@ -261,7 +256,7 @@ class ParallelConfig:
                               "offloaded (its backward follows its forward at once)",
                               owner=who)
         object.__setattr__(self, "activation_offload", float(f))
-        if f and self.recompute in (Recompute.FULL, Recompute.FULL_TORCH):
+        if f and self.recompute in FULL_RECOMPUTE:
             raise ConfigError("activation_offload", f, f"0 with recompute="
                               f"'{self.recompute.value}'",
                               "a fully recomputed layer keeps only its input and rebuilds "
@@ -517,12 +512,9 @@ class ParallelConfig:
                               f"experts={config.experts} do not split over ep={self.ep} (each "
                               "ep rank holds experts/ep experts)", owner="GPT")
         self.stage_layers(config.layers)          # raises when they do not split
-        if self.recompute is Recompute.OP and (why := op_recompute_refusal(config)):
-            raise ConfigError("recompute", "op", "none, selective or full for this model",
-                              why, owner="GPT")
-        if self.recompute is Recompute.FULL_TORCH and (why := full_torch_refusal(config)):
-            raise ConfigError("recompute", "full-torch", "none, selective or full for this "
-                              "model", why, owner="GPT")
+        if why := recompute_refusal(self.recompute, config):
+            raise ConfigError("recompute", self.recompute.value, "none, selective or full "
+                              "for this model", why, owner="GPT")
         if self.cp > 1 and config.seq % (2 * self.cp):
             raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "

@@ -50,7 +50,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from modeling.choices import Recompute
+from modeling.choices import FULL_RECOMPUTE, Recompute
 from sharding import TensorSharding as TS
 from vcluster.runtime.tracing import Kernel, MetaArray, is_meta
 from .attention import Attention, saved_bytes
@@ -95,7 +95,7 @@ class _Layer(_Module):
     recompute = "none"
 
     def forward(self, ops, mb: int, x):
-        if self.recompute in ("full", "full-torch"):
+        if self.recompute in FULL_RECOMPUTE:
             out, _ = self._forward(ops, x, "none")
             self._state[mb] = (x,)
         else:

@@ -61,12 +61,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPES, TP_OVERLAP,
                                    GPTConfig, ParallelConfig)
 from pipeline_parallel.zero import ZERO_STAGES
 from modeling import (ConfigError, Recompute, ScheduleName, check_zero_stage,
-                      full_torch_refusal, op_recompute_refusal)
+                      recompute_refusal)
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
@@ -84,6 +85,10 @@ RECOMPUTE_MODES = Recompute.values()
 #: per-op ``op`` and PyTorch's ``full-torch`` when asked for, on the models they run on)
 DEFAULT_RECOMPUTE = tuple(r for r in RECOMPUTE_MODES
                           if r not in (Recompute.OP, Recompute.FULL_TORCH))
+
+#: the reject reason of a recompute policy the model does not run (recompute_refusal)
+_REFUSED_RECOMPUTE = MappingProxyType({"op": "op_recompute_model",
+                                       "full-torch": "full_torch_model"})
 
 REJECT_REASONS = {
     "tp_not_dividing_heads": "tp does not divide the attention heads",
@@ -352,11 +357,8 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                     if etp == 1 and tp > 1 and ep > 1 and not sp:
                         continue              # folded: each tp rank routes its own slice
                     for rc in space.recompute:
-                        if rc == "op" and op_recompute_refusal(config):
-                            rejected["op_recompute_model"] += 1
-                            continue
-                        if rc == "full-torch" and full_torch_refusal(config):
-                            rejected["full_torch_model"] += 1
+                        if recompute_refusal(rc, config):
+                            rejected[_REFUSED_RECOMPUTE[rc]] += 1
                             continue
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1

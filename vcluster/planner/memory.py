@@ -187,7 +187,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from modeling import GPT2_BLOCK, LLAMA_BLOCK
+from modeling import FULL_RECOMPUTE, GPT2_BLOCK, LLAMA_BLOCK
 from pipeline_parallel.gpt import FUSED_ATTENTION
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
@@ -202,10 +202,6 @@ __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGH
            "CP_RING_BUFFERS", "emulator_activation_bytes", "torch_amp_activation_bytes",
            "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy",
            "layer_activation_bytes"]
-
-#: the recompute policies that keep only a layer's input (Megatron's and PyTorch's full
-#: recomputation keep the same tensors; they differ in what the backward re-runs)
-FULL_RECOMPUTE = ("full", "full-torch")
 
 # Megatron's policy (vcluster.planner.precision.MEGATRON, the default): bytes per parameter
 WEIGHT_BYTES = MEGATRON.weight_bytes         # bf16 weights

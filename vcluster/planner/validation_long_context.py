@@ -99,6 +99,11 @@ def band_of(seq: int) -> str:
     return next((label for label, lo, hi in BANDS if lo <= seq <= hi), "")
 
 
+#: torchtitan's activation checkpointing -> the program's recompute: ``full`` is PyTorch's
+#: non-reentrant checkpoint, which stops before W_down (``full-torch``, since 2026-11-30)
+_TORCH_AC = MappingProxyType({"none": "none", "op": "op", "full": "full-torch"})
+
+
 def row_config(r: dict) -> tuple:
     """(config, parallel, fp8, refusals) of a row (module docstring); with refusals the
     row is not simulated."""
@@ -124,11 +129,6 @@ def row_config(r: dict) -> tuple:
     except ConfigError as e:
         return cfg, None, False, [str(e)]
     return cfg, par, r["float8"] == "1", []
-
-
-#: torchtitan's activation checkpointing -> the program's recompute: ``full`` is PyTorch's
-#: non-reentrant checkpoint, which stops before W_down (``full-torch``, since 2026-11-30)
-_TORCH_AC = MappingProxyType({"none": "none", "op": "op", "full": "full-torch"})
 
 
 def _hardware(gpu: str):

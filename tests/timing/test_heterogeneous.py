@@ -10,7 +10,10 @@ and a one-part cluster gives the HardwareSpec's simulation exactly."""
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -265,6 +268,125 @@ def test_stages_are_placed_pipeline_major_and_held_to_their_own_memory():
     with pytest.raises(ValueError, match=r"uses dp·pp·cp·tp = 1·2·1·4 = 8 GPUs, cluster "
                                          r"'mixed' has 16"):
         simulate_gpt(CFG, ParallelConfig(global_batch=8, pp=2, tp=4), _mixed())
+
+
+# --- data-parallel replicas on two kinds ---------------------------------------------------
+REPLICA_PLANS = [ParallelConfig(global_batch=8, micro_batch=1, dp=2, tp=8),
+                 ParallelConfig(global_batch=8, micro_batch=1, dp=4, tp=4),
+                 ParallelConfig(global_batch=8, micro_batch=1, dp=2, pp=2, tp=4),
+                 ParallelConfig(global_batch=8, micro_batch=2, dp=2, pp=2, tp=4,
+                                schedule="gpipe", zero_stage=1),
+                 ParallelConfig(global_batch=8, micro_batch=1, dp=4, tp=4, zero_stage=3)]
+
+
+@pytest.mark.parametrize("par", REPLICA_PLANS, ids=["dp2-tp8", "dp4-tp4", "dp2-pp2-tp4",
+                                                    "dp2-pp2-tp4-gpipe-zero1", "dp4-tp4-zero3"])
+@pytest.mark.parametrize("order", [(A100, H100), (H100, A100)], ids=["a100-first",
+                                                                     "h100-first"])
+def test_replicas_on_two_kinds_run_at_the_slower_kinds_step(par, order):
+    """Each data-parallel replica on one kind, an A100 node and an H100 node: the A100 is
+    the slower in every respect (its GEMMs, its NVLink, its NICs), so its replica sets the
+    step and the data-parallel collectives that join the two replicas run at its price —
+    the step of the same plan on two A100 nodes exactly, whichever kind comes first — and
+    one replica of each kind is traced (the H100's alone would give the H100 step)."""
+    mixed = load_cluster({"name": "mixed", "parts": [{"hardware": k, "nodes": 1}
+                                                     for k in order]})
+    r = simulate_gpt(CFG, par, mixed, cluster_split="replicas")
+    on_a100 = simulate_gpt(CFG, par, _mixed(parts=[{"hardware": A100, "nodes": 2}]))
+    on_h100 = simulate_gpt(CFG, par, _mixed(parts=[{"hardware": H100, "nodes": 2}]))
+    assert r.step_time_s == pytest.approx(on_a100.step_time_s, rel=1e-12)
+    assert r.step_time_s > 1.1 * on_h100.step_time_s
+    half = par.dp // 2
+    assert [(p.first, p.count, p.part, p.hardware) for p in r.replicas] == \
+        [(0, half, 0, order[0]), (half, half, 1, order[1])]
+    assert r.stages == () and r.hardware == "mixed"
+    costs = ClusterCostModel(mixed)
+    traced = [t.rank for t in gpt_step_traces(CFG, par, costs, replicas=(0, half))]
+    assert traced == [r_ for d in (0, half) for r_ in par.mesh().group(
+        "pp", par.mesh().rank({"dp": d, "pp": 0, "tp": 0}))]
+    if par.pp == 1:                       # the default split without a pipeline
+        assert simulate_gpt(CFG, par, mixed).step_time_s == r.step_time_s
+
+
+def test_a_replica_traced_from_replica_zero_is_its_own_trace_renamed():
+    """Replica d's traces (replica 0's with every "dp" coordinate moved by d) equal what
+    tracing replica d's ranks by hand gives: op for op, a data-parallel group the same
+    tuple from both replicas, a tensor-parallel group the replica's own."""
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=4, pp=2, tp=2, zero_stage=1)
+    costs = HardwareCostModel(load_hardware(A100))
+    zero, two = (gpt_step_traces(CFG, par, costs, replicas=reps) for reps in ((0,), (0, 2)))
+    assert two[:2] == zero
+    mesh = par.mesh()
+
+    def move(r):
+        c = mesh.index(r)
+        return mesh.rank({**{a: c[a] for a in mesh.axes}, "dp": (c["dp"] + 2) % 4})
+
+    for t0, t2 in zip(zero, two[2:]):
+        assert t2.rank == move(t0.rank) and len(t2.ops) == len(t0.ops)
+        for a, b in zip(t0.ops, t2.ops):
+            if isinstance(a, TraceCollective):
+                same = set(map(move, a.group)) == set(a.group)
+                assert b.group == (a.group if same else tuple(map(move, a.group)))
+                assert (b.collective, b.nbytes) == (a.collective, a.nbytes)
+            else:
+                assert type(b) is type(a)
+    with pytest.raises(ValueError, match=r"replicas must be distinct data-parallel "
+                                         r"coordinates in 0..3, replica 0 first; got \(1,\)"):
+        gpt_step_traces(CFG, par, costs, replicas=(1,))
+
+
+def test_replicas_are_held_to_the_smallest_gpu_and_must_each_lie_on_one_kind():
+    """An A100-40GB node and two H100 nodes, dp 3 × tp 8: replica 0 on the A100s, 1-2 on
+    the H100s (one H100 replica traced); every stage held to the 40 GB GPU; a replica over
+    two kinds (dp 2: 12 GPUs each) or an unknown split is refused, naming what is allowed;
+    a slower network on the faster GPU's part sets the data-parallel price (the step at
+    least each kind's own)."""
+    c = load_cluster({"name": "three", "parts": [{"hardware": "a100-40gb-dgx", "nodes": 1},
+                                                 {"hardware": H100, "nodes": 2}]})
+    par = ParallelConfig(global_batch=12, micro_batch=1, dp=3, tp=8)
+    r = simulate_gpt(CFG, par, c, memory_headroom=0.05)
+    assert [(p.first, p.count, p.hardware) for p in r.replicas] == \
+        [(0, 1, "a100-40gb-dgx"), (1, 2, H100)]
+    assert r.device_memory_gb == pytest.approx(40.0) and r.memory_limit_gb == \
+        pytest.approx(38.0)
+    with pytest.raises(ValueError, match=r"data-parallel replica 0's 12 ranks lie on part 0 "
+                                         r"\(a100-40gb-dgx\), part 1 \(h100-dgx\) .* or split "
+                                         r"by pipeline stages"):
+        simulate_gpt(CFG, ParallelConfig(global_batch=12, dp=2, tp=12, micro_batch=1), c)
+    with pytest.raises(ValueError, match=r"cluster_split='pipes'; allowed: stages, replicas"):
+        simulate_gpt(CFG, par, c, cluster_split="pipes")
+    slow_net = {"base": H100, "name": "h100-1nic", "network": {"nics_per_node": 1}}
+    mixed = _mixed(parts=[{"hardware": A100, "nodes": 1}, {"hardware": slow_net, "nodes": 1}])
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=2, tp=8)
+    r = simulate_gpt(CFG, par, mixed)
+    for kind in (A100, slow_net):
+        alone = simulate_gpt(CFG, par, _mixed(parts=[{"hardware": kind, "nodes": 2}]))
+        assert r.step_time_s >= alone.step_time_s * (1 - 1e-12)
+
+
+def test_simulate_train_splits_a_cluster_by_replicas_from_the_command_line(tmp_path):
+    f = tmp_path / "mixed.yaml"
+    f.write_text(yaml.safe_dump(MIXED))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "vcluster.cli.main", "simulate", "train",
+                           "--hidden", "512", "--layers", "4", "--heads", "8", "--seq", "512",
+                           "--vocab", "1024", "--tp", "8", "--dp", "2", "--global-batch", "8",
+                           "--hardware", str(f), "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "each data-parallel replica on one kind" in proc.stdout
+    assert "part 0: a100-80gb-dgx: replica 0" in proc.stdout
+    assert "part 1: h100-dgx: replica 1" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["replicas"] == [{"first": 0, "count": 1, "part": 0, "hardware": A100},
+                                {"first": 1, "count": 1, "part": 1, "hardware": H100}]
+    proc = subprocess.run([sys.executable, "-m", "vcluster.cli.main", "simulate", "train",
+                           "--hidden", "512", "--layers", "4", "--heads", "8", "--seq", "512",
+                           "--vocab", "1024", "--tp", "8", "--dp", "2", "--global-batch", "8",
+                           "--hardware", str(f), "--cluster-split", "stages"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "pipeline stage 0's 16 ranks lie on" in proc.stderr
 
 
 # --- an emulated pipeline with devices of two speeds --------------------------------------

@@ -141,6 +141,11 @@ def add_parser(commands) -> None:
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list), a YAML file, or a cluster "
                           "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
+    gpt.add_argument("--cluster-split", choices=("stages", "replicas"), default=None,
+                     help="on a cluster file of several GPU kinds: each pipeline stage on "
+                          "one kind (stages, the default when --pp > 1) or each data-parallel "
+                          "replica on one kind (replicas, the default when --pp 1); "
+                          "docs/heterogeneous.md")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
                      help="share of the device memory to leave free (default 0.05)")
     gpt.add_argument("--activation-offload", type=fraction, default=0.0, metavar="FRACTION",
@@ -190,7 +195,8 @@ def _gpt(args) -> int:
                      autocast_kernels={"auto": None, "on": True, "off": False}[
                          args.autocast_kernels], fp8=bool(low_precision(args)),
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
-                     else "fp8", eager_kernels=args.eager_kernels)
+                     else "fp8", eager_kernels=args.eager_kernels,
+                     cluster_split=args.cluster_split)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -210,6 +216,15 @@ def _gpt(args) -> int:
               f"against the GPUs' mean peak")
         for line in cluster_lines(hardware, [(s.part, s.layers) for s in r.stages]):
             print("    " + line)
+    if r.replicas:
+        print(f"  cluster {r.hardware}: {hardware.gpus} GPUs of {len(hardware.kinds)} kinds; "
+              f"each data-parallel replica on one kind, each rank priced on its own GPU, the "
+              f"slowest replica sets the step; memory held to the smallest GPU; MFU against "
+              f"the GPUs' mean peak")
+        for p in r.replicas:
+            last = p.first + p.count - 1
+            print(f"    part {p.part}: {p.hardware}: replica{'s' if p.count > 1 else ''} "
+                  f"{p.first}{f'-{last}' if last > p.first else ''}")
     print(f"  step time            {r.step_time_s:.3f} s")
     print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
           f"(step time · GPUs))")

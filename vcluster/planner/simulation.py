@@ -29,13 +29,17 @@ position, one middle position per distinct middle layer count and the last; each
 for the full positions of its count (tested equal to tracing them all).
 
 A heterogeneous cluster (``hardware`` a :class:`~vcluster.timing.cluster.ClusterSpec`,
-several GPU kinds): the ranks are placed pipeline-major (:func:`cluster_placement`), so
-that stage q runs on the cluster's GPUs q·N/pp .. (q+1)·N/pp − 1 — stage 0 on the first
-part's GPUs — and each stage must lie on one kind (:func:`stage_parts`); the templates
-are coalesced and the replay prices compute under each traced rank's own kind
+several GPU kinds) is split by pipeline stages or by data-parallel replicas
+(``cluster_split``). By stages: the ranks are placed pipeline-major
+(:func:`cluster_placement`), so that stage q runs on the cluster's GPUs q·N/pp ..
+(q+1)·N/pp − 1 — stage 0 on the first part's GPUs — and each stage must lie on one kind
+(:func:`stage_parts`); the result's ``stages`` say where each stage runs and whether its
+memory fits its own device. By replicas: the mesh's own order, each replica on one kind
+(:func:`replica_parts`), one replica per kind traced; the result's ``replicas`` say
+which replicas run where. Either way the templates are coalesced and the replay prices
+compute under each traced rank's own kind
 (:class:`~vcluster.timing.cluster_cost.ClusterCostModel`), collectives and transfers on
-the kinds they span (the slowest). The result's ``stages`` say where each stage runs and
-whether its memory fits its own device.
+the kinds they span (the slowest).
 
 Outputs: step time; per device compute, communication, exposed communication and bubble
 time (means over the pipeline ranks); T_compute / T_comm for the step and per op kind
@@ -84,6 +88,7 @@ from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_ha
 ADAM = OptimizerConfig("adam")
 
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
+           "ReplicaPlacement", "replica_parts", "CLUSTER_SPLITS", "cluster_split_of",
            "fp8_gemm", "StagePlacement", "stage_parts", "cluster_placement",
            "moe_exchanges_as_all_to_all", "data_parallel_row",
            "OP_KINDS", "DP_GRAD_REDUCE", "DP_PARAM_GATHER", "RATIO_FLAG", "TRACED_POSITIONS",
@@ -150,6 +155,8 @@ class GPTSimulation:
     model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
     tokens_per_s_per_gpu: float = math.nan   # global batch · seq / (step · GPUs)
     stages: tuple = ()       # on a heterogeneous cluster: a StagePlacement per pp position
+    # ... split by data-parallel replicas (cluster_split="replicas"): ReplicaPlacements
+    replicas: tuple = ()
     # activation offload to host memory (ParallelConfig.activation_offload, planner.offload):
     activation_offload: float = 0.0     # the share of each stage's layers offloaded
     host_memory_gb: float = 0.0         # offloaded activations per GPU, the largest stage's
@@ -487,7 +494,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
                     markers: bool = False, expert_skew: float = 1.0,
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
-                    eager_kernels: bool = False) -> list:
+                    eager_kernels: bool = False, replicas: tuple = (0,)) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -510,7 +517,12 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     program's own; with ``inductor_fusion``, as ``torch.compile`` fuses it
     (:mod:`.inductor_kernels`). ``eager_kernels``: the Llama program's norms, rotary
     embeddings, SwiGLU and grouped K/V as eager PyTorch runs them, unfused
-    (:mod:`.eager_kernels`).
+    (:mod:`.eager_kernels`). ``replicas``: the data-parallel replicas (coordinates of
+    the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
+    replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
+    (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
+    its order (a data-parallel group is one group whichever replica calls it). On a
+    cluster of several GPU kinds one replica per kind is traced (:func:`simulate_gpt`).
     """
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
@@ -543,29 +555,55 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
              if (d, short_stage(s)) in sizes_short}
     schedule = schedule or gpt_schedule(parallel)
+    dp = mesh.shape["dp"]
+    replicas = _traced_replicas(replicas, dp)
     out = []
-    for cp_rank in range(parallel.cp):
-        ranks = tuple(mesh.group("pp", _at(mesh, cp=cp_rank)))
-        for q, rank in enumerate(ranks):
-            q_short = short_of[q]
+    for d in replicas:
+        for cp_rank in range(parallel.cp):
+            ranks = tuple(mesh.group("pp", _at(mesh, cp=cp_rank, dp=d)))
+            for q, rank in enumerate(ranks):
+                q_short = short_of[q]
 
-            def full_rank(r, q=q, q_short=q_short):      # every short-mesh axis by name
-                c = short_mesh.index(r)
-                pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
-                if pos is None:
-                    raise ValueError(f"GPT trace: a collective of traced pipeline position "
-                                     f"{q_short} reaches position {c['pp']}, which stands "
-                                     f"for no single position of the full pipeline")
-                return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos})
+                def full_rank(r, q=q, q_short=q_short, shift=d):  # short-mesh axes by name
+                    c = short_mesh.index(r)
+                    pos = {0: 0, p_short - 1: p - 1, q_short: q}.get(c["pp"])
+                    if pos is None:
+                        raise ValueError(f"GPT trace: a collective of traced pipeline "
+                                         f"position {q_short} reaches position {c['pp']}, "
+                                         f"which stands for no single position of the full "
+                                         f"pipeline")
+                    return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos,
+                                      "dp": (c["dp"] + shift) % dp})
 
-            t = moved(templates(cp_rank, q_short, rank), lambda s, q=q: s // p_short * p + q,
-                      full_rank, sizes)
-            trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m, markers=markers)
-            # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at
-            # the step's end; the overlapped TP reductions reuse a template's handle in each
-            # copy (and the numbers a template got depend on the short step traced)
-            out.append(unique_handles(trace))
+                def group_of(group, renamed, full_rank=full_rank):
+                    # a group of the same ranks as replica 0's (data-parallel) keeps its order
+                    if not d:
+                        return renamed
+                    own = tuple(full_rank(r, shift=0) for r in group)
+                    return own if set(own) == set(renamed) else renamed
+
+                t = moved(templates(cp_rank, q_short, rank),
+                          lambda s, q=q: s // p_short * p + q, full_rank, sizes,
+                          group_of=group_of)
+                trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m,
+                               markers=markers)
+                # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch,
+                # waited at the step's end; the overlapped TP reductions reuse a template's
+                # handle in each copy (and the numbers a template got depend on the short
+                # step traced)
+                out.append(unique_handles(trace))
     return out
+
+
+def _traced_replicas(replicas, dp: int) -> tuple:
+    """``replicas`` checked: distinct data-parallel coordinates in 0..dp-1, 0 first."""
+    out = tuple(replicas)
+    if (not out or out[0] != 0 or len(set(out)) != len(out) or any(
+            isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < dp for d in out)):
+        raise ValueError(f"gpt_step_traces: replicas must be distinct data-parallel "
+                         f"coordinates in 0..{dp - 1}, replica 0 first; got {replicas!r}")
+    return out
+
 
 
 @dataclass(frozen=True)
@@ -579,6 +617,17 @@ class StagePlacement:
     peak_memory_gb: float    # its peak (memory model), per device
     memory_limit_gb: float   # its device's HBM less the headroom
     fits: bool
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Consecutive data-parallel replicas (coordinates of the mesh's "dp" axis) on one
+    part of a heterogeneous cluster."""
+
+    first: int               # the first replica of the run
+    count: int               # how many
+    part: int                # the cluster part (GPU kind) that holds their ranks
+    hardware: str            # that part's hardware name
 
 
 def stage_parts(parallel: ParallelConfig, costs) -> list[int]:
@@ -601,24 +650,68 @@ def stage_parts(parallel: ParallelConfig, costs) -> list[int]:
                 f"cluster {cluster.name!r}; allowed: parts that hold whole pipeline stages "
                 f"({mesh.size // parallel.pp} GPUs each: dp·cp·tp = {parallel.dp}·"
                 f"{parallel.cp}·{parallel.tp}; the stages are placed pp-outermost, stage 0 "
-                f"on the first ranks)")
+                f"on the first ranks); or split by data-parallel replicas "
+                f"(cluster_split='replicas', --cluster-split replicas)")
         out.append(costs.part_of(ranks[0]))
     return out
 
 
-def cluster_placement(parallel: ParallelConfig, cluster):
+def replica_parts(parallel: ParallelConfig, costs) -> list[int]:
+    """The cluster part of each data-parallel replica — each coordinate of the mesh's
+    "dp" axis: its pp·(ep)·cp·tp ranks — under ``costs`` (a
+    :class:`~vcluster.timing.cluster_cost.ClusterCostModel` with the mesh's own order:
+    replica 0's ranks on the cluster's first GPUs, then replica 1's, ...); ValueError
+    naming the replica, its ranks' parts and the rule when a replica's ranks lie on more
+    than one GPU kind (its traced ranks would stand for ranks of another kind)."""
+    mesh = parallel.mesh()
+    cluster = costs.cluster
+    size = mesh.size // mesh.shape["dp"]
+    out = []
+    for d in range(mesh.shape["dp"]):
+        ranks = [r for r in range(mesh.size) if mesh.index(r)["dp"] == d]
+        parts = sorted({costs.part_of(r) for r in ranks})
+        if len({id(costs.models[k]) for k in parts}) > 1:
+            kinds = ", ".join(f"part {k} ({cluster.parts[k].hardware.name})" for k in parts)
+            raise ValueError(
+                f"simulate_gpt: data-parallel replica {d}'s {len(ranks)} ranks lie on {kinds} "
+                f"of cluster {cluster.name!r}; allowed: parts that hold whole replicas "
+                f"({size} GPUs each: GPUs / dp; the replicas are placed in the mesh's order, "
+                f"replica 0 on the first GPUs); or split by pipeline stages "
+                f"(cluster_split='stages', --cluster-split stages)")
+        out.append(costs.part_of(ranks[0]))
+    return out
+
+
+#: how a plan's ranks are laid on a cluster of several GPU kinds (:func:`simulate_gpt`)
+CLUSTER_SPLITS = ("stages", "replicas")
+
+
+def cluster_split_of(split, parallel: ParallelConfig) -> str:
+    """``split`` checked, or its default: ``"stages"`` when the plan has a pipeline
+    (pp > 1), ``"replicas"`` otherwise."""
+    if split is None:
+        return "stages" if parallel.pp > 1 else "replicas"
+    if split not in CLUSTER_SPLITS:
+        raise ValueError(f"simulate_gpt: cluster_split={split!r}; allowed: "
+                         f"{', '.join(CLUSTER_SPLITS)}, or None (stages when pp > 1, else "
+                         f"replicas)")
+    return split
+
+
+def cluster_placement(parallel: ParallelConfig, cluster, split: str = "stages"):
     """The device of each mesh rank on ``cluster``: None (the mesh's own order) on a
-    cluster of one GPU kind; else pipeline-major (:func:`~vcluster.timing.cluster.
-    axis_major_placement` on "pp", Megatron-LM's default order ``tp-cp-ep-dp-pp``), so
-    that stage 0's dp·cp·tp ranks come first, then stage 1's, and parts holding whole
-    stages hold each on one kind."""
-    if len(cluster.kinds) == 1:
+    cluster of one GPU kind, or with ``split="replicas"`` (the mesh orders "dp"
+    outermost: replica 0's ranks first); else pipeline-major
+    (:func:`~vcluster.timing.cluster.axis_major_placement` on "pp", Megatron-LM's
+    default order ``tp-cp-ep-dp-pp``), so that stage 0's dp·cp·tp ranks come first,
+    then stage 1's, and parts holding whole stages hold each on one kind."""
+    if len(cluster.kinds) == 1 or split == "replicas":
         return None
     return axis_major_placement(parallel.mesh(), "pp")
 
 
 def _cluster_costs(cluster, parallel: ParallelConfig, dtype: str, fp8: bool,
-                   gemm_format: str = "fp8"):
+                   gemm_format: str = "fp8", split: str = "stages"):
     """The ClusterCostModel of ``parallel`` on ``cluster`` (its GPU count checked)."""
     if parallel.gpus != cluster.gpus:
         raise ValueError(f"simulate_gpt: the plan uses dp·pp·cp·tp = {parallel.dp}·"
@@ -627,8 +720,20 @@ def _cluster_costs(cluster, parallel: ParallelConfig, dtype: str, fp8: bool,
                          f"every GPU of the cluster")
     return ClusterCostModel(cluster, dtype, fp8_gemms=fp8_gemm if fp8 else None,
                             flash_v1=parallel.attention == "flash-v1", gemm_format=gemm_format,
-                            placement=cluster_placement(parallel, cluster),
+                            placement=cluster_placement(parallel, cluster, split),
                             attention_kernel=named_kernel(parallel.attention))
+
+
+def _replica_runs(of_replica: list, cluster) -> tuple:
+    """ReplicaPlacements: the runs of consecutive replicas on one part."""
+    runs: list = []
+    for d, k in enumerate(of_replica):
+        if runs and runs[-1][2] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([d, 1, k])
+    return tuple(ReplicaPlacement(first, n, k, cluster.parts[k].hardware.name)
+                 for first, n, k in runs)
 
 
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
@@ -636,7 +741,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  memory_headroom: float = MEMORY_HEADROOM,
                  expert_skew: float = 1.0, precision="megatron",
                  autocast_kernels: bool | None = None, fp8: bool = False,
-                 gemm_format: str = "fp8", eager_kernels: bool = False) -> GPTSimulation:
+                 gemm_format: str = "fp8", eager_kernels: bool = False,
+                 cluster_split: str | None = None) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -686,7 +792,17 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     device's memory (``stages``: one :class:`StagePlacement` per pipeline position);
     ``memory_limit_gb`` and ``device_memory_gb`` are those of the stage closest to its
     limit; ``mfu`` is against the mean peak of the GPUs used; ``hardware`` is the
-    cluster's name. A cluster of one kind keeps the mesh's rank order and gives the
+    cluster's name. That is ``cluster_split="stages"``, the default when pp > 1. With
+    ``cluster_split="replicas"`` (the default when pp = 1) each data-parallel replica
+    runs on one kind instead: the ranks keep the mesh's order (the "dp" axis outermost:
+    replica 0 on the cluster's first GPUs), each replica's ranks must lie on one kind
+    (:func:`replica_parts`; else ValueError), and the pipeline ranks of one replica per
+    kind are traced (:func:`gpt_step_traces` ``replicas``), each priced on its kind; the
+    data-parallel collectives join them, so the slowest replica sets the step and the
+    faster ones wait in it. ``replicas`` lists the runs of replicas per part; every stage
+    runs on every kind, so ``fits`` holds it to the smallest GPU's memory; the per-device
+    means (compute, communication, exposed, bubble) are over the traced ranks, one
+    replica per kind. A cluster of one kind keeps the mesh's rank order and gives the
     figures of its HardwareSpec."""
     hw = load_cluster(hardware)
     if not isinstance(fp8, bool):
@@ -694,10 +810,23 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     precision = precision_policy(precision)
     mesh = parallel.mesh()
     m = parallel.microbatches
+    traced_replicas, replicas = (0,), ()
     if isinstance(hw, ClusterSpec):
-        costs = _cluster_costs(hw, parallel, dtype, fp8, gemm_format)
-        parts = stage_parts(parallel, costs)
-        kinds = [hw.parts[k].hardware for k in parts]
+        split = cluster_split_of(cluster_split, parallel)
+        costs = _cluster_costs(hw, parallel, dtype, fp8, gemm_format, split)
+        if split == "stages":
+            parts = stage_parts(parallel, costs)
+            kinds = [hw.parts[k].hardware for k in parts]
+        else:                      # every stage runs on every kind: the smallest HBM holds it
+            of_replica = replica_parts(parallel, costs)
+            first: dict = {}       # one traced replica per cost model (GPU kind), 0 first
+            for d, k in enumerate(of_replica):
+                first.setdefault(id(costs.models[k]), d)
+            traced_replicas = tuple(sorted(first.values()))
+            replicas = _replica_runs(of_replica, hw)
+            smallest = min((hw.parts[k].hardware for k in set(of_replica)),
+                           key=lambda h: h.device.hbm_bytes)
+            kinds = [smallest] * parallel.pp
         limits = [usable_memory_bytes(h.device.hbm_bytes, memory_headroom) for h in kinds]
         if parallel.activation_offload:
             raise ValueError(f"simulate_gpt: activation_offload="
@@ -744,7 +873,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
-                           inductor_fusion=fused, eager_kernels=eager_kernels)
+                           inductor_fusion=fused, eager_kernels=eager_kernels,
+                           replicas=traced_replicas)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
@@ -765,7 +895,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     if offload:                           # the offloaded activations fit the host's memory
         fits = fits and all(mm.host_bytes <= host_limit for mm in memory)
     stages = ()
-    if isinstance(hw, ClusterSpec):
+    if isinstance(hw, ClusterSpec) and not replicas:
         stages = tuple(StagePlacement(q, parts[q], kinds[q].name,
                                       parallel.rank_layers(config.layers, q),
                                       memory[q].total_bytes / 1e9, limits[q] / 1e9,
@@ -794,7 +924,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats),
-        stages=stages, activation_offload=parallel.activation_offload,
+        stages=stages, replicas=replicas, activation_offload=parallel.activation_offload,
         host_memory_gb=max(mm.host_bytes for mm in memory) / 1e9,
         host_memory_limit_gb=None if host_limit is None else host_limit / 1e9,
         offload_exposed_s=offload.step_exposed_s if offload else 0.0,

@@ -134,12 +134,14 @@ def coalesce(templates: Templates, costs, op_kind=None) -> Templates:
                      templates.message_bytes)
 
 
-def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templates:
+def moved(templates: Templates, stage_of, rank_of, message_bytes=None,
+          group_of=None) -> Templates:
     """``templates`` of another pipeline position: every key's stage ``s`` becomes
     ``stage_of(s)``, every collective's group ``(r, ...)`` becomes ``(rank_of(r), ...)``
-    and every send's or receive's peer r (a body's own messages — a cp ring's, an MoE
-    exchange's: the pipeline's are not in templates, :func:`stitch` names them)
-    ``rank_of(r)``; the message sizes become ``message_bytes`` when given."""
+    — or ``group_of(group, that)`` when given — and every send's or receive's peer r (a
+    body's own messages — a cp ring's, an MoE exchange's: the pipeline's are not in
+    templates, :func:`stitch` names them) ``rank_of(r)``; the message sizes become
+    ``message_bytes`` when given."""
     groups: dict = {}
 
     def rename(ops):
@@ -148,7 +150,8 @@ def moved(templates: Templates, stage_of, rank_of, message_bytes=None) -> Templa
             if isinstance(op, TraceCollective):
                 g = groups.get(op.group)
                 if g is None:
-                    g = groups[op.group] = tuple(rank_of(r) for r in op.group)
+                    g = tuple(rank_of(r) for r in op.group)
+                    g = groups[op.group] = g if group_of is None else group_of(op.group, g)
                 op = TraceCollective(op.collective, g, op.nbytes, op.itemsize, op.algorithm,
                                      op.root, op.handle)
             elif isinstance(op, (TraceSend, TraceRecv)):

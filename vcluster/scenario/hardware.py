@@ -4,6 +4,10 @@
   :class:`~vcluster.timing.hardware.HardwareSpec` priced by
   :class:`~vcluster.timing.hardware_model.HardwareCostModel` at the datasheet peak of
   ``dtype`` (default fp32; the trace's bytes are the workload's own dtype);
+* a cluster file of several GPU kinds (``parts``: docs/heterogeneous.md) as
+  ``hardware.file``: every mesh rank r on the cluster's GPU r (the mesh's own order),
+  priced on its own kind by :class:`~vcluster.timing.cluster_cost.ClusterCostModel`; the
+  mesh must have as many devices as the cluster has GPUs;
 * ``localhost``: this machine, so that the simulator predicts the emulator itself
   (:class:`~vcluster.localhost.cost_model.LocalhostCostModel`, devices sharing the cores):
   calibrated by microbenchmarks (about 20 s on a 2-core machine), or read from
@@ -21,7 +25,7 @@ from pathlib import Path
 from .errors import ScenarioError
 
 __all__ = ["check_hardware", "check_fp8", "CostSetup", "cost_setup", "LocalhostCalibrations",
-           "LOCALHOST"]
+           "LOCALHOST", "single_kind"]
 
 LOCALHOST = "localhost"
 
@@ -71,7 +75,8 @@ def check_hardware(scenario) -> None:
                                 "calibrate --out FILE", "no such file")
     if hw.name != LOCALHOST:
         try:
-            load_hardware(_hardware_arg(scenario)).device.peak_flops(hw.dtype)
+            for kind in _kinds(_load(scenario)):
+                kind.device.peak_flops(hw.dtype)
         except (TypeError, ValueError) as exc:
             raise ScenarioError("hardware.dtype", hw.dtype, "a dtype with a datasheet peak "
                                 "on this hardware", str(exc)) from None
@@ -80,13 +85,42 @@ def check_hardware(scenario) -> None:
 def _check_file(scenario, path: str, value: str) -> None:
     # lazy: keeps vcluster --help fast
     from vcluster.timing import load_hardware
+    from vcluster.timing.cluster import load_cluster
     p = _path(scenario, value)
     if not p.is_file():
         raise ScenarioError(path, value, _allowed_names(), f"no such file {p}")
     try:
-        load_hardware(p)
+        load_cluster(p, hardware_loader=load_hardware)
     except (TypeError, ValueError, KeyError) as exc:
-        raise ScenarioError(path, value, "a valid hardware YAML file", str(exc)) from None
+        raise ScenarioError(path, value, "a valid hardware YAML file, or a cluster file "
+                            "(docs/heterogeneous.md)", str(exc)) from None
+
+
+def _load(scenario):
+    """The scenario's HardwareSpec, or its ClusterSpec (a cluster file of several kinds)."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.timing import load_hardware
+    from vcluster.timing.cluster import ClusterSpec, load_cluster
+    spec = load_cluster(_hardware_arg(scenario), hardware_loader=load_hardware)
+    return spec if isinstance(spec, ClusterSpec) and len(spec.kinds) > 1 else (
+        spec.parts[0].hardware if isinstance(spec, ClusterSpec) else spec)
+
+
+def _kinds(spec) -> list:
+    """The HardwareSpecs of a HardwareSpec or a ClusterSpec's parts."""
+    return [part.hardware for part in spec.parts] if hasattr(spec, "parts") else [spec]
+
+
+def single_kind(scenario):
+    """The scenario's HardwareSpec; :class:`ScenarioError` naming the hardware key when it
+    is a cluster of several GPU kinds (what needs one device model, e.g. serving)."""
+    spec = _load(scenario)
+    if hasattr(spec, "parts"):
+        hw = scenario.hardware
+        raise ScenarioError("hardware.file" if hw.file else "hardware", hw.file or hw.name,
+                            "one GPU kind: a preset or a hardware file",
+                            f"cluster {spec.name!r} has {len(spec.kinds)} GPU kinds")
+    return spec
 
 
 def _hardware_arg(scenario):
@@ -154,11 +188,10 @@ def check_fp8(scenario, key: str = "workload.fp8", value=True, fmt: str = "fp8")
                             f"(`vcluster hardware list`)",
                             "localhost prices this machine's CPU kernels")
     # lazy: keeps vcluster --help fast
-    from vcluster.timing import load_hardware
     from vcluster.timing.gemm_formats import check_gemm_format
-    spec = load_hardware(_hardware_arg(scenario))
     try:
-        check_gemm_format(fmt, spec)
+        for spec in _kinds(_load(scenario)):
+            check_gemm_format(fmt, spec)
     except ValueError as exc:
         raise ScenarioError(key, value, f"a hardware preset or file that runs {fmt} GEMMs "
                             f"(`vcluster hardware list`)", str(exc)) from None
@@ -190,12 +223,23 @@ def cost_setup(scenario, mesh, dtype: str, fp8_gemms=None, flash_v1: bool = Fals
         model = localhost_model(spec, mesh.size, dtype)
         return CostSetup(model, model.core_pool, LOCALHOST, True, source)
     # lazy: keeps vcluster --help fast
-    from vcluster.timing import load_hardware
+    from vcluster.timing.cluster_cost import ClusterCostModel
     from vcluster.timing.hardware_model import HardwareCostModel
-    spec = load_hardware(_hardware_arg(scenario))
+    spec = _load(scenario)
+    if hasattr(spec, "parts") and spec.gpus != mesh.size:
+        raise ScenarioError("hardware.file", hw.file or hw.name,
+                            f"a cluster of {mesh.size} GPUs (the mesh's devices: mesh rank r "
+                            f"runs on the cluster's GPU r)",
+                            f"cluster {spec.name!r} has {spec.gpus} GPUs")
     try:
-        costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1,
-                                  gemm_format=gemm_format, attention_kernel=attention_kernel)
+        if hasattr(spec, "parts"):
+            costs = ClusterCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1,
+                                     gemm_format=gemm_format,
+                                     attention_kernel=attention_kernel)
+        else:
+            costs = HardwareCostModel(spec, hw.dtype, fp8_gemms=fp8_gemms, flash_v1=flash_v1,
+                                      gemm_format=gemm_format,
+                                      attention_kernel=attention_kernel)
     except ValueError as exc:
         if not named or named not in str(exc):
             raise

@@ -216,7 +216,8 @@ def _representative_ranks(workload, scenario, setup):
     mesh = workload.mesh
     if (not workload.training or scenario.run.mode != "simulate" or setup.core_pool is not None
             or mesh.size <= SYMMETRIC_FROM_DEVICES or getattr(scenario, "faults", ())
-            or getattr(workload, "roles", None) is not None):   # ranks differ: trace each
+            or getattr(workload, "roles", None) is not None     # ranks differ: trace each
+            or getattr(setup.costs, "rank_costs", None) is not None):  # GPUs of several kinds
         return None
     return list(mesh.group("pp", 0)) if "pp" in mesh.axes else [0]
 
@@ -351,16 +352,23 @@ def _memory_and_mfu(workload, setup, step_time_s: float) -> dict:
     headroom) and whether it does, and MFU — for a workload that knows its memory on a
     hardware model (a transformer); {} otherwise (localhost: the emulator's own memory)."""
     hardware = getattr(setup.costs, "hardware", None)
-    if workload.peak_memory_bytes is None or setup.localhost or hardware is None:
+    cluster = getattr(setup.costs, "cluster", None)        # several GPU kinds
+    if workload.peak_memory_bytes is None or setup.localhost or (hardware is None
+                                                                 and cluster is None):
         return {}
     # lazy: keeps vcluster --help fast
     from vcluster.planner.memory import usable_memory_bytes
-    peak, limit = workload.peak_memory_bytes(), usable_memory_bytes(hardware.device.hbm_bytes)
+    # every rank on its own GPU: the smallest holds what the mesh's busiest rank holds, and
+    # MFU is against the GPUs' mean peak
+    kinds = [hardware] * workload.mesh.size if cluster is None else [
+        cluster.hardware_of(setup.costs.device(r)) for r in range(workload.mesh.size)]
+    peak = workload.peak_memory_bytes()
+    limit = min(usable_memory_bytes(h.device.hbm_bytes) for h in kinds)
     out = {"predicted_peak_memory_gb": peak / 1e9, "memory_limit_gb": limit / 1e9,
            "fits": bool(peak <= limit)}
     if workload.model_flops is not None and step_time_s > 0:
-        peak_flops = hardware.device.peak_flops(setup.costs.dtype)
-        out["mfu"] = workload.model_flops / (workload.mesh.size * peak_flops * step_time_s)
+        peak_flops = sum(h.device.peak_flops(setup.costs.dtype) for h in kinds)
+        out["mfu"] = workload.model_flops / (peak_flops * step_time_s)
     return out
 
 

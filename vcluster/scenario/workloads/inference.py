@@ -418,8 +418,11 @@ class ServingWorkload(Workload):
 
 
 def _hardware_spec(scenario, mesh):
-    """The HardwareSpec of the scenario's GPU model."""
-    from ..hardware import cost_setup   # lazy: the timing model
+    """The HardwareSpec of the scenario's GPU model (one kind: a cluster file of several
+    is refused, naming the key)."""
+    from ..hardware import LOCALHOST, cost_setup, single_kind   # lazy: the timing model
+    if scenario.hardware.name != LOCALHOST:
+        single_kind(scenario)
     return cost_setup(scenario, mesh, "float16").costs.hardware
 
 

@@ -133,7 +133,9 @@ def test_the_planner_moves_layers_to_the_faster_kind():
     assert df.attrs["cluster_parts"] == [
         {"hardware": A100, "device": "A100-SXM4-80GB", "nodes": 1, "gpus": 8},
         {"hardware": H100, "device": "H100-SXM5-80GB", "nodes": 1, "gpus": 8}]
-    assert df.attrs["rejected"].get("stage_spans_gpu_kinds", 0) >= 1      # pp 1: both kinds
+    # pp 1: each stage on both kinds, so each (one-GPU) data-parallel replica on one kind
+    assert set(df.loc[df["pp"] == 1, "cluster_split"]) == {"replicas"}
+    assert set(df.loc[df["pp"] == 2, "cluster_split"]) == {"stages"}
     row = df[df["pp"] == 2].iloc[0]
     a100_layers, h100_layers = row["layers_per_stage"]
     assert h100_layers > a100_layers and a100_layers + h100_layers == 16
@@ -143,6 +145,32 @@ def test_the_planner_moves_layers_to_the_faster_kind():
     t_even = simulate_gpt(CFG, even, MIXED).step_time_s
     t_balanced = simulate_gpt(CFG, balanced, MIXED).step_time_s
     assert t_balanced < 0.9 * t_even
+
+
+def test_the_planner_splits_by_replicas_where_stages_would_straddle_kinds():
+    """The same cluster and model, tp up to 8: searched by replicas only, every candidate
+    keeps each data-parallel replica on one kind and the replayed best equals
+    ``simulate_gpt(..., cluster_split="replicas")`` of its knobs; searched by stages only,
+    the pp 1 candidates are rejected as before; a bad split value is refused."""
+    kw = dict(config=CFG, gpus=16, global_batch=32, hardware=MIXED, replay=1, workers=1,
+              progress=False, schedules=("1f1b",), recompute=("none",),
+              micro_batches=(1,), max_tp=8)
+    df = plan_gpt(**kw, cluster_splits=("replicas",))
+    assert len(df) and set(df["cluster_split"]) == {"replicas"}
+    best = df.iloc[0]
+    assert best["replayed"]
+    par = ParallelConfig(global_batch=32, micro_batch=1, dp=int(best["dp"]),
+                         pp=int(best["pp"]), tp=int(best["tp"]),
+                         sequence_parallel=bool(best["sequence_parallel"]),
+                         zero_stage=int(best["zero_stage"]))
+    assert best["step_time_s"] == pytest.approx(
+        simulate_gpt(CFG, par, MIXED, cluster_split="replicas").step_time_s, rel=1e-12)
+    stages = plan_gpt(**kw, cluster_splits=("stages",))
+    assert set(stages["cluster_split"]) == {"stages"} and set(stages["pp"]) >= {2}
+    assert stages.attrs["rejected"]["stage_spans_gpu_kinds"] >= 1     # pp 1: both kinds
+    with pytest.raises(ValueError, match=r"cluster_splits=\('pipes',\); allowed: a non-empty "
+                                         r"subset of \('stages', 'replicas'\)"):
+        plan_gpt(**kw, cluster_splits=("pipes",))
 
 
 def test_the_cli_names_the_cluster_and_its_parts(tmp_path, capsys):
@@ -165,7 +193,7 @@ def test_the_cli_names_the_cluster_and_its_parts(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "train", *shape, "--gpus", "16", "--hardware", str(path),
                  "--replay", "1", "--workers", "1", "--quiet", "--top", "3",
-                 "--json", str(plan)]) == 0
+                 "--cluster-split", "stages", "--json", str(plan)]) == 0
     printed = capsys.readouterr().out
     assert "on 16 x mixed:" in printed and "layers per stage" in printed
     assert "cluster mixed: 16 GPUs of 2 kinds" in printed
@@ -173,3 +201,17 @@ def test_the_cli_names_the_cluster_and_its_parts(tmp_path, capsys):
     result = json.loads(plan.read_text())
     assert result["cluster_parts"][1]["hardware"] == H100
     assert "layers_per_stage" in result["candidates"][0]
+    assert {c["cluster_split"] for c in result["candidates"]} == {"stages"}
+    assert main(["plan", "train", *shape, "--gpus", "16", "--hardware", str(path),
+                 "--replay", "1", "--workers", "1", "--quiet", "--top", "3",
+                 "--cluster-split", "replicas", "--json", str(plan)]) == 0
+    printed = capsys.readouterr().out
+    assert "the best configuration's data-parallel replicas" in printed
+    assert "replicas on kinds" in printed
+    best = json.loads(plan.read_text())["candidates"][0]
+    assert best["cluster_split"] == "replicas"
+    half = best["dp"] // 2          # the dp axis's replicas: half on each kind (no experts)
+    assert (f"a100-80gb-dgx: replicas 0-{half - 1}" if half > 1
+            else "a100-80gb-dgx: replica 0") in printed
+    assert (f"h100-dgx: replicas {half}-{2 * half - 1}" if half > 1
+            else "h100-dgx: replica 1") in printed

@@ -27,8 +27,10 @@ table's ``zero`` column and the JSON's ``zero_stage`` say which. ``--hardware`` 
 takes a heterogeneous cluster file (``parts: [{hardware, nodes}, ...]``,
 docs/heterogeneous.md; ``--gpus`` must be its GPU count): the stages are placed on the
 GPU kinds and their layers balanced (the table's ``layers`` column, the JSON's
-``layers_per_stage``), and the output names the cluster and, for the best configuration,
-each part's kind, nodes, stages and layers. Exit 0 when a configuration fits, 1 when
+``layers_per_stage``), or — where a stage would straddle two kinds — the data-parallel
+replicas each on one kind (``cluster_split``: "stages" or "replicas"), and the output
+names the cluster and, for the best configuration, each part's kind, nodes, stages and
+layers, or its replicas. Exit 0 when a configuration fits, 1 when
 none does, 2 on a bad flag.
 """
 
@@ -54,7 +56,8 @@ __all__ = ["add_parser", "plan_json", "JSON_KEYS", "DERIVED_KEYS"]
 JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "schedule", "virtual_stages",
              "first_stage_layers", "last_stage_layers", "layers_per_stage",
              "sequence_parallel",
-             "recompute", "distributed_optimizer", "zero_stage", "step_time_s", "tflops_per_gpu",
+             "recompute", "distributed_optimizer", "zero_stage", "cluster_split",
+             "step_time_s", "tflops_per_gpu",
              "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 #: and the keys derived from them (:func:`vcluster.planner.search.throughput`)
@@ -78,6 +81,10 @@ def add_parser(commands) -> None:
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list), a YAML file, or a cluster "
                           "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
+    gpt.add_argument("--cluster-split", choices=("stages", "replicas"), default=None,
+                     help="on a cluster file of several GPU kinds: search only plans with each "
+                          "pipeline stage on one kind (stages) or each data-parallel replica "
+                          "on one kind (replicas); default both (docs/heterogeneous.md)")
     gpt.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
     gpt.add_argument("--replay", type=int, default=None,
                      help="candidates to replay in SimPy (default max(top, 10))")
@@ -188,6 +195,25 @@ def _print_cluster(df, cluster) -> None:
         for line in cluster_lines(cluster, []):
             print("  " + line)
         return
+    if row.get("cluster_split") == "replicas":
+        from vcluster.planner.candidates import replica_kinds   # lazy: as above
+        from pipeline_parallel.gpt import ParallelConfig
+        par = ParallelConfig(global_batch=int(row["dp"]), dp=int(row["dp"]), pp=pp,
+                             tp=int(row["tp"]), cp=int(row["cp"]), ep=int(row["ep"]),
+                             etp=None if row["etp"] is None or row["etp"] != row["etp"]
+                             else int(row["etp"]))
+        kinds = replica_kinds(cluster, par)
+        print(f"cluster {cluster.name}: {cluster.gpus} GPUs of {len(cluster.kinds)} kinds; the "
+              f"best configuration's data-parallel replicas (in the mesh's order, each on "
+              f"one kind; the slowest sets the step):")
+        for d0 in range(len(kinds)):
+            if d0 == 0 or kinds[d0] != kinds[d0 - 1]:
+                d1 = d0
+                while d1 + 1 < len(kinds) and kinds[d1 + 1] == kinds[d0]:
+                    d1 += 1
+                print(f"  {cluster.kinds[kinds[d0]].name}: replica"
+                      f"{'s' if d1 > d0 else ''} {d0}{f'-{d1}' if d1 > d0 else ''}")
+        return
     kinds = stage_kinds(cluster, pp)
     size = cluster.gpus // pp
     stages = [(cluster.part_of(q * size), n) for q, n in
@@ -233,6 +259,8 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False,
 
 
 def _layers_text(row) -> str:
+    if row.get("cluster_split") == "replicas":
+        return "replicas on kinds"
     lps = row["layers_per_stage"]
     return "even" if lps is None else ",".join(str(int(n)) for n in lps)
 
@@ -284,6 +312,7 @@ def _gpt(args) -> int:
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages,
                   precision=precision_name(args.precision), fp8=low_precision(args),
+                  cluster_splits=None if args.cluster_split is None else (args.cluster_split,),
                   **({} if args.memory_headroom is None
                      else {"memory_headroom": args.memory_headroom}))
     a = df.attrs

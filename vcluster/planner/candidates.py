@@ -73,7 +73,7 @@ from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "stage_split", "REJECT_REASONS",
            "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES",
-           "stage_kinds", "balance_layers"]
+           "stage_kinds", "replica_kinds", "balance_layers"]
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
 DEFAULT_MAX_VIRTUAL_STAGES = 8
@@ -110,7 +110,8 @@ REJECT_REASONS = {
                               "pp = 1, no sequence parallelism and, with experts, ep = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
     "stage_spans_gpu_kinds": "heterogeneous cluster: a pipeline stage's GPUs (N/pp, placed "
-                             "pipeline-major) lie on two GPU kinds",
+                             "pipeline-major) lie on two GPU kinds, and so do a data-parallel "
+                             "replica's (N/dp, in the mesh's order)",
 }
 
 
@@ -251,6 +252,26 @@ def stage_kinds(cluster, pp: int) -> tuple | None:
         if first != last or any(cluster.hardware_of(d) != first
                                 for d in range(q * size, (q + 1) * size,
                                                cluster.gpus_per_node)):
+            return None
+        out.append(kinds.index(first))
+    return tuple(out)
+
+
+def replica_kinds(cluster, parallel) -> tuple | None:
+    """The GPU kind (an index into ``cluster.kinds``) of each data-parallel replica — each
+    coordinate of the plan's mesh's "dp" axis, G = N / that axis's size consecutive GPUs
+    in the mesh's order, as :func:`~vcluster.planner.simulation.simulate_gpt` places
+    them with ``cluster_split="replicas"`` — or None when a replica straddles two kinds
+    (or the plan does not use the cluster's GPUs)."""
+    mesh = parallel.mesh()
+    if mesh.size != cluster.gpus:
+        return None
+    n_rep = mesh.shape["dp"]
+    size, kinds = mesh.size // n_rep, cluster.kinds
+    out = []
+    for d in range(n_rep):
+        first = cluster.hardware_of(d * size)
+        if any(cluster.hardware_of(g) != first for g in range(d * size, (d + 1) * size)):
             return None
         out.append(kinds.index(first))
     return tuple(out)

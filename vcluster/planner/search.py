@@ -26,8 +26,14 @@ time, not columns: the columns are the knobs and what was measured of them).
 
 On a heterogeneous cluster (``hardware`` a :class:`~vcluster.timing.cluster.ClusterSpec`
 or its file; ``gpus`` must be its GPU count) the stages are placed pipeline-major, each
-on one GPU kind (:func:`~vcluster.planner.candidates.stage_kinds`; a candidate whose
-stage straddles two kinds is rejected, ``stage_spans_gpu_kinds``), and a candidate with
+on one GPU kind (:func:`~vcluster.planner.candidates.stage_kinds`); a candidate whose
+stage straddles two kinds is split by data-parallel replicas instead when each replica
+lies on one kind (:func:`~vcluster.planner.candidates.replica_kinds`, the mesh's order;
+every stage then held to the smallest GPU's memory, the estimate the slowest kind's own
+screen estimate, :func:`replica_screen_estimate`, the replay
+``simulate_gpt(..., cluster_split="replicas")``), and is rejected otherwise
+(``stage_spans_gpu_kinds``); the ``cluster_split`` column says which (None off a
+cluster). A candidate split by stages with
 one stage per rank takes the layer split that balances its stages
 (:func:`balanced_split`): one transformer layer's forward and backward (and the
 embedding's on the first stage, the head's on the last) priced on each stage's kind by
@@ -62,22 +68,24 @@ from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .candidates import (REJECT_REASONS, SearchSpace, balance_layers, enumerate_candidates,
-                         stage_kinds)
+                         replica_kinds, stage_kinds)
 from .memory import MEMORY_HEADROOM, rank_memory, usable_memory_bytes
 from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
 from .screen import peak_in_flight_closed_form, peak_memory_bytes, screen_estimate
-from .simulation import fp8_gemm, simulate_gpt
+from .simulation import CLUSTER_SPLITS, fp8_gemm, simulate_gpt
 
 __all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S",
-           "REJECT_REASONS", "balanced_split", "cluster_screen_estimate", "stage_memory_bytes"]
+           "REJECT_REASONS", "balanced_split", "cluster_screen_estimate",
+           "replica_screen_estimate", "stage_memory_bytes"]
 
 MIN_REPLAYED = 10          # the issue: at least the top K, and at least 10, are replayed
 REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far beyond that is a hang
 
 COLUMNS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "microbatches", "schedule",
            "virtual_stages", "first_stage_layers", "last_stage_layers", "layers_per_stage",
-           "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage", "step_time_s",
+           "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage",
+           "cluster_split", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
@@ -106,9 +114,9 @@ def throughput(step_time_s: float, attrs: dict) -> dict:
 
 def _replay(args):
     """Worker: one replay's figures (top-level so that a process pool can pickle it)."""
-    config, par, hardware, precision, fp8 = args
+    config, par, hardware, precision, fp8, split = args
     r = simulate_gpt(config, par, hardware, precision=precision, fp8=bool(fp8),
-                     gemm_format=_gemm_format(fp8))
+                     gemm_format=_gemm_format(fp8), cluster_split=split)
     return {"step_time_s": r.step_time_s, "tflops_per_gpu": r.tflops_per_gpu, "mfu": r.mfu,
             "peak_memory_gb": r.peak_memory_gb, "compute_comm_ratio": r.compute_comm_ratio}
 
@@ -156,10 +164,13 @@ def process_pool(workers: int, jobs: int, who: str) -> ProcessPoolExecutor | Non
         return None
 
 
-def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8) -> list[dict]:
-    """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails)."""
+def _run_replays(config, pars, hardware, workers: int, bar, precision, fp8,
+                 splits=None) -> list[dict]:
+    """Replay ``pars`` on ``workers`` processes (in this one when 1 or a pool fails);
+    ``splits``: each one's ``cluster_split`` on a heterogeneous cluster (default None)."""
     task = bar.add_task("candidates replayed", total=len(pars)) if bar else None
-    jobs = [(config, p, hardware, precision, fp8) for p in pars]
+    jobs = [(config, p, hardware, precision, fp8, None if splits is None else splits[i])
+            for i, p in enumerate(pars)]
 
     def done():
         if bar:
@@ -312,10 +323,28 @@ def cluster_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware
         mfu=model_flops(config, par.global_batch) / (n * peak_flops * step))
 
 
+def replica_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware,
+                            peak_flops: float):
+    """The screen's estimate of ``par`` with its data-parallel replicas on GPU kinds
+    ``kinds`` (one per replica; ``pieces[k]``, ``hardware[k]``: kind k's traced pieces
+    and HardwareSpec): every replica runs the whole model, and the data-parallel
+    collectives that join them wait for the slowest and run at the slowest part's price,
+    so the step is the slowest kind's own screen estimate
+    (:func:`~vcluster.planner.screen.screen_estimate`); ``peak_flops`` is the mean peak
+    of the GPUs (MFU). An estimate for ranking; the replay prices each replica on its own
+    device."""
+    est = max((screen_estimate(config, par, pieces[k], hardware[k]) for k in set(kinds)),
+              key=lambda e: e.step_time_s)
+    return dataclasses.replace(est, mfu=model_flops(config, par.global_batch) / (
+        par.gpus * peak_flops * est.step_time_s))
+
+
 def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attention,
-                        memory_headroom, rejected) -> tuple[list, list]:
-    """(candidates placed and balanced on ``cluster``, their screen estimates); the others
-    counted in ``rejected`` (module docstring)."""
+                        memory_headroom, rejected,
+                        allowed=("stages", "replicas")) -> tuple[list, list, list]:
+    """(candidates placed and balanced on ``cluster``, their screen estimates, each one's
+    ``cluster_split``, one of ``allowed``); the others counted in ``rejected`` (module
+    docstring)."""
     kinds_hw = cluster.kinds
     pieces = [_Pieces(config, _screen_costs(h, fp8, attention), precision) for h in kinds_hw]
     if len({p.autocast for p in pieces}) > 1:
@@ -327,13 +356,25 @@ def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attent
     peak = sum(part.hardware.device.peak_flops("bf16") * part.gpus
                for part in cluster.parts) / cluster.gpus
     task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
-    out, estimates = [], []
+    out, estimates, splits = [], [], []
     for par in candidates:
         if bar:
             bar.advance(task)
-        kinds = stage_kinds(cluster, par.pp)
-        if kinds is None:
-            rejected["stage_spans_gpu_kinds"] += 1
+        kinds = stage_kinds(cluster, par.pp) if "stages" in allowed else None
+        if kinds is None:                  # each stage on every kind: split by replicas
+            replicas = replica_kinds(cluster, par) if "replicas" in allowed else None
+            if replicas is None:
+                rejected["stage_spans_gpu_kinds"] += 1
+                continue
+            limit = min(limits[k] for k in set(replicas))
+            if max(stage_memory_bytes(config, par, precision)) > limit:
+                rejected["out_of_memory"] += 1
+                continue
+            out.append(par)
+            estimates.append(replica_screen_estimate(
+                config, par, replicas, {k: pieces[k](par) for k in set(replicas)},
+                kinds_hw, peak))
+            splits.append("replicas")
             continue
         by_kind = {k: pieces[k](par) for k in set(kinds)}
         split = balanced_split(config, par, kinds, by_kind)
@@ -348,10 +389,11 @@ def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attent
                 out.append(t)
                 estimates.append(cluster_screen_estimate(config, t, kinds, by_kind,
                                                          kinds_hw, peak))
+                splits.append("stages")
                 break
         else:
             rejected["out_of_memory"] += 1
-    return out, estimates
+    return out, estimates, splits
 
 
 _MODEL_DEFAULTS = dict(hidden=None, layers=None, heads=None, seq=None, vocab=None,
@@ -391,7 +433,7 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
              precision="megatron", fp8: bool = False, grad_reduce_dtype: str = "model",
-             config: GPTConfig | None = None):
+             config: GPTConfig | None = None, cluster_splits=None):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     The model: ``config`` (a :class:`~pipeline_parallel.gpt.GPTConfig`, e.g.
@@ -439,7 +481,9 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     :attr:`~pipeline_parallel.gpt.ParallelConfig.grad_reduce_dtype` ("model", the default:
     16-bit reductions, or "fp32"; ``attrs["grad_reduce_dtype"]``). ``attrs["attention"]``:
     ``attention``; ``attrs["tp_overlap"]``: ``tp_overlap`` (with ``te``, every candidate
-    with tp > 1 runs sequence parallelism, which that overlap needs).
+    with tp > 1 runs sequence parallelism, which that overlap needs). ``cluster_splits``:
+    on a heterogeneous cluster, the splits searched (``"stages"``, ``"replicas"``; default
+    both: a candidate by stages where each stage lies on one kind, else by replicas).
     """
     import pandas as pd
     t0 = time.perf_counter()
@@ -457,6 +501,10 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     if not isinstance(fp8, bool) and fp8 not in GEMM_FORMATS:
         raise ValueError(f"plan_gpt: fp8 must be True, False or a GEMM format "
                          f"({', '.join(GEMM_FORMATS)}), got {fp8!r}")
+    splits_allowed = tuple(CLUSTER_SPLITS if cluster_splits is None else cluster_splits)
+    if not splits_allowed or any(v not in CLUSTER_SPLITS for v in splits_allowed):
+        raise ValueError(f"plan_gpt: cluster_splits={cluster_splits!r}; allowed: a non-empty "
+                         f"subset of {CLUSTER_SPLITS}, or None (both)")
     hw = load_cluster(hardware)
     cluster = hw if isinstance(hw, ClusterSpec) else None
     if cluster is not None and gpus != cluster.gpus:
@@ -483,18 +531,21 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     if bar:
         bar.start()
     try:
+        splits = None
         if cluster is None:
             estimates = _screen_all(config, candidates, hw, bar, precision, fp8, attention)
         else:
-            candidates, estimates = _cluster_candidates(
+            candidates, estimates, splits = _cluster_candidates(
                 config, candidates, cluster, bar, precision, fp8, attention,
-                memory_headroom, rejected)
+                memory_headroom, rejected, splits_allowed)
             limit = min(usable_memory_bytes(h.device.hbm_bytes, memory_headroom)
                         for h in cluster.kinds)
         n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
-                                workers or os.cpu_count() or 1, bar, precision, fp8)
+                                workers or os.cpu_count() or 1, bar, precision, fp8,
+                                None if splits is None else [splits[i]
+                                                             for i in order[:n_replay]])
     finally:
         if bar:
             bar.stop()
@@ -507,8 +558,9 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
             "step_time_s": est.step_time_s, "tflops_per_gpu": est.tflops_per_gpu,
             "mfu": est.mfu, "peak_memory_gb": memory / 1e9,
             "compute_comm_ratio": est.compute_comm_ratio}
-        rows.append(_knobs(par) | figures | {"replayed": k < n_replay,
-                                             "screen_step_time_s": est.step_time_s})
+        rows.append(_knobs(par) | figures | {
+            "replayed": k < n_replay, "screen_step_time_s": est.step_time_s,
+            "cluster_split": None if splits is None else splits[i]})
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     if len(df):
         df = df.sort_values(["replayed", "step_time_s"], ascending=[False, True],

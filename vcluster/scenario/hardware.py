@@ -44,7 +44,7 @@ def _allowed_names() -> str:
 def check_hardware(scenario) -> None:
     """Raise :class:`ScenarioError` when the hardware cannot be loaded."""
     # lazy: keeps vcluster --help fast
-    from vcluster.timing import PRESET_NAMES, hardware_from_dict, load_hardware
+    from vcluster.timing import PRESET_NAMES, hardware_from_dict
     hw = scenario.hardware
     given = [k for k in ("name", "file", "spec") if getattr(hw, k)]
     if len(given) != 1:

@@ -308,6 +308,24 @@ def test_replicas_on_two_kinds_run_at_the_slower_kinds_step(par, order):
         assert simulate_gpt(CFG, par, mixed).step_time_s == r.step_time_s
 
 
+@pytest.mark.parametrize("cfg, par", [
+    (GPTConfig(hidden=512, layers=4, heads=8, seq=512, vocab=4096, arch="llama", kv_heads=4,
+               experts=8, moe_top_k=2, ffn_hidden=1024, moe_ffn_hidden=512),
+     ParallelConfig(global_batch=16, micro_batch=1, dp=8, tp=2, ep=4)),
+    (GPTConfig(hidden=512, layers=4, heads=8, seq=512, vocab=4096),
+     ParallelConfig(global_batch=16, micro_batch=1, dp=2, tp=4, cp=2))],
+    ids=["moe-ep4-tp2", "cp2-tp4"])
+def test_replicas_with_experts_or_context_parallelism_also_run_at_the_slower_pace(cfg, par):
+    """With experts (a replica is a "dp"-axis coordinate: ep·tp = 8 ranks holding 4 dense
+    replicas' tokens) and with a cp ring, the A100 node + H100 node step is the two-A100
+    one exactly."""
+    r = simulate_gpt(cfg, par, _mixed())
+    assert [(p.first, p.count, p.hardware) for p in r.replicas] == [(0, 1, A100),
+                                                                   (1, 1, H100)]
+    assert r.step_time_s == pytest.approx(simulate_gpt(cfg, par, _mixed(
+        parts=[{"hardware": A100, "nodes": 2}])).step_time_s, rel=1e-12)
+
+
 def test_a_replica_traced_from_replica_zero_is_its_own_trace_renamed():
     """Replica d's traces (replica 0's with every "dp" coordinate moved by d) equal what
     tracing replica d's ranks by hand gives: op for op, a data-parallel group the same

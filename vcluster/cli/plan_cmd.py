@@ -196,8 +196,9 @@ def _print_cluster(df, cluster) -> None:
             print("  " + line)
         return
     if row.get("cluster_split") == "replicas":
-        from vcluster.planner.candidates import replica_kinds   # lazy: as above
+        # lazy: keeps vcluster --help fast
         from pipeline_parallel.gpt import ParallelConfig
+        from vcluster.planner.candidates import replica_kinds
         par = ParallelConfig(global_batch=int(row["dp"]), dp=int(row["dp"]), pp=pp,
                              tp=int(row["tp"]), cp=int(row["cp"]), ep=int(row["ep"]),
                              etp=None if row["etp"] is None or row["etp"] != row["etp"]

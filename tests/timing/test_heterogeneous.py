@@ -427,6 +427,19 @@ def _pipeline(dev, x, w, layers):
     return out
 
 
+def _measured(cluster, program, args) -> float:
+    """The median of 7 timed runs of ``program`` on both devices (after 2 warm-ups): from
+    the first rank's start to the last one's end."""
+    from vcluster.localhost.start import timed_call
+    for _ in range(2):
+        cluster.run(program, [args] * 2)
+    runs = []
+    for _ in range(7):
+        spans = cluster.run(timed_call, [(program, *args)] * 2)
+        runs.append(max(e for _, e, _, _ in spans) - min(s for s, _, _, _ in spans))
+    return statistics.median(runs)
+
+
 @pytest.mark.slow
 @pytest.mark.alone      # measured wall time against the localhost model's prediction
 @pytest.mark.timeout(300)
@@ -442,7 +455,6 @@ def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_er
     from vcluster import VirtualCluster
     from vcluster.localhost.calibrate import calibrate_localhost
     from vcluster.localhost.cost_model import localhost_model
-    from vcluster.localhost.start import timed_call
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
@@ -460,13 +472,7 @@ def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_er
                               stragglers={0: slow}).step_time_s
 
     def measured(cluster, layers):
-        for _ in range(2):                                        # warm-up
-            cluster.run(_pipeline, [(x, w, layers)] * 2)
-        runs = []
-        for _ in range(7):
-            spans = cluster.run(timed_call, [(_pipeline, x, w, layers)] * 2)
-            runs.append(max(e for _, e, _, _ in spans) - min(s for s, _, _, _ in spans))
-        return statistics.median(runs)
+        return _measured(cluster, _pipeline, (x, w, layers))
 
     want, even_predicted = predicted((1, 3)), predicted((2, 2))    # before the devices run
     with VirtualCluster(mesh) as cluster:
@@ -507,7 +513,6 @@ def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_e
     from vcluster import VirtualCluster
     from vcluster.localhost.calibrate import calibrate_localhost
     from vcluster.localhost.cost_model import localhost_model
-    from vcluster.localhost.start import timed_call
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
@@ -525,13 +530,7 @@ def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_e
                               stragglers=stragglers).step_time_s
 
     def measured(cluster):
-        for _ in range(2):                                        # warm-up
-            cluster.run(_replicas, [(x, w, layers)] * 2)
-        runs = []
-        for _ in range(7):
-            spans = cluster.run(timed_call, [(_replicas, x, w, layers)] * 2)
-            runs.append(max(e for _, e, _, _ in spans) - min(s for s, _, _, _ in spans))
-        return statistics.median(runs)
+        return _measured(cluster, _replicas, (x, w, layers))
 
     want, even = predicted({0: slow}), predicted(None)
     assert want > 1.5 * even

@@ -630,30 +630,38 @@ class ReplicaPlacement:
     hardware: str            # that part's hardware name
 
 
+def _parts_along(parallel: ParallelConfig, costs, axis: str, unit: str, rule: str,
+                 other: str) -> list[int]:
+    """The cluster part of each coordinate of the mesh's ``axis`` (its ranks' part under
+    ``costs``); ValueError naming the ``unit``, its ranks' parts, the ``rule`` and the
+    ``other`` split when a coordinate's ranks lie on more than one GPU kind."""
+    mesh = parallel.mesh()
+    cluster = costs.cluster
+    out = []
+    for c in range(mesh.shape[axis]):
+        ranks = [r for r in range(mesh.size) if mesh.index(r)[axis] == c]
+        parts = sorted({costs.part_of(r) for r in ranks})
+        if len({id(costs.models[k]) for k in parts}) > 1:
+            kinds = ", ".join(f"part {k} ({cluster.parts[k].hardware.name})" for k in parts)
+            raise ValueError(f"simulate_gpt: {unit} {c}'s {len(ranks)} ranks lie on {kinds} "
+                             f"of cluster {cluster.name!r}; allowed: {rule}; or split by "
+                             f"{other}")
+        out.append(costs.part_of(ranks[0]))
+    return out
+
+
 def stage_parts(parallel: ParallelConfig, costs) -> list[int]:
     """The cluster part of each pipeline position under ``costs`` (a
     :class:`~vcluster.timing.cluster_cost.ClusterCostModel`: its placement; the part of
     the position's first rank); ValueError naming the position, its ranks' parts and the
     rule when a position's ranks lie on more than one GPU kind (its traced rank would
     stand for ranks of another kind)."""
-    mesh = parallel.mesh()
-    cluster = costs.cluster
-    out = []
-    for q in range(parallel.pp):
-        ranks = [r for r in range(mesh.size) if mesh.index(r)["pp"] == q]
-        parts = sorted({costs.part_of(r) for r in ranks})
-        if len({cluster.parts[k].hardware.name for k in parts}) > 1 or len(
-                {id(costs.models[k]) for k in parts}) > 1:
-            kinds = ", ".join(f"part {k} ({cluster.parts[k].hardware.name})" for k in parts)
-            raise ValueError(
-                f"simulate_gpt: pipeline stage {q}'s {len(ranks)} ranks lie on {kinds} of "
-                f"cluster {cluster.name!r}; allowed: parts that hold whole pipeline stages "
-                f"({mesh.size // parallel.pp} GPUs each: dp·cp·tp = {parallel.dp}·"
-                f"{parallel.cp}·{parallel.tp}; the stages are placed pp-outermost, stage 0 "
-                f"on the first ranks); or split by data-parallel replicas "
-                f"(cluster_split='replicas', --cluster-split replicas)")
-        out.append(costs.part_of(ranks[0]))
-    return out
+    return _parts_along(
+        parallel, costs, "pp", "pipeline stage",
+        f"parts that hold whole pipeline stages ({parallel.gpus // parallel.pp} GPUs each: "
+        f"dp·cp·tp = {parallel.dp}·{parallel.cp}·{parallel.tp}; the stages are placed "
+        f"pp-outermost, stage 0 on the first ranks)",
+        "data-parallel replicas (cluster_split='replicas', --cluster-split replicas)")
 
 
 def replica_parts(parallel: ParallelConfig, costs) -> list[int]:
@@ -664,22 +672,11 @@ def replica_parts(parallel: ParallelConfig, costs) -> list[int]:
     naming the replica, its ranks' parts and the rule when a replica's ranks lie on more
     than one GPU kind (its traced ranks would stand for ranks of another kind)."""
     mesh = parallel.mesh()
-    cluster = costs.cluster
-    size = mesh.size // mesh.shape["dp"]
-    out = []
-    for d in range(mesh.shape["dp"]):
-        ranks = [r for r in range(mesh.size) if mesh.index(r)["dp"] == d]
-        parts = sorted({costs.part_of(r) for r in ranks})
-        if len({id(costs.models[k]) for k in parts}) > 1:
-            kinds = ", ".join(f"part {k} ({cluster.parts[k].hardware.name})" for k in parts)
-            raise ValueError(
-                f"simulate_gpt: data-parallel replica {d}'s {len(ranks)} ranks lie on {kinds} "
-                f"of cluster {cluster.name!r}; allowed: parts that hold whole replicas "
-                f"({size} GPUs each: GPUs / dp; the replicas are placed in the mesh's order, "
-                f"replica 0 on the first GPUs); or split by pipeline stages "
-                f"(cluster_split='stages', --cluster-split stages)")
-        out.append(costs.part_of(ranks[0]))
-    return out
+    return _parts_along(
+        parallel, costs, "dp", "data-parallel replica",
+        f"parts that hold whole replicas ({mesh.size // mesh.shape['dp']} GPUs each: GPUs / "
+        f"dp; the replicas are placed in the mesh's order, replica 0 on the first GPUs)",
+        "pipeline stages (cluster_split='stages', --cluster-split stages)")
 
 
 #: how a plan's ranks are laid on a cluster of several GPU kinds (:func:`simulate_gpt`)

@@ -66,3 +66,22 @@ def test_dense_llama_rows_on_blackwell_and_mi325x(tmp_path):
         if r["status"] != "predicted":
             assert r["reason"] and r["predicted"] is None
     json.dumps(by_kind)                                            # JSON-ready
+
+
+def test_worker_processes_give_the_same_rows_in_the_same_order(capsys):
+    """The rows are independent: simulated on 2 worker processes they equal the rows of
+    one process, field for field and in table order, refused rows included, each row
+    reported to ``on_row`` once; the command line refuses --workers 0."""
+    from vcluster.cli.main import main
+
+    def select(r):
+        return (r["gpus"] == "8" and not r["experts"]) or r["model"] == "GPT OSS 120B"
+    counted = []
+    one = validate_2026(latest_only=True, select=select, workers=1)
+    two = validate_2026(latest_only=True, select=select, workers=2,
+                        on_row=lambda: counted.append(1))
+    assert one == two and len(counted) == len(two)
+    assert {r["status"] for r in two} >= {"predicted", "refused"}
+    assert main(["validate-model", "--table", "amd_instinct_training.csv",
+                 "--workers", "0"]) == 2
+    assert "--workers must be >= 1, got 0" in capsys.readouterr().err

@@ -103,17 +103,23 @@ def add_parser(commands) -> None:
     cmd.add_argument("--all-releases", action="store_true",
                      help="the 2026 hardware tables: every release's rows (default: each "
                           "configuration's latest release; all take ~5 minutes)")
+    cmd.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="processes that simulate the 2026 hardware tables' rows "
+                          "(megatron_bridge_blackwell.csv, amd_instinct_training.csv: "
+                          "independent rows; default the machine's cores, 1: this process)")
     cmd.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (by default a line every few seconds "
                           "and one per group of tables: the run takes minutes)")
     cmd.set_defaults(run=_run)
 
 
-def validation_rows(tables=None, progress=None, all_releases: bool = False) -> dict:
+def validation_rows(tables=None, progress=None, all_releases: bool = False,
+                    workers: int = 1) -> dict:
     """The rows of ``tables`` (names of :data:`TABLES`; default all) and their summaries
     (the module docstring). ``progress``: None, or an object that reports a task's count
     (:class:`~vcluster.planner.progress.ProgressLines`: ``add_task``, ``advance``,
-    ``finish``), one task per group of tables counting its table rows predicted."""
+    ``finish``), one task per group of tables counting its table rows predicted.
+    ``workers``: processes for the 2026 hardware tables' rows (the others run here)."""
     wanted = set(TABLES if tables is None else tables)
     unknown = wanted - set(TABLES)
     if unknown or not wanted:
@@ -160,7 +166,8 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
     rows = [r for r in rows if r["table"] in wanted]
     fsdp = [r for r in fsdp if r["source"] in wanted]
     moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
-    hw2026 = _hardware_2026(wanted, progress, all_releases) if "hw2026" in groups else None
+    hw2026 = _hardware_2026(wanted, progress, all_releases, workers) \
+        if "hw2026" in groups else None
     # lazy: keeps vcluster --help fast
     from vcluster.planner.validation_long_context import (GPU_SWEEP_TABLE, LONG_CONTEXT_TABLE,
                                                           validate_gpu_sweep,
@@ -207,7 +214,7 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False) -> d
                 table: sum(e) / len(e) for table, e in measured.items()}}}
 
 
-def _hardware_2026(wanted: set, progress, all_releases: bool) -> dict:
+def _hardware_2026(wanted: set, progress, all_releases: bool, workers: int = 1) -> dict:
     """The 2026 hardware section (module docstring): collective rows and their mean |error|
     by role; training rows and their summary by GPU kind."""
     # lazy: keeps vcluster --help fast
@@ -230,7 +237,7 @@ def _hardware_2026(wanted: set, progress, all_releases: bool) -> dict:
                         if all_releases or r.get("latest") == "1")
             task = progress.add_task(f"rows of {', '.join(tables)} simulated (or refused)",
                                      total=total)
-        training = validate_2026(tables, latest_only=latest_only,
+        training = validate_2026(tables, latest_only=latest_only, workers=workers,
                                  on_row=None if task is None else
                                  (lambda: progress.advance(task)))
         if task is not None:
@@ -368,9 +375,13 @@ def _print_moe(m: dict) -> None:
 
 def _run(args) -> int:
     # lazy: keeps vcluster --help fast
+    import os
     from vcluster.planner.progress import ProgressLines
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
     result = validation_rows(args.table, None if args.quiet else ProgressLines("validate-model"),
-                             all_releases=args.all_releases)
+                             all_releases=args.all_releases,
+                             workers=args.workers or os.cpu_count() or 1)
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
         print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"

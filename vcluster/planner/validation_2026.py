@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import MappingProxyType
 
 from modeling import ConfigError
@@ -31,6 +32,7 @@ from vcluster.runtime.tracing import TraceError
 from vcluster.timing import read_data_csv
 
 from .candidates import stage_split
+from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
 from .validation import MOE_DEFAULT_ETP
 
@@ -134,8 +136,19 @@ def _case(r: dict) -> str:
             f"B={r['global_batch'] or '?'} ({r['release']})")
 
 
+def _predict(args) -> tuple:
+    """Worker: (tokens/s per GPU, None) of one row's plan, or (None, the TraceError's
+    text): a defect, not a limit (top-level so that a process pool can pickle it)."""
+    cfg, par, hardware, fmt = args
+    try:
+        sim = simulate_gpt(cfg, par, hardware, fp8=fmt is not None, gemm_format=fmt or "fp8")
+    except TraceError as e:
+        return None, f"{type(e).__name__}: {e}"
+    return sim.tokens_per_s_per_gpu, None
+
+
 def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
-                  select=None) -> list[dict]:
+                  select=None, workers: int = 1) -> list[dict]:
     """One result per row of ``tables`` (module docstring), in order: ``source``,
     ``case``, ``system``, ``hardware`` (the preset), ``metric`` (tokens_per_s_per_gpu),
     ``family`` (``dense`` or ``moe``: the row's experts), ``published``, ``predicted`` and
@@ -143,8 +156,10 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
     ``predicted``), ``role``, ``status`` (``predicted``, ``refused``, ``failed``),
     ``reason``, ``assumed``. ``latest_only``: the rows the sources mark as their latest
     release of each configuration. ``on_row``: called after each row (progress).
-    ``select``: a predicate on the table's row (a dict of its columns): only those."""
-    out = []
+    ``select``: a predicate on the table's row (a dict of its columns): only those.
+    ``workers``: processes that simulate the rows (default 1: this one; the rows are
+    independent, so more give the same results sooner — :func:`~.search.process_pool`)."""
+    out, jobs = [], []            # jobs: (index in out, what _predict takes)
     for table in tables:
         for r in read_data_csv(table)[1]:
             if (latest_only and r.get("latest") != "1") or (select and not select(r)):
@@ -163,18 +178,36 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                                 f"{', '.join(SYSTEM_PRESETS)}")
             if refusals:
                 result.update(status="refused", reason="; ".join(refusals))
+                if on_row is not None:
+                    on_row()
             else:
-                try:
-                    sim = simulate_gpt(cfg, par, hardware, fp8=fmt is not None,
-                                       gemm_format=fmt or "fp8")
-                except TraceError as e:                        # a defect, not a limit
-                    result.update(status="failed", reason=f"{type(e).__name__}: {e}")
-                else:
-                    result.update(predicted=sim.tokens_per_s_per_gpu,
-                                  rel_error=sim.tokens_per_s_per_gpu / result["published"] - 1)
+                jobs.append((len(out), (cfg, par, hardware, fmt)))
             out.append(result)
-            if on_row is not None:
-                on_row()
+
+    def record(i: int, predicted, failure) -> None:
+        if failure is not None:
+            out[i].update(status="failed", reason=failure)
+        else:
+            out[i].update(predicted=predicted, rel_error=predicted / out[i]["published"] - 1)
+        if on_row is not None:
+            on_row()
+
+    pool = process_pool(workers, len(jobs), "validate-model")
+    if pool is None:
+        for i, args in jobs:
+            record(i, *_predict(args))
+        return out
+    with pool:
+        futures = [(i, pool.submit(_predict, args)) for i, args in jobs]
+        for i, fut in futures:
+            try:
+                record(i, *fut.result(timeout=REPLAY_TIMEOUT_S))
+            except FutureTimeout:
+                for _, f in futures:
+                    f.cancel()
+                raise TimeoutError(f"validate-model: waited {REPLAY_TIMEOUT_S:.0f} s for the "
+                                   f"worker simulating {out[i]['case']}; it did not "
+                                   f"finish") from None
     return out
 
 

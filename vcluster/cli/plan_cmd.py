@@ -37,6 +37,7 @@ none does, 2 on a bad flag.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -186,7 +187,7 @@ def _print_cluster(df, cluster) -> None:
     """The best configuration's stages on the cluster's parts."""
     # lazy: keeps vcluster --help fast
     from vcluster.planner.candidates import stage_kinds
-    from .simulate_cmd import cluster_lines
+    from .simulate_cmd import cluster_lines, replicas_text
     row = df.iloc[0]
     pp = int(row["pp"])
     if len(cluster.kinds) == 1:                  # one kind: the mesh's own rank order
@@ -207,13 +208,11 @@ def _print_cluster(df, cluster) -> None:
         print(f"cluster {cluster.name}: {cluster.gpus} GPUs of {len(cluster.kinds)} kinds; the "
               f"best configuration's data-parallel replicas (in the mesh's order, each on "
               f"one kind; the slowest sets the step):")
-        for d0 in range(len(kinds)):
-            if d0 == 0 or kinds[d0] != kinds[d0 - 1]:
-                d1 = d0
-                while d1 + 1 < len(kinds) and kinds[d1 + 1] == kinds[d0]:
-                    d1 += 1
-                print(f"  {cluster.kinds[kinds[d0]].name}: replica"
-                      f"{'s' if d1 > d0 else ''} {d0}{f'-{d1}' if d1 > d0 else ''}")
+        first = 0
+        for kind, run in itertools.groupby(kinds):
+            count = len(list(run))
+            print(f"  {cluster.kinds[kind].name}: {replicas_text(first, count)}")
+            first += count
         return
     kinds = stage_kinds(cluster, pp)
     size = cluster.gpus // pp

@@ -222,9 +222,7 @@ def _gpt(args) -> int:
               f"slowest replica sets the step; memory held to the smallest GPU; MFU against "
               f"the GPUs' mean peak")
         for p in r.replicas:
-            last = p.first + p.count - 1
-            print(f"    part {p.part}: {p.hardware}: replica{'s' if p.count > 1 else ''} "
-                  f"{p.first}{f'-{last}' if last > p.first else ''}")
+            print(f"    part {p.part}: {p.hardware}: {replicas_text(p.first, p.count)}")
     print(f"  step time            {r.step_time_s:.3f} s")
     print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
           f"(step time · GPUs))")
@@ -320,6 +318,11 @@ def layer_counts(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"expected layer counts >= 1 separated by commas "
                                          f"(one per pipeline stage), got {text!r}")
     return counts
+
+
+def replicas_text(first: int, count: int) -> str:
+    """"replica 3" or "replicas 0-7": a run of consecutive data-parallel replicas."""
+    return f"replica {first}" if count == 1 else f"replicas {first}-{first + count - 1}"
 
 
 def cluster_lines(cluster, stages) -> list[str]:

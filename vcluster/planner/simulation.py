@@ -575,9 +575,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     return mesh.rank({**{a: c[a] for a in short_mesh.axes}, "pp": pos,
                                       "dp": (c["dp"] + shift) % dp})
 
-                def group_of(group, renamed, full_rank=full_rank):
+                def group_of(group, renamed, full_rank=full_rank, shift=d):
                     # a group of the same ranks as replica 0's (data-parallel) keeps its order
-                    if not d:
+                    if not shift:
                         return renamed
                     own = tuple(full_rank(r, shift=0) for r in group)
                     return own if set(own) == set(renamed) else renamed
@@ -603,7 +603,6 @@ def _traced_replicas(replicas, dp: int) -> tuple:
         raise ValueError(f"gpt_step_traces: replicas must be distinct data-parallel "
                          f"coordinates in 0..{dp - 1}, replica 0 first; got {replicas!r}")
     return out
-
 
 
 @dataclass(frozen=True)

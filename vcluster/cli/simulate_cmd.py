@@ -138,6 +138,12 @@ def add_parser(commands) -> None:
                           "price its RMSNorms, rotary embeddings, SwiGLU and grouped K/V as "
                           "the unfused kernels eager PyTorch runs (dense Llama only; "
                           "docs/timing.md)")
+    gpt.add_argument("--fp8-casts", choices=("torchao-tensorwise", "torchao-rowwise"),
+                     default=None,
+                     help="with --fp8: price the cast kernels of torchao's float8 training "
+                          "(torchtitan's float8) beside each FP8 GEMM, by its scaling recipe "
+                          "(default: none, Transformer Engine's casts fused into the kernels "
+                          "before the GEMMs; docs/timing.md)")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list), a YAML file, or a cluster "
                           "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
@@ -188,6 +194,10 @@ def _gpt(args) -> int:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
+    if args.fp8_casts is not None and low_precision(args) is not True:
+        raise ValueError(f"--fp8-casts {args.fp8_casts} prices torchao's casts to FP8: it "
+                         f"needs --fp8 (or --gemm-format fp8), got "
+                         f"{'--gemm-format ' + args.gemm_format if args.gemm_format else 'neither'}")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
     hardware = load_cluster(args.hardware, hardware_loader=load_hardware)
     r = simulate_gpt(config, parallel, hardware, memory_headroom=headroom,
@@ -196,7 +206,7 @@ def _gpt(args) -> int:
                          args.autocast_kernels], fp8=bool(low_precision(args)),
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
                      else "fp8", eager_kernels=args.eager_kernels,
-                     cluster_split=args.cluster_split)
+                     cluster_split=args.cluster_split, fp8_casts=args.fp8_casts)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -204,6 +214,7 @@ def _gpt(args) -> int:
           f", ZeRO stage {int(parallel.zero_stage)}"
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (f", {r.gemm_format.upper()} linear layers" if r.fp8 else "")
+          + (f" with {r.fp8_casts}'s cast kernels" if r.fp8_casts else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f", {r.attention} attention" if r.attention != "flash" else "")
           + (f", activation offload {r.activation_offload:g}" if r.activation_offload else "")

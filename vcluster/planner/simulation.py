@@ -78,6 +78,7 @@ from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .eager_kernels import with_eager_kernels
+from .float8_casts import check_fp8_casts, with_float8_casts
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .offload import host_link_of, microbatch_slots, offload_timing
@@ -150,6 +151,9 @@ class GPTSimulation:
     # their format (vcluster.timing.gemm_formats: fp8, fp8-block, mxfp8, nvfp4, mxfp4);
     # None without fp8
     gemm_format: str | None = None
+    # torchao's float8 cast kernels priced after each FP8 GEMM (planner.float8_casts:
+    # "torchao-tensorwise", "torchao-rowwise"); None: fused into the kernels before them
+    fp8_casts: str | None = None
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
     attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
     model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
@@ -426,11 +430,13 @@ def _short_layout(parallel: ParallelConfig, layers: int, traced_positions) -> tu
 
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
-                     inductor_fusion: bool = False, eager_kernels: bool = False):
+                     inductor_fusion: bool = False, eager_kernels: bool = False,
+                     fp8_casts: str | None = None):
     """(mesh, templates per cp rank and short position, not coalesced) of a short step on
     a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
     layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
-    :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``)."""
+    :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``;
+    ``eager_kernels``, ``fp8_casts``: :func:`gpt_step_traces`)."""
     v = parallel.chunks
     p_short = len(reps)
     full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
@@ -471,6 +477,14 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                                 with_eager_kernels(t.tail), t.message_bytes)
                       for t in ts]
                      for ts in templates]
+    if fp8_casts is not None:
+        def cast(ops):
+            return with_float8_casts(ops, fp8_casts, fp8_gemm,
+                                     parallel.micro_batch * config.seq // parallel.cp,
+                                     parallel.tp if parallel.sequence_parallel else 1)
+        templates = [[Templates({key: cast(body) for key, body in t.bodies.items()},
+                                cast(t.tail), t.message_bytes) for t in ts]
+                     for ts in templates]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
@@ -494,7 +508,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     traced_positions: int | None = TRACED_POSITIONS, optimizer=ADAM,
                     markers: bool = False, expert_skew: float = 1.0,
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
-                    eager_kernels: bool = False, replicas: tuple = (0,)) -> list:
+                    eager_kernels: bool = False, replicas: tuple = (0,),
+                    fp8_casts: str | None = None) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -517,7 +532,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     program's own; with ``inductor_fusion``, as ``torch.compile`` fuses it
     (:mod:`.inductor_kernels`). ``eager_kernels``: the Llama program's norms, rotary
     embeddings, SwiGLU and grouped K/V as eager PyTorch runs them, unfused
-    (:mod:`.eager_kernels`). ``replicas``: the data-parallel replicas (coordinates of
+    (:mod:`.eager_kernels`). ``fp8_casts``: torchao's float8 cast kernels after each
+    FP8 GEMM, by recipe (:mod:`.float8_casts`; None: none). ``replicas``: the
+    data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
@@ -534,7 +551,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     reps, short_of = _short_layout(parallel, config.layers, traced_positions)
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
-                                       autocast_kernels, inductor_fusion, eager_kernels)
+                                       autocast_kernels, inductor_fusion, eager_kernels,
+                                       fp8_casts)
     S = p * v
     sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
     # compute runs coalesced under the model that prices the rank: ``costs``, or on a
@@ -738,7 +756,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  expert_skew: float = 1.0, precision="megatron",
                  autocast_kernels: bool | None = None, fp8: bool = False,
                  gemm_format: str = "fp8", eager_kernels: bool = False,
-                 cluster_split: str | None = None) -> GPTSimulation:
+                 cluster_split: str | None = None,
+                 fp8_casts: str | None = None) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -766,7 +785,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     ``gemm_format`` (:mod:`vcluster.timing.gemm_formats`: ``fp8``, the default — one
     scale per tensor, Transformer Engine's delayed or current scaling — ``fp8-block``,
     ``mxfp8`` at the FP8 peak; ``nvfp4``, ``mxfp4`` at the FP4 peak; refused by name on
-    hardware without it). ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
+    hardware without it); ``fp8_casts``: with ``fp8`` in the ``fp8`` format, the cast
+    kernels of a framework whose casts are not fused into the kernels before the GEMMs —
+    ``"torchao-tensorwise"`` or ``"torchao-rowwise"`` (torchao's float8 training, as
+    torchtitan runs it; :mod:`.float8_casts`) — priced after each FP8 GEMM; None (the
+    default): Transformer Engine's fused casts, none added. ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
     first floor(f·L) layers of each stage keep their activations in the host's memory
     over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
     on a cluster of several kinds): the memory counts them as ``host_bytes`` and ``fits``
@@ -803,6 +826,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     hw = load_cluster(hardware)
     if not isinstance(fp8, bool):
         raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
+    fp8_casts = check_fp8_casts(fp8_casts, fp8, gemm_format)
     precision = precision_policy(precision)
     mesh = parallel.mesh()
     m = parallel.microbatches
@@ -865,12 +889,18 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                          f"{getattr(config, 'kv_lora_rank', None)}, activation_offload="
                          f"{parallel.activation_offload:g} (a GPT model run in plain "
                          f"PyTorch: precision='torch_amp' prices its autocast kernels)")
+    if fp8_casts is not None and (config.block is not LLAMA_BLOCK or config.experts
+                                  or getattr(config, "kv_lora_rank", None)):
+        raise ValueError(f"simulate_gpt: fp8_casts={fp8_casts!r} prices torchao's casts for "
+                         f"the linears of the dense Llama layer (torchtitan's Llama 3); got "
+                         f"arch={config.arch!r}, experts={config.experts}, kv_lora_rank="
+                         f"{getattr(config, 'kv_lora_rank', None)}")
     fused = autocast_kernels and precision.inductor_fusion
     schedule = gpt_schedule(parallel)
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
                            inductor_fusion=fused, eager_kernels=eager_kernels,
-                           replicas=traced_replicas)
+                           replicas=traced_replicas, fp8_casts=fp8_casts)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
@@ -916,7 +946,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         zero_stage=int(parallel.zero_stage),
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         eager_kernels=eager_kernels,
-        fp8=fp8, gemm_format=gemm_format if fp8 else None,
+        fp8=fp8, gemm_format=gemm_format if fp8 else None, fp8_casts=fp8_casts,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats),

@@ -18,7 +18,10 @@ runs where the row is silent, the same for every row:
 * ``tp_overlap="te"`` where the row ran asynchronous TP (torchtitan's
   ``enable_async_tensor_parallel``: the same decomposition of the sequence-parallel
   gathers and reduce-scatters, :mod:`tensor_parallel.collective_matmul`);
-* Float8 rows with their linear GEMMs in FP8 (``fp8``, one scale per tensor);
+* Float8 rows with their linear GEMMs in FP8 (``fp8``) and torchao's cast kernels of the
+  row's scaling recipe beside them (``fp8_casts``, the ``float8_recipe`` column:
+  ``torchao-tensorwise`` or ``torchao-rowwise``, :mod:`.float8_casts`, since 2026-11-30;
+  before, and in the first run, the GEMMs alone);
 * activation checkpointing ``full`` as PyTorch's non-reentrant full recomputation, which
   stops before W_down (``full-torch``, since 2026-11-30; before, and in the first run, the
   program's ``full``), torchtitan's per-op selective policy as the program's ``op``
@@ -33,7 +36,7 @@ Meta's H100s (the paper's §3.1) are the DGX H100's die with 96 GB of HBM2e at 2
 Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
 Not modelled, and in the signed errors: those H100s' 500 W power limit (the model prices
 the 700 W part's clocks), eager PyTorch's per-kernel host cost (its unfused kernels are
-priced), FSDP2's and Float8's extra kernels.
+priced), FSDP2's own kernels, Float8's all-gather of FSDP2 and a slower row-wise GEMM.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -68,7 +71,7 @@ from .simulation import simulate_gpt
 
 __all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
            "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_SHAPES",
-           "validate_gpu_sweep", "META_H100_MEMORY"]
+           "validate_gpu_sweep", "META_H100_MEMORY", "fp8_casts_of"]
 
 LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
 #: a row's GPU -> the preset it is simulated on (module docstring: Meta's HBM2e H100 on
@@ -102,6 +105,17 @@ def band_of(seq: int) -> str:
 #: torchtitan's activation checkpointing -> the program's recompute: ``full`` is PyTorch's
 #: non-reentrant checkpoint, which stops before W_down (``full-torch``, since 2026-11-30)
 _TORCH_AC = MappingProxyType({"none": "none", "op": "op", "full": "full-torch"})
+
+
+#: a row's ``float8_recipe`` -> the cast kernels priced beside its FP8 GEMMs
+_FP8_CASTS = MappingProxyType({"tensorwise": "torchao-tensorwise",
+                               "rowwise": "torchao-rowwise"})
+
+
+def fp8_casts_of(r: dict) -> str | None:
+    """The ``fp8_casts`` of a row (:mod:`.float8_casts`): its Float8 recipe's cast
+    kernels, None without Float8."""
+    return _FP8_CASTS[r["float8_recipe"]] if r["float8"] == "1" else None
 
 
 def row_config(r: dict) -> tuple:
@@ -185,7 +199,7 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
             preset = GPU_PRESETS[r["gpu"]]
             tokens = par.global_batch * cfg.seq / par.gpus
             sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8,
-                               eager_kernels=r["compiled"] == "0")
+                               eager_kernels=r["compiled"] == "0", fp8_casts=fp8_casts_of(r))
             first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
                                  fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s

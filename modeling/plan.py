@@ -13,8 +13,8 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
 1. degrees, batch sizes and virtual stages are integers >= 1; each choice is one of its
    enum's values;
 2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
-   with pipelines), no sequence parallelism (its LayerNorm gradients are reduced over
-   tp once per step); any ZeRO stage needs ep = 1 (the experts' sharded state needs an
+   with pipelines; with sequence parallelism the tp-partial LayerNorm gradients are then
+   summed over tp every micro-batch too); any ZeRO stage needs ep = 1 (the experts' sharded state needs an
    expert-data-parallel group the program does not build: refused, never priced as DDP);
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
@@ -73,8 +73,7 @@ def parse(kind, value, field: str, owner: str = ""):
                           owner=owner) from None
 
 
-def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
-                     ep: int = 1, owner: str = "") -> ZeroStage:
+def check_zero_stage(zero_stage, pp: int = 1, ep: int = 1, owner: str = "") -> ZeroStage:
     """``zero_stage`` as a :class:`ZeroStage`, or ConfigError by rule 2 (module doc)."""
     if isinstance(zero_stage, bool):
         raise ConfigError("zero_stage", zero_stage, "one of 0, 1, 2, 3",
@@ -85,12 +84,6 @@ def check_zero_stage(zero_stage, pp: int = 1, sequence_parallel: bool = False,
                           f"zero_stage={int(zero)} with pipeline parallelism (pp={pp}) is not "
                           "supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, "
                           "and DeepSpeed refuses them with pipeline parallelism", owner=owner)
-    if zero >= 2 and sequence_parallel:
-        raise ConfigError("zero_stage", int(zero), "0 or 1 with sequence_parallel true",
-                          f"zero_stage={int(zero)} with sequence_parallel=True is not "
-                          "supported (the sequence-parallel LayerNorm gradients are reduced "
-                          "over tp once per step, ZeRO-2/3 reduce-scatter every "
-                          "micro-batch)", owner=owner)
     if zero >= 1 and ep > 1:
         raise ConfigError("zero_stage", int(zero), "0 with ep > 1",
                           f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
@@ -216,8 +209,7 @@ class ParallelConfig:
         zero = self.zero_stage
         if self.distributed_optimizer and zero in (None, 0):
             zero = 1
-        zero = check_zero_stage(0 if zero is None else zero, self.pp, self.sequence_parallel,
-                                self.ep, who)
+        zero = check_zero_stage(0 if zero is None else zero, self.pp, self.ep, who)
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
         if self.cp > 1 and not self.attention.fused:

@@ -699,7 +699,17 @@ class GPTFitResult:
 
 def _stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int, load=None):
     """The job's ``stage_factory``: this device's :class:`TransformerStage` ([embedding]
-    + the stage's layers + [head]) with its pieces of the job's global parameters."""
+    + the stage's layers + [head]) with its pieces of the job's global parameters; under
+    ZeRO-2/3, whose gradients leave the rank every micro-batch, its tp-partial gradients
+    (the K/V replicas', QK-norm's, sequence parallelism's) summed every micro-batch."""
+    built = _build_stage(cfg, par, dev, job, stage, load)
+    built.seq_partial_each_microbatch = par.zero_stage >= 2
+    return built
+
+
+def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage: int,
+                 load=None):
+    """:func:`_stage`'s stage before its ZeRO setting."""
     ops, glob = TransformerOps(dev, "tp" if "tp" in dev.mesh.axes else None,
                                par.sequence_parallel, flash=par.attention in FUSED_ATTENTION,
                                async_grad_reduce=par.use_async_grad_reduce,

@@ -44,8 +44,9 @@ then P'/n + the modules gathered at once (the current one and the prefetched nex
 
 The update is elementwise (:mod:`pipeline_parallel.optim`), so updating shards gives the
 same parameters as updating the whole; padding is zero in parameters and gradients and
-stays zero. Sequence parallelism (its LayerNorm gradients are reduced over tp after the
-step's last micro-batch) combines with ZeRO-1 only. Checkpoints and fault recovery
+stays zero. Sequence parallelism's LayerNorm gradients are partial over tp: summed over tp
+after the step's last micro-batch, under ZeRO-2/3 after every micro-batch, before the
+micro-batch's gradients are reduce-scattered (FSDP2 + TP + SP: torchtitan's 2D). Checkpoints and fault recovery
 (:mod:`pipeline_parallel.resilient`) need zero_stage=0.
 """
 
@@ -67,11 +68,10 @@ __all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "uns
 ZERO_STAGES = ZeroStage.values()     # the one list: modeling.choices
 
 
-def check_zero_stage(zero_stage, who: str, pp: int = 1, sequence_parallel: bool = False,
-                     ep: int = 1) -> int:
+def check_zero_stage(zero_stage, who: str, pp: int = 1, ep: int = 1) -> int:
     """``zero_stage`` as an int, or ConfigError (a ValueError) naming ``who``, the value and
     the rule: :func:`modeling.plan.check_zero_stage`, the one copy of the rule."""
-    return int(_zero_rule(zero_stage, pp, sequence_parallel, ep, owner=who))
+    return int(_zero_rule(zero_stage, pp, ep, owner=who))
 
 
 @dataclass(frozen=True)

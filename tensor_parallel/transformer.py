@@ -411,6 +411,10 @@ class TransformerStage:
         self._live: set = set()
         self._w_done = 0
         self.param_hook = None     # ZeRO-3 (pipeline_parallel.zero): use(i, next) / done(i)
+        # True where each micro-batch's gradients leave the rank (ZeRO-2/3 reduce-scatter
+        # them per micro-batch): the sequence-parallel partial gradients are then summed
+        # over tp every micro-batch, before they leave, not once per step
+        self.seq_partial_each_microbatch = False
         # module i -> the module whose parameters it also uses (a tied head: the embedding)
         self.borrows = {i: modules.index(m.borrowed) for i, m in enumerate(modules)
                         if getattr(m, "borrowed", None) is not None}
@@ -482,10 +486,11 @@ class TransformerStage:
         return dy
 
     def backward_weight(self, dev, mb: int, on_layer_done=None) -> None:
-        """Accumulate mb's gradients; after the step's last micro-batch, all-reduce the
-        sequence-parallel partial gradients (LayerNorms, positions) over tp."""
+        """Accumulate mb's gradients; after the step's last micro-batch (every micro-batch
+        with ``seq_partial_each_microbatch``), all-reduce the sequence-parallel partial
+        gradients (LayerNorms, positions) over tp."""
         self._w_done += 1
-        last = self._w_done == self.microbatches
+        last = self._w_done == self.microbatches or self.seq_partial_each_microbatch
         for i in reversed(range(len(self.modules))):
             m = self.modules[i]
             m.backward_weight(self.ops, mb)

@@ -31,7 +31,7 @@ def test_rows_become_the_plans_torchtitan_ran():
     cfg, par, fp8, refused = row_config(_row("[A] asyncTP_llama3_h100_2025-06 70B table "
                                              "float8 tensorwise async TP"))
     assert not refused and fp8 and (par.tp, par.dp, par.gpus) == (8, 32, 256)
-    assert par.tp_overlap.value == "te" and par.sequence_parallel and par.zero_stage == 1
+    assert par.tp_overlap.value == "te" and par.sequence_parallel and par.zero_stage == 3
     assert par.attention.value == "flash2" and par.grad_reduce_dtype.value == "fp32"
     cfg, par, fp8, refused = row_config(_row("[P] arXiv 2410.06511 Table 5 row FSDP 2 CP 4"))
     assert (cfg.seq, par.cp, par.dp, par.zero_stage, par.recompute.value) == (

@@ -153,13 +153,17 @@ def test_broken_rules_name_the_key(change, path, value):
     assert info.value.allowed
 
 
-def test_transformer_zero2_with_sequence_parallelism_is_named():
-    doc = {"workload": {"kind": "transformer"},
-           "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True},
-           "data_parallel": {"mode": "zero", "zero_stage": 2}}
-    with pytest.raises(ScenarioError, match="data_parallel.zero_stage = 2") as info:
-        scenario_from_dict(doc)
-    assert "sequence_parallel" in info.value.allowed
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_transformer_zero_with_sequence_parallelism_emulates_equal_to_the_reference(
+        zero_stage):
+    """FSDP2 + TP + SP: ZeRO-2/3 beside tp 2 with sequence parallelism (refused before
+    2026-11-30) runs, equal to the reference, in 2 micro-batches per step."""
+    doc = {"workload": {"kind": "transformer", "layers": 2, "batch": 8},
+           "parallel": {"dp": 2, "tp": 2, "sequence_parallel": True, "micro_batch": 2},
+           "data_parallel": {"mode": "zero", "zero_stage": zero_stage},
+           "run": {"mode": "emulate", "check": True, "warmup": 0}}
+    s = run_scenario(scenario_from_dict(doc)).summary
+    assert s["checks_passed"] is True and s["data_parallel"] == f"zero-{zero_stage}"
 
 
 def test_a_large_simulated_parameter_server_traces_every_rank():

@@ -22,7 +22,7 @@ parallelism up to cp = N (``--cp-algorithm ring|all_gather``; default 1: none, t
 search and table of earlier versions); the table then has a cp column, and the JSON
 candidates always carry ``cp``. ZeRO: ``--zero-stages 0,1,2,3`` (the default) are the
 stages searched, each candidate taking the lowest that fits its memory (2 and 3 only
-with pp = 1 and no sequence parallelism; see vcluster/planner/candidates.py); the
+with pp = 1; see vcluster/planner/candidates.py); the
 table's ``zero`` column and the JSON's ``zero_stage`` say which. ``--hardware`` also
 takes a heterogeneous cluster file (``parts: [{hardware, nodes}, ...]``,
 docs/heterogeneous.md; ``--gpus`` must be its GPU count): the stages are placed on the

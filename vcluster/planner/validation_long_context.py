@@ -10,9 +10,10 @@ Each row is simulated as the source states it (:func:`row_config`), with what to
 runs where the row is silent, the same for every row:
 
 * FSDP2 over the data-parallel ranks (ZeRO-3), its gradients reduced in fp32
-  (torchtitan's ``mixed_precision_reduce``); with tensor parallelism, sequence parallelism
-  and ZeRO-1 (the program does not run ZeRO-3 beside sequence parallelism: the parameter
-  gathers FSDP2 overlaps with the previous layer are left out);
+  (torchtitan's ``mixed_precision_reduce``), with tensor parallelism too, beside sequence
+  parallelism (torchtitan's 2D; since 2026-11-30: before, ZeRO-1 stood in for it, its
+  gradients reduce-scattered and parameters gathered once per step instead of per layer);
+  with a pipeline ZeRO-1 (ZeRO-2/3 are refused with pp > 1);
 * attention ``flash2``: PyTorch's SDPA tries FlashAttention(-2) first on H100 and H200
   (torchtitan selected cuDNN only on B200: github.com/pytorch/torchtitan pull 1196);
 * ``tp_overlap="te"`` where the row ran asynchronous TP (torchtitan's
@@ -137,7 +138,7 @@ def row_config(r: dict) -> tuple:
             global_batch=int(r["global_batch"]), micro_batch=int(r["micro_batch"]), dp=dp,
             tp=tp, pp=pp, cp=cp, schedule="interleaved_1f1b" if vp > 1 else "1f1b",
             virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
-            zero_stage=3 if tp == 1 and pp == 1 else 1,
+            zero_stage=3 if pp == 1 else 1,
             recompute=_TORCH_AC[r["activation_checkpointing"]], grad_reduce_dtype="fp32",
             attention="flash2", tp_overlap="te" if r["tp_overlap"] == "1" else "backward")
     except ConfigError as e:
@@ -163,8 +164,10 @@ def _first_run_hardware(name: str):
 
 def _first_run_parallel(par):
     """``par`` as the model ran it before issue 54: the device's default fused attention,
-    no TE overlap, torchtitan's ``op`` checkpointing as ``selective``."""
+    no TE overlap, torchtitan's ``op`` checkpointing as ``selective``, ZeRO-1 beside
+    tensor parallelism."""
     return dataclasses.replace(par, attention="flash", tp_overlap="backward",
+                               zero_stage=1 if par.tp > 1 else par.zero_stage,
                                recompute={"op": "selective", "full-torch": "full"}.get(
                                    str(par.recompute), par.recompute))
 

@@ -398,7 +398,7 @@ _SECTIONS = {
                           "axis 'ps')", "ddp"),
             "zero_stage": _enum(ZERO_STAGES, "mode zero only: 1 shards the optimizer "
                                 "state over dp, 2 also the gradients, 3 also the "
-                                "parameters (2 and 3: pp 1, no sequence parallelism)", 1),
+                                "parameters (2 and 3: pp 1)", 1),
             "servers": _int("mode ps only: ranks holding the parameters (the first ranks "
                             "of the mesh; each tensor lives on one server)", 1, 1),
             "staleness": _int("mode ps only: 0 synchronous (equal to the reference); s >= "

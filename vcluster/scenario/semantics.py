@@ -9,7 +9,7 @@ takes the ``engine`` section.
 
 ``data_parallel`` (:func:`check_data_parallel`): each mode takes its own keys; ZeRO and
 the parameter server train mlp / transformer without faults or checkpoints; ZeRO-2/3
-need pp 1 and no sequence parallelism; the parameter server's mesh is one axis ``ps`` of
+need pp 1; the parameter server's mesh is one axis ``ps`` of
 ``servers`` + ``parallel.dp`` workers (built so when ``cluster.mesh`` is omitted), without
 pp or tp (nor cp or ep: each worker holds the whole model); an asynchronous one
 (staleness >= 1) only emulates, unchecked.
@@ -166,10 +166,9 @@ def check_data_parallel(scenario) -> None:
 
 def _check_zero(scenario, mesh) -> None:
     """The ZeRO stage against the plan's rulebook (:func:`modeling.check_zero_stage`: 2 and
-    3 need pp 1 and no sequence parallelism, any stage needs ep 1), named by key."""
+    3 need pp 1, any stage needs ep 1), named by key."""
     try:
         check_zero_stage(scenario.data_parallel.zero_stage, mesh.shape.get("pp", 1),
-                         bool(scenario.parallel.get("sequence_parallel")),
                          mesh.shape.get("ep", 1))
     except ConfigError as exc:
         raise ScenarioError("data_parallel.zero_stage", exc.value, exc.allowed,

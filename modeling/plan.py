@@ -14,8 +14,8 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    enum's values;
 2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
    with pipelines; with sequence parallelism the tp-partial LayerNorm gradients are then
-   summed over tp every micro-batch too); any ZeRO stage needs ep = 1 (the experts' sharded state needs an
-   expert-data-parallel group the program does not build: refused, never priced as DDP);
+   summed over tp every micro-batch too) and ep = 1; ZeRO-1 with ep > 1 shards the
+   experts' state over the expert-data-parallel ranks (Megatron's distributed optimizer);
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
 4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);
@@ -84,12 +84,14 @@ def check_zero_stage(zero_stage, pp: int = 1, ep: int = 1, owner: str = "") -> Z
                           f"zero_stage={int(zero)} with pipeline parallelism (pp={pp}) is not "
                           "supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, "
                           "and DeepSpeed refuses them with pipeline parallelism", owner=owner)
-    if zero >= 1 and ep > 1:
-        raise ConfigError("zero_stage", int(zero), "0 with ep > 1",
+    if zero >= 2 and ep > 1:
+        raise ConfigError("zero_stage", int(zero), "0 or 1 with ep > 1",
                           f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
-                          "supported yet: the experts' sharded state needs an "
-                          "expert-data-parallel group the program does not build (a plan is "
-                          "never priced as something it does not run)", owner=owner)
+                          "supported yet: ZeRO-2/3 would reduce-scatter and gather each "
+                          "module over two groups (the experts' over the "
+                          "expert-data-parallel ranks) every micro-batch; ZeRO-1 (the "
+                          "distributed optimizer) shards the experts' state over them",
+                          owner=owner)
     return zero
 
 

@@ -29,9 +29,10 @@ gathers around each module for stage 3).
 A mixture of experts' expert parameters (a stage's ``expert_mask``) go to buckets of their
 own, all-reduced over ``expert_dp_axis`` (the expert-data-parallel group, dp/ep ranks, × cp
 where present) instead; the results carry each step's weighted MoE aux loss and tokens per
-expert (``aux_losses``, ``moe_loads``; a stage's ``moe_report()``). ZeRO with expert
-parallelism (``zero_stage`` >= 1 and ``expert_dp_axis`` set: two gradient groups) is not
-supported yet and refused.
+expert (``aux_losses``, ``moe_loads``; a stage's ``moe_report()``). ZeRO-1 shards the
+experts' state over that group and the rest over dp (× cp): two flat parameters per MoE
+module (:class:`~pipeline_parallel.zero.ShardedState` ``expert_axis``), as Megatron's
+distributed optimizer does; ZeRO-2/3 with expert parallelism are refused.
 
 Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
 holds (parameters, gradients, optimizer state, activations — the stages' saved tensors and
@@ -114,11 +115,12 @@ class TrainJob:
         if self.zero_stage and (self.optimizer_state is not None or self.return_optimizer):
             raise ValueError(f"TrainJob: zero_stage={self.zero_stage} does not save or "
                              f"restore optimizer state (checkpoints); use zero_stage=0")
-        if self.zero_stage and self.expert_dp_axis is not None:
+        if self.zero_stage >= 2 and self.expert_dp_axis is not None:
             raise ValueError(f"TrainJob: zero_stage={self.zero_stage} with expert "
                              f"parallelism (expert_dp_axis={self.expert_dp_axis!r}) is not "
-                             f"supported yet: ZeRO shards one gradient group, the experts' "
-                             f"gradients need their own; use zero_stage=0 (or ep=1)")
+                             f"supported yet: ZeRO-2/3 would reduce-scatter and gather each "
+                             f"module over two groups every micro-batch; use zero_stage 0 "
+                             f"or 1 (or ep=1)")
 
     @property
     def n_stages(self) -> int:
@@ -402,7 +404,8 @@ def train_program(dev, job: TrainJob, X, Y):
     ledger, zero, opt = MemoryLedger(dev), None, None
     if job.zero_stage:
         zero = ShardedState(dev, job.zero_stage, grad_axis if grad_axes else None, stages,
-                            job.optimizer, ledger, reduce_dtype=job.grad_reduce_dtype)
+                            job.optimizer, ledger, reduce_dtype=job.grad_reduce_dtype,
+                            expert_axis=job.expert_dp_axis)
     else:
         opt = Optimizer(job.optimizer, params)
         opt_bytes = sum(p.nbytes for p in params) * opt.bytes_touched_per_param_byte
@@ -437,7 +440,7 @@ def train_program(dev, job: TrainJob, X, Y):
         left = {s: m for s in stages}
         buckets = GradBuckets(dev, grad_axis, job.bucket_bytes, job.grad_reduce_dtype) \
             if grad_size > 1 and zero is None else None
-        expert_buckets = _expert_buckets(job, dev)
+        expert_buckets = _expert_buckets(job, dev) if zero is None else None
         if zero is not None:
             zero.begin_step()
         pending_dy, loss = {}, 0.0

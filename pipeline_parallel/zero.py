@@ -146,18 +146,39 @@ class ShardedState:
     reduce-scatters — a module's flat gradient is cast to it before, and its reduced piece
     added into the gradient shard (the parameters' dtype) after, as FSDP's
     ``MixedPrecision(reduce_dtype=...)``.
+
+    ``expert_axis`` (ZeRO-1 only; None: no experts apart): a mixture of experts' expert
+    parameters (a stage's ``expert_mask``) are summed over the expert-data-parallel group
+    (the dp/ep ranks holding the same experts, × cp), so a module that holds both is two
+    flat parameters — its other arrays sharded over ``axis``, its experts' over
+    ``expert_axis`` (``()`` or a group of one: not sharded) — as Megatron's distributed
+    optimizer shards the experts' state over the expert-data-parallel ranks.
     """
 
     def __init__(self, dev, zero_stage: int, axis: str | None, stages: dict,
-                 config: OptimizerConfig, ledger, reduce_dtype=None):
+                 config: OptimizerConfig, ledger, reduce_dtype=None, expert_axis=None):
         self.dev, self.stage, self.axis, self.ledger = dev, zero_stage, axis, ledger
         self.reduce_dtype = None if reduce_dtype is None else np.dtype(reduce_dtype)
         group = dev.mesh.group(axis, dev.rank) if axis is not None else (dev.rank,)
         self.n, self.pos = len(group), group.index(dev.rank)
         self.stages = stages
-        self.units = [(s, i) for s in sorted(stages) for i in range(len(stages[s].params))]
-        self.layouts = {u: FlatLayout(tuple(int(a.size) for a in self._params(u)), self.n)
-                        for u in self.units}
+        if expert_axis is not None and zero_stage != 1:
+            raise ValueError(f"ShardedState: expert_axis={expert_axis!r} with zero_stage="
+                             f"{zero_stage}: the experts' own group is sharded by ZeRO-1 only")
+        # unit -> (stage, module, the module's array indices or None: all)
+        self._where: dict = {}
+        # unit -> (the axis it is reduced and gathered over or None, its group's members)
+        self._group: dict = {}
+        self.units = []
+        for s in sorted(stages):
+            for i in range(len(stages[s].params)):
+                for u, idx, ax in self._parts(stages[s], s, i, axis, expert_axis):
+                    self.units.append(u)
+                    self._where[u] = (s, i, idx)
+                    members = dev.mesh.group(ax, dev.rank) if ax is not None else (dev.rank,)
+                    self._group[u] = (ax, tuple(members))
+        self.layouts = {u: FlatLayout(tuple(int(a.size) for a in self._params(u)),
+                                      len(self._group[u][1])) for u in self.units}
         self.full_bytes = {u: sum(a.nbytes for a in self._params(u)) for u in self.units}
         item = {u: self._params(u)[0].itemsize for u in self.units}
         self.shard_bytes = sum(self.layouts[u].shard * item[u] for u in self.units)
@@ -173,7 +194,7 @@ class ShardedState:
                                     f"module's forward and backward), which FSDP needs; "
                                     f"StageLayers and TransformerStage have one")
             self.param_shard = {u: self.layouts[u].flatten(self._params(u))[
-                self.layouts[u].owned(self.pos)].copy() for u in self.units}
+                self.layouts[u].owned(self._pos(u))].copy() for u in self.units}
             for u in self.units:
                 _poison(self._params(u))
             for s in stages:
@@ -191,22 +212,51 @@ class ShardedState:
                 + ("" if self.reduce_dtype is None else f", reduce_dtype={self.reduce_dtype}")
                 + ")")
 
+    def _parts(self, stage, s: int, i: int, axis, expert_axis) -> list:
+        """[(unit, array indices or None, axis)] of module i of stage s: one unit (s, i)
+        over ``axis``, or — with ``expert_axis`` and experts in the module — its other
+        arrays (s, i, "dense") over ``axis`` and its experts' (s, i, "expert") over
+        ``expert_axis`` (None when that group is one rank)."""
+        mask = stage.expert_mask(i) if expert_axis is not None and \
+            hasattr(stage, "expert_mask") else ()
+        if not any(mask):
+            return [((s, i), None, axis)]
+        if expert_axis == () or self.dev.mesh.axis_size(expert_axis) == 1:
+            expert_axis = None
+        dense = tuple(k for k, e in enumerate(mask) if not e)
+        experts = tuple(k for k, e in enumerate(mask) if e)
+        return ([((s, i, "dense"), dense, axis)] if dense else []) + \
+            [((s, i, "expert"), experts, expert_axis)]
+
+    def _of(self, u, which: str) -> list:
+        s, i, idx = self._where[u]
+        arrays = getattr(self.stages[s], which)[i]
+        return arrays if idx is None else [arrays[k] for k in idx]
+
     def _params(self, u):
-        return self.stages[u[0]].params[u[1]]
+        return self._of(u, "params")
 
     def _grads(self, u):
-        return self.stages[u[0]].grads[u[1]]
+        return self._of(u, "grads")
 
-    # --- collectives (dp of one: nothing to move) -------------------------------------
-    def _reduce_scatter(self, flat):
-        if self.axis is None:
+    def _module_units(self, stage: int, module: int) -> list:
+        return [u for u in self.units if self._where[u][:2] == (stage, module)]
+
+    def _pos(self, u) -> int:
+        return self._group[u][1].index(self.dev.rank)
+
+    # --- collectives (a group of one: nothing to move) --------------------------------
+    def _reduce_scatter(self, u, flat):
+        axis = self._group[u][0]
+        if axis is None:
             return _Ready(flat)
-        return self.dev.reduce_scatter(flat, self.axis, async_op=True)
+        return self.dev.reduce_scatter(flat, axis, async_op=True)
 
-    def _all_gather(self, shard):
-        if self.axis is None:
+    def _all_gather(self, u, shard):
+        axis = self._group[u][0]
+        if axis is None:
             return _Ready(shard)
-        return self.dev.all_gather(shard, self.axis, async_op=True)
+        return self.dev.all_gather(shard, axis, async_op=True)
 
     # --- the step -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -215,24 +265,25 @@ class ShardedState:
 
     def grad_ready(self, stage: int, module: int) -> None:
         """Module ``module`` of ``stage`` has accumulated gradients: reduce-scatter them
-        (async); ZeRO-2/3 then zero the full buffer for the next micro-batch."""
-        u = (stage, module)
-        grads, layout = self._grads(u), self.layouts[u]
-        if self.stage >= 2:
-            self.ledger.add("grads", self.full_bytes[u])     # the full buffer holds data
-        flat = in_dtype(layout.flatten(grads), self.reduce_dtype)
-        self._reductions.append((u, self._reduce_scatter(flat)))
-        if self.stage >= 2:
-            for g in grads:
-                g[...] = 0
-            self.ledger.add("grads", -self.full_bytes[u])
+        (async; each flat parameter over its group); ZeRO-2/3 then zero the full buffer
+        for the next micro-batch."""
+        for u in self._module_units(stage, module):
+            grads, layout = self._grads(u), self.layouts[u]
+            if self.stage >= 2:
+                self.ledger.add("grads", self.full_bytes[u])     # the full buffer holds data
+            flat = in_dtype(layout.flatten(grads), self.reduce_dtype)
+            self._reductions.append((u, self._reduce_scatter(u, flat)))
+            if self.stage >= 2:
+                for g in grads:
+                    g[...] = 0
+                self.ledger.add("grads", -self.full_bytes[u])
 
     def finish_grads(self) -> None:
         """Wait for every reduce-scatter; sum the pieces into the gradient shards."""
         for u, work in self._reductions:
             piece = work.wait()
-            if self.axis is None:
-                piece = piece[self.layouts[u].owned(self.pos)]
+            if self._group[u][0] is None:
+                piece = piece[self.layouts[u].owned(self._pos(u))]
             self.grad_shard[u] += piece
         self._reductions = []
 
@@ -242,8 +293,8 @@ class ShardedState:
         if self.stage == 3:
             shards = [self.param_shard[u] for u in units]
         else:
-            shards = [self.layouts[u].flatten(self._params(u))[self.layouts[u].owned(self.pos)]
-                      for u in units]
+            shards = [self.layouts[u].flatten(self._params(u))[
+                self.layouts[u].owned(self._pos(u))] for u in units]
         with self.dev.compute("optimizer (shard)", flops=0,
                               bytes=self.shard_bytes * self.opt.bytes_touched_per_param_byte,
                               kernel=Kernel.optimizer(sum(int(s.size) for s in shards),
@@ -251,7 +302,7 @@ class ShardedState:
             self.opt.step(shards, [self.grad_shard[u] for u in units])
         if self.stage == 3:
             return
-        works = [self._all_gather(s) for s in shards]
+        works = [self._all_gather(u, s) for u, s in zip(units, shards)]
         for u, work in zip(units, works):
             self.layouts[u].unflatten_into(work.wait(), self._params(u))
 
@@ -261,6 +312,7 @@ class ShardedState:
         reduced gradients (every stage) from the shards of a dp group
         (:func:`unshard_results`): per module, where its arrays sit in the named dicts."""
         return {"n": self.n, "pos": self.pos, "modules": [{
+            "group": self._group[u][1],
             "params_at": _paths(named_params, self._params(u)),
             "grads_at": _paths(named_grads, self._grads(u)),
             "shapes": [tuple(a.shape) for a in self._params(u)],
@@ -281,7 +333,7 @@ class _Gatherer:
         u = (self.s, i)
         if i not in self._pending:
             self.state.ledger.add("params", self.state.full_bytes[u])
-            self._pending[i] = self.state._all_gather(self.state.param_shard[u])
+            self._pending[i] = self.state._all_gather(u, self.state.param_shard[u])
 
     def _with_borrowed(self, i: int) -> tuple:
         """Module i and the module whose parameters it also uses (``stage.borrows``: a
@@ -327,13 +379,14 @@ def unshard_results(mesh, dp_axis: str | None, results: list) -> list:
             out.append(res)
             continue
         group = mesh.group(dp_axis, rank) if dp_axis is not None else (rank,)
-        peers = [results[r]["zero"]["modules"] for r in group]
         res = dict(res, params=dict(res["params"]), grads=dict(res["grads"]))
         for k, mod in enumerate(info["modules"]):
+            # the module's own group (an MoE's experts: the expert-data-parallel ranks)
+            peers = [results[r]["zero"]["modules"][k] for r in mod.get("group", group)]
             for what, at in (("param_shard", "params_at"), ("grad_shard", "grads_at")):
                 if mod[what] is None:
                     continue
-                flat = np.concatenate([p[k][what] for p in peers])
+                flat = np.concatenate([p[what] for p in peers])
                 offset = 0
                 for (key, idx), shape in zip(mod[at], mod["shapes"]):
                     size = int(np.prod(shape, dtype=np.int64))

@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 
-from modeling import ConfigError
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops, moe_model_flops
 from tensor_parallel.moe_layer import EXPERT_PARAMS
@@ -281,14 +280,23 @@ def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
     assert {c["ep"] for c in cands} == {1, 2} and {c["cp"] for c in cands} == {1, 2}
 
 
-def test_zero_with_expert_parallelism_is_refused_not_priced_as_ddp(capsys):
-    """The executor cannot run ZeRO with ep > 1; the simulator once traced such a plan as
-    DDP while the memory model counted ZeRO-1 and the printout said "ZeRO stage 1". The
-    plan's rulebook now refuses it, so no engine prices what it does not run."""
-    with pytest.raises(ConfigError, match=r"zero_stage=1 with expert parallelism \(ep=2\)"):
-        ParallelConfig(global_batch=8, dp=4, ep=2, distributed_optimizer=True)
-    assert main(["simulate", "gpt", "--arch", "llama", "--hidden", "256", "--layers", "4",
-                 "--heads", "8", "--kv-heads", "4", "--ffn-hidden", "512", "--seq", "128",
-                 "--vocab", "1024", "--experts", "8", "--ep", "2", "--dp", "4",
-                 "--global-batch", "8", "--distributed-optimizer", "--hardware", H100]) == 2
-    assert "--zero=1: zero_stage=1 with expert parallelism" in capsys.readouterr().err
+def test_distributed_optimizer_with_expert_parallelism_is_simulated_as_it_runs(tmp_path,
+                                                                              capsys):
+    """The executor runs ZeRO-1 with ep > 1 (the experts' state over the expert-data-
+    parallel ranks); the simulator once traced such a plan as DDP while the memory model
+    counted ZeRO-1. Now the traced step is the program's: the traced optimizer state is
+    the memory model's, smaller than DDP's. ZeRO-2/3 with ep > 1 stay refused, naming the
+    flag."""
+    base = ["simulate", "gpt", "--arch", "llama", "--hidden", "256", "--layers", "4",
+            "--heads", "8", "--kv-heads", "4", "--ffn-hidden", "512", "--seq", "128",
+            "--vocab", "1024", "--experts", "8", "--ep", "2", "--dp", "4",
+            "--global-batch", "8", "--hardware", H100]
+    docs = {}
+    for name, flags in (("ddp", []), ("zero1", ["--distributed-optimizer"])):
+        assert main(base + flags + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert (docs["ddp"]["zero_stage"], docs["zero1"]["zero_stage"]) == (0, 1)
+    opt = {k: d["memory"][0]["optimizer_bytes"] for k, d in docs.items()}
+    assert opt["zero1"] < opt["ddp"]
+    assert main(base + ["--zero", "2"]) == 2
+    assert "--zero=2: zero_stage=2 with expert parallelism" in capsys.readouterr().err

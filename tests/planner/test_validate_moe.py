@@ -77,7 +77,7 @@ def test_a_row_is_planned_as_published_with_the_documented_defaults():
     assert (par.gpus, par.dp, par.tp, par.pp, par.ep, par.etp, par.chunks) == \
         (128, 8, 2, 8, 8, 1, 7)
     assert par.folded and par.sequence_parallel and par.schedule == "interleaved_1f1b"
-    assert par.zero_stage == 0 and par.recompute == "none" and par.microbatches == 32
+    assert par.zero_stage == 1 and par.recompute == "none" and par.microbatches == 32
     assert moe_row_config(_row(precision="FP8-blockwise"))[2] is True
 
 

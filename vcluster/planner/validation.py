@@ -396,12 +396,11 @@ def moe_row_config(r: dict) -> tuple:
     split`` and ``account_for_loss_in_pipeline_split`` do, the embedding and the head
     each counted as a layer (:func:`~.candidates.stage_split`: Qwen3-235B's 94 layers on
     32 stages, 2 + 30 × 3 + 2), refused where that does not split either. The
-    optimizer: a row with ``fsdp`` 1 asks for ZeRO-3; every other row ran Megatron's
-    distributed optimizer (ZeRO-1), which the program refuses with ep > 1, and is simulated
-    with plain data-parallel gradients instead (zero_stage 0): the same gradient bytes (a
-    reduce-scatter and an all-gather are a ring all-reduce's halves), an optimizer step
-    over the rank's whole parameters instead of a 1/dp share (under 1% of these steps), and
-    memory without the sharded optimizer state (``fits`` is the DDP verdict)."""
+    optimizer: a row with ``fsdp`` 1 asks for ZeRO-3 (refused with ep > 1); every other row
+    ran Megatron's distributed optimizer, simulated as ZeRO-1 — the experts' state sharded
+    over the expert-data-parallel ranks, the rest over dp (since 2026-11-30; before, the
+    program refused ZeRO with ep > 1 and these rows ran as plain data parallelism: the same
+    gradient bytes, the optimizer over the whole parameters, ``fits`` the DDP verdict)."""
     refusals = []
     try:
         cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
@@ -430,7 +429,7 @@ def moe_row_config(r: dict) -> tuple:
                              schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
                              recompute=recompute or "none",
-                             zero_stage=3 if r["fsdp"] == "1" else 0)
+                             zero_stage=3 if r["fsdp"] == "1" else 1)
     except ConfigError as e:
         return cfg, None, False, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

@@ -80,9 +80,9 @@ def row_config(r: dict) -> tuple:
     optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; Transformer Engine's tensor-parallel
     overlap (``tp_overlap="te"``) on NVIDIA systems where tp > 1 (since issue 54; the
     recipes keep it on, :data:`_TE_SYSTEMS`); otherwise Megatron's distributed
-    optimizer (ZeRO-1), or with ep > 1, which the program refuses under ZeRO, plain
-    data-parallel gradients (the same bytes; :func:`~.validation.moe_row_config` says
-    why). A row with no global batch (AMD's) and no pipeline is simulated with one
+    optimizer (ZeRO-1; with ep > 1 the experts' state over the expert-data-parallel ranks,
+    since 2026-11-30 — before, plain data-parallel gradients:
+    :func:`~.validation.moe_row_config`). A row with no global batch (AMD's) and no pipeline is simulated with one
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
     refusals, assumed = [], []
@@ -108,7 +108,7 @@ def row_config(r: dict) -> tuple:
             "global_batch", "", "a published global batch", "a pipeline's bubble depends on "
             "the micro-batches per step, which the source does not state"))]
     ends = stage_split(cfg.layers, pp * vp) or ()
-    zero = 3 if r["fsdp"] == "1" else (0 if ep > 1 else 1)
+    zero = 3 if r["fsdp"] == "1" else 1
     try:
         par = ParallelConfig(global_batch=global_batch, micro_batch=micro, dp=dp, pp=pp, tp=tp,
                              cp=cp, ep=ep, etp=MOE_DEFAULT_ETP if ep > 1 else None,

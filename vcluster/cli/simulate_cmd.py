@@ -119,7 +119,8 @@ def add_parser(commands) -> None:
     gpt.add_argument("--zero", type=int, choices=ZeroStage.values(), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
                           "2 also the gradients, 3 also the weights (2 and 3: pp = 1 and "
-                          "ep = 1)")
+                          "ep = 1; 1 with ep > 1 shards the experts' state over the "
+                          "expert-data-parallel ranks)")
     gpt.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer state and fp32 master weights over dp "
                           "(Megatron's distributed optimizer): an alias of --zero 1")

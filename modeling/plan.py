@@ -14,8 +14,8 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    enum's values;
 2. ZeRO-2/3 need pp = 1 (they reduce-scatter every micro-batch; DeepSpeed refuses them
    with pipelines; with sequence parallelism the tp-partial LayerNorm gradients are then
-   summed over tp every micro-batch too) and ep = 1; ZeRO-1 with ep > 1 shards the
-   experts' state over the expert-data-parallel ranks (Megatron's distributed optimizer);
+   summed over tp every micro-batch too); with ep > 1 every stage shards the experts'
+   state over the expert-data-parallel ranks (Megatron's distributed optimizer and FSDP);
 3. cp > 1 needs a fused attention kernel (context-parallel attention keeps O and the
    log-sum-exp, never the scores);
 4. ep divides dp (the expert-parallel group is carved out of the data-parallel ranks);
@@ -73,7 +73,7 @@ def parse(kind, value, field: str, owner: str = ""):
                           owner=owner) from None
 
 
-def check_zero_stage(zero_stage, pp: int = 1, ep: int = 1, owner: str = "") -> ZeroStage:
+def check_zero_stage(zero_stage, pp: int = 1, owner: str = "") -> ZeroStage:
     """``zero_stage`` as a :class:`ZeroStage`, or ConfigError by rule 2 (module doc)."""
     if isinstance(zero_stage, bool):
         raise ConfigError("zero_stage", zero_stage, "one of 0, 1, 2, 3",
@@ -84,14 +84,6 @@ def check_zero_stage(zero_stage, pp: int = 1, ep: int = 1, owner: str = "") -> Z
                           f"zero_stage={int(zero)} with pipeline parallelism (pp={pp}) is not "
                           "supported: ZeRO-2/3 reduce-scatter gradients every micro-batch, "
                           "and DeepSpeed refuses them with pipeline parallelism", owner=owner)
-    if zero >= 2 and ep > 1:
-        raise ConfigError("zero_stage", int(zero), "0 or 1 with ep > 1",
-                          f"zero_stage={int(zero)} with expert parallelism (ep={ep}) is not "
-                          "supported yet: ZeRO-2/3 would reduce-scatter and gather each "
-                          "module over two groups (the experts' over the "
-                          "expert-data-parallel ranks) every micro-batch; ZeRO-1 (the "
-                          "distributed optimizer) shards the experts' state over them",
-                          owner=owner)
     return zero
 
 
@@ -211,7 +203,7 @@ class ParallelConfig:
         zero = self.zero_stage
         if self.distributed_optimizer and zero in (None, 0):
             zero = 1
-        zero = check_zero_stage(0 if zero is None else zero, self.pp, self.ep, who)
+        zero = check_zero_stage(0 if zero is None else zero, self.pp, who)
         object.__setattr__(self, "zero_stage", zero)
         object.__setattr__(self, "distributed_optimizer", zero >= 1)
         if self.cp > 1 and not self.attention.fused:

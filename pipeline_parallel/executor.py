@@ -32,7 +32,8 @@ where present) instead; the results carry each step's weighted MoE aux loss and 
 expert (``aux_losses``, ``moe_loads``; a stage's ``moe_report()``). ZeRO-1 shards the
 experts' state over that group and the rest over dp (× cp): two flat parameters per MoE
 module (:class:`~pipeline_parallel.zero.ShardedState` ``expert_axis``), as Megatron's
-distributed optimizer does; ZeRO-2/3 with expert parallelism are refused.
+distributed optimizer does; ZeRO-2/3 shard the experts' gradients (and weights) over it
+too, as Megatron-FSDP does.
 
 Memory: the program tells a :class:`~pipeline_parallel.ledger.MemoryLedger` what it
 holds (parameters, gradients, optimizer state, activations — the stages' saved tensors and
@@ -115,12 +116,6 @@ class TrainJob:
         if self.zero_stage and (self.optimizer_state is not None or self.return_optimizer):
             raise ValueError(f"TrainJob: zero_stage={self.zero_stage} does not save or "
                              f"restore optimizer state (checkpoints); use zero_stage=0")
-        if self.zero_stage >= 2 and self.expert_dp_axis is not None:
-            raise ValueError(f"TrainJob: zero_stage={self.zero_stage} with expert "
-                             f"parallelism (expert_dp_axis={self.expert_dp_axis!r}) is not "
-                             f"supported yet: ZeRO-2/3 would reduce-scatter and gather each "
-                             f"module over two groups every micro-batch; use zero_stage 0 "
-                             f"or 1 (or ep=1)")
 
     @property
     def n_stages(self) -> int:

@@ -68,10 +68,10 @@ __all__ = ["ZERO_STAGES", "check_zero_stage", "FlatLayout", "ShardedState", "uns
 ZERO_STAGES = ZeroStage.values()     # the one list: modeling.choices
 
 
-def check_zero_stage(zero_stage, who: str, pp: int = 1, ep: int = 1) -> int:
+def check_zero_stage(zero_stage, who: str, pp: int = 1) -> int:
     """``zero_stage`` as an int, or ConfigError (a ValueError) naming ``who``, the value and
     the rule: :func:`modeling.plan.check_zero_stage`, the one copy of the rule."""
-    return int(_zero_rule(zero_stage, pp, ep, owner=who))
+    return int(_zero_rule(zero_stage, pp, owner=who))
 
 
 @dataclass(frozen=True)
@@ -147,12 +147,13 @@ class ShardedState:
     added into the gradient shard (the parameters' dtype) after, as FSDP's
     ``MixedPrecision(reduce_dtype=...)``.
 
-    ``expert_axis`` (ZeRO-1 only; None: no experts apart): a mixture of experts' expert
-    parameters (a stage's ``expert_mask``) are summed over the expert-data-parallel group
-    (the dp/ep ranks holding the same experts, × cp), so a module that holds both is two
-    flat parameters — its other arrays sharded over ``axis``, its experts' over
+    ``expert_axis`` (None: no experts apart): a mixture of experts' expert parameters (a
+    stage's ``expert_mask``) are summed over the expert-data-parallel group (the dp/ep
+    ranks holding the same experts, × cp), so a module that holds both is two flat
+    parameters — its other arrays sharded over ``axis``, its experts' over
     ``expert_axis`` (``()`` or a group of one: not sharded) — as Megatron's distributed
-    optimizer shards the experts' state over the expert-data-parallel ranks.
+    optimizer and Megatron-FSDP shard the experts' state over the expert-data-parallel
+    ranks; ZeRO-3 gathers both before the module computes.
     """
 
     def __init__(self, dev, zero_stage: int, axis: str | None, stages: dict,
@@ -162,9 +163,6 @@ class ShardedState:
         group = dev.mesh.group(axis, dev.rank) if axis is not None else (dev.rank,)
         self.n, self.pos = len(group), group.index(dev.rank)
         self.stages = stages
-        if expert_axis is not None and zero_stage != 1:
-            raise ValueError(f"ShardedState: expert_axis={expert_axis!r} with zero_stage="
-                             f"{zero_stage}: the experts' own group is sharded by ZeRO-1 only")
         # unit -> (stage, module, the module's array indices or None: all)
         self._where: dict = {}
         # unit -> (the axis it is reduced and gathered over or None, its group's members)
@@ -330,10 +328,12 @@ class _Gatherer:
         self._pending: dict = {}
 
     def _launch(self, i: int) -> None:
-        u = (self.s, i)
         if i not in self._pending:
-            self.state.ledger.add("params", self.state.full_bytes[u])
-            self._pending[i] = self.state._all_gather(u, self.state.param_shard[u])
+            units = self.state._module_units(self.s, i)
+            for u in units:
+                self.state.ledger.add("params", self.state.full_bytes[u])
+            self._pending[i] = [(u, self.state._all_gather(u, self.state.param_shard[u]))
+                                for u in units]
 
     def _with_borrowed(self, i: int) -> tuple:
         """Module i and the module whose parameters it also uses (``stage.borrows``: a
@@ -345,15 +345,14 @@ class _Gatherer:
         for k in self._with_borrowed(i) + (() if nxt is None else self._with_borrowed(nxt)):
             self._launch(k)
         for k in self._with_borrowed(i):
-            u = (self.s, k)
-            self.state.layouts[u].unflatten_into(self._pending.pop(k).wait(),
-                                                 self.state._params(u))
+            for u, work in self._pending.pop(k):
+                self.state.layouts[u].unflatten_into(work.wait(), self.state._params(u))
 
     def done(self, i: int) -> None:
         for k in self._with_borrowed(i):
-            u = (self.s, k)
-            _poison(self.state._params(u))
-            self.state.ledger.add("params", -self.state.full_bytes[u])
+            for u in self.state._module_units(self.s, k):
+                _poison(self.state._params(u))
+                self.state.ledger.add("params", -self.state.full_bytes[u])
 
 
 def _paths(named: dict, arrays) -> list:

@@ -457,17 +457,15 @@ def test_cp_with_ep_rules():
     assert (par.expert_axes, par.expert_dp, par.token_split) == (("ep", "cp"), 1, 2)
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_zero_2_3_with_expert_parallelism_are_refused_clearly(zero):
-    """The plan's rulebook refuses ZeRO-2/3 with ep > 1 (no engine prices what the program
-    cannot run); TrainJob refuses them on its own. ZeRO-1 runs (test_zero.py)."""
-    with pytest.raises(ValueError, match=rf"zero_stage={zero} with expert parallelism "
-                                         r"\(ep=2\) is not supported yet"):
-        ParallelConfig(global_batch=4, dp=2, ep=2, zero_stage=zero)
-    par = ParallelConfig(global_batch=4, dp=2, ep=2)
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_with_expert_parallelism_is_planned_with_two_gradient_groups(zero):
+    """Every ZeRO stage runs with ep > 1 (tests/pipeline_parallel/test_zero.py: equal to
+    the reference): the plan keeps the stage, and the job its expert-data-parallel group
+    beside the dp group, which ZeRO shards the experts over."""
+    par = ParallelConfig(global_batch=4, dp=2, ep=2, zero_stage=zero)
     job = GPT(_cfg()).train_job(par.mesh(), par)
-    with pytest.raises(ValueError, match=rf"zero_stage={zero} with expert parallelism"):
-        dataclasses.replace(job, zero_stage=zero)
+    assert (int(par.zero_stage), job.zero_stage) == (zero, zero)
+    assert job.expert_dp_axis is not None
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])

@@ -396,27 +396,32 @@ def test_llama_moe_with_sequence_parallelism_under_zero_2_and_3(ring):
                                        err_msg=f"{k} zero={zero}")
 
 
-MOE_ZERO1 = [({"dp": 4, "ep": 2}, 2), ({"dp": 4, "ep": 4}, 2), ({"dp": 4, "ep": 2}, 1),
-             ({"dp": 2, "ep": 2, "pp": 2}, 2), ({"dp": 2, "ep": 2, "cp": 2}, 2),
-             ({"dp": 2, "tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}, 2)]
+MOE_ZERO = [({"dp": 4, "ep": 2}, 2, 1), ({"dp": 4, "ep": 4}, 2, 1), ({"dp": 4, "ep": 2}, 1, 1),
+            ({"dp": 2, "ep": 2, "pp": 2}, 2, 1), ({"dp": 2, "ep": 2, "cp": 2}, 2, 1),
+            ({"dp": 2, "tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}, 2, 1),
+            ({"dp": 4, "ep": 2}, 1, 2), ({"dp": 4, "ep": 2}, 2, 3),
+            ({"dp": 2, "ep": 2, "cp": 2}, 1, 3),
+            ({"dp": 2, "tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}, 2, 3)]
 
 
-@pytest.mark.parametrize("degrees, micro_batch", MOE_ZERO1,
+@pytest.mark.parametrize("degrees, micro_batch, zero", MOE_ZERO,
                          ids=["dp4-ep2", "dp4-ep4", "dp4-ep2-m4", "dp2-pp2-ep2", "dp2-cp2-ep2",
-                              "dp2-tp2-ep2-folded"])
-def test_moe_zero_1_shards_the_experts_over_their_own_group(cluster_of, degrees, micro_batch):
-    """ZeRO-1 with expert parallelism (Megatron's distributed optimizer on an MoE): each
-    MoE module is two flat parameters, its experts' sharded (reduce-scattered, updated,
-    gathered) over the expert-data-parallel ranks and the rest over dp (× cp). Losses,
-    parameters and last-step gradients equal the reference; the traced program moves the
-    emulator's bytes; and the optimizer state each rank holds is the memory model's
-    (experts' state over dp/ep ranks, the rest over dp), independently counted, within
-    the flat parameters' padding."""
+                              "dp2-tp2-ep2-folded", "z2-dp4-ep2-m4", "z3-dp4-ep2",
+                              "z3-dp2-cp2-ep2-m2", "z3-dp2-tp2-ep2-folded"])
+def test_moe_zero_shards_the_experts_over_their_own_group(cluster_of, degrees, micro_batch,
+                                                          zero):
+    """ZeRO with expert parallelism (Megatron's distributed optimizer, ZeRO-1, and
+    Megatron-FSDP, ZeRO-2/3, on an MoE): each MoE module is two flat parameters, its
+    experts' sharded (reduce-scattered, updated, gathered) over the expert-data-parallel
+    ranks and the rest over dp (× cp). Losses, parameters and last-step gradients equal
+    the reference; the traced program moves the emulator's bytes; and the optimizer state
+    each rank holds is the memory model's (experts' state over dp/ep ranks, the rest over
+    dp), independently counted, within the flat parameters' padding."""
     cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=16, arch="llama", kv_heads=2,
                     ffn_hidden=24, experts=4, moe_top_k=2, moe_ffn_hidden=8)
     gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
     tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
-    par = ParallelConfig(global_batch=8, micro_batch=micro_batch, zero_stage=1, **degrees)
+    par = ParallelConfig(global_batch=8, micro_batch=micro_batch, zero_stage=zero, **degrees)
     assert par.distributed_optimizer
     mesh = par.mesh()
     cluster = cluster_of(mesh)
@@ -453,3 +458,8 @@ def test_moe_zero_1_shards_the_experts_over_their_own_group(cluster_of, degrees,
     ddp = ParallelConfig(global_batch=8, micro_batch=micro_batch, zero_stage=0, **degrees)
     whole = gpt_memory(cfg, ddp, gpt_schedule(ddp), precision=policy)[0].optimizer_bytes
     assert st["peak_optimizer_bytes"].max() < whole          # the state is sharded
+    if zero >= 2:     # the gradients too (the weights at 3: two layers, both gathered
+        #                 at once, current and prefetched, hide it at this size)
+        one = ParallelConfig(global_batch=8, micro_batch=micro_batch, zero_stage=1, **degrees)
+        m1 = gpt_memory(cfg, one, gpt_schedule(one), precision=policy)[0]
+        assert st["peak_grads_bytes"].max() < m1.grads_bytes

@@ -280,23 +280,21 @@ def test_plan_with_max_cp_and_max_ep_carries_both_columns(tmp_path):
     assert {c["ep"] for c in cands} == {1, 2} and {c["cp"] for c in cands} == {1, 2}
 
 
-def test_distributed_optimizer_with_expert_parallelism_is_simulated_as_it_runs(tmp_path,
-                                                                              capsys):
+def test_distributed_optimizer_with_expert_parallelism_is_simulated_as_it_runs(tmp_path):
     """The executor runs ZeRO-1 with ep > 1 (the experts' state over the expert-data-
     parallel ranks); the simulator once traced such a plan as DDP while the memory model
-    counted ZeRO-1. Now the traced step is the program's: the traced optimizer state is
-    the memory model's, smaller than DDP's. ZeRO-2/3 with ep > 1 stay refused, naming the
-    flag."""
+    counted ZeRO-1. Now the traced step is the program's: the optimizer state is smaller
+    than DDP's, and ZeRO-3 shards the weights too."""
     base = ["simulate", "gpt", "--arch", "llama", "--hidden", "256", "--layers", "4",
             "--heads", "8", "--kv-heads", "4", "--ffn-hidden", "512", "--seq", "128",
             "--vocab", "1024", "--experts", "8", "--ep", "2", "--dp", "4",
             "--global-batch", "8", "--hardware", H100]
     docs = {}
-    for name, flags in (("ddp", []), ("zero1", ["--distributed-optimizer"])):
+    for name, flags in (("ddp", []), ("zero1", ["--distributed-optimizer"]),
+                        ("zero3", ["--zero", "3"])):
         assert main(base + flags + ["--json", str(tmp_path / f"{name}.json")]) == 0
         docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert (docs["ddp"]["zero_stage"], docs["zero1"]["zero_stage"]) == (0, 1)
-    opt = {k: d["memory"][0]["optimizer_bytes"] for k, d in docs.items()}
-    assert opt["zero1"] < opt["ddp"]
-    assert main(base + ["--zero", "2"]) == 2
-    assert "--zero=2: zero_stage=2 with expert parallelism" in capsys.readouterr().err
+    assert [docs[k]["zero_stage"] for k in ("ddp", "zero1", "zero3")] == [0, 1, 3]
+    mem = {k: d["memory"][0] for k, d in docs.items()}
+    assert mem["zero1"]["optimizer_bytes"] < mem["ddp"]["optimizer_bytes"]
+    assert mem["zero3"]["params_bytes"] < mem["zero1"]["params_bytes"]

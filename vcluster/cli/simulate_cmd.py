@@ -16,7 +16,7 @@ peak memory per device and its parts (``--attention flash|unfused``,
 ``--zero 0|1|2|3``: ZeRO's stage, traced and replayed as the program runs it — 1 shards
 the optimizer state over dp, 2 also the gradients (a reduce-scatter per micro-batch), 3
 also the weights (all-gathered before each module's forward and backward); 2 and 3 need
-pp = 1 and ep = 1; ``--distributed-optimizer`` is an alias of
+pp = 1; ``--distributed-optimizer`` is an alias of
 ``--zero 1``: vcluster/planner/memory.py; ``--precision
 megatron|torch_amp|torch_compile|fp64|fp32``: the bytes per parameter and activation the
 memory counts — Megatron's bf16 + fp32 master/grads/Adam, 18 B/param, the default;
@@ -118,9 +118,8 @@ def add_parser(commands) -> None:
     add_fp8_argument(gpt)
     gpt.add_argument("--zero", type=int, choices=ZeroStage.values(), default=None,
                      help="ZeRO stage: 0 DDP (default), 1 optimizer state sharded over dp, "
-                          "2 also the gradients, 3 also the weights (2 and 3: pp = 1 and "
-                          "ep = 1; 1 with ep > 1 shards the experts' state over the "
-                          "expert-data-parallel ranks)")
+                          "2 also the gradients, 3 also the weights (2 and 3: pp = 1; with "
+                          "ep > 1 the experts' over the expert-data-parallel ranks)")
     gpt.add_argument("--distributed-optimizer", action="store_true",
                      help="shard the optimizer state and fp32 master weights over dp "
                           "(Megatron's distributed optimizer): an alias of --zero 1")

@@ -23,7 +23,7 @@ all-reduce did), so the planner turns it on exactly where memory asks for it.
 
 ZeRO (``zero_stages``, default all of 0, 1, 2, 3; ``distributed_optimizer`` True is
 ``(1,)``, False ``(0,)``): each candidate takes the *lowest* stage of ``zero_stages`` that
-fits its memory and that it supports — 2 and 3 need pp = 1 and, with experts, ep = 1; a stage >= 1 where dp·cp = 1 shards nothing and is tried only when 0
+fits its memory and that it supports — 2 and 3 need pp = 1; a stage >= 1 where dp·cp = 1 shards nothing and is tried only when 0
 is not asked for. Why the lowest: a higher stage only trades traffic for memory (ZeRO-1
 moves what DDP does; ZeRO-2 reduce-scatters every micro-batch; ZeRO-3 also all-gathers
 the weights before each module's forward and backward), and whatever a higher stage's
@@ -106,7 +106,7 @@ REJECT_REASONS = {
     "full_torch_model": "recompute 'full-torch' (PyTorch's non-reentrant checkpoint) runs "
                         "on dense GPT and Llama layers only",
     "zero_stage_unsupported": "no ZeRO stage asked for is supported here (2 and 3 need "
-                              "pp = 1 and, with experts, ep = 1)",
+                              "pp = 1)",
     "out_of_memory": "peak memory per device exceeds the device's HBM less the headroom",
     "stage_spans_gpu_kinds": "heterogeneous cluster: a pipeline stage's GPUs (N/pp, placed "
                              "pipeline-major) lie on two GPU kinds, and so do a data-parallel "
@@ -328,19 +328,18 @@ def _expert_layouts(config, space, dp: int, tp: int, cp: int = 1) -> list[tuple[
     return out
 
 
-def _zero_allowed(zero: int, pp: int, ep: int) -> bool:
+def _zero_allowed(zero: int, pp: int) -> bool:
     """Whether the plan's rulebook (:func:`modeling.check_zero_stage`) allows ``zero``."""
     try:
-        check_zero_stage(zero, pp, ep)
+        check_zero_stage(zero, pp)
     except ConfigError:
         return False
     return True
 
 
-def _zero_stages(space: SearchSpace, config: GPTConfig, shards: int, pp: int,
-                 ep: int) -> tuple:
+def _zero_stages(space: SearchSpace, config: GPTConfig, shards: int, pp: int) -> tuple:
     """The ZeRO stages a candidate tries, lowest first (see the module docstring)."""
-    stages = [z for z in space.zero_stages if _zero_allowed(z, pp, ep)]
+    stages = [z for z in space.zero_stages if _zero_allowed(z, pp)]
     if 0 in stages and shards == 1:          # sharding over one rank saves nothing
         stages = [0]
     return tuple(stages)
@@ -383,7 +382,7 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                         if name == "interleaved_1f1b" and m % pp:
                             rejected["interleaved_microbatches"] += 1
                             continue
-                        stages = _zero_stages(space, config, dp * cp, pp, ep)
+                        stages = _zero_stages(space, config, dp * cp, pp)
                         if not stages:
                             rejected["zero_stage_unsupported"] += 1
                             continue

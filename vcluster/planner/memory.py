@@ -101,8 +101,10 @@ Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidde
 3·h·f/t; GPT (8h² + 4h)/t + h) become the router h·E plus the rank's E/ep experts
 3·h·f_e·E/(ep·etp) (each expert's hidden dimension split over etp = tp: expert tensor
 parallelism; whole when the expert group is folded over tp, etp = 1), and the shared
-expert's 3·h·F_s/etp (``moe_shared_ffn_hidden``; replicated over tp when folded). With the distributed optimizer the experts'
-optimizer state is sharded over the dp/ep ranks that hold them, the rest over dp.
+expert's 3·h·F_s/etp (``moe_shared_ffn_hidden``; replicated over tp when folded). Under ZeRO the experts' share
+(optimizer state from stage 1, gradients from 2, weights at 3) is sharded over the
+expert-data-parallel ranks that hold them (dp·cp/ep, folded dp·cp·tp/ep), the rest over
+dp·cp.
 Activations: the dense MLP's term (Llama's SwiGLU 6·s·b·f/t; GPT's 19·s·b·h of
 Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's routed
 rows R (those its
@@ -426,18 +428,19 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
     full_config, config = config, (config if cp == 1 else
                                    dataclasses.replace(config, seq=config.seq // cp))
     zero, shards = parallel.zero_stage, parallel.dp * cp     # ZeRO shards over dp x cp
-    optimizer = o_bytes / (shards if zero >= 1 else 1)
-    largest = _largest_module(full_config, parallel, r)
-    weights = params * w_bytes / shards + 2 * largest * w_bytes if zero == 3 else \
-        params * w_bytes
-    grads = params * g_bytes / shards + largest * g_bytes if zero >= 2 else \
-        params * g_bytes
-    per_stage = _rank_layers(config, parallel, r) / parallel.chunks     # mean per stage
     experts = _rank_moe_layers(config, parallel, r) * expert_params_per_layer(config, parallel)
-    if experts and parallel.distributed_optimizer:     # experts' state over expert-dp
-        opt_bytes = (params - experts) * optimizer + experts * o_bytes / parallel.expert_dp
-    else:
-        opt_bytes = params * optimizer
+
+    def sharded(per_param: float) -> float:
+        """The rank's share of what ZeRO shards: the experts' over the expert-data-
+        parallel ranks that hold them, the rest over dp x cp."""
+        return (params - experts) * per_param / shards + experts * per_param / \
+            parallel.expert_dp
+
+    largest = _largest_module(full_config, parallel, r)
+    weights = sharded(w_bytes) + 2 * largest * w_bytes if zero == 3 else params * w_bytes
+    grads = sharded(g_bytes) + largest * g_bytes if zero >= 2 else params * g_bytes
+    per_stage = _rank_layers(config, parallel, r) / parallel.chunks     # mean per stage
+    opt_bytes = sharded(o_bytes) if zero >= 1 else params * o_bytes
     if getattr(parallel, "activation_offload", 0) and \
             precision.activation_count != "korthikanti":
         raise ValueError(f"rank_memory: activation_offload={parallel.activation_offload:g} is "

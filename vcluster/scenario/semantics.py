@@ -166,10 +166,9 @@ def check_data_parallel(scenario) -> None:
 
 def _check_zero(scenario, mesh) -> None:
     """The ZeRO stage against the plan's rulebook (:func:`modeling.check_zero_stage`: 2 and
-    3 need pp 1 and ep 1), named by key."""
+    3 need pp 1), named by key."""
     try:
-        check_zero_stage(scenario.data_parallel.zero_stage, mesh.shape.get("pp", 1),
-                         mesh.shape.get("ep", 1))
+        check_zero_stage(scenario.data_parallel.zero_stage, mesh.shape.get("pp", 1))
     except ConfigError as exc:
         raise ScenarioError("data_parallel.zero_stage", exc.value, exc.allowed,
                             exc.reason) from None

@@ -4,7 +4,6 @@ Llama whose MLP is the plain MoE reference (tensor_parallel.moe_reference) routi
 same calls; the all_to_all traffic equals the closed form of the routed counts and the
 trace given the run's ExpertLoad."""
 
-import dataclasses
 
 import numpy as np
 import pytest

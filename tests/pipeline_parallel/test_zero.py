@@ -174,6 +174,15 @@ GPT_CASES = [("dp2", (2,), ("dp",), {}, (1, 2, 3)),
                           {"sequence_parallel": True}, (1,), marks=pytest.mark.slow)]
 
 
+def _assert_equal_run(run, ref, what: str = "") -> None:
+    """A GPT run's losses, final parameters and last-step gradients equal the reference's."""
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL, err_msg=what)
+    for kind in ("params", "grads"):
+        for k, v in getattr(ref, kind).items():
+            np.testing.assert_allclose(getattr(run, kind)[k], v, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{kind} {k} {what}")
+
+
 @pytest.mark.parametrize("name, shape, axes, extra, stages", GPT_CASES,
                          ids=["dp2", "dp2-tp2", "dp2-pp2-tp2"])
 def test_gpt_equals_reference(ring, name, shape, axes, extra, stages):
@@ -191,11 +200,7 @@ def test_gpt_equals_reference(ring, name, shape, axes, extra, stages):
                              zero_stage=zero, **extra)
         cluster.reset_stats()
         run = gpt.fit(cluster, tokens, targets, steps=STEPS, parallel=par, **kw)
-        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
-        for what in ("params", "grads"):
-            for k, v in getattr(ref, what).items():
-                np.testing.assert_allclose(getattr(run, what)[k], v, rtol=RTOL, atol=ATOL,
-                                           err_msg=f"{what} {k} zero={zero}")
+        _assert_equal_run(run, ref, f"zero={zero}")
         events, st = cluster.trace(), cluster.stats()
         traces = trace_program(mesh, train_program, gpt.meta_args(
             mesh, par, STEPS, OptimizerConfig("sgd", 0.1, 0.9)), algorithm="ring")
@@ -302,17 +307,24 @@ def test_llama_kv_replicas_summed_under_every_stage(ring):
                                        err_msg=f"{k} zero={zero}")
 
 
+def _small_gpt(arch: str, kv_heads: int, batch: int):
+    """(model, tokens, targets, its SGD-momentum reference run, the fit's keywords) of a
+    2-layer h16 GPT or Llama (``kv_heads`` K/V heads, SwiGLU 24) on ``batch`` sequences
+    of 8."""
+    extra = {"kv_heads": kv_heads, "ffn_hidden": 24} if arch == "llama" else {}
+    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=16, arch=arch, **extra)
+    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
+    tokens, targets = (rng.integers(0, cfg.vocab, (batch, cfg.seq)) for _ in range(2))
+    kw = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+    return gpt, tokens, targets, gpt.fit_reference(tokens, targets, steps=STEPS, **kw), kw
+
+
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_zero_shards_over_dp_and_cp(ring, arch):
     """With context parallelism the gradients are partial over dp x cp, and ZeRO shards
     (and reduce-scatters, and gathers) over that group, as Megatron's distributed
     optimizer does: every stage equals the reference."""
-    extra = {"kv_heads": 2, "ffn_hidden": 24} if arch == "llama" else {}
-    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=16, arch=arch, **extra)
-    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
-    tokens, targets = (rng.integers(0, cfg.vocab, (4, cfg.seq)) for _ in range(2))
-    kw = dict(optimizer="sgd", lr=0.1, momentum=0.9)
-    ref = gpt.fit_reference(tokens, targets, steps=STEPS, **kw)
+    gpt, tokens, targets, ref, kw = _small_gpt(arch, 2, 4)
     for zero in (1, 2, 3):
         par = ParallelConfig(global_batch=4, dp=2, cp=2, zero_stage=zero)
         run = gpt.fit(ring(par.mesh()), tokens, targets, steps=STEPS, parallel=par, **kw)
@@ -348,12 +360,7 @@ def test_sequence_parallel_under_every_stage(ring, arch):
     step would drop all but the last micro-batch's share). 1, 2 and 4 micro-batches, the
     TE overlap too: losses, parameters and last-step gradients equal the reference, and the
     traced program moves the emulator's bytes."""
-    extra = {"kv_heads": 1, "ffn_hidden": 24} if arch == "llama" else {}
-    cfg = GPTConfig(hidden=16, layers=2, heads=4, seq=8, vocab=16, arch=arch, **extra)
-    gpt, rng = GPT(cfg, seed=1), np.random.default_rng(0)
-    tokens, targets = (rng.integers(0, cfg.vocab, (8, cfg.seq)) for _ in range(2))
-    kw = dict(optimizer="sgd", lr=0.1, momentum=0.9)
-    ref = gpt.fit_reference(tokens, targets, steps=STEPS, **kw)
+    gpt, tokens, targets, ref, kw = _small_gpt(arch, 1, 8)
     mesh = Mesh((2, 1, 2), ("dp", "pp", "tp"))
     cluster = ring(mesh)
     cases = [(zero, mb, "backward") for zero in (1, 2, 3) for mb in (4, 2, 1)]
@@ -364,11 +371,7 @@ def test_sequence_parallel_under_every_stage(ring, arch):
         cluster.reset_stats()
         run = gpt.fit(cluster, tokens, targets, steps=STEPS, parallel=par, **kw)
         what = f"zero={zero} micro-batches={par.microbatches} {overlap}"
-        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL, err_msg=what)
-        for name in ("params", "grads"):
-            for k, v in getattr(ref, name).items():
-                np.testing.assert_allclose(getattr(run, name)[k], v, rtol=RTOL, atol=ATOL,
-                                           err_msg=f"{name} {k} {what}")
+        _assert_equal_run(run, ref, what)
         if mb == 2:
             events = cluster.trace()
             traces = trace_program(mesh, train_program, gpt.meta_args(
@@ -430,11 +433,7 @@ def test_moe_zero_shards_the_experts_over_their_own_group(cluster_of, degrees, m
     cluster.reset_stats()
     run = gpt.fit(cluster, tokens, targets, steps=STEPS, parallel=par, lr=0.01,
                   optimizer="adam")
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL, atol=ATOL)
-    for name in ("params", "grads"):
-        for k, v in getattr(ref, name).items():
-            np.testing.assert_allclose(getattr(run, name)[k], v, rtol=RTOL, atol=ATOL,
-                                       err_msg=f"{name} {k}")
+    _assert_equal_run(run, ref)
     events, st = cluster.trace(), cluster.stats()
     traces = trace_program(mesh, train_program, gpt.meta_args(
         mesh, par, STEPS, OptimizerConfig("adam", 0.01)))

@@ -62,7 +62,7 @@ def test_a_row_is_the_simulate_command_a_user_types(tmp_path):
             "--heads", r["heads"], "--kv-heads", r["kv_heads"], "--ffn-hidden", r["ffn_hidden"],
             "--seq", r["seq"], "--vocab", r["vocab"], "--dp", r["gpus"], "--zero", "3",
             "--micro-batch", r["batch"], "--global-batch", str(int(r["gpus"]) * int(r["batch"])),
-            "--grad-reduce-dtype", "fp32",
+            "--grad-reduce-dtype", "fp32", "--fsdp2-copies",
             "--hardware", FSDP2_HARDWARE, "--allow-oom", "--json", str(out)]
     proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *argv],
                           capture_output=True, text=True, timeout=200,

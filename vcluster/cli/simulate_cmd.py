@@ -144,6 +144,11 @@ def add_parser(commands) -> None:
                           "(torchtitan's float8) beside each FP8 GEMM, by its scaling recipe "
                           "(default: none, Transformer Engine's casts fused into the kernels "
                           "before the GEMMs; docs/timing.md)")
+    gpt.add_argument("--fsdp2-copies", action="store_true",
+                     help="with --zero 2 or 3: price the copies PyTorch FSDP2 (per-parameter "
+                          "sharding, torchtitan) makes around each data-parallel gather and "
+                          "reduce-scatter (default: one flat parameter per module, as FSDP1 "
+                          "and Megatron keep it; docs/timing.md)")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
                      help="a preset (vcluster hardware list), a YAML file, or a cluster "
                           "file of several GPU kinds (parts: [{hardware, nodes}, ...])")
@@ -194,6 +199,9 @@ def _gpt(args) -> int:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
+    if args.fsdp2_copies and zero < 2:
+        raise ValueError(f"--fsdp2-copies prices FSDP2's copies around ZeRO's gathers and "
+                         f"reduce-scatters: it needs --zero 2 or 3, got --zero {zero}")
     if args.fp8_casts is not None and low_precision(args) is not True:
         raise ValueError(f"--fp8-casts {args.fp8_casts} prices torchao's casts to FP8: it "
                          f"needs --fp8 (or --gemm-format fp8), got "
@@ -206,7 +214,8 @@ def _gpt(args) -> int:
                          args.autocast_kernels], fp8=bool(low_precision(args)),
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
                      else "fp8", eager_kernels=args.eager_kernels,
-                     cluster_split=args.cluster_split, fp8_casts=args.fp8_casts)
+                     cluster_split=args.cluster_split, fp8_casts=args.fp8_casts,
+                     fsdp2_copies=args.fsdp2_copies)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -215,6 +224,7 @@ def _gpt(args) -> int:
           + (", TP backward not overlapped" if args.tp > 1 and args.tp_overlap == "none" else "")
           + (f", {r.gemm_format.upper()} linear layers" if r.fp8 else "")
           + (f" with {r.fp8_casts}'s cast kernels" if r.fp8_casts else "")
+          + (", FSDP2's copies" if r.fsdp2_copies else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f", {r.attention} attention" if r.attention != "flash" else "")
           + (f", activation offload {r.activation_offload:g}" if r.activation_offload else "")

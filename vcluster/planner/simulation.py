@@ -79,6 +79,7 @@ from vcluster.timing.attention_kernels import named_kernel
 from .autocast_kernels import autocast_kernels_priced
 from .eager_kernels import with_eager_kernels
 from .float8_casts import check_fp8_casts, with_float8_casts
+from .fsdp2_copies import with_fsdp2_copies
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .offload import host_link_of, microbatch_slots, offload_timing
@@ -154,6 +155,7 @@ class GPTSimulation:
     # torchao's float8 cast kernels priced after each FP8 GEMM (planner.float8_casts:
     # "torchao-tensorwise", "torchao-rowwise"); None: fused into the kernels before them
     fp8_casts: str | None = None
+    fsdp2_copies: bool = False          # FSDP2's copies around ZeRO's collectives priced
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
     attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
     model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
@@ -431,12 +433,12 @@ def _short_layout(parallel: ParallelConfig, layers: int, traced_positions) -> tu
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False, eager_kernels: bool = False,
-                     fp8_casts: str | None = None):
+                     fp8_casts: str | None = None, fsdp2_copies: bool = False):
     """(mesh, templates per cp rank and short position, not coalesced) of a short step on
     a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
     layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
     :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``;
-    ``eager_kernels``, ``fp8_casts``: :func:`gpt_step_traces`)."""
+    ``eager_kernels``, ``fp8_casts``, ``fsdp2_copies``: :func:`gpt_step_traces`)."""
     v = parallel.chunks
     p_short = len(reps)
     full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
@@ -485,6 +487,15 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
         templates = [[Templates({key: cast(body) for key, body in t.bodies.items()},
                                 cast(t.tail), t.message_bytes) for t in ts]
                      for ts in templates]
+    if fsdp2_copies:
+        axes_of: dict = {}
+
+        def copies(ops):
+            return with_fsdp2_copies(ops, lambda op: data_parallel_row(op, short_mesh, axes_of),
+                                     DP_PARAM_GATHER, DP_GRAD_REDUCE)
+        templates = [[Templates({key: copies(body) for key, body in t.bodies.items()},
+                                copies(t.tail), t.message_bytes) for t in ts]
+                     for ts in templates]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
@@ -509,7 +520,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     markers: bool = False, expert_skew: float = 1.0,
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
                     eager_kernels: bool = False, replicas: tuple = (0,),
-                    fp8_casts: str | None = None) -> list:
+                    fp8_casts: str | None = None, fsdp2_copies: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -533,7 +544,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     (:mod:`.inductor_kernels`). ``eager_kernels``: the Llama program's norms, rotary
     embeddings, SwiGLU and grouped K/V as eager PyTorch runs them, unfused
     (:mod:`.eager_kernels`). ``fp8_casts``: torchao's float8 cast kernels after each
-    FP8 GEMM, by recipe (:mod:`.float8_casts`; None: none). ``replicas``: the
+    FP8 GEMM, by recipe (:mod:`.float8_casts`; None: none). ``fsdp2_copies``: PyTorch
+    FSDP2's copies around ZeRO's gathers and reduce-scatters (:mod:`.fsdp2_copies`).
+    ``replicas``: the
     data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
@@ -552,7 +565,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
                                        autocast_kernels, inductor_fusion, eager_kernels,
-                                       fp8_casts)
+                                       fp8_casts, fsdp2_copies)
     S = p * v
     sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
     # compute runs coalesced under the model that prices the rank: ``costs``, or on a
@@ -757,7 +770,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  autocast_kernels: bool | None = None, fp8: bool = False,
                  gemm_format: str = "fp8", eager_kernels: bool = False,
                  cluster_split: str | None = None,
-                 fp8_casts: str | None = None) -> GPTSimulation:
+                 fp8_casts: str | None = None, fsdp2_copies: bool = False) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -789,7 +802,10 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     kernels of a framework whose casts are not fused into the kernels before the GEMMs —
     ``"torchao-tensorwise"`` or ``"torchao-rowwise"`` (torchao's float8 training, as
     torchtitan runs it; :mod:`.float8_casts`) — priced after each FP8 GEMM; None (the
-    default): Transformer Engine's fused casts, none added. ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
+    default): Transformer Engine's fused casts, none added; ``fsdp2_copies``: under ZeRO-2/3,
+    the copies PyTorch FSDP2 (per-parameter sharding: torchtitan) makes around each
+    data-parallel gather and reduce-scatter (:mod:`.fsdp2_copies`; False, the default: one
+    flat parameter per module, as FSDP1 and Megatron keep it). ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
     first floor(f·L) layers of each stage keep their activations in the host's memory
     over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
     on a cluster of several kinds): the memory counts them as ``host_bytes`` and ``fits``
@@ -827,6 +843,10 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     if not isinstance(fp8, bool):
         raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
     fp8_casts = check_fp8_casts(fp8_casts, fp8, gemm_format)
+    if not isinstance(fsdp2_copies, bool) or (fsdp2_copies and parallel.zero_stage < 2):
+        raise ValueError(f"simulate_gpt: fsdp2_copies={fsdp2_copies!r} with zero_stage="
+                         f"{int(parallel.zero_stage)}: FSDP2's copies come with its "
+                         f"sharding; allowed: False, or True with zero_stage 2 or 3")
     precision = precision_policy(precision)
     mesh = parallel.mesh()
     m = parallel.microbatches
@@ -900,7 +920,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
                            inductor_fusion=fused, eager_kernels=eager_kernels,
-                           replicas=traced_replicas, fp8_casts=fp8_casts)
+                           replicas=traced_replicas, fp8_casts=fp8_casts,
+                           fsdp2_copies=fsdp2_copies)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
@@ -947,6 +968,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         eager_kernels=eager_kernels,
         fp8=fp8, gemm_format=gemm_format if fp8 else None, fp8_casts=fp8_casts,
+        fsdp2_copies=fsdp2_copies,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats),

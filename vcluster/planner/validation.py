@@ -292,16 +292,18 @@ def validate_fsdp2(on_row=None) -> list[dict]:
 
         vcluster simulate gpt --arch llama --hidden h --layers l --heads a --kv-heads c \\
             --ffn-hidden f --seq s --vocab V --dp 64 --zero 3 --micro-batch b \\
-            --global-batch 64b [--recompute full] --grad-reduce-dtype fp32 \\
-            --hardware a100-80gb-dgx
+            --global-batch 64b [--recompute full-torch] --grad-reduce-dtype fp32 \\
+            --fsdp2-copies --hardware a100-80gb-dgx
 
     FSDP2 shards every parameter over the 64 GPUs and gathers each block's before its
     forward and its backward (ZeRO-3); one micro-batch per step; flash attention;
     gradients reduce-scattered in fp32 (torchtitan's ``training.mixed_precision_reduce``,
     default and only value "float32", passed to FSDP2 as ``MixedPrecisionPolicy(
     reduce_dtype=...)``; since 2026-11-28, after the first run, which reduced in bf16).
-    Not modelled: the machines' network, which the document does not give (the preset's:
-    HDR InfiniBand, one NIC per GPU). ``on_row``: called after each row (progress)."""
+    FSDP2's copies around its gathers and reduce-scatters are priced (``fsdp2_copies``,
+    :mod:`.fsdp2_copies`; since 2026-11-30). Not modelled: the machines' network, which the
+    document does not give (the preset's: HDR InfiniBand, one NIC per GPU). ``on_row``:
+    called after each row (progress)."""
     rows = []
     for r in read_data_csv(FSDP2_TABLE)[1]:
         cfg = _model(r, arch="llama", kv_heads=int(r["kv_heads"]),
@@ -311,7 +313,7 @@ def validate_fsdp2(on_row=None) -> list[dict]:
         par = ParallelConfig(global_batch=gpus * b, micro_batch=b, dp=gpus, zero_stage=3,
                              recompute="full-torch" if r["activation_checkpointing"] == "full"
                              else "none", grad_reduce_dtype="fp32")
-        sim = simulate_gpt(cfg, par, FSDP2_HARDWARE)
+        sim = simulate_gpt(cfg, par, FSDP2_HARDWARE, fsdp2_copies=True)
         case = (f"torchtitan {r['model']} s={cfg.seq} {gpus}xA100-80GB b={b}"
                 f"{' full AC' if par.recompute == 'full-torch' else ''}")
         rows.append(_row_result(FSDP2_TABLE, case, "tokens_per_s_per_gpu",

@@ -13,7 +13,9 @@ runs where the row is silent, the same for every row:
   (torchtitan's ``mixed_precision_reduce``), with tensor parallelism too, beside sequence
   parallelism (torchtitan's 2D; since 2026-11-30: before, ZeRO-1 stood in for it, its
   gradients reduce-scattered and parameters gathered once per step instead of per layer);
-  with a pipeline ZeRO-1 (ZeRO-2/3 are refused with pp > 1);
+  with a pipeline ZeRO-1 (ZeRO-2/3 are refused with pp > 1); FSDP2's copies around its
+  gathers and reduce-scatters (``fsdp2_copies``, :mod:`.fsdp2_copies`, since 2026-11-30;
+  before, and in the first run, none);
 * attention ``flash2``: PyTorch's SDPA tries FlashAttention(-2) first on H100 and H200
   (torchtitan selected cuDNN only on B200: github.com/pytorch/torchtitan pull 1196);
 * ``tp_overlap="te"`` where the row ran asynchronous TP (torchtitan's
@@ -37,7 +39,7 @@ Meta's H100s (the paper's §3.1) are the DGX H100's die with 96 GB of HBM2e at 2
 Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
 Not modelled, and in the signed errors: those H100s' 500 W power limit (the model prices
 the 700 W part's clocks), eager PyTorch's per-kernel host cost (its unfused kernels are
-priced), FSDP2's own kernels, Float8's all-gather of FSDP2 and a slower row-wise GEMM.
+priced), Float8's all-gather of FSDP2 and a slower row-wise GEMM.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -202,7 +204,8 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
             preset = GPU_PRESETS[r["gpu"]]
             tokens = par.global_batch * cfg.seq / par.gpus
             sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8,
-                               eager_kernels=r["compiled"] == "0", fp8_casts=fp8_casts_of(r))
+                               eager_kernels=r["compiled"] == "0", fp8_casts=fp8_casts_of(r),
+                               fsdp2_copies=par.zero_stage >= 2)
             first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
                                  fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s

@@ -46,8 +46,8 @@ The update is elementwise (:mod:`pipeline_parallel.optim`), so updating shards g
 same parameters as updating the whole; padding is zero in parameters and gradients and
 stays zero. Sequence parallelism's LayerNorm gradients are partial over tp: summed over tp
 after the step's last micro-batch, under ZeRO-2/3 after every micro-batch, before the
-micro-batch's gradients are reduce-scattered (FSDP2 + TP + SP: torchtitan's 2D). Checkpoints and fault recovery
-(:mod:`pipeline_parallel.resilient`) need zero_stage=0.
+micro-batch's gradients are reduce-scattered (FSDP2 + TP + SP: torchtitan's 2D).
+Checkpoints and fault recovery (:mod:`pipeline_parallel.resilient`) need zero_stage=0.
 """
 
 from __future__ import annotations
@@ -165,16 +165,20 @@ class ShardedState:
         self.stages = stages
         # unit -> (stage, module, the module's array indices or None: all)
         self._where: dict = {}
-        # unit -> (the axis it is reduced and gathered over or None, its group's members)
+        # unit -> (the axis it is reduced and gathered over or None, its group's members,
+        # this rank's position in it)
         self._group: dict = {}
+        self._units_of: dict = {}        # (stage, module) -> its units
         self.units = []
         for s in sorted(stages):
             for i in range(len(stages[s].params)):
                 for u, idx, ax in self._parts(stages[s], s, i, axis, expert_axis):
                     self.units.append(u)
+                    self._units_of.setdefault((s, i), []).append(u)
                     self._where[u] = (s, i, idx)
-                    members = dev.mesh.group(ax, dev.rank) if ax is not None else (dev.rank,)
-                    self._group[u] = (ax, tuple(members))
+                    members = tuple(dev.mesh.group(ax, dev.rank)) if ax is not None else \
+                        (dev.rank,)
+                    self._group[u] = (ax, members, members.index(dev.rank))
         self.layouts = {u: FlatLayout(tuple(int(a.size) for a in self._params(u)),
                                       len(self._group[u][1])) for u in self.units}
         self.full_bytes = {u: sum(a.nbytes for a in self._params(u)) for u in self.units}
@@ -238,10 +242,10 @@ class ShardedState:
         return self._of(u, "grads")
 
     def _module_units(self, stage: int, module: int) -> list:
-        return [u for u in self.units if self._where[u][:2] == (stage, module)]
+        return self._units_of[(stage, module)]
 
     def _pos(self, u) -> int:
-        return self._group[u][1].index(self.dev.rank)
+        return self._group[u][2]
 
     # --- collectives (a group of one: nothing to move) --------------------------------
     def _reduce_scatter(self, u, flat):

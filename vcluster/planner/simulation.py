@@ -469,37 +469,30 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                                 pipeline_peers=frozenset(g)) for pos, r in enumerate(g)]
                  for g in groups]
     if autocast_kernels:
-        templates = [[Templates({key: pytorch_kernels(body, inductor_fusion)
-                                 for key, body in t.bodies.items()},
-                                pytorch_kernels(t.tail, inductor_fusion), t.message_bytes)
-                      for t in ts]
-                     for ts in templates]
+        templates = _rewritten(templates, lambda ops: pytorch_kernels(ops, inductor_fusion))
     if eager_kernels:
-        templates = [[Templates({key: with_eager_kernels(body) for key, body in t.bodies.items()},
-                                with_eager_kernels(t.tail), t.message_bytes)
-                      for t in ts]
-                     for ts in templates]
+        templates = _rewritten(templates, with_eager_kernels)
     if fp8_casts is not None:
-        def cast(ops):
-            return with_float8_casts(ops, fp8_casts, fp8_gemm,
-                                     parallel.micro_batch * config.seq // parallel.cp,
-                                     parallel.tp if parallel.sequence_parallel else 1)
-        templates = [[Templates({key: cast(body) for key, body in t.bodies.items()},
-                                cast(t.tail), t.message_bytes) for t in ts]
-                     for ts in templates]
+        tokens = parallel.micro_batch * config.seq // parallel.cp
+        sp_tp = parallel.tp if parallel.sequence_parallel else 1
+        templates = _rewritten(templates, lambda ops: with_float8_casts(
+            ops, fp8_casts, fp8_gemm, tokens, sp_tp))
     if fsdp2_copies:
         axes_of: dict = {}
-
-        def copies(ops):
-            return with_fsdp2_copies(ops, lambda op: data_parallel_row(op, short_mesh, axes_of),
-                                     DP_PARAM_GATHER, DP_GRAD_REDUCE)
-        templates = [[Templates({key: copies(body) for key, body in t.bodies.items()},
-                                copies(t.tail), t.message_bytes) for t in ts]
-                     for ts in templates]
+        templates = _rewritten(templates, lambda ops: with_fsdp2_copies(
+            ops, lambda op: data_parallel_row(op, short_mesh, axes_of), DP_PARAM_GATHER,
+            DP_GRAD_REDUCE))
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
     return short_mesh, templates
+
+
+def _rewritten(templates, rewrite) -> list:
+    """``templates`` (per cp rank, per short position) with every body and tail passed
+    through ``rewrite`` (ops -> ops)."""
+    return [[Templates({key: rewrite(body) for key, body in t.bodies.items()},
+                       rewrite(t.tail), t.message_bytes) for t in ts] for ts in templates]
 
 
 def _at(mesh, **coords) -> int:
@@ -546,8 +539,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     (:mod:`.eager_kernels`). ``fp8_casts``: torchao's float8 cast kernels after each
     FP8 GEMM, by recipe (:mod:`.float8_casts`; None: none). ``fsdp2_copies``: PyTorch
     FSDP2's copies around ZeRO's gathers and reduce-scatters (:mod:`.fsdp2_copies`).
-    ``replicas``: the
-    data-parallel replicas (coordinates of
+    ``replicas``: the data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
@@ -805,7 +797,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     default): Transformer Engine's fused casts, none added; ``fsdp2_copies``: under ZeRO-2/3,
     the copies PyTorch FSDP2 (per-parameter sharding: torchtitan) makes around each
     data-parallel gather and reduce-scatter (:mod:`.fsdp2_copies`; False, the default: one
-    flat parameter per module, as FSDP1 and Megatron keep it). ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
+    flat parameter per module, as FSDP1 and Megatron keep it).
+    ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
     first floor(f·L) layers of each stage keep their activations in the host's memory
     over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
     on a cluster of several kinds): the memory counts them as ``host_bytes`` and ``fits``

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from vcluster.runtime.tracing import Kernel, KernelKind, TraceCompute
+from vcluster.runtime.tracing import TraceCompute
 
 __all__ = ["with_eager_kernels", "EAGER_KERNELS", "EAGER_NAME"]
 
@@ -103,9 +103,7 @@ def _extra(name: str, nbytes: int, kernels: int) -> list[TraceCompute]:
     if nbytes <= 0 or kernels <= 0:
         return []
     share = nbytes // kernels
-    return [TraceCompute(name, 0.0, share, kernel=Kernel(KernelKind.ELEMENTWISE,
-                                                         (share // 2,)))
-            for _ in range(kernels)]
+    return [TraceCompute.memory_bound(name, share, share // 2) for _ in range(kernels)]
 
 
 def with_eager_kernels(ops) -> tuple:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from vcluster.runtime.tracing import Kernel, KernelKind, TraceCompute
+from vcluster.runtime.tracing import TraceCompute
 
 __all__ = ["FP8_CASTS", "CAST_BEFORE_GATHER", "CAST_NAME", "with_float8_casts",
            "check_fp8_casts"]
@@ -114,10 +114,10 @@ def _pass(base: str) -> str:
 
 
 def _kernels(name: str, elements: int, per_element: tuple) -> list[TraceCompute]:
-    return [TraceCompute(name, 0.0, b * elements if b else _TINY_BYTES,
-                         kernel=Kernel(KernelKind.ELEMENTWISE,
-                                       (max(1, b * elements // 2) if b else 1,)))
-            for b in per_element]
+    """One kernel per entry of ``per_element`` (bytes per element of the operand; 0: a
+    kernel of :data:`_TINY_BYTES`)."""
+    return [TraceCompute.memory_bound(name, b * elements) if b else
+            TraceCompute.memory_bound(name, _TINY_BYTES, 1) for b in per_element]
 
 
 def _gathered(base: str, step: str) -> bool:

@@ -32,7 +32,7 @@ ranks alone (dp = 1), whose reductions the per-op table keeps with their op.
 
 from __future__ import annotations
 
-from vcluster.runtime.tracing import (Kernel, KernelKind, TraceCollective, TraceCompute,
+from vcluster.runtime.tracing import (TraceCollective, TraceCompute,
                                       TraceWait)
 
 __all__ = ["with_fsdp2_copies", "COPY_NAME", "GRAD_BYTES"]
@@ -46,8 +46,7 @@ GRAD_BYTES = 2
 
 def _copy(what: str, nbytes: int) -> TraceCompute:
     """One elementwise kernel reading and writing ``nbytes`` in all."""
-    return TraceCompute(f"{COPY_NAME} {what}", 0.0, nbytes,
-                        kernel=Kernel(KernelKind.ELEMENTWISE, (max(1, nbytes // 2),)))
+    return TraceCompute.memory_bound(f"{COPY_NAME} {what}", nbytes)
 
 
 def with_fsdp2_copies(ops, row_of, gather: str, reduce: str) -> tuple:

@@ -69,6 +69,15 @@ class TraceCompute:
     contains: int = 0
     kernel: Kernel | None = None
 
+    @classmethod
+    def memory_bound(cls, name: str, nbytes: int, elements: int | None = None
+                     ) -> "TraceCompute":
+        """One elementwise kernel reading and writing ``nbytes`` in all, no FLOPs;
+        ``elements`` (its kernel's size; default the 16-bit elements the bytes hold, at
+        least 1)."""
+        return cls(name, 0.0, nbytes, kernel=Kernel.elementwise(
+            max(1, nbytes // 2) if elements is None else elements))
+
     @property
     def gemm(self) -> tuple | None:
         """(batch, m, k, n) when the op is one (batched) GEMM kernel, else None."""

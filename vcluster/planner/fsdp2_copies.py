@@ -61,28 +61,22 @@ def with_fsdp2_copies(ops, row_of, gather: str, reduce: str) -> tuple:
     for op in ops:
         kind = row_of(op) if type(op) is TraceCollective else None
         if kind == gather and op.collective == "all_gather":
-            n = len(op.group)
-            out.append(_copy("shards into the all-gather input", 2 * op.nbytes))
-            out.append(op)
-            copy_out = _copy("all-gather output into the parameters", 2 * n * op.nbytes)
-            if op.handle is not None and op.handle in waited:
-                pending[op.handle] = copy_out
-            else:
-                out.append(copy_out)
-            continue
-        if kind == reduce and op.collective == "reduce_scatter":
-            elements = op.nbytes // op.itemsize
-            out.append(_copy("gradients into the reduce-scatter input",
-                             GRAD_BYTES * elements + op.nbytes))
-            out.append(op)
+            before = _copy("shards into the all-gather input", 2 * op.nbytes)
+            after = _copy("all-gather output into the parameters",
+                          2 * len(op.group) * op.nbytes)
+        elif kind == reduce and op.collective == "reduce_scatter":
+            before = _copy("gradients into the reduce-scatter input",
+                           GRAD_BYTES * (op.nbytes // op.itemsize) + op.nbytes)
             after = _copy("reduced shard into the sharded gradient",
                           2 * op.nbytes // len(op.group))
-            if op.handle is not None and op.handle in waited:
-                pending[op.handle] = after
-            else:
-                out.append(after)
+        else:
+            out.append(op)
+            if type(op) is TraceWait and op.handle in pending:
+                out.append(pending.pop(op.handle))
             continue
-        out.append(op)
-        if type(op) is TraceWait and op.handle in pending:
-            out.append(pending.pop(op.handle))
+        out += [before, op]
+        if op.handle is not None and op.handle in waited:
+            pending[op.handle] = after
+        else:
+            out.append(after)
     return tuple(out)

@@ -122,9 +122,9 @@ def _gated_kind(k: _Keys) -> MLPKind:
 
 
 def _attention(k: _Keys, h: int, *, qk_norm=False, window=None, sinks=False,
-               out_bias=False) -> Attention:
+               out_bias=False, bias_default=False) -> Attention:
     heads = k.need("num_attention_heads")
-    bias = k.get("attention_bias", False)
+    bias = k.get("attention_bias", bias_default)
     return Attention(heads, k.get("num_key_value_heads") or heads,
                      k.get("head_dim") or h // heads, qk_norm=qk_norm, window=window,
                      sinks=sinks, qkv_bias=bias, out_bias=bias and out_bias)
@@ -144,11 +144,12 @@ def _window(k: _Keys, *, qwen: bool) -> int | None:
     return None
 
 
-def _dense_family(k: _Keys, *, qwen=False, qk_norm=False):
+def _dense_family(k: _Keys, *, qwen=False, qk_norm=False, qkv_bias=False):
     h = k.need("hidden_size")
     bias = k.get("mlp_bias", False)
     # Llama's attention_bias covers q, k, v and o; Qwen2's q, k and v only
-    att = _attention(k, h, qk_norm=qk_norm, window=_window(k, qwen=qwen), out_bias=not qwen)
+    att = _attention(k, h, qk_norm=qk_norm, window=_window(k, qwen=qwen), out_bias=not qwen,
+                     bias_default=qkv_bias)
     layer = Layer(att, MLP(_gated_kind(k), k.need("intermediate_size"), bias=bias))
     return dict(hidden=h, vocab=k.need("vocab_size"),
                 layers=(layer,) * k.need("num_hidden_layers"),
@@ -160,7 +161,10 @@ def _llama(k):
 
 
 def _qwen2(k):
-    return _dense_family(k, qwen=True)
+    """Qwen2 (and Qwen2.5): q, k and v carry biases without a config key saying so
+    (transformers' Qwen2Attention builds them with ``bias=True``); Qwen3 says
+    ``attention_bias`` (false)."""
+    return _dense_family(k, qwen=True, qkv_bias=True)
 
 
 def _qwen3(k):

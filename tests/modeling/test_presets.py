@@ -28,7 +28,7 @@ NAMED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b", "llama-2-7
          "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
          "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-8b", "qwen3-32b",
          "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
-         "phi-3-mini-4k")
+         "phi-3-mini-4k", "qwen2.5-32b")
 
 
 def _close(ours: float, published: float) -> bool:
@@ -145,3 +145,14 @@ def test_the_phi3_family_is_a_llama_block_with_a_window_and_whole_head_rope(tmp_
     raw["partial_rotary_factor"] = 0.75
     with pytest.raises(ConfigError, match="partial_rotary_factor=0.75.*RoPE over a part"):
         from_hf_config(raw)
+
+
+def test_qwen2_has_q_k_v_biases_though_its_config_names_none():
+    """transformers' Qwen2Attention builds q, k, v with bias=True and o without, and a
+    Qwen2 config.json has no key for it; Qwen3's says ``attention_bias: false``."""
+    att = load_model("qwen2.5-32b").layers[0].attention
+    assert (att.qkv_bias, att.out_bias) == (True, False)
+    assert not load_model("qwen3-32b").layers[0].attention.qkv_bias
+    # 64 layers x (5120 + 2 x 1024) bias entries on top of the same weights without them
+    count = parameter_count(load_model("qwen2.5-32b")).total
+    assert count == 32_763_876_352

@@ -95,6 +95,16 @@ def test_batch_rows_throughput_matches_batch_latency():
 
 
 # --- refusals ------------------------------------------------------------------------------
+@pytest.mark.parametrize("version, v0", [("0.7.2", True), ("v0.6.3.post1", True),
+                                         ("0.8.0", False), ("0.11.0", False),
+                                         ("1.0", False), (None, False), ("nightly", False)])
+def test_a_vllm_release_before_0_8_is_refused_as_the_v0_engine(version, v0):
+    row = replace(_row("gpustack-qwen3-32b-a100-random", 9),
+                              engine_version=version)
+    reason = refusal(row) or ""
+    assert ("runs the V0 engine by default" in reason) is v0, reason
+
+
 def test_refusals_as_documented():
     for r in ROWS:
         reason = refusal(r)
@@ -104,8 +114,9 @@ def test_refusals_as_documented():
             assert "unsupported_hardware: " in reason, r
         if r.dataset == "sharegpt":
             assert "dataset: 'sharegpt'" in reason, r
-        if r.model == "qwq-32b":
-            assert "model: 'qwq-32b' has no ModelSpec preset" in reason, r
+        if r.table == "vllm-issue16300-qwq32b-a100-tp":     # QwQ-32B: Qwen2.5-32B shapes
+            assert r.model == "qwen2.5-32b" and "model:" not in reason, r
+            assert "engine: vLLM 0.7.2 runs the V0 engine by default" in reason, r
         if r.dtype == "fp4":
             assert "dtype: 'fp4'" in reason, r
     # random rows whose outputs stopped early at EOS are not fixed-length

@@ -100,6 +100,21 @@ FIXED_LENGTH_DATASETS: tuple[str, ...] = ("fixed", "random")
 #: and those are most of a serving simulator's error (docs/serving_validation.md).
 MODELLED_ENGINES: tuple[str, ...] = ("vllm",)
 
+#: The first vLLM release whose default engine is V1 (vLLM 0.8.0's release notes: "V1 is
+#: now enabled by default"). Earlier releases ran the V0 engine unless ``VLLM_USE_V1=1``:
+#: another scheduler, and its per-sequence Python work (sequence groups, sampler output,
+#: detokenization) in the step's critical path, which the V1 imitation does not have.
+FIRST_V1_DEFAULT: tuple[int, int] = (0, 8)
+
+
+def _release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a published vLLM version ("0.7.2", "v0.11.0rc1"); None when the
+    row names none or not as numbers."""
+    parts = (version or "").lstrip("v").split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
+
 #: Weight dtypes the step-cost model prices; ``fp8`` also needs an FP8 peak in the
 #: hardware preset (Hopper; the A100 has no FP8 tensor cores).
 MODELLED_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp8")
@@ -331,6 +346,11 @@ def refusal(row: ServingRow) -> str | None:
     if row.engine not in MODELLED_ENGINES:
         reasons.append(f"engine: {row.engine!r} is not modelled; the simulator imitates "
                        f"{', '.join(MODELLED_ENGINES)} (v1 scheduler)")
+    elif row.engine == "vllm" and (_release(row.engine_version) or FIRST_V1_DEFAULT) \
+            < FIRST_V1_DEFAULT:
+        reasons.append(f"engine: vLLM {row.engine_version} runs the V0 engine by default (V1 "
+                       f"from {'.'.join(map(str, FIRST_V1_DEFAULT))}); the simulator "
+                       "imitates V1")
     fp8_peak = None
     if row.hardware not in PRESET_NAMES:
         reasons.append(f"unsupported_hardware: {row.hardware!r} has no hardware preset "

@@ -17,7 +17,8 @@ from .counts import (FlopsPerToken, ParameterCount, activation_bytes_per_layer,
                      rank_params)
 from .errors import ConfigError
 from .hf_config import from_hf_config
-from .plan import ParallelConfig, check_zero_stage, recompute_refusal
+from .plan import (MEGATRON_VOCAB_DIVISOR, ParallelConfig, check_zero_stage, padded_vocab,
+                   recompute_refusal)
 from .presets import load_model, preset_info, preset_names
 from .spec import MLP, Attention, LatentAttention, Layer, ModelSpec, MoE
 
@@ -30,4 +31,4 @@ __all__ = ["Block", "BLOCKS", "GPT2_BLOCK", "LLAMA_BLOCK", "block_named", "block
            "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm", "TPOverlap",
            "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
            "RouterScore", "FlopConvention", "recompute_refusal",
-           "FULL_RECOMPUTE"]
+           "FULL_RECOMPUTE", "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]

@@ -55,7 +55,11 @@ from .choices import (FULL_RECOMPUTE, AttentionKernel, CPAlgorithm, GradReduceDt
 from .errors import ConfigError
 
 __all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS",
-           "recompute_refusal"]
+           "recompute_refusal", "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]
+
+#: Megatron-LM's ``--make-vocab-size-divisible-by`` default (megatron/training/arguments.py),
+#: which NeMo 2.0 and Megatron-Bridge keep (``make_vocab_size_divisible_by=128``)
+MEGATRON_VOCAB_DIVISOR = 128
 
 #: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
 #: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
@@ -102,6 +106,24 @@ def recompute_refusal(recompute, config) -> str:
         return ("'full-torch' (PyTorch's non-reentrant checkpoint, stopping before the MLP's "
                 f"last GEMM) is the dense GPT and Llama layers'; this model has {model}")
     return ""
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = MEGATRON_VOCAB_DIVISOR) -> int:
+    """The vocabulary Megatron-LM builds its embedding and output layer with: ``vocab``
+    rounded up to a multiple of divisible_by · tp (``_vocab_size_with_padding`` in
+    megatron/training/tokenizer/tokenizer.py), so each tensor-parallel rank holds an equal,
+    GPU-friendly slice; the padded rows are never a target. GPT-2's 50,257 tokens become
+    50,304 at tp 1 and 50,688 at tp 4; Llama 3's 128,256 stay at tp 1 and 2 and become
+    128,512 at tp 4.
+
+    >>> padded_vocab(50257, 4)
+    50688
+    """
+    for name, n in (("vocab", vocab), ("tp", tp), ("divisible_by", divisible_by)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(name, n, "an integer >= 1", "not a size", owner="padded_vocab")
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
 
 
 def check_kv_heads(heads: int, kv_heads: int, tp: int) -> None:
@@ -512,7 +534,10 @@ class ParallelConfig:
                   config.seq // self.cp),) if self.sequence_parallel else ()):
             if n % self.tp:
                 value = config.seq if field == "seq" else n
+                hint = f"; Megatron-LM pads it to {padded_vocab(n, self.tp)} " \
+                    f"(--make-vocab-size-divisible-by {MEGATRON_VOCAB_DIVISOR} x tp): pass " \
+                    f"that vocab" if field == "vocab" else ""
                 raise ConfigError(field, value, f"a multiple of {self.cp * self.tp} "
                                   f"(cp x tp)" if field == "seq" else f"a multiple of "
                                   f"tp={self.tp}", f"{what}={n} does not split evenly over "
-                                  f"tp={self.tp}", owner="GPT")
+                                  f"tp={self.tp}{hint}", owner="GPT")

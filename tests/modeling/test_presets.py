@@ -156,3 +156,30 @@ def test_qwen2_has_q_k_v_biases_though_its_config_names_none():
     # 64 layers x (5120 + 2 x 1024) bias entries on top of the same weights without them
     count = parameter_count(load_model("qwen2.5-32b")).total
     assert count == 32_763_876_352
+
+
+def test_megatron_pads_the_vocabulary_to_128_times_tp():
+    """megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding: a multiple of
+    make_vocab_size_divisible_by (128) x tp, the smallest not below the tokenizer's."""
+    from modeling import padded_vocab
+    assert padded_vocab(50257, 1) == 50304          # GPT-2's famous padded vocabulary
+    assert padded_vocab(50257, 4) == 50688
+    assert padded_vocab(128256, 1) == padded_vocab(128256, 2) == 128256
+    assert padded_vocab(128256, 4) == 128512
+    assert padded_vocab(100, 1, divisible_by=1) == 100
+    for n in range(1, 600, 7):
+        for tp in (1, 2, 3, 8):
+            v = padded_vocab(n, tp)
+            assert v % (128 * tp) == 0 and n <= v < n + 128 * tp
+    with pytest.raises(ConfigError, match="tp"):
+        padded_vocab(50257, 0)
+
+
+def test_a_vocabulary_that_does_not_split_over_tp_names_megatrons_padding():
+    from modeling import ParallelConfig
+    from pipeline_parallel.gpt import GPTConfig
+    cfg = GPTConfig.of_model("gpt3-175b", seq=2048, timing_only=True)
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=1, tp=4)
+    with pytest.raises(ConfigError, match="vocab=50257 does not split evenly over tp=4; "
+                                          "Megatron-LM pads it to 50688"):
+        par.check(cfg, par.mesh())

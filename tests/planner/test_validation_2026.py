@@ -41,6 +41,19 @@ def test_a_row_config_is_the_published_layout():
     assert "global_batch" in refusals[0]
 
 
+def test_the_vocabulary_is_padded_as_megatron_pads_it():
+    """GPT-3 175B's 50,257 tokens at tp 4 were refused (they do not split over 4 ranks);
+    Megatron pads them to 50,688 (128 x tp), and so does each row's config."""
+    rows = read_data_csv("megatron_bridge_blackwell.csv")[1]
+    gpt3 = [r for r in rows if r["model"] == "GPT3-175B"]
+    assert gpt3
+    for r in gpt3:
+        cfg, par, fmt, assumed, refusals = row_config(r)
+        assert refusals == [] and par.tp == 4 and cfg.vocab == 50688, (r, refusals)
+    llama = next(r for r in rows if r["model"] == "LLAMA3.1_405B" and r["tp"] == "4")
+    assert row_config(llama)[0].vocab == 128512                    # 128,256 -> 128 x 4 x 251
+
+
 @pytest.mark.slow
 def test_dense_llama_rows_on_blackwell_and_mi325x(tmp_path):
     """The latest dense Llama rows of every system: predicted, each within the band the

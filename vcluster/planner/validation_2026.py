@@ -21,12 +21,13 @@ error was seen; nothing was tuned on any other row). A row the program cannot ru
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
 from types import MappingProxyType
 
-from modeling import ConfigError
+from modeling import ConfigError, padded_vocab
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.runtime.tracing import TraceError
 from vcluster.timing import read_data_csv
@@ -72,7 +73,9 @@ def row_config(r: dict) -> tuple:
     ParallelConfig, the GEMM format of its precision, what was assumed where the source is
     silent, and every ConfigError's message (a row with refusals is not simulated).
 
-    The plan as published: dp = GPUs / (tp·pp·cp), tp, pp, cp, ep (MoE: etp
+    The model's vocabulary padded as Megatron pads it (:func:`modeling.padded_vocab`: a
+    multiple of 128·tp; both tables' frameworks are Megatron's). The plan as published:
+    dp = GPUs / (tp·pp·cp), tp, pp, cp, ep (MoE: etp
     :data:`~.validation.MOE_DEFAULT_ETP`); the interleaved 1F1B schedule with ``vp``
     virtual stages where vp > 1; sequence parallelism where tp > 1; no recomputation (the
     tables state none); a layer count pp·vp does not divide split as Megatron-Core's
@@ -86,15 +89,18 @@ def row_config(r: dict) -> tuple:
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
     refusals, assumed = [], []
+    tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
     try:
         cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
     except ConfigError as e:
         return None, None, None, assumed, [str(e)]
+    # Megatron pads the vocabulary to a multiple of 128·tp (padded_vocab; since
+    # 2026-11-30: GPT-3's 50,257 tokens did not split over tp 4, and its rows were refused)
+    cfg = dataclasses.replace(cfg, vocab=padded_vocab(cfg.vocab, tp))
     precision = r["precision"]
     if precision not in PRECISION_FORMATS:
         refusals.append(str(ConfigError("precision", precision, ", ".join(PRECISION_FORMATS),
                                         "not a precision this validation maps to a format")))
-    tp, pp, cp, vp = (int(r[k]) for k in ("tp", "pp", "cp", "vp"))
     ep = int(r["ep"] or 1)
     dp = int(r["gpus"]) // (tp * pp * cp)
     micro = int(r["micro_batch"])

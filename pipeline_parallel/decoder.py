@@ -420,13 +420,14 @@ def serve_config(model, timing_only: bool = False) -> GPTConfig:
     unsupported = [(f, v) for f, v in (
         ("qk_norm", cfg.qk_norm), ("window", cfg.window),
         ("attention_sinks", cfg.attention_sinks), ("kv_lora_rank", cfg.kv_lora_rank),
+        ("qkv_bias", cfg.qkv_bias), ("out_bias", cfg.out_bias),
         ("capacity_factor", cfg.capacity_factor if cfg.experts else None),
         ("moe_groups", cfg.moe_groups if cfg.experts else None),
         ("moe_bias_update_rate", cfg.moe_bias_update_rate or None)) if v]
     if unsupported:
         f, v = unsupported[0]
         raise ConfigError(f, v, "none (a dropless MoE; grouped-query attention without "
-                          "QK-norm, windows or sinks)",
+                          "QK-norm, windows, sinks or biases)",
                           "the serving program does not run it yet")
     return cfg
 

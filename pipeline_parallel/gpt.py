@@ -23,10 +23,11 @@ per iteration; full recomputation adds every layer's forward (not the logits'):
 :func:`megatron_flops_with_recompute`; selective adds the core attention's 4·B·s²·h·l.
 
 ``GPTConfig(arch="llama")`` trains a Llama instead (RMSNorm, RoPE, grouped-query
-attention with ``kv_heads``, SwiGLU MLP ``ffn_hidden`` wide, no biases, no learned
-positions; per device :mod:`tensor_parallel.llama`, reference
-:mod:`pipeline_parallel.llama`) under the same parallelism, executor and schedules; its
-FLOPs, causal attention counted at half of s²: :func:`llama_model_flops`.
+attention with ``kv_heads``, SwiGLU MLP ``ffn_hidden`` wide, no biases but optionally
+the attention's (``qkv_bias``, ``out_bias``), no learned positions; per device
+:mod:`tensor_parallel.llama`, reference :mod:`pipeline_parallel.llama`) under the same
+parallelism, executor and schedules; its FLOPs, causal attention counted at half of s²:
+:func:`llama_model_flops`.
 
 Context parallelism (``ParallelConfig(cp=N, cp_algorithm="ring" | "all_gather")``, mesh
 axis ``cp``; GPUs = dp·pp·cp·tp): every micro-batch's sequence is cut into 2·cp chunks
@@ -61,7 +62,7 @@ from sharding import shard_slices
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.context_parallel import (ContextParallelAttention,
                                               sequence_positions, split_sequence, join_sequence)
-from tensor_parallel.llama import kv_pieces, llama_piece, llama_split_dim, \
+from tensor_parallel.llama import is_kv_param, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
 from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, MOE_TP_DIM,
@@ -116,12 +117,12 @@ LATENT_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_hea
 
 def _settable(block: Block, field: str) -> bool:
     """Whether a config of ``block`` takes its own ``field``: kv_heads, head_dim, qk_norm,
-    the sliding window (window, window_layers) and attention_sinks under grouped-query
-    attention (:mod:`tensor_parallel.gqa`), and multi-head latent
-    attention's fields (:data:`LATENT_FIELDS`, :mod:`tensor_parallel.mla`) in the same
-    block, ffn_hidden with a gated MLP (a plain one is 4h)."""
+    the sliding window (window, window_layers), attention_sinks and the attention's biases
+    (qkv_bias, out_bias) under grouped-query attention (:mod:`tensor_parallel.gqa`), and
+    multi-head latent attention's fields (:data:`LATENT_FIELDS`, :mod:`tensor_parallel.mla`)
+    in the same block, ffn_hidden with a gated MLP (a plain one is 4h)."""
     if field in ("kv_heads", "head_dim", "qk_norm", "window", "window_layers",
-                 "attention_sinks") + LATENT_FIELDS:
+                 "attention_sinks", "qkv_bias", "out_bias") + LATENT_FIELDS:
         return block.grouped_query
     return block.mlp.matrices == 3
 
@@ -259,7 +260,14 @@ class GPTConfig:
     (:func:`llama_model_flops`). ``attention_sinks`` (GPT-OSS): every layer's softmax has
     one learned logit per query head in its denominator (parameters ``sinks`` (a,), split
     over tp by heads), whose probability is dropped (:mod:`tensor_parallel.gqa`). Not
-    with multi-head latent attention."""
+    with multi-head latent attention.
+
+    Attention biases (Llama block; Qwen2/Qwen2.5: ``qkv_bias``, GPT-OSS: ``qkv_bias`` and
+    ``out_bias``): q = x W_q + b_q, [k | v] = x W_kv + b_kv (before QK-norm and RoPE),
+    y = C W_o + b_o, parameters b_q (a·d,), b_kv (2, c·d) split over tp as W_q's and
+    W_kv's columns, b_o (h,) whole on every rank (:mod:`tensor_parallel.gqa`). The GPT
+    block always has its biases (these fields stay False there). Not with multi-head
+    latent attention."""
 
     hidden: int
     layers: int
@@ -295,6 +303,8 @@ class GPTConfig:
     window: int | None = None          # sliding window: a query sees its last `window` keys
     window_layers: tuple | None = None   # the layers with the window (None: every layer)
     attention_sinks: bool = False      # GPT-OSS: a learned logit per head in each softmax
+    qkv_bias: bool = False             # Llama block: biases b_q, b_kv (Qwen2, GPT-OSS)
+    out_bias: bool = False             # Llama block: the output projection's bias b_o (GPT-OSS)
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "seq", "vocab"):
@@ -394,27 +404,33 @@ class GPTConfig:
         return True
 
     def _check_window(self, block: Block) -> None:
-        """Check sliding-window attention's and attention sinks' fields (the class
-        docstring): grouped-query attention of the Llama block only."""
+        """Check sliding-window attention's, attention sinks' and the attention biases'
+        fields (the class docstring): grouped-query attention of the Llama block only."""
         who = "GPTConfig"
-        if self.attention_sinks not in (False, True):
-            raise ConfigError("attention_sinks", self.attention_sinks, "True or False",
-                              "not a boolean", owner=who)
-        object.__setattr__(self, "attention_sinks", bool(self.attention_sinks))
+        for f in ("attention_sinks", "qkv_bias", "out_bias"):
+            if getattr(self, f) not in (False, True):
+                raise ConfigError(f, getattr(self, f), "True or False", "not a boolean",
+                                  owner=who)
+            object.__setattr__(self, f, bool(getattr(self, f)))
         for f, value, unset in (("window", self.window, None),
                                 ("window_layers", self.window_layers, None),
-                                ("attention_sinks", self.attention_sinks, False)):
+                                ("attention_sinks", self.attention_sinks, False),
+                                ("qkv_bias", self.qkv_bias, False),
+                                ("out_bias", self.out_bias, False)):
             if value == unset:
                 continue
+            bias = f in ("qkv_bias", "out_bias")
             if not _settable(block, f):
                 takes = " or ".join(repr(b.arch) for b in BLOCKS.values() if _settable(b, f))
+                what = "always has its biases (b_qkv, b_o)" if bias and block.biases else \
+                    "has no " + ("optional biases" if bias else "sliding window or sinks")
                 raise ConfigError(f, value, f"{unset!r} with arch={self.arch!r}",
                                   f"{f} needs arch={takes}: the {block} block's attention "
-                                  "has no sliding window or sinks", owner=who)
+                                  f"{what}", owner=who)
             if self.kv_lora_rank is not None:
                 raise ConfigError(f, value, f"{unset!r} with kv_lora_rank",
-                                  "multi-head latent attention has no sliding-window or "
-                                  "sink form here", owner=who)
+                                  "multi-head latent attention has no sliding-window, "
+                                  "sink or bias form here", owner=who)
         if self.window is not None:
             object.__setattr__(self, "window", as_int(self.window, "GPTConfig: window", 1))
         if self.window_layers is None:
@@ -571,10 +587,12 @@ class GPTConfig:
         windows or attention sinks in a GPT block, sliding windows of different widths,
         layers that differ other than MoE layers beside dense ones (``moe_dense_layers``)
         and windowed layers beside full ones (``window_layers``), biases in a Llama
-        block's attention or experts, gated GELU MLPs, ...). The block's types pick the
+        block's MLP, experts or router, gated GELU MLPs, ...). The block's types pick the
         program: LayerNorm +
         learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
-        SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`). Multi-head
+        SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`), whose
+        attention may have biases on its projections (``qkv_bias``, ``out_bias``: Qwen2,
+        GPT-OSS). Multi-head
         latent attention (:class:`~modeling.spec.LatentAttention`) passes its ranks and
         head dims (GPTConfig's MLA fields); YaRN's attention scale (``rope_scaling``,
         timing_only) is not modelled.
@@ -617,16 +635,17 @@ class GPTConfig:
         latent = isinstance(att, LatentAttention)
         attention_bias = not latent and (att.qkv_bias or att.out_bias)
         block = block_of(spec.norm, spec.positions, expert.kind, expert.bias, attention_bias)
-        if block is None and block_of(spec.norm, spec.positions, expert.kind, False,
-                                      False) is LLAMA_BLOCK:   # a Llama block with biases
-            projections = ", ".join(["q, k, v"] * bool(att.qkv_bias)
-                                    + ["output"] * bool(att.out_bias))
+        router_bias = isinstance(mlp, MoESpec) and mlp.router_bias
+        if block_of(spec.norm, spec.positions, expert.kind, False, False) is LLAMA_BLOCK \
+                and (block is None or router_bias):   # a Llama block with biases
             biases = [what for what, on in (
-                (f"the attention's projections ({projections})", attention_bias),
                 ("the experts" if isinstance(mlp, MoESpec) else "the MLP", expert.bias),
-                ("the router", isinstance(mlp, MoESpec) and mlp.router_bias)) if on]
-            refuse(f"biases in {' and '.join(biases)} of a Llama block", True,
-                   "a Llama block without biases")
+                ("the router", router_bias)) if on]
+            if biases:
+                refuse(f"biases in {' and '.join(biases)} of a Llama block", True,
+                       "a Llama block without biases in its MLP, experts or router (its "
+                       "attention's q, k, v and output projections may have them)")
+            block = LLAMA_BLOCK       # biases in the attention only: qkv_bias, out_bias
         if block is None:
             refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
                    f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
@@ -658,8 +677,6 @@ class GPTConfig:
         if isinstance(mlp, MoESpec):
             if block is not LLAMA_BLOCK:      # the program's experts are SwiGLU
                 refuse(f"{expert.kind} experts", str(mlp), "SwiGLU experts (the Llama block)")
-            if mlp.router_bias or mlp.expert.bias:
-                refuse("biases in the router or experts", True)
             moe = dict(experts=mlp.experts, moe_top_k=mlp.top_k,
                        moe_ffn_hidden=mlp.expert.width, capacity_factor=mlp.capacity_factor,
                        moe_aux_coef=mlp.aux_loss_coef, moe_router=mlp.router.value,
@@ -671,6 +688,7 @@ class GPTConfig:
                "ffn_hidden": expert.width if dense_mlp is None else dense_mlp.width,
                "head_dim": None if latent else att.head_dim, "qk_norm": att.qk_norm,
                "window": window, "attention_sinks": att.sinks,
+               **({"qkv_bias": att.qkv_bias, "out_bias": att.out_bias} if not latent else {}),
                "window_layers": window_layers if 0 < len(window_layers) < spec.num_layers
                else None,
                **({f: getattr(att, f) for f in LATENT_FIELDS} if latent else {})}
@@ -753,7 +771,8 @@ def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage:
                                latent=cfg.latent_attention(), cp=cp, positions=positions,
                                dense_layers=cfg.moe_dense_layers,
                                bias_rate=cfg.moe_bias_update_rate, window=cfg.window,
-                               window_layers=cfg.window_layers, sinks=cfg.attention_sinks)
+                               window_layers=cfg.window_layers, sinks=cfg.attention_sinks,
+                               qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias)
     if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
@@ -762,7 +781,8 @@ def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage:
                            tie=cfg.tie_embeddings, head_dim=cfg.head_dim,
                            qk_norm=cfg.qk_norm, latent=cfg.latent_attention(),
                            window=cfg.window, window_layers=cfg.window_layers,
-                           sinks=cfg.attention_sinks)
+                           sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
+                           out_bias=cfg.out_bias)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden,
                                 par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,
@@ -932,7 +952,7 @@ class GPT:
         rng, out = np.random.default_rng(self.seed), {}
         for name, shape in self.param_shapes().items():
             last, a = name.rsplit(".", 1)[-1], rng.standard_normal(shape)
-            matrix = len(shape) > 1 and last != "b_qkv"
+            matrix = len(shape) > 1 and last not in ("b_qkv", "b_kv")
             fan = shape[1] if last in EXPERT_PARAMS else shape[last == "wte"]  # (E, in, out)
             a = a / np.sqrt(fan) if matrix else a * 0.1 + last.endswith("_g")
             out[name] = a.astype(self.config.dtype)
@@ -1146,7 +1166,7 @@ class GPT:
                 out[n] = np.concatenate(by_ep) if ep_n > 1 else by_ep[0]
                 continue
             dim = llama_split_dim(n) if llama else split_dim(n)
-            step = tp // kv_pieces(self.config.kv_heads, tp) if llama and n.endswith("w_kv") \
+            step = tp // kv_pieces(self.config.kv_heads, tp) if llama and is_kv_param(n) \
                 else 1
             out[n] = pieces[n][0] if dim is None else np.concatenate(
                 [pieces[n][t] for t in sorted(pieces[n])[::step]], axis=dim)

@@ -34,6 +34,11 @@ scores, A_ext = softmax([S | σ_n]) over s + 1 columns, and the sink's column is
 A = A_ext[..., :s]; its backward is the softmax's over the s + 1 columns with a zero
 upstream gradient in the sink's, dσ_n = Σ over the batch and queries of that column of
 dS_ext.
+
+Attention biases (``cfg.qkv_bias``: Qwen2/Qwen2.5; with ``cfg.out_bias``: GPT-OSS): q0 =
+u W_q + b_q, [k0 | v] = u W_kv + b_kv (before QK-norm and RoPE), x1 = x + ctx W_o + b_o;
+their gradients are the sums over the batch and positions of the gradients of q0, [k0 |
+v] (after the QK-norm's backward and R^T) and of x1.
 """
 
 from __future__ import annotations
@@ -57,15 +62,22 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     w_o become w_q_a (h, r_q), q_a_norm_g (r_q,), w_q_b (r_q, a·(d_n + d_r)) — or w_q
     (h, a·(d_n + d_r)) without ``q_lora_rank`` — w_kv_a (h, r_kv + d_r), kv_a_norm_g
     (r_kv,), w_kv_b (r_kv, a·(d_n + d_v)), w_o (a·d_v, h). Attention sinks
-    (``attention_sinks``): sinks (a,) after w_o."""
+    (``attention_sinks``): sinks (a,) after w_o. Attention biases: b_q (a·d,) after w_q,
+    b_kv (2, c·d) after w_kv (``qkv_bias``), b_o (h,) after w_o (``out_bias``), the
+    program's order (:meth:`~tensor_parallel.llama.LlamaLayer.layer_names`)."""
     h, f, hq, hkv = cfg.hidden, cfg.ffn_hidden, cfg.heads * cfg.head_dim, \
         cfg.kv_heads * cfg.head_dim
     dense = dict(zip(_LAYER, [(h,), (h, hq), (h, 2, hkv), (hq, h), (h,), (h, f), (h, f),
                               (f, h)]))
-    if getattr(cfg, "attention_sinks", False):   # one sink logit per head, after W_o
-        items = list(dense.items())
-        at = [n for n, _ in items].index("w_o") + 1
-        dense = dict(items[:at] + [("sinks", (cfg.heads,))] + items[at:])
+    for after, name, shape, on in (("w_q", "b_q", (hq,), "qkv_bias"),
+                                   ("w_kv", "b_kv", (2, hkv), "qkv_bias"),
+                                   ("w_o", "b_o", (h,), "out_bias"),
+                                   (None, "sinks", (cfg.heads,), "attention_sinks")):
+        if getattr(cfg, on, False):     # after its weight (sinks: after W_o and b_o)
+            items = list(dense.items())
+            keys = [n for n, _ in items]
+            at = keys.index(after or ("b_o" if "b_o" in keys else "w_o")) + 1
+            dense = dict(items[:at] + [(name, shape)] + items[at:])
     layer = dense
     if getattr(cfg, "experts", 0):        # MoE: the MLP's three become the router + experts
         e, fe, fs = cfg.experts, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
@@ -80,9 +92,9 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
             items = list(one.items())
             at, end = [n for n, _ in items].index("w_q"), [n for n, _ in items].index("w_o") + 1
             one = dict(items[:at] + list(_mla_shapes(cfg).items()) + items[end:])
-        if getattr(cfg, "qk_norm", False):  # QK-norm's gains, after W_kv (the program's order)
+        if getattr(cfg, "qk_norm", False):  # QK-norm's gains, after W_kv, b_kv (the program's)
             items, d = list(one.items()), cfg.head_dim
-            at = [n for n, _ in items].index("w_kv") + 1
+            at = [n for n, _ in items].index("b_kv" if "b_kv" in one else "w_kv") + 1
             one = dict(items[:at] + [("q_norm_g", (d,)), ("k_norm_g", (d,))] + items[at:])
         kinds[moe] = one
     return {"wte": (cfg.vocab, h),
@@ -284,11 +296,14 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
     qk_norm = bool(getattr(cfg, "qk_norm", False))
     latent = bool(getattr(cfg, "kv_lora_rank", None))
     sinks = bool(getattr(cfg, "attention_sinks", False))
+    qkv_bias = bool(getattr(cfg, "qkv_bias", False))
+    out_bias = bool(getattr(cfg, "out_bias", False))
     names = {}                  # per kind of layer (MoE or dense), its parameters' names
     for kind in (False, True):
         one = _LAYER[:5] + _moe_names(cfg) if kind else _LAYER
         one += ("q_norm_g", "k_norm_g") if qk_norm else ()
         one += ("sinks",) if sinks else ()
+        one += (("b_q", "b_kv") if qkv_bias else ()) + (("b_o",) if out_bias else ())
         if latent:              # MLA: its parameters for w_q, w_kv, w_o; RoPE on d_rope
             at, end = one.index("w_q"), one.index("w_o") + 1
             one = one[:at] + tuple(_mla_shapes(cfg)) + one[end:]
@@ -304,8 +319,11 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             ctx, mla = _mla_forward(cfg, L, u, R, causal)
             q = kr = vr = A = qkn = None
         else:
-            q0 = (u @ L["w_q"]).reshape(B, s, a, d)
+            q0 = u @ L["w_q"]
             kv = np.einsum("bsh,htk->bstk", u, L["w_kv"])                 # (B, s, 2, c·d)
+            if qkv_bias:
+                q0, kv = q0 + L["b_q"], kv + L["b_kv"]
+            q0 = q0.reshape(B, s, a, d)
             k0, v = kv[:, :, 0].reshape(B, s, c, d), kv[:, :, 1].reshape(B, s, c, d)
             qkn = None
             if qk_norm:                               # QK-norm: each head, before RoPE
@@ -323,7 +341,7 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             A = np.exp(S - S.max(-1, keepdims=True))
             A /= A.sum(-1, keepdims=True)             # (B, a, s, s) (+ the sink's column)
             ctx = np.einsum("bnqk,bknd->bqnd", A[..., :s], vr).reshape(B, s, a * d)
-        x1 = x + ctx @ L["w_o"]
+        x1 = x + ctx @ L["w_o"] + (L["b_o"] if out_bias else 0)
         u2, c2 = _rms(x1, L["mlp_norm_g"], cfg.eps)
         if moe:
             bias = moe_state["bias"].get(i) if moe_state else None
@@ -366,6 +384,8 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             du2, g["mlp_norm_g"] = _rms_back(dzg @ L["w_gate"].T + dzu @ L["w_up"].T, c2)
         dx1 = dx + du2
         g["w_o"] = np.einsum("bsk,bsh->kh", ctx, dx1)
+        if out_bias:
+            g["b_o"] = dx1.sum((0, 1))
         if mla is not None:
             datt, gm = _mla_backward(cfg, L, u, R, mla, dx1 @ L["w_o"].T)
             g.update(gm)
@@ -392,6 +412,8 @@ def llama_reference(cfg, P: dict, tokens, targets, backward: bool = False, moe_g
             dkv = np.stack([dk0, dv.reshape(B, s, c * d)], axis=2)        # (B, s, 2, c·d)
             g["w_q"] = np.einsum("bsh,bsk->hk", u, dq0)
             g["w_kv"] = np.einsum("bsh,bstk->htk", u, dkv)
+            if qkv_bias:
+                g["b_q"], g["b_kv"] = dq0.sum((0, 1)), dkv.sum((0, 1))
             datt = dq0 @ L["w_q"].T + np.einsum("bstk,htk->bsh", dkv, L["w_kv"])
         du, g["attn_norm_g"] = _rms_back(datt, c1)
         dx = dx1 + du

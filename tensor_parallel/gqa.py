@@ -1,5 +1,6 @@
-"""Causal grouped-query attention (GQA) with rotary embeddings (RoPE), no biases, with
-Megatron tensor parallelism: forward, input gradient and weight gradient on one device.
+"""Causal grouped-query attention (GQA) with rotary embeddings (RoPE), with or without
+biases on its projections, with Megatron tensor parallelism: forward, input gradient and
+weight gradient on one device.
 
 Local shapes on one device of a tp group of t: b micro-batch, s sequence, h hidden,
 a query heads, c = kv_heads key/value heads (a % c == 0), d = h/a, g = a/c query heads
@@ -19,6 +20,27 @@ head i // g.
               dq = R^T(dS k);  dk = R^T(dS^T q)       (dv, dk sum over the g heads by the
               dx = reduce(dq W_q^T + [dk | dv] W_kv^T)  products themselves)
     weights:  dW_q = xf^T dq,  dW_kv = xf^T [dk | dv],  dW_o = C^T dyf
+
+Biases (``GQAttention(..., qkv_bias=True, out_bias=True)``; Qwen2/Qwen2.5: q, k, v;
+GPT-OSS: q, k, v and output), added before QK-norm and RoPE, and after the row-parallel
+reduction:
+
+    q = xf W_q + b_q,  [k | v] = xf W_kv + b_kv       b_q (a_l·d,), b_kv (2, c_l·d)
+    y = reduce(C W_o) + b_o                           b_o (h,), on the reduced rows
+    db_q = Σ_rows dq,  db_kv = Σ_rows [dk | dv],  db_o = Σ_rows dy
+
+dq, dk are the gradients with respect to the projections' outputs, before QK-norm and
+RoPE (what dW_q, dW_kv take). Over tp: b_q is split with W_q's columns (whole query
+heads), b_kv with W_kv's last dimension (c >= t; when c < t each rank holds its K/V
+head's bias, replicated over t/c ranks, whose gradients are summed with W_kv's by
+:mod:`tensor_parallel.llama`); b_o is whole on every rank and added once, after the
+all_reduce(tp) — under sequence parallelism after the reduce_scatter(tp), on the rank's
+own rows. db_o sums the rows of the rank's dy: without sequence parallelism every rank
+holds every row (db_o whole, equal on all ranks); with it only its sequence shard, so db_o
+is partial over tp and the caller sums it over tp (``seq_partial``, as the norms'
+gains). Under context parallelism the rows are the rank's chunks: every bias gradient is
+partial over cp and joins the data-parallel reduction over dp × cp, as the weights'. The
+adds and row sums are declared as elementwise work (0 FLOPs, as every elementwise op).
 
 RoPE (the "rotate half" form of GPT-NeoX and Hugging Face Llama): for position p and
 i < d/2, angle θ_{p,i} = p·base^(-2i/d);  R(x)_i = x_i cos θ - x_{i+d/2} sin θ,
@@ -161,11 +183,15 @@ class GQAttention:
     to every pass (``qk_gains``), and their gradients to :meth:`backward_weight`.
     ``window``: the sliding window w (None: every earlier key; a context-parallel ``cp``
     takes it too); ``sinks``: attention sinks, whose (a_l,) logits are then passed to
-    every pass (``sinks=``) and their gradient to :meth:`backward_weight`."""
+    every pass (``sinks=``) and their gradient to :meth:`backward_weight`.
+    ``qkv_bias``, ``out_bias``: biases on the q, k, v and on the output projections,
+    whose local pieces (b_q, b_kv, b_o; None where absent) are then passed to every pass
+    (``biases=``) and their gradients to :meth:`backward_input` and
+    :meth:`backward_weight` (``bias_grads=``)."""
 
     def __init__(self, heads_local: int, kv_heads_local: int, head_dim: int, rope: Rope,
                  cp=None, qk_norm: float | None = None, window: int | None = None,
-                 sinks: bool = False):
+                 sinks: bool = False, qkv_bias: bool = False, out_bias: bool = False):
         if heads_local % kv_heads_local:
             raise ValueError(f"GQAttention: heads_local={heads_local} is not a multiple of "
                              f"kv_heads_local={kv_heads_local}")
@@ -176,8 +202,9 @@ class GQAttention:
                 window, (int, np.integer)) or window < 1):
             raise ValueError(f"GQAttention: window must be None or an int >= 1, got "
                              f"{window!r}")
-        if sinks not in (False, True):
-            raise ValueError(f"GQAttention: sinks must be True or False, got {sinks!r}")
+        for name, flag in (("sinks", sinks), ("qkv_bias", qkv_bias), ("out_bias", out_bias)):
+            if flag not in (False, True):
+                raise ValueError(f"GQAttention: {name} must be True or False, got {flag!r}")
         self.a_l, self.c_l, self.d = heads_local, kv_heads_local, head_dim
         self.g = heads_local // kv_heads_local
         self.window, self.sinks = None if window is None else int(window), bool(sinks)
@@ -185,11 +212,14 @@ class GQAttention:
             cp = cp.windowed(self.window)
         self.scale, self.rope, self.cp = 1.0 / math.sqrt(head_dim), rope, cp
         self.qk_norm = qk_norm
+        self.qkv_bias, self.out_bias = bool(qkv_bias), bool(out_bias)
 
     def __repr__(self) -> str:
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm}"
         norm += "" if self.window is None else f", window={self.window}"
         norm += ", sinks=True" if self.sinks else ""
+        norm += ", qkv_bias=True" if self.qkv_bias else ""
+        norm += ", out_bias=True" if self.out_bias else ""
         return (f"GQAttention(heads_local={self.a_l}, kv_heads_local={self.c_l}, "
                 f"d={self.d}{norm})")
 
@@ -337,16 +367,21 @@ class GQAttention:
         return dq, dk, dv, dsink
 
     # --- the block --------------------------------------------------------------------
-    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None, sinks=None):
+    def forward(self, ops, x, w_q, w_kv, w_o, keep: str = "all", qk_gains=None, sinks=None,
+                biases=None):
         """y (x's layout) and the backward's state: ``keep`` = "all", "qkv" (selective
         recomputation: not P nor C), "op" (torchtitan's per-op policy: :meth:`recompute_op`)
         or "none"; ``qk_gains``: (g_q, g_k) with QK-norm;
-        ``sinks``: the (a_l,) sink logits with attention sinks."""
+        ``sinks``: the (a_l,) sink logits with attention sinks; ``biases``: (b_q, b_kv, b_o)
+        with ``qkv_bias`` or ``out_bias`` (None where absent)."""
         xf, (q, kv) = ops.gather_matmul(                  # (b, s, h); (b·s, a_l·d); (b·s, 2·c_l·d)
             ops.c.x_in, x, (w_q, w_kv.reshape(x.shape[-1], -1)), "attention: gather x",
             ("attention: x @ W_q", "attention: x @ W_kv"))
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
+        if self.qkv_bias:
+            q = ops.add_bias(q, biases[0], "attention: + b_q")
+            kv = ops.add_bias(kv, biases[1].reshape(-1), "attention: + b_kv")
         kd = self.c_l * self.d
         qm, vm = q, kv[:, kd:]
         q, k, v, norms = self._heads(ops, qm, kv[:, :kd], vm, b, s, qk_gains, "")
@@ -354,13 +389,20 @@ class GQAttention:
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
         ctx = self._q_merge(ops, c, b, s, "attention: merge heads")         # (b·s, a_l·d)
-        y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h), "attention: ctx @ W_o",
-                              "attention: reduce y")
+        reduced = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h), "attention: ctx @ W_o",
+                                    "attention: reduce y")
+        y = self._out_bias(ops, reduced, biases, "")
         if keep == "op":        # torchtitan's per-op policy: see recompute_op
-            return y, (qm, vm, p, ctx, y if ops.sequence_parallel else None)
+            return y, (qm, vm, p, ctx, reduced if ops.sequence_parallel else None)
         state = {"all": (x2, q, k, v, p, ctx, norms),
                  "qkv": (x2, q, k, v, None, None, norms), "none": ()}[keep]
         return y, state
+
+    def _out_bias(self, ops, y, biases, tag: str):
+        """y + b_o (on this rank's rows, after the reduction) with ``out_bias``, else y."""
+        if not self.out_bias:
+            return y
+        return ops.add_bias(y, biases[2], f"attention: + b_o{tag}")
 
     def _heads(self, ops, q, k, v, b: int, s: int, qk_gains, tag: str):
         """(q, k, v, norms): the projections (b·s, ·) as the core takes them — QK-norm
@@ -377,33 +419,37 @@ class GQAttention:
         v = self._kv_heads(ops, v, b, s, f"attention: split heads{tag}")
         return q, k, v, norms
 
-    def recompute_op(self, ops, x, state, w_q, w_kv, w_o, qk_gains=None):
+    def recompute_op(self, ops, x, state, w_q, w_kv, w_o, qk_gains=None, biases=None):
         """(y, the "all" state) from the state ``forward(keep="op")`` kept — W_q's and
-        W_v's products, the attention kernel's P and C, and y where a reduce-scatter
-        produced it (sequence parallelism) — and the block's input ``x``, as torchtitan's
-        per-op policy re-runs the rest in the backward: the sequence-parallel gather, the
-        K product (W_kv's first half), QK-norm, RoPE, and the W_o product with its
-        reduction where y was not kept (an all-reduce's output is not saved)."""
+        W_v's products (their biases added), the attention kernel's P and C, and the
+        reduced W_o product where a reduce-scatter produced it (sequence parallelism) —
+        and the block's input ``x``, as torchtitan's per-op policy re-runs the rest in
+        the backward: the sequence-parallel gather, the K product (W_kv's first half, and
+        b_k), QK-norm, RoPE, the W_o product with its reduction where y was not kept (an
+        all-reduce's output is not saved) and b_o's add."""
         qm, vm, p, ctx, y = state
         xf = ops.gather_seq(x, "attention: gather x (recompute)")
         b, s, h = xf.shape
         x2 = xf.reshape(b * s, h)
         w_k = w_kv.reshape(h, 2, -1)[:, 0]
         km = ops.matmul(x2, w_k, "attention: x @ W_k (recompute)")
+        if self.qkv_bias:
+            km = ops.add_bias(km, biases[1][0], "attention: + b_k (recompute)")
         q, k, v, norms = self._heads(ops, qm, km, vm, b, s, qk_gains, " (recompute)")
         if y is None:
             y = ops.matmul_reduce(ops.c.y_out, ctx, w_o, (b, s, h),
                                   "attention: ctx @ W_o (recompute)",
                                   "attention: reduce y (recompute)")
-        return y, (x2, q, k, v, p, ctx, norms)
+        return self._out_bias(ops, y, biases, " (recompute)"), (x2, q, k, v, p, ctx, norms)
 
     def backward_input(self, ops, state, dy, w_q, w_kv, w_o, g_q=None, g_kv=None,
-                       qk_gains=None, sinks=None):
+                       qk_gains=None, sinks=None, bias_grads=None):
         """dx (x's layout) and the weight gradient's state (P and C recomputed first when
         the state holds none: selective recomputation). ``g_q``, ``g_kv``: W_q's and
         W_kv's gradients, accumulated here while dx is reduced under
         ``ops.async_grad_reduce`` (``TransformerOps.reduce_input_grad``; the state then
-        says so and :meth:`backward_weight` leaves them). ``qk_gains``: (g_q, g_k) with
+        says so and :meth:`backward_weight` leaves them), with ``qkv_bias`` b_q's and
+        b_kv's too (``bias_grads``: (db_q, db_kv, ...)). ``qk_gains``: (g_q, g_k) with
         QK-norm; ``sinks``: the sink logits with attention sinks (their gradient rides in
         the weight gradient's state)."""
         x2, q, k, v, p, ctx, norms = state
@@ -417,6 +463,7 @@ class GQAttention:
                                          ("attention: dctx = dy W_o^T",))   # (b·s, a_l·d)
         h = dyf.shape[-1]
         dy2 = dyf.reshape(b * s, h)
+        dyb = dy if self.out_bias else None      # this rank's rows of dy: db_o's
         grads = self.core_backward(
             ops, self._q_group(ops, dctx, b, s, "attention: split heads"), q, k, v, p, sinks)
         (dq, dk, dv), dsink = grads[:3], (grads[3] if sinks is not None else None)
@@ -437,28 +484,43 @@ class GQAttention:
         dx = ops.ew("attention: add dx", lambda: dxq + dxkv, dxq, dxkv).reshape(b, s, h)
         if g_q is None:
             return ops.reduce_out(dx, "attention: reduce dx"), \
-                (x2, dq, dkv, ctx, dy2, gains, dsink)
+                (x2, dq, dkv, ctx, dy2, gains, dsink, dyb)
+        gb = bias_grads[:2] if self.qkv_bias else (None, None)
         dx, done = ops.reduce_input_grad(dx, "attention: reduce dx",
-                                         lambda: self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv))
-        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2, gains, dsink)
+                                         lambda: self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv,
+                                                                 *gb))
+        return dx, ((None, None, None) if done else (x2, dq, dkv)) + (ctx, dy2, gains, dsink,
+                                                                      dyb)
 
     @staticmethod
-    def _qkv_grads(ops, x2, dq, dkv, g_q, g_kv) -> None:
+    def _qkv_grads(ops, x2, dq, dkv, g_q, g_kv, gb_q=None, gb_kv=None) -> None:
+        """dW_q, dW_kv (and with the biases' gradients ``gb_q``, ``gb_kv`` db_q = Σ_rows
+        dq, db_kv = Σ_rows dkv) accumulated in place."""
         g_q += ops.matmul(x2.T, dq, "attention: dW_q = x^T dq")
         g_kv += ops.matmul(x2.T, dkv, "attention: dW_kv = x^T dkv").reshape(g_kv.shape)
+        if gb_q is not None:
+            gb_q += ops.sum_rows(dq, "attention: db_q")
+            gb_kv += ops.sum_rows(dkv, "attention: db_kv").reshape(gb_kv.shape)
 
     def backward_weight(self, ops, wstate, g_q, g_kv, g_o, qk_gain_grads=None,
-                        sink_grad=None) -> None:
+                        sink_grad=None, bias_grads=None) -> None:
         """Accumulate dW_q, dW_kv (unless :meth:`backward_input` did), dW_o, with QK-norm
-        this rank's part of the gains' gradients ``qk_gain_grads`` and with attention
-        sinks the sinks' gradient ``sink_grad`` (whole for this rank's heads) (in place)."""
-        x2, dq, dkv, ctx, dy2, gains, dsink = wstate
+        this rank's part of the gains' gradients ``qk_gain_grads``, with attention
+        sinks the sinks' gradient ``sink_grad`` (whole for this rank's heads) and with
+        biases ``bias_grads`` (db_q, db_kv, db_o; None where absent): db_q, db_kv with
+        dW_q, dW_kv; db_o over this rank's rows of dy (partial over tp under sequence
+        parallelism: the caller sums it) (in place)."""
+        x2, dq, dkv, ctx, dy2, gains, dsink, dyb = wstate
         if dsink is not None:
             ops.ew("attention: sinks' gradient", lambda: np.add(sink_grad, dsink,
                                                                  out=sink_grad), dsink)
         if x2 is not None:
-            self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv)
+            self._qkv_grads(ops, x2, dq, dkv, g_q, g_kv,
+                            *(bias_grads[:2] if self.qkv_bias else ()))
         g_o += ops.matmul(ctx.T, dy2, "attention: dW_o = ctx^T dy")
+        if dyb is not None:
+            gb_o = bias_grads[2]
+            gb_o += ops.sum_rows(dyb, "attention: db_o")
         if gains is not None:
             dqn, xq, dkn, xk = gains
             rows = dqn.shape[0]

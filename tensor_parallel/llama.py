@@ -1,8 +1,8 @@
 """The Llama transformer layer and its ends, with Megatron tensor and sequence
 parallelism: forward, input gradient (I) and weight gradient (W) on one device.
 
-Layer (pre-norm, no biases anywhere), x (b, s, h) — or (b, s/t, h) with sequence
-parallelism (SP):
+Layer (pre-norm; no biases but, optionally, the attention's projections'), x (b, s, h)
+— or (b, s/t, h) with sequence parallelism (SP):
 
     x1 = x + Attention(RMSNorm1(x))       grouped-query, RoPE, causal: :mod:`.gqa`
     y  = x1 + MLP(RMSNorm2(x1)),  MLP(u) = (silu(u W_gate) * (u W_up)) W_down   (f wide)
@@ -24,6 +24,15 @@ Sliding-window attention and attention sinks (``window`` on ``window_layers``,
 ``sinks``: Mistral, GPT-OSS; :mod:`.gqa`): each layer builds its own attention with its
 window (:func:`layer_window`); the sinks' logits ``sinks`` (a,) follow w_o, split over tp
 by heads like W_q's columns, so a rank's gradient is whole for its heads (no tp sum).
+
+Attention biases (``qkv_bias``: Qwen2/Qwen2.5; with ``out_bias``: GPT-OSS; :mod:`.gqa`):
+b_q (a·d,) after w_q, split over tp as W_q's columns; b_kv (2, c·d) after w_kv, laid out
+and split as W_kv's last two dimensions — when c < t a replica's db_kv is summed over
+the replicas in the same all_reduce(tp) as dW_kv (each slot holds the head's dW_kv and
+db_kv flattened); b_o (h,) after w_o, whole on every tp rank and added after the
+row-parallel reduction. Under sequence parallelism db_o holds only this rank's rows:
+it is ``seq_partial`` (all-reduced over tp with the norms' gains); without it db_o is
+whole on every rank.
 
 Multi-head latent attention (``latent``: DeepSeek-V2/V3's MLA, :mod:`.mla`) replaces
 w_q, w_kv, w_o by the latent projections w_q_a, q_a_norm_g, w_q_b (or w_q), w_kv_a,
@@ -89,7 +98,7 @@ from .transformer import (RECOMPUTE, TransformerStage, VocabParallelEmbedding,
                           VocabParallelHead, _Layer)
 
 __all__ = ["LlamaLayer", "TokenEmbedding", "RMSNormHead", "llama_stage", "llama_split_dim",
-           "llama_piece", "kv_pieces", "check_kv_heads", "layer_window"]
+           "llama_piece", "kv_pieces", "is_kv_param", "check_kv_heads", "layer_window"]
 
 
 def _swiglu(zg, backward: bool) -> Kernel:
@@ -118,25 +127,35 @@ class LlamaLayer(_Layer):
     seq_partial = ("attn_norm_g", "mlp_norm_g")
     qk_norm_names = ("q_norm_g", "k_norm_g")     # QK-norm's gains, whole on every tp rank
     sink_name = "sinks"      # attention sinks' logits (a,), split over tp by heads
+    qkv_bias_names = ("b_q", "b_kv")    # after w_q, w_kv: split as W_q's and W_kv's columns
+    out_bias_name = "b_o"               # after w_o: whole on every tp rank
 
     @classmethod
-    def layer_names(cls, qk_norm: bool, names=None, latent=None,
-                    sinks: bool = False) -> tuple[str, ...]:
-        """``names`` (default the class's), with QK-norm's gains after w_kv when
-        ``qk_norm`` (the order of the model's parameters, :func:`~pipeline_parallel.llama.
-        llama_param_shapes`); ``latent`` (a :class:`~modeling.spec.LatentAttention`, MLA):
-        w_q, w_kv, w_o become the latent attention's (:func:`~.mla.mla_names`);
-        ``sinks``: the attention sinks' logits after w_o."""
+    def layer_names(cls, qk_norm: bool, names=None, latent=None, sinks: bool = False,
+                    qkv_bias: bool = False, out_bias: bool = False) -> tuple[str, ...]:
+        """``names`` (default the class's), with QK-norm's gains after w_kv (and b_kv)
+        when ``qk_norm`` (the order of the model's parameters, :func:`~pipeline_parallel.
+        llama.llama_param_shapes`); ``latent`` (a :class:`~modeling.spec.LatentAttention`,
+        MLA): w_q, w_kv, w_o become the latent attention's (:func:`~.mla.mla_names`);
+        ``sinks``: the attention sinks' logits after w_o (and b_o); ``qkv_bias``: b_q
+        after w_q, b_kv after w_kv; ``out_bias``: b_o after w_o."""
         names = cls.names if names is None else tuple(names)
+        biases = (("w_q", cls.qkv_bias_names[0], qkv_bias),
+                  ("w_kv", cls.qkv_bias_names[1], qkv_bias),
+                  ("w_o", cls.out_bias_name, out_bias))
+        for after, bias, on in biases:
+            if on and bias not in names:
+                at = names.index(after) + 1
+                names = names[:at] + (bias,) + names[at:]
         if sinks and cls.sink_name not in names:
-            at = names.index("w_o") + 1
+            at = names.index(cls.out_bias_name if out_bias else "w_o") + 1
             names = names[:at] + (cls.sink_name,) + names[at:]
         if latent is not None and "w_kv" in names:
             at, end = names.index("w_q"), names.index("w_o") + 1
             names = names[:at] + mla_names(latent.q_lora_rank is not None) + names[end:]
         if not qk_norm or cls.qk_norm_names[0] in names:
             return names
-        at = names.index("w_kv") + 1
+        at = names.index(cls.qkv_bias_names[1] if qkv_bias else "w_kv") + 1
         return names[:at] + cls.qk_norm_names + names[at:]
 
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
@@ -151,12 +170,18 @@ class LlamaLayer(_Layer):
                              f"{type(self).__name__} with {type(attention).__name__} has none")
         self.qk_norm = attention.qk_norm is not None
         self.sinks = bool(getattr(attention, "sinks", False))   # attention sinks' logits
+        self.qkv_bias = bool(getattr(attention, "qkv_bias", False))
+        self.out_bias = bool(getattr(attention, "out_bias", False))
         self.latent = isinstance(attention, MLAttention)      # MLA: its parameters by name
         if self.latent:          # instance names: w_q, w_kv, w_o become the attention's
             at, end = self.names.index("w_q"), self.names.index("w_o") + 1
             self.names = self.names[:at] + attention.names + self.names[end:]
-        if self.qk_norm or self.sinks:  # instance names: the (subclass's) names, gains, sinks
-            self.names = self.layer_names(self.qk_norm, self.names, sinks=self.sinks)
+        if self.qk_norm or self.sinks or self.qkv_bias or self.out_bias:
+            # instance names: the (subclass's) names, gains, sinks, biases
+            self.names = self.layer_names(self.qk_norm, self.names, sinks=self.sinks,
+                                          qkv_bias=self.qkv_bias, out_bias=self.out_bias)
+        if self.out_bias:        # db_o: this rank's rows under SP, summed over tp as the gains
+            self.seq_partial = self.seq_partial + (self.out_bias_name,)
         super().__init__(params)
         self.attn, self.recompute, self.eps = attention, recompute, eps
         self.kv_heads, self.kv_replicas, self.microbatches = kv_heads, kv_replicas, microbatches
@@ -205,7 +230,7 @@ class LlamaLayer(_Layer):
         u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm")
         att, ast = self.attn.forward(ops, u, P, keep) if self.latent else \
             self.attn.forward(ops, u, P["w_q"], P["w_kv"], P["w_o"], keep, self._qk_gains(P),
-                              self._sinks(P))
+                              self._sinks(P), self._biases(P))
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
         if stop:                  # the dense MLP's (MoE and MLA layers refuse full-torch)
@@ -226,7 +251,7 @@ class LlamaLayer(_Layer):
         P, (x, ast, zg) = self.p, st
         u, n1 = rms_norm(ops, x, P["attn_norm_g"], self.eps, "attention: norm (recompute)")
         att, ast = self.attn.recompute_op(ops, u, ast, P["w_q"], P["w_kv"], P["w_o"],
-                                          self._qk_gains(P))
+                                          self._qk_gains(P), self._biases(P))
         x1 = ops.ew("residual (recompute)", lambda: x + att, x, att)
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm (recompute)")
         xf = ops.gather_seq(u2, "mlp: gather x (recompute)")
@@ -246,7 +271,7 @@ class LlamaLayer(_Layer):
         dv, aw = self.attn.backward_input(ops, ast, dx1, P, self.g) if self.latent else \
             self.attn.backward_input(ops, ast, dx1, P["w_q"], P["w_kv"], P["w_o"],
                                      self.g["w_q"], self.g["w_kv"], self._qk_gains(P),
-                                     self._sinks(P))
+                                     self._sinks(P), self._biases(self.g))
         dx = rms_norm_grad(ops, dv, n1, P["attn_norm_g"], "attention: norm grad + residual",
                            residual=dx1)
         self._wstate[mb] = (n1[0], dv, aw, n2[0], du, mw)
@@ -260,10 +285,17 @@ class LlamaLayer(_Layer):
         """The attention sinks' logits of ``P`` (parameters or gradients), else None."""
         return P[self.sink_name] if self.sinks else None
 
+    def _biases(self, P):
+        """(b_q, b_kv, b_o) of ``P`` (parameters or gradients; None where absent) with
+        attention biases, else None."""
+        if not (self.qkv_bias or self.out_bias):
+            return None
+        return tuple(P.get(n) for n in self.qkv_bias_names + (self.out_bias_name,))
+
     def backward_weight(self, ops, mb: int) -> None:
         """Accumulate mb's gradients (in place); after the step's last micro-batch, sum
-        the K/V replicas' dW_kv and the QK-norm gains' gradients over tp (see the module
-        docstring)."""
+        the K/V replicas' dW_kv (and db_kv) and the QK-norm gains' gradients over tp (see
+        the module docstring)."""
         G = self.g
         xhat1, dv, aw, xhat2, du, mw = self._wstate.pop(mb)
         self._mlp_weight_grads(ops, G, mw)
@@ -272,7 +304,7 @@ class LlamaLayer(_Layer):
             self.attn.backward_weight(ops, aw, G)
         else:
             self.attn.backward_weight(ops, aw, G["w_q"], G["w_kv"], G["w_o"], self._qk_gains(G),
-                                      self._sinks(G))
+                                      self._sinks(G), self._biases(G))
         rms_norm_gain_grad(ops, dv, xhat1, G["attn_norm_g"], "attention: norm gain grad")
         self._w_count = (self._w_count + 1) % self.microbatches
         if self._w_count == 0 and self.kv_replicas > 1:
@@ -296,9 +328,23 @@ class LlamaLayer(_Layer):
         G["w_up"] += ops.matmul(x2.T, dzu, "mlp: dW_up = x^T dzu")
 
     def _sum_kv_replicas(self, ops) -> None:
-        """dW_kv = the sum over the ranks holding this KV head (all_reduce(tp) of the
-        kv_heads slots, this rank's head in slot tp_rank // replicas)."""
+        """dW_kv (and with ``qkv_bias`` db_kv) = the sum over the ranks holding this KV
+        head (all_reduce(tp) of the kv_heads slots, this rank's head in slot tp_rank //
+        replicas; with the bias a slot holds dW_kv and db_kv flattened, one collective)."""
         g, slot = self.g["w_kv"], ops.tp_rank // self.kv_replicas
+        if self.qkv_bias:
+            gb = self.g[self.qkv_bias_names[1]]
+
+            def stack_both():
+                out = np.zeros_like(g, shape=(self.kv_heads, g.size + gb.size))
+                out[slot] = np.concatenate([g.reshape(-1), gb.reshape(-1)])
+                return out
+
+            stacked = ops.work("attention: stack the K/V replicas' dW_kv, db_kv", 0,
+                               (g, gb, g, gb), None, stack_both)
+            total = ops.all_reduce_tp(stacked)[slot]
+            g[...], gb[...] = total[:g.size].reshape(g.shape), total[g.size:].reshape(gb.shape)
+            return
 
         def stack():
             out = np.zeros_like(g, shape=(self.kv_heads,) + tuple(g.shape))
@@ -377,8 +423,12 @@ def llama_split_dim(name: str) -> int | None:
     last = name.rsplit(".", 1)[-1]
     if last in LlamaLayer.qk_norm_names:
         return None
-    if last == LlamaLayer.sink_name:        # one logit per query head: split as W_q's heads
+    if last in (LlamaLayer.sink_name, LlamaLayer.qkv_bias_names[0]):   # W_q's heads
         return 0
+    if last == LlamaLayer.qkv_bias_names[1]:         # (2, c·d): as W_kv's last dimension
+        return 1
+    if last == LlamaLayer.out_bias_name:             # added after the reduction: whole
+        return None
     if last in mla_names(True) + mla_names(False):     # MLA's: heads split, latents whole
         return MLA_SPLIT.get(last)
     for module in (LlamaLayer, TokenEmbedding, RMSNormHead):
@@ -387,14 +437,20 @@ def llama_split_dim(name: str) -> int | None:
     raise KeyError(f"no Llama parameter is called {name!r}")
 
 
+def is_kv_param(name: str) -> bool:
+    """Whether Llama parameter ``name`` is laid out as the K/V heads (W_kv, b_kv):
+    :func:`kv_pieces` pieces over tp, replicated when kv_heads < tp."""
+    return name.rsplit(".", 1)[-1] in ("w_kv", LlamaLayer.qkv_bias_names[1])
+
+
 def llama_piece(name: str, array, tp: int, tp_rank: int, kv_heads: int):
     """Rank ``tp_rank``'s piece of the global parameter ``name``: the whole array, or
     piece tp_rank // (tp / n) of n equal pieces on :func:`llama_split_dim`, n = tp
-    (W_kv: :func:`kv_pieces`)."""
+    (W_kv and b_kv: :func:`kv_pieces`)."""
     dim = llama_split_dim(name)
     if dim is None or tp == 1:
         return array
-    n = kv_pieces(kv_heads, tp) if name.endswith("w_kv") else tp
+    n = kv_pieces(kv_heads, tp) if is_kv_param(name) else tp
     size, i = array.shape[dim] // n, tp_rank // (tp // n)
     return array[(slice(None),) * dim + (slice(i * size, (i + 1) * size),)]
 
@@ -405,7 +461,8 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
                 kv_sum_every: int | None = None, tie: bool = False,
                 head_dim: int | None = None, qk_norm: bool = False,
                 latent=None, window: int | None = None, window_layers=None,
-                sinks: bool = False) -> TransformerStage:
+                sinks: bool = False, qkv_bias: bool = False,
+                out_bias: bool = False) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
     Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
@@ -419,18 +476,21 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
     latent attention (:mod:`.mla`; ``cp`` with group 1 and its v_head_dim; the latent
     projections' gradients summed over tp as the K/V replicas'). ``window``: sliding-window
     attention on the layers ``window_layers`` (None: every layer; :func:`layer_window`);
-    ``sinks``: attention sinks on every layer (:mod:`.gqa`)."""
+    ``sinks``: attention sinks on every layer (:mod:`.gqa`); ``qkv_bias``, ``out_bias``:
+    biases on the attention's q, k, v and output projections (:mod:`.gqa`)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
     rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
-    modules = [LlamaLayer(params(LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks),
+    modules = [LlamaLayer(params(LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks,
+                                                        qkv_bias=qkv_bias, out_bias=out_bias),
                                  f"layers.{i}."),
                           GQAttention(heads // t, kv_local, d, rope, cp,
                                       qk_norm=eps if qk_norm else None,
                                       window=layer_window(i, window, window_layers),
-                                      sinks=sinks) if latent is None
+                                      sinks=sinks, qkv_bias=qkv_bias,
+                                      out_bias=out_bias) if latent is None
                           else MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps),
                           kv_heads, replicas, kv_sum_every or microbatches, recompute, eps)
                for i in layers]

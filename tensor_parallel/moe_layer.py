@@ -279,8 +279,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                     head_dim: int | None = None,
                     qk_norm: bool = False, latent=None, cp=None,
                     positions=None, dense_layers=(), bias_rate: float = 0.0,
-                    window: int | None = None, window_layers=None, sinks: bool = False
-                    ) -> TransformerStage:
+                    window: int | None = None, window_layers=None, sinks: bool = False,
+                    qkv_bias: bool = False, out_bias: bool = False) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
     an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
@@ -292,21 +292,24 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
     ``dense_layers``: the layer indices whose MLP is the dense SwiGLU (DeepSeek-V3's first
     three), :class:`~.llama.LlamaLayer` among the MoE ones; ``bias_rate``: the
     auxiliary-loss-free balancing's γ (:class:`MoEBlock`; 0: none); ``window``,
-    ``window_layers``, ``sinks`` (sliding-window attention, attention sinks): as
-    :func:`~tensor_parallel.llama.llama_stage`'s."""
+    ``window_layers``, ``sinks`` (sliding-window attention, attention sinks), ``qkv_bias``,
+    ``out_bias`` (the attention's biases): as :func:`~tensor_parallel.llama.llama_stage`'s."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
     rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
     names = LlamaMoELayer.layer_names(qk_norm, LlamaMoELayer.names + (
-        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent, sinks=sinks)
-    dense_names = LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks)
+        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent, sinks=sinks,
+        qkv_bias=qkv_bias, out_bias=out_bias)
+    dense_names = LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks,
+                                         qkv_bias=qkv_bias, out_bias=out_bias)
 
     def attention(i):
         return GQAttention(heads // t, kv_local, d, rope, cp, qk_norm=eps if qk_norm
                            else None, window=layer_window(i, window, window_layers),
-                           sinks=sinks) if latent is None else \
+                           sinks=sinks, qkv_bias=qkv_bias, out_bias=out_bias) \
+            if latent is None else \
             MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps)
 
     modules = [LlamaLayer(params(dense_names, f"layers.{i}."), attention(i), kv_heads,

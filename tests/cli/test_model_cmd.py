@@ -60,8 +60,8 @@ def test_plan_takes_a_model_and_gpt_stays_an_alias(tmp_path, capsys):
 def test_a_model_the_program_cannot_run_is_refused_by_name(capsys):
     assert main(["simulate", "train", "--model", "gpt-oss-20b", "--seq", "4096",
                  "--global-batch", "8"]) == 2
-    assert "--model='gpt-oss-20b': the GPT program cannot run biases in the attention's " \
-        "projections" in capsys.readouterr().err      # its windows and sinks it runs
+    assert "--model='gpt-oss-20b': the GPT program cannot run biases in the experts and " \
+        "the router" in capsys.readouterr().err  # its windows, sinks, attention biases it runs
     assert main(["simulate", "train", "--hidden", "64", "--seq", "64",
                  "--global-batch", "8"]) == 2
     assert "--layers, --heads, --vocab required (or --model" in capsys.readouterr().err
@@ -151,7 +151,7 @@ def test_a_scenario_names_its_model(tmp_path, capsys):
     assert main(["run", str(bad), "--out", str(tmp_path / "out2"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "workload.model = 'gpt-oss-20b': the GPT program cannot run biases in the " \
-        "attention's projections" in err
+        "experts and the router" in err
 
 
 ARCH_TEST = re.compile(r"""arch[a-z_]*\s*(==|!=|in)\s*\(?["']""")

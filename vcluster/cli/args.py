@@ -87,7 +87,8 @@ def sizes(text: str) -> list[int]:
 
 def add_arch_arguments(parser) -> None:
     """--arch gpt|llama, --kv-heads, --ffn-hidden, --head-dim, --qk-norm, --window,
-    --window-layers, --attention-sinks, the multi-head latent attention flags
+    --window-layers, --attention-sinks, --qkv-bias, --out-bias, the multi-head latent
+    attention flags
     (:data:`LATENT_FLAGS`), --tie-embeddings:
     GPTConfig's architecture fields
     (``pipeline_parallel.gpt.ARCHS``; a test keeps the choices equal)."""
@@ -119,6 +120,13 @@ def add_arch_arguments(parser) -> None:
                         help="llama: attention sinks, one learned logit per query head in "
                              "every softmax's denominator (GPT-OSS; on with a --model that "
                              "has it)")
+    parser.add_argument("--qkv-bias", action="store_true",
+                        help="llama: biases on the attention's q, k and v projections "
+                             "(Qwen2/Qwen2.5, GPT-OSS; on with a --model that has them)")
+    parser.add_argument("--out-bias", action="store_true",
+                        help="llama: a bias on the attention's output projection, added "
+                             "after the tensor-parallel reduction (GPT-OSS; on with a "
+                             "--model that has it)")
     for flag, text in LATENT_FLAGS.items():
         parser.add_argument(flag, type=positive_int, default=None, metavar="N",
                             help=f"llama, multi-head latent attention (DeepSeek-V2/V3): {text}")
@@ -228,6 +236,8 @@ def model_title(config, name: str | None = None) -> str:
         extra += f" window={c.window}" + ("" if c.window_layers is None else
                                           f" ({len(c.window_layers)}/{c.layers} layers)")
     extra += " sinks" if getattr(c, "attention_sinks", False) else ""
+    extra += " qkv-bias" if getattr(c, "qkv_bias", False) else ""
+    extra += " out-bias" if getattr(c, "out_bias", False) else ""
     if getattr(c, "kv_lora_rank", None):
         extra += f" mla(r_q={c.q_lora_rank}, r_kv={c.kv_lora_rank}, d_v={c.v_head_dim})"
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
@@ -363,11 +373,13 @@ def gpt_config(args, dtype: str = "float64"):
                          head_dim=args.head_dim, qk_norm=args.qk_norm,
                          window=args.window, window_layers=args.window_layers,
                          attention_sinks=args.attention_sinks,
+                         qkv_bias=args.qkv_bias, out_bias=args.out_bias,
                          tie_embeddings=args.tie_embeddings, **moe_config(args),
                          **_latent_config(args))
     given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
     given.update({f: v for f, v in _latent_config(args).items() if v is not None})
-    for flag in ("tie_embeddings", "qk_norm", "attention_sinks"):   # switches: on when given
+    for flag in ("tie_embeddings", "qk_norm", "attention_sinks", "qkv_bias",
+                 "out_bias"):                                  # switches: on when given
         if getattr(args, flag):
             given[flag] = True
     return GPTConfig.of_model(args.model, args.seq, dtype, timing_only=True,

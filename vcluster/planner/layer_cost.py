@@ -127,7 +127,8 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
                         recompute, config.eps, 2, config.seq, cp, positions,
                         tie=config.tie_embeddings, head_dim=config.head_dim,
                         qk_norm=config.qk_norm, latent=config.latent_attention(),
-                        window=config.window, sinks=config.attention_sinks)
+                        window=config.window, sinks=config.attention_sinks,
+                        qkv_bias=config.qkv_bias, out_bias=config.out_bias)
     return stage.modules
 
 
@@ -179,7 +180,8 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
                             ep_axes=axes, folded=folded, cp=cp, positions=positions,
                             head_dim=config.head_dim,
                             qk_norm=config.qk_norm, latent=config.latent_attention(),
-                            window=config.window, sinks=config.attention_sinks)
+                            window=config.window, sinks=config.attention_sinks,
+                            qkv_bias=config.qkv_bias, out_bias=config.out_bias)
     return stage.modules
 
 

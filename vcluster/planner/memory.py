@@ -65,7 +65,9 @@ Llama (``GPTConfig(arch="llama")``; d = ``head_dim`` (default h/a), h_q = a·d, 
 kv_heads, f ffn_hidden, c_l = max(c/t, 1) KV heads per rank — replicated when c < t).
 Parameters per layer: (2·h·h_q + 3·h·f)/t + 2·h·d·c_l + 2h (the RMSNorm gains whole; no
 biases), + 2d with QK-norm (its two gains, whole on every rank), + a/t with attention
-sinks (one logit per query head, split by heads); the first stage adds
+sinks (one logit per query head, split by heads), + h_q/t + 2·d·c_l with q, k, v biases
+(``qkv_bias``: b_q split by heads, b_kv laid out as W_kv) and + h with an output bias
+(``out_bias``: b_o whole on every rank); the first stage adds
 the word embedding V·h/t (no positions), the last the final gain and the output
 projection V·h/t + h. Activations per layer and micro-batch, 16-bit, by the same
 counting with no dropout: the two norms' inputs and outputs 8·s·b·h (/t with SP), q and
@@ -333,7 +335,10 @@ def _llama_rank_params(config, parallel, r: int) -> float:
     attention = _latent_params(config, t) if getattr(config, "kv_lora_rank", None) else \
         2 * h * config.heads * d / t + 2 * h * d * max(config.kv_heads // t, 1)
     per_layer = attention + 2 * h + (2 * d if getattr(config, "qk_norm", False) else 0) \
-        + (config.heads / t if getattr(config, "attention_sinks", False) else 0)
+        + (config.heads / t if getattr(config, "attention_sinks", False) else 0) \
+        + (config.heads * d / t + 2 * d * max(config.kv_heads // t, 1)
+           if getattr(config, "qkv_bias", False) else 0) \
+        + (h if getattr(config, "out_bias", False) else 0)
     n_moe = _rank_moe_layers(config, parallel, r)
     params = _rank_layers(config, parallel, r) * (per_layer + 3 * h * f / t) \
         + n_moe * (moe - 3 * h * f / t)

@@ -167,6 +167,10 @@ _WORKLOAD = MappingProxyType({
                                          "[0, 2, 4, ...]; omit: every layer)"},
         "attention_sinks": _bool("llama: attention sinks, one learned logit per query head "
                                  "in every softmax's denominator (GPT-OSS)"),
+        "qkv_bias": _bool("llama: biases on the attention's q, k and v projections "
+                          "(Qwen2/Qwen2.5, GPT-OSS)"),
+        "out_bias": _bool("llama: a bias on the attention's output projection, added after "
+                          "the tensor-parallel reduction (GPT-OSS)"),
         "tie_embeddings": _bool("the output head is the word embedding's transpose (GPT-2, "
                                 "MPT, Gemma)"),
         "fp8": _bool("simulation: the transformer layers' linear GEMMs priced at the "

@@ -94,7 +94,8 @@ _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch"
               **{f: f"workload.{f}" for f in ("hidden", "layers", "heads", "seq", "vocab",
                                                "kv_heads", "ffn_hidden", "head_dim",
                                                "qk_norm", "window", "window_layers",
-                                               "attention_sinks", "experts",
+                                               "attention_sinks", "qkv_bias",
+                                               "out_bias", "experts",
                                                "moe_top_k", "moe_ffn_hidden",
                                                "capacity_factor", "arch", "moe_router",
                                                "moe_shared_ffn_hidden",
@@ -150,6 +151,7 @@ def _configs(scenario, mesh=None):
                        kv_heads=o.get("kv_heads"), ffn_hidden=o.get("ffn_hidden"),
                        head_dim=o.get("head_dim"), qk_norm=o.get("qk_norm", False),
                        window=o.get("window"), attention_sinks=o.get("attention_sinks", False),
+                       qkv_bias=o.get("qkv_bias", False), out_bias=o.get("out_bias", False),
                        window_layers=tuple(o["window_layers"]) if o.get("window_layers")
                        else None,
                        tie_embeddings=o["tie_embeddings"], experts=o["experts"],
@@ -166,7 +168,8 @@ def _configs(scenario, mesh=None):
 #: workload keys that, written beside workload.model, override the model's
 _MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden",
                     "head_dim", "qk_norm", "window", "window_layers", "attention_sinks",
-                    "tie_embeddings", "experts", "moe_top_k", "moe_ffn_hidden",
+                    "qkv_bias", "out_bias", "tie_embeddings", "experts", "moe_top_k",
+                    "moe_ffn_hidden",
                     "capacity_factor", "moe_router", "moe_shared_ffn_hidden",
                     "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers", "moe_groups",
                     "moe_bias_update_rate")
@@ -215,6 +218,8 @@ def _gqa(config) -> str:
                                              f" ({len(config.window_layers)}/{config.layers}"
                                              " layers)")
     out += " sinks" if config.attention_sinks else ""
+    out += " qkv-bias" if config.qkv_bias else ""
+    out += " out-bias" if config.out_bias else ""
     if config.experts:
         out += f" experts={config.experts} top-{config.moe_top_k}"
     return out

@@ -423,11 +423,13 @@ def serve_config(model, timing_only: bool = False) -> GPTConfig:
         ("qkv_bias", cfg.qkv_bias), ("out_bias", cfg.out_bias),
         ("capacity_factor", cfg.capacity_factor if cfg.experts else None),
         ("moe_groups", cfg.moe_groups if cfg.experts else None),
-        ("moe_bias_update_rate", cfg.moe_bias_update_rate or None)) if v]
+        ("moe_bias_update_rate", cfg.moe_bias_update_rate or None),
+        ("moe_router_bias", cfg.moe_router_bias), ("moe_expert_bias", cfg.moe_expert_bias)
+    ) if v]
     if unsupported:
         f, v = unsupported[0]
-        raise ConfigError(f, v, "none (a dropless MoE; grouped-query attention without "
-                          "QK-norm, windows, sinks or biases)",
+        raise ConfigError(f, v, "none (a dropless MoE without biases; grouped-query "
+                          "attention without QK-norm, windows, sinks or biases)",
                           "the serving program does not run it yet")
     return cfg
 

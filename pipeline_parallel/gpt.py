@@ -65,8 +65,9 @@ from tensor_parallel.context_parallel import (ContextParallelAttention,
 from tensor_parallel.llama import is_kv_param, kv_pieces, llama_piece, llama_split_dim, \
     llama_stage
 from tensor_parallel.moe import MoE
-from tensor_parallel.moe_layer import (EXPERT_PARAMS, MOE_PARAMS, MOE_TP_DIM,
-                                       is_moe_param, llama_moe_stage, moe_piece)
+from tensor_parallel.moe_layer import (EXPERT_BIAS_PARAMS, EXPERT_PARAMS, MOE_PARAMS,
+                                       MOE_TP_DIM, is_expert_param, is_moe_param,
+                                       llama_moe_stage, moe_piece)
 from tensor_parallel.moe_load import ExpertLoad
 from tensor_parallel.transformer import (TransformerLayer, TransformerStage,
                                          param_layout, split_dim)
@@ -267,7 +268,14 @@ class GPTConfig:
     y = C W_o + b_o, parameters b_q (a·d,), b_kv (2, c·d) split over tp as W_q's and
     W_kv's columns, b_o (h,) whole on every rank (:mod:`tensor_parallel.gqa`). The GPT
     block always has its biases (these fields stay False there). Not with multi-head
-    latent attention."""
+    latent attention.
+
+    MoE biases (GPT-OSS; with ``experts``): ``moe_router_bias`` — l = u W_r + b_r,
+    parameters b_router (E,) replicated like W_r —; ``moe_expert_bias`` — each routed
+    expert O = (silu(X W_g + b_g) * (X W_u + b_u)) W_d + b_d, combined as Σ g·O (b_d
+    inside the routing weight), parameters moe_b_gate, moe_b_up (E, f_e) and moe_b_down
+    (E, h) split over ep with their experts (:mod:`tensor_parallel.moe`). The shared
+    experts have none."""
 
     hidden: int
     layers: int
@@ -299,6 +307,8 @@ class GPTConfig:
     moe_dense_layers: tuple = ()       # layers whose MLP stays dense (DeepSeek-V3: 0, 1, 2)
     moe_groups: tuple | None = None    # (n_group, topk_group): group-limited routing (V3: 8, 4)
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing's bias step (V3: 1e-3; 0: none)
+    moe_router_bias: bool = False      # the router's bias b_r (E,): l = x W_r + b_r (GPT-OSS)
+    moe_expert_bias: bool = False      # the experts' b_gate, b_up (E, f_e), b_down (E, h) (GPT-OSS)
     tie_embeddings: bool = False       # the output head is E^T (no W_out; GPT-2, MPT, Gemma)
     window: int | None = None          # sliding window: a query sees its last `window` keys
     window_layers: tuple | None = None   # the layers with the window (None: every layer)
@@ -476,7 +486,8 @@ class GPTConfig:
                              ("moe_router", "softmax"), ("moe_normalize_top_k", None),
                              ("moe_routed_scaling", 1.0), ("moe_shared_ffn_hidden", 0),
                              ("moe_dense_layers", ()), ("moe_groups", None),
-                             ("moe_bias_update_rate", 0.0)):
+                             ("moe_bias_update_rate", 0.0), ("moe_router_bias", False),
+                             ("moe_expert_bias", False)):
                 if getattr(self, f) != unset:
                     raise ConfigError(f, getattr(self, f), f"{unset!r} without experts",
                                       "only a mixture-of-experts model takes it",
@@ -510,6 +521,11 @@ class GPTConfig:
                               "not a gate factor", owner="GPTConfig")
         if self.moe_groups is not None:
             object.__setattr__(self, "moe_groups", tuple(self.moe_groups))
+        for f in ("moe_router_bias", "moe_expert_bias"):
+            if getattr(self, f) not in (False, True):
+                raise ConfigError(f, getattr(self, f), "True or False", "not a boolean",
+                                  owner="GPTConfig")
+            object.__setattr__(self, f, bool(getattr(self, f)))
         g = self.moe_bias_update_rate
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
             raise ConfigError("moe_bias_update_rate", g, "a finite number >= 0 (0: no bias)",
@@ -545,7 +561,8 @@ class GPTConfig:
                    normalize_top_k=self.moe_normalize_top_k,
                    routed_scaling=self.moe_routed_scaling,
                    shared_ffn_hidden=self.moe_shared_ffn_hidden, dispatcher=dispatcher,
-                   groups=self.moe_groups)
+                   groups=self.moe_groups, router_bias=self.moe_router_bias,
+                   expert_bias=self.moe_expert_bias)
 
     @property
     def block(self) -> Block:
@@ -587,12 +604,13 @@ class GPTConfig:
         windows or attention sinks in a GPT block, sliding windows of different widths,
         layers that differ other than MoE layers beside dense ones (``moe_dense_layers``)
         and windowed layers beside full ones (``window_layers``), biases in a Llama
-        block's MLP, experts or router, gated GELU MLPs, ...). The block's types pick the
+        block's dense MLP or shared experts, gated GELU MLPs, ...). The block's types pick the
         program: LayerNorm +
         learned positions + a GELU MLP with biases is the GPT block, RMSNorm + RoPE + a
         SwiGLU MLP without biases the Llama block (:func:`modeling.block_of`), whose
         attention may have biases on its projections (``qkv_bias``, ``out_bias``: Qwen2,
-        GPT-OSS). Multi-head
+        GPT-OSS), and its routed experts and router theirs (``moe_expert_bias``,
+        ``moe_router_bias``: GPT-OSS). Multi-head
         latent attention (:class:`~modeling.spec.LatentAttention`) passes its ranks and
         head dims (GPTConfig's MLA fields); YaRN's attention scale (``rope_scaling``,
         timing_only) is not modelled.
@@ -639,13 +657,16 @@ class GPTConfig:
         if block_of(spec.norm, spec.positions, expert.kind, False, False) is LLAMA_BLOCK \
                 and (block is None or router_bias):   # a Llama block with biases
             biases = [what for what, on in (
-                ("the experts" if isinstance(mlp, MoESpec) else "the MLP", expert.bias),
-                ("the router", router_bias)) if on]
+                ("the MLP", not isinstance(mlp, MoESpec) and expert.bias),
+                ("the dense layers' MLP", dense_mlp is not None and dense_mlp.bias),
+                ("the shared experts", isinstance(mlp, MoESpec) and expert.bias
+                 and bool(mlp.shared_experts))) if on]
             if biases:
                 refuse(f"biases in {' and '.join(biases)} of a Llama block", True,
-                       "a Llama block without biases in its MLP, experts or router (its "
-                       "attention's q, k, v and output projections may have them)")
-            block = LLAMA_BLOCK       # biases in the attention only: qkv_bias, out_bias
+                       "a Llama block without biases in its dense MLP or shared experts "
+                       "(its attention's q, k, v and output projections, its routed "
+                       "experts and its router may have them)")
+            block = LLAMA_BLOCK   # biases in the attention, routed experts or router only
         if block is None:
             refuse("this block", f"{spec.norm} norm, {spec.positions} positions, "
                    f"{expert.kind} MLP{' with biases' if expert.bias else ''}",
@@ -683,7 +704,8 @@ class GPTConfig:
                        moe_normalize_top_k=mlp.normalize_top_k,
                        moe_routed_scaling=float(mlp.routed_scaling),
                        moe_shared_ffn_hidden=mlp.shared_experts * (mlp.shared_width or 0),
-                       moe_dense_layers=spec.dense_layers, moe_groups=mlp.groups)
+                       moe_dense_layers=spec.dense_layers, moe_groups=mlp.groups,
+                       moe_router_bias=mlp.router_bias, moe_expert_bias=expert.bias)
         own = {"kv_heads": att.kv_heads,
                "ffn_hidden": expert.width if dense_mlp is None else dense_mlp.width,
                "head_dim": None if latent else att.head_dim, "qk_norm": att.qk_norm,
@@ -952,7 +974,7 @@ class GPT:
         rng, out = np.random.default_rng(self.seed), {}
         for name, shape in self.param_shapes().items():
             last, a = name.rsplit(".", 1)[-1], rng.standard_normal(shape)
-            matrix = len(shape) > 1 and last not in ("b_qkv", "b_kv")
+            matrix = len(shape) > 1 and last not in ("b_qkv", "b_kv") + EXPERT_BIAS_PARAMS
             fan = shape[1] if last in EXPERT_PARAMS else shape[last == "wte"]  # (E, in, out)
             a = a / np.sqrt(fan) if matrix else a * 0.1 + last.endswith("_g")
             out[name] = a.astype(self.config.dtype)
@@ -1157,7 +1179,7 @@ class GPT:
         for n in self.param_shapes():
             if is_moe_param(n):
                 last = n.rsplit(".", 1)[-1]
-                ep_n = max(e for e, _ in pieces[n]) + 1 if last in EXPERT_PARAMS else 1
+                ep_n = max(e for e, _ in pieces[n]) + 1 if is_expert_param(last) else 1
                 etp_n = max(t for _, t in pieces[n]) + 1
                 tp_dim = MOE_TP_DIM.get(last)
                 by_ep = [pieces[n][(e, 0)] if tp_dim is None or etp_n == 1 else np.concatenate(

@@ -35,6 +35,11 @@ A = A_ext[..., :s]; its backward is the softmax's over the s + 1 columns with a 
 upstream gradient in the sink's, dσ_n = Σ over the batch and queries of that column of
 dS_ext.
 
+MoE biases (``cfg.moe_router_bias``, ``cfg.moe_expert_bias``: GPT-OSS) are the MoE
+reference's (:func:`~tensor_parallel.moe_reference.moe_reference`): router logits u W_r +
+b_r, each expert's gate, up and down projections with their biases, b_down inside the
+routing weight.
+
 Attention biases (``cfg.qkv_bias``: Qwen2/Qwen2.5; with ``cfg.out_bias``: GPT-OSS): q0 =
 u W_q + b_q, [k0 | v] = u W_kv + b_kv (before QK-norm and RoPE), x1 = x + ctx W_o + b_o;
 their gradients are the sums over the batch and positions of the gradients of q0, [k0 |
@@ -83,7 +88,10 @@ def llama_param_shapes(cfg) -> dict[str, tuple[int, ...]]:
         e, fe, fs = cfg.experts, cfg.moe_ffn_hidden, cfg.moe_shared_ffn_hidden
         attention = list(dense)[:list(dense).index("mlp_norm_g") + 1]
         layer = {**{n: dense[n] for n in attention}, "w_router": (h, e),
+                 **({"b_router": (e,)} if getattr(cfg, "moe_router_bias", False) else {}),
                  "moe_gate": (e, h, fe), "moe_up": (e, h, fe), "moe_down": (e, fe, h),
+                 **({"moe_b_gate": (e, fe), "moe_b_up": (e, fe), "moe_b_down": (e, h)}
+                    if getattr(cfg, "moe_expert_bias", False) else {}),
                  **({"shared_gate": (h, fs), "shared_up": (h, fs), "shared_down": (fs, h)}
                     if fs else {})}
     kinds = {False: dense, True: layer}      # dense-first layers keep the dense MLP
@@ -230,10 +238,17 @@ def _is_moe_layer(cfg, i: int) -> bool:
     return bool(getattr(cfg, "experts", 0)) and i not in getattr(cfg, "moe_dense_layers", ())
 
 
+#: the MoE block's biases (router; routed experts: GPT-OSS)
+_MOE_BIASES = ("b_router", "moe_b_gate", "moe_b_up", "moe_b_down")
+
+
 def _moe_names(cfg) -> tuple[str, ...]:
-    """The MoE block's parameter names: router, routed experts[, shared expert]."""
+    """The MoE block's parameter names: router, routed experts[, shared expert][, the
+    router's and the experts' biases]."""
     return ("w_router", "moe_gate", "moe_up", "moe_down") + (
-        ("shared_gate", "shared_up", "shared_down") if cfg.moe_shared_ffn_hidden else ())
+        ("shared_gate", "shared_up", "shared_down") if cfg.moe_shared_ffn_hidden else ()) \
+        + (_MOE_BIASES[:1] if getattr(cfg, "moe_router_bias", False) else ()) \
+        + (_MOE_BIASES[1:] if getattr(cfg, "moe_expert_bias", False) else ())
 
 
 def moe_calls_reference(cfg, L, u2, groups, dy=None, bias=None, routed=None):
@@ -248,7 +263,8 @@ def moe_calls_reference(cfg, L, u2, groups, dy=None, bias=None, routed=None):
     ep, calls = groups
     names = _moe_names(cfg)
     h, w = u2.shape[-1], [L[n] for n in names[:4]]
-    shared = tuple(L[n] for n in names[4:]) or None
+    shared = tuple(L[n] for n in names[4:] if n.startswith("shared_")) or None
+    biases = {n: L.get(n) for n in _MOE_BIASES}
     out, aux = np.zeros_like(u2), 0.0
     grads = {n: np.zeros_like(L[n]) for n in names}
     def tokens(a, blocks):
@@ -269,7 +285,9 @@ def moe_calls_reference(cfg, L, u2, groups, dy=None, bias=None, routed=None):
                                   d_aux=1 / len(calls), router=cfg.moe_router,
                                   normalize_top_k=cfg.moe_normalize_top_k,
                                   routed_scaling=cfg.moe_routed_scaling, shared=shared,
-                                  groups=getattr(cfg, "moe_groups", None), bias=bias)
+                                  groups=getattr(cfg, "moe_groups", None), bias=bias,
+                                  b_router=biases["b_router"], b_gate=biases["moe_b_gate"],
+                                  b_up=biases["moe_b_up"], b_down=biases["moe_b_down"])
         if routed is not None:
             routed += np.asarray(res.load.per_expert_routed)
         if dy is None:
@@ -280,6 +298,9 @@ def moe_calls_reference(cfg, L, u2, groups, dy=None, bias=None, routed=None):
             for n, g in zip(grads, (res.d_router, res.d_gate, res.d_up, res.d_down,
                                     *(res.shared_grads or ()))):
                 grads[n] += g
+            for n, key in zip(_MOE_BIASES, ("router", "gate", "up", "down")):
+                if n in grads:
+                    grads[n] += res.bias_grads[key]
     return (out, aux) if dy is None else (out, grads)
 
 

@@ -49,6 +49,18 @@ Backward of L = <dy, y> + d_aux · aux (f is a count: no gradient), per rank:
 Every expert's gradient lives on its owner (nothing to reduce over ep); the router is
 replicated over ep, so its gradient is summed over ep by one all_reduce.
 
+Biases (GPT-OSS; ``router_bias``, ``expert_bias``; the training layer passes them to
+:meth:`MoE.forward_saved`): l = x W_r + b_r, b_r (E,) replicated like W_r; expert i
+O_i = (silu(X_i Wg_i + bg_i) * (X_i Wu_i + bu_i)) Wd_i + bd_i, so y[t] = Σ_c g[t, c]·O
+holds the down bias inside the gate (Hugging Face's GptOssExperts adds down_proj_bias
+before weighting by the routing weights). Gradients: db_r = Σ_t dl[t] (beside dW_r, this
+rank's tokens: reduced as dW_r), bg_i = Σ_rows dA, bu_i = Σ_rows dB, bd_i = Σ_rows dO (on
+the owner). With etp, bg and bu split with Wg's and Wu's columns; bd is whole on every
+etp rank and added by etp rank 0 only, before the caller's reduction of the partial O
+(after it, the caller would need Σ_c g·bd of other ranks' experts); dO is whole on every
+etp rank, so each holds all of dbd (equal, no collective), and the all-reduced dg counts
+bd once. Adds and sums: 0 FLOPs.
+
 Expert tensor parallelism (a training layer's ``device_ops(dev, etp_axis="tp")``,
 Megatron-Core's etp = tp): every etp rank routes the same tokens and holds a column
 slice f/t of each expert's (and the shared expert's) W_gate, W_up and the matching row
@@ -145,6 +157,8 @@ class _Ops:
         self.ep_axis = present[0] if len(present) == 1 else present   # one axis or several
         self.etp_axis = etp_axis if etp_axis in dev.mesh.axes and \
             dev.mesh.axis_size(etp_axis) > 1 else None
+        self.etp_rank = 0 if self.etp_axis is None else \
+            dev.mesh.group_position(self.etp_axis, dev.rank)   # adds b_down when 0
         self.solo = not present                        # no ep axis: all experts here
         self.group = (dev.rank,) if self.solo else dev.mesh.group(present, dev.rank)
         self.n = len(self.group)
@@ -362,15 +376,17 @@ class _AllToAllDispatch:
             c = [flat[s * e_l:(s + 1) * e_l] for s in range(ops.n)]
         self.ex = _Exchange(ops, route, c, cap, e_l)
 
-    def forward(self, x2, weights):
-        """(y of the routed experts (T, h), the backward's state)."""
+    def forward(self, x2, weights, biases=None):
+        """(y of the routed experts (T, h), the backward's state); ``biases``: the local
+        experts' (b_gate, b_up, b_down) or None."""
         ops, route, ex, h, t = self.ops, self.route, self.ex, x2.shape[1], x2.shape[0]
         wg, wu, wd = weights
         a = route.tok.shape[0]
         rows = ops.ew("dispatch: gather kept rows", lambda: x2[route.tok], x2, route.tok,
                       shape=(a, h))
         xs = ex.dispatch(rows, _DISPATCH, "dispatch")
-        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j)
+        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j,
+                                             _expert_biases(biases, j))
                              for j in range(self.e_l)))
         out_rows = ex.combine(list(outs), _COMBINE, "combine")
         g_sel = ops.ew("combine: gates of kept rows", lambda: route.gates[
@@ -380,9 +396,9 @@ class _AllToAllDispatch:
                                  g_sel, out_rows))
         return y, (xs, states, out_rows, g_sel)
 
-    def backward(self, state, dy2, weights):
+    def backward(self, state, dy2, weights, biases=None):
         """(dx of the routed experts (T, h), dg of the kept assignments (A,), summed over
-        etp, [dW_gate, dW_up, dW_down])."""
+        etp, [dW_gate, dW_up, dW_down] + [db_gate, db_up, db_down] with ``biases``)."""
         ops, route, ex, t, h = self.ops, self.route, self.ex, dy2.shape[0], dy2.shape[1]
         xs, states, out_rows, g_sel = state
         wg, wu, wd = weights
@@ -393,11 +409,11 @@ class _AllToAllDispatch:
         dg_sel = ops.all_reduce_etp(ops.ew("backward: dg = <dy, O>", lambda: (
             dy_rows * out_rows).sum(axis=1), dy_rows, out_rows))
         d_outs = ex.dispatch(d_out_rows, _GRAD_DISPATCH, "backward dispatch")
-        dw = [np.zeros_like(w) for w in weights]
+        dw = [np.zeros_like(w) for w in tuple(weights) + tuple(biases or ())]
         dxs = []
         for j in range(self.e_l):
             dxj, *gj = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j],
-                                        d_outs[j], j)
+                                        d_outs[j], j, biases is not None)
             dxs.append(dxj)
             for acc, g in zip(dw, gj):
                 acc[j] = g
@@ -442,7 +458,7 @@ class _AllGatherDispatch:
         k = table.shape[1] // 2
         return np.nonzero(table[:, :k] == e)
 
-    def forward(self, x2, weights):
+    def forward(self, x2, weights, biases=None):
         ops, route, (t, h) = self.ops, self.route, x2.shape
         k = route.gates.shape[1]
         wg, wu, wd = weights
@@ -464,7 +480,8 @@ class _AllGatherDispatch:
         gs = [ops.ew(f"dispatch: gates of expert {j}", lambda i=i, c=c: tab[i, k + c], tab, i,
                      shape=(i.shape[0],), nbytes=i.shape[0] * item)
               for j, (i, c) in enumerate(rows)]
-        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j)
+        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j,
+                                             _expert_biases(biases, j))
                              for j in range(self.e_l)))
 
         def partial():
@@ -477,13 +494,13 @@ class _AllGatherDispatch:
                        shape=(n_t, h), dtype=x2.dtype)
         return self._reduce_scatter(y_all), (rows, xs, gs, outs, states, n_t)
 
-    def backward(self, state, dy2, weights):
+    def backward(self, state, dy2, weights, biases=None):
         ops, route, (t, h) = self.ops, self.route, dy2.shape
         k = route.gates.shape[1]
         rows, xs, gs, outs, states, n_t = state
         wg, wu, wd = weights
         dy_all = self._all_gather(dy2)
-        dw = [np.zeros_like(w) for w in weights]
+        dw = [np.zeros_like(w) for w in tuple(weights) + tuple(biases or ())]
         dxs, dgs = [], []
         for j, (i, _) in enumerate(rows):
             dyj = ops.ew(f"backward: dy rows of expert {j}", lambda i=i: dy_all[i], dy_all, i,
@@ -493,7 +510,8 @@ class _AllGatherDispatch:
                               (d * o).sum(axis=1), dyj, outs[j], shape=(i.shape[0],)))
             d_out = ops.ew(f"backward: dO = g dy of expert {j}", lambda d=dyj, g=gs[j]:
                            g[:, None] * d, dyj, gs[j])
-            dxj, *gj = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j], d_out, j)
+            dxj, *gj = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j], d_out, j,
+                                        biases is not None)
             dxs.append(dxj)
             for acc, g in zip(dw, gj):
                 acc[j] = g
@@ -520,15 +538,32 @@ _DISPATCHERS = {"alltoall": _AllToAllDispatch, "allgather": _AllGatherDispatch}
 DISPATCHERS = tuple(_DISPATCHERS)
 
 
-def _expert_forward(ops, x, wg, wu, wd, j):
+def _expert_biases(biases, j):
+    """Local expert j's (b_gate, b_up, b_down), or None without biases."""
+    return None if biases is None else tuple(b[j] for b in biases)
+
+
+def _expert_forward(ops, x, wg, wu, wd, j, biases=None):
+    """O = (silu(X Wg + b_g) * (X Wu + b_u)) Wd + b_d (``biases`` (b_g, b_u, b_d) or
+    None); b_d is added by etp rank 0 only (the caller's reduction over etp adds it once)."""
     a = ops.matmul(x, wg, f"expert {j}: A = X Wg")
     b = ops.matmul(x, wu, f"expert {j}: B = X Wu")
+    if biases is not None:
+        bg, bu, bd = biases
+        a = ops.ew(f"expert {j}: A += b_g", lambda: a + bg, a, bg)
+        b = ops.ew(f"expert {j}: B += b_u", lambda: b + bu, b, bu)
     s = ops.ew(f"expert {j}: silu(A)", lambda: a * _sigmoid(a), a)
     hid = ops.ew(f"expert {j}: H = silu(A) B", lambda: s * b, s, b)
-    return ops.matmul(hid, wd, f"expert {j}: O = H Wd"), (a, b, s, hid)
+    out = ops.matmul(hid, wd, f"expert {j}: O = H Wd")
+    if biases is not None and ops.etp_rank == 0:
+        out = ops.ew(f"expert {j}: O += b_d", lambda: out + bd, out, bd)
+    return out, (a, b, s, hid)
 
 
-def _expert_backward(ops, x, wg, wu, wd, state, d_out, j):
+def _expert_backward(ops, x, wg, wu, wd, state, d_out, j, biased: bool = False):
+    """(dX, dWg, dWu, dWd[, db_g, db_u, db_d with ``biased``]): db_g = Σ_rows dA,
+    db_u = Σ_rows dB, db_d = Σ_rows dO (dO whole on every etp rank: each holds all of
+    db_d, the replicas equal without a collective)."""
     a, b, s, hid = state
     dwd = ops.matmul(hid.T, d_out, f"expert {j}: dWd = H^T dO")
     dhid = ops.matmul(d_out, wd.T, f"expert {j}: dH = dO Wd^T")
@@ -543,7 +578,12 @@ def _expert_backward(ops, x, wg, wu, wd, state, d_out, j):
     dwu = ops.matmul(x.T, db, f"expert {j}: dWu = X^T dB")
     dx = ops.matmul(da, wg.T, f"expert {j}: dX = dA Wg^T")
     dx2 = ops.matmul(db, wu.T, f"expert {j}: dX += dB Wu^T")
-    return ops.ew(f"expert {j}: dX sum", lambda: dx + dx2, dx, dx2), dwg, dwu, dwd
+    dx = ops.ew(f"expert {j}: dX sum", lambda: dx + dx2, dx, dx2)
+    if not biased:
+        return dx, dwg, dwu, dwd
+    return (dx, dwg, dwu, dwd, ops.ew(f"expert {j}: db_g = sum dA", lambda: da.sum(axis=0), da),
+            ops.ew(f"expert {j}: db_u = sum dB", lambda: db.sum(axis=0), db),
+            ops.ew(f"expert {j}: db_d = sum dO", lambda: d_out.sum(axis=0), d_out))
 
 
 def _scatter_rows(ops, name, t, tok, rows):
@@ -592,7 +632,8 @@ class MoE(ShardedOperation):
                  ep_axis: str = "ep", algorithms: Mapping[str, str] | None = None, *,
                  router: str = "softmax", normalize_top_k: bool | None = None,
                  routed_scaling: float = 1.0, shared_ffn_hidden: int = 0,
-                 dispatcher: str = "alltoall", groups: tuple | None = None):
+                 dispatcher: str = "alltoall", groups: tuple | None = None,
+                 router_bias: bool = False, expert_bias: bool = False):
         for name, v, low in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
                              ("experts", experts, 1), ("top_k", top_k, 1),
                              ("shared_ffn_hidden", shared_ffn_hidden, 0)):
@@ -624,6 +665,9 @@ class MoE(ShardedOperation):
                              f"{dispatcher!r}")
         if router not in ROUTERS:
             raise ValueError(f"MoE: router must be one of {ROUTERS}, got {router!r}")
+        for name, flag in (("router_bias", router_bias), ("expert_bias", expert_bias)):
+            if flag not in (False, True):
+                raise ValueError(f"MoE: {name} must be True or False, got {flag!r}")
         if normalize_top_k not in (None, False, True):
             raise ValueError(f"MoE: normalize_top_k must be True, False or None (the "
                              f"router's default), got {normalize_top_k!r}")
@@ -640,6 +684,7 @@ class MoE(ShardedOperation):
         self.routed_scaling = float(routed_scaling)
         self.shared_ffn_hidden = int(shared_ffn_hidden)
         self.dispatcher, self.groups = dispatcher, groups
+        self.router_bias, self.expert_bias = bool(router_bias), bool(expert_bias)
         self.ep_axis = ep_axis
         self.algorithms = dict(algorithms or {})
         for kind, alg in self.algorithms.items():
@@ -652,7 +697,9 @@ class MoE(ShardedOperation):
             f", routed_scaling={self.routed_scaling:g}" if self.routed_scaling != 1 else "",
             f", shared_ffn_hidden={self.shared_ffn_hidden}" if self.shared_ffn_hidden else "",
             f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else "",
-            f", groups={self.groups}" if self.groups else ""))
+            f", groups={self.groups}" if self.groups else "",
+            ", router_bias=True" if self.router_bias else "",
+            ", expert_bias=True" if self.expert_bias else ""))
         return (f"MoE(hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
                 f"experts={self.experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, aux_coef={self.aux_coef}"
@@ -732,13 +779,16 @@ class MoE(ShardedOperation):
         return v, v
 
     def _forward(self, ops, x, w_router, w_gate, w_up, w_down, load, shared=None,
-                 bias=None):
+                 bias=None, biases=None):
         h, k, n_exp = self.hidden, self.top_k, self.experts
         e_l = n_exp // ops.n
         x2 = x.reshape(-1, h)
         t = x2.shape[0]
         cap = self.capacity(t)
+        b_router, expert_biases = self._biases(biases)
         logits = ops.matmul(x2, w_router, "router: l = x W_r")
+        if b_router is not None:
+            logits = ops.ew("router: l += b_r", lambda: logits + b_router, logits, b_router)
         scores, probs = self._scores(ops, logits)
         route = _route(ops, scores, k, cap, load, self.normalize_top_k, self.routed_scaling,
                        self.groups, bias)
@@ -752,13 +802,26 @@ class MoE(ShardedOperation):
             f * sums[n_exp:] / n_glob).sum()).reshape(1), sums)
 
         disp = _DISPATCHERS[self.dispatcher](ops, route, cap, e_l, load)
-        y, d_state = disp.forward(x2, (w_gate, w_up, w_down))
+        y, d_state = disp.forward(x2, (w_gate, w_up, w_down), expert_biases)
         s_state = None
         if shared is not None:
             y_s, s_state = _expert_forward(ops, x2, *shared, "shared")
             y = ops.ew("y += shared expert", lambda: y + y_s, y, y_s)
-        saved = (x2, route, disp, d_state, f, probs, s_state)
+        saved = (x2, route, disp, d_state, f, probs, s_state, expert_biases)
         return y.reshape(x.shape), aux, route, saved
+
+    def _biases(self, biases):
+        """(b_router or None, the experts' (b_gate, b_up, b_down) or None) of ``biases``
+        = (b_router, b_gate, b_up, b_down) (None where the layer has none), checked
+        against the layer's ``router_bias`` and ``expert_bias``."""
+        b_router, *experts = biases if biases is not None else (None,) * 4
+        for name, on, given in (("router_bias", self.router_bias, b_router is not None),
+                                ("expert_bias", self.expert_bias,
+                                 all(b is not None for b in experts))):
+            if on != given:
+                raise ValueError(f"MoE: {name}={on} but the {name.split('_')[0]}'s biases "
+                                 f"were {'not ' if on else ''}given")
+        return b_router, (tuple(experts) if self.expert_bias else None)
 
     @staticmethod
     def _report(route):
@@ -790,13 +853,15 @@ class MoE(ShardedOperation):
         return ops
 
     def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None,
-                      bias=None):
+                      bias=None, biases=None):
         """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
         routed (E,), kept (E,), state for :meth:`backward_saved`); ``shared``: the shared
         expert's (W_gate, W_up, W_down) when the layer has one; ``bias``: (E,) added to
-        the scores for the choice only (auxiliary-loss-free balancing), or None."""
+        the scores for the choice only (auxiliary-loss-free balancing), or None;
+        ``biases``: (b_router (E,), b_gate, b_up (E_l, f), b_down (E_l, h)), None where
+        the layer has none (``router_bias``, ``expert_bias``; the module docstring)."""
         y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load,
-                                             shared, bias)
+                                             shared, bias, biases)
         return y, aux, route.routed, route.kept_arr, saved
 
     def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux,
@@ -804,8 +869,10 @@ class MoE(ShardedOperation):
         """Backward of <dy2, y> + d_aux · aux: (dx of the experts (T, h) — a partial sum
         over the etp group when there is one —, the router's dx (T, h), dW_r of this
         rank's tokens (not summed over ep: the caller reduces it with the other
-        replicated parameters), [dW_gate, dW_up, dW_down] of this rank's experts, the
-        shared expert's three gradients of this rank's tokens or None)."""
+        replicated parameters), [dW_gate, dW_up, dW_down] of this rank's experts (+
+        [db_gate, db_up, db_down] with ``expert_bias``), the shared expert's three
+        gradients of this rank's tokens or None, db_r of this rank's tokens (reduced as
+        dW_r) or None without ``router_bias``)."""
         return self._backward(ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux, shared)
 
     def _dlogits(self, route, probs, dg_sel, f, t: int, n: int, d_aux: float):
@@ -833,12 +900,12 @@ class MoE(ShardedOperation):
     def _backward(self, ops, saved, dy, w_router, w_gate, w_up, w_down, d_aux, shared=None):
         """The backward of :meth:`_forward` (``saved`` its state): (the experts' dx
         (T, h), the router's dx (T, h), dW_r of this rank's tokens — not yet summed over
-        ep —, [dW_gate, dW_up, dW_down], the shared expert's [dW_gate, dW_up, dW_down] or
-        None)."""
-        x2, route, disp, d_state, f, probs, s_state = saved
+        ep —, [dW_gate, dW_up, dW_down] (+ the experts' three biases'), the shared
+        expert's [dW_gate, dW_up, dW_down] or None, db_r or None)."""
+        x2, route, disp, d_state, f, probs, s_state, expert_biases = saved
         t = x2.shape[0]
         dy2 = dy.reshape(-1, self.hidden)
-        dx, dg_sel, dw = disp.backward(d_state, dy2, (w_gate, w_up, w_down))
+        dx, dg_sel, dw = disp.backward(d_state, dy2, (w_gate, w_up, w_down), expert_biases)
         d_shared = None
         if shared is not None:
             dx_s, *d_shared = _expert_backward(ops, x2, *shared, s_state, dy2, "shared")
@@ -848,8 +915,10 @@ class MoE(ShardedOperation):
             route, probs, dg_sel, f, t, ops.n, d_aux), route.scores, route.gates, f,
             shape=route.scores.shape)
         d_router = ops.matmul(x2.T, dl, "router: dW_r = x^T dl")
+        db_router = ops.ew("router: db_r = sum dl", lambda: dl.sum(axis=0), dl) \
+            if self.router_bias else None
         dx_r = ops.matmul(dl, w_router.T, "router: dx = dl W_r^T")
-        return dx, dx_r, d_router, dw, d_shared
+        return dx, dx_r, d_router, dw, d_shared, db_router
 
     def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
         """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
@@ -863,15 +932,24 @@ class MoE(ShardedOperation):
         ops = _Ops(dev, self.ep_axis, self.algorithms)
         y, aux, route, saved = self._forward(ops, x, w_router, w_gate, w_up, w_down, load,
                                              shared)
-        dx, dx_r, d_router, dw, d_shared = self._backward(ops, saved, dy, w_router, w_gate,
-                                                          w_up, w_down, d_aux, shared)
+        dx, dx_r, d_router, dw, d_shared, _ = self._backward(ops, saved, dy, w_router, w_gate,
+                                                             w_up, w_down, d_aux, shared)
         dx = ops.ew("backward: dx + router", lambda: dx + dx_r, dx, dx_r)
         d_router = ops.all_reduce(d_router)
         d_shared = [ops.all_reduce(g) for g in d_shared] if shared is not None else []
         return (y, aux, dx.reshape(x.shape), d_router, *dw, *d_shared, *self._report(route))
 
     # --- host conveniences ----------------------------------------------------------------
+    def _host_without_biases(self, what: str) -> None:
+        """The host conveniences run the layer without biases (the training layer,
+        :mod:`.moe_layer`, passes them to :meth:`forward_saved`)."""
+        if self.router_bias or self.expert_bias:
+            raise ValueError(f"MoE: {what} takes no biases (router_bias={self.router_bias}, "
+                             f"expert_bias={self.expert_bias}); the training layer "
+                             "(tensor_parallel.moe_layer) runs them")
+
     def _check(self, mesh, x, params, dy=None) -> int:
+        self._host_without_biases("run/backward")
         ep = self.ep_size(mesh)
         h = self.hidden
         xs = np.shape(x)
@@ -926,6 +1004,7 @@ class MoE(ShardedOperation):
     def reference(self, x, params, dy=None, ep: int = 1, d_aux: float = 1.0):
         """The plain-numpy layer (:mod:`tensor_parallel.moe_reference`) on the global
         batch, capacity per ep rank as here: a MoEOutput, or with ``dy`` a MoEGradients."""
+        self._host_without_biases("reference")
         shared = tuple(params[n] for n in _SHARED) if self.shared_ffn_hidden else None
         result, _, _ = moe_reference(x, params["w_router"], params["w_gate"], params["w_up"],
                                      params["w_down"], top_k=self.top_k,
@@ -941,6 +1020,7 @@ class MoE(ShardedOperation):
                   dtype=np.float64) -> list[tuple]:
         """Per-rank arguments of ``forward_local`` (``backward_local`` with ``backward``)
         on shape-only arrays, for ``trace_program``; ``load`` gives the counts."""
+        self._host_without_biases("meta_args")
         ep = self.ep_size(mesh)
         if not isinstance(load, ExpertLoad) or (load.ep, load.experts) != (ep, self.experts):
             raise ValueError(f"MoE: load must be an ExpertLoad of ep={ep} ranks and "

@@ -42,6 +42,12 @@ tokens. The router (and the shared expert, replicated over tp here) see only the
 tokens, so their gradients are partial over tp and summed over it once per step with
 the norms' (``seq_partial``).
 
+Biases (GPT-OSS: ``MoE(router_bias=True, expert_bias=True)``): ``b_router`` (E,) after
+w_router, replicated and reduced as it (in ``seq_partial`` too when folded);
+``moe_b_gate``, ``moe_b_up`` (E, f_e) and ``moe_b_down`` (E, h) after moe_down, split
+over ep with their experts (``expert``: reduced with them), b_gate and b_up over etp with
+their columns, b_down whole (added by etp rank 0: :mod:`.moe`).
+
 Gradients: the router's is this rank's tokens' share (summed, with every replicated
 parameter, over all of data parallelism by the executor); the experts' are complete for
 the ep group's tokens (all_to_all brought them) and are summed over the expert-data-
@@ -69,38 +75,53 @@ from .moe_load import ExpertLoad
 from .transformer import TransformerStage
 
 __all__ = ["MoEBlock", "LlamaMoELayer", "llama_moe_stage", "moe_param_names",
-           "MOE_PARAMS", "EXPERT_PARAMS", "SHARED_PARAMS", "MOE_TP_DIM", "moe_piece",
-           "is_moe_param"]
+           "MOE_PARAMS", "EXPERT_PARAMS", "SHARED_PARAMS", "ROUTER_BIAS",
+           "EXPERT_BIAS_PARAMS", "MOE_TP_DIM", "moe_piece", "is_moe_param", "is_expert_param"]
 
 #: the MoE block's parameters, those of them split over ep (dimension 0), and the
 #: shared expert's (replicated, present when the layer has one)
 MOE_PARAMS = ("w_router", "moe_gate", "moe_up", "moe_down")
 EXPERT_PARAMS = ("moe_gate", "moe_up", "moe_down")
 SHARED_PARAMS = ("shared_gate", "shared_up", "shared_down")
+#: the router's bias (E,), replicated as W_r, and the experts' biases b_gate, b_up
+#: (E, f_e), b_down (E, h), split over ep with their experts (GPT-OSS)
+ROUTER_BIAS = "b_router"
+EXPERT_BIAS_PARAMS = ("moe_b_gate", "moe_b_up", "moe_b_down")
 
 
 def moe_param_names(moe: MoE) -> tuple[str, ...]:
-    """The MoE block's parameter names for ``moe``: MOE_PARAMS, + SHARED_PARAMS when it
-    has a shared expert."""
-    return MOE_PARAMS + (SHARED_PARAMS if moe.shared_ffn_hidden else ())
+    """The MoE block's parameter names for ``moe``: w_router, [b_router with
+    ``router_bias``], the experts' three, [their biases with ``expert_bias``], +
+    SHARED_PARAMS when it has a shared expert."""
+    return MOE_PARAMS[:1] + ((ROUTER_BIAS,) if moe.router_bias else ()) + MOE_PARAMS[1:] \
+        + (EXPERT_BIAS_PARAMS if moe.expert_bias else ()) \
+        + (SHARED_PARAMS if moe.shared_ffn_hidden else ())
 
 
 def is_moe_param(name: str) -> bool:
     """Whether global parameter ``name`` (``layers.{i}.<last>``) is the MoE block's."""
-    return name.rsplit(".", 1)[-1] in MOE_PARAMS + SHARED_PARAMS
+    return name.rsplit(".", 1)[-1] in MOE_PARAMS + SHARED_PARAMS + (ROUTER_BIAS,) \
+        + EXPERT_BIAS_PARAMS
 
 
-#: the dimension of each MoE parameter split over tp (the expert hidden dimension)
+def is_expert_param(name: str) -> bool:
+    """Whether MoE parameter ``name`` belongs to the routed experts (split over ep on its
+    first dimension: their weights and biases)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_PARAMS + EXPERT_BIAS_PARAMS
+
+
+#: the dimension of each MoE parameter split over tp (the expert hidden dimension; b_down
+#: and the router's are whole on every tp rank)
 MOE_TP_DIM = {"moe_gate": 2, "moe_up": 2, "moe_down": 1, "shared_gate": 1, "shared_up": 1,
-              "shared_down": 0}
+              "shared_down": 0, "moe_b_gate": 1, "moe_b_up": 1}
 
 
 def moe_piece(name: str, array, ep: int, ep_rank: int, tp: int = 1, tp_rank: int = 0):
     """Rank (``ep_rank``, ``tp_rank``)'s piece of MoE parameter ``name``: its experts'
-    rows of an expert weight, cut to its slice of the expert hidden dimension
-    (:data:`MOE_TP_DIM`; the shared expert's too), the whole router."""
+    rows of an expert weight or bias, cut to its slice of the expert hidden dimension
+    (:data:`MOE_TP_DIM`; the shared expert's too), the whole router (and b_router)."""
     last = name.rsplit(".", 1)[-1]
-    if last in EXPERT_PARAMS and ep > 1:
+    if is_expert_param(last) and ep > 1:
         e_l = array.shape[0] // ep
         array = array[ep_rank * e_l:(ep_rank + 1) * e_l]
     dim = MOE_TP_DIM.get(last)
@@ -175,7 +196,7 @@ class MoEBlock:
         mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes)
         y, aux, routed, kept, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
-            P["moe_down"], self.load, self._shared(P), self._bias(ops, xf))
+            P["moe_down"], self.load, self._shared(P), self._bias(ops, xf), self._biases(P))
         if not self.recomputing and not is_meta(aux):
             self.aux_loss += self.aux_weight * float(aux[0])
             self.routed = routed.copy() if self.routed is None else self.routed + routed
@@ -187,28 +208,36 @@ class MoEBlock:
     def _shared(self, P):
         return tuple(P[n] for n in SHARED_PARAMS) if self.moe.shared_ffn_hidden else None
 
+    def _biases(self, P):
+        """(b_router, b_gate, b_up, b_down) of ``P``, None where absent; None without."""
+        if not (self.moe.router_bias or self.moe.expert_bias):
+            return None
+        return tuple(P.get(n) for n in (ROUTER_BIAS,) + EXPERT_BIAS_PARAMS)
+
     def backward(self, ops, P, st, dy):
-        """(du in dy's layout, (dW_router, [dW_gate, dW_up, dW_down], the shared
-        expert's three or None))."""
+        """(du in dy's layout, (dW_router, [dW_gate, dW_up, dW_down (+ db_gate, db_up,
+        db_down)], the shared expert's three or None, db_router or None))."""
         mops, saved, shape = st
         folded = self.folded
         dyf = dy if folded else ops.gather_seq(dy, "mlp: gather dy")
-        dx, dx_r, d_router, dw, d_shared = self.moe.backward_saved(
+        dx, dx_r, d_router, dw, d_shared, db_router = self.moe.backward_saved(
             mops, saved, dyf.reshape(-1, shape[-1]), P["w_router"], P["moe_gate"],
             P["moe_up"], P["moe_down"], self.aux_weight, self._shared(P))
         if folded:
             du = ops.ew("mlp: dx + router's", lambda: dx + dx_r, dx, dx_r)
-            return du.reshape(shape), (d_router, dw, d_shared)
+            return du.reshape(shape), (d_router, dw, d_shared, db_router)
         du = ops.reduce_out(dx.reshape(shape), "mlp: reduce the experts' dx over tp")
         dr = self._local_seq(ops, dx_r.reshape(shape), "mlp: my slice of the router's dx")
         du = ops.ew("mlp: dx + router's", lambda: du + dr, du, dr)
-        return du, (d_router, dw, d_shared)
+        return du, (d_router, dw, d_shared, db_router)
 
     @staticmethod
     def add_grads(G, grads) -> None:
-        d_router, dw, d_shared = grads
+        d_router, dw, d_shared, db_router = grads
         G["w_router"] += d_router
-        for n, g in zip(EXPERT_PARAMS, dw):
+        if db_router is not None:
+            G[ROUTER_BIAS] += db_router
+        for n, g in zip(EXPERT_PARAMS + EXPERT_BIAS_PARAMS, dw):
             G[n] += g
         for n, g in zip(SHARED_PARAMS, d_shared or ()):
             G[n] += g
@@ -247,16 +276,17 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     names = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g") + MOE_PARAMS
     split = MappingProxyType({"w_q": 1, "w_kv": 2, "w_o": 0})
     seq_partial = ("attn_norm_g", "mlp_norm_g")
-    expert = EXPERT_PARAMS
+    expert = EXPERT_PARAMS + EXPERT_BIAS_PARAMS
 
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
                  microbatches: int, moe: MoE, aux_weight: float, load: ExpertLoad | None,
                  recompute: str = "none", eps: float = 1e-5, ep_axes=None,
                  folded: bool = False, bias_rate: float = 0.0):
         shared = SHARED_PARAMS if moe.shared_ffn_hidden else ()
-        self.names = LlamaMoELayer.names + shared
+        self.names = LlamaMoELayer.names[:5] + moe_param_names(moe)
         if folded:                  # the router's (and shared) grads partial over tp
-            self.seq_partial = LlamaMoELayer.seq_partial + ("w_router",) + shared
+            self.seq_partial = LlamaMoELayer.seq_partial + ("w_router",) + (
+                (ROUTER_BIAS,) if moe.router_bias else ()) + shared
         super().__init__(params, attention, kv_heads, kv_replicas, microbatches, recompute, eps)
         self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded, bias_rate)
 
@@ -299,9 +329,9 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
     d = head_dim or hidden // heads
     rope = Rope(d, rope_theta, positions)
     kv_local, replicas = max(kv_heads // t, 1), max(t // kv_heads, 1)
-    names = LlamaMoELayer.layer_names(qk_norm, LlamaMoELayer.names + (
-        SHARED_PARAMS if moe.shared_ffn_hidden else ()), latent=latent, sinks=sinks,
-        qkv_bias=qkv_bias, out_bias=out_bias)
+    names = LlamaMoELayer.layer_names(qk_norm, LlamaMoELayer.names[:5] + moe_param_names(moe),
+                                      latent=latent, sinks=sinks, qkv_bias=qkv_bias,
+                                      out_bias=out_bias)
     dense_names = LlamaLayer.layer_names(qk_norm, latent=latent, sinks=sinks,
                                          qkv_bias=qkv_bias, out_bias=out_bias)
 

@@ -155,7 +155,9 @@ class MoEOutput:
 class MoEGradients:
     """Forward and backward: y, aux loss, dx, the router's and the experts' gradients
     (d_gate, d_up (E, h, f), d_down (E, f, h)), the load; ``shared_grads``: the shared
-    expert's (d_gate, d_up (h, F_s), d_down (F_s, h)), None without one."""
+    expert's (d_gate, d_up (h, F_s), d_down (F_s, h)), None without one; ``bias_grads``:
+    the biases' by name ("router" (E,), "gate", "up" (E, f), "down" (E, h)), None
+    without biases."""
 
     y: np.ndarray
     aux_loss: float
@@ -166,6 +168,7 @@ class MoEGradients:
     d_down: np.ndarray
     load: ExpertLoad
     shared_grads: tuple | None = None
+    bias_grads: dict | None = None
 
     def __repr__(self) -> str:
         return (f"MoEGradients(y={_shape(self.y)}, aux_loss={self.aux_loss:.6g}, "
@@ -173,7 +176,9 @@ class MoEGradients:
                 f"d_gate={_shape(self.d_gate)}, d_up={_shape(self.d_up)}, "
                 f"d_down={_shape(self.d_down)}, load=<{self.load}>"
                 + (f", shared_grads={tuple(_shape(g) for g in self.shared_grads)}"
-                   if self.shared_grads is not None else "") + ")")
+                   if self.shared_grads is not None else "")
+                + (f", bias_grads={ {n: _shape(g) for n, g in self.bias_grads.items()} }"
+                   if self.bias_grads is not None else "") + ")")
 
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,

@@ -4,7 +4,8 @@ Written apart from :mod:`tensor_parallel.moe` and in another way: routing by Pyt
 over tokens, every expert computed *densely* on every token (a combine matrix of gates
 zeroes what was not routed or was dropped), gradients by hand from the definitions:
 
-    v = softmax(x W_r) or sigmoid(x W_r)        (N, E)  router scores
+    v = softmax(x W_r + b_r) or sigmoid(x W_r + b_r)   (N, E)  router scores (b_r: 0
+                                                        without a router bias)
     choice[t] = the k largest v[t] (ties: the lower index), in decreasing order
     gate[t, c] = σ v[t, choice]                        raw
                = σ v[t, choice] / sum_c' v[t, choice']  normalised (softmax router: the
@@ -13,13 +14,16 @@ zeroes what was not routed or was dropped), gradients by hand from the definitio
     capacity per ep rank (T = N/ep tokens each): C = ceil(cf · T·k / E); rank r fills
       its experts' slots with all first choices in token order, then all second choices;
       a choice that finds its expert full is dropped (keep = 0)
-    O_e = (silu(x Wg_e) * (x Wu_e)) Wd_e        (N, h), every token
+    O_e = (silu(x Wg_e + bg_e) * (x Wu_e + bu_e)) Wd_e + bd_e   (N, h), every token
+          (the experts' biases: GPT-OSS's; 0 without)
     y[t] = sum_c keep[t,c] gate[t,c] O_{choice[t,c]}[t]  (+ S(x[t]), the shared expert:
            a SwiGLU MLP like the others, on every token)
     aux = alpha · E · sum_e f_e P_e,  f_e = routed_e / (N k),  P_e = mean_t p[t, e]
 
 The gradients are those of  L = <dy, y> + d_aux · aux  (f is a count: no gradient),
-each chain rule written as its Jacobian matrix, token by token.
+each chain rule written as its Jacobian matrix, token by token; a bias's gradient is the
+sum over the tokens of its output's (db_r = Σ_t dl[t], bd_e = Σ_t w[t, e] dy[t], bg_e
+and bu_e the sums of expert e's dA and dB).
 """
 
 from __future__ import annotations
@@ -35,40 +39,46 @@ def _sigmoid(a):
     return 1.0 / (1.0 + np.exp(-a))
 
 
-def _swiglu(x2, wg, wu, wd):
-    a, b = x2 @ wg, x2 @ wu
+def _swiglu(x2, wg, wu, wd, bg=0.0, bu=0.0, bd=0.0):
+    a, b = x2 @ wg + bg, x2 @ wu + bu
     s = a * _sigmoid(a)
-    return (s * b) @ wd, (a, b, s)
+    return (s * b) @ wd + bd, (a, b, s)
 
 
 def _swiglu_grads(x2, wg, wu, wd, acts, d_out):
-    """(dx, dWg, dWu, dWd) of O = (silu(x Wg) * (x Wu)) Wd."""
+    """(dx, dWg, dWu, dWd, (dbg, dbu, dbd)) of O = (silu(x Wg + bg) * (x Wu + bu)) Wd + bd."""
     a, b, s = acts
     dhid = d_out @ wd.T
     sig = _sigmoid(a)
     da = dhid * b * sig * (1 + a * (1 - sig))
     db = dhid * s
-    return da @ wg.T + db @ wu.T, x2.T @ da, x2.T @ db, (s * b).T @ d_out
+    return (da @ wg.T + db @ wu.T, x2.T @ da, x2.T @ db, (s * b).T @ d_out,
+            (da.sum(axis=0), db.sum(axis=0), d_out.sum(axis=0)))
 
 
 def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_factor,
                   aux_coef: float, ep: int = 1, dy=None, d_aux: float = 1.0,
                   router: str = "softmax", normalize_top_k: bool | None = None,
-                  routed_scaling: float = 1.0, shared=None, groups=None, bias=None):
+                  routed_scaling: float = 1.0, shared=None, groups=None, bias=None,
+                  b_router=None, b_gate=None, b_up=None, b_down=None):
     """(result, choice (N, k), keep (N, k)): result a MoEOutput, or with ``dy`` a
     MoEGradients; x (N, h) or (..., h) with N tokens, split into ep contiguous ranks.
     ``normalize_top_k`` None: True for a sigmoid router or k > 1; ``shared``: the shared
     expert's (W_gate, W_up, W_down) or None; ``groups``: (n_group, topk_group), each
     token choosing among its topk_group best groups of experts (a group's score its two
     best experts' scores summed), None: all; ``bias`` (E,): added to the scores for the
-    choice only (DeepSeek-V3's auxiliary-loss-free balancing), None: none."""
+    choice only (DeepSeek-V3's auxiliary-loss-free balancing), None: none; ``b_router``
+    (E,): the router's bias, ``b_gate``, ``b_up`` (E, f), ``b_down`` (E, h): the experts'
+    (GPT-OSS; all three or none), None: none — with ``dy`` their gradients are the
+    MoEGradients' ``bias_grads``."""
     x = np.asarray(x, np.float64)
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     n_tok, n_exp, k = x2.shape[0], w_router.shape[1], top_k
     norm = (router == "sigmoid" or k > 1) if normalize_top_k is None else normalize_top_k
     t_rank = n_tok // ep
-    logits = x2 @ w_router
+    logits = x2 @ w_router + (0.0 if b_router is None else b_router)
+    biased = b_gate is not None
     if router == "sigmoid":
         v = _sigmoid(logits)
         p = v / v.sum(axis=1, keepdims=True)
@@ -114,7 +124,8 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
     acts = []
     outs = np.zeros((n_exp, n_tok, h))
     for e in range(n_exp):
-        outs[e], act = _swiglu(x2, w_gate[e], w_up[e], w_down[e])
+        outs[e], act = _swiglu(x2, w_gate[e], w_up[e], w_down[e],
+                               *((b_gate[e], b_up[e], b_down[e]) if biased else ()))
         acts.append(act)
     y = np.einsum("te,eth->th", w, outs)
     if shared is not None:
@@ -130,13 +141,17 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
     dx = np.zeros_like(x2)
     d_gate, d_up, d_down = (np.zeros_like(np.asarray(m, np.float64))
                             for m in (w_gate, w_up, w_down))
+    d_biases = [np.zeros((n_exp,) + np.shape(m)[1:]) for m in (b_gate, b_up, b_down)] \
+        if biased else None
     for e in range(n_exp):
-        dxe, d_gate[e], d_up[e], d_down[e] = _swiglu_grads(
+        dxe, d_gate[e], d_up[e], d_down[e], db_e = _swiglu_grads(
             x2, w_gate[e], w_up[e], w_down[e], acts[e], w[:, e:e + 1] * dy2)
         dx += dxe
+        for acc, g in zip(d_biases or (), db_e):
+            acc[e] = g
     shared_grads = None
     if shared is not None:
-        dxs, *shared_grads = _swiglu_grads(x2, *shared, shared_acts, dy2)
+        dxs, *shared_grads, _ = _swiglu_grads(x2, *shared, shared_acts, dy2)
         dx += dxs
         shared_grads = tuple(shared_grads)
 
@@ -163,6 +178,8 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
             dv += dp[t]
             dl[t] = (np.diag(v[t]) - np.outer(v[t], v[t])).T @ dv
     dx += dl @ w_router.T
+    bias_grads = {**({"router": dl.sum(axis=0)} if b_router is not None else {}),
+                  **(dict(zip(("gate", "up", "down"), d_biases)) if biased else {})}
     grads = MoEGradients(y, aux, dx.reshape(x.shape), x2.T @ dl, d_gate, d_up, d_down, load,
-                         shared_grads)
+                         shared_grads, bias_grads or None)
     return grads, choice, keep

@@ -57,11 +57,20 @@ def test_plan_takes_a_model_and_gpt_stays_an_alias(tmp_path, capsys):
     assert json.loads(out.read_text())["candidates"]
 
 
-def test_a_model_the_program_cannot_run_is_refused_by_name(capsys):
-    assert main(["simulate", "train", "--model", "gpt-oss-20b", "--seq", "4096",
+#: a Llama config.json whose MLP has biases (``mlp_bias``): every preset runs now, this not
+MLP_BIAS_CONFIG = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 128, "vocab_size": 256, "mlp_bias": True,
+                   "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
+
+
+def test_a_model_the_program_cannot_run_is_refused_by_name(capsys, tmp_path):
+    path = tmp_path / "mlp-bias.json"
+    path.write_text(json.dumps(MLP_BIAS_CONFIG))
+    assert main(["simulate", "train", "--model", str(path), "--seq", "64",
                  "--global-batch", "8"]) == 2
-    assert "--model='gpt-oss-20b': the GPT program cannot run biases in the experts and " \
-        "the router" in capsys.readouterr().err  # its windows, sinks, attention biases it runs
+    assert "--model='mlp-bias': the GPT program cannot run biases in the MLP of a Llama " \
+        "block" in capsys.readouterr().err  # GPT-OSS's windows, sinks and biases it runs
     assert main(["simulate", "train", "--hidden", "64", "--seq", "64",
                  "--global-batch", "8"]) == 2
     assert "--layers, --heads, --vocab required (or --model" in capsys.readouterr().err
@@ -145,13 +154,15 @@ def test_a_scenario_names_its_model(tmp_path, capsys):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "Llama h=4096 l=2 a=32 kv=8 ffn=14336 s=1024 V=128256" in summary
     bad = tmp_path / "bad.yaml"
-    bad.write_text("workload: {kind: transformer, model: gpt-oss-20b, layers: 2, seq: 64}\n"
+    config = tmp_path / "mlp-bias.json"
+    config.write_text(json.dumps(MLP_BIAS_CONFIG))
+    bad.write_text(f"workload: {{kind: transformer, model: {config}, layers: 2, seq: 64}}\n"
                    "parallel: {tp: 1}\n"
                    "run: {mode: simulate}\nhardware: {name: h100-dgx}\n")
     assert main(["run", str(bad), "--out", str(tmp_path / "out2"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "workload.model = 'gpt-oss-20b': the GPT program cannot run biases in the " \
-        "experts and the router" in err
+    assert "workload.model = 'mlp-bias': the GPT program cannot run biases in the MLP of " \
+        "a Llama block" in err
 
 
 ARCH_TEST = re.compile(r"""arch[a-z_]*\s*(==|!=|in)\s*\(?["']""")

@@ -12,8 +12,8 @@ parallelism db_o is partial over tp: a test fails if it is not summed. The trace
 program moves the emulator's bytes, rank by rank, and the biases add exactly their
 closed-form bytes (the K/V replicas' db_kv, the sequence-parallel db_o) and no FLOPs.
 The memory model's parameters are the program's and the model layer's count (Qwen2.5-32B:
-32,763,876,352); Qwen2.5-32B loads and simulates; GPT-OSS is refused for its experts' and
-router's biases only."""
+32,763,876,352); Qwen2.5-32B loads and simulates. (GPT-OSS's experts' and router's biases:
+test_moe_bias.py.)"""
 
 import math
 
@@ -104,13 +104,12 @@ def test_qwen2_5_loads_with_its_q_k_v_biases_and_its_count():
         layers * (h + 2 * d * cfg.kv_heads) / 8
 
 
-def test_gpt_oss_is_refused_for_its_experts_and_router_biases_only():
+def test_gpt_oss_loads_with_its_attention_biases():
+    """GPT-OSS loads with q, k, v and output biases (its experts' and router's:
+    test_moe_bias.py)."""
     for preset in ("gpt-oss-20b", "gpt-oss-120b"):
-        with pytest.raises(ConfigError) as info:
-            GPTConfig.of_model(preset, 4096, timing_only=True)
-        msg = str(info.value)
-        assert "cannot run biases in the experts and the router of a Llama block" in msg, msg
-        assert "attention's projections (" not in msg and "window" not in msg, msg
+        cfg = GPTConfig.of_model(preset, 4096, timing_only=True)
+        assert (cfg.qkv_bias, cfg.out_bias) == (True, True)
 
 
 def _spec(qkv: bool, out: bool, mlp=None) -> ModelSpec:
@@ -127,13 +126,13 @@ def test_from_spec_takes_the_biases_and_counts_them(qkv, out):
     total = parameter_count(spec).total
     assert sum(math.prod(s) for s in GPT(cfg).param_shapes().values()) == total
     assert rank_params(cfg, ParallelConfig(global_batch=4), 0) == total
-    # MoE without expert or router biases runs; with either it is refused by name
+    # MoE with or without expert and router biases runs (test_moe_bias.py); a dense MLP
+    # with biases is refused by name
     moe = GPTConfig.from_spec(_spec(qkv, out, MoE(4, 2, MLP("swiglu", 12))), 8)
     assert (moe.qkv_bias, moe.out_bias, moe.experts) == (qkv, out, 4)
-    with pytest.raises(ConfigError, match="cannot run biases in the router of a Llama "
-                                          "block"):
-        GPTConfig.from_spec(_spec(qkv, out, MoE(4, 2, MLP("swiglu", 12), router_bias=True)),
-                            8)
+    routed = GPTConfig.from_spec(_spec(qkv, out, MoE(4, 2, MLP("swiglu", 12),
+                                                     router_bias=True)), 8)
+    assert (routed.moe_router_bias, routed.moe_expert_bias) == (True, False)
     with pytest.raises(ConfigError, match="cannot run biases in the MLP of a Llama block"):
         GPTConfig.from_spec(_spec(qkv, out, MLP("swiglu", 24, True)), 8)
 

@@ -369,13 +369,11 @@ def test_from_spec_takes_the_window_pattern_and_sinks():
         GPTConfig.from_spec(gpt_block, 16)
 
 
-def test_gpt_oss_is_refused_for_its_biases_not_its_window_or_sinks():
-    for preset in ("gpt-oss-20b", "gpt-oss-120b"):
-        with pytest.raises(ConfigError) as info:
-            GPTConfig.of_model(preset, 4096, timing_only=True)
-        msg = str(info.value)
-        assert "biases in the experts and the router of a Llama block" in msg, msg
-        assert "window" not in msg and "sink" not in msg and "differ" not in msg
+def test_gpt_oss_loads_with_its_window_pattern_and_sinks():
+    for preset, layers in (("gpt-oss-20b", 24), ("gpt-oss-120b", 36)):
+        cfg = GPTConfig.of_model(preset, 4096, timing_only=True)
+        assert (cfg.window, cfg.window_layers, cfg.attention_sinks) == \
+            (128, tuple(range(0, layers, 2)), True)
 
 
 def test_memory_follows_the_window_and_counts_the_sinks():

@@ -137,9 +137,11 @@ def test_validate_moe_predicts_or_refuses_every_row(moe_rows):
     assert sum(g["preset"] == "mixtral-8x22b" for g in moe_rows) == 2
     # Qwen3-235B's 94 layers on 32 stages: Megatron's embedding-and-loss split
     assert any(g["status"] == "predicted" for g in moe_rows if g["preset"] == "qwen3-235b-a22b")
+    # GPT-OSS since its experts' and router's biases run (issue 52)
+    assert all(g["status"] == "predicted" for g in moe_rows if g["preset"] == "gpt-oss-120b")
     # and what it cannot run yet is refused, not dropped
     refused = {g["preset"] for g in moe_rows if g["status"] == "refused"}
-    assert {"gpt-oss-120b", "deepseek-v3"} <= refused
+    assert "deepseek-v3" in refused
 
 
 @pytest.mark.slow

@@ -238,6 +238,8 @@ def model_title(config, name: str | None = None) -> str:
     extra += " sinks" if getattr(c, "attention_sinks", False) else ""
     extra += " qkv-bias" if getattr(c, "qkv_bias", False) else ""
     extra += " out-bias" if getattr(c, "out_bias", False) else ""
+    extra += " router-bias" if getattr(c, "moe_router_bias", False) else ""
+    extra += " expert-bias" if getattr(c, "moe_expert_bias", False) else ""
     if getattr(c, "kv_lora_rank", None):
         extra += f" mla(r_q={c.q_lora_rank}, r_kv={c.kv_lora_rank}, d_v={c.v_head_dim})"
     tied = " (tied embeddings)" if getattr(c, "tie_embeddings", False) else ""
@@ -278,8 +280,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 def add_moe_arguments(parser, skew: bool = True) -> None:
     """--experts, --moe-top-k, --moe-ffn-hidden, --capacity-factor, --moe-router,
-    --moe-shared-ffn-hidden, --moe-routed-scaling (GPTConfig's MoE fields; llama only)
-    and, with ``skew``, --expert-skew."""
+    --moe-shared-ffn-hidden, --moe-routed-scaling, --moe-router-bias, --moe-expert-bias
+    (GPTConfig's MoE fields; llama only) and, with ``skew``, --expert-skew."""
     parser.add_argument("--experts", type=int_at_least(0, "experts per layer; 0: dense"),
                         default=None, help="llama: a mixture of this many experts in every "
                         "layer's MLP (default 0: dense, or the --model's)")
@@ -307,6 +309,12 @@ def add_moe_arguments(parser, skew: bool = True) -> None:
     parser.add_argument("--moe-routed-scaling", type=_positive_float, default=None,
                         help="the routed experts' gate factor (default 1, or the "
                              "--model's; DeepSeek-V3 2.5)")
+    parser.add_argument("--moe-router-bias", action="store_true",
+                        help="a bias per expert on the router's logits (GPT-OSS; on with a "
+                             "--model that has it)")
+    parser.add_argument("--moe-expert-bias", action="store_true",
+                        help="biases on every routed expert's gate, up and down projections "
+                             "(GPT-OSS; on with a --model that has them)")
     if skew:
         parser.add_argument("--expert-skew", type=_at_least_one, default=1.0,
                             help="the busiest expert's tokens over the mean (>= 1, default "
@@ -320,7 +328,9 @@ def moe_config(args) -> dict:
                 moe_router=args.moe_router or "softmax",
                 moe_shared_ffn_hidden=args.moe_shared_ffn_hidden or 0,
                 moe_routed_scaling=args.moe_routed_scaling or 1.0,
-                moe_dense_layers=args.moe_dense_layers or (), moe_groups=args.moe_groups)
+                moe_dense_layers=args.moe_dense_layers or (), moe_groups=args.moe_groups,
+                moe_router_bias=bool(getattr(args, "moe_router_bias", False)),
+                moe_expert_bias=bool(getattr(args, "moe_expert_bias", False)))
 
 
 def add_model_arguments(parser, skew: bool = True) -> None:
@@ -379,8 +389,9 @@ def gpt_config(args, dtype: str = "float64"):
     given = {f: getattr(args, f) for f in _OVERRIDES if getattr(args, f) is not None}
     given.update({f: v for f, v in _latent_config(args).items() if v is not None})
     for flag in ("tie_embeddings", "qk_norm", "attention_sinks", "qkv_bias",
-                 "out_bias"):                                  # switches: on when given
-        if getattr(args, flag):
+                 "out_bias", "moe_router_bias",
+                 "moe_expert_bias"):                           # switches: on when given
+        if getattr(args, flag, False):
             given[flag] = True
     return GPTConfig.of_model(args.model, args.seq, dtype, timing_only=True,
                               layers=args.layers, **given)

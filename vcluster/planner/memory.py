@@ -103,7 +103,11 @@ Mixture of experts (``GPTConfig(experts=E)``; k = moe_top_k, f_e = moe_ffn_hidde
 3·h·f/t; GPT (8h² + 4h)/t + h) become the router h·E plus the rank's E/ep experts
 3·h·f_e·E/(ep·etp) (each expert's hidden dimension split over etp = tp: expert tensor
 parallelism; whole when the expert group is folded over tp, etp = 1), and the shared
-expert's 3·h·F_s/etp (``moe_shared_ffn_hidden``; replicated over tp when folded). Under ZeRO the experts' share
+expert's 3·h·F_s/etp (``moe_shared_ffn_hidden``; replicated over tp when folded); with
+GPT-OSS's biases, + E for the router's (``moe_router_bias``, replicated as W_r) and +
+(2·f_e/etp + h)·E/ep for the experts' (``moe_expert_bias``: b_gate, b_up split as their
+columns, b_down whole over etp; they count and shard with the experts). Under ZeRO the
+experts' share
 (optimizer state from stage 1, gradients from 2, weights at 3) is sharded over the
 expert-data-parallel ranks that hold them (dp·cp/ep, folded dp·cp·tp/ep), the rest over
 dp·cp.
@@ -319,17 +323,22 @@ def moe_routed_rows(config, parallel, expert_skew: float = 1.0) -> int:
 
 def expert_params_per_layer(config, parallel) -> float:
     """The parameters of the experts one rank holds, per layer: 3·h·f_e·E/(ep·etp) (0:
-    dense; each expert split over etp = tp, or whole when folded, etp = 1)."""
+    dense; each expert split over etp = tp, or whole when folded, etp = 1), + with their
+    biases (``moe_expert_bias``, GPT-OSS) (2·f_e/etp + h)·E/ep (b_gate, b_up split as
+    their columns, b_down whole on every etp rank)."""
     if not getattr(config, "experts", 0):
         return 0
-    return 3 * config.hidden * config.moe_ffn_hidden * config.experts / (
-        parallel.ep * parallel.etp)
+    h, f, e = config.hidden, config.moe_ffn_hidden, config.experts
+    biases = (2 * f / parallel.etp + h) * e / parallel.ep \
+        if getattr(config, "moe_expert_bias", False) else 0
+    return 3 * h * f * e / (parallel.ep * parallel.etp) + biases
 
 
 def _llama_rank_params(config, parallel, r: int) -> float:
     h, V, t, d, f = config.hidden, config.vocab, parallel.tp, config.head_dim, config.ffn_hidden
     stages = parallel.pp * parallel.chunks
     moe = h * config.experts + expert_params_per_layer(config, parallel) \
+        + (config.experts if getattr(config, "moe_router_bias", False) else 0) \
         + 3 * h * config.moe_shared_ffn_hidden / parallel.etp \
         if getattr(config, "experts", 0) else 0
     attention = _latent_params(config, t) if getattr(config, "kv_lora_rank", None) else \

@@ -383,7 +383,7 @@ def moe_row_config(r: dict) -> tuple:
     simulated.
 
     The model: ``GPTConfig.of_model(preset, seq, timing_only=True)`` (refused where the GPT
-    program cannot run the preset: biases in a Llama block's experts or router, GPT-OSS's). The plan, the row's own where it gives it: global and micro-batch, dp =
+    program cannot run the preset). The plan, the row's own where it gives it: global and micro-batch, dp =
     GPUs / (tp·pp·cp), tp, pp, cp, ep; ``etp`` as published, else :data:`MOE_DEFAULT_ETP`
     (1: each expert whole, the expert group folded over the tp ranks — what
     Megatron-Bridge's Qwen3 and GPT-OSS performance recipes and the Model Zoo's

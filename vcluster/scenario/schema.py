@@ -198,6 +198,11 @@ _WORKLOAD = MappingProxyType({
         "moe_bias_update_rate": {"type": "number", "minimum": 0, "default": 0.0,
                                  "description": "DeepSeek-V3's auxiliary-loss-free balancing: "
                                                 "the per-expert choice bias's step (0: none)"},
+        "moe_router_bias": _bool("a bias per expert on the router's logits, l = x W_r + b_r "
+                                 "(GPT-OSS)"),
+        "moe_expert_bias": _bool("biases on every routed expert's gate, up and down "
+                                 "projections (GPT-OSS); b_down is added before the routing "
+                                 "weight"),
         "moe_dense_layers": {"type": "array", "items": {"type": "integer", "minimum": 0},
                              "description": "layers whose MLP stays dense among the MoE "
                                             "ones (DeepSeek-V3: [0, 1, 2])"},

@@ -101,7 +101,8 @@ _KEY_PATHS = {"microbatches": "workload.batch", "global_batch": "workload.batch"
                                                "moe_shared_ffn_hidden",
                                                "moe_routed_scaling", "moe_aux_coef",
                                                "moe_dense_layers", "moe_groups",
-                                               "moe_bias_update_rate")}}
+                                               "moe_bias_update_rate", "moe_router_bias",
+                                               "moe_expert_bias")}}
 
 
 def _validate_ps(scenario, mesh) -> None:
@@ -159,7 +160,8 @@ def _configs(scenario, mesh=None):
                        capacity_factor=o.get("capacity_factor"),
                        **{k: o[k] for k in ("moe_router", "moe_shared_ffn_hidden",
                                             "moe_routed_scaling", "moe_aux_coef",
-                                            "moe_bias_update_rate") if k in o},
+                                            "moe_bias_update_rate", "moe_router_bias",
+                                            "moe_expert_bias") if k in o},
                        moe_dense_layers=tuple(o.get("moe_dense_layers") or ()),
                        moe_groups=tuple(o["moe_groups"]) if o.get("moe_groups") else None)
     return config, None if mesh is None else _parallel(scenario, mesh)
@@ -172,7 +174,7 @@ _MODEL_OVERRIDES = ("hidden", "heads", "vocab", "arch", "kv_heads", "ffn_hidden"
                     "moe_ffn_hidden",
                     "capacity_factor", "moe_router", "moe_shared_ffn_hidden",
                     "moe_routed_scaling", "moe_aux_coef", "moe_dense_layers", "moe_groups",
-                    "moe_bias_update_rate")
+                    "moe_bias_update_rate", "moe_router_bias", "moe_expert_bias")
 
 
 def _model_config(scenario):
@@ -222,6 +224,8 @@ def _gqa(config) -> str:
     out += " out-bias" if config.out_bias else ""
     if config.experts:
         out += f" experts={config.experts} top-{config.moe_top_k}"
+        out += " router-bias" if config.moe_router_bias else ""
+        out += " expert-bias" if config.moe_expert_bias else ""
     return out
 
 

@@ -45,3 +45,33 @@ def assert_central_difference(model, tokens, targets, params, grads, name, idx,
     p[idx] = old
     assert (up - down) / (2 * eps) == pytest.approx(grads[name][idx], rel=1e-5,
                                                     abs=abs_tol), (name, idx)
+
+
+def assert_fit_equals_reference(cluster, model, par, tokens, targets, *, steps: int,
+                                lr: float, rtol: float, atol: float, **ref_kw):
+    """``model``'s forward (loss, logits) and a ``steps``-step fit on ``cluster`` under
+    ``par`` equal its single-process references (``ref_kw``: what the references take,
+    e.g. ``parallel=par`` for MoE routing) — every parameter and gradient by name.
+    Returns (run, ref)."""
+    ref_loss, ref_logits = model.reference_forward(tokens, targets, **ref_kw)
+    loss, logits = model.forward(cluster, tokens, targets, par)
+    assert loss == pytest.approx(ref_loss, rel=rtol)
+    np.testing.assert_allclose(logits, ref_logits, rtol=rtol, atol=atol)
+    ref = model.fit_reference(tokens, targets, steps=steps, lr=lr, **ref_kw)
+    run = model.fit(cluster, tokens, targets, steps=steps, parallel=par, lr=lr)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=rtol)
+    assert run.params.keys() == ref.params.keys() == run.grads.keys()
+    assert_same_params_and_grads(run, ref, rtol, atol)
+    return run, ref
+
+
+def count_params(dev, job):
+    """A traced program: declare (as one op's FLOPs) the parameters this rank's stages
+    hold — the GPT program's own stages (``job.stage_factory``), for comparing with the
+    memory model's count."""
+    pp = dev.mesh.group("pp", dev.rank)
+    pos = pp.index(dev.rank)
+    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
+               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
+    with dev.compute("params", flops=held):
+        pass

@@ -29,8 +29,8 @@ from vcluster.planner.memory import rank_params
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       trace_comm_signature, trace_program)
 
-from .gpt_data import (assert_central_difference, assert_same_params_and_grads, mesh_of,
-                       token_data)
+from .gpt_data import (assert_central_difference, assert_fit_equals_reference,
+                       count_params, mesh_of, token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -203,16 +203,8 @@ def _parallel(mesh, **kw) -> ParallelConfig:
 
 
 def _check_training(cluster, model, par, tokens, targets, **ref_kw):
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, **ref_kw)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    assert loss == pytest.approx(ref_loss, rel=RTOL)
-    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
-    ref = model.fit_reference(tokens, targets, steps=STEPS, lr=LR, **ref_kw)
-    run = model.fit(cluster, tokens, targets, steps=STEPS, parallel=par, lr=LR)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
-    assert run.params.keys() == ref.params.keys() == run.grads.keys()
-    assert_same_params_and_grads(run, ref, RTOL, ATOL)
-    return run, ref
+    return assert_fit_equals_reference(cluster, model, par, tokens, targets, steps=STEPS,
+                                       lr=LR, rtol=RTOL, atol=ATOL, **ref_kw)
 
 
 @pytest.mark.parametrize("mesh, fields, extra", CASES,
@@ -341,18 +333,8 @@ def test_memory_params_are_what_the_program_holds(kv, tp):
     ranks = [mesh.rank({"dp": 0, "pp": p, "tp": 0}) for p in range(2)]
     held = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)
                 and op.name == "params")
-            for t in trace_program(mesh, _count_params, [(job,)] * mesh.size, ranks=ranks)]
+            for t in trace_program(mesh, count_params, [(job,)] * mesh.size, ranks=ranks)]
     assert held == [rank_params(cfg, par, r) for r in range(2)]
-
-
-def _count_params(dev, job):
-    """Declare the parameters this rank's stages hold (the GPT program's own stages)."""
-    pp = dev.mesh.group("pp", dev.rank)
-    pos = pp.index(dev.rank)
-    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
-               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
-    with dev.compute("params", flops=held):
-        pass
 
 
 def test_qwen2_5_simulates_from_the_command_line(capsys):

@@ -28,8 +28,8 @@ from vcluster.planner.memory import cp_buffer_bytes, rank_params
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       meta_like, trace_comm_signature, trace_program)
 
-from .gpt_data import (assert_central_difference, assert_same_params_and_grads, mesh_of,
-                       token_data)
+from .gpt_data import (assert_central_difference, assert_same_params_and_grads,
+                       count_params, mesh_of, token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -357,16 +357,6 @@ def _spec(q_lora=5, layers=4, mlp=None) -> ModelSpec:
     return ModelSpec("tiny-mla", 32, 64, (Layer(att, mlp or MLP("swiglu", 40)),) * layers)
 
 
-def _count_params(dev, job):
-    """Declare the parameters this rank's stages hold (the GPT program's own stages)."""
-    pp = dev.mesh.group("pp", dev.rank)
-    pos = pp.index(dev.rank)
-    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
-               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
-    with dev.compute("params", flops=held):
-        pass
-
-
 @pytest.mark.parametrize("q_lora", [5, None], ids=["q_lora", "no_q_lora"])
 def test_from_spec_and_the_model_layers_counts(q_lora):
     """A spec of MLA layers: the config takes its fields; the program's parameters are
@@ -395,7 +385,7 @@ def test_memory_params_are_what_the_program_holds(q_lora, tp):
     ranks = [mesh.rank({"dp": 0, "pp": p, "tp": 0}) for p in range(2)]
     held = [sum(op.flops for op in t.ops
                 if isinstance(op, TraceCompute) and op.name == "params")
-            for t in trace_program(mesh, _count_params, [(job,)] * mesh.size, ranks=ranks)]
+            for t in trace_program(mesh, count_params, [(job,)] * mesh.size, ranks=ranks)]
     assert held == [rank_params(cfg, par, r) for r in range(2)] \
         == spec_rank_params(spec, pp=2, tp=tp)
 

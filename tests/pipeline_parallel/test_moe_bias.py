@@ -32,7 +32,8 @@ from vcluster.planner.memory import rank_params
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       trace_comm_signature, trace_program)
 
-from .gpt_data import assert_central_difference, assert_same_params_and_grads, token_data
+from .gpt_data import (assert_central_difference, assert_fit_equals_reference,
+                       count_params, token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -199,16 +200,8 @@ def _parallel(**kw) -> ParallelConfig:
 
 
 def _check_training(cluster, model, par, tokens, targets):
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    assert loss == pytest.approx(ref_loss, rel=RTOL)
-    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
-    ref = model.fit_reference(tokens, targets, steps=STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, steps=STEPS, parallel=par, lr=LR)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
-    assert run.params.keys() == ref.params.keys() == run.grads.keys()
-    assert_same_params_and_grads(run, ref, RTOL, ATOL)
-    return run, ref
+    return assert_fit_equals_reference(cluster, model, par, tokens, targets, steps=STEPS,
+                                       lr=LR, rtol=RTOL, atol=ATOL, parallel=par)
 
 
 @pytest.mark.parametrize("fields, extra", CASES,
@@ -311,18 +304,8 @@ def test_memory_params_are_what_the_program_holds(extra):
              for p in range(par.pp)]
     held = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)
                 and op.name == "params")
-            for t in trace_program(mesh, _count_params, [(job,)] * mesh.size, ranks=ranks)]
+            for t in trace_program(mesh, count_params, [(job,)] * mesh.size, ranks=ranks)]
     assert held == [rank_params(cfg, par, r) for r in range(par.pp)]
-
-
-def _count_params(dev, job):
-    """Declare the parameters this rank's stages hold (the GPT program's own stages)."""
-    pp = dev.mesh.group("pp", dev.rank)
-    pos = pp.index(dev.rank)
-    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
-               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
-    with dev.compute("params", flops=held):
-        pass
 
 
 @pytest.mark.parametrize("preset, total", [("gpt-oss-20b", 20_914_757_184),

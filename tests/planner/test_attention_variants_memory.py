@@ -16,6 +16,8 @@ from tensor_parallel.llama import llama_piece, llama_stage
 from vcluster.planner.memory import llama_activation_bytes_per_layer, rank_params
 from vcluster.runtime.tracing import MetaArray, TraceCompute, trace_program
 
+from ..pipeline_parallel.gpt_data import count_params
+
 pytestmark = pytest.mark.timeout(300)
 
 VARIANTS = [{"head_dim": 12}, {"qk_norm": True}, {"head_dim": 4, "qk_norm": True}]
@@ -30,16 +32,6 @@ def _llama(kv, **kw):
 def _declared(mesh, program, args, ranks, name: str):
     return [sum(op.flops for op in t.ops if isinstance(op, TraceCompute) and op.name == name)
             for t in trace_program(mesh, program, args, ranks=ranks)]
-
-
-def _count_params(dev, job):
-    """Declare the parameters this rank's stages hold (the GPT program's own stages)."""
-    pp = dev.mesh.group("pp", dev.rank)
-    pos = pp.index(dev.rank)
-    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
-               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
-    with dev.compute("params", flops=held):
-        pass
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
@@ -66,7 +58,7 @@ def test_memory_params_are_what_the_program_holds(variant, kv, tp):
     mesh = par.mesh()
     job = GPT(cfg).meta_args(mesh, par)[0][0]
     ranks = [mesh.rank({"dp": 0, "pp": p, "tp": 0}) for p in range(2)]
-    held = _declared(mesh, _count_params, [(job,)] * mesh.size, ranks, "params")
+    held = _declared(mesh, count_params, [(job,)] * mesh.size, ranks, "params")
     assert held == [rank_params(cfg, par, r) for r in range(2)]
 
 

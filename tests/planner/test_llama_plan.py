@@ -18,6 +18,8 @@ from vcluster.cli.args import add_arch_arguments
 from vcluster.planner.memory import llama_activation_bytes_per_layer, rank_params
 from vcluster.planner.simulation import simulate_gpt
 from vcluster.runtime.tracing import MetaArray, TraceCompute, trace_program
+
+from ..pipeline_parallel.gpt_data import count_params
 from vcluster.timing import load_hardware
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,16 +36,6 @@ def _declared(mesh, program, args, ranks, name: str):
             for t in trace_program(mesh, program, args, ranks=ranks)]
 
 
-def _count_params(dev, job):
-    """Declare the parameters this rank's stages hold (the GPT program's own stages)."""
-    pp = dev.mesh.group("pp", dev.rank)
-    pos = pp.index(dev.rank)
-    held = sum(int(a.size) for s in range(pos, job.n_stages, len(pp))
-               for arrays in job.stage_factory(dev, job, s).params for a in arrays)
-    with dev.compute("params", flops=held):
-        pass
-
-
 @pytest.mark.parametrize("kv, tp", [(8, 2), (2, 2), (2, 4), (1, 4), (4, 8)])
 def test_memory_params_are_what_the_program_holds(kv, tp):
     cfg = _llama(kv)
@@ -53,7 +45,7 @@ def test_memory_params_are_what_the_program_holds(kv, tp):
     model = GPT(cfg)
     job = model.meta_args(mesh, par)[0][0]
     ranks = [mesh.rank({"dp": 0, "pp": p, "tp": 0}) for p in range(2)]
-    held = _declared(mesh, _count_params, [(job,)] * mesh.size, ranks, "params")
+    held = _declared(mesh, count_params, [(job,)] * mesh.size, ranks, "params")
     assert held == [rank_params(cfg, par, r) for r in range(2)]
     # and over every rank, each distinct parameter once (replicated K/V heads counted once)
     total = sum(rank_params(cfg, par, r) for r in range(2)) * tp

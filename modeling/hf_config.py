@@ -163,7 +163,10 @@ def _llama(k):
 def _qwen2(k):
     """Qwen2 (and Qwen2.5): q, k and v carry biases without a config key saying so
     (transformers' Qwen2Attention builds them with ``bias=True``); Qwen3 says
-    ``attention_bias`` (false)."""
+    ``attention_bias`` (false). The base Qwen2.5 files carry ``use_mrope: false`` (plain
+    RoPE); Qwen2-VL's multimodal RoPE is refused."""
+    k.expect("use_mrope", (False,), "multimodal RoPE (Qwen2-VL's position sections) is "
+             "not modelled")
     return _dense_family(k, qwen=True, qkv_bias=True)
 
 

@@ -28,7 +28,8 @@ NAMED = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b", "llama-2-7
          "llama-2-13b", "llama-2-70b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b",
          "mistral-7b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-8b", "qwen3-32b",
          "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
-         "phi-3-mini-4k", "qwen2.5-32b")
+         "phi-3-mini-4k", "qwen2.5-32b", "qwen2.5-7b", "qwen2.5-14b", "llama-3.2-1b",
+         "llama-3.2-3b")
 
 
 def _close(ours: float, published: float) -> bool:
@@ -156,6 +157,24 @@ def test_qwen2_has_q_k_v_biases_though_its_config_names_none():
     # 64 layers x (5120 + 2 x 1024) bias entries on top of the same weights without them
     count = parameter_count(load_model("qwen2.5-32b")).total
     assert count == 32_763_876_352
+
+
+def test_the_small_presets_of_qwen2_5_and_llama_3_2():
+    """Qwen2.5-7B/14B: q/k/v biases, counted to the Hub's weights; the base files' ``use_mrope:
+    false`` is plain RoPE (true refused). Llama 3.2 1B/3B: one tied table, RoPE llama3 x32."""
+    assert parameter_count(load_model("qwen2.5-7b")).total == 7_615_616_512
+    assert parameter_count(load_model("qwen2.5-14b")).total == 14_770_033_664
+    assert load_model("qwen2.5-7b").layers[0].attention.qkv_bias
+    raw = json.loads(_preset_path("qwen2.5-7b").read_text())
+    raw["use_mrope"] = True
+    with pytest.raises(ConfigError, match="use_mrope=True.*multimodal RoPE"):
+        from_hf_config(raw)
+    for name, total, head_dim in (("llama-3.2-1b", 1_235_814_400, 64),
+                                  ("llama-3.2-3b", 3_212_749_824, 128)):
+        spec = load_model(name)
+        assert spec.tie_embeddings and spec.layers[0].attention.head_dim == head_dim
+        assert dict(spec.rope_scaling)["rope_type"] == "llama3"
+        assert parameter_count(spec).total == total
 
 
 def test_megatron_pads_the_vocabulary_to_128_times_tp():

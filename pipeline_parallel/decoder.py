@@ -18,7 +18,8 @@ requests, so every rank forms the same steps without a message. Per engine step:
 2. ONE batched forward over the N concatenated new tokens (stage 0: the token ids, its
    embedding; later stages: the hidden states (N, h) received from the stage before);
    every layer writes the new keys and values into the paged cache and each sequence
-   attends to its own blocks (:mod:`.paged_attention`);
+   attends to its own blocks (:mod:`.paged_attention`) — the cache holds k as attention
+   takes it, after the bias, QK-norm and RoPE (v after its bias);
 3. the last stage takes the rows that sample (a request's last known token:
    ``ScheduledRequest.samples``), its final norm and logits, and picks the greedy token
    (argmax); it sends the new tokens to every earlier stage, so every rank knows every
@@ -40,6 +41,16 @@ looks up its V/t rows, zeros elsewhere, then all_reduce(tp): vLLM's
 VocabParallelEmbedding) and so is the head (logits of the sampled rows for V/t words,
 then all_gather(tp) along the vocabulary: vLLM's LogitsProcessor gather), so every tp
 rank picks the same token.
+
+Attention biases and QK-norm (the training program's math, :mod:`tensor_parallel.gqa`;
+the parameters b_q, b_kv, b_o, q_norm_g, k_norm_g of ``GPT.init_params``): with
+``qkv_bias`` (Qwen2/Qwen2.5) q = u W_q + b_q and [k | v] = u W_kv + b_kv, before QK-norm
+and RoPE; with ``qk_norm`` (Qwen3) q and k are RMS-normalised per head (width d, eps
+``cfg.eps``) with gains g_q, g_k (d,) before RoPE; with ``out_bias`` (GPT-OSS)
+y = reduce(C W_o) + b_o. Under tp b_q and b_kv are split with W_q's and W_kv's columns
+(b_kv replicated with its K/V head when kv_heads < tp), the gains are whole on every
+rank (per head: no communication), and b_o is whole on every rank and added once, after
+the all_reduce(tp). They add elementwise work only (0 FLOPs, no message).
 
 Mixture of experts (``ep``): vLLM's layout without an all-to-all backend —
 ``ep = tp``: attention tensor-parallel as above, the experts expert-parallel over the
@@ -204,19 +215,35 @@ class _StageModel:
         u, _ = rms_norm(ops, x, P["attn_norm_g"], cfg.eps, "attention: norm")
         q = ops.matmul(u, P["w_q"], "attention: x @ W_q")                  # (N, a_l·d)
         kv = ops.matmul(u, P["w_kv"].reshape(h, 2 * cd), "attention: x @ W_kv")
+        if cfg.qkv_bias:             # this rank's columns of b_q, b_kv (as W_q's, W_kv's)
+            q = ops.add_bias(q, P["b_q"], "attention: + b_q")
+            kv = ops.add_bias(kv, P["b_kv"].reshape(2 * cd), "attention: + b_kv")
+        k = kv[:, :cd]
+        if cfg.qk_norm:              # each head's d values, gains whole on every rank
+            q = self._head_norm(q, P["q_norm_g"], "attention: q norm")
+            k = self._head_norm(k, P["k_norm_g"], "attention: k norm")
         q = rope.apply(ops, q, 1, n, "attention: rope q")
-        k = rope.apply(ops, kv[:, :cd], 1, n, "attention: rope k")
+        k = rope.apply(ops, k, 1, n, "attention: rope k")
         shape = (n, self.kv_local, self.d)
         self.cache.write(ops, i, k.reshape(shape), kv[:, cd:].reshape(shape), rows)
         ctx = self.cache.attend(ops, i, q, chunks)                          # (N, a_l·d)
         att = ops.reduce_out(ops.matmul(ctx, P["w_o"], "attention: ctx @ W_o"),
                              "attention: reduce y")
+        if cfg.out_bias:             # whole on every rank, once, after the reduction
+            att = ops.add_bias(att, P["b_o"], "attention: + b_o")
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u2, _ = rms_norm(ops, x1, P["mlp_norm_g"], cfg.eps, "mlp: norm")
         y = self._moe(u2, P) if _is_moe_layer(cfg, i) else \
             self._swiglu(u2, P["w_gate"], P["w_up"], P["w_down"], "gpt: mlp")
         y = ops.reduce_out(y, "mlp: reduce y")
         return ops.ew("residual", lambda: x1 + y, x1, y)
+
+    def _head_norm(self, t, g, name: str):
+        """QK-norm: RMSNorm (eps ``cfg.eps``) of each head's d values of t (N, n·d), times
+        the gains g (d,)."""
+        rows = t.shape[0]
+        y, _ = rms_norm(self.ops, t.reshape(rows, -1, self.d), g, self.cfg.eps, name)
+        return y.reshape(t.shape)
 
     def _layer_params(self, i: int) -> dict:
         prefix = f"layers.{i}."
@@ -418,9 +445,8 @@ def serve_config(model, timing_only: bool = False) -> GPTConfig:
         raise ConfigError("model", cfg.arch, "a Llama block (RMSNorm, RoPE, SwiGLU)",
                           "the serving program runs Llama decoders")
     unsupported = [(f, v) for f, v in (
-        ("qk_norm", cfg.qk_norm), ("window", cfg.window),
+        ("window", cfg.window),
         ("attention_sinks", cfg.attention_sinks), ("kv_lora_rank", cfg.kv_lora_rank),
-        ("qkv_bias", cfg.qkv_bias), ("out_bias", cfg.out_bias),
         ("capacity_factor", cfg.capacity_factor if cfg.experts else None),
         ("moe_groups", cfg.moe_groups if cfg.experts else None),
         ("moe_bias_update_rate", cfg.moe_bias_update_rate or None),
@@ -429,7 +455,7 @@ def serve_config(model, timing_only: bool = False) -> GPTConfig:
     if unsupported:
         f, v = unsupported[0]
         raise ConfigError(f, v, "none (a dropless MoE without biases; grouped-query "
-                          "attention without QK-norm, windows, sinks or biases)",
+                          "attention without windows or sinks)",
                           "the serving program does not run it yet")
     return cfg
 

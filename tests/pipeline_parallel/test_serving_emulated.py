@@ -4,7 +4,7 @@ batching emits, for every request, the greedy tokens — and the logits — of t
 single-process reference that re-runs the whole sequence for each token (no cache);
 blocks are freed and reused, preempted requests are recomputed, bad input is refused by
 name, and the program's trace declares the closed-form FLOPs and moves the emulator's
-bytes."""
+bytes — also with attention biases (Qwen2/Qwen2.5, GPT-OSS's b_o) and QK-norm (Qwen3)."""
 
 from contextlib import nullcontext
 from dataclasses import replace
@@ -37,6 +37,19 @@ _MOE_LAYER = Layer(Attention(HEADS, KV_HEADS, D),
 MOE = ModelSpec("tiny-moe", hidden=H, vocab=V,
                 layers=(Layer(Attention(HEADS, KV_HEADS, D), MLP("swiglu", F)),)
                 + (_MOE_LAYER,) * 3)
+
+# Qwen2/Qwen2.5 (q, k, v biases), with the output's bias too (GPT-OSS's attention), and
+# Qwen3 (QK-norm): the tiny Llama's shape with the attention's extras
+QWEN = {name: ModelSpec(f"tiny-{name}", hidden=H, vocab=V, layers=(Layer(
+            Attention(HEADS, KV_HEADS, D, **extras), MLP("swiglu", F)),) * 2)
+        for name, extras in (("qwen2", dict(qkv_bias=True)),
+                             ("qwen2-out-bias", dict(qkv_bias=True, out_bias=True)),
+                             ("qwen3", dict(qk_norm=True)))}
+_QWEN_MOE_LAYER = Layer(Attention(HEADS, KV_HEADS, D, qk_norm=True, qkv_bias=True,
+                                  out_bias=True), _MOE_LAYER.mlp)
+QWEN_MOE = ModelSpec("tiny-qwen-moe", hidden=H, vocab=V,
+                     layers=(Layer(_QWEN_MOE_LAYER.attention, MLP("swiglu", F)),)
+                     + (_QWEN_MOE_LAYER,) * 3)
 
 # 8 requests: prompts 3..40 tokens, outputs 1..12, arriving at steps 0..9
 PROMPT_LENS = (3, 40, 17, 9, 25, 5, 33, 12)
@@ -178,15 +191,89 @@ def test_static_batching_tokens_equal_reference(cluster_of, dense):
                for s in st.scheduled)
 
 
+# --- attention biases and QK-norm ---------------------------------------------------------
+@pytest.fixture(scope="module", params=sorted(QWEN))
+def qwen(request):
+    return _Case(QWEN[request.param])
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)],
+                         ids=["tp1", "tp2", "tp4-kv-replicated", "pp2", "tp2-pp2"])
+def test_biases_and_qk_norm_greedy_tokens_equal_reference(cluster_of, qwen, tp, pp):
+    """q/k/v biases (b_q, b_kv split with W_q's and W_kv's columns, replicated with the
+    K/V heads at tp 4 > kv_heads 2), the output's bias (added once after the all-reduce)
+    and QK-norm (gains whole on every rank): the reference's tokens and logits."""
+    run = qwen.run(cluster_of, tp, pp)
+    qwen.check(run)
+    _check_batching(run)
+
+
+def test_the_biases_and_gains_change_the_reference():
+    """The extras are not inert: the reference's logits move when the biases are zeroed
+    and the QK-norm gains set to one (so the tests above would see a decoder dropping
+    them), and the reference is llama_reference's (not the decoder's) math."""
+    import pipeline_parallel.decoder as decoder
+    from pipeline_parallel.llama import llama_reference
+    assert decoder.llama_reference is llama_reference
+    for spec in QWEN.values():
+        params = GPT(serve_config(spec), seed=1).init_params()
+        plain = {n: (np.ones_like(a) if n.endswith(("q_norm_g", "k_norm_g")) else
+                     np.zeros_like(a) if n.rsplit(".", 1)[-1] in ("b_q", "b_kv", "b_o")
+                     else a) for n, a in params.items()}
+        assert any(not np.array_equal(plain[n], params[n]) for n in params)
+        prompt = _prompts(REQUESTS[:1])[0]
+        _, logits = greedy_reference(spec, params, prompt, 3)
+        _, logits_plain = greedy_reference(spec, plain, prompt, 3)
+        assert np.abs(logits - logits_plain).max() > 1e-3, spec.name
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 2), (2, 1)], ids=["tp2-ep2", "tp2-experts-tp"])
+def test_an_moe_with_biases_and_qk_norm_equals_reference(cluster_of, tp, ep):
+    """An MoE model (dense first layer, shared expert) whose attention has q/k/v and
+    output biases and QK-norm, experts over ep = 2 (and each over tp): the reference's
+    tokens and logits."""
+    case = _Case(QWEN_MOE)
+    run = case.run(cluster_of, tp, 1, ep)
+    case.check(run)
+    _check_batching(run)
+
+
+@pytest.mark.parametrize("name, tp, pp", [("qwen2-out-bias", 4, 1), ("qwen3", 2, 2)])
+def test_the_extras_trace_with_the_closed_form_flops(cluster_of, name, tp, pp):
+    """Traced on shape-only arrays, a model with biases and QK-norm declares the dense
+    model's FLOPs (the adds and norms are elementwise: 0 FLOPs) and moves the emulator's
+    messages and bytes (no collective more: b_o after the one all-reduce, the gains
+    whole)."""
+    spec, case = QWEN[name], None
+    kw = dict(tp=tp, pp=pp, num_blocks=10, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS)
+    traces = trace_serve(spec, REQUESTS, **kw)
+    cluster = cluster_of(serve_mesh(tp, pp))
+    cluster.reset_stats()
+    case = _Case(spec)
+    run = serve(cluster, spec, case.params, REQUESTS, case.prompts, **kw)
+    events = cluster.trace()
+    mesh = serve_mesh(tp, pp)
+    for trace in traces:
+        stage = mesh.group_position("pp", trace.rank)
+        flops = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute))
+        assert flops == sum(_closed_form_flops(s, stage, tp, pp) for s in run.steps)
+        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+    dense = trace_serve(DENSE, REQUESTS, **kw)
+    assert [trace_comm_signature(t) for t in traces] == \
+        [trace_comm_signature(t) for t in dense]
+
+
 # --- preemption --------------------------------------------------------------------------
-@pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe")])
+@pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe"),
+                                          (4, 1, "qwen2_out_bias"), (2, 2, "qwen3"),
+                                          (2, 1, "qwen_moe")])
 def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, pp, spec,
                                                                request):
     """5 usable blocks (80 tokens) for a 50-token request growing beside others: the
     scheduler preempts, the victim is re-prefilled from position 0 over its prompt and
     the tokens it had emitted, and every token still equals the reference."""
     case = request.getfixturevalue(f"_preempt_{spec}")
-    run = case.run(cluster_of, tp, pp, ep=tp if spec == "moe" else 1, num_blocks=6)
+    run = case.run(cluster_of, tp, pp, ep=tp if "moe" in spec else 1, num_blocks=6)
     case.check(run)
     assert run.preemptions > 0
     victims = {r for step in run.steps for r in step.preempted}
@@ -218,6 +305,21 @@ def _preempt_dense():
 @pytest.fixture(scope="module")
 def _preempt_moe():
     return _Case(MOE, PREEMPTING)
+
+
+@pytest.fixture(scope="module")
+def _preempt_qwen2_out_bias():
+    return _Case(QWEN["qwen2-out-bias"], PREEMPTING)
+
+
+@pytest.fixture(scope="module")
+def _preempt_qwen3():
+    return _Case(QWEN["qwen3"], PREEMPTING)
+
+
+@pytest.fixture(scope="module")
+def _preempt_qwen_moe():
+    return _Case(QWEN_MOE, PREEMPTING)
 
 
 # --- the paged cache on its own -----------------------------------------------------------
@@ -298,10 +400,20 @@ def test_bad_input_is_refused_by_name(dense):
         serve(None, DENSE, None, REQUESTS, prompts[:7], **kw)
     with pytest.raises(ConfigError, match=r"^cluster=None: tp=2 x pp=1 serve on the mesh"):
         serve(None, DENSE, None, REQUESTS, prompts, tp=2, **kw)
-    with pytest.raises(ConfigError, match=r"^qk_norm=True: the serving program does not"):
-        serve(None, ModelSpec("qk", hidden=H, vocab=V, layers=(Layer(Attention(
-            HEADS, KV_HEADS, D, qk_norm=True), MLP("swiglu", F)),)), None, REQUESTS,
-            prompts, **kw)
+    for field, value, attention in (
+            ("window", 8, Attention(HEADS, KV_HEADS, D, window=8)),
+            ("attention_sinks", True, Attention(HEADS, KV_HEADS, D, sinks=True)),
+            ("window", 8, Attention(HEADS, KV_HEADS, D, qk_norm=True, qkv_bias=True,
+                                    window=8))):
+        with pytest.raises(ConfigError, match=rf"^{field}={value}: the serving program "
+                                              r"does not run it yet"):
+            serve(None, ModelSpec("extra", hidden=H, vocab=V, layers=(Layer(
+                attention, MLP("swiglu", F)),)), None, REQUESTS, prompts, **kw)
+    for spec in (*QWEN.values(), QWEN_MOE):      # biases and QK-norm: served
+        cfg = serve_config(spec)
+        assert (cfg.qkv_bias, cfg.out_bias, cfg.qk_norm) == tuple(
+            getattr(spec.layers[-1].attention, f) for f in ("qkv_bias", "out_bias",
+                                                             "qk_norm"))
 
 
 # --- the trace -------------------------------------------------------------------------------

@@ -252,12 +252,7 @@ def test_the_extras_trace_with_the_closed_form_flops(cluster_of, name, tp, pp):
     case = _Case(spec)
     run = serve(cluster, spec, case.params, REQUESTS, case.prompts, **kw)
     events = cluster.trace()
-    mesh = serve_mesh(tp, pp)
-    for trace in traces:
-        stage = mesh.group_position("pp", trace.rank)
-        flops = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute))
-        assert flops == sum(_closed_form_flops(s, stage, tp, pp) for s in run.steps)
-        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+    _assert_traces_are_the_run(traces, run, events, tp, pp)
     dense = trace_serve(DENSE, REQUESTS, **kw)
     assert [trace_comm_signature(t) for t in traces] == \
         [trace_comm_signature(t) for t in dense]
@@ -432,6 +427,17 @@ def _closed_form_flops(step, stage: int, tp: int, pp: int) -> int:
     return DENSE.num_layers // pp * layer + (2 * samples * H * V // tp if stage == pp - 1
                                              else 0)
 
+def _assert_traces_are_the_run(traces, run, events, tp: int, pp: int) -> None:
+    """Each rank's traced FLOPs are the closed form summed over the run's steps, and its
+    messages and bytes are what the emulator moved (``events``: the cluster's trace)."""
+    mesh = serve_mesh(tp, pp)
+    for trace in traces:
+        stage = mesh.group_position("pp", trace.rank)
+        flops = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute))
+        assert flops == sum(_closed_form_flops(s, stage, tp, pp) for s in run.steps)
+        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+
+
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)], ids=["tp2", "tp2-pp2"])
 def test_trace_flops_equal_closed_form_and_bytes_equal_emulator(cluster_of, dense, tp, pp):
@@ -444,12 +450,7 @@ def test_trace_flops_equal_closed_form_and_bytes_equal_emulator(cluster_of, dens
     cluster.reset_stats()
     run = serve(cluster, DENSE, dense.params, REQUESTS, dense.prompts, **kw)
     events = cluster.trace()
-    mesh = serve_mesh(tp, pp)
-    for trace in traces:
-        stage = mesh.group_position("pp", trace.rank)
-        flops = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute))
-        assert flops == sum(_closed_form_flops(s, stage, tp, pp) for s in run.steps)
-        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+    _assert_traces_are_the_run(traces, run, events, tp, pp)
 
 
 def test_one_step_flops_equal_closed_form():

@@ -52,6 +52,25 @@ y = reduce(C W_o) + b_o. Under tp b_q and b_kv are split with W_q's and W_kv's c
 rank (per head: no communication), and b_o is whole on every rank and added once, after
 the all_reduce(tp). They add elementwise work only (0 FLOPs, no message).
 
+Sliding windows and attention sinks (GPT-OSS, Mistral; the training program's math,
+:mod:`tensor_parallel.gqa`): a layer of ``window_layers`` (all, when None) with
+``window`` w lets the query at absolute position p see the cached key j iff
+p − w < j ≤ p — in a prefill chunk and in a decode alike, against the keys the paged
+cache holds; the others see every earlier key. The paged cache keeps every token of the
+sequence, windowed layers too (as vLLM's does without its hybrid KV-cache manager, which
+frees the blocks that left the window); attention reads only the keys from the chunk's
+first window on (:mod:`.paged_attention`). With ``attention_sinks`` each query head's
+logit σ_n (parameters ``sinks`` (a,), split over tp by query heads like W_q's columns)
+joins every row's softmax denominator and its probability is dropped. No message more;
+a windowed layer declares the pairs its window visits.
+
+MoE biases (GPT-OSS; :mod:`tensor_parallel.moe`'s math): ``moe_router_bias`` l =
+u W_r + b_r (b_r whole on every rank, as the router); ``moe_expert_bias`` each routed
+expert O_e = (silu(X W_g + b_g) * (X W_u + b_u)) W_d + b_d, y = Σ g·O_e (b_d inside the
+gate). Under ep = tp the biases go with their experts; under ep = 1 b_g and b_u split with
+the expert's f columns and b_d is added by tp rank 0 only (the partial sums' all-reduce
+then adds it once). Elementwise work only (0 FLOPs, no message).
+
 Mixture of experts (``ep``): vLLM's layout without an all-to-all backend —
 ``ep = tp``: attention tensor-parallel as above, the experts expert-parallel over the
 same tp ranks (rank t holds experts t·E/ep .. (t + 1)·E/ep − 1 whole); every rank
@@ -70,6 +89,7 @@ sampled rows, a_l = a/t, c_l its KV heads, f_l = f/t:
 
     per layer   2·N·h·(a_l·d + 2·c_l·d) + 2·N·a_l·d·h       projections
                 + Σ_r 4·a_l·d·(n_r·c_r + n_r(n_r + 1)/2)     paged attention
+                  (a windowed layer: Σ_r 4·a_l·d·Σ_p min(p + 1, w))
                 + 3·2·N·h·f_l                                dense SwiGLU
                   (MoE: 2·N·h·E router + Σ_{e local} 3·2·N_e·h·f_e,l
                    + the shared expert's 3·2·N·h·f_s/t)
@@ -116,7 +136,7 @@ __all__ = ["BLOCK_SIZE", "ServeJob", "ServeRun", "greedy_reference", "serve", "s
 BLOCK_SIZE = 16
 #: point-to-point tags: a stage's hidden states to the next, the sampled tokens back
 HIDDEN_TAG, TOKENS_TAG = 5301, 5302
-_MOE = ("w_router", "moe_gate", "moe_up", "moe_down")
+_MOE = ("w_router", "moe_gate", "moe_up", "moe_down", "moe_b_gate", "moe_b_up", "moe_b_down")
 _SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
@@ -226,7 +246,8 @@ class _StageModel:
         k = rope.apply(ops, k, 1, n, "attention: rope k")
         shape = (n, self.kv_local, self.d)
         self.cache.write(ops, i, k.reshape(shape), kv[:, cd:].reshape(shape), rows)
-        ctx = self.cache.attend(ops, i, q, chunks)                          # (N, a_l·d)
+        ctx = self.cache.attend(ops, i, q, chunks, cfg.layer_window(i),     # (N, a_l·d)
+                                P["sinks"] if cfg.attention_sinks else None)
         att = ops.reduce_out(ops.matmul(ctx, P["w_o"], "attention: ctx @ W_o"),
                              "attention: reduce y")
         if cfg.out_bias:             # whole on every rank, once, after the reduction
@@ -249,17 +270,25 @@ class _StageModel:
         prefix = f"layers.{i}."
         return {n[len(prefix):]: a for n, a in self.P.items() if n.startswith(prefix)}
 
-    def _swiglu(self, u, w_gate, w_up, w_down, what: str):
+    def _swiglu(self, u, w_gate, w_up, w_down, what: str, biases=None):
         """(silu(u W_gate) * (u W_up)) W_down, this rank's columns / rows (a partial sum);
-        ``what`` prefixes the ops' names ("gpt: mlp", "moe: expert 3")."""
-        dev = self.dev
+        ``what`` prefixes the ops' names ("gpt: mlp", "moe: expert 3"). ``biases``: an
+        expert's (b_gate, b_up, b_down or None) — (silu(u W_g + b_g) * (u W_u + b_u))
+        W_d + b_d, b_down added by one rank of the partial sum only (GPT-OSS)."""
+        dev, ops = self.dev, self.ops
         zg = local_matmul(dev, u, w_gate, f"{what}: x @ W_gate")
         zu = local_matmul(dev, u, w_up, f"{what}: x @ W_up")
+        if biases is not None:
+            zg = ops.add_bias(zg, biases[0], f"{what}: + b_gate")
+            zu = ops.add_bias(zu, biases[1], f"{what}: + b_up")
         with dev.compute(f"{what}: silu(zg) * zu", flops=0,
                          bytes=3 * zg.size * zg.itemsize,
                          kernel=Kernel.activation(zg.shape[0], zg.shape[1], False, "swiglu")):
             a = zg / (1 + np.exp(-zg)) * zu
-        return local_matmul(dev, a, w_down, f"{what}: a @ W_down")
+        y = local_matmul(dev, a, w_down, f"{what}: a @ W_down")
+        if biases is not None and biases[2] is not None:
+            y = ops.add_bias(y, biases[2], f"{what}: + b_down")
+        return y
 
     def _moe(self, u, P):
         """This rank's share of the mixture on u (N, h): the routed tokens of its local
@@ -268,8 +297,12 @@ class _StageModel:
         n, h = u.shape
         E, k = cfg.experts, cfg.moe_top_k
         logits = local_matmul(dev, u, P["w_router"], "moe: router x @ W_r")   # (N, E)
+        if cfg.moe_router_bias:                          # b_r whole on every rank
+            logits = self.ops.add_bias(logits, P["b_router"], "moe: router + b_r")
         e_l = P["moe_gate"].shape[0]
         first = self.ops.tp_rank * e_l if self.job.ep > 1 else 0
+        # b_down once per expert: its owner (ep = tp), or tp rank 0 of a tp-split expert
+        down_bias = self.job.ep > 1 or self.ops.tp_rank == 0
         with dev.compute("moe: route (top-k, gates)", flops=0,
                          bytes=2 * logits.size * logits.itemsize,
                          kernel=Kernel.elementwise(2 * logits.size)):
@@ -288,8 +321,11 @@ class _StageModel:
                              bytes=2 * len(rows) * h * u.itemsize,
                              kernel=Kernel.elementwise(2 * len(rows) * h)):
                 xe = u[rows]
+            biases = (P["moe_b_gate"][j], P["moe_b_up"][j],
+                      P["moe_b_down"][j] if down_bias else None) \
+                if cfg.moe_expert_bias else None
             out = self._swiglu(xe, P["moe_gate"][j], P["moe_up"][j], P["moe_down"][j],
-                               f"moe: expert {e}")
+                               f"moe: expert {e}", biases)
             with dev.compute(f"moe: expert {e} gate and scatter-add", flops=0,
                              bytes=3 * len(rows) * h * u.itemsize,
                              kernel=Kernel.elementwise(3 * len(rows) * h)):
@@ -445,18 +481,16 @@ def serve_config(model, timing_only: bool = False) -> GPTConfig:
         raise ConfigError("model", cfg.arch, "a Llama block (RMSNorm, RoPE, SwiGLU)",
                           "the serving program runs Llama decoders")
     unsupported = [(f, v) for f, v in (
-        ("window", cfg.window),
-        ("attention_sinks", cfg.attention_sinks), ("kv_lora_rank", cfg.kv_lora_rank),
+        ("kv_lora_rank", cfg.kv_lora_rank),
         ("capacity_factor", cfg.capacity_factor if cfg.experts else None),
         ("moe_groups", cfg.moe_groups if cfg.experts else None),
         ("moe_bias_update_rate", cfg.moe_bias_update_rate or None),
-        ("moe_router_bias", cfg.moe_router_bias), ("moe_expert_bias", cfg.moe_expert_bias)
     ) if v]
     if unsupported:
         f, v = unsupported[0]
-        raise ConfigError(f, v, "none (a dropless MoE without biases; grouped-query "
-                          "attention without windows or sinks)",
-                          "the serving program does not run it yet")
+        raise ConfigError(f, v, "none (a dropless MoE without grouped routing or "
+                          "auxiliary-loss-free balancing; grouped-query attention, not "
+                          "MLA)", "the serving program does not run it yet")
     return cfg
 
 
@@ -559,13 +593,15 @@ def _contiguous(a):
 
 def _piece(cfg: GPTConfig, name: str, array, tp: int, t: int, ep: int):
     last = name.rsplit(".", 1)[-1]
-    if last == "w_router" or tp == 1:
+    if last in ("w_router", "b_router") or tp == 1:
         return array
     if last in _MOE:
         if ep > 1:                                   # whole experts, split over ep = tp
             e_l = array.shape[0] // ep
             return array[t * e_l:(t + 1) * e_l]
-        dim = 1 if last == "moe_down" else 2         # each expert's f split over tp
+        if last == "moe_b_down":                     # (E, h): whole (rank 0 adds it)
+            return array
+        dim = 1 if last in ("moe_down", "moe_b_gate", "moe_b_up") else 2  # f split over tp
         f_l = array.shape[dim] // tp
         return array[(slice(None),) * dim + (slice(t * f_l, (t + 1) * f_l),)]
     if last in _SHARED:

@@ -352,8 +352,8 @@ def test_qwen2_5_simulates_from_the_command_line(capsys):
 
 def test_the_flags_and_the_serving_refusal():
     """--qkv-bias/--out-bias reach GPTConfig (and the title); the serving program runs
-    the attention biases (Qwen2.5's config is served) and still refuses GPT-OSS's sinks
-    by field."""
+    the attention biases (Qwen2.5's config is served), and GPT-OSS's (with its windows,
+    sinks and MoE biases, issue 53) when traced."""
     import argparse
 
     from pipeline_parallel.decoder import serve_config
@@ -367,6 +367,4 @@ def test_the_flags_and_the_serving_refusal():
     assert (cfg.qkv_bias, cfg.out_bias) == (True, True)
     assert "qkv-bias out-bias" in model_title(cfg)
     assert serve_config("qwen2.5-32b", timing_only=True).qkv_bias
-    with pytest.raises(ConfigError, match=r"^(window|attention_sinks)=.*the serving "
-                                          "program does not run it yet"):
-        serve_config("gpt-oss-20b", timing_only=True)
+    assert serve_config("gpt-oss-20b", timing_only=True).attention_sinks

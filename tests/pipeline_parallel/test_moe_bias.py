@@ -341,7 +341,7 @@ def test_gpt_oss_simulates_from_the_command_line(capsys):
 
 def test_the_flags_and_the_serving_refusal():
     """--moe-router-bias/--moe-expert-bias reach GPTConfig (and the title); the serving
-    program, which has no MoE biases, refuses them by field."""
+    program runs them (issue 53)."""
     import argparse
 
     from pipeline_parallel.decoder import serve_config
@@ -354,6 +354,5 @@ def test_the_flags_and_the_serving_refusal():
     cfg = gpt_config(args)
     assert (cfg.moe_router_bias, cfg.moe_expert_bias) == (True, True)
     assert "router-bias expert-bias" in model_title(cfg)
-    with pytest.raises(ConfigError, match="moe_router_bias=True: .*the serving program does "
-                                          "not run it yet"):
-        serve_config(_cfg(moe_router_bias=True))
+    served = serve_config(_cfg(moe_router_bias=True, moe_expert_bias=True))
+    assert (served.moe_router_bias, served.moe_expert_bias) == (True, True)

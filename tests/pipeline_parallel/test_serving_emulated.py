@@ -4,7 +4,8 @@ batching emits, for every request, the greedy tokens — and the logits — of t
 single-process reference that re-runs the whole sequence for each token (no cache);
 blocks are freed and reused, preempted requests are recomputed, bad input is refused by
 name, and the program's trace declares the closed-form FLOPs and moves the emulator's
-bytes — also with attention biases (Qwen2/Qwen2.5, GPT-OSS's b_o) and QK-norm (Qwen3)."""
+bytes — also with attention biases (Qwen2/Qwen2.5, GPT-OSS's b_o) and QK-norm (Qwen3), and
+with GPT-OSS's sliding windows, attention sinks and MoE biases."""
 
 from contextlib import nullcontext
 from dataclasses import replace
@@ -50,6 +51,16 @@ _QWEN_MOE_LAYER = Layer(Attention(HEADS, KV_HEADS, D, qk_norm=True, qkv_bias=Tru
 QWEN_MOE = ModelSpec("tiny-qwen-moe", hidden=H, vocab=V,
                      layers=(Layer(_QWEN_MOE_LAYER.attention, MLP("swiglu", F)),)
                      + (_QWEN_MOE_LAYER,) * 3)
+
+# GPT-OSS in miniature: a sliding window of 4 (shorter than the prompts) on the even layers,
+# full attention on the odd ones, sinks, q/k/v and output biases, and a top-2-of-4 MoE with
+# the router's and the experts' biases (softmax over the chosen two: normalised gates)
+OSS_WINDOW = 4
+_OSS_MOE = MoE(experts=4, top_k=2, expert=MLP("swiglu", 16, bias=True), router_bias=True,
+               normalize_top_k=True)
+OSS = ModelSpec("tiny-gpt-oss", hidden=H, vocab=V, layers=tuple(Layer(Attention(
+    HEADS, KV_HEADS, D, window=OSS_WINDOW if i % 2 == 0 else None, sinks=True,
+    qkv_bias=True, out_bias=True), _OSS_MOE) for i in range(4)))
 
 # 8 requests: prompts 3..40 tokens, outputs 1..12, arriving at steps 0..9
 PROMPT_LENS = (3, 40, 17, 9, 25, 5, 33, 12)
@@ -238,6 +249,101 @@ def test_an_moe_with_biases_and_qk_norm_equals_reference(cluster_of, tp, ep):
     _check_batching(run)
 
 
+# --- GPT-OSS: sliding windows, attention sinks, MoE biases -------------------------------
+@pytest.fixture(scope="module")
+def oss():
+    return _Case(OSS)
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 2), (2, 1, 1), (4, 1, 4),
+                                        (1, 2, 1), (2, 2, 2)],
+                         ids=["tp1", "tp2-ep2", "tp2-experts-tp", "tp4-ep4-kv-replicated",
+                              "pp2", "tp2-pp2-ep2"])
+def test_gpt_oss_greedy_tokens_equal_reference(cluster_of, oss, tp, pp, ep):
+    """Windowed layers (w = 4, every prompt longer: each prefill chunk's and decode's
+    queries see their last 4 cached keys) beside full ones, sinks split over tp by query
+    heads, q/k/v and output biases, the router's bias (whole) and the experts' (with
+    their experts over ep = tp, or b_gate/b_up split with f and b_down added once at
+    ep = 1): the reference's tokens and logits."""
+    cfg = serve_config(OSS)
+    assert (cfg.window, cfg.window_layers, cfg.attention_sinks, cfg.moe_router_bias,
+            cfg.moe_expert_bias) == (OSS_WINDOW, (0, 2), True, True, True)
+    assert min(PROMPT_LENS) < OSS_WINDOW < sorted(PROMPT_LENS)[1]
+    run = oss.run(cluster_of, tp, pp, ep)
+    oss.check(run)
+    _check_batching(run)
+
+
+def _oss_plain(params, drop: str) -> dict:
+    """``params`` with GPT-OSS's ``drop`` ("sinks" or "biases") made inert: sinks −∞
+    (e^σ = 0), the MoE biases zero."""
+    names = {"sinks": ("sinks",), "biases": ("b_router", "moe_b_gate", "moe_b_up",
+                                             "moe_b_down")}[drop]
+    return {n: (np.full_like(a, -np.inf if drop == "sinks" else 0.0)
+                if n.rsplit(".", 1)[-1] in names else a) for n, a in params.items()}
+
+
+def test_gpt_oss_extras_change_the_reference(oss):
+    """The window, the sinks and the MoE biases all move the reference's logits (so the
+    test above would see a decoder ignoring any of them); the reference is
+    llama_reference's."""
+    prompt = oss.prompts[1]                  # 40 tokens, ten windows
+    _, logits = greedy_reference(OSS, oss.params, prompt, 3)
+    for drop in ("sinks", "biases"):
+        _, other = greedy_reference(OSS, _oss_plain(oss.params, drop), prompt, 3)
+        assert np.abs(logits - other).max() > 1e-3, drop
+    full = replace(serve_config(OSS), window=None, window_layers=None)
+    _, other = greedy_reference(full, oss.params, prompt, 3)
+    assert np.abs(logits - other).max() > 1e-3, "window"
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, 2), (2, 2, 1)])
+def test_gpt_oss_traces_move_the_emulators_bytes(cluster_of, oss, tp, pp, ep):
+    """Traced on shape-only arrays, the GPT-OSS-like model moves exactly the emulator's
+    messages and bytes (no collective more than a plain MoE Llama: the sinks split with
+    the heads, b_r whole, the experts' biases with their experts), and each rank's paged
+    attention declares the pairs of its layers' windows: Σ_p min(p + 1, 4) on the
+    windowed layers, the causal pairs on the others."""
+    kw = dict(tp=tp, pp=pp, ep=ep, num_blocks=10, max_num_batched_tokens=BUDGET,
+              max_num_seqs=SEQS)
+    traces = trace_serve(OSS, REQUESTS, **kw)
+    cluster = cluster_of(serve_mesh(tp, pp))
+    cluster.reset_stats()
+    run = serve(cluster, OSS, oss.params, REQUESTS, oss.prompts, **kw)
+    oss.check(run)
+    events = cluster.trace()
+    mesh = serve_mesh(tp, pp)
+    for trace in traces:
+        assert trace_comm_signature(trace) == comm_signature(events, trace.rank)
+        layers = range(mesh.group_position("pp", trace.rank) * 4 // pp,
+                       (mesh.group_position("pp", trace.rank) + 1) * 4 // pp)
+        want = sum(4 * HEADS // tp * D * sum(
+            sum(min(p + 1, OSS_WINDOW) if i % 2 == 0 else p + 1
+                for p in range(s.num_computed_tokens,
+                               s.num_computed_tokens + s.num_new_tokens))
+            for s in step.scheduled) for step in run.steps for i in layers)
+        got = sum(op.flops for op in trace.ops if isinstance(op, TraceCompute)
+                  and op.name.endswith("paged attention"))
+        assert got == want
+
+
+def test_serve_config_takes_gpt_oss_20b():
+    """GPT-OSS-20B's config (windows of 128 on the even layers, sinks, biases, the MoE's
+    biases) is served when traced (timing_only: its clamped SwiGLU and YaRN RoPE change
+    values, not shapes); emulated, only those two are refused, by GPTConfig."""
+    cfg = serve_config("gpt-oss-20b", timing_only=True)
+    assert (cfg.window, cfg.attention_sinks, cfg.moe_router_bias, cfg.moe_expert_bias,
+            cfg.qkv_bias, cfg.out_bias) == (128, True, True, True, True, True)
+    assert cfg.window_layers == tuple(range(0, 24, 2))
+    with pytest.raises(ConfigError, match=r"cannot run (RoPE scaling|a clamped SwiGLU)"):
+        serve_config("gpt-oss-20b")
+    spec = load_model("gpt-oss-20b")
+    bare = replace(spec, rope_scaling=None, layers=tuple(
+        replace(x, mlp=replace(x.mlp, expert=replace(x.mlp.expert, clamp=None)))
+        for x in spec.layers))
+    assert serve_config(bare).window == 128        # nothing else refused
+
+
 @pytest.mark.parametrize("name, tp, pp", [("qwen2-out-bias", 4, 1), ("qwen3", 2, 2)])
 def test_the_extras_trace_with_the_closed_form_flops(cluster_of, name, tp, pp):
     """Traced on shape-only arrays, a model with biases and QK-norm declares the dense
@@ -261,14 +367,15 @@ def test_the_extras_trace_with_the_closed_form_flops(cluster_of, name, tp, pp):
 # --- preemption --------------------------------------------------------------------------
 @pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe"),
                                           (4, 1, "qwen2_out_bias"), (2, 2, "qwen3"),
-                                          (2, 1, "qwen_moe")])
+                                          (2, 1, "qwen_moe"), (2, 1, "oss"), (1, 2, "oss")])
 def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, pp, spec,
                                                                request):
     """5 usable blocks (80 tokens) for a 50-token request growing beside others: the
     scheduler preempts, the victim is re-prefilled from position 0 over its prompt and
     the tokens it had emitted, and every token still equals the reference."""
     case = request.getfixturevalue(f"_preempt_{spec}")
-    run = case.run(cluster_of, tp, pp, ep=tp if "moe" in spec else 1, num_blocks=6)
+    run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "qwen_moe", "oss") else 1,
+                   num_blocks=6)
     case.check(run)
     assert run.preemptions > 0
     victims = {r for step in run.steps for r in step.preempted}
@@ -315,6 +422,11 @@ def _preempt_qwen3():
 @pytest.fixture(scope="module")
 def _preempt_qwen_moe():
     return _Case(QWEN_MOE, PREEMPTING)
+
+
+@pytest.fixture(scope="module")
+def _preempt_oss():
+    return _Case(OSS, PREEMPTING)
 
 
 # --- the paged cache on its own -----------------------------------------------------------
@@ -369,6 +481,56 @@ def test_paged_attention_reads_only_its_own_blocks():
     assert np.isnan(cache.pools[0][0][0]).all()      # block 0 (vLLM's null block) untouched
 
 
+@pytest.mark.parametrize("window, sinks", [(4, True), (4, False), (None, True)])
+def test_paged_attention_windows_and_sinks(window, sinks):
+    """A decode 12 tokens past the window and a prefill chunk straddling it, in a NaN pool
+    whose slots before each chunk's first window are poisoned after the writes: each
+    query sees exactly its keys p − w < j ≤ p (absolute positions against the cache) and
+    the sinks' e^σ in its denominator; nothing outside the window is read. Without the
+    window in the decode (or without the sinks) the result differs: the serving tests'
+    reference comparison would catch either."""
+    rng = np.random.default_rng(5)
+    c, g, d, B = 2, 2, 4, 4
+    ops = TransformerOps(_HostDevice(), "tp", False)
+    cache = PagedKVCache(ops.dev, [0], num_blocks=12, block_size=B, kv_heads_local=c,
+                         head_dim=d, dtype=np.float64)
+    tables, prior, new = ((7, 2, 9, 3, 10), (4, 11, 1, 5)), (15, 2), (1, 7)
+    keys = [rng.standard_normal((p + n, c, d)) for p, n in zip(prior, new)]
+    vals = [rng.standard_normal((p + n, c, d)) for p, n in zip(prior, new)]
+    sink = rng.standard_normal(c * g) if sinks else None
+    for t, k, v, p, n in zip(tables, keys, vals, prior, new):
+        cache.write(ops, 0, k, v, slots(t, np.arange(p + n), B))
+        if window is not None:                    # poison what the window never reads
+            gone = slots(t, np.arange(max(0, p - window + 1)), B)
+            cache.write(ops, 0, np.full((len(gone), c, d), np.nan),
+                        np.full((len(gone), c, d), np.nan), gone)
+    chunks = (SequenceChunk(0, 1, prior[0], tables[0]),
+              SequenceChunk(1, 7, prior[1], tables[1]))
+    q = rng.standard_normal((sum(new), c * g * d))
+    out = cache.attend(ops, 0, q, chunks, window, sink)
+    at = 0
+    for k, v, p, n in zip(keys, vals, prior, new):
+        for i in range(n):
+            pos = p + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            for head in range(c * g):
+                qi = q[at + i, head * d:(head + 1) * d]
+                s = k[lo:pos + 1, head // g] @ qi / np.sqrt(d)
+                m = max(s.max(), sink[head]) if sinks else s.max()
+                w = np.exp(s - m)
+                w /= w.sum() + (np.exp(sink[head] - m) if sinks else 0.0)
+                np.testing.assert_allclose(out[at + i, head * d:(head + 1) * d],
+                                           w @ v[lo:pos + 1, head // g], rtol=1e-12)
+        at += n
+    if window is not None:                        # the decode, window ignored: other keys
+        for k, v, t, p, n in zip(keys, vals, tables, prior, new):
+            cache.write(ops, 0, k, v, slots(t, np.arange(p + n), B))
+        full = cache.attend(ops, 0, q[:1], chunks[:1], None, sink)
+        assert np.abs(full - out[:1]).max() > 1e-3
+    if sinks:
+        assert np.abs(cache.attend(ops, 0, q, chunks, window, None) - out).max() > 1e-3
+
+
 def test_slots_follow_the_block_table():
     assert slots((5, 2, 8), [0, 15, 16, 31, 32, 40], 16).tolist() == \
         [80, 95, 32, 47, 128, 136]
@@ -395,16 +557,14 @@ def test_bad_input_is_refused_by_name(dense):
         serve(None, DENSE, None, REQUESTS, prompts[:7], **kw)
     with pytest.raises(ConfigError, match=r"^cluster=None: tp=2 x pp=1 serve on the mesh"):
         serve(None, DENSE, None, REQUESTS, prompts, tp=2, **kw)
-    for field, value, attention in (
-            ("window", 8, Attention(HEADS, KV_HEADS, D, window=8)),
-            ("attention_sinks", True, Attention(HEADS, KV_HEADS, D, sinks=True)),
-            ("window", 8, Attention(HEADS, KV_HEADS, D, qk_norm=True, qkv_bias=True,
-                                    window=8))):
+    for field, value, cfg in (
+            ("capacity_factor", 1.25, replace(serve_config(MOE), capacity_factor=1.25)),
+            ("moe_bias_update_rate", 0.001, replace(serve_config(MOE),
+                                                    moe_bias_update_rate=0.001))):
         with pytest.raises(ConfigError, match=rf"^{field}={value}: the serving program "
                                               r"does not run it yet"):
-            serve(None, ModelSpec("extra", hidden=H, vocab=V, layers=(Layer(
-                attention, MLP("swiglu", F)),)), None, REQUESTS, prompts, **kw)
-    for spec in (*QWEN.values(), QWEN_MOE):      # biases and QK-norm: served
+            serve_config(cfg)
+    for spec in (*QWEN.values(), QWEN_MOE, OSS):   # biases, QK-norm, windows, sinks: served
         cfg = serve_config(spec)
         assert (cfg.qkv_bias, cfg.out_bias, cfg.qk_norm) == tuple(
             getattr(spec.layers[-1].attention, f) for f in ("qkv_bias", "out_bias",

@@ -47,6 +47,24 @@ def assert_central_difference(model, tokens, targets, params, grads, name, idx,
                                                     abs=abs_tol), (name, idx)
 
 
+def assert_gradients_central(model, tokens, targets, whole, seed: int = 0,
+                              abs_tol: float = 1e-9) -> dict:
+    """The reference's gradients against central differences: every entry of the
+    parameters whose last name part is in ``whole``, two random entries of every other
+    (:func:`assert_central_difference`). Returns the gradients."""
+    params = model.init_params()
+    grads = model._reference(params, tokens, targets, backward=True)[2]
+    rng = np.random.default_rng(seed)
+    for name, p in params.items():
+        picks = [np.unravel_index(j, p.shape) for j in range(p.size)] \
+            if name.rsplit(".", 1)[-1] in whole \
+            else [tuple(int(rng.integers(0, n)) for n in p.shape) for _ in range(2)]
+        for idx in picks:
+            assert_central_difference(model, tokens, targets, params, grads, name, idx,
+                                      abs_tol=abs_tol)
+    return grads
+
+
 def assert_fit_equals_reference(cluster, model, par, tokens, targets, *, steps: int,
                                 lr: float, rtol: float, atol: float, **ref_kw):
     """``model``'s forward (loss, logits) and a ``steps``-step fit on ``cluster`` under

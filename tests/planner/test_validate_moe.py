@@ -19,7 +19,8 @@ from vcluster.timing import read_data_csv
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COLUMNS = ("model", "preset", "precision", "gpus", "global_batch", "micro_batch", "seq", "tp",
            "pp", "cp", "vp", "ep", "etp", "fsdp", "recompute", "tokens_per_s_per_gpu",
-           "model_tflops_per_gpu", "step_s", "note", "release", "source")
+           "model_tflops_per_gpu", "step_s", "note", "release", "source",
+           "moe_a2a_overlap", "moe_dispatcher", "recipe_source")
 
 
 def _row(**changes):

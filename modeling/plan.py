@@ -37,6 +37,13 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    with ``recompute`` full (a fully recomputed layer keeps only its input; Megatron-Core
    refuses CPU offloading with recomputation). Where it is priced: vcluster's
    ``planner.offload``.
+9. ``moe_comm_overlap`` (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, the
+   combined 1F1B schedule: :func:`pipelining.combined_1f1b`) needs expert parallelism
+   (ep > 1) with the ``alltoall`` dispatcher, no full recomputation, and a schedule
+   Megatron runs it with: ``1f1b`` on one pipeline rank (no pipelining) or
+   ``interleaved_1f1b`` with virtual stages >= 2 (Megatron-Core's
+   ``TransformerConfig.__post_init__`` asserts each of these); experts > 0 is
+   :meth:`ParallelConfig.check`'s.
 
 Rules that need the model (layers over stages, heads over tp, experts over ep) are
 :meth:`ParallelConfig.check`.
@@ -178,7 +185,11 @@ class ParallelConfig:
 
     ``grad_reduce_dtype``: the dtype of the data-parallel gradient reductions (DDP's
     all-reduces, ZeRO's reduce-scatters, the tied embedding's exchange): ``model`` (the
-    gradients' own) or ``fp32`` (each bucket cast up to float32, summed, cast back)."""
+    gradients' own) or ``fp32`` (each bucket cast up to float32, summed, cast back).
+
+    ``moe_comm_overlap``: run the steady state's forward and backward of two micro-batches
+    combined, layer by layer, each one's MoE all-to-alls overlapping the other's compute
+    (Megatron-Core's ``--overlap-moe-expert-parallel-comm``; rule 9)."""
 
     global_batch: int
     micro_batch: int = 1
@@ -203,6 +214,7 @@ class ParallelConfig:
     tp_overlap: TPOverlap = TPOverlap.BACKWARD
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.MODEL
     activation_offload: float = 0.0   # share of each stage's layers offloaded (rule 8)
+    moe_comm_overlap: bool = False    # combined 1F1B: MoE all-to-alls overlapped (rule 9)
 
     def __post_init__(self):
         who = "ParallelConfig"
@@ -218,7 +230,7 @@ class ParallelConfig:
                         ("attention", AttentionKernel), ("cp_algorithm", CPAlgorithm),
                         ("tp_overlap", TPOverlap), ("grad_reduce_dtype", GradReduceDtype)):
             object.__setattr__(self, f, parse(kind, getattr(self, f), f, who))
-        for f in ("sequence_parallel", "distributed_optimizer"):
+        for f in ("sequence_parallel", "distributed_optimizer", "moe_comm_overlap"):
             if getattr(self, f) not in (False, True):
                 raise ConfigError(f, getattr(self, f), "True or False", "not a boolean",
                                   owner=who)
@@ -253,6 +265,32 @@ class ParallelConfig:
         self._check_virtual_stages(who)
         self._check_layers_per_stage(who)
         self._check_activation_offload(who)
+        self._check_moe_comm_overlap(who)
+
+    def _check_moe_comm_overlap(self, who: str) -> None:
+        """Rule 9 (module docstring), as Megatron-Core's ``TransformerConfig`` asserts it."""
+        if not self.moe_comm_overlap:
+            return
+
+        def refuse(allowed, why):
+            raise ConfigError("moe_comm_overlap", True, allowed, why, owner=who)
+        if self.ep == 1:
+            refuse("False with ep=1", "the MoE overlap hides the expert-parallel all-to-alls: "
+                   "it needs expert parallelism, ep > 1 (Megatron-Core: "
+                   "'only supported with expert model parallelism')")
+        if self.moe_dispatcher != "alltoall":
+            refuse(f"False with moe_dispatcher={self.moe_dispatcher!r}", "Megatron-Core "
+                   "overlaps the alltoall (or flex) token dispatcher's exchanges only")
+        if self.recompute in FULL_RECOMPUTE:
+            refuse(f"False with recompute={self.recompute.value!r}", "Megatron-Core refuses "
+                   "full recomputation with the MoE overlap")
+        interleaved = self.schedule is ScheduleName.INTERLEAVED_1F1B and self.chunks > 1
+        if not (interleaved or (self.pp == 1 and self.schedule is ScheduleName.ONE_F_ONE_B)):
+            refuse(f"False with schedule={self.schedule.value!r} and pp={self.pp}; True with "
+                   "schedule '1f1b' and pp=1, or 'interleaved_1f1b' with virtual_stages >= 2",
+                   "Megatron-Core runs the combined 1F1B without pipelining or with the "
+                   "interleaved schedule only (virtual_pipeline_model_parallel_size must be "
+                   "set when pp > 1)")
 
     def _check_activation_offload(self, who: str) -> None:
         """Rule 8 (module docstring)."""
@@ -511,6 +549,9 @@ class ParallelConfig:
                 raise ValueError(f"GPT: ParallelConfig says {a}={getattr(self, a)}"
                                  + (f" (ep={self.ep})" if a in ("dp", "ep") else "")
                                  + f" but the mesh's {a} axis has size {mesh.shape.get(a, 1)}")
+        if self.moe_comm_overlap and not config.experts:
+            raise ConfigError("moe_comm_overlap", True, "False for a dense model (experts: 0)",
+                              "a dense model has no MoE all-to-alls to overlap", owner="GPT")
         if self.ep > 1 and not config.experts:
             raise ConfigError("ep", self.ep, "1 for a dense model (experts: 0)",
                               f"experts=0 do not split over ep={self.ep} (a dense model needs "

@@ -996,7 +996,8 @@ class GPT:
                              f"pipeline rank (both copies there) do not allow; use one "
                              f"stage, zero_stage 0, or zero_stage 1 with pp > 1")
         sched = make_schedule(parallel.schedule, parallel.pp, m,
-                              virtual_stages=parallel.virtual_stages)
+                              virtual_stages=parallel.virtual_stages,
+                              combined=parallel.moe_comm_overlap)
         bounds = np.cumsum((0,) + parallel.stage_layers(self.config.layers)).tolist()
         return TrainJob(
             params=tuple((params or self.init_params()).items()), loss="cross_entropy",

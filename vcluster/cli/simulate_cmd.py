@@ -90,6 +90,12 @@ def add_parser(commands) -> None:
                      "all_to_all over the expert group or all-gather the group's tokens and "
                      "reduce-scatter the outputs (Megatron's allgather, for small groups; "
                      "default alltoall)")
+    gpt.add_argument("--moe-comm-overlap", action="store_true",
+                     help="MoE: Megatron-Core's --overlap-moe-expert-parallel-comm (combined "
+                     "1F1B): the steady state's forward and backward of two micro-batches "
+                     "run together, each one's token all-to-alls overlapping the other's "
+                     "compute (needs ep > 1, alltoall, and 1f1b on pp 1 or "
+                     "interleaved_1f1b)")
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
     gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",
@@ -190,6 +196,7 @@ def _gpt(args) -> int:
                               grad_reduce_dtype=args.grad_reduce_dtype,
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm,
                               ep=args.ep, etp=args.etp, moe_dispatcher=args.moe_dispatcher,
+                              moe_comm_overlap=args.moe_comm_overlap,
                               first_stage_layers=args.first_stage_layers,
                               last_stage_layers=args.last_stage_layers,
                               layers_per_stage=args.layers_per_stage,

@@ -37,7 +37,8 @@ def gpt_goodput(config, parallel, hardware, device_mtbf_h, checkpoint_every,
     sim = simulate_gpt(config, parallel, hardware, dtype)
     schedule = make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
                              virtual_stages=parallel.chunks if parallel.schedule
-                             == "interleaved_1f1b" else None)
+                             == "interleaved_1f1b" else None,
+                             combined=parallel.moe_comm_overlap)
     state_bytes = max(m.params_bytes + m.optimizer_bytes
                       for m in gpt_memory(config, parallel, schedule))
     checkpoint_s = state_bytes / write_bytes_per_s

@@ -20,7 +20,10 @@ cp·p traces: the ring's transfers overlap the attention blocks on the hardware 
 A mixture of experts (``GPTConfig(experts=E)``, ``ParallelConfig(ep)``) routes
 ``ExpertLoad.skewed(..., expert_skew)`` in the trace (its busiest expert on the traced ep
 rank 0); its dropless token exchanges are replayed as all_to_alls over the ep group
-(:func:`moe_exchanges_as_all_to_all`). The emulated program does not run ZeRO with expert
+(:func:`moe_exchanges_as_all_to_all`); with ``moe_comm_overlap`` (Megatron-Core's
+combined 1F1B) the steady state's (F, B) pairs are stitched interleaved, each all_to_all
+asynchronous and overlapping the other micro-batch's compute
+(:func:`~vcluster.planner.stitch.combined_ops`). The emulated program does not run ZeRO with expert
 parallelism yet, and the plan's rulebook refuses that combination
 (:func:`modeling.check_zero_stage`): what is simulated is what the program runs.
 
@@ -65,7 +68,7 @@ from modeling import GPT2_BLOCK, LLAMA_BLOCK
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, model_flops
 from pipeline_parallel.optim import OptimizerConfig
-from pipelining import make_schedule
+from pipelining import combined_pairs, make_schedule
 from tensor_parallel.moe import MOE_TAG
 from vcluster.runtime.algorithm import choose_algorithm
 from vcluster.runtime.tracing import KernelKind, TraceCompute, trace_program
@@ -502,10 +505,12 @@ def _at(mesh, **coords) -> int:
 
 
 def gpt_schedule(parallel: ParallelConfig):
-    """The full step's :class:`pipelining.Schedule`."""
+    """The full step's :class:`pipelining.Schedule` (Megatron-Core's combined 1F1B form
+    with ``moe_comm_overlap``: :func:`pipelining.combined_1f1b`)."""
     return make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
                          virtual_stages=parallel.chunks
-                         if parallel.schedule == "interleaved_1f1b" else None)
+                         if parallel.schedule == "interleaved_1f1b" else None,
+                         combined=parallel.moe_comm_overlap)
 
 
 def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule=None,
@@ -578,6 +583,10 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
              if (d, short_stage(s)) in sizes_short}
     schedule = schedule or gpt_schedule(parallel)
+    # Megatron-Core's combined 1F1B: its steady (F, B) pairs are stitched interleaved,
+    # each MoE all_to_all overlapping the other micro-batch's compute
+    pairs = combined_pairs(schedule) if schedule.name == "combined_1f1b" else \
+        (frozenset(),) * p
     dp = mesh.shape["dp"]
     replicas = _traced_replicas(replicas, dp)
     out = []
@@ -609,7 +618,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                           lambda s, q=q: s // p_short * p + q, full_rank, sizes,
                           group_of=group_of)
                 trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m,
-                               markers=markers)
+                               markers=markers, pairs=pairs[q])
                 # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch,
                 # waited at the step's end; the overlapped TP reductions reuse a template's
                 # handle in each copy (and the numbers a template got depend on the short

@@ -15,6 +15,24 @@ the ranks they talk to: :func:`moved` turns one pipeline position's templates in
 another's (stage numbers and collective groups renamed), so a deep pipeline is traced
 with one middle position only (see :mod:`vcluster.planner.simulation`).
 
+Combined pairs (Megatron-Core's MoE expert-parallel overlap, ``ParallelConfig(
+moe_comm_overlap=True)``, :func:`pipelining.combined_pairs`): a forward and the backward
+of another micro-batch that follows it are stitched as one interleaved op sequence
+(:func:`combined_ops`): each body is split at its MoE token all_to_alls
+(:func:`is_token_exchange`), each is
+issued asynchronously (a handle of its own) and waited for just before the segment that
+needs its result, F and B segments alternating — F seg 0, F's first all_to_all issued,
+B seg 0, B's issued, wait for F's, F seg 1, ... — so that one micro-batch's exchange runs
+on the FIFO communication stream while the other's compute runs (Megatron-Core's
+``combined_1f1b.py`` and ``fine_grained_callables.py`` order a layer's sub-modules the
+same way: attention and dispatch of one, combine and MLP of the other). Both actions'
+pipeline receives come before the pair (Megatron receives a step's forward input and
+backward gradient together before the step), each action's send right after its own last
+segment. Each action's marker comes right after its own last segment (before its send,
+as alone), and its ``contains`` covers the pair's run from its first
+segment up to the marker: the two markers' spans overlap, each holding the other
+action's segments issued in between.
+
 Point-to-point messages inside an action that are not pipeline messages (context
 parallelism's K/V ring, to peers outside the pipeline group: ``cut_templates(...,
 pipeline_peers=)``) stay in the templates, and :func:`moved` renames their peers.
@@ -28,7 +46,7 @@ from vcluster.runtime.tracing.ops import (DeviceTrace, TraceCollective, TraceCom
                                           TraceSend, TraceWait)
 
 __all__ = ["message_tag", "Templates", "cut_templates", "stitch", "coalesce", "moved",
-           "unique_handles"]
+           "unique_handles", "combined_ops", "is_token_exchange"]
 
 
 def message_tag(step: int, direction: int, stage: int, microbatch: int, n_stages: int,
@@ -164,36 +182,120 @@ def moved(templates: Templates, stage_of, rank_of, message_bytes=None,
                      templates.message_bytes if message_bytes is None else message_bytes)
 
 
+def is_token_exchange(op) -> bool:
+    """An MoE layer's token exchange: a blocking all_to_all of activations (a dropless
+    exchange once :func:`vcluster.planner.simulation.moe_exchanges_as_all_to_all` has
+    rewritten it, bytes; a capacity buffer's, 16-bit), not the layer's int64 counts
+    exchange (itemsize 8), which Megatron-Core runs inside the layer's compute node (the
+    token dispatcher's preprocess, ``fine_grained_callables.py``), not overlapped."""
+    return isinstance(op, TraceCollective) and op.collective == "all_to_all" and \
+        op.handle is None and op.itemsize != 8
+
+
+def _split(body, at) -> tuple[list, list]:
+    """(segments, exchanges): ``body`` cut at the ops ``at`` picks, k exchanges between
+    k + 1 segments."""
+    segments, exchanges = [[]], []
+    for op in body:
+        if at(op):
+            exchanges.append(op)
+            segments.append([])
+        else:
+            segments[-1].append(op)
+    return segments, exchanges
+
+
+def combined_ops(f_body, b_body, fresh, at=is_token_exchange):
+    """(ops, index just after the forward's last segment): the bodies of a
+    combined (F, B) pair interleaved (module docstring). F's segments f_0..f_k between
+    its exchanges e_1..e_k, B's b_0..b_l between d_1..d_l; for i = 0, 1, ...: [wait e_i]
+    f_i [issue e_(i+1)] then [wait d_i] b_i [issue d_(i+1)], each exchange issued
+    asynchronously with the handle ``fresh()`` gives. The ops are the bodies' own, only
+    reordered and the exchanges made asynchronous; a body without exchanges is one
+    segment (it runs whole, then the other's)."""
+    runs = []
+    for body in (f_body, b_body):
+        segments, exchanges = _split(body, at)
+        handles = [fresh() for _ in exchanges]
+        runs.append((segments, [TraceCollective(x.collective, x.group, x.nbytes, x.itemsize,
+                                                x.algorithm, x.root, h)
+                                for x, h in zip(exchanges, handles)], handles))
+    ops: list = []
+    f_end = None
+    for i in range(max(len(r[0]) for r in runs)):
+        for which, (segments, issues, handles) in enumerate(runs):
+            if i >= len(segments):
+                continue
+            if i > 0:
+                ops.append(TraceWait(handles[i - 1]))
+            ops.extend(segments[i])
+            if i < len(issues):
+                ops.append(issues[i])
+            elif which == 0:
+                f_end = len(ops)
+    return ops, f_end
+
+
 def stitch(templates: Templates, rank: int, actions, pp_group, n_stages: int,
-           microbatches: int, step: int = 0, markers: bool = True) -> DeviceTrace:
+           microbatches: int, step: int = 0, markers: bool = True,
+           pairs=frozenset()) -> DeviceTrace:
     """This rank's trace for ``actions`` (the long schedule), from ``templates``
-    (``markers=False`` leaves out the zero-cost action markers)."""
+    (``markers=False`` leaves out the zero-cost action markers). ``pairs``: indices i
+    whose actions i (F) and i + 1 (B) run combined (:func:`combined_ops`)."""
     p = len(pp_group)
     last = _last_backwards(actions)
     ops: list = []
     sizes = templates.message_bytes
-    for i, a in enumerate(actions):
+    handles = iter(range(-1, -(1 << 62), -1))     # fresh, apart from traced (>= 0) ones
+
+    def recv(a):
         s, kind, j = a.stage, _letter(a), a.microbatch
         if kind == "F" and s > 0:
-            ops.append(TraceRecv(pp_group[(s - 1) % p], sizes[(0, s)],
-                                 message_tag(step, 0, s, j, n_stages, microbatches)))
-        elif kind in ("B", "I") and s < n_stages - 1:
-            ops.append(TraceRecv(pp_group[(s + 1) % p], sizes[(1, s)],
-                                 message_tag(step, 1, s, j, n_stages, microbatches)))
-        key = (s, kind, i in last)
-        if key not in templates.bodies:
-            raise ValueError(f"no template for stage {s} action {kind} (last={i in last}); "
-                             "trace a step with at least two micro-batches")
-        body = templates.bodies[key]
-        ops.extend(body)
-        if markers:
-            ops.append(TraceCompute(str(a), 0.0, 0, contains=len(body)))
+            return [TraceRecv(pp_group[(s - 1) % p], sizes[(0, s)],
+                              message_tag(step, 0, s, j, n_stages, microbatches))]
+        if kind in ("B", "I") and s < n_stages - 1:
+            return [TraceRecv(pp_group[(s + 1) % p], sizes[(1, s)],
+                              message_tag(step, 1, s, j, n_stages, microbatches))]
+        return []
+
+    def send(a):
+        s, kind, j = a.stage, _letter(a), a.microbatch
         if kind == "F" and s < n_stages - 1:
-            ops.append(TraceSend(pp_group[(s + 1) % p], sizes[(0, s + 1)],
-                                 message_tag(step, 0, s + 1, j, n_stages, microbatches)))
-        elif kind in ("B", "I") and s > 0:
-            ops.append(TraceSend(pp_group[(s - 1) % p], sizes[(1, s - 1)],
-                                 message_tag(step, 1, s - 1, j, n_stages, microbatches)))
+            return [TraceSend(pp_group[(s + 1) % p], sizes[(0, s + 1)],
+                              message_tag(step, 0, s + 1, j, n_stages, microbatches))]
+        if kind in ("B", "I") and s > 0:
+            return [TraceSend(pp_group[(s - 1) % p], sizes[(1, s - 1)],
+                              message_tag(step, 1, s - 1, j, n_stages, microbatches))]
+        return []
+
+    def body(i, a):
+        key = (a.stage, _letter(a), i in last)
+        if key not in templates.bodies:
+            raise ValueError(f"no template for stage {a.stage} action {_letter(a)} (last="
+                             f"{i in last}); trace a step with at least two micro-batches")
+        return templates.bodies[key]
+
+    i = 0
+    while i < len(actions):
+        a = actions[i]
+        if i in pairs:
+            b = actions[i + 1]
+            ops.extend(recv(a) + recv(b))
+            run, f_end = combined_ops(body(i, a), body(i + 1, b), lambda: next(handles))
+            run[f_end:f_end] = ([TraceCompute(str(a), 0.0, 0, contains=f_end)]
+                                if markers else []) + send(a)
+            if markers:
+                run.append(TraceCompute(str(b), 0.0, 0, contains=len(run)))
+            ops.extend(run)
+            ops.extend(send(b))
+            i += 2
+            continue
+        ops.extend(recv(a))
+        ops.extend(body(i, a))
+        if markers:
+            ops.append(TraceCompute(str(a), 0.0, 0, contains=len(body(i, a))))
+        ops.extend(send(a))
+        i += 1
     ops.extend(templates.tail)
     return DeviceTrace(rank, tuple(ops))
 

@@ -318,6 +318,10 @@ _PARALLEL = MappingProxyType({
                                 "reach their experts: all_to_all over the expert group, or "
                                 "all-gather the group's tokens and reduce-scatter the "
                                 "experts' outputs", "alltoall"),
+        "moe_comm_overlap": _bool("Megatron-Core's MoE expert-parallel overlap (combined "
+                                  "1F1B): the steady state's forward and backward of two "
+                                  "micro-batches run together, each one's token "
+                                  "all-to-alls overlapping the other's compute"),
         "etp": _int("expert tensor parallelism: tp (the default: each expert split over "
                     "tp) or 1 (experts whole; the ep group made of whole tp groups, ep = "
                     "tp x a divisor of dp; needs sequence_parallel)"),

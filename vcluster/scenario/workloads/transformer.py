@@ -204,6 +204,7 @@ def _parallel(scenario, mesh):
                          zero_stage=scenario.data_parallel.zero_stage,
                          cp_algorithm=par.get("cp_algorithm", "ring"), etp=par.get("etp"),
                          moe_dispatcher=par.get("moe_dispatcher", "alltoall"),
+                         moe_comm_overlap=bool(par.get("moe_comm_overlap", False)),
                          first_stage_layers=par.get("first_stage_layers"),
                          last_stage_layers=par.get("last_stage_layers"),
                          **_degrees(mesh, par.get("etp")))

@@ -402,7 +402,9 @@ def moe_row_config(r: dict) -> tuple:
     ran Megatron's distributed optimizer, simulated as ZeRO-1 — the experts' state sharded
     over the expert-data-parallel ranks, the rest over dp (since 2026-11-30; before, the
     program refused ZeRO with ep > 1 and these rows ran as plain data parallelism: the same
-    gradient bytes, the optimizer over the whole parameters, ``fits`` the DDP verdict)."""
+    gradient bytes, the optimizer over the whole parameters, ``fits`` the DDP verdict).
+    Megatron-Core's MoE all-to-all overlap (``moe_comm_overlap``) where the row's recipe
+    turned it on (``moe_a2a_overlap`` 1, with its ``recipe_source``; since 2026-11-30)."""
     refusals = []
     try:
         cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
@@ -431,7 +433,8 @@ def moe_row_config(r: dict) -> tuple:
                              schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
                              recompute=recompute or "none",
-                             zero_stage=3 if r["fsdp"] == "1" else 1)
+                             zero_stage=3 if r["fsdp"] == "1" else 1,
+                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1")
     except ConfigError as e:
         return cfg, None, False, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

@@ -85,7 +85,11 @@ def row_config(r: dict) -> tuple:
     recipes keep it on, :data:`_TE_SYSTEMS`); otherwise Megatron's distributed
     optimizer (ZeRO-1; with ep > 1 the experts' state over the expert-data-parallel ranks,
     since 2026-11-30 — before, plain data-parallel gradients:
-    :func:`~.validation.moe_row_config`). A row with no global batch (AMD's) and no pipeline is simulated with one
+    :func:`~.validation.moe_row_config`). Megatron-Core's MoE all-to-all overlap
+    (``moe_comm_overlap``, the combined 1F1B) where the row's recipe turned it on (the
+    table's ``moe_a2a_overlap`` column, read from the Megatron-Bridge recipe of the row's
+    release, ``recipe_source``; empty: not known, simulated without; since 2026-11-30).
+    A row with no global batch (AMD's) and no pipeline is simulated with one
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
     refusals, assumed = [], []
@@ -124,7 +128,8 @@ def row_config(r: dict) -> tuple:
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
                              zero_stage=zero,
                              tp_overlap="te" if tp > 1 and r["system"] in _TE_SYSTEMS
-                             else "backward")
+                             else "backward",
+                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1")
     except ConfigError as e:
         return cfg, None, None, assumed, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

@@ -39,8 +39,8 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    ``planner.offload``.
 9. ``moe_comm_overlap`` (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, the
    combined 1F1B schedule: :func:`pipelining.combined_1f1b`) needs expert parallelism
-   (ep > 1) with the ``alltoall`` dispatcher, no full recomputation, and a schedule
-   Megatron runs it with: ``1f1b`` on one pipeline rank (no pipelining) or
+   (ep > 1) with the ``alltoall`` or ``flex`` dispatcher, no full recomputation, and a
+   schedule Megatron runs it with: ``1f1b`` on one pipeline rank (no pipelining) or
    ``interleaved_1f1b`` with virtual stages >= 2 (Megatron-Core's
    ``TransformerConfig.__post_init__`` asserts each of these); experts > 0 is
    :meth:`ParallelConfig.check`'s.
@@ -69,9 +69,10 @@ __all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE
 MEGATRON_VOCAB_DIVISOR = 128
 
 #: how an MoE layer's tokens reach their experts (Megatron-Core's token dispatchers):
-#: all_to_all over the expert group, or all-gather the group's tokens and reduce-scatter
-#: the experts' partial outputs (:mod:`tensor_parallel.moe`)
-MOE_DISPATCHERS = ("alltoall", "allgather")
+#: all_to_all over the expert group, all-gather the group's tokens and reduce-scatter
+#: the experts' partial outputs, or ``flex`` (DeepEP / HybridEP: each token once per
+#: destination rank, combined there) (:mod:`tensor_parallel.moe`)
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 
 
 def parse(kind, value, field: str, owner: str = ""):
@@ -180,7 +181,9 @@ class ParallelConfig:
 
     ``etp``: expert tensor parallelism, tp (each expert split over tp) or 1 (the expert
     group folded over whole tp groups; rule 4, :meth:`mesh`). ``moe_dispatcher``: how an
-    MoE layer's tokens reach their experts, ``alltoall`` or ``allgather``
+    MoE layer's tokens reach their experts, ``alltoall``, ``allgather`` or ``flex``
+    (Megatron-Core's ``moe_token_dispatcher_type="flex"``, DeepEP / HybridEP: a token
+    crosses once per destination rank, however many of its experts live there)
     (:data:`MOE_DISPATCHERS`).
 
     ``grad_reduce_dtype``: the dtype of the data-parallel gradient reductions (DDP's
@@ -207,7 +210,7 @@ class ParallelConfig:
     cp_algorithm: CPAlgorithm = CPAlgorithm.RING
     ep: int = 1          # expert parallelism, carved out of dp (ep divides dp; see mesh())
     etp: int | None = None   # expert tensor parallelism: tp (default) or 1 (see mesh())
-    moe_dispatcher: str = "alltoall"   # MoE token dispatch: alltoall or allgather
+    moe_dispatcher: str = "alltoall"   # MoE token dispatch: alltoall, allgather or flex
     first_stage_layers: int | None = None   # layers of the first pipeline stage (uneven)
     last_stage_layers: int | None = None    # layers of the last pipeline stage (uneven)
     layers_per_stage: tuple | None = None   # every stage's layers (rule 7; uneven, general)
@@ -278,9 +281,9 @@ class ParallelConfig:
             refuse("False with ep=1", "the MoE overlap hides the expert-parallel all-to-alls: "
                    "it needs expert parallelism, ep > 1 (Megatron-Core: "
                    "'only supported with expert model parallelism')")
-        if self.moe_dispatcher != "alltoall":
+        if self.moe_dispatcher not in ("alltoall", "flex"):
             refuse(f"False with moe_dispatcher={self.moe_dispatcher!r}", "Megatron-Core "
-                   "overlaps the alltoall (or flex) token dispatcher's exchanges only")
+                   "overlaps the alltoall and flex token dispatchers' exchanges only")
         if self.recompute in FULL_RECOMPUTE:
             refuse(f"False with recompute={self.recompute.value!r}", "Megatron-Core refuses "
                    "full recomputation with the MoE overlap")

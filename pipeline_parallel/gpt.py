@@ -1126,7 +1126,8 @@ class GPT:
         one rank of each call (:func:`_reports_aux`); the load's rows are the routing
         ranks — the dp data-parallel replicas, each replica's cp ranks (cp > 1) and tp
         ranks (folded, etp = 1) — their tokens summed over the step's micro-batches, so its
-        capacity is m·C."""
+        capacity is m·C; its ``tokens``: each routing rank's distinct tokens per member of
+        its expert group (the flex dispatcher's rows), summed likewise."""
         aux = sum(np.array(r["aux_losses"]) for i, r in enumerate(results)
                   if _reports_aux(mesh, parallel, i))
         cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq
@@ -1142,7 +1143,8 @@ class GPT:
                              _coord(mesh, "tp", i) if parallel.folded else 0)] = counts
             loads.append({layer: ExpertLoad(
                 [table[d][0] for d in sorted(table)], [table[d][1] for d in sorted(table)],
-                None if cap is None else cap * parallel.microbatches)
+                None if cap is None else cap * parallel.microbatches,
+                [table[d][2] for d in sorted(table)])
                 for layer, table in sorted(tables.items())})
         return aux, loads
 

@@ -85,6 +85,52 @@ ways, as real systems do:
 The experts compute only their routed rows in both modes (the counts say which slots
 hold rows).
 
+Flex (``dispatcher="flex"``; Megatron-Core's ``moe_token_dispatcher_type="flex"`` with
+``moe_flex_dispatcher_backend="deepep"`` or ``"hybridep"``: ``MoEFlexTokenDispatcher``
+and ``_DeepepManager`` in megatron/core/transformer/moe/token_dispatcher.py, over DeepEP's
+``Buffer.dispatch(x, topk_idx=, topk_weights=, ...)`` -> (recv_x, recv_topk_idx,
+recv_topk_weights, num_recv_tokens_per_expert_list, handle) and ``Buffer.combine(x,
+handle, topk_weights=)``, github.com/deepseek-ai/DeepEP): a token crosses the link once
+per *destination rank*, not once per chosen expert. On rank r, with q(e) = e // E_l the
+member holding expert e and K_q[t] = {c kept : q(e[t, c]) = q}:
+
+    send to q:  one row per token t with K_q[t] non-empty, in token order:
+                [x[t] | id_c | g_c] (h + 2k wide): id_c = e[t, c] − q·E_l for c in K_q[t],
+                −1 otherwise, and g_c = g[t, c] there, 0 otherwise (DeepEP's recv_topk_idx
+                and recv_topk_weights; carried here in x's dtype, one message per peer)
+    receiver:   expands: local expert j's rows X_j are the received rows with an id j,
+                ordered by source rank, then the source's token order (fixed, so results
+                are deterministic); O_j = expert_j(X_j) (biases as above: b_d inside the
+                gate); each received row u gets Y[u] = Σ_{j: id_c(u) = j} g_c(u) · O_j[u]
+    combine:    Y[u] back to its source, one row per (token, member); the owner sums:
+                y[t] = Σ_q Y_q[t]  (= Σ_c g·O as above)
+
+Backward: dy[t] once per (token, member) (the combine's transpose); the receiver, which
+holds O, forms per local expert dO_j = g·dy and dg = <dy, O_j> (a partial sum over etp,
+like O), runs the experts' backward (weight gradients as before, on the owner), and
+returns [Σ_j dX_j | dg_c] (h + k wide: DeepEP's combine of x and topk_weights) one row per
+(token, member); the owner sums dX over the members and scatters dg to its kept
+choices, then all-reduces dg over etp (A values, as the all-to-all dispatcher). With etp
+each etp rank exchanges over its own ep group, so its O, y and dX are partial sums the
+caller reduces, exactly as above. With a capacity the dropped choices are left out of
+K_q (DeepEP's −1 in topk_idx: Megatron masks them so), nothing is padded.
+
+The counts: one all_to_all(ep) of (n, 1 + E_l) int64 per call (per member: the distinct
+rows, then the kept rows per local expert, DeepEP's notify step) — (n−1)(1 + E_l)·8 bytes
+sent and received. With tokens[s][d] the distinct tokens rank s sends member d
+(:class:`~tensor_parallel.moe_load.ExpertLoad`'s ``tokens`` table; a trace takes it
+from the load), per rank r and exchange:
+
+    dispatch x       sent  (h + 2k)·b · Σ_{q≠r} tokens[r][q]    received (h + 2k)·b · Σ_{s≠r} tokens[s][r]
+    combine Y        sent  h·b · Σ_{s≠r} tokens[s][r]           received h·b · Σ_{q≠r} tokens[r][q]
+    dispatch dy      as dispatch x with h·b per row
+    combine [dX|dg]  as combine Y with (h + k)·b per row
+
+against the all-to-all dispatcher's Σ_e kept rows: equal rows when no token has two
+choices on one member (always for k = 1), fewer when it has; the routing columns cost
+2k·b per row forward and k·b backward. FLOPs are the all-to-all dispatcher's (each
+expert computes the same rows).
+
 Traffic per rank r, with b the itemsize, n = ep, kept[s][e] the kept table
 (:class:`~tensor_parallel.moe_load.ExpertLoad`) and the pairwise all_to_all
 (per rank (n−1)/n of its input, sent and received):
@@ -218,12 +264,18 @@ class _Ops:
 class _Routing:
     """One rank's routing: scores v (T, E), experts and gates (T, k); the kept assignments
     sorted by (expert, slot): tok, choice (A,) and slot = expert·C + position (A,);
-    routed and kept counts (E,) as device arrays, kept also as host ints."""
+    routed and kept counts (E,) as device arrays, kept also as host ints; rank_arr (n,)
+    the distinct tokens with a kept choice on each member of the expert group (the
+    ``flex`` dispatcher's rows, :class:`~.moe_load.ExpertLoad`'s ``tokens`` row), also as
+    host ints ``rank_tokens`` (None in a trace whose load has no such table)."""
 
-    def __init__(self, scores, experts, gates, tok, choice, slot, routed, kept_arr, kept):
+    def __init__(self, scores, experts, gates, tok, choice, slot, routed, kept_arr, kept,
+                 rank_arr, rank_tokens):
         self.scores, self.experts, self.gates = scores, experts, gates
         self.tok, self.choice, self.slot = tok, choice, slot
         self.routed, self.kept_arr, self.kept = routed, kept_arr, tuple(kept)
+        self.rank_arr = rank_arr
+        self.rank_tokens = None if rank_tokens is None else tuple(rank_tokens)
 
 
 def _group_mask(scores, groups):
@@ -241,9 +293,11 @@ def _group_mask(scores, groups):
 
 
 def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: float,
-                  groups=None, bias=None):
+                  groups=None, bias=None, ranks: int = 1):
     """Top-k, gates and capacity on real arrays (see the module docstring); ``bias``
-    (E,) shifts the choice, not the gates (DeepSeek-V3's auxiliary-loss-free balance)."""
+    (E,) shifts the choice, not the gates (DeepSeek-V3's auxiliary-loss-free balance);
+    the last result: per member of the ``ranks`` expert group, the distinct tokens with a
+    kept choice among its experts."""
     t, n_exp = scores.shape
     choose = scores if bias is None else scores + bias
     choose = choose if groups is None else _group_mask(choose, groups)
@@ -258,7 +312,10 @@ def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: flo
     e_kept = flat[order]
     kept_arr = onehot[order].sum(axis=0)
     slot = e_kept * (cap or 0) + position[order]
-    return (experts, gates, order % t, order // t, slot, onehot.sum(axis=0), kept_arr)
+    reach = np.zeros_like(onehot, shape=(t, ranks))
+    reach[order % t, e_kept // (n_exp // ranks)] = 1            # token t reaches rank q
+    return (experts, gates, order % t, order // t, slot, onehot.sum(axis=0), kept_arr,
+            reach.sum(axis=0))
 
 
 def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
@@ -275,10 +332,12 @@ def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
                *(MetaArray((a,), i64) for _ in range(3)), MetaArray((n_exp,), i64),
                MetaArray((n_exp,), i64))
         ops.ew("route: top-k, capacity", lambda: None, probs)
-        return _Routing(probs, *res, kept)
-    res = ops.ew("route: top-k, capacity", lambda: _route_values(probs, k, cap, normalize,
-                                                                   scaling, groups, bias), probs)
-    return _Routing(probs, *res, res[-1].tolist())
+        tokens = None if load.tokens is None or len(load.tokens[0]) != ops.n \
+            else load.tokens[ops.pos]
+        return _Routing(probs, *res, kept, MetaArray((ops.n,), i64), tokens)
+    res = ops.ew("route: top-k, capacity", lambda: _route_values(
+        probs, k, cap, normalize, scaling, groups, bias, ops.n), probs)
+    return _Routing(probs, *res[:-1], res[-2].tolist(), res[-1], res[-1].tolist())
 
 
 class _Exchange:
@@ -534,7 +593,178 @@ class _AllGatherDispatch:
         return dx, dg_sel, dw
 
 
-_DISPATCHERS = {"alltoall": _AllToAllDispatch, "allgather": _AllGatherDispatch}
+class _FlexDispatch:
+    """The token-deduplicating dispatcher (Megatron-Core's ``flex`` with DeepEP or HybridEP;
+    the module docstring's "Flex"): each token goes once to each expert-group member that
+    holds any of its kept choices, with its routing there; that member expands it to its
+    experts and returns one row per (token, member) holding Σ_{e of the member} g_e·O_e."""
+
+    def __init__(self, ops, route, cap, e_l: int, load):
+        self.ops, self.route, self.e_l = ops, route, e_l
+        n, me = ops.n, ops.pos
+        if route.rank_tokens is None:
+            raise ValueError(
+                f"MoE: dispatcher='flex' in a trace needs load=ExpertLoad(..., tokens=...), a "
+                f"(ranks, {n}) table of the distinct tokens each rank sends to each of the "
+                f"expert group's {n} members (ExpertLoad.skewed fills it; the emulator's "
+                "MoE.run/backward report it)")
+        counts = ops.all_to_all(ops.ew("dispatch: counts per rank [rows, per expert]",
+                                       lambda: np.concatenate([route.rank_arr[:, None],
+                                                               route.kept_arr.reshape(n, e_l)],
+                                                              axis=1).reshape(-1),
+                                       route.rank_arr, route.kept_arr,
+                                       shape=(n * (1 + e_l),)))
+        if is_meta(counts):
+            self.m_in = [load.tokens[s][me] for s in range(n)]
+            self.c = [[load.kept[s][me * e_l + j] for j in range(e_l)] for s in range(n)]
+        else:
+            flat = counts.tolist()
+            self.m_in = [flat[s * (1 + e_l)] for s in range(n)]
+            self.c = [flat[s * (1 + e_l) + 1:(s + 1) * (1 + e_l)] for s in range(n)]
+        self.m_out = list(route.rank_tokens)             # rows this rank sends to each q
+        self.out_at = np.concatenate([[0], np.cumsum(self.m_out)]).astype(int).tolist()
+        self.in_at = np.concatenate([[0], np.cumsum(self.m_in)]).astype(int).tolist()
+        self.m_exp = [sum(self.c[s][j] for s in range(n)) for j in range(e_l)]
+        self.exp_at = np.concatenate([[0], np.cumsum(self.m_exp)]).astype(int).tolist()
+
+    def _pieces(self, rows, at):
+        return [rows[at[q]:at[q + 1]] for q in range(self.ops.n)]
+
+    def _expert(self, table, j):
+        return table[self.exp_at[j]:self.exp_at[j + 1]]
+
+    def forward(self, x2, weights, biases=None):
+        """(y of the routed experts (T, h), the backward's state)."""
+        ops, route, n, e_l = self.ops, self.route, self.ops.n, self.e_l
+        (t, h), k = x2.shape, route.gates.shape[1]
+        i64, item = np.dtype(np.int64), np.dtype(x2.dtype).itemsize
+        wg, wu, wd = weights
+
+        def ranks():                     # (T, k): the member holding each kept choice, or -1
+            kept = np.zeros_like(route.experts, shape=route.experts.shape)
+            kept[route.tok, route.choice] = 1
+            return np.where(kept > 0, route.experts // e_l, -1)
+
+        dst = ops.ew("dispatch: member of each kept choice", ranks, route.experts, route.tok,
+                     shape=(t, k), dtype=i64)
+
+        def order():                     # member-major, then token order
+            reach = (dst[None, :, :] == np.arange(n, like=dst)[:, None, None]).any(axis=2)
+            return np.nonzero(reach)[1]
+
+        tok = ops.ew("dispatch: tokens per member", order, dst,
+                     shape=(self.out_at[-1],), dtype=i64)
+
+        def pack(q):
+            rows = tok[self.out_at[q]:self.out_at[q + 1]]
+            on = dst[rows] == q
+            ids = np.where(on, route.experts[rows] % e_l, -1).astype(x2.dtype)
+            gates = np.where(on, route.gates[rows], 0).astype(x2.dtype)
+            return np.concatenate([x2[rows], ids, gates], axis=1)
+
+        pieces = [ops.ew(f"dispatch: pack [x | ids | gates] for member {q}",
+                         lambda q=q: pack(q), x2, tok, dst, route.gates,
+                         shape=(self.m_out[q], h + 2 * k),
+                         nbytes=self.m_out[q] * ((h + k) * item + k * 8)) for q in range(n)]
+        got = ops.exchange(pieces, self.m_in, pieces[ops.pos], _DISPATCH)
+        m_all = self.exp_at[-1]
+
+        def expand():                    # (M, 2): per local expert, [received row, choice]
+            ids = np.concatenate([g[:, h:h + k] for g in got])
+            out = []
+            for j in range(e_l):
+                rows = np.nonzero((ids == j).any(axis=1))[0]
+                cols = np.argmax(ids[rows] == j, axis=1)
+                out.append(np.stack([rows, cols], axis=1))
+            return np.concatenate(out)
+
+        slots = ops.ew("dispatch: expand rows to local experts", expand, *got,
+                       shape=(m_all, 2), dtype=i64,
+                       nbytes=self.in_at[-1] * k * item)
+        g_sel = ops.ew("dispatch: gates of the expanded rows", lambda: np.concatenate(
+            [g[:, h + k:] for g in got])[slots[:, 0], slots[:, 1]], slots, *got,
+            shape=(m_all,), dtype=x2.dtype, nbytes=m_all * item)
+        xs = [ops.ew(f"dispatch: rows of expert {j}", lambda j=j: np.concatenate(
+            [g[:, :h] for g in got])[self._expert(slots, j)[:, 0]], slots, *got,
+            shape=(self.m_exp[j], h), dtype=x2.dtype, nbytes=self.m_exp[j] * h * item)
+            for j in range(e_l)]
+        outs, states = zip(*(_expert_forward(ops, xs[j], wg[j], wu[j], wd[j], j,
+                                             _expert_biases(biases, j))
+                             for j in range(e_l)))
+
+        def member_sums():               # (R, h): Σ_{e here} g_e O_e per received row
+            y = np.zeros_like(outs[0], shape=(self.in_at[-1], h))
+            for j in range(e_l):
+                np.add.at(y, self._expert(slots, j)[:, 0],
+                          self._expert(g_sel, j)[:, None] * outs[j])
+            return y
+
+        y_rows = ops.ew("combine: sum g O per received row", member_sums, slots, g_sel, *outs,
+                        shape=(self.in_at[-1], h), dtype=x2.dtype)
+        back = ops.exchange(self._pieces(y_rows, self.in_at), self.m_out, y_rows, _COMBINE)
+        y_got = ops.ew("combine: unpack rows", lambda: np.concatenate(back), *back,
+                       shape=(self.out_at[-1], h), dtype=x2.dtype)
+        y = _scatter_rows(ops, "combine: y = sum over members", t, tok, y_got)
+        return y, (tok, slots, g_sel, xs, outs, states)
+
+    def backward(self, state, dy2, weights, biases=None):
+        """(dx of the routed experts (T, h), dg of the kept assignments (A,), summed over
+        etp, [dW_gate, dW_up, dW_down] + [db_gate, db_up, db_down] with ``biases``)."""
+        ops, route, e_l = self.ops, self.route, self.e_l
+        (t, h), k = dy2.shape, route.gates.shape[1]
+        item = np.dtype(dy2.dtype).itemsize
+        tok, slots, g_sel, xs, outs, states = state
+        wg, wu, wd = weights
+        dy_rows = ops.ew("backward: gather dy rows per member", lambda: dy2[tok], dy2, tok,
+                         shape=(self.out_at[-1], h))
+        got = ops.exchange(self._pieces(dy_rows, self.out_at), self.m_in, dy_rows,
+                           _GRAD_DISPATCH)
+        dw = [np.zeros_like(w) for w in tuple(weights) + tuple(biases or ())]
+        dxs, dgs = [], []
+        for j in range(e_l):
+            rows = self._expert(slots, j)
+            dyj = ops.ew(f"backward: dy rows of expert {j}", lambda r=rows: np.concatenate(
+                got)[r[:, 0]], rows, *got, shape=(self.m_exp[j], h), dtype=dy2.dtype,
+                nbytes=self.m_exp[j] * h * item)
+            gj = self._expert(g_sel, j)
+            dgs.append(ops.ew(f"backward: dg = <dy, O> of expert {j}", lambda d=dyj, o=outs[j]:
+                              (d * o).sum(axis=1), dyj, outs[j], shape=(self.m_exp[j],)))
+            d_out = ops.ew(f"backward: dO = g dy of expert {j}", lambda d=dyj, g=gj:
+                           g[:, None] * d, dyj, gj)
+            dxj, *gw = _expert_backward(ops, xs[j], wg[j], wu[j], wd[j], states[j], d_out, j,
+                                        biases is not None)
+            dxs.append(dxj)
+            for acc, g in zip(dw, gw):
+                acc[j] = g
+
+        def member_grads():              # (R, h + k): [Σ_{e here} dX_e | dg per choice]
+            out = np.zeros_like(dxs[0], shape=(self.in_at[-1], h + k))
+            for j in range(e_l):
+                rows = self._expert(slots, j)
+                np.add.at(out[:, :h], rows[:, 0], dxs[j])
+                out[rows[:, 0], h + rows[:, 1]] = dgs[j]
+            return out
+
+        both = ops.ew("backward combine: [dX | dg] per received row", member_grads, slots,
+                      *dxs, *dgs, shape=(self.in_at[-1], h + k), dtype=dy2.dtype)
+        back = ops.exchange(self._pieces(both, self.in_at), self.m_out, both, _GRAD_COMBINE)
+        rows = ops.ew("backward combine: unpack rows", lambda: np.concatenate(back), *back,
+                      shape=(self.out_at[-1], h + k), dtype=dy2.dtype)
+        dx = _scatter_rows(ops, "backward: dx = sum dX over members", t, tok, rows[:, :h])
+
+        def dg_kept():
+            table = np.zeros_like(rows, shape=(t, k))
+            np.add.at(table, tok, rows[:, h:])
+            return table[route.tok, route.choice]
+
+        dg_sel = ops.all_reduce_etp(ops.ew("backward: dg of kept rows", dg_kept, rows, tok,
+                                           route.tok, shape=(route.tok.shape[0],),
+                                           nbytes=self.out_at[-1] * k * item))
+        return dx, dg_sel, dw
+
+
+_DISPATCHERS = {"alltoall": _AllToAllDispatch, "allgather": _AllGatherDispatch,
+                "flex": _FlexDispatch}
 DISPATCHERS = tuple(_DISPATCHERS)
 
 
@@ -613,9 +843,10 @@ class MoE(ShardedOperation):
     softmax router — Mixtral's — and for a sigmoid router, False for k = 1);
     ``routed_scaling``: σ, the gates' factor; ``shared_ffn_hidden``: the width of the
     always-on shared expert (0: none); ``dispatcher``: how tokens reach the experts,
-    ``alltoall`` (the module docstring's exchanges) or ``allgather`` (every rank gathers
+    ``alltoall`` (the module docstring's exchanges), ``allgather`` (every rank gathers
     the group's tokens and reduce-scatters its experts' partial outputs; Megatron's for
-    small groups); ``groups``: (n_group, topk_group), DeepSeek's group-limited routing —
+    small groups) or ``flex`` (DeepEP / HybridEP: each token once per destination rank,
+    the module docstring's "Flex"); ``groups``: (n_group, topk_group), DeepSeek's group-limited routing —
     each token chooses its k experts within its ``topk_group`` best of ``n_group`` equal
     groups of experts (a group scored by its two best experts' scores), None: among all; ``seed`` draws :meth:`init_params`;
     ``algorithms`` maps ``all_to_all`` / ``all_reduce`` to the algorithm every such call
@@ -825,10 +1056,12 @@ class MoE(ShardedOperation):
 
     @staticmethod
     def _report(route):
-        return route.routed.reshape(1, -1), route.kept_arr.reshape(1, -1)
+        return (route.routed.reshape(1, -1), route.kept_arr.reshape(1, -1),
+                route.rank_arr.reshape(1, -1))
 
     def forward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
-        """(y, aux (1,), routed (1, E), kept (1, E)) on this rank; ``rest``: the shared
+        """(y, aux (1,), routed (1, E), kept (1, E), distinct tokens per expert-group member
+        (1, ep)) on this rank; ``rest``: the shared
         expert's weights when the layer has one, then optionally ``load``, the counts a
         trace takes as given (ignored when the arrays hold values)."""
         shared, tail = self._split(rest, 1)
@@ -855,14 +1088,15 @@ class MoE(ShardedOperation):
     def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None,
                       bias=None, biases=None):
         """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
-        routed (E,), kept (E,), state for :meth:`backward_saved`); ``shared``: the shared
+        routed (E,), kept (E,), distinct tokens per expert-group member (n,), state for
+        :meth:`backward_saved`); ``shared``: the shared
         expert's (W_gate, W_up, W_down) when the layer has one; ``bias``: (E,) added to
         the scores for the choice only (auxiliary-loss-free balancing), or None;
         ``biases``: (b_router (E,), b_gate, b_up (E_l, f), b_down (E_l, h)), None where
         the layer has none (``router_bias``, ``expert_bias``; the module docstring)."""
         y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load,
                                              shared, bias, biases)
-        return y, aux, route.routed, route.kept_arr, saved
+        return y, aux, route.routed, route.kept_arr, route.rank_arr, saved
 
     def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux,
                        shared=None):
@@ -922,7 +1156,7 @@ class MoE(ShardedOperation):
 
     def backward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
         """Forward and backward in one program: (y, aux, dx, dW_r, dW_gate, dW_up,
-        dW_down, [the shared expert's three,] routed, kept); dW_r (and the shared
+        dW_down, [the shared expert's three,] routed, kept, tokens per member); dW_r (and the shared
         expert's) summed over ep, the experts' on their owners. ``rest``: the shared
         expert's weights when the layer has one, then dy, optionally d_aux (default 1)
         and ``load`` (traces)."""
@@ -975,18 +1209,19 @@ class MoE(ShardedOperation):
         return ([(x, tok)] + [(params[n], L[n]) for n in self.weight_names()]
                 + [(m, tok) for m in more])
 
-    def _load(self, routed, kept, x, ep) -> ExpertLoad:
+    def _load(self, routed, kept, tokens, x, ep) -> ExpertLoad:
         return ExpertLoad(np.asarray(routed).tolist(), np.asarray(kept).tolist(),
-                          self.capacity(int(np.prod(np.shape(x)[:-1])) // ep))
+                          self.capacity(int(np.prod(np.shape(x)[:-1])) // ep),
+                          np.asarray(tokens).tolist())
 
     def run(self, cluster, x, params) -> MoEOutput:
         """Global x and params in; y, the aux loss and the load out."""
         ep = self._check(cluster.mesh, x, params)
         L = self.layouts
-        y, aux, routed, kept = run_sharded(
+        y, aux, routed, kept, tokens = run_sharded(
             cluster, self.forward_local, self._inputs(x, params),
-            [self._tokens_layout(np.ndim(x)), L["aux"], L["counts"], L["counts"]])
-        return MoEOutput(y, float(aux[0]), self._load(routed, kept, x, ep))
+            [self._tokens_layout(np.ndim(x)), L["aux"]] + [L["counts"]] * 3)
+        return MoEOutput(y, float(aux[0]), self._load(routed, kept, tokens, x, ep))
 
     def backward(self, cluster, x, params, dy, d_aux: float = 1.0) -> MoEGradients:
         """Forward and backward of <dy, y> + d_aux · aux: every gradient, global (the
@@ -996,10 +1231,10 @@ class MoE(ShardedOperation):
         names = self.weight_names()
         out = run_sharded(cluster, self.backward_local, self._inputs(x, params, dy),
                           [tok, L["aux"], tok] + [L[n] for n in names]
-                          + [L["counts"], L["counts"]], extra_args=(float(d_aux),))
-        y, aux, dx, dr, dg, du, dd, *shared, routed, kept = out
+                          + [L["counts"]] * 3, extra_args=(float(d_aux),))
+        y, aux, dx, dr, dg, du, dd, *shared, routed, kept, tokens = out
         return MoEGradients(y, float(aux[0]), dx, dr, dg, du, dd,
-                            self._load(routed, kept, x, ep), tuple(shared) or None)
+                            self._load(routed, kept, tokens, x, ep), tuple(shared) or None)
 
     def reference(self, x, params, dy=None, ep: int = 1, d_aux: float = 1.0):
         """The plain-numpy layer (:mod:`tensor_parallel.moe_reference`) on the global

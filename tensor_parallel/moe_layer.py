@@ -177,8 +177,9 @@ class MoEBlock:
         self.bias += self.bias_rate * dev.xp.sign(total.mean() - total).astype(self.bias.dtype)
 
     def reset_report(self) -> None:
-        """Start a step's report: aux loss (weighted sum) and tokens per expert."""
-        self.aux_loss, self.routed, self.kept = 0.0, None, None
+        """Start a step's report: aux loss (weighted sum), tokens per expert and distinct
+        tokens per expert-group member (ExpertLoad's ``tokens``)."""
+        self.aux_loss, self.routed, self.kept, self.tokens = 0.0, None, None, None
 
     @staticmethod
     def _local_seq(ops, y, name):
@@ -194,13 +195,14 @@ class MoEBlock:
         folded = self.folded
         xf = u if folded else ops.gather_seq(u, "mlp: gather x")    # (b, s, h) or local
         mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes)
-        y, aux, routed, kept, saved = self.moe.forward_saved(
+        y, aux, routed, kept, tokens, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
             P["moe_down"], self.load, self._shared(P), self._bias(ops, xf), self._biases(P))
         if not self.recomputing and not is_meta(aux):
             self.aux_loss += self.aux_weight * float(aux[0])
             self.routed = routed.copy() if self.routed is None else self.routed + routed
             self.kept = kept.copy() if self.kept is None else self.kept + kept
+            self.tokens = tokens.copy() if self.tokens is None else self.tokens + tokens
         y = y.reshape(xf.shape) if folded else \
             ops.reduce_out(y.reshape(xf.shape), "mlp: reduce the experts' y over tp")
         return y, ((mops, saved, xf.shape) if keep else ())
@@ -257,6 +259,10 @@ class _Reporting:
     @property
     def kept(self):
         return self.block.kept
+
+    @property
+    def tokens(self):
+        return self.block.tokens
 
     def reset_report(self) -> None:
         self.block.reset_report()

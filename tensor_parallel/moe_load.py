@@ -15,6 +15,28 @@ The layer's emulation returns the load it saw (``MoE.run``/``MoE.backward``); a 
 whose arrays hold no values, takes one as given: :meth:`ExpertLoad.skewed` builds the
 table for a chosen imbalance (the busiest expert's tokens over the mean), the knob a
 simulator turns as ``--expert-skew``.
+
+A third, optional table serves the token-deduplicating ``flex`` dispatcher (DeepEP /
+HybridEP), which sends a token once per destination *rank* rather than once per expert:
+
+    tokens[r][d]   distinct tokens of rank r with at least one kept choice among the
+                   experts of expert-group rank d (d's experts: d·E/g … (d+1)·E/g − 1,
+                   g = the table's width, the expert group's size)
+
+It holds  max_{e of d} kept[r][e] <= tokens[r][d] <= sum_{e of d} kept[r][e]  (a token
+chooses an expert at most once; equality on the right when no token has two choices on
+d, always for k = 1). The emulator counts it from its routing (None when the routing
+ranks are not the expert group's, e.g. a training report). :meth:`ExpertLoad.skewed`
+fills it with an expectation: a token's k distinct choices uniformly among the E experts
+(evenly E/g on each of the g ranks) miss all of rank d's with probability
+C(E − E/g, k) / C(E, k), so
+
+    tokens[r][d] = T · (1 − C(E − E/g, k) / C(E, k))
+
+rounded, then clamped into [max(max_{e of d} kept[r][e], ceil(Σ_{e of d} kept[r][e] /
+min(k, E/g))), Σ_{e of d} kept[r][e]] (a token brings at most min(k, E/g) rows to one
+rank, so k = 1 gives exactly the kept rows; a skewed table's busiest expert alone may
+need more rows on its rank than the uniform expectation; a capacity's drops fewer).
 """
 
 from __future__ import annotations
@@ -24,7 +46,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ExpertLoad", "MoEOutput", "MoEGradients", "expert_capacity"]
+__all__ = ["ExpertLoad", "MoEOutput", "MoEGradients", "expert_capacity",
+           "distinct_rank_fraction"]
+
+
+def distinct_rank_fraction(experts: int, ranks: int, top_k: int) -> float:
+    """1 − C(E − E/g, k) / C(E, k): the chance that a token's k distinct uniformly chosen
+    experts include one of a given rank's E/g (g = ``ranks`` evenly holding the E)."""
+    return 1.0 - math.comb(experts - experts // ranks, top_k) / math.comb(experts, top_k)
+
+
+def _rank_bounds(kept_row, ranks: int) -> list[tuple[int, int]]:
+    """(lower, upper) of tokens[r][d] for each of ``ranks`` destinations, from the kept
+    row of rank r: (max over d's experts, sum over d's experts)."""
+    e_l = len(kept_row) // ranks
+    return [(max(kept_row[d * e_l:(d + 1) * e_l]), sum(kept_row[d * e_l:(d + 1) * e_l]))
+            for d in range(ranks)]
 
 
 def _table(rows, what: str) -> tuple[tuple[int, ...], ...]:
@@ -40,11 +77,14 @@ def _table(rows, what: str) -> tuple[tuple[int, ...], ...]:
 @dataclass(frozen=True)
 class ExpertLoad:
     """Tokens per (ep rank, expert) before (``routed``) and after (``kept``) dropping;
-    ``capacity`` the per-rank capacity of an expert (None: dropless)."""
+    ``capacity`` the per-rank capacity of an expert (None: dropless); ``tokens``: the
+    distinct tokens per (ep rank, destination rank), the ``flex`` dispatcher's rows (the
+    module docstring), or None when not known."""
 
     routed: tuple[tuple[int, ...], ...]
     kept: tuple[tuple[int, ...], ...]
     capacity: int | None = None
+    tokens: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         routed, kept = _table(self.routed, "routed"), _table(self.kept, "kept")
@@ -57,6 +97,21 @@ class ExpertLoad:
             raise ValueError(f"ExpertLoad: kept exceeds capacity={self.capacity}")
         object.__setattr__(self, "routed", routed)
         object.__setattr__(self, "kept", kept)
+        if self.tokens is not None:
+            tokens = _table(self.tokens, "tokens")
+            width = len(tokens[0])
+            if len(tokens) != len(kept) or len(kept[0]) % width:
+                raise ValueError(f"ExpertLoad: tokens must be a (ep={len(kept)}, g) table "
+                                 f"with g dividing experts={len(kept[0])}, got "
+                                 f"{np.shape(tokens)}")
+            for r, (row, k_row) in enumerate(zip(tokens, kept)):
+                for d, (v, (lo, hi)) in enumerate(zip(row, _rank_bounds(k_row, width))):
+                    if not lo <= v <= hi:
+                        raise ValueError(
+                            f"ExpertLoad: tokens[{r}][{d}]={v} must lie in [{lo}, {hi}] "
+                            "(the most kept rows of one of that rank's experts, and their "
+                            "sum)")
+            object.__setattr__(self, "tokens", tokens)
 
     @classmethod
     def skewed(cls, ep: int, experts: int, tokens_per_rank: int, top_k: int, skew: float = 1.0,
@@ -64,7 +119,8 @@ class ExpertLoad:
         """The same table on every rank: expert 0 gets round(skew · T·k/E) of the T·k
         assignments, the others share the rest as evenly as integers allow; ``kept`` is
         min(routed, capacity). ``skew`` must be in [1, E/k] (a token picks an expert at
-        most once, so the busiest expert has at most T)."""
+        most once, so the busiest expert has at most T). ``tokens`` (an ep × ep table; when
+        ep divides E): the module docstring's expectation, clamped."""
         for name, v in (("ep", ep), ("experts", experts), ("tokens_per_rank", tokens_per_rank),
                         ("top_k", top_k)):
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -80,8 +136,14 @@ class ExpertLoad:
         row = [busiest] + [rest // others + (i < rest % others) for i in range(others)] \
             if others else [total]
         kept = row if capacity is None else [min(n, capacity) for n in row]
+        tokens = None
+        if experts % ep == 0:
+            want = round(tokens_per_rank * distinct_rank_fraction(experts, ep, top_k))
+            most = min(top_k, experts // ep)             # rows one token brings one rank
+            tokens = [tuple(min(max(want, lo, -(-hi // most)), hi)
+                            for lo, hi in _rank_bounds(kept, ep))] * ep
         return cls(tuple(tuple(row) for _ in range(ep)), tuple(tuple(kept) for _ in range(ep)),
-                   capacity)
+                   capacity, None if tokens is None else tuple(tokens))
 
     # --- shape ------------------------------------------------------------------------
     @property

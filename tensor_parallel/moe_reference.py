@@ -115,7 +115,13 @@ def moe_reference(x, w_router, w_gate, w_up, w_down, *, top_k: int, capacity_fac
                 if cap is None or kept[r, e] < cap:
                     kept[r, e] += 1
                     keep[t, c] = True
-    load = ExpertLoad(routed.tolist(), kept.tolist(), cap)
+    # distinct tokens of rank r with a kept choice on expert-group member d (flex's rows)
+    e_l = n_exp // ep
+    tokens = np.zeros((ep, ep), dtype=np.int64)
+    for t in range(n_tok):
+        for d in {int(choice[t, c]) // e_l for c in range(k) if keep[t, c]}:
+            tokens[t // t_rank, d] += 1
+    load = ExpertLoad(routed.tolist(), kept.tolist(), cap, tokens.tolist())
 
     # dense combine matrix: w[t, e] = sum_c keep gate [choice == e]
     w = np.zeros((n_tok, n_exp))

@@ -490,7 +490,7 @@ def test_bad_arguments_are_named(clusters):
         with pytest.raises(ValueError, match="routed_scaling must be a finite number > 0"):
             MoE(H, F, 4, routed_scaling=bad)
     with pytest.raises(ValueError, match=r"dispatcher must be one of \('alltoall', "
-                       r"'allgather'\), got 'deepep'"):
+                       r"'allgather', 'flex'\), got 'deepep'"):
         MoE(H, F, 4, dispatcher="deepep")
     with pytest.raises(ValueError, match="shared_ffn_hidden must be an int >= 0, got -1"):
         MoE(H, F, 4, shared_ffn_hidden=-1)

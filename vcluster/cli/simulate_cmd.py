@@ -85,17 +85,18 @@ def add_parser(commands) -> None:
                      help="every pipeline stage's layers, comma-separated (one per stage, "
                           "one stage per rank; e.g. 5,11 on pp 2: stages on GPU kinds of "
                           "different speeds; not with --first/--last-stage-layers)")
-    gpt.add_argument("--moe-dispatcher", choices=("alltoall", "allgather"),
+    gpt.add_argument("--moe-dispatcher", choices=("alltoall", "allgather", "flex"),
                      default="alltoall", help="MoE: how tokens reach their experts, "
-                     "all_to_all over the expert group or all-gather the group's tokens and "
-                     "reduce-scatter the outputs (Megatron's allgather, for small groups; "
-                     "default alltoall)")
+                     "all_to_all over the expert group, all-gather the group's tokens and "
+                     "reduce-scatter the outputs (Megatron's allgather, for small groups), "
+                     "or flex (DeepEP / HybridEP: each token once per destination rank, "
+                     "its experts' outputs summed there; default alltoall)")
     gpt.add_argument("--moe-comm-overlap", action="store_true",
                      help="MoE: Megatron-Core's --overlap-moe-expert-parallel-comm (combined "
                      "1F1B): the steady state's forward and backward of two micro-batches "
                      "run together, each one's token all-to-alls overlapping the other's "
-                     "compute (needs ep > 1, alltoall, and 1f1b on pp 1 or "
-                     "interleaved_1f1b)")
+                     "compute (needs ep > 1, the alltoall or flex dispatcher, and 1f1b on "
+                     "pp 1 or interleaved_1f1b)")
     gpt.add_argument("--cp", type=positive_int, default=1,
                      help="context parallelism: ranks the sequence is split over (default 1)")
     gpt.add_argument("--cp-algorithm", choices=CPAlgorithm.values(), default="ring",

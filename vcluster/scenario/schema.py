@@ -314,10 +314,11 @@ _PARALLEL = MappingProxyType({
                                    "the rest evenly; default an even split)"),
         "last_stage_layers": _int("layers of the last pipeline stage (the others share the "
                                   "rest evenly; default an even split)"),
-        "moe_dispatcher": _enum(["alltoall", "allgather"], "how an MoE layer's tokens "
-                                "reach their experts: all_to_all over the expert group, or "
-                                "all-gather the group's tokens and reduce-scatter the "
-                                "experts' outputs", "alltoall"),
+        "moe_dispatcher": _enum(["alltoall", "allgather", "flex"], "how an MoE layer's "
+                                "tokens reach their experts: all_to_all over the expert "
+                                "group, all-gather the group's tokens and reduce-scatter the "
+                                "experts' outputs, or flex (DeepEP / HybridEP: each token "
+                                "once per destination rank)", "alltoall"),
         "moe_comm_overlap": _bool("Megatron-Core's MoE expert-parallel overlap (combined "
                                   "1F1B): the steady state's forward and backward of two "
                                   "micro-batches run together, each one's token "

@@ -53,6 +53,19 @@ def test_overlapped_training_equals_reference(cluster_of, dp, ep, pp, schedule, 
 
 @pytest.mark.parametrize("pp, schedule, v, layers, m", [(1, "1f1b", None, 2, 3),
                                                          (2, "interleaved_1f1b", 2, 4, 4)])
+def test_overlap_with_the_flex_dispatcher_equals_reference(cluster_of, pp, schedule, v,
+                                                           layers, m):
+    """The combined schedule with Megatron-Core's flex dispatcher (DeepEP / HybridEP, the
+    recipes that turn the overlap on mostly run it): the same numbers as the reference."""
+    cfg = _cfg(2, None, layers=layers)
+    par = _par(2, 2, pp, schedule, v, m, moe_dispatcher="flex")
+    model, (tokens, targets) = GPT(cfg, seed=3), _data(cfg, batch=par.global_batch)
+    _trains_as_reference(cluster_of(par.mesh()), model, tokens, targets, par, forward=False,
+                         steps=2)
+
+
+@pytest.mark.parametrize("pp, schedule, v, layers, m", [(1, "1f1b", None, 2, 3),
+                                                         (2, "interleaved_1f1b", 2, 4, 4)])
 def test_overlapped_traffic_equals_trace(cluster_of, pp, schedule, v, layers, m):
     """The trace of the combined schedule moves the emulator's messages, rank by rank
     (capacity-padded exchanges: their sizes do not depend on each micro-batch's routing,

@@ -44,7 +44,8 @@ __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu
            "validate_fsdp", "validate_fp8", "micro_batch_for", "RECOMPUTE_TABLE", "FSDP_TABLE",
            "FSDP_HARDWARE", "FP8_TABLE", "FP8_BRIDGE_TABLE", "FP8_TABLES", "validate_fsdp2",
            "FSDP2_TABLE", "FSDP2_HARDWARE", "validate_moe", "moe_row_config", "MOE_TABLE",
-           "MOE_HARDWARE", "MOE_METRICS", "MOE_DEFAULT_ETP",
+           "MOE_HARDWARE", "MOE_METRICS", "MOE_DEFAULT_ETP", "RECIPE_DISPATCHERS",
+           "recipe_dispatcher",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -94,6 +95,23 @@ MOE_METRICS = ("tokens_per_s_per_gpu", "step_s", "model_tflops_per_gpu")
 #: the expert tensor parallelism of a :data:`MOE_TABLE` row whose source does not state it
 #: (:func:`moe_row_config`)
 MOE_DEFAULT_ETP = 1
+#: a recipe's token dispatcher (the MoE tables' ``moe_dispatcher`` column, read from the
+#: Megatron-Bridge recipe of the row's release) -> the program's: DeepEP and HybridEP are
+#: Megatron-Core's ``flex`` dispatcher (each token sent once per destination rank); a
+#: row whose recipe is not known runs Megatron-Core's default, ``alltoall``
+RECIPE_DISPATCHERS = MappingProxyType({"": "alltoall", "alltoall": "alltoall",
+                                       "allgather": "allgather", "deepep": "flex",
+                                       "hybridep": "flex"})
+
+
+def recipe_dispatcher(r: dict) -> str:
+    """The program's dispatcher for a row's recipe (:data:`RECIPE_DISPATCHERS`)."""
+    name = r.get("moe_dispatcher") or ""
+    if name not in RECIPE_DISPATCHERS:
+        raise ConfigError("moe_dispatcher", name, ", ".join(RECIPE_DISPATCHERS),
+                          "not a Megatron-Core token dispatcher this validation maps",
+                          owner="moe table row")
+    return RECIPE_DISPATCHERS[name]
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -404,7 +422,9 @@ def moe_row_config(r: dict) -> tuple:
     program refused ZeRO with ep > 1 and these rows ran as plain data parallelism: the same
     gradient bytes, the optimizer over the whole parameters, ``fits`` the DDP verdict).
     Megatron-Core's MoE all-to-all overlap (``moe_comm_overlap``) where the row's recipe
-    turned it on (``moe_a2a_overlap`` 1, with its ``recipe_source``; since 2026-11-30)."""
+    turned it on (``moe_a2a_overlap`` 1, with its ``recipe_source``), and the recipe's token
+    dispatcher (:func:`recipe_dispatcher`: DeepEP and HybridEP run as ``flex``); both since
+    2026-11-30."""
     refusals = []
     try:
         cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
@@ -434,7 +454,8 @@ def moe_row_config(r: dict) -> tuple:
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
                              recompute=recompute or "none",
                              zero_stage=3 if r["fsdp"] == "1" else 1,
-                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1")
+                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
+                             moe_dispatcher=recipe_dispatcher(r))
     except ConfigError as e:
         return cfg, None, False, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

@@ -35,7 +35,7 @@ from vcluster.timing import read_data_csv
 from .candidates import stage_split
 from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
-from .validation import MOE_DEFAULT_ETP
+from .validation import MOE_DEFAULT_ETP, recipe_dispatcher
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
            "validate_2026", "summary_by_kind"]
@@ -88,7 +88,9 @@ def row_config(r: dict) -> tuple:
     :func:`~.validation.moe_row_config`). Megatron-Core's MoE all-to-all overlap
     (``moe_comm_overlap``, the combined 1F1B) where the row's recipe turned it on (the
     table's ``moe_a2a_overlap`` column, read from the Megatron-Bridge recipe of the row's
-    release, ``recipe_source``; empty: not known, simulated without; since 2026-11-30).
+    release, ``recipe_source``; empty: not known, simulated without) and the recipe's token
+    dispatcher (:func:`~.validation.recipe_dispatcher`: DeepEP and HybridEP run as
+    ``flex``; empty: Megatron-Core's default ``alltoall``), both since 2026-11-30.
     A row with no global batch (AMD's) and no pipeline is simulated with one
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
@@ -129,7 +131,8 @@ def row_config(r: dict) -> tuple:
                              zero_stage=zero,
                              tp_overlap="te" if tp > 1 and r["system"] in _TE_SYSTEMS
                              else "backward",
-                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1")
+                             moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
+                             moe_dispatcher=recipe_dispatcher(r))
     except ConfigError as e:
         return cfg, None, None, assumed, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

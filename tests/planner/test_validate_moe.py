@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 COLUMNS = ("model", "preset", "precision", "gpus", "global_batch", "micro_batch", "seq", "tp",
            "pp", "cp", "vp", "ep", "etp", "fsdp", "recompute", "tokens_per_s_per_gpu",
            "model_tflops_per_gpu", "step_s", "note", "release", "source",
-           "moe_a2a_overlap", "moe_dispatcher", "recipe_source")
+           "moe_a2a_overlap", "moe_dispatcher", "recipe_source",
+           "recompute_granularity", "recompute_modules", "recompute_source")
 
 
 def _row(**changes):

@@ -90,7 +90,9 @@ def row_config(r: dict) -> tuple:
     table's ``moe_a2a_overlap`` column, read from the Megatron-Bridge recipe of the row's
     release, ``recipe_source``; empty: not known, simulated without) and the recipe's token
     dispatcher (:func:`~.validation.recipe_dispatcher`: DeepEP and HybridEP run as
-    ``flex``; empty: Megatron-Core's default ``alltoall``), both since 2026-11-30.
+    ``flex``; empty: Megatron-Core's default ``alltoall``), and its activation offloading
+    to host memory (``activation_offload``: the recipe's ``cpu_offloading_num_layers`` over
+    the model's layers, the ``activation_offload_layers`` column), all since 2026-11-30.
     A row with no global batch (AMD's) and no pipeline is simulated with one
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
@@ -132,7 +134,9 @@ def row_config(r: dict) -> tuple:
                              tp_overlap="te" if tp > 1 and r["system"] in _TE_SYSTEMS
                              else "backward",
                              moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
-                             moe_dispatcher=recipe_dispatcher(r))
+                             moe_dispatcher=recipe_dispatcher(r),
+                             activation_offload=int(r.get("activation_offload_layers") or 0)
+                             / cfg.layers)
     except ConfigError as e:
         return cfg, None, None, assumed, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

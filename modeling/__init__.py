@@ -9,7 +9,8 @@ parallel plan it is trained under (``ParallelConfig``: enums, one rulebook,
 """
 
 from .blocks import BLOCKS, GPT2_BLOCK, LLAMA_BLOCK, Block, block_named, block_of
-from .choices import (FULL_RECOMPUTE, AttentionKernel, Choice, CPAlgorithm, FlopConvention,
+from .choices import (DEFAULT_RECOMPUTE_MODULES, FULL_RECOMPUTE, RECOMPUTE_MODULES,
+                      AttentionKernel, Choice, CPAlgorithm, FlopConvention,
                       GradReduceDtype, MLPKind, NormKind, Positions, Recompute, RouterScore,
                       ScheduleName, TPOverlap, ZeroStage)
 from .counts import (FlopsPerToken, ParameterCount, activation_bytes_per_layer,
@@ -31,4 +32,4 @@ __all__ = ["Block", "BLOCKS", "GPT2_BLOCK", "LLAMA_BLOCK", "block_named", "block
            "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm", "TPOverlap",
            "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
            "RouterScore", "FlopConvention", "recompute_refusal",
-           "FULL_RECOMPUTE", "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]
+           "FULL_RECOMPUTE", "RECOMPUTE_MODULES", "DEFAULT_RECOMPUTE_MODULES", "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]

@@ -15,7 +15,8 @@ from enum import Enum, IntEnum
 
 __all__ = ["Choice", "ScheduleName", "Recompute", "AttentionKernel", "CPAlgorithm",
            "TPOverlap", "GradReduceDtype", "ZeroStage", "NormKind", "MLPKind", "Positions",
-           "RouterScore", "FlopConvention", "Engine", "Router"]
+           "RouterScore", "FlopConvention", "Engine", "Router", "FULL_RECOMPUTE",
+           "RECOMPUTE_MODULES", "RECOMPUTE_MODULES_MEGATRON", "DEFAULT_RECOMPUTE_MODULES"]
 
 
 class Choice(str, Enum):
@@ -61,6 +62,19 @@ class Recompute(Choice):
     FULL = "full"
     FULL_TORCH = "full-torch"
     OP = "op"
+
+
+#: Megatron-Core's ``recompute_modules`` (megatron/core/transformer/transformer_config.py,
+#: ``TransformerConfig.recompute_modules``: the submodules ``--recompute-granularity
+#: selective`` re-runs in the backward; default ``("core_attn",)``), in its order
+RECOMPUTE_MODULES_MEGATRON = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                              "shared_experts", "gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc")
+#: the ones modelled here (:mod:`tensor_parallel.transformer`): the core attention, the
+#: routed experts' activation, the two input norms, MLA's up-projections and RoPE, the
+#: dense MLP
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp")
+#: Megatron-Core's default (every plan without ``recompute_modules`` recomputes the core)
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 #: the recompute policies that keep only a layer's input (Megatron's and PyTorch's full

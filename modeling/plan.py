@@ -44,6 +44,17 @@ The rules (:meth:`ParallelConfig.__post_init__`, :func:`check_zero_stage`):
    ``interleaved_1f1b`` with virtual stages >= 2 (Megatron-Core's
    ``TransformerConfig.__post_init__`` asserts each of these); experts > 0 is
    :meth:`ParallelConfig.check`'s.
+10. ``recompute_modules`` (Megatron-Core's ``--recompute-modules``: the submodules
+    ``recompute="selective"`` re-runs in the backward, each keeping only its input) names
+    modules of :data:`~modeling.choices.RECOMPUTE_MODULES_MEGATRON`, each one modelled
+    (:data:`~modeling.choices.RECOMPUTE_MODULES`: ``core_attn``, ``moe_act``,
+    ``layernorm``, ``mla_up_proj``, ``mlp``; ``moe``, ``shared_experts`` and the
+    GatedDelta/HyperConnection ones are refused as not modelled), none twice; it is the
+    default ``("core_attn",)`` unless ``recompute`` is ``selective`` (Megatron ignores it
+    then: a plan saying otherwise is refused). The model's side
+    (:meth:`ParallelConfig.check`, :func:`recompute_modules_refusal`): ``mla_up_proj``
+    needs latent attention, ``moe_act`` experts, ``mlp`` a dense MLP layer (Megatron-Core
+    asserts the first two).
 
 Rules that need the model (layers over stages, heads over tp, experts over ep) are
 :meth:`ParallelConfig.check`.
@@ -57,12 +68,14 @@ from mesh import Mesh
 from mesh.arguments import as_int
 
 from .blocks import LLAMA_BLOCK
-from .choices import (FULL_RECOMPUTE, AttentionKernel, CPAlgorithm, GradReduceDtype,
+from .choices import (DEFAULT_RECOMPUTE_MODULES, FULL_RECOMPUTE, RECOMPUTE_MODULES,
+                      RECOMPUTE_MODULES_MEGATRON, AttentionKernel, CPAlgorithm, GradReduceDtype,
                       Recompute, ScheduleName, TPOverlap, ZeroStage)
 from .errors import ConfigError
 
 __all__ = ["ParallelConfig", "check_zero_stage", "check_kv_heads", "parse", "MOE_DISPATCHERS",
-           "recompute_refusal", "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]
+           "recompute_refusal", "recompute_modules_refusal", "check_recompute_modules",
+           "padded_vocab", "MEGATRON_VOCAB_DIVISOR"]
 
 #: Megatron-LM's ``--make-vocab-size-divisible-by`` default (megatron/training/arguments.py),
 #: which NeMo 2.0 and Megatron-Bridge keep (``make_vocab_size_divisible_by=128``)
@@ -83,6 +96,59 @@ def parse(kind, value, field: str, owner: str = ""):
         allowed = ", ".join(map(str, kind.values()))
         raise ConfigError(field, value, f"one of {allowed}", "not a known value",
                           owner=owner) from None
+
+
+def check_recompute_modules(modules, recompute=Recompute.SELECTIVE,
+                            owner: str = "") -> tuple[str, ...]:
+    """``modules`` (a tuple, list, or comma-separated string of Megatron-Core's
+    ``recompute_modules``) as a tuple in :data:`~modeling.choices.RECOMPUTE_MODULES`'s
+    order, or ConfigError naming ``recompute_modules`` by rule 10 (module doc)."""
+    value = modules
+    if isinstance(modules, str):
+        modules = tuple(m.strip() for m in modules.split(",") if m.strip())
+    allowed = ", ".join(RECOMPUTE_MODULES)
+    if isinstance(modules, bytes) or not hasattr(modules, "__iter__") \
+            or not all(isinstance(m, str) for m in modules):
+        raise ConfigError("recompute_modules", value, f"a list of {allowed}",
+                          "not a list of module names", owner=owner)
+    modules = tuple(modules)
+    for m in modules:
+        if m not in RECOMPUTE_MODULES_MEGATRON:
+            raise ConfigError("recompute_modules", value, f"a list of {allowed}",
+                              f"{m!r} is not one of Megatron-Core's recompute modules "
+                              f"({', '.join(RECOMPUTE_MODULES_MEGATRON)})", owner=owner)
+        if m not in RECOMPUTE_MODULES:
+            raise ConfigError("recompute_modules", value, f"a list of {allowed}",
+                              f"{m!r} (Megatron-Core's) is not modelled", owner=owner)
+    if len(set(modules)) != len(modules):
+        raise ConfigError("recompute_modules", value, f"a list of {allowed}, each once",
+                          "a module named twice", owner=owner)
+    modules = tuple(m for m in RECOMPUTE_MODULES if m in modules)
+    if modules != DEFAULT_RECOMPUTE_MODULES and Recompute(recompute) is not Recompute.SELECTIVE:
+        raise ConfigError("recompute_modules", value, f"{DEFAULT_RECOMPUTE_MODULES!r} "
+                          f"with recompute={Recompute(recompute).value!r}",
+                          "the modules are what recompute='selective' re-runs (Megatron-Core's "
+                          "--recompute-modules with --recompute-granularity selective)",
+                          owner=owner)
+    return modules
+
+
+def recompute_modules_refusal(modules, config) -> str:
+    """Why ``modules`` (Megatron-Core's ``recompute_modules``) do not run on ``config``,
+    or "" where they do: ``mla_up_proj`` needs latent attention (``kv_lora_rank``),
+    ``moe_act`` experts, ``mlp`` a dense MLP layer (a model whose layers are all MoE has
+    none)."""
+    latent = getattr(config, "kv_lora_rank", None)
+    experts = getattr(config, "experts", 0)
+    if "mla_up_proj" in modules and not latent:
+        return "mla_up_proj recomputes multi-head latent attention's up-projections: the " \
+            "model has no latent attention (kv_lora_rank)"
+    if "moe_act" in modules and not experts:
+        return "moe_act recomputes the routed experts' activation: the model has no experts"
+    if "mlp" in modules and experts and not getattr(config, "moe_dense_layers", ()):
+        return "mlp recomputes the dense MLP: every layer of the model is MoE (Megatron's " \
+            "'moe' recomputes an MoE layer; not modelled)"
+    return ""
 
 
 def check_zero_stage(zero_stage, pp: int = 1, owner: str = "") -> ZeroStage:
@@ -203,6 +269,7 @@ class ParallelConfig:
     virtual_stages: int | None = None
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.NONE
+    recompute_modules: tuple = DEFAULT_RECOMPUTE_MODULES   # selective's modules (rule 10)
     attention: AttentionKernel = AttentionKernel.FLASH
     distributed_optimizer: bool = False
     zero_stage: int | None = None      # None: 1 if distributed_optimizer else 0
@@ -233,6 +300,8 @@ class ParallelConfig:
                         ("attention", AttentionKernel), ("cp_algorithm", CPAlgorithm),
                         ("tp_overlap", TPOverlap), ("grad_reduce_dtype", GradReduceDtype)):
             object.__setattr__(self, f, parse(kind, getattr(self, f), f, who))
+        object.__setattr__(self, "recompute_modules", check_recompute_modules(
+            self.recompute_modules, self.recompute, who))
         for f in ("sequence_parallel", "distributed_optimizer", "moe_comm_overlap"):
             if getattr(self, f) not in (False, True):
                 raise ConfigError(f, getattr(self, f), "True or False", "not a boolean",
@@ -567,6 +636,10 @@ class ParallelConfig:
         if why := recompute_refusal(self.recompute, config):
             raise ConfigError("recompute", self.recompute.value, "none, selective or full "
                               "for this model", why, owner="GPT")
+        if why := recompute_modules_refusal(self.recompute_modules, config):
+            raise ConfigError("recompute_modules", ",".join(self.recompute_modules),
+                              "modules the model has (" + ", ".join(RECOMPUTE_MODULES) + ")",
+                              why, owner="GPT")
         if self.cp > 1 and config.seq % (2 * self.cp):
             raise ConfigError("seq", config.seq, f"a multiple of 2 x cp = {2 * self.cp}",
                               f"seq={config.seq} does not split into 2·cp = {2 * self.cp} "

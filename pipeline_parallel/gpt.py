@@ -794,7 +794,8 @@ def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage:
                                dense_layers=cfg.moe_dense_layers,
                                bias_rate=cfg.moe_bias_update_rate, window=cfg.window,
                                window_layers=cfg.window_layers, sinks=cfg.attention_sinks,
-                               qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias)
+                               qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                               recompute_modules=par.recompute_modules)
     if cfg.block is LLAMA_BLOCK:
         return llama_stage(ops, local, job.specs[stage], stage == 0, stage == job.n_stages - 1,
                            cfg.heads, cfg.kv_heads, cfg.hidden, cfg.rope_theta, par.recompute,
@@ -804,11 +805,12 @@ def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage:
                            qk_norm=cfg.qk_norm, latent=cfg.latent_attention(),
                            window=cfg.window, window_layers=cfg.window_layers,
                            sinks=cfg.attention_sinks, qkv_bias=cfg.qkv_bias,
-                           out_bias=cfg.out_bias)
+                           out_bias=cfg.out_bias, recompute_modules=par.recompute_modules)
     return TransformerStage.gpt(ops, local, job.specs[stage], stage == 0,
                                 stage == job.n_stages - 1, cfg.heads, cfg.hidden,
                                 par.recompute, cfg.eps, job.microbatches, cfg.seq, cp,
-                                positions, tie=cfg.tie_embeddings)
+                                positions, tie=cfg.tie_embeddings,
+                                recompute_modules=par.recompute_modules)
 
 
 def _ps_stage(cfg: GPTConfig, names: tuple, dev, job):

@@ -61,8 +61,9 @@ positions) and :class:`RMSNormHead` (final RMSNorm, logits = x W_out, W_out (h, 
 on V and untied from E, the vocabulary-parallel cross-entropy of
 :class:`~tensor_parallel.transformer.VocabParallelHead`).
 
-Recomputation as the GPT layer's: "none", "selective" (keep q, k, v; re-run the core
-attention), "full" (keep x; re-run the layer's forward, with its collectives) and
+Recomputation as the GPT layer's: "none", "selective" (the modules of
+``recompute_modules``: by default keep q, k, v and re-run the core attention; the norms,
+the dense MLP, MLA's up-projections, the experts' activation: :mod:`.transformer`), "full" (keep x; re-run the layer's forward, with its collectives) and
 "full-torch" (keep x; re-run the forward as PyTorch's non-reentrant checkpoint does, up to
 SwiGLU's output a: W_down's product, its reduction and the residual are not re-run); and
 "op", torchtitan's per-op selective policy (``activation_checkpoint.mode: selective``,
@@ -88,6 +89,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from modeling.choices import DEFAULT_RECOMPUTE_MODULES
 from modeling.plan import check_kv_heads
 from vcluster.runtime.tracing.kernel import Kernel
 
@@ -159,7 +161,8 @@ class LlamaLayer(_Layer):
         return names[:at] + cls.qk_norm_names + names[at:]
 
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
-                 microbatches: int, recompute: str = "none", eps: float = 1e-5):
+                 microbatches: int, recompute: str = "none", eps: float = 1e-5,
+                 recompute_modules=DEFAULT_RECOMPUTE_MODULES):
         if recompute not in RECOMPUTE:
             raise ValueError(f"LlamaLayer: recompute must be one of {RECOMPUTE}, "
                              f"got {recompute!r}")
@@ -183,7 +186,11 @@ class LlamaLayer(_Layer):
         if self.out_bias:        # db_o: this rank's rows under SP, summed over tp as the gains
             self.seq_partial = self.seq_partial + (self.out_bias_name,)
         super().__init__(params)
-        self.attn, self.recompute, self.eps = attention, recompute, eps
+        self.attn, self.eps = attention, eps
+        self._set_recompute(recompute, recompute_modules)
+        if self.latent:          # mla_up_proj: the attention re-runs its up-projections
+            attention.recompute_up = recompute == "selective" and \
+                "mla_up_proj" in self.recompute_modules
         self.kv_heads, self.kv_replicas, self.microbatches = kv_heads, kv_replicas, microbatches
         self._w_count = 0
 
@@ -235,11 +242,23 @@ class LlamaLayer(_Layer):
         u2, n2 = rms_norm(ops, x1, P["mlp_norm_g"], self.eps, "mlp: norm")
         if stop:                  # the dense MLP's (MoE and MLA layers refuse full-torch)
             return None, (n1, ast, n2, self._mlp(ops, u2, True, stop=True)[1])
-        y, mst = self._mlp(ops, u2, keep != "none")
+        rebuilt = self._rebuilt if keep in ("all", "qkv") else frozenset()
+        y, mst = self._mlp(ops, u2, keep != "none" and "mlp" not in rebuilt)
         out = ops.ew("residual", lambda: x1 + y, x1, y)
         if keep == "op":            # x and the gate's product (mst[1]): W_up's is re-run
             return out, (x, ast, mst[1])
+        if rebuilt:
+            return out, self._discard(rebuilt, x, x1, u2, (n1, ast, n2, mst))
         return out, (n1, ast, n2, mst)
+
+    def _norm(self, ops, i: int, x):
+        name = ("attn_norm_g", "attention: norm") if i == 1 else ("mlp_norm_g", "mlp: norm")
+        return rms_norm(ops, x, self.p[name[0]], self.eps, f"{name[1]} (recompute)")
+
+    def _mlp_rerun(self, ops, u):
+        """The dense MLP's forward re-run from its input u (Megatron's checkpoint of the
+        MLP module: gather, W_gate, W_up, SwiGLU, W_down and its reduction): its state."""
+        return self._mlp(ops, u, True)[1]
 
     def _recompute_op(self, ops, st):
         """The backward's state from what torchtitan's per-op policy kept (x, the
@@ -462,7 +481,8 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
                 head_dim: int | None = None, qk_norm: bool = False,
                 latent=None, window: int | None = None, window_layers=None,
                 sinks: bool = False, qkv_bias: bool = False,
-                out_bias: bool = False) -> TransformerStage:
+                out_bias: bool = False,
+                recompute_modules=DEFAULT_RECOMPUTE_MODULES) -> TransformerStage:
     """A Llama stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
     Context parallelism: ``cp`` a ContextParallelAttention (its ``group`` the query heads
@@ -477,7 +497,8 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
     projections' gradients summed over tp as the K/V replicas'). ``window``: sliding-window
     attention on the layers ``window_layers`` (None: every layer; :func:`layer_window`);
     ``sinks``: attention sinks on every layer (:mod:`.gqa`); ``qkv_bias``, ``out_bias``:
-    biases on the attention's q, k, v and output projections (:mod:`.gqa`)."""
+    biases on the attention's q, k, v and output projections (:mod:`.gqa`).
+    ``recompute_modules``: "selective"'s modules (:mod:`.transformer`)."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
@@ -492,7 +513,8 @@ def llama_stage(ops, params, layers, first: bool, last: bool, heads: int, kv_hea
                                       sinks=sinks, qkv_bias=qkv_bias,
                                       out_bias=out_bias) if latent is None
                           else MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps),
-                          kv_heads, replicas, kv_sum_every or microbatches, recompute, eps)
+                          kv_heads, replicas, kv_sum_every or microbatches, recompute, eps,
+                          recompute_modules)
                for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)

@@ -41,6 +41,12 @@ block, as the Llama attention's single reduction of dq W_q^T + dkv W_kv^T. Under
 ``ops.async_grad_reduce`` the x-side gradients (dW_qa or dW_q, and dW_kva) are computed
 while dx is reduced.
 
+Recomputation (``mla_up_proj``, Megatron-Core's recompute module: the layer sets
+:attr:`MLAttention.recompute_up`): the forward keeps the latents c_q (or x), c_kv and the
+raw k_pe instead of the per-head q, k and v, and the backward re-runs the up-projections
+and RoPE first: + 2·b·s·(r_q·a_l·d_qk + r_kv·a_l·(d_n + d_v)) FLOPs (without r_q
+h·a_l·d_qk for the first), and RoPE's bytes.
+
 FLOPs (products only): forward 2·b·s·(h·r_q + r_q·a_l·d_qk + h·(r_kv + d_r) +
 r_kv·a_l·(d_n + d_v) + a_l·d_v·h) (without r_q: h·a_l·d_qk for the first two) plus the
 causal core at half the full count, b·a_l·s²·(d_qk + d_v) (:meth:`~.gqa.GQAttention.core`
@@ -112,6 +118,7 @@ class MLAttention:
             raise ValueError(f"MLAttention: {cp!r} must have group 1, head_dim {self.d_qk} "
                              f"and v_head_dim {self.d_v}")
         self.rope, self.cp, self.eps = rope, cp, eps
+        self.recompute_up = False      # mla_up_proj (the layer sets it): see forward
         self.qk_norm = None                  # (the layer asks: MLA has no QK-norm)
         # the causal core: a GQAttention of one query head per K/V head, scale 1/sqrt(d_qk)
         self.core_attn = GQAttention(self.a_l, self.a_l, self.d_qk, rope, cp)
@@ -206,15 +213,14 @@ class MLAttention:
         if self.r_q is not None:
             cq0 = ops.matmul(x2, P["w_q_a"], "attention: x @ W_qa")          # (b·s, r_q)
             cq, nq = rms_norm(ops, cq0, P["q_a_norm_g"], self.eps, "attention: q latent norm")
-            q = ops.matmul(cq, P["w_q_b"], "attention: c_q @ W_qb")         # (b·s, a_l·d_qk)
-        else:
-            q = ops.matmul(x2, P["w_q"], "attention: x @ W_q")
+        q = self._up_q(ops, x2 if cq is None else cq, P)                    # (b·s, a_l·d_qk)
         kva = ops.matmul(x2, P["w_kv_a"], "attention: x @ W_kva")           # (b·s, r_kv + d_r)
         ckv, nkv = rms_norm(ops, kva[:, :self.r_kv], P["kv_a_norm_g"], self.eps,
                             "attention: kv latent norm")                    # (b·s, r_kv)
         kv = ops.matmul(ckv, P["w_kv_b"], "attention: c_kv @ W_kvb")   # (b·s, a_l·(d_n+d_v))
+        k_pe = kva[:, self.r_kv:]
         qh = self._q_heads(ops, q, b, s)
-        kh, vh = self._kv_heads(ops, kv, kva[:, self.r_kv:], b, s)
+        kh, vh = self._kv_heads(ops, kv, k_pe, b, s)
         p, c = self.core_attn.core(ops, qh, kh, vh)
         if self.cp is not None:
             p = p[:1]           # L only: the backward takes C back from ctx (one copy kept)
@@ -222,9 +228,28 @@ class MLAttention:
         y = ops.matmul(ctx, P["w_o"], "attention: ctx @ W_o").reshape(b, s, h)
         y = ops.reduce_out(y, "attention: reduce y")
         latents = (cq, nq, ckv, nkv)
+        if self.recompute_up and keep != "none":   # mla_up_proj: k_pe and s in place of q, k, v
+            qh, kh, vh = None, k_pe, s
         state = {"all": (x2, latents, qh, kh, vh, p, ctx),
                  "qkv": (x2, latents, qh, kh, vh, None, None), "none": ()}[keep]
         return y, state
+
+    def _up_q(self, ops, cq, P, tag=""):
+        """q = c_q W_qb, or x W_q without query compression (``cq`` then x)."""
+        if self.r_q is not None:
+            return ops.matmul(cq, P["w_q_b"], f"attention: c_q @ W_qb{tag}")
+        return ops.matmul(cq, P["w_q"], f"attention: x @ W_q{tag}")
+
+    def _up(self, ops, cq, ckv, k_pe, P, b, s, tag=""):
+        """The up-projections and RoPE (Megatron-Core's ``qkv_up_proj_and_rope_apply``,
+        what ``mla_up_proj`` re-runs): q = c_q W_qb (without r_q: x W_q, ``cq`` then the
+        gathered x), kv = c_kv W_kvb, the heads with RoPE on q_pe and the shared k_pe;
+        (q, k, v) per head."""
+        q = self._up_q(ops, cq, P, tag)
+        kv = ops.matmul(ckv, P["w_kv_b"], f"attention: c_kv @ W_kvb{tag}")
+        qh = self._q_heads(ops, q, b, s)
+        kh, vh = self._kv_heads(ops, kv, k_pe, b, s)
+        return qh, kh, vh
 
     def backward_input(self, ops, state, dy, P, G=None):
         """dx (x's layout) and the weight gradient's state (P and C recomputed first when
@@ -232,6 +257,11 @@ class MLAttention:
         ``ops.async_grad_reduce`` the x-side ones (dW_qa or dW_q, dW_kva) are accumulated
         here while dx is reduced (the state then says so)."""
         x2, (cq, nq, ckv, nkv), qh, kh, vh, p, ctx = state
+        if qh is None:              # mla_up_proj: kh is k_pe, vh the sequence s; re-run them
+            s = vh
+            b = x2.shape[0] // s
+            qh, kh, vh = self._up(ops, x2 if cq is None else cq, ckv, kh, P, b, s,
+                                  " (recompute)")
         s = kh.shape[1]
         b = x2.shape[0] // s
         if p is None:

@@ -196,7 +196,8 @@ class _Ops:
     dimension is split over it)."""
 
     def __init__(self, dev, ep_axis: str, algorithms: Mapping[str, str],
-                 etp_axis: str | None = None):
+                 etp_axis: str | None = None, recompute_act: bool = False):
+        self.recompute_act = bool(recompute_act)   # moe_act: :func:`_expert_forward`
         axes = (ep_axis,) if isinstance(ep_axis, str) else tuple(ep_axis)
         present = tuple(a for a in axes if a in dev.mesh.axes)
         self.dev, self.algorithms = dev, algorithms
@@ -775,7 +776,10 @@ def _expert_biases(biases, j):
 
 def _expert_forward(ops, x, wg, wu, wd, j, biases=None):
     """O = (silu(X Wg + b_g) * (X Wu + b_u)) Wd + b_d (``biases`` (b_g, b_u, b_d) or
-    None); b_d is added by etp rank 0 only (the caller's reduction over etp adds it once)."""
+    None); b_d is added by etp rank 0 only (the caller's reduction over etp adds it once).
+    The state is (A, B, silu(A), H); under ``ops.recompute_act`` (``moe_act``, a routed
+    expert: j an int) (A, B, None, None), :func:`_expert_backward` re-running silu(A) and
+    H = silu(A)·B (0 FLOPs, their bytes) before its first use of them."""
     a = ops.matmul(x, wg, f"expert {j}: A = X Wg")
     b = ops.matmul(x, wu, f"expert {j}: B = X Wu")
     if biases is not None:
@@ -787,7 +791,15 @@ def _expert_forward(ops, x, wg, wu, wd, j, biases=None):
     out = ops.matmul(hid, wd, f"expert {j}: O = H Wd")
     if biases is not None and ops.etp_rank == 0:
         out = ops.ew(f"expert {j}: O += b_d", lambda: out + bd, out, bd)
+    if getattr(ops, "recompute_act", False) and j != "shared":
+        return out, (a, b, None, None)
     return out, (a, b, s, hid)
+
+
+def _expert_act(ops, a, b, j, tag=""):
+    """(silu(A), H = silu(A)·B) of an expert's products (declared with their bytes)."""
+    s = ops.ew(f"expert {j}: silu(A){tag}", lambda: a * _sigmoid(a), a)
+    return s, ops.ew(f"expert {j}: H = silu(A) B{tag}", lambda: s * b, s, b)
 
 
 def _expert_backward(ops, x, wg, wu, wd, state, d_out, j, biased: bool = False):
@@ -795,6 +807,8 @@ def _expert_backward(ops, x, wg, wu, wd, state, d_out, j, biased: bool = False):
     db_u = Σ_rows dB, db_d = Σ_rows dO (dO whole on every etp rank: each holds all of
     db_d, the replicas equal without a collective)."""
     a, b, s, hid = state
+    if hid is None:                          # moe_act: the activation re-run first
+        s, hid = _expert_act(ops, a, b, j, " (recompute)")
     dwd = ops.matmul(hid.T, d_out, f"expert {j}: dWd = H^T dO")
     dhid = ops.matmul(d_out, wd.T, f"expert {j}: dH = dO Wd^T")
 
@@ -1073,13 +1087,16 @@ class MoE(ShardedOperation):
         return (y, aux, *self._report(route))
 
     # --- hooks for a layer inside a training program (tensor_parallel.moe_layer) ---------
-    def device_ops(self, dev, etp_axis: str | None = None, ep_axes=None):
+    def device_ops(self, dev, etp_axis: str | None = None, ep_axes=None,
+                   recompute_act: bool = False):
         """This rank's steps (collectives over ``ep_axes``, default ``ep_axis``: one mesh
         axis or a tuple of them, the expert group folded over several; a mesh without
         them holds every expert on each rank and communicates nothing); ``etp_axis``: the
-        axis the experts' hidden dimension is split over (the module docstring)."""
+        axis the experts' hidden dimension is split over (the module docstring);
+        ``recompute_act``: the routed experts keep A and B only and re-run silu(A)·B in
+        the backward (Megatron-Core's ``moe_act`` recompute module)."""
         ops = _Ops(dev, self.ep_axis if ep_axes is None else ep_axes, self.algorithms,
-                   etp_axis)
+                   etp_axis, recompute_act)
         if self.experts % ops.n:
             raise ValueError(f"MoE: experts={self.experts} is not divisible by the expert "
                              f"group's {ops.n} ranks (mesh axes {ops.ep_axis!r})")

@@ -66,6 +66,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from modeling.choices import DEFAULT_RECOMPUTE_MODULES
 from vcluster.runtime.tracing import MetaArray, is_meta
 from .gqa import GQAttention, Rope
 from .llama import LlamaLayer, check_kv_heads, layer_window, llama_ends
@@ -144,12 +145,13 @@ class MoEBlock:
     b_i += γ · sign(mean(n) − n_i): an overloaded expert becomes less likely."""
 
     def __init__(self, moe: MoE, aux_weight: float, load: ExpertLoad | None, ep_axes=None,
-                 folded: bool = False, bias_rate: float = 0.0):
+                 folded: bool = False, bias_rate: float = 0.0, recompute_act: bool = False):
         self.moe, self.aux_weight, self.load = moe, float(aux_weight), load
         self.ep_axes = ep_axes          # the expert group's mesh axes (None: moe.ep_axis)
         self.folded = folded            # the group folded over tp: tokens stay local
         self.bias_rate, self.bias = float(bias_rate), None      # b: made at the first call
         self.recomputing = False                # a full recomputation's forward: not counted
+        self.recompute_act = bool(recompute_act)   # moe_act: the experts' silu(A)·B re-run
         self.reset_report()
 
     def _bias(self, ops, like):
@@ -194,7 +196,8 @@ class MoEBlock:
         """y (u's layout) of the MoE on u, and the backward's state (() unless ``keep``)."""
         folded = self.folded
         xf = u if folded else ops.gather_seq(u, "mlp: gather x")    # (b, s, h) or local
-        mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes)
+        mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes,
+                                   recompute_act=self.recompute_act and keep)
         y, aux, routed, kept, tokens, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
             P["moe_down"], self.load, self._shared(P), self._bias(ops, xf), self._biases(P))
@@ -206,6 +209,18 @@ class MoEBlock:
         y = y.reshape(xf.shape) if folded else \
             ops.reduce_out(y.reshape(xf.shape), "mlp: reduce the experts' y over tp")
         return y, ((mops, saved, xf.shape) if keep else ())
+
+    @staticmethod
+    def drop_input(st):
+        """The state without the block's input (the MoE's x2: ``layernorm`` re-runs it)."""
+        mops, saved, shape = st
+        return mops, (None,) + tuple(saved[1:]), shape
+
+    def take_input(self, ops, st, u):
+        """The state with the block's input rebuilt from the norm's output ``u``."""
+        mops, saved, shape = st
+        xf = u if self.folded else ops.gather_seq(u, "mlp: gather x (recompute)")
+        return mops, (xf.reshape(-1, shape[-1]),) + tuple(saved[1:]), shape
 
     def _shared(self, P):
         return tuple(P[n] for n in SHARED_PARAMS) if self.moe.shared_ffn_hidden else None
@@ -280,6 +295,7 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     :class:`MoEBlock`)."""
 
     names = ("attn_norm_g", "w_q", "w_kv", "w_o", "mlp_norm_g") + MOE_PARAMS
+    rebuildable = ("core_attn", "layernorm")      # moe_act: the block's (MoEBlock.recompute_act)
     split = MappingProxyType({"w_q": 1, "w_kv": 2, "w_o": 0})
     seq_partial = ("attn_norm_g", "mlp_norm_g")
     expert = EXPERT_PARAMS + EXPERT_BIAS_PARAMS
@@ -287,14 +303,23 @@ class LlamaMoELayer(_Reporting, LlamaLayer):
     def __init__(self, params, attention: GQAttention, kv_heads: int, kv_replicas: int,
                  microbatches: int, moe: MoE, aux_weight: float, load: ExpertLoad | None,
                  recompute: str = "none", eps: float = 1e-5, ep_axes=None,
-                 folded: bool = False, bias_rate: float = 0.0):
+                 folded: bool = False, bias_rate: float = 0.0,
+                 recompute_modules=DEFAULT_RECOMPUTE_MODULES):
         shared = SHARED_PARAMS if moe.shared_ffn_hidden else ()
         self.names = LlamaMoELayer.names[:5] + moe_param_names(moe)
         if folded:                  # the router's (and shared) grads partial over tp
             self.seq_partial = LlamaMoELayer.seq_partial + ("w_router",) + (
                 (ROUTER_BIAS,) if moe.router_bias else ()) + shared
-        super().__init__(params, attention, kv_heads, kv_replicas, microbatches, recompute, eps)
-        self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded, bias_rate)
+        super().__init__(params, attention, kv_heads, kv_replicas, microbatches, recompute, eps,
+                         recompute_modules)
+        self.block = MoEBlock(moe, aux_weight, load, ep_axes, folded, bias_rate,
+                              recompute == "selective" and "moe_act" in self.recompute_modules)
+
+    def _mlp_drop_input(self, mst):
+        return self.block.drop_input(mst)
+
+    def _mlp_take_input(self, ops, mst, u2):
+        return self.block.take_input(ops, mst, u2)
 
     def _mlp(self, ops, u, keep: bool):
         return self.block.forward(ops, self.p, u, keep)
@@ -316,7 +341,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
                     qk_norm: bool = False, latent=None, cp=None,
                     positions=None, dense_layers=(), bias_rate: float = 0.0,
                     window: int | None = None, window_layers=None, sinks: bool = False,
-                    qkv_bias: bool = False, out_bias: bool = False) -> TransformerStage:
+                    qkv_bias: bool = False, out_bias: bool = False,
+                    recompute_modules=DEFAULT_RECOMPUTE_MODULES) -> TransformerStage:
     """A Llama-MoE stage: [embedding if ``first``] + ``layers`` (indices) + [head if
     ``last``]; ``params(names, prefix="")`` gives this device's pieces by name; ``load``:
     an ExpertLoad for every layer, or a dict layer index -> ExpertLoad (traces);
@@ -329,7 +355,8 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
     three), :class:`~.llama.LlamaLayer` among the MoE ones; ``bias_rate``: the
     auxiliary-loss-free balancing's γ (:class:`MoEBlock`; 0: none); ``window``,
     ``window_layers``, ``sinks`` (sliding-window attention, attention sinks), ``qkv_bias``,
-    ``out_bias`` (the attention's biases): as :func:`~tensor_parallel.llama.llama_stage`'s."""
+    ``out_bias`` (the attention's biases), ``recompute_modules``: as
+    :func:`~tensor_parallel.llama.llama_stage`'s."""
     t = ops.tp_size
     check_kv_heads(heads, kv_heads, t)
     d = head_dim or hidden // heads
@@ -349,12 +376,13 @@ def llama_moe_stage(ops, params, layers, first: bool, last: bool, heads: int, kv
             MLAttention.of_spec(latent, t, rope_theta, positions, cp, eps)
 
     modules = [LlamaLayer(params(dense_names, f"layers.{i}."), attention(i), kv_heads,
-                          replicas, kv_sum_every or microbatches, recompute, eps)
+                          replicas, kv_sum_every or microbatches, recompute, eps,
+                          recompute_modules)
                if i in dense_layers else
                LlamaMoELayer(params(names, f"layers.{i}."), attention(i), kv_heads, replicas,
                              kv_sum_every or microbatches, moe, aux_weight,
                              load.get(i) if isinstance(load, dict) else load, recompute, eps,
-                             ep_axes, folded, bias_rate)
+                             ep_axes, folded, bias_rate, recompute_modules)
                for i in layers]
     return TransformerStage.chain(ops, modules, layers,
                                   *llama_ends(params, first, last, eps, tie), microbatches, seq)

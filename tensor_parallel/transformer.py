@@ -24,10 +24,32 @@ and the weight gradients of the linear that produced them (W1 and b1; W_qkv and 
 are computed before the wait, in the input gradient I rather than in W: the same sums,
 overlapped (:meth:`~tensor_parallel.attention.TransformerOps.reduce_input_grad`).
 
-Recomputation: "none" keeps every activation; "selective" keeps q, k, v and re-runs the
-core attention in the backward; "full" keeps only x and re-runs the layer's forward
-(with its collectives) at the start of its backward; "op" (torchtitan's per-op policy) is
-the Llama layer's alone (:mod:`tensor_parallel.llama`).
+Recomputation: "none" keeps every activation; "selective" re-runs the modules of
+``recompute_modules`` (Megatron-Core's ``--recompute-modules``; default ``core_attn``)
+in the backward; "full" keeps only x and re-runs the layer's forward (with its
+collectives) at the start of its backward; "op" (torchtitan's per-op policy) is the
+Llama layer's alone (:mod:`tensor_parallel.llama`). Under "selective" each module keeps
+only its input and re-runs its forward before its gradient, as Megatron-Core's
+checkpoints do (the numerics are those of keeping it):
+
+    core_attn     keeps q, k, v; re-runs the core: P = softmax(q k^T/√d + M), C = P v
+    layernorm     keeps the norms' inputs x and x1 (output-discarding checkpoint): drops
+                  both norms' statistics and outputs (the attention's and the MLP's
+                  gathered inputs); re-runs LN1(x), LN2(x1) and, under sequence
+                  parallelism, their all_gather(tp) (Megatron's column-parallel linear
+                  re-gathers its input in the backward anyway; the program here keeps the
+                  gathered input otherwise, so this gather is the recomputation's)
+    mlp           keeps the MLP's input u = LN2(x1) (x1 under layernorm); re-runs the
+                  whole dense MLP forward, its gather, both products, the activation, the
+                  last product and its reduction (Megatron's ``tensor_parallel.checkpoint``
+                  re-runs the module): + its forward FLOPs
+    mla_up_proj   keeps the latents (MLA, :mod:`.mla`); re-runs the up-projections and RoPE
+    moe_act       keeps the routed experts' products A, B; re-runs silu(A)·B (:mod:`.moe`)
+
+Recomputation adds FLOPs only for products: ``mlp`` its forward's (2·b·s·h·f·m/t, m
+its matrices), ``mla_up_proj`` the up-projections' (2·b·s·(r_q·a_l·d_qk +
+r_kv·a_l·(d_n + d_v))), ``core_attn`` the core's; ``layernorm`` and ``moe_act`` add
+elementwise bytes (and SP's gathers) only.
 
 Ends: :class:`VocabParallelEmbedding` (E (V, h) split over tp on the vocabulary: each
 rank looks up the tokens in its range, zeros elsewhere, and the partial sums are
@@ -50,7 +72,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from modeling.choices import FULL_RECOMPUTE, Recompute
+from modeling.choices import DEFAULT_RECOMPUTE_MODULES, FULL_RECOMPUTE, Recompute
 from sharding import TensorSharding as TS
 from vcluster.runtime.tracing import Kernel, MetaArray, is_meta
 from .attention import Attention, saved_bytes
@@ -93,13 +115,42 @@ class _Layer(_Module):
     forward with its collectives at the start of the backward)."""
 
     recompute = "none"
+    recompute_modules = frozenset(DEFAULT_RECOMPUTE_MODULES)     # "selective"'s modules
+    #: the recompute modules this layer kind has (the others are no-ops on it: Megatron
+    #: applies each module where the layer has it)
+    rebuildable = ("core_attn", "layernorm", "mlp")
+
+    def _set_recompute(self, recompute: str, recompute_modules) -> None:
+        """Store ``recompute`` and its ``recompute_modules`` (only "selective" takes other
+        than the default)."""
+        mods = frozenset(recompute_modules)
+        unknown = sorted(mods - {"core_attn", "layernorm", "mlp", "mla_up_proj", "moe_act"})
+        if unknown or (recompute != "selective" and mods != set(DEFAULT_RECOMPUTE_MODULES)):
+            raise ValueError(f"{type(self).__name__}: recompute_modules must be among "
+                             f"core_attn, layernorm, mlp, mla_up_proj, moe_act, and "
+                             f"{DEFAULT_RECOMPUTE_MODULES} unless recompute='selective'; got "
+                             f"{tuple(sorted(mods))} with recompute={recompute!r}")
+        self.recompute, self.recompute_modules = recompute, mods
+
+    @property
+    def _rebuilt(self) -> frozenset:
+        """The modules (other than the core attention) that "selective" re-runs here."""
+        if self.recompute != "selective":
+            return frozenset()
+        return self.recompute_modules.intersection(self.rebuildable) - {"core_attn"}
+
+    def _keep(self) -> str:
+        """What ``_forward`` keeps: "qkv" when the core attention is recomputed."""
+        if self.recompute == "selective":
+            return "qkv" if "core_attn" in self.recompute_modules else "all"
+        return _KEEP.get(self.recompute, "all")
 
     def forward(self, ops, mb: int, x):
         if self.recompute in FULL_RECOMPUTE:
             out, _ = self._forward(ops, x, "none")
             self._state[mb] = (x,)
         else:
-            out, st = self._forward(ops, x, _KEEP.get(self.recompute, "all"))
+            out, st = self._forward(ops, x, self._keep())
             self._state[mb] = st
         return out
 
@@ -113,7 +164,52 @@ class _Layer(_Module):
             _, st = self._forward(ops, st[0], "stop")
         elif self.recompute == "op":       # only a layer with _recompute_op accepts "op"
             st = self._recompute_op(ops, st)
+        elif self._rebuilt:                # "selective" modules beyond the core attention
+            st = self._rebuild(ops, st)
         return st
+
+    # --- "selective" module recomputation (the module docstring) ----------------------
+    # A layer's state is (norm1, attention, norm2, mlp); these need ``_norm(ops, i, x)``
+    # (norm i's (output, state)) and ``_mlp_rerun(ops, u)`` (the MLP's forward re-run,
+    # its state); the MLP's state holds its gathered input first (``_mlp_drop_input``,
+    # ``_mlp_take_input`` say otherwise), as every attention's does.
+    def _discard(self, rebuilt, x, x1, u2, st):
+        """The state ``rebuilt`` keeps: with ``layernorm`` the norms' inputs x, x1 instead
+        of their statistics and the attention's and MLP's inputs, with ``mlp`` the MLP's
+        input u2 (or x1) instead of its state (the forward kept none)."""
+        n1, ast, n2, mst = st
+        ln, mlp = "layernorm" in rebuilt, "mlp" in rebuilt
+        if ln:
+            n1 = n2 = None
+            ast = (None,) + tuple(ast[1:])
+            if not mlp:
+                mst = self._mlp_drop_input(mst)
+        return n1, ast, n2, None if mlp else mst, (x if ln else None, x1 if ln else None,
+                                                   u2 if mlp and not ln else None)
+
+    def _rebuild(self, ops, st):
+        """The backward's state from :meth:`_discard`'s: the norms (and, under sequence
+        parallelism, their outputs' gathers) and the MLP's forward re-run."""
+        n1, ast, n2, mst, (x, x1, u2) = st
+        if x is not None:
+            u, n1 = self._norm(ops, 1, x)
+            xf = ops.gather_seq(u, "attention: gather x (recompute)")
+            ast = (xf.reshape(-1, xf.shape[-1]),) + tuple(ast[1:])
+            u2, n2 = self._norm(ops, 2, x1)
+            if mst is not None:
+                mst = self._mlp_take_input(ops, mst, u2)
+        if mst is None:
+            mst = self._mlp_rerun(ops, u2)
+        return n1, ast, n2, mst
+
+    @staticmethod
+    def _mlp_drop_input(mst):
+        return (None,) + tuple(mst[1:])
+
+    @staticmethod
+    def _mlp_take_input(ops, mst, u2):
+        xf = ops.gather_seq(u2, "mlp: gather x (recompute)")
+        return (xf.reshape(-1, xf.shape[-1]),) + tuple(mst[1:])
 
 
 
@@ -129,14 +225,15 @@ class TransformerLayer(_Layer):
     seq_partial = ("ln1_g", "ln1_b", "ln2_g", "ln2_b")
 
     def __init__(self, params, heads_local: int, head_dim: int, recompute: str = "none",
-                 eps: float = 1e-5, cp=None):
+                 eps: float = 1e-5, cp=None, recompute_modules=DEFAULT_RECOMPUTE_MODULES):
         if recompute not in RECOMPUTE or recompute == "op":
             raise ValueError(f"TransformerLayer: recompute must be one of "
                              f"{tuple(r for r in RECOMPUTE if r != 'op')}, got {recompute!r} "
                              f"('op' is torchtitan's policy of the Llama layer)")
         super().__init__(params)
         self.attn = Attention(heads_local, head_dim, cp)
-        self.recompute, self.eps = recompute, eps
+        self._set_recompute(recompute, recompute_modules)
+        self.eps = eps
 
     def _forward(self, ops, x, keep: str):
         P = self.p
@@ -145,7 +242,8 @@ class TransformerLayer(_Layer):
                                      "all" if keep == "stop" else keep)
         x1 = ops.ew("residual", lambda: x + att, x, att)
         u, ln2 = ops.layer_norm(x1, P["ln2_g"], P["ln2_b"], self.eps, "ln2")
-        if keep == "none":
+        rebuilt = self._rebuilt if keep in ("all", "qkv") else frozenset()
+        if keep == "none" or "mlp" in rebuilt:
             y, mst = _ffn_forward(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"], P["b_2"]), ()
         else:
             xc, x2, _, _, h, a = _ffn_hidden(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"],
@@ -157,7 +255,24 @@ class TransformerLayer(_Layer):
             y = ops.add_bias(y, P["b_2"], "mlp: + b2")
             mst = (x2, h, a)
         out = ops.ew("residual", lambda: x1 + y, x1, y)
+        if rebuilt:
+            return out, self._discard(rebuilt, x, x1, u, (ln1, ast, ln2, mst))
         return out, (ln1, ast, ln2, mst)
+
+    def _norm(self, ops, i: int, x):
+        P = self.p
+        return ops.layer_norm(x, P[f"ln{i}_g"], P[f"ln{i}_b"], self.eps, f"ln{i} (recompute)")
+
+    def _mlp_rerun(self, ops, u):
+        """The MLP's forward re-run from its input u (Megatron's checkpoint of the MLP
+        module: W1, gelu, W2, its reduction and b2): its state (x2, h, a)."""
+        P = self.p
+        xc, x2, _, _, h, a = _ffn_hidden(ops, ops.c, u, P["w_1"], P["b_1"], P["w_2"],
+                                         tag="mlp (recompute): ")
+        y = ops.matmul_reduce(ops.c.y_out, a, P["w_2"], xc.shape, "mlp: a @ W2 (recompute)",
+                              "mlp: reduce y (recompute)")
+        ops.add_bias(y, P["b_2"], "mlp: + b2 (recompute)")
+        return x2, h, a
 
     def backward_input(self, ops, mb: int, dy):
         """dx from dy (both in x's layout); keeps what W needs."""
@@ -422,14 +537,16 @@ class TransformerStage:
     @classmethod
     def gpt(cls, ops, params, layers, first: bool, last: bool, heads: int, hidden: int,
             recompute: str, eps: float, microbatches: int, seq: int, cp=None,
-            positions=None, tie: bool = False) -> "TransformerStage":
+            positions=None, tie: bool = False,
+            recompute_modules=DEFAULT_RECOMPUTE_MODULES) -> "TransformerStage":
         """A GPT stage: [embedding if ``first``] + ``layers`` (indices) + [head if
         ``last``]; ``params(names, prefix="")`` gives this device's pieces by name.
         Context parallelism: ``cp`` a ContextParallelAttention, ``positions`` the global
         positions of this rank's rows. ``tie``: the head uses E^T (see
-        :class:`VocabParallelHead`)."""
+        :class:`VocabParallelHead`). ``recompute_modules``: "selective"'s modules."""
         modules = [TransformerLayer(params(TransformerLayer.names, f"layers.{i}."),
-                                    heads // ops.tp_size, hidden // heads, recompute, eps, cp)
+                                    heads // ops.tp_size, hidden // heads, recompute, eps, cp,
+                                    recompute_modules)
                    for i in layers]
         embedding = VocabParallelEmbedding(params(VocabParallelEmbedding.names)) \
             if first else None

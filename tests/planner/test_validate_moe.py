@@ -88,9 +88,17 @@ def test_context_and_expert_parallelism_together_are_planned():
     assert refusals == [] and (par.cp, par.ep, par.expert_axes) == (2, 8, ("ep", "cp", "tp"))
 
 
+def test_module_recomputation_runs_as_megatrons_recompute_modules():
+    """The Model Zoo's "norm, act" (Megatron-Core's --recompute-modules layernorm moe_act)
+    runs as recompute="selective" with those modules (refused before 2026-11-30)."""
+    _, par, _, refusals = moe_row_config(_row(recompute="norm, act"))
+    assert refusals == []
+    assert (par.recompute, par.recompute_modules) == ("selective", ("moe_act", "layernorm"))
+
+
 @pytest.mark.parametrize("changes, reason", [
     ({"preset": "deepseek-v3"}, "61 layers do not split evenly into 56 stages"),
-    ({"recompute": "norm, act"}, "selective recomputation of modules"),
+    ({"recompute": "norm, moe"}, "a recomputation not modelled"),
     ({"precision": "not stated"}, "does not state the precision"),
     ({"vp": "4"}, "56 layers do not split evenly into 32 stages"),
     ({"global_batch": "12"}, "does not split into dp=8"),

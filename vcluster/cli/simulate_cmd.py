@@ -57,6 +57,11 @@ __all__ = ["add_parser"]
 
 
 
+
+def _module_list(text: str) -> tuple[str, ...]:
+    """``--recompute-modules a,b`` -> ("a", "b") (ParallelConfig checks the names)."""
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
 def add_parser(commands) -> None:
     sim = commands.add_parser("simulate", help="predict step time on real hardware")
     kinds = sim.add_subparsers(dest="workload", required=True, metavar="WORKLOAD")
@@ -119,6 +124,13 @@ def add_parser(commands) -> None:
                           "core attention, full every layer's forward, op torchtitan's per-op "
                           "policy (dense Llama models: W_k, W_o, W_up and the elementwise ops "
                           "re-run)")
+    gpt.add_argument("--recompute-modules", type=_module_list, default=None,
+                     metavar="MODULES",
+                     help="with --recompute selective: the modules re-run in the backward, "
+                          "comma-separated (Megatron-Core's --recompute-modules; default "
+                          "core_attn): core_attn, layernorm, mlp (the dense MLP), mla_up_proj "
+                          "(latent attention's up-projections), moe_act (the experts' "
+                          "activation)")
     add_attention_argument(gpt)
     add_tp_overlap_argument(gpt)
     add_grad_reduce_argument(gpt)
@@ -193,6 +205,8 @@ def _gpt(args) -> int:
                               dp=args.dp, pp=args.pp, tp=args.tp, schedule=args.schedule,
                               virtual_stages=args.virtual_stages,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                              **({} if args.recompute_modules is None else
+                                 {"recompute_modules": args.recompute_modules}),
                               attention=args.attention, tp_overlap=args.tp_overlap,
                               grad_reduce_dtype=args.grad_reduce_dtype,
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm,

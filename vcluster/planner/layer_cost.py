@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mesh import Mesh
-from modeling import LLAMA_BLOCK
+from modeling import DEFAULT_RECOMPUTE_MODULES, LLAMA_BLOCK
 from pipeline_parallel.gpt import FUSED_ATTENTION, GPT
 from pipeline_parallel.llama import llama_param_shapes
 from sharding import shard_slices
@@ -113,7 +113,8 @@ def _local_shapes(h: int, s: int, V: int, t: int) -> dict:
             "w_out": (h, V // t)}
 
 
-def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
+def _llama_modules(ops, config, recompute: str, cp=None, positions=None,
+                   recompute_modules=DEFAULT_RECOMPUTE_MODULES):
     """Llama's embedding, one layer and head with this rank's pieces (shape-only). Built
     for two micro-batches and given one, the layer leaves out the once-per-step sums over
     tp of the K/V replicas' gradients (kv_heads < tp), of the QK-norm gains' and of
@@ -128,7 +129,8 @@ def _llama_modules(ops, config, recompute: str, cp=None, positions=None):
                         tie=config.tie_embeddings, head_dim=config.head_dim,
                         qk_norm=config.qk_norm, latent=config.latent_attention(),
                         window=config.window, sinks=config.attention_sinks,
-                        qkv_bias=config.qkv_bias, out_bias=config.out_bias)
+                        qkv_bias=config.qkv_bias, out_bias=config.out_bias,
+                        recompute_modules=recompute_modules)
     return stage.modules
 
 
@@ -148,7 +150,7 @@ def _context_parallel(dev, config, t: int, algorithm: str, flash: bool = True):
 
 def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
                  folded: bool = False, ep_axes="ep", cp=None, positions=None,
-                 dispatcher: str = "alltoall"):
+                 dispatcher: str = "alltoall", recompute_modules=DEFAULT_RECOMPUTE_MODULES):
     """An MoE model's embedding, one layer and head on ep rank 0 of the mesh's "ep" axis
     (shape-only), routing ``ExpertLoad.skewed(..., expert_skew)``; ``folded``: the expert
     group is the axes ("ep", "tp") together (etp = 1), each rank routing its sequence
@@ -181,14 +183,16 @@ def _moe_modules(ops, config, recompute: str, b: int, expert_skew: float,
                             head_dim=config.head_dim,
                             qk_norm=config.qk_norm, latent=config.latent_attention(),
                             window=config.window, sinks=config.attention_sinks,
-                            qkv_bias=config.qkv_bias, out_bias=config.out_bias)
+                            qkv_bias=config.qkv_bias, out_bias=config.out_bias,
+                            recompute_modules=recompute_modules)
     return stage.modules
 
 
 def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = "ring",
              expert_skew: float = 1.0, attention: str = "flash",
              async_grad_reduce: bool = True, folded: bool = False, ep_axes="ep",
-             dispatcher: str = "alltoall", tp_comm_overlap: bool = False):
+             dispatcher: str = "alltoall", tp_comm_overlap: bool = False,
+             recompute_modules=DEFAULT_RECOMPUTE_MODULES):
     h, s, V, a = config.hidden, config.seq, config.vocab, config.heads
     t = dev.mesh.axis_size("tp")
     ops = TransformerOps(dev, "tp", sp, flash=attention in FUSED_ATTENTION,
@@ -196,15 +200,17 @@ def _program(dev, config, b: int, sp: bool, recompute: str, cp_algorithm: str = 
     cp, positions = _context_parallel(dev, config, t, cp_algorithm, ops.flash)
     if config.experts:
         emb, layer, head = _moe_modules(ops, config, recompute, b, expert_skew, folded,
-                                        ep_axes, cp, positions, dispatcher)
+                                        ep_axes, cp, positions, dispatcher, recompute_modules)
     elif config.block is LLAMA_BLOCK:
-        emb, layer, head = _llama_modules(ops, config, recompute, cp, positions)
+        emb, layer, head = _llama_modules(ops, config, recompute, cp, positions,
+                                          recompute_modules)
     else:
         meta = {n: MetaArray(shape, np.float16)
                 for n, shape in _local_shapes(h, s, V, t).items()}
         emb = VocabParallelEmbedding(meta)
         emb.positions = positions
-        layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute, cp=cp)
+        layer = TransformerLayer(meta, a // ops.tp_size, h // a, recompute, cp=cp,
+                                 recompute_modules=recompute_modules)
         head = VocabParallelHead.build(lambda names: {n: meta[n] for n in names}, config.eps,
                                        config.tie_embeddings, emb)
 
@@ -238,7 +244,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
                        inductor_fusion: bool = False,
                        async_grad_reduce: bool = True, etp: int | None = None,
                        moe_dispatcher: str = "alltoall",
-                       tp_comm_overlap: bool = False) -> StagePieces:
+                       tp_comm_overlap: bool = False,
+                       recompute_modules=DEFAULT_RECOMPUTE_MODULES) -> StagePieces:
     """Trace the pieces once (see the module docstring) and price them with ``costs``
     (a HardwareCostModel); ``cp``, ``cp_algorithm``: context parallelism. A mixture of
     experts (``config.experts``) is traced on ep rank 0 of a mesh (ep, tp) routing
@@ -264,10 +271,12 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     send. Sliding-window attention on some of the
     layers (``config.window_layers``): the pieces are traced twice, a layer with the
     window and one without, and the layer's costs are their mean weighted by the layers
-    of each kind (a rank's stage holds the model's mix, not its own)."""
+    of each kind (a rank's stage holds the model's mix, not its own).
+    ``recompute_modules``: "selective"'s modules (Megatron-Core's; the layer re-runs them
+    in its backward piece: :mod:`tensor_parallel.transformer`)."""
     args = (tp, micro_batch, sequence_parallel, recompute, costs, cp, cp_algorithm, ep,
             expert_skew, attention, autocast_kernels, inductor_fusion, async_grad_reduce,
-            etp, moe_dispatcher, tp_comm_overlap)
+            etp, moe_dispatcher, tp_comm_overlap, tuple(recompute_modules))
     if config.window_layers is not None:         # some layers windowed: the mean layer
         windowed = trace_stage_pieces(dataclasses.replace(config, window_layers=None), *args)
         full = trace_stage_pieces(dataclasses.replace(config, window=None,
@@ -291,7 +300,8 @@ def trace_stage_pieces(config, tp: int, micro_batch: int, sequence_parallel: boo
     traces = trace_program(mesh, _program,
                            [(config, micro_batch, sp, recompute, cp_algorithm,
                              expert_skew, attention, async_grad_reduce, folded,
-                             ep_axes, moe_dispatcher, tp_comm_overlap)] * mesh.size,
+                             ep_axes, moe_dispatcher, tp_comm_overlap,
+                             tuple(recompute_modules))] * mesh.size,
                            ranks=list(mesh.group("cp", 0)) if cp > 1 else [0])
     trace = traces[0]
     pieces, compute, comm, flops, ring, k = {}, 0.0, 0.0, 0.0, 0.0, 0

@@ -47,6 +47,18 @@ backward — only the softmax's log-sum-exp, fp32 per row: 4·b·a·s/t bytes pe
 without recomputation flash attention keeps s·b·h·(10 + 24/t) + 4·b·a·s/t, the same as
 selective recomputation plus the statistics.
 
+Selective recomputation by module (``ParallelConfig.recompute_modules``, Megatron-Core's
+``--recompute-modules``; "selective" above is its default, ``core_attn``): each
+recomputed module keeps only its input, so the layer drops (16-bit) with ``layernorm``
+the two norms' outputs, the attention's and the MLP's inputs, 4·s·b·h/σ (σ = t under
+sequence parallelism, else 1); with ``mlp`` the dense MLP's inner tensors (GPT: W1's
+output and gelu's, 16·s·b·h/t; Llama: gate, up and their product 6·s·b·f/t); with
+``mla_up_proj`` the up-projected q, k and v, 2·s·b·a·(2·d_qk + d_v)/t; with ``moe_act``
+each routed row's product H, 2·R·f_e/etp (of the MoE term below); without ``core_attn``
+unfused attention keeps its scores (flash keeps none either way). The emulated program's
+own count and PyTorch's (:func:`emulator_activation_bytes`,
+:func:`torch_amp_activation_bytes`) cover the default only.
+
 The logits: the last stage holds the fp32 logits of its micro-batch for the loss and its
 gradient, 4·b·s·V/t bytes (the policy's ``logits_bytes`` per entry; PyTorch's and Megatron's
 cross-entropy upcast the logits to fp32), freed before the next micro-batch.
@@ -195,7 +207,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from modeling import FULL_RECOMPUTE, GPT2_BLOCK, LLAMA_BLOCK
+from modeling import DEFAULT_RECOMPUTE_MODULES, FULL_RECOMPUTE, GPT2_BLOCK, LLAMA_BLOCK
 from pipeline_parallel.gpt import FUSED_ATTENTION
 from pipelining import peak_in_flight
 from tensor_parallel.moe_load import ExpertLoad
@@ -207,6 +219,7 @@ __all__ = ["MemoryBreakdown", "gpt_memory", "rank_memory", "rank_params", "WEIGH
            "GRAD_BYTES", "OPTIMIZER_BYTES", "LOGITS_BYTES", "LSE_BYTES", "MEMORY_HEADROOM",
            "usable_memory_bytes", "activation_bytes_per_layer", "moe_routed_rows",
            "expert_params_per_layer", "llama_activation_bytes_per_layer", "cp_buffer_bytes",
+           "recomputed_llama_bytes",
            "CP_RING_BUFFERS", "emulator_activation_bytes", "torch_amp_activation_bytes",
            "in_flight_after_first_backward", "INDEX_BYTES", "PrecisionPolicy",
            "layer_activation_bytes"]
@@ -258,21 +271,34 @@ class MemoryBreakdown:
                 + self.activations_bytes + self.logits_bytes)
 
 
-def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "flash") -> float:
-    """Bytes one layer keeps for its backward, per micro-batch (the module's table)."""
+def _recomputed(recompute, modules) -> frozenset:
+    """The modules ``recompute`` re-runs: ``modules`` under "selective", else none."""
+    return frozenset(modules) if recompute == "selective" else frozenset()
+
+
+def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "flash",
+                               modules=DEFAULT_RECOMPUTE_MODULES) -> float:
+    """Bytes one layer keeps for its backward, per micro-batch (the module's table);
+    ``modules``: "selective"'s (Megatron-Core's ``recompute_modules``; the module doc)."""
     if recompute == "op":
         raise ValueError("activation_bytes_per_layer: recompute 'op' (torchtitan's per-op "
                          "policy) is the Llama layer's: llama_activation_bytes_per_layer")
     if recompute in FULL_RECOMPUTE:
         return 2 * s * b * h / (t if sp else 1)
+    rec = _recomputed(recompute, modules)
     base = s * b * h * (34 / t if sp else 10 + 24 / t)
+    if "layernorm" in rec:                  # the two norms' outputs (the blocks' inputs)
+        base -= 4 * s * b * h / (t if sp else 1)
+    if "mlp" in rec:                        # W1's output and gelu's, 8 + 8 of 19
+        base -= 16 * s * b * h / t
     if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
-    return base + (0 if recompute == "selective" else s * b * h * 5 * a * s / (h * t))
+    return base + (0 if "core_attn" in rec else s * b * h * 5 * a * s / (h * t))
 
 
 def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
-                                     attention: str = "flash") -> float:
+                                     attention: str = "flash",
+                                     modules=DEFAULT_RECOMPUTE_MODULES) -> float:
     """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc;
     ``op``, torchtitan's per-op policy: the layer's input x, the products x W_q, x W_v and
     x W_gate, the attention kernel's output C and log-sum-exp, and with sequence
@@ -294,9 +320,31 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
     base = s * b * (8 * h / sigma + att + 6 * f / t)
     if getattr(config, "qk_norm", False):          # the q and k norms' inputs
         base += 2 * s * b * (a * d / t + kv_local * d)
+    rec = _recomputed(recompute, modules)
+    base -= recomputed_llama_bytes(config, b, t, sp, rec)
     if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
-    return base + (0 if recompute == "selective" else 2 * a * s * _mean_keys(config) * b / t)
+    return base + (0 if "core_attn" in rec else 2 * a * s * _mean_keys(config) * b / t)
+
+
+def recomputed_llama_bytes(config, b, t, sp, modules) -> float:
+    """The bytes a Llama layer no longer keeps per micro-batch (16-bit) with
+    ``modules`` recomputed (Megatron-Core's ``recompute_modules``; σ = t under sequence
+    parallelism, else 1): ``layernorm`` the two norms' outputs 4·s·b·h/σ (their inputs
+    stay: the checkpoints'), ``mlp`` the dense SwiGLU's gate, up and product 6·s·b·f/t
+    (its input stays), ``mla_up_proj`` the up-projected q, k and v 2·s·b·a·(2·d_qk +
+    d_v)/t (the latents stay); ``core_attn`` and ``moe_act`` none here (the scores: the
+    caller's; the experts' product: :func:`layer_activation_bytes`)."""
+    h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
+    sigma = t if sp else 1
+    out = 0.0
+    if "layernorm" in modules:
+        out += 4 * s * b * h / sigma
+    if "mlp" in modules:
+        out += 6 * s * b * f / t
+    if "mla_up_proj" in modules and getattr(config, "kv_lora_rank", None):
+        out += 2 * s * b * a * (2 * d + config.v_head_dim) / t
+    return out
 
 
 def _mean_keys(config) -> float:
@@ -504,20 +552,27 @@ def layer_activation_bytes(config, parallel, r: int, expert_skew: float = 1.0) -
 
 def _layer_activation_bytes(config, parallel, r: int, expert_skew: float) -> float:
     """:func:`layer_activation_bytes` of a ``config`` already cut to s/cp rows."""
+    modules = getattr(parallel, "recompute_modules", DEFAULT_RECOMPUTE_MODULES)
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
-        parallel.sequence_parallel, parallel.attention) if config.block is LLAMA_BLOCK else \
+        parallel.sequence_parallel, parallel.attention, modules) \
+        if config.block is LLAMA_BLOCK else \
         activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                    config.heads, parallel.tp, parallel.recompute,
-                                   parallel.sequence_parallel, parallel.attention)
+                                   parallel.sequence_parallel, parallel.attention, modules)
     n_layers = _rank_layers(config, parallel, r)
     moe_act = 0.0          # what an MoE layer keeps beyond the dense layer's activations
     if getattr(config, "experts", 0) and parallel.recompute not in FULL_RECOMPUTE:
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
+        rec = _recomputed(parallel.recompute, modules)
         dense_mlp = 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 else \
             s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
+        if "mlp" in rec:                 # the dense term above already left the MLP out
+            dense_mlp -= 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 \
+                else 16 * s * b * h / t
+        kept_f = 2 if "moe_act" in rec else 3          # moe_act: the product H re-run
         moe_act = -dense_mlp + 2 * moe_routed_rows(
-            config, parallel, expert_skew) * (h + 3 * config.moe_ffn_hidden / parallel.etp) \
+            config, parallel, expert_skew) * (h + kept_f * config.moe_ffn_hidden / parallel.etp) \
             + (4 * config.moe_top_k * s * b * h / (t if parallel.folded else 1)
                + 6 * s * b * config.moe_shared_ffn_hidden / t)
     act += moe_act * _rank_moe_layers(config, parallel, r) / max(n_layers, 1)
@@ -591,6 +646,7 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
                          f"the dense GPT without context parallelism, got "
                          f"arch={config.arch!r}, experts={getattr(config, 'experts', 0)}, "
                          f"cp={getattr(parallel, 'cp', 1)}; use --precision megatron")
+    _default_modules_only(parallel, "torch_amp_activation_bytes")
     policy = precision_policy(precision or "torch_amp")
     copy_bytes, compiled = policy.weight_copy_bytes, policy.activation_count == "torch_compile"
     stats = 8 if compiled else 16             # a layer's two LayerNorms' row statistics
@@ -616,6 +672,15 @@ def torch_amp_activation_bytes(config, parallel, r: int, precision=None) -> tupl
     return layers * layer + copy_bytes * matrices + ends, (b * s * V / t if last else 0)
 
 
+def _default_modules_only(parallel, who: str) -> None:
+    """ValueError (naming ``recompute_modules``) unless "selective" re-runs its default."""
+    modules = getattr(parallel, "recompute_modules", DEFAULT_RECOMPUTE_MODULES)
+    if parallel.recompute == "selective" and tuple(modules) != DEFAULT_RECOMPUTE_MODULES:
+        raise ValueError(f"{who}: recompute_modules={tuple(modules)!r} is not counted here "
+                         f"(allowed: {DEFAULT_RECOMPUTE_MODULES!r}); use a 'korthikanti' "
+                         "policy (the Megatron count, layer_activation_bytes)")
+
+
 def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
                               precision=None) -> tuple[float, float]:
     """(activations, logits) bytes pipeline rank ``r`` of the emulated GPT program holds at
@@ -627,6 +692,7 @@ def emulator_activation_bytes(config, parallel, r: int, in_flight: int,
                          f"dense GPT without context parallelism, got arch={config.arch!r}, "
                          f"experts={getattr(config, 'experts', 0)}, "
                          f"cp={getattr(parallel, 'cp', 1)}; use a 'korthikanti' policy")
+    _default_modules_only(parallel, "emulator_activation_bytes")
     item = (precision_policy(precision) if precision is not None
             else PrecisionPolicy.emulated(config.dtype)).activation_bytes
     s, b, h, a, V, t = (config.seq, parallel.micro_batch, config.hidden, config.heads,

@@ -253,7 +253,7 @@ def offload_timing(config, parallel, hardware, costs, expert_skew: float = 1.0,
             parallel.recompute, costs, parallel.cp, parallel.cp_algorithm, parallel.ep,
             expert_skew, parallel.attention, autocast_kernels, inductor_fusion,
             parallel.use_async_grad_reduce, parallel.etp, parallel.moe_dispatcher,
-            parallel.use_tp_comm_overlap)
+            parallel.use_tp_comm_overlap, parallel.recompute_modules)
     t_f = pieces[("layer", "F")].seconds
     t_b = (pieces[("layer", "I")] + pieces[("layer", "W")]).seconds
     counts = parallel.stage_layers(config.layers)

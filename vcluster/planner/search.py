@@ -217,14 +217,16 @@ class _Pieces:
         key = (par.tp, par.micro_batch, par.sequence_parallel, par.recompute)
         cp_key = (par.cp, par.cp_algorithm) if par.cp > 1 else ()
         key = key + cp_key + (par.ep, par.etp, par.moe_dispatcher, par.attention,
-                              par.use_async_grad_reduce, par.use_tp_comm_overlap)
+                              par.use_async_grad_reduce, par.use_tp_comm_overlap,
+                              par.recompute_modules)
         if key not in self.cache:
             self.cache[key] = trace_stage_pieces(
                 self.config, *key[:4], self.costs, *cp_key, ep=par.ep,
                 attention=par.attention, autocast_kernels=self.autocast,
                 inductor_fusion=self.fused, async_grad_reduce=par.use_async_grad_reduce,
                 etp=par.etp, moe_dispatcher=par.moe_dispatcher,
-                tp_comm_overlap=par.use_tp_comm_overlap)
+                tp_comm_overlap=par.use_tp_comm_overlap,
+                recompute_modules=par.recompute_modules)
         return self.cache[key]
 
 

@@ -409,8 +409,10 @@ def moe_row_config(r: dict) -> tuple:
     tp = 1); the interleaved 1F1B schedule with ``vp`` virtual stages where vp > 1, else
     1F1B; sequence parallelism where tp > 1 (Megatron-Core requires it of MoE with tp); the
     recomputation as published (none where the row says none: the H100 recipes of both
-    sources set none; Megatron-Core's selective recomputation of modules, "norm, act", is
-    refused: it is not the simulator's selective recomputation, the attention core's); FP8
+    sources set none; Megatron-Core's selective recomputation of modules, the Model Zoo's
+    "norm, act", runs as ``recompute="selective"`` with ``recompute_modules`` ("layernorm",
+    "moe_act") — the names of :data:`_MOE_RECOMPUTE_MODULES`, anything else refused —
+    since 2026-11-30; before, those rows were refused); FP8
     GEMMs where the precision is FP8 (refused where the source states none); a layer count
     pp·vp does not divide is split as Megatron-Core's ``account_for_embedding_in_pipeline_
     split`` and ``account_for_loss_in_pipeline_split`` do, the embedding and the head
@@ -435,12 +437,19 @@ def moe_row_config(r: dict) -> tuple:
         refusals.append(str(ConfigError(
             "precision", precision, "BF16 or FP8", "the source does not state the precision "
             "the row ran in", owner=MOE_TABLE)))
-    recompute = {"": "none", "full": "full"}.get(r["recompute"])
-    if recompute is None:
-        refusals.append(str(ConfigError(
-            "recompute", r["recompute"], "none or full", "Megatron-Core's selective "
-            "recomputation of modules (layernorm, the MoE activation) is not the simulator's "
-            "selective recomputation (the attention core's)", owner=MOE_TABLE)))
+    recompute, modules = {"": "none", "full": "full"}.get(r["recompute"]), None
+    if recompute is None:       # Megatron-Core's modules, as the Model Zoo abbreviates them
+        names = [m.strip() for m in r["recompute"].split(",") if m.strip()]
+        modules = tuple(_MOE_RECOMPUTE_MODULES.get(m) for m in names)
+        if names and None not in modules:
+            recompute = "selective"
+        else:
+            modules = None
+            refusals.append(str(ConfigError(
+                "recompute", r["recompute"], "none, full or Megatron-Core's recompute "
+                "modules " + ", ".join(f"{k} ({v})" for k, v in
+                                       _MOE_RECOMPUTE_MODULES.items()),
+                "a recomputation not modelled", owner=MOE_TABLE)))
     tp, pp, cp, vp, ep = (int(r[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
     ends = stage_split(cfg.layers, pp * vp) or ()        # Megatron's embedding/loss split
     try:
@@ -453,6 +462,7 @@ def moe_row_config(r: dict) -> tuple:
                              schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
                              recompute=recompute or "none",
+                             **({"recompute_modules": modules} if modules else {}),
                              zero_stage=3 if r["fsdp"] == "1" else 1,
                              moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
                              moe_dispatcher=recipe_dispatcher(r))
@@ -464,6 +474,15 @@ def moe_row_config(r: dict) -> tuple:
         except ConfigError as e:
             refusals.append(str(e))
     return cfg, par, precision.startswith("FP8"), refusals
+
+
+#: the MoE table's ``recompute`` column's module names (the Model Zoo's abbreviations of
+#: Megatron-Core's ``--recompute-modules``: "norm, act" is ``layernorm moe_act``) ->
+#: ParallelConfig.recompute_modules' names
+_MOE_RECOMPUTE_MODULES = MappingProxyType({"norm": "layernorm", "act": "moe_act",
+                                           "layernorm": "layernorm", "moe_act": "moe_act",
+                                           "mlp": "mlp", "mla_up_proj": "mla_up_proj",
+                                           "core_attn": "core_attn"})
 
 
 def _moe_case(i: int, r: dict) -> str:

@@ -19,7 +19,7 @@ import copy
 from types import MappingProxyType
 
 from modeling import AttentionKernel, CPAlgorithm, GradReduceDtype, TPOverlap, ZeroStage
-from modeling.choices import Engine as ServingEngine, Router
+from modeling.choices import RECOMPUTE_MODULES_MEGATRON, Engine as ServingEngine, Router
 
 from .choices import Algorithm, ArrayModule, DataParallelMode, Mode, Recompute, ScheduleName
 from .errors import ScenarioError, format_path
@@ -288,6 +288,11 @@ _PARALLEL = MappingProxyType({
         "virtual_stages": _int("stages per pipeline rank (interleaved_1f1b only; default 2)"),
         "sequence_parallel": _bool("Megatron sequence parallelism"),
         "recompute": _enum(RECOMPUTE, "activation recomputation", "none"),
+        "recompute_modules": {"type": "array", "uniqueItems": True, "default": ["core_attn"],
+                              "items": {"enum": list(RECOMPUTE_MODULES_MEGATRON)},
+                              "description": "with recompute selective: the modules re-run "
+                              "in the backward (Megatron-Core's --recompute-modules; "
+                              "modelled: core_attn, layernorm, mlp, mla_up_proj, moe_act)"},
         "attention": _enum(AttentionKernel.values(), "the attention kernel a real "
                            "run uses (flash: no s² scores kept; flash-v1: the same, a "
                            "kernel built for Ampere as in 2022-23, priced apart)", "flash"),

@@ -195,6 +195,7 @@ def _parallel(scenario, mesh):
                          schedule=par["schedule"], virtual_stages=par.get("virtual_stages"),
                          sequence_parallel=par["sequence_parallel"],
                          recompute=par["recompute"],
+                         recompute_modules=tuple(par.get("recompute_modules", ("core_attn",))),
                          attention=par.get("attention", "flash"),
                          tp_overlap=par.get("tp_overlap", "backward"),
                          grad_reduce_dtype=par.get("grad_reduce_dtype", "model"),

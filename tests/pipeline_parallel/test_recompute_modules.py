@@ -58,6 +58,10 @@ MOE_CASES = [  # model, ParallelConfig fields, recompute_modules
     ("moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True, etp=1), ("moe_act",)),
     ("moe", dict(dp=2, ep=2, pp=2), ("moe_act", "layernorm", "core_attn")),
     ("moe", dict(dp=2, ep=2, moe_dispatcher="allgather"), ("moe_act",)),
+    # the flex dispatcher (DeepEP / HybridEP) with the MoE overlap, as GPT-OSS's BF16
+    # recipes on GB200 and B200 run them (layernorm and moe_act recomputed)
+    ("moe", dict(dp=2, ep=2, moe_dispatcher="flex", moe_comm_overlap=True),
+     ("moe_act", "layernorm")),
     ("mla_moe", dict(dp=2, ep=2, tp=2, sequence_parallel=True),
      ("moe_act", "layernorm", "mla_up_proj", "mlp")),
 ]

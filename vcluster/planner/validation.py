@@ -45,7 +45,7 @@ __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu
            "FSDP_HARDWARE", "FP8_TABLE", "FP8_BRIDGE_TABLE", "FP8_TABLES", "validate_fsdp2",
            "FSDP2_TABLE", "FSDP2_HARDWARE", "validate_moe", "moe_row_config", "MOE_TABLE",
            "MOE_HARDWARE", "MOE_METRICS", "MOE_DEFAULT_ETP", "RECIPE_DISPATCHERS",
-           "recipe_dispatcher",
+           "recipe_dispatcher", "RECIPE_GRANULARITIES", "recipe_recompute",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
 #: measured one-GPU PyTorch steps (``vcluster bench gpu-step``): table -> (the preset it
@@ -112,6 +112,31 @@ def recipe_dispatcher(r: dict) -> str:
                           "not a Megatron-Core token dispatcher this validation maps",
                           owner="moe table row")
     return RECIPE_DISPATCHERS[name]
+
+
+#: a recipe's ``recompute_granularity`` (the 2026 and MoE tables' column, read from the
+#: Megatron-Bridge recipe of the row's release) -> the program's ``recompute``
+RECIPE_GRANULARITIES = MappingProxyType({"none": "none", "selective": "selective",
+                                         "full": "full"})
+
+
+def recipe_recompute(r: dict) -> tuple | None:
+    """(``recompute``, ``recompute_modules`` or None) as a row's recipe sets them — the
+    ``recompute_granularity`` and ``recompute_modules`` columns (Megatron-Core's names,
+    ``;``-separated; Megatron-Core's default ``core_attn`` where a selective row names
+    none) — or None where the recipe is not known (empty granularity)."""
+    granularity = r.get("recompute_granularity") or ""
+    if not granularity:
+        return None
+    if granularity not in RECIPE_GRANULARITIES:
+        raise ConfigError("recompute_granularity", granularity,
+                          ", ".join(RECIPE_GRANULARITIES), "not a Megatron-Core "
+                          "recompute granularity", owner="table row")
+    names = tuple(m.strip() for m in (r.get("recompute_modules") or "").split(";")
+                  if m.strip())
+    if granularity != "selective":
+        return RECIPE_GRANULARITIES[granularity], None
+    return "selective", names or ("core_attn",)
 
 _RECOMPUTE_LABEL = MappingProxyType({"none": "no recompute", "full": "full recompute",
                                      "selective": "selective recompute"})
@@ -412,7 +437,8 @@ def moe_row_config(r: dict) -> tuple:
     sources set none; Megatron-Core's selective recomputation of modules, the Model Zoo's
     "norm, act", runs as ``recompute="selective"`` with ``recompute_modules`` ("layernorm",
     "moe_act") — the names of :data:`_MOE_RECOMPUTE_MODULES`, anything else refused —
-    since 2026-11-30; before, those rows were refused); FP8
+    since 2026-11-30; before, those rows were refused), and where the row's Megatron-Bridge
+    recipe is known its recomputation instead (:func:`recipe_recompute`); FP8
     GEMMs where the precision is FP8 (refused where the source states none); a layer count
     pp·vp does not divide is split as Megatron-Core's ``account_for_embedding_in_pipeline_
     split`` and ``account_for_loss_in_pipeline_split`` do, the embedding and the head
@@ -450,6 +476,13 @@ def moe_row_config(r: dict) -> tuple:
                 "modules " + ", ".join(f"{k} ({v})" for k, v in
                                        _MOE_RECOMPUTE_MODULES.items()),
                 "a recomputation not modelled", owner=MOE_TABLE)))
+    try:
+        recipe = recipe_recompute(r)          # the recipe's, where known, over the page's
+    except ConfigError as e:
+        recipe, refusals = None, refusals + [str(e)]
+    if recipe is not None:
+        recompute, modules = recipe
+        refusals = [m for m in refusals if not m.startswith(f"{MOE_TABLE}: recompute=")]
     tp, pp, cp, vp, ep = (int(r[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
     ends = stage_split(cfg.layers, pp * vp) or ()        # Megatron's embedding/loss split
     try:
@@ -511,10 +544,14 @@ def validate_moe(on_row=None) -> list[dict]:
     None, ``reason`` every ConfigError of the features or plan the program cannot run yet,
     "; "-joined); or
     ``failed`` (the program accepted the row but could not trace it: ``reason`` the
-    TraceError, a defect to fix, not a limit). Not modelled: the dispatchers' kernels
-    (DeepEP, HybridEP) and the overlap of the expert all-to-alls with computation
-    (``--overlap-moe-expert-parallel-comm``), Transformer Engine's FP8 scaling kernels,
-    CUDA graphs. ``on_row``: called after each row (progress)."""
+    TraceError, a defect to fix, not a limit). Modelled since 2026-11-30 where a row's
+    recipe sets them (:func:`moe_row_config`): DeepEP's and HybridEP's one row per token and
+    destination rank (the ``flex`` dispatcher) and the overlap of the expert all-to-alls
+    with another micro-batch's computation (``--overlap-moe-expert-parallel-comm``). Not
+    modelled: the SMs those dispatch kernels take from the GEMMs beside them, their
+    node-level deduplication across DGX nodes (DeepEP's internode path), Transformer
+    Engine's FP8 scaling kernels, CUDA graphs. ``on_row``: called after each row
+    (progress)."""
     rows = []
     for i, r in enumerate(read_data_csv(MOE_TABLE)[1], 1):
         metric = next(m for m in MOE_METRICS if r[m])

@@ -35,7 +35,7 @@ from vcluster.timing import read_data_csv
 from .candidates import stage_split
 from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
-from .validation import MOE_DEFAULT_ETP, recipe_dispatcher
+from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
            "validate_2026", "summary_by_kind"]
@@ -77,8 +77,10 @@ def row_config(r: dict) -> tuple:
     multiple of 128·tp; both tables' frameworks are Megatron's). The plan as published:
     dp = GPUs / (tp·pp·cp), tp, pp, cp, ep (MoE: etp
     :data:`~.validation.MOE_DEFAULT_ETP`); the interleaved 1F1B schedule with ``vp``
-    virtual stages where vp > 1; sequence parallelism where tp > 1; no recomputation (the
-    tables state none); a layer count pp·vp does not divide split as Megatron-Core's
+    virtual stages where vp > 1; sequence parallelism where tp > 1; the recomputation the
+    row's Megatron-Bridge recipe sets (:func:`~.validation.recipe_recompute`: the
+    ``recompute_granularity`` and ``recompute_modules`` columns; none where not known, as
+    the published tables state none; since 2026-11-30); a layer count pp·vp does not divide split as Megatron-Core's
     embedding- and loss-accounting split (:func:`~.candidates.stage_split`). The
     optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; Transformer Engine's tensor-parallel
     overlap (``tp_overlap="te"``) on NVIDIA systems where tp > 1 (since issue 54; the
@@ -124,7 +126,10 @@ def row_config(r: dict) -> tuple:
     ends = stage_split(cfg.layers, pp * vp) or ()
     zero = 3 if r["fsdp"] == "1" else 1
     try:
-        par = ParallelConfig(global_batch=global_batch, micro_batch=micro, dp=dp, pp=pp, tp=tp,
+        recompute, modules = recipe_recompute(r) or ("none", None)
+        par = ParallelConfig(recompute=recompute,
+                             **({"recompute_modules": modules} if modules else {}),
+                             global_batch=global_batch, micro_batch=micro, dp=dp, pp=pp, tp=tp,
                              cp=cp, ep=ep, etp=MOE_DEFAULT_ETP if ep > 1 else None,
                              first_stage_layers=ends[0] if ends else None,
                              last_stage_layers=ends[1] if ends else None,

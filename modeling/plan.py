@@ -258,7 +258,16 @@ class ParallelConfig:
 
     ``moe_comm_overlap``: run the steady state's forward and backward of two micro-batches
     combined, layer by layer, each one's MoE all-to-alls overlapping the other's compute
-    (Megatron-Core's ``--overlap-moe-expert-parallel-comm``; rule 9)."""
+    (Megatron-Core's ``--overlap-moe-expert-parallel-comm``; rule 9).
+
+    ``moe_ep_node_ranks``: the flex dispatcher across nodes (DeepEP's internode kernels,
+    Megatron-Core's HybridEP across NVLink domains): the expert group's positions
+    [0..d-1], [d..2d-1], ... share a node (a scale-up domain); a token crosses the
+    network once per destination node, to the rank there with its own local index, which
+    forwards it over the node's links (:class:`tensor_parallel.MoE`'s
+    ``ep_node_ranks``). None, or d >= ep: the group lies in one node (the one-hop flex);
+    else ep must be a multiple of d, and the dispatcher ``flex``.
+    :meth:`expert_ranks_per_domain` derives d from the mesh and a domain's size."""
 
     global_batch: int
     micro_batch: int = 1
@@ -285,6 +294,7 @@ class ParallelConfig:
     grad_reduce_dtype: GradReduceDtype = GradReduceDtype.MODEL
     activation_offload: float = 0.0   # share of each stage's layers offloaded (rule 8)
     moe_comm_overlap: bool = False    # combined 1F1B: MoE all-to-alls overlapped (rule 9)
+    moe_ep_node_ranks: int | None = None   # flex across nodes: ep ranks per node (None: one)
 
     def __post_init__(self):
         who = "ParallelConfig"
@@ -338,6 +348,52 @@ class ParallelConfig:
         self._check_layers_per_stage(who)
         self._check_activation_offload(who)
         self._check_moe_comm_overlap(who)
+        self._check_ep_node_ranks(who)
+
+    def _check_ep_node_ranks(self, who: str) -> None:
+        d = self.moe_ep_node_ranks
+        if d is None:
+            return
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ConfigError("moe_ep_node_ranks", d, "None or an integer >= 1",
+                              "the expert group's ranks per node", owner=who)
+        if self.moe_dispatcher != "flex":
+            raise ConfigError("moe_ep_node_ranks", d, f"None with moe_dispatcher="
+                              f"{self.moe_dispatcher!r}", "the node-level dispatch (DeepEP's "
+                              "internode kernels, HybridEP) is the flex dispatcher's",
+                              owner=who)
+        if d < self.ep and self.ep % d:
+            raise ConfigError("moe_ep_node_ranks", d, f"a divisor of ep={self.ep}, or >= it "
+                              "(one node)", f"ep={self.ep} ranks do not split into nodes of "
+                              f"{d}", owner=who)
+
+    def expert_ranks_per_domain(self, domain: int) -> int | None:
+        """d, the expert group's ranks per scale-up domain when the global ranks 0..N−1
+        (:meth:`mesh`'s order) fill domains of ``domain`` consecutive ranks: every expert
+        group's positions [0..d-1], [d..2d-1], ... each lie in one domain, different ones
+        in different domains; None without expert parallelism. ConfigError (key
+        ``moe_ep_node_ranks``) where a group does not split so (a domain holding part
+        of a block, or two blocks)."""
+        if self.ep == 1:
+            return None
+        mesh = self.mesh()
+        groups = {tuple(mesh.group(self.expert_axes, r)) for r in range(mesh.size)}
+        ds = set()
+        for g in groups:
+            doms = [r // domain for r in g]
+            d = doms.count(doms[0])
+            blocks = [doms[i:i + d] for i in range(0, len(doms), d)]
+            if len(doms) % d or any(len(set(b)) != 1 for b in blocks) or \
+                    len({b[0] for b in blocks}) != len(blocks):
+                raise ConfigError("moe_ep_node_ranks", None, "an expert group in whole "
+                                  "scale-up domains", f"the expert group {g[:8]}... does not "
+                                  f"split into domains of {domain} GPUs", owner="ParallelConfig")
+            ds.add(d)
+        if len(ds) != 1:
+            raise ConfigError("moe_ep_node_ranks", None, "the same ranks per domain in every "
+                              "expert group", f"groups hold {sorted(ds)} ranks per domain of "
+                              f"{domain} GPUs", owner="ParallelConfig")
+        return ds.pop()
 
     def _check_moe_comm_overlap(self, who: str) -> None:
         """Rule 9 (module docstring), as Megatron-Core's ``TransformerConfig`` asserts it."""

@@ -551,9 +551,11 @@ class GPTConfig:
                               "of experts)", owner="GPTConfig")
         object.__setattr__(self, "moe_dense_layers", dense)
 
-    def moe(self, dispatcher: str = "alltoall") -> "MoE | None":
+    def moe(self, dispatcher: str = "alltoall",
+            ep_node_ranks: int | None = None) -> "MoE | None":
         """The MoE layer of every layer (None: dense), its tokens moved by ``dispatcher``
-        (ParallelConfig.moe_dispatcher)."""
+        (ParallelConfig.moe_dispatcher), across nodes of ``ep_node_ranks`` expert-group
+        ranks (ParallelConfig.moe_ep_node_ranks; flex only)."""
         if not self.experts:
             return None
         return MoE(self.hidden, self.moe_ffn_hidden, self.experts, self.moe_top_k,
@@ -562,7 +564,7 @@ class GPTConfig:
                    routed_scaling=self.moe_routed_scaling,
                    shared_ffn_hidden=self.moe_shared_ffn_hidden, dispatcher=dispatcher,
                    groups=self.moe_groups, router_bias=self.moe_router_bias,
-                   expert_bias=self.moe_expert_bias)
+                   expert_bias=self.moe_expert_bias, ep_node_ranks=ep_node_ranks)
 
     @property
     def block(self) -> Block:
@@ -784,7 +786,7 @@ def _build_stage(cfg: GPTConfig, par: ParallelConfig, dev, job: TrainJob, stage:
         return llama_moe_stage(ops, local, job.specs[stage], stage == 0,
                                stage == job.n_stages - 1, cfg.heads, cfg.kv_heads, cfg.hidden,
                                cfg.rope_theta, par.recompute, cfg.eps, job.microbatches,
-                               cfg.seq, cfg.moe(par.moe_dispatcher),
+                               cfg.seq, cfg.moe(par.moe_dispatcher, par.moe_ep_node_ranks),
                                1 / (par.expert_dp * job.microbatches),
                                load, kv_sum_every=1 if par.zero_stage >= 2 else None,
                                tie=cfg.tie_embeddings,
@@ -1033,14 +1035,16 @@ class GPT:
         ...)`` (or ``forward_program``) at any scale. An MoE model routes ``expert_load``
         (an ExpertLoad, or a dict layer -> ExpertLoad), default
         ``ExpertLoad.skewed(ep, E, b·s, k, expert_skew, capacity)`` for every layer
-        (folded, etp = 1: each rank routes b·s/t tokens)."""
+        (folded, etp = 1: each rank routes b·s/t tokens; with ``moe_ep_node_ranks`` its
+        ``node_tokens`` expectation too)."""
         params = {n: MetaArray(s, self.config.dtype) for n, s in self.param_shapes().items()}
         data = MetaArray((parallel.global_batch, self.config.seq), np.int64)
         c = self.config
         if c.experts and expert_load is None:
             tokens = parallel.micro_batch * c.seq // parallel.token_split
             expert_load = ExpertLoad.skewed(parallel.ep, c.experts, tokens, c.moe_top_k,
-                                            expert_skew, c.moe().capacity(tokens))
+                                            expert_skew, c.moe().capacity(tokens),
+                                            node_ranks=parallel.moe_ep_node_ranks)
         return self.device_args(mesh, self.train_job(mesh, parallel, steps, optimizer, params,
                                                       bucket_bytes, expert_load), data, data)
 

@@ -131,6 +131,50 @@ choices on one member (always for k = 1), fewer when it has; the routing columns
 2k·b per row forward and k·b backward. FLOPs are the all-to-all dispatcher's (each
 expert computes the same rows).
 
+Flex across nodes (``ep_node_ranks=d`` < n, n a multiple of d; DeepEP's internode
+"normal" kernels — ``Buffer.get_dispatch_layout`` gives ``num_tokens_per_rdma_rank``
+beside ``num_tokens_per_rank``, csrc/kernels/internode.cu forwards RDMA-received tokens
+over NVLink; its README: "kernels optimized for asymmetric-domain bandwidth forwarding,
+such as forwarding data from NVLink domain to RDMA domain", github.com/deepseek-ai/DeepEP
+— and Megatron-Core's HybridEP across NVLink domains). The expert group's positions
+[0..d-1], [d..2d-1], ... share a node; node N holds experts N·d·E_l … (N+1)·d·E_l − 1;
+rank r's proxy on node N is N·d + (r mod d), the rank there with r's local index (r
+itself on r's own node). With U_N[t] = {c kept : e[t, c] in node N}:
+
+    inter-node (tags MOE_TAG + 0..3): r sends node N's proxy one row per token t with
+        U_N[t] non-empty, token order: [x[t] | id_c | g_c], id_c = e[t, c] − N·d·E_l
+        (the node's local expert) for c in U_N[t], −1 otherwise
+    proxy p: splits each source's rows to its node's ranks q (its own included): the rows
+        with an id in q's range, re-based (id_c − (q mod d)·E_l, −1 and g_c = 0 outside)
+        — exactly the rows flex would send q from that source, in its token order
+    intra-node (tags MOE_TAG + 4..7 = MOE_TAG + _INTRA + 0..3): one message p -> q with
+        the rows of all p's sources (one per node) in source order
+    q: computes as flex (its received rows, by source rank, then token order)
+    combine: q returns each source's rows Y to that source's proxy on q's node (intra);
+        the proxy adds its node's rows per token, Z_s[t] = Σ_{q of its node} Y_q[t], and
+        sends one row per token back to the source (inter); y[t] = Σ_N Z_N[t]
+    backward: dy once per (token, node) (inter), forwarded like x (intra, h wide); the
+        [dX | dg] rows (h + k) back to the proxy (intra), summed per token there — a
+        choice's dg is non-zero on its owner only, so the sum carries each dg once —
+        and one row per token back (inter)
+
+The counts: one all_to_all(ep) of (n, 2 + E_l) int64 — per member q: the distinct rows
+for q's node (its proxy reads its sources'), for q, then the kept rows per local expert.
+With tokens[s][q] and node_tokens[s][N] (:class:`~tensor_parallel.moe_load.ExpertLoad`),
+ν = ⌊r/d⌋, S_r = {N·d + (r mod d)} (r's sources as a proxy, and its proxies), L_r = ν's
+ranks, per rank r and exchange, w the row width (h + 2k for x, h, h, h + k as above):
+
+    inter-node dispatch  sent  w·b · Σ_{N≠ν} node_tokens[r][N]
+                         recvd w·b · Σ_{s∈S_r, s≠r} node_tokens[s][ν]
+    intra-node dispatch  sent  w·b · Σ_{q∈L_r, q≠r} Σ_{s∈S_r} tokens[s][q]
+                         recvd w·b · Σ_{s: s mod d ≠ r mod d} tokens[s][r]
+    combines             the same with sent and received swapped
+
+so the rows crossing nodes are Σ_{N≠ν} node_tokens[r][N] <= Σ_{q∉L_r} tokens[r][q] (the
+one-hop flex's), fewer exactly when some token picks two ranks of one other node; with
+d = 1 every rank is its own node and the inter-node hop is the one-hop flex's, byte for
+byte. The proxy's splits and sums are declared with 0 FLOPs and the bytes they touch.
+
 Traffic per rank r, with b the itemsize, n = ep, kept[s][e] the kept table
 (:class:`~tensor_parallel.moe_load.ExpertLoad`) and the pairwise all_to_all
 (per rank (n−1)/n of its input, sent and received):
@@ -179,6 +223,9 @@ __all__ = ["MoE", "MOE_TAG", "DISPATCHERS", "ROUTERS"]
 
 MOE_TAG = 0x4D6F45 << 4            # "MoE": user tags MOE_TAG + 0..3 of the dropless exchanges
 _DISPATCH, _COMBINE, _GRAD_DISPATCH, _GRAD_COMBINE = range(4)
+_INTRA = 4                         # + the above: the intra-node hop of ``ep_node_ranks``
+_WHAT = {_DISPATCH: "dispatch", _COMBINE: "combine", _GRAD_DISPATCH: "backward dispatch",
+         _GRAD_COMBINE: "backward combine"}
 
 
 def _nbytes(a) -> int:
@@ -244,21 +291,24 @@ class _Ops:
         return self.dev.all_to_all(x, self.ep_axis, split_dim=0, concat_dim=0,
                                    algorithm=self.algorithms.get("all_to_all", "auto"))
 
-    def exchange(self, pieces, counts_in, like, tag: int):
+    def exchange(self, pieces, counts_in, like, tag: int, members=None):
         """All-to-all-v: ``pieces[q]`` (rows for group member q) goes to q, one message
-        per member with rows; returns the pieces received, ``counts_in[q]`` rows from q."""
-        n, me, h = self.n, self.pos, like.shape[-1]
+        per member with rows; returns the pieces received, ``counts_in[q]`` rows from q.
+        ``members``: the group positions taking part (this rank's among them; default
+        all), ``pieces`` and ``counts_in`` then indexed like ``members``."""
+        members = list(range(self.n)) if members is None else list(members)
+        n, me, h = len(members), members.index(self.pos), like.shape[-1]
         for d in range(1, n):
             q = (me + d) % n
             if pieces[q].shape[0]:
-                self.dev.send(pieces[q], self.group[q], MOE_TAG + tag)
+                self.dev.send(pieces[q], self.group[members[q]], MOE_TAG + tag)
         got = [None] * n
         got[me] = pieces[me]
         for d in range(1, n):
             q = (me - d) % n
             got[q] = np.empty_like(like, shape=(counts_in[q], h))
             if counts_in[q]:
-                got[q] = self.dev.recv(self.group[q], MOE_TAG + tag, out=got[q])
+                got[q] = self.dev.recv(self.group[members[q]], MOE_TAG + tag, out=got[q])
         return got
 
 
@@ -271,12 +321,16 @@ class _Routing:
     host ints ``rank_tokens`` (None in a trace whose load has no such table)."""
 
     def __init__(self, scores, experts, gates, tok, choice, slot, routed, kept_arr, kept,
-                 rank_arr, rank_tokens):
+                 rank_arr, rank_tokens, node_arr=None, node_tokens=None):
         self.scores, self.experts, self.gates = scores, experts, gates
         self.tok, self.choice, self.slot = tok, choice, slot
         self.routed, self.kept_arr, self.kept = routed, kept_arr, tuple(kept)
         self.rank_arr = rank_arr
         self.rank_tokens = None if rank_tokens is None else tuple(rank_tokens)
+        # per destination node (``ep_node_ranks``): distinct tokens with a kept choice on
+        # one of the node's ranks (ExpertLoad's ``node_tokens`` row); None without nodes
+        self.node_arr = node_arr
+        self.node_tokens = None if node_tokens is None else tuple(node_tokens)
 
 
 def _group_mask(scores, groups):
@@ -294,11 +348,12 @@ def _group_mask(scores, groups):
 
 
 def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: float,
-                  groups=None, bias=None, ranks: int = 1):
+                  groups=None, bias=None, ranks: int = 1, nodes: int | None = None):
     """Top-k, gates and capacity on real arrays (see the module docstring); ``bias``
     (E,) shifts the choice, not the gates (DeepSeek-V3's auxiliary-loss-free balance);
-    the last result: per member of the ``ranks`` expert group, the distinct tokens with a
-    kept choice among its experts."""
+    the last results: per member of the ``ranks`` expert group, the distinct tokens with a
+    kept choice among its experts; per node of ``nodes`` (None: none), the same per node
+    (its ranks' experts together)."""
     t, n_exp = scores.shape
     choose = scores if bias is None else scores + bias
     choose = choose if groups is None else _group_mask(choose, groups)
@@ -315,12 +370,18 @@ def _route_values(scores, k: int, cap: int | None, normalize: bool, scaling: flo
     slot = e_kept * (cap or 0) + position[order]
     reach = np.zeros_like(onehot, shape=(t, ranks))
     reach[order % t, e_kept // (n_exp // ranks)] = 1            # token t reaches rank q
+    node_reach = None
+    if nodes is not None:
+        node_reach = np.zeros_like(onehot, shape=(t, nodes))
+        node_reach[order % t, e_kept // (n_exp // nodes)] = 1   # token t reaches node N
+        node_reach = node_reach.sum(axis=0)
     return (experts, gates, order % t, order // t, slot, onehot.sum(axis=0), kept_arr,
-            reach.sum(axis=0))
+            reach.sum(axis=0), node_reach)
 
 
 def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
-           normalize: bool = False, scaling: float = 1.0, groups=None, bias=None):
+           normalize: bool = False, scaling: float = 1.0, groups=None, bias=None,
+           nodes: int | None = None):
     t, n_exp = probs.shape
     if is_meta(probs):
         if load is None:
@@ -335,10 +396,14 @@ def _route(ops, probs, k: int, cap: int | None, load: ExpertLoad | None,
         ops.ew("route: top-k, capacity", lambda: None, probs)
         tokens = None if load.tokens is None or len(load.tokens[0]) != ops.n \
             else load.tokens[ops.pos]
-        return _Routing(probs, *res, kept, MetaArray((ops.n,), i64), tokens)
+        node_tokens = None if nodes is None or load.node_tokens is None or \
+            len(load.node_tokens[0]) != nodes else load.node_tokens[ops.pos]
+        return _Routing(probs, *res, kept, MetaArray((ops.n,), i64), tokens,
+                        None if nodes is None else MetaArray((nodes,), i64), node_tokens)
     res = ops.ew("route: top-k, capacity", lambda: _route_values(
-        probs, k, cap, normalize, scaling, groups, bias, ops.n), probs)
-    return _Routing(probs, *res[:-1], res[-2].tolist(), res[-1], res[-1].tolist())
+        probs, k, cap, normalize, scaling, groups, bias, ops.n, nodes), probs)
+    return _Routing(probs, *res[:-2], res[-3].tolist(), res[-2], res[-2].tolist(), res[-1],
+                    None if res[-1] is None else res[-1].tolist())
 
 
 class _Exchange:
@@ -598,17 +663,18 @@ class _FlexDispatch:
     """The token-deduplicating dispatcher (Megatron-Core's ``flex`` with DeepEP or HybridEP;
     the module docstring's "Flex"): each token goes once to each expert-group member that
     holds any of its kept choices, with its routing there; that member expands it to its
-    experts and returns one row per (token, member) holding Σ_{e of the member} g_e·O_e."""
+    experts and returns one row per (token, member) holding Σ_{e of the member} g_e·O_e.
+
+    The source's side sends to *units* (here the members; :class:`_NodeFlexDispatch`'s
+    nodes) through :meth:`_out` and gets their rows back through :meth:`_back`."""
+
+    unit = "member"
 
     def __init__(self, ops, route, cap, e_l: int, load):
         self.ops, self.route, self.e_l = ops, route, e_l
+        self.span = e_l                                  # experts per unit
         n, me = ops.n, ops.pos
-        if route.rank_tokens is None:
-            raise ValueError(
-                f"MoE: dispatcher='flex' in a trace needs load=ExpertLoad(..., tokens=...), a "
-                f"(ranks, {n}) table of the distinct tokens each rank sends to each of the "
-                f"expert group's {n} members (ExpertLoad.skewed fills it; the emulator's "
-                "MoE.run/backward report it)")
+        self._check_tables(route, n)
         counts = ops.all_to_all(ops.ew("dispatch: counts per rank [rows, per expert]",
                                        lambda: np.concatenate([route.rank_arr[:, None],
                                                                route.kept_arr.reshape(n, e_l)],
@@ -622,52 +688,75 @@ class _FlexDispatch:
             flat = counts.tolist()
             self.m_in = [flat[s * (1 + e_l)] for s in range(n)]
             self.c = [flat[s * (1 + e_l) + 1:(s + 1) * (1 + e_l)] for s in range(n)]
-        self.m_out = list(route.rank_tokens)             # rows this rank sends to each q
+        self._sizes(list(route.rank_tokens))             # rows this rank sends to each q
+
+    def _sizes(self, m_out):
+        n, e_l = self.ops.n, self.e_l
+        self.m_out = m_out                               # rows this rank sends each unit
         self.out_at = np.concatenate([[0], np.cumsum(self.m_out)]).astype(int).tolist()
         self.in_at = np.concatenate([[0], np.cumsum(self.m_in)]).astype(int).tolist()
         self.m_exp = [sum(self.c[s][j] for s in range(n)) for j in range(e_l)]
         self.exp_at = np.concatenate([[0], np.cumsum(self.m_exp)]).astype(int).tolist()
 
+    def _out(self, pieces, like, tag: int):
+        """pieces[u] (this rank's rows for unit u) out; the rows received per source."""
+        return self.ops.exchange(pieces, self.m_in, like, tag)
+
+    def _back(self, pieces, like, tag: int):
+        """pieces[s] (the rows received from source s, answered) back; this rank's rows
+        per unit."""
+        return self.ops.exchange(pieces, self.m_out, like, tag)
+
+    @staticmethod
+    def _check_tables(route, n):
+        if route.rank_tokens is None:
+            raise ValueError(
+                f"MoE: dispatcher='flex' in a trace needs load=ExpertLoad(..., tokens=...), a "
+                f"(ranks, {n}) table of the distinct tokens each rank sends to each of the "
+                f"expert group's {n} members (ExpertLoad.skewed fills it; the emulator's "
+                "MoE.run/backward report it)")
+
     def _pieces(self, rows, at):
-        return [rows[at[q]:at[q + 1]] for q in range(self.ops.n)]
+        return [rows[at[q]:at[q + 1]] for q in range(len(at) - 1)]
 
     def _expert(self, table, j):
         return table[self.exp_at[j]:self.exp_at[j + 1]]
 
     def forward(self, x2, weights, biases=None):
         """(y of the routed experts (T, h), the backward's state)."""
-        ops, route, n, e_l = self.ops, self.route, self.ops.n, self.e_l
+        ops, route, e_l, span, unit = self.ops, self.route, self.e_l, self.span, self.unit
+        n = len(self.m_out)                              # units
         (t, h), k = x2.shape, route.gates.shape[1]
         i64, item = np.dtype(np.int64), np.dtype(x2.dtype).itemsize
         wg, wu, wd = weights
 
-        def ranks():                     # (T, k): the member holding each kept choice, or -1
+        def ranks():                     # (T, k): the unit holding each kept choice, or -1
             kept = np.zeros_like(route.experts, shape=route.experts.shape)
             kept[route.tok, route.choice] = 1
-            return np.where(kept > 0, route.experts // e_l, -1)
+            return np.where(kept > 0, route.experts // span, -1)
 
-        dst = ops.ew("dispatch: member of each kept choice", ranks, route.experts, route.tok,
+        dst = ops.ew(f"dispatch: {unit} of each kept choice", ranks, route.experts, route.tok,
                      shape=(t, k), dtype=i64)
 
-        def order():                     # member-major, then token order
+        def order():                     # unit-major, then token order
             reach = (dst[None, :, :] == np.arange(n, like=dst)[:, None, None]).any(axis=2)
             return np.nonzero(reach)[1]
 
-        tok = ops.ew("dispatch: tokens per member", order, dst,
+        tok = ops.ew(f"dispatch: tokens per {unit}", order, dst,
                      shape=(self.out_at[-1],), dtype=i64)
 
         def pack(q):
             rows = tok[self.out_at[q]:self.out_at[q + 1]]
             on = dst[rows] == q
-            ids = np.where(on, route.experts[rows] % e_l, -1).astype(x2.dtype)
+            ids = np.where(on, route.experts[rows] % span, -1).astype(x2.dtype)
             gates = np.where(on, route.gates[rows], 0).astype(x2.dtype)
             return np.concatenate([x2[rows], ids, gates], axis=1)
 
-        pieces = [ops.ew(f"dispatch: pack [x | ids | gates] for member {q}",
+        pieces = [ops.ew(f"dispatch: pack [x | ids | gates] for {unit} {q}",
                          lambda q=q: pack(q), x2, tok, dst, route.gates,
                          shape=(self.m_out[q], h + 2 * k),
                          nbytes=self.m_out[q] * ((h + k) * item + k * 8)) for q in range(n)]
-        got = ops.exchange(pieces, self.m_in, pieces[ops.pos], _DISPATCH)
+        got = self._out(pieces, pieces[0], _DISPATCH)
         m_all = self.exp_at[-1]
 
         def expand():                    # (M, 2): per local expert, [received row, choice]
@@ -702,10 +791,10 @@ class _FlexDispatch:
 
         y_rows = ops.ew("combine: sum g O per received row", member_sums, slots, g_sel, *outs,
                         shape=(self.in_at[-1], h), dtype=x2.dtype)
-        back = ops.exchange(self._pieces(y_rows, self.in_at), self.m_out, y_rows, _COMBINE)
+        back = self._back(self._pieces(y_rows, self.in_at), y_rows, _COMBINE)
         y_got = ops.ew("combine: unpack rows", lambda: np.concatenate(back), *back,
                        shape=(self.out_at[-1], h), dtype=x2.dtype)
-        y = _scatter_rows(ops, "combine: y = sum over members", t, tok, y_got)
+        y = _scatter_rows(ops, f"combine: y = sum over {unit}s", t, tok, y_got)
         return y, (tok, slots, g_sel, xs, outs, states)
 
     def backward(self, state, dy2, weights, biases=None):
@@ -716,10 +805,9 @@ class _FlexDispatch:
         item = np.dtype(dy2.dtype).itemsize
         tok, slots, g_sel, xs, outs, states = state
         wg, wu, wd = weights
-        dy_rows = ops.ew("backward: gather dy rows per member", lambda: dy2[tok], dy2, tok,
-                         shape=(self.out_at[-1], h))
-        got = ops.exchange(self._pieces(dy_rows, self.out_at), self.m_in, dy_rows,
-                           _GRAD_DISPATCH)
+        dy_rows = ops.ew(f"backward: gather dy rows per {self.unit}", lambda: dy2[tok], dy2,
+                         tok, shape=(self.out_at[-1], h))
+        got = self._out(self._pieces(dy_rows, self.out_at), dy_rows, _GRAD_DISPATCH)
         dw = [np.zeros_like(w) for w in tuple(weights) + tuple(biases or ())]
         dxs, dgs = [], []
         for j in range(e_l):
@@ -748,10 +836,11 @@ class _FlexDispatch:
 
         both = ops.ew("backward combine: [dX | dg] per received row", member_grads, slots,
                       *dxs, *dgs, shape=(self.in_at[-1], h + k), dtype=dy2.dtype)
-        back = ops.exchange(self._pieces(both, self.in_at), self.m_out, both, _GRAD_COMBINE)
+        back = self._back(self._pieces(both, self.in_at), both, _GRAD_COMBINE)
         rows = ops.ew("backward combine: unpack rows", lambda: np.concatenate(back), *back,
                       shape=(self.out_at[-1], h + k), dtype=dy2.dtype)
-        dx = _scatter_rows(ops, "backward: dx = sum dX over members", t, tok, rows[:, :h])
+        dx = _scatter_rows(ops, f"backward: dx = sum dX over {self.unit}s", t, tok,
+                           rows[:, :h])
 
         def dg_kept():
             table = np.zeros_like(rows, shape=(t, k))
@@ -762,6 +851,135 @@ class _FlexDispatch:
                                            route.tok, shape=(route.tok.shape[0],),
                                            nbytes=self.out_at[-1] * k * item))
         return dx, dg_sel, dw
+
+
+class _NodeFlexDispatch(_FlexDispatch):
+    """The flex dispatcher across nodes (DeepEP's internode kernels, Megatron-Core's
+    HybridEP; the module docstring's "Flex across nodes"): a token goes once to each
+    destination *node*, to its proxy there (the node's rank with the source's local
+    index), which forwards it to the node's ranks holding its choices; the proxy sums the
+    node's answers per token before the one row goes back."""
+
+    unit = "node"
+
+    def __init__(self, ops, route, cap, e_l: int, load, node_ranks: int):
+        self.ops, self.route, self.e_l = ops, route, e_l
+        n, me, d = ops.n, ops.pos, node_ranks
+        self.d, self.span = d, d * e_l
+        self._check_tables(route, n)
+        if route.node_tokens is None:
+            raise ValueError(
+                f"MoE: ep_node_ranks={d} in a trace needs load=ExpertLoad(..., "
+                f"node_tokens=...), a (ranks, {n // d}) table of the distinct tokens each "
+                f"rank sends to each of the expert group's {n // d} nodes "
+                "(ExpertLoad.skewed(..., node_ranks=) fills it; the emulator's "
+                "MoE.run/backward report it)")
+        w = 2 + e_l
+        counts = ops.all_to_all(ops.ew(
+            "dispatch: counts per rank [node rows, rows, per expert]",
+            lambda: np.concatenate([np.repeat(route.node_arr, d)[:, None],
+                                    route.rank_arr[:, None], route.kept_arr.reshape(n, e_l)],
+                                   axis=1).reshape(-1),
+            route.node_arr, route.rank_arr, route.kept_arr, shape=(n * w,)))
+        if is_meta(counts):
+            node_in = [load.node_tokens[s][me // d] for s in range(n)]
+            self.m_in = [load.tokens[s][me] for s in range(n)]
+            self.c = [[load.kept[s][me * e_l + j] for j in range(e_l)] for s in range(n)]
+        else:
+            flat = counts.tolist()
+            node_in = [flat[s * w] for s in range(n)]
+            self.m_in = [flat[s * w + 1] for s in range(n)]
+            self.c = [flat[s * w + 2:(s + 1) * w] for s in range(n)]
+        # this rank as a proxy: its sources (one per node, this rank's local index) and
+        # the rows each sends it; its node's ranks
+        self.src = [node * d + me % d for node in range(n // d)]
+        self.node_in = [node_in[s] for s in self.src]
+        self.local = [(me // d) * d + lr for lr in range(d)]
+        self.meta_fwd = None if not is_meta(counts) else [
+            [load.tokens[s][q] for q in self.local] for s in self.src]
+        self._sizes(list(route.node_tokens))
+
+    def _out(self, pieces, like, tag: int):
+        """Inter-node hop (tag ``MOE_TAG + tag``): pieces[N] to the proxy on node N; the
+        proxy splits each source's rows to its node's ranks (the routing columns, when
+        carried, re-based to the rank's local experts) — intra-node hop, tag ``MOE_TAG +
+        _INTRA + tag``; the rows received per source."""
+        ops, d, e_l, what = self.ops, self.d, self.e_l, _WHAT[tag]
+        w, k = like.shape[1], self.route.gates.shape[1]
+        h = w - 2 * k                        # x's width, when the rows carry the routing
+        got = ops.exchange(pieces, self.node_in, like, tag, members=self.src)
+        if tag == _DISPATCH:                 # [x | ids | gates]: where each row goes
+
+            def split(g):                    # (rows, 2): [row, node rank], rank-major
+                ids = g[:, h:h + k]
+                on = [np.nonzero(((ids >= lr * e_l) & (ids < (lr + 1) * e_l)).any(axis=1))[0]
+                      for lr in range(d)]
+                return np.concatenate([np.stack([r, np.full_like(r, lr)], axis=1)
+                                       for lr, r in enumerate(on)])
+            self.sel = []
+            for i, g in enumerate(got):
+                m = None if self.meta_fwd is None else sum(self.meta_fwd[i])
+                sel = ops.ew(f"{what}: proxy: node ranks of source {self.src[i]}'s rows",
+                             lambda g=g: split(g), g, shape=(m, 2) if m is not None else None,
+                             dtype=np.dtype(np.int64), nbytes=int(g.shape[0]) * k
+                             * np.dtype(g.dtype).itemsize)
+                sizes = self.meta_fwd[i] if self.meta_fwd is not None else \
+                    [int((sel[:, 1] == lr).sum()) for lr in range(d)]
+                at = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+                self.sel.append([sel[at[lr]:at[lr + 1], 0] for lr in range(d)])
+            self.fwd = [[int(r.shape[0]) for r in sel] for sel in self.sel]
+
+        def forward(lr):                     # this proxy's rows for node rank lr
+            parts = [g[self.sel[i][lr]] for i, g in enumerate(got)]
+            rows = np.concatenate(parts)
+            if tag != _DISPATCH:
+                return rows
+            ids = rows[:, h:h + k]
+            on = (ids >= lr * e_l) & (ids < (lr + 1) * e_l)
+            return np.concatenate([rows[:, :h], np.where(on, ids - lr * e_l, -1),
+                                   np.where(on, rows[:, h + k:], 0)], axis=1)
+
+        fwd = [ops.ew(f"{what}: proxy: rows for node rank {lr}", lambda lr=lr: forward(lr),
+                      *got, shape=(sum(f[lr] for f in self.fwd), w), dtype=like.dtype,
+                      nbytes=sum(f[lr] for f in self.fwd) * w * np.dtype(like.dtype).itemsize)
+               for lr in range(d)]
+        into = [sum(self.m_in[s] for s in range(self.ops.n) if s % d == lr) for lr in range(d)]
+        recv = ops.exchange(fwd, into, like, _INTRA + tag, members=self.local)
+        out = [None] * self.ops.n                # per source: its slice of its proxy's rows
+        for lr in range(d):
+            at = 0
+            for s in range(lr, self.ops.n, d):
+                out[s] = recv[lr][at:at + self.m_in[s]]
+                at += self.m_in[s]
+        return out
+
+    def _back(self, pieces, like, tag: int):
+        """Intra-node hop (tag ``MOE_TAG + _INTRA + tag``): each source's answered rows to
+        its proxy on this node; the proxy adds its node's rows per token; inter-node hop
+        (tag ``MOE_TAG + tag``): one row per token back to the source. This rank's rows
+        per node."""
+        ops, d, n, what = self.ops, self.d, self.ops.n, _WHAT[tag]
+        w, item = like.shape[1], np.dtype(like.dtype).itemsize
+        to = [ops.ew(f"{what}: pack rows for proxy {lr}", lambda lr=lr: np.concatenate(
+            [pieces[s] for s in range(lr, n, d)]), *pieces,
+            shape=(sum(self.m_in[s] for s in range(lr, n, d)), w), dtype=like.dtype,
+            nbytes=sum(self.m_in[s] for s in range(lr, n, d)) * w * item) for lr in range(d)]
+        got = ops.exchange(to, [sum(f[lr] for f in self.fwd) for lr in range(d)], like,
+                           _INTRA + tag, members=self.local)
+        offs = [np.concatenate([[0], np.cumsum([f[lr] for f in self.fwd])]).astype(int)
+                for lr in range(d)]
+
+        def node_sum(i):                     # one row per token of source i: Σ over ranks
+            z = np.zeros_like(like, shape=(self.node_in[i], w))
+            for lr in range(d):
+                z[self.sel[i][lr]] += got[lr][offs[lr][i]:offs[lr][i + 1]]
+            return z
+
+        sums = [ops.ew(f"{what}: proxy: sum the node's rows for source {s}",
+                       lambda i=i: node_sum(i), *got, shape=(self.node_in[i], w),
+                       dtype=like.dtype, nbytes=sum(self.fwd[i]) * w * item)
+                for i, s in enumerate(self.src)]
+        return ops.exchange(sums, self.m_out, like, tag, members=self.src)
 
 
 _DISPATCHERS = {"alltoall": _AllToAllDispatch, "allgather": _AllGatherDispatch,
@@ -878,7 +1096,8 @@ class MoE(ShardedOperation):
                  router: str = "softmax", normalize_top_k: bool | None = None,
                  routed_scaling: float = 1.0, shared_ffn_hidden: int = 0,
                  dispatcher: str = "alltoall", groups: tuple | None = None,
-                 router_bias: bool = False, expert_bias: bool = False):
+                 router_bias: bool = False, expert_bias: bool = False,
+                 ep_node_ranks: int | None = None):
         for name, v, low in (("hidden", hidden, 1), ("ffn_hidden", ffn_hidden, 1),
                              ("experts", experts, 1), ("top_k", top_k, 1),
                              ("shared_ffn_hidden", shared_ffn_hidden, 0)):
@@ -910,6 +1129,12 @@ class MoE(ShardedOperation):
                              f"{dispatcher!r}")
         if router not in ROUTERS:
             raise ValueError(f"MoE: router must be one of {ROUTERS}, got {router!r}")
+        if ep_node_ranks is not None and (
+                isinstance(ep_node_ranks, bool) or not isinstance(ep_node_ranks, (int, np.integer))
+                or ep_node_ranks < 1 or dispatcher != "flex"):
+            raise ValueError(f"MoE: ep_node_ranks must be None or an int >= 1 (the expert "
+                             f"group's ranks per node) with dispatcher='flex', got "
+                             f"ep_node_ranks={ep_node_ranks!r} with dispatcher={dispatcher!r}")
         for name, flag in (("router_bias", router_bias), ("expert_bias", expert_bias)):
             if flag not in (False, True):
                 raise ValueError(f"MoE: {name} must be True or False, got {flag!r}")
@@ -929,6 +1154,7 @@ class MoE(ShardedOperation):
         self.routed_scaling = float(routed_scaling)
         self.shared_ffn_hidden = int(shared_ffn_hidden)
         self.dispatcher, self.groups = dispatcher, groups
+        self.ep_node_ranks = None if ep_node_ranks is None else int(ep_node_ranks)
         self.router_bias, self.expert_bias = bool(router_bias), bool(expert_bias)
         self.ep_axis = ep_axis
         self.algorithms = dict(algorithms or {})
@@ -942,6 +1168,7 @@ class MoE(ShardedOperation):
             f", routed_scaling={self.routed_scaling:g}" if self.routed_scaling != 1 else "",
             f", shared_ffn_hidden={self.shared_ffn_hidden}" if self.shared_ffn_hidden else "",
             f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else "",
+            f", ep_node_ranks={self.ep_node_ranks}" if self.ep_node_ranks else "",
             f", groups={self.groups}" if self.groups else "",
             ", router_bias=True" if self.router_bias else "",
             ", expert_bias=True" if self.expert_bias else ""))
@@ -998,6 +1225,19 @@ class MoE(ShardedOperation):
                              f"ep={ep} (mesh axis {self.ep_axis!r})")
         return ep
 
+    def node_ranks(self, n: int) -> int | None:
+        """The expert group's ranks per node for a group of ``n`` ranks: ``ep_node_ranks``
+        when it splits the group into several nodes (n a multiple of it), None when the
+        group lies in one node (None or >= n: the one-hop flex); ValueError otherwise."""
+        d = self.ep_node_ranks
+        if d is None or d >= n:
+            return None
+        if n % d:
+            raise ValueError(f"MoE: ep_node_ranks={d} must divide the expert group's {n} "
+                             f"ranks (consecutive positions [0..d-1], [d..2d-1], ... share "
+                             "a node), or be >= it (one node)")
+        return d
+
     def capacity(self, tokens_per_rank: int) -> int | None:
         """ceil(capacity_factor · T·k / E) (None: dropless)."""
         return expert_capacity(self.capacity_factor, tokens_per_rank, self.top_k, self.experts)
@@ -1035,8 +1275,9 @@ class MoE(ShardedOperation):
         if b_router is not None:
             logits = ops.ew("router: l += b_r", lambda: logits + b_router, logits, b_router)
         scores, probs = self._scores(ops, logits)
+        d = self.node_ranks(ops.n)
         route = _route(ops, scores, k, cap, load, self.normalize_top_k, self.routed_scaling,
-                       self.groups, bias)
+                       self.groups, bias, None if d is None else ops.n // d)
 
         # aux loss: global f and P over the ep group
         sums = ops.all_reduce(ops.ew("aux: local sums", lambda: np.concatenate(
@@ -1046,7 +1287,8 @@ class MoE(ShardedOperation):
         aux = ops.ew("aux = alpha E sum f P", lambda: (self.aux_coef * n_exp * (
             f * sums[n_exp:] / n_glob).sum()).reshape(1), sums)
 
-        disp = _DISPATCHERS[self.dispatcher](ops, route, cap, e_l, load)
+        disp = _DISPATCHERS[self.dispatcher](ops, route, cap, e_l, load) if d is None else \
+            _NodeFlexDispatch(ops, route, cap, e_l, load, d)
         y, d_state = disp.forward(x2, (w_gate, w_up, w_down), expert_biases)
         s_state = None
         if shared is not None:
@@ -1070,8 +1312,11 @@ class MoE(ShardedOperation):
 
     @staticmethod
     def _report(route):
+        """routed, kept, distinct tokens per member (1, ·) and, across nodes
+        (``ep_node_ranks``), distinct tokens per node."""
         return (route.routed.reshape(1, -1), route.kept_arr.reshape(1, -1),
-                route.rank_arr.reshape(1, -1))
+                route.rank_arr.reshape(1, -1)) + (
+            () if route.node_arr is None else (route.node_arr.reshape(1, -1),))
 
     def forward_local(self, dev, x, w_router, w_gate, w_up, w_down, *rest):
         """(y, aux (1,), routed (1, E), kept (1, E), distinct tokens per expert-group member
@@ -1226,19 +1471,21 @@ class MoE(ShardedOperation):
         return ([(x, tok)] + [(params[n], L[n]) for n in self.weight_names()]
                 + [(m, tok) for m in more])
 
-    def _load(self, routed, kept, tokens, x, ep) -> ExpertLoad:
+    def _load(self, routed, kept, tokens, x, ep, node_tokens=None) -> ExpertLoad:
         return ExpertLoad(np.asarray(routed).tolist(), np.asarray(kept).tolist(),
                           self.capacity(int(np.prod(np.shape(x)[:-1])) // ep),
-                          np.asarray(tokens).tolist())
+                          np.asarray(tokens).tolist(),
+                          None if node_tokens is None else np.asarray(node_tokens).tolist())
 
     def run(self, cluster, x, params) -> MoEOutput:
         """Global x and params in; y, the aux loss and the load out."""
         ep = self._check(cluster.mesh, x, params)
         L = self.layouts
-        y, aux, routed, kept, tokens = run_sharded(
+        reports = 3 if self.node_ranks(ep) is None else 4
+        y, aux, *load = run_sharded(
             cluster, self.forward_local, self._inputs(x, params),
-            [self._tokens_layout(np.ndim(x)), L["aux"]] + [L["counts"]] * 3)
-        return MoEOutput(y, float(aux[0]), self._load(routed, kept, tokens, x, ep))
+            [self._tokens_layout(np.ndim(x)), L["aux"]] + [L["counts"]] * reports)
+        return MoEOutput(y, float(aux[0]), self._load(*load[:3], x, ep, *load[3:]))
 
     def backward(self, cluster, x, params, dy, d_aux: float = 1.0) -> MoEGradients:
         """Forward and backward of <dy, y> + d_aux · aux: every gradient, global (the
@@ -1246,12 +1493,15 @@ class MoE(ShardedOperation):
         ep = self._check(cluster.mesh, x, params, dy)
         L, tok = self.layouts, self._tokens_layout(np.ndim(x))
         names = self.weight_names()
+        reports = 3 if self.node_ranks(ep) is None else 4
         out = run_sharded(cluster, self.backward_local, self._inputs(x, params, dy),
                           [tok, L["aux"], tok] + [L[n] for n in names]
-                          + [L["counts"]] * 3, extra_args=(float(d_aux),))
-        y, aux, dx, dr, dg, du, dd, *shared, routed, kept, tokens = out
-        return MoEGradients(y, float(aux[0]), dx, dr, dg, du, dd,
-                            self._load(routed, kept, tokens, x, ep), tuple(shared) or None)
+                          + [L["counts"]] * reports, extra_args=(float(d_aux),))
+        y, aux, dx, dr, dg, du, dd, *shared = out[:len(out) - reports]
+        load = self._load(*out[len(out) - reports:len(out) - reports + 3], x, ep,
+                          *out[len(out) - reports + 3:])
+        return MoEGradients(y, float(aux[0]), dx, dr, dg, du, dd, load,
+                            tuple(shared) or None)
 
     def reference(self, x, params, dy=None, ep: int = 1, d_aux: float = 1.0):
         """The plain-numpy layer (:mod:`tensor_parallel.moe_reference`) on the global

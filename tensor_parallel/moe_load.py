@@ -37,6 +37,24 @@ rounded, then clamped into [max(max_{e of d} kept[r][e], ceil(Σ_{e of d} kept[r
 min(k, E/g))), Σ_{e of d} kept[r][e]] (a token brings at most min(k, E/g) rows to one
 rank, so k = 1 gives exactly the kept rows; a skewed table's busiest expert alone may
 need more rows on its rank than the uniform expectation; a capacity's drops fewer).
+
+A fourth, optional table serves the flex dispatcher across nodes (``MoE(...,
+ep_node_ranks=d)``, DeepEP's internode kernels), which sends a token once per destination
+*node* — the g expert-group ranks split into g/d nodes of d consecutive ranks:
+
+    node_tokens[r][N]   distinct tokens of rank r with at least one kept choice among the
+                        experts of node N's ranks (experts N·E·d/g … (N+1)·E·d/g − 1)
+
+with  max_{q of N} tokens[r][q] <= node_tokens[r][N] <= Σ_{q of N} tokens[r][q]  (and the
+same bounds from the kept rows of N's experts). The emulator counts it when the layer
+runs across nodes; :meth:`ExpertLoad.skewed` (``node_ranks=d``) fills it with the same
+expectation over nodes: a token's k distinct uniform choices miss all E·d/g experts of a
+node with probability C(E − E·d/g, k) / C(E, k), so
+
+    node_tokens[r][N] = T · (1 − C(E − E·d/g, k) / C(E, k))
+
+rounded, then clamped into [max(max_{q of N} tokens[r][q], ceil(Σ_{e of N} kept[r][e] /
+min(k, E·d/g))), min(Σ_{q of N} tokens[r][q], Σ_{e of N} kept[r][e])].
 """
 
 from __future__ import annotations
@@ -79,12 +97,14 @@ class ExpertLoad:
     """Tokens per (ep rank, expert) before (``routed``) and after (``kept``) dropping;
     ``capacity`` the per-rank capacity of an expert (None: dropless); ``tokens``: the
     distinct tokens per (ep rank, destination rank), the ``flex`` dispatcher's rows (the
-    module docstring), or None when not known."""
+    module docstring), or None when not known; ``node_tokens``: the distinct tokens per
+    (ep rank, destination node), the flex dispatcher's rows across nodes, or None."""
 
     routed: tuple[tuple[int, ...], ...]
     kept: tuple[tuple[int, ...], ...]
     capacity: int | None = None
     tokens: tuple[tuple[int, ...], ...] | None = None
+    node_tokens: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         routed, kept = _table(self.routed, "routed"), _table(self.kept, "kept")
@@ -112,15 +132,41 @@ class ExpertLoad:
                             "(the most kept rows of one of that rank's experts, and their "
                             "sum)")
             object.__setattr__(self, "tokens", tokens)
+        if self.node_tokens is not None:
+            self._check_node_tokens()
+
+    def _check_node_tokens(self) -> None:
+        nodes = _table(self.node_tokens, "node_tokens")
+        width, kept = len(nodes[0]), self.kept
+        ranks = None if self.tokens is None else len(self.tokens[0])
+        if len(nodes) != len(kept) or len(kept[0]) % width or (
+                ranks is not None and ranks % width):
+            raise ValueError(f"ExpertLoad: node_tokens must be a (ep={len(kept)}, nodes) "
+                             f"table with nodes dividing experts={len(kept[0])} (and the "
+                             f"tokens table's {ranks} ranks), got {np.shape(nodes)}")
+        for r, (row, k_row) in enumerate(zip(nodes, kept)):
+            for nd, (v, (lo, hi)) in enumerate(zip(row, _rank_bounds(k_row, width))):
+                if ranks is not None:
+                    d = ranks // width
+                    mine = self.tokens[r][nd * d:(nd + 1) * d]
+                    lo, hi = max(lo, max(mine)), min(hi, sum(mine))
+                if not lo <= v <= hi:
+                    raise ValueError(
+                        f"ExpertLoad: node_tokens[{r}][{nd}]={v} must lie in [{lo}, {hi}] "
+                        "(the most distinct tokens of one of that node's ranks, and their "
+                        "sum)")
+        object.__setattr__(self, "node_tokens", nodes)
 
     @classmethod
     def skewed(cls, ep: int, experts: int, tokens_per_rank: int, top_k: int, skew: float = 1.0,
-               capacity: int | None = None) -> "ExpertLoad":
+               capacity: int | None = None, node_ranks: int | None = None) -> "ExpertLoad":
         """The same table on every rank: expert 0 gets round(skew · T·k/E) of the T·k
         assignments, the others share the rest as evenly as integers allow; ``kept`` is
         min(routed, capacity). ``skew`` must be in [1, E/k] (a token picks an expert at
         most once, so the busiest expert has at most T). ``tokens`` (an ep × ep table; when
-        ep divides E): the module docstring's expectation, clamped."""
+        ep divides E): the module docstring's expectation, clamped. ``node_ranks`` d (1 <= d
+        < ep, dividing ep): also ``node_tokens`` (an ep × ep/d table), its expectation
+        over the ep/d nodes, clamped (None or >= ep: no node table)."""
         for name, v in (("ep", ep), ("experts", experts), ("tokens_per_rank", tokens_per_rank),
                         ("top_k", top_k)):
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -136,14 +182,28 @@ class ExpertLoad:
         row = [busiest] + [rest // others + (i < rest % others) for i in range(others)] \
             if others else [total]
         kept = row if capacity is None else [min(n, capacity) for n in row]
-        tokens = None
+        tokens = nodes = None
         if experts % ep == 0:
             want = round(tokens_per_rank * distinct_rank_fraction(experts, ep, top_k))
             most = min(top_k, experts // ep)             # rows one token brings one rank
             tokens = [tuple(min(max(want, lo, -(-hi // most)), hi)
                             for lo, hi in _rank_bounds(kept, ep))] * ep
+        if node_ranks is not None and tokens is not None and node_ranks < ep:
+            if isinstance(node_ranks, bool) or not isinstance(node_ranks, (int, np.integer)) \
+                    or node_ranks < 1 or ep % node_ranks:
+                raise ValueError(f"ExpertLoad.skewed: node_ranks must be an int >= 1 dividing "
+                                 f"ep={ep} (or None), got {node_ranks!r}")
+            g = ep // node_ranks
+            want = round(tokens_per_rank * distinct_rank_fraction(experts, g, top_k))
+            most = min(top_k, experts // g)              # rows one token brings one node
+            per_rank = tokens[0]
+            nodes = [tuple(min(max(want, lo, -(-hi // most),
+                                   max(per_rank[nd * node_ranks:(nd + 1) * node_ranks])),
+                               hi, sum(per_rank[nd * node_ranks:(nd + 1) * node_ranks]))
+                           for nd, (lo, hi) in enumerate(_rank_bounds(kept, g)))] * ep
         return cls(tuple(tuple(row) for _ in range(ep)), tuple(tuple(kept) for _ in range(ep)),
-                   capacity, None if tokens is None else tuple(tokens))
+                   capacity, None if tokens is None else tuple(tokens),
+                   None if nodes is None else tuple(nodes))
 
     # --- shape ------------------------------------------------------------------------
     @property

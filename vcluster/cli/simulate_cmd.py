@@ -96,6 +96,11 @@ def add_parser(commands) -> None:
                      "reduce-scatter the outputs (Megatron's allgather, for small groups), "
                      "or flex (DeepEP / HybridEP: each token once per destination rank, "
                      "its experts' outputs summed there; default alltoall)")
+    gpt.add_argument("--moe-ep-node-ranks", type=int, default=None, metavar="D",
+                     help="MoE, flex only: the expert group's ranks per node (scale-up "
+                     "domain): DeepEP's internode path, each token sent over the network "
+                     "once per destination node and forwarded over NVLink there; ep must be "
+                     "a multiple of D (default: the group in one node)")
     gpt.add_argument("--moe-comm-overlap", action="store_true",
                      help="MoE: Megatron-Core's --overlap-moe-expert-parallel-comm (combined "
                      "1F1B): the steady state's forward and backward of two micro-batches "
@@ -212,6 +217,7 @@ def _gpt(args) -> int:
                               zero_stage=zero, cp=args.cp, cp_algorithm=args.cp_algorithm,
                               ep=args.ep, etp=args.etp, moe_dispatcher=args.moe_dispatcher,
                               moe_comm_overlap=args.moe_comm_overlap,
+                              moe_ep_node_ranks=args.moe_ep_node_ranks,
                               first_stage_layers=args.first_stage_layers,
                               last_stage_layers=args.last_stage_layers,
                               layers_per_stage=args.layers_per_stage,

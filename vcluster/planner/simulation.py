@@ -323,18 +323,33 @@ def _short_position(q: int, p: int, p_short: int) -> int:
 
 
 def _is_moe_message(op) -> bool:
-    return isinstance(op, (TraceSend, TraceRecv)) and MOE_TAG <= op.tag < MOE_TAG + 4
+    return isinstance(op, (TraceSend, TraceRecv)) and MOE_TAG <= op.tag < MOE_TAG + 8
 
 
-def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates:
+def moe_exchanges_as_all_to_all(templates: Templates, group: tuple,
+                                node_ranks: int | None = None, rank: int | None = None
+                                ) -> Templates:
     """``templates`` with each dropless MoE token exchange (a run of sends and receives of
     one :data:`~tensor_parallel.moe.MOE_TAG` tag: one message per peer) replaced by one
     all_to_all over the ep ``group`` whose per-peer share is the larger of what the
     traced rank sends and receives, n/(n−1)·max(sent, received) bytes of input (the
     pairwise all_to_all moves (n−1)/n of it each way). The symmetric replay lets an
     untraced rank mirror the traced one but needs a receive's sender traced; the traced
-    rank is ep rank 0, the busiest expert's, which receives the most."""
+    rank is ep rank 0, the busiest expert's, which receives the most.
+
+    Across nodes (``node_ranks`` d < n, the flex dispatcher's ``ep_node_ranks``; ``rank``
+    the traced rank, a member of ``group``, at position p): the inter-node hop (tags
+    ``MOE_TAG`` + 0..3) becomes an all_to_all over the proxies, the n/d members with p's
+    local index (group[N·d + p mod d], one per node), and the intra-node hop (tags
+    ``MOE_TAG`` + 4..7) one over p's node (group[⌊p/d⌋·d .. ⌊p/d⌋·d + d − 1]), each
+    n'/(n'−1)·max(sent, received) bytes with n' that group's size — so the collective
+    cost model prices the first on the network and the second on the node's links."""
     n = len(group)
+    groups = {False: tuple(group), True: tuple(group)}      # by "intra-node tag"
+    if node_ranks is not None and node_ranks < n:
+        p, d = list(group).index(rank), node_ranks
+        groups = {False: tuple(group[node * d + p % d] for node in range(n // d)),
+                  True: tuple(group[(p // d) * d:(p // d + 1) * d])}
 
     def rewrite(ops):
         out, run = [], []
@@ -343,9 +358,12 @@ def moe_exchanges_as_all_to_all(templates: Templates, group: tuple) -> Templates
             if run:
                 sent = sum(o.nbytes for o in run if isinstance(o, TraceSend))
                 got = sum(o.nbytes for o in run if isinstance(o, TraceRecv))
-                nbytes = -(-max(sent, got) * n // (n - 1))
-                out.append(TraceCollective("all_to_all", group, nbytes, 1, choose_algorithm(
-                    "all_to_all", nbytes, n)))
+                g = groups[run[0].tag >= MOE_TAG + 4]
+                m = len(g)
+                if m > 1:
+                    nbytes = -(-max(sent, got) * m // (m - 1))
+                    out.append(TraceCollective("all_to_all", g, nbytes, 1, choose_algorithm(
+                        "all_to_all", nbytes, m)))
                 run.clear()
 
         for op in ops:
@@ -486,7 +504,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
             ops, lambda op: data_parallel_row(op, short_mesh, axes_of), DP_PARAM_GATHER,
             DP_GRAD_REDUCE))
     if "ep" in short_mesh.axes:
-        templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r))
+        templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r),
+                                                  short.moe_ep_node_ranks, r)
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
     return short_mesh, templates
 

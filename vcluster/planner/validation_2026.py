@@ -35,7 +35,8 @@ from vcluster.timing import read_data_csv
 from .candidates import stage_split
 from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
-from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
+from .validation import (MOE_DEFAULT_ETP, recipe_dispatcher, recipe_node_ranks,
+                         recipe_recompute)
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
            "validate_2026", "summary_by_kind"]
@@ -94,7 +95,12 @@ def row_config(r: dict) -> tuple:
     dispatcher (:func:`~.validation.recipe_dispatcher`: DeepEP and HybridEP run as
     ``flex``; empty: Megatron-Core's default ``alltoall``), and its activation offloading
     to host memory (``activation_offload``: the recipe's ``cpu_offloading_num_layers`` over
-    the model's layers, the ``activation_offload_layers`` column), all since 2026-11-30.
+    the model's layers, the ``activation_offload_layers`` column), all since 2026-11-30;
+    a flex row whose expert group spans several scale-up domains of its system's preset
+    runs DeepEP's internode path, each token once per destination domain
+    (``moe_ep_node_ranks``, :func:`~.validation.recipe_node_ranks`; since 2026-11-30);
+    where the group does not split into whole domains (256 GPUs over 72-GPU NVL72
+    racks) it keeps the one-hop flex, and ``assumed`` says so.
     A row with no global batch (AMD's) and no pipeline is simulated with one
     micro-batch per step (``assumed``); with a pipeline it is refused (its bubble depends
     on the batch)."""
@@ -144,6 +150,11 @@ def row_config(r: dict) -> tuple:
                              / cfg.layers)
     except ConfigError as e:
         return cfg, None, None, assumed, refusals + [str(e)]
+    if r["system"] in SYSTEM_PRESETS:            # DeepEP / HybridEP across domains
+        try:
+            par = recipe_node_ranks(par, SYSTEM_PRESETS[r["system"]])
+        except ConfigError as e:                 # e.g. 256 GPUs over NVL72 racks
+            assumed.append(f"the flex dispatcher in one hop: {e}")
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):
         try:
             check()

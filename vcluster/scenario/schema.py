@@ -324,6 +324,11 @@ _PARALLEL = MappingProxyType({
                                 "group, all-gather the group's tokens and reduce-scatter the "
                                 "experts' outputs, or flex (DeepEP / HybridEP: each token "
                                 "once per destination rank)", "alltoall"),
+        "moe_ep_node_ranks": _int("flex only: the expert group's ranks per node (scale-up "
+                                  "domain), DeepEP's internode path: each token crosses "
+                                  "the network once per destination node and is forwarded "
+                                  "over NVLink there; ep a multiple of it (default: the "
+                                  "group in one node)"),
         "moe_comm_overlap": _bool("Megatron-Core's MoE expert-parallel overlap (combined "
                                   "1F1B): the steady state's forward and backward of two "
                                   "micro-batches run together, each one's token "

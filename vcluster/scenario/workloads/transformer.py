@@ -206,6 +206,7 @@ def _parallel(scenario, mesh):
                          cp_algorithm=par.get("cp_algorithm", "ring"), etp=par.get("etp"),
                          moe_dispatcher=par.get("moe_dispatcher", "alltoall"),
                          moe_comm_overlap=bool(par.get("moe_comm_overlap", False)),
+                         moe_ep_node_ranks=par.get("moe_ep_node_ranks"),
                          first_stage_layers=par.get("first_stage_layers"),
                          last_stage_layers=par.get("last_stage_layers"),
                          **_degrees(mesh, par.get("etp")))

@@ -1133,7 +1133,8 @@ class GPT:
         ranks — the dp data-parallel replicas, each replica's cp ranks (cp > 1) and tp
         ranks (folded, etp = 1) — their tokens summed over the step's micro-batches, so its
         capacity is m·C; its ``tokens``: each routing rank's distinct tokens per member of
-        its expert group (the flex dispatcher's rows), summed likewise."""
+        its expert group (the flex dispatcher's rows), summed likewise; its
+        ``node_tokens`` (``moe_ep_node_ranks``): per node of the group, likewise."""
         aux = sum(np.array(r["aux_losses"]) for i, r in enumerate(results)
                   if _reports_aux(mesh, parallel, i))
         cap = self.config.moe().capacity(parallel.micro_batch * self.config.seq
@@ -1150,7 +1151,9 @@ class GPT:
             loads.append({layer: ExpertLoad(
                 [table[d][0] for d in sorted(table)], [table[d][1] for d in sorted(table)],
                 None if cap is None else cap * parallel.microbatches,
-                [table[d][2] for d in sorted(table)])
+                [table[d][2] for d in sorted(table)],
+                [table[d][3] for d in sorted(table)] if all(
+                    len(table[d]) > 3 for d in table) else None)
                 for layer, table in sorted(tables.items())})
         return aux, loads
 

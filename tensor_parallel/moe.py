@@ -1350,15 +1350,16 @@ class MoE(ShardedOperation):
     def forward_saved(self, ops, x2, w_router, w_gate, w_up, w_down, load=None, shared=None,
                       bias=None, biases=None):
         """Forward of x2 (T, h) on ``ops`` (:meth:`device_ops`): (y (T, h), aux (1,),
-        routed (E,), kept (E,), distinct tokens per expert-group member (n,), state for
-        :meth:`backward_saved`); ``shared``: the shared
+        routed (E,), kept (E,), distinct tokens per expert-group member (n,), distinct
+        tokens per node (n/d,; None unless the group spans nodes, ``ep_node_ranks``),
+        state for :meth:`backward_saved`); ``shared``: the shared
         expert's (W_gate, W_up, W_down) when the layer has one; ``bias``: (E,) added to
         the scores for the choice only (auxiliary-loss-free balancing), or None;
         ``biases``: (b_router (E,), b_gate, b_up (E_l, f), b_down (E_l, h)), None where
         the layer has none (``router_bias``, ``expert_bias``; the module docstring)."""
         y, aux, route, saved = self._forward(ops, x2, w_router, w_gate, w_up, w_down, load,
                                              shared, bias, biases)
-        return y, aux, route.routed, route.kept_arr, route.rank_arr, saved
+        return y, aux, route.routed, route.kept_arr, route.rank_arr, route.node_arr, saved
 
     def backward_saved(self, ops, saved, dy2, w_router, w_gate, w_up, w_down, d_aux,
                        shared=None):

@@ -182,6 +182,7 @@ class MoEBlock:
         """Start a step's report: aux loss (weighted sum), tokens per expert and distinct
         tokens per expert-group member (ExpertLoad's ``tokens``)."""
         self.aux_loss, self.routed, self.kept, self.tokens = 0.0, None, None, None
+        self.node_tokens = None          # per destination node (ep_node_ranks), or None
 
     @staticmethod
     def _local_seq(ops, y, name):
@@ -198,7 +199,7 @@ class MoEBlock:
         xf = u if folded else ops.gather_seq(u, "mlp: gather x")    # (b, s, h) or local
         mops = self.moe.device_ops(ops.dev, None if folded else ops.tp_axis, self.ep_axes,
                                    recompute_act=self.recompute_act and keep)
-        y, aux, routed, kept, tokens, saved = self.moe.forward_saved(
+        y, aux, routed, kept, tokens, nodes, saved = self.moe.forward_saved(
             mops, xf.reshape(-1, xf.shape[-1]), P["w_router"], P["moe_gate"], P["moe_up"],
             P["moe_down"], self.load, self._shared(P), self._bias(ops, xf), self._biases(P))
         if not self.recomputing and not is_meta(aux):
@@ -206,6 +207,9 @@ class MoEBlock:
             self.routed = routed.copy() if self.routed is None else self.routed + routed
             self.kept = kept.copy() if self.kept is None else self.kept + kept
             self.tokens = tokens.copy() if self.tokens is None else self.tokens + tokens
+            if nodes is not None:
+                self.node_tokens = nodes.copy() if self.node_tokens is None \
+                    else self.node_tokens + nodes
         y = y.reshape(xf.shape) if folded else \
             ops.reduce_out(y.reshape(xf.shape), "mlp: reduce the experts' y over tp")
         return y, ((mops, saved, xf.shape) if keep else ())
@@ -278,6 +282,10 @@ class _Reporting:
     @property
     def tokens(self):
         return self.block.tokens
+
+    @property
+    def node_tokens(self):
+        return self.block.node_tokens
 
     def reset_report(self) -> None:
         self.block.reset_report()

@@ -639,15 +639,18 @@ class TransformerStage:
 
     def moe_report(self) -> tuple[float, dict]:
         """(the step's weighted aux loss, {layer prefix: (routed, kept) tokens per
-        expert, distinct tokens per expert-group member) summed over the step's
-        micro-batches}) of this stage's MoE layers; each reset."""
+        expert, distinct tokens per expert-group member[, distinct tokens per node when
+        the group spans nodes]) summed over the step's micro-batches}) of this stage's
+        MoE layers; each reset."""
         aux, load = 0.0, {}
         for p, m in zip(self.prefixes, self.modules):
             if hasattr(m, "reset_report"):
                 aux += m.aux_loss
                 if m.routed is not None:
                     load[p] = (np.asarray(m.routed).tolist(), np.asarray(m.kept).tolist(),
-                               np.asarray(m.tokens).tolist())
+                               np.asarray(m.tokens).tolist()) + (
+                        () if getattr(m, "node_tokens", None) is None
+                        else (np.asarray(m.node_tokens).tolist(),))
                 m.reset_report()
         return aux, load
 

@@ -408,3 +408,29 @@ def test_cli_and_scenario_carry_node_ranks():
                  if isinstance(a, argparse._SubParsersAction)).choices["train"]
     action = next(a for a in train._actions if a.dest == "moe_ep_node_ranks")
     assert action.type("4") == 4 and action.default is None
+
+
+@pytest.mark.parametrize("extra", [dict(dp=4, ep=4, micro_batch=2),
+                                   dict(dp=2, ep=4, tp=2, etp=1, micro_batch=2,
+                                        sequence_parallel=True)],
+                         ids=["ep4", "folded"])
+def test_training_trace_moves_the_runs_messages(cluster_of, extra):
+    """One step: the run reports node_tokens per layer; the trace given the run's loads
+    moves the emulator's messages, rank by rank, both hops."""
+    cfg = _cfg(moe_top_k=2, **BIASES)
+    par = ParallelConfig(global_batch=8 if extra["dp"] == 4 else 4, **extra,
+                         moe_dispatcher="flex", moe_ep_node_ranks=2)
+    mesh, model = par.mesh(), GPT(cfg, seed=5)
+    tokens, targets = token_data(cfg, par.global_batch, seed=0)
+    cluster = cluster_of(mesh)
+    cluster.reset_stats()
+    run = model.fit(cluster, tokens, targets, 1, parallel=par)
+    events = cluster.trace()
+    loads = run.expert_load[0]
+    assert all(load.node_tokens is not None and len(load.node_tokens[0]) == 2
+               for load in loads.values())
+    assert any(isinstance(ev, CommEvent) and ev.tag == MOE_TAG + 4 for ev in events)
+    traces = trace_program(mesh, train_program, model.meta_args(mesh, par, 1,
+                                                                expert_load=loads))
+    for t in traces:
+        assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank

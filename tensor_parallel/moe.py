@@ -1078,7 +1078,10 @@ class MoE(ShardedOperation):
     ``alltoall`` (the module docstring's exchanges), ``allgather`` (every rank gathers
     the group's tokens and reduce-scatters its experts' partial outputs; Megatron's for
     small groups) or ``flex`` (DeepEP / HybridEP: each token once per destination rank,
-    the module docstring's "Flex"); ``groups``: (n_group, topk_group), DeepSeek's group-limited routing —
+    the module docstring's "Flex"); ``ep_node_ranks``: with ``flex``, the expert group's
+    ranks per node — each token once per destination node, forwarded there (DeepEP's
+    internode path, the module docstring's "Flex across nodes"; None or >= the group:
+    one node); ``groups``: (n_group, topk_group), DeepSeek's group-limited routing —
     each token chooses its k experts within its ``topk_group`` best of ``n_group`` equal
     groups of experts (a group scored by its two best experts' scores), None: among all; ``seed`` draws :meth:`init_params`;
     ``algorithms`` maps ``all_to_all`` / ``all_reduce`` to the algorithm every such call

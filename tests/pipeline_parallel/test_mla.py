@@ -28,8 +28,8 @@ from vcluster.planner.memory import cp_buffer_bytes, rank_params
 from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signature,
                                       meta_like, trace_comm_signature, trace_program)
 
-from .gpt_data import (assert_central_difference, assert_same_params_and_grads,
-                       count_params, mesh_of, token_data)
+from .gpt_data import (assert_central_difference, assert_fit_equals_reference,
+                       assert_same_params_and_grads, count_params, mesh_of, token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -234,16 +234,10 @@ def test_moe_training_equals_the_reference(cluster_of, dense):
     cfg = _cfg(experts=4, moe_top_k=2, moe_ffn_hidden=12, moe_dense_layers=dense)
     par = ParallelConfig(global_batch=4, micro_batch=1, dp=2, ep=2, tp=2)
     model, (tokens, targets) = GPT(cfg, seed=3), token_data(cfg, 4)
-    cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    assert loss == pytest.approx(ref_loss, rel=RTOL)
-    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
+    _, ref = assert_fit_equals_reference(cluster_of(par.mesh()), model, par, tokens, targets,
+                                         steps=STEPS, lr=LR, rtol=RTOL, atol=ATOL,
+                                         parallel=par)
     assert {"w_q_b", "w_kv_b", "moe_gate"} <= {n.rsplit(".", 1)[-1] for n in ref.params}
-    assert_same_params_and_grads(run, ref, RTOL, ATOL)
 
 
 # --- context-parallel attention with values of their own width --------------------------------

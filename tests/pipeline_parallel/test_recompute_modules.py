@@ -7,7 +7,6 @@ its FLOPs; the traced FLOPs grow by exactly the recomputed modules' forward prod
 (closed forms); the program keeps fewer bytes; the configs refuse what is not modelled
 or what the model lacks."""
 
-import numpy as np
 import pytest
 
 from modeling import ConfigError
@@ -16,7 +15,7 @@ from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
 from vcluster.runtime.tracing import TraceCompute, comm_signature, trace_comm_signature, \
     trace_program
 
-from .gpt_data import assert_same_params_and_grads, mesh_of, token_data
+from .gpt_data import assert_fit_equals_reference, mesh_of, token_data
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,15 +73,8 @@ def _ids(cases):
 def _check_training(cluster_of, cfg, par, seed=1):
     model = GPT(cfg, seed=seed)
     tokens, targets = token_data(cfg, B)
-    cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    assert loss == pytest.approx(ref_loss, rel=RTOL)
-    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
-    assert_same_params_and_grads(run, ref, RTOL, ATOL)
+    assert_fit_equals_reference(cluster_of(par.mesh()), model, par, tokens, targets,
+                                steps=STEPS, lr=LR, rtol=RTOL, atol=ATOL, parallel=par)
 
 
 def _par(mesh, modules, **kw) -> ParallelConfig:

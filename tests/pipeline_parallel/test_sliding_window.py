@@ -28,8 +28,8 @@ from vcluster.planner.memory import llama_activation_bytes_per_layer, rank_param
 from vcluster.runtime.tracing import TraceCompute, trace_program
 from vcluster.timing.kernel_profiles import _attention_flops
 
-from .gpt_data import (assert_central_difference, assert_same_params_and_grads, mesh_of,
-                       token_data)
+from .gpt_data import (assert_central_difference, assert_fit_equals_reference,
+                       assert_same_params_and_grads, mesh_of, token_data)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -246,15 +246,8 @@ def test_moe_training_with_a_window_equals_the_reference(cluster_of):
                attention_sinks=True)
     par = ParallelConfig(global_batch=B, micro_batch=1, dp=2, ep=2)
     model, (tokens, targets) = GPT(cfg, seed=3), token_data(cfg, B, seed=0)
-    cluster = cluster_of(par.mesh())
-    ref_loss, ref_logits = model.reference_forward(tokens, targets, parallel=par)
-    loss, logits = model.forward(cluster, tokens, targets, par)
-    assert loss == pytest.approx(ref_loss, rel=RTOL)
-    np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL)
-    ref = model.fit_reference(tokens, targets, STEPS, lr=LR, parallel=par)
-    run = model.fit(cluster, tokens, targets, STEPS, parallel=par, lr=LR)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
-    assert_same_params_and_grads(run, ref, RTOL, ATOL)
+    assert_fit_equals_reference(cluster_of(par.mesh()), model, par, tokens, targets,
+                                steps=STEPS, lr=LR, rtol=RTOL, atol=ATOL, parallel=par)
 
 
 # --- FLOPs: trace == closed form --------------------------------------------------------------

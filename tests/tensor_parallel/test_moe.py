@@ -32,20 +32,6 @@ def _id(case):
     return f"ep{ep}-E{e}-top{k}-" + ("dropless" if cf is None else f"cf{cf}")
 
 
-@pytest.fixture(scope="module")
-def clusters():
-    made = {}
-
-    def get(ep):
-        if ep not in made:
-            made[ep] = VirtualCluster(Mesh((ep,), ("ep",)), timeout_s=30)
-        return made[ep]
-
-    yield get
-    for c in made.values():
-        c.close()
-
-
 def _data(seed=3, n=N, h=H):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((n, h)), rng.standard_normal((n, h))

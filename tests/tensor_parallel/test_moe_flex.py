@@ -30,6 +30,7 @@ from vcluster.runtime.tracing import (TraceCompute, comm_signature, trace_comm_s
                                       trace_program)
 
 from ..pipeline_parallel.gpt_data import assert_fit_equals_reference, token_data
+from .moe_data import moe_inputs, skewed_router
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,29 +40,12 @@ PAIRWISE = {"all_to_all": "pairwise"}
 GRADS = ("y", "dx", "d_router", "d_gate", "d_up", "d_down")
 
 
-@pytest.fixture(scope="module")
-def clusters():
-    made = {}
-
-    def get(ep):
-        if ep not in made:
-            made[ep] = VirtualCluster(Mesh((ep,), ("ep",)), timeout_s=30)
-        return made[ep]
-
-    yield get
-    for c in made.values():
-        c.close()
-
-
 def _data(seed, n=32):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((n, H)), rng.standard_normal((n, H))
+    return moe_inputs(seed, H, n)
 
 
 def _skewed(params, bias=1.5):
-    p = dict(params, w_router=params["w_router"].copy())
-    p["w_router"][:, 0] += bias / np.sqrt(H)
-    return p
+    return skewed_router(params, H, bias)
 
 
 # --- numerics -----------------------------------------------------------------------------

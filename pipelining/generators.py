@@ -60,7 +60,8 @@ __all__ = ["SCHEDULE_NAMES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_b
 
 #: the schedules Megatron-Core's combined 1F1B (MoE expert-parallel overlap) runs with:
 #: no pipelining (1f1b on one rank) or the interleaved schedule
-COMBINED_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved_1f1b")
+COMBINED_SCHEDULES: tuple[str, ...] = (ScheduleName.ONE_F_ONE_B.value,
+                                        ScheduleName.INTERLEAVED_1F1B.value)
 
 #: The names :func:`make_schedule` accepts.
 SCHEDULE_NAMES: tuple[str, ...] = ScheduleName.values()   # the one list: modeling.choices

@@ -58,7 +58,7 @@ JSON_KEYS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "schedule", "vi
              "first_stage_layers", "last_stage_layers", "layers_per_stage",
              "sequence_parallel",
              "recompute", "distributed_optimizer", "zero_stage", "cluster_split",
-             "step_time_s", "tflops_per_gpu",
+             "moe_comm_overlap", "moe_ep_node_ranks", "step_time_s", "tflops_per_gpu",
              "mfu",
              "peak_memory_gb", "replayed", "compute_comm_ratio")
 #: and the keys derived from them (:func:`vcluster.planner.search.throughput`)
@@ -77,6 +77,16 @@ def add_parser(commands) -> None:
                      help="MoE: the largest expert-parallel degree tried (each ep divides "
                           "--experts and dp, or with the expert group folded over tp, etp 1, "
                           "is tp x a divisor of dp; default 1)")
+    gpt.add_argument("--moe-dispatcher", choices=("alltoall", "allgather", "flex"),
+                     default="alltoall", help="MoE: every candidate's token dispatcher with "
+                     "ep > 1, as simulate gpt's (flex: DeepEP / HybridEP, across scale-up "
+                     "domains with --moe-ep-node-ranks set from the hardware; default "
+                     "alltoall)")
+    gpt.add_argument("--moe-comm-overlap", action="store_true",
+                     help="MoE: Megatron-Core's all-to-all overlap (combined 1F1B) on every "
+                          "candidate with ep > 1 that allows it (alltoall or flex, no full "
+                          "recomputation, 1f1b on pp 1 or interleaved_1f1b), off on the "
+                          "others; the table's and JSON's moe_comm_overlap says which")
     gpt.add_argument("--global-batch", type=positive_int, required=True,
                      help="sequences per step, over all data-parallel replicas")
     gpt.add_argument("--hardware", default="a100-80gb-dgx",
@@ -226,13 +236,15 @@ def _print_cluster(df, cluster) -> None:
 
 
 def _print_table(df, top: int, cp: bool = False, ep: bool = False,
-                 layers: bool = False) -> None:
+                 layers: bool = False, overlap: bool = False) -> None:
     """The top rows and a legend of the figures; ``cp``: with a cp column (after dp);
     ``ep``: expert-parallel columns after dp (and cp), ep and etp (MoE models);
+    ``overlap``: an ``a2a-ovl`` column after etp, the row's ``moe_comm_overlap``;
     ``layers``: a column of the layers per stage (heterogeneous clusters)."""
     from vcluster.planner.search import throughput     # lazy: keeps vcluster --help fast
     cp_head = f"{'cp':>3} " if cp else ""
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>5} {cp_head}" + (f"{'ep':>3} {'etp':>3} " if ep else "")
+            + (f"{'a2a-ovl':<7} " if overlap else "")
             + f"{'b':>3} {'m':>5} {'schedule':<20} {'sp':<3} "
             f"{'recompute':<9} {'zero':>4} {'step s':>8} {'tok/s/GPU':>9} {'hw TFLOP/s':>10} "
             f"{'MFU':>6} {'mem GB':>7} {'comp/comm':>9}  source"
@@ -245,6 +257,8 @@ def _print_table(df, top: int, cp: bool = False, ep: bool = False,
             else f"{'inf':>9}"
         cp_col = f"{r['cp']:>3} " if cp else ""
         ep_col = f"{r['ep']:>3} {r['etp']:>3} " if ep else ""
+        if overlap:
+            ep_col += f"{'yes' if r['moe_comm_overlap'] else 'no':<7} "
         print(f"{i + 1:>3} {r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {cp_col}{ep_col}"
               f"{r['micro_batch']:>3} "
               f"{r['microbatches']:>5} {sched:<20} {'yes' if r['sequence_parallel'] else 'no':<3} "
@@ -311,6 +325,7 @@ def _gpt(args) -> int:
                   distributed_optimizer=args.distributed_optimizer,
                   max_cp=args.max_cp, cp_algorithm=args.cp_algorithm,
                   max_ep=args.max_ep, zero_stages=args.zero_stages,
+                  moe_dispatcher=args.moe_dispatcher, moe_comm_overlap=args.moe_comm_overlap,
                   precision=precision_name(args.precision), fp8=low_precision(args),
                   cluster_splits=None if args.cluster_split is None else (args.cluster_split,),
                   **({} if args.memory_headroom is None
@@ -324,10 +339,13 @@ def _gpt(args) -> int:
              if a["fp8"] else "")
           + ("; gradients reduced in fp32" if a.get("grad_reduce_dtype") == "fp32" else "")
           + (f"; {a['attention']} attention" if a.get("attention", "flash") != "flash"
-             else ""))
+             else "")
+          + (f"; MoE {a['moe_dispatcher']} dispatcher" if a.get("moe_dispatcher", "alltoall")
+             != "alltoall" else "")
+          + ("; MoE all-to-all overlap where allowed" if a.get("moe_comm_overlap") else ""))
     if len(df):
         _print_table(df, args.top, cp=args.max_cp > 1, ep=bool(a["config"].experts),
-                     layers=cluster is not None)
+                     layers=cluster is not None, overlap=args.moe_comm_overlap)
         if cluster is not None:
             _print_cluster(df, cluster)
     print("rejected:" + ("" if a["rejected"] else " none"))

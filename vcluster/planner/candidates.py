@@ -44,6 +44,11 @@ data-parallel ranks, so ep multiplies no GPU count; each expert is split over tp
 tp). With tp > 1 and sequence parallelism the search also folds the expert group over
 whole tp groups (etp = 1, ep = tp × a divisor of dp, up to ``max_ep``). With cp > 1 the
 expert group takes whole cp groups: ep = cp × a divisor of dp (× tp when folded).
+Every candidate with ep > 1 takes the space's ``moe_dispatcher`` (default "alltoall")
+and, with ``moe_comm_overlap``, Megatron-Core's MoE all-to-all overlap where
+ParallelConfig's rule allows it for that candidate (its schedule, pp, virtual stages and
+recomputation: :func:`with_moe_overlap`), off elsewhere: the overlap rejects no
+candidate.
 
 Rejections are counted per reason. A split-level reason (``tp_*``, ``pp_*``, ``dp_*``)
 counts (tp, pp) splits, the others count whole candidates.
@@ -67,12 +72,13 @@ from pipeline_parallel.gpt import (ATTENTION, FUSED_ATTENTION, GRAD_REDUCE_DTYPE
 from pipeline_parallel.zero import ZERO_STAGES
 from modeling import (ConfigError, Recompute, ScheduleName, check_zero_stage,
                       recompute_refusal)
+from modeling.plan import MOE_DISPATCHERS
 from tensor_parallel.context_parallel import CP_ALGORITHMS
 from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "stage_split", "REJECT_REASONS",
            "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES",
-           "stage_kinds", "replica_kinds", "balance_layers"]
+           "stage_kinds", "replica_kinds", "balance_layers", "with_moe_overlap"]
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
 DEFAULT_MAX_VIRTUAL_STAGES = 8
@@ -138,6 +144,8 @@ class SearchSpace:
     max_ep: int = 1                                # MoE: the largest expert parallelism
     zero_stages: tuple | None = None               # None: from distributed_optimizer
     precision: object = "megatron"                 # the memory model's PrecisionPolicy
+    moe_dispatcher: str = "alltoall"               # MoE, every candidate with ep > 1
+    moe_comm_overlap: bool = False                 # MoE: where the rule allows it
 
     def __post_init__(self):
         if self.zero_stages is None:
@@ -169,6 +177,12 @@ class SearchSpace:
         if self.tp_overlap not in TP_OVERLAP:
             raise ValueError(f"plan_gpt: tp_overlap must be one of {TP_OVERLAP}, got "
                              f"{self.tp_overlap!r}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"plan_gpt: moe_dispatcher={self.moe_dispatcher!r}: not a token "
+                             f"dispatcher; allowed: {', '.join(MOE_DISPATCHERS)}")
+        if not isinstance(self.moe_comm_overlap, bool):
+            raise ValueError(f"plan_gpt: moe_comm_overlap={self.moe_comm_overlap!r}: "
+                             f"allowed: True or False")
         if self.distributed_optimizer not in (None, False, True):
             raise ValueError(f"plan_gpt: distributed_optimizer must be True, False or None "
                              f"(where memory needs it), got {self.distributed_optimizer!r}")
@@ -345,6 +359,18 @@ def _zero_stages(space: SearchSpace, config: GPTConfig, shards: int, pp: int) ->
     return tuple(stages)
 
 
+def with_moe_overlap(par: ParallelConfig) -> ParallelConfig:
+    """``par`` with ``moe_comm_overlap`` where ParallelConfig's rule allows it (ep > 1, the
+    alltoall or flex dispatcher, no full recomputation, 1f1b on pp 1 or interleaved_1f1b
+    with virtual stages >= 2), else ``par`` itself (the overlap off)."""
+    try:
+        return replace(par, moe_comm_overlap=True)
+    except ConfigError as exc:
+        if exc.field != "moe_comm_overlap":
+            raise
+        return par
+
+
 def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space: SearchSpace,
                          hbm_bytes: int) -> tuple[list[ParallelConfig], Counter]:
     """(the candidates that fit, rejected counts by reason) — see the module docstring."""
@@ -397,7 +423,11 @@ def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space:
                             grad_reduce_dtype=space.grad_reduce_dtype,
                             zero_stage=stages[0],
                             **({"cp": cp, "cp_algorithm": space.cp_algorithm}
-                               if cp > 1 else {}))
+                               if cp > 1 else {}),
+                            **({"moe_dispatcher": space.moe_dispatcher}
+                               if ep > 1 else {}))
+                        if ep > 1 and space.moe_comm_overlap:
+                            par = with_moe_overlap(par)
                         fits = peak_memory_bytes(config, par, space.precision) <= hbm_bytes
                         for z in stages[1:]:
                             if fits:

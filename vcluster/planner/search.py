@@ -59,6 +59,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import dataclasses
 
+from modeling import ConfigError
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
 from pipelining import bubble_time_closed_form
 from vcluster.timing.cluster import ClusterSpec, load_cluster
@@ -74,6 +75,7 @@ from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
 from .screen import peak_in_flight_closed_form, peak_memory_bytes, screen_estimate
 from .simulation import CLUSTER_SPLITS, fp8_gemm, simulate_gpt
+from .validation import recipe_node_ranks
 
 __all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S",
            "REJECT_REASONS", "balanced_split", "cluster_screen_estimate",
@@ -85,7 +87,7 @@ REPLAY_TIMEOUT_S = 900.0   # one replay of up to 6,144 GPUs takes < 30 s; far be
 COLUMNS = ("tp", "pp", "dp", "cp", "ep", "etp", "micro_batch", "microbatches", "schedule",
            "virtual_stages", "first_stage_layers", "last_stage_layers", "layers_per_stage",
            "sequence_parallel", "recompute", "distributed_optimizer", "zero_stage",
-           "cluster_split", "step_time_s",
+           "cluster_split", "moe_comm_overlap", "moe_ep_node_ranks", "step_time_s",
            "tflops_per_gpu", "mfu", "peak_memory_gb", "compute_comm_ratio", "replayed", "screen_step_time_s")
 
 
@@ -99,7 +101,25 @@ def _knobs(par: ParallelConfig) -> dict:
             "layers_per_stage": par.layers_per_stage,
             "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "distributed_optimizer": par.distributed_optimizer,
-            "zero_stage": par.zero_stage}
+            "zero_stage": par.zero_stage, "moe_comm_overlap": par.moe_comm_overlap,
+            "moe_ep_node_ranks": par.moe_ep_node_ranks}
+
+
+def _flex_node_ranks(par: ParallelConfig, kinds) -> ParallelConfig:
+    """``par`` with ``moe_ep_node_ranks`` where its flex expert group spans several
+    scale-up domains of the hardware (:func:`~.validation.recipe_node_ranks`, on every GPU
+    kind of ``kinds``: set only where they agree), else ``par`` (one-hop flex: a group that
+    does not split into whole domains, a ConfigError there, keeps it)."""
+    if par.moe_dispatcher != "flex" or par.ep == 1:
+        return par
+    try:
+        placed = {recipe_node_ranks(par, h).moe_ep_node_ranks for h in kinds}
+    except ConfigError as exc:
+        if exc.field != "moe_ep_node_ranks":
+            raise
+        return par
+    return dataclasses.replace(par, moe_ep_node_ranks=placed.pop()) if len(placed) == 1 \
+        and None not in placed else par
 
 
 def throughput(step_time_s: float, attrs: dict) -> dict:
@@ -435,7 +455,8 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
              experts: int = 0, moe_top_k: int = 2, moe_ffn_hidden: int | None = None,
              capacity_factor: float | None = None, max_ep: int = 1, zero_stages=None,
              precision="megatron", fp8: bool = False, grad_reduce_dtype: str = "model",
-             config: GPTConfig | None = None, cluster_splits=None):
+             config: GPTConfig | None = None, cluster_splits=None,
+             moe_dispatcher: str = "alltoall", moe_comm_overlap: bool = False):
     """Plan the parallel configuration of a GPT (see the module docstring).
 
     The model: ``config`` (a :class:`~pipeline_parallel.gpt.GPTConfig`, e.g.
@@ -469,7 +490,20 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     (every ep <= max_ep dividing dp and the experts; default 1), each expert split over
     tp (etp = tp) or, tp > 1 with sequence parallelism, the group folded over whole tp
     groups (etp = 1); with cp > 1 the group takes whole cp groups (ep = cp × a divisor of
-    dp).
+    dp). ``moe_dispatcher``: every candidate with ep > 1 dispatches its tokens so
+    ("alltoall", the default; "allgather"; "flex": DeepEP / HybridEP, one row per token and
+    destination rank — where its expert group spans several scale-up domains of the
+    hardware, the candidate's ``moe_ep_node_ranks`` is set to the group's ranks per domain,
+    :func:`~vcluster.planner.validation.recipe_node_ranks`, and stays one-hop flex where the
+    group does not split into whole domains). ``moe_comm_overlap``: Megatron-Core's MoE
+    all-to-all overlap (the combined 1F1B) on every candidate with ep > 1 where
+    ParallelConfig's rule allows it (the alltoall or flex dispatcher, no full
+    recomputation, 1f1b on pp 1 or interleaved_1f1b with virtual stages >= 2), off on the
+    others (it rejects no candidate); the DataFrame's ``moe_comm_overlap`` column says
+    which rows run it, ``moe_ep_node_ranks`` the two-hop flex rows' ranks per domain
+    (None: one hop). The screen prices the dispatcher (its traced pieces); the overlap
+    and the two-hop flex path only the replay (``attrs["moe_dispatcher"]``,
+    ``attrs["moe_comm_overlap"]``).
     ``zero_stages``: the ZeRO stages searched (default all of 0-3; not with
     ``distributed_optimizer``, which means ``(1,)`` / ``(0,)``); each candidate takes the
     lowest of them that fits (:mod:`~vcluster.planner.candidates`), the DataFrame's
@@ -522,13 +556,16 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
         attention=attention, tp_overlap=tp_overlap, grad_reduce_dtype=grad_reduce_dtype,
         distributed_optimizer=distributed_optimizer, max_cp=max_cp,
         cp_algorithm=cp_algorithm, max_ep=max_ep, zero_stages=zero_stages,
-        precision=precision)
+        precision=precision, moe_dispatcher=moe_dispatcher, moe_comm_overlap=moe_comm_overlap)
     if cluster is None and isinstance(gpus, int) and gpus >= 1:
         hw = hw.for_job(gpus)     # as simulate_gpt places the job: the screen prices it so
     # on a cluster: the largest device's limit here, each stage's own after the balance
     limit = max(usable_memory_bytes(h.device.hbm_bytes, memory_headroom)
                 for h in (cluster.kinds if cluster is not None else (hw,)))
     candidates, rejected = enumerate_candidates(config, gpus, global_batch, space, limit)
+    if moe_dispatcher == "flex":
+        kinds = cluster.kinds if cluster is not None else (hw,)
+        candidates = [_flex_node_ranks(p, kinds) for p in candidates]
     bar = _progress(progress)
     if bar:
         bar.start()
@@ -564,6 +601,8 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
             "replayed": k < n_replay, "screen_step_time_s": est.step_time_s,
             "cluster_split": None if splits is None else splits[i]})
     df = pd.DataFrame(rows, columns=list(COLUMNS))
+    # an int or None per row (not pandas' float NaN)
+    df["moe_ep_node_ranks"] = pd.Series([r["moe_ep_node_ranks"] for r in rows], dtype=object)
     if len(df):
         df = df.sort_values(["replayed", "step_time_s"], ascending=[False, True],
                             kind="stable").reset_index(drop=True)
@@ -576,5 +615,6 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
                     memory_limit_gb=limit / 1e9, memory_headroom=memory_headroom,
                     precision=precision.name, fp8=fp8, grad_reduce_dtype=grad_reduce_dtype,
                     attention=attention, tp_overlap=tp_overlap,
+                    moe_dispatcher=moe_dispatcher, moe_comm_overlap=moe_comm_overlap,
                     planning_time_s=time.perf_counter() - t0)
     return df

@@ -116,9 +116,10 @@ def recipe_dispatcher(r: dict) -> str:
     return RECIPE_DISPATCHERS[name]
 
 
-def recipe_node_ranks(par: ParallelConfig, hardware: str) -> ParallelConfig:
+def recipe_node_ranks(par: ParallelConfig, hardware) -> ParallelConfig:
     """``par`` with ``moe_ep_node_ranks`` set where its flex dispatcher (DeepEP, HybridEP)
-    spans several scale-up domains of ``hardware`` (a preset name): d, the expert group's
+    spans several scale-up domains of ``hardware`` (a preset name or a HardwareSpec, as
+    :func:`~vcluster.timing.load_hardware` takes; the planner passes its own): d, the expert group's
     ranks per domain of ``node.domain_gpus`` (default ``gpus_per_node``) GPUs, derived from
     the mesh (:meth:`~pipeline_parallel.gpt.ParallelConfig.expert_ranks_per_domain`: ep
     next to tp, so with tp = 2 an 8-GPU DGX holds 4 of a group's ranks). DeepEP's

@@ -82,6 +82,15 @@ def _rank_bounds(kept_row, ranks: int) -> list[tuple[int, int]]:
             for d in range(ranks)]
 
 
+def _check_within(table, name: str, bounds, what: str) -> None:
+    """Raise unless every ``table[r][c]`` lies in ``bounds[r][c]`` = (lower, upper)."""
+    for r, (row, b_row) in enumerate(zip(table, bounds)):
+        for c, (v, (lo, hi)) in enumerate(zip(row, b_row)):
+            if not lo <= v <= hi:
+                raise ValueError(f"ExpertLoad: {name}[{r}][{c}]={v} must lie in [{lo}, {hi}] "
+                                 f"({what})")
+
+
 def _table(rows, what: str) -> tuple[tuple[int, ...], ...]:
     table = tuple(tuple(int(v) for v in row) for row in rows)
     if not table or len({len(r) for r in table}) != 1 or not table[0]:
@@ -124,13 +133,8 @@ class ExpertLoad:
                 raise ValueError(f"ExpertLoad: tokens must be a (ep={len(kept)}, g) table "
                                  f"with g dividing experts={len(kept[0])}, got "
                                  f"{np.shape(tokens)}")
-            for r, (row, k_row) in enumerate(zip(tokens, kept)):
-                for d, (v, (lo, hi)) in enumerate(zip(row, _rank_bounds(k_row, width))):
-                    if not lo <= v <= hi:
-                        raise ValueError(
-                            f"ExpertLoad: tokens[{r}][{d}]={v} must lie in [{lo}, {hi}] "
-                            "(the most kept rows of one of that rank's experts, and their "
-                            "sum)")
+            _check_within(tokens, "tokens", [_rank_bounds(k, width) for k in kept],
+                          "the most kept rows of one of that rank's experts, and their sum")
             object.__setattr__(self, "tokens", tokens)
         if self.node_tokens is not None:
             self._check_node_tokens()
@@ -144,17 +148,15 @@ class ExpertLoad:
             raise ValueError(f"ExpertLoad: node_tokens must be a (ep={len(kept)}, nodes) "
                              f"table with nodes dividing experts={len(kept[0])} (and the "
                              f"tokens table's {ranks} ranks), got {np.shape(nodes)}")
-        for r, (row, k_row) in enumerate(zip(nodes, kept)):
-            for nd, (v, (lo, hi)) in enumerate(zip(row, _rank_bounds(k_row, width))):
-                if ranks is not None:
-                    d = ranks // width
-                    mine = self.tokens[r][nd * d:(nd + 1) * d]
-                    lo, hi = max(lo, max(mine)), min(hi, sum(mine))
-                if not lo <= v <= hi:
-                    raise ValueError(
-                        f"ExpertLoad: node_tokens[{r}][{nd}]={v} must lie in [{lo}, {hi}] "
-                        "(the most distinct tokens of one of that node's ranks, and their "
-                        "sum)")
+        bounds = [_rank_bounds(k, width) for k in kept]
+        if ranks is not None:            # and within the node's ranks' distinct tokens
+            d = ranks // width
+            bounds = [[(max(lo, max(mine)), min(hi, sum(mine)))
+                       for (lo, hi), mine in zip(row, (t[nd * d:(nd + 1) * d]
+                                                       for nd in range(width)))]
+                      for row, t in zip(bounds, self.tokens)]
+        _check_within(nodes, "node_tokens", bounds, "the most distinct tokens of one of that "
+                      "node's ranks, and their sum")
         object.__setattr__(self, "node_tokens", nodes)
 
     @classmethod

@@ -20,7 +20,7 @@ import pytest
 from mesh import Mesh
 from modeling import ConfigError
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import GPT, ParallelConfig
 from tensor_parallel import MOE_TAG, ExpertLoad, MoE
 from tensor_parallel.moe_load import distinct_rank_fraction
 from tensor_parallel.moe_reference import moe_reference
@@ -30,23 +30,10 @@ from vcluster.runtime.tracing import (TraceCompute, comm_signature, trace_comm_s
                                       trace_program)
 
 from ..pipeline_parallel.gpt_data import assert_fit_equals_reference, token_data
-from .moe_data import moe_inputs, skewed_router
+from .moe_data import (ATOL, BIASES, GRADS, PAIRWISE, RTOL, F, H, moe_cfg, moe_inputs,
+                       skewed_router, trace_moves_the_runs_messages)
 
 pytestmark = pytest.mark.timeout(300)
-
-H, F = 8, 12
-RTOL, ATOL = 1e-9, 1e-12
-PAIRWISE = {"all_to_all": "pairwise"}
-GRADS = ("y", "dx", "d_router", "d_gate", "d_up", "d_down")
-
-
-def _data(seed, n=32):
-    return moe_inputs(seed, H, n)
-
-
-def _skewed(params, bias=1.5):
-    return skewed_router(params, H, bias)
-
 
 # --- numerics -----------------------------------------------------------------------------
 # (ep, experts, top_k, capacity factor, skewed router, shared width)
@@ -63,8 +50,8 @@ def test_flex_equals_the_reference_and_the_alltoall(clusters, ep, e, k, cf, skew
     kw = dict(top_k=k, capacity_factor=cf, aux_coef=0.1, seed=ep + k, shared_ffn_hidden=fs)
     flex, a2a = MoE(H, F, e, dispatcher="flex", **kw), MoE(H, F, e, **kw)
     params = flex.init_params()
-    params = _skewed(params) if skew else params
-    x, dy = _data(seed=ep * 10 + k)
+    params = skewed_router(params) if skew else params
+    x, dy = moe_inputs(seed=ep * 10 + k)
     got = flex.backward(clusters(ep), x, params, dy, d_aux=0.7)
     ref = flex.reference(x, params, dy, ep=ep, d_aux=0.7)
     other = a2a.backward(clusters(ep), x, params, dy, d_aux=0.7)
@@ -90,8 +77,8 @@ def test_tokens_table_is_a_direct_count(clusters, ep, k, cf):
     """ExpertLoad.tokens[r][d]: rank r's tokens with at least one kept choice among
     member d's experts, counted here from the reference's routing token by token."""
     moe = MoE(H, F, 8, top_k=k, capacity_factor=cf, seed=3, dispatcher="flex")
-    params = _skewed(moe.init_params())
-    x = _data(seed=5)[0]
+    params = skewed_router(moe.init_params())
+    x = moe_inputs(seed=5)[0]
     load = moe.run(clusters(ep), x, params).load
     _, choice, keep = moe_reference(x, *(params[n] for n in moe.weight_names()), top_k=k,
                                     capacity_factor=cf, aux_coef=0.0, ep=ep)
@@ -105,7 +92,7 @@ def test_tokens_table_is_a_direct_count(clusters, ep, k, cf):
 
 def test_runs_under_the_strict_array_module():
     params = MoE(H, F, 4, seed=1).init_params()
-    x, dy = _data(seed=1)
+    x, dy = moe_inputs(seed=1)
     with VirtualCluster(Mesh((2,), ("ep",)), array_module="strict", timeout_s=30) as cluster:
         for cf in (None, 0.75):
             moe = MoE(H, F, 4, top_k=2, capacity_factor=cf, aux_coef=0.1, seed=1,
@@ -139,8 +126,8 @@ def test_traffic_equals_the_closed_form_and_the_trace(clusters, ep, k, cf):
     e, b = 8, 8
     kw = dict(top_k=k, capacity_factor=cf, aux_coef=0.1, seed=4, algorithms=PAIRWISE)
     moe, a2a = MoE(H, F, e, dispatcher="flex", **kw), MoE(H, F, e, **kw)
-    params = _skewed(moe.init_params(), bias=1.0)
-    x, dy = _data(seed=6)
+    params = skewed_router(moe.init_params(), bias=1.0)
+    x, dy = moe_inputs(seed=6)
     cluster, mesh, e_l = clusters(ep), Mesh((ep,), ("ep",)), e // ep
     width = {0: H + 2 * k, 1: H, 2: H, 3: H + k}
     for backward in (False, True):
@@ -191,7 +178,7 @@ def test_flex_sends_fewer_rows_than_alltoall_exactly_when_tokens_share_a_rank(cl
     (flex's a little wider: 2 routing columns); with k >= 2 some token has two choices on
     one rank and flex sends strictly fewer rows and bytes, in every exchange."""
     kw = dict(top_k=k, aux_coef=0.1, seed=9, algorithms=PAIRWISE)
-    x, dy = _data(seed=11)
+    x, dy = moe_inputs(seed=11)
     sent = {}
     for name in ("alltoall", "flex"):
         moe = MoE(H, F, 8, dispatcher=name, **kw)
@@ -312,13 +299,6 @@ def test_cli_and_scenario_list_flex():
 
 
 # --- inside training ------------------------------------------------------------------------
-def _cfg(**kw):
-    return GPTConfig(**{**dict(hidden=16, layers=2, heads=4, seq=8, vocab=32, arch="llama",
-                               kv_heads=2, ffn_hidden=24, experts=8, moe_top_k=4,
-                               moe_ffn_hidden=12), **kw})
-
-
-BIASES = dict(moe_router_bias=True, moe_expert_bias=True)
 TRAIN = [(dict(), dict(dp=2, ep=2)),
          (dict(moe_shared_ffn_hidden=6), dict(dp=4, ep=4, pp=2)),
          (BIASES, dict(dp=2, ep=2, micro_batch=2)),
@@ -335,7 +315,7 @@ TRAIN = [(dict(), dict(dp=2, ep=2)),
                          ids=["ep2", "ep4-pp2-shared", "biases-mb2", "biases-etp2-sp",
                               "biases-folded", "capacity-etp2", "cp2", "sigmoid-top8"])
 def test_training_with_flex_equals_the_reference(cluster_of, fields, extra):
-    cfg = _cfg(**fields)
+    cfg = moe_cfg(**fields)
     par = ParallelConfig(**{"global_batch": 4, "micro_batch": 1, **extra,
                             "moe_dispatcher": "flex"})
     model, (tokens, targets) = GPT(cfg, seed=2), token_data(cfg, 4, seed=0)
@@ -356,19 +336,11 @@ def test_training_with_flex_equals_the_reference(cluster_of, fields, extra):
 def test_training_trace_moves_the_runs_messages(cluster_of, extra):
     """One step, one micro-batch per replica: the trace given the run's ExpertLoad per
     layer (its tokens table included) moves the emulator's messages, rank by rank."""
-    cfg = _cfg(moe_top_k=2, **BIASES)
+    cfg = moe_cfg(moe_top_k=2, **BIASES)
     par = ParallelConfig(global_batch=4, **extra, moe_dispatcher="flex")
     mesh, model = par.mesh(), GPT(cfg, seed=5)
     tokens, targets = token_data(cfg, 4, seed=0)
-    cluster = cluster_of(mesh)
-    cluster.reset_stats()
-    run = model.fit(cluster, tokens, targets, 1, parallel=par)
-    events = cluster.trace()
-    loads = run.expert_load[0]
-    assert all(load.tokens is not None for load in loads.values())
-    traces = trace_program(mesh, train_program, model.meta_args(mesh, par, 1,
-                                                                 expert_load=loads))
-    for t in traces:
-        assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank
+    run, _ = trace_moves_the_runs_messages(cluster_of(mesh), model, par, tokens, targets)
+    assert all(load.tokens is not None for load in run.expert_load[0].values())
     # and it simulates with the planner's expected table (ExpertLoad.skewed)
     trace_program(mesh, train_program, model.meta_args(mesh, par, 1))

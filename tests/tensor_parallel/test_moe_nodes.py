@@ -20,7 +20,7 @@ import pytest
 from mesh import Mesh
 from modeling import ConfigError
 from pipeline_parallel.executor import train_program
-from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig
+from pipeline_parallel.gpt import GPT, ParallelConfig
 from tensor_parallel import MOE_TAG, ExpertLoad, MoE
 from tensor_parallel.moe_load import distinct_rank_fraction
 from tensor_parallel.moe_reference import moe_reference
@@ -29,23 +29,10 @@ from vcluster.runtime.tracing import (TraceCollective, TraceCompute, comm_signat
                                       trace_comm_signature, trace_program)
 
 from ..pipeline_parallel.gpt_data import assert_fit_equals_reference, token_data
-from .moe_data import moe_inputs, skewed_router
+from .moe_data import (ATOL, BIASES, GRADS, PAIRWISE, RTOL, F, H, moe_cfg, moe_inputs,
+                       skewed_router, trace_moves_the_runs_messages)
 
 pytestmark = pytest.mark.timeout(300)
-
-H, F = 8, 12
-RTOL, ATOL = 1e-9, 1e-12
-PAIRWISE = {"all_to_all": "pairwise"}
-GRADS = ("y", "dx", "d_router", "d_gate", "d_up", "d_down")
-
-
-def _data(seed, n=32):
-    return moe_inputs(seed, H, n)
-
-
-def _skewed(params, bias=1.5):
-    return skewed_router(params, H, bias)
-
 
 # --- numerics -----------------------------------------------------------------------------
 # (ep, node ranks, experts, top_k, capacity factor, skewed router, shared width)
@@ -63,8 +50,8 @@ def test_nodes_equal_the_reference_flex_and_alltoall(clusters, ep, d, e, k, cf, 
     nodes = MoE(H, F, e, dispatcher="flex", ep_node_ranks=d, **kw)
     flex, a2a = MoE(H, F, e, dispatcher="flex", **kw), MoE(H, F, e, **kw)
     params = nodes.init_params()
-    params = _skewed(params) if skew else params
-    x, dy = _data(seed=ep * 10 + k, n=2 * ep * 4)
+    params = skewed_router(params) if skew else params
+    x, dy = moe_inputs(seed=ep * 10 + k, n=2 * ep * 4)
     got = nodes.backward(clusters(ep), x, params, dy, d_aux=0.7)
     ref = nodes.reference(x, params, dy, ep=ep, d_aux=0.7)
     for other in (ref, flex.backward(clusters(ep), x, params, dy, d_aux=0.7),
@@ -86,9 +73,9 @@ def test_node_table_is_a_direct_count(clusters, ep, d, k, cf):
     e = 16
     moe = MoE(H, F, e, top_k=k, capacity_factor=cf, seed=3, dispatcher="flex",
               ep_node_ranks=d)
-    params = _skewed(moe.init_params())
+    params = skewed_router(moe.init_params())
     n_tok = 4 * ep
-    x = _data(seed=5, n=n_tok)[0]
+    x = moe_inputs(seed=5, n=n_tok)[0]
     load = moe.run(clusters(ep), x, params).load
     _, choice, keep = moe_reference(x, *(params[n] for n in moe.weight_names()), top_k=k,
                                     capacity_factor=cf, aux_coef=0.0, ep=ep)
@@ -125,8 +112,8 @@ def test_traffic_per_hop_equals_the_closed_form_and_the_trace(clusters, ep, d, k
     e, b = 16, 8
     moe = MoE(H, F, e, top_k=k, aux_coef=0.1, seed=4, algorithms=PAIRWISE,
               dispatcher="flex", ep_node_ranks=d)
-    params = _skewed(moe.init_params(), bias=1.0)
-    x, dy = _data(seed=6, n=4 * ep)
+    params = skewed_router(moe.init_params(), bias=1.0)
+    x, dy = moe_inputs(seed=6, n=4 * ep)
     cluster, mesh, e_l = clusters(ep), Mesh((ep,), ("ep",)), e // ep
     width = {0: H + 2 * k, 1: H, 2: H, 3: H + k}
     for backward in (False, True):
@@ -185,7 +172,7 @@ def test_fewer_bytes_cross_nodes_than_the_one_hop_flex(clusters, k):
     with one rank per node the inter-node hop is the one-hop flex's, byte for byte (k = 1
     too: a token then reaches one rank anywhere)."""
     kw = dict(top_k=k, aux_coef=0.1, seed=9, algorithms=PAIRWISE)
-    x, dy = _data(seed=11, n=64)
+    x, dy = moe_inputs(seed=11, n=64)
     crossing = {}
     for d in (None, 2, 1):
         moe = MoE(H, F, 16, dispatcher="flex", ep_node_ranks=d, **kw)
@@ -254,7 +241,7 @@ def test_simulator_prices_the_hops_over_proxies_and_nodes():
 def test_simulate_gpt_runs_across_nodes():
     from vcluster.planner.simulation import simulate_gpt
     from vcluster.timing.presets import preset
-    cfg = _cfg(hidden=64, heads=4, kv_heads=4, ffn_hidden=128, moe_ffn_hidden=32, experts=16,
+    cfg = moe_cfg(hidden=64, heads=4, kv_heads=4, ffn_hidden=128, moe_ffn_hidden=32, experts=16,
                moe_top_k=4, seq=64, vocab=128, dtype="float16")
     hw = preset("h100-dgx")
     step = {}
@@ -303,13 +290,6 @@ def test_expert_ranks_per_domain_follow_the_mesh():
 
 
 # --- inside training ------------------------------------------------------------------------
-def _cfg(**kw):
-    return GPTConfig(**{**dict(hidden=16, layers=2, heads=4, seq=8, vocab=32, arch="llama",
-                               kv_heads=2, ffn_hidden=24, experts=8, moe_top_k=4,
-                               moe_ffn_hidden=12), **kw})
-
-
-BIASES = dict(moe_router_bias=True, moe_expert_bias=True)
 TRAIN = [(dict(), dict(dp=4, ep=4)),
          (BIASES, dict(dp=4, ep=4, micro_batch=2)),
          (dict(moe_top_k=2, moe_shared_ffn_hidden=6), dict(dp=4, ep=4, pp=2)),
@@ -319,7 +299,7 @@ TRAIN = [(dict(), dict(dp=4, ep=4)),
 @pytest.mark.parametrize("fields, extra", TRAIN,
                          ids=["ep4", "biases-mb2", "top2-shared-pp2", "biases-folded"])
 def test_training_across_nodes_equals_the_reference(cluster_of, fields, extra):
-    cfg = _cfg(**fields)
+    cfg = moe_cfg(**fields)
     par = ParallelConfig(**{"global_batch": 4 * extra.get("micro_batch", 1), **extra,
                             "moe_dispatcher": "flex", "moe_ep_node_ranks": 2})
     model, (tokens, targets) = GPT(cfg, seed=2), token_data(cfg, par.global_batch, seed=0)
@@ -330,19 +310,19 @@ def test_training_across_nodes_equals_the_reference(cluster_of, fields, extra):
 
 # --- wiring: validation, CLI, scenario ---------------------------------------------------------
 def test_validation_sets_node_ranks_from_the_mesh_and_the_domain():
-    """recipe_node_ranks: flex groups spanning several DGX nodes get the group's ranks per
+    """with_node_ranks: flex groups spanning several DGX nodes get the group's ranks per
     node; one-node groups, other dispatchers and NVL72 racks keep the one-hop path."""
-    from vcluster.planner.validation import recipe_node_ranks
+    from vcluster.planner.candidates import with_node_ranks
     par = ParallelConfig(global_batch=64, dp=32, ep=32, moe_dispatcher="flex")
-    assert recipe_node_ranks(par, "b200-dgx").moe_ep_node_ranks == 8
-    assert recipe_node_ranks(par, "gb200-nvl72") is par                  # 72-GPU domain
+    assert with_node_ranks(par, "b200-dgx").moe_ep_node_ranks == 8
+    assert with_node_ranks(par, "gb200-nvl72") is par                  # 72-GPU domain
     tp2 = ParallelConfig(global_batch=64, dp=16, tp=2, ep=16, moe_dispatcher="flex",
                          sequence_parallel=True)
-    assert recipe_node_ranks(tp2, "h100-dgx").moe_ep_node_ranks == 4
+    assert with_node_ranks(tp2, "h100-dgx").moe_ep_node_ranks == 4
     small = ParallelConfig(global_batch=64, dp=8, ep=8, moe_dispatcher="flex")
-    assert recipe_node_ranks(small, "h100-dgx") is small
+    assert with_node_ranks(small, "h100-dgx") is small
     a2a = ParallelConfig(global_batch=64, dp=32, ep=32)
-    assert recipe_node_ranks(a2a, "h100-dgx") is a2a
+    assert with_node_ranks(a2a, "h100-dgx") is a2a
 
 
 def test_validation_rows_run_across_nodes():
@@ -400,20 +380,13 @@ def test_cli_and_scenario_carry_node_ranks():
 def test_training_trace_moves_the_runs_messages(cluster_of, extra):
     """One step: the run reports node_tokens per layer; the trace given the run's loads
     moves the emulator's messages, rank by rank, both hops."""
-    cfg = _cfg(moe_top_k=2, **BIASES)
+    cfg = moe_cfg(moe_top_k=2, **BIASES)
     par = ParallelConfig(global_batch=8 if extra["dp"] == 4 else 4, **extra,
                          moe_dispatcher="flex", moe_ep_node_ranks=2)
     mesh, model = par.mesh(), GPT(cfg, seed=5)
     tokens, targets = token_data(cfg, par.global_batch, seed=0)
-    cluster = cluster_of(mesh)
-    cluster.reset_stats()
-    run = model.fit(cluster, tokens, targets, 1, parallel=par)
-    events = cluster.trace()
-    loads = run.expert_load[0]
+    run, events = trace_moves_the_runs_messages(cluster_of(mesh), model, par, tokens,
+                                                targets)
     assert all(load.node_tokens is not None and len(load.node_tokens[0]) == 2
-               for load in loads.values())
+               for load in run.expert_load[0].values())
     assert any(isinstance(ev, CommEvent) and ev.tag == MOE_TAG + 4 for ev in events)
-    traces = trace_program(mesh, train_program, model.meta_args(mesh, par, 1,
-                                                                expert_load=loads))
-    for t in traces:
-        assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank

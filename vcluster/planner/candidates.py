@@ -74,11 +74,13 @@ from modeling import (ConfigError, Recompute, ScheduleName, check_zero_stage,
                       recompute_refusal)
 from modeling.plan import MOE_DISPATCHERS
 from tensor_parallel.context_parallel import CP_ALGORITHMS
+from vcluster.timing import load_hardware
 from .screen import peak_memory_bytes
 
 __all__ = ["SearchSpace", "enumerate_candidates", "divisors", "stage_split", "REJECT_REASONS",
            "DEFAULT_MAX_MICRO_BATCH", "DEFAULT_MAX_VIRTUAL_STAGES", "PLAN_SCHEDULES",
-           "stage_kinds", "replica_kinds", "balance_layers", "with_moe_overlap"]
+           "stage_kinds", "replica_kinds", "balance_layers", "with_moe_overlap",
+           "with_node_ranks"]
 
 DEFAULT_MAX_MICRO_BATCH = 8       # Megatron's usual range 1..8 sequences per micro-batch
 DEFAULT_MAX_VIRTUAL_STAGES = 8
@@ -369,6 +371,24 @@ def with_moe_overlap(par: ParallelConfig) -> ParallelConfig:
         if exc.field != "moe_comm_overlap":
             raise
         return par
+
+
+def with_node_ranks(par: ParallelConfig, hardware) -> ParallelConfig:
+    """``par`` with ``moe_ep_node_ranks`` set where its flex dispatcher (DeepEP, HybridEP)
+    spans several scale-up domains of ``hardware`` (a preset name or a HardwareSpec, as
+    :func:`~vcluster.timing.load_hardware` takes): d, the expert group's ranks per domain
+    of ``node.domain_gpus`` (default ``gpus_per_node``) GPUs, derived from the mesh
+    (:meth:`~pipeline_parallel.gpt.ParallelConfig.expert_ranks_per_domain`: ep next to tp,
+    so with tp = 2 an 8-GPU DGX holds 4 of a group's ranks). DeepEP's internode kernels
+    and HybridEP send a token once per destination domain and forward it over NVLink
+    there. ``par`` itself where the group lies in one domain or the dispatcher is not
+    flex; ConfigError (key ``moe_ep_node_ranks``) where the group does not split into
+    whole domains. The validation tables' rows and the planner's candidates both take it."""
+    if par.moe_dispatcher != "flex" or par.ep == 1:
+        return par
+    node = load_hardware(hardware).node
+    d = par.expert_ranks_per_domain(node.domain_gpus or node.gpus_per_node)
+    return par if d is None or d >= par.ep else replace(par, moe_ep_node_ranks=d)
 
 
 def enumerate_candidates(config: GPTConfig, gpus: int, global_batch: int, space: SearchSpace,

@@ -69,13 +69,12 @@ from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .candidates import (REJECT_REASONS, SearchSpace, balance_layers, enumerate_candidates,
-                         replica_kinds, stage_kinds)
+                         replica_kinds, stage_kinds, with_node_ranks)
 from .memory import MEMORY_HEADROOM, rank_memory, usable_memory_bytes
 from .precision import precision_policy
 from .layer_cost import trace_stage_pieces
 from .screen import peak_in_flight_closed_form, peak_memory_bytes, screen_estimate
 from .simulation import CLUSTER_SPLITS, fp8_gemm, simulate_gpt
-from .validation import recipe_node_ranks
 
 __all__ = ["plan_gpt", "throughput", "COLUMNS", "MIN_REPLAYED", "REPLAY_TIMEOUT_S",
            "REJECT_REASONS", "balanced_split", "cluster_screen_estimate",
@@ -107,13 +106,13 @@ def _knobs(par: ParallelConfig) -> dict:
 
 def _flex_node_ranks(par: ParallelConfig, kinds) -> ParallelConfig:
     """``par`` with ``moe_ep_node_ranks`` where its flex expert group spans several
-    scale-up domains of the hardware (:func:`~.validation.recipe_node_ranks`, on every GPU
+    scale-up domains of the hardware (:func:`~.candidates.with_node_ranks`, on every GPU
     kind of ``kinds``: set only where they agree), else ``par`` (one-hop flex: a group that
     does not split into whole domains, a ConfigError there, keeps it)."""
     if par.moe_dispatcher != "flex" or par.ep == 1:
         return par
     try:
-        placed = {recipe_node_ranks(par, h).moe_ep_node_ranks for h in kinds}
+        placed = {with_node_ranks(par, h).moe_ep_node_ranks for h in kinds}
     except ConfigError as exc:
         if exc.field != "moe_ep_node_ranks":
             raise
@@ -494,7 +493,7 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     ("alltoall", the default; "allgather"; "flex": DeepEP / HybridEP, one row per token and
     destination rank — where its expert group spans several scale-up domains of the
     hardware, the candidate's ``moe_ep_node_ranks`` is set to the group's ranks per domain,
-    :func:`~vcluster.planner.validation.recipe_node_ranks`, and stays one-hop flex where the
+    :func:`~vcluster.planner.candidates.with_node_ranks`, and stays one-hop flex where the
     group does not split into whole domains). ``moe_comm_overlap``: Megatron-Core's MoE
     all-to-all overlap (the combined 1F1B) on every candidate with ep > 1 where
     ParallelConfig's rule allows it (the alltoall or flex dispatcher, no full

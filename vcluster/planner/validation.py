@@ -30,7 +30,6 @@ the recomputation-inclusive FLOPs 96·B·s·l·h²·(1 + s/6h + V/16lh) over (GP
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 
 from modeling import ConfigError, block_named
@@ -38,7 +37,7 @@ from pipeline_parallel.gpt import GPTConfig, ParallelConfig, megatron_flops_with
 from vcluster.runtime.tracing import TraceError
 from vcluster.timing import load_hardware, read_data_csv
 
-from .candidates import stage_split
+from .candidates import stage_split, with_node_ranks
 from .simulation import simulate_gpt
 
 __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu_steps",
@@ -46,7 +45,6 @@ __all__ = ["validate_megatron", "validate_recompute", "validate_gpu_steps", "gpu
            "FSDP_HARDWARE", "FP8_TABLE", "FP8_BRIDGE_TABLE", "FP8_TABLES", "validate_fsdp2",
            "FSDP2_TABLE", "FSDP2_HARDWARE", "validate_moe", "moe_row_config", "MOE_TABLE",
            "MOE_HARDWARE", "MOE_METRICS", "MOE_DEFAULT_ETP", "RECIPE_DISPATCHERS",
-           "recipe_node_ranks",
            "recipe_dispatcher", "RECIPE_GRANULARITIES", "recipe_recompute",
            "DEFAULT_MICRO_BATCH", "HARDWARE", "GPU_STEP_TABLES", "COMPILED_POLICY"]
 
@@ -114,24 +112,6 @@ def recipe_dispatcher(r: dict) -> str:
                           "not a Megatron-Core token dispatcher this validation maps",
                           owner="moe table row")
     return RECIPE_DISPATCHERS[name]
-
-
-def recipe_node_ranks(par: ParallelConfig, hardware) -> ParallelConfig:
-    """``par`` with ``moe_ep_node_ranks`` set where its flex dispatcher (DeepEP, HybridEP)
-    spans several scale-up domains of ``hardware`` (a preset name or a HardwareSpec, as
-    :func:`~vcluster.timing.load_hardware` takes; the planner passes its own): d, the expert group's
-    ranks per domain of ``node.domain_gpus`` (default ``gpus_per_node``) GPUs, derived from
-    the mesh (:meth:`~pipeline_parallel.gpt.ParallelConfig.expert_ranks_per_domain`: ep
-    next to tp, so with tp = 2 an 8-GPU DGX holds 4 of a group's ranks). DeepEP's
-    internode kernels and HybridEP send a token once per destination domain and forward it
-    over NVLink there. ``par`` itself where the group lies in one domain or the dispatcher
-    is not flex; ConfigError (key ``moe_ep_node_ranks``) where the group does not split
-    into whole domains."""
-    if par.moe_dispatcher != "flex" or par.ep == 1:
-        return par
-    node = load_hardware(hardware).node
-    d = par.expert_ranks_per_domain(node.domain_gpus or node.gpus_per_node)
-    return par if d is None or d >= par.ep else dataclasses.replace(par, moe_ep_node_ranks=d)
 
 
 #: a recipe's ``recompute_granularity`` (the 2026 and MoE tables' column, read from the
@@ -473,7 +453,7 @@ def moe_row_config(r: dict) -> tuple:
     turned it on (``moe_a2a_overlap`` 1, with its ``recipe_source``), and the recipe's token
     dispatcher (:func:`recipe_dispatcher`: DeepEP and HybridEP run as ``flex``); both since
     2026-11-30. A flex row whose expert group spans several DGX nodes runs DeepEP's
-    internode path (``moe_ep_node_ranks``: :func:`recipe_node_ranks`; since 2026-11-30)."""
+    internode path (``moe_ep_node_ranks``: :func:`~.candidates.with_node_ranks`; since 2026-11-30)."""
     refusals = []
     try:
         cfg = GPTConfig.of_model(r["preset"], seq=int(r["seq"]), timing_only=True)
@@ -520,7 +500,7 @@ def moe_row_config(r: dict) -> tuple:
                              zero_stage=3 if r["fsdp"] == "1" else 1,
                              moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
                              moe_dispatcher=recipe_dispatcher(r))
-        par = recipe_node_ranks(par, MOE_HARDWARE)
+        par = with_node_ranks(par, MOE_HARDWARE)
     except ConfigError as e:
         return cfg, None, False, refusals + [str(e)]
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

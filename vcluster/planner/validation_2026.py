@@ -32,11 +32,10 @@ from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.runtime.tracing import TraceError
 from vcluster.timing import read_data_csv
 
-from .candidates import stage_split
+from .candidates import stage_split, with_node_ranks
 from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
-from .validation import (MOE_DEFAULT_ETP, recipe_dispatcher, recipe_node_ranks,
-                         recipe_recompute)
+from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
            "validate_2026", "summary_by_kind"]
@@ -98,7 +97,7 @@ def row_config(r: dict) -> tuple:
     the model's layers, the ``activation_offload_layers`` column), all since 2026-11-30;
     a flex row whose expert group spans several scale-up domains of its system's preset
     runs DeepEP's internode path, each token once per destination domain
-    (``moe_ep_node_ranks``, :func:`~.validation.recipe_node_ranks`; since 2026-11-30);
+    (``moe_ep_node_ranks``, :func:`~.candidates.with_node_ranks`; since 2026-11-30);
     where the group does not split into whole domains (256 GPUs over 72-GPU NVL72
     racks) it keeps the one-hop flex, and ``assumed`` says so.
     A row with no global batch (AMD's) and no pipeline is simulated with one
@@ -152,7 +151,7 @@ def row_config(r: dict) -> tuple:
         return cfg, None, None, assumed, refusals + [str(e)]
     if r["system"] in SYSTEM_PRESETS:            # DeepEP / HybridEP across domains
         try:
-            par = recipe_node_ranks(par, SYSTEM_PRESETS[r["system"]])
+            par = with_node_ranks(par, SYSTEM_PRESETS[r["system"]])
         except ConfigError as e:                 # e.g. 256 GPUs over NVL72 racks
             assumed.append(f"the flex dispatcher in one hop: {e}")
     for check in (par.check_microbatches, lambda: par.check(cfg, par.mesh())):

@@ -464,26 +464,11 @@ def moe_row_config(r: dict) -> tuple:
         refusals.append(str(ConfigError(
             "precision", precision, "BF16 or FP8", "the source does not state the precision "
             "the row ran in", owner=MOE_TABLE)))
-    recompute, modules = {"": "none", "full": "full"}.get(r["recompute"]), None
-    if recompute is None:       # Megatron-Core's modules, as the Model Zoo abbreviates them
-        names = [m.strip() for m in r["recompute"].split(",") if m.strip()]
-        modules = tuple(_MOE_RECOMPUTE_MODULES.get(m) for m in names)
-        if names and None not in modules:
-            recompute = "selective"
-        else:
-            modules = None
-            refusals.append(str(ConfigError(
-                "recompute", r["recompute"], "none, full or Megatron-Core's recompute "
-                "modules " + ", ".join(f"{k} ({v})" for k, v in
-                                       _MOE_RECOMPUTE_MODULES.items()),
-                "a recomputation not modelled", owner=MOE_TABLE)))
     try:
         recipe = recipe_recompute(r)          # the recipe's, where known, over the page's
     except ConfigError as e:
         recipe, refusals = None, refusals + [str(e)]
-    if recipe is not None:
-        recompute, modules = recipe
-        refusals = [m for m in refusals if not m.startswith(f"{MOE_TABLE}: recompute=")]
+    recompute, modules = recipe or _page_recompute(r, refusals)
     tp, pp, cp, vp, ep = (int(r[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
     ends = stage_split(cfg.layers, pp * vp) or ()        # Megatron's embedding/loss split
     try:
@@ -495,7 +480,7 @@ def moe_row_config(r: dict) -> tuple:
                              etp=int(r["etp"]) if r["etp"] else MOE_DEFAULT_ETP,
                              schedule="interleaved_1f1b" if vp > 1 else "1f1b",
                              virtual_stages=vp if vp > 1 else None, sequence_parallel=tp > 1,
-                             recompute=recompute or "none",
+                             recompute=recompute,
                              **({"recompute_modules": modules} if modules else {}),
                              zero_stage=3 if r["fsdp"] == "1" else 1,
                              moe_comm_overlap=r.get("moe_a2a_overlap") == "1",
@@ -518,6 +503,25 @@ _MOE_RECOMPUTE_MODULES = MappingProxyType({"norm": "layernorm", "act": "moe_act"
                                            "layernorm": "layernorm", "moe_act": "moe_act",
                                            "mlp": "mlp", "mla_up_proj": "mla_up_proj",
                                            "core_attn": "core_attn"})
+
+
+def _page_recompute(r: dict, refusals: list) -> tuple:
+    """(recompute, modules or None) as a :data:`MOE_TABLE` row's ``recompute`` column
+    publishes it (empty: none; the Model Zoo's module abbreviations, "norm, act", as
+    Megatron-Core's module recomputation); a ConfigError's text appended to ``refusals``
+    (and ("none", None)) where not modelled."""
+    recompute = {"": "none", "full": "full"}.get(r["recompute"])
+    if recompute is not None:
+        return recompute, None
+    names = [m.strip() for m in r["recompute"].split(",") if m.strip()]
+    modules = tuple(_MOE_RECOMPUTE_MODULES.get(m) for m in names)
+    if names and None not in modules:
+        return "selective", modules
+    refusals.append(str(ConfigError(
+        "recompute", r["recompute"], "none, full or Megatron-Core's recompute modules "
+        + ", ".join(f"{k} ({v})" for k, v in _MOE_RECOMPUTE_MODULES.items()),
+        "a recomputation not modelled", owner=MOE_TABLE)))
+    return "none", None
 
 
 def _moe_case(i: int, r: dict) -> str:

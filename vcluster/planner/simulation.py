@@ -21,10 +21,11 @@ A mixture of experts (``GPTConfig(experts=E)``, ``ParallelConfig(ep)``) routes
 ``ExpertLoad.skewed(..., expert_skew)`` in the trace (its busiest expert on the traced ep
 rank 0); its dropless token exchanges are replayed as all_to_alls over the ep group
 (:func:`moe_exchanges_as_all_to_all`; the flex dispatcher across nodes,
-``moe_ep_node_ranks``, as two: over the traced rank's proxies and over its node); with ``moe_comm_overlap`` (Megatron-Core's
-combined 1F1B) the steady state's (F, B) pairs are stitched interleaved, each all_to_all
-asynchronous and overlapping the other micro-batch's compute
-(:func:`~vcluster.planner.stitch.combined_ops`). The emulated program does not run ZeRO with expert
+``moe_ep_node_ranks``, as two: over the traced rank's proxies and over its node); with
+``moe_comm_overlap`` (Megatron-Core's combined 1F1B) the steady state's (F, B) pairs are
+stitched interleaved, each all_to_all asynchronous and overlapping the other
+micro-batch's compute (:func:`~vcluster.planner.stitch.combined_ops`). The emulated
+program does not run ZeRO with expert
 parallelism yet, and the plan's rulebook refuses that combination
 (:func:`modeling.check_zero_stage`): what is simulated is what the program runs.
 

@@ -5,6 +5,7 @@ inside its measured band, its time grows with the sequence as the measured kerne
 (``ParallelConfig.attention``: flash2, flash3, cudnn) or take the device's default."""
 
 import math
+import statistics
 
 import pytest
 
@@ -206,3 +207,35 @@ def test_a_measured_kernel_table_keeps_its_own_attention():
     assert named.compute_time_s(op) == pytest.approx(
         5e-6 + op.flops / (attention_prices("h100-sxm", "flash2").curve("fwd", True, 128)
                            .tflops(8192) * 1e12))
+
+
+def test_blackwell_racks_read_their_own_published_curves():
+    """GB200 and GB300 price fused attention from cudnn-frontend's runs on those GPUs
+    (S9-S10), the DGX B300 from GB300's (the same Blackwell Ultra GPU); an MLA kernel
+    (DeepSeek-V3: q·k over 192 dims, v over 128) reads the curve published for those head
+    dims, written at their mean 160 as the traced program writes such a kernel, not
+    Llama's 128. Blackwell Ultra's doubled exponent throughput is in the published
+    forward: GB300 faster than GB200 at every published causal sequence, and priced so."""
+    assert preset("gb200-nvl72").device.attention_gpu == "gb200"
+    assert preset("gb300-nvl72").device.attention_gpu == "gb300"
+    assert preset("b300-dgx").device.attention_gpu == "gb300"
+    for gpu in ("gb200", "gb300"):
+        published = _published(gpu, "cudnn")
+        assert {d for _, _, d in published} == {128, 160}
+        hw = preset(f"{gpu}-nvl72")
+        costs, t_k = HardwareCostModel(hw), hw.device.kernel_overhead_us * 1e-6
+        for head_dim in (128, 160):
+            for (direction, causal, d), by_seq in published.items():
+                if d != head_dim:
+                    continue
+                for seq, values in by_seq.items():
+                    op = _op(seq, head_dim=head_dim, causal=causal,
+                             backward=direction == "bwd", heads=128)
+                    rate = op.flops / (costs.compute_time_s(op) - t_k) / 1e12
+                    assert rate == pytest.approx(statistics.median(values), rel=1e-9)
+        # the MLA curve is its own: 160's published rates differ from 128's
+        assert published[("bwd", True, 160)] != published[("bwd", True, 128)]
+    gb200, gb300 = (HardwareCostModel(preset(n)) for n in ("gb200-nvl72", "gb300-nvl72"))
+    for seq in (2048, 4096, 8192, 16384, 32768):
+        op = _op(seq)
+        assert gb300.compute_time_s(op) < gb200.compute_time_s(op), seq

@@ -107,7 +107,8 @@ def test_installed_wheel_validates_the_model_without_the_source_tree(wheel, tmp_
                                          "megatron_bridge_blackwell.csv": 193,
                                          "amd_instinct_training.csv": 4,
                                          "torchtitan_long_context.csv": 45,
-                                         "h200_llama_steps.csv": 23}
+                                         "h200_llama_steps.csv": 23,
+                                         "hf_llama_1b_steps.csv": 36}
     # and validate-model runs from it (two tables: the whole run is the slow acceptance
     # test's, from the source tree)
     proc = subprocess.run([str(env_dir / "bin" / "vcluster"), "validate-model", "--table",

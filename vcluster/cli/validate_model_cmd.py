@@ -49,6 +49,14 @@ layer shapes at 2K to 32K tokens, eager and compiled, torchtitan's checkpointing
 the model stood before issue 54 (``first_run``), and the signed error by sequence band.
 Both are ``held_out`` and stay out of ``rows`` and the means above.
 
+NVIDIA's published one-GPU training iterations of Hugging Face's Llama-3.2-1B on a B200
+and an H200 (hf_llama_1b_steps.csv: cudnn-frontend's benchmark, SDPA pinned to cuDNN,
+memory-efficient or FlashAttention-2, :func:`~vcluster.planner.validation_hf_llama.
+validate_hf_llama_steps`) have a section of their own too (``hf_llama_1b_steps``), after
+the sweep's: each row's tokens/s and step measured and predicted, or ``refused`` with its
+reason (the memory-efficient kernel: no published curve), and the mean |error| and mean
+signed error per GPU and per backend. ``held_out``, out of ``rows`` and the means above.
+
 The hardware of 2026 has a section of its own (``hardware_2026`` in the JSON, null
 without its tables), also out of ``rows`` and the means above: collectives measured on
 DGX B200/B300, GB200 NVL72 and MI300X (nccl_2026.csv, each row ``fit`` where a preset
@@ -64,7 +72,8 @@ micro-batch default on both Megatron tables (every row ``fit``); no constant on
 nccl_a100.csv (its link figures come from NCCL's topology model and datasheets:
 ``held_out``) nor on korthikanti_2022_a100.csv nor on llm_foundry_mpt.csv nor on
 nemo_2407_h100_fp8.csv nor on torchtitan_a100_fsdp.csv nor on megatron_bridge_h100_fp8.csv
-nor on megatron_bridge_h100_moe.csv (added after every constant was set)
+nor on megatron_bridge_h100_moe.csv nor on hf_llama_1b_steps.csv (added after every
+constant was set)
 nor on the one-GPU step tables (measured after every constant was set: ``held_out``;
 h200_shapes_steps.csv also after the ``torch_amp`` memory count was
 written, at shapes fixed beforehand; the three compiled rows are predicted under the
@@ -89,7 +98,7 @@ _GROUPS = {"nccl_a100.csv": "nccl", "megatron_2020_a100.csv": "megatron",
            "nccl_2026.csv": "hw2026", "megatron_bridge_blackwell.csv": "hw2026",
            "amd_instinct_training.csv": "hw2026",
            "torchtitan_long_context.csv": "long_context",
-           "h200_llama_steps.csv": "gpu_sweep"}
+           "h200_llama_steps.csv": "gpu_sweep", "hf_llama_1b_steps.csv": "hf_steps"}
 TABLES = tuple(_GROUPS)
 
 
@@ -172,9 +181,12 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
     from vcluster.planner.validation_long_context import (GPU_SWEEP_TABLE, LONG_CONTEXT_TABLE,
                                                           validate_gpu_sweep,
                                                           validate_long_context)
+    from vcluster.planner.validation_hf_llama import HF_LLAMA_TABLE, validate_hf_llama_steps
     long_context = run("long_context", validate_long_context,
                        label=f"rows of {LONG_CONTEXT_TABLE} simulated (or refused)")
     gpu_sweep = run("gpu_sweep", validate_gpu_sweep)
+    hf_steps = run("hf_steps", validate_hf_llama_steps,
+                   label=f"rows of {HF_LLAMA_TABLE} simulated (or refused)")
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -205,6 +217,8 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
             if long_context else None,
             "gpu_sequence_sweep": _long_context_summary(GPU_SWEEP_TABLE, gpu_sweep)
             if gpu_sweep else None,
+            "hf_llama_1b_steps": _hf_steps_summary(HF_LLAMA_TABLE, hf_steps)
+            if hf_steps else None,
             "gemm_profile": h100_gemm_leave_one_out(),
             "kernel_profiles": h100_kernel_leave_one_out(),
             # one-GPU step time priced by h100_kernels.csv (moved to the step's GPU) with
@@ -353,6 +367,47 @@ def _print_long_context(c: dict, title: str = "long context and overlapped TP") 
         for band, v in c["by_band"].items() if v is not None))
 
 
+def _hf_steps_summary(table: str, rows: list[dict]) -> dict:
+    """The Llama-3.2-1B table's rows (every one, predicted or refused), the mean |error|
+    and mean signed error of its predicted rows, and both per GPU and per backend."""
+    # lazy: keeps vcluster --help fast
+    from vcluster.planner.validation_hf_llama import summary_by
+    errors = [r["rel_error"] for r in rows if r["status"] == "predicted"]
+    return {"table": table, "role": "held_out", "rows": rows, "predicted": len(errors),
+            "refused": len(rows) - len(errors),
+            "mean_abs_rel_error": sum(map(abs, errors)) / len(errors) if errors else None,
+            "mean_signed_rel_error": sum(errors) / len(errors) if errors else None,
+            "by_gpu": summary_by(rows, "gpu"), "by_backend": summary_by(rows, "backend")}
+
+
+def _print_hf_steps(c: dict) -> None:
+    """The Llama-3.2-1B section: each row's step measured and predicted (or why not),
+    then the means per GPU and per backend."""
+    def percent(x):
+        return "-" if x is None else f"{100 * x:+.1f}%"
+
+    def absolute(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+    print(f"one-GPU Llama-3.2-1B iterations, Hugging Face eager ({c['table']}, {c['role']}): "
+          f"{c['predicted']} of {len(c['rows'])} rows predicted, {c['refused']} refused; "
+          f"mean |error| {absolute(c['mean_abs_rel_error'])}, mean signed "
+          f"{percent(c['mean_signed_rel_error'])} (tokens/s)")
+    print(f"  {'case':<52}{'step ms':>9}{'predicted':>10}{'tokens/s':>10}{'predicted':>10}"
+          f"{'error':>8}")
+    for r in c["rows"]:
+        if r["status"] == "predicted":
+            print(f"  {r['case'][:51]:<52}{r['step_ms']:>9.1f}{r['predicted_step_ms']:>10.1f}"
+                  f"{r['published']:>10.0f}{r['predicted']:>10.0f}{percent(r['rel_error']):>8}")
+        else:
+            print(f"  {r['case'][:51]:<52}{r['step_ms']:>9.1f}{'-':>10}{r['published']:>10.0f}"
+                  f"  {r['status']}: {r['reason']}")
+    for what, key in (("GPU", "by_gpu"), ("backend", "by_backend")):
+        print(f"  by {what} (mean |error|, mean signed; predicted of rows): " + "; ".join(
+            f"{name} {absolute(v['mean_abs'])}, "
+            f"{percent(v['mean_signed'])} ({v['predicted']} of {v['rows']})"
+            for name, v in c[key].items()))
+
+
 def _print_moe(m: dict) -> None:
     """The MoE section: each row predicted against published, or why it is not."""
     def percent(x):
@@ -418,6 +473,8 @@ def _run(args) -> int:
         _print_long_context(result["long_context"])
     if result["gpu_sequence_sweep"] is not None:
         _print_long_context(result["gpu_sequence_sweep"], "one-GPU sequence sweep, tokens/s")
+    if result["hf_llama_1b_steps"] is not None:
+        _print_hf_steps(result["hf_llama_1b_steps"])
     g = result["gemm_profile"]
     print(f"H100 GEMM profile ({g['rows']} rows of {g['table']}), each row predicted by a "
           f"profile fitted without it: median |error| {100 * g['median_abs_rel_error']:.1f}%, "

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from vcluster.planner.validation_2026 import (FIT_ROWS, PRECISION_FORMATS, SYSTEM_PRESETS,
-                                              TABLES_2026, row_config, summary_by_kind,
-                                              validate_2026)
+from vcluster.planner.validation_2026 import (CONTAINER_CUDNN, FIT_ROWS, PRECISION_FORMATS,
+                                              SYSTEM_PRESETS, TABLES_2026, row_attention,
+                                              row_config, summary_by_kind, validate_2026)
 from vcluster.timing import read_data_csv
 from vcluster.timing.gemm_formats import GEMM_FORMATS
 
@@ -39,6 +39,33 @@ def test_a_row_config_is_the_published_layout():
     assert par.microbatches == 1 and "one micro-batch per step" in assumed[0]
     *_, refusals = row_config(amd[3])                              # pp 4: the bubble
     assert "global_batch" in refusals[0]
+
+
+def test_a_rows_attention_is_its_containers_cudnn_on_its_silicon():
+    """A row's cuDNN attention is priced by the published release nearest the one its NeMo
+    container ships, among the GPUs of the same silicon: a 25.11 GB200 row (cuDNN 9.13.1)
+    by B200's 9.13.1 curves, a 26.04.01 B200 row (9.20.0) by GB200's 9.19.1, a 26.06 GB300
+    row (9.21.1) by GB300's 9.22.0, a 25.11 B300 row by GB300's nearest, 9.19.1; a
+    container whose release is not published (26.08, NeMo 2.0's) or an AMD row keep the
+    preset's default, and each choice is written into the row's ``assumed``."""
+    assert CONTAINER_CUDNN["25.11"] == "9.13.1" and CONTAINER_CUDNN["26.04"] == "9.20.0"
+    cases = {("25.11 NeMo container (Megatron-Bridge)", "gb200-nvl72"): ("b200", "9.13.1"),
+             ("26.04.01 NeMo container (Megatron-Bridge)", "b200-dgx"): ("gb200", "9.19.1"),
+             ("26.06 NeMo container (Megatron-Bridge)", "gb300-nvl72"): ("gb300", "9.22.0"),
+             ("25.11 NeMo container (Megatron-Bridge)", "b300-dgx"): ("gb300", "9.19.1"),
+             ("26.02.01 NeMo container (Megatron-Bridge)", "gb200-nvl72"): ("gb200", "9.19.1")}
+    for (release, name), (gpu, cudnn) in cases.items():
+        device, note = row_attention({"release": release}, name)
+        assert device == {"attention_gpu": gpu, "attention_kernel": "cudnn",
+                          "attention_cudnn": cudnn}, (release, name)
+        assert f"cuDNN {cudnn}'s {gpu} curves" in note
+    for release, name in (("26.08 NeMo container (Megatron-Bridge)", "gb300-nvl72"),
+                          ("25.04 NeMo container (NeMo 2.0)", "gb200-nvl72"),
+                          ("25.11 NeMo container (Megatron-Bridge)", "mi325x")):
+        assert row_attention({"release": release}, name) == ({}, "")
+    rows = validate_2026(select=lambda r: r["model"] == "LLAMA3_8B" and r["latest"] == "1"
+                         and r["system"] == "DGX-GB200")
+    assert rows and all("cuDNN 9.13.1's b200 curves" in r["assumed"] for r in rows)
 
 
 def test_the_vocabulary_is_padded_as_megatron_pads_it():

@@ -239,3 +239,42 @@ def test_blackwell_racks_read_their_own_published_curves():
     for seq in (2048, 4096, 8192, 16384, 32768):
         op = _op(seq)
         assert gb300.compute_time_s(op) < gb200.compute_time_s(op), seq
+
+
+def test_a_device_reads_one_cudnn_release_where_it_names_one():
+    """cuDNN's kernels change between releases (GB200's 8K causal forward: 9.19.1 and
+    9.22.0 against B200's 9.13.1): ``attention_cudnn`` prices a device's cuDNN attention by
+    that release's published rows alone — a GB200 at 9.19.1 at S9's figure exactly — and
+    by default by the median of every release; an unpublished release, a release without
+    curves, or a release for another kernel is refused naming what exists."""
+    from vcluster.timing import hardware_from_dict
+    from vcluster.timing.attention_kernels import cudnn_releases
+    assert cudnn_releases("gb200") == ("9.19.1", "9.22.0")
+    assert cudnn_releases("b200") == ("9.13.1",) and cudnn_releases("a100-80gb") == ()
+    rows = [r for r in read_data_csv(ATTENTION_TABLE)[1] if r["gpu"] == "gb200"
+            and r["kernel"] == "cudnn" and r["direction"] == "fwd" and r["causal"] == "1"
+            and r["head_dim"] == "128" and r["seq"] == "8192"]
+    by_release = {r["cudnn"]: float(r["tflops"]) for r in rows}
+    assert set(by_release) == {"9.19.1", "9.22.0"}
+    t_k = preset("gb200-nvl72").device.kernel_overhead_us * 1e-6
+    op = _op(8192)
+
+    def rate(hw):
+        return op.flops / (HardwareCostModel(hw).compute_time_s(op) - t_k) / 1e12
+
+    assert rate(preset("gb200-nvl72")) == pytest.approx(statistics.median(by_release.values()))
+    for release, published in by_release.items():
+        hw = hardware_from_dict({"base": "gb200-nvl72",
+                                 "device": {"attention_cudnn": release}})
+        assert rate(hw) == pytest.approx(published, rel=1e-9)
+        # the same curve, read from the table directly
+        assert attention_prices("gb200", "cudnn", release).curve("fwd", True, 128) \
+            .tflops(8192) == pytest.approx(published)
+    with pytest.raises(ValueError, match=r"attention_cudnn: '9\.13\.1' has no published "
+                                         r"cudnn rows on gb200; allowed: 9\.19\.1, 9\.22\.0"):
+        hardware_from_dict({"base": "gb200-nvl72", "device": {"attention_cudnn": "9.13.1"}})
+    with pytest.raises(ValueError, match="attention_cudnn: '9.19.1' needs attention_gpu"):
+        hardware_from_dict({"base": "mi300x", "device": {"attention_cudnn": "9.19.1"}})
+    with pytest.raises(ValueError, match="a cuDNN release selects the curves of the cudnn "
+                                         "kernel, not of 'flash2'"):
+        attention_prices("b200", "flash2", "9.13.1")

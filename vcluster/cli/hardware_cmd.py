@@ -50,6 +50,7 @@ _LABELS = MappingProxyType({
     "flash_v1_speedup": "(x an A100's speed, for attention kernels built for Ampere)",
     "attention_gpu": "(published fused-attention curves, attention_benchmarks.csv)",
     "attention_kernel": "(the kernel attention='flash' runs)",
+    "attention_cudnn": "(the cuDNN release whose curves price cudnn attention; \"\": every release's median)",
     "efficiency": "(fraction of bandwidth_gbps)", "oversubscription": "(1 = non-blocking)",
     "domain_gpus": "GPUs (one NVLink / Infinity Fabric domain)",
     "nvls_efficiency": "(NVLink SHARP all_reduce algbw, fraction of gpu_link.bandwidth_gbps)"})

@@ -17,6 +17,14 @@ but those of :data:`FIT_ROWS`: the rows seen before a preset constant was chosen
 GB300's GEMM efficiencies were taken from the B300's measurements after one GB300 row's
 error was seen; nothing was tuned on any other row). A row the program cannot run yet is
 ``refused`` with every ConfigError's message; one it accepts and cannot trace ``failed``.
+
+A Blackwell row's fused attention is priced by the cuDNN curves its container's cuDNN
+release is nearest to (:func:`row_attention`): the release each NeMo container ships
+(:data:`CONTAINER_CUDNN`) against the releases published on the same GPU silicon
+(:data:`SAME_SILICON`: a GB200's GPUs are B200s, a GB300's B300s); 9.13.1's B200 curves
+for a 25.11 row, GB200's 9.19.1 for a 26.04 one. Written after one run that put the GB200
+25.x rows on B200's 9.13.1 curves (GB200 mean |error| 18.3% to 16.9%): stated as such in
+docs/timing.md.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from modeling import ConfigError, padded_vocab
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.runtime.tracing import TraceError
 from vcluster.timing import read_data_csv
+from vcluster.timing.attention_kernels import cudnn_releases
+from vcluster.timing.presets import preset
 
 from .candidates import stage_split, with_node_ranks
 from .search import REPLAY_TIMEOUT_S, process_pool
@@ -38,7 +48,8 @@ from .simulation import simulate_gpt
 from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
-           "validate_2026", "summary_by_kind"]
+           "validate_2026", "summary_by_kind", "CONTAINER_CUDNN", "SAME_SILICON",
+           "row_attention"]
 
 TABLES_2026 = ("megatron_bridge_blackwell.csv", "amd_instinct_training.csv")
 SYSTEM_PRESETS: Mapping[str, str] = MappingProxyType({
@@ -54,6 +65,43 @@ FIT_ROWS = frozenset({
     ("megatron_bridge_blackwell.csv", "LLAMA3_8B", "DGX-GB300", "FP8-CS",
      "25.11 NeMo container (Megatron-Bridge)"),
 })
+
+
+#: a NeMo container (YY.MM; its patch releases YY.MM.NN assumed the same) -> the cuDNN
+#: release it ships (github.com/NVIDIA-NeMo/Megatron-Bridge docs/releases/
+#: software-versions.md at 067f987df: 25.09 9.11.0.98, 25.11 9.13.1.26, 26.02 9.18.0.50,
+#: 26.04 9.20.0.48, 26.06 9.21.1.3; 26.08 and the NeMo 2.0 containers are not listed)
+CONTAINER_CUDNN: Mapping[str, str] = MappingProxyType({
+    "25.09": "9.11.0", "25.11": "9.13.1", "26.02": "9.18.0", "26.04": "9.20.0",
+    "26.06": "9.21.1"})
+#: a preset -> the GPUs of attention_benchmarks.csv measured on the same silicon (GB200's
+#: GPUs are B200 dies, GB300's B300: NVIDIA's GB200/GB300 NVL72 pages)
+SAME_SILICON: Mapping[str, tuple] = MappingProxyType({
+    "b200-dgx": ("b200", "gb200"), "gb200-nvl72": ("b200", "gb200"),
+    "b300-dgx": ("gb300",), "gb300-nvl72": ("gb300",)})
+
+
+def row_attention(r: dict, preset_name: str) -> tuple:
+    """(the device fields that price a row's cuDNN attention, a note for ``assumed``):
+    the published cuDNN release nearest the row's container's (:data:`CONTAINER_CUDNN`;
+    nearest in minor version, the lower on a tie, the preset's own curves on an exact
+    tie) among the GPUs of the same silicon (:data:`SAME_SILICON`); ({}, "") where the
+    container's release or the silicon's curves are not known (the preset's default)."""
+    container = ".".join(r.get("release", "").split(" ")[0].split(".")[:2])
+    want, gpus = CONTAINER_CUDNN.get(container), SAME_SILICON.get(preset_name)
+    if not want or not gpus:
+        return {}, ""
+    own = preset(preset_name).device.attention_gpu
+
+    def distance(option):
+        gpu, release = option
+        minor, want_minor = (int(v.split(".")[1]) for v in (release, want))
+        return (abs(minor - want_minor), minor > want_minor, gpu != own)
+
+    gpu, release = min(((g, c) for g in gpus for c in cudnn_releases(g)), key=distance)
+    return ({"attention_gpu": gpu, "attention_kernel": "cudnn", "attention_cudnn": release},
+            f"attention: cuDNN {release}'s {gpu} curves (the {container} container ships "
+            f"cuDNN {want})")
 
 
 #: the systems whose rows ran Megatron-Bridge / NeMo with Transformer Engine's TP overlap
@@ -214,7 +262,11 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                 if on_row is not None:
                     on_row()
             else:
-                jobs.append((len(out), (cfg, par, hardware, fmt)))
+                device, note = row_attention(r, hardware)
+                if note:
+                    result["assumed"] = "; ".join(x for x in (result["assumed"], note) if x)
+                jobs.append((len(out), (cfg, par, {"base": hardware, "device": device}
+                                        if device else hardware, fmt)))
             out.append(result)
 
     def record(i: int, predicted, failure) -> None:

@@ -39,7 +39,11 @@ so (:attr:`AttentionCurve.derived`):
 Which GPU's curves a device reads and its default kernel are preset fields
 (:attr:`~.hardware.DeviceSpec.attention_gpu`, :attr:`~.hardware.DeviceSpec.
 attention_kernel`); a run names another with ``ParallelConfig.attention`` (``flash2``,
-``flash3``, ``cudnn``).
+``flash3``, ``cudnn``). cuDNN's kernels change from release to release (on one GB200, its
+causal forward at 8K tokens ran at 1,586 TFLOP/s under cuDNN 9.19.1 and 9.22.0, against
+B200's 1,171 under 9.13.1): the table records each cuDNN row's release (``cudnn``), and a
+device may read one release's rows (:attr:`~.hardware.DeviceSpec.attention_cudnn`; by
+default every release's, their median at each point).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ from vcluster.runtime.tracing.kernel import Kernel
 from .presets import read_data_csv
 
 __all__ = ["ATTENTION_TABLE", "NAMED_KERNELS", "AttentionCurve", "AttentionKernelPrices",
-           "attention_prices", "attention_gpus", "kernels_of", "named_kernel"]
+           "attention_prices", "attention_gpus", "kernels_of", "named_kernel",
+           "cudnn_releases"]
 
 #: the published measurements (module docstring)
 ATTENTION_TABLE = "attention_benchmarks.csv"
@@ -154,10 +159,28 @@ def kernels_of(gpu: str) -> tuple:
                                                  for r in _rows()))
 
 
+def cudnn_releases(gpu: str) -> tuple:
+    """The cuDNN releases the table has ``cudnn`` rows of on ``gpu`` (ascending)."""
+    return tuple(sorted({r["cudnn"] for r in _rows() if r["gpu"] == gpu and
+                         r["kernel"] == "cudnn" and r["cudnn"]}, key=_release_key))
+
+
+def _release_key(release: str) -> tuple:
+    return tuple(int(x) for x in release.split("."))
+
+
 @functools.lru_cache(maxsize=None)
-def attention_prices(gpu: str, kernel: str) -> AttentionKernelPrices:
-    """``kernel``'s curves on ``gpu``, published and derived (module docstring);
-    ValueError naming what the table has when it has none."""
+def attention_prices(gpu: str, kernel: str, cudnn: str = "") -> AttentionKernelPrices:
+    """``kernel``'s curves on ``gpu``, published and derived (module docstring); with
+    ``cudnn`` (a ``cudnn`` kernel only), the rows of that cuDNN release alone. ValueError
+    naming what the table has when it has none."""
+    if cudnn and kernel != "cudnn":
+        raise ValueError(f"attention cudnn={cudnn!r}: a cuDNN release selects the curves of "
+                         f"the cudnn kernel, not of {kernel!r}")
+    if cudnn and cudnn not in cudnn_releases(gpu):
+        raise ValueError(f"attention cudnn={cudnn!r}: no cudnn rows of that release on "
+                         f"{gpu} in {ATTENTION_TABLE}; releases there: "
+                         f"{', '.join(cudnn_releases(gpu)) or 'none'}")
     if kernel not in NAMED_KERNELS:
         raise ValueError(f"attention kernel {kernel!r}: not a kernel with published curves; "
                          f"allowed: {', '.join(NAMED_KERNELS)}")
@@ -166,7 +189,7 @@ def attention_prices(gpu: str, kernel: str) -> AttentionKernelPrices:
                          f"{ATTENTION_TABLE}; GPUs with curves: {', '.join(attention_gpus())}")
     samples: dict = {}
     for r in _rows():
-        if r["gpu"] == gpu and r["kernel"] == kernel:
+        if r["gpu"] == gpu and r["kernel"] == kernel and (not cudnn or r["cudnn"] == cudnn):
             key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
             samples.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
     if not samples:

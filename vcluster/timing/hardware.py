@@ -175,6 +175,10 @@ class DeviceSpec:
     # the kernel of those curves that ``ParallelConfig.attention="flash"`` runs here (one
     # of attention_kernels.NAMED_KERNELS: "flash2", "flash3", "cudnn"); "" without curves
     attention_kernel: str = ""
+    # the cuDNN release whose published rows price cuDNN attention here (one of
+    # attention_kernels.cudnn_releases(attention_gpu), e.g. "9.13.1": the release a run's
+    # container ships); "": every published release's, their median
+    attention_cudnn: str = ""
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -237,10 +241,13 @@ class DeviceSpec:
 
     def _check_attention(self) -> None:
         """``attention_gpu`` names published curves and ``attention_kernel`` one of its
-        kernels (both or neither)."""
+        kernels (both or neither); ``attention_cudnn`` a cuDNN release published there."""
         _text(self, "attention_gpu")
         _text(self, "attention_kernel")
         if not self.attention_gpu and not self.attention_kernel:
+            if self.attention_cudnn:
+                raise ValueError(f"attention_cudnn: {self.attention_cudnn!r} needs "
+                                 f"attention_gpu (the curves it selects among)")
             return
         from .attention_kernels import attention_gpus, kernels_of   # why: reads the table
         if self.attention_gpu not in attention_gpus():
@@ -251,6 +258,14 @@ class DeviceSpec:
             raise ValueError(f"attention_kernel: {self.attention_kernel!r} has no curves on "
                              f"{self.attention_gpu}; allowed: "
                              f"{', '.join(kernels_of(self.attention_gpu))}")
+        _text(self, "attention_cudnn")
+        if self.attention_cudnn:
+            from .attention_kernels import cudnn_releases   # why: reads the table
+            releases = cudnn_releases(self.attention_gpu)
+            if self.attention_cudnn not in releases:
+                raise ValueError(f"attention_cudnn: {self.attention_cudnn!r} has no published "
+                                 f"cudnn rows on {self.attention_gpu}; allowed: "
+                                 f"{', '.join(releases) or 'none'}, or \"\" (every release)")
 
     def gemm_profile(self) -> GemmProfile | None:
         """The GEMM profile of this device's measured ``gemm`` kernels (None without

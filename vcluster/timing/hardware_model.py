@@ -144,12 +144,15 @@ class HardwareCostModel:
                 raise ValueError(f"attention {name!r} is priced from published curves: "
                                  f"{self.hardware.name} ({device.name}) has none "
                                  f"(attention_gpu); run attention 'flash' (analytic here)")
-            return attention_prices(device.attention_gpu, name)
+            return attention_prices(device.attention_gpu, name,
+                                    device.attention_cudnn if name == "cudnn" else "")
         has_profile = self.kernel_profile is not None and \
             "attention" in self.kernel_profile.kinds
         if self.flash_v1 or has_profile or not device.attention_kernel:
             return None
-        return attention_prices(device.attention_gpu, device.attention_kernel)
+        return attention_prices(device.attention_gpu, device.attention_kernel,
+                                device.attention_cudnn if device.attention_kernel == "cudnn"
+                                else "")
 
     def _refuse_measured_kernels(self, what: str, measured: str) -> None:
         """Raise unless this hardware prices kernels analytically (no measured kernels)."""

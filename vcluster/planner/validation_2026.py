@@ -24,7 +24,7 @@ release is nearest to (:func:`row_attention`): the release each NeMo container s
 (:data:`SAME_SILICON`: a GB200's GPUs are B200s, a GB300's B300s); 9.13.1's B200 curves
 for a 25.11 row, GB200's 9.19.1 for a 26.04 one. Written after one run that put the GB200
 25.x rows on B200's 9.13.1 curves (GB200 mean |error| 18.3% to 16.9%): stated as such in
-docs/timing.md.
+docs/hardware.md ("Attention at each row's cuDNN release").
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
+from vcluster.cli.hardware_cmd import format_hardware
 from vcluster.planner.simulation import simulate_gpt
 from vcluster.runtime.tracing import Kernel, TraceCompute
 from vcluster.timing import read_data_csv
@@ -251,6 +252,9 @@ def test_a_device_reads_one_cudnn_release_where_it_names_one():
     from vcluster.timing.attention_kernels import cudnn_releases
     assert cudnn_releases("gb200") == ("9.19.1", "9.22.0")
     assert cudnn_releases("b200") == ("9.13.1",) and cudnn_releases("a100-80gb") == ()
+    # `vcluster hardware show` names them
+    assert ("# cuDNN releases with published curves on gb200 (attention_cudnn): 9.19.1, "
+            "9.22.0") in format_hardware(preset("gb200-nvl72"))
     rows = [r for r in read_data_csv(ATTENTION_TABLE)[1] if r["gpu"] == "gb200"
             and r["kernel"] == "cudnn" and r["direction"] == "fwd" and r["causal"] == "1"
             and r["head_dim"] == "128" and r["seq"] == "8192"]

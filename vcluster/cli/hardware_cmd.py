@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 from types import MappingProxyType
 
+from vcluster.timing.attention_kernels import cudnn_releases
 from vcluster.timing.cluster import ClusterSpec, load_cluster
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.presets import PRESET_NAMES, hardware_to_dict, preset
@@ -82,6 +83,10 @@ def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
               + ", ".join(f"{dt} {d.e_max(dt):g}" for dt in d.peak_tflops)
               + "; F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
               f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"]
+    if d.attention_gpu:
+        releases = cudnn_releases(d.attention_gpu)
+        device.append(f"# cuDNN releases with published curves on {d.attention_gpu} "
+                      f"(attention_cudnn): {', '.join(releases) or 'none'}")
     if d.kernel_table:
         compute, memory = d.kernel_table_ratios()
         device.append(f"# traced kernels priced by {d.kernel_table}'s profiles, "

@@ -7,11 +7,10 @@ the emulator's; the rulebook refuses the plans Megatron refuses, naming the sett
 import pytest
 
 from modeling import ConfigError
-from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, ParallelConfig
 from pipelining import combined_pairs, make_schedule
-from vcluster.runtime.tracing import comm_signature, trace_comm_signature, trace_program
 
+from ..tensor_parallel.moe_data import trace_moves_the_runs_messages
 from .test_gpt_moe import _cfg, _data, _trains_as_reference
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,14 +73,7 @@ def test_overlapped_traffic_equals_trace(cluster_of, pp, schedule, v, layers, m)
     par = _par(2, 2, pp, schedule, v, m)
     mesh, model = par.mesh(), GPT(cfg, seed=5)
     tokens, targets = _data(cfg, batch=par.global_batch)
-    cluster = cluster_of(mesh)
-    cluster.reset_stats()
-    run = model.fit(cluster, tokens, targets, 1, parallel=par)
-    events = cluster.trace()
-    traces = trace_program(mesh, train_program, model.meta_args(
-        mesh, par, 1, expert_load=run.expert_load[0]))
-    for t in traces:
-        assert trace_comm_signature(t) == comm_signature(events, t.rank), t.rank
+    trace_moves_the_runs_messages(cluster_of(mesh), model, par, tokens, targets)
 
 
 def test_overlap_is_refused_by_name():

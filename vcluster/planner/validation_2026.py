@@ -30,6 +30,7 @@ docs/hardware.md ("Attention at each row's cuDNN release").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Mapping
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -81,6 +82,12 @@ SAME_SILICON: Mapping[str, tuple] = MappingProxyType({
     "b300-dgx": ("gb300",), "gb300-nvl72": ("gb300",)})
 
 
+@functools.lru_cache(maxsize=None)
+def _attention_gpu(preset_name: str) -> str:
+    """The preset's own attention curves' GPU (built once per preset, not once per row)."""
+    return preset(preset_name).device.attention_gpu
+
+
 def row_attention(r: dict, preset_name: str) -> tuple:
     """(the device fields that price a row's cuDNN attention, a note for ``assumed``):
     the published cuDNN release nearest the row's container's (:data:`CONTAINER_CUDNN`;
@@ -91,7 +98,7 @@ def row_attention(r: dict, preset_name: str) -> tuple:
     want, gpus = CONTAINER_CUDNN.get(container), SAME_SILICON.get(preset_name)
     if not want or not gpus:
         return {}, ""
-    own = preset(preset_name).device.attention_gpu
+    own = _attention_gpu(preset_name)
 
     def distance(option):
         gpu, release = option

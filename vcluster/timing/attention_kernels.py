@@ -159,6 +159,7 @@ def kernels_of(gpu: str) -> tuple:
                                                  for r in _rows()))
 
 
+@functools.lru_cache(maxsize=None)
 def cudnn_releases(gpu: str) -> tuple:
     """The cuDNN releases the table has ``cudnn`` rows of on ``gpu`` (ascending)."""
     return tuple(sorted({r["cudnn"] for r in _rows() if r["gpu"] == gpu and

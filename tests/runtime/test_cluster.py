@@ -294,3 +294,24 @@ def test_cupy_devices():
     assert out[0][0] == "cupy"
     np.testing.assert_array_equal(out[1][1], np.full(3, 3.0))
     assert cupy is not None
+
+
+def test_every_rank_receives_its_own_strided_arguments(cluster):
+    """Strided arrays travel as contiguous copies that the pickler frees at once; the
+    next copy of the same size often gets the freed address. The run's "copy a shared
+    array to the arena once" table must not take that address for the same array (it
+    did: ranks 1 and 3 received ranks 0 and 2's data, silently)."""
+    rng = np.random.default_rng(0)
+    n = cluster.mesh.size
+    # 256 x 64 float64 = 128 KiB per view: past the out-of-band threshold (64 KiB)
+    per_rank = [[(rng.standard_normal((256, 128)) + 10 * (r * 3 + i))[:, ::2] for i in range(3)]
+                for r in range(n)]
+    shared = rng.standard_normal((256, 128))[:, 1::2]          # one strided array, every rank
+
+    def prog(dev, views, common):
+        return [float(v.sum()) for v in views], float(common.sum())
+
+    out = cluster.run(prog, [(views, shared) for views in per_rank])
+    for r, (sums, common) in enumerate(out):
+        assert sums == pytest.approx([float(v.sum()) for v in per_rank[r]], rel=1e-12), r
+        assert common == pytest.approx(float(shared.sum()), rel=1e-12), r

@@ -36,7 +36,11 @@ def pack(obj, arena: Arena, keep: list, placed: dict | None = None,
     host copy of a device array ``x``, or None for any other object.
     ``placed`` maps (address, nbytes) of buffers already copied to ``arena`` to their
     offset: pass one dict to the ``pack`` calls of one ``run`` so that an array shared by
-    the arguments of many ranks (a model's parameters) is copied to the arena once.
+    the arguments of many ranks (a model's parameters) is copied to the arena once. An
+    address names a buffer only while the buffer lives, so the dict holds each buffer it
+    names: the contiguous copy the pickler makes of a strided array is freed as soon as it
+    is written, and the next copy of the same size often gets the same address — keyed
+    by address alone, that array would silently travel as the earlier one's data.
     """
     locations: list[tuple[int, int, int]] = []
 
@@ -47,8 +51,8 @@ def pack(obj, arena: Arena, keep: list, placed: dict | None = None,
         src = np.frombuffer(raw, np.uint8)
         offset = arena.offset_of(src)
         key = (src.__array_interface__["data"][0], raw.nbytes)
-        if offset is None and placed is not None:
-            offset = placed.get(key)
+        if offset is None and placed is not None and key in placed:
+            offset = placed[key][0]
         if offset is None:
             block = arena.empty((raw.nbytes,), np.uint8)
             if block is None:
@@ -56,7 +60,7 @@ def pack(obj, arena: Arena, keep: list, placed: dict | None = None,
             np.copyto(block, src)
             src, offset = block, arena.offset_of(block)
             if placed is not None:
-                placed[key] = offset
+                placed[key] = (offset, buffer)      # the buffer, so its address stays its own
         keep.append(src)
         locations.append((arena.owner, offset, raw.nbytes))
         return False

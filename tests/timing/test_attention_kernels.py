@@ -25,10 +25,11 @@ FWD_BWD = 3.5
 
 
 def _published(gpu, kernel):
-    """{(direction, causal, head_dim): {seq: [tflops, ...]}} of the table's rows."""
+    """{(direction, causal, head_dim): {seq: [tflops, ...]}} of the table's full-attention
+    rows (no sliding window)."""
     out: dict = {}
     for r in read_data_csv(ATTENTION_TABLE)[1]:
-        if r["gpu"] == gpu and r["kernel"] == kernel:
+        if r["gpu"] == gpu and r["kernel"] == kernel and not r["window"]:
             key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
             out.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
     return out
@@ -282,3 +283,65 @@ def test_a_device_reads_one_cudnn_release_where_it_names_one():
     with pytest.raises(ValueError, match="a cuDNN release selects the curves of the cudnn "
                                          "kernel, not of 'flash2'"):
         attention_prices("b200", "flash2", "9.13.1")
+
+
+def _windowed(gpu, release=None):
+    """{(direction, window, head_dim): {seq: [tflops, ...]}} of the table's cuDNN rows with
+    a sliding window on ``gpu`` (of one cuDNN release, or every release's)."""
+    out: dict = {}
+    for r in read_data_csv(ATTENTION_TABLE)[1]:
+        if r["gpu"] == gpu and r["window"] and release in (None, r["cudnn"]):
+            key = (r["direction"], int(r["window"]), int(r["head_dim"]))
+            out.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
+    return out
+
+
+def _windowed_op(seq, window, head_dim=64, backward=False, heads=64, batch=2):
+    k = Kernel.attention(batch * heads, seq, seq, head_dim, window=window, backward=backward)
+    flops = 2.0 * batch * heads * head_dim * (2 * window * seq - window * window)
+    return TraceCompute("gpt: attention: core", flops * (2.5 if backward else 1.0), 0.0,
+                        kernel=k)
+
+
+@pytest.mark.parametrize("name", ["gb200-nvl72", "gb300-nvl72", "h200-dgx"])
+def test_a_sliding_window_prices_at_its_own_published_curve(name):
+    """cudnn-frontend publishes GPT-OSS's windowed kernels (S11: w = 1024 on GB200, GB300
+    and H200 under cuDNN 9.19.1; S12: w = 128 on GB200 and GB300 under 9.22.0): a windowed
+    kernel of a published window prices at the published median at every published
+    sequence, far below the full causal kernel at that sequence (on GB200 at 4K and
+    w = 128 about 1/9 of it), where it was read before from the causal curve at the
+    window — faster than any published windowed rate. A window with no curve keeps that
+    reading (an upper bound)."""
+    hw = preset(name)
+    gpu = hw.device.attention_gpu
+    costs, t_k = HardwareCostModel(hw), hw.device.kernel_overhead_us * 1e-6
+    published = _windowed(gpu)
+    assert {w for _, w, _ in published} == ({128, 1024} if gpu != "h200" else {1024})
+    prices = attention_prices(gpu, "cudnn")
+    for (direction, window, d), by_seq in published.items():
+        causal = prices.curve(direction, True, 128)
+        for seq, values in by_seq.items():
+            op = _windowed_op(seq, window, d, backward=direction == "bwd")
+            rate = op.flops / (costs.compute_time_s(op) - t_k) / 1e12
+            assert rate == pytest.approx(statistics.median(values), rel=1e-9)
+            # the windowed kernel is slower than the full one, and than the old reading
+            assert rate < causal.tflops(seq) and rate < causal.tflops(window)
+    # no curve at this window: the causal curve at the window, as before
+    odd = Kernel.attention(128, 16384, 16384, 64, window=512)
+    assert prices.rate_tflops(odd) == pytest.approx(prices.curve("fwd", True, 64).tflops(512))
+    # a window as long as the sequence is full causal attention
+    whole = Kernel.attention(128, 1024, 1024, 64, window=1024)
+    assert prices.rate_tflops(whole) == pytest.approx(prices.curve("fwd", True, 64).tflops(1024))
+
+
+def test_a_selected_release_reads_other_releases_windows_and_says_so():
+    """With a cuDNN release selected, a window that release has rows of is read from them
+    alone; one it has none of from every release's rows, and the curve says which."""
+    at_919 = attention_prices("gb200", "cudnn", "9.19.1")
+    w1024, w128 = (at_919.windowed_curve("fwd", w, 64) for w in (1024, 128))
+    assert w1024.derived == "" and dict(w1024.points) == {
+        s: statistics.median(v) for s, v in _windowed("gb200", "9.19.1")[("fwd", 1024, 64)].items()}
+    assert w128.derived == "no rows of cuDNN 9.19.1 at this window: those of 9.22.0"
+    assert dict(w128.points) == {
+        s: statistics.median(v) for s, v in _windowed("gb200", "9.22.0")[("fwd", 128, 64)].items()}
+    assert at_919.windowed_curve("fwd", 4096, 64) is None

@@ -20,8 +20,18 @@ within ±8% to 128K: cudnn-frontend's B200 and H200 runs, S5-S7). No efficiency 
 rates are the kernels' own, measured alone (as :mod:`.kernel_profiles`' in-stream prices).
 
 The sequence a kernel is read at: √(s_q·s_kv) for its query and key rows (a context-
-parallel block is the smaller kernel it is), under a sliding window w the lesser of that
-and w; the head dimension: the published one nearest in log2 (the lower on a tie).
+parallel block is the smaller kernel it is); the head dimension: the published one nearest
+in log2 (the lower on a tie).
+
+A sliding window w shorter than the sequence is read from the curves of that window where
+the table publishes them (its ``window`` column: cudnn-frontend's GPT-OSS runs, w = 128 and
+1024 at head dim 64), at the kernel's sequence and the window's nearest head dimension:
+such a kernel computes each query tile against about w/tile + 1 key tiles however long the
+sequence, and runs far below the full kernel — on a GB200 under cuDNN 9.22.0, 165 TFLOP/s
+forward at w = 128 against 1,408 causal at 4K. A window with no published curve keeps the
+causal curve read at min(√(s_q·s_kv), w) (an upper bound on its rate: the curves' shortest
+sequences are 512 to 2,048). With a cuDNN release selected (below), a window that release
+has no rows of is read from every release's rows of it (``AttentionCurve.derived`` says so).
 
 Where a source leaves a (direction, mask) out, the curve is derived, in this order, and says
 so (:attr:`AttentionCurve.derived`):
@@ -109,10 +119,13 @@ class AttentionKernelPrices:
     gpu: str
     kernel: str
     curves: Mapping = field(repr=False)           # read-only after construction
+    # sliding-window curves by (direction, window, head_dim) (module docstring)
+    windowed: Mapping = field(default_factory=dict, repr=False)
     head_dims: tuple = field(init=False)           # the published head dimensions
 
     def __post_init__(self):
         object.__setattr__(self, "curves", MappingProxyType(dict(self.curves)))
+        object.__setattr__(self, "windowed", MappingProxyType(dict(self.windowed)))
         object.__setattr__(self, "head_dims", tuple(sorted({d for _, _, d in self.curves})))
 
     def curve(self, direction: str, causal: bool, head_dim: int) -> AttentionCurve:
@@ -120,14 +133,27 @@ class AttentionKernelPrices:
         d = min(self.head_dims, key=lambda h: (abs(math.log2(h) - math.log2(head_dim)), h))
         return self.curves[(direction, bool(causal), d)]
 
+    def windowed_curve(self, direction: str, window: int,
+                       head_dim: int) -> AttentionCurve | None:
+        """The published curve of sliding window ``window`` at the head dimension nearest
+        ``head_dim`` among that window's, or None where the window has none."""
+        dims = [d for x, w, d in self.windowed if x == direction and w == window]
+        if not dims:
+            return None
+        d = min(dims, key=lambda h: (abs(math.log2(h) - math.log2(head_dim)), h))
+        return self.windowed[(direction, window, d)]
+
     def rate_tflops(self, kernel: Kernel) -> float:
         """The TFLOP/s ``kernel`` (an attention kernel) runs at (module docstring)."""
         _, s_q, s_kv, d = kernel.shape
         seq = math.sqrt(max(s_q, 1) * max(s_kv, 1))
-        if kernel.window:
-            seq = min(seq, kernel.window)
-        return self.curve("bwd" if kernel.backward else "fwd", kernel.causal or
-                          bool(kernel.window), d).tflops(seq)
+        direction = "bwd" if kernel.backward else "fwd"
+        if kernel.window and kernel.window < seq:
+            own = self.windowed_curve(direction, kernel.window, d)
+            if own is not None:
+                return own.tflops(seq)
+            seq = kernel.window
+        return self.curve(direction, kernel.causal or bool(kernel.window), d).tflops(seq)
 
     def time_s(self, kernel: Kernel, flops: float, overhead_s: float) -> float:
         """t_k + F / r (module docstring); 0 for an empty kernel."""
@@ -189,16 +215,48 @@ def attention_prices(gpu: str, kernel: str, cudnn: str = "") -> AttentionKernelP
         raise ValueError(f"attention curves for GPU {gpu!r}: none published in "
                          f"{ATTENTION_TABLE}; GPUs with curves: {', '.join(attention_gpus())}")
     samples: dict = {}
+    windowed: dict = {}        # (direction, window, head_dim) -> release -> seq -> rates
     for r in _rows():
-        if r["gpu"] == gpu and r["kernel"] == kernel and (not cudnn or r["cudnn"] == cudnn):
+        if r["gpu"] != gpu or r["kernel"] != kernel:
+            continue
+        rate, seq = float(r["tflops"]), int(r["seq"])
+        if r["window"]:
+            key = (r["direction"], int(r["window"]), int(r["head_dim"]))
+            windowed.setdefault(key, {}).setdefault(r["cudnn"], {}).setdefault(
+                seq, []).append(rate)
+        elif not cudnn or r["cudnn"] == cudnn:
             key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
-            samples.setdefault(key, {}).setdefault(int(r["seq"]), []).append(float(r["tflops"]))
+            samples.setdefault(key, {}).setdefault(seq, []).append(rate)
     if not samples:
         raise ValueError(f"attention kernel {kernel!r} on {gpu}: no published curve; kernels "
                          f"with curves on {gpu}: {', '.join(kernels_of(gpu)) or 'none'}")
-    curves = {key: AttentionCurve(tuple((s, statistics.median(v)) for s, v in sorted(
-        by_seq.items()))) for key, by_seq in samples.items()}
-    return AttentionKernelPrices(gpu, kernel, _complete(curves))
+    curves = {key: _median_curve(by_seq) for key, by_seq in samples.items()}
+    return AttentionKernelPrices(gpu, kernel, _complete(curves),
+                                 {key: _window_curve(by_release, cudnn)
+                                  for key, by_release in windowed.items()})
+
+
+def _median_curve(by_seq: dict, derived: str = "") -> AttentionCurve:
+    """The curve through the median published rate at each sequence."""
+    return AttentionCurve(tuple((s, statistics.median(v)) for s, v in sorted(by_seq.items())),
+                          derived)
+
+
+def _window_curve(by_release: dict, cudnn: str) -> AttentionCurve:
+    """A window's curve from its rows by cuDNN release: the selected release's where it has
+    them, else every release's (module docstring)."""
+    if not cudnn or cudnn in by_release:
+        chosen = [by_release[cudnn]] if cudnn else list(by_release.values())
+        derived = ""
+    else:
+        chosen = list(by_release.values())
+        derived = (f"no rows of cuDNN {cudnn} at this window: those of "
+                   f"{', '.join(sorted(by_release, key=_release_key))}")
+    merged: dict = {}
+    for by_seq in chosen:
+        for s, v in by_seq.items():
+            merged.setdefault(s, []).extend(v)
+    return _median_curve(merged, derived)
 
 
 def _complete(curves: dict) -> dict:

@@ -165,7 +165,7 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
              "--seq", "512", "--vocab", "32000", "--dp", "4", "--global-batch", "8",
              "--hardware", "h100-dgx"]
     docs = {}
-    for name in ("megatron", "torch_amp", "fp32"):
+    for name in ("megatron", "megatron_bf16", "torch_amp", "fp32"):
         path = tmp_path / f"{name}.json"
         assert main(model + ["--precision", name, "--json", str(path)]) == 0
         docs[name] = json.loads(path.read_text())
@@ -176,9 +176,15 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
     assert json.loads(path.read_text())["memory"] == docs["megatron"]["memory"]
     m, a = docs["megatron"]["memory"][0], docs["torch_amp"]["memory"][0]
     assert a["params_bytes"] == pytest.approx(2 * m["params_bytes"], abs=2)
+    # bf16 main gradients (Megatron-Bridge's grad_reduce_in_fp32=False): half the
+    # gradients' bytes, the rest as Megatron's
+    b16 = docs["megatron_bf16"]["memory"][0]
+    assert b16["grads_bytes"] == pytest.approx(m["grads_bytes"] / 2, abs=2)
+    for key in ("params_bytes", "optimizer_bytes", "activations_bytes"):
+        assert b16[key] == m[key], key
     assert main(model + ["--precision", "bf16"]) == 2
     err = capsys.readouterr().err
-    assert "--precision must be one of megatron, torch_amp, torch_compile, fp64, fp32, got 'bf16'" in err
+    assert "--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, fp64, fp32, got 'bf16'" in err
 
 
 def test_plan_gpt_precision_flag(tmp_path, capsys):
@@ -211,5 +217,5 @@ def test_plan_gpt_precision_flag(tmp_path, capsys):
     both = peak["megatron"].keys() & peak["torch_amp"].keys()
     assert both and any(peak["torch_amp"][k] != peak["megatron"][k] for k in both)
     assert main(cli + ["--precision", "fp16"]) == 2
-    assert "--precision must be one of megatron, torch_amp, torch_compile, fp64, fp32, got 'fp16'" in \
+    assert "--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, fp64, fp32, got 'fp16'" in \
         capsys.readouterr().err

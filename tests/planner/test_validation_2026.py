@@ -8,7 +8,8 @@ import pytest
 
 from vcluster.planner.validation_2026 import (CONTAINER_CUDNN, FIT_ROWS, PRECISION_FORMATS,
                                               SYSTEM_PRESETS, TABLES_2026, row_attention,
-                                              row_config, summary_by_kind, validate_2026)
+                                              row_config, row_precision, summary_by_kind,
+                                              validate_2026)
 from vcluster.timing import read_data_csv
 from vcluster.timing.gemm_formats import GEMM_FORMATS
 
@@ -126,3 +127,36 @@ def test_worker_processes_give_the_same_rows_in_the_same_order(capsys):
     assert main(["validate-model", "--table", "amd_instinct_training.csv",
                  "--workers", "0"]) == 2
     assert "--workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_each_row_carries_the_memory_models_verdict_in_its_recipes_precision():
+    """Every row is a configuration that ran: each predicted row says whether the memory
+    model lets it fit, with the peak and the limit, counted per GPU kind. Its bytes per
+    parameter are its recipe's: Megatron-Bridge's performance recipes keep bf16 main
+    gradients (``grad_reduce_in_fp32 = False``: ``megatron_bf16``), the unread NeMo 2.0
+    and AMD recipes Megatron's fp32 ones; the gradients' bytes halve, nothing else moves."""
+    from vcluster.planner.memory import rank_memory
+    from vcluster.timing.presets import preset
+    assert row_precision({"release": "26.04.01 NeMo container (Megatron-Bridge)"}) == \
+        "megatron_bf16"
+    assert row_precision({"release": "25.02 NeMo container (NeMo 2.0)"}) == "megatron"
+    amd = read_data_csv("amd_instinct_training.csv")[1][0]
+    assert row_precision(amd) == "megatron"
+    rows = validate_2026(select=lambda r: r["model"] == "LLAMA3_8B" and r["latest"] == "1"
+                         and r["system"] == "DGX-GB200")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["status"] == "predicted" and r["precision"] == "megatron_bf16"
+        assert r["fits"] is True and 0 < r["peak_memory_gb"] <= r["memory_limit_gb"]
+        assert r["memory_limit_gb"] == pytest.approx(
+            0.95 * preset("gb200-nvl72").device.hbm_bytes / 1e9)
+    assert summary_by_kind(rows)["gb200-nvl72"]["fits"] == 2
+    table = read_data_csv("megatron_bridge_blackwell.csv")[1]
+    r = next(r for r in table if r["model"] == "LLAMA3_8B" and r["latest"] == "1"
+             and r["system"] == "DGX-GB200")
+    cfg, par, *_ = row_config(r)
+    fp32, bf16 = (rank_memory(cfg, par, 0, 1, precision=p)
+                  for p in ("megatron", "megatron_bf16"))
+    assert bf16.grads_bytes == pytest.approx(fp32.grads_bytes / 2, abs=2)
+    assert (bf16.params_bytes, bf16.optimizer_bytes, bf16.activations_bytes) == \
+        (fp32.params_bytes, fp32.optimizer_bytes, fp32.activations_bytes)

@@ -298,8 +298,11 @@ def _print_hardware_2026(h: dict) -> None:
                     parts.append(f"{role}{'' if family == 'all' else ' ' + family} "
                                  f"{100 * v['mean_abs']:.1f}% / {100 * v['median_abs']:.1f}% / "
                                  f"{100 * v['mean_signed']:+.1f}% ({v['predicted']})")
+        predicted = k['rows'] - k['refused'] - k['failed']
         print(f"  {kind:<14}{k['rows']:>3} rows, {k['refused']} refused, {k['failed']} failed"
-              + (": " + "; ".join(parts) if parts else ""))
+              + (": " + "; ".join(parts) if parts else "")
+              + (f"; memory model: {k['fits']} of {predicted} fit (every one ran)"
+                 if predicted else ""))
 
 
 def _fsdp_summary(rows: list[dict]) -> dict:

@@ -5,6 +5,7 @@ keeps, by framework — what :mod:`vcluster.planner.memory` multiplies its count
 preset             weight  grad  optimizer  activation  logits  activations counted by
 =================  ======  ====  =========  ==========  ======  ============================
 ``megatron``       2       4     12         2           4       Korthikanti et al.
+``megatron_bf16``  2       2     12         2           4       Korthikanti et al.
 ``torch_amp``      4       4     8          2           12      the PyTorch program
 ``torch_compile``  4       4     8          2           4       it, under ``torch.compile``
 ``fp64``           8       8     16         8           8       the emulated program
@@ -17,6 +18,16 @@ preset             weight  grad  optimizer  activation  logits  activations coun
   accumulation (Narayanan et al. SC'21; the ZeRO paper's 2 + 2 + 12 with fp32 main
   gradients): bf16 weights 2, fp32 main gradients 4, fp32 master weights + Adam's m and v
   12 = 18 bytes per parameter; 16-bit activations, fp32 logits (its cross-entropy upcasts).
+* ``megatron_bf16``: the same with bf16 main gradients, 2 + 2 + 12 = 16 bytes per
+  parameter: Megatron-Core's gradient buffer takes the parameters' dtype unless
+  ``grad_reduce_in_fp32`` (``megatron/core/distributed/param_and_grad_buffer.py``,
+  ``group_params_for_buffers``: "torch.float if grad_reduce_in_fp32, else param.dtype"),
+  and every performance recipe of NVIDIA's Megatron-Bridge turns it off
+  (``cfg.ddp.grad_reduce_in_fp32 = False``: ``scripts/performance/configs/*/*.yaml`` of
+  v0.1.0rc3, ``scripts/performance/configs/*/*_llm_pretrain.py`` of v0.2.0 to v0.5.1,
+  ``src/megatron/bridge/perf_recipes/_common.py`` of v0.6.0). The gradients are then
+  reduced in bf16 too, which is what the traced program reduces (its gradients' dtype)
+  whatever the policy: the policy changes the memory, not the timing.
 * ``torch_amp``: PyTorch automatic mixed precision (``torch.autocast(dtype=bfloat16)``
   around an fp32 model, ``torch.optim.Adam``): fp32 parameters 4 (they are the master
   copy: autocast casts them to bf16 per op, no stored bf16 copy), fp32 ``.grad`` 4, Adam's
@@ -74,7 +85,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["PrecisionPolicy", "PRECISIONS", "ACTIVATION_COUNTS", "precision_policy",
-           "MEGATRON"]
+           "MEGATRON", "MEGATRON_BF16"]
 
 #: the activation formulas a policy may name
 ACTIVATION_COUNTS = ("korthikanti", "torch_amp", "torch_compile", "emulator")
@@ -148,9 +159,12 @@ class PrecisionPolicy:
 
 
 MEGATRON = PrecisionPolicy("megatron", 2, 4, 12, 2, 4)
+#: Megatron with bf16 main gradients (``grad_reduce_in_fp32=False``; module docstring)
+MEGATRON_BF16 = PrecisionPolicy("megatron_bf16", 2, 2, 12, 2, 4)
 #: the named presets (``--precision``)
 PRECISIONS = {
     "megatron": MEGATRON,
+    "megatron_bf16": MEGATRON_BF16,
     "torch_amp": PrecisionPolicy("torch_amp", 4, 4, 8, 2, 12, "torch_amp",
                                  logits_saved_bytes=4, weight_copy_bytes=2,
                                  grads_persistent=False, autocast_kernels=True),

@@ -18,6 +18,13 @@ GB300's GEMM efficiencies were taken from the B300's measurements after one GB30
 error was seen; nothing was tuned on any other row). A row the program cannot run yet is
 ``refused`` with every ConfigError's message; one it accepts and cannot trace ``failed``.
 
+Each predicted row also carries the memory model's verdict (``fits``, ``peak_memory_gb``,
+``memory_limit_gb``): every row is a configuration that ran, so a row the model says does
+not fit is a miss of the memory model, counted per GPU kind (:func:`summary_by_kind`).
+Its bytes per parameter are the row's recipe's (:func:`row_precision`): Megatron-Bridge's
+performance recipes keep bf16 main gradients (``megatron_bf16``), the others Megatron's
+default fp32 ones (not read: NeMo 2.0's recipes, AMD's).
+
 A Blackwell row's fused attention is priced by the cuDNN curves its container's cuDNN
 release is nearest to (:func:`row_attention`): the release each NeMo container ships
 (:data:`CONTAINER_CUDNN`) against the releases published on the same GPU silicon
@@ -50,7 +57,7 @@ from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
 
 __all__ = ["TABLES_2026", "SYSTEM_PRESETS", "PRECISION_FORMATS", "FIT_ROWS", "row_config",
            "validate_2026", "summary_by_kind", "CONTAINER_CUDNN", "SAME_SILICON",
-           "row_attention"]
+           "row_attention", "row_precision"]
 
 TABLES_2026 = ("megatron_bridge_blackwell.csv", "amd_instinct_training.csv")
 SYSTEM_PRESETS: Mapping[str, str] = MappingProxyType({
@@ -217,6 +224,15 @@ def row_config(r: dict) -> tuple:
     return cfg, par, PRECISION_FORMATS.get(precision), assumed, refusals
 
 
+def row_precision(r: dict) -> str:
+    """The memory model's precision policy (:data:`~.precision.PRECISIONS`) of a row:
+    ``megatron_bf16`` for a Megatron-Bridge release, whose performance recipes set
+    ``grad_reduce_in_fp32 = False`` in every tag from v0.1.0rc3 (the 25.09 container) to
+    v0.6.0 (26.08) — bf16 main gradients, :mod:`.precision`; ``megatron`` (fp32 main
+    gradients, Megatron-LM's default) for the others, whose recipes were not read."""
+    return "megatron_bf16" if "(Megatron-Bridge)" in r["release"] else "megatron"
+
+
 def _case(r: dict) -> str:
     how = " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "cp", "vp", "ep") if r[k] not in ("", "1"))
     return (f"{r['model']} {r['precision']} {r['gpus']}x{r['system']} {how or 'dp only'}"
@@ -225,14 +241,18 @@ def _case(r: dict) -> str:
 
 
 def _predict(args) -> tuple:
-    """Worker: (tokens/s per GPU, None) of one row's plan, or (None, the TraceError's
-    text): a defect, not a limit (top-level so that a process pool can pickle it)."""
-    cfg, par, hardware, fmt = args
+    """Worker: (tokens/s per GPU, None, the memory model's verdict) of one row's plan, or
+    (None, the TraceError's text, None): a defect, not a limit (top-level so that a
+    process pool can pickle it)."""
+    cfg, par, hardware, fmt, precision = args
     try:
-        sim = simulate_gpt(cfg, par, hardware, fp8=fmt is not None, gemm_format=fmt or "fp8")
+        sim = simulate_gpt(cfg, par, hardware, fp8=fmt is not None, gemm_format=fmt or "fp8",
+                           precision=precision)
     except TraceError as e:
-        return None, f"{type(e).__name__}: {e}"
-    return sim.tokens_per_s_per_gpu, None
+        return None, f"{type(e).__name__}: {e}", None
+    return sim.tokens_per_s_per_gpu, None, {"fits": sim.fits,
+                                            "peak_memory_gb": sim.peak_memory_gb,
+                                            "memory_limit_gb": sim.memory_limit_gb}
 
 
 def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
@@ -242,7 +262,8 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
     ``family`` (``dense`` or ``moe``: the row's experts), ``published``, ``predicted`` and
     ``rel_error`` (None unless ``status`` is
     ``predicted``), ``role``, ``status`` (``predicted``, ``refused``, ``failed``),
-    ``reason``, ``assumed``. ``latest_only``: the rows the sources mark as their latest
+    ``reason``, ``assumed``, ``precision`` (:func:`row_precision`) and, predicted,
+    ``fits``, ``peak_memory_gb``, ``memory_limit_gb``. ``latest_only``: the rows the sources mark as their latest
     release of each configuration. ``on_row``: called after each row (progress).
     ``select``: a predicate on the table's row (a dict of its columns): only those.
     ``workers``: processes that simulate the rows (default 1: this one; the rows are
@@ -260,7 +281,7 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                       "published": float(r["tokens_per_s_per_gpu"]), "predicted": None,
                       "rel_error": None, "role": "fit" if _key(table, r) in FIT_ROWS
                       else "held_out", "status": "predicted", "reason": "",
-                      "assumed": "; ".join(assumed)}
+                      "assumed": "; ".join(assumed), "precision": row_precision(r)}
             if hardware is None:
                 refusals.append(f"system {r['system']!r} has no preset; known: "
                                 f"{', '.join(SYSTEM_PRESETS)}")
@@ -273,14 +294,15 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                 if note:
                     result["assumed"] = "; ".join(x for x in (result["assumed"], note) if x)
                 jobs.append((len(out), (cfg, par, {"base": hardware, "device": device}
-                                        if device else hardware, fmt)))
+                                        if device else hardware, fmt, result["precision"])))
             out.append(result)
 
-    def record(i: int, predicted, failure) -> None:
+    def record(i: int, predicted, failure, memory) -> None:
         if failure is not None:
             out[i].update(status="failed", reason=failure)
         else:
-            out[i].update(predicted=predicted, rel_error=predicted / out[i]["published"] - 1)
+            out[i].update(predicted=predicted, rel_error=predicted / out[i]["published"] - 1,
+                          **memory)
         if on_row is not None:
             on_row()
 
@@ -313,13 +335,16 @@ def _stats(errs: list) -> dict | None:
 def summary_by_kind(rows: list[dict]) -> dict:
     """Per GPU kind (preset) and role (``held_out``, ``fit``; and ``<role>_dense``,
     ``<role>_moe`` apart): rows predicted, mean and median |error|, mean signed error;
-    with the counts of rows refused and failed."""
+    with the counts of rows refused and failed, and ``fits``: of the rows predicted (every
+    one a configuration that ran), how many the memory model says fit."""
     out: dict = {}
     for kind in sorted({r["hardware"] or r["system"] for r in rows}):
         mine = [r for r in rows if (r["hardware"] or r["system"]) == kind]
         entry = {"rows": len(mine),
                  "refused": sum(r["status"] == "refused" for r in mine),
-                 "failed": sum(r["status"] == "failed" for r in mine)}
+                 "failed": sum(r["status"] == "failed" for r in mine),
+                 "fits": sum(bool(r.get("fits")) for r in mine
+                             if r["status"] == "predicted")}
         for role in ("held_out", "fit"):
             done = [r for r in mine if r["role"] == role and r["status"] == "predicted"]
             entry[role] = _stats([r["rel_error"] for r in done])

@@ -123,3 +123,58 @@ def test_bad_memory_options_are_named():
     proc = subprocess.run([sys.executable, "-m", "vcluster", "simulate", "gpt", *GPT13,
                            "--attention", "paged"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--attention" in proc.stderr
+
+
+def test_quantised_gemm_inputs_are_kept_at_their_formats_size():
+    """Transformer Engine keeps a linear layer's quantised input for its weight gradient:
+    with g bytes per element (fp8 1, mxfp8 1 + 1/32, nvfp4 0.5 + 1/16) a Llama layer keeps
+    its two norms' outputs and SwiGLU's product at g, and W_o's copy of the attention
+    output (g·h_q) beside the bf16 one; a routed expert row its input and product at g.
+    Against the bf16 count: s·b·((2g − 4)·h/σ + g·h_q/t + (g − 2)·f/t) per dense layer,
+    R·(g − 2)·(h + f_e) more per MoE layer (R: routed rows); recomputed modules drop
+    their own share at g; the GPT block is refused by name."""
+    from vcluster.planner.memory import (layer_activation_bytes, moe_routed_rows,
+                                         rank_memory)
+    from vcluster.planner.precision import MEGATRON, MEGATRON_BF16
+    from vcluster.timing.gemm_formats import GEMM_FORMATS
+    assert {n: f.stored_bytes for n, f in GEMM_FORMATS.items()} == {
+        "fp8": 1, "fp8-block": 1 + 4 / 128, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32,
+        "nvfp4": 0.5 + 1 / 16}
+    q = MEGATRON_BF16.with_quantised_gemm_inputs("mxfp8")
+    assert q.name == "megatron_bf16+mxfp8" and q.gemm_input_bytes == 1 + 1 / 32
+    assert (q.weight_bytes, q.grad_bytes, q.optimizer_bytes) == (2, 2, 12)
+    cfg = GPTConfig(hidden=512, layers=4, heads=8, seq=256, vocab=1024, arch="llama",
+                    kv_heads=2, ffn_hidden=1408)
+    h, f, s, hq = 512, 1408, 256, 512
+    for t, sp, b in ((1, False, 2), (2, True, 1), (2, False, 3)):
+        par = ParallelConfig(global_batch=8 * b, micro_batch=b, tp=t, sequence_parallel=sp)
+        sigma = t if sp else 1
+        for g in (1, 1 + 1 / 32, 0.5 + 1 / 16):
+            diff = layer_activation_bytes(cfg, par, 0, gemm_input_bytes=g) \
+                - layer_activation_bytes(cfg, par, 0)
+            assert diff == pytest.approx(s * b * ((2 * g - 4) * h / sigma + g * hq / t
+                                                  + (g - 2) * f / t)), (t, sp, b, g)
+        # selective recomputation of the norms and the MLP: what is dropped is at g too
+        rec = replace(par, recompute="selective", recompute_modules=("layernorm", "mlp"))
+        diff = layer_activation_bytes(cfg, rec, 0, gemm_input_bytes=1) \
+            - layer_activation_bytes(cfg, rec, 0)
+        assert diff == pytest.approx(s * b * hq / t), (t, sp, b)
+    # the whole rank, through the policy
+    par = ParallelConfig(global_batch=8, micro_batch=2)
+    bf16, fp8 = (rank_memory(cfg, par, 0, 1, precision=p)
+                 for p in (MEGATRON, MEGATRON.with_quantised_gemm_inputs("fp8")))
+    assert fp8.activations_bytes - bf16.activations_bytes == pytest.approx(
+        4 * s * 2 * (-2 * h + hq - f), abs=8)
+    assert (fp8.params_bytes, fp8.grads_bytes, fp8.optimizer_bytes) == \
+        (bf16.params_bytes, bf16.grads_bytes, bf16.optimizer_bytes)
+    # mixture of experts: each routed row's input and product
+    moe = replace(cfg, experts=8, moe_top_k=2, moe_ffn_hidden=384)
+    par = ParallelConfig(global_batch=8, micro_batch=2, ep=1)
+    rows = moe_routed_rows(moe, par)
+    dense = s * 2 * ((2 * 1 - 4) * h + hq - f)
+    diff = layer_activation_bytes(moe, par, 0, gemm_input_bytes=1) \
+        - layer_activation_bytes(moe, par, 0)
+    assert diff == pytest.approx(dense - s * 2 * (1 - 2) * f + rows * (1 - 2) * (h + 384))
+    gpt = GPTConfig(hidden=512, layers=4, heads=8, seq=256, vocab=1024)
+    with pytest.raises(ValueError, match="quantised GEMM inputs .* Llama block only"):
+        layer_activation_bytes(gpt, par, 0, gemm_input_bytes=1)

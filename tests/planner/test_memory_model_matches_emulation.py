@@ -120,7 +120,7 @@ BIG = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=32000)
 
 def test_policies_bytes_per_parameter():
     assert {n: p.bytes_per_param for n, p in PRECISIONS.items()} == {
-        "megatron": 18, "torch_amp": 16, "torch_compile": 16, "fp64": 32, "fp32": 16}
+        "megatron": 18, "megatron_bf16": 16, "torch_amp": 16, "torch_compile": 16, "fp64": 32, "fp32": 16}
     assert PrecisionPolicy.emulated("float32", "sgd").optimizer_bytes == 4   # momentum slot
     assert "18 B/param" not in str(PRECISIONS["megatron"])    # says 2+4+12
     assert str(PRECISIONS["megatron"]).startswith("megatron (2+4+12 B/param")
@@ -147,8 +147,14 @@ def test_megatron_is_the_default_and_torch_amp_moves_bytes_from_optimizer_to_wei
 
 def test_bad_policies_are_refused_by_name():
     with pytest.raises(ValueError, match=r"precision must be one of \('megatron', "
-                                         r"'torch_amp', 'torch_compile', 'fp64', 'fp32'\).*'bf16'"):
+                                         r"'megatron_bf16', 'torch_amp', 'torch_compile', "
+                                         r"'fp64', 'fp32'\).*'bf16'"):
         precision_policy("bf16")
+    with pytest.raises(ValueError, match=r"gemm_input_bytes=2\.5 .*needs activation_count "
+                                         r"'korthikanti' and a size in \(0, 2\) bytes"):
+        PrecisionPolicy("x", 2, 2, 12, 2, 4, gemm_input_bytes=2.5)
+    with pytest.raises(ValueError, match="gemm_input_bytes=1 .*needs activation_count"):
+        PrecisionPolicy("x", 4, 4, 8, 2, 12, "torch_amp", gemm_input_bytes=1)
     with pytest.raises(ValueError, match="activation_count='korthikanti' is a 16-bit"):
         PrecisionPolicy("x", 4, 4, 8, 4, 4)
     with pytest.raises(ValueError, match="activation_count must be one of"):

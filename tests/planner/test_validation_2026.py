@@ -137,21 +137,35 @@ def test_each_row_carries_the_memory_models_verdict_in_its_recipes_precision():
     and AMD recipes Megatron's fp32 ones; the gradients' bytes halve, nothing else moves."""
     from vcluster.planner.memory import rank_memory
     from vcluster.timing.presets import preset
-    assert row_precision({"release": "26.04.01 NeMo container (Megatron-Bridge)"}) == \
-        "megatron_bf16"
-    assert row_precision({"release": "25.02 NeMo container (NeMo 2.0)"}) == "megatron"
-    amd = read_data_csv("amd_instinct_training.csv")[1][0]
-    assert row_precision(amd) == "megatron"
+
+    def name(release, system="DGX-GB200", precision="BF16", arch="llama"):
+        return row_precision({"release": release, "system": system,
+                              "precision": precision, "arch": arch}).name
+    assert name("26.04.01 NeMo container (Megatron-Bridge)") == "megatron_bf16"
+    assert name("25.02 NeMo container (NeMo 2.0)") == "megatron"
+    # low-precision GEMMs under Transformer Engine keep their quantised inputs
+    assert name("26.04.01 NeMo container (Megatron-Bridge)", precision="MXFP8") == \
+        "megatron_bf16+mxfp8"
+    assert name("25.11 NeMo container (Megatron-Bridge)", "DGX-B200", "FP8-CS") == \
+        "megatron_bf16+fp8"
+    assert name("25.04 NeMo container (NeMo 2.0)", precision="NVFP4") == "megatron+nvfp4"
+    # counted for the Llama block: GPT-3 175B's rows keep the bf16 count
+    assert name("25.04 NeMo container (NeMo 2.0)", precision="FP8-CS", arch="gpt") == \
+        "megatron"
+    amd = [r for r in read_data_csv("amd_instinct_training.csv")[1] if r["precision"] == "FP8"]
+    assert amd and row_precision(amd[0]).name == "megatron"       # recipes not read
     rows = validate_2026(select=lambda r: r["model"] == "LLAMA3_8B" and r["latest"] == "1"
                          and r["system"] == "DGX-GB200")
     assert len(rows) == 2
+    table = read_data_csv("megatron_bridge_blackwell.csv")[1]
     for r in rows:
-        assert r["status"] == "predicted" and r["precision"] == "megatron_bf16"
+        published_precision = r["case"].split()[1]              # "LLAMA3_8B FP8-CS ..."
+        assert r["status"] == "predicted" and r["precision"] == "megatron_bf16+" + \
+            PRECISION_FORMATS[published_precision]
         assert r["fits"] is True and 0 < r["peak_memory_gb"] <= r["memory_limit_gb"]
         assert r["memory_limit_gb"] == pytest.approx(
             0.95 * preset("gb200-nvl72").device.hbm_bytes / 1e9)
     assert summary_by_kind(rows)["gb200-nvl72"]["fits"] == 2
-    table = read_data_csv("megatron_bridge_blackwell.csv")[1]
     r = next(r for r in table if r["model"] == "LLAMA3_8B" and r["latest"] == "1"
              and r["system"] == "DGX-GB200")
     cfg, par, *_ = row_config(r)

@@ -298,13 +298,19 @@ def activation_bytes_per_layer(s, b, h, a, t, recompute, sp, attention: str = "f
 
 def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
                                      attention: str = "flash",
-                                     modules=DEFAULT_RECOMPUTE_MODULES) -> float:
+                                     modules=DEFAULT_RECOMPUTE_MODULES,
+                                     gemm_input_bytes: float = 2) -> float:
     """Bytes one Llama layer keeps for its backward, per micro-batch (the module doc;
     ``op``, torchtitan's per-op policy: the layer's input x, the products x W_q, x W_v and
     x W_gate, the attention kernel's output C and log-sum-exp, and with sequence
-    parallelism the attention's reduce-scattered output, :mod:`tensor_parallel.llama`)."""
+    parallelism the attention's reduce-scattered output, :mod:`tensor_parallel.llama`).
+    ``gemm_input_bytes`` g < 2 (quantised GEMMs under Transformer Engine, the module doc):
+    the two norms' outputs and SwiGLU's product, which only a GEMM keeps, at g bytes, and
+    the output projection's quantised copy of the attention output, g·s·b·h_q/t, beside
+    the bf16 one the attention kernel keeps."""
     h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
     sigma, kv_local = t if sp else 1, max(config.kv_heads // t, 1)
+    g = gemm_input_bytes
     if recompute in FULL_RECOMPUTE:
         return 2 * s * b * h / sigma
     if recompute == "op":     # x, x W_q, x W_v, C, x W_gate (+ y under SP), the kernel's
@@ -315,33 +321,38 @@ def llama_activation_bytes_per_layer(config, b, t, recompute, sp,
     if getattr(config, "kv_lora_rank", None):      # MLA: the latents, q, k, v, output
         att = 4 * ((config.q_lora_rank or 0) + config.kv_lora_rank) \
             + 4 * a * (d + config.v_head_dim) / t
+        out_width = a * config.v_head_dim
     else:
         att = 4 * a * d / t + 4 * kv_local * d
-    base = s * b * (8 * h / sigma + att + 6 * f / t)
+        out_width = a * d
+    if g != 2:                                     # W_o's quantised copy of the output
+        att += g * out_width / t
+    base = s * b * ((4 + 2 * g) * h / sigma + att + (4 + g) * f / t)
     if getattr(config, "qk_norm", False):          # the q and k norms' inputs
         base += 2 * s * b * (a * d / t + kv_local * d)
     rec = _recomputed(recompute, modules)
-    base -= recomputed_llama_bytes(config, b, t, sp, rec)
+    base -= recomputed_llama_bytes(config, b, t, sp, rec, g)
     if attention in FUSED_ATTENTION:
         return base + LSE_BYTES * b * a * s / t
     return base + (0 if "core_attn" in rec else 2 * a * s * _mean_keys(config) * b / t)
 
 
-def recomputed_llama_bytes(config, b, t, sp, modules) -> float:
-    """The bytes a Llama layer no longer keeps per micro-batch (16-bit) with
-    ``modules`` recomputed (Megatron-Core's ``recompute_modules``; σ = t under sequence
-    parallelism, else 1): ``layernorm`` the two norms' outputs 4·s·b·h/σ (their inputs
-    stay: the checkpoints'), ``mlp`` the dense SwiGLU's gate, up and product 6·s·b·f/t
-    (its input stays), ``mla_up_proj`` the up-projected q, k and v 2·s·b·a·(2·d_qk +
-    d_v)/t (the latents stay); ``core_attn`` and ``moe_act`` none here (the scores: the
-    caller's; the experts' product: :func:`layer_activation_bytes`)."""
+def recomputed_llama_bytes(config, b, t, sp, modules, gemm_input_bytes: float = 2) -> float:
+    """The bytes a Llama layer no longer keeps per micro-batch (16-bit; the GEMM inputs
+    at ``gemm_input_bytes`` g) with ``modules`` recomputed (Megatron-Core's
+    ``recompute_modules``; σ = t under sequence parallelism, else 1): ``layernorm`` the
+    two norms' outputs 2g·s·b·h/σ (their inputs stay: the checkpoints'), ``mlp`` the
+    dense SwiGLU's gate, up and product (4 + g)·s·b·f/t (its input stays),
+    ``mla_up_proj`` the up-projected q, k and v 2·s·b·a·(2·d_qk + d_v)/t (the latents
+    stay); ``core_attn`` and ``moe_act`` none here (the scores: the caller's; the
+    experts' product: :func:`layer_activation_bytes`)."""
     h, s, a, d, f = config.hidden, config.seq, config.heads, config.head_dim, config.ffn_hidden
-    sigma = t if sp else 1
+    sigma, g = (t if sp else 1), gemm_input_bytes
     out = 0.0
     if "layernorm" in modules:
-        out += 4 * s * b * h / sigma
+        out += 2 * g * s * b * h / sigma
     if "mlp" in modules:
-        out += 6 * s * b * f / t
+        out += (4 + g) * s * b * f / t
     if "mla_up_proj" in modules and getattr(config, "kv_lora_rank", None):
         out += 2 * s * b * a * (2 * d + config.v_head_dim) / t
     return out
@@ -527,7 +538,8 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
         return max(at(in_flight, False),
                    at(in_flight_after_first_backward(parallel, in_flight), True),
                    key=lambda m: m.total_bytes)
-    act = _layer_activation_bytes(config, parallel, r, expert_skew)
+    act = _layer_activation_bytes(config, parallel, r, expert_skew,
+                                  precision.gemm_input_bytes)
     # activation offload (planner.offload): the first k layers of each chunk go to host
     # memory, k the mean over the rank's chunks; no copy buffer beyond the kept layers
     offloaded = rank_offloaded_layers(parallel, config.layers, r)
@@ -540,22 +552,30 @@ def rank_memory(config, parallel, r: int, in_flight: int, expert_skew: float = 1
                            int(logits), int(in_flight * offloaded * act))
 
 
-def layer_activation_bytes(config, parallel, r: int, expert_skew: float = 1.0) -> float:
+def layer_activation_bytes(config, parallel, r: int, expert_skew: float = 1.0,
+                           gemm_input_bytes: float = 2) -> float:
     """The bytes one of pipeline rank ``r``'s layers keeps per micro-batch, Korthikanti's
     count (the module doc; s/cp rows with context parallelism; an MoE rank's mean over
-    its layers): what :func:`rank_memory` multiplies by the layers and micro-batches in
-    flight, and what an offloaded layer copies to host memory (:mod:`.offload`)."""
+    its layers; a Llama layer's GEMM inputs at ``gemm_input_bytes``): what
+    :func:`rank_memory` multiplies by the layers and micro-batches in flight, and what an
+    offloaded layer copies to host memory (:mod:`.offload`)."""
     if getattr(parallel, "cp", 1) > 1:
         config = dataclasses.replace(config, seq=config.seq // parallel.cp)
-    return _layer_activation_bytes(config, parallel, r, expert_skew)
+    return _layer_activation_bytes(config, parallel, r, expert_skew, gemm_input_bytes)
 
 
-def _layer_activation_bytes(config, parallel, r: int, expert_skew: float) -> float:
+def _layer_activation_bytes(config, parallel, r: int, expert_skew: float,
+                            gemm_input_bytes: float = 2) -> float:
     """:func:`layer_activation_bytes` of a ``config`` already cut to s/cp rows."""
     modules = getattr(parallel, "recompute_modules", DEFAULT_RECOMPUTE_MODULES)
+    g = gemm_input_bytes
+    if g != 2 and config.block is not LLAMA_BLOCK:
+        raise ValueError(f"quantised GEMM inputs (gemm_input_bytes={g:g}) are counted for "
+                         f"the Llama block only; {config.block} keeps Korthikanti's bf16 "
+                         f"count")
     act = llama_activation_bytes_per_layer(
         config, parallel.micro_batch, parallel.tp, parallel.recompute,
-        parallel.sequence_parallel, parallel.attention, modules) \
+        parallel.sequence_parallel, parallel.attention, modules, g) \
         if config.block is LLAMA_BLOCK else \
         activation_bytes_per_layer(config.seq, parallel.micro_batch, config.hidden,
                                    config.heads, parallel.tp, parallel.recompute,
@@ -565,14 +585,18 @@ def _layer_activation_bytes(config, parallel, r: int, expert_skew: float) -> flo
     if getattr(config, "experts", 0) and parallel.recompute not in FULL_RECOMPUTE:
         s, b, h, t = config.seq, parallel.micro_batch, config.hidden, parallel.tp
         rec = _recomputed(parallel.recompute, modules)
-        dense_mlp = 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 else \
+        dense_mlp = (4 + g) * s * b * config.ffn_hidden / t \
+            if config.block.mlp.matrices == 3 else \
             s * b * h * (19 / t if parallel.sequence_parallel else 3 + 16 / t)
         if "mlp" in rec:                 # the dense term above already left the MLP out
-            dense_mlp -= 6 * s * b * config.ffn_hidden / t if config.block.mlp.matrices == 3 \
-                else 16 * s * b * h / t
-        kept_f = 2 if "moe_act" in rec else 3          # moe_act: the product H re-run
-        moe_act = -dense_mlp + 2 * moe_routed_rows(
-            config, parallel, expert_skew) * (h + kept_f * config.moe_ffn_hidden / parallel.etp) \
+            dense_mlp -= (4 + g) * s * b * config.ffn_hidden / t \
+                if config.block.mlp.matrices == 3 else 16 * s * b * h / t
+        # each routed row: its input (W_gate's and W_up's GEMM input, g bytes), gate and
+        # up (4 bytes), their product (W_down's input, g; moe_act re-runs it)
+        kept_f = 4 + (0 if "moe_act" in rec else g)
+        moe_act = -dense_mlp + moe_routed_rows(
+            config, parallel, expert_skew) * (g * h + kept_f * config.moe_ffn_hidden
+                                              / parallel.etp) \
             + (4 * config.moe_top_k * s * b * h / (t if parallel.folded else 1)
                + 6 * s * b * config.moe_shared_ffn_hidden / t)
     act += moe_act * _rank_moe_layers(config, parallel, r) / max(n_layers, 1)

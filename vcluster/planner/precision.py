@@ -80,9 +80,12 @@ preset             weight  grad  optimizer  activation  logits  activations coun
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+
+from vcluster.timing.gemm_formats import gemm_format
 
 __all__ = ["PrecisionPolicy", "PRECISIONS", "ACTIVATION_COUNTS", "precision_policy",
            "MEGATRON", "MEGATRON_BF16"]
@@ -105,13 +108,18 @@ class PrecisionPolicy:
     activation_count: str = "korthikanti"
     logits_saved_bytes: float = 0    # per logit of each other micro-batch in flight
     weight_copy_bytes: float = 0     # per matrix parameter, per micro-batch in flight
+    # per element of a GEMM input kept for the weight gradient (Korthikanti's count only):
+    # 2 (bf16), or a low-precision format's stored bytes where Transformer Engine keeps
+    # the quantised copy (:meth:`with_quantised_gemm_inputs`)
+    gemm_input_bytes: float = 2
     grads_persistent: bool = True    # gradients allocated for the whole run (else per step)
     autocast_kernels: bool = False   # the step runs plain PyTorch's autocast kernels (casts)
     inductor_fusion: bool = False    # ... fused by torch.compile (Inductor)
 
     def __post_init__(self):
         for f in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
-                  "logits_bytes", "logits_saved_bytes", "weight_copy_bytes"):
+                  "logits_bytes", "logits_saved_bytes", "weight_copy_bytes",
+                  "gemm_input_bytes"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"PrecisionPolicy: {f} must be a number of bytes >= 0, "
@@ -130,6 +138,22 @@ class PrecisionPolicy:
                              f"count (activation_bytes 2), got activation_bytes="
                              f"{self.activation_bytes!r}; use activation_count='emulator' "
                              f"for another element size")
+
+        if self.gemm_input_bytes != 2 and (self.activation_count != "korthikanti"
+                                           or not 0 < self.gemm_input_bytes < 2):
+            raise ValueError(f"PrecisionPolicy: gemm_input_bytes={self.gemm_input_bytes!r} "
+                             f"(quantised GEMM inputs) needs activation_count "
+                             f"'korthikanti' and a size in (0, 2) bytes")
+
+    def with_quantised_gemm_inputs(self, fmt) -> "PrecisionPolicy":
+        """This policy as Transformer Engine runs it with ``fmt`` GEMMs (a GEMM format or
+        its name: :mod:`vcluster.timing.gemm_formats`): each linear layer keeps the
+        quantised copy of its input for its weight gradient, ``fmt.stored_bytes`` per
+        element (TE's Linear and LayerNormLinear save their quantised input, not the bf16
+        one, when FP8 is on), not the bf16 tensor Korthikanti's count keeps."""
+        f = gemm_format(fmt)
+        return dataclasses.replace(self, name=f"{self.name}+{f.name}",
+                                   gemm_input_bytes=f.stored_bytes)
 
     def __str__(self) -> str:
         return (f"{self.name} ({self.weight_bytes:g}+{self.grad_bytes:g}+"

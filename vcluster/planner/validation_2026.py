@@ -21,9 +21,10 @@ error was seen; nothing was tuned on any other row). A row the program cannot ru
 Each predicted row also carries the memory model's verdict (``fits``, ``peak_memory_gb``,
 ``memory_limit_gb``): every row is a configuration that ran, so a row the model says does
 not fit is a miss of the memory model, counted per GPU kind (:func:`summary_by_kind`).
-Its bytes per parameter are the row's recipe's (:func:`row_precision`): Megatron-Bridge's
-performance recipes keep bf16 main gradients (``megatron_bf16``), the others Megatron's
-default fp32 ones (not read: NeMo 2.0's recipes, AMD's).
+Its bytes are the row's recipe's (:func:`row_precision`): Megatron-Bridge's performance
+recipes keep bf16 main gradients (``megatron_bf16``), the others Megatron's default fp32
+ones (not read: NeMo 2.0's recipes, AMD's); with low-precision GEMMs on NVIDIA's systems
+Transformer Engine keeps its GEMMs' quantised inputs.
 
 A Blackwell row's fused attention is priced by the cuDNN curves its container's cuDNN
 release is nearest to (:func:`row_attention`): the release each NeMo container ships
@@ -51,6 +52,7 @@ from vcluster.timing.attention_kernels import cudnn_releases
 from vcluster.timing.presets import preset
 
 from .candidates import stage_split, with_node_ranks
+from .precision import PrecisionPolicy, precision_policy
 from .search import REPLAY_TIMEOUT_S, process_pool
 from .simulation import simulate_gpt
 from .validation import MOE_DEFAULT_ETP, recipe_dispatcher, recipe_recompute
@@ -224,13 +226,23 @@ def row_config(r: dict) -> tuple:
     return cfg, par, PRECISION_FORMATS.get(precision), assumed, refusals
 
 
-def row_precision(r: dict) -> str:
-    """The memory model's precision policy (:data:`~.precision.PRECISIONS`) of a row:
-    ``megatron_bf16`` for a Megatron-Bridge release, whose performance recipes set
-    ``grad_reduce_in_fp32 = False`` in every tag from v0.1.0rc3 (the 25.09 container) to
-    v0.6.0 (26.08) — bf16 main gradients, :mod:`.precision`; ``megatron`` (fp32 main
-    gradients, Megatron-LM's default) for the others, whose recipes were not read."""
-    return "megatron_bf16" if "(Megatron-Bridge)" in r["release"] else "megatron"
+def row_precision(r: dict) -> PrecisionPolicy:
+    """The memory model's precision policy (:mod:`.precision`) of a row: ``megatron_bf16``
+    for a Megatron-Bridge release, whose performance recipes set ``grad_reduce_in_fp32 =
+    False`` in every tag from v0.1.0rc3 (the 25.09 container) to v0.6.0 (26.08) — bf16
+    main gradients; ``megatron`` (fp32 main gradients, Megatron-LM's default) for the
+    others, whose recipes were not read. On NVIDIA's systems (Megatron with Transformer
+    Engine, NeMo 2.0's too) a row with low-precision GEMMs keeps their quantised inputs
+    (:meth:`~.precision.PrecisionPolicy.with_quantised_gemm_inputs`: ``+fp8``, ``+mxfp8``,
+    ``+nvfp4``; counted for the Llama block, which every such row but GPT-3's runs: GPT-3
+    175B keeps the bf16 count); AMD's rows keep the bf16 count (their recipes were not
+    read)."""
+    policy = precision_policy("megatron_bf16" if "(Megatron-Bridge)" in r["release"]
+                              else "megatron")
+    fmt = PRECISION_FORMATS.get(r["precision"])
+    if fmt is not None and r["system"] in _TE_SYSTEMS and r["arch"] != "gpt":
+        policy = policy.with_quantised_gemm_inputs(fmt)
+    return policy
 
 
 def _case(r: dict) -> str:
@@ -281,7 +293,9 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                       "published": float(r["tokens_per_s_per_gpu"]), "predicted": None,
                       "rel_error": None, "role": "fit" if _key(table, r) in FIT_ROWS
                       else "held_out", "status": "predicted", "reason": "",
-                      "assumed": "; ".join(assumed), "precision": row_precision(r)}
+                      "assumed": "; ".join(assumed)}
+            precision = row_precision(r)
+            result["precision"] = precision.name
             if hardware is None:
                 refusals.append(f"system {r['system']!r} has no preset; known: "
                                 f"{', '.join(SYSTEM_PRESETS)}")
@@ -294,7 +308,7 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
                 if note:
                     result["assumed"] = "; ".join(x for x in (result["assumed"], note) if x)
                 jobs.append((len(out), (cfg, par, {"base": hardware, "device": device}
-                                        if device else hardware, fmt, result["precision"])))
+                                        if device else hardware, fmt, precision)))
             out.append(result)
 
     def record(i: int, predicted, failure, memory) -> None:

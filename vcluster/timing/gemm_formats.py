@@ -21,8 +21,13 @@ format           peak   needs
 ===============  =====  ==================================================================
 
 An MX or NV format on hardware without it is refused by name (:func:`check_gemm_format`),
-as is FP8 on a GPU without FP8 tensor cores (the A100). No format changes the memory
-model: the master weights, gradients and optimizer state keep their precision policy.
+as is FP8 on a GPU without FP8 tensor cores (the A100). The master weights, gradients and
+optimizer state keep their precision policy; what a format changes is the size of a
+quantised tensor, ``stored_bytes`` per element with its scales (fp8 1; fp8-block 1 +
+4/128, an fp32 scale per 128; mxfp8 1 + 1/32 and mxfp4 0.5 + 1/32, an E8M0 byte per 32
+(the OCP Microscaling Formats v1.0 specification); nvfp4 0.5 + 1/16, an E4M3 byte per 16),
+which is what Transformer Engine keeps of a GEMM's input for its weight gradient
+(:attr:`vcluster.planner.precision.PrecisionPolicy.gemm_input_bytes`).
 """
 
 from __future__ import annotations
@@ -46,14 +51,15 @@ class GemmFormat:
     name: str
     dtype: str
     needs: str | None = None
+    stored_bytes: float = 1.0     # per element of a quantised tensor, scales included
 
 
 GEMM_FORMATS: Mapping[str, GemmFormat] = MappingProxyType({
     "fp8": GemmFormat("fp8", "fp8"),
-    "fp8-block": GemmFormat("fp8-block", "fp8"),
-    "mxfp8": GemmFormat("mxfp8", "fp8", "mxfp8"),
-    "mxfp4": GemmFormat("mxfp4", "fp4", "mxfp4"),
-    "nvfp4": GemmFormat("nvfp4", "fp4", "nvfp4"),
+    "fp8-block": GemmFormat("fp8-block", "fp8", stored_bytes=1 + 4 / 128),
+    "mxfp8": GemmFormat("mxfp8", "fp8", "mxfp8", 1 + 1 / 32),
+    "mxfp4": GemmFormat("mxfp4", "fp4", "mxfp4", 0.5 + 1 / 32),
+    "nvfp4": GemmFormat("nvfp4", "fp4", "nvfp4", 0.5 + 1 / 16),
 })
 
 

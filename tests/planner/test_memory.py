@@ -178,3 +178,28 @@ def test_quantised_gemm_inputs_are_kept_at_their_formats_size():
     gpt = GPTConfig(hidden=512, layers=4, heads=8, seq=256, vocab=1024)
     with pytest.raises(ValueError, match="quantised GEMM inputs .* Llama block only"):
         layer_activation_bytes(gpt, par, 0, gemm_input_bytes=1)
+
+
+def test_an_moe_layer_keeps_its_routed_rows_and_nothing_on_the_token_side():
+    """A routed MoE layer keeps, beside the attention block, each routed row's input, gate,
+    up and product (16-bit) and its fp32 routing probability — Megatron-Core applies the
+    probabilities in the expert's activation (Megatron-LM !2668), so nothing of the k·s·b
+    dispatched or combined rows stays on the token side, however large k is; moe_act
+    re-runs the product."""
+    from vcluster.planner.memory import (ROUTED_PROB_BYTES, layer_activation_bytes,
+                                         llama_activation_bytes_per_layer, moe_routed_rows)
+    dense = GPTConfig(hidden=512, layers=4, heads=8, seq=256, vocab=1024, arch="llama",
+                      kv_heads=2, ffn_hidden=1408)
+    h, f_e = 512, 384
+    for k, b, ep in ((2, 2, 1), (8, 1, 1), (8, 2, 2)):
+        moe = replace(dense, experts=8, moe_top_k=k, moe_ffn_hidden=f_e)
+        par = ParallelConfig(global_batch=8 * b * ep, micro_batch=b, dp=ep, ep=ep)
+        rows = moe_routed_rows(moe, par)
+        assert rows == k * 256 * b            # balanced: every rank receives its share
+        attention_block = llama_activation_bytes_per_layer(dense, b, 1, "none", False) \
+            - 6 * 256 * b * 1408              # the dense layer less its SwiGLU
+        assert layer_activation_bytes(moe, par, 0) == pytest.approx(
+            attention_block + rows * (2 * h + 6 * f_e + ROUTED_PROB_BYTES)), (k, b, ep)
+        act = replace(par, recompute="selective", recompute_modules=("moe_act",))
+        assert layer_activation_bytes(moe, par, 0) - layer_activation_bytes(moe, act, 0) \
+            == pytest.approx(rows * 2 * f_e)

@@ -128,11 +128,17 @@ Korthikanti's count: 2 + 16/t + 1 without SP, 19/t with it) becomes the rank's r
 rows R (those its
 experts receive, :meth:`~tensor_parallel.moe_load.ExpertLoad.received` of
 ``ExpertLoad.skewed(..., expert_skew)`` — ep rank 0 holds the busiest expert) times
-2·(h + 3·f_e/etp) (each row's input, and its slice of gate, up and product, 16-bit),
-plus the k·s·b rows dispatched and combined on the token side, 4·k·s·b·h (the block runs
-on the gathered sequence: no /t; folded, each rank routes its s/t slice: /t), plus the
-shared expert's gate, up and product on every token, 6·s·b·F_s/t (its slice, or folded
-its tokens' share). Folded, a rank routes b·s/t tokens (R from those).
+2·(h + 3·f_e/etp) (each row's input, and its slice of gate, up and product, 16-bit) plus
+its routing probability, 4 bytes, which the expert's activation applies and keeps for its
+backward; plus the shared expert's gate, up and product on every token, 6·s·b·F_s/t (its
+slice, or folded its tokens' share). Folded, a rank routes b·s/t tokens (R from those).
+The token side keeps nothing of size: Megatron-Core permutes the probabilities with the
+tokens and applies them in the expert's activation (Megatron-LM !2668, "Memory efficient
+token permutation", 2025-04-09, commit 2659630; Megatron-Core 0.13 on, which every
+Megatron-Bridge container ships), so neither the permutation (its backward needs only the
+row map) nor the unweighted un-permutation keeps the k·s·b dispatched or combined rows.
+(Before that commit the combine weighted the expert outputs itself and kept them, R·h
+more; until 2026-11-30 this count kept 4·k·s·b·h on the token side.)
 
 A rank holds as many micro-batches' activations as its schedule keeps in flight at
 its peak (:func:`pipelining.peak_in_flight`: m for GPipe, min(m, p - r) for 1F1B on
@@ -232,6 +238,7 @@ LOGITS_BYTES = MEGATRON.logits_bytes         # fp32 logits (the loss upcasts the
 # the emulated embedding's per-token index state: an int64 local id and a bool mask
 INDEX_BYTES = 8 + 1
 LSE_BYTES = 4        # flash attention's fp32 log-sum-exp per (row, head)
+ROUTED_PROB_BYTES = 4   # a routed row's fp32 probability, kept by the expert's activation
 # The share of a device's memory a plan leaves free: the formulas above count tensors,
 # not the CUDA context (~0.5 GB), NCCL's buffers or the caching allocator's
 # fragmentation. 5% is issue 31's default (chosen, not measured); --memory-headroom
@@ -592,13 +599,13 @@ def _layer_activation_bytes(config, parallel, r: int, expert_skew: float,
             dense_mlp -= (4 + g) * s * b * config.ffn_hidden / t \
                 if config.block.mlp.matrices == 3 else 16 * s * b * h / t
         # each routed row: its input (W_gate's and W_up's GEMM input, g bytes), gate and
-        # up (4 bytes), their product (W_down's input, g; moe_act re-runs it)
+        # up (4 bytes), their product (W_down's input, g; moe_act re-runs it), its fp32
+        # routing probability (the activation applies it); nothing on the token side
         kept_f = 4 + (0 if "moe_act" in rec else g)
         moe_act = -dense_mlp + moe_routed_rows(
             config, parallel, expert_skew) * (g * h + kept_f * config.moe_ffn_hidden
-                                              / parallel.etp) \
-            + (4 * config.moe_top_k * s * b * h / (t if parallel.folded else 1)
-               + 6 * s * b * config.moe_shared_ffn_hidden / t)
+                                              / parallel.etp + ROUTED_PROB_BYTES) \
+            + 6 * s * b * config.moe_shared_ffn_hidden / t
     act += moe_act * _rank_moe_layers(config, parallel, r) / max(n_layers, 1)
     return act
 

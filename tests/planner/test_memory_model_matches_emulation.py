@@ -120,7 +120,8 @@ BIG = GPTConfig(hidden=1024, layers=8, heads=16, seq=512, vocab=32000)
 
 def test_policies_bytes_per_parameter():
     assert {n: p.bytes_per_param for n, p in PRECISIONS.items()} == {
-        "megatron": 18, "megatron_bf16": 16, "torch_amp": 16, "torch_compile": 16, "fp64": 32, "fp32": 16}
+        "megatron": 18, "megatron_bf16": 16, "torch_amp": 16, "torch_compile": 16, "fp64": 32,
+        "fp32": 16}
     assert PrecisionPolicy.emulated("float32", "sgd").optimizer_bytes == 4   # momentum slot
     assert "18 B/param" not in str(PRECISIONS["megatron"])    # says 2+4+12
     assert str(PRECISIONS["megatron"]).startswith("megatron (2+4+12 B/param")
@@ -190,7 +191,8 @@ def test_simulate_gpt_precision_flag(tmp_path, capsys):
         assert b16[key] == m[key], key
     assert main(model + ["--precision", "bf16"]) == 2
     err = capsys.readouterr().err
-    assert "--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, fp64, fp32, got 'bf16'" in err
+    assert ("--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, "
+            "fp64, fp32, got 'bf16'") in err
 
 
 def test_plan_gpt_precision_flag(tmp_path, capsys):
@@ -223,5 +225,5 @@ def test_plan_gpt_precision_flag(tmp_path, capsys):
     both = peak["megatron"].keys() & peak["torch_amp"].keys()
     assert both and any(peak["torch_amp"][k] != peak["megatron"][k] for k in both)
     assert main(cli + ["--precision", "fp16"]) == 2
-    assert "--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, fp64, fp32, got 'fp16'" in \
-        capsys.readouterr().err
+    assert ("--precision must be one of megatron, megatron_bf16, torch_amp, torch_compile, "
+            "fp64, fp32, got 'fp16'") in capsys.readouterr().err

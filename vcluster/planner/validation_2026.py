@@ -275,8 +275,8 @@ def validate_2026(tables=TABLES_2026, latest_only: bool = False, on_row=None,
     ``rel_error`` (None unless ``status`` is
     ``predicted``), ``role``, ``status`` (``predicted``, ``refused``, ``failed``),
     ``reason``, ``assumed``, ``precision`` (:func:`row_precision`) and, predicted,
-    ``fits``, ``peak_memory_gb``, ``memory_limit_gb``. ``latest_only``: the rows the sources mark as their latest
-    release of each configuration. ``on_row``: called after each row (progress).
+    ``fits``, ``peak_memory_gb``, ``memory_limit_gb``. ``latest_only``: the rows the
+    sources mark as their latest release of each configuration. ``on_row``: called after each row (progress).
     ``select``: a predicate on the table's row (a dict of its columns): only those.
     ``workers``: processes that simulate the rows (default 1: this one; the rows are
     independent, so more give the same results sooner — :func:`~.search.process_pool`)."""

@@ -97,6 +97,7 @@ def test_hybrid_dp_pp_tp_equals_reference(hybrid, schedule, ms):
             assert_same_training(run, ref)
 
 
+@pytest.mark.alone      # a start-order check on 16 threads over 2 cores: no other test beside it
 def test_hybrid_bucket_all_reduce_starts_before_the_last_backward(hybrid):
     # 8 layers a stage: backward work after the first bucket, ~15-100 ms of it at width
     # 1024 (about 3 ms at 256: the communication thread, waiting for a core among 16

@@ -17,7 +17,7 @@ from vcluster.timing import read_data_csv
 from vcluster.timing.attention_kernels import (ATTENTION_TABLE, NAMED_KERNELS, attention_gpus,
                                                attention_prices, kernels_of, named_kernel)
 from vcluster.timing.hardware_model import HardwareCostModel
-from vcluster.timing.presets import PRESET_NAMES, preset
+from vcluster.timing.presets import PRESET_NAMES, hardware_from_dict, preset
 
 #: the presets whose devices read published curves, and their default kernel
 CURVED = [n for n in PRESET_NAMES if preset(n).device.attention_gpu]
@@ -175,6 +175,20 @@ def test_a_run_names_its_kernel(attention):
     assert step["flash2"] > step["cudnn"] > step["flash3"]
     assert step["flash"] == step["cudnn"]
     assert named_kernel(attention) == attention and named_kernel("flash") == ""
+
+
+def test_a_power_limited_part_runs_the_borrowed_curves_at_its_own_clock():
+    """A device whose ``sustained_compute_ratio`` is c reads its ``attention_gpu``'s curves
+    (measured on the datasheet part) at c times their rate: each attention kernel's time
+    beyond the launch overhead grows 1/c, forward and backward."""
+    hw = preset("h100-dgx")
+    capped = hardware_from_dict({"base": "h100-dgx", "device": {
+        "sustained_compute_ratio": {"value": 0.6, "source": "a test's power limit"}}})
+    t_k = hw.device.kernel_overhead_us * 1e-6
+    for backward in (False, True):
+        op = _op(8192, backward=backward)
+        t0, t1 = (HardwareCostModel(h).compute_time_s(op) for h in (hw, capped))
+        assert t1 - t_k == pytest.approx((t0 - t_k) / 0.6, rel=1e-12)
 
 
 def test_clear_errors():

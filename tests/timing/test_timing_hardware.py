@@ -112,6 +112,39 @@ def test_gemm_max_efficiency_by_dtype_is_checked_and_overridable(tmp_path):
         (0.8, 0.5, h100.gemm_max_efficiency)
 
 
+def test_a_power_limited_part_sustains_a_share_of_the_datasheet_speed(tmp_path):
+    """``sustained_compute_ratio`` (and ``_by_dtype``) scale the achieved GEMM rate of each
+    dtype — a compute-bound GEMM takes 1/c as long — while the datasheet peak (what MFU is
+    reported against) and the memory-bound kernels stay; bad values name the field."""
+    h100 = preset("h100-dgx").device
+    assert h100.sustained_ratio("bf16") == h100.sustained_ratio("fp8") == 1.0
+    capped = dataclasses.replace(h100, sustained_compute_ratio=0.75,
+                                 sustained_compute_ratio_by_dtype={"fp8": 0.8})
+    assert capped.peak_flops("bf16") == h100.peak_flops("bf16")
+    assert capped.achieved_flops("bf16") == pytest.approx(0.75 * h100.achieved_flops("bf16"))
+    assert capped.achieved_flops("fp8") == pytest.approx(0.8 * h100.achieved_flops("fp8"))
+    big = (16384, 16384, 16384)
+    for dtype, c in (("bf16", 0.75), ("fp8", 0.8)):
+        t0, t1 = h100.matmul_time_s(*big, dtype), capped.matmul_time_s(*big, dtype)
+        k = h100.kernel_overhead_us * 1e-6
+        assert t1 - k == pytest.approx((t0 - k) / c, rel=2e-3)
+    assert capped.elementwise_time_s(1e9) == h100.elementwise_time_s(1e9)
+    for field, bad, says in (("sustained_compute_ratio", 0, "sustained_compute_ratio: must "
+                              "be in (0, 1], got 0"),
+                             ("sustained_compute_ratio", 1.2, "got 1.2"),
+                             ("sustained_compute_ratio_by_dtype", {"int4": 0.5},
+                              "sustained_compute_ratio_by_dtype.int4"),
+                             ("sustained_compute_ratio_by_dtype", {"fp8": 0}, "(0, 1], got 0")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            dataclasses.replace(h100, **{field: bad})
+    path = tmp_path / "capped.yaml"
+    path.write_text("base: h100-dgx\ndevice: {sustained_compute_ratio: {value: 0.7, source: "
+                    "'a 500 W limit, measured'}, sustained_compute_ratio_by_dtype: {fp8: 0.8}}\n")
+    hw = load_hardware(path)
+    assert (hw.device.sustained_ratio("bf16"), hw.device.sustained_ratio("fp8")) == (0.7, 0.8)
+    assert hw.sources["device.sustained_compute_ratio"] == "a 500 W limit, measured"
+
+
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError) as err:
         preset("z100-dgx")

@@ -48,6 +48,8 @@ _LABELS = MappingProxyType({
     "gemm_max_efficiency": "(fraction of peak)",
     "gemm_max_efficiency_by_dtype": "(fraction of that dtype's peak)",
     "hbm_efficiency": "(fraction of hbm_bandwidth_gbps)",
+    "sustained_compute_ratio": "(x the datasheet part's compute speed: a power-limited part)",
+    "sustained_compute_ratio_by_dtype": "(x the datasheet part's speed of that dtype)",
     "flash_v1_speedup": "(x an A100's speed, for attention kernels built for Ampere)",
     "attention_gpu": "(published fused-attention curves, attention_benchmarks.csv)",
     "attention_kernel": "(the kernel attention='flash' runs)",

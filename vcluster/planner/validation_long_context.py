@@ -34,12 +34,21 @@ runs where the row is silent, the same for every row:
   (``eager_kernels``: :mod:`.eager_kernels`, since 2026-11-30; the first run prices them
   as the compiled rows).
 
-Meta's H100s (the paper's §3.1) are the DGX H100's die with 96 GB of HBM2e at 2.4 TB/s
-(:data:`META_H100_MEMORY`, since 2026-11-30; before, the DGX H100's 3.35 TB/s of HBM3).
-Rows whose source leaves the micro-batch or the interleaving unstated are ``refused``.
-Not modelled, and in the signed errors: those H100s' 500 W power limit (the model prices
-the 700 W part's clocks), eager PyTorch's per-kernel host cost (its unfused kernels are
-priced), Float8's all-gather of FSDP2 and a slower row-wise GEMM.
+Meta's H100s (the paper's §3.1; "the default 500W power limit", torchtitan's async-TP
+benchmark document) are the DGX H100's die with 96 GB of HBM2e at 2.4 TB/s
+(:data:`META_H100_MEMORY`, since 2026-11-30; before, the DGX H100's 3.35 TB/s of HBM3)
+that computes at the speed its 500 W limit leaves (:func:`meta_h100_device`, since
+2026-12-01; before, the 700 W part's): BF16 GEMMs and the attention curves at 0.719 of
+the 700 W part's price, FP8 GEMMs at 0.798 — the mean ratios of GEMMs measured on a 500 W
+H100 at Meta (:data:`META_H100_GEMMS`, FBGEMM pull request 2546) to this model's price
+of the same GEMMs on the 700 W part. A hardware measurement, not a fit: no row of the
+table was used to set it (the rows were seen before; the session's note says what was
+tried). Rows whose source leaves the micro-batch or the interleaving unstated are
+``refused``. Not modelled, and in the signed errors: eager PyTorch's per-kernel host cost
+(its unfused kernels are priced), Float8's all-gather of FSDP2, a slower row-wise FP8
+GEMM than the tensor-wise one (the FP8 ratio is of the row-wise kernel, so the row-wise
+rows are priced as fast as the tensor-wise ones), PyTorch's context-parallel attention's
+float32 merges and accumulators.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -68,21 +77,33 @@ from types import MappingProxyType
 from modeling import ConfigError
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig
 from vcluster.timing import read_data_csv
-from vcluster.timing.presets import hardware_from_dict
+from vcluster.timing.presets import hardware_from_dict, preset
 
 from .simulation import simulate_gpt
 
 __all__ = ["LONG_CONTEXT_TABLE", "GPU_PRESETS", "BANDS", "row_config", "validate_long_context",
            "band_of", "summary_by_band", "GPU_SWEEP_TABLE", "GPU_SWEEP_SHAPES",
-           "validate_gpu_sweep", "META_H100_MEMORY", "fp8_casts_of"]
+           "validate_gpu_sweep", "META_H100_MEMORY", "META_H100_GEMMS", "meta_h100_device",
+           "fp8_casts_of"]
 
 LONG_CONTEXT_TABLE = "torchtitan_long_context.csv"
 #: a row's GPU -> the preset it is simulated on (module docstring: Meta's HBM2e H100 on
 #: the DGX H100's, its memory replaced: :data:`META_H100_MEMORY`)
 GPU_PRESETS = {"h100-sxm-hbm2e": "h100-dgx", "h200-sxm": "h200-dgx"}
+#: GEMMs measured on a 500 W H100 at Meta (FBGEMM pull request 2546, 2024-04-29, "H100
+#: 500W", benchmark output in its description): (m, k, n, dtype, TFLOP/s) — cuBLAS BF16
+#: (``torch.mm``) and FBGEMM's row-wise scaled FP8 GEMM alone ("fp8 row gemm only", its
+#: casts not counted). The sources of Meta's H100 compute speed (:func:`meta_h100_device`)
+META_H100_GEMMS = (
+    (8192, 8192, 8192, "bf16", 585.23), (65536, 8192, 7168, "bf16", 575.12),
+    (65536, 3584, 8192, "bf16", 546.31), (8192, 8192, 8192, "fp8", 1125.51),
+    (65536, 8192, 7168, "fp8", 1082.75), (65536, 3584, 8192, "fp8", 1141.38))
+_META_H100_GEMMS_SOURCE = ("FBGEMM pull request 2546 (github.com/pytorch/FBGEMM/pull/2546, "
+                           "'H100 500W'): {dtype} GEMMs {shapes} measured at {measured} "
+                           "TFLOP/s, which this model prices on the 700 W DGX H100 at "
+                           "{priced}: their mean ratio")
 #: the memory of Meta's H100 (``h100-sxm-hbm2e``), over the DGX H100 preset's 80 GB of
-#: HBM3 at 3.35 TB/s; same die, NVLink and 400 Gb/s per GPU otherwise. Its 500 W power
-#: limit is not modelled: no source gives the BF16 clock it holds under it
+#: HBM3 at 3.35 TB/s; same die, NVLink and 400 Gb/s per GPU otherwise
 META_H100_MEMORY = MappingProxyType({
     "hbm_bytes": {"value": 96e9, "source": "torchtitan_long_context.csv header, from the "
                   "torchtitan paper (arXiv 2410.06511) section 3.1: 96 GB HBM2e H100 SXM "
@@ -90,6 +111,33 @@ META_H100_MEMORY = MappingProxyType({
     "hbm_bandwidth_gbps": {"value": 2400.0, "source": "the same header: HBM2e at 2.4 TB/s; "
                            "2.41 TB/s for the 94 GiB HBM2e H100 in Ujeniya et al. 2026, "
                            "arXiv 2604.11391 (power-capping study of H100 and H200)"}})
+
+
+def meta_h100_device() -> dict:
+    """The device fields of Meta's H100 over the DGX H100 preset's: its memory
+    (:data:`META_H100_MEMORY`) and the compute speed its 500 W power limit leaves
+    (``sustained_compute_ratio``: BF16, and the attention curves' BF16 kernels;
+    ``sustained_compute_ratio_by_dtype``: FP8), each the mean over
+    :data:`META_H100_GEMMS` of measured / this model's price of the same GEMM on the 700 W
+    part — a hardware measurement, no row of the table consulted. Row-wise FP8 is a
+    CUTLASS kernel no faster than cuBLAS's tensor-wise one (github.com/pytorch/pytorch
+    issue 147971), so the FP8 ratio is a lower bound for the tensor-wise runs."""
+    device = preset(GPU_PRESETS["h100-sxm-hbm2e"]).device
+    ratios = {}
+    for dtype in ("bf16", "fp8"):
+        rows = [(m, k, n, t) for m, k, n, d, t in META_H100_GEMMS if d == dtype]
+        priced = [2 * m * k * n / device.matmul_time_s(m, k, n, dtype) / 1e12
+                  for m, k, n, _ in rows]
+        ratio = statistics.fmean(t / p for (*_, t), p in zip(rows, priced))
+        ratios[dtype] = {"value": round(ratio, 4), "source": _META_H100_GEMMS_SOURCE.format(
+            dtype=dtype.upper(), shapes=", ".join(f"{m}x{k}x{n}" for m, k, n, _ in rows),
+            measured=", ".join(f"{t:g}" for *_, t in rows),
+            priced=", ".join(f"{p:.1f}" for p in priced))}
+    return {"name": "H100-SXM5-96GB-HBM2e-500W", **META_H100_MEMORY,
+            "sustained_compute_ratio": ratios["bf16"],
+            "sustained_compute_ratio_by_dtype": {"fp8": ratios["fp8"]}}
+
+
 #: the sequence bands of the benchmark goal: (label, lowest, highest) in tokens
 BANDS = (("<=4K", 0, 4096), ("8-16K", 8192, 16384), ("32K", 32768, 32768),
          (">=64K", 65536, math.inf))
@@ -150,11 +198,10 @@ def row_config(r: dict) -> tuple:
 
 def _hardware(gpu: str):
     """The hardware a row's ``gpu`` is simulated on: its :data:`GPU_PRESETS` preset, with
-    Meta's H100 memory (:data:`META_H100_MEMORY`) on ``h100-sxm-hbm2e``."""
+    Meta's H100 (:func:`meta_h100_device`) on ``h100-sxm-hbm2e``."""
     if gpu != "h100-sxm-hbm2e":
         return GPU_PRESETS[gpu]
-    return hardware_from_dict({"base": GPU_PRESETS[gpu],
-                               "device": {"name": "H100-SXM5-96GB-HBM2e", **META_H100_MEMORY}})
+    return hardware_from_dict({"base": GPU_PRESETS[gpu], "device": meta_h100_device()})
 
 
 def _first_run_hardware(name: str):

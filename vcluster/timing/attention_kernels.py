@@ -155,11 +155,14 @@ class AttentionKernelPrices:
             seq = kernel.window
         return self.curve(direction, kernel.causal or bool(kernel.window), d).tflops(seq)
 
-    def time_s(self, kernel: Kernel, flops: float, overhead_s: float) -> float:
-        """t_k + F / r (module docstring); 0 for an empty kernel."""
+    def time_s(self, kernel: Kernel, flops: float, overhead_s: float,
+               rate_scale: float = 1.0) -> float:
+        """t_k + F / (r · rate_scale) (module docstring; ``rate_scale``: the device's
+        sustained compute ratio, 1 on the part the curves were measured on); 0 for an
+        empty kernel."""
         if flops <= 0:
             return 0.0
-        return overhead_s + flops / (self.rate_tflops(kernel) * 1e12)
+        return overhead_s + flops / (self.rate_tflops(kernel) * 1e12 * rate_scale)
 
 
 def named_kernel(attention) -> str:

@@ -7,8 +7,10 @@ gigabits), ``*_us`` microseconds, ``*_s`` seconds, ``*_bytes`` bytes, ``peak_tfl
 Compute model of one device (``DeviceSpec``), for a kernel of F FLOPs touching B bytes
 of HBM in dtype d::
 
-    t_compute = F / (peak(d) * e_max(d))           e_max(d) = gemm_max_efficiency, or
-                                                   gemm_max_efficiency_by_dtype[d]
+    t_compute = F / (peak(d) * e_max(d) * c(d))    e_max(d) = gemm_max_efficiency, or
+                                                   gemm_max_efficiency_by_dtype[d];
+                                                   c(d) = sustained_compute_ratio, or
+                                                   sustained_compute_ratio_by_dtype[d]
     t_memory  = B / (hbm_bandwidth * hbm_efficiency)
     t         = t_k + max(t_compute, t_memory)     t_k = kernel_overhead_us
 
@@ -16,6 +18,12 @@ so the achieved GEMM efficiency, F / (peak * t) when compute-bound, is the satur
 curve ``e(F) = e_max * F / (F + F_half)`` with ``F_half = peak * e_max * t_k``: it tends
 to e_max for large GEMMs and is half of it when the ideal time equals the per-kernel
 overhead. A GEMM (m, k) x (k, n) has F = 2mkn and B = (mk + kn + mn) * bytes(d).
+
+c(d) is 1 on a datasheet part. A part of the same die held to a lower power limit (Meta's
+500 W H100s) sustains lower clocks: c(d) < 1 scales its achieved GEMM rate and the fused
+attention curves borrowed from the datasheet part (their BF16 kernels at
+``sustained_compute_ratio``), while ``peak_tflops`` stays the datasheet's, the figure MFU
+is reported against.
 """
 
 from __future__ import annotations
@@ -138,6 +146,27 @@ class _FrozenMap(Mapping):
         return repr(self._d)
 
 
+def _fractions_by_dtype(by_dtype, name: str, of_what: str, peaks) -> "_FrozenMap":
+    """``by_dtype`` (dtype -> a fraction in (0, 1] of ``of_what``) checked and keyed by
+    canonical dtype; each dtype must have a peak (``peaks``)."""
+    if not isinstance(by_dtype, Mapping):
+        raise ValueError(f"{name}: expected a mapping dtype -> fraction of {of_what}, "
+                         f"got {by_dtype!r}")
+    out = {}
+    for dtype, e in by_dtype.items():
+        try:
+            key = canonical_dtype(dtype)
+        except ValueError as exc:
+            raise ValueError(f"{name}.{dtype}: {exc}") from None
+        if key not in peaks:
+            raise ValueError(f"{name}.{dtype}: no peak_tflops for {key!r} (peaks: "
+                             f"{', '.join(peaks)})")
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ValueError(f"{name}.{dtype}: must be a number in (0, 1], got {e!r}")
+        out[key] = float(e)
+    return _FrozenMap(out)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One GPU: peak FLOP/s per dtype, HBM, and the achieved-efficiency constants."""
@@ -179,6 +208,16 @@ class DeviceSpec:
     # attention_kernels.cudnn_releases(attention_gpu), e.g. "9.13.1": the release a run's
     # container ships); "": every published release's, their median
     attention_cudnn: str = ""
+    # the share of the datasheet part's compute speed this part sustains: a part of the
+    # same die held to a lower power limit runs its SMs at lower clocks, so every
+    # compute-bound rate — the GEMMs' achieved FLOP/s and the attention curves measured on
+    # the datasheet part — is this times the datasheet part's. 1: the datasheet part.
+    # ``peak_tflops`` stays the datasheet's (MFU is reported against it, as the sources do)
+    sustained_compute_ratio: float = 1.0
+    # the ratio of the GEMM dtypes measured apart (e.g. {"fp8": 0.80}: an FP8 GEMM draws
+    # less power per FLOP, so a power limit slows it less); a dtype not here takes
+    # sustained_compute_ratio
+    sustained_compute_ratio_by_dtype: Mapping[str, float] = _FrozenMap({})
 
     def __post_init__(self):
         _text(self, "name", empty_ok=False)
@@ -199,26 +238,15 @@ class DeviceSpec:
         _number(self, "hbm_bytes", integer=True)
         _number(self, "hbm_bandwidth_gbps")
         _number(self, "gemm_max_efficiency", at_most=1)
-        by_dtype = self.gemm_max_efficiency_by_dtype
-        if not isinstance(by_dtype, Mapping):
-            raise ValueError(f"gemm_max_efficiency_by_dtype: expected a mapping dtype -> "
-                             f"fraction of that dtype's peak, got {by_dtype!r}")
-        effs = {}
-        for dtype, e in by_dtype.items():
-            try:
-                key = canonical_dtype(dtype)
-            except ValueError as exc:
-                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: {exc}") from None
-            if key not in peaks:
-                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: no peak_tflops for "
-                                 f"{key!r} (peaks: {', '.join(peaks)})")
-            if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
-                raise ValueError(f"gemm_max_efficiency_by_dtype.{dtype}: must be a number in "
-                                 f"(0, 1], got {e!r}")
-            effs[key] = float(e)
-        object.__setattr__(self, "gemm_max_efficiency_by_dtype", _FrozenMap(effs))
+        object.__setattr__(self, "gemm_max_efficiency_by_dtype", _fractions_by_dtype(
+            self.gemm_max_efficiency_by_dtype, "gemm_max_efficiency_by_dtype",
+            "that dtype's peak", peaks))
         _number(self, "kernel_overhead_us", positive=False)
         _number(self, "hbm_efficiency", at_most=1)
+        _number(self, "sustained_compute_ratio", at_most=1)
+        object.__setattr__(self, "sustained_compute_ratio_by_dtype", _fractions_by_dtype(
+            self.sustained_compute_ratio_by_dtype, "sustained_compute_ratio_by_dtype",
+            "the datasheet part's speed", peaks))
         if self.flash_v1_speedup is not None:
             _number(self, "flash_v1_speedup")
         from .gemm_formats import BLOCK_SCALED_FORMATS   # why: a table of names, no cycle
@@ -318,9 +346,17 @@ class DeviceSpec:
         return self.gemm_max_efficiency_by_dtype.get(canonical_dtype(dtype),
                                                      self.gemm_max_efficiency)
 
+    def sustained_ratio(self, dtype) -> float:
+        """The share of the datasheet part's ``dtype`` speed this part sustains:
+        ``sustained_compute_ratio_by_dtype[dtype]`` where measured, else
+        ``sustained_compute_ratio`` (1 on a datasheet part)."""
+        return self.sustained_compute_ratio_by_dtype.get(canonical_dtype(dtype),
+                                                         self.sustained_compute_ratio)
+
     def achieved_flops(self, dtype) -> float:
-        """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max(dtype)."""
-        return self.peak_flops(dtype) * self.e_max(dtype)
+        """The best achieved GEMM FLOP/s of ``dtype``: peak × e_max(dtype) ×
+        sustained_ratio(dtype)."""
+        return self.peak_flops(dtype) * self.e_max(dtype) * self.sustained_ratio(dtype)
 
     def achieved_hbm_bytes_per_s(self) -> float:
         """The achieved HBM bandwidth of streaming kernels: datasheet × e_hbm, bytes/s."""

@@ -29,14 +29,17 @@
   1.60, from FlashAttention-2's Figs. 4 and 7), not at this device's peak — such kernels
   gained 1.6x on the H100 where its dense peak grew 3.17x — with this device's launch
   overhead and HBM term (:meth:`HardwareCostModel.flash_v1_time_s`). On an A100 it
-  changes nothing. Like FP8 it needs the analytic model;
+  changes nothing (times the device's ``sustained_compute_ratio``, 1 but on a power-limited
+  part). Like FP8 it needs the analytic model;
 * fused attention from published curves (:mod:`.attention_kernels`): a kernel named by
   ``attention_kernel`` (``flash2``, ``flash3``, ``cudnn``: ``ParallelConfig.attention``)
   is priced t_k + F / r(seq, head dim, mask, direction) from that kernel's curves on the
   device's ``attention_gpu`` (refused by name where there are none); ``attention="flash"``
   (``attention_kernel`` "") takes the measured profile where the hardware has one, else the
   device's default kernel (``DeviceSpec.attention_kernel``) on its curves, else the
-  analytic price. No efficiency divisor: the curves are the kernels' own rates;
+  analytic price. No efficiency divisor: the curves are the kernels' own rates — on a
+  power-limited part of the curves' die, times its ``sustained_compute_ratio``
+  (:class:`~.hardware.DeviceSpec`);
 * collectives: :func:`~vcluster.timing.collective_cost.collective_cost` with NCCL's
   algorithm choice (``auto``) whatever the emulator used (its ``shm`` algorithm exists
   only on one machine). The trace records each member's local input bytes; nccl-tests
@@ -127,7 +130,8 @@ class HardwareCostModel:
             from .presets import FLASH_V1_REFERENCE_PRESET, preset
             reference = preset(FLASH_V1_REFERENCE_PRESET).device
             object.__setattr__(self, "_flash_v1_flops_per_s",
-                               reference.achieved_flops(self.dtype) * device.flash_v1_speedup)
+                               reference.achieved_flops(self.dtype) * device.flash_v1_speedup
+                               * device.sustained_compute_ratio)
 
     def _attention_prices(self):
         """The curves fused attention is priced by (module docstring), or None."""
@@ -191,8 +195,10 @@ class HardwareCostModel:
             if self.flash_v1:
                 return self.flash_v1_time_s(op)
             if self._attention is not None:
-                return self._attention.time_s(
-                    kernel, op.flops, self.hardware.device.kernel_overhead_us * 1e-6)
+                device = self.hardware.device
+                return self._attention.time_s(kernel, op.flops,
+                                              device.kernel_overhead_us * 1e-6,
+                                              device.sustained_compute_ratio)
         if kernel is None or profile is None:
             return self.analytic_time_s(op)
         t = profile.stream_time_s(kernel)

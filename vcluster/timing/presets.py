@@ -116,7 +116,8 @@ _NESTED = MappingProxyType({
 
 
 # mappings whose keys are data (dtypes), each entry a field of its own
-_OPEN_MAPPINGS = ("peak_tflops", "gemm_max_efficiency_by_dtype")
+_OPEN_MAPPINGS = ("peak_tflops", "gemm_max_efficiency_by_dtype",
+                  "sustained_compute_ratio_by_dtype")
 
 
 def hardware_to_dict(hardware: HardwareSpec) -> dict:
@@ -209,7 +210,7 @@ def _merge(base: dict, over: Mapping, path: str) -> dict:
             if not isinstance(value, Mapping):
                 raise ValueError(f"{path}.{key}: expected a mapping, got {value!r}")
             out[key] = ({**base[key], **value}          # dtypes may be added
-                        if key in ("peak_tflops", "gemm_max_efficiency_by_dtype")
+                        if key in _OPEN_MAPPINGS
                         else _merge(base[key], value, f"{path}.{key}"))
         else:
             out[key] = value

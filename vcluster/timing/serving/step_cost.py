@@ -329,7 +329,8 @@ class ServingCostModel:
         profile = device.kernel_profile()
         gemm_rate = device.achieved_flops(self.dtype)
         attn_rate = device.peak_flops(self.dtype) * min(device.e_max(self.dtype),
-                                                         FLASH_ATTENTION_UTILIZATION)
+                                                         FLASH_ATTENTION_UTILIZATION) \
+            * device.sustained_compute_ratio
         if profile is not None and profile.gemm is not None:
             gemm_rate = profile.gemm.flops_per_s
         if profile is not None and "attention" in profile.kinds:

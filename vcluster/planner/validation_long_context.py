@@ -42,9 +42,9 @@ that computes at the speed its 500 W limit leaves (:func:`meta_h100_device`, sin
 the 700 W part's price, FP8 GEMMs at 0.798 — the mean ratios of GEMMs measured on a 500 W
 H100 at Meta (:data:`META_H100_GEMMS`, FBGEMM pull request 2546) to this model's price
 of the same GEMMs on the 700 W part. A hardware measurement, not a fit: no row of the
-table was used to set it (the rows were seen before; the session's note says what was
-tried). Rows whose source leaves the micro-batch or the interleaving unstated are
-``refused``. Not modelled, and in the signed errors: eager PyTorch's per-kernel host cost
+table set it, though the rows had been seen (docs/timing.md, "Power-limited parts", says
+what else was tried on them). Rows whose source leaves the micro-batch or the
+interleaving unstated are ``refused``. Not modelled, and in the signed errors: eager PyTorch's per-kernel host cost
 (its unfused kernels are priced), Float8's all-gather of FSDP2, a slower row-wise FP8
 GEMM than the tensor-wise one (the FP8 ratio is of the row-wise kernel, so the row-wise
 rows are priced as fast as the tensor-wise ones), PyTorch's context-parallel attention's

@@ -143,6 +143,10 @@ def test_a_power_limited_part_sustains_a_share_of_the_datasheet_speed(tmp_path):
     hw = load_hardware(path)
     assert (hw.device.sustained_ratio("bf16"), hw.device.sustained_ratio("fp8")) == (0.7, 0.8)
     assert hw.sources["device.sustained_compute_ratio"] == "a 500 W limit, measured"
+    shown = format_hardware(hw)
+    assert "sustained_compute_ratio: 0.7" in shown and "# a power-limited part: GEMMs at " \
+        "e(F) x bf16 0.7" in shown and "fp8 0.8" in shown
+    assert "# a power-limited part" not in format_hardware(preset("h100-dgx"))
 
 
 def test_unknown_preset_lists_the_presets():

@@ -85,6 +85,12 @@ def _derived(hw: HardwareSpec) -> dict[str, list[str]]:
               + ", ".join(f"{dt} {d.e_max(dt):g}" for dt in d.peak_tflops)
               + "; F_half: " + ", ".join(f"{dt} {v:.3g} GFLOP" for dt, v in half.items()),
               f"# achieved HBM bandwidth {d.hbm_bandwidth_gbps * d.hbm_efficiency:g} GB/s"]
+    ratios = {dt: d.sustained_ratio(dt) for dt in d.peak_tflops}
+    if any(c != 1 for c in ratios.values()):
+        device.append("# a power-limited part: GEMMs at e(F) x " + ", ".join(
+            f"{dt} {c:g}" for dt, c in ratios.items()) + " (achieved "
+            + ", ".join(f"{dt} {d.achieved_flops(dt) / 1e12:.0f}" for dt in ratios)
+            + f" TFLOP/s), attention curves x {d.sustained_compute_ratio:g}")
     if d.attention_gpu:
         releases = cudnn_releases(d.attention_gpu)
         device.append(f"# cuDNN releases with published curves on {d.attention_gpu} "

@@ -27,7 +27,8 @@ preset             weight  grad  optimizer  activation  logits  activations coun
   v0.1.0rc3, ``scripts/performance/configs/*/*_llm_pretrain.py`` of v0.2.0 to v0.5.1,
   ``src/megatron/bridge/perf_recipes/_common.py`` of v0.6.0). The gradients are then
   reduced in bf16 too, which is what the traced program reduces (its gradients' dtype)
-  whatever the policy: the policy changes the memory, not the timing.
+  whatever the policy: the policy changes the memory and the optimizer step's traffic
+  (:attr:`PrecisionPolicy.optimizer_step_bytes`), not the collectives.
 * ``torch_amp``: PyTorch automatic mixed precision (``torch.autocast(dtype=bfloat16)``
   around an fp32 model, ``torch.optim.Adam``): fp32 parameters 4 (they are the master
   copy: autocast casts them to bf16 per op, no stored bf16 copy), fp32 ``.grad`` 4, Adam's
@@ -115,6 +116,9 @@ class PrecisionPolicy:
     grads_persistent: bool = True    # gradients allocated for the whole run (else per step)
     autocast_kernels: bool = False   # the step runs plain PyTorch's autocast kernels (casts)
     inductor_fusion: bool = False    # ... fused by torch.compile (Inductor)
+    # the optimizer keeps a master copy of the weights in optimizer_bytes (Megatron's fp32
+    # main parameters), so its step writes the 16-bit weights without reading them
+    master_weights: bool = False
 
     def __post_init__(self):
         for f in ("weight_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes",
@@ -127,7 +131,7 @@ class PrecisionPolicy:
         if self.activation_count not in ACTIVATION_COUNTS:
             raise ValueError(f"PrecisionPolicy: activation_count must be one of "
                              f"{ACTIVATION_COUNTS}, got {self.activation_count!r}")
-        for f in ("grads_persistent", "autocast_kernels", "inductor_fusion"):
+        for f in ("grads_persistent", "autocast_kernels", "inductor_fusion", "master_weights"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"PrecisionPolicy: {f} must be a bool, got "
                                  f"{getattr(self, f)!r}")
@@ -164,6 +168,22 @@ class PrecisionPolicy:
         """weight + grad + optimizer bytes per parameter (megatron 18, torch_amp 16)."""
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
+    @property
+    def optimizer_step_bytes(self) -> float:
+        """HBM traffic of one optimizer step per parameter: it reads the gradient, reads
+        and writes its state (the master copy, if any, and the slots), and writes the
+        weights — reading them too when they are themselves the master copy::
+
+            grad + 2 * optimizer + (1 if master_weights else 2) * weight
+
+        megatron 4 + 2·12 + 2 = 30 (Megatron's Adam over fp32 main parameters, then the
+        bf16 copy written); megatron_bf16 28; torch_amp and torch_compile 4 + 2·8 + 2·4 = 28
+        (PyTorch's fused AdamW over fp32 parameters: p, g, m, v read, p, m, v written);
+        fp64 56 = 7 · 8 and fp64-sgd 40 = 5 · 8, the emulator's own count
+        (:attr:`pipeline_parallel.optim.Optimizer.bytes_touched_per_param_byte`)."""
+        reads_weights = 1 if self.master_weights else 2
+        return self.grad_bytes + 2 * self.optimizer_bytes + reads_weights * self.weight_bytes
+
     @classmethod
     def emulated(cls, dtype="float64", optimizer: str = "adam") -> "PrecisionPolicy":
         """The emulated program's policy for ``GPTConfig(dtype=dtype)`` trained with
@@ -182,9 +202,9 @@ class PrecisionPolicy:
         return cls(name, item, item, slots[optimizer] * item, item, item, "emulator")
 
 
-MEGATRON = PrecisionPolicy("megatron", 2, 4, 12, 2, 4)
+MEGATRON = PrecisionPolicy("megatron", 2, 4, 12, 2, 4, master_weights=True)
 #: Megatron with bf16 main gradients (``grad_reduce_in_fp32=False``; module docstring)
-MEGATRON_BF16 = PrecisionPolicy("megatron_bf16", 2, 2, 12, 2, 4)
+MEGATRON_BF16 = PrecisionPolicy("megatron_bf16", 2, 2, 12, 2, 4, master_weights=True)
 #: the named presets (``--precision``)
 PRECISIONS = {
     "megatron": MEGATRON,

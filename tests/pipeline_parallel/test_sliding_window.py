@@ -26,7 +26,7 @@ from tensor_parallel.context_parallel import ContextParallelAttention as CPA
 from tensor_parallel.context_parallel import causal_chunk_pairs, chunk_ids
 from vcluster.planner.memory import llama_activation_bytes_per_layer, rank_params
 from vcluster.runtime.tracing import TraceCompute, trace_program
-from vcluster.timing.kernel_profiles import _attention_flops
+from vcluster.runtime.tracing.kernel import attention_flops
 
 from .gpt_data import (assert_central_difference, assert_fit_equals_reference,
                        assert_same_params_and_grads, mesh_of, token_data)
@@ -325,7 +325,7 @@ def test_fused_kernels_carry_the_window_and_are_priced_by_it():
     fwd = [op for op in trace.ops if isinstance(op, TraceCompute)
            and op.name == "gpt: attention: flash forward"]
     assert fwd and all(op.kernel.window == 5 for op in fwd)
-    assert all(_attention_flops(op.kernel) == op.flops for op in fwd)
+    assert all(attention_flops(op.kernel) == op.flops for op in fwd)
     assert "window 5" in repr(fwd[0].kernel)
 
 

@@ -6,14 +6,17 @@ cuDNN's fused SDPA and others (its header names each source: the FlashAttention-
 papers' figures, NVIDIA's cudnn-frontend benchmark results) as TFLOP/s by GPU, kernel,
 direction (``fwd``, ``bwd``, ``fwd_bwd``), causal mask, head dimension and sequence length,
 in FlashAttention's FLOP convention — forward 4·B·H·S²·D (halved when causal), backward
-2.5× the forward — which is the traced program's (:func:`~.kernel_profiles.
-_attention_flops`; cuDNN's benchmarks count causal S(S+1)/2, equal up to 1/S).
+2.5× the forward — which :func:`~vcluster.runtime.tracing.kernel.kernel_flops` counts
+from a kernel's shape (cuDNN's benchmarks count causal S(S+1)/2, equal up to 1/S).
 
 A kernel of that shape is priced as
 
     t = t_k + F / r(direction, causal, d, s)
 
-with ``t_k`` the device's kernel overhead, ``F`` the traced op's FLOPs and ``r`` the curve's
+with ``t_k`` the device's kernel overhead, ``F`` the kernel's FLOPs in that convention
+(:func:`~vcluster.runtime.tracing.kernel.kernel_flops`: from its shape and mask, not the
+count the program declared — before 2026-12-01 the declared count, which priced the GPT block's causal kernels at 2×
+forward and 1.6× backward, the grouped-query block's backward at 0.8×) and ``r`` the curve's
 rate, interpolated linearly in log2(s) between the published sequence lengths and held at
 the ends (the sources sweep 512 to 16K, some to 128K; past 16K the published rates stay
 within ±8% to 128K: cudnn-frontend's B200 and H200 runs, S5-S7). No efficiency divisor: the

@@ -33,7 +33,8 @@
   part). Like FP8 it needs the analytic model;
 * fused attention from published curves (:mod:`.attention_kernels`): a kernel named by
   ``attention_kernel`` (``flash2``, ``flash3``, ``cudnn``: ``ParallelConfig.attention``)
-  is priced t_k + F / r(seq, head dim, mask, direction) from that kernel's curves on the
+  is priced t_k + F / r(seq, head dim, mask, direction) — F the kernel's FLOPs in the curves'
+  convention, from its shape (:func:`~vcluster.runtime.tracing.kernel.kernel_flops`) — from that kernel's curves on the
   device's ``attention_gpu`` (refused by name where there are none); ``attention="flash"``
   (``attention_kernel`` "") takes the measured profile where the hardware has one, else the
   device's default kernel (``DeviceSpec.attention_kernel``) on its curves, else the
@@ -62,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vcluster.runtime.tracing.kernel import KernelKind
+from vcluster.runtime.tracing.kernel import KernelKind, kernel_flops
 
 from .attention_kernels import NAMED_KERNELS, attention_prices
 from .collective_cost import collective_cost, collective_time_s
@@ -196,7 +197,7 @@ class HardwareCostModel:
                 return self.flash_v1_time_s(op)
             if self._attention is not None:
                 device = self.hardware.device
-                return self._attention.time_s(kernel, op.flops,
+                return self._attention.time_s(kernel, kernel_flops(kernel),
                                               device.kernel_overhead_us * 1e-6,
                                               device.sustained_compute_ratio)
         if kernel is None or profile is None:

@@ -62,7 +62,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from vcluster.runtime.tracing.kernel import Kernel, KernelKind
+from vcluster.runtime.tracing.kernel import Kernel, KernelKind, attention_flops
 
 from .kernel_profile import (H100_KERNEL_TABLE, TABLE_OPS, GemmProfile, fit_call_and_rate,
                              gemm_rows)
@@ -121,24 +121,13 @@ class LinearProfile:
         return cls(a, b, unit, len(points))
 
 
-def _attention_flops(k: Kernel) -> float:
-    """Causal (half) or full FLOPs of one attention forward: 4·BH·s_q·s_kv·D (·½ causal);
-    under a sliding window w (``k.window``) 2·BH·D·(2·w·s − w²) (s = s_q = s_kv: the
-    program's count, :func:`modeling.counts.causal_square`)."""
-    bh, s_q, s_kv, d = k.shape
-    if k.window:
-        w = min(k.window, s_q)
-        return 2.0 * bh * d * (2 * w * s_q - w * w)
-    return 4.0 * bh * s_q * s_kv * d * (0.5 if k.causal else 1.0)
-
-
 def _size(k: Kernel) -> tuple[str, float] | None:
     """(profile name, size) of ``k``, or None where no profile applies (module docstring)."""
     kind, shape = k.kind, k.shape
     if kind is KernelKind.ATTENTION:
         if not k.flash:
             return None
-        flops = _attention_flops(k)
+        flops = attention_flops(k)
         return ("attention_backward", (_FWD_BWD_FLOPS - 1.0) * flops) if k.backward \
             else ("attention", flops)
     if kind is KernelKind.NORM:
@@ -306,7 +295,7 @@ def profile_points(by_op: Mapping) -> dict:
 
     def attn(dim):
         b, h, s, d = dims(dim)
-        return _attention_flops(Kernel.attention(b * h, s, s, d))
+        return attention_flops(Kernel.attention(b * h, s, s, d))
 
     def tokens_x(dim):
         t, w = dims(dim)

@@ -29,7 +29,8 @@ import operator
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Kernel", "KernelKind", "as_kernel"]
+__all__ = ["Kernel", "KernelKind", "as_kernel", "attention_flops", "kernel_flops",
+           "BACKWARD_FLOPS_RATIO"]
 
 
 class KernelKind(str, Enum):
@@ -151,6 +152,35 @@ class Kernel:
     @classmethod
     def optimizer(cls, params: int, variant: str) -> "Kernel":
         return cls(KernelKind.OPTIMIZER, (params,), variant=variant)
+
+
+#: a fused attention backward's FLOPs over its forward's in FlashAttention's convention:
+#: the backward recomputes QK^T and runs four more products (arXiv 2307.08691 sec 4.1)
+BACKWARD_FLOPS_RATIO = 2.5
+
+
+def attention_flops(kernel: Kernel) -> float:
+    """One attention forward's FLOPs in FlashAttention's convention (the published
+    attention curves' and the measured profiles'): 4·BH·s_q·s_kv·D, halved when causal;
+    under a sliding window w (``kernel.window``) 2·BH·D·(2·w·s − w²)
+    (s = s_q = s_kv: the closed form of ``modeling.counts.causal_square``)."""
+    bh, s_q, s_kv, d = kernel.shape
+    if kernel.window:
+        w = min(kernel.window, s_q)
+        return 2.0 * bh * d * (2 * w * s_q - w * w)
+    return 4.0 * bh * s_q * s_kv * d * (0.5 if kernel.causal else 1.0)
+
+
+def kernel_flops(kernel: Kernel) -> float:
+    """The FLOPs a fused attention kernel does, in FlashAttention's convention: its
+    forward's (:func:`attention_flops`), times :data:`BACKWARD_FLOPS_RATIO` for a
+    backward — from the kernel's shape and mask, whatever count the program declared. Programs declare
+    their products in their own conventions: the GPT block declares a causal kernel's
+    full s² products (the count its TFLOP/s and MFU report), the grouped-query block
+    half of them with a backward of twice its forward, a context-parallel diagonal block
+    its full square. A kernel's time depends on the work it does, not on the count."""
+    flops = attention_flops(kernel)
+    return flops * BACKWARD_FLOPS_RATIO if kernel.backward else flops
 
 
 def as_kernel(name: str, gemm=None, kernel=None) -> Kernel | None:

@@ -12,6 +12,8 @@ import pytest
 
 from pipeline_parallel.executor import train_program
 from pipeline_parallel.gpt import GPT, GPTConfig, ParallelConfig, megatron_flops_with_recompute
+from vcluster.planner.precision import MEGATRON
+from vcluster.runtime.tracing import TraceCompute
 from vcluster.planner.simulation import gpt_op_kind, gpt_schedule, gpt_step_traces, simulate_gpt
 from vcluster.runtime.tracing import trace_program
 from vcluster.timing import load_hardware, read_data_csv
@@ -66,22 +68,33 @@ def test_pipeline_bubble_follows_the_closed_form(vocab):
         (m - 1) max_r T_r + sum_r T_r,     bubble = step - m mean_r T_r
 
     which for equal stages is (m + p - 1) T, a bubble of (p - 1) T that does not grow with
-    m. Micro-batch counts below, equal to and above the stages."""
+    m, plus the optimizer step after the flush. Micro-batch counts below, equal to and above
+    the stages."""
     cfg = GPTConfig(hidden=512, layers=8, heads=8, seq=256, vocab=vocab)
     costs = HardwareCostModel(load_hardware("h100-dgx"))
     p, computes = 4, {}
     for m in (2, 4, 8, 16):
         par = ParallelConfig(global_batch=m, pp=p, schedule="1f1b")
-        r = simulate_trace(gpt_step_traces(cfg, par, costs, gpt_schedule(par)), costs,
-                           mesh=par.mesh(), symmetric=True, timeline=False, op_kind=gpt_op_kind)
-        t = [c / m for c in r.compute_s.values()]
-        assert len(t) == p
-        step = (m - 1) * max(t) + sum(t)
+        traces = gpt_step_traces(cfg, par, costs, gpt_schedule(par),
+                                 optimizer_step_bytes=MEGATRON.optimizer_step_bytes)
+        r = simulate_trace(traces, costs, mesh=par.mesh(), symmetric=True, timeline=False,
+                           op_kind=gpt_op_kind)
+        # each rank's optimizer step runs once, after its last backward: rank 0's ends
+        # the step
+        opt = {tr.rank: sum(costs.compute_time_s(op) for op in tr.ops
+                            if isinstance(op, TraceCompute) and gpt_op_kind(op.name) == "optimizer")
+               for tr in traces}
+        t = [(c - opt[rank]) / m for rank, c in r.compute_s.items()]
+        assert len(t) == p and all(o > 0 for o in opt.values())
+        step = (m - 1) * max(t) + sum(t) + opt[0]
         assert r.step_time_s == pytest.approx(step, rel=0.03), m
         bubble = sum(r.bubble_s.values()) / p
-        assert bubble == pytest.approx(step - m * sum(t) / p, rel=0.06), m
+        assert bubble == pytest.approx(step - m * sum(t) / p - sum(opt.values()) / p,
+                                       rel=0.06), m
         computes[m] = sum(r.compute_s.values())
-    assert computes[16] == pytest.approx(2 * computes[8], rel=0.02)
+        optimizer_s = sum(opt.values())           # the same for every m
+    assert computes[16] - optimizer_s == pytest.approx(2 * (computes[8] - optimizer_s),
+                                                       rel=0.02)
     whole = simulate_gpt(cfg, ParallelConfig(global_batch=16, pp=p, schedule="1f1b"),
                          "h100-dgx")                  # its compute_s: the mean over ranks
     assert whole.compute_s == pytest.approx(computes[16] / p, rel=1e-9)

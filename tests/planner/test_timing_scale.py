@@ -9,8 +9,11 @@ from vcluster.planner.simulation import gpt_step_traces, simulate_gpt
 from vcluster.timing import load_hardware
 from vcluster.timing.engine import simulate_trace
 from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.planner.precision import MEGATRON
 
 pytestmark = pytest.mark.timeout(600)
+#: the optimizer's bytes a parameter under simulate_gpt's default policy
+B_OPT = MEGATRON.optimizer_step_bytes
 COSTS = HardwareCostModel(load_hardware("a100-80gb-dgx"), "bf16")
 
 
@@ -46,8 +49,8 @@ def test_one_middle_position_stands_for_many():
     cfg = GPTConfig(hidden=64, layers=24, heads=4, seq=16, vocab=64)
     par = ParallelConfig(global_batch=24, micro_batch=1, dp=2, pp=12, tp=1,
                          schedule="interleaved_1f1b", virtual_stages=2)
-    fast = gpt_step_traces(cfg, par, COSTS)
-    full = gpt_step_traces(cfg, par, COSTS, traced_positions=None)
+    fast = gpt_step_traces(cfg, par, COSTS, optimizer_step_bytes=B_OPT)
+    full = gpt_step_traces(cfg, par, COSTS, traced_positions=None, optimizer_step_bytes=B_OPT)
     assert all(a.ops == b.ops for a, b in zip(fast, full))
     assert simulate_gpt(cfg, par, "a100-80gb-dgx").step_time_s == simulate_trace(
         full, COSTS, mesh=par.mesh(), symmetric=True, timeline=False).step_time_s

@@ -29,7 +29,11 @@ The slowest rank sets the pace (F, I, W = those of the rank with the largest F_r
               that, one all-reduce per module; launched during the last backward, so
     exposed = max(dp - B_last, 0) + t_all_reduce(last bucket),  B_last = B_r (1F1B: the
               rank's last backward; its other work has ended)
-    step    = busy + bubble + p2p + exposed
+    opt     = the rank's optimizer step after the flush: one memory-bound kernel over its
+              parameters (with ZeRO, its 1/(dp·cp) share) at the precision policy's
+              bytes a parameter (``PrecisionPolicy.optimizer_step_bytes``), priced as
+              the replay prices it
+    step    = busy + bubble + p2p + exposed + opt
 
 ZeRO (``zero_stage``; :mod:`pipeline_parallel.zero`'s collectives, one per module and
 member of a dp group of n, each priced at nccl-tests sizes: the module's full bytes, its
@@ -60,8 +64,7 @@ count in comm but not in the step (assumed hidden behind the attention blocks, a
 program overlaps them; the replay says how far they are).
 
 What it leaves out (the replay has them): the exact interleaving of TP, p2p and DP
-traffic on shared links, stragglers of uneven stages within a rank's schedule, the
-optimizer's tail. It is an estimate for ranking; the planner's final order comes from
+traffic on shared links, stragglers of uneven stages within a rank's schedule. It is an estimate for ranking; the planner's final order comes from
 the replay.
 """
 
@@ -73,10 +76,13 @@ from dataclasses import dataclass
 from modeling import NormKind, Positions
 from pipeline_parallel.gpt import model_flops
 from pipelining import bubble_time_closed_form
+from vcluster.runtime.tracing import Kernel, TraceCompute
 from vcluster.timing.collective_cost import collective_time_s
+from vcluster.timing.hardware_model import HardwareCostModel
 
 from .layer_cost import StagePieces
 from .memory import rank_memory, rank_params
+from .precision import precision_policy
 
 __all__ = ["ScreenEstimate", "screen_estimate", "peak_in_flight_closed_form",
            "peak_memory_bytes", "BUCKET_BYTES", "TRACE_BYTES"]
@@ -142,9 +148,12 @@ def _rank_costs(config, parallel, pieces: StagePieces, r: int) -> dict:
     return out
 
 
-def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEstimate:
+def screen_estimate(config, parallel, pieces: StagePieces, hardware,
+                    precision="megatron") -> ScreenEstimate:
     """The step estimate of the module docstring for ``parallel`` on ``hardware`` (a
-    HardwareSpec), with ``pieces`` traced for its tp, micro-batch, SP and recompute."""
+    HardwareSpec), with ``pieces`` traced for its tp, micro-batch, SP and recompute;
+    ``precision``: the policy whose optimizer step is priced (a PrecisionPolicy or a
+    preset's name)."""
 
     p, v, m, t, dp = parallel.pp, parallel.chunks, parallel.microbatches, parallel.tp, parallel.dp
     ranks = sorted({0, p - 1, (p * v - 1) % p})
@@ -196,8 +205,13 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware) -> ScreenEs
                 dp_s = m * (2 * sum(ag) + sum(rs))
                 exposed = ag[-1] + max(dp_s - m * (F.seconds + B.seconds), 0.0) + rs[-1]
 
-    step = busy + bubble + p2p + exposed
-    compute = m * (F.compute_s + B.compute_s)
+    shards = dp * cp if parallel.zero_stage else 1
+    n_opt = int(sum(_rank_modules(config, parallel, crit)) / shards)
+    opt = HardwareCostModel(hardware).compute_time_s(TraceCompute(
+        "optimizer", 0, int(n_opt * precision_policy(precision).optimizer_step_bytes),
+        kernel=Kernel.optimizer(n_opt, "adam")))
+    step = busy + bubble + p2p + exposed + opt
+    compute = m * (F.compute_s + B.compute_s) + opt
     comm = m * (F.comm_s + B.comm_s + F.cp_s + B.cp_s) + p2p + dp_s
     mean_layers_flops = m * (config.layers / p) * sum(pieces[("layer", a)].flops
                                                        for a in "FIW")

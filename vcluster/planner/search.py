@@ -266,7 +266,7 @@ def _screen_all(config, candidates, hw, bar, precision, fp8, attention) -> list:
     task = bar.add_task("candidates screened", total=len(candidates)) if bar else None
     out = []
     for par in candidates:
-        out.append(screen_estimate(config, par, pieces(par), hw))
+        out.append(screen_estimate(config, par, pieces(par), hw, precision))
         if bar:
             bar.advance(task)
     return out
@@ -303,7 +303,7 @@ def stage_memory_bytes(config, par: ParallelConfig, precision) -> list:
 
 
 def cluster_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware,
-                            peak_flops: float):
+                            peak_flops: float, precision="megatron"):
     """The screen's estimate (:func:`~vcluster.planner.screen.screen_estimate`) of ``par``
     with its stages on GPU kinds ``kinds`` (``pieces[k]``, ``hardware[k]``: kind k's traced
     pieces and HardwareSpec): the slowest rank's F, I and W on its own kind set the busy
@@ -325,7 +325,7 @@ def cluster_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware
             c[a] = x.seconds
         per_rank.append(c)
     crit = max(range(p), key=lambda r: sum(per_rank[r].values()))
-    est = screen_estimate(config, par, pieces[kinds[crit]], hardware[kinds[crit]])
+    est = screen_estimate(config, par, pieces[kinds[crit]], hardware[kinds[crit]], precision)
     F, I, W = (per_rank[crit][a] for a in ("F", "I", "W"))
     busy = m * (F + I + W)
     mean = {a: sum(c[a] for c in per_rank) / p for a in ("F", "I", "W")}
@@ -345,7 +345,7 @@ def cluster_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware
 
 
 def replica_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware,
-                            peak_flops: float):
+                            peak_flops: float, precision="megatron"):
     """The screen's estimate of ``par`` with its data-parallel replicas on GPU kinds
     ``kinds`` (one per replica; ``pieces[k]``, ``hardware[k]``: kind k's traced pieces
     and HardwareSpec): every replica runs the whole model, and the data-parallel
@@ -354,7 +354,8 @@ def replica_screen_estimate(config, par: ParallelConfig, kinds, pieces, hardware
     (:func:`~vcluster.planner.screen.screen_estimate`); ``peak_flops`` is the mean peak
     of the GPUs (MFU). An estimate for ranking; the replay prices each replica on its own
     device."""
-    est = max((screen_estimate(config, par, pieces[k], hardware[k]) for k in set(kinds)),
+    est = max((screen_estimate(config, par, pieces[k], hardware[k], precision)
+               for k in set(kinds)),
               key=lambda e: e.step_time_s)
     return dataclasses.replace(est, mfu=model_flops(config, par.global_batch) / (
         par.gpus * peak_flops * est.step_time_s))
@@ -394,7 +395,7 @@ def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attent
             out.append(par)
             estimates.append(replica_screen_estimate(
                 config, par, replicas, {k: pieces[k](par) for k in set(replicas)},
-                kinds_hw, peak))
+                kinds_hw, peak, precision))
             splits.append("replicas")
             continue
         by_kind = {k: pieces[k](par) for k in set(kinds)}
@@ -409,7 +410,7 @@ def _cluster_candidates(config, candidates, cluster, bar, precision, fp8, attent
                    for r, b in enumerate(stage_memory_bytes(config, t, precision))):
                 out.append(t)
                 estimates.append(cluster_screen_estimate(config, t, kinds, by_kind,
-                                                         kinds_hw, peak))
+                                                         kinds_hw, peak, precision))
                 splits.append("stages")
                 break
         else:

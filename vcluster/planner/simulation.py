@@ -456,12 +456,14 @@ def _short_layout(parallel: ParallelConfig, layers: int, traced_positions) -> tu
 def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False, eager_kernels: bool = False,
-                     fp8_casts: str | None = None, fsdp2_copies: bool = False):
+                     fp8_casts: str | None = None, fsdp2_copies: bool = False,
+                     optimizer_step_bytes: float | None = None):
     """(mesh, templates per cp rank and short position, not coalesced) of a short step on
     a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
     layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
     :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``;
-    ``eager_kernels``, ``fp8_casts``, ``fsdp2_copies``: :func:`gpt_step_traces`)."""
+    ``eager_kernels``, ``fp8_casts``, ``fsdp2_copies``, ``optimizer_step_bytes``:
+    :func:`gpt_step_traces`)."""
     v = parallel.chunks
     p_short = len(reps)
     full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
@@ -505,11 +507,26 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
         templates = _rewritten(templates, lambda ops: with_fsdp2_copies(
             ops, lambda op: data_parallel_row(op, short_mesh, axes_of), DP_PARAM_GATHER,
             DP_GRAD_REDUCE))
+    if optimizer_step_bytes is not None:
+        templates = _rewritten(templates, lambda ops: with_optimizer_step_bytes(
+            ops, optimizer_step_bytes))
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r),
                                                   short.moe_ep_node_ranks, r)
                       for t, r in zip(ts, g)] for ts, g in zip(templates, groups)]
     return short_mesh, templates
+
+
+def with_optimizer_step_bytes(ops, bytes_per_param: float) -> list:
+    """``ops`` with each optimizer step's bytes (a :class:`TraceCompute` of an
+    ``optimizer`` kernel over P parameters: the whole stage's, or a ZeRO shard) set to
+    P · ``bytes_per_param`` — the traffic of the precision policy the step runs in
+    (:attr:`~.precision.PrecisionPolicy.optimizer_step_bytes`), where the traced 16-bit
+    program counts its own: 7 · 2 bytes for Adam over 16-bit state. Every other op is
+    kept as it is."""
+    return [dataclasses.replace(op, bytes=int(op.kernel.shape[0] * bytes_per_param))
+            if isinstance(op, TraceCompute) and op.kernel is not None
+            and op.kernel.kind is KernelKind.OPTIMIZER else op for op in ops]
 
 
 def _rewritten(templates, rewrite) -> list:
@@ -539,7 +556,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     markers: bool = False, expert_skew: float = 1.0,
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
                     eager_kernels: bool = False, replicas: tuple = (0,),
-                    fp8_casts: str | None = None, fsdp2_copies: bool = False) -> list:
+                    fp8_casts: str | None = None, fsdp2_copies: bool = False,
+                    optimizer_step_bytes: float | None = None) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -565,7 +583,10 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     (:mod:`.eager_kernels`). ``fp8_casts``: torchao's float8 cast kernels after each
     FP8 GEMM, by recipe (:mod:`.float8_casts`; None: none). ``fsdp2_copies``: PyTorch
     FSDP2's copies around ZeRO's gathers and reduce-scatters (:mod:`.fsdp2_copies`).
-    ``replicas``: the data-parallel replicas (coordinates of
+    ``optimizer_step_bytes``: the bytes per parameter each optimizer step moves (a
+    precision policy's :attr:`~.precision.PrecisionPolicy.optimizer_step_bytes`:
+    :func:`with_optimizer_step_bytes`); None keeps the traced program's own (Adam over
+    16-bit state: 14). ``replicas``: the data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
@@ -583,7 +604,7 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
                                        autocast_kernels, inductor_fusion, eager_kernels,
-                                       fp8_casts, fsdp2_copies)
+                                       fp8_casts, fsdp2_copies, optimizer_step_bytes)
     S = p * v
     sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
     # compute runs coalesced under the model that prices the rank: ``costs``, or on a
@@ -944,7 +965,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                            expert_skew=expert_skew, autocast_kernels=autocast_kernels,
                            inductor_fusion=fused, eager_kernels=eager_kernels,
                            replicas=traced_replicas, fp8_casts=fp8_casts,
-                           fsdp2_copies=fsdp2_copies)
+                           fsdp2_copies=fsdp2_copies,
+                           optimizer_step_bytes=precision.optimizer_step_bytes)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,

@@ -51,6 +51,9 @@ def test_the_traced_step_counts_fourteen_and_the_policy_replaces_it():
 
     (own,) = optimizer_ops(ParallelConfig(global_batch=4), None)
     assert own.kernel.shape == (n_params,) and own.bytes == 14 * n_params
+    (trace,) = gpt_step_traces(CFG, ParallelConfig(global_batch=4), costs)   # the default:
+    assert [op.bytes for op in trace.ops if isinstance(op, TraceCompute) and op.kernel  # as
+            is not None and op.kernel.kind is KernelKind.OPTIMIZER] == [30 * n_params]  # simulate_gpt
     (amp,) = optimizer_ops(ParallelConfig(global_batch=4), 28)
     assert amp.bytes == 28 * n_params and amp.flops == own.flops
     (shard,) = optimizer_ops(ParallelConfig(global_batch=8, dp=4, zero_stage=1), 30)

@@ -88,7 +88,7 @@ from .fsdp2_copies import with_fsdp2_copies
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .offload import host_link_of, microbatch_slots, offload_timing
-from .precision import precision_policy
+from .precision import MEGATRON, precision_policy
 from .stitch import Templates, coalesce, cut_templates, moved, stitch, unique_handles
 
 #: the optimizer of a simulated step: Adam, as Megatron-LM and PyTorch training steps run
@@ -557,7 +557,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
                     eager_kernels: bool = False, replicas: tuple = (0,),
                     fp8_casts: str | None = None, fsdp2_copies: bool = False,
-                    optimizer_step_bytes: float | None = None) -> list:
+                    optimizer_step_bytes: float | None = MEGATRON.optimizer_step_bytes
+                    ) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -585,8 +586,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     FSDP2's copies around ZeRO's gathers and reduce-scatters (:mod:`.fsdp2_copies`).
     ``optimizer_step_bytes``: the bytes per parameter each optimizer step moves (a
     precision policy's :attr:`~.precision.PrecisionPolicy.optimizer_step_bytes`:
-    :func:`with_optimizer_step_bytes`); None keeps the traced program's own (Adam over
-    16-bit state: 14). ``replicas``: the data-parallel replicas (coordinates of
+    :func:`with_optimizer_step_bytes`; default Megatron's 30, as :func:`simulate_gpt`'s
+    default policy); None keeps the traced program's own (Adam over 16-bit state: 14).
+    ``replicas``: the data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps

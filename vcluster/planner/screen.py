@@ -64,8 +64,8 @@ count in comm but not in the step (assumed hidden behind the attention blocks, a
 program overlaps them; the replay says how far they are).
 
 What it leaves out (the replay has them): the exact interleaving of TP, p2p and DP
-traffic on shared links, stragglers of uneven stages within a rank's schedule. It is an estimate for ranking; the planner's final order comes from
-the replay.
+traffic on shared links, stragglers of uneven stages within a rank's schedule. It is an
+estimate for ranking; the planner's final order comes from the replay.
 """
 
 from __future__ import annotations
@@ -175,12 +175,12 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware,
     p2p = 0.0 if p == 1 else 2 * (p * v - 1) * collective_time_s(
         "send", act_bytes, (0, t), hardware)
 
+    params = _rank_modules(config, parallel, crit)        # the critical rank's modules
     exposed, dp_s = 0.0, 0.0
     if dp * cp > 1:
         # rank 0's dp (x cp) group on the mesh (dp, pp, [cp,] tp)
         group = tuple(d * p * cp * t + c * t for d in range(dp) for c in range(cp))
         flows = max(1, min(t, hardware.domain_gpus))   # dp rings sharing a domain's NICs
-        params = _rank_modules(config, parallel, crit)
         modules = [n * TRACE_BYTES for n in params]             # 16-bit parameters
         reduced = [n * grad_reduce_bytes(parallel) for n in params]   # their gradients
 
@@ -206,7 +206,7 @@ def screen_estimate(config, parallel, pieces: StagePieces, hardware,
                 exposed = ag[-1] + max(dp_s - m * (F.seconds + B.seconds), 0.0) + rs[-1]
 
     shards = dp * cp if parallel.zero_stage else 1
-    n_opt = int(sum(_rank_modules(config, parallel, crit)) / shards)
+    n_opt = int(sum(params) / shards)
     opt = HardwareCostModel(hardware).compute_time_s(TraceCompute(
         "optimizer", 0, int(n_opt * precision_policy(precision).optimizer_step_bytes),
         kernel=Kernel.optimizer(n_opt, "adam")))

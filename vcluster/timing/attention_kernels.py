@@ -15,8 +15,9 @@ A kernel of that shape is priced as
 
 with ``t_k`` the device's kernel overhead, ``F`` the kernel's FLOPs in that convention
 (:func:`~vcluster.runtime.tracing.kernel.kernel_flops`: from its shape and mask, not the
-count the program declared — before 2026-12-01 the declared count, which priced the GPT block's causal kernels at 2×
-forward and 1.6× backward, the grouped-query block's backward at 0.8×) and ``r`` the curve's
+count the program declared — before 2026-12-01 the declared count, which priced the GPT
+block's causal kernels at 2× forward and 1.6× backward, the grouped-query block's backward
+at 0.8×) and ``r`` the curve's
 rate, interpolated linearly in log2(s) between the published sequence lengths and held at
 the ends (the sources sweep 512 to 16K, some to 128K; past 16K the published rates stay
 within ±8% to 128K: cudnn-frontend's B200 and H200 runs, S5-S7). No efficiency divisor: the
@@ -68,7 +69,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from vcluster.runtime.tracing.kernel import Kernel
+from vcluster.runtime.tracing.kernel import Kernel, kernel_flops
 
 from .presets import read_data_csv
 
@@ -158,11 +159,12 @@ class AttentionKernelPrices:
             seq = kernel.window
         return self.curve(direction, kernel.causal or bool(kernel.window), d).tflops(seq)
 
-    def time_s(self, kernel: Kernel, flops: float, overhead_s: float,
-               rate_scale: float = 1.0) -> float:
-        """t_k + F / (r · rate_scale) (module docstring; ``rate_scale``: the device's
-        sustained compute ratio, 1 on the part the curves were measured on); 0 for an
-        empty kernel."""
+    def time_s(self, kernel: Kernel, overhead_s: float, rate_scale: float = 1.0) -> float:
+        """t_k + F / (r · rate_scale), F the kernel's FLOPs in the curves' convention
+        (:func:`~vcluster.runtime.tracing.kernel.kernel_flops`, from its shape: module
+        docstring; ``rate_scale``: the device's sustained compute ratio, 1 on the part the
+        curves were measured on); 0 for an empty kernel."""
+        flops = kernel_flops(kernel)
         if flops <= 0:
             return 0.0
         return overhead_s + flops / (self.rate_tflops(kernel) * 1e12 * rate_scale)

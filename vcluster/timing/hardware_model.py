@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vcluster.runtime.tracing.kernel import KernelKind, kernel_flops
+from vcluster.runtime.tracing.kernel import KernelKind
 
 from .attention_kernels import NAMED_KERNELS, attention_prices
 from .collective_cost import collective_cost, collective_time_s
@@ -197,8 +197,7 @@ class HardwareCostModel:
                 return self.flash_v1_time_s(op)
             if self._attention is not None:
                 device = self.hardware.device
-                return self._attention.time_s(kernel, kernel_flops(kernel),
-                                              device.kernel_overhead_us * 1e-6,
+                return self._attention.time_s(kernel, device.kernel_overhead_us * 1e-6,
                                               device.sustained_compute_ratio)
         if kernel is None or profile is None:
             return self.analytic_time_s(op)

@@ -62,7 +62,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from vcluster.runtime.tracing.kernel import Kernel, KernelKind, attention_flops
+from vcluster.runtime.tracing.kernel import Kernel, KernelKind, attention_flops, kernel_flops
 
 from .kernel_profile import (H100_KERNEL_TABLE, TABLE_OPS, GemmProfile, fit_call_and_rate,
                              gemm_rows)
@@ -127,9 +127,7 @@ def _size(k: Kernel) -> tuple[str, float] | None:
     if kind is KernelKind.ATTENTION:
         if not k.flash:
             return None
-        flops = attention_flops(k)
-        return ("attention_backward", (_FWD_BWD_FLOPS - 1.0) * flops) if k.backward \
-            else ("attention", flops)
+        return ("attention_backward" if k.backward else "attention", kernel_flops(k))
     if kind is KernelKind.NORM:
         return ("norm_backward" if k.backward else "norm", shape[0] * shape[1])
     if kind is KernelKind.ACTIVATION:

@@ -174,8 +174,9 @@ def attention_flops(kernel: Kernel) -> float:
 def kernel_flops(kernel: Kernel) -> float:
     """The FLOPs a fused attention kernel does, in FlashAttention's convention: its
     forward's (:func:`attention_flops`), times :data:`BACKWARD_FLOPS_RATIO` for a
-    backward — from the kernel's shape and mask, whatever count the program declared. Programs declare
-    their products in their own conventions: the GPT block declares a causal kernel's
+    backward — from the kernel's shape and mask, whatever count the program declared.
+    Programs declare their products in their own conventions: the GPT block declares a
+    causal kernel's
     full s² products (the count its TFLOP/s and MFU report), the grouped-query block
     half of them with a backward of twice its forward, a context-parallel diagonal block
     its full square. A kernel's time depends on the work it does, not on the count."""

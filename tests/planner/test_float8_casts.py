@@ -116,11 +116,17 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match=r"fp8_casts='te' is not known; use None .* "
                                          r"torchao-tensorwise, torchao-rowwise"):
         check_fp8_casts("te", True)
-    with pytest.raises(ValueError, match=r"needs fp8=True and gemm_format='fp8' \(got "
-                                         r"fp8=False"):
+    with pytest.raises(ValueError, match=r"scale per row: it needs fp8=True and gemm_format "
+                                         r"'fp8' or 'fp8-row' \(got fp8=False"):
         check_fp8_casts("torchao-rowwise", False)
     with pytest.raises(ValueError, match=r"gemm_format='mxfp8'"):
         check_fp8_casts("torchao-tensorwise", True, "mxfp8")
+    # tensorwise runs per-tensor GEMMs: not the row-scaled format
+    with pytest.raises(ValueError, match=r"scale per tensor: it needs fp8=True and "
+                                         r"gemm_format 'fp8' \(got fp8=True, "
+                                         r"gemm_format='fp8-row'\)"):
+        check_fp8_casts("torchao-tensorwise", True, "fp8-row")
+    assert check_fp8_casts("torchao-rowwise", True, "fp8-row") == "torchao-rowwise"
     cfg = dataclasses.replace(CFG, dtype="float64")
     with pytest.raises(ValueError, match="fp8_casts="):
         simulate_gpt(cfg, ParallelConfig(global_batch=8, micro_batch=2), "h100-dgx",
@@ -145,6 +151,12 @@ def test_a_simulated_step_pays_the_casts():
                                  for c in (None, "torchao-tensorwise", "torchao-rowwise"))
     assert none.step_time_s < tensorwise.step_time_s < rowwise.step_time_s
     assert (none.fp8_casts, tensorwise.fp8_casts) == (None, "torchao-tensorwise")
+    # the recipe names its GEMMs' format: rowwise runs the row-scaled one, whether the
+    # caller asked for fp8 or fp8-row
+    assert (none.gemm_format, tensorwise.gemm_format, rowwise.gemm_format) == (
+        "fp8", "fp8", "fp8-row")
+    assert simulate_gpt(cfg, par, "h100-dgx", fp8=True, gemm_format="fp8-row",
+                        fp8_casts="torchao-rowwise").step_time_s == rowwise.step_time_s
     # tensorwise by hand: per token and layer the inputs of W_q, W_k, W_v, W_o, W_gate,
     # W_up (h each) and W_down (f), the output gradients of W_q, W_o, W_down (h), W_k and
     # W_v (2048 together), W_gate and W_up (f), 6 B per element; the weights 8 B per
@@ -170,10 +182,16 @@ def test_the_cli_flag(tmp_path):
     out = _simulate("--fp8", "--fp8-casts", "torchao-rowwise", "--json",
                     str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr
-    assert "FP8 linear layers with torchao-rowwise's cast kernels" in out.stdout
+    assert "FP8-ROW linear layers with torchao-rowwise's cast kernels" in out.stdout
     assert json.loads((tmp_path / "r.json").read_text())["fp8_casts"] == "torchao-rowwise"
     out = _simulate("--fp8-casts", "torchao-tensorwise")
     assert out.returncode == 2 and "--fp8-casts torchao-tensorwise prices torchao's casts " \
         "to FP8: it needs --fp8 (or --gemm-format fp8), got neither" in out.stderr
+    out = _simulate("--gemm-format", "fp8-row", "--fp8-casts", "torchao-rowwise")
+    assert out.returncode == 0, out.stderr
+    out = _simulate("--gemm-format", "fp8-row", "--fp8-casts", "torchao-tensorwise")
+    assert out.returncode == 2 and "--fp8-casts torchao-tensorwise prices torchao's casts " \
+        "to FP8: it needs --fp8 (or --gemm-format fp8), got --gemm-format fp8-row" \
+        in out.stderr
     out = _simulate("--fp8-casts", "te")
     assert out.returncode == 2 and "--fp8-casts: invalid choice: 'te'" in out.stderr

@@ -76,6 +76,57 @@ def test_an_fp8_gemm_is_priced_at_the_datasheet_fp8_peak():
     assert not fp8_gemm(head) and fp8.compute_time_s(head) == bf16.compute_time_s(head)
 
 
+def test_a_row_scaled_fp8_gemm_computes_at_its_share_of_the_fp8_rate():
+    """``fp8-row`` (PyTorch's row-scaled GEMM): the compute-bound time over its rate share,
+    the launch and the memory-bound floor unchanged; a bad share is refused by name."""
+    from vcluster.timing.gemm_formats import FP8_ROW_RATE_SHARE, GemmFormat
+    op = TraceCompute("gpt: mlp: x @ W1", 2 * 8192 * 4096 * 16384, 2 * (8192 * 4096
+                      + 4096 * 16384 + 8192 * 16384), kernel=Kernel.gemm(1, 8192, 4096, 16384))
+    hw = load_hardware("h100-dgx")
+    row = HardwareCostModel(hw, fp8_gemms=fp8_gemm, gemm_format="fp8-row")
+    assert FP8_ROW_RATE_SHARE == 0.76
+    expected = (5e-6 + op.flops / (1978.8e12 * 0.709 * 0.76)) / TRAINING_KERNEL_EFFICIENCY
+    assert row.compute_time_s(op) == pytest.approx(expected, rel=1e-9)
+    # a tiny GEMM is launch- and memory-bound: the share changes nothing there
+    tiny = TraceCompute("gpt: mlp: x @ W1", 2.0, 1e6, kernel=Kernel.gemm(1, 1, 1, 1))
+    assert row.compute_time_s(tiny) == HardwareCostModel(
+        hw, fp8_gemms=fp8_gemm).compute_time_s(tiny)
+    with pytest.raises(ValueError, match=r"GemmFormat 'x': rate_share must be in \(0, 1\], "
+                                         r"got 1.5"):
+        GemmFormat("x", "fp8", rate_share=1.5)
+
+
+def test_the_row_scaled_share_reproduces_torchaos_measured_ratio(monkeypatch):
+    """FP8_ROW_RATE_SHARE's source (vcluster.timing.gemm_formats): torchao's README measures
+    one torchtitan run of Llama 3 8B on 8 H100s (FSDP2, batch 1, sequence 8192, compile,
+    per-op SAC) at 7,689.5 tokens/s with the tensorwise recipe and 6,768 with rowwise
+    (0.880); with the share the model's ratio is within 0.005 of it, and the share is the
+    best of its 0.01 grid."""
+    from dataclasses import replace
+    import vcluster.timing.gemm_formats as G
+    from vcluster.planner.validation_long_context import _hardware
+    cfg = GPTConfig(hidden=4096, layers=32, heads=32, kv_heads=8, seq=8192, vocab=128256,
+                    arch="llama", ffn_hidden=14336)
+    par = ParallelConfig(global_batch=8, micro_batch=1, dp=8, zero_stage=3, recompute="op",
+                         grad_reduce_dtype="fp32", attention="flash2")
+    hw = _hardware("h100-sxm-hbm2e")        # Meta's H100s (torchtitan's hosts)
+
+    formats = dict(G.GEMM_FORMATS)
+
+    def ratio(share):
+        formats["fp8-row"] = replace(G.GEMM_FORMATS["fp8-row"], rate_share=share)
+        monkeypatch.setattr(G, "GEMM_FORMATS", formats)
+        steps = [simulate_gpt(cfg, par, hw, fp8=True, fp8_casts=c,
+                              fsdp2_copies=True).step_time_s
+                 for c in ("torchao-tensorwise", "torchao-rowwise")]
+        return steps[0] / steps[1]
+
+    measured = 6768 / 7689.5
+    at = {s: ratio(s) for s in (0.75, 0.76, 0.77)}
+    assert at[0.76] == pytest.approx(measured, abs=0.005)
+    assert min(at, key=lambda s: abs(at[s] - measured)) == G.FP8_ROW_RATE_SHARE
+
+
 def test_fp8_cuts_the_linear_layers_time_by_the_achieved_fp8_rate():
     config = GPTConfig(hidden=4096, layers=4, heads=32, seq=2048, vocab=32000)
     parallel = ParallelConfig(global_batch=8, micro_batch=1, dp=8)

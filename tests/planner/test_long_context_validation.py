@@ -89,16 +89,20 @@ def test_metas_500w_h100_prices_the_gemms_measured_on_it():
 
 @pytest.mark.slow
 def test_the_table_stays_where_the_model_puts_it():
-    """Every row of the table, held out. Issue 54's goals — mean |error| <= 12% and every
-    band's mean signed error within ±10% — held at 11.8% until 2026-12-01, when fused
-    attention came to be priced by the work of its kernels (a context-parallel diagonal
-    block's half square, a grouped-query backward's 2.5x forward) and the optimizer step by
-    the bytes it moves: 12.8%, the >=64K band (context parallelism 2-8) at +10.8%. Guarded
-    here at that level; the two H200 rows (standard 700 W parts) within 5% (they were within
-    2% before; the one-GPU sweep below names the cost now over-priced: GEMMs)."""
+    """Every row of the table, held out. Issue 54's acceptance: mean |error| <= 12% (11.8%
+    since the row-wise rows' GEMMs run PyTorch's row-scaled kernel, ``fp8-row``; 12.8%
+    before, after fused attention came to be priced by the work of its kernels and the
+    optimizer step by the bytes it moves). Its goal of every band's mean signed error within
+    ±10% is missed by the >=64K band (context parallelism 2-8: +10.8%), guarded here at
+    11%; the two H200 rows (standard 700 W parts) within 5% (they were within 2% before;
+    the one-GPU sweep below names the cost now over-priced: GEMMs); the four row-wise rows
+    (held out from the share) within 16% (-1.9%, +3.0%, +13.4%, +15.5%), where they were
+    +10% to +24%."""
     rows = [r for r in validate_long_context() if r["status"] == "predicted"]
     assert len(rows) == 35
-    assert sum(abs(r["rel_error"]) for r in rows) / len(rows) <= 0.13
+    assert sum(abs(r["rel_error"]) for r in rows) / len(rows) <= 0.12
+    rowwise = [r for r in rows if "rowwise" in r["source_row"]]
+    assert len(rowwise) == 4 and all(abs(r["rel_error"]) <= 0.16 for r in rowwise)
     for band, summary in summary_by_band(rows).items():
         assert summary is None or abs(summary["mean_signed"]) <= 0.11, (band, summary)
     assert all(abs(r["rel_error"]) <= 0.05 for r in rows if r["hardware"] == "h200-dgx")

@@ -138,7 +138,7 @@ def test_quantised_gemm_inputs_are_kept_at_their_formats_size():
     from vcluster.planner.precision import MEGATRON, MEGATRON_BF16
     from vcluster.timing.gemm_formats import GEMM_FORMATS
     assert {n: f.stored_bytes for n, f in GEMM_FORMATS.items()} == {
-        "fp8": 1, "fp8-block": 1 + 4 / 128, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32,
+        "fp8": 1, "fp8-row": 1, "fp8-block": 1 + 4 / 128, "mxfp8": 1 + 1 / 32, "mxfp4": 0.5 + 1 / 32,
         "nvfp4": 0.5 + 1 / 16}
     q = MEGATRON_BF16.with_quantised_gemm_inputs("mxfp8")
     assert q.name == "megatron_bf16+mxfp8" and q.gemm_input_bytes == 1 + 1 / 32

@@ -243,7 +243,7 @@ PLAN_SCHEMA = {
     "properties": {
         "precision": {"enum": ["megatron", "torch_amp", "fp64", "fp32"]},
         "fp8": {"type": "boolean"},
-        "gemm_format": {"enum": [None, "fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4"]},
+        "gemm_format": {"enum": [None, "fp8", "fp8-row", "fp8-block", "mxfp8", "nvfp4", "mxfp4"]},
         "cluster_parts": {"type": ["array", "null"]},
         "grad_reduce_dtype": {"enum": ["model", "fp32"]},
         "attention": {"enum": ["flash", "unfused", "flash-v1", "flash2", "flash3", "cudnn"]},

@@ -12,6 +12,7 @@ import pytest
 from vcluster.timing import PRESET_NAMES, hardware_from_dict, load_hardware, preset
 from vcluster.timing.collective_cost import NCCL_BASE_LATENCY_US, collective_cost
 from vcluster.timing.hardware_model import HardwareCostModel
+from vcluster.timing.gemm_formats import GEMM_FORMATS
 from vcluster.timing.nccl_validation import validate_nccl_2026
 from vcluster.timing.presets import preset_source_gaps
 
@@ -198,7 +199,7 @@ class _Gemm:
 
 
 @pytest.mark.parametrize("name, fmt, dtype", [
-    ("h100-dgx", "fp8", "fp8"), ("h100-dgx", "fp8-block", "fp8"),
+    ("h100-dgx", "fp8", "fp8"), ("h100-dgx", "fp8-block", "fp8"), ("h100-dgx", "fp8-row", "fp8"),
     ("b200-dgx", "mxfp8", "fp8"), ("b200-dgx", "nvfp4", "fp4"),
     ("gb300-nvl72", "nvfp4", "fp4"), ("mi355x", "mxfp4", "fp4"), ("mi355x", "mxfp8", "fp8")])
 def test_a_gemm_format_is_priced_at_its_dtypes_peak_and_measured_share(name, fmt, dtype):
@@ -206,9 +207,11 @@ def test_a_gemm_format_is_priced_at_its_dtypes_peak_and_measured_share(name, fmt
     op = _Gemm(2.0 * 16384 ** 3, 3 * 16384 ** 2)
     costs = HardwareCostModel(hw, fp8_gemms=lambda o: True, gemm_format=fmt)
     d = hw.device
-    expected = d.compute_time_s(op.flops, op.bytes, dtype) / costs.efficiency
+    share = GEMM_FORMATS[fmt].rate_share        # 1 but for fp8-row (PyTorch's row-scaled)
+    expected = d.compute_time_s(op.flops, op.bytes, dtype,
+                                flops_per_s=d.achieved_flops(dtype) * share) / costs.efficiency
     assert costs.compute_time_s(op) == pytest.approx(expected)
-    compute_s = op.flops / (d.peak_tflops[dtype] * 1e12 * d.e_max(dtype))
+    compute_s = op.flops / (d.peak_tflops[dtype] * 1e12 * d.e_max(dtype) * share)
     assert expected == pytest.approx((d.kernel_overhead_us * US + compute_s) / costs.efficiency)
     plain = HardwareCostModel(hw).compute_time_s(op)
     assert costs.compute_time_s(op) < plain               # faster than BF16
@@ -220,7 +223,7 @@ def test_a_gemm_format_is_priced_at_its_dtypes_peak_and_measured_share(name, fmt
     ("h100-dgx", "nvfp4", "nvfp4 GEMMs need FP4 tensor cores: h100-dgx"),
     ("mi355x", "nvfp4", "block-scaled formats: mxfp8, mxfp6, mxfp4"),
     ("a100-80gb-dgx", "fp8", "fp8 GEMMs need FP8 tensor cores: a100-80gb-dgx"),
-    ("b200-dgx", "int4", "GEMM format 'int4' is not known; use one of fp8, fp8-block"),
+    ("b200-dgx", "int4", "GEMM format 'int4' is not known; use one of fp8, fp8-row, fp8-block"),
 ])
 def test_a_format_the_hardware_lacks_is_refused_by_name(name, fmt, says):
     with pytest.raises(ValueError, match=re.escape(says)):

@@ -205,7 +205,9 @@ def add_fp8_argument(parser) -> None:
                              "(= --gemm-format fp8)")
     parser.add_argument("--gemm-format", choices=tuple(GEMM_FORMATS), default=None,
                         help="the transformer layers' linear layers in this format: fp8 "
-                             "(one scale per tensor), fp8-block (DeepSeek-V3's 128-blocks), "
+                             "(one scale per tensor), fp8-row (a scale per row: PyTorch's "
+                             "row-scaled GEMM, torchao's rowwise recipe; 0.76 of fp8's "
+                             "rate), fp8-block (DeepSeek-V3's 128-blocks), "
                              "mxfp8 (Blackwell, MI355X), nvfp4 (Blackwell), mxfp4 "
                              "(Blackwell, MI355X); each priced at its dtype's peak and "
                              "measured share; refused on hardware without it")

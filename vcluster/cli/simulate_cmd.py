@@ -203,6 +203,7 @@ def _gpt(args) -> int:
     from vcluster.planner.memory import MEMORY_HEADROOM
     from vcluster.planner.simulation import RATIO_FLAG, describe_ratio, simulate_gpt
     from vcluster.planner.precision import PRECISIONS
+    from vcluster.planner.float8_casts import RECIPE_GEMM_FORMATS
     zero = zero_stage(args)
     precision_name(args.precision)
     config = gpt_config(args)
@@ -230,9 +231,12 @@ def _gpt(args) -> int:
     if args.fsdp2_copies and zero < 2:
         raise ValueError(f"--fsdp2-copies prices FSDP2's copies around ZeRO's gathers and "
                          f"reduce-scatters: it needs --zero 2 or 3, got --zero {zero}")
-    if args.fp8_casts is not None and low_precision(args) is not True:
+    if args.fp8_casts is not None and low_precision(args) not in (
+            True, RECIPE_GEMM_FORMATS.get(args.fp8_casts)):
+        row = RECIPE_GEMM_FORMATS.get(args.fp8_casts) == "fp8-row"
         raise ValueError(f"--fp8-casts {args.fp8_casts} prices torchao's casts to FP8: it "
-                         f"needs --fp8 (or --gemm-format fp8), got "
+                         f"needs --fp8 (or --gemm-format fp8"
+                         f"{', or fp8-row' if row else ''}), got "
                          f"{'--gemm-format ' + args.gemm_format if args.gemm_format else 'neither'}")
     headroom = MEMORY_HEADROOM if args.memory_headroom is None else args.memory_headroom
     hardware = load_cluster(args.hardware, hardware_loader=load_hardware)

@@ -41,8 +41,11 @@ the weight, so a weight is cast once per linear and pass. Each kernel is priced 
 model that prices the others (analytic: launch overhead plus bytes over the achieved HBM
 bandwidth) — nothing here is fitted. Not modelled: FSDP2's float8 all-gather (the
 weight cast on the shard, before the gather), the FP8 bytes of tensorwise's tensor-parallel
-gathers (priced as bf16), the scale all-reduces of tensor parallelism (a few bytes) and a
-slower GEMM under row-wise scales (priced as tensorwise's). The dense Llama layer only (the
+gathers (priced as bf16), the scale all-reduces of tensor parallelism (a few bytes). The recipe
+also names its GEMMs' format (:func:`recipe_gemm_format`): tensorwise runs cuBLAS's
+per-tensor FP8 GEMM (``fp8``), rowwise PyTorch's row-scaled one (``fp8-row``, priced at its
+measured share of the FP8 rate, :mod:`vcluster.timing.gemm_formats`; since 2026-12-01,
+before, as tensorwise's). The dense Llama layer only (the
 traced names of its linears are read; an MoE's experts run grouped GEMMs torchao casts
 otherwise): :func:`~.simulation.simulate_gpt` refuses the others.
 """
@@ -54,7 +57,7 @@ from types import MappingProxyType
 from vcluster.runtime.tracing import TraceCompute
 
 __all__ = ["FP8_CASTS", "CAST_BEFORE_GATHER", "CAST_NAME", "with_float8_casts",
-           "check_fp8_casts"]
+           "check_fp8_casts", "RECIPE_GEMM_FORMATS", "recipe_gemm_format"]
 
 #: the added ops' names end ``float8 cast: <operand>``, after the GEMM they serve
 CAST_NAME = "float8 cast:"
@@ -80,6 +83,11 @@ _ROWWISE = MappingProxyType({
 })
 #: the recipes priced: name -> {(operand, pass): bytes per element of each kernel}
 FP8_CASTS = MappingProxyType({"torchao-tensorwise": _TENSORWISE, "torchao-rowwise": _ROWWISE})
+#: the GEMM format each recipe's GEMMs run in (:mod:`vcluster.timing.gemm_formats`):
+#: ``torch._scaled_mm`` with per-tensor scales calls cuBLAS, with row scales PyTorch's
+#: own CUTLASS kernel (pytorch issue 147971)
+RECIPE_GEMM_FORMATS = MappingProxyType({"torchao-tensorwise": "fp8",
+                                        "torchao-rowwise": "fp8-row"})
 #: the recipes whose tensor parallelism gathers operands in FP8, cast on their sequence
 #: shard before the gather; the others gather in bf16 and cast the gathered operand
 #: (torchtitan's parallelize: "float8 all-gather with TP is only supported for tensorwise
@@ -98,11 +106,21 @@ def check_fp8_casts(fp8_casts, fp8: bool, gemm_format: str = "fp8"):
         raise ValueError(f"fp8_casts={fp8_casts!r} is not known; use None (casts fused into "
                          f"the kernels before the GEMMs, Transformer Engine's) or one of "
                          f"{', '.join(FP8_CASTS)}")
-    if not fp8 or gemm_format != "fp8":
+    allowed = ("fp8", RECIPE_GEMM_FORMATS[fp8_casts])
+    if not fp8 or gemm_format not in allowed:
         raise ValueError(f"fp8_casts={fp8_casts!r} prices torchao's casts to FP8 with one "
-                         f"scale per tensor or row: it needs fp8=True and gemm_format='fp8' "
-                         f"(got fp8={fp8!r}, gemm_format={gemm_format!r})")
+                         f"scale per {'row' if allowed[1] == 'fp8-row' else 'tensor'}: it "
+                         f"needs fp8=True and gemm_format "
+                         f"{' or '.join(repr(a) for a in dict.fromkeys(allowed))} (got "
+                         f"fp8={fp8!r}, gemm_format={gemm_format!r})")
     return fp8_casts
+
+
+def recipe_gemm_format(fp8_casts, gemm_format: str = "fp8") -> str:
+    """The format the GEMMs of ``fp8_casts``'s recipe run in (:data:`RECIPE_GEMM_FORMATS`;
+    ``gemm_format`` itself without a recipe): torchao's rowwise recipe runs PyTorch's
+    row-scaled FP8 GEMM whether the caller asked for ``fp8`` or ``fp8-row``."""
+    return gemm_format if fp8_casts is None else RECIPE_GEMM_FORMATS[fp8_casts]
 
 
 def _pass(base: str) -> str:

@@ -83,7 +83,7 @@ from vcluster.timing.attention_kernels import named_kernel
 
 from .autocast_kernels import autocast_kernels_priced
 from .eager_kernels import with_eager_kernels
-from .float8_casts import check_fp8_casts, with_float8_casts
+from .float8_casts import check_fp8_casts, recipe_gemm_format, with_float8_casts
 from .fsdp2_copies import with_fsdp2_copies
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
@@ -154,8 +154,8 @@ class GPTSimulation:
     inductor_fusion: bool = False       # ... as torch.compile's Inductor fuses them
     eager_kernels: bool = False         # eager PyTorch's unfused Llama kernels priced
     fp8: bool = False                   # the layers' linear GEMMs priced in FP8 (fp8_gemm)
-    # their format (vcluster.timing.gemm_formats: fp8, fp8-block, mxfp8, nvfp4, mxfp4);
-    # None without fp8
+    # their format (vcluster.timing.gemm_formats: fp8, fp8-row, fp8-block, mxfp8, nvfp4,
+    # mxfp4); None without fp8
     gemm_format: str | None = None
     # torchao's float8 cast kernels priced after each FP8 GEMM (planner.float8_casts:
     # "torchao-tensorwise", "torchao-rowwise"); None: fused into the kernels before them
@@ -841,12 +841,15 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     (:func:`fp8_gemm`: at the device's FP8 peak, analytic hardware with one only; the
     memory model is unchanged, and ``mfu`` stays against the BF16 peak), in
     ``gemm_format`` (:mod:`vcluster.timing.gemm_formats`: ``fp8``, the default — one
-    scale per tensor, Transformer Engine's delayed or current scaling — ``fp8-block``,
+    scale per tensor, Transformer Engine's delayed or current scaling — ``fp8-row``
+    (PyTorch's row-scaled GEMM, at its measured share of the FP8 rate), ``fp8-block``,
     ``mxfp8`` at the FP8 peak; ``nvfp4``, ``mxfp4`` at the FP4 peak; refused by name on
     hardware without it); ``fp8_casts``: with ``fp8`` in the ``fp8`` format, the cast
     kernels of a framework whose casts are not fused into the kernels before the GEMMs —
     ``"torchao-tensorwise"`` or ``"torchao-rowwise"`` (torchao's float8 training, as
-    torchtitan runs it; :mod:`.float8_casts`) — priced after each FP8 GEMM; None (the
+    torchtitan runs it; :mod:`.float8_casts`) — priced after each FP8 GEMM, the GEMMs in
+    the recipe's format (rowwise: ``fp8-row``, which ``gemm_format`` may also name;
+    :func:`~.float8_casts.recipe_gemm_format`); None (the
     default): Transformer Engine's fused casts, none added; ``fsdp2_copies``: under ZeRO-2/3,
     the copies PyTorch FSDP2 (per-parameter sharding: torchtitan) makes around each
     data-parallel gather and reduce-scatter (:mod:`.fsdp2_copies`; False, the default: one
@@ -889,6 +892,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     if not isinstance(fp8, bool):
         raise ValueError(f"simulate_gpt: fp8 must be True or False, got {fp8!r}")
     fp8_casts = check_fp8_casts(fp8_casts, fp8, gemm_format)
+    gemm_format = recipe_gemm_format(fp8_casts, gemm_format)
     if not isinstance(fsdp2_copies, bool) or (fsdp2_copies and parallel.zero_stage < 2):
         raise ValueError(f"simulate_gpt: fsdp2_copies={fsdp2_copies!r} with zero_stage="
                          f"{int(parallel.zero_stage)}: FSDP2's copies come with its "

@@ -24,7 +24,10 @@ runs where the row is silent, the same for every row:
 * Float8 rows with their linear GEMMs in FP8 (``fp8``) and torchao's cast kernels of the
   row's scaling recipe beside them (``fp8_casts``, the ``float8_recipe`` column:
   ``torchao-tensorwise`` or ``torchao-rowwise``, :mod:`.float8_casts`, since 2026-11-30;
-  before, and in the first run, the GEMMs alone);
+  before, and in the first run, the GEMMs alone); the row-wise rows' GEMMs PyTorch's
+  row-scaled kernel (``fp8-row``, since 2026-12-01: its share of the FP8 rate chosen on
+  torchao's README, no row of this table, :mod:`vcluster.timing.gemm_formats`; before,
+  and in the first run, as fast as the tensor-wise one);
 * activation checkpointing ``full`` as PyTorch's non-reentrant full recomputation, which
   stops before W_down (``full-torch``, since 2026-11-30; before, and in the first run, the
   program's ``full``), torchtitan's per-op selective policy as the program's ``op``
@@ -45,10 +48,9 @@ of the same GEMMs on the 700 W part. A hardware measurement, not a fit: no row o
 table set it, though the rows had been seen (docs/timing.md, "Power-limited parts", says
 what else was tried on them). Rows whose source leaves the micro-batch or the
 interleaving unstated are ``refused``. Not modelled, and in the signed errors: eager PyTorch's per-kernel host cost
-(its unfused kernels are priced), Float8's all-gather of FSDP2, a slower row-wise FP8
-GEMM than the tensor-wise one (the FP8 ratio is of the row-wise kernel, so the row-wise
-rows are priced as fast as the tensor-wise ones), PyTorch's context-parallel attention's
-float32 merges and accumulators.
+(its unfused kernels are priced), Float8's all-gather of FSDP2 (the FP8 ratio of Meta's
+H100 is FBGEMM's row-wise kernel's, a lower bound for cuBLAS's tensor-wise one), PyTorch's
+context-parallel attention's float32 merges and accumulators.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so

@@ -177,10 +177,11 @@ _WORKLOAD = MappingProxyType({
                      "hardware's FP8 peak, as Transformer Engine runs them (simulate gpt "
                      "--fp8; a preset or file with an FP8 peak; the emulated math is "
                      "unchanged); the same as gemm_format: fp8"),
-        "gemm_format": _enum(["fp8", "fp8-block", "mxfp8", "nvfp4", "mxfp4"],
+        "gemm_format": _enum(["fp8", "fp8-row", "fp8-block", "mxfp8", "nvfp4", "mxfp4"],
                              "simulation: the transformer layers' linear GEMMs in this "
                              "format (simulate train --gemm-format): fp8 one scale per "
-                             "tensor, fp8-block 128-blocks, mxfp8 (Blackwell, MI355X), "
+                             "tensor, fp8-row a scale per row (PyTorch's row-scaled "
+                             "GEMM, 0.76 of fp8's rate), fp8-block 128-blocks, mxfp8 (Blackwell, MI355X), "
                              "nvfp4 (Blackwell), mxfp4 (Blackwell, MI355X), each at its "
                              "dtype's peak and measured share; refused on hardware without "
                              "it; the emulated math is unchanged"),

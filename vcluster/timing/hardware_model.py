@@ -17,9 +17,10 @@
 * low-precision GEMMs: with ``fp8_gemms`` (a predicate on compute ops: which GEMMs run
   in low precision, as Transformer Engine runs a transformer layer's linear layers; the
   caller knows its program's ops) those ops are priced by the same analytic model in
-  ``gemm_format`` (:mod:`.gemm_formats`: ``fp8``, the default, ``fp8-block``,
-  ``mxfp8`` at the device's FP8 peak; ``nvfp4``, ``mxfp4`` at its FP4 peak; each at that
-  dtype's best achieved share), every other op as before. It needs the analytic model:
+  ``gemm_format`` (:mod:`.gemm_formats`: ``fp8``, the default, ``fp8-row``,
+  ``fp8-block``, ``mxfp8`` at the device's FP8 peak; ``nvfp4``, ``mxfp4`` at its FP4
+  peak; each at that dtype's best achieved share times the format's ``rate_share``:
+  ``fp8-row``'s 0.76, 1 for the others), every other op as before. It needs the analytic model:
   measured kernel prices are of BF16 kernels, so hardware with measured kernels refuses
   it, as does a device without the format (:func:`.gemm_formats.check_gemm_format`);
 * FlashAttention-1-class attention: with ``flash_v1`` (a run whose attention kernels were
@@ -103,8 +104,9 @@ class HardwareCostModel:
     flash_v1: bool = False
     # the FLOP/s those kernels compute at here (set from flash_v1; None without it)
     _flash_v1_flops_per_s: object = field(default=None, init=False, repr=False, compare=False)
-    # the dtype whose peak gemm_format's GEMMs compute at
+    # the dtype whose peak gemm_format's GEMMs compute at, and their share of its rate
     _gemm_dtype: str = field(default="fp8", init=False, repr=False, compare=False)
+    _gemm_rate_share: float = field(default=1.0, init=False, repr=False, compare=False)
     # a fused attention kernel with published curves (attention_kernels.NAMED_KERNELS), or
     # "": the device's default (module docstring)
     attention_kernel: str = ""
@@ -118,6 +120,7 @@ class HardwareCostModel:
             check_gemm_format(fmt, self.hardware)
             self._refuse_measured_kernels(f"{fmt.name} GEMMs are", "BF16 kernels")
         object.__setattr__(self, "_gemm_dtype", fmt.dtype)
+        object.__setattr__(self, "_gemm_rate_share", fmt.rate_share)
         object.__setattr__(self, "_attention", self._attention_prices())
         if not isinstance(self.flash_v1, bool):
             raise ValueError(f"flash_v1 must be True or False, got {self.flash_v1!r}")
@@ -177,6 +180,15 @@ class HardwareCostModel:
         return self.hardware.device.compute_time_s(op.flops, op.bytes,
                                                    dtype or self.dtype) / self.efficiency
 
+    def low_precision_time_s(self, op) -> float:
+        """A GEMM of ``gemm_format``: the analytic price at its dtype's achieved rate times
+        the format's ``rate_share`` (:mod:`.gemm_formats`),
+        (t_k + max(F / (rate · share), B / bandwidth)) / efficiency."""
+        device, dtype = self.hardware.device, self._gemm_dtype
+        return device.compute_time_s(
+            op.flops, op.bytes, dtype,
+            flops_per_s=device.achieved_flops(dtype) * self._gemm_rate_share) / self.efficiency
+
     def flash_v1_time_s(self, op) -> float:
         """A FlashAttention-1-class kernel's price: the analytic price with its compute at
         the A100's achieved rate times the device's ``flash_v1_speedup`` (module
@@ -190,7 +202,7 @@ class HardwareCostModel:
         if getattr(op, "seconds", None) is not None:
             return op.seconds
         if self.fp8_gemms is not None and self.fp8_gemms(op):
-            return self.analytic_time_s(op, self._gemm_dtype)
+            return self.low_precision_time_s(op)
         kernel, profile = getattr(op, "kernel", None), self.kernel_profile
         if kernel is not None and kernel.kind is KernelKind.ATTENTION and kernel.flash:
             if self.flash_v1:

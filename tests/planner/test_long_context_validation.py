@@ -89,13 +89,14 @@ def test_metas_500w_h100_prices_the_gemms_measured_on_it():
 
 @pytest.mark.slow
 def test_the_table_stays_where_the_model_puts_it():
-    """Every row of the table, held out. Issue 54's acceptance: mean |error| <= 12% (11.8%
-    since the row-wise rows' GEMMs run PyTorch's row-scaled kernel, ``fp8-row``; 12.8%
-    before, after fused attention came to be priced by the work of its kernels and the
-    optimizer step by the bytes it moves). Its goal of every band's mean signed error within
-    ±10% is missed by the >=64K band (context parallelism 2-8: +10.8%), guarded here at
-    11%; the two H200 rows (standard 700 W parts) within 5% (they were within 2% before;
-    the one-GPU sweep below names the cost now over-priced: GEMMs); the four row-wise rows
+    """Every row of the table, held out: issue 54's goals, mean |error| <= 12% and every
+    band's mean signed error within ±10% (11.5%; bands -8.1%, -4.8%, +5.4%). They held at
+    11.8% until fused attention came to be priced by the work of its kernels and the
+    optimizer step by the bytes it moves (12.8%, the >=64K band at +10.8%); since then the
+    row-wise rows' GEMMs run PyTorch's row-scaled kernel (``fp8-row``: 11.8%) and the
+    context-parallel rows PyTorch's ring (``torch_cp``: 11.5%, the >=64K band +5.4%). The
+    two H200 rows (standard 700 W parts) within 5% (they were within 2% before; the
+    one-GPU sweep below names the cost now over-priced: GEMMs); the four row-wise rows
     (held out from the share) within 16% (-1.9%, +3.0%, +13.4%, +15.5%), where they were
     +10% to +24%."""
     rows = [r for r in validate_long_context() if r["status"] == "predicted"]
@@ -104,7 +105,7 @@ def test_the_table_stays_where_the_model_puts_it():
     rowwise = [r for r in rows if "rowwise" in r["source_row"]]
     assert len(rowwise) == 4 and all(abs(r["rel_error"]) <= 0.16 for r in rowwise)
     for band, summary in summary_by_band(rows).items():
-        assert summary is None or abs(summary["mean_signed"]) <= 0.11, (band, summary)
+        assert summary is None or abs(summary["mean_signed"]) <= 0.10, (band, summary)
     assert all(abs(r["rel_error"]) <= 0.05 for r in rows if r["hardware"] == "h200-dgx")
 
 

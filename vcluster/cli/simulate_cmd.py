@@ -168,6 +168,11 @@ def add_parser(commands) -> None:
                           "(torchtitan's float8) beside each FP8 GEMM, by its scaling recipe "
                           "(default: none, Transformer Engine's casts fused into the kernels "
                           "before the GEMMs; docs/timing.md)")
+    gpt.add_argument("--torch-cp", action="store_true",
+                     help="with --cp > 1 (ring): the context-parallel attention as PyTorch's "
+                          "experimental context_parallel runs it (torchtitan): float32 "
+                          "merges and accumulators, K and V repeated to every query head, "
+                          "its buffer copies (default: Megatron's ring; docs/timing.md)")
     gpt.add_argument("--fsdp2-copies", action="store_true",
                      help="with --zero 2 or 3: price the copies PyTorch FSDP2 (per-parameter "
                           "sharding, torchtitan) makes around each data-parallel gather and "
@@ -228,6 +233,10 @@ def _gpt(args) -> int:
         raise ValueError(f"--gpus {args.gpus} is not tp·pp·cp·dp = {args.tp}·{args.pp}·"
                          f"{args.cp}·{args.dp} = {parallel.gpus}; choose degrees whose "
                          f"product is the GPU count")
+    if args.torch_cp and (args.cp < 2 or args.cp_algorithm != "ring"):
+        raise ValueError(f"--torch-cp prices PyTorch's context-parallel ring: it needs --cp "
+                         f"2 or more with --cp-algorithm ring, got --cp {args.cp} "
+                         f"--cp-algorithm {args.cp_algorithm}")
     if args.fsdp2_copies and zero < 2:
         raise ValueError(f"--fsdp2-copies prices FSDP2's copies around ZeRO's gathers and "
                          f"reduce-scatters: it needs --zero 2 or 3, got --zero {zero}")
@@ -247,7 +256,7 @@ def _gpt(args) -> int:
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
                      else "fp8", eager_kernels=args.eager_kernels,
                      cluster_split=args.cluster_split, fp8_casts=args.fp8_casts,
-                     fsdp2_copies=args.fsdp2_copies)
+                     fsdp2_copies=args.fsdp2_copies, torch_cp=args.torch_cp)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -257,6 +266,7 @@ def _gpt(args) -> int:
           + (f", {r.gemm_format.upper()} linear layers" if r.fp8 else "")
           + (f" with {r.fp8_casts}'s cast kernels" if r.fp8_casts else "")
           + (", FSDP2's copies" if r.fsdp2_copies else "")
+          + (", PyTorch's context-parallel ring" if r.torch_cp else "")
           + (", gradients reduced in fp32" if r.grad_reduce_dtype == "fp32" else "")
           + (f", {r.attention} attention" if r.attention != "flash" else "")
           + (f", activation offload {r.activation_offload:g}" if r.activation_offload else "")

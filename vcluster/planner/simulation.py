@@ -85,6 +85,7 @@ from .autocast_kernels import autocast_kernels_priced
 from .eager_kernels import with_eager_kernels
 from .float8_casts import check_fp8_casts, recipe_gemm_format, with_float8_casts
 from .fsdp2_copies import with_fsdp2_copies
+from .torch_context_parallel import with_torch_cp_kernels
 from .inductor_kernels import pytorch_kernels
 from .memory import MEMORY_HEADROOM, gpt_memory, usable_memory_bytes
 from .offload import host_link_of, microbatch_slots, offload_timing
@@ -161,6 +162,7 @@ class GPTSimulation:
     # "torchao-tensorwise", "torchao-rowwise"); None: fused into the kernels before them
     fp8_casts: str | None = None
     fsdp2_copies: bool = False          # FSDP2's copies around ZeRO's collectives priced
+    torch_cp: bool = False              # the cp ring as PyTorch's context_parallel runs it
     grad_reduce_dtype: str = "model"    # ParallelConfig.grad_reduce_dtype traced ("fp32": 4 B)
     attention: str = "flash"            # ParallelConfig.attention (flash-v1: priced apart)
     model_tflops_per_gpu: float = math.nan   # model FLOPs / (GPUs · step) / 1e12: mfu · peak
@@ -457,13 +459,13 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
                      optimizer=None, expert_skew: float = 1.0, autocast_kernels: bool = False,
                      inductor_fusion: bool = False, eager_kernels: bool = False,
                      fp8_casts: str | None = None, fsdp2_copies: bool = False,
-                     optimizer_step_bytes: float | None = None):
+                     optimizer_step_bytes: float | None = None, torch_cp: bool = False):
     """(mesh, templates per cp rank and short position, not coalesced) of a short step on
     a pipeline of the full positions ``reps`` (:func:`_short_layout`) with ``parallel``'s
     layers per stage, micro-batch, dp and tp (``autocast_kernels``: rewritten by
     :func:`.inductor_kernels.pytorch_kernels`, compiled with ``inductor_fusion``;
-    ``eager_kernels``, ``fp8_casts``, ``fsdp2_copies``, ``optimizer_step_bytes``:
-    :func:`gpt_step_traces`)."""
+    ``eager_kernels``, ``fp8_casts``, ``fsdp2_copies``, ``optimizer_step_bytes``,
+    ``torch_cp``: :func:`gpt_step_traces`)."""
     v = parallel.chunks
     p_short = len(reps)
     full = parallel.stage_layers(config.layers)      # first, middle ..., last stage
@@ -510,6 +512,13 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
     if optimizer_step_bytes is not None:
         templates = _rewritten(templates, lambda ops: with_optimizer_step_bytes(
             ops, optimizer_step_bytes))
+    if torch_cp and short.cp > 1:
+        group = config.heads // config.kv_heads if config.block.grouped_query else 1
+        templates = [[Templates({key: with_torch_cp_kernels(body, group, peers)
+                                 for key, body in t.bodies.items()},
+                                with_torch_cp_kernels(t.tail, group, peers), t.message_bytes)
+                      for t, peers in zip(ts, (short_mesh.group("cp", r) for r in g))]
+                     for ts, g in zip(templates, groups)]
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r),
                                                   short.moe_ep_node_ranks, r)
@@ -557,8 +566,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     autocast_kernels: bool = False, inductor_fusion: bool = False,
                     eager_kernels: bool = False, replicas: tuple = (0,),
                     fp8_casts: str | None = None, fsdp2_copies: bool = False,
-                    optimizer_step_bytes: float | None = MEGATRON.optimizer_step_bytes
-                    ) -> list:
+                    optimizer_step_bytes: float | None = MEGATRON.optimizer_step_bytes,
+                    torch_cp: bool = False) -> list:
     """One training step's traces of the pipeline ranks of replica 0 (tp 0) — of every
     cp rank with context parallelism, cp rank-major — runs of compute ops of one kind
     (:func:`gpt_op_kind`) coalesced under ``costs`` (see
@@ -588,7 +597,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     precision policy's :attr:`~.precision.PrecisionPolicy.optimizer_step_bytes`:
     :func:`with_optimizer_step_bytes`; default Megatron's 30, as :func:`simulate_gpt`'s
     default policy); None keeps the traced program's own (Adam over 16-bit state: 14).
-    ``replicas``: the data-parallel replicas (coordinates of
+    ``torch_cp``: the context-parallel ring as PyTorch's experimental context parallelism
+    runs it — float32 merges and accumulators, K and V repeated to the query heads, its
+    buffer copies (:mod:`.torch_context_parallel`). ``replicas``: the data-parallel replicas (coordinates of
     the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
@@ -606,7 +617,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
                                        autocast_kernels, inductor_fusion, eager_kernels,
-                                       fp8_casts, fsdp2_copies, optimizer_step_bytes)
+                                       fp8_casts, fsdp2_copies, optimizer_step_bytes,
+                                       torch_cp)
     S = p * v
     sizes_short = {k: n for ts in raw for t in ts for k, n in t.message_bytes.items()}
     # compute runs coalesced under the model that prices the rank: ``costs``, or on a
@@ -815,7 +827,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  autocast_kernels: bool | None = None, fp8: bool = False,
                  gemm_format: str = "fp8", eager_kernels: bool = False,
                  cluster_split: str | None = None,
-                 fp8_casts: str | None = None, fsdp2_copies: bool = False) -> GPTSimulation:
+                 fp8_casts: str | None = None, fsdp2_copies: bool = False,
+                 torch_cp: bool = False) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -853,7 +866,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     default): Transformer Engine's fused casts, none added; ``fsdp2_copies``: under ZeRO-2/3,
     the copies PyTorch FSDP2 (per-parameter sharding: torchtitan) makes around each
     data-parallel gather and reduce-scatter (:mod:`.fsdp2_copies`; False, the default: one
-    flat parameter per module, as FSDP1 and Megatron keep it).
+    flat parameter per module, as FSDP1 and Megatron keep it); ``torch_cp``: with
+    context parallelism (the ring), the ring as PyTorch's experimental
+    ``context_parallel`` runs it (torchtitan): float32 merges and accumulators, K and V
+    repeated to every query head, its buffer copies (:mod:`.torch_context_parallel`;
+    False, the default: Megatron's ring as the program traces it).
     ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
     first floor(f·L) layers of each stage keep their activations in the host's memory
     over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
@@ -897,6 +914,12 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         raise ValueError(f"simulate_gpt: fsdp2_copies={fsdp2_copies!r} with zero_stage="
                          f"{int(parallel.zero_stage)}: FSDP2's copies come with its "
                          f"sharding; allowed: False, or True with zero_stage 2 or 3")
+    if not isinstance(torch_cp, bool) or (torch_cp and (
+            parallel.cp < 2 or parallel.cp_algorithm != "ring")):
+        raise ValueError(f"simulate_gpt: torch_cp={torch_cp!r} with cp={parallel.cp}, "
+                         f"cp_algorithm={str(parallel.cp_algorithm)!r}: it prices PyTorch's "
+                         f"context-parallel ring; allowed: False, or True with cp >= 2 and "
+                         f"cp_algorithm 'ring'")
     precision = precision_policy(precision)
     mesh = parallel.mesh()
     m = parallel.microbatches
@@ -972,7 +995,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                            inductor_fusion=fused, eager_kernels=eager_kernels,
                            replicas=traced_replicas, fp8_casts=fp8_casts,
                            fsdp2_copies=fsdp2_copies,
-                           optimizer_step_bytes=precision.optimizer_step_bytes)
+                           optimizer_step_bytes=precision.optimizer_step_bytes,
+                           torch_cp=torch_cp)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
     result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
                             op_kind=gpt_op_kind,
@@ -1019,7 +1043,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         precision=precision.name, autocast_kernels=autocast_kernels, inductor_fusion=fused,
         eager_kernels=eager_kernels,
         fp8=fp8, gemm_format=gemm_format if fp8 else None, fp8_casts=fp8_casts,
-        fsdp2_copies=fsdp2_copies,
+        fsdp2_copies=fsdp2_copies, torch_cp=torch_cp,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
                                       comm_s=o.comm_s / len(full)) for o in result.op_stats),

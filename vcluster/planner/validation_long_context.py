@@ -18,6 +18,10 @@ runs where the row is silent, the same for every row:
   before, and in the first run, none);
 * attention ``flash2``: PyTorch's SDPA tries FlashAttention(-2) first on H100 and H200
   (torchtitan selected cuDNN only on B200: github.com/pytorch/torchtitan pull 1196);
+* context parallelism as PyTorch's experimental ``context_parallel`` runs it
+  (``torch_cp``, :mod:`.torch_context_parallel`, since 2026-12-01: float32 merges and
+  accumulators, K and V repeated to the query heads, its buffer copies; before, and in
+  the first run, Megatron's ring as the program traces it);
 * ``tp_overlap="te"`` where the row ran asynchronous TP (torchtitan's
   ``enable_async_tensor_parallel``: the same decomposition of the sequence-parallel
   gathers and reduce-scatters, :mod:`tensor_parallel.collective_matmul`);
@@ -49,8 +53,8 @@ table set it, though the rows had been seen (docs/timing.md, "Power-limited part
 what else was tried on them). Rows whose source leaves the micro-batch or the
 interleaving unstated are ``refused``. Not modelled, and in the signed errors: eager PyTorch's per-kernel host cost
 (its unfused kernels are priced), Float8's all-gather of FSDP2 (the FP8 ratio of Meta's
-H100 is FBGEMM's row-wise kernel's, a lower bound for cuBLAS's tensor-wise one), PyTorch's
-context-parallel attention's float32 merges and accumulators.
+H100 is FBGEMM's row-wise kernel's, a lower bound for cuBLAS's tensor-wise one), and what
+:mod:`.torch_context_parallel` leaves out of PyTorch's context-parallel attention.
 
 Each row is also simulated as the model stood before issue 54 (``first_run``: fused
 attention at the device's achieved GEMM rate, no TE overlap, ``op`` as ``selective``) so
@@ -254,7 +258,7 @@ def validate_long_context(on_row=None, rows_of=None) -> list[dict]:
             tokens = par.global_batch * cfg.seq / par.gpus
             sim = simulate_gpt(cfg, par, _hardware(r["gpu"]), fp8=fp8,
                                eager_kernels=r["compiled"] == "0", fp8_casts=fp8_casts_of(r),
-                               fsdp2_copies=par.zero_stage >= 2)
+                               fsdp2_copies=par.zero_stage >= 2, torch_cp=par.cp > 1)
             first = simulate_gpt(cfg, _first_run_parallel(par), _first_run_hardware(preset),
                                  fp8=fp8)
             predicted, before = tokens / sim.step_time_s, tokens / first.step_time_s

@@ -179,6 +179,22 @@ def test_pipeline_stages_and_sends():
     assert len(ds.step_time([(1, 100)]).stage_s) == 4
 
 
+def test_attention_computes_in_the_kv_caches_dtype():
+    """FP8 weights leave attention in BF16 (vLLM's FlashAttention reads a BF16 cache): a
+    long prefill's attention costs the same with BF16 and FP8 weights, while its GEMMs get
+    faster; an FP8 cache (FlashAttention 3's FP8 path) computes attention at FP8's rate,
+    1979 x min(e_max 0.709, 0.75) over BF16's 989 x 0.75 on an H100."""
+    spec = MODELS["llama-3.1-8b"]
+    rows = [(8192, 32768)]                      # a chunk at the end of a 32K prompt
+    bf16, fp8w, fp8kv = (ServingCostModel(spec, H100, dtype=d, weight_bytes_per_param=w,
+                                          kv_bytes_per_element=kv).step_time(rows)
+                         for d, w, kv in (("bf16", 2, 2), ("fp8", 1, 2), ("fp8", 1, 1)))
+    assert fp8w.attention_s == pytest.approx(bf16.attention_s, rel=1e-12)
+    assert fp8w.gemm_s < bf16.gemm_s
+    assert bf16.attention_s / fp8kv.attention_s == pytest.approx(
+        1978.8 * 0.709 / (989.4 * 0.75), rel=0.02)
+
+
 def test_parts_add_up():
     for name, tp in (("mixtral-8x7b", 2), ("deepseek-v3", 8), ("qwen3-30b-a3b", 4)):
         step = ServingCostModel(MODELS[name], H100, tp=tp).step_time(

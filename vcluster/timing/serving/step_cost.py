@@ -24,7 +24,8 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
 * attention (``attention_s``): prefill rows and decode rows as two kernels. FLOPs =
   2·heads/t·(d_qk + d_v) per (query, key) pair (:func:`~.floors.attention_pairs`: causal
   within the chunk plus the whole earlier context, a window capping it), at
-  :data:`FLASH_ATTENTION_UTILIZATION` of peak; bytes = each sequence's keys read once,
+  :data:`FLASH_ATTENTION_UTILIZATION` of the peak of the KV cache's dtype (BF16 under FP8
+  weights: vLLM's FlashAttention reads the cache in its own dtype; FP8 over an FP8 cache); bytes = each sequence's keys read once,
   min(c_i, w)·KV bytes per token (per layer, per GPU), plus Q and O. Latent attention
   decodes in the absorbed form (2·heads/t·(2·r_kv + d_rope) FLOPs per key) over its
   cached latent.
@@ -328,7 +329,10 @@ class ServingCostModel:
         act_in = DTYPE_BYTES[self.dtype] if self.dtype == "fp8" else _ACT
         profile = device.kernel_profile()
         gemm_rate = device.achieved_flops(self.dtype)
-        attn_rate = device.peak_flops(self.dtype) * min(device.e_max(self.dtype),
+        # attention computes in the KV cache's dtype: FP8 only over an FP8 cache
+        # (FlashAttention 3's FP8 path); FP8 weights alone leave it BF16
+        attn_dtype = "fp8" if b_kv == 1 and "fp8" in device.peak_tflops else "bf16"
+        attn_rate = device.peak_flops(attn_dtype) * min(device.e_max(attn_dtype),
                                                          FLASH_ATTENTION_UTILIZATION) \
             * device.sustained_compute_ratio
         if profile is not None and profile.gemm is not None:

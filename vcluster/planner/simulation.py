@@ -514,11 +514,8 @@ def _short_templates(config: GPTConfig, parallel: ParallelConfig, reps: list,
             ops, optimizer_step_bytes))
     if torch_cp and short.cp > 1:
         group = config.heads // config.kv_heads if config.block.grouped_query else 1
-        templates = [[Templates({key: with_torch_cp_kernels(body, group, peers)
-                                 for key, body in t.bodies.items()},
-                                with_torch_cp_kernels(t.tail, group, peers), t.message_bytes)
-                      for t, peers in zip(ts, (short_mesh.group("cp", r) for r in g))]
-                     for ts, g in zip(templates, groups)]
+        templates = _rewritten_by_rank(templates, groups, lambda ops, r: with_torch_cp_kernels(
+            ops, group, short_mesh.group("cp", r)))
     if "ep" in short_mesh.axes:
         templates = [[moe_exchanges_as_all_to_all(t, short_mesh.group(short.expert_axes, r),
                                                   short.moe_ep_node_ranks, r)
@@ -543,6 +540,14 @@ def _rewritten(templates, rewrite) -> list:
     through ``rewrite`` (ops -> ops)."""
     return [[Templates({key: rewrite(body) for key, body in t.bodies.items()},
                        rewrite(t.tail), t.message_bytes) for t in ts] for ts in templates]
+
+
+def _rewritten_by_rank(templates, groups, rewrite) -> list:
+    """``templates`` (per cp rank, per short position; ``groups``: their ranks, alike) with
+    every body and tail of rank r passed through ``rewrite(ops, r)``."""
+    return [[Templates({key: rewrite(body, r) for key, body in t.bodies.items()},
+                       rewrite(t.tail, r), t.message_bytes) for t, r in zip(ts, g)]
+            for ts, g in zip(templates, groups)]
 
 
 def _at(mesh, **coords) -> int:
@@ -599,8 +604,8 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     default policy); None keeps the traced program's own (Adam over 16-bit state: 14).
     ``torch_cp``: the context-parallel ring as PyTorch's experimental context parallelism
     runs it — float32 merges and accumulators, K and V repeated to the query heads, its
-    buffer copies (:mod:`.torch_context_parallel`). ``replicas``: the data-parallel replicas (coordinates of
-    the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
+    buffer copies (:mod:`.torch_context_parallel`). ``replicas``: the data-parallel
+    replicas (coordinates of the mesh's "dp" axis) whose pipeline ranks are traced, replica 0 first; another
     replica d's traces are replica 0's with every rank's "dp" coordinate moved by d
     (mod dp) — the program is SPMD — and a group that then holds the same ranks keeps
     its order (a data-parallel group is one group whichever replica calls it). On a

@@ -174,11 +174,11 @@ class HardwareCostModel:
         """The GEMM profile that prices traced GEMMs (None: priced analytically)."""
         return None if self.kernel_profile is None else self.kernel_profile.gemm
 
-    def analytic_time_s(self, op, dtype=None) -> float:
-        """t_k + max(F / rate, B / bandwidth) over the training-kernel efficiency, the rate
-        that of ``dtype`` (default the model's)."""
+    def analytic_time_s(self, op) -> float:
+        """t_k + max(F / rate, B / bandwidth) over the training-kernel efficiency, at the
+        model's dtype's rate."""
         return self.hardware.device.compute_time_s(op.flops, op.bytes,
-                                                   dtype or self.dtype) / self.efficiency
+                                                   self.dtype) / self.efficiency
 
     def low_precision_time_s(self, op) -> float:
         """A GEMM of ``gemm_format``: the analytic price at its dtype's achieved rate times

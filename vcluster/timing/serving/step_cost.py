@@ -25,7 +25,8 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
   2·heads/t·(d_qk + d_v) per (query, key) pair (:func:`~.floors.attention_pairs`: causal
   within the chunk plus the whole earlier context, a window capping it), at
   :data:`FLASH_ATTENTION_UTILIZATION` of the peak of the KV cache's dtype (BF16 under FP8
-  weights: vLLM's FlashAttention reads the cache in its own dtype; FP8 over an FP8 cache); bytes = each sequence's keys read once,
+  weights: vLLM's FlashAttention reads the cache in its own dtype; FP8 over an FP8
+  cache); bytes = each sequence's keys read once,
   min(c_i, w)·KV bytes per token (per layer, per GPU), plus Q and O. Latent attention
   decodes in the absorbed form (2·heads/t·(2·r_kv + d_rope) FLOPs per key) over its
   cached latent.

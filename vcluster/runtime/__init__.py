@@ -9,7 +9,8 @@ from .emulated_device import EmulatedDevice
 from .errors import (ArenaFullError, ClusterBrokenError, CollectiveMismatch, CollectiveTimeout,
                      DeviceAborted, DeviceArenaFullError, DeviceCollectiveMismatch,
                      DeviceCollectiveTimeout, DeviceLeftoverMessagesError, DeviceLostError,
-                     DeviceProgramError, HostTimeout, LeftoverMessagesError, VClusterError)
+                     DeviceProgramError, HostTimeout, LeftoverMessagesError,
+                     MessageOrderError, VClusterError)
 from .events import CommEvent, ComputeEvent, Event
 
 __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChannel",
@@ -17,4 +18,4 @@ __all__ = ["ALGORITHMS", "AlgorithmSettings", "choose_algorithm", "VirtualChanne
            "ArenaFullError", "ClusterBrokenError", "CollectiveMismatch", "CollectiveTimeout",
            "DeviceAborted", "DeviceLostError", "DeviceProgramError", "HostTimeout",
            "DeviceCollectiveTimeout", "DeviceCollectiveMismatch", "DeviceArenaFullError",
-           "LeftoverMessagesError", "DeviceLeftoverMessagesError", "VClusterError", "CommEvent", "ComputeEvent", "Event"]
+           "LeftoverMessagesError", "DeviceLeftoverMessagesError", "MessageOrderError", "VClusterError", "CommEvent", "ComputeEvent", "Event"]

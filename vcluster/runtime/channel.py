@@ -7,12 +7,24 @@ and q while it holds message q::
 
     sender:   wait for a slot with state == 0; write descriptor; state = q; posted = q;
               wake(posted)
-    receiver: scan the K slots, oldest message first, for (kind, tag); copy; state = 0;
-              wake(state)
+    receiver: read posted = p; scan the K slots for messages q <= p, oldest first, for
+              (kind, tag); copy; state = 0; wake(state)
 
 So a message that is not received yet holds one slot and nothing else: later messages
 of the pair use the other slots (a sender blocks only while all K slots hold messages
 the receiver has not taken).
+
+The scan reads the K state words one after another, not at one instant: a receiver
+descheduled between reading slot 0 and slot 3 can find slot 0 still free and, in slot
+3, a message the sender posted after the one it has since put in slot 0 — the newer
+message of a (kind, tag) without the older. The receiver therefore reads ``posted``
+first and looks only at messages numbered up to it: their states were written before
+``posted`` was (program order, and x86's ordered stores), the receiver is the only one
+that frees them, so the scan sees every one of them however long it is held up. Later
+messages wait for the next scan. Without that bound a loaded machine swapped two K
+blocks of a context-parallel ring about once in 150 training runs (issue 56): a wrong
+loss and no error. Each receive also checks that it takes a (kind, tag)'s messages in
+increasing number (:class:`~.errors.MessageOrderError` otherwise).
 
 Payloads up to ``INLINE_BYTES`` travel inside the slot and the send completes at once
 (eager). Larger payloads stay in the sender's arena — without any copy when the array
@@ -44,7 +56,7 @@ from collections import deque
 import numpy as np
 
 from .collectives.common import op_name
-from .errors import ArenaFullError, CollectiveMismatch
+from .errors import ArenaFullError, CollectiveMismatch, MessageOrderError
 from .fabric import Fabric
 from .layout import INLINE_BYTES, MAX_NDIM, S, decode_dtype, encode_dtype
 
@@ -97,6 +109,7 @@ class Incoming:
     def __init__(self, fabric: Fabric, src: int, slot: int, words: np.ndarray):
         self._fabric, self.src, self._slot, self._words = fabric, src, slot, words
         head = words[:S.INLINE].tolist()          # one read of the header words
+        self.seq = head[S.SEQ]
         self.dtype = decode_dtype(head[S.DTYPE])
         self.shape = tuple(head[S.SHAPE:S.SHAPE + head[S.NDIM]])
         self.nbytes = head[S.NBYTES]
@@ -117,8 +130,8 @@ class Incoming:
 class _Received:
     """A message already copied out of the mailbox (see ``VirtualChannel._set_aside``)."""
 
-    def __init__(self, src: int, data: np.ndarray):
-        self.src, self._data = src, data
+    def __init__(self, src: int, seq: int, data: np.ndarray):
+        self.src, self.seq, self._data = src, seq, data
         self.dtype, self.shape, self.nbytes = data.dtype, data.shape, data.nbytes
 
     def view(self) -> np.ndarray:
@@ -140,6 +153,7 @@ class VirtualChannel:
         self._buffered: list[SendHandle] = []    # buffered sends not yet taken
         self._overflow: dict[int, deque] = {}    # dst -> (kind, tag, copy) not yet posted
         self._unexpected: dict[tuple, deque] = {}   # (src, kind, tag) -> messages set aside
+        self._last_taken: dict[tuple, int] = {}     # (src, kind, tag) -> number last taken
         self._in_post = False
         # Sending and receiving state have separate locks: a sender waiting for a free
         # slot must never stop this device's other thread from receiving.
@@ -155,6 +169,7 @@ class VirtualChannel:
             self._buffered = []
             self._overflow = {}
             self._unexpected = {}
+            self._last_taken = {}
             self._f.pump = None
 
     def send_buffered(self, dst: int, kind: int, tag: int, array: np.ndarray) -> None:
@@ -325,10 +340,12 @@ class VirtualChannel:
                 return (posted_addr, last)
             taken = self._taken[src]
             box = f.mailbox[src, me]
-            states = box[:, S.STATE].tolist()
+            states = self._read_states(box)
             taken.intersection_update(states)    # forget messages released since
+            # only messages up to `last`: the scan is sure to see all of those (module
+            # docstring); a later one seen now may have an earlier one it missed
             candidates = sorted((q, slot) for slot, q in enumerate(states)
-                                if q and q not in taken)              # oldest first
+                                if q and q <= last and q not in taken)  # oldest first
             for q, slot in candidates:
                 if q == 0 or q in taken:
                     continue
@@ -357,7 +374,21 @@ class VirtualChannel:
         if blocker() is not None:        # not there yet: wait (a message there needs none)
             f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
                    peers=(src,))
-        return found[0]
+        msg = found[0]
+        key = (src, kind, tag)
+        if msg.seq <= self._last_taken.get(key, 0):
+            raise MessageOrderError(
+                f"rank {me}: {what} from rank {src} took message #{msg.seq} after message "
+                f"#{self._last_taken[key]} of the same (kind {kind_text(kind)}, tag {tag}): "
+                "messages of one tag must be received in the order they were sent")
+        self._last_taken[key] = msg.seq
+        return msg
+
+    @staticmethod
+    def _read_states(box: np.ndarray) -> list[int]:
+        """The state word of each of a pair's slots, read one after another (not at one
+        instant: a slot read early can change before a later one is read)."""
+        return box[:, S.STATE].tolist()
 
     def probe(self, src: int, kind: int, tag: int) -> bool:
         """Whether a message from ``src`` with this (kind, tag) has arrived and is not
@@ -387,7 +418,7 @@ class VirtualChannel:
         words = self._f.mailbox[src, self._f.rank, slot]
         msg = Incoming(self._f, src, slot, words)
         key = (src, int(words[S.KIND]), int(words[S.TAG]))
-        self._unexpected.setdefault(key, deque()).append(_Received(src, msg.view().copy()))
+        self._unexpected.setdefault(key, deque()).append(_Received(src, q, msg.view().copy()))
         msg.release()
 
     def recv_into(self, src: int, kind: int, tag: int, what: str,

@@ -6,7 +6,8 @@ from types import MappingProxyType
 
 __all__ = ["VClusterError", "DeviceProgramError", "DeviceLostError", "CollectiveTimeout",
            "CollectiveMismatch", "DeviceAborted", "ClusterBrokenError", "HostTimeout",
-           "ArenaFullError", "LeftoverMessagesError", "DeviceCollectiveTimeout",
+           "ArenaFullError", "MessageOrderError", "LeftoverMessagesError",
+           "DeviceCollectiveTimeout",
            "DeviceCollectiveMismatch", "DeviceArenaFullError", "DeviceLeftoverMessagesError",
            "error_kind", "program_error"]
 
@@ -77,6 +78,12 @@ class HostTimeout(VClusterError):
 
 class ArenaFullError(VClusterError):
     """A device's shared-memory arena has no room for a buffer."""
+
+
+class MessageOrderError(VClusterError):
+    """A receive was about to take a message of a (source, kind, tag) before an earlier
+    one of the same: the channel's order guarantee broke (a bug of vcluster, reported
+    rather than computed with: the wrong message's data would be a wrong number)."""
 
 
 class LeftoverMessagesError(VClusterError):

@@ -37,12 +37,16 @@ different tags may be received in any order.
 
 ``send_buffered`` copies the payload and returns at once; the channel keeps the copy
 alive until the receiver has taken it, so a program may post its sends before its
-receives in any order without deadlock. When all K slots of a pair hold messages the
-receiver has not taken, further buffered sends wait in a local overflow queue, in
-order, and are posted as slots free up — by the next send or by any wait of this device
-(``Fabric.pump``); and a receiver that finds a pair's mailbox full of messages it does
-not want yet copies the oldest out into a local unexpected-message store (as MPI
-implementations do), freeing the slot. So sends are buffered without bound.
+receives in any order without deadlock. ``isend`` never waits either, as MPI's does not:
+its handle's ``wait`` is where a program waits. When all K slots of a pair hold messages
+the receiver has not taken, further sends of either kind wait in a local overflow queue,
+in order (a buffered send's copy, an ``isend``'s array itself), and are posted as slots
+free up — by the next send, by any wait of this device (``Fabric.pump``) or by the
+``wait`` of a queued ``isend`` (:class:`QueuedSend`); and a receiver that finds a pair's
+mailbox full of messages it does not want yet copies the oldest out into a local
+unexpected-message store (as MPI implementations do), freeing the slot. So sends are
+buffered without bound: two ranks may each ``isend`` the other more than K messages
+before receiving any (with an ``isend`` that waited for a slot, both waited forever).
 
 The channel is thread-safe (a device's communication thread and its program share it).
 """
@@ -60,7 +64,7 @@ from .errors import ArenaFullError, CollectiveMismatch, MessageOrderError
 from .fabric import Fabric
 from .layout import INLINE_BYTES, MAX_NDIM, S, decode_dtype, encode_dtype
 
-__all__ = ["VirtualChannel", "SendHandle", "Incoming", "USER_KIND", "kind_text"]
+__all__ = ["VirtualChannel", "SendHandle", "QueuedSend", "Incoming", "USER_KIND", "kind_text"]
 
 USER_KIND = 0   # kind word of user send/recv; collectives use their op code
 
@@ -101,6 +105,28 @@ class SendHandle:
                                 f"#{self._seq} (tag {int(words[S.TAG])})",
                peers=(self._dst,))
         self._done, self._keep = True, None
+
+
+class QueuedSend:
+    """An ``isend`` that found its pair's mailbox full: it waits in the channel's overflow
+    queue, in order, and becomes ``posted`` (a :class:`SendHandle`) when a slot frees;
+    ``wait()`` posts it (and the sends queued before it) if nothing has yet, then waits
+    for the receiver to take it."""
+
+    def __init__(self, channel: "VirtualChannel", dst: int):
+        self._channel, self._dst = channel, dst
+        self.posted: SendHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"QueuedSend(dst={self._dst}, posted={self.posted is not None})"
+
+    def is_completed(self) -> bool:
+        return self.posted is not None and self.posted.is_completed()
+
+    def wait(self) -> None:
+        if self.posted is None:
+            self._channel._post_queued(self._dst, self)
+        self.posted.wait()
 
 
 class Incoming:
@@ -151,7 +177,9 @@ class VirtualChannel:
         self._sent = [0] * n                 # last message number posted to each dst
         self._taken: list[set[int]] = [set() for _ in range(n)]   # taken, not yet released
         self._buffered: list[SendHandle] = []    # buffered sends not yet taken
-        self._overflow: dict[int, deque] = {}    # dst -> (kind, tag, copy) not yet posted
+        # dst -> (kind, tag, array, copy, QueuedSend or None for a buffered send), not
+        # yet posted
+        self._overflow: dict[int, deque] = {}
         self._unexpected: dict[tuple, deque] = {}   # (src, kind, tag) -> messages set aside
         self._last_taken: dict[tuple, int] = {}     # (src, kind, tag) -> number last taken
         self._in_post = False
@@ -180,7 +208,8 @@ class VirtualChannel:
             if self._overflow:
                 self._pump(dst)
             if self._overflow.get(dst) or not self._has_free_slot(dst):
-                self._overflow.setdefault(dst, deque()).append((kind, tag, array.copy()))
+                self._overflow.setdefault(dst, deque()).append(
+                    (kind, tag, array.copy(), True, None))
                 self._f.pump = self.pump
                 return
             handle = self._post(dst, kind, tag, array, True)
@@ -206,10 +235,7 @@ class VirtualChannel:
         """Post queued overflow messages to ``dst`` while slots are free (send lock held)."""
         queue = self._overflow.get(dst)
         while queue and self._has_free_slot(dst):
-            kind, tag, copy = queue.popleft()
-            handle = self._post(dst, kind, tag, copy, True)
-            if not handle.is_completed():
-                self._buffered.append(handle)
+            self._post_entry(dst, queue.popleft())
         if queue is not None and not queue:
             del self._overflow[dst]
         if not self._overflow:
@@ -235,22 +261,46 @@ class VirtualChannel:
 
     # --- sending --------------------------------------------------------------------
     def isend(self, dst: int, kind: int, tag: int, array: np.ndarray,
-              copy: bool = False) -> SendHandle:
-        """Post ``array`` to ``dst``; zero-copy when it lives in this device's arena and
-        ``copy`` is false (then the caller must keep it unchanged until ``wait()``)."""
+              copy: bool = False) -> SendHandle | QueuedSend:
+        """Post ``array`` to ``dst``, never waiting; zero-copy when it lives in this
+        device's arena and ``copy`` is false (then the caller must keep it unchanged until
+        ``wait()``). With the pair's mailbox full, or earlier sends to ``dst`` still
+        queued, it joins the overflow queue (a :class:`QueuedSend`)."""
         with self._send_lock:
-            while self._overflow.get(dst):      # keep the order of earlier buffered sends
-                self._post_overflow_blocking(dst)
+            if self._overflow.get(dst):
+                self._pump(dst)
+            if self._overflow.get(dst) or not self._has_free_slot(dst):
+                queued = QueuedSend(self, dst)
+                self._overflow.setdefault(dst, deque()).append(
+                    (kind, tag, array, copy, queued))
+                self._f.pump = self.pump
+                return queued
             return self._post(dst, kind, tag, array, copy)
+
+    def _post_queued(self, dst: int, queued: QueuedSend) -> None:
+        """Post the overflow queue to ``dst`` up to ``queued``, waiting for slots."""
+        with self._send_lock:
+            while queued.posted is None:
+                self._post_overflow_blocking(dst)
+
+    def _post_entry(self, dst: int, entry: tuple) -> None:
+        """Post one overflow entry (send lock held): a queued isend gets its handle, a
+        buffered send's handle is kept until the receiver takes it."""
+        kind, tag, array, copy, queued = entry
+        handle = self._post(dst, kind, tag, array, copy)
+        if queued is not None:
+            queued.posted = handle
+        elif not handle.is_completed():
+            self._buffered.append(handle)
 
     def _post_overflow_blocking(self, dst: int) -> None:
         queue = self._overflow[dst]
-        kind, tag, copy = queue.popleft()
+        entry = queue.popleft()
         if not queue:
             del self._overflow[dst]
-        handle = self._post(dst, kind, tag, copy, True)
-        if not handle.is_completed():
-            self._buffered.append(handle)
+        if not self._overflow:
+            self._f.pump = None
+        self._post_entry(dst, entry)
         self._pump(dst)
 
     def _post(self, dst: int, kind: int, tag: int, array: np.ndarray, copy: bool) -> SendHandle:

@@ -371,16 +371,30 @@ class VirtualChannel:
         found: list[Incoming] = []
         scanned = [-1]      # posted[src, me] when the mailbox was last scanned in vain
 
+        key = (src, kind, tag)
+
         def blocker():
             with self._recv_lock:
                 return scan()
 
+        def take_in_order(msg) -> None:
+            """Keep ``msg``, checking it is later than the key's last taken (lock held)."""
+            if msg.seq <= self._last_taken.get(key, 0):
+                raise MessageOrderError(
+                    f"rank {me}: {what} from rank {src} took message #{msg.seq} after "
+                    f"message #{self._last_taken[key]} of the same (kind {kind_text(kind)}, "
+                    f"tag {tag}): messages of one tag must be received in the order they "
+                    "were sent")
+            self._last_taken[key] = msg.seq
+            found.append(msg)
+
         def scan():
-            early = self._unexpected.get((src, kind, tag))
+            early = self._unexpected.get(key)
             if early:
-                found.append(early.popleft())
+                take_in_order(early[0])
+                early.popleft()
                 if not early:
-                    del self._unexpected[(src, kind, tag)]
+                    del self._unexpected[key]
                 return None
             last = int(f.posted[src, me])
             if last == scanned[0]:
@@ -409,7 +423,7 @@ class VirtualChannel:
                         f"rank {me} expected {what} from rank {src} (tag {tag}) but rank "
                         f"{src} sent a message of another operation (kind "
                         f"{int(words[S.KIND])} instead of {kind})")
-                found.append(Incoming(f, src, slot, words))
+                take_in_order(Incoming(f, src, slot, words))
                 taken.add(q)
                 return None
             if candidates and 0 not in states:
@@ -424,15 +438,7 @@ class VirtualChannel:
         if blocker() is not None:        # not there yet: wait (a message there needs none)
             f.wait(blocker, lambda: f"in {what} waiting for rank {src} (tag {tag})",
                    peers=(src,))
-        msg = found[0]
-        key = (src, kind, tag)
-        if msg.seq <= self._last_taken.get(key, 0):
-            raise MessageOrderError(
-                f"rank {me}: {what} from rank {src} took message #{msg.seq} after message "
-                f"#{self._last_taken[key]} of the same (kind {kind_text(kind)}, tag {tag}): "
-                "messages of one tag must be received in the order they were sent")
-        self._last_taken[key] = msg.seq
-        return msg
+        return found[0]
 
     @staticmethod
     def _read_states(box: np.ndarray) -> list[int]:

@@ -45,7 +45,7 @@ def _mismatch(run, ref) -> str | None:
     """What differs from the reference beyond rtol, or None."""
     losses = np.asarray(run.losses)
     if not np.allclose(losses, ref.losses, rtol=RTOL, atol=0):
-        return f"losses {losses.tolist()} vs {list(ref.losses)}"
+        return f"losses {losses.tolist()} vs {np.asarray(ref.losses).tolist()}"
     bad = [n for n in ref.grads
            if not np.allclose(run.grads[n], ref.grads[n], rtol=RTOL, atol=1e-12)]
     return f"gradients of {bad}" if bad else None

@@ -11,8 +11,8 @@ and q while it holds message q::
               (kind, tag); copy; state = 0; wake(state)
 
 So a message that is not received yet holds one slot and nothing else: later messages
-of the pair use the other slots (a sender blocks only while all K slots hold messages
-the receiver has not taken).
+of the pair use the other slots (a send is queued, below, only while all K slots hold
+messages the receiver has not taken).
 
 The scan reads the K state words one after another, not at one instant: a receiver
 descheduled between reading slot 0 and slot 3 can find slot 0 still free and, in slot
@@ -298,10 +298,8 @@ class VirtualChannel:
         entry = queue.popleft()
         if not queue:
             del self._overflow[dst]
-        if not self._overflow:
-            self._f.pump = None
         self._post_entry(dst, entry)
-        self._pump(dst)
+        self._pump(dst)          # posts what else fits; clears Fabric.pump when all is out
 
     def _post(self, dst: int, kind: int, tag: int, array: np.ndarray, copy: bool) -> SendHandle:
         self._in_post = True

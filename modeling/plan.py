@@ -301,11 +301,14 @@ class ParallelConfig:
         for f in ("global_batch", "micro_batch", "dp", "pp", "tp", "cp", "ep") + tuple(
                 f for f in ("virtual_stages", "first_stage_layers", "last_stage_layers")
                 if getattr(self, f) is not None):
+            # an end stage may hold no transformer layer: the embedding (or the head) alone
+            low = 0 if f in ("first_stage_layers", "last_stage_layers") else 1
             try:
-                as_int(getattr(self, f), f"{who}: {f}", 1)
+                as_int(getattr(self, f), f"{who}: {f}", low)
             except (TypeError, ValueError):
-                raise ConfigError(f, getattr(self, f), "an integer >= 1",
-                                  "not a positive integer", owner=who) from None
+                raise ConfigError(f, getattr(self, f), f"an integer >= {low}",
+                                  "not a positive integer" if low else
+                                  "not a non-negative integer", owner=who) from None
         for f, kind in (("schedule", ScheduleName), ("recompute", Recompute),
                         ("attention", AttentionKernel), ("cp_algorithm", CPAlgorithm),
                         ("tp_overlap", TPOverlap), ("grad_reduce_dtype", GradReduceDtype)):

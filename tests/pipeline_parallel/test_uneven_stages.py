@@ -40,14 +40,25 @@ def test_the_split():
     assert stage_split(94, 32) == (2, 2) and stage_split(96, 32) == ()
     assert stage_split(61, 16) == (3, 2) and stage_split(61, 32) is None \
         and stage_split(7, 1) == ()
+    # Megatron-Bridge's layouts whose end stages hold the embedding or the head alone:
+    # Llama 3.1 405B's 126 layers on pp 16 x vp 8, DeepSeek-V3's 61 on pp 8 x vp 4
+    # ("Et|(tt|)*30mL"); the planner's search keeps a layer in every stage
+    assert stage_split(126, 128, empty_ends=True) == (0, 0) and stage_split(126, 128) is None
+    assert stage_split(61, 32, empty_ends=True) == (1, 0)
+    assert stage_split(5, 8, empty_ends=True) is None        # a middle stage would be empty
     for layers in range(2, 70):
         for stages in (2, 3, 4, 8, 16):
-            ends = stage_split(layers, stages)
-            if ends:        # a valid split: the stages hold every layer, none empty
+            for empty_ends in (False, True):
+                ends = stage_split(layers, stages, empty_ends)
+                if not ends:
+                    continue
+                # a valid split: the stages hold every layer, no middle stage empty
                 par = ParallelConfig(global_batch=8, pp=stages, first_stage_layers=ends[0],
                                      last_stage_layers=ends[1])
                 split = par.stage_layers(layers)
-                assert sum(split) == layers and min(split) >= 1
+                assert sum(split) == layers and min(split[1:-1], default=1) >= 1
+                assert min(split) >= 1 or (empty_ends and (
+                    ends == (0, 0) and layers + 2 == stages or split[0] >= 1))
 
 
 def _llama(**kw):
@@ -63,6 +74,12 @@ CASES = [
     (2, "interleaved_1f1b", 2, 1, 1, 6, 0, 1, 1, 4),
     (2, "1f1b", None, 1, None, 5, 4, 2, 2, 2),
     (2, "interleaved_1f1b", 2, 2, 2, 6, 4, 2, 2, 2),
+    # an end stage of no transformer layer (the embedding or the head alone: Megatron's
+    # embedding- and loss-accounting split of Llama 3.1 405B's 126 layers on 128 stages)
+    (2, "interleaved_1f1b", 2, 0, 0, 4, 0, 1, 1, 4),
+    (2, "1f1b", None, 0, None, 3, 0, 1, 2, 3),
+    (3, "1f1b", None, 2, 0, 4, 0, 1, 1, 2),
+    (2, "interleaved_1f1b", 2, 0, 0, 2, 4, 2, 2, 2),
 ]
 
 
@@ -87,7 +104,7 @@ def test_uneven_stages_train_as_the_reference(cluster_of, pp, schedule, v, first
                                    err_msg=n)
 
 
-@pytest.mark.parametrize("first, last", [(1, 3), (3, 1), (2, None)])
+@pytest.mark.parametrize("first, last", [(1, 3), (3, 1), (2, None), (0, 2), (2, 0)])
 def test_memory_counts_each_ranks_layers(first, last):
     """The parameters of the pipeline ranks add up to the model's, each rank's layers as
     the split gives them."""
@@ -106,13 +123,13 @@ def test_memory_counts_each_ranks_layers(first, last):
 @pytest.mark.slow
 def test_the_simulated_step_executes_every_layer_once():
     """The stitched step's executed FLOPs (no recomputation) equal the model's, whatever
-    the split: the first and last traced positions carry their own layer counts, the
-    middle one the others'."""
+    the split — an end stage of the embedding or the head alone included: the first and
+    last traced positions carry their own layer counts, the middle one the others'."""
     cfg = _llama(hidden=256, layers=10, heads=8, seq=256, vocab=1024, kv_heads=4,
                  ffn_hidden=512)
     hw = load_hardware("h100-dgx")
     times = {}
-    for first, last, pp in ((1, 1, 4), (2, 2, 3), (4, 3, 5)):
+    for first, last, pp in ((1, 1, 4), (2, 2, 3), (4, 3, 5), (0, 0, 7), (0, 1, 5)):
         par = ParallelConfig(global_batch=8, micro_batch=1, pp=pp, first_stage_layers=first,
                              last_stage_layers=last)
         r = simulate_gpt(cfg, par, hw)
@@ -135,3 +152,17 @@ def test_the_planner_counts_the_embedding_and_the_head_as_layers():
     assert len(pp4) and set(pp4["first_stage_layers"]) == {1} \
         and set(pp4["last_stage_layers"]) == {1}
     assert df[df["pp"] == 2]["first_stage_layers"].isna().all()      # 6 = 2 x 3: even
+
+
+def test_the_command_line_takes_an_end_stage_of_no_layer(capsys):
+    """``--first-stage-layers 0``: the embedding alone on the first stage; a negative
+    count is refused naming the flag."""
+    from vcluster.cli.main import main
+    base = ["simulate", "train", "--hidden", "64", "--layers", "4", "--heads", "4",
+            "--seq", "64", "--vocab", "256", "--pp", "3", "--global-batch", "6",
+            "--hardware", "h100-dgx", "--gpus", "3"]
+    assert main(base + ["--first-stage-layers", "0"]) == 0
+    assert "step time" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(base + ["--first-stage-layers", "-1"])
+    assert "--first-stage-layers: expected an integer >= 0" in capsys.readouterr().err

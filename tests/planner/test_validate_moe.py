@@ -170,4 +170,7 @@ def test_validate_model_prints_the_moe_section_apart(moe_run):
         "predicted" in proc.stdout
     assert "#1 Mixtral-8x22B BF16 128xH100" in proc.stdout
     deepseek = next(line for line in proc.stdout.splitlines() if "#9 DeepSeekV3" in line)
-    assert "refused: " in deepseek and "61 layers do not split evenly" in deepseek
+    # its 61 layers split as its recipe's layout "Et|(tt|)*30mL" (1, 2 x 30, 0: the last
+    # stage the head alone; refused before 2026-12-01); the precision it ran in is unstated
+    assert "refused: " in deepseek and "precision='not stated'" in deepseek \
+        and "do not split evenly" not in deepseek

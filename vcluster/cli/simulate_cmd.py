@@ -51,7 +51,8 @@ from modeling import CPAlgorithm, Recompute, ZeroStage
 from . import serve_cmd
 from .args import (SCHEDULES, add_attention_argument, add_fp8_argument, low_precision,
                    add_grad_reduce_argument, add_model_arguments, add_tp_overlap_argument,
-                   fraction, gpt_config, model_title, positive_int, precision_name)
+                   fraction, gpt_config, int_at_least, model_title, positive_int,
+                   precision_name)
 
 __all__ = ["add_parser"]
 
@@ -81,11 +82,13 @@ def add_parser(commands) -> None:
                           "split over tp) or 1 (experts whole, the ep group made of whole tp "
                           "groups; needs --sequence-parallel)")
     for end in ("first", "last"):
-        gpt.add_argument(f"--{end}-stage-layers", type=positive_int, default=None,
+        gpt.add_argument(f"--{end}-stage-layers", default=None,
+                         type=int_at_least(0, f"layers of the {end} pipeline stage"),
                          help=f"layers of the {end} pipeline stage (the other stages share "
                               "the rest evenly; Megatron's decoder_"
                               f"{end}_pipeline_num_layers, for layer counts pp x v does not "
-                              "divide; default: an even split)")
+                              f"divide; 0: the {'embedding' if end == 'first' else 'head'} "
+                              "alone; default: an even split)")
     gpt.add_argument("--layers-per-stage", type=layer_counts, default=None, metavar="LIST",
                      help="every pipeline stage's layers, comma-separated (one per stage, "
                           "one stage per rank; e.g. 5,11 on pp 2: stages on GPU kinds of "

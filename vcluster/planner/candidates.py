@@ -228,25 +228,34 @@ def _split_reason(config: GPTConfig, tp, pp, dp, global_batch, max_tp) -> str | 
     return None
 
 
-def stage_split(layers: int, stages: int):
+def stage_split(layers: int, stages: int, empty_ends: bool = False):
     """How ``layers`` go into ``stages`` pipeline stages: () evenly; else (k, k), the
     first and last stages one layer short — Megatron-Core's account-for-embedding-and-loss
     split, the embedding and the head each counted as a layer, (L + 2)/S per stage; else
     (a, c), the middle stages m = ceil(L/S) layers each and the first and last the rest,
     a = ceil(r/2) >= c = floor(r/2) >= 1, r = L − (S−2)·m, a <= m (DeepSeek-V3's 61 on 16
-    stages: 3, 4 × 14, 2); None when none of these splits."""
+    stages: 3, 4 × 14, 2); None when none of these splits.
+
+    ``empty_ends``: an end stage may hold no transformer layer, as published layouts do —
+    k = 0 where L + 2 = S (the first stage the embedding alone, the last the head alone:
+    Megatron-Bridge's Llama 3.1 405B, 126 layers on pp 16 × vp 8), c = 0 (DeepSeek-V3's 61
+    on 32 stages: 1, 2 × 30, 0 — Megatron-Bridge's ``pipeline_model_parallel_layout``
+    "Et|(tt|)*30mL", the last stage the head alone). The planner searches splits whose
+    every stage holds a layer (the default); validation replays the published ones. Every
+    middle stage holds at least one layer either way."""
     if layers % stages == 0:
         return ()
     if stages == 1:
         return None
-    if (layers + 2) % stages == 0 and (layers + 2) // stages >= 2:
+    low = 0 if empty_ends else 1
+    if (layers + 2) % stages == 0 and (layers + 2) // stages >= 1 + low:
         k = (layers + 2) // stages - 1
         return (k, k)
     if stages > 2:
         m = -(-layers // stages)
         rest = layers - (stages - 2) * m
         a, c = -(-rest // 2), rest // 2
-        if c >= 1 and a <= m:
+        if a >= 1 and c >= low and a <= m:
             return (a, c)
     return None
 

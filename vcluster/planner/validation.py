@@ -443,7 +443,8 @@ def moe_row_config(r: dict) -> tuple:
     pp·vp does not divide is split as Megatron-Core's ``account_for_embedding_in_pipeline_
     split`` and ``account_for_loss_in_pipeline_split`` do, the embedding and the head
     each counted as a layer (:func:`~.candidates.stage_split`: Qwen3-235B's 94 layers on
-    32 stages, 2 + 30 × 3 + 2), refused where that does not split either. The
+    32 stages, 2 + 30 × 3 + 2; on 96 stages, since 2026-12-01, the first and last stage
+    the embedding and the head alone), refused where that does not split either. The
     optimizer: a row with ``fsdp`` 1 asks for ZeRO-3 (refused with ep > 1); every other row
     ran Megatron's distributed optimizer, simulated as ZeRO-1 — the experts' state sharded
     over the expert-data-parallel ranks, the rest over dp (since 2026-11-30; before, the
@@ -470,7 +471,7 @@ def moe_row_config(r: dict) -> tuple:
         recipe, refusals = None, refusals + [str(e)]
     recompute, modules = recipe or _page_recompute(r, refusals)
     tp, pp, cp, vp, ep = (int(r[k]) for k in ("tp", "pp", "cp", "vp", "ep"))
-    ends = stage_split(cfg.layers, pp * vp) or ()        # Megatron's embedding/loss split
+    ends = stage_split(cfg.layers, pp * vp, empty_ends=True) or ()  # Megatron: embedding, loss
     try:
         par = ParallelConfig(global_batch=int(r["global_batch"]),
                              first_stage_layers=ends[0] if ends else None,

@@ -144,8 +144,11 @@ def row_config(r: dict) -> tuple:
     virtual stages where vp > 1; sequence parallelism where tp > 1; the recomputation the
     row's Megatron-Bridge recipe sets (:func:`~.validation.recipe_recompute`: the
     ``recompute_granularity`` and ``recompute_modules`` columns; none where not known, as
-    the published tables state none; since 2026-11-30); a layer count pp·vp does not divide split as Megatron-Core's
-    embedding- and loss-accounting split (:func:`~.candidates.stage_split`). The
+    the published tables state none; since 2026-11-30); a layer count pp·vp does not
+    divide split as Megatron-Core's embedding- and loss-accounting split, or as the
+    recipe's layout leaves an end stage the embedding or the head alone
+    (:func:`~.candidates.stage_split` with ``empty_ends``; since 2026-12-01: Llama 3.1
+    405B on pp 16 × vp 8, DeepSeek-V3 on pp 8 × vp 4, refused before). The
     optimizer: Megatron FSDP (``fsdp`` 1) is ZeRO-3; Transformer Engine's tensor-parallel
     overlap (``tp_overlap="te"``) on NVIDIA systems where tp > 1 (since issue 54; the
     recipes keep it on, :data:`_TE_SYSTEMS`); otherwise Megatron's distributed
@@ -192,7 +195,7 @@ def row_config(r: dict) -> tuple:
         return cfg, None, None, assumed, refusals + [str(ConfigError(
             "global_batch", "", "a published global batch", "a pipeline's bubble depends on "
             "the micro-batches per step, which the source does not state"))]
-    ends = stage_split(cfg.layers, pp * vp) or ()
+    ends = stage_split(cfg.layers, pp * vp, empty_ends=True) or ()
     zero = 3 if r["fsdp"] == "1" else 1
     try:
         recompute, modules = recipe_recompute(r) or ("none", None)

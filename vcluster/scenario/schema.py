@@ -317,9 +317,11 @@ _PARALLEL = MappingProxyType({
         "ep": _int("expert-parallel degree: the experts split over mesh axis 'ep', carved "
                    "out of the data-parallel ranks (divides dp and experts)"),
         "first_stage_layers": _int("layers of the first pipeline stage (the others share "
-                                   "the rest evenly; default an even split)"),
+                                   "the rest evenly; 0: the embedding alone; default an "
+                                   "even split)", minimum=0),
         "last_stage_layers": _int("layers of the last pipeline stage (the others share the "
-                                  "rest evenly; default an even split)"),
+                                  "rest evenly; 0: the head alone; default an even split)",
+                                  minimum=0),
         "moe_dispatcher": _enum(["alltoall", "allgather", "flex"], "how an MoE layer's "
                                 "tokens reach their experts: all_to_all over the expert "
                                 "group, all-gather the group's tokens and reduce-scatter the "

@@ -14,8 +14,10 @@ from vcluster.cli.hardware_cmd import format_hardware
 from vcluster.planner.simulation import simulate_gpt
 from vcluster.runtime.tracing import Kernel, TraceCompute
 from vcluster.timing import read_data_csv
-from vcluster.timing.attention_kernels import (ATTENTION_TABLE, NAMED_KERNELS, attention_gpus,
-                                               attention_prices, kernels_of, named_kernel)
+from vcluster.timing.attention_kernels import (ATTENTION_TABLE, EXP_PER_S, NAMED_KERNELS,
+                                               attention_gpus, attention_prices,
+                                               head_dim_check, kernels_of, named_kernel,
+                                               scaled_head_dim_rate)
 from vcluster.timing.hardware_model import HardwareCostModel
 from vcluster.timing.presets import PRESET_NAMES, hardware_from_dict, preset
 
@@ -346,6 +348,66 @@ def test_a_sliding_window_prices_at_its_own_published_curve(name):
     # a window as long as the sequence is full causal attention
     whole = Kernel.attention(128, 1024, 1024, 64, window=1024)
     assert prices.rate_tflops(whole) == pytest.approx(prices.curve("fwd", True, 64).tflops(1024))
+
+
+def test_a_smaller_head_dim_is_scaled_by_its_exponentials_as_published():
+    """Where the H100 publishes both d = 64 and d = 128 (cuDNN, FlashAttention-2 and -3,
+    forward and backward), d = 64 derived from d = 128 by the exponentials' scaling is
+    nearer the published d = 64 rate than d = 128's rate read as is (the rule before
+    2026-12-01) at every point, within -6% to +33% (the worst: FlashAttention-3's causal
+    forward at 512-1,024 tokens), mean |error| under 10%."""
+    errors = []
+    for kernel in ("cudnn", "flash2", "flash3"):
+        published = _published("h100-sxm", kernel)
+        checked = head_dim_check("h100-sxm", kernel)
+        assert checked, kernel
+        for (direction, causal), points in checked.items():
+            for seq, err in points:
+                own = statistics.median(published[(direction, causal, 64)][seq])
+                old = statistics.median(published[(direction, causal, 128)][seq]) / own - 1
+                assert abs(err) < abs(old), (kernel, direction, causal, seq, err, old)
+                assert -0.06 <= err <= 0.33, (kernel, direction, causal, seq, err)
+                errors.append(abs(err))
+    assert len(errors) >= 40 and statistics.fmean(errors) < 0.10
+
+
+@pytest.mark.parametrize("gpu", ["b200", "gb200", "gb300", "h200"])
+def test_gpt_oss_head_dim_on_curves_of_128_reads_them_scaled(gpu):
+    """These GPUs' cuDNN full-attention curves are at d = 128 (and 160) only: a d = 64
+    kernel (GPT-OSS, Llama 3.2) reads d = 128's rate scaled by the exponentials — slower,
+    the more so on Blackwell (512 tensor-core FLOPs per exponential) than on Hopper and
+    Blackwell Ultra (256) — and the curve says so; d = 128 and larger keep their own."""
+    prices = attention_prices(gpu, "cudnn")
+    exp_s = 1.0 / EXP_PER_S[gpu]
+    for direction, f in (("fwd", 4.0), ("bwd", 10.0)):
+        full, small = prices.curve(direction, True, 128), prices.curve(direction, True, 64)
+        assert small.derived.startswith("head dim 64 from 128's curve")
+        assert prices.curve(direction, True, 256) == prices.curve(direction, True, 160 if
+                                                                  160 in prices.head_dims
+                                                                  else 128)
+        for (seq, r128), (seq64, r64) in zip(full.points, small.points):
+            t128 = f * 128 / (r128 * 1e12)
+            assert seq64 == seq and r64 == pytest.approx(
+                f * 64 / ((t128 - exp_s) / 2 + exp_s) / 1e12, rel=1e-12)
+            assert r128 / 2 < r64 < r128
+    # a windowed kernel of a published window keeps its own curve; the 1,024-key window
+    # at d = 64 (cuDNN 9.19.1), a kernel one masked tile slower than the full one, stays
+    # below the full d = 64 rate derived here wherever both exist
+    wide = _windowed(gpu).get(("fwd", 1024, 64), {})
+    for seq, values in wide.items():
+        assert statistics.median(values) < prices.curve("fwd", True, 64).tflops(seq) * 1.1
+
+
+def test_the_scaling_formula():
+    """r(d) = F·d / ((d/d')·(F·d'/r' − e) + e): the identity at d = d'; a rate already past
+    the exponentials' bound is kept; halving d at the bound halves nothing of e."""
+    assert scaled_head_dim_rate(500.0, 128, 128, 4.0, 1e-13) == pytest.approx(500.0)
+    assert scaled_head_dim_rate(9000.0, 128, 64, 4.0, 1e-12) == 9000.0    # t(d') < e
+    e, r = 2.0e-13, 1000.0
+    t = 4.0 * 128 / (r * 1e12)
+    assert scaled_head_dim_rate(r, 128, 64, 4.0, e) == pytest.approx(
+        4.0 * 64 / ((t - e) / 2 + e) / 1e12)
+    assert EXP_PER_S["h100-sxm"] == pytest.approx(3.865e12, rel=1e-3)  # FA3's "3.9 TFLOPS"
 
 
 def test_a_selected_release_reads_other_releases_windows_and_says_so():

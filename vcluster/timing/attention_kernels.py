@@ -25,7 +25,26 @@ rates are the kernels' own, measured alone (as :mod:`.kernel_profiles`' in-strea
 
 The sequence a kernel is read at: √(s_q·s_kv) for its query and key rows (a context-
 parallel block is the smaller kernel it is); the head dimension: the published one nearest
-in log2 (the lower on a tie).
+in log2 (the lower on a tie) — at that dimension's rate where the kernel's d is the larger;
+where it is the smaller, the rate of d' scaled to d by the softmax's exponentials (since
+2026-12-01, :meth:`AttentionKernelPrices.curve`). Per (query, key) pair a fused kernel does
+F·d tensor-core FLOPs (F = 4 forward, 10 backward in the convention below) and one
+exponential whatever d (the backward recomputes P = exp(S − LSE)), so
+
+    t(d) = (d/d')·(F·d'/r(d') − e) + e,    r(d) = F·d / t(d),
+
+e = 1/E the GPU's time per exponential (:data:`EXP_PER_S`: 16 per clock per SM on every
+generation, against 2,048 tensor-core FLOPs per clock per SM on Ampere, 4,096 on Hopper,
+8,192 on Blackwell, twice the exponentials on Blackwell Ultra). What the published rate of
+d' leaves after its exponentials scales with d; the exponentials do not. A smaller d is
+slower per FLOP, and the more so where the exponentials weigh more: Blackwell doubled
+Hopper's tensor cores, not its exponential units (FlashAttention-4, Zadouri et al. 2026;
+together.ai/blog/flashattention-4). Checked where both are published (the H100's cuDNN,
+FlashAttention-2 and -3, d = 64 from d = 128, :func:`head_dim_check`): within −5% to +21%
+forward, +4% to +9% backward, but FlashAttention-3's causal forward at 512–1,024 tokens
+(+29%, +32%) and Triton's kernel (−18%); reading d = 128's curve as is, as before, was +6%
+to +56% off (Triton's −5%). GPT-OSS's and Llama 3.2's head dimension 64 on B200, GB200, GB300 and H200,
+whose published full-attention curves are at 128 and 160 only, read those unscaled before.
 
 A sliding window w shorter than the sequence is read from the curves of that window where
 the table publishes them (its ``window`` column: cudnn-frontend's GPT-OSS runs, w = 128 and
@@ -73,15 +92,30 @@ from vcluster.runtime.tracing.kernel import Kernel, kernel_flops
 
 from .presets import read_data_csv
 
-__all__ = ["ATTENTION_TABLE", "NAMED_KERNELS", "AttentionCurve", "AttentionKernelPrices",
-           "attention_prices", "attention_gpus", "kernels_of", "named_kernel",
-           "cudnn_releases"]
+__all__ = ["ATTENTION_TABLE", "NAMED_KERNELS", "EXP_PER_S", "AttentionCurve",
+           "AttentionKernelPrices", "attention_prices", "attention_gpus", "kernels_of",
+           "named_kernel", "cudnn_releases", "scaled_head_dim_rate", "head_dim_check"]
 
 #: the published measurements (module docstring)
 ATTENTION_TABLE = "attention_benchmarks.csv"
 #: the kernels a run may name (ParallelConfig.attention): their curves in ATTENTION_TABLE
 NAMED_KERNELS = ("flash2", "flash3", "cudnn")
 _FWD_BWD, _BWD = 3.5, 2.5         # FLOPs of fwd+bwd and bwd over the forward's
+#: tensor-core FLOPs per (query, key) pair and head dimension, by direction (convention A)
+_PAIR_FLOPS = MappingProxyType({"fwd": 4.0, "bwd": 10.0})
+#: exponentials per second of each curve GPU: its dense 16-bit tensor-core peak over the
+#: tensor-core FLOPs per exponential, both per clock per SM — 16 exponentials (the MUFU's
+#: rate) against 2,048 FLOPs on Ampere (A100: 312 TFLOP/s over 108 SMs at 1.41 GHz),
+#: 4,096 on Hopper (FlashAttention-3, arXiv 2407.08608 sec 3.1: H100 SXM5 "989 TFLOPS of
+#: FP16 matmul but only 3.9 TFLOPS of special functions"), 8,192 on Blackwell
+#: (FlashAttention-4, together.ai/blog/flashattention-4: B200 2.25 PFLOP/s, MUFU 16 per
+#: clock per SM, unchanged from Hopper), doubled exponentials on Blackwell Ultra (NVIDIA,
+#: developer.nvidia.com/blog/making-softmax-more-efficient-with-nvidia-blackwell-ultra:
+#: "doubling SFU throughput over the standard NVIDIA Blackwell architecture"). Peaks: the
+#: presets' BF16 (A100 312, H100/H200 989.4, B200 2,250, GB200 and GB300 2,500)
+EXP_PER_S: Mapping[str, float] = MappingProxyType({
+    "a100-80gb": 312e12 / 128, "h100-sxm": 989.4e12 / 256, "h200": 989.4e12 / 256,
+    "b200": 2250e12 / 512, "gb200": 2500e12 / 512, "gb300": 2500e12 / 256})
 _DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 
 
@@ -133,9 +167,19 @@ class AttentionKernelPrices:
         object.__setattr__(self, "head_dims", tuple(sorted({d for _, _, d in self.curves})))
 
     def curve(self, direction: str, causal: bool, head_dim: int) -> AttentionCurve:
-        """The curve of the published head dimension nearest ``head_dim`` (module docstring)."""
+        """The curve of the published head dimension d' nearest ``head_dim``; where
+        ``head_dim`` is the smaller and the GPU's exponential rate is known
+        (:data:`EXP_PER_S`), scaled to it by the exponentials (module docstring)."""
         d = min(self.head_dims, key=lambda h: (abs(math.log2(h) - math.log2(head_dim)), h))
-        return self.curves[(direction, bool(causal), d)]
+        near = self.curves[(direction, bool(causal), d)]
+        exp_s = 1.0 / EXP_PER_S[self.gpu] if self.gpu in EXP_PER_S else None
+        if head_dim >= d or exp_s is None or direction not in _PAIR_FLOPS:
+            return near
+        f = _PAIR_FLOPS[direction]
+        return AttentionCurve(
+            tuple((s, scaled_head_dim_rate(r, d, head_dim, f, exp_s)) for s, r in near.points),
+            f"head dim {head_dim} from {d}'s curve, scaled by the exponentials"
+            + (f" ({near.derived})" if near.derived else ""))
 
     def windowed_curve(self, direction: str, window: int,
                        head_dim: int) -> AttentionCurve | None:
@@ -168,6 +212,44 @@ class AttentionKernelPrices:
         if flops <= 0:
             return 0.0
         return overhead_s + flops / (self.rate_tflops(kernel) * 1e12 * rate_scale)
+
+
+def scaled_head_dim_rate(rate_tflops: float, d_from: int, d_to: int, pair_flops: float,
+                         exp_s: float) -> float:
+    """TFLOP/s at head dimension ``d_to`` from ``rate_tflops`` at ``d_from``: per pair
+    t(d') = F·d'/r(d'), of which ``exp_s`` (one exponential) does not scale with d and the
+    rest does: t(d) = (d/d')·(t(d') − e) + e, r(d) = F·d/t(d) (module docstring). A rate
+    already past the exponentials' bound (t(d') <= e: a kernel that emulates some of them)
+    is kept."""
+    t_from = pair_flops * d_from / (rate_tflops * 1e12)
+    if t_from <= exp_s:
+        return rate_tflops
+    t_to = d_to / d_from * (t_from - exp_s) + exp_s
+    return pair_flops * d_to / t_to / 1e12
+
+
+def head_dim_check(gpu: str, kernel: str, d_from: int = 128, d_to: int = 64) -> dict:
+    """{(direction, causal): [(seq, derived / published − 1), ...]} of ``kernel`` on
+    ``gpu`` wherever both head dimensions' curves are published (not derived): the
+    exponential scaling of ``d_from``'s rates against ``d_to``'s own (module docstring)."""
+    published: dict = {}
+    for r in _rows():
+        if r["gpu"] == gpu and r["kernel"] == kernel and not r["window"] and \
+                r["direction"] in _PAIR_FLOPS:
+            key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
+            published.setdefault(key, {}).setdefault(int(r["seq"]), []).append(
+                float(r["tflops"]))
+    out: dict = {}
+    exp_s = 1.0 / EXP_PER_S[gpu]
+    for (direction, causal, d), by_seq in published.items():
+        src = published.get((direction, causal, d_from))
+        if d != d_to or src is None:
+            continue
+        out[(direction, causal)] = [
+            (s, scaled_head_dim_rate(statistics.median(src[s]), d_from, d_to,
+                                     _PAIR_FLOPS[direction], exp_s)
+             / statistics.median(v) - 1) for s, v in sorted(by_seq.items()) if s in src]
+    return out
 
 
 def named_kernel(attention) -> str:

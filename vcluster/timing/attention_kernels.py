@@ -43,8 +43,9 @@ together.ai/blog/flashattention-4). Checked where both are published (the H100's
 FlashAttention-2 and -3, d = 64 from d = 128, :func:`head_dim_check`): within −5% to +21%
 forward, +4% to +9% backward, but FlashAttention-3's causal forward at 512–1,024 tokens
 (+29%, +32%) and Triton's kernel (−18%); reading d = 128's curve as is, as before, was +6%
-to +56% off (Triton's −5%). GPT-OSS's and Llama 3.2's head dimension 64 on B200, GB200, GB300 and H200,
-whose published full-attention curves are at 128 and 160 only, read those unscaled before.
+to +56% off (Triton's −5%). GPT-OSS's and Llama 3.2's head dimension 64 on B200, GB200,
+GB300 and H200, whose published full-attention curves are at 128 and 160 only, read those
+unscaled before.
 
 A sliding window w shorter than the sequence is read from the curves of that window where
 the table publishes them (its ``window`` column: cudnn-frontend's GPT-OSS runs, w = 128 and

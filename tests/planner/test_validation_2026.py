@@ -42,6 +42,22 @@ def test_a_row_config_is_the_published_layout():
     assert "global_batch" in refusals[0]
 
 
+def test_published_layouts_with_an_end_stage_of_no_layer_are_replayed():
+    """Llama 3.1 405B's 126 layers on pp 16 x vp 8 (0, 1 x 126, 0: the embedding and the
+    head each a stage of their own) and DeepSeek-V3's 61 on pp 8 x vp 4 (1, 2 x 30, 0:
+    Megatron-Bridge's layout "Et|(tt|)*30mL") run as published: refused before
+    2026-12-01, now mapped with no refusal."""
+    rows = read_data_csv("megatron_bridge_blackwell.csv")[1]
+    for model, system, precision, split in (
+            ("LLAMA3.1_405B", "DGX-GB200", "MXFP8", (0,) + (1,) * 126 + (0,)),
+            ("DeepSeekV3 (w/o MTP)", "DGX-GB200", "FP8-MX", (1,) + (2,) * 30 + (0,))):
+        r = next(r for r in rows if r["model"] == model and r["system"] == system
+                 and r["precision"] == precision and r["latest"] == "1")
+        cfg, par, _, _, refusals = row_config(r)
+        assert refusals == [], refusals
+        assert par.stage_layers(cfg.layers) == split
+
+
 def test_a_rows_attention_is_its_containers_cudnn_on_its_silicon():
     """A row's cuDNN attention is priced by the published release nearest the one its NeMo
     container ships, among the GPUs of the same silicon: a 25.11 GB200 row (cuDNN 9.13.1)

@@ -173,14 +173,10 @@ class AttentionKernelPrices:
         (:data:`EXP_PER_S`), scaled to it by the exponentials (module docstring)."""
         d = min(self.head_dims, key=lambda h: (abs(math.log2(h) - math.log2(head_dim)), h))
         near = self.curves[(direction, bool(causal), d)]
-        exp_s = 1.0 / EXP_PER_S[self.gpu] if self.gpu in EXP_PER_S else None
-        if head_dim >= d or exp_s is None or direction not in _PAIR_FLOPS:
+        if head_dim >= d or self.gpu not in EXP_PER_S or direction not in _PAIR_FLOPS:
             return near
-        f = _PAIR_FLOPS[direction]
-        return AttentionCurve(
-            tuple((s, scaled_head_dim_rate(r, d, head_dim, f, exp_s)) for s, r in near.points),
-            f"head dim {head_dim} from {d}'s curve, scaled by the exponentials"
-            + (f" ({near.derived})" if near.derived else ""))
+        return _scaled_curve(near, d, head_dim, _PAIR_FLOPS[direction],
+                             1.0 / EXP_PER_S[self.gpu])
 
     def windowed_curve(self, direction: str, window: int,
                        head_dim: int) -> AttentionCurve | None:
@@ -229,27 +225,34 @@ def scaled_head_dim_rate(rate_tflops: float, d_from: int, d_to: int, pair_flops:
     return pair_flops * d_to / t_to / 1e12
 
 
+@functools.lru_cache(maxsize=None)
+def _scaled_curve(near: AttentionCurve, d_from: int, d_to: int, pair_flops: float,
+                  exp_s: float) -> AttentionCurve:
+    """``near`` (head dim ``d_from``) scaled to ``d_to`` point by point (built once per
+    curve and head dimension: :meth:`AttentionKernelPrices.curve` is on the pricing path)."""
+    return AttentionCurve(
+        tuple((s, scaled_head_dim_rate(r, d_from, d_to, pair_flops, exp_s))
+              for s, r in near.points),
+        f"head dim {d_to} from {d_from}'s curve, scaled by the exponentials"
+        + (f" ({near.derived})" if near.derived else ""))
+
+
 def head_dim_check(gpu: str, kernel: str, d_from: int = 128, d_to: int = 64) -> dict:
     """{(direction, causal): [(seq, derived / published − 1), ...]} of ``kernel`` on
-    ``gpu`` wherever both head dimensions' curves are published (not derived): the
-    exponential scaling of ``d_from``'s rates against ``d_to``'s own (module docstring)."""
-    published: dict = {}
-    for r in _rows():
-        if r["gpu"] == gpu and r["kernel"] == kernel and not r["window"] and \
-                r["direction"] in _PAIR_FLOPS:
-            key = (r["direction"], r["causal"] == "1", int(r["head_dim"]))
-            published.setdefault(key, {}).setdefault(int(r["seq"]), []).append(
-                float(r["tflops"]))
-    out: dict = {}
+    ``gpu`` wherever both head dimensions' curves are published (not derived; each the
+    median of its rows, as :func:`attention_prices` builds them): the exponential scaling
+    of ``d_from``'s rates against ``d_to``'s own (module docstring)."""
+    curves = attention_prices(gpu, kernel).curves
     exp_s = 1.0 / EXP_PER_S[gpu]
-    for (direction, causal, d), by_seq in published.items():
-        src = published.get((direction, causal, d_from))
-        if d != d_to or src is None:
+    out: dict = {}
+    for (direction, causal, d), own in curves.items():
+        src = curves.get((direction, causal, d_from))
+        if d != d_to or src is None or own.derived or src.derived:
             continue
+        rates = dict(src.points)
         out[(direction, causal)] = [
-            (s, scaled_head_dim_rate(statistics.median(src[s]), d_from, d_to,
-                                     _PAIR_FLOPS[direction], exp_s)
-             / statistics.median(v) - 1) for s, v in sorted(by_seq.items()) if s in src]
+            (s, scaled_head_dim_rate(rates[s], d_from, d_to, _PAIR_FLOPS[direction], exp_s)
+             / r - 1) for s, r in own.points if s in rates]
     return out
 
 

@@ -650,7 +650,8 @@ class ServeRun:
 
 
 def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
-         max_num_batched_tokens, max_num_seqs, engine) -> ServeJob:
+         max_num_batched_tokens, max_num_seqs, engine,
+         enable_prefix_caching=None) -> ServeJob:
     cfg = serve_config(model, timing_only=prompts is None)
     _check_degrees(cfg, tp, pp, ep)
     requests, prompts = _check_requests(cfg, requests, prompts, num_blocks, block_size)
@@ -659,6 +660,8 @@ def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
         settings["max_num_batched_tokens"] = max_num_batched_tokens
     if max_num_seqs is not None:
         settings["max_num_seqs"] = max_num_seqs
+    if enable_prefix_caching is not None:
+        settings["enable_prefix_caching"] = enable_prefix_caching
     make_scheduler(engine, num_blocks, **{n: v for n, v in settings.items()
                                           if n != "num_blocks"})   # its own checks, here
     return ServeJob(cfg, tp, pp, ep, requests, prompts, str(engine),
@@ -668,15 +671,17 @@ def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
 def serve(cluster, model, params, requests, prompts, *, tp: int = 1, pp: int = 1,
           ep: int = 1, num_blocks: int, block_size: int = BLOCK_SIZE,
           max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-          engine: str = "vllm-v1") -> ServeRun:
+          engine: str = "vllm-v1", enable_prefix_caching: bool | None = None) -> ServeRun:
     """Serve ``requests`` (:class:`serving.Request`, their ``prompts`` token ids) with
     ``model`` (a ModelSpec, preset name or GPTConfig; ``params`` its global parameters by
     name, None: ``GPT(config, seed=0).init_params()``) on ``cluster`` (a VirtualCluster on
     :func:`serve_mesh` (tp, pp)); the scheduler ``engine`` with ``num_blocks`` KV blocks
-    of ``block_size`` tokens per device and its token budget and sequence cap (None: its
-    defaults). Every rank must agree on every token, or RuntimeError."""
+    of ``block_size`` tokens per device, its token budget, sequence cap and prefix caching
+    (None: its defaults — vLLM v1 caches: a preempted request takes back the blocks
+    nobody overwrote and reads the KV they still hold). Every rank must agree on every
+    token, or RuntimeError."""
     job = _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
-               max_num_batched_tokens, max_num_seqs, engine)
+               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching)
     cfg = job.config
     if getattr(cluster, "mesh", None) != serve_mesh(tp, pp):
         raise ConfigError("cluster", getattr(cluster, "mesh", cluster),
@@ -702,12 +707,13 @@ def serve_meta_args(mesh, model, requests, *, tp: int = 1, pp: int = 1, ep: int 
                     num_blocks: int, block_size: int = BLOCK_SIZE,
                     max_num_batched_tokens: int | None = None,
                     max_num_seqs: int | None = None, engine: str = "vllm-v1",
-                    dtype: str = "float64") -> list[tuple]:
+                    dtype: str = "float64",
+                    enable_prefix_caching: bool | None = None) -> list[tuple]:
     """``serve_program``'s arguments per rank on shape-only parameters of ``dtype``
     ("float16" for a 16-bit model's bytes) and no prompts, for ``trace_program(mesh,
     serve_program, ...)`` (the schedule needs counts only)."""
     job = _job(model, requests, None, tp, pp, ep, num_blocks, block_size,
-               max_num_batched_tokens, max_num_seqs, engine)
+               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching)
     job = replace(job, config=replace(job.config, dtype=dtype))
     if mesh != serve_mesh(tp, pp):
         raise ConfigError("mesh", mesh, f"{serve_mesh(tp, pp)!r}", "serving's mesh is (pp, tp)")

@@ -6,16 +6,27 @@ PagedAttention). A sequence owns a *block table*: token position p lives in bloc
 ⌈n / block_size⌉ blocks wherever they are, and a finished sequence's blocks serve the
 next one.
 
-Imitated: vLLM v1's ``BlockPool`` and ``KVCacheManager`` (vllm/v1/core, 0.8–0.11) without
-prefix caching: block 0 is the *null block* the engine keeps for padding, so
-``num_blocks − 1`` are usable; free blocks form a queue — allocation takes from its head,
-a freed table goes to its tail in reverse order (its last block first) — and an
-allocation that does not fit changes nothing.
+Imitated: vLLM v1's ``BlockPool`` and ``KVCacheManager`` (vllm/v1/core, 0.8–0.11): block 0
+is the *null block* the engine keeps for padding, so ``num_blocks − 1`` are usable; free
+blocks form a queue — allocation takes from its head, a freed table goes to its tail in
+reverse order (its last block first) — and an allocation that does not fit changes nothing.
+
+**Prefix caching** (``enable_caching``, vLLM v1's default): a block whose ``block_size``
+slots are all filled is registered under what it holds; freeing it keeps it registered, and
+it leaves the cache only when the free queue hands it to someone else (the head of the
+queue: least recently freed, a table's last block first). A request admitted with nothing
+computed first takes back the longest run of its leading blocks still registered
+(:meth:`BlockPool.cached_prefix`, :meth:`BlockPool.allocate` with ``hit_blocks``) and
+computes only the rest. Block contents are named by (request, block index): a request's
+tokens never change, and requests share no prefix here (every prompt is its own, as in
+``vllm bench``'s random dataset), so a hit is a request's own KV surviving its preemption
+— vLLM hashes each block's tokens chained to its parent's, which for distinct prompts
+names the same thing.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from modeling.errors import ConfigError
 
@@ -33,17 +44,26 @@ class BlockPool:
     """``num_blocks`` ≥ 2 blocks of ``block_size`` tokens (block 0 reserved); tables by
     request id."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = False):
         for name, value, low in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(name, value, f"an integer >= {low}",
                                   "a paged KV cache needs blocks (block 0 is vLLM's null block)"
                                   if name == "num_blocks" else "not a block size",
                                   owner="BlockPool")
+        if not isinstance(enable_caching, bool):
+            raise ConfigError("enable_caching", enable_caching, "true or false",
+                              "not a boolean", owner="BlockPool")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = deque(range(1, num_blocks))
+        self.enable_caching = enable_caching
+        # the free queue: insertion order is queue order; O(1) removal of a cached block
+        self._free: OrderedDict = OrderedDict.fromkeys(range(1, num_blocks))
         self._tables: dict = {}
         self._frozen: dict = {}          # request id -> its table as a tuple, until it grows
+        self._holds: dict = {}           # block -> (request id, index): a full block's content
+        self._cached: dict = {}          # (request id, index) -> block, while registered
+        self._registered: dict = {}      # request id -> its leading blocks registered so far
+        self.hit_blocks = self.queried_blocks = 0   # vLLM's prefix-cache hit-rate counters
 
     @property
     def num_usable(self) -> int:
@@ -80,24 +100,95 @@ class BlockPool:
         return max(0, blocks_for(num_tokens, self.block_size)
                    - len(self._tables.get(request_id, ())))
 
-    def allocate(self, request_id, num_tokens: int) -> bool:
-        """Grow the request's table to hold ``num_tokens`` tokens; False, and nothing
-        changed, when fewer blocks are free than it needs."""
-        need = self.needed(request_id, num_tokens)
-        if need > len(self._free):
-            return False
-        if need:
-            table = self._tables.setdefault(request_id, [])
-            for _ in range(need):
-                table.append(self._free.popleft())
+    def cached_prefix(self, request_id, num_tokens: int) -> int:
+        """Leading blocks of ``request_id`` (which holds none now) still registered, at most
+        ⌊(num_tokens − 1) / block_size⌋ of them: vLLM recomputes at least the last known
+        token, whose logits it samples from (``max_cache_hit_length = num_tokens − 1``).
+        0 without caching."""
+        if not self.enable_caching:
+            return 0
+        limit = max(0, num_tokens - 1) // self.block_size
+        hits = 0
+        while hits < limit and (request_id, hits) in self._cached:
+            hits += 1
+        return hits
+
+    def record_admission(self, num_tokens: int, hit_blocks: int) -> None:
+        """Count one admission's lookup for :attr:`hit_rate`: ``num_tokens`` known tokens,
+        ``hit_blocks`` of their blocks found cached."""
+        self.queried_blocks += blocks_for(num_tokens, self.block_size)
+        self.hit_blocks += hit_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        """Blocks found cached / blocks looked up at admissions (0 when none looked up)."""
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+    def allocate(self, request_id, num_tokens: int, hit_blocks: int = 0) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens — first taking back its
+        ``hit_blocks`` cached leading blocks (:meth:`cached_prefix`; the request holds none)
+        out of the free queue — and register the blocks it fills; False, and nothing
+        changed, when fewer blocks are free than it needs (cached ones taken back
+        included, as vLLM counts its evictable computed blocks)."""
+        table = self._tables.get(request_id)
+        bs = self.block_size
+        if hit_blocks:
+            if table:
+                raise ValueError(f"allocate: request {request_id!r} already holds blocks; "
+                                 "cached blocks are taken back only on admission")
+            need = -(-num_tokens // bs) - hit_blocks
+            if need < 0 or need + hit_blocks > len(self._free):
+                return False
+            table = self._tables[request_id] = []
+            for index in range(hit_blocks):
+                block = self._cached[(request_id, index)]
+                del self._free[block]
+                table.append(block)
+            self._registered[request_id] = hit_blocks
             self._frozen.pop(request_id, None)
+        else:
+            need = -(-num_tokens // bs) - (len(table) if table else 0)
+        if need > 0:
+            if need > len(self._free):
+                return False
+            if table is None:
+                table = self._tables[request_id] = []
+            holds, pop = self._holds, self._free.popitem
+            for _ in range(need):
+                block, _ = pop(last=False)
+                if holds:
+                    content = holds.pop(block, None)
+                    if content is not None:           # evicted: the cache forgets it
+                        del self._cached[content]
+                table.append(block)
+            self._frozen.pop(request_id, None)
+        if self.enable_caching:
+            full, done = num_tokens // bs, self._registered.get(request_id, 0)
+            if full > done:
+                self._register(request_id, table, done, full)
         return True
 
+    def _register(self, request_id, table: list, start: int, stop: int) -> None:
+        """Name blocks ``start``..``stop`` − 1 of the request's table as holding its
+        blocks of those indices (an older copy of one, still free, stops being one)."""
+        for index in range(start, stop):
+            block = table[index]
+            stale = self._cached.get((request_id, index))
+            if stale is not None and stale != block:
+                del self._holds[stale]
+            self._cached[(request_id, index)] = block
+            self._holds[block] = (request_id, index)
+        self._registered[request_id] = stop
+
     def free(self, request_id) -> None:
-        """The request's blocks return to the free queue's tail, last block first."""
-        self._free.extend(reversed(self._tables.pop(request_id, [])))
+        """The request's blocks return to the free queue's tail, last block first; full
+        ones stay registered until handed out again."""
+        for block in reversed(self._tables.pop(request_id, [])):
+            self._free[block] = None
         self._frozen.pop(request_id, None)
+        self._registered.pop(request_id, None)
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"used={self.num_used}, free={self.num_free}, tables={len(self._tables)})")
+                f"used={self.num_used}, free={self.num_free}, tables={len(self._tables)}"
+                + (f", cached={len(self._cached)}" if self.enable_caching else "") + ")")

@@ -50,7 +50,8 @@ class ServingPlan:
     defaults: ``max_num_batched_tokens`` (None: the engine's default, 8192 under
     ``vllm-v1``, no cap under ``static``), ``max_num_seqs``, ``block_size``,
     ``gpu_memory_utilization``, ``max_model_len``, ``enable_chunked_prefill``,
-    ``long_prefill_token_threshold``; ``weight_bytes`` and ``kv_bytes`` per element
+    ``enable_prefix_caching`` (vLLM v1's default, on), ``long_prefill_token_threshold``;
+    ``weight_bytes`` and ``kv_bytes`` per element
     (2: bf16; 1: FP8 weights or ``--kv-cache-dtype fp8``)."""
 
     tp: int = 1
@@ -66,6 +67,7 @@ class ServingPlan:
     gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     weight_bytes: int = 2
     kv_bytes: int = 2
@@ -89,9 +91,10 @@ class ServingPlan:
             raise ConfigError("gpu_memory_utilization", u, "a fraction in (0, 1]",
                               "the share of each GPU's memory the engine may use",
                               owner="ServingPlan")
-        if self.enable_chunked_prefill not in (True, False):
-            raise ConfigError("enable_chunked_prefill", self.enable_chunked_prefill,
-                              "true or false", "not a boolean", owner="ServingPlan")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "true or false", "not a boolean",
+                                  owner="ServingPlan")
         for name in ("weight_bytes", "kv_bytes"):
             if getattr(self, name) not in (1, 2, 4):
                 raise ConfigError(name, getattr(self, name), "1, 2 or 4",
@@ -134,6 +137,7 @@ class ServingPlan:
                   "max_num_batched_tokens": self.token_budget}
         if self.engine is Engine.VLLM_V1:
             common.update(enable_chunked_prefill=self.enable_chunked_prefill,
+                          enable_prefix_caching=self.enable_prefix_caching,
                           long_prefill_token_threshold=self.long_prefill_token_threshold)
         return common
 

@@ -8,9 +8,9 @@ never enter them, so the emulator (which computes real tokens) and the simulator
 prices steps) run the same scheduler and see the same steps.
 
 **vLLM v1** (:class:`VllmV1Scheduler`; imitated: ``vllm/v1/core/sched/scheduler.py``
-``Scheduler.schedule`` and ``update_from_output`` of vLLM 0.8–0.11, no prefix caching,
-no speculative decoding, FCFS policy). Each step has a token budget
-``max_num_batched_tokens``:
+``Scheduler.schedule`` and ``update_from_output`` of vLLM 0.8–0.11, prefix caching on as
+vLLM v1's default (``enable_prefix_caching``), no speculative decoding, FCFS policy).
+Each step has a token budget ``max_num_batched_tokens``:
 
 1. *Running* requests, in order: each gets n = min(tokens − computed,
    ``long_prefill_token_threshold`` when set, the budget left, max_model_len − 1 − computed)
@@ -20,16 +20,18 @@ no speculative decoding, FCFS policy). Each step has a token budget
    the head of the waiting queue) and the allocation retried; when the request preempted
    is the one being scheduled, scheduling of running requests stops.
 2. *Waiting* requests, only if nothing was preempted in this step, FCFS, while budget is
-   left and fewer than ``max_num_seqs`` run: each gets n = min(tokens − computed, budget)
-   (with chunked prefill disabled a prompt that does not fit whole stops admission), its
-   blocks, and joins the running queue's tail; a request whose blocks do not fit stops
-   admission.
+   left and fewer than ``max_num_seqs`` run: a request with nothing computed first takes
+   back its leading blocks still in the prefix cache (:mod:`serving.blocks`: a preempted
+   request's KV that nobody has overwritten; at most up to its last known token) and
+   counts them computed; it then gets n = min(tokens − computed, budget) (with chunked
+   prefill disabled a prompt that does not fit whole stops admission), its blocks, and
+   joins the running queue's tail; a request whose blocks do not fit stops admission.
 
 After the step (``finish_step``) each scheduled request's computed tokens grow by n; one
 that now has every known token computed emits a token; one with ``output_len`` tokens
 (or max_model_len tokens) finishes and frees its blocks. A preempted request is
-recomputed: re-prefilled over its prompt *and* the tokens it already emitted, then
-decoded on.
+recomputed: re-prefilled over its prompt *and* the tokens it already emitted (less the
+blocks the prefix cache kept), then decoded on.
 
 **Static** batching (:class:`StaticScheduler`): a batch of up to ``max_num_seqs`` arrived
 requests (FCFS; as many as fit when each reserves blocks for its whole prompt + output,
@@ -166,9 +168,9 @@ class _Scheduler:
     engine: Engine
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int | None):
+                 max_model_len: int | None, enable_prefix_caching: bool = False):
         owner = type(self).__name__
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = _count(owner, "max_num_seqs", max_num_seqs)
         self.max_model_len = _count(owner, "max_model_len", max_model_len, 2, allow_none=True)
         self._waiting: deque[_State] = deque()
@@ -273,19 +275,23 @@ class _Scheduler:
 class VllmV1Scheduler(_Scheduler):
     """vLLM v1's scheduler (module docstring): ``num_blocks`` KV blocks of ``block_size``
     tokens, ``max_num_batched_tokens`` per step, ``max_num_seqs`` running, optional
-    ``max_model_len`` and ``long_prefill_token_threshold`` (0: off), chunked prefill on by
-    default as in v1. Defaults: vLLM's ``SchedulerConfig`` — 8192 batched tokens (the
-    OpenAI server's default with chunked prefill on an H100-class GPU, vLLM ≥ 0.8's
-    ``EngineArgs._set_default_args_v1``) and 256 sequences."""
+    ``max_model_len`` and ``long_prefill_token_threshold`` (0: off), chunked prefill and
+    prefix caching on by default as in v1. Defaults: vLLM's ``SchedulerConfig`` — 8192
+    batched tokens (the OpenAI server's default with chunked prefill on an H100-class GPU,
+    vLLM ≥ 0.8's ``EngineArgs._set_default_args_v1``) and 256 sequences."""
 
     engine = Engine.VLLM_V1
 
     def __init__(self, num_blocks: int, *, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True):
-        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len)
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True):
         owner = type(self).__name__
+        if not isinstance(enable_prefix_caching, bool):
+            raise ConfigError("enable_prefix_caching", enable_prefix_caching,
+                              "true or false", "not a boolean", owner=owner)
+        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len,
+                         enable_prefix_caching)
         self.max_num_batched_tokens = _count(owner, "max_num_batched_tokens",
                                              max_num_batched_tokens)
         self.long_prefill_token_threshold = _count(owner, "long_prefill_token_threshold",
@@ -350,12 +356,21 @@ class VllmV1Scheduler(_Scheduler):
         if not preempted:
             while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
                 state = self._waiting[0]
+                rid = state.request.request_id
+                lookup = self.pool.enable_caching and not state.ahead   # nothing computed
+                hits = self.pool.cached_prefix(rid, state.num_tokens) if lookup else 0
+                if hits:
+                    state.computed = hits * self.pool.block_size
                 n = state.num_tokens - state.ahead
                 if not self.enable_chunked_prefill and n > budget:
+                    state.computed -= hits * self.pool.block_size
                     break
                 n = self._cap(state, n, budget)
-                if not self.pool.allocate(state.request.request_id, state.ahead + n):
+                if not self.pool.allocate(rid, state.ahead + n, hit_blocks=hits):
+                    state.computed -= hits * self.pool.block_size
                     break
+                if lookup:
+                    self.pool.record_admission(state.num_tokens, hits)
                 self._waiting.popleft()
                 self._running.append(state)
                 scheduled.append(self._scheduled(state, n))

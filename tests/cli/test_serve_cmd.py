@@ -57,6 +57,21 @@ def test_the_issue_command_prints_vllm_keys_and_equals_the_library():
     assert got["decode_step_ms"] >= got["decode_step_floor_ms"] > 0
 
 
+def test_no_enable_prefix_caching_recomputes_preempted_requests_whole():
+    """A KV cache of ~15K tokens for 40 prompts of 1,024 + 256 at once: the same
+    preemptions either way, and the run without the prefix cache is slower (each victim
+    recomputes its whole prompt and outputs instead of what was overwritten)."""
+    args = ("simulate", "serve", "--model", "llama-3.1-8b", "--hardware", "h100-dgx",
+            "--gpu-memory-utilization", "0.225", "--input-len", "1024", "--output-len",
+            "256", "--requests", "40", "--json")
+    cached = json.loads(vcluster(*args).stdout)
+    plain = json.loads(vcluster(*args, "--no-enable-prefix-caching").stdout)
+    assert cached["enable_prefix_caching"] and not plain["enable_prefix_caching"]
+    assert cached["preemptions"] == plain["preemptions"] > 0
+    assert cached["duration"] < plain["duration"]
+    assert cached["total_output_tokens"] == plain["total_output_tokens"] == 40 * 256
+
+
 def test_the_text_report_has_the_vllm_block_floors_and_kv(tmp_path):
     out = tmp_path / "serve.json"
     proc = vcluster("simulate", "serve", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "2",

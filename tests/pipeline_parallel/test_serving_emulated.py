@@ -18,7 +18,7 @@ from mesh import Mesh
 from modeling import MLP, Attention, ConfigError, Layer, ModelSpec, MoE
 from modeling.presets import load_model
 from pipeline_parallel.decoder import (
-    greedy_reference, serve, serve_config, serve_mesh, trace_serve)
+    BLOCK_SIZE, greedy_reference, serve, serve_config, serve_mesh, trace_serve)
 from pipeline_parallel.gpt import GPT
 from pipeline_parallel.paged_attention import PagedKVCache, SequenceChunk, slots
 from serving import Request
@@ -370,12 +370,13 @@ def test_the_extras_trace_with_the_closed_form_flops(cluster_of, name, tp, pp):
                                           (2, 1, "qwen_moe"), (2, 1, "oss"), (1, 2, "oss")])
 def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, pp, spec,
                                                                request):
-    """5 usable blocks (80 tokens) for a 50-token request growing beside others: the
-    scheduler preempts, the victim is re-prefilled from position 0 over its prompt and
-    the tokens it had emitted, and every token still equals the reference."""
+    """5 usable blocks (80 tokens) for a 50-token request growing beside others, prefix
+    caching off: the scheduler preempts, the victim is re-prefilled from position 0 over
+    its prompt and the tokens it had emitted, and every token still equals the
+    reference."""
     case = request.getfixturevalue(f"_preempt_{spec}")
     run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "qwen_moe", "oss") else 1,
-                   num_blocks=6)
+                   num_blocks=6, enable_prefix_caching=False)
     case.check(run)
     assert run.preemptions > 0
     victims = {r for step in run.steps for r in step.preempted}
@@ -392,6 +393,38 @@ def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, p
                     recomputed += 1
                 emitted += s.samples
     assert recomputed > 0
+
+
+@pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe"),
+                                          (2, 2, "qwen3"), (2, 1, "oss"), (1, 2, "oss")])
+def test_preempted_requests_read_back_their_cached_blocks_and_equal_reference(
+        cluster_of, tp, pp, spec, request):
+    """The same, prefix caching on (vLLM v1's default): a victim re-admitted takes back
+    its leading blocks nobody overwrote and starts computing after them; attention then
+    reads the KV those physical blocks still hold from before the preemption — and every
+    token and logit still equals the reference. At least one re-admission starts past 0
+    (a hit), on the blocks it held before."""
+    case = request.getfixturevalue(f"_preempt_{spec}")
+    run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "oss") else 1,
+                   num_blocks=6)
+    case.check(run)
+    assert run.preemptions > 0
+    victims = {r for step in run.steps for r in step.preempted}
+    hits = 0
+    for rid in victims:
+        before, preempted = None, False
+        for step in run.steps:
+            for s in step.scheduled:
+                if s.request_id != rid:
+                    continue
+                if preempted and s.num_computed_tokens > 0:
+                    hits += 1
+                    kept = s.num_computed_tokens // BLOCK_SIZE
+                    assert s.block_table[:kept] == before[:kept]
+                preempted = False
+                before = s.block_table
+            preempted = preempted or rid in step.preempted
+    assert hits > 0
 
 
 # a 50-token request growing beside three others in 5 usable blocks

@@ -275,6 +275,7 @@ def test_ecdf_steps_one_over_n_at_each_value():
     ({"engine": {"name": "sglang"}}, "engine.name"),
     ({"engine": {"gpu_memory_utilization": 1.5}}, "engine.gpu_memory_utilization"),
     ({"engine": dict(ENGINE, num_blocks=3)}, "engine.num_blocks"),
+    ({"engine": dict(ENGINE, enable_prefix_caching="no")}, "engine.enable_prefix_caching"),
     ({"cluster": {"mesh": {"tp": 2, "pp": 1}}}, "cluster.mesh"),
     ({"run": {"mode": "simulate"}, "hardware": "localhost"}, "hardware"),
     ({"workload": dict(TINY, trace="t.csv", input_len=4)}, "workload.input_len"),
@@ -286,6 +287,22 @@ def test_bad_keys_are_named_by_path(change, path):
     with pytest.raises(ScenarioError) as info:
         scenario_from_dict(doc, "bad")
     assert info.value.path == path and info.value.allowed
+
+
+def test_engine_enable_prefix_caching_reaches_the_plan_and_the_emulated_scheduler():
+    """Default on (vLLM v1's); false reaches the simulated deployment and the decoder's
+    scheduler settings alike."""
+    from modeling.presets import load_model
+    from vcluster.scenario.workloads.inference import (_emulation_settings,
+                                                       emulated_requests, serving_plan)
+    spec = load_model("llama-3.1-8b")
+    on = scenario_from_dict(SIMULATE, "on")
+    assert serving_plan(on, spec).enable_prefix_caching
+    off = scenario_from_dict(dict(SIMULATE, engine={"enable_prefix_caching": False}), "off")
+    assert not serving_plan(off, spec).enable_prefix_caching
+    tiny = scenario_from_dict({"workload": TINY, "parallel": {"tp": 2},
+                               "engine": dict(ENGINE, enable_prefix_caching=False)}, "t")
+    assert _emulation_settings(tiny, emulated_requests(tiny))["enable_prefix_caching"] is False
 
 
 def test_every_inference_key_is_documented():

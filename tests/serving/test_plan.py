@@ -19,6 +19,10 @@ def test_gpus_and_engine_defaults():
     scheduler = make_scheduler(plan.engine, 100, **plan.scheduler_settings())
     assert scheduler.max_num_batched_tokens == 8192 and scheduler.max_num_seqs == 256
     make_scheduler("static", 100, **ServingPlan(engine="static").scheduler_settings())
+    assert scheduler.pool.enable_caching                       # vLLM v1's default
+    off = ServingPlan(enable_prefix_caching=False).scheduler_settings()
+    assert not make_scheduler("vllm-v1", 100, **off).pool.enable_caching
+    assert "enable_prefix_caching" not in ServingPlan(engine="static").scheduler_settings()
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -29,6 +33,8 @@ def test_gpus_and_engine_defaults():
     ({"tp": 4, "ep": 2}, "ep"), ({"weight_bytes": 3}, "weight_bytes"),
     ({"engine": "static", "prefill_replicas": 1}, "prefill_replicas"),
     ({"max_model_len": 1}, "max_model_len"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
+    ({"enable_chunked_prefill": 1}, "enable_chunked_prefill"),
 ])
 def test_bad_plans_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:

@@ -92,6 +92,8 @@ def test_invariants_over_random_workloads(seed, engine):
         assert len(step.scheduled) <= seqs
         for x in step.scheduled:
             assert len(x.block_table) * bs >= x.context
+        held = [b for x in step.scheduled for b in x.block_table]
+        assert len(held) == len(set(held)) and 0 not in held   # no block held twice
         for i in out.emitted:
             emitted[i] += 1
     assert emitted == {r.request_id: r.output_len for r in reqs}
@@ -102,7 +104,8 @@ def test_preempted_requests_are_recomputed_over_prompt_and_outputs():
     """A cache of 4 usable blocks of 4: two requests that each grow to 12 tokens cannot
     both stay; the later one is preempted, re-prefilled over prompt + emitted tokens, and
     still emits exactly output_len tokens."""
-    s = VllmV1Scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=16)
+    s = VllmV1Scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=16,
+                        enable_prefix_caching=False)
     s.add(Request(0, 4, 8))
     s.add(Request(1, 4, 8))
     recomputed = []
@@ -113,6 +116,60 @@ def test_preempted_requests_are_recomputed_over_prompt_and_outputs():
     assert s.num_preemptions >= 1
     assert recomputed and recomputed[0].num_new_tokens > 4     # prompt + emitted tokens
     assert sum(1 for _, out in steps for i in out.emitted if i == 1) == 8
+
+
+def test_a_preempted_request_takes_back_its_cached_blocks_worked_by_hand():
+    """Prefix caching (vLLM v1's default), the same two requests as above, by hand: 4
+    usable blocks of 4. Steps 0-4 give A = 0 blocks [1 3], B = 1 blocks [2 4], each 8
+    tokens computed (both blocks full, so registered) and 5 emitted. Step 5: A's 9th token
+    needs a block, none is free: B is preempted, its table freed last block first (free
+    queue [4 2]); A takes block 4, evicting B's second block. B (9 known tokens) looks up
+    at most ⌊8/4⌋ = 2 blocks: block 2 still holds its first, so B needs 2 new + 1 taken
+    back = 3 free blocks — it waits until A finishes at step 7 and frees [1 3 4] (queue
+    [2 4 3 1]). Step 8: B takes back block 2 (4 tokens counted computed), takes 4 and 3,
+    and recomputes only 5 tokens, not 9."""
+    s = VllmV1Scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=16)
+    s.add(Request(0, 4, 8))
+    s.add(Request(1, 4, 8))
+    steps = run(s)
+    assert rows(steps[5][0]) == [(0, 8, 1, (1, 3, 4))] and steps[5][0].preempted == (1,)
+    assert rows(steps[6][0]) == [(0, 9, 1, (1, 3, 4))]                  # B cannot fit yet
+    assert steps[7][1].finished == (0,)
+    assert rows(steps[8][0]) == [(1, 4, 5, (2, 4, 3))]                  # 5 recomputed
+    assert sum(1 for _, out in steps for i in out.emitted if i == 1) == 8
+    # lookups at admission: A 1 block, B 1, B again 3 (1 found)
+    assert (s.pool.queried_blocks, s.pool.hit_blocks) == (5, 1) and s.pool.hit_rate == 0.2
+    # without the cache B recomputes its 9 tokens from 0
+    plain = VllmV1Scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=16,
+                            enable_prefix_caching=False)
+    plain.add(Request(0, 4, 8))
+    plain.add(Request(1, 4, 8))
+    assert rows(run(plain)[8][0]) == [(1, 0, 9, (2, 4, 3))]
+
+
+def test_the_prefix_cache_keeps_a_freed_block_until_it_is_handed_out_again():
+    pool = BlockPool(6, block_size=4, enable_caching=True)
+    assert pool.allocate("a", 10)                       # blocks 1 2 3; two full, registered
+    assert pool.cached_prefix("a", 10) == 2
+    pool.free("a")                                      # free queue: 4 5 3 2 1
+    assert pool.cached_prefix("a", 10) == 2             # still there
+    assert pool.cached_prefix("a", 8) == 1              # the last known token is recomputed
+    assert pool.allocate("b", 12)                       # takes 4 5 3: nothing evicted
+    assert pool.cached_prefix("a", 10) == 2
+    assert pool.allocate("c", 4)                        # takes 2: a's second block evicted
+    assert pool.cached_prefix("a", 10) == 1
+    assert not pool.allocate("a", 9, hit_blocks=1)      # needs 2 new + block 1: 1 free
+    assert pool.cached_prefix("a", 10) == 1 and pool.num_free == 1   # nothing changed
+    pool.free("b")
+    assert pool.allocate("a", 9, hit_blocks=1) and pool.table("a")[0] == 1
+    off = BlockPool(6, block_size=4)
+    off.allocate("a", 10)
+    off.free("a")
+    assert off.cached_prefix("a", 10) == 0
+    with pytest.raises(ConfigError, match="enable_caching"):
+        BlockPool(6, enable_caching="yes")
+    with pytest.raises(ConfigError, match="enable_prefix_caching"):
+        VllmV1Scheduler(6, enable_prefix_caching=1)
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
@@ -246,7 +303,8 @@ def test_a_step_in_flight_holds_its_decodes_and_lets_prefill_chunks_run_ahead():
 def test_pipelined_steps_never_overlap_a_requests_tokens(seed, depth):
     """Up to ``depth`` steps in flight, finished in order: every request emits exactly
     output_len tokens, each scheduled range starts where the request's last one ended
-    (or at 0 after a preemption), and a request in flight is never preempted."""
+    (after a preemption: at a block boundary no further, what the prefix cache kept), and a
+    request in flight is never preempted."""
     rng = np.random.default_rng(seed)
     s = VllmV1Scheduler(int(rng.integers(12, 30)), block_size=4,
                         max_num_batched_tokens=int(rng.integers(8, 40)), max_num_seqs=4)
@@ -255,6 +313,7 @@ def test_pipelined_steps_never_overlap_a_requests_tokens(seed, depth):
     for r in reqs:
         s.add(r)
     flight, ends, emitted = [], {}, {r.request_id: 0 for r in reqs}
+    restarted = {}                          # preempted request -> where it had got to
     for _ in range(5000):
         if not s.has_unfinished and not flight:
             break
@@ -265,14 +324,18 @@ def test_pipelined_steps_never_overlap_a_requests_tokens(seed, depth):
             for x in step.scheduled:
                 if x.request_id in step.preempted:
                     continue
-                assert x.num_computed_tokens == ends.get(x.request_id, 0), (x, ends)
+                if x.request_id in restarted:
+                    start = x.num_computed_tokens
+                    assert start % 4 == 0 and start <= restarted.pop(x.request_id), x
+                else:
+                    assert x.num_computed_tokens == ends.get(x.request_id, 0), (x, ends)
                 ends[x.request_id] = x.context
             for rid in step.preempted:
-                ends[rid] = 0
+                restarted[rid] = ends.pop(rid, 0)
             flight.append(step)
         else:
             for rid in (step.preempted if step is not None else ()):
-                ends[rid] = 0
+                restarted[rid] = ends.pop(rid, 0)
             assert flight, "nothing in flight and nothing scheduled"
             out = s.finish_step(flight.pop(0))
             for rid in out.emitted:

@@ -117,6 +117,9 @@ def _add_deployment(p, plan: bool) -> None:
                    help="longest sequence the engine accepts (default: the workload's)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="vllm-v1: admit a prompt only when it fits one step's budget whole")
+    p.add_argument("--no-enable-prefix-caching", action="store_true",
+                   help="vllm-v1: no prefix cache (vLLM's flag; by default a preempted "
+                        "request takes back the KV blocks nobody overwrote)")
     p.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16",
                    help="bytes per weight: bf16 (default) or fp8")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
@@ -180,6 +183,7 @@ def _plan_of(args, **layout):
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_enable_prefix_caching,
         weight_bytes=1 if args.weight_dtype == "fp8" else 2,
         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, **layout)
 

@@ -457,6 +457,9 @@ _SECTIONS = {
             "enable_chunked_prefill": _bool("simulation, vllm-v1: split a prompt over steps "
                                             "(false: admit it only when it fits one step)",
                                             True),
+            "enable_prefix_caching": _bool("vllm-v1: keep full KV blocks after they are "
+                                           "freed, so a preempted request takes back what "
+                                           "nobody overwrote (vLLM v1's default)", True),
             "weight_dtype": _enum(("bf16", "fp8"), "simulation: bytes per weight", "bf16"),
             "kv_cache_dtype": _enum(("auto", "fp8"), "simulation: KV-cache bytes per "
                                     "element (auto: the weights' 16-bit)", "auto"),

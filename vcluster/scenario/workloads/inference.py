@@ -19,7 +19,7 @@ its rules (errors reported under the key the user wrote):
 * the **deployment**, a :class:`serving.ServingPlan`: ``parallel`` (tp, pp, ep, replicas,
   prefill_replicas, router) and the ``engine`` section (name, max_num_batched_tokens,
   max_num_seqs, block_size, gpu_memory_utilization, max_model_len, enable_chunked_prefill,
-  weight_dtype, kv_cache_dtype; ``num_blocks``: the emulated cache).
+  enable_prefix_caching, weight_dtype, kv_cache_dtype; ``num_blocks``: the emulated cache).
 
 ``run.mode``:
 
@@ -90,7 +90,8 @@ _KEY_PATHS = {
     "engine": "engine.name",
     **{k: f"engine.{k}" for k in ("max_num_batched_tokens", "max_num_seqs", "block_size",
                                   "gpu_memory_utilization", "max_model_len",
-                                  "enable_chunked_prefill", "num_blocks")},
+                                  "enable_chunked_prefill", "enable_prefix_caching",
+                                  "num_blocks")},
     "weight_bytes": "engine.weight_dtype", "kv_bytes": "engine.kv_cache_dtype",
 }
 
@@ -356,6 +357,7 @@ def serving_plan(scenario, spec: ModelSpec) -> ServingPlan:
                            gpu_memory_utilization=e["gpu_memory_utilization"],
                            max_model_len=e.get("max_model_len"),
                            enable_chunked_prefill=e["enable_chunked_prefill"],
+                           enable_prefix_caching=e["enable_prefix_caching"],
                            weight_bytes=1 if e["weight_dtype"] in _FP8 else 2,
                            kv_bytes=1 if e["kv_cache_dtype"] in _FP8 else 2)
         return plan.check(spec)
@@ -376,7 +378,9 @@ def _emulation_settings(scenario, requests) -> dict:
     e = scenario.engine
     return {"num_blocks": _num_blocks(scenario, requests), "block_size": e["block_size"],
             "max_num_batched_tokens": e.get("max_num_batched_tokens"),
-            "max_num_seqs": e["max_num_seqs"], "engine": str(e["name"])}
+            "max_num_seqs": e["max_num_seqs"], "engine": str(e["name"]),
+            "enable_prefix_caching": (e["enable_prefix_caching"]
+                                      if str(e["name"]) == "vllm-v1" else None)}
 
 
 # --- the parser's rules -----------------------------------------------------------------

@@ -121,6 +121,7 @@ class ServeReport:
             "model": self.model, "hardware": self.hardware, "tp": self.plan.tp,
             "pp": self.plan.pp, "ep": self.plan.ep, "replicas": self.plan.replicas,
             "prefill_replicas": self.plan.prefill_replicas, "engine": str(self.plan.engine),
+            "enable_prefix_caching": self.plan.enable_prefix_caching,
             "num_gpus": self.plan.gpus, "fits": self.fits,
             "kv_blocks_per_replica": c.num_blocks, "kv_block_size": c.block_size,
             "kv_tokens_per_replica": c.num_blocks * c.block_size,

@@ -69,6 +69,7 @@ def test_no_enable_prefix_caching_recomputes_preempted_requests_whole():
     assert cached["enable_prefix_caching"] and not plain["enable_prefix_caching"]
     assert cached["preemptions"] == plain["preemptions"] > 0
     assert cached["duration"] < plain["duration"]
+    assert 0 < cached["prefix_cache_hit_rate"] < 1 and plain["prefix_cache_hit_rate"] is None
     assert cached["total_output_tokens"] == plain["total_output_tokens"] == 40 * 256
 
 

@@ -129,6 +129,7 @@ class ServeReport:
         if self.result is not None:
             f = self.result.floors
             out.update({"preemptions": self.result.preemptions,
+                        "prefix_cache_hit_rate": self.result.prefix_cache_hit_rate,
                         "busy_s": f.busy_s, "floor_s": f.floor_s,
                         "decode_step_ms": _ms(f.per_token_decode_s),
                         "decode_step_floor_ms": _ms(f.per_token_decode_floor_s)})
@@ -178,8 +179,10 @@ class ServeReport:
             floor = f.per_token_decode_floor_s
             lines.append(f"decode step: {f.per_token_decode_s * 1e3:.2f} ms mean"
                          + ("" if floor is None else f", floor {floor * 1e3:.2f} ms"))
+        hits = self.result.prefix_cache_hit_rate
         lines.append(f"KV cache: peak {self.result.peak_kv_usage:.0%} of the blocks, mean "
-                     f"{m.mean_kv_cache_usage:.0%}; preemptions {self.result.preemptions}")
+                     f"{m.mean_kv_cache_usage:.0%}; preemptions {self.result.preemptions}"
+                     + ("" if hits is None else f"; prefix cache hit rate {hits:.1%}"))
         return "\n".join(lines)
 
 

@@ -200,7 +200,9 @@ class ServingSettings:
 class ServingResult:
     """A simulated serving run: vLLM-bench ``metrics``, per-request and per-step records,
     KV ``transfers`` (disaggregated runs), total ``preemptions``, ``peak_kv_usage``, the
-    ``floors`` summary and the ``settings`` it ran."""
+    ``floors`` summary, the ``settings`` it ran, and ``prefix_cache_hit_rate``: of the KV
+    blocks every admission looked up, the share found in the prefix cache, over every
+    replica (vLLM's logged "prefix cache hit rate"; None when no engine caches)."""
 
     metrics: ServingMetrics
     requests: tuple[RequestRecord, ...] = field(repr=False)
@@ -210,6 +212,7 @@ class ServingResult:
     peak_kv_usage: float
     floors: FloorSummary
     settings: ServingSettings
+    prefix_cache_hit_rate: float | None = None
 
     def steps_frame(self):
         """The step records as a pandas DataFrame (one row per step)."""
@@ -483,7 +486,7 @@ class _Simulation:
                                f"requests (first: {missing[:5]})")
 
     # results -------------------------------------------------------------------------
-    def result(self, settings: ServingSettings, percentiles) -> ServingResult:
+    def result(self, settings: ServingSettings, percentiles, engines=()) -> ServingResult:
         records = tuple(RequestRecord(r.request_id, self.sent_at[r.request_id], r.prompt_len,
                                       tuple(self.tokens[r.request_id]),
                                       self.served_by.get(r.request_id, 0))
@@ -492,10 +495,14 @@ class _Simulation:
         usage = [s.kv_usage for s in steps]
         metrics = compute_metrics(records, percentiles=percentiles, num_gpus=settings.num_gpus,
                                   kv_usage=usage, kv_weights_s=[s.duration_s for s in steps])
+        caches = [e.scheduler.pool for e in engines if e.scheduler.pool.enable_caching]
+        queried = sum(c.queried_blocks for c in caches)
+        hit_rate = (sum(c.hit_blocks for c in caches) / queried if queried else 0.0
+                    ) if caches else None
         return ServingResult(metrics, records, steps, tuple(self.transfers),
                              preemptions=sum(s.preempted for s in steps),
                              peak_kv_usage=max(usage, default=0.0), floors=_floors(steps),
-                             settings=settings)
+                             settings=settings, prefix_cache_hit_rate=hit_rate)
 
 
 def _floors(steps) -> FloorSummary:
@@ -580,7 +587,7 @@ def simulate_serving(requests_or_workload, *, pricer, num_blocks: int,
     sim.run()
     settings = ServingSettings((pool.describe(""),), str(Router(router)), limit, seed,
                                described, len(requests))
-    return sim.result(settings, percentiles)
+    return sim.result(settings, percentiles, engines)
 
 
 def simulate_disaggregated(requests_or_workload, *, prefill: ReplicaPool, decode: ReplicaPool,
@@ -650,5 +657,5 @@ def simulate_disaggregated(requests_or_workload, *, prefill: ReplicaPool, decode
     sim.run()
     settings = ServingSettings((prefill.describe("prefill"), decode.describe("decode")),
                                str(Router(router)), limit, seed, described, len(requests))
-    return sim.result(settings, percentiles)
+    return sim.result(settings, percentiles, [*prefillers, *decoders])
 

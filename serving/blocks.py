@@ -95,11 +95,6 @@ class BlockPool:
             frozen = self._frozen[request_id] = tuple(self._tables.get(request_id, ()))
         return frozen
 
-    def needed(self, request_id, num_tokens: int) -> int:
-        """Blocks to add so the request holds ``num_tokens`` tokens."""
-        return max(0, blocks_for(num_tokens, self.block_size)
-                   - len(self._tables.get(request_id, ())))
-
     def cached_prefix(self, request_id, num_tokens: int) -> int:
         """Leading blocks of ``request_id`` (which holds none now) still registered, at most
         ⌊(num_tokens − 1) / block_size⌋ of them: vLLM recomputes at least the last known
@@ -136,7 +131,7 @@ class BlockPool:
             if table:
                 raise ValueError(f"allocate: request {request_id!r} already holds blocks; "
                                  "cached blocks are taken back only on admission")
-            need = -(-num_tokens // bs) - hit_blocks
+            need = blocks_for(num_tokens, bs) - hit_blocks
             if need < 0 or need + hit_blocks > len(self._free):
                 return False
             table = self._tables[request_id] = []
@@ -147,7 +142,7 @@ class BlockPool:
             self._registered[request_id] = hit_blocks
             self._frozen.pop(request_id, None)
         else:
-            need = -(-num_tokens // bs) - (len(table) if table else 0)
+            need = blocks_for(num_tokens, bs) - (len(table) if table else 0)
         if need > 0:
             if need > len(self._free):
                 return False

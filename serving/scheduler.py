@@ -359,15 +359,13 @@ class VllmV1Scheduler(_Scheduler):
                 rid = state.request.request_id
                 lookup = self.pool.enable_caching and not state.ahead   # nothing computed
                 hits = self.pool.cached_prefix(rid, state.num_tokens) if lookup else 0
-                if hits:
-                    state.computed = hits * self.pool.block_size
+                taken = hits * self.pool.block_size
+                state.computed += taken                     # undone unless admitted
                 n = state.num_tokens - state.ahead
-                if not self.enable_chunked_prefill and n > budget:
-                    state.computed -= hits * self.pool.block_size
-                    break
+                whole = self.enable_chunked_prefill or n <= budget
                 n = self._cap(state, n, budget)
-                if not self.pool.allocate(rid, state.ahead + n, hit_blocks=hits):
-                    state.computed -= hits * self.pool.block_size
+                if not (whole and self.pool.allocate(rid, state.ahead + n, hit_blocks=hits)):
+                    state.computed -= taken
                     break
                 if lookup:
                     self.pool.record_admission(state.num_tokens, hits)

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 from modeling.choices import Engine
 from modeling.errors import ConfigError
@@ -63,12 +65,12 @@ __all__ = ["ScheduledRequest", "EngineStep", "StepOutcome", "VllmV1Scheduler",
            "StaticScheduler", "make_scheduler", "steps_by_arrival"]
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(NamedTuple):
     """One request's share of a step: ``num_new_tokens`` from position
     ``num_computed_tokens``; ``block_table`` after this step's allocation; ``samples``:
     the step reaches the end of its known tokens and emits one; ``is_decode``: one new
-    token after its prompt was fully computed."""
+    token after its prompt was fully computed. (A named tuple: immutable, and built once
+    per request per step — a third of a frozen dataclass's cost.)"""
 
     request_id: int
     num_new_tokens: int
@@ -92,23 +94,37 @@ class EngineStep:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[int, ...] = ()
 
+    @cached_property
+    def _counts(self) -> tuple[int, int, int, int]:
+        """(scheduled tokens, prefill tokens, decode sequences, sampled rows): one pass."""
+        tokens = prefill = decode = samples = 0
+        for s in self.scheduled:
+            tokens += s.num_new_tokens
+            if s.is_decode:
+                decode += 1
+            else:
+                prefill += s.num_new_tokens
+            if s.samples:
+                samples += 1
+        return tokens, prefill, decode, samples
+
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return self._counts[0]
 
     @property
     def prefill_tokens(self) -> int:
         """Tokens of prefill chunks (recomputation included)."""
-        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+        return self._counts[1]
 
     @property
     def decode_seqs(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
+        return self._counts[2]
 
     @property
     def num_samples(self) -> int:
         """Sequences that emit a token: the rows the LM head computes."""
-        return sum(1 for s in self.scheduled if s.samples)
+        return self._counts[3]
 
     @property
     def is_empty(self) -> bool:
@@ -229,12 +245,12 @@ class _Scheduler:
     # --- a step ------------------------------------------------------------------------
     def _scheduled(self, state: _State, n: int) -> ScheduledRequest:
         req = state.request
-        start = state.ahead
+        start = state.computed + state.flight                  # state.ahead
         state.flight += n
         return ScheduledRequest(
             req.request_id, n, start, self.pool.table(req.request_id),
-            samples=start + n == state.num_tokens,
-            is_decode=n == 1 and start >= req.prompt_len)
+            start + n == req.prompt_len + state.emitted,       # reaches state.num_tokens
+            n == 1 and start >= req.prompt_len)
 
     def _next_step(self, scheduled, preempted=()) -> EngineStep:
         step = EngineStep(self._step, tuple(scheduled), tuple(preempted))
@@ -249,16 +265,16 @@ class _Scheduler:
     def finish_step(self, step: EngineStep) -> StepOutcome:
         """Advance the step's requests: computed += new tokens; emit where the step
         reached the end of the known tokens; finish (and free) those at their length."""
-        emitted, finished = [], []
+        emitted, finished, states = [], [], self._states
         for s in step.scheduled:
-            state = self._states[s.request_id]
+            state = states[s.request_id]
             if state.computed != s.num_computed_tokens:
                 raise ValueError(f"finish_step: step {step.index} is stale for request "
                                  f"{s.request_id!r} (computed {state.computed}, the step says "
                                  f"{s.num_computed_tokens}); finish each step once, in order")
             state.computed += s.num_new_tokens
             state.flight -= s.num_new_tokens
-            if state.computed == state.num_tokens:
+            if state.computed == state.request.prompt_len + state.emitted:   # num_tokens
                 state.emitted += 1
                 emitted.append(s.request_id)
                 if self._done(state):
@@ -334,11 +350,12 @@ class VllmV1Scheduler(_Scheduler):
         i = 0
         while i < len(self._running) and budget > 0:
             state = self._running[i]
-            n = self._cap(state, state.num_tokens - state.ahead, budget)
+            ahead = state.computed + state.flight
+            n = self._cap(state, state.request.prompt_len + state.emitted - ahead, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self.pool.allocate(state.request.request_id, state.ahead + n):
+            while not self.pool.allocate(state.request.request_id, ahead + n):
                 victim, at = self._preempt()
                 if victim is None:
                     break

@@ -36,10 +36,11 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
   B = the expected distinct experts reached, E·(1 − (1 − k/E)^T)
   (:func:`~.floors.expected_experts`), the GPU's share of them (P_e/t bytes each, E/ep
   whole ones: the same) read once, plus the routed activations pairs·(2h + 2·m·f')·b; six
-  kernels (top-k, align, two grouped GEMMs, activation, sum). Expert parallelism is ep ∈ {1, tp} (:class:`serving.
-  ServingPlan`): with ep = tp every GPU holds all T tokens after attention's all-reduce
-  and computes its local experts, and the MLP's all-reduce combines them — vLLM's path
-  without all-to-all kernels — so the dispatch costs nothing beyond that all-reduce.
+  kernels (top-k, align, two grouped GEMMs, activation, sum). Expert parallelism is
+  ep ∈ {1, tp} (:class:`serving.ServingPlan`): with ep = tp every GPU holds all T tokens
+  after attention's all-reduce and computes its local experts, and the MLP's all-reduce
+  combines them — vLLM's path without all-to-all kernels — so the dispatch costs nothing
+  beyond that all-reduce.
 * elementwise (``elementwise_s``): two fused add+RMSNorms (4·T·h·b each), rotary
   embedding on q and k, the KV-cache write (2·T·KV bytes per token), a dense MLP's
   activation (T·(m·f/t)·b), the embedding lookup (first stage) and the final norm (last).
@@ -47,9 +48,9 @@ Per layer, each distinct layer type priced once and multiplied by its count on t
   runs them (``tp_allreduce``): ``vllm-custom`` (the default) — vLLM's custom all-reduce
   where vLLM uses it (:mod:`.tp_allreduce`: measured on H100, one node, up to 8 MiB), NCCL
   elsewhere; ``nccl`` — :func:`~vcluster.timing.collective_cost.collective_time_s` over
-  the stage's tp ranks, NCCL's algorithm choice; pp > 1 — per stage boundary vLLM's ``send_tensor_dict`` of the
-  hidden states and the residual, 2·T·h·b: each tp rank sends its 1/t slice to its peer
-  and the next stage all-gathers them (``pp_send_s``).
+  the stage's tp ranks, NCCL's algorithm choice; pp > 1 — per stage boundary vLLM's
+  ``send_tensor_dict`` of the hidden states and the residual, 2·T·h·b: each tp rank sends
+  its 1/t slice to its peer and the next stage all-gathers them (``pp_send_s``).
 * LM head (``lm_head_s``, last stage): the S sampled rows only, S × h × V/t, the
   all-gather of their logits (S·V·b gathered) and the sampler over them
   (:data:`SAMPLER_BYTES_PER_LOGIT` per logit).
@@ -93,7 +94,10 @@ max anyway.
 Speed: the layout's shapes are fixed at construction; a call does a few numpy reductions
 over the rows and one vectorised roofline over every GEMM of the model (Llama-3.1-70B at
 tp 8 with 256 decode rows: 55–65 µs per call on the 2-core development machine, from rows
-or from an EngineStep).
+or from an EngineStep). Everything but attention, measured layers and the floor depends
+only on (tokens, sampled rows, prefill rows' earlier context, CUDA-graph mode), which a
+serving run repeats step after step: :meth:`ServingCostModel.price` keeps those parts per
+key (``_memo``), so a repeated key costs the attention loop and the floor alone.
 """
 
 from __future__ import annotations
@@ -158,6 +162,9 @@ _ACT = 2            # bytes per activation element (bf16)
 # context of its prefill rows (latent attention's context up-projection)
 _M_TOKENS, _M_SAMPLES, _M_CONTEXT = 0, 1, 2
 _GEMM, _MOE, _HEAD = 0, 1, 2    # which part of the breakdown a GEMM belongs to
+# price()'s memo of context-free parts: cleared when it holds this many keys (a key is a
+# step's (tokens, samples, prefill context, graph); a 1,000-request run has ~10^3-10^4)
+_MEMO_ENTRIES = 65536
 
 
 @dataclass(frozen=True)
@@ -217,11 +224,15 @@ def step_rows(step) -> tuple[list, list, int]:
     samples) triples. A decode row is one with a single new token."""
     scheduled = getattr(step, "scheduled", None)
     if scheduled is not None:
-        decode = [r.num_computed_tokens + 1 for r in scheduled if r.num_new_tokens == 1]
-        prefill = [] if len(decode) == len(scheduled) else [
-            (r.num_new_tokens, r.num_computed_tokens + r.num_new_tokens)
-            for r in scheduled if r.num_new_tokens != 1]
-        return decode, prefill, sum(1 for r in scheduled if r.samples)
+        decode, prefill, samples = [], [], 0
+        for r in scheduled:
+            n = r.num_new_tokens
+            if n == 1:
+                decode.append(r.num_computed_tokens + 1)
+            else:
+                prefill.append((n, r.num_computed_tokens + n))
+            samples += r.samples
+        return decode, prefill, samples
     try:
         rows = list(step)
         width = {len(r) for r in rows}
@@ -269,8 +280,8 @@ class ServingCostModel:
     ``weight_bytes_per_param`` and a KV cache of ``kv_bytes_per_element`` (module docstring
     for the model and each constant's source). ``graph_kernel_overhead_s`` None:
     :data:`GRAPH_KERNEL_FIXED_US`; ``eager_kernel_overhead_s`` None: that plus
-    :data:`CUDA_LAUNCH_US`, at least the device's ``kernel_overhead_us``; ``cudagraph_max_tokens`` 0: no CUDA graphs
-    (``enforce_eager``)."""
+    :data:`CUDA_LAUNCH_US`, at least the device's ``kernel_overhead_us``;
+    ``cudagraph_max_tokens`` 0: no CUDA graphs (``enforce_eager``)."""
 
     spec: ModelSpec
     hardware: HardwareSpec
@@ -288,6 +299,7 @@ class ServingCostModel:
     graph_kernel_overhead_s: float | None = None
     floors: FloorModel = field(init=False, repr=False, compare=False)
     _c: dict = field(init=False, repr=False, compare=False)
+    _memo: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_layout(self.spec, self.tp, self.pp, self.ep)
@@ -316,6 +328,7 @@ class ServingCostModel:
             self.spec, self.hardware, self.tp, self.pp, self.ep, self.dtype,
             self.weight_bytes_per_param, self.kv_bytes_per_element))
         object.__setattr__(self, "_c", self._constants())
+        object.__setattr__(self, "_memo", {})
 
     @property
     def measured_layers(self) -> tuple:
@@ -457,30 +470,16 @@ class ServingCostModel:
         graph = "none"
         if t <= self.cudagraph_max_tokens:
             graph = "full" if decode == shape.sequences else "piecewise"
-        fix = self.eager_kernel_overhead_s if graph == "none" else self.graph_kernel_overhead_s
+        key = (t, s_rows, shape.prefill_context, graph)
+        fixed = self._memo.get(key)
+        if fixed is None:
+            if len(self._memo) >= _MEMO_ENTRIES:
+                self._memo.clear()
+            fixed = self._memo[key] = self._context_free(*key)
+        gemm, moe, head, elementwise, comm, sends, fixed_stage = fixed
         fix_attn = self.graph_kernel_overhead_s if graph == "full" \
             else self.eager_kernel_overhead_s
-        bw, b_w = k["bw"], self.weight_bytes_per_param
-        # GEMMs: one vectorised roofline over every GEMM of every stage
-        m = np.array((t, s_rows, shape.prefill_context), dtype=float)[k["gemm_m"]]
-        kk, nn = k["gemm_k"], k["gemm_n"]
-        if k["padded"]:
-            flops = 2.0 * np.ceil(m / TILE) * TILE * kk * np.ceil(nn / TILE) * TILE
-        else:
-            flops = 2.0 * m * kk * nn
-        nbytes = m * kk * k["act_in"] + kk * nn * b_w + m * nn * _ACT
-        times = np.where(m > 0, fix + np.maximum(flops / k["gemm_rate"], nbytes / bw), 0.0)
-        parts = np.bincount(k["gemm_slot"], weights=times * k["gemm_count"],
-                            minlength=3 * pp).reshape(pp, 3)
-        gemm, moe, head = parts[:, _GEMM].copy(), parts[:, _MOE].copy(), parts[:, _HEAD].copy()
-        # MoE: one fused roofline per layer type (module docstring)
-        for s, experts, top_k, mats, width, share, count in k["moe"]:
-            per_expert = mats * self.spec.hidden * width       # one expert's share here
-            pairs = t * top_k / share                          # routed pairs computed here
-            f = 2.0 * pairs * per_expert
-            b = (expected_experts(experts, top_k, t) / share * per_expert * b_w
-                 + pairs * (2 * self.spec.hidden + 2 * mats * width) * _ACT)
-            moe[s] += count * (6 * fix + max(f / k["moe_rate"], b / bw))
+        bw = k["bw"]
         # attention: prefill rows and decode rows, each one kernel
         attention = np.zeros(pp)
         t_pre = t - decode
@@ -501,6 +500,46 @@ class ServingCostModel:
             context = shape.read[None][1]
             for s, fit, count in k["measured"]:
                 layers[s] += count * fit.step_s(decode, context, t_pre, square)
+        stage = fixed_stage + attention + layers
+        overhead = self.step_overhead_s + self.per_sequence_overhead_s * shape.sequences
+        floor = self.floors.floor(shape).floor_s
+        parts_total = float(stage.sum()) + sum(sends) + overhead
+        return StepTime(
+            total_s=max(parts_total, floor), floor_s=floor, gemm_s=gemm,
+            attention_s=float(attention.sum()), moe_s=moe, elementwise_s=elementwise,
+            comm_s=comm, lm_head_s=head, overhead_s=overhead, layers_s=float(layers.sum()),
+            stage_s=tuple(float(x) for x in stage), pp_send_s=sends, tokens=t,
+            samples=s_rows, cuda_graph=graph)
+
+    def _context_free(self, t: int, s_rows: int, prefill_context: int, graph: str) -> tuple:
+        """The parts of a step's price that depend only on its token count, sampled rows,
+        prefill rows' earlier context and CUDA-graph mode — not on the contexts attention
+        reads: (gemm_s, moe_s, lm_head_s, elementwise_s, comm_s, pp_send_s, their sum
+        per stage). A serving run repeats these keys step after step (:meth:`price`
+        keeps them in ``_memo``)."""
+        k, pp = self._c, self.pp
+        fix = self.eager_kernel_overhead_s if graph == "none" else self.graph_kernel_overhead_s
+        bw, b_w = k["bw"], self.weight_bytes_per_param
+        # GEMMs: one vectorised roofline over every GEMM of every stage
+        m = np.array((t, s_rows, prefill_context), dtype=float)[k["gemm_m"]]
+        kk, nn = k["gemm_k"], k["gemm_n"]
+        if k["padded"]:
+            flops = 2.0 * np.ceil(m / TILE) * TILE * kk * np.ceil(nn / TILE) * TILE
+        else:
+            flops = 2.0 * m * kk * nn
+        nbytes = m * kk * k["act_in"] + kk * nn * b_w + m * nn * _ACT
+        times = np.where(m > 0, fix + np.maximum(flops / k["gemm_rate"], nbytes / bw), 0.0)
+        parts = np.bincount(k["gemm_slot"], weights=times * k["gemm_count"],
+                            minlength=3 * pp).reshape(pp, 3)
+        gemm, moe, head = parts[:, _GEMM].copy(), parts[:, _MOE].copy(), parts[:, _HEAD].copy()
+        # MoE: one fused roofline per layer type (module docstring)
+        for s, experts, top_k, mats, width, share, count in k["moe"]:
+            per_expert = mats * self.spec.hidden * width       # one expert's share here
+            pairs = t * top_k / share                          # routed pairs computed here
+            f = 2.0 * pairs * per_expert
+            b = (expected_experts(experts, top_k, t) / share * per_expert * b_w
+                 + pairs * (2 * self.spec.hidden + 2 * mats * width) * _ACT)
+            moe[s] += count * (6 * fix + max(f / k["moe_rate"], b / bw))
         elementwise = np.zeros(pp)
         for s, per_token, kernels, count in k["elementwise"]:
             elementwise[s] += count * (kernels * fix + t * per_token / bw)
@@ -518,17 +557,9 @@ class ServingCostModel:
                 + fix + logits * SAMPLER_BYTES_PER_LOGIT / bw
         sends = tuple(_time(k["send"][s], 2 * hidden_bytes / self.tp)
                       + _time(k["all_gather"][s + 1], 2 * hidden_bytes) for s in range(pp - 1))
-        stage = gemm + moe + attention + elementwise + comm + head + layers
-        overhead = self.step_overhead_s + self.per_sequence_overhead_s * shape.sequences
-        floor = self.floors.floor(shape).floor_s
-        parts_total = float(stage.sum()) + sum(sends) + overhead
-        return StepTime(
-            total_s=max(parts_total, floor), floor_s=floor, gemm_s=float(gemm.sum()),
-            attention_s=float(attention.sum()), moe_s=float(moe.sum()),
-            elementwise_s=float(elementwise.sum()), comm_s=float(comm.sum()) + sum(sends),
-            lm_head_s=float(head.sum()), overhead_s=overhead, layers_s=float(layers.sum()),
-            stage_s=tuple(float(x) for x in stage), pp_send_s=sends, tokens=t,
-            samples=s_rows, cuda_graph=graph)
+        stage = gemm + moe + elementwise + comm + head
+        return (float(gemm.sum()), float(moe.sum()), float(head.sum()),
+                float(elementwise.sum()), float(comm.sum()) + sum(sends), sends, stage)
 
 
 def _seconds(name: str, value) -> None:

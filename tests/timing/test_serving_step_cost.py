@@ -331,6 +331,36 @@ def test_bad_input_names_the_argument():
         model.step_time([1, 2])
 
 
+@pytest.mark.parametrize("name, tp, pp", [("llama-3.1-8b", 1, 1), ("qwen3-30b-a3b", 2, 2)])
+def test_a_price_does_not_depend_on_the_steps_priced_before(name, tp, pp):
+    """price() keeps the context-free parts per (tokens, samples, prefill context):
+    every step of a scheduler's run, priced by one model in order, twice, and after its
+    memo filled up, equals the same step priced by a fresh model."""
+    from vcluster.timing.serving import step_cost
+    spec = MODELS[name]
+    model = ServingCostModel(spec, H100, tp=tp, pp=pp)
+    sched = VllmV1Scheduler(num_blocks=3000, max_num_batched_tokens=1024, max_num_seqs=16)
+    for i in range(10):
+        sched.add(Request(i, prompt_len=200 + 150 * i, output_len=12 + 5 * i))
+    steps = []
+    while sched.has_unfinished:
+        steps.append(sched.schedule())
+        sched.finish_step(steps[-1])
+    keys = {(s.num_scheduled_tokens, s.num_samples) for s in steps}
+    assert len(keys) < len(steps)             # keys repeat: the memo is used
+    first = [model.step_time(s) for s in steps]
+    assert [model.step_time(s) for s in reversed(steps)] == first[::-1]
+    assert first == [ServingCostModel(spec, H100, tp=tp, pp=pp).step_time(s) for s in steps]
+    assert 0 < len(model._memo) <= step_cost._MEMO_ENTRIES
+    # 4 tokens, 3 samples, no earlier prefill context: a mixed step (piecewise graphs)
+    # and a decode-only one (a full graph) price differently in any order
+    mixed = [(1, 100, True), (1, 200, True), (2, 2, True)]
+    decode = [(1, 100, True), (1, 200, True), (1, 300, False), (1, 400, True)]
+    fresh = [ServingCostModel(spec, H100, tp=tp, pp=pp).step_time(r) for r in (mixed, decode)]
+    assert [model.step_time(r) for r in (mixed, decode)] == fresh
+    assert fresh[0].cuda_graph == "piecewise" and fresh[1].cuda_graph == "full"
+
+
 def test_step_time_is_fast():
     """≤ 100 µs per call for an 80-layer uniform model with 256 sequences (module
     docstring's figure); asserted at 1 ms so a loaded machine does not fail it."""

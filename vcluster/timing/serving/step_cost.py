@@ -95,8 +95,8 @@ Speed: the layout's shapes are fixed at construction; a call does a few numpy re
 over the rows and one vectorised roofline over every GEMM of the model (Llama-3.1-70B at
 tp 8 with 256 decode rows: 55–65 µs per call on the 2-core development machine, from rows
 or from an EngineStep). Everything but attention, measured layers and the floor depends
-only on (tokens, sampled rows, prefill rows' earlier context, CUDA-graph mode), which a
-serving run repeats step after step: :meth:`ServingCostModel.price` keeps those parts per
+only on (tokens, sampled rows, prefill rows' earlier context), which a serving run
+repeats step after step: :meth:`ServingCostModel.price` keeps those parts per
 key (``_memo``), so a repeated key costs the attention loop and the floor alone.
 """
 
@@ -163,7 +163,7 @@ _ACT = 2            # bytes per activation element (bf16)
 _M_TOKENS, _M_SAMPLES, _M_CONTEXT = 0, 1, 2
 _GEMM, _MOE, _HEAD = 0, 1, 2    # which part of the breakdown a GEMM belongs to
 # price()'s memo of context-free parts: cleared when it holds this many keys (a key is a
-# step's (tokens, samples, prefill context, graph); a 1,000-request run has ~10^3-10^4)
+# step's (tokens, samples, prefill context); a 1,000-request run has ~10^3-10^4)
 _MEMO_ENTRIES = 65536
 
 
@@ -470,7 +470,7 @@ class ServingCostModel:
         graph = "none"
         if t <= self.cudagraph_max_tokens:
             graph = "full" if decode == shape.sequences else "piecewise"
-        key = (t, s_rows, shape.prefill_context, graph)
+        key = (t, s_rows, shape.prefill_context)
         fixed = self._memo.get(key)
         if fixed is None:
             if len(self._memo) >= _MEMO_ENTRIES:
@@ -511,14 +511,16 @@ class ServingCostModel:
             stage_s=tuple(float(x) for x in stage), pp_send_s=sends, tokens=t,
             samples=s_rows, cuda_graph=graph)
 
-    def _context_free(self, t: int, s_rows: int, prefill_context: int, graph: str) -> tuple:
-        """The parts of a step's price that depend only on its token count, sampled rows,
-        prefill rows' earlier context and CUDA-graph mode — not on the contexts attention
-        reads: (gemm_s, moe_s, lm_head_s, elementwise_s, comm_s, pp_send_s, their sum
-        per stage). A serving run repeats these keys step after step (:meth:`price`
-        keeps them in ``_memo``)."""
+    def _context_free(self, t: int, s_rows: int, prefill_context: int) -> tuple:
+        """The parts of a step's price that depend only on its token count, sampled rows
+        and prefill rows' earlier context — not on the contexts attention reads nor on
+        whether the step is decode-only (a full CUDA graph or piecewise ones: the same
+        fixed cost outside attention): (gemm_s, moe_s, lm_head_s, elementwise_s, comm_s,
+        pp_send_s, their sum per stage). A serving run repeats these keys step after step
+        (:meth:`price` keeps them in ``_memo``)."""
         k, pp = self._c, self.pp
-        fix = self.eager_kernel_overhead_s if graph == "none" else self.graph_kernel_overhead_s
+        fix = self.eager_kernel_overhead_s if t > self.cudagraph_max_tokens \
+            else self.graph_kernel_overhead_s
         bw, b_w = k["bw"], self.weight_bytes_per_param
         # GEMMs: one vectorised roofline over every GEMM of every stage
         m = np.array((t, s_rows, prefill_context), dtype=float)[k["gemm_m"]]

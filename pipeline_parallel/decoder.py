@@ -563,6 +563,20 @@ def _check_requests(cfg: GPTConfig, requests, prompts, num_blocks: int,
                               f"{cfg.vocab})", f"request {r.request_id}'s prompt_len is "
                               f"{r.prompt_len}")
         out.append(tuple(int(x) for x in a))
+    longest: dict = {}                      # prefix id -> (request index, its prefix tokens)
+    for i, r in enumerate(requests):
+        if r.prefix_id is not None and len(out[i][:r.prefix_len]) > len(
+                longest.get(r.prefix_id, (0, ()))[1]):
+            longest[r.prefix_id] = (i, out[i][:r.prefix_len])
+    for i, r in enumerate(requests):
+        if r.prefix_id is None:
+            continue
+        j, head = longest[r.prefix_id]
+        if out[i][:r.prefix_len] != head[:r.prefix_len]:
+            raise ConfigError(f"prompts[{i}]", out[i][:r.prefix_len],
+                              f"the first {r.prefix_len} tokens of prompts[{j}] (prefix_id "
+                              f"{r.prefix_id})", "requests of one prefix_id share their "
+                              "first prefix_len tokens, and the prefix cache shares their KV")
     return requests, tuple(out)
 
 

@@ -17,11 +17,17 @@ it leaves the cache only when the free queue hands it to someone else (the head 
 queue: least recently freed, a table's last block first). A request admitted with nothing
 computed first takes back the longest run of its leading blocks still registered
 (:meth:`BlockPool.cached_prefix`, :meth:`BlockPool.allocate` with ``hit_blocks``) and
-computes only the rest. Block contents are named by (request, block index): a request's
-tokens never change, and requests share no prefix here (every prompt is its own, as in
-``vllm bench``'s random dataset), so a hit is a request's own KV surviving its preemption
-— vLLM hashes each block's tokens chained to its parent's, which for distinct prompts
-names the same thing.
+computes only the rest. vLLM names a full block by a hash of its tokens chained to its
+parent block's; here the name says the same without tokens: a block wholly inside a
+request's *shared prefix* (:attr:`serving.Request.shared_prefix`: the first ``prefix_len``
+tokens are those of prefix ``prefix_id``, as ``vllm bench serve --random-prefix-len``
+gives every prompt one prefix) is (prefix, block index) — the same tokens at the same
+positions in every request of that prefix — and any other block is (request, block index):
+a request's tokens never change and its own tokens are its own, so such a hit is its KV
+surviving a preemption. A block may then sit in several tables at once: each holder
+counts (vLLM's ``ref_cnt``), it joins the free queue when the last one frees it, and
+admitting a request that takes back cached blocks needs free blocks only for its new ones
+and for those of its hits now in the free queue.
 """
 
 from __future__ import annotations
@@ -60,9 +66,10 @@ class BlockPool:
         self._free: OrderedDict = OrderedDict.fromkeys(range(1, num_blocks))
         self._tables: dict = {}
         self._frozen: dict = {}          # request id -> its table as a tuple, until it grows
-        self._holds: dict = {}           # block -> (request id, index): a full block's content
-        self._cached: dict = {}          # (request id, index) -> block, while registered
+        self._holds: dict = {}           # block -> its name (_name): a full block's content
+        self._cached: dict = {}          # name -> block, while registered
         self._registered: dict = {}      # request id -> its leading blocks registered so far
+        self._refs: dict = {}            # block -> tables holding it (absent: free)
         self.hit_blocks = self.queried_blocks = 0   # vLLM's prefix-cache hit-rate counters
 
     @property
@@ -95,18 +102,29 @@ class BlockPool:
             frozen = self._frozen[request_id] = tuple(self._tables.get(request_id, ()))
         return frozen
 
-    def cached_prefix(self, request_id, num_tokens: int) -> int:
+    def cached_prefix(self, request_id, num_tokens: int, prefix=None) -> int:
         """Leading blocks of ``request_id`` (which holds none now) still registered, at most
         ⌊(num_tokens − 1) / block_size⌋ of them: vLLM recomputes at least the last known
         token, whose logits it samples from (``max_cache_hit_length = num_tokens − 1``).
-        0 without caching."""
+        ``prefix``: (prefix id, tokens) the request shares with others
+        (:attr:`serving.Request.shared_prefix`; None: nothing shared). 0 without
+        caching."""
         if not self.enable_caching:
             return 0
         limit = max(0, num_tokens - 1) // self.block_size
         hits = 0
-        while hits < limit and (request_id, hits) in self._cached:
+        while hits < limit and self._name(request_id, hits, prefix) in self._cached:
             hits += 1
         return hits
+
+    def _name(self, request_id, index: int, prefix) -> tuple:
+        """What block ``index`` of the request holds: (None, prefix id, index) for a block
+        wholly inside its shared prefix — the same tokens at the same positions in every
+        request of that prefix, as vLLM's chained hash names them — else (request id,
+        index)."""
+        if prefix is not None and (index + 1) * self.block_size <= prefix[1]:
+            return None, prefix[0], index
+        return request_id, index
 
     def record_admission(self, num_tokens: int, hit_blocks: int) -> None:
         """Count one admission's lookup for :attr:`hit_rate`: ``num_tokens`` known tokens,
@@ -119,12 +137,14 @@ class BlockPool:
         """Blocks found cached / blocks looked up at admissions (0 when none looked up)."""
         return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
 
-    def allocate(self, request_id, num_tokens: int, hit_blocks: int = 0) -> bool:
+    def allocate(self, request_id, num_tokens: int, hit_blocks: int = 0,
+                 prefix=None) -> bool:
         """Grow the request's table to hold ``num_tokens`` tokens — first taking back its
-        ``hit_blocks`` cached leading blocks (:meth:`cached_prefix`; the request holds none)
-        out of the free queue — and register the blocks it fills; False, and nothing
-        changed, when fewer blocks are free than it needs (cached ones taken back
-        included, as vLLM counts its evictable computed blocks)."""
+        ``hit_blocks`` cached leading blocks (:meth:`cached_prefix` with the same
+        ``prefix``; the request holds none): out of the free queue, or shared with the
+        requests holding them — and register the blocks it fills; False, and nothing
+        changed, when fewer blocks are free than it needs (cached ones it takes out of the
+        free queue included, as vLLM counts its evictable computed blocks)."""
         table = self._tables.get(request_id)
         bs = self.block_size
         if hit_blocks:
@@ -132,13 +152,15 @@ class BlockPool:
                 raise ValueError(f"allocate: request {request_id!r} already holds blocks; "
                                  "cached blocks are taken back only on admission")
             need = blocks_for(num_tokens, bs) - hit_blocks
-            if need < 0 or need + hit_blocks > len(self._free):
+            hits = [self._cached[self._name(request_id, i, prefix)] for i in range(hit_blocks)]
+            evictable = sum(1 for block in hits if block in self._free)
+            if need < 0 or need + evictable > len(self._free):
                 return False
-            table = self._tables[request_id] = []
-            for index in range(hit_blocks):
-                block = self._cached[(request_id, index)]
-                del self._free[block]
-                table.append(block)
+            for block in hits:
+                if block in self._free:
+                    del self._free[block]
+                self._refs[block] = self._refs.get(block, 0) + 1
+            table = self._tables[request_id] = hits
             self._registered[request_id] = hit_blocks
             self._frozen.pop(request_id, None)
         else:
@@ -148,40 +170,53 @@ class BlockPool:
                 return False
             if table is None:
                 table = self._tables[request_id] = []
-            holds, pop = self._holds, self._free.popitem
+            holds, refs, pop = self._holds, self._refs, self._free.popitem
             for _ in range(need):
                 block, _ = pop(last=False)
                 if holds:
                     content = holds.pop(block, None)
                     if content is not None:           # evicted: the cache forgets it
                         del self._cached[content]
+                refs[block] = 1
                 table.append(block)
             self._frozen.pop(request_id, None)
         if self.enable_caching:
             full, done = num_tokens // bs, self._registered.get(request_id, 0)
             if full > done:
-                self._register(request_id, table, done, full)
+                self._register(request_id, table, done, full, prefix)
         return True
 
-    def _register(self, request_id, table: list, start: int, stop: int) -> None:
-        """Name blocks ``start``..``stop`` − 1 of the request's table as holding its
-        blocks of those indices (an older copy of one, still free, stops being one)."""
+    def _register(self, request_id, table: list, start: int, stop: int, prefix) -> None:
+        """Name blocks ``start``..``stop`` − 1 of the request's table by what they hold
+        (:meth:`_name`); an older copy of one (a request that computed the same shared
+        block beside it, or its own before a preemption) stops being findable."""
         for index in range(start, stop):
-            block = table[index]
-            stale = self._cached.get((request_id, index))
+            block, name = table[index], self._name(request_id, index, prefix)
+            stale = self._cached.get(name)
             if stale is not None and stale != block:
                 del self._holds[stale]
-            self._cached[(request_id, index)] = block
-            self._holds[block] = (request_id, index)
+            self._cached[name] = block
+            self._holds[block] = name
         self._registered[request_id] = stop
 
     def free(self, request_id) -> None:
-        """The request's blocks return to the free queue's tail, last block first; full
-        ones stay registered until handed out again."""
+        """The request's blocks leave its table; those no other request holds return to
+        the free queue's tail, last block first; full ones stay registered until handed
+        out again."""
+        refs = self._refs
         for block in reversed(self._tables.pop(request_id, [])):
-            self._free[block] = None
+            left = refs[block] - 1
+            if left:
+                refs[block] = left
+            else:
+                del refs[block]
+                self._free[block] = None
         self._frozen.pop(request_id, None)
         self._registered.pop(request_id, None)
+
+    def holders(self, block: int) -> int:
+        """Requests whose tables hold ``block`` now (0: free)."""
+        return self._refs.get(block, 0)
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "

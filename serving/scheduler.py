@@ -21,11 +21,13 @@ Each step has a token budget ``max_num_batched_tokens``:
    is the one being scheduled, scheduling of running requests stops.
 2. *Waiting* requests, only if nothing was preempted in this step, FCFS, while budget is
    left and fewer than ``max_num_seqs`` run: a request with nothing computed first takes
-   back its leading blocks still in the prefix cache (:mod:`serving.blocks`: a preempted
-   request's KV that nobody has overwritten; at most up to its last known token) and
-   counts them computed; it then gets n = min(tokens − computed, budget) (with chunked
-   prefill disabled a prompt that does not fit whole stops admission), its blocks, and
-   joins the running queue's tail; a request whose blocks do not fit stops admission.
+   back its leading blocks still in the prefix cache (:mod:`serving.blocks`: a shared
+   prefix another request computed — registered as soon as a step schedules it full,
+   so even one computed in this same step — or a preempted request's own KV that
+   nobody has overwritten; at most up to its last known token) and counts them computed;
+   it then gets n = min(tokens − computed, budget) (with chunked prefill disabled a prompt
+   that does not fit whole stops admission), its blocks, and joins the running queue's
+   tail; a request whose blocks do not fit stops admission.
 
 After the step (``finish_step``) each scheduled request's computed tokens grow by n; one
 that now has every known token computed emits a token; one with ``output_len`` tokens
@@ -355,7 +357,8 @@ class VllmV1Scheduler(_Scheduler):
             if n <= 0:
                 i += 1
                 continue
-            while not self.pool.allocate(state.request.request_id, ahead + n):
+            while not self.pool.allocate(state.request.request_id, ahead + n,
+                                         prefix=state.request.shared_prefix):
                 victim, at = self._preempt()
                 if victim is None:
                     break
@@ -374,14 +377,16 @@ class VllmV1Scheduler(_Scheduler):
             while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
                 state = self._waiting[0]
                 rid = state.request.request_id
+                prefix = state.request.shared_prefix
                 lookup = self.pool.enable_caching and not state.ahead   # nothing computed
-                hits = self.pool.cached_prefix(rid, state.num_tokens) if lookup else 0
+                hits = self.pool.cached_prefix(rid, state.num_tokens, prefix) if lookup else 0
                 taken = hits * self.pool.block_size
                 state.computed += taken                     # undone unless admitted
                 n = state.num_tokens - state.ahead
                 whole = self.enable_chunked_prefill or n <= budget
                 n = self._cap(state, n, budget)
-                if not (whole and self.pool.allocate(rid, state.ahead + n, hit_blocks=hits)):
+                if not (whole and self.pool.allocate(rid, state.ahead + n, hit_blocks=hits,
+                                                     prefix=prefix)):
                     state.computed -= taken
                     break
                 if lookup:

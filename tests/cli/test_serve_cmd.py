@@ -73,6 +73,25 @@ def test_no_enable_prefix_caching_recomputes_preempted_requests_whole():
     assert cached["total_output_tokens"] == plain["total_output_tokens"] == 40 * 256
 
 
+def test_random_prefix_len_shares_a_prefix_and_equals_the_library():
+    """vLLM's --random-prefix-len: prompts are the prefix + --input-len tokens, every
+    request after the first finds the prefix's 64 blocks (of 96 looked up), and the
+    output equals simulate_serve of Workload(prefix_len=1024)."""
+    args = ("simulate", "serve", "--model", "llama-3.1-8b", "--rate", "5", "--requests",
+            "40", "--input-len", "512", "--output-len", "32", "--json", "-")
+    got = json.loads(vcluster(*args, "--random-prefix-len", "1024").stdout)
+    assert got["total_input_tokens"] == 40 * (1024 + 512)
+    assert got["prefix_cache_hit_rate"] == pytest.approx(39 * 64 / (40 * 96))
+    lib = simulate_serve(load_model("llama-3.1-8b"), preset("h100-dgx"), ServingPlan(),
+                         Workload(40, 512, 32, rate=5, prefix_len=1024)).metrics
+    assert got["mean_ttft_ms"] == pytest.approx(lib.ttft.mean_ms)
+    plain = json.loads(vcluster(*args).stdout)
+    assert got["mean_ttft_ms"] < 1.5 * plain["mean_ttft_ms"]   # 512 computed, not 1,536
+    assert json.loads(vcluster(*args, "--prefix-len", "1024").stdout) == got
+    bad = vcluster(*args, "--prefix-len", "-1", check=False)
+    assert bad.returncode == 2 and "--prefix-len" in bad.stderr
+
+
 def test_the_text_report_has_the_vllm_block_floors_and_kv(tmp_path):
     out = tmp_path / "serve.json"
     proc = vcluster("simulate", "serve", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "2",

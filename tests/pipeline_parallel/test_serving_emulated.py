@@ -462,6 +462,72 @@ def _preempt_oss():
     return _Case(OSS, PREEMPTING)
 
 
+# --- shared prefixes ---------------------------------------------------------------------
+# prefix 0 (20 tokens: block 0 shared) and prefix 1 (35: blocks 0 and 1), and one prompt of
+# its own. Step 0: request 0 computes prefix 0's block 0 and request 1 takes it back in the
+# same step; 2 and 4 share prefix 1 one step apart; 5 arrives after 0 and 1 finished and
+# takes back their freed block; request 3's prompt is its own.
+SHARING = (Request(0, 23, 3, prefix_id=0, prefix_len=20),
+           Request(1, 26, 5, prefix_id=0, prefix_len=20),
+           Request(2, 40, 4, arrival_step=1, prefix_id=1, prefix_len=35),
+           Request(3, 9, 6, arrival_step=2),
+           Request(4, 37, 3, arrival_step=5, prefix_id=1, prefix_len=35),
+           Request(5, 21, 4, arrival_step=12, prefix_id=0, prefix_len=20))
+
+
+class _SharingCase(_Case):
+    """Prompts whose first prefix_len tokens are their prefix's."""
+
+    def __init__(self, spec, seed=1):
+        rng = np.random.default_rng(7)
+        heads = {pid: rng.integers(0, V, 35) for pid in (0, 1)}
+        self.spec, self.requests = spec, SHARING
+        self.params = GPT(serve_config(spec), seed=seed).init_params()
+        self.prompts = [np.concatenate([heads[r.prefix_id][:r.prefix_len], rng.integers(
+            0, V, r.prompt_len - r.prefix_len)]) if r.prefix_id is not None else
+            rng.integers(0, V, r.prompt_len) for r in SHARING]
+        self.ref = {r.request_id: greedy_reference(spec, self.params, p, r.output_len)
+                    for r, p in zip(SHARING, self.prompts)}
+
+
+@pytest.mark.parametrize("tp, pp, spec", [(1, 1, "dense"), (2, 2, "dense"), (2, 1, "moe"),
+                                          (2, 1, "oss"), (1, 2, "oss")])
+def test_requests_sharing_a_prefix_read_its_blocks_and_equal_reference(tp, pp, spec,
+                                                                       cluster_of):
+    """Prefix caching with shared prefixes: a request admitted after another computed (or
+    is computing, in the same step) its prefix's full blocks takes them back — the same
+    physical blocks in both tables — computes only the rest, and every token and logit
+    equals the reference that computes each prompt whole."""
+    case = _SharingCase({"dense": DENSE, "moe": MOE, "oss": OSS}[spec])
+    run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "oss") else 1,
+                   num_blocks=24, max_num_batched_tokens=48)
+    case.check(run)
+    first = {}
+    for step in run.steps:
+        for s in step.scheduled:
+            first.setdefault(s.request_id, (step.index, s))
+    assert {rid: s.num_computed_tokens for rid, (_, s) in first.items()} == {
+        0: 0, 1: 16, 2: 0, 3: 0, 4: 32, 5: 16}
+    table = {rid: s.block_table for rid, (_, s) in first.items()}
+    assert table[1][0] == table[0][0] and table[4][:2] == table[2][:2]
+    assert first[1][0] == first[0][0]                     # a hit in the writer's own step
+    assert table[5][0] == table[0][0] and first[5][0] > max(
+        i for i, step in enumerate(run.steps) for s in step.scheduled if s.request_id < 2)
+    plain = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "oss") else 1,
+                     num_blocks=24, max_num_batched_tokens=48, enable_prefix_caching=False)
+    case.check(plain)
+    assert all(s.num_computed_tokens == 0 for step in plain.steps[:1] for s in step.scheduled)
+
+
+def test_prompts_of_one_prefix_must_share_its_tokens(dense):
+    prompts = _SharingCase(DENSE).prompts
+    prompts[4] = np.concatenate([prompts[4][:30], (prompts[4][30:31] + 1) % V,
+                                 prompts[4][31:]])
+    with pytest.raises(ConfigError, match=r"^prompts\[4\]=.*the first 35 tokens of "
+                                          r"prompts\[2\] \(prefix_id 1\)"):
+        serve(None, DENSE, dense.params, SHARING, prompts, num_blocks=24)
+
+
 # --- the paged cache on its own -----------------------------------------------------------
 class _HostDevice:
     """Just enough of a device for the cache's math in this process."""

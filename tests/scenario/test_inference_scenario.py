@@ -317,3 +317,24 @@ def test_every_inference_key_is_documented():
              + list(SUMMARY_KEYS["serving"]) + list(SUMMARY_KEYS["emulated_serving"]))
     missing = [p for p in paths if f"`{p}`" not in docs]
     assert not missing, missing
+
+
+def test_a_shared_prefix_is_emulated_against_the_reference_and_simulated(tmp_path):
+    """workload.prefix_len: every prompt starts with the same 10 tokens (drawn from
+    rng([seed, 3])), after which its own input_len follow. Emulated (tp 2, blocks of 4):
+    every check passes — tokens and logits equal the cache-free reference — and the
+    requests admitted after the first computed less than their prompts (their first two
+    blocks, 8 tokens, were the first request's). Simulated: the prompts are 10 tokens
+    longer and the prefix cache's hit rate is what those blocks give."""
+    doc = {"name": "prefix", "workload": dict(TINY, prefix_len=10), "parallel": {"tp": 2},
+           "engine": ENGINE, "run": {"mode": "emulate", "check": True}}
+    record = run_scenario(scenario_from_dict(doc, "prefix"))
+    assert record.checks_status == "passed"
+    steps = record.engine_steps
+    assert steps["prefill_tokens"].sum() == sum(TINY["input_len"]) + 10 + 3 * 2
+    sim = run_scenario(scenario_from_dict(dict(SIMULATE, workload=dict(
+        SIMULATE["workload"], prefix_len=2048)), "sim-prefix"))
+    s = sim.summary
+    assert s["total_input_tokens"] == 50 * (2048 + 512)
+    # 49 of 50 requests find the 128 blocks of the prefix, each looking up 160
+    assert s["prefix_cache_hit_rate"] == pytest.approx(49 * 128 / (50 * 160))

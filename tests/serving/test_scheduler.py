@@ -342,3 +342,104 @@ def test_pipelined_steps_never_overlap_a_requests_tokens(seed, depth):
                 emitted[rid] += 1
     assert emitted == {r.request_id: r.output_len for r in reqs}
     assert s.pool.num_free == s.pool.num_usable
+
+
+def test_requests_of_one_prefix_share_its_blocks_worked_by_hand():
+    """docs/serving.md, "A shared prefix, by hand": blocks of 4, budget 16; A and B both
+    10-token prompts whose first 8 tokens are prefix 7, both queued before step 0.
+    Step 0: A is admitted with nothing cached and scheduled whole (blocks 1 2 3): blocks
+    1 and 2 are full of the prefix, so they are registered now, as the step schedules
+    them. B (budget 6 left) looks up at most ⌊9/4⌋ = 2 blocks and finds both: it takes
+    1 and 2 (held by A: nothing taken from the free queue), counts 8 tokens computed,
+    computes its last 2 in block 4 — in the same step as A computes the prefix. 4 blocks
+    used, not 6; lookups 3 + 3 blocks, 2 found."""
+    s = VllmV1Scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    s.add(Request(0, 10, 2, prefix_id=7, prefix_len=8))
+    s.add(Request(1, 10, 2, prefix_id=7, prefix_len=8))
+    step = s.schedule()
+    assert rows(step) == [(0, 0, 10, (1, 2, 3)), (1, 8, 2, (1, 2, 4))]
+    assert s.pool.num_used == 4 and [s.pool.holders(b) for b in (1, 2, 3, 4)] == [2, 2, 1, 1]
+    assert (s.pool.queried_blocks, s.pool.hit_blocks) == (6, 2)
+    s.finish_step(step)
+    rest = run(s)
+    assert [rows(st) for st, _ in rest] == [[(0, 10, 1, (1, 2, 3)), (1, 10, 1, (1, 2, 4))]]
+    assert s.pool.num_free == s.pool.num_usable
+    # a later request of the prefix finds the freed blocks still cached; another prefix
+    # (or none) shares nothing
+    s.add(Request(2, 9, 1, prefix_id=7, prefix_len=8))
+    s.add(Request(3, 9, 1, prefix_id=8, prefix_len=8))
+    s.add(Request(4, 9, 1))
+    assert [(x.request_id, x.num_computed_tokens) for x in s.schedule().scheduled] == [
+        (2, 8), (3, 0), (4, 0)]
+    # without the cache B computes the whole prompt in blocks of its own
+    plain = VllmV1Scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+                            enable_prefix_caching=False)
+    plain.add(Request(0, 10, 2, prefix_id=7, prefix_len=8))
+    plain.add(Request(1, 10, 2, prefix_id=7, prefix_len=8))
+    assert rows(plain.schedule()) == [(0, 0, 10, (1, 2, 3)), (1, 0, 6, (4, 5))]
+
+
+def _identity(request: Request, position: int):
+    """What a request's token at ``position`` is, as a KV cache would hold it: the
+    prefix's token there, shared by every request of the prefix, or its own."""
+    if position < request.prefix_len:
+        return "prefix", request.prefix_id, position
+    return request.request_id, position
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_token_read_is_the_one_the_request_wrote_or_shares(seed):
+    """Shared prefixes (3 prefixes and unshared prompts), preemptions (a small cache) and
+    the prefix cache together: a shadow cache records which token each step writes in
+    each slot; every token a scheduled request counts computed must be in its table's
+    slot — its own, or its prefix's written by any request — and a block sits in several
+    tables only as a block wholly inside one prefix."""
+    rng = np.random.default_rng(100 + seed)
+    bs = 4
+    s = VllmV1Scheduler(int(rng.integers(14, 30)), block_size=bs,
+                        max_num_batched_tokens=int(rng.integers(8, 40)),
+                        max_num_seqs=int(rng.integers(2, 6)))
+    prefixes = {pid: int(rng.integers(1, 20)) for pid in range(3)}
+    reqs, arrivals = {}, {}
+    for i in range(30):
+        pid = int(rng.integers(0, 4))
+        own = int(rng.integers(1, 12))
+        prefix = prefixes.get(pid, 0)
+        r = Request(i, prefix + own, int(rng.integers(1, 10)),
+                    prefix_id=pid if prefix else None, prefix_len=prefix)
+        if blocks_for(r.max_tokens, bs) <= s.pool.num_usable:
+            reqs[i] = r
+            arrivals.setdefault(int(rng.integers(0, 30)), []).append(r)
+    slots: dict = {}
+    emitted = {i: 0 for i in reqs}
+    for step, out in run(s, arrivals):
+        for x in step.scheduled:                          # every layer writes first ...
+            for p in range(x.num_computed_tokens, x.context):
+                slots[(x.block_table[p // bs], p % bs)] = _identity(reqs[x.request_id], p)
+        owners: dict = {}
+        for x in step.scheduled:                          # ... then attends
+            r = reqs[x.request_id]
+            for p in range(x.context):
+                assert slots[(x.block_table[p // bs], p % bs)] == _identity(r, p), (x, p)
+            for index, block in enumerate(x.block_table):
+                shared = r.prefix_len and (index + 1) * bs <= r.prefix_len
+                owners.setdefault(block, set()).add(
+                    ("prefix", r.prefix_id, index) if shared else (r.request_id, index))
+        assert all(len(names) == 1 for names in owners.values()), owners
+        for i in out.emitted:
+            emitted[i] += 1
+    assert emitted == {i: r.output_len for i, r in reqs.items()}
+    assert s.pool.num_free == s.pool.num_usable and s.pool.hit_blocks > 0
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prefix_id=1, prefix_len=9), "prefix_len"),
+    (dict(prefix_id=1, prefix_len=-1), "prefix_len"),
+    (dict(prefix_len=3), "prefix_id"),
+    (dict(prefix_id=2), "prefix_id"),
+    (dict(prefix_id="sys", prefix_len=3), "prefix_id"),
+])
+def test_a_bad_shared_prefix_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        Request(0, 8, 2, **kwargs)
+    assert err.value.field == field

@@ -34,7 +34,7 @@ import sys
 
 from modeling.choices import Engine, Router
 
-from .args import fraction, positive_int
+from .args import fraction, int_at_least, positive_int
 
 __all__ = ["add_simulate_parser", "add_plan_parser"]
 
@@ -101,6 +101,11 @@ def _add_deployment(p, plan: bool) -> None:
                    help="prompt tokens per request (default 1024)")
     p.add_argument("--output-len", type=positive_int, default=128,
                    help="output tokens per request (default 128)")
+    p.add_argument("--prefix-len", "--random-prefix-len", dest="prefix_len",
+                   type=int_at_least(0, "shared prefix tokens"), default=0,
+                   help="tokens every prompt starts with, the same in all (a shared system "
+                        "prompt: prompts are prefix + --input-len tokens; the prefix cache "
+                        "shares their KV; vllm bench --random-prefix-len; default 0)")
     p.add_argument("--requests", type=positive_int, default=1000,
                    help="requests to send (vllm bench --num-prompts; default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
@@ -196,7 +201,8 @@ def _workload(args, plan_only: bool = False):
     rate = math.inf if args.rate is None else args.rate
     return Workload(num_requests=args.requests, input_len=args.input_len,
                     output_len=args.output_len, rate=rate, burstiness=args.burstiness,
-                    concurrency=None if plan_only else args.concurrency, seed=args.seed)
+                    concurrency=None if plan_only else args.concurrency, seed=args.seed,
+                    prefix_len=args.prefix_len)
 
 
 def _emit_json(target: str, payload: dict) -> None:

@@ -242,6 +242,9 @@ _WORKLOAD = MappingProxyType({
         "range_ratio": {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "default": 0.0,
                         "description": "lengths drawn uniformly within +-ratio of input_len "
                                        "and output_len (vllm bench --random-range-ratio)"},
+        "prefix_len": _int("tokens every prompt starts with, shared by all (a system prompt; "
+                           "prompts are prefix_len + input_len long; vllm bench "
+                           "--random-prefix-len)", 0, 0),
         "arrival_steps": {"type": "array", "items": {"type": "integer", "minimum": 0},
                           "minItems": 1, "description": "emulation: the engine step each "
                           "request arrives at, one per request (default: all at step 0)"},

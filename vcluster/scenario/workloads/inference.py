@@ -11,7 +11,8 @@ its rules (errors reported under the key the user wrote):
   replace the layers' own — a head dimension tied to hidden/heads follows them), or,
   without ``model``, a Llama (RMSNorm, RoPE, SwiGLU) of the shape keys;
 * the **requests**, :class:`serving.Request`: ``requests`` of ``input_len`` prompt and
-  ``output_len`` output tokens (integers, ± ``range_ratio``, or one per request), sent at
+  ``output_len`` output tokens (integers, ± ``range_ratio``, or one per request), each
+  prompt after a ``prefix_len``-token prefix shared by all (default 0), sent at
   ``rate`` req/s with gamma ``burstiness`` and at most ``concurrency`` outstanding — as
   ``vllm bench serve`` draws them (:class:`~vcluster.timing.serving.workload.Workload`,
   seed ``workload.seed``) — or read from a ``trace`` CSV; the emulation serves the same
@@ -38,7 +39,9 @@ its rules (errors reported under the key the user wrote):
   which serves no requests).
 
 The parameters are ``GPT(config, seed=workload.seed)``'s; the prompts are drawn from
-``numpy.random.default_rng([seed, 2])``, uniform token ids in [0, vocab).
+``numpy.random.default_rng([seed, 2])``, uniform token ids in [0, vocab); with
+``prefix_len`` every prompt's first tokens are then the shared prefix's, drawn from
+``default_rng([seed, 3])``.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ SHAPE_KEYS = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden",
               "experts", "moe_top_k", "moe_ffn_hidden")
 _MOE_KEYS = ("experts", "moe_top_k", "moe_ffn_hidden")
 #: keys a trace replaces (its rows give the requests, their lengths and arrival times)
-_TRACE_REPLACES = ("requests", "input_len", "output_len", "range_ratio", "rate", "burstiness")
+_TRACE_REPLACES = ("requests", "input_len", "output_len", "range_ratio", "rate", "burstiness",
+                   "prefix_len")
 #: requests without workload.requests or a per-request list: the 8 of issue 53's
 #: emulated acceptance test (a handful a laptop serves in seconds)
 DEFAULT_REQUESTS = 8
@@ -84,7 +88,7 @@ _KEY_PATHS = {
     "experts": "workload.experts", "top_k": "workload.moe_top_k",
     "model": "workload.model", "num_requests": "workload.requests",
     **{k: f"workload.{k}" for k in ("input_len", "output_len", "rate", "burstiness",
-                                    "concurrency", "range_ratio", "seed")},
+                                    "concurrency", "range_ratio", "seed", "prefix_len")},
     **{k: f"parallel.{k}" for k in ("tp", "pp", "ep", "replicas", "prefill_replicas",
                                     "router")},
     "engine": "engine.name",
@@ -276,7 +280,7 @@ def _drawn(scenario, n: int):
                         rate=_rate(o["rate"]), burstiness=_rate(o["burstiness"]),
                         concurrency=o.get("concurrency"),
                         range_ratio=o["range_ratio"] if scalar else 0.0,
-                        seed=scenario.workload.seed)
+                        seed=scenario.workload.seed, prefix_len=o["prefix_len"])
 
 
 def _trace_requests(scenario) -> tuple:
@@ -303,7 +307,7 @@ def _requests(scenario) -> tuple:
     drawn = _drawn(scenario, n).requests()
     if lengths is None:
         return drawn
-    return tuple(replace(r, prompt_len=p, output_len=q)
+    return tuple(replace(r, prompt_len=r.prefix_len + p, output_len=q)
                  for r, p, q in zip(drawn, *lengths))
 
 
@@ -462,8 +466,15 @@ def build(scenario, mesh) -> ServingWorkload:
                             **settings)
     params = GPT(config, seed=w.seed).init_params()
     rng = np.random.default_rng([w.seed, 2])
-    prompts = tuple(tuple(int(t) for t in rng.integers(0, config.vocab, r.prompt_len))
-                    for r in requests)
+    prompts = [[int(t) for t in rng.integers(0, config.vocab, r.prompt_len)]
+               for r in requests]
+    shared = max(r.prefix_len for r in requests)
+    if shared:            # every prompt of the workload's one prefix starts with its tokens
+        head = [int(t) for t in np.random.default_rng([w.seed, 3]).integers(
+            0, config.vocab, shared)]
+        for r, prompt in zip(requests, prompts):
+            prompt[:r.prefix_len] = head[:r.prefix_len]
+    prompts = tuple(tuple(prompt) for prompt in prompts)
     job = replace(metas[0][0], config=config, prompts=prompts)
     args = tuple((job, piece) for piece in shard_params(config, params, tp, pp, ep))
     scheduler = {k: v for k, v in settings.items()

@@ -102,7 +102,10 @@ class Workload:
     """``num_requests`` requests of ``input_len`` prompt and ``output_len`` output tokens
     (± ``range_ratio``), sent at ``rate`` req/s (inf: all at once) with gamma
     ``burstiness``, at most ``concurrency`` outstanding (None: no limit); ``seed`` fixes
-    the draws. ``rescale``: vLLM's stretch of the send times to end at N/rate."""
+    the draws. ``rescale``: vLLM's stretch of the send times to end at N/rate.
+    ``prefix_len``: every prompt starts with the same ``prefix_len`` tokens (prefix id 0)
+    before its own ``input_len`` — ``vllm bench serve --random-prefix-len``, whose prompts
+    are prefix + random tokens, ``prefix_len + input_len`` long."""
 
     num_requests: int
     input_len: int
@@ -113,9 +116,11 @@ class Workload:
     range_ratio: float = 0.0        # length spread (--random-range-ratio), in [0, 1)
     seed: int = 0
     rescale: bool = True
+    prefix_len: int = 0             # shared prefix tokens (--random-prefix-len)
 
     def __post_init__(self):
         owner = "Workload"
+        _int_at_least(owner, "prefix_len", self.prefix_len, 0)
         _int_at_least(owner, "num_requests", self.num_requests, 1)
         _int_at_least(owner, "input_len", self.input_len, 1)
         _int_at_least(owner, "output_len", self.output_len, 1)
@@ -146,7 +151,9 @@ class Workload:
                                         self.output_len, self.range_ratio)
         times = arrival_times_s(arrival_rng, self.num_requests, self.rate, self.burstiness,
                                 self.rescale)
-        return tuple(Request(i, int(p), int(o), arrival_s=float(t))
+        shared = self.prefix_len
+        return tuple(Request(i, shared + int(p), int(o), arrival_s=float(t),
+                             prefix_id=0 if shared else None, prefix_len=shared)
                      for i, (p, o, t) in enumerate(zip(prompt, output, times)))
 
 

@@ -33,7 +33,10 @@ last, each vocabulary-parallel), with two adaptations to vLLM:
 * KV heads replicated when tp > kv_heads: each GPU holds one whole KV head's W_k and W_v
   (2·h·d) where ``rank_params`` counts 2·h·kv_heads·d/tp.
 
-Weights are ``params × weight_bytes_per_param``: an FP8 checkpoint (1) keeps its
+Weights are ``params × weight_bytes_per_param``, the routed experts at
+``expert_weight_bytes_per_param`` when given (GPT-OSS's MXFP4 experts beside bf16
+attention, embedding and head: gpt-oss-120b 60.7 GiB, gpt-oss-20b 12.8 GiB — the model
+card's checkpoint sizes, 60.8 and 12.8 GiB): an FP8 checkpoint (1) keeps its
 embedding, head and norms in bf16 in vLLM, which this undercounts (DeepSeek-V3: 1.85 B
 parameters at 1 byte instead of 2, 0.23 GB per GPU at tp 8).
 
@@ -321,6 +324,7 @@ def _positive_number(name, value, allow_zero=False):
 def kv_capacity(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 gpu_memory_bytes: int, gpu_memory_utilization: float = 0.9,
                 block_size: int = 16, weight_bytes_per_param: float = 2,
+                expert_weight_bytes_per_param: float | None = None,
                 kv_bytes_per_element: int = 2, max_num_batched_tokens: int = 8192,
                 max_num_seqs: int = 256, non_torch_bytes: int = VLLM_NON_TORCH_BYTES,
                 max_model_len: int | None = None, allow_oom: bool = False) -> KVCapacity:
@@ -342,13 +346,16 @@ def kv_capacity(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                  "max_num_seqs"):
         _positive_int(name, locals()[name])
     _positive_number("weight_bytes_per_param", weight_bytes_per_param)
+    b_e = weight_bytes_per_param if expert_weight_bytes_per_param is None else \
+        _positive_number("expert_weight_bytes_per_param", expert_weight_bytes_per_param)
     _positive_number("non_torch_bytes", non_torch_bytes, allow_zero=True)
     if max_model_len is not None:
         _positive_int("max_model_len", max_model_len)
     requested = math.ceil(gpu_memory_bytes * u)
     best = None
     for k, stage in enumerate(stage_weights(spec, tp=tp, pp=pp, ep=ep)):
-        weights = math.ceil(stage.total * weight_bytes_per_param)
+        weights = math.ceil((stage.total - stage.experts) * weight_bytes_per_param
+                            + stage.experts * b_e)
         act = activation_peak_bytes(spec, stage.layers, tp=tp, ep=ep,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=max_num_seqs, last_stage=k == pp - 1)

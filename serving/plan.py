@@ -22,7 +22,8 @@ from modeling.choices import Engine, Router
 from modeling.errors import ConfigError
 from modeling.spec import LatentAttention, ModelSpec, MoE
 
-__all__ = ["ServingPlan", "VLLM_MAX_NUM_BATCHED_TOKENS", "VLLM_MAX_NUM_SEQS"]
+__all__ = ["ServingPlan", "VLLM_MAX_NUM_BATCHED_TOKENS", "VLLM_MAX_NUM_SEQS",
+           "MXFP4_BYTES_PER_PARAM", "EXPERT_WEIGHT_BYTES"]
 
 #: vLLM ≥ 0.8's default token budget of ``vllm serve`` on a data-centre GPU (V1 engine,
 #: chunked prefill on: ``EngineArgs._set_default_args_v1``, OPENAI_API_SERVER usage context)
@@ -44,6 +45,14 @@ def _count(name, value, minimum=1, allow_none=False):
     return value
 
 
+#: bytes per MXFP4 parameter: 4-bit E2M1 elements with one 8-bit E8M0 scale per 32 (the OCP
+#: Microscaling Formats spec v1.0), 4.25 bits — "weights are quantized to 4.25 bits per
+#: parameter" (gpt-oss-120b & gpt-oss-20b model card, arXiv 2508.10925, of its MoE weights)
+MXFP4_BYTES_PER_PARAM = 4.25 / 8
+#: the routed-expert formats a plan may give (bytes per parameter)
+EXPERT_WEIGHT_BYTES = (MXFP4_BYTES_PER_PARAM, 1, 2, 4)
+
+
 @dataclass(frozen=True)
 class ServingPlan:
     """A serving deployment (module docstring). Engine settings carry vLLM's names and
@@ -52,7 +61,10 @@ class ServingPlan:
     ``gpu_memory_utilization``, ``max_model_len``, ``enable_chunked_prefill``,
     ``enable_prefix_caching`` (vLLM v1's default, on), ``long_prefill_token_threshold``;
     ``weight_bytes`` and ``kv_bytes`` per element
-    (2: bf16; 1: FP8 weights or ``--kv-cache-dtype fp8``)."""
+    (2: bf16; 1: FP8 weights or ``--kv-cache-dtype fp8``); ``expert_weight_bytes`` per
+    routed-expert parameter when the experts are stored otherwise (None: ``weight_bytes``;
+    :data:`MXFP4_BYTES_PER_PARAM`: GPT-OSS's checkpoint, MXFP4 experts beside bf16
+    attention, vLLM's ``mxfp4`` quantization)."""
 
     tp: int = 1
     pp: int = 1
@@ -71,6 +83,7 @@ class ServingPlan:
     long_prefill_token_threshold: int = 0
     weight_bytes: int = 2
     kv_bytes: int = 2
+    expert_weight_bytes: float | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "replicas", "max_num_seqs", "block_size"):
@@ -100,6 +113,12 @@ class ServingPlan:
                 raise ConfigError(name, getattr(self, name), "1, 2 or 4",
                                   "bytes per element of a supported dtype "
                                   "(fp8, bf16/fp16, fp32)", owner="ServingPlan")
+        if self.expert_weight_bytes is not None and not any(
+                self.expert_weight_bytes == b for b in EXPERT_WEIGHT_BYTES):
+            raise ConfigError("expert_weight_bytes", self.expert_weight_bytes,
+                              f"None or one of {', '.join(map(str, EXPERT_WEIGHT_BYTES))}",
+                              "bytes per routed-expert parameter of a supported format "
+                              "(MXFP4, FP8, BF16, FP32)", owner="ServingPlan")
         if self.ep not in (1, self.tp):
             raise ConfigError("ep", self.ep, f"1 or tp={self.tp}",
                               "experts are either split over the tp ranks (1) or spread "
@@ -111,6 +130,13 @@ class ServingPlan:
                               "engine", owner="ServingPlan")
 
     # --- derived ---------------------------------------------------------------------
+    @property
+    def routed_expert_bytes(self) -> float:
+        """Bytes per routed-expert parameter: ``expert_weight_bytes``, else
+        ``weight_bytes``."""
+        return self.weight_bytes if self.expert_weight_bytes is None else \
+            self.expert_weight_bytes
+
     @property
     def gpus_per_replica(self) -> int:
         return self.tp * self.pp
@@ -145,7 +171,8 @@ class ServingPlan:
     def check(self, spec: ModelSpec) -> "ServingPlan":
         """Refuse a layout ``spec`` cannot take (vLLM's own checks): tp divides the query
         heads, and the KV heads divide tp or tp divides them; pp at most the layers; ep > 1
-        only for an MoE whose experts it divides."""
+        only for an MoE whose experts it divides; experts stored otherwise
+        (``expert_weight_bytes``) only for a model that has them."""
         for i, layer in enumerate(spec.layers):
             att = layer.attention
             if att.heads % self.tp:
@@ -169,4 +196,9 @@ class ServingPlan:
                 raise ConfigError("ep", self.ep, f"a divisor of the {moes[0].experts} experts",
                                   "each GPU holds an equal share of the experts",
                                   owner="ServingPlan")
+        if self.expert_weight_bytes is not None and not spec.is_moe:
+            raise ConfigError("expert_weight_bytes", self.expert_weight_bytes,
+                              "None for a dense model", f"{spec.name} has no routed experts "
+                              "to store in another format (MXFP4 quantizes GPT-OSS's "
+                              "experts)", owner="ServingPlan")
         return self

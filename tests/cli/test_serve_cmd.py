@@ -92,6 +92,16 @@ def test_random_prefix_len_shares_a_prefix_and_equals_the_library():
     assert bad.returncode == 2 and "--prefix-len" in bad.stderr
 
 
+def test_gpt_oss_fits_one_h100_only_with_its_mxfp4_experts():
+    """GPT-OSS-120B's bf16 weights (234 GB) cannot fit an 80 GB H100 (exit 1); with its
+    checkpoint's MXFP4 experts (65.2 GB: 60.7 GiB) the run goes on."""
+    args = ("simulate", "serve", "--model", "gpt-oss-120b", "--requests", "20",
+            "--input-len", "256", "--output-len", "16")
+    assert vcluster(*args, check=False).returncode == 1
+    proc = vcluster(*args, "--weight-dtype", "mxfp4")
+    assert "weights 65.2 GB per GPU" in proc.stdout and "Serving Benchmark Result" in proc.stdout
+
+
 def test_the_text_report_has_the_vllm_block_floors_and_kv(tmp_path):
     out = tmp_path / "serve.json"
     proc = vcluster("simulate", "serve", "--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "2",
@@ -133,6 +143,7 @@ def test_a_model_that_does_not_fit_exits_1_unless_allowed():
     (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization"),
     (("--rate", "0"), "--rate"),
     (("--rate", "2", "--concurrency", "4"), "--concurrency"),
+    (("--weight-dtype", "mxfp4"), "--weight-dtype"),          # a dense model: no experts
 ])
 def test_bad_flags_exit_2_and_name_the_flag(args, flag):
     proc = vcluster("simulate", "serve", "--model", "llama-3.1-8b", *args, check=False)

@@ -48,6 +48,23 @@ def test_llama_8b_on_one_h100_by_hand():
     assert cap.bytes_per_block // 16 == kv_bytes_per_token(LLAMA8) == 128 * 1024
 
 
+@pytest.mark.parametrize("name, checkpoint_gib", [("gpt-oss-120b", 60.8),
+                                                  ("gpt-oss-20b", 12.8)])
+def test_mxfp4_experts_weigh_the_published_checkpoint(name, checkpoint_gib):
+    """GPT-OSS's checkpoint: routed experts in MXFP4 (4.25 bits per parameter), attention,
+    routers, embedding and head in bf16. The model card (arXiv 2508.10925, table 1) gives
+    60.8 GiB and 12.8 GiB; kv_capacity's weights are within 0.5% of them, and replacing
+    the experts' 4.25 bits by bf16's 16 adds exactly the experts' 11.75 bits each."""
+    spec = load_model(name)
+    mx = kv_capacity(spec, gpu_memory_bytes=H200_TORCH_BYTES,
+                     expert_weight_bytes_per_param=4.25 / 8, allow_oom=True)
+    assert mx.weights_bytes / GIB == pytest.approx(checkpoint_gib, rel=5e-3)
+    bf16 = kv_capacity(spec, gpu_memory_bytes=H200_TORCH_BYTES, allow_oom=True)
+    experts = stage_weights(spec)[0].experts
+    assert bf16.weights_bytes - mx.weights_bytes == pytest.approx(experts * 11.75 / 8, abs=2)
+    assert mx.num_blocks > bf16.num_blocks
+
+
 def test_activation_peak_is_the_forward_term_when_the_logits_are_small():
     """With few sequences the sampler's R × V logits shrink and the forward's MLP
     transient (gate_up, act, down over T tokens) binds."""

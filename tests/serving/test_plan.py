@@ -35,6 +35,7 @@ def test_gpus_and_engine_defaults():
     ({"max_model_len": 1}, "max_model_len"),
     ({"enable_prefix_caching": "no"}, "enable_prefix_caching"),
     ({"enable_chunked_prefill": 1}, "enable_chunked_prefill"),
+    ({"expert_weight_bytes": 0.5}, "expert_weight_bytes"),     # MXFP4 is 4.25 bits
 ])
 def test_bad_plans_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
@@ -49,6 +50,8 @@ def test_bad_plans_name_the_field(kwargs, field):
     ("llama-3.1-8b", {"tp": 2, "ep": 2}, "ep"),   # dense: no experts
     ("llama-3.1-8b", {"pp": 33}, "pp"),
     ("mixtral-8x7b", {"tp": 16, "ep": 16}, "ep"),  # 8 experts do not split over 16
+    ("gpt-oss-120b", {"tp": 1, "expert_weight_bytes": 4.25 / 8}, None),
+    ("llama-3.1-8b", {"tp": 1, "expert_weight_bytes": 4.25 / 8}, "expert_weight_bytes"),
 ])
 def test_plans_checked_against_a_model(model, kwargs, field):
     spec = load_model(model)

@@ -361,6 +361,26 @@ def test_a_price_does_not_depend_on_the_steps_priced_before(name, tp, pp):
     assert fresh[0].cuda_graph == "piecewise" and fresh[1].cuda_graph == "full"
 
 
+def test_mxfp4_experts_are_read_at_their_bytes():
+    """GPT-OSS-120B with MXFP4 experts (4.25 bits) against bf16 experts, a decode step of
+    8 sequences: the floor's bytes differ by exactly the experts reached — E·(1 − (1 −
+    k/E)^T) per layer, 36 layers of 3·h·f_e parameters each — times 11.75 bits, and the
+    memory-bound MoE kernels' time by those bytes over the achieved bandwidth."""
+    spec = load_model("gpt-oss-120b")
+    moe = spec.layers[0].mlp
+    mx = ServingCostModel(spec, H100, expert_weight_bytes_per_param=4.25 / 8)
+    bf = ServingCostModel(spec, H100)
+    rows = [(1, 1000 + 10 * i) for i in range(8)]
+    shape = bf.floors.shape([1] * 8, [c for _, c in rows])
+    reached = moe.experts * (1 - (1 - moe.top_k / moe.experts) ** 8)
+    extra = spec.num_layers * reached * 3 * spec.hidden * moe.expert.width * (2 - 4.25 / 8)
+    assert bf.floors.stage_work(shape)[0][0] - mx.floors.stage_work(shape)[0][0] == \
+        pytest.approx(extra, rel=1e-9)
+    assert bf.step_time(rows).moe_s - mx.step_time(rows).moe_s == pytest.approx(
+        extra / H100.device.achieved_hbm_bytes_per_s(), rel=1e-9)
+    assert mx.step_time(rows).gemm_s == bf.step_time(rows).gemm_s     # attention stays bf16
+
+
 def test_step_time_is_fast():
     """≤ 100 µs per call for an 80-layer uniform model with 256 sequences (module
     docstring's figure); asserted at 1 ms so a loaded machine does not fail it."""

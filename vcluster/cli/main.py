@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: a plan field -> the flag a user types for it, where the two names differ
 _FLAGS = {"zero_stage": "--zero", "microbatches": "--global-batch / (--dp x --micro-batch)",
-          "model": "--model"}
+          "model": "--model", "expert_weight_bytes": "--weight-dtype",
+          "weight_bytes": "--weight-dtype", "kv_bytes": "--kv-cache-dtype"}
 
 
 def flag_of(error: ConfigError) -> str | None:

@@ -125,8 +125,9 @@ def _add_deployment(p, plan: bool) -> None:
     p.add_argument("--no-enable-prefix-caching", action="store_true",
                    help="vllm-v1: no prefix cache (vLLM's flag; by default a preempted "
                         "request takes back the KV blocks nobody overwrote)")
-    p.add_argument("--weight-dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="bytes per weight: bf16 (default) or fp8")
+    p.add_argument("--weight-dtype", choices=("bf16", "fp8", "mxfp4"), default="bf16",
+                   help="bytes per weight: bf16 (default), fp8, or mxfp4 (an MoE's routed "
+                        "experts in MXFP4, 4.25 bits, the rest bf16: GPT-OSS's checkpoint)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="KV-cache bytes per element: auto (the weights' 16-bit) or fp8")
 
@@ -172,16 +173,22 @@ def add_plan_parser(kinds) -> None:
 
 def _spec_and_hardware(args):
     # lazy: keeps vcluster --help fast
+    from modeling.errors import ConfigError
     from modeling.presets import load_model
     from vcluster.localhost import load_hardware
     spec = load_model(args.model)
     if args.layers is not None:
         spec = spec.with_layers(args.layers)
+    if args.weight_dtype == "mxfp4" and not spec.is_moe:
+        raise ConfigError("weight_dtype", "mxfp4", "bf16 or fp8 for a dense model",
+                          f"{spec.name} has no routed experts to store in MXFP4 (GPT-OSS's "
+                          "checkpoint format: the experts MXFP4, the rest bf16)")
     return spec, load_hardware(args.hardware)
 
 
 def _plan_of(args, **layout):
     from serving import ServingPlan
+    from serving.plan import MXFP4_BYTES_PER_PARAM
     return ServingPlan(
         engine=args.engine, router=args.router,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -190,6 +197,7 @@ def _plan_of(args, **layout):
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_enable_prefix_caching,
         weight_bytes=1 if args.weight_dtype == "fp8" else 2,
+        expert_weight_bytes=MXFP4_BYTES_PER_PARAM if args.weight_dtype == "mxfp4" else None,
         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, **layout)
 
 

@@ -463,7 +463,9 @@ _SECTIONS = {
             "enable_prefix_caching": _bool("vllm-v1: keep full KV blocks after they are "
                                            "freed, so a preempted request takes back what "
                                            "nobody overwrote (vLLM v1's default)", True),
-            "weight_dtype": _enum(("bf16", "fp8"), "simulation: bytes per weight", "bf16"),
+            "weight_dtype": _enum(("bf16", "fp8", "mxfp4"), "simulation: bytes per weight "
+                                  "(mxfp4: an MoE's routed experts in MXFP4, the rest bf16)",
+                                  "bf16"),
             "kv_cache_dtype": _enum(("auto", "fp8"), "simulation: KV-cache bytes per "
                                     "element (auto: the weights' 16-bit)", "auto"),
         },

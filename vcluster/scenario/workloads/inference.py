@@ -59,6 +59,7 @@ from pipeline_parallel.gpt import GPT, llama_ffn_hidden
 from modeling import MLP, Attention, ConfigError, Layer, LatentAttention, ModelSpec, MoE
 from modeling.presets import load_model
 from serving import ServingPlan, blocks_for
+from serving.plan import MXFP4_BYTES_PER_PARAM
 
 from ..errors import ScenarioError
 from ..hardware import LOCALHOST
@@ -97,6 +98,7 @@ _KEY_PATHS = {
                                   "enable_chunked_prefill", "enable_prefix_caching",
                                   "num_blocks")},
     "weight_bytes": "engine.weight_dtype", "kv_bytes": "engine.kv_cache_dtype",
+    "expert_weight_bytes": "engine.weight_dtype",
 }
 
 
@@ -363,6 +365,8 @@ def serving_plan(scenario, spec: ModelSpec) -> ServingPlan:
                            enable_chunked_prefill=e["enable_chunked_prefill"],
                            enable_prefix_caching=e["enable_prefix_caching"],
                            weight_bytes=1 if e["weight_dtype"] in _FP8 else 2,
+                           expert_weight_bytes=MXFP4_BYTES_PER_PARAM
+                           if e["weight_dtype"] == "mxfp4" else None,
                            kv_bytes=1 if e["kv_cache_dtype"] in _FP8 else 2)
         return plan.check(spec)
 

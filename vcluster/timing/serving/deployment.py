@@ -63,6 +63,7 @@ def serving_pricer(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan,
     return ServingCostModel(spec, hardware, tp=plan.tp, pp=plan.pp, ep=plan.ep,
                             dtype="fp8" if plan.weight_bytes == 1 else "bf16",
                             weight_bytes_per_param=plan.weight_bytes,
+                            expert_weight_bytes_per_param=plan.expert_weight_bytes,
                             kv_bytes_per_element=plan.kv_bytes, **options)
 
 
@@ -74,6 +75,7 @@ def serving_capacity(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan,
                        gpu_memory_bytes=reported_memory_bytes(hardware),
                        gpu_memory_utilization=plan.gpu_memory_utilization,
                        block_size=plan.block_size, weight_bytes_per_param=plan.weight_bytes,
+                       expert_weight_bytes_per_param=plan.expert_weight_bytes,
                        kv_bytes_per_element=plan.kv_bytes,
                        max_num_batched_tokens=plan.token_budget or 8192,
                        max_num_seqs=plan.max_num_seqs, max_model_len=max_model_len,

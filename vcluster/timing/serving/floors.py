@@ -214,6 +214,7 @@ class FloorModel:
     dtype: str = "bf16"
     weight_bytes_per_param: float = 2
     kv_bytes_per_element: int = 2
+    expert_weight_bytes_per_param: float | None = None
     windows: tuple = field(init=False, repr=False)
     _stages: tuple = field(init=False, repr=False, compare=False)
     _bw: float = field(init=False, repr=False, compare=False)
@@ -225,7 +226,11 @@ class FloorModel:
         if not isinstance(self.hardware, HardwareSpec):
             raise TypeError(f"hardware must be a HardwareSpec, got {self.hardware!r}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        for name in ("weight_bytes_per_param", "kv_bytes_per_element"):
+        if self.expert_weight_bytes_per_param is None:
+            object.__setattr__(self, "expert_weight_bytes_per_param",
+                               self.weight_bytes_per_param)
+        for name in ("weight_bytes_per_param", "kv_bytes_per_element",
+                     "expert_weight_bytes_per_param"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r}: allowed a number of bytes > 0")
@@ -265,7 +270,7 @@ class FloorModel:
             flops = 2.0 * t * st.matrix_params
             for experts, top_k, per_expert, n in st.moe:
                 touched = expected_experts(experts, top_k, t)
-                nbytes += n * touched * per_expert * b_w
+                nbytes += n * touched * per_expert * self.expert_weight_bytes_per_param
                 flops += n * 2.0 * t * top_k * per_expert
             for window, pre, dec, kv_tok, up, n in st.attention:
                 (pp_, pd), (rp, rd) = shape.pairs[window], shape.read[window]

@@ -291,6 +291,7 @@ class ServingCostModel:
     dtype: str = "bf16"
     weight_bytes_per_param: float = 2
     kv_bytes_per_element: int = 2
+    expert_weight_bytes_per_param: float | None = None
     step_overhead_s: float = STEP_OVERHEAD_S
     tp_allreduce: str = "vllm-custom"
     per_sequence_overhead_s: float = 0.0
@@ -326,7 +327,10 @@ class ServingCostModel:
                              f"(0: no CUDA graphs)")
         object.__setattr__(self, "floors", FloorModel(
             self.spec, self.hardware, self.tp, self.pp, self.ep, self.dtype,
-            self.weight_bytes_per_param, self.kv_bytes_per_element))
+            self.weight_bytes_per_param, self.kv_bytes_per_element,
+            self.expert_weight_bytes_per_param))
+        object.__setattr__(self, "expert_weight_bytes_per_param",
+                           self.floors.expert_weight_bytes_per_param)
         object.__setattr__(self, "_c", self._constants())
         object.__setattr__(self, "_memo", {})
 
@@ -539,7 +543,8 @@ class ServingCostModel:
             per_expert = mats * self.spec.hidden * width       # one expert's share here
             pairs = t * top_k / share                          # routed pairs computed here
             f = 2.0 * pairs * per_expert
-            b = (expected_experts(experts, top_k, t) / share * per_expert * b_w
+            b = (expected_experts(experts, top_k, t) / share * per_expert
+                 * self.expert_weight_bytes_per_param
                  + pairs * (2 * self.spec.hidden + 2 * mats * width) * _ACT)
             moe[s] += count * (6 * fix + max(f / k["moe_rate"], b / bw))
         elementwise = np.zeros(pp)

@@ -56,10 +56,13 @@ Sliding windows and attention sinks (GPT-OSS, Mistral; the training program's ma
 :mod:`tensor_parallel.gqa`): a layer of ``window_layers`` (all, when None) with
 ``window`` w lets the query at absolute position p see the cached key j iff
 p − w < j ≤ p — in a prefill chunk and in a decode alike, against the keys the paged
-cache holds; the others see every earlier key. The paged cache keeps every token of the
-sequence, windowed layers too (as vLLM's does without its hybrid KV-cache manager, which
-frees the blocks that left the window); attention reads only the keys from the chunk's
-first window on (:mod:`.paged_attention`). With ``attention_sinks`` each query head's
+cache holds; the others see every earlier key. With vLLM's hybrid KV-cache manager (the
+default; :mod:`serving.kv_groups`) each KV-cache group of layers has its own block
+table: a sliding group's table holds the null block where a block left the window (the
+scheduler freed it, another request may hold it now), and its layers write and read
+through it; with ``hybrid_kv_cache=False`` one table serves every layer and keeps every
+token. Attention reads only the keys from the chunk's first window on
+(:mod:`.paged_attention`). With ``attention_sinks`` each query head's
 logit σ_n (parameters ``sinks`` (a,), split over tp by query heads like W_q's columns)
 joins every row's softmax denominator and its probability is dropped. No message more;
 a windowed layer declares the pairs its window visits.
@@ -118,6 +121,8 @@ from modeling import LLAMA_BLOCK, ConfigError, ModelSpec
 from modeling.counts import stage_layers
 from modeling.plan import check_kv_heads
 from serving import EngineStep, Request, make_scheduler, steps_by_arrival
+from serving.kv_groups import KVCacheGroups, layer_groups, request_blocks
+from serving.plan import VLLM_MAX_NUM_BATCHED_TOKENS
 from tensor_parallel.attention import TransformerOps
 from tensor_parallel.gqa import Rope
 from tensor_parallel.llama import llama_piece
@@ -151,7 +156,8 @@ class ServeJob:
     """What every rank runs: the model ``config``, the degrees, the ``requests`` and
     their ``prompts`` (token ids, one tuple per request; None in a trace) and the
     scheduler: ``engine`` and its ``settings`` (num_blocks, block_size,
-    max_num_batched_tokens, max_num_seqs as pairs)."""
+    max_num_batched_tokens, max_num_seqs as pairs); ``kv_groups``: the layers of each
+    KV-cache group (:mod:`serving.kv_groups`; one group without sliding windows)."""
 
     config: GPTConfig
     tp: int
@@ -161,6 +167,7 @@ class ServeJob:
     prompts: tuple | None
     engine: str
     settings: tuple
+    kv_groups: KVCacheGroups | None = None
 
     def __repr__(self) -> str:
         return (f"ServeJob(tp={self.tp}, pp={self.pp}, ep={self.ep}, requests="
@@ -199,6 +206,8 @@ class _StageModel:
         self.heads_local, self.kv_local, self.d = cfg.heads // t, max(cfg.kv_heads // t, 1), d
         self.cache = PagedKVCache(dev, self.layers, job.num_blocks, job.block_size,
                                   self.kv_local, d, cfg.dtype)
+        groups = job.kv_groups
+        self.group_of = {i: 0 if groups is None else groups.group_of(i) for i in self.layers}
 
     # --- the ends ---------------------------------------------------------------------------
     def embed(self, ids):
@@ -413,11 +422,14 @@ def _forward(model: _StageModel, step: EngineStep, tokens, logits_of, prev, nxt,
     (every rank) and their logits to ``logits_of`` (the last stage). Returns the ids of
     the requests that sampled."""
     dev, job = model.dev, model.job
-    chunks, positions, ids, sample_rows, sampled = [], [], [], [], []
+    groups = len(step.scheduled[0].block_tables) or 1
+    chunks = [[] for _ in range(groups)]          # each KV-cache group's tables
+    positions, ids, sample_rows, sampled = [], [], [], []
     first = 0
     for s in step.scheduled:
         n, c = s.num_new_tokens, s.num_computed_tokens
-        chunks.append(SequenceChunk(first, n, c, tuple(s.block_table)))
+        for g, table in enumerate(s.block_tables or (s.block_table,)):
+            chunks[g].append(SequenceChunk(first, n, c, tuple(table)))
         positions.extend(range(c, c + n))
         ids.extend(tokens[s.request_id][c:c + n])
         if s.samples:
@@ -425,8 +437,8 @@ def _forward(model: _StageModel, step: EngineStep, tokens, logits_of, prev, nxt,
             sampled.append(s.request_id)
         first += n
     n_tok = first
-    rows = np.concatenate([slots(ch.block_table, np.arange(ch.n_computed, ch.context),
-                                 job.block_size) for ch in chunks])
+    rows = [np.concatenate([slots(ch.block_table, np.arange(ch.n_computed, ch.context),
+                                  job.block_size) for ch in group]) for group in chunks]
     rope = Rope(model.d, model.cfg.rope_theta, positions)
     if model.first:
         x = model.embed(MetaArray((n_tok,), np.int64) if traced else
@@ -434,7 +446,8 @@ def _forward(model: _StageModel, step: EngineStep, tokens, logits_of, prev, nxt,
     else:
         x = dev.recv(prev, HIDDEN_TAG)
     for i in model.layers:
-        x = model.layer(i, x, chunks, rows, rope)
+        g = model.group_of[i]
+        x = model.layer(i, x, chunks[g], rows[g], rope)
     if not model.last:
         dev.send(x, nxt, HIDDEN_TAG)
     if not sampled:
@@ -529,8 +542,11 @@ def _check_degrees(cfg: GPTConfig, tp: int, pp: int, ep: int) -> None:
 
 
 def _check_requests(cfg: GPTConfig, requests, prompts, num_blocks: int,
-                    block_size: int) -> tuple:
-    """(requests, prompts as tuples of ints or None), or ConfigError."""
+                    block_size: int, windows=(None,), chunk: int = 0) -> tuple:
+    """(requests, prompts as tuples of ints or None), or ConfigError. A request must fit
+    the cache at its longest: ⌈tokens/B⌉ blocks in each KV-cache group of ``windows``
+    (a sliding one at most what its window and a ``chunk`` of new tokens reach,
+    :func:`serving.kv_groups.request_blocks`) beside the null block."""
     requests = tuple(requests)
     if not requests or not all(isinstance(r, Request) for r in requests):
         raise ConfigError("requests", requests, "a non-empty sequence of serving.Request",
@@ -541,13 +557,15 @@ def _check_requests(cfg: GPTConfig, requests, prompts, num_blocks: int,
     for name, value, low in (("num_blocks", num_blocks, 2), ("block_size", block_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(name, value, f"an integer >= {low}", "not a KV cache size")
-    capacity = (num_blocks - 1) * block_size               # block 0: vLLM's null block
+    usable = num_blocks - 1                                # block 0: vLLM's null block
     for i, r in enumerate(requests):
-        if r.max_tokens > capacity:         # the scheduler's rule (serving.scheduler)
-            raise ConfigError(f"requests[{i}]", r, f"prompt_len + output_len <= "
-                              f"{capacity} tokens", f"the cache of num_blocks={num_blocks} "
-                              f"blocks (one the null block) of {block_size} tokens can "
-                              f"never hold its {r.max_tokens} tokens")
+        need = request_blocks(windows, r.max_tokens, block_size, chunk or r.max_tokens)
+        if need > usable:                   # the scheduler's rule (serving.scheduler)
+            raise ConfigError(f"requests[{i}]", r, f"at most {usable} blocks at its "
+                              f"longest (it needs {need} of {block_size} tokens over "
+                              f"{len(windows)} KV-cache group(s))",
+                              f"the cache of num_blocks={num_blocks} blocks (one the null "
+                              f"block) can never hold its {r.max_tokens} tokens")
     if prompts is None:
         return requests, None
     prompts = tuple(prompts)
@@ -643,11 +661,13 @@ class ServeRun:
 
     @property
     def block_owners(self) -> MappingProxyType:
-        """Block id -> the distinct request ids whose tables held it, in order of use."""
+        """Block id -> the distinct request ids whose tables (any KV-cache group's) held
+        it, in order of use; the null block (0, a sliding group's dropped blocks) left
+        out."""
         owners: dict = {}
         for step in self.steps:
             for s in step.scheduled:
-                for b in s.block_table:
+                for b in (b for t in (s.block_tables or (s.block_table,)) for b in t if b):
                     seen = owners.setdefault(b, [])
                     if s.request_id not in seen:
                         seen.append(s.request_id)
@@ -665,10 +685,14 @@ class ServeRun:
 
 def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
          max_num_batched_tokens, max_num_seqs, engine,
-         enable_prefix_caching=None) -> ServeJob:
+         enable_prefix_caching=None, hybrid_kv_cache=True) -> ServeJob:
     cfg = serve_config(model, timing_only=prompts is None)
     _check_degrees(cfg, tp, pp, ep)
-    requests, prompts = _check_requests(cfg, requests, prompts, num_blocks, block_size)
+    groups = layer_groups([cfg.layer_window(i) for i in range(cfg.layers)], hybrid_kv_cache)
+    chunk = max_num_batched_tokens or (VLLM_MAX_NUM_BATCHED_TOKENS if str(engine) == "vllm-v1"
+                                       else num_blocks * block_size)
+    requests, prompts = _check_requests(cfg, requests, prompts, num_blocks, block_size,
+                                        groups.windows, chunk)
     settings = {"num_blocks": num_blocks, "block_size": block_size}
     if max_num_batched_tokens is not None:
         settings["max_num_batched_tokens"] = max_num_batched_tokens
@@ -676,26 +700,33 @@ def _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
         settings["max_num_seqs"] = max_num_seqs
     if enable_prefix_caching is not None:
         settings["enable_prefix_caching"] = enable_prefix_caching
+    if groups.windows != (None,):
+        settings["kv_group_windows"] = groups.windows
     make_scheduler(engine, num_blocks, **{n: v for n, v in settings.items()
                                           if n != "num_blocks"})   # its own checks, here
     return ServeJob(cfg, tp, pp, ep, requests, prompts, str(engine),
-                    tuple(settings.items()))
+                    tuple(settings.items()), groups)
 
 
 def serve(cluster, model, params, requests, prompts, *, tp: int = 1, pp: int = 1,
           ep: int = 1, num_blocks: int, block_size: int = BLOCK_SIZE,
           max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-          engine: str = "vllm-v1", enable_prefix_caching: bool | None = None) -> ServeRun:
+          engine: str = "vllm-v1", enable_prefix_caching: bool | None = None,
+          hybrid_kv_cache: bool = True) -> ServeRun:
     """Serve ``requests`` (:class:`serving.Request`, their ``prompts`` token ids) with
     ``model`` (a ModelSpec, preset name or GPTConfig; ``params`` its global parameters by
     name, None: ``GPT(config, seed=0).init_params()``) on ``cluster`` (a VirtualCluster on
     :func:`serve_mesh` (tp, pp)); the scheduler ``engine`` with ``num_blocks`` KV blocks
     of ``block_size`` tokens per device, its token budget, sequence cap and prefix caching
     (None: its defaults — vLLM v1 caches: a preempted request takes back the blocks
-    nobody overwrote and reads the KV they still hold). Every rank must agree on every
-    token, or RuntimeError."""
+    nobody overwrote and reads the KV they still hold); ``hybrid_kv_cache``: a model
+    mixing sliding-window and full layers keeps one block table per KV-cache group, its
+    sliding groups dropping the blocks that left their windows (vLLM's hybrid manager,
+    its default; :mod:`serving.kv_groups`). Every rank must agree on every token, or
+    RuntimeError."""
     job = _job(model, requests, prompts, tp, pp, ep, num_blocks, block_size,
-               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching)
+               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching,
+               hybrid_kv_cache)
     cfg = job.config
     if getattr(cluster, "mesh", None) != serve_mesh(tp, pp):
         raise ConfigError("cluster", getattr(cluster, "mesh", cluster),
@@ -722,12 +753,14 @@ def serve_meta_args(mesh, model, requests, *, tp: int = 1, pp: int = 1, ep: int 
                     max_num_batched_tokens: int | None = None,
                     max_num_seqs: int | None = None, engine: str = "vllm-v1",
                     dtype: str = "float64",
-                    enable_prefix_caching: bool | None = None) -> list[tuple]:
+                    enable_prefix_caching: bool | None = None,
+                    hybrid_kv_cache: bool = True) -> list[tuple]:
     """``serve_program``'s arguments per rank on shape-only parameters of ``dtype``
     ("float16" for a 16-bit model's bytes) and no prompts, for ``trace_program(mesh,
     serve_program, ...)`` (the schedule needs counts only)."""
     job = _job(model, requests, None, tp, pp, ep, num_blocks, block_size,
-               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching)
+               max_num_batched_tokens, max_num_seqs, engine, enable_prefix_caching,
+               hybrid_kv_cache)
     job = replace(job, config=replace(job.config, dtype=dtype))
     if mesh != serve_mesh(tp, pp):
         raise ConfigError("mesh", mesh, f"{serve_mesh(tp, pp)!r}", "serving's mesh is (pp, tp)")

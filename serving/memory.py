@@ -71,9 +71,12 @@ as does one whose cache cannot hold one request of ``max_model_len`` tokens when
 (vLLM's ``check_enough_kv_cache_memory``). With ``allow_oom=True`` the capacity comes back
 anyway with ``num_blocks = 0`` (and a budget that may be negative): the caller decides.
 
-Not modelled: the hybrid KV-cache manager's layout for models mixing sliding-window and
-full layers (GPT-OSS: sliding layers are counted as full ones here, as with
-``--disable-hybrid-kv-cache-manager``), CUDA-graph memory (subtracted only under
+A model mixing sliding-window and full layers is laid out as vLLM's hybrid KV-cache
+manager lays it out (:mod:`serving.kv_groups`): groups of G layers, each with its own
+block tables, one pool whose block holds G_stage layers' pages (``hybrid_kv_cache``
+False: one group over every layer, ``--disable-hybrid-kv-cache-manager``).
+
+Not modelled: CUDA-graph memory (subtracted only under
 ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``), the vocabulary's padding to a multiple of
 64 per rank, and multi-token-prediction layers (loaded only for speculative decoding).
 """
@@ -88,6 +91,7 @@ from modeling.counts import mlp_params, parameter_count, rank_params
 from modeling.errors import ConfigError
 from modeling.spec import Attention, LatentAttention, Layer, ModelSpec, MoE
 
+from .kv_groups import KVCacheGroups, kv_cache_groups
 from .plan import ServingPlan
 
 __all__ = ["KVCapacity", "StageWeights", "kv_capacity", "stage_weights", "vllm_stage_layers",
@@ -273,11 +277,28 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     stage: int = 0
+    groups: KVCacheGroups | None = None
+    max_num_batched_tokens: int = 8192
 
     @property
     def max_tokens(self) -> int:
-        """Tokens the cache holds: num_blocks × block_size (vLLM's "GPU KV cache size")."""
-        return self.num_blocks * self.block_size
+        """Tokens the cache holds (vLLM's "GPU KV cache size"): num_blocks × block_size,
+        or with the hybrid manager's groups ⌊num_blocks / groups⌋ × block_size."""
+        groups = 1 if self.groups is None else len(self.groups.windows)
+        return self.num_blocks // groups * self.block_size
+
+    def blocks_for_request(self, num_tokens: int) -> int:
+        """The most blocks one request of ``num_tokens`` tokens holds at once
+        (:meth:`serving.kv_groups.KVCacheGroups.blocks_for_request`; one group: ⌈T/B⌉)."""
+        if self.groups is None:
+            return -(-num_tokens // self.block_size)
+        return self.groups.blocks_for_request(num_tokens, self.block_size,
+                                              self.max_num_batched_tokens)
+
+    def holds_request(self, num_tokens: int) -> bool:
+        """Whether one request of ``num_tokens`` tokens fits beside the null block."""
+        return self.num_blocks >= 2 and self.blocks_for_request(num_tokens) <= \
+            self.num_blocks - 1
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -290,12 +311,13 @@ class KVCapacity:
 
     def max_concurrency(self, max_model_len: int) -> float:
         """Requests of ``max_model_len`` tokens the cache holds at once (vLLM's "Maximum
-        concurrency for N tokens per request"): num_blocks / ceil(N / block_size)."""
+        concurrency for N tokens per request"): num_blocks / the blocks one such request
+        holds (ceil(N / block_size) with one group)."""
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
                 or max_model_len < 1:
             raise ConfigError("max_model_len", max_model_len, "an integer >= 1",
                               "not a request length")
-        return self.num_blocks / -(-max_model_len // self.block_size)
+        return self.num_blocks / self.blocks_for_request(max_model_len)
 
     def __str__(self) -> str:
         gib = 2 ** 30
@@ -327,12 +349,18 @@ def kv_capacity(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 expert_weight_bytes_per_param: float | None = None,
                 kv_bytes_per_element: int = 2, max_num_batched_tokens: int = 8192,
                 max_num_seqs: int = 256, non_torch_bytes: int = VLLM_NON_TORCH_BYTES,
-                max_model_len: int | None = None, allow_oom: bool = False) -> KVCapacity:
+                max_model_len: int | None = None, allow_oom: bool = False,
+                hybrid_kv_cache: bool = True) -> KVCapacity:
     """vLLM v1's KV-cache blocks for ``spec`` on GPUs of ``gpu_memory_bytes`` each (module
     docstring). ``gpu_memory_bytes`` is what torch reports as the device's total
     (``torch.cuda.mem_get_info()[1]``, what vLLM multiplies): on 80 GB GPUs vLLM's start-up
     logs print "total_gpu_memory (79.15GiB)" to "(79.33GiB)", about 85.0e9 B — not the
     datasheet's 80e9 (``DeviceSpec.hbm_bytes``); pass what the GPU reports.
+
+    A model mixing sliding-window and full layers is laid out in the hybrid manager's
+    groups (:mod:`serving.kv_groups`): a block holds the pages of G_stage layers, the most
+    of one group on the stage; ``hybrid_kv_cache`` False is
+    ``--disable-hybrid-kv-cache-manager`` (one group: a block over every layer).
 
     Raises ConfigError when no block fits (or, given ``max_model_len``, fewer than one
     request of it), unless ``allow_oom``: then ``num_blocks`` is 0."""
@@ -352,6 +380,7 @@ def kv_capacity(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
     if max_model_len is not None:
         _positive_int("max_model_len", max_model_len)
     requested = math.ceil(gpu_memory_bytes * u)
+    groups = kv_cache_groups(spec, hybrid=hybrid_kv_cache)
     best = None
     for k, stage in enumerate(stage_weights(spec, tp=tp, pp=pp, ep=ep)):
         weights = math.ceil((stage.total - stage.experts) * weight_bytes_per_param
@@ -360,12 +389,15 @@ def kv_capacity(spec: ModelSpec, *, tp: int = 1, pp: int = 1, ep: int = 1,
                                     max_num_batched_tokens=max_num_batched_tokens,
                                     max_num_seqs=max_num_seqs, last_stage=k == pp - 1)
         budget = requested - weights - act - int(non_torch_bytes)
-        per_block = sum(kv_page_bytes(spec.layers[i], tp=tp, block_size=block_size,
-                                      kv_bytes_per_element=kv_bytes_per_element)
-                        for i in stage.layers)
+        pages = [kv_page_bytes(spec.layers[i], tp=tp, block_size=block_size,
+                               kv_bytes_per_element=kv_bytes_per_element)
+                 for i in stage.layers]
+        per_block = pages[0] * groups.stage_group_size(stage.layers) if groups.hybrid \
+            else sum(pages)
         blocks = max(0, budget // per_block)
         cap = KVCapacity(requested, weights, act, int(non_torch_bytes), budget, per_block,
-                         blocks, block_size, k)
+                         blocks, block_size, k, None if groups.windows == (None,) else groups,
+                         max_num_batched_tokens)
         if best is None or (cap.num_blocks, cap.budget_bytes) < (best.num_blocks,
                                                                  best.budget_bytes):
             best = cap
@@ -386,9 +418,10 @@ def _refuse(spec, cap: KVCapacity, max_model_len, tp, pp, u) -> None:
             f"{cap.activation_peak_bytes / gb:.2f} GB activations - "
             f"{cap.non_torch_bytes / gb:.2f} GB non-torch = {cap.budget_bytes / gb:.2f} GB "
             f"for blocks of {cap.bytes_per_block} B")
-    if max_model_len is not None and cap.max_tokens < max_model_len:
+    if max_model_len is not None and cap.blocks_for_request(max_model_len) > cap.num_blocks:
         raise ConfigError(
             "max_model_len", max_model_len, f"at most the {cap.max_tokens} tokens the cache "
             "holds", f"one request of max_model_len tokens does not fit the KV cache on "
-            f"{where} ({cap.num_blocks} blocks of {cap.block_size})")
+            f"{where} ({cap.num_blocks} blocks of {cap.block_size}; it needs "
+            f"{cap.blocks_for_request(max_model_len)})")
 

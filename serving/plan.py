@@ -22,6 +22,8 @@ from modeling.choices import Engine, Router
 from modeling.errors import ConfigError
 from modeling.spec import LatentAttention, ModelSpec, MoE
 
+from .kv_groups import kv_cache_groups
+
 __all__ = ["ServingPlan", "VLLM_MAX_NUM_BATCHED_TOKENS", "VLLM_MAX_NUM_SEQS",
            "MXFP4_BYTES_PER_PARAM", "EXPERT_WEIGHT_BYTES"]
 
@@ -59,7 +61,9 @@ class ServingPlan:
     defaults: ``max_num_batched_tokens`` (None: the engine's default, 8192 under
     ``vllm-v1``, no cap under ``static``), ``max_num_seqs``, ``block_size``,
     ``gpu_memory_utilization``, ``max_model_len``, ``enable_chunked_prefill``,
-    ``enable_prefix_caching`` (vLLM v1's default, on), ``long_prefill_token_threshold``;
+    ``enable_prefix_caching`` (vLLM v1's default, on), ``long_prefill_token_threshold``,
+    ``hybrid_kv_cache`` (vLLM's hybrid KV-cache manager for models mixing sliding-window
+    and full layers, on; off is ``--disable-hybrid-kv-cache-manager``);
     ``weight_bytes`` and ``kv_bytes`` per element
     (2: bf16; 1: FP8 weights or ``--kv-cache-dtype fp8``); ``expert_weight_bytes`` per
     routed-expert parameter when the experts are stored otherwise (None: ``weight_bytes``;
@@ -84,6 +88,7 @@ class ServingPlan:
     weight_bytes: int = 2
     kv_bytes: int = 2
     expert_weight_bytes: float | None = None
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self):
         for name in ("tp", "pp", "ep", "replicas", "max_num_seqs", "block_size"):
@@ -104,7 +109,7 @@ class ServingPlan:
             raise ConfigError("gpu_memory_utilization", u, "a fraction in (0, 1]",
                               "the share of each GPU's memory the engine may use",
                               owner="ServingPlan")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "hybrid_kv_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "true or false", "not a boolean",
                                   owner="ServingPlan")
@@ -156,11 +161,17 @@ class ServingPlan:
             return self.max_num_batched_tokens
         return VLLM_MAX_NUM_BATCHED_TOKENS if self.engine is Engine.VLLM_V1 else None
 
-    def scheduler_settings(self) -> dict:
-        """The keyword arguments of :func:`serving.make_scheduler` for this engine."""
+    def scheduler_settings(self, spec: ModelSpec | None = None) -> dict:
+        """The keyword arguments of :func:`serving.make_scheduler` for this engine; with
+        ``spec``, its KV-cache groups' windows when it has sliding-window layers
+        (:mod:`serving.kv_groups`, ``hybrid_kv_cache``)."""
         common = {"block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
                   "max_model_len": self.max_model_len,
                   "max_num_batched_tokens": self.token_budget}
+        if spec is not None:
+            windows = kv_cache_groups(spec, self.hybrid_kv_cache).windows
+            if windows != (None,):
+                common["kv_group_windows"] = windows
         if self.engine is Engine.VLLM_V1:
             common.update(enable_chunked_prefill=self.enable_chunked_prefill,
                           enable_prefix_caching=self.enable_prefix_caching,

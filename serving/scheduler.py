@@ -60,7 +60,7 @@ from typing import NamedTuple
 from modeling.choices import Engine
 from modeling.errors import ConfigError
 
-from .blocks import BlockPool, blocks_for
+from .blocks import BlockPool
 from .request import Request
 
 __all__ = ["ScheduledRequest", "EngineStep", "StepOutcome", "VllmV1Scheduler",
@@ -69,10 +69,12 @@ __all__ = ["ScheduledRequest", "EngineStep", "StepOutcome", "VllmV1Scheduler",
 
 class ScheduledRequest(NamedTuple):
     """One request's share of a step: ``num_new_tokens`` from position
-    ``num_computed_tokens``; ``block_table`` after this step's allocation; ``samples``:
-    the step reaches the end of its known tokens and emits one; ``is_decode``: one new
-    token after its prompt was fully computed. (A named tuple: immutable, and built once
-    per request per step — a third of a frozen dataclass's cost.)"""
+    ``num_computed_tokens``; ``block_table`` after this step's allocation (the first
+    KV-cache group's; ``block_tables``: every group's, :mod:`serving.kv_groups`);
+    ``samples``: the step reaches the end of its known tokens and emits one;
+    ``is_decode``: one new token after its prompt was fully computed. (A named tuple:
+    immutable, and built once per request per step — a third of a frozen dataclass's
+    cost.)"""
 
     request_id: int
     num_new_tokens: int
@@ -80,6 +82,7 @@ class ScheduledRequest(NamedTuple):
     block_table: tuple[int, ...]
     samples: bool
     is_decode: bool
+    block_tables: tuple = ()
 
     @property
     def context(self) -> int:
@@ -186,9 +189,10 @@ class _Scheduler:
     engine: Engine
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int | None, enable_prefix_caching: bool = False):
+                 max_model_len: int | None, enable_prefix_caching: bool = False,
+                 kv_group_windows: tuple = (None,)):
         owner = type(self).__name__
-        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching, kv_group_windows)
         self.max_num_seqs = _count(owner, "max_num_seqs", max_num_seqs)
         self.max_model_len = _count(owner, "max_model_len", max_model_len, 2, allow_none=True)
         self._waiting: deque[_State] = deque()
@@ -210,7 +214,7 @@ class _Scheduler:
                               "two requests with one id", owner=type(self).__name__)
         limit = self.max_model_len or request.max_tokens
         longest = min(request.max_tokens, limit)
-        if blocks_for(longest, self.pool.block_size) > self.pool.num_usable:
+        if self.pool.blocks_for_request(longest, self._chunk) > self.pool.num_usable:
             raise ConfigError("prompt_len + output_len", longest,
                               f"at most {self.pool.capacity_tokens} tokens (the whole cache: "
                               f"{self.pool.num_usable} blocks of {self.pool.block_size})",
@@ -245,14 +249,22 @@ class _Scheduler:
         return self._states[request_id].emitted
 
     # --- a step ------------------------------------------------------------------------
+    @property
+    def _chunk(self) -> int:
+        """The most tokens one request computes in a step, which sizes a sliding group's
+        blocks: here a whole request (static batching computes a prompt whole and drops
+        nothing)."""
+        return self.pool.capacity_tokens
+
     def _scheduled(self, state: _State, n: int) -> ScheduledRequest:
         req = state.request
         start = state.computed + state.flight                  # state.ahead
         state.flight += n
+        tables = self.pool.tables(req.request_id)
         return ScheduledRequest(
-            req.request_id, n, start, self.pool.table(req.request_id),
+            req.request_id, n, start, tables[0],
             start + n == req.prompt_len + state.emitted,       # reaches state.num_tokens
-            n == 1 and start >= req.prompt_len)
+            n == 1 and start >= req.prompt_len, tables)
 
     def _next_step(self, scheduled, preempted=()) -> EngineStep:
         step = EngineStep(self._step, tuple(scheduled), tuple(preempted))
@@ -303,13 +315,14 @@ class VllmV1Scheduler(_Scheduler):
     def __init__(self, num_blocks: int, *, block_size: int = 16,
                  max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
                  max_model_len: int | None = None, long_prefill_token_threshold: int = 0,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 kv_group_windows: tuple = (None,)):
         owner = type(self).__name__
         if not isinstance(enable_prefix_caching, bool):
             raise ConfigError("enable_prefix_caching", enable_prefix_caching,
                               "true or false", "not a boolean", owner=owner)
         super().__init__(num_blocks, block_size, max_num_seqs, max_model_len,
-                         enable_prefix_caching)
+                         enable_prefix_caching, kv_group_windows)
         self.max_num_batched_tokens = _count(owner, "max_num_batched_tokens",
                                              max_num_batched_tokens)
         self.long_prefill_token_threshold = _count(owner, "long_prefill_token_threshold",
@@ -318,6 +331,10 @@ class VllmV1Scheduler(_Scheduler):
             raise ConfigError("enable_chunked_prefill", enable_chunked_prefill,
                               "true or false", "not a boolean", owner=owner)
         self.enable_chunked_prefill = enable_chunked_prefill
+
+    @property
+    def _chunk(self) -> int:
+        return self.max_num_batched_tokens
 
     def _cap(self, state: _State, n: int, budget: int) -> int:
         threshold = self.long_prefill_token_threshold
@@ -358,7 +375,7 @@ class VllmV1Scheduler(_Scheduler):
                 i += 1
                 continue
             while not self.pool.allocate(state.request.request_id, ahead + n,
-                                         prefix=state.request.shared_prefix):
+                                         prefix=state.request.shared_prefix, computed=ahead):
                 victim, at = self._preempt()
                 if victim is None:
                     break
@@ -386,7 +403,7 @@ class VllmV1Scheduler(_Scheduler):
                 whole = self.enable_chunked_prefill or n <= budget
                 n = self._cap(state, n, budget)
                 if not (whole and self.pool.allocate(rid, state.ahead + n, hit_blocks=hits,
-                                                     prefix=prefix)):
+                                                     prefix=prefix, computed=state.ahead)):
                     state.computed -= taken
                     break
                 if lookup:
@@ -409,8 +426,10 @@ class StaticScheduler(_Scheduler):
     engine = Engine.STATIC
 
     def __init__(self, num_blocks: int, *, block_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None):
-        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len)
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 kv_group_windows: tuple = (None,)):
+        super().__init__(num_blocks, block_size, max_num_seqs, max_model_len,
+                         kv_group_windows=kv_group_windows)
         self.max_num_batched_tokens = _count(type(self).__name__, "max_num_batched_tokens",
                                              max_num_batched_tokens, allow_none=True)
 

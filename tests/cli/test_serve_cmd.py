@@ -100,6 +100,12 @@ def test_gpt_oss_fits_one_h100_only_with_its_mxfp4_experts():
     assert vcluster(*args, check=False).returncode == 1
     proc = vcluster(*args, "--weight-dtype", "mxfp4")
     assert "weights 65.2 GB per GPU" in proc.stdout and "Serving Benchmark Result" in proc.stdout
+    # vLLM's hybrid manager (its default): 2 groups of 18 layers, twice the blocks of one
+    # group over all 36 (--disable-hybrid-kv-cache-manager), the same tokens reported
+    hybrid = proc.stdout.split("KV cache per replica: ")[1].split(" blocks")[0]
+    one = vcluster(*args, "--weight-dtype", "mxfp4", "--disable-hybrid-kv-cache-manager")
+    single = one.stdout.split("KV cache per replica: ")[1].split(" blocks")[0]
+    assert int(hybrid) == 2 * int(single) + 1 and "2 KV-cache groups of 18" in proc.stdout
 
 
 def test_the_text_report_has_the_vllm_block_floors_and_kv(tmp_path):

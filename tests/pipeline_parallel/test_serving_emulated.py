@@ -111,11 +111,12 @@ def moe():
 
 
 def _owners(steps) -> dict:
-    """Block id -> [(step index, request id)] for every scheduled table that held it."""
+    """Block id -> [(step index, request id)] for every scheduled table (of any KV-cache
+    group) that held it; the null block 0 (where a sliding group dropped one) left out."""
     out = {}
     for step in steps:
         for s in step.scheduled:
-            for b in s.block_table:
+            for b in {b for t in (s.block_tables or (s.block_table,)) for b in t if b}:
                 out.setdefault(b, []).append((step.index, s.request_id))
     return out
 
@@ -373,10 +374,11 @@ def test_preempted_requests_are_recomputed_and_equal_reference(cluster_of, tp, p
     """5 usable blocks (80 tokens) for a 50-token request growing beside others, prefix
     caching off: the scheduler preempts, the victim is re-prefilled from position 0 over
     its prompt and the tokens it had emitted, and every token still equals the
-    reference."""
+    reference. (GPT-OSS: 7 usable blocks — its two KV-cache groups, full and sliding,
+    hold 4 + 3 blocks of the 50-token request.)"""
     case = request.getfixturevalue(f"_preempt_{spec}")
     run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "qwen_moe", "oss") else 1,
-                   num_blocks=6, enable_prefix_caching=False)
+                   num_blocks=8 if spec == "oss" else 6, enable_prefix_caching=False)
     case.check(run)
     assert run.preemptions > 0
     victims = {r for step in run.steps for r in step.preempted}
@@ -403,10 +405,13 @@ def test_preempted_requests_read_back_their_cached_blocks_and_equal_reference(
     its leading blocks nobody overwrote and starts computing after them; attention then
     reads the KV those physical blocks still hold from before the preemption — and every
     token and logit still equals the reference. At least one re-admission starts past 0
-    (a hit), on the blocks it held before."""
+    (a hit), on the blocks it held before. (GPT-OSS here in one KV-cache group,
+    ``hybrid_kv_cache=False``: its sliding layers keep every block, as
+    ``--disable-hybrid-kv-cache-manager``; the hybrid layout's hits are the next
+    test's.)"""
     case = request.getfixturevalue(f"_preempt_{spec}")
     run = case.run(cluster_of, tp, pp, ep=tp if spec in ("moe", "oss") else 1,
-                   num_blocks=6)
+                   num_blocks=6, **({"hybrid_kv_cache": False} if spec == "oss" else {}))
     case.check(run)
     assert run.preemptions > 0
     victims = {r for step in run.steps for r in step.preempted}
@@ -508,8 +513,13 @@ def test_requests_sharing_a_prefix_read_its_blocks_and_equal_reference(tp, pp, s
             first.setdefault(s.request_id, (step.index, s))
     assert {rid: s.num_computed_tokens for rid, (_, s) in first.items()} == {
         0: 0, 1: 16, 2: 0, 3: 0, 4: 32, 5: 16}
-    table = {rid: s.block_table for rid, (_, s) in first.items()}
+    full = first[0][1].block_tables[-1]  # the full-attention group (GPT-OSS: sliding, full)
+    table = {rid: s.block_tables[-1] for rid, (_, s) in first.items()}
+    assert full == table[0]
     assert table[1][0] == table[0][0] and table[4][:2] == table[2][:2]
+    if spec == "oss":   # the sliding group (window 4) takes back only the block before the
+        sliding = {rid: s.block_tables[0] for rid, (_, s) in first.items()}     # hit point
+        assert sliding[4][:2] == (0, sliding[2][1]) and sliding[1][0] == sliding[0][0]
     assert first[1][0] == first[0][0]                     # a hit in the writer's own step
     assert table[5][0] == table[0][0] and first[5][0] > max(
         i for i, step in enumerate(run.steps) for s in step.scheduled if s.request_id < 2)
@@ -526,6 +536,36 @@ def test_prompts_of_one_prefix_must_share_its_tokens(dense):
     with pytest.raises(ConfigError, match=r"^prompts\[4\]=.*the first 35 tokens of "
                                           r"prompts\[2\] \(prefix_id 1\)"):
         serve(None, DENSE, dense.params, SHARING, prompts, num_blocks=24)
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 2), (1, 2, 1)],
+                         ids=["tp1", "tp2-ep2", "pp2"])
+def test_gpt_oss_hybrid_kv_cache_drops_blocks_that_left_the_window(cluster_of, oss, tp, pp,
+                                                                   ep):
+    """vLLM's hybrid KV-cache manager (its default): GPT-OSS's sliding layers (w = 4) and
+    full layers keep one block table each; before each allocation the sliding table's
+    blocks wholly before token c − w + 1 go back to the pool, the null block 0 in their
+    place, while the full table keeps every block. 9 usable blocks for the 8 requests:
+    requests are preempted and a re-admission takes back cached blocks (in the sliding
+    group only the one before the hit point) — and every token and logit equals the
+    reference, as with the manager off."""
+    run = oss.run(cluster_of, tp, pp, ep, num_blocks=10)
+    oss.check(run)
+    bs, dropped = BLOCK_SIZE, 0
+    for step in run.steps:
+        for s in step.scheduled:
+            sliding, full = s.block_tables
+            first_useful = max(0, (s.num_computed_tokens - OSS_WINDOW + 1) // bs)
+            assert all(b == 0 for b in sliding[:first_useful]), s
+            assert all(sliding[first_useful:]) and all(full) and len(sliding) == len(full), s
+            dropped += sliding.count(0)
+    assert dropped > 0 and run.preemptions > 0
+    assert any(s.num_computed_tokens > 0 and s.request_id in step_before.preempted
+               for i, step_before in enumerate(run.steps) for step in run.steps[i + 1:]
+               for s in step.scheduled)
+    off = oss.run(cluster_of, tp, pp, ep, num_blocks=10, hybrid_kv_cache=False)
+    oss.check(off)
+    assert all(0 not in s.block_table for step in off.steps for s in step.scheduled)
 
 
 # --- the paged cache on its own -----------------------------------------------------------

@@ -65,6 +65,34 @@ def test_mxfp4_experts_weigh_the_published_checkpoint(name, checkpoint_gib):
     assert mx.num_blocks > bf16.num_blocks
 
 
+def test_gpt_oss_hybrid_groups_hold_half_the_layers_per_block():
+    """GPT-OSS-120B: 18 sliding (window 128) and 18 full layers of 8 KV heads of 64 —
+    vLLM's hybrid manager forms two groups of 18, so a block holds 18 layers' pages
+    (2·16·8·64·2 B each) where one group over all 36 would hold 36: twice the blocks for
+    the same budget. The cache reports ⌊blocks / 2⌋ × 16 tokens, and a 32K request holds
+    2,048 blocks in the full group and ⌈(127 + 8192)/16⌉ + 1 = 521 in the sliding one."""
+    from serving.kv_groups import kv_cache_groups
+    spec = load_model("gpt-oss-120b")
+    groups = kv_cache_groups(spec)
+    assert groups.windows == (128, None) and groups.group_size == 18
+    assert groups.layers == (tuple(range(0, 36, 2)), tuple(range(1, 36, 2)))
+    page = 2 * 16 * 8 * 64 * 2
+    hybrid = kv_capacity(spec, gpu_memory_bytes=H100_TORCH_BYTES,
+                         expert_weight_bytes_per_param=4.25 / 8)
+    one = kv_capacity(spec, gpu_memory_bytes=H100_TORCH_BYTES,
+                      expert_weight_bytes_per_param=4.25 / 8, hybrid_kv_cache=False)
+    assert hybrid.bytes_per_block == page * 18 and one.bytes_per_block == page * 36
+    assert hybrid.budget_bytes == one.budget_bytes
+    assert hybrid.num_blocks == hybrid.budget_bytes // (page * 18)
+    assert one.num_blocks == one.budget_bytes // (page * 36)
+    assert hybrid.max_tokens == hybrid.num_blocks // 2 * 16
+    assert hybrid.blocks_for_request(32768) == 2048 + 521
+    assert hybrid.max_concurrency(32768) == pytest.approx(hybrid.num_blocks / 2569)
+    assert one.max_concurrency(32768) == pytest.approx(one.num_blocks / 2048)
+    assert kv_cache_groups(spec, hybrid=False).windows == (None,)
+    assert kv_cache_groups(LLAMA8).windows == (None,)
+
+
 def test_activation_peak_is_the_forward_term_when_the_logits_are_small():
     """With few sequences the sampler's R × V logits shrink and the forward's MLP
     transient (gate_up, act, down over T tokens) binds."""

@@ -387,18 +387,21 @@ def _identity(request: Request, position: int):
     return request.request_id, position
 
 
+@pytest.mark.parametrize("windows", [(None,), (5, None), (None, 9, 9)],
+                         ids=["one-group", "sliding-5+full", "full+2x-sliding-9"])
 @pytest.mark.parametrize("seed", range(8))
-def test_every_token_read_is_the_one_the_request_wrote_or_shares(seed):
-    """Shared prefixes (3 prefixes and unshared prompts), preemptions (a small cache) and
-    the prefix cache together: a shadow cache records which token each step writes in
-    each slot; every token a scheduled request counts computed must be in its table's
-    slot — its own, or its prefix's written by any request — and a block sits in several
-    tables only as a block wholly inside one prefix."""
+def test_every_token_read_is_the_one_the_request_wrote_or_shares(seed, windows):
+    """Shared prefixes (3 prefixes and unshared prompts), preemptions (a small cache),
+    the prefix cache and KV-cache groups (a sliding group reads only its window: from
+    the chunk's first query's c − w + 1 on) together: a shadow cache records which token
+    each step writes in each group's slot; every token a scheduled request reads must be
+    in its table's slot — its own, or its prefix's written by any request — and a block
+    sits in several tables only as a block wholly inside one prefix."""
     rng = np.random.default_rng(100 + seed)
     bs = 4
-    s = VllmV1Scheduler(int(rng.integers(14, 30)), block_size=bs,
+    s = VllmV1Scheduler(int(rng.integers(14, 30)) * len(windows), block_size=bs,
                         max_num_batched_tokens=int(rng.integers(8, 40)),
-                        max_num_seqs=int(rng.integers(2, 6)))
+                        max_num_seqs=int(rng.integers(2, 6)), kv_group_windows=windows)
     prefixes = {pid: int(rng.integers(1, 20)) for pid in range(3)}
     reqs, arrivals = {}, {}
     for i in range(30):
@@ -407,24 +410,32 @@ def test_every_token_read_is_the_one_the_request_wrote_or_shares(seed):
         prefix = prefixes.get(pid, 0)
         r = Request(i, prefix + own, int(rng.integers(1, 10)),
                     prefix_id=pid if prefix else None, prefix_len=prefix)
-        if blocks_for(r.max_tokens, bs) <= s.pool.num_usable:
+        if s.pool.blocks_for_request(r.max_tokens, s.max_num_batched_tokens) \
+                <= s.pool.num_usable:
             reqs[i] = r
             arrivals.setdefault(int(rng.integers(0, 30)), []).append(r)
     slots: dict = {}
     emitted = {i: 0 for i in reqs}
     for step, out in run(s, arrivals):
         for x in step.scheduled:                          # every layer writes first ...
-            for p in range(x.num_computed_tokens, x.context):
-                slots[(x.block_table[p // bs], p % bs)] = _identity(reqs[x.request_id], p)
+            for table in x.block_tables:
+                for p in range(x.num_computed_tokens, x.context):
+                    assert table[p // bs] != 0, (x, p)
+                    slots[(table[p // bs], p % bs)] = _identity(reqs[x.request_id], p)
         owners: dict = {}
         for x in step.scheduled:                          # ... then attends
             r = reqs[x.request_id]
-            for p in range(x.context):
-                assert slots[(x.block_table[p // bs], p % bs)] == _identity(r, p), (x, p)
-            for index, block in enumerate(x.block_table):
-                shared = r.prefix_len and (index + 1) * bs <= r.prefix_len
-                owners.setdefault(block, set()).add(
-                    ("prefix", r.prefix_id, index) if shared else (r.request_id, index))
+            for g, (w, table) in enumerate(zip(windows, x.block_tables)):
+                start = 0 if w is None else max(0, x.num_computed_tokens - w + 1)
+                for p in range(start, x.context):
+                    assert slots[(table[p // bs], p % bs)] == _identity(r, p), (x, p)
+                for index, block in enumerate(table):
+                    if block == 0:                        # dropped: left the window
+                        assert w is not None and (index + 1) * bs <= start, (x, index)
+                        continue
+                    shared = r.prefix_len and (index + 1) * bs <= r.prefix_len
+                    owners.setdefault(block, set()).add(
+                        ("prefix", r.prefix_id, index, g) if shared else (r.request_id, index, g))
         assert all(len(names) == 1 for names in owners.values()), owners
         for i in out.emitted:
             emitted[i] += 1
@@ -443,3 +454,29 @@ def test_a_bad_shared_prefix_names_the_field(kwargs, field):
     with pytest.raises(ConfigError) as err:
         Request(0, 8, 2, **kwargs)
     assert err.value.field == field
+
+
+def test_a_sliding_group_drops_blocks_that_left_its_window_worked_by_hand():
+    """docs/serving.md, "A sliding window's blocks, by hand": blocks of 4, groups (window
+    5, full) as GPT-OSS's (sliding first); A = (prompt 9, 6 out). Step 0 allocates 3
+    blocks in each group: sliding [1 2 3], full [4 5 6]. Before step 1 (9 computed) the
+    sliding group drops the blocks wholly before token 9 − 5 + 1 = 5: block 1
+    (tokens 0-3), its slot the null block 0; before step 4 (12 computed, from token 8 on)
+    block 2; step 4 needs a 4th block in each group: 7 and 8 from the queue's head. The
+    full table keeps every block. A finishes at step 5 and frees its sliding table, then
+    its full one, each last block first."""
+    s = VllmV1Scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+                        kv_group_windows=(5, None))
+    s.add(Request(0, 9, 6))
+    got = [(step.scheduled[0].num_computed_tokens, step.scheduled[0].block_tables)
+           for step, _ in run(s)]
+    assert got == [(0, ((1, 2, 3), (4, 5, 6))),
+                   (9, ((0, 2, 3), (4, 5, 6))), (10, ((0, 2, 3), (4, 5, 6))),
+                   (11, ((0, 2, 3), (4, 5, 6))),
+                   (12, ((0, 0, 3, 7), (4, 5, 6, 8))), (13, ((0, 0, 3, 7), (4, 5, 6, 8)))]
+    assert list(s.pool._free) == [9, 10, 11, 1, 2, 7, 3, 8, 6, 5, 4]
+    # a request as long needs ⌈15/4⌉ = 4 blocks in the full group and at most
+    # ⌈(5 - 1 + 16)/4⌉ + 1 = 6 in the sliding one, never more than the full's 4
+    assert s.pool.blocks_for_request(15, 16) == 8
+    with pytest.raises(ConfigError, match="group_windows"):
+        VllmV1Scheduler(12, kv_group_windows=(1, None))

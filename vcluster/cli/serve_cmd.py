@@ -122,6 +122,11 @@ def _add_deployment(p, plan: bool) -> None:
                    help="longest sequence the engine accepts (default: the workload's)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="vllm-v1: admit a prompt only when it fits one step's budget whole")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="vllm-v1: a model mixing sliding-window and full layers keeps one "
+                        "block table over every layer (vLLM's flag; by default the sliding "
+                        "layers get their own tables, which drop blocks that left the "
+                        "window)")
     p.add_argument("--no-enable-prefix-caching", action="store_true",
                    help="vllm-v1: no prefix cache (vLLM's flag; by default a preempted "
                         "request takes back the KV blocks nobody overwrote)")
@@ -196,6 +201,7 @@ def _plan_of(args, **layout):
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_enable_prefix_caching,
+        hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
         weight_bytes=1 if args.weight_dtype == "fp8" else 2,
         expert_weight_bytes=MXFP4_BYTES_PER_PARAM if args.weight_dtype == "mxfp4" else None,
         kv_bytes=1 if args.kv_cache_dtype == "fp8" else 2, **layout)

@@ -460,6 +460,11 @@ _SECTIONS = {
             "enable_chunked_prefill": _bool("simulation, vllm-v1: split a prompt over steps "
                                             "(false: admit it only when it fits one step)",
                                             True),
+            "hybrid_kv_cache_manager": _bool("vllm-v1: a model mixing sliding-window and "
+                                             "full layers keeps one block table per KV-cache "
+                                             "group, the sliding ones dropping blocks that "
+                                             "left the window (vLLM's default; false: "
+                                             "--disable-hybrid-kv-cache-manager)", True),
             "enable_prefix_caching": _bool("vllm-v1: keep full KV blocks after they are "
                                            "freed, so a preempted request takes back what "
                                            "nobody overwrote (vLLM v1's default)", True),

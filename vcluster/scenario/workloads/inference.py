@@ -20,7 +20,8 @@ its rules (errors reported under the key the user wrote):
 * the **deployment**, a :class:`serving.ServingPlan`: ``parallel`` (tp, pp, ep, replicas,
   prefill_replicas, router) and the ``engine`` section (name, max_num_batched_tokens,
   max_num_seqs, block_size, gpu_memory_utilization, max_model_len, enable_chunked_prefill,
-  enable_prefix_caching, weight_dtype, kv_cache_dtype; ``num_blocks``: the emulated cache).
+  enable_prefix_caching, hybrid_kv_cache_manager, weight_dtype, kv_cache_dtype;
+  ``num_blocks``: the emulated cache).
 
 ``run.mode``:
 
@@ -97,6 +98,7 @@ _KEY_PATHS = {
                                   "gpu_memory_utilization", "max_model_len",
                                   "enable_chunked_prefill", "enable_prefix_caching",
                                   "num_blocks")},
+    "hybrid_kv_cache": "engine.hybrid_kv_cache_manager",
     "weight_bytes": "engine.weight_dtype", "kv_bytes": "engine.kv_cache_dtype",
     "expert_weight_bytes": "engine.weight_dtype",
 }
@@ -364,6 +366,7 @@ def serving_plan(scenario, spec: ModelSpec) -> ServingPlan:
                            max_model_len=e.get("max_model_len"),
                            enable_chunked_prefill=e["enable_chunked_prefill"],
                            enable_prefix_caching=e["enable_prefix_caching"],
+                           hybrid_kv_cache=e["hybrid_kv_cache_manager"],
                            weight_bytes=1 if e["weight_dtype"] in _FP8 else 2,
                            expert_weight_bytes=MXFP4_BYTES_PER_PARAM
                            if e["weight_dtype"] == "mxfp4" else None,
@@ -388,7 +391,8 @@ def _emulation_settings(scenario, requests) -> dict:
             "max_num_batched_tokens": e.get("max_num_batched_tokens"),
             "max_num_seqs": e["max_num_seqs"], "engine": str(e["name"]),
             "enable_prefix_caching": (e["enable_prefix_caching"]
-                                      if str(e["name"]) == "vllm-v1" else None)}
+                                      if str(e["name"]) == "vllm-v1" else None),
+            "hybrid_kv_cache": e["hybrid_kv_cache_manager"]}
 
 
 # --- the parser's rules -----------------------------------------------------------------
@@ -481,8 +485,7 @@ def build(scenario, mesh) -> ServingWorkload:
     prompts = tuple(tuple(prompt) for prompt in prompts)
     job = replace(metas[0][0], config=config, prompts=prompts)
     args = tuple((job, piece) for piece in shard_params(config, params, tp, pp, ep))
-    scheduler = {k: v for k, v in settings.items()
-                 if k not in ("num_blocks", "engine") and v is not None}
+    scheduler = {k: v for k, v in job.settings if k != "num_blocks"}   # the devices' own
 
     def assemble(results):
         first = results[0]

@@ -15,7 +15,6 @@ workload's longest prompt + output) — vLLM refuses to start otherwise.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -76,6 +75,7 @@ def serving_capacity(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan,
                        gpu_memory_utilization=plan.gpu_memory_utilization,
                        block_size=plan.block_size, weight_bytes_per_param=plan.weight_bytes,
                        expert_weight_bytes_per_param=plan.expert_weight_bytes,
+                       hybrid_kv_cache=plan.hybrid_kv_cache,
                        kv_bytes_per_element=plan.kv_bytes,
                        max_num_batched_tokens=plan.token_budget or 8192,
                        max_num_seqs=plan.max_num_seqs, max_model_len=max_model_len,
@@ -98,14 +98,13 @@ class ServeReport:
 
     @property
     def fits(self) -> bool:
-        return self.capacity.num_blocks * self.capacity.block_size >= self.longest_tokens \
-            and self.capacity.num_blocks >= 2
+        return self.capacity.holds_request(self.longest_tokens)
 
     @property
     def oom_reason(self) -> str:
         c = self.capacity
         return (f"{self.model} on {self.hardware} (tp {self.plan.tp}, pp {self.plan.pp}): "
-                f"the KV cache holds {c.num_blocks * c.block_size} tokens per replica, the "
+                f"the KV cache holds {c.max_tokens} tokens per replica, the "
                 f"longest request needs {self.longest_tokens} (weights "
                 f"{c.weights_bytes / 1e9:.1f} GB + activations "
                 f"{c.activation_peak_bytes / 1e9:.1f} GB of "
@@ -145,8 +144,10 @@ class ServeReport:
                  + (f" (ep {self.plan.ep})" if self.plan.ep > 1 else "")
                  + f" = {self.plan.gpus} GPU(s), engine {self.plan.engine}"]
         c = self.capacity
-        lines.append(f"KV cache per replica: {c.num_blocks} blocks of {c.block_size} tokens "
-                     f"({c.num_blocks * c.block_size:,} tokens); weights "
+        groups = "" if c.groups is None or not c.groups.hybrid else \
+            f" in {len(c.groups.windows)} KV-cache groups of {c.groups.group_size} layers"
+        lines.append(f"KV cache per replica: {c.num_blocks} blocks of {c.block_size} tokens"
+                     f"{groups} ({c.max_tokens:,} tokens); weights "
                      f"{c.weights_bytes / 1e9:.1f} GB per GPU")
         if self.result is None:
             lines.append(f"not simulated: {self.oom_reason}")
@@ -212,9 +213,9 @@ def simulate_serve(spec: ModelSpec, hardware: HardwareSpec, plan: ServingPlan, w
     if not report.fits and not allow_oom:
         return report
     blocks = capacity.num_blocks if report.fits else \
-        math.ceil(longest / plan.block_size) + 1
+        capacity.blocks_for_request(longest) + 1
     pricer = pricer or serving_pricer(spec, hardware, plan)
-    settings = plan.scheduler_settings()
+    settings = plan.scheduler_settings(spec)
     concurrency = getattr(workload, "concurrency", None)
     source = workload if hasattr(workload, "requests") else requests
     if plan.disaggregated:

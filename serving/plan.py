@@ -136,6 +136,13 @@ class ServingPlan:
 
     # --- derived ---------------------------------------------------------------------
     @property
+    def uses_hybrid_kv_cache(self) -> bool:
+        """Whether vLLM lays sliding-window models out in KV-cache groups: the hybrid
+        manager on and no KV transfer (vLLM turns the manager off under a KV connector,
+        which a disaggregated deployment needs)."""
+        return self.hybrid_kv_cache and not self.disaggregated
+
+    @property
     def routed_expert_bytes(self) -> float:
         """Bytes per routed-expert parameter: ``expert_weight_bytes``, else
         ``weight_bytes``."""
@@ -169,7 +176,7 @@ class ServingPlan:
                   "max_model_len": self.max_model_len,
                   "max_num_batched_tokens": self.token_budget}
         if spec is not None:
-            windows = kv_cache_groups(spec, self.hybrid_kv_cache).windows
+            windows = kv_cache_groups(spec, self.uses_hybrid_kv_cache).windows
             if windows != (None,):
                 common["kv_group_windows"] = windows
         if self.engine is Engine.VLLM_V1:

@@ -91,6 +91,13 @@ def test_gpt_oss_hybrid_groups_hold_half_the_layers_per_block():
     assert one.max_concurrency(32768) == pytest.approx(one.num_blocks / 2048)
     assert kv_cache_groups(spec, hybrid=False).windows == (None,)
     assert kv_cache_groups(LLAMA8).windows == (None,)
+    # the scheduler gets the groups' windows; a disaggregated plan (a KV connector, under
+    # which vLLM turns the hybrid manager off) and --disable-hybrid-kv-cache-manager not
+    from serving import ServingPlan
+    assert ServingPlan().scheduler_settings(spec)["kv_group_windows"] == (128, None)
+    assert "kv_group_windows" not in ServingPlan(prefill_replicas=1).scheduler_settings(spec)
+    assert "kv_group_windows" not in ServingPlan(hybrid_kv_cache=False).scheduler_settings(
+        spec)
 
 
 def test_activation_peak_is_the_forward_term_when_the_logits_are_small():

@@ -81,6 +81,15 @@ def test_trace_reads_rows(tmp_path):
     assert w.requests() == reqs and w.closed_loop
 
 
+def test_trace_prefix_columns_share_a_prompt_prefix(tmp_path):
+    """Optional prefix_len (of the prompt's input_len tokens) and prefix_id (default 0)."""
+    path = write(tmp_path, "arrival_s,input_len,output_len,prefix_len,prefix_id\n"
+                           "0,100,5,64,3\n0.1,80,5,64,3\n0.2,50,5,0,\n0.3,70,5,32,\n")
+    reqs = read_trace(path)
+    assert [r.shared_prefix for r in reqs] == [(3, 64), (3, 64), None, (0, 32)]
+    assert [r.prompt_len for r in reqs] == [100, 80, 50, 70]
+
+
 @pytest.mark.parametrize("text,where,what", [
     ("arrival_s,input_len\n0,1\n", "line 1", "missing column 'output_len'"),
     ("arrival_s,input_len,output_len\n0,10,5\n1.0,abc,5\n", "line 3", "input_len='abc'"),
@@ -90,6 +99,9 @@ def test_trace_reads_rows(tmp_path):
     ("arrival_s,input_len,output_len\n0,10\n", "line 2", "row="),
     ("", "line 1", "the file is empty"),
     ("arrival_s,input_len,output_len\n", "", "no data rows"),
+    ("arrival_s,input_len,output_len,prefix_len\n0,10,5,11\n", "line 2", "prefix_len='11'"),
+    ("arrival_s,input_len,output_len,prefix_len,prefix_id\n0,10,5,4,x\n", "line 2",
+     "prefix_id='x'"),
 ])
 def test_trace_errors_name_file_line_and_column(tmp_path, text, where, what):
     path = write(tmp_path, text)

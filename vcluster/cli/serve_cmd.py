@@ -94,7 +94,8 @@ def _add_deployment(p, plan: bool) -> None:
                                "when one finishes (vllm bench --max-concurrency)")
         load.add_argument("--trace", metavar="CSV", default=None,
                           help="requests from a CSV with columns arrival_s,input_len,"
-                               "output_len")
+                               "output_len (optional: prefix_len, prefix_id: a shared "
+                               "prompt prefix)")
     p.add_argument("--burstiness", type=_positive_float, default=1.0,
                    help="gamma shape of the inter-arrival times (1: Poisson; default 1)")
     p.add_argument("--input-len", type=positive_int, default=1024,

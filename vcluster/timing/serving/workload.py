@@ -182,8 +182,10 @@ class TraceWorkload:
 
 def read_trace(path) -> tuple[Request, ...]:
     """Parse a CSV trace of ``arrival_s,input_len,output_len`` rows (seconds from the
-    benchmark start; arrival order need not be sorted). Errors name the file, the line
-    and the column."""
+    benchmark start; arrival order need not be sorted). Optional columns: ``prefix_len``
+    — how many of the prompt's ``input_len`` tokens are a shared prefix — and
+    ``prefix_id`` — whose (default 0): :attr:`serving.Request.shared_prefix`. Errors name
+    the file, the line and the column."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -227,7 +229,23 @@ def read_trace(path) -> tuple[Request, ...]:
             if lens[col] < 1:
                 raise ConfigError(col, cells[col], "an integer >= 1", "not a token count",
                                   owner=f"{path} line {line}")
-        out.append(Request(len(out), lens["input_len"], lens["output_len"], arrival_s=arrival))
+        prefix_len, prefix_id = 0, None
+        if "prefix_len" in names:
+            text_len = row[names.index("prefix_len")].strip() or "0"
+            prefix_len = int(text_len) if text_len.isdigit() else -1
+            if not 0 <= prefix_len <= lens["input_len"]:
+                raise ConfigError("prefix_len", text_len, f"an integer from 0 to input_len="
+                                  f"{lens['input_len']}", "not a prefix of the prompt",
+                                  owner=f"{path} line {line}")
+        if prefix_len:
+            text_id = row[names.index("prefix_id")].strip() if "prefix_id" in names else "0"
+            try:
+                prefix_id = int(text_id or "0")
+            except ValueError:
+                raise ConfigError("prefix_id", text_id, "an integer", "not a prefix id",
+                                  owner=f"{path} line {line}") from None
+        out.append(Request(len(out), lens["input_len"], lens["output_len"], arrival_s=arrival,
+                           prefix_id=prefix_id, prefix_len=prefix_len))
     if not out:
         raise ConfigError("rows", 0, "at least one request", "the trace has no data rows",
                           owner=str(path))

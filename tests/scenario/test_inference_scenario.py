@@ -321,7 +321,7 @@ def test_every_inference_key_is_documented():
 
 def test_a_shared_prefix_is_emulated_against_the_reference_and_simulated(tmp_path):
     """workload.prefix_len: every prompt starts with the same 10 tokens (drawn from
-    rng([seed, 3])), after which its own input_len follow. Emulated (tp 2, blocks of 4):
+    rng([seed, 3, 0])), after which its own input_len follow. Emulated (tp 2, blocks of 4):
     every check passes — tokens and logits equal the cache-free reference — and the
     requests admitted after the first computed less than their prompts (their first two
     blocks, 8 tokens, were the first request's). Simulated: the prompts are 10 tokens

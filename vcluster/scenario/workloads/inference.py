@@ -42,7 +42,7 @@ its rules (errors reported under the key the user wrote):
 The parameters are ``GPT(config, seed=workload.seed)``'s; the prompts are drawn from
 ``numpy.random.default_rng([seed, 2])``, uniform token ids in [0, vocab); with
 ``prefix_len`` every prompt's first tokens are then the shared prefix's, drawn from
-``default_rng([seed, 3])``.
+``default_rng([seed, 3, prefix id])`` (the workload's one prefix: id 0).
 """
 
 from __future__ import annotations
@@ -476,12 +476,16 @@ def build(scenario, mesh) -> ServingWorkload:
     rng = np.random.default_rng([w.seed, 2])
     prompts = [[int(t) for t in rng.integers(0, config.vocab, r.prompt_len)]
                for r in requests]
-    shared = max(r.prefix_len for r in requests)
-    if shared:            # every prompt of the workload's one prefix starts with its tokens
-        head = [int(t) for t in np.random.default_rng([w.seed, 3]).integers(
-            0, config.vocab, shared)]
+    heads: dict = {}      # every prompt of a prefix starts with that prefix's tokens
+    for r in requests:
+        if r.prefix_id is not None:
+            heads[r.prefix_id] = max(heads.get(r.prefix_id, 0), r.prefix_len)
+    for pid, length in heads.items():
+        head = [int(t) for t in np.random.default_rng([w.seed, 3, pid]).integers(
+            0, config.vocab, length)]
         for r, prompt in zip(requests, prompts):
-            prompt[:r.prefix_len] = head[:r.prefix_len]
+            if r.prefix_id == pid:
+                prompt[:r.prefix_len] = head[:r.prefix_len]
     prompts = tuple(tuple(prompt) for prompt in prompts)
     job = replace(metas[0][0], config=config, prompts=prompts)
     args = tuple((job, piece) for piece in shard_params(config, params, tp, pp, ep))

@@ -422,13 +422,12 @@ def _forward(model: _StageModel, step: EngineStep, tokens, logits_of, prev, nxt,
     (every rank) and their logits to ``logits_of`` (the last stage). Returns the ids of
     the requests that sampled."""
     dev, job = model.dev, model.job
-    groups = len(step.scheduled[0].block_tables) or 1
-    chunks = [[] for _ in range(groups)]          # each KV-cache group's tables
+    chunks = [[] for _ in step.scheduled[0].group_tables]   # each KV-cache group's
     positions, ids, sample_rows, sampled = [], [], [], []
     first = 0
     for s in step.scheduled:
         n, c = s.num_new_tokens, s.num_computed_tokens
-        for g, table in enumerate(s.block_tables or (s.block_table,)):
+        for g, table in enumerate(s.group_tables):
             chunks[g].append(SequenceChunk(first, n, c, tuple(table)))
         positions.extend(range(c, c + n))
         ids.extend(tokens[s.request_id][c:c + n])
@@ -667,7 +666,7 @@ class ServeRun:
         owners: dict = {}
         for step in self.steps:
             for s in step.scheduled:
-                for b in (b for t in (s.block_tables or (s.block_table,)) for b in t if b):
+                for b in (b for t in s.group_tables for b in t if b):
                     seen = owners.setdefault(b, [])
                     if s.request_id not in seen:
                         seen.append(s.request_id)

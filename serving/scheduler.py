@@ -89,6 +89,12 @@ class ScheduledRequest(NamedTuple):
         """Keys the step's last query of this request sees: computed + new."""
         return self.num_computed_tokens + self.num_new_tokens
 
+    @property
+    def group_tables(self) -> tuple:
+        """Every KV-cache group's table: ``block_tables``, or ``(block_table,)`` for a
+        share built with one table."""
+        return self.block_tables or (self.block_table,)
+
 
 @dataclass(frozen=True)
 class EngineStep:

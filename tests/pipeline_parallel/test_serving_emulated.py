@@ -116,7 +116,7 @@ def _owners(steps) -> dict:
     out = {}
     for step in steps:
         for s in step.scheduled:
-            for b in {b for t in (s.block_tables or (s.block_table,)) for b in t if b}:
+            for b in {b for t in s.group_tables for b in t if b}:
                 out.setdefault(b, []).append((step.index, s.request_id))
     return out
 

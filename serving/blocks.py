@@ -74,8 +74,13 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.group_windows = windows
         self._sliding = any(w is not None for w in windows)
-        # the free queue: insertion order is queue order; O(1) removal of a cached block
-        self._free: OrderedDict = OrderedDict.fromkeys(range(1, num_blocks))
+        # The free queue, in two parts (a cache of millions of blocks costs nothing until
+        # its blocks are used): blocks never handed out, _fresh .. num_blocks - 1, at its
+        # head in id order (the queue vLLM starts with), then the blocks freed since, in
+        # the order freed (insertion order; O(1) removal of a cached one). Only a freed
+        # block can hold anything, so a hit never touches the fresh part.
+        self._fresh = 1
+        self._free: OrderedDict = OrderedDict()
         self._tables: dict = {}          # request id -> [its table in group g, ...]
         self._frozen: dict = {}          # request id -> its tables as tuples, until they change
         self._holds: dict = {}           # block -> its name (_name, group): what it holds
@@ -91,11 +96,15 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def num_used(self) -> int:
-        return self.num_usable - len(self._free)
+        return self.num_usable - self.num_free
+
+    def free_queue(self) -> list[int]:
+        """The free blocks in queue order (the next allocation takes the first)."""
+        return list(range(self._fresh, self.num_blocks)) + list(self._free)
 
     @property
     def usage(self) -> float:
@@ -233,10 +242,19 @@ class BlockPool:
         the request's tokens computed so far; given, its sliding groups first drop the
         blocks that left their windows (:meth:`_drop_skipped`; kept even when the
         allocation then fails, as in vLLM)."""
+        held = self._tables.get(request_id)
+        bs = self.block_size
+        if held is not None and not hit_blocks and not self._sliding \
+                and num_tokens <= len(held[0]) * bs:
+            # the common case (a decode inside its last block): nothing to take or drop
+            if self.enable_caching and num_tokens // bs > self._registered.get(request_id, 0):
+                self._register(request_id, held, self._registered.get(request_id, 0),
+                               num_tokens // bs, prefix)
+            return True
         if computed is not None and self._sliding:
             self._drop_skipped(request_id, computed)
-        held = self._tables.get(request_id)
-        bs, groups = self.block_size, len(self.group_windows)
+            held = self._tables.get(request_id)
+        groups = len(self.group_windows)
         wanted = blocks_for(num_tokens, bs)
         if hit_blocks:
             if held:
@@ -247,7 +265,7 @@ class BlockPool:
             taken = [b for table in hits for b in table if b != NULL_BLOCK]
             evictable = sum(1 for block in taken if block in self._free)
             need = (wanted - hit_blocks) * groups
-            if wanted < hit_blocks or need + evictable > len(self._free):
+            if wanted < hit_blocks or need + evictable > self.num_free:
                 return False
             for block in taken:
                 if block in self._free:
@@ -259,18 +277,22 @@ class BlockPool:
         else:
             need = (wanted - (len(held[0]) if held else 0)) * groups
         if need > 0:
-            if need > len(self._free):
+            if need > self.num_free:
                 return False
             if held is None:
                 held = self._tables[request_id] = [[] for _ in range(groups)]
             holds, refs, pop = self._holds, self._refs, self._free.popitem
             for table in held:
                 for _ in range(wanted - len(table)):
-                    block, _ = pop(last=False)
-                    if holds:
-                        content = holds.pop(block, None)
-                        if content is not None:           # evicted: the cache forgets it
-                            del self._cached[content]
+                    if self._fresh < self.num_blocks:     # the queue's never-used head
+                        block = self._fresh
+                        self._fresh += 1
+                    else:
+                        block, _ = pop(last=False)
+                        if holds:
+                            content = holds.pop(block, None)
+                            if content is not None:       # evicted: the cache forgets it
+                                del self._cached[content]
                     refs[block] = 1
                     table.append(block)
             self._frozen.pop(request_id, None)

@@ -372,16 +372,26 @@ class VllmV1Scheduler(_Scheduler):
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[int] = []
+        # without a prefill threshold or a model length, _cap is min(n, budget): inlined
+        # below, as a run schedules each running request once per step
+        plain = not self.long_prefill_token_threshold and self.max_model_len is None
+        allocate, running = self.pool.allocate, self._running
         i = 0
-        while i < len(self._running) and budget > 0:
-            state = self._running[i]
+        while i < len(running) and budget > 0:
+            state = running[i]
+            req = state.request
             ahead = state.computed + state.flight
-            n = self._cap(state, state.request.prompt_len + state.emitted - ahead, budget)
+            n = req.prompt_len + state.emitted - ahead
+            if plain:
+                if n > budget:
+                    n = budget
+            else:
+                n = self._cap(state, n, budget)
             if n <= 0:
                 i += 1
                 continue
-            while not self.pool.allocate(state.request.request_id, ahead + n,
-                                         prefix=state.request.shared_prefix, computed=ahead):
+            while not allocate(req.request_id, ahead + n, prefix=req.shared_prefix,
+                               computed=ahead):
                 victim, at = self._preempt()
                 if victim is None:
                     break

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import simpy
 from simpy.events import Event
@@ -97,11 +97,11 @@ class StepPricer(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     """One engine step of replica ``replica`` (of pool ``pool``: "" when not
     disaggregated): [``start_s``, ``end_s``), its batch and the KV usage after its
-    allocation; ``preempted`` requests were preempted while forming it."""
+    allocation; ``preempted`` requests were preempted while forming it. (A named tuple:
+    immutable, and a run makes one per engine step.)"""
 
     pool: str
     replica: int
@@ -217,7 +217,7 @@ class ServingResult:
     def steps_frame(self):
         """The step records as a pandas DataFrame (one row per step)."""
         import pandas as pd
-        return pd.DataFrame([vars(s) for s in self.steps])
+        return pd.DataFrame(list(self.steps), columns=list(StepRecord._fields))
 
     def requests_frame(self):
         """One row per request: id, replica, arrival, prompt and output tokens, first and

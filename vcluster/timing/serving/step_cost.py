@@ -484,8 +484,10 @@ class ServingCostModel:
         fix_attn = self.graph_kernel_overhead_s if graph == "full" \
             else self.eager_kernel_overhead_s
         bw = k["bw"]
-        # attention: prefill rows and decode rows, each one kernel
-        attention = np.zeros(pp)
+        # attention: prefill rows and decode rows, each one kernel (per stage; plain floats:
+        # numpy's per-call cost exceeds a few stages' arithmetic, and a run prices
+        # thousands of steps)
+        attention = [0.0] * pp
         t_pre = t - decode
         for s, window, pre, dec, kv_tok, count in k["attention"]:
             (p_pre, p_dec), (r_pre, r_dec) = shape.pairs[window], shape.read[window]
@@ -498,22 +500,21 @@ class ServingCostModel:
                                        (r_dec * kv_tok + decode * pre * _ACT) / bw)
             attention[s] += count * cost
         # layers priced from measured layer steps (module docstring)
-        layers = np.zeros(pp)
+        layers = [0.0] * pp
         if k["measured"]:
             square = 2 * shape.pairs[None][0] - t_pre     # Σ(2P_i − n_i): T² of one prompt
             context = shape.read[None][1]
             for s, fit, count in k["measured"]:
                 layers[s] += count * fit.step_s(decode, context, t_pre, square)
-        stage = fixed_stage + attention + layers
+        stage = tuple(f + a + m for f, a, m in zip(fixed_stage, attention, layers))
         overhead = self.step_overhead_s + self.per_sequence_overhead_s * shape.sequences
         floor = self.floors.floor(shape).floor_s
-        parts_total = float(stage.sum()) + sum(sends) + overhead
+        parts_total = sum(stage) + sum(sends) + overhead
         return StepTime(
             total_s=max(parts_total, floor), floor_s=floor, gemm_s=gemm,
-            attention_s=float(attention.sum()), moe_s=moe, elementwise_s=elementwise,
-            comm_s=comm, lm_head_s=head, overhead_s=overhead, layers_s=float(layers.sum()),
-            stage_s=tuple(float(x) for x in stage), pp_send_s=sends, tokens=t,
-            samples=s_rows, cuda_graph=graph)
+            attention_s=sum(attention), moe_s=moe, elementwise_s=elementwise,
+            comm_s=comm, lm_head_s=head, overhead_s=overhead, layers_s=sum(layers),
+            stage_s=stage, pp_send_s=sends, tokens=t, samples=s_rows, cuda_graph=graph)
 
     def _context_free(self, t: int, s_rows: int, prefill_context: int) -> tuple:
         """The parts of a step's price that depend only on its token count, sampled rows
@@ -566,7 +567,8 @@ class ServingCostModel:
                       + _time(k["all_gather"][s + 1], 2 * hidden_bytes) for s in range(pp - 1))
         stage = gemm + moe + elementwise + comm + head
         return (float(gemm.sum()), float(moe.sum()), float(head.sum()),
-                float(elementwise.sum()), float(comm.sum()) + sum(sends), sends, stage)
+                float(elementwise.sum()), float(comm.sum()) + sum(sends), sends,
+                tuple(float(x) for x in stage))
 
 
 def _seconds(name: str, value) -> None:

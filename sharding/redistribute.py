@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Sequence
@@ -150,38 +151,38 @@ def _apply(state: _State, step: RedistributeStep) -> _State:
 
 
 def _moves(state: _State, shape, sizes, itemsize, movable):
-    """Every single-axis step from ``state`` on a ``movable`` axis: (step, next, bytes)."""
+    """Every single-axis step from ``state`` on a ``movable`` axis: (step, next, bytes),
+    each step as the fields of a :class:`RedistributeStep` (kind, axis, dim, to_dim) —
+    a search looks at hundreds of thousands of them and keeps a few."""
     dims, partial = state
     local = _local_elements(shape, dims, sizes)
-    nbytes = int(np.prod(local)) * itemsize
+    nbytes = math.prod(local) * itemsize
     used = {a for axes in dims for a in axes} | partial
     for x, n in sizes.items():
         if x not in movable:
             continue
         if x in partial:
-            yield (RedistributeStep("all_reduce", x), (dims, partial - {x}),
-                   2 * (n - 1) / n * nbytes)
+            yield ("all_reduce", x, None, None), (dims, partial - {x}), 2 * (n - 1) / n * nbytes
             for d in range(len(dims)):
                 if local[d] % n == 0:
                     new = dims[:d] + (dims[d] + (x,),) + dims[d + 1:]
-                    yield (RedistributeStep("reduce_scatter", x, d), (new, partial - {x}),
-                           (n - 1) / n * nbytes)
+                    yield ("reduce_scatter", x, d, None), (new, partial - {x}), \
+                        (n - 1) / n * nbytes
         elif x not in used:
-            yield RedistributeStep("partial", x), (dims, partial | {x}), 0.0
+            yield ("partial", x, None, None), (dims, partial | {x}), 0.0
             for d in range(len(dims)):
                 if local[d] % n == 0:
                     new = dims[:d] + (dims[d] + (x,),) + dims[d + 1:]
-                    yield RedistributeStep("slice", x, d), (new, partial), 0.0
+                    yield ("slice", x, d, None), (new, partial), 0.0
         for i, axes in enumerate(dims):
             if not axes or axes[-1] != x:
                 continue
             removed = dims[:i] + (axes[:-1],) + dims[i + 1:]
-            yield RedistributeStep("all_gather", x, i), (removed, partial), (n - 1) * nbytes
+            yield ("all_gather", x, i, None), (removed, partial), (n - 1) * nbytes
             for j in range(len(dims)):
                 if j != i and local[j] % n == 0:
                     new = removed[:j] + (removed[j] + (x,),) + removed[j + 1:]
-                    yield (RedistributeStep("all_to_all", x, i, j), (new, partial),
-                           (n - 1) / n * nbytes)
+                    yield ("all_to_all", x, i, j), (new, partial), (n - 1) / n * nbytes
 
 
 def plan_redistribute(src: TensorSharding, dst: TensorSharding, mesh, shape: Sequence[int],
@@ -216,7 +217,7 @@ def _search(start: _State, goal: _State, shape, sizes, itemsize, movable):
     while frontier:
         cost, nsteps, _, state, steps = heapq.heappop(frontier)
         if state == goal:
-            return steps, cost
+            return tuple(RedistributeStep(*step) for step in steps), cost
         if best.get(state, (float("inf"), 0)) < (cost, nsteps):
             continue
         for step, nxt, step_bytes in _moves(state, shape, sizes, itemsize, movable):

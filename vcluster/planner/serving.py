@@ -45,7 +45,7 @@ from modeling.errors import ConfigError
 from modeling.spec import ModelSpec, MoE
 from serving import ServingPlan
 from vcluster.timing.hardware import HardwareSpec
-from vcluster.timing.serving.deployment import serving_capacity, simulate_serve
+from vcluster.timing.serving.deployment import serving_capacity, serving_pricer, simulate_serve
 
 from .search import process_pool
 
@@ -215,10 +215,13 @@ def _search_layout(job: _Job) -> tuple[list[ServeCandidate], str | None]:
         return [], _NO_FIT
     figures = (job.rate, job.slo_ttft_ms, job.slo_tpot_ms, job.slo_percentile)
     seen: dict[int, ServeCandidate] = {}
+    # one replica's step prices, whatever the replica counts: one model for the layout,
+    # its memo of step prices (ServingCostModel) kept from one simulation to the next
+    pricer = serving_pricer(spec, hw, plan)
 
     def colocated(n: int) -> ServeCandidate:
         if n not in seen:
-            report = simulate_serve(spec, hw, plan, requests[0::n])
+            report = simulate_serve(spec, hw, plan, requests[0::n], pricer=pricer)
             seen[n] = _candidate(replace(plan, replicas=n), report, *figures, n)
         return seen[n]
 
@@ -239,7 +242,7 @@ def _search_layout(job: _Job) -> tuple[list[ServeCandidate], str | None]:
                 d = job.most - p
                 g = math.gcd(p, d)          # g like sub-deployments, each every g-th request
                 unit = replace(plan, replicas=d // g, prefill_replicas=p // g)
-                report = simulate_serve(spec, hw, unit, requests[0::g])
+                report = simulate_serve(spec, hw, unit, requests[0::g], pricer=pricer)
                 split[p] = _candidate(replace(plan, replicas=d, prefill_replicas=p), report,
                                       *figures, g)
             return split[p]

@@ -243,19 +243,25 @@ class BlockPool:
         blocks that left their windows (:meth:`_drop_skipped`; kept even when the
         allocation then fails, as in vLLM)."""
         held = self._tables.get(request_id)
-        bs = self.block_size
-        if held is not None and not hit_blocks and not self._sliding \
-                and num_tokens <= len(held[0]) * bs:
-            # the common case (a decode inside its last block): nothing to take or drop
-            if self.enable_caching and num_tokens // bs > self._registered.get(request_id, 0):
-                self._register(request_id, held, self._registered.get(request_id, 0),
-                               num_tokens // bs, prefix)
-            return True
+        # the common case, a decode inside its last block, has nothing to take or drop
+        inside = held is not None and not hit_blocks and not self._sliding \
+            and num_tokens <= len(held[0]) * self.block_size
+        if not inside and not self._grow(request_id, num_tokens, hit_blocks, prefix,
+                                         computed):
+            return False
+        if self.enable_caching:
+            full, done = num_tokens // self.block_size, self._registered.get(request_id, 0)
+            if full > done:
+                self._register(request_id, self._tables[request_id], done, full, prefix)
+        return True
+
+    def _grow(self, request_id, num_tokens: int, hit_blocks: int, prefix, computed) -> bool:
+        """:meth:`allocate`'s blocks (its registration apart)."""
         if computed is not None and self._sliding:
             self._drop_skipped(request_id, computed)
-            held = self._tables.get(request_id)
+        held = self._tables.get(request_id)
         groups = len(self.group_windows)
-        wanted = blocks_for(num_tokens, bs)
+        wanted = blocks_for(num_tokens, self.block_size)
         if hit_blocks:
             if held:
                 raise ValueError(f"allocate: request {request_id!r} already holds blocks; "
@@ -296,10 +302,6 @@ class BlockPool:
                     refs[block] = 1
                     table.append(block)
             self._frozen.pop(request_id, None)
-        if self.enable_caching:
-            full, done = num_tokens // bs, self._registered.get(request_id, 0)
-            if full > done:
-                self._register(request_id, held, done, full, prefix)
         return True
 
     def _hit_table(self, request_id, hits: int, prefix, group: int, window) -> list:

@@ -318,17 +318,22 @@ class BlockPool:
         (:meth:`_name`, and the group); an older copy of one (a request that computed the
         same shared block beside it, or its own before a preemption) stops being
         findable. A null block (dropped from a sliding window) holds nothing."""
+        # _name inlined (a prompt registers every block it fills): blocks below
+        # ``shared`` lie wholly inside the shared prefix
+        shared = prefix[1] // self.block_size if prefix is not None else 0
+        cached, holds = self._cached, self._holds
         for g, table in enumerate(held):
             for index in range(start, stop):
                 block = table[index]
                 if block == NULL_BLOCK:
                     continue
-                name = (self._name(request_id, index, prefix), g)
-                stale = self._cached.get(name)
+                name = ((None, prefix[0], index) if index < shared
+                        else (request_id, index), g)
+                stale = cached.get(name)
                 if stale is not None and stale != block:
-                    del self._holds[stale]
-                self._cached[name] = block
-                self._holds[block] = name
+                    del holds[stale]
+                cached[name] = block
+                holds[block] = name
         self._registered[request_id] = stop
 
     def free(self, request_id) -> None:

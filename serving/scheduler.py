@@ -277,15 +277,11 @@ class _Scheduler:
         self._step += 1
         return step
 
-    def _done(self, state: _State) -> bool:
-        req = state.request
-        return state.emitted >= req.output_len or (
-            self.max_model_len is not None and state.num_tokens >= self.max_model_len)
-
     def finish_step(self, step: EngineStep) -> StepOutcome:
         """Advance the step's requests: computed += new tokens; emit where the step
         reached the end of the known tokens; finish (and free) those at their length."""
         emitted, finished, states = [], [], self._states
+        limit = self.max_model_len
         for s in step.scheduled:
             state = states[s.request_id]
             if state.computed != s.num_computed_tokens:
@@ -297,7 +293,9 @@ class _Scheduler:
             if state.computed == state.request.prompt_len + state.emitted:   # num_tokens
                 state.emitted += 1
                 emitted.append(s.request_id)
-                if self._done(state):
+                # done: its output length, or the model's length reached
+                if state.emitted >= state.request.output_len or (
+                        limit is not None and state.num_tokens >= limit):
                     finished.append(s.request_id)
                     self._finish(state)
         return StepOutcome(tuple(emitted), tuple(finished))
@@ -375,7 +373,7 @@ class VllmV1Scheduler(_Scheduler):
         # without a prefill threshold or a model length, _cap is min(n, budget): inlined
         # below, as a run schedules each running request once per step
         plain = not self.long_prefill_token_threshold and self.max_model_len is None
-        allocate, running = self.pool.allocate, self._running
+        allocate, pool_tables, running = self.pool.allocate, self.pool.tables, self._running
         i = 0
         while i < len(running) and budget > 0:
             state = running[i]
@@ -390,8 +388,9 @@ class VllmV1Scheduler(_Scheduler):
             if n <= 0:
                 i += 1
                 continue
-            while not allocate(req.request_id, ahead + n, prefix=req.shared_prefix,
-                               computed=ahead):
+            # allocate(id, tokens, hit_blocks, prefix, computed): positional, once per
+            # running request per step
+            while not allocate(req.request_id, ahead + n, 0, req.shared_prefix, ahead):
                 victim, at = self._preempt()
                 if victim is None:
                     break
@@ -401,7 +400,13 @@ class VllmV1Scheduler(_Scheduler):
                 if at < i:            # only under pipelining: earlier requests in flight
                     i -= 1
             else:
-                scheduled.append(self._scheduled(state, n))
+                # self._scheduled(state, n), inlined: once per running request per step
+                state.flight += n
+                tables = pool_tables(req.request_id)
+                scheduled.append(ScheduledRequest(
+                    req.request_id, n, ahead, tables[0],
+                    ahead + n == req.prompt_len + state.emitted,
+                    n == 1 and ahead >= req.prompt_len, tables))
                 budget -= n
                 i += 1
                 continue
@@ -429,8 +434,9 @@ class VllmV1Scheduler(_Scheduler):
                 scheduled.append(self._scheduled(state, n))
                 budget -= n
         # a running request preempted after it was scheduled in this step cannot stay in it
-        gone = set(preempted)
-        scheduled = [s for s in scheduled if s.request_id not in gone]
+        if preempted:
+            gone = set(preempted)
+            scheduled = [s for s in scheduled if s.request_id not in gone]
         return self._next_step(scheduled, preempted)
 
 

@@ -291,6 +291,13 @@ class FloorModel:
                 best = f
         return best
 
+    def floor_s(self, shape: StepShape) -> float:
+        """``floor(shape).floor_s`` as a plain float (what a run's thousands of steps need):
+        max over stages of max(bytes / bandwidth, FLOPs / peak)."""
+        bw, peak = self._bw, self._peak
+        return max(b / bw if b / bw > f / peak else f / peak
+                   for b, f in self.stage_work(shape))
+
 
 def expected_experts(experts: int, top_k: int, tokens: int) -> float:
     """Distinct experts of ``experts`` that ``tokens`` tokens reach, each choosing

@@ -19,7 +19,7 @@ over RDMA without NCCL; the base latency is then a few µs too many.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from modeling.counts import kv_cache_bytes
@@ -60,6 +60,8 @@ class NetworkKVTransfer:
     prefill_gpus: int = 1
     decode_gpus: int = 1
     kv_bytes_per_element: int = 2
+    # time_s by (prompt_len, src, dst): a run asks once per request, mostly the same few
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.spec, ModelSpec):
@@ -93,8 +95,13 @@ class NetworkKVTransfer:
         return kv_cache_bytes(self.spec, prompt_len, self.kv_bytes_per_element)
 
     def time_s(self, prompt_len: int, src: int, dst: int) -> float:
-        return collective_time_s("send", self.nbytes(prompt_len) / self.flows,
-                                 self.ranks(src, dst), self.hardware)
+        key = (prompt_len, src, dst)
+        seconds = self._memo.get(key)
+        if seconds is None:
+            seconds = self._memo[key] = collective_time_s(
+                "send", self.nbytes(prompt_len) / self.flows, self.ranks(src, dst),
+                self.hardware)
+        return seconds
 
     def __repr__(self) -> str:
         return (f"NetworkKVTransfer(spec={self.spec.name!r}, hardware={self.hardware.name!r}, "

@@ -269,15 +269,17 @@ class ReplicaPool:
 # --- the engine loop --------------------------------------------------------------------
 
 class _Replica:
-    """One engine instance: its scheduler, inbox, load and step log (columns)."""
+    """One engine instance: its scheduler, inbox, load and step log (columns); each token
+    it emits is stamped in the run's token log, each request it finishes is handed to
+    ``on_finish(replica, request id, now)``."""
 
     def __init__(self, sim: "_Simulation", pool: str, index: int, pool_cfg: ReplicaPool,
-                 on_emit, on_finish):
+                 on_finish):
         self.sim, self.env, self.pool, self.index = sim, sim.env, pool, index
         self.scheduler = make_scheduler(pool_cfg.engine, pool_cfg.num_blocks,
                                         **pool_cfg.settings)
         self.pricer = pool_cfg.pricer
-        self.on_emit, self.on_finish = on_emit, on_finish
+        self.on_finish = on_finish
         self.inbox: list = []
         self.load = 0          # routed here and not finished (the router's measure)
         self._wake: Event | None = None
@@ -333,8 +335,9 @@ class _Replica:
             self.pool, self.index, step.index, start, now, step.prefill_tokens,
             step.decode_seqs, step.num_scheduled_tokens, len(step.scheduled), usage,
             len(step.preempted), getattr(priced, "floor_s", None)))
+        tokens = self.sim.tokens
         for rid in outcome.emitted:
-            self.on_emit(rid, now)
+            tokens[rid].append(now)
         for rid in outcome.finished:
             self.load -= 1
             self.on_finish(self, rid, now)
@@ -465,9 +468,6 @@ class _Simulation:
             self.sent_at[req.request_id] = sent
             self.dispatch(req)
 
-    def emit(self, rid, now: float) -> None:
-        self.tokens[rid].append(now)
-
     def complete(self, rid) -> None:
         self.done.add(rid)
         self.outstanding -= 1
@@ -572,7 +572,7 @@ def simulate_serving(requests_or_workload, *, pricer, num_blocks: int,
     def finished(replica, rid, now):
         sim.complete(rid)
 
-    engines = [_Replica(sim, "", i, pool, sim.emit, finished) for i in range(replicas)]
+    engines = [_Replica(sim, "", i, pool, finished) for i in range(replicas)]
     loads = [0] * replicas
 
     def dispatch(req: Request) -> None:
@@ -619,7 +619,7 @@ def simulate_disaggregated(requests_or_workload, *, prefill: ReplicaPool, decode
     def decoded(replica, rid, now):
         sim.complete(rid)
 
-    decoders = [_Replica(sim, "decode", j, decode, sim.emit, decoded)
+    decoders = [_Replica(sim, "decode", j, decode, decoded)
                 for j in range(decode.replicas)]
 
     def prefilled(replica, rid, now):
@@ -643,7 +643,7 @@ def simulate_disaggregated(requests_or_workload, *, prefill: ReplicaPool, decode
         arrived = _At(env, end - now, _ARRIVAL)
         arrived.callbacks.append(lambda _ev: decoders[j].deliver(rest, req.prompt_len))
 
-    prefillers = [_Replica(sim, "prefill", i, prefill, sim.emit, prefilled)
+    prefillers = [_Replica(sim, "prefill", i, prefill, prefilled)
                   for i in range(prefill.replicas)]
 
     def dispatch(req: Request) -> None:

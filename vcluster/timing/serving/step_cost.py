@@ -508,13 +508,12 @@ class ServingCostModel:
                 layers[s] += count * fit.step_s(decode, context, t_pre, square)
         stage = tuple(f + a + m for f, a, m in zip(fixed_stage, attention, layers))
         overhead = self.step_overhead_s + self.per_sequence_overhead_s * shape.sequences
-        floor = self.floors.floor(shape).floor_s
+        floor = self.floors.floor_s(shape)
         parts_total = sum(stage) + sum(sends) + overhead
-        return StepTime(
-            total_s=max(parts_total, floor), floor_s=floor, gemm_s=gemm,
-            attention_s=sum(attention), moe_s=moe, elementwise_s=elementwise,
-            comm_s=comm, lm_head_s=head, overhead_s=overhead, layers_s=sum(layers),
-            stage_s=stage, pp_send_s=sends, tokens=t, samples=s_rows, cuda_graph=graph)
+        # positional, in StepTime's field order (a keyword call costs more, once a step)
+        return StepTime(max(parts_total, floor), floor, gemm, sum(attention), moe,
+                        elementwise, comm, head, overhead, sum(layers), stage, sends, t,
+                        s_rows, graph)
 
     def _context_free(self, t: int, s_rows: int, prefill_context: int) -> tuple:
         """The parts of a step's price that depend only on its token count, sampled rows

@@ -102,6 +102,7 @@ import math
 import numpy as np
 
 from modeling.counts import causal_square
+from vcluster.runtime.tracing import MetaArray, is_meta
 from vcluster.runtime.tracing.kernel import Kernel
 
 from .attention import flash_block, flash_grads
@@ -142,29 +143,34 @@ class Rope:
         at = "" if self.positions is None else f", positions={len(self.positions)} rows"
         return f"Rope(head_dim={self.d}, theta={self.theta}{at})"
 
-    def tables(self, ops, s: int, dtype):
-        """(cos, sin), each (s, 1, d): [cos θ | cos θ] and [-sin θ | sin θ]."""
-        key = (s, np.dtype(dtype).name)
+    def tables(self, ops, s: int, dtype, meta: bool = False):
+        """(cos, sin), each (s, 1, d): [cos θ | cos θ] and [-sin θ | sin θ]. ``meta``: a
+        traced program's (shape and dtype only: a trace never reads their values, and a
+        long sequence's real tables cost ~0.07 s each at s = 8192)."""
+        key = (s, np.dtype(dtype).name, meta)
         if key not in self._tables:
             nbytes = 2 * s * self.d * np.dtype(dtype).itemsize
             with ops.dev.compute("gpt: attention: rope cos, sin tables", flops=0, bytes=nbytes,
                                  kernel=Kernel.elementwise(2 * s * self.d)):
                 xp, half = ops.xp, self.d // 2
-                inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
                 if self.positions is not None and len(self.positions) != s:
                     raise ValueError(f"{self!r}: {s} rows given, the positions name "
                                      f"{len(self.positions)}")
-                pos = xp.arange(s) if self.positions is None else xp.asarray(self.positions)
-                angle = pos[:, None] * inv[None, :]                       # (s, d/2)
-                cos, sin = np.cos(angle), np.sin(angle)
-                self._tables[key] = tuple(
-                    np.concatenate(t, axis=1).reshape(s, 1, self.d).astype(dtype)
-                    for t in ((cos, cos), (-sin, sin)))
+                if meta:
+                    self._tables[key] = (MetaArray((s, 1, self.d), dtype),) * 2
+                else:
+                    inv = self.theta ** (-2.0 * xp.arange(half) / self.d)
+                    pos = xp.arange(s) if self.positions is None else xp.asarray(self.positions)
+                    angle = pos[:, None] * inv[None, :]                       # (s, d/2)
+                    cos, sin = np.cos(angle), np.sin(angle)
+                    self._tables[key] = tuple(
+                        np.concatenate(t, axis=1).reshape(s, 1, self.d).astype(dtype)
+                        for t in ((cos, cos), (-sin, sin)))
         return self._tables[key]
 
     def apply(self, ops, x, b: int, s: int, name: str, inverse: bool = False):
         """R(x) (or R^T(x)) for x (b·s, n·d): pairs (i, i + d/2) of each head turned by θ."""
-        cos, sin = self.tables(ops, s, x.dtype)
+        cos, sin = self.tables(ops, s, x.dtype, meta=is_meta(x))
         half = self.d // 2
 
         def fn():

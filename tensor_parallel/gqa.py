@@ -314,12 +314,15 @@ class GQAttention:
         sink logits in the denominator when ``sinks`` is given."""
         s = scores.shape[2]
         big = np.finfo(scores.dtype).max / 2    # exp(-big - max) is exactly 0, as exp(-inf)
-        # future[0, r, j] = j > (r mod s); with a window also j <= (r mod s) - w
-        rows = ops.xp.arange(self.g * s) % s
-        at = np.zeros_like(scores[:1, :, :1]) + rows[:, None]
-        masked = at < ops.xp.arange(s)
+        # future[0, r, j] = j > (r mod s); with a window also j <= (r mod s) - w. Row r
+        # mod s built from scores' (1, g·s, 1) column seen as (1, g, s, 1), so that it is
+        # shape-only in a trace (at 128K tokens a real column of g·s rows cost ~10 ms a call)
+        pos = ops.xp.arange(s)
+        at = (np.zeros_like(scores[:1, :, :1]).reshape(1, self.g, s, 1)
+              + pos[:, None]).reshape(1, self.g * s, 1)
+        masked = at < pos
         if self.window is not None and self.window < s:
-            masked = masked + (at - self.window >= ops.xp.arange(s))     # boolean or
+            masked = masked + (at - self.window >= pos)                   # boolean or
         z = scores * self.scale - masked * big
         if sinks is None:
             e = np.exp(z - z.max(axis=-1, keepdims=True))

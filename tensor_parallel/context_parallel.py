@@ -248,10 +248,12 @@ class _Blocks:
         big = s.dtype.type(-np.finfo(s.dtype).max / 2)     # exp(−big − ...) is exactly 0
 
         def masked():
-            # the mask (1, g·c, n) built from s so that it is shape-only in a trace
-            qpos = xp.arange(self.g * c) % c + q_chunk * c
+            # the mask (1, g·c, n) built from s so that it is shape-only in a trace: row r's
+            # position q_chunk·c + r mod c, from s's (1, g·c, 1) column seen as (1, g, c, 1)
+            qpos = xp.arange(c) + q_chunk * c
             kpos = xp.concatenate([xp.arange(t * c, (t + 1) * c) for t in k_chunks])
-            at = xp.zeros_like(s[:1, :, :1]) + qpos[:, None]
+            at = (xp.zeros_like(s[:1, :, :1]).reshape(1, self.g, c, 1)
+                  + qpos[:, None]).reshape(1, self.g * c, 1)
             future = at < kpos
             if not inside:
                 future = future + (at - w >= kpos)        # boolean or: the keys too old

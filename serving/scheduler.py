@@ -53,8 +53,7 @@ A hand-worked vLLM v1 example is in ``docs/serving.md`` and is a test.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from modeling.choices import Engine
@@ -104,10 +103,11 @@ class EngineStep:
     index: int
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[int, ...] = ()
+    # (scheduled tokens, prefill tokens, decode sequences, sampled rows), counted once when
+    # the step is made (every run reads them; a cached_property's lock cost more)
+    _counts: tuple = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def _counts(self) -> tuple[int, int, int, int]:
-        """(scheduled tokens, prefill tokens, decode sequences, sampled rows): one pass."""
+    def __post_init__(self):
         tokens = prefill = decode = samples = 0
         for s in self.scheduled:
             tokens += s.num_new_tokens
@@ -117,7 +117,7 @@ class EngineStep:
                 prefill += s.num_new_tokens
             if s.samples:
                 samples += 1
-        return tokens, prefill, decode, samples
+        object.__setattr__(self, "_counts", (tokens, prefill, decode, samples))
 
     @property
     def num_scheduled_tokens(self) -> int:

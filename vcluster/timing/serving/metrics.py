@@ -34,6 +34,7 @@ engine step: ``mean_kv_cache_usage`` weighted by the steps' durations
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,7 @@ class RequestRecord:
         if not times[0] >= self.arrival_s:
             raise ConfigError("token_times_s", times[0], f">= arrival_s={self.arrival_s}",
                               "a token before its request was sent", owner=owner)
-        if any(b < a for a, b in zip(times, times[1:])):
+        if not all(map(operator.le, times, times[1:])):            # in C: 10^5 tokens a run
             raise ConfigError("token_times_s", times, "non-decreasing times",
                               "tokens out of order", owner=owner)
 

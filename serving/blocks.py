@@ -318,17 +318,13 @@ class BlockPool:
         (:meth:`_name`, and the group); an older copy of one (a request that computed the
         same shared block beside it, or its own before a preemption) stops being
         findable. A null block (dropped from a sliding window) holds nothing."""
-        # _name inlined (a prompt registers every block it fills): blocks below
-        # ``shared`` lie wholly inside the shared prefix
-        shared = prefix[1] // self.block_size if prefix is not None else 0
         cached, holds = self._cached, self._holds
         for g, table in enumerate(held):
             for index in range(start, stop):
                 block = table[index]
                 if block == NULL_BLOCK:
                     continue
-                name = ((None, prefix[0], index) if index < shared
-                        else (request_id, index), g)
+                name = (self._name(request_id, index, prefix), g)
                 stale = cached.get(name)
                 if stale is not None and stale != block:
                     del holds[stale]

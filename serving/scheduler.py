@@ -373,7 +373,7 @@ class VllmV1Scheduler(_Scheduler):
         # without a prefill threshold or a model length, _cap is min(n, budget): inlined
         # below, as a run schedules each running request once per step
         plain = not self.long_prefill_token_threshold and self.max_model_len is None
-        allocate, pool_tables, running = self.pool.allocate, self.pool.tables, self._running
+        allocate, running = self.pool.allocate, self._running
         i = 0
         while i < len(running) and budget > 0:
             state = running[i]
@@ -400,13 +400,7 @@ class VllmV1Scheduler(_Scheduler):
                 if at < i:            # only under pipelining: earlier requests in flight
                     i -= 1
             else:
-                # self._scheduled(state, n), inlined: once per running request per step
-                state.flight += n
-                tables = pool_tables(req.request_id)
-                scheduled.append(ScheduledRequest(
-                    req.request_id, n, ahead, tables[0],
-                    ahead + n == req.prompt_len + state.emitted,
-                    n == 1 and ahead >= req.prompt_len, tables))
+                scheduled.append(self._scheduled(state, n))
                 budget -= n
                 i += 1
                 continue

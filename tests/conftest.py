@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_limits
 from vcluster.runtime.cores import usable_cores
 from vcluster.runtime.options import PRELOAD_VARIABLE, blas_thread_environment
 
-from .machine_share import MachineShare
+from .machine_share import MachineShare, WorkerHolds
 
 # Most workers ``-n auto`` starts (the test command's default): the suite's tests start
 # device processes of their own, so more workers than this add memory, not speed.
@@ -52,19 +52,37 @@ def pytest_xdist_auto_num_workers(config):
     return min(usable_cores(), MAX_WORKERS)
 
 
+def _alone(item) -> bool:
+    return item.get_closest_marker("alone") is not None
+
+
+#: whether the test this worker runs next is marked alone (set as each test starts)
+NEXT_IS_ALONE = pytest.StashKey[bool]()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked alone first (in their order), then the rest: on several workers one
-    worker runs them back to back at the start while the others wait once, instead of
-    each waiting for whatever long test another worker has under way."""
-    items.sort(key=lambda item: item.get_closest_marker("alone") is None)
+    worker runs them back to back at the start (keeping the machine from one to the next:
+    tests/machine_share.py) while the others wait once, instead of each waiting for
+    whatever long test another worker has under way."""
+    items.sort(key=lambda item: not _alone(item))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[NEXT_IS_ALONE] = nextitem is not None and _alone(nextitem)
 
 
 @pytest.fixture(scope="session")
 def _machine_share(request, tmp_path_factory):
-    """The run's lock files (None without workers: one process runs every test)."""
+    """This worker's holds on the run's lock files (None without workers: one process
+    runs every test)."""
     if not hasattr(request.config, "workerinput"):       # pytest-xdist's, on a worker
-        return None
-    return MachineShare(tmp_path_factory.getbasetemp().parent)   # the run's, shared
+        yield None
+        return
+    holds = WorkerHolds(MachineShare(tmp_path_factory.getbasetemp().parent))  # the run's
+    yield holds
+    holds.close()
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +91,8 @@ def _share_the_machine(request, _machine_share):
         yield
         return
     node = request.node
-    with _machine_share.hold(node.nodeid, alone=node.get_closest_marker("alone") is not None):
+    with _machine_share.hold(node.nodeid, alone=_alone(node),
+                             then_alone=node.stash.get(NEXT_IS_ALONE, False)):
         yield
 
 

@@ -15,6 +15,11 @@ worker that dies releases what it held):
   asked — and takes ``machine.lock`` exclusive once the tests already running on other
   workers have finished.
 
+An alone test whose worker runs another alone test next keeps both locks for it
+(:class:`WorkerHolds`): released in between, the other workers' next test could take the
+turnstile first and make the next alone test wait for the whole of it (the suite's alone
+tests run back to back on one worker, sorted first: conftest.py).
+
 Without workers (``pytest -n 0``) nothing is locked. Every wait has a deadline, and its
 error names who waits and the last test that held the machine alone.
 """
@@ -28,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MachineShare", "WAIT_S", "POLL_S"]
+__all__ = ["MachineShare", "WorkerHolds", "WAIT_S", "POLL_S"]
 
 # Longest a test waits for the machine: the longest single test's own timeout (the soaks'
 # 900 s) with room to spare; a wait that long means a test on another worker hangs.
@@ -45,29 +50,80 @@ class MachineShare:
     @contextmanager
     def hold(self, who: str, alone: bool = False, wait_s: float = WAIT_S):
         """Hold the machine for test ``who``: alone (exclusive) or shared."""
+        held = self.take(who, alone, wait_s)
+        try:
+            yield
+        finally:
+            release(held)
+
+    def take(self, who: str, alone: bool = False, wait_s: float = WAIT_S) -> tuple:
+        """Take the machine for ``who`` (as :meth:`hold`); returns the open files to give
+        to :func:`release`: (turnstile, machine) for an alone holder, (machine,) for a
+        shared one."""
         d = self.directory
         turnstile, machine = (open(d / name, "a+") for name in ("machine.turnstile",
                                                                 "machine.lock"))
         holder = d / "machine.holder"
         deadline = time.monotonic() + wait_s
-        held = []
         try:
             _take(turnstile, fcntl.LOCK_EX, who, "the turnstile", holder, deadline)
-            held.append(turnstile)
-            _take(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, who,
-                  "the machine" + (" alone" if alone else ""), holder, deadline)
-            held.append(machine)
-            if alone:
-                holder.write_text(who)
-            else:
+            try:
+                _take(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, who,
+                      "the machine" + (" alone" if alone else ""), holder, deadline)
+            except BaseException:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)
-                held.remove(turnstile)
-            yield
-        finally:
-            for f in reversed(held):
-                fcntl.flock(f, fcntl.LOCK_UN)
+                raise
+        except BaseException:
             turnstile.close()
             machine.close()
+            raise
+        if alone:
+            holder.write_text(who)
+            return turnstile, machine
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        turnstile.close()
+        return (machine,)
+
+
+def release(held: tuple) -> None:
+    """Unlock and close what :meth:`MachineShare.take` returned, the machine first."""
+    for f in reversed(held):
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+class WorkerHolds:
+    """One worker's holds, test after test: like :meth:`MachineShare.hold`, except that an
+    alone test followed by another alone test on this worker (``then_alone``) keeps the
+    turnstile and the machine for it, so that no test of another worker starts in between.
+    The one mutable piece of a worker's share (its session fixture owns it); ``close``
+    gives back what is kept."""
+
+    def __init__(self, share: MachineShare):
+        self.share = share
+        self._kept: tuple = ()
+
+    @contextmanager
+    def hold(self, who: str, alone: bool = False, then_alone: bool = False,
+             wait_s: float = WAIT_S):
+        if self._kept and alone:
+            held, self._kept = self._kept, ()
+            (self.share.directory / "machine.holder").write_text(who)
+        else:
+            self.close()
+            held = self.share.take(who, alone, wait_s)
+        try:
+            yield
+        finally:
+            if alone and then_alone:
+                self._kept = held
+            else:
+                release(held)
+
+    def close(self) -> None:
+        held, self._kept = self._kept, ()
+        if held:
+            release(held)
 
 
 def _take(f, mode: int, who: str, what: str, holder: Path, deadline: float) -> None:

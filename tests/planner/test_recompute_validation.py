@@ -13,31 +13,21 @@ from vcluster.timing import read_data_csv
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def rows():
-    return validate_recompute()
-
-
 def _table():
     return read_data_csv(RECOMPUTE_TABLE)[1]
 
 
-def test_every_row_of_the_table_with_its_published_value(rows):
-    published = _table()
-    assert len(rows) == len(published) == 14
-    for mine, theirs in zip(rows, published):
-        assert mine["source"] == RECOMPUTE_TABLE
-        assert mine["metric"] == theirs["metric"]
-        assert mine["published"] == float(theirs["published"])
-        assert mine["rel_error"] == pytest.approx(mine["predicted"] / mine["published"] - 1)
-        assert mine["case"].startswith(theirs["model"] + " ")
-    labels = [r["case"] for r in rows]
-    assert "175B full recompute pp=8 dp=1 (64 GPUs)" in labels
-    assert "530B selective recompute + sp pp=35 dp=8 (2240 GPUs)" in labels
-    assert "22B one layer, no recompute + sp" in labels
+def _row(case: str, **fields) -> dict:
+    """The result of the one table row with these ``fields``, labelled ``case`` (every
+    row's published value and label are checked where the whole table runs: validate-model's
+    acceptance test, tests/planner/test_simulate.py)."""
+    (r,) = [r for r in _table() if all(r[k] == v for k, v in fields.items())]
+    (result,) = validate_recompute(rows=[r])
+    assert result["case"] == case and result["published"] == float(r["published"])
+    return result
 
 
-def test_an_iteration_row_is_the_simulated_step_of_its_configuration(rows):
+def test_an_iteration_row_is_the_simulated_step_of_its_configuration():
     """The 175B row under full recomputation: interleaved 1F1B with 3 chunks per device,
     64 micro-batches of 1, unfused attention (Section 6 and Table 3 of the paper)."""
     cfg = GPTConfig(hidden=12288, layers=96, heads=96, seq=2048, vocab=51200)
@@ -45,7 +35,8 @@ def test_an_iteration_row_is_the_simulated_step_of_its_configuration(rows):
                          schedule="interleaved_1f1b", virtual_stages=3, recompute="full",
                          attention="unfused")
     sim = simulate_gpt(cfg, par, "a100-80gb-dgx")
-    row = next(r for r in rows if r["case"] == "175B full recompute pp=8 dp=1 (64 GPUs)")
+    row = _row("175B full recompute pp=8 dp=1 (64 GPUs)", model="175B", recompute="full",
+               metric="iter_s")
     assert row["predicted"] == pytest.approx(sim.step_time_s)
     assert row["published"] == 18.13
 
@@ -64,10 +55,11 @@ def _layer_ms(recompute: str, sequence_parallel: bool = False, layers: int = 48,
     return 1e3 * (sim.step_time_s - rest) / layers
 
 
-def test_a_layer_row_is_one_layers_share_whatever_the_depth(rows):
+def test_a_layer_row_is_one_layers_share_whatever_the_depth():
     """The layer ops over the layers do not depend on how many layers there are: no
     embedding, loss or optimizer time leaks into them."""
-    row = next(r for r in rows if r["case"] == "22B one layer, no recompute")
+    row = _row("22B one layer, no recompute", model="22B", recompute="none",
+               sequence_parallel="0", metric="layer_ms")
     assert row["predicted"] == pytest.approx(_layer_ms("none"))
     assert _layer_ms("none", layers=6) == pytest.approx(row["predicted"], rel=1e-3)
     _layer_ms("none", tp_overlap="none")     # without the overlap: the layer ops' sum

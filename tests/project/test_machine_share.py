@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.machine_share import MachineShare
+from tests.machine_share import MachineShare, WorkerHolds
 
 
 def _hold_in_thread(share, who, until, took, **kind):
@@ -60,4 +60,33 @@ def test_a_waiting_alone_test_lets_no_new_test_start(tmp_path):
     for t in (a, b):
         t.join(5.0)
     with share.hold("D", wait_s=1.0):
+        pass
+
+
+def test_a_worker_keeps_the_machine_from_one_alone_test_to_the_next(tmp_path):
+    """Released between two alone tests, the turnstile could go to another worker's next
+    test, and the second alone test would wait for the whole of it; kept, no test starts
+    in between, and the worker's next shared test gives it back."""
+    share = MachineShare(tmp_path)
+    worker = WorkerHolds(share)
+    with worker.hold("A", alone=True, then_alone=True):
+        pass
+    with pytest.raises(TimeoutError, match="^C waited 0 s for the turnstile.* alone: A$"):
+        with share.hold("C", wait_s=0.2):
+            pass
+    with worker.hold("B", alone=True, wait_s=0.2):       # kept for B: no wait
+        with pytest.raises(TimeoutError, match="alone: B$"):
+            with share.hold("C", wait_s=0.2):
+                pass
+    with share.hold("C", wait_s=1.0):                    # B was the last alone test
+        pass
+    with worker.hold("D", alone=True, then_alone=True):
+        pass
+    with worker.hold("E", wait_s=1.0):                   # a shared test: D's machine given back
+        with share.hold("C", wait_s=1.0):
+            pass
+    with worker.hold("F", alone=True, then_alone=True):
+        pass
+    worker.close()
+    with share.hold("C", wait_s=1.0):
         pass

@@ -201,7 +201,7 @@ def validate_megatron(hardware: str = HARDWARE, on_row=None) -> list[dict]:
     return rows
 
 
-def validate_recompute(hardware: str = HARDWARE, on_row=None) -> list[dict]:
+def validate_recompute(hardware: str = HARDWARE, on_row=None, rows=None) -> list[dict]:
     """Every row of :data:`RECOMPUTE_TABLE` (Korthikanti et al., "Reducing Activation
     Recomputation in Large Transformer Models", 2022): the configuration its header and
     columns give (micro-batch, interleaving degree, recomputation, sequence parallelism as
@@ -212,9 +212,11 @@ def validate_recompute(hardware: str = HARDWARE, on_row=None) -> list[dict]:
     communication, over the layers — on one pipeline stage with one micro-batch the rest
     (the embedding, the logits and loss, the optimizer: every op but :data:`_LAYER_OPS`)
     runs apart from the layers, its collectives blocking. ``on_row``: called after each row
-    (progress)."""
+    (progress); ``rows``: the table rows to run (dicts as
+    :func:`~vcluster.timing.read_data_csv` reads them; default all)."""
+    table = read_data_csv(RECOMPUTE_TABLE)[1] if rows is None else rows
     rows, sims = [], {}      # a configuration's iteration and layer rows share its step
-    for r in read_data_csv(RECOMPUTE_TABLE)[1]:
+    for r in table:
         cfg = _model(r)
         v = int(r["virtual_stages"])
         par = ParallelConfig(global_batch=int(r["global_batch"]),

@@ -383,6 +383,26 @@ def test_data_parallel_row_names_only_data_parallel_groups():
     assert row("all_reduce", dp=0, ep=0, tp=0) == DP_GRAD_REDUCE     # cp: the gradients'
 
 
+def test_validate_model_runs_its_groups_on_worker_processes_to_the_same_rows():
+    """--workers N runs the groups of tables side by side (here two: torchtitan's FSDP2
+    table and Megatron-Bridge's FP8 one): the result is the one process's, key for key;
+    each group one progress line when it ends."""
+    import io
+
+    from vcluster.cli.validate_model_cmd import validation_rows
+    from vcluster.planner.progress import ProgressLines
+    tables = ["torchtitan_a100_fsdp.csv", "megatron_bridge_h100_fp8.csv"]
+    one = validation_rows(tables, workers=1)
+    stream = io.StringIO()
+    two = validation_rows(tables, ProgressLines("validate-model", stream=stream), workers=2)
+    assert two == one and [r["table"] for r in one["rows"]] == [
+        "megatron_bridge_h100_fp8.csv"] * 2 + ["torchtitan_a100_fsdp.csv"] * 3
+    lines = stream.getvalue().splitlines()
+    assert sorted(ln.split(" predicted")[0] for ln in lines) == [
+        "validate-model: 2/2 rows of megatron_bridge_h100_fp8.csv",
+        "validate-model: 3/3 rows of torchtitan_a100_fsdp.csv"], lines
+
+
 def test_validate_model_reports_progress_on_stderr_unless_quiet():
     """Issue 56: validate-model printed nothing for minutes when piped. Now a line per
     group of tables (and every few seconds) goes to stderr; --quiet silences it."""

@@ -82,6 +82,8 @@ written, at shapes fixed beforehand; the three compiled rows are predicted under
 
 from __future__ import annotations
 
+from concurrent.futures import as_completed
+
 __all__ = ["add_parser", "validation_rows", "FIT_TABLES", "TABLES"]
 
 #: the tables a constant was chosen on (module docstring): their rows are "fit"
@@ -113,9 +115,9 @@ def add_parser(commands) -> None:
                      help="the 2026 hardware tables: every release's rows (default: each "
                           "configuration's latest release; all take ~5 minutes)")
     cmd.add_argument("--workers", type=int, default=None, metavar="N",
-                     help="processes that simulate the 2026 hardware tables' rows "
-                          "(megatron_bridge_blackwell.csv, amd_instinct_training.csv: "
-                          "independent rows; default the machine's cores, 1: this process)")
+                     help="processes that simulate the groups of tables side by side (then "
+                          "the 2026 hardware tables' independent rows); default the "
+                          "machine's cores, 1: this process; the rows are the same")
     cmd.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (by default a line every few seconds "
                           "and one per group of tables: the run takes minutes)")
@@ -128,7 +130,8 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
     (the module docstring). ``progress``: None, or an object that reports a task's count
     (:class:`~vcluster.planner.progress.ProgressLines`: ``add_task``, ``advance``,
     ``finish``), one task per group of tables counting its table rows predicted.
-    ``workers``: processes for the 2026 hardware tables' rows (the others run here)."""
+    ``workers``: processes that run the groups of tables side by side, and then the
+    2026 hardware tables' rows (1: all in this process; the rows are the same)."""
     wanted = set(TABLES if tables is None else tables)
     unknown = wanted - set(TABLES)
     if unknown or not wanted:
@@ -140,53 +143,55 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
                                              validate_fsdp, validate_fsdp2,
                                              validate_gpu_steps, validate_megatron,
                                              validate_moe, validate_recompute)
-    from vcluster.timing import read_data_csv, validate_nccl
+    from vcluster.planner.validation_hf_llama import HF_LLAMA_TABLE, validate_hf_llama_steps
+    from vcluster.planner.validation_long_context import (GPU_SWEEP_TABLE, LONG_CONTEXT_TABLE,
+                                                          validate_gpu_sweep,
+                                                          validate_long_context)
+    from vcluster.timing import validate_nccl
     from vcluster.timing.kernel_profile import H100_KERNEL_TABLE, h100_gemm_leave_one_out
     from vcluster.timing.kernel_profiles import h100_kernel_leave_one_out
     fp8_tables = tuple(t for t in FP8_TABLES if t in wanted)
+    # name -> a group's run: (group, validate, its keyword arguments, the tables its
+    # progress counts (None: the group's), what it counts (None: "rows of ... predicted")),
+    # the longest first (a pool starts them in this order)
+    calls = {
+        "fsdp": ("fsdp", validate_fsdp, {}, None, None),
+        "long_context": ("long_context", validate_long_context, {}, None,
+                         f"rows of {LONG_CONTEXT_TABLE} simulated (or refused)"),
+        "recompute": ("recompute", validate_recompute, {}, None, None),
+        "moe": ("moe", validate_moe, {}, None, f"rows of {MOE_TABLE} simulated (or refused)"),
+        "fp8": ("fp8", validate_fp8, {"tables": fp8_tables}, fp8_tables, None),
+        "megatron": ("megatron", validate_megatron, {}, None, None),
+        "gpu_steps": ("gpu_steps", validate_gpu_steps, {}, None, None),
+        "repriced": ("gpu_steps", validate_gpu_steps, {"kernel_table": H100_KERNEL_TABLE},
+                     None, f"one-GPU step rows repriced by {H100_KERNEL_TABLE}"),
+        "gpu_sweep": ("gpu_sweep", validate_gpu_sweep, {}, None, None),
+        "hf_steps": ("hf_steps", validate_hf_llama_steps, {}, None,
+                     f"rows of {HF_LLAMA_TABLE} simulated (or refused)"),
+        "fsdp2": ("fsdp2", validate_fsdp2, {}, None, None)}
+    out = _run_groups({name: c for name, c in calls.items() if c[0] in groups}, progress,
+                      workers)
 
-    def run(group, validate, counted=None, label=None, **kwargs):
-        """``validate(**kwargs)``'s rows when ``group`` is asked for, counted on
-        ``progress`` (one task: the table rows of ``counted``, default every table of
-        ``group``; ``label``: what the count is of, default "rows of <tables> predicted")."""
-        if group not in groups:
-            return []
-        counted = counted or tuple(t for t, g in _GROUPS.items() if g == group)
-        if progress is None:
-            return validate(**kwargs)
-        task = progress.add_task(label or f"rows of {', '.join(counted)} predicted",
-                                 total=sum(len(read_data_csv(t)[1]) for t in counted))
-        out = validate(**kwargs, on_row=lambda: progress.advance(task))
-        progress.finish(task)
-        return out
+    def result(name):
+        return out.get(name, [])
 
     keys = ("source", "case", "metric", "published", "predicted", "rel_error")
     nccl = validate_nccl() if "nccl" in groups else []      # instant: no progress
     rows = [{k: r[k] for k in keys} | {"table": "nccl_a100.csv"} for r in nccl]
-    for group, validate in (("megatron", validate_megatron), ("recompute", validate_recompute),
-                            ("gpu_steps", validate_gpu_steps)):
-        rows += [r | {"table": r["source"]} for r in run(group, validate)]
-    fsdp = run("fsdp", validate_fsdp)
+    for name in ("megatron", "recompute", "gpu_steps"):
+        rows += [r | {"table": r["source"]} for r in result(name)]
+    fsdp = result("fsdp")
     rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in fsdp]
-    rows += [r | {"table": r["source"]}
-             for r in run("fp8", validate_fp8, fp8_tables, tables=fp8_tables)]
-    rows += [{k: r[k] for k in keys} | {"table": r["source"]}
-             for r in run("fsdp2", validate_fsdp2)]
+    rows += [r | {"table": r["source"]} for r in result("fp8")]
+    rows += [{k: r[k] for k in keys} | {"table": r["source"]} for r in result("fsdp2")]
     rows = [r for r in rows if r["table"] in wanted]
     fsdp = [r for r in fsdp if r["source"] in wanted]
-    moe = run("moe", validate_moe, label=f"rows of {MOE_TABLE} simulated (or refused)")
+    moe = result("moe")
+    long_context, gpu_sweep, hf_steps = (result(n) for n in ("long_context", "gpu_sweep",
+                                                             "hf_steps"))
+    # after the pool's runs: its own pool of `workers` processes
     hw2026 = _hardware_2026(wanted, progress, all_releases, workers) \
         if "hw2026" in groups else None
-    # lazy: keeps vcluster --help fast
-    from vcluster.planner.validation_long_context import (GPU_SWEEP_TABLE, LONG_CONTEXT_TABLE,
-                                                          validate_gpu_sweep,
-                                                          validate_long_context)
-    from vcluster.planner.validation_hf_llama import HF_LLAMA_TABLE, validate_hf_llama_steps
-    long_context = run("long_context", validate_long_context,
-                       label=f"rows of {LONG_CONTEXT_TABLE} simulated (or refused)")
-    gpu_sweep = run("gpu_sweep", validate_gpu_sweep)
-    hf_steps = run("hf_steps", validate_hf_llama_steps,
-                   label=f"rows of {HF_LLAMA_TABLE} simulated (or refused)")
     for r in rows:
         r["role"] = FIT_TABLES.get(r["table"], "held_out")
     errors = [abs(r["rel_error"]) for r in rows]
@@ -197,8 +202,7 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
         by_table.setdefault(r["table"], {}).setdefault(r["metric"], []).append(
             abs(r["rel_error"]))
     measured: dict = {}
-    for r in run("gpu_steps", validate_gpu_steps, label=f"one-GPU step rows repriced by "
-                 f"{H100_KERNEL_TABLE}", kernel_table=H100_KERNEL_TABLE):
+    for r in result("repriced"):
         if r["metric"] == "step_ms" and r["source"] in wanted:
             measured.setdefault(r["source"], []).append(abs(r["rel_error"]))
     return {"rows": rows, "mean_abs_rel_error": sum(errors) / len(errors) if errors else None,
@@ -226,6 +230,47 @@ def validation_rows(tables=None, progress=None, all_releases: bool = False,
             # compiled row): checked, not held out (docs/timing.md)
             "measured_prices": {"kernel_table": H100_KERNEL_TABLE, "step_ms_mean_abs_rel_error": {
                 table: sum(e) / len(e) for table, e in measured.items()}}}
+
+
+def _run_groups(calls: dict, progress, workers: int) -> dict:
+    """``{name: validate(**kwargs)}`` for each of ``calls`` (:func:`validation_rows`), on
+    ``workers`` processes (a pool of min(workers, runs), in the order given: the longest
+    first) or in this one (1, one run, or no pool on this platform). The rows are the same
+    either way; each run is one task on ``progress`` (None: none), counted row by row in
+    this process and at its end in a pool's."""
+    from vcluster.planner.search import process_pool
+    from vcluster.timing import read_data_csv
+
+    def task(name):
+        group, _, _, counted, label = calls[name]
+        counted = counted or tuple(t for t, g in _GROUPS.items() if g == group)
+        total = sum(len(read_data_csv(t)[1]) for t in counted)
+        return progress.add_task(label or f"rows of {', '.join(counted)} predicted",
+                                 total=total), total
+
+    out = {}
+    pool = process_pool(workers, len(calls), "validate-model")
+    if pool is None:
+        for name, (_, validate, kwargs, _, _) in calls.items():
+            if progress is None:
+                out[name] = validate(**kwargs)
+                continue
+            t, _ = task(name)
+            out[name] = validate(**kwargs, on_row=lambda t=t: progress.advance(t))
+            progress.finish(t)
+        return out
+    with pool:
+        futures = {pool.submit(validate, **kwargs): name
+                   for name, (_, validate, kwargs, _, _) in calls.items()}
+        tasks = {name: task(name) for name in calls} if progress is not None else {}
+        for future in as_completed(futures):
+            name = futures[future]
+            out[name] = future.result()
+            if progress is not None:
+                t, total = tasks[name]
+                progress.advance(t, total)
+                progress.finish(t)
+    return out
 
 
 def _hardware_2026(wanted: set, progress, all_releases: bool, workers: int = 1) -> dict:

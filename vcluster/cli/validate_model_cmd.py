@@ -238,6 +238,7 @@ def _run_groups(calls: dict, progress, workers: int) -> dict:
     first) or in this one (1, one run, or no pool on this platform). The rows are the same
     either way; each run is one task on ``progress`` (None: none), counted row by row in
     this process and at its end in a pool's."""
+    # lazy: keeps vcluster --help fast
     from vcluster.planner.search import process_pool
     from vcluster.timing import read_data_csv
 

@@ -427,6 +427,23 @@ def _pipeline(dev, x, w, layers):
     return out
 
 
+@pytest.fixture(scope="module")
+def localhost_model_2():
+    """``localhost_model_2()``: this machine's localhost model for two float32 devices,
+    calibrated at the first call — inside a test marked alone, so on a quiet machine
+    (a module fixture itself would be set up before the test holds the machine) — and
+    shared by the module's tests (a calibration takes ~16 s here)."""
+    from vcluster.localhost.calibrate import calibrate_localhost
+    from vcluster.localhost.cost_model import localhost_model
+    models = []
+
+    def get():
+        if not models:
+            models.append(localhost_model(calibrate_localhost(2), 2, dtype="float32"))
+        return models[0]
+    return get
+
+
 def _measured(cluster, program, args) -> float:
     """The median of 7 timed runs of ``program`` on both devices (after 2 warm-ups): from
     the first rank's start to the last one's end."""
@@ -443,7 +460,8 @@ def _measured(cluster, program, args) -> float:
 @pytest.mark.slow
 @pytest.mark.alone      # measured wall time against the localhost model's prediction
 @pytest.mark.timeout(300)
-def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_error():
+def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_error(
+        localhost_model_2):
     """Stage 0 on the slower kind: its device slowed by the A100/H100 ratio of achieved
     bf16 FLOP/s (2.96), holding 1 layer to stage 1's 3 (the split the speeds balance);
     the localhost model with the same straggler factor predicts the measured run within
@@ -453,14 +471,12 @@ def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_er
     even one."""
     from vcluster.cli.bench_predict_scenarios import GOAL
     from vcluster import VirtualCluster
-    from vcluster.localhost.calibrate import calibrate_localhost
-    from vcluster.localhost.cost_model import localhost_model
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh = Mesh((2,), ("pp",))
-    model = localhost_model(calibrate_localhost(2), 2, dtype="float32")
+    model = localhost_model_2()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
@@ -503,7 +519,8 @@ def _replicas(dev, x, w, layers):
 @pytest.mark.slow
 @pytest.mark.alone      # measured wall time against the localhost model's prediction
 @pytest.mark.timeout(300)
-def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_error():
+def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_error(
+        localhost_model_2):
     """Replica 0 on the slower kind (its device slowed by the A100/H100 ratio of achieved
     bf16 FLOP/s, 2.96) and replica 1 on the faster: the localhost model with the same
     straggler factor predicts the measured run within ``bench predict``'s 25% goal (best
@@ -511,14 +528,12 @@ def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_e
     step: well above the run without the straggler."""
     from vcluster.cli.bench_predict_scenarios import GOAL
     from vcluster import VirtualCluster
-    from vcluster.localhost.calibrate import calibrate_localhost
-    from vcluster.localhost.cost_model import localhost_model
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh, layers = Mesh((2,), ("dp",)), 3
-    model = localhost_model(calibrate_localhost(2), 2, dtype="float32")
+    model = localhost_model_2()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)

@@ -40,8 +40,9 @@ def _cli(*args):
 @pytest.mark.alone   # wall-clock speed against simulate gpt
 def test_splits_scenario_runs_at_the_speed_of_simulate_gpt(tmp_path):
     """As a user runs them: ``vcluster run gpt_splits.yaml`` (report written) against the
-    three ``vcluster simulate gpt`` commands, best of two each on this shared machine
-    (measured: 6.8 s against 4.4 s; 18.5 s before)."""
+    three ``vcluster simulate gpt`` commands, best of up to two rounds each on this shared
+    machine, the second only when the first misses (measured: 6.8 s against 4.4 s; 18.5 s
+    before)."""
     common = ["--hidden", "4096", "--layers", "32", "--heads", "32", "--seq", "2048",
               "--vocab", "32000", "--global-batch", "64", "--hardware", "h100-dgx"]
     scenario_s, three_s = [], []
@@ -49,6 +50,8 @@ def test_splits_scenario_runs_at_the_speed_of_simulate_gpt(tmp_path):
         scenario_s.append(_cli("run", SPLITS, "--out", tmp_path / f"r{k}", "--quiet"))
         three_s.append(sum(_cli("simulate", "gpt", *common, "--dp", dp, "--pp", pp,
                                 "--tp", "8") for dp, pp in (("8", "1"), ("4", "2"), ("2", "4"))))
+        if min(scenario_s) <= 2.0 * min(three_s):
+            break
     assert min(scenario_s) <= 2.0 * min(three_s), (scenario_s, three_s)
     assert not (tmp_path / "r0" / "trace.json").exists()
 

@@ -102,7 +102,7 @@ def add_parser(commands) -> None:
     gpt.add_argument("--max-tp", type=positive_int, default=None,
                      help="largest tensor-parallel degree (default: GPUs per node)")
     gpt.add_argument("--workers", type=positive_int, default=None,
-                     help="replay processes (default: the machine's cores)")
+                     help="replay processes (default: the cores this process may use)")
     gpt.add_argument("--memory-headroom", type=fraction, default=None, metavar="FRACTION",
                      help="share of each device's memory a configuration leaves free "
                           "(default 0.05)")

@@ -169,7 +169,8 @@ def add_plan_parser(kinds) -> None:
                    help="also search prefill:decode pools")
     p.add_argument("--top", type=positive_int, default=10, help="rows to show (default 10)")
     p.add_argument("--workers", type=positive_int, default=None,
-                   help="processes searching layouts side by side (default: the cores)")
+                   help="processes searching layouts side by side (default: the cores this "
+                        "process may use)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress lines on stderr")
     p.add_argument("--json", metavar="PATH", nargs="?", const="-", default=None,

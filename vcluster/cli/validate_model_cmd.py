@@ -116,8 +116,8 @@ def add_parser(commands) -> None:
                           "configuration's latest release; all take ~5 minutes)")
     cmd.add_argument("--workers", type=int, default=None, metavar="N",
                      help="processes that simulate the groups of tables side by side (then "
-                          "the 2026 hardware tables' independent rows); default the "
-                          "machine's cores, 1: this process; the rows are the same")
+                          "the 2026 hardware tables' independent rows); default the cores "
+                          "this process may use, 1: this process; the rows are the same")
     cmd.add_argument("--quiet", action="store_true",
                      help="no progress lines on stderr (by default a line every few seconds "
                           "and one per group of tables: the run takes minutes)")
@@ -479,13 +479,13 @@ def _print_moe(m: dict) -> None:
 
 def _run(args) -> int:
     # lazy: keeps vcluster --help fast
-    import os
     from vcluster.planner.progress import ProgressLines
+    from vcluster.runtime.cores import usable_cores
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     result = validation_rows(args.table, None if args.quiet else ProgressLines("validate-model"),
                              all_releases=args.all_releases,
-                             workers=args.workers or os.cpu_count() or 1)
+                             workers=args.workers or usable_cores())
     print(f"{'case':<58}{'metric':<16}{'published':>10}{'predicted':>11}{'error':>8}  role")
     for r in result["rows"]:
         print(f"{r['case'][:57]:<58}{r['metric']:<16}{r['published']:>10.4g}"

@@ -51,7 +51,6 @@ stage's kind; the replay prices every stage on its own device
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -62,6 +61,7 @@ import dataclasses
 from modeling import ConfigError
 from pipeline_parallel.gpt import GPTConfig, ParallelConfig, model_flops
 from pipelining import bubble_time_closed_form
+from vcluster.runtime.cores import usable_cores
 from vcluster.timing.cluster import ClusterSpec, load_cluster
 from vcluster.timing.gemm_formats import GEMM_FORMATS
 from vcluster.timing.hardware_model import HardwareCostModel
@@ -470,8 +470,9 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
     ``max_tp`` default the GPUs of one scale-up (NVLink) domain; ``micro_batches`` an explicit list, else the
     divisors of B/dp up to ``max_micro_batch`` (8); ``schedules``, ``recompute``,
     ``sequence_parallel``: restrict the choices; ``workers``: replay processes (default
-    the machine's cores); ``progress``: a progress bar (True; default None: when stderr is a
-    tty; False: none) or a progress object used as given (rich's ``Progress`` calls:
+    the cores this process may use: affinity mask, cgroup quota); ``progress``: a
+    progress bar (True; default None: when stderr is a tty; False: none) or a progress
+    object used as given (rich's ``Progress`` calls:
     :class:`~vcluster.planner.progress.ProgressLines` prints lines, for a pipe);
     ``memory_headroom``: the share of each device's memory a configuration must leave
     free (default 5%, :data:`~vcluster.planner.memory.MEMORY_HEADROOM`); ``attention``:
@@ -582,7 +583,7 @@ def plan_gpt(*, hidden: int | None = None, layers: int | None = None,
         n_replay = min(len(candidates), max(top, MIN_REPLAYED) if replay is None else replay)
         order = sorted(range(len(candidates)), key=lambda i: estimates[i].step_time_s)
         replayed = _run_replays(config, [candidates[i] for i in order[:n_replay]], hw,
-                                workers or os.cpu_count() or 1, bar, precision, fp8,
+                                workers or usable_cores(), bar, precision, fp8,
                                 None if splits is None else [splits[i]
                                                              for i in order[:n_replay]])
     finally:

@@ -34,7 +34,6 @@ The workload's requests are the same for every candidate (one seed).
 from __future__ import annotations
 
 import math
-import os
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ import numpy as np
 from modeling.errors import ConfigError
 from modeling.spec import ModelSpec, MoE
 from serving import ServingPlan
+from vcluster.runtime.cores import usable_cores
 from vcluster.timing.hardware import HardwareSpec
 from vcluster.timing.serving.deployment import serving_capacity, serving_pricer, simulate_serve
 
@@ -271,8 +271,8 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
     """Search deployments of ``spec`` on at most ``gpus`` GPUs of ``hardware`` (module
     docstring); ``base`` carries the engine settings, ``workload`` the load (its
     ``rate`` is the whole deployment's). ``workers``: processes searching layouts side by
-    side (default: the machine's cores; 1: this process). ``progress``: a stream for one
-    line per layout."""
+    side (default: the cores this process may use; 1: this process). ``progress``: a
+    stream for one line per layout."""
     start = time.perf_counter()
     for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -309,7 +309,7 @@ def plan_serve(spec: ModelSpec, hardware: HardwareSpec, base: ServingPlan, workl
                   f"done, {len(cands)} deployments in {time.perf_counter() - start:.1f} s",
                   file=progress, flush=True)
 
-    pool = process_pool(workers or os.cpu_count() or 1, len(jobs), "plan serve")
+    pool = process_pool(workers or usable_cores(), len(jobs), "plan serve")
     if pool is not None:
         with pool:
             futures = [pool.submit(_search_layout, job) for job in jobs]

@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_limits
 from vcluster.runtime.cores import usable_cores
 from vcluster.runtime.options import PRELOAD_VARIABLE, blas_thread_environment
 
-from .machine_share import MachineShare, WorkerHolds
+from .machine_share import MachineSharePlugin
 
 # Most workers ``-n auto`` starts (the test command's default): the suite's tests start
 # device processes of their own, so more workers than this add memory, not speed.
@@ -28,6 +28,7 @@ SUITE_PRELOAD = "pytest,pipeline_parallel"
 
 def pytest_configure(config):
     os.environ.setdefault(PRELOAD_VARIABLE, SUITE_PRELOAD)
+    config.pluginmanager.register(MachineSharePlugin(), "vcluster-machine-share")
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
         _share_blas_threads(max(1, usable_cores() // workers))
@@ -50,50 +51,6 @@ def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core this process may use (its affinity mask and cgroup
     quota: ``usable_cores``), at most MAX_WORKERS."""
     return min(usable_cores(), MAX_WORKERS)
-
-
-def _alone(item) -> bool:
-    return item.get_closest_marker("alone") is not None
-
-
-#: whether the test this worker runs next is marked alone (set as each test starts)
-NEXT_IS_ALONE = pytest.StashKey[bool]()
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests marked alone first (in their order), then the rest: on several workers one
-    worker runs them back to back at the start (keeping the machine from one to the next:
-    tests/machine_share.py) while the others wait once, instead of each waiting for
-    whatever long test another worker has under way."""
-    items.sort(key=lambda item: not _alone(item))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    item.stash[NEXT_IS_ALONE] = nextitem is not None and _alone(nextitem)
-
-
-@pytest.fixture(scope="session")
-def _machine_share(request, tmp_path_factory):
-    """This worker's holds on the run's lock files (None without workers: one process
-    runs every test)."""
-    if not hasattr(request.config, "workerinput"):       # pytest-xdist's, on a worker
-        yield None
-        return
-    holds = WorkerHolds(MachineShare(tmp_path_factory.getbasetemp().parent))  # the run's
-    yield holds
-    holds.close()
-
-
-@pytest.fixture(autouse=True)
-def _share_the_machine(request, _machine_share):
-    if _machine_share is None:
-        yield
-        return
-    node = request.node
-    with _machine_share.hold(node.nodeid, alone=_alone(node),
-                             then_alone=node.stash.get(NEXT_IS_ALONE, False)):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,12 @@ An alone test whose worker runs another alone test next keeps both locks for it
 turnstile first and make the next alone test wait for the whole of it (the suite's alone
 tests run back to back on one worker, sorted first: conftest.py).
 
+A test holds the machine for its whole run protocol — setup, call and teardown, so its
+module- and session-scoped fixtures too (a module's table simulated once for its tests,
+its clusters closed after its last test) — through :class:`MachineSharePlugin`, which the
+suite's conftest registers. The controller makes the run's lock directory and gives its
+path to the workers (``workerinput``); a wait that times out fails the test's setup.
+
 Without workers (``pytest -n 0``) nothing is locked. Every wait has a deadline, and its
 error names who waits and the last test that held the machine alone.
 """
@@ -28,12 +34,16 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MachineShare", "WorkerHolds", "WAIT_S", "POLL_S"]
+import pytest
+
+__all__ = ["MachineShare", "WorkerHolds", "MachineSharePlugin", "WAIT_S", "POLL_S"]
 
 # Longest a test waits for the machine: the longest single test's own timeout (the soaks'
 # 900 s) with room to spare; a wait that long means a test on another worker hangs.
@@ -124,6 +134,78 @@ class WorkerHolds:
         held, self._kept = self._kept, ()
         if held:
             release(held)
+
+
+def is_alone(item) -> bool:
+    """Whether test ``item`` is marked ``@pytest.mark.alone``."""
+    return item.get_closest_marker("alone") is not None
+
+
+#: the workerinput key that carries the run's lock directory to each worker
+DIRECTORY_KEY = "vcluster_machine_directory"
+_DIRECTORY = pytest.StashKey[Path]()            # the controller's: made for the run
+_HOLDS = pytest.StashKey[WorkerHolds]()          # a worker's
+_WAIT_ERROR = pytest.StashKey[BaseException]()   # a test's: its wait for the machine failed
+
+
+class MachineSharePlugin:
+    """The pytest hooks by which a run's tests share the machine (registered by the
+    suite's conftest; inert without pytest-xdist workers). ``wait_s``: how long a test
+    waits for the machine before its setup fails."""
+
+    def __init__(self, wait_s: float = WAIT_S):
+        self.wait_s = wait_s
+
+    def pytest_collection_modifyitems(self, items):
+        """Tests marked alone first (in their order), then the rest: on several workers
+        one worker runs them back to back at the start (keeping the machine from one to
+        the next) while the others wait once, instead of each waiting for whatever long
+        test another worker has under way."""
+        items.sort(key=lambda item: not is_alone(item))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node):
+        """On the controller, for each worker: the run's lock directory (made once)."""
+        config = node.config
+        if _DIRECTORY not in config.stash:
+            config.stash[_DIRECTORY] = Path(tempfile.mkdtemp(prefix="vcluster-machine-"))
+        node.workerinput[DIRECTORY_KEY] = str(config.stash[_DIRECTORY])
+
+    def pytest_configure(self, config):
+        directory = getattr(config, "workerinput", {}).get(DIRECTORY_KEY)
+        if directory is not None:
+            config.stash[_HOLDS] = WorkerHolds(MachineShare(Path(directory)))
+
+    def pytest_unconfigure(self, config):
+        holds = config.stash.get(_HOLDS, None)
+        if holds is not None:
+            holds.close()
+        directory = config.stash.get(_DIRECTORY, None)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        """Hold the machine around the test's whole protocol (outside pytest-timeout's
+        timer: the wait has its own deadline, WAIT_S)."""
+        holds = item.config.stash.get(_HOLDS, None)
+        with ExitStack() as stack:
+            if holds is not None:
+                try:
+                    stack.enter_context(holds.hold(
+                        item.nodeid, alone=is_alone(item),
+                        then_alone=nextitem is not None and is_alone(nextitem),
+                        wait_s=self.wait_s))
+                except TimeoutError as error:
+                    item.stash[_WAIT_ERROR] = error
+            yield
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        """A test whose wait for the machine timed out fails here, before any fixture."""
+        error = item.stash.get(_WAIT_ERROR, None)
+        if error is not None:
+            raise error
 
 
 def _take(f, mode: int, who: str, what: str, holder: Path, deadline: float) -> None:

@@ -3,8 +3,13 @@ shared holders run together, an alone holder runs with none, a waiting alone tes
 new test start, and every wait ends in an error naming who waits (real files, real flock;
 flock locks belong to each open file, so threads stand in for workers)."""
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +95,116 @@ def test_a_worker_keeps_the_machine_from_one_alone_test_to_the_next(tmp_path):
     worker.close()
     with share.hold("C", wait_s=1.0):
         pass
+
+
+# -- the plugin, in a real pytest run on two xdist workers -----------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+_INNER_CONFTEST = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.machine_share import MachineSharePlugin
+
+def pytest_configure(config):
+    config.pluginmanager.register(MachineSharePlugin(wait_s={wait_s!r}), "machine-share")
+"""
+
+_INNER_LOG = """
+import time
+
+def log(event):
+    with open({log!r}, "a") as f:
+        f.write(f"{{event}} {{time.monotonic()!r}}\\n")
+"""
+
+
+def _inner_run(tmp_path, files: dict, wait_s: float):
+    """Run ``pytest -n 2`` over ``files`` in ``tmp_path`` with the plugin registered;
+    returns (the completed process, the logged events: name -> time)."""
+    log = tmp_path / "events.log"
+    (tmp_path / "conftest.py").write_text(
+        _INNER_CONFTEST.format(repo=str(REPO), wait_s=wait_s) + _INNER_LOG.format(log=str(log)))
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    alone: runs with no other test beside it\n")
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "xdist.plugin", "-n", "2", "--dist", "worksteal",
+         "-p", "no:cacheprovider", "-q", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "400"})
+    events = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            name, at = line.rsplit(" ", 1)
+            events[name] = float(at)
+    return done, events
+
+
+_ALONE_TEST = """
+import time
+import pytest
+from conftest import log
+
+@pytest.mark.alone
+def test_alone():
+    log("alone start")
+    time.sleep({sleep_s})
+    log("alone end")
+"""
+
+
+def test_a_module_fixture_is_set_up_and_torn_down_inside_the_test_s_hold(tmp_path):
+    """The hold spans the test's whole protocol: another worker's module-scoped fixture
+    (a table simulated once for its module; a cluster closed after its last test) never
+    runs beside an alone test (held by a function fixture, it did: fixtures of wider scope
+    are set up first)."""
+    shared = """
+import time
+import pytest
+from conftest import log
+
+@pytest.fixture(scope="module")
+def table():
+    log("fixture start")
+    time.sleep(0.5)
+    yield
+    time.sleep(0.3)
+    log("fixture end")
+
+def test_uses_the_table(table):
+    log("shared test")
+"""
+    done, events = _inner_run(tmp_path, {"test_a.py": _ALONE_TEST.format(sleep_s=1.5),
+                                         "test_b.py": shared}, wait_s=60.0)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    alone = (events["alone start"], events["alone end"])
+    shared_span = (events["fixture start"], events["fixture end"])
+    assert alone[1] <= shared_span[0] or shared_span[1] <= alone[0], events
+
+
+def test_a_wait_past_its_deadline_fails_the_test_s_setup_naming_who_waits(tmp_path):
+    """Whichever of the two takes the machine first holds it for 4 s; the other waits
+    0.5 s and fails in setup, before any of its fixtures, with the error naming it."""
+    shared = """
+import time
+import pytest
+from conftest import log
+
+@pytest.fixture
+def fixture():
+    log("fixture of the shared test")
+
+def test_shared(fixture):
+    time.sleep(4.0)
+"""
+    done, events = _inner_run(tmp_path, {"test_a.py": _ALONE_TEST.format(sleep_s=4.0),
+                                         "test_b.py": shared}, wait_s=0.5)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 passed, 1 error" in done.stdout, done.stdout
+    assert re.search(r"ERROR .*test_[ab]\.py::test_(alone|shared) - TimeoutError: "
+                     r"\S+ waited \d+ s for the (turnstile|machine)", done.stdout), done.stdout
+    if "test_b.py::test_shared - TimeoutError" in done.stdout:
+        assert "fixture of the shared test" not in events

@@ -429,19 +429,13 @@ def _pipeline(dev, x, w, layers):
 
 @pytest.fixture(scope="module")
 def localhost_model_2():
-    """``localhost_model_2()``: this machine's localhost model for two float32 devices,
-    calibrated at the first call — inside a test marked alone, so on a quiet machine
-    (a module fixture itself would be set up before the test holds the machine) — and
-    shared by the module's tests (a calibration takes ~16 s here)."""
+    """This machine's localhost model for two float32 devices, calibrated once for the
+    module's two tests (~16 s here). Both are marked alone, and a test holds the machine
+    from its setup on (tests/machine_share.py), so the calibration runs on a quiet
+    machine."""
     from vcluster.localhost.calibrate import calibrate_localhost
     from vcluster.localhost.cost_model import localhost_model
-    models = []
-
-    def get():
-        if not models:
-            models.append(localhost_model(calibrate_localhost(2), 2, dtype="float32"))
-        return models[0]
-    return get
+    return localhost_model(calibrate_localhost(2), 2, dtype="float32")
 
 
 def _measured(cluster, program, args) -> float:
@@ -476,7 +470,7 @@ def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_er
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh = Mesh((2,), ("pp",))
-    model = localhost_model_2()
+    model = localhost_model_2
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
@@ -533,7 +527,7 @@ def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_e
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh, layers = Mesh((2,), ("dp",)), 3
-    model = localhost_model_2()
+    model = localhost_model_2
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)

@@ -198,6 +198,11 @@ def add_parser(commands) -> None:
                           "of L layers is N/L (default 0; docs/offload.md)")
     gpt.add_argument("--allow-oom", action="store_true",
                      help="exit 0 even when the configuration does not fit the memory")
+    gpt.add_argument("--full-replay", action="store_true",
+                     help="replay every micro-batch of the step (default: a pipelined step of "
+                          "many micro-batches is extrapolated from three short ones, its "
+                          "figures affine in the micro-batches past the warm-up, checked; "
+                          "the two agree to rounding: docs/timing.md)")
     gpt.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     gpt.set_defaults(run=_gpt)
     serve_cmd.add_simulate_parser(kinds)
@@ -259,7 +264,8 @@ def _gpt(args) -> int:
                      gemm_format=low_precision(args) if isinstance(low_precision(args), str)
                      else "fp8", eager_kernels=args.eager_kernels,
                      cluster_split=args.cluster_split, fp8_casts=args.fp8_casts,
-                     fsdp2_copies=args.fsdp2_copies, torch_cp=args.torch_cp)
+                     fsdp2_copies=args.fsdp2_copies, torch_cp=args.torch_cp,
+                     full_replay=args.full_replay)
     print(f"{model_title(config, args.model)} on {r.gpus} x {r.hardware}: tp={args.tp} pp={args.pp} dp={args.dp}"
           f"{f' cp={args.cp} ({args.cp_algorithm})' if args.cp > 1 else ''}, "
           f"{r.microbatches} micro-batches of {args.micro_batch}, {args.schedule}, "
@@ -290,6 +296,10 @@ def _gpt(args) -> int:
         for p in r.replicas:
             print(f"    part {p.part}: {p.hardware}: {replicas_text(p.first, p.count)}")
     print(f"  step time            {r.step_time_s:.3f} s")
+    if r.replayed_microbatches:
+        print(f"                       the step of {r.microbatches} micro-batches extrapolated "
+              f"from replays of {', '.join(map(str, r.replayed_microbatches))} (affine past "
+              f"the warm-up, checked; --full-replay replays it whole)")
     print(f"  tokens/s per GPU     {r.tokens_per_s_per_gpu:,.0f}   (global batch · seq / "
           f"(step time · GPUs))")
     print(f"  hardware TFLOP/s     {r.hardware_tflops_per_gpu:.1f} per GPU: the FLOPs executed, "

@@ -9,7 +9,10 @@
 2. stitch the full step's traces from those actions (:mod:`vcluster.planner.stitch`),
    following the full schedule of m = B / (dp·b) micro-batches;
 3. replay them on the hardware (:func:`vcluster.timing.engine.simulate_trace` with
-   :class:`~vcluster.timing.hardware_model.HardwareCostModel`), symmetric mode.
+   :class:`~vcluster.timing.hardware_model.HardwareCostModel`), symmetric mode — a step
+   of many micro-batches as three short ones (:func:`steady_state_microbatches`), its
+   figures extrapolated where every one is affine in them
+   (:mod:`vcluster.timing.steady_state`; ``full_replay=True``: the whole step).
 
 With context parallelism (``ParallelConfig.cp`` > 1) every cp rank of replica 0 (tp 0)
 is traced at each traced pipeline position — the K/V ring's sends and receives inside
@@ -78,6 +81,7 @@ from vcluster.runtime.tracing.ops import TraceCollective, TraceRecv, TraceSend
 from vcluster.timing.cluster import ClusterSpec, axis_major_placement, load_cluster
 from vcluster.timing.cluster_cost import ClusterCostModel
 from vcluster.timing.engine import simulate_trace
+from vcluster.timing.steady_state import REL_TOL, NotAffine, extrapolated, extrapolated_result
 from vcluster.timing.hardware_model import HardwareCostModel
 from vcluster.timing.attention_kernels import named_kernel
 
@@ -98,7 +102,7 @@ ADAM = OptimizerConfig("adam")
 __all__ = ["GPTSimulation", "simulate_gpt", "gpt_step_traces", "gpt_schedule", "gpt_op_kind",
            "ReplicaPlacement", "replica_parts", "CLUSTER_SPLITS", "cluster_split_of",
            "fp8_gemm", "StagePlacement", "stage_parts", "cluster_placement",
-           "moe_exchanges_as_all_to_all", "data_parallel_row",
+           "moe_exchanges_as_all_to_all", "data_parallel_row", "steady_state_microbatches",
            "OP_KINDS", "DP_GRAD_REDUCE", "DP_PARAM_GATHER", "RATIO_FLAG", "TRACED_POSITIONS",
            "describe_ratio"]
 
@@ -176,6 +180,9 @@ class GPTSimulation:
     host_memory_limit_gb: float | None = None   # NodeSpec.host_memory_bytes (None: none)
     offload_exposed_s: float = 0.0      # what the copies add to the step (in step_time_s)
     offload: tuple = ()                 # an OffloadStage per pipeline rank and chunk
+    # the micro-batch counts replayed when the step was extrapolated from three short
+    # ones (steady_state_microbatches); () when the whole step was replayed
+    replayed_microbatches: tuple = ()
 
     @property
     def hardware_tflops_per_gpu(self) -> float:
@@ -556,10 +563,12 @@ def _at(mesh, **coords) -> int:
     return mesh.rank({a: coords.get(a, 0) for a in mesh.axes})
 
 
-def gpt_schedule(parallel: ParallelConfig):
+def gpt_schedule(parallel: ParallelConfig, microbatches: int | None = None):
     """The full step's :class:`pipelining.Schedule` (Megatron-Core's combined 1F1B form
-    with ``moe_comm_overlap``: :func:`pipelining.combined_1f1b`)."""
-    return make_schedule(parallel.schedule, parallel.pp, parallel.microbatches,
+    with ``moe_comm_overlap``: :func:`pipelining.combined_1f1b`), of ``microbatches``
+    (default the plan's)."""
+    m = parallel.microbatches if microbatches is None else microbatches
+    return make_schedule(parallel.schedule, parallel.pp, m,
                          virtual_stages=parallel.chunks
                          if parallel.schedule == "interleaved_1f1b" else None,
                          combined=parallel.moe_comm_overlap)
@@ -611,13 +620,26 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
     its order (a data-parallel group is one group whichever replica calls it). On a
     cluster of several GPU kinds one replica per kind is traced (:func:`simulate_gpt`).
     """
+    return _stitcher(config, parallel, costs, traced_positions, optimizer, markers,
+                     expert_skew, autocast_kernels, inductor_fusion, eager_kernels, replicas,
+                     fp8_casts, fsdp2_copies, optimizer_step_bytes,
+                     torch_cp)(schedule or gpt_schedule(parallel))
+
+
+def _stitcher(config: GPTConfig, parallel: ParallelConfig, costs, traced_positions,
+              optimizer, markers, expert_skew, autocast_kernels, inductor_fusion,
+              eager_kernels, replicas, fp8_casts, fsdp2_copies, optimizer_step_bytes,
+              torch_cp):
+    """The short step traced (:func:`gpt_step_traces`' arguments) and a function
+    ``schedule -> traces`` that stitches a full step following ``schedule``: the plan's,
+    or one that differs from it in its micro-batch count only."""
     if traced_positions is not None and (isinstance(traced_positions, bool) or not
                                          isinstance(traced_positions, int) or traced_positions < 3):
         raise ValueError(f"gpt_step_traces: traced_positions must be an int >= 3 (first, "
                          f"middle, last) or None (all), got {traced_positions!r}")
     mesh = parallel.mesh()
     parallel.check(config, mesh)
-    p, v, m = parallel.pp, parallel.chunks, parallel.microbatches
+    p, v = parallel.pp, parallel.chunks
     reps, short_of = _short_layout(parallel, config.layers, traced_positions)
     p_short = len(reps)
     short_mesh, raw = _short_templates(config, parallel, reps, optimizer, expert_skew,
@@ -643,14 +665,9 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
 
     sizes = {(d, s): sizes_short[(d, short_stage(s))] for d in (0, 1) for s in range(S)
              if (d, short_stage(s)) in sizes_short}
-    schedule = schedule or gpt_schedule(parallel)
-    # Megatron-Core's combined 1F1B: its steady (F, B) pairs are stitched interleaved,
-    # each MoE all_to_all overlapping the other micro-batch's compute
-    pairs = combined_pairs(schedule) if schedule.name == "combined_1f1b" else \
-        (frozenset(),) * p
     dp = mesh.shape["dp"]
     replicas = _traced_replicas(replicas, dp)
-    out = []
+    moved_of = []                  # (rank, position, pipeline ranks, templates moved there)
     for d in replicas:
         for cp_rank in range(parallel.cp):
             ranks = tuple(mesh.group("pp", _at(mesh, cp=cp_rank, dp=d)))
@@ -675,17 +692,23 @@ def gpt_step_traces(config: GPTConfig, parallel: ParallelConfig, costs, schedule
                     own = tuple(full_rank(r, shift=0) for r in group)
                     return own if set(own) == set(renamed) else renamed
 
-                t = moved(templates(cp_rank, q_short, rank),
-                          lambda s, q=q: s // p_short * p + q, full_rank, sizes,
-                          group_of=group_of)
-                trace = stitch(t, rank, tuple(schedule.actions[q]), ranks, S, m,
-                               markers=markers, pairs=pairs[q])
-                # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch,
-                # waited at the step's end; the overlapped TP reductions reuse a template's
-                # handle in each copy (and the numbers a template got depend on the short
-                # step traced)
-                out.append(unique_handles(trace))
-    return out
+                moved_of.append((rank, q, ranks, moved(
+                    templates(cp_rank, q_short, rank), lambda s, q=q: s // p_short * p + q,
+                    full_rank, sizes, group_of=group_of)))
+
+    def stitched(schedule) -> list:
+        # Megatron-Core's combined 1F1B: its steady (F, B) pairs are stitched interleaved,
+        # each MoE all_to_all overlapping the other micro-batch's compute
+        pairs = combined_pairs(schedule) if schedule.name == "combined_1f1b" else \
+            (frozenset(),) * p
+        # a handle per issue: ZeRO-2/3 issue a reduce-scatter per micro-batch, waited at
+        # the step's end; the overlapped TP reductions reuse a template's handle in each
+        # copy (and the numbers a template got depend on the short step traced)
+        return [unique_handles(stitch(t, rank, tuple(schedule.actions[q]), ranks, S,
+                                      schedule.microbatches, markers=markers,
+                                      pairs=pairs[q]))
+                for rank, q, ranks, t in moved_of]
+    return stitched
 
 
 def _traced_replicas(replicas, dp: int) -> tuple:
@@ -825,6 +848,48 @@ def _replica_runs(of_replica: list, cluster) -> tuple:
                  for first, n, k in runs)
 
 
+def steady_state_microbatches(parallel: ParallelConfig) -> tuple[int, int, int] | None:
+    """The three micro-batch counts whose replays :func:`simulate_gpt` extrapolates the
+    plan's step from (:mod:`vcluster.timing.steady_state`): 2p, 2p + u and 2p + 2u, with
+    u the schedule's period (p for interleaved 1F1B, whose micro-batches run in rounds of
+    p; 1 for GPipe and 1F1B) and 2p a steady state past the warm-up of p − 1 (the premise
+    is checked on every figure all the same). None when those replays would stitch as
+    many micro-batches as the plan's step or more, and for the zero-bubble schedule: its
+    step time is affine from m = 2 on, but how its waits split into exposed communication
+    and bubble settles only from about 4p (pp 4: irregular up to m = 16), past samples
+    that would still pass the check."""
+    p, m = parallel.pp, parallel.microbatches
+    if parallel.schedule == "zero_bubble":
+        return None
+    u = p if parallel.schedule == "interleaved_1f1b" and parallel.chunks > 1 else 1
+    samples = (2 * p, 2 * p + u, 2 * p + 2 * u)
+    if sum(samples) >= m or (m - samples[2]) % u:
+        return None
+    return samples
+
+
+def _flops(traces) -> list:
+    """The FLOPs each trace executes."""
+    return [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in traces]
+
+
+def _extrapolated(steps: list, results: list, samples: tuple, m: int) -> tuple:
+    """(the replay of ``m`` micro-batches, each trace's FLOPs) from the replays
+    ``results`` of the steps ``steps`` of ``samples`` micro-batches; (None, None) when a
+    figure is not affine in them."""
+    result = extrapolated_result(results, samples, m)
+    if result is None:
+        return None, None
+    spacing = samples[1] - samples[0]
+    per_trace = zip(*(_flops(t) for t in steps))
+    try:
+        flops = [extrapolated(f, spacing, (m - samples[2]) // spacing, REL_TOL * f[2])
+                 for f in per_trace]
+    except NotAffine:
+        return None, None
+    return result, flops
+
+
 def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: str = "bf16",
                  traced_positions: int | None = TRACED_POSITIONS,
                  memory_headroom: float = MEMORY_HEADROOM,
@@ -833,7 +898,7 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                  gemm_format: str = "fp8", eager_kernels: bool = False,
                  cluster_split: str | None = None,
                  fp8_casts: str | None = None, fsdp2_copies: bool = False,
-                 torch_cp: bool = False) -> GPTSimulation:
+                 torch_cp: bool = False, full_replay: bool = False) -> GPTSimulation:
     """See the module docstring. ``hardware``: a HardwareSpec, a preset name or a file,
     or a heterogeneous cluster (a :class:`~vcluster.timing.cluster.ClusterSpec` or its
     file: :func:`~vcluster.timing.cluster.load_cluster`; below);
@@ -995,23 +1060,34 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
                          f"{getattr(config, 'kv_lora_rank', None)}")
     fused = autocast_kernels and precision.inductor_fusion
     schedule = gpt_schedule(parallel)
-    full = gpt_step_traces(config, parallel, costs, schedule, traced_positions,
-                           expert_skew=expert_skew, autocast_kernels=autocast_kernels,
-                           inductor_fusion=fused, eager_kernels=eager_kernels,
-                           replicas=traced_replicas, fp8_casts=fp8_casts,
-                           fsdp2_copies=fsdp2_copies,
-                           optimizer_step_bytes=precision.optimizer_step_bytes,
-                           torch_cp=torch_cp)
+    stitched = _stitcher(config, parallel, costs, traced_positions, ADAM, False, expert_skew,
+                         autocast_kernels, fused, eager_kernels, traced_replicas, fp8_casts,
+                         fsdp2_copies, precision.optimizer_step_bytes, torch_cp)
     axes_of: dict = {}               # data_parallel_row's cache: group -> its varying axes
-    result = simulate_trace(full, costs, mesh=mesh, symmetric=True, timeline=False,
-                            op_kind=gpt_op_kind,
-                            collective_kind=lambda op: data_parallel_row(op, mesh, axes_of))
+
+    def replayed(traces):
+        return simulate_trace(traces, costs, mesh=mesh, symmetric=True, timeline=False,
+                              op_kind=gpt_op_kind,
+                              collective_kind=lambda op: data_parallel_row(op, mesh, axes_of))
+
+    if not isinstance(full_replay, bool):
+        raise ValueError(f"simulate_gpt: full_replay must be True or False, got "
+                         f"{full_replay!r}")
+    samples = None if full_replay else steady_state_microbatches(parallel)
+    result = None
+    if samples is not None:          # the step from three short ones (timing.steady_state)
+        steps = [stitched(gpt_schedule(parallel, s)) for s in samples]
+        result, flops = _extrapolated(steps, [replayed(t) for t in steps], samples, m)
+    if result is None:
+        samples = None
+        full = stitched(schedule)
+        result = replayed(full)
+        flops = _flops(full)
     offload = None
     if parallel.activation_offload:       # the copies' exposed time (planner.offload)
         offload = offload_timing(config, parallel, hw, costs, expert_skew, autocast_kernels,
                                  fused)
     step = result.step_time_s + (offload.step_exposed_s if offload else 0.0)
-    flops = [sum(op.flops for op in t.ops if isinstance(op, TraceCompute)) for t in full]
     n = mesh.size
     flops_model = model_flops(config, parallel.global_batch)
     memory = tuple(gpt_memory(config, parallel, schedule, expert_skew, precision))
@@ -1050,10 +1126,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         fp8=fp8, gemm_format=gemm_format if fp8 else None, fp8_casts=fp8_casts,
         fsdp2_copies=fsdp2_copies, torch_cp=torch_cp,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
-        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(full),
-                                      comm_s=o.comm_s / len(full)) for o in result.op_stats),
+        ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(result.ranks),
+                                      comm_s=o.comm_s / len(result.ranks)) for o in result.op_stats),
         stages=stages, replicas=replicas, activation_offload=parallel.activation_offload,
         host_memory_gb=max(mm.host_bytes for mm in memory) / 1e9,
         host_memory_limit_gb=None if host_limit is None else host_limit / 1e9,
         offload_exposed_s=offload.step_exposed_s if offload else 0.0,
-        offload=offload.stages if offload else ())
+        offload=offload.stages if offload else (),
+        replayed_microbatches=samples or ())

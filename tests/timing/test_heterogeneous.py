@@ -427,15 +427,43 @@ def _pipeline(dev, x, w, layers):
     return out
 
 
-@pytest.fixture(scope="module")
-def localhost_model_2():
-    """This machine's localhost model for two float32 devices, calibrated once for the
-    module's two tests (~16 s here). Both are marked alone, and a test holds the machine
-    from its setup on (tests/machine_share.py), so the calibration runs on a quiet
-    machine."""
+def _calibrated():
+    """This machine's localhost model for two float32 devices (~16 s here)."""
     from vcluster.localhost.calibrate import calibrate_localhost
     from vcluster.localhost.cost_model import localhost_model
     return localhost_model(calibrate_localhost(2), 2, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def localhost_model_2():
+    """:func:`_calibrated`, once for the module's two tests. Both are marked alone, and a
+    test holds the machine from its setup on (tests/machine_share.py), so the calibration
+    runs on a quiet machine."""
+    return _calibrated()
+
+
+def _tries(model, predict, measure, mesh, slow) -> list:
+    """(predicted, measured) step times, up to three tries until one is within ``bench
+    predict``'s goal: ``predict(model)``, then ``measure(cluster)`` on a fresh cluster
+    whose rank 0 is slowed by ``slow``. A try after a miss calibrates the machine afresh
+    and predicts again: it compares the run with the machine as it is then, like with
+    like (the first try's calibration may come from a moment of other load, or of a
+    faster clock, on this shared machine)."""
+    from vcluster.cli.bench_predict_scenarios import GOAL
+    from vcluster import VirtualCluster
+
+    tries = []
+    for attempt in range(3):
+        if attempt:
+            model = _calibrated()
+        want = predict(model)
+        with VirtualCluster(mesh) as cluster:
+            cluster.inject_faults([{"kind": "slow", "rank": 0, "slowdown": slow}])
+            tries.append((want, measure(cluster)))
+        if abs(tries[-1][0] / tries[-1][1] - 1) <= GOAL:
+            break
+    assert min(abs(w / m - 1) for w, m in tries) <= GOAL, tries
+    return tries
 
 
 def _measured(cluster, program, args) -> float:
@@ -461,40 +489,33 @@ def test_an_emulated_run_with_matching_device_speeds_replays_within_the_usual_er
     the localhost model with the same straggler factor predicts the measured run within
     the goal ``bench predict`` holds every emulated scenario point to (25%,
     vcluster/cli/bench_predict_scenarios.py GOAL; docs/timing.md "How accurate"), best of
-    three measurements on this shared machine; and both say the balanced split beats the
-    even one."""
-    from vcluster.cli.bench_predict_scenarios import GOAL
-    from vcluster import VirtualCluster
+    three tries on this shared machine, each after a miss on a fresh calibration
+    (:func:`_tries`); and both say the balanced split beats the even one."""
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh = Mesh((2,), ("pp",))
-    model = localhost_model_2
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
+    models = []
 
-    def predicted(layers):
+    def predicted(model, layers=(1, 3)):
+        models.append(model)
         meta = [(MetaArray(x.shape, np.float32), MetaArray(w.shape, np.float32), layers)] * 2
         traces = model_traces(model, mesh, _pipeline, meta)
         return simulate_trace(traces, model, mesh=mesh, core_pool=core_pool_of(model),
                               stragglers={0: slow}).step_time_s
 
-    def measured(cluster, layers):
-        return _measured(cluster, _pipeline, (x, w, layers))
+    def measured(cluster, layers=(1, 3)):
+        got = _measured(cluster, _pipeline, (x, w, layers))
+        evens.append(_measured(cluster, _pipeline, (x, w, (2, 2))))
+        return got
 
-    want, even_predicted = predicted((1, 3)), predicted((2, 2))    # before the devices run
-    with VirtualCluster(mesh) as cluster:
-        cluster.inject_faults([{"kind": "slow", "rank": 0, "slowdown": slow}])
-        ratios = []
-        for _ in range(3):
-            ratios.append(want / measured(cluster, (1, 3)))
-            if abs(ratios[-1] - 1) <= GOAL:
-                break
-        assert min(abs(r - 1) for r in ratios) <= GOAL, (want, ratios)
-        even = measured(cluster, (2, 2))
-    assert even_predicted > want and even > want / ratios[-1]
+    evens = []
+    want, got = _tries(localhost_model_2, predicted, measured, mesh, slow)[-1]
+    assert predicted(models[-1], (2, 2)) > want and evens[-1] > got
 
 
 def _replicas(dev, x, w, layers):
@@ -518,36 +539,26 @@ def test_emulated_replicas_with_matching_device_speeds_replay_within_the_usual_e
     """Replica 0 on the slower kind (its device slowed by the A100/H100 ratio of achieved
     bf16 FLOP/s, 2.96) and replica 1 on the faster: the localhost model with the same
     straggler factor predicts the measured run within ``bench predict``'s 25% goal (best
-    of three measurements on this shared machine), and both say the slow replica sets the
-    step: well above the run without the straggler."""
-    from vcluster.cli.bench_predict_scenarios import GOAL
-    from vcluster import VirtualCluster
+    of three tries on this shared machine, each after a miss on a fresh calibration:
+    :func:`_tries`), and the slow replica sets the predicted step: well above the run
+    without the straggler."""
     from vcluster.timing import core_pool_of, model_traces
 
     slow = load_hardware(H100).device.achieved_flops("bf16") / \
         load_hardware(A100).device.achieved_flops("bf16")
     mesh, layers = Mesh((2,), ("dp",)), 3
-    model = localhost_model_2
     rng = np.random.default_rng(0)
     x = rng.standard_normal((ROWS, H)).astype(np.float32)
     w = (rng.standard_normal((H, H)) / np.sqrt(H)).astype(np.float32)
     meta = [(MetaArray(x.shape, np.float32), MetaArray(w.shape, np.float32), layers)] * 2
-    traces = model_traces(model, mesh, _replicas, meta)
 
-    def predicted(stragglers):
+    def predicted(model, straggler=True):
+        traces = model_traces(model, mesh, _replicas, meta)
         return simulate_trace(traces, model, mesh=mesh, core_pool=core_pool_of(model),
-                              stragglers=stragglers).step_time_s
+                              stragglers={0: slow} if straggler else None).step_time_s
 
     def measured(cluster):
         return _measured(cluster, _replicas, (x, w, layers))
 
-    want, even = predicted({0: slow}), predicted(None)
-    assert want > 1.5 * even
-    with VirtualCluster(mesh) as cluster:
-        cluster.inject_faults([{"kind": "slow", "rank": 0, "slowdown": slow}])
-        ratios = []
-        for _ in range(3):
-            ratios.append(want / measured(cluster))
-            if abs(ratios[-1] - 1) <= GOAL:
-                break
-        assert min(abs(r - 1) for r in ratios) <= GOAL, (want, ratios)
+    assert predicted(localhost_model_2) > 1.5 * predicted(localhost_model_2, False)
+    _tries(localhost_model_2, predicted, measured, mesh, slow)

@@ -18,13 +18,19 @@ __all__ = ["as_int"]
 
 def as_int(value, what: str, low: int | None = None) -> int:
     """``value`` as an ``int``, at least ``low`` unless ``low`` is None."""
-    expected = f"{what} must be an int{'' if low is None else f' >= {low}'}, got {value!r}"
-    if isinstance(value, bool):
-        raise TypeError(expected)
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(expected) from None
+    if type(value) is int:              # the common case: no conversion (a bool is not)
+        n = value
+    else:
+        if isinstance(value, bool):
+            raise TypeError(_expected(value, what, low))
+        try:
+            n = operator.index(value)
+        except TypeError:
+            raise TypeError(_expected(value, what, low)) from None
     if low is not None and n < low:
-        raise ValueError(expected)
+        raise ValueError(_expected(value, what, low))
     return n
+
+
+def _expected(value, what: str, low: int | None) -> str:
+    return f"{what} must be an int{'' if low is None else f' >= {low}'}, got {value!r}"

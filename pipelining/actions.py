@@ -74,6 +74,9 @@ class Action:
     microbatch: int
 
     def __post_init__(self) -> None:
+        if type(self.stage) is int and type(self.microbatch) is int and \
+                self.stage >= 0 and self.microbatch >= 0 and type(self.kind) is ActionKind:
+            return                      # as the generators build them: nothing to convert
         object.__setattr__(self, "stage", as_int(self.stage, "Action: stage", 0))
         object.__setattr__(self, "microbatch", as_int(self.microbatch, "Action: microbatch", 0))
         kind = self.kind

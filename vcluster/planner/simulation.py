@@ -940,7 +940,11 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
     context parallelism (the ring), the ring as PyTorch's experimental
     ``context_parallel`` runs it (torchtitan): float32 merges and accumulators, K and V
     repeated to every query head, its buffer copies (:mod:`.torch_context_parallel`;
-    False, the default: Megatron's ring as the program traces it).
+    False, the default: Megatron's ring as the program traces it); ``full_replay``:
+    replay every micro-batch of the step (False, the default: a step of many
+    micro-batches is replayed as three short ones, :func:`steady_state_microbatches`, and
+    extrapolated where every figure is affine in them, :mod:`vcluster.timing.steady_state`;
+    the result's ``replayed_microbatches`` say which).
     ``parallel.activation_offload`` f > 0 (:mod:`.offload`): the
     first floor(f·L) layers of each stage keep their activations in the host's memory
     over its ``host_link`` (NVLink-C2C; ConfigError on hardware without one, ValueError
@@ -1127,7 +1131,8 @@ def simulate_gpt(config: GPTConfig, parallel: ParallelConfig, hardware, dtype: s
         fsdp2_copies=fsdp2_copies, torch_cp=torch_cp,
         grad_reduce_dtype=parallel.grad_reduce_dtype, attention=parallel.attention,
         ops=tuple(dataclasses.replace(o, compute_s=o.compute_s / len(result.ranks),
-                                      comm_s=o.comm_s / len(result.ranks)) for o in result.op_stats),
+                                      comm_s=o.comm_s / len(result.ranks))
+                  for o in result.op_stats),
         stages=stages, replicas=replicas, activation_offload=parallel.activation_offload,
         host_memory_gb=max(mm.host_bytes for mm in memory) / 1e9,
         host_memory_limit_gb=None if host_limit is None else host_limit / 1e9,

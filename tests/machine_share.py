@@ -18,7 +18,7 @@ worker that dies releases what it held):
 An alone test whose worker runs another alone test next keeps both locks for it
 (:class:`WorkerHolds`): released in between, the other workers' next test could take the
 turnstile first and make the next alone test wait for the whole of it (the suite's alone
-tests run back to back on one worker, sorted first: conftest.py).
+tests run back to back on one worker, sorted first: MachineSharePlugin).
 
 A test holds the machine for its whole run protocol — setup, call and teardown, so its
 module- and session-scoped fixtures too (a module's table simulated once for its tests,

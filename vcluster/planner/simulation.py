@@ -862,10 +862,8 @@ def steady_state_microbatches(parallel: ParallelConfig) -> tuple[int, int, int] 
     if parallel.schedule == "zero_bubble":
         return None
     u = p if parallel.schedule == "interleaved_1f1b" and parallel.chunks > 1 else 1
-    samples = (2 * p, 2 * p + u, 2 * p + 2 * u)
-    if sum(samples) >= m or (m - samples[2]) % u:
-        return None
-    return samples
+    samples = (2 * p, 2 * p + u, 2 * p + 2 * u)    # m - 2p is a multiple of u: m of p
+    return None if sum(samples) >= m else samples
 
 
 def _flops(traces) -> list:
